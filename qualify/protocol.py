@@ -1,0 +1,186 @@
+"""The harness protocol: file names, tensor names and the computation every engine runs.
+
+This module is the one place where the interface between qualify and an engine
+harness is written down (DESIGN.md section 6). It holds names and types only, no
+numerics, so the reference path and the harnesses share no numerical code.
+
+Rollout layout (verl's convention; ``B`` sequences, ``P`` prompt length, ``R`` response length)
+---------------------------------------------------------------------------------------------
+``rollout.safetensors``:
+
+- ``prompts`` ``[B, P]`` int64, **left**-padded with ``pad_token_id``.
+- ``responses`` ``[B, R]`` int64, **right**-padded with ``pad_token_id``.
+- ``attention_mask`` ``[B, P + R]`` int64, 1 on real prompt and response tokens.
+- ``position_ids`` ``[B, P + R]`` int64, ``clamp(cumsum(attention_mask) - 1, min=0)``.
+- ``response_mask`` ``[B, R]`` int64, 1 on response tokens that count in losses.
+- ``behavior_logprobs`` ``[B, R]`` float32, the sampler's logprob of each sampled token
+  (``logprobs_mode`` in ``rollout.json`` says which distribution).
+- ``eos_terminated`` ``[B]`` int64, 1 if the response ended with EOS, 0 if cut by length.
+- ``group_index`` ``[B]`` int64, index of the prompt a sample came from.
+
+Per-token quantities at response position ``t`` are computed from the model output at
+sequence position ``P - 1 + t`` (the state before token ``t`` was emitted): the
+logprob of ``responses[:, t]`` and the critic value ``V(s_t)``.
+
+Training inputs (``train_inputs.safetensors``, what an RL driver hands to its engines):
+``advantages`` ``[B, R]`` float32 and ``returns`` ``[B, R]`` float32, computed by the
+reference stage in FP64 from the HF FP32 scores. A harness gets the rollout, these
+inputs, the model directories and the contract; never the reference scores.
+
+The update every engine runs (per role, per round ``r = 1..rounds``)
+-------------------------------------------------------------------
+``N`` = number of valid response tokens in the whole batch (``response_mask.sum()``).
+Micro-batches of ``micro_batch_size`` sequences; each micro-batch's loss is the **sum**
+over its valid tokens divided by the global ``N``, so the accumulated gradient does not
+depend on the partition. Gradients accumulate in FP32.
+
+Actor (policy ``π``, frozen reference policy ``π_ref``, estimator per contract):
+
+- ``logprobs_r`` = teacher-forced logprobs of ``responses`` with the current weights
+  (log_softmax of the **unscaled** logits; temperature applies only to sampling).
+- ``old_logprobs`` = ``logprobs_1`` (the engine's own, detached); ``ratio = exp(logprobs_r - old)``.
+- ``policy`` loss = Σ max(-A·ratio, -A·clip(ratio, 1-ε, 1+ε)) / N (Schulman et al. 2017, eq. 7).
+- ``kl`` loss = kl_loss_coef · Σ k(logprobs_r, ref_logprobs) / N, ``k3 = exp(ref - lp) - (ref - lp) - 1``,
+  ``k1 = lp - ref``, ``k2 = (lp - ref)^2 / 2`` (Schulman 2020, "Approximating KL divergence").
+- ``entropy`` loss = -entropy_coef · Σ H_t / N, ``H_t`` the entropy of the unscaled softmax.
+- ``total`` = policy + kl + entropy.
+
+Critic (value head ``Linear(hidden, 1)`` on the backbone):
+
+- ``values_r`` at response positions; ``old_values`` = ``values_1`` (detached).
+- ``value`` loss = 0.5 · Σ max((V - G)^2, (old + clip(V - old, -δ, δ) - G)^2) / N.
+- ``total`` = value.
+
+Then for each role: ``grad_norm`` = global L2 norm of the FP32 gradients (before clipping,
+each parameter counted once), ``clip_coef = min(1, max_grad_norm / (grad_norm + 1e-6))``
+(``torch.nn.utils.clip_grad_norm_``), gradients scaled by ``clip_coef``, then one
+``torch.optim.AdamW``-semantics step (decoupled weight decay, bias correction) on FP32
+master weights with FP32 state.
+
+Output tensor names (``outputs.safetensors`` of a harness, and the reference's own files)
+------------------------------------------------------------------------------------
+``round{r}/{role}/{metric}`` with metric one of ``logprobs`` ``[B, R]``, ``entropy`` ``[B, R]``,
+``values`` ``[B, R]``, ``loss/{term}`` (0-d), ``grad_norm`` (0-d), ``clip_coef`` (0-d),
+``grads/{hf_param_name}`` (FP32, HF layout, **before** clipping), ``exp_avg/{name}``,
+``exp_avg_sq/{name}`` (after the step), ``updates/{name}`` (master after - before),
+and ``logprobs_padded`` / ``values_padded`` (the padding-invariance rerun, same shape as
+``logprobs``). All floating tensors are stored as float32 (or float64 for FP64 targets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Final, Literal
+
+ROLLOUT_FILE: Final = "rollout.safetensors"
+ROLLOUT_META_FILE: Final = "rollout.json"
+TRAIN_INPUTS_FILE: Final = "train_inputs.safetensors"
+OUTPUTS_FILE: Final = "outputs.safetensors"
+OUTPUTS_META_FILE: Final = "outputs.json"
+CELL_FILE: Final = "cell.json"
+
+ROLLOUT_KEYS: Final = (
+    "prompts",
+    "responses",
+    "attention_mask",
+    "position_ids",
+    "response_mask",
+    "behavior_logprobs",
+    "eos_terminated",
+    "group_index",
+)
+TRAIN_INPUT_KEYS: Final = ("advantages", "returns")
+
+ACTOR_LOSS_TERMS: Final = ("policy", "kl", "entropy", "total")
+CRITIC_LOSS_TERMS: Final = ("value", "total")
+
+PER_TOKEN_METRICS: Final = {"actor": ("logprobs", "entropy"), "critic": ("values",)}
+SCALAR_METRICS: Final = ("grad_norm", "clip_coef")
+PER_PARAM_METRICS: Final = ("grads", "exp_avg", "exp_avg_sq", "updates")
+PADDED_SUFFIX: Final = "_padded"
+EXTRA_RIGHT_PADDING: Final = 3
+"""Extra right-padding columns of the padding-invariance rerun."""
+
+Verdict = Literal["PASS", "FAIL", "NOT_RUN", "ERROR"]
+
+
+def tensor_name(round_: int, role: str, metric: str, param: str | None = None) -> str:
+    """Build an output tensor name, e.g. ``round2/actor/grads/model.norm.weight``.
+
+    Args:
+        round_: 1-based round.
+        role: ``actor`` or ``critic``.
+        metric: metric name (``logprobs``, ``loss/policy``, ``grads``...).
+        param: HF parameter name for per-parameter metrics.
+    """
+    base = f"round{round_}/{role}/{metric}"
+    return f"{base}/{param}" if param is not None else base
+
+
+def parse_tensor_name(name: str) -> tuple[int, str, str, str | None]:
+    """Split a tensor name into ``(round, role, metric, param)``.
+
+    Raises:
+        ValueError: the name does not follow ``round{r}/{role}/{metric}[/{param}]``.
+    """
+    parts = name.split("/", 3)
+    if len(parts) < 3 or not parts[0].startswith("round") or not parts[0][5:].isdigit():
+        raise ValueError(f"not a protocol tensor name: {name!r}")
+    r, role, metric = int(parts[0][5:]), parts[1], parts[2]
+    rest = parts[3] if len(parts) == 4 else None
+    if metric == "loss":
+        if rest is None:
+            raise ValueError(f"loss tensor without a term: {name!r}")
+        return r, role, f"loss/{rest}", None
+    return r, role, metric, rest
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class HarnessCell:
+    """What a harness is told to run (``cell.json``).
+
+    One launch runs one topology of one engine x precision x options: the Actor on ranks
+    ``[0, actor_tp)`` and the Critic on ranks ``[actor_tp, actor_tp + critic_tp)``, each in
+    its own TP process group. Either TP may be 0 when only one role runs.
+
+    Attributes:
+        engine: engine name.
+        precision: ``fp32`` or ``bf16``.
+        options: engine options (e.g. ``{"zero": 1}``).
+        actor_tp: Actor TP size (0 = no actor).
+        critic_tp: Critic TP size (0 = no critic).
+        rounds: optimizer rounds.
+        seed: seed for anything the engine randomises (dropout is off).
+        inputs_dir: directory with rollout, train inputs, ``contract.json`` and ``model.json``.
+        output_dir: where the harness writes ``outputs.*`` and rank logs.
+        collective_timeout_s: timeout of every collective (a hang becomes an error).
+        faults: names of deliberate faults to inject (test suite only; empty in real runs).
+    """
+
+    engine: str
+    precision: Literal["fp32", "bf16"]
+    options: dict[str, int]
+    actor_tp: int
+    critic_tp: int
+    rounds: int
+    seed: int
+    inputs_dir: str
+    output_dir: str
+    collective_timeout_s: float = 120.0
+    faults: tuple[str, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        """Total ranks of the launch."""
+        return self.actor_tp + self.critic_tp
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form of ``cell.json``."""
+        d = dataclasses.asdict(self)
+        d["faults"] = list(self.faults)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HarnessCell:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**{**d, "faults": tuple(d.get("faults", ()))})
