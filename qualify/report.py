@@ -1,0 +1,231 @@
+"""Write a comparison :class:`~qualify.compare.Report`: ``report.json`` and ``report.md``.
+
+- ``report.json``: :meth:`Report.to_dict`, validated against
+  ``contracts/schema/report.schema.json`` before anything is written. Non-finite numbers
+  (an infinite error or margin) are written as the strings ``"inf"`` / ``"-inf"`` /
+  ``"nan"`` because JSON has no such numbers.
+- ``report.md``: the result and digests; a matrix of cells x metric families (pandas
+  ``DataFrame.to_markdown``, tabulate), each entry the worst verdict of that family's rows
+  and its worst margin; the per-cell summary; a pytest-approx-style detail block for each
+  failure; the errors and checks not run; the field mismatch table with its caveat.
+
+Both files are written atomically (:func:`qualify.store.atomic_write_json` /
+:func:`qualify.store.atomic_write_text`: temp file, fsync, ``os.replace``), and never
+into a sealed directory. A ``margins.png`` plot is not produced: matplotlib is not a
+dependency of qualify.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import pandas as pd
+
+from qualify import store
+from qualify.compare import (
+    REPORT_JSON,
+    REPORT_MD,
+    VERDICT_PRECEDENCE,
+    CellResult,
+    Report,
+    Row,
+    worst_verdict,
+)
+
+__all__ = ["MATRIX_COLUMNS", "REPORT_SCHEMA", "matrix_frame", "render_markdown",
+           "report_document", "write_report"]
+
+REPORT_SCHEMA: Final = "report"
+MATRIX_COLUMNS: Final = ("logprobs", "entropy", "values", "rewards", "losses", "grad_norm",
+                         "clip_coef", "grads", "exp_avg", "exp_avg_sq", "updates", "padding",
+                         "dtypes", "replica")
+"""Columns of the matrix, in this order (families absent from the report are dropped)."""
+
+
+def report_document(report: Report) -> dict[str, Any]:
+    """The ``report.json`` document, validated against ``report.schema.json``.
+
+    Raises:
+        QualifyError: the document violates the schema (a bug in qualify).
+    """
+    doc = report.to_dict()
+    store.validate_json(doc, REPORT_SCHEMA, what=REPORT_JSON)
+    return doc
+
+
+def write_report(report: Report, run_dir: Path) -> tuple[Path, Path]:
+    """Write ``report.json`` and ``report.md`` into ``run_dir`` atomically.
+
+    Args:
+        report: the comparison result.
+        run_dir: the candidate run directory.
+
+    Returns:
+        The paths of ``report.json`` and ``report.md``.
+
+    Raises:
+        QualifyError: the JSON document violates its schema (nothing is written).
+        EvidenceIntegrityError: ``run_dir`` is sealed or lies in a sealed directory.
+    """
+    doc = report_document(report)
+    md = render_markdown(report)
+    json_path, md_path = Path(run_dir) / REPORT_JSON, Path(run_dir) / REPORT_MD
+    store.atomic_write_json(json_path, doc, schema=REPORT_SCHEMA)
+    store.atomic_write_text(md_path, md)
+    return json_path, md_path
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _num(x: float | None, spec: str = ".3g") -> str:
+    if x is None:
+        return "-"
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return format(x, spec)
+
+
+def _cell(x: Any) -> str:
+    """A table cell: numbers formatted, ``|`` escaped for markdown tables."""
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return _num(x, ".6g")
+    return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def _markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    frame = pd.DataFrame([[_cell(c) for c in r] for r in rows], columns=list(columns))
+    return str(frame.to_markdown(index=False, disable_numparse=True))
+
+
+def _matrix_column(row: Row) -> str:
+    if row.klass == "dtypes":
+        return "dtypes"
+    if row.klass == "replica_consistency":
+        return "replica"
+    if row.variant == "padded":
+        return "padding"
+    return row.family
+
+
+def matrix_frame(report: Report) -> pd.DataFrame:
+    """Cells x metric families: ``"<worst verdict> <worst margin>"`` per entry.
+
+    An entry aggregates every row of that cell and family (all classes and rounds);
+    ``padding`` gathers the ``*_padded`` rows. Cells without rows (not run, harness error)
+    show their verdict only.
+
+    Returns:
+        A frame indexed by cell id with a ``verdict`` column and one column per family.
+    """
+    by_cell: dict[str, dict[str, list[Row]]] = {}
+    for r in report.rows:
+        by_cell.setdefault(r.cell, {}).setdefault(_matrix_column(r), []).append(r)
+    present = {col for cols in by_cell.values() for col in cols}
+    columns = [c for c in MATRIX_COLUMNS if c in present] + sorted(present - set(MATRIX_COLUMNS))
+    data: list[list[str]] = []
+    for c in report.cells:
+        entries = [c.verdict + (" (required)" if c.required else "")]
+        for col in columns:
+            rows = by_cell.get(c.cell, {}).get(col, [])
+            if not rows:
+                entries.append("")
+                continue
+            verdict = worst_verdict([r.verdict for r in rows])
+            margins = [r.margin for r in rows if r.margin is not None]
+            entries.append(f"{verdict} {_num(max(margins))}" if margins else verdict)
+        data.append(entries)
+    return pd.DataFrame(data, index=pd.Index([c.cell for c in report.cells], name="cell"),
+                        columns=["verdict", *columns])
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{v} {counts.get(v, 0)}" for v in VERDICT_PRECEDENCE)
+
+
+def _cells_table(cells: Sequence[CellResult]) -> str:
+    rows = [(c.cell, "yes" if c.required else "no", c.status, c.verdict,
+             c.counts.get("PASS", 0), c.counts.get("FAIL", 0), c.counts.get("ERROR", 0),
+             c.counts.get("NOT_RUN", 0), _num(c.worst_margin), c.reason or "")
+            for c in cells]
+    return _markdown_table(("cell", "required", "status", "verdict", "PASS", "FAIL", "ERROR",
+                            "NOT_RUN", "worst margin", "reason"), rows)
+
+
+def _failure_block(i: int, r: Row) -> list[str]:
+    out = [f"### {i}. `{r.cell}` · {r.klass} · `{r.metric}`", ""]
+    bound_src = f" (bound class {r.bound_class})" if r.bound_class and \
+        r.bound_class != r.klass else ""
+    out += [f"{r.reason}{bound_src}", "",
+            f"statistic `{r.statistic}`: error {_num(r.error, '.6g')}, bound "
+            f"{_num(r.bound, '.6g')}, margin {_num(r.margin)}, worst at `{r.where}`", ""]
+    if r.detail is not None:
+        out += ["```", *r.detail.summary_lines(), "```", "",
+                _markdown_table(r.detail.columns, r.detail.table), ""]
+    return out
+
+
+def render_markdown(report: Report) -> str:
+    """The ``report.md`` text (see the module docstring for its sections)."""
+    s = report.summary
+    verdict = "PASSED" if report.passed else "FAILED"
+    lines = [f"# Qualification report: {report.contract} / run {report.run_id}", "",
+             f"**Result: {verdict}**"]
+    if not report.passed:
+        why = ", ".join(f"`{c}`" for c in report.not_passed) or "no required cell ran"
+        lines[-1] += f" (required cells not passing: {why})"
+    lines += ["", _markdown_table(("item", "value"), [
+        ("contract", f"{report.contract} (sha256 {report.contract_digest})"),
+        ("reference", f"{report.reference_dir}"),
+        ("reference manifest sha256", report.reference_manifest_digest),
+        ("bounds.json sha256", report.bounds_digest),
+        ("lane", report.lane),
+        ("created", report.created),
+        ("cells", _counts(s["cells"])),
+        ("rows", _counts(s["rows"])),
+    ]), "", "## Matrix", "",
+        "Each entry: the worst verdict of that family's rows (all comparison classes and "
+        "rounds) and the worst margin = error / sealed bound (PASS needs margin <= 1).", ""]
+    frame = matrix_frame(report)
+    lines += [str(frame.to_markdown(disable_numparse=True)), "", "## Cells", "",
+              _cells_table(report.cells), ""]
+    failures = report.failures
+    lines += ["## Failures", ""]
+    if not failures:
+        lines += ["None.", ""]
+    for i, r in enumerate(failures, 1):
+        lines += _failure_block(i, r)
+    others = [r for r in report.rows if r.verdict in ("ERROR", "NOT_RUN")]
+    lines += ["## Errors and checks not run", ""]
+    if others:
+        lines += [_markdown_table(("cell", "class", "metric", "verdict", "reason"),
+                                  [(r.cell, r.klass, r.metric, r.verdict, r.reason)
+                                   for r in others]), ""]
+    else:
+        lines += ["None.", ""]
+    lines += ["## Field mismatch (informational, not gated)", "",
+              f"Round-1 teacher-forced logprobs against the sampler's behavior logprobs "
+              f"(`logprobs_mode = {report.logprobs_mode}`; like-for-like: "
+              f"{'yes' if report.field_like_for_like else 'NO'}). {report.field_note}", "",
+              "token_mult_prob_error = mean over valid tokens of exp(|lp_train - lp_gen|) "
+              "(NeMo-RL); k3 KL = mean of exp(d) - d - 1, d = lp_train - lp_gen, an "
+              "estimate of KL(gen || train).", ""]
+    if report.field_metrics:
+        lines += [_markdown_table(
+            ("source", "precision", "valid", "mean abs", "max abs", "p99 abs", "mean signed",
+             "worst", "token_mult_prob_error", "k3 KL", "prob pearson"),
+            [(f.source, f.precision, f.n_valid, f.mean_abs, f.max_abs, f.p99_abs,
+              f.mean_signed, f.worst, f.token_mult_prob_error, f.k3_kl, f.prob_pearson)
+             for f in report.field_metrics]), ""]
+    else:
+        lines += ["No source with round-1 actor logprobs.", ""]
+    if report.notes:
+        lines += ["## Notes", "", *[f"- {n}" for n in report.notes], ""]
+    return "\n".join(lines)

@@ -1,0 +1,592 @@
+"""Tests of qualify.compare on a synthetic sealed reference and candidate run.
+
+The world: B = 3 sequences, R = 4 response tokens (mask below: 9 valid tokens), an
+actor with two parameters (``model.w`` [4, 3], ``model.b`` [3]), two rounds, HF reference
+tensors at fp32 and bf16, hand-made bounds (``BOUND`` per family, both classes), sealed
+with :func:`qualify.store.seal` like a real reference. Candidate cells are written as
+sealed attempts with ``outputs.safetensors`` / ``outputs.json``; every comparison is the
+real code path (safetensors, manifests, ``compare_sets``, bounds lookup).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from safetensors.numpy import save_file
+
+from qualify import store
+from qualify.bounds import Bound, bounds_document
+from qualify.compare import Row, _compare_rows, compare_run, judge, worst_verdict
+from qualify.contract import Contract
+from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
+from qualify.protocol import ROLLOUT_KEYS
+from qualify.resources import contracts_dir
+from qualify.statistics import FAMILY_STATISTIC, compare_sets, group_tensors
+
+B, R = 3, 4
+MASK = np.array([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]], dtype=np.int64)
+N_VALID = int(MASK.sum())  # 9
+PARAMS = {"model.w": (4, 3), "model.b": (3,)}
+BOUND = {"logprobs": 1e-3, "entropy": 1e-3, "values": 1e-3, "rewards": 1e-3, "losses": 1e-4,
+         "grad_norm": 1e-4, "clip_coef": 1e-4, "grads": 1e-2, "exp_avg": 1e-2,
+         "exp_avg_sq": 1e-2, "updates": 1e-2}
+FP32 = "torch.float32"
+TP1, TP2 = "torch_tp-fp32-actor-tp1", "torch_tp-fp32-actor-tp2"
+BF16_TP1 = "torch_tp-bf16-actor-tp1"
+CRITIC_TP1 = "torch_tp-fp32-critic-tp1"
+
+
+@pytest.fixture(autouse=True)
+def _writable(tmp_path: Path) -> Iterator[None]:
+    yield
+    store.make_writable(tmp_path)
+
+
+# --------------------------------------------------------------------------- the world
+
+
+def hf_tensors(seed: int) -> dict[str, np.ndarray]:
+    """HF reference tensors of both roles, two rounds (masked tokens hold 0, as the reference
+    writes them)."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for r in (1, 2):
+        lp = -rng.uniform(0.5, 3.0, size=(B, R)) * MASK
+        out[f"round{r}/actor/logprobs"] = lp.astype(np.float32)
+        out[f"round{r}/actor/entropy"] = (rng.uniform(1, 2, size=(B, R)) * MASK).astype(np.float32)
+        out[f"round{r}/critic/values"] = (rng.normal(size=(B, R)) * MASK).astype(np.float32)
+        for term in ("policy", "kl", "entropy", "total"):
+            out[f"round{r}/actor/loss/{term}"] = np.array(rng.normal(), dtype=np.float32)
+        for term in ("value", "total"):
+            out[f"round{r}/critic/loss/{term}"] = np.array(rng.normal(), dtype=np.float32)
+        for role in ("actor", "critic"):
+            out[f"round{r}/{role}/grad_norm"] = np.array(rng.uniform(1, 2), dtype=np.float32)
+            out[f"round{r}/{role}/clip_coef"] = np.array(rng.uniform(0.2, 1), dtype=np.float32)
+            for metric in ("grads", "exp_avg", "exp_avg_sq", "updates"):
+                for name, shape in PARAMS.items():
+                    out[f"round{r}/{role}/{metric}/{name}"] = rng.normal(
+                        size=shape).astype(np.float32)
+    out["round1/reward/rewards"] = rng.normal(size=(B,)).astype(np.float32)
+    return out
+
+
+def role_outputs(hf: Mapping[str, np.ndarray], role: str) -> dict[str, np.ndarray]:
+    """A perfect candidate of ``role``: the HF tensors plus an identical padding rerun."""
+    out = {k: v.copy() for k, v in hf.items() if k.split("/")[1] == role}
+    main = "logprobs" if role == "actor" else "values"
+    out[f"round1/{role}/{main}_padded"] = out[f"round1/{role}/{main}"].copy()
+    return out
+
+
+def good_meta() -> dict[str, Any]:
+    return {"dtypes": {"master_weights": FP32, "grads": FP32,
+                       "optimizer_state": {"exp_avg": FP32, "exp_avg_sq": FP32},
+                       "compute": ["torch.float32"]},
+            "replica_consistency": {"all_equal": True, "params": {
+                "model.w": {"equal": True, "max_abs_diff": 0.0}}},
+            "versions": {"torch": "2.x"}, "timings": {"total_s": 1.0}}
+
+
+def all_bounds(hf: Mapping[str, Mapping[str, np.ndarray]]) -> list[Bound]:
+    out = []
+    for prec, tensors in hf.items():
+        for klass in ("candidate_vs_hf", "tp_vs_tp1"):
+            for key in group_tensors(tensors):
+                out.append(Bound(precision=prec, klass=klass, key=key,
+                                 statistic=FAMILY_STATISTIC[key.family], control_error=0.0,
+                                 control="hand-made", floor=BOUND[key.family], k=4.0,
+                                 bound=BOUND[key.family]))
+    return out
+
+
+def make_contract(required: list[str] | None = None) -> Contract:
+    doc = tomllib.loads((contracts_dir() / "tiny-qwen3.toml").read_text())
+    if required is not None:
+        doc["matrix"]["required_cells"] = required
+    return Contract.from_dict(doc)
+
+
+class World:
+    """A sealed reference and a candidate run under ``tmp_path``."""
+
+    def __init__(self, tmp_path: Path, *, required: list[str] | None = None,
+                 drop_bound: Callable[[Bound], bool] | None = None,
+                 behavior_shift: float = 0.05) -> None:
+        self.contract = make_contract(required)
+        self.hf = {"fp32": hf_tensors(1)}
+        rng = np.random.default_rng(2)
+        self.hf["bf16"] = {
+            k: np.asarray(v + rng.normal(size=v.shape) * 1e-3
+                          * (MASK if v.shape == (B, R) else 1), dtype=np.float32)
+            for k, v in self.hf["fp32"].items()}
+        self.ref = tmp_path / "references" / f"tiny-qwen3-{self.contract.digest12}"
+        (self.ref / "reference").mkdir(parents=True)
+        (self.ref / "contract.json").write_text(json.dumps(self.contract.to_dict()))
+        rollout: dict[str, np.ndarray] = {k: np.zeros((B, R), dtype=np.int64)
+                                          for k in ROLLOUT_KEYS}
+        rollout["response_mask"] = MASK
+        self.behavior = (self.hf["fp32"]["round1/actor/logprobs"] + behavior_shift * MASK
+                         ).astype(np.float32)
+        rollout["behavior_logprobs"] = self.behavior
+        rollout["eos_terminated"] = np.ones(B, dtype=np.int64)
+        rollout["group_index"] = np.arange(B, dtype=np.int64)
+        save_file(rollout, str(self.ref / "rollout.safetensors"))
+        (self.ref / "rollout.json").write_text(json.dumps({"logprobs_mode": "processed"}))
+        for prec, t in self.hf.items():
+            save_file(t, str(self.ref / "reference" / f"hf-{prec}.safetensors"))
+        bounds = [b for b in all_bounds(self.hf) if not (drop_bound and drop_bound(b))]
+        (self.ref / "bounds.json").write_text(
+            json.dumps(bounds_document(self.contract, bounds)))
+        store.seal(self.ref, kind="reference")
+        self.run_dir = tmp_path / "evidence" / "tiny-qwen3" / "run-1"
+        self.run_dir.mkdir(parents=True)
+        self.cells: dict[str, Any] = {}
+
+    def add_cell(self, cid: str, *, status: str = "COMPLETE",
+                 outputs: Mapping[str, np.ndarray] | None = None,
+                 meta: Mapping[str, Any] | None = None, reason: str | None = None) -> None:
+        engine, precision, role, tp = cid.split("-")
+        attempt = None
+        if status != "NOT_RUN":
+            attempt = f"cells/{cid}/attempt-1"
+            adir = self.run_dir / attempt
+            adir.mkdir(parents=True)
+            (adir / "logs").mkdir()
+            (adir / "logs" / "rank0.log").write_text("log\n")
+            if status == "COMPLETE":
+                out = outputs if outputs is not None else role_outputs(self.hf[precision], role)
+                save_file(dict(out), str(adir / "outputs.safetensors"))
+                (adir / "outputs.json").write_text(
+                    json.dumps(meta if meta is not None else good_meta()))
+            store.seal(adir, kind="cell-attempt")
+        self.cells[cid] = {"engine": engine, "precision": precision, "options": {},
+                           "role": role, "tp": int(tp[2:]), "status": status,
+                           "reason": reason, "attempt": attempt}
+
+    def write_run(self) -> None:
+        (self.run_dir / "run.json").write_text(json.dumps({
+            "schema_version": 1, "contract": self.contract.name,
+            "contract_digest": self.contract.digest,
+            "reference": {"path": str(self.ref),
+                          "manifest_digest": store.manifest_digest(self.ref)},
+            "run_id": "run-1", "started": "2025-01-01T00:00:00Z", "cells": self.cells}))
+
+    def compare(self, **kw: Any) -> Any:
+        self.write_run()
+        return compare_run(self.run_dir, **kw)
+
+
+def actor(world: World, precision: str = "fp32") -> dict[str, np.ndarray]:
+    return role_outputs(world.hf[precision], "actor")
+
+
+def rows_of(report: Any, cell: str, klass: str | None = None) -> list[Row]:
+    return [r for r in report.rows if r.cell == cell and (klass is None or r.klass == klass)]
+
+
+# --------------------------------------------------------------------------- verdicts
+
+
+def test_identical_outputs_pass_with_margin_zero(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.add_cell(TP1)
+    w.add_cell(TP2)
+    w.add_cell(BF16_TP1)
+    w.add_cell(CRITIC_TP1)
+    report = w.compare(write=False)
+    assert report.passed
+    assert bool(report)
+    assert report.verdicts == {TP1: "PASS", TP2: "PASS", BF16_TP1: "PASS", CRITIC_TP1: "PASS"}
+    assert all(r.verdict == "PASS" for r in report.rows)
+    assert all(r.margin == 0.0 for r in report.rows if r.margin is not None)
+    assert {r.klass for r in rows_of(report, TP2)} == {
+        "candidate_vs_hf", "tp_vs_tp1", "padding_invariance", "dtypes", "replica_consistency"}
+    assert "tp_vs_tp1" not in {r.klass for r in rows_of(report, TP1)}
+    # candidate_vs_hf covers every actor metric group of the reference: 2 rounds x 9
+    # (logprobs, entropy, losses, grad_norm, clip_coef, grads, exp_avg, exp_avg_sq, updates)
+    hf_rows = rows_of(report, TP1, "candidate_vs_hf")
+    assert len(hf_rows) == 2 * 9
+    assert {r.role for r in hf_rows} == {"actor"}
+    assert {r.family for r in rows_of(report, CRITIC_TP1, "candidate_vs_hf")} >= {"values"}
+    assert report.summary["cells"]["PASS"] == 4
+
+
+@pytest.mark.parametrize(("delta", "verdict"), [(1.001e-3, "FAIL"), (0.999e-3, "PASS")])
+def test_perturbation_around_the_bound(tmp_path: Path, delta: float, verdict: str) -> None:
+    w = World(tmp_path)
+    out = actor(w)
+    out["round1/actor/logprobs"][1, 2] += delta
+    out["round1/actor/logprobs_padded"][1, 2] += delta  # keep padding invariance exact
+    w.add_cell(TP1, outputs=out)
+    report = w.compare(write=False)
+    (row,) = [r for r in rows_of(report, TP1, "candidate_vs_hf")
+              if r.metric == "round1/actor/logprobs"]
+    assert row.verdict == verdict
+    assert row.where == "(1, 2)"
+    assert row.margin == pytest.approx(delta / 1e-3, rel=1e-3)
+    assert report.passed is (verdict == "PASS")
+    if verdict == "FAIL":
+        assert row.reason is not None
+        assert "round1/actor/logprobs" in row.reason
+        assert "(1, 2)" in row.reason
+        assert row.detail is not None
+        assert (row.detail.mismatched, row.detail.total) == (1, N_VALID)
+        assert row.detail.columns == ("index", "obtained", "expected", "abs diff")
+        assert row.detail.table[0][0] == "(1, 2)"
+        assert row.detail.table[0][3] == pytest.approx(delta, rel=1e-3)
+        assert report.verdicts[TP1] == "FAIL"
+        assert report.failures == (row,)
+
+
+def test_masked_token_differences_are_ignored(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    out = actor(w)
+    for name in ("round1/actor/logprobs", "round1/actor/logprobs_padded",
+                 "round2/actor/entropy"):
+        out[name][0, 3] = 1e6  # MASK[0, 3] == 0
+        out[name][2, 2:] = np.nan  # MASK[2, 2:] == 0
+    w.add_cell(TP1, outputs=out)
+    report = w.compare(write=False)
+    assert report.verdicts[TP1] == "PASS"
+
+
+def test_missing_bound_is_error_not_pass(tmp_path: Path) -> None:
+    w = World(tmp_path, drop_bound=lambda b: (b.precision, b.klass, b.key.label) == (
+        "fp32", "candidate_vs_hf", "round1/actor/entropy"))
+    w.add_cell(TP1)
+    report = w.compare(write=False)
+    (row,) = [r for r in rows_of(report, TP1) if r.metric == "round1/actor/entropy"]
+    assert row.verdict == "ERROR"
+    assert row.error == 0.0  # measured, identical, and still not a pass
+    assert row.reason is not None
+    assert "no sealed bound for round1/actor/entropy" in row.reason
+    assert report.verdicts[TP1] == "ERROR"
+    assert not report.passed
+
+
+@pytest.mark.parametrize(("required", "passed"), [
+    (None, True),                 # default: NOT_RUN cells are not required
+    ([TP1], True),                # explicitly not required
+    ([TP1, TP2], False),          # required and not run
+    ([TP1, "torch_tp-fp32-critic-tp2"], False),  # required and absent from run.json
+])
+def test_not_run_cell(tmp_path: Path, required: list[str] | None, passed: bool) -> None:
+    w = World(tmp_path, required=required)
+    w.add_cell(TP1)
+    w.add_cell(TP2, status="NOT_RUN", reason="needs CUDA")
+    report = w.compare(write=False)
+    assert report.verdicts[TP2] == "NOT_RUN"
+    (cell,) = [c for c in report.cells if c.cell == TP2]
+    assert cell.reason == "needs CUDA"
+    assert not rows_of(report, TP2)
+    assert report.passed is passed
+    if required and len(required) == 2 and required[1] not in w.cells:
+        assert report.verdicts[required[1]] == "NOT_RUN"
+
+
+def test_only_not_run_cells_never_pass(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.add_cell(TP1, status="NOT_RUN", reason="no engine")
+    report = w.compare(write=False)
+    assert report.required == ()
+    assert not report.passed
+
+
+def test_error_status_propagates_with_logs_path(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.add_cell(TP1)
+    w.add_cell(TP2, status="ERROR", reason="rank 1 exited with 1")
+    report = w.compare(write=False)
+    (cell,) = [c for c in report.cells if c.cell == TP2]
+    assert cell.verdict == "ERROR"
+    assert cell.required
+    assert cell.reason is not None
+    assert "rank 1 exited with 1" in cell.reason
+    assert str(w.run_dir / "cells" / TP2 / "attempt-1" / "logs") in cell.reason
+    assert not report.passed
+
+
+@pytest.mark.parametrize(("mutate", "needle"), [
+    (lambda d: d["optimizer_state"].update(exp_avg="torch.bfloat16"),
+     "optimizer_state.exp_avg is torch.bfloat16, expected torch.float32"),
+    (lambda d: d.update(master_weights="torch.bfloat16"), "master_weights is torch.bfloat16"),
+    (lambda d: d.pop("grads"), "grads is missing"),
+    (lambda d: d.pop("optimizer_state"), "optimizer_state is missing"),
+])
+def test_dtype_check_in_bf16_cell(tmp_path: Path, mutate: Callable[[dict[str, Any]], Any],
+                                  needle: str) -> None:
+    w = World(tmp_path)
+    meta = good_meta()
+    mutate(meta["dtypes"])
+    w.add_cell(BF16_TP1, meta=meta)
+    report = w.compare(write=False)
+    (row,) = rows_of(report, BF16_TP1, "dtypes")
+    assert row.verdict == "FAIL"
+    assert row.reason is not None
+    assert row.reason.startswith("dtypes: ")
+    assert needle in row.reason
+    assert report.verdicts[BF16_TP1] == "FAIL"
+
+
+@pytest.mark.parametrize("missing", ["dtypes", "replica_consistency"])
+def test_missing_meta_key_fails_that_check(tmp_path: Path, missing: str) -> None:
+    w = World(tmp_path)
+    meta = good_meta()
+    del meta[missing]
+    w.add_cell(TP1, meta=meta)
+    report = w.compare(write=False)
+    bad = [r for r in rows_of(report, TP1) if r.verdict != "PASS"]
+    assert len(bad) == 1
+    assert bad[0].verdict == "FAIL"
+    assert bad[0].reason is not None
+    assert f"{missing} is missing from outputs.json" in bad[0].reason
+
+
+@pytest.mark.parametrize("rc", [
+    {"all_equal": False, "params": {"model.w": {"equal": False, "max_abs_diff": 2.5e-8}}},
+    {"all_equal": True, "params": {"model.w": {"equal": False, "max_abs_diff": 1e-7}}},
+    {"params": {}},
+])
+def test_replica_inconsistency_fails(tmp_path: Path, rc: dict[str, Any]) -> None:
+    w = World(tmp_path)
+    meta = good_meta()
+    meta["replica_consistency"] = rc
+    w.add_cell(TP1)
+    w.add_cell(TP2, meta=meta)
+    report = w.compare(write=False)
+    (row,) = rows_of(report, TP2, "replica_consistency")
+    assert row.verdict == "FAIL"
+    assert row.detail is not None
+    assert row.detail.table
+    assert report.verdicts[TP2] == "FAIL"
+
+
+def test_padding_variant_mismatch_fails(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    out = actor(w)
+    out["round1/actor/logprobs_padded"][2, 1] += 0.5
+    w.add_cell(TP1, outputs=out)
+    report = w.compare(write=False)
+    (row,) = rows_of(report, TP1, "padding_invariance")
+    assert (row.verdict, row.bound_class, row.variant) == ("FAIL", "tp_vs_tp1", "padded")
+    assert row.metric == "round1/actor/logprobs[padded]"
+    assert row.where == "(2, 1)"
+    assert row.error == pytest.approx(0.5, rel=1e-6)
+
+
+def test_missing_padding_rerun_fails(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    out = actor(w)
+    del out["round1/actor/logprobs_padded"]
+    w.add_cell(TP1, outputs=out)
+    report = w.compare(write=False)
+    (row,) = rows_of(report, TP1, "padding_invariance")
+    assert row.verdict == "FAIL"
+    assert row.reason is not None
+    assert "logprobs_padded" in row.reason
+
+
+def test_tp_vs_tp1_catches_what_hf_bounds_allow(tmp_path: Path) -> None:
+    """TP2 and TP1 each within the HF bound (0.6 %), but 1.2 % apart: over the TP bound."""
+    w = World(tmp_path)
+    lo, hi = actor(w), actor(w)
+    for r in (1, 2):
+        for name in PARAMS:
+            lo[f"round{r}/actor/grads/{name}"] *= np.float32(1 - 0.006)
+            hi[f"round{r}/actor/grads/{name}"] *= np.float32(1 + 0.006)
+    w.add_cell(TP1, outputs=lo)
+    w.add_cell(TP2, outputs=hi)
+    report = w.compare(write=False)
+    assert all(r.verdict == "PASS" for r in rows_of(report, TP2, "candidate_vs_hf"))
+    bad = [r for r in rows_of(report, TP2, "tp_vs_tp1") if r.verdict != "PASS"]
+    assert {r.metric for r in bad} == {"round1/actor/grads", "round2/actor/grads"}
+    detail = bad[0].detail
+    assert detail is not None
+    assert detail.columns == ("param", "rel L2", "norm obtained", "norm expected")
+    assert {row[0] for row in detail.table} == set(PARAMS)
+    assert bad[0].error == pytest.approx(0.012 / 0.994, rel=1e-4)
+
+
+def test_tp_row_not_run_when_tp1_did_not_complete(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.add_cell(TP1, status="ERROR", reason="oom")
+    w.add_cell(TP2)
+    report = w.compare(write=False)
+    tp_rows = rows_of(report, TP2, "tp_vs_tp1")
+    assert tp_rows
+    assert all(r.verdict == "NOT_RUN" for r in tp_rows)
+    assert all(r.reason is not None
+               and "TP=1 cell of the same engine did not complete" in r.reason
+               for r in tp_rows)
+    assert report.verdicts[TP2] == "NOT_RUN"
+    assert not report.passed
+
+
+def test_missing_candidate_tensor_fails_with_inf(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    out = actor(w)
+    del out["round2/actor/exp_avg/model.b"]
+    w.add_cell(TP1, outputs=out)
+    report = w.compare(write=False)
+    (row,) = [r for r in rows_of(report, TP1) if r.metric == "round2/actor/exp_avg"]
+    assert row.verdict == "FAIL"
+    assert row.error == math.inf
+    assert row.margin == math.inf
+
+
+def test_edited_attempt_is_an_error(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.add_cell(TP1)
+    adir = w.run_dir / "cells" / TP1 / "attempt-1"
+    store.make_writable(adir)
+    (adir / "outputs.json").write_text(json.dumps(good_meta()) + " ")
+    report = w.compare(write=False)
+    assert report.verdicts[TP1] == "ERROR"
+    (cell,) = report.cells
+    assert cell.reason is not None
+    assert "outputs.json" in cell.reason
+
+
+# --------------------------------------------------------------------------- integrity
+
+
+def test_writes_reports_and_refuses_a_sealed_run(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.add_cell(TP1)
+    report = w.compare()
+    assert (w.run_dir / "report.json").is_file()
+    assert (w.run_dir / "report.md").is_file()
+    assert json.loads((w.run_dir / "report.json").read_text())["passed"] is True
+    assert report.passed
+    store.seal(w.run_dir, kind="candidate-run")
+    with pytest.raises(EvidenceIntegrityError, match="sealed"):
+        compare_run(w.run_dir)
+    assert compare_run(w.run_dir, write=False).passed
+
+
+def test_reference_of_another_run_is_refused(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.add_cell(TP1)
+    w.write_run()
+    doc = json.loads((w.run_dir / "run.json").read_text())
+    doc["reference"]["manifest_digest"] = "0" * 64
+    (w.run_dir / "run.json").write_text(json.dumps(doc))
+    with pytest.raises(EvidenceIntegrityError, match="another reference"):
+        compare_run(w.run_dir, write=False)
+
+
+def test_contract_digest_mismatch_is_refused(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.add_cell(TP1)
+    w.write_run()
+    doc = json.loads((w.run_dir / "run.json").read_text())
+    doc["contract_digest"] = "f" * 64
+    (w.run_dir / "run.json").write_text(json.dumps(doc))
+    with pytest.raises(ReferenceDataError, match="contract_digest"):
+        compare_run(w.run_dir, write=False)
+
+
+def test_not_a_run_directory(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match=r"run\.json"):
+        compare_run(tmp_path, write=False)
+
+
+# --------------------------------------------------------------------------- judge
+
+
+@pytest.mark.parametrize(("error", "bound", "verdict", "margin"), [
+    (0.0, 0.0, "PASS", 0.0),
+    (0.0, 1e-3, "PASS", 0.0),
+    (1e-3, 1e-3, "PASS", 1.0),
+    (5e-4, 1e-3, "PASS", 0.5),
+    (2e-3, 1e-3, "FAIL", 2.0),
+    (1e-9, 0.0, "FAIL", math.inf),
+    (math.inf, 1.0, "FAIL", math.inf),
+    (math.nan, 1.0, "FAIL", math.inf),
+])
+def test_judge(error: float, bound: float, verdict: str, margin: float) -> None:
+    assert judge(error, bound) == (verdict, margin)
+
+
+@pytest.mark.parametrize(("verdicts", "worst"), [
+    (["PASS", "PASS"], "PASS"), (["PASS", "NOT_RUN"], "NOT_RUN"),
+    (["NOT_RUN", "ERROR"], "ERROR"), (["ERROR", "FAIL", "PASS"], "FAIL"), ([], "ERROR"),
+])
+def test_worst_verdict(verdicts: list[Any], worst: str) -> None:
+    assert worst_verdict(verdicts) == worst
+
+
+# --------------------------------------------------------------------------- invariants
+
+_floats = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, width=32)
+
+
+@st.composite
+def tensor_sets(draw: st.DrawFn) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    b, r = draw(st.integers(1, 4)), draw(st.integers(1, 5))
+    mask = draw(hnp.arrays(np.int64, (b, r), elements=st.integers(0, 1)))
+    t = {"round1/actor/logprobs": draw(hnp.arrays(np.float32, (b, r), elements=_floats)),
+         "round1/actor/grad_norm": draw(hnp.arrays(np.float32, (), elements=_floats))}
+    for term in draw(st.lists(st.sampled_from(["policy", "kl", "total"]), min_size=1,
+                              unique=True)):
+        t[f"round1/actor/loss/{term}"] = draw(hnp.arrays(np.float32, (), elements=_floats))
+    for name in draw(st.lists(st.sampled_from(list(PARAMS)), min_size=1, unique=True)):
+        t[f"round1/actor/grads/{name}"] = draw(hnp.arrays(np.float32, PARAMS[name],
+                                                          elements=_floats))
+    return t, mask
+
+
+@given(tensor_sets(), st.sampled_from([0.0, 1e-6, 1.0]))
+@settings(max_examples=60, deadline=None)
+def test_any_tensor_set_against_itself_passes_with_error_zero(
+        ts: tuple[dict[str, np.ndarray], np.ndarray], bound: float) -> None:
+    tensors, mask = ts
+    bounds = [Bound(precision="fp32", klass="candidate_vs_hf", key=k,
+                    statistic=FAMILY_STATISTIC[k.family], control_error=0.0, control="x",
+                    floor=bound, k=4.0, bound=bound) for k in group_tensors(tensors)]
+    rows = _compare_rows(cell="c", klass="candidate_vs_hf", precision="fp32", bounds=bounds,
+                         obtained=tensors, expected=tensors, mask=mask)
+    assert rows
+    assert all((r.verdict, r.error, r.margin) == ("PASS", 0.0, 0.0) for r in rows)
+
+
+@given(tensor_sets(), st.data())
+@settings(max_examples=60, deadline=None)
+def test_max_abs_error_is_symmetric(ts: tuple[dict[str, np.ndarray], np.ndarray],
+                                    data: st.DataObject) -> None:
+    a, mask = ts
+    b = {k: data.draw(hnp.arrays(np.float32, v.shape, elements=_floats)) for k, v in a.items()}
+    ab, ba = compare_sets(a, b, mask), compare_sets(b, a, mask)
+    for key, m in ab.items():
+        if FAMILY_STATISTIC[key.family] in ("max_abs", "abs"):
+            assert m.value == ba[key].value
+
+
+def test_explicit_reference_dir(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.add_cell(TP1)
+    w.write_run()
+    assert compare_run(w.run_dir, reference_dir=w.ref, write=False).passed
+    with pytest.raises(ReferenceDataError, match="not found"):
+        compare_run(w.run_dir, reference_dir=tmp_path / "nowhere", write=False)
+
+
+def test_unknown_status_is_an_error(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.add_cell(TP1)
+    w.cells[TP1]["status"] = "RUNNING"
+    report = w.compare(write=False)
+    (cell,) = report.cells
+    assert (cell.status, cell.verdict) == ("ERROR", "ERROR")
+    assert cell.reason is not None
+    assert "'RUNNING'" in cell.reason
