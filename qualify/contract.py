@@ -38,7 +38,6 @@ METRIC_FAMILIES: tuple[str, ...] = (
 )
 """Metric families that carry a bound (one floor per family and precision)."""
 
-_FROZEN = {"frozen": True, "slots": True, "kw_only": True}
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -58,7 +57,7 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
     """Where the policy weights come from and what they must look like.
 
@@ -97,7 +96,7 @@ class ModelSpec:
                 )
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RolesSpec:
     """How the four RL roles are initialised.
 
@@ -116,7 +115,7 @@ class RolesSpec:
     reward_seed: int = 0
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class PromptsSpec:
     """The prompts of the rollout: token ids, texts, or a JSONL file with its digest.
 
@@ -141,7 +140,7 @@ class PromptsSpec:
             raise ContractError("prompts.sha256: required with prompts.file")
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingSpec:
     """Rollout sampling settings.
 
@@ -170,7 +169,7 @@ class SamplingSpec:
     logprobs_mode: Literal["processed", "raw"]
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class AlgorithmSpec:
     """RL algorithm and its hyper-parameters.
 
@@ -208,7 +207,7 @@ class AlgorithmSpec:
     rounds: int
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class OptimizerSpec:
     """AdamW (Loshchilov & Hutter 2019, decoupled weight decay) and clipping.
 
@@ -229,7 +228,7 @@ class OptimizerSpec:
     max_grad_norm: float
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Topology:
     """One placement: Actor TP size, Critic TP size, rollout TP size."""
 
@@ -239,7 +238,7 @@ class Topology:
     rollout_tp: int = 1
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class CellSpec:
     """One qualification cell: engine x precision x options x role x TP.
 
@@ -264,7 +263,7 @@ class CellSpec:
         return f"{self.engine}-{self.precision}{opts}-{self.role}-tp{self.tp}"
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class MatrixSpec:
     """The engine x precision x TP x role matrix and its topologies."""
 
@@ -319,7 +318,7 @@ class MatrixSpec:
         return out
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class BoundsSpec:
     """The bound rule ``bound(m, c) = k * control_error(m, c) + floor(m, p)``.
 
@@ -338,7 +337,7 @@ class BoundsSpec:
     floors: Mapping[str, Mapping[str, float]]
 
 
-@dataclasses.dataclass(**_FROZEN)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Contract:
     """A loaded, validated contract.
 

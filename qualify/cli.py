@@ -1,0 +1,148 @@
+"""The ``qualify`` command line (argparse, one subcommand per stage).
+
+User errors (bad contract, missing file, digest mismatch) print one line naming the file
+and field and exit with a distinct code from :class:`qualify.errors.ExitCode`; ``--debug``
+shows the traceback. Heavy modules are imported inside the subcommands so ``qualify
+--help`` and ``import qualify.cli`` stay fast and engine-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from qualify.errors import ExitCode, QualifyError, UsageError
+
+
+def _contract_arg(value: str | None) -> Path:
+    from qualify.contract import default_contract_path
+
+    return Path(value) if value else default_contract_path()
+
+
+def _cmd_validate(args: argparse.Namespace) -> ExitCode:
+    from qualify.contract import load_contract
+
+    c = load_contract(_contract_arg(args.contract))
+    print(f"{c.path}: valid contract {c.name!r}, digest {c.digest}")
+    for cell in c.matrix.cells():
+        print(f"  cell {cell.cell_id}")
+    return ExitCode.OK
+
+
+def _cmd_reference(args: argparse.Namespace) -> ExitCode:
+    from qualify.contract import load_contract
+    from qualify.reference import run_reference_stage
+
+    contract = load_contract(_contract_arg(args.contract))
+    out = run_reference_stage(contract, root=Path(args.out), new=args.new,
+                              quiet=args.quiet)
+    print(f"sealed reference: {out}")
+    return ExitCode.OK
+
+
+def _cmd_candidate(args: argparse.Namespace) -> ExitCode:
+    from qualify.candidate import run_candidate_stage
+    from qualify.contract import load_contract
+
+    contract = load_contract(_contract_arg(args.contract))
+    run_dir = run_candidate_stage(contract, reference=Path(args.reference),
+                                  root=Path(args.out), cells=args.cells, run_id=args.run_id,
+                                  quiet=args.quiet)
+    print(f"candidate run: {run_dir}")
+    return ExitCode.OK
+
+
+def _cmd_compare(args: argparse.Namespace) -> ExitCode:
+    from qualify.compare import compare_run
+
+    report = compare_run(Path(args.run_dir))
+    return ExitCode.OK if report.passed else ExitCode.QUALIFICATION_FAILED
+
+
+def _cmd_run(args: argparse.Namespace) -> ExitCode:
+    from qualify.pipeline import run_all
+
+    passed = run_all(_contract_arg(args.contract), references=Path(args.references),
+                     evidence=Path(args.evidence), cells=args.cells, quiet=args.quiet)
+    return ExitCode.OK if passed else ExitCode.QUALIFICATION_FAILED
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (pinned by ``tests/test_cli.py``)."""
+    parser = argparse.ArgumentParser(
+        prog="qualify",
+        description="Numerical qualification of LLM RL training stacks against a sealed "
+                    "Hugging Face reference.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("validate", help="validate a contract and list its cells")
+    p.add_argument("contract", nargs="?", help="contract TOML (default: embedded tiny-qwen3)")
+    p.set_defaults(func=_cmd_validate)
+
+    p = sub.add_parser("reference", help="capture, score, compute targets and controls; seal")
+    p.add_argument("contract", nargs="?", help="contract TOML (default: embedded tiny-qwen3)")
+    p.add_argument("--out", default="references", help="parent directory of references")
+    p.add_argument("--new", action="store_true",
+                   help="make a new reference directory beside a sealed one")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_reference)
+
+    p = sub.add_parser("candidate", help="run engine cells against a sealed reference")
+    p.add_argument("contract", nargs="?", help="contract TOML (default: embedded tiny-qwen3)")
+    p.add_argument("--reference", required=True, help="sealed reference directory")
+    p.add_argument("--out", default="evidence", help="parent directory of evidence")
+    p.add_argument("--cells", nargs="*", help="cell id globs, or ENGINE:GLOB")
+    p.add_argument("--run-id", help="resume or name a run (default: new timestamped id)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_candidate)
+
+    p = sub.add_parser("compare", help="apply the sealed bounds to a candidate run; report")
+    p.add_argument("run_dir", help="evidence/<contract>/<run-id>")
+    p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("run", help="reference (if missing) -> candidate -> compare")
+    p.add_argument("contract", nargs="?", help="contract TOML (default: embedded tiny-qwen3)")
+    p.add_argument("--references", default="references", help="parent of references")
+    p.add_argument("--evidence", default="evidence", help="parent of evidence")
+    p.add_argument("--cells", nargs="*", help="cell id globs, or ENGINE:GLOB")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``qualify`` console script.
+
+    Returns:
+        The :class:`ExitCode` value.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    func: Callable[[argparse.Namespace], ExitCode] = args.func
+    try:
+        return int(func(args))
+    except QualifyError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"qualify: error: {exc}", file=sys.stderr)
+        return int(exc.exit_code)
+    except KeyboardInterrupt:
+        print("qualify: interrupted; partial output is left unsealed", file=sys.stderr)
+        return int(ExitCode.INTERNAL_ERROR)
+    except Exception as exc:
+        traceback.print_exc()
+        print(f"qualify: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return int(ExitCode.INTERNAL_ERROR)
+
+
+__all__ = ["UsageError", "build_parser", "main"]

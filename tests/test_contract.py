@@ -1,0 +1,201 @@
+"""Contract loading: the valid contracts load, and malformed ones fail with one clear line."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qualify.contract import Contract, cells_matching, load_contract
+from qualify.errors import ContractError, ExitCode
+from qualify.resources import contracts_dir
+
+TINY = contracts_dir() / "tiny-qwen3.toml"
+
+
+def _doc() -> dict[str, Any]:
+    return tomllib.loads(TINY.read_text())
+
+
+def _dump(doc: dict[str, Any]) -> str:
+    """Minimal TOML writer for the test documents (tables, arrays, scalars)."""
+    lines: list[str] = []
+
+    def val(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(val(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f'"{k}" = {val(x)}' for k, x in v.items()) + "}"
+        return repr(v)
+
+    def table(prefix: str, d: dict[str, Any]) -> None:
+        scalars = {k: v for k, v in d.items()
+                   if not isinstance(v, dict) and not (isinstance(v, list) and v
+                                                       and all(isinstance(x, dict) for x in v))}
+        if prefix:
+            lines.append(f"[{prefix}]")
+        lines.extend(f'"{k}" = {val(v)}' for k, v in scalars.items())
+        for k, v in d.items():
+            if isinstance(v, dict):
+                table(f"{prefix}.{k}" if prefix else k, v)
+            elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+                for item in v:
+                    lines.append(f"[[{prefix}.{k}]]" if prefix else f"[[{k}]]")
+                    lines.extend(f'"{ik}" = {val(iv)}' for ik, iv in item.items())
+
+    table("", doc)
+    return "\n".join(lines) + "\n"
+
+
+def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(doc: dict[str, Any]) -> None:
+        *parents, leaf = path.split(".")
+        d = doc
+        for p in parents:
+            d = d[p]
+        d[leaf] = value
+    return mutate
+
+
+def _del(path: str) -> Callable[[dict[str, Any]], None]:
+    def mutate(doc: dict[str, Any]) -> None:
+        *parents, leaf = path.split(".")
+        d = doc
+        for p in parents:
+            d = d[p]
+        del d[leaf]
+    return mutate
+
+
+# name -> (mutation, regex the one-line message must match)
+INVALID: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "missing_field": (_del("sampling.temperature"), r"sampling: 'temperature' is a required"),
+    "missing_section": (_del("optimizer"), r"'optimizer' is a required property"),
+    "wrong_type": (_set("sampling.max_new_tokens", "ten"), r"sampling\.max_new_tokens: 'ten'"),
+    "unknown_key": (_set("algorithm.learning_rate", 1e-3),
+                    r"algorithm: Additional properties .*'learning_rate'"),
+    "unknown_top_level_key": (_set("extra", 1), r"Additional properties .*'extra'"),
+    "bad_tp_list": (_set("matrix.tp_sizes", [1, 3]), r"matrix\.tp_sizes\.1: 3 is not one of"),
+    "tp_unused_by_topologies": (_set("matrix.tp_sizes", [1, 2, 4]),
+                                r"matrix\.tp_sizes: TP sizes \[4\] are used by no topology"),
+    "topology_tp_not_in_list": (_set("matrix.tp_sizes", [2]),
+                                r"matrix\.topologies\[0\]\.critic_tp: 1 is not in"),
+    "negative_lr": (_set("optimizer.actor_lr", -1e-3), r"optimizer\.actor_lr: -0\.001 is less"),
+    "unknown_engine_name_format": (_set("matrix.engines", ["Torch-TP"]),
+                                   r"matrix\.engines\.0: 'Torch-TP' does not match"),
+    "unknown_precision": (_set("matrix.precisions", ["fp16"]),
+                          r"matrix\.precisions\.0: 'fp16' is not one of"),
+    "unknown_algorithm": (_set("algorithm.name", "reinforce"),
+                          r"algorithm\.name: 'reinforce' is not one of"),
+    "gamma_above_one": (_set("algorithm.gamma", 1.5), r"algorithm\.gamma: 1\.5 is greater"),
+    "bad_betas": (_set("optimizer.betas", [0.9]), r"optimizer\.betas: \[0\.9\] is too short"),
+    "missing_floor_for_precision": (_del("bounds.floors.bf16"),
+                                    r"bounds\.floors\.bf16: missing"),
+    "bad_manifest_digest_format": (_set("model.manifest.files", {"model.safetensors": "xyz"}),
+                                   r"model\.manifest\.files\.model\.safetensors: 'xyz' does not"),
+    "heads_not_divisible": (_set("model.config.num_key_value_heads", 3),
+                            r"num_key_value_heads: 3 does not divide"),
+    "two_prompt_sources": (_set("prompts.text", ["hi"]), r"prompts: give exactly one of"),
+    "bf16_control_in_tp_class": (_set("bounds.controls.tp_vs_tp1", ["bf16_mode"]),
+                                 r"tp_vs_tp1: 'bf16_mode' is not a same-precision"),
+    "negative_floor": (_set("bounds.floors.fp32.logprobs", -1.0),
+                       r"bounds\.floors\.fp32\.logprobs: -1\.0 is less"),
+    "zero_temperature": (_set("sampling.temperature", 0),
+                         r"sampling\.temperature: 0 is less than or equal"),
+    "duplicate_topology_names": (
+        _set("matrix.topologies", [{"name": "a", "actor_tp": 1, "critic_tp": 2},
+                                   {"name": "a", "actor_tp": 2, "critic_tp": 1}]),
+        r"duplicate topology names"),
+}
+
+
+def test_default_contract_loads() -> None:
+    c = load_contract(TINY)
+    assert c.name == "tiny-qwen3"
+    assert len(c.digest) == 64
+    ids = [x.cell_id for x in c.matrix.cells()]
+    assert ids == [
+        "torch_tp-fp32-actor-tp1", "torch_tp-fp32-actor-tp2",
+        "torch_tp-fp32-critic-tp1", "torch_tp-fp32-critic-tp2",
+        "torch_tp-bf16-actor-tp1", "torch_tp-bf16-actor-tp2",
+        "torch_tp-bf16-critic-tp1", "torch_tp-bf16-critic-tp2",
+    ]
+
+
+@pytest.mark.parametrize("path", sorted(contracts_dir().glob("*.toml")), ids=lambda p: p.stem)
+def test_committed_contracts_load(path: Path) -> None:
+    c = load_contract(path)
+    assert c.matrix.cells()
+
+
+def test_digest_is_canonical() -> None:
+    """Key order and formatting do not change the digest; a value does."""
+    doc = _doc()
+    a = Contract.from_dict(doc)
+    reordered = dict(reversed(list(doc.items())))
+    assert Contract.from_dict(reordered).digest == a.digest
+    doc["sampling"]["seed"] += 1
+    assert Contract.from_dict(doc).digest != a.digest
+
+
+@pytest.mark.parametrize("case", sorted(INVALID), ids=str)
+def test_invalid_contract_message(case: str, tmp_path: Path) -> None:
+    mutate, pattern = INVALID[case]
+    doc = _doc()
+    mutate(doc)
+    f = tmp_path / f"{case}.toml"
+    f.write_text(_dump(doc))
+    with pytest.raises(ContractError) as info:
+        load_contract(f)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert msg.startswith(str(f.resolve())), msg
+    assert re.search(pattern, msg), msg
+
+
+def test_round_trip_dump_is_valid(tmp_path: Path) -> None:
+    f = tmp_path / "same.toml"
+    f.write_text(_dump(_doc()))
+    assert load_contract(f).digest == load_contract(TINY).digest
+
+
+def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
+    with pytest.raises(ContractError, match="contract file not found"):
+        load_contract(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = \n")
+    with pytest.raises(ContractError, match="not valid TOML"):
+        load_contract(bad)
+
+
+def test_cells_matching() -> None:
+    c = load_contract(TINY)
+    assert [x.cell_id for x in cells_matching(c, ["torch_tp:*bf16*actor*"])] == [
+        "torch_tp-bf16-actor-tp1", "torch_tp-bf16-actor-tp2"]
+    with pytest.raises(ContractError, match="matches no cell"):
+        cells_matching(c, ["deepspeed:*"])
+
+
+@pytest.mark.parametrize("case", ["unknown_key", "negative_lr", "bad_tp_list", "missing_field"])
+def test_cli_exit_code_two_no_traceback(case: str, tmp_path: Path) -> None:
+    mutate, _ = INVALID[case]
+    doc = _doc()
+    mutate(doc)
+    f = tmp_path / "c.toml"
+    f.write_text(_dump(doc))
+    proc = subprocess.run([sys.executable, "-m", "qualify", "validate", str(f)],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == ExitCode.USAGE_ERROR
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("qualify: error: "), proc.stderr
