@@ -58,8 +58,13 @@ def _cmd_candidate(args: argparse.Namespace) -> ExitCode:
 
 def _cmd_compare(args: argparse.Namespace) -> ExitCode:
     from qualify.compare import compare_run
+    from qualify.signing import seal_and_sign
 
-    report = compare_run(Path(args.run_dir))
+    run_dir = Path(args.run_dir)
+    report = compare_run(run_dir)
+    if not args.no_seal:
+        seal_and_sign(run_dir, kind="candidate-run")
+    print(f"report: {run_dir / 'report.md'}: {report.summary}")
     return ExitCode.OK if report.passed else ExitCode.QUALIFICATION_FAILED
 
 
@@ -105,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compare", help="apply the sealed bounds to a candidate run; report")
     p.add_argument("run_dir", help="evidence/<contract>/<run-id>")
+    p.add_argument("--no-seal", action="store_true",
+                   help="write the report but do not seal and sign the run")
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("run", help="reference (if missing) -> candidate -> compare")
@@ -114,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cells", nargs="*", help="cell id globs, or ENGINE:GLOB")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_run)
+
+    from qualify.cli_evidence import register
+
+    register(sub)
     return parser
 
 

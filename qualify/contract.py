@@ -307,9 +307,8 @@ class MatrixSpec:
             for precision in self.precisions:
                 for opts in self.engine_options(engine):
                     for role in self.roles:
-                        tps = sorted(
-                            {t.actor_tp if role == "actor" else t.critic_tp for t in self.topologies}
-                        )
+                        tps = sorted({t.actor_tp if role == "actor" else t.critic_tp
+                                      for t in self.topologies})
                         out.extend(
                             CellSpec(engine=engine, precision=precision, role=role, tp=tp,
                                      options=opts)

@@ -36,13 +36,17 @@ depend on the partition. Gradients accumulate in FP32.
 
 Actor (policy ``π``, frozen reference policy ``π_ref``, estimator per contract):
 
-- ``logprobs_r`` = teacher-forced logprobs of ``responses`` with the current weights
-  (log_softmax of the **unscaled** logits; temperature applies only to sampling).
+- ``logprobs_r`` = teacher-forced logprobs of ``responses`` with the current weights:
+  ``log_softmax(logits / temperature)`` with the contract's sampling temperature, as verl's
+  actor does (``logits.div_(temperature)``), so that ratios refer to the sampling
+  distribution; no top-k/top-p truncation.
 - ``old_logprobs`` = ``logprobs_1`` (the engine's own, detached); ``ratio = exp(logprobs_r - old)``.
 - ``policy`` loss = Σ max(-A·ratio, -A·clip(ratio, 1-ε, 1+ε)) / N (Schulman et al. 2017, eq. 7).
-- ``kl`` loss = kl_loss_coef · Σ k(logprobs_r, ref_logprobs) / N, ``k3 = exp(ref - lp) - (ref - lp) - 1``,
-  ``k1 = lp - ref``, ``k2 = (lp - ref)^2 / 2`` (Schulman 2020, "Approximating KL divergence").
-- ``entropy`` loss = -entropy_coef · Σ H_t / N, ``H_t`` the entropy of the unscaled softmax.
+- ``kl`` loss = kl_loss_coef · Σ k(logprobs_r, ref_logprobs) / N with
+  ``k3 = exp(ref - lp) - (ref - lp) - 1``, ``k1 = lp - ref``, ``k2 = (lp - ref)^2 / 2``
+  (Schulman 2020, "Approximating KL divergence").
+- ``entropy`` loss = -entropy_coef · Σ H_t / N, ``H_t`` the entropy of
+  ``softmax(logits / temperature)``.
 - ``total`` = policy + kl + entropy.
 
 Critic (value head ``Linear(hidden, 1)`` on the backbone):

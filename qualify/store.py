@@ -365,7 +365,7 @@ def _torch_ready(tensors: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, value in tensors.items():
-        t = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) \
+        t = torch.from_numpy(np.require(value, requirements="C")) if isinstance(value, np.ndarray) \
             else value.detach().to("cpu")
         storage = t.untyped_storage()
         exclusive = (
@@ -414,7 +414,7 @@ def save_tensors(
     tmp = Path(tmp_name)
     try:
         if all(isinstance(v, np.ndarray) for v in tensors.values()):
-            arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+            arrays = {k: np.require(v, requirements="C") for k, v in tensors.items()}
             safetensors.numpy.save_file(arrays, tmp_name, metadata=meta)
         else:
             from safetensors.torch import save_file  # noqa: PLC0415  (imports torch)

@@ -198,4 +198,5 @@ def test_cli_exit_code_two_no_traceback(case: str, tmp_path: Path) -> None:
     assert proc.returncode == ExitCode.USAGE_ERROR
     assert "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("qualify: error: "), proc.stderr
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("qualify: error: "), proc.stderr

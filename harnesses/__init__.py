@@ -1,0 +1,17 @@
+"""Harness programs: one folder per engine, each speaking the harness protocol.
+
+A harness is launched by :func:`qualify.launch.launch` under torchrun, reads the cell file
+and the frozen inputs named in :mod:`qualify.protocol`, drives its engine's own code path
+and writes ``outputs.safetensors`` + ``outputs.json``. Each folder holds the same files
+(torchtitan's ``models/<name>/{model,parallelize,state_dict_adapter}.py`` layout):
+
+- ``harness.py``: the program (``python -m harnesses.<engine>.harness CELL_JSON``);
+- ``parallelize.py``: how the engine shards the Hugging Face model;
+- ``losses.py``: the PPO losses in the engine's own code;
+- ``state_dict_adapter.py``: engine layout -> Hugging Face names and full tensors;
+- ``faults.py``: deliberate bugs the test suite injects (never on in real runs);
+- ``README.md``: what the engine does, and its design choices.
+
+Nothing here is imported by ``import qualify``; engines are found through
+:mod:`qualify.registry`.
+"""

@@ -1,0 +1,138 @@
+"""Deliberate bugs for the test suite: each must later be caught by the comparator.
+
+Never active in a real run (``cell.faults`` is empty). The harness checks them at places
+marked ``# FAULT(<name>)``; each fault is one small function here, so the correct code
+path stays readable. Names:
+
+- ``grad_norm_replicated_per_rank``: the gradient norm sums the squares of every local
+  gradient over the TP group, so replicated parameters (norms, embeddings, value head)
+  count ``tp`` times (Megatron's ``param_is_not_tensor_parallel_duplicate`` forgotten).
+- ``logprobs_shift_one``: log-probs read one position late (the output at ``P + t``
+  instead of ``P - 1 + t``).
+- ``bf16_optimizer_state``: AdamW moments stored in BF16 between steps.
+- ``value_loss_unclipped``: value loss ``0.5 Σ (V - G)^2`` without the clipped branch.
+- ``no_temperature``: logits not divided by the sampling temperature.
+- ``hang_rank1``: rank 1 skips one collective of its TP group (and then stays alive,
+  as a desynchronised rank does), so its peers wait until the collective timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from typing import Final
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from qualify.errors import HarnessError
+
+KNOWN: Final = (
+    "grad_norm_replicated_per_rank",
+    "logprobs_shift_one",
+    "bf16_optimizer_state",
+    "value_loss_unclipped",
+    "no_temperature",
+    "hang_rank1",
+)
+
+
+class Faults:
+    """The set of faults a cell asks for.
+
+    Args:
+        names: ``cell.faults``.
+
+    Raises:
+        HarnessError: an unknown fault name (a typo must not silently test nothing).
+    """
+
+    def __init__(self, names: Sequence[str]) -> None:
+        unknown = sorted(set(names) - set(KNOWN))
+        if unknown:
+            raise HarnessError(f"unknown fault(s) {unknown}; torch_tp knows {list(KNOWN)}")
+        self.names = tuple(names)
+
+    def __contains__(self, name: str) -> bool:
+        assert name in KNOWN, name
+        return name in self.names
+
+
+def grad_norm_replicated_per_rank(params: Sequence[nn.Parameter], max_norm: float,
+                                  group: dist.ProcessGroup) -> Tensor:
+    """FAULT: clip with a norm that counts replicated gradients once per rank.
+
+    Args:
+        params: the role's parameters (DTensors).
+        max_norm: clipping threshold.
+        group: the role's TP group.
+
+    Returns:
+        The (wrong) pre-clip norm, 0-d FP32; gradients are scaled in place by
+        ``min(1, max_norm / (norm + 1e-6))``.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    sq = torch.stack([x.float().square().sum() for x in local]).sum()
+    dist.all_reduce(sq, group=group)
+    norm = sq.sqrt()
+    coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    for g in grads:
+        g.mul_(coef)
+    return norm
+
+
+@contextlib.contextmanager
+def bf16_optimizer_state(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """FAULT: keep AdamW's moments in BF16 between steps (upcast for the step itself).
+
+    ``torch.optim.AdamW`` refuses mixed-dtype state in its update, so the moments are
+    upcast before ``step()`` and rounded to BF16 storage after it, which is what a BF16
+    optimizer state amounts to.
+    """
+    for state in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state:
+                state[key] = state[key].float()
+    yield
+    for state in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state:
+                state[key] = state[key].to(torch.bfloat16)
+
+
+def unclipped_value_loss_sum(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """FAULT: ``0.5 Σ (V - G)^2`` over valid tokens, the clipped branch forgotten.
+
+    Args:
+        values: ``[b, R]`` FP32 with gradient.
+        returns: ``[b, R]`` FP32.
+        mask: ``[b, R]`` bool.
+    """
+    sq = (values - returns).square()
+    return 0.5 * torch.where(mask, sq, torch.zeros_like(sq)).sum()
+
+
+def skip_collective_and_stall(rank: int) -> None:
+    """FAULT ``hang_rank1``: global rank 1 never reaches the next collective.
+
+    Returns at once on every other rank (they run the collective and wait for rank 1).
+    Rank 1 sleeps until torchrun tears the job down after a peer's collective timeout;
+    it stays alive so that its peers see a missing participant, not a closed socket.
+    """
+    if rank != 1:
+        return
+    while True:  # pragma: no cover - killed from outside
+        time.sleep(1.0)
+
+
+def window_shift(active: bool) -> int:
+    """FAULT ``logprobs_shift_one``: the response window's offset (1 when active, else 0)."""
+    return 1 if active else 0
+
+
+def effective_temperature(temperature: float, *, ignore: bool) -> float:
+    """FAULT ``no_temperature``: 1.0 when active, else the contract's temperature."""
+    return 1.0 if ignore else temperature

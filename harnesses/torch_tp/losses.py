@@ -1,0 +1,160 @@
+"""The PPO update's per-token quantities and losses, in torch_tp's own code.
+
+Nothing numerical is imported from :mod:`qualify` (the reference path is the independent
+side of every comparison); the formulas are the ones :mod:`qualify.protocol` writes down.
+Shapes: ``b`` sequences of a micro-batch, ``R`` response positions, ``V`` vocabulary.
+
+Vocab-parallel log-softmax. The Actor's ``lm_head`` is column-parallel, so each rank
+holds the logits of ``V / tp`` vocabulary entries as a ``Shard(-1)`` DTensor. Instead of
+all-gathering ``[b, R, V]`` logits, :func:`token_logprobs_and_entropy` reduces over the
+vocabulary with three all-reduces of ``[b, R]`` values (max, sum of exponentials, the
+target logit and ``Σ p z``), written with DTensor reductions (``Partial`` ->
+``Replicate``), so autograd and the collectives are the library's. The same code runs on
+plain tensors (TP 1 without DTensor, or a replicated head). ``torch.distributed.tensor
+.parallel.loss_parallel`` is not used: its log-softmax backward is a no-op that assumes
+the log-probabilities feed only ``nll_loss``, which breaks the entropy term's gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+KlEstimator = Literal["k1", "k2", "k3"]
+
+
+def _replicated(x: Tensor) -> Tensor:
+    """Reduce a ``Partial`` DTensor to ``Replicate`` (all-reduce); plain tensors pass."""
+    if isinstance(x, DTensor):
+        return x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+    return x
+
+
+def _local(x: Tensor) -> Tensor:
+    """The local value of a replicated DTensor (a plain tensor passes unchanged)."""
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _one_hot_like(targets: Tensor, z: Tensor) -> Tensor:
+    """``one_hot(targets)`` in ``z``'s dtype and layout (sharded like ``z`` when a DTensor).
+
+    Args:
+        targets: ``[b, R]`` int64 token ids.
+        z: ``[b, R, V]`` logits (``Shard(-1)`` DTensor or plain).
+
+    Returns:
+        ``[b, R, V]``; each rank builds the full one-hot and keeps its vocabulary shard
+        (``src_data_rank=None``: local slicing, no communication).
+    """
+    oh = torch.nn.functional.one_hot(targets, num_classes=z.shape[-1]).to(z.dtype)
+    if isinstance(z, DTensor):
+        return distribute_tensor(oh, z.device_mesh, z.placements, src_data_rank=None)
+    return oh
+
+
+def token_logprobs_and_entropy(logits: Tensor, targets: Tensor,
+                               temperature: float) -> tuple[Tensor, Tensor]:
+    """Log-probability of each target token and the entropy, under ``softmax(logits / T)``.
+
+    With ``z = logits.float() / T``, ``m = max_v z`` (no gradient: log-sum-exp does not
+    depend on the shift), ``lse = log Σ_v exp(z - m)``:
+    ``logprob = (z_target - m) - lse`` and ``H = lse - Σ_v p_v (z_v - m)``.
+
+    Args:
+        logits: ``[b, R, V]`` (any float dtype; upcast to FP32 here), a ``Shard(-1)``
+            DTensor from the vocab-parallel head or a plain / replicated tensor.
+        targets: ``[b, R]`` int64 token ids (the responses).
+        temperature: the contract's sampling temperature (> 0).
+
+    Returns:
+        ``(logprobs, entropy)``, each ``[b, R]`` FP32 plain tensors, equal on all ranks.
+    """
+    z = logits.float() / temperature
+    m = _replicated(z.detach().amax(dim=-1, keepdim=True))  # all-reduce MAX
+    shifted = z - m
+    lse = _replicated(shifted.exp().sum(dim=-1, keepdim=True)).log()  # all-reduce SUM
+    z_target = _replicated((shifted * _one_hot_like(targets, z)).sum(dim=-1))
+    probs = (shifted - lse).exp()
+    p_dot_z = _replicated((probs * shifted).sum(dim=-1))
+    lse = lse.squeeze(-1)
+    return _local(z_target - lse), _local(lse - p_dot_z)
+
+
+def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
+    """``Σ x`` over positions where ``mask`` is true (``where``, so padding never leaks NaN).
+
+    Args:
+        x: ``[b, R]`` float.
+        mask: ``[b, R]`` bool.
+
+    Returns:
+        0-d tensor in ``x``'s dtype.
+    """
+    return torch.where(mask, x, torch.zeros_like(x)).sum()
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KlEstimator) -> Tensor:
+    """Per-token estimate of KL(π ‖ π_ref) from samples of π (Schulman 2020).
+
+    ``k1 = lp - ref``, ``k2 = (lp - ref)^2 / 2``, ``k3 = exp(ref - lp) - (ref - lp) - 1``.
+
+    Args:
+        logprobs: ``[b, R]`` current policy log-probs (with gradient).
+        ref_logprobs: ``[b, R]`` frozen reference policy log-probs.
+        estimator: ``k1``, ``k2`` or ``k3``.
+
+    Raises:
+        ValueError: unknown estimator.
+    """
+    diff = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -diff
+    if estimator == "k2":
+        return 0.5 * diff.square()
+    if estimator == "k3":
+        return torch.exp(diff) - diff - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def policy_loss_sum(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                    clip_ratio: float) -> Tensor:
+    """Clipped surrogate ``Σ max(-A·ρ, -A·clip(ρ, 1-ε, 1+ε))`` over valid tokens.
+
+    Schulman et al. 2017, eq. 7, with ``ρ = exp(logprobs - old_logprobs)``.
+
+    Args:
+        logprobs: ``[b, R]`` FP32, with gradient.
+        old_logprobs: ``[b, R]`` FP32, detached (round 1's own log-probs).
+        advantages: ``[b, R]`` FP32.
+        mask: ``[b, R]`` bool, valid response tokens.
+        clip_ratio: ε.
+
+    Returns:
+        0-d FP32 sum (the caller divides by the global token count ``N``).
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    surrogate = torch.maximum(-advantages * ratio,
+                              -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio))
+    return masked_sum(surrogate, mask)
+
+
+def value_loss_sum(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+                   value_clip: float) -> Tensor:
+    """Clipped value loss ``0.5 · Σ max((V - G)^2, (V_old + clip(V - V_old, ±δ) - G)^2)``.
+
+    Args:
+        values: ``[b, R]`` FP32 critic values, with gradient.
+        old_values: ``[b, R]`` FP32, detached (round 1's own values).
+        returns: ``[b, R]`` FP32 targets ``G``.
+        mask: ``[b, R]`` bool, valid response tokens.
+        value_clip: δ.
+
+    Returns:
+        0-d FP32 sum (the caller divides by ``N``).
+    """
+    clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
+    per_token = torch.maximum((values - returns).square(), (clipped - returns).square())
+    return 0.5 * masked_sum(per_token, mask)

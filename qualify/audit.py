@@ -1,0 +1,291 @@
+"""``qualify audit DIR``: one table of every reference and evidence directory below DIR.
+
+Each directory found by :func:`qualify.verify.find_evidence` becomes one row: contract,
+run id, date, source commit, signature status, integrity status (the nine verification
+steps of :func:`qualify.verify.verify`), the report's verdict and cell counts by verdict,
+cell attempts (failed ones counted, never hidden), staleness (the committed contract's
+digest changed since sealing) and every problem found. Failed runs are listed as ``FAIL``
+(a verdict, not a problem); incomplete directories (``INCOMPLETE`` marker, no manifest,
+moved aside as ``*.incomplete-*``) are listed as ``INCOMPLETE`` and are problems. The audit
+exits 3 when any problem is found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import pandas as pd
+
+from qualify import store
+from qualify.errors import ExitCode, QualifyError
+from qualify.signing import REPORT_FILE, RUN_KIND, trusted_keys
+from qualify.verify import (
+    EvidenceDir,
+    VerificationResult,
+    committed_contract_path,
+    find_evidence,
+    verify,
+)
+
+__all__ = ["COLUMNS", "AuditResult", "AuditRow", "audit", "render"]
+
+COLUMNS: Final = ("path", "kind", "contract", "run_id", "date", "source_commit", "signature",
+                  "integrity", "verdict", "PASS", "FAIL", "ERROR", "NOT_RUN", "attempts",
+                  "staleness", "problems")
+"""The table's columns, in order."""
+VERDICTS: Final = ("PASS", "FAIL", "ERROR", "NOT_RUN")
+Format = Literal["table", "json", "md"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class AuditRow:
+    """One audited directory.
+
+    Attributes:
+        path: the directory (relative to the audited root when below it).
+        kind: ``reference``, ``candidate-run`` or ``unknown``.
+        contract: contract name.
+        run_id: a run's id (``""`` for a reference).
+        date: run start or reference creation time.
+        source_commit: git commit (12 hex, ``+dirty`` if dirty) from the statement.
+        signature: ``valid <keyid16>``, ``unsigned``, ``bad envelope``, ``untrusted key``,
+            ``invalid`` or ``-`` (incomplete).
+        integrity: ``ok``, ``INCOMPLETE``, ``FAILED step N`` or ``manifest ok`` /
+            ``manifest BROKEN`` when the signature could not be checked.
+        verdict: a run's report result (``PASS`` / ``FAIL``), ``-`` otherwise.
+        counts: cells per verdict in the report.
+        attempts: cell attempts, ``N (k failed)``.
+        staleness: ``current``, ``STALE`` or ``no committed contract``.
+        problems: every problem found (empty: none).
+    """
+
+    path: str
+    kind: str
+    contract: str
+    run_id: str
+    date: str
+    source_commit: str
+    signature: str
+    integrity: str
+    verdict: str
+    counts: Mapping[str, int]
+    attempts: str
+    staleness: str
+    problems: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (``problems`` as a list)."""
+        return {"path": self.path, "kind": self.kind, "contract": self.contract,
+                "run_id": self.run_id, "date": self.date, "source_commit": self.source_commit,
+                "signature": self.signature, "integrity": self.integrity,
+                "verdict": self.verdict, **{v: int(self.counts.get(v, 0)) for v in VERDICTS},
+                "attempts": self.attempts, "staleness": self.staleness,
+                "problems": list(self.problems)}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class AuditResult:
+    """Every audited directory (``bool()``: no problem found).
+
+    Attributes:
+        roots: the audited directories.
+        rows: one row per reference or run, sorted by path.
+    """
+
+    roots: tuple[Path, ...]
+    rows: tuple[AuditRow, ...]
+
+    @property
+    def problems(self) -> tuple[str, ...]:
+        """``<path>: <problem>`` for every problem."""
+        return tuple(f"{r.path}: {p}" for r in self.rows for p in r.problems)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """``INTEGRITY_ERROR`` when a problem was found, else ``OK``."""
+        return ExitCode.INTEGRITY_ERROR if self.problems else ExitCode.OK
+
+    def __bool__(self) -> bool:
+        return not self.problems
+
+    def frame(self) -> pd.DataFrame:
+        """The table (problems joined by `` | ``)."""
+        rows = []
+        for r in self.rows:
+            d = r.to_dict()
+            d["problems"] = " | ".join(r.problems) if r.problems else ""
+            rows.append(d)
+        return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def _signature(v: VerificationResult) -> str:
+    s1, s2 = v.steps[0], v.steps[1]
+    if s1.status == "failed":
+        return "unsigned" if "missing" in s1.detail or "unsigned" in s1.detail \
+            else "bad envelope"
+    if s2.status == "failed":
+        return "untrusted key" if "not a trusted key" in s2.detail else "invalid"
+    return "valid " + ",".join(k[:16] for k in v.keyids)
+
+
+def _integrity(v: VerificationResult, d: Path) -> tuple[str, list[str]]:
+    """Integrity column and extra problems (manifest check when unsigned)."""
+    failed = [s for s in v.steps[2:] if s.status == "failed"]
+    if failed:
+        return f"FAILED step {failed[0].number}", []
+    if v.steps[2].status == "passed":
+        return "ok", []
+    problems = store.verify_manifest(d)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        return "manifest BROKEN", [f"manifest: {problems[0]}{more}"]
+    return "manifest ok", []
+
+
+def _attempts(d: Path) -> str:
+    cells = d / "cells"
+    if not cells.is_dir():
+        return ""
+    total = failed = 0
+    for cell in sorted(cells.iterdir()):
+        for a in store.attempts(cell):
+            total += 1
+            result: dict[str, Any] = {}
+            with contextlib.suppress(OSError, ValueError):
+                result = json.loads((a / "result.json").read_text(encoding="utf-8"))
+            if not store.is_sealed(a) or result.get("status") not in (None, "COMPLETE"):
+                failed += 1
+    return f"{total} ({failed} failed)" if total else "0"
+
+
+def _staleness(e: EvidenceDir, digest: str | None,
+               contracts_dir: str | Path | None) -> tuple[str, str | None]:
+    """Staleness column and the problem, if stale."""
+    from qualify.contract import load_contract
+
+    if not e.contract:
+        return "unknown", None
+    path = committed_contract_path(e.contract, contracts_dir=contracts_dir)
+    if path is None:
+        return "no committed contract", f"no committed contract {e.contract}.toml"
+    try:
+        committed = load_contract(path).digest
+    except QualifyError as exc:
+        return "unknown", f"committed contract {path}: {exc}"
+    if digest is None:
+        return "unknown", None
+    if committed != digest:
+        return "STALE", (f"stale: {path} is now {committed[:12]}, the evidence is for "
+                         f"{digest[:12]}")
+    return "current", None
+
+
+def _report(d: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads((d / REPORT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _row(e: EvidenceDir, root: Path, *, keys: Any,
+         contracts_dir: str | Path | None) -> AuditRow:
+    try:
+        rel = e.path.relative_to(root).as_posix() if e.path != root else e.path.name
+    except ValueError:
+        rel = str(e.path)
+    problems: list[str] = []
+    signature = integrity = "-"
+    commit = ""
+    digest = e.contract_digest
+    step6_ran = False
+    if e.state == "incomplete":
+        integrity = "INCOMPLETE"
+        problems.append(f"incomplete: {e.reason}")
+    else:
+        v = verify(e.path, trusted=keys, contracts_dir=contracts_dir)
+        signature = _signature(v)
+        integrity, extra = _integrity(v, e.path)
+        problems += list(v.problems) + extra
+        step6_ran = v.steps[5].status in ("passed", "failed")
+        if v.statement is not None:
+            pred = v.statement["predicate"]
+            digest = pred["contract"]["digest"]
+            src = pred["source"]
+            commit = (str(src.get("commit") or "")[:12] + ("+dirty" if src.get("dirty") else ""))
+    staleness, stale_problem = _staleness(e, digest, contracts_dir)
+    if stale_problem and not step6_ran:
+        problems.append(stale_problem)
+    report = _report(e.path) if e.kind == RUN_KIND else {}
+    counts = dict.fromkeys(VERDICTS, 0)
+    for c in report.get("cells", []):
+        if isinstance(c, dict) and c.get("verdict") in counts:
+            counts[str(c["verdict"])] += 1
+    verdict = "-"
+    if e.kind == RUN_KIND:
+        verdict = ("PASS" if report.get("passed") else "FAIL") if report else "no report"
+    return AuditRow(path=rel, kind=e.kind, contract=e.contract or "", run_id=e.run_id or "",
+                    date=e.date or "", source_commit=commit, signature=signature,
+                    integrity=integrity, verdict=verdict, counts=counts,
+                    attempts=_attempts(e.path) if e.kind == RUN_KIND else "",
+                    staleness=staleness, problems=tuple(problems))
+
+
+def audit(roots: str | Path | Sequence[str | Path], *,
+          trusted_keys_dir: str | Path | None = None,
+          contracts_dir: str | Path | None = None) -> AuditResult:
+    """Audit every reference and evidence directory at or below ``roots``.
+
+    Args:
+        roots: one directory or several.
+        trusted_keys_dir: trusted ``*.pub`` directory (default ``contracts/keys``).
+        contracts_dir: committed contracts (default ``./contracts``, then qualify's).
+
+    Returns:
+        The :class:`AuditResult` (problems are rows' content, never raised).
+
+    Raises:
+        UsageError: a root is not a directory, or a trusted key file is malformed.
+    """
+    from qualify.errors import UsageError
+
+    rs = [Path(roots)] if isinstance(roots, str | os.PathLike) else [Path(r) for r in roots]
+    for r in rs:
+        if not r.is_dir():
+            raise UsageError(f"{r}: not a directory")
+    keys = trusted_keys(trusted_keys_dir)
+    rows = [_row(e, r, keys=keys, contracts_dir=contracts_dir)
+            for r in rs for e in find_evidence(r)]
+    return AuditResult(roots=tuple(rs), rows=tuple(rows))
+
+
+def render(result: AuditResult, fmt: Format = "table") -> str:
+    """Render the audit as a text table, Markdown table or JSON.
+
+    Args:
+        result: the audit.
+        fmt: ``table`` (pandas text), ``md`` (pandas/tabulate Markdown) or ``json``.
+
+    Returns:
+        The text (a trailing summary line for ``table`` and ``md``).
+    """
+    n = len(result.problems)
+    summary = (f"{len(result.rows)} directories audited, {n} problem(s)"
+               + ("" if n else ": all intact"))
+    if fmt == "json":
+        return json.dumps({"roots": [str(r) for r in result.roots],
+                           "exit_code": int(result.exit_code),
+                           "rows": [r.to_dict() for r in result.rows]}, indent=2)
+    df = result.frame()
+    if df.empty:
+        return summary
+    if fmt == "md":
+        return str(df.to_markdown(index=False)) + "\n\n" + summary
+    with pd.option_context("display.max_colwidth", None, "display.width", 10_000):
+        return str(df.to_string(index=False)) + "\n\n" + summary

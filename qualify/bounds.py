@@ -1,0 +1,164 @@
+"""The bound rule, computed once in the reference stage and sealed.
+
+``bound(m, c, p) = k * control_error(m, c, p) + floor(m, p)`` (DESIGN.md section 5), with
+``control_error(m, c, p)`` the largest error of the controls that the contract assigns to
+class ``c`` (``candidate_vs_hf``: a candidate at precision ``p`` against the HF reference at
+``p``; ``tp_vs_tp1``: TP = n against TP = 1 of the same engine and precision). In the
+``deterministic`` lane every bound is 0 (bitwise equality). The comparator reads bounds only
+from the sealed ``bounds.json``; a metric without a bound is an error, never a pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy.typing as npt
+
+from qualify.contract import Contract
+from qualify.statistics import FAMILY_STATISTIC, ErrorMeasure, MetricKey, compare_sets
+
+CLASSES = ("candidate_vs_hf", "tp_vs_tp1")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Bound:
+    """One sealed bound.
+
+    Attributes:
+        precision: ``fp32`` or ``bf16``.
+        klass: comparison class (``candidate_vs_hf`` or ``tp_vs_tp1``).
+        key: the metric.
+        statistic: the family's declared statistic.
+        control_error: the largest control error feeding this class.
+        control: the control that gave it.
+        floor: the contract's floor for the family at this precision.
+        k: the multiplier.
+        bound: ``k * control_error + floor`` (0 in the deterministic lane).
+    """
+
+    precision: str
+    klass: str
+    key: MetricKey
+    statistic: str
+    control_error: float
+    control: str
+    floor: float
+    k: float
+    bound: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (one row of ``bounds.json``)."""
+        return {
+            "precision": self.precision,
+            "class": self.klass,
+            "round": self.key.round,
+            "role": self.key.role,
+            "family": self.key.family,
+            "statistic": self.statistic,
+            "control_error": self.control_error,
+            "control": self.control,
+            "floor": self.floor,
+            "k": self.k,
+            "bound": self.bound,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Bound:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            precision=d["precision"], klass=d["class"],
+            key=MetricKey(round=int(d["round"]), role=d["role"], family=d["family"]),
+            statistic=d["statistic"], control_error=float(d["control_error"]),
+            control=d["control"], floor=float(d["floor"]), k=float(d["k"]),
+            bound=float(d["bound"]),
+        )
+
+
+ControlErrors = dict[str, dict[str, dict[MetricKey, ErrorMeasure]]]
+"""``{precision: {control: {metric: error}}}``."""
+
+
+def measure_controls(
+    reference: Mapping[str, Mapping[str, npt.ArrayLike]],
+    controls: Mapping[str, Mapping[str, Mapping[str, npt.ArrayLike]]],
+    response_mask: npt.ArrayLike,
+) -> ControlErrors:
+    """Measure each control against the reference at the same precision.
+
+    Args:
+        reference: ``{precision: protocol tensors of the HF reference run}``.
+        controls: ``{precision: {control name: protocol tensors of the control run}}``.
+        response_mask: ``[B, R]`` valid-token mask.
+
+    Returns:
+        ``{precision: {control: {metric: ErrorMeasure}}}``.
+    """
+    out: ControlErrors = {}
+    for prec, runs in controls.items():
+        out[prec] = {name: compare_sets(run, reference[prec], response_mask)
+                     for name, run in runs.items()}
+    return out
+
+
+def compute_bounds(contract: Contract, errors: ControlErrors) -> list[Bound]:
+    """Apply the contract's bound rule to the measured control errors.
+
+    Args:
+        contract: supplies k, lane, floors and which controls feed which class.
+        errors: output of :func:`measure_controls`.
+
+    Returns:
+        One :class:`Bound` per precision x class x metric measured by the controls.
+
+    Raises:
+        KeyError: a control the contract names was not measured at a precision.
+    """
+    b = contract.bounds
+    classes = {"candidate_vs_hf": b.controls_candidate_vs_hf, "tp_vs_tp1": b.controls_tp_vs_tp1}
+    out: list[Bound] = []
+    for prec in sorted(errors):
+        for klass, names in classes.items():
+            usable = [n for n in names if n in errors[prec]]
+            expected = [n for n in names if n != "bf16_mode" or prec == "bf16"]
+            missing = sorted(set(expected) - set(usable))
+            if missing:
+                raise KeyError(f"controls {missing} not measured at {prec}")
+            keys = sorted({k for n in usable for k in errors[prec][n]}, key=lambda k: k.label)
+            for key in keys:
+                worst, worst_name = 0.0, "none"
+                for n in usable:
+                    e = errors[prec][n].get(key)
+                    if e is not None and (e.value > worst or worst_name == "none"):
+                        worst, worst_name = e.value, n
+                floor = float(b.floors[prec][key.family])
+                bound = 0.0 if b.lane == "deterministic" else b.k * worst + floor
+                out.append(Bound(precision=prec, klass=klass, key=key,
+                                 statistic=FAMILY_STATISTIC[key.family], control_error=worst,
+                                 control=worst_name, floor=floor, k=b.k, bound=bound))
+    return out
+
+
+def bounds_document(contract: Contract, bounds: list[Bound]) -> dict[str, Any]:
+    """The ``bounds.json`` document (rule, provenance, rows)."""
+    return {
+        "schema_version": 1,
+        "contract": contract.name,
+        "contract_digest": contract.digest,
+        "rule": "bound = k * control_error + floor",
+        "k": contract.bounds.k,
+        "lane": contract.bounds.lane,
+        "controls": {"candidate_vs_hf": list(contract.bounds.controls_candidate_vs_hf),
+                     "tp_vs_tp1": list(contract.bounds.controls_tp_vs_tp1)},
+        "bounds": [x.to_dict() for x in bounds],
+    }
+
+
+def lookup(bounds: list[Bound], *, precision: str, klass: str, key: MetricKey) -> Bound | None:
+    """Find the bound of ``key`` (variant ignored) in a class at a precision, or ``None``."""
+    want = dataclasses.replace(key, variant="")
+    for x in bounds:
+        if x.precision == precision and x.klass == klass and x.key == want:
+            return x
+    return None

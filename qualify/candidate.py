@@ -1,0 +1,267 @@
+"""The candidate stage: ``qualify candidate CONTRACT --reference DIR``.
+
+Runs every selected engine x precision x options x role x TP cell of the contract's matrix
+against a sealed reference, through the harness protocol (:mod:`qualify.protocol`). One
+launch runs one topology (Actor TP ``a`` + Critic TP ``c``, separate process groups) and
+yields the outputs of two cells; the stage splits them into append-only per-cell attempts:
+
+    evidence/<contract>/<run-id>/
+        run.json                        cell index: status, reason, attempt of each cell
+        inputs/                         what harnesses may read: rollout, train inputs,
+                                        contract.json, model.json (no reference scores)
+        launches/<launch-id>/attempt-N/ raw launch: cell.json, outputs, rank logs
+        cells/<cell-id>/attempt-N/      that cell's outputs.safetensors / outputs.json /
+                                        result.json, sealed (MANIFEST.json)
+
+Re-running with the same ``--run-id`` resumes: cells with a complete attempt are skipped,
+failed attempts are kept and a new attempt is added.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from qualify import store
+from qualify.contract import CellSpec, Contract, cells_matching
+from qualify.errors import EvidenceIntegrityError, ReferenceDataError
+from qualify.launch import LaunchResult, launch
+from qualify.progress import Progress
+from qualify.protocol import (
+    OUTPUTS_FILE,
+    OUTPUTS_META_FILE,
+    ROLLOUT_FILE,
+    ROLLOUT_META_FILE,
+    TRAIN_INPUTS_FILE,
+    HarnessCell,
+)
+from qualify.reference import load_sealed_reference
+from qualify.registry import get_engine
+
+RUN_FILE = "run.json"
+RUN_KIND = "candidate-run"
+CELL_ATTEMPT_KIND = "cell-attempt"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Launch:
+    """One harness launch: a topology of one engine x precision x options.
+
+    Attributes:
+        engine, precision, options: as in :class:`qualify.contract.CellSpec`.
+        topology: topology name.
+        actor: the Actor cell it produces (``None`` if the Actor is not run).
+        critic: the Critic cell it produces (``None`` if not run).
+    """
+
+    engine: str
+    precision: str
+    options: tuple[tuple[str, int], ...]
+    topology: str
+    actor: CellSpec | None
+    critic: CellSpec | None
+
+    @property
+    def launch_id(self) -> str:
+        """``torch_tp-fp32-a2c1`` (options included: ``deepspeed-bf16-zero1-a2c1``)."""
+        opts = "".join(f"-{k}{v}" for k, v in self.options)
+        return f"{self.engine}-{self.precision}{opts}-{self.topology}"
+
+    @property
+    def cells(self) -> list[CellSpec]:
+        """The cells this launch produces."""
+        return [c for c in (self.actor, self.critic) if c is not None]
+
+
+def plan_launches(contract: Contract, wanted: Sequence[CellSpec]) -> list[Launch]:
+    """Group the wanted cells into topology launches, each cell in exactly one launch.
+
+    Topologies are taken in contract order; a topology launches only the roles whose cell
+    is still wanted (the other role gets TP 0).
+    """
+    todo = {c.cell_id: c for c in wanted}
+    out: list[Launch] = []
+    keys = sorted({(c.engine, c.precision, c.options) for c in wanted},
+                  key=lambda k: [c.cell_id for c in wanted].index(
+                      next(x.cell_id for x in wanted if (x.engine, x.precision, x.options) == k)))
+    for engine, precision, options in keys:
+        for topo in contract.matrix.topologies:
+            actor = CellSpec(engine=engine, precision=precision,
+                             role="actor", tp=topo.actor_tp, options=options)
+            critic = CellSpec(engine=engine, precision=precision,
+                              role="critic", tp=topo.critic_tp, options=options)
+            a = todo.pop(actor.cell_id, None)
+            c = todo.pop(critic.cell_id, None)
+            if a or c:
+                out.append(Launch(engine=engine, precision=precision, options=options,
+                                  topology=topo.name, actor=a, critic=c))
+    assert not todo, f"cells not covered by any topology: {sorted(todo)}"
+    return out
+
+
+def _new_run_id() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+
+
+def _stage_inputs(reference: Path, run_dir: Path) -> Path:
+    """Copy what a harness may read into ``run_dir/inputs`` (never the reference scores)."""
+    inputs = run_dir / "inputs"
+    if (inputs / "model.json").exists():
+        return inputs
+    inputs.mkdir(parents=True, exist_ok=True)
+    for name in (ROLLOUT_FILE, ROLLOUT_META_FILE, TRAIN_INPUTS_FILE, "contract.json"):
+        shutil.copyfile(reference / name, inputs / name)
+    model = json.loads((reference / "model.json").read_text())
+    store.atomic_write_json(inputs / "model.json", {
+        "actor_dir": model["actor_dir"], "ref_dir": model["actor_dir"],
+        "critic_dir": model["critic_dir"], "files": model.get("files", {}),
+    })
+    return inputs
+
+
+def _read_run(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / RUN_FILE
+    if path.exists():
+        doc: dict[str, Any] = json.loads(path.read_text())
+        return doc
+    return {}
+
+
+def _split_outputs(result: LaunchResult, attempt: Path, launch_: Launch, cell: CellSpec,
+                   cell_attempt: Path) -> None:
+    """Write one cell's share of a launch into its own attempt directory and seal it."""
+    status = result.status
+    if status == "OK":
+        tensors = store.load_tensors(attempt / OUTPUTS_FILE)
+        mine = {k: v for k, v in tensors.items() if k.split("/")[1] == cell.role}
+        meta = json.loads((attempt / OUTPUTS_META_FILE).read_text())
+        role_meta = meta.get("roles", {}).get(cell.role, {})
+        store.save_tensors(cell_attempt / OUTPUTS_FILE, mine)
+        store.atomic_write_json(cell_attempt / OUTPUTS_META_FILE, {
+            **{k: v for k, v in meta.items() if k != "roles"}, **role_meta,
+            "role": cell.role, "tp": cell.tp})
+    logs = attempt / "logs"
+    if logs.is_dir():
+        shutil.copytree(logs, cell_attempt / "logs", dirs_exist_ok=True)
+    store.atomic_write_json(cell_attempt / "result.json", {
+        "status": "COMPLETE" if status == "OK" else "ERROR",
+        "reason": result.reason,
+        "wall_s": result.wall_s,
+        "returncode": result.returncode,
+        "launch": launch_.launch_id,
+        "launch_attempt": str(attempt),
+    })
+    store.seal(cell_attempt, kind=CELL_ATTEMPT_KIND)
+
+
+def run_candidate_stage(
+    contract: Contract,
+    *,
+    reference: Path,
+    root: Path,
+    cells: Sequence[str] | None = None,
+    run_id: str | None = None,
+    quiet: bool = False,
+    faults: Sequence[str] = (),
+    launch_timeout_s: float = 900.0,
+    collective_timeout_s: float = 120.0,
+) -> Path:
+    """Run the selected cells against a sealed reference; return the run directory.
+
+    Args:
+        contract: the loaded contract (its digest must equal the reference's).
+        reference: sealed reference directory.
+        root: evidence root (``evidence/``).
+        cells: cell globs (``None`` = every cell).
+        run_id: resume this run (default: a new UTC timestamp id).
+        quiet: no progress bars.
+        faults: deliberate engine faults (test suite only; recorded in run.json).
+        launch_timeout_s: wall-clock limit of one launch.
+        collective_timeout_s: timeout of every collective inside a harness.
+
+    Raises:
+        ReferenceDataError: the reference is missing, unsealed, or of another contract.
+        EvidenceIntegrityError: the reference was edited, or the run is sealed already.
+    """
+    ref_meta = load_sealed_reference(reference)
+    if ref_meta.get("contract_digest") != contract.digest:
+        raise ReferenceDataError(
+            f"{reference}: reference was sealed for contract digest "
+            f"{str(ref_meta.get('contract_digest'))[:12]}, this contract is {contract.digest12}")
+    wanted = cells_matching(contract, cells)
+    rid = run_id or _new_run_id()
+    run_dir = root / contract.name / rid
+    if store.is_sealed(run_dir):
+        raise EvidenceIntegrityError(f"{run_dir}: run is sealed (compared); start a new run")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    doc = _read_run(run_dir) or {
+        "schema_version": 1,
+        "contract": contract.name,
+        "contract_digest": contract.digest,
+        "reference": {"path": str(reference.resolve()),
+                      "manifest_digest": store.manifest_digest(reference),
+                      "sealed": ref_meta.get("created")},
+        "run_id": rid,
+        "started": store.utc_now(),
+        "faults": list(faults),
+        "cells": {},
+    }
+    if doc["contract_digest"] != contract.digest:
+        raise ReferenceDataError(f"{run_dir / RUN_FILE}: contract_digest: run belongs to "
+                                 f"another contract digest")
+    inputs = _stage_inputs(reference, run_dir)
+    todo = [c for c in wanted
+            if doc["cells"].get(c.cell_id, {}).get("status") != "COMPLETE"]
+    launches = plan_launches(contract, todo)
+    with Progress(total=max(1, len(launches)), description=f"candidate {contract.name}",
+                  quiet=quiet) as bar:
+        for lc in launches:
+            bar.advance(lc.launch_id)
+            engine = get_engine(lc.engine)
+            why_not = engine.unavailable_reason()
+            if why_not is not None:
+                for cell in lc.cells:
+                    doc["cells"][cell.cell_id] = _cell_entry(cell, "NOT_RUN", why_not, None)
+                store.atomic_write_json(run_dir / RUN_FILE, doc)
+                continue
+            hc = HarnessCell(
+                engine=lc.engine, precision=lc.precision,  # type: ignore[arg-type]
+                options=dict(lc.options),
+                actor_tp=lc.actor.tp if lc.actor else 0,
+                critic_tp=lc.critic.tp if lc.critic else 0,
+                rounds=contract.algorithm.rounds, seed=contract.sampling.seed,
+                inputs_dir=str(inputs.resolve()), output_dir="",
+                collective_timeout_s=collective_timeout_s, faults=tuple(faults),
+            )
+            attempt = store.new_attempt(run_dir / "launches" / lc.launch_id)
+            hc = dataclasses.replace(hc, output_dir=str(attempt.resolve()))
+            result = launch(hc, module=engine.module, attempt_dir=attempt,
+                            timeout_s=launch_timeout_s)
+            store.atomic_write_json(attempt / "result.json", {
+                "status": result.status, "reason": result.reason, "wall_s": result.wall_s,
+                "returncode": result.returncode})
+            store.seal(attempt, kind="launch-attempt")
+            for cell in lc.cells:
+                cell_attempt = store.new_attempt(run_dir / "cells" / cell.cell_id)
+                _split_outputs(result, attempt, lc, cell, cell_attempt)
+                status = "COMPLETE" if result.status == "OK" else "ERROR"
+                doc["cells"][cell.cell_id] = _cell_entry(
+                    cell, status, result.reason, str(cell_attempt.relative_to(run_dir)))
+            store.atomic_write_json(run_dir / RUN_FILE, doc)
+    for c in wanted:
+        doc["cells"].setdefault(c.cell_id, _cell_entry(c, "NOT_RUN", "not launched", None))
+    doc["finished"] = store.utc_now()
+    store.atomic_write_json(run_dir / RUN_FILE, doc)
+    return run_dir
+
+
+def _cell_entry(cell: CellSpec, status: str, reason: str | None,
+                attempt: str | None) -> dict[str, Any]:
+    return {"engine": cell.engine, "precision": cell.precision, "options": dict(cell.options),
+            "role": cell.role, "tp": cell.tp, "status": status, "reason": reason,
+            "attempt": attempt}

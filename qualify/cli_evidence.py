@@ -1,0 +1,145 @@
+"""Subcommands for signed evidence: ``keygen``, ``sign``, ``verify``, ``gate``, ``audit``.
+
+:func:`register` adds them to the ``qualify`` parser's subcommands. Each handler returns an
+:class:`~qualify.errors.ExitCode`: ``verify`` 0 or 3; ``gate`` 0, 1 (a required cell
+failed) or 3 (integrity); ``audit`` 0 or 3 (problems found). Heavy modules are imported
+inside the handlers so ``qualify --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from qualify.errors import ExitCode
+
+__all__ = ["register"]
+
+
+def _cmd_keygen(args: argparse.Namespace) -> ExitCode:
+    from qualify.signing import default_keys_dir, generate_key
+
+    private = Path(args.private_key) if args.private_key else \
+        Path("~/.config/qualify").expanduser() / f"{args.name}-signing-key.pem"
+    key, pub = generate_key(private, Path(args.public_dir), name=args.name)
+    print(f"keyid {key.keyid}")
+    print(f"private key: {private} (mode 0600; never commit it)")
+    print(f"public key:  {pub}")
+    keys = default_keys_dir()
+    if pub is not None and pub.parent.resolve() != keys.resolve():
+        print(f"to trust it: copy {pub} into {keys}/ and commit it")
+    return ExitCode.OK
+
+
+def _cmd_sign(args: argparse.Namespace) -> ExitCode:
+    from qualify.signing import (
+        default_signing_key,
+        load_signing_key,
+        sign_directory,
+        trusted_keys,
+    )
+
+    key = load_signing_key(args.key) if args.key else default_signing_key()
+    path = sign_directory(Path(args.dir), key, reference_dir=args.reference)
+    print(f"{path}: signed by keyid {key.keyid} ({key.source})")
+    if key.keyid not in trusted_keys(args.keys):
+        print(f"note: keyid {key.keyid[:16]} is not a trusted key in "
+              f"{args.keys or 'contracts/keys'}; verify and gate will reject it",
+              file=sys.stderr)
+    return ExitCode.OK
+
+
+def _cmd_verify(args: argparse.Namespace) -> ExitCode:
+    from qualify import store
+    from qualify.verify import verify
+
+    result = verify(Path(args.path), trusted_keys_dir=args.keys, contract=args.contract,
+                    contracts_dir=args.contracts_dir, reference_dir=args.reference)
+    print("\n".join(result.summary_lines()))
+    if args.json:
+        store.atomic_write_json(args.json, result.to_dict())
+    return result.exit_code
+
+
+def _cmd_gate(args: argparse.Namespace) -> ExitCode:
+    from qualify.gate import gate
+
+    result = gate(Path(args.evidence_dir), args.contract, allow_not_run=args.allow_not_run,
+                  trusted_keys_dir=args.keys, reference_dir=args.reference, json_out=args.json)
+    print("\n".join(result.summary_lines()))
+    return result.exit_code
+
+
+def _cmd_audit(args: argparse.Namespace) -> ExitCode:
+    from qualify import store
+    from qualify.audit import audit, render
+
+    result = audit(args.dirs, trusted_keys_dir=args.keys, contracts_dir=args.contracts_dir)
+    text = render(result, args.format)
+    print(text)
+    if args.output:
+        store.atomic_write_text(args.output, text + "\n")
+    return result.exit_code
+
+
+def _keys_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--keys", metavar="DIR",
+                   help="directory of trusted public keys *.pub (default contracts/keys)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``keygen``, ``sign``, ``verify``, ``gate`` and ``audit`` to ``sub``.
+
+    Args:
+        sub: the ``qualify`` parser's subparsers action.
+    """
+    p = sub.add_parser("keygen", help="create an Ed25519 signing key pair")
+    p.add_argument("--name", default="qualify", help="label of the key (public key file name)")
+    p.add_argument("--private-key", metavar="FILE",
+                   help="private key PEM, mode 0600 (default ~/.config/qualify/"
+                        "<name>-signing-key.pem)")
+    p.add_argument("--public-dir", default=".", metavar="DIR",
+                   help="where <name>-<keyid16>.pub goes (default: current directory)")
+    p.set_defaults(func=_cmd_keygen)
+
+    p = sub.add_parser("sign", help="attest a sealed reference or candidate run "
+                                    "(attestation.dsse.json)")
+    p.add_argument("dir", help="sealed reference or candidate-run directory")
+    p.add_argument("--key", metavar="FILE",
+                   help="PEM private key (default $QUALIFY_SIGNING_KEY, "
+                        "$QUALIFY_SIGNING_KEY_FILE, else the per-user development key)")
+    p.add_argument("--reference", metavar="DIR", help="the run's reference (default run.json)")
+    _keys_arg(p)
+    p.set_defaults(func=_cmd_sign)
+
+    p = sub.add_parser("verify", help="verify a signed reference or run (exit 0 or 3)")
+    p.add_argument("path", help="sealed, signed reference or candidate-run directory")
+    _keys_arg(p)
+    p.add_argument("--contract", metavar="FILE",
+                   help="committed contract (default contracts/<name>.toml)")
+    p.add_argument("--contracts-dir", metavar="DIR", help="directory of committed contracts")
+    p.add_argument("--reference", metavar="DIR", help="the run's reference (default run.json)")
+    p.add_argument("--json", metavar="OUT", help="write the verification result as JSON")
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("gate", help="CI merge gate: verified evidence and every required "
+                                    "cell PASS (exit 0, 1 or 3)")
+    p.add_argument("evidence_dir", help="a run directory or a directory of runs (evidence/)")
+    p.add_argument("--contract", action="append", required=True, metavar="FILE",
+                   help="committed contract to gate on (repeatable)")
+    p.add_argument("--allow-not-run", action="append", default=[], metavar="GLOB",
+                   help="cell-id glob allowed to be NOT_RUN, e.g. 'deepspeed-*' (repeatable)")
+    p.add_argument("--json", metavar="OUT", help="write the decision (gate.schema.json)")
+    p.add_argument("--reference", metavar="DIR", help="the runs' reference (default run.json)")
+    _keys_arg(p)
+    p.set_defaults(func=_cmd_gate)
+
+    p = sub.add_parser("audit", help="table of every reference and run below DIR and every "
+                                     "problem (exit 3 if any)")
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="directories to walk")
+    p.add_argument("--format", choices=("table", "json", "md"), default="table")
+    p.add_argument("--output", metavar="FILE", help="also write the rendering there")
+    p.add_argument("--contracts-dir", metavar="DIR", help="directory of committed contracts")
+    _keys_arg(p)
+    p.set_defaults(func=_cmd_audit)

@@ -1,0 +1,364 @@
+"""Launch one harness cell under torchrun, with a wall-clock timeout and every rank's logs.
+
+:func:`launch` writes ``cell.json`` (validated by ``contracts/schema/cell.schema.json``) into
+the attempt directory and runs::
+
+    python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node <world_size>
+        --max-restarts 0 --log-dir <attempt>/logs/ranks --redirects 3 --tee 3
+        -m <harness module> <attempt>/cell.json
+
+in a new session (its own process group). Every rank's stdout / stderr (and torchrun's
+``error.json`` when a rank raises) is kept under ``<attempt>/logs/ranks/``; torchrun's own
+output, which carries every rank's lines prefixed with ``[rank]:``, goes to
+``<attempt>/logs/launcher.log``. The harness is generic: any module that runs under
+``python -m MODULE CELL_JSON`` (or a ``"module:attr"`` entry point, run through this
+module's trampoline) and speaks :mod:`qualify.protocol` can be launched.
+
+A launch ends in one :class:`LaunchResult`: ``OK`` when the harness exited 0 and wrote
+``outputs.safetensors`` and an ``outputs.json`` valid against
+``contracts/schema/outputs.schema.json``; ``ERROR`` otherwise (timeout, non-zero exit with
+the failing rank's log tail, missing or invalid outputs). On timeout the whole process
+tree is ended: SIGTERM to torchrun's process group and to every descendant (torchrun
+starts each worker in a session of its own), then SIGKILL after a grace period.
+
+This module imports neither torch nor any engine; it is safe to import anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import jsonschema
+import psutil
+
+from qualify.errors import HarnessError
+from qualify.protocol import (
+    CELL_FILE,
+    OUTPUTS_FILE,
+    OUTPUTS_META_FILE,
+    HarnessCell,
+    parse_tensor_name,
+)
+from qualify.resources import load_schema, repo_root
+
+LaunchStatus = Literal["OK", "ERROR"]
+
+LOGS_DIR: Final = "logs"
+RANK_LOGS_DIR: Final = "ranks"
+LAUNCHER_LOG: Final = "launcher.log"
+KILL_GRACE_S: Final = 5.0
+"""Seconds between SIGTERM and SIGKILL when a launch is ended."""
+TAIL_LINES: Final = 25
+"""Lines of the failing rank's log quoted in an ``ERROR`` reason."""
+_SAFETENSORS_FLOATS: Final = frozenset({"F64", "F32"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchResult:
+    """How one launch ended.
+
+    Attributes:
+        status: ``OK`` or ``ERROR``.
+        reason: empty for ``OK``; for ``ERROR`` what went wrong (``timeout after 60s``,
+            the exit code and the failing rank's log tail, or the output problem).
+        wall_s: wall-clock seconds of the launch.
+        returncode: torchrun's exit status (``None`` when it was killed on timeout).
+        attempt_dir: the attempt directory.
+        cell_file: the ``cell.json`` written.
+        launcher_log: torchrun's combined stdout / stderr.
+        rank_logs: every rank's ``stdout.log`` / ``stderr.log`` / ``error.json`` found.
+        failed_rank: global rank of the first failure, when torchrun recorded one.
+    """
+
+    status: LaunchStatus
+    reason: str
+    wall_s: float
+    returncode: int | None
+    attempt_dir: Path
+    cell_file: Path
+    launcher_log: Path
+    rank_logs: tuple[Path, ...]
+    failed_rank: int | None = None
+
+    def __bool__(self) -> bool:
+        return self.status == "OK"
+
+
+def validate_cell(doc: Mapping[str, Any]) -> None:
+    """Validate a ``cell.json`` document against ``cell.schema.json``.
+
+    Raises:
+        HarnessError: the first schema violation, naming the field.
+    """
+    _validate(doc, "cell", CELL_FILE)
+
+
+def validate_outputs_meta(doc: Mapping[str, Any]) -> None:
+    """Validate an ``outputs.json`` document against ``outputs.schema.json``.
+
+    Raises:
+        HarnessError: the first schema violation, naming the field.
+    """
+    _validate(doc, "outputs", OUTPUTS_META_FILE)
+
+
+def _validate(doc: Mapping[str, Any], schema: str, what: str) -> None:
+    validator = jsonschema.Draft202012Validator(load_schema(schema))
+    errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
+    if errors:
+        err = jsonschema.exceptions.best_match(errors)
+        assert err is not None
+        field = ".".join(str(p) for p in err.absolute_path) or "(top level)"
+        raise HarnessError(f"{what}: {field}: {err.message}")
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file (tensor name -> dtype, shape, offsets).
+
+    Read directly (8-byte little-endian length, then JSON) so the launcher needs no torch.
+
+    Raises:
+        HarnessError: not a safetensors file.
+    """
+    try:
+        with path.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100 * 2**20:
+                raise HarnessError(f"{path}: safetensors header of {n} bytes is implausible")
+            header: dict[str, Any] = json.loads(f.read(n))
+    except (OSError, struct.error, ValueError) as exc:
+        raise HarnessError(f"{path}: not a readable safetensors file: {exc}") from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def check_outputs(output_dir: Path) -> None:
+    """Check that a harness left protocol-conforming outputs in ``output_dir``.
+
+    ``outputs.json`` must validate against ``outputs.schema.json``; ``outputs.safetensors``
+    must hold ``tensors.count`` tensors (at least one), every name must follow
+    ``round{r}/{role}/{metric}`` and every floating tensor must be F32 or F64
+    (:mod:`qualify.protocol`).
+
+    Raises:
+        HarnessError: the first problem found.
+    """
+    meta_path, tensors_path = output_dir / OUTPUTS_META_FILE, output_dir / OUTPUTS_FILE
+    for p in (tensors_path, meta_path):
+        if not p.is_file():
+            raise HarnessError(f"{p}: missing (the harness exited 0 without writing it)")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise HarnessError(f"{meta_path}: not readable JSON: {exc}") from None
+    if not isinstance(meta, dict):
+        raise HarnessError(f"{meta_path}: not a JSON object")
+    validate_outputs_meta(meta)
+    header = read_safetensors_header(tensors_path)
+    if not header:
+        raise HarnessError(f"{tensors_path}: holds no tensors")
+    if meta["tensors"]["count"] != len(header):
+        raise HarnessError(f"{meta_path}: tensors.count is {meta['tensors']['count']} but "
+                           f"{tensors_path.name} holds {len(header)} tensors")
+    for name, info in header.items():
+        try:
+            parse_tensor_name(name)
+        except ValueError as exc:
+            raise HarnessError(f"{tensors_path}: {exc}") from None
+        dtype = str(info.get("dtype", ""))
+        if (dtype.startswith(("F", "BF")) and dtype not in _SAFETENSORS_FLOATS):
+            raise HarnessError(f"{tensors_path}: {name} is {dtype}; the protocol stores "
+                               f"floating tensors as F32 (or F64)")
+
+
+def torchrun_command(cell_file: Path, *, module: str, world_size: int,
+                     log_dir: Path) -> list[str]:
+    """The torchrun command line of a launch.
+
+    Args:
+        cell_file: the ``cell.json`` passed to the harness.
+        module: harness module (``harnesses.torch_tp.harness``) or ``"module:attr"``
+            (run through :func:`_trampoline`).
+        world_size: processes to start.
+        log_dir: torchrun's ``--log-dir``.
+    """
+    target = (["-m", __name__, module] if ":" in module else ["-m", module])
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+            "--nproc-per-node", str(world_size), "--max-restarts", "0",
+            "--log-dir", str(log_dir), "--redirects", "3", "--tee", "3",
+            *target, str(cell_file)]
+
+
+def launch_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    """The environment of a launch: ours, overlaid by ``env``, plus what every rank needs.
+
+    ``OMP_NUM_THREADS=1`` unless set (one thread per rank), ``PYTHONUNBUFFERED=1`` (logs
+    arrive as written), the repository root first on ``PYTHONPATH`` (``harnesses`` is not
+    an installed package).
+    """
+    out = dict(os.environ)
+    out.update(env or {})
+    out.setdefault("OMP_NUM_THREADS", "1")
+    out.setdefault("PYTHONUNBUFFERED", "1")
+    root = str(repo_root())
+    parts = [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p]
+    out["PYTHONPATH"] = os.pathsep.join([root, *[p for p in parts if p != root]])
+    return out
+
+
+def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: float,
+           env: Mapping[str, str] | None = None) -> LaunchResult:
+    """Run ``cell`` under torchrun and report how it ended.
+
+    Args:
+        cell: what to run; its ``output_dir`` is where the harness writes ``outputs.*``
+            (usually ``attempt_dir``).
+        module: harness module, e.g. ``harnesses.torch_tp.harness`` (see
+            :attr:`qualify.registry.EngineSpec.module`), or ``"module:attr"``.
+        attempt_dir: a fresh attempt directory (``cell.json`` and ``logs/`` go here);
+            attempts are never reused.
+        timeout_s: wall-clock limit (> 0) of the whole launch.
+        env: environment variables set for the launch (over this process's environment).
+
+    Returns:
+        The :class:`LaunchResult` (``ERROR`` for every harness failure: none raises).
+
+    Raises:
+        HarnessError: the cell is invalid, the attempt directory was used before, or
+            ``timeout_s`` is not positive (caller bugs, not harness failures).
+    """
+    if not timeout_s > 0:
+        raise HarnessError(f"timeout_s must be > 0, got {timeout_s}")
+    doc = cell.to_dict()
+    validate_cell(doc)
+    attempt_dir = Path(attempt_dir)
+    cell_file = attempt_dir / CELL_FILE
+    if cell_file.exists():
+        raise HarnessError(f"{cell_file}: attempt directory already used; attempts are "
+                           f"append-only (use a new attempt-N)")
+    logs = attempt_dir / LOGS_DIR
+    rank_dir = logs / RANK_LOGS_DIR
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    Path(cell.output_dir).mkdir(parents=True, exist_ok=True)
+    tmp = cell_file.with_name(CELL_FILE + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, cell_file)
+    cmd = torchrun_command(cell_file, module=module, world_size=cell.world_size,
+                           log_dir=rank_dir)
+    launcher_log = logs / LAUNCHER_LOG
+    t0 = time.monotonic()
+    with launcher_log.open("wb") as log:
+        log.write(("$ " + " ".join(cmd) + "\n").encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=attempt_dir, env=launch_env(env), stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            rc: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _end_process_tree(proc)
+            rc = None
+    wall = round(time.monotonic() - t0, 3)
+    rank_logs = tuple(sorted(p for p in rank_dir.rglob("*") if p.is_file()))
+
+    def result(status: LaunchStatus, reason: str, failed: int | None = None) -> LaunchResult:
+        return LaunchResult(status=status, reason=reason, wall_s=wall, returncode=rc,
+                            attempt_dir=attempt_dir, cell_file=cell_file,
+                            launcher_log=launcher_log, rank_logs=rank_logs, failed_rank=failed)
+
+    if rc is None:
+        return result("ERROR", f"timeout after {timeout_s:g}s (process tree ended; logs "
+                               f"kept in {logs})")
+    if rc != 0:
+        failed, tail = _failure_tail(rank_dir, launcher_log)
+        where = f"rank {failed}" if failed is not None else "torchrun"
+        return result("ERROR", f"harness exited with code {rc}; first failure on {where}:\n"
+                               f"{tail}", failed)
+    try:
+        check_outputs(Path(cell.output_dir))
+    except HarnessError as exc:
+        return result("ERROR", f"harness exited 0 but its outputs are not valid: {exc}")
+    return result("OK", "")
+
+
+def _end_process_tree(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM torchrun's process group and every descendant, then SIGKILL survivors."""
+    try:
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        family = []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        for p in family:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                p.send_signal(sig)
+        _, alive = psutil.wait_procs(family, timeout=KILL_GRACE_S)
+        family = alive
+        if not alive and proc.poll() is not None:
+            break
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=KILL_GRACE_S)
+
+
+def _failure_tail(rank_dir: Path, launcher_log: Path) -> tuple[int | None, str]:
+    """The first failing rank and what it said: its exception, then its log tail.
+
+    The first failure is the earliest ``error.json`` (torchrun's record of an uncaught
+    exception); failing that, the first rank whose stderr holds a traceback; failing
+    that, torchrun's own log.
+    """
+    found: list[tuple[float, int, Path, str]] = []
+    for err in rank_dir.rglob("error.json"):
+        stamp, message = err.stat().st_mtime, ""
+        with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
+            info = json.loads(err.read_text(encoding="utf-8"))["message"]
+            message = str(info.get("message", ""))
+            stamp = float(info.get("extraInfo", {}).get("timestamp", stamp))
+        with contextlib.suppress(ValueError):
+            found.append((stamp, int(err.parent.name), err.parent, message))
+    if not found:
+        for stderr in sorted(rank_dir.rglob("stderr.log")):
+            if "Traceback" in stderr.read_text(encoding="utf-8", errors="replace"):
+                with contextlib.suppress(ValueError):
+                    found.append((stderr.stat().st_mtime, int(stderr.parent.name),
+                                  stderr.parent, ""))
+    if not found:
+        return None, _tail(launcher_log)
+    _, rank, folder, message = min(found)
+    tail = _tail(folder / "stderr.log")
+    return rank, f"{message}\n{tail}" if message else tail
+
+
+def _tail(path: Path, lines: int = TAIL_LINES) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return f"({path} unreadable)"
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _trampoline(argv: Sequence[str]) -> int:
+    """``python -m qualify.launch module:attr CELL_JSON``: call ``attr([CELL_JSON])``."""
+    if len(argv) != 2 or ":" not in argv[0]:
+        print("usage: python -m qualify.launch MODULE:ATTR CELL_JSON", file=sys.stderr)
+        return 2
+    mod_name, attr = argv[0].split(":", 1)
+    fn = getattr(importlib.import_module(mod_name), attr)
+    return int(fn([argv[1]]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(_trampoline(sys.argv[1:]))

@@ -1,0 +1,389 @@
+"""The frozen-contract stage: ``qualify reference CONTRACT``.
+
+Steps (DESIGN.md section 4), each writing into an unsealed directory
+``references/<name>-<digest12>/`` that is sealed only at the very end:
+
+1. verify the model manifest and prepare the role models;
+2. capture the rollout with the contract's sampler;
+3. teacher-forced HF scoring at FP32 and BF16 (actor, reference policy, critic, reward);
+4. PPO / GRPO targets in FP64 (numpy) from the FP32 scores;
+5. the independent reference update (HF + ``torch.optim.AdamW``) at each precision;
+6. the independent controls, their errors and the bounds (``bounds.json``);
+7. environment capture, ``MANIFEST.json`` last, files read-only.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from qualify import models, rollout, scoring, store, targets
+from qualify.bounds import bounds_document, compute_bounds, measure_controls
+from qualify.contract import Contract, Precision
+from qualify.environment import capture_environment
+from qualify.errors import ContractError, ReferenceDataError
+from qualify.progress import Progress
+from qualify.protocol import ROLLOUT_META_FILE, TRAIN_INPUTS_FILE
+from qualify.reference_update import Batch, Bf16Mode, UpdateSettings, run_actor, run_critic
+from qualify.signing import seal_and_sign
+
+REFERENCE_KIND = "reference"
+REFERENCE_FILE = "reference.json"
+BOUNDS_FILE = "bounds.json"
+CONTROL_ERRORS_FILE = "control_errors.json"
+
+
+def reference_dir_name(contract: Contract) -> str:
+    """``<contract name>-<digest12>``."""
+    return f"{contract.name}-{contract.digest12}"
+
+
+def resolve_prompts(contract: Contract, bundle: models.ModelBundle) -> list[list[int]]:
+    """Turn the contract's prompts into token id lists.
+
+    Raises:
+        ContractError: text prompts without a tokenizer; prompts file missing or with a
+            wrong digest; a token id outside the vocabulary.
+    """
+    p = contract.prompts
+    texts: list[str] | None = None
+    ids: list[list[int]] | None = None
+    if p.token_ids is not None:
+        ids = [list(x) for x in p.token_ids]
+    elif p.text is not None:
+        texts = list(p.text)
+    else:
+        assert p.file is not None
+        base = contract.path.parent if contract.path else Path.cwd()
+        f = (base / p.file).resolve()
+        if not f.is_file():
+            raise ContractError(f"prompts.file: {f} not found")
+        data = f.read_bytes()
+        digest = store.sha256_bytes(data)
+        if digest != p.sha256:
+            raise ContractError(f"prompts.sha256: {f}: expected {p.sha256}, found {digest}")
+        rows = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+        if all("token_ids" in r for r in rows):
+            ids = [list(r["token_ids"]) for r in rows]
+        elif all("text" in r for r in rows):
+            texts = [r["text"] for r in rows]
+        else:
+            raise ContractError(f"prompts.file: {f}: each line needs 'text' or 'token_ids'")
+    if texts is not None:
+        tok = models.load_tokenizer(bundle)
+        if tok is None:
+            raise ContractError("prompts.text: the model has no tokenizer; use prompts.token_ids")
+        ids = [list(tok(t, add_special_tokens=True)["input_ids"]) for t in texts]
+    assert ids is not None
+    from transformers import AutoConfig
+
+    vocab = int(AutoConfig.from_pretrained(bundle.actor_dir).vocab_size)
+    for i, row in enumerate(ids):
+        bad = [t for t in row if t >= vocab]
+        if bad:
+            raise ContractError(f"prompts.token_ids[{i}]: ids {bad} >= vocab_size {vocab}")
+    return ids
+
+
+def _batch(roll: rollout.Rollout, train: dict[str, torch.Tensor], pad: int) -> Batch:
+    return Batch(prompts=roll.prompts, responses=roll.responses,
+                 attention_mask=roll.attention_mask, response_mask=roll.response_mask,
+                 advantages=train["advantages"], returns=train["returns"], pad_token_id=pad)
+
+
+def _update_run(contract: Contract, bundle: models.ModelBundle, batch: Batch,
+                settings: UpdateSettings, attn: str) -> tuple[dict[str, torch.Tensor],
+                                                             dict[str, Any]]:
+    """One full reference-update run (actor + critic, all rounds) with fresh FP32 models."""
+    out: dict[str, torch.Tensor] = {}
+    meta: dict[str, Any] = {"attn_implementation": attn, "settings": {
+        "precision": settings.precision, "bf16_mode": settings.bf16_mode,
+        "micro_batch_size": settings.micro_batch_size,
+        "extra_left_padding": settings.extra_left_padding,
+        "extra_right_padding": settings.extra_right_padding}}
+    r_len = batch.responses.shape[1]
+    torch.manual_seed(0)
+    actor = models.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
+                              requires_grad=True)
+    ref = models.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
+                            requires_grad=False)
+    t, meta["actor"] = run_actor(actor, ref, batch, contract, settings)
+    out.update(t)
+    del actor, ref
+    if contract.algorithm.name != "grpo":
+        critic = models.load_critic(bundle.critic_dir, dtype=torch.float32,
+                                    attn_implementation=attn, requires_grad=True)
+        t, meta["critic"] = run_critic(critic, batch, contract, settings)
+        out.update(t)
+        del critic
+    from qualify.reference_update import strip_padding
+
+    return strip_padding(out, r_len), meta
+
+
+def _reward_scores(contract: Contract, bundle: models.ModelBundle, roll: rollout.Rollout,
+                   *, precision: Precision, bf16_mode: Bf16Mode, attn: str,
+                   micro_batch_size: int,
+                   extra_left: int = 0, extra_right: int = 0) -> torch.Tensor:
+    if contract.roles.reward == "model":
+        assert bundle.reward_dir is not None
+        rm = models.load_reward(bundle.reward_dir, dtype=torch.float32, attn_implementation=attn)
+        res = scoring.score_rewards(rm, roll, precision=precision, bf16_mode=bf16_mode,
+                                    micro_batch_size=micro_batch_size,
+                                    extra_left_padding=extra_left,
+                                    extra_right_padding=extra_right)
+        return res.tensors["scores"].float()
+    return scoring.rule_rewards(roll, rule=contract.roles.reward.removeprefix("rule:")).float()
+
+
+def _controls(contract: Contract,
+              precision: Precision) -> dict[str, tuple[UpdateSettings, str]]:
+    """The independent controls of DESIGN.md section 5 at one precision.
+
+    - ``attn_impl``: eager attention instead of sdpa.
+    - ``microbatch``: another micro-batch partition (half the size, at least 1, or 2 when the
+      contract uses 1) with 2 extra left and 3 extra right padding columns.
+    - ``bf16_mode`` (BF16 only): autocast over FP32 parameters instead of BF16 parameters
+      with an FP32 master copy.
+    """
+    mbs = contract.algorithm.micro_batch_size
+    other_mbs = max(1, mbs // 2) if mbs > 1 else 2
+    names = set(contract.bounds.controls_candidate_vs_hf) | set(contract.bounds.controls_tp_vs_tp1)
+    out: dict[str, tuple[UpdateSettings, str]] = {}
+    if "attn_impl" in names:
+        out["attn_impl"] = (UpdateSettings(precision=precision, micro_batch_size=mbs,
+                                           label=f"attn_impl-{precision}"), "eager")
+    if "microbatch" in names:
+        out["microbatch"] = (UpdateSettings(precision=precision, micro_batch_size=other_mbs,
+                                            extra_left_padding=2, extra_right_padding=3,
+                                            label=f"microbatch-{precision}"), "sdpa")
+    if "bf16_mode" in names and precision == "bf16":
+        out["bf16_mode"] = (UpdateSettings(precision="bf16", bf16_mode="autocast",
+                                           micro_batch_size=mbs, label="bf16_mode-bf16"), "sdpa")
+    return out
+
+
+def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
+                        quiet: bool = False,
+                        on_step: Callable[[str], None] | None = None) -> Path:
+    """Run the whole reference stage and seal its directory.
+
+    Args:
+        contract: the loaded contract.
+        root: parent directory (``references/``).
+        new: make ``<name>-<digest12>-N`` when a sealed directory exists.
+        quiet: no progress bars.
+        on_step: test hook called with each step name before it runs (used to simulate an
+            interrupted run).
+
+    Returns:
+        The sealed reference directory.
+
+    Raises:
+        ReferenceDataError: the directory is sealed already (without ``new``).
+        ModelSourceError: the model manifest does not match.
+        ContractError: the prompts cannot be resolved.
+    """
+    base = root / reference_dir_name(contract)
+    target = store.next_free_dir(base) if new and store.is_sealed(base) else base
+    out = store.claim_dir(target, kind=REFERENCE_KIND)
+    timings: dict[str, float] = {}
+    precisions = list(contract.matrix.precisions)
+    mbs = contract.algorithm.micro_batch_size
+    steps = ["models", "rollout", "scoring", "targets", "updates", "controls", "seal"]
+    with Progress(total=len(steps), description=f"reference {contract.name}",
+                  quiet=quiet) as bar:
+
+        def step(name: str) -> None:
+            if on_step is not None:
+                on_step(name)
+            bar.advance(name)
+            timings[name] = time.perf_counter()
+
+        step("models")
+        bundle = models.prepare_models(contract)
+        store.atomic_write_text(out / "contract.toml",
+                                contract.path.read_text() if contract.path else "")
+        store.atomic_write_json(out / "contract.json", contract.to_dict())
+        store.atomic_write_json(out / "model.json", bundle.to_dict())
+
+        step("rollout")
+        prompts = resolve_prompts(contract, bundle)
+        sampler = rollout.get_backend(contract.sampling.engine)
+        actor = models.load_actor(bundle.actor_dir, dtype=torch.float32,
+                                  attn_implementation="sdpa", requires_grad=False)
+        roll = sampler.sample(prompts, contract.sampling, pad_token_id=bundle.pad_token_id,
+                              eos_token_id=bundle.eos_token_id, model=actor)
+        roll.save(out)
+        del actor
+
+        step("scoring")
+        scores: dict[str, dict[str, torch.Tensor]] = {}
+        records: dict[str, Any] = {}
+        for prec in precisions:
+            s, rec = _score_all(contract, bundle, roll, precision=prec, attn="sdpa",
+                                micro_batch_size=mbs)
+            scores[prec] = s
+            records[prec] = rec
+            store.save_tensors(out / "scores" / f"hf-{prec}.safetensors", s)
+        fp32_scores = scores.get("fp32")
+        if fp32_scores is None:
+            fp32_scores, _ = _score_all(contract, bundle, roll, precision="fp32", attn="sdpa",
+                                        micro_batch_size=mbs)
+
+        step("targets")
+        tg = targets.compute_targets(
+            algorithm=contract.algorithm.name,
+            scores=fp32_scores["reward/scores"].double().numpy(),
+            logprobs=fp32_scores["actor/logprobs"].double().numpy(),
+            ref_logprobs=fp32_scores["reference/logprobs"].double().numpy(),
+            values=fp32_scores["critic/values"].double().numpy()
+            if "critic/values" in fp32_scores else None,
+            bootstrap_values=fp32_scores["critic/last_values"].double().numpy()
+            if "critic/last_values" in fp32_scores else None,
+            response_mask=roll.response_mask.numpy(),
+            eos_terminated=roll.eos_terminated.numpy(),
+            group_index=roll.group_index.numpy(),
+            gamma=contract.algorithm.gamma, lam=contract.algorithm.lam,
+            kl_coef=contract.algorithm.kl_coef, kl_estimator=contract.algorithm.kl_estimator,
+            whiten=contract.algorithm.whiten_advantages,
+        )
+        store.save_tensors(out / "targets.safetensors", tg.to_tensors())
+        train = {"advantages": torch.from_numpy(tg.advantages.astype(np.float32)),
+                 "returns": torch.from_numpy(tg.returns.astype(np.float32))}
+        store.save_tensors(out / TRAIN_INPUTS_FILE, train)
+        batch = _batch(roll, train, bundle.pad_token_id)
+
+        step("updates")
+        ref_runs: dict[str, dict[str, torch.Tensor]] = {}
+        update_meta: dict[str, Any] = {}
+        for prec in precisions:
+            settings = UpdateSettings(precision=prec, micro_batch_size=mbs,
+                                      label=f"hf-{prec}")
+            t, meta = _update_run(contract, bundle, batch, settings, "sdpa")
+            t["round1/reward/rewards"] = scores[prec]["reward/scores"]
+            ref_runs[prec] = t
+            update_meta[f"hf-{prec}"] = meta
+            store.save_tensors(out / "reference" / f"hf-{prec}.safetensors", t)
+            _check_state_dtypes(meta, f"hf-{prec}")
+
+        step("controls")
+        control_runs: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+        for prec in precisions:
+            control_runs[prec] = {}
+            for name, (settings, attn) in _controls(contract, prec).items():
+                t, meta = _update_run(contract, bundle, batch, settings, attn)
+                t["round1/reward/rewards"] = _reward_scores(
+                    contract, bundle, roll, precision=prec, bf16_mode=settings.bf16_mode,
+                    attn=attn, micro_batch_size=settings.micro_batch_size,
+                    extra_left=settings.extra_left_padding,
+                    extra_right=settings.extra_right_padding)
+                control_runs[prec][name] = t
+                update_meta[f"{name}-{prec}"] = meta
+                store.save_tensors(out / "controls" / f"{name}-{prec}.safetensors", t)
+        mask = roll.response_mask.numpy()
+        errors = measure_controls(
+            {p: {k: v.numpy() for k, v in t.items()} for p, t in ref_runs.items()},
+            {p: {n: {k: v.numpy() for k, v in t.items()} for n, t in runs.items()}
+             for p, runs in control_runs.items()},
+            mask,
+        )
+        store.atomic_write_json(out / CONTROL_ERRORS_FILE, {
+            prec: {name: {key.label: {"value": e.value, "where": e.where,
+                                      "max_abs": e.max_abs, "max_rel": e.max_rel}
+                          for key, e in errs.items()}
+                   for name, errs in by_control.items()}
+            for prec, by_control in errors.items()})
+        bounds = compute_bounds(contract, errors)
+        store.atomic_write_json(out / BOUNDS_FILE, bounds_document(contract, bounds),
+                                schema="bounds")
+
+        step("seal")
+        store.atomic_write_json(out / "environment.json", capture_environment(),
+                                schema="environment")
+        t0 = min(timings.values())
+        store.atomic_write_json(out / REFERENCE_FILE, {
+            "schema_version": 1,
+            "contract": contract.name,
+            "contract_digest": contract.digest,
+            "created": store.utc_now(),
+            "rollout_engine": contract.sampling.engine,
+            "rollout_meta": ROLLOUT_META_FILE,
+            "precisions": precisions,
+            "scoring_records": records,
+            "update_meta": update_meta,
+            "step_started_s": {k: round(v - t0, 3) for k, v in timings.items()},
+        })
+        seal_and_sign(out, kind=REFERENCE_KIND)
+    return out
+
+
+def _check_state_dtypes(meta: dict[str, Any], label: str) -> None:
+    """The reference's own optimizer state must be FP32 in both precisions."""
+    for role in ("actor", "critic"):
+        if role not in meta:
+            continue
+        for key, dtype in meta[role]["optimizer_state"].items():
+            if dtype != "torch.float32":
+                raise ReferenceDataError(f"{label}: {role} optimizer {key} is {dtype}, "
+                                         "expected torch.float32")
+
+
+def _score_all(contract: Contract, bundle: models.ModelBundle, roll: rollout.Rollout, *,
+               precision: Precision, attn: str,
+               micro_batch_size: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Teacher-forced scores of every role at one precision (BF16: BF16 parameters)."""
+    temp = contract.sampling.temperature
+    out: dict[str, torch.Tensor] = {}
+    rec: dict[str, Any] = {}
+    bf16_mode: Bf16Mode = "params"
+    actor = models.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
+                              requires_grad=False)
+    res = scoring.score_policy(actor, roll, temperature=temp, micro_batch_size=micro_batch_size,
+                               precision=precision, bf16_mode=bf16_mode)
+    out["actor/logprobs"] = res.tensors["logprobs"]
+    out["actor/entropy"] = res.tensors["entropy"]
+    rec["actor"] = res.record.to_dict()
+    # The reference policy is the actor's init: a separate load, so nothing is shared.
+    ref = models.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
+                            requires_grad=False)
+    res = scoring.score_policy(ref, roll, temperature=temp, micro_batch_size=micro_batch_size,
+                               precision=precision, bf16_mode=bf16_mode)
+    out["reference/logprobs"] = res.tensors["logprobs"]
+    rec["reference"] = res.record.to_dict()
+    del actor, ref
+    if contract.algorithm.name != "grpo":
+        critic = models.load_critic(bundle.critic_dir, dtype=torch.float32,
+                                    attn_implementation=attn, requires_grad=False)
+        res = scoring.score_values(critic, roll, micro_batch_size=micro_batch_size,
+                                   precision=precision, bf16_mode=bf16_mode)
+        out["critic/values"] = res.tensors["values"]
+        out["critic/last_values"] = res.tensors["last_values"]
+        rec["critic"] = res.record.to_dict()
+    out["reward/scores"] = _reward_scores(contract, bundle, roll, precision=precision,
+                                          bf16_mode=bf16_mode, attn=attn,
+                                          micro_batch_size=micro_batch_size)
+    return {k: v.float().contiguous() for k, v in out.items()}, rec
+
+
+def load_sealed_reference(path: Path) -> dict[str, Any]:
+    """Check that ``path`` is a sealed, intact reference and return its ``reference.json``.
+
+    Raises:
+        ReferenceDataError: not a directory, not sealed (interrupted or still running).
+        EvidenceIntegrityError: a file differs from the manifest.
+    """
+    if not path.is_dir():
+        raise ReferenceDataError(f"{path}: reference directory not found")
+    if not store.is_sealed(path):
+        raise ReferenceDataError(f"{path}: reference is not sealed (interrupted or still "
+                                 "running); run `qualify reference` to completion first")
+    store.check_sealed(path)
+    meta: dict[str, Any] = json.loads((path / REFERENCE_FILE).read_text())
+    return meta

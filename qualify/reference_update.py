@@ -1,0 +1,411 @@
+"""The independent reference update: Hugging Face models + ``torch.optim.AdamW``.
+
+This is the reference path's own implementation of the update that
+:mod:`qualify.protocol` specifies. It shares no numerical code with any candidate
+harness (DESIGN.md: a shared bug would cancel out). One call runs ``rounds`` optimizer
+steps for the Actor and the Critic on the frozen rollout and returns every metric under
+its protocol tensor name.
+
+Precisions:
+
+- ``fp32``: FP32 parameters, FP32 compute.
+- ``bf16`` with ``bf16_mode="params"`` (the reference): each micro-batch runs on a BF16
+  copy of the FP32 master weights; the BF16 gradients are cast to FP32 and accumulated
+  into the master's ``.grad``; AdamW steps the FP32 master with FP32 state.
+- ``bf16`` with ``bf16_mode="autocast"`` (a control): FP32 parameters under
+  ``torch.autocast(dtype=torch.bfloat16)``; gradients land in FP32 directly.
+
+Sources: PPO clipped surrogate and value clipping (Schulman et al. 2017, "Proximal
+Policy Optimization Algorithms"; value clipping as in OpenAI baselines ``ppo2``), KL
+estimators (Schulman 2020, "Approximating KL divergence"), AdamW (Loshchilov & Hutter
+2019; ``torch.optim.AdamW``), global-norm clipping (``torch.nn.utils.clip_grad_norm_``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from qualify.contract import Contract
+from qualify.protocol import tensor_name
+
+Bf16Mode = Literal["params", "autocast"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateSettings:
+    """How one reference (or control) update run executes.
+
+    Attributes:
+        precision: ``fp32`` or ``bf16``.
+        bf16_mode: ``params`` (BF16 copy of FP32 master) or ``autocast``; ignored at fp32.
+        micro_batch_size: sequences per micro-batch.
+        extra_left_padding: pad columns prepended to the prompts (attention 0).
+        extra_right_padding: pad columns appended to the responses (attention 0).
+        label: a name for logs (``hf-fp32``, ``attn_impl-bf16``...).
+    """
+
+    precision: Literal["fp32", "bf16"]
+    bf16_mode: Bf16Mode = "params"
+    micro_batch_size: int
+    extra_left_padding: int = 0
+    extra_right_padding: int = 0
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.extra_left_padding < 0 or self.extra_right_padding < 0:
+            raise ValueError("extra padding must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Batch:
+    """The frozen rollout plus training inputs, as the update consumes them.
+
+    Attributes:
+        prompts: ``[B, P]`` int64, left-padded.
+        responses: ``[B, R]`` int64, right-padded.
+        attention_mask: ``[B, P + R]`` int64.
+        response_mask: ``[B, R]`` int64.
+        advantages: ``[B, R]`` float32.
+        returns: ``[B, R]`` float32.
+        pad_token_id: the pad id used for extra padding.
+    """
+
+    prompts: torch.Tensor
+    responses: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    pad_token_id: int
+
+    def padded(self, left: int, right: int) -> Batch:
+        """Return the batch with ``left`` extra prompt pad columns and ``right`` response ones."""
+        if left == 0 and right == 0:
+            return self
+        b = self.prompts.shape[0]
+
+        def cols(n: int, fill: int, like: torch.Tensor) -> torch.Tensor:
+            return torch.full((b, n), fill, dtype=like.dtype)
+
+        p_len, r_len = self.prompts.shape[1], self.responses.shape[1]
+        am_prompt, am_resp = self.attention_mask[:, :p_len], self.attention_mask[:, p_len:]
+        assert am_resp.shape[1] == r_len
+        return dataclasses.replace(
+            self,
+            prompts=torch.cat([cols(left, self.pad_token_id, self.prompts), self.prompts], 1),
+            responses=torch.cat([self.responses, cols(right, self.pad_token_id, self.responses)],
+                                1),
+            attention_mask=torch.cat(
+                [cols(left, 0, am_prompt), am_prompt, am_resp, cols(right, 0, am_resp)], 1),
+            response_mask=torch.cat([self.response_mask, cols(right, 0, self.response_mask)], 1),
+            advantages=torch.cat([self.advantages, torch.zeros(b, right)], 1),
+            returns=torch.cat([self.returns, torch.zeros(b, right)], 1),
+        )
+
+    def micro_batches(self, size: int) -> Iterator[tuple[slice, Batch]]:
+        """Yield ``(row slice, sub-batch)`` of at most ``size`` sequences, in order."""
+        n = self.prompts.shape[0]
+        for start in range(0, n, size):
+            s = slice(start, min(start + size, n))
+            yield s, dataclasses.replace(
+                self,
+                prompts=self.prompts[s],
+                responses=self.responses[s],
+                attention_mask=self.attention_mask[s],
+                response_mask=self.response_mask[s],
+                advantages=self.advantages[s],
+                returns=self.returns[s],
+            )
+
+
+def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0)
+
+
+def _forward_response_outputs(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Model output at the positions that predict / evaluate each response token.
+
+    Returns:
+        ``[b, R, D]`` where ``D`` is the vocabulary (causal LM) or 1 (critic): the output at
+        sequence position ``P - 1 + t`` for response position ``t`` (protocol convention).
+    """
+    input_ids = torch.cat([batch.prompts, batch.responses], dim=1)
+    out = model(input_ids=input_ids, attention_mask=batch.attention_mask,
+                position_ids=_positions(batch.attention_mask), use_cache=False)
+    logits: torch.Tensor = out.logits
+    p_len, r_len = batch.prompts.shape[1], batch.responses.shape[1]
+    return logits[:, p_len - 1 : p_len - 1 + r_len]
+
+
+def _token_logprobs_entropy(logits: torch.Tensor, tokens: torch.Tensor,
+                            temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log softmax(logits / T)`` of ``tokens`` and the entropy, both ``[b, R]`` FP32.
+
+    The logits are upcast to FP32 first (the reference's choice, as HF's loss does).
+    """
+    z = logits.float() / temperature
+    logp_all = torch.log_softmax(z, dim=-1)
+    logp = torch.gather(logp_all, -1, tokens.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def _kl(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL(π || π_ref) estimate from samples of π (Schulman 2020)."""
+    log_ratio = logp - ref
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "k3":
+        return torch.exp(-log_ratio) + log_ratio - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+class _Precision:
+    """Forward/backward at the requested precision around an FP32 master model."""
+
+    def __init__(self, master: nn.Module, settings: UpdateSettings) -> None:
+        self.master = master
+        self.settings = settings
+        self.work: nn.Module | None = None
+
+    @property
+    def bf16_params(self) -> bool:
+        return self.settings.precision == "bf16" and self.settings.bf16_mode == "params"
+
+    def refresh(self) -> nn.Module:
+        """The module to run forward on: the master, or a fresh BF16 copy of it."""
+        if self.bf16_params:
+            self.work = copy.deepcopy(self.master).to(torch.bfloat16)
+            return self.work
+        return self.master
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.settings.precision == "bf16" and self.settings.bf16_mode == "autocast":
+            return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def collect_grads(self) -> None:
+        """Accumulate the BF16 working copy's gradients into the master's FP32 ``.grad``."""
+        if not self.bf16_params:
+            return
+        assert self.work is not None
+        for (name, p_master), (name_w, p_work) in zip(
+            self.master.named_parameters(), self.work.named_parameters(), strict=True
+        ):
+            assert name == name_w
+            if p_work.grad is None:
+                continue
+            g = p_work.grad.to(torch.float32)
+            p_master.grad = g if p_master.grad is None else p_master.grad + g
+            p_work.grad = None
+
+
+def _grad_norm_and_clip(params: list[tuple[str, nn.Parameter]],
+                        max_norm: float) -> tuple[float, float]:
+    """Pre-clip global L2 norm (accumulated in FP64) and the clip coefficient; scales grads.
+
+    ``clip_coef = min(1, max_norm / (norm + 1e-6))`` as ``torch.nn.utils.clip_grad_norm_``.
+    """
+    total = 0.0
+    for _, p in params:
+        if p.grad is not None:
+            total += float(p.grad.detach().double().square().sum())
+    norm = total**0.5
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    for _, p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef)
+    return norm, coef
+
+
+def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
+          optim: torch.optim.Optimizer, out: dict[str, torch.Tensor]) -> None:
+    """Record grads, clip, AdamW step, record state and updates (protocol names)."""
+    params = [(n, p) for n, p in master.named_parameters() if p.requires_grad]
+    for n, p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        out[tensor_name(round_, role, "grads", n)] = p.grad.detach().float().clone()
+    norm, coef = _grad_norm_and_clip(params, contract.optimizer.max_grad_norm)
+    out[tensor_name(round_, role, "grad_norm")] = torch.tensor(norm, dtype=torch.float32)
+    out[tensor_name(round_, role, "clip_coef")] = torch.tensor(coef, dtype=torch.float32)
+    before = {n: p.detach().clone() for n, p in params}
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    for n, p in params:
+        state = optim.state[p]
+        out[tensor_name(round_, role, "exp_avg", n)] = state["exp_avg"].detach().float().clone()
+        out[tensor_name(round_, role, "exp_avg_sq", n)] = (
+            state["exp_avg_sq"].detach().float().clone())
+        out[tensor_name(round_, role, "updates", n)] = (p.detach() - before[n]).float()
+
+
+def _adamw(master: nn.Module, lr: float, contract: Contract) -> torch.optim.AdamW:
+    o = contract.optimizer
+    return torch.optim.AdamW(
+        [p for p in master.parameters() if p.requires_grad], lr=lr, betas=o.betas, eps=o.eps,
+        weight_decay=o.weight_decay, foreach=False, fused=False,
+    )
+
+
+def _state_dtypes(optim: torch.optim.Optimizer) -> dict[str, str]:
+    dtypes: set[str] = set()
+    for state in optim.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            dtypes.add(f"{key}:{state[key].dtype}")
+    return {d.split(":")[0]: d.split(":")[1] for d in sorted(dtypes)}
+
+
+def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract,
+              settings: UpdateSettings) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Run ``rounds`` PPO actor steps on ``batch`` (protocol semantics).
+
+    Args:
+        actor: FP32 ``*ForCausalLM`` (the master; updated in place).
+        ref: FP32 frozen reference policy (same architecture).
+        batch: the rollout and training inputs.
+        contract: supplies temperature, clip ratio, KL/entropy coefficients, AdamW settings.
+        settings: precision, micro-batching and padding of this run.
+
+    Returns:
+        ``(tensors, meta)``: tensors under protocol names (``round{r}/actor/...``), FP32 CPU;
+        meta with the observed dtypes (master weights, gradients, optimizer state, compute).
+    """
+    alg, temp = contract.algorithm, contract.sampling.temperature
+    batch = batch.padded(settings.extra_left_padding, settings.extra_right_padding)
+    n_valid = float(batch.response_mask.sum())
+    out: dict[str, torch.Tensor] = {}
+    prec = _Precision(actor, settings)
+    ref_prec = _Precision(ref, settings)
+    optim = _adamw(actor, contract.optimizer.actor_lr, contract)
+    b, r_len = batch.responses.shape
+    old_logp = torch.zeros(b, r_len)
+    ref_logp = torch.zeros(b, r_len)
+    compute_dtypes: set[str] = set()
+    with torch.no_grad():
+        ref_model = ref_prec.refresh()
+        for s, mb in batch.micro_batches(settings.micro_batch_size):
+            with ref_prec.autocast():
+                lg = _forward_response_outputs(ref_model, mb)
+            ref_logp[s] = _token_logprobs_entropy(lg, mb.responses, temp)[0]
+    for round_ in range(1, alg.rounds + 1):
+        model = prec.refresh()
+        model.eval()  # dropout off (protocol); autograd works in eval mode
+        logp_r, ent_r = torch.zeros(b, r_len), torch.zeros(b, r_len)
+        sums = {"policy": 0.0, "kl": 0.0, "entropy": 0.0}
+        for s, mb in batch.micro_batches(settings.micro_batch_size):
+            mask = mb.response_mask.float()
+            with prec.autocast():
+                lg = _forward_response_outputs(model, mb)
+            compute_dtypes.add(str(lg.dtype))
+            logp, ent = _token_logprobs_entropy(lg, mb.responses, temp)
+            old = logp.detach() if round_ == 1 else old_logp[s]
+            ratio = torch.exp(logp - old)
+            adv = mb.advantages.float()
+            pg = torch.maximum(-adv * ratio,
+                               -adv * torch.clamp(ratio, 1 - alg.clip_ratio, 1 + alg.clip_ratio))
+            policy = (pg * mask).sum() / n_valid
+            kl = alg.kl_loss_coef * (_kl(logp, ref_logp[s], alg.kl_loss_estimator) * mask).sum()
+            kl = kl / n_valid
+            ent_loss = -alg.entropy_coef * (ent * mask).sum() / n_valid
+            (policy + kl + ent_loss).backward()
+            prec.collect_grads()
+            sums["policy"] += float(policy.detach())
+            sums["kl"] += float(kl.detach())
+            sums["entropy"] += float(ent_loss.detach())
+            logp_r[s] = (logp.detach() * mask)
+            ent_r[s] = (ent.detach() * mask)
+        if round_ == 1:
+            old_logp = logp_r.clone()
+        out[tensor_name(round_, "actor", "logprobs")] = logp_r
+        out[tensor_name(round_, "actor", "entropy")] = ent_r
+        for term, v in sums.items():
+            out[tensor_name(round_, "actor", f"loss/{term}")] = torch.tensor(v)
+        out[tensor_name(round_, "actor", "loss/total")] = torch.tensor(sum(sums.values()))
+        _step("actor", round_, actor, contract, optim=optim, out=out)
+    meta = {
+        "master_weights": str(next(actor.parameters()).dtype),
+        "grads": "torch.float32",
+        "optimizer_state": _state_dtypes(optim),
+        "compute": sorted(compute_dtypes),
+        "bf16_mode": settings.bf16_mode if settings.precision == "bf16" else None,
+    }
+    return out, meta
+
+
+def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
+               settings: UpdateSettings) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Run ``rounds`` clipped-value-loss critic steps on ``batch`` (protocol semantics).
+
+    Args:
+        critic: FP32 ``*ForTokenClassification`` with one label (backbone + value head);
+            updated in place.
+        batch: the rollout and training inputs (``returns`` are the value targets).
+        contract: supplies value clip range and AdamW settings.
+        settings: precision, micro-batching and padding of this run.
+
+    Returns:
+        ``(tensors, meta)`` as :func:`run_actor`, under ``round{r}/critic/...``.
+    """
+    alg = contract.algorithm
+    batch = batch.padded(settings.extra_left_padding, settings.extra_right_padding)
+    n_valid = float(batch.response_mask.sum())
+    out: dict[str, torch.Tensor] = {}
+    prec = _Precision(critic, settings)
+    optim = _adamw(critic, contract.optimizer.critic_lr, contract)
+    b, r_len = batch.responses.shape
+    old_values = torch.zeros(b, r_len)
+    compute_dtypes: set[str] = set()
+    for round_ in range(1, alg.rounds + 1):
+        model = prec.refresh()
+        model.eval()  # dropout off (protocol); autograd works in eval mode
+        values_r = torch.zeros(b, r_len)
+        total = 0.0
+        for s, mb in batch.micro_batches(settings.micro_batch_size):
+            mask = mb.response_mask.float()
+            with prec.autocast():
+                v = _forward_response_outputs(model, mb)
+            compute_dtypes.add(str(v.dtype))
+            values = v.float().squeeze(-1)
+            old = values.detach() if round_ == 1 else old_values[s]
+            ret = mb.returns.float()
+            clipped = old + torch.clamp(values - old, -alg.value_clip, alg.value_clip)
+            vloss = torch.maximum((values - ret).square(), (clipped - ret).square())
+            loss = 0.5 * (vloss * mask).sum() / n_valid
+            loss.backward()
+            prec.collect_grads()
+            total += float(loss.detach())
+            values_r[s] = values.detach() * mask
+        if round_ == 1:
+            old_values = values_r.clone()
+        out[tensor_name(round_, "critic", "values")] = values_r
+        out[tensor_name(round_, "critic", "loss/value")] = torch.tensor(total)
+        out[tensor_name(round_, "critic", "loss/total")] = torch.tensor(total)
+        _step("critic", round_, critic, contract, optim=optim, out=out)
+    meta = {
+        "master_weights": str(next(critic.parameters()).dtype),
+        "grads": "torch.float32",
+        "optimizer_state": _state_dtypes(optim),
+        "compute": sorted(compute_dtypes),
+        "bf16_mode": settings.bf16_mode if settings.precision == "bf16" else None,
+    }
+    return out, meta
+
+
+def strip_padding(tensors: dict[str, torch.Tensor], r_len: int) -> dict[str, torch.Tensor]:
+    """Cut per-token tensors ``[B, R + extra]`` back to ``[B, R]`` (padding columns dropped)."""
+    out = {}
+    for k, v in tensors.items():
+        out[k] = v[:, :r_len].contiguous() if v.ndim == 2 and v.shape[1] > r_len else v
+    return out

@@ -1,0 +1,278 @@
+"""Error statistics per metric family: how far an obtained tensor is from an expected one.
+
+The same statistic is used to measure control errors (reference stage) and candidate
+errors (comparator), so a bound and the error it bounds are always the same quantity
+(DESIGN.md section 5). All arithmetic is FP64 numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Final, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+Statistic = Literal["max_abs", "abs", "max_rel_l2"]
+
+FAMILY_STATISTIC: Final[Mapping[str, Statistic]] = {
+    "logprobs": "max_abs",
+    "entropy": "max_abs",
+    "values": "max_abs",
+    "rewards": "max_abs",
+    "losses": "max_abs",
+    "grad_norm": "abs",
+    "clip_coef": "abs",
+    "grads": "max_rel_l2",
+    "exp_avg": "max_rel_l2",
+    "exp_avg_sq": "max_rel_l2",
+    "updates": "max_rel_l2",
+}
+"""Declared statistic of each metric family.
+
+- ``max_abs``: max |a - b| over valid tokens (per-token families, mask applied) or over
+  the elements (losses: over the loss terms).
+- ``abs``: |a - b| of a scalar.
+- ``max_rel_l2``: max over parameters of ``||a_p - b_p||_2 / ||b_p||_2`` (absolute
+  ``||a_p - b_p||_2`` where ``||b_p||_2 = 0``).
+"""
+
+Array = npt.NDArray[np.float64]
+
+
+def family_of(metric: str) -> str:
+    """Map a protocol metric name to its bound family.
+
+    ``loss/policy`` -> ``losses``; ``logprobs_padded`` -> ``logprobs``; others unchanged.
+    """
+    if metric.startswith("loss/"):
+        return "losses"
+    if metric.endswith("_padded"):
+        return metric[: -len("_padded")]
+    return metric
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ErrorMeasure:
+    """One measured error and where it is worst.
+
+    Attributes:
+        value: the statistic (>= 0; ``inf`` if shapes differ or values are non-finite).
+        where: the worst element: token index ``(b, t)``, parameter name, or loss term.
+        mismatched: elements whose |a - b| > 0 (or parameters with non-zero error).
+        total: elements (or parameters) compared.
+        max_abs: largest absolute element difference.
+        max_rel: largest relative element difference ``|a-b| / |b|`` (``|b| > 0``).
+    """
+
+    value: float
+    where: str
+    mismatched: int
+    total: int
+    max_abs: float
+    max_rel: float
+
+
+def _f64(x: npt.ArrayLike) -> Array:
+    return np.asarray(x, dtype=np.float64)
+
+
+def masked_max_abs(obtained: npt.ArrayLike, expected: npt.ArrayLike,
+                   mask: npt.ArrayLike | None = None) -> ErrorMeasure:
+    """Max |obtained - expected| over the elements where ``mask`` is non-zero.
+
+    Args:
+        obtained: ``[B, R]`` (or any shape) values of the candidate.
+        expected: same shape, the expected values.
+        mask: same shape, 1 on elements that count; ``None`` counts all.
+
+    Returns:
+        The :class:`ErrorMeasure`; ``value = inf`` if shapes differ or a counted element
+        is non-finite.
+    """
+    a, b = _f64(obtained), _f64(expected)
+    if a.shape != b.shape:
+        return ErrorMeasure(value=float("inf"), where=f"shape {a.shape} != {b.shape}",
+                            mismatched=max(a.size, b.size), total=max(a.size, b.size),
+                            max_abs=float("inf"), max_rel=float("inf"))
+    m = np.ones(a.shape, dtype=bool) if mask is None else _f64(mask).astype(bool)
+    if m.shape != a.shape:
+        raise ValueError(f"mask shape {m.shape} != tensor shape {a.shape}")
+    total = int(m.sum())
+    if total == 0:
+        return ErrorMeasure(value=0.0, where="(no valid element)", mismatched=0, total=0,
+                            max_abs=0.0, max_rel=0.0)
+    diff = np.where(m, np.abs(a - b), 0.0)
+    finite = np.isfinite(a) & np.isfinite(b)
+    if not np.all(finite[m]):
+        idx = np.argwhere(m & ~finite)[0]
+        return ErrorMeasure(value=float("inf"), where=f"non-finite at {tuple(int(i) for i in idx)}",
+                            mismatched=int((m & ~finite).sum()), total=total,
+                            max_abs=float("inf"), max_rel=float("inf"))
+    flat = int(np.argmax(diff))
+    idx = np.unravel_index(flat, diff.shape)
+    denom = np.abs(b)
+    rel = np.where(m & (denom > 0), diff / np.where(denom > 0, denom, 1.0), 0.0)
+    return ErrorMeasure(
+        value=float(diff[idx]),
+        where=str(tuple(int(i) for i in idx)) if diff.ndim else "()",
+        mismatched=int(((diff > 0) & m).sum()),
+        total=total,
+        max_abs=float(diff[idx]),
+        max_rel=float(rel.max()),
+    )
+
+
+def scalar_abs(obtained: float, expected: float) -> ErrorMeasure:
+    """|obtained - expected| of two scalars (``inf`` if either is non-finite)."""
+    a, b = float(obtained), float(expected)
+    if not (np.isfinite(a) and np.isfinite(b)):
+        return ErrorMeasure(value=float("inf"), where="non-finite", mismatched=1, total=1,
+                            max_abs=float("inf"), max_rel=float("inf"))
+    d = abs(a - b)
+    return ErrorMeasure(value=d, where="()", mismatched=int(d > 0), total=1, max_abs=d,
+                        max_rel=d / abs(b) if b else (0.0 if d == 0 else float("inf")))
+
+
+def max_rel_l2(obtained: Mapping[str, npt.ArrayLike],
+               expected: Mapping[str, npt.ArrayLike]) -> ErrorMeasure:
+    """Max over parameters of the relative L2 error ``||a_p - b_p|| / ||b_p||``.
+
+    Args:
+        obtained: parameter name -> tensor (any shape) of the candidate.
+        expected: parameter name -> tensor, the expected values.
+
+    Returns:
+        The :class:`ErrorMeasure` naming the worst parameter. A parameter missing on
+        either side, or with another shape, gives ``inf``.
+    """
+    missing = sorted(set(expected) ^ set(obtained))
+    if missing:
+        return ErrorMeasure(value=float("inf"), where=f"parameter sets differ: {missing[:5]}",
+                            mismatched=len(missing), total=len(set(expected) | set(obtained)),
+                            max_abs=float("inf"), max_rel=float("inf"))
+    worst, worst_name, mism, max_abs, max_rel = 0.0, "", 0, 0.0, 0.0
+    for name in sorted(expected):
+        a, b = _f64(obtained[name]), _f64(expected[name])
+        if a.shape != b.shape:
+            return ErrorMeasure(value=float("inf"), where=f"{name}: shape {a.shape} != {b.shape}",
+                                mismatched=1, total=len(expected), max_abs=float("inf"),
+                                max_rel=float("inf"))
+        if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+            return ErrorMeasure(value=float("inf"), where=f"{name}: non-finite",
+                                mismatched=1, total=len(expected), max_abs=float("inf"),
+                                max_rel=float("inf"))
+        d = a - b
+        nd, nb = float(np.linalg.norm(d)), float(np.linalg.norm(b))
+        err = nd / nb if nb > 0 else nd
+        if err > 0:
+            mism += 1
+        if d.size:
+            max_abs = max(max_abs, float(np.max(np.abs(d))))
+            nz = np.abs(b) > 0
+            if np.any(nz):
+                max_rel = max(max_rel, float(np.max(np.abs(d[nz]) / np.abs(b[nz]))))
+        if err > worst or not worst_name:
+            worst, worst_name = err, name
+    return ErrorMeasure(value=worst, where=worst_name, mismatched=mism, total=len(expected),
+                        max_abs=max_abs, max_rel=max_rel)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class MetricKey:
+    """Identifies one bounded quantity: round, role, metric family.
+
+    ``role`` is ``actor``, ``critic`` or ``reward``; ``family`` is a key of
+    :data:`FAMILY_STATISTIC`; ``variant`` is ``""`` or ``"padded"`` (the padding rerun).
+    """
+
+    round: int
+    role: str
+    family: str
+    variant: str = ""
+
+    @property
+    def label(self) -> str:
+        """``round1/actor/logprobs`` (``.../logprobs[padded]`` for the variant)."""
+        v = f"[{self.variant}]" if self.variant else ""
+        return f"round{self.round}/{self.role}/{self.family}{v}"
+
+
+def group_tensors(tensors: Mapping[str, npt.ArrayLike]) -> dict[MetricKey, dict[str, Any]]:
+    """Group protocol-named tensors by :class:`MetricKey`.
+
+    Returns:
+        ``{key: {member: array}}`` where member is the parameter name (per-parameter
+        families), the loss term (``losses``), or ``""`` (per-token and scalar families).
+        Names that are not protocol names are ignored.
+    """
+    from qualify.protocol import parse_tensor_name
+
+    out: dict[MetricKey, dict[str, Any]] = {}
+    for name, arr in tensors.items():
+        try:
+            r, role, metric, param = parse_tensor_name(name)
+        except ValueError:
+            continue
+        variant = "padded" if metric.endswith("_padded") else ""
+        family = family_of(metric)
+        if family not in FAMILY_STATISTIC:
+            continue
+        key = MetricKey(round=r, role=role, family=family, variant=variant)
+        member = param if param is not None else (metric[5:] if family == "losses" else "")
+        out.setdefault(key, {})[member] = arr
+    return out
+
+
+def measure(key: MetricKey, obtained: Mapping[str, Any], expected: Mapping[str, Any],
+            response_mask: npt.ArrayLike | None) -> ErrorMeasure:
+    """Apply the family's declared statistic to one metric group.
+
+    Args:
+        key: the metric.
+        obtained: ``{member: array}`` of the candidate (or control).
+        expected: ``{member: array}`` of the reference.
+        response_mask: ``[B, R]`` mask for per-token families (``None`` = all count).
+
+    Returns:
+        The :class:`ErrorMeasure`; ``inf`` when members are missing on either side.
+    """
+    stat = FAMILY_STATISTIC[key.family]
+    if stat == "max_rel_l2":
+        return max_rel_l2(obtained, expected)
+    if set(obtained) != set(expected):
+        diff = sorted(set(obtained) ^ set(expected))
+        return ErrorMeasure(value=float("inf"), where=f"members differ: {diff}", mismatched=1,
+                            total=max(len(obtained), len(expected)), max_abs=float("inf"),
+                            max_rel=float("inf"))
+    if key.family == "losses":
+        terms = sorted(expected)
+        m = masked_max_abs([float(np.asarray(obtained[t])) for t in terms],
+                           [float(np.asarray(expected[t])) for t in terms])
+        where = terms[int(m.where.strip("(),") or 0)] if m.total and np.isfinite(m.value) \
+            else m.where
+        return dataclasses.replace(m, where=where)
+    if stat == "abs":
+        return scalar_abs(float(np.asarray(obtained[""])), float(np.asarray(expected[""])))
+    a, b = np.asarray(obtained[""]), np.asarray(expected[""])
+    mask = None
+    if response_mask is not None and a.ndim == 2:
+        mask = np.asarray(response_mask)
+        if mask.shape != b.shape:
+            mask = None if b.ndim != 2 else mask[:, : b.shape[1]]
+    return masked_max_abs(a, b, mask)
+
+
+def compare_sets(obtained: Mapping[str, npt.ArrayLike], expected: Mapping[str, npt.ArrayLike],
+                 response_mask: npt.ArrayLike | None) -> dict[MetricKey, ErrorMeasure]:
+    """Measure every metric present in ``expected`` (missing in ``obtained`` -> ``inf``).
+
+    Args:
+        obtained: protocol-named tensors of a candidate or control.
+        expected: protocol-named tensors of the reference.
+        response_mask: ``[B, R]`` valid-token mask of the rollout.
+    """
+    got, want = group_tensors(obtained), group_tensors(expected)
+    return {key: measure(key, got.get(key, {}), members, response_mask)
+            for key, members in sorted(want.items(), key=lambda kv: kv[0].label)}

@@ -1,0 +1,221 @@
+"""qualify.launch with fake harnesses (no torch in the ranks): OK, failure, timeout, checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+from safetensors.numpy import save_file
+
+from qualify.errors import HarnessError
+from qualify.launch import (
+    check_outputs,
+    launch,
+    launch_env,
+    torchrun_command,
+    validate_cell,
+)
+from qualify.protocol import HarnessCell
+from qualify.resources import repo_root
+
+VALID_META: dict[str, Any] = {
+    "schema_version": 1, "engine": "fake", "cell": {},
+    "versions": {"python": "3.11", "torch": "none"}, "world_size": 2, "backend": "none",
+    "device": "cpu",
+    "ranks": [{"rank": 0, "role": "actor", "tp_rank": 0, "tp_group": [0, 1]},
+              {"rank": 1, "role": "actor", "tp_rank": 1, "tp_group": [0, 1]}],
+    "roles": {"actor": {
+        "tp": 2, "global_ranks": [0, 1], "precision": "fp32",
+        "dtypes": {"master_weights": "torch.float32", "grads": "torch.float32",
+                   "optimizer_state": {"exp_avg": "torch.float32",
+                                       "exp_avg_sq": "torch.float32"},
+                   "compute": ["torch.float32"]},
+        "replica_consistency": {"all_equal": True, "rounds": [],
+                                "params": {"w": {"equal": True, "max_abs_diff": 0.0}}},
+        "role_timings": {"total_s": 0.1}}},
+    "timings": {"total_s": 0.1}, "shims": [], "faults": [],
+    "tensors": {"file": "outputs.safetensors", "count": 1},
+}
+
+FAKE_HARNESS = '''
+import json, os, sys, time, traceback
+from pathlib import Path
+
+def record(fn):
+    """What torch's @record does, without importing torch: write the rank's error file."""
+    def wrapper(argv):
+        try:
+            return fn(argv)
+        except Exception as exc:
+            Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps({"message": {
+                "message": f"{type(exc).__name__}: {exc}",
+                "extraInfo": {"py_callstack": traceback.format_exc(),
+                              "timestamp": str(int(time.time()))}}}))
+            raise
+    return wrapper
+
+def main(argv):
+    cell = json.loads(Path(argv[0]).read_text())
+    rank = int(os.environ["RANK"])
+    out = Path(cell["output_dir"])
+    (out / f"pid{rank}").write_text(str(os.getpid()))
+    mode = cell["faults"][0] if cell["faults"] else "ok"
+    print(f"rank {rank} omp={os.environ.get('OMP_NUM_THREADS')} mode={mode}", flush=True)
+    if mode == "sleep":
+        time.sleep(600)
+    if mode == "fail" and rank == 1:
+        raise RuntimeError("boom on rank 1")
+    if mode == "fail":
+        time.sleep(30)
+    if rank == 0:
+        import numpy as np
+        from safetensors.numpy import save_file
+        save_file({"round1/actor/logprobs": np.zeros((2, 3), np.float32)},
+                  str(out / "outputs.safetensors"))
+        (out / "outputs.json").write_text(json.dumps(META))
+    return 0
+
+META = %s
+
+if __name__ == "__main__":
+    sys.exit(record(main)(sys.argv[1:]))
+'''
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> dict[str, str]:
+    mod = tmp_path / "pkg_fake"
+    mod.mkdir()
+    (mod / "__init__.py").write_text("")
+    (mod / "harness.py").write_text(textwrap.dedent(FAKE_HARNESS % repr(VALID_META)))
+    return {"PYTHONPATH": str(tmp_path)}
+
+
+def _cell(out: Path, mode: str | None = None) -> HarnessCell:
+    return HarnessCell(engine="fake", precision="fp32", options={}, actor_tp=2, critic_tp=0,
+                       rounds=2, seed=0, inputs_dir=str(out), output_dir=str(out),
+                       faults=(mode,) if mode else ())
+
+
+def test_ok_launch_through_module_attr_entry(tmp_path: Path, fake: dict[str, str]) -> None:
+    att = tmp_path / "attempt-1"
+    res = launch(_cell(att), module="pkg_fake.harness:main", attempt_dir=att, timeout_s=120,
+                 env=fake)
+    assert res.status == "OK", res.reason
+    assert res
+    assert res.returncode == 0
+    assert json.loads(res.cell_file.read_text())["engine"] == "fake"
+    assert res.launcher_log.is_file()
+    assert "[rank1]" in res.launcher_log.read_text() or "rank 1" in res.launcher_log.read_text()
+    stdouts = [p for p in res.rank_logs if p.name == "stdout.log"]
+    assert len(stdouts) == 2
+    assert all("omp=1" in p.read_text() for p in stdouts)
+    with pytest.raises(HarnessError, match="already used"):
+        launch(_cell(att), module="pkg_fake.harness", attempt_dir=att, timeout_s=60, env=fake)
+
+
+def test_failing_rank_is_reported_with_its_log(tmp_path: Path, fake: dict[str, str]) -> None:
+    res = launch(_cell(tmp_path, "fail"), module="pkg_fake.harness", attempt_dir=tmp_path,
+                 timeout_s=120, env=fake)
+    assert res.status == "ERROR"
+    assert not res
+    assert res.returncode not in (0, None)
+    assert res.failed_rank == 1
+    assert "boom on rank 1" in res.reason
+    assert any(p.name == "error.json" for p in res.rank_logs)
+
+
+def test_timeout_kills_the_whole_tree(tmp_path: Path, fake: dict[str, str]) -> None:
+    t0 = time.monotonic()
+    res = launch(_cell(tmp_path, "sleep"), module="pkg_fake.harness", attempt_dir=tmp_path,
+                 timeout_s=15, env=fake)
+    assert res.status == "ERROR"
+    assert res.reason.startswith("timeout after 15s")
+    assert res.returncode is None
+    assert time.monotonic() - t0 < 15 + 20
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+    deadline = time.monotonic() + 5
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+              for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [p for p in pids if psutil.pid_exists(p)
+             and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], "rank processes survived the timeout"
+    assert res.launcher_log.is_file()
+    assert len([p for p in res.rank_logs if p.name == "stdout.log"]) == 2
+
+
+# --------------------------------------------------------------------------- no launch
+
+
+def _write_outputs(d: Path, meta: dict[str, Any], tensors: dict[str, Any] | None = None) -> None:
+    save_file(tensors if tensors is not None else
+              {"round1/actor/logprobs": np.zeros((2, 3), np.float32)},
+              str(d / "outputs.safetensors"))
+    (d / "outputs.json").write_text(json.dumps(meta))
+
+
+BAD_OUTPUTS = {
+    "missing engine": ({k: v for k, v in VALID_META.items() if k != "engine"}, None,
+                       "'engine' is a required property"),
+    "dtype not a dtype": (
+        {**VALID_META, "roles": {"actor": {**VALID_META["roles"]["actor"],
+                                           "dtypes": {**VALID_META["roles"]["actor"]["dtypes"],
+                                                      "grads": "fp32"}}}},
+        None, "roles.actor.dtypes.grads"),
+    "bad tensor name": (VALID_META, {"logprobs": np.zeros(2, np.float32)},
+                        "not a protocol tensor name"),
+    "bf16 tensor": (VALID_META, {"round1/actor/logprobs": np.zeros(2, np.float16)},
+                    "F16"),
+    "count mismatch": (VALID_META, {"round1/actor/logprobs": np.zeros(2, np.float32),
+                                    "round1/actor/entropy": np.zeros(2, np.float32)},
+                       "tensors.count is 1 but"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_OUTPUTS))
+def test_check_outputs_refuses_bad_outputs(tmp_path: Path, case: str) -> None:
+    meta, tensors, match = BAD_OUTPUTS[case]
+    _write_outputs(tmp_path, meta, tensors)
+    with pytest.raises(HarnessError, match=match):
+        check_outputs(tmp_path)
+
+
+def test_check_outputs_accepts_valid_outputs_and_needs_both_files(tmp_path: Path) -> None:
+    with pytest.raises(HarnessError, match="missing"):
+        check_outputs(tmp_path)
+    _write_outputs(tmp_path, VALID_META)
+    check_outputs(tmp_path)
+
+
+def test_cell_schema() -> None:
+    good = _cell(Path("/x")).to_dict()
+    validate_cell(good)
+    for bad, field in (({**good, "actor_tp": 0}, "actor_tp"), ({**good, "precision": "fp16"},
+                                                             "precision"),
+                       ({**good, "extra": 1}, "extra"), ({**good, "faults": ["a", "a"]},
+                                                         "faults")):
+        with pytest.raises(HarnessError, match=field):
+            validate_cell(bad)
+
+
+def test_environment_and_command() -> None:
+    env = launch_env({"OMP_NUM_THREADS": "4", "PYTHONPATH": "/elsewhere"})
+    assert env["OMP_NUM_THREADS"] == "4"
+    assert env["PYTHONPATH"].split(os.pathsep)[:2] == [str(repo_root()), "/elsewhere"]
+    if "OMP_NUM_THREADS" not in os.environ:
+        assert launch_env(None)["OMP_NUM_THREADS"] == "1"
+    cmd = torchrun_command(Path("/a/cell.json"), module="harnesses.torch_tp.harness",
+                           world_size=3, log_dir=Path("/a/logs"))
+    assert cmd[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "3"
+    assert cmd[-3:] == ["-m", "harnesses.torch_tp.harness", "/a/cell.json"]
+    assert torchrun_command(Path("c"), module="p.m:main", world_size=1,
+                            log_dir=Path("l"))[-4:] == ["-m", "qualify.launch", "p.m:main", "c"]

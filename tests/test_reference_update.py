@@ -1,0 +1,146 @@
+"""The independent reference update: hand-derived loss values, invariances, dtypes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForTokenClassification
+
+from qualify.contract import Contract, load_contract
+from qualify.reference_update import Batch, UpdateSettings, run_actor, run_critic
+from qualify.resources import contracts_dir
+
+torch.set_num_threads(1)
+
+CFG = dict(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=2, head_dim=32, pad_token_id=0,
+           eos_token_id=2, bos_token_id=1, attention_dropout=0.0)
+
+
+@pytest.fixture(scope="module")
+def contract() -> Contract:
+    return load_contract(contracts_dir() / "tiny-qwen3.toml")
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[Qwen3ForCausalLM, Qwen3ForTokenClassification]:
+    torch.manual_seed(0)
+    cfg = Qwen3Config(**CFG)
+    cfg._attn_implementation = "sdpa"
+    actor = Qwen3ForCausalLM(cfg)
+    cfg_c = Qwen3Config(**CFG, num_labels=1)
+    cfg_c._attn_implementation = "sdpa"
+    critic = Qwen3ForTokenClassification(cfg_c)
+    return actor, critic
+
+
+@pytest.fixture(scope="module")
+def batch() -> Batch:
+    g = torch.Generator().manual_seed(1)
+    b, p, r = 4, 5, 6
+    prompts = torch.randint(3, 384, (b, p), generator=g)
+    prompts[1, :2] = 0  # left padding
+    responses = torch.randint(3, 384, (b, r), generator=g)
+    response_mask = torch.ones(b, r, dtype=torch.int64)
+    response_mask[0, 4:] = 0  # short response
+    response_mask[2, 3:] = 0
+    responses[response_mask == 0] = 0
+    prompt_mask = (torch.arange(p) >= 0).long().expand(b, p).clone()
+    prompt_mask[1, :2] = 0
+    attention_mask = torch.cat([prompt_mask, response_mask], 1)
+    adv = torch.randn(b, r, generator=g) * response_mask
+    ret = torch.randn(b, r, generator=g) * response_mask
+    return Batch(prompts=prompts, responses=responses, attention_mask=attention_mask,
+                 response_mask=response_mask, advantages=adv, returns=ret, pad_token_id=0)
+
+
+def _fresh(model: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(model)
+
+
+def test_round1_policy_loss_is_minus_mean_advantage(models, batch, contract) -> None:
+    """At round 1 ratio = 1, so the clipped surrogate is -A; KL vs an identical ref is 0."""
+    actor, _ = models
+    out, meta = run_actor(_fresh(actor), _fresh(actor), batch, contract,
+                          UpdateSettings(precision="fp32", micro_batch_size=2))
+    mask = batch.response_mask.float()
+    expected = float(-(batch.advantages * mask).sum() / mask.sum())
+    assert float(out["round1/actor/loss/policy"]) == pytest.approx(expected, abs=1e-6)
+    assert float(out["round1/actor/loss/kl"]) == pytest.approx(0.0, abs=1e-7)
+    ent = out["round1/actor/entropy"]
+    exp_ent = -contract.algorithm.entropy_coef * float((ent * mask).sum() / mask.sum())
+    assert float(out["round1/actor/loss/entropy"]) == pytest.approx(exp_ent, rel=1e-5)
+    assert meta["optimizer_state"] == {"exp_avg": "torch.float32", "exp_avg_sq": "torch.float32"}
+    # Round 2 moved away from the old policy: ratio != 1 somewhere, KL > 0.
+    assert float(out["round2/actor/loss/kl"]) > 0
+
+
+def test_clip_coef_and_first_adam_step(models, batch, contract) -> None:
+    actor, _ = models
+    out, _ = run_actor(_fresh(actor), _fresh(actor), batch, contract,
+                       UpdateSettings(precision="fp32", micro_batch_size=4))
+    norm = float(out["round1/actor/grad_norm"])
+    grads = {k: v for k, v in out.items() if k.startswith("round1/actor/grads/")}
+    by_hand = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
+    assert norm == pytest.approx(by_hand, rel=1e-6)
+    coef = float(out["round1/actor/clip_coef"])
+    assert coef == pytest.approx(min(1.0, contract.optimizer.max_grad_norm / (norm + 1e-6)),
+                                 rel=1e-6)
+    # AdamW's first step on a parameter with large gradients: update ~ -lr * sign(g)
+    # (bias-corrected m / sqrt(v) = g / |g|) minus decoupled weight decay lr * wd * w.
+    name = "model.layers.0.mlp.down_proj.weight"
+    g = grads[f"round1/actor/grads/{name}"]
+    upd = out[f"round1/actor/updates/{name}"]
+    w0 = dict(actor.named_parameters())[name].detach()
+    lr, wd = contract.optimizer.actor_lr, contract.optimizer.weight_decay
+    big = g.abs() * coef > 1e-4
+    expected = -lr * torch.sign(g) - lr * wd * w0
+    assert torch.allclose(upd[big], expected[big], atol=lr * 1e-2)
+
+
+def test_microbatch_and_padding_invariance_fp32(models, batch, contract) -> None:
+    actor, critic = models
+    a, _ = run_actor(_fresh(actor), _fresh(actor), batch, contract,
+                     UpdateSettings(precision="fp32", micro_batch_size=4))
+    b, _ = run_actor(_fresh(actor), _fresh(actor), batch, contract,
+                     UpdateSettings(precision="fp32", micro_batch_size=1, extra_left_padding=2,
+                                    extra_right_padding=3))
+    for key in ("round1/actor/logprobs", "round2/actor/logprobs"):
+        assert torch.allclose(a[key], b[key][:, : a[key].shape[1]], atol=2e-5)
+    for key, val in a.items():
+        if "/grads/" in key:
+            assert torch.allclose(val, b[key], rtol=1e-3, atol=1e-6), key
+    ca, _ = run_critic(_fresh(critic), batch, contract,
+                       UpdateSettings(precision="fp32", micro_batch_size=4))
+    cb, _ = run_critic(_fresh(critic), batch, contract,
+                       UpdateSettings(precision="fp32", micro_batch_size=2))
+    assert torch.allclose(ca["round2/critic/values"], cb["round2/critic/values"], atol=1e-5)
+
+
+def test_critic_round1_value_loss(models, batch, contract) -> None:
+    """Round 1: clipped == unclipped (old = V), so loss = 0.5 * mean((V - G)^2)."""
+    _, critic = models
+    out, meta = run_critic(_fresh(critic), batch, contract,
+                           UpdateSettings(precision="fp32", micro_batch_size=3))
+    mask = batch.response_mask.float()
+    v = out["round1/critic/values"]
+    expected = 0.5 * float((((v - batch.returns) ** 2) * mask).sum() / mask.sum())
+    assert float(out["round1/critic/loss/value"]) == pytest.approx(expected, rel=1e-5)
+    assert meta["master_weights"] == "torch.float32"
+
+
+@pytest.mark.parametrize("mode", ["params", "autocast"])
+def test_bf16_keeps_fp32_master_and_state(models, batch, contract, mode: str) -> None:
+    actor, _ = models
+    out, meta = run_actor(_fresh(actor), _fresh(actor), batch, contract,
+                          UpdateSettings(precision="bf16", bf16_mode=mode, micro_batch_size=2))
+    assert meta["master_weights"] == "torch.float32"
+    assert meta["optimizer_state"] == {"exp_avg": "torch.float32", "exp_avg_sq": "torch.float32"}
+    assert meta["compute"] == ["torch.bfloat16"]
+    fp32, _ = run_actor(_fresh(actor), _fresh(actor), batch, contract,
+                        UpdateSettings(precision="fp32", micro_batch_size=2))
+    diff = (out["round1/actor/logprobs"] - fp32["round1/actor/logprobs"]).abs().max()
+    assert 0 < float(diff) < 0.5
+    assert all(v.dtype == torch.float32 for v in out.values())
