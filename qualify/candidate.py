@@ -108,18 +108,35 @@ def _new_run_id() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
-def _stage_inputs(reference: Path, run_dir: Path) -> Path:
-    """Copy what a harness may read into ``run_dir/inputs`` (never the reference scores)."""
+def _stage_inputs(contract: Contract, reference: Path, run_dir: Path) -> Path:
+    """Copy what a harness may read into ``run_dir/inputs`` (never the reference scores).
+
+    The role models are prepared from the contract (manifest verified) and must be the
+    very files the reference was built with (same sha256 per file).
+
+    Raises:
+        ReferenceDataError: the local models differ from the reference's.
+    """
+    from qualify import models
+
     inputs = run_dir / "inputs"
+    ref_model = json.loads((reference / "model.json").read_text())
+    bundle = models.prepare_models(contract)
+    if dict(bundle.files) != dict(ref_model.get("files", {})):
+        changed = sorted(set(bundle.files.items()) ^ set(ref_model.get("files", {}).items()))
+        raise ReferenceDataError(
+            f"{reference / 'model.json'}: files: the local role models differ from the ones "
+            f"the reference was built with (first difference: {changed[0][0]})")
     if (inputs / "model.json").exists():
         return inputs
     inputs.mkdir(parents=True, exist_ok=True)
     for name in (ROLLOUT_FILE, ROLLOUT_META_FILE, TRAIN_INPUTS_FILE, "contract.json"):
         shutil.copyfile(reference / name, inputs / name)
-    model = json.loads((reference / "model.json").read_text())
     store.atomic_write_json(inputs / "model.json", {
-        "actor_dir": model["actor_dir"], "ref_dir": model["actor_dir"],
-        "critic_dir": model["critic_dir"], "files": model.get("files", {}),
+        "actor_dir": str(bundle.actor_dir.resolve()),
+        "ref_dir": str(bundle.actor_dir.resolve()),
+        "critic_dir": str(bundle.critic_dir.resolve()),
+        "files": dict(bundle.files),
     })
     return inputs
 
@@ -188,6 +205,7 @@ def run_candidate_stage(
         ReferenceDataError: the reference is missing, unsealed, or of another contract.
         EvidenceIntegrityError: the reference was edited, or the run is sealed already.
     """
+    reference, root = reference.resolve(), root.resolve()
     ref_meta = load_sealed_reference(reference)
     if ref_meta.get("contract_digest") != contract.digest:
         raise ReferenceDataError(
@@ -214,7 +232,7 @@ def run_candidate_stage(
     if doc["contract_digest"] != contract.digest:
         raise ReferenceDataError(f"{run_dir / RUN_FILE}: contract_digest: run belongs to "
                                  f"another contract digest")
-    inputs = _stage_inputs(reference, run_dir)
+    inputs = _stage_inputs(contract, reference, run_dir)
     todo = [c for c in wanted
             if doc["cells"].get(c.cell_id, {}).get("status") != "COMPLETE"]
     launches = plan_launches(contract, todo)

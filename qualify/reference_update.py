@@ -404,8 +404,16 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
 
 
 def strip_padding(tensors: dict[str, torch.Tensor], r_len: int) -> dict[str, torch.Tensor]:
-    """Cut per-token tensors ``[B, R + extra]`` back to ``[B, R]`` (padding columns dropped)."""
+    """Cut per-token tensors ``[B, R + extra]`` back to ``[B, R]`` (padding columns dropped).
+
+    Only per-token metrics (``logprobs``, ``entropy``, ``values``) are cut; parameters,
+    gradients and optimizer state keep their shapes.
+    """
+    from qualify.protocol import parse_tensor_name
+
     out = {}
     for k, v in tensors.items():
-        out[k] = v[:, :r_len].contiguous() if v.ndim == 2 and v.shape[1] > r_len else v
+        metric = parse_tensor_name(k)[2]
+        per_token = metric in ("logprobs", "entropy", "values")
+        out[k] = v[:, :r_len].contiguous() if per_token and v.shape[1] > r_len else v
     return out
