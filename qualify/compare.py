@@ -40,8 +40,8 @@ A bound violation is a verdict, never an exception. Per cell of ``run.json``:
 A cell's verdict is its worst row by the precedence ``FAIL > ERROR > NOT_RUN > PASS``: a
 cell passes only when every check ran and passed. The report passes iff there is at least
 one required cell and every required cell passes; required cells are
-``contract.matrix.required_cells`` when set, else every cell whose run status is not
-``NOT_RUN`` (a required cell absent from ``run.json`` is ``NOT_RUN``).
+``contract.matrix.required_cells`` when set, else every cell of the contract's matrix
+(a required cell absent from ``run.json`` is ``NOT_RUN``, and never a pass).
 """
 
 from __future__ import annotations
@@ -918,6 +918,8 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
             except _CellError as exc:
                 loaded[cid] = str(exc)
     required_ids = contract.matrix.required_cells
+    if required_ids is None:  # every cell of the matrix: a cell that did not run is no pass
+        required_ids = tuple(c.cell_id for c in contract.matrix.cells())
     results: list[CellResult] = []
     all_rows: list[Row] = []
     for cid, entry in cells.items():
@@ -947,7 +949,7 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
             verdict = "ERROR"
             reason = f"{RUN_FILE} status {status!r} is not COMPLETE, ERROR or NOT_RUN"
             status = "ERROR"
-        required = cid in required_ids if required_ids is not None else status != "NOT_RUN"
+        required = cid in required_ids
         results.append(CellResult(
             cell=cid, engine=str(e.get("engine", "")), precision=str(e.get("precision", "")),
             options=dict(e.get("options") or {}), role=str(e.get("role", "")),
@@ -978,7 +980,7 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
     if write:
         # qualify.report renders this module's types: imported here, not at the top, so
         # that the two modules do not import each other at import time.
-        from qualify.report import write_report  # noqa: PLC0415
+        from qualify.report import write_report
 
         write_report(report, run_dir)
     return report

@@ -288,7 +288,7 @@ def _torch_module(import_torch: bool) -> Any:
     if not import_torch or importlib.util.find_spec("torch") is None:
         return None
     try:
-        import torch  # noqa: PLC0415  (optional: only for GPU inventory and settings)
+        import torch
     except Exception:  # a broken torch install must not break environment capture
         return None
     return torch

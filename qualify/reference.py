@@ -15,8 +15,9 @@ Steps (DESIGN.md section 4), each writing into an unsealed directory
 from __future__ import annotations
 
 import json
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -305,6 +306,7 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
                                 schema="bounds")
 
         step("seal")
+        coverage = _clip_coverage(update_meta, precisions)
         store.atomic_write_json(out / "environment.json", capture_environment(),
                                 schema="environment")
         t0 = min(timings.values())
@@ -318,9 +320,33 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
             "precisions": precisions,
             "scoring_records": records,
             "update_meta": update_meta,
+            "coverage": coverage,
             "step_started_s": {k: round(v - t0, 3) for k, v in timings.items()},
         })
         seal_and_sign(out, kind=REFERENCE_KIND)
+    return out
+
+
+def _clip_coverage(update_meta: dict[str, Any],
+                   precisions: Sequence[str]) -> dict[str, Any]:
+    """Whether the reference's later rounds exercise the clipped branches.
+
+    A contract whose learning rate never moves the policy past ``1 +- clip_ratio`` (or the
+    values past ``value_clip``) cannot qualify an engine's clipping: a missing clip would
+    pass. The fractions are reported; a zero fraction after round 1 is warned about.
+    """
+    out: dict[str, Any] = {}
+    for prec in precisions:
+        meta = update_meta[f"hf-{prec}"]
+        out[prec] = {
+            "policy_clip_fraction": meta.get("actor", {}).get("policy_clip_fraction"),
+            "value_clip_fraction": meta.get("critic", {}).get("value_clip_fraction"),
+        }
+        for key, fractions in out[prec].items():
+            later = [v for r, v in (fractions or {}).items() if r != "round1"]
+            if fractions and later and max(later) == 0.0:
+                print(f"qualify: warning: {key} is 0 in every round after the first at {prec}: "
+                      "the contract does not exercise that clipping path", file=sys.stderr)
     return out
 
 

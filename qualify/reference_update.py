@@ -293,6 +293,7 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
     old_logp = torch.zeros(b, r_len)
     ref_logp = torch.zeros(b, r_len)
     compute_dtypes: set[str] = set()
+    clip_fraction: dict[str, float] = {}
     with torch.no_grad():
         ref_model = ref_prec.refresh()
         for s, mb in batch.micro_batches(settings.micro_batch_size):
@@ -304,6 +305,7 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
         model.eval()  # dropout off (protocol); autograd works in eval mode
         logp_r, ent_r = torch.zeros(b, r_len), torch.zeros(b, r_len)
         sums = {"policy": 0.0, "kl": 0.0, "entropy": 0.0}
+        clipped_tokens = 0.0
         for s, mb in batch.micro_batches(settings.micro_batch_size):
             mask = mb.response_mask.float()
             with prec.autocast():
@@ -313,8 +315,9 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
             old = logp.detach() if round_ == 1 else old_logp[s]
             ratio = torch.exp(logp - old)
             adv = mb.advantages.float()
-            pg = torch.maximum(-adv * ratio,
-                               -adv * torch.clamp(ratio, 1 - alg.clip_ratio, 1 + alg.clip_ratio))
+            pg_clipped = -adv * torch.clamp(ratio, 1 - alg.clip_ratio, 1 + alg.clip_ratio)
+            pg = torch.maximum(-adv * ratio, pg_clipped)
+            clipped_tokens += float(((pg_clipped > -adv * ratio).float() * mask).sum())
             policy = (pg * mask).sum() / n_valid
             kl = alg.kl_loss_coef * (_kl(logp, ref_logp[s], alg.kl_loss_estimator) * mask).sum()
             kl = kl / n_valid
@@ -328,6 +331,7 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
             ent_r[s] = (ent.detach() * mask)
         if round_ == 1:
             old_logp = logp_r.clone()
+        clip_fraction[f"round{round_}"] = clipped_tokens / n_valid
         out[tensor_name(round_, "actor", "logprobs")] = logp_r
         out[tensor_name(round_, "actor", "entropy")] = ent_r
         for term, v in sums.items():
@@ -340,6 +344,7 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
         "optimizer_state": _state_dtypes(optim),
         "compute": sorted(compute_dtypes),
         "bf16_mode": settings.bf16_mode if settings.precision == "bf16" else None,
+        "policy_clip_fraction": clip_fraction,
     }
     return out, meta
 
@@ -367,11 +372,13 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
     b, r_len = batch.responses.shape
     old_values = torch.zeros(b, r_len)
     compute_dtypes: set[str] = set()
+    clip_fraction: dict[str, float] = {}
     for round_ in range(1, alg.rounds + 1):
         model = prec.refresh()
         model.eval()  # dropout off (protocol); autograd works in eval mode
         values_r = torch.zeros(b, r_len)
         total = 0.0
+        clipped_tokens = 0.0
         for s, mb in batch.micro_batches(settings.micro_batch_size):
             mask = mb.response_mask.float()
             with prec.autocast():
@@ -382,6 +389,8 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
             ret = mb.returns.float()
             clipped = old + torch.clamp(values - old, -alg.value_clip, alg.value_clip)
             vloss = torch.maximum((values - ret).square(), (clipped - ret).square())
+            clipped_tokens += float((((clipped - ret).square() > (values - ret).square())
+                                     .float() * mask).sum())
             loss = 0.5 * (vloss * mask).sum() / n_valid
             loss.backward()
             prec.collect_grads()
@@ -389,6 +398,7 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
             values_r[s] = values.detach() * mask
         if round_ == 1:
             old_values = values_r.clone()
+        clip_fraction[f"round{round_}"] = clipped_tokens / n_valid
         out[tensor_name(round_, "critic", "values")] = values_r
         out[tensor_name(round_, "critic", "loss/value")] = torch.tensor(total)
         out[tensor_name(round_, "critic", "loss/total")] = torch.tensor(total)
@@ -399,6 +409,7 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
         "optimizer_state": _state_dtypes(optim),
         "compute": sorted(compute_dtypes),
         "bf16_mode": settings.bf16_mode if settings.precision == "bf16" else None,
+        "value_clip_fraction": clip_fraction,
     }
     return out, meta
 

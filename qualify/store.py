@@ -360,7 +360,7 @@ def _torch_ready(tensors: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
     safetensors refuses tensors that share memory, so views and duplicates are cloned.
     """
-    import torch  # noqa: PLC0415  (torch is imported only when a torch tensor is saved)
+    import torch
 
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
@@ -417,7 +417,7 @@ def save_tensors(
             arrays = {k: np.require(v, requirements="C") for k, v in tensors.items()}
             safetensors.numpy.save_file(arrays, tmp_name, metadata=meta)
         else:
-            from safetensors.torch import save_file  # noqa: PLC0415  (imports torch)
+            from safetensors.torch import save_file
 
             save_file(_torch_ready(tensors), tmp_name, metadata=meta)
         with open(tmp, "rb+") as f:
@@ -469,7 +469,7 @@ def load_tensors_torch(path: str | Path, *, device: str = "cpu") -> dict[str, to
     Raises:
         EvidenceIntegrityError: the file is missing, truncated or not safetensors.
     """
-    from safetensors.torch import load_file  # noqa: PLC0415  (imports torch)
+    from safetensors.torch import load_file
 
     p = Path(path)
     try:

@@ -44,6 +44,9 @@ FP32 = "torch.float32"
 TP1, TP2 = "torch_tp-fp32-actor-tp1", "torch_tp-fp32-actor-tp2"
 BF16_TP1 = "torch_tp-bf16-actor-tp1"
 CRITIC_TP1 = "torch_tp-fp32-critic-tp1"
+# Without ``required_cells`` every cell of the contract's matrix is required (a cell that
+# did not run is never a pass). The tiny-qwen3 matrix has 8 cells; a world that adds only
+# some of them and means "every required cell ran" names them in ``required``.
 
 
 @pytest.fixture(autouse=True)
@@ -117,7 +120,11 @@ def make_contract(required: list[str] | None = None) -> Contract:
 
 
 class World:
-    """A sealed reference and a candidate run under ``tmp_path``."""
+    """A sealed reference and a candidate run under ``tmp_path``.
+
+    ``required``: the contract's ``matrix.required_cells``; None leaves it unset (every
+    cell of the tiny-qwen3 matrix is then required).
+    """
 
     def __init__(self, tmp_path: Path, *, required: list[str] | None = None,
                  drop_bound: Callable[[Bound], bool] | None = None,
@@ -198,7 +205,7 @@ def rows_of(report: Any, cell: str, klass: str | None = None) -> list[Row]:
 
 
 def test_identical_outputs_pass_with_margin_zero(tmp_path: Path) -> None:
-    w = World(tmp_path)
+    w = World(tmp_path, required=[TP1, TP2, BF16_TP1, CRITIC_TP1])
     w.add_cell(TP1)
     w.add_cell(TP2)
     w.add_cell(BF16_TP1)
@@ -223,7 +230,7 @@ def test_identical_outputs_pass_with_margin_zero(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("delta", "verdict"), [(1.001e-3, "FAIL"), (0.999e-3, "PASS")])
 def test_perturbation_around_the_bound(tmp_path: Path, delta: float, verdict: str) -> None:
-    w = World(tmp_path)
+    w = World(tmp_path, required=[TP1])
     out = actor(w)
     out["round1/actor/logprobs"][1, 2] += delta
     out["round1/actor/logprobs_padded"][1, 2] += delta  # keep padding invariance exact
@@ -262,7 +269,7 @@ def test_masked_token_differences_are_ignored(tmp_path: Path) -> None:
 
 def test_missing_bound_is_error_not_pass(tmp_path: Path) -> None:
     w = World(tmp_path, drop_bound=lambda b: (b.precision, b.klass, b.key.label) == (
-        "fp32", "candidate_vs_hf", "round1/actor/entropy"))
+        "fp32", "candidate_vs_hf", "round1/actor/entropy"), required=[TP1])
     w.add_cell(TP1)
     report = w.compare(write=False)
     (row,) = [r for r in rows_of(report, TP1) if r.metric == "round1/actor/entropy"]
@@ -275,8 +282,8 @@ def test_missing_bound_is_error_not_pass(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("required", "passed"), [
-    (None, True),                 # default: NOT_RUN cells are not required
-    ([TP1], True),                # explicitly not required
+    (None, False),                # default: every matrix cell is required, NOT_RUN blocks
+    ([TP1], True),                # explicitly not required: does not block
     ([TP1, TP2], False),          # required and not run
     ([TP1, "torch_tp-fp32-critic-tp2"], False),  # required and absent from run.json
 ])
@@ -288,22 +295,28 @@ def test_not_run_cell(tmp_path: Path, required: list[str] | None, passed: bool) 
     assert report.verdicts[TP2] == "NOT_RUN"
     (cell,) = [c for c in report.cells if c.cell == TP2]
     assert cell.reason == "needs CUDA"
+    assert cell.required is (required is None or TP2 in required)
     assert not rows_of(report, TP2)
     assert report.passed is passed
     if required and len(required) == 2 and required[1] not in w.cells:
         assert report.verdicts[required[1]] == "NOT_RUN"
 
 
-def test_only_not_run_cells_never_pass(tmp_path: Path) -> None:
-    w = World(tmp_path)
+@pytest.mark.parametrize("required", [None, []])
+def test_only_not_run_cells_never_pass(tmp_path: Path, required: list[str] | None) -> None:
+    w = World(tmp_path, required=required)
     w.add_cell(TP1, status="NOT_RUN", reason="no engine")
     report = w.compare(write=False)
-    assert report.required == ()
+    if required is None:  # every matrix cell required: TP1 NOT_RUN, the others absent
+        assert set(report.required) == {c.cell_id for c in w.contract.matrix.cells()}
+        assert set(report.not_passed) == set(report.required)
+    else:  # no required cell at all is no pass either
+        assert report.required == ()
     assert not report.passed
 
 
 def test_error_status_propagates_with_logs_path(tmp_path: Path) -> None:
-    w = World(tmp_path)
+    w = World(tmp_path, required=[TP1, TP2])
     w.add_cell(TP1)
     w.add_cell(TP2, status="ERROR", reason="rank 1 exited with 1")
     report = w.compare(write=False)
@@ -418,7 +431,7 @@ def test_tp_vs_tp1_catches_what_hf_bounds_allow(tmp_path: Path) -> None:
 
 
 def test_tp_row_not_run_when_tp1_did_not_complete(tmp_path: Path) -> None:
-    w = World(tmp_path)
+    w = World(tmp_path, required=[TP1, TP2])
     w.add_cell(TP1, status="ERROR", reason="oom")
     w.add_cell(TP2)
     report = w.compare(write=False)
@@ -445,7 +458,7 @@ def test_missing_candidate_tensor_fails_with_inf(tmp_path: Path) -> None:
 
 
 def test_edited_attempt_is_an_error(tmp_path: Path) -> None:
-    w = World(tmp_path)
+    w = World(tmp_path, required=[TP1])
     w.add_cell(TP1)
     adir = w.run_dir / "cells" / TP1 / "attempt-1"
     store.make_writable(adir)
@@ -457,11 +470,35 @@ def test_edited_attempt_is_an_error(tmp_path: Path) -> None:
     assert "outputs.json" in cell.reason
 
 
+def test_matrix_cell_absent_from_run_is_required_and_not_run(tmp_path: Path) -> None:
+    """No ``required_cells``: a matrix cell missing from run.json is NOT_RUN, required,
+    and the run does not pass, though every cell that ran passes."""
+    w = World(tmp_path)
+    matrix = [c.cell_id for c in w.contract.matrix.cells()]
+    assert len(matrix) == 8
+    for cid in matrix:
+        w.add_cell(cid)
+    assert w.compare(write=False).passed  # the whole matrix ran and passed
+    absent = "torch_tp-bf16-critic-tp2"
+    del w.cells[absent]
+    report = w.compare(write=False)
+    assert not report.passed
+    assert not bool(report)
+    assert report.verdicts == {**{c: "PASS" for c in matrix if c != absent}, absent: "NOT_RUN"}
+    (cell,) = [c for c in report.cells if c.cell == absent]
+    assert (cell.status, cell.verdict, cell.required) == ("NOT_RUN", "NOT_RUN", True)
+    assert cell.reason is not None
+    assert "absent from run.json" in cell.reason
+    assert set(report.required) == set(matrix)
+    assert report.not_passed == (absent,)
+    assert not rows_of(report, absent)
+
+
 # --------------------------------------------------------------------------- integrity
 
 
 def test_writes_reports_and_refuses_a_sealed_run(tmp_path: Path) -> None:
-    w = World(tmp_path)
+    w = World(tmp_path, required=[TP1])
     w.add_cell(TP1)
     report = w.compare()
     assert (w.run_dir / "report.json").is_file()
@@ -573,7 +610,7 @@ def test_max_abs_error_is_symmetric(ts: tuple[dict[str, np.ndarray], np.ndarray]
 
 
 def test_explicit_reference_dir(tmp_path: Path) -> None:
-    w = World(tmp_path)
+    w = World(tmp_path, required=[TP1])
     w.add_cell(TP1)
     w.write_run()
     assert compare_run(w.run_dir, reference_dir=w.ref, write=False).passed
@@ -582,7 +619,7 @@ def test_explicit_reference_dir(tmp_path: Path) -> None:
 
 
 def test_unknown_status_is_an_error(tmp_path: Path) -> None:
-    w = World(tmp_path)
+    w = World(tmp_path, required=[TP1])
     w.add_cell(TP1)
     w.cells[TP1]["status"] = "RUNNING"
     report = w.compare(write=False)

@@ -14,9 +14,9 @@ from qualify.resources import contracts_dir
 
 torch.set_num_threads(1)
 
-CFG = dict(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=2, head_dim=32, pad_token_id=0,
-           eos_token_id=2, bos_token_id=1, attention_dropout=0.0)
+CFG = {"vocab_size": 384, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "pad_token_id": 0,
+       "eos_token_id": 2, "bos_token_id": 1, "attention_dropout": 0.0}
 
 
 @pytest.fixture(scope="module")

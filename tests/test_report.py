@@ -11,7 +11,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from test_compare import BF16_TP1, TP1, TP2, World, actor, good_meta
+from test_compare import BF16_TP1, CRITIC_TP1, TP1, TP2, World, actor, good_meta
 
 from qualify import store
 from qualify.compare import REPORT_JSON, REPORT_MD, Report
@@ -30,8 +30,9 @@ def _writable(tmp_path: Path) -> Iterator[None]:
 @pytest.fixture
 def failing(tmp_path: Path) -> tuple[World, Report]:
     """TP1 fails logprobs at (1, 2); TP2 is identical to HF (so also fails vs TP1);
-    a bf16 cell has a BF16 optimizer state; one cell not run, one harness error."""
-    w = World(tmp_path)
+    a bf16 cell has a BF16 optimizer state; one cell not run, one harness error.
+    Required: the cells that ran (the NOT_RUN cell is excluded by ``required_cells``)."""
+    w = World(tmp_path, required=[TP1, TP2, BF16_TP1, CRITIC_TP1])
     out = actor(w)
     out["round1/actor/logprobs"][1, 2] += 2e-3
     out["round1/actor/logprobs_padded"][1, 2] += 2e-3
@@ -41,7 +42,7 @@ def failing(tmp_path: Path) -> tuple[World, Report]:
     meta["dtypes"]["optimizer_state"]["exp_avg_sq"] = "torch.bfloat16"
     w.add_cell(BF16_TP1, meta=meta)
     w.add_cell("torch_tp-bf16-actor-tp2", status="NOT_RUN", reason="needs 2 GPUs")
-    w.add_cell("torch_tp-fp32-critic-tp1", status="ERROR", reason="segfault")
+    w.add_cell(CRITIC_TP1, status="ERROR", reason="segfault")
     return w, w.compare()
 
 
@@ -56,7 +57,7 @@ def test_report_json_validates_and_carries_the_digests(failing: tuple[World, Rep
     assert doc["bounds_digest"] == store.sha256_file(w.ref / "bounds.json")
     assert {c["cell"]: c["verdict"] for c in doc["cells"]} == {
         TP1: "FAIL", TP2: "FAIL", BF16_TP1: "FAIL", "torch_tp-bf16-actor-tp2": "NOT_RUN",
-        "torch_tp-fp32-critic-tp1": "ERROR"}
+        CRITIC_TP1: "ERROR"}
     row = next(r for r in doc["rows"] if r["cell"] == TP1 and r["class"] == "candidate_vs_hf"
                and r["metric"] == "round1/actor/logprobs")
     assert set(row) >= {"cell", "class", "round", "role", "family", "statistic", "error",
@@ -122,7 +123,7 @@ def test_matrix_frame(failing: tuple[World, Report]) -> None:
 
 
 def test_rewrite_is_atomic_and_leaves_no_temporary_files(tmp_path: Path) -> None:
-    w = World(tmp_path)
+    w = World(tmp_path, required=[TP1])
     w.add_cell(TP1)
     first = w.compare()
     second = w.compare()

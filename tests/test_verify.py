@@ -14,6 +14,10 @@ with :func:`shutil.copytree` and made writable with :func:`qualify.store.make_wr
   parameters, two rounds), deepspeed cells ``NOT_RUN`` (no CUDA), compared with the real
   :func:`qualify.compare.compare_run`, sealed (``kind="candidate-run"``) and signed.
   ``run-3-fail`` has a logprob of ``torch_tp-fp32-actor-tp2`` off by 0.1 (bound 1e-3).
+  The contract sets no ``matrix.required_cells``, so every matrix cell is required: the
+  deepspeed cells that did not run keep every report from passing on its own (each cell
+  that ran in ``run-2-good`` passes); only the gate's ``--allow-not-run`` policy excuses
+  them (test_gate.py).
 
 The tamper set (:data:`MUTATIONS`) names each mutation, the directory it targets and the
 verification step that must catch it; every one is checked through ``verify``, ``gate``
@@ -715,10 +719,14 @@ def test_statement_content(signed_world: World) -> None:
     assert pred["sealed"] == manifest["created"]
     assert set(pred["source"]) == {"commit", "dirty", "branch"}
     assert pred["environment"]["python"]
-    assert pred["verdicts"]["passed"] is True
+    # every matrix cell is required: the deepspeed cells NOT_RUN (no CUDA) are no pass
+    assert pred["verdicts"]["passed"] is False
+    assert sorted(pred["verdicts"]["summary"]["required_not_passed"]) == pred["warnedTests"]
     # in-toto test-result v0.1 fields
-    assert pred["result"] == "WARNED"  # passed, deepspeed cells NOT_RUN
+    assert pred["result"] == "FAILED"  # not passed, though no cell that ran failed
     assert TENSOR_CELL in pred["passedTests"]
+    assert len(pred["passedTests"]) == 4
+    assert len(pred["warnedTests"]) == 4
     assert all(c.startswith(CUDA_ONLY) for c in pred["warnedTests"])
     assert pred["failedTests"] == []
     fail = json.loads(signing.read_envelope(w.failing).payload)["predicate"]

@@ -1,0 +1,174 @@
+"""End to end on the default contract: seal a reference, run candidate cells, compare.
+
+One reference per test module (about 40 s on 2 cores); each candidate launch is a real
+torchrun + gloo job of the torch_tp engine (about 20 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qualify import store
+from qualify.candidate import run_candidate_stage
+from qualify.compare import compare_run
+from qualify.contract import Contract, load_contract
+from qualify.errors import ExitCode, ReferenceDataError
+from qualify.reference import BOUNDS_FILE, run_reference_stage
+from qualify.resources import contracts_dir
+from qualify.statistics import FAMILY_STATISTIC
+
+TINY = contracts_dir() / "tiny-qwen3.toml"
+
+
+@pytest.fixture(scope="module")
+def contract() -> Contract:
+    return load_contract(TINY)
+
+
+@pytest.fixture(scope="module")
+def reference(contract: Contract, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("refs")
+    return run_reference_stage(contract, root=root, quiet=True)
+
+
+def _rows(report_dir: Path) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = json.loads((report_dir / "report.json").read_text())["rows"]
+    return rows
+
+
+def test_reference_is_sealed_read_only_and_complete(reference: Path, contract: Contract) -> None:
+    assert store.is_sealed(reference)
+    store.check_sealed(reference)
+    for path in reference.rglob("*"):
+        if path.is_file() and path.name != "attestation.dsse.json":
+            assert not path.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH), path
+    rollout = json.loads((reference / "rollout.json").read_text())
+    assert set(rollout["finish_reasons"]) == {"eos", "length"}, rollout["finish_reasons"]
+    bounds = json.loads((reference / BOUNDS_FILE).read_text())["bounds"]
+    seen = {(b["precision"], b["class"], b["round"], b["role"], b["family"]) for b in bounds}
+    for prec in contract.matrix.precisions:
+        for klass in ("candidate_vs_hf", "tp_vs_tp1"):
+            for rnd in (1, 2):
+                for fam in FAMILY_STATISTIC:
+                    if fam in ("values", "rewards", "logprobs", "entropy"):
+                        continue
+                    for role in ("actor", "critic"):
+                        assert (prec, klass, rnd, role, fam) in seen
+            assert (prec, klass, 1, "actor", "logprobs") in seen
+            assert (prec, klass, 1, "critic", "values") in seen
+    for b in bounds:
+        assert b["bound"] == pytest.approx(b["k"] * b["control_error"] + b["floor"])
+    meta = json.loads((reference / "reference.json").read_text())
+    bf16 = meta["scoring_records"]["bf16"]["actor"]
+    fp32 = meta["scoring_records"]["fp32"]["actor"]
+    assert "bfloat16" in json.dumps(bf16)
+    assert "bfloat16" not in json.dumps(fp32)
+    for label, run in meta["update_meta"].items():
+        for role in ("actor", "critic"):
+            assert run[role]["optimizer_state"] == {"exp_avg": "torch.float32",
+                                                    "exp_avg_sq": "torch.float32"}, label
+
+
+def test_sealed_reference_is_never_rewritten(reference: Path, contract: Contract) -> None:
+    digest = store.manifest_digest(reference)
+    with pytest.raises(ReferenceDataError, match="sealed"):
+        run_reference_stage(contract, root=reference.parent, quiet=True)
+    assert store.manifest_digest(reference) == digest
+    proc = subprocess.run(
+        [sys.executable, "-m", "qualify", "reference", str(TINY), "--out", str(reference.parent),
+         "--quiet"], capture_output=True, text=True, check=False)
+    assert proc.returncode == ExitCode.USAGE_ERROR, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert store.manifest_digest(reference) == digest
+
+
+def test_interrupted_reference_is_never_taken_as_sealed(contract: Contract,
+                                                        tmp_path: Path) -> None:
+    def interrupt(step: str) -> None:
+        if step == "targets":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_reference_stage(contract, root=tmp_path, quiet=True, on_step=interrupt)
+    (partial,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert not store.is_sealed(partial)
+    assert (partial / store.INCOMPLETE_FILE).exists()
+    with pytest.raises(ReferenceDataError, match="not sealed"):
+        run_candidate_stage(contract, reference=partial, root=tmp_path / "ev", quiet=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "qualify", "candidate", str(TINY), "--reference", str(partial),
+         "--out", str(tmp_path / "ev"), "--quiet"], capture_output=True, text=True, check=False)
+    assert proc.returncode == ExitCode.USAGE_ERROR
+    assert "not sealed" in proc.stderr
+    store.make_writable(tmp_path)
+
+
+def test_every_torch_tp_cell_passes(reference: Path, contract: Contract,
+                                    tmp_path: Path) -> None:
+    before = store.manifest_digest(reference)
+    run_dir = run_candidate_stage(contract, reference=reference, root=tmp_path, quiet=True)
+    report = compare_run(run_dir)
+    verdicts = dict(report.verdicts)
+    assert verdicts == {c.cell_id: "PASS" for c in contract.matrix.cells()}, report.summary
+    assert report.passed
+    # The sealed reference is byte-identical after a candidate run.
+    assert store.manifest_digest(reference) == before
+    store.check_sealed(reference)
+    # Resume: nothing left to run, the complete attempts are kept as they are.
+    again = run_candidate_stage(contract, reference=reference, root=tmp_path,
+                                run_id=run_dir.name, quiet=True)
+    assert again == run_dir
+    for cell in contract.matrix.cells():
+        assert [p.name for p in store.attempts(run_dir / "cells" / cell.cell_id)] == ["attempt-1"]
+    store.make_writable(tmp_path)
+
+
+# fault -> (cell that must FAIL, family that must FAIL in it)
+FAULTS = {
+    "no_temperature": ("torch_tp-fp32-actor-tp1", "logprobs"),
+    "logprobs_shift_one": ("torch_tp-fp32-actor-tp1", "logprobs"),
+    "grad_norm_replicated_per_rank": ("torch_tp-fp32-actor-tp2", "grad_norm"),
+    "bf16_optimizer_state": ("torch_tp-bf16-actor-tp1", "dtypes"),
+    "value_loss_unclipped": ("torch_tp-fp32-critic-tp1", "losses"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_broken_engine_variant_fails_with_the_expected_metric(
+        fault: str, reference: Path, contract: Contract, tmp_path: Path) -> None:
+    cell, family = FAULTS[fault]
+    run_dir = run_candidate_stage(
+        contract, reference=reference, root=tmp_path, quiet=True, faults=(fault,),
+        cells=[cell])
+    report = compare_run(run_dir)
+    assert report.verdicts[cell] == "FAIL", report.summary
+    failing = {(r["cell"], r["family"]) for r in _rows(run_dir) if r["verdict"] == "FAIL"}
+    assert (cell, family) in failing, sorted(failing)
+    assert not report.passed
+    store.make_writable(tmp_path)
+
+
+def test_hung_rank_is_an_error_with_logs_kept(reference: Path, contract: Contract,
+                                             tmp_path: Path) -> None:
+    run_dir = run_candidate_stage(
+        contract, reference=reference, root=tmp_path, quiet=True, faults=("hang_rank1",),
+        cells=["torch_tp-fp32-actor-tp2", "torch_tp-fp32-critic-tp1"],
+        collective_timeout_s=10, launch_timeout_s=120)
+    report = compare_run(run_dir)
+    assert report.verdicts["torch_tp-fp32-actor-tp2"] == "ERROR"
+    attempt = run_dir / "cells" / "torch_tp-fp32-actor-tp2" / "attempt-1"
+    result = json.loads((attempt / "result.json").read_text())
+    assert result["status"] == "ERROR"
+    assert result["wall_s"] < 120
+    logs = list((attempt / "logs").rglob("*.log"))
+    assert logs, "rank logs must be kept"
+    assert not report.passed
+    if os.environ.get("QUALIFY_KEEP_TMP") is None:
+        store.make_writable(tmp_path)
