@@ -1,0 +1,104 @@
+"""The command-line surface: pinned subcommands and options, and one-line user errors."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from qualify.cli import build_parser
+from qualify.errors import ExitCode
+from qualify.resources import contracts_dir
+
+# Changing the CLI is a user-visible change: update this table on purpose.
+EXPECTED = {
+    "validate": ["contract"],
+    "reference": ["contract", "--out", "--new", "--quiet"],
+    "candidate": ["contract", "--reference", "--out", "--cells", "--run-id", "--quiet"],
+    "compare": ["run_dir", "--no-seal"],
+    "run": ["contract", "--references", "--evidence", "--cells", "--quiet"],
+    "keygen": ["--name", "--private-key", "--public-dir"],
+    "sign": ["dir", "--key", "--reference", "--keys"],
+    "verify": ["path", "--keys", "--contract", "--contracts-dir", "--reference", "--json"],
+    "gate": ["evidence_dir", "--contract", "--allow-not-run", "--json", "--reference", "--keys"],
+    "audit": ["dirs", "--format", "--output", "--contracts-dir", "--keys"],
+}
+
+
+def _surface() -> dict[str, list[str]]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    out = {}
+    for name, p in sub.choices.items():
+        opts = []
+        for a in p._actions:
+            if isinstance(a, argparse._HelpAction):
+                continue
+            opts.append(a.option_strings[0] if a.option_strings else a.dest)
+        out[name] = opts
+    return out
+
+
+def test_cli_surface_is_pinned() -> None:
+    assert _surface() == EXPECTED
+
+
+def _qualify(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qualify", *args], capture_output=True,
+                          text=True, check=False, cwd=cwd)
+
+
+def _one_line_error(proc: subprocess.CompletedProcess[str], code: ExitCode, text: str) -> None:
+    assert proc.returncode == code, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("qualify: error: ")
+    assert text in lines[0], lines[0]
+
+
+def _hf_dir_contract(tmp_path: Path, model: str) -> Path:
+    text = (contracts_dir() / "tiny-qwen3.toml").read_text()
+    doc = tomllib.loads(text)
+    start = text.index("[model]")
+    end = text.index("[roles]")
+    new_model = f'[model]\nsource = "hf-dir"\npath = "{tmp_path / "hf"}"\n{model}\n'
+    out = tmp_path / "c.toml"
+    out.write_text(text[:start] + new_model + text[end:])
+    assert doc["model"]["source"] == "tiny-qwen3"
+    return out
+
+
+@pytest.mark.parametrize(("case", "model", "text"), [
+    ("missing_model_dir", "", "model.path"),
+    ("manifest_digest_mismatch", '[model.manifest.files]\n"model.safetensors" = "' + "12" * 32
+     + '"\n', 'model.manifest.files["model.safetensors"]'),
+])
+def test_model_errors_exit_two_with_one_line(case: str, model: str, text: str,
+                                             tmp_path: Path) -> None:
+    contract = _hf_dir_contract(tmp_path, model)
+    if case == "manifest_digest_mismatch":
+        (tmp_path / "hf").mkdir()
+        (tmp_path / "hf" / "model.safetensors").write_bytes(b"not the expected weights")
+        (tmp_path / "hf" / "config.json").write_text("{}")
+    proc = _qualify("reference", str(contract), "--out", str(tmp_path / "refs"), "--quiet")
+    _one_line_error(proc, ExitCode.USAGE_ERROR, text)
+
+
+def test_missing_reference_dir_and_bad_usage(tmp_path: Path) -> None:
+    proc = _qualify("candidate", "--reference", str(tmp_path / "nope"), "--out",
+                    str(tmp_path / "ev"), "--quiet")
+    _one_line_error(proc, ExitCode.USAGE_ERROR, "reference directory not found")
+    proc = _qualify("frobnicate")
+    assert proc.returncode == ExitCode.USAGE_ERROR
+    assert "Traceback" not in proc.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    proc = _qualify("--debug", "validate", str(tmp_path / "nope.toml"))
+    assert proc.returncode == ExitCode.USAGE_ERROR
+    assert "Traceback" in proc.stderr
