@@ -66,7 +66,10 @@ Output tensor names (``outputs.safetensors`` of a harness, and the reference's o
 ``round{r}/{role}/{metric}`` with metric one of ``logprobs`` ``[B, R]``, ``entropy`` ``[B, R]``,
 ``values`` ``[B, R]``, ``loss/{term}`` (0-d), ``grad_norm`` (0-d), ``clip_coef`` (0-d),
 ``grads/{hf_param_name}`` (FP32, HF layout, **before** clipping), ``exp_avg/{name}``,
-``exp_avg_sq/{name}`` (after the step), ``updates/{name}`` (master after - before),
+``exp_avg_sq/{name}`` (after the step), ``updates/{name}`` (master after - before) — each
+exact when the parameter has at most :data:`EXACT_PARAM_ELEMENTS` elements, otherwise the
+flattened values at the seeded sample :func:`param_sample_indices` (the same elements on
+every side, so relative L2 errors are estimated on a fixed 16,384-element sample),
 and ``logprobs_padded`` / ``values_padded`` (the padding-invariance rerun, same shape as
 ``logprobs``). All floating tensors are stored as float32 (or float64 for FP64 targets).
 """
@@ -74,7 +77,11 @@ and ``logprobs_padded`` / ``values_padded`` (the padding-invariance rerun, same 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any, Final, Literal
+
+import numpy as np
+import numpy.typing as npt
 
 ROLLOUT_FILE: Final = "rollout.safetensors"
 ROLLOUT_META_FILE: Final = "rollout.json"
@@ -106,6 +113,32 @@ EXTRA_RIGHT_PADDING: Final = 3
 """Extra right-padding columns of the padding-invariance rerun."""
 
 Verdict = Literal["PASS", "FAIL", "NOT_RUN", "ERROR"]
+
+EXACT_PARAM_ELEMENTS: Final = 32_768
+"""Per-parameter tensors with at most this many elements are reported exactly."""
+SAMPLED_PARAM_ELEMENTS: Final = 16_384
+"""Elements reported for a larger parameter (a seeded sample of its flattened values)."""
+
+
+def param_sample_indices(name: str, numel: int) -> npt.NDArray[np.int64] | None:
+    """Which flattened elements of a per-parameter tensor are reported.
+
+    Args:
+        name: the HF parameter name.
+        numel: its number of elements.
+
+    Returns:
+        ``None`` when the tensor is reported exactly (``numel <= EXACT_PARAM_ELEMENTS``);
+        otherwise ``SAMPLED_PARAM_ELEMENTS`` sorted distinct int64 indices drawn without
+        replacement by ``numpy.random.default_rng`` seeded from sha256(``name:numel``), so
+        every harness and the reference report the same elements.
+    """
+    if numel <= EXACT_PARAM_ELEMENTS:
+        return None
+    seed = int.from_bytes(hashlib.sha256(f"{name}:{numel}".encode()).digest()[:8], "little")
+    rng = np.random.default_rng(seed)
+    idx = rng.choice(numel, size=SAMPLED_PARAM_ELEMENTS, replace=False)
+    return np.sort(idx).astype(np.int64)
 
 
 def tensor_name(round_: int, role: str, metric: str, param: str | None = None) -> str:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from qualify.contract import Contract
-from qualify.protocol import tensor_name
+from qualify.protocol import param_sample_indices, tensor_name
 
 Bf16Mode = Literal["params", "autocast"]
 
@@ -233,10 +233,16 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
           optim: torch.optim.Optimizer, out: dict[str, torch.Tensor]) -> None:
     """Record grads, clip, AdamW step, record state and updates (protocol names)."""
     params = [(n, p) for n, p in master.named_parameters() if p.requires_grad]
+
+    def reported(name: str, t: torch.Tensor) -> torch.Tensor:
+        idx = param_sample_indices(name, t.numel())
+        t = t.detach().float()
+        return t.clone() if idx is None else t.reshape(-1)[torch.from_numpy(idx)].clone()
+
     for n, p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        out[tensor_name(round_, role, "grads", n)] = p.grad.detach().float().clone()
+        out[tensor_name(round_, role, "grads", n)] = reported(n, p.grad)
     norm, coef = _grad_norm_and_clip(params, contract.optimizer.max_grad_norm)
     out[tensor_name(round_, role, "grad_norm")] = torch.tensor(norm, dtype=torch.float32)
     out[tensor_name(round_, role, "clip_coef")] = torch.tensor(coef, dtype=torch.float32)
@@ -245,10 +251,9 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
     optim.zero_grad(set_to_none=True)
     for n, p in params:
         state = optim.state[p]
-        out[tensor_name(round_, role, "exp_avg", n)] = state["exp_avg"].detach().float().clone()
-        out[tensor_name(round_, role, "exp_avg_sq", n)] = (
-            state["exp_avg_sq"].detach().float().clone())
-        out[tensor_name(round_, role, "updates", n)] = (p.detach() - before[n]).float()
+        out[tensor_name(round_, role, "exp_avg", n)] = reported(n, state["exp_avg"])
+        out[tensor_name(round_, role, "exp_avg_sq", n)] = reported(n, state["exp_avg_sq"])
+        out[tensor_name(round_, role, "updates", n)] = reported(n, p.detach() - before[n])
 
 
 def _adamw(master: nn.Module, lr: float, contract: Contract) -> torch.optim.AdamW:

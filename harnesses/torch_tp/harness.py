@@ -56,6 +56,7 @@ from qualify.protocol import (
     TRAIN_INPUT_KEYS,
     TRAIN_INPUTS_FILE,
     HarnessCell,
+    param_sample_indices,
     tensor_name,
 )
 
@@ -295,10 +296,17 @@ class RoleRun:
         return contextlib.nullcontext()
 
     def put(self, round_: int, metric: str, value: Tensor, param: str | None = None) -> None:
-        """Keep ``value`` (FP32, CPU) under its protocol name on the writer rank."""
+        """Keep ``value`` (FP32, CPU) under its protocol name on the writer rank.
+
+        Per-parameter tensors of large parameters are reported at the protocol's seeded
+        sample of elements (:func:`qualify.protocol.param_sample_indices`).
+        """
         if self.writer:
-            self.tensors[tensor_name(round_, self.role, metric, param)] = (
-                value.detach().to("cpu", torch.float32).contiguous())
+            out = value.detach().to("cpu", torch.float32)
+            idx = param_sample_indices(param, out.numel()) if param is not None else None
+            if idx is not None:
+                out = out.reshape(-1)[torch.from_numpy(idx)]
+            self.tensors[tensor_name(round_, self.role, metric, param)] = out.contiguous()
 
     @contextlib.contextmanager
     def timed(self, key: str) -> Iterator[None]:

@@ -1,0 +1,268 @@
+"""The tamper set of test_verify applied to a REAL signed run of the tiny contract (issue #4).
+
+One module fixture (:func:`real_world`, about 3 minutes on 2 cores) does what
+``qualify run contracts/tiny-qwen3.toml`` does (qualify/pipeline.py), in-process, with a
+test signing key given through ``$QUALIFY_SIGNING_KEY`` (the variable is restored after):
+
+- ``references/tiny-qwen3-<digest12>/``: :func:`run_reference_stage` (sealed and signed);
+- ``evidence/tiny-qwen3/<run id>/``: :func:`run_candidate_stage` (all 8 torch_tp cells,
+  real torchrun + gloo launches), :func:`compare_run`, then ``seal_and_sign`` of the run;
+- ``evidence/tiny-qwen3/0-older-copy/``: a copy of the same compared run sealed and signed
+  a moment *before* the real one (the "older run" whose attestation is replayed);
+- ``contracts/tiny-qwen3.toml``: the committed contract, where verify step 6 looks
+  (``--contracts-dir``); ``keys/``: two trusted public keys (a third key stays untrusted).
+
+The tree is built under ``build/`` and then renamed to ``world/``: ``run.json`` names its
+reference by absolute path, which then no longer exists, so every copy finds its OWN
+reference through ``references/`` beside an ancestor (as committed evidence moved to
+another machine does). Without that, a copy's run would still point at the pristine
+reference and the mutations of the reference would go unseen.
+
+Each mutation of test_verify's :data:`~test_verify.MUTATIONS` (except ``FAIL->PASS``,
+which needs a failing run) plus two that only a real tree has is applied to a copy
+(:meth:`World.copy`: ``copytree`` + ``make_writable``) and must make ``verify``, ``gate``
+and ``audit`` exit 3 at the expected step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from test_verify import (
+    MUTATIONS,
+    TENSOR_CELL,
+    Mutation,
+    World,
+    flip_byte,
+    new_key,
+    run_cli,
+)
+
+from qualify import signing, store
+from qualify.candidate import run_candidate_stage
+from qualify.compare import compare_run
+from qualify.contract import load_contract
+from qualify.errors import EvidenceIntegrityError, ExitCode
+from qualify.reference import run_reference_stage
+from qualify.resources import contracts_dir
+from qualify.verify import ReferenceBindingError, SubjectDigestError
+
+TINY = contracts_dir() / "tiny-qwen3.toml"
+NAME = "tiny-qwen3"
+OLD_RUN = "0-older-copy"  # sorts before the UTC run id: the gate's newest run is the real one
+
+
+@dataclasses.dataclass(frozen=True)
+class RealWorld(World):
+    """test_verify's :class:`World` over the real tree (the mutations use its paths)."""
+
+    run_id: str = ""
+
+    @property
+    def contract(self) -> Path:
+        return self.root / "contracts" / f"{NAME}.toml"
+
+    def run(self, name: str) -> Path:
+        return self.root / "evidence" / NAME / name
+
+    @property
+    def good(self) -> Path:
+        return self.run(self.run_id)
+
+    @property
+    def old(self) -> Path:
+        return self.run(OLD_RUN)
+
+
+def _build(root: Path) -> RealWorld:
+    key, other, untrusted = new_key("trusted"), new_key("trusted-2"), new_key("untrusted")
+    (root / "keys").mkdir(parents=True)
+    for name, k in (("trusted", key), ("trusted-2", other)):
+        (root / "keys" / f"{name}-{k.keyid[:16]}.pub").write_bytes(k.public_pem())
+    (root / "contracts").mkdir()
+    shutil.copyfile(TINY, root / "contracts" / f"{NAME}.toml")
+    contract = load_contract(root / "contracts" / f"{NAME}.toml")
+    assert contract.digest == load_contract(TINY).digest
+    pem = key.private_key.private_bytes(serialization.Encoding.PEM,
+                                        serialization.PrivateFormat.PKCS8,
+                                        serialization.NoEncryption()).decode()
+    saved = {v: os.environ.pop(v, None)
+             for v in (signing.ENV_SIGNING_KEY, signing.ENV_SIGNING_KEY_FILE)}
+    os.environ[signing.ENV_SIGNING_KEY] = pem
+    try:
+        assert signing.default_signing_key().keyid == key.keyid
+        ref = run_reference_stage(contract, root=root / "references", quiet=True)
+        signing.ensure_signed(ref)
+        run = run_candidate_stage(contract, reference=ref, root=root / "evidence", quiet=True)
+        compare_run(run)
+        # an older signing of the same compared run, then the run itself (as `qualify run`)
+        shutil.copytree(run, run.parent / OLD_RUN, symlinks=True)
+        signing.seal_and_sign(run.parent / OLD_RUN, kind="candidate-run")
+        time.sleep(0.01)
+        signing.seal_and_sign(run, kind="candidate-run")
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+    return RealWorld(root=root, key=key, other_trusted=other, untrusted=untrusted,
+                     run_id=run.name)
+
+
+@pytest.fixture(scope="module")
+def real_world(tmp_path_factory: pytest.TempPathFactory) -> RealWorld:
+    base = tmp_path_factory.mktemp("real-run")
+    built = _build(base / "build")
+    (base / "build").rename(base / "world")  # the absolute reference path goes stale
+    return dataclasses.replace(built, root=base / "world")
+
+
+@pytest.fixture
+def real_copy(real_world: RealWorld, tmp_path: Path) -> Iterator[RealWorld]:
+    w = real_world.copy(tmp_path / "world")
+    assert isinstance(w, RealWorld)
+    yield w
+    store.make_writable(tmp_path)
+
+
+# --------------------------------------------------------------------------- mutations
+
+
+def m_launch_output_byte(w: World) -> Path:
+    """A byte of a (sealed) launch attempt's raw tensors, not of a cell's."""
+    launch = sorted((w.good / "launches").rglob("*.safetensors"))[0]
+    flip_byte(launch)
+    return w.good
+
+
+def m_reference_scores_byte(w: World) -> Path:
+    """A byte of the reference's HF FP32 scores (the real reference's own tensors)."""
+    flip_byte(w.reference / "scores" / "hf-fp32.safetensors")
+    return w.good
+
+
+NEEDS_FAILING_RUN = {"verdict FAIL->PASS in report.json (re-sealed, re-signed)"}
+REAL_MUTATIONS: tuple[Mutation, ...] = (
+    *(m for m in MUTATIONS if m.name not in NEEDS_FAILING_RUN),
+    Mutation("byte flipped in a launch attempt's raw outputs", m_launch_output_byte, 4,
+             SubjectDigestError),
+    Mutation("byte flipped in the reference's HF scores", m_reference_scores_byte, 7,
+             ReferenceBindingError),
+)
+REAL_IDS = [m.name for m in REAL_MUTATIONS]
+
+
+def verify_cli(w: World, target: Path, out: Path) -> tuple[int, str, dict[str, Any]]:
+    """``qualify verify TARGET --json OUT``: exit code, stdout and the result document."""
+    code, text = run_cli(["verify", str(target), "--keys", str(w.keys),
+                          "--contracts-dir", str(w.contracts), "--json", str(out)])
+    return code, text, json.loads(out.read_text())
+
+
+def gate_cli(w: World, evidence: Path, out: Path) -> tuple[int, str]:
+    return run_cli(["gate", str(evidence), "--contract", str(w.contract), "--keys",
+                    str(w.keys), "--json", str(out)])
+
+
+def audit_cli(w: World, *dirs: Path) -> tuple[int, list[dict[str, object]]]:
+    code, text = run_cli(["audit", *map(str, dirs), "--keys", str(w.keys),
+                          "--contracts-dir", str(w.contracts), "--format", "json"])
+    rows: list[dict[str, object]] = json.loads(text)["rows"]
+    return code, rows
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_real_run_is_the_whole_tiny_matrix(real_world: RealWorld) -> None:
+    w = real_world
+    contract = load_contract(w.contract)
+    cells = {c.cell_id for c in contract.matrix.cells()}
+    assert len(cells) == 8
+    assert all(c.startswith("torch_tp-") for c in cells)
+    report = json.loads((w.good / "report.json").read_text())
+    assert {c["cell"]: c["verdict"] for c in report["cells"]} == dict.fromkeys(cells, "PASS")
+    assert report["passed"] is True
+    stmt = json.loads(signing.read_envelope(w.good).payload)
+    assert stmt["predicate"]["result"] == "PASSED"
+    assert sorted(stmt["predicate"]["passedTests"]) == sorted(cells)
+    # the run's recorded reference path is stale: the reference is found beside an ancestor
+    run_doc = json.loads((w.good / "run.json").read_text())
+    assert not Path(run_doc["reference"]["path"]).exists()
+    assert (w.good / "cells" / TENSOR_CELL / "attempt-1" / "outputs.safetensors").is_file()
+    assert (w.reference / "rollout.safetensors").is_file()
+    assert (w.good / "report.md").is_file()
+
+
+def test_untouched_real_evidence_verifies(real_world: RealWorld, tmp_path: Path) -> None:
+    w = real_world
+    for path, recompute in ((w.reference, True), (w.old, False)):
+        result = w.verify(path, recompute=recompute)
+        assert result, result.summary_lines()
+        assert result.keyids == (w.key.keyid,)
+    code, out, doc = verify_cli(w, w.good, tmp_path / "verify.json")
+    assert code == ExitCode.OK, out
+    assert "VERIFIED" in out
+    assert [s["status"] for s in doc["steps"]] == ["passed"] * 9  # step 9: recomputed
+    assert doc["keyids"] == [w.key.keyid]
+    assert Path(doc["reference"]).resolve() == w.reference.resolve()
+
+
+def test_untouched_real_run_passes_the_gate(real_world: RealWorld, tmp_path: Path) -> None:
+    w = real_world
+    out = tmp_path / "gate.json"
+    code, text = gate_cli(w, w.root / "evidence", out)  # gates the newest run: the real one
+    assert code == ExitCode.OK, text
+    (decision,) = json.loads(out.read_text())["contracts"]
+    assert Path(decision["run_dir"]).resolve() == w.good.resolve()
+    assert len(decision["cells"]) == 8
+    assert {c["verdict"] for c in decision["cells"]} == {"PASS"}
+
+
+def test_untouched_real_evidence_audits_clean(real_world: RealWorld) -> None:
+    code, rows = audit_cli(real_world, real_world.root)
+    assert code == ExitCode.OK, rows
+    assert sorted(str(r["kind"]) for r in rows) == ["candidate-run", "candidate-run",
+                                                     "reference"]
+    assert all(r["problems"] == [] for r in rows)
+
+
+def test_real_tamper_set_is_large() -> None:
+    assert len(REAL_MUTATIONS) >= 20
+    assert {m.step for m in REAL_MUTATIONS} == set(range(1, 10))
+
+
+@pytest.mark.parametrize("mutation", REAL_MUTATIONS, ids=REAL_IDS)
+def test_tamper_of_the_real_run_is_caught(real_copy: RealWorld, mutation: Mutation,
+                                         tmp_path: Path) -> None:
+    w = real_copy
+    target = mutation.apply(w)
+    code, out, doc = verify_cli(w, target, tmp_path / "verify.json")
+    assert code == ExitCode.INTEGRITY_ERROR, out
+    assert f"[FAIL] {mutation.step}." in out
+    first = next(s for s in doc["steps"] if s["status"] == "failed")
+    assert first["step"] == mutation.step, out
+    assert first["error"] == mutation.error.__name__
+    assert issubclass(mutation.error, EvidenceIntegrityError)
+
+    code, out = gate_cli(w, target, tmp_path / "gate.json")
+    assert code == ExitCode.INTEGRITY_ERROR, out
+    assert f"fails verification at step {mutation.step} " in out
+
+    code, rows = audit_cli(w, target)
+    assert code == ExitCode.INTEGRITY_ERROR
+    (row,) = rows
+    problems = row["problems"]
+    assert isinstance(problems, list)
+    assert problems
+    assert str(problems[0]).startswith(f"step {mutation.step} "), problems
