@@ -123,8 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_run)
 
     from qualify.cli_evidence import register
+    from qualify.cli_slurm import register as register_slurm
 
     register(sub)
+    register_slurm(sub)
     return parser
 
 

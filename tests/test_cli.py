@@ -26,6 +26,10 @@ EXPECTED = {
     "verify": ["path", "--keys", "--contract", "--contracts-dir", "--reference", "--json"],
     "gate": ["evidence_dir", "--contract", "--allow-not-run", "--json", "--reference", "--keys"],
     "audit": ["dirs", "--format", "--output", "--contracts-dir", "--keys"],
+    "sbatch": ["sbatch_command"],
+    "submit": ["contract", "--partition", "--nodes", "--gpus-per-node", "--cpus-per-task",
+               "--mem", "--time", "--job-name", "--cells", "--references", "--evidence",
+               "--sbatch"],
 }
 
 
