@@ -230,9 +230,11 @@ def _grad_norm_and_clip(params: list[tuple[str, nn.Parameter]],
 
 
 def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
-          optim: torch.optim.Optimizer, out: dict[str, torch.Tensor]) -> None:
-    """Record grads, clip, AdamW step, record state and updates (protocol names)."""
+          optim: torch.optim.Optimizer, out: dict[str, torch.Tensor],
+          grad_dtypes: set[str]) -> None:
+    """Record grads (and their dtype), clip, AdamW step, record state and updates."""
     params = [(n, p) for n, p in master.named_parameters() if p.requires_grad]
+    grad_dtypes.update(str(p.grad.dtype) for _, p in params if p.grad is not None)
 
     def reported(name: str, t: torch.Tensor) -> torch.Tensor:
         idx = param_sample_indices(name, t.numel())
@@ -254,6 +256,18 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
         out[tensor_name(round_, role, "exp_avg", n)] = reported(n, state["exp_avg"])
         out[tensor_name(round_, role, "exp_avg_sq", n)] = reported(n, state["exp_avg_sq"])
         out[tensor_name(round_, role, "updates", n)] = reported(n, p.detach() - before[n])
+
+
+def _run_meta(master: nn.Module, optim: torch.optim.Optimizer, grad_dtypes: set[str],
+              compute_dtypes: set[str], settings: UpdateSettings) -> dict[str, Any]:
+    """Dtypes observed in one role's run (master weights, gradients, state, compute)."""
+    return {
+        "master_weights": str(next(master.parameters()).dtype),
+        "grads": sorted(grad_dtypes)[0] if len(grad_dtypes) == 1 else sorted(grad_dtypes),
+        "optimizer_state": _state_dtypes(optim),
+        "compute": sorted(compute_dtypes),
+        "bf16_mode": settings.bf16_mode if settings.precision == "bf16" else None,
+    }
 
 
 def _adamw(master: nn.Module, lr: float, contract: Contract) -> torch.optim.AdamW:
@@ -298,6 +312,7 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
     old_logp = torch.zeros(b, r_len)
     ref_logp = torch.zeros(b, r_len)
     compute_dtypes: set[str] = set()
+    grad_dtypes: set[str] = set()
     clip_fraction: dict[str, float] = {}
     with torch.no_grad():
         ref_model = ref_prec.refresh()
@@ -342,15 +357,9 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
         for term, v in sums.items():
             out[tensor_name(round_, "actor", f"loss/{term}")] = torch.tensor(v)
         out[tensor_name(round_, "actor", "loss/total")] = torch.tensor(sum(sums.values()))
-        _step("actor", round_, actor, contract, optim=optim, out=out)
-    meta = {
-        "master_weights": str(next(actor.parameters()).dtype),
-        "grads": "torch.float32",
-        "optimizer_state": _state_dtypes(optim),
-        "compute": sorted(compute_dtypes),
-        "bf16_mode": settings.bf16_mode if settings.precision == "bf16" else None,
-        "policy_clip_fraction": clip_fraction,
-    }
+        _step("actor", round_, actor, contract, optim=optim, out=out, grad_dtypes=grad_dtypes)
+    meta = _run_meta(actor, optim, grad_dtypes, compute_dtypes, settings)
+    meta["policy_clip_fraction"] = clip_fraction
     return out, meta
 
 
@@ -377,6 +386,7 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
     b, r_len = batch.responses.shape
     old_values = torch.zeros(b, r_len)
     compute_dtypes: set[str] = set()
+    grad_dtypes: set[str] = set()
     clip_fraction: dict[str, float] = {}
     for round_ in range(1, alg.rounds + 1):
         model = prec.refresh()
@@ -407,15 +417,9 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
         out[tensor_name(round_, "critic", "values")] = values_r
         out[tensor_name(round_, "critic", "loss/value")] = torch.tensor(total)
         out[tensor_name(round_, "critic", "loss/total")] = torch.tensor(total)
-        _step("critic", round_, critic, contract, optim=optim, out=out)
-    meta = {
-        "master_weights": str(next(critic.parameters()).dtype),
-        "grads": "torch.float32",
-        "optimizer_state": _state_dtypes(optim),
-        "compute": sorted(compute_dtypes),
-        "bf16_mode": settings.bf16_mode if settings.precision == "bf16" else None,
-        "value_clip_fraction": clip_fraction,
-    }
+        _step("critic", round_, critic, contract, optim=optim, out=out, grad_dtypes=grad_dtypes)
+    meta = _run_meta(critic, optim, grad_dtypes, compute_dtypes, settings)
+    meta["value_clip_fraction"] = clip_fraction
     return out, meta
 
 
