@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qualify import store
+from qualify import sampler_stage, store
 from qualify.contract import CellSpec, Contract, cells_matching
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError
 from qualify.launch import LaunchResult, launch
@@ -39,6 +39,7 @@ from qualify.protocol import (
     ROLLOUT_META_FILE,
     TRAIN_INPUTS_FILE,
     HarnessCell,
+    variant_tag,
 )
 from qualify.reference import load_sealed_reference
 from qualify.registry import get_engine
@@ -49,46 +50,98 @@ CELL_ATTEMPT_KIND = "cell-attempt"
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Launch:
-    """One harness launch: a topology of one engine x precision x options.
+class LaunchPart:
+    """One precision x options variant of a launch and the cells it produces.
 
     Attributes:
-        engine, precision, options: as in :class:`qualify.contract.CellSpec`.
-        topology: topology name.
+        precision, options: as in :class:`qualify.contract.CellSpec`.
         actor: the Actor cell it produces (``None`` if the Actor is not run).
         critic: the Critic cell it produces (``None`` if not run).
     """
 
-    engine: str
     precision: str
     options: tuple[tuple[str, int], ...]
-    topology: str
     actor: CellSpec | None
     critic: CellSpec | None
 
     @property
+    def tag(self) -> str:
+        """Output subdirectory of this part in a grouped launch (``bf16-zero1``)."""
+        return variant_tag(self.precision, dict(self.options))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Launch:
+    """One harness launch: a topology of one engine, one or several variants.
+
+    An engine whose spec has ``groups_variants`` gets one launch per topology carrying
+    every precision x options variant (one process group serves them all); any other
+    engine gets one launch per topology x precision x options.
+
+    Attributes:
+        engine: engine name.
+        topology: topology name.
+        parts: the variants, in matrix order (one for a non-grouped engine).
+        grouped: outputs are per-variant subdirectories (``HarnessCell.variants``).
+    """
+
+    engine: str
+    topology: str
+    parts: tuple[LaunchPart, ...]
+    grouped: bool = False
+
+    @property
+    def precision(self) -> str:
+        """Precision of the first variant (the cell.json's ``precision``)."""
+        return self.parts[0].precision
+
+    @property
+    def options(self) -> tuple[tuple[str, int], ...]:
+        """Options of the first variant (the cell.json's ``options``)."""
+        return self.parts[0].options
+
+    @property
+    def actor(self) -> CellSpec | None:
+        """An Actor cell of the launch (``None``: no variant runs the Actor)."""
+        return next((p.actor for p in self.parts if p.actor is not None), None)
+
+    @property
+    def critic(self) -> CellSpec | None:
+        """A Critic cell of the launch (``None``: no variant runs the Critic)."""
+        return next((p.critic for p in self.parts if p.critic is not None), None)
+
+    @property
     def launch_id(self) -> str:
-        """``torch_tp-fp32-a2c1`` (options included: ``deepspeed-bf16-zero1-a2c1``)."""
+        """``torch_tp-fp32-a2c1`` (``deepspeed-bf16-zero1-a2c1``; grouped: ``deepspeed-a2c1``)."""
+        if self.grouped:
+            return f"{self.engine}-{self.topology}"
         opts = "".join(f"-{k}{v}" for k, v in self.options)
         return f"{self.engine}-{self.precision}{opts}-{self.topology}"
 
     @property
     def cells(self) -> list[CellSpec]:
         """The cells this launch produces."""
-        return [c for c in (self.actor, self.critic) if c is not None]
+        return [c for p in self.parts for c in (p.actor, p.critic) if c is not None]
+
+    def part_of(self, cell: CellSpec) -> LaunchPart:
+        """The variant that produces ``cell``."""
+        return next(p for p in self.parts if cell in (p.actor, p.critic))
 
 
-def plan_launches(contract: Contract, wanted: Sequence[CellSpec]) -> list[Launch]:
+def plan_launches(contract: Contract, wanted: Sequence[CellSpec],
+                  grouped_engines: Sequence[str] = ()) -> list[Launch]:
     """Group the wanted cells into topology launches, each cell in exactly one launch.
 
     Topologies are taken in contract order; a topology launches only the roles whose cell
-    is still wanted (the other role gets TP 0).
+    is still wanted (the other role gets TP 0). Engines in ``grouped_engines`` get one
+    launch per topology holding all their variants (see :class:`Launch`).
     """
     todo = {c.cell_id: c for c in wanted}
-    out: list[Launch] = []
+    order = [c.cell_id for c in wanted]
     keys = sorted({(c.engine, c.precision, c.options) for c in wanted},
-                  key=lambda k: [c.cell_id for c in wanted].index(
+                  key=lambda k: order.index(
                       next(x.cell_id for x in wanted if (x.engine, x.precision, x.options) == k)))
+    singles: list[tuple[str, str, LaunchPart]] = []
     for engine, precision, options in keys:
         for topo in contract.matrix.topologies:
             actor = CellSpec(engine=engine, precision=precision,
@@ -98,10 +151,21 @@ def plan_launches(contract: Contract, wanted: Sequence[CellSpec]) -> list[Launch
             a = todo.pop(actor.cell_id, None)
             c = todo.pop(critic.cell_id, None)
             if a or c:
-                out.append(Launch(engine=engine, precision=precision, options=options,
-                                  topology=topo.name, actor=a, critic=c))
+                singles.append((engine, topo.name, LaunchPart(
+                    precision=precision, options=options, actor=a, critic=c)))
     assert not todo, f"cells not covered by any topology: {sorted(todo)}"
-    return out
+    out: list[Launch] = []
+    grouped: dict[tuple[str, str], list[LaunchPart]] = {}
+    for engine, topo_name, part in singles:
+        if engine in grouped_engines:
+            if (engine, topo_name) not in grouped:
+                grouped[(engine, topo_name)] = []
+                out.append(Launch(engine=engine, topology=topo_name, parts=(), grouped=True))
+            grouped[(engine, topo_name)].append(part)
+        else:
+            out.append(Launch(engine=engine, topology=topo_name, parts=(part,)))
+    return [dataclasses.replace(lc, parts=tuple(grouped[(lc.engine, lc.topology)]))
+            if lc.grouped else lc for lc in out]
 
 
 def _new_run_id() -> str:
@@ -150,13 +214,22 @@ def _read_run(run_dir: Path) -> dict[str, Any]:
 
 
 def _split_outputs(result: LaunchResult, attempt: Path, launch_: Launch, cell: CellSpec,
-                   cell_attempt: Path) -> None:
-    """Write one cell's share of a launch into its own attempt directory and seal it."""
-    status = result.status
+                   cell_attempt: Path) -> tuple[str, str | None]:
+    """Write one cell's share of a launch into its own attempt directory and seal it.
+
+    Returns:
+        The cell's ``(status, reason)``: ``COMPLETE``, or ``ERROR`` when the launch
+        failed or did not write this cell's variant.
+    """
+    status, reason = result.status, result.reason
+    src = attempt / launch_.part_of(cell).tag if launch_.grouped else attempt
+    if status == "OK" and not (src / OUTPUTS_FILE).is_file():
+        status, reason = "ERROR", (f"harness exited 0 but wrote no {src / OUTPUTS_FILE} "
+                                   f"for variant {launch_.part_of(cell).tag}")
     if status == "OK":
-        tensors = store.load_tensors(attempt / OUTPUTS_FILE)
+        tensors = store.load_tensors(src / OUTPUTS_FILE)
         mine = {k: v for k, v in tensors.items() if k.split("/")[1] == cell.role}
-        meta = json.loads((attempt / OUTPUTS_META_FILE).read_text())
+        meta = json.loads((src / OUTPUTS_META_FILE).read_text())
         role_meta = meta.get("roles", {}).get(cell.role, {})
         store.save_tensors(cell_attempt / OUTPUTS_FILE, mine)
         store.atomic_write_json(cell_attempt / OUTPUTS_META_FILE, {
@@ -167,13 +240,14 @@ def _split_outputs(result: LaunchResult, attempt: Path, launch_: Launch, cell: C
         shutil.copytree(logs, cell_attempt / "logs", dirs_exist_ok=True)
     store.atomic_write_json(cell_attempt / "result.json", {
         "status": "COMPLETE" if status == "OK" else "ERROR",
-        "reason": result.reason,
+        "reason": reason,
         "wall_s": result.wall_s,
         "returncode": result.returncode,
         "launch": launch_.launch_id,
         "launch_attempt": str(attempt),
     })
     store.seal(cell_attempt, kind=CELL_ATTEMPT_KIND)
+    return "COMPLETE" if status == "OK" else "ERROR", reason
 
 
 def run_candidate_stage(
@@ -235,7 +309,8 @@ def run_candidate_stage(
     inputs = _stage_inputs(contract, reference, run_dir)
     todo = [c for c in wanted
             if doc["cells"].get(c.cell_id, {}).get("status") != "COMPLETE"]
-    launches = plan_launches(contract, todo)
+    grouped = sorted({c.engine for c in todo if get_engine(c.engine).groups_variants})
+    launches = plan_launches(contract, todo, grouped_engines=grouped)
     with Progress(total=max(1, len(launches)), description=f"candidate {contract.name}",
                   quiet=quiet) as bar:
         for lc in launches:
@@ -255,27 +330,39 @@ def run_candidate_stage(
                 rounds=contract.algorithm.rounds, seed=contract.sampling.seed,
                 inputs_dir=str(inputs.resolve()), output_dir="",
                 collective_timeout_s=collective_timeout_s, faults=tuple(faults),
+                export_weights=sampler_stage.export_wanted(contract, lc.cells),
+                variants=tuple({"precision": p.precision, "options": dict(p.options)}
+                               for p in lc.parts) if lc.grouped else (),
             )
             attempt = store.new_attempt(run_dir / "launches" / lc.launch_id)
             hc = dataclasses.replace(hc, output_dir=str(attempt.resolve()))
             result = launch(hc, module=engine.module, attempt_dir=attempt,
-                            timeout_s=launch_timeout_s)
+                            timeout_s=launch_timeout_s * len(lc.parts),
+                            env=None if _cuda_available() else engine.cpu_env)
             store.atomic_write_json(attempt / "result.json", {
                 "status": result.status, "reason": result.reason, "wall_s": result.wall_s,
                 "returncode": result.returncode})
             store.seal(attempt, kind="launch-attempt")
             for cell in lc.cells:
                 cell_attempt = store.new_attempt(run_dir / "cells" / cell.cell_id)
-                _split_outputs(result, attempt, lc, cell, cell_attempt)
-                status = "COMPLETE" if result.status == "OK" else "ERROR"
+                status, why = _split_outputs(result, attempt, lc, cell, cell_attempt)
                 doc["cells"][cell.cell_id] = _cell_entry(
-                    cell, status, result.reason, str(cell_attempt.relative_to(run_dir)))
+                    cell, status, why, str(cell_attempt.relative_to(run_dir)))
             store.atomic_write_json(run_dir / RUN_FILE, doc)
+    sampler_stage.run_sampler_cells(contract, run_dir=run_dir, doc=doc, inputs=inputs,
+                                    cells=cells, faults=faults)
     for c in wanted:
         doc["cells"].setdefault(c.cell_id, _cell_entry(c, "NOT_RUN", "not launched", None))
     doc["finished"] = store.utc_now()
     store.atomic_write_json(run_dir / RUN_FILE, doc)
     return run_dir
+
+
+def _cuda_available() -> bool:
+    """Whether this machine has a CUDA device (torch imported lazily)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def _cell_entry(cell: CellSpec, status: str, reason: str | None,

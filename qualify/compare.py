@@ -525,13 +525,45 @@ def _not_run_rows(cell: str, klass: str, bound_class: str, keys: Sequence[Metric
             for k in keys]
 
 
+def declared_not_run(meta: Mapping[str, Any] | None, round_: int | None,
+                     family: str) -> str | None:
+    """The reason a harness declared a metric not run, else ``None``.
+
+    A harness that cannot run part of a cell on this machine (Megatron-Core's optimizer
+    needs CUDA) lists it in its role's ``outputs.json`` as ``not_run``: entries
+    ``{"round": r | null, "family": f | "*", "reason": "..."}`` (``null`` = every round,
+    ``"*"`` = every family; the families of :data:`FAMILY_STATISTIC` plus ``dtypes``,
+    ``replica`` and ``padding``). A declared metric is judged ``NOT_RUN`` with the reason,
+    and only when the tensors are absent: a declared metric that was reported anyway is
+    compared as usual, and an undeclared missing metric stays a ``FAIL``.
+    """
+    entries = meta.get("not_run") if isinstance(meta, Mapping) else None
+    if not isinstance(entries, list):
+        return None
+    for e in entries:
+        if not isinstance(e, Mapping):
+            continue
+        r, f = e.get("round"), e.get("family")
+        if (r is None or round_ is None or r == round_) and f in ("*", family):
+            return str(e.get("reason") or "declared not run by the harness")
+    return None
+
+
 def _compare_rows(*, cell: str, klass: str, precision: str, bounds: Sequence[Bound],
                   obtained: Mapping[str, Any], expected: Mapping[str, Any],
-                  mask: npt.NDArray[Any]) -> list[Row]:
-    """Rows of one class: every metric of ``expected`` measured in ``obtained``."""
+                  mask: npt.NDArray[Any], meta: Mapping[str, Any] | None = None) -> list[Row]:
+    """Rows of one class: every metric of ``expected`` measured in ``obtained``.
+
+    A metric absent from ``obtained`` that the harness declared not run (see
+    :func:`declared_not_run`) is a ``NOT_RUN`` row with the declared reason.
+    """
     got, want = group_tensors(obtained), group_tensors(expected)
     out = []
     for key, m in compare_sets(obtained, expected, mask).items():
+        why = None if key in got else declared_not_run(meta, key.round, key.family)
+        if why is not None:
+            out += _not_run_rows(cell, klass, klass, [key], why)
+            continue
         out.append(_metric_row(cell=cell, klass=klass, bound_class=klass, key=key, m=m,
                                precision=precision, bounds=bounds, obtained=got.get(key, {}),
                                expected=want[key], mask=mask))
@@ -821,7 +853,7 @@ def _complete_rows(ctx: _Ctx, *, cid: str, entry: Mapping[str, Any], cells: Mapp
         expected = {k: v for k, v in hf.items() if _role_of(k) == role}
         rows += _compare_rows(cell=cid, klass="candidate_vs_hf", precision=precision,
                               bounds=ctx.bounds, obtained=mine, expected=expected,
-                              mask=ctx.mask)
+                              mask=ctx.mask, meta=outputs.meta)
     if tp > 1:
         tp1_id, tp1 = _same_cell_tp1(cells, entry)
         got = loaded.get(tp1_id) if tp1_id else None
@@ -829,7 +861,7 @@ def _complete_rows(ctx: _Ctx, *, cid: str, entry: Mapping[str, Any], cells: Mapp
             ref1 = {k: v for k, v in got.tensors.items() if _role_of(k) == role}
             rows += _compare_rows(cell=cid, klass="tp_vs_tp1", precision=precision,
                                   bounds=ctx.bounds, obtained=mine, expected=ref1,
-                                  mask=ctx.mask)
+                                  mask=ctx.mask, meta=outputs.meta)
         else:
             status = tp1.get("status") if isinstance(tp1, Mapping) else "absent from run.json"
             why = f": {got}" if isinstance(got, str) else ""
@@ -837,11 +869,25 @@ def _complete_rows(ctx: _Ctx, *, cid: str, entry: Mapping[str, Any], cells: Mapp
             rows += _not_run_rows(cid, "tp_vs_tp1", "tp_vs_tp1", keys,
                                   f"TP=1 cell of the same engine did not complete "
                                   f"({tp1_id or 'no such cell'}: {status}{why})")
-    rows += _padding_rows(cell=cid, role=role, precision=precision, bounds=ctx.bounds,
-                          outputs=mine, mask=ctx.mask)
-    rows.append(_dtype_row(cid, role, outputs.meta, outputs.meta_problem))
-    rows.append(_replica_row(cid, role, outputs.meta, outputs.meta_problem))
+    padding = _padding_rows(cell=cid, role=role, precision=precision, bounds=ctx.bounds,
+                            outputs=mine, mask=ctx.mask)
+    rows += [_declared_or(r, outputs.meta, "padding") for r in padding]
+    rows.append(_declared_or(_dtype_row(cid, role, outputs.meta, outputs.meta_problem),
+                             outputs.meta, "dtypes"))
+    rows.append(_declared_or(_replica_row(cid, role, outputs.meta, outputs.meta_problem),
+                             outputs.meta, "replica"))
     return rows
+
+
+def _declared_or(row: Row, meta: Mapping[str, Any] | None, family: str) -> Row:
+    """A check row that failed only for lack of evidence the harness declared not run."""
+    if row.verdict != "FAIL" or "missing" not in (row.reason or "") + row.where:
+        return row
+    why = declared_not_run(meta, None, family)
+    if why is None:
+        return row
+    return dataclasses.replace(row, verdict="NOT_RUN", reason=why, detail=None, where="",
+                               error=None, bound=None, margin=None)
 
 
 def _cell_reason(verdict: Verdict, rows: Sequence[Row]) -> str | None:
@@ -920,6 +966,8 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
     required_ids = contract.matrix.required_cells
     if required_ids is None:  # every cell of the matrix: a cell that did not run is no pass
         required_ids = tuple(c.cell_id for c in contract.matrix.cells())
+    if contract.sampler is not None and contract.sampler.required:
+        required_ids = (*required_ids, *contract.sampler.cell_ids())
     results: list[CellResult] = []
     all_rows: list[Row] = []
     for cid, entry in cells.items():
@@ -933,6 +981,14 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
             got = loaded[cid]
             if isinstance(got, str):
                 verdict, reason = "ERROR", got
+            elif e.get("role") == "sampler":  # qualify.sampler_compare: the sampler cells
+                from qualify.sampler_compare import sampler_rows
+
+                src = loaded.get(str(e.get("weights_from")), "not COMPLETE in run.json")
+                rows = sampler_rows(cell=cid, entry=e, tensors=got.tensors, meta=got.meta,
+                                    meta_problem=got.meta_problem, bounds=ctx.bounds,
+                                    mask=ctx.mask,
+                                    actor=src.tensors if isinstance(src, _Outputs) else src)
             else:
                 rows = _complete_rows(ctx, cid=cid, entry=e, cells=cells, outputs=got,
                                       loaded=loaded)

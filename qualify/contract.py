@@ -145,8 +145,10 @@ class SamplingSpec:
     """Rollout sampling settings.
 
     Attributes:
-        engine: rollout engine (``hf`` or ``vllm``).
-        tp: rollout tensor-parallel size.
+        engine: rollout engine: ``vllm`` (the default of every committed contract; the real
+            vLLM engine in a child process, ``harnesses/vllm``) or ``hf`` (transformers
+            ``generate``, the independent fallback; TP 1 only).
+        tp: rollout tensor-parallel size (vLLM's ``tensor_parallel_size``).
         temperature: softmax temperature (> 0).
         top_p: nucleus mass in (0, 1].
         top_k: keep the k most likely tokens; 0 disables.
@@ -154,8 +156,11 @@ class SamplingSpec:
         samples_per_prompt: responses per prompt (GRPO group size).
         seed: sampler seed.
         logprobs_mode: ``processed``: behavior logprobs are of the sampling distribution
-            (temperature-scaled, top-k/top-p renormalised); ``raw``: log_softmax of the
-            unscaled logits.
+            (temperature-scaled, top-k/top-p renormalised; vLLM ``processed_logprobs``);
+            ``raw``: log_softmax of the unscaled logits (vLLM ``raw_logprobs``).
+
+    Raises:
+        ContractError: ``engine = "hf"`` with ``tp != 1``.
     """
 
     engine: Literal["hf", "vllm"]
@@ -167,6 +172,32 @@ class SamplingSpec:
     samples_per_prompt: int
     seed: int
     logprobs_mode: Literal["processed", "raw"]
+
+    def __post_init__(self) -> None:
+        if self.engine == "hf" and self.tp != 1:
+            raise ContractError(f"sampling.tp: the hf sampler has no tensor parallelism; got "
+                                f"tp = {self.tp} (use engine = \"vllm\")")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SamplerSpec:
+    """The candidate-stage sampler cells (:mod:`qualify.sampler_stage`).
+
+    Attributes:
+        engine: sampler engine (``vllm``).
+        tp_sizes: one sampler cell per TP size (``vllm-fp32-sampler-tp{n}``).
+        weights_from: the Actor cell whose round-1-updated weights are installed.
+        required: the sampler cells are required cells of the report.
+    """
+
+    engine: Literal["vllm"]
+    tp_sizes: tuple[int, ...]
+    weights_from: str
+    required: bool = True
+
+    def cell_ids(self) -> list[str]:
+        """``vllm-fp32-sampler-tp1``... one per TP size, in order."""
+        return [f"{self.engine}-fp32-sampler-tp{tp}" for tp in self.tp_sizes]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -344,6 +375,7 @@ class Contract:
         name: contract name (lowercase id).
         description: free text.
         model, roles, prompts, sampling, algorithm, optimizer, matrix, bounds: the sections.
+        sampler: the ``[sampler]`` section (``None``: no sampler cells).
         raw: the parsed TOML document (what the digest is computed over).
         path: the file it was loaded from (not part of the digest).
     """
@@ -360,8 +392,14 @@ class Contract:
     bounds: BoundsSpec
     raw: Mapping[str, Any]
     path: Path | None = None
+    sampler: SamplerSpec | None = None
 
     def __post_init__(self) -> None:
+        if self.sampler is not None:
+            ids = [c.cell_id for c in self.matrix.cells()]
+            if self.sampler.weights_from not in ids:
+                raise ContractError(f"sampler.weights_from: {self.sampler.weights_from!r} is "
+                                    f"not a cell of the matrix ({', '.join(ids)})")
         for precision in self.matrix.precisions:
             if precision not in self.bounds.floors:
                 raise ContractError(
@@ -467,6 +505,11 @@ def _build(doc: Mapping[str, Any], path: Path | None) -> Contract:
         bounds=bounds,
         raw=json.loads(canonical_json(doc)),
         path=path,
+        sampler=(SamplerSpec(engine=doc["sampler"]["engine"],
+                             tp_sizes=tuple(doc["sampler"]["tp_sizes"]),
+                             weights_from=doc["sampler"]["weights_from"],
+                             required=bool(doc["sampler"].get("required", True)))
+                 if "sampler" in doc else None),
     )
 
 
@@ -538,6 +581,11 @@ def cells_matching(contract: Contract, patterns: Sequence[str] | None) -> list[C
             hits = [c for c in cells if c.engine == engine and fnmatch.fnmatch(c.cell_id, glob)]
         else:
             hits = [c for c in cells if fnmatch.fnmatch(c.cell_id, pat)]
+        sampler_ids = contract.sampler.cell_ids() if contract.sampler is not None else []
+        p_engine, p_glob = pat.split(":", 1) if ":" in pat else (None, pat)
+        if not hits and (p_engine in (None, contract.sampler and contract.sampler.engine)
+                         and any(fnmatch.fnmatch(s, p_glob) for s in sampler_ids)):
+            continue  # a sampler cell (qualify.sampler_stage selects those)
         if not hits:
             ids = ", ".join(c.cell_id for c in cells)
             raise ContractError(f"--cells: {pat!r} matches no cell; cells are: {ids}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib
 import json
 import os
@@ -184,21 +185,57 @@ def check_outputs(output_dir: Path) -> None:
 
 
 def torchrun_command(cell_file: Path, *, module: str, world_size: int,
-                     log_dir: Path) -> list[str]:
-    """The torchrun command line of a launch.
+                     log_dir: Path, env: Mapping[str, str] | None = None) -> list[str]:
+    """The command line of a launch: ``torchrun`` on this node, or ``srun`` + ``torchrun``.
+
+    Single node (default): ``torchrun --standalone --nnodes 1 --nproc-per-node W``.
+
+    Multi-node, inside a Slurm allocation (the candidate sbatch script exports
+    ``QUALIFY_NNODES`` = ``$SLURM_NNODES`` and ``QUALIFY_RDZV_ENDPOINT`` = first node of
+    the allocation ``:29500``): when ``QUALIFY_NNODES`` = ``N`` > 1 and ``N`` divides ``W``,
+    ``srun --nodes=N --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes N
+    --nproc-per-node W/N --rdzv-backend c10d --rdzv-endpoint EP --rdzv-id ID``: one
+    torchrun per node, rendezvous on the first node (PyTorch's documented multi-node
+    recipe). ``ID`` is unique per launch (the attempt directory), so two launches never
+    share a rendezvous. A world size that ``N`` does not divide (an Actor TP2 + Critic TP1
+    launch on 2 nodes) runs on this node alone. ``QUALIFY_LAUNCHER=srun`` forces the
+    srun + rendezvous path also for ``N`` = 1 (the one-node Slurm test of CI uses it).
 
     Args:
         cell_file: the ``cell.json`` passed to the harness.
         module: harness module (``harnesses.torch_tp.harness``) or ``"module:attr"``
             (run through :func:`_trampoline`).
-        world_size: processes to start.
+        world_size: processes to start, in all nodes together.
         log_dir: torchrun's ``--log-dir``.
+        env: the launch environment (default: this process's).
+
+    Raises:
+        HarnessError: ``QUALIFY_NNODES`` is not a positive integer, or the srun path is
+            asked for without ``QUALIFY_RDZV_ENDPOINT``.
     """
+    e = os.environ if env is None else env
     target = (["-m", __name__, module] if ":" in module else ["-m", module])
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-            "--nproc-per-node", str(world_size), "--max-restarts", "0",
-            "--log-dir", str(log_dir), "--redirects", "3", "--tee", "3",
-            *target, str(cell_file)]
+    tail = ["--max-restarts", "0", "--log-dir", str(log_dir), "--redirects", "3",
+            "--tee", "3", *target, str(cell_file)]
+    raw = e.get("QUALIFY_NNODES", "1") or "1"
+    if not raw.isdigit() or int(raw) < 1:
+        raise HarnessError(f"QUALIFY_NNODES={raw!r}: must be a positive integer")
+    nnodes = int(raw)
+    use_srun = (nnodes > 1 and world_size % nnodes == 0) or e.get("QUALIFY_LAUNCHER") == "srun"
+    if not use_srun:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes",
+                "1", "--nproc-per-node", str(world_size), *tail]
+    endpoint = e.get("QUALIFY_RDZV_ENDPOINT", "")
+    if not endpoint:
+        raise HarnessError("QUALIFY_RDZV_ENDPOINT is not set: a multi-node launch needs the "
+                           "rendezvous host:port (the candidate sbatch script exports it)")
+    rdzv_id = "q" + hashlib.sha256(str(cell_file.resolve()).encode()).hexdigest()[:16]
+    # srun's --kill-on-bad-exit takes an optional value: only the `=` form binds it
+    return ["srun", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1",
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+            "--nproc-per-node", str(world_size // nnodes), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id, *tail]
 
 
 def launch_env(env: Mapping[str, str] | None) -> dict[str, str]:
@@ -255,14 +292,15 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
     tmp = cell_file.with_name(CELL_FILE + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     os.replace(tmp, cell_file)
+    launch_environment = launch_env(env)
     cmd = torchrun_command(cell_file, module=module, world_size=cell.world_size,
-                           log_dir=rank_dir)
+                           log_dir=rank_dir, env=launch_environment)
     launcher_log = logs / LAUNCHER_LOG
     t0 = time.monotonic()
     with launcher_log.open("wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
-        proc = subprocess.Popen(cmd, cwd=attempt_dir, env=launch_env(env), stdout=log,
+        proc = subprocess.Popen(cmd, cwd=attempt_dir, env=launch_environment, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
         try:
@@ -287,7 +325,8 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
         return result("ERROR", f"harness exited with code {rc}; first failure on {where}:\n"
                                f"{tail}", failed)
     try:
-        check_outputs(Path(cell.output_dir))
+        for _, _, sub in cell.variant_runs():  # each variant of a grouped launch
+            check_outputs(Path(cell.output_dir) / sub)
     except HarnessError as exc:
         return result("ERROR", f"harness exited 0 but its outputs are not valid: {exc}")
     return result("OK", "")

@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Mapping
 from typing import Any, Final, Literal
 
 import numpy as np
@@ -89,6 +90,8 @@ TRAIN_INPUTS_FILE: Final = "train_inputs.safetensors"
 OUTPUTS_FILE: Final = "outputs.safetensors"
 OUTPUTS_META_FILE: Final = "outputs.json"
 CELL_FILE: Final = "cell.json"
+ACTOR_ROUND1_WEIGHTS: Final = "actor_round1.safetensors"
+"""The Actor's full HF-layout FP32 weights after its round-1 step (``export_weights``)."""
 
 ROLLOUT_KEYS: Final = (
     "prompts",
@@ -192,6 +195,14 @@ class HarnessCell:
         output_dir: where the harness writes ``outputs.*`` and rank logs.
         collective_timeout_s: timeout of every collective (a hang becomes an error).
         faults: names of deliberate faults to inject (test suite only; empty in real runs).
+        variants: several ``{"precision": ..., "options": {...}}`` runs of the same
+            topology in one launch (process-group reuse: one ``torchrun``, one
+            ``init_process_group``, fresh models per variant). Empty: the single variant
+            ``precision`` / ``options``, written to ``output_dir``. Non-empty: variant ``v``
+            is written to ``output_dir / variant_tag(v["precision"], v["options"])``.
+        export_weights: the Actor writes its full HF-layout weights after the round-1
+            step to ``<output dir>/`` :data:`ACTOR_ROUND1_WEIGHTS` (the candidate stage asks
+            only the contract's ``sampler.weights_from`` cell; the sampler installs them).
     """
 
     engine: str
@@ -205,6 +216,8 @@ class HarnessCell:
     output_dir: str
     collective_timeout_s: float = 120.0
     faults: tuple[str, ...] = ()
+    variants: tuple[dict[str, Any], ...] = ()
+    export_weights: bool = False
 
     @property
     def world_size(self) -> int:
@@ -215,9 +228,33 @@ class HarnessCell:
         """JSON form of ``cell.json``."""
         d = dataclasses.asdict(self)
         d["faults"] = list(self.faults)
+        d["variants"] = [{"precision": v["precision"], "options": dict(v["options"])}
+                         for v in self.variants]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HarnessCell:
         """Inverse of :meth:`to_dict`."""
-        return cls(**{**d, "faults": tuple(d.get("faults", ()))})
+        return cls(**{**d, "faults": tuple(d.get("faults", ())),
+                      "variants": tuple(dict(v) for v in d.get("variants", ()))})
+
+    def variant_runs(self) -> list[tuple[str, dict[str, int], str]]:
+        """What to run, in order: ``(precision, options, output subdirectory)``.
+
+        The subdirectory is ``""`` for a single-variant cell (write to ``output_dir``),
+        else :func:`variant_tag`.
+        """
+        if not self.variants:
+            return [(self.precision, dict(self.options), "")]
+        return [(str(v["precision"]), dict(v["options"]),
+                 variant_tag(str(v["precision"]), v["options"])) for v in self.variants]
+
+
+def variant_tag(precision: str, options: Mapping[str, int]) -> str:
+    """Output subdirectory of one variant of a grouped launch: ``bf16-zero1``.
+
+    Args:
+        precision: ``fp32`` or ``bf16``.
+        options: engine options in contract order (``{"zero": 1}``).
+    """
+    return precision + "".join(f"-{k}{v}" for k, v in options.items())

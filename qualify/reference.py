@@ -216,13 +216,10 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
 
         step("rollout")
         prompts = resolve_prompts(contract, bundle)
-        sampler = rollout.get_backend(contract.sampling.engine)
-        actor = models.load_actor(bundle.actor_dir, dtype=torch.float32,
-                                  attn_implementation="sdpa", requires_grad=False)
-        roll = sampler.sample(prompts, contract.sampling, pad_token_id=bundle.pad_token_id,
-                              eos_token_id=bundle.eos_token_id, model=actor)
+        roll = rollout.capture_rollout(contract.sampling, prompts, actor_dir=bundle.actor_dir,
+                                       pad_token_id=bundle.pad_token_id,
+                                       eos_token_id=bundle.eos_token_id)
         roll.save(out)
-        del actor
 
         step("scoring")
         scores: dict[str, dict[str, torch.Tensor]] = {}

@@ -22,6 +22,7 @@ from typing import Any, Final, Literal
 
 from qualify.errors import HarnessError, UsageError
 from qualify.protocol import HarnessCell
+from qualify.resources import import_repo_module
 
 ENTRY_POINT_GROUP: Final = "qualify.harnesses"
 WorldSizeRule = Literal["actor_tp+critic_tp", "rollout_tp"]
@@ -43,6 +44,12 @@ class EngineSpec:
             ``rollout_tp`` (``cell.options["rollout_tp"]``, default 1).
         needs_cuda: the engine cannot run on CPU; cells are ``NOT_RUN`` without CUDA.
         cpu_env: environment variables a CPU launch needs (``DS_ACCELERATOR=cpu``).
+        requires: top-level modules the harness imports (probed with
+            :func:`importlib.util.find_spec`, never imported): a missing one makes the
+            engine's cells ``NOT_RUN`` ("not installed"), not an ``ERROR``.
+        groups_variants: the harness runs every precision x options variant of one
+            topology in one launch (:attr:`qualify.protocol.HarnessCell.variants`), so
+            that one process group serves several cells (engines whose start is costly).
         description: one line for listings and reports.
         source: ``builtin`` or the distribution that declared the entry point.
     """
@@ -53,6 +60,8 @@ class EngineSpec:
     world_size_rule: WorldSizeRule = "actor_tp+critic_tp"
     needs_cuda: bool = False
     cpu_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    requires: tuple[str, ...] = ()
+    groups_variants: bool = False
     description: str = ""
     source: str = "builtin"
 
@@ -76,7 +85,7 @@ class EngineSpec:
         """
         mod_name, attr = self.entry.split(":", 1)
         try:
-            fn = getattr(importlib.import_module(mod_name), attr)
+            fn = getattr(import_repo_module(mod_name), attr)
         except (ImportError, AttributeError) as exc:
             raise HarnessError(f"engine {self.name!r}: cannot load {self.entry}: {exc}") from exc
         if not callable(fn):
@@ -96,6 +105,10 @@ class EngineSpec:
             cuda_available: override the probe (tests); ``None`` asks torch (imported
                 lazily, without ``torch.distributed``).
         """
+        missing = [m for m in self.requires if not _module_installed(m)]
+        if missing:
+            return (f"engine {self.name!r} is not installed here (no module "
+                    f"{', '.join(repr(m) for m in missing)}); see README 'Engines'")
         if not self.needs_cuda:
             return None
         if cuda_available is None:
@@ -107,17 +120,30 @@ class EngineSpec:
         return f"engine {self.name!r} needs CUDA for training; this machine has no CUDA device"
 
 
+def _module_installed(name: str) -> bool:
+    """Whether ``name`` is importable, without importing it (nor its parents' engines)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 BUILTIN_ENGINES: Final[tuple[EngineSpec, ...]] = (
     EngineSpec(name="torch_tp", entry="harnesses.torch_tp.harness:main",
                description="PyTorch-native tensor parallelism (DTensor, parallelize_module); "
                            "CPU (gloo) and CUDA (NCCL)"),
     EngineSpec(name="deepspeed", entry="harnesses.deepspeed.harness:main",
-               cpu_env={"DS_ACCELERATOR": "cpu"},
-               description="DeepSpeed ZeRO; runs on CPU with DS_ACCELERATOR=cpu"),
-    EngineSpec(name="megatron", entry="harnesses.megatron.harness:main", needs_cuda=True,
-               description="Megatron-Core tensor parallelism; training needs CUDA"),
+               cpu_env={"DS_ACCELERATOR": "cpu"}, requires=("deepspeed",),
+               groups_variants=True,
+               description="DeepSpeed ZeRO 0/1/2 + AutoTP; runs on CPU with DS_ACCELERATOR=cpu"),
+    EngineSpec(name="megatron", entry="harnesses.megatron.harness:main",
+               requires=("megatron",),
+               description="Megatron-Core tensor parallelism; on CPU scoring only (its "
+                           "optimizer needs CUDA: training metrics NOT_RUN)"),
     EngineSpec(name="vllm", entry="harnesses.vllm.harness:main", kind="sampler",
-               world_size_rule="rollout_tp",
+               world_size_rule="rollout_tp", requires=("vllm",),
                description="vLLM sampler (rollout engine, weight sync and rejection probes)"),
 )
 """Engines of this repository (harness modules are imported only when launched)."""

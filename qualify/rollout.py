@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import json
 import os
 import tempfile
@@ -37,7 +36,7 @@ from transformers import GenerationConfig
 from qualify.contract import SamplingSpec
 from qualify.errors import ContractError, HarnessError, ReferenceDataError
 from qualify.protocol import ROLLOUT_FILE, ROLLOUT_KEYS, ROLLOUT_META_FILE
-from qualify.resources import load_schema
+from qualify.resources import import_repo_module, load_schema
 
 LogprobsMode = Literal["processed", "raw"]
 FinishReason = Literal["eos", "length"]
@@ -131,7 +130,7 @@ def rollout_backend(name: str) -> Callable[..., RolloutBackend]:
         )
     module_name, _, attr = target.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        module = import_repo_module(module_name)
     except ImportError as exc:
         raise HarnessError(
             f"rollout backend {name!r}: cannot import {module_name} ({exc}); "
@@ -160,6 +159,52 @@ def get_backend(name: str, **kwargs: Any) -> RolloutBackend:
         HarnessError: the backend cannot be imported (see :func:`rollout_backend`).
     """
     return rollout_backend(name)(**kwargs)
+
+
+def capture_rollout(
+    sampling: SamplingSpec,
+    prompts: list[list[int]],
+    *,
+    actor_dir: str | Path,
+    pad_token_id: int,
+    eos_token_id: int,
+    backend_options: Mapping[str, Any] | None = None,
+) -> Rollout:
+    """Capture the reference-stage rollout with the contract's rollout engine.
+
+    ``sampling.engine == "vllm"`` (the default engine of every committed contract):
+    :class:`harnesses.vllm.rollout.VllmRolloutBackend` samples in a child process from the
+    model directory (this process never imports vllm). ``hf`` (the independent fallback):
+    :class:`HfRolloutBackend` samples with the actor loaded here at FP32 with ``sdpa``
+    attention.
+
+    Args:
+        sampling: the contract's sampling settings (``engine``, ``tp``, ...).
+        prompts: prompt token ids, one unpadded list per prompt.
+        actor_dir: the actor's HF model directory (the policy that samples).
+        pad_token_id: padding id.
+        eos_token_id: end-of-sequence id.
+        backend_options: constructor arguments of the backend (``vllm``: ``dtype``,
+            ``kv_cache_memory_bytes``, ``threads_bind``, ``timeout_s``).
+
+    Returns:
+        The rollout (not yet saved).
+
+    Raises:
+        ContractError: unknown engine or a sampling setting out of range.
+        HarnessError: the backend cannot be imported or its sampler failed.
+    """
+    options = dict(backend_options or {})
+    if sampling.engine == "hf":
+        from qualify import models
+
+        actor = models.load_actor(Path(actor_dir), dtype=torch.float32,
+                                  attn_implementation="sdpa", requires_grad=False)
+        return get_backend("hf", model=actor, **options).sample(
+            prompts, sampling, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
+    return get_backend(sampling.engine, **options).sample(
+        prompts, sampling, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+        model=Path(actor_dir))
 
 
 class RolloutLayoutError(ReferenceDataError):

@@ -627,3 +627,58 @@ def test_unknown_status_is_an_error(tmp_path: Path) -> None:
     assert (cell.status, cell.verdict) == ("ERROR", "ERROR")
     assert cell.reason is not None
     assert "'RUNNING'" in cell.reason
+
+
+def _scoring_only(world: World) -> dict[str, np.ndarray]:
+    """Round-1 logprobs/entropy (+ padding rerun) only, as Megatron's CPU scoring cell."""
+    full = actor(world)
+    keep = ("round1/actor/logprobs", "round1/actor/entropy", "round1/actor/logprobs_padded")
+    return {k: v for k, v in full.items() if k in keep}
+
+
+NOT_RUN_DECL = [{"round": None, "family": f, "reason": "Megatron optimizer needs CUDA"}
+                for f in ("losses", "grad_norm", "clip_coef", "grads", "exp_avg",
+                          "exp_avg_sq", "updates", "dtypes", "replica")] + [
+    {"round": 2, "family": "*", "reason": "round 2 needs the round-1 update"}]
+
+
+def test_declared_not_run_metrics_are_not_run_with_the_reason(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.add_cell(TP1, outputs=_scoring_only(w),
+               meta={"not_run": NOT_RUN_DECL, "versions": {}, "timings": {}})
+    report = w.compare(write=False)
+    rows = {r.metric: r for r in rows_of(report, TP1, "candidate_vs_hf")}
+    assert rows["round1/actor/logprobs"].verdict == "PASS"
+    assert rows["round1/actor/entropy"].verdict == "PASS"
+    assert rows["round1/actor/grads"].verdict == "NOT_RUN"
+    assert rows["round1/actor/grads"].reason == "Megatron optimizer needs CUDA"
+    assert rows["round2/actor/logprobs"].verdict == "NOT_RUN"
+    assert rows["round2/actor/logprobs"].reason == "round 2 needs the round-1 update"
+    checks = {r.klass: r for r in rows_of(report, TP1) if r.klass in ("dtypes",
+                                                                         "replica_consistency")}
+    assert checks["dtypes"].verdict == "NOT_RUN"
+    assert checks["replica_consistency"].verdict == "NOT_RUN"
+    assert not any(r.verdict == "FAIL" for r in rows_of(report, TP1))
+    assert report.verdicts[TP1] == "NOT_RUN"  # never a pass: part of the cell did not run
+    assert not report.passed
+
+
+def test_undeclared_missing_metrics_still_fail(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    decl = [d for d in NOT_RUN_DECL if d["family"] != "grads"]
+    w.add_cell(TP1, outputs=_scoring_only(w), meta={"not_run": decl})
+    report = w.compare(write=False)
+    rows = {r.metric: r for r in rows_of(report, TP1, "candidate_vs_hf")}
+    assert rows["round1/actor/grads"].verdict == "FAIL"
+    assert rows["round1/actor/grads"].error == math.inf
+    assert report.verdicts[TP1] == "FAIL"
+
+
+def test_declared_but_reported_metric_is_still_compared(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    out = actor(w)
+    out["round1/actor/grads/model.w"] = out["round1/actor/grads/model.w"] * 2.0
+    w.add_cell(TP1, outputs=out, meta={**good_meta(), "not_run": NOT_RUN_DECL})
+    report = w.compare(write=False)
+    rows = {r.metric: r for r in rows_of(report, TP1, "candidate_vs_hf")}
+    assert rows["round1/actor/grads"].verdict == "FAIL"

@@ -129,7 +129,11 @@ def test_default_contract_loads() -> None:
         "torch_tp-fp32-critic-tp1", "torch_tp-fp32-critic-tp2",
         "torch_tp-bf16-actor-tp1", "torch_tp-bf16-actor-tp2",
         "torch_tp-bf16-critic-tp1", "torch_tp-bf16-critic-tp2",
-    ]
+    ] + [f"deepspeed-{p}-zero{z}-{r}-tp{t}" for p in ("fp32", "bf16") for z in (0, 1, 2)
+         for r in ("actor", "critic") for t in (1, 2)] + [
+        f"megatron-{p}-{r}-tp{t}" for p in ("fp32", "bf16") for r in ("actor", "critic")
+        for t in (1, 2)]
+    assert len(ids) == 8 + 24 + 8
 
 
 @pytest.mark.parametrize("path", sorted(contracts_dir().glob("*.toml")), ids=lambda p: p.stem)
@@ -182,8 +186,9 @@ def test_cells_matching() -> None:
     c = load_contract(TINY)
     assert [x.cell_id for x in cells_matching(c, ["torch_tp:*bf16*actor*"])] == [
         "torch_tp-bf16-actor-tp1", "torch_tp-bf16-actor-tp2"]
+    assert len(cells_matching(c, ["deepspeed-bf16-zero1-*"])) == 4
     with pytest.raises(ContractError, match="matches no cell"):
-        cells_matching(c, ["deepspeed:*"])
+        cells_matching(c, ["nosuch:*"])
 
 
 @pytest.mark.parametrize("case", ["unknown_key", "negative_lr", "bad_tp_list", "missing_field"])

@@ -219,3 +219,39 @@ def test_environment_and_command() -> None:
     assert cmd[-3:] == ["-m", "harnesses.torch_tp.harness", "/a/cell.json"]
     assert torchrun_command(Path("c"), module="p.m:main", world_size=1,
                             log_dir=Path("l"))[-4:] == ["-m", "qualify.launch", "p.m:main", "c"]
+
+
+def test_multi_node_launch_uses_srun_and_a_rendezvous_on_the_first_node() -> None:
+    env = {"QUALIFY_NNODES": "2", "QUALIFY_RDZV_ENDPOINT": "node001:29500"}
+    cell = Path("/a/launches/x/attempt-1/cell.json")
+    cmd = torchrun_command(cell, module="harnesses.torch_tp.harness", world_size=4,
+                           log_dir=Path("/a/logs"), env=env)
+    assert cmd[:5] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1",
+                       "--kill-on-bad-exit=1"]
+    assert cmd[cmd.index("--nnodes") + 1] == "2"
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "2"  # 4 ranks over 2 nodes
+    assert cmd[cmd.index("--rdzv-endpoint") + 1] == "node001:29500"
+    assert cmd[cmd.index("--rdzv-backend") + 1] == "c10d"
+    assert "--standalone" not in cmd
+    rdzv = cmd[cmd.index("--rdzv-id") + 1]
+    other = torchrun_command(Path("/a/launches/x/attempt-2/cell.json"),
+                             module="harnesses.torch_tp.harness", world_size=4,
+                             log_dir=Path("/a/logs"), env=env)
+    assert other[other.index("--rdzv-id") + 1] != rdzv  # one rendezvous per launch
+    # 3 ranks (Actor TP2 + Critic TP1) do not split over 2 nodes: this node alone
+    single = torchrun_command(cell, module="m", world_size=3, log_dir=Path("l"), env=env)
+    assert single[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    forced = torchrun_command(cell, module="m", world_size=3, log_dir=Path("l"),
+                              env={"QUALIFY_LAUNCHER": "srun",
+                                   "QUALIFY_RDZV_ENDPOINT": "localhost:29500"})
+    assert forced[0] == "srun"
+    assert forced[forced.index("--nproc-per-node") + 1] == "3"
+
+
+@pytest.mark.parametrize(("env", "match"), [
+    ({"QUALIFY_NNODES": "two"}, "QUALIFY_NNODES='two': must be a positive integer"),
+    ({"QUALIFY_NNODES": "2"}, "QUALIFY_RDZV_ENDPOINT is not set"),
+])
+def test_multi_node_launch_errors(env: dict[str, str], match: str) -> None:
+    with pytest.raises(HarnessError, match=match):
+        torchrun_command(Path("c"), module="m", world_size=2, log_dir=Path("l"), env=env)

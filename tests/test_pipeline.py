@@ -1,7 +1,9 @@
 """End to end on the default contract: seal a reference, run candidate cells, compare.
 
-One reference per test module (about 40 s on 2 cores); each candidate launch is a real
-torchrun + gloo job of the torch_tp engine (about 20 s).
+The contract is ``tiny-qwen3.toml`` reduced to the torch_tp engine and the HF sampler
+(:mod:`tiny_contracts`; the other engines have their own test modules). One reference per
+test module (about 40 s on 2 cores); each candidate launch is a real torchrun + gloo job
+of the torch_tp engine (about 20 s).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_contracts import torch_tp_only
 
 from qualify import store
 from qualify.candidate import run_candidate_stage
@@ -21,15 +24,17 @@ from qualify.compare import compare_run
 from qualify.contract import Contract, load_contract
 from qualify.errors import ExitCode, ReferenceDataError
 from qualify.reference import BOUNDS_FILE, run_reference_stage
-from qualify.resources import contracts_dir
 from qualify.statistics import FAMILY_STATISTIC
-
-TINY = contracts_dir() / "tiny-qwen3.toml"
 
 
 @pytest.fixture(scope="module")
-def contract() -> Contract:
-    return load_contract(TINY)
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return torch_tp_only(tmp_path_factory.mktemp("contracts"))
+
+
+@pytest.fixture(scope="module")
+def contract(tiny: Path) -> Contract:
+    return load_contract(tiny)
 
 
 @pytest.fixture(scope="module")
@@ -76,20 +81,21 @@ def test_reference_is_sealed_read_only_and_complete(reference: Path, contract: C
                                                     "exp_avg_sq": "torch.float32"}, label
 
 
-def test_sealed_reference_is_never_rewritten(reference: Path, contract: Contract) -> None:
+def test_sealed_reference_is_never_rewritten(reference: Path, contract: Contract,
+                                             tiny: Path) -> None:
     digest = store.manifest_digest(reference)
     with pytest.raises(ReferenceDataError, match="sealed"):
         run_reference_stage(contract, root=reference.parent, quiet=True)
     assert store.manifest_digest(reference) == digest
     proc = subprocess.run(
-        [sys.executable, "-m", "qualify", "reference", str(TINY), "--out", str(reference.parent),
+        [sys.executable, "-m", "qualify", "reference", str(tiny), "--out", str(reference.parent),
          "--quiet"], capture_output=True, text=True, check=False)
     assert proc.returncode == ExitCode.USAGE_ERROR, proc.stderr
     assert "Traceback" not in proc.stderr
     assert store.manifest_digest(reference) == digest
 
 
-def test_interrupted_reference_is_never_taken_as_sealed(contract: Contract,
+def test_interrupted_reference_is_never_taken_as_sealed(contract: Contract, tiny: Path,
                                                         tmp_path: Path) -> None:
     def interrupt(step: str) -> None:
         if step == "targets":
@@ -103,7 +109,7 @@ def test_interrupted_reference_is_never_taken_as_sealed(contract: Contract,
     with pytest.raises(ReferenceDataError, match="not sealed"):
         run_candidate_stage(contract, reference=partial, root=tmp_path / "ev", quiet=True)
     proc = subprocess.run(
-        [sys.executable, "-m", "qualify", "candidate", str(TINY), "--reference", str(partial),
+        [sys.executable, "-m", "qualify", "candidate", str(tiny), "--reference", str(partial),
          "--out", str(tmp_path / "ev"), "--quiet"], capture_output=True, text=True, check=False)
     assert proc.returncode == ExitCode.USAGE_ERROR
     assert "not sealed" in proc.stderr

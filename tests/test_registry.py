@@ -33,10 +33,22 @@ def test_builtin_engines() -> None:
     assert tp.module == "harnesses.torch_tp.harness"
     assert tp.unavailable_reason(cuda_available=False) is None
     assert get_engine("deepspeed").cpu_env == {"DS_ACCELERATOR": "cpu"}
-    assert get_engine("deepspeed").unavailable_reason(cuda_available=False) is None
-    assert "needs CUDA" in str(get_engine("megatron").unavailable_reason(cuda_available=False))
-    assert get_engine("megatron").unavailable_reason(cuda_available=True) is None
+    assert get_engine("deepspeed").groups_variants
     assert get_engine("vllm").kind == "sampler"
+
+
+def test_needs_cuda_and_requires() -> None:
+    gpu_only = EngineSpec(name="gpu_only", entry="x.y:main", needs_cuda=True)
+    assert "needs CUDA" in str(gpu_only.unavailable_reason(cuda_available=False))
+    assert gpu_only.unavailable_reason(cuda_available=True) is None
+    absent = EngineSpec(name="absent", entry="x.y:main",
+                        requires=("json", "qualify_no_such_engine_module"))
+    why = absent.unavailable_reason(cuda_available=True)
+    assert why is not None
+    assert "'qualify_no_such_engine_module'" in why
+    assert "'json'" not in why
+    assert EngineSpec(name="present", entry="x.y:main",
+                      requires=("json",)).unavailable_reason(cuda_available=False) is None
 
 
 def test_world_size_rules() -> None:

@@ -438,3 +438,106 @@ def test_load_rejects_unreadable_files(saved: Path, tmp_path: Path, file: str, c
 def test_load_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ReferenceDataError, match=r"rollout\.safetensors: missing"):
         Rollout.load(tmp_path)
+
+
+# --- the vllm backend seam (no engine started here) ---------------------------------------
+
+
+def test_vllm_backend_resolves_without_importing_vllm() -> None:
+    """``rollout_backend("vllm")`` imports the harness module, never the engine."""
+    import os
+    import subprocess
+    import sys
+
+    from qualify.launch import launch_env
+
+    code = ("import sys; from qualify.rollout import rollout_backend; "
+            "cls = rollout_backend('vllm'); b = cls(); "
+            "assert 'vllm' not in sys.modules, 'vllm imported'; print(cls.__name__, b.name)")
+    out = subprocess.run([sys.executable, "-c", code], env=launch_env(None), check=True,
+                         capture_output=True, text=True, timeout=120, cwd=os.getcwd())
+    assert out.stdout.split() == ["VllmRolloutBackend", "vllm"]
+
+
+def test_vllm_backend_rejects_a_model_object_before_starting_anything(
+        actor: Qwen3ForCausalLM) -> None:
+    from harnesses.vllm.rollout import VllmRolloutBackend
+
+    vllm_sampling = dataclasses.replace(CONTRACT_SAMPLING, engine="vllm")
+    with pytest.raises(ValueError, match="model directory"):
+        VllmRolloutBackend().sample(PROMPTS, vllm_sampling, pad_token_id=PAD, eos_token_id=EOS,
+                                    model=actor)
+    with pytest.raises(ValueError, match="model directory"):
+        VllmRolloutBackend().sample(PROMPTS, vllm_sampling, pad_token_id=PAD, eos_token_id=EOS)
+    with pytest.raises(ValueError, match="empty prompt"):
+        VllmRolloutBackend("unused").sample([[1], []], vllm_sampling, pad_token_id=PAD,
+                                            eos_token_id=EOS)
+
+
+def test_capture_rollout_hf_fallback_path() -> None:
+    """``engine = "hf"`` keeps the HF sampler: the verified actor directory at FP32/sdpa."""
+    from qualify import models
+    from qualify.contract import load_contract
+    from qualify.resources import contracts_dir
+    from qualify.rollout import capture_rollout
+
+    bundle = models.prepare_models(load_contract(contracts_dir() / "tiny-qwen3.toml"))
+    got = capture_rollout(CONTRACT_SAMPLING, PROMPTS, actor_dir=bundle.actor_dir,
+                          pad_token_id=PAD, eos_token_id=EOS)
+    model = models.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation="sdpa")
+    direct = HfRolloutBackend(model).sample(PROMPTS, CONTRACT_SAMPLING, pad_token_id=PAD,
+                                            eos_token_id=EOS)
+    assert got.sampler == "hf"
+    assert got.sampler_details["attn_implementation"] == "sdpa"
+    assert torch.equal(got.responses, direct.responses)
+    assert torch.equal(got.behavior_logprobs, direct.behavior_logprobs)
+
+
+@pytest.mark.parametrize(
+    ("tp", "cores", "per_rank", "expected"),
+    [
+        pytest.param(1, [0, 1], 1, "0", id="tp1"),
+        pytest.param(2, [0, 1], 1, "0|1", id="tp2"),
+        pytest.param(1, [0, 1], 2, "0,1", id="tp1-two-cores"),
+        pytest.param(2, [4, 2, 3, 5], 2, "2,3|4,5", id="tp2-sorted"),
+    ],
+)
+def test_cpu_threads_bind(tp: int, cores: list[int], per_rank: int, expected: str) -> None:
+    from harnesses.vllm.engine import cpu_threads_bind
+
+    assert cpu_threads_bind(tp, cores, per_rank=per_rank) == expected
+
+
+def test_cpu_threads_bind_needs_a_core_per_rank() -> None:
+    from harnesses.vllm.engine import cpu_threads_bind
+
+    with pytest.raises(ValueError, match="needs 2 cores"):
+        cpu_threads_bind(2, [0])
+    with pytest.raises(ValueError, match="must be >= 1"):
+        cpu_threads_bind(0, [0])
+
+
+def test_build_llm_rejects_a_head_size_the_cpu_backend_lacks(tmp_path: Path) -> None:
+    """Checked from ``config.json`` before vllm is imported or any variable is set."""
+    from harnesses.vllm.engine import build_llm
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"hidden_size": 48, "num_attention_heads": 2, "head_dim": 24}))
+    with pytest.raises(ValueError, match="head_dim 24"):
+        build_llm(tmp_path)
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        build_llm(tmp_path, logprobs_mode="logits")  # type: ignore[arg-type]
+
+
+def test_contract_rejects_hf_sampler_with_tp() -> None:
+    from qualify.contract import loads_contract
+    from qualify.resources import contracts_dir
+
+    text = (contracts_dir() / "tiny-qwen3.toml").read_text()
+    head, sep, tail = text.partition("[sampling]\n")
+    assert 'engine = "vllm"\ntp = 1\n' in tail.split("\n[")[0]  # vLLM is the committed default
+    with pytest.raises(ContractError, match=r"sampling\.tp: the hf sampler"):
+        loads_contract(head + sep + tail.replace('engine = "vllm"\ntp = 1\n',
+                                                 'engine = "hf"\ntp = 2\n', 1))
+    hf = loads_contract(head + sep + tail.replace('engine = "vllm"\n', 'engine = "hf"\n', 1))
+    assert hf.sampling.engine == "hf"

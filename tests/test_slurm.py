@@ -241,12 +241,14 @@ def test_candidate_script_runs_qualify_candidate(tmp_path: Path) -> None:
     env = _job_env(tmp_path, QUALIFY="echo", QUALIFY_ALLOW_DIRTY="1")
     done = subprocess.run(["bash", script, str(CONTRACT), "REF", "--", "--cells", CELL],
                           cwd=REPO, env=env, capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr
     assert (f"candidate {CONTRACT} --reference REF --out {tmp_path / 'ev'} --run-id "
             f"slurm-local-") in done.stdout
-    assert done.stdout.rstrip().splitlines()[-2].endswith(f"--quiet --cells {CELL}")
+    assert f"--quiet --cells {CELL}" in done.stdout
+    # `echo` made no run.json: the job stops before comparing and says it failed
     (record,) = (tmp_path / "ev" / "tiny-qwen3").glob("slurm-local-*.job.json")
     assert json.loads(record.read_text())["stage"] == "candidate"
+    assert "qualify compare" not in done.stdout
+    assert done.returncode == 4
 
 
 # --------------------------------------------------------------------------- real Slurm
@@ -305,7 +307,9 @@ def _assert_partial_reference(refs: Path, *, rollout: bool = True) -> Path:
 def test_slurm_two_stages_real_jobs(tmp_path: Path) -> None:
     from qualify.reference import load_sealed_reference
 
-    env = _job_env(tmp_path, QUALIFY_ALLOW_DIRTY="1")
+    # QUALIFY_LAUNCHER=srun: the candidate's harness launch takes the multi-node path
+    # (srun + torchrun with a c10d rendezvous on the first node of the allocation)
+    env = _job_env(tmp_path, QUALIFY_ALLOW_DIRTY="1", QUALIFY_LAUNCHER="srun")
     t0 = time.monotonic()
     s = submit(CONTRACT, options=_options(tmp_path), cells=[CELL],
                references=tmp_path / "refs", evidence=tmp_path / "ev", env=env, cwd=REPO)
@@ -322,6 +326,16 @@ def test_slurm_two_stages_real_jobs(tmp_path: Path) -> None:
     run = json.loads((run_dir / "run.json").read_text())
     assert run["cells"][CELL]["status"] == "COMPLETE", run["cells"][CELL]
     assert store.is_sealed(run_dir / run["cells"][CELL]["attempt"])
+    (launcher_log,) = run_dir.glob("launches/*/attempt-1/logs/launcher.log")
+    first = launcher_log.read_text().splitlines()[0]
+    assert first.startswith("$ srun --nodes=1 ")
+    assert "--rdzv-backend c10d --rdzv-endpoint localhost:29500" in first
+    # the job compared, sealed and signed the run: the other matrix cells were not asked
+    # for, so the report is NOT_RUN for them and the job still ends COMPLETED
+    report = json.loads((run_dir / "report.json").read_text())
+    assert next(c for c in report["cells"] if c["cell"] == CELL)["verdict"] == "PASS"
+    assert store.is_sealed(run_dir)
+    assert "qualify compare: exit 1" in _logs(tmp_path, s.candidate_job)
     for job, record in ((s.reference_job, tmp_path / "refs"),
                         (s.candidate_job, tmp_path / "ev" / "tiny-qwen3")):
         doc = json.loads((record / f"slurm-{job}.job.json").read_text())

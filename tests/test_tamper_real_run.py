@@ -9,7 +9,8 @@ test signing key given through ``$QUALIFY_SIGNING_KEY`` (the variable is restore
   real torchrun + gloo launches), :func:`compare_run`, then ``seal_and_sign`` of the run;
 - ``evidence/tiny-qwen3/0-older-copy/``: a copy of the same compared run sealed and signed
   a moment *before* the real one (the "older run" whose attestation is replayed);
-- ``contracts/tiny-qwen3.toml``: the committed contract, where verify step 6 looks
+- ``contracts/tiny-qwen3.toml``: the committed contract reduced to the torch_tp engine
+  and the HF sampler (:mod:`tiny_contracts`), where verify step 6 looks
   (``--contracts-dir``); ``keys/``: two trusted public keys (a third key stays untrusted).
 
 The tree is built under ``build/`` and then renamed to ``world/``: ``run.json`` names its
@@ -46,6 +47,7 @@ from test_verify import (
     new_key,
     run_cli,
 )
+from tiny_contracts import torch_tp_only_text
 
 from qualify import signing, store
 from qualify.candidate import run_candidate_stage
@@ -53,10 +55,8 @@ from qualify.compare import compare_run
 from qualify.contract import load_contract
 from qualify.errors import EvidenceIntegrityError, ExitCode
 from qualify.reference import run_reference_stage
-from qualify.resources import contracts_dir
 from qualify.verify import ReferenceBindingError, SubjectDigestError
 
-TINY = contracts_dir() / "tiny-qwen3.toml"
 NAME = "tiny-qwen3"
 OLD_RUN = "0-older-copy"  # sorts before the UTC run id: the gate's newest run is the real one
 
@@ -89,9 +89,8 @@ def _build(root: Path) -> RealWorld:
     for name, k in (("trusted", key), ("trusted-2", other)):
         (root / "keys" / f"{name}-{k.keyid[:16]}.pub").write_bytes(k.public_pem())
     (root / "contracts").mkdir()
-    shutil.copyfile(TINY, root / "contracts" / f"{NAME}.toml")
+    (root / "contracts" / f"{NAME}.toml").write_text(torch_tp_only_text())
     contract = load_contract(root / "contracts" / f"{NAME}.toml")
-    assert contract.digest == load_contract(TINY).digest
     pem = key.private_key.private_bytes(serialization.Encoding.PEM,
                                         serialization.PrivateFormat.PKCS8,
                                         serialization.NoEncryption()).decode()

