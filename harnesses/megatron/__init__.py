@@ -1,0 +1,1 @@
+"""Megatron-Core engine harness (conversion, model, scoring, CUDA training)."""

@@ -1,0 +1,540 @@
+"""Megatron-Core harness: ``python -m harnesses.megatron.harness CELL_JSON`` under torchrun.
+
+Runs the Actor and Critic of :mod:`qualify.protocol` on megatron-core's own ``GPTModel``
+(local layer spec), with weights converted per TP rank by :mod:`harnesses.megatron.convert`:
+
+- scoring (every device): Actor logprobs and entropy from the vocab-parallel output layer
+  (:func:`harnesses.megatron.losses.vocab_parallel_logprobs_entropy`), Critic values from
+  a replicated value head on the decoder, and the padding-invariance reruns;
+- training (CUDA only): Megatron's ``DistributedDataParallel`` with FP32 ``main_grad``
+  buffers, ``get_megatron_optimizer`` (``OptimizerConfig(optimizer="adam")``: AdamW with
+  decoupled weight decay; BF16 = ``Float16Module`` BF16 parameters with FP32 master
+  weights in ``Float16OptimizerWithFloat16Params``), its TP-aware gradient clipping and the
+  grad norm its ``step()`` returns. Gradients (``main_grad``), Adam moments and master
+  updates are gathered over the TP group and converted back to the HF layout.
+
+On CPU, Megatron's optimizer stack (``get_megatron_optimizer``, ``clip_grad_norm``, the
+grad scaler, ``param_and_grad_buffer``) is hard-wired to CUDA: the training families and
+all of round 2 are declared ``not_run`` in ``outputs.json`` (never replaced by another
+optimizer). The patches the CPU path needs are listed in ``outputs.json`` ``shims``.
+
+Reads only ``cell.json`` and, from ``inputs_dir``: ``rollout.safetensors``,
+``train_inputs.safetensors``, ``contract.json`` and ``model.json`` (never reference scores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from harnesses.megatron import convert, losses
+from harnesses.megatron import model as mm
+from qualify.contract import Contract
+from qualify.errors import HarnessError
+from qualify.protocol import (
+    CELL_FILE,
+    EXTRA_RIGHT_PADDING,
+    OUTPUTS_FILE,
+    OUTPUTS_META_FILE,
+    ROLLOUT_FILE,
+    ROLLOUT_KEYS,
+    TRAIN_INPUT_KEYS,
+    TRAIN_INPUTS_FILE,
+    HarnessCell,
+    param_sample_indices,
+    tensor_name,
+)
+
+ENGINE: Final = "megatron"
+CONTRACT_JSON: Final = "contract.json"
+MODEL_JSON: Final = "model.json"
+CPU_NOT_RUN_REASON: Final = "Megatron optimizer needs CUDA"
+TRAINING_FAMILIES: Final = ("losses", "grad_norm", "clip_coef", "grads", "exp_avg",
+                            "exp_avg_sq", "updates", "dtypes", "replica")
+PART_WAIT_S: Final = 24 * 3600.0
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Batch:
+    """Rollout rows (``b`` rows, ``T = P + R`` columns).
+
+    Attributes:
+        input_ids: ``[b, T]`` int64, prompt (left-padded) then response (right-padded).
+        attention_mask: ``[b, T]`` int64.
+        position_ids: ``[b, T]`` int64.
+        responses: ``[b, R]`` int64.
+        mask: ``[b, R]`` bool valid response tokens.
+        advantages: ``[b, R]`` FP32.
+        returns: ``[b, R]`` FP32.
+        prompt_len: ``P``.
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    position_ids: Tensor
+    responses: Tensor
+    mask: Tensor
+    advantages: Tensor
+    returns: Tensor
+    prompt_len: int
+
+    def rows(self, s: slice) -> Batch:
+        """Rows ``s``."""
+        return dataclasses.replace(self, **{
+            f.name: getattr(self, f.name)[s] for f in dataclasses.fields(self)
+            if f.name != "prompt_len"})
+
+    def with_right_padding(self, extra: int, pad_id: int) -> Batch:
+        """``extra`` pad columns (attention 0) appended; response window unchanged."""
+        b = self.input_ids.shape[0]
+        am = torch.cat([self.attention_mask, self.attention_mask.new_zeros((b, extra))], 1)
+        return dataclasses.replace(
+            self, input_ids=torch.cat([self.input_ids,
+                                       self.input_ids.new_full((b, extra), pad_id)], 1),
+            attention_mask=am, position_ids=(am.cumsum(1) - 1).clamp(min=0))
+
+    def to(self, device: torch.device) -> Batch:
+        """The batch on ``device``."""
+        return dataclasses.replace(self, **{
+            f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+            if f.name != "prompt_len"})
+
+
+def read_inputs(inputs_dir: Path) -> tuple[Batch, Contract, dict[str, Path]]:
+    """Rollout + train inputs, contract and model directories from ``inputs_dir``.
+
+    Returns:
+        ``(batch, contract, {"actor_dir", "critic_dir", "ref_dir"})``.
+
+    Raises:
+        HarnessError: a file, tensor or model path is missing.
+    """
+    for name in (ROLLOUT_FILE, TRAIN_INPUTS_FILE, CONTRACT_JSON, MODEL_JSON):
+        if not (inputs_dir / name).is_file():
+            raise HarnessError(f"{inputs_dir / name}: missing harness input")
+    ro = load_file(str(inputs_dir / ROLLOUT_FILE))
+    tr = load_file(str(inputs_dir / TRAIN_INPUTS_FILE))
+    missing = [k for k in ROLLOUT_KEYS if k not in ro] + [k for k in TRAIN_INPUT_KEYS
+                                                          if k not in tr]
+    if missing:
+        raise HarnessError(f"{inputs_dir}: missing tensors {missing}")
+    contract = Contract.from_dict(json.loads((inputs_dir / CONTRACT_JSON).read_text("utf-8")))
+    models = json.loads((inputs_dir / MODEL_JSON).read_text("utf-8"))
+    if "actor_dir" not in models or "critic_dir" not in models:
+        raise HarnessError(f"{inputs_dir / MODEL_JSON}: needs actor_dir and critic_dir")
+    dirs = {"actor_dir": Path(models["actor_dir"]), "critic_dir": Path(models["critic_dir"]),
+            "ref_dir": Path(models.get("ref_dir", models["actor_dir"]))}
+    batch = Batch(input_ids=torch.cat([ro["prompts"], ro["responses"]], 1).long(),
+                  attention_mask=ro["attention_mask"].long(),
+                  position_ids=ro["position_ids"].long(), responses=ro["responses"].long(),
+                  mask=ro["response_mask"].bool(), advantages=tr["advantages"].float(),
+                  returns=tr["returns"].float(), prompt_len=int(ro["prompts"].shape[1]))
+    return batch, contract, dirs
+
+
+def hf_state(path: Path, head: convert.Head) -> tuple[Any, dict[str, Tensor]]:
+    """HF config and FP32 state dict of a model directory (weights only; no HF compute).
+
+    Args:
+        path: HF directory.
+        head: ``lm`` (causal LM) or ``value`` (``*ForTokenClassification``, one label).
+
+    Raises:
+        HarnessError: the directory does not exist.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if not path.is_dir():
+        raise HarnessError(f"{path}: model directory not found")
+    if head == "value":
+        m = AutoModelForTokenClassification.from_pretrained(str(path), num_labels=1,
+                                                            dtype=torch.float32)
+    else:
+        m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return m.config, {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def micro_slices(n: int, size: int) -> list[slice]:
+    """Row slices of at most ``size`` sequences."""
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+# --------------------------------------------------------------------------- role run
+
+
+@dataclasses.dataclass(kw_only=True)
+class RoleRun:
+    """One role on one rank: the Megatron model, its scores, its update, what it reports.
+
+    Attributes:
+        cell: the cell.
+        groups: role and process groups.
+        batch, contract, dirs: the inputs.
+        device: compute device.
+        tensors: protocol name -> FP32 CPU tensor (TP rank 0 only).
+        timings: wall seconds per phase.
+    """
+
+    cell: HarnessCell
+    groups: mm.RoleGroups
+    batch: Batch
+    contract: Contract
+    dirs: dict[str, Path]
+    device: torch.device
+    tensors: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    compute_dtypes: set[str] = dataclasses.field(default_factory=set)
+    extra_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def role(self) -> str:
+        """``actor`` or ``critic``."""
+        return self.groups.role
+
+    @property
+    def writer(self) -> bool:
+        """TP rank 0 keeps and writes the role's tensors."""
+        return self.groups.tp_rank == 0
+
+    @property
+    def bf16(self) -> bool:
+        """Megatron BF16 mode."""
+        return self.cell.precision == "bf16"
+
+    @property
+    def cpu(self) -> bool:
+        """Running on CPU (scoring only)."""
+        return self.device.type == "cpu"
+
+    def put(self, round_: int, metric: str, value: Tensor, param: str | None = None) -> None:
+        """Keep ``value`` (FP32 CPU; sampled when large) under its protocol name."""
+        if not self.writer:
+            return
+        out = value.detach().to("cpu", torch.float32)
+        idx = param_sample_indices(param, out.numel()) if param is not None else None
+        if idx is not None:
+            out = out.reshape(-1)[torch.from_numpy(idx)]
+        self.tensors[tensor_name(round_, self.role, metric, param)] = out.contiguous()
+
+    @contextlib.contextmanager
+    def timed(self, key: str) -> Iterator[None]:
+        """Record the wall time of the block."""
+        t0 = time.perf_counter()
+        yield
+        self.timings[key] = round(time.perf_counter() - t0, 4)
+
+    # ----------------------------------------------------------------- model
+
+    def build(self, path: Path, head: convert.Head) -> tuple[nn.Module, convert.Shape]:
+        """Megatron model of ``path`` on this rank (BF16 cells: wrapped in ``Float16Module``)."""
+        config, sd = hf_state(path, head)
+        shape = convert.Shape.from_hf_config(config, head=head)
+        shards = convert.hf_to_megatron(sd, shape, self.groups.tp)
+        problems = convert.layout_errors(sd, shards, shape)
+        if problems:
+            raise HarnessError(f"converted layout check failed: {problems[:3]}")
+        model = mm.build_gpt(config, shape, self.groups, bf16=self.bf16, cpu=self.cpu)
+        mm.load_shard(model, shards[self.groups.tp_rank])
+        model.to(self.device)
+        if self.bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(model.config, model)
+        model.eval()  # dropout is 0 anyway; eval() does not stop autograd
+        self.extra_meta["pad_token_id"] = int(getattr(config, "pad_token_id", None) or 0)
+        self.extra_meta["padded_vocab"] = shape.padded_vocab(self.groups.tp)
+        self.extra_meta["hf_vocab"] = shape.vocab
+        return model, shape
+
+    def window(self, model: nn.Module, batch: Batch) -> Tensor:
+        """Model output at positions ``P - 1 + t``, ``t < R``.
+
+        Returns:
+            ``[b, R, V'/tp]`` (actor: this rank's vocab shard) or ``[b, R, 1]`` (critic).
+        """
+        out = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                    attention_mask=mm.padding_mask(batch.attention_mask))
+        self.compute_dtypes.add(str(out.dtype))
+        r = batch.responses.shape[1]
+        start = batch.prompt_len - 1
+        window: Tensor = out[:, start:start + r]
+        return window
+
+    def actor_scores(self, model: nn.Module, shape: convert.Shape,
+                     batch: Batch) -> tuple[Tensor, Tensor]:
+        """Logprobs and entropy ``[b, R]`` FP32 (vocab-parallel, the contract's temperature)."""
+        return losses.vocab_parallel_logprobs_entropy(
+            self.window(model, batch), batch.responses, vocab=shape.vocab,
+            tp_rank=self.groups.tp_rank, group=self.groups.tp_group,
+            temperature=self.contract.sampling.temperature)
+
+    def critic_values(self, model: nn.Module, batch: Batch) -> Tensor:
+        """Values ``[b, R]`` FP32 (replicated value head; identical on every TP rank)."""
+        return self.window(model, batch).float().squeeze(-1)
+
+    # ----------------------------------------------------------------- scoring
+
+    def run(self) -> dict[str, Any]:
+        """Score (and, on CUDA, train) this role; return its ``outputs.json`` part."""
+        alg = self.contract.algorithm
+        head: convert.Head = "lm" if self.role == "actor" else "value"
+        src = self.dirs["actor_dir" if self.role == "actor" else "critic_dir"]
+        with self.timed("load_s"):
+            model, shape = self.build(src, head)
+            ref = None
+            if self.role == "actor" and not self.cpu:
+                ref, _ = self.build(self.dirs["ref_dir"], "lm")
+                ref.requires_grad_(False)
+        batch = self.batch.to(self.device)
+        b, r_len = batch.responses.shape
+        slices = micro_slices(b, alg.micro_batch_size)
+        pad_id = int(self.extra_meta["pad_token_id"])
+        metric = "logprobs" if self.role == "actor" else "values"
+        with self.timed("scoring_s"), torch.no_grad():
+            first = torch.zeros(b, r_len, device=self.device)
+            ent = torch.zeros(b, r_len, device=self.device)
+            padded = torch.zeros(b, r_len, device=self.device)
+            for s in slices:
+                mb = batch.rows(s)
+                if self.role == "actor":
+                    first[s], ent[s] = self.actor_scores(model, shape, mb)
+                    padded[s] = self.actor_scores(
+                        model, shape, mb.with_right_padding(EXTRA_RIGHT_PADDING, pad_id))[0]
+                else:
+                    first[s] = self.critic_values(model, mb)
+                    padded[s] = self.critic_values(
+                        model, mb.with_right_padding(EXTRA_RIGHT_PADDING, pad_id))
+            self.put(1, f"{metric}_padded", torch.where(batch.mask, padded, 0.0))
+        if self.cpu:
+            self.put(1, metric, torch.where(batch.mask, first, 0.0))
+            if self.role == "actor":
+                self.put(1, "entropy", torch.where(batch.mask, ent, 0.0))
+            return self.meta(shape, not_run=[
+                {"round": None, "family": f, "reason": CPU_NOT_RUN_REASON}
+                for f in TRAINING_FAMILIES] + [
+                {"round": 2, "family": "*",
+                 "reason": f"round 2 scores the round-1 update, which needs Megatron's "
+                           f"optimizer ({CPU_NOT_RUN_REASON})"}])
+        from harnesses.megatron import train
+
+        trainer = train.Trainer(run=self, model=model, shape=shape, ref=ref)
+        trainer.train(batch, slices)
+        return self.meta(shape, not_run=[], training=trainer.meta())
+
+    def meta(self, shape: convert.Shape, *, not_run: list[dict[str, Any]],
+             training: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The role's part of ``outputs.json``."""
+        out: dict[str, Any] = {
+            "tp": self.groups.tp,
+            "global_ranks": list(self.groups.ranks),
+            "model_class": "megatron.core.models.gpt.GPTModel (local spec)",
+            "parallelism": {
+                "mesh_dim_names": ["tp"],
+                "lm_head": "vocab_parallel" if self.role == "actor" else None,
+                "replicated_params": convert.replicated_megatron_names(shape),
+            },
+            "precision": self.cell.precision,
+            "bf16_mechanism": ("megatron Float16Module (BF16 parameters and compute); FP32 "
+                               "master weights in Megatron's optimizer") if self.bf16 else None,
+            "valid_tokens": int(self.batch.mask.sum()),
+            "micro_batches": len(micro_slices(self.batch.input_ids.shape[0],
+                                              self.contract.algorithm.micro_batch_size)),
+            "dropout": "0 (hidden_dropout = attention_dropout = 0)",
+            "not_run": not_run,
+            "role_timings": dict(self.timings),
+            "engine_info": {
+                "compute": sorted(self.compute_dtypes),
+                "value_head": ("replicated Linear(hidden, 1) + bias as GPTModel.output_layer"
+                               if self.role == "critic" else None),
+                "vocab": {"hf": shape.vocab, "padded": shape.padded_vocab(self.groups.tp),
+                          "padding_columns": "excluded from log-softmax and entropy"},
+                "rope_positions": "0..T-1 per row (GPTModel ignores position_ids for RoPE); "
+                                  "left padding shifts every real token of a row by the same "
+                                  "offset, which RoPE's relative form cancels",
+                "process_groups": "explicit pg_collection: tp = the role's ranks, every other "
+                                  "dimension this rank alone",
+            },
+        }
+        if training is not None:
+            out["engine_info"]["optimizer"] = training.get("optimizer")
+            out["dtypes"] = training["dtypes"]
+            out["replica_consistency"] = training["replica_consistency"]
+        return out
+
+
+# --------------------------------------------------------------------------- output files
+
+
+def _atomic_json(path: Path, doc: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n", "utf-8")
+    os.replace(tmp, path)
+
+
+def _atomic_tensors(path: Path, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+def _parts(output_dir: Path, role: str) -> tuple[Path, Path]:
+    return output_dir / f".part-{role}.safetensors", output_dir / f".part-{role}.json"
+
+
+def merge_parts(roles: Sequence[str], output_dir: Path, head: dict[str, Any]) -> None:
+    """Wait for each role's part, then write ``outputs.safetensors`` and ``outputs.json``.
+
+    Raises:
+        HarnessError: a part never appeared within :data:`PART_WAIT_S`.
+    """
+    deadline = time.monotonic() + PART_WAIT_S
+    for role in roles:
+        while not _parts(output_dir, role)[1].is_file():
+            if time.monotonic() > deadline:
+                raise HarnessError(f"the {role} part never appeared")
+            time.sleep(0.05)
+    tensors: dict[str, Tensor] = {}
+    head["roles"] = {}
+    for role in roles:
+        st, js = _parts(output_dir, role)
+        tensors.update(load_file(str(st)))
+        head["roles"][role] = json.loads(js.read_text("utf-8"))
+    head["tensors"] = {"file": OUTPUTS_FILE, "count": len(tensors)}
+    _atomic_tensors(output_dir / OUTPUTS_FILE, tensors, {"engine": ENGINE})
+    _atomic_json(output_dir / OUTPUTS_META_FILE, head)
+    for role in roles:
+        for p in _parts(output_dir, role):
+            p.unlink()
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "safetensors", "megatron-core"):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def _device() -> tuple[torch.device, str]:
+    """CUDA (NCCL) when available and not disabled by ``QUALIFY_DEVICE=cpu``; else CPU (gloo).
+
+    With fewer GPUs than ranks, ranks share devices (``LOCAL_RANK % device_count``): fine
+    when every NCCL group that communicates holds one rank per device (TP1 roles on a
+    one-GPU machine); NCCL refuses a TP group with two ranks on one device.
+    """
+    if torch.cuda.is_available() and os.environ.get("QUALIFY_DEVICE", "") != "cpu":
+        local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def run(cell: HarnessCell) -> None:
+    """Run ``cell`` on this rank (creates and destroys the process group).
+
+    Raises:
+        HarnessError: not under torchrun, wrong world size, engine options or faults given,
+            bad inputs or a TP size the model does not allow.
+    """
+    t0 = time.perf_counter()
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except KeyError as exc:
+        raise HarnessError(f"${exc.args[0]} is not set: run under torchrun") from None
+    if world != cell.world_size:
+        raise HarnessError(f"WORLD_SIZE = {world}, the cell needs {cell.world_size}")
+    if cell.options or cell.faults or cell.variants:
+        raise HarnessError("the megatron harness takes no engine options, faults or variants")
+    batch, contract, dirs = read_inputs(Path(cell.inputs_dir))
+    output_dir = Path(cell.output_dir)
+    device, backend = _device()
+    # No device_id: NCCL communicators are created lazily, per group, so the world group
+    # (never used for a collective) may hold two ranks sharing one GPU.
+    dist.init_process_group(backend, timeout=timedelta(seconds=cell.collective_timeout_s))
+    try:
+        groups = mm.role_groups(cell.actor_tp, cell.critic_tp, rank, cell.collective_timeout_s)
+        shims = mm.apply_group_shims()
+        if device.type == "cpu":
+            shims += mm.apply_cpu_shims()
+        else:
+            from megatron.core import tensor_parallel
+
+            # explicit ranks: the global parallel_state is not initialised (see model.py)
+            tensor_parallel.model_parallel_cuda_manual_seed(
+                cell.seed, tp_rank=groups.tp_rank, ep_rank=0, etp_rank=0)
+        dist.barrier(group=groups.tp_group)
+        print(f"[megatron] rank {rank}/{world}: {groups.role} tp_rank {groups.tp_rank}/"
+              f"{groups.tp} on {device} ({backend}), {cell.precision}", flush=True)
+        torch.manual_seed(cell.seed)
+        init_s = time.perf_counter() - t0
+        runner = RoleRun(cell=cell, groups=groups, batch=batch, contract=contract, dirs=dirs,
+                         device=device)
+        with runner.timed("total_s"):
+            meta = runner.run()
+        if runner.writer:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            st, js = _parts(output_dir, groups.role)
+            _atomic_tensors(st, runner.tensors, {"engine": ENGINE, "role": groups.role})
+            _atomic_json(js, meta)
+        if rank == 0:
+            roles = [r for r, n in (("actor", cell.actor_tp), ("critic", cell.critic_tp)) if n]
+            spans = {"actor": range(cell.actor_tp),
+                     "critic": range(cell.actor_tp, cell.world_size)}
+            head: dict[str, Any] = {
+                "schema_version": 1, "engine": ENGINE, "cell": cell.to_dict(),
+                "versions": _versions(), "world_size": world, "backend": backend,
+                "device": device.type,
+                "ranks": [{"rank": r, "role": role, "tp_rank": i, "tp_group": list(spans[role])}
+                          for role in roles for i, r in enumerate(spans[role])],
+                "timings": {"init_s": round(init_s, 4),
+                            "rank0_total_s": round(time.perf_counter() - t0, 4)},
+                "shims": shims, "faults": [],
+            }
+            merge_parts(roles, output_dir, head)
+    finally:
+        dist.destroy_process_group()
+
+
+@record
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: ``python -m harnesses.megatron.harness CELL_JSON``.
+
+    Returns:
+        0 on success, 2 on a usage error (exceptions propagate so torchrun records them).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print(f"usage: python -m harnesses.megatron.harness {CELL_FILE}", file=sys.stderr)
+        return 2
+    cell = HarnessCell.from_dict(json.loads(Path(args[0]).read_text("utf-8")))
+    if cell.engine != ENGINE:
+        raise HarnessError(f"{args[0]}: engine {cell.engine!r} is not {ENGINE!r}")
+    run(cell)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

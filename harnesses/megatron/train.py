@@ -1,0 +1,283 @@
+"""The CUDA training path: Megatron DDP + ``get_megatron_optimizer`` (not runnable on CPU).
+
+**Not run in this repository's CI** (no CUDA): written against megatron-core 0.16.1's
+source and exercised only by ``scripts/gpu/megatron_cells.sh`` on a GPU machine.
+
+Per role and round (``qualify.protocol``):
+
+1. ``DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+   use_distributed_optimizer=False), module, pg_collection=...)``: gradients accumulate in
+   the FP32 ``main_grad`` buffers of ``param_and_grad_buffer``; then Megatron's
+   ``finalize_model_grads`` (DP sync, DP = 1 here, and the TP all-reduce of the
+   ``q_layernorm`` / ``k_layernorm`` gradients, partial per rank since each rank normalises
+   only its own heads).
+2. The pre-clip ``main_grad`` of every parameter, gathered over the TP group and converted
+   to the HF layout (:func:`harnesses.megatron.convert.megatron_to_hf`).
+3. ``optimizer.step()`` of ``get_megatron_optimizer(OptimizerConfig(optimizer="adam",
+   lr, weight_decay, adam_beta1/2, adam_eps, clip_grad=max_grad_norm, bf16, params_dtype),
+   [model], config_overrides={}, use_gloo_process_groups=False, pg_collection=...)``
+   (gloo groups are refused with explicit process groups); ``config_overrides={}`` applies
+   weight decay to every parameter (the protocol's ``torch.optim.AdamW`` does; Megatron's
+   default exempts biases and 1-D parameters). Its returned grad norm is Megatron's
+   TP-aware ``get_grad_norm_fp32`` (tensor-parallel duplicates counted once), and
+   ``clip_coef = min(1, max_norm / (norm + 1e-6))`` is the coefficient its
+   ``clip_grad_by_total_norm_fp32`` applies.
+4. Adam moments and the master weights (FP32 model parameters in FP32 cells,
+   ``fp32_from_float16_groups`` in BF16 cells) gathered and converted the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from harnesses.megatron import convert, losses
+
+if TYPE_CHECKING:
+    from harnesses.megatron.harness import Batch, RoleRun
+
+
+def gather_hf(run: RoleRun, shape: convert.Shape, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """All-gather this rank's ``{megatron name: tensor}`` over the TP group; HF layout.
+
+    Collective over the role's TP group. Returns FP32 CPU tensors (all ranks).
+    """
+    names = convert.megatron_param_names(shape)
+    shards: list[dict[str, Tensor]] = [{} for _ in range(run.groups.tp)]
+    for n in names:
+        x = local[n].detach().float().contiguous()
+        parts = [torch.empty_like(x) for _ in range(run.groups.tp)]
+        dist.all_gather(parts, x, group=run.groups.tp_group)
+        for r, p in enumerate(parts):
+            shards[r][n] = p.cpu()
+    return convert.megatron_to_hf(shards, shape)
+
+
+def replica_check(run: RoleRun, shape: convert.Shape,
+                  local: Mapping[str, Tensor]) -> dict[str, float]:
+    """Max abs difference across TP ranks of each replicated parameter (0.0 = bitwise)."""
+    out: dict[str, float] = {}
+    for n in convert.replicated_megatron_names(shape):
+        x = local[n].detach().float().contiguous()
+        parts = [torch.empty_like(x) for _ in range(run.groups.tp)]
+        dist.all_gather(parts, x, group=run.groups.tp_group)
+        out[n] = max(float((p - parts[0]).abs().max()) for p in parts)
+    return out
+
+
+@dataclasses.dataclass(kw_only=True)
+class Trainer:
+    """Megatron DDP + optimizer for one role (CUDA only).
+
+    Attributes:
+        run: the role run (inputs, reporting).
+        model: the Megatron model (``Float16Module``-wrapped in BF16 cells).
+        shape: its conversion shape.
+        ref: the frozen reference policy (actor only).
+    """
+
+    run: RoleRun
+    model: nn.Module
+    shape: convert.Shape
+    ref: nn.Module | None
+    replica_rounds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    dtypes: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        run, c = self.run, self.run.contract
+        inner: Any = getattr(self.model, "module", self.model)
+        tcfg = inner.config
+        self.model.train()
+        self.ddp = DistributedDataParallel(
+            config=tcfg, ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                use_distributed_optimizer=False),
+            module=self.model, pg_collection=run.groups.pg_collection)
+        o = c.optimizer
+        lr = o.actor_lr if run.role == "actor" else o.critic_lr
+        self.opt_config = OptimizerConfig(
+            optimizer="adam", lr=lr, min_lr=lr, weight_decay=o.weight_decay,
+            adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps,
+            clip_grad=o.max_grad_norm, bf16=run.bf16,
+            params_dtype=torch.bfloat16 if run.bf16 else torch.float32,
+            use_distributed_optimizer=False)
+        self.optimizer = get_megatron_optimizer(
+            self.opt_config, [self.ddp], config_overrides={}, use_gloo_process_groups=False,
+            pg_collection=run.groups.pg_collection)
+
+    # ----------------------------------------------------------------- views
+
+    def params(self) -> dict[str, nn.Parameter]:
+        """Model parameters by Megatron name."""
+        return {_strip(n): p for n, p in self.ddp.named_parameters()}
+
+    def _optimizers(self) -> list[Any]:
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def masters(self) -> dict[str, Tensor]:
+        """FP32 master weights by Megatron name (the model params themselves in FP32 cells)."""
+        by_id = {id(p): n for n, p in self.params().items()}
+        out: dict[str, Tensor] = {}
+        for opt in self._optimizers():
+            if hasattr(opt, "fp32_from_float16_groups"):
+                for mg, fg in zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True):
+                    for model_p, master in zip(mg, fg, strict=True):
+                        out[by_id[id(model_p)]] = master
+                for g in getattr(opt, "fp32_from_fp32_groups", []):
+                    for p in g:
+                        out[by_id[id(p)]] = p
+            else:
+                for g in opt.optimizer.param_groups:
+                    for p in g["params"]:
+                        out[by_id[id(p)]] = p
+        return out
+
+    def state(self, key: str) -> dict[str, Tensor]:
+        """Adam state ``key`` (``exp_avg`` / ``exp_avg_sq``) by Megatron name."""
+        masters = self.masters()
+        out: dict[str, Tensor] = {}
+        for opt in self._optimizers():
+            st = opt.optimizer.state
+            for name, m in masters.items():
+                if m in st and key in st[m]:
+                    out[name] = st[m][key]
+        return out
+
+    # ----------------------------------------------------------------- step
+
+    def step(self, round_: int) -> None:
+        """Record main_grad, step Megatron's optimizer, record state, updates, replicas."""
+        from megatron.core.distributed import finalize_model_grads
+
+        run = self.run
+        # Megatron's own end of the backward (what its training loop's
+        # config.finalize_model_grads_func runs): DP grad sync, then the TP all-reduce of
+        # gradients of replicated parameters fed by head-sharded inputs (q_layernorm /
+        # k_layernorm); without it those main_grads are per-rank partial sums.
+        finalize_model_grads([self.ddp], num_tokens=None, pg_collection=run.groups.pg_collection)
+        params = self.params()
+        grads: dict[str, Tensor] = {n: p.main_grad for n, p in params.items()}  # type: ignore[attr-defined]
+        self.dtypes["grads"] = sorted({str(g.dtype) for g in grads.values()})
+        for name, g in gather_hf(run, self.shape, grads).items():
+            run.put(round_, "grads", g, name)
+        before = gather_hf(run, self.shape, self.masters())
+        success, norm, _ = self.optimizer.step()
+        if not success:
+            raise RuntimeError(f"Megatron optimizer step skipped in round {round_}")
+        max_norm = float(self.opt_config.clip_grad)
+        norm_t = torch.tensor(float(norm))
+        run.put(round_, "grad_norm", norm_t)
+        run.put(round_, "clip_coef", torch.clamp(max_norm / (norm_t + 1e-6), max=1.0))
+        masters = self.masters()
+        self.dtypes["master_weights"] = sorted({str(m.dtype) for m in masters.values()})
+        for key in ("exp_avg", "exp_avg_sq"):
+            st = self.state(key)
+            self.dtypes.setdefault("optimizer_state", {})[key] = sorted(
+                {str(t.dtype) for t in st.values()})
+            for name, t in gather_hf(run, self.shape, st).items():
+                run.put(round_, key, t, name)
+        for name, after in gather_hf(run, self.shape, masters).items():
+            run.put(round_, "updates", after - before[name], name)
+        diffs = replica_check(run, self.shape, dict(params))
+        self.replica_rounds.append({"round": round_, "all_equal": all(v == 0 for v in
+                                                                       diffs.values()),
+                                    "max_abs_diff": max(diffs.values(), default=0.0),
+                                    "params": diffs})
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def train(self, batch: Batch, slices: list[slice]) -> None:
+        """Rounds ``1..rounds`` of the role's update (protocol losses, sum / N)."""
+        run = self.run
+        alg = run.contract.algorithm
+        n_valid = float(batch.mask.sum())
+        b, r_len = batch.responses.shape
+        dev = run.device
+        ref_lp = torch.zeros(b, r_len, device=dev)
+        if run.role == "actor" and self.ref is not None:
+            with torch.no_grad():
+                for s in slices:
+                    ref_lp[s] = run.actor_scores(self.ref, self.shape, batch.rows(s))[0]
+        old = torch.zeros(b, r_len, device=dev)
+        self.ddp.zero_grad_buffer()
+        for round_ in range(1, alg.rounds + 1):
+            with run.timed(f"round{round_}_s"):
+                cur = torch.zeros(b, r_len, device=dev)
+                ent_r = torch.zeros(b, r_len, device=dev)
+                sums: dict[str, float] = {}
+                for s in slices:
+                    mb = batch.rows(s)
+                    if run.role == "actor":
+                        lp, ent = run.actor_scores(self.ddp, self.shape, mb)
+                        o_lp = lp.detach() if round_ == 1 else old[s]
+                        terms = {
+                            "policy": losses.policy_loss_sum(lp, o_lp, mb.advantages, mb.mask,
+                                                             alg.clip_ratio) / n_valid,
+                            "kl": alg.kl_loss_coef * losses.masked_sum(losses.kl_penalty(
+                                lp, ref_lp[s], alg.kl_loss_estimator), mb.mask) / n_valid,
+                            "entropy": -alg.entropy_coef * losses.masked_sum(ent, mb.mask)
+                            / n_valid}
+                        cur[s] = torch.where(mb.mask, lp.detach(), 0.0)
+                        ent_r[s] = torch.where(mb.mask, ent.detach(), 0.0)
+                    else:
+                        v = run.critic_values(self.ddp, mb)
+                        o_v = v.detach() if round_ == 1 else old[s]
+                        terms = {"value": losses.value_loss_sum(v, o_v, mb.returns, mb.mask,
+                                                                alg.value_clip) / n_valid}
+                        cur[s] = torch.where(mb.mask, v.detach(), 0.0)
+                    sum(terms.values()).backward()  # type: ignore[union-attr]
+                    for k, t in terms.items():
+                        sums[k] = sums.get(k, 0.0) + float(t.detach())
+                if round_ == 1:
+                    old = cur.clone()
+                if run.role == "actor":
+                    run.put(round_, "logprobs", cur)
+                    run.put(round_, "entropy", ent_r)
+                else:
+                    run.put(round_, "values", cur)
+                for k, v_ in sums.items():
+                    run.put(round_, f"loss/{k}", torch.tensor(v_))
+                run.put(round_, "loss/total", torch.tensor(sum(sums.values())))
+                self.step(round_)
+
+    def meta(self) -> dict[str, Any]:
+        """Training part of the role's ``outputs.json`` (dtypes, replicas, optimizer)."""
+        one = {k: (v[0] if isinstance(v, list) and len(v) == 1 else v)
+               for k, v in self.dtypes.items() if k != "optimizer_state"}
+        state = {k: (v[0] if len(v) == 1 else v)
+                 for k, v in self.dtypes.get("optimizer_state", {}).items()}
+        params: dict[str, dict[str, Any]] = {}
+        for r in self.replica_rounds:
+            for n, d in r["params"].items():
+                e = params.setdefault(n, {"equal": True, "max_abs_diff": 0.0})
+                e["equal"] = bool(e["equal"] and d == 0)
+                e["max_abs_diff"] = max(float(e["max_abs_diff"]), d)
+        return {
+            "dtypes": {**one, "optimizer_state": state,
+                       "compute": sorted(self.run.compute_dtypes)},
+            "replica_consistency": {
+                "all_equal": all(r["all_equal"] for r in self.replica_rounds),
+                "rounds": [{k: v for k, v in r.items() if k != "params"}
+                           for r in self.replica_rounds],
+                "params": params},
+            "optimizer": {"class": type(self.optimizer).__name__,
+                          "inner": [type(o.optimizer).__name__ for o in self._optimizers()],
+                          "config_overrides": "{} (weight decay on every parameter)"},
+        }
+
+
+def _strip(name: str) -> str:
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
