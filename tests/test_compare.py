@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from safetensors.numpy import save_file
+from tiny_contracts import torch_tp_only_text
 
 from qualify import store
 from qualify.bounds import Bound, bounds_document
@@ -30,7 +31,6 @@ from qualify.compare import Row, _compare_rows, compare_run, judge, worst_verdic
 from qualify.contract import Contract
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
 from qualify.protocol import ROLLOUT_KEYS
-from qualify.resources import contracts_dir
 from qualify.statistics import FAMILY_STATISTIC, compare_sets, group_tensors
 
 B, R = 3, 4
@@ -113,7 +113,7 @@ def all_bounds(hf: Mapping[str, Mapping[str, np.ndarray]]) -> list[Bound]:
 
 
 def make_contract(required: list[str] | None = None) -> Contract:
-    doc = tomllib.loads((contracts_dir() / "tiny-qwen3.toml").read_text())
+    doc = tomllib.loads(torch_tp_only_text())
     if required is not None:
         doc["matrix"]["required_cells"] = required
     return Contract.from_dict(doc)

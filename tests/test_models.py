@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_contracts import torch_tp_only_text
 
-from qualify.contract import Contract, default_contract_path, load_contract
+from qualify.contract import Contract, default_contract_path, load_contract, loads_contract
 from qualify.errors import ContractError, ModelSourceError
 from qualify.models import (
     BUNDLE_RECORD,
@@ -396,7 +397,8 @@ def test_tiny_manifest_config_is_checked(tiny: Contract, tmp_path: Path) -> None
         prepare_models(variant(tiny, model=model), cache_dir=tmp_path)
 
 
-def test_tp_size_that_cannot_split_the_heads(tiny: Contract, tmp_path: Path) -> None:
+def test_tp_size_that_cannot_split_the_heads(tmp_path: Path) -> None:
+    tiny = loads_contract(torch_tp_only_text())  # no [sampler]: its source cell is TP 2
     matrix = copy.deepcopy(tiny.to_dict()["matrix"])
     matrix["tp_sizes"] = [1, 8]
     matrix["topologies"] = [{"name": "a8c1", "actor_tp": 8, "critic_tp": 1}]

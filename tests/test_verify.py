@@ -44,6 +44,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
+from tiny_contracts import torch_tp_only_text
 
 from qualify import cli, signing, store
 from qualify.bounds import Bound, bounds_document
@@ -52,7 +53,6 @@ from qualify.compare import compare_run
 from qualify.contract import Contract, load_contract
 from qualify.errors import EvidenceIntegrityError, ExitCode, QualifyError
 from qualify.protocol import ROLLOUT_KEYS
-from qualify.resources import contracts_dir
 from qualify.statistics import FAMILY_STATISTIC, group_tensors
 from qualify.verify import (
     ContractDigestError,
@@ -86,8 +86,9 @@ CUDA_ONLY = "deepspeed"
 
 
 def write_contract(directory: Path) -> Path:
-    """The committed tiny contract, renamed, FP32 only, with a CUDA-only engine."""
-    text = (contracts_dir() / "tiny-qwen3.toml").read_text()
+    """The committed tiny contract (torch_tp only, HF sampler), renamed, FP32 only, with a
+    second engine whose cells the tests record as NOT_RUN ("needs CUDA")."""
+    text = torch_tp_only_text()
     for old, new in (('name = "tiny-qwen3"', f'name = "{CONTRACT}"'),
                      ('engines = ["torch_tp"]', f'engines = ["torch_tp", "{CUDA_ONLY}"]'),
                      ('precisions = ["fp32", "bf16"]', 'precisions = ["fp32"]')):
