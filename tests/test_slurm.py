@@ -358,7 +358,10 @@ def test_slurm_failed_reference_never_runs_candidate(tmp_path: Path) -> None:
     cand = _show(wait_job(cand_id, timeout_s=120, since=t0), "candidate, afterok")
     assert cand.state == "CANCELLED"
     assert cand.reason == "DependencyNeverSatisfied"
-    assert cand.run_time == "00:00:00"
+    # The job never started: slurmd never opened its stdout/stderr files and it wrote no
+    # evidence. (RunTime is not a usable witness: for a job cancelled while pending some
+    # Slurm versions print now - epoch, e.g. "20787-12:19:47".)
+    assert not list(tmp_path.glob(f"*-{cand_id}.*")), _logs(tmp_path, cand_id)
     assert not (tmp_path / "ev").exists()
 
 
