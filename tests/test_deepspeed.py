@@ -32,6 +32,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForTokenClassificat
 
 pytest.importorskip("deepspeed")
 
+from harness_outputs import expected_names, family_errors, role_tensors
+
 from harnesses.deepspeed import losses
 from harnesses.deepspeed.harness import check_cell
 from harnesses.deepspeed.parallelize import ds_config, role_ranks
@@ -199,41 +201,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Runs:
 # --------------------------------------------------------------------------- helpers
 
 
-def _role(t: dict[str, torch.Tensor], role: str) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in t.items() if k.split("/")[1] == role}
-
-
-def _errors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
-            mask: torch.Tensor) -> dict[str, float]:
-    """Worst error per metric family: max abs over valid tokens / scalars, rel L2 per param."""
-    assert a.keys() == b.keys()
-    out: dict[str, float] = {}
-    for k, va in a.items():
-        fam = k.split("/")[2]
-        x, y = va.double(), b[k].double()
-        if fam in ("grads", "exp_avg", "exp_avg_sq", "updates"):
-            n = float(y.norm())
-            e = float((x - y).norm()) / n if n > 0 else float((x - y).norm())
-        elif x.ndim == 2:
-            e = float((x - y).abs()[mask].max())
-        else:
-            e = float((x - y).abs().max())
-        out[fam] = max(out.get(fam, 0.0), e)
-    return out
-
-
-def _expected_names(role: str, params: list[str]) -> set[str]:
-    per_token = ("logprobs", "entropy") if role == "actor" else ("values",)
-    terms = ("policy", "kl", "entropy", "total") if role == "actor" else ("value", "total")
-    names = {f"round1/{role}/{per_token[0]}_padded"}
-    for r in (1, 2):
-        names |= {f"round{r}/{role}/{m}" for m in (*per_token, "grad_norm", "clip_coef")}
-        names |= {f"round{r}/{role}/loss/{t}" for t in terms}
-        names |= {f"round{r}/{role}/{fam}/{p}" for fam in
-                  ("grads", "exp_avg", "exp_avg_sq", "updates") for p in params}
-    return names
-
-
 def _grad_norm(t: dict[str, torch.Tensor], r: int, role: str,
                rank0_of: dict[str, int] | None = None) -> float:
     """L2 norm of the reported gradients; with ``rank0_of`` (param -> shard dim) only the
@@ -259,8 +226,8 @@ def _grad_norm(t: dict[str, torch.Tensor], r: int, role: str,
 def test_every_variant_writes_the_protocol_outputs(runs: Runs, run: str, precision: str,
                                                    zero: int) -> None:
     t, meta = runs.tensors(run, precision, zero), runs.meta(run, precision, zero)
-    want = (_expected_names("actor", runs.params["actor"])
-            | _expected_names("critic", runs.params["critic"]))
+    want = (expected_names("actor", runs.params["actor"])
+            | expected_names("critic", runs.params["critic"]))
     assert set(t) == want  # the exact output set of torch_tp (parameters < 32,768 elements)
     assert t["round1/actor/grads/lm_head.weight"].shape == (TINY["vocab_size"],
                                                             TINY["hidden_size"])
@@ -296,7 +263,7 @@ def test_tp2_agrees_with_tp1_at_fp32(runs: Runs) -> None:
     a2 = runs.tensors("a2c1", "fp32", 2)  # actor TP2, critic TP1
     a1 = runs.tensors("a1c2", "fp32", 1)  # actor TP1, critic TP2
     for role, tp2, tp1 in (("actor", a2, a1), ("critic", a1, a2)):
-        err = _errors(_role(tp2, role), _role(tp1, role), runs.mask)
+        err = family_errors(role_tensors(tp2, role), role_tensors(tp1, role), runs.mask)
         print(f"\n[deepspeed] TP2 vs TP1 fp32 {role}: "
               + ", ".join(f"{k}={v:.2e}" for k, v in sorted(err.items())))
         per_token = ("logprobs", "entropy") if role == "actor" else ("values",)
@@ -309,7 +276,7 @@ def test_tp2_agrees_with_tp1_at_fp32(runs: Runs) -> None:
 def test_zero_stages_agree_at_fp32(runs: Runs) -> None:
     """With one data-parallel rank ZeRO 0 and 2 partition nothing: same numbers."""
     z0, z2 = runs.tensors("a2c1", "fp32", 0), runs.tensors("a2c1", "fp32", 2)
-    err = _errors(z2, z0, runs.mask)
+    err = family_errors(z2, z0, runs.mask)
     print("\n[deepspeed] ZeRO2 vs ZeRO0 fp32: "
           + ", ".join(f"{k}={v:.2e}" for k, v in sorted(err.items())))
     assert all(v < 1e-5 for k, v in err.items() if k != "updates"), err

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from harness_outputs import expected_names, family_errors, role_tensors
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForTokenClassification
 
@@ -180,52 +181,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Runs:
     return Runs(shared / "torch_tp_runs")
 
 
-# --------------------------------------------------------------------------- helpers
-
-
-def _role_tensors(t: dict[str, torch.Tensor], role: str) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in t.items() if k.split("/")[1] == role}
-
-
-def _errors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
-            mask: torch.Tensor) -> dict[str, float]:
-    """Worst error per metric family: max abs over valid tokens / scalars, rel L2 per param."""
-    assert a.keys() == b.keys()
-    out: dict[str, float] = {}
-    for k, va in a.items():
-        fam = k.split("/")[2]
-        x, y = va.double(), b[k].double()
-        if fam in ("grads", "exp_avg", "exp_avg_sq", "updates"):
-            n = float(y.norm())
-            e = float((x - y).norm()) / n if n > 0 else float((x - y).norm())
-        elif x.ndim == 2:
-            e = float((x - y).abs()[mask].max())
-        else:
-            e = float((x - y).abs().max())
-        out[fam] = max(out.get(fam, 0.0), e)
-    return out
-
-
-def _expected_names(role: str, params: list[str]) -> set[str]:
-    per_token = ("logprobs", "entropy") if role == "actor" else ("values",)
-    terms = ("policy", "kl", "entropy", "total") if role == "actor" else ("value", "total")
-    names = {f"round1/{role}/{per_token[0]}_padded"}
-    for r in (1, 2):
-        names |= {f"round{r}/{role}/{m}" for m in (*per_token, "grad_norm", "clip_coef")}
-        names |= {f"round{r}/{role}/loss/{t}" for t in terms}
-        names |= {f"round{r}/{role}/{fam}/{p}" for fam in
-                  ("grads", "exp_avg", "exp_avg_sq", "updates") for p in params}
-    return names
-
-
 # --------------------------------------------------------------------------- tests
 
 
 @pytest.mark.parametrize("run", ["fp32-a2c1", "fp32-a1c2"])
 def test_launch_writes_complete_outputs(runs: Runs, run: str) -> None:
     t, meta = runs.tensors(run), runs.meta(run)
-    want = (_expected_names("actor", runs.params["actor"])
-            | _expected_names("critic", runs.params["critic"]))
+    want = (expected_names("actor", runs.params["actor"])
+            | expected_names("critic", runs.params["critic"]))
     assert set(t) == want
     b = len(RESPONSE_LENGTHS)
     assert t["round1/actor/logprobs"].shape == (b, R)
@@ -251,8 +214,8 @@ def test_launch_writes_complete_outputs(runs: Runs, run: str) -> None:
 ])
 def test_tp2_agrees_with_tp1(runs: Runs, precision: str, role: str) -> None:
     tp2_run, tp1_run = TP_RUNS[(precision, role)]
-    err = _errors(_role_tensors(runs.tensors(tp2_run), role),
-                  _role_tensors(runs.tensors(tp1_run), role), runs.mask)
+    err = family_errors(role_tensors(runs.tensors(tp2_run), role),
+                        role_tensors(runs.tensors(tp1_run), role), runs.mask)
     print(f"\n[torch_tp] TP2 vs TP1 {precision} {role}: "
           + ", ".join(f"{k}={v:.2e}" for k, v in sorted(err.items())))
     per_token = ("logprobs", "entropy") if role == "actor" else ("values",)
@@ -373,7 +336,7 @@ def test_fault_bf16_optimizer_state_changes_state(runs: Runs) -> None:
         state = runs.meta("fault-a2c1")["roles"][role]["dtypes"]["optimizer_state"]
         assert state == {"exp_avg": "torch.bfloat16", "exp_avg_sq": "torch.bfloat16"}
     worst = 0.0
-    for k, v in _role_tensors(good, "critic").items():
+    for k, v in role_tensors(good, "critic").items():
         if k.startswith("round1/critic/grads/"):  # same round-1 gradients ...
             torch.testing.assert_close(bad[k], v, rtol=1e-6, atol=1e-9)
         if k.startswith("round1/critic/exp_avg/"):  # ... rounded moments

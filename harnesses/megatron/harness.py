@@ -26,10 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.metadata
-import json
-import os
-import platform
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -39,116 +35,30 @@ from typing import Any, Final
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from harnesses import common
+from harnesses.common import Batch
 from harnesses.megatron import convert, losses
 from harnesses.megatron import model as mm
 from qualify.contract import Contract
 from qualify.errors import HarnessError
 from qualify.protocol import (
-    CELL_FILE,
     EXTRA_RIGHT_PADDING,
-    OUTPUTS_FILE,
-    OUTPUTS_META_FILE,
-    ROLLOUT_FILE,
-    ROLLOUT_KEYS,
-    TRAIN_INPUT_KEYS,
-    TRAIN_INPUTS_FILE,
     HarnessCell,
     param_sample_indices,
     tensor_name,
 )
 
 ENGINE: Final = "megatron"
-CONTRACT_JSON: Final = "contract.json"
-MODEL_JSON: Final = "model.json"
 CPU_NOT_RUN_REASON: Final = "Megatron optimizer needs CUDA"
 TRAINING_FAMILIES: Final = ("losses", "grad_norm", "clip_coef", "grads", "exp_avg",
                             "exp_avg_sq", "updates", "dtypes", "replica")
-PART_WAIT_S: Final = 24 * 3600.0
+PACKAGES: Final = ("torch", "transformers", "safetensors", "megatron-core")
 
 
 # --------------------------------------------------------------------------- inputs
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Batch:
-    """Rollout rows (``b`` rows, ``T = P + R`` columns).
-
-    Attributes:
-        input_ids: ``[b, T]`` int64, prompt (left-padded) then response (right-padded).
-        attention_mask: ``[b, T]`` int64.
-        position_ids: ``[b, T]`` int64.
-        responses: ``[b, R]`` int64.
-        mask: ``[b, R]`` bool valid response tokens.
-        advantages: ``[b, R]`` FP32.
-        returns: ``[b, R]`` FP32.
-        prompt_len: ``P``.
-    """
-
-    input_ids: Tensor
-    attention_mask: Tensor
-    position_ids: Tensor
-    responses: Tensor
-    mask: Tensor
-    advantages: Tensor
-    returns: Tensor
-    prompt_len: int
-
-    def rows(self, s: slice) -> Batch:
-        """Rows ``s``."""
-        return dataclasses.replace(self, **{
-            f.name: getattr(self, f.name)[s] for f in dataclasses.fields(self)
-            if f.name != "prompt_len"})
-
-    def with_right_padding(self, extra: int, pad_id: int) -> Batch:
-        """``extra`` pad columns (attention 0) appended; response window unchanged."""
-        b = self.input_ids.shape[0]
-        am = torch.cat([self.attention_mask, self.attention_mask.new_zeros((b, extra))], 1)
-        return dataclasses.replace(
-            self, input_ids=torch.cat([self.input_ids,
-                                       self.input_ids.new_full((b, extra), pad_id)], 1),
-            attention_mask=am, position_ids=(am.cumsum(1) - 1).clamp(min=0))
-
-    def to(self, device: torch.device) -> Batch:
-        """The batch on ``device``."""
-        return dataclasses.replace(self, **{
-            f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-            if f.name != "prompt_len"})
-
-
-def read_inputs(inputs_dir: Path) -> tuple[Batch, Contract, dict[str, Path]]:
-    """Rollout + train inputs, contract and model directories from ``inputs_dir``.
-
-    Returns:
-        ``(batch, contract, {"actor_dir", "critic_dir", "ref_dir"})``.
-
-    Raises:
-        HarnessError: a file, tensor or model path is missing.
-    """
-    for name in (ROLLOUT_FILE, TRAIN_INPUTS_FILE, CONTRACT_JSON, MODEL_JSON):
-        if not (inputs_dir / name).is_file():
-            raise HarnessError(f"{inputs_dir / name}: missing harness input")
-    ro = load_file(str(inputs_dir / ROLLOUT_FILE))
-    tr = load_file(str(inputs_dir / TRAIN_INPUTS_FILE))
-    missing = [k for k in ROLLOUT_KEYS if k not in ro] + [k for k in TRAIN_INPUT_KEYS
-                                                          if k not in tr]
-    if missing:
-        raise HarnessError(f"{inputs_dir}: missing tensors {missing}")
-    contract = Contract.from_dict(json.loads((inputs_dir / CONTRACT_JSON).read_text("utf-8")))
-    models = json.loads((inputs_dir / MODEL_JSON).read_text("utf-8"))
-    if "actor_dir" not in models or "critic_dir" not in models:
-        raise HarnessError(f"{inputs_dir / MODEL_JSON}: needs actor_dir and critic_dir")
-    dirs = {"actor_dir": Path(models["actor_dir"]), "critic_dir": Path(models["critic_dir"]),
-            "ref_dir": Path(models.get("ref_dir", models["actor_dir"]))}
-    batch = Batch(input_ids=torch.cat([ro["prompts"], ro["responses"]], 1).long(),
-                  attention_mask=ro["attention_mask"].long(),
-                  position_ids=ro["position_ids"].long(), responses=ro["responses"].long(),
-                  mask=ro["response_mask"].bool(), advantages=tr["advantages"].float(),
-                  returns=tr["returns"].float(), prompt_len=int(ro["prompts"].shape[1]))
-    return batch, contract, dirs
 
 
 def hf_state(path: Path, head: convert.Head) -> tuple[Any, dict[str, Tensor]]:
@@ -173,11 +83,6 @@ def hf_state(path: Path, head: convert.Head) -> tuple[Any, dict[str, Tensor]]:
     else:
         m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     return m.config, {k: v.detach().clone() for k, v in m.state_dict().items()}
-
-
-def micro_slices(n: int, size: int) -> list[slice]:
-    """Row slices of at most ``size`` sequences."""
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
 # --------------------------------------------------------------------------- role run
@@ -308,7 +213,7 @@ class RoleRun:
                 ref.requires_grad_(False)
         batch = self.batch.to(self.device)
         b, r_len = batch.responses.shape
-        slices = micro_slices(b, alg.micro_batch_size)
+        slices = common.micro_slices(b, alg.micro_batch_size)
         pad_id = int(self.extra_meta["pad_token_id"])
         metric = "logprobs" if self.role == "actor" else "values"
         with self.timed("scoring_s"), torch.no_grad():
@@ -320,11 +225,11 @@ class RoleRun:
                 if self.role == "actor":
                     first[s], ent[s] = self.actor_scores(model, shape, mb)
                     padded[s] = self.actor_scores(
-                        model, shape, mb.with_right_padding(EXTRA_RIGHT_PADDING, pad_id))[0]
+                        model, shape, mb.right_padded(EXTRA_RIGHT_PADDING, pad_id))[0]
                 else:
                     first[s] = self.critic_values(model, mb)
                     padded[s] = self.critic_values(
-                        model, mb.with_right_padding(EXTRA_RIGHT_PADDING, pad_id))
+                        model, mb.right_padded(EXTRA_RIGHT_PADDING, pad_id))
             self.put(1, f"{metric}_padded", torch.where(batch.mask, padded, 0.0))
         if self.cpu:
             self.put(1, metric, torch.where(batch.mask, first, 0.0))
@@ -358,7 +263,7 @@ class RoleRun:
             "bf16_mechanism": ("megatron Float16Module (BF16 parameters and compute); FP32 "
                                "master weights in Megatron's optimizer") if self.bf16 else None,
             "valid_tokens": int(self.batch.mask.sum()),
-            "micro_batches": len(micro_slices(self.batch.input_ids.shape[0],
+            "micro_batches": len(common.micro_slices(self.batch.input_ids.shape[0],
                                               self.contract.algorithm.micro_batch_size)),
             "dropout": "0 (hidden_dropout = attention_dropout = 0)",
             "not_run": not_run,
@@ -383,75 +288,6 @@ class RoleRun:
         return out
 
 
-# --------------------------------------------------------------------------- output files
-
-
-def _atomic_json(path: Path, doc: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n", "utf-8")
-    os.replace(tmp, path)
-
-
-def _atomic_tensors(path: Path, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
-
-
-def _parts(output_dir: Path, role: str) -> tuple[Path, Path]:
-    return output_dir / f".part-{role}.safetensors", output_dir / f".part-{role}.json"
-
-
-def merge_parts(roles: Sequence[str], output_dir: Path, head: dict[str, Any]) -> None:
-    """Wait for each role's part, then write ``outputs.safetensors`` and ``outputs.json``.
-
-    Raises:
-        HarnessError: a part never appeared within :data:`PART_WAIT_S`.
-    """
-    deadline = time.monotonic() + PART_WAIT_S
-    for role in roles:
-        while not _parts(output_dir, role)[1].is_file():
-            if time.monotonic() > deadline:
-                raise HarnessError(f"the {role} part never appeared")
-            time.sleep(0.05)
-    tensors: dict[str, Tensor] = {}
-    head["roles"] = {}
-    for role in roles:
-        st, js = _parts(output_dir, role)
-        tensors.update(load_file(str(st)))
-        head["roles"][role] = json.loads(js.read_text("utf-8"))
-    head["tensors"] = {"file": OUTPUTS_FILE, "count": len(tensors)}
-    _atomic_tensors(output_dir / OUTPUTS_FILE, tensors, {"engine": ENGINE})
-    _atomic_json(output_dir / OUTPUTS_META_FILE, head)
-    for role in roles:
-        for p in _parts(output_dir, role):
-            p.unlink()
-
-
-def _versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "safetensors", "megatron-core"):
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
-
-
-def _device() -> tuple[torch.device, str]:
-    """CUDA (NCCL) when available and not disabled by ``QUALIFY_DEVICE=cpu``; else CPU (gloo).
-
-    With fewer GPUs than ranks, ranks share devices (``LOCAL_RANK % device_count``): fine
-    when every NCCL group that communicates holds one rank per device (TP1 roles on a
-    one-GPU machine); NCCL refuses a TP group with two ranks on one device.
-    """
-    if torch.cuda.is_available() and os.environ.get("QUALIFY_DEVICE", "") != "cpu":
-        local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local), "nccl"
-    return torch.device("cpu"), "gloo"
-
-
 def run(cell: HarnessCell) -> None:
     """Run ``cell`` on this rank (creates and destroys the process group).
 
@@ -460,17 +296,19 @@ def run(cell: HarnessCell) -> None:
             bad inputs or a TP size the model does not allow.
     """
     t0 = time.perf_counter()
-    try:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    except KeyError as exc:
-        raise HarnessError(f"${exc.args[0]} is not set: run under torchrun") from None
+    rank, world = common.env_int("RANK"), common.env_int("WORLD_SIZE")
     if world != cell.world_size:
         raise HarnessError(f"WORLD_SIZE = {world}, the cell needs {cell.world_size}")
     if cell.options or cell.faults or cell.variants:
         raise HarnessError("the megatron harness takes no engine options, faults or variants")
-    batch, contract, dirs = read_inputs(Path(cell.inputs_dir))
+    inputs = common.read_inputs(Path(cell.inputs_dir))
+    dirs = {"actor_dir": inputs.actor_dir, "critic_dir": inputs.critic_dir,
+            "ref_dir": inputs.ref_dir}
     output_dir = Path(cell.output_dir)
-    device, backend = _device()
+    # With fewer GPUs than ranks, ranks share devices: fine when every NCCL group that
+    # communicates holds one rank per device (TP1 roles on a one-GPU machine); NCCL refuses
+    # a TP group with two ranks on one device.
+    device, backend = common.device_and_backend(share_devices=True)
     # No device_id: NCCL communicators are created lazily, per group, so the world group
     # (never used for a collective) may hold two ranks sharing one GPU.
     dist.init_process_group(backend, timeout=timedelta(seconds=cell.collective_timeout_s))
@@ -490,30 +328,24 @@ def run(cell: HarnessCell) -> None:
               f"{groups.tp} on {device} ({backend}), {cell.precision}", flush=True)
         torch.manual_seed(cell.seed)
         init_s = time.perf_counter() - t0
-        runner = RoleRun(cell=cell, groups=groups, batch=batch, contract=contract, dirs=dirs,
-                         device=device)
+        runner = RoleRun(cell=cell, groups=groups, batch=inputs.batch, contract=inputs.contract,
+                         dirs=dirs, device=device)
         with runner.timed("total_s"):
             meta = runner.run()
         if runner.writer:
-            output_dir.mkdir(parents=True, exist_ok=True)
-            st, js = _parts(output_dir, groups.role)
-            _atomic_tensors(st, runner.tensors, {"engine": ENGINE, "role": groups.role})
-            _atomic_json(js, meta)
+            common.write_part(ENGINE, output_dir, groups.role, runner.tensors, meta)
         if rank == 0:
             roles = [r for r, n in (("actor", cell.actor_tp), ("critic", cell.critic_tp)) if n]
-            spans = {"actor": range(cell.actor_tp),
-                     "critic": range(cell.actor_tp, cell.world_size)}
             head: dict[str, Any] = {
                 "schema_version": 1, "engine": ENGINE, "cell": cell.to_dict(),
-                "versions": _versions(), "world_size": world, "backend": backend,
+                "versions": common.versions(PACKAGES), "world_size": world, "backend": backend,
                 "device": device.type,
-                "ranks": [{"rank": r, "role": role, "tp_rank": i, "tp_group": list(spans[role])}
-                          for role in roles for i, r in enumerate(spans[role])],
+                "ranks": common.rank_table(cell.actor_tp, cell.critic_tp),
                 "timings": {"init_s": round(init_s, 4),
                             "rank0_total_s": round(time.perf_counter() - t0, 4)},
                 "shims": shims, "faults": [],
             }
-            merge_parts(roles, output_dir, head)
+            common.merge_parts(ENGINE, roles, output_dir, head)
     finally:
         dist.destroy_process_group()
 
@@ -525,15 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0 on success, 2 on a usage error (exceptions propagate so torchrun records them).
     """
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        print(f"usage: python -m harnesses.megatron.harness {CELL_FILE}", file=sys.stderr)
-        return 2
-    cell = HarnessCell.from_dict(json.loads(Path(args[0]).read_text("utf-8")))
-    if cell.engine != ENGINE:
-        raise HarnessError(f"{args[0]}: engine {cell.engine!r} is not {ENGINE!r}")
-    run(cell)
-    return 0
+    return common.harness_main(argv, engine=ENGINE, module="harnesses.megatron.harness",
+                               run=run)
 
 
 if __name__ == "__main__":

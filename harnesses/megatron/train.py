@@ -39,7 +39,8 @@ from torch import Tensor, nn
 from harnesses.megatron import convert, losses
 
 if TYPE_CHECKING:
-    from harnesses.megatron.harness import Batch, RoleRun
+    from harnesses.common import Batch
+    from harnesses.megatron.harness import RoleRun
 
 
 def gather_hf(run: RoleRun, shape: convert.Shape, local: Mapping[str, Tensor]) -> dict[str, Tensor]:

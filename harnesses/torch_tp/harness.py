@@ -23,10 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.metadata
-import json
-import os
-import platform
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -36,193 +32,28 @@ from typing import Any, Final
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.distributed.elastic.multiprocessing.errors import record
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-from transformers.utils import logging as hf_logging
 
+from harnesses import common
+from harnesses.common import Batch, Inputs
 from harnesses.torch_tp import faults, losses, parallelize
 from harnesses.torch_tp import state_dict_adapter as sda
-from qualify.contract import Contract
 from qualify.errors import HarnessError
 from qualify.protocol import (
     ACTOR_ROUND1_WEIGHTS,
-    CELL_FILE,
     EXTRA_RIGHT_PADDING,
-    OUTPUTS_FILE,
-    OUTPUTS_META_FILE,
-    ROLLOUT_FILE,
-    ROLLOUT_KEYS,
-    TRAIN_INPUT_KEYS,
-    TRAIN_INPUTS_FILE,
     HarnessCell,
     param_sample_indices,
     tensor_name,
 )
 
 ENGINE: Final = "torch_tp"
-CONTRACT_JSON: Final = "contract.json"
-MODEL_JSON: Final = "model.json"
 BF16_MECHANISM: Final = ("torch.autocast(device_type, dtype=torch.bfloat16) over FP32 DTensor "
                          "parameters; losses in FP32")
-PART_WAIT_S: Final = 24 * 3600.0
-"""Upper bound of rank 0's wait for the other role's part (torchrun ends the job first
-when a rank fails; the launcher's wall-clock timeout ends a stuck one)."""
-
-
-# --------------------------------------------------------------------------- inputs
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Batch:
-    """Rollout rows as the engine consumes them (``b`` rows, ``T = P + R`` columns).
-
-    Attributes:
-        input_ids: ``[b, T]`` int64, prompt (left-padded) then response (right-padded).
-        attention_mask: ``[b, T]`` int64.
-        position_ids: ``[b, T]`` int64.
-        responses: ``[b, R]`` int64 target tokens.
-        mask: ``[b, R]`` bool, response tokens that count in losses.
-        advantages: ``[b, R]`` FP32.
-        returns: ``[b, R]`` FP32.
-        prompt_len: ``P``.
-    """
-
-    input_ids: Tensor
-    attention_mask: Tensor
-    position_ids: Tensor
-    responses: Tensor
-    mask: Tensor
-    advantages: Tensor
-    returns: Tensor
-    prompt_len: int
-
-    @property
-    def response_len(self) -> int:
-        """``R``."""
-        return int(self.responses.shape[1])
-
-    def rows(self, s: slice) -> Batch:
-        """The sub-batch of rows ``s``."""
-        return dataclasses.replace(
-            self, input_ids=self.input_ids[s], attention_mask=self.attention_mask[s],
-            position_ids=self.position_ids[s], responses=self.responses[s], mask=self.mask[s],
-            advantages=self.advantages[s], returns=self.returns[s])
-
-    def right_padded(self, extra: int, pad_token_id: int) -> Batch:
-        """``extra`` more pad columns on the right (attention 0), for padding invariance.
-
-        The response window (``responses``, ``mask``...) is unchanged: only the sequence
-        the model sees grows. Positions follow ``clamp(cumsum(mask) - 1, min=0)``.
-        """
-        b = self.input_ids.shape[0]
-        ids = torch.cat([self.input_ids, self.input_ids.new_full((b, extra), pad_token_id)], 1)
-        am = torch.cat([self.attention_mask, self.attention_mask.new_zeros((b, extra))], 1)
-        pos = torch.clamp(torch.cumsum(am, dim=1) - 1, min=0)
-        return dataclasses.replace(self, input_ids=ids, attention_mask=am, position_ids=pos)
-
-    def to(self, device: torch.device) -> Batch:
-        """The batch on ``device``."""
-        return dataclasses.replace(
-            self, **{f.name: getattr(self, f.name).to(device)
-                     for f in dataclasses.fields(self) if f.name != "prompt_len"})
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Inputs:
-    """What the harness reads from ``inputs_dir`` (and nothing else).
-
-    Attributes:
-        batch: the rollout with the training inputs.
-        contract: the contract (``contract.json``).
-        actor_dir, critic_dir, ref_dir: HF model directories (``model.json``).
-    """
-
-    batch: Batch
-    contract: Contract
-    actor_dir: Path
-    critic_dir: Path
-    ref_dir: Path
-
-
-def read_inputs(inputs_dir: Path) -> Inputs:
-    """Load the frozen rollout, training inputs, contract and model paths.
-
-    Raises:
-        HarnessError: a file or tensor is missing, or shapes disagree.
-        ContractError: ``contract.json`` fails validation.
-    """
-    for name in (ROLLOUT_FILE, TRAIN_INPUTS_FILE, CONTRACT_JSON, MODEL_JSON):
-        if not (inputs_dir / name).is_file():
-            raise HarnessError(f"{inputs_dir / name}: missing harness input")
-    rollout = load_file(str(inputs_dir / ROLLOUT_FILE))
-    train = load_file(str(inputs_dir / TRAIN_INPUTS_FILE))
-    for file, tensors, keys in ((ROLLOUT_FILE, rollout, ROLLOUT_KEYS),
-                                (TRAIN_INPUTS_FILE, train, TRAIN_INPUT_KEYS)):
-        missing = [k for k in keys if k not in tensors]
-        if missing:
-            raise HarnessError(f"{inputs_dir / file}: missing tensors {missing}")
-    contract = Contract.from_dict(json.loads((inputs_dir / CONTRACT_JSON).read_text("utf-8")))
-    models = json.loads((inputs_dir / MODEL_JSON).read_text("utf-8"))
-    prompts, responses = rollout["prompts"], rollout["responses"]
-    b, p = prompts.shape
-    r = responses.shape[1]
-    for key, shape in (("attention_mask", (b, p + r)), ("position_ids", (b, p + r)),
-                       ("response_mask", (b, r))):
-        if tuple(rollout[key].shape) != shape:
-            raise HarnessError(f"{ROLLOUT_FILE}: {key} has shape {tuple(rollout[key].shape)}, "
-                               f"expected {shape}")
-    for key in TRAIN_INPUT_KEYS:
-        if tuple(train[key].shape) != (b, r):
-            raise HarnessError(f"{TRAIN_INPUTS_FILE}: {key} has shape "
-                               f"{tuple(train[key].shape)}, expected {(b, r)}")
-    batch = Batch(
-        input_ids=torch.cat([prompts, responses], dim=1).long(),
-        attention_mask=rollout["attention_mask"].long(),
-        position_ids=rollout["position_ids"].long(),
-        responses=responses.long(),
-        mask=rollout["response_mask"].bool(),
-        advantages=train["advantages"].float(),
-        returns=train["returns"].float(),
-        prompt_len=int(p),
-    )
-    try:
-        dirs = {k: Path(models[k]) for k in ("actor_dir", "critic_dir")}
-    except KeyError as exc:
-        raise HarnessError(f"{inputs_dir / MODEL_JSON}: missing {exc.args[0]!r}") from None
-    return Inputs(batch=batch, contract=contract, actor_dir=dirs["actor_dir"],
-                  critic_dir=dirs["critic_dir"],
-                  ref_dir=Path(models.get("ref_dir", models["actor_dir"])))
 
 
 # --------------------------------------------------------------------------- models
-
-
-def load_model(kind: str, path: Path, device: torch.device) -> nn.Module:
-    """Load an HF model in FP32 with SDPA attention, dropout off (``eval()`` mode).
-
-    Args:
-        kind: ``causal_lm`` (actor, reference policy) or ``value`` (critic:
-            ``AutoModelForTokenClassification``, ``num_labels=1``: backbone + ``score``).
-        path: HF directory.
-        device: where the model lives.
-
-    Raises:
-        HarnessError: the directory does not exist.
-    """
-    hf_logging.disable_progress_bar()
-    if not path.is_dir():
-        raise HarnessError(f"{path}: model directory not found")
-    kw: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "sdpa"}
-    if kind == "value":
-        model = AutoModelForTokenClassification.from_pretrained(str(path), num_labels=1, **kw)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
-    model.to(device)
-    model.eval()  # dropout off; autograd is unaffected by eval mode
-    model.config.use_cache = False
-    return model
 
 
 def response_hidden(model: nn.Module, batch: Batch, shift: int = 0) -> Tensor:
@@ -237,11 +68,6 @@ def response_hidden(model: nn.Module, batch: Batch, shift: int = 0) -> Tensor:
     start = batch.prompt_len - 1 + shift
     hidden: Tensor = out.last_hidden_state[:, start:start + batch.response_len]
     return hidden
-
-
-def micro_slices(n: int, size: int) -> list[slice]:
-    """Row slices of at most ``size`` sequences, in order."""
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
 # --------------------------------------------------------------------------- the run
@@ -385,8 +211,8 @@ class RoleRun:
         c = self.inputs.contract
         alg = c.algorithm
         with self.timed("load_s"):
-            model = load_model("causal_lm", self.inputs.actor_dir, self.device)
-            ref = load_model("causal_lm", self.inputs.ref_dir, self.device)
+            model = common.load_hf_model("causal_lm", self.inputs.actor_dir, self.device)
+            ref = common.load_hf_model("causal_lm", self.inputs.ref_dir, self.device)
             ref.requires_grad_(False)
         with self.timed("parallelize_s"):
             info = parallelize.parallelize_model(model, self.mesh.mesh)
@@ -394,9 +220,9 @@ class RoleRun:
         optimizer = self.optimizer_for(model, c.optimizer.actor_lr)
         batch = self.inputs.batch.to(self.device)
         n_valid = float(batch.mask.sum())
-        slices = micro_slices(batch.input_ids.shape[0], alg.micro_batch_size)
+        slices = common.micro_slices(batch.input_ids.shape[0], alg.micro_batch_size)
         b, r_len = batch.responses.shape
-        pad_id = _pad_token_id(model)
+        pad_id = common.pad_token_id(model)
         with self.timed("scoring_s"), torch.no_grad():
             ref_lp = torch.zeros(b, r_len, device=self.device)
             padded = torch.zeros(b, r_len, device=self.device)
@@ -451,8 +277,8 @@ class RoleRun:
             full = sda.full_params(model)
             if self.writer:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                _atomic_tensors(path, full, {"format": "pt", "engine": ENGINE,
-                                             "what": "actor weights after round 1"})
+                common.atomic_tensors(path, full, {"format": "pt", "engine": ENGINE,
+                                                   "what": "actor weights after round 1"})
 
     # ----------------------------------------------------------------- critic
 
@@ -469,15 +295,15 @@ class RoleRun:
         c = self.inputs.contract
         alg = c.algorithm
         with self.timed("load_s"):
-            model = load_model("value", self.inputs.critic_dir, self.device)
+            model = common.load_hf_model("value", self.inputs.critic_dir, self.device)
         with self.timed("parallelize_s"):
             info = parallelize.parallelize_model(model, self.mesh.mesh)
         optimizer = self.optimizer_for(model, c.optimizer.critic_lr)
         batch = self.inputs.batch.to(self.device)
         n_valid = float(batch.mask.sum())
-        slices = micro_slices(batch.input_ids.shape[0], alg.micro_batch_size)
+        slices = common.micro_slices(batch.input_ids.shape[0], alg.micro_batch_size)
         b, r_len = batch.responses.shape
-        pad_id = _pad_token_id(model)
+        pad_id = common.pad_token_id(model)
         with self.timed("scoring_s"), torch.no_grad():
             padded = torch.zeros(b, r_len, device=self.device)
             for s in slices:
@@ -547,100 +373,6 @@ class RoleRun:
         }
 
 
-def _pad_token_id(model: nn.Module) -> int:
-    pad = getattr(model.config, "pad_token_id", None)
-    return int(pad) if pad is not None else 0
-
-
-# --------------------------------------------------------------------------- output files
-
-
-def _part_paths(output_dir: Path, role: str) -> tuple[Path, Path]:
-    return output_dir / f".part-{role}.safetensors", output_dir / f".part-{role}.json"
-
-
-def _atomic_json(path: Path, doc: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n", "utf-8")
-    os.replace(tmp, path)
-
-
-def _atomic_tensors(path: Path, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
-
-
-def write_part(output_dir: Path, role: str, tensors: dict[str, Tensor],
-               meta: dict[str, Any]) -> None:
-    """Write one role's tensors and meta (the JSON last: it marks the part complete)."""
-    st, js = _part_paths(output_dir, role)
-    _atomic_tensors(st, tensors, {"engine": ENGINE, "role": role})
-    _atomic_json(js, meta)
-
-
-def merge_parts(cell: HarnessCell, output_dir: Path, head: dict[str, Any]) -> None:
-    """Wait for every role's part, then write ``outputs.safetensors`` and ``outputs.json``.
-
-    Raises:
-        HarnessError: a part did not appear within :data:`PART_WAIT_S`.
-    """
-    roles = list(parallelize.role_ranks(cell.actor_tp, cell.critic_tp))
-    deadline = time.monotonic() + PART_WAIT_S
-    t0 = time.perf_counter()
-    for role in roles:
-        js = _part_paths(output_dir, role)[1]
-        while not js.is_file():
-            if time.monotonic() > deadline:
-                raise HarnessError(f"{js}: the {role} part never appeared")
-            time.sleep(0.05)
-    tensors: dict[str, Tensor] = {}
-    role_meta: dict[str, Any] = {}
-    for role in roles:
-        st, js = _part_paths(output_dir, role)
-        tensors.update(load_file(str(st)))
-        role_meta[role] = json.loads(js.read_text("utf-8"))
-    head["roles"] = role_meta
-    head["tensors"] = {"file": OUTPUTS_FILE, "count": len(tensors)}
-    head["timings"]["merge_s"] = round(time.perf_counter() - t0, 4)
-    _atomic_tensors(output_dir / OUTPUTS_FILE, tensors, {"engine": ENGINE})
-    _atomic_json(output_dir / OUTPUTS_META_FILE, head)
-    for role in roles:
-        for path in _part_paths(output_dir, role):
-            path.unlink()
-
-
-def _versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "safetensors"):
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
-
-
-def _env_int(name: str) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        raise HarnessError(f"${name} is not set: run this harness under torchrun "
-                           f"(qualify.launch.launch)")
-    return int(value)
-
-
-def _device() -> tuple[torch.device, str]:
-    """CUDA (NCCL) when available and not disabled by ``QUALIFY_DEVICE=cpu``; else CPU (gloo)."""
-    if torch.cuda.is_available() and os.environ.get("QUALIFY_DEVICE", "") != "cpu":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if local >= torch.cuda.device_count():
-            raise HarnessError(f"LOCAL_RANK {local} but only {torch.cuda.device_count()} CUDA "
-                               f"device(s): NCCL needs one device per rank (QUALIFY_DEVICE=cpu "
-                               f"runs on CPU with gloo)")
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local), "nccl"
-    return torch.device("cpu"), "gloo"
-
-
 def run(cell: HarnessCell) -> None:
     """Run ``cell`` on this rank (the process group must not exist yet).
 
@@ -650,7 +382,7 @@ def run(cell: HarnessCell) -> None:
             model.
     """
     t0 = time.perf_counter()
-    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    rank, world = common.env_int("RANK"), common.env_int("WORLD_SIZE")
     if world != cell.world_size:
         raise HarnessError(f"WORLD_SIZE = {world} but the cell needs actor_tp + critic_tp = "
                            f"{cell.world_size}")
@@ -659,9 +391,9 @@ def run(cell: HarnessCell) -> None:
     if cell.precision not in ("fp32", "bf16"):
         raise HarnessError(f"precision {cell.precision!r}: torch_tp runs fp32 or bf16")
     active = faults.Faults(cell.faults)
-    inputs = read_inputs(Path(cell.inputs_dir))
+    inputs = common.read_inputs(Path(cell.inputs_dir))
     output_dir = Path(cell.output_dir)
-    device, backend = _device()
+    device, backend = common.device_and_backend()
     timeout = timedelta(seconds=cell.collective_timeout_s)
     dist.init_process_group(backend, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
@@ -683,27 +415,25 @@ def run(cell: HarnessCell) -> None:
             meta = runner.run_actor() if mesh.role == "actor" else runner.run_critic()
         print(f"[torch_tp] rank {rank}: {mesh.role} done, timings {runner.timings}", flush=True)
         if runner.writer:
-            output_dir.mkdir(parents=True, exist_ok=True)
-            write_part(output_dir, mesh.role, runner.tensors, meta)
+            common.write_part(ENGINE, output_dir, mesh.role, runner.tensors, meta)
         if rank == 0:
-            ranks = [{"rank": r, "role": role, "tp_rank": i, "tp_group": list(rs)}
-                     for role, rs in parallelize.role_ranks(cell.actor_tp, cell.critic_tp).items()
-                     for i, r in enumerate(rs)]
             head: dict[str, Any] = {
                 "schema_version": 1,
                 "engine": ENGINE,
                 "cell": cell.to_dict(),
-                "versions": _versions(),
+                "versions": common.versions(("torch", "transformers", "safetensors")),
                 "world_size": world,
                 "backend": backend,
                 "device": device.type,
-                "ranks": ranks,
+                "ranks": common.rank_table(cell.actor_tp, cell.critic_tp),
                 "timings": {"init_s": round(init_s, 4),
                             "rank0_total_s": round(time.perf_counter() - t0, 4)},
                 "shims": [],
                 "faults": list(cell.faults),
             }
-            merge_parts(cell, output_dir, head)
+            common.merge_parts(ENGINE, list(parallelize.role_ranks(cell.actor_tp,
+                                                                   cell.critic_tp)),
+                               output_dir, head)
     finally:
         dist.destroy_process_group()
 
@@ -715,15 +445,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0 on success, 2 on a usage error (exceptions propagate so torchrun records them).
     """
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        print(f"usage: python -m harnesses.torch_tp.harness {CELL_FILE}", file=sys.stderr)
-        return 2
-    cell = HarnessCell.from_dict(json.loads(Path(args[0]).read_text("utf-8")))
-    if cell.engine != ENGINE:
-        raise HarnessError(f"{args[0]}: engine {cell.engine!r} is not {ENGINE!r}")
-    run(cell)
-    return 0
+    return common.harness_main(argv, engine=ENGINE, module="harnesses.torch_tp.harness",
+                               run=run)
 
 
 if __name__ == "__main__":

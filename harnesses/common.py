@@ -1,0 +1,377 @@
+"""What every trainer harness does the same way, none of it numerical.
+
+The torch_tp, DeepSpeed and Megatron-Core harnesses read the same inputs, write the same
+output files and start the same way; this module holds that scaffolding once. It holds no
+model computation, loss, norm or optimizer code: each engine's numbers come from its own
+modules (``harnesses/<engine>/``), and the reference path (``qualify.scoring``,
+``qualify.targets``, ``qualify.reference_update``) shares nothing with any of them.
+
+Files (DESIGN.md section 6): a harness reads ``cell.json`` and, from ``inputs_dir``,
+``rollout.safetensors``, ``train_inputs.safetensors``, ``contract.json`` and ``model.json``
+(never reference scores). TP rank 0 of each role writes its role's part
+(``.part-<role>.safetensors`` then ``.part-<role>.json``, each by atomic rename, the JSON
+last); global rank 0 waits for every part and merges them into ``outputs.safetensors`` +
+``outputs.json`` (JSON last).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from qualify.contract import Contract
+from qualify.errors import HarnessError
+from qualify.protocol import (
+    CELL_FILE,
+    OUTPUTS_FILE,
+    OUTPUTS_META_FILE,
+    ROLLOUT_FILE,
+    ROLLOUT_KEYS,
+    TRAIN_INPUT_KEYS,
+    TRAIN_INPUTS_FILE,
+    HarnessCell,
+)
+
+CONTRACT_JSON: Final = "contract.json"
+MODEL_JSON: Final = "model.json"
+PART_WAIT_S: Final = 24 * 3600.0
+"""Upper bound of rank 0's wait for the other role's part (torchrun ends the job first
+when a rank fails; the launcher's wall-clock timeout ends a stuck one)."""
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Batch:
+    """Rollout rows as an engine consumes them (``b`` rows, ``T = P + R`` columns).
+
+    Attributes:
+        input_ids: ``[b, T]`` int64, prompt (left-padded) then response (right-padded).
+        attention_mask: ``[b, T]`` int64.
+        position_ids: ``[b, T]`` int64.
+        responses: ``[b, R]`` int64 target tokens.
+        mask: ``[b, R]`` bool, response tokens that count in losses.
+        advantages: ``[b, R]`` FP32.
+        returns: ``[b, R]`` FP32.
+        prompt_len: ``P``.
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    position_ids: Tensor
+    responses: Tensor
+    mask: Tensor
+    advantages: Tensor
+    returns: Tensor
+    prompt_len: int
+
+    @property
+    def response_len(self) -> int:
+        """``R``."""
+        return int(self.responses.shape[1])
+
+    def _map(self, fn: Callable[[Tensor], Tensor]) -> Batch:
+        tensors: dict[str, Any] = {f.name: fn(getattr(self, f.name))
+                                   for f in dataclasses.fields(self) if f.name != "prompt_len"}
+        return dataclasses.replace(self, **tensors)
+
+    def rows(self, s: slice) -> Batch:
+        """The sub-batch of rows ``s``."""
+        return self._map(lambda t: t[s])
+
+    def to(self, device: torch.device) -> Batch:
+        """The batch on ``device``."""
+        return self._map(lambda t: t.to(device))
+
+    def right_padded(self, extra: int, pad_token_id: int) -> Batch:
+        """``extra`` more pad columns on the right (attention 0), for padding invariance.
+
+        The response window (``responses``, ``mask``...) is unchanged: only the sequence
+        the model sees grows. Positions follow ``clamp(cumsum(attention_mask) - 1, min=0)``
+        (as the rollout's own ``position_ids``).
+        """
+        b = self.input_ids.shape[0]
+        ids = torch.cat([self.input_ids, self.input_ids.new_full((b, extra), pad_token_id)], 1)
+        am = torch.cat([self.attention_mask, self.attention_mask.new_zeros((b, extra))], 1)
+        pos = torch.clamp(torch.cumsum(am, dim=1) - 1, min=0)
+        return dataclasses.replace(self, input_ids=ids, attention_mask=am, position_ids=pos)
+
+    def window(self) -> Tensor:
+        """``[R]`` int64 sequence positions ``P - 1 + t`` whose outputs score token ``t``."""
+        start = self.prompt_len - 1
+        return torch.arange(start, start + self.response_len, device=self.input_ids.device)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Inputs:
+    """What a harness reads from ``inputs_dir`` (and nothing else).
+
+    Attributes:
+        batch: the rollout with the training inputs.
+        contract: the contract (``contract.json``).
+        actor_dir, critic_dir, ref_dir: HF model directories (``model.json``; ``ref_dir``
+            defaults to ``actor_dir``).
+    """
+
+    batch: Batch
+    contract: Contract
+    actor_dir: Path
+    critic_dir: Path
+    ref_dir: Path
+
+
+def read_inputs(inputs_dir: Path) -> Inputs:
+    """Load the frozen rollout, training inputs, contract and model paths.
+
+    Raises:
+        HarnessError: a file, tensor or model path is missing, or shapes disagree.
+        ContractError: ``contract.json`` fails validation.
+    """
+    for name in (ROLLOUT_FILE, TRAIN_INPUTS_FILE, CONTRACT_JSON, MODEL_JSON):
+        if not (inputs_dir / name).is_file():
+            raise HarnessError(f"{inputs_dir / name}: missing harness input")
+    rollout = load_file(str(inputs_dir / ROLLOUT_FILE))
+    train = load_file(str(inputs_dir / TRAIN_INPUTS_FILE))
+    for file, tensors, keys in ((ROLLOUT_FILE, rollout, ROLLOUT_KEYS),
+                                (TRAIN_INPUTS_FILE, train, TRAIN_INPUT_KEYS)):
+        missing = [k for k in keys if k not in tensors]
+        if missing:
+            raise HarnessError(f"{inputs_dir / file}: missing tensors {missing}")
+    contract = Contract.from_dict(json.loads((inputs_dir / CONTRACT_JSON).read_text("utf-8")))
+    models = json.loads((inputs_dir / MODEL_JSON).read_text("utf-8"))
+    prompts, responses = rollout["prompts"], rollout["responses"]
+    b, p = prompts.shape
+    r = responses.shape[1]
+    for key, shape in (("attention_mask", (b, p + r)), ("position_ids", (b, p + r)),
+                       ("response_mask", (b, r))):
+        if tuple(rollout[key].shape) != shape:
+            raise HarnessError(f"{ROLLOUT_FILE}: {key} has shape {tuple(rollout[key].shape)}, "
+                               f"expected {shape}")
+    for key in TRAIN_INPUT_KEYS:
+        if tuple(train[key].shape) != (b, r):
+            raise HarnessError(f"{TRAIN_INPUTS_FILE}: {key} has shape "
+                               f"{tuple(train[key].shape)}, expected {(b, r)}")
+    batch = Batch(
+        input_ids=torch.cat([prompts, responses], dim=1).long(),
+        attention_mask=rollout["attention_mask"].long(),
+        position_ids=rollout["position_ids"].long(),
+        responses=responses.long(),
+        mask=rollout["response_mask"].bool(),
+        advantages=train["advantages"].float(),
+        returns=train["returns"].float(),
+        prompt_len=int(p),
+    )
+    try:
+        dirs = {k: Path(models[k]) for k in ("actor_dir", "critic_dir")}
+    except KeyError as exc:
+        raise HarnessError(f"{inputs_dir / MODEL_JSON}: missing {exc.args[0]!r}") from None
+    return Inputs(batch=batch, contract=contract, actor_dir=dirs["actor_dir"],
+                  critic_dir=dirs["critic_dir"],
+                  ref_dir=Path(models.get("ref_dir", models["actor_dir"])))
+
+
+def load_hf_model(kind: str, path: Path, device: torch.device) -> nn.Module:
+    """Load an HF model in FP32 with SDPA attention, dropout off (``eval()`` mode).
+
+    Args:
+        kind: ``causal_lm`` (actor, reference policy) or ``value`` (critic:
+            ``AutoModelForTokenClassification``, ``num_labels=1``: backbone + ``score``).
+        path: HF directory.
+        device: where the model lives.
+
+    Raises:
+        HarnessError: the directory does not exist.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if not path.is_dir():
+        raise HarnessError(f"{path}: model directory not found")
+    kw: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "sdpa"}
+    if kind == "value":
+        model = AutoModelForTokenClassification.from_pretrained(str(path), num_labels=1, **kw)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
+    model.to(device)
+    model.eval()  # dropout off; autograd is unaffected by eval mode
+    model.config.use_cache = False
+    return model
+
+
+def pad_token_id(model: nn.Module) -> int:
+    """The model config's ``pad_token_id`` (0 when unset), used for the padding rerun."""
+    pad = getattr(model.config, "pad_token_id", None)
+    return int(pad) if pad is not None else 0
+
+
+def micro_slices(n: int, size: int) -> list[slice]:
+    """Row slices of at most ``size`` sequences, in order: ``[0:size], [size:2 size], ...``."""
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+# --------------------------------------------------------------------------- output files
+
+
+def part_paths(output_dir: Path, role: str) -> tuple[Path, Path]:
+    """``(.part-<role>.safetensors, .part-<role>.json)`` in ``output_dir``."""
+    return output_dir / f".part-{role}.safetensors", output_dir / f".part-{role}.json"
+
+
+def atomic_json(path: Path, doc: Any) -> None:
+    """Write ``doc`` as sorted JSON (no NaN) to ``path`` by rename of a ``.tmp`` file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n", "utf-8")
+    os.replace(tmp, path)
+
+
+def atomic_tensors(path: Path, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
+    """Write ``tensors`` (safetensors, with ``meta``) to ``path`` by rename of a ``.tmp``."""
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+def write_part(engine: str, output_dir: Path, role: str, tensors: dict[str, Tensor],
+               meta: dict[str, Any]) -> None:
+    """Write one role's tensors and meta (the JSON last: it marks the part complete)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    st, js = part_paths(output_dir, role)
+    atomic_tensors(st, tensors, {"engine": engine, "role": role})
+    atomic_json(js, meta)
+
+
+def merge_parts(engine: str, roles: Sequence[str], output_dir: Path,
+                head: dict[str, Any], *, wait_s: float = PART_WAIT_S) -> None:
+    """Wait for every role's part, then write ``outputs.safetensors`` and ``outputs.json``.
+
+    ``head`` is the run-level part of ``outputs.json`` (engine, cell, versions, ranks,
+    timings, shims...); each role's meta goes under ``roles``, and shims a role lists under
+    ``engine_info.shims`` join the run's ``shims``. The parts are removed after the merge.
+
+    Raises:
+        HarnessError: a part did not appear within ``wait_s`` seconds.
+    """
+    deadline = time.monotonic() + wait_s
+    t0 = time.perf_counter()
+    for role in roles:
+        js = part_paths(output_dir, role)[1]
+        while not js.is_file():
+            if time.monotonic() > deadline:
+                raise HarnessError(f"{js}: the {role} part never appeared")
+            time.sleep(0.05)
+    tensors: dict[str, Tensor] = {}
+    role_meta: dict[str, Any] = {}
+    shims = set(head.get("shims", []))
+    for role in roles:
+        st, js = part_paths(output_dir, role)
+        tensors.update(load_file(str(st)))
+        role_meta[role] = json.loads(js.read_text("utf-8"))
+        shims.update(role_meta[role].get("engine_info", {}).get("shims", []))
+    head["roles"] = role_meta
+    head["shims"] = sorted(shims)
+    head["tensors"] = {"file": OUTPUTS_FILE, "count": len(tensors)}
+    head.setdefault("timings", {})["merge_s"] = round(time.perf_counter() - t0, 4)
+    atomic_tensors(output_dir / OUTPUTS_FILE, tensors, {"engine": engine})
+    atomic_json(output_dir / OUTPUTS_META_FILE, head)
+    for role in roles:
+        for path in part_paths(output_dir, role):
+            path.unlink()
+
+
+def rank_table(actor_tp: int, critic_tp: int) -> list[dict[str, Any]]:
+    """``outputs.json`` ``ranks``: Actor on global ranks ``[0, actor_tp)``, Critic after.
+
+    Returns:
+        One ``{"rank", "role", "tp_rank", "tp_group"}`` per rank, in rank order.
+    """
+    spans = {"actor": list(range(actor_tp)),
+             "critic": list(range(actor_tp, actor_tp + critic_tp))}
+    return [{"rank": r, "role": role, "tp_rank": i, "tp_group": ranks}
+            for role, ranks in spans.items() for i, r in enumerate(ranks)]
+
+
+def versions(packages: Iterable[str]) -> dict[str, str]:
+    """Python's version and each installed package's (``"not installed"`` when absent)."""
+    out = {"python": platform.python_version()}
+    for pkg in packages:
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+# --------------------------------------------------------------------------- process
+
+
+def env_int(name: str) -> int:
+    """An integer torchrun sets (``RANK``, ``WORLD_SIZE``...).
+
+    Raises:
+        HarnessError: the variable is unset (the harness is not under torchrun).
+    """
+    value = os.environ.get(name)
+    if value is None:
+        raise HarnessError(f"${name} is not set: run this harness under torchrun "
+                           f"(qualify.launch.launch)")
+    return int(value)
+
+
+def device_and_backend(*, share_devices: bool = False) -> tuple[torch.device, str]:
+    """CUDA (NCCL) when available and not disabled by ``QUALIFY_DEVICE=cpu``; else CPU (gloo).
+
+    Args:
+        share_devices: with fewer GPUs than ranks, put rank ``LOCAL_RANK % device_count`` on
+            a device (fine when every NCCL group that communicates holds one rank per
+            device); otherwise one device per rank is required.
+
+    Raises:
+        HarnessError: more local ranks than CUDA devices and ``share_devices`` is false.
+    """
+    if torch.cuda.is_available() and os.environ.get("QUALIFY_DEVICE", "") != "cpu":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        count = torch.cuda.device_count()
+        if share_devices:
+            local %= count
+        elif local >= count:
+            raise HarnessError(f"LOCAL_RANK {local} but only {count} CUDA device(s): NCCL "
+                               f"needs one device per rank (QUALIFY_DEVICE=cpu runs on CPU "
+                               f"with gloo)")
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def harness_main(argv: Sequence[str] | None, *, engine: str, module: str,
+                 run: Callable[[HarnessCell], None]) -> int:
+    """Entry point shared by the harnesses: ``python -m MODULE CELL_JSON``.
+
+    Returns:
+        0 on success, 2 on a usage error (exceptions propagate so torchrun records them).
+
+    Raises:
+        HarnessError: the cell names another engine.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print(f"usage: python -m {module} {CELL_FILE}", file=sys.stderr)
+        return 2
+    cell = HarnessCell.from_dict(json.loads(Path(args[0]).read_text("utf-8")))
+    if cell.engine != engine:
+        raise HarnessError(f"{args[0]}: engine {cell.engine!r} is not {engine!r}")
+    run(cell)
+    return 0
