@@ -115,6 +115,15 @@ def validate_outputs_meta(doc: Mapping[str, Any]) -> None:
     _validate(doc, "outputs", OUTPUTS_META_FILE)
 
 
+def validate_sampler_outputs_meta(doc: Mapping[str, Any]) -> None:
+    """Validate a sampler cell's ``outputs.json`` against ``sampler_outputs.schema.json``.
+
+    Raises:
+        HarnessError: the first schema violation, naming the field.
+    """
+    _validate(doc, "sampler_outputs", OUTPUTS_META_FILE)
+
+
 def _validate(doc: Mapping[str, Any], schema: str, what: str) -> None:
     validator = jsonschema.Draft202012Validator(load_schema(schema))
     errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
@@ -145,11 +154,12 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def check_outputs(output_dir: Path) -> None:
+def check_outputs(output_dir: Path, *, sampler: bool = False) -> None:
     """Check that a harness left protocol-conforming outputs in ``output_dir``.
 
-    ``outputs.json`` must validate against ``outputs.schema.json``; ``outputs.safetensors``
-    must hold ``tensors.count`` tensors (at least one), every name must follow
+    ``outputs.json`` must validate against ``outputs.schema.json`` (a trainer launch) or
+    ``sampler_outputs.schema.json`` (``sampler``: a sampler cell); ``outputs.safetensors``
+    must hold at least one tensor (a trainer's ``tensors.count``), every name must follow
     ``round{r}/{role}/{metric}`` and every floating tensor must be F32 or F64
     (:mod:`qualify.protocol`).
 
@@ -166,11 +176,14 @@ def check_outputs(output_dir: Path) -> None:
         raise HarnessError(f"{meta_path}: not readable JSON: {exc}") from None
     if not isinstance(meta, dict):
         raise HarnessError(f"{meta_path}: not a JSON object")
-    validate_outputs_meta(meta)
+    if sampler:
+        validate_sampler_outputs_meta(meta)
+    else:
+        validate_outputs_meta(meta)
     header = read_safetensors_header(tensors_path)
     if not header:
         raise HarnessError(f"{tensors_path}: holds no tensors")
-    if meta["tensors"]["count"] != len(header):
+    if not sampler and meta["tensors"]["count"] != len(header):
         raise HarnessError(f"{meta_path}: tensors.count is {meta['tensors']['count']} but "
                            f"{tensors_path.name} holds {len(header)} tensors")
     for name, info in header.items():

@@ -32,11 +32,11 @@ from typing import Any, Final
 
 from qualify import store
 from qualify.contract import CellSpec, Contract
+from qualify.errors import HarnessError
+from qualify.launch import check_outputs, validate_cell
 from qualify.protocol import (
     ACTOR_ROUND1_WEIGHTS,
     CELL_FILE,
-    OUTPUTS_FILE,
-    OUTPUTS_META_FILE,
     HarnessCell,
     variant_tag,
 )
@@ -156,6 +156,7 @@ def _run_one(contract: Contract, attempt: Path, *, inputs: Path, tp: int, weight
                      critic_tp=0, rounds=contract.algorithm.rounds, seed=contract.sampling.seed,
                      inputs_dir=str(inputs.resolve()), output_dir=str(attempt.resolve()),
                      faults=tuple(faults))
+    validate_cell(hc.to_dict())
     store.atomic_write_json(attempt / CELL_FILE, hc.to_dict())
     store.atomic_write_json(attempt / REQUEST_FILE, {
         "weights_file": str(weights.resolve()), "weights_sha256": store.sha256_file(weights),
@@ -176,9 +177,11 @@ def _run_one(contract: Contract, attempt: Path, *, inputs: Path, tp: int, weight
                 status, reason = "ERROR", f"sampler harness exited with code {rc}"
         except subprocess.TimeoutExpired:
             status, reason = "ERROR", f"sampler harness exceeded {timeout_s:.0f} s"
-    if status == "COMPLETE" and not ((attempt / OUTPUTS_FILE).is_file()
-                                     and (attempt / OUTPUTS_META_FILE).is_file()):
-        status, reason = "ERROR", f"sampler harness exited 0 but wrote no {OUTPUTS_FILE}"
+    if status == "COMPLETE":
+        try:
+            check_outputs(attempt, sampler=True)
+        except HarnessError as exc:
+            status, reason = "ERROR", f"sampler harness exited 0 but its outputs are bad: {exc}"
     if status == "ERROR":
         tail = (logs / "stderr.txt").read_text("utf-8", errors="replace").strip().splitlines()
         last = next((ln for ln in reversed(tail) if ln.strip()), "")

@@ -198,12 +198,70 @@ def test_check_outputs_accepts_valid_outputs_and_needs_both_files(tmp_path: Path
 def test_cell_schema() -> None:
     good = _cell(Path("/x")).to_dict()
     validate_cell(good)
-    for bad, field in (({**good, "actor_tp": 0}, "actor_tp"), ({**good, "precision": "fp16"},
-                                                             "precision"),
+    # no trainer role left: it must be a sampler cell, which names options.rollout_tp
+    for bad, field in (({**good, "actor_tp": 0}, "options: 'rollout_tp' is a required"),
+                       ({**good, "actor_tp": -1}, "actor_tp"),
+                       ({**good, "precision": "fp16"}, "precision"),
                        ({**good, "extra": 1}, "extra"), ({**good, "faults": ["a", "a"]},
                                                          "faults")):
         with pytest.raises(HarnessError, match=field):
             validate_cell(bad)
+
+
+def test_sampler_cell_schema() -> None:
+    """A sampler cell has no trainer role and must name its TP size in options.rollout_tp."""
+    good = {**_cell(Path("/x")).to_dict(), "engine": "vllm", "actor_tp": 0, "critic_tp": 0,
+            "options": {"rollout_tp": 2}}
+    validate_cell(good)
+    for bad, match in (({**good, "options": {}}, "options: 'rollout_tp' is a required"),
+                       ({**good, "options": {"rollout_tp": 0}},
+                        "options.rollout_tp: 0 is less than the minimum of 1")):
+        with pytest.raises(HarnessError, match=match):
+            validate_cell(bad)
+
+
+def _sampler_meta() -> dict[str, Any]:
+    install = {"version": 1, "accepted": True, "acks": [{"rank": 0, "version": 1,
+                                                         "digest": "ab"}],
+               "check": None, "reason": None, "installed_version": 1, "previous_version": 0}
+    return {"schema_version": 1, "engine": "vllm", "role": "sampler", "tp": 1, "cell": {},
+            "versions": {"python": "3.11", "torch": "2.13.0"},
+            "engine_settings": {"dtype": "float32", "enable_prefix_caching": True,
+                                "logprobs_mode": "processed_logprobs"},
+            "weights": {"file": "/w", "sha256": "0" * 64, "from": "x", "base_dir": "/b"},
+            "install": install,
+            "cache_proof": {"prompt_tokens": 64, "block_size": 32,
+                            "cached_tokens_first_after_update": 0,
+                            "cached_tokens_same_version_replay": 32},
+            "probes": [{"name": "stale_version", "expected_check": "stale_version",
+                        "rejected": True, "stayed": True, "reason": "stale",
+                        "record": {**install, "accepted": False, "check": "stale_version"},
+                        "version_before": 1, "version_after": 1}],
+            "final": {"version": 1, "verified": True, "problem": None, "tensors_verified": 3},
+            "round2": {"scoring": {}, "rollout": {}}, "timings": {"total_s": 1.0},
+            "faults": []}
+
+
+def test_check_sampler_outputs(tmp_path: Path) -> None:
+    meta = _sampler_meta()
+    _write_outputs(tmp_path, meta, {"round2/sampler/logprobs": np.zeros((2, 3), np.float32)})
+    check_outputs(tmp_path, sampler=True)
+    with pytest.raises(HarnessError, match="Additional properties are not allowed"):
+        check_outputs(tmp_path)
+    for field, value in (("probes.0.stayed", None), ("weights.sha256", "abc"),
+                         ("cache_proof.cached_tokens_first_after_update", -1)):
+        bad = json.loads(json.dumps(meta))
+        *parents, leaf = field.split(".")
+        node = bad
+        for key in parents:
+            node = node[int(key)] if key.isdigit() else node[key]
+        node[leaf] = value
+        _write_outputs(tmp_path, bad, {"round2/sampler/logprobs": np.zeros((2, 3), np.float32)})
+        with pytest.raises(HarnessError, match=f"outputs.json: {field}"):
+            check_outputs(tmp_path, sampler=True)
+    _write_outputs(tmp_path, meta, {"round2/sampler/logprobs": np.zeros((2, 3), np.float16)})
+    with pytest.raises(HarnessError, match="is F16"):
+        check_outputs(tmp_path, sampler=True)
 
 
 def test_environment_and_command() -> None:

@@ -32,6 +32,7 @@ pytest.importorskip("vllm")
 
 from harnesses.vllm import layout
 from qualify.contract import load_contract
+from qualify.launch import check_outputs, validate_cell
 from qualify.protocol import HarnessCell
 from qualify.resources import contracts_dir
 
@@ -115,6 +116,12 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def _probe(run: dict[str, Any], name: str) -> dict[str, Any]:
     probes = {p["name"]: p for p in run["meta"]["probes"]}
     return probes[name]
+
+
+def test_real_outputs_follow_the_sampler_schemas(run: dict[str, Any]) -> None:
+    out = run["root"] / "attempt"
+    validate_cell(json.loads((out / "cell.json").read_text()))
+    check_outputs(out, sampler=True)
 
 
 def test_install_acks_match_expected_layout_digests(run: dict[str, Any]) -> None:
