@@ -71,7 +71,8 @@ def _build_inputs(root: Path) -> None:
     torch.manual_seed(1234)
     actor = Qwen3ForCausalLM(cfg)
     critic_cfg = {k: v for k, v in cfg.to_dict().items() if k not in ("id2label", "label2id")}
-    critic = Qwen3ForTokenClassification(Qwen3Config(**critic_cfg, num_labels=1))
+    # num_labels goes to PreTrainedConfig via @strict's **kwargs; mypy sees only the fields.
+    critic = Qwen3ForTokenClassification(Qwen3Config(**critic_cfg, num_labels=1))  # type: ignore[call-arg]
     critic.model.load_state_dict(actor.model.state_dict())
     actor.save_pretrained(root / "actor")
     critic.save_pretrained(root / "critic")

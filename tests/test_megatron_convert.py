@@ -54,7 +54,7 @@ def _hf(name: str, seed: int = 0) -> tuple[Any, dict[str, torch.Tensor], convert
     with torch.no_grad():  # HF zero-initialises norms and biases: make every row distinct
         for p in model.parameters():
             p.normal_(0.0, 0.2)
-    head = "value" if "critic" in name else "lm"
+    head: convert.Head = "value" if "critic" in name else "lm"
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return model, sd, convert.Shape.from_hf_config(cfg, head=head)
 

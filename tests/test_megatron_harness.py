@@ -217,11 +217,12 @@ def grad_inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(5)
     actor = Qwen3ForCausalLM(cfg)
     with torch.no_grad():  # non-trivial norm weights, so their gradients are distinctive
-        for name, p in actor.named_parameters():
+        for name, param in actor.named_parameters():
             if "norm" in name:
-                p.uniform_(0.5, 1.5)
+                param.uniform_(0.5, 1.5)
     ccfg = {k: v for k, v in cfg.to_dict().items() if k not in ("id2label", "label2id")}
-    critic = Qwen3ForTokenClassification(Qwen3Config(**ccfg, num_labels=1))
+    # num_labels goes to PreTrainedConfig via @strict's **kwargs; mypy sees only the fields.
+    critic = Qwen3ForTokenClassification(Qwen3Config(**ccfg, num_labels=1))  # type: ignore[call-arg]
     critic.model.load_state_dict(actor.model.state_dict())
     with torch.no_grad():
         critic.score.weight.normal_(0.0, 0.3)

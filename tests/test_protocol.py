@@ -60,10 +60,10 @@ def test_sample_is_the_same_in_another_process() -> None:
 def test_tensor_names_round_trip(name: str, parsed: tuple[object, ...]) -> None:
     assert parse_tensor_name(name) == parsed
     r, role, metric, param = parsed
-    if metric.startswith("loss/"):  # type: ignore[union-attr]
-        assert tensor_name(r, role, metric) == name  # type: ignore[arg-type]
+    if metric.startswith("loss/"):
+        assert tensor_name(r, role, metric) == name
     else:
-        assert tensor_name(r, role, metric, param) == name  # type: ignore[arg-type]
+        assert tensor_name(r, role, metric, param) == name
 
 
 @pytest.mark.parametrize("bad", ["actor/logprobs", "roundx/actor/logprobs", "round1/actor/loss"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any, Literal, cast
 
 import pytest
 import torch
@@ -14,9 +15,12 @@ from qualify.resources import contracts_dir
 
 torch.set_num_threads(1)
 
-CFG = {"vocab_size": 384, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
-       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "pad_token_id": 0,
-       "eos_token_id": 2, "bos_token_id": 1, "attention_dropout": 0.0}
+Models = tuple[Qwen3ForCausalLM, Qwen3ForTokenClassification]
+
+CFG: dict[str, Any] = {
+    "vocab_size": 384, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "pad_token_id": 0,
+    "eos_token_id": 2, "bos_token_id": 1, "attention_dropout": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +34,8 @@ def models() -> tuple[Qwen3ForCausalLM, Qwen3ForTokenClassification]:
     cfg = Qwen3Config(**CFG)
     cfg._attn_implementation = "sdpa"
     actor = Qwen3ForCausalLM(cfg)
-    cfg_c = Qwen3Config(**CFG, num_labels=1)
+    # num_labels goes to PreTrainedConfig via @strict's **kwargs; mypy sees only the fields.
+    cfg_c = Qwen3Config(**CFG, num_labels=1)  # type: ignore[call-arg]
     cfg_c._attn_implementation = "sdpa"
     critic = Qwen3ForTokenClassification(cfg_c)
     return actor, critic
@@ -60,7 +65,8 @@ def _fresh(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
 
 
-def test_round1_policy_loss_is_minus_mean_advantage(models, batch, contract) -> None:
+def test_round1_policy_loss_is_minus_mean_advantage(models: Models, batch: Batch,
+                                                    contract: Contract) -> None:
     """At round 1 ratio = 1, so the clipped surrogate is -A; KL vs an identical ref is 0."""
     actor, _ = models
     out, meta = run_actor(_fresh(actor), _fresh(actor), batch, contract,
@@ -77,13 +83,15 @@ def test_round1_policy_loss_is_minus_mean_advantage(models, batch, contract) -> 
     assert float(out["round2/actor/loss/kl"]) > 0
 
 
-def test_clip_coef_and_first_adam_step(models, batch, contract) -> None:
+def test_clip_coef_and_first_adam_step(models: Models, batch: Batch, contract: Contract) -> None:
     actor, _ = models
     out, _ = run_actor(_fresh(actor), _fresh(actor), batch, contract,
                        UpdateSettings(precision="fp32", micro_batch_size=4))
     norm = float(out["round1/actor/grad_norm"])
     grads = {k: v for k, v in out.items() if k.startswith("round1/actor/grads/")}
-    by_hand = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
+    # sum() over a non-empty dict of tensors is a Tensor (typeshed says Tensor | Literal[0]).
+    by_hand = float(torch.sqrt(cast(torch.Tensor,
+                                    sum((g.double() ** 2).sum() for g in grads.values()))))
     assert norm == pytest.approx(by_hand, rel=1e-6)
     coef = float(out["round1/actor/clip_coef"])
     assert coef == pytest.approx(min(1.0, contract.optimizer.max_grad_norm / (norm + 1e-6)),
@@ -100,7 +108,8 @@ def test_clip_coef_and_first_adam_step(models, batch, contract) -> None:
     assert torch.allclose(upd[big], expected[big], atol=lr * 1e-2)
 
 
-def test_microbatch_and_padding_invariance_fp32(models, batch, contract) -> None:
+def test_microbatch_and_padding_invariance_fp32(models: Models, batch: Batch,
+                                                contract: Contract) -> None:
     actor, critic = models
     a, _ = run_actor(_fresh(actor), _fresh(actor), batch, contract,
                      UpdateSettings(precision="fp32", micro_batch_size=4))
@@ -119,7 +128,7 @@ def test_microbatch_and_padding_invariance_fp32(models, batch, contract) -> None
     assert torch.allclose(ca["round2/critic/values"], cb["round2/critic/values"], atol=1e-5)
 
 
-def test_critic_round1_value_loss(models, batch, contract) -> None:
+def test_critic_round1_value_loss(models: Models, batch: Batch, contract: Contract) -> None:
     """Round 1: clipped == unclipped (old = V), so loss = 0.5 * mean((V - G)^2)."""
     _, critic = models
     out, meta = run_critic(_fresh(critic), batch, contract,
@@ -132,7 +141,8 @@ def test_critic_round1_value_loss(models, batch, contract) -> None:
 
 
 @pytest.mark.parametrize("mode", ["params", "autocast"])
-def test_bf16_keeps_fp32_master_and_state(models, batch, contract, mode: str) -> None:
+def test_bf16_keeps_fp32_master_and_state(models: Models, batch: Batch, contract: Contract,
+                                          mode: Literal["params", "autocast"]) -> None:
     actor, _ = models
     out, meta = run_actor(_fresh(actor), _fresh(actor), batch, contract,
                           UpdateSettings(precision="bf16", bf16_mode=mode, micro_batch_size=2))

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -110,7 +111,7 @@ def test_entry_points_register_third_party_harnesses(
     ({"name": "Torch-TP", "entry": "a:b"}, "engine name"),
     ({"name": "x", "entry": "no_colon"}, "is not 'package.module:attr'"),
 ])
-def test_engine_spec_validation(kw: dict[str, str], match: str) -> None:
+def test_engine_spec_validation(kw: dict[str, Any], match: str) -> None:
     with pytest.raises(HarnessError, match=match):
         EngineSpec(**kw)
 

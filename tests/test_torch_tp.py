@@ -36,8 +36,9 @@ from qualify.protocol import EXTRA_RIGHT_PADDING, HarnessCell
 from qualify.registry import get_engine
 from qualify.resources import contracts_dir
 
-TINY = {"vocab_size": 384, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
+TINY: dict[str, Any] = {
+    "vocab_size": 384, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
 RESPONSE_LENGTHS = (10, 6, 3, 8)
 R = 10
 LAUNCH_TIMEOUT_S = 300.0
@@ -75,7 +76,8 @@ def _build_inputs(root: Path) -> None:
     torch.manual_seed(1234)
     actor = Qwen3ForCausalLM(cfg)
     critic_cfg = {k: v for k, v in cfg.to_dict().items() if k not in ("id2label", "label2id")}
-    critic = Qwen3ForTokenClassification(Qwen3Config(**critic_cfg, num_labels=1))
+    # num_labels goes to PreTrainedConfig via @strict's **kwargs; mypy sees only the fields.
+    critic = Qwen3ForTokenClassification(Qwen3Config(**critic_cfg, num_labels=1))  # type: ignore[call-arg]
     critic.model.load_state_dict(actor.model.state_dict())
     actor.save_pretrained(root / "actor")
     critic.save_pretrained(root / "critic")

@@ -9,6 +9,8 @@ from the layout table of :mod:`harnesses.vllm.layout` (vLLM ``QKVParallelLinear`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pytest
 import torch
 from torch import Tensor
@@ -83,7 +85,8 @@ def test_rank_shards_match_hand_written_layout_tp2() -> None:
                                                 (4, 2, True), (2, K, True)])
 def test_round_trip_is_bitwise(tp: int, kv: int, tied: bool) -> None:
     hf, spec = _hf(seed=tp + kv, kv=kv, tied=tied), _spec(kv, tied)
-    ranks = [layout.to_vllm_rank(hf, spec, tp, r) for r in range(tp)]
+    ranks: list[Mapping[str, Tensor]] = [layout.to_vllm_rank(hf, spec, tp, r)
+                                         for r in range(tp)]
     back = layout.from_vllm_ranks(ranks, spec, sorted(hf))
     assert sorted(back) == sorted(hf)
     for name, t in hf.items():

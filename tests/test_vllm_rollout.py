@@ -94,9 +94,9 @@ def _hf_processed_logprobs(actor_dir: Path, roll: Rollout, contract: Contract) -
     p, r = roll.prompt_length, roll.response_length
     step = logits[:, p - 1:p - 1 + r]  # [B, R, V]: position P-1+t predicts response token t
     flat = step.reshape(-1, step.shape[-1])
-    warped = TemperatureLogitsWarper(s.temperature)(None, flat)  # type: ignore[arg-type]
-    warped = TopKLogitsWarper(s.top_k)(None, warped)  # type: ignore[arg-type]
-    warped = TopPLogitsWarper(s.top_p)(None, warped)  # type: ignore[arg-type]
+    warped = TemperatureLogitsWarper(s.temperature)(None, flat)
+    warped = TopKLogitsWarper(s.top_k)(None, warped)
+    warped = TopPLogitsWarper(s.top_p)(None, warped)
     lp = torch.log_softmax(warped, dim=-1).reshape(step.shape)
     out = lp.gather(-1, roll.responses.unsqueeze(-1)).squeeze(-1)
     return torch.where(roll.response_mask.bool(), out, torch.zeros_like(out))

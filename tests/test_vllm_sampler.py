@@ -36,8 +36,9 @@ from qualify.launch import check_outputs, validate_cell
 from qualify.protocol import HarnessCell
 from qualify.resources import contracts_dir
 
-TINY = {"vocab_size": 384, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
+TINY: dict[str, Any] = {
+    "vocab_size": 384, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
 RESPONSE_LENGTHS = (10, 6, 3, 8)
 R = 10
 SCORE_TOL = 2e-5
