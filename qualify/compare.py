@@ -72,6 +72,7 @@ from qualify.protocol import (
     OUTPUTS_META_FILE,
     ROLLOUT_FILE,
     ROLLOUT_META_FILE,
+    TRAIN_INPUTS_FILE,
     Verdict,
     parse_tensor_name,
 )
@@ -820,6 +821,43 @@ class _Ctx:
     bounds: list[Bound]
     mask: npt.NDArray[Any]
     hf: dict[str, dict[str, npt.NDArray[Any]] | None]
+    contract: Contract | None = None
+    train: dict[str, npt.NDArray[Any]] = dataclasses.field(default_factory=dict)
+
+
+def _with_branch_flips(ctx: _Ctx, rows: list[Row], *, role: str, obtained: Mapping[str, Any],
+                       expected: Mapping[str, Any]) -> list[Row]:
+    """Explain failing gradient-family rows of rounds >= 2 by clip-branch flips.
+
+    Appends to each such row's reason the tokens whose clip branch differs between
+    ``obtained`` and ``expected`` (:mod:`qualify.branches`). Verdicts are unchanged.
+    """
+    from qualify import branches
+
+    if ctx.contract is None or not any(
+            r.verdict == "FAIL" and (r.round or 0) >= 2 and r.family in branches.GRADIENT_FAMILIES
+            for r in rows):
+        return rows
+    path = ctx.ref_dir / TRAIN_INPUTS_FILE
+    if not ctx.train and path.is_file():
+        ctx.train.update(store.load_tensors(path))
+    alg = ctx.contract.algorithm
+    notes: dict[int, str] = {}
+    out = []
+    for row in rows:
+        rnd = int(row.round or 0)
+        if row.verdict == "FAIL" and rnd >= 2 and row.family in branches.GRADIENT_FAMILIES:
+            if rnd not in notes:
+                flips = branches.flipped_tokens(
+                    obtained, expected, role=role, round_=rnd, train=ctx.train, mask=ctx.mask,
+                    value_clip=alg.value_clip, clip_ratio=alg.clip_ratio) \
+                    if {"advantages", "returns"} <= set(ctx.train) else None
+                notes[rnd] = branches.explain(flips or [], role=role, round_=rnd)
+            if notes[rnd]:
+                out.append(dataclasses.replace(row, reason=f"{row.reason}; {notes[rnd]}"))
+                continue
+        out.append(row)
+    return out
 
 
 def _hf(ctx: _Ctx, precision: str) -> dict[str, npt.NDArray[Any]] | None:
@@ -851,17 +889,21 @@ def _complete_rows(ctx: _Ctx, *, cid: str, entry: Mapping[str, Any], cells: Mapp
                         reason=f"reference has no reference/hf-{precision}.safetensors"))
     else:
         expected = {k: v for k, v in hf.items() if _role_of(k) == role}
-        rows += _compare_rows(cell=cid, klass="candidate_vs_hf", precision=precision,
-                              bounds=ctx.bounds, obtained=mine, expected=expected,
-                              mask=ctx.mask, meta=outputs.meta)
+        rows += _with_branch_flips(
+            ctx, _compare_rows(cell=cid, klass="candidate_vs_hf", precision=precision,
+                               bounds=ctx.bounds, obtained=mine, expected=expected,
+                               mask=ctx.mask, meta=outputs.meta),
+            role=role, obtained=mine, expected=expected)
     if tp > 1:
         tp1_id, tp1 = _same_cell_tp1(cells, entry)
         got = loaded.get(tp1_id) if tp1_id else None
         if isinstance(got, _Outputs):
             ref1 = {k: v for k, v in got.tensors.items() if _role_of(k) == role}
-            rows += _compare_rows(cell=cid, klass="tp_vs_tp1", precision=precision,
-                                  bounds=ctx.bounds, obtained=mine, expected=ref1,
-                                  mask=ctx.mask, meta=outputs.meta)
+            rows += _with_branch_flips(
+                ctx, _compare_rows(cell=cid, klass="tp_vs_tp1", precision=precision,
+                                   bounds=ctx.bounds, obtained=mine, expected=ref1,
+                                   mask=ctx.mask, meta=outputs.meta),
+                role=role, obtained=mine, expected=ref1)
         else:
             status = tp1.get("status") if isinstance(tp1, Mapping) else "absent from run.json"
             why = f": {got}" if isinstance(got, str) else ""
@@ -953,7 +995,8 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
         if k not in rollout:
             raise ReferenceDataError(f"{ref_dir / ROLLOUT_FILE}: no {k!r} tensor")
     mask = np.asarray(rollout["response_mask"])
-    ctx = _Ctx(run_dir=run_dir, ref_dir=ref_dir, bounds=bounds, mask=mask, hf={})
+    ctx = _Ctx(run_dir=run_dir, ref_dir=ref_dir, bounds=bounds, mask=mask, hf={},
+               contract=contract)
     # 4. the cells
     cells: dict[str, Any] = doc["cells"]
     loaded: dict[str, _Outputs | str] = {}

@@ -128,9 +128,13 @@ class World:
 
     def __init__(self, tmp_path: Path, *, required: list[str] | None = None,
                  drop_bound: Callable[[Bound], bool] | None = None,
-                 behavior_shift: float = 0.05) -> None:
+                 behavior_shift: float = 0.05,
+                 edit_hf: Callable[[dict[str, np.ndarray]], None] | None = None,
+                 train: Mapping[str, np.ndarray] | None = None) -> None:
         self.contract = make_contract(required)
         self.hf = {"fp32": hf_tensors(1)}
+        if edit_hf is not None:
+            edit_hf(self.hf["fp32"])
         rng = np.random.default_rng(2)
         self.hf["bf16"] = {
             k: np.asarray(v + rng.normal(size=v.shape) * 1e-3
@@ -151,6 +155,8 @@ class World:
         (self.ref / "rollout.json").write_text(json.dumps({"logprobs_mode": "processed"}))
         for prec, t in self.hf.items():
             save_file(t, str(self.ref / "reference" / f"hf-{prec}.safetensors"))
+        if train is not None:
+            save_file(dict(train), str(self.ref / "train_inputs.safetensors"))
         bounds = [b for b in all_bounds(self.hf) if not (drop_bound and drop_bound(b))]
         (self.ref / "bounds.json").write_text(
             json.dumps(bounds_document(self.contract, bounds)))
@@ -682,3 +688,50 @@ def test_declared_but_reported_metric_is_still_compared(tmp_path: Path) -> None:
     report = w.compare(write=False)
     rows = {r.metric: r for r in rows_of(report, TP1, "candidate_vs_hf")}
     assert rows["round1/actor/grads"].verdict == "FAIL"
+
+
+# --------------------------------------------------------------------------- branch flips
+
+EPS_V = 0.05  # tiny-qwen3's value_clip
+
+
+def _near_edge(t: dict[str, np.ndarray]) -> None:
+    """Round-2 values 0.05 - 4e-4 above round 1 at token (1, 1): just inside the clip range."""
+    t["round2/critic/values"] = t["round1/critic/values"].copy()
+    t["round2/critic/values"][1, 1] += np.float32(EPS_V - 4e-4)
+
+
+def test_flipped_clip_branch_is_named_in_the_failure(tmp_path: Path) -> None:
+    """Round-2 values within the bound, but token (1, 1) crosses the value-clip edge
+    towards its return: the failing round-2 gradient rows name the flip; verdicts stay."""
+    returns = np.ones((B, R), dtype=np.float32) * 5.0  # far above: moving up is towards R
+    w = World(tmp_path, required=[CRITIC_TP1], edit_hf=_near_edge,
+              train={"returns": returns, "advantages": np.zeros((B, R), np.float32)})
+    out = role_outputs(w.hf["fp32"], "critic")
+    out["round2/critic/values"][1, 1] += np.float32(8e-4)  # 4e-4 outside; error 8e-4 < 1e-3
+    out["round2/critic/grads/model.b"] *= np.float32(1.5)  # the flipped token's gradient
+    w.add_cell(CRITIC_TP1, outputs=out)
+    report = w.compare(write=False)
+    rows = {r.metric: r for r in rows_of(report, CRITIC_TP1, "candidate_vs_hf")}
+    assert rows["round2/critic/values"].verdict == "PASS"
+    grads = rows["round2/critic/grads"]
+    assert grads.verdict == "FAIL"
+    assert grads.reason is not None
+    assert "clip branch differs at 1 round-2 critic token(s)" in grads.reason
+    assert "(1, 1) zero vs full" in grads.reason
+    assert report.verdicts[CRITIC_TP1] == "FAIL"
+
+
+def test_failure_without_a_flip_is_not_annotated(tmp_path: Path) -> None:
+    returns = np.ones((B, R), dtype=np.float32) * 5.0
+    w = World(tmp_path, required=[CRITIC_TP1], edit_hf=_near_edge,
+              train={"returns": returns, "advantages": np.zeros((B, R), np.float32)})
+    out = role_outputs(w.hf["fp32"], "critic")
+    out["round2/critic/grads/model.b"] *= np.float32(1.5)
+    w.add_cell(CRITIC_TP1, outputs=out)
+    report = w.compare(write=False)
+    (grads,) = [r for r in rows_of(report, CRITIC_TP1, "candidate_vs_hf")
+                if r.metric == "round2/critic/grads"]
+    assert grads.verdict == "FAIL"
+    assert grads.reason is not None
+    assert "clip branch" not in grads.reason
