@@ -444,6 +444,30 @@ def test_check_cell_refuses(kw: dict[str, Any], match: str) -> None:
         check_cell(_cell(**kw))
 
 
+def test_tied_embeddings_are_listed_once() -> None:
+    """SmolLM2 ties ``lm_head.weight`` to ``model.embed_tokens.weight``: the layout and the
+    engine-tensor reader name it once, as ``named_parameters()`` and the HF reference do
+    (found by ``qualify run contracts/smollm2-135m.toml``: KeyError 'lm_head.weight')."""
+    import types
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from harnesses.deepspeed.parallelize import tp_layout
+    from harnesses.deepspeed.state_dict_adapter import EngineTensors
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    names = [pl.name for pl in tp_layout(model)]
+    assert names == [n for n, _ in model.named_parameters()]
+    assert "lm_head.weight" not in names
+    assert names.count("model.embed_tokens.weight") == 1
+    et = EngineTensors(types.SimpleNamespace(module=model, optimizer=object()),
+                       tp_layout(model))
+    assert set(et.params) == set(names)
+
+
 def test_role_ranks_and_dtype_names() -> None:
     assert role_ranks(2, 1) == {"actor": (0, 1), "critic": (2,)}
     assert role_ranks(0, 2) == {"critic": (0, 1)}

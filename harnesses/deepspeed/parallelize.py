@@ -227,6 +227,9 @@ def tp_layout(model: nn.Module) -> list[ParamLayout]:
     ``partition_dim``, ``replicated``); a parameter without it (embeddings, norms, the
     critic's ``score``) is whole on every rank.
 
+    A tied parameter (SmolLM2's ``lm_head.weight`` is ``model.embed_tokens.weight``) is
+    listed once, under its first name, as ``named_parameters()`` and the HF reference list it.
+
     Raises:
         HarnessError: a sharded layout other than a plain split along one dimension
             (sub-parameter / fused layouts are not gathered by this harness).
@@ -234,10 +237,12 @@ def tp_layout(model: nn.Module) -> list[ParamLayout]:
     from deepspeed.module_inject.layers import _get_param_uc_conversion_meta
 
     out: list[ParamLayout] = []
+    seen: set[int] = set()
     for mod_name, mod in model.named_modules():
         for pname, p in mod.named_parameters(recurse=False):
-            if not p.requires_grad:
+            if not p.requires_grad or id(p) in seen:
                 continue
+            seen.add(id(p))
             name = f"{mod_name}.{pname}" if mod_name else pname
             meta = _get_param_uc_conversion_meta(p)
             dim: int | None = None
