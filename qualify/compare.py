@@ -1035,6 +1035,7 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
             else:
                 rows = _complete_rows(ctx, cid=cid, entry=e, cells=cells, outputs=got,
                                       loaded=loaded)
+            if not isinstance(got, str):  # every compared cell: its verdict is its rows'
                 verdict = worst_verdict([r.verdict for r in rows])
                 reason = _cell_reason(verdict, rows) if rows else "nothing was compared"
         elif status == "ERROR":

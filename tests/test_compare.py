@@ -735,3 +735,44 @@ def test_failure_without_a_flip_is_not_annotated(tmp_path: Path) -> None:
     assert grads.verdict == "FAIL"
     assert grads.reason is not None
     assert "clip branch" not in grads.reason
+
+
+# --------------------------------------------------------------------------- sampler cells
+
+SAMPLER = "vllm-fp32-sampler-tp1"
+
+
+def _sampler_meta(first_after_update: int) -> dict[str, Any]:
+    from qualify.sampler_compare import PROBES
+
+    return {
+        "install": {"accepted": True, "acks": [{"rank": 0, "version": 1, "digest": "d0"}],
+                    "expected_digest": ["d0"], "tensors_verified": 3},
+        "final": {"version": 1, "verified": True, "problem": None},
+        "cache_proof": {"cached_tokens_first_after_update": first_after_update,
+                        "cached_tokens_same_version_replay": 32},
+        "probes": [{"name": n, "rejected": True, "stayed": True, "reason": f"{n} refused",
+                    "version_before": 1, "version_after": 1, "expected_check": n,
+                    "record": {"accepted": False, "check": n}} for n in PROBES]}
+
+
+@pytest.mark.parametrize(("first_after_update", "verdict"), [(0, "PASS"), (32, "FAIL")])
+def test_sampler_cell_verdict_is_its_own_rows(tmp_path: Path, first_after_update: int,
+                                              verdict: str) -> None:
+    """A sampler cell judged right after a passing trainer cell gets its own rows' verdict
+    (it once inherited the previous cell's verdict)."""
+    w = World(tmp_path, required=[TP1])
+    w.add_cell(TP1)
+    lp = w.hf["fp32"]["round2/actor/logprobs"].copy()
+    w.add_cell(SAMPLER, outputs={"round2/sampler/logprobs": lp},
+               meta=_sampler_meta(first_after_update))
+    w.cells[SAMPLER]["weights_from"] = TP1
+    report = w.compare(write=False)
+    assert report.verdicts[TP1] == "PASS"
+    assert report.verdicts[SAMPLER] == verdict
+    cell = next(c for c in report.cells if c.cell == SAMPLER)
+    if verdict == "FAIL":
+        assert cell.reason is not None
+        assert "predates the update" in cell.reason
+    else:
+        assert cell.reason is None
