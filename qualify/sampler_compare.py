@@ -8,6 +8,10 @@ cell):
   acknowledgement per TP rank ``(rank, version, digest)``, every rank's installed shards
   equal to the expected per-rank digests, and still equal at the end of the run
   (``final.verified``).
+- ``sampler_install`` / ``kernels``: every rank's GEMM kernels (linear layers, LM head)
+  compute with the installed weights, not the previous version's (``kernel_probe``: on CPU
+  vLLM computes with packed copies the digests cannot read; one stale kernel is a
+  ``FAIL`` naming the rank and layer).
 - ``sampler_cache``: the prefix-cache proof: ``num_cached_tokens`` of the first request
   after the update is 0 (error = that count, bound 0) and the same-version replay reused
   cached tokens (> 0; 0 means the proof could not show the cache was live: ``FAIL``).
@@ -100,6 +104,32 @@ def _install_row(cell: str, tp: int, meta: Mapping[str, Any]) -> Row:
                 obtained=got, expected=want,
                 reason=f"install: {item} is {got}, expected {want}"
                        + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+
+
+def _kernel_row(cell: str, meta: Mapping[str, Any]) -> Row:
+    """The GEMM kernels compute with the installed weights (``kernel_probe``)."""
+    kp = meta.get("kernel_probe")
+    if not isinstance(kp, Mapping) or not isinstance(kp.get("stale"), list):
+        return _row(cell, "sampler_install", "kernels", "stale", ok=False,
+                    where="kernel_probe", obtained="missing", expected="a kernel probe",
+                    reason="kernel probe missing from outputs.json")
+    stale = [str(x) for x in kp["stale"]]
+    probed = int(kp.get("layers_probed") or 0)
+    if not stale and probed > 0:
+        return _row(cell, "sampler_install", "kernels", "stale", error=0.0, ok=True,
+                    where=f"{probed} GEMM kernels, worst rel err vs installed weights "
+                          f"{float(kp.get('worst_err_new', 0.0)):.3g}")
+    if not stale:
+        return _row(cell, "sampler_install", "kernels", "stale", error=0.0, ok=False,
+                    where="kernel_probe", obtained="0 layers probed",
+                    expected="every linear layer and the LM head",
+                    reason="kernel probe: no GEMM kernel was probed")
+    return _row(cell, "sampler_install", "kernels", "stale", error=float(len(stale)),
+                bound=0.0, ok=False, where=stale[0], obtained=f"{len(stale)} stale",
+                expected="0 stale",
+                reason=f"install: {len(stale)} GEMM kernel(s) still compute with the previous "
+                       f"version's weights after the update: {'; '.join(stale[:3])}"
+                       + (f" (and {len(stale) - 3} more)" if len(stale) > 3 else ""))
 
 
 def _cache_row(cell: str, meta: Mapping[str, Any]) -> Row:
@@ -239,7 +269,7 @@ def sampler_rows(*, cell: str, entry: Mapping[str, Any], tensors: Mapping[str, A
         return [_row(cell, "sampler_install", "install", "digest", ok=False,
                      where="outputs.json", obtained=meta_problem, expected="readable JSON",
                      reason=f"outputs.json: {meta_problem}")]
-    rows = [_install_row(cell, tp, meta), _cache_row(cell, meta)]
+    rows = [_install_row(cell, tp, meta), _kernel_row(cell, meta), _cache_row(cell, meta)]
     rows += _probe_rows(cell, meta)
     rows += _vs_actor_rows(cell, tensors, actor=actor, bounds=bounds, mask=mask,
                            weights_from=weights_from)

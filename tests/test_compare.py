@@ -751,6 +751,8 @@ def _sampler_meta(first_after_update: int) -> dict[str, Any]:
         "final": {"version": 1, "verified": True, "problem": None},
         "cache_proof": {"cached_tokens_first_after_update": first_after_update,
                         "cached_tokens_same_version_replay": 32},
+        "kernel_probe": {"version": 1, "previous_file": "/m/v0", "layers_probed": 9,
+                        "changed": 9, "stale": [], "worst_err_new": 1e-7, "tolerance": 1e-3},
         "probes": [{"name": n, "rejected": True, "stayed": True, "reason": f"{n} refused",
                     "version_before": 1, "version_after": 1, "expected_check": n,
                     "record": {"accepted": False, "check": n}} for n in PROBES]}

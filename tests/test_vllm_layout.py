@@ -156,6 +156,8 @@ def _meta(**over: Any) -> dict[str, Any]:
         "final": {"version": 1, "verified": True, "problem": None},
         "cache_proof": {"cached_tokens_first_after_update": 0,
                         "cached_tokens_same_version_replay": 32},
+        "kernel_probe": {"version": 1, "previous_file": "/m/v0", "layers_probed": 9,
+                        "changed": 9, "stale": [], "worst_err_new": 1e-7, "tolerance": 1e-3},
         "probes": [{"name": n, "rejected": True, "stayed": True, "reason": f"{n} refused",
                     "version_before": 1, "version_after": 1, "expected_check": n,
                     "record": {"accepted": False, "check": n}} for n in PROBES],
@@ -225,3 +227,42 @@ def test_round2_over_bound_is_a_fail() -> None:
     assert r.where.startswith("(0, 1)")
     assert r.margin is not None
     assert r.margin > 1
+
+
+# harnesses.vllm.weights.stale_kernels and the comparator's kernel row (no vLLM needed).
+
+from harnesses.vllm.weights import KERNEL_TOL, stale_kernels  # noqa: E402
+
+
+def _probe(rank: int, **layers: tuple[float, float, bool]) -> dict[str, Any]:
+    return {"rank": rank, "layers": {n.replace("__", "."): {"err_new": a, "err_old": b,
+                                                            "changed": c}
+                                     for n, (a, b, c) in layers.items()}}
+
+
+def test_stale_kernels_by_nearest_version() -> None:
+    fresh = _probe(0, model__layers__0__qkv_proj=(1e-7, 2e-4, True),
+                   lm_head=(2e-7, 2e-7, False))  # unchanged weights: equal errors are fine
+    assert stale_kernels([fresh]) == []
+    stale = _probe(1, lm_head=(2.4e-4, 1e-7, True))  # nearer the previous weights
+    assert stale_kernels([fresh, stale]) == [
+        "rank 1: lm_head (rel err vs new 0.00024, vs previous 1e-07)"]
+    garbage = _probe(0, o_proj=(2 * KERNEL_TOL, 3.0, True))  # neither version
+    assert [s.split(" (")[0] for s in stale_kernels([garbage])] == ["rank 0: o_proj"]
+
+
+def test_sampler_kernel_row() -> None:
+    rows = _rows(_meta(), ACTOR, ACTOR)
+    assert rows["sampler_install/kernels/stale"].verdict == "PASS"
+    bad = _meta(kernel_probe={"version": 1, "previous_file": "/v0", "layers_probed": 9,
+                              "changed": 9, "stale": ["rank 0: lm_head (rel err vs new "
+                                                      "0.00024, vs previous 1e-07)"],
+                              "worst_err_new": 2.4e-4, "tolerance": KERNEL_TOL})
+    row = _rows(bad, ACTOR, ACTOR)["sampler_install/kernels/stale"]
+    assert row.verdict == "FAIL"
+    assert row.reason is not None
+    assert "1 GEMM kernel(s) still compute with the previous version's weights" in row.reason
+    assert "rank 0: lm_head" in row.reason
+    missing = _meta()
+    del missing["kernel_probe"]
+    assert _rows(missing, ACTOR, ACTOR)["sampler_install/kernels/stale"].verdict == "FAIL"

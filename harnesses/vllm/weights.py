@@ -132,6 +132,90 @@ def worker_install(worker: Any, weights_dir: str, version: int) -> dict[str, Any
             "reload_s": round(reload_s, 4)}
 
 
+KERNEL_TOL: Final = 1e-3
+"""Largest relative error of a GEMM kernel probe against the weights it should serve (FP32
+packed kernels agree with ``x @ W.T`` to ~1e-6; a kernel serving other weights is judged
+by which version it is nearer to, not by this tolerance alone)."""
+
+
+def worker_kernel_probe(worker: Any, new_file: str, old_file: str,
+                        spec: dict[str, Any], tp: int) -> dict[str, Any]:
+    """Run inside each vLLM worker: which weights does each GEMM kernel compute with?
+
+    The digests of :func:`worker_install` read parameters; on CPU vLLM computes linear
+    layers and the LM head with packed copies made by ``process_weights_after_loading``,
+    which the digests cannot see. This probe runs each such layer's own
+    ``quant_method.apply(layer, x)`` (no bias) on a seeded ``x`` ``[2, in]`` and compares
+    the result with ``x @ W.T`` for this rank's shard ``W`` of the new and of the previous
+    HF weights (:func:`harnesses.vllm.layout.to_vllm_rank`), FP64 reference products.
+
+    Args:
+        worker: the vLLM worker.
+        new_file: HF ``model.safetensors`` just installed.
+        old_file: HF ``model.safetensors`` of the previous version.
+        spec: :class:`harnesses.vllm.layout.LayoutSpec` fields.
+        tp: TP size.
+
+    Returns:
+        ``{"rank", "layers": {module name: {"err_new", "err_old", "changed"}}}`` with
+        relative errors ``max|y - x W.T| / max|x W.T|``.
+    """
+    import torch
+    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    rank = int(get_tensor_model_parallel_rank())
+    lspec = layout.LayoutSpec(**spec)
+    new = layout.to_vllm_rank(load_file(new_file), lspec, tp, rank)
+    old = layout.to_vllm_rank(load_file(old_file), lspec, tp, rank)
+    model = worker.model_runner.get_model()
+    gen = torch.Generator().manual_seed(1234)
+    layers: dict[str, dict[str, Any]] = {}
+    for name, mod in model.named_modules():
+        qm = getattr(mod, "quant_method", None)
+        if qm is None or not isinstance(mod, LinearBase | ParallelLMHead):
+            continue
+        key = f"{name}.weight"
+        if isinstance(mod, ParallelLMHead) and lspec.tie_word_embeddings:
+            key = "model.embed_tokens.weight"
+        w_new, w_old = new.get(key), old.get(key)
+        if w_new is None or w_old is None:
+            continue
+        x = torch.randn(2, w_new.shape[1], generator=gen, dtype=w_new.dtype)
+        with torch.no_grad():
+            y = qm.apply(mod, x, None).double()
+        errs = {}
+        for tag, w in (("err_new", w_new), ("err_old", w_old)):
+            ref = x.double() @ w.double().T
+            errs[tag] = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        layers[name] = {**errs, "changed": not torch.equal(w_new, w_old)}
+    return {"rank": rank, "layers": layers}
+
+
+def stale_kernels(probes: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The GEMM kernels that do not compute with the newly installed weights.
+
+    A layer whose weights changed is stale when its output is at least as near to the
+    previous weights' product as to the new one's; any layer is stale when its error
+    against the new weights exceeds :data:`KERNEL_TOL`.
+
+    Args:
+        probes: the per-rank results of :func:`worker_kernel_probe`.
+
+    Returns:
+        ``"rank r: layer (rel err vs new e1, vs previous e0)"`` per stale kernel.
+    """
+    out = []
+    for pr in sorted(probes, key=lambda p: int(p["rank"])):
+        for name, e in sorted(pr["layers"].items()):
+            nearer_old = bool(e["changed"]) and e["err_old"] <= e["err_new"]
+            if nearer_old or e["err_new"] > KERNEL_TOL:
+                out.append(f"rank {pr['rank']}: {name} (rel err vs new {e['err_new']:.3g}, "
+                           f"vs previous {e['err_old']:.3g})")
+    return out
+
+
 # --------------------------------------------------------------------------- driver side
 
 
@@ -372,6 +456,26 @@ class WeightSync:
                 "acks": [{"rank": int(a["rank"]), "version": int(a["version"]),
                           "digest": str(a["digest"])} for a in acks],
                 "wall_s": round(time.perf_counter() - t0, 4)}
+
+    def kernel_probe(self, previous_file: Path) -> dict[str, Any]:
+        """Probe every rank's GEMM kernels against the current and ``previous_file`` weights.
+
+        Returns:
+            ``{"version", "layers_probed", "stale": [...], "worst_err_new", "ranks"}``
+            (:func:`worker_kernel_probe`, :func:`stale_kernels`), for ``outputs.json``.
+        """
+        spec = dataclasses.asdict(self.spec)
+        probes: list[dict[str, Any]] = self.llm.collective_rpc(
+            worker_kernel_probe, kwargs={"new_file": str(self.current_dir / WEIGHTS_FILE),
+                                         "old_file": str(previous_file), "spec": spec,
+                                         "tp": self.tp})
+        errs = [e["err_new"] for p in probes for e in p["layers"].values()]
+        return {"version": self.version, "previous_file": str(previous_file),
+                "layers_probed": sum(len(p["layers"]) for p in probes),
+                "changed": sum(bool(e["changed"]) for p in probes
+                               for e in p["layers"].values()),
+                "stale": stale_kernels(probes), "worst_err_new": max(errs, default=0.0),
+                "tolerance": KERNEL_TOL}
 
     def verify_current(self) -> tuple[str | None, str | None, int]:
         """Reinstall nothing; re-digest the current version's weights on every rank.
