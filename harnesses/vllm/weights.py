@@ -182,12 +182,16 @@ def worker_kernel_probe(worker: Any, new_file: str, old_file: str,
         w_new, w_old = new.get(key), old.get(key)
         if w_new is None or w_old is None:
             continue
-        x = torch.randn(2, w_new.shape[1], generator=gen, dtype=w_new.dtype)
+        held = next((q for q in mod.parameters() if q.numel() > 0), None)
+        device = held.device if held is not None else torch.device("cpu")
+        dtype = held.dtype if held is not None else w_new.dtype
+        x = torch.randn(2, w_new.shape[1], generator=gen, dtype=torch.float32)
         with torch.no_grad():
-            y = qm.apply(mod, x, None).double()
+            y = qm.apply(mod, x.to(device, dtype), None).double().cpu()
+        x = x.to(dtype).double()  # the input the kernel saw
         errs = {}
         for tag, w in (("err_new", w_new), ("err_old", w_old)):
-            ref = x.double() @ w.double().T
+            ref = x @ w.double().T
             errs[tag] = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
         layers[name] = {**errs, "changed": not torch.equal(w_new, w_old)}
     return {"rank": rank, "layers": layers}
