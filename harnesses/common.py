@@ -16,6 +16,7 @@ last); global rank 0 waits for every part and merges them into ``outputs.safeten
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
@@ -23,7 +24,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -42,6 +43,8 @@ from qualify.protocol import (
     TRAIN_INPUT_KEYS,
     TRAIN_INPUTS_FILE,
     HarnessCell,
+    param_sample_indices,
+    tensor_name,
 )
 
 CONTRACT_JSON: Final = "contract.json"
@@ -223,6 +226,55 @@ def micro_slices(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+# --------------------------------------------------------------------------- what a role reports
+
+
+@dataclasses.dataclass(kw_only=True)
+class RoleOutputs:
+    """What one role reports on one rank: protocol tensors and wall times.
+
+    Each harness's role runner subclasses it and defines :attr:`role` and :attr:`writer`.
+
+    Attributes:
+        tensors: protocol name -> FP32 CPU tensor (kept on the writer rank only).
+        timings: wall seconds per phase.
+    """
+
+    tensors: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def role(self) -> str:
+        """``actor`` or ``critic``."""
+        raise NotImplementedError
+
+    @property
+    def writer(self) -> bool:
+        """Whether this rank keeps and writes the role's tensors (TP rank 0)."""
+        raise NotImplementedError
+
+    def put(self, round_: int, metric: str, value: Tensor, param: str | None = None) -> None:
+        """Keep ``value`` (FP32, CPU) under its protocol name on the writer rank.
+
+        Per-parameter tensors of large parameters are reported at the protocol's seeded
+        sample of elements (:func:`qualify.protocol.param_sample_indices`).
+        """
+        if not self.writer:
+            return
+        out = value.detach().to("cpu", torch.float32)
+        idx = param_sample_indices(param, out.numel()) if param is not None else None
+        if idx is not None:
+            out = out.reshape(-1)[torch.from_numpy(idx)]
+        self.tensors[tensor_name(round_, self.role, metric, param)] = out.contiguous()
+
+    @contextlib.contextmanager
+    def timed(self, key: str) -> Iterator[None]:
+        """Record the wall time of the block under ``key``."""
+        t0 = time.perf_counter()
+        yield
+        self.timings[key] = round(time.perf_counter() - t0, 4)
+
+
 # --------------------------------------------------------------------------- output files
 
 
@@ -290,6 +342,34 @@ def merge_parts(engine: str, roles: Sequence[str], output_dir: Path,
     for role in roles:
         for path in part_paths(output_dir, role):
             path.unlink()
+
+
+def roles(actor_tp: int, critic_tp: int) -> list[str]:
+    """The roles a launch runs, in rank order (a role with TP 0 is absent)."""
+    return [r for r, n in (("actor", actor_tp), ("critic", critic_tp)) if n]
+
+
+def outputs_head(*, engine: str, cell: dict[str, Any], packages: Iterable[str], world: int,
+                 backend: str, device: torch.device, timings: dict[str, float],
+                 shims: Sequence[str], faults: Sequence[str]) -> dict[str, Any]:
+    """The run-level part of ``outputs.json`` that rank 0 hands to :func:`merge_parts`.
+
+    Args:
+        engine: engine name.
+        cell: the ``cell.json`` document this output belongs to.
+        packages: packages whose versions are recorded (:func:`versions`).
+        world: ``WORLD_SIZE``.
+        backend: ``torch.distributed`` backend.
+        device: the ranks' device.
+        timings: rank 0's wall seconds (``merge_s`` is added by the merge).
+        shims: patches the harness applied to the engine or the model code.
+        faults: deliberate faults injected.
+    """
+    return {"schema_version": 1, "engine": engine, "cell": cell,
+            "versions": versions(packages), "world_size": world, "backend": backend,
+            "device": device.type,
+            "ranks": rank_table(int(cell["actor_tp"]), int(cell["critic_tp"])),
+            "timings": timings, "shims": list(shims), "faults": list(faults)}
 
 
 def rank_table(actor_tp: int, critic_tp: int) -> list[dict[str, Any]]:

@@ -190,3 +190,46 @@ def test_harness_main_usage_and_engine(tmp_path: Path,
     assert common.harness_main([str(path)], engine="deepspeed", module="m",
                                run=ran.append) == 0
     assert ran == [cell]
+
+
+def test_outputs_head_and_roles(tmp_path: Path) -> None:
+    cell = HarnessCell(engine="torch_tp", precision="fp32", options={}, actor_tp=2,
+                       critic_tp=1, rounds=2, seed=0, inputs_dir=str(tmp_path),
+                       output_dir=str(tmp_path), faults=("x",))
+    head = common.outputs_head(engine="torch_tp", cell=cell.to_dict(), packages=("torch",),
+                               world=3, backend="gloo", device=torch.device("cpu"),
+                               timings={"init_s": 1.0}, shims=("s",), faults=cell.faults)
+    assert head["ranks"] == common.rank_table(2, 1)
+    assert (head["world_size"], head["device"], head["shims"], head["faults"]) == (
+        3, "cpu", ["s"], ["x"])
+    assert set(head["versions"]) == {"python", "torch"}
+    assert common.roles(2, 1) == ["actor", "critic"]
+    assert common.roles(0, 2) == ["critic"]
+
+
+class _Writer(common.RoleOutputs):
+    def __init__(self, writer: bool) -> None:
+        super().__init__()
+        self._writer = writer
+
+    @property
+    def role(self) -> str:
+        return "critic"
+
+    @property
+    def writer(self) -> bool:
+        return self._writer
+
+
+def test_role_outputs_put_and_timed() -> None:
+    w = _Writer(True)
+    w.put(2, "values", torch.ones(2, 3, dtype=torch.bfloat16))
+    w.put(1, "grads", torch.arange(6.0).reshape(2, 3), param="score.weight")
+    assert set(w.tensors) == {"round2/critic/values", "round1/critic/grads/score.weight"}
+    assert all(t.dtype == torch.float32 for t in w.tensors.values())
+    with w.timed("load_s"):
+        time.sleep(0.01)
+    assert w.timings["load_s"] >= 0.01
+    other = _Writer(False)  # a non-writer rank keeps nothing
+    other.put(1, "values", torch.ones(2))
+    assert other.tensors == {}

@@ -38,7 +38,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Final
@@ -56,8 +56,6 @@ from qualify.errors import HarnessError
 from qualify.protocol import (
     EXTRA_RIGHT_PADDING,
     HarnessCell,
-    param_sample_indices,
-    tensor_name,
 )
 
 ENGINE: Final = "deepspeed"
@@ -104,7 +102,7 @@ def _as_float(x: Any) -> float | None:
 
 
 @dataclasses.dataclass(kw_only=True)
-class VariantRun:
+class VariantRun(common.RoleOutputs):
     """One role x one variant on one rank: a fresh model and engine, and what it reports.
 
     Attributes:
@@ -115,8 +113,7 @@ class VariantRun:
         placement: the role's groups.
         inputs: the harness inputs.
         device: compute device.
-        tensors: protocol name -> FP32 CPU tensor (kept on the writer rank only).
-        timings: wall seconds per phase.
+        tensors, timings: what it reports (:class:`harnesses.common.RoleOutputs`).
     """
 
     cell: HarnessCell
@@ -126,8 +123,6 @@ class VariantRun:
     placement: parallelize.Placement
     inputs: Inputs
     device: torch.device
-    tensors: dict[str, Tensor] = dataclasses.field(default_factory=dict)
-    timings: dict[str, float] = dataclasses.field(default_factory=dict)
     compute_dtypes: set[torch.dtype] = dataclasses.field(default_factory=set)
     master_dtypes: set[torch.dtype] = dataclasses.field(default_factory=set)
     grad_dtypes: set[torch.dtype] = dataclasses.field(default_factory=set)
@@ -150,25 +145,6 @@ class VariantRun:
         """TP rank 0 keeps and writes the role's tensors."""
         return self.placement.tp_rank == 0
 
-    def put(self, round_: int, metric: str, value: Tensor, param: str | None = None) -> None:
-        """Keep ``value`` (FP32, CPU) under its protocol name on the writer rank.
-
-        Per-parameter tensors of large parameters are reported at the protocol's seeded
-        sample of elements (:func:`qualify.protocol.param_sample_indices`).
-        """
-        if self.writer:
-            out = value.detach().to("cpu", torch.float32)
-            idx = param_sample_indices(param, out.numel()) if param is not None else None
-            if idx is not None:
-                out = out.reshape(-1)[torch.from_numpy(idx)]
-            self.tensors[tensor_name(round_, self.role, metric, param)] = out.contiguous()
-
-    @contextlib.contextmanager
-    def timed(self, key: str) -> Iterator[None]:
-        """Record the wall time of the block under ``key``."""
-        t0 = time.perf_counter()
-        yield
-        self.timings[key] = round(time.perf_counter() - t0, 4)
 
     # ----------------------------------------------------------------- engine
 
@@ -613,7 +589,7 @@ def run(cell: HarnessCell) -> None:
         parallelize.skip_shm_comm_build()
         import deepspeed  # noqa: F401  (after the group exists: DeepSpeed adopts it)
 
-        roles = list(parallelize.role_ranks(cell.actor_tp, cell.critic_tp))
+        roles = common.roles(cell.actor_tp, cell.critic_tp)
         init_s = time.perf_counter() - t0
         print(f"[deepspeed] rank {rank}/{world}: {placement.role} tp_rank "
               f"{placement.tp_rank}/{placement.tp} ranks {list(placement.ranks)} on {device} "
@@ -633,21 +609,13 @@ def run(cell: HarnessCell) -> None:
             if rank == 0:
                 cell_doc = {**cell.to_dict(), "precision": precision, "options": {"zero": zero},
                             "output_dir": str(out_dir)}
-                head: dict[str, Any] = {
-                    "schema_version": 1,
-                    "engine": ENGINE,
-                    "cell": cell_doc,
-                    "versions": common.versions(PACKAGES),
-                    "world_size": world,
-                    "backend": backend,
-                    "device": device.type,
-                    "ranks": common.rank_table(cell.actor_tp, cell.critic_tp),
-                    "timings": {"init_s": round(init_s, 4),
-                                "variant_s": round(time.perf_counter() - tv, 4),
-                                "rank0_total_s": round(time.perf_counter() - t0, 4)},
-                    "shims": [parallelize.GROUPS_SHIM, parallelize.SHM_SHIM],
-                    "faults": [],
-                }
+                head = common.outputs_head(
+                    engine=ENGINE, cell=cell_doc, packages=PACKAGES, world=world,
+                    backend=backend, device=device,
+                    timings={"init_s": round(init_s, 4),
+                             "variant_s": round(time.perf_counter() - tv, 4),
+                             "rank0_total_s": round(time.perf_counter() - t0, 4)},
+                    shims=[parallelize.GROUPS_SHIM, parallelize.SHM_SHIM], faults=[])
                 common.merge_parts(ENGINE, roles, out_dir, head)
     finally:
         dist.destroy_process_group()

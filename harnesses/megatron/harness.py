@@ -24,11 +24,10 @@ Reads only ``cell.json`` and, from ``inputs_dir``: ``rollout.safetensors``,
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Final
@@ -47,8 +46,6 @@ from qualify.errors import HarnessError
 from qualify.protocol import (
     EXTRA_RIGHT_PADDING,
     HarnessCell,
-    param_sample_indices,
-    tensor_name,
 )
 
 ENGINE: Final = "megatron"
@@ -89,7 +86,7 @@ def hf_state(path: Path, head: convert.Head) -> tuple[Any, dict[str, Tensor]]:
 
 
 @dataclasses.dataclass(kw_only=True)
-class RoleRun:
+class RoleRun(common.RoleOutputs):
     """One role on one rank: the Megatron model, its scores, its update, what it reports.
 
     Attributes:
@@ -97,8 +94,7 @@ class RoleRun:
         groups: role and process groups.
         batch, contract, dirs: the inputs.
         device: compute device.
-        tensors: protocol name -> FP32 CPU tensor (TP rank 0 only).
-        timings: wall seconds per phase.
+        tensors, timings: what it reports (:class:`harnesses.common.RoleOutputs`).
     """
 
     cell: HarnessCell
@@ -107,8 +103,6 @@ class RoleRun:
     contract: Contract
     dirs: dict[str, Path]
     device: torch.device
-    tensors: dict[str, Tensor] = dataclasses.field(default_factory=dict)
-    timings: dict[str, float] = dataclasses.field(default_factory=dict)
     compute_dtypes: set[str] = dataclasses.field(default_factory=set)
     extra_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -132,22 +126,6 @@ class RoleRun:
         """Running on CPU (scoring only)."""
         return self.device.type == "cpu"
 
-    def put(self, round_: int, metric: str, value: Tensor, param: str | None = None) -> None:
-        """Keep ``value`` (FP32 CPU; sampled when large) under its protocol name."""
-        if not self.writer:
-            return
-        out = value.detach().to("cpu", torch.float32)
-        idx = param_sample_indices(param, out.numel()) if param is not None else None
-        if idx is not None:
-            out = out.reshape(-1)[torch.from_numpy(idx)]
-        self.tensors[tensor_name(round_, self.role, metric, param)] = out.contiguous()
-
-    @contextlib.contextmanager
-    def timed(self, key: str) -> Iterator[None]:
-        """Record the wall time of the block."""
-        t0 = time.perf_counter()
-        yield
-        self.timings[key] = round(time.perf_counter() - t0, 4)
 
     # ----------------------------------------------------------------- model
 
@@ -335,17 +313,14 @@ def run(cell: HarnessCell) -> None:
         if runner.writer:
             common.write_part(ENGINE, output_dir, groups.role, runner.tensors, meta)
         if rank == 0:
-            roles = [r for r, n in (("actor", cell.actor_tp), ("critic", cell.critic_tp)) if n]
-            head: dict[str, Any] = {
-                "schema_version": 1, "engine": ENGINE, "cell": cell.to_dict(),
-                "versions": common.versions(PACKAGES), "world_size": world, "backend": backend,
-                "device": device.type,
-                "ranks": common.rank_table(cell.actor_tp, cell.critic_tp),
-                "timings": {"init_s": round(init_s, 4),
-                            "rank0_total_s": round(time.perf_counter() - t0, 4)},
-                "shims": shims, "faults": [],
-            }
-            common.merge_parts(ENGINE, roles, output_dir, head)
+            head = common.outputs_head(
+                engine=ENGINE, cell=cell.to_dict(), packages=PACKAGES, world=world,
+                backend=backend, device=device,
+                timings={"init_s": round(init_s, 4),
+                         "rank0_total_s": round(time.perf_counter() - t0, 4)},
+                shims=shims, faults=[])
+            common.merge_parts(ENGINE, common.roles(cell.actor_tp, cell.critic_tp),
+                               output_dir, head)
     finally:
         dist.destroy_process_group()
 

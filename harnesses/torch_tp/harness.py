@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Final
@@ -44,11 +44,10 @@ from qualify.protocol import (
     ACTOR_ROUND1_WEIGHTS,
     EXTRA_RIGHT_PADDING,
     HarnessCell,
-    param_sample_indices,
-    tensor_name,
 )
 
 ENGINE: Final = "torch_tp"
+PACKAGES: Final = ("torch", "transformers", "safetensors")
 BF16_MECHANISM: Final = ("torch.autocast(device_type, dtype=torch.bfloat16) over FP32 DTensor "
                          "parameters; losses in FP32")
 
@@ -74,7 +73,7 @@ def response_hidden(model: nn.Module, batch: Batch, shift: int = 0) -> Tensor:
 
 
 @dataclasses.dataclass(kw_only=True)
-class RoleRun:
+class RoleRun(common.RoleOutputs):
     """State of one role on one rank, and what it reports.
 
     Attributes:
@@ -84,8 +83,7 @@ class RoleRun:
         inputs: the harness inputs.
         device: compute device.
         faults: active faults.
-        tensors: protocol name -> FP32 CPU tensor (kept on the writer rank only).
-        timings: wall seconds per phase.
+        tensors, timings: what it reports (:class:`harnesses.common.RoleOutputs`).
         partial_grads: parameters whose gradients arrived ``Partial`` and were reduced.
     """
 
@@ -95,8 +93,6 @@ class RoleRun:
     inputs: Inputs
     device: torch.device
     faults: faults.Faults
-    tensors: dict[str, Tensor] = dataclasses.field(default_factory=dict)
-    timings: dict[str, float] = dataclasses.field(default_factory=dict)
     compute_dtypes: set[torch.dtype] = dataclasses.field(default_factory=set)
     master_dtypes: set[torch.dtype] = dataclasses.field(default_factory=set)
     grad_dtypes: set[torch.dtype] = dataclasses.field(default_factory=set)
@@ -122,25 +118,6 @@ class RoleRun:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def put(self, round_: int, metric: str, value: Tensor, param: str | None = None) -> None:
-        """Keep ``value`` (FP32, CPU) under its protocol name on the writer rank.
-
-        Per-parameter tensors of large parameters are reported at the protocol's seeded
-        sample of elements (:func:`qualify.protocol.param_sample_indices`).
-        """
-        if self.writer:
-            out = value.detach().to("cpu", torch.float32)
-            idx = param_sample_indices(param, out.numel()) if param is not None else None
-            if idx is not None:
-                out = out.reshape(-1)[torch.from_numpy(idx)]
-            self.tensors[tensor_name(round_, self.role, metric, param)] = out.contiguous()
-
-    @contextlib.contextmanager
-    def timed(self, key: str) -> Iterator[None]:
-        """Record the wall time of the block under ``key``."""
-        t0 = time.perf_counter()
-        yield
-        self.timings[key] = round(time.perf_counter() - t0, 4)
 
     # ----------------------------------------------------------------- update step
 
@@ -417,22 +394,13 @@ def run(cell: HarnessCell) -> None:
         if runner.writer:
             common.write_part(ENGINE, output_dir, mesh.role, runner.tensors, meta)
         if rank == 0:
-            head: dict[str, Any] = {
-                "schema_version": 1,
-                "engine": ENGINE,
-                "cell": cell.to_dict(),
-                "versions": common.versions(("torch", "transformers", "safetensors")),
-                "world_size": world,
-                "backend": backend,
-                "device": device.type,
-                "ranks": common.rank_table(cell.actor_tp, cell.critic_tp),
-                "timings": {"init_s": round(init_s, 4),
-                            "rank0_total_s": round(time.perf_counter() - t0, 4)},
-                "shims": [],
-                "faults": list(cell.faults),
-            }
-            common.merge_parts(ENGINE, list(parallelize.role_ranks(cell.actor_tp,
-                                                                   cell.critic_tp)),
+            head = common.outputs_head(
+                engine=ENGINE, cell=cell.to_dict(), packages=PACKAGES, world=world,
+                backend=backend, device=device,
+                timings={"init_s": round(init_s, 4),
+                         "rank0_total_s": round(time.perf_counter() - t0, 4)},
+                shims=[], faults=cell.faults)
+            common.merge_parts(ENGINE, common.roles(cell.actor_tp, cell.critic_tp),
                                output_dir, head)
     finally:
         dist.destroy_process_group()
