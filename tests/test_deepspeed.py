@@ -15,24 +15,27 @@ recomputed from the outputs, DeepSpeed's documented dtype rules.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import math
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForTokenClassification
+from safetensors.torch import load_file
 
 pytest.importorskip("deepspeed")
 
-from harness_outputs import expected_names, family_errors, role_tensors
+from harness_outputs import (
+    TINY,
+    build_inputs,
+    expected_names,
+    family_errors,
+    locked,
+    role_tensors,
+)
 
 from harnesses.deepspeed import losses
 from harnesses.deepspeed.harness import check_cell
@@ -45,9 +48,6 @@ from qualify.protocol import HarnessCell, variant_tag
 from qualify.registry import get_engine
 from qualify.resources import contracts_dir
 
-TINY: dict[str, Any] = {
-    "vocab_size": 384, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
 RESPONSE_LENGTHS = (10, 6, 3, 8, 9, 2)
 R = 10
 LAUNCH_TIMEOUT_S = 400.0
@@ -63,64 +63,6 @@ RUNS: dict[str, dict[str, Any]] = {
 # --------------------------------------------------------------------------- fixtures
 
 
-def _build_inputs(root: Path) -> None:
-    """Tiny Qwen3 actor / critic, a 6-sequence rollout (micro-batches 4 + 2), train inputs."""
-    contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
-    cfg = Qwen3Config(**TINY, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
-                      eos_token_id=2, max_position_embeddings=128)
-    torch.manual_seed(1234)
-    actor = Qwen3ForCausalLM(cfg)
-    critic_cfg = {k: v for k, v in cfg.to_dict().items() if k not in ("id2label", "label2id")}
-    # num_labels goes to PreTrainedConfig via @strict's **kwargs; mypy sees only the fields.
-    critic = Qwen3ForTokenClassification(Qwen3Config(**critic_cfg, num_labels=1))  # type: ignore[call-arg]
-    critic.model.load_state_dict(actor.model.state_dict())
-    actor.save_pretrained(root / "actor")
-    critic.save_pretrained(root / "critic")
-    g = torch.Generator().manual_seed(7)
-    prompts_l = [list(p) for p in contract.prompts.token_ids or ()]
-    prompts_l = (prompts_l * 2)[:len(RESPONSE_LENGTHS)]
-    b, p_len = len(prompts_l), max(map(len, prompts_l))
-    prompts = torch.zeros(b, p_len, dtype=torch.long)
-    responses = torch.zeros(b, R, dtype=torch.long)
-    am = torch.zeros(b, p_len + R, dtype=torch.long)
-    rmask = torch.zeros(b, R, dtype=torch.long)
-    for i, (p, n) in enumerate(zip(prompts_l, RESPONSE_LENGTHS, strict=True)):
-        prompts[i, p_len - len(p):] = torch.tensor(p)
-        toks = torch.randint(3, TINY["vocab_size"], (n,), generator=g)
-        if n < R:
-            toks[-1] = 2  # EOS
-        responses[i, :n] = toks
-        rmask[i, :n] = 1
-        am[i, p_len - len(p):p_len + n] = 1
-    rollout = {"prompts": prompts, "responses": responses, "attention_mask": am,
-               "position_ids": (am.cumsum(1) - 1).clamp(min=0), "response_mask": rmask,
-               "behavior_logprobs": -torch.rand(b, R, generator=g) * rmask,
-               "eos_terminated": torch.tensor([int(n < R) for n in RESPONSE_LENGTHS]),
-               "group_index": torch.arange(b)}
-    train = {"advantages": torch.randn(b, R, generator=g) * rmask,
-             "returns": torch.randn(b, R, generator=g) * rmask}
-    save_file(rollout, str(root / "rollout.safetensors"))
-    save_file(train, str(root / "train_inputs.safetensors"))
-    (root / "contract.json").write_text(json.dumps(contract.to_dict()))
-    (root / "model.json").write_text(json.dumps({
-        "actor_dir": str(root / "actor"), "critic_dir": str(root / "critic"),
-        "ref_dir": str(root / "actor")}))
-    (root / "params.json").write_text(json.dumps({
-        "actor": [n for n, _ in actor.named_parameters()],
-        "critic": [n for n, _ in critic.named_parameters()]}))
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock shared by pytest-xdist workers (``fcntl.flock``)."""
-    with path.open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 class Runs:
     """Each named launch run once per test session, shared by pytest-xdist workers."""
 
@@ -128,10 +70,10 @@ class Runs:
         self.root = root
         self.inputs_dir = root / "inputs"
         root.mkdir(parents=True, exist_ok=True)
-        with _locked(root / "inputs.lock"):
+        with locked(root / "inputs.lock"):
             if not (self.inputs_dir / "params.json").is_file():
                 self.inputs_dir.mkdir(exist_ok=True)
-                _build_inputs(self.inputs_dir)
+                build_inputs(self.inputs_dir, RESPONSE_LENGTHS, R)
         self.contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
         self.rollout = load_file(str(self.inputs_dir / "rollout.safetensors"))
         self.train = load_file(str(self.inputs_dir / "train_inputs.safetensors"))
@@ -142,7 +84,7 @@ class Runs:
         """torchrun with ``qualify.launch``'s command line and environment; then
         :func:`qualify.launch.check_outputs` on every variant's subdirectory."""
         out = self.root / name
-        with _locked(self.root / f"{name}.lock"):
+        with locked(self.root / f"{name}.lock"):
             done = out / "result.json"
             if not done.is_file():
                 spec = RUNS[name]
