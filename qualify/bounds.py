@@ -21,6 +21,10 @@ from qualify.statistics import FAMILY_STATISTIC, ErrorMeasure, MetricKey, compar
 
 CLASSES = ("candidate_vs_hf", "tp_vs_tp1")
 
+ONLY_AT = {"bf16_mode": "bf16", "fp64": "fp32"}
+"""Controls that exist at one precision only: the two BF16 modes, and the FP64 run whose
+distance to the FP32 reference is the reference's own FP32 rounding error."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Bound:
@@ -121,7 +125,7 @@ def compute_bounds(contract: Contract, errors: ControlErrors) -> list[Bound]:
     for prec in sorted(errors):
         for klass, names in classes.items():
             usable = [n for n in names if n in errors[prec]]
-            expected = [n for n in names if n != "bf16_mode" or prec == "bf16"]
+            expected = [n for n in names if n not in ONLY_AT or ONLY_AT[n] == prec]
             missing = sorted(set(expected) - set(usable))
             if missing:
                 raise KeyError(f"controls {missing} not measured at {prec}")

@@ -114,12 +114,16 @@ def _update_run(contract: Contract, bundle: models.ModelBundle, batch: Batch,
                               requires_grad=True)
     ref = models.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
                             requires_grad=False)
+    if settings.precision == "fp64":  # the FP64 control: FP64 copies of the FP32 checkpoint
+        actor, ref = actor.double(), ref.double()
     t, meta["actor"] = run_actor(actor, ref, batch, contract, settings)
     out.update(t)
     del actor, ref
     if contract.algorithm.name != "grpo":
         critic = models.load_critic(bundle.critic_dir, dtype=torch.float32,
                                     attn_implementation=attn, requires_grad=True)
+        if settings.precision == "fp64":
+            critic = critic.double()
         t, meta["critic"] = run_critic(critic, batch, contract, settings)
         out.update(t)
         del critic
@@ -129,7 +133,7 @@ def _update_run(contract: Contract, bundle: models.ModelBundle, batch: Batch,
 
 
 def _reward_scores(contract: Contract, bundle: models.ModelBundle, roll: rollout.Rollout,
-                   *, precision: Precision, bf16_mode: Bf16Mode, attn: str,
+                   *, precision: scoring.Precision, bf16_mode: Bf16Mode, attn: str,
                    micro_batch_size: int,
                    extra_left: int = 0, extra_right: int = 0) -> torch.Tensor:
     if contract.roles.reward == "model":
@@ -152,6 +156,15 @@ def _controls(contract: Contract,
       contract uses 1) with 2 extra left and 3 extra right padding columns.
     - ``bf16_mode`` (BF16 only): autocast over FP32 parameters instead of BF16 parameters
       with an FP32 master copy.
+    - ``fp64`` (FP32 only): the same update and reward scoring in FP64 (models, compute,
+      gradients, AdamW state), reported in FP32. Every FP32 control above runs the
+      reference's own formulas (``log_softmax`` then ``-Σ p log p``, a global norm
+      accumulated in FP64) in another order, so none of them sees the rounding error of
+      those formulas; an engine that computes the same quantity another legitimate way
+      (``lse - Σ p z`` in a vocab-parallel entropy) differs from the reference by up to
+      its own rounding error plus the reference's. The FP64 run measures the reference's
+      share: on smollm2-135m its FP32 entropy is 6.3e-5 from FP64 while torch_tp's
+      ``lse - Σ p z`` is 8.1e-6 from it.
     """
     mbs = contract.algorithm.micro_batch_size
     other_mbs = max(1, mbs // 2) if mbs > 1 else 2
@@ -164,6 +177,9 @@ def _controls(contract: Contract,
         out["microbatch"] = (UpdateSettings(precision=precision, micro_batch_size=other_mbs,
                                             extra_left_padding=2, extra_right_padding=3,
                                             label=f"microbatch-{precision}"), "sdpa")
+    if "fp64" in names and precision == "fp32":
+        out["fp64"] = (UpdateSettings(precision="fp64", micro_batch_size=mbs,
+                                      label="fp64-fp32"), "sdpa")
     if "bf16_mode" in names and precision == "bf16":
         out["bf16_mode"] = (UpdateSettings(precision="bf16", bf16_mode="autocast",
                                            micro_batch_size=mbs, label="bf16_mode-bf16"), "sdpa")
@@ -278,7 +294,8 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
             for name, (settings, attn) in _controls(contract, prec).items():
                 t, meta = _update_run(contract, bundle, batch, settings, attn)
                 t["round1/reward/rewards"] = _reward_scores(
-                    contract, bundle, roll, precision=prec, bf16_mode=settings.bf16_mode,
+                    contract, bundle, roll, precision=settings.precision,
+                    bf16_mode=settings.bf16_mode,
                     attn=attn, micro_batch_size=settings.micro_batch_size,
                     extra_left=settings.extra_left_padding,
                     extra_right=settings.extra_right_padding)

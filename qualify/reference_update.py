@@ -14,6 +14,10 @@ Precisions:
   into the master's ``.grad``; AdamW steps the FP32 master with FP32 state.
 - ``bf16`` with ``bf16_mode="autocast"`` (a control): FP32 parameters under
   ``torch.autocast(dtype=torch.bfloat16)``; gradients land in FP32 directly.
+- ``fp64`` (the ``fp64`` control of the FP32 class): the same code on FP64 copies of the
+  FP32 checkpoint, FP64 compute, gradients and AdamW state; every reported tensor is
+  rounded to FP32 at the end. Its distance to the FP32 reference is the reference's own
+  rounding error, which the FP32 reorder controls cannot see (they share its formulas).
 
 Sources: PPO clipped surrogate and value clipping (Schulman et al. 2017, "Proximal
 Policy Optimization Algorithms"; value clipping as in OpenAI baselines ``ppo2``), KL
@@ -43,15 +47,17 @@ class UpdateSettings:
     """How one reference (or control) update run executes.
 
     Attributes:
-        precision: ``fp32`` or ``bf16``.
-        bf16_mode: ``params`` (BF16 copy of FP32 master) or ``autocast``; ignored at fp32.
+        precision: ``fp32``, ``bf16``, or ``fp64`` (the FP64 control; the caller passes
+            FP64 models).
+        bf16_mode: ``params`` (BF16 copy of FP32 master) or ``autocast``; ignored unless
+            bf16.
         micro_batch_size: sequences per micro-batch.
         extra_left_padding: pad columns prepended to the prompts (attention 0).
         extra_right_padding: pad columns appended to the responses (attention 0).
         label: a name for logs (``hf-fp32``, ``attn_impl-bf16``...).
     """
 
-    precision: Literal["fp32", "bf16"]
+    precision: Literal["fp32", "bf16", "fp64"]
     bf16_mode: Bf16Mode = "params"
     micro_batch_size: int
     extra_left_padding: int = 0
@@ -63,6 +69,11 @@ class UpdateSettings:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.extra_left_padding < 0 or self.extra_right_padding < 0:
             raise ValueError("extra padding must be >= 0")
+
+    @property
+    def accumulate_dtype(self) -> torch.dtype:
+        """The dtype of per-token quantities: FP64 for the FP64 control, else FP32."""
+        return torch.float64 if self.precision == "fp64" else torch.float32
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -148,11 +159,12 @@ def _forward_response_outputs(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 def _token_logprobs_entropy(logits: torch.Tensor, tokens: torch.Tensor,
                             temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``log softmax(logits / T)`` of ``tokens`` and the entropy, both ``[b, R]`` FP32.
+    """``log softmax(logits / T)`` of ``tokens`` and the entropy, both ``[b, R]``.
 
-    The logits are upcast to FP32 first (the reference's choice, as HF's loss does).
+    The logits are upcast to FP32 first (the reference's choice, as HF's loss does); FP64
+    logits (the FP64 control) stay FP64.
     """
-    z = logits.float() / temperature
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     logp_all = torch.log_softmax(z, dim=-1)
     logp = torch.gather(logp_all, -1, tokens.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
@@ -309,8 +321,9 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
     ref_prec = _Precision(ref, settings)
     optim = _adamw(actor, contract.optimizer.actor_lr, contract)
     b, r_len = batch.responses.shape
-    old_logp = torch.zeros(b, r_len)
-    ref_logp = torch.zeros(b, r_len)
+    acc = settings.accumulate_dtype
+    old_logp = torch.zeros(b, r_len, dtype=acc)
+    ref_logp = torch.zeros(b, r_len, dtype=acc)
     compute_dtypes: set[str] = set()
     grad_dtypes: set[str] = set()
     clip_fraction: dict[str, float] = {}
@@ -323,7 +336,7 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
     for round_ in range(1, alg.rounds + 1):
         model = prec.refresh()
         model.eval()  # dropout off (protocol); autograd works in eval mode
-        logp_r, ent_r = torch.zeros(b, r_len), torch.zeros(b, r_len)
+        logp_r, ent_r = torch.zeros(b, r_len, dtype=acc), torch.zeros(b, r_len, dtype=acc)
         sums = {"policy": 0.0, "kl": 0.0, "entropy": 0.0}
         clipped_tokens = 0.0
         for s, mb in batch.micro_batches(settings.micro_batch_size):
@@ -352,8 +365,8 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
         if round_ == 1:
             old_logp = logp_r.clone()
         clip_fraction[f"round{round_}"] = clipped_tokens / n_valid
-        out[tensor_name(round_, "actor", "logprobs")] = logp_r
-        out[tensor_name(round_, "actor", "entropy")] = ent_r
+        out[tensor_name(round_, "actor", "logprobs")] = logp_r.float()
+        out[tensor_name(round_, "actor", "entropy")] = ent_r.float()
         for term, v in sums.items():
             out[tensor_name(round_, "actor", f"loss/{term}")] = torch.tensor(v)
         out[tensor_name(round_, "actor", "loss/total")] = torch.tensor(sum(sums.values()))
@@ -384,14 +397,15 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
     prec = _Precision(critic, settings)
     optim = _adamw(critic, contract.optimizer.critic_lr, contract)
     b, r_len = batch.responses.shape
-    old_values = torch.zeros(b, r_len)
+    acc = settings.accumulate_dtype
+    old_values = torch.zeros(b, r_len, dtype=acc)
     compute_dtypes: set[str] = set()
     grad_dtypes: set[str] = set()
     clip_fraction: dict[str, float] = {}
     for round_ in range(1, alg.rounds + 1):
         model = prec.refresh()
         model.eval()  # dropout off (protocol); autograd works in eval mode
-        values_r = torch.zeros(b, r_len)
+        values_r = torch.zeros(b, r_len, dtype=acc)
         total = 0.0
         clipped_tokens = 0.0
         for s, mb in batch.micro_batches(settings.micro_batch_size):
@@ -399,7 +413,7 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
             with prec.autocast():
                 v = _forward_response_outputs(model, mb)
             compute_dtypes.add(str(v.dtype))
-            values = v.float().squeeze(-1)
+            values = v.to(torch.promote_types(v.dtype, torch.float32)).squeeze(-1)
             old = values.detach() if round_ == 1 else old_values[s]
             ret = mb.returns.float()
             clipped = old + torch.clamp(values - old, -alg.value_clip, alg.value_clip)
@@ -414,7 +428,7 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
         if round_ == 1:
             old_values = values_r.clone()
         clip_fraction[f"round{round_}"] = clipped_tokens / n_valid
-        out[tensor_name(round_, "critic", "values")] = values_r
+        out[tensor_name(round_, "critic", "values")] = values_r.float()
         out[tensor_name(round_, "critic", "loss/value")] = torch.tensor(total)
         out[tensor_name(round_, "critic", "loss/total")] = torch.tensor(total)
         _step("critic", round_, critic, contract, optim=optim, out=out, grad_dtypes=grad_dtypes)

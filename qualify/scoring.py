@@ -14,6 +14,8 @@ parameters, the master copy):
   .to(torch.bfloat16)``; the FP32 master stays in the caller's model), no autocast.
 - ``bf16`` + ``bf16_mode="autocast"``: the FP32 parameters under
   ``torch.autocast(device_type, dtype=torch.bfloat16)``.
+- ``fp64`` (the reference's ``fp64`` control only, never a contract precision): an FP64
+  copy of the parameters, FP64 compute; scores are rounded to FP32 when stored.
 
 The two BF16 modes are the ``bf16_mode`` control of DESIGN.md section 5. Each pass
 records what really ran (parameter dtypes, the autocast state seen by the output head,
@@ -49,7 +51,7 @@ import torch
 from qualify.errors import ContractError, QualifyError
 from qualify.rollout import Rollout
 
-Precision = Literal["fp32", "bf16"]
+Precision = Literal["fp32", "bf16", "fp64"]
 Bf16Mode = Literal["params", "autocast"]
 Role = Literal["policy", "critic", "reward"]
 
@@ -99,6 +101,8 @@ class ScoreRecord:
         """The ``(param_dtypes, autocast_enabled, autocast_dtype, output_dtype)`` requested."""
         if self.precision == "fp32":
             return ("float32",), False, None, "float32"
+        if self.precision == "fp64":
+            return ("float64",), False, None, "float64"
         if self.bf16_mode == "params":
             return ("bfloat16",), False, None, "bfloat16"
         return ("float32",), True, "bfloat16", "bfloat16"
@@ -222,12 +226,12 @@ def _scoring_pass(
         ValueError: the model does not hold FP32 parameters, or bad micro-batch / padding.
         PrecisionMismatchError: the pass did not run at the requested precision.
     """
-    if precision not in ("fp32", "bf16"):
-        raise ContractError(f"precision: {precision!r} is not 'fp32' or 'bf16'")
+    if precision not in ("fp32", "bf16", "fp64"):
+        raise ContractError(f"precision: {precision!r} is not 'fp32', 'bf16' or 'fp64'")
     if precision == "bf16" and bf16_mode not in ("params", "autocast"):
         raise ContractError(f"bf16_mode: {bf16_mode!r}; bf16 needs 'params' or 'autocast'")
-    if precision == "fp32":
-        bf16_mode = None  # a BF16 mode means nothing at FP32; recorded as None
+    if precision != "bf16":
+        bf16_mode = None  # a BF16 mode means nothing at FP32 / FP64; recorded as None
     if micro_batch_size < 1 or extra_left_padding < 0 or extra_right_padding < 0:
         raise ValueError(
             f"micro_batch_size ({micro_batch_size}) must be >= 1 and extra padding "
@@ -238,7 +242,8 @@ def _scoring_pass(
         names = sorted(_dtype_name(d) for d in master)
         raise ValueError(f"{role} model must hold FP32 parameters (the master copy), has {names}")
     device = next(model.parameters()).device
-    run = copy.deepcopy(model).to(torch.bfloat16) if bf16_mode == "params" else model
+    run = (copy.deepcopy(model).to(torch.bfloat16) if bf16_mode == "params"
+           else copy.deepcopy(model).to(torch.float64) if precision == "fp64" else model)
     was_training = run.training
     run.eval()
     autocast: contextlib.AbstractContextManager[Any] = (
@@ -327,7 +332,7 @@ def score_policy(
         micro_batch_size: sequences per forward (>= 1).
         extra_right_padding: pad columns appended to each micro-batch (attention 0).
         extra_left_padding: pad columns prepended to each micro-batch (attention 0).
-        precision: ``fp32`` or ``bf16``.
+        precision: ``fp32``, ``bf16``, or ``fp64`` (the reference's FP64 control).
         bf16_mode: ``params`` or ``autocast``, required with ``bf16``, ignored with ``fp32``.
 
     Returns:
@@ -349,7 +354,8 @@ def score_policy(
     def forward(run: Any, mb: _MicroBatch) -> None:
         device = next(run.parameters()).device
         logits = run(**_to_device(mb, device), use_cache=False).logits  # [b, T, V]
-        z = logits[:, _response_window(mb)].float() / temperature  # [b, R', V] fp32
+        z = logits[:, _response_window(mb)]
+        z = z.to(torch.promote_types(z.dtype, torch.float32)) / temperature  # [b, R', V]
         logp = torch.log_softmax(z, dim=-1)
         tokens = mb.input_ids[:, mb.first_response : mb.first_response + mb.responses_kept]
         lp = logp.gather(-1, tokens.to(device).unsqueeze(-1)).squeeze(-1)  # [b, R']
@@ -399,7 +405,7 @@ def score_values(
         micro_batch_size: sequences per forward (>= 1).
         extra_right_padding: pad columns appended to each micro-batch (attention 0).
         extra_left_padding: pad columns prepended to each micro-batch (attention 0).
-        precision: ``fp32`` or ``bf16``.
+        precision: ``fp32``, ``bf16``, or ``fp64`` (the reference's FP64 control).
         bf16_mode: ``params`` or ``autocast``, required with ``bf16``, ignored with ``fp32``.
 
     Returns:
@@ -471,7 +477,7 @@ def score_rewards(
         micro_batch_size: sequences per forward (>= 1).
         extra_right_padding: pad columns appended to each micro-batch (attention 0).
         extra_left_padding: pad columns prepended to each micro-batch (attention 0).
-        precision: ``fp32`` or ``bf16``.
+        precision: ``fp32``, ``bf16``, or ``fp64`` (the reference's FP64 control).
         bf16_mode: ``params`` or ``autocast``, required with ``bf16``, ignored with ``fp32``.
 
     Returns:

@@ -108,6 +108,8 @@ INVALID: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "two_prompt_sources": (_set("prompts.text", ["hi"]), r"prompts: give exactly one of"),
     "bf16_control_in_tp_class": (_set("bounds.controls.tp_vs_tp1", ["bf16_mode"]),
                                  r"tp_vs_tp1: 'bf16_mode' is not a same-precision"),
+    "fp64_control_in_tp_class": (_set("bounds.controls.tp_vs_tp1", ["fp64"]),
+                                 r"tp_vs_tp1: 'fp64' measures the HF reference's own"),
     "negative_floor": (_set("bounds.floors.fp32.logprobs", -1.0),
                        r"bounds\.floors\.fp32\.logprobs: -1\.0 is less"),
     "zero_temperature": (_set("sampling.temperature", 0),

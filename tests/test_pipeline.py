@@ -75,10 +75,16 @@ def test_reference_is_sealed_read_only_and_complete(reference: Path, contract: C
     fp32 = meta["scoring_records"]["fp32"]["actor"]
     assert "bfloat16" in json.dumps(bf16)
     assert "bfloat16" not in json.dumps(fp32)
+    assert "fp64-fp32" in meta["update_meta"], sorted(meta["update_meta"])
     for label, run in meta["update_meta"].items():
+        state = "torch.float64" if label == "fp64-fp32" else "torch.float32"
         for role in ("actor", "critic"):
-            assert run[role]["optimizer_state"] == {"exp_avg": "torch.float32",
-                                                    "exp_avg_sq": "torch.float32"}, label
+            assert run[role]["optimizer_state"] == {"exp_avg": state, "exp_avg_sq": state}, label
+    assert meta["update_meta"]["fp64-fp32"]["actor"]["master_weights"] == "torch.float64"
+    assert meta["update_meta"]["fp64-fp32"]["actor"]["compute"] == ["torch.float64"]
+    assert {b["control"] for b in bounds if b["precision"] == "fp32"} <= {
+        "attn_impl", "microbatch", "fp64", "none"}
+    assert "fp64" not in {b["control"] for b in bounds if b["precision"] == "bf16"}
 
 
 def test_sealed_reference_is_never_rewritten(reference: Path, contract: Contract,
