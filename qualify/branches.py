@@ -7,11 +7,22 @@ sit on opposite sides of a switch for a token that close to it; their gradients 
 by that token's whole contribution, which the bound of the gradient families (set by
 controls that rarely flip a token) does not cover.
 
-The comparator uses this module to *explain* such a failure, never to pass it: for a
-failing gradient-family row of round ``r >= 2`` it lists the tokens whose branch differs
-between the obtained and the expected run, as each run's own reported ``values`` /
-``logprobs`` place them (the protocol's round-1 outputs are the clip centre). It reads
-only tensors the engines reported and the sealed training inputs; it changes no verdict.
+For a failing gradient-family row of round ``r >= 2`` the comparator lists the tokens
+whose branch differs between the obtained and the expected run, as each run's own reported
+``values`` / ``logprobs`` place them (the protocol's round-1 outputs are the clip centre),
+reading only tensors the engines reported and the sealed training inputs. Then:
+
+- if every such token is one the reference sealed, before any candidate ran, as
+  clip-ambiguous within its sealed bounds (:func:`ambiguous_tokens`,
+  :mod:`qualify.reference_branches`), the round's gradient families are judged, with the
+  same sealed bounds, against the expected run moved to the obtained run's branches by the
+  sealed per-token contributions (:func:`adjusted_expected`); the row says so and keeps
+  the unadjusted error;
+- otherwise the row keeps its verdict and its reason names the flips.
+
+A flip moves every gradient-family metric (the gradient, its norm and clip coefficient,
+AdamW's moments and the update), never a logprob, value or loss: the clipped losses are
+continuous, only their gradients jump.
 
 Switches (``old``: the round-1 value or logprob of the same run):
 
@@ -30,6 +41,9 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+BRANCHES_DIR: Final = "branches"
+BRANCHES_FILE: Final = "branches.json"
+"""Where a sealed reference keeps its clip-ambiguous tokens (:mod:`qualify.reference_branches`)."""
 GRADIENT_FAMILIES: Final = frozenset({"grads", "grad_norm", "clip_coef", "exp_avg",
                                       "exp_avg_sq", "updates"})
 """Families computed from the round's gradient: a branch flip moves them all."""
@@ -126,3 +140,196 @@ def explain(flips: list[dict[str, Any]], *, role: str, round_: int) -> str:
             f"runs' own reported values place them (gradient obtained vs expected): "
             f"{listed}{more}; a flip moves the gradient by that token's whole contribution, "
             f"which the controls behind this bound do not produce")
+
+
+# --------------------------------------------------------------------------- sealed flips
+
+GRID: Final = 17
+"""Points per axis of the critic's ambiguity box (both ends included)."""
+
+
+def ambiguous_tokens(*, role: str, old: npt.ArrayLike, cur: npt.ArrayLike,
+                     train: Mapping[str, Any], mask: npt.ArrayLike, tol_old: float,
+                     tol_cur: float, value_clip: float, clip_ratio: float,
+                     ) -> list[tuple[int, int]]:
+    """Valid tokens whose clip branch can change within the sealed bounds.
+
+    A candidate whose round-1 and round-``r`` values (or logprobs) are each within the
+    sealed ``max_abs`` bound of the reference's can sit on either side of a switch for
+    these tokens, and only for these. The reference stage lists them before any candidate
+    runs (:mod:`qualify.reference_branches`).
+
+    - Actor (the switch depends on ``x = logp_r - logp_old`` and the sign of ``A``): the
+      branch at ``x - tol`` and at ``x + tol`` differ, ``tol = tol_old + tol_cur``.
+    - Critic (the switch depends on ``v_old`` and ``v_r`` separately): the branch is not
+      constant on a :data:`GRID` x :data:`GRID` grid over ``[v_old +- tol_old] x [v_r +-
+      tol_cur]``.
+
+    Args:
+        role: ``actor`` or ``critic``.
+        old: ``[B, R]`` the reference's round-1 logprobs or values.
+        cur: ``[B, R]`` the reference's round-``r`` logprobs or values.
+        train: the sealed ``advantages`` and ``returns``, ``[B, R]``.
+        mask: ``[B, R]`` valid tokens.
+        tol_old: the sealed round-1 bound of the family (candidate_vs_hf).
+        tol_cur: the sealed round-``r`` bound.
+        value_clip: the contract's ``algorithm.value_clip``.
+        clip_ratio: the contract's ``algorithm.clip_ratio``.
+
+    Returns:
+        ``(b, t)`` pairs in row-major order.
+    """
+    o, c = np.asarray(old, np.float64), np.asarray(cur, np.float64)
+    valid = np.asarray(mask).astype(bool)
+    if role == "actor":
+        adv = np.asarray(train["advantages"], np.float64)
+        tol = tol_old + tol_cur
+        lo = actor_full_gradient(np.zeros_like(o), c - o - tol, adv, clip_ratio)
+        hi = actor_full_gradient(np.zeros_like(o), c - o + tol, adv, clip_ratio)
+        amb = lo != hi
+    else:
+        ret = np.asarray(train["returns"], np.float64)[..., None, None]
+        steps = np.linspace(-1.0, 1.0, GRID)
+        olds = o[..., None, None] + tol_old * steps[:, None]
+        curs = c[..., None, None] + tol_cur * steps[None, :]
+        full = critic_full_gradient(olds, curs, ret, value_clip)
+        amb = full.any(axis=(-2, -1)) & ~full.all(axis=(-2, -1))
+    return [(int(b), int(t)) for b, t in zip(*np.nonzero(amb & valid), strict=True)]
+
+
+def token_key(b: int, t: int) -> str:
+    """The name of a sealed token: ``"b_t"``."""
+    return f"{b}_{t}"
+
+
+def contribution_scale(run: Mapping[str, Any], *, role: str, round_: int, b: int, t: int,
+                       train: Mapping[str, Any], n_valid: float) -> float:
+    """``s_t``: the factor of ``J_t`` in token ``(b, t)``'s unclipped-term gradient in ``run``.
+
+    Actor ``-A_t * exp(logp_t - old_t) / N``; critic ``(V_t - G_t) / N``, from ``run``'s own
+    round-1 and round-``r`` logprobs / values (see
+    :func:`qualify.reference_update.token_gradients`).
+    """
+    if role == "actor":
+        old = float(np.asarray(run[f"round1/{role}/logprobs"])[b, t])
+        cur = float(np.asarray(run[f"round{round_}/{role}/logprobs"])[b, t])
+        adv = float(np.asarray(train["advantages"])[b, t])
+        return -adv * float(np.exp(cur - old)) / n_valid
+    v = float(np.asarray(run[f"round{round_}/{role}/values"])[b, t])
+    return (v - float(np.asarray(train["returns"])[b, t])) / n_valid
+
+
+def adjusted_expected(expected: Mapping[str, Any], *, role: str, round_: int,
+                      flips: list[dict[str, Any]], jacobians: Mapping[str, Any],
+                      scalars: Mapping[str, Any], train: Mapping[str, Any], n_valid: float,
+                      lr: float, betas: tuple[float, float], eps: float,
+                      max_grad_norm: float) -> tuple[dict[str, Any], str] | tuple[None, str]:
+    """The expected run's round-``r`` gradient families, moved to the obtained run's branches.
+
+    A flipped token's contribution is ``c_t = s_t J_t``: ``J_t`` sealed by the reference
+    (:func:`qualify.reference_update.token_gradients`), ``s_t`` from the expected run's own
+    values (:func:`contribution_scale`). It is added where the obtained run took the full
+    branch and the expected run the zero one (``sign = +1``) and subtracted in the other
+    case (``sign = -1``). Then, in FP64, with ``w_t = sign_t s_t``:
+
+    - ``g' = g + sum w_t J_t`` (pre-clip gradients, reported elements);
+    - ``|g'|^2 = |g|^2 + 2 sum w_t <g, J_t> + sum_s sum_t w_s w_t <J_s, J_t>`` (the sealed
+      scalars, ``<g, J_t>`` with the reference's ``g``; ``|g|`` is the expected run's
+      reported ``grad_norm``);
+    - ``coef' = min(1, max_grad_norm / (|g'| + 1e-6))`` (``torch.nn.utils.clip_grad_norm_``);
+    - ``m' = m + (1 - b1)(coef' g' - coef g)``, ``v' = v + (1 - b2)((coef' g')^2 -
+      (coef g)^2)`` (AdamW's moments after step ``r``; Loshchilov & Hutter 2019);
+    - ``u' = u - lr / (1 - b1^r) * (m' / (sqrt(v' / (1 - b2^r)) + eps) - m / (sqrt(v / (1 -
+      b2^r)) + eps))`` (the step's Adam part; decoupled weight decay does not change).
+
+    Every other tensor is the expected run's own. Against the reference itself this is
+    exact up to the sealed Gram matrix (exact unless parameters are sampled); against
+    another candidate (TP = n vs TP = 1) ``J_t`` and ``<g, J_t>`` are the reference's, an
+    approximation of the order of the precision's own noise in one token's term.
+
+    Args:
+        expected: protocol tensors of the run judged against (``round{r}/{role}/...``).
+        role: ``actor`` or ``critic``.
+        round_: the round of the flips (>= 2).
+        flips: :func:`flipped_tokens` of the two runs in this round.
+        jacobians: ``{"{b}_{t}/{param}": array}`` sealed for this precision, role and
+            round, shaped like the reported gradients (exact or the protocol's sample).
+        scalars: ``{"tokens": {"b_t": {"dot_grad": <g, J_t>}}, "gram": {"b_t": {"b_t":
+            <J_s, J_t>}}}`` sealed with them.
+        train: the sealed ``advantages`` and ``returns``.
+        n_valid: the number of valid response tokens ``N``.
+        lr: the role's learning rate.
+        betas: AdamW ``(b1, b2)``.
+        eps: AdamW epsilon.
+        max_grad_norm: the clipping threshold.
+
+    Returns:
+        ``(tensors, note)``; ``(None, why)`` when a flipped token is not sealed or a needed
+        tensor is missing.
+    """
+    tok = scalars.get("tokens", {})
+    keys = [token_key(*f["index"]) for f in flips]
+    unsealed = [k for k in keys if k not in tok]
+    if unsealed:
+        return None, (f"flipped token(s) {', '.join(unsealed[:MAX_LISTED])} are not among the "
+                      "tokens the reference sealed as clip-ambiguous")
+    base = f"round{round_}/{role}/"
+    grads = {k[len(base) + 6:]: np.asarray(v, np.float64) for k, v in expected.items()
+             if k.startswith(base + "grads/")}
+    need = [base + "grad_norm", base + "clip_coef"]
+    if not grads or any(n not in expected for n in need):
+        return None, "the expected run lacks this round's gradients, grad_norm or clip_coef"
+    try:
+        weight = {token_key(*f["index"]): (1.0 if f["obtained"] == "full" else -1.0)
+                  * contribution_scale(expected, role=role, round_=round_, b=f["index"][0],
+                                       t=f["index"][1], train=train, n_valid=n_valid)
+                  for f in flips}
+    except KeyError as exc:
+        return None, f"the expected run lacks {exc}"
+    g_new: dict[str, npt.NDArray[np.float64]] = {}
+    for p, g in grads.items():
+        acc = g.copy()
+        for k, w in weight.items():
+            j = jacobians.get(f"{k}/{p}")
+            if j is None or np.shape(j) != g.shape:
+                return None, f"sealed gradient {k}/{p} missing or of another shape"
+            acc += w * np.asarray(j, np.float64)
+        g_new[p] = acc
+    norm = float(np.asarray(expected[base + "grad_norm"], np.float64))
+    coef = float(np.asarray(expected[base + "clip_coef"], np.float64))
+    gram = scalars.get("gram", {})
+    sq = norm * norm + sum(2.0 * w * float(tok[k]["dot_grad"]) for k, w in weight.items())
+    sq += sum(w1 * w2 * float(gram[k1][k2]) for k1, w1 in weight.items()
+              for k2, w2 in weight.items())
+    norm_new = float(np.sqrt(max(sq, 0.0)))
+    coef_new = min(1.0, max_grad_norm / (norm_new + 1e-6))
+    b1, b2 = betas
+    bc1, bc2 = 1.0 - b1**round_, 1.0 - b2**round_
+
+    def adam(m_: npt.NDArray[np.float64], v_: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        return m_ / (np.sqrt(v_ / bc2) + eps)
+
+    out: dict[str, Any] = dict(expected)
+    out[base + "grad_norm"] = np.asarray(norm_new)
+    out[base + "clip_coef"] = np.asarray(coef_new)
+    for p, g in grads.items():
+        out[base + "grads/" + p] = g_new[p]
+        m_name, v_name, u_name = (f"{base}{f}/{p}" for f in ("exp_avg", "exp_avg_sq", "updates"))
+        if m_name not in expected or v_name not in expected:
+            continue
+        m, v = np.asarray(expected[m_name], np.float64), np.asarray(expected[v_name], np.float64)
+        gc, gc_new = coef * g, coef_new * g_new[p]
+        m_new = m + (1.0 - b1) * (gc_new - gc)
+        v_new = np.maximum(v + (1.0 - b2) * (gc_new**2 - gc**2), 0.0)
+        out[m_name], out[v_name] = m_new, v_new
+        if u_name in expected:
+            out[u_name] = (np.asarray(expected[u_name], np.float64)
+                           - lr / bc1 * (adam(m_new, v_new) - adam(m, v)))
+    listed = ", ".join(f"({f['index'][0]}, {f['index'][1]}) "
+                       f"{'added' if f['obtained'] == 'full' else 'removed'}"
+                       for f in flips[:MAX_LISTED])
+    more = f" and {len(weight) - MAX_LISTED} more" if len(weight) > MAX_LISTED else ""
+    note = (f"expected moved to the obtained run's clip branches by the reference's sealed "
+            f"gradients of {len(weight)} round-{round_} {role} token(s): {listed}{more}; "
+            f"grad_norm {norm:.6g} -> {norm_new:.6g}")
+    return out, note

@@ -187,6 +187,10 @@ class Row:
         reason: why it is not ``PASS`` (``None`` for ``PASS``).
         where: the worst element: token ``(b, t)``, parameter, loss term, dtype entry.
         detail: the pytest-approx-style detail of a ``FAIL`` row.
+        adjustment: for a round >= 2 gradient-family row judged against the expected run
+            moved to the obtained run's clip branches (:func:`qualify.branches
+            .adjusted_expected`): which sealed tokens moved it, and the unadjusted error
+            and margin; ``None`` otherwise.
     """
 
     cell: str
@@ -204,6 +208,7 @@ class Row:
     reason: str | None
     where: str
     detail: FailureDetail | None = None
+    adjustment: str | None = None
 
     @property
     def metric(self) -> str:
@@ -221,7 +226,8 @@ class Row:
                 "error": json_number(self.error), "bound": json_number(self.bound),
                 "margin": json_number(self.margin), "verdict": self.verdict,
                 "reason": self.reason, "where": self.where,
-                "detail": self.detail.to_dict() if self.detail else None}
+                "detail": self.detail.to_dict() if self.detail else None,
+                "adjustment": self.adjustment}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -552,15 +558,17 @@ def declared_not_run(meta: Mapping[str, Any] | None, round_: int | None,
 
 def _compare_rows(*, cell: str, klass: str, precision: str, bounds: Sequence[Bound],
                   obtained: Mapping[str, Any], expected: Mapping[str, Any],
-                  mask: npt.NDArray[Any], meta: Mapping[str, Any] | None = None) -> list[Row]:
+                  mask: npt.NDArray[Any], meta: Mapping[str, Any] | None = None,
+                  scale: Mapping[str, Any] | None = None) -> list[Row]:
     """Rows of one class: every metric of ``expected`` measured in ``obtained``.
 
     A metric absent from ``obtained`` that the harness declared not run (see
-    :func:`declared_not_run`) is a ``NOT_RUN`` row with the declared reason.
+    :func:`declared_not_run`) is a ``NOT_RUN`` row with the declared reason. ``scale``: the
+    unmoved expected run when ``expected`` was moved to other clip branches.
     """
     got, want = group_tensors(obtained), group_tensors(expected)
     out = []
-    for key, m in compare_sets(obtained, expected, mask).items():
+    for key, m in compare_sets(obtained, expected, mask, scale).items():
         why = None if key in got else declared_not_run(meta, key.round, key.family)
         if why is not None:
             out += _not_run_rows(cell, klass, klass, [key], why)
@@ -823,14 +831,74 @@ class _Ctx:
     hf: dict[str, dict[str, npt.NDArray[Any]] | None]
     contract: Contract | None = None
     train: dict[str, npt.NDArray[Any]] = dataclasses.field(default_factory=dict)
+    branches: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def _with_branch_flips(ctx: _Ctx, rows: list[Row], *, role: str, obtained: Mapping[str, Any],
-                       expected: Mapping[str, Any]) -> list[Row]:
-    """Explain failing gradient-family rows of rounds >= 2 by clip-branch flips.
+def _sealed_branches(ctx: _Ctx, precision: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The reference's ``branches.json`` and ``branches/hf-{precision}`` tensors, or empty."""
+    from qualify.branches import BRANCHES_DIR, BRANCHES_FILE
 
-    Appends to each such row's reason the tokens whose clip branch differs between
-    ``obtained`` and ``expected`` (:mod:`qualify.branches`). Verdicts are unchanged.
+    if "doc" not in ctx.branches:
+        path = ctx.ref_dir / BRANCHES_FILE
+        ctx.branches["doc"] = _read_json(path) if path.is_file() else {}
+    if precision not in ctx.branches:
+        path = ctx.ref_dir / BRANCHES_DIR / f"hf-{precision}.safetensors"
+        ctx.branches[precision] = store.load_tensors(path) if path.is_file() else {}
+    return ctx.branches["doc"], ctx.branches[precision]
+
+
+def _adjusted_rows(ctx: _Ctx, rows: list[Row], *, cell: str, klass: str, precision: str,
+                   role: str, rnd: int, flips: list[dict[str, Any]],
+                   obtained: Mapping[str, Any], expected: Mapping[str, Any],
+                   meta: Mapping[str, Any] | None) -> tuple[list[Row] | None, str]:
+    """Round ``rnd``'s gradient-family rows against the flip-adjusted expected run."""
+    from qualify import branches
+
+    assert ctx.contract is not None
+    doc, tensors = _sealed_branches(ctx, precision)
+    sealed = (doc.get("precisions", {}).get(precision, {}).get(role, {})
+              .get(f"round{rnd}"))
+    if not sealed:
+        return None, "the reference sealed no clip-branch contributions for this round"
+    prefix = f"round{rnd}/{role}/"
+    jacobians = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    opt = ctx.contract.optimizer
+    lr = opt.actor_lr if role == "actor" else opt.critic_lr
+    adjusted, note = branches.adjusted_expected(
+        expected, role=role, round_=rnd, flips=flips, jacobians=jacobians, scalars=sealed,
+        train=ctx.train, n_valid=float(np.asarray(ctx.mask).sum()), lr=lr,
+        betas=(float(opt.betas[0]), float(opt.betas[1])), eps=opt.eps,
+        max_grad_norm=opt.max_grad_norm)
+    if adjusted is None:
+        return None, note
+    again = {(r.round, r.family, r.variant): r for r in _compare_rows(
+        cell=cell, klass=klass, precision=precision, bounds=ctx.bounds, obtained=obtained,
+        expected=adjusted, mask=ctx.mask, meta=meta, scale=expected)}
+    out = []
+    for row in rows:
+        if row.round == rnd and row.family in branches.GRADIENT_FAMILIES and not row.variant:
+            new = again[(row.round, row.family, row.variant)]
+            was = f"unadjusted error {row.error:.6g}, margin {row.margin:.3g}" \
+                if row.error is not None and row.margin is not None else "unadjusted: -"
+            out.append(dataclasses.replace(new, adjustment=f"{note}; {was}"))
+        else:
+            out.append(row)
+    return out, note
+
+
+def _with_branch_flips(ctx: _Ctx, rows: list[Row], *, cell: str, klass: str, precision: str,
+                       role: str, obtained: Mapping[str, Any], expected: Mapping[str, Any],
+                       meta: Mapping[str, Any] | None = None) -> list[Row]:
+    """Handle failing gradient-family rows of rounds >= 2 that a clip-branch flip explains.
+
+    For each such round, the tokens whose clip branch differs between ``obtained`` and
+    ``expected`` (as each run's own reported values place them, :mod:`qualify.branches`)
+    are found. When every one of them is a token the reference sealed as clip-ambiguous
+    (:mod:`qualify.reference_branches`), the round's gradient-family rows are judged again,
+    with the same sealed bounds, against the expected run moved to the obtained run's
+    branches (:func:`qualify.branches.adjusted_expected`); each such row records the
+    adjustment and its unadjusted error. Otherwise the failing rows keep their verdict and
+    their reason names the flips and why no adjustment applies.
     """
     from qualify import branches
 
@@ -842,21 +910,38 @@ def _with_branch_flips(ctx: _Ctx, rows: list[Row], *, role: str, obtained: Mappi
     if not ctx.train and path.is_file():
         ctx.train.update(store.load_tensors(path))
     alg = ctx.contract.algorithm
+    failing = sorted({int(r.round or 0) for r in rows if r.verdict == "FAIL"
+                      and (r.round or 0) >= 2 and r.family in branches.GRADIENT_FAMILIES})
     notes: dict[int, str] = {}
+    for rnd in failing:
+        flips = branches.flipped_tokens(
+            obtained, expected, role=role, round_=rnd, train=ctx.train, mask=ctx.mask,
+            value_clip=alg.value_clip, clip_ratio=alg.clip_ratio) \
+            if {"advantages", "returns"} <= set(ctx.train) else None
+        if not flips:
+            continue
+        earlier = [r for r in range(2, rnd) if branches.flipped_tokens(
+            obtained, expected, role=role, round_=r, train=ctx.train, mask=ctx.mask,
+            value_clip=alg.value_clip, clip_ratio=alg.clip_ratio)]
+        if earlier:
+            why = f"branches also differ in round(s) {earlier}, whose steps this round inherits"
+        else:
+            adjusted, why = _adjusted_rows(ctx, rows, cell=cell, klass=klass,
+                                           precision=precision, role=role, rnd=rnd,
+                                           flips=flips, obtained=obtained, expected=expected,
+                                           meta=meta)
+            if adjusted is not None:
+                rows = adjusted
+                continue
+        notes[rnd] = f"{branches.explain(flips, role=role, round_=rnd)}; not adjusted: {why}"
     out = []
     for row in rows:
         rnd = int(row.round or 0)
-        if row.verdict == "FAIL" and rnd >= 2 and row.family in branches.GRADIENT_FAMILIES:
-            if rnd not in notes:
-                flips = branches.flipped_tokens(
-                    obtained, expected, role=role, round_=rnd, train=ctx.train, mask=ctx.mask,
-                    value_clip=alg.value_clip, clip_ratio=alg.clip_ratio) \
-                    if {"advantages", "returns"} <= set(ctx.train) else None
-                notes[rnd] = branches.explain(flips or [], role=role, round_=rnd)
-            if notes[rnd]:
-                out.append(dataclasses.replace(row, reason=f"{row.reason}; {notes[rnd]}"))
-                continue
-        out.append(row)
+        if (row.verdict == "FAIL" and rnd in notes and row.family in branches.GRADIENT_FAMILIES
+                and row.adjustment is None):
+            out.append(dataclasses.replace(row, reason=f"{row.reason}; {notes[rnd]}"))
+        else:
+            out.append(row)
     return out
 
 
@@ -893,7 +978,8 @@ def _complete_rows(ctx: _Ctx, *, cid: str, entry: Mapping[str, Any], cells: Mapp
             ctx, _compare_rows(cell=cid, klass="candidate_vs_hf", precision=precision,
                                bounds=ctx.bounds, obtained=mine, expected=expected,
                                mask=ctx.mask, meta=outputs.meta),
-            role=role, obtained=mine, expected=expected)
+            cell=cid, klass="candidate_vs_hf", precision=precision, role=role,
+            obtained=mine, expected=expected, meta=outputs.meta)
     if tp > 1:
         tp1_id, tp1 = _same_cell_tp1(cells, entry)
         got = loaded.get(tp1_id) if tp1_id else None
@@ -903,7 +989,8 @@ def _complete_rows(ctx: _Ctx, *, cid: str, entry: Mapping[str, Any], cells: Mapp
                 ctx, _compare_rows(cell=cid, klass="tp_vs_tp1", precision=precision,
                                    bounds=ctx.bounds, obtained=mine, expected=ref1,
                                    mask=ctx.mask, meta=outputs.meta),
-                role=role, obtained=mine, expected=ref1)
+                cell=cid, klass="tp_vs_tp1", precision=precision, role=role,
+                obtained=mine, expected=ref1, meta=outputs.meta)
         else:
             status = tp1.get("status") if isinstance(tp1, Mapping) else "absent from run.json"
             why = f": {got}" if isinstance(got, str) else ""

@@ -9,7 +9,9 @@ Steps (DESIGN.md section 4), each writing into an unsealed directory
 4. PPO / GRPO targets in FP64 (numpy) from the FP32 scores;
 5. the independent reference update (HF + ``torch.optim.AdamW``) at each precision;
 6. the independent controls, their errors and the bounds (``bounds.json``);
-7. environment capture, ``MANIFEST.json`` last, files read-only.
+7. the clip-ambiguous tokens and their sealed gradient contributions
+   (:mod:`qualify.reference_branches`: ``branches.json``, ``branches/``);
+8. environment capture, ``MANIFEST.json`` last, files read-only.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from qualify.environment import capture_environment
 from qualify.errors import ContractError, ReferenceDataError
 from qualify.progress import Progress
 from qualify.protocol import ROLLOUT_META_FILE, TRAIN_INPUTS_FILE
+from qualify.reference_branches import adjust_control_errors, seal_branches
 from qualify.reference_update import Batch, Bf16Mode, UpdateSettings, run_actor, run_critic
 from qualify.signing import seal_and_sign
 
@@ -213,7 +216,8 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
     timings: dict[str, float] = {}
     precisions = list(contract.matrix.precisions)
     mbs = contract.algorithm.micro_batch_size
-    steps = ["models", "rollout", "scoring", "targets", "updates", "controls", "seal"]
+    steps = ["models", "rollout", "scoring", "targets", "updates", "controls", "branches",
+             "seal"]
     with Progress(total=len(steps), description=f"reference {contract.name}",
                   quiet=quiet) as bar:
 
@@ -309,13 +313,25 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
              for p, runs in control_runs.items()},
             mask,
         )
+        bounds = compute_bounds(contract, errors)
+
+        step("branches")
+        train_np = {k: v.numpy() for k, v in train.items()}
+        branch_doc = seal_branches(contract, bundle, batch, ref_runs=ref_runs, bounds=bounds,
+                                   train=train_np, mask=mask, out=out)
+        adjustments = adjust_control_errors(
+            contract, errors,
+            ref_runs={p: {k: v.numpy() for k, v in t.items()} for p, t in ref_runs.items()},
+            control_runs={p: {n: {k: v.numpy() for k, v in t.items()} for n, t in runs.items()}
+                          for p, runs in control_runs.items()},
+            doc=branch_doc, out=out, train=train_np, mask=mask)
+        bounds = compute_bounds(contract, errors)
         store.atomic_write_json(out / CONTROL_ERRORS_FILE, {
             prec: {name: {key.label: {"value": e.value, "where": e.where,
                                       "max_abs": e.max_abs, "max_rel": e.max_rel}
                           for key, e in errs.items()}
                    for name, errs in by_control.items()}
             for prec, by_control in errors.items()})
-        bounds = compute_bounds(contract, errors)
         store.atomic_write_json(out / BOUNDS_FILE, bounds_document(contract, bounds),
                                 schema="bounds")
 
@@ -335,6 +351,11 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
             "scoring_records": records,
             "update_meta": update_meta,
             "coverage": coverage,
+            "control_clip_branch_adjustments": adjustments,
+            "clip_ambiguous_tokens": {
+                prec: {role: {rnd: len(d["tokens"]) for rnd, d in by_round.items()}
+                       for role, by_round in by_role.items()}
+                for prec, by_role in branch_doc["precisions"].items()},
             "step_started_s": {k: round(v - t0, 3) for k, v in timings.items()},
         })
         seal_and_sign(out, kind=REFERENCE_KIND)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -40,6 +40,12 @@ from qualify.contract import Contract
 from qualify.protocol import param_sample_indices, tensor_name
 
 Bf16Mode = Literal["params", "autocast"]
+RoundHook = Callable[[int, nn.Module, nn.Module, "Batch", torch.Tensor], None]
+"""``hook(round_, work, master, batch, old)``, called after a round's backward and before
+its optimizer step: ``work`` is the module the round ran forward on (the master, or its BF16
+copy), ``master`` holds the round's whole pre-clip gradient in ``.grad``, ``batch`` is the
+batch as the run padded it, ``old`` the run's ``[B, R]`` round-1 logprobs (actor) or values
+(critic), the clip centre."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -299,7 +305,8 @@ def _state_dtypes(optim: torch.optim.Optimizer) -> dict[str, str]:
 
 
 def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract,
-              settings: UpdateSettings) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+              settings: UpdateSettings, *, on_round: RoundHook | None = None,
+              ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Run ``rounds`` PPO actor steps on ``batch`` (protocol semantics).
 
     Args:
@@ -308,6 +315,8 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
         batch: the rollout and training inputs.
         contract: supplies temperature, clip ratio, KL/entropy coefficients, AdamW settings.
         settings: precision, micro-batching and padding of this run.
+        on_round: optional :data:`RoundHook` (the sealed clip-branch contributions of
+            :mod:`qualify.reference_branches` use it); it must not touch ``.grad``.
 
     Returns:
         ``(tensors, meta)``: tensors under protocol names (``round{r}/actor/...``), FP32 CPU;
@@ -370,6 +379,8 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
         for term, v in sums.items():
             out[tensor_name(round_, "actor", f"loss/{term}")] = torch.tensor(v)
         out[tensor_name(round_, "actor", "loss/total")] = torch.tensor(sum(sums.values()))
+        if on_round is not None:
+            on_round(round_, model, actor, batch, old_logp)
         _step("actor", round_, actor, contract, optim=optim, out=out, grad_dtypes=grad_dtypes)
     meta = _run_meta(actor, optim, grad_dtypes, compute_dtypes, settings)
     meta["policy_clip_fraction"] = clip_fraction
@@ -377,7 +388,8 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
 
 
 def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
-               settings: UpdateSettings) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+               settings: UpdateSettings, *, on_round: RoundHook | None = None,
+               ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Run ``rounds`` clipped-value-loss critic steps on ``batch`` (protocol semantics).
 
     Args:
@@ -386,6 +398,7 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
         batch: the rollout and training inputs (``returns`` are the value targets).
         contract: supplies value clip range and AdamW settings.
         settings: precision, micro-batching and padding of this run.
+        on_round: optional :data:`RoundHook`, as in :func:`run_actor`.
 
     Returns:
         ``(tensors, meta)`` as :func:`run_actor`, under ``round{r}/critic/...``.
@@ -431,10 +444,73 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
         out[tensor_name(round_, "critic", "values")] = values_r.float()
         out[tensor_name(round_, "critic", "loss/value")] = torch.tensor(total)
         out[tensor_name(round_, "critic", "loss/total")] = torch.tensor(total)
+        if on_round is not None:
+            on_round(round_, model, critic, batch, old_values)
         _step("critic", round_, critic, contract, optim=optim, out=out, grad_dtypes=grad_dtypes)
     meta = _run_meta(critic, optim, grad_dtypes, compute_dtypes, settings)
     meta["value_clip_fraction"] = clip_fraction
     return out, meta
+
+
+def token_gradients(work: nn.Module, master: nn.Module, batch: Batch, contract: Contract,
+                    settings: UpdateSettings, *, role: str,
+                    tokens: Sequence[tuple[int, int]],
+                    ) -> Iterator[tuple[tuple[int, int], dict[str, torch.Tensor]]]:
+    """The parameter gradient of each listed token's logprob (actor) or value (critic).
+
+    A token that a clip switch turns on or off (:mod:`qualify.branches`) moves the round's
+    gradient by its unclipped term's gradient, ``s_t * J_t`` with ``J_t`` computed here:
+
+    - Actor: ``J_t = d logp_t / d theta``, ``s_t = -A_t * exp(logp_t - old_t) / N`` (the
+      unclipped surrogate, Schulman et al. 2017 eq. 7; the KL and entropy terms are smooth).
+    - Critic: ``J_t = d V_t / d theta``, ``s_t = (V_t - G_t) / N`` (the unclipped value
+      loss ``0.5 (V_t - G_t)^2 / N``).
+
+    ``N`` is the number of valid tokens. The scalar ``s_t`` is left to the comparator, which
+    takes it from the run it adjusts (its own values and logprobs). Each micro-batch that
+    holds a listed token runs forward once on ``work`` at this run's precision (autocast as
+    the run does); each ``J_t`` is ``torch.autograd.grad`` (``.grad`` is not touched), cast
+    to FP32 like the run's gradients.
+
+    Args:
+        work: the module the round ran forward on (from a :data:`RoundHook`).
+        master: the FP32 master (its trainable parameter names key the result).
+        batch: the batch as the run padded it (from the hook).
+        contract: supplies the temperature.
+        settings: this run's settings (micro-batch size, precision).
+        role: ``actor`` or ``critic``.
+        tokens: ``(b, t)`` response positions, each valid.
+
+    Yields:
+        ``((b, t), {parameter name: FP32 tensor shaped like the parameter})`` per token,
+        in batch order.
+
+    Raises:
+        ValueError: a token lies outside the batch.
+    """
+    names = [n for n, p in master.named_parameters() if p.requires_grad]
+    params = dict(work.named_parameters())
+    prec = _Precision(master, settings)
+    wanted = {(int(b), int(t)) for b, t in tokens}
+    for s, mb in batch.micro_batches(settings.micro_batch_size):
+        here = sorted((b, t) for b, t in wanted if s.start <= b < s.stop)
+        if not here:
+            continue
+        with prec.autocast():
+            out = _forward_response_outputs(work, mb)
+        if role == "actor":
+            x, _ = _token_logprobs_entropy(out, mb.responses, contract.sampling.temperature)
+        else:
+            x = out.to(torch.promote_types(out.dtype, torch.float32)).squeeze(-1)
+        for b, t in here:
+            grads = torch.autograd.grad(x[b - s.start, t], [params[n] for n in names],
+                                        retain_graph=True, allow_unused=True)
+            yield (b, t), {
+                n: (torch.zeros(params[n].shape) if g is None else g.detach().to(torch.float32))
+                for n, g in zip(names, grads, strict=True)}
+            wanted.discard((b, t))
+    if wanted:
+        raise ValueError(f"tokens {sorted(wanted)} are outside the batch")
 
 
 def strip_padding(tensors: dict[str, torch.Tensor], r_len: int) -> dict[str, torch.Tensor]:

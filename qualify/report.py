@@ -7,7 +7,8 @@
 - ``report.md``: the result and digests; a matrix of cells x metric families (pandas
   ``DataFrame.to_markdown``, tabulate), each entry the worst verdict of that family's rows
   and its worst margin; the per-cell summary; a pytest-approx-style detail block for each
-  failure; the errors and checks not run; the field mismatch table with its caveat.
+  failure; the errors and checks not run; the rows judged against a clip-branch adjusted
+  expected run (:mod:`qualify.branches`); the field mismatch table with its caveat.
 
 Both files are written atomically (:func:`qualify.store.atomic_write_json` /
 :func:`qualify.store.atomic_write_text`: temp file, fsync, ``os.replace``), and never
@@ -208,6 +209,17 @@ def render_markdown(report: Report) -> str:
         lines += [_markdown_table(("cell", "class", "metric", "verdict", "reason"),
                                   [(r.cell, r.klass, r.metric, r.verdict, r.reason)
                                    for r in others]), ""]
+    else:
+        lines += ["None.", ""]
+    adjusted = [r for r in report.rows if r.adjustment]
+    lines += ["## Clip-branch adjusted comparisons", "",
+              "Round >= 2 gradient-family rows judged against the expected run moved to the "
+              "obtained run's clip branches by contributions the reference sealed before any "
+              "candidate ran (same sealed bounds; `qualify/branches.py`).", ""]
+    if adjusted:
+        lines += [_markdown_table(("cell", "class", "metric", "verdict", "margin", "adjustment"),
+                                  [(r.cell, r.klass, r.metric, r.verdict, _num(r.margin),
+                                    r.adjustment) for r in adjusted]), ""]
     else:
         lines += ["None.", ""]
     lines += ["## Field mismatch (informational, not gated)", "",

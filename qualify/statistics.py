@@ -136,12 +136,18 @@ def scalar_abs(obtained: float, expected: float) -> ErrorMeasure:
 
 
 def max_rel_l2(obtained: Mapping[str, npt.ArrayLike],
-               expected: Mapping[str, npt.ArrayLike]) -> ErrorMeasure:
+               expected: Mapping[str, npt.ArrayLike],
+               scale: Mapping[str, npt.ArrayLike] | None = None) -> ErrorMeasure:
     """Max over parameters of the relative L2 error ``||a_p - b_p|| / ||b_p||``.
 
     Args:
         obtained: parameter name -> tensor (any shape) of the candidate.
         expected: parameter name -> tensor, the expected values.
+        scale: for an expected run moved to other clip branches
+            (:func:`qualify.branches.adjusted_expected`), the unmoved tensors: the
+            denominator is then ``max(||b_p||, ||scale_p||)``. The move shifts the expected
+            value by a known amount; it does not shrink the rounding noise the bound was
+            calibrated on, which scales with the unmoved magnitudes.
 
     Returns:
         The :class:`ErrorMeasure` naming the worst parameter. A parameter missing on
@@ -165,6 +171,8 @@ def max_rel_l2(obtained: Mapping[str, npt.ArrayLike],
                                 max_rel=float("inf"))
         d = a - b
         nd, nb = float(np.linalg.norm(d)), float(np.linalg.norm(b))
+        if scale is not None and name in scale:
+            nb = max(nb, float(np.linalg.norm(_f64(scale[name]))))
         err = nd / nb if nb > 0 else nd
         if err > 0:
             mism += 1
@@ -226,7 +234,8 @@ def group_tensors(tensors: Mapping[str, npt.ArrayLike]) -> dict[MetricKey, dict[
 
 
 def measure(key: MetricKey, obtained: Mapping[str, Any], expected: Mapping[str, Any],
-            response_mask: npt.ArrayLike | None) -> ErrorMeasure:
+            response_mask: npt.ArrayLike | None,
+            scale: Mapping[str, Any] | None = None) -> ErrorMeasure:
     """Apply the family's declared statistic to one metric group.
 
     Args:
@@ -234,13 +243,14 @@ def measure(key: MetricKey, obtained: Mapping[str, Any], expected: Mapping[str, 
         obtained: ``{member: array}`` of the candidate (or control).
         expected: ``{member: array}`` of the reference.
         response_mask: ``[B, R]`` mask for per-token families (``None`` = all count).
+        scale: ``{member: array}`` denominators for ``max_rel_l2`` (see :func:`max_rel_l2`).
 
     Returns:
         The :class:`ErrorMeasure`; ``inf`` when members are missing on either side.
     """
     stat = FAMILY_STATISTIC[key.family]
     if stat == "max_rel_l2":
-        return max_rel_l2(obtained, expected)
+        return max_rel_l2(obtained, expected, scale)
     if set(obtained) != set(expected):
         diff = sorted(set(obtained) ^ set(expected))
         return ErrorMeasure(value=float("inf"), where=f"members differ: {diff}", mismatched=1,
@@ -265,14 +275,19 @@ def measure(key: MetricKey, obtained: Mapping[str, Any], expected: Mapping[str, 
 
 
 def compare_sets(obtained: Mapping[str, npt.ArrayLike], expected: Mapping[str, npt.ArrayLike],
-                 response_mask: npt.ArrayLike | None) -> dict[MetricKey, ErrorMeasure]:
+                 response_mask: npt.ArrayLike | None,
+                 scale: Mapping[str, npt.ArrayLike] | None = None,
+                 ) -> dict[MetricKey, ErrorMeasure]:
     """Measure every metric present in ``expected`` (missing in ``obtained`` -> ``inf``).
 
     Args:
         obtained: protocol-named tensors of a candidate or control.
         expected: protocol-named tensors of the reference.
         response_mask: ``[B, R]`` valid-token mask of the rollout.
+        scale: protocol-named unmoved tensors when ``expected`` was moved to other clip
+            branches (see :func:`max_rel_l2`).
     """
     got, want = group_tensors(obtained), group_tensors(expected)
-    return {key: measure(key, got.get(key, {}), members, response_mask)
+    scales = group_tensors(scale) if scale is not None else {}
+    return {key: measure(key, got.get(key, {}), members, response_mask, scales.get(key))
             for key, members in sorted(want.items(), key=lambda kv: kv[0].label)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -79,3 +80,132 @@ def test_flipped_tokens_lists_only_valid_flips() -> None:
                                    value_clip=0.05, clip_ratio=0.2) is None
     assert branches.flipped_tokens({}, exp, role="critic", round_=2, train=train, mask=mask,
                                    value_clip=0.05, clip_ratio=0.2) is None
+
+
+# --------------------------------------------------------------------------- sealed flips
+
+
+def test_ambiguous_tokens_by_hand() -> None:
+    """Critic: the clip edge (|d| = 0.2) within the box, or the mirror point 2R - e, makes
+    a token ambiguous; a token well inside or well past is not. Actor: only the edge the
+    advantage's sign uses counts."""
+    old = np.zeros((1, 5))
+    v = np.array([[0.199, 0.10, 0.3, 1.801, -0.201]])
+    ret = np.array([[1.0, 1.0, 1.0, 1.0, -1.0]])
+    got = branches.ambiguous_tokens(
+        role="critic", old=old, cur=v, train={"returns": ret}, mask=np.ones((1, 5)),
+        tol_old=1e-3, tol_cur=1e-3, value_clip=EPS_V, clip_ratio=0.2)
+    assert got == [(0, 0), (0, 3), (0, 4)]
+    x = np.log(np.array([[1.2005, 1.2005, 0.7995, 1.1, 0.7995]]))
+    adv = np.array([[1.0, -1.0, -1.0, 1.0, 1.0]])
+    got = branches.ambiguous_tokens(
+        role="actor", old=np.zeros((1, 5)), cur=x, train={"advantages": adv},
+        mask=np.array([[1, 1, 1, 1, 0]]), tol_old=1e-3, tol_cur=1e-3, value_clip=EPS_V,
+        clip_ratio=0.2)
+    assert got == [(0, 0), (0, 2)]
+
+
+def test_contribution_scale_by_hand() -> None:
+    run = {"round1/actor/logprobs": np.array([[-1.0]]),
+           "round2/actor/logprobs": np.array([[-0.9]]),
+           "round2/critic/values": np.array([[0.7]])}
+    train = {"advantages": np.array([[2.0]]), "returns": np.array([[0.2]])}
+    a = branches.contribution_scale(run, role="actor", round_=2, b=0, t=0, train=train,
+                                    n_valid=4.0)
+    assert a == pytest.approx(-2.0 * math.exp(0.1) / 4.0)
+    c = branches.contribution_scale(run, role="critic", round_=2, b=0, t=0, train=train,
+                                    n_valid=4.0)
+    assert c == pytest.approx(0.5 / 4.0)
+
+
+def _critic_two_rounds(x: torch.Tensor, ret: torch.Tensor, old_shift: torch.Tensor, *,
+                       clip: float, max_norm: float, lr: float) -> dict[str, np.ndarray]:
+    """A linear critic ``V = x w + b`` trained two rounds by torch (FP64): unclipped round
+    1, clipped value loss in round 2 around the round-1 values plus ``old_shift``; global
+    norm clipping and ``torch.optim.AdamW``. Returns protocol-named tensors."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(x.shape[-1], dtype=torch.float64) * 0.3)
+    b = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+    opt = torch.optim.AdamW([w, b], lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                            foreach=False)
+    n = ret.numel()
+    out: dict[str, np.ndarray] = {}
+    old = torch.zeros_like(ret)
+    for rnd in (1, 2):
+        v = x @ w + b
+        if rnd == 1:
+            old = v.detach() + old_shift
+            loss = 0.5 * ((v - ret) ** 2).sum() / n
+        else:
+            vc = old + torch.clamp(v - old, -clip, clip)
+            loss = 0.5 * torch.maximum((v - ret) ** 2, (vc - ret) ** 2).sum() / n
+        loss.backward()
+        out[f"round{rnd}/critic/values"] = (old if rnd == 1 else v.detach()).numpy().copy()
+        for name, p in (("w", w), ("b", b)):
+            assert p.grad is not None
+            out[f"round{rnd}/critic/grads/{name}"] = p.grad.numpy().copy()
+        before = {"w": w.detach().clone(), "b": b.detach().clone()}
+        norm = float(torch.nn.utils.clip_grad_norm_([w, b], max_norm))
+        out[f"round{rnd}/critic/grad_norm"] = np.asarray(norm)
+        out[f"round{rnd}/critic/clip_coef"] = np.asarray(min(1.0, max_norm / (norm + 1e-6)))
+        opt.step()
+        opt.zero_grad()
+        for name, p in (("w", w), ("b", b)):
+            st_ = opt.state[p]
+            out[f"round{rnd}/critic/exp_avg/{name}"] = st_["exp_avg"].numpy().copy()
+            out[f"round{rnd}/critic/exp_avg_sq/{name}"] = st_["exp_avg_sq"].numpy().copy()
+            out[f"round{rnd}/critic/updates/{name}"] = (p.detach() - before[name]).numpy()
+    return out
+
+
+def test_adjusted_expected_equals_the_run_on_the_other_branch() -> None:
+    """Two torch runs that differ only in one token's round-2 clip centre, which puts it on
+    the other branch: the first run moved by that token's ``J_t = dV_t/dθ`` reproduces the
+    second's round-2 gradients, norm, clip coefficient, AdamW moments and update."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
+    ret = torch.randn(2, 3, generator=g, dtype=torch.float64)
+    lr, clip = 0.05, 0.04
+    first = _critic_two_rounds(x, ret, torch.zeros(2, 3), clip=clip, max_norm=0.1, lr=lr)
+    d = first["round2/critic/values"] - first["round1/critic/values"]
+    full = branches.critic_full_gradient(first["round1/critic/values"],
+                                         first["round2/critic/values"], ret.numpy(), clip)
+    zero = np.argwhere(~full)
+    assert len(zero) > 0, d
+    bt, tt = (int(i) for i in zero[0])
+    shift = torch.zeros(2, 3, dtype=torch.float64)
+    shift[bt, tt] = float(d[bt, tt]) - np.sign(d[bt, tt]) * clip * 0.5  # inside: full branch
+    second = _critic_two_rounds(x, ret, shift, clip=clip, max_norm=0.1, lr=lr)
+    train = {"returns": ret.numpy(), "advantages": np.zeros((2, 3))}
+    flips = branches.flipped_tokens(second, first, role="critic", round_=2, train=train,
+                                    mask=np.ones((2, 3)), value_clip=clip, clip_ratio=0.2)
+    assert flips is not None
+    assert [f["index"] for f in flips] == [[bt, tt]]
+    assert first["round2/critic/clip_coef"] < 1.0  # clipping is active: coef' matters
+    key = branches.token_key(bt, tt)
+    jac = {f"{key}/w": x[bt, tt].numpy(), f"{key}/b": np.ones(1)}
+    pre = np.concatenate([first["round2/critic/grads/w"], first["round2/critic/grads/b"]])
+    j = np.concatenate([jac[f"{key}/w"], jac[f"{key}/b"]])
+    scalars = {"tokens": {key: {"dot_grad": float(pre @ j)}}, "gram": {key: {key: float(j @ j)}}}
+    adjusted, note = branches.adjusted_expected(
+        first, role="critic", round_=2, flips=flips, jacobians=jac, scalars=scalars,
+        train=train, n_valid=6.0, lr=lr, betas=(0.9, 0.999), eps=1e-8, max_grad_norm=0.1)
+    assert adjusted is not None, note
+    assert "added" in note
+    for name in second:
+        if name.startswith("round2/") and "values" not in name:
+            np.testing.assert_allclose(adjusted[name], second[name], rtol=1e-9, atol=1e-12,
+                                       err_msg=name)
+    unmoved = np.asarray(first["round2/critic/grads/b"])
+    assert not np.allclose(unmoved, second["round2/critic/grads/b"])
+
+
+def test_unsealed_flip_is_not_adjusted() -> None:
+    flips = [{"index": [0, 1], "obtained": "full", "expected": "zero"}]
+    adjusted, why = branches.adjusted_expected(
+        {}, role="critic", round_=2, flips=flips, jacobians={},
+        scalars={"tokens": {"0_2": {"dot_grad": 0.0}}}, train={}, n_valid=1.0, lr=1e-3,
+        betas=(0.9, 0.999), eps=1e-8, max_grad_norm=1.0)
+    assert adjusted is None
+    assert "0_1" in why
+    assert "not among the tokens the reference sealed" in why

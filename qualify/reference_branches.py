@@ -1,0 +1,289 @@
+"""Sealed clip-branch contributions: the reference stage's answer to a legitimate flip.
+
+PPO's clipped losses switch a token's gradient between its full value and zero
+(:mod:`qualify.branches`). A candidate whose values and logprobs pass their sealed bounds can
+still sit on the other side of a switch for a token that lies that close to it, and then
+its round-``r`` gradient differs from the reference's by that token's whole contribution:
+an exact consequence of the contract, not an engine error, and not something the
+gradient bounds (set by controls that rarely flip a token) cover.
+
+Before any candidate runs, the reference stage therefore lists, per precision, role and
+round ``r >= 2``, every token whose branch can change within the sealed ``max_abs`` bounds
+of the reference's own round-1 and round-``r`` values / logprobs
+(:func:`qualify.branches.ambiguous_tokens`), reruns the reference update of that role (the
+same code, which must reproduce the sealed run) and, at round ``r``, records for each
+listed token the gradient ``J_t`` of its logprob or value
+(:func:`qualify.reference_update.token_gradients`; the token's contribution is ``s_t J_t``
+with a scalar the comparator takes from the run it adjusts), reported like the gradients
+(exact, or the protocol's sample of a large parameter), plus the FP64 scalars ``<g, J_t>``
+(``g`` the reference's whole pre-clip gradient) and ``<J_s, J_t>``. The comparator may then
+judge a gradient family against the expected run moved to the obtained run's own branches
+(:func:`qualify.branches.adjusted_expected`), with the same sealed bounds, and only for
+tokens sealed here.
+
+Files: ``branches/hf-{precision}.safetensors`` (tensors ``round{r}/{role}/{b}_{t}/{param}``)
+and ``branches.json`` (tokens, tolerances, scalars, the rerun's reproduction check).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from qualify import branches, models, store
+from qualify.bounds import Bound, ControlErrors, lookup
+from qualify.branches import BRANCHES_DIR, BRANCHES_FILE
+from qualify.contract import Contract
+from qualify.errors import ReferenceDataError
+from qualify.protocol import param_sample_indices, tensor_name
+from qualify.reference_update import (
+    Batch,
+    RoundHook,
+    UpdateSettings,
+    run_actor,
+    run_critic,
+    token_gradients,
+)
+from qualify.statistics import MetricKey, compare_sets
+
+REPRODUCE_FRACTION = 0.1
+"""The rerun must reproduce the sealed round-``r`` values / logprobs within this fraction of
+the round's bound (bitwise on a deterministic CPU run)."""
+
+
+def _tolerance(bounds: list[Bound], precision: str, role: str, family: str, round_: int) -> float:
+    b = lookup(bounds, precision=precision, klass="candidate_vs_hf",
+               key=MetricKey(round=round_, role=role, family=family))
+    if b is None:
+        raise ReferenceDataError(f"bounds: no candidate_vs_hf bound for "
+                                 f"round{round_}/{role}/{family} at {precision}")
+    return b.bound
+
+
+def _reported(name: str, t: torch.Tensor) -> torch.Tensor:
+    idx = param_sample_indices(name, t.numel())
+    return t.clone() if idx is None else t.reshape(-1)[torch.from_numpy(idx)].clone()
+
+
+def _gram(reported: Mapping[str, Mapping[str, torch.Tensor]], numel: Mapping[str, int],
+          norm_sq: Mapping[str, float]) -> tuple[dict[str, dict[str, float]], bool]:
+    """``<c_s, c_t>`` for every pair of sealed tokens, and whether it is exact.
+
+    The diagonal is the exact ``|c_t|^2``. Off the diagonal, exactly reported parameters
+    contribute their exact dot product; sampled ones ``numel / samples * <sample_s,
+    sample_t>`` (an unbiased estimate).
+    """
+    keys = list(reported)
+    exact = all(param_sample_indices(p, n) is None for p, n in numel.items())
+    gram: dict[str, dict[str, float]] = {k: {} for k in keys}
+    for i, a in enumerate(keys):
+        for b in keys[i:]:
+            if a == b:
+                v = norm_sq[a]
+            else:
+                v = 0.0
+                for p, n in numel.items():
+                    x, y = reported[a][p].double(), reported[b][p].double()
+                    v += float((x * y).sum()) * (n / x.numel())
+            gram[a][b] = gram[b][a] = v
+    return gram, exact
+
+
+def seal_branches(contract: Contract, bundle: models.ModelBundle, batch: Batch, *,
+                  ref_runs: Mapping[str, Mapping[str, torch.Tensor]], bounds: list[Bound],
+                  train: Mapping[str, npt.NDArray[Any]], mask: npt.NDArray[Any],
+                  out: Path, attn: str = "sdpa") -> dict[str, Any]:
+    """List the clip-ambiguous tokens and seal their contributions (module docstring).
+
+    Args:
+        contract: the contract (rounds, clip ranges, micro-batch size).
+        bundle: the prepared models (fresh FP32 copies are loaded for each rerun).
+        batch: the reference update's batch (no extra padding).
+        ref_runs: ``{precision: protocol tensors of the reference update}``.
+        bounds: the bounds just computed from the controls.
+        train: the sealed ``advantages`` / ``returns``, ``[B, R]``.
+        mask: ``[B, R]`` valid tokens.
+        out: the reference directory (being written).
+        attn: the reference's attention implementation.
+
+    Returns:
+        The ``branches.json`` document (also written).
+
+    Raises:
+        ReferenceDataError: a needed bound is missing, or a rerun does not reproduce the
+            sealed reference update.
+    """
+    alg = contract.algorithm
+    roles = ["actor"] + ([] if alg.name == "grpo" else ["critic"])
+    doc: dict[str, Any] = {"schema_version": 1, "precisions": {}}
+    for prec, run in ref_runs.items():
+        tensors: dict[str, torch.Tensor] = {}
+        doc["precisions"][prec] = {}
+        for role in roles:
+            family = "logprobs" if role == "actor" else "values"
+            wanted: dict[int, list[tuple[int, int]]] = {}
+            rounds_doc: dict[str, Any] = {}
+            for r in range(2, alg.rounds + 1):
+                tol_old = _tolerance(bounds, prec, role, family, 1)
+                tol_cur = _tolerance(bounds, prec, role, family, r)
+                toks = branches.ambiguous_tokens(
+                    role=role, old=run[tensor_name(1, role, family)].numpy(),
+                    cur=run[tensor_name(r, role, family)].numpy(), train=train, mask=mask,
+                    tol_old=tol_old, tol_cur=tol_cur, value_clip=alg.value_clip,
+                    clip_ratio=alg.clip_ratio)
+                wanted[r] = toks
+                rounds_doc[f"round{r}"] = {"tol_old": tol_old, "tol_cur": tol_cur,
+                                           "tokens": {}, "gram": {}}
+            if any(wanted.values()):
+                _rerun(contract, bundle, batch, prec=prec, role=role, wanted=wanted,
+                       run=run, tensors=tensors, rounds_doc=rounds_doc, attn=attn)
+            doc["precisions"][prec][role] = rounds_doc
+        store.save_tensors(out / BRANCHES_DIR / f"hf-{prec}.safetensors",
+                           tensors or {"empty": torch.zeros(0)})
+    store.atomic_write_json(out / BRANCHES_FILE, doc)
+    return doc
+
+
+def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec: str,
+           role: str, wanted: Mapping[int, list[tuple[int, int]]],
+           run: Mapping[str, torch.Tensor], tensors: dict[str, torch.Tensor],
+           rounds_doc: dict[str, Any], attn: str) -> None:
+    """Rerun one role's reference update and record the wanted tokens' contributions."""
+    settings = UpdateSettings(precision="fp32" if prec == "fp32" else "bf16",
+                              micro_batch_size=contract.algorithm.micro_batch_size,
+                              label=f"hf-{prec}-branches")
+    family = "logprobs" if role == "actor" else "values"
+
+    def hook(round_: int, work: torch.nn.Module, master: torch.nn.Module, b: Batch,
+             old: torch.Tensor) -> None:
+        toks = wanted.get(round_) or []
+        if not toks:
+            return
+        rd = rounds_doc[f"round{round_}"]
+        grad = {n: (p.grad if p.grad is not None else torch.zeros_like(p))
+                for n, p in master.named_parameters() if p.requires_grad}
+        numel = {n: g.numel() for n, g in grad.items()}
+        reported: dict[str, dict[str, torch.Tensor]] = {}
+        norm_sq: dict[str, float] = {}
+        side = branches.critic_full_gradient if role == "critic" else None
+        for (bi, ti), c in token_gradients(work, master, b, contract, settings, role=role,
+                                           tokens=toks):
+            key = branches.token_key(bi, ti)
+            dot = sum(float((grad[n].double() * c[n].double()).sum()) for n in c)
+            nsq = sum(float(c[n].double().square().sum()) for n in c)
+            reported[key] = {n: _reported(n, c[n]) for n in c}
+            for n, t in reported[key].items():
+                tensors[f"round{round_}/{role}/{key}/{n}"] = t
+            norm_sq[key] = nsq
+            x_old = float(run[tensor_name(1, role, family)][bi, ti])
+            x_cur = float(run[tensor_name(round_, role, family)][bi, ti])
+            if side is not None:
+                full = bool(side(np.array(x_old), np.array(x_cur),
+                                 np.array(float(b.returns[bi, ti])), contract.algorithm.value_clip))
+            else:
+                full = bool(branches.actor_full_gradient(
+                    np.array(x_old), np.array(x_cur), np.array(float(b.advantages[bi, ti])),
+                    contract.algorithm.clip_ratio))
+            rd["tokens"][key] = {"index": [bi, ti], "old": x_old, "current": x_cur,
+                                 "reference_branch": "full" if full else "zero",
+                                 "dot_grad": dot, "norm_sq": nsq}
+        rd["gram"], exact = _gram(reported, numel, norm_sq)
+        rd["gram_off_diagonal"] = "exact" if exact else "estimated from the protocol's samples"
+
+    torch.manual_seed(0)
+    hook_fn: RoundHook = hook
+    if role == "actor":
+        actor = models.load_actor(bundle.actor_dir, dtype=torch.float32,
+                                  attn_implementation=attn, requires_grad=True)
+        ref = models.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
+                                requires_grad=False)
+        again, _ = run_actor(actor, ref, batch, contract, settings, on_round=hook_fn)
+    else:
+        critic = models.load_critic(bundle.critic_dir, dtype=torch.float32,
+                                    attn_implementation=attn, requires_grad=True)
+        again, _ = run_critic(critic, batch, contract, settings, on_round=hook_fn)
+    for r in wanted:
+        name = tensor_name(r, role, family)
+        diff = float((again[name].double() - run[name].double()).abs().max())
+        tol = float(rounds_doc[f"round{r}"]["tol_cur"]) * REPRODUCE_FRACTION
+        rounds_doc[f"round{r}"]["rerun_max_abs_diff"] = diff
+        if not diff <= tol:
+            raise ReferenceDataError(
+                f"{prec} {role}: the rerun of the reference update gives round-{r} {family} "
+                f"{diff:.3g} from the sealed run (allowed {tol:.3g}); the sealed clip-branch "
+                "contributions would not belong to the reference")
+
+
+def adjust_control_errors(contract: Contract, errors: ControlErrors, *,
+                          ref_runs: Mapping[str, Mapping[str, npt.NDArray[Any]]],
+                          control_runs: Mapping[str, Mapping[str, Mapping[str, Any]]],
+                          doc: Mapping[str, Any], out: Path,
+                          train: Mapping[str, npt.NDArray[Any]], mask: npt.NDArray[Any],
+                          ) -> list[dict[str, Any]]:
+    """Measure a control that flipped a sealed token against the reference on its branches.
+
+    A control can itself sit on the other side of a clip switch for a sealed token; its
+    round-``r`` gradient families then differ from the reference by that token's whole
+    term, and the bound would be widened by a discontinuity instead of by rounding noise.
+    Such a control's round-``r`` gradient families are measured against the reference moved
+    to the control's branches (:func:`qualify.branches.adjusted_expected`, exact here: both
+    sides are reference code). A flip outside the sealed tokens leaves the raw error.
+
+    Args:
+        contract: supplies the clip ranges and AdamW settings.
+        errors: ``{precision: {control: {metric: error}}}``, updated in place.
+        ref_runs: ``{precision: reference tensors}`` (numpy).
+        control_runs: ``{precision: {control: tensors}}`` (numpy).
+        doc: the ``branches.json`` document of :func:`seal_branches`.
+        out: the reference directory (holds ``branches/``).
+        train: the sealed ``advantages`` / ``returns``.
+        mask: ``[B, R]`` valid tokens.
+
+    Returns:
+        One record per adjusted (or not adjustable) control x role x round: tokens, the
+        note, and the raw and adjusted errors of each gradient family.
+    """
+    alg, opt = contract.algorithm, contract.optimizer
+    records: list[dict[str, Any]] = []
+    for prec, runs in control_runs.items():
+        sealed_prec = doc.get("precisions", {}).get(prec, {})
+        path = out / BRANCHES_DIR / f"hf-{prec}.safetensors"
+        tensors = store.load_tensors(path) if path.is_file() else {}
+        for name, run in runs.items():
+            for role, by_round in sealed_prec.items():
+                for rkey, sealed in by_round.items():
+                    r = int(rkey.removeprefix("round"))
+                    flips = branches.flipped_tokens(
+                        run, ref_runs[prec], role=role, round_=r, train=train, mask=mask,
+                        value_clip=alg.value_clip, clip_ratio=alg.clip_ratio)
+                    if not flips:
+                        continue
+                    prefix = f"round{r}/{role}/"
+                    adjusted, note = branches.adjusted_expected(
+                        ref_runs[prec], role=role, round_=r, flips=flips,
+                        jacobians={k[len(prefix):]: v for k, v in tensors.items()
+                                   if k.startswith(prefix)},
+                        scalars=sealed, train=train, n_valid=float(np.asarray(mask).sum()),
+                        lr=opt.actor_lr if role == "actor" else opt.critic_lr,
+                        betas=(float(opt.betas[0]), float(opt.betas[1])), eps=opt.eps,
+                        max_grad_norm=opt.max_grad_norm)
+                    rec: dict[str, Any] = {"precision": prec, "control": name, "role": role,
+                                           "round": r, "tokens": [f["index"] for f in flips],
+                                           "note": note, "families": {}}
+                    if adjusted is not None:
+                        again = compare_sets(run, adjusted, mask, scale=ref_runs[prec])
+                        for key, e in again.items():
+                            if (key.round == r and key.role == role and not key.variant
+                                    and key.family in branches.GRADIENT_FAMILIES):
+                                raw = errors[prec][name].get(key)
+                                rec["families"][key.family] = {
+                                    "raw": raw.value if raw is not None else None,
+                                    "adjusted": e.value}
+                                errors[prec][name][key] = e
+                    records.append(rec)
+    return records
