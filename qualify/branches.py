@@ -307,7 +307,7 @@ def adjusted_expected(expected: Mapping[str, Any], *, role: str, round_: int,
     bc1, bc2 = 1.0 - b1**round_, 1.0 - b2**round_
 
     def adam(m_: npt.NDArray[np.float64], v_: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-        return m_ / (np.sqrt(v_ / bc2) + eps)
+        return m_ / (np.sqrt(np.maximum(v_, 0.0) / bc2) + eps)  # v >= 0 in any real run
 
     out: dict[str, Any] = dict(expected)
     out[base + "grad_norm"] = np.asarray(norm_new)

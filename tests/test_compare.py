@@ -130,7 +130,9 @@ class World:
                  drop_bound: Callable[[Bound], bool] | None = None,
                  behavior_shift: float = 0.05,
                  edit_hf: Callable[[dict[str, np.ndarray]], None] | None = None,
-                 train: Mapping[str, np.ndarray] | None = None) -> None:
+                 train: Mapping[str, np.ndarray] | None = None,
+                 sealed_branches: tuple[dict[str, Any], dict[str, np.ndarray]] | None = None,
+                 ) -> None:
         self.contract = make_contract(required)
         self.hf = {"fp32": hf_tensors(1)}
         if edit_hf is not None:
@@ -157,6 +159,10 @@ class World:
             save_file(t, str(self.ref / "reference" / f"hf-{prec}.safetensors"))
         if train is not None:
             save_file(dict(train), str(self.ref / "train_inputs.safetensors"))
+        if sealed_branches is not None:
+            (self.ref / "branches").mkdir()
+            (self.ref / "branches.json").write_text(json.dumps(sealed_branches[0]))
+            save_file(sealed_branches[1], str(self.ref / "branches" / "hf-fp32.safetensors"))
         bounds = [b for b in all_bounds(self.hf) if not (drop_bound and drop_bound(b))]
         (self.ref / "bounds.json").write_text(
             json.dumps(bounds_document(self.contract, bounds)))
@@ -720,6 +726,75 @@ def test_flipped_clip_branch_is_named_in_the_failure(tmp_path: Path) -> None:
     assert "clip branch differs at 1 round-2 critic token(s)" in grads.reason
     assert "(1, 1) zero vs full" in grads.reason
     assert report.verdicts[CRITIC_TP1] == "FAIL"
+
+
+def _sealed_flip(jac_b: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``branches.json`` + tensors sealing critic token (1, 1) of round 2 with ``J_t`` zero
+    except ``model.b``."""
+    jac = {"round2/critic/1_1/model.w": np.zeros(PARAMS["model.w"], np.float32),
+           "round2/critic/1_1/model.b": jac_b.astype(np.float32)}
+    doc = {"schema_version": 1, "precisions": {"fp32": {"critic": {"round2": {
+        "tol_old": 1e-3, "tol_cur": 1e-3, "tokens": {"1_1": {"index": [1, 1], "dot_grad": 0.0}},
+        "gram": {"1_1": {"1_1": float(np.square(jac_b).sum())}}}}}}}
+    return doc, jac
+
+
+@pytest.mark.parametrize("sealed_right", [True, False])
+def test_sealed_flip_is_judged_on_the_obtained_branch(tmp_path: Path, sealed_right: bool) -> None:
+    """The same flip as above, now sealed by the reference: the round-2 gradient rows are
+    judged against the expected run moved to the candidate's branch. A candidate equal to
+    that moved run passes, with the adjustment and the unadjusted error recorded; a sealed
+    gradient that does not explain the candidate's still fails."""
+    from qualify import branches
+
+    returns = np.ones((B, R), dtype=np.float32) * 5.0
+    train = {"returns": returns, "advantages": np.zeros((B, R), np.float32)}
+    probe = World(tmp_path / "probe", required=[CRITIC_TP1], edit_hf=_near_edge, train=train)
+    out = role_outputs(probe.hf["fp32"], "critic")
+    out["round2/critic/values"][1, 1] += np.float32(8e-4)
+    jac_b = np.array([1.0, -2.0, 0.5])
+    flips = branches.flipped_tokens(out, role_outputs(probe.hf["fp32"], "critic"),
+                                    role="critic", round_=2, train=train, mask=MASK,
+                                    value_clip=EPS_V, clip_ratio=0.2)
+    assert flips is not None
+    assert [f["index"] for f in flips] == [[1, 1]]
+    doc, jac = _sealed_flip(jac_b)
+    moved, note = branches.adjusted_expected(
+        probe.hf["fp32"], role="critic", round_=2, flips=flips,
+        jacobians={k.removeprefix("round2/critic/"): v for k, v in jac.items()},
+        scalars=doc["precisions"]["fp32"]["critic"]["round2"], train=train,
+        n_valid=float(N_VALID), lr=2e-4, betas=(0.9, 0.999), eps=1e-8, max_grad_norm=0.5)
+    assert moved is not None, note
+    for k, v in moved.items():
+        if k.startswith("round2/critic/") and "values" not in k and k in out:
+            out[k] = np.asarray(v, np.float32)
+    w = World(tmp_path, required=[CRITIC_TP1], edit_hf=_near_edge, train=train,
+              sealed_branches=_sealed_flip(jac_b if sealed_right else -jac_b))
+    w.add_cell(CRITIC_TP1, outputs=out)
+    report = w.compare(write=False)
+    rows = {r.metric: r for r in rows_of(report, CRITIC_TP1, "candidate_vs_hf")}
+    grads = rows["round2/critic/grads"]
+    assert grads.adjustment is not None
+    assert "(1, 1) removed" in grads.adjustment  # the candidate left the clip range
+    assert "unadjusted error" in grads.adjustment
+    if sealed_right:
+        assert grads.verdict == "PASS"
+        assert report.verdicts[CRITIC_TP1] == "PASS"
+        assert rows["round2/critic/exp_avg"].adjustment is not None
+    else:
+        assert grads.verdict == "FAIL"
+        assert report.verdicts[CRITIC_TP1] == "FAIL"
+
+
+def test_max_rel_l2_scale_is_the_larger_norm() -> None:
+    """An expected value moved to another branch keeps the unmoved scale as denominator."""
+    from qualify.statistics import max_rel_l2
+
+    got = {"p": np.array([1.1, 0.0])}
+    moved = {"p": np.array([1.0, 0.0])}
+    assert max_rel_l2(got, moved).value == pytest.approx(0.1)
+    assert max_rel_l2(got, moved, {"p": np.array([0.0, 4.0])}).value == pytest.approx(0.025)
+    assert max_rel_l2(got, moved, {"p": np.array([0.0, 0.5])}).value == pytest.approx(0.1)
 
 
 def test_failure_without_a_flip_is_not_annotated(tmp_path: Path) -> None:

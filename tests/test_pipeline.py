@@ -75,6 +75,19 @@ def test_reference_is_sealed_read_only_and_complete(reference: Path, contract: C
     fp32 = meta["scoring_records"]["fp32"]["actor"]
     assert "bfloat16" in json.dumps(bf16)
     assert "bfloat16" not in json.dumps(fp32)
+    branches = json.loads((reference / "branches.json").read_text())
+    for prec in contract.matrix.precisions:
+        for role in ("actor", "critic"):
+            r2 = branches["precisions"][prec][role]["round2"]
+            assert r2["tol_old"] > 0
+            assert r2["tol_cur"] > 0
+            assert set(r2["gram"]) == set(r2["tokens"])
+            assert meta["clip_ambiguous_tokens"][prec][role]["round2"] == len(r2["tokens"])
+            if r2["tokens"]:
+                assert r2["rerun_max_abs_diff"] <= 0.1 * r2["tol_cur"]
+                for tok in r2["tokens"].values():
+                    assert tok["reference_branch"] in ("full", "zero")
+                    assert r2["gram"][f"{tok['index'][0]}_{tok['index'][1]}"] is not None
     assert "fp64-fp32" in meta["update_meta"], sorted(meta["update_meta"])
     for label, run in meta["update_meta"].items():
         state = "torch.float64" if label == "fp64-fp32" else "torch.float32"

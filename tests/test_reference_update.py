@@ -154,3 +154,94 @@ def test_bf16_keeps_fp32_master_and_state(models: Models, batch: Batch, contract
     diff = (out["round1/actor/logprobs"] - fp32["round1/actor/logprobs"]).abs().max()
     assert 0 < float(diff) < 0.5
     assert all(v.dtype == torch.float32 for v in out.values())
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_token_gradients_sum_to_the_batch_gradient(models: Models, batch: Batch,
+                                                   contract: Contract, role: str) -> None:
+    """``J_t`` from :func:`token_gradients` at round 2, weighted and summed, equals the
+    gradient of the same weighted sum of logprobs / values computed from one whole-batch
+    forward of a copy of the round-2 model; ``.grad`` of the run is left alone."""
+    from qualify.reference_update import token_gradients
+
+    actor, critic = models
+    tokens = [(0, 1), (1, 5), (3, 0), (3, 2)]
+    weights = dict(zip(tokens, (0.7, -1.3, 0.4, 2.0), strict=True))
+    seen: dict[str, Any] = {}
+    settings = UpdateSettings(precision="fp32", micro_batch_size=2)
+
+    def hook(round_: int, work: torch.nn.Module, master: torch.nn.Module, b: Batch,
+             old: torch.Tensor) -> None:
+        if round_ != 2:
+            return
+        before = {n: p.grad.clone() for n, p in master.named_parameters() if p.grad is not None}
+        total: dict[str, torch.Tensor] = {}
+        for tok, j in token_gradients(work, master, b, contract, settings, role=role,
+                                      tokens=tokens):
+            for n, g in j.items():
+                total[n] = total.get(n, torch.zeros_like(g)) + weights[tok] * g
+        after = {n: p.grad for n, p in master.named_parameters() if p.grad is not None}
+        assert all(torch.equal(before[n], after[n]) for n in before)
+        twin = copy.deepcopy(work)
+        ids = torch.cat([b.prompts, b.responses], 1)
+        pos = torch.clamp(torch.cumsum(b.attention_mask, 1) - 1, min=0)
+        out = twin(input_ids=ids, attention_mask=b.attention_mask, position_ids=pos).logits
+        p_len, r_len = b.prompts.shape[1], b.responses.shape[1]
+        out = out[:, p_len - 1: p_len - 1 + r_len]
+        if role == "actor":
+            z = torch.log_softmax(out.float() / contract.sampling.temperature, -1)
+            x = z.gather(-1, b.responses.unsqueeze(-1)).squeeze(-1)
+        else:
+            x = out.squeeze(-1)
+        twin.zero_grad()
+        torch.stack([w * x[t] for t, w in weights.items()]).sum().backward()
+        seen["pairs"] = [(total[n], p.grad) for n, p in twin.named_parameters()
+                         if p.requires_grad]
+
+    model = _fresh(actor if role == "actor" else critic)
+    if role == "actor":
+        run_actor(model, _fresh(actor), batch, contract, settings, on_round=hook)
+    else:
+        run_critic(model, batch, contract, settings, on_round=hook)
+    pairs = seen["pairs"]
+    assert pairs
+    for mine, theirs in pairs:
+        assert theirs is not None
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
+    assert any(float(m.abs().max()) > 0 for m, _ in pairs)
+
+
+def test_fp64_control_runs_in_fp64_and_reports_fp32(models: Models, batch: Batch,
+                                                    contract: Contract) -> None:
+    actor, _ = models
+    fp32, _ = run_actor(_fresh(actor), _fresh(actor), batch, contract,
+                        UpdateSettings(precision="fp32", micro_batch_size=4))
+    out, meta = run_actor(_fresh(actor).double(), _fresh(actor).double(), batch, contract,
+                          UpdateSettings(precision="fp64", micro_batch_size=4))
+    assert meta["compute"] == ["torch.float64"]
+    assert meta["optimizer_state"] == {"exp_avg": "torch.float64", "exp_avg_sq": "torch.float64"}
+    assert {str(v.dtype) for v in out.values()} == {"torch.float32"}
+    d = (out["round1/actor/logprobs"] - fp32["round1/actor/logprobs"]).abs().max()
+    assert 0 < float(d) < 1e-5
+
+
+def test_fp32_entropy_error_is_seen_only_against_fp64() -> None:
+    """Why the FP32 class has an ``fp64`` control. Over a 49152-entry vocabulary the
+    reference's FP32 ``-sum p log p`` (from ``log_softmax``) is further from FP64 than a
+    vocab-parallel engine's ``lse - sum p (z - m)``; a reorder control that reuses the
+    reference's formula cannot see that share, the FP64 run does, and k = 4 times it covers
+    the difference between the two FP32 formulas."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(64, 49152, generator=g) * 3.0
+    lp64 = torch.log_softmax(z.double(), -1)
+    h64 = -(lp64.exp() * lp64).sum(-1)
+    lp = torch.log_softmax(z, -1)
+    h_ref = -(lp.exp() * lp).sum(-1)
+    s = z - z.amax(-1, keepdim=True)
+    lse = s.exp().sum(-1, keepdim=True).log()
+    h_alt = lse.squeeze(-1) - ((s - lse).exp() * s).sum(-1)
+    ref_err = float((h_ref.double() - h64).abs().max())
+    alt_err = float((h_alt.double() - h64).abs().max())
+    between = float((h_alt - h_ref).abs().max())
+    assert alt_err < ref_err / 3
+    assert between <= 4 * ref_err
