@@ -151,7 +151,7 @@ GRID: Final = 17
 def ambiguous_tokens(*, role: str, old: npt.ArrayLike, cur: npt.ArrayLike,
                      train: Mapping[str, Any], mask: npt.ArrayLike, tol_old: float,
                      tol_cur: float, value_clip: float, clip_ratio: float,
-                     ) -> list[tuple[int, int]]:
+                     limit: int | None = None) -> list[tuple[int, int]]:
     """Valid tokens whose clip branch can change within the sealed bounds.
 
     A candidate whose round-1 and round-``r`` values (or logprobs) are each within the
@@ -175,6 +175,9 @@ def ambiguous_tokens(*, role: str, old: npt.ArrayLike, cur: npt.ArrayLike,
         tol_cur: the sealed round-``r`` bound.
         value_clip: the contract's ``algorithm.value_clip``.
         clip_ratio: the contract's ``algorithm.clip_ratio``.
+        limit: keep at most this many, those nearest a switch first (actor: distance of
+            ``x`` to the edge over ``tol``; critic: the share of grid points on the other
+            branch than the token's own, larger first).
 
     Returns:
         ``(b, t)`` pairs in row-major order.
@@ -187,6 +190,8 @@ def ambiguous_tokens(*, role: str, old: npt.ArrayLike, cur: npt.ArrayLike,
         lo = actor_full_gradient(np.zeros_like(o), c - o - tol, adv, clip_ratio)
         hi = actor_full_gradient(np.zeros_like(o), c - o + tol, adv, clip_ratio)
         amb = lo != hi
+        edge = np.where(adv > 0, np.log1p(clip_ratio), np.log1p(-clip_ratio))
+        near = -np.abs(c - o - edge) / max(tol, 1e-300)
     else:
         ret = np.asarray(train["returns"], np.float64)[..., None, None]
         steps = np.linspace(-1.0, 1.0, GRID)
@@ -194,7 +199,13 @@ def ambiguous_tokens(*, role: str, old: npt.ArrayLike, cur: npt.ArrayLike,
         curs = c[..., None, None] + tol_cur * steps[None, :]
         full = critic_full_gradient(olds, curs, ret, value_clip)
         amb = full.any(axis=(-2, -1)) & ~full.all(axis=(-2, -1))
-    return [(int(b), int(t)) for b, t in zip(*np.nonzero(amb & valid), strict=True)]
+        centre = critic_full_gradient(o, c, ret[..., 0, 0], value_clip)
+        near = (full != centre[..., None, None]).mean(axis=(-2, -1))
+    picked = [(int(b), int(t)) for b, t in zip(*np.nonzero(amb & valid), strict=True)]
+    if limit is not None and len(picked) > limit:
+        keep = sorted(picked, key=lambda bt: -float(near[bt]))[:limit]
+        picked = sorted(keep)
+    return picked
 
 
 def token_key(b: int, t: int) -> str:

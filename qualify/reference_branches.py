@@ -27,6 +27,7 @@ and ``branches.json`` (tokens, tolerances, scalars, the rerun's reproduction che
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,11 @@ from qualify.reference_update import (
 )
 from qualify.statistics import MetricKey, compare_sets
 
+MAX_SEALED_TOKENS = 32
+"""At most this many tokens per precision, role and round, those nearest a switch first: each
+costs one backward pass of its micro-batch in the reference stage. A flip of an ambiguous
+token left unsealed is never adjusted (its row fails and names it); ``branches.json``
+records how many were left."""
 REPRODUCE_FRACTION = 0.1
 """The rerun must reproduce the sealed round-``r`` values / logprobs within this fraction of
 the round's bound (bitwise on a deterministic CPU run)."""
@@ -131,14 +137,21 @@ def seal_branches(contract: Contract, bundle: models.ModelBundle, batch: Batch, 
             for r in range(2, alg.rounds + 1):
                 tol_old = _tolerance(bounds, prec, role, family, 1)
                 tol_cur = _tolerance(bounds, prec, role, family, r)
-                toks = branches.ambiguous_tokens(
-                    role=role, old=run[tensor_name(1, role, family)].numpy(),
-                    cur=run[tensor_name(r, role, family)].numpy(), train=train, mask=mask,
-                    tol_old=tol_old, tol_cur=tol_cur, value_clip=alg.value_clip,
-                    clip_ratio=alg.clip_ratio)
+                args: dict[str, Any] = {
+                    "role": role, "old": run[tensor_name(1, role, family)].numpy(),
+                    "cur": run[tensor_name(r, role, family)].numpy(), "train": train,
+                    "mask": mask, "tol_old": tol_old, "tol_cur": tol_cur,
+                    "value_clip": alg.value_clip, "clip_ratio": alg.clip_ratio}
+                n_all = len(branches.ambiguous_tokens(**args))
+                toks = branches.ambiguous_tokens(**args, limit=MAX_SEALED_TOKENS)
                 wanted[r] = toks
                 rounds_doc[f"round{r}"] = {"tol_old": tol_old, "tol_cur": tol_cur,
+                                           "ambiguous": n_all, "unsealed": n_all - len(toks),
                                            "tokens": {}, "gram": {}}
+                if toks:
+                    print(f"qualify: reference {prec} {role} round {r}: sealing {len(toks)} "
+                          f"clip-ambiguous token(s) of {n_all} (one backward each)",
+                          file=sys.stderr, flush=True)
             if any(wanted.values()):
                 _rerun(contract, bundle, batch, prec=prec, role=role, wanted=wanted,
                        run=run, tensors=tensors, rounds_doc=rounds_doc, attn=attn)

@@ -209,3 +209,13 @@ def test_unsealed_flip_is_not_adjusted() -> None:
     assert adjusted is None
     assert "0_1" in why
     assert "not among the tokens the reference sealed" in why
+
+
+def test_ambiguous_tokens_limit_keeps_the_nearest() -> None:
+    x = np.log(np.array([[1.2004, 1.2001, 1.1996, 0.7999]]))
+    adv = np.array([[1.0, 1.0, 1.0, -1.0]])
+    args = {"role": "actor", "old": np.zeros((1, 4)), "cur": x, "train": {"advantages": adv},
+            "mask": np.ones((1, 4)), "tol_old": 5e-4, "tol_cur": 5e-4, "value_clip": EPS_V,
+            "clip_ratio": 0.2}
+    assert branches.ambiguous_tokens(**args) == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    assert branches.ambiguous_tokens(**args, limit=2) == [(0, 1), (0, 3)]

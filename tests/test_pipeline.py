@@ -82,6 +82,7 @@ def test_reference_is_sealed_read_only_and_complete(reference: Path, contract: C
             assert r2["tol_old"] > 0
             assert r2["tol_cur"] > 0
             assert set(r2["gram"]) == set(r2["tokens"])
+            assert r2["unsealed"] == r2["ambiguous"] - len(r2["tokens"]) >= 0
             assert meta["clip_ambiguous_tokens"][prec][role]["round2"] == len(r2["tokens"])
             if r2["tokens"]:
                 assert r2["rerun_max_abs_diff"] <= 0.1 * r2["tol_cur"]
