@@ -27,6 +27,32 @@ TINY: dict[str, Any] = {
 """A Qwen3 small enough for 2 CPU cores, with non-square shapes and 2 KV heads (TP 2)."""
 
 
+def tiny_rollout(prompts_l: Sequence[Sequence[int]], response_lengths: Sequence[int], r: int,
+                 g: torch.Generator) -> dict[str, torch.Tensor]:
+    """A frozen-rollout dict: the prompts left-padded, response ``i`` of
+    ``response_lengths[i]`` random ids in ``r`` columns (EOS last when shorter), masks,
+    positions, behavior logprobs; draws from ``g`` in a fixed order.
+    """
+    b, p_len = len(prompts_l), max(map(len, prompts_l))
+    prompts = torch.zeros(b, p_len, dtype=torch.long)
+    responses = torch.zeros(b, r, dtype=torch.long)
+    am = torch.zeros(b, p_len + r, dtype=torch.long)
+    rmask = torch.zeros(b, r, dtype=torch.long)
+    for i, (p, n) in enumerate(zip(prompts_l, response_lengths, strict=True)):
+        prompts[i, p_len - len(p):] = torch.tensor(list(p))
+        toks = torch.randint(3, TINY["vocab_size"], (n,), generator=g)
+        if n < r:
+            toks[-1] = 2  # EOS
+        responses[i, :n] = toks
+        rmask[i, :n] = 1
+        am[i, p_len - len(p):p_len + n] = 1
+    return {"prompts": prompts, "responses": responses, "attention_mask": am,
+            "position_ids": (am.cumsum(1) - 1).clamp(min=0), "response_mask": rmask,
+            "behavior_logprobs": -torch.rand(b, r, generator=g) * rmask,
+            "eos_terminated": torch.tensor([int(n < r) for n in response_lengths]),
+            "group_index": torch.arange(b)}
+
+
 def build_inputs(root: Path, response_lengths: Sequence[int], r: int) -> None:
     """Harness inputs under ``root``: tiny Qwen3 actor and critic (seeded), a rollout of
     ``len(response_lengths)`` sequences (the contract's prompts, repeated as needed;
@@ -47,25 +73,9 @@ def build_inputs(root: Path, response_lengths: Sequence[int], r: int) -> None:
     g = torch.Generator().manual_seed(7)
     prompts_l = [list(p) for p in contract.prompts.token_ids or ()]
     n_seq = len(response_lengths)
-    prompts_l = (prompts_l * -(-n_seq // len(prompts_l)))[:n_seq]
-    b, p_len = len(prompts_l), max(map(len, prompts_l))
-    prompts = torch.zeros(b, p_len, dtype=torch.long)
-    responses = torch.zeros(b, r, dtype=torch.long)
-    am = torch.zeros(b, p_len + r, dtype=torch.long)
-    rmask = torch.zeros(b, r, dtype=torch.long)
-    for i, (p, n) in enumerate(zip(prompts_l, response_lengths, strict=True)):
-        prompts[i, p_len - len(p):] = torch.tensor(p)
-        toks = torch.randint(3, TINY["vocab_size"], (n,), generator=g)
-        if n < r:
-            toks[-1] = 2  # EOS
-        responses[i, :n] = toks
-        rmask[i, :n] = 1
-        am[i, p_len - len(p):p_len + n] = 1
-    rollout = {"prompts": prompts, "responses": responses, "attention_mask": am,
-               "position_ids": (am.cumsum(1) - 1).clamp(min=0), "response_mask": rmask,
-               "behavior_logprobs": -torch.rand(b, r, generator=g) * rmask,
-               "eos_terminated": torch.tensor([int(n < r) for n in response_lengths]),
-               "group_index": torch.arange(b)}
+    rollout = tiny_rollout((prompts_l * -(-n_seq // len(prompts_l)))[:n_seq],
+                           response_lengths, r, g)
+    b, rmask = n_seq, rollout["response_mask"]
     train = {"advantages": torch.randn(b, r, generator=g) * rmask,
              "returns": torch.randn(b, r, generator=g) * rmask}
     save_file(rollout, str(root / "rollout.safetensors"))

@@ -30,15 +30,14 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("vllm")
 
+from harness_outputs import TINY, tiny_rollout
+
 from harnesses.vllm import layout
 from qualify.contract import load_contract
 from qualify.launch import check_outputs, validate_cell
 from qualify.protocol import HarnessCell
 from qualify.resources import contracts_dir
 
-TINY: dict[str, Any] = {
-    "vocab_size": 384, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
 RESPONSE_LENGTHS = (10, 6, 3, 8)
 R = 10
 SCORE_TOL = 2e-5
@@ -58,25 +57,8 @@ def _build(root: Path, *, tied: bool = False) -> tuple[Path, Path]:
     actor = Qwen3ForCausalLM(cfg)
     actor.save_pretrained(root / "actor")
     g = torch.Generator().manual_seed(7)
-    prompts_l = [list(p) for p in contract.prompts.token_ids or ()]
-    b, p_len = len(prompts_l), max(map(len, prompts_l))
-    prompts = torch.zeros(b, p_len, dtype=torch.long)
-    responses = torch.zeros(b, R, dtype=torch.long)
-    am = torch.zeros(b, p_len + R, dtype=torch.long)
-    rmask = torch.zeros(b, R, dtype=torch.long)
-    for i, (p, n) in enumerate(zip(prompts_l, RESPONSE_LENGTHS, strict=True)):
-        prompts[i, p_len - len(p):] = torch.tensor(p)
-        toks = torch.randint(3, TINY["vocab_size"], (n,), generator=g)
-        if n < R:
-            toks[-1] = 2
-        responses[i, :n] = toks
-        rmask[i, :n] = 1
-        am[i, p_len - len(p):p_len + n] = 1
-    rollout = {"prompts": prompts, "responses": responses, "attention_mask": am,
-               "position_ids": (am.cumsum(1) - 1).clamp(min=0), "response_mask": rmask,
-               "behavior_logprobs": -torch.rand(b, R, generator=g) * rmask,
-               "eos_terminated": torch.tensor([int(n < R) for n in RESPONSE_LENGTHS]),
-               "group_index": torch.arange(b)}
+    rollout = tiny_rollout([list(p) for p in contract.prompts.token_ids or ()],
+                           RESPONSE_LENGTHS, R, g)
     inputs = root / "inputs"
     inputs.mkdir()
     save_file(rollout, str(inputs / "rollout.safetensors"))
