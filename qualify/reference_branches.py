@@ -21,6 +21,13 @@ judge a gradient family against the expected run moved to the obtained run's own
 (:func:`qualify.branches.adjusted_expected`), with the same sealed bounds, and only for
 tokens sealed here.
 
+``J_t`` is computed in FP32 from the round's FP32 master at every precision. For BF16 that
+differs from the BF16 forward's own ``J_t`` by BF16 rounding of one token's term (relative
+~1e-2 of ``s_t J_t``, itself ~1/N of the round's gradient), far inside the BF16 gradient
+bounds, and it costs one FP32 backward per token instead of a BF16 one (measured on
+SmolLM2-135M on a 2-core CPU: 3.0 s against 24.9 s per token). ``branches.json`` records
+this as ``j_precision``.
+
 Files: ``branches/hf-{precision}.safetensors`` (tensors ``round{r}/{role}/{b}_{t}/{param}``)
 and ``branches.json`` (tokens, tolerances, scalars, the rerun's reproduction check).
 """
@@ -170,6 +177,10 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
     settings = UpdateSettings(precision="fp32" if prec == "fp32" else "bf16",
                               micro_batch_size=contract.algorithm.micro_batch_size,
                               label=f"hf-{prec}-branches")
+    # J_t in FP32 from the FP32 master at every precision (module docstring).
+    j_settings = UpdateSettings(precision="fp32",
+                                micro_batch_size=contract.algorithm.micro_batch_size,
+                                label=f"hf-{prec}-branches-jt")
     family = "logprobs" if role == "actor" else "values"
 
     def hook(round_: int, work: torch.nn.Module, master: torch.nn.Module, b: Batch,
@@ -184,8 +195,9 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
         reported: dict[str, dict[str, torch.Tensor]] = {}
         norm_sq: dict[str, float] = {}
         side = branches.critic_full_gradient if role == "critic" else None
-        for (bi, ti), c in token_gradients(work, master, b, contract, settings, role=role,
-                                           tokens=toks):
+        rd["j_precision"] = "fp32"
+        for (bi, ti), c in token_gradients(master, master, b, contract, j_settings,
+                                           role=role, tokens=toks):
             key = branches.token_key(bi, ti)
             dot = sum(float((grad[n].double() * c[n].double()).sum()) for n in c)
             nsq = sum(float(c[n].double().square().sum()) for n in c)

@@ -469,8 +469,9 @@ def token_gradients(work: nn.Module, master: nn.Module, batch: Batch, contract: 
     ``N`` is the number of valid tokens. The scalar ``s_t`` is left to the comparator, which
     takes it from the run it adjusts (its own values and logprobs). Each micro-batch that
     holds a listed token runs forward once on ``work`` at this run's precision (autocast as
-    the run does); each ``J_t`` is ``torch.autograd.grad`` (``.grad`` is not touched), cast
-    to FP32 like the run's gradients.
+    the run does) in eval mode (dropout off, as in the run; the module's mode is restored
+    after); each ``J_t`` is ``torch.autograd.grad`` (``.grad`` is not touched), cast to FP32
+    like the run's gradients.
 
     Args:
         work: the module the round ran forward on (from a :data:`RoundHook`).
@@ -492,23 +493,29 @@ def token_gradients(work: nn.Module, master: nn.Module, batch: Batch, contract: 
     params = dict(work.named_parameters())
     prec = _Precision(master, settings)
     wanted = {(int(b), int(t)) for b, t in tokens}
-    for s, mb in batch.micro_batches(settings.micro_batch_size):
-        here = sorted((b, t) for b, t in wanted if s.start <= b < s.stop)
-        if not here:
-            continue
-        with prec.autocast():
-            out = _forward_response_outputs(work, mb)
-        if role == "actor":
-            x, _ = _token_logprobs_entropy(out, mb.responses, contract.sampling.temperature)
-        else:
-            x = out.to(torch.promote_types(out.dtype, torch.float32)).squeeze(-1)
-        for b, t in here:
-            grads = torch.autograd.grad(x[b - s.start, t], [params[n] for n in names],
-                                        retain_graph=True, allow_unused=True)
-            yield (b, t), {
-                n: (torch.zeros(params[n].shape) if g is None else g.detach().to(torch.float32))
-                for n, g in zip(names, grads, strict=True)}
-            wanted.discard((b, t))
+    training = work.training
+    work.eval()  # dropout off, as in the run (an FP32 master may still be in train mode)
+    try:
+        for s, mb in batch.micro_batches(settings.micro_batch_size):
+            here = sorted((b, t) for b, t in wanted if s.start <= b < s.stop)
+            if not here:
+                continue
+            with prec.autocast():
+                out = _forward_response_outputs(work, mb)
+            if role == "actor":
+                x, _ = _token_logprobs_entropy(out, mb.responses, contract.sampling.temperature)
+            else:
+                x = out.to(torch.promote_types(out.dtype, torch.float32)).squeeze(-1)
+            for b, t in here:
+                grads = torch.autograd.grad(x[b - s.start, t], [params[n] for n in names],
+                                            retain_graph=True, allow_unused=True)
+                yield (b, t), {
+                    n: (torch.zeros(params[n].shape) if g is None
+                        else g.detach().to(torch.float32))
+                    for n, g in zip(names, grads, strict=True)}
+                wanted.discard((b, t))
+    finally:
+        work.train(training)
     if wanted:
         raise ValueError(f"tokens {sorted(wanted)} are outside the batch")
 

@@ -86,6 +86,7 @@ def test_reference_is_sealed_read_only_and_complete(reference: Path, contract: C
             assert meta["clip_ambiguous_tokens"][prec][role]["round2"] == len(r2["tokens"])
             if r2["tokens"]:
                 assert r2["rerun_max_abs_diff"] <= 0.1 * r2["tol_cur"]
+                assert r2["j_precision"] == "fp32"
                 for tok in r2["tokens"].values():
                     assert tok["reference_branch"] in ("full", "zero")
                     assert r2["gram"][f"{tok['index'][0]}_{tok['index'][1]}"] is not None

@@ -245,3 +245,41 @@ def test_fp32_entropy_error_is_seen_only_against_fp64() -> None:
     between = float((h_alt - h_ref).abs().max())
     assert alt_err < ref_err / 3
     assert between <= 4 * ref_err
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_fp32_token_gradients_stand_for_the_bf16_ones(models: Models, batch: Batch,
+                                                      contract: Contract, role: str) -> None:
+    """The reference seals BF16 ``J_t`` computed in FP32 from the FP32 master
+    (:mod:`qualify.reference_branches`). On a real BF16 round-2 model that differs from the
+    BF16 forward's own ``J_t`` by BF16 rounding only: a few per cent relative L2, not zero
+    (the BF16 path really ran), and nowhere near the size of ``J_t`` itself."""
+    from qualify.reference_update import token_gradients
+
+    actor, critic = models
+    tokens = [(0, 1), (1, 5), (3, 2)]
+    bf16 = UpdateSettings(precision="bf16", micro_batch_size=2)
+    fp32 = UpdateSettings(precision="fp32", micro_batch_size=2)
+    rel: list[float] = []
+
+    def hook(round_: int, work: torch.nn.Module, master: torch.nn.Module, b: Batch,
+             old: torch.Tensor) -> None:
+        if round_ != 2:
+            return
+        assert next(work.parameters()).dtype == torch.bfloat16
+        theirs = dict(token_gradients(work, master, b, contract, bf16, role=role,
+                                      tokens=tokens))
+        mine = dict(token_gradients(master, master, b, contract, fp32, role=role,
+                                    tokens=tokens))
+        for tok in tokens:
+            a = torch.cat([mine[tok][n].double().flatten() for n in sorted(mine[tok])])
+            c = torch.cat([theirs[tok][n].double().flatten() for n in sorted(theirs[tok])])
+            rel.append(float((a - c).norm() / c.norm()))
+
+    model = _fresh(actor if role == "actor" else critic)
+    if role == "actor":
+        run_actor(model, _fresh(actor), batch, contract, bf16, on_round=hook)
+    else:
+        run_critic(model, batch, contract, bf16, on_round=hook)
+    assert len(rel) == len(tokens)
+    assert all(0 < r < 0.05 for r in rel), rel
