@@ -257,7 +257,9 @@ def adjust_control_errors(contract: Contract, errors: ControlErrors, *,
     term, and the bound would be widened by a discontinuity instead of by rounding noise.
     Such a control's round-``r`` gradient families are measured against the reference moved
     to the control's branches (:func:`qualify.branches.adjusted_expected`, exact here: both
-    sides are reference code). A flip outside the sealed tokens leaves the raw error.
+    sides are reference code). A flip outside the sealed tokens, or in a round after one
+    whose branches already differ (the moved reference would lack that earlier step's
+    difference; the comparator refuses the same case), leaves the raw error.
 
     Args:
         contract: supplies the clip ranges and AdamW settings.
@@ -288,6 +290,18 @@ def adjust_control_errors(contract: Contract, errors: ControlErrors, *,
                         value_clip=alg.value_clip, clip_ratio=alg.clip_ratio)
                     if not flips:
                         continue
+                    earlier = [e for e in range(2, r) if branches.flipped_tokens(
+                        run, ref_runs[prec], role=role, round_=e, train=train, mask=mask,
+                        value_clip=alg.value_clip, clip_ratio=alg.clip_ratio)]
+                    rec: dict[str, Any] = {"precision": prec, "control": name, "role": role,
+                                           "round": r, "tokens": [f["index"] for f in flips],
+                                           "families": {}}
+                    if earlier:
+                        # the moved reference would not carry the earlier rounds' steps
+                        rec["note"] = (f"branches also differ in round(s) {earlier}, whose "
+                                       "steps this round inherits; raw errors kept")
+                        records.append(rec)
+                        continue
                     prefix = f"round{r}/{role}/"
                     adjusted, note = branches.adjusted_expected(
                         ref_runs[prec], role=role, round_=r, flips=flips,
@@ -297,9 +311,7 @@ def adjust_control_errors(contract: Contract, errors: ControlErrors, *,
                         lr=opt.actor_lr if role == "actor" else opt.critic_lr,
                         betas=(float(opt.betas[0]), float(opt.betas[1])), eps=opt.eps,
                         max_grad_norm=opt.max_grad_norm)
-                    rec: dict[str, Any] = {"precision": prec, "control": name, "role": role,
-                                           "round": r, "tokens": [f["index"] for f in flips],
-                                           "note": note, "families": {}}
+                    rec["note"] = note
                     if adjusted is not None:
                         again = compare_sets(run, adjusted, mask, scale=ref_runs[prec])
                         for key, e in again.items():

@@ -9,6 +9,9 @@ clipped term wins above ``1 + e``, with ``A < 0`` below ``1 - e`` (Schulman et a
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qualify import branches
+from qualify.contract import Contract
 
 EPS_V = 0.2
 
@@ -219,3 +223,38 @@ def test_ambiguous_tokens_limit_keeps_the_nearest() -> None:
             "clip_ratio": 0.2}
     assert branches.ambiguous_tokens(**args) == [(0, 0), (0, 1), (0, 2), (0, 3)]
     assert branches.ambiguous_tokens(**args, limit=2) == [(0, 1), (0, 3)]
+
+
+def test_control_flip_after_an_earlier_flip_keeps_its_raw_error(tmp_path: Path) -> None:
+    """Three rounds; a control whose critic token (0, 0) is on the other branch in rounds 2
+    and 3. Round 3's moved reference would lack round 2's different step, so round 3 is
+    not adjusted: its raw error stays and the record says why (the comparator's rule)."""
+    from qualify.reference_branches import adjust_control_errors
+    from qualify.statistics import ErrorMeasure, MetricKey
+
+    zeros = np.zeros((1, 2), np.float32)
+    ref = {"round1/critic/values": zeros,
+           "round2/critic/values": np.array([[0.049, 0.0]], np.float32),
+           "round3/critic/values": np.array([[0.049, 0.0]], np.float32)}
+    ctl = {"round1/critic/values": zeros,
+           "round2/critic/values": np.array([[0.051, 0.0]], np.float32),
+           "round3/critic/values": np.array([[0.051, 0.0]], np.float32)}
+    contract = cast(Contract, SimpleNamespace(
+        algorithm=SimpleNamespace(value_clip=0.05, clip_ratio=0.2),
+        optimizer=SimpleNamespace(critic_lr=1e-3, actor_lr=1e-3, betas=(0.9, 0.999),
+                                  eps=1e-8, max_grad_norm=1.0)))
+    key = MetricKey(round=3, role="critic", family="grads")
+    raw = cast(ErrorMeasure, object())
+    errors = {"fp32": {"attn_impl": {key: raw}}}
+    doc: dict[str, Any] = {"precisions": {"fp32": {"critic": {
+        "round2": {"tokens": {}, "gram": {}}, "round3": {"tokens": {}, "gram": {}}}}}}
+    records = adjust_control_errors(
+        contract, errors, ref_runs={"fp32": ref}, control_runs={"fp32": {"attn_impl": ctl}},
+        doc=doc, out=tmp_path, train={"returns": np.ones((1, 2), np.float32),
+                                      "advantages": np.zeros((1, 2))},
+        mask=np.ones((1, 2)))
+    assert [(r["round"], r["tokens"]) for r in records] == [(2, [[0, 0]]), (3, [[0, 0]])]
+    assert "not among the tokens the reference sealed" in records[0]["note"]
+    assert records[1]["note"].startswith("branches also differ in round(s) [2]")
+    assert records[1]["families"] == {}
+    assert errors["fp32"]["attn_impl"][key] is raw
