@@ -126,6 +126,26 @@ def flipped_tokens(obtained: Mapping[str, Any], expected: Mapping[str, Any], *, 
             for b, t in zip(*np.nonzero(flips), strict=True)]
 
 
+def earlier_flip_rounds(obtained: Mapping[str, Any], expected: Mapping[str, Any], *,
+                        role: str, round_: int, train: Mapping[str, Any], mask: npt.ArrayLike,
+                        value_clip: float, clip_ratio: float) -> list[int]:
+    """Rounds ``2 .. round_ - 1`` in which the two runs' clip branches already differ.
+
+    A round-``round_`` adjustment moves only that round's gradient; it cannot carry an
+    earlier round's different step, so a flip in such a round rules the adjustment out (the
+    comparator and the controls' adjustment both refuse it). Arguments as
+    :func:`flipped_tokens`.
+    """
+    return [r for r in range(2, round_) if flipped_tokens(
+        obtained, expected, role=role, round_=r, train=train, mask=mask,
+        value_clip=value_clip, clip_ratio=clip_ratio)]
+
+
+def inherited_flips_note(earlier: list[int]) -> str:
+    """Why a round with earlier-round flips is not adjusted."""
+    return f"branches also differ in round(s) {earlier}, whose steps this round inherits"
+
+
 def explain(flips: list[dict[str, Any]], *, role: str, round_: int) -> str:
     """One sentence for a failing gradient-family row (empty when nothing flipped)."""
     if not flips:

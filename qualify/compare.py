@@ -920,11 +920,11 @@ def _with_branch_flips(ctx: _Ctx, rows: list[Row], *, cell: str, klass: str, pre
             if {"advantages", "returns"} <= set(ctx.train) else None
         if not flips:
             continue
-        earlier = [r for r in range(2, rnd) if branches.flipped_tokens(
-            obtained, expected, role=role, round_=r, train=ctx.train, mask=ctx.mask,
-            value_clip=alg.value_clip, clip_ratio=alg.clip_ratio)]
+        earlier = branches.earlier_flip_rounds(
+            obtained, expected, role=role, round_=rnd, train=ctx.train, mask=ctx.mask,
+            value_clip=alg.value_clip, clip_ratio=alg.clip_ratio)
         if earlier:
-            why = f"branches also differ in round(s) {earlier}, whose steps this round inherits"
+            why = branches.inherited_flips_note(earlier)
         else:
             adjusted, why = _adjusted_rows(ctx, rows, cell=cell, klass=klass,
                                            precision=precision, role=role, rnd=rnd,

@@ -294,16 +294,14 @@ def adjust_control_errors(contract: Contract, errors: ControlErrors, *,
                         value_clip=alg.value_clip, clip_ratio=alg.clip_ratio)
                     if not flips:
                         continue
-                    earlier = [e for e in range(2, r) if branches.flipped_tokens(
-                        run, ref_runs[prec], role=role, round_=e, train=train, mask=mask,
-                        value_clip=alg.value_clip, clip_ratio=alg.clip_ratio)]
+                    earlier = branches.earlier_flip_rounds(
+                        run, ref_runs[prec], role=role, round_=r, train=train, mask=mask,
+                        value_clip=alg.value_clip, clip_ratio=alg.clip_ratio)
                     rec: dict[str, Any] = {"precision": prec, "control": name, "role": role,
                                            "round": r, "tokens": [f["index"] for f in flips],
                                            "families": {}}
                     if earlier:
-                        # the moved reference would not carry the earlier rounds' steps
-                        rec["note"] = (f"branches also differ in round(s) {earlier}, whose "
-                                       "steps this round inherits; raw errors kept")
+                        rec["note"] = f"{branches.inherited_flips_note(earlier)}; raw errors kept"
                         records.append(rec)
                         continue
                     prefix = f"round{r}/{role}/"
