@@ -3,8 +3,8 @@
 The torch_tp, DeepSpeed and Megatron-Core harnesses read the same inputs, write the same
 output files and start the same way; this module holds that scaffolding once. It holds no
 model computation, loss, norm or optimizer code: each engine's numbers come from its own
-modules (``harnesses/<engine>/``), and the reference path (``qualify.scoring``,
-``qualify.targets``, ``qualify.reference_update``) shares nothing with any of them.
+modules (``harnesses/<engine>/``), and the reference path (``qualify.reference.scoring``,
+``qualify.reference.targets``, ``qualify.reference.update``) shares nothing with any of them.
 
 Files (DESIGN.md section 6): a harness reads ``cell.json`` and, from ``inputs_dir``,
 ``rollout.safetensors``, ``train_inputs.safetensors``, ``contract.json`` and ``model.json``

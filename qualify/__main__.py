@@ -2,6 +2,6 @@
 
 import sys
 
-from qualify.cli import main
+from qualify.cli.main import main
 
 sys.exit(main())

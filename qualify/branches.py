@@ -14,7 +14,7 @@ reading only tensors the engines reported and the sealed training inputs. Then:
 
 - if every such token is one the reference sealed, before any candidate ran, as
   clip-ambiguous within its sealed bounds (:func:`ambiguous_tokens`,
-  :mod:`qualify.reference_branches`), the round's gradient families are judged, with the
+  :mod:`qualify.reference.branches`), the round's gradient families are judged, with the
   same sealed bounds, against the expected run moved to the obtained run's branches by the
   sealed per-token contributions (:func:`adjusted_expected`); the row says so and keeps
   the unadjusted error;
@@ -43,7 +43,7 @@ import numpy.typing as npt
 
 BRANCHES_DIR: Final = "branches"
 BRANCHES_FILE: Final = "branches.json"
-"""Where a sealed reference keeps its clip-ambiguous tokens (:mod:`qualify.reference_branches`)."""
+"""Where a sealed reference keeps its clip-ambiguous tokens (:mod:`qualify.reference.branches`)."""
 GRADIENT_FAMILIES: Final = frozenset({"grads", "grad_norm", "clip_coef", "exp_avg",
                                       "exp_avg_sq", "updates"})
 """Families computed from the round's gradient: a branch flip moves them all."""
@@ -177,7 +177,7 @@ def ambiguous_tokens(*, role: str, old: npt.ArrayLike, cur: npt.ArrayLike,
     A candidate whose round-1 and round-``r`` values (or logprobs) are each within the
     sealed ``max_abs`` bound of the reference's can sit on either side of a switch for
     these tokens, and only for these. The reference stage lists them before any candidate
-    runs (:mod:`qualify.reference_branches`).
+    runs (:mod:`qualify.reference.branches`).
 
     - Actor (the switch depends on ``x = logp_r - logp_old`` and the sign of ``A``): the
       branch at ``x - tol`` and at ``x + tol`` differ, ``tol = tol_old + tol_cur``.

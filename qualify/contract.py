@@ -181,7 +181,7 @@ class SamplingSpec:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SamplerSpec:
-    """The candidate-stage sampler cells (:mod:`qualify.sampler_stage`).
+    """The candidate-stage sampler cells (:mod:`qualify.candidate.sampler_stage`).
 
     Attributes:
         engine: sampler engine (``vllm``).
@@ -589,7 +589,7 @@ def cells_matching(contract: Contract, patterns: Sequence[str] | None) -> list[C
         p_engine, p_glob = pat.split(":", 1) if ":" in pat else (None, pat)
         if not hits and (p_engine in (None, contract.sampler and contract.sampler.engine)
                          and any(fnmatch.fnmatch(s, p_glob) for s in sampler_ids)):
-            continue  # a sampler cell (qualify.sampler_stage selects those)
+            continue  # a sampler cell (qualify.candidate.sampler_stage selects those)
         if not hits:
             ids = ", ".join(c.cell_id for c in cells)
             raise ContractError(f"--cells: {pat!r} matches no cell; cells are: {ids}")

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from qualify.errors import UsageError
-from qualify.slurm import job_info
+from qualify.pipeline.slurm import job_info
 
 REPO = Path(__file__).resolve().parent.parent
 SETUP = REPO / ".ci" / "slurm-setup.sh"

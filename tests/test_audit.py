@@ -1,4 +1,4 @@
-"""Tests of qualify.audit (``qualify audit``) on the signed evidence world of test_verify."""
+"""Tests of qualify.evidence.audit (``qualify audit``) on test_verify's signed evidence world."""
 
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ from test_verify import (
     world,
 )
 
-from qualify import signing, store
-from qualify.audit import COLUMNS, audit, render
 from qualify.errors import ExitCode
+from qualify.evidence import sign as signing
+from qualify.evidence import store
+from qualify.evidence.audit import COLUMNS, audit, render
 
 __all__ = ["signed_world", "world"]  # fixtures shared with test_verify
 

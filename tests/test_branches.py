@@ -229,7 +229,7 @@ def test_control_flip_after_an_earlier_flip_keeps_its_raw_error(tmp_path: Path) 
     """Three rounds; a control whose critic token (0, 0) is on the other branch in rounds 2
     and 3. Round 3's moved reference would lack round 2's different step, so round 3 is
     not adjusted: its raw error stays and the record says why (the comparator's rule)."""
-    from qualify.reference_branches import adjust_control_errors
+    from qualify.reference.branches import adjust_control_errors
     from qualify.statistics import ErrorMeasure, MetricKey
 
     zeros = np.zeros((1, 2), np.float32)

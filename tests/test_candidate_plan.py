@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from qualify.candidate import plan_launches
+from qualify.candidate.stage import plan_launches
 from qualify.contract import Contract, cells_matching, loads_contract
 from qualify.protocol import HarnessCell, variant_tag
 from qualify.resources import contracts_dir

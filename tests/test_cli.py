@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from qualify.cli import build_parser
+from qualify.cli.main import build_parser
 from qualify.errors import ExitCode
 from qualify.resources import contracts_dir
 

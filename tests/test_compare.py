@@ -1,4 +1,4 @@
-"""Tests of qualify.compare on a synthetic sealed reference and candidate run.
+"""Tests of qualify.compare.stage on a synthetic sealed reference and candidate run.
 
 The world: B = 3 sequences, R = 4 response tokens (mask below: 9 valid tokens), an
 actor with two parameters (``model.w`` [4, 3], ``model.b`` [3]), two rounds, HF reference
@@ -25,11 +25,11 @@ from hypothesis.extra import numpy as hnp
 from safetensors.numpy import save_file
 from tiny_contracts import torch_tp_only_text
 
-from qualify import store
 from qualify.bounds import Bound, bounds_document
-from qualify.compare import Row, _compare_rows, compare_run, judge, worst_verdict
+from qualify.compare.stage import Row, _compare_rows, compare_run, judge, worst_verdict
 from qualify.contract import Contract
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
+from qualify.evidence import store
 from qualify.protocol import ROLLOUT_KEYS
 from qualify.statistics import FAMILY_STATISTIC, compare_sets, group_tensors
 
@@ -818,7 +818,7 @@ SAMPLER = "vllm-fp32-sampler-tp1"
 
 
 def _sampler_meta(first_after_update: int) -> dict[str, Any]:
-    from qualify.sampler_compare import PROBES
+    from qualify.compare.sampler import PROBES
 
     return {
         "install": {"accepted": True, "acks": [{"rank": 0, "version": 1, "digest": "d0"}],

@@ -41,9 +41,9 @@ from harnesses.deepspeed import losses
 from harnesses.deepspeed.harness import check_cell
 from harnesses.deepspeed.parallelize import ds_config, role_ranks
 from harnesses.deepspeed.state_dict_adapter import dtype_name
+from qualify.candidate.launch import check_outputs, launch_env, torchrun_command, validate_cell
 from qualify.contract import load_contract
 from qualify.errors import HarnessError
-from qualify.launch import check_outputs, launch_env, torchrun_command, validate_cell
 from qualify.protocol import HarnessCell, variant_tag
 from qualify.registry import get_engine
 from qualify.resources import contracts_dir
@@ -81,7 +81,7 @@ class Runs:
         self.mask = self.rollout["response_mask"].bool()
 
     def _launch(self, name: str) -> Path:
-        """torchrun with ``qualify.launch``'s command line and environment; then
+        """torchrun with ``qualify.candidate.launch``'s command line and environment; then
         :func:`qualify.launch.check_outputs` on every variant's subdirectory."""
         out = self.root / name
         with locked(self.root / f"{name}.lock"):

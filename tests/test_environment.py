@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import torch
 
-from qualify import environment
+from qualify.evidence import environment
 from qualify.resources import load_schema
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
@@ -39,7 +39,7 @@ def test_capture_validates_and_names_versions() -> None:
 
 
 def test_capture_imports_no_engine() -> None:
-    code = ("import sys; from qualify.environment import capture_environment; "
+    code = ("import sys; from qualify.evidence.environment import capture_environment; "
             "capture_environment(import_torch=False); "
             "bad = [m for m in ('vllm', 'deepspeed', 'megatron') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")

@@ -1,4 +1,4 @@
-"""Tests of qualify.field_metrics: hand-derived goldens, comparability notes, invariants.
+"""Tests of qualify.compare.mismatch: hand-derived goldens, comparability notes, invariants.
 
 Golden provenance: the formulas of the module docstring (NeMo-RL's token_mult_prob_error
 = mean exp(|d|), k3 = mean(exp(d) - d - 1)), evaluated by hand below; exp values from
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from qualify.field_metrics import (
+from qualify.compare.mismatch import (
     FieldMismatch,
     comparability_note,
     field_mismatch,

@@ -1,4 +1,4 @@
-"""Tests of qualify.gate (``qualify gate``) on the signed evidence world of test_verify."""
+"""Tests of qualify.evidence.gate (``qualify gate``) on the signed evidence world of test_verify."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from test_verify import (
     world,
 )
 
-from qualify import store
 from qualify.errors import ExitCode
-from qualify.gate import gate, latest_run
+from qualify.evidence import store
+from qualify.evidence.gate import gate, latest_run
 from qualify.resources import load_schema
 
 __all__ = ["signed_world", "world"]  # fixtures shared with test_verify

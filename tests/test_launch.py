@@ -1,4 +1,4 @@
-"""qualify.launch with fake harnesses (no torch in the ranks): OK, failure, timeout, checks."""
+"""qualify.candidate.launch with fake harnesses (no torch in the ranks): OK, failure, timeout."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import psutil
 import pytest
 from safetensors.numpy import save_file
 
-from qualify.errors import HarnessError
-from qualify.launch import (
+from qualify.candidate.launch import (
     check_outputs,
     launch,
     launch_env,
     torchrun_command,
     validate_cell,
 )
+from qualify.errors import HarnessError
 from qualify.protocol import HarnessCell
 from qualify.resources import repo_root
 
@@ -283,7 +283,8 @@ def test_environment_and_command() -> None:
     assert cmd[cmd.index("--nproc-per-node") + 1] == "3"
     assert cmd[-3:] == ["-m", "harnesses.torch_tp.harness", "/a/cell.json"]
     assert torchrun_command(Path("c"), module="p.m:main", world_size=1,
-                            log_dir=Path("l"))[-4:] == ["-m", "qualify.launch", "p.m:main", "c"]
+                            log_dir=Path("l"))[-4:] == [
+        "-m", "qualify.candidate.launch", "p.m:main", "c"]
 
 
 def test_multi_node_launch_uses_srun_and_a_rendezvous_on_the_first_node() -> None:

@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from qualify.candidate import run_candidate_stage
-from qualify.compare import compare_run
+from qualify.candidate.stage import run_candidate_stage
+from qualify.compare.stage import compare_run
 from qualify.contract import Contract, load_contract
-from qualify.reference import run_reference_stage
+from qualify.reference.stage import run_reference_stage
 from qualify.resources import contracts_dir
 
 pytest.importorskip("megatron.core")

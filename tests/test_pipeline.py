@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 from tiny_contracts import torch_tp_only
 
-from qualify import store
-from qualify.candidate import run_candidate_stage
-from qualify.compare import compare_run
+from qualify.candidate.stage import run_candidate_stage
+from qualify.compare.stage import compare_run
 from qualify.contract import Contract, load_contract
 from qualify.errors import ExitCode, ReferenceDataError
-from qualify.reference import BOUNDS_FILE, run_reference_stage
+from qualify.evidence import store
+from qualify.reference.stage import BOUNDS_FILE, run_reference_stage
 from qualify.statistics import FAMILY_STATISTIC
 
 

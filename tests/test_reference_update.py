@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForTokenClassification
 
 from qualify.contract import Contract, load_contract
-from qualify.reference_update import Batch, UpdateSettings, run_actor, run_critic
+from qualify.reference.update import Batch, UpdateSettings, run_actor, run_critic
 from qualify.resources import contracts_dir
 
 torch.set_num_threads(1)
@@ -162,7 +162,7 @@ def test_token_gradients_sum_to_the_batch_gradient(models: Models, batch: Batch,
     """``J_t`` from :func:`token_gradients` at round 2, weighted and summed, equals the
     gradient of the same weighted sum of logprobs / values computed from one whole-batch
     forward of a copy of the round-2 model; ``.grad`` of the run is left alone."""
-    from qualify.reference_update import token_gradients
+    from qualify.reference.update import token_gradients
 
     actor, critic = models
     tokens = [(0, 1), (1, 5), (3, 0), (3, 2)]
@@ -251,10 +251,10 @@ def test_fp32_entropy_error_is_seen_only_against_fp64() -> None:
 def test_fp32_token_gradients_stand_for_the_bf16_ones(models: Models, batch: Batch,
                                                       contract: Contract, role: str) -> None:
     """The reference seals BF16 ``J_t`` computed in FP32 from the FP32 master
-    (:mod:`qualify.reference_branches`). On a real BF16 round-2 model that differs from the
+    (:mod:`qualify.reference.branches`). On a real BF16 round-2 model that differs from the
     BF16 forward's own ``J_t`` by BF16 rounding only: a few per cent relative L2, not zero
     (the BF16 path really ran), and nowhere near the size of ``J_t`` itself."""
-    from qualify.reference_update import token_gradients
+    from qualify.reference.update import token_gradients
 
     actor, critic = models
     tokens = [(0, 1), (1, 5), (3, 2)]

@@ -127,7 +127,7 @@ def test_import_is_lazy() -> None:
     """``import qualify`` / the registry / the launcher import no engine, no torch.distributed."""
     code = (
         "import json, sys\n"
-        "import qualify, qualify.registry, qualify.launch\n"
+        "import qualify, qualify.registry, qualify.candidate.launch\n"
         "qualify.registry.engine_names(); qualify.registry.get_engine('torch_tp').module\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
         "{'vllm', 'deepspeed', 'megatron', 'harnesses'} or m.startswith('torch.distributed'))\n"

@@ -1,4 +1,4 @@
-"""Tests of qualify.report: report.json against its schema, report.md content, atomicity."""
+"""Tests of qualify.compare.report: report.json against its schema, report.md content, atomicity."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 from test_compare import BF16_TP1, CRITIC_TP1, TP1, TP2, World, actor, good_meta
 
-from qualify import store
-from qualify.compare import REPORT_JSON, REPORT_MD, Report
-from qualify.report import matrix_frame, render_markdown, report_document
+from qualify.compare.report import matrix_frame, render_markdown, report_document
+from qualify.compare.stage import REPORT_JSON, REPORT_MD, Report
+from qualify.evidence import store
 from qualify.resources import load_schema
 
 VALIDATOR = jsonschema.Draft202012Validator(load_schema("report"))

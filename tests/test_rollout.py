@@ -18,7 +18,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from qualify.contract import SamplingSpec
 from qualify.errors import ContractError, HarnessError, ReferenceDataError
 from qualify.protocol import ROLLOUT_FILE, ROLLOUT_KEYS, ROLLOUT_META_FILE
-from qualify.rollout import (
+from qualify.reference.rollout import (
     ROLLOUT_BACKENDS,
     HfRolloutBackend,
     Rollout,
@@ -108,7 +108,8 @@ def test_registry_unknown_name_suggests_and_lists() -> None:
     ("target", "message"),
     [
         pytest.param("qualify._no_such_module:X", "cannot import", id="module-missing"),
-        pytest.param("qualify.rollout:ROLLOUT_SCHEMA_VERSION", "is not a class", id="not-a-class"),
+        pytest.param("qualify.reference.rollout:ROLLOUT_SCHEMA_VERSION", "is not a class",
+                     id="not-a-class"),
     ],
 )
 def test_registry_broken_entries(monkeypatch: pytest.MonkeyPatch, target: str,
@@ -449,9 +450,9 @@ def test_vllm_backend_resolves_without_importing_vllm() -> None:
     import subprocess
     import sys
 
-    from qualify.launch import launch_env
+    from qualify.candidate.launch import launch_env
 
-    code = ("import sys; from qualify.rollout import rollout_backend; "
+    code = ("import sys; from qualify.reference.rollout import rollout_backend; "
             "cls = rollout_backend('vllm'); b = cls(); "
             "assert 'vllm' not in sys.modules, 'vllm imported'; print(cls.__name__, b.name)")
     out = subprocess.run([sys.executable, "-c", code], env=launch_env(None), check=True,
@@ -476,10 +477,10 @@ def test_vllm_backend_rejects_a_model_object_before_starting_anything(
 
 def test_capture_rollout_hf_fallback_path() -> None:
     """``engine = "hf"`` keeps the HF sampler: the verified actor directory at FP32/sdpa."""
-    from qualify import models
     from qualify.contract import load_contract
+    from qualify.models import bundle as models
+    from qualify.reference.rollout import capture_rollout
     from qualify.resources import contracts_dir
-    from qualify.rollout import capture_rollout
 
     bundle = models.prepare_models(load_contract(contracts_dir() / "tiny-qwen3.toml"))
     got = capture_rollout(CONTRACT_SAMPLING, PROMPTS, actor_dir=bundle.actor_dir,

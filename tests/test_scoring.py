@@ -18,8 +18,8 @@ from transformers import (
 
 from qualify.contract import SamplingSpec
 from qualify.errors import ContractError
-from qualify.rollout import Rollout, build_rollout
-from qualify.scoring import (
+from qualify.reference.rollout import Rollout, build_rollout
+from qualify.reference.scoring import (
     Bf16Mode,
     PrecisionMismatchError,
     ScoreRecord,

@@ -1,4 +1,4 @@
-"""Tests of qualify.signing: DSSE envelopes, keys, key files, sign_directory, the CLI."""
+"""Tests of qualify.evidence.sign: DSSE envelopes, keys, key files, sign_directory, the CLI."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_verify import CONTRACT, World, new_key, run_cli, signed_world, world
 
-from qualify import signing, store
-from qualify.cli_evidence import register
+from qualify.cli.evidence import register
 from qualify.errors import (
     EvidenceIntegrityError,
     ExitCode,
@@ -27,7 +26,9 @@ from qualify.errors import (
     SignatureError,
     UsageError,
 )
-from qualify.signing import (
+from qualify.evidence import sign as signing
+from qualify.evidence import store
+from qualify.evidence.sign import (
     Envelope,
     EnvelopeFormatError,
     Signature,
@@ -209,7 +210,7 @@ def test_signing_key_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path:
 
 def test_development_key_is_created_once_and_not_trusted(
         caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
-    with caplog.at_level(logging.WARNING, logger="qualify.signing"):
+    with caplog.at_level(logging.WARNING, logger="qualify.evidence.sign"):
         first = signing.default_signing_key()
     path = tmp_path / "xdg" / "qualify" / "dev-signing-key.pem"
     assert signing.dev_key_path() == path

@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 from slurm_cluster import REPO, JobEnd, controller_up, wait_job
 
-from qualify import store
-from qualify.cli_slurm import register
+from qualify.cli.slurm import register
 from qualify.errors import ReferenceDataError, UsageError
-from qualify.slurm import (
+from qualify.evidence import store
+from qualify.pipeline.slurm import (
     SbatchOptions,
     parse_header,
     parse_job_id,
@@ -273,22 +273,22 @@ def _slow_qualify(tmp_path: Path) -> Path:
     exe = tmp_path / "slow-qualify"
     exe.write_text(f"#!{sys.executable}\n"
                    "import sys, time\n"
-                   "import qualify.reference as r\n"
+                   "import qualify.reference.stage as r\n"
                    "real = r.run_reference_stage\n"
                    "def hook(step):\n"
                    "    if step == 'scoring':\n"
                    "        print('slow-qualify: stopped before scoring', flush=True)\n"
                    "        time.sleep(600)\n"
                    "r.run_reference_stage = lambda *a, **k: real(*a, on_step=hook, **k)\n"
-                   "from qualify.cli import main\n"
+                   "from qualify.cli.main import main\n"
                    "sys.exit(main(sys.argv[1:]))\n")
     exe.chmod(0o755)
     return exe
 
 
 def _assert_partial_reference(refs: Path, *, rollout: bool = True) -> Path:
-    from qualify.audit import audit
-    from qualify.reference import load_sealed_reference
+    from qualify.evidence.audit import audit
+    from qualify.reference.stage import load_sealed_reference
 
     (ref,) = [p for p in refs.iterdir() if p.is_dir()]
     assert store.is_incomplete(ref)
@@ -305,7 +305,7 @@ def _assert_partial_reference(refs: Path, *, rollout: bool = True) -> Path:
 
 @needs_slurm
 def test_slurm_two_stages_real_jobs(tmp_path: Path) -> None:
-    from qualify.reference import load_sealed_reference
+    from qualify.reference.stage import load_sealed_reference
 
     # QUALIFY_LAUNCHER=srun: the candidate's harness launch takes the multi-node path
     # (srun + torchrun with a c10d rendezvous on the first node of the allocation)

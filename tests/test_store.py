@@ -19,7 +19,6 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
-from qualify import store
 from qualify.errors import (
     EvidenceIntegrityError,
     ExitCode,
@@ -27,6 +26,7 @@ from qualify.errors import (
     ReferenceDataError,
     UsageError,
 )
+from qualify.evidence import store
 
 
 @pytest.fixture(autouse=True)
@@ -536,7 +536,7 @@ def test_add_attestation_refusals(tmp_path: Path, case: str) -> None:
 
 
 def test_import_store_does_not_import_engines() -> None:
-    code = ("import sys, qualify.store; "
+    code = ("import sys, qualify.evidence.store; "
             "bad = [m for m in ('torch', 'vllm', 'deepspeed', 'megatron') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -1,7 +1,7 @@
 """The tamper set of test_verify applied to a REAL signed run of the tiny contract (issue #4).
 
 One module fixture (:func:`real_world`, about 3 minutes on 2 cores) does what
-``qualify run contracts/tiny-qwen3.toml`` does (qualify/pipeline.py), in-process, with a
+``qualify run contracts/tiny-qwen3.toml`` does (qualify/pipeline/chain.py), in-process, with a
 test signing key given through ``$QUALIFY_SIGNING_KEY`` (the variable is restored after):
 
 - ``references/tiny-qwen3-<digest12>/``: :func:`run_reference_stage` (sealed and signed);
@@ -49,13 +49,14 @@ from test_verify import (
 )
 from tiny_contracts import torch_tp_only_text
 
-from qualify import signing, store
-from qualify.candidate import run_candidate_stage
-from qualify.compare import compare_run
+from qualify.candidate.stage import run_candidate_stage
+from qualify.compare.stage import compare_run
 from qualify.contract import load_contract
 from qualify.errors import EvidenceIntegrityError, ExitCode
-from qualify.reference import run_reference_stage
-from qualify.verify import ReferenceBindingError, SubjectDigestError
+from qualify.evidence import sign as signing
+from qualify.evidence import store
+from qualify.evidence.verify import ReferenceBindingError, SubjectDigestError
+from qualify.reference.stage import run_reference_stage
 
 NAME = "tiny-qwen3"
 OLD_RUN = "0-older-copy"  # sorts before the UTC run id: the gate's newest run is the real one

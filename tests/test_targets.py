@@ -1,4 +1,4 @@
-"""Tests of qualify.targets: hand-derived goldens, invalid inputs, hypothesis invariants.
+"""Tests of qualify.reference.targets: hand-derived goldens, invalid inputs, hypothesis invariants.
 
 Every golden below is derived by hand in the comment next to it; inputs are chosen so
 that the arithmetic is exact in binary floating point wherever possible, so the
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from qualify.targets import (
+from qualify.reference.targets import (
     Targets,
     compute_targets,
     grpo_advantages,

@@ -32,9 +32,9 @@ from safetensors.torch import load_file
 from harnesses.torch_tp import losses
 from harnesses.torch_tp.faults import Faults
 from harnesses.torch_tp.parallelize import check_divisible
+from qualify.candidate.launch import launch
 from qualify.contract import load_contract
 from qualify.errors import HarnessError
-from qualify.launch import launch
 from qualify.protocol import EXTRA_RIGHT_PADDING, HarnessCell
 from qualify.registry import get_engine
 from qualify.resources import contracts_dir

@@ -1,4 +1,4 @@
-"""Tests of qualify.verify on real signed evidence, and the tamper set.
+"""Tests of qualify.evidence.verify on real signed evidence, and the tamper set.
 
 The evidence world (built once per session by :func:`signed_world`, then copied per test
 with :func:`shutil.copytree` and made writable with :func:`qualify.store.make_writable`):
@@ -46,15 +46,15 @@ from hypothesis import strategies as st
 from safetensors.numpy import save_file
 from tiny_contracts import torch_tp_only_text
 
-from qualify import cli, signing, store
 from qualify.bounds import Bound, bounds_document
-from qualify.cli_evidence import register
-from qualify.compare import compare_run
+from qualify.cli import main as cli
+from qualify.cli.evidence import register
+from qualify.compare.stage import compare_run
 from qualify.contract import Contract, load_contract
 from qualify.errors import EvidenceIntegrityError, ExitCode, QualifyError
-from qualify.protocol import ROLLOUT_KEYS
-from qualify.statistics import FAMILY_STATISTIC, group_tensors
-from qualify.verify import (
+from qualify.evidence import sign as signing
+from qualify.evidence import store
+from qualify.evidence.verify import (
     ContractDigestError,
     EnvelopeFormatError,
     ReferenceBindingError,
@@ -68,6 +68,8 @@ from qualify.verify import (
     find_evidence,
     verify,
 )
+from qualify.protocol import ROLLOUT_KEYS
+from qualify.statistics import FAMILY_STATISTIC, group_tensors
 
 CONTRACT = "gate-tiny"
 B, R = 3, 4

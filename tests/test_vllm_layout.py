@@ -132,7 +132,7 @@ def test_bad_tp_and_missing_parts_are_errors() -> None:
 
 
 # --------------------------------------------------------------------------- sampler rows
-# qualify.sampler_compare judges a sampler cell from its outputs.json (no vLLM needed).
+# qualify.compare.sampler judges a sampler cell from its outputs.json (no vLLM needed).
 
 import math  # noqa: E402
 from typing import Any  # noqa: E402
@@ -140,7 +140,7 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 
 from qualify.bounds import Bound  # noqa: E402
-from qualify.sampler_compare import PROBES, sampler_rows  # noqa: E402
+from qualify.compare.sampler import PROBES, sampler_rows  # noqa: E402
 from qualify.statistics import MetricKey  # noqa: E402
 
 BOUND = Bound(precision="fp32", klass="candidate_vs_hf",

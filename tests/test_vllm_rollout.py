@@ -27,13 +27,14 @@ if importlib.util.find_spec("vllm") is None:
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from harnesses.vllm.rollout import VllmRolloutBackend
-from qualify import models, store
-from qualify.candidate import run_candidate_stage
+from qualify.candidate.stage import run_candidate_stage
 from qualify.contract import Contract, load_contract
+from qualify.evidence import store
+from qualify.models import bundle as models
 from qualify.protocol import ROLLOUT_META_FILE
-from qualify.reference import resolve_prompts, run_reference_stage
+from qualify.reference.rollout import Rollout
+from qualify.reference.stage import resolve_prompts, run_reference_stage
 from qualify.resources import contracts_dir
-from qualify.rollout import Rollout
 
 TINY = contracts_dir() / "tiny-qwen3.toml"
 

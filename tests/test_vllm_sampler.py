@@ -33,8 +33,8 @@ pytest.importorskip("vllm")
 from harness_outputs import TINY, tiny_rollout
 
 from harnesses.vllm import layout
+from qualify.candidate.launch import check_outputs, validate_cell
 from qualify.contract import load_contract
-from qualify.launch import check_outputs, validate_cell
 from qualify.protocol import HarnessCell
 from qualify.resources import contracts_dir
 
@@ -76,7 +76,7 @@ def _run_harness(root: Path, *, tied: bool) -> dict[str, Any]:
     inputs, wfile = _build(root, tied=tied)
     out = root / "attempt"
     out.mkdir()
-    from qualify.store import sha256_file
+    from qualify.evidence.store import sha256_file
 
     (out / "sampler_request.json").write_text(json.dumps({
         "weights_file": str(wfile), "weights_sha256": sha256_file(wfile),
@@ -242,7 +242,7 @@ def test_kernel_probe_agrees_with_the_served_logits_when_tied(tied_run: dict[str
     "ParallelLMHead: Failed to load weights" and keeps the LM head's packed GEMM of version
     0: the probe names ``lm_head`` and the logprobs are off from HF on the installed
     weights; an engine that re-packs the head passes both."""
-    from qualify.sampler_compare import sampler_rows
+    from qualify.compare.sampler import sampler_rows
 
     kp = tied_run["meta"]["kernel_probe"]
     assert kp["layers_probed"] == 9

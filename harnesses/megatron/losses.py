@@ -1,7 +1,8 @@
 """This harness's own numerics: vocab-parallel log-softmax / entropy and the PPO losses.
 
-Written for this harness (no code shared with ``qualify/scoring.py``, ``qualify/targets.py``,
-``qualify/reference_update.py`` or another harness). The vocab-parallel reduction follows
+Written for this harness (no code shared with ``qualify/reference/scoring.py``,
+``qualify/reference/targets.py``, ``qualify/reference/update.py`` or another harness). The
+vocab-parallel reduction follows
 Megatron-Core's ``_VocabParallelCrossEntropy`` (max all-reduce, sum-of-exp all-reduce,
 target-logit all-reduce) but uses the role's explicit TP group: megatron-core 0.16.1's
 ``vocab_parallel_cross_entropy`` reads the *global* ``parallel_state`` TP group, which

@@ -1,6 +1,6 @@
 """vLLM sampler cell: ``python -m harnesses.vllm.harness CELL_JSON`` (one process, no torchrun).
 
-The candidate stage's sampler step (:mod:`qualify.sampler_stage`) runs this program after
+The candidate stage's sampler step (:mod:`qualify.candidate.sampler_stage`) runs this program after
 the trainer cells, with the Actor's round-1-updated weights exported by the contract's
 ``sampler.weights_from`` cell. In one in-process vLLM engine (``tp`` =
 ``cell.options["rollout_tp"]``; TP > 1 spawns one worker per rank) it:

@@ -1,4 +1,4 @@
-"""The ``vllm`` rollout backend of :mod:`qualify.rollout` (the default rollout engine).
+"""The ``vllm`` rollout backend of :mod:`qualify.reference.rollout` (the default rollout engine).
 
 :class:`VllmRolloutBackend` samples with the real vLLM engine in a child process
 (``python -m harnesses.vllm.capture``, see that module for the request/result files and
@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any, Final
 
 from harnesses.vllm import capture
+from qualify.candidate.launch import launch_env
 from qualify.contract import SamplingSpec
 from qualify.errors import ContractError, HarnessError
-from qualify.launch import launch_env
-from qualify.rollout import Rollout, build_rollout
+from qualify.reference.rollout import Rollout, build_rollout
 
 DEFAULT_TIMEOUT_S: Final = 900.0
 """Wall-clock limit of one capture child (engine start + sampling)."""

@@ -15,7 +15,7 @@ TP size of the contract's ``[sampler]`` section (cell ``vllm-fp32-sampler-tp{n}`
    ``NOT_RUN`` (no ``[sampler]`` cell selected, or the weights source did not complete).
 
 The harness installs, verifies, probes and scores; the verdicts are the comparator's
-(:mod:`qualify.sampler_compare`). vLLM is never imported in this process.
+(:mod:`qualify.compare.sampler`). vLLM is never imported in this process.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from qualify import store
+from qualify.candidate.launch import check_outputs, validate_cell
 from qualify.contract import CellSpec, Contract
 from qualify.errors import HarnessError
-from qualify.launch import check_outputs, validate_cell
+from qualify.evidence import store
 from qualify.protocol import (
     ACTOR_ROUND1_WEIGHTS,
     CELL_FILE,
@@ -41,6 +41,7 @@ from qualify.protocol import (
     variant_tag,
 )
 from qualify.registry import get_engine
+from qualify.resources import repo_root
 
 REQUEST_FILE: Final = "sampler_request.json"
 CELL_ATTEMPT_KIND: Final = "cell-attempt"
@@ -164,7 +165,7 @@ def _run_one(contract: Contract, attempt: Path, *, inputs: Path, tp: int, weight
     logs = attempt / "logs"
     logs.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+        [str(repo_root()), os.environ.get("PYTHONPATH", "")])}
     t0 = time.perf_counter()
     status, reason, rc = "COMPLETE", None, None
     with (logs / "stdout.txt").open("wb") as out, (logs / "stderr.txt").open("wb") as err:

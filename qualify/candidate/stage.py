@@ -27,10 +27,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qualify import sampler_stage, store
+from qualify.candidate import sampler_stage
+from qualify.candidate.launch import LaunchResult, launch
 from qualify.contract import CellSpec, Contract, cells_matching
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError
-from qualify.launch import LaunchResult, launch
+from qualify.evidence import store
 from qualify.progress import Progress
 from qualify.protocol import (
     OUTPUTS_FILE,
@@ -41,7 +42,7 @@ from qualify.protocol import (
     HarnessCell,
     variant_tag,
 )
-from qualify.reference import load_sealed_reference
+from qualify.reference.stage import load_sealed_reference
 from qualify.registry import get_engine
 
 RUN_FILE = "run.json"
@@ -181,7 +182,7 @@ def _stage_inputs(contract: Contract, reference: Path, run_dir: Path) -> Path:
     Raises:
         ReferenceDataError: the local models differ from the reference's.
     """
-    from qualify import models
+    from qualify.models import bundle as models
 
     inputs = run_dir / "inputs"
     ref_model = json.loads((reference / "model.json").read_text())

@@ -6,9 +6,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from qualify import store
 from qualify.contract import load_contract
-from qualify.reference import reference_dir_name, run_reference_stage
+from qualify.evidence import store
+from qualify.reference.stage import reference_dir_name, run_reference_stage
 
 
 def find_sealed_reference(references: Path, name: str) -> Path | None:
@@ -37,9 +37,9 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
     Raises:
         QualifyError: any stage's error (see the stages).
     """
-    from qualify.candidate import run_candidate_stage
-    from qualify.compare import compare_run
-    from qualify.signing import ensure_signed, seal_and_sign
+    from qualify.candidate.stage import run_candidate_stage
+    from qualify.compare.stage import compare_run
+    from qualify.evidence.sign import ensure_signed, seal_and_sign
 
     contract = load_contract(contract_path)
     ref = find_sealed_reference(references, reference_dir_name(contract))

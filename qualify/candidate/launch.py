@@ -403,9 +403,9 @@ def _tail(path: Path, lines: int = TAIL_LINES) -> str:
 
 
 def _trampoline(argv: Sequence[str]) -> int:
-    """``python -m qualify.launch module:attr CELL_JSON``: call ``attr([CELL_JSON])``."""
+    """``python -m qualify.candidate.launch module:attr CELL_JSON``: call ``attr([CELL_JSON])``."""
     if len(argv) != 2 or ":" not in argv[0]:
-        print("usage: python -m qualify.launch MODULE:ATTR CELL_JSON", file=sys.stderr)
+        print("usage: python -m qualify.candidate.launch MODULE:ATTR CELL_JSON", file=sys.stderr)
         return 2
     mod_name, attr = argv[0].split(":", 1)
     fn = getattr(importlib.import_module(mod_name), attr)

@@ -9,9 +9,9 @@ error type:
    (:class:`~qualify.errors.ReferenceDataError` / ``EvidenceIntegrityError``);
 3. load the contract, ``bounds.json`` (schema-checked, same contract digest) and the rollout;
 4. judge every cell of ``run.json`` (below);
-5. field mismatch metrics (informational, :mod:`qualify.field_metrics`);
+5. field mismatch metrics (informational, :mod:`qualify.compare.mismatch`);
 6. build the :class:`Report` and, with ``write=True``, write ``report.json`` / ``report.md``
-   (:mod:`qualify.report`).
+   (:mod:`qualify.compare.report`).
 
 A bound violation is a verdict, never an exception. Per cell of ``run.json``:
 
@@ -57,16 +57,16 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from qualify import store
 from qualify.bounds import Bound, lookup
-from qualify.contract import Contract
-from qualify.errors import EvidenceIntegrityError, QualifyError, ReferenceDataError, UsageError
-from qualify.field_metrics import (
+from qualify.compare.mismatch import (
     FieldMismatch,
     comparability_note,
     field_mismatch,
     is_like_for_like,
 )
+from qualify.contract import Contract
+from qualify.errors import EvidenceIntegrityError, QualifyError, ReferenceDataError, UsageError
+from qualify.evidence import store
 from qualify.protocol import (
     OUTPUTS_FILE,
     OUTPUTS_META_FILE,
@@ -894,7 +894,7 @@ def _with_branch_flips(ctx: _Ctx, rows: list[Row], *, cell: str, klass: str, pre
     For each such round, the tokens whose clip branch differs between ``obtained`` and
     ``expected`` (as each run's own reported values place them, :mod:`qualify.branches`)
     are found. When every one of them is a token the reference sealed as clip-ambiguous
-    (:mod:`qualify.reference_branches`), the round's gradient-family rows are judged again,
+    (:mod:`qualify.reference.branches`), the round's gradient-family rows are judged again,
     with the same sealed bounds, against the expected run moved to the obtained run's
     branches (:func:`qualify.branches.adjusted_expected`); each such row records the
     adjustment and its unadjusted error. Otherwise the failing rows keep their verdict and
@@ -1111,8 +1111,8 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
             got = loaded[cid]
             if isinstance(got, str):
                 verdict, reason = "ERROR", got
-            elif e.get("role") == "sampler":  # qualify.sampler_compare: the sampler cells
-                from qualify.sampler_compare import sampler_rows
+            elif e.get("role") == "sampler":  # qualify.compare.sampler: the sampler cells
+                from qualify.compare.sampler import sampler_rows
 
                 src = loaded.get(str(e.get("weights_from")), "not COMPLETE in run.json")
                 rows = sampler_rows(cell=cid, entry=e, tensors=got.tensors, meta=got.meta,
@@ -1165,9 +1165,9 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
         notes=tuple(notes))
     # 6. write
     if write:
-        # qualify.report renders this module's types: imported here, not at the top, so
+        # qualify.compare.report renders this module's types: imported here, not at the top, so
         # that the two modules do not import each other at import time.
-        from qualify.report import write_report
+        from qualify.compare.report import write_report
 
         write_report(report, run_dir)
     return report

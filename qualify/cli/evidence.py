@@ -18,7 +18,7 @@ __all__ = ["register"]
 
 
 def _cmd_keygen(args: argparse.Namespace) -> ExitCode:
-    from qualify.signing import default_keys_dir, generate_key
+    from qualify.evidence.sign import default_keys_dir, generate_key
 
     private = Path(args.private_key) if args.private_key else \
         Path("~/.config/qualify").expanduser() / f"{args.name}-signing-key.pem"
@@ -33,7 +33,7 @@ def _cmd_keygen(args: argparse.Namespace) -> ExitCode:
 
 
 def _cmd_sign(args: argparse.Namespace) -> ExitCode:
-    from qualify.signing import (
+    from qualify.evidence.sign import (
         default_signing_key,
         load_signing_key,
         sign_directory,
@@ -51,8 +51,8 @@ def _cmd_sign(args: argparse.Namespace) -> ExitCode:
 
 
 def _cmd_verify(args: argparse.Namespace) -> ExitCode:
-    from qualify import store
-    from qualify.verify import verify
+    from qualify.evidence import store
+    from qualify.evidence.verify import verify
 
     result = verify(Path(args.path), trusted_keys_dir=args.keys, contract=args.contract,
                     contracts_dir=args.contracts_dir, reference_dir=args.reference)
@@ -63,7 +63,7 @@ def _cmd_verify(args: argparse.Namespace) -> ExitCode:
 
 
 def _cmd_gate(args: argparse.Namespace) -> ExitCode:
-    from qualify.gate import gate
+    from qualify.evidence.gate import gate
 
     result = gate(Path(args.evidence_dir), args.contract, allow_not_run=args.allow_not_run,
                   trusted_keys_dir=args.keys, reference_dir=args.reference, json_out=args.json)
@@ -72,8 +72,8 @@ def _cmd_gate(args: argparse.Namespace) -> ExitCode:
 
 
 def _cmd_audit(args: argparse.Namespace) -> ExitCode:
-    from qualify import store
-    from qualify.audit import audit, render
+    from qualify.evidence import store
+    from qualify.evidence.audit import audit, render
 
     result = audit(args.dirs, trusted_keys_dir=args.keys, contracts_dir=args.contracts_dir)
     text = render(result, args.format)

@@ -10,7 +10,7 @@ later stage reads it back with :meth:`Rollout.load`, which checks the layout.
 
 Backends are found by name through :data:`ROLLOUT_BACKENDS`, a table of lazy
 ``"module:attr"`` strings (lm-evaluation-harness ``lm_eval/api/registry.py`` style), so
-``import qualify.rollout`` never imports vllm. ``hf`` (:class:`HfRolloutBackend`) lives
+``import qualify.reference.rollout`` never imports vllm. ``hf`` (:class:`HfRolloutBackend`) lives
 here; ``vllm`` lives in ``harnesses/vllm/rollout.py``.
 """
 
@@ -45,7 +45,7 @@ ROLLOUT_SCHEMA_VERSION: Final = 1
 """``schema_version`` written to ``rollout.json``."""
 
 ROLLOUT_BACKENDS: Final[Mapping[str, str]] = {
-    "hf": "qualify.rollout:HfRolloutBackend",
+    "hf": "qualify.reference.rollout:HfRolloutBackend",
     "vllm": "harnesses.vllm.rollout:VllmRolloutBackend",
 }
 """Rollout backends by name, as lazy ``"module:attr"`` strings (imported on lookup)."""
@@ -196,7 +196,7 @@ def capture_rollout(
     """
     options = dict(backend_options or {})
     if sampling.engine == "hf":
-        from qualify import models
+        from qualify.models import bundle as models
 
         actor = models.load_actor(Path(actor_dir), dtype=torch.float32,
                                   attn_implementation="sdpa", requires_grad=False)

@@ -3,7 +3,7 @@
 User errors (bad contract, missing file, digest mismatch) print one line naming the file
 and field and exit with a distinct code from :class:`qualify.errors.ExitCode`; ``--debug``
 shows the traceback. Heavy modules are imported inside the subcommands so ``qualify
---help`` and ``import qualify.cli`` stay fast and engine-free.
+--help`` and ``import qualify.cli.main`` stay fast and engine-free.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _cmd_validate(args: argparse.Namespace) -> ExitCode:
 
 def _cmd_reference(args: argparse.Namespace) -> ExitCode:
     from qualify.contract import load_contract
-    from qualify.reference import run_reference_stage
+    from qualify.reference.stage import run_reference_stage
 
     contract = load_contract(_contract_arg(args.contract))
     out = run_reference_stage(contract, root=Path(args.out), new=args.new,
@@ -45,7 +45,7 @@ def _cmd_reference(args: argparse.Namespace) -> ExitCode:
 
 
 def _cmd_candidate(args: argparse.Namespace) -> ExitCode:
-    from qualify.candidate import run_candidate_stage
+    from qualify.candidate.stage import run_candidate_stage
     from qualify.contract import load_contract
 
     contract = load_contract(_contract_arg(args.contract))
@@ -57,8 +57,8 @@ def _cmd_candidate(args: argparse.Namespace) -> ExitCode:
 
 
 def _cmd_compare(args: argparse.Namespace) -> ExitCode:
-    from qualify.compare import compare_run
-    from qualify.signing import seal_and_sign
+    from qualify.compare.stage import compare_run
+    from qualify.evidence.sign import seal_and_sign
 
     run_dir = Path(args.run_dir)
     report = compare_run(run_dir)
@@ -69,7 +69,7 @@ def _cmd_compare(args: argparse.Namespace) -> ExitCode:
 
 
 def _cmd_run(args: argparse.Namespace) -> ExitCode:
-    from qualify.pipeline import run_all
+    from qualify.pipeline.chain import run_all
 
     passed = run_all(_contract_arg(args.contract), references=Path(args.references),
                      evidence=Path(args.evidence), cells=args.cells, quiet=args.quiet)
@@ -122,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_run)
 
-    from qualify.cli_evidence import register
-    from qualify.cli_slurm import register as register_slurm
+    from qualify.cli.evidence import register
+    from qualify.cli.slurm import register as register_slurm
 
     register(sub)
     register_slurm(sub)

@@ -43,9 +43,9 @@ from typing import Any, Final, Literal
 import jsonschema
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from qualify import store
+from qualify.evidence import store
 from qualify.errors import EvidenceIntegrityError, ExitCode, QualifyError, SignatureError
-from qualify.signing import (
+from qualify.evidence.sign import (
     ATTESTATION_FILE,
     BOUNDS_FILE,
     CONTRACT_JSON,
@@ -645,7 +645,7 @@ def verify_verdicts(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path) 
             ``passed``, differs between the recomputed report, ``report.json`` and the
             statement.
     """
-    from qualify.compare import compare_run
+    from qualify.compare.stage import compare_run
 
     try:
         again = compare_run(run_dir, reference_dir=ref_dir, write=False)

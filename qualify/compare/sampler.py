@@ -1,4 +1,6 @@
-"""Comparison rows of a sampler cell (``vllm-fp32-sampler-tp{n}``, :mod:`qualify.sampler_stage`).
+"""Comparison rows of a sampler cell (``vllm-fp32-sampler-tp{n}``).
+
+The cells are run by :mod:`qualify.candidate.sampler_stage`.
 
 :func:`sampler_rows` judges one COMPLETE sampler attempt and returns
 :class:`qualify.compare.Row` objects (the cell's verdict is their worst, as for every
@@ -46,8 +48,8 @@ import numpy as np
 import numpy.typing as npt
 
 from qualify.bounds import Bound, lookup
-from qualify.compare import FailureDetail, Row, judge
-from qualify.field_metrics import field_mismatch
+from qualify.compare.mismatch import field_mismatch
+from qualify.compare.stage import FailureDetail, Row, judge
 from qualify.statistics import MetricKey
 
 PROBES: Final = ("stale_version", "wrong_shard", "missing_ack", "duplicate_ack", "warm_cache")

@@ -49,7 +49,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from qualify.errors import ContractError, QualifyError
-from qualify.rollout import Rollout
+from qualify.reference.rollout import Rollout
 
 Precision = Literal["fp32", "bf16", "fp64"]
 Bf16Mode = Literal["params", "autocast"]

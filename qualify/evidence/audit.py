@@ -22,10 +22,10 @@ from typing import Any, Final, Literal
 
 import pandas as pd
 
-from qualify import store
+from qualify.evidence import store
 from qualify.errors import ExitCode, QualifyError
-from qualify.signing import REPORT_FILE, RUN_KIND, trusted_keys
-from qualify.verify import (
+from qualify.evidence.sign import REPORT_FILE, RUN_KIND, trusted_keys
+from qualify.evidence.verify import (
     EvidenceDir,
     VerificationResult,
     committed_contract_path,

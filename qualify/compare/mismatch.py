@@ -3,7 +3,7 @@
 These numbers are **informational, never gated**: they describe the train/inference
 mismatch an RL run sees in the field (the quantity RL frameworks log on every step), not
 whether a candidate computes the same numbers as the HF reference (that is
-:mod:`qualify.compare`, under sealed bounds). All arithmetic is FP64 numpy.
+:mod:`qualify.compare.stage`, under sealed bounds). All arithmetic is FP64 numpy.
 
 For response token ``t`` of sequence ``b`` let ``lp_train[b, t]`` be the teacher-forced
 logprob of the sampled token (``round1/{role}/logprobs``, protocol convention:

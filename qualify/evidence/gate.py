@@ -26,11 +26,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from qualify import store
+from qualify.evidence import store
 from qualify.contract import Contract, load_contract
 from qualify.errors import ExitCode
-from qualify.signing import REPORT_FILE, RUN_KIND
-from qualify.verify import EvidenceDir, VerificationResult, find_evidence, verify
+from qualify.evidence.sign import REPORT_FILE, RUN_KIND
+from qualify.evidence.verify import EvidenceDir, VerificationResult, find_evidence, verify
 
 __all__ = ["GATE_SCHEMA", "CellDecision", "ContractDecision", "GateResult", "gate",
            "latest_run", "required_cells"]

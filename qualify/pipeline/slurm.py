@@ -8,7 +8,7 @@ candidate job with ``--dependency=afterok:<reference job id>`` (and
 of leaving it pending). The candidate stage itself still verifies the sealed reference
 (manifest digests, contract digest) before running anything.
 
-``python -m qualify.slurm jobinfo|refdir|name`` are the helpers the job scripts call inside
+``python -m qualify.pipeline.slurm jobinfo|refdir|name`` are the helpers the job scripts call inside
 a job: write the job record (commit, Slurm job id, node list, GPU inventory) and refuse a
 dirty source tree unless ``QUALIFY_ALLOW_DIRTY=1``.
 """
@@ -28,11 +28,12 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from qualify.errors import QualifyError, UsageError
+from qualify.resources import repo_root
 
 Stage = Literal["reference", "candidate"]
 
 STAGES: Final[tuple[Stage, ...]] = ("reference", "candidate")
-SBATCH_DIR: Final = Path(__file__).resolve().parent.parent / "sbatch"
+SBATCH_DIR: Final = repo_root() / "sbatch"
 """The committed job scripts (a source checkout; not shipped in a wheel)."""
 
 _HEADER_RE: Final = re.compile(r"^#SBATCH\s+--(?P<key>[a-z-]+)(?:=(?P<value>\S*))?\s*$")
@@ -264,7 +265,7 @@ def submit(contract: Path, *, options: SbatchOptions = SbatchOptions(),
         ContractError: the contract does not load.
     """
     from qualify.contract import load_contract
-    from qualify.reference import reference_dir_name
+    from qualify.reference.stage import reference_dir_name
 
     c = load_contract(contract)
     ref_dir = references / reference_dir_name(c)
@@ -336,8 +337,8 @@ def job_record(*, stage: str, contract: str, repo: Path,
     Raises:
         DirtyTreeError: tracked files are modified and ``QUALIFY_ALLOW_DIRTY`` is not 1.
     """
-    from qualify.environment import git_state
-    from qualify.store import utc_now
+    from qualify.evidence.environment import git_state
+    from qualify.evidence.store import utc_now
 
     env = os.environ if environ is None else environ
     git = git_state(repo)
@@ -363,7 +364,7 @@ def job_record(*, stage: str, contract: str, repo: Path,
 
 def _main(argv: Sequence[str] | None = None) -> int:
     """In-job helpers: ``jobinfo``, ``refdir``, ``name`` (see the job scripts)."""
-    p = argparse.ArgumentParser(prog="python -m qualify.slurm")
+    p = argparse.ArgumentParser(prog="python -m qualify.pipeline.slurm")
     sub = p.add_subparsers(dest="cmd", required=True)
     j = sub.add_parser("jobinfo", help="record the job; refuse a dirty source tree")
     j.add_argument("--stage", required=True, choices=STAGES)
@@ -379,7 +380,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.cmd == "jobinfo":
-            from qualify.store import atomic_write_json
+            from qualify.evidence.store import atomic_write_json
 
             rec = job_record(stage=args.stage, contract=args.contract, repo=Path(args.repo))
             atomic_write_json(Path(args.out), rec)
@@ -392,8 +393,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "name":
             print(c.name)
             return 0
-        from qualify import store
-        from qualify.reference import reference_dir_name
+        from qualify.evidence import store
+        from qualify.reference.stage import reference_dir_name
 
         d = Path(args.references) / reference_dir_name(c)
         if args.sealed and not store.is_sealed(d):
@@ -401,7 +402,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         print(d)
         return 0
     except QualifyError as exc:
-        print(f"qualify.slurm: error: {exc}", file=sys.stderr)
+        print(f"qualify.pipeline.slurm: error: {exc}", file=sys.stderr)
         return int(exc.exit_code)
 
 

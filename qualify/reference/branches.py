@@ -43,13 +43,15 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from qualify import branches, models, store
+from qualify import branches
 from qualify.bounds import Bound, ControlErrors, lookup
 from qualify.branches import BRANCHES_DIR, BRANCHES_FILE
 from qualify.contract import Contract
 from qualify.errors import ReferenceDataError
+from qualify.evidence import store
+from qualify.models import bundle as models
 from qualify.protocol import param_sample_indices, tensor_name
-from qualify.reference_update import (
+from qualify.reference.update import (
     Batch,
     RoundHook,
     UpdateSettings,

@@ -1,6 +1,6 @@
 """``qualify sbatch render`` and ``qualify submit``: the two stages as Slurm jobs.
 
-``register(sub)`` adds the subcommands to the main parser (``qualify/cli.py``).
+``register(sub)`` adds the subcommands to the main parser (``qualify/cli/main.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _add_cluster_options(p: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace) -> Any:
-    from qualify.slurm import SbatchOptions
+    from qualify.pipeline.slurm import SbatchOptions
 
     return SbatchOptions(partition=args.partition, nodes=args.nodes,
                          gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
@@ -35,7 +35,7 @@ def _options(args: argparse.Namespace) -> Any:
 def _cmd_render(args: argparse.Namespace) -> ExitCode:
     from qualify.contract import load_contract
     from qualify.errors import UsageError
-    from qualify.slurm import render_script
+    from qualify.pipeline.slurm import render_script
 
     contract = Path(args.contract)
     load_contract(contract)  # a script for a contract that does not load is useless
@@ -54,7 +54,7 @@ def _cmd_render(args: argparse.Namespace) -> ExitCode:
 
 
 def _cmd_submit(args: argparse.Namespace) -> ExitCode:
-    from qualify.slurm import submit
+    from qualify.pipeline.slurm import submit
 
     s = submit(Path(args.contract), options=_options(args), cells=args.cells,
                references=Path(args.references), evidence=Path(args.evidence),

@@ -25,8 +25,7 @@ from typing import Any, Final
 
 import pandas as pd
 
-from qualify import store
-from qualify.compare import (
+from qualify.compare.stage import (
     REPORT_JSON,
     REPORT_MD,
     VERDICT_PRECEDENCE,
@@ -35,6 +34,7 @@ from qualify.compare import (
     Row,
     worst_verdict,
 )
+from qualify.evidence import store
 
 __all__ = ["MATRIX_COLUMNS", "REPORT_SCHEMA", "matrix_frame", "render_markdown",
            "report_document", "write_report"]

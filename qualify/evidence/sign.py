@@ -51,7 +51,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 import qualify
-from qualify import store
+from qualify.evidence import store
 from qualify.errors import (
     EvidenceIntegrityError,
     ReferenceDataError,
@@ -610,7 +610,7 @@ def _environment(directory: Path) -> dict[str, Any]:
         doc = _read_json(path)
         if isinstance(doc, dict):
             return doc
-    from qualify.environment import capture_environment
+    from qualify.evidence.environment import capture_environment
 
     return capture_environment(import_torch=False)
 
@@ -618,7 +618,7 @@ def _environment(directory: Path) -> dict[str, Any]:
 def _source(env: Mapping[str, Any]) -> dict[str, Any]:
     git = env.get("git")
     if not isinstance(git, Mapping):
-        from qualify.environment import git_state
+        from qualify.evidence.environment import git_state
         from qualify.resources import repo_root
 
         git = git_state(repo_root())

@@ -316,7 +316,7 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
         contract: supplies temperature, clip ratio, KL/entropy coefficients, AdamW settings.
         settings: precision, micro-batching and padding of this run.
         on_round: optional :data:`RoundHook` (the sealed clip-branch contributions of
-            :mod:`qualify.reference_branches` use it); it must not touch ``.grad``.
+            :mod:`qualify.reference.branches` use it); it must not touch ``.grad``.
 
     Returns:
         ``(tensors, meta)``: tensors under protocol names (``round{r}/actor/...``), FP32 CPU;

@@ -10,7 +10,7 @@ Steps (DESIGN.md section 4), each writing into an unsealed directory
 5. the independent reference update (HF + ``torch.optim.AdamW``) at each precision;
 6. the independent controls, their errors and the bounds (``bounds.json``);
 7. the clip-ambiguous tokens and their sealed gradient contributions
-   (:mod:`qualify.reference_branches`: ``branches.json``, ``branches/``);
+   (:mod:`qualify.reference.branches`: ``branches.json``, ``branches/``);
 8. environment capture, ``MANIFEST.json`` last, files read-only.
 """
 
@@ -26,16 +26,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from qualify import models, rollout, scoring, store, targets
 from qualify.bounds import bounds_document, compute_bounds, measure_controls
 from qualify.contract import Contract, Precision
-from qualify.environment import capture_environment
 from qualify.errors import ContractError, ReferenceDataError
+from qualify.evidence import store
+from qualify.evidence.environment import capture_environment
+from qualify.evidence.sign import seal_and_sign
+from qualify.models import bundle as models
 from qualify.progress import Progress
 from qualify.protocol import ROLLOUT_META_FILE, TRAIN_INPUTS_FILE
-from qualify.reference_branches import adjust_control_errors, seal_branches
-from qualify.reference_update import Batch, Bf16Mode, UpdateSettings, run_actor, run_critic
-from qualify.signing import seal_and_sign
+from qualify.reference import rollout, scoring, targets
+from qualify.reference.branches import adjust_control_errors, seal_branches
+from qualify.reference.update import Batch, Bf16Mode, UpdateSettings, run_actor, run_critic
 
 REFERENCE_KIND = "reference"
 REFERENCE_FILE = "reference.json"
@@ -130,7 +132,7 @@ def _update_run(contract: Contract, bundle: models.ModelBundle, batch: Batch,
         t, meta["critic"] = run_critic(critic, batch, contract, settings)
         out.update(t)
         del critic
-    from qualify.reference_update import strip_padding
+    from qualify.reference.update import strip_padding
 
     return strip_padding(out, r_len), meta
 

@@ -1,0 +1,1 @@
+"""The candidate stage: the launcher, the trainer cells, the sampler cells."""

@@ -1,0 +1,1 @@
+"""The ``qualify`` command line: argument parsing and exit codes only."""

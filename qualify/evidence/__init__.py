@@ -1,0 +1,1 @@
+"""Evidence: the store, attempts, signing (DSSE, in-toto), verify, gate, audit."""

@@ -1,0 +1,1 @@
+"""Orchestration above the stages: ``qualify run``'s chain and the Slurm submission."""

@@ -1,0 +1,1 @@
+"""The reference stage: sampling, scoring, FP64 targets, the update, controls, clip branches."""
