@@ -1,0 +1,291 @@
+"""Every file and directory name of a reference, a run and an attempt, written once.
+
+Also the typed ``run.json`` document (:class:`RunDocument`) and the one reference
+resolver (:func:`resolve_reference`) that ``compare``, ``verify``, ``gate`` and ``audit``
+all use. The names are on-disk protocol: changing one breaks every sealed directory
+made before, so they only ever grow.
+
+A reference directory (``references/<contract>-<digest12>/``)::
+
+    MANIFEST.json  attestation.dsse.json  reference.json  contract.json  bounds.json
+    control_errors.json  environment.json  rollout.safetensors  rollout.json
+    targets.safetensors  scores/  updates/  controls/  branches.json  branches/  model/
+
+A run directory (``evidence/<contract>/<run-id>/``)::
+
+    MANIFEST.json  attestation.dsse.json  run.json  report.json  report.md  environment.json
+    inputs/  launches/<launch-id>/attempt-N/  cells/<cell-id>/attempt-N/
+
+An attempt directory holds the harness protocol's files (:mod:`qualify.protocol`:
+``cell.json``, ``outputs.safetensors``, ``outputs.json``), ``result.json``, ``logs/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final
+
+from qualify.digests import sha256_file
+from qualify.errors import ReferenceDataError
+from qualify.protocol import (
+    CELL_FILE,
+    OUTPUTS_FILE,
+    OUTPUTS_META_FILE,
+    ROLLOUT_FILE,
+    ROLLOUT_META_FILE,
+    TRAIN_INPUTS_FILE,
+)
+
+__all__ = [
+    "ATTEMPT_PREFIX",
+    "ATTESTATION_FILE",
+    "ATTESTATION_SUFFIX",
+    "BOUNDS_FILE",
+    "BRANCHES_DIR",
+    "BRANCHES_FILE",
+    "CELLS_DIR",
+    "CELL_FILE",
+    "CONTRACT_FILE",
+    "CONTROLS_DIR",
+    "CONTROL_ERRORS_FILE",
+    "ENVIRONMENT_FILE",
+    "INCOMPLETE_FILE",
+    "INPUTS_DIR",
+    "LAUNCHES_DIR",
+    "LOGS_DIR",
+    "MANIFEST_FILE",
+    "OUTPUTS_FILE",
+    "OUTPUTS_META_FILE",
+    "REFERENCES_DIR",
+    "REFERENCE_FILE",
+    "REPORT_JSON",
+    "REPORT_MD",
+    "RESULT_FILE",
+    "ROLLOUT_FILE",
+    "ROLLOUT_META_FILE",
+    "RUN_FILE",
+    "SCORES_DIR",
+    "TRAIN_INPUTS_FILE",
+    "RunDocument",
+    "RunReference",
+    "resolve_reference",
+]
+
+# --- every sealed directory
+MANIFEST_FILE: Final = "MANIFEST.json"
+"""The manifest at the top of a sealed directory (written last)."""
+INCOMPLETE_FILE: Final = "INCOMPLETE"
+"""The marker of a directory being written (removed right before the manifest)."""
+ATTESTATION_FILE: Final = "attestation.dsse.json"
+"""The directory's signed attestation (DSSE envelope), added after sealing."""
+ATTESTATION_SUFFIX: Final = ".dsse.json"
+"""Suffix of attestation files (excluded from the manifest they sign)."""
+ENVIRONMENT_FILE: Final = "environment.json"
+"""Package versions, git state, hardware, source digests of the process that wrote it."""
+CONTRACT_FILE: Final = "contract.json"
+"""The contract in canonical JSON (its digest is the contract digest)."""
+
+# --- a reference
+REFERENCES_DIR: Final = "references"
+"""The folder of sealed references (beside ``evidence/`` in a checkout)."""
+REFERENCE_FILE: Final = "reference.json"
+BOUNDS_FILE: Final = "bounds.json"
+CONTROL_ERRORS_FILE: Final = "control_errors.json"
+SCORES_DIR: Final = "scores"
+CONTROLS_DIR: Final = "controls"
+BRANCHES_DIR: Final = "branches"
+BRANCHES_FILE: Final = "branches.json"
+
+# --- a run
+RUN_FILE: Final = "run.json"
+REPORT_JSON: Final = "report.json"
+REPORT_MD: Final = "report.md"
+INPUTS_DIR: Final = "inputs"
+LAUNCHES_DIR: Final = "launches"
+CELLS_DIR: Final = "cells"
+
+# --- an attempt
+ATTEMPT_PREFIX: Final = "attempt-"
+RESULT_FILE: Final = "result.json"
+LOGS_DIR: Final = "logs"
+
+
+def _field(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str,
+           *, optional: bool = False) -> Any:
+    value = doc.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        want = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise ReferenceDataError(f"{where}: {key}: expected {want}, found {value!r:.60}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RunReference:
+    """The sealed reference a run was made against (``run.json`` -> ``reference``).
+
+    Attributes:
+        path: the reference directory as the candidate stage saw it (absolute, usually).
+        manifest_digest: sha256 (hex) of the reference's ``MANIFEST.json`` bytes.
+        sealed: the reference's seal time (ISO-8601 UTC), when known.
+    """
+
+    path: str
+    manifest_digest: str
+    sealed: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (as ``run.json`` has it)."""
+        return {"path": self.path, "manifest_digest": self.manifest_digest,
+                "sealed": self.sealed}
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class RunDocument:
+    """``run.json``: the candidate run's index, rewritten atomically after each launch.
+
+    Mutable on purpose (the candidate stage fills ``cells`` as launches finish); every
+    field is type-checked when read (:meth:`from_dict`), so a hand-edited document fails
+    with the field named, never deep inside the comparator.
+
+    Attributes:
+        contract: contract name.
+        contract_digest: sha256 of the canonical contract (hex).
+        reference: the sealed reference it ran against.
+        run_id: the run's directory name.
+        started: ISO-8601 UTC.
+        finished: ISO-8601 UTC once every selected cell has an entry, else None.
+        faults: deliberate faults switched on (test suite only).
+        cells: cell id -> entry (``engine``, ``precision``, ``options``, ``role``, ``tp``,
+            ``status``, ``reason``, ``attempt``; sampler cells add ``weights_from``).
+        schema_version: 1.
+    """
+
+    contract: str
+    contract_digest: str
+    reference: RunReference
+    run_id: str
+    started: str
+    finished: str | None = None
+    faults: list[str] = dataclasses.field(default_factory=list)
+    cells: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    schema_version: int = 1
+
+    @classmethod
+    def from_dict(cls, doc: Any, *, where: str = RUN_FILE) -> RunDocument:
+        """Read and type-check a ``run.json`` value.
+
+        Raises:
+            ReferenceDataError: a field is missing or of the wrong type (named with ``where``).
+        """
+        if not isinstance(doc, Mapping):
+            raise ReferenceDataError(f"{where}: expected a JSON object")
+        ref = _field(doc, "reference", Mapping, where)
+        rw = f"{where}: reference"
+        cells = _field(doc, "cells", Mapping, where)
+        for cid, entry in cells.items():
+            ew = f"{where}: cells.{cid}"
+            if not isinstance(entry, Mapping):
+                raise ReferenceDataError(f"{ew}: expected an object")
+            _field(entry, "status", str, ew)
+            if "tp" in entry:
+                _field(entry, "tp", int, ew)
+            _field(entry, "attempt", str, ew, optional=True)
+        faults = _field(doc, "faults", list, where) if "faults" in doc else []
+        return cls(
+            schema_version=_field(doc, "schema_version", int, where),
+            contract=_field(doc, "contract", str, where),
+            contract_digest=_field(doc, "contract_digest", str, where),
+            reference=RunReference(path=_field(ref, "path", str, rw),
+                                   manifest_digest=_field(ref, "manifest_digest", str, rw),
+                                   sealed=_field(ref, "sealed", str, rw, optional=True)),
+            run_id=_field(doc, "run_id", str, where),
+            started=_field(doc, "started", str, where),
+            finished=_field(doc, "finished", str, where, optional=True),
+            faults=[str(f) for f in faults],
+            cells={str(k): dict(v) for k, v in cells.items()},
+        )
+
+    @classmethod
+    def read(cls, run_dir: str | Path) -> RunDocument:
+        """Read ``run_dir/run.json``.
+
+        Raises:
+            ReferenceDataError: missing, not JSON, or a field of the wrong type.
+        """
+        path = Path(run_dir) / RUN_FILE
+        try:
+            raw = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            raise ReferenceDataError(f"{path}: not found (not a candidate run?)") from None
+        except (OSError, ValueError) as exc:
+            raise ReferenceDataError(f"{path}: unreadable JSON: {exc}") from None
+        return cls.from_dict(raw, where=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form; ``finished`` is absent until the run finished (as before typing)."""
+        out: dict[str, Any] = {
+            "schema_version": self.schema_version, "contract": self.contract,
+            "contract_digest": self.contract_digest, "reference": self.reference.to_dict(),
+            "run_id": self.run_id, "started": self.started, "faults": list(self.faults),
+            "cells": self.cells}
+        if self.finished is not None:
+            out["finished"] = self.finished
+        return out
+
+
+def resolve_reference(run_dir: str | Path, run: RunDocument | Mapping[str, Any],
+                      given: str | Path | None = None) -> Path:
+    """Find the sealed reference a candidate run names: the one resolver of qualify.
+
+    Order: ``given``; ``run.json``'s ``reference.path`` (absolute; or relative, to the run
+    directory first, then to the working directory); else, for evidence moved to another
+    place (a committed run on a CI machine), a directory under a ``references/`` folder
+    beside any ancestor of the run whose ``MANIFEST.json`` sha256 is
+    ``reference.manifest_digest`` (then one of the recorded name). Whether the found
+    directory is sealed and intact is the caller's check.
+
+    Args:
+        run_dir: the run directory.
+        run: its ``run.json`` (typed, or the raw mapping).
+        given: an explicit reference directory (``--reference``).
+
+    Returns:
+        The reference directory (not yet checked).
+
+    Raises:
+        ReferenceDataError: none is found.
+    """
+    if given is not None:
+        return Path(given)
+    rd = Path(run_dir)
+    if isinstance(run, RunDocument):
+        raw: Any = run.reference.path
+        want: Any = run.reference.manifest_digest
+    else:
+        ref = run.get("reference")
+        ref = ref if isinstance(ref, Mapping) else {}
+        raw, want = ref.get("path"), ref.get("manifest_digest")
+    name = Path(raw).name if isinstance(raw, str) and raw else None
+    if isinstance(raw, str) and raw:
+        p = Path(raw)
+        for cand in ([p] if p.is_absolute() else [rd / p, Path.cwd() / p]):
+            if cand.is_dir():
+                return cand.resolve()
+    for anc in rd.resolve().parents:
+        refs = anc / REFERENCES_DIR
+        if not refs.is_dir():
+            continue
+        dirs = sorted(d for d in refs.iterdir() if d.is_dir())
+        for d in dirs:
+            mp = d / MANIFEST_FILE
+            if want and mp.is_file() and sha256_file(mp) == want:
+                return d
+        if name and (refs / name).is_dir():
+            return refs / name
+    raise ReferenceDataError(f"{rd / RUN_FILE}: reference {raw!r} not found (pass the "
+                             "reference directory explicitly with --reference)")

@@ -1,0 +1,54 @@
+"""The one JSON Schema validation of qualify (Draft 2020-12, ``contracts/schema/``)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jsonschema
+
+from qualify.errors import QualifyError
+from qualify.resources import load_schema
+
+__all__ = ["first_error", "validate", "validator"]
+
+
+@functools.cache
+def validator(name: str) -> jsonschema.protocols.Validator:
+    """The cached Draft 2020-12 validator of ``contracts/schema/<name>.schema.json``.
+
+    Raises:
+        QualifyError: the schema file is missing (a broken installation).
+    """
+    return jsonschema.Draft202012Validator(load_schema(name))
+
+
+def first_error(obj: Any, name: str) -> str | None:
+    """``"<field>: <message>"`` of the most relevant violation of schema ``name``, or None.
+
+    The field is the dotted path into ``obj`` (``(top level)`` for the root).
+    """
+    err = jsonschema.exceptions.best_match(validator(name).iter_errors(obj))
+    if err is None:
+        return None
+    field = ".".join(str(p) for p in err.absolute_path) or "(top level)"
+    return f"{field}: {err.message}"
+
+
+def validate(obj: Any, name: str, *, what: str = "document",
+             error: type[QualifyError] = QualifyError) -> None:
+    """Validate ``obj`` against schema ``name``; raise ``error`` naming ``what`` and the field.
+
+    Args:
+        obj: the JSON-compatible value.
+        name: schema stem, e.g. ``manifest``, ``contract``, ``outputs``.
+        what: the document's name for the message (a path, usually).
+        error: the class raised: :class:`~qualify.errors.QualifyError` for a document
+            qualify wrote itself (a bug), a user-facing subclass for input.
+
+    Raises:
+        QualifyError: (or ``error``) the value violates the schema.
+    """
+    problem = first_error(obj, name)
+    if problem is not None:
+        raise error(f"{what}: {problem} (schema {name}.schema.json)")
