@@ -52,6 +52,7 @@ __all__ = [
     "CONTROLS_DIR",
     "CONTROL_ERRORS_FILE",
     "ENVIRONMENT_FILE",
+    "HF_REFERENCE_DIR",
     "INCOMPLETE_FILE",
     "INPUTS_DIR",
     "LAUNCHES_DIR",
@@ -71,6 +72,7 @@ __all__ = [
     "TRAIN_INPUTS_FILE",
     "RunDocument",
     "RunReference",
+    "hf_tensors_file",
     "resolve_reference",
 ]
 
@@ -289,3 +291,18 @@ def resolve_reference(run_dir: str | Path, run: RunDocument | Mapping[str, Any],
             return refs / name
     raise ReferenceDataError(f"{rd / RUN_FILE}: reference {raw!r} not found (pass the "
                              "reference directory explicitly with --reference)")
+
+
+# --- a reference: the HF reference run's tensors (appended; the comparator reads them)
+HF_REFERENCE_DIR: Final = "reference"
+"""The HF reference run's scores and update per precision: ``reference/hf-{precision}
+.safetensors`` (tensors ``round{r}/{role}/{metric}``, :func:`hf_tensors_file`)."""
+
+
+def hf_tensors_file(precision: str) -> str:
+    """``hf-{precision}.safetensors``: the HF reference's tensor file at one precision.
+
+    The same name is used under :data:`HF_REFERENCE_DIR`, :data:`SCORES_DIR` and
+    :data:`BRANCHES_DIR` of a reference directory.
+    """
+    return f"hf-{precision}.safetensors"
