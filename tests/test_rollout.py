@@ -479,13 +479,14 @@ def test_capture_rollout_hf_fallback_path() -> None:
     """``engine = "hf"`` keeps the HF sampler: the verified actor directory at FP32/sdpa."""
     from qualify.contract import load_contract
     from qualify.models import bundle as models
+    from qualify.models import roles
     from qualify.reference.rollout import capture_rollout
     from qualify.resources import contracts_dir
 
     bundle = models.prepare_models(load_contract(contracts_dir() / "tiny-qwen3.toml"))
     got = capture_rollout(CONTRACT_SAMPLING, PROMPTS, actor_dir=bundle.actor_dir,
                           pad_token_id=PAD, eos_token_id=EOS)
-    model = models.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = roles.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation="sdpa")
     direct = HfRolloutBackend(model).sample(PROMPTS, CONTRACT_SAMPLING, pad_token_id=PAD,
                                             eos_token_id=EOS)
     assert got.sampler == "hf"

@@ -31,6 +31,7 @@ from qualify.candidate.stage import run_candidate_stage
 from qualify.contract import Contract, load_contract
 from qualify.evidence import store
 from qualify.models import bundle as models
+from qualify.models import roles
 from qualify.protocol import ROLLOUT_META_FILE
 from qualify.reference.rollout import Rollout
 from qualify.reference.stage import resolve_prompts, run_reference_stage
@@ -88,7 +89,7 @@ def _hf_processed_logprobs(actor_dir: Path, roll: Rollout, contract: Contract) -
     """``[B, R]`` FP32: HF teacher-forced logprobs of the sampled tokens under HF's own
     temperature -> top-k -> top-p warpers (the distribution vLLM's ``processed`` names)."""
     s = contract.sampling
-    model = models.load_actor(actor_dir, dtype=torch.float32, attn_implementation="eager")
+    model = roles.load_actor(actor_dir, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         logits = model(input_ids=roll.input_ids, attention_mask=roll.attention_mask,
                        position_ids=roll.position_ids).logits.float()

@@ -50,6 +50,7 @@ from qualify.contract import Contract
 from qualify.errors import ReferenceDataError
 from qualify.evidence import store
 from qualify.models import bundle as models
+from qualify.models import roles
 from qualify.protocol import param_sample_indices, tensor_name
 from qualify.reference.update import (
     Batch,
@@ -138,12 +139,12 @@ def seal_branches(contract: Contract, bundle: models.ModelBundle, batch: Batch, 
             sealed reference update.
     """
     alg = contract.algorithm
-    roles = ["actor"] + ([] if alg.name == "grpo" else ["critic"])
+    role_names = ["actor"] + ([] if alg.name == "grpo" else ["critic"])
     doc: dict[str, Any] = {"schema_version": 1, "precisions": {}}
     for prec, run in ref_runs.items():
         tensors: dict[str, torch.Tensor] = {}
         doc["precisions"][prec] = {}
-        for role in roles:
+        for role in role_names:
             family = "logprobs" if role == "actor" else "values"
             wanted: dict[int, list[tuple[int, int]]] = {}
             rounds_doc: dict[str, Any] = {}
@@ -229,13 +230,13 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
     torch.manual_seed(0)
     hook_fn: RoundHook = hook
     if role == "actor":
-        actor = models.load_actor(bundle.actor_dir, dtype=torch.float32,
+        actor = roles.load_actor(bundle.actor_dir, dtype=torch.float32,
                                   attn_implementation=attn, requires_grad=True)
-        ref = models.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
+        ref = roles.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
                                 requires_grad=False)
         again, _ = run_actor(actor, ref, batch, contract, settings, on_round=hook_fn)
     else:
-        critic = models.load_critic(bundle.critic_dir, dtype=torch.float32,
+        critic = roles.load_critic(bundle.critic_dir, dtype=torch.float32,
                                     attn_implementation=attn, requires_grad=True)
         again, _ = run_critic(critic, batch, contract, settings, on_round=hook_fn)
     for r in wanted:

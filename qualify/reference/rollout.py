@@ -196,9 +196,9 @@ def capture_rollout(
     """
     options = dict(backend_options or {})
     if sampling.engine == "hf":
-        from qualify.models import bundle as models
+        from qualify.models import roles
 
-        actor = models.load_actor(Path(actor_dir), dtype=torch.float32,
+        actor = roles.load_actor(Path(actor_dir), dtype=torch.float32,
                                   attn_implementation="sdpa", requires_grad=False)
         return get_backend("hf", model=actor, **options).sample(
             prompts, sampling, pad_token_id=pad_token_id, eos_token_id=eos_token_id)

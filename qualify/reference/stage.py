@@ -33,6 +33,7 @@ from qualify.evidence import store
 from qualify.evidence.environment import capture_environment
 from qualify.evidence.sign import seal_and_sign
 from qualify.models import bundle as models
+from qualify.models import roles
 from qualify.progress import Progress
 from qualify.protocol import ROLLOUT_META_FILE, TRAIN_INPUTS_FILE
 from qualify.reference import rollout, scoring, targets
@@ -82,7 +83,7 @@ def resolve_prompts(contract: Contract, bundle: models.ModelBundle) -> list[list
         else:
             raise ContractError(f"prompts.file: {f}: each line needs 'text' or 'token_ids'")
     if texts is not None:
-        tok = models.load_tokenizer(bundle)
+        tok = roles.load_tokenizer(bundle)
         if tok is None:
             raise ContractError("prompts.text: the model has no tokenizer; use prompts.token_ids")
         ids = [list(tok(t, add_special_tokens=True)["input_ids"]) for t in texts]
@@ -115,9 +116,9 @@ def _update_run(contract: Contract, bundle: models.ModelBundle, batch: Batch,
         "extra_right_padding": settings.extra_right_padding}}
     r_len = batch.responses.shape[1]
     torch.manual_seed(0)
-    actor = models.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
+    actor = roles.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
                               requires_grad=True)
-    ref = models.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
+    ref = roles.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
                             requires_grad=False)
     if settings.precision == "fp64":  # the FP64 control: FP64 copies of the FP32 checkpoint
         actor, ref = actor.double(), ref.double()
@@ -125,7 +126,7 @@ def _update_run(contract: Contract, bundle: models.ModelBundle, batch: Batch,
     out.update(t)
     del actor, ref
     if contract.algorithm.name != "grpo":
-        critic = models.load_critic(bundle.critic_dir, dtype=torch.float32,
+        critic = roles.load_critic(bundle.critic_dir, dtype=torch.float32,
                                     attn_implementation=attn, requires_grad=True)
         if settings.precision == "fp64":
             critic = critic.double()
@@ -143,7 +144,7 @@ def _reward_scores(contract: Contract, bundle: models.ModelBundle, roll: rollout
                    extra_left: int = 0, extra_right: int = 0) -> torch.Tensor:
     if contract.roles.reward == "model":
         assert bundle.reward_dir is not None
-        rm = models.load_reward(bundle.reward_dir, dtype=torch.float32, attn_implementation=attn)
+        rm = roles.load_reward(bundle.reward_dir, dtype=torch.float32, attn_implementation=attn)
         res = scoring.score_rewards(rm, roll, precision=precision, bf16_mode=bf16_mode,
                                     micro_batch_size=micro_batch_size,
                                     extra_left_padding=extra_left,
@@ -406,7 +407,7 @@ def _score_all(contract: Contract, bundle: models.ModelBundle, roll: rollout.Rol
     out: dict[str, torch.Tensor] = {}
     rec: dict[str, Any] = {}
     bf16_mode: Bf16Mode = "params"
-    actor = models.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
+    actor = roles.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
                               requires_grad=False)
     res = scoring.score_policy(actor, roll, temperature=temp, micro_batch_size=micro_batch_size,
                                precision=precision, bf16_mode=bf16_mode)
@@ -414,7 +415,7 @@ def _score_all(contract: Contract, bundle: models.ModelBundle, roll: rollout.Rol
     out["actor/entropy"] = res.tensors["entropy"]
     rec["actor"] = res.record.to_dict()
     # The reference policy is the actor's init: a separate load, so nothing is shared.
-    ref = models.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
+    ref = roles.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
                             requires_grad=False)
     res = scoring.score_policy(ref, roll, temperature=temp, micro_batch_size=micro_batch_size,
                                precision=precision, bf16_mode=bf16_mode)
@@ -422,7 +423,7 @@ def _score_all(contract: Contract, bundle: models.ModelBundle, roll: rollout.Rol
     rec["reference"] = res.record.to_dict()
     del actor, ref
     if contract.algorithm.name != "grpo":
-        critic = models.load_critic(bundle.critic_dir, dtype=torch.float32,
+        critic = roles.load_critic(bundle.critic_dir, dtype=torch.float32,
                                     attn_implementation=attn, requires_grad=False)
         res = scoring.score_values(critic, roll, micro_batch_size=micro_batch_size,
                                    precision=precision, bf16_mode=bf16_mode)
