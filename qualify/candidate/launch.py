@@ -18,8 +18,9 @@ A launch ends in one :class:`LaunchResult`: ``OK`` when the harness exited 0 and
 ``outputs.safetensors`` and an ``outputs.json`` valid against
 ``contracts/schema/outputs.schema.json``; ``ERROR`` otherwise (timeout, non-zero exit with
 the failing rank's log tail, missing or invalid outputs). On timeout the whole process
-tree is ended: SIGTERM to torchrun's process group and to every descendant (torchrun
-starts each worker in a session of its own), then SIGKILL after a grace period.
+tree is ended (:func:`qualify.procs.run`): SIGTERM to torchrun's process group and to every
+descendant (torchrun starts each worker in a session of its own), then SIGKILL after a
+grace period.
 
 This module imports neither torch nor any engine; it is safe to import anywhere.
 """
@@ -32,19 +33,16 @@ import hashlib
 import importlib
 import json
 import os
-import signal
 import struct
 import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
-import jsonschema
-import psutil
-
+from qualify import atomic, procs, schema
 from qualify.errors import HarnessError
+from qualify.layout import LOGS_DIR
 from qualify.protocol import (
     CELL_FILE,
     OUTPUTS_FILE,
@@ -52,15 +50,14 @@ from qualify.protocol import (
     HarnessCell,
     parse_tensor_name,
 )
-from qualify.resources import load_schema, repo_root
+from qualify.resources import repo_root
 
 LaunchStatus = Literal["OK", "ERROR"]
 
-LOGS_DIR: Final = "logs"
 RANK_LOGS_DIR: Final = "ranks"
 LAUNCHER_LOG: Final = "launcher.log"
-KILL_GRACE_S: Final = 5.0
-"""Seconds between SIGTERM and SIGKILL when a launch is ended."""
+KILL_GRACE_S: Final = procs.KILL_GRACE_S
+"""Seconds between SIGTERM and SIGKILL when a launch is ended (:mod:`qualify.procs`)."""
 TAIL_LINES: Final = 25
 """Lines of the failing rank's log quoted in an ``ERROR`` reason."""
 _SAFETENSORS_FLOATS: Final = frozenset({"F64", "F32"})
@@ -124,14 +121,10 @@ def validate_sampler_outputs_meta(doc: Mapping[str, Any]) -> None:
     _validate(doc, "sampler_outputs", OUTPUTS_META_FILE)
 
 
-def _validate(doc: Mapping[str, Any], schema: str, what: str) -> None:
-    validator = jsonschema.Draft202012Validator(load_schema(schema))
-    errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
-    if errors:
-        err = jsonschema.exceptions.best_match(errors)
-        assert err is not None
-        field = ".".join(str(p) for p in err.absolute_path) or "(top level)"
-        raise HarnessError(f"{what}: {field}: {err.message}")
+def _validate(doc: Mapping[str, Any], schema_name: str, what: str) -> None:
+    problem = schema.first_error(doc, schema_name)
+    if problem is not None:
+        raise HarnessError(f"{what}: {problem}")
 
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:
@@ -302,26 +295,18 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
     rank_dir = logs / RANK_LOGS_DIR
     rank_dir.mkdir(parents=True, exist_ok=True)
     Path(cell.output_dir).mkdir(parents=True, exist_ok=True)
-    tmp = cell_file.with_name(CELL_FILE + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, cell_file)
+    atomic.write_bytes(cell_file, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
     launch_environment = launch_env(env)
     cmd = torchrun_command(cell_file, module=module, world_size=cell.world_size,
                            log_dir=rank_dir, env=launch_environment)
     launcher_log = logs / LAUNCHER_LOG
-    t0 = time.monotonic()
     with launcher_log.open("wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
-        proc = subprocess.Popen(cmd, cwd=attempt_dir, env=launch_environment, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-        try:
-            rc: int | None = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _end_process_tree(proc)
-            rc = None
-    wall = round(time.monotonic() - t0, 3)
+        ran = procs.run(cmd, cwd=attempt_dir, env=launch_environment, stdout=log,
+                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, new_session=True,
+                        timeout_s=timeout_s, grace_s=KILL_GRACE_S)
+    rc, wall = ran.returncode, ran.wall_s
     rank_logs = tuple(sorted(p for p in rank_dir.rglob("*") if p.is_file()))
 
     def result(status: LaunchStatus, reason: str, failed: int | None = None) -> LaunchResult:
@@ -343,26 +328,6 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
     except HarnessError as exc:
         return result("ERROR", f"harness exited 0 but its outputs are not valid: {exc}")
     return result("OK", "")
-
-
-def _end_process_tree(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM torchrun's process group and every descendant, then SIGKILL survivors."""
-    try:
-        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        family = []
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-        for p in family:
-            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                p.send_signal(sig)
-        _, alive = psutil.wait_procs(family, timeout=KILL_GRACE_S)
-        family = alive
-        if not alive and proc.poll() is not None:
-            break
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=KILL_GRACE_S)
 
 
 def _failure_tail(rank_dir: Path, launcher_log: Path) -> tuple[int | None, str]:

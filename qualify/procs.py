@@ -1,0 +1,192 @@
+"""The one child-process-tree runner of qualify: a command, a wall-clock limit, its whole tree.
+
+:func:`run` starts a command (by default in a session of its own), waits for it up to a
+wall-clock limit, and when the limit passes, or the waiting parent is interrupted
+(``KeyboardInterrupt``, any exception), ends the command's **whole process tree**, not just
+the direct child: torchrun's ranks, vLLM's engine workers and whatever else the child
+started would otherwise survive it.
+
+Ending a tree: every descendant is collected first (:mod:`psutil`, recursively), because a
+descendant whose parent dies is re-parented and can no longer be found from the child;
+then SIGTERM goes to the child's process group (when it has its own session: that also
+reaches a re-parented member of the group), to the child and to every descendant
+collected; after a grace period SIGKILL goes to every survivor (and the group), and they
+are waited for. A zombie counts as ended (its parent, or init, reaps it).
+
+This module imports neither torch nor any engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Final
+
+import psutil
+
+__all__ = ["KILL_GRACE_S", "ProcResult", "run"]
+
+KILL_GRACE_S: Final = 5.0
+"""Default seconds between SIGTERM and SIGKILL when a tree is ended (and after SIGKILL)."""
+_POLL_S: Final = 0.05
+
+Stream = int | IO[bytes] | None
+"""What a child's stdin / stdout / stderr is: as :class:`subprocess.Popen` takes it
+(``subprocess.PIPE``, ``subprocess.STDOUT``, ``subprocess.DEVNULL``, a binary file object
+or ``None`` to inherit)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ProcResult:
+    """How one :func:`run` ended.
+
+    Attributes:
+        returncode: the child's exit status (negative: killed by that signal, as
+            :mod:`subprocess` reports it); ``None`` when it ran past the limit and its tree
+            was ended.
+        timed_out: the wall-clock limit passed and the tree was ended.
+        wall_s: wall-clock seconds from start to the end of the child (and, on timeout,
+            of its tree).
+        stdout: what the child wrote to a ``subprocess.PIPE`` stdout, else ``None``.
+        stderr: what the child wrote to a ``subprocess.PIPE`` stderr, else ``None``.
+        pid: the child's process id.
+    """
+
+    returncode: int | None
+    timed_out: bool
+    wall_s: float
+    stdout: bytes | None
+    stderr: bytes | None
+    pid: int
+
+    def __bool__(self) -> bool:
+        return self.returncode == 0
+
+
+def run(cmd: Sequence[str], *, timeout_s: float, stdout: Stream = None,
+        stderr: Stream = None, stdin: Stream = subprocess.DEVNULL,
+        env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
+        new_session: bool = True, grace_s: float = KILL_GRACE_S) -> ProcResult:
+    """Run ``cmd`` with a wall-clock limit; on timeout or interruption end its whole tree.
+
+    Args:
+        cmd: program and arguments (no shell).
+        timeout_s: wall-clock limit (> 0) in seconds.
+        stdout: the child's stdout (:data:`Stream`); ``subprocess.PIPE`` captures it into
+            :attr:`ProcResult.stdout`.
+        stderr: the child's stderr (:data:`Stream`; ``subprocess.STDOUT`` merges it).
+        stdin: the child's stdin (default ``/dev/null``: a child never waits on a terminal).
+        env: the child's whole environment (default: this process's).
+        cwd: the child's working directory (default: this process's).
+        new_session: start the child in a session (and process group) of its own, so the
+            terminal's Ctrl-C reaches only this process, which then ends the tree, and a
+            re-parented descendant is still reached through the group.
+        grace_s: seconds (>= 0) a tree is given after SIGTERM, and again after SIGKILL.
+
+    Returns:
+        The :class:`ProcResult`; a timeout is a result (``timed_out``), not an exception.
+
+    Raises:
+        ValueError: ``timeout_s`` is not positive or ``grace_s`` is negative.
+        OSError: the program cannot be started.
+        BaseException: whatever interrupted the wait (``KeyboardInterrupt``, ...), re-raised
+            after the tree was ended.
+    """
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if not grace_s >= 0:
+        raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(list(cmd), stdin=stdin, stdout=stdout, stderr=stderr,
+                            env=None if env is None else dict(env), cwd=cwd,
+                            start_new_session=new_session)
+    timed_out = False
+    out: bytes | None
+    err: bytes | None
+    try:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _end_tree(proc, group=new_session, grace_s=grace_s)
+            out, err = _drain(proc, grace_s)
+    except BaseException:
+        _end_tree(proc, group=new_session, grace_s=grace_s)
+        raise
+    return ProcResult(returncode=None if timed_out else proc.returncode, timed_out=timed_out,
+                      wall_s=round(time.monotonic() - t0, 3), stdout=out, stderr=err,
+                      pid=proc.pid)
+
+
+def _drain(proc: subprocess.Popen[bytes], grace_s: float) -> tuple[bytes | None, bytes | None]:
+    """What is left in the pipes of an ended child (nothing, if something still holds them)."""
+    try:
+        return proc.communicate(timeout=max(grace_s, _POLL_S))
+    except subprocess.TimeoutExpired:  # an escaped descendant keeps the pipe open
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        return (b"" if proc.stdout is not None else None,
+                b"" if proc.stderr is not None else None)
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _running(procs: Sequence[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``procs`` that still run (a zombie or a reused pid does not)."""
+    alive = []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+    return alive
+
+
+def _group_has_members(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _end_tree(proc: subprocess.Popen[bytes], *, group: bool, grace_s: float) -> None:
+    """SIGTERM the child, its group and every descendant; SIGKILL survivors after ``grace_s``.
+
+    Descendants are collected before any signal (they are re-parented once their parent
+    dies). Returns once every one has ended or a second grace period after SIGKILL passed.
+    """
+    family = _descendants(proc.pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if group:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+        for p in family:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                p.send_signal(sig)
+        deadline = time.monotonic() + grace_s
+        while True:
+            family = _running(family)
+            if (not family and proc.poll() is not None) or time.monotonic() >= deadline:
+                break
+            time.sleep(_POLL_S)
+        if not family and proc.poll() is not None and not (
+                sig == signal.SIGTERM and group and _group_has_members(proc.pid)):
+            break
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=max(grace_s, _POLL_S))
