@@ -49,6 +49,7 @@ __all__ = [
     "CELLS_DIR",
     "CELL_FILE",
     "CONTRACT_FILE",
+    "CONTRACT_TOML_FILE",
     "CONTROLS_DIR",
     "CONTROL_ERRORS_FILE",
     "ENVIRONMENT_FILE",
@@ -58,6 +59,7 @@ __all__ = [
     "LAUNCHES_DIR",
     "LOGS_DIR",
     "MANIFEST_FILE",
+    "MODEL_FILE",
     "OUTPUTS_FILE",
     "OUTPUTS_META_FILE",
     "REFERENCES_DIR",
@@ -69,6 +71,7 @@ __all__ = [
     "ROLLOUT_META_FILE",
     "RUN_FILE",
     "SCORES_DIR",
+    "TARGETS_FILE",
     "TRAIN_INPUTS_FILE",
     "RunDocument",
     "RunReference",
@@ -306,3 +309,13 @@ def hf_tensors_file(precision: str) -> str:
     :data:`BRANCHES_DIR` of a reference directory.
     """
     return f"hf-{precision}.safetensors"
+
+
+# --- a reference: the stage's inputs and targets (appended)
+CONTRACT_TOML_FILE: Final = "contract.toml"
+"""The contract's TOML text as given (empty for a contract loaded from a string)."""
+MODEL_FILE: Final = "model.json"
+"""The model bundle record (:meth:`qualify.models.bundle.ModelBundle.to_dict`); a run's
+``inputs/`` holds one too."""
+TARGETS_FILE: Final = "targets.safetensors"
+"""The FP64 PPO / GRPO targets (:mod:`qualify.reference.targets`)."""
