@@ -6,17 +6,21 @@ class ``c`` (``candidate_vs_hf``: a candidate at precision ``p`` against the HF 
 ``p``; ``tp_vs_tp1``: TP = n against TP = 1 of the same engine and precision). In the
 ``deterministic`` lane every bound is 0 (bitwise equality). The comparator reads bounds only
 from the sealed ``bounds.json``; a metric without a bound is an error, never a pass.
+:func:`judge` is the verdict half of the rule: ``PASS`` iff the error is finite and
+``error <= bound``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy.typing as npt
 
 from qualify.contract import Contract
+from qualify.protocol import Verdict
 from qualify.statistics import FAMILY_STATISTIC, ErrorMeasure, MetricKey, compare_sets
 
 CLASSES = ("candidate_vs_hf", "tp_vs_tp1")
@@ -166,3 +170,21 @@ def lookup(bounds: list[Bound], *, precision: str, klass: str, key: MetricKey) -
         if x.precision == precision and x.klass == klass and x.key == want:
             return x
     return None
+
+
+def judge(error: float, bound: float) -> tuple[Verdict, float]:
+    """Verdict and margin of one measured error against its bound.
+
+    Args:
+        error: the measured statistic (>= 0, may be ``inf``).
+        bound: the sealed bound (>= 0).
+
+    Returns:
+        ``("PASS", margin)`` iff ``error`` is finite and ``error <= bound``, else
+        ``("FAIL", margin)``; ``margin = error / bound``, ``inf`` when ``bound == 0`` and
+        ``error > 0`` (or ``error`` is not finite), 0 when both are 0.
+    """
+    if not math.isfinite(error):
+        return "FAIL", math.inf
+    margin = error / bound if bound > 0 else (0.0 if error == 0 else math.inf)
+    return ("PASS" if error <= bound else "FAIL"), margin

@@ -1,4 +1,4 @@
-"""Tests of qualify.compare.stage on a synthetic sealed reference and candidate run.
+"""Tests of qualify.compare (stage, rows, reflip) on a synthetic sealed reference and run.
 
 The world: B = 3 sequences, R = 4 response tokens (mask below: 9 valid tokens), an
 actor with two parameters (``model.w`` [4, 3], ``model.b`` [3]), two rounds, HF reference
@@ -25,8 +25,10 @@ from hypothesis.extra import numpy as hnp
 from safetensors.numpy import save_file
 from tiny_contracts import torch_tp_only_text
 
-from qualify.bounds import Bound, bounds_document
-from qualify.compare.stage import Row, _compare_rows, compare_run, judge, worst_verdict
+from qualify.bounds import Bound, bounds_document, judge
+from qualify.compare.rows import compare_rows
+from qualify.compare.stage import compare_run
+from qualify.compare.verdicts import Row, worst_verdict
 from qualify.contract import Contract
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
 from qualify.evidence import store
@@ -603,8 +605,8 @@ def test_any_tensor_set_against_itself_passes_with_error_zero(
     bounds = [Bound(precision="fp32", klass="candidate_vs_hf", key=k,
                     statistic=FAMILY_STATISTIC[k.family], control_error=0.0, control="x",
                     floor=bound, k=4.0, bound=bound) for k in group_tensors(tensors)]
-    rows = _compare_rows(cell="c", klass="candidate_vs_hf", precision="fp32", bounds=bounds,
-                         obtained=tensors, expected=tensors, mask=mask)
+    rows = compare_rows(cell="c", klass="candidate_vs_hf", precision="fp32", bounds=bounds,
+                        obtained=tensors, expected=tensors, mask=mask)
     assert rows
     assert all((r.verdict, r.error, r.margin) == ("PASS", 0.0, 0.0) for r in rows)
 

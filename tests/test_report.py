@@ -14,8 +14,9 @@ import pytest
 from test_compare import BF16_TP1, CRITIC_TP1, TP1, TP2, World, actor, good_meta
 
 from qualify.compare.report import matrix_frame, render_markdown, report_document
-from qualify.compare.stage import REPORT_JSON, REPORT_MD, Report
+from qualify.compare.verdicts import Report
 from qualify.evidence import store
+from qualify.layout import REPORT_JSON, REPORT_MD
 from qualify.resources import load_schema
 
 VALIDATOR = jsonschema.Draft202012Validator(load_schema("report"))

@@ -1,4 +1,4 @@
-"""Write a comparison :class:`~qualify.compare.Report`: ``report.json`` and ``report.md``.
+"""Write a comparison :class:`~qualify.compare.verdicts.Report`: ``report.json``, ``report.md``.
 
 - ``report.json``: :meth:`Report.to_dict`, validated against
   ``contracts/schema/report.schema.json`` before anything is written. Non-finite numbers
@@ -10,8 +10,8 @@
   failure; the errors and checks not run; the rows judged against a clip-branch adjusted
   expected run (:mod:`qualify.branches`); the field mismatch table with its caveat.
 
-Both files are written atomically (:func:`qualify.store.atomic_write_json` /
-:func:`qualify.store.atomic_write_text`: temp file, fsync, ``os.replace``), and never
+Both files are written atomically (:func:`qualify.evidence.store.atomic_write_json` /
+:func:`qualify.evidence.store.atomic_write_text`: temp file, fsync, ``os.replace``), and never
 into a sealed directory. A ``margins.png`` plot is not produced: matplotlib is not a
 dependency of qualify.
 """
@@ -25,9 +25,7 @@ from typing import Any, Final
 
 import pandas as pd
 
-from qualify.compare.stage import (
-    REPORT_JSON,
-    REPORT_MD,
+from qualify.compare.verdicts import (
     VERDICT_PRECEDENCE,
     CellResult,
     Report,
@@ -35,6 +33,8 @@ from qualify.compare.stage import (
     worst_verdict,
 )
 from qualify.evidence import store
+from qualify.layout import REPORT_JSON, REPORT_MD
+from qualify.schema import validate
 
 __all__ = ["MATRIX_COLUMNS", "REPORT_SCHEMA", "matrix_frame", "render_markdown",
            "report_document", "write_report"]
@@ -53,7 +53,7 @@ def report_document(report: Report) -> dict[str, Any]:
         QualifyError: the document violates the schema (a bug in qualify).
     """
     doc = report.to_dict()
-    store.validate_json(doc, REPORT_SCHEMA, what=REPORT_JSON)
+    validate(doc, REPORT_SCHEMA, what=REPORT_JSON)
     return doc
 
 

@@ -3,7 +3,7 @@
 The cells are run by :mod:`qualify.candidate.sampler_stage`.
 
 :func:`sampler_rows` judges one COMPLETE sampler attempt and returns
-:class:`qualify.compare.Row` objects (the cell's verdict is their worst, as for every
+:class:`qualify.compare.verdicts.Row` objects (the cell's verdict is their worst, as for every
 cell):
 
 - ``sampler_install``: the round-1 Actor weights were installed as version 1 with one
@@ -47,9 +47,10 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from qualify.bounds import Bound, lookup
+from qualify.bounds import Bound, judge, lookup
 from qualify.compare.mismatch import field_mismatch
-from qualify.compare.stage import FailureDetail, Row, judge
+from qualify.compare.verdicts import FailureDetail, Row
+from qualify.layout import OUTPUTS_META_FILE
 from qualify.statistics import MetricKey
 
 PROBES: Final = ("stale_version", "wrong_shard", "missing_ack", "duplicate_ack", "warm_cache")
@@ -114,7 +115,7 @@ def _kernel_row(cell: str, meta: Mapping[str, Any]) -> Row:
     if not isinstance(kp, Mapping) or not isinstance(kp.get("stale"), list):
         return _row(cell, "sampler_install", "kernels", "stale", ok=False,
                     where="kernel_probe", obtained="missing", expected="a kernel probe",
-                    reason="kernel probe missing from outputs.json")
+                    reason=f"kernel probe missing from {OUTPUTS_META_FILE}")
     stale = [str(x) for x in kp["stale"]]
     probed = int(kp.get("layers_probed") or 0)
     if not stale and probed > 0:
@@ -141,7 +142,8 @@ def _cache_row(cell: str, meta: Mapping[str, Any]) -> Row:
     if not isinstance(first, int) or not isinstance(replay, int):
         return _row(cell, "sampler_cache", "prefix_cache", "cached_tokens", ok=False,
                     where="cache_proof", obtained=f"{first!r}, {replay!r}",
-                    expected="integers", reason="cache proof missing from outputs.json")
+                    expected="integers",
+                    reason=f"cache proof missing from {OUTPUTS_META_FILE}")
     where = f"first after update {first}, same-version replay {replay}"
     if first != 0:
         return _row(cell, "sampler_cache", "prefix_cache", "cached_tokens", error=float(first),
@@ -165,7 +167,7 @@ def _probe_rows(cell: str, meta: Mapping[str, Any]) -> list[Row]:
         if p is None:
             rows.append(_row(cell, "sampler_probe", name, "rejected", ok=False, where=name,
                              obtained="absent", expected="refused",
-                             reason=f"probe {name}: missing from outputs.json"))
+                             reason=f"probe {name}: missing from {OUTPUTS_META_FILE}"))
             continue
         where = (f"{p.get('reason')} (version {p.get('version_before')} -> "
                  f"{p.get('version_after')})")
@@ -269,8 +271,8 @@ def sampler_rows(*, cell: str, entry: Mapping[str, Any], tensors: Mapping[str, A
     weights_from = str(entry.get("weights_from", ""))
     if meta is None:
         return [_row(cell, "sampler_install", "install", "digest", ok=False,
-                     where="outputs.json", obtained=meta_problem, expected="readable JSON",
-                     reason=f"outputs.json: {meta_problem}")]
+                     where=OUTPUTS_META_FILE, obtained=meta_problem, expected="readable JSON",
+                     reason=f"{OUTPUTS_META_FILE}: {meta_problem}")]
     rows = [_install_row(cell, tp, meta), _kernel_row(cell, meta), _cache_row(cell, meta)]
     rows += _probe_rows(cell, meta)
     rows += _vs_actor_rows(cell, tensors, actor=actor, bounds=bounds, mask=mask,

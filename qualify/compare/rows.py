@@ -1,0 +1,349 @@
+"""Building a cell's rows: metric rows under the sealed bounds, and the exact checks.
+
+- :func:`compare_rows`: every metric of an expected tensor set measured in an obtained one
+  (:func:`qualify.statistics.compare_sets`) and judged against its sealed bound
+  (:func:`qualify.bounds.lookup`, :func:`qualify.bounds.judge`); a metric without a bound
+  is ``ERROR``, never ``PASS``; a failing row carries a pytest-approx-style
+  :class:`~qualify.compare.verdicts.FailureDetail` (the worst valid elements, parameters
+  or loss terms);
+- :func:`padding_rows`: each ``*_padded`` tensor against the same cell's unpadded one under
+  the family's ``tp_vs_tp1`` bound; a missing padding rerun of the role's main per-token
+  family (:data:`PADDING_REQUIRED`) is a ``FAIL``;
+- :func:`dtype_row`: master weights, gradients and optimizer state must be
+  ``torch.float32`` (``outputs.json`` ``dtypes``); :func:`replica_row`: replicated
+  parameters bitwise equal across TP ranks (``replica_consistency``);
+- :func:`not_run_rows`, :func:`declared_not_run`, :func:`declared_or`: ``NOT_RUN`` rows, for
+  a comparison that could not run or a metric the harness declared not run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from qualify.bounds import Bound, judge, lookup
+from qualify.compare.verdicts import Cell, FailureDetail, Row
+from qualify.layout import BOUNDS_FILE
+from qualify.protocol import OUTPUTS_FILE, OUTPUTS_META_FILE
+from qualify.statistics import (
+    FAMILY_STATISTIC,
+    ErrorMeasure,
+    MetricKey,
+    compare_sets,
+    group_tensors,
+    max_rel_l2,
+    measure,
+)
+
+__all__ = [
+    "DETAIL_ROWS",
+    "FP32",
+    "OPTIMIZER_STATE_KEYS",
+    "PADDING_REQUIRED",
+    "compare_rows",
+    "declared_not_run",
+    "declared_or",
+    "dtype_row",
+    "not_run_rows",
+    "padding_rows",
+    "replica_row",
+]
+
+FP32: Final = "torch.float32"
+PADDING_REQUIRED: Final = {"actor": "logprobs", "critic": "values"}
+"""Per role, the per-token family whose padding rerun (``*_padded``) must be present."""
+OPTIMIZER_STATE_KEYS: Final = ("exp_avg", "exp_avg_sq")
+DETAIL_ROWS: Final = 5
+
+
+# --------------------------------------------------------------------------- detail tables
+
+
+def _mask_for(arr: npt.NDArray[Any], mask: npt.NDArray[Any] | None) -> npt.NDArray[np.bool_]:
+    """The mask :func:`qualify.statistics.measure` applies to ``arr`` (all-true if none)."""
+    if mask is not None and arr.ndim == 2:
+        m = mask if mask.shape == arr.shape else mask[:, : arr.shape[1]]
+        if m.shape == arr.shape:
+            return np.asarray(m).astype(bool)
+    return np.ones(arr.shape, dtype=bool)
+
+
+def _elementwise_table(a_in: Any, b_in: Any,
+                       mask: npt.NDArray[Any] | None) -> tuple[tuple[Cell, ...], ...]:
+    """The worst valid elements: ``(index, obtained, expected, abs diff)``."""
+    a, b = np.asarray(a_in, dtype=np.float64), np.asarray(b_in, dtype=np.float64)
+    if a.shape != b.shape:
+        return ((f"shape {a.shape} vs {b.shape}", None, None, math.inf),)
+    m = _mask_for(b, mask)
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(a - b)
+    diff = np.where(np.isfinite(diff), diff, math.inf)
+    idx = np.argwhere(m)
+    if idx.size == 0 and a.ndim > 0:
+        return ()
+    if a.ndim == 0:
+        return (("()", float(a), float(b), float(diff)),)
+    vals = diff[m]
+    order = [j for j in np.argsort(-vals, kind="stable") if vals[j] != 0][:DETAIL_ROWS]
+    out: list[tuple[Cell, ...]] = []
+    for j in order:
+        ix = tuple(int(i) for i in idx[j])
+        out.append((str(ix), float(a[ix]), float(b[ix]), float(diff[ix])))
+    return tuple(out)
+
+
+def _detail(key: MetricKey, m: ErrorMeasure, obtained: Mapping[str, Any],
+            expected: Mapping[str, Any], mask: npt.NDArray[Any] | None) -> FailureDetail:
+    """Build the failure detail of one measured metric group."""
+    stat = FAMILY_STATISTIC[key.family]
+    table: tuple[tuple[Cell, ...], ...]
+    if stat == "max_rel_l2":
+        columns: tuple[str, ...] = ("param", "rel L2", "norm obtained", "norm expected")
+        rows: list[tuple[Cell, ...]] = []
+        for name in sorted(set(obtained) | set(expected)):
+            a, b = obtained.get(name), expected.get(name)
+            na = float(np.linalg.norm(np.asarray(a, dtype=np.float64))) if a is not None \
+                else None
+            nb = float(np.linalg.norm(np.asarray(b, dtype=np.float64))) if b is not None \
+                else None
+            rel = max_rel_l2({name: a}, {name: b}).value if a is not None and b is not None \
+                else math.inf
+            rows.append((name, rel, na, nb))
+        rows.sort(key=lambda r: -(r[1] if isinstance(r[1], float) else 0.0))
+        table = tuple(r for r in rows if r[1] != 0)[:DETAIL_ROWS]
+    elif key.family == "losses":
+        columns = ("term", "obtained", "expected", "abs diff")
+        rows = []
+        for term in sorted(set(obtained) | set(expected)):
+            a, b = obtained.get(term), expected.get(term)
+            fa = float(np.asarray(a)) if a is not None else None
+            fb = float(np.asarray(b)) if b is not None else None
+            d = abs(fa - fb) if fa is not None and fb is not None else math.inf
+            rows.append((term, fa, fb, d if math.isfinite(d) else math.inf))
+        rows.sort(key=lambda r: -(r[3] if isinstance(r[3], float) else 0.0))
+        table = tuple(r for r in rows if r[3] != 0)[:DETAIL_ROWS]
+    else:
+        columns = ("index", "obtained", "expected", "abs diff")
+        if "" in obtained and "" in expected:
+            table = _elementwise_table(obtained[""], expected[""], mask)
+        else:
+            table = (("(missing)", None, None, math.inf),)
+    return FailureDetail(mismatched=m.mismatched, total=m.total, max_abs=m.max_abs,
+                         max_rel=m.max_rel, columns=columns, table=table)
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def _metric_row(*, cell: str, klass: str, bound_class: str, key: MetricKey, m: ErrorMeasure,
+                precision: str, bounds: Sequence[Bound], obtained: Mapping[str, Any],
+                expected: Mapping[str, Any], mask: npt.NDArray[Any] | None) -> Row:
+    """Judge one measured metric against its sealed bound."""
+    stat = FAMILY_STATISTIC[key.family]
+    row = Row(cell=cell, klass=klass, bound_class=bound_class, round=key.round, role=key.role,
+              family=key.family, variant=key.variant, statistic=stat, error=m.value,
+              bound=None, margin=None, verdict="ERROR", reason=None, where=m.where)
+    b = lookup(list(bounds), precision=precision, klass=bound_class, key=key)
+    if b is None:
+        return dataclasses.replace(
+            row, reason=f"no sealed bound for {dataclasses.replace(key, variant='').label} "
+                        f"(class {bound_class}, precision {precision}) in {BOUNDS_FILE}")
+    if b.statistic != stat:
+        return dataclasses.replace(
+            row, bound=b.bound, reason=f"sealed bound of {key.label} uses statistic "
+                                       f"{b.statistic!r}, the family declares {stat!r}")
+    verdict, margin = judge(m.value, b.bound)
+    if verdict == "PASS":
+        return dataclasses.replace(row, bound=b.bound, margin=margin, verdict="PASS")
+    return dataclasses.replace(
+        row, bound=b.bound, margin=margin, verdict="FAIL",
+        reason=f"{key.label}: {stat} = {m.value:.6g} > bound {b.bound:.6g} "
+               f"(margin {margin:.3g}) at {m.where}",
+        detail=_detail(key, m, obtained, expected, mask))
+
+
+def not_run_rows(cell: str, klass: str, bound_class: str, keys: Sequence[MetricKey],
+                 reason: str) -> list[Row]:
+    """One ``NOT_RUN`` row per metric of ``keys`` (nothing measured), each with ``reason``."""
+    return [Row(cell=cell, klass=klass, bound_class=bound_class, round=k.round, role=k.role,
+                family=k.family, variant=k.variant, statistic=FAMILY_STATISTIC[k.family],
+                error=None, bound=None, margin=None, verdict="NOT_RUN", reason=reason,
+                where="")
+            for k in keys]
+
+
+def declared_not_run(meta: Mapping[str, Any] | None, round_: int | None,
+                     family: str) -> str | None:
+    """The reason a harness declared a metric not run, else ``None``.
+
+    A harness that cannot run part of a cell on this machine (Megatron-Core's optimizer
+    needs CUDA) lists it in its role's ``outputs.json`` as ``not_run``: entries
+    ``{"round": r | null, "family": f | "*", "reason": "..."}`` (``null`` = every round,
+    ``"*"`` = every family; the families of :data:`FAMILY_STATISTIC` plus ``dtypes``,
+    ``replica`` and ``padding``). A declared metric is judged ``NOT_RUN`` with the reason,
+    and only when the tensors are absent: a declared metric that was reported anyway is
+    compared as usual, and an undeclared missing metric stays a ``FAIL``.
+    """
+    entries = meta.get("not_run") if isinstance(meta, Mapping) else None
+    if not isinstance(entries, list):
+        return None
+    for e in entries:
+        if not isinstance(e, Mapping):
+            continue
+        r, f = e.get("round"), e.get("family")
+        if (r is None or round_ is None or r == round_) and f in ("*", family):
+            return str(e.get("reason") or "declared not run by the harness")
+    return None
+
+
+def compare_rows(*, cell: str, klass: str, precision: str, bounds: Sequence[Bound],
+                 obtained: Mapping[str, Any], expected: Mapping[str, Any],
+                 mask: npt.NDArray[Any], meta: Mapping[str, Any] | None = None,
+                 scale: Mapping[str, Any] | None = None) -> list[Row]:
+    """Rows of one class: every metric of ``expected`` measured in ``obtained``.
+
+    A metric absent from ``obtained`` that the harness declared not run (see
+    :func:`declared_not_run`) is a ``NOT_RUN`` row with the declared reason. ``scale``: the
+    unmoved expected run when ``expected`` was moved to other clip branches.
+    """
+    got, want = group_tensors(obtained), group_tensors(expected)
+    out = []
+    for key, m in compare_sets(obtained, expected, mask, scale).items():
+        why = None if key in got else declared_not_run(meta, key.round, key.family)
+        if why is not None:
+            out += not_run_rows(cell, klass, klass, [key], why)
+            continue
+        out.append(_metric_row(cell=cell, klass=klass, bound_class=klass, key=key, m=m,
+                               precision=precision, bounds=bounds, obtained=got.get(key, {}),
+                               expected=want[key], mask=mask))
+    return out
+
+
+def padding_rows(*, cell: str, role: str, precision: str, bounds: Sequence[Bound],
+                 outputs: Mapping[str, Any], mask: npt.NDArray[Any]) -> list[Row]:
+    """Each ``*_padded`` tensor against the same cell's unpadded one (``tp_vs_tp1`` bound)."""
+    groups = group_tensors(outputs)
+    out: list[Row] = []
+    padded = sorted((k for k in groups if k.variant == "padded"), key=lambda k: k.label)
+    for key in padded:
+        base = dataclasses.replace(key, variant="")
+        m = measure(base, groups[key], groups.get(base, {}), mask)
+        # lookup() ignores the variant: the padded row takes the family's tp_vs_tp1 bound.
+        out.append(_metric_row(cell=cell, klass="padding_invariance", bound_class="tp_vs_tp1",
+                               key=key, m=m, precision=precision, bounds=bounds,
+                               obtained=groups[key], expected=groups.get(base, {}),
+                               mask=mask))
+    need = PADDING_REQUIRED.get(role)
+    if need is not None and not any(k.family == need and k.role == role for k in padded):
+        out.append(Row(cell=cell, klass="padding_invariance", bound_class="tp_vs_tp1", round=1,
+                       role=role, family=need, variant="padded",
+                       statistic=FAMILY_STATISTIC[need], error=None, bound=None, margin=None,
+                       verdict="FAIL", where="(missing)",
+                       reason=f"no padding-invariance rerun in {OUTPUTS_FILE}: expected "
+                              f"round<r>/{role}/{need}_padded",
+                       detail=FailureDetail(mismatched=1, total=1, max_abs=math.inf,
+                                            max_rel=math.inf, columns=("tensor", "present"),
+                                            table=((f"round1/{role}/{need}_padded", "no"),))))
+    return out
+
+
+def _check_row(*, cell: str, role: str, klass: str, family: str, statistic: str,
+               problems: Sequence[tuple[str, str, str]], total: int,
+               error: float | None = None, bound: float | None = None) -> Row:
+    """A dtype / replica row from ``(item, obtained, expected)`` problems (none = ``PASS``)."""
+    margin = None if error is None or bound is None else judge(error, bound)[1]
+    row = Row(cell=cell, klass=klass, bound_class=None, round=None, role=role, family=family,
+              statistic=statistic, error=error, bound=bound, margin=margin, verdict="PASS",
+              reason=None, where="")
+    if not problems:
+        return row
+    item, obtained, expected = problems[0]
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    detail = FailureDetail(mismatched=len(problems), total=max(total, len(problems)),
+                           max_abs=error, max_rel=None, columns=("item", "obtained", "expected"),
+                           table=tuple(problems[:DETAIL_ROWS]))
+    return dataclasses.replace(
+        row, verdict="FAIL", where=item, detail=detail,
+        reason=f"{family}: {item} is {obtained}, expected {expected}{more}")
+
+
+def dtype_row(cell: str, role: str, meta: Mapping[str, Any] | None, why: str) -> Row:
+    """Master weights, grads and optimizer state must be FP32 (fp32 and bf16 cells alike)."""
+    kw: dict[str, Any] = {"cell": cell, "role": role, "klass": "dtypes", "family": "dtypes",
+                          "statistic": "dtype"}
+    if meta is None:
+        return _check_row(**kw, problems=[(OUTPUTS_META_FILE, why, "readable JSON")], total=1)
+    d = meta.get("dtypes")
+    if not isinstance(d, Mapping):
+        return _check_row(**kw, problems=[("dtypes", f"missing from {OUTPUTS_META_FILE}",
+                                           "present")], total=1)
+    found: list[tuple[str, Any]] = [("master_weights", d.get("master_weights")),
+                                    ("grads", d.get("grads"))]
+    state = d.get("optimizer_state")
+    if isinstance(state, Mapping):
+        found += [(f"optimizer_state.{k}", state.get(k))
+                  for k in sorted(set(OPTIMIZER_STATE_KEYS) | set(state))]
+    else:
+        found.append(("optimizer_state", None))
+    problems = [(item, "missing" if got is None else str(got), FP32)
+                for item, got in found if got != FP32]
+    return _check_row(**kw, problems=problems, total=len(found))
+
+
+def _finite_or_nan(x: Any) -> float:
+    """A JSON number as float (``nan`` when it is not a number)."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return math.nan
+    return float(x)
+
+
+def replica_row(cell: str, role: str, meta: Mapping[str, Any] | None, why: str) -> Row:
+    """Replicated parameters must be bitwise equal across TP ranks (``all_equal``)."""
+    kw: dict[str, Any] = {"cell": cell, "role": role, "klass": "replica_consistency",
+                          "family": "replica", "statistic": "bitwise"}
+    if meta is None:
+        return _check_row(**kw, problems=[(OUTPUTS_META_FILE, why, "readable JSON")], total=1)
+    rc = meta.get("replica_consistency")
+    if not isinstance(rc, Mapping):
+        return _check_row(**kw, problems=[("replica_consistency",
+                                           f"missing from {OUTPUTS_META_FILE}", "present")],
+                          total=1)
+    raw_params = rc.get("params", {})
+    params: Mapping[str, Any] = raw_params if isinstance(raw_params, Mapping) else {}
+    bad: list[tuple[float, tuple[str, str, str]]] = []
+    diffs: list[float] = []
+    for name in sorted(params):
+        p = params[name] if isinstance(params[name], Mapping) else {}
+        d = _finite_or_nan(p.get("max_abs_diff"))
+        if not math.isnan(d):
+            diffs.append(d)
+        if p.get("equal") is not True or (not math.isnan(d) and d != 0):
+            bad.append((-1.0 if math.isnan(d) else d,
+                        (name, f"equal={p.get('equal')!r} (max abs diff {d:.6g})",
+                         "bitwise equal")))
+    problems = [pr for _, pr in sorted(bad, key=lambda x: -x[0])]
+    all_equal = rc.get("all_equal")
+    if all_equal is not True:
+        problems.insert(0, ("all_equal", "missing" if all_equal is None else repr(all_equal),
+                            "True"))
+    error: float | None = max(diffs) if diffs else (None if problems else 0.0)
+    return _check_row(**kw, problems=problems, total=max(1, len(params)), error=error,
+                      bound=0.0 if error is not None else None)
+
+
+
+def declared_or(row: Row, meta: Mapping[str, Any] | None, family: str) -> Row:
+    """A check row that failed only for lack of evidence the harness declared not run."""
+    if row.verdict != "FAIL" or "missing" not in (row.reason or "") + row.where:
+        return row
+    why = declared_not_run(meta, None, family)
+    if why is None:
+        return row
+    return dataclasses.replace(row, verdict="NOT_RUN", reason=why, detail=None, where="",
+                               error=None, bound=None, margin=None)
+

@@ -1,0 +1,321 @@
+"""The comparator's verdict types: what a comparison finds, and its JSON form.
+
+A :class:`Row` is one check of one cell (a metric in a comparison class, or a dtype /
+replica check), a :class:`FailureDetail` what a failing row shows (pytest ``approx``
+style), a :class:`CellResult` one cell's verdict, and a :class:`Report` the outcome of one
+run (``bool(report)`` is ``report.passed``). A cell's verdict is its worst row by
+:data:`VERDICT_PRECEDENCE` (:func:`worst_verdict`).
+
+This module is the bottom of :mod:`qualify.compare`: the row builders
+(:mod:`qualify.compare.rows`), the clip-flip re-judging (:mod:`qualify.compare.reflip`),
+the sampler rows (:mod:`qualify.compare.sampler`), the report writer
+(:mod:`qualify.compare.report`) and the stage (:mod:`qualify.compare.stage`) import it; it
+imports none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from qualify.compare.mismatch import FieldMismatch
+from qualify.protocol import Verdict
+from qualify.statistics import MetricKey
+
+__all__ = [
+    "ROW_CLASSES",
+    "VERDICT_PRECEDENCE",
+    "Cell",
+    "CellResult",
+    "FailureDetail",
+    "Report",
+    "Row",
+    "Verdict",
+    "json_number",
+    "worst_verdict",
+]
+
+ROW_CLASSES: Final = ("candidate_vs_hf", "tp_vs_tp1", "padding_invariance", "dtypes",
+                      "replica_consistency")
+VERDICT_PRECEDENCE: Final[tuple[Verdict, ...]] = ("FAIL", "ERROR", "NOT_RUN", "PASS")
+"""Worst first: a cell's verdict is the first of these that any of its rows has."""
+
+
+Cell = str | float | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class FailureDetail:
+    """What a failing row shows, in the manner of pytest's ``approx``.
+
+    Attributes:
+        mismatched: elements (or parameters, loss terms, checks) that differ.
+        total: elements (or parameters, loss terms, checks) compared.
+        max_abs: largest absolute element difference (``None`` for dtype checks).
+        max_rel: largest relative element difference ``|a - b| / |b|`` (``None`` for
+            dtype and replica checks).
+        columns: header of :attr:`table`, e.g. ``("index", "obtained", "expected",
+            "abs diff")`` (per-token), ``("param", "rel L2", "norm obtained",
+            "norm expected")`` (per-parameter), ``("term", ...)`` (losses).
+        table: the (at most 5) worst differing entries, worst first (valid tokens only).
+    """
+
+    mismatched: int
+    total: int
+    max_abs: float | None
+    max_rel: float | None
+    columns: tuple[str, ...]
+    table: tuple[tuple[Cell, ...], ...]
+
+    def summary_lines(self) -> list[str]:
+        """``Mismatched elements: k / N``, max absolute and relative difference."""
+        out = [f"Mismatched elements: {self.mismatched} / {self.total}"]
+        if self.max_abs is not None:
+            out.append(f"Max absolute difference: {self.max_abs:.6g}")
+        if self.max_rel is not None:
+            out.append(f"Max relative difference: {self.max_rel:.6g}")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (non-finite floats as the strings ``inf`` / ``-inf`` / ``nan``)."""
+        return {"mismatched": self.mismatched, "total": self.total,
+                "max_abs": json_number(self.max_abs), "max_rel": json_number(self.max_rel),
+                "columns": list(self.columns),
+                "table": [[json_number(c) if isinstance(c, float) else c for c in row]
+                          for row in self.table]}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Row:
+    """One check of one cell: a metric in a comparison class, or a dtype / replica check.
+
+    Attributes:
+        cell: cell id.
+        klass: one of :data:`ROW_CLASSES`.
+        bound_class: the ``bounds.json`` class whose bound applies (``None`` for dtype and
+            replica checks, which need exact equality).
+        round: 1-based round (``None`` for dtype and replica checks).
+        role: ``actor`` or ``critic``.
+        family: metric family (``logprobs``, ``grads``...), ``dtypes`` or ``replica``.
+        variant: ``""`` or ``"padded"``.
+        statistic: the family's declared statistic, ``dtype`` or ``bitwise``.
+        error: the measured error (``inf`` when shapes differ, values are non-finite or
+            tensors are missing; ``None`` when nothing was measured).
+        bound: the sealed bound (``None`` when there is none or nothing was measured).
+        margin: ``error / bound`` (see :func:`qualify.bounds.judge`).
+        verdict: ``PASS``, ``FAIL``, ``NOT_RUN`` or ``ERROR``.
+        reason: why it is not ``PASS`` (``None`` for ``PASS``).
+        where: the worst element: token ``(b, t)``, parameter, loss term, dtype entry.
+        detail: the pytest-approx-style detail of a ``FAIL`` row.
+        adjustment: for a round >= 2 gradient-family row judged against the expected run
+            moved to the obtained run's clip branches (:func:`qualify.branches
+            .adjusted_expected`): which sealed tokens moved it, and the unadjusted error
+            and margin; ``None`` otherwise.
+    """
+
+    cell: str
+    klass: str
+    bound_class: str | None
+    round: int | None
+    role: str
+    family: str
+    variant: str = ""
+    statistic: str
+    error: float | None
+    bound: float | None
+    margin: float | None
+    verdict: Verdict
+    reason: str | None
+    where: str
+    detail: FailureDetail | None = None
+    adjustment: str | None = None
+
+    @property
+    def metric(self) -> str:
+        """``round1/actor/logprobs[padded]``-style label (``actor/dtypes`` for checks)."""
+        if self.round is None:
+            return f"{self.role}/{self.family}"
+        return MetricKey(round=self.round, role=self.role, family=self.family,
+                         variant=self.variant).label
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (one element of ``rows`` in ``report.json``)."""
+        return {"cell": self.cell, "class": self.klass, "bound_class": self.bound_class,
+                "round": self.round, "role": self.role, "family": self.family,
+                "variant": self.variant, "metric": self.metric, "statistic": self.statistic,
+                "error": json_number(self.error), "bound": json_number(self.bound),
+                "margin": json_number(self.margin), "verdict": self.verdict,
+                "reason": self.reason, "where": self.where,
+                "detail": self.detail.to_dict() if self.detail else None,
+                "adjustment": self.adjustment}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CellResult:
+    """The verdict of one cell.
+
+    Attributes:
+        cell: cell id (``torch_tp-bf16-actor-tp2``).
+        engine, precision, options, role, tp: as in ``run.json``.
+        status: the run's status (``COMPLETE``, ``ERROR``, ``NOT_RUN``).
+        verdict: worst row verdict (``COMPLETE``) or the status (otherwise).
+        reason: why it is not ``PASS`` (``None`` for ``PASS``).
+        attempt: the attempt directory, relative to the run directory.
+        required: whether the report's ``passed`` depends on this cell.
+        counts: rows per verdict.
+        worst_margin: the largest finite-or-infinite margin of its rows (``None`` if none).
+    """
+
+    cell: str
+    engine: str
+    precision: str
+    options: Mapping[str, Any]
+    role: str
+    tp: int
+    status: str
+    verdict: Verdict
+    reason: str | None
+    attempt: str | None
+    required: bool
+    counts: Mapping[str, int]
+    worst_margin: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (one element of ``cells`` in ``report.json``)."""
+        return {"cell": self.cell, "engine": self.engine, "precision": self.precision,
+                "options": dict(self.options), "role": self.role, "tp": self.tp,
+                "status": self.status, "verdict": self.verdict, "reason": self.reason,
+                "attempt": self.attempt, "required": self.required,
+                "rows": {v: int(self.counts.get(v, 0)) for v in VERDICT_PRECEDENCE},
+                "worst_margin": json_number(self.worst_margin)}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Report:
+    """The outcome of comparing one candidate run (python-tuf ``VerificationResult`` style).
+
+    ``bool(report)`` is :attr:`passed`.
+
+    Attributes:
+        contract: contract name.
+        contract_digest: hex sha256 of the contract.
+        run_id: the run's id.
+        run_dir: the run directory.
+        reference_dir: the sealed reference directory used.
+        reference_manifest_digest: hex sha256 of the reference's ``MANIFEST.json``.
+        bounds_digest: hex sha256 of the reference's ``bounds.json`` bytes.
+        lane: ``approximate`` or ``deterministic`` (from ``bounds.json``).
+        created: ISO-8601 UTC time of the comparison.
+        cells: one result per cell of ``run.json`` (plus required cells it lacks).
+        rows: every check of every ``COMPLETE`` cell.
+        logprobs_mode: the rollout's ``logprobs_mode``.
+        field_like_for_like: whether the field metrics compare the same distribution.
+        field_note: the comparability caveat of the field metrics (always shown).
+        field_metrics: informational train/inference mismatch rows (never gated).
+        notes: further remarks (skipped field rows, ...).
+    """
+
+    contract: str
+    contract_digest: str
+    run_id: str
+    run_dir: str
+    reference_dir: str
+    reference_manifest_digest: str
+    bounds_digest: str
+    lane: str
+    created: str
+    cells: tuple[CellResult, ...]
+    rows: tuple[Row, ...]
+    logprobs_mode: str
+    field_like_for_like: bool
+    field_note: str
+    field_metrics: tuple[FieldMismatch, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def verdicts(self) -> dict[str, Verdict]:
+        """Cell id -> verdict."""
+        return {c.cell: c.verdict for c in self.cells}
+
+    @property
+    def required(self) -> tuple[str, ...]:
+        """Ids of the required cells."""
+        return tuple(c.cell for c in self.cells if c.required)
+
+    @property
+    def not_passed(self) -> tuple[str, ...]:
+        """Required cells whose verdict is not ``PASS`` (what stands between us and a pass)."""
+        return tuple(c.cell for c in self.cells if c.required and c.verdict != "PASS")
+
+    @property
+    def passed(self) -> bool:
+        """At least one required cell, and every required cell ``PASS``."""
+        return bool(self.required) and not self.not_passed
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    @property
+    def failures(self) -> tuple[Row, ...]:
+        """The ``FAIL`` rows."""
+        return tuple(r for r in self.rows if r.verdict == "FAIL")
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """Counts of cells and rows per verdict, the required cells and those not passed."""
+        return {
+            "cells": {v: sum(c.verdict == v for c in self.cells) for v in VERDICT_PRECEDENCE},
+            "rows": {v: sum(r.verdict == v for r in self.rows) for v in VERDICT_PRECEDENCE},
+            "required": list(self.required),
+            "required_not_passed": list(self.not_passed),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``report.json`` document (schema ``contracts/schema/report.schema.json``)."""
+        return {
+            "schema_version": 1,
+            "contract": self.contract,
+            "contract_digest": self.contract_digest,
+            "run_id": self.run_id,
+            "run_dir": self.run_dir,
+            "reference": {"path": self.reference_dir,
+                          "manifest_digest": self.reference_manifest_digest},
+            "bounds_digest": self.bounds_digest,
+            "lane": self.lane,
+            "created": self.created,
+            "passed": self.passed,
+            "summary": self.summary,
+            "cells": [c.to_dict() for c in self.cells],
+            "rows": [r.to_dict() for r in self.rows],
+            "field_metrics": {
+                "gated": False,
+                "logprobs_mode": self.logprobs_mode,
+                "like_for_like": self.field_like_for_like,
+                "note": self.field_note,
+                "rows": [_field_row_json(f) for f in self.field_metrics],
+            },
+            "notes": list(self.notes),
+        }
+
+
+def json_number(x: float | None) -> float | str | None:
+    """A float for JSON: finite as is, ``inf`` / ``-inf`` / ``nan`` as strings, ``None`` kept."""
+    if x is None:
+        return None
+    if math.isfinite(x):
+        return float(x)
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+def _field_row_json(f: FieldMismatch) -> dict[str, Any]:
+    return {k: json_number(v) if isinstance(v, float) else v for k, v in f.to_dict().items()}
+
+
+def worst_verdict(verdicts: Sequence[Verdict]) -> Verdict:
+    """The worst of ``verdicts`` by :data:`VERDICT_PRECEDENCE` (``ERROR`` if empty)."""
+    for v in VERDICT_PRECEDENCE:
+        if v in verdicts:
+            return v
+    return "ERROR"
