@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any, Final
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import Tensor, nn
 
+from qualify import atomic
 from qualify.contract import Contract
 from qualify.errors import HarnessError
 from qualify.protocol import (
@@ -284,17 +285,14 @@ def part_paths(output_dir: Path, role: str) -> tuple[Path, Path]:
 
 
 def atomic_json(path: Path, doc: Any) -> None:
-    """Write ``doc`` as sorted JSON (no NaN) to ``path`` by rename of a ``.tmp`` file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n", "utf-8")
-    os.replace(tmp, path)
+    """Write ``doc`` as sorted JSON (indent 1, no NaN) to ``path`` (:mod:`qualify.atomic`)."""
+    atomic.write_bytes(path, (json.dumps(doc, indent=1, sort_keys=True, allow_nan=False)
+                              + "\n").encode("utf-8"))
 
 
 def atomic_tensors(path: Path, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
-    """Write ``tensors`` (safetensors, with ``meta``) to ``path`` by rename of a ``.tmp``."""
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    """Write ``tensors`` (safetensors, with ``meta``) to ``path`` (:mod:`qualify.atomic`)."""
+    atomic.write_bytes(path, save(tensors, metadata=meta))
 
 
 def write_part(engine: str, output_dir: Path, role: str, tensors: dict[str, Tensor],

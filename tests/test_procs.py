@@ -13,14 +13,16 @@ import pytest
 
 from qualify import procs
 
-# The child forks a grandchild that ignores SIGTERM, records both pids and sleeps.
+# The child forks a grandchild that ignores SIGTERM (unless told "term"), records both pids
+# and sleeps.
 TREE = textwrap.dedent('''
     import os, signal, sys, time
     from pathlib import Path
     out = Path(sys.argv[1])
     pid = os.fork()
     if pid == 0:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if sys.argv[2:] != ["term"]:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         (out / "grandchild").write_text(str(os.getpid()))
         time.sleep(120)
         os._exit(0)
@@ -121,3 +123,32 @@ def test_nonzero_exit_to_files(tmp_path: Path) -> None:
 def test_bad_limits(kw: dict[str, float], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         procs.run([sys.executable, "-c", "pass"], **kw)  # type: ignore[arg-type]
+
+
+def test_vllm_capture_timeout_ends_the_engine_tree(tmp_path: Path) -> None:
+    """The rollout backend's capture child runs through procs: a hung tree is ended whole.
+
+    A stand-in interpreter runs :data:`TREE` instead of ``harnesses.vllm.capture``: a child
+    with an engine worker (which here heeds SIGTERM, so the test does not wait out the
+    backend's grace period; ``subprocess.run`` would have left it running).
+    """
+    from harnesses.vllm.rollout import VllmRolloutBackend
+    from qualify.contract import SamplingSpec
+    from qualify.errors import HarnessError
+
+    (tmp_path / "tree.py").write_text(TREE)
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "tree.py"}" '
+                    f'"{tmp_path}" term\n')
+    fake.chmod(0o755)
+    spec = SamplingSpec(engine="vllm", temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4,
+                        samples_per_prompt=1, seed=0, logprobs_mode="processed")
+    backend = VllmRolloutBackend(tmp_path, timeout_s=1.0, python=str(fake))
+    with pytest.raises(HarnessError, match=r"timed out after 1.0 s \(process tree ended\)"
+                                           r"(.|\n)*started"):
+        backend.sample([[1, 2]], spec, pad_token_id=0, eos_token_id=1)
+    pids = [_wait_for(tmp_path / "child"), _wait_for(tmp_path / "grandchild")]
+    deadline = time.monotonic() + 3
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p for p in pids if not _gone(p)] == [], "the capture tree survived the timeout"

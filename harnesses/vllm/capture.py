@@ -45,6 +45,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from qualify import atomic
+
 RESULT_VERSION: Final = 1
 """``result_version`` of the result file."""
 
@@ -199,10 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     request = json.loads(Path(args[0]).read_text())
     result = capture(request)
     result["wall_clock"] = {"main_started": started, "result_written": time.time()}
-    out = Path(args[1])
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    os.replace(tmp, out)
+    atomic.write_bytes(Path(args[1]), (json.dumps(result, indent=1) + "\n").encode())
     return 0
 
 

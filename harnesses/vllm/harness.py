@@ -39,10 +39,8 @@ nothing is corrected.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.metadata
 import json
-import os
 import platform
 import shutil
 import sys
@@ -53,11 +51,13 @@ from pathlib import Path
 from typing import Any, Final
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import Tensor
 
 from harnesses.vllm import layout, probes, weights
+from qualify import atomic
 from qualify.contract import Contract
+from qualify.digests import sha256_file
 from qualify.errors import HarnessError
 from qualify.protocol import (
     CELL_FILE,
@@ -73,14 +73,6 @@ REQUEST_FILE: Final = "sampler_request.json"
 BLOCK_SIZE: Final = 32
 KV_CACHE_BYTES: Final = 128 * 1024 * 1024
 SCORING_SEED: Final = 0
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _versions() -> dict[str, str]:
@@ -186,9 +178,8 @@ def sample_rollout(llm: Any, rows: list[tuple[list[int], list[int], list[int]]],
 
 
 def _atomic_json(path: Path, doc: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n", "utf-8")
-    os.replace(tmp, path)
+    atomic.write_bytes(path, (json.dumps(doc, indent=1, sort_keys=True, allow_nan=False)
+                              + "\n").encode("utf-8"))
 
 
 def run(cell: HarnessCell) -> dict[str, Any]:
@@ -213,7 +204,7 @@ def run(cell: HarnessCell) -> dict[str, Any]:
     wfile = Path(req["weights_file"])
     if not wfile.is_file():
         raise HarnessError(f"{wfile}: the round-1 Actor weights are missing")
-    if _sha256(wfile) != req["weights_sha256"]:
+    if sha256_file(wfile) != req["weights_sha256"]:
         raise HarnessError(f"{wfile}: sha256 differs from the requested {req['weights_sha256']}")
     contract = Contract.from_dict(json.loads((inputs / "contract.json").read_text("utf-8")))
     model = json.loads((inputs / "model.json").read_text("utf-8"))
@@ -293,9 +284,8 @@ def run(cell: HarnessCell) -> dict[str, Any]:
         "faults": list(cell.faults),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / (OUTPUTS_FILE + ".tmp")
-    save_file(tensors, str(tmp), metadata={"engine": ENGINE})
-    os.replace(tmp, out_dir / OUTPUTS_FILE)
+    blob = save(tensors, metadata={"engine": ENGINE})
+    atomic.write_bytes(out_dir / OUTPUTS_FILE, blob)
     _atomic_json(out_dir / OUTPUTS_META_FILE, meta)
     return meta
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from harnesses.vllm import capture
+from qualify import procs
 from qualify.candidate.launch import launch_env
 from qualify.contract import SamplingSpec
 from qualify.errors import ContractError, HarnessError
@@ -46,7 +47,8 @@ class VllmRolloutBackend:
         dtype: engine dtype (``float32``, ``bfloat16``).
         kv_cache_memory_bytes: KV cache size (``None``: the engine module's default).
         threads_bind: ``VLLM_CPU_OMP_THREADS_BIND`` (``None``: one core group per rank).
-        timeout_s: wall-clock limit of the child process.
+        timeout_s: wall-clock limit of the child process; past it the child's whole process
+            tree (vLLM's engine workers included) is ended (:func:`qualify.procs.run`).
         python: interpreter of the child (default: this one).
     """
 
@@ -126,17 +128,16 @@ class VllmRolloutBackend:
             log = Path(tmp) / "capture.log"
             t0, launched = time.perf_counter(), time.time()
             with log.open("wb") as fh:
-                try:
-                    proc = subprocess.run(
-                        [self.python, "-m", "harnesses.vllm.capture", str(req), str(out)],
-                        stdout=fh, stderr=subprocess.STDOUT, env=launch_env(None),
-                        timeout=self.timeout_s, check=False)
-                except subprocess.TimeoutExpired as exc:
-                    raise HarnessError(f"vllm capture: timed out after {self.timeout_s} s; log "
-                                       f"tail:\n{_tail(log)}") from exc
+                ran = procs.run(
+                    [self.python, "-m", "harnesses.vllm.capture", str(req), str(out)],
+                    stdout=fh, stderr=subprocess.STDOUT, env=launch_env(None),
+                    timeout_s=self.timeout_s)
+            if ran.timed_out:
+                raise HarnessError(f"vllm capture: timed out after {self.timeout_s} s (process "
+                                   f"tree ended); log tail:\n{_tail(log)}")
             wall, ended = time.perf_counter() - t0, time.time()
-            if proc.returncode != 0 or not out.exists():
-                raise HarnessError(f"vllm capture: exit code {proc.returncode}; log tail:\n"
+            if ran.returncode != 0 or not out.exists():
+                raise HarnessError(f"vllm capture: exit code {ran.returncode}; log tail:\n"
                                    f"{_tail(log)}")
             result: dict[str, Any] = json.loads(out.read_text())
         clock = result.pop("wall_clock", {})
