@@ -26,12 +26,14 @@ from safetensors.numpy import save_file
 from tiny_contracts import torch_tp_only_text
 
 from qualify.bounds import Bound, bounds_document, judge
+from qualify.cli.main import main
 from qualify.compare.rows import compare_rows
 from qualify.compare.stage import compare_run
 from qualify.compare.verdicts import Row, worst_verdict
 from qualify.contract import Contract
-from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
+from qualify.errors import EvidenceIntegrityError, ExitCode, ReferenceDataError, UsageError
 from qualify.evidence import store
+from qualify.layout import REPORT_JSON, REPORT_MD, RUN_FILE
 from qualify.protocol import ROLLOUT_KEYS
 from qualify.statistics import FAMILY_STATISTIC, compare_sets, group_tensors
 
@@ -630,6 +632,64 @@ def test_explicit_reference_dir(tmp_path: Path) -> None:
     assert compare_run(w.run_dir, reference_dir=w.ref, write=False).passed
     with pytest.raises(ReferenceDataError, match="not found"):
         compare_run(w.run_dir, reference_dir=tmp_path / "nowhere", write=False)
+
+
+def test_cli_compare_with_reference_after_the_reference_moved(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``qualify compare RUN --reference DIR``: the recorded reference path is gone."""
+    w = World(tmp_path, required=[TP1])
+    w.add_cell(TP1)
+    w.write_run()
+    moved = tmp_path / "moved" / w.ref.name
+    (tmp_path / "references").rename(tmp_path / "moved")
+    assert not w.ref.exists()
+    assert main(["compare", str(w.run_dir), "--no-seal"]) == ExitCode.USAGE_ERROR
+    assert "--reference" in capsys.readouterr().err
+    assert not (w.run_dir / REPORT_JSON).exists()
+    assert main(["compare", str(w.run_dir), "--reference", str(moved), "--no-seal"]) \
+        == ExitCode.OK
+    doc = json.loads((w.run_dir / REPORT_JSON).read_text())
+    assert doc["reference"]["path"] == str(moved)
+    assert doc["passed"] is True
+    assert (w.run_dir / REPORT_MD).is_file()
+
+
+def test_renamed_reference_is_found_by_its_manifest_digest(tmp_path: Path) -> None:
+    """No ``reference_dir``: a reference renamed under ``references/`` is found again."""
+    w = World(tmp_path, required=[TP1])
+    w.add_cell(TP1)
+    w.write_run()
+    renamed = w.ref.with_name("renamed")
+    w.ref.rename(renamed)
+    report = compare_run(w.run_dir, write=False)
+    assert report.passed
+    assert report.reference_dir == str(renamed)
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("tp", "1", r"cells\.torch_tp-fp32-actor-tp1: tp: expected int, found '1'"),
+    ("tp", 1.0, r"cells\.torch_tp-fp32-actor-tp1: tp: expected int"),
+    ("status", None, r"cells\.torch_tp-fp32-actor-tp1: status: expected str"),
+    ("attempt", 3, r"cells\.torch_tp-fp32-actor-tp1: attempt: expected str"),
+])
+def test_mistyped_run_json_field_is_named(tmp_path: Path, field: str, value: Any,
+                                           match: str) -> None:
+    w = World(tmp_path, required=[TP1])
+    w.add_cell(TP1)
+    w.cells[TP1][field] = value
+    with pytest.raises(ReferenceDataError, match=match):
+        w.compare(write=False)
+
+
+def test_mistyped_run_reference_is_named(tmp_path: Path) -> None:
+    w = World(tmp_path, required=[TP1])
+    w.add_cell(TP1)
+    w.write_run()
+    doc = json.loads((w.run_dir / RUN_FILE).read_text())
+    doc["reference"]["manifest_digest"] = 12
+    (w.run_dir / RUN_FILE).write_text(json.dumps(doc))
+    with pytest.raises(ReferenceDataError, match=r"reference: manifest_digest: expected str"):
+        compare_run(w.run_dir, write=False)
 
 
 def test_unknown_status_is_an_error(tmp_path: Path) -> None:

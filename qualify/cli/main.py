@@ -61,7 +61,8 @@ def _cmd_compare(args: argparse.Namespace) -> ExitCode:
     from qualify.evidence.sign import seal_and_sign
 
     run_dir = Path(args.run_dir)
-    report = compare_run(run_dir)
+    reference = Path(args.reference) if args.reference else None
+    report = compare_run(run_dir, reference_dir=reference)
     if not args.no_seal:
         seal_and_sign(run_dir, kind="candidate-run")
     print(f"report: {run_dir / 'report.md'}: {report.summary}")
@@ -110,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compare", help="apply the sealed bounds to a candidate run; report")
     p.add_argument("run_dir", help="evidence/<contract>/<run-id>")
+    p.add_argument("--reference", metavar="DIR",
+                   help="the sealed reference directory (default: the one run.json names, "
+                        "found again if it moved)")
     p.add_argument("--no-seal", action="store_true",
                    help="write the report but do not seal and sign the run")
     p.set_defaults(func=_cmd_compare)

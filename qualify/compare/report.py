@@ -33,7 +33,7 @@ from qualify.compare.verdicts import (
     worst_verdict,
 )
 from qualify.evidence import store
-from qualify.layout import REPORT_JSON, REPORT_MD
+from qualify.layout import BOUNDS_FILE, REPORT_JSON, REPORT_MD
 from qualify.schema import validate
 
 __all__ = ["MATRIX_COLUMNS", "REPORT_SCHEMA", "matrix_frame", "render_markdown",
@@ -186,7 +186,7 @@ def render_markdown(report: Report) -> str:
         ("contract", f"{report.contract} (sha256 {report.contract_digest})"),
         ("reference", f"{report.reference_dir}"),
         ("reference manifest sha256", report.reference_manifest_digest),
-        ("bounds.json sha256", report.bounds_digest),
+        (f"{BOUNDS_FILE} sha256", report.bounds_digest),
         ("lane", report.lane),
         ("created", report.created),
         ("cells", _counts(s["cells"])),

@@ -358,7 +358,7 @@ def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, A
         if isinstance(got, str):
             return status, "ERROR", got, rows
         if e.get("role") == "sampler":  # qualify.compare.sampler: the sampler cells
-            src = loaded.get(str(e.get("weights_from")), "not COMPLETE in run.json")
+            src = loaded.get(str(e.get("weights_from")), f"not COMPLETE in {RUN_FILE}")
             rows = sampler_rows(cell=cid, entry=e, tensors=got.tensors, meta=got.meta,
                                 meta_problem=got.meta_problem, bounds=ctx.bounds,
                                 mask=ctx.mask,
