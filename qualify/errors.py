@@ -75,3 +75,70 @@ class SignatureError(EvidenceIntegrityError):
     """An attestation envelope is malformed or its signature does not verify."""
 
     exit_code = ExitCode.INTEGRITY_ERROR
+
+
+# --- evidence verification, one class per step of ``qualify verify`` (qualify.evidence.verify)
+
+
+class EnvelopeFormatError(SignatureError):
+    """An attestation is missing, not JSON, or not a DSSE envelope (verification step 1)."""
+
+
+class SignatureVerificationError(SignatureError):
+    """No signature, a duplicated, corrupted or untrusted one (verification step 2)."""
+
+
+class StatementTypeError(SignatureError):
+    """Wrong payloadType, ``_type`` or predicateType, or a statement off its schema (step 3)."""
+
+
+class SubjectDigestError(EvidenceIntegrityError):
+    """A subject, the manifest and the files on disk disagree (step 4)."""
+
+
+class UnlistedFileError(EvidenceIntegrityError):
+    """A file on disk is not in the manifest (step 5)."""
+
+
+class ContractDigestError(EvidenceIntegrityError):
+    """The evidence's contract digest is not the committed contract's (step 6)."""
+
+
+class ReferenceBindingError(EvidenceIntegrityError):
+    """The run's reference does not verify or is not the run's (step 7)."""
+
+
+class SealOrderError(EvidenceIntegrityError):
+    """The reference was sealed or attested after the run (step 8)."""
+
+
+class VerdictMismatchError(EvidenceIntegrityError):
+    """The report's verdicts do not follow from the raw evidence and sealed bounds (step 9)."""
+
+
+# --- the reference stage (qualify.reference)
+
+
+class RolloutLayoutError(ReferenceDataError):
+    """A rollout's tensors or metadata break the layout of :mod:`qualify.protocol`.
+
+    Attributes:
+        key: the offending tensor name or ``rollout.json`` field.
+        file: the file that holds it (:data:`~qualify.protocol.ROLLOUT_FILE`, the default,
+            or :data:`~qualify.protocol.ROLLOUT_META_FILE`).
+        problem: what is wrong, without the file and key.
+    """
+
+    def __init__(self, key: str, problem: str, *, file: str | None = None) -> None:
+        if file is None:
+            from qualify.protocol import ROLLOUT_FILE
+
+            file = ROLLOUT_FILE
+        super().__init__(f"{file}: {key}: {problem}")
+        self.key = key
+        self.file = file
+        self.problem = problem
+
+
+class PrecisionMismatchError(QualifyError):
+    """A scoring pass did not run at the precision it was asked for (a reference bug)."""

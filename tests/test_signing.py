@@ -1,4 +1,4 @@
-"""Tests of qualify.evidence.sign: DSSE envelopes, keys, key files, sign_directory, the CLI."""
+"""Tests of qualify.evidence.{dsse,keys,statement,sign}: envelopes, keys, signing, the CLI."""
 
 from __future__ import annotations
 
@@ -210,7 +210,7 @@ def test_signing_key_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path:
 
 def test_development_key_is_created_once_and_not_trusted(
         caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
-    with caplog.at_level(logging.WARNING, logger="qualify.evidence.sign"):
+    with caplog.at_level(logging.WARNING, logger="qualify.evidence.keys"):
         first = signing.default_signing_key()
     path = tmp_path / "xdg" / "qualify" / "dev-signing-key.pem"
     assert signing.dev_key_path() == path

@@ -18,10 +18,10 @@ __all__ = ["register"]
 
 
 def _cmd_keygen(args: argparse.Namespace) -> ExitCode:
-    from qualify.evidence.sign import default_keys_dir, generate_key
+    from qualify.evidence.keys import PRIVATE_KEY_SUFFIX, default_keys_dir, generate_key
 
     private = Path(args.private_key) if args.private_key else \
-        Path("~/.config/qualify").expanduser() / f"{args.name}-signing-key.pem"
+        Path("~/.config/qualify").expanduser() / f"{args.name}{PRIVATE_KEY_SUFFIX}"
     key, pub = generate_key(private, Path(args.public_dir), name=args.name)
     print(f"keyid {key.keyid}")
     print(f"private key: {private} (mode 0600; never commit it)")
@@ -33,12 +33,8 @@ def _cmd_keygen(args: argparse.Namespace) -> ExitCode:
 
 
 def _cmd_sign(args: argparse.Namespace) -> ExitCode:
-    from qualify.evidence.sign import (
-        default_signing_key,
-        load_signing_key,
-        sign_directory,
-        trusted_keys,
-    )
+    from qualify.evidence.keys import default_signing_key, load_signing_key, trusted_keys
+    from qualify.evidence.sign import sign_directory
 
     key = load_signing_key(args.key) if args.key else default_signing_key()
     path = sign_directory(Path(args.dir), key, reference_dir=args.reference)

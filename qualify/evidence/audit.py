@@ -1,8 +1,8 @@
 """``qualify audit DIR``: one table of every reference and evidence directory below DIR.
 
-Each directory found by :func:`qualify.verify.find_evidence` becomes one row: contract,
+Each directory found by :func:`qualify.evidence.discover.find_evidence` becomes one row: contract,
 run id, date, source commit, signature status, integrity status (the nine verification
-steps of :func:`qualify.verify.verify`), the report's verdict and cell counts by verdict,
+steps of :func:`qualify.evidence.verify.verify`), the report's verdict and cell counts by verdict,
 cell attempts (failed ones counted, never hidden), staleness (the committed contract's
 digest changed since sealing) and every problem found. Failed runs are listed as ``FAIL``
 (a verdict, not a problem); incomplete directories (``INCOMPLETE`` marker, no manifest,
@@ -22,16 +22,14 @@ from typing import Any, Final, Literal
 
 import pandas as pd
 
+from qualify.errors import ExitCode, QualifyError, UsageError
 from qualify.evidence import store
-from qualify.errors import ExitCode, QualifyError
-from qualify.evidence.sign import REPORT_FILE, RUN_KIND, trusted_keys
-from qualify.evidence.verify import (
-    EvidenceDir,
-    VerificationResult,
-    committed_contract_path,
-    find_evidence,
-    verify,
-)
+from qualify.evidence.discover import EvidenceDir, find_evidence
+from qualify.evidence.keys import trusted_keys
+from qualify.evidence.statement import RUN_KIND
+from qualify.evidence.steps import VerificationResult
+from qualify.evidence.verify import committed_contract_path, verify
+from qualify.layout import CELLS_DIR, REPORT_JSON, RESULT_FILE
 
 __all__ = ["COLUMNS", "AuditResult", "AuditRow", "audit", "render"]
 
@@ -149,7 +147,7 @@ def _integrity(v: VerificationResult, d: Path) -> tuple[str, list[str]]:
 
 
 def _attempts(d: Path) -> str:
-    cells = d / "cells"
+    cells = d / CELLS_DIR
     if not cells.is_dir():
         return ""
     total = failed = 0
@@ -158,7 +156,7 @@ def _attempts(d: Path) -> str:
             total += 1
             result: dict[str, Any] = {}
             with contextlib.suppress(OSError, ValueError):
-                result = json.loads((a / "result.json").read_text(encoding="utf-8"))
+                result = json.loads((a / RESULT_FILE).read_text(encoding="utf-8"))
             if not store.is_sealed(a) or result.get("status") not in (None, "COMPLETE"):
                 failed += 1
     return f"{total} ({failed} failed)" if total else "0"
@@ -188,7 +186,7 @@ def _staleness(e: EvidenceDir, digest: str | None,
 
 def _report(d: Path) -> dict[str, Any]:
     try:
-        doc = json.loads((d / REPORT_FILE).read_text(encoding="utf-8"))
+        doc = json.loads((d / REPORT_JSON).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     return doc if isinstance(doc, dict) else {}
@@ -253,8 +251,6 @@ def audit(roots: str | Path | Sequence[str | Path], *,
     Raises:
         UsageError: a root is not a directory, or a trusted key file is malformed.
     """
-    from qualify.errors import UsageError
-
     rs = [Path(roots)] if isinstance(roots, str | os.PathLike) else [Path(r) for r in roots]
     for r in rs:
         if not r.is_dir():

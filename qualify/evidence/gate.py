@@ -1,7 +1,7 @@
 """``qualify gate``: the CI merge decision on committed, signed evidence.
 
 For each ``--contract``, the newest candidate run of that contract under the evidence
-directory is verified (:func:`qualify.verify.verify`, all nine steps, the contract digest
+directory is verified (:func:`qualify.evidence.verify.verify`, all nine steps, the contract digest
 against that committed contract file) and its report is read. The gate's exit code:
 
 - ``3`` (:attr:`~qualify.errors.ExitCode.INTEGRITY_ERROR`): a verification step failed, or
@@ -26,11 +26,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from qualify.evidence import store
 from qualify.contract import Contract, load_contract
-from qualify.errors import ExitCode
-from qualify.evidence.sign import REPORT_FILE, RUN_KIND
-from qualify.evidence.verify import EvidenceDir, VerificationResult, find_evidence, verify
+from qualify.errors import ExitCode, UsageError
+from qualify.evidence import store
+from qualify.evidence.discover import INCOMPLETE_INFIX, EvidenceDir, find_evidence
+from qualify.evidence.statement import RUN_KIND
+from qualify.evidence.steps import VerificationResult
+from qualify.evidence.timestamps import utc_now_iso
+from qualify.evidence.verify import verify
+from qualify.layout import REPORT_JSON
 
 __all__ = ["GATE_SCHEMA", "CellDecision", "ContractDecision", "GateResult", "gate",
            "latest_run", "required_cells"]
@@ -189,7 +193,7 @@ def latest_run(evidence_dir: str | Path, contract_name: str) -> EvidenceDir | No
     """
     runs = [e for e in find_evidence(evidence_dir)
             if e.kind == RUN_KIND and e.contract == contract_name
-            and ".incomplete-" not in e.path.name]
+            and INCOMPLETE_INFIX not in e.path.name]
     if not runs:
         return None
     return max(runs, key=lambda e: (e.date or "", e.path.name))
@@ -222,7 +226,7 @@ def _decide(evidence_dir: Path, contract_path: Path, allow: Sequence[str], *,
         what = f"step {first.number} ({first.name})" if first else "verification"
         return decision(code=ExitCode.INTEGRITY_ERROR, verification=result,
                         message=f"run {run.path} fails verification at {what}")
-    report = json.loads((run.path / REPORT_FILE).read_text(encoding="utf-8"))
+    report = json.loads((run.path / REPORT_JSON).read_text(encoding="utf-8"))
     by_id = {str(c.get("cell")): c for c in report.get("cells", [])}
     cells: list[CellDecision] = []
     for cid in required_cells(contract):
@@ -266,8 +270,6 @@ def gate(evidence_dir: str | Path, contracts: Sequence[str | Path], *,
         ContractError: a contract file is missing or invalid.
         UsageError: no contract given, or a trusted key file is malformed.
     """
-    from qualify.errors import UsageError
-
     if not contracts:
         raise UsageError("gate: give at least one --contract")
     ev = Path(evidence_dir)
@@ -277,7 +279,7 @@ def gate(evidence_dir: str | Path, contracts: Sequence[str | Path], *,
                               trusted_keys_dir=trusted_keys_dir, reference_dir=reference_dir)
                       for c in contracts)
     result = GateResult(evidence_dir=ev, allow_not_run=tuple(allow_not_run),
-                        contracts=decisions, created=store.utc_now_iso())
+                        contracts=decisions, created=utc_now_iso())
     if json_out is not None:
         store.atomic_write_json(json_out, result.to_dict(), schema=GATE_SCHEMA)
     return result

@@ -6,66 +6,88 @@ exit code 3), gathered into a :class:`VerificationResult` (python-tuf style: ``b
 the steps that passed, the problems):
 
 1. :func:`verify_envelope` - ``attestation.dsse.json`` is a DSSE envelope
-   (:class:`~qualify.signing.EnvelopeFormatError`);
+   (:class:`~qualify.errors.EnvelopeFormatError`);
 2. :func:`verify_signature` - at least one signature, every one by a trusted key, no key
-   twice, each verifies over PAE (:class:`~qualify.signing.SignatureVerificationError`);
+   twice, each verifies over PAE (:class:`~qualify.errors.SignatureVerificationError`);
 3. :func:`verify_statement_types` - ``payloadType``, ``_type``, ``predicateType`` and the
-   statement schema (:class:`StatementTypeError`);
+   statement schema (:class:`~qualify.errors.StatementTypeError`);
 4. :func:`verify_subjects` - every subject digest equals the manifest and the file on disk,
-   every manifest file is a subject (:class:`SubjectDigestError`);
+   every manifest file is a subject (:class:`~qualify.errors.SubjectDigestError`);
 5. :func:`verify_no_unlisted_files` - no file on disk outside the manifest
-   (:class:`UnlistedFileError`);
+   (:class:`~qualify.errors.UnlistedFileError`);
 6. :func:`verify_contract` - the contract digest equals the committed contract's and the
-   directory's own records (:class:`ContractDigestError`);
+   directory's own records (:class:`~qualify.errors.ContractDigestError`);
 7. :func:`verify_reference` (runs) - the reference verifies (steps 1-6), is the one the run
-   names, and its ``bounds.json`` digest is the run's (:class:`ReferenceBindingError`);
+   names, and its ``bounds.json`` digest is the run's
+   (:class:`~qualify.errors.ReferenceBindingError`);
 8. :func:`verify_seal_order` (runs) - the reference was sealed before the run started and
-   attested before the run was (:class:`SealOrderError`);
+   attested before the run was (:class:`~qualify.errors.SealOrderError`);
 9. :func:`verify_verdicts` (runs) - the verdicts recomputed from the raw outputs and the
    sealed bounds (``compare_run(..., write=False)``) equal the report's and the
-   statement's (:class:`VerdictMismatchError`).
+   statement's (:class:`~qualify.errors.VerdictMismatchError`).
 
 Steps 1-3 are prerequisites (a failure skips the rest); 4-8 all run so every problem is
-listed; 9 runs only when 1-8 passed.
+listed; 9 runs only when 1-8 passed. The steps as data (numbers, names, errors, the
+result) are :mod:`qualify.evidence.steps`; finding directories to verify is
+:mod:`qualify.evidence.discover`.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import functools
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final
 
-import jsonschema
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from qualify.evidence import store
-from qualify.errors import EvidenceIntegrityError, ExitCode, QualifyError, SignatureError
-from qualify.evidence.sign import (
-    ATTESTATION_FILE,
-    BOUNDS_FILE,
-    CONTRACT_JSON,
-    PAYLOAD_TYPE,
-    PREDICATE_TYPE,
-    REFERENCE_FILE,
-    REFERENCE_KIND,
-    REPORT_FILE,
-    RUN_FILE,
-    RUN_KIND,
-    STATEMENT_TYPE,
-    Envelope,
+from qualify.digests import sha256_file
+from qualify.errors import (
+    ContractDigestError,
     EnvelopeFormatError,
+    EvidenceIntegrityError,
+    QualifyError,
+    ReferenceBindingError,
+    SealOrderError,
     SignatureVerificationError,
-    locate_reference,
-    parse_time,
+    StatementTypeError,
+    SubjectDigestError,
+    UnlistedFileError,
+    VerdictMismatchError,
+)
+from qualify.evidence import store
+from qualify.evidence.discover import EvidenceDir, find_evidence
+from qualify.evidence.dsse import (
+    PAYLOAD_TYPE,
+    Envelope,
     read_envelope,
-    trusted_keys,
     verify_envelope_signatures,
 )
+from qualify.evidence.keys import trusted_keys
+from qualify.evidence.statement import (
+    PREDICATE_TYPE,
+    REFERENCE_KIND,
+    RUN_KIND,
+    STATEMENT_TYPE,
+    read_json,
+    read_run,
+)
+from qualify.evidence.steps import STEPS, StepOutcome, StepRunner, VerificationResult
+from qualify.evidence.timestamps import parse_time
+from qualify.layout import (
+    ATTESTATION_FILE,
+    ATTESTATION_SUFFIX,
+    BOUNDS_FILE,
+    CONTRACT_FILE,
+    MANIFEST_FILE,
+    REFERENCE_FILE,
+    REPORT_JSON,
+    RUN_FILE,
+    resolve_reference,
+)
+from qualify.schema import first_error
 
 __all__ = [
     "STEPS",
@@ -95,189 +117,10 @@ __all__ = [
     "verify_verdicts",
 ]
 
-STEPS: Final[tuple[tuple[int, str], ...]] = (
-    (1, "envelope format"),
-    (2, "signature by a trusted key"),
-    (3, "payload, statement and predicate types"),
-    (4, "subject digests match manifest and disk"),
-    (5, "no file outside the manifest"),
-    (6, "contract digest equals the committed contract"),
-    (7, "bounds and reference bound to the run"),
-    (8, "reference sealed before the run"),
-    (9, "verdicts recomputed from raw evidence"),
-)
-"""The verification steps, in order: ``(number, name)``."""
-
-INCOMPLETE_INFIX: Final = ".incomplete-"
-"""Moved-aside interrupted directories are named ``<name>.incomplete-<UTC stamp>``."""
 _MAX_LISTED: Final = 8
 
 
-class StatementTypeError(SignatureError):
-    """Wrong payloadType, ``_type`` or predicateType, or a statement off its schema (step 3)."""
-
-
-class SubjectDigestError(EvidenceIntegrityError):
-    """A subject, the manifest and the files on disk disagree (step 4)."""
-
-
-class UnlistedFileError(EvidenceIntegrityError):
-    """A file on disk is not in the manifest (step 5)."""
-
-
-class ContractDigestError(EvidenceIntegrityError):
-    """The evidence's contract digest is not the committed contract's (step 6)."""
-
-
-class ReferenceBindingError(EvidenceIntegrityError):
-    """The run's reference does not verify or is not the run's (step 7)."""
-
-
-class SealOrderError(EvidenceIntegrityError):
-    """The reference was sealed or attested after the run (step 8)."""
-
-
-class VerdictMismatchError(EvidenceIntegrityError):
-    """The report's verdicts do not follow from the raw evidence and sealed bounds (step 9)."""
-
-
-_STEP_ERRORS: Final[dict[int, type[EvidenceIntegrityError]]] = {
-    1: EnvelopeFormatError, 2: SignatureVerificationError, 3: StatementTypeError,
-    4: SubjectDigestError, 5: UnlistedFileError, 6: ContractDigestError,
-    7: ReferenceBindingError, 8: SealOrderError, 9: VerdictMismatchError,
-}
-
-StepStatus = Literal["passed", "failed", "skipped", "not-applicable"]
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class StepOutcome:
-    """What one verification step found.
-
-    Attributes:
-        number: 1..9 (:data:`STEPS`).
-        name: the step's name.
-        status: ``passed``, ``failed``, ``skipped`` (an earlier step failed) or
-            ``not-applicable`` (steps 7-9 of a reference).
-        detail: one line: what was verified, the problem, or why it was skipped.
-        error: the step's error when ``failed``.
-    """
-
-    number: int
-    name: str
-    status: StepStatus
-    detail: str
-    error: EvidenceIntegrityError | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return {"step": self.number, "name": self.name, "status": self.status,
-                "detail": self.detail,
-                "error": type(self.error).__name__ if self.error is not None else None}
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class VerificationResult:
-    """The outcome of :func:`verify` (``bool(result)`` is :attr:`passed`).
-
-    Attributes:
-        path: the verified directory.
-        kind: ``reference`` or ``candidate-run`` (from the statement; ``None`` if unread).
-        steps: one outcome per step of :data:`STEPS`, in order.
-        keyids: the trusted key ids that signed.
-        statement: the verified-signature statement (``None`` before step 3 passes).
-        reference: for a run, the reference directory used in steps 7-9.
-        extra_files: files on disk outside the manifest (step 5).
-        other_attestations: further top-level ``*.dsse.json`` files (not verified).
-    """
-
-    path: Path
-    kind: str | None
-    steps: tuple[StepOutcome, ...]
-    keyids: tuple[str, ...] = ()
-    statement: Mapping[str, Any] | None = None
-    reference: Path | None = None
-    extra_files: tuple[str, ...] = ()
-    other_attestations: tuple[str, ...] = ()
-
-    @property
-    def passed(self) -> bool:
-        """No step failed and the signature and statement were verified."""
-        return all(s.status != "failed" for s in self.steps) and \
-            all(s.status == "passed" for s in self.steps[:6])
-
-    def __bool__(self) -> bool:
-        return self.passed
-
-    @property
-    def verified(self) -> tuple[str, ...]:
-        """``"<n> <name>"`` of each step that passed."""
-        return tuple(f"{s.number} {s.name}" for s in self.steps if s.status == "passed")
-
-    @property
-    def failed_steps(self) -> tuple[StepOutcome, ...]:
-        """The steps that failed, in order."""
-        return tuple(s for s in self.steps if s.status == "failed")
-
-    @property
-    def problems(self) -> tuple[str, ...]:
-        """``step <n> (<name>): <detail>`` of each failed step."""
-        return tuple(f"step {s.number} ({s.name}): {s.detail}" for s in self.failed_steps)
-
-    @property
-    def first_error(self) -> EvidenceIntegrityError | None:
-        """The error of the first failed step (``None`` if none failed)."""
-        failed = self.failed_steps
-        return failed[0].error if failed else None
-
-    @property
-    def exit_code(self) -> ExitCode:
-        """``OK`` or ``INTEGRITY_ERROR``."""
-        return ExitCode.OK if self.passed else ExitCode.INTEGRITY_ERROR
-
-    def raise_for_problems(self) -> None:
-        """Raise the first failed step's error.
-
-        Raises:
-            EvidenceIntegrityError: a step failed (the step's own subclass).
-        """
-        err = self.first_error
-        if err is not None:
-            raise err
-        if not self.passed:
-            raise EvidenceIntegrityError(f"{self.path}: verification incomplete")
-
-    def summary_lines(self) -> list[str]:
-        """The numbered steps for a human, one line each."""
-        mark = {"passed": "ok  ", "failed": "FAIL", "skipped": "skip", "not-applicable": "n/a "}
-        head = f"{self.path}: {'VERIFIED' if self.passed else 'NOT VERIFIED'}" + (
-            f" ({self.kind})" if self.kind else "")
-        if self.keyids:
-            head += f", signed by keyid {', '.join(k[:16] for k in self.keyids)}"
-        out = [head]
-        out += [f"  [{mark[s.status]}] {s.number}. {s.name}: {s.detail}" for s in self.steps]
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return {"path": str(self.path), "kind": self.kind, "passed": self.passed,
-                "exit_code": int(self.exit_code), "keyids": list(self.keyids),
-                "reference": str(self.reference) if self.reference else None,
-                "steps": [s.to_dict() for s in self.steps], "problems": list(self.problems),
-                "extra_files": list(self.extra_files),
-                "other_attestations": list(self.other_attestations)}
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise EvidenceIntegrityError(f"{path}: missing") from None
-    except (OSError, ValueError) as exc:
-        raise EvidenceIntegrityError(f"{path}: unreadable or not JSON: {exc}") from None
 
 
 def _listing(items: Sequence[str]) -> str:
@@ -321,13 +164,6 @@ def committed_contract_path(name: str, *, contract: str | Path | None = None,
 # --------------------------------------------------------------------------- the steps
 
 
-@functools.cache
-def _statement_validator() -> jsonschema.protocols.Validator:
-    from qualify.resources import load_schema
-
-    return jsonschema.Draft202012Validator(load_schema("statement"))
-
-
 def verify_envelope(directory: Path) -> Envelope:
     """Step 1: ``attestation.dsse.json`` exists and is a DSSE envelope.
 
@@ -349,7 +185,7 @@ def verify_signature(envelope: Envelope,
                      trusted: Mapping[str, Ed25519PublicKey]) -> tuple[str, ...]:
     """Step 2: signatures against the trusted keys.
 
-    See :func:`qualify.signing.verify_envelope_signatures` for the policy.
+    See :func:`qualify.evidence.dsse.verify_envelope_signatures` for the policy.
 
     Returns:
         The key ids that signed.
@@ -384,11 +220,9 @@ def verify_statement_types(envelope: Envelope) -> dict[str, Any]:
     if statement.get("predicateType") != PREDICATE_TYPE:
         raise StatementTypeError(f"predicateType is {statement.get('predicateType')!r}, "
                                  f"expected {PREDICATE_TYPE!r}")
-    err = jsonschema.exceptions.best_match(_statement_validator().iter_errors(statement))
-    if err is not None:
-        field = ".".join(str(p) for p in err.absolute_path) or "(top level)"
-        raise StatementTypeError(f"statement {field}: {err.message} "
-                                 "(schema statement.schema.json)")
+    problem = first_error(statement, "statement")
+    if problem is not None:
+        raise StatementTypeError(f"statement {problem} (schema statement.schema.json)")
     return statement
 
 
@@ -399,7 +233,7 @@ def verify_subjects(directory: Path, statement: Mapping[str, Any],
     Args:
         directory: the directory.
         statement: the statement from step 3.
-        problems: :func:`qualify.store.verify_manifest` of ``directory`` (computed if
+        problems: :func:`qualify.evidence.store.verify_manifest` of ``directory`` (computed if
             ``None``).
 
     Returns:
@@ -419,7 +253,7 @@ def verify_subjects(directory: Path, statement: Mapping[str, Any],
     manifest = store.read_manifest(directory)
     mdigest = store.manifest_digest(directory)
     listed = {rel: e["sha256"] for rel, e in manifest["files"].items()}
-    listed[store.MANIFEST_FILE] = mdigest
+    listed[MANIFEST_FILE] = mdigest
     subjects: dict[str, str] = {}
     for s in statement["subject"]:
         if s["name"] in subjects:
@@ -431,9 +265,9 @@ def verify_subjects(directory: Path, statement: Mapping[str, Any],
             for n in sorted(set(listed) & set(subjects)) if subjects[n] != listed[n]]
     pred = _predicate(statement)
     if pred.get("manifestDigest") != mdigest:
-        bad.append(f"{store.MANIFEST_FILE}: digest {mdigest[:12]}, the statement says "
+        bad.append(f"{MANIFEST_FILE}: digest {mdigest[:12]}, the statement says "
                    f"{str(pred.get('manifestDigest'))[:12]}")
-    own = {REFERENCE_KIND: ("boundsDigest", BOUNDS_FILE), RUN_KIND: ("reportDigest", REPORT_FILE)}
+    own = {REFERENCE_KIND: ("boundsDigest", BOUNDS_FILE), RUN_KIND: ("reportDigest", REPORT_JSON)}
     if pred.get("kind") in own:
         field, name = own[str(pred["kind"])]
         claimed = (pred.get("verdicts") or {}).get(field) if field == "reportDigest" \
@@ -442,7 +276,7 @@ def verify_subjects(directory: Path, statement: Mapping[str, Any],
             bad.append(f"{name}: manifest sha256 {str(listed.get(name))[:12]}, the statement's "
                        f"{field} is {str(claimed)[:12]}")
     if manifest["kind"] != pred.get("kind"):
-        bad.append(f"{store.MANIFEST_FILE}: kind {manifest['kind']!r}, the statement says "
+        bad.append(f"{MANIFEST_FILE}: kind {manifest['kind']!r}, the statement says "
                    f"{pred.get('kind')!r}")
     if bad:
         raise SubjectDigestError(f"{len(bad)} problem(s): {_listing(sorted(set(bad)))}")
@@ -468,7 +302,7 @@ def verify_no_unlisted_files(directory: Path,
     others: list[str] = []
     for root, _dirs, files in os.walk(directory, followlinks=False):
         for name in files:
-            if not name.endswith(store.ATTESTATION_SUFFIX):
+            if not name.endswith(ATTESTATION_SUFFIX):
                 continue
             rel = (Path(root) / name).relative_to(directory).as_posix()
             if "/" in rel:
@@ -523,14 +357,14 @@ def verify_contract(directory: Path, statement: Mapping[str, Any], *,
             f"was sealed for {digest[:12]}: the contract changed after sealing (stale)")
     records: list[tuple[str, Any]] = []
     if pred["kind"] == REFERENCE_KIND:
-        records.append((CONTRACT_JSON,
-                        sha256_hex(canonical_json(_read_json(directory / CONTRACT_JSON)))))
-        records.append((REFERENCE_FILE, _read_json(directory / REFERENCE_FILE)
+        records.append((CONTRACT_FILE,
+                        sha256_hex(canonical_json(read_json(directory / CONTRACT_FILE)))))
+        records.append((REFERENCE_FILE, read_json(directory / REFERENCE_FILE)
                         .get("contract_digest")))
-        records.append((BOUNDS_FILE, _read_json(directory / BOUNDS_FILE).get("contract_digest")))
+        records.append((BOUNDS_FILE, read_json(directory / BOUNDS_FILE).get("contract_digest")))
     else:
-        records.append((RUN_FILE, _read_json(directory / RUN_FILE).get("contract_digest")))
-        records.append((REPORT_FILE, _read_json(directory / REPORT_FILE).get("contract_digest")))
+        records.append((RUN_FILE, read_run(directory).contract_digest))
+        records.append((REPORT_JSON, read_json(directory / REPORT_JSON).get("contract_digest")))
     bad = [f"{f}: contract digest {str(v)[:12]}" for f, v in records if v != digest]
     if bad:
         raise ContractDigestError(f"statement says {digest[:12]}, but {_listing(bad)}")
@@ -558,9 +392,9 @@ def verify_reference(run_dir: Path, statement: Mapping[str, Any], *,
             edited or unsigned).
     """
     pred = _predicate(statement)
-    run_doc = _read_json(run_dir / RUN_FILE)
+    run_doc = read_run(run_dir)
     try:
-        ref_dir = locate_reference(run_dir, run_doc, reference_dir)
+        ref_dir = resolve_reference(run_dir, run_doc, reference_dir)
     except QualifyError as exc:
         raise ReferenceBindingError(str(exc)) from None
     ref = verify(ref_dir, trusted=trusted, contract=contract, contracts_dir=contracts_dir)
@@ -573,12 +407,11 @@ def verify_reference(run_dir: Path, statement: Mapping[str, Any], *,
     ref_pred = _predicate(ref.statement)
     bound = pred["reference"]
     mdigest = store.manifest_digest(ref_dir)
-    bounds = store.sha256_file(ref_dir / BOUNDS_FILE)
-    report = _read_json(run_dir / REPORT_FILE)
-    run_ref = run_doc.get("reference") if isinstance(run_doc.get("reference"), dict) else {}
+    bounds = sha256_file(ref_dir / BOUNDS_FILE)
+    report = read_json(run_dir / REPORT_JSON)
     checks = [
         ("reference manifest digest (statement)", bound["manifestDigest"], mdigest),
-        ("reference manifest digest (run.json)", run_ref.get("manifest_digest"), mdigest),
+        ("reference manifest digest (run.json)", run_doc.reference.manifest_digest, mdigest),
         ("bounds digest (statement)", pred["boundsDigest"], bounds),
         ("bounds digest (statement reference)", bound["boundsDigest"], bounds),
         ("bounds digest (report.json)", report.get("bounds_digest"), bounds),
@@ -607,9 +440,9 @@ def verify_seal_order(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path
         SealOrderError: any of these fails.
     """
     pred, ref_pred = _predicate(statement), _predicate(ref_statement)
-    run_doc = _read_json(run_dir / RUN_FILE)
+    run_doc = read_run(run_dir)
     bad: list[str] = []
-    started_raw = run_doc.get("started")
+    started_raw = run_doc.started
     if pred["run"]["started"] != started_raw:
         bad.append(f"run.json started {started_raw!r}, statement {pred['run']['started']!r}")
     started = parse_time(started_raw, f"{run_dir / RUN_FILE}: started")
@@ -623,7 +456,7 @@ def verify_seal_order(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path
             parse_time(pred["signed"], "run signed"):
         bad.append(f"reference attested {ref_pred['signed']}, after the run {pred['signed']}")
     bound = pred["reference"]
-    att = store.sha256_file(ref_dir / ATTESTATION_FILE)
+    att = sha256_file(ref_dir / ATTESTATION_FILE)
     if bound["attestationDigest"] != att:
         bad.append(f"reference attestation digest {att[:12]}, the run was signed against "
                    f"{bound['attestationDigest'][:12]} (reference re-attested later)")
@@ -651,7 +484,7 @@ def verify_verdicts(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path) 
         again = compare_run(run_dir, reference_dir=ref_dir, write=False)
     except QualifyError as exc:
         raise VerdictMismatchError(f"verdicts cannot be recomputed: {exc}") from None
-    report = _read_json(run_dir / REPORT_FILE)
+    report = read_json(run_dir / REPORT_JSON)
     pred = _predicate(statement)
     bad: list[str] = []
     cells = {str(c.get("cell")): c.get("verdict") for c in report.get("cells", [])}
@@ -684,40 +517,6 @@ def verify_verdicts(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path) 
 # --------------------------------------------------------------------------- orchestration
 
 
-class _Steps:
-    """Runs numbered steps, turning any error into the step's own error type."""
-
-    def __init__(self) -> None:
-        self.outcomes: dict[int, StepOutcome] = {}
-
-    def run(self, number: int, fn: Callable[[], str]) -> bool:
-        name = dict(STEPS)[number]
-        kind = _STEP_ERRORS[number]
-        try:
-            detail = fn()
-        except kind as exc:
-            err: EvidenceIntegrityError = exc
-        except (QualifyError, OSError, ValueError, KeyError, TypeError, AttributeError,
-                IndexError) as exc:  # malformed documents: the step's own error
-            err = kind(f"{type(exc).__name__}: {exc}")
-        else:
-            self.outcomes[number] = StepOutcome(number=number, name=name, status="passed",
-                                                detail=detail)
-            return True
-        self.outcomes[number] = StepOutcome(number=number, name=name, status="failed",
-                                            detail=str(err), error=err)
-        return False
-
-    def mark(self, number: int, status: StepStatus, detail: str) -> None:
-        self.outcomes.setdefault(number, StepOutcome(number=number, name=dict(STEPS)[number],
-                                                     status=status, detail=detail))
-
-    def done(self) -> tuple[StepOutcome, ...]:
-        for n, _ in STEPS:
-            self.mark(n, "skipped", "not reached")
-        return tuple(self.outcomes[n] for n, _ in STEPS)
-
-
 def verify(path: str | Path, *, trusted: Mapping[str, Ed25519PublicKey] | None = None,
            trusted_keys_dir: str | Path | None = None, contract: str | Path | None = None,
            contracts_dir: str | Path | None = None, reference_dir: str | Path | None = None,
@@ -726,7 +525,7 @@ def verify(path: str | Path, *, trusted: Mapping[str, Ed25519PublicKey] | None =
 
     Args:
         path: the directory.
-        trusted: trusted keys (default: :func:`qualify.signing.trusted_keys` of
+        trusted: trusted keys (default: :func:`qualify.evidence.keys.trusted_keys` of
             ``trusted_keys_dir``).
         trusted_keys_dir: directory of trusted ``*.pub`` (default ``contracts/keys``).
         contract: the committed contract file (default ``contracts/<name>.toml``).
@@ -743,7 +542,7 @@ def verify(path: str | Path, *, trusted: Mapping[str, Ed25519PublicKey] | None =
     """
     d = Path(path)
     keys = trusted if trusted is not None else trusted_keys(trusted_keys_dir)
-    steps = _Steps()
+    steps = StepRunner()
     got: dict[str, Any] = {}
 
     def s1() -> str:
@@ -816,136 +615,3 @@ def verify(path: str | Path, *, trusted: Mapping[str, Ed25519PublicKey] | None =
                               keyids=tuple(got.get("keyids", ())), statement=statement,
                               reference=ref_dir, extra_files=extra,
                               other_attestations=tuple(got.get("others", ())))
-
-
-# --------------------------------------------------------------------------- discovery
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class EvidenceDir:
-    """A reference or candidate-run directory found under a root.
-
-    Attributes:
-        path: the directory.
-        kind: ``reference``, ``candidate-run`` or ``unknown``.
-        state: ``sealed`` (a manifest or an attestation is present: verify it),
-            ``incomplete`` (``INCOMPLETE`` marker, moved aside as ``*.incomplete-*``, or
-            never sealed).
-        reason: why it is ``incomplete``.
-        contract: contract name (``run.json`` / ``reference.json`` / statement / parent).
-        contract_digest: the digest its own records name (``None`` if unknown).
-        run_id: a run's id.
-        date: run start or reference creation time (ISO-8601) if known.
-    """
-
-    path: Path
-    kind: str
-    state: Literal["sealed", "incomplete"]
-    reason: str = ""
-    contract: str | None = None
-    contract_digest: str | None = None
-    run_id: str | None = None
-    date: str | None = None
-
-
-def _maybe_json(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
-
-
-def _statement_unverified(d: Path) -> dict[str, Any]:
-    """The statement of an attestation, unverified (for labels only)."""
-    try:
-        stmt = json.loads(read_envelope(d).payload)
-    except (QualifyError, ValueError):
-        return {}
-    return stmt if isinstance(stmt, dict) else {}
-
-
-def _classify(d: Path) -> EvidenceDir | None:
-    names = set(os.listdir(d))
-    marker = _maybe_json(d / store.INCOMPLETE_FILE) if store.INCOMPLETE_FILE in names else {}
-    manifest = _maybe_json(d / store.MANIFEST_FILE) if store.MANIFEST_FILE in names else {}
-    moved = INCOMPLETE_INFIX in d.name
-    kind = None
-    if RUN_FILE in names:
-        kind = RUN_KIND
-    elif REFERENCE_FILE in names:
-        kind = REFERENCE_KIND
-    elif manifest.get("kind") in (RUN_KIND, REFERENCE_KIND):
-        kind = str(manifest["kind"])
-    elif marker.get("kind") in (RUN_KIND, REFERENCE_KIND):
-        kind = str(marker["kind"])
-    elif ATTESTATION_FILE in names or (moved and (marker or manifest)):
-        kind = "unknown"
-    if kind is None:
-        return None
-    stmt = _statement_unverified(d) if ATTESTATION_FILE in names else {}
-    raw_pred = stmt.get("predicate")
-    pred: dict[str, Any] = raw_pred if isinstance(raw_pred, dict) else {}
-    if kind == "unknown" and pred.get("kind") in (RUN_KIND, REFERENCE_KIND):
-        kind = str(pred["kind"])
-    raw_contract = pred.get("contract")
-    pcontract: dict[str, Any] = raw_contract if isinstance(raw_contract, dict) else {}
-    contract = pcontract.get("name")
-    digest = pcontract.get("digest")
-    run_id = date = None
-    if kind == RUN_KIND:
-        doc = _maybe_json(d / RUN_FILE)
-        contract = doc.get("contract", contract) or d.parent.name
-        digest = doc.get("contract_digest", digest)
-        run_id = str(doc.get("run_id", d.name))
-        date = doc.get("started") or manifest.get("created")
-    elif kind == REFERENCE_KIND:
-        doc = _maybe_json(d / REFERENCE_FILE)
-        contract = doc.get("contract", contract)
-        digest = doc.get("contract_digest", digest)
-        date = doc.get("created") or manifest.get("created")
-    reason = ""
-    if moved:
-        reason = "moved aside as an interrupted directory (*.incomplete-*)"
-    elif store.INCOMPLETE_FILE in names and store.MANIFEST_FILE not in names:
-        reason = "INCOMPLETE marker: interrupted or still being written"
-    elif store.MANIFEST_FILE not in names and ATTESTATION_FILE not in names:
-        reason = "no manifest: never sealed (not finished or not compared)"
-    return EvidenceDir(path=d, kind=kind, state="incomplete" if reason else "sealed",
-                       reason=reason, contract=str(contract) if contract else None,
-                       contract_digest=str(digest) if digest else None, run_id=run_id,
-                       date=str(date) if date else None)
-
-
-def find_evidence(root: str | Path) -> list[EvidenceDir]:
-    """Every reference and candidate-run directory at or below ``root``.
-
-    A directory holding ``run.json``, ``reference.json``, a manifest or ``INCOMPLETE``
-    marker of kind ``reference`` / ``candidate-run``, an attestation, or named
-    ``*.incomplete-*`` is evidence; its subdirectories are not searched further. Hidden
-    directories and symbolic links are skipped.
-
-    Returns:
-        The directories, sorted by path.
-    """
-    out: list[EvidenceDir] = []
-    r = Path(root)
-    if not r.is_dir():
-        return out
-    stack = [r]
-    while stack:
-        d = stack.pop()
-        try:
-            found = _classify(d)
-        except OSError:
-            continue
-        if found is not None:
-            out.append(found)
-            continue
-        try:
-            subs = sorted(os.scandir(d), key=lambda e: e.name)
-        except OSError:
-            continue
-        stack.extend(Path(e.path) for e in reversed(subs)
-                     if e.is_dir(follow_symlinks=False) and not e.name.startswith("."))
-    return sorted(out, key=lambda e: str(e.path))
