@@ -283,3 +283,38 @@ def test_fp32_token_gradients_stand_for_the_bf16_ones(models: Models, batch: Bat
         run_critic(model, batch, contract, bf16, on_round=hook)
     assert len(rel) == len(tokens)
     assert all(0 < r < 0.05 for r in rel), rel
+
+
+# --- the independent controls (qualify.reference.controls) -------------------------------
+
+
+def test_control_settings_per_precision(contract: Contract) -> None:
+    from qualify.reference.controls import control_settings
+
+    mbs = contract.algorithm.micro_batch_size
+    fp32 = control_settings(contract, "fp32")
+    bf16 = control_settings(contract, "bf16")
+    assert list(fp32) == ["attn_impl", "microbatch", "fp64"]
+    assert list(bf16) == ["attn_impl", "microbatch", "bf16_mode"]
+    assert fp32["attn_impl"][1] == "eager"
+    assert {attn for name, (_, attn) in fp32.items() if name != "attn_impl"} == {"sdpa"}
+    micro = fp32["microbatch"][0]
+    assert (micro.micro_batch_size, micro.extra_left_padding, micro.extra_right_padding) == (
+        max(1, mbs // 2) if mbs > 1 else 2, 2, 3)
+    assert (fp32["fp64"][0].precision, fp32["fp64"][0].label) == ("fp64", "fp64-fp32")
+    assert (bf16["bf16_mode"][0].bf16_mode, bf16["bf16_mode"][0].label) == (
+        "autocast", "bf16_mode-bf16")
+    assert all(s.label == f"{name}-{p}" for p, ctl in (("fp32", fp32), ("bf16", bf16))
+               for name, (s, _) in ctl.items())
+
+
+def test_control_settings_only_the_named_controls(contract: Contract) -> None:
+    import dataclasses
+
+    from qualify.reference.controls import control_settings
+
+    only = dataclasses.replace(contract.bounds, controls_candidate_vs_hf=("microbatch",),
+                               controls_tp_vs_tp1=())
+    one = dataclasses.replace(contract, bounds=only)
+    assert list(control_settings(one, "fp32")) == ["microbatch"]
+    assert list(control_settings(one, "bf16")) == ["microbatch"]

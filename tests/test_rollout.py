@@ -18,12 +18,11 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from qualify.contract import SamplingSpec
 from qualify.errors import ContractError, HarnessError, ReferenceDataError
 from qualify.protocol import ROLLOUT_FILE, ROLLOUT_KEYS, ROLLOUT_META_FILE
-from qualify.reference.rollout import (
+from qualify.reference.rollout import Rollout, build_rollout
+from qualify.reference.sampling import (
     ROLLOUT_BACKENDS,
     HfRolloutBackend,
-    Rollout,
     RolloutBackend,
-    build_rollout,
     get_backend,
     rollout_backend,
 )
@@ -452,7 +451,7 @@ def test_vllm_backend_resolves_without_importing_vllm() -> None:
 
     from qualify.candidate.launch import launch_env
 
-    code = ("import sys; from qualify.reference.rollout import rollout_backend; "
+    code = ("import sys; from qualify.reference.sampling import rollout_backend; "
             "cls = rollout_backend('vllm'); b = cls(); "
             "assert 'vllm' not in sys.modules, 'vllm imported'; print(cls.__name__, b.name)")
     out = subprocess.run([sys.executable, "-c", code], env=launch_env(None), check=True,
@@ -480,7 +479,7 @@ def test_capture_rollout_hf_fallback_path() -> None:
     from qualify.contract import load_contract
     from qualify.models import bundle as models
     from qualify.models import roles
-    from qualify.reference.rollout import capture_rollout
+    from qualify.reference.sampling import capture_rollout
     from qualify.resources import contracts_dir
 
     bundle = models.prepare_models(load_contract(contracts_dir() / "tiny-qwen3.toml"))
@@ -543,3 +542,15 @@ def test_contract_rejects_hf_sampler_with_tp() -> None:
                                                  'engine = "hf"\ntp = 2\n', 1))
     hf = loads_contract(head + sep + tail.replace('engine = "vllm"\n', 'engine = "hf"\n', 1))
     assert hf.sampling.engine == "hf"
+
+
+def test_registry_string_of_the_hf_backend_still_resolves() -> None:
+    """``qualify.reference.rollout:HfRolloutBackend`` (a registry string) is the sampler class."""
+    from qualify.reference import rollout as rollout_module
+    from qualify.resources import import_repo_module
+
+    module = import_repo_module("qualify.reference.rollout")
+    assert module.HfRolloutBackend is HfRolloutBackend
+    assert ROLLOUT_BACKENDS["hf"] == "qualify.reference.sampling:HfRolloutBackend"
+    with pytest.raises(AttributeError, match="no_such_name"):
+        rollout_module.no_such_name  # noqa: B018

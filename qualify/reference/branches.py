@@ -45,10 +45,10 @@ import torch
 
 from qualify import branches
 from qualify.bounds import Bound, ControlErrors, lookup
-from qualify.branches import BRANCHES_DIR, BRANCHES_FILE
 from qualify.contract import Contract
 from qualify.errors import ReferenceDataError
 from qualify.evidence import store
+from qualify.layout import BRANCHES_DIR, BRANCHES_FILE, hf_tensors_file
 from qualify.models import bundle as models
 from qualify.models import roles
 from qualify.protocol import param_sample_indices, tensor_name
@@ -170,7 +170,7 @@ def seal_branches(contract: Contract, bundle: models.ModelBundle, batch: Batch, 
                 _rerun(contract, bundle, batch, prec=prec, role=role, wanted=wanted,
                        run=run, tensors=tensors, rounds_doc=rounds_doc, attn=attn)
             doc["precisions"][prec][role] = rounds_doc
-        store.save_tensors(out / BRANCHES_DIR / f"hf-{prec}.safetensors",
+        store.save_tensors(out / BRANCHES_DIR / hf_tensors_file(prec),
                            tensors or {"empty": torch.zeros(0)})
     store.atomic_write_json(out / BRANCHES_FILE, doc)
     return doc
@@ -286,7 +286,7 @@ def adjust_control_errors(contract: Contract, errors: ControlErrors, *,
     records: list[dict[str, Any]] = []
     for prec, runs in control_runs.items():
         sealed_prec = doc.get("precisions", {}).get(prec, {})
-        path = out / BRANCHES_DIR / f"hf-{prec}.safetensors"
+        path = out / BRANCHES_DIR / hf_tensors_file(prec)
         tensors = store.load_tensors(path) if path.is_file() else {}
         for name, run in runs.items():
             for role, by_round in sealed_prec.items():

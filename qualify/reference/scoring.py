@@ -48,16 +48,12 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from qualify.errors import ContractError, QualifyError
+from qualify.errors import ContractError, PrecisionMismatchError
 from qualify.reference.rollout import Rollout
 
 Precision = Literal["fp32", "bf16", "fp64"]
 Bf16Mode = Literal["params", "autocast"]
 Role = Literal["policy", "critic", "reward"]
-
-
-class PrecisionMismatchError(QualifyError):
-    """A scoring pass did not run at the precision it was asked for (a reference bug)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

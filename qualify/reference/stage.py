@@ -28,22 +28,39 @@ import torch
 
 from qualify.bounds import bounds_document, compute_bounds, measure_controls
 from qualify.contract import Contract, Precision
+from qualify.digests import sha256_bytes
 from qualify.errors import ContractError, ReferenceDataError
 from qualify.evidence import store
 from qualify.evidence.environment import capture_environment
 from qualify.evidence.sign import seal_and_sign
+from qualify.layout import (
+    BOUNDS_FILE,
+    CONTRACT_FILE,
+    CONTRACT_TOML_FILE,
+    CONTROL_ERRORS_FILE,
+    CONTROLS_DIR,
+    ENVIRONMENT_FILE,
+    HF_REFERENCE_DIR,
+    MODEL_FILE,
+    REFERENCE_FILE,
+    SCORES_DIR,
+    TARGETS_FILE,
+    hf_tensors_file,
+)
 from qualify.models import bundle as models
 from qualify.models import roles
 from qualify.progress import Progress
 from qualify.protocol import ROLLOUT_META_FILE, TRAIN_INPUTS_FILE
-from qualify.reference import rollout, scoring, targets
+from qualify.reference import rollout, sampling, scoring, targets
 from qualify.reference.branches import adjust_control_errors, seal_branches
+from qualify.reference.controls import control_errors_document, control_settings
 from qualify.reference.update import Batch, Bf16Mode, UpdateSettings, run_actor, run_critic
 
+__all__ = ["BOUNDS_FILE", "CONTROL_ERRORS_FILE", "REFERENCE_FILE", "REFERENCE_KIND",
+           "load_sealed_reference", "reference_dir_name", "resolve_prompts",
+           "run_reference_stage"]
+
 REFERENCE_KIND = "reference"
-REFERENCE_FILE = "reference.json"
-BOUNDS_FILE = "bounds.json"
-CONTROL_ERRORS_FILE = "control_errors.json"
 
 
 def reference_dir_name(contract: Contract) -> str:
@@ -72,7 +89,7 @@ def resolve_prompts(contract: Contract, bundle: models.ModelBundle) -> list[list
         if not f.is_file():
             raise ContractError(f"prompts.file: {f} not found")
         data = f.read_bytes()
-        digest = store.sha256_bytes(data)
+        digest = sha256_bytes(data)
         if digest != p.sha256:
             raise ContractError(f"prompts.sha256: {f}: expected {p.sha256}, found {digest}")
         rows = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
@@ -153,45 +170,6 @@ def _reward_scores(contract: Contract, bundle: models.ModelBundle, roll: rollout
     return scoring.rule_rewards(roll, rule=contract.roles.reward.removeprefix("rule:")).float()
 
 
-def _controls(contract: Contract,
-              precision: Precision) -> dict[str, tuple[UpdateSettings, str]]:
-    """The independent controls of DESIGN.md section 5 at one precision.
-
-    - ``attn_impl``: eager attention instead of sdpa.
-    - ``microbatch``: another micro-batch partition (half the size, at least 1, or 2 when the
-      contract uses 1) with 2 extra left and 3 extra right padding columns.
-    - ``bf16_mode`` (BF16 only): autocast over FP32 parameters instead of BF16 parameters
-      with an FP32 master copy.
-    - ``fp64`` (FP32 only): the same update and reward scoring in FP64 (models, compute,
-      gradients, AdamW state), reported in FP32. Every FP32 control above runs the
-      reference's own formulas (``log_softmax`` then ``-Σ p log p``, a global norm
-      accumulated in FP64) in another order, so none of them sees the rounding error of
-      those formulas; an engine that computes the same quantity another legitimate way
-      (``lse - Σ p z`` in a vocab-parallel entropy) differs from the reference by up to
-      its own rounding error plus the reference's. The FP64 run measures the reference's
-      share: on smollm2-135m its FP32 entropy is 6.3e-5 from FP64 while torch_tp's
-      ``lse - Σ p z`` is 8.1e-6 from it.
-    """
-    mbs = contract.algorithm.micro_batch_size
-    other_mbs = max(1, mbs // 2) if mbs > 1 else 2
-    names = set(contract.bounds.controls_candidate_vs_hf) | set(contract.bounds.controls_tp_vs_tp1)
-    out: dict[str, tuple[UpdateSettings, str]] = {}
-    if "attn_impl" in names:
-        out["attn_impl"] = (UpdateSettings(precision=precision, micro_batch_size=mbs,
-                                           label=f"attn_impl-{precision}"), "eager")
-    if "microbatch" in names:
-        out["microbatch"] = (UpdateSettings(precision=precision, micro_batch_size=other_mbs,
-                                            extra_left_padding=2, extra_right_padding=3,
-                                            label=f"microbatch-{precision}"), "sdpa")
-    if "fp64" in names and precision == "fp32":
-        out["fp64"] = (UpdateSettings(precision="fp64", micro_batch_size=mbs,
-                                      label="fp64-fp32"), "sdpa")
-    if "bf16_mode" in names and precision == "bf16":
-        out["bf16_mode"] = (UpdateSettings(precision="bf16", bf16_mode="autocast",
-                                           micro_batch_size=mbs, label="bf16_mode-bf16"), "sdpa")
-    return out
-
-
 def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
                         quiet: bool = False,
                         on_step: Callable[[str], None] | None = None) -> Path:
@@ -232,14 +210,14 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
 
         step("models")
         bundle = models.prepare_models(contract)
-        store.atomic_write_text(out / "contract.toml",
+        store.atomic_write_text(out / CONTRACT_TOML_FILE,
                                 contract.path.read_text() if contract.path else "")
-        store.atomic_write_json(out / "contract.json", contract.to_dict())
-        store.atomic_write_json(out / "model.json", bundle.to_dict())
+        store.atomic_write_json(out / CONTRACT_FILE, contract.to_dict())
+        store.atomic_write_json(out / MODEL_FILE, bundle.to_dict())
 
         step("rollout")
         prompts = resolve_prompts(contract, bundle)
-        roll = rollout.capture_rollout(contract.sampling, prompts, actor_dir=bundle.actor_dir,
+        roll = sampling.capture_rollout(contract.sampling, prompts, actor_dir=bundle.actor_dir,
                                        pad_token_id=bundle.pad_token_id,
                                        eos_token_id=bundle.eos_token_id)
         roll.save(out)
@@ -252,7 +230,7 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
                                 micro_batch_size=mbs)
             scores[prec] = s
             records[prec] = rec
-            store.save_tensors(out / "scores" / f"hf-{prec}.safetensors", s)
+            store.save_tensors(out / SCORES_DIR / hf_tensors_file(prec), s)
         fp32_scores = scores.get("fp32")
         if fp32_scores is None:
             fp32_scores, _ = _score_all(contract, bundle, roll, precision="fp32", attn="sdpa",
@@ -275,7 +253,7 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
             kl_coef=contract.algorithm.kl_coef, kl_estimator=contract.algorithm.kl_estimator,
             whiten=contract.algorithm.whiten_advantages,
         )
-        store.save_tensors(out / "targets.safetensors", tg.to_tensors())
+        store.save_tensors(out / TARGETS_FILE, tg.to_tensors())
         train = {"advantages": torch.from_numpy(tg.advantages.astype(np.float32)),
                  "returns": torch.from_numpy(tg.returns.astype(np.float32))}
         store.save_tensors(out / TRAIN_INPUTS_FILE, train)
@@ -291,14 +269,14 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
             t["round1/reward/rewards"] = scores[prec]["reward/scores"]
             ref_runs[prec] = t
             update_meta[f"hf-{prec}"] = meta
-            store.save_tensors(out / "reference" / f"hf-{prec}.safetensors", t)
+            store.save_tensors(out / HF_REFERENCE_DIR / hf_tensors_file(prec), t)
             _check_state_dtypes(meta, f"hf-{prec}")
 
         step("controls")
         control_runs: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
         for prec in precisions:
             control_runs[prec] = {}
-            for name, (settings, attn) in _controls(contract, prec).items():
+            for name, (settings, attn) in control_settings(contract, prec).items():
                 t, meta = _update_run(contract, bundle, batch, settings, attn)
                 t["round1/reward/rewards"] = _reward_scores(
                     contract, bundle, roll, precision=settings.precision,
@@ -308,7 +286,7 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
                     extra_right=settings.extra_right_padding)
                 control_runs[prec][name] = t
                 update_meta[f"{name}-{prec}"] = meta
-                store.save_tensors(out / "controls" / f"{name}-{prec}.safetensors", t)
+                store.save_tensors(out / CONTROLS_DIR / f"{name}-{prec}.safetensors", t)
         mask = roll.response_mask.numpy()
         errors = measure_controls(
             {p: {k: v.numpy() for k, v in t.items()} for p, t in ref_runs.items()},
@@ -329,18 +307,13 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
                           for p, runs in control_runs.items()},
             doc=branch_doc, out=out, train=train_np, mask=mask)
         bounds = compute_bounds(contract, errors)
-        store.atomic_write_json(out / CONTROL_ERRORS_FILE, {
-            prec: {name: {key.label: {"value": e.value, "where": e.where,
-                                      "max_abs": e.max_abs, "max_rel": e.max_rel}
-                          for key, e in errs.items()}
-                   for name, errs in by_control.items()}
-            for prec, by_control in errors.items()})
+        store.atomic_write_json(out / CONTROL_ERRORS_FILE, control_errors_document(errors))
         store.atomic_write_json(out / BOUNDS_FILE, bounds_document(contract, bounds),
                                 schema="bounds")
 
         step("seal")
         coverage = _clip_coverage(update_meta, precisions)
-        store.atomic_write_json(out / "environment.json", capture_environment(),
+        store.atomic_write_json(out / ENVIRONMENT_FILE, capture_environment(),
                                 schema="environment")
         t0 = min(timings.values())
         store.atomic_write_json(out / REFERENCE_FILE, {
