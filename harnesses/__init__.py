@@ -5,6 +5,9 @@ and the frozen inputs named in :mod:`qualify.protocol`, drives its engine's own 
 and writes ``outputs.safetensors`` + ``outputs.json``. Each folder holds the same files
 (torchtitan's ``models/<name>/{model,parallelize,state_dict_adapter}.py`` layout):
 
+- ``spec.py``: the engine's :class:`~qualify.registry.EngineSpec` (harness entry, parallel
+  axes with their degrees, number-changing options with their allowed values,
+  distributions); :data:`qualify.registry.BUILTIN_ENGINES` names it in one line;
 - ``harness.py``: the program (``python -m harnesses.<engine>.harness CELL_JSON``);
 - ``parallelize.py``: how the engine shards the Hugging Face model;
 - ``losses.py``: the PPO losses in the engine's own code;
@@ -13,5 +16,7 @@ and writes ``outputs.safetensors`` + ``outputs.json``. Each folder holds the sam
 - ``README.md``: what the engine does, and its design choices.
 
 Nothing here is imported by ``import qualify``; engines are found through
-:mod:`qualify.registry`.
+:mod:`qualify.registry`, which imports only the light ``spec`` modules (never a harness).
+An engine outside this repository ships the same ``spec`` module in its own distribution and
+names it in the ``qualify.engines`` entry-point group.
 """

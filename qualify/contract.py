@@ -9,7 +9,9 @@ names that digest, so a contract edited after sealing is detected.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
+import itertools
 import json
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -18,7 +20,8 @@ from typing import Any, Literal
 
 import jsonschema
 
-from qualify.errors import ContractError
+from qualify import registry
+from qualify.errors import ContractError, HarnessError
 from qualify.resources import load_schema
 
 Precision = Literal["fp32", "bf16"]
@@ -145,10 +148,10 @@ class SamplingSpec:
     """Rollout sampling settings.
 
     Attributes:
-        engine: rollout engine: ``vllm`` (the default of every committed contract; the real
-            vLLM engine in a child process, ``harnesses/vllm``) or ``hf`` (transformers
-            ``generate``, the independent fallback; TP 1 only).
-        tp: rollout tensor-parallel size (vLLM's ``tensor_parallel_size``).
+        engine: rollout backend, a name of :data:`qualify.registry.ROLLOUT_BACKENDS` (the
+            committed contracts use the real vLLM engine in a child process; ``hf`` is
+            transformers ``generate``, the independent fallback).
+        tp: rollout tensor-parallel size (one of the backend's TP degrees).
         temperature: softmax temperature (> 0).
         top_p: nucleus mass in (0, 1].
         top_k: keep the k most likely tokens; 0 disables.
@@ -160,10 +163,11 @@ class SamplingSpec:
             ``raw``: log_softmax of the unscaled logits (vLLM ``raw_logprobs``).
 
     Raises:
-        ContractError: ``engine = "hf"`` with ``tp != 1``.
+        ContractError: an unknown backend (did you mean, and the list), or a ``tp`` the
+            backend does not run.
     """
 
-    engine: Literal["hf", "vllm"]
+    engine: str
     tp: int = 1
     temperature: float
     top_p: float
@@ -174,9 +178,28 @@ class SamplingSpec:
     logprobs_mode: Literal["processed", "raw"]
 
     def __post_init__(self) -> None:
-        if self.engine == "hf" and self.tp != 1:
-            raise ContractError(f"sampling.tp: the hf sampler has no tensor parallelism; got "
-                                f"tp = {self.tp} (use engine = \"vllm\")")
+        degrees = registry.get_rollout_backend(self.engine).tp_degrees
+        if self.tp in degrees:
+            return
+        if degrees != (registry.BASE_DEGREE,):
+            raise ContractError(f"sampling.tp: the {self.engine} sampler runs TP "
+                                f"{', '.join(map(str, degrees))}; got tp = {self.tp}")
+        raise ContractError(f"sampling.tp: the {self.engine} sampler has no tensor "
+                            f"parallelism; got tp = {self.tp} ({_backends_with_tp(self.tp)})")
+
+
+def _backends_with_tp(tp: int) -> str:
+    """``use engine = "x"``: the rollout backends that run ``tp`` (a hint for messages)."""
+    names = []
+    for name in registry.rollout_backend_names():
+        try:
+            if tp in registry.get_rollout_backend(name).tp_degrees:
+                names.append(name)
+        except (HarnessError, ContractError):
+            continue
+    if not names:
+        return "no registered rollout backend runs it"
+    return "use " + " or ".join(f'engine = "{n}"' for n in names)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -184,20 +207,42 @@ class SamplerSpec:
     """The candidate-stage sampler cells (:mod:`qualify.candidate.sampler_stage`).
 
     Attributes:
-        engine: sampler engine (``vllm``).
-        tp_sizes: one sampler cell per TP size (``vllm-fp32-sampler-tp{n}``).
+        engine: a registered engine of kind ``sampler``.
+        tp_sizes: one sampler cell per TP size (``{engine}-fp32-sampler-tp{n}``), each
+            one of the engine's TP degrees.
         weights_from: the Actor cell whose round-1-updated weights are installed.
         required: the sampler cells are required cells of the report.
+
+    Raises:
+        ContractError: an unknown engine, one that is not a sampler, or a TP size it
+            does not run.
     """
 
-    engine: Literal["vllm"]
+    engine: str
     tp_sizes: tuple[int, ...]
     weights_from: str
     required: bool = True
 
+    def __post_init__(self) -> None:
+        spec = _engine_spec(self.engine, "sampler.engine")
+        if spec.kind != "sampler":
+            raise ContractError(f"sampler.engine: {self.engine!r} is a {spec.kind} engine, "
+                                f"not a sampler")
+        for i, tp in enumerate(self.tp_sizes):
+            if tp not in spec.tp_degrees:
+                raise ContractError(f"sampler.tp_sizes.{i}: {tp} is not a TP degree of "
+                                    f"{self.engine!r} ({', '.join(map(str, spec.tp_degrees))})")
+
     def cell_ids(self) -> list[str]:
         """``vllm-fp32-sampler-tp1``... one per TP size, in order."""
         return [f"{self.engine}-fp32-sampler-tp{tp}" for tp in self.tp_sizes]
+
+
+def _engine_spec(name: str, field: str) -> registry.EngineSpec:
+    """The registered engine ``name``; an unknown name is a :class:`ContractError` at ``field``."""
+    if name not in registry.ENGINES:
+        raise ContractError(f"{field}: {registry.ENGINES.unknown_message(name)}")
+    return registry.get_engine(name)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -271,14 +316,17 @@ class Topology:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class CellSpec:
-    """One qualification cell: engine x precision x options x role x TP.
+    """One qualification cell: engine x precision x options x role x parallel degrees.
 
     Attributes:
         engine: registered engine name.
         precision: ``fp32`` or ``bf16`` (BF16 compute, FP32 master weights, grads, state).
         role: ``actor`` or ``critic``.
-        tp: tensor-parallel size.
-        options: engine options that change the numbers (e.g. ``(("zero", 1),)``).
+        tp: tensor-parallel size (the role's degree in its topology).
+        options: engine options that change the numbers, as ``(key, value)`` in the
+            engine's declared order (e.g. ``(("zero", 1),)``).
+        axes: the engine's other parallel axes as ``(name, degree)`` in its declared
+            order (e.g. ``(("dp", 2),)``); empty for an engine with the TP axis only.
     """
 
     engine: str
@@ -286,24 +334,63 @@ class CellSpec:
     role: Role
     tp: int
     options: tuple[tuple[str, int], ...] = ()
+    axes: tuple[tuple[str, int], ...] = ()
 
     @property
     def cell_id(self) -> str:
-        """Stable, human-readable id, e.g. ``deepspeed-bf16-zero0-actor-tp2``."""
+        """Stable, human-readable id, e.g. ``deepspeed-bf16-zero0-actor-tp2`` (``...-tp1-dp2``)."""
         opts = "".join(f"-{k}{v}" for k, v in self.options)
-        return f"{self.engine}-{self.precision}{opts}-{self.role}-tp{self.tp}"
+        axes = "".join(f"-{a}{d}" for a, d in self.axes)
+        return f"{self.engine}-{self.precision}{opts}-{self.role}-tp{self.tp}{axes}"
+
+    @property
+    def harness_options(self) -> dict[str, int]:
+        """The ``options`` of this cell's ``cell.json``: its options, then its other axes."""
+        return {**dict(self.options), **dict(self.axes)}
+
+    @property
+    def is_base(self) -> bool:
+        """Every parallel axis is at its base degree (TP 1, ...)."""
+        return self.tp == registry.BASE_DEGREE and all(
+            d == registry.BASE_DEGREE for _, d in self.axes)
+
+    def base_cell(self) -> CellSpec:
+        """The same cell with every parallel axis at its base degree (the TP=n vs TP=1 side)."""
+        return dataclasses.replace(self, tp=registry.BASE_DEGREE,
+                                   axes=tuple((a, registry.BASE_DEGREE) for a, _ in self.axes))
+
+    def base_cell_id(self) -> str:
+        """Id of :meth:`base_cell` (``deepspeed-bf16-zero0-actor-tp2`` -> ``...-actor-tp1``)."""
+        return self.base_cell().cell_id
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class MatrixSpec:
-    """The engine x precision x TP x role matrix and its topologies."""
+    """The engine x precision x TP x role matrix, its topologies and its engine options.
+
+    Attributes:
+        engines: registered trainer engines.
+        precisions: precisions of every engine.
+        tp_sizes: the TP sizes the topologies use.
+        roles: the roles qualified.
+        topologies: the placements (Actor TP, Critic TP, rollout TP).
+        engine_options: per engine, per option or non-TP axis of its spec (by its contract
+            field name), the values to qualify; an option or axis not named takes its
+            spec's default (an axis: its base degree).
+        required_cells: the cells a report must hold (``None``: every cell).
+
+    Raises:
+        ContractError: an unknown engine, a value its spec does not allow, or a topology
+            inconsistent with the TP sizes; the message names the field.
+    """
 
     engines: tuple[str, ...]
     precisions: tuple[Precision, ...]
     tp_sizes: tuple[int, ...]
     roles: tuple[Role, ...]
     topologies: tuple[Topology, ...]
-    zero_stages: tuple[int, ...] = (0,)
+    engine_options: Mapping[str, Mapping[str, tuple[int, ...]]] = dataclasses.field(
+        default_factory=dict)
     required_cells: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -324,28 +411,91 @@ class MatrixSpec:
             raise ContractError(
                 f"matrix.tp_sizes: TP sizes {missing} are used by no topology"
             )
+        for i, engine in enumerate(self.engines):
+            spec = _engine_spec(engine, f"matrix.engines.{i}")
+            if spec.kind != "trainer":
+                raise ContractError(f"matrix.engines.{i}: {engine!r} is a {spec.kind} "
+                                    f"engine, not a trainer")
+            bad = sorted(set(self.tp_sizes) - set(spec.tp_degrees))
+            if bad:
+                raise ContractError(f"matrix.tp_sizes: {engine!r} does not run TP {bad} "
+                                    f"(its TP degrees: {', '.join(map(str, spec.tp_degrees))})")
+        for engine, chosen in self.engine_options.items():
+            _check_engine_options(_engine_spec(engine, f"matrix.engine_options.{engine}"),
+                                  chosen)
 
-    def engine_options(self, engine: str) -> list[tuple[tuple[str, int], ...]]:
-        """Option combinations that change the numbers for ``engine``."""
-        if engine == "deepspeed":
-            return [(("zero", z),) for z in self.zero_stages]
-        return [()]
+    def _values(self, engine: str) -> tuple[registry.EngineSpec, Mapping[str, tuple[int, ...]]]:
+        return registry.get_engine(engine), self.engine_options.get(engine, {})
+
+    def engine_options_of(self, engine: str) -> list[tuple[tuple[str, int], ...]]:
+        """Option combinations that change the numbers for ``engine``, in matrix order.
+
+        The product of the engine's declared options (its order), each over the values the
+        contract lists (its order) or the option's default: ``[(("zero", 0),), ...]``;
+        ``[()]`` for an engine without options.
+        """
+        spec, chosen = self._values(engine)
+        per_option = [[(o.key, v) for v in chosen.get(o.name, o.default)] for o in spec.options]
+        return [tuple(combo) for combo in itertools.product(*per_option)]
+
+    def axis_degrees(self, engine: str) -> list[tuple[tuple[str, int], ...]]:
+        """Degree combinations of ``engine``'s non-TP axes (``[(("dp", 1),), (("dp", 2),)]``).
+
+        ``[()]`` for an engine whose only axis is TP.
+        """
+        spec, chosen = self._values(engine)
+        per_axis = [[(a.name, d) for d in chosen.get(a.name, (registry.BASE_DEGREE,))]
+                    for a in spec.extra_axes]
+        return [tuple(combo) for combo in itertools.product(*per_axis)]
 
     def cells(self) -> list[CellSpec]:
-        """Every cell of the matrix, in a stable order (engine, precision, options, role, TP)."""
+        """Every cell, in a stable order (engine, precision, options, role, TP, other axes)."""
         out: list[CellSpec] = []
         for engine in self.engines:
+            axes = self.axis_degrees(engine)
             for precision in self.precisions:
-                for opts in self.engine_options(engine):
+                for opts in self.engine_options_of(engine):
                     for role in self.roles:
                         tps = sorted({t.actor_tp if role == "actor" else t.critic_tp
                                       for t in self.topologies})
                         out.extend(
                             CellSpec(engine=engine, precision=precision, role=role, tp=tp,
-                                     options=opts)
-                            for tp in tps
+                                     options=opts, axes=ax)
+                            for tp in tps for ax in axes
                         )
         return out
+
+
+def _check_engine_options(spec: registry.EngineSpec,
+                          chosen: Mapping[str, Sequence[int]]) -> None:
+    """Check ``matrix.engine_options.<engine>`` against the engine's declared options and axes.
+
+    Raises:
+        ContractError: a field the engine does not declare, or a value it does not allow.
+    """
+    where = f"matrix.engine_options.{spec.name}"
+    fields = [o.name for o in spec.options] + [a.name for a in spec.extra_axes]
+    for key, values in chosen.items():
+        option, axis = spec.option(key), spec.axis(key)
+        if option is not None:
+            allowed: tuple[int, ...] = option.values
+            what = "values"
+        elif axis is not None and axis.name != registry.TOPOLOGY_AXIS:
+            allowed, what = axis.degrees, f"{key} degrees"
+        else:
+            if key == registry.TOPOLOGY_AXIS:
+                why = "the TP degrees come from matrix.topologies"
+            else:
+                close = difflib.get_close_matches(key, fields, n=2, cutoff=0.5)
+                hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+                why = f"{hint}it takes: {', '.join(fields) or 'no options'}"
+            raise ContractError(f"{where}.{key}: {spec.name!r} has no option or axis "
+                                f"{key!r}; {why}")
+        for i, value in enumerate(values):
+            if value not in allowed:
+                raise ContractError(
+                    f"{where}.{key}.{i}: {value!r} is not one of the {what} {spec.name!r} "
+                    f"takes ({', '.join(map(str, allowed))})")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -484,8 +634,8 @@ def _build(doc: Mapping[str, Any], path: Path | None) -> Contract:
         tp_sizes=tuple(mx["tp_sizes"]),
         roles=tuple(mx["roles"]),
         topologies=tuple(Topology(**t) for t in mx["topologies"]),
-        zero_stages=tuple(mx.get("engine_options", {}).get("deepspeed", {}).get("zero_stage",
-                                                                                  [0])),
+        engine_options={engine: {key: tuple(values) for key, values in chosen.items()}
+                        for engine, chosen in mx.get("engine_options", {}).items()},
         required_cells=tuple(mx["required_cells"]) if "required_cells" in mx else None,
     )
     b = doc["bounds"]

@@ -1,13 +1,25 @@
-"""The engine registry: engine name -> lazy ``"module:attr"`` harness entry and its needs.
+"""The engine registry: one generic lazy registry for trainer engines, samplers and rollouts.
 
-Modelled on lm-evaluation-harness ``lm_eval/api/registry.py``: engines are registered as
-strings, so ``import qualify.registry`` imports no engine (nor ``torch.distributed``); the
-harness module is imported only by :meth:`EngineSpec.load`, and normally only inside the
-ranks that torchrun starts. Built-in engines are listed in :data:`BUILTIN_ENGINES`;
-harnesses outside this repository register through the entry-point group
-:data:`ENTRY_POINT_GROUP` (``[project.entry-points."qualify.harnesses"]``, name = engine,
-value = ``"module:attr"`` of the harness's ``main(argv) -> int``). Duplicate names are
-refused; an unknown name is answered with "did you mean ...?" and the list.
+Modelled on lm-evaluation-harness ``lm_eval/api/registry.py``: entries are registered as
+lazy ``"module:attr"`` strings, so ``import qualify.registry`` imports no engine (nor
+``torch.distributed``). Each engine folder declares its own :class:`EngineSpec` in
+``harnesses/<engine>/spec.py`` (its harness entry, parallel axes, number-changing options,
+distributions); a new engine is that folder plus one line of :data:`BUILTIN_ENGINES`.
+Looking a name up imports only that light ``spec`` module; the harness module itself is
+imported only by :meth:`EngineSpec.load`, normally only inside the ranks torchrun starts.
+
+:class:`Registry` is the one implementation: lazy strings or ready objects, entry-point
+groups for packages outside this repository, duplicate names refused, the loaded object's
+type and name checked, and an unknown name answered with "did you mean ...?" and the list.
+Two instances serve the stages:
+
+- :data:`ENGINES`: trainer engines and candidate samplers (``matrix.engines``,
+  ``sampler.engine``); entry points :data:`ENGINE_ENTRY_POINT_GROUP` (``qualify.engines``,
+  value = ``"module:attr"`` of an :class:`EngineSpec`) and, for harnesses that only give
+  their program, :data:`HARNESS_ENTRY_POINT_GROUP` (``qualify.harnesses``, value = the
+  harness's ``main(argv) -> int``; the spec gets the default TP axis and no options).
+- :data:`ROLLOUT_BACKENDS`: reference-stage rollout backends (``sampling.engine``); entry
+  points :data:`ROLLOUT_ENTRY_POINT_GROUP` (``qualify.rollout_backends``).
 """
 
 from __future__ import annotations
@@ -18,28 +30,118 @@ import importlib
 import importlib.metadata
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, Final, Literal
+from typing import Any, Final, Generic, Literal, TypeVar
 
-from qualify.errors import HarnessError, UsageError
+from qualify.errors import ContractError, HarnessError, QualifyError, UsageError
 from qualify.protocol import HarnessCell
 from qualify.resources import import_repo_module
 
-ENTRY_POINT_GROUP: Final = "qualify.harnesses"
+ENGINE_ENTRY_POINT_GROUP: Final = "qualify.engines"
+HARNESS_ENTRY_POINT_GROUP: Final = "qualify.harnesses"
+ROLLOUT_ENTRY_POINT_GROUP: Final = "qualify.rollout_backends"
+ENTRY_POINT_GROUP: Final = HARNESS_ENTRY_POINT_GROUP
+"""The entry-point group of harness programs (kept under its old name)."""
 WorldSizeRule = Literal["actor_tp+critic_tp", "rollout_tp"]
-EngineKind = Literal["trainer", "sampler"]
+EngineKind = Literal["trainer", "sampler", "rollout"]
+TOPOLOGY_AXIS: Final = "tp"
+"""The axis whose per-role degrees come from the contract's topologies (``actor_tp``...)."""
+BASE_DEGREE: Final = 1
+"""The base degree of every parallel axis (no parallelism along it)."""
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Axis:
+    """A parallel axis of an engine: its name in cell ids and the degrees it runs.
+
+    A cell's id carries ``-{name}{degree}`` for each axis (``-tp2``, ``-dp2``); the axis
+    :data:`TOPOLOGY_AXIS` takes its per-role degree from the contract's topologies, every
+    other axis from ``matrix.engine_options.<engine>.<name>`` (default: the base degree).
+
+    Attributes:
+        name: axis name (``tp``, ``dp``), lowercase.
+        degrees: the degrees the engine runs (positive, distinct; must hold
+            :data:`BASE_DEGREE`, the degree comparisons across degrees are made against).
+        description: one line for listings.
+    """
+
+    name: str
+    degrees: tuple[int, ...]
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise HarnessError(f"axis name {self.name!r}: must match {_NAME.pattern}")
+        if (not self.degrees or len(set(self.degrees)) != len(self.degrees)
+                or any(type(d) is not int or d < 1 for d in self.degrees)):
+            raise HarnessError(f"axis {self.name!r}: degrees {self.degrees!r} must be distinct "
+                               f"positive integers")
+        if BASE_DEGREE not in self.degrees:
+            raise HarnessError(f"axis {self.name!r}: degrees {self.degrees!r} must include the "
+                               f"base degree {BASE_DEGREE}")
+
+
+TP_AXIS: Final = Axis(name=TOPOLOGY_AXIS, degrees=(1, 2, 4, 8), description="tensor parallel")
+"""The default axes of an engine: tensor parallelism at TP 1, 2, 4, 8."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class EngineOption:
+    """An engine option that changes the numbers (a variant axis of the matrix).
+
+    The contract lists the values to qualify in
+    ``matrix.engine_options.<engine>.<name>``; each value becomes one variant, carried in
+    the cell's options as ``{key: value}`` and in its id as ``-{key}{value}`` (DeepSpeed:
+    ``zero_stage = [0, 1]`` gives ``{"zero": 0}`` and ``...-zero0-...``).
+
+    Attributes:
+        name: field name in the contract (``zero_stage``).
+        key: key in the cell's options and prefix of its id fragment (``zero``).
+        values: the allowed values (integers).
+        default: the values qualified when the contract does not name the option.
+        description: one line for listings.
+    """
+
+    name: str
+    key: str
+    values: tuple[int, ...]
+    default: tuple[int, ...]
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for what, text in (("name", self.name), ("key", self.key)):
+            if not _NAME.match(text):
+                raise HarnessError(f"option {what} {text!r}: must match {_NAME.pattern}")
+        if not self.values or any(type(v) is not int for v in self.values):
+            raise HarnessError(f"option {self.name!r}: values {self.values!r} must be a "
+                               f"non-empty tuple of integers")
+        bad = [v for v in self.default if v not in self.values]
+        if not self.default or bad:
+            raise HarnessError(f"option {self.name!r}: default {self.default!r} must be a "
+                               f"non-empty subset of {self.values!r}")
+
+    def tag(self, value: int) -> str:
+        """The id fragment of ``value`` (``zero1``)."""
+        return f"{self.key}{value}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class EngineSpec:
-    """One engine: where its harness lives and what it needs to run.
+    """One engine: where its harness lives, what it needs, its axes and its options.
 
     Attributes:
         name: engine name used in contracts and cell ids (``torch_tp``).
-        entry: ``"module:attr"`` of the harness entry point ``main(argv) -> int``; the
-            module also runs as ``python -m module CELL_JSON``.
-        kind: ``trainer`` (runs the PPO update) or ``sampler`` (rollout engine).
+        entry: ``"module:attr"`` of the harness entry point ``main(argv) -> int`` (a
+            rollout backend: its class); the module also runs as ``python -m module ...``.
+        kind: ``trainer`` (runs the PPO update), ``sampler`` (the candidate sampler cells)
+            or ``rollout`` (a reference-stage rollout backend).
+        axes: the parallel axes, in cell-id order; a trainer must have
+            :data:`TOPOLOGY_AXIS` (the topologies place its roles by TP).
+        options: the number-changing options, in cell-id order.
+        distributions: distributions (PyPI names) whose versions the environment record
+            should carry for this engine.
         world_size_rule: how many ranks a launch needs: ``actor_tp+critic_tp`` or
             ``rollout_tp`` (``cell.options["rollout_tp"]``, default 1).
         needs_cuda: the engine cannot run on CPU; cells are ``NOT_RUN`` without CUDA.
@@ -52,11 +154,18 @@ class EngineSpec:
             that one process group serves several cells (engines whose start is costly).
         description: one line for listings and reports.
         source: ``builtin`` or the distribution that declared the entry point.
+
+    Raises:
+        HarnessError: a malformed name or entry, duplicate axis or option names, or a
+            trainer without the topology axis.
     """
 
     name: str
     entry: str
     kind: EngineKind = "trainer"
+    axes: tuple[Axis, ...] = (TP_AXIS,)
+    options: tuple[EngineOption, ...] = ()
+    distributions: tuple[str, ...] = ()
     world_size_rule: WorldSizeRule = "actor_tp+critic_tp"
     needs_cuda: bool = False
     cpu_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -71,11 +180,38 @@ class EngineSpec:
         if not _ENTRY.match(self.entry):
             raise HarnessError(f"engine {self.name!r}: entry {self.entry!r} is not "
                                f"'package.module:attr'")
+        fields = ([a.name for a in self.axes] + [o.name for o in self.options])
+        keys = [a.name for a in self.axes] + [o.key for o in self.options]
+        for what, names in (("axis and option names", fields), ("id fragments", keys)):
+            if len(set(names)) != len(names):
+                raise HarnessError(f"engine {self.name!r}: duplicate {what} {names}")
+        if self.kind == "trainer" and self.axis(TOPOLOGY_AXIS) is None:
+            raise HarnessError(f"engine {self.name!r}: a trainer needs the "
+                               f"{TOPOLOGY_AXIS!r} axis (the topologies place its roles)")
 
     @property
     def module(self) -> str:
         """The harness module (``harnesses.torch_tp.harness``), run with ``python -m``."""
         return self.entry.split(":", 1)[0]
+
+    def axis(self, name: str) -> Axis | None:
+        """The axis called ``name``, or ``None``."""
+        return next((a for a in self.axes if a.name == name), None)
+
+    def option(self, name: str) -> EngineOption | None:
+        """The option whose contract field is ``name``, or ``None``."""
+        return next((o for o in self.options if o.name == name), None)
+
+    @property
+    def extra_axes(self) -> tuple[Axis, ...]:
+        """The axes other than :data:`TOPOLOGY_AXIS` (their degrees come from the matrix)."""
+        return tuple(a for a in self.axes if a.name != TOPOLOGY_AXIS)
+
+    @property
+    def tp_degrees(self) -> tuple[int, ...]:
+        """The TP degrees the engine runs (``(1,)`` without a TP axis)."""
+        tp = self.axis(TOPOLOGY_AXIS)
+        return tp.degrees if tp is not None else (BASE_DEGREE,)
 
     def load(self) -> Callable[..., Any]:
         """Import the harness module and return its entry point (imports the engine!).
@@ -130,90 +266,243 @@ def _module_installed(name: str) -> bool:
         return False
 
 
-BUILTIN_ENGINES: Final[tuple[EngineSpec, ...]] = (
-    EngineSpec(name="torch_tp", entry="harnesses.torch_tp.harness:main",
-               description="PyTorch-native tensor parallelism (DTensor, parallelize_module); "
-                           "CPU (gloo) and CUDA (NCCL)"),
-    EngineSpec(name="deepspeed", entry="harnesses.deepspeed.harness:main",
-               cpu_env={"DS_ACCELERATOR": "cpu"}, requires=("deepspeed",),
-               groups_variants=True,
-               description="DeepSpeed ZeRO 0/1/2 + AutoTP; runs on CPU with DS_ACCELERATOR=cpu"),
-    EngineSpec(name="megatron", entry="harnesses.megatron.harness:main",
-               requires=("megatron",),
-               description="Megatron-Core tensor parallelism; on CPU scoring only (its "
-                           "optimizer needs CUDA: training metrics NOT_RUN)"),
-    EngineSpec(name="vllm", entry="harnesses.vllm.harness:main", kind="sampler",
-               world_size_rule="rollout_tp", requires=("vllm",),
-               description="vLLM sampler (rollout engine, weight sync and rejection probes)"),
-)
-"""Engines of this repository (harness modules are imported only when launched)."""
-
-class _Registry:
-    """The registered engines, filled on first use (built-ins, then entry points)."""
-
-    def __init__(self) -> None:
-        self.specs: dict[str, EngineSpec] = {}
-        self.loaded = False
+EntryPointReader = Callable[[importlib.metadata.EntryPoint, str], "str | Any"]
+"""Turns an entry point and its distribution's name into a registry target."""
 
 
-_REGISTRY = _Registry()
+def _lazy_value(ep: importlib.metadata.EntryPoint, dist: str) -> str:
+    """The entry point's ``"module:attr"`` string, resolved on first lookup."""
+    del dist
+    return ep.value
+
+
+class Registry(Generic[T]):
+    """Names -> objects of type ``T``, each given as a lazy ``"module:attr"`` or an object.
+
+    Built-in entries come first, then the entry points of the given groups (read once, on
+    first use; reading them imports nothing). A lookup imports the entry's module, checks
+    that the attribute is a ``T`` whose ``name`` is the registered name, and caches it.
+
+    Args:
+        kind: what an entry is, for messages (``engine``, ``rollout backend``).
+        cls: the type a loaded entry must have.
+        builtins: name -> ``"module:attr"`` or the object itself.
+        groups: entry-point group -> reader of an entry point into a target.
+        unknown_error: the error an unknown name raises.
+        field: prefix of the unknown-name message (``sampling.engine``), or empty.
+        listing: the words before the list of names in that message.
+    """
+
+    def __init__(self, *, kind: str, cls: type[T], builtins: Mapping[str, str | T],
+                 groups: Mapping[str, EntryPointReader],
+                 unknown_error: type[QualifyError] = UsageError, field: str = "",
+                 listing: str = "") -> None:
+        self.kind = kind
+        self.cls = cls
+        self.builtins = dict(builtins)
+        self.groups = dict(groups)
+        self.unknown_error = unknown_error
+        self.field = field
+        self.listing = listing or f"registered {kind}s"
+        self._targets: dict[str, str | T] = {}
+        self._sources: dict[str, str] = {}
+        self._loaded: dict[str, T] = {}
+        self._ready = False
+
+    def _ensure(self) -> None:
+        if self._ready:
+            return
+        self._ready = True
+        for name, target in self.builtins.items():
+            self._add(name, target, "builtin")
+        for group, read in self.groups.items():
+            for ep in importlib.metadata.entry_points(group=group):
+                dist = ep.dist.name if ep.dist is not None else "unknown distribution"
+                self._add(ep.name, read(ep, dist), dist)
+
+    def _add(self, name: str, target: str | T, source: str) -> None:
+        if name in self._targets:
+            raise HarnessError(
+                f"{self.kind} {name!r} is registered twice: {_show(self._targets[name])} "
+                f"({self._sources[name]}) and {_show(target)} ({source})")
+        if isinstance(target, str) and not _ENTRY.match(target):
+            raise HarnessError(f"{self.kind} {name!r}: {target!r} ({source}) is not "
+                               f"'package.module:attr'")
+        self._targets[name] = target
+        self._sources[name] = source
+
+    def register(self, name: str, target: str | T, *, source: str = "builtin") -> None:
+        """Add ``name`` (a lazy ``"module:attr"`` or the object).
+
+        Raises:
+            HarnessError: the name is taken (duplicates are refused, never overridden).
+        """
+        self._ensure()
+        self._add(name, target, source)
+
+    def names(self) -> tuple[str, ...]:
+        """Every registered name, sorted (imports nothing)."""
+        self._ensure()
+        return tuple(sorted(self._targets))
+
+    def __contains__(self, name: object) -> bool:
+        self._ensure()
+        return name in self._targets
+
+    def get(self, name: str) -> T:
+        """The object registered as ``name``, imported on first use.
+
+        Raises:
+            QualifyError: (``unknown_error``) unknown name; the message suggests the
+                closest names and lists all.
+            HarnessError: the entry cannot be imported, is not a ``T``, or names itself
+                differently.
+        """
+        self._ensure()
+        if name in self._loaded:
+            return self._loaded[name]
+        target = self._targets.get(name)
+        if target is None:
+            raise self.unknown_error(self.unknown_message(name))
+        obj = self._resolve(name, target)
+        self._loaded[name] = obj
+        return obj
+
+    def unknown_message(self, name: str) -> str:
+        """The one-line message for an unknown ``name`` (did you mean, then the list)."""
+        self._ensure()
+        close = difflib.get_close_matches(name, list(self._targets), n=3, cutoff=0.5)
+        hint = f" did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        where = f"{self.field}: " if self.field else ""
+        return (f"{where}unknown {self.kind} {name!r};{hint} {self.listing}: "
+                f"{', '.join(sorted(self._targets))}")
+
+    def _resolve(self, name: str, target: str | T) -> T:
+        source = self._sources[name]
+        if isinstance(target, str):
+            mod_name, attr = target.split(":", 1)
+            try:
+                obj: Any = getattr(import_repo_module(mod_name), attr)
+            except (ImportError, AttributeError) as exc:
+                raise HarnessError(f"{self.kind} {name!r}: cannot load {target} ({source}): "
+                                   f"{exc}") from exc
+        else:
+            obj = target
+        if not isinstance(obj, self.cls):
+            raise HarnessError(f"{self.kind} {name!r}: {_show(target)} ({source}) is a "
+                               f"{type(obj).__name__}, not a {self.cls.__name__}")
+        own = getattr(obj, "name", name)
+        if own != name:
+            raise HarnessError(f"{self.kind} {name!r}: {_show(target)} ({source}) declares "
+                               f"the name {own!r}")
+        if (source != "builtin" and dataclasses.is_dataclass(obj)
+                and getattr(obj, "source", source) == "builtin"):
+            obj = dataclasses.replace(obj, source=source)  # type: ignore[type-var]
+        result: T = obj
+        return result
+
+    def reset(self) -> None:
+        """Forget every registration and every loaded entry (tests only)."""
+        self._targets.clear()
+        self._sources.clear()
+        self._loaded.clear()
+        self._ready = False
+
+
+def _show(target: object) -> str:
+    return target if isinstance(target, str) else getattr(target, "entry", repr(target))
+
+
+def _harness_main(ep: importlib.metadata.EntryPoint, dist: str) -> EngineSpec:
+    """A ``qualify.harnesses`` entry point (a harness ``main``) as a default spec."""
+    return EngineSpec(name=ep.name, entry=ep.value, source=dist,
+                      description=f"third-party harness from {dist}")
+
+
+BUILTIN_ENGINES: Final[Mapping[str, str]] = {
+    "torch_tp": "harnesses.torch_tp.spec:SPEC",
+    "deepspeed": "harnesses.deepspeed.spec:SPEC",
+    "megatron": "harnesses.megatron.spec:SPEC",
+    "vllm": "harnesses.vllm.spec:SPEC",
+}
+"""Engines of this repository: one line per engine folder (its ``spec`` module)."""
+
+HF_ROLLOUT: Final = EngineSpec(
+    name="hf", kind="rollout", entry="qualify.reference.sampling:HfRolloutBackend",
+    axes=(Axis(name=TOPOLOGY_AXIS, degrees=(1,), description="no tensor parallelism"),),
+    distributions=("transformers",),
+    description="transformers generate at FP32 with sdpa attention (the independent "
+                "fallback; TP 1 only)")
+"""The rollout backend of qualify itself (no engine folder)."""
+
+BUILTIN_ROLLOUT_BACKENDS: Final[Mapping[str, str | EngineSpec]] = {
+    "hf": HF_ROLLOUT,
+    "vllm": "harnesses.vllm.spec:ROLLOUT",
+}
+"""Rollout backends (``sampling.engine``): their specs, lazily."""
+
+ENGINES: Final = Registry(
+    kind="engine", cls=EngineSpec, builtins=BUILTIN_ENGINES,
+    groups={ENGINE_ENTRY_POINT_GROUP: _lazy_value, HARNESS_ENTRY_POINT_GROUP: _harness_main})
+"""Trainer engines and candidate samplers."""
+
+ROLLOUT_BACKENDS: Final = Registry(
+    kind="rollout backend", cls=EngineSpec, builtins=BUILTIN_ROLLOUT_BACKENDS,
+    groups={ROLLOUT_ENTRY_POINT_GROUP: _lazy_value}, unknown_error=ContractError,
+    field="sampling.engine", listing="known backends")
+"""Reference-stage rollout backends; an entry's :attr:`EngineSpec.entry` is its class."""
 
 
 def register_engine(spec: EngineSpec) -> EngineSpec:
-    """Add an engine to the registry.
+    """Add an engine to :data:`ENGINES`.
 
     Raises:
         HarnessError: the name is taken (duplicates are refused, never overridden).
     """
-    _ensure_loaded()
-    _add(spec)
+    ENGINES.register(spec.name, spec, source=spec.source)
     return spec
 
 
-def _add(spec: EngineSpec) -> None:
-    old = _REGISTRY.specs.get(spec.name)
-    if old is not None:
-        raise HarnessError(f"engine {spec.name!r} is registered twice: {old.entry} "
-                           f"({old.source}) and {spec.entry} ({spec.source})")
-    _REGISTRY.specs[spec.name] = spec
-
-
-def _ensure_loaded() -> None:
-    """Register the built-in engines, then the entry points (names only; nothing imported)."""
-    if _REGISTRY.loaded:
-        return
-    _REGISTRY.loaded = True
-    for spec in BUILTIN_ENGINES:
-        _add(spec)
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        dist = ep.dist.name if ep.dist is not None else "unknown distribution"
-        _add(EngineSpec(name=ep.name, entry=ep.value, source=dist,
-                        description=f"third-party harness from {dist}"))
-
-
 def engine_names() -> tuple[str, ...]:
-    """Every registered engine name, sorted."""
-    _ensure_loaded()
-    return tuple(sorted(_REGISTRY.specs))
+    """Every registered engine name, sorted (imports no spec)."""
+    return ENGINES.names()
 
 
 def get_engine(name: str) -> EngineSpec:
-    """The engine registered as ``name``.
+    """The engine registered as ``name`` (imports its ``spec`` module, never its harness).
 
     Raises:
         UsageError: unknown name; the message suggests the closest names and lists all.
+        HarnessError: its spec cannot be imported or is not an :class:`EngineSpec` of
+            that name.
     """
-    _ensure_loaded()
-    spec = _REGISTRY.specs.get(name)
-    if spec is not None:
-        return spec
-    close = difflib.get_close_matches(name, list(_REGISTRY.specs), n=3, cutoff=0.5)
-    hint = f" did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    raise UsageError(f"unknown engine {name!r};{hint} registered engines: "
-                     f"{', '.join(sorted(_REGISTRY.specs))}")
+    spec = ENGINES.get(name)
+    if spec.kind == "rollout":
+        raise HarnessError(f"engine {name!r}: its spec is of kind 'rollout'; rollout "
+                           f"backends register in ROLLOUT_BACKENDS")
+    return spec
+
+
+def rollout_backend_names() -> tuple[str, ...]:
+    """Every registered rollout backend name, sorted (imports no spec)."""
+    return ROLLOUT_BACKENDS.names()
+
+
+def get_rollout_backend(name: str) -> EngineSpec:
+    """The spec of the rollout backend ``name`` (``entry`` = its class, loaded lazily).
+
+    Raises:
+        ContractError: unknown name ("sampling.engine: unknown rollout backend ...", with
+            the closest names and the list).
+        HarnessError: its spec cannot be imported, or is not of kind ``rollout``.
+    """
+    spec = ROLLOUT_BACKENDS.get(name)
+    if spec.kind != "rollout":
+        raise HarnessError(f"rollout backend {name!r}: its spec is of kind {spec.kind!r}")
+    return spec
 
 
 def _reset_for_tests() -> None:
-    """Forget every registration (tests only)."""
-    _REGISTRY.specs.clear()
-    _REGISTRY.loaded = False
+    """Forget every registration of both registries (tests only)."""
+    ENGINES.reset()
+    ROLLOUT_BACKENDS.reset()

@@ -77,6 +77,15 @@ def _del(path: str) -> Callable[[dict[str, Any]], None]:
     return mutate
 
 
+def _update(path: str, **values: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(doc: dict[str, Any]) -> None:
+        d = doc
+        for p in path.split("."):
+            d = d[p]
+        d.update(values)
+    return mutate
+
+
 # name -> (mutation, regex the one-line message must match)
 INVALID: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "missing_field": (_del("sampling.temperature"), r"sampling: 'temperature' is a required"),
@@ -114,6 +123,39 @@ INVALID: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
                        r"bounds\.floors\.fp32\.logprobs: -1\.0 is less"),
     "zero_temperature": (_set("sampling.temperature", 0),
                          r"sampling\.temperature: 0 is less than or equal"),
+    "unknown_engine": (_set("matrix.engines", ["torch_tp", "deepspeeed"]),
+                       r"matrix\.engines\.1: unknown engine 'deepspeeed'; did you mean "
+                       r"'deepspeed'\? registered engines: deepspeed, megatron, torch_tp, vllm"),
+    "sampler_as_trainer": (_set("matrix.engines", ["torch_tp", "vllm"]),
+                           r"matrix\.engines\.1: 'vllm' is a sampler engine, not a trainer"),
+    "bad_zero_stage": (_set("matrix.engine_options.deepspeed.zero_stage", [0, 3]),
+                       r"matrix\.engine_options\.deepspeed\.zero_stage\.1: 3 is not one of the "
+                       r"values 'deepspeed' takes \(0, 1, 2\)"),
+    "zero_stage_not_a_list": (_set("matrix.engine_options.deepspeed.zero_stage", 1),
+                              r"matrix\.engine_options\.deepspeed\.zero_stage: 1 is not of "
+                              r"type 'array'"),
+    "unknown_engine_option": (_set("matrix.engine_options.deepspeed.zero", [1]),
+                              r"matrix\.engine_options\.deepspeed\.zero: 'deepspeed' has no "
+                              r"option or axis 'zero'; did you mean 'zero_stage'\? it takes: "
+                              r"zero_stage"),
+    "option_of_optionless_engine": (_set("matrix.engine_options.torch_tp", {"zero_stage": [0]}),
+                                    r"engine_options\.torch_tp\.zero_stage: 'torch_tp' has "
+                                    r"no option or axis 'zero_stage'; it takes: no options"),
+    "tp_as_engine_option": (_set("matrix.engine_options.deepspeed.tp", [1]),
+                            r"deepspeed\.tp: .*the TP degrees come from matrix\.topologies"),
+    "options_of_unknown_engine": (_set("matrix.engine_options.deepspeeed", {"zero_stage": [0]}),
+                                  r"matrix\.engine_options\.deepspeeed: unknown engine "
+                                  r"'deepspeeed'; did you mean 'deepspeed'\?"),
+    "unknown_rollout_backend": (_set("sampling.engine", "vlm"),
+                                r"sampling\.engine: unknown rollout backend 'vlm'; did you mean "
+                                r"'vllm'\? known backends: hf, vllm"),
+    "hf_rollout_with_tp": (_update("sampling", engine="hf", tp=2),
+                           r"sampling\.tp: the hf sampler has no tensor parallelism; got tp = 2 "
+                           r"\(use engine = \"vllm\"\)"),
+    "unknown_sampler_engine": (_set("sampler.engine", "vlm"),
+                               r"sampler\.engine: unknown engine 'vlm'; did you mean 'vllm'\?"),
+    "trainer_as_sampler": (_set("sampler.engine", "torch_tp"),
+                           r"sampler\.engine: 'torch_tp' is a trainer engine, not a sampler"),
     "duplicate_topology_names": (
         _set("matrix.topologies", [{"name": "a", "actor_tp": 1, "critic_tp": 2},
                                    {"name": "a", "actor_tp": 2, "critic_tp": 1}]),
@@ -207,3 +249,42 @@ def test_cli_exit_code_two_no_traceback(case: str, tmp_path: Path) -> None:
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("qualify: error: "), proc.stderr
+
+
+def test_base_cell_is_every_axis_at_degree_one() -> None:
+    """The TP=n vs TP=1 comparison side: the same cell with every parallel axis at 1."""
+    by_id = {c.cell_id: c for c in load_contract(TINY).matrix.cells()}
+    cell = by_id["deepspeed-bf16-zero1-critic-tp2"]
+    assert not cell.is_base
+    assert cell.base_cell_id() == "deepspeed-bf16-zero1-critic-tp1"
+    assert cell.base_cell() is not cell
+    assert cell.base_cell() == by_id["deepspeed-bf16-zero1-critic-tp1"]
+    assert by_id["torch_tp-fp32-actor-tp1"].is_base
+    assert by_id["torch_tp-fp32-actor-tp1"].base_cell_id() == "torch_tp-fp32-actor-tp1"
+    assert cell.harness_options == {"zero": 1}
+
+
+def test_engine_options_default_to_the_spec() -> None:
+    """Without ``matrix.engine_options.deepspeed`` the spec's default (ZeRO 0) is qualified."""
+    doc = _doc()
+    del doc["matrix"]["engine_options"]
+    c = Contract.from_dict(doc)
+    assert c.matrix.engine_options_of("deepspeed") == [(("zero", 0),)]
+    assert c.matrix.engine_options_of("torch_tp") == [()]
+    assert c.matrix.axis_degrees("deepspeed") == [()]
+    assert sorted({x.cell_id.split("-")[2] for x in c.matrix.cells()
+                   if x.engine == "deepspeed"}) == ["zero0"]
+
+
+def test_engine_options_keep_contract_order() -> None:
+    doc = _doc()
+    doc["matrix"]["engine_options"]["deepspeed"]["zero_stage"] = [2, 0]
+    c = Contract.from_dict(doc)
+    assert c.matrix.engine_options_of("deepspeed") == [(("zero", 2),), (("zero", 0),)]
+
+
+def test_sampler_cells_are_named_by_their_engine() -> None:
+    c = load_contract(TINY)
+    assert c.sampler is not None
+    assert c.sampler.cell_ids() == ["vllm-fp32-sampler-tp1", "vllm-fp32-sampler-tp2"]
+    assert c.sampling.engine == "vllm"

@@ -1,1 +1,4 @@
-"""Megatron-Core engine harness (conversion, model, scoring, CUDA training)."""
+"""Megatron-Core engine harness (conversion, model, scoring, CUDA training).
+
+Its engine spec (axes, options, distributions) is :data:`harnesses.megatron.spec.SPEC`.
+"""

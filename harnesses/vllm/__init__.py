@@ -8,4 +8,7 @@
 
 Importing this package imports no engine: vllm is imported only inside the functions that
 build one.
+
+Its specs are in :mod:`harnesses.vllm.spec`: :data:`~harnesses.vllm.spec.SPEC` (the
+sampler cells) and :data:`~harnesses.vllm.spec.ROLLOUT` (the rollout backend).
 """

@@ -1,21 +1,22 @@
 """The candidate stage's sampler step: install the round-1 Actor weights into the sampler.
 
 Runs after the trainer launches of :func:`qualify.candidate.run_candidate_stage`, once per
-TP size of the contract's ``[sampler]`` section (cell ``vllm-fp32-sampler-tp{n}``):
+TP size of the contract's ``[sampler]`` section (cell ``{engine}-fp32-sampler-tp{n}``, the
+engine a registered one of kind ``sampler``):
 
 1. find the round-1-updated Actor weights that the ``sampler.weights_from`` cell exported
    (``actor_round1.safetensors`` in that cell's sealed launch attempt; the candidate stage
    asks that launch to export, :func:`export_wanted`);
 2. write ``cell.json`` and ``sampler_request.json`` (weights file, its sha256, the source
    cell) into a new attempt ``cells/<cell>/attempt-N/`` and run the sampler harness
-   (``python -m harnesses.vllm.harness cell.json``, a child process with a wall-clock
-   limit; stdout/stderr in ``logs/``);
+   (``python -m <the engine's harness module> cell.json``, a child process with a
+   wall-clock limit; stdout/stderr in ``logs/``);
 3. record ``result.json`` and seal the attempt (:func:`qualify.store.seal`); the cell's
    entry in ``run.json`` is ``COMPLETE``, ``ERROR`` (with the reason and logs) or
    ``NOT_RUN`` (no ``[sampler]`` cell selected, or the weights source did not complete).
 
 The harness installs, verifies, probes and scores; the verdicts are the comparator's
-(:mod:`qualify.compare.sampler`). vLLM is never imported in this process.
+(:mod:`qualify.compare.sampler`). The sampler engine is never imported in this process.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from qualify.protocol import (
     HarnessCell,
     variant_tag,
 )
-from qualify.registry import get_engine
+from qualify.registry import EngineSpec, get_engine
 from qualify.resources import repo_root
 
 REQUEST_FILE: Final = "sampler_request.json"
@@ -60,13 +61,13 @@ def sampler_cells(contract: Contract) -> list[tuple[str, int]]:
 def selected(contract: Contract, patterns: Sequence[str] | None) -> list[tuple[str, int]]:
     """The sampler cells matched by ``--cells`` globs (all of them when ``None``)."""
     cells = sampler_cells(contract)
-    if not patterns:
+    if not patterns or contract.sampler is None:
         return cells
     out = []
     for cid, tp in cells:
         for pat in patterns:
             engine, glob = pat.split(":", 1) if ":" in pat else ("", pat)
-            if (not engine or engine == "vllm") and fnmatch.fnmatch(cid, glob):
+            if engine in ("", contract.sampler.engine) and fnmatch.fnmatch(cid, glob):
                 out.append((cid, tp))
                 break
     return out
@@ -104,9 +105,9 @@ def find_weights(run_dir: Path, doc: dict[str, Any], cell_id: str) -> tuple[Path
                   f"{launch} (was the launch run with export_weights?)")
 
 
-def _entry(cid: str, tp: int, status: str, *, reason: str | None, attempt: str | None,
+def _entry(engine: str, tp: int, status: str, *, reason: str | None, attempt: str | None,
            weights_from: str) -> dict[str, Any]:
-    return {"engine": "vllm", "precision": "fp32", "options": {"rollout_tp": tp},
+    return {"engine": engine, "precision": "fp32", "options": {"rollout_tp": tp},
             "role": "sampler", "tp": tp, "status": status, "reason": reason,
             "attempt": attempt, "weights_from": weights_from}
 
@@ -135,25 +136,25 @@ def run_sampler_cells(contract: Contract, *, run_dir: Path, doc: dict[str, Any],
         why_not = engine.unavailable_reason()
         weights, why = find_weights(run_dir, doc, s.weights_from)
         if why_not is not None or weights is None:
-            doc["cells"][cid] = _entry(cid, tp, "NOT_RUN", reason=why_not or why, attempt=None,
+            doc["cells"][cid] = _entry(s.engine, tp, "NOT_RUN", reason=why_not or why, attempt=None,
                                        weights_from=s.weights_from)
             store.atomic_write_json(run_dir / RUN_FILE, doc)
             continue
         attempt = store.new_attempt(run_dir / "cells" / cid)
         status, reason = _run_one(contract, attempt, inputs=inputs, tp=tp, weights=weights,
-                                  weights_from=s.weights_from, module=engine.module,
+                                  weights_from=s.weights_from, engine=engine,
                                   faults=faults, timeout_s=timeout_s)
-        doc["cells"][cid] = _entry(cid, tp, status, reason=reason,
+        doc["cells"][cid] = _entry(s.engine, tp, status, reason=reason,
                                    attempt=str(attempt.relative_to(run_dir)),
                                    weights_from=s.weights_from)
         store.atomic_write_json(run_dir / RUN_FILE, doc)
 
 
 def _run_one(contract: Contract, attempt: Path, *, inputs: Path, tp: int, weights: Path,
-             weights_from: str, module: str, faults: Sequence[str],
+             weights_from: str, engine: EngineSpec, faults: Sequence[str],
              timeout_s: float) -> tuple[str, str | None]:
     """Run one sampler cell into ``attempt`` and seal it; returns ``(status, reason)``."""
-    hc = HarnessCell(engine="vllm", precision="fp32", options={"rollout_tp": tp}, actor_tp=0,
+    hc = HarnessCell(engine=engine.name, precision="fp32", options={"rollout_tp": tp}, actor_tp=0,
                      critic_tp=0, rounds=contract.algorithm.rounds, seed=contract.sampling.seed,
                      inputs_dir=str(inputs.resolve()), output_dir=str(attempt.resolve()),
                      faults=tuple(faults))
@@ -170,7 +171,8 @@ def _run_one(contract: Contract, attempt: Path, *, inputs: Path, tp: int, weight
     status, reason, rc = "COMPLETE", None, None
     with (logs / "stdout.txt").open("wb") as out, (logs / "stderr.txt").open("wb") as err:
         try:
-            proc = subprocess.run([sys.executable, "-m", module, str(attempt / CELL_FILE)],
+            proc = subprocess.run([sys.executable, "-m", engine.module,
+                                   str(attempt / CELL_FILE)],
                                   stdout=out, stderr=err, env=env, timeout=timeout_s,
                                   check=False)
             rc = proc.returncode
@@ -189,7 +191,7 @@ def _run_one(contract: Contract, attempt: Path, *, inputs: Path, tp: int, weight
         reason = f"{reason}: {last[-300:]}" if last else reason
     store.atomic_write_json(attempt / "result.json", {
         "status": status, "reason": reason, "wall_s": round(time.perf_counter() - t0, 3),
-        "returncode": rc, "launch": f"vllm-sampler-tp{tp}", "weights_from": weights_from,
+        "returncode": rc, "launch": f"{engine.name}-sampler-tp{tp}", "weights_from": weights_from,
         "weights_file": str(weights.resolve())})
     store.seal(attempt, kind=CELL_ATTEMPT_KIND)
     return status, reason

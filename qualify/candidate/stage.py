@@ -29,7 +29,7 @@ from typing import Any
 
 from qualify.candidate import sampler_stage
 from qualify.candidate.launch import LaunchResult, launch
-from qualify.contract import CellSpec, Contract, cells_matching
+from qualify.contract import CellSpec, Contract, Precision, cells_matching
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError
 from qualify.evidence import store
 from qualify.progress import Progress
@@ -52,10 +52,10 @@ CELL_ATTEMPT_KIND = "cell-attempt"
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class LaunchPart:
-    """One precision x options variant of a launch and the cells it produces.
+    """One precision x options x other-axes variant of a launch and the cells it produces.
 
     Attributes:
-        precision, options: as in :class:`qualify.contract.CellSpec`.
+        precision, options, axes: as in :class:`qualify.contract.CellSpec`.
         actor: the Actor cell it produces (``None`` if the Actor is not run).
         critic: the Critic cell it produces (``None`` if not run).
     """
@@ -64,11 +64,17 @@ class LaunchPart:
     options: tuple[tuple[str, int], ...]
     actor: CellSpec | None
     critic: CellSpec | None
+    axes: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def harness_options(self) -> dict[str, int]:
+        """The cell.json ``options``: the engine options, then the non-TP axis degrees."""
+        return {**dict(self.options), **dict(self.axes)}
 
     @property
     def tag(self) -> str:
         """Output subdirectory of this part in a grouped launch (``bf16-zero1``)."""
-        return variant_tag(self.precision, dict(self.options))
+        return variant_tag(self.precision, self.harness_options)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,8 +104,8 @@ class Launch:
 
     @property
     def options(self) -> tuple[tuple[str, int], ...]:
-        """Options of the first variant (the cell.json's ``options``)."""
-        return self.parts[0].options
+        """Options of the first variant, then its non-TP axis degrees (cell.json ``options``)."""
+        return tuple(self.parts[0].harness_options.items())
 
     @property
     def actor(self) -> CellSpec | None:
@@ -139,21 +145,25 @@ def plan_launches(contract: Contract, wanted: Sequence[CellSpec],
     """
     todo = {c.cell_id: c for c in wanted}
     order = [c.cell_id for c in wanted]
-    keys = sorted({(c.engine, c.precision, c.options) for c in wanted},
-                  key=lambda k: order.index(
-                      next(x.cell_id for x in wanted if (x.engine, x.precision, x.options) == k)))
+
+    def key(x: CellSpec) -> tuple[str, Precision, tuple[tuple[str, int], ...],
+                                  tuple[tuple[str, int], ...]]:
+        return x.engine, x.precision, x.options, x.axes
+
+    keys = sorted({key(c) for c in wanted},
+                  key=lambda k: order.index(next(x.cell_id for x in wanted if key(x) == k)))
     singles: list[tuple[str, str, LaunchPart]] = []
-    for engine, precision, options in keys:
+    for engine, precision, options, axes in keys:
         for topo in contract.matrix.topologies:
             actor = CellSpec(engine=engine, precision=precision,
-                             role="actor", tp=topo.actor_tp, options=options)
+                             role="actor", tp=topo.actor_tp, options=options, axes=axes)
             critic = CellSpec(engine=engine, precision=precision,
-                              role="critic", tp=topo.critic_tp, options=options)
+                              role="critic", tp=topo.critic_tp, options=options, axes=axes)
             a = todo.pop(actor.cell_id, None)
             c = todo.pop(critic.cell_id, None)
             if a or c:
                 singles.append((engine, topo.name, LaunchPart(
-                    precision=precision, options=options, actor=a, critic=c)))
+                    precision=precision, options=options, actor=a, critic=c, axes=axes)))
     assert not todo, f"cells not covered by any topology: {sorted(todo)}"
     out: list[Launch] = []
     grouped: dict[tuple[str, str], list[LaunchPart]] = {}
@@ -332,7 +342,7 @@ def run_candidate_stage(
                 inputs_dir=str(inputs.resolve()), output_dir="",
                 collective_timeout_s=collective_timeout_s, faults=tuple(faults),
                 export_weights=sampler_stage.export_wanted(contract, lc.cells),
-                variants=tuple({"precision": p.precision, "options": dict(p.options)}
+                variants=tuple({"precision": p.precision, "options": p.harness_options}
                                for p in lc.parts) if lc.grouped else (),
             )
             attempt = store.new_attempt(run_dir / "launches" / lc.launch_id)
@@ -368,6 +378,6 @@ def _cuda_available() -> bool:
 
 def _cell_entry(cell: CellSpec, status: str, reason: str | None,
                 attempt: str | None) -> dict[str, Any]:
-    return {"engine": cell.engine, "precision": cell.precision, "options": dict(cell.options),
+    return {"engine": cell.engine, "precision": cell.precision, "options": cell.harness_options,
             "role": cell.role, "tp": cell.tp, "status": status, "reason": reason,
             "attempt": attempt}

@@ -1,0 +1,22 @@
+"""The ``megatron`` engine spec: Megatron-Core tensor parallelism, no number-changing option.
+
+Registered in :data:`qualify.registry.BUILTIN_ENGINES`; importing this module imports
+neither megatron nor the harness.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from qualify.registry import TP_AXIS, EngineSpec
+
+SPEC: Final = EngineSpec(
+    name="megatron",
+    entry="harnesses.megatron.harness:main",
+    axes=(TP_AXIS,),
+    distributions=("megatron-core",),
+    requires=("megatron",),
+    description="Megatron-Core tensor parallelism; on CPU scoring only (its optimizer "
+                "needs CUDA: training metrics NOT_RUN)",
+)
+"""Megatron-Core: the TP axis at 1, 2, 4, 8; no engine options."""

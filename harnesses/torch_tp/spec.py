@@ -1,0 +1,21 @@
+"""The ``torch_tp`` engine spec: PyTorch-native tensor parallelism, no number-changing option.
+
+Registered in :data:`qualify.registry.BUILTIN_ENGINES`; importing this module imports
+neither torch nor the harness.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from qualify.registry import TP_AXIS, EngineSpec
+
+SPEC: Final = EngineSpec(
+    name="torch_tp",
+    entry="harnesses.torch_tp.harness:main",
+    axes=(TP_AXIS,),
+    distributions=("torch",),
+    description="PyTorch-native tensor parallelism (DTensor, parallelize_module); "
+                "CPU (gloo) and CUDA (NCCL)",
+)
+"""PyTorch-native TP: the TP axis at 1, 2, 4, 8; no engine options."""
