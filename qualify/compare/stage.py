@@ -79,7 +79,7 @@ from qualify.compare.rows import (
     padding_rows,
     replica_row,
 )
-from qualify.compare.sampler import sampler_rows
+from qualify.compare.sampler import sampler_required, sampler_rows
 from qualify.compare.verdicts import (
     VERDICT_PRECEDENCE,
     CellResult,
@@ -340,9 +340,7 @@ def _required_ids(contract: Contract) -> tuple[str, ...]:
     required_ids = contract.matrix.required_cells
     if required_ids is None:
         required_ids = tuple(c.cell_id for c in contract.matrix.cells())
-    if contract.sampler is not None and contract.sampler.required:
-        required_ids = (*required_ids, *contract.sampler.cell_ids())
-    return tuple(required_ids)
+    return (*required_ids, *sampler_required(contract))
 
 
 def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, Any],

@@ -44,6 +44,7 @@ VERDICT_PRECEDENCE: Final[tuple[Verdict, ...]] = ("FAIL", "ERROR", "NOT_RUN", "P
 
 
 Cell = str | float | None
+"""One entry of a :class:`FailureDetail` table: text, a number, or empty."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
