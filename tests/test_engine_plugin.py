@@ -175,8 +175,8 @@ def test_unregistered_engine_is_a_contract_error() -> None:
         Contract.from_dict(_doc())
 
 
-ENGINE_AGNOSTIC = ("qualify/contract.py", "qualify/candidate/sampler_stage.py",
-                   "qualify/candidate/stage.py")
+ENGINE_AGNOSTIC = ("qualify/contract.py", "qualify/matrix.py",
+                   "qualify/candidate/sampler_stage.py", "qualify/candidate/stage.py")
 NAMES = re.compile(r"\b(torch_tp|deepspeed|megatron|vllm|fsdp2)\b", re.IGNORECASE)
 
 

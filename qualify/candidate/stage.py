@@ -29,9 +29,10 @@ from typing import Any
 
 from qualify.candidate import sampler_stage
 from qualify.candidate.launch import LaunchResult, launch
-from qualify.contract import CellSpec, Contract, Precision, cells_matching
+from qualify.contract import CellSpec, Contract, cells_matching
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError
 from qualify.evidence import store
+from qualify.matrix import Precision
 from qualify.progress import Progress
 from qualify.protocol import (
     OUTPUTS_FILE,
