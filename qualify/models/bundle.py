@@ -197,7 +197,7 @@ def verify_bundle(bundle: ModelBundle) -> None:
         prefix = d.relative_to(bundle.root).as_posix()
         found.update({f"{prefix}/{k}": v for k, v in hash_tree(d).items()})
     compare_files(f"models cache {bundle.root}", bundle.files, found,
-                   hint=f"; delete {bundle.root} to rebuild")
+                  hint=f"; delete {bundle.root} to rebuild")
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

@@ -62,7 +62,7 @@ def write_dir_manifest(directory: Path) -> dict[str, str]:
 
 
 def compare_files(where: str, expected: Mapping[str, str], found: Mapping[str, str],
-                   hint: str) -> None:
+                  hint: str) -> None:
     """Compare measured digests with expected ones.
 
     Raises:
@@ -111,10 +111,14 @@ def verify_model_dir(directory: str | Path) -> dict[str, str]:
 
 
 def check_manifest_files(base: Path, expected: Mapping[str, str],
-                          known: Mapping[str, str] | None = None) -> dict[str, str]:
+                         known: Mapping[str, str] | None = None) -> dict[str, str]:
     """Hash the manifest's files under ``base``; return name -> measured sha256.
 
     ``known`` holds digests measured already (name -> sha256), not hashed again.
+
+    Raises:
+        ModelSourceError: a file is missing or its sha256 differs (the message names the
+            ``model.manifest.files`` entry).
     """
     out: dict[str, str] = {}
     for name, digest in expected.items():
@@ -128,7 +132,6 @@ def check_manifest_files(base: Path, expected: Mapping[str, str],
                                    f"found {found} ({p})")
         out[name] = found
     return out
-
 
 
 # ----------------------------------------------------------------------------- config checks

@@ -45,6 +45,7 @@ from typing import Any, Final
 
 import torch
 
+from qualify.atomic import TMP_PREFIX
 from qualify.contract import Contract, ModelSpec
 from qualify.digests import sha256_file
 from qualify.errors import ContractError, ModelSourceError
@@ -144,7 +145,7 @@ def default_cache_dir() -> Path:
 
 def tmp_dir(root: Path, name: str) -> Path:
     """A fresh ``<root>/.tmp-<name>-XXXX`` build directory."""
-    return Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
+    return Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{name}-", dir=root))
 
 
 def publish(tmp: Path, final: Path) -> None:
@@ -155,7 +156,6 @@ def publish(tmp: Path, final: Path) -> None:
         if not final.is_dir():
             raise
         shutil.rmtree(tmp)
-
 
 
 # ----------------------------------------------------------------------------- sources
@@ -304,7 +304,17 @@ def _convert_gguf(gguf: Path, sha256: str, root: Path, *,
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Source:
-    """A resolved source: its effective config, its directory (None for tiny) and record."""
+    """A resolved source: its effective config, its directory (None for tiny) and record.
+
+    Attributes:
+        config: the effective ``PretrainedConfig`` (the source's, with the contract's
+            overrides and every dropout probability at 0).
+        directory: the HF directory the actor is built from (the GGUF conversion for
+            ``smollm2-135m``), ``None`` for ``tiny-qwen3``.
+        record: what the weights came from (:attr:`ModelBundle.source
+            <qualify.models.bundle.ModelBundle.source>` before the heads are added).
+        dtype: the dtype the role weights are saved in.
+    """
 
     config: Any
     directory: Path | None
@@ -326,6 +336,12 @@ def resolve_source(contract: Contract, root: Path, *, building: bool) -> Source:
 
     ``building``: the role directories will be built from the source, so a converted GGUF
     directory is verified too (otherwise the bundle's own verification covers its files).
+
+    Raises:
+        ModelSourceError: a file, directory or variable is missing, a digest or config
+            field differs, or the source has no pad or EOS token.
+        ContractError: a forbidden ``model.config`` override or a TP size that cannot split
+            the heads.
     """
     from transformers import AutoConfig, AutoTokenizer
 

@@ -55,7 +55,6 @@ _SETTINGS_KEYS: Final = (
 )
 
 
-
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class Rollout:
     """A captured rollout: the tensors of :data:`qualify.protocol.ROLLOUT_KEYS` plus metadata.
@@ -162,8 +161,8 @@ class Rollout:
     def save(self, directory: str | Path, *, overwrite: bool = False) -> Path:
         """Write ``rollout.safetensors`` and ``rollout.json`` into ``directory``.
 
-        Each file is written to a temporary file in the same directory and renamed into
-        place (``os.replace``), tensors first, metadata last.
+        Each file is written atomically (:func:`qualify.atomic.write_bytes`: a temporary
+        file in the same directory, renamed into place), tensors first, metadata last.
 
         Args:
             directory: target directory (created if missing).

@@ -37,7 +37,6 @@ ROLLOUT_BACKENDS: Final[Mapping[str, str]] = {
 """Rollout backends by name, as lazy ``"module:attr"`` strings (imported on lookup)."""
 
 
-
 @runtime_checkable
 class RolloutBackend(Protocol):
     """A sampler that produces a :class:`Rollout` (the seam between qualify and an engine).
