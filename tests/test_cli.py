@@ -19,7 +19,7 @@ EXPECTED = {
     "validate": ["contract"],
     "reference": ["contract", "--out", "--new", "--quiet"],
     "candidate": ["contract", "--reference", "--out", "--cells", "--run-id", "--quiet"],
-    "compare": ["run_dir", "--no-seal"],
+    "compare": ["run_dir", "--reference", "--no-seal"],
     "run": ["contract", "--references", "--evidence", "--cells", "--quiet"],
     "keygen": ["--name", "--private-key", "--public-dir"],
     "sign": ["dir", "--key", "--reference", "--keys"],

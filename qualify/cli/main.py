@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from qualify.errors import ExitCode, QualifyError, UsageError
+from qualify.layout import REPORT_MD
 
 
 def _contract_arg(value: str | None) -> Path:
@@ -65,7 +66,7 @@ def _cmd_compare(args: argparse.Namespace) -> ExitCode:
     report = compare_run(run_dir, reference_dir=reference)
     if not args.no_seal:
         seal_and_sign(run_dir, kind="candidate-run")
-    print(f"report: {run_dir / 'report.md'}: {report.summary}")
+    print(f"report: {run_dir / REPORT_MD}: {report.summary}")
     return ExitCode.OK if report.passed else ExitCode.QUALIFICATION_FAILED
 
 
