@@ -285,8 +285,6 @@ def test_pre_redesign_evidence_verifies_from_the_install(installed: Install,
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="qualify/pipeline/slurm.py builds SBATCH_DIR from "
-                   "repo_root(); it must use qualify.resources.sbatch_dir()")
 def test_slurm_finds_its_job_scripts_in_the_install(installed: Install) -> None:
     doc = installed.python_json(
         "import json; from qualify.pipeline import slurm; print(json.dumps(str(slurm.SBATCH_DIR)))")

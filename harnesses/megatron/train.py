@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,8 +39,44 @@ from torch import Tensor, nn
 from harnesses.megatron import convert, losses
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
     from harnesses.common import Batch
-    from harnesses.megatron.harness import RoleRun
+    from harnesses.megatron import model as mm
+    from qualify.contract import Contract
+
+
+class RoleRun(Protocol):
+    """What training needs of :class:`harnesses.megatron.harness.RoleRun` (one role, one rank).
+
+    A structural type, so this module does not import the harness that imports it.
+    """
+
+    groups: mm.RoleGroups
+    contract: Contract
+    device: torch.device
+    compute_dtypes: set[str]
+
+    @property
+    def role(self) -> str:
+        """``actor`` or ``critic``."""
+
+    @property
+    def bf16(self) -> bool:
+        """Megatron BF16 mode."""
+
+    def put(self, round_: int, metric: str, value: Tensor, param: str | None = None) -> None:
+        """Report one tensor (:meth:`harnesses.common.RoleOutputs.put`)."""
+
+    def timed(self, key: str) -> AbstractContextManager[None]:
+        """Time a block under ``key`` (:meth:`harnesses.common.RoleOutputs.timed`)."""
+
+    def actor_scores(self, model: nn.Module, shape: convert.Shape,
+                     batch: Batch) -> tuple[Tensor, Tensor]:
+        """Logprobs and entropy ``[b, R]`` FP32."""
+
+    def critic_values(self, model: nn.Module, batch: Batch) -> Tensor:
+        """Values ``[b, R]`` FP32."""
 
 
 def gather_hf(run: RoleRun, shape: convert.Shape, local: Mapping[str, Tensor]) -> dict[str, Tensor]:

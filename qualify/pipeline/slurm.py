@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from qualify.errors import QualifyError, UsageError
-from qualify.resources import repo_root
+from qualify.resources import sbatch_dir
 
 Stage = Literal["reference", "candidate"]
 
 STAGES: Final[tuple[Stage, ...]] = ("reference", "candidate")
-SBATCH_DIR: Final = repo_root() / "sbatch"
+SBATCH_DIR: Final = sbatch_dir()
 """The committed job scripts (a source checkout; not shipped in a wheel)."""
 
 _HEADER_RE: Final = re.compile(r"^#SBATCH\s+--(?P<key>[a-z-]+)(?:=(?P<value>\S*))?\s*$")
