@@ -55,6 +55,7 @@ __all__ = [
     "ENVIRONMENT_FILE",
     "HF_REFERENCE_DIR",
     "INCOMPLETE_FILE",
+    "INCOMPLETE_INFIX",
     "INPUTS_DIR",
     "LAUNCHES_DIR",
     "LOGS_DIR",
@@ -84,6 +85,8 @@ MANIFEST_FILE: Final = "MANIFEST.json"
 """The manifest at the top of a sealed directory (written last)."""
 INCOMPLETE_FILE: Final = "INCOMPLETE"
 """The marker of a directory being written (removed right before the manifest)."""
+INCOMPLETE_INFIX: Final = ".incomplete-"
+"""An interrupted directory moved aside is named ``<name>.incomplete-<UTC stamp>``."""
 ATTESTATION_FILE: Final = "attestation.dsse.json"
 """The directory's signed attestation (DSSE envelope), added after sealing."""
 ATTESTATION_SUFFIX: Final = ".dsse.json"

@@ -315,3 +315,45 @@ def test_cli_surface_is_pinned() -> None:
         got[name] = [a.option_strings[0] if a.option_strings else a.dest
                      for a in p._actions if a.dest != "help"]
     assert got == CLI_SURFACE
+
+
+# The names sign re-exports from the modules split out of it (issue #14), for callers of
+# ``qualify.evidence.sign``. Pinned so that removing one is a deliberate change.
+SIGN_REEXPORTS: dict[str, tuple[str, ...]] = {
+    "qualify.errors": ("EnvelopeFormatError", "SignatureVerificationError"),
+    "qualify.evidence.dsse": ("PAYLOAD_TYPE", "Envelope", "Signature", "pae", "read_envelope",
+                              "verify_envelope_signatures"),
+    "qualify.evidence.keys": ("ENV_SIGNING_KEY", "ENV_SIGNING_KEY_FILE", "SigningKey",
+                              "default_keys_dir", "default_signing_key", "dev_key_path",
+                              "generate_key", "key_id", "load_public_key", "load_signing_key",
+                              "trusted_keys"),
+    "qualify.evidence.statement": ("PREDICATE_TYPE", "REFERENCE_KIND", "RUN_KIND",
+                                   "STATEMENT_TYPE", "TEST_RESULT_PREDICATE_TYPE",
+                                   "build_statement", "environment_summary",
+                                   "statement_bytes"),
+    "qualify.evidence.timestamps": ("parse_time",),
+    "qualify.layout": ("ATTESTATION_FILE", "BOUNDS_FILE", "REFERENCE_FILE", "RUN_FILE"),
+}
+
+
+@pytest.mark.parametrize("module", sorted(SIGN_REEXPORTS))
+def test_sign_reexports_are_the_defining_modules_objects(module: str) -> None:
+    import importlib
+
+    mod = importlib.import_module(module)
+    for name in SIGN_REEXPORTS[module]:
+        assert name in signing.__all__, name
+        assert getattr(signing, name) is getattr(mod, name), name
+    assert signing.REPORT_FILE == "report.json"
+    assert not hasattr(signing, "locate_reference")  # qualify.layout.resolve_reference
+
+
+def test_errors_of_the_steps_live_in_qualify_errors() -> None:
+    import qualify.errors as errors
+    from qualify.evidence import steps, verify
+
+    for number, kind in steps.STEP_ERRORS.items():
+        assert getattr(errors, kind.__name__) is kind, number
+        assert getattr(verify, kind.__name__) is kind, number
+        assert issubclass(kind, errors.EvidenceIntegrityError)
+    assert [n for n, _ in steps.STEPS] == sorted(steps.STEP_ERRORS)

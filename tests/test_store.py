@@ -549,3 +549,74 @@ def test_small_helpers() -> None:
     stamp = store.utc_now()
     assert stamp.endswith("Z")
     assert "T" in stamp
+
+
+# --------------------------------------------------------------------------- module seams
+
+# The names store re-exports from the modules split out of it (issue #14), for callers
+# outside qualify/evidence. Pinned so that removing one is a deliberate change.
+STORE_REEXPORTS: dict[str, tuple[str, ...]] = {
+    "qualify.digests": ("sha256_bytes", "sha256_file"),
+    "qualify.evidence.attempts": ("attempt_number", "attempts", "claim_dir",
+                                  "latest_complete_attempt", "new_attempt", "next_free_dir"),
+    "qualify.evidence.sealed": ("atomic_write_bytes", "atomic_write_json", "atomic_write_text",
+                                "is_incomplete", "is_sealed", "sealed_ancestor"),
+    "qualify.evidence.tensors": ("load_tensors", "load_tensors_torch", "read_tensor_metadata",
+                                 "save_tensors"),
+    "qualify.evidence.timestamps": ("utc_now", "utc_now_iso"),
+    "qualify.layout": ("ATTESTATION_SUFFIX", "INCOMPLETE_FILE", "MANIFEST_FILE"),
+}
+
+
+@pytest.mark.parametrize("module", sorted(STORE_REEXPORTS))
+def test_store_reexports_are_the_defining_modules_objects(module: str) -> None:
+    import importlib
+
+    mod = importlib.import_module(module)
+    for name in STORE_REEXPORTS[module]:
+        assert name in store.__all__, name
+        assert getattr(store, name) is getattr(mod, name), name
+
+
+def test_evidence_modules_import_no_cycle() -> None:
+    """The qualify.evidence modules import one another without a cycle (DESIGN.md 2)."""
+    import ast
+
+    pkg = Path(store.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in sorted(pkg.glob("*.py")):
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module == "qualify.evidence":
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and \
+                    node.module.startswith("qualify.evidence."):
+                deps.add(node.module.rsplit(".", 1)[1])
+        graph[path.stem] = deps
+    state: dict[str, int] = {}
+
+    def visit(m: str, trail: tuple[str, ...]) -> None:
+        assert state.get(m) != 1, f"import cycle: {' -> '.join((*trail, m))}"
+        if state.get(m) == 2:
+            return
+        state[m] = 1
+        for d in sorted(graph.get(m, ())):
+            visit(d, (*trail, m))
+        state[m] = 2
+
+    for m in sorted(graph):
+        visit(m, ())
+    assert {"store", "sealed", "attempts", "tensors", "dsse", "keys", "statement", "sign",
+            "verify", "discover", "gate", "audit"} <= set(graph)
+
+
+def test_parse_time_reads_what_utc_now_writes() -> None:
+    from qualify.evidence.timestamps import parse_time
+
+    stamp = store.utc_now_iso()
+    t = parse_time(stamp, "now")
+    assert t.tzinfo is not None
+    assert t.strftime("%Y-%m-%dT%H:%M:%S.%fZ") == stamp
+    for bad in (None, 3, "yesterday"):
+        with pytest.raises(EvidenceIntegrityError):
+            parse_time(bad, "bad")

@@ -28,15 +28,13 @@ import psutil
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
 from qualify.evidence.sealed import atomic_write_json, is_sealed, refuse_if_sealed
 from qualify.evidence.timestamps import ISO_FORMAT, utc_now_iso, utc_stamp
-from qualify.layout import ATTEMPT_PREFIX, INCOMPLETE_FILE
+from qualify.layout import ATTEMPT_PREFIX, INCOMPLETE_FILE, INCOMPLETE_INFIX
 
 __all__ = ["INCOMPLETE_INFIX", "attempt_number", "attempts", "claim_dir",
            "latest_complete_attempt", "new_attempt", "next_free_dir"]
 
 _log = logging.getLogger(__name__)
 
-INCOMPLETE_INFIX: Final = ".incomplete-"
-"""Moved-aside interrupted directories are named ``<name>.incomplete-<UTC stamp>``."""
 _ATTEMPT_RE: Final = re.compile(rf"^{re.escape(ATTEMPT_PREFIX)}([1-9][0-9]*)$")
 _MAX_ATTEMPT_RACES: Final = 1000
 

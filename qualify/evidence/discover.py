@@ -16,18 +16,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 from qualify.errors import QualifyError
-from qualify.evidence.attempts import INCOMPLETE_INFIX
 from qualify.evidence.dsse import read_envelope
 from qualify.evidence.statement import REFERENCE_KIND, RUN_KIND
 from qualify.layout import (
     ATTESTATION_FILE,
     INCOMPLETE_FILE,
+    INCOMPLETE_INFIX,
     MANIFEST_FILE,
     REFERENCE_FILE,
     RUN_FILE,
 )
 
-__all__ = ["INCOMPLETE_INFIX", "EvidenceDir", "find_evidence"]
+__all__ = ["EvidenceDir", "find_evidence"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

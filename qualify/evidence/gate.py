@@ -29,12 +29,12 @@ from typing import Any, Final
 from qualify.contract import Contract, load_contract
 from qualify.errors import ExitCode, UsageError
 from qualify.evidence import store
-from qualify.evidence.discover import INCOMPLETE_INFIX, EvidenceDir, find_evidence
+from qualify.evidence.discover import EvidenceDir, find_evidence
 from qualify.evidence.statement import RUN_KIND
 from qualify.evidence.steps import VerificationResult
 from qualify.evidence.timestamps import utc_now_iso
 from qualify.evidence.verify import verify
-from qualify.layout import REPORT_JSON
+from qualify.layout import INCOMPLETE_INFIX, REPORT_JSON
 
 __all__ = ["GATE_SCHEMA", "CellDecision", "ContractDecision", "GateResult", "gate",
            "latest_run", "required_cells"]
