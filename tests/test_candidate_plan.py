@@ -73,3 +73,18 @@ def test_cell_json_variants_round_trip(tmp_path: Path) -> None:
                          critic_tp=0, rounds=2, seed=1, inputs_dir="i", output_dir="o")
     assert single.variant_runs() == [("bf16", {}, "")]
     assert variant_tag("bf16", {"zero": 1}) == "bf16-zero1"
+
+
+
+def test_launch_options_are_the_cell_json_options() -> None:
+    """Without extra axes a part's cell.json options are its engine options, byte for byte."""
+    c = _contract('["torch_tp", "deepspeed"]')
+    ds = plan_launches(c, cells_matching(c, ["deepspeed-*"]), grouped_engines=["deepspeed"])[0]
+    assert [p.harness_options for p in ds.parts] == [{"zero": z} for _ in range(2)
+                                                     for z in (0, 1, 2)]
+    assert all(p.axes == () for p in ds.parts)
+    assert ds.options == (("zero", 0),)
+    tp = plan_launches(c, cells_matching(c, ["torch_tp-*"]))[0]
+    assert tp.options == ()
+    assert tp.parts[0].harness_options == {}
+    assert tp.launch_id == "torch_tp-fp32-a2c1"
