@@ -41,9 +41,6 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-BRANCHES_DIR: Final = "branches"
-BRANCHES_FILE: Final = "branches.json"
-"""Where a sealed reference keeps its clip-ambiguous tokens (:mod:`qualify.reference.branches`)."""
 GRADIENT_FAMILIES: Final = frozenset({"grads", "grad_norm", "clip_coef", "exp_avg",
                                       "exp_avg_sq", "updates"})
 """Families computed from the round's gradient: a branch flip moves them all."""

@@ -142,3 +142,7 @@ class RolloutLayoutError(ReferenceDataError):
 
 class PrecisionMismatchError(QualifyError):
     """A scoring pass did not run at the precision it was asked for (a reference bug)."""
+
+
+class DirtyTreeError(UsageError):
+    """The source tree has modified tracked files and ``QUALIFY_ALLOW_DIRTY`` is not 1."""

@@ -57,12 +57,14 @@ __all__ = [
     "INCOMPLETE_FILE",
     "INCOMPLETE_INFIX",
     "INPUTS_DIR",
+    "LAUNCHER_LOG",
     "LAUNCHES_DIR",
     "LOGS_DIR",
     "MANIFEST_FILE",
     "MODEL_FILE",
     "OUTPUTS_FILE",
     "OUTPUTS_META_FILE",
+    "RANK_LOGS_DIR",
     "REFERENCES_DIR",
     "REFERENCE_FILE",
     "REPORT_JSON",
@@ -119,6 +121,10 @@ CELLS_DIR: Final = "cells"
 ATTEMPT_PREFIX: Final = "attempt-"
 RESULT_FILE: Final = "result.json"
 LOGS_DIR: Final = "logs"
+RANK_LOGS_DIR: Final = "ranks"
+"""Per-rank logs of a launch, under ``logs/``."""
+LAUNCHER_LOG: Final = "launcher.log"
+"""torchrun's combined stdout / stderr, under ``logs/``."""
 
 
 def _field(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str,

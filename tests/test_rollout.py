@@ -15,12 +15,12 @@ from hypothesis import given, settings
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from qualify import registry
 from qualify.contract import SamplingSpec
 from qualify.errors import ContractError, HarnessError, ReferenceDataError
 from qualify.protocol import ROLLOUT_FILE, ROLLOUT_KEYS, ROLLOUT_META_FILE
 from qualify.reference.rollout import Rollout, build_rollout
 from qualify.reference.sampling import (
-    ROLLOUT_BACKENDS,
     HfRolloutBackend,
     RolloutBackend,
     get_backend,
@@ -83,7 +83,7 @@ def saved(rollout: Rollout, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_registry_resolves_hf_lazily(actor: Qwen3ForCausalLM) -> None:
     assert rollout_backend("hf") is HfRolloutBackend
-    assert ROLLOUT_BACKENDS["vllm"] == "harnesses.vllm.rollout:VllmRolloutBackend"
+    assert registry.get_rollout_backend("vllm").entry == "harnesses.vllm.rollout:VllmRolloutBackend"
     backend = HfRolloutBackend(actor)
     assert isinstance(backend, RolloutBackend)
     assert backend.name == "hf"
@@ -113,10 +113,13 @@ def test_registry_unknown_name_suggests_and_lists() -> None:
 )
 def test_registry_broken_entries(monkeypatch: pytest.MonkeyPatch, target: str,
                                  message: str) -> None:
-    registry: Any = ROLLOUT_BACKENDS
-    monkeypatch.setitem(registry, "broken", target)
-    with pytest.raises(HarnessError, match=message):
-        rollout_backend("broken")
+    registry.ROLLOUT_BACKENDS.register(
+        "broken", registry.EngineSpec(name="broken", kind="rollout", entry=target))
+    try:
+        with pytest.raises(HarnessError, match=message):
+            rollout_backend("broken")
+    finally:
+        registry._reset_for_tests()
 
 
 def test_hf_backend_rejects_tp_and_bf16(actor: Qwen3ForCausalLM) -> None:
@@ -544,13 +547,7 @@ def test_contract_rejects_hf_sampler_with_tp() -> None:
     assert hf.sampling.engine == "hf"
 
 
-def test_registry_string_of_the_hf_backend_still_resolves() -> None:
-    """``qualify.reference.rollout:HfRolloutBackend`` (a registry string) is the sampler class."""
-    from qualify.reference import rollout as rollout_module
-    from qualify.resources import import_repo_module
-
-    module = import_repo_module("qualify.reference.rollout")
-    assert module.HfRolloutBackend is HfRolloutBackend
-    assert ROLLOUT_BACKENDS["hf"] == "qualify.reference.sampling:HfRolloutBackend"
-    with pytest.raises(AttributeError, match="no_such_name"):
-        rollout_module.no_such_name  # noqa: B018
+def test_the_hf_backend_is_registered_by_its_module() -> None:
+    """The registry's ``hf`` entry names the class where it lives (no alias module)."""
+    assert registry.get_rollout_backend("hf").entry == "qualify.reference.sampling:HfRolloutBackend"
+    assert rollout_backend("hf") is HfRolloutBackend

@@ -4,7 +4,7 @@
 - :mod:`harnesses.vllm.capture`: ``python -m harnesses.vllm.capture`` captures the
   reference-stage rollout in a child process.
 - :mod:`harnesses.vllm.rollout`: :class:`~harnesses.vllm.rollout.VllmRolloutBackend`, the
-  ``vllm`` rollout backend of :mod:`qualify.reference.rollout` (runs the capture child).
+  ``vllm`` rollout backend of :mod:`qualify.reference.sampling` (runs the capture child).
 
 Importing this package imports no engine: vllm is imported only inside the functions that
 build one.

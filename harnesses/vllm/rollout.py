@@ -1,9 +1,9 @@
-"""The ``vllm`` rollout backend of :mod:`qualify.reference.rollout` (the default rollout engine).
+"""The ``vllm`` rollout backend (the default rollout engine; :mod:`qualify.reference.sampling`).
 
 :class:`VllmRolloutBackend` samples with the real vLLM engine in a child process
 (``python -m harnesses.vllm.capture``, see that module for the request/result files and
 the seeding policy), so the process that runs the reference stage never imports vllm. The
-result is laid out by :func:`qualify.rollout.build_rollout`, the layout shared with the HF
+result is laid out by :func:`qualify.reference.rollout.build_rollout`, the layout shared with the HF
 sampler; token ids and logprobs are the engine's own, unchanged.
 """
 

@@ -42,7 +42,7 @@ from typing import Any, Final, Literal
 
 from qualify import atomic, procs, schema
 from qualify.errors import HarnessError
-from qualify.layout import LOGS_DIR
+from qualify.layout import LAUNCHER_LOG, LOGS_DIR, RANK_LOGS_DIR
 from qualify.protocol import (
     CELL_FILE,
     OUTPUTS_FILE,
@@ -54,8 +54,6 @@ from qualify.resources import repo_root
 
 LaunchStatus = Literal["OK", "ERROR"]
 
-RANK_LOGS_DIR: Final = "ranks"
-LAUNCHER_LOG: Final = "launcher.log"
 KILL_GRACE_S: Final = procs.KILL_GRACE_S
 """Seconds between SIGTERM and SIGKILL when a launch is ended (:mod:`qualify.procs`)."""
 TAIL_LINES: Final = 25
@@ -248,8 +246,8 @@ def launch_env(env: Mapping[str, str] | None) -> dict[str, str]:
     """The environment of a launch: ours, overlaid by ``env``, plus what every rank needs.
 
     ``OMP_NUM_THREADS=1`` unless set (one thread per rank), ``PYTHONUNBUFFERED=1`` (logs
-    arrive as written), the repository root first on ``PYTHONPATH`` (``harnesses`` is not
-    an installed package).
+    arrive as written), the directory holding the ``qualify`` and ``harnesses`` packages
+    first on ``PYTHONPATH`` (the checkout, or ``site-packages`` of a wheel install).
     """
     out = dict(os.environ)
     out.update(env or {})

@@ -24,17 +24,18 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from qualify import procs
 from qualify.candidate.launch import check_outputs, validate_cell
 from qualify.contract import CellSpec, Contract
 from qualify.errors import HarnessError
 from qualify.evidence import store
+from qualify.layout import CELLS_DIR, RESULT_FILE, RUN_FILE
 from qualify.protocol import (
     ACTOR_ROUND1_WEIGHTS,
     CELL_FILE,
@@ -46,7 +47,6 @@ from qualify.resources import repo_root
 
 REQUEST_FILE: Final = "sampler_request.json"
 CELL_ATTEMPT_KIND: Final = "cell-attempt"
-RUN_FILE: Final = "run.json"
 DEFAULT_TIMEOUT_S: Final = 1800.0
 
 
@@ -93,7 +93,7 @@ def find_weights(run_dir: Path, doc: dict[str, Any], cell_id: str) -> tuple[Path
                       f"({entry.get('status')}: {entry.get('reason')})")
     attempt = run_dir / str(entry.get("attempt"))
     try:
-        result = json.loads((attempt / "result.json").read_text("utf-8"))
+        result = json.loads((attempt / RESULT_FILE).read_text("utf-8"))
     except (OSError, ValueError) as exc:
         return None, f"{attempt / 'result.json'}: unreadable: {exc}"
     launch = Path(str(result.get("launch_attempt", "")))
@@ -140,7 +140,7 @@ def run_sampler_cells(contract: Contract, *, run_dir: Path, doc: dict[str, Any],
                                        weights_from=s.weights_from)
             store.atomic_write_json(run_dir / RUN_FILE, doc)
             continue
-        attempt = store.new_attempt(run_dir / "cells" / cid)
+        attempt = store.new_attempt(run_dir / CELLS_DIR / cid)
         status, reason = _run_one(contract, attempt, inputs=inputs, tp=tp, weights=weights,
                                   weights_from=s.weights_from, engine=engine,
                                   faults=faults, timeout_s=timeout_s)
@@ -168,18 +168,15 @@ def _run_one(contract: Contract, attempt: Path, *, inputs: Path, tp: int, weight
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(repo_root()), os.environ.get("PYTHONPATH", "")])}
     t0 = time.perf_counter()
-    status, reason, rc = "COMPLETE", None, None
+    status, reason = "COMPLETE", None
     with (logs / "stdout.txt").open("wb") as out, (logs / "stderr.txt").open("wb") as err:
-        try:
-            proc = subprocess.run([sys.executable, "-m", engine.module,
-                                   str(attempt / CELL_FILE)],
-                                  stdout=out, stderr=err, env=env, timeout=timeout_s,
-                                  check=False)
-            rc = proc.returncode
-            if rc != 0:
-                status, reason = "ERROR", f"sampler harness exited with code {rc}"
-        except subprocess.TimeoutExpired:
-            status, reason = "ERROR", f"sampler harness exceeded {timeout_s:.0f} s"
+        ran = procs.run([sys.executable, "-m", engine.module, str(attempt / CELL_FILE)],
+                        stdout=out, stderr=err, env=env, timeout_s=timeout_s)
+    rc = ran.returncode  # None on timeout: the harness's whole process tree was ended
+    if ran.timed_out:
+        status, reason = "ERROR", f"sampler harness exceeded {timeout_s:.0f} s"
+    elif rc != 0:
+        status, reason = "ERROR", f"sampler harness exited with code {rc}"
     if status == "COMPLETE":
         try:
             check_outputs(attempt, sampler=True)
@@ -189,7 +186,7 @@ def _run_one(contract: Contract, attempt: Path, *, inputs: Path, tp: int, weight
         tail = (logs / "stderr.txt").read_text("utf-8", errors="replace").strip().splitlines()
         last = next((ln for ln in reversed(tail) if ln.strip()), "")
         reason = f"{reason}: {last[-300:]}" if last else reason
-    store.atomic_write_json(attempt / "result.json", {
+    store.atomic_write_json(attempt / RESULT_FILE, {
         "status": status, "reason": reason, "wall_s": round(time.perf_counter() - t0, 3),
         "returncode": rc, "launch": f"{engine.name}-sampler-tp{tp}", "weights_from": weights_from,
         "weights_file": str(weights.resolve())})

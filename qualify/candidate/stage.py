@@ -32,6 +32,7 @@ from qualify.candidate.launch import LaunchResult, launch
 from qualify.contract import CellSpec, Contract, cells_matching
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError
 from qualify.evidence import store
+from qualify.layout import CELLS_DIR, INPUTS_DIR, LAUNCHES_DIR, MODEL_FILE, RESULT_FILE, RUN_FILE
 from qualify.matrix import Precision
 from qualify.progress import Progress
 from qualify.protocol import (
@@ -46,7 +47,6 @@ from qualify.protocol import (
 from qualify.reference.stage import load_sealed_reference
 from qualify.registry import get_engine
 
-RUN_FILE = "run.json"
 RUN_KIND = "candidate-run"
 CELL_ATTEMPT_KIND = "cell-attempt"
 
@@ -195,20 +195,20 @@ def _stage_inputs(contract: Contract, reference: Path, run_dir: Path) -> Path:
     """
     from qualify.models import bundle as models
 
-    inputs = run_dir / "inputs"
-    ref_model = json.loads((reference / "model.json").read_text())
+    inputs = run_dir / INPUTS_DIR
+    ref_model = json.loads((reference / MODEL_FILE).read_text())
     bundle = models.prepare_models(contract)
     if dict(bundle.files) != dict(ref_model.get("files", {})):
         changed = sorted(set(bundle.files.items()) ^ set(ref_model.get("files", {}).items()))
         raise ReferenceDataError(
             f"{reference / 'model.json'}: files: the local role models differ from the ones "
             f"the reference was built with (first difference: {changed[0][0]})")
-    if (inputs / "model.json").exists():
+    if (inputs / MODEL_FILE).exists():
         return inputs
     inputs.mkdir(parents=True, exist_ok=True)
     for name in (ROLLOUT_FILE, ROLLOUT_META_FILE, TRAIN_INPUTS_FILE, "contract.json"):
         shutil.copyfile(reference / name, inputs / name)
-    store.atomic_write_json(inputs / "model.json", {
+    store.atomic_write_json(inputs / MODEL_FILE, {
         "actor_dir": str(bundle.actor_dir.resolve()),
         "ref_dir": str(bundle.actor_dir.resolve()),
         "critic_dir": str(bundle.critic_dir.resolve()),
@@ -250,7 +250,7 @@ def _split_outputs(result: LaunchResult, attempt: Path, launch_: Launch, cell: C
     logs = attempt / "logs"
     if logs.is_dir():
         shutil.copytree(logs, cell_attempt / "logs", dirs_exist_ok=True)
-    store.atomic_write_json(cell_attempt / "result.json", {
+    store.atomic_write_json(cell_attempt / RESULT_FILE, {
         "status": "COMPLETE" if status == "OK" else "ERROR",
         "reason": reason,
         "wall_s": result.wall_s,
@@ -346,17 +346,17 @@ def run_candidate_stage(
                 variants=tuple({"precision": p.precision, "options": p.harness_options}
                                for p in lc.parts) if lc.grouped else (),
             )
-            attempt = store.new_attempt(run_dir / "launches" / lc.launch_id)
+            attempt = store.new_attempt(run_dir / LAUNCHES_DIR / lc.launch_id)
             hc = dataclasses.replace(hc, output_dir=str(attempt.resolve()))
             result = launch(hc, module=engine.module, attempt_dir=attempt,
                             timeout_s=launch_timeout_s * len(lc.parts),
                             env=None if _cuda_available() else engine.cpu_env)
-            store.atomic_write_json(attempt / "result.json", {
+            store.atomic_write_json(attempt / RESULT_FILE, {
                 "status": result.status, "reason": result.reason, "wall_s": result.wall_s,
                 "returncode": result.returncode})
             store.seal(attempt, kind="launch-attempt")
             for cell in lc.cells:
-                cell_attempt = store.new_attempt(run_dir / "cells" / cell.cell_id)
+                cell_attempt = store.new_attempt(run_dir / CELLS_DIR / cell.cell_id)
                 status, why = _split_outputs(result, attempt, lc, cell, cell_attempt)
                 doc["cells"][cell.cell_id] = _cell_entry(
                     cell, status, why, str(cell_attempt.relative_to(run_dir)))

@@ -88,7 +88,7 @@ from qualify.compare.verdicts import (
     Verdict,
     worst_verdict,
 )
-from qualify.contract import Contract
+from qualify.contract import CellSpec, Contract
 from qualify.digests import sha256_bytes
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
 from qualify.evidence import store
@@ -249,6 +249,8 @@ class _Ctx:
     contract: Contract
     branches: SealedBranches
     hf: dict[str, dict[str, npt.NDArray[Any]] | None] = dataclasses.field(default_factory=dict)
+    cells: dict[str, CellSpec] = dataclasses.field(default_factory=dict)
+    """The contract's matrix cells by id."""
 
 
 def _hf(ctx: _Ctx, precision: str) -> dict[str, npt.NDArray[Any]] | None:
@@ -258,13 +260,18 @@ def _hf(ctx: _Ctx, precision: str) -> dict[str, npt.NDArray[Any]] | None:
     return ctx.hf[precision]
 
 
-def _same_cell_tp1(cells: Mapping[str, Any], entry: Mapping[str, Any]) -> tuple[str, Any]:
-    for cid, e in cells.items():
-        if (isinstance(e, Mapping) and e.get("tp") == 1 and e.get("engine") == entry["engine"]
-                and e.get("precision") == entry["precision"] and e.get("role") == entry["role"]
-                and dict(e.get("options") or {}) == dict(entry.get("options") or {})):
-            return cid, e
-    return "", None
+def _base_cell(ctx: _Ctx, cid: str) -> tuple[str | None, bool]:
+    """``(id of the same cell at every axis's base degree, whether cid is that cell)``.
+
+    From the contract's matrix (:meth:`~qualify.matrix.CellSpec.base_cell_id`): TP=n is
+    compared with TP=1 of the same engine, precision, role and options, and an engine's
+    other parallel axes (a shard degree) go to their base degree too. ``(None, True)`` for
+    a cell the matrix does not list (nothing to compare it with).
+    """
+    spec = ctx.cells.get(cid)
+    if spec is None:
+        return None, True
+    return spec.base_cell_id(), spec.is_base
 
 
 def _class_rows(ctx: _Ctx, *, cell: str, klass: str, precision: str, role: str,
@@ -279,7 +286,7 @@ def _class_rows(ctx: _Ctx, *, cell: str, klass: str, precision: str, role: str,
 
 def _complete_rows(ctx: _Ctx, *, cid: str, entry: Mapping[str, Any], cells: Mapping[str, Any],
                    outputs: _Outputs, loaded: dict[str, _Outputs | str]) -> list[Row]:
-    role, precision, tp = str(entry["role"]), str(entry["precision"]), int(entry["tp"])
+    role, precision = str(entry["role"]), str(entry["precision"])
     mine = {k: v for k, v in outputs.tensors.items() if _role_of(k) == role}
     rows: list[Row] = []
     hf = _hf(ctx, precision)
@@ -293,9 +300,10 @@ def _complete_rows(ctx: _Ctx, *, cid: str, entry: Mapping[str, Any], cells: Mapp
         expected = {k: v for k, v in hf.items() if _role_of(k) == role}
         rows += _class_rows(ctx, cell=cid, klass="candidate_vs_hf", precision=precision,
                             role=role, obtained=mine, expected=expected, meta=outputs.meta)
-    if tp > 1:
-        tp1_id, tp1 = _same_cell_tp1(cells, entry)
-        got = loaded.get(tp1_id) if tp1_id else None
+    tp1_id, is_base = _base_cell(ctx, cid)
+    if not is_base and tp1_id is not None:
+        tp1 = cells.get(tp1_id)
+        got = loaded.get(tp1_id)
         if isinstance(got, _Outputs):
             ref1 = {k: v for k, v in got.tensors.items() if _role_of(k) == role}
             rows += _class_rows(ctx, cell=cid, klass="tp_vs_tp1", precision=precision,
@@ -306,7 +314,7 @@ def _complete_rows(ctx: _Ctx, *, cid: str, entry: Mapping[str, Any], cells: Mapp
             keys = sorted(group_tensors(mine), key=lambda k: k.label)
             rows += not_run_rows(cid, "tp_vs_tp1", "tp_vs_tp1", keys,
                                  f"TP=1 cell of the same engine did not complete "
-                                 f"({tp1_id or 'no such cell'}: {status}{why})")
+                                 f"({tp1_id}: {status}{why})")
     padding = padding_rows(cell=cid, role=role, precision=precision, bounds=ctx.bounds,
                            outputs=mine, mask=ctx.mask)
     rows += [declared_or(r, outputs.meta, "padding") for r in padding]
@@ -426,7 +434,8 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
     mask = np.asarray(rollout["response_mask"])
     ctx = _Ctx(run_dir=run_dir, ref_dir=ref_dir, bounds=bounds, mask=mask, contract=contract,
                branches=SealedBranches(ref_dir=ref_dir, contract=contract, bounds=bounds,
-                                       mask=mask))
+                                       mask=mask),
+               cells={c.cell_id: c for c in contract.matrix.cells()})
     # 4. the cells
     cells = run.cells
     loaded: dict[str, _Outputs | str] = {}

@@ -31,7 +31,7 @@ from typing import Any, Final
 import psutil
 
 import qualify
-from qualify.resources import repo_root
+from qualify.resources import checkout_root
 
 __all__ = [
     "ENV_VAR_NAMES",
@@ -433,7 +433,8 @@ def capture_environment(*, repo: Path | None = None, import_torch: bool = True) 
     """Describe the running environment; the document validates against ``environment``.
 
     Args:
-        repo: source tree whose git state is recorded; default the qualify checkout.
+        repo: source tree whose git state is recorded; default the qualify checkout (none,
+            so all ``null``, in a wheel install).
         import_torch: import torch (if installed and not yet imported) for the GPU
             inventory and numerics settings. ``False`` records only what an already
             imported torch says.
@@ -445,7 +446,7 @@ def capture_environment(*, repo: Path | None = None, import_torch: bool = True) 
         package or device.
     """
     if repo is None:
-        repo = repo_root()
+        repo = checkout_root()  # None in a wheel install: its git state is not the code's
     torch = _torch_module(import_torch)
     gpus, cuda = _accelerators(torch)
     return {

@@ -131,9 +131,9 @@ def _source(env: Mapping[str, Any]) -> dict[str, Any]:
     git = env.get("git")
     if not isinstance(git, Mapping):
         from qualify.evidence.environment import git_state
-        from qualify.resources import repo_root
+        from qualify.resources import checkout_root
 
-        git = git_state(repo_root())
+        git = git_state(checkout_root())
     return {"commit": git.get("commit"), "dirty": git.get("dirty"), "branch": git.get("branch")}
 
 

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from qualify.errors import QualifyError, UsageError
+from qualify.errors import DirtyTreeError, QualifyError, UsageError
 from qualify.resources import sbatch_dir
 
 Stage = Literal["reference", "candidate"]
@@ -314,10 +314,6 @@ def gpu_inventory() -> list[str]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [ln.strip() for ln in done.stdout.splitlines() if ln.strip()]
-
-
-class DirtyTreeError(UsageError):
-    """The source tree has modified tracked files and ``QUALIFY_ALLOW_DIRTY`` is not 1."""
 
 
 def job_record(*, stage: str, contract: str, repo: Path,

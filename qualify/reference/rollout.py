@@ -19,7 +19,7 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import Any, Final, Literal
 
 import torch
 from safetensors import SafetensorError
@@ -31,9 +31,6 @@ from qualify.atomic import write_bytes
 from qualify.contract import SamplingSpec
 from qualify.errors import ReferenceDataError, RolloutLayoutError
 from qualify.protocol import ROLLOUT_FILE, ROLLOUT_KEYS, ROLLOUT_META_FILE
-
-if TYPE_CHECKING:
-    from qualify.reference.sampling import HfRolloutBackend
 
 __all__ = ["ROLLOUT_SCHEMA_VERSION", "FinishReason", "LogprobsMode", "Rollout",
            "RolloutLayoutError", "build_rollout"]
@@ -445,19 +442,3 @@ def build_rollout(
         pad_token_id=pad_token_id,
         eos_token_id=eos_token_id,
     )
-
-
-def __getattr__(name: str) -> type[HfRolloutBackend]:
-    """``HfRolloutBackend``, for the registry string ``qualify.reference.rollout:HfRolloutBackend``.
-
-    The class lives in :mod:`qualify.reference.sampling` (which imports this module); it is
-    imported on first access, so no import cycle arises.
-
-    Raises:
-        AttributeError: any other missing name.
-    """
-    if name == "HfRolloutBackend":
-        from qualify.reference.sampling import HfRolloutBackend
-
-        return HfRolloutBackend
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

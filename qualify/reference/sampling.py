@@ -5,18 +5,18 @@ contract's :class:`~qualify.contract.SamplingSpec` into a
 :class:`~qualify.reference.rollout.Rollout` (the stored document, its layout checks and
 :func:`~qualify.reference.rollout.build_rollout` live in :mod:`qualify.reference.rollout`).
 
-Backends are found by name through :data:`ROLLOUT_BACKENDS`, a table of lazy
-``"module:attr"`` strings (lm-evaluation-harness ``lm_eval/api/registry.py`` style), so
-``import qualify.reference.sampling`` never imports vllm. ``hf`` (:class:`HfRolloutBackend`)
-lives here; ``vllm`` lives in ``harnesses/vllm/rollout.py``.
+Backends are found by name through the generic registry
+(:data:`qualify.registry.ROLLOUT_BACKENDS`: lazy specs, entry-point group
+``qualify.rollout_backends``), so ``import qualify.reference.sampling`` never imports
+vllm. ``hf`` (:class:`HfRolloutBackend`) lives here; ``vllm`` lives in
+``harnesses/vllm/rollout.py``.
 """
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Final, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import transformers
@@ -25,24 +25,18 @@ from transformers import GenerationConfig
 from qualify.contract import SamplingSpec
 from qualify.errors import ContractError, HarnessError
 from qualify.reference.rollout import Rollout, build_rollout
+from qualify.registry import get_rollout_backend
 from qualify.resources import import_repo_module
 
-__all__ = ["ROLLOUT_BACKENDS", "HfRolloutBackend", "RolloutBackend", "capture_rollout",
+__all__ = ["HfRolloutBackend", "RolloutBackend", "capture_rollout",
            "get_backend", "rollout_backend"]
-
-ROLLOUT_BACKENDS: Final[Mapping[str, str]] = {
-    "hf": "qualify.reference.sampling:HfRolloutBackend",
-    "vllm": "harnesses.vllm.rollout:VllmRolloutBackend",
-}
-"""Rollout backends by name, as lazy ``"module:attr"`` strings (imported on lookup)."""
-
 
 @runtime_checkable
 class RolloutBackend(Protocol):
     """A sampler that produces a :class:`Rollout` (the seam between qualify and an engine).
 
     Attributes:
-        name: backend name, the key of :data:`ROLLOUT_BACKENDS` (``hf``, ``vllm``).
+        name: backend name in :data:`qualify.registry.ROLLOUT_BACKENDS` (``hf``, ``vllm``).
         version: version of the library that samples (``transformers``, ``vllm``).
     """
 
@@ -85,7 +79,8 @@ def rollout_backend(name: str) -> Callable[..., RolloutBackend]:
     """Import and return the rollout backend class registered under ``name``.
 
     Args:
-        name: a key of :data:`ROLLOUT_BACKENDS` (the contract's ``sampling.engine``).
+        name: a rollout backend of :data:`qualify.registry.ROLLOUT_BACKENDS` (the
+            contract's ``sampling.engine``).
 
     Returns:
         The backend class (call it with the backend's own constructor arguments).
@@ -96,14 +91,7 @@ def rollout_backend(name: str) -> Callable[..., RolloutBackend]:
         HarnessError: the backend's module cannot be imported (engine not installed) or
             the registered attribute is missing or not a class.
     """
-    target = ROLLOUT_BACKENDS.get(name)
-    if target is None:
-        close = difflib.get_close_matches(name, list(ROLLOUT_BACKENDS), n=2)
-        hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
-        raise ContractError(
-            f"sampling.engine: unknown rollout backend {name!r}{hint}; "
-            f"known backends: {', '.join(sorted(ROLLOUT_BACKENDS))}"
-        )
+    target = get_rollout_backend(name).entry
     module_name, _, attr = target.partition(":")
     try:
         module = import_repo_module(module_name)
@@ -123,7 +111,8 @@ def get_backend(name: str, **kwargs: Any) -> RolloutBackend:
     """Build the rollout backend registered under ``name``.
 
     Args:
-        name: a key of :data:`ROLLOUT_BACKENDS` (the contract's ``sampling.engine``).
+        name: a rollout backend of :data:`qualify.registry.ROLLOUT_BACKENDS` (the
+            contract's ``sampling.engine``).
         **kwargs: the backend's constructor arguments (``hf``: ``model``, optional when
             the model is passed to :meth:`RolloutBackend.sample` instead).
 
