@@ -28,6 +28,7 @@ from qualify.matrix import (
     SamplerSpec,
     Topology,
 )
+from qualify.prompts import read_prompts_file
 from qualify.resources import load_schema
 
 __all__ = [
@@ -480,7 +481,16 @@ def load_contract(path: str | Path) -> Contract:
         raise ContractError(f"{p}: not valid TOML: {exc}") from None
     except UnicodeDecodeError as exc:
         raise ContractError(f"{p}: not UTF-8 text: {exc}") from None
-    return Contract.from_dict(doc, path=p.resolve())
+    except RecursionError:
+        raise ContractError(f"{p}: not valid TOML: nested too deeply for the parser") from None
+    contract = Contract.from_dict(doc, path=p.resolve())
+    if contract.prompts.file is not None:
+        try:
+            read_prompts_file((p.resolve().parent / contract.prompts.file).resolve(),
+                              contract.prompts.sha256)
+        except ContractError as exc:
+            raise ContractError(f"{p}: {exc}") from None
+    return contract
 
 
 def loads_contract(text: str, *, name: str = "<string>") -> Contract:
@@ -493,6 +503,8 @@ def loads_contract(text: str, *, name: str = "<string>") -> Contract:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ContractError(f"{name}: not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ContractError(f"{name}: not valid TOML: nested too deeply for the parser") from None
     return Contract.from_dict(doc)
 
 

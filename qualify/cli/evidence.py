@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from qualify.errors import ExitCode
+from qualify.errors import ExitCode, UsageError
 
 __all__ = ["register"]
 
@@ -46,10 +46,21 @@ def _cmd_sign(args: argparse.Namespace) -> ExitCode:
     return ExitCode.OK
 
 
+def _existing_dir(value: str, what: str) -> Path:
+    """``value`` as a directory path, or a one-line usage error (exit 2)."""
+    path = Path(value)
+    if not path.exists():
+        raise UsageError(f"{path}: {what}: no such file or directory")
+    if not path.is_dir():
+        raise UsageError(f"{path}: {what}: not a directory")
+    return path
+
+
 def _cmd_verify(args: argparse.Namespace) -> ExitCode:
     from qualify.evidence import store
     from qualify.evidence.verify import verify
 
+    _existing_dir(args.path, "evidence directory")
     result = verify(Path(args.path), trusted_keys_dir=args.keys, contract=args.contract,
                     contracts_dir=args.contracts_dir, reference_dir=args.reference)
     print("\n".join(result.summary_lines()))
@@ -61,7 +72,8 @@ def _cmd_verify(args: argparse.Namespace) -> ExitCode:
 def _cmd_gate(args: argparse.Namespace) -> ExitCode:
     from qualify.evidence.gate import gate
 
-    result = gate(Path(args.evidence_dir), args.contract, allow_not_run=args.allow_not_run,
+    evidence = _existing_dir(args.evidence_dir, "evidence directory")
+    result = gate(evidence, args.contract, allow_not_run=args.allow_not_run,
                   trusted_keys_dir=args.keys, reference_dir=args.reference, json_out=args.json)
     print("\n".join(result.summary_lines()))
     return result.exit_code

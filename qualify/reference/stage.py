@@ -28,7 +28,6 @@ import torch
 
 from qualify.bounds import bounds_document, compute_bounds, measure_controls
 from qualify.contract import Contract, Precision
-from qualify.digests import sha256_bytes
 from qualify.errors import ContractError, ReferenceDataError
 from qualify.evidence import store
 from qualify.evidence.environment import capture_environment
@@ -50,6 +49,7 @@ from qualify.layout import (
 from qualify.models import bundle as models
 from qualify.models import roles
 from qualify.progress import Progress
+from qualify.prompts import read_prompts_file
 from qualify.protocol import ROLLOUT_META_FILE, TRAIN_INPUTS_FILE
 from qualify.reference import rollout, sampling, scoring, targets
 from qualify.reference.branches import adjust_control_errors, seal_branches
@@ -72,8 +72,8 @@ def resolve_prompts(contract: Contract, bundle: models.ModelBundle) -> list[list
     """Turn the contract's prompts into token id lists.
 
     Raises:
-        ContractError: text prompts without a tokenizer; prompts file missing or with a
-            wrong digest; a token id outside the vocabulary.
+        ContractError: text prompts without a tokenizer; a bad prompts file
+            (:func:`qualify.prompts.read_prompts_file`); a token id outside the vocabulary.
     """
     p = contract.prompts
     texts: list[str] | None = None
@@ -85,20 +85,9 @@ def resolve_prompts(contract: Contract, bundle: models.ModelBundle) -> list[list
     else:
         assert p.file is not None
         base = contract.path.parent if contract.path else Path.cwd()
-        f = (base / p.file).resolve()
-        if not f.is_file():
-            raise ContractError(f"prompts.file: {f} not found")
-        data = f.read_bytes()
-        digest = sha256_bytes(data)
-        if digest != p.sha256:
-            raise ContractError(f"prompts.sha256: {f}: expected {p.sha256}, found {digest}")
-        rows = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
-        if all("token_ids" in r for r in rows):
-            ids = [list(r["token_ids"]) for r in rows]
-        elif all("text" in r for r in rows):
-            texts = [r["text"] for r in rows]
-        else:
-            raise ContractError(f"prompts.file: {f}: each line needs 'text' or 'token_ids'")
+        got = read_prompts_file((base / p.file).resolve(), p.sha256)
+        ids = [list(x) for x in got.token_ids] if got.token_ids is not None else None
+        texts = list(got.text) if got.text is not None else None
     if texts is not None:
         tok = roles.load_tokenizer(bundle)
         if tok is None:

@@ -1,0 +1,113 @@
+"""The prompts JSONL file of a contract (``[prompts] file``): read and checked once.
+
+One ``{"token_ids": [int, ...]}`` or ``{"text": "..."}`` object per line, all lines of the
+same kind, UTF-8, at least one prompt, no empty prompt, no negative token id; the file's
+sha256 must equal the contract's ``prompts.sha256``. ``qualify validate`` checks it
+(through :func:`qualify.contract.load_contract`), and the reference stage reads the
+prompts through the same function, so a bad file fails before any model is built.
+Token ids against the vocabulary are checked where the model is known
+(:func:`qualify.reference.stage.resolve_prompts`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Final
+
+from qualify.digests import sha256_bytes
+from qualify.errors import ContractError
+
+__all__ = ["MAX_PROMPTS_BYTES", "PromptsFile", "read_prompts_file"]
+
+MAX_PROMPTS_BYTES: Final = 256 << 20
+"""A prompts file larger than this (256 MiB) is refused before it is read."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PromptsFile:
+    """The checked content of a prompts file: exactly one of the two is set.
+
+    Attributes:
+        token_ids: one tuple of non-negative token ids per prompt.
+        text: one non-empty string per prompt.
+    """
+
+    token_ids: tuple[tuple[int, ...], ...] | None
+    text: tuple[str, ...] | None
+
+
+def _line_prompt(obj: Any, where: str) -> tuple[str, tuple[int, ...] | str]:
+    if not isinstance(obj, dict):
+        raise ContractError(f"{where}: expected a JSON object, found {type(obj).__name__}")
+    keys = set(obj) & {"token_ids", "text"}
+    if len(keys) != 1:
+        raise ContractError(f"{where}: needs exactly one of 'token_ids' or 'text'")
+    if "token_ids" in obj:
+        ids = obj["token_ids"]
+        if not isinstance(ids, list) or not ids:
+            raise ContractError(f"{where}: token_ids: expected a non-empty list of integers")
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise ContractError(f"{where}: token_ids[{i}]: expected an integer, "
+                                    f"found {t!r:.40}")
+            if t < 0:
+                raise ContractError(f"{where}: token_ids[{i}]: negative token id {t}")
+        return "token_ids", tuple(ids)
+    text = obj["text"]
+    if not isinstance(text, str) or not text:
+        raise ContractError(f"{where}: text: expected a non-empty string")
+    return "text", text
+
+
+def read_prompts_file(path: Path, sha256: str | None) -> PromptsFile:
+    """Read and check a prompts JSONL file.
+
+    Args:
+        path: the file (already resolved against the contract's directory).
+        sha256: the contract's ``prompts.sha256`` (hex), checked against the bytes.
+
+    Returns:
+        The prompts, token ids or texts.
+
+    Raises:
+        ContractError: missing or not a regular file, too large, wrong digest, not UTF-8,
+            a line that is not JSON, not an object, or not a valid prompt, prompts of
+            mixed kinds, or no prompt at all; the message names the file, the line and
+            the field (``prompts.file``, ``prompts.sha256``).
+    """
+    if not path.is_file():
+        raise ContractError(f"prompts.file: {path}: not found (or not a regular file)")
+    if path.stat().st_size > MAX_PROMPTS_BYTES:
+        raise ContractError(f"prompts.file: {path}: larger than {MAX_PROMPTS_BYTES} bytes")
+    data = path.read_bytes()
+    digest = sha256_bytes(data)
+    if digest != sha256:
+        raise ContractError(f"prompts.sha256: {path}: expected {sha256}, found {digest}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ContractError(f"prompts.file: {path}: not UTF-8 ({exc.reason} at byte "
+                            f"{exc.start})") from None
+    kinds: set[str] = set()
+    rows: list[tuple[int, ...] | str] = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"prompts.file: {path}: line {n}"
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError) as exc:
+            raise ContractError(f"{where}: not JSON ({str(exc)[:80]})") from None
+        kind, value = _line_prompt(obj, where)
+        kinds.add(kind)
+        rows.append(value)
+    if not rows:
+        raise ContractError(f"prompts.file: {path}: no prompt (the file is empty)")
+    if len(kinds) > 1:
+        raise ContractError(f"prompts.file: {path}: mixes 'token_ids' and 'text' lines; "
+                            "use one kind")
+    if kinds == {"token_ids"}:
+        return PromptsFile(token_ids=tuple(r for r in rows if isinstance(r, tuple)), text=None)
+    return PromptsFile(token_ids=None, text=tuple(r for r in rows if isinstance(r, str)))
