@@ -350,10 +350,6 @@ class Contract:
         if "bf16_mode" in self.bounds.controls_tp_vs_tp1:
             raise ContractError("bounds.controls.tp_vs_tp1: 'bf16_mode' is not a same-precision "
                                 "repeat control")
-        if "fp64" in self.bounds.controls_tp_vs_tp1:
-            raise ContractError("bounds.controls.tp_vs_tp1: 'fp64' measures the HF reference's "
-                                "own FP32 rounding error; a TP=n vs TP=1 comparison of one "
-                                "engine has no HF side")
 
     @property
     def digest(self) -> str:
