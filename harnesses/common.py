@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from qualify import atomic
 from qualify.contract import Contract
 from qualify.errors import HarnessError
+from qualify.layout import CONTRACT_FILE, MODEL_FILE
 from qualify.protocol import (
     CELL_FILE,
     OUTPUTS_FILE,
@@ -48,8 +49,6 @@ from qualify.protocol import (
     tensor_name,
 )
 
-CONTRACT_JSON: Final = "contract.json"
-MODEL_JSON: Final = "model.json"
 PART_WAIT_S: Final = 24 * 3600.0
 """Upper bound of rank 0's wait for the other role's part (torchrun ends the job first
 when a rank fails; the launcher's wall-clock timeout ends a stuck one)."""
@@ -144,7 +143,7 @@ def read_inputs(inputs_dir: Path) -> Inputs:
         HarnessError: a file, tensor or model path is missing, or shapes disagree.
         ContractError: ``contract.json`` fails validation.
     """
-    for name in (ROLLOUT_FILE, TRAIN_INPUTS_FILE, CONTRACT_JSON, MODEL_JSON):
+    for name in (ROLLOUT_FILE, TRAIN_INPUTS_FILE, CONTRACT_FILE, MODEL_FILE):
         if not (inputs_dir / name).is_file():
             raise HarnessError(f"{inputs_dir / name}: missing harness input")
     rollout = load_file(str(inputs_dir / ROLLOUT_FILE))
@@ -154,8 +153,8 @@ def read_inputs(inputs_dir: Path) -> Inputs:
         missing = [k for k in keys if k not in tensors]
         if missing:
             raise HarnessError(f"{inputs_dir / file}: missing tensors {missing}")
-    contract = Contract.from_dict(json.loads((inputs_dir / CONTRACT_JSON).read_text("utf-8")))
-    models = json.loads((inputs_dir / MODEL_JSON).read_text("utf-8"))
+    contract = Contract.from_dict(json.loads((inputs_dir / CONTRACT_FILE).read_text("utf-8")))
+    models = json.loads((inputs_dir / MODEL_FILE).read_text("utf-8"))
     prompts, responses = rollout["prompts"], rollout["responses"]
     b, p = prompts.shape
     r = responses.shape[1]
@@ -181,7 +180,7 @@ def read_inputs(inputs_dir: Path) -> Inputs:
     try:
         dirs = {k: Path(models[k]) for k in ("actor_dir", "critic_dir")}
     except KeyError as exc:
-        raise HarnessError(f"{inputs_dir / MODEL_JSON}: missing {exc.args[0]!r}") from None
+        raise HarnessError(f"{inputs_dir / MODEL_FILE}: missing {exc.args[0]!r}") from None
     return Inputs(batch=batch, contract=contract, actor_dir=dirs["actor_dir"],
                   critic_dir=dirs["critic_dir"],
                   ref_dir=Path(models.get("ref_dir", models["actor_dir"])))

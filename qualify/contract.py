@@ -16,8 +16,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import jsonschema
-
 from qualify import registry
 from qualify.errors import ContractError, HarnessError
 from qualify.matrix import (
@@ -29,7 +27,7 @@ from qualify.matrix import (
     Topology,
 )
 from qualify.prompts import read_prompts_file
-from qualify.resources import load_schema
+from qualify.schema import first_error
 
 __all__ = [
     "METRIC_FAMILIES",
@@ -378,13 +376,9 @@ class Contract:
                 field) or a cross-field inconsistency.
         """
         where = f"{path}: " if path else ""
-        validator = jsonschema.Draft202012Validator(load_schema("contract"))
-        errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
-        if errors:
-            err = jsonschema.exceptions.best_match(errors)
-            assert err is not None
-            field = ".".join(str(p) for p in err.absolute_path) or "(top level)"
-            raise ContractError(f"{where}{field}: {err.message}")
+        problem = first_error(doc, "contract")
+        if problem is not None:
+            raise ContractError(f"{where}{problem}")
         try:
             return _build(doc, path)
         except ContractError as exc:
