@@ -147,5 +147,16 @@ def test_audit_usage_error(tmp_path: Path, signed_world: World) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
     code, text = audit_cli(signed_world, empty)
-    assert code == ExitCode.OK
-    assert "0 directories audited" in text
+    assert code == ExitCode.USAGE_ERROR  # nothing to audit is no clean audit
+    assert text.strip().splitlines() == [
+        f"qualify audit: nothing to audit: no reference or candidate-run directory under "
+        f"{empty}"]
+    (empty / "notes").mkdir()
+    (empty / "notes" / "README.md").write_text("no evidence here\n")
+    result = audit(empty, trusted_keys_dir=signed_world.keys)
+    assert result.empty
+    assert not result
+    assert result.exit_code == ExitCode.USAGE_ERROR
+    code, text = audit_cli(signed_world, empty, fmt="json")
+    assert code == ExitCode.USAGE_ERROR
+    assert json.loads(text)["rows"] == []

@@ -2,8 +2,8 @@
 
 :func:`register` adds them to the ``qualify`` parser's subcommands. Each handler returns an
 :class:`~qualify.errors.ExitCode`: ``verify`` 0 or 3; ``gate`` 0, 1 (a required cell
-failed) or 3 (integrity); ``audit`` 0 or 3 (problems found). Heavy modules are imported
-inside the handlers so ``qualify --help`` stays fast.
+failed) or 3 (integrity); ``audit`` 0, 2 (nothing to audit) or 3 (problems found). Heavy
+modules are imported inside the handlers so ``qualify --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_gate)
 
     p = sub.add_parser("audit", help="table of every reference and run below DIR and every "
-                                     "problem (exit 3 if any)")
+                                     "problem (exit 3 if any, 2 if nothing to audit)")
     p.add_argument("dirs", nargs="+", metavar="DIR", help="directories to walk")
     p.add_argument("--format", choices=("table", "json", "md"), default="table")
     p.add_argument("--output", metavar="FILE", help="also write the rendering there")

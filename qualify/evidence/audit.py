@@ -6,8 +6,10 @@ steps of :func:`qualify.evidence.verify.verify`), the report's verdict and cell 
 cell attempts (failed ones counted, never hidden), staleness (the committed contract's
 digest changed since sealing) and every problem found. Failed runs are listed as ``FAIL``
 (a verdict, not a problem); incomplete directories (``INCOMPLETE`` marker, no manifest,
-moved aside as ``*.incomplete-*``) are listed as ``INCOMPLETE`` and are problems. The audit
-exits 3 when any problem is found.
+moved aside as ``*.incomplete-*``) are listed as ``INCOMPLETE`` and are problems, and so is
+a directory whose records :mod:`qualify.jsonio` refused (a symbolic link, a special file
+such as ``/dev/zero``, an oversized or unparsable document: never read further). The audit
+exits 3 when any problem is found, and 2 when it found nothing to audit.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from typing import Any, Final, Literal
 
 import pandas as pd
 
-from qualify.errors import ExitCode, QualifyError, UsageError
+from qualify.errors import EvidenceIntegrityError, ExitCode, QualifyError, UsageError
 from qualify.evidence import store
 from qualify.evidence.discover import EvidenceDir, find_evidence
 from qualify.evidence.keys import trusted_keys
 from qualify.evidence.statement import RUN_KIND
 from qualify.evidence.steps import VerificationResult
 from qualify.evidence.verify import committed_contract_path, verify
+from qualify.jsonio import read_json
 from qualify.layout import CELLS_DIR, REPORT_JSON, RESULT_FILE
 
 __all__ = ["COLUMNS", "AuditResult", "AuditRow", "audit", "render"]
@@ -105,12 +108,24 @@ class AuditResult:
         return tuple(f"{r.path}: {p}" for r in self.rows for p in r.problems)
 
     @property
+    def empty(self) -> bool:
+        """No reference or run directory was found: nothing was audited."""
+        return not self.rows
+
+    @property
     def exit_code(self) -> ExitCode:
-        """``INTEGRITY_ERROR`` when a problem was found, else ``OK``."""
+        """``INTEGRITY_ERROR`` (a problem), ``USAGE_ERROR`` (nothing to audit), else ``OK``.
+
+        An empty audit is a usage error, exit 2: a wrong path or an emptied tree is no
+        clean audit, and nothing was found that could be broken (exit 3 would claim a
+        tamper that is not there).
+        """
+        if self.empty:
+            return ExitCode.USAGE_ERROR
         return ExitCode.INTEGRITY_ERROR if self.problems else ExitCode.OK
 
     def __bool__(self) -> bool:
-        return not self.problems
+        return not self.empty and not self.problems
 
     def frame(self) -> pd.DataFrame:
         """The table (problems joined by `` | ``)."""
@@ -154,10 +169,16 @@ def _attempts(d: Path) -> str:
     for cell in sorted(cells.iterdir()):
         for a in store.attempts(cell):
             total += 1
-            result: dict[str, Any] = {}
-            with contextlib.suppress(OSError, ValueError):
-                result = json.loads((a / RESULT_FILE).read_text(encoding="utf-8"))
-            if not store.is_sealed(a) or result.get("status") not in (None, "COMPLETE"):
+            result: Any = {}
+            sealed = not store.is_incomplete(a)
+            try:
+                store.read_manifest(a)
+            except EvidenceIntegrityError:
+                sealed = False
+            with contextlib.suppress(FileNotFoundError, EvidenceIntegrityError):
+                result = read_json(a / RESULT_FILE)
+            status = result.get("status") if isinstance(result, dict) else "unreadable"
+            if not sealed or status not in (None, "COMPLETE"):
                 failed += 1
     return f"{total} ({failed} failed)" if total else "0"
 
@@ -186,8 +207,8 @@ def _staleness(e: EvidenceDir, digest: str | None,
 
 def _report(d: Path) -> dict[str, Any]:
     try:
-        doc = json.loads((d / REPORT_JSON).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        doc = read_json(d / REPORT_JSON)
+    except EvidenceIntegrityError:
         return {}
     return doc if isinstance(doc, dict) else {}
 
@@ -206,11 +227,16 @@ def _row(e: EvidenceDir, root: Path, *, keys: Any,
     if e.state == "incomplete":
         integrity = "INCOMPLETE"
         problems.append(f"incomplete: {e.reason}")
+        problems += [f"refused: {p}" for p in e.problems]
     else:
         v = verify(e.path, trusted=keys, contracts_dir=contracts_dir)
         signature = _signature(v)
         integrity, extra = _integrity(v, e.path)
         problems += list(v.problems) + extra
+        if not problems:
+            problems += [f"refused: {p}" for p in e.problems]
+        if e.problems and integrity == "ok":
+            integrity = "UNREADABLE"
         step6_ran = v.steps[5].status in ("passed", "failed")
         if v.statement is not None:
             pred = v.statement["predicate"]
@@ -271,6 +297,14 @@ def render(result: AuditResult, fmt: Format = "table") -> str:
     Returns:
         The text (a trailing summary line for ``table`` and ``md``).
     """
+    if result.empty:
+        line = ("qualify audit: nothing to audit: no reference or candidate-run directory "
+                f"under {', '.join(map(str, result.roots))}")
+        if fmt == "json":
+            return json.dumps({"roots": [str(r) for r in result.roots],
+                               "exit_code": int(result.exit_code), "rows": [],
+                               "message": line}, indent=2)
+        return line
     n = len(result.problems)
     summary = (f"{len(result.rows)} directories audited, {n} problem(s)"
                + ("" if n else ": all intact"))

@@ -4,20 +4,22 @@
 each directory that is evidence (:class:`EvidenceDir`): its kind, whether it is sealed (to
 be verified) or incomplete (and why), and the contract, run id and date its own records
 name. Nothing here verifies anything: ``verify``, ``gate`` and ``audit`` do, on what this
-finds. A broken document gives a label of ``None``, never an exception.
+finds. Every record is read through :mod:`qualify.jsonio` (bounded, no link followed); a
+refused or broken document gives a label of ``None`` and a line in
+:attr:`EvidenceDir.problems`, never an exception.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Any, Literal
 
-from qualify.errors import QualifyError
+from qualify.errors import EvidenceIntegrityError, QualifyError
 from qualify.evidence.dsse import read_envelope
 from qualify.evidence.statement import REFERENCE_KIND, RUN_KIND
+from qualify.jsonio import loads_strict, read_bytes
 from qualify.layout import (
     ATTESTATION_FILE,
     INCOMPLETE_FILE,
@@ -45,6 +47,10 @@ class EvidenceDir:
         contract_digest: the digest its own records name (``None`` if unknown).
         run_id: a run's id.
         date: run start or reference creation time (ISO-8601) if known.
+        marker: the directory carries the ``INCOMPLETE`` marker.
+        problems: records that were refused while labelling it (a symbolic link, a
+            special file, an oversized or unparsable ``run.json`` / ``MANIFEST.json`` /
+            attestation, ...): a hostile or broken directory, reported, never read further.
     """
 
     path: Path
@@ -55,29 +61,53 @@ class EvidenceDir:
     contract_digest: str | None = None
     run_id: str | None = None
     date: str | None = None
+    marker: bool = False
+    problems: tuple[str, ...] = ()
 
 
-def _maybe_json(path: Path) -> dict[str, Any]:
+def _read(path: Path, problems: list[str], *, lenient: bool = False) -> dict[str, Any]:
+    """A JSON object of ``d`` for labels, through :mod:`qualify.jsonio` (``{}`` if absent).
+
+    A refused file (symbolic link, special file, over its size limit) is recorded in
+    ``problems``; so is one that is not a JSON object, unless ``lenient`` (an
+    ``INCOMPLETE`` marker's content is advisory).
+    """
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_bytes(path)
+    except FileNotFoundError:
         return {}
-    return doc if isinstance(doc, dict) else {}
+    except EvidenceIntegrityError as exc:
+        problems.append(str(exc))
+        return {}
+    try:
+        doc = loads_strict(data, what=str(path))
+    except EvidenceIntegrityError as exc:
+        if not lenient:
+            problems.append(str(exc))
+        return {}
+    if not isinstance(doc, dict):
+        if not lenient:
+            problems.append(f"{path}: not a JSON object")
+        return {}
+    return doc
 
 
-def _statement_unverified(d: Path) -> dict[str, Any]:
+def _statement_unverified(d: Path, problems: list[str]) -> dict[str, Any]:
     """The statement of an attestation, unverified (for labels only)."""
     try:
-        stmt = json.loads(read_envelope(d).payload)
-    except (QualifyError, ValueError):
+        stmt = loads_strict(read_envelope(d).payload, what=f"{d / ATTESTATION_FILE}: payload")
+    except QualifyError as exc:
+        problems.append(str(exc))
         return {}
     return stmt if isinstance(stmt, dict) else {}
 
 
 def _classify(d: Path) -> EvidenceDir | None:
     names = set(os.listdir(d))
-    marker = _maybe_json(d / INCOMPLETE_FILE) if INCOMPLETE_FILE in names else {}
-    manifest = _maybe_json(d / MANIFEST_FILE) if MANIFEST_FILE in names else {}
+    problems: list[str] = []
+    marker = _read(d / INCOMPLETE_FILE, problems, lenient=True) \
+        if INCOMPLETE_FILE in names else {}
+    manifest = _read(d / MANIFEST_FILE, problems) if MANIFEST_FILE in names else {}
     moved = INCOMPLETE_INFIX in d.name
     kind = None
     if RUN_FILE in names:
@@ -88,11 +118,14 @@ def _classify(d: Path) -> EvidenceDir | None:
         kind = str(manifest["kind"])
     elif marker.get("kind") in (RUN_KIND, REFERENCE_KIND):
         kind = str(marker["kind"])
-    elif ATTESTATION_FILE in names or (moved and (marker or manifest)):
+    elif ATTESTATION_FILE in names or INCOMPLETE_FILE in names or \
+            (moved and (marker or manifest)):
         kind = "unknown"
+    elif problems:
+        kind = "unknown"  # a refused manifest: hostile or broken, reported
     if kind is None:
         return None
-    stmt = _statement_unverified(d) if ATTESTATION_FILE in names else {}
+    stmt = _statement_unverified(d, problems) if ATTESTATION_FILE in names else {}
     raw_pred = stmt.get("predicate")
     pred: dict[str, Any] = raw_pred if isinstance(raw_pred, dict) else {}
     if kind == "unknown" and pred.get("kind") in (RUN_KIND, REFERENCE_KIND):
@@ -103,13 +136,13 @@ def _classify(d: Path) -> EvidenceDir | None:
     digest = pcontract.get("digest")
     run_id = date = None
     if kind == RUN_KIND:
-        doc = _maybe_json(d / RUN_FILE)
+        doc = _read(d / RUN_FILE, problems)
         contract = doc.get("contract", contract) or d.parent.name
         digest = doc.get("contract_digest", digest)
         run_id = str(doc.get("run_id", d.name))
         date = doc.get("started") or manifest.get("created")
     elif kind == REFERENCE_KIND:
-        doc = _maybe_json(d / REFERENCE_FILE)
+        doc = _read(d / REFERENCE_FILE, problems)
         contract = doc.get("contract", contract)
         digest = doc.get("contract_digest", digest)
         date = doc.get("created") or manifest.get("created")
@@ -123,14 +156,15 @@ def _classify(d: Path) -> EvidenceDir | None:
     return EvidenceDir(path=d, kind=kind, state="incomplete" if reason else "sealed",
                        reason=reason, contract=str(contract) if contract else None,
                        contract_digest=str(digest) if digest else None, run_id=run_id,
-                       date=str(date) if date else None)
+                       date=str(date) if date else None, marker=INCOMPLETE_FILE in names,
+                       problems=tuple(problems))
 
 
 def find_evidence(root: str | Path) -> list[EvidenceDir]:
     """Every reference and candidate-run directory at or below ``root``.
 
-    A directory holding ``run.json``, ``reference.json``, a manifest or ``INCOMPLETE``
-    marker of kind ``reference`` / ``candidate-run``, an attestation, or named
+    A directory holding ``run.json``, ``reference.json``, a manifest of kind
+    ``reference`` / ``candidate-run``, an ``INCOMPLETE`` marker, an attestation, or named
     ``*.incomplete-*`` is evidence; its subdirectories are not searched further. Hidden
     directories and symbolic links are skipped.
 

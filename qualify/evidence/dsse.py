@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
@@ -24,7 +23,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from qualify.atomic import json_bytes
-from qualify.errors import EnvelopeFormatError, SignatureVerificationError
+from qualify.errors import EnvelopeFormatError, EvidenceIntegrityError, SignatureVerificationError
+from qualify.jsonio import loads_strict, read_bytes
 from qualify.layout import ATTESTATION_FILE
 
 __all__ = ["PAYLOAD_TYPE", "Envelope", "Signature", "pae", "read_envelope",
@@ -107,14 +107,14 @@ class Envelope:
             what: name for messages (the path).
 
         Raises:
-            EnvelopeFormatError: not UTF-8 JSON, not an object with exactly ``payload``,
-                ``payloadType`` and ``signatures``, a field of the wrong type, bad base64,
-                or a signature without ``keyid`` / ``sig``.
+            EnvelopeFormatError: not UTF-8 JSON (or with a duplicate key), not an object
+                with exactly ``payload``, ``payloadType`` and ``signatures``, a field of
+                the wrong type, bad base64, or a signature without ``keyid`` / ``sig``.
         """
         try:
-            doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise EnvelopeFormatError(f"{what}: not JSON: {exc}") from None
+            doc = loads_strict(data, what=what)
+        except EvidenceIntegrityError as exc:
+            raise EnvelopeFormatError(str(exc)) from None
         if not isinstance(doc, dict):
             raise EnvelopeFormatError(f"{what}: not a JSON object")
         missing = sorted(_ENVELOPE_KEYS - set(doc))
@@ -144,17 +144,18 @@ def read_envelope(directory: str | Path) -> Envelope:
     """Read ``attestation.dsse.json`` of ``directory``.
 
     Raises:
-        EnvelopeFormatError: the file is missing (the directory is unsigned), unreadable
+        EnvelopeFormatError: the file is missing (the directory is unsigned), a symbolic
+            link or special file, over its size limit (:mod:`qualify.jsonio`), unreadable
             or not a DSSE envelope.
     """
     path = Path(directory) / ATTESTATION_FILE
     try:
-        data = path.read_bytes()
+        data = read_bytes(path)
     except FileNotFoundError:
         raise EnvelopeFormatError(f"{path}: missing; the directory is not signed "
                                   "(qualify sign DIR)") from None
-    except OSError as exc:
-        raise EnvelopeFormatError(f"{path}: unreadable: {exc}") from None
+    except EvidenceIntegrityError as exc:
+        raise EnvelopeFormatError(str(exc)) from None
     return Envelope.from_json(data, what=str(path))
 
 

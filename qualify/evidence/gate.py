@@ -4,8 +4,11 @@ For each ``--contract``, the newest candidate run of that contract under the evi
 directory is verified (:func:`qualify.evidence.verify.verify`, all nine steps, the contract digest
 against that committed contract file) and its report is read. The gate's exit code:
 
-- ``3`` (:attr:`~qualify.errors.ExitCode.INTEGRITY_ERROR`): a verification step failed, or
-  the newest run is incomplete (not sealed and signed);
+- ``3`` (:attr:`~qualify.errors.ExitCode.INTEGRITY_ERROR`): a verification step failed;
+  the newest run is incomplete (not sealed and signed); a run directory of the contract
+  carries the ``INCOMPLETE`` marker; or a directory under the evidence directory is
+  unreadable evidence (a record refused by :mod:`qualify.jsonio`: a symbolic link, a
+  special file, an oversized or unparsable document), see :func:`blocking_dirs`;
 - ``1`` (:attr:`~qualify.errors.ExitCode.QUALIFICATION_FAILED`): no run for a contract, or
   a required cell is not ``PASS``; required cells are the contract's
   ``matrix.required_cells``, else every cell of its matrix. A cell matching an
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -34,10 +36,19 @@ from qualify.evidence.statement import RUN_KIND
 from qualify.evidence.steps import VerificationResult
 from qualify.evidence.timestamps import utc_now_iso
 from qualify.evidence.verify import verify
+from qualify.jsonio import read_json
 from qualify.layout import INCOMPLETE_INFIX, REPORT_JSON
 
-__all__ = ["GATE_SCHEMA", "CellDecision", "ContractDecision", "GateResult", "gate",
-           "latest_run", "required_cells"]
+__all__ = [
+    "GATE_SCHEMA",
+    "CellDecision",
+    "ContractDecision",
+    "GateResult",
+    "blocking_dirs",
+    "gate",
+    "latest_run",
+    "required_cells",
+]
 
 GATE_SCHEMA: Final = "gate"
 
@@ -185,25 +196,58 @@ def required_cells(contract: Contract) -> list[str]:
     return [c.cell_id for c in contract.matrix.cells()]
 
 
+def _runs_of(found: Sequence[EvidenceDir], contract_name: str) -> list[EvidenceDir]:
+    return [e for e in found if e.kind == RUN_KIND and e.contract == contract_name
+            and INCOMPLETE_INFIX not in e.path.name]
+
+
 def latest_run(evidence_dir: str | Path, contract_name: str) -> EvidenceDir | None:
     """The newest candidate run of ``contract_name`` at or below ``evidence_dir``.
 
     Moved-aside ``*.incomplete-*`` directories are never chosen; any other incomplete run
     is (and then fails the gate). Newest = latest ``run.json`` ``started``, then name.
     """
-    runs = [e for e in find_evidence(evidence_dir)
-            if e.kind == RUN_KIND and e.contract == contract_name
-            and INCOMPLETE_INFIX not in e.path.name]
+    runs = _runs_of(find_evidence(evidence_dir), contract_name)
     if not runs:
         return None
     return max(runs, key=lambda e: (e.date or "", e.path.name))
+
+
+def blocking_dirs(found: Sequence[EvidenceDir], contract_name: str, *,
+                  chosen: EvidenceDir | None = None) -> list[tuple[EvidenceDir, str]]:
+    """Directories beside the gated run that fail the gate of ``contract_name``.
+
+    An unsealed directory of this contract, or of no known contract, that carries the
+    ``INCOMPLETE`` marker (a run being written or interrupted, committed as evidence), and
+    any directory whose records were refused (:attr:`EvidenceDir.problems`: a symbolic
+    link, special file, oversized or unparsable document: a hostile or broken stray
+    directory) are integrity errors. Moved-aside ``*.incomplete-*`` directories with
+    readable records are not. ``chosen`` (the newest run, verified in full) is left out.
+
+    Returns:
+        ``(directory, why)`` pairs, sorted by path.
+    """
+    out: list[tuple[EvidenceDir, str]] = []
+    for e in found:
+        if chosen is not None and e.path == chosen.path:
+            continue
+        if e.contract not in (None, contract_name) and not e.problems:
+            continue
+        if e.problems:
+            out.append((e, "unreadable evidence directory: " + "; ".join(e.problems)))
+        elif e.state == "incomplete" and e.marker and INCOMPLETE_INFIX not in e.path.name:
+            out.append((e, f"incomplete: {e.reason}"))
+    return sorted(out, key=lambda x: str(x[0].path))
 
 
 def _decide(evidence_dir: Path, contract_path: Path, allow: Sequence[str], *,
             trusted_keys_dir: str | Path | None,
             reference_dir: str | Path | None) -> ContractDecision:
     contract = load_contract(contract_path)
-    run = latest_run(evidence_dir, contract.name)
+    found = find_evidence(evidence_dir)
+    runs = _runs_of(found, contract.name)
+    run = max(runs, key=lambda e: (e.date or "", e.path.name)) if runs else None
+    blocking = blocking_dirs(found, contract.name, chosen=run)
 
     def decision(*, code: ExitCode, message: str, verification: VerificationResult | None = None,
                  cells: Sequence[CellDecision] = ()) -> ContractDecision:
@@ -213,6 +257,11 @@ def _decide(evidence_dir: Path, contract_path: Path, allow: Sequence[str], *,
                                 run_id=run.run_id if run else None, verification=verification,
                                 cells=tuple(cells), exit_code=code, message=message)
 
+    if blocking:
+        blocker, why = blocking[0]
+        more = f" (and {len(blocking) - 1} more)" if len(blocking) > 1 else ""
+        return decision(code=ExitCode.INTEGRITY_ERROR,
+                        message=f"{blocker.path}: {why}{more}")
     if run is None:
         return decision(code=ExitCode.QUALIFICATION_FAILED,
                         message=f"no candidate run of {contract.name} under {evidence_dir}")
@@ -226,7 +275,7 @@ def _decide(evidence_dir: Path, contract_path: Path, allow: Sequence[str], *,
         what = f"step {first.number} ({first.name})" if first else "verification"
         return decision(code=ExitCode.INTEGRITY_ERROR, verification=result,
                         message=f"run {run.path} fails verification at {what}")
-    report = json.loads((run.path / REPORT_JSON).read_text(encoding="utf-8"))
+    report = read_json(run.path / REPORT_JSON)
     by_id = {str(c.get("cell")): c for c in report.get("cells", [])}
     cells: list[CellDecision] = []
     for cid in required_cells(contract):

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import qualify
+from qualify import jsonio
 from qualify.digests import sha256_file
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
 from qualify.evidence import store
@@ -66,17 +67,13 @@ RUN_KIND: Final = "candidate-run"
 
 
 def read_json(path: Path) -> Any:
-    """Read a JSON document of a sealed directory.
+    """Read a JSON document of an evidence directory (:func:`qualify.jsonio.read_json`).
 
     Raises:
-        EvidenceIntegrityError: missing, unreadable or not JSON.
+        EvidenceIntegrityError: missing, a symbolic link or special file, over its size
+            limit, unreadable, not JSON, or with a duplicate key.
     """
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise EvidenceIntegrityError(f"{path}: missing") from None
-    except (OSError, ValueError) as exc:
-        raise EvidenceIntegrityError(f"{path}: unreadable or not JSON: {exc}") from None
+    return jsonio.read_json(path)
 
 
 def read_run(run_dir: Path) -> RunDocument:
@@ -185,7 +182,8 @@ def _run_predicate(d: Path, base: dict[str, Any],
         raise ReferenceDataError(f"{ref_dir}: the reference is not signed; sign it first "
                                  f"(qualify sign {ref_dir})")
     ref_manifest = store.read_manifest(ref_dir)
-    ref_stmt = json.loads(read_envelope(ref_dir).payload)
+    ref_stmt = jsonio.loads_strict(read_envelope(ref_dir).payload,
+                                    what=f"{ref_dir}: statement")
     ref_pred = ref_stmt.get("predicate") if isinstance(ref_stmt, dict) else None
     if not isinstance(ref_pred, dict):
         raise EvidenceIntegrityError(f"{ref_dir / ATTESTATION_FILE}: no predicate")

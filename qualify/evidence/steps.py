@@ -29,8 +29,9 @@ from qualify.errors import (
     VerdictMismatchError,
 )
 
-__all__ = ["STEPS", "STEP_ERRORS", "StepOutcome", "StepRunner", "StepStatus",
-           "VerificationResult"]
+__all__ = ["RECOMPUTE_REL_TOLERANCE", "STEPS", "STEP_ERRORS", "StepOutcome", "StepRunner",
+           "StepStatus", "VerificationResult", "document_differences",
+           "first_line_difference"]
 
 STEPS: Final[tuple[tuple[int, str], ...]] = (
     (1, "envelope format"),
@@ -51,6 +52,17 @@ STEP_ERRORS: Final[dict[int, type[EvidenceIntegrityError]]] = {
     7: ReferenceBindingError, 8: SealOrderError, 9: VerdictMismatchError,
 }
 """The one error type of each step."""
+
+RECOMPUTE_REL_TOLERANCE: Final = 1e-9
+"""Step 9: how far a recomputed number may be from ``report.json``'s, relative.
+
+JSON formatting loses nothing (qualify writes ``repr`` floats, which read back exactly), so
+on the machine that compared, the recomputation is bit-identical. The tolerance is for
+verifying on another CPU: errors are float64 reductions (``np.linalg.norm`` through
+OpenBLAS, whose kernels are chosen per instruction set), which may differ in the last ulps
+(~1e-16 relative). 1e-9 is seven orders above that and far below any rewrite that matters
+(a bound is a few significant digits). Non-numbers (verdicts, ``"inf"``, ``None``, text)
+must be equal exactly; an exact zero must stay zero."""
 
 StepStatus = Literal["passed", "failed", "skipped", "not-applicable"]
 
@@ -93,7 +105,8 @@ class VerificationResult:
         statement: the verified-signature statement (``None`` before step 3 passes).
         reference: for a run, the reference directory used in steps 7-9.
         extra_files: files on disk outside the manifest (step 5).
-        other_attestations: further top-level ``*.dsse.json`` files (not verified).
+        other_attestations: ``*.dsse.json`` files beside the directory's own
+            ``attestation.dsse.json`` (never verified: step 5 fails on each).
     """
 
     path: Path
@@ -214,3 +227,63 @@ class StepRunner:
         for n, _ in STEPS:
             self.mark(n, "skipped", "not reached")
         return tuple(self.outcomes[n] for n, _ in STEPS)
+
+
+def _num_equal(a: float, b: float) -> bool:
+    return a == b or abs(a - b) <= RECOMPUTE_REL_TOLERANCE * max(abs(a), abs(b))
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def document_differences(stored: Any, recomputed: Any, where: str = "") -> list[str]:
+    """Where two JSON documents differ, numbers within :data:`RECOMPUTE_REL_TOLERANCE`.
+
+    Args:
+        stored: the document on disk (``report.json``).
+        recomputed: the same document recomputed.
+        where: the path so far (``rows[3]...``).
+
+    Returns:
+        ``"<path>: report.json <value>, recomputed <value>"`` per difference, in document
+        order; a row is named by its ``cell/class/metric`` (``rows[3] <cell> <class>
+        <metric>.margin``).
+    """
+    if _is_num(stored) and _is_num(recomputed):
+        return [] if _num_equal(float(stored), float(recomputed)) else \
+            [f"{where}: report.json {stored!r}, recomputed {recomputed!r}"]
+    if isinstance(stored, dict) and isinstance(recomputed, dict):
+        out: list[str] = []
+        for k in sorted(set(stored) | set(recomputed)):
+            sub = f"{where}.{k}" if where else str(k)
+            if k not in stored or k not in recomputed:
+                out.append(f"{sub}: only in {'report.json' if k in stored else 'recomputed'}")
+                continue
+            out += document_differences(stored[k], recomputed[k], sub)
+        return out
+    if isinstance(stored, list) and isinstance(recomputed, list):
+        out = []
+        if len(stored) != len(recomputed):
+            out.append(f"{where}: {len(stored)} entries in report.json, {len(recomputed)} "
+                       "recomputed")
+        for i, (a, b) in enumerate(zip(stored, recomputed, strict=False)):
+            label = f"{where}[{i}]"
+            if isinstance(b, dict) and {"cell", "class", "metric"} <= set(b):
+                label += f" {b['cell']} {b['class']} {b['metric']}"
+            elif isinstance(b, dict) and "cell" in b:
+                label += f" {b['cell']}"
+            out += document_differences(a, b, label)
+        return out
+    if type(stored) is not type(recomputed) or stored != recomputed:
+        return [f"{where}: report.json {stored!r:.80}, recomputed {recomputed!r:.80}"]
+    return []
+
+
+def first_line_difference(a: bytes, b: bytes) -> str:
+    """The first line where ``a`` (a file) and ``b`` (its expected rendering) differ."""
+    la, lb = a.splitlines(), b.splitlines()
+    for i, (x, y) in enumerate(zip(la, lb, strict=False), 1):
+        if x != y:
+            return f"line {i}: file {x[:60]!r}, rendered {y[:60]!r}"
+    return f"file has {len(la)} lines, rendered {len(lb)}"

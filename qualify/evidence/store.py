@@ -37,16 +37,20 @@ from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any, Final, Literal
 
-from qualify.atomic import TMP_PREFIX, TMP_SUFFIX, json_bytes, write_bytes
+from qualify import atomic
+from qualify.atomic import json_bytes, write_bytes
 from qualify.digests import sha256_bytes, sha256_file
 from qualify.errors import EvidenceIntegrityError, QualifyError
 from qualify.evidence.attempts import (
     attempt_number,
     attempts,
     claim_dir,
+    hold_writer_lock,
     latest_complete_attempt,
     new_attempt,
     next_free_dir,
+    refuse_if_locked,
+    sealing_lock,
 )
 from qualify.evidence.sealed import (
     atomic_write_bytes,
@@ -64,6 +68,7 @@ from qualify.evidence.tensors import (
     save_tensors,
 )
 from qualify.evidence.timestamps import utc_now, utc_now_iso
+from qualify.jsonio import read_json
 from qualify.layout import ATTESTATION_SUFFIX, INCOMPLETE_FILE, MANIFEST_FILE
 from qualify.schema import validate
 
@@ -83,7 +88,9 @@ __all__ = [
     "build_manifest",
     "check_sealed",
     "claim_dir",
+    "hold_writer_lock",
     "is_incomplete",
+    "is_partial_attestation",
     "is_sealed",
     "latest_complete_attempt",
     "load_tensors",
@@ -94,9 +101,11 @@ __all__ = [
     "next_free_dir",
     "read_manifest",
     "read_tensor_metadata",
+    "refuse_if_locked",
     "save_tensors",
     "seal",
     "sealed_ancestor",
+    "sealing_lock",
     "sha256_bytes",
     "sha256_file",
     "utc_now",
@@ -196,9 +205,15 @@ def build_manifest(directory: str | Path, *, kind: str) -> dict[str, Any]:
         st = full.lstat()
         if not stat.S_ISREG(st.st_mode):
             raise EvidenceIntegrityError(f"{full}: not a regular file; cannot seal {d}")
-        if full.name.startswith(TMP_PREFIX) and full.name.endswith(TMP_SUFFIX):
+        if atomic.is_temporary(full.name):
+            writer = atomic.temp_writer(full.name)
+            who = ("a writer that cannot be told (another host or no pid in its name); "
+                   "remove it once no process writes it" if writer is None
+                   or atomic.writer_alive(full) is None
+                   else f"process {writer.pid} on {writer.host}, still running")
             raise EvidenceIntegrityError(
-                f"{full}: leftover temporary file of an interrupted write; cannot seal {d}"
+                f"{full}: leftover temporary file of an interrupted write by {who}; "
+                f"cannot seal {d}"
             )
         files[rel] = {"sha256": sha256_file(full), "size": st.st_size}
     return {
@@ -212,7 +227,10 @@ def build_manifest(directory: str | Path, *, kind: str) -> dict[str, Any]:
 def seal(directory: str | Path, *, kind: str) -> str:
     """Seal ``directory``: write ``MANIFEST.json`` last and make everything read-only.
 
-    Order: hash every file, make files ``0o444``, remove ``INCOMPLETE``, write the
+    Order: remove the temporary files of dead writers
+    (:func:`qualify.atomic.remove_stale_temporaries`: a ``kill -9`` during an atomic write
+    leaves one), hash every file, make files ``0o444``, remove ``INCOMPLETE`` (unless a
+    live process holds its lock: :func:`qualify.evidence.attempts.hold_writer_lock`), write the
     manifest atomically (validated against ``manifest.schema.json``), then make the
     manifest ``0o444`` and every directory ``0o555`` (bottom-up). A crash at any point
     leaves a directory that :func:`is_sealed` reports as not sealed, or a complete seal.
@@ -226,8 +244,12 @@ def seal(directory: str | Path, *, kind: str) -> str:
 
     Raises:
         EvidenceIntegrityError: ``directory`` is missing, already sealed, lies under a
-            sealed directory, or holds a non-regular or leftover temporary file.
+            sealed directory, or holds a non-regular file or a temporary file of a live
+            (or unknown) writer.
+        WriterBusyError: a live process still writes ``directory`` (it holds the lock of
+            its ``INCOMPLETE`` marker; the message names its pid and host).
         QualifyError: ``kind`` is not a valid kind (lowercase id).
+        OSError: a stale temporary file could not be removed.
     """
     d = Path(directory)
     if not d.is_dir():
@@ -238,21 +260,23 @@ def seal(directory: str | Path, *, kind: str) -> str:
     if os.path.lexists(d / MANIFEST_FILE):
         # An invalid leftover manifest (interrupted or hand-made): replaced below.
         _log.warning("%s: replacing an invalid %s while sealing", d, MANIFEST_FILE)
-    manifest = build_manifest(d, kind=kind)
-    validate_json(manifest, "manifest", what=str(d / MANIFEST_FILE))
-    for rel in manifest["files"]:
-        os.chmod(d / rel, _FILE_MODE)
-    with contextlib.suppress(FileNotFoundError):
-        (d / INCOMPLETE_FILE).unlink()
-    data = json_bytes(manifest)
-    write_bytes(d / MANIFEST_FILE, data)
-    os.chmod(d / MANIFEST_FILE, _FILE_MODE)
-    for root, dirs, _files in os.walk(d, topdown=False, followlinks=False):
-        for name in dirs:
-            sub = Path(root) / name
-            if not sub.is_symlink():
-                os.chmod(sub, _DIR_MODE)
-    os.chmod(d, _DIR_MODE)
+    with sealing_lock(d):
+        atomic.remove_stale_temporaries(d, recursive=True)
+        manifest = build_manifest(d, kind=kind)
+        validate_json(manifest, "manifest", what=str(d / MANIFEST_FILE))
+        for rel in manifest["files"]:
+            os.chmod(d / rel, _FILE_MODE)
+        with contextlib.suppress(FileNotFoundError):
+            (d / INCOMPLETE_FILE).unlink()
+        data = json_bytes(manifest)
+        write_bytes(d / MANIFEST_FILE, data)
+        os.chmod(d / MANIFEST_FILE, _FILE_MODE)
+        for root, dirs, _files in os.walk(d, topdown=False, followlinks=False):
+            for name in dirs:
+                sub = Path(root) / name
+                if not sub.is_symlink():
+                    os.chmod(sub, _DIR_MODE)
+        os.chmod(d, _DIR_MODE)
     return sha256_bytes(data)
 
 
@@ -272,16 +296,19 @@ def manifest_digest(directory: str | Path) -> str:
 def read_manifest(directory: str | Path) -> dict[str, Any]:
     """Read and validate ``MANIFEST.json`` of ``directory``.
 
+    Read through :func:`qualify.jsonio.read_json`: bounded, never following a link,
+    duplicate keys refused.
+
     Raises:
-        EvidenceIntegrityError: the manifest is missing, not JSON or fails its schema.
+        EvidenceIntegrityError: the manifest is missing, a symbolic link or special file,
+            over its size limit, not JSON, has a duplicate key or fails its schema.
     """
     path = Path(directory) / MANIFEST_FILE
-    try:
-        doc: dict[str, Any] = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise EvidenceIntegrityError(f"{path}: missing; the directory is not sealed") from None
-    except (OSError, ValueError) as exc:
-        raise EvidenceIntegrityError(f"{path}: unreadable or not JSON: {exc}") from None
+    if not os.path.lexists(path):
+        raise EvidenceIntegrityError(f"{path}: missing; the directory is not sealed")
+    doc = read_json(path)
+    if not isinstance(doc, dict):
+        raise EvidenceIntegrityError(f"{path}: not a JSON object")
     try:
         validate_json(doc, "manifest", what=str(path))
     except QualifyError as exc:
@@ -373,12 +400,35 @@ def check_sealed(directory: str | Path) -> str:
     return manifest_digest(d)
 
 
+def is_partial_attestation(path: str | Path) -> bool:
+    """True if ``path`` is the leftover of an interrupted attestation write.
+
+    An empty or unreadable file, or one that is not a JSON object, is partial (an older
+    signer reserved the name with an empty file before writing it). Any JSON object is
+    taken as a real attestation, valid or not: it is never replaced (an edited attestation
+    is evidence, shown by ``verify``). A missing file is not partial.
+    """
+    p = Path(path)
+    try:
+        if p.is_symlink() or not p.is_file():
+            return False
+        doc = json.loads(p.read_bytes())
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return True
+    return not isinstance(doc, dict)
+
+
 def add_attestation(directory: str | Path, name: str, data: bytes) -> Path:
     """Add a DSSE attestation file to a sealed directory (the signing step's only write).
 
-    The directory's write bit is lifted for the time of the write and restored; the
-    file is written atomically and made ``0o444``. An existing attestation is never
-    overwritten: use a different name (e.g. one per key).
+    The directory's write bit is lifted for the time of the write and restored. The
+    envelope is written to a temporary file (fsync-ed) and hard-linked to ``name``, which
+    fails if ``name`` exists: the attestation appears whole or not at all, and an existing
+    one is never overwritten (use a different name, e.g. one per key). The one exception is
+    a *partial* attestation (:func:`is_partial_attestation`: the empty file an interrupted
+    older signer left), which is replaced. Temporary files of dead signers are removed.
 
     Args:
         directory: a sealed directory.
@@ -389,8 +439,10 @@ def add_attestation(directory: str | Path, name: str, data: bytes) -> Path:
         The path of the attestation.
 
     Raises:
-        EvidenceIntegrityError: ``directory`` is not sealed, or ``name`` exists already.
+        EvidenceIntegrityError: ``directory`` is not sealed, or ``name`` exists already
+            (and is not partial).
         ValueError: ``name`` is not a bare ``*.dsse.json`` file name.
+        OSError: the write failed (nothing is left behind).
     """
     d = Path(directory)
     if "/" in name or os.sep in name or not name.endswith(ATTESTATION_SUFFIX) \
@@ -400,23 +452,48 @@ def add_attestation(directory: str | Path, name: str, data: bytes) -> Path:
     if not is_sealed(d):
         raise EvidenceIntegrityError(f"{d}: not sealed; attestations are added after sealing")
     target = d / name
-    if os.path.lexists(target):
+    partial = is_partial_attestation(target)
+    if os.path.lexists(target) and not partial:
         raise EvidenceIntegrityError(f"{target}: exists; an attestation is never overwritten")
     mode = stat.S_IMODE(d.stat().st_mode)
     os.chmod(d, mode | stat.S_IWUSR)
     try:
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        os.close(fd)  # reserve the name: a concurrent signer cannot take it
-        try:
-            write_bytes(target, data)
-            os.chmod(target, _FILE_MODE)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                target.unlink()
-            raise
+        atomic.remove_stale_temporaries(d, name=name)
+        if partial:
+            _log.warning("%s: replacing a partial attestation (interrupted signing)", target)
+            write_bytes(target, data)  # atomic replace of the partial file
+        else:
+            _link_new(target, data)
+        os.chmod(target, _FILE_MODE)
     finally:
         os.chmod(d, mode)
     return target
+
+
+def _link_new(target: Path, data: bytes) -> None:
+    """Create ``target`` holding ``data``, whole, failing if it exists.
+
+    Raises:
+        EvidenceIntegrityError: ``target`` exists (another signer took the name).
+        OSError: the write failed.
+    """
+    tmp = target.with_name(f"{atomic.TMP_PREFIX}{target.name}.{atomic.host_tag()}."
+                           f"{os.getpid()}.{os.urandom(4).hex()}{atomic.TMP_SUFFIX}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, target)
+        except FileExistsError:
+            raise EvidenceIntegrityError(f"{target}: exists; an attestation is never "
+                                         "overwritten") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    atomic.fsync_dir(target.parent)
 
 
 def make_writable(directory: str | Path) -> None:

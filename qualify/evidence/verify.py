@@ -13,8 +13,8 @@ the steps that passed, the problems):
    statement schema (:class:`~qualify.errors.StatementTypeError`);
 4. :func:`verify_subjects` - every subject digest equals the manifest and the file on disk,
    every manifest file is a subject (:class:`~qualify.errors.SubjectDigestError`);
-5. :func:`verify_no_unlisted_files` - no file on disk outside the manifest
-   (:class:`~qualify.errors.UnlistedFileError`);
+5. :func:`verify_no_unlisted_files` - no file on disk outside the manifest but the one
+   ``attestation.dsse.json`` (:class:`~qualify.errors.UnlistedFileError`);
 6. :func:`verify_contract` - the contract digest equals the committed contract's and the
    directory's own records (:class:`~qualify.errors.ContractDigestError`);
 7. :func:`verify_reference` (runs) - the reference verifies (steps 1-6), is the one the run
@@ -22,9 +22,13 @@ the steps that passed, the problems):
    (:class:`~qualify.errors.ReferenceBindingError`);
 8. :func:`verify_seal_order` (runs) - the reference was sealed before the run started and
    attested before the run was (:class:`~qualify.errors.SealOrderError`);
-9. :func:`verify_verdicts` (runs) - the verdicts recomputed from the raw outputs and the
-   sealed bounds (``compare_run(..., write=False)``) equal the report's and the
-   statement's (:class:`~qualify.errors.VerdictMismatchError`).
+9. :func:`verify_verdicts` (runs) - the report recomputed from the raw outputs and the
+   sealed bounds (``compare_run(..., write=False)``) equals ``report.json`` (every row's
+   error, bound, margin and verdict), ``report.md`` is its rendering byte for byte, and
+   the statement's verdicts are the report's (:class:`~qualify.errors.VerdictMismatchError`).
+
+Every JSON document is read through :mod:`qualify.jsonio` (bounded, no link followed,
+duplicate keys refused), so a hostile file fails its step and never exhausts memory.
 
 Steps 1-3 are prerequisites (a failure skips the rest); 4-8 all run so every problem is
 listed; 9 runs only when 1-8 passed. The steps as data (numbers, names, errors, the
@@ -34,8 +38,7 @@ result) are :mod:`qualify.evidence.steps`; finding directories to verify is
 
 from __future__ import annotations
 
-import collections
-import json
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -43,6 +46,7 @@ from typing import Any, Final
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from qualify import jsonio
 from qualify.digests import sha256_file
 from qualify.errors import (
     ContractDigestError,
@@ -74,8 +78,16 @@ from qualify.evidence.statement import (
     read_json,
     read_run,
 )
-from qualify.evidence.steps import STEPS, StepOutcome, StepRunner, VerificationResult
+from qualify.evidence.steps import (
+    STEPS,
+    StepOutcome,
+    StepRunner,
+    VerificationResult,
+    document_differences,
+    first_line_difference,
+)
 from qualify.evidence.timestamps import parse_time
+from qualify.jsonio import loads_strict
 from qualify.layout import (
     ATTESTATION_FILE,
     ATTESTATION_SUFFIX,
@@ -84,6 +96,7 @@ from qualify.layout import (
     MANIFEST_FILE,
     REFERENCE_FILE,
     REPORT_JSON,
+    REPORT_MD,
     RUN_FILE,
     resolve_reference,
 )
@@ -105,6 +118,7 @@ __all__ = [
     "VerificationResult",
     "committed_contract_path",
     "find_evidence",
+    "stray_attestations",
     "verify",
     "verify_contract",
     "verify_envelope",
@@ -203,15 +217,16 @@ def verify_statement_types(envelope: Envelope) -> dict[str, Any]:
         The statement.
 
     Raises:
-        StatementTypeError: any of them is wrong.
+        StatementTypeError: any of them is wrong, or the payload is not strict JSON (a
+            duplicate key: two readers could read two statements).
     """
     if envelope.payload_type != PAYLOAD_TYPE:
         raise StatementTypeError(f"payloadType is {envelope.payload_type!r}, expected "
                                  f"{PAYLOAD_TYPE!r}")
     try:
-        statement = json.loads(envelope.payload.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise StatementTypeError(f"payload is not JSON: {exc}") from None
+        statement = loads_strict(envelope.payload, what="payload")
+    except EvidenceIntegrityError as exc:
+        raise StatementTypeError(f"payload is not strict JSON: {exc}") from None
     if not isinstance(statement, dict):
         raise StatementTypeError("payload is not a JSON object")
     if statement.get("_type") != STATEMENT_TYPE:
@@ -283,36 +298,38 @@ def verify_subjects(directory: Path, statement: Mapping[str, Any],
     return len(subjects)
 
 
-def verify_no_unlisted_files(directory: Path,
-                             problems: Sequence[store.Problem] | None = None,
-                             ) -> tuple[str, ...]:
-    """Step 5: every file on disk is in the manifest.
+def stray_attestations(directory: Path) -> tuple[str, ...]:
+    """Every ``*.dsse.json`` under ``directory`` but its own ``attestation.dsse.json``."""
+    out: list[str] = []
+    for root, _dirs, files in os.walk(directory, followlinks=False):
+        for name in files:
+            rel = (Path(root) / name).relative_to(directory).as_posix()
+            if name.endswith(ATTESTATION_SUFFIX) and rel != ATTESTATION_FILE:
+                out.append(rel)
+    return tuple(sorted(out))
 
-    Top-level ``*.dsse.json`` files are attestations (never in a manifest); one anywhere
-    else is unlisted.
+
+def verify_no_unlisted_files(directory: Path,
+                             problems: Sequence[store.Problem] | None = None) -> int:
+    """Step 5: every file on disk is in the manifest, except the one attestation.
+
+    The only file a manifest cannot list is the directory's own ``attestation.dsse.json``
+    (written after sealing). Any other ``*.dsse.json`` (:func:`stray_attestations`), at the
+    top or below, is an unlisted file like any other: nothing verifies it, so nothing may
+    carry it.
 
     Returns:
-        The further top-level attestations beside ``attestation.dsse.json``.
+        The number of files in the manifest.
 
     Raises:
         UnlistedFileError: files on disk outside the manifest (all are named).
     """
     probs = list(store.verify_manifest(directory)) if problems is None else list(problems)
-    extra = [p.path for p in probs if p.kind == "extra"]
-    others: list[str] = []
-    for root, _dirs, files in os.walk(directory, followlinks=False):
-        for name in files:
-            if not name.endswith(ATTESTATION_SUFFIX):
-                continue
-            rel = (Path(root) / name).relative_to(directory).as_posix()
-            if "/" in rel:
-                extra.append(rel)
-            elif rel != ATTESTATION_FILE:
-                others.append(rel)
+    extra = {p.path for p in probs if p.kind == "extra"} | set(stray_attestations(directory))
     if extra:
         raise UnlistedFileError(f"{len(extra)} file(s) not in the manifest: "
                                 f"{_listing(sorted(extra))}")
-    return tuple(sorted(others))
+    return len(store.read_manifest(directory)["files"])
 
 
 def verify_contract(directory: Path, statement: Mapping[str, Any], *,
@@ -468,16 +485,26 @@ def verify_seal_order(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path
 
 
 def verify_verdicts(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path) -> int:
-    """Step 9: recompute the verdicts and compare them with the report and the statement.
+    """Step 9: the recomputed report equals ``report.json``, ``report.md`` and the statement.
+
+    The report is recomputed from the raw outputs and the sealed bounds
+    (``compare_run(..., write=False)``) and compared with ``report.json`` field by field:
+    every cell and row (error, bound, margin, verdict, reason, detail), the summary, the
+    field metrics and ``passed`` (numbers within
+    :data:`~qualify.evidence.steps.RECOMPUTE_REL_TOLERANCE`; only ``created``, ``run_dir``
+    and the reference's path, which name when and where it was compared, are taken from
+    ``report.json``). ``report.md`` is rendered again from that report
+    (:func:`qualify.compare.report.render_markdown`) and must equal the file byte for byte.
 
     Returns:
         The number of cells compared.
 
     Raises:
-        VerdictMismatchError: the recomputation fails, or a cell or row verdict, or
-            ``passed``, differs between the recomputed report, ``report.json`` and the
-            statement.
+        VerdictMismatchError: the recomputation fails; a cell, row or other field of
+            ``report.json`` differs from the recomputed one (each named); ``report.md`` is
+            not the rendering of the report; or the statement's verdicts differ.
     """
+    from qualify.compare.report import render_markdown
     from qualify.compare.stage import compare_run
 
     try:
@@ -485,33 +512,36 @@ def verify_verdicts(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path) 
     except QualifyError as exc:
         raise VerdictMismatchError(f"verdicts cannot be recomputed: {exc}") from None
     report = read_json(run_dir / REPORT_JSON)
+    if not isinstance(report, dict):
+        raise VerdictMismatchError(f"{REPORT_JSON}: not a JSON object")
     pred = _predicate(statement)
-    bad: list[str] = []
-    cells = {str(c.get("cell")): c.get("verdict") for c in report.get("cells", [])}
-    recomputed = dict(again.verdicts)
-    for cid in sorted(set(cells) | set(recomputed)):
-        if cells.get(cid) != recomputed.get(cid):
-            bad.append(f"{cid}: report.json says {cells.get(cid)}, recomputed "
-                       f"{recomputed.get(cid)}")
-    if report.get("passed") is not again.passed:
-        bad.append(f"passed: report.json says {report.get('passed')}, recomputed {again.passed}")
-    rows = collections.Counter((str(r.get("cell")), str(r.get("class")), str(r.get("metric")),
-                                str(r.get("verdict"))) for r in report.get("rows", []))
-    rows_again = collections.Counter((r.cell, r.klass, r.metric, str(r.verdict))
-                                     for r in again.rows)
-    if rows != rows_again:
-        diff = sorted((rows - rows_again) + (rows_again - rows))
-        bad.append(f"{len(diff)} row verdict(s) differ, e.g. {'/'.join(diff[0])}")
+    ref_path = report.get("reference", {}).get("path") \
+        if isinstance(report.get("reference"), dict) else None
+    again = dataclasses.replace(again, created=str(report.get("created")),
+                                run_dir=str(report.get("run_dir")),
+                                reference_dir=str(ref_path))
+    bad = [f"{REPORT_JSON} {d}" for d in document_differences(report, again.to_dict())]
+    rendered = render_markdown(again).encode("utf-8")
+    try:
+        md = jsonio.read_bytes(run_dir / REPORT_MD, max_bytes=jsonio.MAX_REPORT_BYTES)
+    except (OSError, EvidenceIntegrityError) as exc:
+        bad.append(f"{REPORT_MD}: unreadable: {exc}")
+    else:
+        if md != rendered:
+            bad.append(f"{REPORT_MD}: not the rendering of the recomputed report "
+                       f"({first_line_difference(md, rendered)})")
+    cells = {str(c.get("cell")): c.get("verdict") for c in report.get("cells", [])
+             if isinstance(c, dict)}
     verdicts = pred["verdicts"]
     if verdicts["cells"] != cells:
-        bad.append("statement cell verdicts differ from report.json")
+        bad.append(f"statement cell verdicts differ from {REPORT_JSON}")
     if verdicts["passed"] is not report.get("passed"):
-        bad.append(f"statement passed={verdicts['passed']}, report.json "
+        bad.append(f"statement passed={verdicts['passed']}, {REPORT_JSON} "
                    f"passed={report.get('passed')}")
     if bad:
         raise VerdictMismatchError(f"the report does not follow from the raw evidence: "
-                                   f"{_listing(bad)}")
-    return len(recomputed)
+                                   f"{len(bad)} difference(s): {_listing(bad)}")
+    return len(again.cells)
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -568,8 +598,8 @@ def verify(path: str | Path, *, trusted: Mapping[str, Ed25519PublicKey] | None =
                          "manifest and the files")
 
     def s5() -> str:
-        got["others"] = verify_no_unlisted_files(d, problems)
-        return "every file is in the manifest"
+        n = verify_no_unlisted_files(d, problems)
+        return f"every file is in the manifest ({n} files) but {ATTESTATION_FILE}"
 
     steps.run(5, s5)
 
@@ -605,8 +635,8 @@ def verify(path: str | Path, *, trusted: Mapping[str, Ed25519PublicKey] | None =
             elif any(steps.outcomes[n].status == "failed" for n in range(1, 9)):
                 steps.mark(9, "skipped", "an earlier step failed")
             else:
-                steps.run(9, lambda: f"{verify_verdicts(d, statement, rd)} cell verdicts "
-                                     "recomputed and equal")
+                steps.run(9, lambda: f"{verify_verdicts(d, statement, rd)} cells recomputed: "
+                                     f"{REPORT_JSON} and {REPORT_MD} equal")
         else:
             steps.mark(8, "skipped", "the reference did not verify")
             steps.mark(9, "skipped", "the reference did not verify")
@@ -614,4 +644,4 @@ def verify(path: str | Path, *, trusted: Mapping[str, Ed25519PublicKey] | None =
     return VerificationResult(path=d, kind=kind, steps=steps.done(),
                               keyids=tuple(got.get("keyids", ())), statement=statement,
                               reference=ref_dir, extra_files=extra,
-                              other_attestations=tuple(got.get("others", ())))
+                              other_attestations=stray_attestations(d))
