@@ -146,3 +146,7 @@ class PrecisionMismatchError(QualifyError):
 
 class DirtyTreeError(UsageError):
     """The source tree has modified tracked files and ``QUALIFY_ALLOW_DIRTY`` is not 1."""
+
+
+class WriterBusyError(UsageError):
+    """Another live process writes the directory (it holds its ``INCOMPLETE`` marker's lock)."""

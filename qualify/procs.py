@@ -13,28 +13,43 @@ reaches a re-parented member of the group), to the child and to every descendant
 collected; after a grace period SIGKILL goes to every survivor (and the group), and they
 are waited for. A zombie counts as ended (its parent, or init, reaps it).
 
+Dying with the parent: a ``kill -9`` of qualify runs no ``except`` clause, and a child in
+a session of its own gets no terminal Ctrl-C. So on Linux every child is started with
+``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (``die_with_parent``): the kernel sends it SIGTERM the
+moment the thread that started it dies, however it dies. torchrun ends its workers on
+SIGTERM (SIGTERM to each worker, SIGKILL after its grace period), so no rank outlives
+qualify; any other child is expected to end its own descendants on SIGTERM the same way.
+The death signal is bound to the *thread* that called :func:`run` (it blocks there until
+the child ends, so it outlives it).
+
 This module imports neither torch nor any engine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import os
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Final
 
 import psutil
 
-__all__ = ["KILL_GRACE_S", "ProcResult", "run"]
+__all__ = ["DEATH_SIGNAL", "KILL_GRACE_S", "ProcResult", "run"]
 
 KILL_GRACE_S: Final = 5.0
 """Default seconds between SIGTERM and SIGKILL when a tree is ended (and after SIGKILL)."""
 _POLL_S: Final = 0.05
+DEATH_SIGNAL: Final = signal.SIGTERM
+"""What a child gets from the kernel when the qualify thread that started it dies (Linux)."""
+_PR_SET_PDEATHSIG: Final = 1
 
 Stream = int | IO[bytes] | None
 """What a child's stdin / stdout / stderr is: as :class:`subprocess.Popen` takes it
@@ -69,10 +84,38 @@ class ProcResult:
         return self.returncode == 0
 
 
+def _death_signal_hook() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get :data:`DEATH_SIGNAL` when we die (Linux).
+
+    libc is loaded here, in the parent, so the forked child only calls into it. If the
+    parent died before the hook ran, the child signals itself at once.
+
+    Returns:
+        The hook, or ``None`` off Linux or without a loadable libc.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+    sig = int(DEATH_SIGNAL)
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), sig)
+
+    return hook
+
+
 def run(cmd: Sequence[str], *, timeout_s: float, stdout: Stream = None,
         stderr: Stream = None, stdin: Stream = subprocess.DEVNULL,
         env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
-        new_session: bool = True, grace_s: float = KILL_GRACE_S) -> ProcResult:
+        new_session: bool = True, grace_s: float = KILL_GRACE_S,
+        die_with_parent: bool = True) -> ProcResult:
     """Run ``cmd`` with a wall-clock limit; on timeout or interruption end its whole tree.
 
     Args:
@@ -88,6 +131,9 @@ def run(cmd: Sequence[str], *, timeout_s: float, stdout: Stream = None,
             terminal's Ctrl-C reaches only this process, which then ends the tree, and a
             re-parented descendant is still reached through the group.
         grace_s: seconds (>= 0) a tree is given after SIGTERM, and again after SIGKILL.
+        die_with_parent: on Linux, the kernel sends the child :data:`DEATH_SIGNAL` when
+            the calling thread dies (``kill -9`` of qualify included); see the module
+            docstring.
 
     Returns:
         The :class:`ProcResult`; a timeout is a result (``timed_out``), not an exception.
@@ -105,7 +151,11 @@ def run(cmd: Sequence[str], *, timeout_s: float, stdout: Stream = None,
     t0 = time.monotonic()
     proc = subprocess.Popen(list(cmd), stdin=stdin, stdout=stdout, stderr=stderr,
                             env=None if env is None else dict(env), cwd=cwd,
-                            start_new_session=new_session)
+                            start_new_session=new_session,
+                            # the hook only calls prctl (libc loaded before the fork),
+                            # getppid and kill: no lock a thread could hold is taken
+                            preexec_fn=_death_signal_hook() if die_with_parent  # noqa: PLW1509
+                            else None)
     timed_out = False
     out: bytes | None
     err: bytes | None

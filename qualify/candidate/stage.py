@@ -22,15 +22,16 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from qualify.candidate import sampler_stage
 from qualify.candidate.launch import LaunchResult, launch
 from qualify.contract import CellSpec, Contract, cells_matching
-from qualify.errors import EvidenceIntegrityError, ReferenceDataError
+from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
 from qualify.evidence import store
 from qualify.layout import CELLS_DIR, INPUTS_DIR, LAUNCHES_DIR, MODEL_FILE, RESULT_FILE, RUN_FILE
 from qualify.matrix import Precision
@@ -49,6 +50,7 @@ from qualify.registry import get_engine
 
 RUN_KIND = "candidate-run"
 CELL_ATTEMPT_KIND = "cell-attempt"
+_RUN_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -180,6 +182,26 @@ def plan_launches(contract: Contract, wanted: Sequence[CellSpec],
             if lc.grouped else lc for lc in out]
 
 
+def check_run_id(run_id: str) -> str:
+    """Require ``run_id`` to be one safe path component (it names a directory).
+
+    Allowed: 1 to 128 of ``A-Z a-z 0-9 . _ -``, starting with a letter or digit, without
+    ``..``; so no ``/``, no ``..`` and no hidden name, and the run stays under the
+    evidence root.
+
+    Returns:
+        ``run_id``.
+
+    Raises:
+        UsageError: any other value (one line naming it).
+    """
+    if not _RUN_ID_RE.fullmatch(run_id) or ".." in run_id:
+        raise UsageError(f"--run-id {run_id!r}: must be one path component of 1 to 128 "
+                         "letters, digits, '.', '_' or '-', starting with a letter or digit, "
+                         "without '..'")
+    return run_id
+
+
 def _new_run_id() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
 
@@ -287,10 +309,19 @@ def run_candidate_stage(
         launch_timeout_s: wall-clock limit of one launch.
         collective_timeout_s: timeout of every collective inside a harness.
 
+    The run directory carries the ``INCOMPLETE`` marker from its first write until
+    ``qualify compare`` seals it, and this process holds the marker's writer lock while it
+    runs (:func:`qualify.evidence.store.hold_writer_lock`).
+
     Raises:
+        UsageError: ``run_id`` is not one safe path component (:func:`check_run_id`).
+        WriterBusyError: another live process writes this run (the message names its pid
+            and host).
         ReferenceDataError: the reference is missing, unsealed, or of another contract.
         EvidenceIntegrityError: the reference was edited, or the run is sealed already.
     """
+    if run_id is not None:
+        check_run_id(run_id)
     reference, root = reference.resolve(), root.resolve()
     ref_meta = load_sealed_reference(reference)
     if ref_meta.get("contract_digest") != contract.digest:
@@ -303,70 +334,73 @@ def run_candidate_stage(
     if store.is_sealed(run_dir):
         raise EvidenceIntegrityError(f"{run_dir}: run is sealed (compared); start a new run")
     run_dir.mkdir(parents=True, exist_ok=True)
-    doc = _read_run(run_dir) or {
-        "schema_version": 1,
-        "contract": contract.name,
-        "contract_digest": contract.digest,
-        "reference": {"path": str(reference.resolve()),
-                      "manifest_digest": store.manifest_digest(reference),
-                      "sealed": ref_meta.get("created")},
-        "run_id": rid,
-        "started": store.utc_now(),
-        "faults": list(faults),
-        "cells": {},
-    }
-    if doc["contract_digest"] != contract.digest:
-        raise ReferenceDataError(f"{run_dir / RUN_FILE}: contract_digest: run belongs to "
-                                 f"another contract digest")
-    inputs = _stage_inputs(contract, reference, run_dir)
-    todo = [c for c in wanted
-            if doc["cells"].get(c.cell_id, {}).get("status") != "COMPLETE"]
-    grouped = sorted({c.engine for c in todo if get_engine(c.engine).groups_variants})
-    launches = plan_launches(contract, todo, grouped_engines=grouped)
-    with Progress(total=max(1, len(launches)), description=f"candidate {contract.name}",
-                  quiet=quiet) as bar:
-        for lc in launches:
-            bar.advance(lc.launch_id)
-            engine = get_engine(lc.engine)
-            why_not = engine.unavailable_reason()
-            if why_not is not None:
+    # INCOMPLETE from the first write until compare seals the run; its lock makes
+    # this process the run's one writer (a dead writer's lock is taken over)
+    with store.hold_writer_lock(run_dir, kind=RUN_KIND):
+        doc = _read_run(run_dir) or {
+            "schema_version": 1,
+            "contract": contract.name,
+            "contract_digest": contract.digest,
+            "reference": {"path": str(reference.resolve()),
+                          "manifest_digest": store.manifest_digest(reference),
+                          "sealed": ref_meta.get("created")},
+            "run_id": rid,
+            "started": store.utc_now(),
+            "faults": list(faults),
+            "cells": {},
+        }
+        if doc["contract_digest"] != contract.digest:
+            raise ReferenceDataError(f"{run_dir / RUN_FILE}: contract_digest: run belongs to "
+                                     f"another contract digest")
+        inputs = _stage_inputs(contract, reference, run_dir)
+        todo = [c for c in wanted
+                if doc["cells"].get(c.cell_id, {}).get("status") != "COMPLETE"]
+        grouped = sorted({c.engine for c in todo if get_engine(c.engine).groups_variants})
+        launches = plan_launches(contract, todo, grouped_engines=grouped)
+        with Progress(total=max(1, len(launches)), description=f"candidate {contract.name}",
+                      quiet=quiet) as bar:
+            for lc in launches:
+                bar.advance(lc.launch_id)
+                engine = get_engine(lc.engine)
+                why_not = engine.unavailable_reason()
+                if why_not is not None:
+                    for cell in lc.cells:
+                        doc["cells"][cell.cell_id] = _cell_entry(cell, "NOT_RUN", why_not, None)
+                    store.atomic_write_json(run_dir / RUN_FILE, doc)
+                    continue
+                hc = HarnessCell(
+                    engine=lc.engine, precision=lc.precision,  # type: ignore[arg-type]
+                    options=dict(lc.options),
+                    actor_tp=lc.actor.tp if lc.actor else 0,
+                    critic_tp=lc.critic.tp if lc.critic else 0,
+                    rounds=contract.algorithm.rounds, seed=contract.sampling.seed,
+                    inputs_dir=str(inputs.resolve()), output_dir="",
+                    collective_timeout_s=collective_timeout_s, faults=tuple(faults),
+                    export_weights=sampler_stage.export_wanted(contract, lc.cells),
+                    variants=tuple({"precision": p.precision, "options": p.harness_options}
+                                   for p in lc.parts) if lc.grouped else (),
+                )
+                attempt = store.new_attempt(run_dir / LAUNCHES_DIR / lc.launch_id)
+                hc = dataclasses.replace(hc, output_dir=str(attempt.resolve()))
+                result = launch(hc, module=engine.module, attempt_dir=attempt,
+                                timeout_s=launch_timeout_s * len(lc.parts),
+                                env=None if _cuda_available() else engine.cpu_env)
+                store.atomic_write_json(attempt / RESULT_FILE, {
+                    "status": result.status, "reason": result.reason, "wall_s": result.wall_s,
+                    "returncode": result.returncode})
+                store.seal(attempt, kind="launch-attempt")
                 for cell in lc.cells:
-                    doc["cells"][cell.cell_id] = _cell_entry(cell, "NOT_RUN", why_not, None)
+                    cell_attempt = store.new_attempt(run_dir / CELLS_DIR / cell.cell_id)
+                    status, why = _split_outputs(result, attempt, lc, cell, cell_attempt)
+                    doc["cells"][cell.cell_id] = _cell_entry(
+                        cell, status, why, str(cell_attempt.relative_to(run_dir)))
                 store.atomic_write_json(run_dir / RUN_FILE, doc)
-                continue
-            hc = HarnessCell(
-                engine=lc.engine, precision=lc.precision,  # type: ignore[arg-type]
-                options=dict(lc.options),
-                actor_tp=lc.actor.tp if lc.actor else 0,
-                critic_tp=lc.critic.tp if lc.critic else 0,
-                rounds=contract.algorithm.rounds, seed=contract.sampling.seed,
-                inputs_dir=str(inputs.resolve()), output_dir="",
-                collective_timeout_s=collective_timeout_s, faults=tuple(faults),
-                export_weights=sampler_stage.export_wanted(contract, lc.cells),
-                variants=tuple({"precision": p.precision, "options": p.harness_options}
-                               for p in lc.parts) if lc.grouped else (),
-            )
-            attempt = store.new_attempt(run_dir / LAUNCHES_DIR / lc.launch_id)
-            hc = dataclasses.replace(hc, output_dir=str(attempt.resolve()))
-            result = launch(hc, module=engine.module, attempt_dir=attempt,
-                            timeout_s=launch_timeout_s * len(lc.parts),
-                            env=None if _cuda_available() else engine.cpu_env)
-            store.atomic_write_json(attempt / RESULT_FILE, {
-                "status": result.status, "reason": result.reason, "wall_s": result.wall_s,
-                "returncode": result.returncode})
-            store.seal(attempt, kind="launch-attempt")
-            for cell in lc.cells:
-                cell_attempt = store.new_attempt(run_dir / CELLS_DIR / cell.cell_id)
-                status, why = _split_outputs(result, attempt, lc, cell, cell_attempt)
-                doc["cells"][cell.cell_id] = _cell_entry(
-                    cell, status, why, str(cell_attempt.relative_to(run_dir)))
-            store.atomic_write_json(run_dir / RUN_FILE, doc)
-    sampler_stage.run_sampler_cells(contract, run_dir=run_dir, doc=doc, inputs=inputs,
-                                    cells=cells, faults=faults)
-    for c in wanted:
-        doc["cells"].setdefault(c.cell_id, _cell_entry(c, "NOT_RUN", "not launched", None))
-    doc["finished"] = store.utc_now()
-    store.atomic_write_json(run_dir / RUN_FILE, doc)
+        sampler_stage.run_sampler_cells(contract, run_dir=run_dir, doc=doc, inputs=inputs,
+                                        cells=cells, faults=faults)
+        for c in wanted:
+            doc["cells"].setdefault(c.cell_id, _cell_entry(c, "NOT_RUN", "not launched", None))
+        doc["finished"] = store.utc_now()
+        store.atomic_write_json(run_dir / RUN_FILE, doc)
     return run_dir
 
 

@@ -5,6 +5,11 @@
   an unsealed leftover of an interrupted run is moved aside as
   ``<name>.incomplete-<UTC stamp>``, never deleted; a directory a live process on this
   host still writes (:func:`_live_writer`) is refused.
+- **Writer lock.** :func:`hold_writer_lock` makes a directory's ``INCOMPLETE`` marker the
+  lock of its one writer (``flock``, released by the kernel when the writer dies, even by
+  ``kill -9``): a second writer is refused with the first one's pid and host
+  (:class:`~qualify.errors.WriterBusyError`), a dead writer's lock is taken over, and
+  sealing holds the lock (:func:`sealing_lock`) so a live writer's directory is never sealed.
 - **Attempts.** ``attempt-1``, ``attempt-2``, ... under a cell directory, created with
   :func:`os.mkdir` (atomic), never reused or overwritten; a failed attempt is kept
   (DESIGN.md section 7). Each new attempt carries the marker until it is sealed.
@@ -14,29 +19,35 @@ Public through :mod:`qualify.evidence.store`.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import fcntl
 import json
 import logging
 import os
 import re
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
 import psutil
 
-from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
+from qualify.atomic import json_bytes
+from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError, WriterBusyError
 from qualify.evidence.sealed import atomic_write_json, is_sealed, refuse_if_sealed
 from qualify.evidence.timestamps import ISO_FORMAT, utc_now_iso, utc_stamp
 from qualify.layout import ATTEMPT_PREFIX, INCOMPLETE_FILE, INCOMPLETE_INFIX
 
-__all__ = ["INCOMPLETE_INFIX", "attempt_number", "attempts", "claim_dir",
-           "latest_complete_attempt", "new_attempt", "next_free_dir"]
+__all__ = ["INCOMPLETE_INFIX", "attempt_number", "attempts", "claim_dir", "hold_writer_lock",
+           "latest_complete_attempt", "new_attempt", "next_free_dir", "refuse_if_locked",
+           "sealing_lock"]
 
 _log = logging.getLogger(__name__)
 
 _ATTEMPT_RE: Final = re.compile(rf"^{re.escape(ATTEMPT_PREFIX)}([1-9][0-9]*)$")
 _MAX_ATTEMPT_RACES: Final = 1000
+_MAX_LOCK_RACES: Final = 100
 
 
 def _marker(kind: str) -> dict[str, Any]:
@@ -46,6 +57,119 @@ def _marker(kind: str) -> dict[str, Any]:
 
 def _write_marker(directory: Path, kind: str) -> None:
     atomic_write_json(directory / INCOMPLETE_FILE, _marker(kind))
+
+
+def _describe_writer(marker: Path) -> str:
+    """``process 123 on host h (since T)`` from a marker, as far as it can be read."""
+    try:
+        doc = json.loads(marker.read_bytes())
+        return (f"process {int(doc['pid'])} on host {doc['host']} "
+                f"(since {doc.get('started', '?')})")
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process (its marker is unreadable)"
+
+
+def _busy(directory: Path, marker: Path) -> WriterBusyError:
+    return WriterBusyError(f"{directory}: being written by {_describe_writer(marker)}; wait "
+                           "for it to finish, or use another --run-id")
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+@contextlib.contextmanager
+def hold_writer_lock(directory: str | Path, *, kind: str) -> Iterator[Path]:
+    """Be the one writer of ``directory`` while the ``with`` block runs.
+
+    The directory's ``INCOMPLETE`` marker is created if missing, locked with an exclusive
+    ``flock`` (non-blocking) and rewritten in place with this process's pid, host, start
+    time and ``kind``. The marker stays after the block (the directory is unsealed until
+    :func:`qualify.evidence.store.seal` removes it); the lock goes with the block or with
+    the process, however it dies, so a dead writer's marker is taken over by the next one.
+    The descriptor is not inherited by child processes.
+
+    Args:
+        directory: an existing, unsealed directory.
+        kind: what it holds (``candidate-run``...), written in the marker.
+
+    Yields:
+        The marker's path.
+
+    Raises:
+        WriterBusyError: a live process holds the lock (the message names its pid and
+            host, as its marker says).
+        EvidenceIntegrityError: ``directory`` is sealed or lies under a sealed directory.
+        OSError: the marker cannot be created or written.
+    """
+    d = Path(directory)
+    marker = d / INCOMPLETE_FILE
+    for _ in range(_MAX_LOCK_RACES):
+        if is_sealed(d):
+            raise EvidenceIntegrityError(f"{d}: sealed; a sealed directory is never written "
+                                         "again")
+        refuse_if_sealed(marker)
+        fd = os.open(marker, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            if not _try_lock(fd):
+                raise _busy(d, marker)
+            if not _same_file(fd, marker):  # sealed or replaced between open and lock
+                continue
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json_bytes(_marker(kind)), 0)
+            os.fsync(fd)
+            yield marker
+            return
+        finally:
+            os.close(fd)
+    raise EvidenceIntegrityError(f"{marker}: replaced while locking it {_MAX_LOCK_RACES} times")
+
+
+@contextlib.contextmanager
+def sealing_lock(directory: str | Path) -> Iterator[None]:
+    """Hold the writer lock of ``directory``'s ``INCOMPLETE`` marker, if any, while sealing.
+
+    A directory without a marker needs no lock.
+
+    Raises:
+        WriterBusyError: a live process holds the lock (see :func:`hold_writer_lock`).
+    """
+    d = Path(directory)
+    marker = d / INCOMPLETE_FILE
+    try:
+        fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # no marker (or not a plain file): nobody holds a lock
+        yield
+        return
+    try:
+        if not _try_lock(fd):
+            raise _busy(d, marker)
+        yield
+    finally:
+        os.close(fd)
+
+
+def refuse_if_locked(directory: str | Path) -> None:
+    """Refuse when a live process holds ``directory``'s writer lock.
+
+    Raises:
+        WriterBusyError: see :func:`hold_writer_lock`.
+    """
+    with sealing_lock(directory):
+        pass
 
 
 def next_free_dir(base: str | Path) -> Path:

@@ -89,6 +89,7 @@ __all__ = [
     "key_id",
     "load_public_key",
     "load_signing_key",
+    "needs_signature",
     "pae",
     "parse_time",
     "read_envelope",
@@ -135,13 +136,16 @@ def sign_directory(directory: str | Path, key: SigningKey | None = None, *,
 
     Raises:
         EvidenceIntegrityError: the directory is not sealed or not intact, or already has
-            an attestation (never overwritten).
+            an attestation (never overwritten; only a partial one, the empty or unparsable
+            leftover of an interrupted signing
+            (:func:`qualify.evidence.store.is_partial_attestation`), is replaced).
         ReferenceDataError: a run that was not compared, or whose reference is missing or
             unsigned.
         UsageError: the directory is neither a reference nor a candidate run.
     """
     d = Path(directory)
-    if os.path.lexists(d / ATTESTATION_FILE):
+    if os.path.lexists(d / ATTESTATION_FILE) and not store.is_partial_attestation(
+            d / ATTESTATION_FILE):
         raise EvidenceIntegrityError(f"{d / ATTESTATION_FILE}: exists; an attestation is "
                                      "never overwritten")
     statement = build_statement(d, reference_dir=reference_dir)
@@ -154,6 +158,8 @@ def sign_directory(directory: str | Path, key: SigningKey | None = None, *,
 
 def ensure_signed(directory: str | Path, key: SigningKey | None = None) -> Path:
     """Sign a sealed directory unless it carries an attestation already.
+
+    A partial attestation, left by an interrupted signing, does not count: it is replaced.
 
     For the pipeline: a reference sealed before signing existed (or by another machine) is
     signed before the runs judged against it are (verification step 8 wants the reference
@@ -168,7 +174,21 @@ def ensure_signed(directory: str | Path, key: SigningKey | None = None) -> Path:
         UsageError: see :func:`sign_directory`.
     """
     path = Path(directory) / ATTESTATION_FILE
-    return path if path.is_file() else sign_directory(directory, key)
+    if path.is_file() and not store.is_partial_attestation(path):
+        return path
+    return sign_directory(directory, key)
+
+
+def needs_signature(directory: str | Path) -> bool:
+    """True if sealed ``directory`` has no attestation, or only a partial one.
+
+    For resuming: a ``qualify compare`` killed while signing leaves a sealed, unsigned run
+    (or one with the partial attestation of an older signer); it is signed again, never
+    compared again.
+    """
+    path = Path(directory) / ATTESTATION_FILE
+    return store.is_sealed(directory) and (not os.path.lexists(path)
+                                           or store.is_partial_attestation(path))
 
 
 def seal_and_sign(directory: str | Path, *, kind: str, key: SigningKey | None = None,
