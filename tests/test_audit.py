@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -160,3 +161,39 @@ def test_audit_usage_error(tmp_path: Path, signed_world: World) -> None:
     code, text = audit_cli(signed_world, empty, fmt="json")
     assert code == ExitCode.USAGE_ERROR
     assert json.loads(text)["rows"] == []
+
+
+def test_stray_dev_zero_directory_is_a_problem_not_a_crash(world: World) -> None:
+    stray = world.root / "evidence" / CONTRACT / "stray"
+    stray.mkdir()
+    (stray / "run.json").symlink_to("/dev/zero")
+    manifest_only = world.root / "evidence" / "manifest-only"
+    manifest_only.mkdir()
+    (manifest_only / store.MANIFEST_FILE).symlink_to("/dev/zero")
+    fifo = world.root / "evidence" / CONTRACT / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "run.json")
+    code, table = audit_cli(world, world.root)
+    assert code == ExitCode.INTEGRITY_ERROR
+    result = audit(world.root, trusted_keys_dir=world.keys, contracts_dir=world.contracts)
+    rows = {Path(r.path).name: r for r in result.rows}
+    assert rows["stray"].integrity == "INCOMPLETE"
+    assert any("run.json: a symbolic link" in p for p in rows["stray"].problems)
+    assert any("MANIFEST.json: a symbolic link" in p for p in rows["manifest-only"].problems)
+    assert any("not a regular file" in p for p in rows["fifo"].problems)
+    assert rows["run-2-good"].problems == ()  # the good runs beside are still audited
+    assert "stray" in table
+
+
+def test_hand_made_run_with_incomplete_marker_is_incomplete(world: World) -> None:
+    run = world.root / "evidence" / CONTRACT / "20990101T000000Z"
+    run.mkdir()
+    (run / store.INCOMPLETE_FILE).write_text("")  # the first write of the candidate stage
+    result = audit(world.root, trusted_keys_dir=world.keys, contracts_dir=world.contracts)
+    assert result.exit_code == ExitCode.INTEGRITY_ERROR
+    (row,) = [r for r in result.rows if Path(r.path).name == run.name]
+    assert row.integrity == "INCOMPLETE"
+    assert row.problems[0].startswith("incomplete: INCOMPLETE marker")
+    code, text = audit_cli(world, run)
+    assert code == ExitCode.INTEGRITY_ERROR
+    assert "INCOMPLETE" in text

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -151,3 +153,83 @@ def test_gate_usage_errors(signed_world: World, tmp_path: Path) -> None:
     code, _ = gate_cli(signed_world, signed_world.good,
                        contracts=(tmp_path / "missing.toml",))
     assert code == ExitCode.USAGE_ERROR
+
+
+def _stray_dev_zero(w: World, name: str = "stray") -> Path:
+    """An unsigned stray directory beside the good runs: run.json -> /dev/zero."""
+    stray = w.root / "evidence" / CONTRACT / name
+    stray.mkdir()
+    (stray / "run.json").symlink_to("/dev/zero")
+    return stray
+
+
+def test_stray_dev_zero_directory_fails_the_gate_without_crashing(world: World,
+                                                                  tmp_path: Path) -> None:
+    stray = _stray_dev_zero(world)
+    out = tmp_path / "gate.json"
+    code, text = gate_cli(world, world.root / "evidence", "--allow-not-run", ALLOW_CUDA,
+                          "--json", str(out))
+    assert code == ExitCode.INTEGRITY_ERROR, text
+    assert f"{stray}: unreadable evidence directory" in text
+    assert "symbolic link" in text
+    doc = json.loads(out.read_text())
+    jsonschema.validate(doc, load_schema("gate"))
+    assert doc["result"] == "INTEGRITY_ERROR"
+
+
+def test_stray_manifest_only_directory_fails_the_gate(world: World) -> None:
+    stray = world.root / "evidence" / CONTRACT / "stray-manifest"
+    stray.mkdir()
+    (stray / "MANIFEST.json").symlink_to("/dev/zero")
+    result = gate(world.root / "evidence", [world.contract], allow_not_run=[ALLOW_CUDA],
+                  trusted_keys_dir=world.keys)
+    assert result.exit_code == ExitCode.INTEGRITY_ERROR
+    assert str(stray) in result.contracts[0].message
+
+
+def test_stray_directory_as_the_gate_in_a_subprocess(world: World) -> None:
+    """The CLI process itself: exit 3 and one line, never a MemoryError (exit 4)."""
+    _stray_dev_zero(world)
+    proc = subprocess.run(
+        [sys.executable, "-m", "qualify", "gate", str(world.root / "evidence"), "--keys",
+         str(world.keys), "--contract", str(world.contract), "--allow-not-run", ALLOW_CUDA],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == ExitCode.INTEGRITY_ERROR, proc.stderr
+    assert "unreadable evidence directory" in proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("marker", [b"", b'{"kind": "candidate-run"}', b"not json"],
+                         ids=["empty", "json", "text"])
+def test_run_with_incomplete_marker_is_incomplete_never_no_run(world: World,
+                                                               marker: bytes) -> None:
+    """A hand-made run directory holding only the INCOMPLETE marker (the candidate stage
+    writes it first and removes it when sealing)."""
+    lone = world.root / "only" / CONTRACT / "20990101T000000Z"
+    lone.mkdir(parents=True)
+    (lone / store.INCOMPLETE_FILE).write_bytes(marker)
+    result = gate(world.root / "only", [world.contract], allow_not_run=[ALLOW_CUDA],
+                  trusted_keys_dir=world.keys)
+    assert result.exit_code == ExitCode.INTEGRITY_ERROR
+    msg = result.contracts[0].message
+    assert "incomplete" in msg
+    assert "no candidate run" not in msg
+    # beside the good runs, older or newer, it still fails the gate
+    beside = world.root / "evidence" / CONTRACT / "run-0-writing"
+    beside.mkdir()
+    (beside / store.INCOMPLETE_FILE).write_bytes(marker)
+    (beside / "run.json").write_text(json.dumps({"contract": CONTRACT, "run_id": "run-0",
+                                                 "started": "2000-01-01T00:00:00Z"}))
+    result = gate(world.root / "evidence", [world.contract], allow_not_run=[ALLOW_CUDA],
+                  trusted_keys_dir=world.keys)
+    assert result.exit_code == ExitCode.INTEGRITY_ERROR
+    assert f"{beside}: incomplete: INCOMPLETE marker" in result.contracts[0].message
+
+
+def test_run_of_another_contract_with_marker_does_not_block(world: World) -> None:
+    other = world.root / "evidence" / "other" / "run-1"
+    other.mkdir(parents=True)
+    (other / store.INCOMPLETE_FILE).write_text("")
+    (other / "run.json").write_text(json.dumps({"contract": "other", "run_id": "run-1"}))
+    code, text = gate_cli(world, world.root / "evidence", "--allow-not-run", ALLOW_CUDA)
+    assert code == ExitCode.QUALIFICATION_FAILED, text  # run-3-fail, as before

@@ -46,6 +46,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import save_file
 from tiny_contracts import torch_tp_only_text
 
+from qualify import jsonio
 from qualify.bounds import Bound, bounds_document
 from qualify.cli import main as cli
 from qualify.cli.evidence import register
@@ -605,6 +606,94 @@ def m_reference_statement_replaced(w: World) -> Path:
     return w.good
 
 
+def m_attestation_oversized(w: World) -> Path:
+    # Trailing whitespace keeps it valid JSON and the attestation is in no manifest: only
+    # the size limit, checked before anything is parsed, catches it.
+    with (w.good / signing.ATTESTATION_FILE).open("ab") as f:
+        f.write(b" " * jsonio.MAX_LISTING_BYTES)
+    return w.good
+
+
+def m_run_json_dev_zero(w: World) -> Path:
+    (w.good / "run.json").unlink()
+    (w.good / "run.json").symlink_to("/dev/zero")
+    return w.good
+
+
+def _resign_manifest(d: Path, data: bytes, key: signing.SigningKey) -> None:
+    """Write ``data`` as MANIFEST.json and sign a statement naming its digest (an insider)."""
+    (d / store.MANIFEST_FILE).write_bytes(data)
+    digest = store.sha256_file(d / store.MANIFEST_FILE)
+
+    def edit(stmt: dict[str, Any]) -> None:
+        stmt["predicate"]["manifestDigest"] = digest
+        for s in stmt["subject"]:
+            if s["name"] == store.MANIFEST_FILE:
+                s["digest"]["sha256"] = digest
+    resign_statement(d, edit, key)
+
+
+def m_manifest_duplicate_key(w: World) -> Path:
+    # A reader keeping the last "kind" sees the true one; a reader keeping the first sees
+    # a reference: two readers, two manifests.
+    data = (w.good / store.MANIFEST_FILE).read_bytes()
+    assert data.startswith(b"{\n")
+    _resign_manifest(w.good, b'{\n  "kind": "reference",\n' + data[2:], w.key)
+    return w.good
+
+
+def m_statement_duplicate_key(w: World) -> Path:
+    payload = signing.statement_bytes(json.loads(signing.read_envelope(w.good).payload))
+    payload = b'{"predicateType":"https://example.com/other",' + payload[1:]
+    sig = w.key.sign(signing.pae(signing.PAYLOAD_TYPE, payload))
+    env = signing.Envelope(payload=payload, payload_type=signing.PAYLOAD_TYPE,
+                           signatures=(signing.Signature(keyid=w.key.keyid, sig=sig),))
+    (w.good / signing.ATTESTATION_FILE).write_bytes(env.to_json())
+    return w.good
+
+
+def m_extra_attestation(w: World) -> Path:
+    # a valid copy of the run's own attestation: nothing verifies a second one
+    shutil.copyfile(w.good / signing.ATTESTATION_FILE, w.good / "x.dsse.json")
+    return w.good
+
+
+def _measured_row(doc: dict[str, Any], *, positive: bool = False) -> dict[str, Any]:
+    """The first row with a numeric margin (``positive``: above 0)."""
+    return next(r for r in doc["rows"] if isinstance(r["margin"], float)
+                and (r["margin"] > 0 or not positive))
+
+
+def m_margin_rewritten(w: World) -> Path:
+    def rewrite(doc: dict[str, Any]) -> None:  # the verdict (PASS) still agrees
+        r = _measured_row(doc)
+        assert r["verdict"] == "PASS"
+        r["margin"] = r["margin"] / 10 if r["margin"] else 0.5
+    edit_json(w.good / "report.json", rewrite)
+    reseal_and_resign(w.good, w.key, "candidate-run")
+    return w.good
+
+
+def m_error_and_margin_rewritten(w: World) -> Path:
+    def shrink(doc: dict[str, Any]) -> None:  # a consistent lie: error / bound = margin
+        r = _measured_row(doc, positive=True)
+        assert r["verdict"] == "FAIL"
+        assert r["margin"] > 10  # still a FAIL at a tenth
+        r["error"], r["margin"] = r["error"] / 10, r["margin"] / 10
+    edit_json(w.failing / "report.json", shrink)
+    reseal_and_resign(w.failing, w.key, "candidate-run")
+    return w.failing
+
+
+def m_report_md_rewritten(w: World) -> Path:
+    path = w.good / "report.md"
+    text = path.read_text()
+    assert "## Failures\n\nNone." in text
+    path.write_text(text.replace("## Matrix", "## Matrix (reviewed: all fine)", 1))
+    reseal_and_resign(w.good, w.key, "candidate-run")
+    return w.good
+
+
 @dataclasses.dataclass(frozen=True)
 class Mutation:
     """A named tamper: what it does, the step that must catch it and its error type."""
@@ -664,6 +753,22 @@ MUTATIONS: tuple[Mutation, ...] = (
              SealOrderError),
     Mutation("reference statement edited and re-signed", m_reference_statement_replaced, 7,
              ReferenceBindingError),
+    Mutation("attestation padded past its size limit", m_attestation_oversized, 1,
+             EnvelopeFormatError),
+    Mutation("run.json replaced by a symlink to /dev/zero", m_run_json_dev_zero, 4,
+             SubjectDigestError),
+    Mutation("duplicate key in MANIFEST.json (re-signed)", m_manifest_duplicate_key, 4,
+             SubjectDigestError),
+    Mutation("duplicate key in the statement (re-signed)", m_statement_duplicate_key, 3,
+             StatementTypeError),
+    Mutation("extra x.dsse.json beside the attestation", m_extra_attestation, 5,
+             UnlistedFileError),
+    Mutation("margin rewritten in report.json (re-sealed, re-signed)", m_margin_rewritten,
+             9, VerdictMismatchError),
+    Mutation("error and margin rewritten in report.json (re-sealed, re-signed)",
+             m_error_and_margin_rewritten, 9, VerdictMismatchError),
+    Mutation("report.md rewritten (re-sealed, re-signed)", m_report_md_rewritten, 9,
+             VerdictMismatchError),
 )
 """The tamper set: each caught by ``verify`` at ``step`` with ``error`` (exit code 3)."""
 
@@ -836,3 +941,81 @@ def test_any_flipped_bit_of_any_file_is_caught_at_step_4(
     result = w.verify(w.good, recompute=False)
     assert result.failed_steps[0].number == 4
     assert isinstance(result.first_error, SubjectDigestError)
+
+
+def _detail(result: VerificationResult, step: int) -> str:
+    return next(x.detail for x in result.steps if x.number == step)
+
+
+@pytest.mark.parametrize(("apply", "names"), [
+    (m_margin_rewritten, [".margin: report.json"]),
+    (m_error_and_margin_rewritten, [".error: report.json", ".margin: report.json"]),
+    (m_report_md_rewritten, ["report.md: not the rendering", "## Matrix (reviewed"]),
+], ids=["margin", "error-and-margin", "report.md"])
+def test_step_9_names_the_rewritten_row_or_file(
+        world: World, apply: Callable[[World], Path], names: list[str]) -> None:
+    target = apply(world)
+    result = world.verify(target)
+    assert [x.number for x in result.failed_steps] == [9]
+    detail = _detail(result, 9)
+    for name in names:
+        assert name in detail, detail
+    if apply is not m_report_md_rewritten:
+        # the row is named by cell, class and metric; its verdict still agrees
+        doc = json.loads((target / "report.json").read_text())
+        row = _measured_row(doc, positive=apply is m_error_and_margin_rewritten)
+        assert f"{row['cell']} {row['class']} {row['metric']}" in detail
+        assert ".verdict" not in detail
+
+
+def test_step_9_recomputation_is_exact_on_this_machine(signed_world: World) -> None:
+    """report.json holds repr floats: recomputed here, every number is bit-identical (the
+    1e-9 relative tolerance of step 9 is for another CPU's BLAS)."""
+    from qualify.compare.stage import compare_run as recompute
+    from qualify.evidence.steps import document_differences
+
+    w = signed_world
+    doc = json.loads((w.failing / "report.json").read_text())
+    again = recompute(w.failing, reference_dir=w.reference, write=False).to_dict()
+    for k in ("created", "run_dir"):
+        again[k] = doc[k]
+    again["reference"]["path"] = doc["reference"]["path"]
+    assert again == doc
+    assert document_differences(doc, again) == []
+    nudged = json.loads(json.dumps(doc))
+    row = _measured_row(nudged, positive=True)
+    row["margin"] *= 1 + 1e-12  # float noise: tolerated
+    assert document_differences(doc, nudged) == []
+    row["margin"] *= 1 + 1e-6  # a rewrite: named
+    assert len(document_differences(doc, nudged)) == 1
+
+
+def test_duplicate_key_in_manifest_is_named(signed_world: World,
+                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    mutation = next(m for m in MUTATIONS if m.apply is m_manifest_duplicate_key)
+    w, target = tampered(signed_world, mutation, tmp_path_factory)
+    assert "duplicate key 'kind'" in _detail(w.verify(target), 4)
+    # without the duplicate-key check the manifest reads as a valid candidate-run manifest
+    doc = json.loads((target / store.MANIFEST_FILE).read_text())
+    assert doc["kind"] == "candidate-run"
+
+
+def test_oversized_attestation_is_refused_before_parsing(
+        signed_world: World, tmp_path_factory: pytest.TempPathFactory) -> None:
+    mutation = next(m for m in MUTATIONS if m.apply is m_attestation_oversized)
+    w, target = tampered(signed_world, mutation, tmp_path_factory)
+    t0 = time.perf_counter()
+    result = w.verify(target)
+    assert time.perf_counter() - t0 < 10
+    assert f"over the {jsonio.MAX_LISTING_BYTES}-byte limit" in _detail(result, 1)
+    json.loads((target / signing.ATTESTATION_FILE).read_text())  # still valid JSON
+
+
+def test_extra_attestation_is_named(signed_world: World,
+                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    mutation = next(m for m in MUTATIONS if m.apply is m_extra_attestation)
+    w, target = tampered(signed_world, mutation, tmp_path_factory)
+    result = w.verify(target)
+    assert "x.dsse.json" in _detail(result, 5)
+    assert result.other_attestations == ("x.dsse.json",)
+    assert "every file is in the manifest" not in "\n".join(result.summary_lines())
