@@ -599,7 +599,7 @@ def verify(path: str | Path, *, trusted: Mapping[str, Ed25519PublicKey] | None =
 
     def s5() -> str:
         n = verify_no_unlisted_files(d, problems)
-        return f"every file is in the manifest ({n} files) but {ATTESTATION_FILE}"
+        return f"every file but {ATTESTATION_FILE} is in the manifest ({n} files)"
 
     steps.run(5, s5)
 
