@@ -20,7 +20,9 @@ one knows nothing of evidence.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -34,8 +36,8 @@ from typing import IO, Any, Final
 import psutil
 
 __all__ = ["TMP_PREFIX", "TMP_SUFFIX", "TempWriter", "fsync_dir", "host_tag", "is_temporary",
-           "json_bytes", "remove_stale_temporaries", "temp_writer", "write_bytes",
-           "write_json", "write_with", "writer_alive"]
+           "json_bytes", "remove_stale_temporaries", "rename_noreplace", "temp_writer",
+           "write_bytes", "write_json", "write_with", "writer_alive"]
 
 _log = logging.getLogger(__name__)
 
@@ -48,6 +50,8 @@ _TEMP_RE: Final = re.compile(
     rf"^{re.escape(TMP_PREFIX)}(?P<name>.+)\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>[1-9][0-9]*)"
     rf"\.[^.]+{re.escape(TMP_SUFFIX)}$")
 _PID_SLACK_S: Final = 1.0
+_AT_FDCWD: Final = -100
+_RENAME_NOREPLACE: Final = 1
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -213,6 +217,34 @@ def write_with(path: str | Path, write: Callable[[IO[bytes]], object], *,
             tmp.unlink()
         raise
     fsync_dir(path.parent)
+
+
+def rename_noreplace(src: str | Path, dst: str | Path) -> None:
+    """Rename ``src`` to ``dst`` atomically, failing if ``dst`` exists (never overwrites).
+
+    Linux ``renameat2(RENAME_NOREPLACE)``: no moment has both names, so a writer killed at
+    any point leaves either its temporary file (no ``dst``) or ``dst`` alone. Where that
+    call is missing (another OS, an old libc, a file system without it) ``dst`` is made a
+    hard link of ``src`` and ``src`` removed: equally never overwriting, but a writer killed
+    between the two leaves both.
+
+    Raises:
+        FileExistsError: ``dst`` exists.
+        OSError: the rename failed otherwise.
+    """
+    s, d = os.fsencode(src), os.fsencode(dst)
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        renameat2 = None
+    if renameat2 is not None:
+        if renameat2(_AT_FDCWD, s, _AT_FDCWD, d, _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+            raise OSError(err, os.strerror(err), os.fsdecode(d))
+    os.link(s, d)
+    os.unlink(s)
 
 
 def write_bytes(path: str | Path, data: bytes) -> None:

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -45,6 +46,19 @@ HALF_WRITER = textwrap.dedent('''
         Path(sys.argv[2]).write_text(str(os.getpid()))
         time.sleep(120)
     atomic.write_with(sys.argv[1], write)
+''')
+
+# A signer that is SIGKILLed after writing its envelope's temporary file, before the rename.
+KILLED_SIGNER = textwrap.dedent('''
+    import os, sys, time
+    from pathlib import Path
+    from qualify import atomic
+    from qualify.evidence import store
+    def hang(src, dst):
+        Path(sys.argv[2]).write_text(str(os.getpid()))
+        time.sleep(120)
+    atomic.rename_noreplace = hang
+    store.add_attestation(Path(sys.argv[1]), "x.dsse.json", b'{"payload": "x"}')
 ''')
 
 # A process that holds a directory's writer lock until it is killed.
@@ -261,22 +275,35 @@ def test_a_real_attestation_is_never_replaced(world: World) -> None:
     assert json.loads(att.read_text()) == {"edited": True}
 
 
-def test_attestation_appears_whole_or_not_at_all(claimed: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_signer_killed_before_its_rename_leaves_no_attestation(claimed: Path,
+                                                                tmp_path: Path) -> None:
+    """SIGKILL a signer between its temporary file and the rename; the next one signs."""
     store.seal(claimed, kind="reference")
-
-    def crash(*_: object) -> None:
-        raise OSError("killed between the write and the link")
-
-    monkeypatch.setattr(os, "link", crash)
-    with pytest.raises(OSError, match="killed"):
-        store.add_attestation(claimed, "x.dsse.json", b'{"payload": "x"}')
+    child = _spawn(KILLED_SIGNER, claimed, tmp_path / "ready")
+    pid = _wait_for(tmp_path / "ready")
+    _kill(child)
+    (left,) = _partials(claimed)
+    assert atomic.temp_writer(left.name) == atomic.TempWriter(
+        name="x.dsse.json", host=atomic.host_tag(), pid=pid)
     assert not (claimed / "x.dsse.json").exists()
+    path = store.add_attestation(claimed, "x.dsse.json", b'{"payload": "y"}')
+    assert path.read_bytes() == b'{"payload": "y"}'
     assert _partials(claimed) == []
-    monkeypatch.undo()
-    path = store.add_attestation(claimed, "x.dsse.json", b'{"payload": "x"}')
-    assert path.read_bytes() == b'{"payload": "x"}'
+    assert stat.S_IMODE(claimed.stat().st_mode) == 0o555  # read-only again
     assert store.verify_manifest(claimed) == []
+
+
+def test_rename_noreplace_never_overwrites(tmp_path: Path) -> None:
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.write_text("new")
+    dst.write_text("old")
+    with pytest.raises(FileExistsError):
+        atomic.rename_noreplace(src, dst)
+    assert (src.read_text(), dst.read_text()) == ("new", "old")
+    dst.unlink()
+    atomic.rename_noreplace(src, dst)
+    assert not src.exists()
+    assert dst.read_text() == "new"
 
 
 # --------------------------------------------------------------------------- 3. INCOMPLETE

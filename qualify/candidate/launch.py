@@ -20,7 +20,10 @@ A launch ends in one :class:`LaunchResult`: ``OK`` when the harness exited 0 and
 the failing rank's log tail, missing or invalid outputs). On timeout the whole process
 tree is ended (:func:`qualify.procs.run`): SIGTERM to torchrun's process group and to every
 descendant (torchrun starts each worker in a session of its own), then SIGKILL after a
-grace period.
+grace period. If qualify itself dies (``kill -9``, a second Ctrl-C), the kernel sends
+torchrun SIGTERM (``PR_SET_PDEATHSIG``, :func:`qualify.procs.run`) and torchrun ends its
+ranks: none outlives qualify or keeps writing into the abandoned attempt
+(``tests/test_recovery.py`` kills a real qualify-like parent of a real torchrun).
 
 This module imports neither torch nor any engine; it is safe to import anywhere.
 """

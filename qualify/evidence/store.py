@@ -423,12 +423,14 @@ def is_partial_attestation(path: str | Path) -> bool:
 def add_attestation(directory: str | Path, name: str, data: bytes) -> Path:
     """Add a DSSE attestation file to a sealed directory (the signing step's only write).
 
-    The directory's write bit is lifted for the time of the write and restored. The
-    envelope is written to a temporary file (fsync-ed) and hard-linked to ``name``, which
-    fails if ``name`` exists: the attestation appears whole or not at all, and an existing
-    one is never overwritten (use a different name, e.g. one per key). The one exception is
-    a *partial* attestation (:func:`is_partial_attestation`: the empty file an interrupted
-    older signer left), which is replaced. Temporary files of dead signers are removed.
+    The directory's write bit is lifted for the time of the write, then every write bit
+    is cleared (a signer killed meanwhile left it writable). The
+    envelope is written to a temporary file (fsync-ed) and renamed to ``name`` without
+    replacing (:func:`qualify.atomic.rename_noreplace`), which fails if ``name`` exists:
+    the attestation appears whole or not at all, and an existing one is never
+    overwritten (use a different name, e.g. one per key). The one exception is a *partial*
+    attestation (:func:`is_partial_attestation`: the empty file an interrupted older
+    signer left), which is replaced. Temporary files of dead signers are removed.
 
     Args:
         directory: a sealed directory.
@@ -465,8 +467,8 @@ def add_attestation(directory: str | Path, name: str, data: bytes) -> Path:
         else:
             _link_new(target, data)
         os.chmod(target, _FILE_MODE)
-    finally:
-        os.chmod(d, mode)
+    finally:  # read-only again (also after a signer killed while it was writable)
+        os.chmod(d, mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
     return target
 
 
@@ -486,7 +488,7 @@ def _link_new(target: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         try:
-            os.link(tmp, target)
+            atomic.rename_noreplace(tmp, target)
         except FileExistsError:
             raise EvidenceIntegrityError(f"{target}: exists; an attestation is never "
                                          "overwritten") from None
