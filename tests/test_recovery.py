@@ -90,8 +90,10 @@ KILLED_CANDIDATE = textwrap.dedent('''
 # tree: torchrun with two ranks (``torchrun``), or a child that forks grandchildren in
 # sessions of their own and ends them on SIGTERM, as torchrun does (``tree``).
 PARENT = textwrap.dedent('''
-    import sys
+    import signal, sys
     from qualify import procs
+    # as in a terminal's foreground job (a background job of a script inherits SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     out, kind = sys.argv[1], sys.argv[2]
     if kind == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
@@ -347,9 +349,12 @@ def test_run_marker_lives_from_the_first_write_to_the_seal(world: World, tmp_pat
 # --------------------------------------------------------------------------- 4. process tree
 
 
-@pytest.mark.parametrize("kind", ["tree", "torchrun"])
-def test_launch_tree_dies_with_a_killed_qualify(tmp_path: Path, kind: str) -> None:
-    """SIGKILL the process that called procs.run: every descendant is gone within seconds."""
+@pytest.mark.parametrize(("kind", "sig"), [("tree", signal.SIGKILL),
+                                           ("torchrun", signal.SIGKILL),
+                                           ("torchrun", signal.SIGINT)])
+def test_launch_tree_dies_with_a_killed_qualify(tmp_path: Path, kind: str, sig: int) -> None:
+    """Kill (SIGKILL) or Ctrl-C (SIGINT) the process that called procs.run: every
+    descendant is gone within seconds."""
     script = tmp_path / "child.py"
     script.write_text(RANK if kind == "torchrun" else TREE)
     parent = _spawn(PARENT, tmp_path, kind, script)
@@ -359,7 +364,8 @@ def test_launch_tree_dies_with_a_killed_qualify(tmp_path: Path, kind: str) -> No
     family = psutil.Process(parent.pid).children(recursive=True)
     assert {p.pid for p in family} >= set(pids)
     t0 = time.monotonic()
-    _kill(parent)
+    parent.send_signal(sig)
+    parent.wait(timeout=20)
     while not all(_gone(p.pid) for p in family) and time.monotonic() - t0 < 20:
         time.sleep(0.05)
     survivors = [p.pid for p in family if not _gone(p.pid)]
