@@ -458,3 +458,67 @@ def test_run_id_escape_is_a_one_line_usage_error(world: World, capsys: pytest.Ca
     assert "--run-id '../..'" in err
     assert sorted(p.name for p in world.root.iterdir()) == before
     assert not (world.root / MANIFEST_FILE).exists()
+
+
+# --------------------------------------------------------------------------- 6. a real run
+
+KILLED_MID_LAUNCH = textwrap.dedent('''
+    import sys
+    from pathlib import Path
+    from qualify.candidate.stage import run_candidate_stage
+    from qualify.contract import load_contract
+    run_candidate_stage(load_contract(Path(sys.argv[1])), reference=Path(sys.argv[2]),
+                        root=Path(sys.argv[3]), run_id="r-resumed", cells=[sys.argv[4]],
+                        quiet=True)
+''')
+
+
+def _verdict_rows(run_dir: Path) -> list[tuple[object, ...]]:
+    rows = json.loads((run_dir / "report.json").read_text())["rows"]
+    return sorted(tuple(json.dumps(r.get(k), sort_keys=True) for k in
+                        ("cell", "round", "role", "family", "error", "bound", "verdict"))
+                  for r in rows)
+
+
+@pytest.mark.slow
+def test_candidate_killed_mid_launch_resumes_to_the_uninterrupted_report(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGKILL a real candidate stage in its first launch; resume it; same report."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))  # never the user's keys
+    from tiny_contracts import torch_tp_only
+
+    from qualify.compare.stage import compare_run
+    from qualify.reference.stage import run_reference_stage
+
+    path = torch_tp_only(tmp_path / "contracts")
+    contract = load_contract(path)
+    ref = run_reference_stage(contract, root=tmp_path / "refs", quiet=True)
+    cell = "torch_tp-fp32-actor-tp1"
+    root = tmp_path / "evidence"
+    child = _spawn(KILLED_MID_LAUNCH, path, ref, root, cell)
+    run = root / contract.name / "r-resumed"
+    deadline = time.monotonic() + 300
+    while not any((run / "launches").glob("*/attempt-1/logs/ranks/**/stdout.log")):
+        assert child.poll() is None, "the candidate ended before it could be killed"
+        assert time.monotonic() < deadline, "the launch never started"
+        time.sleep(0.02)
+    family = psutil.Process(child.pid).children(recursive=True)
+    _kill(child)
+    t0 = time.monotonic()
+    while not all(_gone(p.pid) for p in family) and time.monotonic() - t0 < 20:
+        time.sleep(0.05)
+    assert [p.pid for p in family if not _gone(p.pid)] == [], "ranks outlived the kill"
+    assert store.is_incomplete(run)
+    resumed = run_candidate_stage(contract, reference=ref, root=root, run_id="r-resumed",
+                                  cells=[cell], quiet=True)
+    (launch_dir,) = (run / "launches").iterdir()
+    assert [a.name for a in store.attempts(launch_dir)] == ["attempt-1", "attempt-2"]
+    assert not store.is_sealed(launch_dir / "attempt-1")  # the killed attempt is kept
+    compare_run(resumed)
+    signing.seal_and_sign(resumed, kind="candidate-run")
+    assert store.is_sealed(resumed)
+    whole = run_candidate_stage(contract, reference=ref, root=root, run_id="r-whole",
+                                cells=[cell], quiet=True)
+    compare_run(whole)
+    assert _verdict_rows(resumed) == _verdict_rows(whole)
+    store.make_writable(tmp_path)
