@@ -298,6 +298,10 @@ def run_candidate_stage(
 ) -> Path:
     """Run the selected cells against a sealed reference; return the run directory.
 
+    The run directory carries the ``INCOMPLETE`` marker from its first write until
+    ``qualify compare`` seals it, and this process holds the marker's writer lock while it
+    runs (:func:`qualify.evidence.store.hold_writer_lock`).
+
     Args:
         contract: the loaded contract (its digest must equal the reference's).
         reference: sealed reference directory.
@@ -308,10 +312,6 @@ def run_candidate_stage(
         faults: deliberate engine faults (test suite only; recorded in run.json).
         launch_timeout_s: wall-clock limit of one launch.
         collective_timeout_s: timeout of every collective inside a harness.
-
-    The run directory carries the ``INCOMPLETE`` marker from its first write until
-    ``qualify compare`` seals it, and this process holds the marker's writer lock while it
-    runs (:func:`qualify.evidence.store.hold_writer_lock`).
 
     Raises:
         UsageError: ``run_id`` is not one safe path component (:func:`check_run_id`).
