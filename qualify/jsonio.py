@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from qualify.errors import EvidenceIntegrityError
+from qualify.layout import ATTESTATION_SUFFIX, BOUNDS_FILE, MANIFEST_FILE, REPORT_JSON
 
 __all__ = ["MAX_LISTING_BYTES", "MAX_RECORD_BYTES", "MAX_REPORT_BYTES", "limit_for",
            "loads_strict", "read_bytes", "read_json"]
@@ -47,11 +48,10 @@ MAX_REPORT_BYTES: Final = 128 * 1024 * 1024
 (measured: 680 KB and 45 KB)."""
 
 _LIMITS: Final[dict[str, int]] = {
-    "MANIFEST.json": MAX_LISTING_BYTES,
-    "report.json": MAX_REPORT_BYTES,
-    "bounds.json": MAX_REPORT_BYTES,
+    MANIFEST_FILE: MAX_LISTING_BYTES,
+    REPORT_JSON: MAX_REPORT_BYTES,
+    BOUNDS_FILE: MAX_REPORT_BYTES,
 }
-_LISTING_SUFFIX: Final = ".dsse.json"
 
 
 def limit_for(path: str | Path) -> int:
@@ -63,7 +63,7 @@ def limit_for(path: str | Path) -> int:
         :data:`MAX_RECORD_BYTES`.
     """
     name = Path(path).name
-    if name.endswith(_LISTING_SUFFIX):
+    if name.endswith(ATTESTATION_SUFFIX):
         return MAX_LISTING_BYTES
     return _LIMITS.get(name, MAX_RECORD_BYTES)
 

@@ -23,7 +23,6 @@ An attempt directory holds the harness protocol's files (:mod:`qualify.protocol`
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -223,22 +222,6 @@ class RunDocument:
             faults=[str(f) for f in faults],
             cells={str(k): dict(v) for k, v in cells.items()},
         )
-
-    @classmethod
-    def read(cls, run_dir: str | Path) -> RunDocument:
-        """Read ``run_dir/run.json``.
-
-        Raises:
-            ReferenceDataError: missing, not JSON, or a field of the wrong type.
-        """
-        path = Path(run_dir) / RUN_FILE
-        try:
-            raw = json.loads(path.read_bytes())
-        except FileNotFoundError:
-            raise ReferenceDataError(f"{path}: not found (not a candidate run?)") from None
-        except (OSError, ValueError) as exc:
-            raise ReferenceDataError(f"{path}: unreadable JSON: {exc}") from None
-        return cls.from_dict(raw, where=str(path))
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form; ``finished`` is absent until the run finished (as before typing)."""

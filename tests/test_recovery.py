@@ -267,6 +267,29 @@ def test_partial_attestation_is_resigned_by_qualify_sign(world: World, tmp_path:
     assert att.read_bytes() == before
 
 
+def test_qualify_compare_resumes_a_sealed_unsigned_run(world: World, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``qualify compare`` killed after the seal, before the signature: a rerun signs the run
+    (its sealed report is recomputed, not rewritten) and exits by the verdict."""
+    run = world.good
+    store.make_writable(run)
+    (run / signing.ATTESTATION_FILE).unlink()
+    for sub in [run, *[p for p in run.rglob("*") if p.is_dir()]]:
+        os.chmod(sub, 0o555)
+    report = (run / "report.json").read_bytes()
+    assert signing.needs_signature(run)
+    key_file = tmp_path / "k.pem"
+    key_file.write_bytes(pem_of(world.key))
+    key_file.chmod(0o600)
+    monkeypatch.setenv("QUALIFY_SIGNING_KEY_FILE", str(key_file))
+    code, _ = run_cli(["compare", str(run)])
+    passed = json.loads(report)["passed"]
+    assert code == (ExitCode.OK if passed else ExitCode.QUALIFICATION_FAILED)
+    assert not signing.needs_signature(run)
+    assert (run / "report.json").read_bytes() == report
+    assert world.verify(run), world.verify(run).summary_lines()
+
+
 def test_a_real_attestation_is_never_replaced(world: World) -> None:
     att = world.good / signing.ATTESTATION_FILE
     store.make_writable(world.good)

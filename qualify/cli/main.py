@@ -59,13 +59,19 @@ def _cmd_candidate(args: argparse.Namespace) -> ExitCode:
 
 def _cmd_compare(args: argparse.Namespace) -> ExitCode:
     from qualify.compare.stage import compare_run
-    from qualify.evidence.sign import seal_and_sign
+    from qualify.evidence.sign import ensure_signed, needs_signature, seal_and_sign
 
     run_dir = Path(args.run_dir)
     reference = Path(args.reference) if args.reference else None
-    report = compare_run(run_dir, reference_dir=reference)
-    if not args.no_seal:
-        seal_and_sign(run_dir, kind="candidate-run")
+    if not args.no_seal and needs_signature(run_dir):
+        # A compare killed while signing left the run sealed but unsigned: sign it; the
+        # sealed report is recomputed (not rewritten) for the summary.
+        ensure_signed(run_dir)
+        report = compare_run(run_dir, reference_dir=reference, write=False)
+    else:
+        report = compare_run(run_dir, reference_dir=reference)
+        if not args.no_seal:
+            seal_and_sign(run_dir, kind="candidate-run")
     print(f"report: {run_dir / REPORT_MD}: {report.summary}")
     return ExitCode.OK if report.passed else ExitCode.QUALIFICATION_FAILED
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from qualify import jsonio
 from qualify.bounds import Bound
 from qualify.compare.mismatch import (
     FieldMismatch,
@@ -136,11 +138,11 @@ def _read_run(run_dir: Path) -> RunDocument:
         ReferenceDataError: a field of it has the wrong type (the field is named).
     """
     run_file = run_dir / RUN_FILE
+    if not os.path.lexists(run_file):
+        raise UsageError(f"{run_file}: not found; {run_dir} is not a candidate run")
     try:
-        raw = json.loads(run_file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(f"{run_file}: not found; {run_dir} is not a candidate run") from None
-    except (OSError, ValueError) as exc:
+        raw = jsonio.read_json(run_file)
+    except (OSError, EvidenceIntegrityError) as exc:  # unreadable, not strict JSON, a link
         raise UsageError(f"{run_file}: unreadable or not JSON: {exc}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("cells"), dict):
         raise UsageError(f"{run_file}: not a run document (no 'cells' object)")

@@ -11,13 +11,12 @@ directory); this module only puts the guard on top. Public through
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
-from qualify import atomic
-from qualify.errors import EvidenceIntegrityError
+from qualify import atomic, jsonio
+from qualify.errors import EvidenceIntegrityError, QualifyError
 from qualify.layout import INCOMPLETE_FILE, MANIFEST_FILE
 from qualify.schema import validate, validator
 
@@ -34,9 +33,9 @@ __all__ = [
 
 def _manifest_valid(directory: Path) -> bool:
     try:
-        doc = json.loads((directory / MANIFEST_FILE).read_bytes())
-    except (OSError, ValueError):
-        return False
+        doc = jsonio.read_json(directory / MANIFEST_FILE)
+    except (OSError, ValueError, QualifyError):
+        return False  # absent, unreadable, a symlink or special file, oversized, or invalid
     return bool(validator("manifest").is_valid(doc))
 
 
