@@ -1,6 +1,6 @@
 """Harness programs: one folder per engine, each speaking the harness protocol.
 
-A harness is launched by :func:`qualify.launch.launch` under torchrun, reads the cell file
+A harness is launched by :func:`qualify.candidate.launch.launch` under torchrun, reads the cell file
 and the frozen inputs named in :mod:`qualify.protocol`, drives its engine's own code path
 and writes ``outputs.safetensors`` + ``outputs.json``. Each folder holds the same files
 (torchtitan's ``models/<name>/{model,parallelize,state_dict_adapter}.py`` layout):

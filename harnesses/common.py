@@ -404,7 +404,7 @@ def env_int(name: str) -> int:
     value = os.environ.get(name)
     if value is None:
         raise HarnessError(f"${name} is not set: run this harness under torchrun "
-                           f"(qualify.launch.launch)")
+                           f"(qualify.candidate.launch.launch)")
     return int(value)
 
 

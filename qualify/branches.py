@@ -236,7 +236,7 @@ def contribution_scale(run: Mapping[str, Any], *, role: str, round_: int, b: int
 
     Actor ``-A_t * exp(logp_t - old_t) / N``; critic ``(V_t - G_t) / N``, from ``run``'s own
     round-1 and round-``r`` logprobs / values (see
-    :func:`qualify.reference_update.token_gradients`).
+    :func:`qualify.reference.update.token_gradients`).
     """
     if role == "actor":
         old = float(np.asarray(run[f"round1/{role}/logprobs"])[b, t])
@@ -255,7 +255,7 @@ def adjusted_expected(expected: Mapping[str, Any], *, role: str, round_: int,
     """The expected run's round-``r`` gradient families, moved to the obtained run's branches.
 
     A flipped token's contribution is ``c_t = s_t J_t``: ``J_t`` sealed by the reference
-    (:func:`qualify.reference_update.token_gradients`), ``s_t`` from the expected run's own
+    (:func:`qualify.reference.update.token_gradients`), ``s_t`` from the expected run's own
     values (:func:`contribution_scale`). It is added where the obtained run took the full
     branch and the expected run the zero one (``sign = +1``) and subtracted in the other
     case (``sign = -1``). Then, in FP64, with ``w_t = sign_t s_t``:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -372,10 +373,13 @@ class Contract:
             path: where it came from (for messages).
 
         Raises:
-            ContractError: schema violation (message names the JSON path of the bad
-                field) or a cross-field inconsistency.
+            ContractError: a NaN or infinity, a schema violation (message names the JSON
+                path of the bad field) or a cross-field inconsistency.
         """
         where = f"{path}: " if path else ""
+        bad = _non_finite(doc)
+        if bad is not None:
+            raise ContractError(f"{where}{bad}: not a finite number (TOML nan / inf are refused)")
         problem = first_error(doc, "contract")
         if problem is not None:
             raise ContractError(f"{where}{problem}")
@@ -383,6 +387,27 @@ class Contract:
             return _build(doc, path)
         except ContractError as exc:
             raise ContractError(f"{where}{exc}") from None
+
+
+def _non_finite(value: Any, where: str = "") -> str | None:
+    """The dotted path of the first NaN or infinity in a parsed TOML document, else None.
+
+    JSON Schema ranges cannot refuse NaN (every comparison with it is false), and the
+    canonical JSON of the digest could not be written with one.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return where or "(top level)"
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            found = _non_finite(v, f"{where}.{k}" if where else str(k))
+            if found is not None:
+                return found
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            found = _non_finite(v, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def _build(doc: Mapping[str, Any], path: Path | None) -> Contract:

@@ -101,6 +101,14 @@ CONTRACT_CASES = [
     Case("control-unknown", _sub('candidate_vs_hf = ["attn_impl"', 'candidate_vs_hf = ["nope"'),
          ("nope",)),
     Case("floor-negative", _sub("logprobs = 1e-5", "logprobs = -1e-5"), ("logprobs",)),
+    Case("k-nan", _sub("k = 4.0", "k = nan"), ("bounds.k", "finite")),
+    Case("k-inf", _sub("k = 4.0", "k = inf"), ("bounds.k", "finite")),
+    Case("k-vacuous", _sub("k = 4.0", "k = 1e300"), ("bounds.k",)),
+    Case("floor-inf", _sub("logprobs = 1e-5", "logprobs = inf"),
+         ("bounds.floors.fp32.logprobs", "finite")),
+    Case("temperature-nan", _sub("temperature = 0.9", "temperature = nan"),
+         ("sampling.temperature", "finite")),
+    Case("lr-inf", _sub("actor_lr = 1e-4", "actor_lr = inf"), ("optimizer.actor_lr", "finite")),
     Case("nested-pathological", _append("deep = " + "[" * 5000 + "]" * 5000), ("deep",)),
     Case("topology-tp-unknown", _sub("actor_tp = 2\ncritic_tp = 1", "actor_tp = 5\ncritic_tp = 1"),
          ("actor_tp",)),
@@ -192,13 +200,25 @@ def _file_cases(tmp: Path) -> dict[str, tuple[list[str], tuple[str, ...]]]:
         "compare-run-json-bad": (["compare", str(run)], ("run.json",)),
         "compare-run-json-tp-string": (["compare", str(run2)], ("run.json", "tp")),
         "verify-missing": (["verify", str(tmp / "absent-run")], ("absent-run",)),
+        "verify-json-is-dir": (["verify", str(tmp / "empty"), "--json", str(tmp / "empty")],
+                               ("--json", "is a directory")),
+        "verify-json-no-parent": (["verify", str(tmp / "empty"), "--json",
+                                   str(tmp / "no" / "such" / "out.json")], ("--json",)),
+        "audit-output-is-dir": (["audit", str(tmp / "empty"), "--output", str(tmp / "empty")],
+                                ("--output",)),
+        "gate-missing": (["gate", str(tmp / "absent-ev"), "--contract", str(tmp / "c.toml")],
+                         ("absent-ev",)),
+        "run-id-moved-aside": (["candidate", "--reference", str(tmp / "unsealed"),
+                                "--out", str(tmp / "ev"), "--run-id", "x.incomplete-2"],
+                               ("--run-id",)),
     }
 
 
 FILE_CASE_IDS = (
     "contract-missing", "contract-is-dir", "contract-not-utf8", "contract-empty",
     "reference-missing", "reference-is-file", "reference-unsealed", "compare-not-a-run",
-    "compare-run-json-bad", "compare-run-json-tp-string", "verify-missing",
+    "compare-run-json-bad", "compare-run-json-tp-string", "verify-missing", "gate-missing",
+    "run-id-moved-aside", "verify-json-is-dir", "verify-json-no-parent", "audit-output-is-dir",
 )
 
 

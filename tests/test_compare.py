@@ -3,7 +3,7 @@
 The world: B = 3 sequences, R = 4 response tokens (mask below: 9 valid tokens), an
 actor with two parameters (``model.w`` [4, 3], ``model.b`` [3]), two rounds, HF reference
 tensors at fp32 and bf16, hand-made bounds (``BOUND`` per family, both classes), sealed
-with :func:`qualify.store.seal` like a real reference. Candidate cells are written as
+with :func:`qualify.evidence.store.seal` like a real reference. Candidate cells are written as
 sealed attempts with ``outputs.safetensors`` / ``outputs.json``; every comparison is the
 real code path (safetensors, manifests, ``compare_sets``, bounds lookup).
 """

@@ -1,6 +1,6 @@
 """The DeepSpeed harness under real torchrun + gloo on a tiny Qwen3 (CPU, 2 cores).
 
-Two launches (each a real ``torch.distributed.run`` through :func:`qualify.launch.launch`,
+Two launches (each a real ``torch.distributed.run`` through :func:`qualify.candidate.launch.launch`,
 cached per module), each one process group serving several variants:
 
 - ``a2c1``: Actor TP2 (AutoTP) + Critic TP1, variants ``fp32-zero0``, ``fp32-zero2``,
@@ -82,7 +82,7 @@ class Runs:
 
     def _launch(self, name: str) -> Path:
         """torchrun with ``qualify.candidate.launch``'s command line and environment; then
-        :func:`qualify.launch.check_outputs` on every variant's subdirectory."""
+        :func:`qualify.candidate.launch.check_outputs` on every variant's subdirectory."""
         out = self.root / name
         with locked(self.root / f"{name}.lock"):
             done = out / "result.json"

@@ -239,7 +239,27 @@ def test_host_tag_has_no_dot() -> None:
 # --------------------------------------------------------------------------- 2. signing
 
 
-@pytest.mark.parametrize("leftover", [b"", b'{"payloadType": "application/vnd.in-to'])
+def test_a_truncated_attestation_is_kept_not_resigned(world: World, tmp_path: Path) -> None:
+    """Content that is not a whole envelope is damaged or tampered evidence: never replaced."""
+    run = world.good
+    store.make_writable(run)
+    att = run / signing.ATTESTATION_FILE
+    att.write_bytes(att.read_bytes()[:100])
+    os.chmod(att, 0o444)
+    for sub in [run, *[p for p in run.rglob("*") if p.is_dir()]]:
+        os.chmod(sub, 0o555)
+    assert not signing.needs_signature(run)
+    key_file = tmp_path / "k.pem"
+    key_file.write_bytes(pem_of(world.key))
+    key_file.chmod(0o600)
+    before = att.read_bytes()
+    code, _ = run_cli(["sign", str(run), "--key", str(key_file)])
+    assert code == ExitCode.INTEGRITY_ERROR
+    assert att.read_bytes() == before
+    assert not world.verify(run)
+
+
+@pytest.mark.parametrize("leftover", [b""])
 def test_partial_attestation_is_resigned_by_qualify_sign(world: World, tmp_path: Path,
                                                          leftover: bytes) -> None:
     """A signer killed mid-write (an older qualify left a 0-byte file) is signed again."""
@@ -452,7 +472,7 @@ def test_second_candidate_of_one_run_id_is_refused(world: World, tmp_path: Path)
 
 
 BAD_RUN_IDS = ["../..", "..", "a/b", ".hidden", "a..b", "", "x" * 129, "a b", "run\n",
-               "/abs", "é"]
+               "/abs", "é", "fix.incomplete-2", "a.tmp-b"]
 
 
 @pytest.mark.parametrize("bad", BAD_RUN_IDS)

@@ -218,6 +218,28 @@ def test_untouched_real_evidence_verifies(real_world: RealWorld, tmp_path: Path)
     assert Path(doc["reference"]).resolve() == w.reference.resolve()
 
 
+def test_fp32_tp_bounds_are_at_least_the_fp32_rounding_scale(real_world: RealWorld) -> None:
+    """The sealed FP32 TP=n vs TP=1 bounds take the fp64 control (the FP32 rounding scale):
+    no FP32 TP bound is the floor alone because the reorder controls happened to round alike,
+    and each is at least k x the fp64 control's error of the same metric."""
+    doc = json.loads((real_world.reference / "bounds.json").read_text())
+    assert "fp64" in doc["controls"]["tp_vs_tp1"]
+    rows = [b for b in doc["bounds"] if b["precision"] == "fp32"]
+    fp64 = {(b["round"], b["role"], b["family"]): b["control_error"]
+            for b in rows if b["class"] == "candidate_vs_hf" and b["control"] == "fp64"}
+    tp = [b for b in rows if b["class"] == "tp_vs_tp1"]
+    assert tp
+    for b in tp:
+        floor_only = b["bound"] == b["floor"]
+        assert not (floor_only and fp64.get((b["round"], b["role"], b["family"]), 0.0) > 0), b
+        want = fp64.get((b["round"], b["role"], b["family"]))
+        if want is not None:
+            assert b["control_error"] >= want, b
+    norm = next(b for b in tp if (b["round"], b["role"], b["family"]) == (1, "actor", "grad_norm"))
+    assert norm["control_error"] > 0, norm
+    assert norm["bound"] > norm["floor"], norm
+
+
 def test_untouched_real_run_passes_the_gate(real_world: RealWorld, tmp_path: Path) -> None:
     w = real_world
     out = tmp_path / "gate.json"

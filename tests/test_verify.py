@@ -1,14 +1,14 @@
 """Tests of qualify.evidence.verify on real signed evidence, and the tamper set.
 
 The evidence world (built once per session by :func:`signed_world`, then copied per test
-with :func:`shutil.copytree` and made writable with :func:`qualify.store.make_writable`):
+with :func:`shutil.copytree` and made writable with :func:`qualify.evidence.store.make_writable`):
 
 - ``contracts/gate-tiny.toml``: the committed tiny-qwen3 contract, renamed, FP32 only,
   with a CUDA-only engine (``deepspeed``) in the matrix (4 torch_tp cells, 4 deepspeed
   cells);
 - ``keys/``: two trusted Ed25519 public keys (a third key stays untrusted);
 - ``references/gate-tiny-<digest12>/``: a reference written through the store API (rollout,
-  HF FP32 tensors, ``bounds.json``), sealed with :func:`qualify.store.seal` and signed;
+  HF FP32 tensors, ``bounds.json``), sealed with :func:`qualify.evidence.store.seal` and signed;
 - ``evidence/gate-tiny/run-1-old``, ``run-2-good``, ``run-3-fail``: candidate runs with
   sealed per-cell attempts (synthetic tensors: B = 3, R = 4, an actor and a critic of two
   parameters, two rounds), deepspeed cells ``NOT_RUN`` (no CUDA), compared with the real
@@ -327,7 +327,7 @@ def run_cli(argv: Sequence[str]) -> tuple[int, str]:
     """Run ``qualify ARGV`` in-process; the exit code and stdout.
 
     Uses :func:`qualify.cli.main` once it registers the evidence subcommands, else a parser
-    holding only :func:`qualify.cli_evidence.register`'s subcommands with ``main``'s error
+    holding only :func:`qualify.cli.evidence.register`'s subcommands with ``main``'s error
     handling.
     """
     buf = io.StringIO()

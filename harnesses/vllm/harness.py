@@ -59,7 +59,7 @@ from qualify import atomic
 from qualify.contract import Contract
 from qualify.digests import sha256_file
 from qualify.errors import HarnessError
-from qualify.layout import CONTRACT_FILE
+from qualify.layout import CONTRACT_FILE, MODEL_FILE
 from qualify.protocol import (
     CELL_FILE,
     OUTPUTS_FILE,
@@ -208,7 +208,7 @@ def run(cell: HarnessCell) -> dict[str, Any]:
     if sha256_file(wfile) != req["weights_sha256"]:
         raise HarnessError(f"{wfile}: sha256 differs from the requested {req['weights_sha256']}")
     contract = Contract.from_dict(json.loads((inputs / CONTRACT_FILE).read_text("utf-8")))
-    model = json.loads((inputs / "model.json").read_text("utf-8"))
+    model = json.loads((inputs / MODEL_FILE).read_text("utf-8"))
     actor_dir = Path(model["actor_dir"])
     config = json.loads((actor_dir / "config.json").read_text("utf-8"))
     spec = layout.LayoutSpec.from_config(config)

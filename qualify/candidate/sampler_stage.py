@@ -11,7 +11,7 @@ engine a registered one of kind ``sampler``):
    cell) into a new attempt ``cells/<cell>/attempt-N/`` and run the sampler harness
    (``python -m <the engine's harness module> cell.json``, a child process with a
    wall-clock limit; stdout/stderr in ``logs/``);
-3. record ``result.json`` and seal the attempt (:func:`qualify.store.seal`); the cell's
+3. record ``result.json`` and seal the attempt (:func:`qualify.evidence.store.seal`); the cell's
    entry in ``run.json`` is ``COMPLETE``, ``ERROR`` (with the reason and logs) or
    ``NOT_RUN`` (no ``[sampler]`` cell selected, or the weights source did not complete).
 
@@ -35,7 +35,7 @@ from qualify.candidate.launch import check_outputs, validate_cell
 from qualify.contract import CellSpec, Contract
 from qualify.errors import HarnessError
 from qualify.evidence import store
-from qualify.layout import CELLS_DIR, RESULT_FILE, RUN_FILE
+from qualify.layout import CELLS_DIR, LOGS_DIR, RESULT_FILE, RUN_FILE
 from qualify.protocol import (
     ACTOR_ROUND1_WEIGHTS,
     CELL_FILE,
@@ -95,7 +95,7 @@ def find_weights(run_dir: Path, doc: dict[str, Any], cell_id: str) -> tuple[Path
     try:
         result = json.loads((attempt / RESULT_FILE).read_text("utf-8"))
     except (OSError, ValueError) as exc:
-        return None, f"{attempt / 'result.json'}: unreadable: {exc}"
+        return None, f"{attempt / RESULT_FILE}: unreadable: {exc}"
     launch = Path(str(result.get("launch_attempt", "")))
     tag = variant_tag(str(entry.get("precision")), dict(entry.get("options") or {}))
     for cand in (launch / ACTOR_ROUND1_WEIGHTS, launch / tag / ACTOR_ROUND1_WEIGHTS):
@@ -163,7 +163,7 @@ def _run_one(contract: Contract, attempt: Path, *, inputs: Path, tp: int, weight
     store.atomic_write_json(attempt / REQUEST_FILE, {
         "weights_file": str(weights.resolve()), "weights_sha256": store.sha256_file(weights),
         "weights_from": weights_from})
-    logs = attempt / "logs"
+    logs = attempt / LOGS_DIR
     logs.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(repo_root()), os.environ.get("PYTHONPATH", "")])}

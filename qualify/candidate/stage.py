@@ -28,12 +28,23 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from qualify.atomic import TMP_PREFIX
 from qualify.candidate import sampler_stage
 from qualify.candidate.launch import LaunchResult, launch
 from qualify.contract import CellSpec, Contract, cells_matching
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
 from qualify.evidence import store
-from qualify.layout import CELLS_DIR, INPUTS_DIR, LAUNCHES_DIR, MODEL_FILE, RESULT_FILE, RUN_FILE
+from qualify.layout import (
+    CELLS_DIR,
+    CONTRACT_FILE,
+    INCOMPLETE_INFIX,
+    INPUTS_DIR,
+    LAUNCHES_DIR,
+    LOGS_DIR,
+    MODEL_FILE,
+    RESULT_FILE,
+    RUN_FILE,
+)
 from qualify.matrix import Precision
 from qualify.progress import Progress
 from qualify.protocol import (
@@ -187,7 +198,9 @@ def check_run_id(run_id: str) -> str:
 
     Allowed: 1 to 128 of ``A-Z a-z 0-9 . _ -``, starting with a letter or digit, without
     ``..``; so no ``/``, no ``..`` and no hidden name, and the run stays under the
-    evidence root.
+    evidence root. Nor the names qualify gives directories it sets aside
+    (``.incomplete-``, ``.tmp-``): ``gate`` never picks those, so a run named like one would
+    hide from it.
 
     Returns:
         ``run_id``.
@@ -195,10 +208,12 @@ def check_run_id(run_id: str) -> str:
     Raises:
         UsageError: any other value (one line naming it).
     """
-    if not _RUN_ID_RE.fullmatch(run_id) or ".." in run_id:
+    if (not _RUN_ID_RE.fullmatch(run_id) or ".." in run_id or INCOMPLETE_INFIX in run_id
+            or TMP_PREFIX in run_id):
         raise UsageError(f"--run-id {run_id!r}: must be one path component of 1 to 128 "
                          "letters, digits, '.', '_' or '-', starting with a letter or digit, "
-                         "without '..'")
+                         f"without '..', {INCOMPLETE_INFIX!r} (moved-aside runs) or "
+                         f"{TMP_PREFIX!r}")
     return run_id
 
 
@@ -223,12 +238,12 @@ def _stage_inputs(contract: Contract, reference: Path, run_dir: Path) -> Path:
     if dict(bundle.files) != dict(ref_model.get("files", {})):
         changed = sorted(set(bundle.files.items()) ^ set(ref_model.get("files", {}).items()))
         raise ReferenceDataError(
-            f"{reference / 'model.json'}: files: the local role models differ from the ones "
+            f"{reference / MODEL_FILE}: files: the local role models differ from the ones "
             f"the reference was built with (first difference: {changed[0][0]})")
     if (inputs / MODEL_FILE).exists():
         return inputs
     inputs.mkdir(parents=True, exist_ok=True)
-    for name in (ROLLOUT_FILE, ROLLOUT_META_FILE, TRAIN_INPUTS_FILE, "contract.json"):
+    for name in (ROLLOUT_FILE, ROLLOUT_META_FILE, TRAIN_INPUTS_FILE, CONTRACT_FILE):
         shutil.copyfile(reference / name, inputs / name)
     store.atomic_write_json(inputs / MODEL_FILE, {
         "actor_dir": str(bundle.actor_dir.resolve()),
@@ -269,9 +284,9 @@ def _split_outputs(result: LaunchResult, attempt: Path, launch_: Launch, cell: C
         store.atomic_write_json(cell_attempt / OUTPUTS_META_FILE, {
             **{k: v for k, v in meta.items() if k != "roles"}, **role_meta,
             "role": cell.role, "tp": cell.tp})
-    logs = attempt / "logs"
+    logs = attempt / LOGS_DIR
     if logs.is_dir():
-        shutil.copytree(logs, cell_attempt / "logs", dirs_exist_ok=True)
+        shutil.copytree(logs, cell_attempt / LOGS_DIR, dirs_exist_ok=True)
     store.atomic_write_json(cell_attempt / RESULT_FILE, {
         "status": "COMPLETE" if status == "OK" else "ERROR",
         "reason": reason,
@@ -300,7 +315,7 @@ def run_candidate_stage(
 
     The run directory carries the ``INCOMPLETE`` marker from its first write until
     ``qualify compare`` seals it, and this process holds the marker's writer lock while it
-    runs (:func:`qualify.evidence.store.hold_writer_lock`).
+    runs (:func:`qualify.evidence.attempts.hold_writer_lock`).
 
     Args:
         contract: the loaded contract (its digest must equal the reference's).

@@ -56,11 +56,28 @@ def _existing_dir(value: str, what: str) -> Path:
     return path
 
 
+def _output_file(value: str | None, option: str) -> str | None:
+    """``value`` as a file to write, checked before any work.
+
+    Its directory must exist and it must not be a directory itself: a one-line usage
+    error (exit 2) before verifying, instead of a crash that loses the verdict.
+    """
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_dir():
+        raise UsageError(f"{path}: {option}: is a directory, not a file")
+    if not path.parent.is_dir():
+        raise UsageError(f"{path}: {option}: directory {path.parent} does not exist")
+    return value
+
+
 def _cmd_verify(args: argparse.Namespace) -> ExitCode:
     from qualify.evidence import store
     from qualify.evidence.verify import verify
 
     _existing_dir(args.path, "evidence directory")
+    _output_file(args.json, "--json")
     result = verify(Path(args.path), trusted_keys_dir=args.keys, contract=args.contract,
                     contracts_dir=args.contracts_dir, reference_dir=args.reference)
     print("\n".join(result.summary_lines()))
@@ -73,6 +90,7 @@ def _cmd_gate(args: argparse.Namespace) -> ExitCode:
     from qualify.evidence.gate import gate
 
     evidence = _existing_dir(args.evidence_dir, "evidence directory")
+    _output_file(args.json, "--json")
     result = gate(evidence, args.contract, allow_not_run=args.allow_not_run,
                   trusted_keys_dir=args.keys, reference_dir=args.reference, json_out=args.json)
     print("\n".join(result.summary_lines()))
@@ -83,6 +101,7 @@ def _cmd_audit(args: argparse.Namespace) -> ExitCode:
     from qualify.evidence import store
     from qualify.evidence.audit import audit, render
 
+    _output_file(args.output, "--output")
     result = audit(args.dirs, trusted_keys_dir=args.keys, contracts_dir=args.contracts_dir)
     text = render(result, args.format)
     print(text)

@@ -14,7 +14,6 @@ failing rows keep their verdict and their reason names the flips.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from qualify import branches
+from qualify import branches, jsonio
 from qualify.bounds import Bound
 from qualify.compare.rows import compare_rows
 from qualify.compare.verdicts import Row
@@ -61,8 +60,7 @@ def _sealed_branches(ctx: SealedBranches,
     """The reference's ``branches.json`` and ``branches/hf-{precision}`` tensors, or empty."""
     if "doc" not in ctx.cache:
         path = ctx.ref_dir / BRANCHES_FILE
-        ctx.cache["doc"] = json.loads(path.read_text(encoding="utf-8")) \
-            if path.is_file() else {}
+        ctx.cache["doc"] = jsonio.read_json(path) if path.is_file() else {}
     if precision not in ctx.cache:
         path = ctx.ref_dir / BRANCHES_DIR / hf_tensors_file(precision)
         ctx.cache[precision] = store.load_tensors(path) if path.is_file() else {}

@@ -10,8 +10,8 @@
   failure; the errors and checks not run; the rows judged against a clip-branch adjusted
   expected run (:mod:`qualify.branches`); the field mismatch table with its caveat.
 
-Both files are written atomically (:func:`qualify.evidence.store.atomic_write_json` /
-:func:`qualify.evidence.store.atomic_write_text`: temp file, fsync, ``os.replace``), and never
+Both files are written atomically (:func:`qualify.evidence.sealed.atomic_write_json` /
+:func:`qualify.evidence.sealed.atomic_write_text`: temp file, fsync, ``os.replace``), and never
 into a sealed directory. A ``margins.png`` plot is not produced: matplotlib is not a
 dependency of qualify.
 """

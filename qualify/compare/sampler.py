@@ -35,7 +35,7 @@ cell):
     sealed rule bounds them too (``exp(|d|)`` and ``exp(d) - d - 1 <= exp(|d|) - |d| - 1``
     are increasing in ``|d|``).
 
-  The numbers come from :func:`qualify.field_metrics.field_mismatch` (FP64 numpy).
+  The numbers come from :func:`qualify.compare.mismatch.field_mismatch` (FP64 numpy).
 """
 
 from __future__ import annotations

@@ -53,7 +53,6 @@ one required cell and every required cell passes; required cells are
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -174,14 +173,14 @@ def _load_outputs(run_dir: Path, attempt: str | None) -> _Outputs:
     meta: dict[str, Any] | None = None
     problem = ""
     try:
-        raw = json.loads((adir / OUTPUTS_META_FILE).read_text(encoding="utf-8"))
+        raw = jsonio.read_json(adir / OUTPUTS_META_FILE)
         if isinstance(raw, dict):
             meta = raw
         else:
             problem = f"{OUTPUTS_META_FILE} is not a JSON object"
     except FileNotFoundError:
         problem = f"{OUTPUTS_META_FILE} missing"
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, EvidenceIntegrityError) as exc:
         problem = f"{OUTPUTS_META_FILE} unreadable: {exc}"
     return _Outputs(tensors=tensors, meta=meta, meta_problem=problem)
 
@@ -213,12 +212,12 @@ def _load_bounds(ref_dir: Path, contract: Contract) -> tuple[list[Bound], str, s
     """Rows of ``bounds.json`` (schema-checked), the sha256 of its bytes, and its lane."""
     path = ref_dir / BOUNDS_FILE
     try:
-        data = path.read_bytes()
-        doc = json.loads(data)
+        data = jsonio.read_bytes(path)
+        doc = jsonio.loads_strict(data, what=str(path))
     except FileNotFoundError:
         raise ReferenceDataError(f"{path}: missing; the reference has no sealed bounds") \
             from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, EvidenceIntegrityError) as exc:
         raise ReferenceDataError(f"{path}: unreadable or not JSON: {exc}") from None
     validate(doc, "bounds", what=str(path), error=ReferenceDataError)
     if doc["contract_digest"] != contract.digest:
@@ -231,10 +230,10 @@ def _load_bounds(ref_dir: Path, contract: Contract) -> tuple[list[Bound], str, s
 def _load_contract(ref_dir: Path) -> Contract:
     path = ref_dir / CONTRACT_FILE
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = jsonio.read_json(path)
     except FileNotFoundError:
         raise ReferenceDataError(f"{path}: missing") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, EvidenceIntegrityError) as exc:
         raise ReferenceDataError(f"{path}: unreadable or not JSON: {exc}") from None
     return Contract.from_dict(doc, path=path)
 
@@ -491,9 +490,9 @@ def _field_metrics(ctx: _Ctx, contract: Contract, rollout: Mapping[str, Any],
     """The HF reference's and each COMPLETE actor cell's round-1 logprobs vs the sampler's."""
     notes: list[str] = []
     try:
-        meta = json.loads((ctx.ref_dir / ROLLOUT_META_FILE).read_text(encoding="utf-8"))
+        meta = jsonio.read_json(ctx.ref_dir / ROLLOUT_META_FILE)
         mode = str(meta.get("logprobs_mode")) if isinstance(meta, dict) else "unknown"
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, EvidenceIntegrityError) as exc:
         mode = "unknown"
         notes.append(f"{ROLLOUT_META_FILE} unreadable: {exc}")
     s = contract.sampling

@@ -24,8 +24,9 @@ from typing import Final
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from qualify import jsonio
 from qualify.digests import sha256_bytes
-from qualify.errors import UsageError
+from qualify.errors import EvidenceIntegrityError, UsageError
 from qualify.evidence.sealed import atomic_write_bytes
 
 __all__ = [
@@ -62,6 +63,10 @@ PUBLIC_KEY_SUFFIX: Final = ".pub"
 """Suffix of a public key file."""
 _FILE_KEYID_RE: Final = re.compile(r"-([0-9a-f]{16,64})$")
 _COMMENT_KEYID_RE: Final = re.compile(r"^#\s*keyid:\s*([0-9a-f]{64})\s*$", re.MULTILINE)
+
+
+MAX_PUBLIC_KEY_BYTES: Final = 64 * 1024
+"""A ``*.pub`` file larger than this is refused unread (an Ed25519 PEM is about 113 bytes)."""
 
 
 def key_id(public_key: Ed25519PublicKey) -> str:
@@ -260,8 +265,9 @@ def load_public_key(path: str | Path) -> tuple[str, Ed25519PublicKey]:
     """
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        text = jsonio.read_bytes(p, max_bytes=MAX_PUBLIC_KEY_BYTES).decode("utf-8")
+    except (OSError, UnicodeDecodeError, EvidenceIntegrityError) as exc:
+        # a link, a FIFO, /dev/zero or an oversized file: refused before reading it whole
         raise UsageError(f"{p}: cannot read public key: {exc}") from None
     pem = "".join(line + "\n" for line in text.splitlines() if not line.startswith("#"))
     try:
@@ -294,6 +300,8 @@ def trusted_keys(directory: str | Path | None = None) -> dict[str, Ed25519Public
     """
     d = Path(directory) if directory is not None else default_keys_dir()
     out: dict[str, Ed25519PublicKey] = {}
+    if directory is not None and os.path.lexists(d) and not d.is_dir():
+        raise UsageError(f"{d}: trusted-keys directory: not a directory")
     if not d.is_dir():
         return out
     for path in sorted(d.glob(f"*{PUBLIC_KEY_SUFFIX}")):

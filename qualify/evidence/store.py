@@ -401,23 +401,19 @@ def check_sealed(directory: str | Path) -> str:
 
 
 def is_partial_attestation(path: str | Path) -> bool:
-    """True if ``path`` is the leftover of an interrupted attestation write.
+    """True if ``path`` is the leftover of an interrupted attestation write: a 0-byte file.
 
-    An empty or unreadable file, or one that is not a JSON object, is partial (an older
-    signer reserved the name with an empty file before writing it). Any JSON object is
-    taken as a real attestation, valid or not: it is never replaced (an edited attestation
-    is evidence, shown by ``verify``). A missing file is not partial.
+    Only an older signer left that (it reserved the name with an empty file before writing;
+    the current one renames a whole envelope into place, never overwriting). Anything with
+    content, valid or not, is kept: a truncated or edited attestation is evidence, shown by
+    ``verify``, never replaced. A missing file, a link or a special file is not partial.
     """
     p = Path(path)
     try:
-        if p.is_symlink() or not p.is_file():
-            return False
-        doc = json.loads(p.read_bytes())
-    except FileNotFoundError:
+        st = os.lstat(p)
+    except OSError:
         return False
-    except (OSError, ValueError):
-        return True
-    return not isinstance(doc, dict)
+    return stat.S_ISREG(st.st_mode) and st.st_size == 0
 
 
 def add_attestation(directory: str | Path, name: str, data: bytes) -> Path:

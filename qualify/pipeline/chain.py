@@ -8,6 +8,7 @@ from pathlib import Path
 
 from qualify.contract import load_contract
 from qualify.evidence import store
+from qualify.layout import REPORT_MD
 from qualify.reference.stage import reference_dir_name, run_reference_stage
 
 
@@ -51,5 +52,5 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
                                   quiet=quiet)
     report = compare_run(run_dir)
     seal_and_sign(run_dir, kind="candidate-run")
-    print(f"report: {run_dir / 'report.md'}: {report.summary}")
+    print(f"report: {run_dir / REPORT_MD}: {report.summary}")
     return bool(report.passed)

@@ -13,7 +13,7 @@ of the reference's own round-1 and round-``r`` values / logprobs
 (:func:`qualify.branches.ambiguous_tokens`), reruns the reference update of that role (the
 same code, which must reproduce the sealed run) and, at round ``r``, records for each
 listed token the gradient ``J_t`` of its logprob or value
-(:func:`qualify.reference_update.token_gradients`; the token's contribution is ``s_t J_t``
+(:func:`qualify.reference.update.token_gradients`; the token's contribution is ``s_t J_t``
 with a scalar the comparator takes from the run it adjusts), reported like the gradients
 (exact, or the protocol's sample of a large parameter), plus the FP64 scalars ``<g, J_t>``
 (``g`` the reference's whole pre-clip gradient) and ``<J_s, J_t>``. The comparator may then

@@ -1,7 +1,7 @@
 """Teacher-forced Hugging Face scoring of a fixed rollout: the reference's scores.
 
 DESIGN.md section 4, step 2. Every function here runs a plain HF model on
-``cat(prompts, responses)`` of a :class:`~qualify.rollout.Rollout` under
+``cat(prompts, responses)`` of a :class:`~qualify.reference.rollout.Rollout` under
 ``torch.no_grad()`` and returns per-token quantities at the response positions, with
 the position convention of :mod:`qualify.protocol`: the quantity at response position
 ``t`` comes from the model output at sequence position ``P - 1 + t``.
