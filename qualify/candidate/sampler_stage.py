@@ -35,7 +35,7 @@ from qualify.candidate.launch import check_outputs, validate_cell
 from qualify.contract import CellSpec, Contract
 from qualify.errors import HarnessError
 from qualify.evidence import store
-from qualify.layout import CELLS_DIR, LOGS_DIR, RESULT_FILE, RUN_FILE
+from qualify.layout import CELLS_DIR, LOGS_DIR, RESULT_FILE, RUN_FILE, RunDocument
 from qualify.protocol import (
     ACTOR_ROUND1_WEIGHTS,
     CELL_FILE,
@@ -79,13 +79,13 @@ def export_wanted(contract: Contract, cells: Sequence[CellSpec]) -> bool:
     return s is not None and any(c.cell_id == s.weights_from for c in cells)
 
 
-def find_weights(run_dir: Path, doc: dict[str, Any], cell_id: str) -> tuple[Path | None, str]:
+def find_weights(run_dir: Path, run: RunDocument, cell_id: str) -> tuple[Path | None, str]:
     """The round-1 weights file exported by ``cell_id`` in this run, or ``None`` and why.
 
     Looks in the cell's launch attempt (``result.json`` ``launch_attempt``): the file itself,
     or, for a grouped launch, the variant subdirectory of the cell's precision / options.
     """
-    entry = doc.get("cells", {}).get(cell_id)
+    entry = run.cells.get(cell_id)
     if not isinstance(entry, dict):
         return None, f"weights source {cell_id} is not in {RUN_FILE}"
     if entry.get("status") != "COMPLETE":
@@ -112,15 +112,15 @@ def _entry(engine: str, tp: int, status: str, *, reason: str | None, attempt: st
             "attempt": attempt, "weights_from": weights_from}
 
 
-def run_sampler_cells(contract: Contract, *, run_dir: Path, doc: dict[str, Any], inputs: Path,
+def run_sampler_cells(contract: Contract, *, run_dir: Path, run: RunDocument, inputs: Path,
                       cells: Sequence[str] | None = None, faults: Sequence[str] = (),
                       timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Run every selected, not yet complete sampler cell; update ``doc`` and ``run.json``.
+    """Run every selected, not yet complete sampler cell; update ``run`` and ``run.json``.
 
     Args:
         contract: the contract (its ``[sampler]`` section).
         run_dir: the run directory.
-        doc: the ``run.json`` document (mutated: one entry per sampler cell).
+        run: the typed ``run.json`` document (mutated: one entry per sampler cell).
         inputs: the run's ``inputs/`` directory.
         cells: ``--cells`` globs (``None``: all).
         faults: deliberate faults (recorded in ``cell.json``).
@@ -131,23 +131,23 @@ def run_sampler_cells(contract: Contract, *, run_dir: Path, doc: dict[str, Any],
         return
     engine = get_engine(s.engine)
     for cid, tp in selected(contract, cells):
-        if doc["cells"].get(cid, {}).get("status") == "COMPLETE":
+        if run.cells.get(cid, {}).get("status") == "COMPLETE":
             continue
         why_not = engine.unavailable_reason()
-        weights, why = find_weights(run_dir, doc, s.weights_from)
+        weights, why = find_weights(run_dir, run, s.weights_from)
         if why_not is not None or weights is None:
-            doc["cells"][cid] = _entry(s.engine, tp, "NOT_RUN", reason=why_not or why, attempt=None,
+            run.cells[cid] = _entry(s.engine, tp, "NOT_RUN", reason=why_not or why, attempt=None,
                                        weights_from=s.weights_from)
-            store.atomic_write_json(run_dir / RUN_FILE, doc)
+            store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
             continue
         attempt = store.new_attempt(run_dir / CELLS_DIR / cid)
         status, reason = _run_one(contract, attempt, inputs=inputs, tp=tp, weights=weights,
                                   weights_from=s.weights_from, engine=engine,
                                   faults=faults, timeout_s=timeout_s)
-        doc["cells"][cid] = _entry(s.engine, tp, status, reason=reason,
+        run.cells[cid] = _entry(s.engine, tp, status, reason=reason,
                                    attempt=str(attempt.relative_to(run_dir)),
                                    weights_from=s.weights_from)
-        store.atomic_write_json(run_dir / RUN_FILE, doc)
+        store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
 
 
 def _run_one(contract: Contract, attempt: Path, *, inputs: Path, tp: int, weights: Path,

@@ -22,12 +22,14 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import os
 import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from qualify import jsonio
 from qualify.atomic import TMP_PREFIX
 from qualify.candidate import sampler_stage
 from qualify.candidate.launch import LaunchResult, launch
@@ -44,6 +46,8 @@ from qualify.layout import (
     MODEL_FILE,
     RESULT_FILE,
     RUN_FILE,
+    RunDocument,
+    RunReference,
 )
 from qualify.matrix import Precision
 from qualify.progress import Progress
@@ -254,12 +258,20 @@ def _stage_inputs(contract: Contract, reference: Path, run_dir: Path) -> Path:
     return inputs
 
 
-def _read_run(run_dir: Path) -> dict[str, Any]:
+def _read_run(run_dir: Path) -> RunDocument | None:
+    """The run's ``run.json`` to resume, typed; ``None`` for a new run.
+
+    Raises:
+        ReferenceDataError: unreadable, not strict JSON, or a field of the wrong type.
+    """
     path = run_dir / RUN_FILE
-    if path.exists():
-        doc: dict[str, Any] = json.loads(path.read_text())
-        return doc
-    return {}
+    if not os.path.lexists(path):
+        return None
+    try:
+        raw = jsonio.read_json(path)
+    except (OSError, EvidenceIntegrityError) as exc:
+        raise ReferenceDataError(f"{path}: cannot resume: {exc}") from None
+    return RunDocument.from_dict(raw, where=str(path))
 
 
 def _split_outputs(result: LaunchResult, attempt: Path, launch_: Launch, cell: CellSpec,
@@ -352,24 +364,18 @@ def run_candidate_stage(
     # INCOMPLETE from the first write until compare seals the run; its lock makes
     # this process the run's one writer (a dead writer's lock is taken over)
     with store.hold_writer_lock(run_dir, kind=RUN_KIND):
-        doc = _read_run(run_dir) or {
-            "schema_version": 1,
-            "contract": contract.name,
-            "contract_digest": contract.digest,
-            "reference": {"path": str(reference.resolve()),
-                          "manifest_digest": store.manifest_digest(reference),
-                          "sealed": ref_meta.get("created")},
-            "run_id": rid,
-            "started": store.utc_now(),
-            "faults": list(faults),
-            "cells": {},
-        }
-        if doc["contract_digest"] != contract.digest:
+        run = _read_run(run_dir) or RunDocument(
+            contract=contract.name, contract_digest=contract.digest,
+            reference=RunReference(path=str(reference.resolve()),
+                                   manifest_digest=store.manifest_digest(reference),
+                                   sealed=ref_meta.get("created")),
+            run_id=rid, started=store.utc_now(), faults=list(faults))
+        if run.contract_digest != contract.digest:
             raise ReferenceDataError(f"{run_dir / RUN_FILE}: contract_digest: run belongs to "
                                      f"another contract digest")
         inputs = _stage_inputs(contract, reference, run_dir)
         todo = [c for c in wanted
-                if doc["cells"].get(c.cell_id, {}).get("status") != "COMPLETE"]
+                if run.cells.get(c.cell_id, {}).get("status") != "COMPLETE"]
         grouped = sorted({c.engine for c in todo if get_engine(c.engine).groups_variants})
         launches = plan_launches(contract, todo, grouped_engines=grouped)
         with Progress(total=max(1, len(launches)), description=f"candidate {contract.name}",
@@ -380,8 +386,8 @@ def run_candidate_stage(
                 why_not = engine.unavailable_reason()
                 if why_not is not None:
                     for cell in lc.cells:
-                        doc["cells"][cell.cell_id] = _cell_entry(cell, "NOT_RUN", why_not, None)
-                    store.atomic_write_json(run_dir / RUN_FILE, doc)
+                        run.cells[cell.cell_id] = _cell_entry(cell, "NOT_RUN", why_not, None)
+                    store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
                     continue
                 hc = HarnessCell(
                     engine=lc.engine, precision=lc.precision,  # type: ignore[arg-type]
@@ -407,15 +413,15 @@ def run_candidate_stage(
                 for cell in lc.cells:
                     cell_attempt = store.new_attempt(run_dir / CELLS_DIR / cell.cell_id)
                     status, why = _split_outputs(result, attempt, lc, cell, cell_attempt)
-                    doc["cells"][cell.cell_id] = _cell_entry(
+                    run.cells[cell.cell_id] = _cell_entry(
                         cell, status, why, str(cell_attempt.relative_to(run_dir)))
-                store.atomic_write_json(run_dir / RUN_FILE, doc)
-        sampler_stage.run_sampler_cells(contract, run_dir=run_dir, doc=doc, inputs=inputs,
+                store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
+        sampler_stage.run_sampler_cells(contract, run_dir=run_dir, run=run, inputs=inputs,
                                         cells=cells, faults=faults)
         for c in wanted:
-            doc["cells"].setdefault(c.cell_id, _cell_entry(c, "NOT_RUN", "not launched", None))
-        doc["finished"] = store.utc_now()
-        store.atomic_write_json(run_dir / RUN_FILE, doc)
+            run.cells.setdefault(c.cell_id, _cell_entry(c, "NOT_RUN", "not launched", None))
+        run.finished = store.utc_now()
+        store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
     return run_dir
 
 
