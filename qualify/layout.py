@@ -51,6 +51,7 @@ __all__ = [
     "CONTRACT_TOML_FILE",
     "CONTROLS_DIR",
     "CONTROL_ERRORS_FILE",
+    "COVERAGE_FILE",
     "ENVIRONMENT_FILE",
     "HF_REFERENCE_DIR",
     "INCOMPLETE_FILE",
@@ -110,6 +111,8 @@ BRANCHES_FILE: Final = "branches.json"
 
 # --- a run
 RUN_FILE: Final = "run.json"
+COVERAGE_FILE: Final = "coverage.json"
+"""What the contract's rules exercise on the frozen data (:mod:`qualify.reference.coverage`)."""
 REPORT_JSON: Final = "report.json"
 REPORT_MD: Final = "report.md"
 INPUTS_DIR: Final = "inputs"

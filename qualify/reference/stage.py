@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from qualify.layout import (
     CONTRACT_TOML_FILE,
     CONTROL_ERRORS_FILE,
     CONTROLS_DIR,
+    COVERAGE_FILE,
     ENVIRONMENT_FILE,
     HF_REFERENCE_DIR,
     MODEL_FILE,
@@ -301,7 +302,8 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
                                 schema="bounds")
 
         step("seal")
-        coverage = _clip_coverage(update_meta, precisions)
+        coverage = _coverage(contract, out, roll=roll, tg=tg, train=train, scores=scores,
+                             ref_runs=ref_runs)
         store.atomic_write_json(out / ENVIRONMENT_FILE, capture_environment(),
                                 schema="environment")
         t0 = min(timings.values())
@@ -327,27 +329,31 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
     return out
 
 
-def _clip_coverage(update_meta: dict[str, Any],
-                   precisions: Sequence[str]) -> dict[str, Any]:
-    """Whether the reference's later rounds exercise the clipped branches.
+def _coverage(contract: Contract, out: Path, *, roll: rollout.Rollout, tg: targets.Targets,
+              train: dict[str, torch.Tensor], scores: dict[str, dict[str, torch.Tensor]],
+              ref_runs: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Write ``coverage.json`` (:mod:`qualify.reference.coverage`); return its summary.
 
-    A contract whose learning rate never moves the policy past ``1 +- clip_ratio`` (or the
-    values past ``value_clip``) cannot qualify an engine's clipping: a missing clip would
-    pass. The fractions are reported; a zero fraction after round 1 is warned about.
+    Each rule nothing exercises is warned about on stderr (``NO POWER: ...``): a check
+    that cannot fail on this contract is no evidence.
     """
-    out: dict[str, Any] = {}
-    for prec in precisions:
-        meta = update_meta[f"hf-{prec}"]
-        out[prec] = {
-            "policy_clip_fraction": meta.get("actor", {}).get("policy_clip_fraction"),
-            "value_clip_fraction": meta.get("critic", {}).get("value_clip_fraction"),
-        }
-        for key, fractions in out[prec].items():
-            later = [v for r, v in (fractions or {}).items() if r != "round1"]
-            if fractions and later and max(later) == 0.0:
-                print(f"qualify: warning: {key} is 0 in every round after the first at {prec}: "
-                      "the contract does not exercise that clipping path", file=sys.stderr)
-    return out
+    from qualify.reference.coverage import compute_coverage, coverage_document
+
+    rollout_np = {k: v.numpy() for k, v in roll.to_tensors().items()}
+    refs = {label: s["reference/logprobs"].numpy()
+            for label in ref_runs
+            if (s := scores.get(label) or scores.get(label.split("-")[0])) is not None
+            and "reference/logprobs" in s}
+    rules = compute_coverage(
+        contract, rollout=rollout_np, targets=tg.to_tensors(),
+        train={k: v.numpy() for k, v in train.items()},
+        runs={label: {k: v.numpy() for k, v in t.items()} for label, t in ref_runs.items()},
+        ref_logprobs=refs)
+    doc = coverage_document(contract, rules)
+    store.atomic_write_json(out / COVERAGE_FILE, doc)
+    for line in doc["summary"]["no_power"]:
+        print(f"qualify: warning: {line}", file=sys.stderr)
+    return {"file": COVERAGE_FILE, **doc["summary"]}
 
 
 def _check_state_dtypes(meta: dict[str, Any], label: str) -> None:
