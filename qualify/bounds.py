@@ -20,13 +20,15 @@ from typing import Any
 import numpy.typing as npt
 
 from qualify.contract import Contract
+from qualify.lanes import lane_precision
 from qualify.protocol import Verdict
 from qualify.statistics import FAMILY_STATISTIC, ErrorMeasure, MetricKey, compare_sets
 
 CLASSES = ("candidate_vs_hf", "tp_vs_tp1")
 
 ONLY_AT = {"bf16_mode": "bf16", "fp64": "fp32"}
-"""Controls that exist at one precision only: the two BF16 modes, and the FP64 run whose
+"""Controls that exist in one lane only (:mod:`qualify.lanes`): the distance between the
+two BF16 styles (measured from the ``bf16`` lane, BF16 parameters), and the FP64 run whose
 distance to the FP32 reference is the reference's own FP32 rounding error."""
 
 
@@ -35,7 +37,7 @@ class Bound:
     """One sealed bound.
 
     Attributes:
-        precision: ``fp32`` or ``bf16``.
+        precision: the reference lane (``fp32``, ``bf16``, ``bf16-autocast``; :mod:`qualify.lanes`).
         klass: comparison class (``candidate_vs_hf`` or ``tp_vs_tp1``).
         key: the metric.
         statistic: the family's declared statistic.
@@ -85,7 +87,7 @@ class Bound:
 
 
 ControlErrors = dict[str, dict[str, dict[MetricKey, ErrorMeasure]]]
-"""``{precision: {control: {metric: error}}}``."""
+"""``{lane: {control: {metric: error}}}`` (lanes: :mod:`qualify.lanes`)."""
 
 
 def measure_controls(
@@ -115,10 +117,13 @@ def compute_bounds(contract: Contract, errors: ControlErrors) -> list[Bound]:
 
     Args:
         contract: supplies k, lane, floors and which controls feed which class.
-        errors: output of :func:`measure_controls`.
+        errors: output of :func:`measure_controls`, keyed by reference lane
+            (:mod:`qualify.lanes`: ``fp32``, ``bf16``, ``bf16-autocast``); a lane takes the
+            floors of its precision.
 
     Returns:
-        One :class:`Bound` per precision x class x metric measured by the controls.
+        One :class:`Bound` per lane x class x metric measured by the controls (its
+        ``precision`` field is the lane).
 
     Raises:
         KeyError: a control the contract names was not measured at a precision.
@@ -140,7 +145,7 @@ def compute_bounds(contract: Contract, errors: ControlErrors) -> list[Bound]:
                     e = errors[prec][n].get(key)
                     if e is not None and (e.value > worst or worst_name == "none"):
                         worst, worst_name = e.value, n
-                floor = float(b.floors[prec][key.family])
+                floor = float(b.floors[lane_precision(prec)][key.family])
                 bound = 0.0 if b.lane == "deterministic" else b.k * worst + floor
                 out.append(Bound(precision=prec, klass=klass, key=key,
                                  statistic=FAMILY_STATISTIC[key.family], control_error=worst,

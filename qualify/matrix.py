@@ -17,6 +17,7 @@ from typing import Literal
 
 from qualify import registry
 from qualify.errors import ContractError
+from qualify.lanes import lane_of, lanes
 
 Precision = Literal["fp32", "bf16"]
 Role = Literal["actor", "critic"]
@@ -80,6 +81,18 @@ class CellSpec:
     def base_cell_id(self) -> str:
         """Id of :meth:`base_cell` (``deepspeed-bf16-zero0-actor-tp2`` -> ``...-actor-tp1``)."""
         return self.base_cell().cell_id
+
+    @property
+    def lane(self) -> str:
+        """The reference lane this cell is compared in (:func:`qualify.lanes.lane_of`).
+
+        ``fp32``; at BF16 ``bf16`` or ``bf16-autocast`` by the engine's declared
+        :attr:`~qualify.registry.EngineSpec.bf16_style`.
+
+        Raises:
+            UsageError: the engine is not registered.
+        """
+        return lane_of(self.precision, registry.get_engine(self.engine).bf16_style)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,6 +178,11 @@ class MatrixSpec:
         per_axis = [[(a.name, d) for d in chosen.get(a.name, (registry.BASE_DEGREE,))]
                     for a in spec.extra_axes]
         return [tuple(combo) for combo in itertools.product(*per_axis)]
+
+    def lanes(self) -> list[str]:
+        """The reference lanes the matrix's cells are compared in (:func:`qualify.lanes.lanes`)."""
+        styles = [registry.get_engine(e).bf16_style for e in self.engines]
+        return lanes(self.precisions, styles)
 
     def cells(self) -> list[CellSpec]:
         """Every cell, in a stable order (engine, precision, options, role, TP, other axes)."""

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final, Generic, Literal, TypeVar
 
 from qualify.errors import ContractError, HarnessError, QualifyError, UsageError
+from qualify.lanes import BF16_STYLES
 from qualify.protocol import HarnessCell
 from qualify.resources import import_repo_module
 
@@ -152,6 +153,10 @@ class EngineSpec:
         groups_variants: the harness runs every precision x options variant of one
             topology in one launch (:attr:`qualify.protocol.HarnessCell.variants`), so
             that one process group serves several cells (engines whose start is costly).
+        bf16_style: how the engine trains at BF16 (:mod:`qualify.lanes`): ``params``
+            (BF16 parameters with FP32 master weights) or ``autocast`` (FP32 parameters
+            under ``torch.autocast``); its BF16 cells are compared with the HF reference
+            run of the same style, under that style's controls.
         description: one line for listings and reports.
         source: ``builtin`` or the distribution that declared the entry point.
 
@@ -171,6 +176,7 @@ class EngineSpec:
     cpu_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     requires: tuple[str, ...] = ()
     groups_variants: bool = False
+    bf16_style: str = "params"
     description: str = ""
     source: str = "builtin"
 
@@ -185,6 +191,9 @@ class EngineSpec:
         for what, names in (("axis and option names", fields), ("id fragments", keys)):
             if len(set(names)) != len(names):
                 raise HarnessError(f"engine {self.name!r}: duplicate {what} {names}")
+        if self.bf16_style not in BF16_STYLES:
+            raise HarnessError(f"engine {self.name!r}: bf16_style {self.bf16_style!r} is not "
+                               f"one of {BF16_STYLES}")
         if self.kind == "trainer" and self.axis(TOPOLOGY_AXIS) is None:
             raise HarnessError(f"engine {self.name!r}: a trainer needs the "
                                f"{TOPOLOGY_AXIS!r} axis (the topologies place its roles)")

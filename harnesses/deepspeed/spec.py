@@ -26,6 +26,7 @@ SPEC: Final = EngineSpec(
     cpu_env={"DS_ACCELERATOR": "cpu"},
     requires=("deepspeed",),
     groups_variants=True,
+    bf16_style="params",  # BF16 ZeRO engine: BF16 module, FP32 master partitions
     description="DeepSpeed ZeRO 0/1/2 + AutoTP; runs on CPU with DS_ACCELERATOR=cpu",
 )
 """DeepSpeed: TP axis, the ZeRO stage option; one launch per topology runs every variant."""

@@ -16,6 +16,7 @@ SPEC: Final = EngineSpec(
     axes=(TP_AXIS,),
     distributions=("megatron-core",),
     requires=("megatron",),
+    bf16_style="params",  # Float16Module BF16 parameters, FP32 main params in the optimizer
     description="Megatron-Core tensor parallelism; on CPU scoring only (its optimizer "
                 "needs CUDA: training metrics NOT_RUN)",
 )

@@ -12,6 +12,9 @@ path stays readable. Names:
 - ``bf16_optimizer_state``: AdamW moments stored in BF16 between steps.
 - ``value_loss_unclipped``: value loss ``0.5 Σ (V - G)^2`` without the clipped branch.
 - ``no_temperature``: logits not divided by the sampling temperature.
+- ``entropy_bonus_dropped``: the entropy bonus is left out of the Actor's backward (its
+  value is still reported): a gradient change of about ``entropy_coef`` relative.
+- ``kl_loss_sign_flipped``: the KL-to-reference loss term is subtracted instead of added.
 - ``hang_rank1``: rank 1 skips one collective of its TP group (and then stays alive,
   as a desynchronised rank does), so its peers wait until the collective timeout.
 """
@@ -35,6 +38,8 @@ KNOWN: Final = (
     "bf16_optimizer_state",
     "value_loss_unclipped",
     "no_temperature",
+    "entropy_bonus_dropped",
+    "kl_loss_sign_flipped",
     "hang_rank1",
 )
 

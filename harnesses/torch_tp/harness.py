@@ -223,7 +223,11 @@ class RoleRun(common.RoleOutputs):
                     kl = alg.kl_loss_coef * losses.masked_sum(
                         losses.kl_penalty(lp, ref_lp[s], alg.kl_loss_estimator), mb.mask) / n_valid
                     entropy = -alg.entropy_coef * losses.masked_sum(ent, mb.mask) / n_valid
-                    (policy + kl + entropy).backward()
+                    # FAULT(kl_loss_sign_flipped) and FAULT(entropy_bonus_dropped).
+                    kl_term = -kl if "kl_loss_sign_flipped" in self.faults else kl
+                    ent_term = 0.0 * entropy if "entropy_bonus_dropped" in self.faults \
+                        else entropy
+                    (policy + kl_term + ent_term).backward()
                     sums["policy"] += float(policy.detach())
                     sums["kl"] += float(kl.detach())
                     sums["entropy"] += float(entropy.detach())

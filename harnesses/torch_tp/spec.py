@@ -15,6 +15,7 @@ SPEC: Final = EngineSpec(
     entry="harnesses.torch_tp.harness:main",
     axes=(TP_AXIS,),
     distributions=("torch",),
+    bf16_style="autocast",  # torch.autocast over FP32 DTensor masters (harness.BF16_MECHANISM)
     description="PyTorch-native tensor parallelism (DTensor, parallelize_module); "
                 "CPU (gloo) and CUDA (NCCL)",
 )

@@ -261,6 +261,20 @@ def _hf(ctx: _Ctx, precision: str) -> dict[str, npt.NDArray[Any]] | None:
     return ctx.hf[precision]
 
 
+def _lane(ctx: _Ctx, cid: str, precision: str) -> str:
+    """The reference lane a cell is compared in (:mod:`qualify.lanes`).
+
+    The cell's own lane (its engine's BF16 style) when the sealed bounds have it; the
+    precision itself for a reference sealed before lanes existed (one BF16 reference run,
+    BF16 parameters), so its evidence still recomputes to the report it was signed with.
+    """
+    spec = ctx.cells.get(cid)
+    lane = spec.lane if spec is not None else precision
+    if lane != precision and lane not in {b.precision for b in ctx.bounds}:
+        return precision
+    return lane
+
+
 def _base_cell(ctx: _Ctx, cid: str) -> tuple[str | None, bool]:
     """``(id of the same cell at every axis's base degree, whether cid is that cell)``.
 
@@ -287,7 +301,8 @@ def _class_rows(ctx: _Ctx, *, cell: str, klass: str, precision: str, role: str,
 
 def _complete_rows(ctx: _Ctx, *, cid: str, entry: Mapping[str, Any], cells: Mapping[str, Any],
                    outputs: _Outputs, loaded: dict[str, _Outputs | str]) -> list[Row]:
-    role, precision = str(entry["role"]), str(entry["precision"])
+    role = str(entry["role"])
+    precision = _lane(ctx, cid, str(entry["precision"]))
     mine = {k: v for k, v in outputs.tensors.items() if _role_of(k) == role}
     rows: list[Row] = []
     hf = _hf(ctx, precision)

@@ -48,6 +48,7 @@ from qualify.bounds import Bound, ControlErrors, lookup
 from qualify.contract import Contract
 from qualify.errors import ReferenceDataError
 from qualify.evidence import store
+from qualify.lanes import lane_bf16_mode
 from qualify.layout import BRANCHES_DIR, BRANCHES_FILE, hf_tensors_file
 from qualify.models import bundle as models
 from qualify.models import roles
@@ -124,7 +125,8 @@ def seal_branches(contract: Contract, bundle: models.ModelBundle, batch: Batch, 
         contract: the contract (rounds, clip ranges, micro-batch size).
         bundle: the prepared models (fresh FP32 copies are loaded for each rerun).
         batch: the reference update's batch (no extra padding).
-        ref_runs: ``{precision: protocol tensors of the reference update}``.
+        ref_runs: ``{lane: protocol tensors of the reference update}`` (lanes:
+            :mod:`qualify.lanes`; a lane's rerun uses its BF16 style).
         bounds: the bounds just computed from the controls.
         train: the sealed ``advantages`` / ``returns``, ``[B, R]``.
         mask: ``[B, R]`` valid tokens.
@@ -182,6 +184,7 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
            rounds_doc: dict[str, Any], attn: str) -> None:
     """Rerun one role's reference update and record the wanted tokens' contributions."""
     settings = UpdateSettings(precision="fp32" if prec == "fp32" else "bf16",
+                              bf16_mode=lane_bf16_mode(prec),
                               micro_batch_size=contract.algorithm.micro_batch_size,
                               label=f"hf-{prec}-branches")
     # J_t in FP32 from the FP32 master at every precision (module docstring).

@@ -15,20 +15,27 @@ from typing import Any
 
 from qualify.bounds import ControlErrors
 from qualify.contract import Contract, Precision
+from qualify.lanes import lane_bf16_mode, lane_precision
 from qualify.reference.update import UpdateSettings
 
 __all__ = ["control_errors_document", "control_settings"]
 
 
 def control_settings(contract: Contract,
-                     precision: Precision) -> dict[str, tuple[UpdateSettings, str]]:
-    """The independent controls of DESIGN.md section 5 at one precision.
+                     lane: str) -> dict[str, tuple[UpdateSettings, str]]:
+    """The independent controls of DESIGN.md section 5 in one reference lane.
+
+    A lane is a precision and, at BF16, a BF16 style (:mod:`qualify.lanes`): every control
+    of the ``bf16-autocast`` lane runs under autocast, every one of the ``bf16`` lane with
+    BF16 parameters, so a lane's bounds measure the noise within its own style.
 
     - ``attn_impl``: eager attention instead of sdpa.
     - ``microbatch``: another micro-batch partition (half the size, at least 1, or 2 when the
       contract uses 1) with 2 extra left and 3 extra right padding columns.
-    - ``bf16_mode`` (BF16 only): autocast over FP32 parameters instead of BF16 parameters
-      with an FP32 master copy.
+    - ``bf16_mode`` (the ``bf16`` lane only): autocast over FP32 parameters instead of BF16
+      parameters with an FP32 master copy: the distance **between** the two BF16 styles.
+      A contract that feeds it to a bound accepts either style at that bound's width
+      (about 13 % on tiny-qwen3's round-2 gradients), too wide to see a 1 % gradient bug.
     - ``fp64`` (FP32 only): the same update and reward scoring in FP64 (models, compute,
       gradients, AdamW state), reported in FP32. Every FP32 control above runs the
       reference's own formulas (``log_softmax`` then ``-Σ p log p``, a global norm
@@ -44,27 +51,36 @@ def control_settings(contract: Contract,
 
     Args:
         contract: the loaded contract.
-        precision: ``fp32`` or ``bf16``.
+        lane: ``fp32``, ``bf16`` or ``bf16-autocast`` (:func:`qualify.lanes.lanes`).
 
     Returns:
         Control name -> (its update settings, its attention implementation), in the order
-        ``attn_impl``, ``microbatch``, ``fp64``, ``bf16_mode``.
+        ``attn_impl``, ``microbatch``, ``fp64``, ``bf16_mode``; labels ``{control}-{lane}``.
+
+    Raises:
+        ValueError: an unknown lane.
     """
     mbs = contract.algorithm.micro_batch_size
     other_mbs = max(1, mbs // 2) if mbs > 1 else 2
     names = set(contract.bounds.controls_candidate_vs_hf) | set(contract.bounds.controls_tp_vs_tp1)
+    precision = lane_precision(lane)
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"lane {lane!r}: precision must be fp32 or bf16")
+    prec: Precision = "bf16" if precision == "bf16" else "fp32"
+    mode = lane_bf16_mode(lane)
     out: dict[str, tuple[UpdateSettings, str]] = {}
     if "attn_impl" in names:
-        out["attn_impl"] = (UpdateSettings(precision=precision, micro_batch_size=mbs,
-                                           label=f"attn_impl-{precision}"), "eager")
+        out["attn_impl"] = (UpdateSettings(precision=prec, bf16_mode=mode, micro_batch_size=mbs,
+                                           label=f"attn_impl-{lane}"), "eager")
     if "microbatch" in names:
-        out["microbatch"] = (UpdateSettings(precision=precision, micro_batch_size=other_mbs,
+        out["microbatch"] = (UpdateSettings(precision=prec, bf16_mode=mode,
+                                            micro_batch_size=other_mbs,
                                             extra_left_padding=2, extra_right_padding=3,
-                                            label=f"microbatch-{precision}"), "sdpa")
-    if "fp64" in names and precision == "fp32":
+                                            label=f"microbatch-{lane}"), "sdpa")
+    if "fp64" in names and lane == "fp32":
         out["fp64"] = (UpdateSettings(precision="fp64", micro_batch_size=mbs,
                                       label="fp64-fp32"), "sdpa")
-    if "bf16_mode" in names and precision == "bf16":
+    if "bf16_mode" in names and lane == "bf16":
         out["bf16_mode"] = (UpdateSettings(precision="bf16", bf16_mode="autocast",
                                            micro_batch_size=mbs, label="bf16_mode-bf16"), "sdpa")
     return out

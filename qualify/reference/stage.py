@@ -32,6 +32,7 @@ from qualify.errors import ContractError, ReferenceDataError
 from qualify.evidence import store
 from qualify.evidence.environment import capture_environment
 from qualify.evidence.sign import seal_and_sign
+from qualify.lanes import lane_bf16_mode, lane_precision
 from qualify.layout import (
     BOUNDS_FILE,
     CONTRACT_FILE,
@@ -250,33 +251,45 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
         batch = _batch(roll, train, bundle.pad_token_id)
 
         step("updates")
+        # One reference update per lane: a precision, and at BF16 each BF16 style the
+        # matrix's engines declare (qualify.lanes): a BF16 cell meets its own style.
+        lanes = contract.matrix.lanes()
         ref_runs: dict[str, dict[str, torch.Tensor]] = {}
         update_meta: dict[str, Any] = {}
-        for prec in precisions:
-            settings = UpdateSettings(precision=prec, micro_batch_size=mbs,
-                                      label=f"hf-{prec}")
+        for lane in lanes:
+            lane_prec = lane_precision(lane)
+            settings = UpdateSettings(precision="bf16" if lane_prec == "bf16" else "fp32",
+                                      bf16_mode=lane_bf16_mode(lane), micro_batch_size=mbs,
+                                      label=f"hf-{lane}")
             t, meta = _update_run(contract, bundle, batch, settings, "sdpa")
-            t["round1/reward/rewards"] = scores[prec]["reward/scores"]
-            ref_runs[prec] = t
-            update_meta[f"hf-{prec}"] = meta
-            store.save_tensors(out / HF_REFERENCE_DIR / hf_tensors_file(prec), t)
-            _check_state_dtypes(meta, f"hf-{prec}")
+            t["round1/reward/rewards"] = scores[lane_prec]["reward/scores"] \
+                if lane == lane_prec else \
+                _reward_scores(contract, bundle, roll, precision=settings.precision,
+                               bf16_mode=settings.bf16_mode, attn="sdpa", micro_batch_size=mbs)
+            ref_runs[lane] = t
+            update_meta[f"hf-{lane}"] = meta
+            store.save_tensors(out / HF_REFERENCE_DIR / hf_tensors_file(lane), t)
+            _check_state_dtypes(meta, f"hf-{lane}")
 
         step("controls")
         control_runs: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
-        for prec in precisions:
-            control_runs[prec] = {}
-            for name, (settings, attn) in control_settings(contract, prec).items():
-                t, meta = _update_run(contract, bundle, batch, settings, attn)
-                t["round1/reward/rewards"] = _reward_scores(
-                    contract, bundle, roll, precision=settings.precision,
-                    bf16_mode=settings.bf16_mode,
-                    attn=attn, micro_batch_size=settings.micro_batch_size,
-                    extra_left=settings.extra_left_padding,
-                    extra_right=settings.extra_right_padding)
-                control_runs[prec][name] = t
-                update_meta[f"{name}-{prec}"] = meta
-                store.save_tensors(out / CONTROLS_DIR / f"{name}-{prec}.safetensors", t)
+        for lane in lanes:
+            control_runs[lane] = {}
+            for name, (settings, attn) in control_settings(contract, lane).items():
+                if name == "bf16_mode" and "bf16-autocast" in ref_runs:
+                    # The same settings as the autocast lane's reference update: reuse it.
+                    t, meta = ref_runs["bf16-autocast"], update_meta["hf-bf16-autocast"]
+                else:
+                    t, meta = _update_run(contract, bundle, batch, settings, attn)
+                    t["round1/reward/rewards"] = _reward_scores(
+                        contract, bundle, roll, precision=settings.precision,
+                        bf16_mode=settings.bf16_mode,
+                        attn=attn, micro_batch_size=settings.micro_batch_size,
+                        extra_left=settings.extra_left_padding,
+                        extra_right=settings.extra_right_padding)
+                control_runs[lane][name] = t
+                update_meta[f"{name}-{lane}"] = meta
+                store.save_tensors(out / CONTROLS_DIR / f"{name}-{lane}.safetensors", t)
         mask = roll.response_mask.numpy()
         errors = measure_controls(
             {p: {k: v.numpy() for k, v in t.items()} for p, t in ref_runs.items()},
@@ -315,6 +328,7 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
             "rollout_engine": contract.sampling.engine,
             "rollout_meta": ROLLOUT_META_FILE,
             "precisions": precisions,
+            "lanes": lanes,
             "scoring_records": records,
             "update_meta": update_meta,
             "coverage": coverage,
