@@ -38,6 +38,7 @@ from qualify.errors import HarnessError
 from qualify.layout import CONTRACT_FILE, MODEL_FILE
 from qualify.protocol import (
     CELL_FILE,
+    DEFAULT_SAMPLING,
     OUTPUTS_FILE,
     OUTPUTS_META_FILE,
     ROLLOUT_FILE,
@@ -45,6 +46,7 @@ from qualify.protocol import (
     TRAIN_INPUT_KEYS,
     TRAIN_INPUTS_FILE,
     HarnessCell,
+    ParamSampling,
     param_sample_indices,
     tensor_name,
 )
@@ -253,16 +255,29 @@ class RoleOutputs:
         """Whether this rank keeps and writes the role's tensors (TP rank 0)."""
         raise NotImplementedError
 
+    @property
+    def param_sampling(self) -> ParamSampling:
+        """The launch's :class:`~qualify.protocol.ParamSampling` (``cell.json``).
+
+        Read from the subclass's ``cell`` attribute (every harness's role runner carries
+        the launch's :class:`~qualify.protocol.HarnessCell` as ``cell``); the protocol's
+        default when there is none.
+        """
+        cell = getattr(self, "cell", None)
+        return cell.param_sampling if isinstance(cell, HarnessCell) else DEFAULT_SAMPLING
+
     def put(self, round_: int, metric: str, value: Tensor, param: str | None = None) -> None:
         """Keep ``value`` (FP32, CPU) under its protocol name on the writer rank.
 
         Per-parameter tensors of large parameters are reported at the protocol's seeded
-        sample of elements (:func:`qualify.protocol.param_sample_indices`).
+        sample of elements (:func:`qualify.protocol.param_sample_indices` with the
+        contract's sampling, :attr:`param_sampling`).
         """
         if not self.writer:
             return
         out = value.detach().to("cpu", torch.float32)
-        idx = param_sample_indices(param, out.numel()) if param is not None else None
+        idx = param_sample_indices(param, out.numel(), self.param_sampling) \
+            if param is not None else None
         if idx is not None:
             out = out.reshape(-1)[torch.from_numpy(idx)]
         self.tensors[tensor_name(round_, self.role, metric, param)] = out.contiguous()

@@ -28,6 +28,7 @@ from qualify.matrix import (
     Topology,
 )
 from qualify.prompts import read_prompts_file
+from qualify.protocol import DEFAULT_SAMPLING, ParamSampling
 from qualify.schema import first_error
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "MatrixSpec",
     "ModelSpec",
     "OptimizerSpec",
+    "ParamSampling",
     "Precision",
     "PromptsSpec",
     "Role",
@@ -317,6 +319,9 @@ class Contract:
         description: free text.
         model, roles, prompts, sampling, algorithm, optimizer, matrix, bounds: the sections.
         sampler: the ``[sampler]`` section (``None``: no sampler cells).
+        evidence: the ``[evidence]`` section: how per-parameter families are stored
+            (``exact_param_elements``, ``sampled_param_elements``; the protocol's defaults
+            when absent, so a contract that does not write the section keeps its digest).
         raw: the parsed TOML document (what the digest is computed over).
         path: the file it was loaded from (not part of the digest).
     """
@@ -334,6 +339,7 @@ class Contract:
     raw: Mapping[str, Any]
     path: Path | None = None
     sampler: SamplerSpec | None = None
+    evidence: ParamSampling = DEFAULT_SAMPLING
 
     def __post_init__(self) -> None:
         if self.sampler is not None:
@@ -471,7 +477,24 @@ def _build(doc: Mapping[str, Any], path: Path | None) -> Contract:
                              weights_from=doc["sampler"]["weights_from"],
                              required=bool(doc["sampler"].get("required", True)))
                  if "sampler" in doc else None),
+        evidence=_evidence(doc.get("evidence", {})),
     )
+
+
+def _evidence(ev: Mapping[str, Any]) -> ParamSampling:
+    """The ``[evidence]`` section as a :class:`~qualify.protocol.ParamSampling`.
+
+    Raises:
+        ContractError: ``sampled_param_elements`` exceeds ``exact_param_elements``.
+    """
+    exact = int(ev.get("exact_param_elements", DEFAULT_SAMPLING.exact_elements))
+    sample = int(ev.get("sampled_param_elements", DEFAULT_SAMPLING.sample_elements))
+    try:
+        return ParamSampling(exact_elements=exact, sample_elements=sample)
+    except ValueError:
+        raise ContractError(f"evidence.sampled_param_elements: {sample} exceeds "
+                            f"evidence.exact_param_elements = {exact} (a sampled parameter "
+                            "must have more elements than its sample)") from None
 
 
 def load_contract(path: str | Path) -> Contract:

@@ -75,6 +75,7 @@ __all__ = [
     "RUN_FILE",
     "SCORES_DIR",
     "TARGETS_FILE",
+    "TENSOR_INDEX_FILE",
     "TRAIN_INPUTS_FILE",
     "RunDocument",
     "RunReference",
@@ -127,6 +128,9 @@ RANK_LOGS_DIR: Final = "ranks"
 """Per-rank logs of a launch, under ``logs/``."""
 LAUNCHER_LOG: Final = "launcher.log"
 """torchrun's combined stdout / stderr, under ``logs/``."""
+TENSOR_INDEX_FILE: Final = "tensor_index.json"
+"""A launch attempt's record of the outputs its harness wrote and the cells that hold them
+(:mod:`qualify.evidence.tensor_index`): each tensor is stored once, in its cell."""
 
 
 def _field(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str,

@@ -67,9 +67,10 @@ Output tensor names (``outputs.safetensors`` of a harness, and the reference's o
 ``values`` ``[B, R]``, ``loss/{term}`` (0-d), ``grad_norm`` (0-d), ``clip_coef`` (0-d),
 ``grads/{hf_param_name}`` (FP32, HF layout, **before** clipping), ``exp_avg/{name}``,
 ``exp_avg_sq/{name}`` (after the step), ``updates/{name}`` (master after - before) — each
-exact when the parameter has at most :data:`EXACT_PARAM_ELEMENTS` elements, otherwise the
-flattened values at the seeded sample :func:`param_sample_indices` (the same elements on
-every side, so relative L2 errors are estimated on a fixed 16,384-element sample),
+exact when the parameter has at most ``exact_elements`` elements (the contract's
+:class:`ParamSampling`; default :data:`EXACT_PARAM_ELEMENTS`), otherwise the flattened
+values at the seeded sample :func:`param_sample_indices` (``sample_elements``, the same
+elements on every side, so relative L2 errors are estimated on a fixed sample),
 and ``logprobs_padded`` / ``values_padded`` (the padding-invariance rerun, same shape as
 ``logprobs``). All floating tensors are stored as float32 (or float64 for FP64 targets).
 """
@@ -118,30 +119,102 @@ EXTRA_RIGHT_PADDING: Final = 3
 Verdict = Literal["PASS", "FAIL", "NOT_RUN", "ERROR"]
 
 EXACT_PARAM_ELEMENTS: Final = 32_768
-"""Per-parameter tensors with at most this many elements are reported exactly."""
+"""Default: per-parameter tensors with at most this many elements are reported exactly."""
 SAMPLED_PARAM_ELEMENTS: Final = 16_384
-"""Elements reported for a larger parameter (a seeded sample of its flattened values)."""
+"""Default: elements reported for a larger parameter (a seeded sample of its flattened values)."""
 
 
-def param_sample_indices(name: str, numel: int) -> npt.NDArray[np.int64] | None:
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ParamSampling:
+    """How per-parameter families (grads, exp_avg, exp_avg_sq, updates, ``J_t``) are stored.
+
+    Set by the contract's ``[evidence]`` section (``exact_param_elements``,
+    ``sampled_param_elements``; the defaults when absent), carried to the harnesses in
+    ``cell.json`` and used by the reference stage, so every side stores the same elements
+    of the same parameters and every error is measured like for like.
+
+    Attributes:
+        exact_elements: a parameter with at most this many elements is stored whole.
+        sample_elements: a larger one is stored as this many of its flattened values, at
+            the seeded indices of :meth:`indices` (``1 <= sample_elements <=
+            exact_elements``, so a sampled parameter always has more elements than its
+            sample).
+
+    Raises:
+        ValueError: the sizes are not integers with ``1 <= sample_elements <=
+            exact_elements``.
+    """
+
+    exact_elements: int = EXACT_PARAM_ELEMENTS
+    sample_elements: int = SAMPLED_PARAM_ELEMENTS
+
+    def __post_init__(self) -> None:
+        for field in ("exact_elements", "sample_elements"):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{field}: {v!r} is not an integer")
+        if not 1 <= self.sample_elements <= self.exact_elements:
+            raise ValueError(f"sample_elements {self.sample_elements} must be in "
+                             f"[1, exact_elements = {self.exact_elements}]")
+
+    def indices(self, name: str, numel: int) -> npt.NDArray[np.int64] | None:
+        """Which flattened elements of a per-parameter tensor are stored.
+
+        Args:
+            name: the HF parameter name.
+            numel: its number of elements.
+
+        Returns:
+            ``None`` when the tensor is stored whole (``numel <= exact_elements``);
+            otherwise ``sample_elements`` sorted distinct int64 indices in ``[0, numel)``
+            drawn without replacement by ``numpy.random.default_rng`` seeded from the first 8
+            bytes (little endian) of sha256(``name:numel``), so every harness and the
+            reference store the same elements.
+        """
+        if numel <= self.exact_elements:
+            return None
+        seed = int.from_bytes(hashlib.sha256(f"{name}:{numel}".encode()).digest()[:8],
+                              "little")
+        rng = np.random.default_rng(seed)
+        idx = rng.choice(numel, size=self.sample_elements, replace=False)
+        return np.sort(idx).astype(np.int64)
+
+    def to_dict(self) -> dict[str, int]:
+        """JSON form (``cell.json`` ``param_sampling``, ``outputs.json``)."""
+        return {"exact_elements": self.exact_elements, "sample_elements": self.sample_elements}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> ParamSampling:
+        """Inverse of :meth:`to_dict`; ``None`` or a missing key gives the default.
+
+        Raises:
+            ValueError: invalid sizes (see the class).
+        """
+        d = d or {}
+        return cls(exact_elements=int(d.get("exact_elements", EXACT_PARAM_ELEMENTS)),
+                   sample_elements=int(d.get("sample_elements", SAMPLED_PARAM_ELEMENTS)))
+
+
+DEFAULT_SAMPLING: Final = ParamSampling()
+"""The sampling of a contract without an ``[evidence]`` section."""
+
+
+def param_sample_indices(name: str, numel: int,
+                         sampling: ParamSampling = DEFAULT_SAMPLING,
+                         ) -> npt.NDArray[np.int64] | None:
     """Which flattened elements of a per-parameter tensor are reported.
 
     Args:
         name: the HF parameter name.
         numel: its number of elements.
+        sampling: the contract's :class:`ParamSampling` (``Contract.evidence``, or
+            ``HarnessCell.param_sampling`` in a harness).
 
     Returns:
-        ``None`` when the tensor is reported exactly (``numel <= EXACT_PARAM_ELEMENTS``);
-        otherwise ``SAMPLED_PARAM_ELEMENTS`` sorted distinct int64 indices drawn without
-        replacement by ``numpy.random.default_rng`` seeded from sha256(``name:numel``), so
-        every harness and the reference report the same elements.
+        ``None`` when the tensor is reported exactly; otherwise the seeded sample
+        (:meth:`ParamSampling.indices`).
     """
-    if numel <= EXACT_PARAM_ELEMENTS:
-        return None
-    seed = int.from_bytes(hashlib.sha256(f"{name}:{numel}".encode()).digest()[:8], "little")
-    rng = np.random.default_rng(seed)
-    idx = rng.choice(numel, size=SAMPLED_PARAM_ELEMENTS, replace=False)
-    return np.sort(idx).astype(np.int64)
+    return sampling.indices(name, numel)
 
 
 def tensor_name(round_: int, role: str, metric: str, param: str | None = None) -> str:
@@ -203,6 +276,8 @@ class HarnessCell:
         export_weights: the Actor writes its full HF-layout weights after the round-1
             step to ``<output dir>/`` :data:`ACTOR_ROUND1_WEIGHTS` (the candidate stage asks
             only the contract's ``sampler.weights_from`` cell; the sampler installs them).
+        param_sampling: how per-parameter families are stored (the contract's
+            ``[evidence]`` section, :class:`ParamSampling`).
     """
 
     engine: str
@@ -218,6 +293,7 @@ class HarnessCell:
     faults: tuple[str, ...] = ()
     variants: tuple[dict[str, Any], ...] = ()
     export_weights: bool = False
+    param_sampling: ParamSampling = DEFAULT_SAMPLING
 
     @property
     def world_size(self) -> int:
@@ -230,13 +306,15 @@ class HarnessCell:
         d["faults"] = list(self.faults)
         d["variants"] = [{"precision": v["precision"], "options": dict(v["options"])}
                          for v in self.variants]
+        d["param_sampling"] = self.param_sampling.to_dict()
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HarnessCell:
         """Inverse of :meth:`to_dict`."""
         return cls(**{**d, "faults": tuple(d.get("faults", ())),
-                      "variants": tuple(dict(v) for v in d.get("variants", ()))})
+                      "variants": tuple(dict(v) for v in d.get("variants", ())),
+                      "param_sampling": ParamSampling.from_dict(d.get("param_sampling"))})
 
     def variant_runs(self) -> list[tuple[str, dict[str, int], str]]:
         """What to run, in order: ``(precision, options, output subdirectory)``.

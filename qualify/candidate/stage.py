@@ -9,9 +9,15 @@ yields the outputs of two cells; the stage splits them into append-only per-cell
         run.json                        cell index: status, reason, attempt of each cell
         inputs/                         what harnesses may read: rollout, train inputs,
                                         contract.json, model.json (no reference scores)
-        launches/<launch-id>/attempt-N/ raw launch: cell.json, outputs, rank logs
+        launches/<launch-id>/attempt-N/ raw launch: cell.json, outputs.json, rank logs,
+                                        tensor_index.json (the harness's outputs files:
+                                        sha256, per-tensor digests, owning cell)
         cells/<cell-id>/attempt-N/      that cell's outputs.safetensors / outputs.json /
                                         result.json, sealed (MANIFEST.json)
+
+Each tensor is stored once: once the cells' attempts are sealed, a launch outputs file whose
+every tensor is in its cell with the same bytes is removed before the launch attempt is
+sealed (:mod:`qualify.evidence.tensor_index`; ``verify`` checks the cells against the index).
 
 Re-running with the same ``--run-id`` resumes: cells with a complete attempt are skipped,
 failed attempts are kept and a new attempt is added.
@@ -32,10 +38,10 @@ from typing import Any, Final
 from qualify import jsonio
 from qualify.atomic import TMP_PREFIX
 from qualify.candidate import sampler_stage
-from qualify.candidate.launch import LaunchResult, launch
+from qualify.candidate.launch import LaunchResult, launch, read_safetensors_header
 from qualify.contract import CellSpec, Contract, cells_matching
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
-from qualify.evidence import store
+from qualify.evidence import store, tensor_index
 from qualify.layout import (
     CELLS_DIR,
     CONTRACT_FILE,
@@ -54,14 +60,17 @@ from qualify.progress import Progress
 from qualify.protocol import (
     OUTPUTS_FILE,
     OUTPUTS_META_FILE,
+    PER_PARAM_METRICS,
     ROLLOUT_FILE,
     ROLLOUT_META_FILE,
     TRAIN_INPUTS_FILE,
     HarnessCell,
+    parse_tensor_name,
     variant_tag,
 )
 from qualify.reference.stage import load_sealed_reference
 from qualify.registry import get_engine
+from qualify.sampling import sampling_summary
 
 RUN_KIND = "candidate-run"
 CELL_ATTEMPT_KIND = "cell-attempt"
@@ -275,8 +284,13 @@ def _read_run(run_dir: Path) -> RunDocument | None:
 
 
 def _split_outputs(result: LaunchResult, attempt: Path, launch_: Launch, cell: CellSpec,
-                   cell_attempt: Path) -> tuple[str, str | None]:
+                   cell_attempt: Path, *, contract: Contract,
+                   numels: dict[str, int]) -> tuple[str, str | None]:
     """Write one cell's share of a launch into its own attempt directory and seal it.
+
+    The cell's ``outputs.json`` gains ``param_sampling``
+    (:func:`qualify.sampling.sampling_summary`: which per-parameter statistics are exact,
+    which estimated from the contract's sample, with each sample's standard-error factor).
 
     Returns:
         The cell's ``(status, reason)``: ``COMPLETE``, or ``ERROR`` when the launch
@@ -295,9 +309,11 @@ def _split_outputs(result: LaunchResult, attempt: Path, launch_: Launch, cell: C
         store.save_tensors(cell_attempt / OUTPUTS_FILE, mine)
         store.atomic_write_json(cell_attempt / OUTPUTS_META_FILE, {
             **{k: v for k, v in meta.items() if k != "roles"}, **role_meta,
-            "role": cell.role, "tp": cell.tp})
+            "role": cell.role, "tp": cell.tp,
+            "param_sampling": sampling_summary(contract.evidence, numels,
+                                               _stored_elements(mine))})
     logs = attempt / LOGS_DIR
-    if logs.is_dir():
+    if logs.is_dir() and status != "OK":  # a complete cell's logs stay in its launch attempt
         shutil.copytree(logs, cell_attempt / LOGS_DIR, dirs_exist_ok=True)
     store.atomic_write_json(cell_attempt / RESULT_FILE, {
         "status": "COMPLETE" if status == "OK" else "ERROR",
@@ -309,6 +325,71 @@ def _split_outputs(result: LaunchResult, attempt: Path, launch_: Launch, cell: C
     })
     store.seal(cell_attempt, kind=CELL_ATTEMPT_KIND)
     return "COMPLETE" if status == "OK" else "ERROR", reason
+
+
+def _index_launch(result: LaunchResult, attempt: Path, launch_: Launch,
+                  cell_attempts: dict[str, Path], run_dir: Path) -> dict[str, Any] | None:
+    """Write the launch attempt's tensor index (:mod:`qualify.evidence.tensor_index`).
+
+    Each tensor ``round{r}/{role}/...`` of a variant's ``outputs.safetensors`` is owned by
+    that variant's cell of ``role``; a tensor no cell of the launch takes keeps its file.
+
+    Returns:
+        The index, or ``None`` when the launch failed or wrote no outputs file.
+
+    Raises:
+        EvidenceIntegrityError: an outputs file is unreadable.
+    """
+    if result.status != "OK":
+        return None
+    owners: dict[str, dict[str, str]] = {}
+    for part in launch_.parts:
+        rel = f"{part.tag}/{OUTPUTS_FILE}" if launch_.grouped else OUTPUTS_FILE
+        if rel in owners or not (attempt / rel).is_file():
+            continue
+        cells: dict[str, str] = {c.role: cell_attempts[c.cell_id].relative_to(run_dir).as_posix()
+                 for c in (part.actor, part.critic) if c is not None}
+        names = [k for k in read_safetensors_header(attempt / rel) if k != "__metadata__"]
+        owners[rel] = {k: cells[k.split("/")[1]] for k in names
+                       if len(k.split("/")) > 1 and k.split("/")[1] in cells}
+    if not owners:
+        return None
+    doc = tensor_index.build_index(attempt, owners)
+    tensor_index.write_index(attempt, doc)
+    return doc
+
+
+def _model_numels(inputs: Path) -> dict[str, int]:
+    """``{HF parameter name: elements}`` of the run's Actor and Critic models.
+
+    Read from the safetensors headers of the model directories named in
+    ``inputs/model.json`` (no tensor is loaded); a name in both (the shared backbone) has
+    the same shape in both. Empty when a directory holds no safetensors file.
+    """
+    doc = json.loads((inputs / MODEL_FILE).read_text("utf-8"))
+    out: dict[str, int] = {}
+    for key in ("actor_dir", "critic_dir"):
+        for f in sorted(Path(str(doc.get(key, ""))).glob("*.safetensors")):
+            for name, entry in read_safetensors_header(f).items():
+                if name != "__metadata__":
+                    n = 1
+                    for d in entry["shape"]:
+                        n *= int(d)
+                    out.setdefault(name, n)
+    return out
+
+
+def _stored_elements(tensors: dict[str, Any]) -> dict[str, int]:
+    """``{parameter: elements stored}`` over the per-parameter families of one cell."""
+    out: dict[str, int] = {}
+    for name, arr in tensors.items():
+        try:
+            _r, _role, metric, param = parse_tensor_name(name)
+        except ValueError:
+            continue
+        if metric in PER_PARAM_METRICS and param is not None:
+            out[param] = max(out.get(param, 0), int(arr.size))
+    return out
 
 
 def run_candidate_stage(
@@ -374,6 +455,7 @@ def run_candidate_stage(
             raise ReferenceDataError(f"{run_dir / RUN_FILE}: contract_digest: run belongs to "
                                      f"another contract digest")
         inputs = _stage_inputs(contract, reference, run_dir)
+        numels = _model_numels(inputs)
         todo = [c for c in wanted
                 if run.cells.get(c.cell_id, {}).get("status") != "COMPLETE"]
         grouped = sorted({c.engine for c in todo if get_engine(c.engine).groups_variants})
@@ -390,7 +472,7 @@ def run_candidate_stage(
                     store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
                     continue
                 hc = HarnessCell(
-                    engine=lc.engine, precision=lc.precision,  # type: ignore[arg-type]
+                    param_sampling=contract.evidence, engine=lc.engine, precision=lc.precision,  # type: ignore[arg-type]
                     options=dict(lc.options),
                     actor_tp=lc.actor.tp if lc.actor else 0,
                     critic_tp=lc.critic.tp if lc.critic else 0,
@@ -409,12 +491,18 @@ def run_candidate_stage(
                 store.atomic_write_json(attempt / RESULT_FILE, {
                     "status": result.status, "reason": result.reason, "wall_s": result.wall_s,
                     "returncode": result.returncode})
-                store.seal(attempt, kind="launch-attempt")
+                cell_attempts = {c.cell_id: store.new_attempt(run_dir / CELLS_DIR / c.cell_id)
+                                 for c in lc.cells}
+                index = _index_launch(result, attempt, lc, cell_attempts, run_dir)
                 for cell in lc.cells:
-                    cell_attempt = store.new_attempt(run_dir / CELLS_DIR / cell.cell_id)
-                    status, why = _split_outputs(result, attempt, lc, cell, cell_attempt)
+                    cell_attempt = cell_attempts[cell.cell_id]
+                    status, why = _split_outputs(result, attempt, lc, cell, cell_attempt,
+                                                 contract=contract, numels=numels)
                     run.cells[cell.cell_id] = _cell_entry(
                         cell, status, why, str(cell_attempt.relative_to(run_dir)))
+                if index is not None:  # every tensor is in a sealed cell: drop the copy
+                    tensor_index.drop_stored_copies(attempt, run_dir, index)
+                store.seal(attempt, kind="launch-attempt")
                 store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
         sampler_stage.run_sampler_cells(contract, run_dir=run_dir, run=run, inputs=inputs,
                                         cells=cells, faults=faults)

@@ -61,7 +61,7 @@ from qualify.errors import (
     UnlistedFileError,
     VerdictMismatchError,
 )
-from qualify.evidence import store
+from qualify.evidence import store, tensor_index
 from qualify.evidence.discover import EvidenceDir, find_evidence
 from qualify.evidence.dsse import (
     PAYLOAD_TYPE,
@@ -493,7 +493,8 @@ def verify_verdicts(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path) 
     field metrics and ``passed`` (numbers within
     :data:`~qualify.evidence.steps.RECOMPUTE_REL_TOLERANCE`; only ``created``, ``run_dir``
     and the reference's path, which name when and where it was compared, are taken from
-    ``report.json``). ``report.md`` is rendered again from that report
+    ``report.json``). Each launch's tensor index must match its cells
+    (:func:`qualify.evidence.tensor_index.check_run`). ``report.md`` is rendered again
     (:func:`qualify.compare.report.render_markdown`) and must equal the file byte for byte.
 
     Returns:
@@ -521,6 +522,7 @@ def verify_verdicts(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path) 
                                 run_dir=str(report.get("run_dir")),
                                 reference_dir=str(ref_path))
     bad = [f"{REPORT_JSON} {d}" for d in document_differences(report, again.to_dict())]
+    bad += tensor_index.check_run(run_dir)  # the cells hold exactly what the harnesses wrote
     rendered = render_markdown(again).encode("utf-8")
     try:
         md = jsonio.read_bytes(run_dir / REPORT_MD, max_bytes=jsonio.MAX_REPORT_BYTES)

@@ -52,7 +52,7 @@ from qualify.lanes import lane_bf16_mode
 from qualify.layout import BRANCHES_DIR, BRANCHES_FILE, hf_tensors_file
 from qualify.models import bundle as models
 from qualify.models import roles
-from qualify.protocol import param_sample_indices, tensor_name
+from qualify.protocol import ParamSampling, param_sample_indices, tensor_name
 from qualify.reference.update import (
     Batch,
     RoundHook,
@@ -86,13 +86,14 @@ def _tolerance(bounds: list[Bound], precision: str, role: str, family: str, roun
     return b.bound
 
 
-def _reported(name: str, t: torch.Tensor) -> torch.Tensor:
-    idx = param_sample_indices(name, t.numel())
+def _reported(name: str, t: torch.Tensor, sampling: ParamSampling) -> torch.Tensor:
+    idx = param_sample_indices(name, t.numel(), sampling)
     return t.clone() if idx is None else t.reshape(-1)[torch.from_numpy(idx)].clone()
 
 
 def _gram(reported: Mapping[str, Mapping[str, torch.Tensor]], numel: Mapping[str, int],
-          norm_sq: Mapping[str, float]) -> tuple[dict[str, dict[str, float]], bool]:
+          norm_sq: Mapping[str, float],
+          sampling: ParamSampling) -> tuple[dict[str, dict[str, float]], bool]:
     """``<c_s, c_t>`` for every pair of sealed tokens, and whether it is exact.
 
     The diagonal is the exact ``|c_t|^2``. Off the diagonal, exactly reported parameters
@@ -100,7 +101,7 @@ def _gram(reported: Mapping[str, Mapping[str, torch.Tensor]], numel: Mapping[str
     sample_t>`` (an unbiased estimate).
     """
     keys = list(reported)
-    exact = all(param_sample_indices(p, n) is None for p, n in numel.items())
+    exact = all(param_sample_indices(p, n, sampling) is None for p, n in numel.items())
     gram: dict[str, dict[str, float]] = {k: {} for k in keys}
     for i, a in enumerate(keys):
         for b in keys[i:]:
@@ -211,7 +212,7 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
             key = branches.token_key(bi, ti)
             dot = sum(float((grad[n].double() * c[n].double()).sum()) for n in c)
             nsq = sum(float(c[n].double().square().sum()) for n in c)
-            reported[key] = {n: _reported(n, c[n]) for n in c}
+            reported[key] = {n: _reported(n, c[n], contract.evidence) for n in c}
             for n, t in reported[key].items():
                 tensors[f"round{round_}/{role}/{key}/{n}"] = t
             norm_sq[key] = nsq
@@ -227,7 +228,7 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
             rd["tokens"][key] = {"index": [bi, ti], "old": x_old, "current": x_cur,
                                  "reference_branch": "full" if full else "zero",
                                  "dot_grad": dot, "norm_sq": nsq}
-        rd["gram"], exact = _gram(reported, numel, norm_sq)
+        rd["gram"], exact = _gram(reported, numel, norm_sq, contract.evidence)
         rd["gram_off_diagonal"] = "exact" if exact else "estimated from the protocol's samples"
 
     torch.manual_seed(0)

@@ -255,7 +255,7 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
     grad_dtypes.update(str(p.grad.dtype) for _, p in params if p.grad is not None)
 
     def reported(name: str, t: torch.Tensor) -> torch.Tensor:
-        idx = param_sample_indices(name, t.numel())
+        idx = param_sample_indices(name, t.numel(), contract.evidence)
         t = t.detach().float()
         return t.clone() if idx is None else t.reshape(-1)[torch.from_numpy(idx)].clone()
 
