@@ -53,6 +53,7 @@ __all__ = [
     "CONTROL_ERRORS_FILE",
     "COVERAGE_FILE",
     "ENVIRONMENT_FILE",
+    "GATES_DIR",
     "HF_REFERENCE_DIR",
     "INCOMPLETE_FILE",
     "INCOMPLETE_INFIX",
@@ -74,6 +75,7 @@ __all__ = [
     "ROLLOUT_META_FILE",
     "RUN_FILE",
     "SCORES_DIR",
+    "SOURCES_FILE",
     "TARGETS_FILE",
     "TENSOR_INDEX_FILE",
     "TRAIN_INPUTS_FILE",
@@ -318,3 +320,13 @@ MODEL_FILE: Final = "model.json"
 ``inputs/`` holds one too."""
 TARGETS_FILE: Final = "targets.safetensors"
 """The FP64 PPO / GRPO targets (:mod:`qualify.reference.targets`)."""
+
+
+# --- staleness and gate policies (appended)
+SOURCES_FILE: Final = "sources.json"
+"""A run's record of the code it executed (:mod:`qualify.evidence.sources`): sha256 of
+every ``qualify/`` and harness source file per engine, the engines' distribution versions,
+the contract and gate-policy digests; written at run start."""
+GATES_DIR: Final = "gates"
+"""The folder of gate policies beside the contracts: ``contracts/gates/<contract>.toml``
+(:mod:`qualify.evidence.policy`)."""

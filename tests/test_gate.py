@@ -23,12 +23,14 @@ from test_verify import (
     world,
 )
 
+from fresh_world import code_root, fresh, fresh_world
+
 from qualify.errors import ExitCode
 from qualify.evidence import store
 from qualify.evidence.gate import gate, latest_run
 from qualify.resources import load_schema
 
-__all__ = ["signed_world", "world"]  # fixtures shared with test_verify
+__all__ = ["fresh", "fresh_world", "signed_world", "world"]  # shared fixtures
 
 ALLOW_CUDA = f"{CUDA_ONLY}-*"
 
@@ -36,19 +38,28 @@ ALLOW_CUDA = f"{CUDA_ONLY}-*"
 def gate_cli(w: World, evidence: Path, *extra: str, contracts: tuple[Path, ...] = ()
              ) -> tuple[int, str]:
     argv = ["gate", str(evidence), "--keys", str(w.keys)]
+    if code_root(w).is_dir():  # a fresh world: its runs recorded the sources of this code
+        argv += ["--sources-root", str(code_root(w))]
     for c in contracts or (w.contract,):
         argv += ["--contract", str(c)]
     return run_cli([*argv, *extra])
 
 
-def test_good_run_with_cuda_cells_allowed_passes(signed_world: World, tmp_path: Path) -> None:
+def _line(text: str, cell: str) -> str:
+    """The summary table's row of ``cell``."""
+    (line,) = [x for x in text.splitlines() if f" {cell} " in x]
+    return line
+
+
+def test_good_run_with_cuda_cells_allowed_passes(fresh_world: World, tmp_path: Path) -> None:
     out = tmp_path / "gate.json"
-    code, text = gate_cli(signed_world, signed_world.good, "--allow-not-run", ALLOW_CUDA,
+    code, text = gate_cli(fresh_world, fresh_world.good, "--allow-not-run", ALLOW_CUDA,
                           "--json", str(out))
     assert code == ExitCode.OK, text
     assert text.startswith("qualify gate: PASS (exit 0)")
-    assert f"NOT_RUN  {CUDA_ONLY}-fp32-zero0-actor-tp1: allowed by --allow-not-run" in text
-    assert "4 PASS, 4 NOT_RUN allowed by policy" in text
+    assert "no policy file; 8 required cells: 4 PASS, 4 NOT_RUN (4 NOT_RUN allowed" in text
+    assert "cells not passing" not in text
+    assert f"report: {fresh_world.good / 'report.md'}" in text
     doc = json.loads(out.read_text())
     jsonschema.validate(doc, load_schema("gate"))
     (c,) = doc["contracts"]
@@ -58,27 +69,34 @@ def test_good_run_with_cuda_cells_allowed_passes(signed_world: World, tmp_path: 
         x["cell"] for x in c["cells"] if x["cell"].startswith(CUDA_ONLY))
     assert c["verification"]["passed"] is True
     assert doc["policy"]["allow_not_run"] == [ALLOW_CUDA]
+    assert {x["allowed_not_run"] for x in c["cells"] if x["outcome"] == "NOT_RUN"} == {
+        ALLOW_CUDA}
 
 
-def test_cuda_cells_not_run_without_policy_fail(signed_world: World) -> None:
-    result = gate(signed_world.good, [signed_world.contract],
-                  trusted_keys_dir=signed_world.keys)
+def test_cuda_cells_not_run_without_policy_fail(fresh_world: World) -> None:
+    result = gate(fresh_world.good, [fresh_world.contract],
+                  trusted_keys_dir=fresh_world.keys, sources_root=code_root(fresh_world))
     assert result.exit_code == ExitCode.QUALIFICATION_FAILED
     (c,) = result.contracts
     assert set(c.failed_cells) == {x.cell for x in c.cells if x.cell.startswith(CUDA_ONLY)}
     assert len(c.failed_cells) == 4
     assert all(x.verdict == "NOT_RUN" for x in c.cells if not x.ok)
-    code, text = gate_cli(signed_world, signed_world.good)
+    code, text = gate_cli(fresh_world, fresh_world.good)
     assert code == ExitCode.QUALIFICATION_FAILED
-    assert f"NOT_RUN  {CUDA_ONLY}-fp32-zero0-critic-tp2: CUDA is not available" in text
+    line = _line(text, f"{CUDA_ONLY}-fp32-zero0-critic-tp2")
+    assert "NOT_RUN" in line
+    assert "FAILS" in line
+    assert "CUDA is not available" in line
 
 
-def test_failing_cell_exits_1_and_is_named(signed_world: World, tmp_path: Path) -> None:
+def test_failing_cell_exits_1_and_is_named(fresh_world: World, tmp_path: Path) -> None:
     out = tmp_path / "gate.json"
-    code, text = gate_cli(signed_world, signed_world.failing, "--allow-not-run", ALLOW_CUDA,
+    code, text = gate_cli(fresh_world, fresh_world.failing, "--allow-not-run", ALLOW_CUDA,
                           "--json", str(out))
     assert code == ExitCode.QUALIFICATION_FAILED
-    assert f"FAIL     {FAIL_CELL}: round1/actor/logprobs" in text
+    line = _line(text, FAIL_CELL)
+    assert "FAIL" in line
+    assert "logprobs round 1 max_abs" in line
     assert f"1 not passed: {FAIL_CELL}" in text
     doc = json.loads(out.read_text())
     jsonschema.validate(doc, load_schema("gate"))
@@ -86,20 +104,21 @@ def test_failing_cell_exits_1_and_is_named(signed_world: World, tmp_path: Path) 
     assert doc["contracts"][0]["failed_cells"] == [FAIL_CELL]
 
 
-def test_allow_not_run_never_excuses_a_failure(signed_world: World) -> None:
-    result = gate(signed_world.failing, [signed_world.contract],
-                  allow_not_run=["torch_tp-*", ALLOW_CUDA], trusted_keys_dir=signed_world.keys)
+def test_allow_not_run_never_excuses_a_failure(fresh_world: World) -> None:
+    result = gate(fresh_world.failing, [fresh_world.contract],
+                  allow_not_run=["torch_tp-*", ALLOW_CUDA], trusted_keys_dir=fresh_world.keys,
+                  sources_root=code_root(fresh_world))
     assert result.exit_code == ExitCode.QUALIFICATION_FAILED
     assert result.contracts[0].failed_cells == (FAIL_CELL,)
 
 
-def test_evidence_root_gates_the_newest_run(signed_world: World) -> None:
-    root = signed_world.root / "evidence"
+def test_evidence_root_gates_the_newest_run(fresh_world: World) -> None:
+    root = fresh_world.root / "evidence"
     newest = latest_run(root, CONTRACT)
     assert newest is not None
     assert newest.path.name == "run-3-fail"
-    result = gate(root, [signed_world.contract], allow_not_run=[ALLOW_CUDA],
-                  trusted_keys_dir=signed_world.keys)
+    result = gate(root, [fresh_world.contract], allow_not_run=[ALLOW_CUDA],
+                  trusted_keys_dir=fresh_world.keys, sources_root=code_root(fresh_world))
     assert result.exit_code == ExitCode.QUALIFICATION_FAILED
     assert result.contracts[0].run_dir == newest.path
 
@@ -115,7 +134,8 @@ def test_newest_run_incomplete_is_an_integrity_error(world: World) -> None:
     assert "incomplete" in result.contracts[0].message
 
 
-def test_several_contracts_combine_by_worst_code(world: World) -> None:
+def test_several_contracts_combine_by_worst_code(fresh: World) -> None:
+    world = fresh
     other = world.contracts / "other.toml"
     other.write_text(world.contract.read_text().replace(f'name = "{CONTRACT}"',
                                                         'name = "other"'))
@@ -226,7 +246,8 @@ def test_run_with_incomplete_marker_is_incomplete_never_no_run(world: World,
     assert f"{beside}: incomplete: INCOMPLETE marker" in result.contracts[0].message
 
 
-def test_run_of_another_contract_with_marker_does_not_block(world: World) -> None:
+def test_run_of_another_contract_with_marker_does_not_block(fresh: World) -> None:
+    world = fresh
     other = world.root / "evidence" / "other" / "run-1"
     other.mkdir(parents=True)
     (other / store.INCOMPLETE_FILE).write_text("")

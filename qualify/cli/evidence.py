@@ -87,13 +87,17 @@ def _cmd_verify(args: argparse.Namespace) -> ExitCode:
 
 
 def _cmd_gate(args: argparse.Namespace) -> ExitCode:
+    from qualify.cli.summary import print_gate
     from qualify.evidence.gate import gate
 
     evidence = _existing_dir(args.evidence_dir, "evidence directory")
     _output_file(args.json, "--json")
+    if args.sources_root is not None:
+        _existing_dir(args.sources_root, "--sources-root")
     result = gate(evidence, args.contract, allow_not_run=args.allow_not_run,
-                  trusted_keys_dir=args.keys, reference_dir=args.reference, json_out=args.json)
-    print("\n".join(result.summary_lines()))
+                  trusted_keys_dir=args.keys, reference_dir=args.reference, json_out=args.json,
+                  policy=args.policy, sources_root=args.sources_root)
+    print_gate(result)
     return result.exit_code
 
 
@@ -102,7 +106,10 @@ def _cmd_audit(args: argparse.Namespace) -> ExitCode:
     from qualify.evidence.audit import audit, render
 
     _output_file(args.output, "--output")
-    result = audit(args.dirs, trusted_keys_dir=args.keys, contracts_dir=args.contracts_dir)
+    if args.sources_root is not None:
+        _existing_dir(args.sources_root, "--sources-root")
+    result = audit(args.dirs, trusted_keys_dir=args.keys, contracts_dir=args.contracts_dir,
+                   source_root=args.sources_root)
     text = render(result, args.format)
     print(text)
     if args.output:
@@ -150,13 +157,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="OUT", help="write the verification result as JSON")
     p.set_defaults(func=_cmd_verify)
 
-    p = sub.add_parser("gate", help="CI merge gate: verified evidence and every required "
-                                    "cell PASS (exit 0, 1 or 3)")
+    p = sub.add_parser("gate", help="CI merge gate: verified, fresh evidence and every "
+                                    "required cell PASS or failing as its policy expects "
+                                    "(exit 0, 1 or 3)")
     p.add_argument("evidence_dir", help="a run directory or a directory of runs (evidence/)")
     p.add_argument("--contract", action="append", required=True, metavar="FILE",
                    help="committed contract to gate on (repeatable)")
     p.add_argument("--allow-not-run", action="append", default=[], metavar="GLOB",
-                   help="cell-id glob allowed to be NOT_RUN, e.g. 'deepspeed-*' (repeatable)")
+                   help="cell-id glob allowed to be NOT_RUN, e.g. 'deepspeed-*' (repeatable; "
+                        "in addition to the policy's allowed_not_run)")
+    p.add_argument("--policy", metavar="FILE",
+                   help="gate policy TOML (default contracts/gates/<contract>.toml beside the "
+                        "contract; one --contract only)")
+    p.add_argument("--sources-root", metavar="DIR",
+                   help="code the runs' sources.json is compared with (default: the code "
+                        "this qualify runs)")
     p.add_argument("--json", metavar="OUT", help="write the decision (gate.schema.json)")
     p.add_argument("--reference", metavar="DIR", help="the runs' reference (default run.json)")
     _keys_arg(p)
@@ -168,5 +183,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=("table", "json", "md"), default="table")
     p.add_argument("--output", metavar="FILE", help="also write the rendering there")
     p.add_argument("--contracts-dir", metavar="DIR", help="directory of committed contracts")
+    p.add_argument("--sources-root", metavar="DIR",
+                   help="code the runs' sources.json is compared with (default: the code "
+                        "this qualify runs)")
     _keys_arg(p)
     p.set_defaults(func=_cmd_audit)

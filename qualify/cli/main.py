@@ -79,9 +79,8 @@ def _cmd_compare(args: argparse.Namespace) -> ExitCode:
 def _cmd_run(args: argparse.Namespace) -> ExitCode:
     from qualify.pipeline.chain import run_all
 
-    passed = run_all(_contract_arg(args.contract), references=Path(args.references),
-                     evidence=Path(args.evidence), cells=args.cells, quiet=args.quiet)
-    return ExitCode.OK if passed else ExitCode.QUALIFICATION_FAILED
+    return run_all(_contract_arg(args.contract), references=Path(args.references),
+                   evidence=Path(args.evidence), cells=args.cells, quiet=args.quiet)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the report but do not seal and sign the run")
     p.set_defaults(func=_cmd_compare)
 
-    p = sub.add_parser("run", help="reference (if missing) -> candidate -> compare")
+    p = sub.add_parser("run", help="reference (if missing) -> candidate -> compare; exit by "
+                                   "the contract's gate policy (contracts/gates/) if any")
     p.add_argument("contract", nargs="?", help="contract TOML (default: embedded tiny-qwen3)")
     p.add_argument("--references", default="references", help="parent of references")
     p.add_argument("--evidence", default="evidence", help="parent of evidence")

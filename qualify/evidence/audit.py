@@ -1,14 +1,18 @@
 """``qualify audit DIR``: one table of every reference and evidence directory below DIR.
 
-Each directory found by :func:`qualify.evidence.discover.find_evidence` becomes one row: contract,
-run id, date, source commit, signature status, integrity status (the nine verification
-steps of :func:`qualify.evidence.verify.verify`), the report's verdict and cell counts by verdict,
-cell attempts (failed ones counted, never hidden), staleness (the committed contract's
-digest changed since sealing) and every problem found. Failed runs are listed as ``FAIL``
-(a verdict, not a problem); incomplete directories (``INCOMPLETE`` marker, no manifest,
-moved aside as ``*.incomplete-*``) are listed as ``INCOMPLETE`` and are problems, and so is
-a directory whose records :mod:`qualify.jsonio` refused (a symbolic link, a special file
-such as ``/dev/zero``, an oversized or unparsable document: never read further). The audit
+Each directory found by :func:`qualify.evidence.discover.find_evidence` becomes one row:
+contract, run id, date, source commit, signature status, integrity status (the nine
+verification steps of :func:`qualify.evidence.verify.verify`), the report's verdict and
+cell counts by verdict, cell attempts (failed ones counted, never hidden), staleness (the
+committed contract's digest changed since sealing), the run's sources
+(:func:`qualify.evidence.sources.stale_cells`: ``fresh``, or the STALE cells and the source
+files changed since the run; ``not recorded`` for a run made before ``sources.json``) and
+every problem found. Stale sources are no problem of the audit (an old run is an honest
+record of old code); the gate fails on them. Failed runs are listed as ``FAIL`` (a
+verdict, not a problem); incomplete directories (``INCOMPLETE`` marker, no manifest, moved
+aside as ``*.incomplete-*``) are listed as ``INCOMPLETE`` and are problems, and so is a
+directory whose records :mod:`qualify.jsonio` refused (a symbolic link, a special file such
+as ``/dev/zero``, an oversized or unparsable document: never read further). The audit
 exits 3 when any problem is found, and 2 when it found nothing to audit.
 """
 
@@ -28,17 +32,18 @@ from qualify.errors import EvidenceIntegrityError, ExitCode, QualifyError, Usage
 from qualify.evidence import store
 from qualify.evidence.discover import EvidenceDir, find_evidence
 from qualify.evidence.keys import trusted_keys
+from qualify.evidence.sources import NOT_RECORDED, stale_cells
 from qualify.evidence.statement import RUN_KIND
 from qualify.evidence.steps import VerificationResult
 from qualify.evidence.verify import committed_contract_path, verify
 from qualify.jsonio import read_json
-from qualify.layout import CELLS_DIR, REPORT_JSON, RESULT_FILE
+from qualify.layout import CELLS_DIR, REPORT_JSON, RESULT_FILE, RUN_FILE
 
 __all__ = ["COLUMNS", "AuditResult", "AuditRow", "audit", "render"]
 
 COLUMNS: Final = ("path", "kind", "contract", "run_id", "date", "source_commit", "signature",
                   "integrity", "verdict", "PASS", "FAIL", "ERROR", "NOT_RUN", "attempts",
-                  "staleness", "problems")
+                  "staleness", "sources", "problems")
 """The table's columns, in order."""
 VERDICTS: Final = ("PASS", "FAIL", "ERROR", "NOT_RUN")
 Format = Literal["table", "json", "md"]
@@ -63,6 +68,8 @@ class AuditRow:
         counts: cells per verdict in the report.
         attempts: cell attempts, ``N (k failed)``.
         staleness: ``current``, ``STALE`` or ``no committed contract``.
+        sources: a run's code against this checkout: ``fresh``, ``STALE <n>/<cells> cells:
+            <changed files>``, ``not recorded`` (``""`` for a reference).
         problems: every problem found (empty: none).
     """
 
@@ -79,6 +86,7 @@ class AuditRow:
     attempts: str
     staleness: str
     problems: tuple[str, ...]
+    sources: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (``problems`` as a list)."""
@@ -87,7 +95,7 @@ class AuditRow:
                 "signature": self.signature, "integrity": self.integrity,
                 "verdict": self.verdict, **{v: int(self.counts.get(v, 0)) for v in VERDICTS},
                 "attempts": self.attempts, "staleness": self.staleness,
-                "problems": list(self.problems)}
+                "sources": self.sources, "problems": list(self.problems)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -205,6 +213,22 @@ def _staleness(e: EvidenceDir, digest: str | None,
     return "current", None
 
 
+def _sources(d: Path, source_root: str | Path | None) -> str:
+    """The ``sources`` column of a run (see :class:`AuditRow`)."""
+    try:
+        stale = stale_cells(d, source_root)
+        n = len(read_json(d / RUN_FILE).get("cells", {}))
+    except (OSError, EvidenceIntegrityError, AttributeError) as exc:
+        return f"unreadable: {exc}"
+    if not stale:
+        return "fresh"
+    if all(v == [NOT_RECORDED] for v in stale.values()):
+        return NOT_RECORDED
+    files = sorted({f for fs in stale.values() for f in fs})
+    more = f" (and {len(files) - 4} more)" if len(files) > 4 else ""
+    return f"STALE {len(stale)}/{n} cells: {', '.join(files[:4])}{more}"
+
+
 def _report(d: Path) -> dict[str, Any]:
     try:
         doc = read_json(d / REPORT_JSON)
@@ -213,8 +237,8 @@ def _report(d: Path) -> dict[str, Any]:
     return doc if isinstance(doc, dict) else {}
 
 
-def _row(e: EvidenceDir, root: Path, *, keys: Any,
-         contracts_dir: str | Path | None) -> AuditRow:
+def _row(e: EvidenceDir, root: Path, *, keys: Any, contracts_dir: str | Path | None,
+         source_root: str | Path | None = None) -> AuditRow:
     try:
         rel = e.path.relative_to(root).as_posix() if e.path != root else e.path.name
     except ValueError:
@@ -258,18 +282,23 @@ def _row(e: EvidenceDir, root: Path, *, keys: Any,
                     date=e.date or "", source_commit=commit, signature=signature,
                     integrity=integrity, verdict=verdict, counts=counts,
                     attempts=_attempts(e.path) if e.kind == RUN_KIND else "",
-                    staleness=staleness, problems=tuple(problems))
+                    staleness=staleness, problems=tuple(problems),
+                    sources=_sources(e.path, source_root)
+                    if e.kind == RUN_KIND and e.state == "sealed" else "")
 
 
 def audit(roots: str | Path | Sequence[str | Path], *,
           trusted_keys_dir: str | Path | None = None,
-          contracts_dir: str | Path | None = None) -> AuditResult:
+          contracts_dir: str | Path | None = None,
+          source_root: str | Path | None = None) -> AuditResult:
     """Audit every reference and evidence directory at or below ``roots``.
 
     Args:
         roots: one directory or several.
         trusted_keys_dir: trusted ``*.pub`` directory (default ``contracts/keys``).
         contracts_dir: committed contracts (default ``./contracts``, then qualify's).
+        source_root: the code runs' ``sources.json`` is compared with (default: the code
+            this process runs).
 
     Returns:
         The :class:`AuditResult` (problems are rows' content, never raised).
@@ -282,7 +311,7 @@ def audit(roots: str | Path | Sequence[str | Path], *,
         if not r.is_dir():
             raise UsageError(f"{r}: not a directory")
     keys = trusted_keys(trusted_keys_dir)
-    rows = [_row(e, r, keys=keys, contracts_dir=contracts_dir)
+    rows = [_row(e, r, keys=keys, contracts_dir=contracts_dir, source_root=source_root)
             for r in rs for e in find_evidence(r)]
     return AuditResult(roots=tuple(rs), rows=tuple(rows))
 

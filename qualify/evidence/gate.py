@@ -10,11 +10,19 @@ against that committed contract file) and its report is read. The gate's exit co
   unreadable evidence (a record refused by :mod:`qualify.jsonio`: a symbolic link, a
   special file, an oversized or unparsable document), see :func:`blocking_dirs`;
 - ``1`` (:attr:`~qualify.errors.ExitCode.QUALIFICATION_FAILED`): no run for a contract, or
-  a required cell is not ``PASS``; required cells are the contract's
-  ``matrix.required_cells``, else every cell of its matrix. A cell matching an
-  ``--allow-not-run`` glob may be ``NOT_RUN`` (for example CUDA-only engines on a CPU
-  runner), as the verified report must show it; any other verdict of it still fails;
+  a required cell offends the contract's gate policy (:mod:`qualify.evidence.policy`:
+  ``contracts/gates/<name>.toml`` beside the contract, or ``--policy``; without one,
+  required cells are ``matrix.required_cells``, else every cell, and nothing is expected
+  to fail): a ``FAIL`` outside its expected families, a ``NOT_RUN`` without an allowance,
+  an expected failure that passes (``XPASS``), or a ``STALE`` cell (a source file it
+  executed changed since the run, :func:`qualify.evidence.sources.stale_cells`; a run
+  without ``sources.json`` cannot prove freshness). A cell matching an ``--allow-not-run``
+  glob may also be ``NOT_RUN`` (for example CUDA-only engines on a CPU runner);
 - ``0``: otherwise.
+
+A policy edited since the run (its digest differs from the one the run recorded in
+``sources.json``) is reported ("policy edited since the run ... evaluating with the current
+policy") and the current policy decides: a policy is updated without re-running.
 
 Several contracts combine by the worst code (3 over 1 over 0). The decision is written as
 JSON (``contracts/schema/gate.schema.json``) and summarised for a human.
@@ -23,21 +31,22 @@ JSON (``contracts/schema/gate.schema.json``) and summarised for a human.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
 from qualify.contract import Contract, load_contract
-from qualify.errors import ExitCode, UsageError
+from qualify.errors import EvidenceIntegrityError, ExitCode, UsageError
 from qualify.evidence import store
 from qualify.evidence.discover import EvidenceDir, find_evidence
+from qualify.evidence.policy import CellOutcome, Policy, all_cells, evaluate, policy_for
+from qualify.evidence.sources import recorded_policy_digest, stale_cells
 from qualify.evidence.statement import RUN_KIND
 from qualify.evidence.steps import VerificationResult
 from qualify.evidence.timestamps import utc_now_iso
 from qualify.evidence.verify import verify
 from qualify.jsonio import read_json
-from qualify.layout import INCOMPLETE_INFIX, REPORT_JSON
+from qualify.layout import INCOMPLETE_INFIX, REPORT_JSON, REPORT_MD
 
 __all__ = [
     "GATE_SCHEMA",
@@ -53,28 +62,8 @@ __all__ = [
 GATE_SCHEMA: Final = "gate"
 
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class CellDecision:
-    """The gate's view of one required cell.
-
-    Attributes:
-        cell: cell id.
-        verdict: the verified report's verdict (``NOT_RUN`` when absent from it).
-        allowed_not_run: the glob that allows it to be ``NOT_RUN`` (``None``: none matches).
-        ok: ``PASS``, or ``NOT_RUN`` allowed by policy.
-        reason: the report's reason for a verdict other than ``PASS``.
-    """
-
-    cell: str
-    verdict: str
-    allowed_not_run: str | None
-    ok: bool
-    reason: str | None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return {"cell": self.cell, "verdict": self.verdict,
-                "allowed_not_run": self.allowed_not_run, "ok": self.ok, "reason": self.reason}
+CellDecision = CellOutcome
+"""The gate's view of one cell (:class:`qualify.evidence.policy.CellOutcome`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,9 +77,11 @@ class ContractDecision:
         run_dir: the newest run (``None`` when there is none).
         run_id: its id.
         verification: the verification of ``run_dir`` (``None`` when not verified).
-        cells: the required cells.
+        cells: every cell's outcome under the policy (required and not).
         exit_code: 0, 1 or 3.
         message: one line for a human.
+        policy: the policy applied (``None`` when it was not reached).
+        notes: further lines for a human (an edited policy, ...).
     """
 
     contract: str
@@ -99,19 +90,27 @@ class ContractDecision:
     run_dir: Path | None
     run_id: str | None
     verification: VerificationResult | None
-    cells: tuple[CellDecision, ...]
+    cells: tuple[CellOutcome, ...]
     exit_code: ExitCode
     message: str
+    policy: Policy | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def failed_cells(self) -> tuple[str, ...]:
-        """Required cells that are neither ``PASS`` nor an allowed ``NOT_RUN``."""
-        return tuple(c.cell for c in self.cells if not c.ok)
+        """Required cells whose outcome fails the gate (FAIL, unallowed NOT_RUN, XPASS, ...)."""
+        return tuple(c.cell for c in self.cells if c.required and not c.ok)
 
     @property
     def allowed_not_run(self) -> tuple[str, ...]:
         """Required cells that are ``NOT_RUN`` and allowed by policy."""
-        return tuple(c.cell for c in self.cells if c.ok and c.verdict == "NOT_RUN")
+        return tuple(c.cell for c in self.cells
+                     if c.required and c.ok and c.outcome == "NOT_RUN")
+
+    @property
+    def report_md(self) -> Path | None:
+        """The run's ``report.md`` (``None`` without a run)."""
+        return self.run_dir / REPORT_MD if self.run_dir is not None else None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -123,7 +122,9 @@ class ContractDecision:
                 else self.verification.to_dict(),
                 "cells": [c.to_dict() for c in self.cells],
                 "failed_cells": list(self.failed_cells),
-                "allowed_not_run": list(self.allowed_not_run)}
+                "allowed_not_run": list(self.allowed_not_run),
+                "policy": None if self.policy is None else self.policy.to_dict(),
+                "notes": list(self.notes)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -169,31 +170,32 @@ class GateResult:
                 "contracts": [c.to_dict() for c in self.contracts]}
 
     def summary_lines(self) -> list[str]:
-        """The short human summary printed on stdout."""
+        """The plain-text summary (the rich table is :mod:`qualify.cli.summary`'s)."""
         word = {ExitCode.OK: "PASS", ExitCode.QUALIFICATION_FAILED: "FAIL",
                 ExitCode.INTEGRITY_ERROR: "INTEGRITY ERROR"}[self.exit_code]
         out = [f"qualify gate: {word} (exit {int(self.exit_code)})"]
         for c in self.contracts:
             out.append(f"[{c.contract} {c.contract_digest[:12]}] {c.message}")
+            out += [f"  note: {n}" for n in c.notes]
             v = c.verification
             if v is not None and not v.passed:
                 out += [f"  {p}" for p in v.problems]
             for cell in c.cells:
-                if cell.ok and cell.verdict == "PASS":
+                if not cell.required or cell.outcome == "PASS":
                     continue
-                if cell.ok:
-                    out.append(f"  NOT_RUN  {cell.cell}: allowed by --allow-not-run "
-                               f"{cell.allowed_not_run!r} ({cell.reason})")
+                if cell.outcome == "NOT_RUN" and cell.ok:
+                    out.append(f"  NOT_RUN  {cell.cell}: allowed by {cell.allowed_not_run!r} "
+                               f"({cell.reason})")
                 else:
-                    out.append(f"  {cell.verdict:<8} {cell.cell}: {cell.reason}")
+                    out.append(f"  {cell.outcome:<8} {cell.cell}: {cell.reason}")
         return out
 
 
 def required_cells(contract: Contract) -> list[str]:
-    """``matrix.required_cells`` if the contract sets it, else every cell of the matrix."""
+    """The default policy's required cells: ``matrix.required_cells``, else every cell."""
     if contract.matrix.required_cells is not None:
         return list(contract.matrix.required_cells)
-    return [c.cell_id for c in contract.matrix.cells()]
+    return all_cells(contract)
 
 
 def _runs_of(found: Sequence[EvidenceDir], contract_name: str) -> list[EvidenceDir]:
@@ -240,22 +242,47 @@ def blocking_dirs(found: Sequence[EvidenceDir], contract_name: str, *,
     return sorted(out, key=lambda x: str(x[0].path))
 
 
+def _policy_note(run_dir: Path, policy: Policy) -> str | None:
+    """A line when the policy differs from the one the run recorded (``None``: same)."""
+    recorded, digest = recorded_policy_digest(run_dir)
+    if not recorded or digest == policy.digest:
+        return None
+    was = digest[:12] if digest else "none"
+    now = policy.digest[:12] if policy.digest else "none"
+    return (f"policy edited since the run (recorded {was}, now {now}): evaluating with the "
+            "current policy")
+
+
+def _evaluate(run_dir: Path, contract: Contract, policy: Policy, allow: Sequence[str], *,
+              sources_root: str | Path | None) -> tuple[tuple[CellOutcome, ...], list[str]]:
+    """Every cell's outcome on a verified run, and the notes (edited policy)."""
+    report = read_json(run_dir / REPORT_JSON)
+    stale = stale_cells(run_dir, sources_root)
+    note = _policy_note(run_dir, policy)
+    ev = evaluate(report, policy, allow_not_run=allow, stale=stale, cells=all_cells(contract))
+    return ev.cells, [note] if note else []
+
+
 def _decide(evidence_dir: Path, contract_path: Path, allow: Sequence[str], *,
-            trusted_keys_dir: str | Path | None,
-            reference_dir: str | Path | None) -> ContractDecision:
+            trusted_keys_dir: str | Path | None, reference_dir: str | Path | None,
+            policy_path: str | Path | None,
+            sources_root: str | Path | None) -> ContractDecision:
     contract = load_contract(contract_path)
+    policy = policy_for(contract, policy_path)
     found = find_evidence(evidence_dir)
     runs = _runs_of(found, contract.name)
     run = max(runs, key=lambda e: (e.date or "", e.path.name)) if runs else None
     blocking = blocking_dirs(found, contract.name, chosen=run)
 
     def decision(*, code: ExitCode, message: str, verification: VerificationResult | None = None,
-                 cells: Sequence[CellDecision] = ()) -> ContractDecision:
+                 cells: Sequence[CellOutcome] = (), notes: Sequence[str] = ()
+                 ) -> ContractDecision:
         return ContractDecision(contract=contract.name, contract_path=contract_path,
                                 contract_digest=contract.digest,
                                 run_dir=run.path if run else None,
                                 run_id=run.run_id if run else None, verification=verification,
-                                cells=tuple(cells), exit_code=code, message=message)
+                                cells=tuple(cells), exit_code=code, message=message,
+                                policy=policy, notes=tuple(notes))
 
     if blocking:
         blocker, why = blocking[0]
@@ -275,32 +302,31 @@ def _decide(evidence_dir: Path, contract_path: Path, allow: Sequence[str], *,
         what = f"step {first.number} ({first.name})" if first else "verification"
         return decision(code=ExitCode.INTEGRITY_ERROR, verification=result,
                         message=f"run {run.path} fails verification at {what}")
-    report = read_json(run.path / REPORT_JSON)
-    by_id = {str(c.get("cell")): c for c in report.get("cells", [])}
-    cells: list[CellDecision] = []
-    for cid in required_cells(contract):
-        entry = by_id.get(cid)
-        verdict = str(entry.get("verdict")) if entry else "NOT_RUN"
-        reason = (entry.get("reason") if entry else "absent from the report") or None
-        glob = next((g for g in allow if fnmatch.fnmatchcase(cid, g)), None)
-        ok = verdict == "PASS" or (verdict == "NOT_RUN" and glob is not None)
-        cells.append(CellDecision(cell=cid, verdict=verdict, allowed_not_run=glob, ok=ok,
-                                  reason=reason))
-    bad = [c.cell for c in cells if not c.ok]
-    n_pass = sum(c.verdict == "PASS" for c in cells)
-    n_allowed = sum(c.ok and c.verdict == "NOT_RUN" for c in cells)
+    try:
+        cells, notes = _evaluate(run.path, contract, policy, allow, sources_root=sources_root)
+    except EvidenceIntegrityError as exc:
+        return decision(code=ExitCode.INTEGRITY_ERROR, verification=result,
+                        message=f"run {run.path}: {exc}")
+    req = [c for c in cells if c.required]
+    bad = [c.cell for c in req if not c.ok]
+    counts = ", ".join(f"{sum(c.outcome == o for c in req)} {o}"
+                       for o in ("PASS", "XFAIL", "NOT_RUN", "FAIL", "XPASS", "STALE")
+                       if any(c.outcome == o for c in req))
+    n_allowed = sum(c.ok and c.outcome == "NOT_RUN" for c in req)
     keyids = ", ".join(k[:16] for k in result.keyids)
-    head = (f"run {run.path} verified (9 steps, keyid {keyids}); {len(cells)} required "
-            f"cells: {n_pass} PASS, {n_allowed} NOT_RUN allowed by policy")
-    if bad:
-        return decision(code=ExitCode.QUALIFICATION_FAILED, verification=result, cells=cells,
-                        message=f"{head}, {len(bad)} not passed: {', '.join(bad)}")
-    return decision(code=ExitCode.OK, verification=result, cells=cells, message=head)
+    pol = f"policy {policy.path} ({policy.digest[:12]})" if policy.path and policy.digest \
+        else "no policy file"
+    head = (f"run {run.path} verified (9 steps, keyid {keyids}); {pol}; {len(req)} required "
+            f"cells: {counts} ({n_allowed} NOT_RUN allowed by policy)")
+    return decision(code=ExitCode.QUALIFICATION_FAILED if bad else ExitCode.OK,
+                    verification=result, cells=cells, notes=notes,
+                    message=f"{head}, {len(bad)} not passed: {', '.join(bad)}" if bad else head)
 
 
 def gate(evidence_dir: str | Path, contracts: Sequence[str | Path], *,
          allow_not_run: Sequence[str] = (), trusted_keys_dir: str | Path | None = None,
          reference_dir: str | Path | None = None, json_out: str | Path | None = None,
+         policy: str | Path | None = None, sources_root: str | Path | None = None,
          ) -> GateResult:
     """Decide whether committed evidence qualifies every contract.
 
@@ -311,21 +337,30 @@ def gate(evidence_dir: str | Path, contracts: Sequence[str | Path], *,
         trusted_keys_dir: trusted ``*.pub`` directory (default ``contracts/keys``).
         reference_dir: the reference of the runs (default from each ``run.json``).
         json_out: write the decision JSON there (validated against ``gate.schema.json``).
+        policy: the gate policy file (one ``--contract`` only; default
+            ``contracts/gates/<name>.toml`` beside each contract, else none).
+        sources_root: the code the runs' ``sources.json`` is compared with (default: the
+            code this process runs, :func:`qualify.resources.repo_root`).
 
     Returns:
         The :class:`GateResult`; integrity problems are reported there, never raised.
 
     Raises:
-        ContractError: a contract file is missing or invalid.
-        UsageError: no contract given, or a trusted key file is malformed.
+        ContractError: a contract or policy file is missing or invalid (exit 2).
+        UsageError: no contract given, ``policy`` with several contracts, or a trusted
+            key file is malformed.
     """
     if not contracts:
         raise UsageError("gate: give at least one --contract")
+    if policy is not None and len(contracts) > 1:
+        raise UsageError("gate: --policy applies to one --contract; give one, or put each "
+                         "policy at contracts/gates/<name>.toml")
     ev = Path(evidence_dir)
     if not ev.is_dir():
         raise UsageError(f"{ev}: evidence directory not found")
     decisions = tuple(_decide(ev, Path(c), list(allow_not_run),
-                              trusted_keys_dir=trusted_keys_dir, reference_dir=reference_dir)
+                              trusted_keys_dir=trusted_keys_dir, reference_dir=reference_dir,
+                              policy_path=policy, sources_root=sources_root)
                       for c in contracts)
     result = GateResult(evidence_dir=ev, allow_not_run=tuple(allow_not_run),
                         contracts=decisions, created=utc_now_iso())

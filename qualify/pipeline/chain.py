@@ -1,15 +1,28 @@
-"""``qualify run CONTRACT``: reference (if missing) -> candidate -> compare, on one machine."""
+"""``qualify run CONTRACT``: reference (if missing) -> candidate -> compare, on one machine.
+
+The run ends with the summary table (:mod:`qualify.cli.summary`) and exits by the
+contract's gate policy (:mod:`qualify.evidence.policy`) when one exists
+(``contracts/gates/<name>.toml``): known failures XFAIL, allowed cells NOT_RUN, exit 0; any
+other failure, unallowed NOT_RUN or expected failure that passes, exit 1. Without a policy
+file the report's own verdict decides (every required cell ``PASS``).
+"""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-from qualify.contract import load_contract
+from qualify.contract import Contract, load_contract
+from qualify.errors import ExitCode
 from qualify.evidence import store
-from qualify.layout import REPORT_MD
+from qualify.evidence.policy import Policy, PolicyEvaluation, all_cells, evaluate, policy_for
+from qualify.jsonio import read_json
+from qualify.layout import REPORT_JSON, REPORT_MD, SOURCES_FILE
 from qualify.reference.stage import reference_dir_name, run_reference_stage
+
+__all__ = ["find_sealed_reference", "run_all", "run_decision"]
 
 
 def find_sealed_reference(references: Path, name: str) -> Path | None:
@@ -20,9 +33,42 @@ def find_sealed_reference(references: Path, name: str) -> Path | None:
     return found[-1] if found else None
 
 
+def run_decision(run_dir: Path, contract: Contract, policy: Policy, *,
+                 report: Mapping[str, Any] | None = None,
+                 ) -> tuple[ExitCode, PolicyEvaluation]:
+    """The exit code of ``qualify run`` on a compared run, and every cell's outcome.
+
+    With a policy file (``policy.path``), the policy evaluation decides; cells are STALE
+    only if the run recorded ``sources.json`` and the code changed while it ran. Without
+    one, the report's ``passed`` decides (the semantics before policies).
+
+    Args:
+        run_dir: the compared run.
+        contract: its contract.
+        policy: :func:`qualify.evidence.policy.policy_for` of the contract.
+        report: its ``report.json`` document (default: read from ``run_dir``).
+
+    Returns:
+        ``(exit code 0 or 1, evaluation)``.
+
+    Raises:
+        EvidenceIntegrityError: ``report.json`` or ``sources.json`` is unreadable.
+    """
+    from qualify.evidence.sources import stale_cells
+
+    doc = report if report is not None else read_json(run_dir / REPORT_JSON)
+    stale = stale_cells(run_dir) if (run_dir / SOURCES_FILE).is_file() else {}
+    ev = evaluate(doc, policy, stale=stale, cells=all_cells(contract))
+    if policy.path is None:
+        code = ExitCode.OK if doc.get("passed") else ExitCode.QUALIFICATION_FAILED
+    else:
+        code = ev.exit_code
+    return code, ev
+
+
 def run_all(contract_path: Path, *, references: Path, evidence: Path,
-            cells: Sequence[str] | None = None, quiet: bool = False) -> bool:
-    """Run the whole job for one contract and return whether it qualified.
+            cells: Sequence[str] | None = None, quiet: bool = False) -> ExitCode:
+    """Run the whole job for one contract and return its exit code.
 
     Args:
         contract_path: the contract TOML.
@@ -33,16 +79,20 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
         quiet: no progress bars.
 
     Returns:
-        ``True`` if every required cell passed.
+        ``OK`` when it qualified (by the gate policy when the contract has one, see
+        :func:`run_decision`), else ``QUALIFICATION_FAILED``.
 
     Raises:
-        QualifyError: any stage's error (see the stages).
+        QualifyError: any stage's error (see the stages); ``ContractError`` for an invalid
+            gate policy, before anything runs.
     """
     from qualify.candidate.stage import run_candidate_stage
+    from qualify.cli.summary import print_evaluation
     from qualify.compare.stage import compare_run
     from qualify.evidence.sign import ensure_signed, seal_and_sign
 
     contract = load_contract(contract_path)
+    policy = policy_for(contract)
     ref = find_sealed_reference(references, reference_dir_name(contract))
     if ref is None:
         ref = run_reference_stage(contract, root=references, quiet=quiet)
@@ -52,5 +102,9 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
                                   quiet=quiet)
     report = compare_run(run_dir)
     seal_and_sign(run_dir, kind="candidate-run")
+    code, ev = run_decision(run_dir, contract, policy)
     print(f"report: {run_dir / REPORT_MD}: {report.summary}")
-    return bool(report.passed)
+    pol = f"gate policy {policy.path}" if policy.path else "no gate policy (report verdict)"
+    print(f"{contract.name}: exit {int(code)} by {pol}")
+    print_evaluation(ev, report_md=None)
+    return code

@@ -1,0 +1,444 @@
+"""Gate policies: which cells a contract's gate requires, which known failures it expects.
+
+A policy is committed beside the contracts as ``contracts/gates/<contract-name>.toml``
+(schema ``contracts/schema/gate-policy.schema.json``, unknown keys refused)::
+
+    schema_version = 1
+    contract = "tiny-qwen3"
+    required = ["*"]                      # optional; default: matrix.required_cells, else all
+
+    [[expected_failures]]                 # strict, as pytest's xfail(strict=True)
+    cells = "deepspeed-bf16-zero0-*"
+    families = ["logprobs", "entropy"]    # the metric families allowed (expected) to FAIL
+    reason = "..."
+    upstream = "harnesses/deepspeed/README.md#<section heading>"   # or a bug report URL
+
+    [[allowed_not_run]]
+    cells = "megatron-*"
+    reason = "..."
+
+:func:`evaluate` is a pure function of a verified ``report.json``, the policy and the
+stale cells (:func:`qualify.evidence.sources.stale_cells`). Each cell gets one outcome:
+
+- ``PASS``: the report's verdict is ``PASS`` and no expected failure names the cell;
+- ``XFAIL``: ``FAIL``, every ``FAIL`` row in an expected family of a matching entry, and
+  any ``NOT_RUN`` row allowed (an ``ERROR`` row is never expected);
+- ``FAIL``: any other ``FAIL`` or ``ERROR``;
+- ``NOT_RUN``: not run (allowed when an ``allowed_not_run`` glob or ``--allow-not-run``
+  glob matches);
+- ``XPASS``: an expected failure names the cell and it passes ("expected failure now
+  passes: update the policy");
+- ``STALE``: a source file the cell executed changed since the run (takes precedence).
+
+The gate passes (exit 0) when every required cell is ``PASS``, ``XFAIL`` or an allowed
+``NOT_RUN``; otherwise exit 1 with the offending cells named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from qualify.contract import Contract, canonical_json, sha256_hex
+from qualify.errors import ContractError, ExitCode
+from qualify.layout import GATES_DIR
+from qualify.resources import contracts_dir
+from qualify.schema import first_error
+from qualify.statistics import FAMILY_STATISTIC
+
+__all__ = [
+    "KNOWN_FAMILIES",
+    "OUTCOMES",
+    "POLICY_SCHEMA",
+    "AllowedNotRun",
+    "CellOutcome",
+    "ExpectedFailure",
+    "Policy",
+    "PolicyEvaluation",
+    "all_cells",
+    "default_policy",
+    "evaluate",
+    "find_policy",
+    "load_policy",
+    "policy_for",
+]
+
+POLICY_SCHEMA: Final = "gate-policy"
+OUTCOMES: Final = ("PASS", "XFAIL", "FAIL", "NOT_RUN", "STALE", "XPASS")
+"""Cell outcomes of the gate, in the summary table's column order."""
+SAMPLER_FAMILIES: Final = ("install", "kernels", "prefix_cache", "stale_version",
+                           "wrong_shard", "missing_ack", "duplicate_ack", "warm_cache")
+"""Row families of a sampler cell (:mod:`qualify.compare.sampler`)."""
+KNOWN_FAMILIES: Final = (*FAMILY_STATISTIC, "dtypes", "replica", *SAMPLER_FAMILIES)
+"""Every row family a report holds: the metric families of
+:data:`qualify.statistics.FAMILY_STATISTIC`, the ``dtypes`` and ``replica`` checks and the
+sampler probes."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ExpectedFailure:
+    """A known failure: cells matching ``cells`` may FAIL, only in ``families``.
+
+    Attributes:
+        cells: cell-id glob (``fnmatch``).
+        families: row families expected to fail.
+        reason: why (for a person).
+        upstream: a bug report URL or ``<file>.md#<section heading>``.
+    """
+
+    cells: str
+    families: tuple[str, ...]
+    reason: str
+    upstream: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"cells": self.cells, "families": list(self.families), "reason": self.reason,
+                "upstream": self.upstream}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class AllowedNotRun:
+    """Cells matching ``cells`` may be ``NOT_RUN`` (wholly or in some rows).
+
+    Attributes:
+        cells: cell-id glob.
+        reason: why.
+        upstream: optional pointer (URL or README section).
+    """
+
+    cells: str
+    reason: str
+    upstream: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"cells": self.cells, "reason": self.reason, "upstream": self.upstream}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Policy:
+    """A contract's gate policy (validated against the contract's cells).
+
+    Attributes:
+        contract: contract name.
+        path: the policy file (``None``: the default policy, no file).
+        digest: hex sha256 of the canonical JSON of the parsed document (``None``: default);
+            comments and layout of the TOML do not change it.
+        required: required cell ids, in matrix order.
+        expected_failures: the known failures.
+        allowed_not_run: the NOT_RUN allowances.
+    """
+
+    contract: str
+    path: Path | None
+    digest: str | None
+    required: tuple[str, ...]
+    expected_failures: tuple[ExpectedFailure, ...] = ()
+    allowed_not_run: tuple[AllowedNotRun, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (for the gate decision)."""
+        return {"path": str(self.path) if self.path else None, "digest": self.digest,
+                "required": list(self.required),
+                "expected_failures": [e.to_dict() for e in self.expected_failures],
+                "allowed_not_run": [a.to_dict() for a in self.allowed_not_run]}
+
+
+def all_cells(contract: Contract) -> list[str]:
+    """Every cell id of the contract: the matrix's cells, then the sampler's."""
+    ids = [c.cell_id for c in contract.matrix.cells()]
+    if contract.sampler is not None:
+        ids += contract.sampler.cell_ids()
+    return ids
+
+
+def _default_required(contract: Contract) -> tuple[str, ...]:
+    if contract.matrix.required_cells is not None:
+        return tuple(contract.matrix.required_cells)
+    return tuple(all_cells(contract))
+
+
+def default_policy(contract: Contract) -> Policy:
+    """The policy of a contract without a policy file: required cells, nothing expected."""
+    return Policy(contract=contract.name, path=None, digest=None,
+                  required=_default_required(contract))
+
+
+def find_policy(contract: Contract) -> Path | None:
+    """``<contract's directory>/gates/<name>.toml``, else ``contracts/gates/<name>.toml``.
+
+    Returns:
+        The policy file, or ``None`` when there is none.
+    """
+    dirs = [contract.path.parent] if contract.path is not None else []
+    dirs.append(contracts_dir())
+    for d in dirs:
+        p = d / GATES_DIR / f"{contract.name}.toml"
+        if p.is_file():
+            return p
+    return None
+
+
+def _matches(glob: str, ids: Sequence[str]) -> list[str]:
+    return [c for c in ids if fnmatch.fnmatchcase(c, glob)]
+
+
+def load_policy(path: str | Path, contract: Contract) -> Policy:
+    """Read, validate and resolve a policy file against ``contract``.
+
+    Args:
+        path: the policy TOML.
+        contract: the contract it gates.
+
+    Returns:
+        The :class:`Policy`.
+
+    Raises:
+        ContractError: (exit 2) one line naming the file and field: unreadable or
+            malformed TOML, a schema violation (unknown key, wrong type), another contract's
+            name, a glob matching no cell of the contract, an unknown family, a glob listed
+            twice, or a glob both in ``required`` and ``allowed_not_run``.
+    """
+    p = Path(path)
+    try:
+        doc = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ContractError(f"{p}: gate policy not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ContractError(f"{p}: cannot read the gate policy: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ContractError(f"{p}: invalid TOML: {exc}") from None
+    problem = first_error(doc, POLICY_SCHEMA)
+    if problem is not None:
+        raise ContractError(f"{p}: {problem} (schema {POLICY_SCHEMA}.schema.json)")
+    if doc["contract"] != contract.name:
+        raise ContractError(f"{p}: contract: {doc['contract']!r} is not the gated contract "
+                            f"{contract.name!r}")
+    ids = all_cells(contract)
+
+    def cells_of(glob: str, field: str) -> list[str]:
+        hit = _matches(glob, ids)
+        if not hit:
+            raise ContractError(f"{p}: {field}: {glob!r} matches no cell of contract "
+                                f"{contract.name} ({len(ids)} cells, e.g. {ids[0]})")
+        return hit
+
+    if "required" in doc:
+        req: set[str] = set()
+        for i, g in enumerate(doc["required"]):
+            req.update(cells_of(g, f"required.{i}"))
+        required = tuple(c for c in ids if c in req)
+    else:
+        required = _default_required(contract)
+    xfails: list[ExpectedFailure] = []
+    seen: set[str] = set()
+    for i, e in enumerate(doc.get("expected_failures", [])):
+        field = f"expected_failures.{i}"
+        cells_of(e["cells"], f"{field}.cells")
+        if e["cells"] in seen:
+            raise ContractError(f"{p}: {field}.cells: {e['cells']!r} is listed twice in "
+                                "expected_failures; merge the entries")
+        seen.add(e["cells"])
+        for j, fam in enumerate(e["families"]):
+            if fam not in KNOWN_FAMILIES:
+                raise ContractError(f"{p}: {field}.families.{j}: unknown family {fam!r} "
+                                    f"(known: {', '.join(KNOWN_FAMILIES)})")
+        xfails.append(ExpectedFailure(cells=e["cells"], families=tuple(e["families"]),
+                                      reason=e["reason"], upstream=e["upstream"]))
+    allowed: list[AllowedNotRun] = []
+    seen = set()
+    for i, a in enumerate(doc.get("allowed_not_run", [])):
+        field = f"allowed_not_run.{i}"
+        cells_of(a["cells"], f"{field}.cells")
+        if a["cells"] in seen:
+            raise ContractError(f"{p}: {field}.cells: {a['cells']!r} is listed twice in "
+                                "allowed_not_run")
+        if a["cells"] in doc.get("required", []):
+            raise ContractError(f"{p}: {field}.cells: {a['cells']!r} is also listed in "
+                                "required: a cell cannot be both required to run and allowed "
+                                "not to run by the same entry; keep one")
+        seen.add(a["cells"])
+        allowed.append(AllowedNotRun(cells=a["cells"], reason=a["reason"],
+                                     upstream=a.get("upstream")))
+    return Policy(contract=contract.name, path=p, digest=sha256_hex(canonical_json(doc)),
+                  required=required, expected_failures=tuple(xfails),
+                  allowed_not_run=tuple(allowed))
+
+
+def policy_for(contract: Contract, path: str | Path | None = None) -> Policy:
+    """The policy of ``contract``: ``path`` if given, else :func:`find_policy`, else default.
+
+    Raises:
+        ContractError: the policy file is invalid (see :func:`load_policy`).
+    """
+    found = Path(path) if path is not None else find_policy(contract)
+    return default_policy(contract) if found is None else load_policy(found, contract)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CellOutcome:
+    """One cell as the policy sees it.
+
+    Attributes:
+        cell: cell id.
+        engine: its engine (``""`` when the report does not say).
+        required: whether the policy requires it.
+        verdict: the verified report's verdict (``NOT_RUN`` when absent).
+        outcome: one of :data:`OUTCOMES`.
+        ok: this outcome lets the gate pass (``PASS``, ``XFAIL``, allowed ``NOT_RUN``).
+        reason: for a person: the report's reason, the expectation's, or the problem.
+        allowed_not_run: the glob allowing NOT_RUN rows or the cell (``None``: none).
+        expected: the matching expected failures.
+        first: the first failing row of the outcome (``family``, ``round``, ``statistic``,
+            ``metric``, ``margin``), ``None`` if none.
+        stale_files: the changed source files (STALE only).
+    """
+
+    cell: str
+    engine: str
+    required: bool
+    verdict: str
+    outcome: str
+    ok: bool
+    reason: str | None
+    allowed_not_run: str | None = None
+    expected: tuple[ExpectedFailure, ...] = ()
+    first: Mapping[str, Any] | None = None
+    stale_files: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (``gate.schema.json`` ``$defs.cell``)."""
+        return {"cell": self.cell, "engine": self.engine, "required": self.required,
+                "verdict": self.verdict, "outcome": self.outcome, "ok": self.ok,
+                "reason": self.reason, "allowed_not_run": self.allowed_not_run,
+                "expected": [e.to_dict() for e in self.expected],
+                "first": dict(self.first) if self.first is not None else None,
+                "stale_files": list(self.stale_files)}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PolicyEvaluation:
+    """Every cell's outcome and the gate's code for one contract.
+
+    Attributes:
+        cells: outcomes of every cell of the contract (and of the report), matrix order.
+    """
+
+    cells: tuple[CellOutcome, ...]
+
+    @property
+    def offending(self) -> tuple[CellOutcome, ...]:
+        """Required cells whose outcome fails the gate."""
+        return tuple(c for c in self.cells if c.required and not c.ok)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """``OK`` when no required cell offends, else ``QUALIFICATION_FAILED``."""
+        return ExitCode.QUALIFICATION_FAILED if self.offending else ExitCode.OK
+
+    def counts(self, *, required_only: bool = True) -> dict[str, int]:
+        """Cells per outcome (:data:`OUTCOMES` order)."""
+        out = dict.fromkeys(OUTCOMES, 0)
+        for c in self.cells:
+            if c.required or not required_only:
+                out[c.outcome] += 1
+        return out
+
+
+def _first(rows: Sequence[Mapping[str, Any]], families: set[str] | None = None,
+           verdicts: tuple[str, ...] = ("FAIL", "ERROR")) -> dict[str, Any] | None:
+    for r in rows:
+        if r.get("verdict") in verdicts and (families is None or r.get("family") in families):
+            return {k: r.get(k) for k in ("family", "round", "statistic", "metric", "margin",
+                                          "verdict")}
+    return None
+
+
+def _judge(*, verdict: str, reason: str | None, rows: Sequence[Mapping[str, Any]],
+           xf: Sequence[ExpectedFailure], nr: str | None, policy: Policy,
+           ) -> tuple[str, bool, str | None, dict[str, Any] | None]:
+    """``(outcome, ok, reason, first failing row)`` of a fresh (not stale) cell."""
+    families = {f for e in xf for f in e.families}
+    failing = {str(r.get("family")) for r in rows if r.get("verdict") == "FAIL"}
+    unexpected = failing - families
+    rows_not_run = any(r.get("verdict") == "NOT_RUN" for r in rows)
+    out: tuple[str, bool, str | None, dict[str, Any] | None]
+    if verdict == "ERROR" or any(r.get("verdict") == "ERROR" for r in rows):
+        out = ("FAIL", False, reason, _first(rows, verdicts=("ERROR",)))
+    elif verdict == "FAIL" and (unexpected or not xf):
+        why = reason if not xf else (f"fails outside the expected families: "
+                                     f"{', '.join(sorted(unexpected))} ({reason})")
+        out = ("FAIL", False, why, _first(rows, unexpected))
+    elif verdict == "FAIL" and rows_not_run and nr is None:
+        out = ("NOT_RUN", False, "fails as expected, but some rows are NOT_RUN without an "
+               "allowance", _first(rows, failing))
+    elif verdict == "FAIL":
+        out = ("XFAIL", True, "; ".join(f"{e.reason} ({e.upstream})" for e in xf),
+               _first(rows, failing))
+    elif verdict == "NOT_RUN":
+        out = ("NOT_RUN", nr is not None, reason, None)
+    elif xf:
+        out = ("XPASS", False, "expected failure now passes: update the policy "
+               f"({policy.path}: {', '.join(e.cells for e in xf)})", None)
+    elif rows_not_run and nr is None:
+        out = ("NOT_RUN", False, "some rows are NOT_RUN without an allowance", None)
+    else:
+        out = ("PASS", True, None, None)
+    return out
+
+
+def _outcome(cid: str, entry: Mapping[str, Any] | None, rows: Sequence[Mapping[str, Any]], *,
+             policy: Policy, allow: Sequence[str],
+             stale: Mapping[str, Sequence[str]]) -> CellOutcome:
+    verdict = str(entry.get("verdict")) if entry else "NOT_RUN"
+    reason = (entry.get("reason") if entry else "absent from the report") or None
+    engine = (str(entry.get("engine") or "") if entry else "") or cid.split("-", 1)[0]
+    xf = tuple(e for e in policy.expected_failures if fnmatch.fnmatchcase(cid, e.cells))
+    nr = next((a.cells for a in policy.allowed_not_run if fnmatch.fnmatchcase(cid, a.cells)),
+              None) or next((g for g in allow if fnmatch.fnmatchcase(cid, g)), None)
+    kw: dict[str, Any] = {"cell": cid, "engine": engine, "required": cid in policy.required,
+                          "verdict": verdict, "allowed_not_run": nr, "expected": xf}
+    if cid in stale:
+        files = tuple(stale[cid])
+        more = f" (and {len(files) - 5} more)" if len(files) > 5 else ""
+        return CellOutcome(**kw, outcome="STALE", ok=False, stale_files=files,
+                           reason="stale: " + ", ".join(files[:5]) + more)
+    outcome, ok, why, first = _judge(verdict=verdict, reason=reason, rows=rows, xf=xf, nr=nr,
+                                     policy=policy)
+    return CellOutcome(**kw, outcome=outcome, ok=ok, reason=why, first=first)
+
+
+def evaluate(report: Mapping[str, Any], policy: Policy, *, allow_not_run: Sequence[str] = (),
+             stale: Mapping[str, Sequence[str]] | None = None,
+             cells: Sequence[str] | None = None) -> PolicyEvaluation:
+    """Each cell's outcome under ``policy`` (a pure function; see the module docstring).
+
+    Args:
+        report: a verified ``report.json`` document (``cells``: per-cell verdicts;
+            ``rows``: per-row ``cell`` / ``family`` / ``verdict`` / ``round`` /
+            ``statistic`` / ``margin``, margin = error / bound, dimensionless).
+        policy: the contract's policy.
+        allow_not_run: extra NOT_RUN globs (``qualify gate --allow-not-run``).
+        stale: cell id -> changed source files (:func:`qualify.evidence.sources.stale_cells`).
+        cells: every cell id to judge, in order (default: the policy's required cells, then
+            the report's other cells).
+
+    Returns:
+        The :class:`PolicyEvaluation`.
+    """
+    by_id = {str(c.get("cell")): c for c in report.get("cells", []) if isinstance(c, Mapping)}
+    rows_of: dict[str, list[Mapping[str, Any]]] = {}
+    for r in report.get("rows", []):
+        if isinstance(r, Mapping):
+            rows_of.setdefault(str(r.get("cell")), []).append(r)
+    ids = list(cells) if cells is not None else list(policy.required)
+    ids += [c for c in by_id if c not in ids]
+    return PolicyEvaluation(cells=tuple(
+        _outcome(cid, by_id.get(cid), rows_of.get(cid, []), policy=policy, allow=allow_not_run,
+                 stale=stale or {})
+        for cid in ids))

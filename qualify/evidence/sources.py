@@ -1,0 +1,255 @@
+"""Which code made a run: source digests at run start, and staleness against a checkout.
+
+:func:`write_sources` records, in a run's ``sources.json`` (:data:`~qualify.layout.SOURCES_FILE`,
+sealed and signed with the run), the sha256 of every source file a cell executes:
+
+- ``qualify``: every ``qualify/**/*.py`` (the comparator, the stages, the evidence code);
+- per engine: ``harnesses/<engine>/**/*.py`` plus ``harnesses/common.py`` and
+  ``harnesses/__init__.py``, and the versions of the engine's distributions
+  (:attr:`qualify.registry.EngineSpec.distributions`, read with :mod:`importlib.metadata`;
+  no engine is imported; ``null`` when not installed);
+- the contract's name and digest, and the gate policy's path and digest.
+
+:func:`stale_cells` compares that record with a checkout: a cell is STALE when a file of
+its engine's set or of ``qualify/`` differs, was added or was removed; a run without
+``sources.json`` (made before it existed) cannot prove its freshness, and every cell is
+STALE. Distribution versions are recorded for the reader but not compared: the verifying
+machine (a CPU CI runner) need not have the engines installed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from qualify.contract import Contract
+from qualify.digests import sha256_file
+from qualify.errors import EvidenceIntegrityError, UsageError
+from qualify.evidence.sealed import atomic_write_bytes
+from qualify.jsonio import read_json
+from qualify.layout import RUN_FILE, SOURCES_FILE
+from qualify.resources import repo_root
+
+__all__ = [
+    "NOT_RECORDED",
+    "QUALIFY_SET",
+    "check_resume_sources",
+    "engine_files",
+    "sources_document",
+    "stale_cells",
+    "write_sources",
+]
+
+QUALIFY_SET: Final = "qualify"
+"""The key of the qualification code's file set in ``sources.json``."""
+NOT_RECORDED: Final = "sources not recorded: cannot prove freshness"
+"""The stale reason of every cell of a run without ``sources.json``."""
+HARNESS_SHARED: Final = ("harnesses/__init__.py", "harnesses/common.py")
+
+
+def _digests(root: Path, rels: Iterable[str]) -> dict[str, str]:
+    return {r: sha256_file(root / r) for r in sorted(set(rels)) if (root / r).is_file()}
+
+
+def _py_under(root: Path, folder: str) -> list[str]:
+    base = root / folder
+    if not base.is_dir():
+        return []
+    return [p.relative_to(root).as_posix() for p in base.rglob("*.py")
+            if "__pycache__" not in p.parts and p.is_file()]
+
+
+def qualify_files(root: Path) -> dict[str, str]:
+    """sha256 (hex) of every ``qualify/**/*.py`` below ``root``, by posix relative path."""
+    return _digests(root, _py_under(root, "qualify"))
+
+
+def engine_files(root: Path, engine: str) -> dict[str, str]:
+    """sha256 of ``harnesses/<engine>/**/*.py`` and the shared harness modules."""
+    return _digests(root, [*_py_under(root, f"harnesses/{engine}"), *HARNESS_SHARED])
+
+
+def _distributions(engine: str) -> dict[str, str | None]:
+    from qualify import registry
+
+    try:
+        names: Sequence[str] = registry.get_engine(engine).distributions
+    except Exception:  # an engine this checkout no longer knows: nothing to read
+        names = ()
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def contract_engines(contract: Contract) -> list[str]:
+    """The trainer engines of the matrix, then the sampler's engine (if any)."""
+    engines = list(contract.matrix.engines)
+    if contract.sampler is not None and contract.sampler.engine not in engines:
+        engines.append(contract.sampler.engine)
+    return engines
+
+
+def sources_document(contract: Contract, engines: Sequence[str] | None = None, *,
+                     root: Path | None = None, policy: Path | None = None) -> dict[str, Any]:
+    """The ``sources.json`` document for a run of ``contract``.
+
+    Args:
+        contract: the run's contract.
+        engines: engines to record (default: :func:`contract_engines`).
+        root: the code's root (default :func:`qualify.resources.repo_root`).
+        policy: the gate policy file (default: :func:`qualify.evidence.policy.find_policy`).
+
+    Raises:
+        ContractError: the contract's gate policy file is invalid.
+    """
+    from qualify.evidence.policy import find_policy, load_policy
+
+    r = root if root is not None else repo_root()
+    pol = policy if policy is not None else find_policy(contract)
+    digest = load_policy(pol, contract).digest if pol is not None else None
+    return {"schema_version": 1,
+            "contract": {"name": contract.name, "digest": contract.digest},
+            "policy": None if pol is None else {"path": str(pol), "digest": digest},
+            QUALIFY_SET: {"files": qualify_files(r)},
+            "engines": {e: {"files": engine_files(r, e), "distributions": _distributions(e)}
+                        for e in (engines if engines is not None
+                                  else contract_engines(contract))}}
+
+
+def write_sources(run_dir: str | Path, engines: Sequence[str] | None = None, *,
+                  contract: Contract, root: Path | None = None,
+                  policy: Path | None = None) -> Path:
+    """Write ``<run_dir>/sources.json`` (atomically; see :func:`sources_document`).
+
+    Returns:
+        The file written.
+
+    Raises:
+        ContractError: the contract's gate policy file is invalid.
+    """
+    import json
+
+    doc = sources_document(contract, engines, root=root, policy=policy)
+    path = Path(run_dir) / SOURCES_FILE
+    atomic_write_bytes(path, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())
+    return path
+
+
+def read_sources(run_dir: str | Path) -> dict[str, Any] | None:
+    """A run's ``sources.json`` (``None`` when absent).
+
+    Raises:
+        EvidenceIntegrityError: the file is refused by :mod:`qualify.jsonio` or is not of
+            the recorded shape.
+    """
+    path = Path(run_dir) / SOURCES_FILE
+    if not path.exists() and not path.is_symlink():
+        return None
+    doc = read_json(path)
+    ok = isinstance(doc, dict) and isinstance(doc.get(QUALIFY_SET), dict) \
+        and isinstance(doc[QUALIFY_SET].get("files"), dict) \
+        and isinstance(doc.get("engines"), dict)
+    if not ok:
+        raise EvidenceIntegrityError(f"{path}: not a sources record (qualify.files, engines)")
+    return doc
+
+
+def _diff(recorded: Mapping[str, Any], now: Mapping[str, str]) -> list[str]:
+    out = []
+    for rel in sorted(set(recorded) | set(now)):
+        if rel not in now:
+            out.append(f"{rel} (removed)")
+        elif rel not in recorded:
+            out.append(f"{rel} (added)")
+        elif recorded[rel] != now[rel]:
+            out.append(rel)
+    return out
+
+
+def _cell_engines(run_dir: Path) -> dict[str, str]:
+    doc = read_json(run_dir / RUN_FILE)
+    cells = doc.get("cells", {}) if isinstance(doc, dict) else {}
+    return {str(c): str(e.get("engine") or str(c).split("-", 1)[0])
+            for c, e in cells.items() if isinstance(e, dict)}
+
+
+def stale_cells(run_dir: str | Path, checkout_root: str | Path | None = None
+                ) -> dict[str, list[str]]:
+    """The cells of a run whose executed sources differ from ``checkout_root``'s.
+
+    Args:
+        run_dir: a candidate run (``run.json``, ``sources.json``).
+        checkout_root: the code to compare with (default :func:`~qualify.resources.repo_root`,
+            the code this process runs).
+
+    Returns:
+        cell id -> changed files (``path``, ``path (added)``, ``path (removed)``, relative
+        to the root); only stale cells appear. A run without ``sources.json`` gives every
+        cell ``[NOT_RECORDED]``.
+
+    Raises:
+        EvidenceIntegrityError: ``run.json`` or ``sources.json`` is refused or malformed.
+        FileNotFoundError: the run has no ``run.json``.
+    """
+    rd = Path(run_dir)
+    root = Path(checkout_root) if checkout_root is not None else repo_root()
+    cells = _cell_engines(rd)
+    doc = read_sources(rd)
+    if doc is None:
+        return {c: [NOT_RECORDED] for c in cells}
+    common = _diff(doc[QUALIFY_SET]["files"], qualify_files(root))
+    per_engine: dict[str, list[str]] = {}
+    out: dict[str, list[str]] = {}
+    for cid, engine in cells.items():
+        if engine not in per_engine:
+            rec = doc["engines"].get(engine)
+            if not isinstance(rec, dict) or not isinstance(rec.get("files"), dict):
+                per_engine[engine] = [f"sources of engine {engine} not recorded"]
+            else:
+                per_engine[engine] = _diff(rec["files"], engine_files(root, engine))
+        changed = per_engine[engine] + common
+        if changed:
+            out[cid] = changed
+    return out
+
+
+def recorded_policy_digest(run_dir: str | Path) -> tuple[bool, str | None]:
+    """``(recorded, digest)`` of the gate policy a run recorded at its start.
+
+    ``recorded`` is False for a run without ``sources.json``; ``digest`` is ``None`` when
+    the run's contract had no policy file then.
+
+    Raises:
+        EvidenceIntegrityError: ``sources.json`` is refused or malformed.
+    """
+    doc = read_sources(run_dir)
+    if doc is None:
+        return False, None
+    pol = doc.get("policy")
+    return True, (str(pol["digest"]) if isinstance(pol, dict) and pol.get("digest") else None)
+
+
+def check_resume_sources(run_dir: str | Path, root: Path | None = None) -> None:
+    """Refuse to resume a run whose recorded sources differ from the code now.
+
+    A run without ``sources.json`` is not checked (it predates the record).
+
+    Raises:
+        UsageError: (exit 2) one line: ``sources changed since run X began: start a new
+            --run-id`` with the first changed files.
+    """
+    rd = Path(run_dir)
+    if not (rd / SOURCES_FILE).is_file():
+        return
+    stale = stale_cells(rd, root)
+    files = sorted({f for fs in stale.values() for f in fs})
+    if files:
+        more = f" (and {len(files) - 3} more)" if len(files) > 3 else ""
+        raise UsageError(f"{rd / SOURCES_FILE}: sources changed since run {rd.name} began "
+                         f"({', '.join(files[:3])}{more}): start a new --run-id")
