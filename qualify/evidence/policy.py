@@ -26,8 +26,9 @@ stale cells (:func:`qualify.evidence.sources.stale_cells`). Each cell gets one o
 - ``FAIL``: any other ``FAIL`` or ``ERROR``;
 - ``NOT_RUN``: not run (allowed when an ``allowed_not_run`` glob or ``--allow-not-run``
   glob matches);
-- ``XPASS``: an expected failure names the cell and it passes ("expected failure now
-  passes: update the policy");
+- ``XPASS``: an expected failure names the cell and it passes, or its expected families
+  ran and passed while other rows were NOT_RUN ("expected failure now passes: update the
+  policy");
 - ``STALE``: a source file the cell executed changed since the run (takes precedence).
 
 The gate passes (exit 0) when every required cell is ``PASS``, ``XFAIL`` or an allowed
@@ -380,6 +381,11 @@ def _judge(*, verdict: str, reason: str | None, rows: Sequence[Mapping[str, Any]
     elif verdict == "FAIL":
         out = ("XFAIL", True, "; ".join(f"{e.reason} ({e.upstream})" for e in xf),
                _first(rows, failing))
+    elif verdict == "NOT_RUN" and xf and any(
+            r.get("verdict") == "PASS" and r.get("family") in families for r in rows):
+        out = ("XPASS", False, "expected failure now passes: update the policy "
+               f"({policy.path}: {', '.join(e.cells for e in xf)}; its families ran and "
+               "passed, the other rows NOT_RUN)", None)
     elif verdict == "NOT_RUN":
         out = ("NOT_RUN", nr is not None, reason, None)
     elif xf:

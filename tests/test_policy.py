@@ -1,0 +1,359 @@
+"""Gate policies (qualify.evidence.policy): evaluation, the committed policies, the gate with
+a policy on the fresh signed world, and a corpus of bad policy files (exit 2, one line)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fresh_world import code_root, fresh, fresh_world
+from test_verify import CONTRACT, CUDA_ONLY, FAIL_CELL, World, run_cli, signed_world
+
+from qualify.cli.main import main as qualify_main
+from qualify.contract import load_contract
+from qualify.errors import ContractError, ExitCode
+from qualify.evidence.gate import gate
+from qualify.evidence.policy import (
+    KNOWN_FAMILIES,
+    all_cells,
+    default_policy,
+    evaluate,
+    load_policy,
+    policy_for,
+)
+from qualify.resources import contracts_dir, repo_root
+
+__all__ = ["fresh", "fresh_world", "signed_world"]
+
+TINY = contracts_dir() / "tiny-qwen3.toml"
+# The findings of the default run (report.md of /tmp/work/base, 2026-12-01): cell -> the
+# families of its FAIL rows.
+TINY_FINDINGS: dict[str, list[str]] = {
+    "deepspeed-bf16-zero0-actor-tp1": ["clip_coef", "dtypes", "entropy", "exp_avg",
+                                       "exp_avg_sq", "grad_norm", "grads", "logprobs",
+                                       "updates"],
+    "deepspeed-bf16-zero0-actor-tp2": ["clip_coef", "dtypes", "entropy", "exp_avg",
+                                       "exp_avg_sq", "grad_norm", "grads", "logprobs",
+                                       "updates"],
+    "deepspeed-bf16-zero0-critic-tp1": ["clip_coef", "dtypes", "grad_norm", "values"],
+    "deepspeed-bf16-zero0-critic-tp2": ["clip_coef", "dtypes", "exp_avg", "exp_avg_sq",
+                                        "grad_norm", "updates", "values"],
+    "deepspeed-bf16-zero1-critic-tp1": ["grad_norm"],
+    "deepspeed-bf16-zero1-critic-tp2": ["grad_norm"],
+    "deepspeed-bf16-zero2-critic-tp1": ["grad_norm"],
+    "deepspeed-bf16-zero2-critic-tp2": ["grad_norm"],
+    "megatron-bf16-actor-tp2": ["entropy"],
+}
+
+
+def row(cell: str, family: str, verdict: str, *, rnd: int = 2,
+        margin: float | None = None) -> dict[str, Any]:
+    return {"cell": cell, "family": family, "verdict": verdict, "round": rnd,
+            "statistic": "abs" if family in ("grad_norm", "clip_coef") else "max_abs",
+            "metric": f"round{rnd}/x/{family}", "margin": margin}
+
+
+def cell_doc(cell: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    order = ("FAIL", "ERROR", "NOT_RUN", "PASS")
+    verdict = next((v for v in order if any(r["verdict"] == v for r in rows)), "NOT_RUN")
+    return {"cell": cell, "engine": cell.split("-", maxsplit=1)[0], "verdict": verdict,
+            "reason": None if verdict == "PASS" else f"{verdict} row"}
+
+
+def tiny_report(findings: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """A report of the default contract as the default run gave it: the findings FAIL (margin
+    1.5), Megatron's training rows NOT_RUN and its scoring rows PASS, everything else PASS."""
+    found = TINY_FINDINGS if findings is None else findings
+    cells, rows = [], []
+    for cid in all_cells(load_contract(TINY)):
+        rs = [row(cid, "losses" if "sampler" not in cid else "install", "PASS", margin=0.1)]
+        if cid.startswith("megatron-"):
+            scored = ["logprobs", "entropy"] if "actor" in cid else ["values"]
+            rs = [row(cid, f, "PASS", rnd=1, margin=0.2) for f in scored
+                  if f not in found.get(cid, [])] + [row(cid, "grads", "NOT_RUN")]
+        rs += [row(cid, f, "FAIL", margin=1.5) for f in found.get(cid, [])]
+        cells.append(cell_doc(cid, rs))
+        rows += rs
+    return {"cells": cells, "rows": rows}
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def test_committed_tiny_policy_gates_the_default_findings_to_exit_0() -> None:
+    policy = policy_for(load_contract(TINY))
+    assert policy.path == contracts_dir() / "gates" / "tiny-qwen3.toml"
+    ev = evaluate(tiny_report(), policy)
+    assert ev.exit_code == ExitCode.OK, list(ev.offending)
+    assert ev.counts() == {"PASS": 26, "XFAIL": 9, "FAIL": 0, "NOT_RUN": 7, "STALE": 0,
+                           "XPASS": 0}
+    by = {c.cell: c for c in ev.cells}
+    mt = by["megatron-bf16-actor-tp2"]
+    assert (mt.outcome, mt.allowed_not_run) == ("XFAIL", "megatron-*")
+    assert "under investigation (#15)" in (mt.reason or "")
+    assert mt.first is not None
+    assert (mt.first["family"], mt.first["round"], mt.first["margin"]) == ("entropy", 2, 1.5)
+    # the same report without a policy: the 9 findings FAIL and Megatron's cells are NOT_RUN
+    plain = evaluate(tiny_report(), default_policy(load_contract(TINY)))
+    assert plain.counts()["FAIL"] == 9
+    assert {c.cell for c in plain.offending} == set(TINY_FINDINGS) | {
+        c for c in by if c.startswith("megatron-")}
+
+
+@pytest.mark.parametrize(("change", "cell", "outcome", "words"), [
+    ({"megatron-bf16-actor-tp2": []}, "megatron-bf16-actor-tp2", "XPASS",
+     "expected failure now passes: update the policy"),
+    ({"deepspeed-bf16-zero1-critic-tp1": ["grad_norm", "values"]},
+     "deepspeed-bf16-zero1-critic-tp1", "FAIL", "fails outside the expected families: values"),
+    ({"torch_tp-bf16-actor-tp1": ["logprobs"]}, "torch_tp-bf16-actor-tp1", "FAIL", "FAIL row"),
+    ({"deepspeed-bf16-zero2-critic-tp2": []}, "deepspeed-bf16-zero2-critic-tp2", "XPASS",
+     "update the policy"),
+], ids=["xfail-passes", "fail-outside-families", "unexpected-fail", "ds-xpass"])
+def test_anything_else_fails_the_policy(change: dict[str, list[str]], cell: str,
+                                        outcome: str, words: str) -> None:
+    findings = {**TINY_FINDINGS, **change}
+    ev = evaluate(tiny_report(findings), policy_for(load_contract(TINY)))
+    assert ev.exit_code == ExitCode.QUALIFICATION_FAILED
+    (bad,) = ev.offending
+    assert (bad.cell, bad.outcome, bad.ok) == (cell, outcome, False)
+    assert words in (bad.reason or "")
+
+
+def test_not_run_rows_need_an_allowance_and_stale_wins() -> None:
+    policy = policy_for(load_contract(TINY))
+    report = tiny_report()
+    cid = "deepspeed-fp32-zero1-actor-tp1"
+    report["rows"].append(row(cid, "grads", "NOT_RUN"))
+    ev = evaluate(report, policy)
+    (bad,) = ev.offending
+    assert (bad.cell, bad.outcome) == (cid, "NOT_RUN")
+    assert "without an allowance" in (bad.reason or "")
+    ok = evaluate(report, policy, allow_not_run=["deepspeed-fp32-*"])
+    assert ok.exit_code == ExitCode.OK
+    stale = evaluate(tiny_report(), policy, stale={
+        "deepspeed-bf16-zero0-actor-tp1": ["harnesses/deepspeed/harness.py"]})
+    (bad,) = stale.offending
+    assert bad.outcome == "STALE"
+    assert bad.stale_files == ("harnesses/deepspeed/harness.py",)
+    assert "harnesses/deepspeed/harness.py" in (bad.reason or "")
+
+
+def test_absent_cell_is_not_run_and_error_is_never_expected() -> None:
+    policy = policy_for(load_contract(TINY))
+    report = tiny_report()
+    report["cells"] = [c for c in report["cells"] if c["cell"] != "vllm-fp32-sampler-tp2"]
+    cid = "deepspeed-bf16-zero0-actor-tp1"
+    report["rows"].append(row(cid, "logprobs", "ERROR"))
+    ev = evaluate(report, policy)
+    by = {c.cell: c for c in ev.offending}
+    assert by["vllm-fp32-sampler-tp2"].outcome == "NOT_RUN"
+    assert by["vllm-fp32-sampler-tp2"].reason == "absent from the report"
+    assert by[cid].outcome == "FAIL"
+
+
+def _heading_exists(md: Path, anchor: str) -> bool:
+    return any(re.fullmatch(r"#+ (.*)", line) and line.lstrip("#").strip() == anchor
+               for line in md.read_text().splitlines())
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "smollm2-135m"])
+def test_committed_policies_load_and_point_at_real_sections(name: str) -> None:
+    contract = load_contract(contracts_dir() / f"{name}.toml")
+    policy = policy_for(contract)
+    assert policy.path is not None
+    assert policy.path.name == f"{name}.toml"
+    pointers = [e.upstream for e in policy.expected_failures] + [
+        a.upstream for a in policy.allowed_not_run if a.upstream]
+    assert pointers
+    for up in pointers:
+        if up.startswith("http"):
+            continue
+        path, _, anchor = up.partition("#")
+        md = repo_root() / path
+        assert md.is_file(), up
+        assert _heading_exists(md, anchor), f"{up}: no such heading in {path}"
+
+
+# --------------------------------------------------------------------------- gate + policy
+
+
+def write_policy(w: World, text: str) -> Path:
+    path = w.contracts / "gates" / f"{CONTRACT}.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+HEAD = f'schema_version = 1\ncontract = "{CONTRACT}"\n'
+ALLOW = f'[[allowed_not_run]]\ncells = "{CUDA_ONLY}-*"\nreason = "needs CUDA"\n'
+
+
+def xfail(families: str) -> str:
+    return (f'[[expected_failures]]\ncells = "{FAIL_CELL}"\nfamilies = [{families}]\n'
+            'reason = "planted logprobs fault"\nupstream = "https://example.org/bug/1"\n')
+
+
+def gate_world(w: World, run: Path, *extra: str) -> tuple[int, str]:
+    return run_cli(["gate", str(run), "--keys", str(w.keys), "--contract", str(w.contract),
+                    "--sources-root", str(code_root(w)), *extra])
+
+
+def test_gate_with_policy_xfail_xpass_and_fail_outside(fresh: World, tmp_path: Path) -> None:
+    write_policy(fresh, HEAD + xfail('"logprobs"') + ALLOW)
+    out = tmp_path / "gate.json"
+    code, text = gate_world(fresh, fresh.failing, "--json", str(out))
+    assert code == ExitCode.OK, text
+    assert "4 PASS" not in text  # 3 PASS, 1 XFAIL, 4 NOT_RUN
+    assert "3 PASS, 1 XFAIL, 4 NOT_RUN (4 NOT_RUN allowed by policy)" in text
+    assert re.search(rf"{FAIL_CELL}\s.*XFAIL\s.*ok\s.*logprobs round 1 max_abs", text), text
+    doc = json.loads(out.read_text())
+    (c,) = doc["contracts"]
+    assert c["policy"]["path"].endswith(f"gates/{CONTRACT}.toml")
+    assert c["notes"] == [f"policy edited since the run (recorded none, now "
+                          f"{c['policy']['digest'][:12]}): evaluating with the current policy"]
+    assert "note: policy edited since the run (recorded none" in text
+    # the good run: the expected failure does not happen
+    code, text = gate_world(fresh, fresh.good)
+    assert code == ExitCode.QUALIFICATION_FAILED
+    assert "expected failure now passes: update the policy" in text
+    assert re.search(rf"{FAIL_CELL}\s.*XPASS\s.*FAILS", text), text
+    # expected in another family only: a FAIL
+    write_policy(fresh, HEAD + xfail('"entropy"') + ALLOW)
+    code, text = gate_world(fresh, fresh.failing)
+    assert code == ExitCode.QUALIFICATION_FAILED
+    assert "fails outside the expected families: logprobs" in text
+
+
+def test_allow_not_run_flag_adds_to_the_policy(fresh: World) -> None:
+    write_policy(fresh, HEAD + xfail('"logprobs"'))
+    code, text = gate_world(fresh, fresh.failing)
+    assert code == ExitCode.QUALIFICATION_FAILED
+    assert f"4 not passed: {CUDA_ONLY}-fp32-zero0-actor-tp1" in text
+    code, text = gate_world(fresh, fresh.failing, "--allow-not-run", f"{CUDA_ONLY}-*")
+    assert code == ExitCode.OK, text
+
+
+def test_policy_option_and_the_run_recorded_policy(fresh: World, tmp_path: Path) -> None:
+    """--policy FILE replaces the one beside the contract."""
+    other = tmp_path / "p.toml"
+    other.write_text(HEAD + xfail('"logprobs"') + ALLOW)
+    result = gate(fresh.failing, [fresh.contract], trusted_keys_dir=fresh.keys,
+                  policy=other, sources_root=code_root(fresh))
+    assert result.exit_code == ExitCode.OK
+    assert result.contracts[0].policy is not None
+    assert result.contracts[0].policy.path == other
+
+
+# --------------------------------------------------------------------------- bad input
+
+def _ef(cells: str = FAIL_CELL, families: str = '"logprobs"', extra: str = "") -> str:
+    return (f'[[expected_failures]]\ncells = "{cells}"\nfamilies = [{families}]\n'
+            f'reason = "r r r"\nupstream = "https://x.org/1"\n{extra}')
+
+
+BAD: dict[str, tuple[str, str]] = {
+    "malformed-toml": (HEAD + "[[expected_failures]\ncells = 1\n", "invalid TOML"),
+    "unknown-top-key": (HEAD + "gate = true\n", "Additional properties are not allowed"),
+    "unknown-entry-key": (HEAD + _ef(extra='severity = "low"\n'),
+                          "expected_failures.0: Additional properties"),
+    "families-not-a-list": (HEAD + _ef(families='"x"').replace('["x"]', '"logprobs"'),
+                            "expected_failures.0.families"),
+    "unknown-family": (HEAD + _ef(families='"logprob"'),
+                       "expected_failures.0.families.0: unknown family 'logprob'"),
+    "no-such-cell": (HEAD + _ef(cells="megatron-*"),
+                     "expected_failures.0.cells: 'megatron-*' matches no cell"),
+    "required-no-cell": (HEAD + 'required = ["vllm-*"]\n', "required.0: 'vllm-*' matches no"),
+    "required-and-allowed": (HEAD + f'required = ["{CUDA_ONLY}-*"]\n' + ALLOW,
+                             "is also listed in required"),
+    "duplicate-xfail": (HEAD + _ef() + _ef(families='"entropy"'), "is listed twice"),
+    "other-contract": ('schema_version = 1\ncontract = "tiny-qwen3"\n',
+                       "contract: 'tiny-qwen3' is not the gated contract"),
+    "missing-reason": (HEAD + f'[[allowed_not_run]]\ncells = "{CUDA_ONLY}-*"\n',
+                       "'reason' is a required property"),
+    "bad-upstream": (HEAD + _ef().replace("https://x.org/1", "see the wiki"),
+                     "expected_failures.0.upstream"),
+    "schema-version": ('schema_version = 2\ncontract = "gate-tiny"\n', "schema_version"),
+    "binary-file": ("\udcff", "cannot read the gate policy"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_bad_policy_is_one_line_exit_2(fresh_world: World, case: str, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    text, words = BAD[case]
+    path = tmp_path / "policy.toml"
+    if case == "binary-file":
+        path.write_bytes(b"\xff\xfe\x00bad")
+    else:
+        path.write_text(text)
+    code = qualify_main(["gate", str(fresh_world.good), "--keys", str(fresh_world.keys),
+                     "--contract", str(fresh_world.contract), "--policy", str(path)])
+    err = capsys.readouterr().err
+    assert code == ExitCode.USAGE_ERROR, err
+    assert "Traceback" not in err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"qualify: error: {path}: ")
+    assert words in line, line
+    with pytest.raises(ContractError):
+        load_policy(path, load_contract(fresh_world.contract))
+
+
+def _missing_policy(w: World, tmp: Path) -> list[str]:
+    return ["--policy", str(tmp / "nope.toml")]
+
+
+def _directory_policy(w: World, tmp: Path) -> list[str]:
+    (tmp / "dir.toml").mkdir()
+    return ["--policy", str(tmp / "dir.toml")]
+
+
+def _two_contracts(w: World, tmp: Path) -> list[str]:
+    return ["--contract", str(w.contract), "--policy", str(tmp / "x.toml")]
+
+
+BAD_USE: dict[str, tuple[Callable[[World, Path], list[str]], str]] = {
+    "missing-policy": (_missing_policy, "gate policy not found"),
+    "directory-policy": (_directory_policy, "cannot read the gate policy"),
+    "policy-with-two-contracts": (_two_contracts, "--policy applies to one --contract"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_USE), ids=list(BAD_USE))
+def test_bad_policy_use_is_one_line_exit_2(fresh_world: World, case: str, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    make, words = BAD_USE[case]
+    code = qualify_main(["gate", str(fresh_world.good), "--keys", str(fresh_world.keys),
+                     "--contract", str(fresh_world.contract), *make(fresh_world, tmp_path)])
+    err = capsys.readouterr().err
+    assert code == ExitCode.USAGE_ERROR, err
+    (line,) = err.strip().splitlines()
+    assert words in line
+    assert "Traceback" not in err
+
+
+def test_committed_run_whose_reference_is_missing_is_exit_3_one_line(fresh: World) -> None:
+    import shutil
+
+    from qualify.evidence import store
+
+    store.make_writable(fresh.root / "references")
+    shutil.rmtree(fresh.root / "references")
+    code, text = gate_world(fresh, fresh.good)
+    assert code == ExitCode.INTEGRITY_ERROR
+    head = [x for x in text.splitlines() if x.startswith(f"[{CONTRACT}")]
+    assert len(head) == 1
+    assert f"run {fresh.good} fails verification at step 7" in head[0]
+    assert "run.json: reference" in text
+    assert "not found" in text
+    assert "Traceback" not in text
+
+
+def test_known_families_cover_every_report_family() -> None:
+    from qualify.compare.sampler import PROBES
+    from qualify.statistics import FAMILY_STATISTIC
+
+    assert set(FAMILY_STATISTIC) | set(PROBES) | {"dtypes", "replica"} <= set(KNOWN_FAMILIES)
