@@ -357,3 +357,28 @@ def test_known_families_cover_every_report_family() -> None:
     from qualify.statistics import FAMILY_STATISTIC
 
     assert set(FAMILY_STATISTIC) | set(PROBES) | {"dtypes", "replica"} <= set(KNOWN_FAMILIES)
+
+
+# --------------------------------------------------------------------------- qualify run
+
+
+def test_run_exits_by_the_policy_when_one_exists(tmp_path: Path) -> None:
+    """qualify run's decision (pipeline/chain.py): the policy decides when the contract has
+    one; otherwise the report's verdict, as before policies."""
+    from qualify.pipeline.chain import run_decision
+
+    contract = load_contract(TINY)
+    report = {**tiny_report(), "passed": False}
+    code, ev = run_decision(tmp_path, contract, policy_for(contract), report=report)
+    assert code == ExitCode.OK
+    assert ev.counts()["XFAIL"] == 9
+    planted = {**tiny_report({**TINY_FINDINGS, "torch_tp-fp32-actor-tp1": ["grads"]}),
+               "passed": False}
+    code, ev = run_decision(tmp_path, contract, policy_for(contract), report=planted)
+    assert code == ExitCode.QUALIFICATION_FAILED
+    assert [c.cell for c in ev.offending] == ["torch_tp-fp32-actor-tp1"]
+    code, _ = run_decision(tmp_path, contract, default_policy(contract), report=report)
+    assert code == ExitCode.QUALIFICATION_FAILED
+    code, _ = run_decision(tmp_path, contract, default_policy(contract),
+                           report={**report, "passed": True})
+    assert code == ExitCode.OK
