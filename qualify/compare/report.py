@@ -8,7 +8,10 @@
   ``DataFrame.to_markdown``, tabulate), each entry the worst verdict of that family's rows
   and its worst margin; the per-cell summary; a pytest-approx-style detail block for each
   failure; the errors and checks not run; the rows judged against a clip-branch adjusted
-  expected run (:mod:`qualify.branches`); the field mismatch table with its caveat.
+  expected run (:mod:`qualify.branches`); the coverage of the contract (every rule nothing
+  exercises, ``NO POWER: ...``, or "coverage not recorded"); the power check per family
+  and the rows without power (:mod:`qualify.compare.power`); the field mismatch table with
+  its caveat.
 
 Both files are written atomically (:func:`qualify.evidence.sealed.atomic_write_json` /
 :func:`qualify.evidence.sealed.atomic_write_text`: temp file, fsync, ``os.replace``), and never
@@ -173,6 +176,41 @@ def _failure_block(i: int, r: Row) -> list[str]:
     return out
 
 
+def _coverage_lines(report: Report) -> list[str]:
+    """``## Coverage``: every rule of the contract that nothing in the frozen data exercises."""
+    cov = report.coverage_section
+    out = ["## Coverage", "",
+           "What the contract's rules exercise on the frozen rollout and the reference "
+           "update (the reference's `coverage.json`, `qualify/reference/coverage.py`). A "
+           "rule nothing exercises is a check that cannot fail on this contract.", ""]
+    if not cov["recorded"]:
+        return [*out, f"Coverage not recorded: {cov['note'].split(': ', 1)[-1]}.", ""]
+    n, bad = len(cov["rules"]), cov["no_power"]
+    out += [f"{n - len(bad)} of {n} rules exercised.", ""]
+    return [*out, *(f"- {line}" for line in bad), ""] if bad else out
+
+
+def _power_lines(report: Report) -> list[str]:
+    """``## Power check``: per family, the rows whose bound rejects every null alternative."""
+    p = report.power
+    out = ["## Power check", "",
+           "Each metric row's statistic measured for null alternatives built from the "
+           "expected tensor (a seeded permutation of its valid elements, its sign flip, "
+           "zeros; no permutation for a scalar): a row whose bound accepts any of them "
+           "lacks power (`qualify/compare/power.py`); its verdict is unchanged.", ""]
+    if not p["families"]:
+        return [*out, "No row with a bound.", ""]
+    out += [_markdown_table(("family", "rows", "with power", "without power"),
+                            [(f, d["rows"], d["with_power"], d["without_power"])
+                             for f, d in p["families"].items()]), ""]
+    if p["without_power"]:
+        out += ["Rows without power:", "",
+                _markdown_table(("cell", "class", "metric", "the bound accepts"),
+                                [(r["cell"], r["class"], r["metric"], ", ".join(r["accepted"]))
+                                 for r in p["without_power"]]), ""]
+    return out
+
+
 def render_markdown(report: Report) -> str:
     """The ``report.md`` text (see the module docstring for its sections)."""
     s = report.summary
@@ -222,6 +260,7 @@ def render_markdown(report: Report) -> str:
                                     r.adjustment) for r in adjusted]), ""]
     else:
         lines += ["None.", ""]
+    lines += _coverage_lines(report) + _power_lines(report)
     lines += ["## Field mismatch (informational, not gated)", "",
               f"Round-1 teacher-forced logprobs against the sampler's behavior logprobs "
               f"(`logprobs_mode = {report.logprobs_mode}`; like-for-like: "

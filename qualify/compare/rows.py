@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from qualify.bounds import Bound, judge, lookup
+from qualify.compare.power import PowerCache, power_of
 from qualify.compare.verdicts import Cell, FailureDetail, Row
 from qualify.layout import BOUNDS_FILE
 from qualify.protocol import OUTPUTS_FILE, OUTPUTS_META_FILE
@@ -142,8 +143,14 @@ def _detail(key: MetricKey, m: ErrorMeasure, obtained: Mapping[str, Any],
 
 def _metric_row(*, cell: str, klass: str, bound_class: str, key: MetricKey, m: ErrorMeasure,
                 precision: str, bounds: Sequence[Bound], obtained: Mapping[str, Any],
-                expected: Mapping[str, Any], mask: npt.NDArray[Any] | None) -> Row:
-    """Judge one measured metric against its sealed bound."""
+                expected: Mapping[str, Any], mask: npt.NDArray[Any] | None,
+                scale: Mapping[str, Any] | None = None,
+                power_cache: PowerCache | None = None) -> Row:
+    """Judge one measured metric against its sealed bound, with its power check.
+
+    The power check (:func:`qualify.compare.power.power_of`) measures the row's null
+    alternatives under the same bound; it never changes the verdict.
+    """
     stat = FAMILY_STATISTIC[key.family]
     row = Row(cell=cell, klass=klass, bound_class=bound_class, round=key.round, role=key.role,
               family=key.family, variant=key.variant, statistic=stat, error=m.value,
@@ -158,10 +165,13 @@ def _metric_row(*, cell: str, klass: str, bound_class: str, key: MetricKey, m: E
             row, bound=b.bound, reason=f"sealed bound of {key.label} uses statistic "
                                        f"{b.statistic!r}, the family declares {stat!r}")
     verdict, margin = judge(m.value, b.bound)
+    power = power_of(key, expected, mask, b.bound, scale=scale,
+                                  cache=power_cache) if expected else None
     if verdict == "PASS":
-        return dataclasses.replace(row, bound=b.bound, margin=margin, verdict="PASS")
+        return dataclasses.replace(row, bound=b.bound, margin=margin, verdict="PASS",
+                                   power=power)
     return dataclasses.replace(
-        row, bound=b.bound, margin=margin, verdict="FAIL",
+        row, bound=b.bound, margin=margin, verdict="FAIL", power=power,
         reason=f"{key.label}: {stat} = {m.value:.6g} > bound {b.bound:.6g} "
                f"(margin {margin:.3g}) at {m.where}",
         detail=_detail(key, m, obtained, expected, mask))
@@ -204,14 +214,18 @@ def declared_not_run(meta: Mapping[str, Any] | None, round_: int | None,
 def compare_rows(*, cell: str, klass: str, precision: str, bounds: Sequence[Bound],
                  obtained: Mapping[str, Any], expected: Mapping[str, Any],
                  mask: npt.NDArray[Any], meta: Mapping[str, Any] | None = None,
-                 scale: Mapping[str, Any] | None = None) -> list[Row]:
+                 scale: Mapping[str, Any] | None = None,
+                 power_cache: PowerCache | None = None) -> list[Row]:
     """Rows of one class: every metric of ``expected`` measured in ``obtained``.
 
     A metric absent from ``obtained`` that the harness declared not run (see
     :func:`declared_not_run`) is a ``NOT_RUN`` row with the declared reason. ``scale``: the
     unmoved expected run when ``expected`` was moved to other clip branches.
+    ``power_cache``: shared by the rows of one comparison (:func:`qualify.compare.power
+    .power_of`); every row with a bound carries its power check either way.
     """
     got, want = group_tensors(obtained), group_tensors(expected)
+    scales = group_tensors(scale) if scale is not None else {}
     out = []
     for key, m in compare_sets(obtained, expected, mask, scale).items():
         why = None if key in got else declared_not_run(meta, key.round, key.family)
@@ -220,7 +234,8 @@ def compare_rows(*, cell: str, klass: str, precision: str, bounds: Sequence[Boun
             continue
         out.append(_metric_row(cell=cell, klass=klass, bound_class=klass, key=key, m=m,
                                precision=precision, bounds=bounds, obtained=got.get(key, {}),
-                               expected=want[key], mask=mask))
+                               expected=want[key], mask=mask, scale=scales.get(key),
+                               power_cache=power_cache))
     return out
 
 

@@ -13,8 +13,10 @@ error type:
 3. load the contract, ``bounds.json`` (schema-checked, same contract digest) and the rollout;
 4. judge every cell of ``run.json`` (below);
 5. field mismatch metrics (informational, :mod:`qualify.compare.mismatch`);
-6. build the report and, with ``write=True``, write ``report.json`` / ``report.md``
-   (:mod:`qualify.compare.report`).
+6. build the report (with the reference's ``coverage.json``, "coverage not recorded" for
+   a reference sealed before it, and every metric row's power check,
+   :mod:`qualify.compare.power`) and, with ``write=True``, write ``report.json`` /
+   ``report.md`` (:mod:`qualify.compare.report`).
 
 A bound violation is a verdict, never an exception (the rule: :func:`qualify.bounds.judge`;
 the rows: :mod:`qualify.compare.rows`, clip-flip re-judging of round >= 2 gradient rows:
@@ -70,6 +72,7 @@ from qualify.compare.mismatch import (
     field_mismatch,
     is_like_for_like,
 )
+from qualify.compare.power import PowerCache
 from qualify.compare.reflip import SealedBranches, with_branch_flips
 from qualify.compare.report import write_report
 from qualify.compare.rows import (
@@ -96,6 +99,7 @@ from qualify.evidence import store
 from qualify.layout import (
     BOUNDS_FILE,
     CONTRACT_FILE,
+    COVERAGE_FILE,
     HF_REFERENCE_DIR,
     LOGS_DIR,
     OUTPUTS_FILE,
@@ -238,6 +242,24 @@ def _load_contract(ref_dir: Path) -> Contract:
     return Contract.from_dict(doc, path=path)
 
 
+def _load_coverage(ref_dir: Path) -> dict[str, Any] | None:
+    """The reference's ``coverage.json``, or ``None`` when it was sealed before it existed.
+
+    Raises:
+        ReferenceDataError: the file is there but unreadable or not a coverage document.
+    """
+    path = ref_dir / COVERAGE_FILE
+    if not os.path.lexists(path):
+        return None
+    try:
+        doc = jsonio.read_json(path)
+    except (OSError, ValueError, EvidenceIntegrityError) as exc:
+        raise ReferenceDataError(f"{path}: unreadable or not JSON: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("rules"), list):
+        raise ReferenceDataError(f"{path}: rules: not a list of coverage rules")
+    return doc
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -252,6 +274,8 @@ class _Ctx:
     hf: dict[str, dict[str, npt.NDArray[Any]] | None] = dataclasses.field(default_factory=dict)
     cells: dict[str, CellSpec] = dataclasses.field(default_factory=dict)
     """The contract's matrix cells by id."""
+    power: PowerCache = dataclasses.field(default_factory=dict)
+    """Null errors of the power check measured so far (:func:`qualify.compare.power.power_of`)."""
 
 
 def _hf(ctx: _Ctx, precision: str) -> dict[str, npt.NDArray[Any]] | None:
@@ -294,7 +318,8 @@ def _class_rows(ctx: _Ctx, *, cell: str, klass: str, precision: str, role: str,
                 meta: Mapping[str, Any] | None) -> list[Row]:
     """One comparison class's rows, with round >= 2 clip flips re-judged (:mod:`.reflip`)."""
     rows = compare_rows(cell=cell, klass=klass, precision=precision, bounds=ctx.bounds,
-                        obtained=obtained, expected=expected, mask=ctx.mask, meta=meta)
+                        obtained=obtained, expected=expected, mask=ctx.mask, meta=meta,
+                        power_cache=ctx.power)
     return with_branch_flips(ctx.branches, rows, cell=cell, klass=klass, precision=precision,
                              role=role, obtained=obtained, expected=expected, meta=meta)
 
@@ -448,6 +473,7 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
         if k not in rollout:
             raise ReferenceDataError(f"{ref_dir / ROLLOUT_FILE}: no {k!r} tensor")
     mask = np.asarray(rollout["response_mask"])
+    coverage = _load_coverage(ref_dir)
     ctx = _Ctx(run_dir=run_dir, ref_dir=ref_dir, bounds=bounds, mask=mask, contract=contract,
                branches=SealedBranches(ref_dir=ref_dir, contract=contract, bounds=bounds,
                                        mask=mask),
@@ -492,7 +518,7 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
         bounds_digest=bounds_digest, lane=lane, created=store.utc_now_iso(),
         cells=tuple(results), rows=tuple(all_rows), logprobs_mode=mode,
         field_like_for_like=like, field_note=field_note, field_metrics=tuple(fields),
-        notes=tuple(notes))
+        notes=tuple(notes), coverage=coverage)
     # 6. write
     if write:
         write_report(report, run_dir)

@@ -10,7 +10,8 @@ This module is the bottom of :mod:`qualify.compare`: the row builders
 (:mod:`qualify.compare.rows`), the clip-flip re-judging (:mod:`qualify.compare.reflip`),
 the sampler rows (:mod:`qualify.compare.sampler`), the report writer
 (:mod:`qualify.compare.report`) and the stage (:mod:`qualify.compare.stage`) import it; it
-imports none of them.
+imports none of them (only the leaf modules :mod:`qualify.compare.mismatch` and
+:mod:`qualify.compare.power`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from qualify.compare.mismatch import FieldMismatch
+from qualify.compare.power import Power
 from qualify.protocol import Verdict
+from qualify.reference.coverage import no_power_lines
 from qualify.statistics import MetricKey
 
 __all__ = [
@@ -114,6 +117,9 @@ class Row:
             moved to the obtained run's clip branches (:func:`qualify.branches
             .adjusted_expected`): which sealed tokens moved it, and the unadjusted error
             and margin; ``None`` otherwise.
+        power: for a metric row with a sealed bound, whether that bound also accepts a
+            null alternative built from the expected tensor (permuted, sign-flipped,
+            zeros; :mod:`qualify.compare.power`); ``None`` for rows without a bound.
     """
 
     cell: str
@@ -132,6 +138,7 @@ class Row:
     where: str
     detail: FailureDetail | None = None
     adjustment: str | None = None
+    power: Power | None = None
 
     @property
     def metric(self) -> str:
@@ -150,7 +157,8 @@ class Row:
                 "margin": json_number(self.margin), "verdict": self.verdict,
                 "reason": self.reason, "where": self.where,
                 "detail": self.detail.to_dict() if self.detail else None,
-                "adjustment": self.adjustment}
+                "adjustment": self.adjustment,
+                "power": self.power.to_dict() if self.power is not None else None}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -216,6 +224,9 @@ class Report:
         field_note: the comparability caveat of the field metrics (always shown).
         field_metrics: informational train/inference mismatch rows (never gated).
         notes: further remarks (skipped field rows, ...).
+        coverage: the reference's ``coverage.json`` (what the contract's rules exercise,
+            :mod:`qualify.reference.coverage`), or ``None`` for a reference sealed before
+            it existed ("coverage not recorded").
     """
 
     contract: str
@@ -234,6 +245,7 @@ class Report:
     field_note: str
     field_metrics: tuple[FieldMismatch, ...]
     notes: tuple[str, ...] = ()
+    coverage: Mapping[str, Any] | None = None
 
     @property
     def verdicts(self) -> dict[str, Verdict]:
@@ -262,6 +274,39 @@ class Report:
     def failures(self) -> tuple[Row, ...]:
         """The ``FAIL`` rows."""
         return tuple(r for r in self.rows if r.verdict == "FAIL")
+
+    @property
+    def power(self) -> dict[str, Any]:
+        """The power check per family (:mod:`qualify.compare.power`).
+
+        Returns:
+            ``{"families": {family: {"rows", "with_power", "without_power"}},
+            "without_power": [{"cell", "class", "metric", "accepted"}]}`` over the rows
+            that carry a power check, in row order.
+        """
+        fams: dict[str, dict[str, int]] = {}
+        lacking: list[dict[str, Any]] = []
+        for r in self.rows:
+            if r.power is None:
+                continue
+            f = fams.setdefault(r.family, {"rows": 0, "with_power": 0, "without_power": 0})
+            f["rows"] += 1
+            f["with_power" if r.power.has_power else "without_power"] += 1
+            if not r.power.has_power:
+                lacking.append({"cell": r.cell, "class": r.klass, "metric": r.metric,
+                                "accepted": list(r.power.accepted)})
+        return {"families": {k: fams[k] for k in sorted(fams)}, "without_power": lacking}
+
+    @property
+    def coverage_section(self) -> dict[str, Any]:
+        """``report.json`` ``coverage``: the reference's record, or that it has none."""
+        if self.coverage is None:
+            return {"recorded": False,
+                    "note": "coverage not recorded: the reference was sealed before "
+                            "coverage.json existed", "rules": [], "no_power": []}
+        rules = [dict(r) for r in self.coverage.get("rules", [])]
+        return {"recorded": True, "note": None, "rules": rules,
+                "no_power": no_power_lines(rules)}
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -298,6 +343,8 @@ class Report:
                 "rows": [_field_row_json(f) for f in self.field_metrics],
             },
             "notes": list(self.notes),
+            "coverage": self.coverage_section,
+            "power": self.power,
         }
 
 

@@ -1,0 +1,188 @@
+"""The power check of a comparison row: would its bound also accept a tensor that is wrong?
+
+A bound that accepts the expected tensor's elements shuffled, its sign flipped, or all
+zeros cannot tell a correct engine from a broken one: the row lacks power, whatever its
+verdict. Megatron-LM's ``test_optimizer_grads_match.py`` makes the same check of its own
+gradient comparison with a shuffled tensor. For each metric row with a sealed bound,
+three null alternatives of the obtained tensor are built **from the expected one** and
+measured with the row's own statistic (:func:`qualify.statistics.measure`, the same mask
+and scale):
+
+- ``permuted``: per member tensor, a seeded permutation of its valid elements (per-token
+  families: the valid tokens of ``response_mask``; per-parameter families: every element;
+  ``rewards`` ``[B]``: the sequences). A scalar (``grad_norm``, ``clip_coef``, the loss
+  terms) has nothing to permute: ``None``;
+- ``sign_flipped``: ``-expected``;
+- ``zeros``: ``0 * expected``.
+
+The row ``has_power`` iff the bound rejects every null alternative (:func:`qualify.bounds
+.judge` returns ``FAIL`` for each). The verdict of the row is never changed. The seed of a
+permutation is ``crc32`` of the metric label and member name, so the check is the same
+bits on every machine and on every recomputation (``qualify verify`` step 9).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from collections.abc import Mapping
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from qualify.bounds import judge
+from qualify.statistics import FAMILY_STATISTIC, MetricKey, measure
+
+__all__ = ["NULLS", "Power", "PowerCache", "null_alternatives", "null_errors", "power_from",
+           "power_of"]
+
+NULLS: Final = ("permuted", "sign_flipped", "zeros")
+"""The null alternatives, in report order."""
+PowerCache = dict[Any, tuple[dict[str, float | None], Any]]
+"""Null errors by metric and expected-array identity, with the arrays they pin
+(:func:`power_of`)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Power:
+    """The errors of a row's null alternatives and whether its bound rejects them all.
+
+    Attributes:
+        permuted: the statistic of the permuted expected tensor (``None`` for a scalar).
+        sign_flipped: the statistic of ``-expected``.
+        zeros: the statistic of zeros.
+        has_power: the bound rejects every null alternative that exists.
+        accepted: the null alternatives the bound accepts (empty when it has power).
+    """
+
+    permuted: float | None
+    sign_flipped: float
+    zeros: float
+    has_power: bool
+    accepted: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (``rows[i].power`` of ``report.json``; non-finite as strings)."""
+        return {"permuted": _json(self.permuted), "sign_flipped": _json(self.sign_flipped),
+                "zeros": _json(self.zeros), "has_power": self.has_power,
+                "accepted": list(self.accepted)}
+
+
+def _json(x: float | None) -> float | str | None:
+    """A float for JSON (``inf`` / ``nan`` as strings), as ``verdicts.json_number``."""
+    if x is None or math.isfinite(x):
+        return x
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+def _seed(key: MetricKey, member: str) -> int:
+    return zlib.crc32(f"{key.label}|{member}".encode())
+
+
+def _valid(arr: npt.NDArray[Any], mask: npt.ArrayLike | None) -> npt.NDArray[np.bool_]:
+    """The elements :func:`qualify.statistics.measure` counts for ``arr`` (as it crops)."""
+    if mask is not None and arr.ndim == 2:
+        m = np.asarray(mask)
+        if m.shape != arr.shape and m.ndim == 2:
+            m = m[:, : arr.shape[1]]
+        if m.shape == arr.shape:
+            return m.astype(bool)
+    return np.ones(arr.shape, dtype=bool)
+
+
+def _permuted(key: MetricKey, member: str, arr: npt.NDArray[Any],
+              mask: npt.ArrayLike | None) -> npt.NDArray[Any]:
+    """``arr`` with its valid elements permuted by the member's seed (others kept)."""
+    out = np.array(arr, dtype=np.float64, copy=True)
+    valid = _valid(out, mask) if FAMILY_STATISTIC[key.family] == "max_abs" \
+        else np.ones(out.shape, dtype=bool)
+    vals = out[valid]
+    out[valid] = vals[np.random.default_rng(_seed(key, member)).permutation(vals.size)]
+    return out
+
+
+def null_alternatives(key: MetricKey, expected: Mapping[str, Any],
+                      mask: npt.ArrayLike | None) -> dict[str, dict[str, Any] | None]:
+    """The null alternatives of one metric group, built from the expected tensors.
+
+    Args:
+        key: the metric.
+        expected: ``{member: array}`` of the expected run (member = parameter name, loss
+            term, or ``""``).
+        mask: ``[B, R]`` response mask (per-token families).
+
+    Returns:
+        ``{"permuted": {member: array} | None, "sign_flipped": ..., "zeros": ...}``, all
+        FP64; ``permuted`` is ``None`` when every member is a scalar (or the family is
+        ``losses``, whose members are scalar terms).
+    """
+    arrays = {m: np.asarray(v, dtype=np.float64) for m, v in expected.items()}
+    scalar = key.family == "losses" or all(a.ndim == 0 for a in arrays.values())
+    return {
+        "permuted": None if scalar else {m: _permuted(key, m, a, mask)
+                                         for m, a in sorted(arrays.items())},
+        "sign_flipped": {m: -a for m, a in arrays.items()},
+        "zeros": {m: np.zeros_like(a) for m, a in arrays.items()},
+    }
+
+
+def null_errors(key: MetricKey, expected: Mapping[str, Any], mask: npt.ArrayLike | None,
+                scale: Mapping[str, Any] | None = None) -> dict[str, float | None]:
+    """The row's statistic (:func:`qualify.statistics.measure`) of each null alternative.
+
+    Args:
+        key: the metric.
+        expected: ``{member: array}`` the row compared against.
+        mask: ``[B, R]`` response mask, as the row used it.
+        scale: the row's ``max_rel_l2`` denominators (a clip-branch adjusted row), or
+            ``None``.
+
+    Returns:
+        ``{null name: error}`` in :data:`NULLS` order (``None``: no such alternative).
+    """
+    return {name: None if null is None else measure(key, null, expected, mask, scale).value
+            for name, null in null_alternatives(key, expected, mask).items()}
+
+
+def power_from(errors: Mapping[str, float | None], bound: float) -> Power:
+    """Judge the null errors of :func:`null_errors` by ``bound`` (:func:`qualify.bounds.judge`)."""
+    accepted = tuple(n for n in NULLS
+                     if (e := errors[n]) is not None and judge(e, bound)[0] == "PASS")
+    flipped, zeros = errors["sign_flipped"], errors["zeros"]
+    assert flipped is not None
+    assert zeros is not None
+    return Power(permuted=errors["permuted"], sign_flipped=flipped, zeros=zeros,
+                 has_power=not accepted, accepted=accepted)
+
+
+def power_of(key: MetricKey, expected: Mapping[str, Any], mask: npt.ArrayLike | None,
+             bound: float, *, scale: Mapping[str, Any] | None = None,
+             cache: PowerCache | None = None) -> Power:
+    """Measure each null alternative with the row's statistic and judge it by ``bound``.
+
+    Args:
+        key: the metric.
+        expected: ``{member: array}`` the row compared against.
+        mask: ``[B, R]`` response mask, as the row used it.
+        bound: the row's sealed bound (>= 0).
+        scale: the row's ``max_rel_l2`` denominators, or ``None``.
+        cache: null errors already measured in this comparison, keyed by the metric and
+            the identity of the expected (and scale) arrays, which it keeps alive: every
+            cell of one precision and role is compared with the same HF tensors, so their
+            null errors are measured once. The same numbers as without it.
+
+    Returns:
+        The :class:`Power` of the row.
+    """
+    if cache is None:
+        return power_from(null_errors(key, expected, mask, scale), bound)
+    ident = (key, tuple(sorted((m, id(a)) for m, a in expected.items())),
+             None if scale is None else tuple(sorted((m, id(a)) for m, a in scale.items())),
+             id(mask))
+    hit = cache.get(ident)
+    if hit is None:
+        hit = (null_errors(key, expected, mask, scale), (expected, scale, mask))
+        cache[ident] = hit
+    return power_from(hit[0], bound)
