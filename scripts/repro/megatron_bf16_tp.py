@@ -16,7 +16,7 @@ Proof by emulation, both ways:
 
 Usage (one torchrun launch of 2 gloo ranks on CPU; rank 0 also runs TP 1 and HF)::
 
-    python scripts/repro/megatron_bf16_tp.py                  # tiny synthetic Qwen3, ~40 s
+    python scripts/repro/megatron_bf16_tp.py                  # tiny synthetic Qwen3, ~30 s CPU
     python scripts/repro/megatron_bf16_tp.py --inputs RUN/inputs   # a harness inputs dir
     python scripts/repro/megatron_bf16_tp.py --json out.json  # also write the numbers
 
