@@ -179,3 +179,42 @@ def test_margin_of_a_failing_row_is_finite_or_inf(failing: tuple[World, Report])
     _, report = failing
     for r in report.failures:
         assert r.margin is None or r.margin > 1 or math.isinf(r.margin)
+
+
+def test_report_without_coverage_says_so_and_has_power_rows(
+        failing: tuple[World, Report]) -> None:
+    """The test world's reference has no coverage.json (sealed before it existed)."""
+    _, report = failing
+    doc = report_document(report)
+    assert doc["coverage"] == {"recorded": False, "note": doc["coverage"]["note"],
+                               "rules": [], "no_power": []}
+    md = render_markdown(report)
+    assert "Coverage not recorded: the reference was sealed before coverage.json existed." in md
+    fams = doc["power"]["families"]
+    with_bound = [r for r in doc["rows"] if r["power"] is not None]
+    assert sum(f["rows"] for f in fams.values()) == len(with_bound) > 0
+    assert all(r["bound"] is not None for r in with_bound)
+    assert all(r["power"] is None for r in doc["rows"] if r["class"] in ("dtypes",
+                                                                          "replica_consistency"))
+    lacking = {(r["cell"], r["class"], r["metric"]) for r in doc["power"]["without_power"]}
+    assert lacking == {(r["cell"], r["class"], r["metric"]) for r in with_bound
+                       if not r["power"]["has_power"]}
+    assert "## Power check" in md
+
+
+def test_report_lists_no_power_rules(failing: tuple[World, Report]) -> None:
+    import dataclasses
+
+    _, report = failing
+    rules = [{"rule": "policy_lower_clipped", "label": "fp32", "role": "actor", "round": 2,
+              "count": 0, "total": 42, "exercised": False,
+              "absent": "no token on the lower policy clip edge"},
+             {"rule": "adamw_betas", "label": None, "role": None, "round": None, "count": 1,
+              "total": 1, "exercised": True, "absent": "AdamW betas are the library default"}]
+    again = dataclasses.replace(report, coverage={"rules": rules})
+    doc = report_document(again)
+    assert doc["coverage"]["no_power"] == [
+        "NO POWER: no token on the lower policy clip edge (round 2, actor, fp32)"]
+    md = render_markdown(again)
+    assert "1 of 2 rules exercised." in md
+    assert "- NO POWER: no token on the lower policy clip edge (round 2, actor, fp32)" in md
