@@ -96,7 +96,7 @@ def test_failing_cell_exits_1_and_is_named(fresh_world: World, tmp_path: Path) -
     assert code == ExitCode.QUALIFICATION_FAILED
     line = _line(text, FAIL_CELL)
     assert "FAIL" in line
-    assert "logprobs round 1 max_abs" in line
+    assert "logprobs, round 1, max_abs" in line
     assert f"1 not passed: {FAIL_CELL}" in text
     doc = json.loads(out.read_text())
     jsonschema.validate(doc, load_schema("gate"))

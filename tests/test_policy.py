@@ -209,7 +209,7 @@ def test_gate_with_policy_xfail_xpass_and_fail_outside(fresh: World, tmp_path: P
     assert code == ExitCode.OK, text
     assert "4 PASS" not in text  # 3 PASS, 1 XFAIL, 4 NOT_RUN
     assert "3 PASS, 1 XFAIL, 4 NOT_RUN (4 NOT_RUN allowed by policy)" in text
-    assert re.search(rf"{FAIL_CELL}\s.*XFAIL\s.*ok\s.*logprobs round 1 max_abs", text), text
+    assert re.search(rf"{FAIL_CELL}\s.*XFAIL\s.*ok\s.*logprobs, round 1, max_abs", text), text
     doc = json.loads(out.read_text())
     (c,) = doc["contracts"]
     assert c["policy"]["path"].endswith(f"gates/{CONTRACT}.toml")

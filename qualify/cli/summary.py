@@ -61,29 +61,29 @@ def _first(c: CellOutcome) -> tuple[str, str]:
     f = c.first
     if not f:
         return "", ""
-    where = f"{f.get('family')} round {f.get('round')} {f.get('statistic')}" \
-        if f.get("round") is not None else f"{f.get('family')} {f.get('statistic') or ''}"
+    where = f"{f.get('family')}, round {f.get('round')}, {f.get('statistic')}" \
+        if f.get("round") is not None else f"{f.get('family')}, {f.get('statistic') or ''}"
     margin = f.get("margin")
     return where.strip(), (f"{margin:.3g}" if isinstance(margin, int | float) else "")
 
 
-def problem_table(cells: Sequence[CellOutcome], *, reason_width: int = 70) -> Table | None:
-    """The cells that did not plainly pass (allowed NOT_RUN left out); ``None`` if none."""
+def problem_table(cells: Sequence[CellOutcome], *, reason_width: int = 56) -> Table | None:
+    """The cells that did not plainly pass (allowed NOT_RUN left out); ``None`` if none.
+
+    One line per cell: the first failing quantity as ``family, round N, statistic``, its
+    margin, and the reason cut at ``reason_width`` columns (``--json`` has it whole).
+    """
     shown = [c for c in cells if c.outcome != "PASS" and not (c.outcome == "NOT_RUN" and c.ok)]
     if not shown:
         return None
     table = Table(title="cells not passing", title_justify="left")
-    for col in ("cell", "outcome", "gate", "first failing (family, round, statistic)",
-                "margin", "reason"):
-        table.add_column(col, overflow="fold" if col == "reason" else "ellipsis",
-                         no_wrap=col != "reason", max_width=reason_width if col == "reason"
-                         else None)
+    for col in ("cell", "outcome", "gate", "first failing", "margin", "reason"):
+        table.add_column(col, overflow="ellipsis", no_wrap=True,
+                         max_width=reason_width if col == "reason" else None)
     for c in shown:
         where, margin = _first(c)
         gate = ("ok" if c.ok else "FAILS") if c.required else "not required"
-        reason = c.reason or ""
-        if len(reason) > 2 * reason_width:
-            reason = reason[: 2 * reason_width - 3] + "..."
+        reason = c.reason or ""  # one line here; the whole reason is in --json
         table.add_row(c.cell, f"[{_STYLE[c.outcome]}]{c.outcome}[/]", gate, where, margin,
                       reason)
     return table

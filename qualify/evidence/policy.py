@@ -44,6 +44,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from qualify.compare.sampler import PROBES
 from qualify.contract import Contract, canonical_json, sha256_hex
 from qualify.errors import ContractError, ExitCode
 from qualify.layout import GATES_DIR
@@ -71,9 +72,9 @@ __all__ = [
 POLICY_SCHEMA: Final = "gate-policy"
 OUTCOMES: Final = ("PASS", "XFAIL", "FAIL", "NOT_RUN", "STALE", "XPASS")
 """Cell outcomes of the gate, in the summary table's column order."""
-SAMPLER_FAMILIES: Final = ("install", "kernels", "prefix_cache", "stale_version",
-                           "wrong_shard", "missing_ack", "duplicate_ack", "warm_cache")
-"""Row families of a sampler cell (:mod:`qualify.compare.sampler`)."""
+SAMPLER_FAMILIES: Final = ("install", "kernels", "prefix_cache", *PROBES)
+"""Row families of a sampler cell (:mod:`qualify.compare.sampler`: install, kernel and cache
+checks, then its rejection probes)."""
 KNOWN_FAMILIES: Final = (*FAMILY_STATISTIC, "dtypes", "replica", *SAMPLER_FAMILIES)
 """Every row family a report holds: the metric families of
 :data:`qualify.statistics.FAMILY_STATISTIC`, the ``dtypes`` and ``replica`` checks and the
