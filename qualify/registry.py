@@ -42,7 +42,7 @@ HARNESS_ENTRY_POINT_GROUP: Final = "qualify.harnesses"
 ROLLOUT_ENTRY_POINT_GROUP: Final = "qualify.rollout_backends"
 ENTRY_POINT_GROUP: Final = HARNESS_ENTRY_POINT_GROUP
 """The entry-point group of harness programs (kept under its old name)."""
-WorldSizeRule = Literal["actor_tp+critic_tp", "rollout_tp"]
+WorldSizeRule = Literal["actor_tp+critic_tp", "(actor_tp+critic_tp)*dp", "rollout_tp"]
 EngineKind = Literal["trainer", "sampler", "rollout"]
 TOPOLOGY_AXIS: Final = "tp"
 """The axis whose per-role degrees come from the contract's topologies (``actor_tp``...)."""
@@ -143,8 +143,10 @@ class EngineSpec:
         options: the number-changing options, in cell-id order.
         distributions: distributions (PyPI names) whose versions the environment record
             should carry for this engine.
-        world_size_rule: how many ranks a launch needs: ``actor_tp+critic_tp`` or
-            ``rollout_tp`` (``cell.options["rollout_tp"]``, default 1).
+        world_size_rule: how many ranks a launch needs: ``actor_tp+critic_tp``,
+            ``(actor_tp+critic_tp)*dp`` (each role on a ``dp x tp`` mesh, ``dp`` =
+            ``cell.options["dp"]``, default 1) or ``rollout_tp``
+            (``cell.options["rollout_tp"]``, default 1).
         needs_cuda: the engine cannot run on CPU; cells are ``NOT_RUN`` without CUDA.
         cpu_env: environment variables a CPU launch needs (``DS_ACCELERATOR=cpu``).
         requires: top-level modules the harness imports (probed with
@@ -241,6 +243,8 @@ class EngineSpec:
         """Processes a launch of ``cell`` needs (see :attr:`world_size_rule`)."""
         if self.world_size_rule == "rollout_tp":
             return int(cell.options.get("rollout_tp", 1))
+        if self.world_size_rule == "(actor_tp+critic_tp)*dp":
+            return cell.world_size * int(cell.options.get("dp", BASE_DEGREE))
         return cell.world_size
 
     def unavailable_reason(self, cuda_available: bool | None = None) -> str | None:
@@ -432,6 +436,7 @@ BUILTIN_ENGINES: Final[Mapping[str, str]] = {
     "torch_tp": "harnesses.torch_tp.spec:SPEC",
     "deepspeed": "harnesses.deepspeed.spec:SPEC",
     "megatron": "harnesses.megatron.spec:SPEC",
+    "fsdp2": "harnesses.fsdp2.spec:SPEC",
     "vllm": "harnesses.vllm.spec:SPEC",
 }
 """Engines of this repository: one line per engine folder (its ``spec`` module)."""
