@@ -182,7 +182,8 @@ def test_sampler_rows_pass_and_round2_statistics() -> None:
     got = ACTOR + np.array([[1e-6, -3e-6, 5.0], [0.0, 0.0, 0.0]], dtype=np.float32)
     rows = _rows(_meta(), got, ACTOR)
     assert {r.verdict for r in rows.values()} == {"PASS"}
-    assert len([k for k in rows if k.startswith("sampler_probe/")]) == 5
+    assert len([k for k in rows if k.startswith("sampler_probe/")]) == 6
+    assert "sampler_probe/partial_install/rejected" in rows
     mx = rows["sampler_vs_actor/logprobs/max_abs"]
     assert mx.error == pytest.approx(3e-6, rel=0.05)  # the masked 5.0 is never read
     assert mx.bound == 1.4e-5
@@ -198,6 +199,10 @@ def test_sampler_rows_pass_and_round2_statistics() -> None:
                       "cached_tokens_same_version_replay": 0}},
      "sampler_cache/prefix_cache/cached_tokens", "reused no cached tokens"),
     ({"probes": []}, "sampler_probe/warm_cache/rejected", "missing from outputs.json"),
+    ({"probes": [{"name": n, "rejected": True, "stayed": True, "reason": "r",
+                  "version_before": 1, "version_after": 1, "expected_check": n,
+                  "record": {"accepted": False, "check": n}} for n in PROBES[:5]]},
+     "sampler_probe/partial_install/rejected", "missing from outputs.json"),
     ({"install": {"accepted": True, "acks": [{"rank": 0, "version": 1, "digest": "d0"}],
                   "expected_digest": ["d0", "d1"]}},
      "sampler_install/install/digest", "one per rank [0, 1]"),
@@ -266,3 +271,72 @@ def test_sampler_kernel_row() -> None:
     missing = _meta()
     del missing["kernel_probe"]
     assert _rows(missing, ACTOR, ACTOR)["sampler_install/kernels/stale"].verdict == "FAIL"
+
+
+# --------------------------------------------------------------------------- partial install
+# WeightSync's missing_tensor check runs before the engine is touched: no vLLM needed (the
+# engine here is None, so any call into it would raise).
+
+from pathlib import Path  # noqa: E402
+
+from safetensors.torch import save_file  # noqa: E402
+
+from harnesses.vllm import probes, weights  # noqa: E402
+
+
+def test_partial_install_is_refused_before_the_engine(tmp_path: Path) -> None:
+    base = tmp_path / "v0"
+    base.mkdir()
+    save_file(_hf(0), str(base / weights.WEIGHTS_FILE), metadata={"format": "pt"})
+    payload = tmp_path / "v1.safetensors"
+    save_file(_hf(1), str(payload), metadata={"format": "pt"})
+    work = tmp_path / "work"
+    work.mkdir()
+    sync = weights.WeightSync(None, spec=_spec(), tp=2, workdir=work, base_dir=base,
+                              proof=[5, 6])
+    res = probes.run_probe(sync, "partial_install", payload)
+    assert res.expected_check == "missing_tensor"
+    assert res.rejected is True
+    assert res.stayed is True
+    assert res.version_before == res.version_after == 0
+    assert res.reason == ("partial install: partial_install.safetensors lacks 1 tensor(s) of "
+                          "the model: model.layers.0.mlp.down_proj.weight")
+    assert res.record.acks == ()
+    assert res.record.rollback is None
+    assert sync.missing_tensors(payload) == []
+
+
+def test_staged_copy_missing_a_tensor_is_refused(tmp_path: Path) -> None:
+    """A complete payload whose staged copy (what vLLM loads) lost a tensor; refused after
+    the proof prompt was served, before the reload."""
+    from safetensors.torch import load_file
+
+    base = tmp_path / "v0"
+    base.mkdir()
+    save_file(_hf(0), str(base / weights.WEIGHTS_FILE), metadata={"format": "pt"})
+    payload = tmp_path / "v1.safetensors"
+    save_file(_hf(1), str(payload), metadata={"format": "pt"})
+    served: list[int] = []
+
+    class _Engine:
+        def generate(self, *a: Any, **k: Any) -> Any:
+            served.append(1)
+            out = type("O", (), {"num_cached_tokens": 0})()
+            return [out]
+
+    work = tmp_path / "work"
+    work.mkdir()
+    sync = weights.WeightSync(_Engine(), spec=_spec(), tp=1, workdir=work, base_dir=base,
+                              proof=[5, 6])
+
+    def drop(path: Path) -> None:
+        sd = load_file(str(path))
+        del sd["model.norm.weight"]
+        save_file(sd, str(path), metadata={"format": "pt"})
+
+    rec = sync.install(payload, 1, tamper=drop)
+    assert rec.check == "missing_tensor"
+    assert not rec.accepted
+    assert "model.norm.weight" in (rec.reason or "")
+    assert sync.version == 0
+    assert served == [1]  # the proof prompt only; no reload (the engine has no collective_rpc)

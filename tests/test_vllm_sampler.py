@@ -11,8 +11,8 @@ Independent expectations:
   :mod:`harnesses.vllm.layout`; the ack digests are re-derived here from the weights file;
 - round-2 scoring: ``log_softmax(logits / T)`` of an HF ``Qwen3ForCausalLM`` FP32 forward
   of the installed weights (transformers, not vLLM) within :data:`SCORE_TOL`;
-- each rejection probe is refused by its own check, with its reason, and the sampler
-  stays on version 1 (rollback verified on every rank).
+- each of the six rejection probes is refused by its own check, with its reason, and the
+  sampler stays on version 1 (rollback verified on every rank).
 """
 
 from __future__ import annotations
@@ -187,6 +187,19 @@ def test_probe_warm_cache(run: dict[str, Any]) -> None:
     assert rec["cached_first"] > 0
     assert rec["rollback"]["verified"] is True
     assert rec["rollback"]["cache_reset"] is True
+
+
+def test_probe_partial_install(run: dict[str, Any]) -> None:
+    """The payload less the last layer's down_proj: refused by ``missing_tensor`` before the
+    engine is touched (without that check this install was accepted: vLLM kept the old
+    down_proj kernel and the digests expected from the same file did not name it)."""
+    rec = _assert_refused(run, "partial_install", "missing_tensor",
+                          "partial install: partial_install.safetensors lacks 1 tensor(s) of "
+                          "the model: model.layers.1.mlp.down_proj.weight")
+    assert rec["acks"] == []
+    assert rec["rollback"] is None
+    assert rec["tensors_verified"] == 0
+    assert run["meta"]["final"]["verified"] is True  # version 1 intact after every probe
 
 
 def _hf_round2_logprobs(run: dict[str, Any], temperature: float) -> torch.Tensor:

@@ -11,7 +11,7 @@ the trainer cells, with the Actor's round-1-updated weights exported by the cont
    per-rank digests against the expected vLLM shards, one ack per rank, prefix-cache reset
    and proof: ``num_cached_tokens`` of the first request after the update and of a
    same-version replay);
-3. runs the five rejection probes (:mod:`harnesses.vllm.probes`); each must be refused and
+3. runs the six rejection probes (:mod:`harnesses.vllm.probes`); each must be refused and
    leave the sampler on version 1;
 4. round 2 with the installed weights:
 

@@ -1,4 +1,4 @@
-"""The five rejection probes of the sampler cell.
+"""The six rejection probes of the sampler cell.
 
 Each probe attempts one bad update through :meth:`harnesses.vllm.weights.WeightSync.install`
 against the real engine and records whether the protocol refused it, why, and whether the
@@ -15,10 +15,15 @@ every rank's reinstalled shards verified against that version's expected digests
   at TP > 1); refused by ``duplicate_ack``.
 - ``warm_cache``: the prefix cache is not reset after the update; refused by
   ``warm_cache``.
+- ``partial_install``: the weights file lacks one tensor, the last layer's
+  ``mlp.down_proj.weight`` (:func:`partial_payload`); refused by ``missing_tensor`` before
+  the engine is touched. Without that check vLLM's in-place reload keeps the absent
+  tensor's previous kernel and the expected digests, computed from the same file, do not
+  name it: the install would be accepted (:mod:`harnesses.vllm.weights`).
 
 The update payload of the probes (except ``stale_version``) is a valid weights file other
-than the installed one, at the next version, so a probe that is not refused would change
-what the sampler serves.
+than the installed one (``partial_install``: less one tensor), at the next version, so a
+probe that is not refused would change what the sampler serves.
 """
 
 from __future__ import annotations
@@ -32,11 +37,13 @@ from safetensors.torch import load_file, save_file
 
 from harnesses.vllm.weights import InstallRecord, WeightSync
 
-PROBES: Final = ("stale_version", "wrong_shard", "missing_ack", "duplicate_ack", "warm_cache")
-"""Probe name = the check that must refuse it (except ``wrong_shard``: ``digest_mismatch``)."""
+PROBES: Final = ("stale_version", "wrong_shard", "missing_ack", "duplicate_ack", "warm_cache",
+                  "partial_install")
+"""Probe name = the check that must refuse it (except ``wrong_shard``: ``digest_mismatch``;
+``partial_install``: ``missing_tensor``)."""
 EXPECTED_CHECK: Final = {"stale_version": "stale_version", "wrong_shard": "digest_mismatch",
                          "missing_ack": "missing_ack", "duplicate_ack": "duplicate_ack",
-                         "warm_cache": "warm_cache"}
+                         "warm_cache": "warm_cache", "partial_install": "missing_tensor"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,6 +95,23 @@ def wrong_shard_tamper(path: Path) -> None:
     save_file(sd, str(path), metadata={"format": "pt"})
 
 
+def partial_payload(payload: Path, out: Path) -> str:
+    """Write ``payload`` without the last layer's ``mlp.down_proj.weight`` to ``out``.
+
+    Returns:
+        The name of the tensor left out.
+
+    Raises:
+        KeyError: the file has no ``mlp.down_proj`` weight.
+    """
+    sd = load_file(str(payload))
+    layers = sorted({int(k.split(".")[2]) for k in sd if k.startswith("model.layers.")})
+    gone = f"model.layers.{layers[-1]}.mlp.down_proj.weight"
+    del sd[gone]
+    save_file(sd, str(out), metadata={"format": "pt"})
+    return gone
+
+
 def _drop_last(acks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     last = max(int(a["rank"]) for a in acks)
     return [a for a in acks if int(a["rank"]) != last]
@@ -126,6 +150,9 @@ def run_probe(sync: WeightSync, name: str, payload: Path) -> ProbeResult:
         kw["acks_filter"] = _duplicate_first
     elif name == "warm_cache":
         kw["skip_cache_reset"] = True
+    elif name == "partial_install":
+        weights = sync.workdir / "partial_install.safetensors"
+        partial_payload(payload, weights)
     else:
         raise ValueError(f"unknown probe {name!r}; probes are {PROBES}")
     rec = sync.install(weights, version, **kw)

@@ -5,22 +5,28 @@
 
 1. **version**: refuse a version that is not greater than the installed one (nothing is
    touched);
-2. **expected digests**: per TP rank, :func:`harnesses.vllm.layout.expected_digests` of
+2. **complete**: refuse a weights file that lacks a tensor of the model (``missing_tensor``,
+   checked on the file given and on the staged copy vLLM would load, before the engine is
+   touched). vLLM's in-place reload does not: a layer none of whose weights arrive keeps
+   its previous kernel tensors (``finalize_layerwise_processing`` places them back and logs
+   a warning), so a partial file installs the rest and serves the old tensor; and since
+   the expected digests are computed from the same file, they do not name it either;
+3. **expected digests**: per TP rank, :func:`harnesses.vllm.layout.expected_digests` of
    the HF tensors sliced and fused the way vLLM shards them (computed by this code, not by
    vLLM);
-3. **load**: every worker runs :func:`worker_install` through ``LLM.collective_rpc``: vLLM's
+4. **load**: every worker runs :func:`worker_install` through ``LLM.collective_rpc``: vLLM's
    own in-place reload (``Worker.reload_weights(weights_path=DIR)``, vLLM's layerwise
    reload: ``model.load_weights`` with each parameter's ``weight_loader``, then the layer's
    ``process_weights_after_loading``) and one acknowledgement ``(rank, version, digest)``;
-4. **acks**: exactly one ack per rank ``0..tp-1`` (a missing or duplicate rank is
+5. **acks**: exactly one ack per rank ``0..tp-1`` (a missing or duplicate rank is
    refused), each for this version, each rank's per-tensor digests equal to the expected
    ones (a mismatch is refused and names the rank and tensor);
-5. **prefix cache**: ``LLM.reset_prefix_cache()``, then the proof: a prompt served under
+6. **prefix cache**: ``LLM.reset_prefix_cache()``, then the proof: a prompt served under
    the previous version (so its blocks were cached before the update) is served again and
    must report ``num_cached_tokens == 0`` (a request served from a cache that predates the
    update is refused), and a same-version replay must report ``num_cached_tokens > 0``.
 
-A refusal after step 3 rolls the engine back: the previous version's weights are
+A refusal after step 4 rolls the engine back: the previous version's weights are
 reinstalled through the same path, verified against their own expected digests, and the
 prefix cache is reset, so the sampler stays on its previous version (recorded).
 
@@ -47,6 +53,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from harnesses.vllm import layout
@@ -232,8 +239,9 @@ class InstallRecord:
         previous_version: the version installed before the attempt.
         accepted: the update is installed (every check passed).
         reason: why it was refused (``None`` when accepted).
-        check: the refusing check (``stale_version``, ``missing_ack``, ``duplicate_ack``,
-            ``ack_version``, ``digest_mismatch``, ``warm_cache``) or ``None``.
+        check: the refusing check (``stale_version``, ``missing_tensor``, ``missing_ack``,
+            ``duplicate_ack``, ``ack_version``, ``digest_mismatch``, ``warm_cache``) or
+            ``None``.
         acks: ``(rank, version, digest)`` per ack received (in arrival order).
         expected_digest: per rank, the digest of the expected per-tensor digests.
         tensors_verified: per-rank tensors compared (sum over ranks).
@@ -347,8 +355,17 @@ class WeightSync:
         self.version = 0
         self.current_dir = base_dir
         self.current_expected = self.expected_for(base_dir / WEIGHTS_FILE)
+        with safe_open(str(base_dir / WEIGHTS_FILE), framework="pt") as f:
+            self.required: frozenset[str] = frozenset(f.keys())
+        """Every HF tensor the model holds: the keys of the file the engine started from."""
         self.history: list[InstallRecord] = []
         self._n = 0
+
+    def missing_tensors(self, weights_file: Path) -> list[str]:
+        """The model's HF tensors (those of the version-0 file) that ``weights_file`` lacks."""
+        with safe_open(str(weights_file), framework="pt") as f:
+            have = set(f.keys())
+        return sorted(self.required - have)
 
     def expected_for(self, weights_file: Path) -> list[dict[str, str]]:
         """Per-rank expected digests of an HF ``model.safetensors``."""
@@ -413,11 +430,17 @@ class WeightSync:
                                 installed_version=prev, rollback=None, timings=t)
             self.history.append(rec)
             return rec
+        missing = self.missing_tensors(weights_file)
+        if missing:  # CHECK(missing_tensor): before the expected digests, which omit it
+            return self._refuse_partial(base, prev, missing, weights_file, t)
         t0 = time.perf_counter()
         expected = self.expected_for(weights_file)
         t["expected_digests_s"] = round(time.perf_counter() - t0, 4)
         self.serve_proof()  # the proof prompt is cached under the previous version
         staged = self._stage(weights_file, version, tamper)
+        missing = self.missing_tensors(staged / WEIGHTS_FILE)
+        if missing:  # CHECK(missing_tensor): the copy vLLM would load
+            return self._refuse_partial(base, prev, missing, staged / WEIGHTS_FILE, t)
         t0 = time.perf_counter()
         acks = self._load(staged, version)
         t["reload_s"] = round(time.perf_counter() - t0, 4)
@@ -446,6 +469,19 @@ class WeightSync:
             expected_digest=tuple(layout.digest_of_digests(e) for e in expected),
             tensors_verified=n, cache_reset=reset, cached_first=first, cached_replay=replay,
             installed_version=self.version, rollback=rollback, timings=t)
+        self.history.append(rec)
+        return rec
+
+    def _refuse_partial(self, base: dict[str, int], prev: int, missing: Sequence[str],
+                        path: Path, t: Mapping[str, float]) -> InstallRecord:
+        """The ``missing_tensor`` refusal: nothing reached the engine; no rollback needed."""
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        rec = InstallRecord(**base, accepted=False, check="missing_tensor",
+                            reason=f"partial install: {path.name} lacks {len(missing)} "
+                                   f"tensor(s) of the model: {missing[0]}{more}",
+                            acks=(), expected_digest=(), tensors_verified=0,
+                            cache_reset=None, cached_first=None, cached_replay=None,
+                            installed_version=prev, rollback=None, timings=dict(t))
         self.history.append(rec)
         return rec
 

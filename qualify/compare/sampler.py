@@ -53,7 +53,8 @@ from qualify.compare.verdicts import FailureDetail, Row
 from qualify.layout import OUTPUTS_META_FILE
 from qualify.statistics import MetricKey
 
-PROBES: Final = ("stale_version", "wrong_shard", "missing_ack", "duplicate_ack", "warm_cache")
+PROBES: Final = ("stale_version", "wrong_shard", "missing_ack", "duplicate_ack", "warm_cache",
+                  "partial_install")
 """The rejection probes every sampler cell must show refused."""
 SAMPLER_ROW_CLASSES: Final = ("sampler_install", "sampler_cache", "sampler_probe",
                               "sampler_vs_actor")
