@@ -350,3 +350,52 @@ def test_control_settings_only_the_named_controls(contract: Contract) -> None:
     one = dataclasses.replace(contract, bounds=only)
     assert list(control_settings(one, "fp32")) == ["microbatch"]
     assert list(control_settings(one, "bf16")) == ["microbatch"]
+
+
+# --- the row_split control (qualify.reference.update.split_row_parallel) -------------------
+
+
+def test_row_split_sums_rounded_partials_like_a_row_parallel_all_reduce(
+        models: tuple[Qwen3ForCausalLM, Qwen3ForTokenClassification]) -> None:
+    import copy
+
+    from qualify.reference.update import split_row_parallel
+
+    actor = copy.deepcopy(models[0]).to(torch.bfloat16)
+    plain = copy.deepcopy(actor)
+    assert split_row_parallel(actor, 2) == 2 * CFG["num_hidden_layers"]
+    lin = actor.model.layers[0].mlp.down_proj
+    x = torch.randn(3, lin.in_features, generator=torch.Generator().manual_seed(5)).bfloat16()
+    half = lin.in_features // 2
+    # Two BF16 partial products (each accumulated in FP32 and rounded once), summed in BF16:
+    # what Megatron-Core's RowParallelLinear + BF16 all-reduce compute at TP 2.
+    want = (torch.nn.functional.linear(x[:, :half], lin.weight[:, :half])
+            + torch.nn.functional.linear(x[:, half:], lin.weight[:, half:]))
+    with torch.no_grad():
+        assert torch.equal(lin(x), want)
+        single = plain.model.layers[0].mlp.down_proj(x)
+        assert not torch.equal(single, want)  # one rounding is not two
+        ids = torch.randint(3, 384, (2, 7), generator=torch.Generator().manual_seed(6))
+        a, b = actor(ids).logits.float(), plain(ids).logits.float()
+    assert 0 < float((a - b).abs().max()) < 0.1
+    # The hooks travel with the deep copy the BF16-parameters mode makes of the master.
+    again = copy.deepcopy(actor)
+    with torch.no_grad():
+        assert torch.equal(again.model.layers[0].mlp.down_proj(x), want)
+    with pytest.raises(ValueError, match="parts"):
+        split_row_parallel(plain, 1)
+    with pytest.raises(ValueError, match="no row-parallel projection"):
+        split_row_parallel(torch.nn.Sequential(torch.nn.Linear(2, 2)), 2)
+
+
+def test_row_split_control_is_built_per_lane(contract: Contract) -> None:
+    import dataclasses
+
+    from qualify.reference.controls import control_settings
+
+    named = dataclasses.replace(contract, bounds=dataclasses.replace(
+        contract.bounds, controls_tp_vs_tp1=("row_split",)))
+    for lane, mode in (("fp32", "params"), ("bf16", "params"), ("bf16-autocast", "autocast")):
+        settings, attn = control_settings(named, lane)["row_split"]
+        assert (settings.row_split, settings.bf16_mode, settings.label, attn) == (
+            max(2, *contract.matrix.tp_sizes), mode, f"row_split-{lane}", "sdpa")

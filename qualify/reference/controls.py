@@ -32,6 +32,13 @@ def control_settings(contract: Contract,
     - ``attn_impl``: eager attention instead of sdpa.
     - ``microbatch``: another micro-batch partition (half the size, at least 1, or 2 when the
       contract uses 1) with 2 extra left and 3 extra right padding columns.
+    - ``row_split``: every row-parallel projection (``o_proj``, ``down_proj``) computed as
+      ``max(matrix.tp_sizes)`` (at least 2) partial products over input-feature slices,
+      each rounded to the compute dtype and summed in it, as a TP engine's row-parallel
+      layer and its all-reduce do (:func:`qualify.reference.update.split_row_parallel`).
+      At BF16 this double rounding is what separates Megatron-Core's TP 2 from its TP 1
+      (``harnesses/megatron/README.md``, "BF16 TP 1 vs TP 2"); neither attention
+      implementation nor micro-batching re-rounds those sums.
     - ``bf16_mode`` (the ``bf16`` lane only): autocast over FP32 parameters instead of BF16
       parameters with an FP32 master copy: the distance **between** the two BF16 styles.
       A contract that feeds it to a bound accepts either style at that bound's width
@@ -55,7 +62,8 @@ def control_settings(contract: Contract,
 
     Returns:
         Control name -> (its update settings, its attention implementation), in the order
-        ``attn_impl``, ``microbatch``, ``fp64``, ``bf16_mode``; labels ``{control}-{lane}``.
+        ``attn_impl``, ``microbatch``, ``row_split``, ``fp64``, ``bf16_mode``; labels
+        ``{control}-{lane}``.
 
     Raises:
         ValueError: an unknown lane.
@@ -77,6 +85,10 @@ def control_settings(contract: Contract,
                                             micro_batch_size=other_mbs,
                                             extra_left_padding=2, extra_right_padding=3,
                                             label=f"microbatch-{lane}"), "sdpa")
+    if "row_split" in names:
+        parts = max(2, *contract.matrix.tp_sizes)
+        out["row_split"] = (UpdateSettings(precision=prec, bf16_mode=mode, micro_batch_size=mbs,
+                                           row_split=parts, label=f"row_split-{lane}"), "sdpa")
     if "fp64" in names and lane == "fp32":
         out["fp64"] = (UpdateSettings(precision="fp64", micro_batch_size=mbs,
                                       label="fp64-fp32"), "sdpa")

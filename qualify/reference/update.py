@@ -31,7 +31,7 @@ import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import torch
 from torch import nn
@@ -60,6 +60,9 @@ class UpdateSettings:
         micro_batch_size: sequences per micro-batch.
         extra_left_padding: pad columns prepended to the prompts (attention 0).
         extra_right_padding: pad columns appended to the responses (attention 0).
+        row_split: compute every row-parallel projection (``o_proj``, ``down_proj``) as
+            this many partial products over slices of its input features, each rounded to
+            the compute dtype and summed in it (:func:`split_row_parallel`); 1: off.
         label: a name for logs (``hf-fp32``, ``attn_impl-bf16``...).
     """
 
@@ -68,6 +71,7 @@ class UpdateSettings:
     micro_batch_size: int
     extra_left_padding: int = 0
     extra_right_padding: int = 0
+    row_split: int = 1
     label: str = ""
 
     def __post_init__(self) -> None:
@@ -75,6 +79,8 @@ class UpdateSettings:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.extra_left_padding < 0 or self.extra_right_padding < 0:
             raise ValueError("extra padding must be >= 0")
+        if self.row_split < 1:
+            raise ValueError(f"row_split must be >= 1, got {self.row_split}")
 
     @property
     def accumulate_dtype(self) -> torch.dtype:
@@ -189,6 +195,67 @@ def _kl(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
+ROW_PARALLEL_SUFFIXES: Final = ("o_proj", "down_proj")
+"""The HF Qwen3 / Llama projections a tensor-parallel engine splits by input features
+(Megatron's ``RowParallelLinear``: ``linear_proj``, ``linear_fc2``; torch ``RowwiseParallel``)."""
+
+
+def split_row_parallel(model: nn.Module, parts: int) -> int:
+    """Make every row-parallel projection compute as ``parts`` partial products.
+
+    A TP = ``parts`` engine computes ``y = x W^T`` of a row-parallel layer as
+    ``Σ_r x[:, K_r] W[:, K_r]^T`` over input-feature slices ``K_r``: each partial product is
+    formed on its rank in the compute dtype (BF16: accumulated in FP32, rounded once to
+    BF16) and the all-reduce sums the partials in that dtype (Megatron-Core
+    ``RowParallelLinear`` then ``reduce_from_tensor_model_parallel_region``; the default
+    contract's finding in ``harnesses/megatron/README.md``). This control computes the HF
+    model the same way, on one process, so the distance between one rounding and a sum of
+    rounded partials is measured rather than assumed away. At FP32 it is a split-K
+    re-ordering of the same sums.
+
+    Implemented as a forward hook on each ``nn.Linear`` whose name ends with
+    :data:`ROW_PARALLEL_SUFFIXES` that recomputes the output from the slices (autograd
+    flows through the recomputation; the bias, if any, is added once). The hooks travel
+    with ``copy.deepcopy`` (the BF16 working copy of ``bf16_mode="params"``).
+
+    Args:
+        model: an HF Qwen3 / Llama model (modified in place).
+        parts: slices, ``>= 2``; the last slice takes the remainder.
+
+    Returns:
+        The number of projections hooked.
+
+    Raises:
+        ValueError: ``parts < 2``, or no projection to split (another architecture).
+    """
+    if parts < 2:
+        raise ValueError(f"parts must be >= 2, got {parts}")
+
+    def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        assert isinstance(module, nn.Linear)
+        w = module.weight
+        k = x.shape[-1]
+        step = k // parts
+        total: torch.Tensor | None = None
+        for i in range(parts):
+            cols = slice(i * step, k if i == parts - 1 else (i + 1) * step)
+            y = torch.nn.functional.linear(x[..., cols], w[:, cols])
+            total = y if total is None else total + y
+        assert total is not None
+        return total if module.bias is None else total + module.bias
+
+    n = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name.endswith(ROW_PARALLEL_SUFFIXES):
+            module.register_forward_hook(hook)
+            n += 1
+    if n == 0:
+        raise ValueError(f"no row-parallel projection ({', '.join(ROW_PARALLEL_SUFFIXES)}) "
+                         f"in {type(model).__name__}")
+    return n
+
+
 class _Precision:
     """Forward/backward at the requested precision around an FP32 master model."""
 
@@ -196,6 +263,8 @@ class _Precision:
         self.master = master
         self.settings = settings
         self.work: nn.Module | None = None
+        if settings.row_split > 1:
+            split_row_parallel(master, settings.row_split)
 
     @property
     def bf16_params(self) -> bool:
