@@ -35,6 +35,8 @@ from typing import IO, Any, Final
 
 import psutil
 
+from qualify.crashpoints import maybe_crash
+
 __all__ = ["TMP_PREFIX", "TMP_SUFFIX", "TempWriter", "fsync_dir", "host_tag", "is_temporary",
            "json_bytes", "remove_stale_temporaries", "rename_noreplace", "temp_writer",
            "write_bytes", "write_json", "write_with", "writer_alive"]
@@ -211,6 +213,7 @@ def write_with(path: str | Path, write: Callable[[IO[bytes]], object], *,
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
+        maybe_crash("write", path)  # test-only fault injection (qualify.crashpoints)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -232,6 +235,7 @@ def rename_noreplace(src: str | Path, dst: str | Path) -> None:
         FileExistsError: ``dst`` exists.
         OSError: the rename failed otherwise.
     """
+    maybe_crash("rename", dst)  # test-only fault injection (qualify.crashpoints)
     s, d = os.fsencode(src), os.fsencode(dst)
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
