@@ -286,3 +286,59 @@ def test_tensor_digests_are_layout_independent(tmp_path: Path) -> None:
     (tmp_path / "c.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
     with pytest.raises(EvidenceIntegrityError, match="cannot index"):
         tensor_index.tensor_digests(tmp_path / "c.safetensors")
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def test_the_stage_splits_a_grouped_launch_once_and_keeps_a_partless_file(
+        tmp_path: Path) -> None:
+    """A grouped DeepSpeed launch's variants: each file indexed, split into its cells, then
+    dropped; a variant whose Critic cell is not wanted keeps its file (its Critic tensors
+    have no cell). The sealed launch attempt and cells pass ``check_run``; cells record
+    which parameters are exact."""
+    from qualify.candidate import stage
+    from qualify.candidate.launch import LaunchResult
+    from qualify.contract import cells_matching
+    from qualify.evidence import store
+
+    contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
+    wanted = [c for c in cells_matching(contract, ["deepspeed-*-zero0-*-tp2",
+                                                   "deepspeed-*-zero0-actor-tp1"])
+              if not (c.precision == "bf16" and c.role == "critic")]
+    launches = stage.plan_launches(contract, wanted, grouped_engines=["deepspeed"])
+    lc = next(x for x in launches if x.topology == "a1c2")
+    run = tmp_path / "run"
+    attempt = store.new_attempt(run / "launches" / lc.launch_id)
+    rng = np.random.default_rng(3)
+    big = rng.standard_normal(300).astype(np.float32)  # sampled: 300 > 256 elements
+    for part in lc.parts:
+        (attempt / part.tag).mkdir()
+        t = {f"round1/{role}/{m}": rng.standard_normal(4).astype(np.float32)
+             for role in ("actor", "critic") for m in ("logprobs", "grad_norm")}
+        t["round1/actor/grads/lm_head.weight"] = big[:256].copy()
+        t["round1/actor/grads/model.norm.weight"] = big[:64].copy()
+        (attempt / part.tag / OUTPUTS_FILE).write_bytes(stn.save(t))
+        (attempt / part.tag / "outputs.json").write_text(json.dumps(
+            {"engine": "deepspeed", "roles": {"actor": {"tp": 1}, "critic": {"tp": 2}}}))
+    result = LaunchResult(status="OK", reason="", wall_s=1.0, returncode=0,
+                          attempt_dir=attempt, cell_file=attempt / "cell.json",
+                          launcher_log=attempt / "launcher.log", rank_logs=())
+    cells = {c.cell_id: store.new_attempt(run / "cells" / c.cell_id) for c in lc.cells}
+    index = stage._index_launch(result, attempt, lc, cells, run)
+    assert index is not None
+    numels = {"lm_head.weight": 384 * 64, "model.norm.weight": 64}
+    for cell in lc.cells:
+        status, _why = stage._split_outputs(result, attempt, lc, cell, cells[cell.cell_id],
+                                            contract=contract, numels=numels)
+        assert status == "COMPLETE"
+    dropped = tensor_index.drop_stored_copies(attempt, run, index)
+    store.seal(attempt, kind="launch-attempt")
+    assert sorted(dropped) == [f"fp32-zero0/{OUTPUTS_FILE}"]  # bf16's critic has no cell
+    assert (attempt / "bf16-zero0" / OUTPUTS_FILE).is_file()
+    assert tensor_index.check_run(run) == []
+    meta = json.loads((cells["deepspeed-fp32-zero0-actor-tp1"] / "outputs.json").read_text())
+    assert meta["param_sampling"]["exact"] == ["model.norm.weight"]
+    assert meta["param_sampling"]["sampled"]["lm_head.weight"]["numel"] == 384 * 64
+    assert not (cells["deepspeed-fp32-zero0-actor-tp1"] / "logs").exists()
+    store.make_writable(tmp_path)
