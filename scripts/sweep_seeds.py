@@ -41,7 +41,7 @@ DEFAULT_CONTRACT = REPO / "contracts" / "tiny-qwen3.toml"
 def _set_in_section(text: str, section: str, key: str, value: str) -> str:
     """Replace ``key = ...`` inside ``[section]`` (up to the next header); exactly once."""
     pattern = re.compile(
-        rf"(?ms)(^\[{re.escape(section)}\]\n(?:(?!^\[).*\n)*?)^{re.escape(key)} = .*$")
+        rf"(?m)(^\[{re.escape(section)}\]\n(?:(?!^\[).*\n)*?)^{re.escape(key)} = .*$")
     new, n = pattern.subn(lambda m: f"{m.group(1)}{key} = {value}", text, count=1)
     if n != 1:
         raise SystemExit(f"sweep_seeds: no '{key} = ...' in [{section}] of the contract")
@@ -50,7 +50,7 @@ def _set_in_section(text: str, section: str, key: str, value: str) -> str:
 
 def _get_in_section(text: str, section: str, key: str) -> str:
     m = re.search(
-        rf"(?ms)^\[{re.escape(section)}\]\n(?:(?!^\[).*\n)*?^{re.escape(key)} = (.*)$", text)
+        rf"(?m)^\[{re.escape(section)}\]\n(?:(?!^\[).*\n)*?^{re.escape(key)} = (.*)$", text)
     if m is None:
         raise SystemExit(f"sweep_seeds: no '{key} = ...' in [{section}] of the contract")
     return m.group(1).strip()
