@@ -4,7 +4,7 @@ Usage::
 
     python scripts/kill_table.py                 # run every kill point (slow ones too)
     python scripts/kill_table.py -m "not slow"   # the fast points only
-    python scripts/kill_table.py --rows FILE     # print rows recorded earlier (JSON lines)
+    python scripts/kill_table.py --rows F [F...] # print rows recorded earlier (JSON lines)
 
 The test appends one JSON row per point that passed to ``$QUALIFY_KILL_TABLE``; a point
 that failed has no row, and the table then says which are missing.
@@ -32,7 +32,8 @@ ORDER = ("ref-controls", "ref-write", "ref-sign", "cand-start", "cand-ranks", "c
 def render(rows: list[dict[str, str]]) -> str:
     """The Markdown table of ``rows`` (in :data:`ORDER`), with a line for missing points."""
     rank = {p: i for i, p in enumerate(ORDER)}
-    rows = sorted(rows, key=lambda r: rank.get(r["point"], len(ORDER)))
+    latest = {r["point"]: r for r in rows}  # a point recorded twice: its last row
+    rows = sorted(latest.values(), key=lambda r: rank.get(r["point"], len(ORDER)))
     lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |",
              "|" + "---|" * len(COLUMNS)]
     for r in rows:
@@ -51,12 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         The test's exit code (0 with ``--rows``).
     """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=Path, help="JSON-lines rows recorded by the test")
+    parser.add_argument("--rows", type=Path, nargs="+",
+                        help="JSON-lines rows recorded by the test (later files win)")
     parser.add_argument("-m", dest="marks", help="pytest -m expression (default: every point)")
     args = parser.parse_args(argv)
     rc = 0
     if args.rows is not None:
-        path = args.rows
+        paths = list(args.rows)
     else:
         fd, name = tempfile.mkstemp(prefix="kill-table-", suffix=".jsonl")
         os.close(fd)
@@ -66,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
             cmd += ["-m", args.marks]
         rc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "QUALIFY_KILL_TABLE": str(path)},
                             check=False).returncode
-    text = path.read_text(encoding="utf-8")
-    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        paths = [path]
+    rows = [json.loads(line) for p in paths
+            for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
     print(render(rows))
     return rc
 

@@ -75,6 +75,14 @@ SLOW = pytest.mark.slow
 SIGN_BUG = pytest.mark.xfail(strict=True, reason="a dead signer's temporary attestation "
                              "blocks re-signing (qualify/evidence/sign.py)")
 
+# A launch attempt killed during the cell split keeps its tensor_index.json, which names a
+# cell attempt whose outputs were never written; verify step 9 checks every launch
+# attempt's index, killed ones too, so the resumed run never verifies (exit 3). Fix: the
+# candidate stage writes the index after the split, and tensor_index.check_run skips
+# unsealed launch attempts. Delete this mark then.
+INDEX_BUG = pytest.mark.xfail(strict=True, reason="a killed launch attempt's tensor index "
+                              "fails verify step 9 of the resumed run")
+
 
 def _params(points: dict[str, Any]) -> list[Any]:
     return [pytest.param(p, marks=SIGN_BUG) if p.endswith("-sign") else p for p in points]
@@ -312,12 +320,17 @@ def row(request: pytest.FixtureRequest) -> Iterator[Row]:
 
 
 def _last_line(out: str) -> str:
+    """The last line of ``out``, paths cut to their last component."""
     lines = [ln for ln in out.strip().splitlines() if ln.strip()]
-    return lines[-1][:160] if lines else ""
+    return re.sub(r"/[^\s:]*/", "", lines[-1])[:160] if lines else ""
 
 
-def _verified(kit: Kit, d: Path) -> None:
+def _verified(kit: Kit, d: Path, row: Row | None = None) -> None:
+    """``qualify verify`` of the resumed evidence exits 0 (and the row says so)."""
     rc, out = kit.run("verify", d, "--keys", kit.keys, "--contract", kit.contract)
+    if row is not None:
+        failed = [ln for ln in out.splitlines() if "[FAIL]" in ln]
+        row.equal += f"; verify {rc}" + (f" ({_last_line(failed[0])})" if failed else "")
     assert rc == ExitCode.OK, out
 
 
@@ -389,7 +402,7 @@ def test_reference_killed_then_qualify_run_finishes(kit: Kit, clean: Clean, row:
         assert rc in (ExitCode.OK, ExitCode.USAGE_ERROR), out
         assert store.manifest_digest(ref) == sealed_digest
         said = "signed it" if (ref / ATTESTATION_FILE).exists() else \
-            f"did not sign it: {out.strip().splitlines()[-1][:90]}"
+            f"did not sign it ({_last_line(out)})"
         row.next_did = f"`qualify reference`: exit {rc}, {said}; then `qualify run`: "
         row.next_rc = f"{rc}, "
 
@@ -413,9 +426,9 @@ def test_reference_killed_then_qualify_run_finishes(kit: Kit, clean: Clean, row:
     skip = ("reference.json", "environment.json")
     assert _sealed_files(ref, skip=skip) == _sealed_files(clean.reference, skip=skip)
     (run,) = [p.parent for p in evidence.rglob(RUN_FILE)]
-    _verified(kit, run)
     _equal(clean, run, row)
     row.equal += "; reference files identical but reference.json, environment.json"
+    _verified(kit, run, row)
 
 
 # --------------------------------------------------------------------------- candidate
@@ -426,12 +439,13 @@ CANDIDATE_POINTS = {
                   "written), before that launch finishes",
     "cand-ranks": "`qualify candidate` SIGKILLed mid-launch, torchrun and its ranks alive",
     "cand-split": "`qualify candidate` SIGKILLed inside the write of the first cell's "
-                  "outputs (the launch sealed, run.json not yet written)",
+                  "outputs (the launch finished, run.json not yet written)",
 }
 
 
 @SLOW
-@pytest.mark.parametrize("point", list(CANDIDATE_POINTS))
+@pytest.mark.parametrize("point", [pytest.param(p, marks=INDEX_BUG) if p == "cand-split"
+                                   else p for p in CANDIDATE_POINTS])
 def test_candidate_killed_then_resumed_by_run_id(kit: Kit, clean: Clean, row: Row,
                                                  point: str) -> None:
     row.killed = CANDIDATE_POINTS[point]
@@ -454,7 +468,7 @@ def test_candidate_killed_then_resumed_by_run_id(kit: Kit, clean: Clean, row: Ro
     row.state = describe(run)
     if point == "cand-ranks":
         assert family >= 2, "torchrun and its ranks were not running at the kill"
-        row.state += (f"; {family} descendants (torchrun + ranks) at the kill, none left "
+        row.state += (f"; {family} descendant processes alive at the kill, none left "
                       f"after {waited:.1f} s")
     assert (run / INCOMPLETE_FILE).exists()
     assert not (run / RUN_FILE).exists()
@@ -489,8 +503,8 @@ def test_candidate_killed_then_resumed_by_run_id(kit: Kit, clean: Clean, row: Ro
     row.next_did += (f"; killed launch attempts kept: {', '.join(kept) or 'none'}; "
                      f"launched {launches[-1].name}; compare sealed + signed the run")
     assert _temporaries(run) == []
-    _verified(kit, run)
     _equal(clean, run, row)
+    _verified(kit, run, row)
 
 
 # --------------------------------------------------------------------------- compare
@@ -540,8 +554,8 @@ def test_compare_killed_then_compare_again(kit: Kit, clean: Clean, row: Row, poi
         row.next_did = "signed the sealed run (report recomputed, not rewritten)"
     else:
         row.next_did = "removed the dead writer's temp, wrote the report, sealed, signed"
-    _verified(kit, run)
     _equal(clean, run, row)
+    _verified(kit, run, row)
 
 
 # --------------------------------------------------------------------------- the hook
