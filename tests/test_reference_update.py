@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any, Literal, cast
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForTokenClassification
 
 from qualify.contract import Contract, load_contract
+from qualify.protocol import ParamSampling
 from qualify.reference.update import Batch, UpdateSettings, run_actor, run_critic
 from qualify.resources import contracts_dir
 
@@ -25,7 +27,11 @@ CFG: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def contract() -> Contract:
-    return load_contract(contracts_dir() / "tiny-qwen3.toml")
+    """tiny-qwen3 with every per-parameter tensor reported whole (no ``[evidence]`` sample):
+    these tests recompute norms and AdamW steps from the reported gradients."""
+    c = load_contract(contracts_dir() / "tiny-qwen3.toml")
+    return dataclasses.replace(c, evidence=ParamSampling(exact_elements=1 << 30,
+                                                         sample_elements=1))
 
 
 @pytest.fixture(scope="module")
