@@ -23,7 +23,7 @@ import safetensors.numpy as stn
 from qualify.candidate.launch import validate_cell
 from qualify.contract import load_contract, loads_contract
 from qualify.errors import ContractError, EvidenceIntegrityError
-from qualify.evidence import tensor_index
+from qualify.evidence import store, tensor_index
 from qualify.layout import TENSOR_INDEX_FILE
 from qualify.protocol import (
     DEFAULT_SAMPLING,
@@ -187,11 +187,17 @@ def _split(run: Path, roles: dict[str, str]) -> tuple[Path, dict[str, object]]:
 CELLS = {"actor": "cells/a/attempt-1", "critic": "cells/c/attempt-1"}
 
 
+def _seal(attempt: Path) -> None:
+    """Seal a launch attempt (what the stage does after the drop), then let the test edit it."""
+    store.seal(attempt, kind="launch-attempt")
+    store.make_writable(attempt)
+
+
 def test_split_is_indexed_dropped_and_checks(tmp_path: Path) -> None:
     attempt, doc = _split(tmp_path, CELLS)
-    assert tensor_index.check_run(tmp_path) == []  # the launch copy is still there
     assert tensor_index.drop_stored_copies(attempt, tmp_path, doc) == [OUTPUTS_FILE]
     assert not (attempt / OUTPUTS_FILE).exists()
+    _seal(attempt)
     assert tensor_index.check_run(tmp_path) == []
     entry = json.loads((attempt / TENSOR_INDEX_FILE).read_text())["files"][OUTPUTS_FILE]
     assert entry["tensors"] == 5
@@ -204,7 +210,18 @@ def test_a_launch_tensor_without_a_cell_keeps_the_file(tmp_path: Path) -> None:
     attempt, doc = _split(tmp_path, {"actor": CELLS["actor"]})
     assert tensor_index.drop_stored_copies(attempt, tmp_path, doc) == []
     assert (attempt / OUTPUTS_FILE).is_file()
+    _seal(attempt)
     assert tensor_index.check_run(tmp_path) == []
+
+
+def test_a_killed_launch_attempt_claims_nothing(tmp_path: Path) -> None:
+    """Killed during the split: unsealed, its index names a cell attempt never written; the
+    resumed run launched the cell again, so verify must not read that index."""
+    attempt, _doc = _split(tmp_path, {"actor": CELLS["actor"]})
+    (tmp_path / CELLS["actor"] / OUTPUTS_FILE).unlink()
+    assert tensor_index.check_run(tmp_path) == []
+    _seal(attempt)
+    assert any("cannot index" in p for p in tensor_index.check_run(tmp_path))
 
 
 def _rewrite(path: Path, edit: dict[str, np.ndarray | None]) -> None:
@@ -227,6 +244,7 @@ def test_a_tampered_cell_is_named(tmp_path: Path, edit: dict[str, np.ndarray | N
                                   match: str) -> None:
     attempt, doc = _split(tmp_path, CELLS)
     tensor_index.drop_stored_copies(attempt, tmp_path, doc)
+    _seal(attempt)
     _rewrite(tmp_path / CELLS["actor"] / OUTPUTS_FILE, edit)
     problems = tensor_index.check_run(tmp_path)
     assert any(match in p and CELLS["actor"] in p for p in problems), problems
@@ -235,6 +253,7 @@ def test_a_tampered_cell_is_named(tmp_path: Path, edit: dict[str, np.ndarray | N
 def test_a_dropped_file_must_be_whole_in_its_cells(tmp_path: Path) -> None:
     attempt, doc = _split(tmp_path, CELLS)
     tensor_index.drop_stored_copies(attempt, tmp_path, doc)
+    _seal(attempt)
     index = json.loads((attempt / TENSOR_INDEX_FILE).read_text())
     del index["files"][OUTPUTS_FILE]["cells"][CELLS["critic"]]  # a share forgotten
     (attempt / TENSOR_INDEX_FILE).write_text(json.dumps(index))
@@ -244,6 +263,7 @@ def test_a_dropped_file_must_be_whole_in_its_cells(tmp_path: Path) -> None:
 
 def test_a_launch_file_edited_on_disk_is_named(tmp_path: Path) -> None:
     attempt, _doc = _split(tmp_path, CELLS)
+    _seal(attempt)
     _rewrite(attempt / OUTPUTS_FILE, {"round1/actor/grad_norm": np.array(2.0, np.float32)})
     assert any("another sha256" in p for p in tensor_index.check_run(tmp_path))
 
@@ -260,6 +280,8 @@ def test_a_share_outside_cells_and_a_cell_claimed_twice(tmp_path: Path) -> None:
             "sha256": "0" * 64, "size": 1, "tensors": 2, "content": share["content"],
             "cells": {CELLS["critic"]: share}, "unowned": []}}}))
     (attempt / TENSOR_INDEX_FILE).write_text(json.dumps(index))
+    _seal(attempt)
+    _seal(second)
     problems = tensor_index.check_run(tmp_path)
     assert any("outside cells/" in p for p in problems), problems
     assert any(p.startswith(f"{CELLS['critic']}: a share of") for p in problems), problems
@@ -269,6 +291,7 @@ def test_a_malformed_index_is_a_problem_not_a_crash(tmp_path: Path) -> None:
     attempt = tmp_path / "launches" / "l" / "attempt-1"
     attempt.mkdir(parents=True)
     (attempt / TENSOR_INDEX_FILE).write_text('{"schema_version": 1, "files": {"x": 3}}')
+    _seal(attempt)
     (problem,) = tensor_index.check_run(tmp_path)
     assert "malformed" in problem
 
@@ -300,7 +323,6 @@ def test_the_stage_splits_a_grouped_launch_once_and_keeps_a_partless_file(
     from qualify.candidate import stage
     from qualify.candidate.launch import LaunchResult
     from qualify.contract import cells_matching
-    from qualify.evidence import store
 
     contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
     wanted = [c for c in cells_matching(contract, ["deepspeed-*-zero0-*-tp2",
@@ -325,13 +347,13 @@ def test_the_stage_splits_a_grouped_launch_once_and_keeps_a_partless_file(
                           attempt_dir=attempt, cell_file=attempt / "cell.json",
                           launcher_log=attempt / "launcher.log", rank_logs=())
     cells = {c.cell_id: store.new_attempt(run / "cells" / c.cell_id) for c in lc.cells}
-    index = stage._index_launch(result, attempt, lc, cells, run)
-    assert index is not None
     numels = {"lm_head.weight": 384 * 64, "model.norm.weight": 64}
     for cell in lc.cells:
         status, _why = stage._split_outputs(result, attempt, lc, cell, cells[cell.cell_id],
                                             contract=contract, numels=numels)
         assert status == "COMPLETE"
+    index = stage._index_launch(result, attempt, lc, cells, run)
+    assert index is not None
     dropped = tensor_index.drop_stored_copies(attempt, run, index)
     store.seal(attempt, kind="launch-attempt")
     assert sorted(dropped) == [f"fp32-zero0/{OUTPUTS_FILE}"]  # bf16's critic has no cell

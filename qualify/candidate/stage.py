@@ -331,8 +331,10 @@ def _index_launch(result: LaunchResult, attempt: Path, launch_: Launch,
                   cell_attempts: dict[str, Path], run_dir: Path) -> dict[str, Any] | None:
     """Write the launch attempt's tensor index (:mod:`qualify.evidence.tensor_index`).
 
-    Each tensor ``round{r}/{role}/...`` of a variant's ``outputs.safetensors`` is owned by
-    that variant's cell of ``role``; a tensor no cell of the launch takes keeps its file.
+    Written after the split, naming only the cells whose attempts were sealed COMPLETE
+    (``cell_attempts``): each tensor ``round{r}/{role}/...`` of a variant's
+    ``outputs.safetensors`` is owned by that variant's cell of ``role``; a tensor no such
+    cell takes keeps its file.
 
     Returns:
         The index, or ``None`` when the launch failed or wrote no outputs file.
@@ -348,7 +350,8 @@ def _index_launch(result: LaunchResult, attempt: Path, launch_: Launch,
         if rel in owners or not (attempt / rel).is_file():
             continue
         cells: dict[str, str] = {c.role: cell_attempts[c.cell_id].relative_to(run_dir).as_posix()
-                 for c in (part.actor, part.critic) if c is not None}
+                                 for c in (part.actor, part.critic)
+                                 if c is not None and c.cell_id in cell_attempts}
         names = [k for k in read_safetensors_header(attempt / rel) if k != "__metadata__"]
         owners[rel] = {k: cells[k.split("/")[1]] for k in names
                        if len(k.split("/")) > 1 and k.split("/")[1] in cells}
@@ -493,13 +496,18 @@ def run_candidate_stage(
                     "returncode": result.returncode})
                 cell_attempts = {c.cell_id: store.new_attempt(run_dir / CELLS_DIR / c.cell_id)
                                  for c in lc.cells}
-                index = _index_launch(result, attempt, lc, cell_attempts, run_dir)
                 for cell in lc.cells:
                     cell_attempt = cell_attempts[cell.cell_id]
                     status, why = _split_outputs(result, attempt, lc, cell, cell_attempt,
                                                  contract=contract, numels=numels)
                     run.cells[cell.cell_id] = _cell_entry(
                         cell, status, why, str(cell_attempt.relative_to(run_dir)))
+                # after the split (the launch files are untouched until the drop): the index
+                # names only sealed cells; a crash before the seal leaves an unsealed launch
+                # attempt whose index nothing reads (tensor_index.check_run skips it)
+                complete = {cid: a for cid, a in cell_attempts.items()
+                            if run.cells[cid]["status"] == "COMPLETE"}
+                index = _index_launch(result, attempt, lc, complete, run_dir)
                 if index is not None:  # every tensor is in a sealed cell: drop the copy
                     tensor_index.drop_stored_copies(attempt, run_dir, index)
                 store.seal(attempt, kind="launch-attempt")

@@ -17,10 +17,12 @@ share's content digest equals its cell's file (same names, dtypes, shapes and by
 added), the shares of a file are disjoint and together are the whole file (their merged
 content digest is the file's), and a launch file still on disk has the indexed sha256.
 
-A crash between the split and the drop leaves the launch attempt unsealed (``INCOMPLETE``)
-with its file and index, and ``run.json`` without the launch's cells; the next ``qualify
+The index is written after the split, naming only cells sealed COMPLETE. A crash during the
+split or before the drop leaves the launch attempt unsealed (``INCOMPLETE``) with its file
+(and perhaps its index), and ``run.json`` without the launch's cells; the next ``qualify
 candidate`` of the run launches those cells again (a new launch attempt, new cell attempts),
 and the old attempts are kept as failed ones, as after any interrupted launch.
+:func:`check_run` reads the indexes of sealed launch attempts only.
 
 Per-tensor digests are over the tensor's data bytes as safetensors stores them (row-major,
 little endian), so they do not depend on the order or header layout of the file.
@@ -39,7 +41,7 @@ from typing import Any, Final
 from qualify import jsonio
 from qualify.digests import sha256_file
 from qualify.errors import EvidenceIntegrityError
-from qualify.evidence.sealed import atomic_write_json
+from qualify.evidence.sealed import atomic_write_json, is_sealed
 from qualify.layout import CELLS_DIR, LAUNCHES_DIR, TENSOR_INDEX_FILE
 from qualify.protocol import OUTPUTS_FILE
 
@@ -203,8 +205,9 @@ def _read_index(path: Path) -> dict[str, Any]:
 def check_run(run_dir: Path) -> list[str]:
     """Prove the cells' tensors are the harness's: one problem per line, none when they are.
 
-    For every launch attempt with an index (runs made before indexes existed have none
-    and keep their launch files): a launch file on disk must have the indexed sha256; each
+    For every sealed launch attempt with an index (runs made before indexes existed have
+    none and keep their launch files; an unsealed one is a killed attempt, kept as a failed
+    one, whose cells were launched again): a launch file on disk must have the indexed sha256; each
     cell share must equal its cell attempt's ``outputs.safetensors`` (content digest and
     count: same tensors, bytes, dtypes and shapes, none added); no cell attempt takes two
     shares, no tensor is in two shares, and a dropped file's shares together are the file
@@ -222,6 +225,8 @@ def check_run(run_dir: Path) -> list[str]:
     launches = run_dir / LAUNCHES_DIR
     index_paths = sorted(launches.glob(f"*/*/{TENSOR_INDEX_FILE}")) if launches.is_dir() else []
     for ipath in index_paths:
+        if not is_sealed(ipath.parent):
+            continue  # a killed launch attempt: kept as a failed one, its index claims nothing
         where = ipath.relative_to(run_dir).as_posix()
         try:
             doc = _read_index(ipath)
