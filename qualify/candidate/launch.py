@@ -263,7 +263,8 @@ def launch_env(env: Mapping[str, str] | None) -> dict[str, str]:
 
 
 def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: float,
-           env: Mapping[str, str] | None = None) -> LaunchResult:
+           env: Mapping[str, str] | None = None,
+           world_size: int | None = None) -> LaunchResult:
     """Run ``cell`` under torchrun and report how it ended.
 
     Args:
@@ -275,6 +276,10 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
             attempts are never reused.
         timeout_s: wall-clock limit (> 0) of the whole launch.
         env: environment variables set for the launch (over this process's environment).
+        world_size: ranks to start (the engine's rule,
+            :meth:`qualify.registry.EngineSpec.world_size`: ``(actor_tp + critic_tp) * dp``
+            for a data-parallel engine); ``None``: ``cell.world_size`` (``actor_tp +
+            critic_tp``).
 
     Returns:
         The :class:`LaunchResult` (``ERROR`` for every harness failure: none raises).
@@ -298,7 +303,8 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
     Path(cell.output_dir).mkdir(parents=True, exist_ok=True)
     atomic.write_bytes(cell_file, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
     launch_environment = launch_env(env)
-    cmd = torchrun_command(cell_file, module=module, world_size=cell.world_size,
+    cmd = torchrun_command(cell_file, module=module,
+                           world_size=cell.world_size if world_size is None else world_size,
                            log_dir=rank_dir, env=launch_environment)
     launcher_log = logs / LAUNCHER_LOG
     with launcher_log.open("wb") as log:

@@ -42,6 +42,7 @@ from qualify.candidate.launch import LaunchResult, launch, read_safetensors_head
 from qualify.contract import CellSpec, Contract, cells_matching
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
 from qualify.evidence import store, tensor_index
+from qualify.evidence.sources import check_resume_sources, write_sources
 from qualify.layout import (
     CELLS_DIR,
     CONTRACT_FILE,
@@ -457,6 +458,13 @@ def run_candidate_stage(
         if run.contract_digest != contract.digest:
             raise ReferenceDataError(f"{run_dir / RUN_FILE}: contract_digest: run belongs to "
                                      f"another contract digest")
+        # What code runs the cells (qualify.evidence.sources): recorded once, at the run's
+        # start; a resume under changed code is refused (a run mixes no code versions). A
+        # resumed run made before sources.json existed stays unrecorded (STALE at the gate).
+        if resumed:
+            check_resume_sources(run_dir)
+        else:
+            write_sources(run_dir, contract=contract)
         inputs = _stage_inputs(contract, reference, run_dir)
         numels = _model_numels(inputs)
         todo = [c for c in wanted
@@ -490,7 +498,8 @@ def run_candidate_stage(
                 hc = dataclasses.replace(hc, output_dir=str(attempt.resolve()))
                 result = launch(hc, module=engine.module, attempt_dir=attempt,
                                 timeout_s=launch_timeout_s * len(lc.parts),
-                                env=None if _cuda_available() else engine.cpu_env)
+                                env=None if _cuda_available() else engine.cpu_env,
+                                world_size=engine.world_size(hc))
                 store.atomic_write_json(attempt / RESULT_FILE, {
                     "status": result.status, "reason": result.reason, "wall_s": result.wall_s,
                     "returncode": result.returncode})
