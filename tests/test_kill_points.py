@@ -75,14 +75,6 @@ SLOW = pytest.mark.slow
 SIGN_BUG = pytest.mark.xfail(strict=True, reason="a dead signer's temporary attestation "
                              "blocks re-signing (qualify/evidence/sign.py)")
 
-# A launch attempt killed during the cell split keeps its tensor_index.json, which names a
-# cell attempt whose outputs were never written; verify step 9 checks every launch
-# attempt's index, killed ones too, so the resumed run never verifies (exit 3). Fix: the
-# candidate stage writes the index after the split, and tensor_index.check_run skips
-# unsealed launch attempts. Delete this mark then.
-INDEX_BUG = pytest.mark.xfail(strict=True, reason="a killed launch attempt's tensor index "
-                              "fails verify step 9 of the resumed run")
-
 
 def _params(points: dict[str, Any]) -> list[Any]:
     return [pytest.param(p, marks=SIGN_BUG) if p.endswith("-sign") else p for p in points]
@@ -444,8 +436,7 @@ CANDIDATE_POINTS = {
 
 
 @SLOW
-@pytest.mark.parametrize("point", [pytest.param(p, marks=INDEX_BUG) if p == "cand-split"
-                                   else p for p in CANDIDATE_POINTS])
+@pytest.mark.parametrize("point", list(CANDIDATE_POINTS))
 def test_candidate_killed_then_resumed_by_run_id(kit: Kit, clean: Clean, row: Row,
                                                  point: str) -> None:
     row.killed = CANDIDATE_POINTS[point]
