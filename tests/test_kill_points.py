@@ -68,16 +68,10 @@ GONE_WITHIN_S = 5.0
 # run-specific fields of report.json; everything else must be equal
 RUN_FIELDS = ("created", "run_dir", "run_id")
 SLOW = pytest.mark.slow
-# A signer killed before its rename leaves its temporary attestation in the sealed
-# directory; sign_directory builds the statement first, whose manifest check refuses that
-# unlisted file, so `qualify sign` / `compare` / `run` exit 3 until it is deleted by hand.
-# Fix: sign_directory removes the dead signers' temporaries first. Delete this mark then.
-SIGN_BUG = pytest.mark.xfail(strict=True, reason="a dead signer's temporary attestation "
-                             "blocks re-signing (qualify/evidence/sign.py)")
 
 
 def _params(points: dict[str, Any]) -> list[Any]:
-    return [pytest.param(p, marks=SIGN_BUG) if p.endswith("-sign") else p for p in points]
+    return list(points)
 
 
 def small_contract_text() -> str:

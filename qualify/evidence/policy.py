@@ -172,18 +172,18 @@ def default_policy(contract: Contract) -> Policy:
 
 
 def find_policy(contract: Contract) -> Path | None:
-    """``<contract's directory>/gates/<name>.toml``, else ``contracts/gates/<name>.toml``.
+    """The gate policy file of a contract: ``<its directory>/gates/<name>.toml``.
+
+    ``contracts/gates/`` for a contract loaded from text (the embedded default). Only
+    beside the contract file: a contract elsewhere that reuses a committed contract's name
+    (a test's or a user's variant, with its own matrix) is not gated by that policy.
 
     Returns:
         The policy file, or ``None`` when there is none.
     """
-    dirs = [contract.path.parent] if contract.path is not None else []
-    dirs.append(contracts_dir())
-    for d in dirs:
-        p = d / GATES_DIR / f"{contract.name}.toml"
-        if p.is_file():
-            return p
-    return None
+    d = contract.path.parent if contract.path is not None else contracts_dir()
+    p = d / GATES_DIR / f"{contract.name}.toml"
+    return p if p.is_file() else None
 
 
 def _matches(glob: str, ids: Sequence[str]) -> list[str]:

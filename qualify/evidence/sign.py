@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from qualify import atomic
 from qualify.errors import (
     EnvelopeFormatError,
     EvidenceIntegrityError,
@@ -122,6 +124,29 @@ def sign_statement(statement: Mapping[str, Any], keys: SigningKey | Sequence[Sig
                     signatures=tuple(Signature(keyid=k.keyid, sig=k.sign(message)) for k in ks))
 
 
+def _remove_dead_signers_temporaries(d: Path) -> None:
+    """Remove the attestation temporary of a signer killed before its rename.
+
+    A signer writes ``attestation.dsse.json`` through a temporary in the sealed (read-only)
+    directory; killed before the rename, it leaves that temporary, which the manifest check
+    of :func:`~qualify.evidence.statement.build_statement` refuses as an unlisted file, so no
+    later ``sign``, ``compare`` or ``run`` could attest the directory. Only a temporary of
+    the attestation whose writer is known dead (:func:`qualify.atomic.writer_alive`) is
+    removed (``tests/test_kill_points.py``: the ``ref-sign`` and ``cmp-sign`` points).
+    """
+    stale = [p for p in d.iterdir() if atomic.is_temporary(p.name)
+             and (w := atomic.temp_writer(p.name)) is not None and w.name == ATTESTATION_FILE
+             and atomic.writer_alive(p) is False] if d.is_dir() else []
+    if not stale:
+        return
+    mode = stat.S_IMODE(d.stat().st_mode)
+    os.chmod(d, mode | stat.S_IWUSR)
+    try:
+        atomic.remove_stale_temporaries(d, name=ATTESTATION_FILE)
+    finally:
+        os.chmod(d, mode)
+
+
 def sign_directory(directory: str | Path, key: SigningKey | None = None, *,
                    reference_dir: str | Path | None = None) -> Path:
     """Attest a sealed reference or candidate run: write its ``attestation.dsse.json``.
@@ -144,6 +169,7 @@ def sign_directory(directory: str | Path, key: SigningKey | None = None, *,
         UsageError: the directory is neither a reference nor a candidate run.
     """
     d = Path(directory)
+    _remove_dead_signers_temporaries(d)
     if os.path.lexists(d / ATTESTATION_FILE) and not store.is_partial_attestation(
             d / ATTESTATION_FILE):
         raise EvidenceIntegrityError(f"{d / ATTESTATION_FILE}: exists; an attestation is "
