@@ -111,11 +111,11 @@ SCORES_DIR: Final = "scores"
 CONTROLS_DIR: Final = "controls"
 BRANCHES_DIR: Final = "branches"
 BRANCHES_FILE: Final = "branches.json"
+COVERAGE_FILE: Final = "coverage.json"
+"""What the contract's rules exercise on the frozen data (:mod:`qualify.reference.coverage`)."""
 
 # --- a run
 RUN_FILE: Final = "run.json"
-COVERAGE_FILE: Final = "coverage.json"
-"""What the contract's rules exercise on the frozen data (:mod:`qualify.reference.coverage`)."""
 REPORT_JSON: Final = "report.json"
 REPORT_MD: Final = "report.md"
 INPUTS_DIR: Final = "inputs"

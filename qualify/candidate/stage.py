@@ -449,6 +449,7 @@ def run_candidate_stage(
     # INCOMPLETE from the first write until compare seals the run; its lock makes
     # this process the run's one writer (a dead writer's lock is taken over)
     with store.hold_writer_lock(run_dir, kind=RUN_KIND):
+        resumed = (run_dir / RUN_FILE).is_file()
         run = _read_run(run_dir) or RunDocument(
             contract=contract.name, contract_digest=contract.digest,
             reference=RunReference(path=str(reference.resolve()),
