@@ -123,7 +123,8 @@ INVALID: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
                          r"sampling\.temperature: 0 is less than or equal"),
     "unknown_engine": (_set("matrix.engines", ["torch_tp", "deepspeeed"]),
                        r"matrix\.engines\.1: unknown engine 'deepspeeed'; did you mean "
-                       r"'deepspeed'\? registered engines: deepspeed, fsdp2, megatron, torch_tp, vllm"),
+                       r"'deepspeed'\? registered engines: deepspeed, fsdp2, megatron, "
+                       r"torch_tp, vllm"),
     "sampler_as_trainer": (_set("matrix.engines", ["torch_tp", "vllm"]),
                            r"matrix\.engines\.1: 'vllm' is a sampler engine, not a trainer"),
     "bad_zero_stage": (_set("matrix.engine_options.deepspeed.zero_stage", [0, 3]),

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from fresh_world import code_root, fresh, fresh_world
 from test_verify import (
     CONTRACT,
     CUDA_ONLY,
@@ -22,8 +23,6 @@ from test_verify import (
     tampered,
     world,
 )
-
-from fresh_world import code_root, fresh, fresh_world
 
 from qualify.errors import ExitCode
 from qualify.evidence import store

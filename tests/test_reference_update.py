@@ -367,7 +367,8 @@ def test_row_split_sums_rounded_partials_like_a_row_parallel_all_reduce(
 
     from qualify.reference.update import split_row_parallel
 
-    actor = copy.deepcopy(models[0]).to(torch.bfloat16)
+    actor = copy.deepcopy(models[0])
+    actor.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers types .to(PreTrainedModel)
     plain = copy.deepcopy(actor)
     assert split_row_parallel(actor, 2) == 2 * CFG["num_hidden_layers"]
     lin = actor.model.layers[0].mlp.down_proj
