@@ -72,7 +72,10 @@ def _cmd_compare(args: argparse.Namespace) -> ExitCode:
         report = compare_run(run_dir, reference_dir=reference)
         if not args.no_seal:
             seal_and_sign(run_dir, kind="candidate-run")
-    print(f"report: {run_dir / REPORT_MD}: {report.summary}")
+    cells = report.summary.get("cells", {})
+    counts = ", ".join(f"{k} {v}" for k, v in cells.items() if v) if isinstance(cells, dict) \
+        else ""
+    print(f"report: {run_dir / REPORT_MD} (cells: {counts})")
     return ExitCode.OK if report.passed else ExitCode.QUALIFICATION_FAILED
 
 

@@ -19,7 +19,6 @@ machine (a CPU CI runner) need not have the engines installed.
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -27,6 +26,7 @@ from typing import Any, Final
 from qualify.contract import Contract
 from qualify.digests import sha256_file
 from qualify.errors import EvidenceIntegrityError, UsageError
+from qualify.evidence.environment import package_versions
 from qualify.evidence.sealed import atomic_write_bytes
 from qualify.jsonio import read_json
 from qualify.layout import RUN_FILE, SOURCES_FILE
@@ -78,13 +78,7 @@ def _distributions(engine: str) -> dict[str, str | None]:
         names: Sequence[str] = registry.get_engine(engine).distributions
     except Exception:  # an engine this checkout no longer knows: nothing to read
         names = ()
-    out: dict[str, str | None] = {}
-    for name in names:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+    return package_versions(list(names))
 
 
 def contract_engines(contract: Contract) -> list[str]:

@@ -103,8 +103,8 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
     report = compare_run(run_dir)
     seal_and_sign(run_dir, kind="candidate-run")
     code, ev = run_decision(run_dir, contract, policy)
-    print(f"report: {run_dir / REPORT_MD}: {report.summary}")
+    del report  # sealed and signed; the summary below is the policy's view of it
     pol = f"gate policy {policy.path}" if policy.path else "no gate policy (report verdict)"
     print(f"{contract.name}: exit {int(code)} by {pol}")
-    print_evaluation(ev, report_md=None)
+    print_evaluation(ev, report_md=run_dir / REPORT_MD)
     return code
