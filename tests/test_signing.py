@@ -299,9 +299,9 @@ CLI_SURFACE = {
     "keygen": ["--name", "--private-key", "--public-dir"],
     "sign": ["dir", "--key", "--reference", "--keys"],
     "verify": ["path", "--keys", "--contract", "--contracts-dir", "--reference", "--json"],
-    "gate": ["evidence_dir", "--contract", "--allow-not-run", "--json", "--reference",
-             "--keys"],
-    "audit": ["dirs", "--format", "--output", "--contracts-dir", "--keys"],
+    "gate": ["evidence_dir", "--contract", "--allow-not-run", "--policy", "--sources-root",
+             "--json", "--reference", "--keys"],
+    "audit": ["dirs", "--format", "--output", "--contracts-dir", "--sources-root", "--keys"],
 }
 
 

@@ -139,8 +139,9 @@ def real_copy(real_world: RealWorld, tmp_path: Path) -> Iterator[RealWorld]:
 
 
 def m_launch_output_byte(w: World) -> Path:
-    """A byte of a (sealed) launch attempt's raw tensors, not of a cell's."""
-    launch = sorted((w.good / "launches").rglob("*.safetensors"))[0]
+    """A byte of a (sealed) launch attempt's tensor index: the per-tensor sha256 of what the
+    harness wrote (the launch keeps no tensors of its own since compact evidence)."""
+    launch = sorted((w.good / "launches").rglob("tensor_index.json"))[0]
     flip_byte(launch)
     return w.good
 
@@ -154,7 +155,7 @@ def m_reference_scores_byte(w: World) -> Path:
 NEEDS_FAILING_RUN = {"verdict FAIL->PASS in report.json (re-sealed, re-signed)"}
 REAL_MUTATIONS: tuple[Mutation, ...] = (
     *(m for m in MUTATIONS if m.name not in NEEDS_FAILING_RUN),
-    Mutation("byte flipped in a launch attempt's raw outputs", m_launch_output_byte, 4,
+    Mutation("byte flipped in a launch attempt's tensor index", m_launch_output_byte, 4,
              SubjectDigestError),
     Mutation("byte flipped in the reference's HF scores", m_reference_scores_byte, 7,
              ReferenceBindingError),
