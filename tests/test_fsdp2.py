@@ -229,36 +229,18 @@ def test_fault_grad_averaged_twice_halves_the_gradients(runs: Runs, role: str) -
 # --------------------------------------------------------------------------- the real chain
 
 
-def _spec_world_size(original: Any) -> Any:
-    """``torchrun_command`` starting ``EngineSpec.world_size(cell)`` ranks.
-
-    ``qualify/candidate/launch.py`` passes ``cell.world_size`` (``actor_tp + critic_tp``);
-    a DP axis needs the spec's rule (harnesses/fsdp2/README.md, "Not done"). Once the
-    launcher asks the spec, this wrapper computes the same number and changes nothing.
-    """
-    def command(cell_file: Path, **kw: Any) -> Any:
-        cell = HarnessCell.from_dict(json.loads(Path(cell_file).read_text()))
-        return original(cell_file, **{**kw, "world_size": get_engine(cell.engine).world_size(cell)})
-    return command
-
-
 @pytest.fixture(scope="module")
 def fault_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """reference -> candidate (fp32 cells, ``grad_averaged_twice`` on) -> compare."""
-    import qualify.candidate.launch as launch_module
     from qualify.candidate.stage import run_candidate_stage
     from qualify.compare.stage import compare_run
     from qualify.reference.stage import run_reference_stage
 
     contract = load_contract(CONTRACT)
     ref = run_reference_stage(contract, root=tmp_path_factory.mktemp("refs"), quiet=True)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(launch_module, "torchrun_command",
-                   _spec_world_size(launch_module.torchrun_command))
-        run_dir = run_candidate_stage(contract, reference=ref,
-                                      root=tmp_path_factory.mktemp("ev"),
-                                      cells=["fsdp2-fp32-*"], quiet=True,
-                                      faults=("grad_averaged_twice",))
+    run_dir = run_candidate_stage(contract, reference=ref, root=tmp_path_factory.mktemp("ev"),
+                                  cells=["fsdp2-fp32-*"], quiet=True,
+                                  faults=("grad_averaged_twice",))
     compare_run(run_dir)
     doc: dict[str, Any] = json.loads((run_dir / "report.json").read_text("utf-8"))
     return doc
