@@ -1,9 +1,16 @@
 """The bound rule, computed once in the reference stage and sealed.
 
-``bound(m, c, p) = k * control_error(m, c, p) + floor(m, p)`` (DESIGN.md section 5), with
-``control_error(m, c, p)`` the largest error of the controls that the contract assigns to
-class ``c`` (``candidate_vs_hf``: a candidate at precision ``p`` against the HF reference at
-``p``; ``tp_vs_tp1``: TP = n against TP = 1 of the same engine and precision). In the
+``bound(m, c, p) = k * max(control_error(m, c, p), resolution(m)) + floor(m, p)`` (DESIGN.md
+section 5), with ``control_error(m, c, p)`` the largest error of the controls that the
+contract assigns to class ``c`` (``candidate_vs_hf``: a candidate at precision ``p`` against
+the HF reference at ``p``; ``tp_vs_tp1``: TP = n against TP = 1 of the same engine and
+precision). ``resolution(m)`` is non-zero for the scalar families only (:data:`RESOLVED_FAMILIES`):
+the FP32 spacing (one unit in the last place) of the reference value, the smallest non-zero
+difference two FP32 results near it can have. A control error of 0 on a scalar says that the
+control rounded exactly like the reference, not that a conforming execution summing in
+another order agrees to better than one ulp; without the term, a 2-ulp difference of an
+FP32 grad norm (|Δ| = 1.9e-6 at 8.4, sum of squares over TP shards in another order) failed
+a bound that was the floor alone (1e-6). In the
 ``deterministic`` lane every bound is 0 (bitwise equality). The comparator reads bounds only
 from the sealed ``bounds.json``; a metric without a bound is an error, never a pass.
 :func:`judge` is the verdict half of the rule: ``PASS`` iff the error is finite and
@@ -17,14 +24,26 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 
 from qualify.contract import Contract
 from qualify.lanes import lane_precision
 from qualify.protocol import Verdict
-from qualify.statistics import FAMILY_STATISTIC, ErrorMeasure, MetricKey, compare_sets
+from qualify.statistics import (
+    FAMILY_STATISTIC,
+    ErrorMeasure,
+    MetricKey,
+    compare_sets,
+    group_tensors,
+)
 
 CLASSES = ("candidate_vs_hf", "tp_vs_tp1")
+
+RESOLVED_FAMILIES = ("grad_norm", "clip_coef", "losses")
+"""Scalar families whose control error is taken no smaller than the FP32 resolution of the
+reference value (:func:`scalar_resolutions`). Every such value is an FP32 scalar in every
+engine and lane (norms and losses are accumulated in FP32; protocol)."""
 
 ONLY_AT = {"bf16_mode": "bf16", "fp64": "fp32"}
 """Controls that exist in one lane only (:mod:`qualify.lanes`): the distance between the
@@ -45,7 +64,10 @@ class Bound:
         control: the control that gave it.
         floor: the contract's floor for the family at this precision.
         k: the multiplier.
-        bound: ``k * control_error + floor`` (0 in the deterministic lane).
+        bound: ``k * max(control_error, resolution) + floor`` (0 in the deterministic lane).
+        resolution: FP32 spacing of the largest reference value of the metric (scalar
+            families, :data:`RESOLVED_FAMILIES`), else 0; 0 in references sealed before it
+            existed (their bounds are read as sealed).
     """
 
     precision: str
@@ -57,6 +79,7 @@ class Bound:
     floor: float
     k: float
     bound: float
+    resolution: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (one row of ``bounds.json``)."""
@@ -72,6 +95,7 @@ class Bound:
             "floor": self.floor,
             "k": self.k,
             "bound": self.bound,
+            "resolution": self.resolution,
         }
 
     @classmethod
@@ -82,7 +106,7 @@ class Bound:
             key=MetricKey(round=int(d["round"]), role=d["role"], family=d["family"]),
             statistic=d["statistic"], control_error=float(d["control_error"]),
             control=d["control"], floor=float(d["floor"]), k=float(d["k"]),
-            bound=float(d["bound"]),
+            bound=float(d["bound"]), resolution=float(d.get("resolution", 0.0)),
         )
 
 
@@ -112,7 +136,35 @@ def measure_controls(
     return out
 
 
-def compute_bounds(contract: Contract, errors: ControlErrors) -> list[Bound]:
+def scalar_resolutions(reference: Mapping[str, Mapping[str, npt.ArrayLike]],
+                       ) -> dict[str, dict[MetricKey, float]]:
+    """FP32 resolution of each scalar metric of the reference, per lane.
+
+    Args:
+        reference: ``{lane: protocol tensors of the HF reference run}``.
+
+    Returns:
+        ``{lane: {key: spacing}}`` for the metrics of :data:`RESOLVED_FAMILIES`:
+        ``numpy.spacing(float32(max |value|))`` over the metric's members (the loss terms
+        for ``losses``), i.e. one FP32 ulp of the largest value (IEEE 754 binary32). A
+        non-finite reference value gives 0 (no resolution: its comparison fails anyway).
+    """
+    out: dict[str, dict[MetricKey, float]] = {}
+    for lane, tensors in reference.items():
+        res: dict[MetricKey, float] = {}
+        for key, members in group_tensors(tensors).items():
+            if key.family not in RESOLVED_FAMILIES:
+                continue
+            top = max((float(np.max(np.abs(np.asarray(v, dtype=np.float64))))
+                       for v in members.values()), default=0.0)
+            res[key] = float(np.spacing(np.float32(top))) if math.isfinite(top) else 0.0
+        out[lane] = res
+    return out
+
+
+def compute_bounds(contract: Contract, errors: ControlErrors,
+                   resolutions: Mapping[str, Mapping[MetricKey, float]] | None = None,
+                   ) -> list[Bound]:
     """Apply the contract's bound rule to the measured control errors.
 
     Args:
@@ -120,6 +172,7 @@ def compute_bounds(contract: Contract, errors: ControlErrors) -> list[Bound]:
         errors: output of :func:`measure_controls`, keyed by reference lane
             (:mod:`qualify.lanes`: ``fp32``, ``bf16``, ``bf16-autocast``); a lane takes the
             floors of its precision.
+        resolutions: output of :func:`scalar_resolutions` (``None``: no resolution term).
 
     Returns:
         One :class:`Bound` per lane x class x metric measured by the controls (its
@@ -146,10 +199,12 @@ def compute_bounds(contract: Contract, errors: ControlErrors) -> list[Bound]:
                     if e is not None and (e.value > worst or worst_name == "none"):
                         worst, worst_name = e.value, n
                 floor = float(b.floors[lane_precision(prec)][key.family])
-                bound = 0.0 if b.lane == "deterministic" else b.k * worst + floor
+                res = float((resolutions or {}).get(prec, {}).get(key, 0.0))
+                bound = 0.0 if b.lane == "deterministic" else b.k * max(worst, res) + floor
                 out.append(Bound(precision=prec, klass=klass, key=key,
                                  statistic=FAMILY_STATISTIC[key.family], control_error=worst,
-                                 control=worst_name, floor=floor, k=b.k, bound=bound))
+                                 control=worst_name, floor=floor, k=b.k, bound=bound,
+                                 resolution=res))
     return out
 
 
@@ -159,7 +214,7 @@ def bounds_document(contract: Contract, bounds: list[Bound]) -> dict[str, Any]:
         "schema_version": 1,
         "contract": contract.name,
         "contract_digest": contract.digest,
-        "rule": "bound = k * control_error + floor",
+        "rule": "bound = k * max(control_error, resolution) + floor",
         "k": contract.bounds.k,
         "lane": contract.bounds.lane,
         "controls": {"candidate_vs_hf": list(contract.bounds.controls_candidate_vs_hf),

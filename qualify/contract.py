@@ -293,7 +293,9 @@ class OptimizerSpec:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class BoundsSpec:
-    """The bound rule ``bound(m, c) = k * control_error(m, c) + floor(m, p)``.
+    """The bound rule ``bound(m, c) = k * max(control_error(m, c), resolution(m)) + floor(m, p)``.
+
+    (``resolution``: :mod:`qualify.bounds`, one FP32 ulp of the reference's scalar values.)
 
     Attributes:
         k: multiplier of the control error (4 by default).

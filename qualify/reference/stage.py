@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qualify.bounds import bounds_document, compute_bounds, measure_controls
+from qualify.bounds import bounds_document, compute_bounds, measure_controls, scalar_resolutions
 from qualify.contract import Contract, Precision
 from qualify.errors import ContractError, ReferenceDataError
 from qualify.evidence import store
@@ -302,7 +302,9 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
              for p, runs in control_runs.items()},
             mask,
         )
-        bounds = compute_bounds(contract, errors)
+        resolutions = scalar_resolutions(
+            {p: {k: v.numpy() for k, v in t.items()} for p, t in ref_runs.items()})
+        bounds = compute_bounds(contract, errors, resolutions)
 
         step("branches")
         train_np = {k: v.numpy() for k, v in train.items()}
@@ -314,7 +316,7 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
             control_runs={p: {n: {k: v.numpy() for k, v in t.items()} for n, t in runs.items()}
                           for p, runs in control_runs.items()},
             doc=branch_doc, out=out, train=train_np, mask=mask)
-        bounds = compute_bounds(contract, errors)
+        bounds = compute_bounds(contract, errors, resolutions)
         store.atomic_write_json(out / CONTROL_ERRORS_FILE, control_errors_document(errors))
         store.atomic_write_json(out / BOUNDS_FILE, bounds_document(contract, bounds),
                                 schema="bounds")
