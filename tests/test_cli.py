@@ -107,3 +107,17 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     proc = _qualify("--debug", "validate", str(tmp_path / "nope.toml"))
     assert proc.returncode == ExitCode.USAGE_ERROR
     assert "Traceback" in proc.stderr
+
+
+def test_a_closed_stdout_pipe_is_a_quiet_exit_141_not_a_traceback() -> None:
+    """``qualify validate | head -0``: the reader is gone before qualify writes a byte."""
+    with subprocess.Popen([sys.executable, "-m", "qualify", "validate"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        proc.stdout.close()  # no reader: the first write raises EPIPE (BrokenPipeError)
+        err = proc.stderr.read().decode()
+        code = proc.wait(timeout=120)
+    assert code == 141, err
+    assert "Traceback" not in err
+    assert "BrokenPipeError" not in err

@@ -9,6 +9,7 @@ shows the traceback. Heavy modules are imported inside the subcommands so ``qual
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -144,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+BROKEN_PIPE_EXIT = 141
+"""Exit status when stdout's reader closed the pipe: 128 + SIGPIPE, the shell convention."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``qualify`` console script.
 
@@ -166,6 +171,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("qualify: interrupted; partial output is left unsealed", file=sys.stderr)
         return int(ExitCode.INTERNAL_ERROR)
+    except BrokenPipeError:
+        # The reader of stdout went away (``qualify gate ... | head``). Point stdout at
+        # /dev/null so the interpreter's final flush cannot raise again, and exit as a
+        # writer killed by SIGPIPE would in a shell (128 + 13): the output was cut, so the
+        # command's own verdict is not claimed. (Python docs, "Note on SIGPIPE".)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return BROKEN_PIPE_EXIT
     except Exception as exc:
         traceback.print_exc()
         print(f"qualify: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
