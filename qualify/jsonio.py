@@ -26,6 +26,7 @@ larger contracts while keeping a hostile file from costing more than a bounded r
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from pathlib import Path
@@ -34,7 +35,7 @@ from typing import Any, Final
 from qualify.errors import EvidenceIntegrityError
 from qualify.layout import ATTESTATION_SUFFIX, BOUNDS_FILE, MANIFEST_FILE, REPORT_JSON
 
-__all__ = ["MAX_LISTING_BYTES", "MAX_RECORD_BYTES", "MAX_REPORT_BYTES", "limit_for",
+__all__ = ["MAX_LISTING_BYTES", "MAX_RECORD_BYTES", "MAX_REPORT_BYTES", "json_number", "limit_for",
            "loads_strict", "read_bytes", "read_json"]
 
 MAX_RECORD_BYTES: Final = 4 * 1024 * 1024
@@ -196,3 +197,17 @@ def read_json(path: str | Path, *, max_bytes: int | None = None, what: str = "")
     except OSError as exc:
         raise EvidenceIntegrityError(f"{name}: unreadable: {exc}") from None
     return loads_strict(data, what=name)
+
+
+def json_number(x: float | None) -> float | str | None:
+    """A float for JSON: finite as is, ``inf`` / ``-inf`` / ``nan`` as strings, ``None`` kept.
+
+    qualify writes JSON with ``allow_nan=False`` (a reader of :func:`read_json` refuses the
+    ``NaN`` / ``Infinity`` literals), so a non-finite error or margin is a string.
+    """
+    if x is None:
+        return None
+    if math.isfinite(x):
+        return float(x)
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+

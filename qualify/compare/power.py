@@ -24,7 +24,6 @@ bits on every machine and on every recomputation (``qualify verify`` step 9).
 from __future__ import annotations
 
 import dataclasses
-import math
 import zlib
 from collections.abc import Mapping
 from typing import Any, Final
@@ -33,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from qualify.bounds import judge
+from qualify.jsonio import json_number
 from qualify.statistics import FAMILY_STATISTIC, MetricKey, measure
 
 __all__ = ["NULLS", "Power", "PowerCache", "null_alternatives", "null_errors", "power_from",
@@ -65,16 +65,10 @@ class Power:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (``rows[i].power`` of ``report.json``; non-finite as strings)."""
-        return {"permuted": _json(self.permuted), "sign_flipped": _json(self.sign_flipped),
-                "zeros": _json(self.zeros), "has_power": self.has_power,
+        return {"permuted": json_number(self.permuted),
+                "sign_flipped": json_number(self.sign_flipped),
+                "zeros": json_number(self.zeros), "has_power": self.has_power,
                 "accepted": list(self.accepted)}
-
-
-def _json(x: float | None) -> float | str | None:
-    """A float for JSON (``inf`` / ``nan`` as strings), as ``verdicts.json_number``."""
-    if x is None or math.isfinite(x):
-        return x
-    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
 
 
 def _seed(key: MetricKey, member: str) -> int:

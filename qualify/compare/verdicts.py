@@ -17,12 +17,12 @@ imports none of them (only the leaf modules :mod:`qualify.compare.mismatch` and
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from qualify.compare.mismatch import FieldMismatch
 from qualify.compare.power import Power
+from qualify.jsonio import json_number
 from qualify.protocol import Verdict
 from qualify.reference.coverage import no_power_lines
 from qualify.statistics import MetricKey
@@ -36,7 +36,6 @@ __all__ = [
     "Report",
     "Row",
     "Verdict",
-    "json_number",
     "worst_verdict",
 ]
 
@@ -346,15 +345,6 @@ class Report:
             "coverage": self.coverage_section,
             "power": self.power,
         }
-
-
-def json_number(x: float | None) -> float | str | None:
-    """A float for JSON: finite as is, ``inf`` / ``-inf`` / ``nan`` as strings, ``None`` kept."""
-    if x is None:
-        return None
-    if math.isfinite(x):
-        return float(x)
-    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
 
 
 def _field_row_json(f: FieldMismatch) -> dict[str, Any]:
