@@ -36,7 +36,6 @@ import dataclasses
 import gc
 import math
 import os
-import sys
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -633,4 +632,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    common.exit_now(main())

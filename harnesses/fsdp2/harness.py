@@ -29,7 +29,6 @@ dtypes actually held are read from the tensors and recorded.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -465,4 +464,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    common.exit_now(main())

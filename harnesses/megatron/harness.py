@@ -25,7 +25,6 @@ Reads only ``cell.json`` and, from ``inputs_dir``: ``rollout.safetensors``,
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -337,4 +336,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    common.exit_now(main())

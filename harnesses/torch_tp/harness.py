@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -422,4 +421,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    common.exit_now(main())
