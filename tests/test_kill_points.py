@@ -60,6 +60,7 @@ from qualify.layout import (
 
 NAME = "tiny-kill"  # no gate policy of this name: the gate requires every cell
 CELL_A, CELL_C = "torch_tp-fp32-actor-tp1", "torch_tp-fp32-critic-tp1"
+LAUNCH = "torch_tp-a1c1"  # torch_tp groups its variants: one launch per topology, fp32/ inside
 RUN_ID = "killed"
 ENV_TAG = "QUALIFY_KILL_TEST_TAG"
 ENV_TABLE = "QUALIFY_KILL_TABLE"
@@ -441,7 +442,7 @@ def test_candidate_killed_then_resumed_by_run_id(kit: Kit, clean: Clean, row: Ro
     when: Callable[[], bool] | None = None
     crash: tuple[CrashPoint, Path] | None = None
     if point == "cand-start":
-        when = (run / "launches" / "torch_tp-fp32-a1c1" / "attempt-1" / "cell.json").is_file
+        when = (run / "launches" / LAUNCH / "attempt-1" / "cell.json").is_file
     elif point == "cand-ranks":
         def when() -> bool:
             return any((run / "launches").glob("*/attempt-1/logs/ranks/**/stdout.log"))
@@ -457,10 +458,10 @@ def test_candidate_killed_then_resumed_by_run_id(kit: Kit, clean: Clean, row: Ro
                       f"after {waited:.1f} s")
     assert (run / INCOMPLETE_FILE).exists()
     assert not (run / RUN_FILE).exists()
-    first = run / "launches" / "torch_tp-fp32-a1c1" / "attempt-1"
+    first = run / "launches" / LAUNCH / "attempt-1"
     row.state += f"; launch attempt-1 {describe(first).split(',')[0]}"
     if point == "cand-split":
-        assert (first / "outputs.json").is_file()  # the launch had finished
+        assert (first / "fp32" / "outputs.json").is_file()  # the launch had finished
         assert "cells/torch_tp-fp32-actor-tp1/attempt-1/outputs.safetensors" in \
             _temporaries(run)
     row.after_kill = _audit_gate(kit, evidence, evidence)
@@ -476,7 +477,7 @@ def test_candidate_killed_then_resumed_by_run_id(kit: Kit, clean: Clean, row: Ro
         row.next_did = f"`qualify compare` failed: {_last_line(out)}"
     assert rc2 == ExitCode.OK, out
     assert store.is_sealed(run)
-    launches = store.attempts(run / "launches" / "torch_tp-fp32-a1c1")
+    launches = store.attempts(run / "launches" / LAUNCH)
     assert store.is_sealed(launches[-1])
     kept = [f"{a.name} ({'sealed' if store.is_sealed(a) else 'unsealed'})"
             for a in launches[:-1]]

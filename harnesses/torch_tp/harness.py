@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -353,8 +353,36 @@ class RoleRun(common.RoleOutputs):
         }
 
 
+def check_cell(cell: HarnessCell) -> list[HarnessCell]:
+    """The variants of ``cell`` to run, each as a single-variant cell, validated.
+
+    A cell without ``variants`` is its own single variant; a grouped launch's cell
+    (:attr:`qualify.protocol.HarnessCell.variants`) gives one cell per variant, with
+    ``output_dir / variant_tag(...)`` as its output directory.
+
+    Raises:
+        HarnessError: engine options given, a precision other than fp32 / bf16.
+    """
+    out: list[HarnessCell] = []
+    for precision, options, sub in cell.variant_runs():
+        if options:
+            raise HarnessError(f"torch_tp takes no engine options, got {dict(options)}")
+        if precision not in ("fp32", "bf16"):
+            raise HarnessError(f"precision {precision!r}: torch_tp runs fp32 or bf16")
+        out_dir = Path(cell.output_dir) / sub if sub else Path(cell.output_dir)
+        prec = cast(Literal["fp32", "bf16"], precision)
+        out.append(dataclasses.replace(cell, precision=prec, options={},
+                                       output_dir=str(out_dir), variants=()))
+    return out
+
+
 def run(cell: HarnessCell) -> None:
-    """Run ``cell`` on this rank (the process group must not exist yet).
+    """Run every variant of ``cell`` on this rank (the process group must not exist yet).
+
+    One process group serves every variant of a grouped launch (issue #17); each variant
+    starts from the frozen inputs with a fresh model, optimizer and ``torch.manual_seed
+    (cell.seed)``, so its outputs do not depend on the variants before it
+    (tests/test_torch_tp.py checks this bitwise).
 
     Raises:
         HarnessError: not under torchrun, a world size that is not the cell's, engine
@@ -366,13 +394,9 @@ def run(cell: HarnessCell) -> None:
     if world != cell.world_size:
         raise HarnessError(f"WORLD_SIZE = {world} but the cell needs actor_tp + critic_tp = "
                            f"{cell.world_size}")
-    if cell.options:
-        raise HarnessError(f"torch_tp takes no engine options, got {cell.options}")
-    if cell.precision not in ("fp32", "bf16"):
-        raise HarnessError(f"precision {cell.precision!r}: torch_tp runs fp32 or bf16")
+    variants = check_cell(cell)
     active = faults.Faults(cell.faults)
     inputs = common.read_inputs(Path(cell.inputs_dir))
-    output_dir = Path(cell.output_dir)
     device, backend = common.device_and_backend()
     timeout = timedelta(seconds=cell.collective_timeout_s)
     dist.init_process_group(backend, timeout=timeout,
@@ -385,26 +409,32 @@ def run(cell: HarnessCell) -> None:
         if "hang_rank1" in active:
             faults.skip_collective_and_stall(rank)
         dist.barrier(group=mesh.group)  # the TP group is up before anything is loaded
-        print(f"[torch_tp] rank {rank}/{world}: {mesh.role} tp_rank {mesh.tp_rank}/{mesh.tp} "
-              f"ranks {list(mesh.ranks)} on {device} ({backend}), {cell.precision}", flush=True)
-        torch.manual_seed(cell.seed)
         init_s = time.perf_counter() - t0
-        runner = RoleRun(cell=cell, rank=rank, mesh=mesh, inputs=inputs, device=device,
-                         faults=active)
-        with runner.timed("total_s"):
-            meta = runner.run_actor() if mesh.role == "actor" else runner.run_critic()
-        print(f"[torch_tp] rank {rank}: {mesh.role} done, timings {runner.timings}", flush=True)
-        if runner.writer:
-            common.write_part(ENGINE, output_dir, mesh.role, runner.tensors, meta)
-        if rank == 0:
-            head = common.outputs_head(
-                engine=ENGINE, cell=cell.to_dict(), packages=PACKAGES, world=world,
-                backend=backend, device=device,
-                timings={"init_s": round(init_s, 4),
-                         "rank0_total_s": round(time.perf_counter() - t0, 4)},
-                shims=[], faults=cell.faults)
-            common.merge_parts(ENGINE, common.roles(cell.actor_tp, cell.critic_tp),
-                               output_dir, head)
+        for vcell in variants:
+            tv = time.perf_counter()
+            print(f"[torch_tp] rank {rank}/{world}: {mesh.role} tp_rank {mesh.tp_rank}/"
+                  f"{mesh.tp} ranks {list(mesh.ranks)} on {device} ({backend}), "
+                  f"{vcell.precision}", flush=True)
+            torch.manual_seed(cell.seed)
+            runner = RoleRun(cell=vcell, rank=rank, mesh=mesh, inputs=inputs, device=device,
+                             faults=active)
+            with runner.timed("total_s"):
+                meta = runner.run_actor() if mesh.role == "actor" else runner.run_critic()
+            print(f"[torch_tp] rank {rank}: {mesh.role} {vcell.precision} done, timings "
+                  f"{runner.timings}", flush=True)
+            output_dir = Path(vcell.output_dir)
+            if runner.writer:
+                common.write_part(ENGINE, output_dir, mesh.role, runner.tensors, meta)
+            if rank == 0:
+                head = common.outputs_head(
+                    engine=ENGINE, cell=vcell.to_dict(), packages=PACKAGES, world=world,
+                    backend=backend, device=device,
+                    timings={"init_s": round(init_s, 4),
+                             "variant_s": round(time.perf_counter() - tv, 4),
+                             "rank0_total_s": round(time.perf_counter() - t0, 4)},
+                    shims=[], faults=cell.faults)
+                common.merge_parts(ENGINE, common.roles(cell.actor_tp, cell.critic_tp),
+                                   output_dir, head)
     finally:
         dist.destroy_process_group()
 
