@@ -32,14 +32,15 @@ def test_torch_tp_groups_its_variants() -> None:
 
 def test_variants_in_one_process_group_equal_separate_launches_bitwise(runs: Runs) -> None:
     out = runs.root / "grouped-bf16-then-fp32-a2c1"
-    variants = ({"precision": "bf16", "options": {}}, {"precision": "fp32", "options": {}})
+    order = ("bf16", "fp32")
+    variants = tuple({"precision": p, "options": {}} for p in order)
     res = launch(runs.cell(out, precision="fp32", actor_tp=2, critic_tp=1, variants=variants),
                  module=MODULE, attempt_dir=out, timeout_s=LAUNCH_TIMEOUT_S)
     assert res.status == "OK", res.reason
-    for v in variants:
-        grouped = load_file(str(out / variant_tag(v["precision"], {}) / OUTPUTS_FILE))
-        alone = runs.tensors(f"{v['precision']}-a2c1")
+    for prec in order:
+        grouped = load_file(str(out / variant_tag(prec, {}) / OUTPUTS_FILE))
+        alone = runs.tensors(f"{prec}-a2c1")
         assert sorted(grouped) == sorted(alone)
         differ = [k for k in alone if not torch.equal(grouped[k], alone[k])]
-        assert differ == [], f"{v['precision']}: {len(differ)} tensors differ, e.g. {differ[:3]}"
+        assert differ == [], f"{prec}: {len(differ)} tensors differ, e.g. {differ[:3]}"
     assert not (out / OUTPUTS_FILE).exists()  # a grouped launch writes per-variant only
