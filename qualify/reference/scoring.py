@@ -10,8 +10,10 @@ Precision (the contract's ``fp32`` / ``bf16``; the model passed in always holds 
 parameters, the master copy):
 
 - ``fp32``: the FP32 parameters, no autocast.
-- ``bf16`` + ``bf16_mode="params"``: a BF16 copy of the parameters (``deepcopy(model)
-  .to(torch.bfloat16)``; the FP32 master stays in the caller's model), no autocast.
+- ``bf16`` + ``bf16_mode="params"``: a BF16 copy of the parameters
+  (:func:`bf16_parameters_copy`: parameters BF16, buffers such as the rotary ``inv_freq``
+  kept FP32, as Hugging Face's ``from_pretrained(torch_dtype=torch.bfloat16)`` holds them;
+  the FP32 master stays in the caller's model), no autocast.
 - ``bf16`` + ``bf16_mode="autocast"``: the FP32 parameters under
   ``torch.autocast(device_type, dtype=torch.bfloat16)``.
 - ``fp64`` (the reference's ``fp64`` control only, never a contract precision): an FP64
@@ -54,6 +56,30 @@ from qualify.reference.rollout import Rollout
 Precision = Literal["fp32", "bf16", "fp64"]
 Bf16Mode = Literal["params", "autocast"]
 Role = Literal["policy", "critic", "reward"]
+
+def bf16_parameters_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` with BF16 parameters and every buffer as it was.
+
+    ``nn.Module.to(torch.bfloat16)`` rounds floating-point buffers too: the rotary
+    ``inv_freq`` of Qwen3 / Llama becomes BF16 (3 significant digits), and every cos/sin
+    table built from it is off by ``position * inv_freq * 2^-9`` radians (transformers
+    #25681, EleutherAI/gpt-neox #1003, NVIDIA-NeMo/Automodel #2549). Hugging Face's own BF16
+    model, ``from_pretrained(torch_dtype=torch.bfloat16)``, casts parameters only and keeps
+    buffers FP32 (transformers #30709), as FSDP2's ``MixedPrecisionPolicy`` and Megatron's
+    ``RotaryEmbedding`` do; the reference's BF16-parameter lane is that model. Tied
+    parameters stay tied (each shared ``Parameter`` is converted once, in place).
+
+    Args:
+        model: a module with FP32 (or any float) parameters; not modified.
+
+    Returns:
+        The copy: parameters ``torch.bfloat16``, buffers unchanged in dtype and value.
+    """
+    work = copy.deepcopy(model)
+    for p in work.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return work
+
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -238,7 +264,7 @@ def _scoring_pass(
         names = sorted(_dtype_name(d) for d in master)
         raise ValueError(f"{role} model must hold FP32 parameters (the master copy), has {names}")
     device = next(model.parameters()).device
-    run = (copy.deepcopy(model).to(torch.bfloat16) if bf16_mode == "params"
+    run = (bf16_parameters_copy(model) if bf16_mode == "params"
            else copy.deepcopy(model).to(torch.float64) if precision == "fp64" else model)
     was_training = run.training
     run.eval()

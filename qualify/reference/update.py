@@ -28,7 +28,6 @@ estimators (Schulman 2020, "Approximating KL divergence"), AdamW (Loshchilov & H
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final, Literal
@@ -38,6 +37,7 @@ from torch import nn
 
 from qualify.contract import Contract
 from qualify.protocol import param_sample_indices, tensor_name
+from qualify.reference.scoring import bf16_parameters_copy
 
 Bf16Mode = Literal["params", "autocast"]
 RoundHook = Callable[[int, nn.Module, nn.Module, "Batch", torch.Tensor], None]
@@ -271,9 +271,14 @@ class _Precision:
         return self.settings.precision == "bf16" and self.settings.bf16_mode == "params"
 
     def refresh(self) -> nn.Module:
-        """The module to run forward on: the master, or a fresh BF16 copy of it."""
+        """The module to run forward on: the master, or a fresh BF16 copy of it.
+
+        The copy has BF16 parameters and FP32 buffers
+        (:func:`qualify.reference.scoring.bf16_parameters_copy`: the rotary ``inv_freq`` is
+        not rounded, as in Hugging Face's own BF16 model).
+        """
         if self.bf16_params:
-            self.work = copy.deepcopy(self.master).to(torch.bfloat16)
+            self.work = bf16_parameters_copy(self.master)
             return self.work
         return self.master
 
