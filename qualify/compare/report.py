@@ -260,7 +260,10 @@ def render_markdown(report: Report) -> str:
                                     r.adjustment) for r in adjusted]), ""]
     else:
         lines += ["None.", ""]
-    lines += _coverage_lines(report) + _power_lines(report)
+    if "coverage" in report.sections:
+        lines += _coverage_lines(report)
+    if "power" in report.sections:
+        lines += _power_lines(report)
     lines += ["## Field mismatch (informational, not gated)", "",
               f"Round-1 teacher-forced logprobs against the sampler's behavior logprobs "
               f"(`logprobs_mode = {report.logprobs_mode}`; like-for-like: "

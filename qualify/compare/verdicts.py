@@ -28,6 +28,7 @@ from qualify.reference.coverage import no_power_lines
 from qualify.statistics import MetricKey
 
 __all__ = [
+    "OPTIONAL_SECTIONS",
     "ROW_CLASSES",
     "VERDICT_PRECEDENCE",
     "Cell",
@@ -36,11 +37,18 @@ __all__ = [
     "Report",
     "Row",
     "Verdict",
+    "sections_of",
     "worst_verdict",
 ]
 
 ROW_CLASSES: Final = ("candidate_vs_hf", "tp_vs_tp1", "padding_invariance", "dtypes",
                       "replica_consistency")
+OPTIONAL_SECTIONS: Final[tuple[str, ...]] = ("coverage", "power")
+"""Report sections added after the first comparator, in the order they were added:
+``coverage`` (the reference's coverage record, issue #15) and ``power`` (the power check of
+every metric row and its per-family summary, issue #15). A report without them was sealed
+before they existed and is recomputed without them (:func:`sections_of`)."""
+
 VERDICT_PRECEDENCE: Final[tuple[Verdict, ...]] = ("FAIL", "ERROR", "NOT_RUN", "PASS")
 """Worst first: a cell's verdict is the first of these that any of its rows has."""
 
@@ -159,6 +167,17 @@ class Row:
                 "adjustment": self.adjustment,
                 "power": self.power.to_dict() if self.power is not None else None}
 
+    def to_dict_in(self, sections: Sequence[str]) -> dict[str, Any]:
+        """:meth:`to_dict` as written by a comparator with only ``sections``.
+
+        The row's ``power`` key exists from the ``power`` section on
+        (:data:`OPTIONAL_SECTIONS`).
+        """
+        d = self.to_dict()
+        if "power" not in sections:
+            del d["power"]
+        return d
+
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class CellResult:
@@ -226,6 +245,15 @@ class Report:
         coverage: the reference's ``coverage.json`` (what the contract's rules exercise,
             :mod:`qualify.reference.coverage`), or ``None`` for a reference sealed before
             it existed ("coverage not recorded").
+        sections: the optional sections this report holds (:data:`OPTIONAL_SECTIONS`,
+            every one by default: what the comparator writes today). ``qualify verify``
+            recomputes a report sealed by an earlier comparator with the sections that
+            report holds (:func:`sections_of`), so evidence stays verifiable after a
+            section is added; the verdicts, errors, bounds and margins of every row are
+            recomputed and compared whatever the sections.
+
+    Raises:
+        ValueError: an unknown section name.
     """
 
     contract: str
@@ -245,6 +273,12 @@ class Report:
     field_metrics: tuple[FieldMismatch, ...]
     notes: tuple[str, ...] = ()
     coverage: Mapping[str, Any] | None = None
+    sections: tuple[str, ...] = OPTIONAL_SECTIONS
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.sections) - set(OPTIONAL_SECTIONS))
+        if unknown:
+            raise ValueError(f"unknown report sections {unknown}")
 
     @property
     def verdicts(self) -> dict[str, Verdict]:
@@ -319,7 +353,7 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         """The ``report.json`` document (schema ``contracts/schema/report.schema.json``)."""
-        return {
+        doc: dict[str, Any] = {
             "schema_version": 1,
             "contract": self.contract,
             "contract_digest": self.contract_digest,
@@ -333,7 +367,7 @@ class Report:
             "passed": self.passed,
             "summary": self.summary,
             "cells": [c.to_dict() for c in self.cells],
-            "rows": [r.to_dict() for r in self.rows],
+            "rows": [r.to_dict_in(self.sections) for r in self.rows],
             "field_metrics": {
                 "gated": False,
                 "logprobs_mode": self.logprobs_mode,
@@ -342,9 +376,21 @@ class Report:
                 "rows": [_field_row_json(f) for f in self.field_metrics],
             },
             "notes": list(self.notes),
-            "coverage": self.coverage_section,
-            "power": self.power,
         }
+        if "coverage" in self.sections:
+            doc["coverage"] = self.coverage_section
+        if "power" in self.sections:
+            doc["power"] = self.power
+        return doc
+
+
+def sections_of(report_doc: Mapping[str, Any]) -> tuple[str, ...]:
+    """The optional sections a stored ``report.json`` holds, in :data:`OPTIONAL_SECTIONS` order.
+
+    A section is present when its top-level key is (``coverage``, ``power``): a report of
+    an earlier comparator simply lacks the keys of later sections.
+    """
+    return tuple(name for name in OPTIONAL_SECTIONS if name in report_doc)
 
 
 def _field_row_json(f: FieldMismatch) -> dict[str, Any]:

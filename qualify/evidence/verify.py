@@ -507,6 +507,7 @@ def verify_verdicts(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path) 
     """
     from qualify.compare.report import render_markdown
     from qualify.compare.stage import compare_run
+    from qualify.compare.verdicts import sections_of
 
     try:
         again = compare_run(run_dir, reference_dir=ref_dir, write=False)
@@ -518,9 +519,12 @@ def verify_verdicts(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path) 
     pred = _predicate(statement)
     ref_path = report.get("reference", {}).get("path") \
         if isinstance(report.get("reference"), dict) else None
+    # A report sealed by an earlier comparator is recomputed with the sections it holds
+    # (qualify.compare.verdicts.OPTIONAL_SECTIONS): every row's verdict, error, bound and
+    # margin is compared whatever the sections.
     again = dataclasses.replace(again, created=str(report.get("created")),
                                 run_dir=str(report.get("run_dir")),
-                                reference_dir=str(ref_path))
+                                reference_dir=str(ref_path), sections=sections_of(report))
     bad = [f"{REPORT_JSON} {d}" for d in document_differences(report, again.to_dict())]
     bad += tensor_index.check_run(run_dir)  # the cells hold exactly what the harnesses wrote
     rendered = render_markdown(again).encode("utf-8")

@@ -1,0 +1,64 @@
+"""Versioned recomputation: a report holds the optional sections of the comparator that made it.
+
+``qualify verify`` step 9 recomputes a stored report with the sections it holds
+(:func:`qualify.compare.verdicts.sections_of`), so evidence sealed before a section existed
+still verifies (tests/test_pre_redesign.py: the pre-redesign fixture, without ``coverage``
+and ``power``), while every row's verdict, error, bound and margin is still recomputed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import pytest
+from test_compare import World
+from test_report import VALIDATOR, failing  # noqa: F401  (the fixture)
+
+from qualify.compare.report import render_markdown
+from qualify.compare.verdicts import OPTIONAL_SECTIONS, Report, sections_of
+from qualify.evidence import store
+
+
+@pytest.fixture(autouse=True)
+def _writable(tmp_path: Path) -> Iterator[None]:
+    yield
+    store.make_writable(tmp_path)
+
+
+def test_todays_report_holds_every_section(failing: tuple[World, Report]) -> None:  # noqa: F811
+    _, report = failing
+    doc = report.to_dict()
+    assert sections_of(doc) == OPTIONAL_SECTIONS == ("coverage", "power")
+    assert all("power" in r for r in doc["rows"])
+
+
+def test_a_report_without_the_sections_is_the_earlier_document(
+        failing: tuple[World, Report]) -> None:  # noqa: F811
+    _, report = failing
+    old = dataclasses.replace(report, sections=())
+    doc = old.to_dict()
+    assert "coverage" not in doc
+    assert "power" not in doc
+    assert all("power" not in r for r in doc["rows"])
+    assert sections_of(doc) == ()
+    # everything that decides is unchanged
+    new = report.to_dict()
+    for key in ("passed", "summary", "cells"):
+        assert doc[key] == new[key]
+    assert [{k: v for k, v in r.items() if k != "power"} for r in new["rows"]] == doc["rows"]
+    md, md_new = render_markdown(old), render_markdown(report)
+    assert "## Power" not in md
+    assert "## Coverage" not in md
+    assert "## Power" in md_new
+    assert "## Coverage" in md_new
+    with pytest.raises(jsonschema.ValidationError):  # today's schema wants both sections
+        VALIDATOR.validate(doc)
+
+
+def test_an_unknown_section_is_refused(failing: tuple[World, Report]) -> None:  # noqa: F811
+    _, report = failing
+    with pytest.raises(ValueError, match="unknown report sections"):
+        dataclasses.replace(report, sections=("coverage", "from-the-future"))
