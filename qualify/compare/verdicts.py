@@ -10,8 +10,8 @@ This module is the bottom of :mod:`qualify.compare`: the row builders
 (:mod:`qualify.compare.rows`), the clip-flip re-judging (:mod:`qualify.compare.reflip`),
 the sampler rows (:mod:`qualify.compare.sampler`), the report writer
 (:mod:`qualify.compare.report`) and the stage (:mod:`qualify.compare.stage`) import it; it
-imports none of them (only the leaf modules :mod:`qualify.compare.mismatch` and
-:mod:`qualify.compare.power`).
+imports none of them (only the leaf modules :mod:`qualify.compare.mismatch`,
+:mod:`qualify.compare.power` and :mod:`qualify.compare.rootcause`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any, Final
 
 from qualify.compare.mismatch import FieldMismatch
 from qualify.compare.power import Power
+from qualify.compare.rootcause import RootCause, root_causes
 from qualify.protocol import Verdict
 from qualify.reference.coverage import no_power_lines
 from qualify.statistics import MetricKey
@@ -298,6 +299,15 @@ class Report:
         return {"families": {k: fams[k] for k in sorted(fams)}, "without_power": lacking}
 
     @property
+    def root_causes(self) -> list[RootCause]:
+        """Each failing cell's earliest failing quantity (:mod:`qualify.compare.rootcause`).
+
+        Computed from the rows' JSON form (what ``report.json`` holds), in cell order, so
+        ``report.json``, ``report.md``, the summary and ``report.html`` name the same cause.
+        """
+        return root_causes([r.to_dict() for r in self.rows], [c.cell for c in self.cells])
+
+    @property
     def coverage_section(self) -> dict[str, Any]:
         """``report.json`` ``coverage``: the reference's record, or that it has none."""
         if self.coverage is None:
@@ -333,6 +343,7 @@ class Report:
             "created": self.created,
             "passed": self.passed,
             "summary": self.summary,
+            "root_causes": [rc.to_dict() for rc in self.root_causes],
             "cells": [c.to_dict() for c in self.cells],
             "rows": [r.to_dict() for r in self.rows],
             "field_metrics": {
