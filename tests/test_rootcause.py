@@ -246,7 +246,8 @@ def test_report_md_leads_with_the_root_causes(committed: dict[str, Any]) -> None
     md = render_markdown(report)
     assert md == render_markdown(report)  # deterministic (verify rebuilds it byte for byte)
     head, rest = md.split("## Root causes\n", 1)
-    assert "## Matrix" not in head and "## Failures" not in head
+    assert "## Matrix" not in head
+    assert "## Failures" not in head
     section = rest.split("\n## ", 1)[0]
     lines = [ln for ln in section.splitlines() if ln.startswith("- ")]
     assert [ln[2:].split(":", 1)[0] for ln in lines] == list(COMMITTED_CAUSES)
