@@ -157,7 +157,7 @@ def _families(rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[str]]:
             if fam not in sampler:
                 sampler.append(fam)
         else:
-            trainer.add("replica" if fam == "replica" else fam)
+            trainer.add(fam)
     ordered = [c for c in MATRIX_COLUMNS if c in trainer] + sorted(trainer - set(MATRIX_COLUMNS))
     return ordered, sampler
 
@@ -198,14 +198,14 @@ def _token_plots(data: RunData) -> list[str]:
     for fam in PER_TOKEN_FAMILIES:
         row = worst_row(data.rows, (fam,))
         te = token_errors(data, row) if row is not None else None
-        if te is None:
+        if row is None or te is None:
             continue
         check = ("the largest equals the row's stored error" if te.reproduces else
                  f"NOTE: the largest, {te.max_abs:.6g}, is not the row's stored error "
-                 f"{row.get('error') if row else '-'}")
+                 f"{row.get('error')}")
         out.append(_figure(token_svg(te), f"tokens-{fam}",
-                           f"{row['cell'] if row else ''} {row['metric'] if row else ''}: "
-                           f"{len(te.sequences)} worst sequences; {check}."))
+                           f"{row['cell']} {row['metric']}: {len(te.sequences)} worst "
+                           f"sequences; {check}."))
         drawn += 1
     if not drawn:
         out.append(f'<p class="note">No per-token tensors to draw. {_e(data.note)}</p>')

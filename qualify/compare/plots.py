@@ -227,7 +227,7 @@ def rounds_svg(per_family: Mapping[str, Mapping[str, Mapping[int, float]]],
     with _drawing():
         fig = _figure(9.0, 2.0 * nrow + 0.8)
         axes = fig.subplots(nrow, ncol, squeeze=False).ravel()
-        colors = [mpl.colormaps["tab10"](i) for i in range(10)]
+        colors = [mpl.colormaps["tab20"](i) for i in range(20)]
         labelled = sorted(failing)
         for ax, fam in zip(axes, fams, strict=False):
             for cell, by_round in per_family[fam].items():
