@@ -275,3 +275,19 @@ def test_summary_leads_with_the_root_causes(committed: dict[str, Any]) -> None:
     assert [ln.strip() for ln in text[1:1 + len(causes)]] == root_cause_lines(causes, cells)
     assert text[2].strip().startswith("[XFAIL] deepspeed-bf16-zero0-actor-tp2: round 1 actor "
                                       "grad_norm (candidate_vs_hf; also tp_vs_tp1)")
+
+
+def test_policy_first_failing_is_the_root_cause(committed: dict[str, Any]) -> None:
+    from qualify.contract import load_contract
+    from qualify.evidence.policy import evaluate, policy_for
+
+    contract = load_contract(ROOT / "contracts" / "tiny-qwen3.toml")
+    ev = evaluate(committed, policy_for(contract))
+    causes = _by_cell(causes_of_report(committed))
+    for c in ev.cells:
+        if c.cell in causes and c.outcome in ("XFAIL", "FAIL"):
+            assert c.first is not None
+            assert c.first["metric"] == causes[c.cell].metric, c.cell
+    (ds,) = [c for c in ev.cells if c.cell == "deepspeed-bf16-zero0-actor-tp2"]
+    assert ds.first is not None
+    assert (ds.first["family"], ds.first["round"]) == ("grad_norm", 1)
