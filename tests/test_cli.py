@@ -21,6 +21,7 @@ EXPECTED = {
     "candidate": ["contract", "--reference", "--out", "--cells", "--run-id", "--quiet"],
     "compare": ["run_dir", "--reference", "--no-seal"],
     "run": ["contract", "--references", "--evidence", "--cells", "--quiet"],
+    "report": ["run_dir", "--html"],
     "keygen": ["--name", "--private-key", "--public-dir"],
     "sign": ["dir", "--key", "--reference", "--keys"],
     "verify": ["path", "--keys", "--contract", "--contracts-dir", "--reference", "--json"],

@@ -31,7 +31,7 @@ def _writable(tmp_path: Path) -> Iterator[None]:
 def test_todays_report_holds_every_section(failing: tuple[World, Report]) -> None:  # noqa: F811
     _, report = failing
     doc = report.to_dict()
-    assert sections_of(doc) == OPTIONAL_SECTIONS == ("coverage", "power")
+    assert sections_of(doc) == OPTIONAL_SECTIONS == ("coverage", "power", "root_causes")
     assert all("power" in r for r in doc["rows"])
 
 
@@ -42,6 +42,7 @@ def test_a_report_without_the_sections_is_the_earlier_document(
     doc = old.to_dict()
     assert "coverage" not in doc
     assert "power" not in doc
+    assert "root_causes" not in doc
     assert all("power" not in r for r in doc["rows"])
     assert sections_of(doc) == ()
     # everything that decides is unchanged
@@ -52,8 +53,12 @@ def test_a_report_without_the_sections_is_the_earlier_document(
     md, md_new = render_markdown(old), render_markdown(report)
     assert "## Power" not in md
     assert "## Coverage" not in md
+    assert "## Root causes" not in md
+    assert "in causal order" not in md
+    assert md.split("## Failures")[1].lstrip().startswith("### 1.")  # file order, as sealed
     assert "## Power" in md_new
     assert "## Coverage" in md_new
+    assert "## Root causes" in md_new
     with pytest.raises(jsonschema.ValidationError):  # today's schema wants both sections
         VALIDATOR.validate(doc)
 

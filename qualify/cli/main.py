@@ -138,9 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_run)
 
     from qualify.cli.evidence import register
+    from qualify.cli.report import register as register_report
     from qualify.cli.slurm import register as register_slurm
 
     register(sub)
+    register_report(sub)
     register_slurm(sub)
     return parser
 

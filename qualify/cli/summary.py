@@ -1,10 +1,13 @@
 """The end of ``qualify run`` and ``qualify gate`` for a person: short rich tables.
 
-One table of cells by engine with their outcome counts (``PASS`` / ``XFAIL`` / ``FAIL`` /
+First the root cause of each failing cell, one line per cell, with the cell's outcome
+(:mod:`qualify.compare.rootcause`: the earliest failing quantity in causal order, the
+other failing rows folded under it; read from the run's ``report.json``). Then one table
+of cells by engine with their outcome counts (``PASS`` / ``XFAIL`` / ``FAIL`` /
 ``NOT_RUN`` / ``STALE`` / ``XPASS``, :data:`qualify.evidence.policy.OUTCOMES`), then the
 cells that did not plainly pass, each with its first failing quantity (family, round,
 statistic) and margin (error / sealed bound, dimensionless; > 1 fails), and where
-``report.md`` is. Machine output stays ``--json``.
+``report.md`` (and ``report.html``, when written) are. Machine output stays ``--json``.
 """
 
 from __future__ import annotations
@@ -18,12 +21,17 @@ from typing import TYPE_CHECKING, TextIO
 from rich.console import Console
 from rich.table import Table
 
+from qualify import jsonio
+from qualify.compare.rootcause import RootCause, causes_of_report
+from qualify.errors import EvidenceIntegrityError
 from qualify.evidence.policy import OUTCOMES, CellOutcome, PolicyEvaluation
+from qualify.layout import REPORT_JSON
 
 if TYPE_CHECKING:
     from qualify.evidence.gate import GateResult
 
-__all__ = ["console", "engine_table", "print_evaluation", "print_gate", "problem_table"]
+__all__ = ["console", "engine_table", "print_evaluation", "print_gate", "problem_table",
+           "root_cause_lines", "run_root_causes"]
 
 _STYLE = {"PASS": "green", "XFAIL": "yellow", "FAIL": "bold red", "NOT_RUN": "dim",
           "STALE": "magenta", "XPASS": "bold red"}
@@ -89,16 +97,73 @@ def problem_table(cells: Sequence[CellOutcome], *, reason_width: int = 56) -> Ta
     return table
 
 
+def run_root_causes(report_md: Path | None) -> list[RootCause] | None:
+    """The root causes in the ``report.json`` beside ``report_md``.
+
+    Returns:
+        :func:`qualify.compare.rootcause.causes_of_report` of that document; ``None`` when
+        there is no readable ``report.json`` there (then nothing is printed of them).
+    """
+    if report_md is None:
+        return None
+    try:
+        doc = jsonio.read_json(report_md.parent / REPORT_JSON)
+    except (OSError, ValueError, EvidenceIntegrityError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    try:
+        return causes_of_report(doc)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def root_cause_lines(causes: Sequence[RootCause],
+                     cells: Sequence[CellOutcome] = ()) -> list[str]:
+    """One line per failing cell: ``[OUTCOME] <cause line>`` (the outcome when known).
+
+    Args:
+        causes: the run's root causes.
+        cells: the policy's outcomes (``XFAIL`` / ``FAIL`` ...), to prefix each line.
+
+    Returns:
+        The lines, in the causes' order.
+    """
+    outcome = {c.cell: c.outcome for c in cells}
+    return [(f"[{outcome[rc.cell]}] " if rc.cell in outcome else "") + rc.line()
+            for rc in causes]
+
+
 def print_evaluation(evaluation: PolicyEvaluation, *, report_md: Path | None,
-                     out: Console | None = None) -> None:
-    """Print the engine table, the problem table and where report.md is."""
+                     out: Console | None = None, report_html: Path | None = None,
+                     causes: Sequence[RootCause] | None = None) -> None:
+    """Print the root causes, the engine table, the problem table, where the reports are.
+
+    Args:
+        evaluation: the policy's outcome of every cell.
+        report_md: the run's ``report.md`` (its ``report.json`` beside it gives the root
+            causes when ``causes`` is ``None``).
+        out: the console (default :func:`console`).
+        report_html: the run's ``report.html`` when one was written.
+        causes: the root causes (default: read from the run's ``report.json``).
+    """
     con = out if out is not None else console()
+    found = list(causes) if causes is not None else run_root_causes(report_md)
+    if found:
+        con.print("root causes (earliest failing quantity per failing cell, in causal "
+                  "order; the cell's other failing rows folded under it):", markup=False,
+                  highlight=False, soft_wrap=True)
+        for line in root_cause_lines(found, evaluation.cells):
+            con.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
     con.print(engine_table(evaluation.cells))
     problems = problem_table(evaluation.cells)
     if problems is not None:
         con.print(problems)
     if report_md is not None:
         con.print(f"report: {report_md}", highlight=False, markup=False, soft_wrap=True)
+    if report_html is not None:
+        con.print(f"report.html: {report_html}", highlight=False, markup=False,
+                  soft_wrap=True)
 
 
 def print_gate(result: GateResult, *, out: Console | None = None) -> None:

@@ -4,19 +4,20 @@
   ``contracts/schema/report.schema.json`` before anything is written. Non-finite numbers
   (an infinite error or margin) are written as the strings ``"inf"`` / ``"-inf"`` /
   ``"nan"`` because JSON has no such numbers.
-- ``report.md``: the result and digests; a matrix of cells x metric families (pandas
+- ``report.md``: the result and digests; the root cause of each failing cell, one line
+  per cell (:mod:`qualify.compare.rootcause`); a matrix of cells x metric families (pandas
   ``DataFrame.to_markdown``, tabulate), each entry the worst verdict of that family's rows
   and its worst margin; the per-cell summary; a pytest-approx-style detail block for each
-  failure; the errors and checks not run; the rows judged against a clip-branch adjusted
-  expected run (:mod:`qualify.branches`); the coverage of the contract (every rule nothing
-  exercises, ``NO POWER: ...``, or "coverage not recorded"); the power check per family
-  and the rows without power (:mod:`qualify.compare.power`); the field mismatch table with
-  its caveat.
+  failure (by cell, causally ordered within a cell); the errors and checks not run; the
+  rows judged against a clip-branch adjusted expected run (:mod:`qualify.branches`); the
+  coverage of the contract (every rule nothing exercises, ``NO POWER: ...``, or "coverage
+  not recorded"); the power check per family and the rows without power
+  (:mod:`qualify.compare.power`); the field mismatch table with its caveat.
 
 Both files are written atomically (:func:`qualify.evidence.sealed.atomic_write_json` /
 :func:`qualify.evidence.sealed.atomic_write_text`: temp file, fsync, ``os.replace``), and never
-into a sealed directory. A ``margins.png`` plot is not produced: matplotlib is not a
-dependency of qualify.
+into a sealed directory. The plots are in ``report.html`` (:mod:`qualify.compare.html`),
+generated from ``report.json`` and the stored tensors, outside the sealed run.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any, Final
 
 import pandas as pd
 
+from qualify.compare.rootcause import causal_key
 from qualify.compare.verdicts import (
     VERDICT_PRECEDENCE,
     CellResult,
@@ -176,6 +178,27 @@ def _failure_block(i: int, r: Row) -> list[str]:
     return out
 
 
+def _root_cause_lines(report: Report) -> list[str]:
+    """``## Root causes``: one line per failing cell, its earliest failing quantity."""
+    out = ["## Root causes", "",
+           "Per failing cell, the earliest failing quantity in causal order (round 1 before "
+           "round 2; forward -> losses -> grads -> grad_norm -> clip_coef -> exp_avg / "
+           "exp_avg_sq -> updates; the sampler by its own chain), with the cell's other "
+           "failing rows folded under it (`qualify/compare/rootcause.py`).", ""]
+    causes = report.root_causes
+    if not causes:
+        return [*out, "None.", ""]
+    return [*out, *(f"- {rc.line()}" for rc in causes), ""]
+
+
+def _causal_failures(report: Report) -> list[Row]:
+    """The ``FAIL`` rows grouped by cell (cell order), causally ordered within a cell."""
+    order = {c.cell: i for i, c in enumerate(report.cells)}
+    fails = list(report.failures)
+    keys = {id(r): causal_key(r.to_dict()) for r in fails}
+    return sorted(fails, key=lambda r: (order.get(r.cell, len(order)), r.cell, keys[id(r)]))
+
+
 def _coverage_lines(report: Report) -> list[str]:
     """``## Coverage``: every rule of the contract that nothing in the frozen data exercises."""
     cov = report.coverage_section
@@ -229,16 +252,22 @@ def render_markdown(report: Report) -> str:
         ("created", report.created),
         ("cells", _counts(s["cells"])),
         ("rows", _counts(s["rows"])),
-    ]), "", "## Matrix", "",
+    ]), ""]
+    causal = "root_causes" in report.sections  # a report sealed before it: file order
+    if causal:
+        lines += _root_cause_lines(report)
+    lines += ["## Matrix", "",
         "Each entry: the worst verdict of that family's rows (all comparison classes and "
         "rounds) and the worst margin = error / sealed bound (PASS needs margin <= 1).", ""]
     frame = matrix_frame(report)
     lines += [str(frame.to_markdown(disable_numparse=True)), "", "## Cells", "",
               _cells_table(report.cells), ""]
-    failures = report.failures
+    failures = _causal_failures(report) if causal else list(report.failures)
     lines += ["## Failures", ""]
     if not failures:
         lines += ["None.", ""]
+    elif causal:
+        lines += ["By cell, each cell's rows in causal order (its root cause first).", ""]
     for i, r in enumerate(failures, 1):
         lines += _failure_block(i, r)
     others = [r for r in report.rows if r.verdict in ("ERROR", "NOT_RUN")]

@@ -10,8 +10,8 @@ This module is the bottom of :mod:`qualify.compare`: the row builders
 (:mod:`qualify.compare.rows`), the clip-flip re-judging (:mod:`qualify.compare.reflip`),
 the sampler rows (:mod:`qualify.compare.sampler`), the report writer
 (:mod:`qualify.compare.report`) and the stage (:mod:`qualify.compare.stage`) import it; it
-imports none of them (only the leaf modules :mod:`qualify.compare.mismatch` and
-:mod:`qualify.compare.power`).
+imports none of them (only the leaf modules :mod:`qualify.compare.mismatch`,
+:mod:`qualify.compare.power` and :mod:`qualify.compare.rootcause`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any, Final
 
 from qualify.compare.mismatch import FieldMismatch
 from qualify.compare.power import Power
+from qualify.compare.rootcause import RootCause, root_causes
 from qualify.jsonio import json_number
 from qualify.protocol import Verdict
 from qualify.reference.coverage import no_power_lines
@@ -43,10 +44,12 @@ __all__ = [
 
 ROW_CLASSES: Final = ("candidate_vs_hf", "tp_vs_tp1", "padding_invariance", "dtypes",
                       "replica_consistency")
-OPTIONAL_SECTIONS: Final[tuple[str, ...]] = ("coverage", "power")
+OPTIONAL_SECTIONS: Final[tuple[str, ...]] = ("coverage", "power", "root_causes")
 """Report sections added after the first comparator, in the order they were added:
-``coverage`` (the reference's coverage record, issue #15) and ``power`` (the power check of
-every metric row and its per-family summary, issue #15). A report without them was sealed
+``coverage`` (the reference's coverage record, issue #15), ``power`` (the power check of
+every metric row and its per-family summary, issue #15) and ``root_causes`` (each failing
+cell's earliest failing quantity, and ``report.md`` leading with them and listing failures
+by cell in causal order, issue #20). A report without them was sealed
 before they existed and is recomputed without them (:func:`sections_of`)."""
 
 VERDICT_PRECEDENCE: Final[tuple[Verdict, ...]] = ("FAIL", "ERROR", "NOT_RUN", "PASS")
@@ -331,6 +334,15 @@ class Report:
         return {"families": {k: fams[k] for k in sorted(fams)}, "without_power": lacking}
 
     @property
+    def root_causes(self) -> list[RootCause]:
+        """Each failing cell's earliest failing quantity (:mod:`qualify.compare.rootcause`).
+
+        Computed from the rows' JSON form (what ``report.json`` holds), in cell order, so
+        ``report.json``, ``report.md``, the summary and ``report.html`` name the same cause.
+        """
+        return root_causes([r.to_dict() for r in self.rows], [c.cell for c in self.cells])
+
+    @property
     def coverage_section(self) -> dict[str, Any]:
         """``report.json`` ``coverage``: the reference's record, or that it has none."""
         if self.coverage is None:
@@ -381,13 +393,16 @@ class Report:
             doc["coverage"] = self.coverage_section
         if "power" in self.sections:
             doc["power"] = self.power
+        if "root_causes" in self.sections:
+            doc["root_causes"] = [rc.to_dict() for rc in self.root_causes]
         return doc
 
 
 def sections_of(report_doc: Mapping[str, Any]) -> tuple[str, ...]:
     """The optional sections a stored ``report.json`` holds, in :data:`OPTIONAL_SECTIONS` order.
 
-    A section is present when its top-level key is (``coverage``, ``power``): a report of
+    A section is present when its top-level key is (``coverage``, ``power``,
+    ``root_causes``): a report of
     an earlier comparator simply lacks the keys of later sections.
     """
     return tuple(name for name in OPTIONAL_SECTIONS if name in report_doc)

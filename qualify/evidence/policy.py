@@ -44,6 +44,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from qualify.compare.rootcause import causal_order
 from qualify.compare.sampler import PROBES
 from qualify.contract import Contract, canonical_json, sha256_hex
 from qualify.errors import ContractError, ExitCode
@@ -296,8 +297,9 @@ class CellOutcome:
         reason: for a person: the report's reason, the expectation's, or the problem.
         allowed_not_run: the glob allowing NOT_RUN rows or the cell (``None``: none).
         expected: the matching expected failures.
-        first: the first failing row of the outcome (``family``, ``round``, ``statistic``,
-            ``metric``, ``margin``), ``None`` if none.
+        first: the causally first failing row of the outcome (``family``, ``round``,
+            ``statistic``, ``metric``, ``margin``; :mod:`qualify.compare.rootcause` order),
+            ``None`` if none.
         stale_files: the changed source files (STALE only).
     """
 
@@ -354,7 +356,12 @@ class PolicyEvaluation:
 
 def _first(rows: Sequence[Mapping[str, Any]], families: set[str] | None = None,
            verdicts: tuple[str, ...] = ("FAIL", "ERROR")) -> dict[str, Any] | None:
-    for r in rows:
+    """The causally first row of ``verdicts`` (and of ``families`` when given).
+
+    The order of :func:`qualify.compare.rootcause.causal_order`, so the summary's "first
+    failing" is the quantity the root-cause line names, not the first row in file order.
+    """
+    for r in causal_order(rows):
         if r.get("verdict") in verdicts and (families is None or r.get("family") in families):
             return {k: r.get(k) for k in ("family", "round", "statistic", "metric", "margin",
                                           "verdict")}

@@ -88,6 +88,7 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
     """
     from qualify.candidate.stage import run_candidate_stage
     from qualify.cli.summary import print_evaluation
+    from qualify.compare.html import write_html
     from qualify.compare.stage import compare_run
     from qualify.evidence.sign import ensure_signed, seal_and_sign
 
@@ -102,9 +103,11 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
                                   quiet=quiet)
     report = compare_run(run_dir)
     seal_and_sign(run_dir, kind="candidate-run")
+    html = write_html(run_dir)  # beside the sealed run, from its report.json and tensors
     code, ev = run_decision(run_dir, contract, policy)
+    causes = report.root_causes
     del report  # sealed and signed; the summary below is the policy's view of it
     pol = f"gate policy {policy.path}" if policy.path else "no gate policy (report verdict)"
     print(f"{contract.name}: exit {int(code)} by {pol}")
-    print_evaluation(ev, report_md=run_dir / REPORT_MD)
+    print_evaluation(ev, report_md=run_dir / REPORT_MD, report_html=html, causes=causes)
     return code

@@ -1,0 +1,46 @@
+"""``qualify report RUN_DIR [--html PATH]``: a compared run's ``report.html``.
+
+The page (:mod:`qualify.compare.html`) is made from the run's ``report.json`` and its
+stored tensors only, so it can be made for any compared run, signed or not, at any time.
+It is written beside the run directory by default (``<run-id>.report.html``), never inside
+it: a sealed run's every file is in its signed manifest. The command prints each failing
+cell's root cause, one line per cell, and the page's path; it exits 0 when the page was
+written (it judges nothing), 2 when ``RUN_DIR`` is not a compared run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from qualify.errors import ExitCode, UsageError
+
+__all__ = ["register"]
+
+
+def _cmd_report(args: argparse.Namespace) -> ExitCode:
+    from qualify import jsonio
+    from qualify.compare.html import write_html
+    from qualify.compare.rootcause import causes_of_report
+    from qualify.layout import REPORT_JSON
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / REPORT_JSON).is_file():
+        raise UsageError(f"{run_dir}: no {REPORT_JSON}; compare the run first "
+                         "(qualify compare RUN_DIR)")
+    path = write_html(run_dir, Path(args.html) if args.html else None)
+    for rc in causes_of_report(jsonio.read_json(run_dir / REPORT_JSON)):
+        print(f"root cause: {rc.line()}")
+    print(f"report.html: {path}")
+    return ExitCode.OK
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``report`` to the ``qualify`` subcommands."""
+    p = sub.add_parser("report", help="write a compared run's report.html (plots, root "
+                                      "causes) from its report.json and stored tensors")
+    p.add_argument("run_dir", help="evidence/<contract>/<run-id> (holds report.json)")
+    p.add_argument("--html", metavar="PATH",
+                   help="where to write it (default: <run-id>.report.html beside the run "
+                        "directory, outside its sealed set)")
+    p.set_defaults(func=_cmd_report)

@@ -1,0 +1,380 @@
+"""``report.html``: a static, self-contained page of a compared run (no JS, no CDN).
+
+Generated only from the run's ``report.json`` and the stored tensors
+(:mod:`qualify.compare.plotdata`), never from a live comparison, so it can be made again
+for any signed run (``qualify report RUN_DIR``). Sections, in order:
+
+1. the result, and the **root cause** of each failing cell, one line per cell
+   (:mod:`qualify.compare.rootcause`);
+2. heat maps of the worst margin (error / sealed bound) per cell x family, trainer cells
+   and families apart from the sampler's;
+3. per-token ``|Δ|`` against the bound for the worst sequences of the worst row of each
+   per-token family (NeMo-RL style);
+4. per-parameter relative L2 error against the bound for the worst failing cell, at its
+   root cause's round;
+5. error / bound round by round per family (every cell; failing cells in colour);
+6. why each bound is what it is: ``bound = k x control_error + floor`` with the control
+   that set it, for each root cause and (folded) for every sealed bound;
+7. the field mismatch metrics ``report.json`` carries (informational, never gated).
+
+The figures are inline SVG (:mod:`qualify.compare.plots`, imported only here, when a page
+is rendered), the style inline CSS: the file opens with no network. The same
+``report.json`` and tensors give the same bytes.
+
+Where it goes: :func:`default_html_path`, beside the run directory
+(``<run-id>.report.html``), never inside it: every file of a sealed run is in its signed
+manifest, and this page is a view that can be made again, not evidence.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import types
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import pandas as pd
+
+from qualify.compare.plotdata import (
+    PER_PARAM_FAMILIES,
+    PER_TOKEN_FAMILIES,
+    RunData,
+    family_margins,
+    load_run,
+    param_errors,
+    round_margins,
+    token_errors,
+    worst_row,
+)
+from qualify.compare.report import MATRIX_COLUMNS
+from qualify.compare.rootcause import SAMPLER_ROLE, RootCause, causes_of_report
+from qualify.evidence import store
+from qualify.layout import REPORT_JSON, REPORT_MD
+
+__all__ = ["HTML_SUFFIX", "default_html_path", "render_html", "write_html"]
+
+HTML_SUFFIX: Final = ".report.html"
+CSS: Final = """
+body { font-family: "DejaVu Sans", Arial, sans-serif; margin: 1.5em auto; max-width: 1200px;
+       color: #222; line-height: 1.35; padding: 0 1em; }
+h1 { font-size: 1.4em; } h2 { font-size: 1.15em; border-bottom: 1px solid #ccc;
+     margin-top: 1.8em; }
+.result-passed { color: #2e7d32; } .result-failed { color: #c62828; }
+ol.root-causes li { margin: 0.35em 0; font-family: "DejaVu Sans Mono", monospace;
+                    font-size: 0.85em; }
+table { border-collapse: collapse; font-size: 0.8em; margin: 0.6em 0; }
+th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: left; }
+th { background: #f3f3f3; }
+figure { margin: 1em 0; } figcaption { font-size: 0.85em; color: #444; }
+figure svg { max-width: 100%; height: auto; }
+.note { font-size: 0.85em; color: #555; }
+"""
+
+
+def _plots() -> types.ModuleType:
+    """:mod:`qualify.compare.plots`, imported on first use (it imports matplotlib).
+
+    matplotlib 3.9.2 builds its fontconfig parser at import time with pyparsing names that
+    pyparsing >= 3.3 deprecates (``PyparsingDeprecationWarning``, a ``DeprecationWarning``
+    whose text starts with the deprecated name); that warning alone is silenced here, and
+    inside the figures by :func:`qualify.compare.plots.quiet_pyparsing`.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"'\w+' (argument is )?deprecated",
+                                category=DeprecationWarning)
+        from qualify.compare import plots
+    return plots
+
+
+def default_html_path(run_dir: str | Path) -> Path:
+    """``<parent>/<run-id>.report.html``: beside the run directory, outside its seal."""
+    rd = Path(run_dir).resolve()
+    return rd.parent / f"{rd.name}{HTML_SUFFIX}"
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _num(x: Any) -> str:
+    if isinstance(x, bool) or x is None:
+        return "-" if x is None else str(x)
+    if isinstance(x, int | float):
+        return "nan" if math.isnan(x) else format(float(x), ".4g")
+    return str(x)
+
+
+def _table(frame: pd.DataFrame, table_id: str) -> str:
+    """A pandas table as HTML (numbers formatted, text escaped)."""
+    return str(frame.to_html(index=False, table_id=table_id, border=0, escape=True,
+                             na_rep="-", float_format=lambda v: format(v, ".4g")))
+
+
+def _figure(svg_text: str, fig_id: str, caption: str) -> str:
+    return (f'<figure id="{fig_id}">{svg_text}<figcaption>{_e(caption)}</figcaption>'
+            "</figure>")
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def _header(data: RunData, causes: Sequence[RootCause]) -> list[str]:
+    doc = data.doc
+    passed = bool(doc.get("passed"))
+    s = doc.get("summary", {})
+    counts = ", ".join(f"{k} {v}" for k, v in s.get("cells", {}).items())
+    out = [f"<h1>Qualification report: {_e(doc.get('contract'))} / run "
+           f"{_e(doc.get('run_id'))}</h1>",
+           f'<p class="result result-{"passed" if passed else "failed"}"><strong>Result: '
+           f'{"PASSED" if passed else "FAILED"}</strong> (cells: {_e(counts)})</p>',
+           f'<p class="note">contract sha256 {_e(doc.get("contract_digest"))}; bounds.json '
+           f'sha256 {_e(doc.get("bounds_digest"))}; lane {_e(doc.get("lane"))}; compared '
+           f'{_e(doc.get("created"))}. Generated from {REPORT_JSON} and the stored tensors; '
+           f"every row with its failure detail is in {REPORT_MD}.</p>",
+           '<h2 id="root-causes-title">Root causes</h2>',
+           '<p class="note">Per failing cell, the earliest failing quantity in causal order '
+           "(round 1 before round 2; forward, losses, grads, grad_norm, clip_coef, exp_avg / "
+           "exp_avg_sq, updates; the sampler by its own chain); the cell's other failing rows "
+           "are folded under it. A failing check (dtypes, replica) is listed beside the "
+           "cause, never before it.</p>"]
+    if not causes:
+        return [*out, '<p id="root-causes-none">No failing cell.</p>']
+    items = "".join(f'<li class="root-cause" data-cell="{_e(rc.cell)}">{_e(rc.line())}</li>'
+                    for rc in causes)
+    return [*out, f'<ol class="root-causes" id="root-causes">{items}</ol>']
+
+
+def _families(rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[str]]:
+    """Trainer families (matrix order) and sampler families (first appearance)."""
+    trainer: set[str] = set()
+    sampler: list[str] = []
+    for r in rows:
+        fam = "padding" if r.get("variant") == "padded" else str(r.get("family"))
+        if r.get("role") == SAMPLER_ROLE:
+            if fam not in sampler:
+                sampler.append(fam)
+        else:
+            trainer.add(fam)
+    ordered = [c for c in MATRIX_COLUMNS if c in trainer] + sorted(trainer - set(MATRIX_COLUMNS))
+    return ordered, sampler
+
+
+def _heatmaps(data: RunData) -> list[str]:
+    heatmap_svg = _plots().heatmap_svg
+
+    rows = data.rows
+    trainer_fams, sampler_fams = _families(rows)
+    cells = list(data.doc.get("cells", []))
+    sampler_cells = [str(c["cell"]) for c in cells if c.get("role") == SAMPLER_ROLE]
+    trainer_cells = [str(c["cell"]) for c in cells if c.get("role") != SAMPLER_ROLE]
+    out = ['<h2 id="heatmaps-title">Margins: cells x families</h2>',
+           '<p class="note">The worst margin (error / sealed bound, every comparison class '
+           "and round) of each cell and family; above 1 fails. Grey: no row with a margin "
+           "(NR: not run; a check without a margin shows its verdict).</p>"]
+    for cells_of, fams, fid, title in ((trainer_cells, trainer_fams, "heatmap-trainer",
+                                        "trainer cells"),
+                                       (sampler_cells, sampler_fams, "heatmap-sampler",
+                                        "sampler cells")):
+        if not cells_of or not fams:
+            continue
+        margins, verdicts = family_margins(rows, cells_of, fams)
+        out.append(_figure(heatmap_svg(margins, verdicts, cells_of, fams,
+                                       title=f"{title}: worst margin per family"),
+                           fid, f"{title}: {len(cells_of)} cells x {len(fams)} families"))
+    return out
+
+
+def _token_plots(data: RunData) -> list[str]:
+    token_svg = _plots().token_svg
+
+    out = ['<h2 id="tokens-title">Per-token error against the bound</h2>',
+           '<p class="note">For the worst candidate-vs-HF row of each per-token family, '
+           "|obtained - expected| at every valid response token of its worst sequences; "
+           "the dashed line is the sealed bound.</p>"]
+    drawn = 0
+    for fam in PER_TOKEN_FAMILIES:
+        row = worst_row(data.rows, (fam,))
+        te = token_errors(data, row) if row is not None else None
+        if row is None or te is None:
+            continue
+        check = ("the largest equals the row's stored error" if te.reproduces else
+                 f"NOTE: the largest, {te.max_abs:.6g}, is not the row's stored error "
+                 f"{row.get('error')}")
+        out.append(_figure(token_svg(te), f"tokens-{fam}",
+                           f"{row['cell']} {row['metric']}: {len(te.sequences)} worst "
+                           f"sequences; {check}."))
+        drawn += 1
+    if not drawn:
+        out.append(f'<p class="note">No per-token tensors to draw. {_e(data.note)}</p>')
+    return out
+
+
+def _param_plot(data: RunData, causes: Sequence[RootCause]) -> list[str]:
+    param_svg = _plots().param_svg
+
+    out = ['<h2 id="params-title">Per-parameter error of the worst cell</h2>']
+    chain = [rc for rc in causes if rc.kind == "chain" and rc.role != SAMPLER_ROLE
+             and isinstance(rc.margin, int | float)]
+    if not chain:
+        return [*out, '<p class="note">No failing trainer cell.</p>']
+    worst = max(chain, key=lambda rc: float(rc.margin or 0.0))
+    rnd = worst.round or 1
+    panels = []
+    for fam in PER_PARAM_FAMILIES:
+        row = next((r for r in data.rows if r.get("cell") == worst.cell
+                    and r.get("class") == "candidate_vs_hf" and r.get("family") == fam
+                    and r.get("round") == rnd and not r.get("variant")), None)
+        pe = param_errors(data, row) if row is not None else None
+        if pe is not None:
+            panels.append(pe)
+    if not panels:
+        return [*out, f'<p class="note">No per-parameter tensors of {_e(worst.cell)}. '
+                f"{_e(data.note)}</p>"]
+    off = [p.row["metric"] for p in panels if not p.reproduces]
+    check = ("each panel's largest error equals its row's stored error" if not off else
+             f"NOTE: not the stored error for {', '.join(off)} (an adjusted expected run, "
+             "or sampled elements)")
+    out.append(_figure(param_svg(panels, title=f"{worst.cell}, round {rnd} (its root cause: "
+                                               f"{worst.metric}, margin "
+                                               f"{_num(worst.margin)})"),
+                       "params-worst", f"{worst.cell} round {rnd}: the 12 largest "
+                                       f"per-parameter errors per family; {check}."))
+    return out
+
+
+def _rounds_plot(data: RunData, causes: Sequence[RootCause]) -> list[str]:
+    rounds_svg = _plots().rounds_svg
+
+    per_family = {f: round_margins(data.rows, f) for f in
+                  ("logprobs", "entropy", "values", "losses", "grads", "grad_norm",
+                   "clip_coef", "exp_avg", "exp_avg_sq", "updates")}
+    per_family = {f: d for f, d in per_family.items() if d}
+    if not per_family:
+        return []
+    return ['<h2 id="rounds-title">Error / bound round by round</h2>',
+            _figure(rounds_svg(per_family, {rc.cell for rc in causes}), "rounds",
+                    "candidate-vs-HF margin of every cell per family and round (log scale); "
+                    "the dashed line is the bound; failing cells in colour.")]
+
+
+def _bound_of(data: RunData, rc: RootCause) -> Mapping[str, Any] | None:
+    row = next((r for r in data.rows if r.get("cell") == rc.cell and r.get("class") == rc.klass
+                and r.get("metric") == rc.metric), None)
+    if row is None:
+        return None
+    klass, lane = row.get("bound_class"), data.lanes.get(rc.cell)
+    return next((b for b in data.bounds if b.get("class") == klass
+                 and b.get("precision") == lane and b.get("role") == row.get("role")
+                 and b.get("round") == row.get("round") and b.get("family") == row.get("family")
+                 and b.get("bound") == row.get("bound")), None)
+
+
+def _bounds_tables(data: RunData, causes: Sequence[RootCause]) -> list[str]:
+    out = ['<h2 id="bounds-title">Why each bound is what it is</h2>',
+           '<p class="note">bound = k x control_error + floor, sealed in the reference\'s '
+           "bounds.json before any candidate ran: the control is two legitimate executions "
+           "of the same computation (attention implementation, micro-batch partition, "
+           "FP64 vs FP32), its error measured by the family's statistic.</p>"]
+    rows = []
+    for rc in causes:
+        b = _bound_of(data, rc)
+        if b is None:
+            rows.append([rc.cell, rc.metric, rc.klass, "-", rc.statistic, None, "-", None, None,
+                         None, rc.bound, rc.error, rc.margin])
+            continue
+        again = float(b["k"]) * float(b["control_error"]) + float(b["floor"])
+        rows.append([rc.cell, rc.metric, b.get("class"), b.get("precision"), b.get("statistic"),
+                     b.get("k"), b.get("control"), b.get("control_error"), b.get("floor"),
+                     again, b.get("bound"), rc.error, rc.margin])
+    cols = ["cell", "root cause", "bound class", "lane", "statistic", "k", "control",
+            "control error", "floor", "k x control + floor", "sealed bound", "error",
+            "margin"]
+    if rows:
+        frame = pd.DataFrame([[_num(v) if not isinstance(v, str) else v for v in r]
+                              for r in rows], columns=cols)
+        out.append(_table(frame, "cause-bounds"))
+    if data.bounds:
+        full = pd.DataFrame([{k: b.get(k) for k in ("class", "precision", "role", "round",
+                                                     "family", "statistic", "k", "control",
+                                                     "control_error", "floor", "bound")}
+                             for b in data.bounds])
+        out.append(f"<details><summary>every sealed bound ({len(data.bounds)})</summary>"
+                   f"{_table(full, 'all-bounds')}</details>")
+    else:
+        out.append(f'<p class="note">bounds.json not read: {_e(data.note)}</p>')
+    return out
+
+
+FIELD_COLUMNS: Final = ("source", "precision", "n_valid", "mean_abs", "max_abs", "mean_signed",
+                        "token_mult_prob_error", "k3_kl", "prob_pearson")
+
+
+def _field_table(data: RunData) -> list[str]:
+    fm = data.doc.get("field_metrics", {})
+    out = ['<h2 id="field-title">Field mismatch (informational, not gated)</h2>',
+           f'<p class="note">Round-1 teacher-forced logprobs against the sampler\'s behavior '
+           f"logprobs (logprobs_mode = {_e(fm.get('logprobs_mode'))}; like-for-like: "
+           f"{'yes' if fm.get('like_for_like') else 'NO'}). {_e(fm.get('note', ''))} "
+           "token_mult_prob_error = mean exp(|d|) (NeMo-RL); k3 KL = mean exp(d) - d - 1; "
+           "prob pearson: Pearson correlation of the token probabilities.</p>"]
+    rows = fm.get("rows", [])
+    if not rows:
+        return [*out, '<p class="note">No source with round-1 actor logprobs.</p>']
+    extra = sorted({k for r in rows for k in r} - set(FIELD_COLUMNS)
+                   - {"logprobs_mode", "like_for_like", "n_nonfinite", "p99_abs", "worst"})
+    cols = [*FIELD_COLUMNS, *extra]
+    frame = pd.DataFrame([[r.get(c) if isinstance(r.get(c), str) else _num(r.get(c))
+                           for c in cols] for r in rows], columns=cols)
+    out.append(_table(frame, "field-metrics"))
+    if not any("clip" in k for k in extra):
+        out.append('<p class="note">The fraction of tokens whose ratio falls outside the PPO '
+                   f"clip band is not in {REPORT_JSON}; it is not shown.</p>")
+    return out
+
+
+def render_html(data: RunData) -> str:
+    """The whole page for one run.
+
+    Args:
+        data: the run (:func:`qualify.compare.plotdata.load_run`).
+
+    Returns:
+        The HTML text (UTF-8, self-contained; the same data gives the same text).
+    """
+    causes = causes_of_report(data.doc)
+    body = [*_header(data, causes), *_heatmaps(data), *_token_plots(data),
+            *_param_plot(data, causes), *_rounds_plot(data, causes),
+            *_bounds_tables(data, causes), *_field_table(data)]
+    notes = data.doc.get("notes", [])
+    if notes:
+        body += ['<h2 id="notes-title">Notes</h2>',
+                 "<ul>" + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>"]
+    title = f"qualify report: {data.doc.get('contract')} / {data.doc.get('run_id')}"
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{_e(title)}</title><style>{CSS}</style></head><body>\n"
+            + "\n".join(body) + "\n</body></html>\n")
+
+
+def write_html(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Render a run's page and write it atomically.
+
+    Args:
+        run_dir: the compared run (holds ``report.json``).
+        out: where to write (default :func:`default_html_path`).
+
+    Returns:
+        The path written.
+
+    Raises:
+        UsageError: no readable ``report.json``.
+        QualifyError: ``report.json`` violates its schema.
+        EvidenceIntegrityError: ``out`` lies in a sealed directory (the run itself).
+    """
+    path = Path(out) if out is not None else default_html_path(run_dir)
+    store.refuse_if_sealed(path)  # before the work: the run itself is sealed
+    text = render_html(load_run(run_dir))
+    store.atomic_write_text(path, text)
+    return path
