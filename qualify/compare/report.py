@@ -28,6 +28,7 @@ from typing import Any, Final
 
 import pandas as pd
 
+from qualify import jsonio
 from qualify.compare.verdicts import (
     VERDICT_PRECEDENCE,
     CellResult,
@@ -35,8 +36,15 @@ from qualify.compare.verdicts import (
     Row,
     worst_verdict,
 )
+from qualify.errors import QualifyError
 from qualify.evidence import store
-from qualify.layout import BOUNDS_FILE, REPORT_JSON, REPORT_MD
+from qualify.layout import (
+    BOUNDS_FILE,
+    OUTPUTS_META_FILE,
+    REFERENCE_FILE,
+    REPORT_JSON,
+    REPORT_MD,
+)
 from qualify.schema import validate
 
 __all__ = ["MATRIX_COLUMNS", "REPORT_SCHEMA", "matrix_frame", "render_markdown",
@@ -211,6 +219,50 @@ def _power_lines(report: Report) -> list[str]:
     return out
 
 
+def _behavior_weight_lines(report: Report) -> list[str]:
+    """``## Behavior importance weights``: decoupled PPO's ``w = exp(lp_prox - lp_behav)``.
+
+    Per round, the statistics the reference recorded (``reference.json`` ``update_meta``)
+    and each cell's own (``roles.actor.behavior_weight`` of its ``outputs.json``, computed
+    by the harness from its round-1 logprobs). Empty for a contract without the weight.
+    """
+    rows: list[tuple[Any, ...]] = []
+
+    def add(source: str, stats: Any) -> None:
+        if isinstance(stats, dict):
+            for rnd, st in sorted(stats.items()):
+                rows.append((source, rnd, _num(st.get("mean"), ".6g"), _num(st.get("min"), ".6g"),
+                             _num(st.get("max"), ".6g"), _num(st.get("fraction_capped"), ".4g"),
+                             st.get("tokens")))
+
+    ref_file = Path(report.reference_dir) / REFERENCE_FILE
+    try:
+        meta = jsonio.read_json(ref_file).get("update_meta", {})
+    except (OSError, ValueError, QualifyError):
+        meta = {}
+    for label, m in sorted(meta.items()):
+        if label.startswith("hf-"):
+            add(f"reference {label}", (m.get("actor") or {}).get("behavior_weight"))
+    if not rows:
+        return []
+    for c in report.cells:
+        if c.role != "actor" or not c.attempt:
+            continue
+        for path in sorted((Path(report.run_dir) / c.attempt).rglob(OUTPUTS_META_FILE)):
+            try:
+                doc = jsonio.read_json(path)
+            except (OSError, ValueError, QualifyError):
+                continue
+            add(f"{c.cell} ({path.parent.name})",
+                ((doc.get("roles") or {}).get("actor") or {}).get("behavior_weight"))
+    return ["## Behavior importance weights", "",
+            "Decoupled PPO: w = exp(lp_prox - lp_behav), lp_prox each side's own round-1 "
+            "logprobs, lp_behav the rollout's behavior logprobs; uncapped statistics over "
+            "valid tokens, fraction above behavior_weight_cap (informational, not gated).", "",
+            _markdown_table(("source", "round", "mean", "min", "max", "fraction capped",
+                             "tokens"), rows), ""]
+
+
 def render_markdown(report: Report) -> str:
     """The ``report.md`` text (see the module docstring for its sections)."""
     s = report.summary
@@ -260,7 +312,7 @@ def render_markdown(report: Report) -> str:
                                     r.adjustment) for r in adjusted]), ""]
     else:
         lines += ["None.", ""]
-    lines += _coverage_lines(report) + _power_lines(report)
+    lines += _coverage_lines(report) + _power_lines(report) + _behavior_weight_lines(report)
     lines += ["## Field mismatch (informational, not gated)", "",
               f"Round-1 teacher-forced logprobs against the sampler's behavior logprobs "
               f"(`logprobs_mode = {report.logprobs_mode}`; like-for-like: "
