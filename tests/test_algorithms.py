@@ -421,3 +421,42 @@ def test_ignoring_the_mode_or_weight_fails(actor: Qwen3ForCausalLM, batch: Batch
     assert abs(float(right["round1/actor/loss/policy"])
                - float(wrong["round1/actor/loss/policy"])) > 1e-3
     assert _rel_l2(wrong, right, "round1/actor/grads/") > 2e-2
+
+
+def test_report_lists_reference_and_cell_behavior_weights(tmp_path: Any) -> None:
+    """report.md's behavior-weight section: the reference's and each Actor cell's own rows."""
+    import json
+    from types import SimpleNamespace
+
+    from qualify.compare.report import _behavior_weight_lines
+
+    stats = {"mean": 0.25, "min": 0.2, "max": 0.65, "fraction_capped": 0.0, "tokens": 42}
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / "reference.json").write_text(json.dumps(
+        {"update_meta": {"hf-fp32": {"actor": {"behavior_weight": {"round1": stats}}},
+                         "attn_impl-fp32": {"actor": {"behavior_weight": {"round1": stats}}}}}))
+    att = tmp_path / "run" / "cells" / "x-fp32-actor-tp1" / "attempt-1"
+    att.mkdir(parents=True)
+    (att / "outputs.json").write_text(json.dumps(
+        {"behavior_weight": {"round1": {**stats, "mean": 0.26}}}))
+    cells = [SimpleNamespace(cell="x-fp32-actor-tp1", role="actor",
+                             attempt="cells/x-fp32-actor-tp1/attempt-1"),
+             SimpleNamespace(cell="x-fp32-critic-tp1", role="critic", attempt=None)]
+    text = "\n".join(_behavior_weight_lines(cast_report(ref, tmp_path / "run", cells)))
+    assert "## Behavior importance weights" in text
+    assert "| reference hf-fp32 " in text
+    assert "attn_impl" not in text  # controls are not listed
+    assert "| x-fp32-actor-tp1 " in text
+    assert "0.26" in text
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "reference.json").write_text(json.dumps({"update_meta": {"hf-fp32": {"actor": {}}}}))
+    assert _behavior_weight_lines(cast_report(empty, tmp_path / "run", cells)) == []
+
+
+def cast_report(ref: Any, run: Any, cells: list[Any]) -> Any:
+    """A stand-in with the three attributes the section reads."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(reference_dir=str(ref), run_dir=str(run), cells=cells)

@@ -223,8 +223,9 @@ def _behavior_weight_lines(report: Report) -> list[str]:
     """``## Behavior importance weights``: decoupled PPO's ``w = exp(lp_prox - lp_behav)``.
 
     Per round, the statistics the reference recorded (``reference.json`` ``update_meta``)
-    and each cell's own (``roles.actor.behavior_weight`` of its ``outputs.json``, computed
-    by the harness from its round-1 logprobs). Empty for a contract without the weight.
+    and each Actor cell's own (``behavior_weight`` of its attempt's ``outputs.json``,
+    computed by the harness from its round-1 logprobs). Empty for a contract without the
+    weight.
     """
     rows: list[tuple[Any, ...]] = []
 
@@ -253,8 +254,10 @@ def _behavior_weight_lines(report: Report) -> list[str]:
                 doc = jsonio.read_json(path)
             except (OSError, ValueError, QualifyError):
                 continue
-            add(f"{c.cell} ({path.parent.name})",
-                ((doc.get("roles") or {}).get("actor") or {}).get("behavior_weight"))
+            # A cell's outputs.json holds its role's part at the top level (a launch's, under
+            # roles.actor).
+            add(c.cell, doc.get("behavior_weight")
+                or ((doc.get("roles") or {}).get("actor") or {}).get("behavior_weight"))
     return ["## Behavior importance weights", "",
             "Decoupled PPO: w = exp(lp_prox - lp_behav), lp_prox each side's own round-1 "
             "logprobs, lp_behav the rollout's behavior logprobs; uncapped statistics over "
