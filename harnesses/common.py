@@ -72,6 +72,8 @@ class Batch:
         advantages: ``[b, R]`` FP32.
         returns: ``[b, R]`` FP32.
         prompt_len: ``P``.
+        behavior_logprobs: ``[b, R]`` FP32, the sampler's logprobs (decoupled PPO's
+            behavior policy); ``None`` only in tests that build a batch by hand.
     """
 
     input_ids: Tensor
@@ -82,6 +84,7 @@ class Batch:
     advantages: Tensor
     returns: Tensor
     prompt_len: int
+    behavior_logprobs: Tensor | None = None
 
     @property
     def response_len(self) -> int:
@@ -90,7 +93,8 @@ class Batch:
 
     def _map(self, fn: Callable[[Tensor], Tensor]) -> Batch:
         tensors: dict[str, Any] = {f.name: fn(getattr(self, f.name))
-                                   for f in dataclasses.fields(self) if f.name != "prompt_len"}
+                                   for f in dataclasses.fields(self)
+                                   if f.name != "prompt_len" and getattr(self, f.name) is not None}
         return dataclasses.replace(self, **tensors)
 
     def rows(self, s: slice) -> Batch:
@@ -178,6 +182,7 @@ def read_inputs(inputs_dir: Path) -> Inputs:
         advantages=train["advantages"].float(),
         returns=train["returns"].float(),
         prompt_len=int(p),
+        behavior_logprobs=rollout["behavior_logprobs"].float(),
     )
     try:
         dirs = {k: Path(models[k]) for k in ("actor_dir", "critic_dir")}

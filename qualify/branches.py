@@ -36,10 +36,15 @@ Switches (``old``: the round-1 value or logprob of the same run):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import numpy.typing as npt
+
+from qualify import aggregation
+
+if TYPE_CHECKING:
+    from qualify.contract import Contract
 
 GRADIENT_FAMILIES: Final = frozenset({"grads", "grad_norm", "clip_coef", "exp_avg",
                                       "exp_avg_sq", "updates"})
@@ -230,28 +235,87 @@ def token_key(b: int, t: int) -> str:
     return f"{b}_{t}"
 
 
+def loss_factors(run: Mapping[str, Any], *, role: str, mask: npt.ArrayLike,
+                 loss_agg_mode: str, behavior_logprobs: npt.ArrayLike | None = None,
+                 behavior_weight_cap: float | None = None,
+                 cap_mode: str = "truncate") -> npt.NDArray[np.float64]:
+    """``[B, R]`` FP64 per-token factor of a token's loss term in ``run``: ``c_t`` (· ``w_t``).
+
+    ``c_t`` is the aggregation factor of ``loss_agg_mode``
+    (:func:`qualify.aggregation.token_scale`; ``1 / N`` for ``token-mean``). For the actor
+    of a decoupled PPO run (``behavior_logprobs`` given) it is multiplied by the behavior
+    weight ``w_t`` of ``run``'s own round-1 logprobs (:func:`qualify.aggregation
+    .behavior_weights`; Hilton et al. 2022, AReaL ``ppo_actor_loss_fn``).
+
+    Args:
+        run: protocol tensors (``round1/actor/logprobs`` read for the weight).
+        role: ``actor`` or ``critic``.
+        mask: ``[B, R]`` response mask of the whole batch.
+        loss_agg_mode: the contract's ``algorithm.loss_agg_mode``.
+        behavior_logprobs: ``[B, R]`` the rollout's behavior logprobs (decoupled PPO only).
+        behavior_weight_cap: the contract's cap (``None``: uncapped).
+        cap_mode: ``truncate`` or ``filter``.
+
+    Raises:
+        KeyError: the actor run lacks ``round1/actor/logprobs`` (decoupled PPO).
+    """
+    c = aggregation.token_scale(mask, loss_agg_mode)
+    if role != "actor" or behavior_logprobs is None:
+        return c
+    w = aggregation.behavior_weights(run["round1/actor/logprobs"], behavior_logprobs, mask,
+                                     cap=behavior_weight_cap, cap_mode=cap_mode)
+    return c * w
+
+
+def loss_factors_of(contract: Contract, run: Mapping[str, Any], role: str,
+                    mask: npt.ArrayLike,
+                    behavior: npt.ArrayLike | None) -> npt.NDArray[np.float64] | None:
+    """The contract's per-token loss factors of ``run`` (:func:`loss_factors`).
+
+    ``None`` for ``token-mean`` PPO / GRPO (``adjusted_expected`` then divides by ``N``, as
+    it always did); otherwise ``[B, R]`` FP64.
+
+    Raises:
+        ValueError: decoupled PPO without ``behavior``.
+    """
+    alg = contract.algorithm
+    decoupled = alg.name == "decoupled_ppo"
+    if alg.loss_agg_mode == "token-mean" and not decoupled:
+        return None
+    if decoupled and behavior is None:
+        raise ValueError("decoupled_ppo: the behavior logprobs are needed for the loss factors")
+    return loss_factors(run, role=role, mask=mask, loss_agg_mode=alg.loss_agg_mode,
+                                 behavior_logprobs=behavior if decoupled else None,
+                                 behavior_weight_cap=alg.behavior_weight_cap,
+                                 cap_mode=alg.behavior_weight_cap_mode)
+
+
 def contribution_scale(run: Mapping[str, Any], *, role: str, round_: int, b: int, t: int,
-                       train: Mapping[str, Any], n_valid: float) -> float:
+                       train: Mapping[str, Any], n_valid: float,
+                       factors: npt.ArrayLike | None = None) -> float:
     """``s_t``: the factor of ``J_t`` in token ``(b, t)``'s unclipped-term gradient in ``run``.
 
-    Actor ``-A_t * exp(logp_t - old_t) / N``; critic ``(V_t - G_t) / N``, from ``run``'s own
-    round-1 and round-``r`` logprobs / values (see
-    :func:`qualify.reference.update.token_gradients`).
+    Actor ``-f_t * A_t * exp(logp_t - old_t)``; critic ``f_t * (V_t - G_t)``, from ``run``'s
+    own round-1 and round-``r`` logprobs / values (see
+    :func:`qualify.reference.update.token_gradients`), with ``f_t = factors[b, t]``
+    (:func:`loss_factors`) or, when ``factors`` is ``None``, ``1 / N`` (``token-mean``).
     """
+    f = 1.0 / n_valid if factors is None else float(np.asarray(factors)[b, t])
     if role == "actor":
         old = float(np.asarray(run[f"round1/{role}/logprobs"])[b, t])
         cur = float(np.asarray(run[f"round{round_}/{role}/logprobs"])[b, t])
         adv = float(np.asarray(train["advantages"])[b, t])
-        return -adv * float(np.exp(cur - old)) / n_valid
+        return -adv * float(np.exp(cur - old)) * f
     v = float(np.asarray(run[f"round{round_}/{role}/values"])[b, t])
-    return (v - float(np.asarray(train["returns"])[b, t])) / n_valid
+    return (v - float(np.asarray(train["returns"])[b, t])) * f
 
 
 def adjusted_expected(expected: Mapping[str, Any], *, role: str, round_: int,
                       flips: list[dict[str, Any]], jacobians: Mapping[str, Any],
                       scalars: Mapping[str, Any], train: Mapping[str, Any], n_valid: float,
                       lr: float, betas: tuple[float, float], eps: float,
-                      max_grad_norm: float) -> tuple[dict[str, Any], str] | tuple[None, str]:
+                      max_grad_norm: float, factors: npt.ArrayLike | None = None,
+                      ) -> tuple[dict[str, Any], str] | tuple[None, str]:
     """The expected run's round-``r`` gradient families, moved to the obtained run's branches.
 
     A flipped token's contribution is ``c_t = s_t J_t``: ``J_t`` sealed by the reference
@@ -290,6 +354,9 @@ def adjusted_expected(expected: Mapping[str, Any], *, role: str, round_: int,
         betas: AdamW ``(b1, b2)``.
         eps: AdamW epsilon.
         max_grad_norm: the clipping threshold.
+        factors: ``[B, R]`` per-token loss factors of the expected run (:func:`loss_factors`:
+            the aggregation and, for decoupled PPO, the behavior weight); ``None``:
+            ``1 / n_valid`` (``token-mean`` PPO).
 
     Returns:
         ``(tensors, note)``; ``(None, why)`` when a flipped token is not sealed or a needed
@@ -310,7 +377,8 @@ def adjusted_expected(expected: Mapping[str, Any], *, role: str, round_: int,
     try:
         weight = {token_key(*f["index"]): (1.0 if f["obtained"] == "full" else -1.0)
                   * contribution_scale(expected, role=role, round_=round_, b=f["index"][0],
-                                       t=f["index"][1], train=train, n_valid=n_valid)
+                                       t=f["index"][1], train=train, n_valid=n_valid,
+                                       factors=factors)
                   for f in flips}
     except KeyError as exc:
         return None, f"the expected run lacks {exc}"

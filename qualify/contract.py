@@ -253,6 +253,27 @@ class AlgorithmSpec:
         micro_batch_size: sequences per micro-batch (gradient accumulation).
         rounds: optimizer steps on the same rollout (2: the second exposes gradient
             scale errors hidden by AdamW's sign-like first step).
+        loss_agg_mode: how per-token loss terms (policy, KL, entropy, value) become one
+            scalar, verl ``core_algos.agg_loss``'s names: ``token-mean`` (``Σ_{b,t} x / N``,
+            ``N`` the batch's valid tokens), ``seq-mean-token-sum`` (``Σ_b Σ_t x / B``:
+            Dr. GRPO, Liu et al. 2025, arXiv 2503.20783), ``seq-mean-token-mean``
+            (``Σ_b (Σ_t x / n_b) / B``, ``n_b`` the valid tokens of sequence ``b``: GRPO,
+            Shao et al. 2024, arXiv 2402.03300 eq. 3). ``B`` counts the sequences with at
+            least one valid token. Every denominator is global, so the gradient does not
+            depend on the micro-batch (or data-parallel) partition.
+        grpo_norm_by_std: GRPO divides each group-centred score by the group's std
+            (verl ``norm_adv_by_std_in_grpo``; Dr. GRPO turns it off). ``grpo`` only.
+        grpo_eps: added to the group std (verl ``epsilon``, 1e-6). ``grpo`` only.
+        behavior_weight_cap: decoupled PPO's cap of the behavior importance weight
+            ``w_t = exp(logp_prox - logp_behav)`` (> 1; ``None``: uncapped). ``decoupled_ppo``
+            only.
+        behavior_weight_cap_mode: ``truncate`` (``w_t = min(w, cap)``, verl's truncated IS)
+            or ``filter`` (``w_t = w`` if ``w <= cap`` else 0: AReaL ``ppo_actor_loss_fn``
+            masks such tokens out of the policy term).
+
+    Raises:
+        ContractError: a cap <= 1, a cap or cap mode on a non-``decoupled_ppo`` contract,
+            or GRPO fields on a non-``grpo`` one (the message names the field).
     """
 
     name: Literal["ppo", "grpo", "decoupled_ppo"]
@@ -268,6 +289,25 @@ class AlgorithmSpec:
     whiten_advantages: bool = True
     micro_batch_size: int
     rounds: int
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum",
+                           "seq-mean-token-mean"] = "token-mean"
+    grpo_norm_by_std: bool = True
+    grpo_eps: float = 1e-6
+    behavior_weight_cap: float | None = None
+    behavior_weight_cap_mode: Literal["truncate", "filter"] = "truncate"
+
+    def __post_init__(self) -> None:
+        cap = self.behavior_weight_cap
+        if cap is not None and not cap > 1.0:
+            raise ContractError(f"algorithm.behavior_weight_cap: {cap} must be > 1 (a cap at "
+                                "or below 1 would cut the on-policy weight 1 itself)")
+        if self.name != "decoupled_ppo" and (cap is not None
+                                             or self.behavior_weight_cap_mode != "truncate"):
+            raise ContractError(f"algorithm.behavior_weight_cap: only decoupled_ppo has a "
+                                f"behavior weight; algorithm.name is {self.name!r}")
+        if self.name != "grpo" and (not self.grpo_norm_by_std or self.grpo_eps != 1e-6):
+            raise ContractError(f"algorithm.grpo_norm_by_std / grpo_eps: GRPO settings on "
+                                f"algorithm.name = {self.name!r}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -354,6 +394,9 @@ class Contract:
                 raise ContractError(
                     f"bounds.floors.{precision}: missing; matrix.precisions lists {precision!r}"
                 )
+        if self.algorithm.name == "grpo" and "critic" in self.matrix.roles:
+            raise ContractError("matrix.roles: a grpo contract has no critic (its advantages "
+                                "are group-normalised scores); remove 'critic'")
         if "bf16_mode" in self.bounds.controls_tp_vs_tp1:
             raise ContractError("bounds.controls.tp_vs_tp1: 'bf16_mode' is not a same-precision "
                                 "repeat control")

@@ -31,8 +31,38 @@ The update every engine runs (per role, per round ``r = 1..rounds``)
 -------------------------------------------------------------------
 ``N`` = number of valid response tokens in the whole batch (``response_mask.sum()``).
 Micro-batches of ``micro_batch_size`` sequences; each micro-batch's loss is the **sum**
-over its valid tokens divided by the global ``N``, so the accumulated gradient does not
-depend on the partition. Gradients accumulate in FP32.
+over its valid tokens of ``c[b, t] · x[b, t]``, with a per-token factor ``c`` whose
+denominators are global, so the accumulated gradient does not depend on the partition
+(micro-batches, or data-parallel ranks). Gradients accumulate in FP32.
+
+Loss aggregation (the contract's ``algorithm.loss_agg_mode``, verl ``core_algos.agg_loss``'s
+names; ``n_b`` = valid tokens of sequence ``b``, ``B'`` = sequences with ``n_b > 0``), for
+every term below (policy, KL, entropy, value):
+
+- ``token-mean`` (default): ``c = 1 / N``; "``Σ / N``" below.
+- ``seq-mean-token-sum``: ``c = 1 / B'`` (Dr. GRPO, Liu et al. 2025, arXiv 2503.20783).
+- ``seq-mean-token-mean``: ``c = 1 / (B' · n_b)`` (GRPO, Shao et al. 2024, arXiv
+  2402.03300 eq. 3).
+
+Written as ``Σ_{b,t} m · x · row_weight[b] / denominator`` with ``(row_weight,
+denominator)`` = ``(1, N)``, ``(1, B')``, ``(1 / n_b, B')``; for ``token-mean`` the row
+weight is exactly 1.
+
+GRPO (``algorithm.name = "grpo"``): no critic; the advantages in ``train_inputs`` are
+``(s_b - mean_g) / (std_g + grpo_eps)`` of each response's score within its prompt's group
+(unbiased std; ``grpo_norm_by_std = false``: ``s_b - mean_g``, Dr. GRPO; verl
+``compute_grpo_outcome_advantage``). The actor's losses are the PPO ones below.
+
+Decoupled PPO (``algorithm.name = "decoupled_ppo"``; Hilton et al. 2022, arXiv 2110.00641;
+AReaL ``realhf/impl/model/utils/ppo_functional.py::ppo_actor_loss_fn``): the proximal
+policy is the engine's own round-1 logprobs ``old`` (as PPO's clip centre), the behavior
+policy the rollout's ``behavior_logprobs``; each token's policy surrogate is multiplied by
+the detached weight ``w = exp(old - behavior_logprobs)``, with ``behavior_weight_cap = C``:
+``truncate``: ``min(w, C)``; ``filter``: ``w`` if ``w <= C`` else 0 (AReaL's
+``behav_mask``). ``w`` is fixed by round 1 and used in every round. Each trainer reports
+``loss_agg_mode`` and, for decoupled PPO, ``behavior_weight`` (per round: mean, min, max of
+the uncapped ``w`` over valid tokens, ``fraction_capped`` = share above ``C``, ``tokens``)
+under its role in ``outputs.json``.
 
 Actor (policy ``π``, frozen reference policy ``π_ref``, estimator per contract):
 
@@ -41,7 +71,8 @@ Actor (policy ``π``, frozen reference policy ``π_ref``, estimator per contract
   actor does (``logits.div_(temperature)``), so that ratios refer to the sampling
   distribution; no top-k/top-p truncation.
 - ``old_logprobs`` = ``logprobs_1`` (the engine's own, detached); ``ratio = exp(logprobs_r - old)``.
-- ``policy`` loss = Σ max(-A·ratio, -A·clip(ratio, 1-ε, 1+ε)) / N (Schulman et al. 2017, eq. 7).
+- ``policy`` loss = Σ max(-A·ratio, -A·clip(ratio, 1-ε, 1+ε)) / N (Schulman et al. 2017, eq. 7;
+  decoupled PPO: each term times ``w``).
 - ``kl`` loss = kl_loss_coef · Σ k(logprobs_r, ref_logprobs) / N with
   ``k3 = exp(ref - lp) - (ref - lp) - 1``, ``k1 = lp - ref``, ``k2 = (lp - ref)^2 / 2``
   (Schulman 2020, "Approximating KL divergence").

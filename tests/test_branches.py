@@ -240,7 +240,8 @@ def test_control_flip_after_an_earlier_flip_keeps_its_raw_error(tmp_path: Path) 
            "round2/critic/values": np.array([[0.051, 0.0]], np.float32),
            "round3/critic/values": np.array([[0.051, 0.0]], np.float32)}
     contract = cast(Contract, SimpleNamespace(
-        algorithm=SimpleNamespace(value_clip=0.05, clip_ratio=0.2),
+        algorithm=SimpleNamespace(value_clip=0.05, clip_ratio=0.2, name="ppo",
+                                  loss_agg_mode="token-mean"),
         optimizer=SimpleNamespace(critic_lr=1e-3, actor_lr=1e-3, betas=(0.9, 0.999),
                                   eps=1e-8, max_grad_norm=1.0)))
     key = MetricKey(round=3, role="critic", family="grads")

@@ -31,7 +31,8 @@ def _writable(tmp_path: Path) -> Iterator[None]:
 def test_todays_report_holds_every_section(failing: tuple[World, Report]) -> None:  # noqa: F811
     _, report = failing
     doc = report.to_dict()
-    assert sections_of(doc) == OPTIONAL_SECTIONS == ("coverage", "power", "root_causes")
+    assert sections_of(doc) == OPTIONAL_SECTIONS == ("coverage", "power", "root_causes",
+                                                     "behavior_weights")
     assert all("power" in r for r in doc["rows"])
 
 

@@ -364,6 +364,10 @@ class VariantRun(common.RoleOutputs):
         lp_r = torch.zeros(b, r_len, device=self.device)
         ent_r = torch.zeros(b, r_len, device=self.device)
         sums = {"policy": 0.0, "kl": 0.0, "entropy": 0.0}
+        # loss_agg_mode (global row weights and denominator); decoupled PPO's weight.
+        row_w, denom = losses.aggregation_terms(batch.mask, alg.loss_agg_mode)
+        decoupled = alg.name == "decoupled_ppo"
+        w_behav, w_raw = torch.ones(2, b, r_len, device=self.device).unbind(0)
 
         def micro_loss(round_: int, s: slice | None) -> Tensor:
             nonlocal old_lp, lp_r, ent_r, sums
@@ -381,11 +385,18 @@ class VariantRun(common.RoleOutputs):
             mb = batch.rows(s)
             lp, ent = self.actor_scores(engine, mb)
             old = lp.detach() if round_ == 1 else old_lp[s]
+            if decoupled and round_ == 1:  # the proximal policy: this engine's round 1
+                assert mb.behavior_logprobs is not None
+                w_behav[s], w_raw[s] = losses.behavior_weight(
+                    lp, mb.behavior_logprobs, alg.behavior_weight_cap,
+                    alg.behavior_weight_cap_mode)
+            rw = row_w[s].unsqueeze(-1)
+            weight = rw * w_behav[s] if decoupled else rw  # x 1.0 is exact for token-mean
             policy = losses.policy_loss_sum(lp, old, mb.advantages, mb.mask,
-                                            alg.clip_ratio) / n_valid
+                                            alg.clip_ratio, weight=weight) / denom
             kl = alg.kl_loss_coef * losses.masked_sum(
-                losses.kl_penalty(lp, ref_lp[s], alg.kl_loss_estimator), mb.mask) / n_valid
-            entropy = -alg.entropy_coef * losses.masked_sum(ent, mb.mask) / n_valid
+                losses.kl_penalty(lp, ref_lp[s], alg.kl_loss_estimator) * rw, mb.mask) / denom
+            entropy = -alg.entropy_coef * losses.masked_sum(ent * rw, mb.mask) / denom
             sums["policy"] += float(policy.detach())
             sums["kl"] += float(kl.detach())
             sums["entropy"] += float(entropy.detach())
@@ -396,6 +407,7 @@ class VariantRun(common.RoleOutputs):
 
         self.run_rounds(engine, et, slices, micro_loss)
         meta = self.role_meta(engine, et, n_valid, len(slices))
+        meta.update(losses.algorithm_meta(alg, w_raw if decoupled else None, batch.mask))
         _destroy(engine)
         return meta
 
@@ -436,6 +448,7 @@ class VariantRun(common.RoleOutputs):
         old_v = torch.zeros(b, r_len, device=self.device)
         v_r = torch.zeros(b, r_len, device=self.device)
         total = 0.0
+        row_w, denom = losses.aggregation_terms(batch.mask, alg.loss_agg_mode)
 
         def micro_loss(round_: int, s: slice | None) -> Tensor:
             nonlocal old_v, v_r, total
@@ -450,8 +463,8 @@ class VariantRun(common.RoleOutputs):
             mb = batch.rows(s)
             values = self.critic_values(engine, mb)
             old = values.detach() if round_ == 1 else old_v[s]
-            loss = losses.value_loss_sum(values, old, mb.returns, mb.mask,
-                                         alg.value_clip) / n_valid
+            loss = losses.value_loss_sum(values, old, mb.returns, mb.mask, alg.value_clip,
+                                         weight=row_w[s].unsqueeze(-1)) / denom
             total += float(loss.detach())
             v_r[s] = torch.where(mb.mask, values.detach(), 0.0)
             return loss

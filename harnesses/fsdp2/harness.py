@@ -228,6 +228,12 @@ class RoleRun(common.RoleOutputs):
             self.put(1, "logprobs_padded",
                      self.gather_rows(torch.where(batch.mask, padded, 0.0)))
         old_lp = torch.zeros(b, r_len, device=self.device)
+        # loss_agg_mode over the whole batch (global denominators), this rank's rows.
+        full_w, denom = losses.aggregation_terms(self.inputs.batch.mask, alg.loss_agg_mode)
+        row_w = full_w.to(self.device)[rows]
+        decoupled = alg.name == "decoupled_ppo"
+        w_behav = torch.ones(b, r_len, device=self.device)
+        w_raw = torch.ones(b, r_len, device=self.device)
         for round_ in range(1, alg.rounds + 1):
             with self.timed(f"round{round_}_s"):
                 lp_r = torch.zeros(b, r_len, device=self.device)
@@ -237,11 +243,20 @@ class RoleRun(common.RoleOutputs):
                     mb = batch.rows(s)
                     lp, ent = self.actor_scores(model, mb)
                     old = lp.detach() if round_ == 1 else old_lp[s]
+                    if decoupled and round_ == 1:  # proximal policy: this engine's round 1
+                        assert mb.behavior_logprobs is not None
+                        w_behav[s], w_raw[s] = losses.behavior_weight(
+                            lp, mb.behavior_logprobs, alg.behavior_weight_cap,
+                            alg.behavior_weight_cap_mode)
+                    rw = row_w[s][:, None]
+                    weight = rw * w_behav[s] if decoupled else \
+                        (None if alg.loss_agg_mode == "token-mean" else rw)
                     policy = losses.policy_loss_sum(lp, old, mb.advantages, mb.mask,
-                                                    alg.clip_ratio) / n_valid
+                                                    alg.clip_ratio, weight=weight) / denom
                     kl = alg.kl_loss_coef * losses.masked_sum(
-                        losses.kl_penalty(lp, ref_lp[s], alg.kl_loss_estimator), mb.mask) / n_valid
-                    entropy = -alg.entropy_coef * losses.masked_sum(ent, mb.mask) / n_valid
+                        losses.kl_penalty(lp, ref_lp[s], alg.kl_loss_estimator) * rw,
+                        mb.mask) / denom
+                    entropy = -alg.entropy_coef * losses.masked_sum(ent * rw, mb.mask) / denom
                     (policy + kl + entropy).backward()
                     shares["policy"] += float(policy.detach())
                     shares["kl"] += float(kl.detach())
@@ -259,7 +274,13 @@ class RoleRun(common.RoleOutputs):
                 self.step(round_, model, optimizer)
                 if round_ == 1 and self.cell.export_weights:
                     self.export_weights(model, Path(self.cell.output_dir) / ACTOR_ROUND1_WEIGHTS)
-        return self.role_meta(model, info, n_valid, len(slices), rows)
+        meta = self.role_meta(model, info, n_valid, len(slices), rows)
+        meta["loss_agg_mode"] = alg.loss_agg_mode
+        if decoupled:  # fixed by round 1 (the proximal policy); statistics over all DP rows
+            stats = losses.weight_stats(self.gather_rows(w_raw).cpu(), self.inputs.batch.mask,
+                                        alg.behavior_weight_cap)
+            meta["behavior_weight"] = {f"round{r}": stats for r in range(1, alg.rounds + 1)}
+        return meta
 
     def export_weights(self, model: nn.Module, path: Path) -> None:
         """Write the full HF-layout FP32 weights (``safetensors``) for a sampler cell.
@@ -304,6 +325,8 @@ class RoleRun(common.RoleOutputs):
             parallelize.reshard(model)
             self.put(1, "values_padded", self.gather_rows(torch.where(batch.mask, padded, 0.0)))
         old_v = torch.zeros(b, r_len, device=self.device)
+        full_w, denom = losses.aggregation_terms(self.inputs.batch.mask, alg.loss_agg_mode)
+        row_w = full_w.to(self.device)[rows]
         for round_ in range(1, alg.rounds + 1):
             with self.timed(f"round{round_}_s"):
                 v_r = torch.zeros(b, r_len, device=self.device)
@@ -312,8 +335,9 @@ class RoleRun(common.RoleOutputs):
                     mb = batch.rows(s)
                     values = self.critic_values(model, mb)
                     old = values.detach() if round_ == 1 else old_v[s]
+                    vw = None if alg.loss_agg_mode == "token-mean" else row_w[s][:, None]
                     loss = losses.value_loss_sum(values, old, mb.returns, mb.mask,
-                                                 alg.value_clip) / n_valid
+                                                 alg.value_clip, weight=vw) / denom
                     loss.backward()
                     share += float(loss.detach())
                     v_r[s] = torch.where(mb.mask, values.detach(), 0.0)

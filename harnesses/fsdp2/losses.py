@@ -79,7 +79,7 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KlEstimator) -
 
 
 def policy_loss_sum(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                    clip_ratio: float) -> Tensor:
+                    clip_ratio: float, *, weight: Tensor | None = None) -> Tensor:
     """Clipped surrogate ``Σ max(-A·ρ, -A·clip(ρ, 1-ε, 1+ε))`` over valid tokens.
 
     Schulman et al. 2017, eq. 7, with ``ρ = exp(logprobs - old_logprobs)``.
@@ -90,18 +90,22 @@ def policy_loss_sum(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
         advantages: ``[b, R]`` FP32.
         mask: ``[b, R]`` bool, valid response tokens.
         clip_ratio: ε.
+        weight: ``[b, R]`` detached per-token factor (aggregation row weight x decoupled
+            PPO's behavior weight), or ``None`` (1).
 
     Returns:
-        0-d FP32 sum (the caller divides by the global token count ``N``).
+        0-d FP32 sum (the caller divides by the aggregation's global denominator).
     """
     ratio = torch.exp(logprobs - old_logprobs)
     surrogate = torch.maximum(-advantages * ratio,
                               -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio))
+    if weight is not None:
+        surrogate = weight * surrogate
     return masked_sum(surrogate, mask)
 
 
 def value_loss_sum(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
-                   value_clip: float) -> Tensor:
+                   value_clip: float, *, weight: Tensor | None = None) -> Tensor:
     """Clipped value loss ``0.5 · Σ max((V - G)^2, (V_old + clip(V - V_old, ±δ) - G)^2)``.
 
     Args:
@@ -110,10 +114,82 @@ def value_loss_sum(values: Tensor, old_values: Tensor, returns: Tensor, mask: Te
         returns: ``[b, R]`` FP32 targets ``G``.
         mask: ``[b, R]`` bool, valid response tokens.
         value_clip: δ.
+        weight: ``[b, R]`` per-token aggregation factor, or ``None`` (1).
 
     Returns:
-        0-d FP32 sum (the caller divides by ``N``).
+        0-d FP32 sum (the caller divides by the aggregation's denominator).
     """
     clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
     per_token = torch.maximum((values - returns).square(), (clipped - returns).square())
+    if weight is not None:
+        per_token = weight * per_token
     return 0.5 * masked_sum(per_token, mask)
+
+
+def aggregation_terms(mask: Tensor, mode: str) -> tuple[Tensor, float]:
+    """The ``loss_agg_mode`` as ``(row_weight [B] FP32, denominator)`` over the whole batch.
+
+    Every data-parallel rank calls it on the **full** batch mask and keeps its rows' weights,
+    so the denominators are global and the summed gradient is partition invariant. verl
+    ``core_algos.agg_loss`` names: ``token-mean`` ``(1, N)``; ``seq-mean-token-sum``
+    ``(1, B')`` (Dr. GRPO, arXiv 2503.20783); ``seq-mean-token-mean`` ``(1 / n_b, B')``
+    (GRPO, arXiv 2402.03300 eq. 3); ``N`` valid tokens, ``n_b`` row ``b``'s, ``B'`` rows
+    with any.
+
+    Args:
+        mask: ``[B, R]`` bool.
+        mode: the mode name.
+
+    Raises:
+        ValueError: unknown mode.
+    """
+    counts = mask.float().sum(dim=1)
+    valid_rows = (counts > 0).float()
+    if mode == "token-mean":
+        return valid_rows, float(counts.sum())
+    if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        rows = float(valid_rows.sum())
+        if mode == "seq-mean-token-sum":
+            return valid_rows, rows
+        return valid_rows / torch.clamp(counts, min=1.0), rows
+    raise ValueError(f"unknown loss_agg_mode {mode!r}")
+
+
+def behavior_weight(proximal_logprobs: Tensor, behavior_logprobs: Tensor, cap: float | None,
+                    cap_mode: str) -> tuple[Tensor, Tensor]:
+    """Decoupled PPO's weight ``π_prox / π_behav`` per token (Hilton et al. 2022; AReaL).
+
+    ``π_prox``: this engine's own round-1 logprobs (detached); ``π_behav``: the rollout's
+    ``behavior_logprobs``. ``truncate`` caps at ``cap``; ``filter`` zeroes a weight above
+    it (AReaL ``ppo_actor_loss_fn``'s ``behav_mask``).
+
+    Args:
+        proximal_logprobs: ``[b, R]`` FP32.
+        behavior_logprobs: ``[b, R]`` FP32.
+        cap: ``> 1`` or ``None``.
+        cap_mode: ``truncate`` or ``filter``.
+
+    Returns:
+        ``(weight, uncapped)``, ``[b, R]`` FP32, detached.
+
+    Raises:
+        ValueError: unknown ``cap_mode``.
+    """
+    with torch.no_grad():
+        uncapped = torch.exp(proximal_logprobs - behavior_logprobs)
+        if cap is None:
+            return uncapped, uncapped
+        if cap_mode == "truncate":
+            return uncapped.clamp(max=cap), uncapped
+        if cap_mode == "filter":
+            return torch.where(uncapped > cap, 0.0, uncapped), uncapped
+    raise ValueError(f"unknown behavior_weight_cap_mode {cap_mode!r}")
+
+
+def weight_stats(raw: Tensor, mask: Tensor, cap: float | None) -> dict[str, float]:
+    """Statistics of the valid uncapped weights ``[B, R]``: mean, min, max, fraction > cap."""
+    vals = raw[mask].double()
+    n = int(vals.numel())
+    frac = 0.0 if cap is None else float((vals > cap).sum()) / max(n, 1)
+    return {"mean": float(vals.mean()), "min": float(vals.min()), "max": float(vals.max()),
+            "fraction_capped": frac, "tokens": n}

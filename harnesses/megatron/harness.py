@@ -262,6 +262,9 @@ class RoleRun(common.RoleOutputs):
             out["engine_info"]["optimizer"] = training.get("optimizer")
             out["dtypes"] = training["dtypes"]
             out["replica_consistency"] = training["replica_consistency"]
+            out["loss_agg_mode"] = training["loss_agg_mode"]
+            if training["behavior_weight"]:
+                out["behavior_weight"] = training["behavior_weight"]
         return out
 
 

@@ -124,6 +124,7 @@ class Trainer:
     ref: nn.Module | None
     replica_rounds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     dtypes: dict[str, Any] = dataclasses.field(default_factory=dict)
+    behavior_weight: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from megatron.core.distributed import (
@@ -235,10 +236,9 @@ class Trainer:
         self.optimizer.zero_grad()
 
     def train(self, batch: Batch, slices: list[slice]) -> None:
-        """Rounds ``1..rounds`` of the role's update (protocol losses, sum / N)."""
+        """Rounds ``1..rounds`` of the role's update (protocol losses, ``loss_agg_mode``)."""
         run = self.run
         alg = run.contract.algorithm
-        n_valid = float(batch.mask.sum())
         b, r_len = batch.responses.shape
         dev = run.device
         ref_lp = torch.zeros(b, r_len, device=dev)
@@ -247,6 +247,10 @@ class Trainer:
                 for s in slices:
                     ref_lp[s] = run.actor_scores(self.ref, self.shape, batch.rows(s))[0]
         old = torch.zeros(b, r_len, device=dev)
+        row_w, denom = losses.aggregation_terms(batch.mask, alg.loss_agg_mode)
+        row_w = row_w.to(dev)
+        dppo = alg.name == "decoupled_ppo"
+        w_b, w_raw = torch.ones(b, r_len, device=dev), torch.ones(b, r_len, device=dev)
         self.ddp.zero_grad_buffer()
         for round_ in range(1, alg.rounds + 1):
             with run.timed(f"round{round_}_s"):
@@ -258,20 +262,29 @@ class Trainer:
                     if run.role == "actor":
                         lp, ent = run.actor_scores(self.ddp, self.shape, mb)
                         o_lp = lp.detach() if round_ == 1 else old[s]
+                        if dppo and round_ == 1:  # proximal policy: this engine's round 1
+                            assert mb.behavior_logprobs is not None
+                            w_b[s], w_raw[s] = losses.behavior_weight(
+                                lp, mb.behavior_logprobs, alg.behavior_weight_cap,
+                                alg.behavior_weight_cap_mode)
+                        rw = row_w[s, None]
+                        pw = rw * w_b[s] if dppo else \
+                            (None if alg.loss_agg_mode == "token-mean" else rw)
                         terms = {
                             "policy": losses.policy_loss_sum(lp, o_lp, mb.advantages, mb.mask,
-                                                             alg.clip_ratio) / n_valid,
+                                                             alg.clip_ratio, weight=pw) / denom,
                             "kl": alg.kl_loss_coef * losses.masked_sum(losses.kl_penalty(
-                                lp, ref_lp[s], alg.kl_loss_estimator), mb.mask) / n_valid,
-                            "entropy": -alg.entropy_coef * losses.masked_sum(ent, mb.mask)
-                            / n_valid}
+                                lp, ref_lp[s], alg.kl_loss_estimator) * rw, mb.mask) / denom,
+                            "entropy": -alg.entropy_coef * losses.masked_sum(ent * rw, mb.mask)
+                            / denom}
                         cur[s] = torch.where(mb.mask, lp.detach(), 0.0)
                         ent_r[s] = torch.where(mb.mask, ent.detach(), 0.0)
                     else:
                         v = run.critic_values(self.ddp, mb)
                         o_v = v.detach() if round_ == 1 else old[s]
-                        terms = {"value": losses.value_loss_sum(v, o_v, mb.returns, mb.mask,
-                                                                alg.value_clip) / n_valid}
+                        vw = None if alg.loss_agg_mode == "token-mean" else row_w[s, None]
+                        terms = {"value": losses.value_loss_sum(
+                            v, o_v, mb.returns, mb.mask, alg.value_clip, weight=vw) / denom}
                         cur[s] = torch.where(mb.mask, v.detach(), 0.0)
                     sum(terms.values()).backward()  # type: ignore[union-attr]
                     for k, t in terms.items():
@@ -287,6 +300,9 @@ class Trainer:
                     run.put(round_, f"loss/{k}", torch.tensor(v_))
                 run.put(round_, "loss/total", torch.tensor(sum(sums.values())))
                 self.step(round_)
+        if dppo and run.role == "actor":  # fixed by round 1 (the proximal policy)
+            stats = losses.weight_stats(w_raw.cpu(), batch.mask.cpu(), alg.behavior_weight_cap)
+            self.behavior_weight = {f"round{r}": stats for r in range(1, alg.rounds + 1)}
 
     def meta(self) -> dict[str, Any]:
         """Training part of the role's ``outputs.json`` (dtypes, replicas, optimizer)."""
@@ -308,6 +324,8 @@ class Trainer:
                 "rounds": [{k: v for k, v in r.items() if k != "params"}
                            for r in self.replica_rounds],
                 "params": params},
+            "loss_agg_mode": self.run.contract.algorithm.loss_agg_mode,
+            "behavior_weight": self.behavior_weight,
             "optimizer": {"class": type(self.optimizer).__name__,
                           "inner": [type(o.optimizer).__name__ for o in self._optimizers()],
                           "config_overrides": "{} (weight decay on every parameter)"},

@@ -208,6 +208,11 @@ class RoleRun(common.RoleOutputs):
                     model, batch.rows(s).right_padded(EXTRA_RIGHT_PADDING, pad_id))[0]
             self.put(1, "logprobs_padded", torch.where(batch.mask, padded, 0.0))
         old_lp = torch.zeros(b, r_len, device=self.device)
+        # loss_agg_mode: per-row weight and global denominator; decoupled PPO's weight.
+        row_w, denom = losses.aggregation_terms(batch.mask, alg.loss_agg_mode)
+        decoupled = alg.name == "decoupled_ppo"
+        w_behav = torch.ones(b, r_len, device=self.device)
+        w_raw = torch.ones(b, r_len, device=self.device)
         for round_ in range(1, alg.rounds + 1):
             with self.timed(f"round{round_}_s"):
                 lp_r = torch.zeros(b, r_len, device=self.device)
@@ -217,11 +222,20 @@ class RoleRun(common.RoleOutputs):
                     mb = batch.rows(s)
                     lp, ent = self.actor_scores(model, mb)
                     old = lp.detach() if round_ == 1 else old_lp[s]
+                    if decoupled and round_ == 1:  # proximal = this engine's round 1
+                        assert mb.behavior_logprobs is not None
+                        w_behav[s], w_raw[s] = losses.behavior_weight(
+                            lp, mb.behavior_logprobs, alg.behavior_weight_cap,
+                            alg.behavior_weight_cap_mode)
+                    rw = row_w[s, None]
+                    weight = rw * w_behav[s] if decoupled else \
+                        (None if alg.loss_agg_mode == "token-mean" else rw)
                     policy = losses.policy_loss_sum(lp, old, mb.advantages, mb.mask,
-                                                    alg.clip_ratio) / n_valid
+                                                    alg.clip_ratio, weight=weight) / denom
                     kl = alg.kl_loss_coef * losses.masked_sum(
-                        losses.kl_penalty(lp, ref_lp[s], alg.kl_loss_estimator), mb.mask) / n_valid
-                    entropy = -alg.entropy_coef * losses.masked_sum(ent, mb.mask) / n_valid
+                        losses.kl_penalty(lp, ref_lp[s], alg.kl_loss_estimator) * rw,
+                        mb.mask) / denom
+                    entropy = -alg.entropy_coef * losses.masked_sum(ent * rw, mb.mask) / denom
                     # FAULT(kl_loss_sign_flipped) and FAULT(entropy_bonus_dropped).
                     kl_term = -kl if "kl_loss_sign_flipped" in self.faults else kl
                     ent_term = 0.0 * entropy if "entropy_bonus_dropped" in self.faults \
@@ -242,7 +256,12 @@ class RoleRun(common.RoleOutputs):
                 self.step(round_, model, optimizer)
                 if round_ == 1 and self.cell.export_weights:
                     self.export_weights(model, Path(self.cell.output_dir) / ACTOR_ROUND1_WEIGHTS)
-        return self.role_meta(model, info, n_valid, len(slices))
+        meta = self.role_meta(model, info, n_valid, len(slices))
+        meta["loss_agg_mode"] = alg.loss_agg_mode
+        if decoupled:  # fixed by round 1 (the proximal policy), used in every round
+            stats = losses.weight_stats(w_raw, batch.mask, alg.behavior_weight_cap)
+            meta["behavior_weight"] = {f"round{r}": stats for r in range(1, alg.rounds + 1)}
+        return meta
 
     def export_weights(self, model: nn.Module, path: Path) -> None:
         """Write the full HF-layout FP32 weights (``safetensors``) for the sampler cell.
@@ -291,6 +310,7 @@ class RoleRun(common.RoleOutputs):
                     model, batch.rows(s).right_padded(EXTRA_RIGHT_PADDING, pad_id))
             self.put(1, "values_padded", torch.where(batch.mask, padded, 0.0))
         old_v = torch.zeros(b, r_len, device=self.device)
+        row_w, denom = losses.aggregation_terms(batch.mask, alg.loss_agg_mode)
         for round_ in range(1, alg.rounds + 1):
             with self.timed(f"round{round_}_s"):
                 v_r = torch.zeros(b, r_len, device=self.device)
@@ -303,9 +323,10 @@ class RoleRun(common.RoleOutputs):
                     if "value_loss_unclipped" in self.faults:
                         vsum = faults.unclipped_value_loss_sum(values, mb.returns, mb.mask)
                     else:
+                        vw = None if alg.loss_agg_mode == "token-mean" else row_w[s, None]
                         vsum = losses.value_loss_sum(values, old, mb.returns, mb.mask,
-                                                     alg.value_clip)
-                    loss = vsum / n_valid
+                                                     alg.value_clip, weight=vw)
+                    loss = vsum / denom
                     loss.backward()
                     total += float(loss.detach())
                     v_r[s] = torch.where(mb.mask, values.detach(), 0.0)

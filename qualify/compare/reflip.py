@@ -28,6 +28,7 @@ from qualify.compare.verdicts import Row
 from qualify.contract import Contract
 from qualify.evidence import store
 from qualify.layout import BRANCHES_DIR, BRANCHES_FILE, TRAIN_INPUTS_FILE, hf_tensors_file
+from qualify.protocol import ROLLOUT_FILE
 
 __all__ = ["SealedBranches", "with_branch_flips"]
 
@@ -81,11 +82,15 @@ def _adjusted_rows(ctx: SealedBranches, rows: list[Row], *, cell: str, klass: st
     jacobians = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
     opt = ctx.contract.optimizer
     lr = opt.actor_lr if role == "actor" else opt.critic_lr
+    behavior = None
+    if ctx.contract.algorithm.name == "decoupled_ppo":  # the weight of the expected run
+        behavior = np.asarray(store.load_tensors(ctx.ref_dir / ROLLOUT_FILE)["behavior_logprobs"])
     adjusted, note = branches.adjusted_expected(
         expected, role=role, round_=rnd, flips=flips, jacobians=jacobians, scalars=sealed,
         train=ctx.train, n_valid=float(np.asarray(ctx.mask).sum()), lr=lr,
         betas=(float(opt.betas[0]), float(opt.betas[1])), eps=opt.eps,
-        max_grad_norm=opt.max_grad_norm)
+        max_grad_norm=opt.max_grad_norm,
+        factors=branches.loss_factors_of(ctx.contract, expected, role, ctx.mask, behavior))
     if adjusted is None:
         return None, note
     again = {(r.round, r.family, r.variant): r for r in compare_rows(

@@ -38,7 +38,11 @@ from qualify.compare.verdicts import (
     worst_verdict,
 )
 from qualify.evidence import store
-from qualify.layout import BOUNDS_FILE, REPORT_JSON, REPORT_MD
+from qualify.layout import (
+    BOUNDS_FILE,
+    REPORT_JSON,
+    REPORT_MD,
+)
 from qualify.schema import validate
 
 __all__ = ["MATRIX_COLUMNS", "REPORT_SCHEMA", "matrix_frame", "render_markdown",
@@ -234,6 +238,25 @@ def _power_lines(report: Report) -> list[str]:
     return out
 
 
+def _behavior_weight_lines(report: Report) -> list[str]:
+    """``## Behavior importance weights``: decoupled PPO's ``w = exp(lp_prox - lp_behav)``.
+
+    The rows of ``report.behavior_weights`` (:mod:`qualify.compare.weights`); nothing for
+    a contract without the weight.
+    """
+    if not report.behavior_weights:
+        return []
+    rows = [(r["source"], r["round"], _num(r.get("mean"), ".6g"), _num(r.get("min"), ".6g"),
+             _num(r.get("max"), ".6g"), _num(r.get("fraction_capped"), ".4g"), r.get("tokens"))
+            for r in report.behavior_weights]
+    return ["## Behavior importance weights", "",
+            "Decoupled PPO: w = exp(lp_prox - lp_behav), lp_prox each side's own round-1 "
+            "logprobs, lp_behav the rollout's behavior logprobs; uncapped statistics over "
+            "valid tokens, fraction above behavior_weight_cap (informational, not gated).", "",
+            _markdown_table(("source", "round", "mean", "min", "max", "fraction capped",
+                             "tokens"), rows), ""]
+
+
 def render_markdown(report: Report) -> str:
     """The ``report.md`` text (see the module docstring for its sections)."""
     s = report.summary
@@ -293,6 +316,8 @@ def render_markdown(report: Report) -> str:
         lines += _coverage_lines(report)
     if "power" in report.sections:
         lines += _power_lines(report)
+    if "behavior_weights" in report.sections:
+        lines += _behavior_weight_lines(report)
     lines += ["## Field mismatch (informational, not gated)", "",
               f"Round-1 teacher-forced logprobs against the sampler's behavior logprobs "
               f"(`logprobs_mode = {report.logprobs_mode}`; like-for-like: "

@@ -92,6 +92,7 @@ from qualify.compare.verdicts import (
     Verdict,
     worst_verdict,
 )
+from qualify.compare.weights import behavior_weight_rows
 from qualify.contract import CellSpec, Contract
 from qualify.digests import sha256_bytes
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
@@ -518,7 +519,10 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
         bounds_digest=bounds_digest, lane=lane, created=store.utc_now_iso(),
         cells=tuple(results), rows=tuple(all_rows), logprobs_mode=mode,
         field_like_for_like=like, field_note=field_note, field_metrics=tuple(fields),
-        notes=tuple(notes), coverage=coverage)
+        notes=tuple(notes), coverage=coverage,
+        behavior_weights=behavior_weight_rows(
+            ref_dir, run_dir, [(c.cell, c.attempt) for c in results
+                               if c.role == "actor" and c.attempt]))
     # 6. write
     if write:
         write_report(report, run_dir)

@@ -44,12 +44,14 @@ __all__ = [
 
 ROW_CLASSES: Final = ("candidate_vs_hf", "tp_vs_tp1", "padding_invariance", "dtypes",
                       "replica_consistency")
-OPTIONAL_SECTIONS: Final[tuple[str, ...]] = ("coverage", "power", "root_causes")
+OPTIONAL_SECTIONS: Final[tuple[str, ...]] = ("coverage", "power", "root_causes",
+                                              "behavior_weights")
 """Report sections added after the first comparator, in the order they were added:
 ``coverage`` (the reference's coverage record, issue #15), ``power`` (the power check of
 every metric row and its per-family summary, issue #15) and ``root_causes`` (each failing
 cell's earliest failing quantity, and ``report.md`` leading with them and listing failures
-by cell in causal order, issue #20). A report without them was sealed
+by cell in causal order, issue #20), ``behavior_weights`` (decoupled PPO's importance-weight
+statistics, :mod:`qualify.compare.weights`, issue #18). A report without them was sealed
 before they existed and is recomputed without them (:func:`sections_of`)."""
 
 VERDICT_PRECEDENCE: Final[tuple[Verdict, ...]] = ("FAIL", "ERROR", "NOT_RUN", "PASS")
@@ -248,6 +250,8 @@ class Report:
         coverage: the reference's ``coverage.json`` (what the contract's rules exercise,
             :mod:`qualify.reference.coverage`), or ``None`` for a reference sealed before
             it existed ("coverage not recorded").
+        behavior_weights: decoupled PPO's importance-weight statistics of the reference and
+            each Actor cell (:func:`qualify.compare.weights.behavior_weight_rows`).
         sections: the optional sections this report holds (:data:`OPTIONAL_SECTIONS`,
             every one by default: what the comparator writes today). ``qualify verify``
             recomputes a report sealed by an earlier comparator with the sections that
@@ -276,6 +280,7 @@ class Report:
     field_metrics: tuple[FieldMismatch, ...]
     notes: tuple[str, ...] = ()
     coverage: Mapping[str, Any] | None = None
+    behavior_weights: tuple[Mapping[str, Any], ...] = ()
     sections: tuple[str, ...] = OPTIONAL_SECTIONS
 
     def __post_init__(self) -> None:
@@ -395,6 +400,10 @@ class Report:
             doc["power"] = self.power
         if "root_causes" in self.sections:
             doc["root_causes"] = [rc.to_dict() for rc in self.root_causes]
+        if "behavior_weights" in self.sections:
+            doc["behavior_weights"] = [
+                {k: json_number(v) if isinstance(v, float) else v for k, v in r.items()}
+                for r in self.behavior_weights]
         return doc
 
 
@@ -402,7 +411,7 @@ def sections_of(report_doc: Mapping[str, Any]) -> tuple[str, ...]:
     """The optional sections a stored ``report.json`` holds, in :data:`OPTIONAL_SECTIONS` order.
 
     A section is present when its top-level key is (``coverage``, ``power``,
-    ``root_causes``): a report of
+    ``root_causes``, ``behavior_weights``): a report of
     an earlier comparator simply lacks the keys of later sections.
     """
     return tuple(name for name in OPTIONAL_SECTIONS if name in report_doc)

@@ -260,6 +260,7 @@ def adjust_control_errors(contract: Contract, errors: ControlErrors, *,
                           control_runs: Mapping[str, Mapping[str, Mapping[str, Any]]],
                           doc: Mapping[str, Any], out: Path,
                           train: Mapping[str, npt.NDArray[Any]], mask: npt.NDArray[Any],
+                          behavior: npt.NDArray[Any] | None = None,
                           ) -> list[dict[str, Any]]:
     """Measure a control that flipped a sealed token against the reference on its branches.
 
@@ -281,6 +282,7 @@ def adjust_control_errors(contract: Contract, errors: ControlErrors, *,
         out: the reference directory (holds ``branches/``).
         train: the sealed ``advantages`` / ``returns``.
         mask: ``[B, R]`` valid tokens.
+        behavior: ``[B, R]`` the rollout's behavior logprobs (read by decoupled PPO).
 
     Returns:
         One record per adjusted (or not adjustable) control x role x round: tokens, the
@@ -319,7 +321,9 @@ def adjust_control_errors(contract: Contract, errors: ControlErrors, *,
                         scalars=sealed, train=train, n_valid=float(np.asarray(mask).sum()),
                         lr=opt.actor_lr if role == "actor" else opt.critic_lr,
                         betas=(float(opt.betas[0]), float(opt.betas[1])), eps=opt.eps,
-                        max_grad_norm=opt.max_grad_norm)
+                        max_grad_norm=opt.max_grad_norm,
+                        factors=branches.loss_factors_of(
+                            contract, ref_runs[prec], role, mask, behavior))
                     rec["note"] = note
                     if adjusted is not None:
                         again = compare_sets(run, adjusted, mask, scale=ref_runs[prec])

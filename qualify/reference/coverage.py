@@ -37,6 +37,13 @@ Rules (``role`` / ``round`` / ``label`` where they apply; ``label`` is the refer
 - ``loss_aggregation``: the protocol's token mean over the batch's valid tokens
   (``sum / N``); exercised when the response lengths differ (else a per-sequence mean
   gives the same numbers); the count is the number of distinct lengths.
+  The message names the contract's ``loss_agg_mode``.
+- ``grpo_advantage_nonzero`` (``grpo`` only): valid tokens with a non-zero FP64 advantage
+  (a group whose scores are all equal gives 0).
+- ``behavior_weight_off_one`` / ``behavior_weight_capped`` (``decoupled_ppo`` only, actor,
+  round 1, per label): valid tokens whose behavior weight ``exp(logp_1 - behavior_logprobs)``
+  differs from 1 by more than :data:`BEHAVIOR_WEIGHT_TOL` / exceeds ``behavior_weight_cap``
+  (Hilton et al. 2022; AReaL ``ppo_actor_loss_fn``).
 - ``gradient_accumulation``: micro-batches per step (exercised when more than one).
 - ``adamw_betas`` / ``adamw_eps`` / ``adamw_weight_decay``: the contract's setting differs
   from ``torch.optim.AdamW``'s default ((0.9, 0.999), 1e-8, 0.01); count 1 or 0.
@@ -65,6 +72,8 @@ ADAMW_DEFAULTS: Final = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0
 """``torch.optim.AdamW``'s defaults (torch 2.x documentation)."""
 
 Array = npt.NDArray[Any]
+BEHAVIOR_WEIGHT_TOL: Final = 1e-3
+"""``behavior_weight_off_one`` counts tokens whose weight differs from 1 by more than this."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -170,6 +179,31 @@ def _policy_rules(contract: Contract, label: str, run: Mapping[str, Array], *,
     return out
 
 
+def _behavior_rules(contract: Contract, label: str, run: Mapping[str, Array],
+                    rollout: Mapping[str, Array], valid: Array) -> list[Rule]:
+    """Decoupled PPO's behavior weight ``w = exp(lp_1 - lp_behav)`` (:mod:`qualify.aggregation`)."""
+    alg = contract.algorithm
+    if alg.name != "decoupled_ppo" or "round1/actor/logprobs" not in run \
+            or "behavior_logprobs" not in rollout:
+        return []
+    w = np.exp(np.asarray(run["round1/actor/logprobs"], np.float64)
+               - np.asarray(rollout["behavior_logprobs"], np.float64))
+    n = int(valid.sum())
+    off = valid & (np.abs(w - 1.0) > BEHAVIOR_WEIGHT_TOL)
+    cap = alg.behavior_weight_cap
+    capped = valid & (w > cap) if cap is not None else np.zeros_like(valid)
+    return [
+        Rule(rule="behavior_weight_off_one", label=label, role="actor", round=1,
+             count=int(off.sum()), total=n, exercised=bool(off.any()),
+             absent=f"every behavior weight within {BEHAVIOR_WEIGHT_TOL} of 1 (a harness "
+                    "that ignores the weight is not told apart)"),
+        Rule(rule="behavior_weight_capped", label=label, role="actor", round=1,
+             count=int(capped.sum()), total=n, exercised=bool(capped.any()),
+             absent="no behavior weight above behavior_weight_cap" if cap is not None
+             else "no behavior_weight_cap (uncapped)"),
+    ]
+
+
 def _value_rules(contract: Contract, label: str, run: Mapping[str, Array],
                  returns: Array, valid: Array) -> list[Rule]:
     alg = contract.algorithm
@@ -236,10 +270,18 @@ def _batch_rules(contract: Contract, rollout: Mapping[str, Array],
                     count=right, total=b, exercised=right > 0,
                     absent="no response right-padded in the batch"))
     distinct = len({int(x) for x in lengths})
+    other = ("sequence mean" if alg.loss_agg_mode == "token-mean" else "token mean")
     out.append(Rule(rule="loss_aggregation", label=None, role=None, round=None,
                     count=distinct, total=b, exercised=distinct > 1,
-                    absent="token-mean loss aggregation indistinguishable from a "
-                           "sequence mean (every response has the same length)"))
+                    absent=f"{alg.loss_agg_mode} loss aggregation indistinguishable from a "
+                           f"{other} (every response has the same length)"))
+    if alg.name == "grpo":
+        adv = np.asarray(targets["advantages"], np.float64) if "advantages" in targets \
+            else None
+        nz = int((valid & (adv != 0)).sum()) if adv is not None else 0
+        out.append(Rule(rule="grpo_advantage_nonzero", label=None, role=None, round=None,
+                        count=nz, total=n, exercised=nz > 0,
+                        absent="every GRPO group has equal scores (all advantages 0)"))
     micro = -(-b // alg.micro_batch_size)
     out.append(Rule(rule="gradient_accumulation", label=None, role=None, round=None,
                     count=micro, total=micro, exercised=micro > 1,
@@ -287,6 +329,7 @@ def compute_coverage(contract: Contract, *, rollout: Mapping[str, Array],
         run = runs[label]
         ref = (ref_logprobs or {}).get(label)
         out += _policy_rules(contract, label, run, adv=adv, valid=valid, ref_logprobs=ref)
+        out += _behavior_rules(contract, label, run, rollout, valid)
         out += _value_rules(contract, label, run, returns, valid)
         for role in ("actor", "critic"):
             out += _clip_rule(contract, label, run, role)

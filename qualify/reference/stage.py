@@ -109,7 +109,8 @@ def resolve_prompts(contract: Contract, bundle: models.ModelBundle) -> list[list
 def _batch(roll: rollout.Rollout, train: dict[str, torch.Tensor], pad: int) -> Batch:
     return Batch(prompts=roll.prompts, responses=roll.responses,
                  attention_mask=roll.attention_mask, response_mask=roll.response_mask,
-                 advantages=train["advantages"], returns=train["returns"], pad_token_id=pad)
+                 advantages=train["advantages"], returns=train["returns"], pad_token_id=pad,
+                 behavior_logprobs=roll.behavior_logprobs.float())
 
 
 def _update_run(contract: Contract, bundle: models.ModelBundle, batch: Batch,
@@ -248,6 +249,8 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
             gamma=contract.algorithm.gamma, lam=contract.algorithm.lam,
             kl_coef=contract.algorithm.kl_coef, kl_estimator=contract.algorithm.kl_estimator,
             whiten=contract.algorithm.whiten_advantages,
+            grpo_eps=contract.algorithm.grpo_eps,
+            grpo_norm_by_std=contract.algorithm.grpo_norm_by_std,
         )
         store.save_tensors(out / TARGETS_FILE, tg.to_tensors())
         train = {"advantages": torch.from_numpy(tg.advantages.astype(np.float32)),
@@ -315,7 +318,8 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
             ref_runs={p: {k: v.numpy() for k, v in t.items()} for p, t in ref_runs.items()},
             control_runs={p: {n: {k: v.numpy() for k, v in t.items()} for n, t in runs.items()}
                           for p, runs in control_runs.items()},
-            doc=branch_doc, out=out, train=train_np, mask=mask)
+            doc=branch_doc, out=out, train=train_np, mask=mask,
+            behavior=roll.behavior_logprobs.double().numpy())
         bounds = compute_bounds(contract, errors, resolutions)
         store.atomic_write_json(out / CONTROL_ERRORS_FILE, control_errors_document(errors))
         store.atomic_write_json(out / BOUNDS_FILE, bounds_document(contract, bounds),

@@ -358,6 +358,7 @@ def grpo_advantages(
     response_mask: npt.ArrayLike,
     *,
     eps: float = 1e-6,
+    norm_by_std: bool = True,
 ) -> Array:
     """GRPO outcome advantages: each score normalised within its prompt's group.
 
@@ -366,13 +367,16 @@ def grpo_advantages(
     unbiased standard deviation (``torch.std``'s default) as verl
     ``compute_grpo_outcome_advantage`` does. A group of a single sample gets mean 0 and
     std 1, verl's convention, so its advantage is ``s_b / (1 + eps)``. A group whose
-    scores are all equal gets advantage 0.
+    scores are all equal gets advantage 0. With ``norm_by_std=False`` (Dr. GRPO, Liu et
+    al. 2025, arXiv 2503.20783; verl ``norm_adv_by_std_in_grpo=False``) ``A_b = s_b -
+    mean_g`` (a single-sample group: ``s_b``).
 
     Args:
         scores: ``[B]`` float, one score per sequence.
         group_index: ``[B]`` integer, the prompt (group) each sequence was sampled from.
         response_mask: ``[B, R]`` 0/1, 1 on valid response tokens.
         eps: added to the group std (finite, >= 0).
+        norm_by_std: divide by ``std_g + eps`` (``False``: centre only).
 
     Returns:
         ``[B, R]`` float64: the row's advantage on its valid tokens, 0 elsewhere.
@@ -402,6 +406,9 @@ def grpo_advantages(
             group = s[rows]
             mean = float(group.mean())
             std = float(np.std(group, ddof=1))
+        if not norm_by_std:
+            adv[rows] = s[rows] - mean
+            continue
         if std + e <= 0.0:
             raise ValueError(f"group_index: group {int(g)} has std 0 and eps = 0")
         adv[rows] = (s[rows] - mean) / (std + e)
@@ -475,6 +482,7 @@ def compute_targets(
     whiten: bool = True,
     whiten_eps: float = 1e-8,
     grpo_eps: float = 1e-6,
+    grpo_norm_by_std: bool = True,
 ) -> Targets:
     """Compute the FP64 targets of one rollout for ``algorithm``.
 
@@ -509,6 +517,7 @@ def compute_targets(
         whiten: whiten the advantages over valid tokens.
         whiten_eps: variance epsilon of the whitening.
         grpo_eps: std epsilon of the GRPO normalisation.
+        grpo_norm_by_std: divide GRPO's centred scores by the group std (Dr. GRPO: off).
 
     Returns:
         The :class:`Targets`, every array ``[B, R]`` float64 and 0 on masked tokens.
@@ -538,7 +547,8 @@ def compute_targets(
         if group_index is None:
             raise ValueError("grpo: needs group_index")
         totals = np.array([math.fsum(row[m]) for row, m in zip(rewards, mask, strict=True)])
-        raw = grpo_advantages(totals, group_index, mask, eps=grpo_eps)
+        raw = grpo_advantages(totals, group_index, mask, eps=grpo_eps,
+                              norm_by_std=grpo_norm_by_std)
         returns = raw.copy()
 
     advantages = masked_whiten(raw, mask, eps=whiten_eps) if whiten else raw.copy()

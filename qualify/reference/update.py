@@ -35,6 +35,7 @@ from typing import Any, Final, Literal
 import torch
 from torch import nn
 
+from qualify import aggregation
 from qualify.contract import Contract
 from qualify.protocol import param_sample_indices, tensor_name
 from qualify.reference.scoring import bf16_parameters_copy
@@ -100,6 +101,8 @@ class Batch:
         advantages: ``[B, R]`` float32.
         returns: ``[B, R]`` float32.
         pad_token_id: the pad id used for extra padding.
+        behavior_logprobs: ``[B, R]`` float32, the sampler's logprobs (decoupled PPO's
+            behavior policy); ``None`` when the algorithm does not read them.
     """
 
     prompts: torch.Tensor
@@ -109,6 +112,7 @@ class Batch:
     advantages: torch.Tensor
     returns: torch.Tensor
     pad_token_id: int
+    behavior_logprobs: torch.Tensor | None = None
 
     def padded(self, left: int, right: int) -> Batch:
         """Return the batch with ``left`` extra prompt pad columns and ``right`` response ones."""
@@ -132,6 +136,8 @@ class Batch:
             response_mask=torch.cat([self.response_mask, cols(right, 0, self.response_mask)], 1),
             advantages=torch.cat([self.advantages, torch.zeros(b, right)], 1),
             returns=torch.cat([self.returns, torch.zeros(b, right)], 1),
+            behavior_logprobs=None if self.behavior_logprobs is None else torch.cat(
+                [self.behavior_logprobs, torch.zeros(b, right)], 1),
         )
 
     def micro_batches(self, size: int) -> Iterator[tuple[slice, Batch]]:
@@ -147,6 +153,8 @@ class Batch:
                 response_mask=self.response_mask[s],
                 advantages=self.advantages[s],
                 returns=self.returns[s],
+                behavior_logprobs=None if self.behavior_logprobs is None
+                else self.behavior_logprobs[s],
             )
 
 
@@ -193,6 +201,18 @@ def _kl(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
     if estimator == "k3":
         return torch.exp(-log_ratio) + log_ratio - 1.0
     raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def _aggregation(batch: Batch, contract: Contract,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """``([B] row weight, denominator)`` of the contract's ``loss_agg_mode`` on ``batch``.
+
+    :func:`qualify.aggregation.aggregation_terms` of the whole (padded) batch's mask: a
+    micro-batch's term is ``Σ m x row_weight[b] / denominator``, global denominators.
+    """
+    row, denom = aggregation.aggregation_terms(batch.response_mask.numpy(),
+                                               contract.algorithm.loss_agg_mode)
+    return torch.from_numpy(row).to(dtype), denom
 
 
 ROW_PARALLEL_SUFFIXES: Final = ("o_proj", "down_proj")
@@ -405,6 +425,11 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
     optim = _adamw(actor, contract.optimizer.actor_lr, contract)
     b, r_len = batch.responses.shape
     acc = settings.accumulate_dtype
+    row_w, denom = _aggregation(batch, contract, acc)
+    decoupled = alg.name == "decoupled_ppo"
+    if decoupled and batch.behavior_logprobs is None:
+        raise ValueError("decoupled_ppo: the batch has no behavior_logprobs")
+    weights, raw_weights = torch.ones(2, b, r_len, dtype=acc).unbind(0)
     old_logp = torch.zeros(b, r_len, dtype=acc)
     ref_logp = torch.zeros(b, r_len, dtype=acc)
     compute_dtypes: set[str] = set()
@@ -429,15 +454,26 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
             compute_dtypes.add(str(lg.dtype))
             logp, ent = _token_logprobs_entropy(lg, mb.responses, temp)
             old = logp.detach() if round_ == 1 else old_logp[s]
+            if decoupled and round_ == 1:  # proximal policy = this run's own round 1
+                assert mb.behavior_logprobs is not None
+                prox = logp.detach().double().numpy()
+                weights[s] = torch.from_numpy(aggregation.behavior_weights(
+                    prox, mb.behavior_logprobs.numpy(), mb.response_mask.numpy(),
+                    cap=alg.behavior_weight_cap, cap_mode=alg.behavior_weight_cap_mode)).to(acc)
+                raw_weights[s] = torch.exp(torch.from_numpy(prox) - mb.behavior_logprobs
+                                           .double()).to(acc) * mb.response_mask
             ratio = torch.exp(logp - old)
             adv = mb.advantages.float()
             pg_clipped = -adv * torch.clamp(ratio, 1 - alg.clip_ratio, 1 + alg.clip_ratio)
             pg = torch.maximum(-adv * ratio, pg_clipped)
+            if decoupled:
+                pg = weights[s] * pg
             clipped_tokens += float(((pg_clipped > -adv * ratio).float() * mask).sum())
-            policy = (pg * mask).sum() / n_valid
-            kl = alg.kl_loss_coef * (_kl(logp, ref_logp[s], alg.kl_loss_estimator) * mask).sum()
-            kl = kl / n_valid
-            ent_loss = -alg.entropy_coef * (ent * mask).sum() / n_valid
+            agg = mask * row_w[s, None]  # [b, R]: 1 on valid tokens for token-mean
+            policy = (pg * agg).sum() / denom
+            kl = alg.kl_loss_coef * (_kl(logp, ref_logp[s], alg.kl_loss_estimator) * agg).sum()
+            kl = kl / denom
+            ent_loss = -alg.entropy_coef * (ent * agg).sum() / denom
             (policy + kl + ent_loss).backward()
             prec.collect_grads()
             sums["policy"] += float(policy.detach())
@@ -458,6 +494,12 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
         _step("actor", round_, actor, contract, optim=optim, out=out, grad_dtypes=grad_dtypes)
     meta = _run_meta(actor, optim, grad_dtypes, compute_dtypes, settings)
     meta["policy_clip_fraction"] = clip_fraction
+    meta["loss_agg_mode"] = alg.loss_agg_mode
+    if decoupled:
+        # The weight is fixed by round 1 (the proximal policy) and reused in every round.
+        stats = aggregation.weight_stats(raw_weights.double().numpy(),
+                                         batch.response_mask.numpy(), alg.behavior_weight_cap)
+        meta["behavior_weight"] = {f"round{r}": stats for r in range(1, alg.rounds + 1)}
     return out, meta
 
 
@@ -485,6 +527,7 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
     optim = _adamw(critic, contract.optimizer.critic_lr, contract)
     b, r_len = batch.responses.shape
     acc = settings.accumulate_dtype
+    row_w, denom = _aggregation(batch, contract, acc)
     old_values = torch.zeros(b, r_len, dtype=acc)
     compute_dtypes: set[str] = set()
     grad_dtypes: set[str] = set()
@@ -507,7 +550,7 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
             vloss = torch.maximum((values - ret).square(), (clipped - ret).square())
             clipped_tokens += float((((clipped - ret).square() > (values - ret).square())
                                      .float() * mask).sum())
-            loss = 0.5 * (vloss * mask).sum() / n_valid
+            loss = 0.5 * (vloss * (mask * row_w[s, None])).sum() / denom
             loss.backward()
             prec.collect_grads()
             total += float(loss.detach())
@@ -535,12 +578,14 @@ def token_gradients(work: nn.Module, master: nn.Module, batch: Batch, contract: 
     A token that a clip switch turns on or off (:mod:`qualify.branches`) moves the round's
     gradient by its unclipped term's gradient, ``s_t * J_t`` with ``J_t`` computed here:
 
-    - Actor: ``J_t = d logp_t / d theta``, ``s_t = -A_t * exp(logp_t - old_t) / N`` (the
+    - Actor: ``J_t = d logp_t / d theta``, ``s_t = -c_t w_t A_t exp(logp_t - old_t)`` (the
       unclipped surrogate, Schulman et al. 2017 eq. 7; the KL and entropy terms are smooth).
-    - Critic: ``J_t = d V_t / d theta``, ``s_t = (V_t - G_t) / N`` (the unclipped value
-      loss ``0.5 (V_t - G_t)^2 / N``).
+    - Critic: ``J_t = d V_t / d theta``, ``s_t = c_t (V_t - G_t)`` (the unclipped value
+      loss ``0.5 c_t (V_t - G_t)^2``).
 
-    ``N`` is the number of valid tokens. The scalar ``s_t`` is left to the comparator, which
+    ``c_t`` is the aggregation factor (``1 / N`` for ``token-mean``,
+    :func:`qualify.aggregation.token_scale`), ``w_t`` decoupled PPO's behavior weight (1
+    otherwise). The scalar ``s_t`` is left to the comparator, which
     takes it from the run it adjusts (its own values and logprobs). Each micro-batch that
     holds a listed token runs forward once on ``work`` at this run's precision (autocast as
     the run does) in eval mode (dropout off, as in the run; the module's mode is restored
