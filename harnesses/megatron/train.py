@@ -28,19 +28,19 @@ Per role and round (``qualify.protocol``):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from harnesses.megatron import convert, losses
+from harnesses.megatron import convert, cpu_shims, losses
 
 if TYPE_CHECKING:
-    from contextlib import AbstractContextManager
-
     from harnesses.common import Batch
     from harnesses.megatron import model as mm
     from qualify.contract import Contract
@@ -124,6 +124,7 @@ class Trainer:
     ref: nn.Module | None
     replica_rounds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     dtypes: dict[str, Any] = dataclasses.field(default_factory=dict)
+    served: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from megatron.core.distributed import (
@@ -149,9 +150,26 @@ class Trainer:
             clip_grad=o.max_grad_norm, bf16=run.bf16,
             params_dtype=torch.bfloat16 if run.bf16 else torch.float32,
             use_distributed_optimizer=False)
-        self.optimizer = get_megatron_optimizer(
-            self.opt_config, [self.ddp], config_overrides={}, use_gloo_process_groups=False,
-            pg_collection=run.groups.pg_collection)
+        with self.placement():
+            self.optimizer = get_megatron_optimizer(
+                self.opt_config, [self.ddp], config_overrides={}, use_gloo_process_groups=False,
+                pg_collection=run.groups.pg_collection)
+
+    def placement(self) -> AbstractContextManager[Any]:
+        """:func:`harnesses.megatron.cpu_shims.optimizer_placement` on CPU; nothing on CUDA.
+
+        What each CPU block served is accumulated in :attr:`served` (``outputs.json``).
+        """
+        if self.run.device.type != "cpu":
+            return contextlib.nullcontext()
+        return self._cpu_placement()
+
+    @contextlib.contextmanager
+    def _cpu_placement(self) -> Iterator[None]:
+        with cpu_shims.optimizer_placement() as placed:
+            yield
+        for where, n in placed.served.items():
+            self.served[where] = self.served.get(where, 0) + n
 
     # ----------------------------------------------------------------- views
 
@@ -209,7 +227,8 @@ class Trainer:
         for name, g in gather_hf(run, self.shape, grads).items():
             run.put(round_, "grads", g, name)
         before = gather_hf(run, self.shape, self.masters())
-        success, norm, _ = self.optimizer.step()
+        with self.placement():
+            success, norm, _ = self.optimizer.step()
         if not success:
             raise RuntimeError(f"Megatron optimizer step skipped in round {round_}")
         max_norm = float(self.opt_config.clip_grad)
@@ -309,8 +328,10 @@ class Trainer:
                            for r in self.replica_rounds],
                 "params": params},
             "optimizer": {"class": type(self.optimizer).__name__,
+                          "wrapped": [type(o).__name__ for o in self._optimizers()],
                           "inner": [type(o.optimizer).__name__ for o in self._optimizers()],
-                          "config_overrides": "{} (weight decay on every parameter)"},
+                          "config_overrides": "{} (weight decay on every parameter)",
+                          "cpu_placement_served": dict(sorted(self.served.items()))},
         }
 
 
