@@ -154,7 +154,7 @@ class CpuPlacedTorch:
         self._placement = placement
 
     def __getattr__(self, name: str) -> Any:
-        """torch's attribute ``name``."""
+        """Torch's attribute ``name``."""
         return getattr(torch, name)
 
     def _place(self, device: Any) -> Any:
@@ -163,9 +163,12 @@ class CpuPlacedTorch:
             self._placement.note(_caller_line(3))
         return mapped
 
-    def tensor(self, data: Any, *args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
-        """``torch.tensor(data, ...)`` with ``device`` mapped by :func:`cpu_device`."""
-        return torch.tensor(data, *args, device=self._place(device), **kwargs)
+    def tensor(self, data: Any, *, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        """``torch.tensor(data, ...)`` with ``device`` mapped by :func:`cpu_device`.
+
+        Keyword options only (every megatron-core call site passes them so).
+        """
+        return torch.tensor(data, device=self._place(device), **kwargs)
 
     def zeros(self, *size: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
         """``torch.zeros(*size, ...)`` with ``device`` mapped by :func:`cpu_device`."""

@@ -120,7 +120,7 @@ class RoleRun(common.RoleOutputs):
 
     @property
     def cpu(self) -> bool:
-        """Running on CPU (gloo; Megatron's optimizer under :mod:`~harnesses.megatron.cpu_shims`)."""
+        """Running on CPU (gloo; the optimizer under :mod:`~harnesses.megatron.cpu_shims`)."""
         return self.device.type == "cpu"
 
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from contextlib import AbstractContextManager
 from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
