@@ -125,6 +125,7 @@ class Trainer:
     replica_rounds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     dtypes: dict[str, Any] = dataclasses.field(default_factory=dict)
     served: dict[str, int] = dataclasses.field(default_factory=dict)
+    norms: list[float] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         from megatron.core.distributed import (
@@ -232,6 +233,7 @@ class Trainer:
         if not success:
             raise RuntimeError(f"Megatron optimizer step skipped in round {round_}")
         max_norm = float(self.opt_config.clip_grad)
+        self.norms.append(float(norm))  # the Python float Megatron clipped with
         norm_t = torch.tensor(float(norm))
         run.put(round_, "grad_norm", norm_t)
         run.put(round_, "clip_coef", torch.clamp(max_norm / (norm_t + 1e-6), max=1.0))
@@ -331,7 +333,8 @@ class Trainer:
                           "wrapped": [type(o).__name__ for o in self._optimizers()],
                           "inner": [type(o.optimizer).__name__ for o in self._optimizers()],
                           "config_overrides": "{} (weight decay on every parameter)",
-                          "cpu_placement_served": dict(sorted(self.served.items()))},
+                          "cpu_placement_served": dict(sorted(self.served.items())),
+                          "grad_norms": list(self.norms)},
         }
 
 
