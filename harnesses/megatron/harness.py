@@ -6,17 +6,17 @@ Runs the Actor and Critic of :mod:`qualify.protocol` on megatron-core's own ``GP
 - scoring (every device): Actor logprobs and entropy from the vocab-parallel output layer
   (:func:`harnesses.megatron.losses.vocab_parallel_logprobs_entropy`), Critic values from
   a replicated value head on the decoder, and the padding-invariance reruns;
-- training (CUDA only): Megatron's ``DistributedDataParallel`` with FP32 ``main_grad``
+- training (CPU and CUDA): Megatron's ``DistributedDataParallel`` with FP32 ``main_grad``
   buffers, ``get_megatron_optimizer`` (``OptimizerConfig(optimizer="adam")``: AdamW with
   decoupled weight decay; BF16 = ``Float16Module`` BF16 parameters with FP32 master
   weights in ``Float16OptimizerWithFloat16Params``), its TP-aware gradient clipping and the
   grad norm its ``step()`` returns. Gradients (``main_grad``), Adam moments and master
   updates are gathered over the TP group and converted back to the HF layout.
 
-On CPU, Megatron's optimizer stack (``get_megatron_optimizer``, ``clip_grad_norm``, the
-grad scaler, ``param_and_grad_buffer``) is hard-wired to CUDA: the training families and
-all of round 2 are declared ``not_run`` in ``outputs.json`` (never replaced by another
-optimizer). The patches the CPU path needs are listed in ``outputs.json`` ``shims``.
+On CPU, Megatron's own optimizer runs (never replaced by another one) under the placement
+shims of :mod:`harnesses.megatron.cpu_shims`, which map its hard-coded ``device='cuda'``
+constants and legacy ``torch.cuda.*Tensor`` type checks to the CPU; every patch the CPU
+path needs is listed in ``outputs.json`` ``shims``.
 
 Reads only ``cell.json`` and, from ``inputs_dir``: ``rollout.safetensors``,
 ``train_inputs.safetensors``, ``contract.json`` and ``model.json`` (never reference scores).
@@ -38,7 +38,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from harnesses import common
 from harnesses.common import Batch
-from harnesses.megatron import convert, losses
+from harnesses.megatron import convert, cpu_shims, losses
 from harnesses.megatron import model as mm
 from qualify.contract import Contract
 from qualify.errors import HarnessError
@@ -48,9 +48,6 @@ from qualify.protocol import (
 )
 
 ENGINE: Final = "megatron"
-CPU_NOT_RUN_REASON: Final = "Megatron optimizer needs CUDA"
-TRAINING_FAMILIES: Final = ("losses", "grad_norm", "clip_coef", "grads", "exp_avg",
-                            "exp_avg_sq", "updates", "dtypes", "replica")
 PACKAGES: Final = ("torch", "transformers", "safetensors", "megatron-core")
 
 
@@ -122,7 +119,7 @@ class RoleRun(common.RoleOutputs):
 
     @property
     def cpu(self) -> bool:
-        """Running on CPU (scoring only)."""
+        """Running on CPU (gloo; the optimizer under :mod:`~harnesses.megatron.cpu_shims`)."""
         return self.device.type == "cpu"
 
 
@@ -138,6 +135,7 @@ class RoleRun(common.RoleOutputs):
             raise HarnessError(f"converted layout check failed: {problems[:3]}")
         model = mm.build_gpt(config, shape, self.groups, bf16=self.bf16, cpu=self.cpu)
         mm.load_shard(model, shards[self.groups.tp_rank])
+        mm.check_tp_tags(model, convert.replicated_megatron_names(shape))
         model.to(self.device)
         if self.bf16:
             from megatron.core.transformer.module import Float16Module
@@ -178,14 +176,14 @@ class RoleRun(common.RoleOutputs):
     # ----------------------------------------------------------------- scoring
 
     def run(self) -> dict[str, Any]:
-        """Score (and, on CUDA, train) this role; return its ``outputs.json`` part."""
+        """Score and train this role; return its ``outputs.json`` part."""
         alg = self.contract.algorithm
         head: convert.Head = "lm" if self.role == "actor" else "value"
         src = self.dirs["actor_dir" if self.role == "actor" else "critic_dir"]
         with self.timed("load_s"):
             model, shape = self.build(src, head)
             ref = None
-            if self.role == "actor" and not self.cpu:
+            if self.role == "actor":
                 ref, _ = self.build(self.dirs["ref_dir"], "lm")
                 ref.requires_grad_(False)
         batch = self.batch.to(self.device)
@@ -208,16 +206,6 @@ class RoleRun(common.RoleOutputs):
                     padded[s] = self.critic_values(
                         model, mb.right_padded(EXTRA_RIGHT_PADDING, pad_id))
             self.put(1, f"{metric}_padded", torch.where(batch.mask, padded, 0.0))
-        if self.cpu:
-            self.put(1, metric, torch.where(batch.mask, first, 0.0))
-            if self.role == "actor":
-                self.put(1, "entropy", torch.where(batch.mask, ent, 0.0))
-            return self.meta(shape, not_run=[
-                {"round": None, "family": f, "reason": CPU_NOT_RUN_REASON}
-                for f in TRAINING_FAMILIES] + [
-                {"round": 2, "family": "*",
-                 "reason": f"round 2 scores the round-1 update, which needs Megatron's "
-                           f"optimizer ({CPU_NOT_RUN_REASON})"}])
         from harnesses.megatron import train
 
         trainer = train.Trainer(run=self, model=model, shape=shape, ref=ref)
@@ -296,7 +284,7 @@ def run(cell: HarnessCell) -> None:
         groups = mm.role_groups(cell.actor_tp, cell.critic_tp, rank, cell.collective_timeout_s)
         shims = mm.apply_group_shims()
         if device.type == "cpu":
-            shims += mm.apply_cpu_shims()
+            shims += mm.apply_cpu_shims() + cpu_shims.shim_texts()
         else:
             from megatron.core import tensor_parallel
 

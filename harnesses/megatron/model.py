@@ -23,7 +23,7 @@ listed in every ``outputs.json``): see :data:`CPU_SHIMS` and :func:`apply_cpu_sh
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import torch
@@ -126,7 +126,13 @@ def transformer_config(config: Any, shape: Shape, tp: int, *, bf16: bool,
         add_bias_linear=False, add_qkv_bias=False, qk_layernorm=shape.family == "qwen3",
         hidden_dropout=0.0, attention_dropout=0.0,
         bf16=bf16, params_dtype=torch.float32,
-        use_cpu_initialization=cpu, perform_initialization=False,
+        # perform_initialization=True although load_shard overwrites every weight: in
+        # megatron-core 0.16.1 only the initializers (_initialize_affine_weight_cpu / _gpu,
+        # tensor_parallel/layers.py:170 / :137) tag a TP-sharded weight
+        # tensor_model_parallel=True; untagged, param_is_not_tensor_parallel_duplicate
+        # (layers.py:89) treats every shard as a replica and the optimizer's grad norm counts
+        # only TP rank 0's shards (README "TP grad norm"; checked by check_tp_tags).
+        use_cpu_initialization=cpu, perform_initialization=True,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
@@ -182,6 +188,30 @@ def build_gpt(config: Any, shape: Shape, groups: RoleGroups, *, bf16: bool,
     if shape.head == "value":
         model.output_layer = ValueHead(shape.hidden)
     return model
+
+
+def check_tp_tags(model: nn.Module, replicated: Sequence[str]) -> None:
+    """Check Megatron's own TP tags against the conversion's layout.
+
+    A parameter is tensor-parallel for Megatron's grad norm
+    (``param_is_not_tensor_parallel_duplicate``) iff it carries
+    ``tensor_model_parallel=True``; every parameter outside ``replicated`` is sharded by
+    :mod:`harnesses.megatron.convert` and must carry it, every replicated one must not.
+
+    Args:
+        model: the ``GPTModel`` (not wrapped).
+        replicated: Megatron names of the replicated parameters
+            (:func:`harnesses.megatron.convert.replicated_megatron_names`).
+
+    Raises:
+        HarnessError: a sharded parameter is untagged or a replicated one is tagged.
+    """
+    rep = set(replicated)
+    wrong = [n for n, p in model.named_parameters()
+             if bool(getattr(p, "tensor_model_parallel", False)) == (n in rep)]
+    if wrong:
+        raise HarnessError(f"Megatron tensor_model_parallel tags disagree with the layout: "
+                           f"{wrong[:4]} (sharded untagged or replicated tagged)")
 
 
 def load_shard(model: nn.Module, shard: Mapping[str, Tensor]) -> None:

@@ -17,7 +17,7 @@ SPEC: Final = EngineSpec(
     distributions=("megatron-core",),
     requires=("megatron",),
     bf16_style="params",  # Float16Module BF16 parameters, FP32 main params in the optimizer
-    description="Megatron-Core tensor parallelism; on CPU scoring only (its optimizer "
-                "needs CUDA: training metrics NOT_RUN)",
+    description="Megatron-Core tensor parallelism; Megatron's own optimizer on CPU under "
+                "placement-only shims (harnesses/megatron/cpu_shims.py) and on CUDA",
 )
 """Megatron-Core: the TP axis at 1, 2, 4, 8; no engine options."""

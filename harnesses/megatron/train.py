@@ -28,19 +28,19 @@ Per role and round (``qualify.protocol``):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from harnesses.megatron import convert, losses
+from harnesses.megatron import convert, cpu_shims, losses
 
 if TYPE_CHECKING:
-    from contextlib import AbstractContextManager
-
     from harnesses.common import Batch
     from harnesses.megatron import model as mm
     from qualify.contract import Contract
@@ -125,6 +125,8 @@ class Trainer:
     replica_rounds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     dtypes: dict[str, Any] = dataclasses.field(default_factory=dict)
     behavior_weight: dict[str, Any] = dataclasses.field(default_factory=dict)
+    served: dict[str, int] = dataclasses.field(default_factory=dict)
+    norms: list[float] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         from megatron.core.distributed import (
@@ -150,9 +152,26 @@ class Trainer:
             clip_grad=o.max_grad_norm, bf16=run.bf16,
             params_dtype=torch.bfloat16 if run.bf16 else torch.float32,
             use_distributed_optimizer=False)
-        self.optimizer = get_megatron_optimizer(
-            self.opt_config, [self.ddp], config_overrides={}, use_gloo_process_groups=False,
-            pg_collection=run.groups.pg_collection)
+        with self.placement():
+            self.optimizer = get_megatron_optimizer(
+                self.opt_config, [self.ddp], config_overrides={}, use_gloo_process_groups=False,
+                pg_collection=run.groups.pg_collection)
+
+    def placement(self) -> AbstractContextManager[Any]:
+        """:func:`harnesses.megatron.cpu_shims.optimizer_placement` on CPU; nothing on CUDA.
+
+        What each CPU block served is accumulated in :attr:`served` (``outputs.json``).
+        """
+        if self.run.device.type != "cpu":
+            return contextlib.nullcontext()
+        return self._cpu_placement()
+
+    @contextlib.contextmanager
+    def _cpu_placement(self) -> Iterator[None]:
+        with cpu_shims.optimizer_placement() as placed:
+            yield
+        for where, n in placed.served.items():
+            self.served[where] = self.served.get(where, 0) + n
 
     # ----------------------------------------------------------------- views
 
@@ -210,10 +229,12 @@ class Trainer:
         for name, g in gather_hf(run, self.shape, grads).items():
             run.put(round_, "grads", g, name)
         before = gather_hf(run, self.shape, self.masters())
-        success, norm, _ = self.optimizer.step()
+        with self.placement():
+            success, norm, _ = self.optimizer.step()
         if not success:
             raise RuntimeError(f"Megatron optimizer step skipped in round {round_}")
         max_norm = float(self.opt_config.clip_grad)
+        self.norms.append(float(norm))  # the Python float Megatron clipped with
         norm_t = torch.tensor(float(norm))
         run.put(round_, "grad_norm", norm_t)
         run.put(round_, "clip_coef", torch.clamp(max_norm / (norm_t + 1e-6), max=1.0))
@@ -327,8 +348,11 @@ class Trainer:
             "loss_agg_mode": self.run.contract.algorithm.loss_agg_mode,
             "behavior_weight": self.behavior_weight,
             "optimizer": {"class": type(self.optimizer).__name__,
+                          "wrapped": [type(o).__name__ for o in self._optimizers()],
                           "inner": [type(o.optimizer).__name__ for o in self._optimizers()],
-                          "config_overrides": "{} (weight decay on every parameter)"},
+                          "config_overrides": "{} (weight decay on every parameter)",
+                          "cpu_placement_served": dict(sorted(self.served.items())),
+                          "grad_norms": list(self.norms)},
         }
 
 
