@@ -12,19 +12,21 @@ exercised but the one the contract schema cannot reach:
   itself scored is exactly 0. Its power needs a reference policy other than the actor
   (a schema change), not another setting.
 
-The slow test builds its own reference (no session-wide real reference exists in
-``tests/``): about 45 s on 2 idle cores, minutes when they are shared.
+The slow test reads the session's shared reference of the default contract
+(:func:`shared_artifacts.default_reference`, which test_vllm_rollout checks too): about
+45 s on 2 idle cores when this module is the first to need it, minutes when they are shared.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
+from shared_artifacts import default_reference
 
 from qualify.contract import Contract, default_contract_path, load_contract
+from qualify.evidence import store
 from qualify.layout import COVERAGE_FILE
 from qualify.reference.coverage import ADAMW_DEFAULTS
 from qualify.resources import contracts_dir
@@ -71,11 +73,11 @@ def test_large_vocabulary_contract_matches_the_default_but_the_vocabulary() -> N
 
 @pytest.fixture(scope="module")
 def coverage(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from qualify.reference.stage import run_reference_stage
-
     contract: Contract = load_contract(default_contract_path())
-    ref = run_reference_stage(contract, root=tmp_path_factory.mktemp("refs"), quiet=True)
-    doc: dict[str, Any] = json.loads((Path(ref) / COVERAGE_FILE).read_text("utf-8"))
+    ref = default_reference(tmp_path_factory) / "references" / \
+        f"{contract.name}-{contract.digest12}"
+    assert store.is_sealed(ref)
+    doc: dict[str, Any] = json.loads((ref / COVERAGE_FILE).read_text("utf-8"))
     return doc
 
 

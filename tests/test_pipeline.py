@@ -1,8 +1,11 @@
 """End to end on the default contract: seal a reference, run candidate cells, compare.
 
 The contract is ``tiny-qwen3.toml`` reduced to the torch_tp engine and the HF sampler
-(:mod:`tiny_contracts`; the other engines have their own test modules). One reference per
-test module (about 40 s on 2 cores); each candidate launch is a real torchrun + gloo job
+(:mod:`tiny_contracts`; the other engines have their own test modules). The reference
+(about 40 s on 2 cores) is the session's shared :func:`shared_artifacts.tiny_reference`,
+copied per module; the run of every cell (about 3 minutes) is the session's shared
+:func:`shared_artifacts.tiny_chain` (the tamper set of test_tamper_real_run seals and signs
+the same run), copied per test. Each other candidate launch is a real torchrun + gloo job
 of the torch_tp engine (about 20 s).
 """
 
@@ -16,7 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_contracts import torch_tp_only
+from shared_artifacts import copy_tree, tiny_chain, tiny_reference
+from tiny_contracts import torch_tp_only, torch_tp_only_text
 
 from qualify.candidate.stage import run_candidate_stage
 from qualify.compare.stage import compare_run
@@ -39,8 +43,12 @@ def contract(tiny: Path) -> Contract:
 
 @pytest.fixture(scope="module")
 def reference(contract: Contract, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the shared reference of this contract (:func:`run_reference_stage`)."""
+    shared = tiny_reference(tmp_path_factory) / "references" / \
+        f"{contract.name}-{contract.digest12}"
+    assert store.is_sealed(shared)
     root = tmp_path_factory.mktemp("refs")
-    return run_reference_stage(contract, root=root, quiet=True)
+    return copy_tree(shared, root / shared.name)
 
 
 def _rows(report_dir: Path) -> list[dict[str, object]]:
@@ -139,19 +147,27 @@ def test_interrupted_reference_is_never_taken_as_sealed(contract: Contract, tiny
     store.make_writable(tmp_path)
 
 
-def test_every_torch_tp_cell_passes(reference: Path, contract: Contract,
-                                    tmp_path: Path) -> None:
-    before = store.manifest_digest(reference)
-    run_dir = run_candidate_stage(contract, reference=reference, root=tmp_path, quiet=True)
-    report = compare_run(run_dir)
-    verdicts = dict(report.verdicts)
-    assert verdicts == {c.cell_id: "PASS" for c in contract.matrix.cells()}, report.summary
-    assert report.passed
+def test_every_torch_tp_cell_passes(contract: Contract, tmp_path: Path,
+                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The shared chain's run of every cell (:func:`shared_artifacts.tiny_chain`: the real
+    candidate stage on the sealed reference, then :func:`compare_run`), on a copy."""
+    chain = tiny_chain(tmp_path_factory)
+    assert chain.contract.read_text() == torch_tp_only_text()
+    assert chain.doc["verdicts"] == {c.cell_id: "PASS" for c in contract.matrix.cells()}, \
+        chain.doc["summary"]
+    assert chain.doc["passed"] is True
+    report = json.loads((chain.run / "report.json").read_text())
+    assert {c["cell"]: c["verdict"] for c in report["cells"]} == chain.doc["verdicts"]
     # The sealed reference is byte-identical after a candidate run.
-    assert store.manifest_digest(reference) == before
-    store.check_sealed(reference)
+    assert store.manifest_digest(chain.reference) == \
+        chain.doc["reference_digest_before_candidate"]
+    store.check_sealed(chain.reference)
+    for part in ("references", "evidence"):
+        copy_tree(chain.root / part, tmp_path / part)
+    reference = tmp_path / "references" / chain.reference.name
+    run_dir = (tmp_path / "evidence" / contract.name / chain.run.name).resolve()
     # Resume: nothing left to run, the complete attempts are kept as they are.
-    again = run_candidate_stage(contract, reference=reference, root=tmp_path,
+    again = run_candidate_stage(contract, reference=reference, root=tmp_path / "evidence",
                                 run_id=run_dir.name, quiet=True)
     assert again == run_dir
     for cell in contract.matrix.cells():

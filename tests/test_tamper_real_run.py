@@ -1,20 +1,26 @@
 """The tamper set of test_verify applied to a REAL signed run of the tiny contract (issue #4).
 
-One module fixture (:func:`real_world`, about 3 minutes on 2 cores) does what
-``qualify run contracts/tiny-qwen3.toml`` does (qualify/pipeline/chain.py), in-process, with a
-test signing key given through ``$QUALIFY_SIGNING_KEY`` (the variable is restored after):
+One module fixture (:func:`real_world`) holds what
+``qualify run contracts/tiny-qwen3.toml`` does (qualify/pipeline/chain.py), with a test
+signing key given through ``$QUALIFY_SIGNING_KEY`` (the variable is restored after). The
+expensive part, reference and candidate stage (about 3 minutes on 2 cores), is the
+session's shared :func:`shared_artifacts.tiny_chain` (built once for every module and
+xdist worker that needs it; test_pipeline checks the same run); this module copies it:
 
-- ``references/tiny-qwen3-<digest12>/``: :func:`run_reference_stage` (sealed and signed);
-- ``evidence/tiny-qwen3/<run id>/``: :func:`run_candidate_stage` (all 8 torch_tp cells,
-  real torchrun + gloo launches), :func:`compare_run`, then ``seal_and_sign`` of the run;
+- ``references/tiny-qwen3-<digest12>/``: :func:`~qualify.reference.stage.run_reference_stage`
+  (sealed and signed by the chain's key, the trusted key here);
+- ``evidence/tiny-qwen3/<run id>/``: :func:`~qualify.candidate.stage.run_candidate_stage`
+  (all 8 torch_tp cells, real torchrun + gloo launches),
+  :func:`~qualify.compare.stage.compare_run`, then ``seal_and_sign`` of the run (here);
 - ``evidence/tiny-qwen3/0-older-copy/``: a copy of the same compared run sealed and signed
   a moment *before* the real one (the "older run" whose attestation is replayed);
 - ``contracts/tiny-qwen3.toml``: the committed contract reduced to the torch_tp engine
   and the HF sampler (:mod:`tiny_contracts`), where verify step 6 looks
   (``--contracts-dir``); ``keys/``: two trusted public keys (a third key stays untrusted).
 
-The tree is built under ``build/`` and then renamed to ``world/``: ``run.json`` names its
-reference by absolute path, which then no longer exists, so every copy finds its OWN
+The tree is assembled under ``build/`` and then renamed to ``world/`` (and the shared chain
+was built under a directory that is renamed too): ``run.json`` names its reference by
+absolute path, which then no longer exists, so every copy finds its OWN
 reference through ``references/`` beside an ancestor (as committed evidence moved to
 another machine does). Without that, a copy's run would still point at the pristine
 reference and the mutations of the reference would go unseen.
@@ -29,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -37,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography.hazmat.primitives import serialization
+from shared_artifacts import TinyChain, copy_tree, signing_env, tiny_chain
 from test_verify import (
     MUTATIONS,
     TENSOR_CELL,
@@ -49,14 +54,11 @@ from test_verify import (
 )
 from tiny_contracts import torch_tp_only_text
 
-from qualify.candidate.stage import run_candidate_stage
-from qualify.compare.stage import compare_run
 from qualify.contract import load_contract
 from qualify.errors import EvidenceIntegrityError, ExitCode
 from qualify.evidence import sign as signing
 from qualify.evidence import store
 from qualify.evidence.verify import ReferenceBindingError, SubjectDigestError
-from qualify.reference.stage import run_reference_stage
 
 NAME = "tiny-qwen3"
 OLD_RUN = "0-older-copy"  # sorts before the UTC run id: the gate's newest run is the real one
@@ -84,45 +86,36 @@ class RealWorld(World):
         return self.run(OLD_RUN)
 
 
-def _build(root: Path) -> RealWorld:
-    key, other, untrusted = new_key("trusted"), new_key("trusted-2"), new_key("untrusted")
+def _build(root: Path, chain: TinyChain) -> RealWorld:
+    """The real world under ``root`` from a copy of the shared chain (reference and compared
+    run), sealed and signed as ``qualify run`` does."""
+    key = signing.SigningKey.from_pem(chain.pem.encode("utf-8"), source="test key trusted")
+    other, untrusted = new_key("trusted-2"), new_key("untrusted")
+    for part in ("references", "evidence"):
+        copy_tree(chain.root / part, root / part)
     (root / "keys").mkdir(parents=True)
     for name, k in (("trusted", key), ("trusted-2", other)):
         (root / "keys" / f"{name}-{k.keyid[:16]}.pub").write_bytes(k.public_pem())
     (root / "contracts").mkdir()
     (root / "contracts" / f"{NAME}.toml").write_text(torch_tp_only_text())
-    contract = load_contract(root / "contracts" / f"{NAME}.toml")
-    pem = key.private_key.private_bytes(serialization.Encoding.PEM,
-                                        serialization.PrivateFormat.PKCS8,
-                                        serialization.NoEncryption()).decode()
-    saved = {v: os.environ.pop(v, None)
-             for v in (signing.ENV_SIGNING_KEY, signing.ENV_SIGNING_KEY_FILE)}
-    os.environ[signing.ENV_SIGNING_KEY] = pem
-    try:
+    assert chain.contract.read_text() == torch_tp_only_text()
+    run = root / "evidence" / NAME / chain.run.name
+    with signing_env(chain.pem):
         assert signing.default_signing_key().keyid == key.keyid
-        ref = run_reference_stage(contract, root=root / "references", quiet=True)
-        signing.ensure_signed(ref)
-        run = run_candidate_stage(contract, reference=ref, root=root / "evidence", quiet=True)
-        compare_run(run)
         # an older signing of the same compared run, then the run itself (as `qualify run`)
         shutil.copytree(run, run.parent / OLD_RUN, symlinks=True)
         signing.seal_and_sign(run.parent / OLD_RUN, kind="candidate-run")
         time.sleep(0.01)
         signing.seal_and_sign(run, kind="candidate-run")
-    finally:
-        for var, value in saved.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
     return RealWorld(root=root, key=key, other_trusted=other, untrusted=untrusted,
                      run_id=run.name)
 
 
 @pytest.fixture(scope="module")
 def real_world(tmp_path_factory: pytest.TempPathFactory) -> RealWorld:
+    chain = tiny_chain(tmp_path_factory)
     base = tmp_path_factory.mktemp("real-run")
-    built = _build(base / "build")
+    built = _build(base / "build", chain)
     (base / "build").rename(base / "world")  # the absolute reference path goes stale
     return dataclasses.replace(built, root=base / "world")
 

