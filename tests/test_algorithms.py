@@ -197,6 +197,11 @@ def test_harness_decoupled_policy_loss_golden(engine: str, mode: str, cap_mode: 
     mod = HARNESS_LOSSES[engine]
     mask = torch.tensor(MASK, dtype=torch.bool)
     prox = _t(LP_PROX)
+    # The weight is data, never differentiated: from a proximal logprob that requires grad
+    # (as the trainer's own would), the harness must return a detached weight.
+    w_of_grad, _ = mod.behavior_weight(_t(LP_PROX).requires_grad_(), _t(LP_BEHAV), 5.0,
+                                       cap_mode)
+    assert not w_of_grad.requires_grad
     weight, raw = mod.behavior_weight(prox, _t(LP_BEHAV), 5.0, cap_mode)
     assert float(raw[0, 1]) == pytest.approx(E**2, rel=1e-6)
     row, denom = mod.aggregation_terms(mask, mode)

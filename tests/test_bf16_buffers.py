@@ -6,9 +6,9 @@
 Measured on the default contract's tiny Qwen3 and sealed rollout (this session,
 /tmp/invfreq.py, kept here as the assertions below): rounding ``inv_freq`` moves round-1
 BF16 logprobs by up to 1.7e-2 and entropy by 4.6e-3, as much as the whole BF16 control
-error (attn_impl 1.7e-2 / 1.0e-2): a reference that rounds it cannot bound an engine that
-does not (FSDP2, Megatron), and cannot see an engine that does (DeepSpeed's
-``module.bfloat16()``).
+error (attn_impl 1.7e-2 / 1.0e-2): a reference that rounds it cannot bound the engines, none
+of which does (FSDP2, Megatron; DeepSpeed's engine "casts params only; preserve fp32
+buffers (e.g. rotary inv_freq)", deepspeed/runtime/engine.py), nor see one that does.
 """
 
 from __future__ import annotations

@@ -122,3 +122,18 @@ def test_a_closed_stdout_pipe_is_a_quiet_exit_141_not_a_traceback() -> None:
     assert code == 141, err
     assert "Traceback" not in err
     assert "BrokenPipeError" not in err
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_an_internal_error(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A child's or a socket's EPIPE is a bug to report, not "the reader went away"."""
+    import qualify.cli.main as cli_main
+
+    def broken(args: argparse.Namespace) -> ExitCode:
+        raise BrokenPipeError(32, "Broken pipe (a child process)")
+
+    monkeypatch.setattr(cli_main, "_cmd_validate", broken)
+    assert cli_main.main(["validate"]) == ExitCode.INTERNAL_ERROR
+    err = capsys.readouterr().err
+    assert "BrokenPipeError (not stdout)" in err
+    assert "Traceback" in err

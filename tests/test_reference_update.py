@@ -358,14 +358,14 @@ def test_control_settings_only_the_named_controls(contract: Contract) -> None:
     assert list(control_settings(one, "bf16")) == ["microbatch"]
 
 
-# --- the row_split control (qualify.reference.update.split_row_parallel) -------------------
+# --- the row_split control (qualify.reference.row_split.split_row_parallel) -------------------
 
 
 def test_row_split_sums_rounded_partials_like_a_row_parallel_all_reduce(
         models: tuple[Qwen3ForCausalLM, Qwen3ForTokenClassification]) -> None:
     import copy
 
-    from qualify.reference.update import split_row_parallel
+    from qualify.reference.row_split import split_row_parallel
 
     actor = copy.deepcopy(models[0])
     actor.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers types .to(PreTrainedModel)

@@ -31,21 +31,23 @@ def _writable(tmp_path: Path) -> Iterator[None]:
 def test_todays_report_holds_every_section(failing: tuple[World, Report]) -> None:  # noqa: F811
     _, report = failing
     doc = report.to_dict()
-    assert sections_of(doc) == OPTIONAL_SECTIONS == ("coverage", "power", "root_causes",
-                                                     "behavior_weights")
+    assert sections_of(doc) == (OPTIONAL_SECTIONS, True)
+    assert OPTIONAL_SECTIONS == ("coverage", "power", "root_causes", "behavior_weights")
+    assert doc["sections"] == list(OPTIONAL_SECTIONS)
     assert all("power" in r for r in doc["rows"])
 
 
 def test_a_report_without_the_sections_is_the_earlier_document(
         failing: tuple[World, Report]) -> None:  # noqa: F811
     _, report = failing
-    old = dataclasses.replace(report, sections=())
+    old = dataclasses.replace(report, sections=(), sections_recorded=False)
     doc = old.to_dict()
     assert "coverage" not in doc
     assert "power" not in doc
     assert "root_causes" not in doc
     assert all("power" not in r for r in doc["rows"])
-    assert sections_of(doc) == ()
+    assert sections_of(doc) == ((), False)
+    assert "sections" not in doc
     # everything that decides is unchanged
     new = report.to_dict()
     for key in ("passed", "summary", "cells"):
@@ -68,3 +70,19 @@ def test_an_unknown_section_is_refused(failing: tuple[World, Report]) -> None:  
     _, report = failing
     with pytest.raises(ValueError, match="unknown report sections"):
         dataclasses.replace(report, sections=("coverage", "from-the-future"))
+
+
+def test_a_report_without_the_record_must_be_a_comparator_that_existed(
+        failing: tuple[World, Report]) -> None:  # noqa: F811
+    """Without ``sections`` only the earlier comparators' sets are accepted (LEGACY_SECTIONS):
+    a report holding ``root_causes`` but no record was never written by any comparator."""
+    _, report = failing
+    issue15 = dataclasses.replace(report, sections=("coverage", "power"),
+                                  sections_recorded=False).to_dict()
+    assert sections_of(issue15) == (("coverage", "power"), False)
+    forged = dataclasses.replace(report, sections_recorded=False).to_dict()
+    with pytest.raises(ValueError, match="without recording them"):
+        sections_of(forged)
+    bad = {**report.to_dict(), "sections": ["coverage", "from-the-future"]}
+    with pytest.raises(ValueError, match="unknown"):
+        sections_of(bad)

@@ -178,7 +178,7 @@ def behavior_weight(proximal_logprobs: Tensor, behavior_logprobs: Tensor, cap: f
     if cap_mode == "truncate":
         return torch.minimum(w, torch.full_like(w, cap)), w
     if cap_mode == "filter":
-        return w * (w <= cap).to(w.dtype), w
+        return torch.where(w <= cap, w, torch.zeros_like(w)), w
     raise ValueError(f"unknown behavior_weight_cap_mode {cap_mode!r}")
 
 

@@ -403,7 +403,7 @@ def run(cell: HarnessCell) -> None:
     One process group serves every variant of a grouped launch (issue #17); each variant
     starts from the frozen inputs with a fresh model, optimizer and ``torch.manual_seed
     (cell.seed)``, so its outputs do not depend on the variants before it
-    (tests/test_torch_tp.py checks this bitwise).
+    (tests/test_grouped_launch.py checks this bitwise).
 
     Raises:
         HarnessError: not under torchrun, a world size that is not the cell's, engine

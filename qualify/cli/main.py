@@ -9,7 +9,9 @@ shows the traceback. Heavy modules are imported inside the subcommands so ``qual
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import select
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -151,6 +153,41 @@ BROKEN_PIPE_EXIT = 141
 """Exit status when stdout's reader closed the pipe: 128 + SIGPIPE, the shell convention."""
 
 
+def _broken_pipe() -> int:
+    """The exit of a ``BrokenPipeError`` that ended a command.
+
+    The reader of stdout went away (``qualify gate ... | head``): point stdout at /dev/null
+    so the interpreter's final flush cannot raise again, and exit as a writer killed by
+    SIGPIPE would in a shell (128 + 13): the output was cut, so the command's own verdict is
+    not claimed (Python docs, "Note on SIGPIPE"). A broken pipe that is not stdout's (a
+    child process, a socket) is an internal error, with its traceback.
+    """
+    if not _stdout_closed():
+        traceback.print_exc()
+        print("qualify: internal error: BrokenPipeError (not stdout)", file=sys.stderr)
+        return int(ExitCode.INTERNAL_ERROR)
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    return BROKEN_PIPE_EXIT
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (``poll`` reports ``POLLERR``).
+
+    Linux and the BSDs flag the write end of a pipe without readers with ``POLLERR``; a
+    terminal or a file never is, so a ``BrokenPipeError`` from elsewhere is not mistaken for
+    a closed stdout.
+    """
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``qualify`` console script.
 
@@ -174,13 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("qualify: interrupted; partial output is left unsealed", file=sys.stderr)
         return int(ExitCode.INTERNAL_ERROR)
     except BrokenPipeError:
-        # The reader of stdout went away (``qualify gate ... | head``). Point stdout at
-        # /dev/null so the interpreter's final flush cannot raise again, and exit as a
-        # writer killed by SIGPIPE would in a shell (128 + 13): the output was cut, so the
-        # command's own verdict is not claimed. (Python docs, "Note on SIGPIPE".)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return BROKEN_PIPE_EXIT
+        return _broken_pipe()
     except Exception as exc:
         traceback.print_exc()
         print(f"qualify: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)

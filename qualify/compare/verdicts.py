@@ -29,6 +29,7 @@ from qualify.reference.coverage import no_power_lines
 from qualify.statistics import MetricKey
 
 __all__ = [
+    "LEGACY_SECTIONS",
     "OPTIONAL_SECTIONS",
     "ROW_CLASSES",
     "VERDICT_PRECEDENCE",
@@ -258,6 +259,8 @@ class Report:
             report holds (:func:`sections_of`), so evidence stays verifiable after a
             section is added; the verdicts, errors, bounds and margins of every row are
             recomputed and compared whatever the sections.
+        sections_recorded: ``report.json`` lists ``sections`` (every report since
+            ``root_causes``; ``False`` only to recompute an earlier one).
 
     Raises:
         ValueError: an unknown section name.
@@ -282,6 +285,7 @@ class Report:
     coverage: Mapping[str, Any] | None = None
     behavior_weights: tuple[Mapping[str, Any], ...] = ()
     sections: tuple[str, ...] = OPTIONAL_SECTIONS
+    sections_recorded: bool = True
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.sections) - set(OPTIONAL_SECTIONS))
@@ -394,6 +398,8 @@ class Report:
             },
             "notes": list(self.notes),
         }
+        if self.sections_recorded:
+            doc["sections"] = list(self.sections)
         if "coverage" in self.sections:
             doc["coverage"] = self.coverage_section
         if "power" in self.sections:
@@ -407,14 +413,38 @@ class Report:
         return doc
 
 
-def sections_of(report_doc: Mapping[str, Any]) -> tuple[str, ...]:
-    """The optional sections a stored ``report.json`` holds, in :data:`OPTIONAL_SECTIONS` order.
+LEGACY_SECTIONS: Final[tuple[tuple[str, ...], ...]] = ((), ("coverage", "power"))
+"""The section sets of the comparators that did not record ``sections``: the first one
+(the pre-redesign fixture, tests/fixtures/pre_redesign) and the one of issue #15."""
 
-    A section is present when its top-level key is (``coverage``, ``power``,
-    ``root_causes``, ``behavior_weights``): a report of
-    an earlier comparator simply lacks the keys of later sections.
+
+def sections_of(report_doc: Mapping[str, Any]) -> tuple[tuple[str, ...], bool]:
+    """The optional sections a stored ``report.json`` holds, and whether it records them.
+
+    A report written since ``root_causes`` records its sections (``"sections"``: the list
+    :meth:`Report.to_dict` writes). An earlier one is read by the top-level keys it holds,
+    which must be the set of a comparator that existed (:data:`LEGACY_SECTIONS`).
+
+    Returns:
+        ``(sections, recorded)``.
+
+    Raises:
+        ValueError: an unknown section name, or a report without ``sections`` whose keys
+            no comparator wrote (e.g. ``root_causes`` without the record).
     """
-    return tuple(name for name in OPTIONAL_SECTIONS if name in report_doc)
+    recorded = report_doc.get("sections")
+    if recorded is not None:
+        if not isinstance(recorded, list) or not all(isinstance(x, str) for x in recorded):
+            raise ValueError("report.json sections: not a list of names")
+        unknown = sorted(set(recorded) - set(OPTIONAL_SECTIONS))
+        if unknown:
+            raise ValueError(f"report.json sections: unknown {unknown}")
+        return tuple(name for name in OPTIONAL_SECTIONS if name in recorded), True
+    present = tuple(name for name in OPTIONAL_SECTIONS if name in report_doc)
+    if present not in LEGACY_SECTIONS:
+        raise ValueError(f"report.json holds sections {list(present)} without recording them "
+                         f"('sections'): no comparator wrote such a report")
+    return present, False
 
 
 def _field_row_json(f: FieldMismatch) -> dict[str, Any]:

@@ -28,11 +28,17 @@ def _rows(source: str, stats: Any) -> list[dict[str, Any]]:
     if not isinstance(stats, Mapping):
         return []
     out = []
-    for rnd, st in sorted(stats.items()):
+    for rnd, st in sorted(stats.items(), key=lambda kv: _round_number(str(kv[0]))):
         if isinstance(st, Mapping):
             out.append({"source": source, "round": str(rnd),
                         **{k: st.get(k) for k in _STATS}})
     return out
+
+
+def _round_number(label: str) -> tuple[int, str]:
+    """``round10`` after ``round2``: sort rounds by their number (labels kept as written)."""
+    digits = label.removeprefix("round")
+    return (int(digits), "") if digits.isdigit() else (1 << 30, label)
 
 
 def _read(path: Path) -> Any:

@@ -10,7 +10,7 @@ A step's :class:`StepOutcome` and the whole :class:`VerificationResult` (python-
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -29,9 +29,9 @@ from qualify.errors import (
     VerdictMismatchError,
 )
 
-__all__ = ["RECOMPUTE_REL_TOLERANCE", "STEPS", "STEP_ERRORS", "StepOutcome", "StepRunner",
-           "StepStatus", "VerificationResult", "document_differences",
-           "first_line_difference"]
+__all__ = ["MAX_LISTED", "RECOMPUTE_REL_TOLERANCE", "STEPS", "STEP_ERRORS", "StepOutcome",
+           "StepRunner", "StepStatus", "VerificationResult", "document_differences",
+           "first_line_difference", "listing", "predicate"]
 
 STEPS: Final[tuple[tuple[int, str], ...]] = (
     (1, "envelope format"),
@@ -287,3 +287,25 @@ def first_line_difference(a: bytes, b: bytes) -> str:
         if x != y:
             return f"line {i}: file {x[:60]!r}, rendered {y[:60]!r}"
     return f"file has {len(la)} lines, rendered {len(lb)}"
+
+
+MAX_LISTED: Final = 8
+"""Problems named in one message before "(and N more)"."""
+
+
+def listing(items: Sequence[str]) -> str:
+    """``a; b; c (and N more)``: at most :data:`MAX_LISTED` items of a problem list."""
+    more = f" (and {len(items) - MAX_LISTED} more)" if len(items) > MAX_LISTED else ""
+    return "; ".join(items[:MAX_LISTED]) + more
+
+
+def predicate(statement: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The statement's ``predicate`` object.
+
+    Raises:
+        EvidenceIntegrityError: the statement has none.
+    """
+    pred = statement.get("predicate")
+    if not isinstance(pred, Mapping):
+        raise EvidenceIntegrityError("statement has no predicate object")
+    return pred

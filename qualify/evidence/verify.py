@@ -78,7 +78,10 @@ from qualify.evidence.statement import (
     read_json,
     read_run,
 )
+from qualify.evidence.recompute import verify_verdicts
 from qualify.evidence.steps import (
+    listing,
+    predicate,
     STEPS,
     StepOutcome,
     StepRunner,
@@ -131,22 +134,9 @@ __all__ = [
     "verify_verdicts",
 ]
 
-_MAX_LISTED: Final = 8
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _listing(items: Sequence[str]) -> str:
-    more = f" (and {len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else ""
-    return "; ".join(items[:_MAX_LISTED]) + more
-
-
-def _predicate(statement: Mapping[str, Any]) -> Mapping[str, Any]:
-    pred = statement.get("predicate")
-    if not isinstance(pred, Mapping):
-        raise EvidenceIntegrityError("statement has no predicate object")
-    return pred
 
 
 def committed_contract_path(name: str, *, contract: str | Path | None = None,
@@ -264,7 +254,7 @@ def verify_subjects(directory: Path, statement: Mapping[str, Any],
     probs = list(store.verify_manifest(directory)) if problems is None else list(problems)
     bad = [str(p) for p in probs if p.kind != "extra"]
     if any(p.kind in ("no-manifest", "bad-manifest") for p in probs):
-        raise SubjectDigestError(f"{directory}: {_listing(bad)}")
+        raise SubjectDigestError(f"{directory}: {listing(bad)}")
     manifest = store.read_manifest(directory)
     mdigest = store.manifest_digest(directory)
     listed = {rel: e["sha256"] for rel, e in manifest["files"].items()}
@@ -278,7 +268,7 @@ def verify_subjects(directory: Path, statement: Mapping[str, Any],
     bad += [f"{n}: a subject, not in the manifest" for n in sorted(set(subjects) - set(listed))]
     bad += [f"{n}: subject sha256 {subjects[n][:12]}, manifest {listed[n][:12]}"
             for n in sorted(set(listed) & set(subjects)) if subjects[n] != listed[n]]
-    pred = _predicate(statement)
+    pred = predicate(statement)
     if pred.get("manifestDigest") != mdigest:
         bad.append(f"{MANIFEST_FILE}: digest {mdigest[:12]}, the statement says "
                    f"{str(pred.get('manifestDigest'))[:12]}")
@@ -294,7 +284,7 @@ def verify_subjects(directory: Path, statement: Mapping[str, Any],
         bad.append(f"{MANIFEST_FILE}: kind {manifest['kind']!r}, the statement says "
                    f"{pred.get('kind')!r}")
     if bad:
-        raise SubjectDigestError(f"{len(bad)} problem(s): {_listing(sorted(set(bad)))}")
+        raise SubjectDigestError(f"{len(bad)} problem(s): {listing(sorted(set(bad)))}")
     return len(subjects)
 
 
@@ -328,7 +318,7 @@ def verify_no_unlisted_files(directory: Path,
     extra = {p.path for p in probs if p.kind == "extra"} | set(stray_attestations(directory))
     if extra:
         raise UnlistedFileError(f"{len(extra)} file(s) not in the manifest: "
-                                f"{_listing(sorted(extra))}")
+                                f"{listing(sorted(extra))}")
     return len(store.read_manifest(directory)["files"])
 
 
@@ -356,7 +346,7 @@ def verify_contract(directory: Path, statement: Mapping[str, Any], *,
     """
     from qualify.contract import canonical_json, load_contract, sha256_hex
 
-    pred = _predicate(statement)
+    pred = predicate(statement)
     name, digest = pred["contract"]["name"], pred["contract"]["digest"]
     path = committed_contract_path(name, contract=contract, contracts_dir=contracts_dir)
     if path is None:
@@ -384,7 +374,7 @@ def verify_contract(directory: Path, statement: Mapping[str, Any], *,
         records.append((REPORT_JSON, read_json(directory / REPORT_JSON).get("contract_digest")))
     bad = [f"{f}: contract digest {str(v)[:12]}" for f, v in records if v != digest]
     if bad:
-        raise ContractDigestError(f"statement says {digest[:12]}, but {_listing(bad)}")
+        raise ContractDigestError(f"statement says {digest[:12]}, but {listing(bad)}")
     return str(path)
 
 
@@ -408,7 +398,7 @@ def verify_reference(run_dir: Path, statement: Mapping[str, Any], *,
         ReferenceBindingError: any of these fails (bounds regenerated, reference replaced,
             edited or unsigned).
     """
-    pred = _predicate(statement)
+    pred = predicate(statement)
     run_doc = read_run(run_dir)
     try:
         ref_dir = resolve_reference(run_dir, run_doc, reference_dir)
@@ -419,9 +409,9 @@ def verify_reference(run_dir: Path, statement: Mapping[str, Any], *,
         raise ReferenceBindingError(f"{ref_dir}: not a reference (kind {ref.kind!r})")
     if not ref.passed:
         raise ReferenceBindingError(f"reference {ref_dir} does not verify: "
-                                    f"{_listing(list(ref.problems))}")
+                                    f"{listing(list(ref.problems))}")
     assert ref.statement is not None
-    ref_pred = _predicate(ref.statement)
+    ref_pred = predicate(ref.statement)
     bound = pred["reference"]
     mdigest = store.manifest_digest(ref_dir)
     bounds = sha256_file(ref_dir / BOUNDS_FILE)
@@ -439,7 +429,7 @@ def verify_reference(run_dir: Path, statement: Mapping[str, Any], *,
     bad = [f"{what} is {str(got)[:12]}, {ref_dir.name} has {str(want)[:12]}"
            for what, got, want in checks if got != want]
     if bad:
-        raise ReferenceBindingError(f"{_listing(bad)}: the bounds or the reference changed "
+        raise ReferenceBindingError(f"{listing(bad)}: the bounds or the reference changed "
                                     "after the run")
     return ref_dir, ref.statement
 
@@ -456,7 +446,7 @@ def verify_seal_order(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path
     Raises:
         SealOrderError: any of these fails.
     """
-    pred, ref_pred = _predicate(statement), _predicate(ref_statement)
+    pred, ref_pred = predicate(statement), predicate(ref_statement)
     run_doc = read_run(run_dir)
     bad: list[str] = []
     started_raw = run_doc.started
@@ -481,73 +471,7 @@ def verify_seal_order(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path
         if bound[k] != ref_pred[k]:
             bad.append(f"reference {k} {ref_pred[k]}, the run statement says {bound[k]}")
     if bad:
-        raise SealOrderError(_listing(bad))
-
-
-def verify_verdicts(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path) -> int:
-    """Step 9: the recomputed report equals ``report.json``, ``report.md`` and the statement.
-
-    The report is recomputed from the raw outputs and the sealed bounds
-    (``compare_run(..., write=False)``) and compared with ``report.json`` field by field:
-    every cell and row (error, bound, margin, verdict, reason, detail), the summary, the
-    field metrics and ``passed`` (numbers within
-    :data:`~qualify.evidence.steps.RECOMPUTE_REL_TOLERANCE`; only ``created``, ``run_dir``
-    and the reference's path, which name when and where it was compared, are taken from
-    ``report.json``). Each launch's tensor index must match its cells
-    (:func:`qualify.evidence.tensor_index.check_run`). ``report.md`` is rendered again
-    (:func:`qualify.compare.report.render_markdown`) and must equal the file byte for byte.
-
-    Returns:
-        The number of cells compared.
-
-    Raises:
-        VerdictMismatchError: the recomputation fails; a cell, row or other field of
-            ``report.json`` differs from the recomputed one (each named); ``report.md`` is
-            not the rendering of the report; or the statement's verdicts differ.
-    """
-    from qualify.compare.report import render_markdown
-    from qualify.compare.stage import compare_run
-    from qualify.compare.verdicts import sections_of
-
-    try:
-        again = compare_run(run_dir, reference_dir=ref_dir, write=False)
-    except QualifyError as exc:
-        raise VerdictMismatchError(f"verdicts cannot be recomputed: {exc}") from None
-    report = read_json(run_dir / REPORT_JSON)
-    if not isinstance(report, dict):
-        raise VerdictMismatchError(f"{REPORT_JSON}: not a JSON object")
-    pred = _predicate(statement)
-    ref_path = report.get("reference", {}).get("path") \
-        if isinstance(report.get("reference"), dict) else None
-    # A report sealed by an earlier comparator is recomputed with the sections it holds
-    # (qualify.compare.verdicts.OPTIONAL_SECTIONS): every row's verdict, error, bound and
-    # margin is compared whatever the sections.
-    again = dataclasses.replace(again, created=str(report.get("created")),
-                                run_dir=str(report.get("run_dir")),
-                                reference_dir=str(ref_path), sections=sections_of(report))
-    bad = [f"{REPORT_JSON} {d}" for d in document_differences(report, again.to_dict())]
-    bad += tensor_index.check_run(run_dir)  # the cells hold exactly what the harnesses wrote
-    rendered = render_markdown(again).encode("utf-8")
-    try:
-        md = jsonio.read_bytes(run_dir / REPORT_MD, max_bytes=jsonio.MAX_REPORT_BYTES)
-    except (OSError, EvidenceIntegrityError) as exc:
-        bad.append(f"{REPORT_MD}: unreadable: {exc}")
-    else:
-        if md != rendered:
-            bad.append(f"{REPORT_MD}: not the rendering of the recomputed report "
-                       f"({first_line_difference(md, rendered)})")
-    cells = {str(c.get("cell")): c.get("verdict") for c in report.get("cells", [])
-             if isinstance(c, dict)}
-    verdicts = pred["verdicts"]
-    if verdicts["cells"] != cells:
-        bad.append(f"statement cell verdicts differ from {REPORT_JSON}")
-    if verdicts["passed"] is not report.get("passed"):
-        bad.append(f"statement passed={verdicts['passed']}, {REPORT_JSON} "
-                   f"passed={report.get('passed')}")
-    if bad:
-        raise VerdictMismatchError(f"the report does not follow from the raw evidence: "
-                                   f"{len(bad)} difference(s): {_listing(bad)}")
-    return len(again.cells)
+        raise SealOrderError(listing(bad))
 
 
 # --------------------------------------------------------------------------- orchestration

@@ -103,7 +103,12 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
                                   quiet=quiet)
     report = compare_run(run_dir)
     seal_and_sign(run_dir, kind="candidate-run")
-    html = write_html(run_dir)  # beside the sealed run, from its report.json and tensors
+    try:  # a view beside the sealed run, never evidence: its failure must not decide the exit
+        html: Path | None = write_html(run_dir)
+    except Exception as exc:
+        print(f"qualify: warning: report.html not written ({type(exc).__name__}: {exc}); "
+              f"`qualify report {run_dir}` makes it again", file=sys.stderr)
+        html = None
     code, ev = run_decision(run_dir, contract, policy)
     causes = report.root_causes
     del report  # sealed and signed; the summary below is the policy's view of it

@@ -35,7 +35,7 @@ def control_settings(contract: Contract,
     - ``row_split``: every row-parallel projection (``o_proj``, ``down_proj``) computed as
       ``max(matrix.tp_sizes)`` (at least 2) partial products over input-feature slices,
       each rounded to the compute dtype and summed in it, as a TP engine's row-parallel
-      layer and its all-reduce do (:func:`qualify.reference.update.split_row_parallel`).
+      layer and its all-reduce do (:func:`qualify.reference.row_split.split_row_parallel`).
       At BF16 this double rounding is what separates Megatron-Core's TP 2 from its TP 1
       (``harnesses/megatron/README.md``, "BF16 TP 1 vs TP 2"); neither attention
       implementation nor micro-batching re-rounds those sums.

@@ -269,12 +269,23 @@ def _batch_rules(contract: Contract, rollout: Mapping[str, Array],
     out.append(Rule(rule="responses_right_padded", label=None, role=None, round=None,
                     count=right, total=b, exercised=right > 0,
                     absent="no response right-padded in the batch"))
+    # The modes' per-token factors (qualify.aggregation): token-mean 1/N and
+    # seq-mean-token-mean 1/(B' n_b) coincide when every response has the same length;
+    # seq-mean-token-sum 1/B' differs from both unless every response has length 1.
     distinct = len({int(x) for x in lengths})
-    other = ("sequence mean" if alg.loss_agg_mode == "token-mean" else "token mean")
-    out.append(Rule(rule="loss_aggregation", label=None, role=None, round=None,
-                    count=distinct, total=b, exercised=distinct > 1,
-                    absent=f"{alg.loss_agg_mode} loss aggregation indistinguishable from a "
-                           f"{other} (every response has the same length)"))
+    if alg.loss_agg_mode == "seq-mean-token-sum":
+        longer = int(sum(int(x) > 1 for x in lengths))
+        out.append(Rule(rule="loss_aggregation", label=None, role=None, round=None,
+                        count=longer, total=b, exercised=longer > 0,
+                        absent="seq-mean-token-sum loss aggregation indistinguishable from "
+                               "the token means (every response has length 1)"))
+    else:
+        other = ("seq-mean-token-mean" if alg.loss_agg_mode == "token-mean"
+                 else "token-mean")
+        out.append(Rule(rule="loss_aggregation", label=None, role=None, round=None,
+                        count=distinct, total=b, exercised=distinct > 1,
+                        absent=f"{alg.loss_agg_mode} loss aggregation indistinguishable from "
+                               f"{other} (every response has the same length)"))
     if alg.name == "grpo":
         adv = np.asarray(targets["advantages"], np.float64) if "advantages" in targets \
             else None

@@ -1,0 +1,94 @@
+"""Verification step 9: the report recomputed from the raw evidence (DESIGN.md section 8).
+
+:func:`verify_verdicts` recomputes a run's report with the comparator
+(:func:`qualify.compare.stage.compare_run`, ``write=False``) and requires ``report.json``,
+``report.md`` and the statement's verdicts to follow from it; :mod:`qualify.evidence.verify`
+runs it as step 9.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from qualify import jsonio
+from qualify.errors import EvidenceIntegrityError, QualifyError, VerdictMismatchError
+from qualify.evidence import tensor_index
+from qualify.evidence.statement import read_json
+from qualify.evidence.steps import document_differences, first_line_difference, listing, predicate
+from qualify.layout import REPORT_JSON, REPORT_MD
+
+__all__ = ["verify_verdicts"]
+
+
+def verify_verdicts(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path) -> int:
+    """Step 9: the recomputed report equals ``report.json``, ``report.md`` and the statement.
+
+    The report is recomputed from the raw outputs and the sealed bounds
+    (``compare_run(..., write=False)``) and compared with ``report.json`` field by field:
+    every cell and row (error, bound, margin, verdict, reason, detail), the summary, the
+    field metrics and ``passed`` (numbers within
+    :data:`~qualify.evidence.steps.RECOMPUTE_REL_TOLERANCE`; only ``created``, ``run_dir``
+    and the reference's path, which name when and where it was compared, are taken from
+    ``report.json``). Each launch's tensor index must match its cells
+    (:func:`qualify.evidence.tensor_index.check_run`). ``report.md`` is rendered again
+    (:func:`qualify.compare.report.render_markdown`) and must equal the file byte for byte.
+
+    Returns:
+        The number of cells compared.
+
+    Raises:
+        VerdictMismatchError: the recomputation fails; a cell, row or other field of
+            ``report.json`` differs from the recomputed one (each named); ``report.md`` is
+            not the rendering of the report; or the statement's verdicts differ.
+    """
+    from qualify.compare.report import render_markdown
+    from qualify.compare.stage import compare_run
+    from qualify.compare.verdicts import sections_of
+
+    try:
+        again = compare_run(run_dir, reference_dir=ref_dir, write=False)
+    except QualifyError as exc:
+        raise VerdictMismatchError(f"verdicts cannot be recomputed: {exc}") from None
+    report = read_json(run_dir / REPORT_JSON)
+    if not isinstance(report, dict):
+        raise VerdictMismatchError(f"{REPORT_JSON}: not a JSON object")
+    pred = predicate(statement)
+    ref_path = report.get("reference", {}).get("path") \
+        if isinstance(report.get("reference"), dict) else None
+    # A report sealed by an earlier comparator is recomputed with the sections it holds
+    # (qualify.compare.verdicts.OPTIONAL_SECTIONS): every row's verdict, error, bound and
+    # margin is compared whatever the sections.
+    try:
+        sections, recorded = sections_of(report)
+    except ValueError as exc:
+        raise VerdictMismatchError(f"{REPORT_JSON}: {exc}") from None
+    again = dataclasses.replace(again, created=str(report.get("created")),
+                                run_dir=str(report.get("run_dir")),
+                                reference_dir=str(ref_path), sections=sections,
+                                sections_recorded=recorded)
+    bad = [f"{REPORT_JSON} {d}" for d in document_differences(report, again.to_dict())]
+    bad += tensor_index.check_run(run_dir)  # the cells hold exactly what the harnesses wrote
+    rendered = render_markdown(again).encode("utf-8")
+    try:
+        md = jsonio.read_bytes(run_dir / REPORT_MD, max_bytes=jsonio.MAX_REPORT_BYTES)
+    except (OSError, EvidenceIntegrityError) as exc:
+        bad.append(f"{REPORT_MD}: unreadable: {exc}")
+    else:
+        if md != rendered:
+            bad.append(f"{REPORT_MD}: not the rendering of the recomputed report "
+                       f"({first_line_difference(md, rendered)})")
+    cells = {str(c.get("cell")): c.get("verdict") for c in report.get("cells", [])
+             if isinstance(c, dict)}
+    verdicts = pred["verdicts"]
+    if verdicts["cells"] != cells:
+        bad.append(f"statement cell verdicts differ from {REPORT_JSON}")
+    if verdicts["passed"] is not report.get("passed"):
+        bad.append(f"statement passed={verdicts['passed']}, {REPORT_JSON} "
+                   f"passed={report.get('passed')}")
+    if bad:
+        raise VerdictMismatchError(f"the report does not follow from the raw evidence: "
+                                   f"{len(bad)} difference(s): {listing(bad)}")
+    return len(again.cells)
