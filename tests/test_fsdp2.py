@@ -300,7 +300,10 @@ GATHER_SCRIPT = textwrap.dedent('''
                                 / (ref_opt.state[p]["exp_avg"].abs().max() + 1e-30))
                           for n, p in hf.named_parameters()),
            "names": sorted(params) == sorted(n for n, _ in hf.named_parameters())}
-    print("REPORT " + json.dumps(rep), flush=True)
+    # One file per rank: two ranks printing to torchrun's shared stdout can interleave
+    # their lines (seen once: two reports on one line, a JSON decode error).
+    out = common.Path(sys.argv[2]) / f"rank{dist.get_rank()}.json"
+    out.write_text(json.dumps(rep))
     dist.destroy_process_group()
 ''')
 
@@ -311,12 +314,12 @@ def test_sharded_parameters_gather_to_the_hf_layout(runs: Runs, tmp_path: Path) 
     script = tmp_path / "gather.py"
     script.write_text(GATHER_SCRIPT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc-per-node", "2", str(script), str(runs.inputs_dir / "critic")]
+           "--nproc-per-node", "2", str(script), str(runs.inputs_dir / "critic"),
+           str(tmp_path)]
     proc = subprocess.run(cmd, cwd=repo_root(), env=launch_env(None), capture_output=True,
                           text=True, timeout=LAUNCH_TIMEOUT_S, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    reps = [json.loads(line.split("REPORT ", 1)[1]) for line in proc.stdout.splitlines()
-            if "REPORT " in line]
+    reps = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert len(reps) == 2
     for rep in reps:
         assert rep["all_dtensor"]
