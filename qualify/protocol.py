@@ -309,6 +309,10 @@ class HarnessCell:
             only the contract's ``sampler.weights_from`` cell; the sampler installs them).
         param_sampling: how per-parameter families are stored (the contract's
             ``[evidence]`` section, :class:`ParamSampling`).
+        probe: ``qualify diverge`` only: ``{"round": r, "dir": path}`` asks the harness to
+            capture every probed module's output and output gradient in round ``r``
+            (``harnesses/layer_probe.py``) into ``dir``; ``None`` (every normal cell, and
+            then absent from ``cell.json``): no hooks.
     """
 
     engine: str
@@ -325,6 +329,7 @@ class HarnessCell:
     variants: tuple[dict[str, Any], ...] = ()
     export_weights: bool = False
     param_sampling: ParamSampling = DEFAULT_SAMPLING
+    probe: dict[str, Any] | None = None
 
     @property
     def world_size(self) -> int:
@@ -338,6 +343,8 @@ class HarnessCell:
         d["variants"] = [{"precision": v["precision"], "options": dict(v["options"])}
                          for v in self.variants]
         d["param_sampling"] = self.param_sampling.to_dict()
+        if self.probe is None:
+            del d["probe"]
         return d
 
     @classmethod

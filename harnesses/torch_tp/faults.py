@@ -15,6 +15,8 @@ path stays readable. Names:
 - ``entropy_bonus_dropped``: the entropy bonus is left out of the Actor's backward (its
   value is still reported): a gradient change of about ``entropy_coef`` relative.
 - ``kl_loss_sign_flipped``: the KL-to-reference loss term is subtracted instead of added.
+- ``layer1_mlp_scaled``: decoder layer 1's MLP output is multiplied by ``1 + 1e-3`` (a
+  fault in one sub-module of one layer, for ``qualify diverge`` to name).
 - ``hang_rank1``: rank 1 skips one collective of its TP group (and then stays alive,
   as a desynchronised rank does), so its peers wait until the collective timeout.
 """
@@ -41,7 +43,11 @@ KNOWN: Final = (
     "entropy_bonus_dropped",
     "kl_loss_sign_flipped",
     "hang_rank1",
+    "layer1_mlp_scaled",
 )
+LAYER_FAULT_MODULE: Final = "layers.1.mlp"
+"""The backbone sub-module ``layer1_mlp_scaled`` perturbs."""
+LAYER_FAULT_SCALE: Final = 1.0 + 1e-3
 
 
 class Faults:
@@ -141,3 +147,25 @@ def window_shift(active: bool) -> int:
 def effective_temperature(temperature: float, *, ignore: bool) -> float:
     """FAULT ``no_temperature``: 1.0 when active, else the contract's temperature."""
     return 1.0 if ignore else temperature
+
+
+def scale_layer_output(model: nn.Module) -> None:
+    """FAULT ``layer1_mlp_scaled``: scale ``<backbone>.layers.1.mlp``'s output.
+
+    The output is multiplied by :data:`LAYER_FAULT_SCALE` (a forward hook registered once,
+    at load time).
+
+    Raises:
+        HarnessError: the model has fewer than two decoder layers.
+    """
+    prefix = str(getattr(model, "base_model_prefix", "model"))
+    try:
+        mlp = model.get_submodule(f"{prefix}.{LAYER_FAULT_MODULE}")
+    except AttributeError:
+        raise HarnessError(f"layer1_mlp_scaled: {type(model).__name__} has no "
+                           f"{prefix}.{LAYER_FAULT_MODULE}") from None
+
+    def hook(_m: nn.Module, _i: object, out: Tensor) -> Tensor:
+        return out * LAYER_FAULT_SCALE
+
+    mlp.register_forward_hook(hook)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from harnesses import common
+from harnesses import common, layer_probe
 from harnesses.common import Batch, Inputs
 from harnesses.torch_tp import faults, losses, parallelize
 from harnesses.torch_tp import state_dict_adapter as sda
@@ -110,6 +110,25 @@ class RoleRun(common.RoleOutputs):
     def writer(self) -> bool:
         """TP rank 0 keeps and writes the role's tensors."""
         return self.mesh.tp_rank == 0
+
+    def probe_for(self, model: nn.Module) -> layer_probe.LayerProbe:
+        """The cell's layer probe over ``model`` (inactive without ``cell.probe``).
+
+        Layout: every probed output is a local full tensor (``ReplicateParallel`` norms and
+        embeddings, ``RowwiseParallel``'s all-reduced ``o_proj`` / ``down_proj``), except
+        the vocab-parallel ``lm_head`` logits, a ``Shard(-1)`` DTensor (and its gradient),
+        gathered with ``full_tensor()`` (collective over the role's TP group).
+        """
+        # FAULT(layer1_mlp_scaled): one decoder layer's MLP output scaled.
+        if "layer1_mlp_scaled" in self.faults:
+            faults.scale_layer_output(model)
+
+        def to_full(_name: str, t: Tensor) -> Tensor:
+            full = getattr(t, "full_tensor", None)
+            return full() if callable(full) else t
+
+        return layer_probe.LayerProbe(self.cell.probe, role=self.role, writer=self.writer,
+                                      modules=layer_probe.hf_modules(model), to_full=to_full)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """BF16 autocast for ``bf16`` cells; nothing for ``fp32``."""
@@ -193,6 +212,7 @@ class RoleRun(common.RoleOutputs):
         with self.timed("parallelize_s"):
             info = parallelize.parallelize_model(model, self.mesh.mesh)
             parallelize.parallelize_model(ref, self.mesh.mesh)
+        probe = self.probe_for(model)
         optimizer = self.optimizer_for(model, c.optimizer.actor_lr)
         batch = self.inputs.batch.to(self.device)
         n_valid = float(batch.mask.sum())
@@ -220,27 +240,29 @@ class RoleRun(common.RoleOutputs):
                 sums = {"policy": 0.0, "kl": 0.0, "entropy": 0.0}
                 for s in slices:
                     mb = batch.rows(s)
-                    lp, ent = self.actor_scores(model, mb)
-                    old = lp.detach() if round_ == 1 else old_lp[s]
-                    if decoupled and round_ == 1:  # proximal = this engine's round 1
-                        assert mb.behavior_logprobs is not None
-                        w_behav[s], w_raw[s] = losses.behavior_weight(
-                            lp, mb.behavior_logprobs, alg.behavior_weight_cap,
-                            alg.behavior_weight_cap_mode)
-                    rw = row_w[s, None]
-                    weight = rw * w_behav[s] if decoupled else \
-                        (None if alg.loss_agg_mode == "token-mean" else rw)
-                    policy = losses.policy_loss_sum(lp, old, mb.advantages, mb.mask,
-                                                    alg.clip_ratio, weight=weight) / denom
-                    kl = alg.kl_loss_coef * losses.masked_sum(
-                        losses.kl_penalty(lp, ref_lp[s], alg.kl_loss_estimator) * rw,
-                        mb.mask) / denom
-                    entropy = -alg.entropy_coef * losses.masked_sum(ent * rw, mb.mask) / denom
-                    # FAULT(kl_loss_sign_flipped) and FAULT(entropy_bonus_dropped).
-                    kl_term = -kl if "kl_loss_sign_flipped" in self.faults else kl
-                    ent_term = 0.0 * entropy if "entropy_bonus_dropped" in self.faults \
-                        else entropy
-                    (policy + kl_term + ent_term).backward()
+                    with probe.capture(round_, prompt_len=mb.prompt_len,
+                                       seq_len=mb.input_ids.shape[1]):
+                        lp, ent = self.actor_scores(model, mb)
+                        old = lp.detach() if round_ == 1 else old_lp[s]
+                        if decoupled and round_ == 1:  # proximal = this engine's round 1
+                            assert mb.behavior_logprobs is not None
+                            w_behav[s], w_raw[s] = losses.behavior_weight(
+                                lp, mb.behavior_logprobs, alg.behavior_weight_cap,
+                                alg.behavior_weight_cap_mode)
+                        rw = row_w[s, None]
+                        weight = rw * w_behav[s] if decoupled else \
+                            (None if alg.loss_agg_mode == "token-mean" else rw)
+                        policy = losses.policy_loss_sum(lp, old, mb.advantages, mb.mask,
+                                                        alg.clip_ratio, weight=weight) / denom
+                        kl = alg.kl_loss_coef * losses.masked_sum(
+                            losses.kl_penalty(lp, ref_lp[s], alg.kl_loss_estimator) * rw,
+                            mb.mask) / denom
+                        entropy = -alg.entropy_coef * losses.masked_sum(ent * rw, mb.mask) / denom
+                        # FAULT(kl_loss_sign_flipped) and FAULT(entropy_bonus_dropped).
+                        kl_term = -kl if "kl_loss_sign_flipped" in self.faults else kl
+                        ent_term = 0.0 * entropy if "entropy_bonus_dropped" in self.faults \
+                            else entropy
+                        (policy + kl_term + ent_term).backward()
                     sums["policy"] += float(policy.detach())
                     sums["kl"] += float(kl.detach())
                     sums["entropy"] += float(entropy.detach())
@@ -256,6 +278,7 @@ class RoleRun(common.RoleOutputs):
                 self.step(round_, model, optimizer)
                 if round_ == 1 and self.cell.export_weights:
                     self.export_weights(model, Path(self.cell.output_dir) / ACTOR_ROUND1_WEIGHTS)
+        probe.save(ENGINE)
         meta = self.role_meta(model, info, n_valid, len(slices))
         meta["loss_agg_mode"] = alg.loss_agg_mode
         if decoupled:  # fixed by round 1 (the proximal policy), used in every round
@@ -297,6 +320,7 @@ class RoleRun(common.RoleOutputs):
             model = common.load_hf_model("value", self.inputs.critic_dir, self.device)
         with self.timed("parallelize_s"):
             info = parallelize.parallelize_model(model, self.mesh.mesh)
+        probe = self.probe_for(model)
         optimizer = self.optimizer_for(model, c.optimizer.critic_lr)
         batch = self.inputs.batch.to(self.device)
         n_valid = float(batch.mask.sum())
@@ -317,17 +341,19 @@ class RoleRun(common.RoleOutputs):
                 total = 0.0
                 for s in slices:
                     mb = batch.rows(s)
-                    values = self.critic_values(model, mb)
-                    old = values.detach() if round_ == 1 else old_v[s]
-                    # FAULT(value_loss_unclipped): the clipped branch forgotten.
-                    if "value_loss_unclipped" in self.faults:
-                        vsum = faults.unclipped_value_loss_sum(values, mb.returns, mb.mask)
-                    else:
-                        vw = None if alg.loss_agg_mode == "token-mean" else row_w[s, None]
-                        vsum = losses.value_loss_sum(values, old, mb.returns, mb.mask,
-                                                     alg.value_clip, weight=vw)
-                    loss = vsum / denom
-                    loss.backward()
+                    with probe.capture(round_, prompt_len=mb.prompt_len,
+                                       seq_len=mb.input_ids.shape[1]):
+                        values = self.critic_values(model, mb)
+                        old = values.detach() if round_ == 1 else old_v[s]
+                        # FAULT(value_loss_unclipped): the clipped branch forgotten.
+                        if "value_loss_unclipped" in self.faults:
+                            vsum = faults.unclipped_value_loss_sum(values, mb.returns, mb.mask)
+                        else:
+                            vw = None if alg.loss_agg_mode == "token-mean" else row_w[s, None]
+                            vsum = losses.value_loss_sum(values, old, mb.returns, mb.mask,
+                                                         alg.value_clip, weight=vw)
+                        loss = vsum / denom
+                        loss.backward()
                     total += float(loss.detach())
                     v_r[s] = torch.where(mb.mask, values.detach(), 0.0)
                 if round_ == 1:
@@ -336,6 +362,7 @@ class RoleRun(common.RoleOutputs):
                 self.put(round_, "loss/value", torch.tensor(total))
                 self.put(round_, "loss/total", torch.tensor(total))
                 self.step(round_, model, optimizer)
+        probe.save(ENGINE)
         return self.role_meta(model, info, n_valid, len(slices))
 
     # ----------------------------------------------------------------- meta

@@ -139,12 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_run)
 
+    from qualify.cli.diverge import register as register_diverge
     from qualify.cli.evidence import register
     from qualify.cli.report import register as register_report
     from qualify.cli.slurm import register as register_slurm
 
     register(sub)
     register_report(sub)
+    register_diverge(sub)
     register_slurm(sub)
     return parser
 

@@ -48,6 +48,14 @@ its optimizer step: ``work`` is the module the round ran forward on (the master,
 copy), ``master`` holds the round's whole pre-clip gradient in ``.grad``, ``batch`` is the
 batch as the run padded it, ``old`` the run's ``[B, R]`` round-1 logprobs (actor) or values
 (critic), the clip centre."""
+ProbeHook = Callable[[int, nn.Module, "Batch"], contextlib.AbstractContextManager[Any]]
+"""``probe(round_, work, micro_batch)``: a context around one micro-batch's forward and
+backward (``qualify diverge`` registers its module hooks on ``work`` there); it must not
+touch ``.grad``."""
+
+
+def _no_probe(_round: int, _work: nn.Module, _mb: Batch) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext()
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -340,6 +348,7 @@ def _state_dtypes(optim: torch.optim.Optimizer) -> dict[str, str]:
 
 def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract,
               settings: UpdateSettings, *, on_round: RoundHook | None = None,
+              probe: ProbeHook = _no_probe,
               ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Run ``rounds`` PPO actor steps on ``batch`` (protocol semantics).
 
@@ -351,6 +360,7 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
         settings: precision, micro-batching and padding of this run.
         on_round: optional :data:`RoundHook` (the sealed clip-branch contributions of
             :mod:`qualify.reference.branches` use it); it must not touch ``.grad``.
+        probe: a :data:`ProbeHook` around each micro-batch's forward and backward.
 
     Returns:
         ``(tensors, meta)``: tensors under protocol names (``round{r}/actor/...``), FP32 CPU;
@@ -389,32 +399,33 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
         clipped_tokens = 0.0
         for s, mb in batch.micro_batches(settings.micro_batch_size):
             mask = mb.response_mask.float()
-            with prec.autocast():
-                lg = _forward_response_outputs(model, mb)
-            compute_dtypes.add(str(lg.dtype))
-            logp, ent = _token_logprobs_entropy(lg, mb.responses, temp)
-            old = logp.detach() if round_ == 1 else old_logp[s]
-            if decoupled and round_ == 1:  # proximal policy = this run's own round 1
-                assert mb.behavior_logprobs is not None
-                prox = logp.detach().double().numpy()
-                weights[s] = torch.from_numpy(aggregation.behavior_weights(
-                    prox, mb.behavior_logprobs.numpy(), mb.response_mask.numpy(),
-                    cap=alg.behavior_weight_cap, cap_mode=alg.behavior_weight_cap_mode)).to(acc)
-                raw_weights[s] = torch.exp(torch.from_numpy(prox) - mb.behavior_logprobs
-                                           .double()).to(acc) * mb.response_mask
-            ratio = torch.exp(logp - old)
-            adv = mb.advantages.float()
-            pg_clipped = -adv * torch.clamp(ratio, 1 - alg.clip_ratio, 1 + alg.clip_ratio)
-            pg = torch.maximum(-adv * ratio, pg_clipped)
-            if decoupled:
-                pg = weights[s] * pg
-            clipped_tokens += float(((pg_clipped > -adv * ratio).float() * mask).sum())
-            agg = mask * row_w[s, None]  # [b, R]: 1 on valid tokens for token-mean
-            policy = (pg * agg).sum() / denom
-            kl = alg.kl_loss_coef * (_kl(logp, ref_logp[s], alg.kl_loss_estimator) * agg).sum()
-            kl = kl / denom
-            ent_loss = -alg.entropy_coef * (ent * agg).sum() / denom
-            (policy + kl + ent_loss).backward()
+            with probe(round_, model, mb):
+                with prec.autocast():
+                    lg = _forward_response_outputs(model, mb)
+                compute_dtypes.add(str(lg.dtype))
+                logp, ent = _token_logprobs_entropy(lg, mb.responses, temp)
+                old = logp.detach() if round_ == 1 else old_logp[s]
+                if decoupled and round_ == 1:  # proximal policy = this run's own round 1
+                    assert mb.behavior_logprobs is not None
+                    prox = logp.detach().double().numpy()
+                    weights[s] = torch.from_numpy(aggregation.behavior_weights(
+                        prox, mb.behavior_logprobs.numpy(), mb.response_mask.numpy(),
+                        cap=alg.behavior_weight_cap, cap_mode=alg.behavior_weight_cap_mode)).to(acc)
+                    raw_weights[s] = torch.exp(torch.from_numpy(prox) - mb.behavior_logprobs
+                                               .double()).to(acc) * mb.response_mask
+                ratio = torch.exp(logp - old)
+                adv = mb.advantages.float()
+                pg_clipped = -adv * torch.clamp(ratio, 1 - alg.clip_ratio, 1 + alg.clip_ratio)
+                pg = torch.maximum(-adv * ratio, pg_clipped)
+                if decoupled:
+                    pg = weights[s] * pg
+                clipped_tokens += float(((pg_clipped > -adv * ratio).float() * mask).sum())
+                agg = mask * row_w[s, None]  # [b, R]: 1 on valid tokens for token-mean
+                policy = (pg * agg).sum() / denom
+                kl = alg.kl_loss_coef * (_kl(logp, ref_logp[s], alg.kl_loss_estimator) * agg).sum()
+                kl = kl / denom
+                ent_loss = -alg.entropy_coef * (ent * agg).sum() / denom
+                (policy + kl + ent_loss).backward()
             prec.collect_grads()
             sums["policy"] += float(policy.detach())
             sums["kl"] += float(kl.detach())
@@ -445,6 +456,7 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
 
 def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
                settings: UpdateSettings, *, on_round: RoundHook | None = None,
+               probe: ProbeHook = _no_probe,
                ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Run ``rounds`` clipped-value-loss critic steps on ``batch`` (protocol semantics).
 
@@ -455,6 +467,7 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
         contract: supplies value clip range and AdamW settings.
         settings: precision, micro-batching and padding of this run.
         on_round: optional :data:`RoundHook`, as in :func:`run_actor`.
+        probe: a :data:`ProbeHook`, as in :func:`run_actor`.
 
     Returns:
         ``(tensors, meta)`` as :func:`run_actor`, under ``round{r}/critic/...``.
@@ -480,18 +493,19 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
         clipped_tokens = 0.0
         for s, mb in batch.micro_batches(settings.micro_batch_size):
             mask = mb.response_mask.float()
-            with prec.autocast():
-                v = _forward_response_outputs(model, mb)
-            compute_dtypes.add(str(v.dtype))
-            values = v.to(torch.promote_types(v.dtype, torch.float32)).squeeze(-1)
-            old = values.detach() if round_ == 1 else old_values[s]
-            ret = mb.returns.float()
-            clipped = old + torch.clamp(values - old, -alg.value_clip, alg.value_clip)
-            vloss = torch.maximum((values - ret).square(), (clipped - ret).square())
-            clipped_tokens += float((((clipped - ret).square() > (values - ret).square())
-                                     .float() * mask).sum())
-            loss = 0.5 * (vloss * (mask * row_w[s, None])).sum() / denom
-            loss.backward()
+            with probe(round_, model, mb):
+                with prec.autocast():
+                    v = _forward_response_outputs(model, mb)
+                compute_dtypes.add(str(v.dtype))
+                values = v.to(torch.promote_types(v.dtype, torch.float32)).squeeze(-1)
+                old = values.detach() if round_ == 1 else old_values[s]
+                ret = mb.returns.float()
+                clipped = old + torch.clamp(values - old, -alg.value_clip, alg.value_clip)
+                vloss = torch.maximum((values - ret).square(), (clipped - ret).square())
+                clipped_tokens += float((((clipped - ret).square() > (values - ret).square())
+                                         .float() * mask).sum())
+                loss = 0.5 * (vloss * (mask * row_w[s, None])).sum() / denom
+                loss.backward()
             prec.collect_grads()
             total += float(loss.detach())
             values_r[s] = values.detach() * mask
