@@ -97,7 +97,7 @@ class LayerProbe:
             store[name].append(full.to("cpu", torch.float32).clone())
 
     @contextlib.contextmanager
-    def capture(self, round_: int, *, prompt_len: int, seq_len: int) -> Iterator[None]:
+    def capture(self, round_: int, prompt_len: int, seq_len: int) -> Iterator[None]:
         """Record outputs and output gradients of every probed module in this block.
 
         A no-op unless the probe is active and ``round_`` is its round. The block must run
@@ -162,3 +162,14 @@ def hf_modules(model: nn.Module) -> dict[str, nn.Module]:
     names = hf_probe_names(list(named), prefix, len(backbone.layers))
     return {n: named[n] for n in names}
 
+
+
+def for_model(spec: Mapping[str, Any] | None, role: str, writer: bool, model: nn.Module,
+              to_full: ToFull | None = None) -> LayerProbe:
+    """A :class:`LayerProbe` over a HF model's :func:`hf_modules`.
+
+    ``to_full`` defaults to the identity (an engine whose probed outputs are already full
+    HF tensors: DeepSpeed AutoTP's all-reduced row-parallel outputs and gathered head).
+    """
+    return LayerProbe(spec, role=role, writer=writer, modules=hf_modules(model),
+                      to_full=to_full or (lambda _name, t: t))

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from harnesses import common
+from harnesses import common, layer_probe
 from harnesses.common import Batch, Inputs
 from harnesses.deepspeed import losses, parallelize
 from harnesses.deepspeed import state_dict_adapter as sda
@@ -143,7 +143,6 @@ class VariantRun(common.RoleOutputs):
     def writer(self) -> bool:
         """TP rank 0 keeps and writes the role's tensors."""
         return self.placement.tp_rank == 0
-
 
     # ----------------------------------------------------------------- engine
 
@@ -307,16 +306,19 @@ class VariantRun(common.RoleOutputs):
         returns the loss of rows ``s`` (0-d FP32, sum / N); ``micro_loss(r, None)`` ends
         round ``r`` (stores the per-token outputs).
         """
+        probe = layer_probe.for_model(self.cell.probe, self.role, self.writer, engine.module)
+        batch = self.inputs.batch
         for round_ in range(1, self.inputs.contract.algorithm.rounds + 1):
             with self.timed(f"round{round_}_s"):
                 for s in slices:
-                    loss = micro_loss(round_, s)
-                    engine.backward(loss, scale_wrt_gas=False)
+                    with probe.capture(round_, batch.prompt_len, batch.input_ids.shape[1]):
+                        engine.backward(micro_loss(round_, s), scale_wrt_gas=False)
                     if engine.is_gradient_accumulation_boundary():
                         self.boundary_step(round_, engine, et)
                     else:
                         engine.step()
                 micro_loss(round_, None)  # round done: store per-token outputs
+        probe.save("deepspeed")
 
     # ----------------------------------------------------------------- actor
 

@@ -1,1 +1,5 @@
-"""``qualify diverge``: rerun a failing cell with layer probes beside the HF reference and name the first module (layer and sub-module) whose output leaves its bound."""
+"""``qualify diverge``: name the first layer and sub-module whose output leaves its bound.
+
+A failing cell is rerun with layer probes beside the HF reference of its lane and its
+controls (:mod:`qualify.diverge.run`).
+"""

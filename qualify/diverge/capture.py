@@ -41,8 +41,11 @@ SUBMODULES: Final = ("input_layernorm", "self_attn", "post_attention_layernorm",
 
 
 def probe_names(model: nn.Module) -> list[str]:
-    """HF names probed, in forward order: embedding, per layer its four sub-modules then
-    the layer, the final norm, the head (``lm_head`` or ``score``)."""
+    """HF names probed, in forward order.
+
+    The embedding, per layer its four sub-modules then the layer, the final norm, the
+    head (``lm_head`` or ``score``).
+    """
     prefix = str(getattr(model, "base_model_prefix", "model"))
     present = {n for n, _ in model.named_modules()}
     n_layers = len(getattr(model, prefix).layers)

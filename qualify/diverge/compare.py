@@ -39,8 +39,11 @@ _LAYER = re.compile(r"\.layers\.(\d+)(?:\.(\w+))?$")
 
 
 def layer_of(name: str) -> tuple[int | None, str]:
-    """``model.layers.3.mlp`` -> ``(3, "mlp")``; ``(3, "layer")`` for the layer's own output;
-    ``(None, name)`` outside the decoder layers (embedding, final norm, head)."""
+    """``model.layers.3.mlp`` -> ``(3, "mlp")``.
+
+    ``(3, "layer")`` for the layer's own output; ``(None, name)`` outside the decoder
+    layers (embedding, final norm, head).
+    """
     m = _LAYER.search(name)
     if m is None:
         return None, name
@@ -134,7 +137,7 @@ class Rule:
     floor_backward: float
 
 
-def compare(engine: Mapping[str, torch.Tensor], engine_modules: list[str],
+def compare(engine: Mapping[str, torch.Tensor], engine_modules: list[str], *,
             reference: Capture, control_runs: Mapping[str, Capture], frame: Frame,
             rule: Rule) -> list[dict[str, Any]]:
     """One row per (direction, module), forward order then backward (reverse) order.

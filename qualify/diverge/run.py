@@ -1,5 +1,6 @@
-"""``qualify diverge RUN_DIR CELL``: rerun one cell with layer probes and name the first
-module whose output leaves its bound.
+"""``qualify diverge RUN_DIR CELL``: rerun one cell with layer probes; name what diverges.
+
+It names the first module whose output (or output gradient) leaves its bound.
 
 Steps (each timed, the times go into ``diverge.json``):
 
@@ -208,7 +209,8 @@ def diverge(run_dir: Path, cell_id: str, *, out: Path | None = None, round_: int
     rule = compare.Rule(k=float(contract.bounds.k), floor_forward=float(floors["logprobs"]),
                         floor_backward=float(floors["grads"]))
     with torch.no_grad():
-        rows = compare.compare(engine_t, list(probe_meta["modules"]), ref, ctrl, frame, rule)
+        rows = compare.compare(engine_t, list(probe_meta["modules"]), reference=ref,
+                               control_runs=ctrl, frame=frame, rule=rule)
     timings["compare_s"] = round(time.perf_counter() - t0, 3)
     if baseline:
         _, base_wall = launch_engine(cell, run_dir=run_dir, out=out, round_=r, faults=faults,
