@@ -15,7 +15,10 @@ for any signed run (``qualify report RUN_DIR``). Sections, in order:
 5. error / bound round by round per family (every cell; failing cells in colour);
 6. why each bound is what it is: ``bound = k x control_error + floor`` with the control
    that set it, for each root cause and (folded) for every sealed bound;
-7. the field mismatch metrics ``report.json`` carries (informational, never gated).
+7. the field mismatch metrics ``report.json`` carries (informational, never gated);
+8. when ``qualify diverge`` results lie beside the run (``<run-id>.diverge/<cell>/
+   diverge.json``), per cell the first module over its bound, a plot of error / bound per
+   module and the table of rows.
 
 The figures are inline SVG (:mod:`qualify.compare.plots`, imported only here, when a page
 is rendered), the style inline CSS: the file opens with no network. The same
@@ -335,6 +338,43 @@ def _field_table(data: RunData) -> list[str]:
     return out
 
 
+def _diverge(data: RunData) -> list[str]:
+    """The ``qualify diverge`` results beside the run, one figure and table per cell."""
+    from qualify import jsonio, schema
+
+    root = data.run_dir.parent / f"{data.run_dir.name}.diverge"
+    files = sorted(root.glob("*/diverge.json")) if root.is_dir() else []
+    if not files:
+        return []
+    out = ['<h2 id="diverge-title">First diverging module (qualify diverge)</h2>',
+           '<p class="note">Each cell rerun with layer probes beside the HF reference of its '
+           "lane: per module, max |engine - reference| of its output (forward) and of its "
+           "output gradient (backward) on valid positions, against k x the largest control "
+           "error of the same module + the floor.</p>"]
+    for path in files:
+        doc = jsonio.read_json(path)
+        problem = schema.first_error(doc, "diverge")
+        if problem is not None:
+            out.append(f'<p class="note">{_e(path)}: not shown ({_e(problem)})</p>')
+            continue
+        cell, first = doc["cell"]["id"], doc["first"]
+        line = ("none: every module within its bound" if first is None else
+                f"{first['module']} ({first['direction']}): max_abs {first['error']:.3g} > "
+                f"bound {first['bound']:.3g} (margin {first['margin']:.3g})")
+        out.append(f"<h3>{_e(cell)}, round {doc['round']} ({_e(doc['lane'])})</h3>"
+                   f"<p>first diverging: <b>{_e(line)}</b></p>")
+        out.append(_figure(_plots().diverge_svg(
+            doc["rows"], title=f"{cell}, round {doc['round']}",
+            named=None if first is None else first["module"]),
+            f"diverge-{cell}", "error / bound per module (dashed: the bound)"))
+        frame = pd.DataFrame([{
+            "direction": r["direction"], "module": r["module"], "error": r["error"],
+            "bound": r["bound"], "margin": r["margin"], "control": r["control"] or "-",
+            "power": r["power"], "exceeds": r["exceeds"]} for r in doc["rows"]])
+        out.append(_table(frame, f"diverge-table-{cell}"))
+    return out
+
+
 def render_html(data: RunData) -> str:
     """The whole page for one run.
 
@@ -347,7 +387,7 @@ def render_html(data: RunData) -> str:
     causes = causes_of_report(data.doc)
     body = [*_header(data, causes), *_heatmaps(data), *_token_plots(data),
             *_param_plot(data, causes), *_rounds_plot(data, causes),
-            *_bounds_tables(data, causes), *_field_table(data)]
+            *_bounds_tables(data, causes), *_field_table(data), *_diverge(data)]
     notes = data.doc.get("notes", [])
     if notes:
         body += ['<h2 id="notes-title">Notes</h2>',

@@ -27,8 +27,8 @@ from matplotlib.figure import Figure
 
 from qualify.compare.plotdata import ParamErrors, TokenErrors
 
-__all__ = ["RC", "heatmap_svg", "param_svg", "quiet_pyparsing", "rounds_svg", "svg",
-           "token_svg"]
+__all__ = ["RC", "diverge_svg", "heatmap_svg", "param_svg", "quiet_pyparsing", "rounds_svg",
+           "svg", "token_svg"]
 
 RC: Final[dict[str, Any]] = {
     "svg.hashsalt": "qualify-report",
@@ -255,4 +255,48 @@ def rounds_svg(per_family: Mapping[str, Mapping[str, Mapping[int, float]]],
         if handles:
             fig.legend(list(handles.values()), list(handles), loc="outside lower center",
                        ncol=3, fontsize=6.5)
+        return svg(fig)
+
+
+def diverge_svg(rows: Sequence[Mapping[str, Any]], *, title: str,
+                named: str | None) -> str:
+    """``qualify diverge``: error / bound per probed module, forward and backward.
+
+    Args:
+        rows: ``diverge.json`` rows (``direction``, ``module``, ``margin``, ``exceeds``).
+        title: the figure title (the cell and round).
+        named: the module named as the first to diverge (marked), or ``None``.
+
+    Returns:
+        The SVG text: modules in forward order on x, margin on a log y axis (the bound
+        is the dashed line at 1; forward and backward as two lines; a module over its
+        bound as a red marker).
+    """
+    modules = [str(r["module"]) for r in rows if r["direction"] == "forward"]
+    with _drawing():
+        fig = _figure(9.0, 3.2)
+        ax = fig.subplots()
+        for direction, style in (("forward", "-"), ("backward", ":")):
+            by = {str(r["module"]): r for r in rows if r["direction"] == direction}
+            xs = [i for i, m in enumerate(modules) if m in by]
+            ys = [min(max(float(by[modules[i]]["margin"]), 1e-4), 1e3) for i in xs]
+            ax.plot(xs, ys, linestyle=style, marker="o", markersize=3, linewidth=1.0,
+                    color=PASS_COLOR if direction == "backward" else "#1565c0",
+                    label=direction)
+            bad = [(x, y) for x, y in zip(xs, ys, strict=True)
+                   if by[modules[x]]["exceeds"]]
+            if bad:
+                ax.scatter([b[0] for b in bad], [b[1] for b in bad], color=FAIL_COLOR, s=18,
+                           zorder=3)
+        if named in modules:
+            ax.axvline(modules.index(named), color=FAIL_COLOR, linewidth=0.8, alpha=0.6)
+        ax.axhline(1.0, color=BOUND_COLOR, linestyle="--", linewidth=1)
+        ax.set_yscale("log")
+        ax.set_ylim(1e-4, 1e3)
+        ax.set_xticks(range(len(modules)))
+        ax.set_xticklabels([m.removeprefix("model.") for m in modules], rotation=60,
+                           ha="right", fontsize=6)
+        ax.set_ylabel("error / bound")
+        ax.set_title(title, loc="left")
+        ax.legend(fontsize=7)
         return svg(fig)

@@ -169,11 +169,15 @@ def run_capture(inputs: FrozenInputs, *, role: str, settings: UpdateSettings, at
     """One reference (or control) update run of ``role`` with round ``round_`` recorded.
 
     Fresh FP32 models from the frozen checkpoints (FP64 copies for the ``fp64`` control),
-    ``torch.manual_seed(0)`` first, as :func:`qualify.reference.stage._update_run`.
+    ``torch.manual_seed(0)`` first, as :func:`qualify.reference.stage._update_run`; the
+    update runs rounds ``1..round_`` only (later rounds cannot change round ``round_``).
     """
     torch.manual_seed(0)
     rec = _Recorder(round_)
     fp64 = settings.precision == "fp64"
+    # Rounds after the probed one cannot change it: stop there.
+    contract = dataclasses.replace(inputs.contract, algorithm=dataclasses.replace(
+        inputs.contract.algorithm, rounds=round_))
     if role == "actor":
         actor = roles.load_actor(inputs.actor_dir, dtype=torch.float32,
                                  attn_implementation=attn, requires_grad=True)
@@ -181,13 +185,13 @@ def run_capture(inputs: FrozenInputs, *, role: str, settings: UpdateSettings, at
                                requires_grad=False)
         if fp64:
             actor, ref = actor.double(), ref.double()
-        run_actor(actor, ref, inputs.batch, inputs.contract, settings, probe=rec)
+        run_actor(actor, ref, inputs.batch, contract, settings, probe=rec)
     else:
         critic = roles.load_critic(inputs.critic_dir, dtype=torch.float32,
                                    attn_implementation=attn, requires_grad=True)
         if fp64:
             critic = critic.double()
-        run_critic(critic, inputs.batch, inputs.contract, settings, probe=rec)
+        run_critic(critic, inputs.batch, contract, settings, probe=rec)
     return rec.result(settings)
 
 
