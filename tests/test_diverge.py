@@ -1,0 +1,187 @@
+"""``qualify diverge``: the comparison rule on known tensors, usage errors, and real runs.
+
+The real tests run the torch_tp harness (torchrun, gloo) on a copy of the session's shared
+tiny reference (:func:`shared_artifacts.tiny_reference`): with the test-only fault
+``layer1_mlp_scaled`` (decoder layer 1's MLP output x (1 + 1e-3)) ``qualify diverge`` must
+name ``model.layers.1.mlp`` in the forward pass and nothing before it; without the fault it
+must name nothing. The report page then shows the result.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from shared_artifacts import copy_tree, tiny_reference
+from tiny_contracts import torch_tp_only
+
+from qualify import schema
+from qualify.candidate.stage import run_candidate_stage
+from qualify.cli.main import main
+from qualify.contract import Contract, load_contract
+from qualify.diverge import compare
+from qualify.diverge.capture import Capture
+from qualify.evidence import store
+
+REPO = Path(__file__).resolve().parents[1]
+COMMITTED_RUN = REPO / "evidence" / "tiny-qwen3" / "20261201T173321Z"
+CELL = "torch_tp-fp32-actor-tp2"
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+def _frame() -> compare.Frame:
+    # B = 2, P = 3, R = 2: row 0 has one left pad and one right pad; row 1 is full.
+    am = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    return compare.Frame(attention_mask=am, response_mask=am[:, 3:], prompt_len=3)
+
+
+def test_layer_names_split_into_layer_and_submodule() -> None:
+    assert compare.layer_of("model.layers.3.mlp") == (3, "mlp")
+    assert compare.layer_of("model.layers.12") == (12, "layer")
+    assert compare.layer_of("model.layers.0.post_attention_layernorm") == \
+        (0, "post_attention_layernorm")
+    assert compare.layer_of("lm_head") == (None, "lm_head")
+    assert compare.layer_of("model.embed_tokens") == (None, "model.embed_tokens")
+
+
+def test_errors_count_valid_positions_only_and_bounds_follow_the_controls() -> None:
+    frame = _frame()
+    g = torch.Generator().manual_seed(0)
+    ref_h = torch.randn(2, 5, 4, generator=g)       # a sequence-shaped output [B, T, F]
+    ref_head = torch.randn(2, 5, 6, generator=g)    # the reference's head, [B, T, V]
+    eng_h = ref_h.clone()
+    eng_h[1, 2, 3] += 3e-3                           # valid position: counted
+    eng_h[0, 0, :] += 100.0                          # left pad of row 0: ignored
+    eng_head = ref_head[:, 2:4].clone()              # the engine's head on the window [B, R, V]
+    eng_head[0, 0, 5] += 5e-3                        # response token 0 of row 0: valid
+    eng_head[0, 1, :] += 100.0                       # right pad of row 0: ignored
+    # A control with 2 extra left and 1 extra right pad columns, 1e-4 from the reference.
+    ctrl_h = torch.cat([torch.full((2, 2, 4), 7.0), ref_h + 1e-4, torch.full((2, 1, 4), 7.0)],
+                       1)
+    ctrl_head = torch.cat([torch.zeros(2, 2, 6), ref_head, torch.zeros(2, 1, 6)], 1)
+    names = ["model.layers.0", "lm_head"]
+    ref = Capture(modules=names, fwd={"model.layers.0": ref_h, "lm_head": ref_head}, bwd={})
+    ctrl = Capture(modules=names, fwd={"model.layers.0": ctrl_h, "lm_head": ctrl_head},
+                   bwd={}, left_padding=2, right_padding=1)
+    rule = compare.Rule(k=4.0, floor_forward=1e-3, floor_backward=1.0)
+    rows = compare.compare({"fwd/model.layers.0": eng_h, "fwd/lm_head": eng_head}, names,
+                           reference=ref, control_runs={"microbatch": ctrl}, frame=frame,
+                           rule=rule)
+    assert [(r["direction"], r["module"]) for r in rows] == \
+        [("forward", "model.layers.0"), ("forward", "lm_head")]
+    layer, head = rows
+    assert layer["error"] == pytest.approx(3e-3, abs=1e-6)  # FP32 sums: an ulp of |x| ~ 2
+    assert layer["where"] == [1, 2]
+    assert layer["control_error"] == pytest.approx(1e-4, rel=1e-3)
+    assert layer["bound"] == pytest.approx(4 * 1e-4 + 1e-3, rel=1e-3)
+    assert layer["exceeds"] and layer["margin"] == pytest.approx(3e-3 / 1.4e-3, rel=1e-3)
+    assert head["error"] == pytest.approx(5e-3, abs=1e-6) and head["where"] == [0, 0]
+    assert head["control_error"] == 0.0 and head["bound"] == pytest.approx(1e-3)
+    assert compare.first_diverged(rows) is layer
+
+
+def test_the_first_forward_module_is_named_before_any_backward_one() -> None:
+    rows = [{"direction": d, "module": m, "exceeds": e}
+            for d, m, e in [("forward", "a", False), ("forward", "b", True),
+                            ("forward", "c", True), ("backward", "c", True)]]
+    assert compare.first_diverged(rows) == rows[1]
+    assert compare.first_diverged([rows[0], rows[3]]) == rows[3]
+    assert compare.first_diverged([rows[0]]) is None
+
+
+# --------------------------------------------------------------------------- usage errors
+
+
+@pytest.mark.parametrize(("cell", "needle"), [
+    ("megatron-bf16-actor-tp2", "supports torch_tp, deepspeed"),
+    ("vllm-fp32-sampler-tp1", "trainer cells"),
+    ("no-such-cell", "no cell 'no-such-cell'"),
+])
+def test_unsupported_or_unknown_cells_are_refused_in_one_line(
+        cell: str, needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["diverge", str(COMMITTED_RUN), cell, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_output_inside_the_sealed_run_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["diverge", str(COMMITTED_RUN), CELL, "--out", str(COMMITTED_RUN / "x")])
+    assert rc == 2 and "inside the sealed run" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- real runs
+
+
+@pytest.fixture(scope="module")
+def contract(tmp_path_factory: pytest.TempPathFactory) -> Contract:
+    return load_contract(torch_tp_only(tmp_path_factory.mktemp("contracts")))
+
+
+@pytest.fixture(scope="module")
+def reference(contract: Contract, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    shared = tiny_reference(tmp_path_factory) / "references" / \
+        f"{contract.name}-{contract.digest12}"
+    return copy_tree(shared, tmp_path_factory.mktemp("refs") / shared.name)
+
+
+def _run(contract: Contract, reference: Path, root: Path, faults: tuple[str, ...]) -> Path:
+    run = run_candidate_stage(contract, reference=reference, root=root, quiet=True,
+                              faults=faults, cells=[CELL])
+    store.make_writable(root)
+    return run
+
+
+def test_a_planted_layer_fault_is_named(contract: Contract, reference: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    run = _run(contract, reference, tmp_path / "evidence", ("layer1_mlp_scaled",))
+    out = tmp_path / "diverge"
+    rc = main(["diverge", str(run), CELL, "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 1, printed
+    doc = json.loads((out / "diverge.json").read_text(encoding="utf-8"))
+    assert schema.first_error(doc, "diverge") is None
+    assert doc["first"]["module"] == "model.layers.1.mlp", printed
+    assert (doc["first"]["direction"], doc["first"]["layer"], doc["first"]["submodule"]) == \
+        ("forward", 1, "mlp")
+    assert "diverged: model.layers.1.mlp (layer 1 mlp, forward)" in printed
+    forward = [r for r in doc["rows"] if r["direction"] == "forward"]
+    named = [r["module"] for r in forward].index("model.layers.1.mlp")
+    assert named > 0 and not any(r["exceeds"] for r in forward[:named])
+    assert all(r["power"] for r in forward)
+    assert doc["faults"] == ["layer1_mlp_scaled"] and doc["round"] == 1
+    assert set(doc["rule"]["controls"]) == {"attn_impl", "microbatch", "fp64"}
+    # The page of the run shows it when the result lies beside the run.
+    from qualify.compare.html import write_html
+    from qualify.compare.stage import compare_run
+
+    compare_run(run)
+    store.make_writable(tmp_path)
+    beside = run.parent / f"{run.name}.diverge" / CELL
+    beside.mkdir(parents=True)
+    (beside / "diverge.json").write_text(json.dumps(doc), encoding="utf-8")
+    page = write_html(run, tmp_path / "report.html").read_text(encoding="utf-8")
+    assert 'id="diverge-title"' in page and f'id="diverge-{CELL}"' in page
+    assert "first diverging: <b>model.layers.1.mlp (forward)" in page
+
+
+def test_without_the_fault_nothing_diverges(contract: Contract, reference: Path,
+                                            tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    run = _run(contract, reference, tmp_path / "evidence", ())
+    out = tmp_path / "diverge"
+    rc = main(["diverge", str(run), CELL, "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    doc = json.loads((out / "diverge.json").read_text(encoding="utf-8"))
+    assert doc["first"] is None and not doc["diverged"], printed
+    modules = {r["module"] for r in doc["rows"]}
+    assert {"model.embed_tokens", "model.layers.0.self_attn", "model.layers.1.mlp",
+            "model.norm", "lm_head"} <= modules
+    assert {r["direction"] for r in doc["rows"]} == {"forward", "backward"}
+    assert "diverged: none" in printed
