@@ -207,8 +207,12 @@ class RoleRun(common.RoleOutputs):
                         model, mb.right_padded(EXTRA_RIGHT_PADDING, pad_id))
             self.put(1, f"{metric}_padded", torch.where(batch.mask, padded, 0.0))
         from harnesses.megatron import train
+        from harnesses.megatron.probe import megatron_probe
 
-        trainer = train.Trainer(run=self, model=model, shape=shape, ref=ref)
+        probe = megatron_probe(self.cell.probe, role=self.role, writer=self.writer, model=model,
+                               vocab=shape.vocab, tp=self.groups.tp,
+                               tp_group=self.groups.tp_group)
+        trainer = train.Trainer(run=self, model=model, shape=shape, ref=ref, probe=probe)
         trainer.train(batch, slices)
         return self.meta(shape, not_run=[], training=trainer.meta())
 

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from harnesses import layer_probe
 from harnesses.megatron import convert, cpu_shims, losses
 
 if TYPE_CHECKING:
@@ -116,12 +117,14 @@ class Trainer:
         model: the Megatron model (``Float16Module``-wrapped in BF16 cells).
         shape: its conversion shape.
         ref: the frozen reference policy (actor only).
+        probe: ``qualify diverge``'s layer probe (:mod:`harnesses.megatron.probe`), if any.
     """
 
     run: RoleRun
     model: nn.Module
     shape: convert.Shape
     ref: nn.Module | None
+    probe: layer_probe.LayerProbe | None = None
     replica_rounds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     dtypes: dict[str, Any] = dataclasses.field(default_factory=dict)
     behavior_weight: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -273,41 +276,45 @@ class Trainer:
         dppo = alg.name == "decoupled_ppo"
         w_b, w_raw = torch.ones(b, r_len, device=dev), torch.ones(b, r_len, device=dev)
         self.ddp.zero_grad_buffer()
+        probe = self.probe or layer_probe.LayerProbe(None, role=run.role, writer=False,
+                                                     modules={}, to_full=lambda _n, t: t)
         for round_ in range(1, alg.rounds + 1):
             with run.timed(f"round{round_}_s"):
                 cur = torch.zeros(b, r_len, device=dev)
                 ent_r = torch.zeros(b, r_len, device=dev)
                 sums: dict[str, float] = {}
                 for s in slices:
-                    mb = batch.rows(s)
-                    if run.role == "actor":
-                        lp, ent = run.actor_scores(self.ddp, self.shape, mb)
-                        o_lp = lp.detach() if round_ == 1 else old[s]
-                        if dppo and round_ == 1:  # proximal policy: this engine's round 1
-                            assert mb.behavior_logprobs is not None
-                            w_b[s], w_raw[s] = losses.behavior_weight(
-                                lp, mb.behavior_logprobs, alg.behavior_weight_cap,
-                                alg.behavior_weight_cap_mode)
-                        rw = row_w[s, None]
-                        pw = rw * w_b[s] if dppo else \
-                            (None if alg.loss_agg_mode == "token-mean" else rw)
-                        terms = {
-                            "policy": losses.policy_loss_sum(lp, o_lp, mb.advantages, mb.mask,
-                                                             alg.clip_ratio, weight=pw) / denom,
-                            "kl": alg.kl_loss_coef * losses.masked_sum(losses.kl_penalty(
-                                lp, ref_lp[s], alg.kl_loss_estimator) * rw, mb.mask) / denom,
-                            "entropy": -alg.entropy_coef * losses.masked_sum(ent * rw, mb.mask)
-                            / denom}
-                        cur[s] = torch.where(mb.mask, lp.detach(), 0.0)
-                        ent_r[s] = torch.where(mb.mask, ent.detach(), 0.0)
-                    else:
-                        v = run.critic_values(self.ddp, mb)
-                        o_v = v.detach() if round_ == 1 else old[s]
-                        vw = None if alg.loss_agg_mode == "token-mean" else row_w[s, None]
-                        terms = {"value": losses.value_loss_sum(
-                            v, o_v, mb.returns, mb.mask, alg.value_clip, weight=vw) / denom}
-                        cur[s] = torch.where(mb.mask, v.detach(), 0.0)
-                    sum(terms.values()).backward()  # type: ignore[union-attr]
+                    with probe.capture(round_, batch.prompt_len,
+                                       batch.input_ids.shape[1]):
+                        mb = batch.rows(s)
+                        if run.role == "actor":
+                            lp, ent = run.actor_scores(self.ddp, self.shape, mb)
+                            o_lp = lp.detach() if round_ == 1 else old[s]
+                            if dppo and round_ == 1:  # proximal policy: this engine's round 1
+                                assert mb.behavior_logprobs is not None
+                                w_b[s], w_raw[s] = losses.behavior_weight(
+                                    lp, mb.behavior_logprobs, alg.behavior_weight_cap,
+                                    alg.behavior_weight_cap_mode)
+                            rw = row_w[s, None]
+                            pw = rw * w_b[s] if dppo else \
+                                (None if alg.loss_agg_mode == "token-mean" else rw)
+                            terms = {
+                                "policy": losses.policy_loss_sum(lp, o_lp, mb.advantages, mb.mask,
+                                                                 alg.clip_ratio, weight=pw) / denom,
+                                "kl": alg.kl_loss_coef * losses.masked_sum(losses.kl_penalty(
+                                    lp, ref_lp[s], alg.kl_loss_estimator) * rw, mb.mask) / denom,
+                                "entropy": -alg.entropy_coef * losses.masked_sum(ent * rw, mb.mask)
+                                / denom}
+                            cur[s] = torch.where(mb.mask, lp.detach(), 0.0)
+                            ent_r[s] = torch.where(mb.mask, ent.detach(), 0.0)
+                        else:
+                            v = run.critic_values(self.ddp, mb)
+                            o_v = v.detach() if round_ == 1 else old[s]
+                            vw = None if alg.loss_agg_mode == "token-mean" else row_w[s, None]
+                            terms = {"value": losses.value_loss_sum(
+                                v, o_v, mb.returns, mb.mask, alg.value_clip, weight=vw) / denom}
+                            cur[s] = torch.where(mb.mask, v.detach(), 0.0)
+                        sum(terms.values()).backward()  # type: ignore[union-attr]
                     for k, t in terms.items():
                         sums[k] = sums.get(k, 0.0) + float(t.detach())
                 if round_ == 1:
@@ -321,6 +328,7 @@ class Trainer:
                     run.put(round_, f"loss/{k}", torch.tensor(v_))
                 run.put(round_, "loss/total", torch.tensor(sum(sums.values())))
                 self.step(round_)
+        probe.save("megatron")
         if dppo and run.role == "actor":  # fixed by round 1 (the proximal policy)
             stats = losses.weight_stats(w_raw.cpu(), batch.mask.cpu(), alg.behavior_weight_cap)
             self.behavior_weight = {f"round{r}": stats for r in range(1, alg.rounds + 1)}

@@ -33,7 +33,7 @@ from qualify import atomic, jsonio, schema
 from qualify.errors import UsageError
 
 DIVERGE_FILE: Final = "diverge.json"
-SUPPORTED: Final = ("torch_tp", "deepspeed")
+SUPPORTED: Final = ("torch_tp", "deepspeed", "megatron")
 """Engines whose harness takes ``probe`` (others are refused with one line, exit 2)."""
 PROBE_DIR: Final = "probe"
 
