@@ -78,9 +78,13 @@ def test_errors_count_valid_positions_only_and_bounds_follow_the_controls() -> N
     assert layer["where"] == [1, 2]
     assert layer["control_error"] == pytest.approx(1e-4, rel=1e-3)
     assert layer["bound"] == pytest.approx(4 * 1e-4 + 1e-3, rel=1e-3)
-    assert layer["exceeds"] and layer["margin"] == pytest.approx(3e-3 / 1.4e-3, rel=1e-3)
-    assert head["error"] == pytest.approx(5e-3, abs=1e-6) and head["where"] == [0, 0]
-    assert head["control_error"] == 0.0 and head["bound"] == pytest.approx(1e-3)
+    assert layer["exceeds"]
+    assert layer["margin"] == pytest.approx(3e-3 / 1.4e-3, rel=1e-3)
+    assert head["error"] == pytest.approx(5e-3, abs=1e-6)
+    assert head["where"] == [0, 0]
+    assert (layer["frame"], head["frame"]) == ("seq", "window")
+    assert head["control_error"] == 0.0
+    assert head["bound"] == pytest.approx(1e-3)
     assert compare.first_diverged(rows) is layer
 
 
@@ -97,22 +101,30 @@ def test_the_first_forward_module_is_named_before_any_backward_one() -> None:
 
 
 @pytest.mark.parametrize(("cell", "needle"), [
-    ("megatron-bf16-actor-tp2", "supports torch_tp, deepspeed"),
+    ("fsdp2-fp32-actor-tp1", "supports torch_tp, deepspeed, megatron"),
     ("vllm-fp32-sampler-tp1", "trainer cells"),
     ("no-such-cell", "no cell 'no-such-cell'"),
 ])
 def test_unsupported_or_unknown_cells_are_refused_in_one_line(
         cell: str, needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["diverge", str(COMMITTED_RUN), cell, "--out", str(tmp_path / "out")])
+    run = tmp_path / "run"  # the committed run's run.json with an FSDP2 cell added
+    run.mkdir()
+    doc = json.loads((COMMITTED_RUN / "run.json").read_text(encoding="utf-8"))
+    doc["cells"]["fsdp2-fp32-actor-tp1"] = {**doc["cells"]["torch_tp-fp32-actor-tp1"],
+                                            "engine": "fsdp2"}
+    (run / "run.json").write_text(json.dumps(doc), encoding="utf-8")
+    rc = main(["diverge", str(run), cell, "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert rc == 2, err
-    assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert needle in err, err
+    assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
 
 
 def test_output_inside_the_sealed_run_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["diverge", str(COMMITTED_RUN), CELL, "--out", str(COMMITTED_RUN / "x")])
-    assert rc == 2 and "inside the sealed run" in capsys.readouterr().err
+    assert rc == 2
+    assert "inside the sealed run" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- real runs
@@ -152,9 +164,11 @@ def test_a_planted_layer_fault_is_named(contract: Contract, reference: Path, tmp
     assert "diverged: model.layers.1.mlp (layer 1 mlp, forward)" in printed
     forward = [r for r in doc["rows"] if r["direction"] == "forward"]
     named = [r["module"] for r in forward].index("model.layers.1.mlp")
-    assert named > 0 and not any(r["exceeds"] for r in forward[:named])
+    assert named > 0
+    assert not any(r["exceeds"] for r in forward[:named])
     assert all(r["power"] for r in forward)
-    assert doc["faults"] == ["layer1_mlp_scaled"] and doc["round"] == 1
+    assert doc["faults"] == ["layer1_mlp_scaled"]
+    assert doc["round"] == 1
     assert set(doc["rule"]["controls"]) == {"attn_impl", "microbatch", "fp64"}
     # The page of the run shows it when the result lies beside the run.
     from qualify.compare.html import write_html
@@ -166,7 +180,8 @@ def test_a_planted_layer_fault_is_named(contract: Contract, reference: Path, tmp
     beside.mkdir(parents=True)
     (beside / "diverge.json").write_text(json.dumps(doc), encoding="utf-8")
     page = write_html(run, tmp_path / "report.html").read_text(encoding="utf-8")
-    assert 'id="diverge-title"' in page and f'id="diverge-{CELL}"' in page
+    assert 'id="diverge-title"' in page
+    assert f'id="diverge-{CELL}"' in page
     assert "first diverging: <b>model.layers.1.mlp (forward)" in page
 
 
@@ -179,7 +194,8 @@ def test_without_the_fault_nothing_diverges(contract: Contract, reference: Path,
     printed = capsys.readouterr().out
     assert rc == 0, printed
     doc = json.loads((out / "diverge.json").read_text(encoding="utf-8"))
-    assert doc["first"] is None and not doc["diverged"], printed
+    assert doc["first"] is None, printed
+    assert not doc["diverged"]
     modules = {r["module"] for r in doc["rows"]}
     assert {"model.embed_tokens", "model.layers.0.self_attn", "model.layers.1.mlp",
             "model.norm", "lm_head"} <= modules

@@ -91,6 +91,11 @@ def _canonical(t: torch.Tensor, frame: Frame, *, left: int, right: int) -> tuple
                      f"{frame.response_len} (padding {left} + {right})")
 
 
+def frame_of(fa: str, fb: str) -> str:
+    """The frame two outputs are compared in: ``window`` when either is on it, else ``seq``."""
+    return "window" if "window" in (fa, fb) else "seq"
+
+
 def _window(t: torch.Tensor, frame: Frame) -> torch.Tensor:
     start = frame.prompt_len - 1
     return t[:, start:start + frame.response_len]
@@ -98,19 +103,22 @@ def _window(t: torch.Tensor, frame: Frame) -> torch.Tensor:
 
 def _aligned(a: torch.Tensor, fa: str, b: torch.Tensor, fb: str,
              frame: Frame) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Both tensors in one frame, with the ``[B, L]`` valid-position mask of that frame."""
+    """Both tensors in one frame (:func:`frame_of`) and that frame's ``[B, L]`` valid mask."""
     if fa == "window" and fb == "seq":
         b = _window(b, frame)
     elif fa == "seq" and fb == "window":
         a = _window(a, frame)
-    frame_name = "window" if "window" in (fa, fb) else "seq"
-    mask = frame.response_mask if frame_name == "window" else frame.attention_mask
+    mask = frame.response_mask if frame_of(fa, fb) == "window" else frame.attention_mask
     return a, b, mask
 
 
 def max_abs(a: torch.Tensor, fa: str, b: torch.Tensor, fb: str,
             frame: Frame) -> tuple[float, tuple[int, int], float]:
-    """``(max |a - b| on valid positions, its (row, position), max |b| there)``, in FP64."""
+    """``(max |a - b| on valid positions, its (row, position), max |b| there)``, in FP64.
+
+    The position counts sequence columns ``0..T-1``, or response tokens ``0..R-1`` when
+    either tensor is on the response window (:func:`frame_of`).
+    """
     a, b, mask = _aligned(a, fa, b, fb, frame)
     if a.shape != b.shape:
         raise ValueError(f"shapes {tuple(a.shape)} and {tuple(b.shape)} differ")
@@ -186,7 +194,7 @@ def compare(engine: Mapping[str, torch.Tensor], engine_modules: list[str], *,
                 "error": err, "bound": bound, "control_error": ctrl_err,
                 "control": ctrl_name, "controls": per_control, "floor": floor,
                 "margin": err / bound if bound > 0 else float("inf"),
-                "exceeds": bool(err > bound), "where": list(where),
+                "exceeds": bool(err > bound), "where": list(where), "frame": frame_of(ef, rf),
                 "reference_max_abs": mag, "power": bool(mag > bound)})
     return rows
 
