@@ -190,6 +190,9 @@ def diverge(run_dir: Path, cell_id: str, *, out: Path | None = None, round_: int
                                          faults=faults)
     timings["engine_launch_s"] = round(engine_wall, 3)
     probe_dir = attempt / PROBE_DIR / cell.role
+    if not (probe_dir / "probe.json").is_file():
+        raise UsageError(f"{probe_dir / 'probe.json'}: missing; the {cell.engine} harness ran "
+                         f"but wrote no probe (logs in {attempt / 'logs'})")
     probe_meta = jsonio.read_json(probe_dir / "probe.json")
     engine_t = load_file(str(probe_dir / "probe.safetensors"))
     timings["engine_s"] = round(time.perf_counter() - t0, 3)
