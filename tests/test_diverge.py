@@ -26,7 +26,8 @@ from qualify.diverge.capture import Capture
 from qualify.evidence import store
 
 REPO = Path(__file__).resolve().parents[1]
-COMMITTED_RUN = REPO / "evidence" / "tiny-qwen3" / "20261201T173321Z"
+COMMITTED_RUN = max(p.parent for p in (REPO / "evidence" / "tiny-qwen3").glob("*/run.json"))
+"""The committed default run (the newest; ids are UTC timestamps)."""
 CELL = "torch_tp-fp32-actor-tp2"
 
 
@@ -201,3 +202,25 @@ def test_without_the_fault_nothing_diverges(contract: Contract, reference: Path,
             "model.norm", "lm_head"} <= modules
     assert {r["direction"] for r in doc["rows"]} == {"forward", "backward"}
     assert "diverged: none" in printed
+
+
+def _committed_models_present() -> bool:
+    model = json.loads((COMMITTED_RUN / "inputs" / "model.json").read_text(encoding="utf-8"))
+    return Path(model["actor_dir"]).is_dir()
+
+
+@pytest.mark.skipif(not _committed_models_present(),
+                    reason="the committed run's model directory is not on this machine")
+@pytest.mark.parametrize("cell", ["deepspeed-fp32-zero1-actor-tp2", "megatron-fp32-actor-tp2"])
+def test_other_engines_layouts_match_hf_at_fp32(cell: str, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """DeepSpeed AutoTP's and Megatron-Core's probes under HF names (Megatron: renamed,
+    ``[S, B, F]`` transposed, vocab shards gathered and cut) match the HF reference: a
+    passing FP32 cell of the committed run names nothing, with every module compared."""
+    rc = main(["diverge", str(COMMITTED_RUN), cell, "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    doc = json.loads((tmp_path / "diverge.json").read_text(encoding="utf-8"))
+    assert doc["first"] is None, printed
+    assert len(doc["rows"]) == 2 * 13  # embedding, 2 layers x 5, final norm, head; twice
+    assert all(r["power"] for r in doc["rows"])
