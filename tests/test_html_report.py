@@ -212,6 +212,17 @@ def test_field_mismatch_metrics(page: Page, doc: dict[str, Any]) -> None:
     assert [r[0] for r in table[1:]] == [r["source"] for r in rows]
     tmpe = table[0].index("token_mult_prob_error")
     assert table[1][tmpe] == format(rows[0]["token_mult_prob_error"], ".4g")
+    # the clip-band tail: a table of report.json's clip_band rows, or (for a report sealed
+    # before the section existed) a note that it is not recorded
+    if "clip_band" in doc:
+        band = page.tables["clip-band"]
+        assert [r[0] for r in band[1:]] == [r["source"] for r in doc["clip_band"]]
+        col = band[0].index("fraction_outside")
+        for shown, r in zip(band[1:], doc["clip_band"], strict=True):
+            assert shown[col] == format(r["fraction_outside"], ".4g")
+            assert int(shown[band[0].index("below")]) == r["below"]
+    else:
+        assert "clip-band" not in page.tables
 
 
 def test_page_is_self_contained(page: Page, written: tuple[Path, str]) -> None:

@@ -329,9 +329,20 @@ def _field_table(data: RunData) -> list[str]:
     frame = pd.DataFrame([[r.get(c) if isinstance(r.get(c), str) else _num(r.get(c))
                            for c in cols] for r in rows], columns=cols)
     out.append(_table(frame, "field-metrics"))
-    if not any("clip" in k for k in extra):
+    band = data.doc.get("clip_band")
+    if not isinstance(band, list):
         out.append('<p class="note">The fraction of tokens whose ratio falls outside the PPO '
-                   f"clip band is not in {REPORT_JSON}; it is not shown.</p>")
+                   f"clip band is not in this {REPORT_JSON} (sealed before it was recorded); "
+                   "it is not shown.</p>")
+        return out
+    out.append('<p class="note">Clip-band tail: the fraction of valid round-1 tokens whose '
+               "ratio r = exp(lp_train - lp_gen) falls outside the PPO clip band "
+               "[1 - clip_ratio, 1 + clip_ratio] (huggingface/trl #6789).</p>")
+    band_cols = ("source", "precision", "clip_low", "clip_high", "tokens", "below", "above",
+                 "fraction_outside")
+    out.append(_table(pd.DataFrame(
+        [[r.get(c) if isinstance(r.get(c), (str, int)) else _num(r.get(c)) for c in band_cols]
+         for r in band if isinstance(r, Mapping)], columns=list(band_cols)), "clip-band"))
     return out
 
 
