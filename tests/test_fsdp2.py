@@ -51,6 +51,9 @@ RUNS: dict[str, dict[str, Any]] = {
     "fp32-dp1": {"precision": "fp32", "dp": 1},
     "fp32-dp2": {"precision": "fp32", "dp": 2},
     "fault-dp2": {"precision": "fp32", "dp": 2, "faults": ("grad_averaged_twice",)},
+    "fp32-tp2-dp2": {"precision": "fp32", "dp": 2, "tp": 2},
+    "fault-tp2-dp2": {"precision": "fp32", "dp": 2, "tp": 2,
+                      "faults": ("grad_averaged_twice",)},
 }
 GRAD_FAMILIES = ("grads", "exp_avg", "exp_avg_sq")
 
@@ -70,8 +73,9 @@ class Runs:
 
     def cell(self, name: str) -> HarnessCell:
         spec = RUNS[name]
+        tp = spec.get("tp", 1)
         return HarnessCell(engine="fsdp2", precision=spec["precision"],
-                           options={"dp": spec["dp"]}, actor_tp=1, critic_tp=1, rounds=2,
+                           options={"dp": spec["dp"]}, actor_tp=tp, critic_tp=tp, rounds=2,
                            seed=0, inputs_dir=str(self.inputs_dir),
                            output_dir=str(self.root / name), collective_timeout_s=120.0,
                            faults=tuple(spec.get("faults", ())))
@@ -383,3 +387,70 @@ def test_unknown_fault_is_refused() -> None:
     with pytest.raises(HarnessError, match="unknown fault"):
         Faults(["grad_averaged_twise"])
     assert "grad_averaged_twice" in Faults(["grad_averaged_twice"])
+
+
+# --------------------------------------------------------------------------- 2-D: dp 2 x tp 2
+
+
+def test_tp2_dp2_launch_places_a_2d_mesh(runs: Runs) -> None:
+    t, meta = runs.tensors("fp32-tp2-dp2"), runs.meta("fp32-tp2-dp2")
+    assert set(t) == (expected_names("actor", runs.params["actor"])
+                      | expected_names("critic", runs.params["critic"]))
+    assert meta["world_size"] == 8
+    assert [(r["rank"], r["role"], r["tp_rank"], r["tp_group"]) for r in meta["ranks"]] == [
+        (base + 2 * d + k, role, k, [base + 2 * d, base + 2 * d + 1])
+        for base, role in ((0, "actor"), (4, "critic")) for d in (0, 1) for k in (0, 1)]
+    for role, rm in meta["roles"].items():
+        par = rm["parallelism"]
+        assert rm["tp"] == 2
+        assert par["dp"] == 2
+        assert par["mesh_dim_names"] == ["dp", "tp"]
+        base = 0 if role == "actor" else 4
+        assert par["rank_grid_dp_by_tp"] == [[base, base + 1], [base + 2, base + 3]]
+        tpi = par["tensor_parallel"]
+        assert tpi["lm_head"] == ("colwise_gathered" if role == "actor" else None)
+        pl = par["placements"]
+        # TP first, then FSDP2 over dp: every parameter a 2-D DTensor
+        assert pl["model.layers.0.self_attn.q_proj.weight"] == [
+            "_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]
+        assert pl["model.layers.0.self_attn.o_proj.weight"] == ["Shard(dim=0)", "Shard(dim=1)"]
+        assert pl["model.layers.0.input_layernorm.weight"] == ["Shard(dim=0)", "Replicate()"]
+        assert set(pl) == set(runs.params[role])
+        assert "model.embed_tokens.weight" in par["tp_replicated_params"]
+        assert par["replica_check"].startswith("bitwise over each TP group")
+        rc = rm["replica_consistency"]
+        assert rc["all_equal"], rc  # TP replicas bitwise equal after each step
+        assert set(rc["params"]) == set(par["tp_replicated_params"])
+        assert rm["micro_batches"] == 1
+        assert rm["valid_tokens"] == sum(RESPONSE_LENGTHS)
+    shapes = meta["roles"]["actor"]["parallelism"]["local_shard_shapes_dp_rank0"]
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == [32, 64]  # 128 rows / tp / dp
+    assert shapes["lm_head.weight"] == [96, 64]  # 384 vocab rows / tp / dp
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_tp2_dp2_agrees_with_dp1(runs: Runs, role: str) -> None:
+    """dp 2 x tp 2 against the single rank: FP32 rounding of the row-parallel sums only."""
+    err = family_errors(role_tensors(runs.tensors("fp32-tp2-dp2"), role),
+                        role_tensors(runs.tensors("fp32-dp1"), role), runs.mask)
+    print(f"\n[fsdp2] TP2xDP2 vs DP1 fp32 {role}: "
+          + ", ".join(f"{k}={v:.2e}" for k, v in sorted(err.items())))
+    floors = load_contract(CONTRACT).bounds.floors["fp32"]
+    for fam in ("logprobs", "entropy", "values", "grads", "exp_avg", "exp_avg_sq"):
+        if fam in err:
+            assert err[fam] <= floors[fam], (fam, err)
+    assert err["updates"] <= 10 * floors["updates"], err
+    assert err["loss"] <= 10 * floors["losses"], err
+    assert err["grad_norm"] <= 10 * floors["grad_norm"], err
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_fault_grad_averaged_twice_halves_the_2d_gradients(runs: Runs, role: str) -> None:
+    """FSDP2's divide-by-dp left on: still the dp size (2) on the 2-D mesh, not dp x tp."""
+    bad, good = runs.tensors("fault-tp2-dp2"), runs.tensors("fp32-tp2-dp2")
+    for k in [k for k in good if k.startswith(f"round1/{role}/grads/")]:
+        torch.testing.assert_close(bad[k], good[k] / 2, rtol=1e-6, atol=1e-9)
+    assert float(bad[f"round1/{role}/grad_norm"]) == pytest.approx(
+        float(good[f"round1/{role}/grad_norm"]) / 2, rel=1e-6)
+    err = family_errors(role_tensors(bad, role), role_tensors(good, role), runs.mask)
+    assert err["grads"] >= 0.49, err
