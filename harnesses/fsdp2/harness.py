@@ -419,8 +419,11 @@ class RoleRun(common.RoleOutputs):
 
 
 def rank_table(actor_tp: int, critic_tp: int, dp: int) -> list[dict[str, Any]]:
-    """``outputs.json`` ``ranks``: role, TP rank and TP group of each rank (the schema's
-    fields; the DP rank is the TP group's row in ``parallelism.rank_grid_dp_by_tp``)."""
+    """``outputs.json`` ``ranks``: role, TP rank and TP group of each rank.
+
+    The schema's fields only; a rank's DP rank is its TP group's row in the role's
+    ``parallelism.rank_grid_dp_by_tp``.
+    """
     tps = {"actor": actor_tp, "critic": critic_tp}
     out: list[dict[str, Any]] = []
     for role, ranks in parallelize.role_ranks(actor_tp, critic_tp, dp).items():
