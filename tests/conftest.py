@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 ONE_WORKER = frozenset({
-    "test_fsdp2",  # runs: each launch cached in the worker's process (3 launches)
+    "test_fsdp2",  # runs: each launch cached in the worker's process (5 launches)
     "test_kill_points",  # kit + clean: keygen, reference, candidate, compare
     "test_megatron_bf16_finding",  # finding: one torchrun launch of the repro script
     "test_megatron_harness",  # report: reference + 2 Megatron launches
