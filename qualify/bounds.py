@@ -10,7 +10,9 @@ difference two FP32 results near it can have. A control error of 0 on a scalar s
 control rounded exactly like the reference, not that a conforming execution summing in
 another order agrees to better than one ulp; without the term, a 2-ulp difference of an
 FP32 grad norm (|Δ| = 1.9e-6 at 8.4, sum of squares over TP shards in another order) failed
-a bound that was the floor alone (1e-6). In the
+a bound that was the floor alone (1e-6). The grad norm's resolution is also at least its own
+FP32 evaluation error on the reference's gradients (:func:`scalar_resolutions`): the
+reference sums the squares in FP64, an engine in FP32. In the
 ``deterministic`` lane every bound is 0 (bitwise equality). The comparator reads bounds only
 from the sealed ``bounds.json``; a metric without a bound is an error, never a pass.
 :func:`judge` is the verdict half of the rule: ``PASS`` iff the error is finite and
@@ -137,29 +139,64 @@ def measure_controls(
 
 
 def scalar_resolutions(reference: Mapping[str, Mapping[str, npt.ArrayLike]],
+                       norm_fp32: Mapping[str, Mapping[tuple[int, str], float]] | None = None,
                        ) -> dict[str, dict[MetricKey, float]]:
     """FP32 resolution of each scalar metric of the reference, per lane.
 
     Args:
         reference: ``{lane: protocol tensors of the HF reference run}``.
+        norm_fp32: ``{lane: {(round, role): norm}}``, the reference's pre-clip gradient norm
+            evaluated in FP32 as ``torch.nn.utils.clip_grad_norm_`` does
+            (``qualify.reference.update._grad_norm_and_clip``); ``None`` or a missing entry:
+            the ulp term alone.
 
     Returns:
-        ``{lane: {key: spacing}}`` for the metrics of :data:`RESOLVED_FAMILIES`:
-        ``numpy.spacing(float32(max |value|))`` over the metric's members (the loss terms
-        for ``losses``), i.e. one FP32 ulp of the largest value (IEEE 754 binary32). A
-        non-finite reference value gives 0 (no resolution: its comparison fails anyway).
+        ``{lane: {key: resolution}}`` for the metrics of :data:`RESOLVED_FAMILIES`: one FP32
+        ulp of the largest value, ``numpy.spacing(float32(max |value|))`` over the metric's
+        members (the loss terms for ``losses``; IEEE 754 binary32). For ``grad_norm`` it is
+        at least the FP32 evaluation error ``e = |norm_fp32 - norm|`` of the norm itself:
+        the reference accumulates the norm in FP64, so no control sees the rounding of a
+        sum of squares over every gradient element in FP32, which every engine's norm has
+        (``O(log2 N)`` ulps for N elements in a pairwise / blocked reduction, Higham 2002,
+        section 4.2: 6 ulps at N = 4.2 M on tiny-qwen3-vocab32k). For ``clip_coef`` when it
+        clips (``c = max_norm / (norm + 1e-6) < 1``) at least the same error carried
+        through ``c``: ``c * e / (norm + 1e-6)``. A non-finite reference value gives 0 (no
+        resolution: its comparison fails anyway).
     """
     out: dict[str, dict[MetricKey, float]] = {}
     for lane, tensors in reference.items():
         res: dict[MetricKey, float] = {}
-        for key, members in group_tensors(tensors).items():
+        groups = group_tensors(tensors)
+        evals = (norm_fp32 or {}).get(lane, {})
+        for key, members in groups.items():
             if key.family not in RESOLVED_FAMILIES:
                 continue
             top = max((float(np.max(np.abs(np.asarray(v, dtype=np.float64))))
                        for v in members.values()), default=0.0)
-            res[key] = float(np.spacing(np.float32(top))) if math.isfinite(top) else 0.0
+            if not math.isfinite(top):
+                res[key] = 0.0
+                continue
+            r = float(np.spacing(np.float32(top)))
+            e, norm = _norm_eval_error(groups, evals, key)
+            if key.family == "grad_norm":
+                r = max(r, e)
+            elif key.family == "clip_coef" and top < 1.0:  # it clips: c = max_norm / (n + 1e-6)
+                r = max(r, top * e / (norm + 1e-6))
+            res[key] = r
         out[lane] = res
     return out
+
+
+def _norm_eval_error(groups: Mapping[MetricKey, Mapping[str, Any]],
+                     evals: Mapping[tuple[int, str], float], key: MetricKey,
+                     ) -> tuple[float, float]:
+    """``(|norm_fp32 - norm|, norm)`` of ``key``'s round and role; ``(0, 0)`` if unknown."""
+    member = groups.get(MetricKey(round=key.round, role=key.role, family="grad_norm"), {})
+    if (key.round, key.role) not in evals or "" not in member:
+        return 0.0, 0.0
+    norm = float(np.asarray(member[""], dtype=np.float64))
+    e = abs(float(evals[(key.round, key.role)]) - norm)
+    return (e, norm) if math.isfinite(e) and math.isfinite(norm) else (0.0, 0.0)
 
 
 def compute_bounds(contract: Contract, errors: ControlErrors,

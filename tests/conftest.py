@@ -27,7 +27,7 @@ import pytest
 
 ONE_WORKER = frozenset({
     "test_diverge",  # reference: the shared tiny reference, 2 one-cell runs + diverge
-    "test_fsdp2",  # runs: each launch cached in the worker's process (3 launches)
+    "test_fsdp2",  # runs: each launch cached in the worker's process (5 launches)
     "test_kill_points",  # kit + clean: keygen, reference, candidate, compare
     "test_megatron_bf16_finding",  # finding: one torchrun launch of the repro script
     "test_megatron_harness",  # report: reference + 2 Megatron launches

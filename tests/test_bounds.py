@@ -90,3 +90,70 @@ def test_a_non_finite_reference_value_has_no_resolution() -> None:
         "fp32": {"round1/actor/grad_norm": np.array(math.inf, dtype=np.float32)}}
     res = scalar_resolutions(inf)
     assert res["fp32"][GRAD_NORM] == 0.0
+
+
+# tiny-qwen3-vocab32k (vocab 32768, 4.3 M Actor parameters), torch_tp-fp32-actor-tp1, run
+# 20261201T190027Z of this session: torch.nn.utils.clip_grad_norm_ gave 8.582355499 against the
+# reference's FP64-accumulated 8.582361221 (|d| = 5.72e-6, 6 ulps in [8, 16)); the fp64 control
+# was 1 ulp away, so the bound was 4 * 1 ulp + 1e-6 = 4.81e-6 and a conforming FP32 norm
+# failed at margin 1.19. The reference's own FP32 evaluation of its norm sees that rounding.
+NORM_32 = float(np.float32(8.4)) - 6 * ULP_8  # an FP32 evaluation 6 ulps below
+
+
+def test_the_grad_norm_resolution_covers_its_own_fp32_evaluation_error() -> None:
+    evals = {"fp32": {(1, "actor"): NORM_32}}
+    res = scalar_resolutions(REFERENCE, evals)["fp32"]
+    assert res[GRAD_NORM] == 6 * ULP_8
+    assert res[LOSSES] == 2.0 ** (1 - 23)  # other families: the ulp alone
+    errors = {"fp32": {name: {GRAD_NORM: _measure(ULP_8)}
+                       for name in ("attn_impl", "microbatch", "fp64")}}
+    b = {x.key: x for x in compute_bounds(CONTRACT, errors, {"fp32": res})
+         if x.klass == "candidate_vs_hf"}
+    assert b[GRAD_NORM].bound == pytest.approx(4 * 6 * ULP_8 + FLOOR, rel=1e-15)
+    assert judge(6 * ULP_8, b[GRAD_NORM].bound)[0] == "PASS"
+    assert judge(1e-5 * 8.4, b[GRAD_NORM].bound)[0] == "FAIL"  # a 1e-5 relative error fails
+    # an evaluation within one ulp leaves the ulp term
+    same = scalar_resolutions(REFERENCE, {"fp32": {(1, "actor"): float(np.float32(8.4))}})
+    assert same["fp32"][GRAD_NORM] == ULP_8
+    # a role or round without an evaluation keeps the ulp
+    assert scalar_resolutions(REFERENCE, {"fp32": {(2, "actor"): 0.0}})["fp32"][GRAD_NORM] \
+        == ULP_8
+
+
+def test_the_clip_coefficient_carries_the_norm_evaluation_error() -> None:
+    norm = float(np.float32(8.4))
+    coef = np.float32(0.5 / (norm + 1e-6))  # clips: max_grad_norm 0.5 < 8.4
+    ref = {"fp32": {**REFERENCE["fp32"], "round1/actor/clip_coef": np.array(coef)}}
+    key = MetricKey(round=1, role="actor", family="clip_coef")
+    res = scalar_resolutions(ref, {"fp32": {(1, "actor"): NORM_32}})["fp32"]
+    e = 6 * ULP_8
+    assert res[key] == pytest.approx(float(coef) * e / (norm + 1e-6), rel=1e-12)
+    assert res[key] > float(np.spacing(coef))
+    unclipped = {"fp32": {**REFERENCE["fp32"], "round1/actor/clip_coef": np.array(1.0)}}
+    assert scalar_resolutions(unclipped, {"fp32": {(1, "actor"): NORM_32}})["fp32"][key] \
+        == 2.0 ** -23  # c = 1 does not depend on the norm: one ulp of 1
+
+
+def test_the_reference_fp32_norm_is_torchs_clip_grad_norm() -> None:
+    """The FP32 evaluation the reference records is bitwise what
+    ``torch.nn.utils.clip_grad_norm_(foreach=False)`` returns, and over millions of FP32
+    gradient elements it differs from the FP64-accumulated norm (the error no control saw)."""
+    import torch
+    from torch import nn
+
+    from qualify.reference.update import _grad_norm_and_clip
+
+    g = torch.Generator().manual_seed(5)
+    shapes = [(32768, 64), (64,), (160, 64), (32768, 64)]
+    params = [nn.Parameter(torch.zeros(s)) for s in shapes]
+    twins = [nn.Parameter(torch.zeros(s)) for s in shapes]
+    for p, q in zip(params, twins, strict=True):
+        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+        q.grad = p.grad.clone()
+    exact = math.sqrt(sum(float(p.grad.double().square().sum()) for p in params))
+    norm, coef, norm_fp32 = _grad_norm_and_clip([(str(i), p) for i, p in enumerate(params)], 0.5)
+    torch_norm = torch.nn.utils.clip_grad_norm_(twins, 0.5, foreach=False)
+    assert norm_fp32 == float(torch_norm)
+    assert norm == pytest.approx(exact, rel=1e-12)
+    assert coef == pytest.approx(0.5 / (exact + 1e-6), rel=1e-12)
+    assert norm_fp32 != norm  # the FP32 evaluation rounds where the FP64 sum does not

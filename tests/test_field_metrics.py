@@ -19,6 +19,7 @@ from hypothesis.extra import numpy as hnp
 
 from qualify.compare.mismatch import (
     FieldMismatch,
+    clip_band_tail,
     comparability_note,
     field_mismatch,
     is_like_for_like,
@@ -146,3 +147,49 @@ def test_invariants(b: int, r: int, data: st.DataObject) -> None:
         assert swapped.mean_abs == res.mean_abs
         assert swapped.max_abs == res.max_abs
         assert swapped.token_mult_prob_error == res.token_mult_prob_error
+
+
+def test_clip_band_tail_golden() -> None:
+    # d = train - gen per token: 0.1 (r = e^0.1 = 1.105, inside [0.8, 1.2]), 0.3 (r = 1.350,
+    # above), -0.3 (r = 0.741, below), log(1.2) exactly on the upper edge (inside: strict),
+    # and a masked token with garbage. 4 valid tokens, 1 below, 1 above: fraction 0.5.
+    edge = math.log(1.2)
+    train = np.array([[-1.0, -1.0, -1.0], [-1.0 + edge, 9.0, -1.0]])
+    gen = np.array([[-1.1, -1.3, -0.7], [-1.0, np.nan, -1.0 - edge - 1e-12]])
+    mask = np.array([[1, 1, 1], [1, 0, 0]])
+    row = clip_band_tail(train, gen, mask, source="s", precision="fp32", clip_ratio=0.2)
+    assert row == {"source": "s", "precision": "fp32", "clip_low": 0.8, "clip_high": 1.2,
+                   "tokens": 4, "below": 1, "above": 1, "fraction_outside": 0.5}
+    # unmasking the last token (r = 1.2 * e^1e-12 > 1.2) adds one above
+    mask[1, 2] = 1
+    row = clip_band_tail(train, gen, mask, source="s", precision="fp32", clip_ratio=0.2)
+    assert (row["tokens"], row["above"], row["fraction_outside"]) == (5, 2, 0.6)
+
+
+def test_clip_band_tail_empty_and_bad() -> None:
+    row = clip_band_tail(np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2)), source="s",
+                         precision="bf16", clip_ratio=0.1)
+    assert (row["tokens"], row["fraction_outside"]) == (0, None)
+    with pytest.raises(ValueError, match="clip_ratio"):
+        clip_band_tail(np.zeros((1, 2)), np.zeros((1, 2)), np.ones((1, 2)), source="s",
+                       precision="fp32", clip_ratio=0.0)
+    with pytest.raises(ValueError, match="shapes"):
+        clip_band_tail(np.zeros((1, 2)), np.zeros((2, 1)), np.ones((1, 2)), source="s",
+                       precision="fp32", clip_ratio=0.2)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 6), st.floats(0.01, 0.9), st.data())
+def test_clip_band_tail_invariants(b: int, r: int, eps: float, data: st.DataObject) -> None:
+    lp = hnp.arrays(np.float64, (b, r), elements=st.floats(-8.0, 0.0))
+    train, gen = data.draw(lp), data.draw(lp)
+    mask = data.draw(hnp.arrays(np.int8, (b, r), elements=st.integers(0, 1)))
+    row = clip_band_tail(train, gen, mask, source="s", precision="fp32", clip_ratio=eps)
+    assert row["tokens"] == int(mask.sum())
+    assert row["below"] + row["above"] <= row["tokens"]
+    # swapping the two sides maps r to 1/r: above 1+eps -> below 1/(1+eps) > 1-eps, so the
+    # swapped "below" count is at most the original "above" count
+    swapped = clip_band_tail(gen, train, mask, source="s", precision="fp32", clip_ratio=eps)
+    assert swapped["below"] <= row["above"]
+    same = clip_band_tail(train, train, mask, source="s", precision="fp32", clip_ratio=eps)
+    assert same["below"] == same["above"] == 0

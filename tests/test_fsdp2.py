@@ -6,12 +6,16 @@ the world-size rule of :data:`harnesses.fsdp2.spec.SPEC`, cached per module):
 - ``fp32-dp1``: Actor and Critic each on one rank (2 ranks);
 - ``fp32-dp2``: each role sharded over 2 ranks, each rank half of the batch rows (4 ranks);
 - ``fault-dp2``: ``fp32-dp2`` with ``grad_averaged_twice`` (FSDP2's default divide-by-dp
-  left on a loss already normalised by the global token count).
+  left on a loss already normalised by the global token count);
+- ``fp32-tp2-dp2`` / ``fault-tp2-dp2``: the 2-D cell, each role on a 2 x 2 ``("dp", "tp")``
+  mesh (8 ranks), without and with the fault.
 
 Plus in-process units (the DP row slice, the losses) and a 2-rank torchrun script that
 checks the gathered layout of sharded parameters, gradients and AdamW state against the
-unsharded HF module. The ``slow`` test runs the real chain (reference, candidate, compare)
-on ``contracts/tiny-qwen3-fsdp2.toml`` with the fault on and sees the DP 2 cells FAIL.
+unsharded HF module, and a 4-rank one for the 2-D layout, the local heads and the
+clip-norm reduction over both mesh dims. The ``slow`` test runs the real chain (reference,
+candidate, compare) on ``contracts/tiny-qwen3-fsdp2.toml`` with the fault on and sees the
+DP 2 cells (TP 1 and TP 2) FAIL.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ from safetensors.torch import load_file
 from harnesses.fsdp2 import losses
 from harnesses.fsdp2.faults import Faults
 from harnesses.fsdp2.harness import dp_degree
-from harnesses.fsdp2.parallelize import dp_rows, role_ranks
+from harnesses.fsdp2.parallelize import dp_rows, grid, role_ranks
 from qualify.candidate.launch import check_outputs, launch_env, torchrun_command, validate_cell
+from qualify.candidate.stage import plan_launches
 from qualify.contract import load_contract
 from qualify.errors import HarnessError
 from qualify.protocol import HarnessCell
@@ -51,6 +56,9 @@ RUNS: dict[str, dict[str, Any]] = {
     "fp32-dp1": {"precision": "fp32", "dp": 1},
     "fp32-dp2": {"precision": "fp32", "dp": 2},
     "fault-dp2": {"precision": "fp32", "dp": 2, "faults": ("grad_averaged_twice",)},
+    "fp32-tp2-dp2": {"precision": "fp32", "dp": 2, "tp": 2},
+    "fault-tp2-dp2": {"precision": "fp32", "dp": 2, "tp": 2,
+                      "faults": ("grad_averaged_twice",)},
 }
 GRAD_FAMILIES = ("grads", "exp_avg", "exp_avg_sq")
 
@@ -70,8 +78,9 @@ class Runs:
 
     def cell(self, name: str) -> HarnessCell:
         spec = RUNS[name]
+        tp = spec.get("tp", 1)
         return HarnessCell(engine="fsdp2", precision=spec["precision"],
-                           options={"dp": spec["dp"]}, actor_tp=1, critic_tp=1, rounds=2,
+                           options={"dp": spec["dp"]}, actor_tp=tp, critic_tp=tp, rounds=2,
                            seed=0, inputs_dir=str(self.inputs_dir),
                            output_dir=str(self.root / name), collective_timeout_s=120.0,
                            faults=tuple(spec.get("faults", ())))
@@ -248,16 +257,18 @@ def fault_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("role", ["actor", "critic"])
-def test_fault_grad_averaged_twice_fails_the_dp2_cell(fault_report: dict[str, Any],
+def test_fault_grad_averaged_twice_fails_the_dp2_cells(fault_report: dict[str, Any],
                                                       role: str) -> None:
     verdict = {c["cell"]: c["verdict"] for c in fault_report["cells"]}
-    assert verdict[f"fsdp2-fp32-{role}-tp1-dp1"] == "PASS"  # divided by dp = 1: no change
-    assert verdict[f"fsdp2-fp32-{role}-tp1-dp2"] == "FAIL"
-    failed = {(r["class"], r["round"], r["family"]) for r in fault_report["rows"]
-              if r["cell"] == f"fsdp2-fp32-{role}-tp1-dp2" and r["verdict"] == "FAIL"}
-    print(f"\n[fsdp2] grad_averaged_twice, {role} dp2 FAIL rows: {sorted(failed)}")
-    for klass in ("candidate_vs_hf", "tp_vs_tp1"):
-        assert {(klass, 1, "grads"), (klass, 1, "grad_norm")} <= failed
+    for tp in (1, 2):  # divided by dp = 1: no change, at TP 1 and TP 2 alike
+        assert verdict[f"fsdp2-fp32-{role}-tp{tp}-dp1"] == "PASS"
+    for cell in (f"fsdp2-fp32-{role}-tp1-dp2", f"fsdp2-fp32-{role}-tp2-dp2"):  # 1-D and 2-D
+        assert verdict[cell] == "FAIL"
+        failed = {(r["class"], r["round"], r["family"]) for r in fault_report["rows"]
+                  if r["cell"] == cell and r["verdict"] == "FAIL"}
+        print(f"\n[fsdp2] grad_averaged_twice, {cell} FAIL rows: {sorted(failed)}")
+        for klass in ("candidate_vs_hf", "tp_vs_tp1"):
+            assert {(klass, 1, "grads"), (klass, 1, "grad_norm")} <= failed
 
 
 # --------------------------------------------------------------------------- layout
@@ -353,8 +364,14 @@ def test_world_size_rule_and_options() -> None:
     assert dp_degree(cell) == 2
     assert role_ranks(1, 1, 2) == {"actor": (0, 1), "critic": (2, 3)}
     assert role_ranks(0, 1, 2) == {"critic": (0, 1)}
-    with pytest.raises(HarnessError, match="runs TP 1 only"):
-        dp_degree(dataclasses.replace(cell, actor_tp=2))
+    two_d = dataclasses.replace(cell, actor_tp=2, critic_tp=2)
+    assert ENGINE.world_size(two_d) == 8
+    assert dp_degree(two_d) == 2
+    assert role_ranks(2, 2, 2) == {"actor": (0, 1, 2, 3), "critic": (4, 5, 6, 7)}
+    assert grid((4, 5, 6, 7), 2) == [[4, 5], [6, 7]]  # TP groups contiguous, dp rows
+    tp_axis = ENGINE.axis("tp")
+    assert tp_axis is not None
+    assert tp_axis.degrees == (1, 2)
     with pytest.raises(HarnessError, match="only the option 'dp'"):
         dp_degree(dataclasses.replace(cell, options={"zero": 1}))
 
@@ -362,11 +379,20 @@ def test_world_size_rule_and_options() -> None:
 def test_contract_cells_and_lanes() -> None:
     c = load_contract(CONTRACT)
     ids = [x.cell_id for x in c.matrix.cells()]
-    assert ids == [f"fsdp2-{p}-{r}-tp1-dp{d}" for p in ("fp32", "bf16")
-                   for r in ("actor", "critic") for d in (1, 2)]
+    assert ids == [f"fsdp2-{p}-{r}-tp{t}-dp{d}" for p in ("fp32", "bf16")
+                   for r in ("actor", "critic") for t in (1, 2) for d in (1, 2)]
     dp2 = next(x for x in c.matrix.cells() if x.cell_id == "fsdp2-bf16-actor-tp1-dp2")
     assert dp2.base_cell_id() == "fsdp2-bf16-actor-tp1-dp1"  # the DP 1 vs DP 2 comparison
     assert dp2.lane == "bf16"  # BF16 parameters from FP32 masters: the params style
+    two_d = next(x for x in c.matrix.cells() if x.cell_id == "fsdp2-fp32-critic-tp2-dp2")
+    assert two_d.base_cell_id() == "fsdp2-fp32-critic-tp1-dp1"
+    launches = plan_launches(c, c.matrix.cells())
+    assert [(lc.launch_id, ENGINE.world_size(HarnessCell(
+        engine="fsdp2", precision="fp32", options=dict(lc.options), actor_tp=lc.actor.tp,
+        critic_tp=lc.critic.tp, rounds=2, seed=0, inputs_dir="i", output_dir="o")))
+        for lc in launches if lc.precision == "fp32" and lc.actor and lc.critic] == [
+        ("fsdp2-fp32-dp1-a1c1", 2), ("fsdp2-fp32-dp1-a2c2", 4),
+        ("fsdp2-fp32-dp2-a1c1", 4), ("fsdp2-fp32-dp2-a2c2", 8)]
 
 
 def test_vocab_math_matches_log_softmax() -> None:
@@ -383,3 +409,168 @@ def test_unknown_fault_is_refused() -> None:
     with pytest.raises(HarnessError, match="unknown fault"):
         Faults(["grad_averaged_twise"])
     assert "grad_averaged_twice" in Faults(["grad_averaged_twice"])
+
+
+# --------------------------------------------------------------------------- 2-D: dp 2 x tp 2
+
+
+def test_tp2_dp2_launch_places_a_2d_mesh(runs: Runs) -> None:
+    t, meta = runs.tensors("fp32-tp2-dp2"), runs.meta("fp32-tp2-dp2")
+    assert set(t) == (expected_names("actor", runs.params["actor"])
+                      | expected_names("critic", runs.params["critic"]))
+    assert meta["world_size"] == 8
+    assert [(r["rank"], r["role"], r["tp_rank"], r["tp_group"]) for r in meta["ranks"]] == [
+        (base + 2 * d + k, role, k, [base + 2 * d, base + 2 * d + 1])
+        for base, role in ((0, "actor"), (4, "critic")) for d in (0, 1) for k in (0, 1)]
+    for role, rm in meta["roles"].items():
+        par = rm["parallelism"]
+        assert rm["tp"] == 2
+        assert par["dp"] == 2
+        assert par["mesh_dim_names"] == ["dp", "tp"]
+        base = 0 if role == "actor" else 4
+        assert par["rank_grid_dp_by_tp"] == [[base, base + 1], [base + 2, base + 3]]
+        tpi = par["tensor_parallel"]
+        assert tpi["lm_head"] == ("colwise_gathered" if role == "actor" else None)
+        pl = par["placements"]
+        # TP first, then FSDP2 over dp: every parameter a 2-D DTensor
+        assert pl["model.layers.0.self_attn.q_proj.weight"] == [
+            "_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]
+        assert pl["model.layers.0.self_attn.o_proj.weight"] == ["Shard(dim=0)", "Shard(dim=1)"]
+        assert pl["model.layers.0.input_layernorm.weight"] == ["Shard(dim=0)", "Replicate()"]
+        assert set(pl) == set(runs.params[role])
+        assert "model.embed_tokens.weight" in par["tp_replicated_params"]
+        assert par["replica_check"].startswith("bitwise over each TP group")
+        rc = rm["replica_consistency"]
+        assert rc["all_equal"], rc  # TP replicas bitwise equal after each step
+        assert set(rc["params"]) == set(par["tp_replicated_params"])
+        assert rm["micro_batches"] == 1
+        assert rm["valid_tokens"] == sum(RESPONSE_LENGTHS)
+    shapes = meta["roles"]["actor"]["parallelism"]["local_shard_shapes_dp_rank0"]
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == [32, 64]  # 128 rows / tp / dp
+    assert shapes["lm_head.weight"] == [96, 64]  # 384 vocab rows / tp / dp
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_tp2_dp2_agrees_with_dp1(runs: Runs, role: str) -> None:
+    """dp 2 x tp 2 against the single rank: FP32 rounding of the row-parallel sums only."""
+    err = family_errors(role_tensors(runs.tensors("fp32-tp2-dp2"), role),
+                        role_tensors(runs.tensors("fp32-dp1"), role), runs.mask)
+    print(f"\n[fsdp2] TP2xDP2 vs DP1 fp32 {role}: "
+          + ", ".join(f"{k}={v:.2e}" for k, v in sorted(err.items())))
+    floors = load_contract(CONTRACT).bounds.floors["fp32"]
+    for fam in ("logprobs", "entropy", "values", "grads", "exp_avg", "exp_avg_sq"):
+        if fam in err:
+            assert err[fam] <= floors[fam], (fam, err)
+    assert err["updates"] <= 10 * floors["updates"], err
+    assert err["loss"] <= 10 * floors["losses"], err
+    assert err["grad_norm"] <= 10 * floors["grad_norm"], err
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_fault_grad_averaged_twice_halves_the_2d_gradients(runs: Runs, role: str) -> None:
+    """FSDP2's divide-by-dp left on: still the dp size (2) on the 2-D mesh, not dp x tp."""
+    bad, good = runs.tensors("fault-tp2-dp2"), runs.tensors("fp32-tp2-dp2")
+    for k in [k for k in good if k.startswith(f"round1/{role}/grads/")]:
+        torch.testing.assert_close(bad[k], good[k] / 2, rtol=1e-6, atol=1e-9)
+    assert float(bad[f"round1/{role}/grad_norm"]) == pytest.approx(
+        float(good[f"round1/{role}/grad_norm"]) / 2, rel=1e-6)
+    err = family_errors(role_tensors(bad, role), role_tensors(good, role), runs.mask)
+    assert err["grads"] >= 0.49, err
+
+
+GATHER_2D_SCRIPT = textwrap.dedent('''
+    import json, sys
+    import torch, torch.distributed as dist
+    from harnesses import common
+    from harnesses.fsdp2 import parallelize, state_dict_adapter as sda, tensor_parallel
+    from torch.distributed.tensor import DTensor
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    rm = parallelize.build_role_mesh(actor_tp=2, critic_tp=0, dp=2, rank=rank,
+                                     device_type="cpu", timeout_s=60.0)
+    path = common.Path(sys.argv[1])
+    hf = common.load_hf_model("causal_lm", path, torch.device("cpu"))
+    model = common.load_hf_model("causal_lm", path, torch.device("cpu"))
+    tensor_parallel.apply_tp(model, rm.tp_mesh)
+    parallelize.shard_model(model, rm.dp_mesh, parallelize.mp_policy("fp32"))
+    parallelize.set_sum_reduction(model, divide_factor=1.0)
+    initial = sda.full_params(model)
+    hf_initial = {n: p.detach().clone() for n, p in hf.named_parameters()}
+    heads = []  # what HF's attention computes: q_proj's local output, viewed as heads
+    model.model.layers[0].self_attn.q_proj.register_forward_hook(
+        lambda m, a, out: heads.append([type(out).__name__, list(out.shape)]))
+    ids = torch.arange(3, 27).reshape(2, 12)
+    rows = slice(rm.dp_rank, rm.dp_rank + 1)   # one row per DP rank, both TP ranks alike
+    logits = model(input_ids=ids[rows], use_cache=False).logits
+    hf_logits = hf(input_ids=ids, use_cache=False).logits
+    fwd = float((logits - hf_logits[rows]).abs().max())
+    (logits.float() ** 2).sum().backward()
+    (hf_logits.float() ** 2).sum().backward()
+    params = [p for p in model.parameters()]
+    grads = sda.full_grads(model)
+    # the classic bug: the local squares summed over dp only (not over tp)
+    local_sq = torch.stack([p.grad.to_local().double().pow(2).sum() for p in params]).sum()
+    dist.all_reduce(local_sq, group=rm.dp_group)
+    dp_only = float(local_sq.sqrt())
+    norm = torch.nn.utils.clip_grad_norm_(params, 1e9)
+    norm_full = float(norm.full_tensor()) if isinstance(norm, DTensor) else float(norm)
+    from_gathered = float(torch.cat([g.double().reshape(-1) for g in grads.values()]).norm())
+    hf_norm = float(torch.nn.utils.clip_grad_norm_(list(hf.parameters()), 1e9))
+    opt = torch.optim.AdamW(params, lr=1e-3, foreach=False, fused=False)
+    ref_opt = torch.optim.AdamW(hf.parameters(), lr=1e-3, foreach=False, fused=False)
+    opt.step(); ref_opt.step()
+    after = sda.full_params(model)
+    exp_avg = sda.full_optimizer_state(model, opt, "exp_avg")
+    def rel(a, b):
+        return float((a - b).abs().max() / (b.abs().max() + 1e-30))
+    rep = {"mesh": list(rm.mesh_dim_names), "dp_rank": rm.dp_rank, "tp_rank": rm.tp_rank,
+           "all_2d": all(isinstance(p, DTensor) and p.device_mesh.ndim == 2 for p in params),
+           "initial": all(torch.equal(initial[n], t) for n, t in hf_initial.items()),
+           "names": sorted(after) == sorted(hf_initial),
+           "heads": heads[0], "fwd": fwd,
+           "grad": max(rel(grads[n], p.grad) for n, p in hf.named_parameters()),
+           "param": max(float((after[n] - p.detach()).abs().max())
+                        for n, p in hf.named_parameters()),
+           "exp_avg": max(rel(exp_avg[n], ref_opt.state[p]["exp_avg"])
+                          for n, p in hf.named_parameters()),
+           "norm": norm_full, "norm_from_gathered": from_gathered, "norm_hf": hf_norm,
+           "norm_dp_only": dp_only}
+    out = common.Path(sys.argv[2]) / f"rank{rank}.json"
+    out.write_text(json.dumps(rep))
+    dist.destroy_process_group()
+''')
+
+
+def test_2d_layout_gathers_to_hf_and_clip_reduces_over_both_dims(runs: Runs,
+                                                                  tmp_path: Path) -> None:
+    """One role on a 2 x 2 ``("dp", "tp")`` mesh (4 ranks): the TP forward (local heads) is
+    the unsharded one at FP32 rounding; ``full_tensor()`` of the 2-D parameters, gradients
+    and AdamW state is the HF layout; ``clip_grad_norm_``'s norm is the norm of the gathered
+    gradients, which a sum over ``dp`` only (the classic bug, computed here too) is not."""
+    script = tmp_path / "gather2d.py"
+    script.write_text(GATHER_2D_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+           "--nproc-per-node", "4", str(script), str(runs.inputs_dir / "actor"), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=repo_root(), env=launch_env(None), capture_output=True,
+                          text=True, timeout=LAUNCH_TIMEOUT_S, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reps = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    print("\n[fsdp2] 2-D gather/clip:", json.dumps(reps[0]))
+    assert [(r["dp_rank"], r["tp_rank"]) for r in reps] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for rep in reps:
+        assert rep["mesh"] == ["dp", "tp"]
+        assert rep["all_2d"]
+        assert rep["names"]
+        assert rep["initial"]  # the gathered 2-D shards are the HF weights, bitwise
+        # a plain local tensor of 4 query heads / TP 2 = 2 heads of head_dim 32: HF's
+        # view(*input_shape, -1, head_dim) sees the local heads
+        assert rep["heads"] == ["Tensor", [1, 12, 64]]
+        assert rep["fwd"] < 1e-5, rep  # row-parallel partial sums: FP32 rounding only
+        assert rep["grad"] < 1e-5, rep
+        assert rep["exp_avg"] < 1e-5, rep
+        assert rep["param"] < 1e-6, rep
+        assert rep["norm"] == pytest.approx(rep["norm_from_gathered"], rel=1e-6)
+        assert rep["norm"] == pytest.approx(rep["norm_hf"], rel=1e-5)
+        # the check can fail: a norm summed over dp only misses the other TP shard's squares
+        assert abs(rep["norm_dp_only"] / rep["norm_from_gathered"] - 1) > 0.05, rep
+    assert len({r["norm"] for r in reps}) == 1  # one norm on every rank

@@ -212,6 +212,17 @@ def test_field_mismatch_metrics(page: Page, doc: dict[str, Any]) -> None:
     assert [r[0] for r in table[1:]] == [r["source"] for r in rows]
     tmpe = table[0].index("token_mult_prob_error")
     assert table[1][tmpe] == format(rows[0]["token_mult_prob_error"], ".4g")
+    # the clip-band tail: a table of report.json's clip_band rows, or (for a report sealed
+    # before the section existed) a note that it is not recorded
+    if "clip_band" in doc:
+        band = page.tables["clip-band"]
+        assert [r[0] for r in band[1:]] == [r["source"] for r in doc["clip_band"]]
+        col = band[0].index("fraction_outside")
+        for shown, r in zip(band[1:], doc["clip_band"], strict=True):
+            assert shown[col] == format(r["fraction_outside"], ".4g")
+            assert int(shown[band[0].index("below")]) == r["below"]
+    else:
+        assert "clip-band" not in page.tables
 
 
 def test_page_is_self_contained(page: Page, written: tuple[Path, str]) -> None:
@@ -294,3 +305,38 @@ def test_headless_chromium_renders_the_page(written: tuple[Path, str], tmp_path:
     if dest:
         Path(dest).mkdir(parents=True, exist_ok=True)
         shutil.copy(png, Path(dest) / "report-chromium.png")
+
+
+def test_gate_decision_on_the_page(run_dir: Path, page: Page, tmp_path: Path) -> None:
+    """Without --contract the page says no policy was applied; with it, the page shows the
+    decision ``qualify run`` takes by the contract's gate policy (expected failures XFAIL)."""
+    from qualify.contract import load_contract
+    from qualify.evidence.policy import policy_for
+    from qualify.pipeline.chain import run_decision
+
+    assert "gate-none" in page.order
+    assert "gate" not in page.order
+    contract_path = ROOT / "contracts" / "tiny-qwen3.toml"
+    path = tmp_path / "gated.html"
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = main(["report", str(run_dir), "--html", str(path), "--contract",
+                     str(contract_path)])
+    assert code == ExitCode.OK
+    gated = Page(path.read_text(encoding="utf-8"))
+    assert "gate" in gated.order
+    assert "gate-none" not in gated.order
+    contract = load_contract(contract_path)
+    policy = policy_for(contract)
+    assert policy.path is not None
+    exit_code, ev = run_decision(run_dir, contract, policy)
+    text = path.read_text(encoding="utf-8")
+    word = "PASS" if exit_code == ExitCode.OK else "FAIL"
+    assert f"<strong>Gate: {word}</strong> (exit {int(exit_code)}) by gate policy " in text
+    counts = ", ".join(f"{k} {v}" for k, v in ev.counts().items() if v)
+    assert f"; required cells: {counts}</p>" in text
+    offending = [c for c in ev.cells if c.required and not c.ok]
+    assert text.count("<li>", text.index('id="gate"'), text.index("</div>", text.index(
+        'id="gate"'))) == min(len(offending), 12) + (len(offending) > 12)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["report", str(run_dir), "--html", str(path), "--policy",
+                     str(policy.path)]) == ExitCode.USAGE_ERROR

@@ -32,7 +32,8 @@ def test_todays_report_holds_every_section(failing: tuple[World, Report]) -> Non
     _, report = failing
     doc = report.to_dict()
     assert sections_of(doc) == (OPTIONAL_SECTIONS, True)
-    assert OPTIONAL_SECTIONS == ("coverage", "power", "root_causes", "behavior_weights")
+    assert OPTIONAL_SECTIONS == ("coverage", "power", "root_causes", "behavior_weights",
+                                 "clip_band")
     assert doc["sections"] == list(OPTIONAL_SECTIONS)
     assert all("power" in r for r in doc["rows"])
 
@@ -86,3 +87,27 @@ def test_a_report_without_the_record_must_be_a_comparator_that_existed(
     bad = {**report.to_dict(), "sections": ["coverage", "from-the-future"]}
     with pytest.raises(ValueError, match="unknown"):
         sections_of(bad)
+
+
+def test_clip_band_section_splits_the_matrix(failing: tuple[World, Report]) -> None:  # noqa: F811
+    """Before ``clip_band`` report.md had one matrix of every cell; since, trainer and
+    sampler cells are apart, and the clip-band table follows the field metrics."""
+    _, report = failing
+    before = dataclasses.replace(report, sections=tuple(
+        s for s in OPTIONAL_SECTIONS if s != "clip_band"))
+    doc = before.to_dict()
+    assert "clip_band" not in doc
+    assert sections_of(doc) == (before.sections, True)
+    md_before, md_now = render_markdown(before), render_markdown(report)
+    assert "### Trainer cells" not in md_before
+    assert "Clip-band tail" not in md_before
+    assert "### Trainer cells (Actor and Critic)" in md_now
+    assert "Clip-band tail" in md_now
+    trainer = md_now.split("### Trainer cells")[1].split("## Cells")[0]
+    for c in report.cells:
+        assert (f"| {c.cell} " in trainer) is (c.role != "sampler"), c.cell
+    VALIDATOR.validate(report.to_dict())
+    assert report.clip_band, "the fixture's actor cells give clip-band rows"
+    for row in report.clip_band:
+        assert row["tokens"] > 0
+        assert row["clip_low"] < 1 < row["clip_high"]

@@ -8,14 +8,17 @@ sharded DTensor parameters (the master weights).
 
 Reads only ``cell.json`` and, from ``inputs_dir``: ``rollout.safetensors``,
 ``train_inputs.safetensors``, ``contract.json`` and ``model.json`` (never reference
-scores). The cell's ``options["dp"]`` (default 1) is the shard degree: ranks ``[0, dp)``
-run the Actor, the next ``dp`` ranks the Critic, each role in its own DP group (the world
-is ``(actor_tp + critic_tp) * dp``, TP 1); each DP rank trains on its contiguous slice of
-the batch rows with losses normalised by the global valid-token count, and the gradients
-are reduce-scattered once, as a sum. DP rank 0 of each role writes its role's part
-(per-token tensors all-gathered from the DP group, per-parameter tensors gathered to the
-HF layout with ``DTensor.full_tensor()``); global rank 0 merges the parts into
-``outputs.safetensors`` + ``outputs.json``.
+scores). The cell's ``options["dp"]`` (default 1) is the shard degree and its
+``actor_tp`` / ``critic_tp`` the TP degrees: ranks ``[0, actor_tp dp)`` run the Actor, the
+next ``critic_tp dp`` ranks the Critic (the world is ``(actor_tp + critic_tp) * dp``), each
+role on its own ``("dp",)`` mesh at TP 1 or ``("dp", "tp")`` mesh at TP > 1 (TP applied
+with ``parallelize_module`` first, :mod:`harnesses.fsdp2.tensor_parallel`, then
+``fully_shard`` over ``dp``). Each DP rank (all its TP ranks alike) trains on its
+contiguous slice of the batch rows with losses normalised by the global valid-token count,
+and the gradients are reduce-scattered once over ``dp``, as a sum. DP rank 0 / TP rank 0
+of each role writes its role's part (per-token tensors all-gathered from the DP group,
+per-parameter tensors gathered to the HF layout with ``DTensor.full_tensor()`` over both
+mesh dims); global rank 0 merges the parts into ``outputs.safetensors`` + ``outputs.json``.
 
 Precision ``bf16`` is FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
 reduce_dtype=torch.float32)``: each forward all-gathers BF16 copies of the FP32 sharded
@@ -42,7 +45,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from harnesses import common
 from harnesses.common import Batch, Inputs
-from harnesses.fsdp2 import faults, losses, parallelize
+from harnesses.fsdp2 import faults, losses, parallelize, tensor_parallel
 from harnesses.fsdp2 import state_dict_adapter as sda
 from qualify.errors import HarnessError
 from qualify.protocol import ACTOR_ROUND1_WEIGHTS, EXTRA_RIGHT_PADDING, HarnessCell
@@ -57,6 +60,8 @@ REPLICA_CHECK: Final = ("not applicable: fully_shard places every parameter as S
                         "the dp mesh (no parameter is replicated across ranks, so there is "
                         "no replica to compare); a Replicate parameter would be compared "
                         "bitwise here")
+REPLICA_CHECK_TP: Final = ("bitwise over each TP group: the local dp shards of every parameter "
+                           "replicated along tp (embeddings, norms, value head) after each step")
 
 
 # --------------------------------------------------------------------------- the run
@@ -90,6 +95,7 @@ class RoleRun(common.RoleOutputs):
     replica_rounds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     replica_params: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     reduction: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tp_info: tensor_parallel.TpInfo | None = None
 
     @property
     def role(self) -> str:
@@ -98,15 +104,17 @@ class RoleRun(common.RoleOutputs):
 
     @property
     def writer(self) -> bool:
-        """DP rank 0 keeps and writes the role's tensors."""
-        return self.mesh.dp_rank == 0
+        """DP rank 0, TP rank 0 keeps and writes the role's tensors."""
+        return self.mesh.dp_rank == 0 and self.mesh.tp_rank == 0
 
     # ----------------------------------------------------------------- setup
 
     def load(self, kind: str, path: Path) -> tuple[nn.Module, parallelize.ShardingInfo]:
-        """Load an HF model in FP32 and ``fully_shard`` it with the cell's policy."""
+        """Load an HF model in FP32; TP over ``tp`` (TP > 1), then ``fully_shard`` over ``dp``."""
         model = common.load_hf_model(kind, path, self.device)
-        info = parallelize.shard_model(model, self.mesh.mesh,
+        if self.mesh.tp_mesh is not None:  # torchtitan's order: TP first, then FSDP
+            self.tp_info = tensor_parallel.apply_tp(model, self.mesh.tp_mesh)
+        info = parallelize.shard_model(model, self.mesh.dp_mesh,
                                        parallelize.mp_policy(self.cell.precision))
         # FAULT(grad_averaged_twice): FSDP2's default divide-by-dp left in place.
         self.reduction = parallelize.set_sum_reduction(
@@ -125,15 +133,15 @@ class RoleRun(common.RoleOutputs):
         if self.mesh.dp == 1:
             return local
         parts = [torch.empty_like(local) for _ in range(self.mesh.dp)]
-        dist.all_gather(parts, local.contiguous(), group=self.mesh.group)
+        dist.all_gather(parts, local.contiguous(), group=self.mesh.dp_group)
         return torch.cat(parts, dim=0)
 
     def sum_over_dp(self, values: dict[str, float]) -> dict[str, float]:
         """All-reduce (sum) per-rank loss shares over the DP group (FP64)."""
         keys = sorted(values)
         t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-        if self.mesh.dp > 1:
-            dist.all_reduce(t, group=self.mesh.group)
+        if self.mesh.dp > 1:  # TP ranks of a DP rank hold the same (replicated) shares
+            dist.all_reduce(t, group=self.mesh.dp_group)
         return {k: float(v) for k, v in zip(keys, t.tolist(), strict=True)}
 
     # ----------------------------------------------------------------- update step
@@ -169,13 +177,23 @@ class RoleRun(common.RoleOutputs):
         self.check_replicas(round_, model)
 
     def check_replicas(self, round_: int, model: nn.Module) -> None:
-        """Compare every ``Replicate`` parameter bitwise over the DP group (none under FSDP2)."""
-        reps = parallelize.replicated_parameters(model)
+        """Compare replicated parameters bitwise: along ``tp`` at TP > 1, else over ``dp``.
+
+        At TP > 1 the local ``dp`` shards of each parameter replicated along ``tp`` are
+        all-gathered over the TP group; at TP 1 the fully ``Replicate`` parameters (none
+        under FSDP2) over the DP group.
+        """
+        if self.mesh.tp > 1:
+            reps = parallelize.tp_replicated_parameters(model)
+            group, size = self.mesh.tp_group, self.mesh.tp
+        else:
+            reps = parallelize.replicated_parameters(model)
+            group, size = self.mesh.dp_group, self.mesh.dp
         worst = 0.0
         for name, p in reps:
             local = p.to_local().detach().float().reshape(-1).cpu()
-            parts = [torch.empty_like(local) for _ in range(self.mesh.dp)]
-            dist.all_gather(parts, local, group=self.mesh.group)
+            parts = [torch.empty_like(local) for _ in range(size)]
+            dist.all_gather(parts, local, group=group)
             diff = max(float((x - parts[0]).abs().max()) if x.numel() else 0.0 for x in parts)
             equal = all(torch.equal(x.view(torch.int32), parts[0].view(torch.int32))
                         for x in parts)
@@ -357,15 +375,19 @@ class RoleRun(common.RoleOutputs):
         """The role's part of ``outputs.json`` (merged under ``roles.<role>``)."""
         per = rows.stop - rows.start
         return {
-            "tp": 1,
+            "tp": self.mesh.tp,
             "global_ranks": list(self.mesh.ranks),
             "model_class": type(model).__name__,
             "parallelism": {
-                "mesh_dim_names": [parallelize.MESH_DIM],
+                "mesh_dim_names": list(self.mesh.mesh_dim_names),
                 "dp": self.mesh.dp,
+                "rank_grid_dp_by_tp": parallelize.grid(self.mesh.ranks, self.mesh.tp),
+                "tensor_parallel": self.tp_info.to_dict() if self.tp_info else None,
                 "fully_shard_units": list(info.units),
                 "sharded_params": list(info.sharded),
                 "replicated_params": list(info.replicated),
+                "tp_replicated_params": list(info.tp_replicated),
+                "placements": info.placements if self.mesh.tp > 1 else {},
                 "mixed_precision": {"param_dtype": info.param_dtype,
                                     "reduce_dtype": info.reduce_dtype},
                 "gradient_reduction": self.reduction,
@@ -373,7 +395,8 @@ class RoleRun(common.RoleOutputs):
                             "row_range_by_dp_rank": [[d * per, (d + 1) * per]
                                                      for d in range(self.mesh.dp)]},
                 "local_shard_shapes_dp_rank0": sda.local_shapes(model) if self.writer else {},
-                "replica_check": REPLICA_CHECK if not info.replicated else "bitwise",
+                "replica_check": (REPLICA_CHECK_TP if self.mesh.tp > 1 else
+                                  REPLICA_CHECK if not info.replicated else "bitwise"),
             },
             "precision": self.cell.precision,
             "bf16_mechanism": BF16_MECHANISM if self.cell.precision == "bf16" else None,
@@ -396,17 +419,27 @@ class RoleRun(common.RoleOutputs):
 
 
 def rank_table(actor_tp: int, critic_tp: int, dp: int) -> list[dict[str, Any]]:
-    """``outputs.json`` ``ranks``: each rank is its own TP group (TP 1), Actor ranks first."""
-    return [{"rank": r, "role": role, "tp_rank": 0, "tp_group": [r]}
-            for role, ranks in parallelize.role_ranks(actor_tp, critic_tp, dp).items()
-            for r in ranks]
+    """``outputs.json`` ``ranks``: role, TP rank and TP group of each rank.
+
+    The schema's fields only; a rank's DP rank is its TP group's row in the role's
+    ``parallelism.rank_grid_dp_by_tp``.
+    """
+    tps = {"actor": actor_tp, "critic": critic_tp}
+    out: list[dict[str, Any]] = []
+    for role, ranks in parallelize.role_ranks(actor_tp, critic_tp, dp).items():
+        rows = parallelize.grid(ranks, tps[role])
+        for row in rows:
+            out.extend({"rank": r, "role": role, "tp_rank": t, "tp_group": row}
+                       for t, r in enumerate(row))
+    return out
 
 
 def dp_degree(cell: HarnessCell) -> int:
     """The cell's DP degree (``options["dp"]``, default 1).
 
     Raises:
-        HarnessError: another option, a DP degree below 1, or a TP other than 0 / 1.
+        HarnessError: another option, a DP degree below 1, or a negative TP (a TP that
+            does not divide the heads is refused when the model loads).
     """
     extra = sorted(set(cell.options) - {DP_OPTION})
     if extra:
@@ -415,9 +448,8 @@ def dp_degree(cell: HarnessCell) -> int:
     if dp < 1:
         raise HarnessError(f"dp = {dp}: must be at least 1")
     for field in ("actor_tp", "critic_tp"):
-        if getattr(cell, field) not in (0, 1):
-            raise HarnessError(f"{field} = {getattr(cell, field)}: fsdp2 runs TP 1 only "
-                               f"(2-D FSDP2 x TP is not built; see harnesses/fsdp2/README.md)")
+        if getattr(cell, field) < 0:
+            raise HarnessError(f"{field} = {getattr(cell, field)}: must be 0 (absent) or more")
     return dp
 
 
@@ -453,7 +485,8 @@ def run(cell: HarnessCell) -> None:
             device_type=device.type, timeout_s=cell.collective_timeout_s)
         dist.barrier(group=mesh.group)  # the DP group is up before anything is loaded
         print(f"[fsdp2] rank {rank}/{world}: {mesh.role} dp_rank {mesh.dp_rank}/{mesh.dp} "
-              f"ranks {list(mesh.ranks)} on {device} ({backend}), {cell.precision}", flush=True)
+              f"tp_rank {mesh.tp_rank}/{mesh.tp} ranks {list(mesh.ranks)} on {device} "
+              f"({backend}), {cell.precision}", flush=True)
         torch.manual_seed(cell.seed)
         init_s = time.perf_counter() - t0
         runner = RoleRun(cell=cell, rank=rank, mesh=mesh, inputs=inputs, device=device,

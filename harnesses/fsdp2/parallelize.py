@@ -1,18 +1,22 @@
 """How the fsdp2 harness places ranks, slices the batch and applies ``fully_shard``.
 
-Placement (:func:`build_role_mesh`): each role runs on ``dp`` ranks (TP 1): the Actor on
-global ranks ``[0, dp)``, the Critic on ``[dp, 2 dp)`` (a role with TP 0 is absent). Each
-role gets its own process group (``dist.new_group`` with the cell's collective timeout)
-wrapped in a 1-D :class:`~torch.distributed.device_mesh.DeviceMesh` named ``("dp",)`` by
-``DeviceMesh.from_group`` (``init_device_mesh`` always spans the whole world; the roles are
-disjoint sub-meshes).
+Placement (:func:`build_role_mesh`): each role runs on ``dp x tp`` ranks: the Actor on
+global ranks ``[0, actor_tp dp)``, the Critic on the next ``critic_tp dp`` (a role with
+TP 0 is absent); inside a role, rank ``i = d tp + t`` is DP rank ``d``, TP rank ``t`` (TP
+groups contiguous, ``init_device_mesh``'s layout). Each role gets its own process groups
+(``dist.new_group`` with the cell's collective timeout): at TP 1 one group wrapped in a
+1-D :class:`~torch.distributed.device_mesh.DeviceMesh` ``("dp",)``, at TP > 1 its DP and
+TP groups wrapped in a 2-D mesh ``("dp", "tp")`` by ``DeviceMesh.from_group``
+(``init_device_mesh`` always spans the whole world; the roles are disjoint sub-meshes).
+At TP > 1 the model is first parallelised over the ``tp`` sub-mesh
+(:mod:`harnesses.fsdp2.tensor_parallel`), then ``fully_shard``-ed over the ``dp`` sub-mesh.
 
-Data parallelism (:func:`dp_rows`): DP rank ``d`` takes the contiguous rows
-``[d B / dp, (d + 1) B / dp)`` of the frozen batch (verl's ``DataProto.chunk``) and
-micro-batches them with the contract's ``micro_batch_size``. Every loss is the sum over
-the rank's valid tokens divided by the **global** valid-token count ``N`` (the whole
-batch's), so the gradients of the ranks *add up* to the single-rank gradient: they must be
-reduced once by a sum, not averaged.
+Data parallelism (:func:`dp_rows`): DP rank ``d`` (every TP rank of it alike) takes the
+contiguous rows ``[d B / dp, (d + 1) B / dp)`` of the frozen batch (verl's
+``DataProto.chunk``) and micro-batches them with the contract's ``micro_batch_size``.
+Every loss is the sum over the rank's valid tokens divided by the **global** valid-token
+count ``N`` (the whole batch's), so the gradients of the ranks *add up* to the single-rank
+gradient: they must be reduced once by a sum, not averaged.
 
 Sharding (:func:`shard_model`), torchtitan's FSDP2 recipe
 (``torchtitan/models/llama3/infra/parallelize.py::apply_fsdp``): ``fully_shard`` on each
@@ -50,6 +54,7 @@ from qualify.errors import HarnessError
 
 Role = Literal["actor", "critic"]
 MESH_DIM: str = "dp"
+TP_DIM: str = "tp"
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,30 +63,55 @@ class RoleMesh:
 
     Attributes:
         role: ``actor`` or ``critic``.
-        ranks: global ranks of the role's DP group, ascending.
-        dp_rank: this rank's index in ``ranks``.
-        group: the DP process group (its timeout is the cell's collective timeout).
-        mesh: 1-D DeviceMesh ``("dp",)`` over ``group``.
+        ranks: global ranks of the role, ascending (``dp x tp`` of them; role-local index
+            ``i = dp_rank * tp + tp_rank``: TP groups are contiguous, as
+            ``init_device_mesh`` lays out ``("dp", "tp")``).
+        tp: the role's TP degree.
+        dp_rank: this rank's index along ``dp``.
+        tp_rank: this rank's index along ``tp``.
+        group: the role's process group (all its ranks; the cell's collective timeout).
+        dp_group: the ranks with this rank's ``tp_rank`` (the batch rows are split here).
+        tp_group: the ranks with this rank's ``dp_rank`` (the same rows, other shards).
+        mesh: ``("dp",)`` at TP 1, else the 2-D ``("dp", "tp")`` mesh of the role.
     """
 
     role: Role
     ranks: tuple[int, ...]
+    tp: int
     dp_rank: int
+    tp_rank: int
     group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    tp_group: dist.ProcessGroup
     mesh: DeviceMesh
 
     @property
     def dp(self) -> int:
         """DP (shard) size of the role."""
-        return len(self.ranks)
+        return len(self.ranks) // self.tp
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The 1-D ``dp`` mesh ``fully_shard`` shards over."""
+        return self.mesh if self.tp == 1 else self.mesh[MESH_DIM]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The 1-D ``tp`` sub-mesh (``None`` at TP 1: no tensor parallelism)."""
+        return None if self.tp == 1 else self.mesh[TP_DIM]
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """``("dp",)`` or ``("dp", "tp")``."""
+        return (MESH_DIM,) if self.tp == 1 else (MESH_DIM, TP_DIM)
 
 
 def role_ranks(actor_tp: int, critic_tp: int, dp: int) -> dict[Role, tuple[int, ...]]:
     """Global ranks of each role that runs: ``tp x dp`` ranks each, Actor first.
 
     Args:
-        actor_tp: Actor TP size (0 = no Actor; otherwise 1).
-        critic_tp: Critic TP size (0 = no Critic; otherwise 1).
+        actor_tp: Actor TP size (0 = no Actor).
+        critic_tp: Critic TP size (0 = no Critic).
         dp: the cell's DP degree.
     """
     out: dict[Role, tuple[int, ...]] = {}
@@ -93,25 +123,53 @@ def role_ranks(actor_tp: int, critic_tp: int, dp: int) -> dict[Role, tuple[int, 
     return out
 
 
+def grid(ranks: tuple[int, ...], tp: int) -> list[list[int]]:
+    """The role's ranks as a ``[dp][tp]`` grid (row ``d`` = the TP group of DP rank ``d``)."""
+    return [list(ranks[d * tp:(d + 1) * tp]) for d in range(len(ranks) // tp)]
+
+
 def build_role_mesh(*, actor_tp: int, critic_tp: int, dp: int, rank: int, device_type: str,
                     timeout_s: float) -> RoleMesh:
-    """Create every role's DP group (collectively, on all ranks) and return this rank's.
+    """Create every role's groups (collectively, in one order on all ranks); return this rank's.
+
+    Per role: the role group, then one TP group per DP rank, then one DP group per TP rank
+    (``dist.new_group`` is collective over the world, so every rank creates every group).
+    At TP 1 the mesh is the 1-D ``("dp",)`` mesh of the role group; else
+    ``DeviceMesh.from_group([dp_group, tp_group], mesh=grid)`` named ``("dp", "tp")``
+    (``init_device_mesh`` would span the whole world; the roles are disjoint meshes).
 
     Raises:
         HarnessError: ``rank`` belongs to no role (world larger than the cell).
     """
-    mine: tuple[Role, tuple[int, ...], dist.ProcessGroup] | None = None
+    timeout = timedelta(seconds=timeout_s)
+    tps: dict[Role, int] = {"actor": actor_tp, "critic": critic_tp}
+    mine: RoleMesh | None = None
     for role, ranks in role_ranks(actor_tp, critic_tp, dp).items():
-        group = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s))
-        if rank in ranks:
-            assert group is not None
-            mine = (role, ranks, group)
+        tp = tps[role]
+        rows = grid(ranks, tp)
+        group = dist.new_group(list(ranks), timeout=timeout)
+        tp_groups = [dist.new_group(row, timeout=timeout) for row in rows]
+        dp_groups = [dist.new_group([row[t] for row in rows], timeout=timeout)
+                     for t in range(tp)]
+        if rank not in ranks:
+            continue
+        assert group is not None
+        d, t = divmod(ranks.index(rank), tp)
+        dp_group, tp_group = dp_groups[t], tp_groups[d]
+        assert dp_group is not None
+        assert tp_group is not None
+        if tp == 1:
+            mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=(MESH_DIM,))
+        else:
+            mesh = DeviceMesh.from_group([dp_group, tp_group], device_type,
+                                         mesh=torch.tensor(rows, dtype=torch.int),
+                                         mesh_dim_names=(MESH_DIM, TP_DIM))
+        mine = RoleMesh(role=role, ranks=ranks, tp=tp, dp_rank=d, tp_rank=t, group=group,
+                        dp_group=group if tp == 1 else dp_group, tp_group=tp_group, mesh=mesh)
     if mine is None:
         raise HarnessError(f"rank {rank} belongs to no role (actor_tp={actor_tp}, "
                            f"critic_tp={critic_tp}, dp={dp})")
-    role, ranks, group = mine
-    mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=(MESH_DIM,))
-    return RoleMesh(role=role, ranks=ranks, dp_rank=ranks.index(rank), group=group, mesh=mesh)
+    return mine
 
 
 def dp_rows(batch_rows: int, dp: int, dp_rank: int, micro_batch_size: int) -> slice:
@@ -161,6 +219,8 @@ class ShardingInfo:
         units: module names given to ``fully_shard`` (``""`` = the root), in order.
         sharded: HF names of parameters sharded over the mesh.
         replicated: HF names of parameters whose placements are all ``Replicate``.
+        tp_replicated: HF names of parameters replicated along ``tp`` (sharded on ``dp``).
+        placements: HF name -> its placements (``["Shard(dim=0)", "Replicate()"]``).
         param_dtype: the policy's compute dtype of the unsharded parameters.
         reduce_dtype: the policy's gradient reduction dtype.
     """
@@ -168,6 +228,8 @@ class ShardingInfo:
     units: tuple[str, ...]
     sharded: tuple[str, ...]
     replicated: tuple[str, ...]
+    tp_replicated: tuple[str, ...]
+    placements: dict[str, list[str]]
     param_dtype: str
     reduce_dtype: str
 
@@ -185,8 +247,11 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolicy
     """``fully_shard`` each decoder layer, then the root, in place (module docstring).
 
     Args:
-        model: HF ``*ForCausalLM`` or ``*ForTokenClassification`` on the mesh's device, FP32.
-        mesh: the role's 1-D DP mesh.
+        model: HF ``*ForCausalLM`` or ``*ForTokenClassification`` on the mesh's device, FP32;
+            at TP > 1 already parallelised over the ``tp`` sub-mesh
+            (:func:`harnesses.fsdp2.tensor_parallel.apply_tp`): FSDP2 then shards each
+            TP DTensor along ``dp`` too (2-D DTensors on the role's ``("dp", "tp")`` mesh).
+        mesh: the role's 1-D DP mesh (at TP > 1 the ``dp`` sub-mesh of the 2-D mesh).
         policy: the cell's mixed-precision policy (:func:`mp_policy`).
 
     Raises:
@@ -213,6 +278,10 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolicy
         raise HarnessError(f"{type(model).__name__}: parameters outside fully_shard (not "
                            f"DTensors): {loose[:5]}")
     return ShardingInfo(units=tuple(units), sharded=tuple(sharded), replicated=tuple(replicated),
+                        tp_replicated=tuple(n for n, _ in tp_replicated_parameters(model)),
+                        placements={n: [repr(pl) for pl in p.placements]
+                                    for n, p in model.named_parameters()
+                                    if isinstance(p, DTensor)},
                         param_dtype=str(policy.param_dtype), reduce_dtype=str(policy.reduce_dtype))
 
 
@@ -253,3 +322,19 @@ def replicated_parameters(model: nn.Module) -> list[tuple[str, DTensor]]:
     """``(HF name, parameter)`` of every parameter whose placements are all ``Replicate``."""
     return [(n, p) for n, p in model.named_parameters()
             if isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements)]
+
+
+def tp_replicated_parameters(model: nn.Module) -> list[tuple[str, DTensor]]:
+    """``(HF name, parameter)`` of the 2-D parameters replicated along ``tp``.
+
+    Their local ``dp`` shards must be bitwise equal on the ranks of each TP group (the
+    replica check); empty at TP 1 (1-D ``("dp",)`` parameters).
+    """
+    out: list[tuple[str, DTensor]] = []
+    for n, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        names = p.device_mesh.mesh_dim_names or ()
+        if TP_DIM in names and p.placements[names.index(TP_DIM)].is_replicate():
+            out.append((n, p))
+    return out

@@ -1,4 +1,4 @@
-"""The ``fsdp2`` engine spec: PyTorch FSDP2 (``fully_shard``), a data-parallel shard axis.
+"""The ``fsdp2`` engine spec: PyTorch FSDP2 (``fully_shard``) x tensor parallelism (2-D).
 
 Registered in :data:`qualify.registry.BUILTIN_ENGINES`; importing this module imports
 neither torch nor the harness.
@@ -15,9 +15,13 @@ DP_AXIS: Final = Axis(name="dp", degrees=(1, 2),
                                   "sharded over dp ranks, each rank a slice of the batch rows")
 """The data-parallel shard axis (``matrix.engine_options.fsdp2.dp``; default 1)."""
 
-TP_AXIS_FSDP2: Final = Axis(name="tp", degrees=(1,),
-                            description="tensor parallel: TP 1 only (2-D FSDP2 x TP not built)")
-"""TP 1 only: the harness shards over a 1-D ``("dp",)`` mesh (README: 2-D is not done)."""
+TP_AXIS_FSDP2: Final = Axis(name="tp", degrees=(1, 2),
+                            description="tensor parallel (parallelize_module before fully_shard: "
+                                        "a 2-D (dp, tp) mesh per role at TP 2)")
+"""TP 1 (a 1-D ``("dp",)`` mesh) and TP 2 (2-D ``("dp", "tp")``: TP first, then FSDP2 over dp).
+
+Only 2 is declared above 1: it is the degree run and compared (tiny-qwen3: 4 heads, 2 KV
+heads); the plan itself refuses any TP that does not divide the heads."""
 
 SPEC: Final = EngineSpec(
     name="fsdp2",
@@ -29,6 +33,7 @@ SPEC: Final = EngineSpec(
     # for compute, all-gathered from FP32 sharded masters (harness.BF16_MECHANISM).
     bf16_style="params",
     description="PyTorch FSDP2 (fully_shard per decoder layer and root, MixedPrecisionPolicy, "
-                "DTensor); CPU (gloo) and CUDA (NCCL)",
+                "DTensor), optionally over TP (parallelize_module, 2-D mesh); CPU (gloo) "
+                "and CUDA (NCCL)",
 )
-"""FSDP2: TP 1, the DP axis at 1 and 2; no engine options."""
+"""FSDP2: TP 1 and 2, the DP axis at 1 and 2 (2-D at TP 2 x DP 2); no engine options."""

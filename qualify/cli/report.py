@@ -1,11 +1,13 @@
-"""``qualify report RUN_DIR [--html PATH]``: a compared run's ``report.html``.
+"""``qualify report RUN_DIR [--html PATH] [--contract C [--policy P]]``: a run's ``report.html``.
 
 The page (:mod:`qualify.compare.html`) is made from the run's ``report.json`` and its
 stored tensors only, so it can be made for any compared run, signed or not, at any time.
 It is written beside the run directory by default (``<run-id>.report.html``), never inside
 it: a sealed run's every file is in its signed manifest. The command prints each failing
 cell's root cause, one line per cell, and the page's path; it exits 0 when the page was
-written (it judges nothing), 2 when ``RUN_DIR`` is not a compared run.
+written (it judges nothing), 2 when ``RUN_DIR`` is not a compared run. With ``--contract``
+the page also shows the gate's decision by the contract's gate policy (``--policy`` or
+``contracts/gates/<name>.toml``), as ``qualify run`` writes it: expected failures XFAIL.
 """
 
 from __future__ import annotations
@@ -28,7 +30,18 @@ def _cmd_report(args: argparse.Namespace) -> ExitCode:
     if not (run_dir / REPORT_JSON).is_file():
         raise UsageError(f"{run_dir}: no {REPORT_JSON}; compare the run first "
                          "(qualify compare RUN_DIR)")
-    path = write_html(run_dir, Path(args.html) if args.html else None)
+    gate = None
+    if args.contract:
+        from qualify.contract import load_contract
+        from qualify.evidence.policy import policy_for
+        from qualify.pipeline.chain import gate_view, run_decision
+
+        contract = load_contract(args.contract)
+        policy = policy_for(contract, args.policy)
+        gate = gate_view(*run_decision(run_dir, contract, policy), policy)
+    elif args.policy:
+        raise UsageError("--policy needs --contract (the policy judges that contract's cells)")
+    path = write_html(run_dir, Path(args.html) if args.html else None, gate=gate)
     for rc in causes_of_report(jsonio.read_json(run_dir / REPORT_JSON)):
         print(f"root cause: {rc.line()}")
     print(f"report.html: {path}")
@@ -43,4 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--html", metavar="PATH",
                    help="where to write it (default: <run-id>.report.html beside the run "
                         "directory, outside its sealed set)")
+    p.add_argument("--contract", metavar="CONTRACT",
+                   help="show the gate's decision by this contract's gate policy on the page")
+    p.add_argument("--policy", metavar="POLICY",
+                   help="the gate policy file (default: contracts/gates/<name>.toml if any)")
     p.set_defaults(func=_cmd_report)

@@ -124,7 +124,40 @@ def _figure(svg_text: str, fig_id: str, caption: str) -> str:
 # --------------------------------------------------------------------------- sections
 
 
-def _header(data: RunData, causes: Sequence[RootCause]) -> list[str]:
+MAX_GATE_ITEMS: Final = 12
+"""Offending cells the gate line lists (the rest are counted)."""
+
+
+def _gate_line(gate: Mapping[str, Any] | None) -> str:
+    """The gate's decision under the result line, or a note that none was applied.
+
+    ``qualify run`` and ``qualify report --contract`` pass the decision; without one the
+    report's verdict alone counts expected failures (the policy's XFAIL) as failures.
+    """
+    if gate is None:
+        return ('<p class="note" id="gate-none">No gate policy was applied to this page: the '
+                "result above is the comparator's own verdict, where an expected failure "
+                "(a finding the contract's gate policy lists) still fails. <code>qualify "
+                "report RUN_DIR --contract CONTRACT</code> or <code>qualify gate</code> "
+                "judges the run by the policy.</p>")
+    ok = int(gate.get("exit_code", 1)) == 0
+    counts = ", ".join(f"{k} {v}" for k, v in dict(gate.get("counts", {})).items() if v)
+    by = (f"gate policy {_e(gate['policy'])}" if gate.get("policy")
+          else "the report verdict (the contract has no gate policy file)")
+    bad = [c for c in gate.get("cells", []) if isinstance(c, Mapping) and not c.get("ok")]
+    items = "".join(f"<li>{_e(c.get('cell'))}: {_e(c.get('outcome'))}"
+                    f"{' (' + _e(c.get('reason')) + ')' if c.get('reason') else ''}</li>"
+                    for c in bad[:MAX_GATE_ITEMS])
+    if len(bad) > MAX_GATE_ITEMS:
+        items += f"<li>and {len(bad) - MAX_GATE_ITEMS} more (qualify gate lists them)</li>"
+    return (f'<div id="gate"><p class="result result-{"passed" if ok else "failed"}">'
+            f'<strong>Gate: {"PASS" if ok else "FAIL"}</strong> (exit '
+            f'{_e(gate.get("exit_code"))}) by {by}; required cells: {_e(counts)}</p>'
+            + (f'<ul class="gate-offending">{items}</ul>' if items else "") + "</div>")
+
+
+def _header(data: RunData, causes: Sequence[RootCause],
+            gate: Mapping[str, Any] | None = None) -> list[str]:
     doc = data.doc
     passed = bool(doc.get("passed"))
     s = doc.get("summary", {})
@@ -133,6 +166,7 @@ def _header(data: RunData, causes: Sequence[RootCause]) -> list[str]:
            f"{_e(doc.get('run_id'))}</h1>",
            f'<p class="result result-{"passed" if passed else "failed"}"><strong>Result: '
            f'{"PASSED" if passed else "FAILED"}</strong> (cells: {_e(counts)})</p>',
+           _gate_line(gate),
            f'<p class="note">contract sha256 {_e(doc.get("contract_digest"))}; bounds.json '
            f'sha256 {_e(doc.get("bounds_digest"))}; lane {_e(doc.get("lane"))}; compared '
            f'{_e(doc.get("created"))}. Generated from {REPORT_JSON} and the stored tensors; '
@@ -332,9 +366,20 @@ def _field_table(data: RunData) -> list[str]:
     frame = pd.DataFrame([[r.get(c) if isinstance(r.get(c), str) else _num(r.get(c))
                            for c in cols] for r in rows], columns=cols)
     out.append(_table(frame, "field-metrics"))
-    if not any("clip" in k for k in extra):
+    band = data.doc.get("clip_band")
+    if not isinstance(band, list):
         out.append('<p class="note">The fraction of tokens whose ratio falls outside the PPO '
-                   f"clip band is not in {REPORT_JSON}; it is not shown.</p>")
+                   f"clip band is not in this {REPORT_JSON} (sealed before it was recorded); "
+                   "it is not shown.</p>")
+        return out
+    out.append('<p class="note">Clip-band tail: the fraction of valid round-1 tokens whose '
+               "ratio r = exp(lp_train - lp_gen) falls outside the PPO clip band "
+               "[1 - clip_ratio, 1 + clip_ratio] (huggingface/trl #6789).</p>")
+    band_cols = ("source", "precision", "clip_low", "clip_high", "tokens", "below", "above",
+                 "fraction_outside")
+    out.append(_table(pd.DataFrame(
+        [[r.get(c) if isinstance(r.get(c), (str, int)) else _num(r.get(c)) for c in band_cols]
+         for r in band if isinstance(r, Mapping)], columns=list(band_cols)), "clip-band"))
     return out
 
 
@@ -375,17 +420,20 @@ def _diverge(data: RunData) -> list[str]:
     return out
 
 
-def render_html(data: RunData) -> str:
+def render_html(data: RunData, gate: Mapping[str, Any] | None = None) -> str:
     """The whole page for one run.
 
     Args:
         data: the run (:func:`qualify.compare.plotdata.load_run`).
+        gate: the gate's decision to show under the result
+            (:func:`qualify.pipeline.chain.gate_view`); ``None``: a note that none was
+            applied.
 
     Returns:
         The HTML text (UTF-8, self-contained; the same data gives the same text).
     """
     causes = causes_of_report(data.doc)
-    body = [*_header(data, causes), *_heatmaps(data), *_token_plots(data),
+    body = [*_header(data, causes, gate), *_heatmaps(data), *_token_plots(data),
             *_param_plot(data, causes), *_rounds_plot(data, causes),
             *_bounds_tables(data, causes), *_field_table(data), *_diverge(data)]
     notes = data.doc.get("notes", [])
@@ -398,12 +446,14 @@ def render_html(data: RunData) -> str:
             + "\n".join(body) + "\n</body></html>\n")
 
 
-def write_html(run_dir: str | Path, out: str | Path | None = None) -> Path:
+def write_html(run_dir: str | Path, out: str | Path | None = None, *,
+               gate: Mapping[str, Any] | None = None) -> Path:
     """Render a run's page and write it atomically.
 
     Args:
         run_dir: the compared run (holds ``report.json``).
         out: where to write (default :func:`default_html_path`).
+        gate: the gate's decision to show (see :func:`render_html`).
 
     Returns:
         The path written.
@@ -415,6 +465,6 @@ def write_html(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """
     path = Path(out) if out is not None else default_html_path(run_dir)
     store.refuse_if_sealed(path)  # before the work: the run itself is sealed
-    text = render_html(load_run(run_dir))
+    text = render_html(load_run(run_dir), gate)
     store.atomic_write_text(path, text)
     return path

@@ -25,6 +25,13 @@ valid tokens (``response_mask == 1``):
   prev_logprobs - generation_logprobs``).
 - ``prob_pearson``: Pearson correlation of the token probabilities ``exp(lp_train)`` and
   ``exp(lp_gen)`` (``None`` when fewer than two tokens or a constant side).
+- The **clip-band tail** (:func:`clip_band_tail`, the ``clip_band`` section of
+  ``report.json``): with the importance ratio ``r = exp(d) = π_train / π_gen`` per valid
+  token and the contract's PPO ``clip_ratio`` ``ε``, the fraction of tokens with
+  ``r < 1 - ε`` (``below``) or ``r > 1 + ε`` (``above``): the tokens PPO's clipped objective
+  would already clip at the first update only because the trainer and the sampler disagree
+  (the tail metric of huggingface/trl #6789; verl logs the same as ``pg_clipfrac`` once
+  trainer and rollout logprobs differ).
 
 Comparability: with ``logprobs_mode = "processed"`` the behavior logprobs are of the
 sampling distribution *after* top-k / top-p truncation and renormalisation, so on a token
@@ -44,7 +51,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["FieldMismatch", "comparability_note", "field_mismatch", "is_like_for_like"]
+__all__ = ["FieldMismatch", "clip_band_tail", "comparability_note", "field_mismatch",
+           "is_like_for_like"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -204,3 +212,44 @@ def field_mismatch(train_logprobs: npt.ArrayLike, behavior_logprobs: npt.ArrayLi
         k3_kl=float(np.mean(np.expm1(d) - d)),
         prob_pearson=pearson,
     )
+
+
+def clip_band_tail(train_logprobs: npt.ArrayLike, behavior_logprobs: npt.ArrayLike,
+                   response_mask: npt.ArrayLike, *, source: str, precision: str,
+                   clip_ratio: float) -> dict[str, Any]:
+    """The fraction of valid tokens whose train/sampler ratio falls outside the PPO clip band.
+
+    ``r = exp(lp_train - lp_gen)`` in FP64 per valid token (``response_mask == 1``, both
+    sides finite); ``below``: ``r < 1 - clip_ratio``, ``above``: ``r > 1 + clip_ratio``
+    (strict: a token on the edge is inside, as ``torch.clamp`` leaves it unclipped).
+
+    Args:
+        train_logprobs: ``[B, R]`` teacher-forced logprobs (any float dtype).
+        behavior_logprobs: ``[B, R]`` the sampler's logprobs of the same tokens.
+        response_mask: ``[B, R]`` 1 on valid tokens.
+        source: label of the row (``hf-fp32``, a cell id).
+        precision: the source's precision.
+        clip_ratio: the contract's PPO clip epsilon ``ε`` (> 0).
+
+    Returns:
+        ``{source, precision, clip_low, clip_high, tokens, below, above, fraction_outside}``;
+        ``tokens`` counts the finite valid tokens, ``fraction_outside`` is
+        ``(below + above) / tokens`` (``None`` without tokens).
+
+    Raises:
+        ValueError: the arrays do not have the same 2-D shape, or ``clip_ratio <= 0``.
+    """
+    if not clip_ratio > 0:
+        raise ValueError(f"{source}: clip_ratio must be > 0, got {clip_ratio!r}")
+    a, g = _f64(train_logprobs), _f64(behavior_logprobs)
+    m = np.asarray(response_mask).astype(bool)
+    if a.ndim != 2 or a.shape != g.shape or a.shape != m.shape:
+        raise ValueError(f"{source}: shapes differ or are not 2-D: train {a.shape}, "
+                         f"behavior {g.shape}, mask {m.shape}")
+    use = m & np.isfinite(a) & np.isfinite(g)
+    r = np.exp(a[use] - g[use])
+    low, high = 1.0 - clip_ratio, 1.0 + clip_ratio
+    below, above, n = int((r < low).sum()), int((r > high).sum()), int(use.sum())
+    return {"source": source, "precision": precision, "clip_low": low, "clip_high": high,
+            "tokens": n, "below": below, "above": above,
+            "fraction_outside": (below + above) / n if n else None}

@@ -6,13 +6,15 @@
   ``"nan"`` because JSON has no such numbers.
 - ``report.md``: the result and digests; the root cause of each failing cell, one line
   per cell (:mod:`qualify.compare.rootcause`); a matrix of cells x metric families (pandas
-  ``DataFrame.to_markdown``, tabulate), each entry the worst verdict of that family's rows
-  and its worst margin; the per-cell summary; a pytest-approx-style detail block for each
-  failure (by cell, causally ordered within a cell); the errors and checks not run; the
+  ``DataFrame.to_markdown``, tabulate; trainer and sampler cells apart), each entry the
+  worst verdict of that family's rows and its worst margin; the per-cell summary; a
+  pytest-approx-style detail block for each failure (by cell, causally ordered within a
+  cell); the errors and checks not run; the
   rows judged against a clip-branch adjusted expected run (:mod:`qualify.branches`); the
   coverage of the contract (every rule nothing exercises, ``NO POWER: ...``, or "coverage
   not recorded"); the power check per family and the rows without power
-  (:mod:`qualify.compare.power`); the field mismatch table with its caveat.
+  (:mod:`qualify.compare.power`); the field mismatch table with its caveat and the
+  clip-band tail.
 
 Both files are written atomically (:func:`qualify.evidence.sealed.atomic_write_json` /
 :func:`qualify.evidence.sealed.atomic_write_text`: temp file, fsync, ``os.replace``), and never
@@ -125,23 +127,31 @@ def _matrix_column(row: Row) -> str:
     return row.family
 
 
-def matrix_frame(report: Report) -> pd.DataFrame:
+def matrix_frame(report: Report, cells: Sequence[CellResult] | None = None) -> pd.DataFrame:
     """Cells x metric families: ``"<worst verdict> <worst margin>"`` per entry.
 
     An entry aggregates every row of that cell and family (all classes and rounds);
     ``padding`` gathers the ``*_padded`` rows. Cells without rows (not run, harness error)
     show their verdict only.
 
+    Args:
+        report: the report.
+        cells: the cells to show, in this order (default every cell of the report); the
+            columns are the families these cells have rows of.
+
     Returns:
         A frame indexed by cell id with a ``verdict`` column and one column per family.
     """
+    shown = list(report.cells if cells is None else cells)
+    ids = {c.cell for c in shown}
     by_cell: dict[str, dict[str, list[Row]]] = {}
     for r in report.rows:
-        by_cell.setdefault(r.cell, {}).setdefault(_matrix_column(r), []).append(r)
+        if r.cell in ids:
+            by_cell.setdefault(r.cell, {}).setdefault(_matrix_column(r), []).append(r)
     present = {col for cols in by_cell.values() for col in cols}
     columns = [c for c in MATRIX_COLUMNS if c in present] + sorted(present - set(MATRIX_COLUMNS))
     data: list[list[str]] = []
-    for c in report.cells:
+    for c in shown:
         entries = [c.verdict + (" (required)" if c.required else "")]
         for col in columns:
             rows = by_cell.get(c.cell, {}).get(col, [])
@@ -152,8 +162,47 @@ def matrix_frame(report: Report) -> pd.DataFrame:
             margins = [r.margin for r in rows if r.margin is not None]
             entries.append(f"{verdict} {_num(max(margins))}" if margins else verdict)
         data.append(entries)
-    return pd.DataFrame(data, index=pd.Index([c.cell for c in report.cells], name="cell"),
+    return pd.DataFrame(data, index=pd.Index([c.cell for c in shown], name="cell"),
                         columns=["verdict", *columns])
+
+
+def _matrix_lines(report: Report) -> list[str]:
+    """``## Matrix``: one table, or (since ``clip_band``) trainer and sampler cells apart.
+
+    A report sealed before the ``clip_band`` section is rendered as its comparator wrote
+    it: one matrix of every cell (``qualify verify`` re-renders ``report.md`` byte for byte).
+    """
+    lines = ["## Matrix", "",
+             "Each entry: the worst verdict of that family's rows (all comparison classes and "
+             "rounds) and the worst margin = error / sealed bound (PASS needs margin <= 1).", ""]
+    if "clip_band" not in report.sections:
+        return [*lines, str(matrix_frame(report).to_markdown(disable_numparse=True)), ""]
+    groups = (("Trainer cells (Actor and Critic)", [c for c in report.cells
+                                                    if c.role != "sampler"]),
+              ("Sampler cells (weights installed into the sampler)",
+               [c for c in report.cells if c.role == "sampler"]))
+    for title, cells in groups:
+        if cells:
+            lines += [f"### {title}", "",
+                      str(matrix_frame(report, cells).to_markdown(disable_numparse=True)), ""]
+    return lines
+
+
+def _clip_band_lines(report: Report) -> list[str]:
+    """The clip-band tail table (``clip_band`` section; nothing for an earlier report)."""
+    if "clip_band" not in report.sections:
+        return []
+    lines = ["Clip-band tail: the fraction of valid round-1 tokens whose ratio "
+             "r = exp(lp_train - lp_gen) falls outside the PPO clip band [1 - clip_ratio, "
+             "1 + clip_ratio] (huggingface/trl #6789); the same comparability caveat applies.",
+             ""]
+    if not report.clip_band:
+        return [*lines, "No source with round-1 actor logprobs.", ""]
+    return [*lines, _markdown_table(
+        ("source", "precision", "band", "tokens", "below", "above", "fraction outside"),
+        [(r["source"], r["precision"], f"[{_num(r['clip_low'])}, {_num(r['clip_high'])}]",
+          r["tokens"], r["below"], r["above"], _num(r.get("fraction_outside"), ".4g"))
+         for r in report.clip_band]), ""]
 
 
 def _counts(counts: dict[str, int]) -> str:
@@ -279,12 +328,8 @@ def render_markdown(report: Report) -> str:
     causal = "root_causes" in report.sections  # a report sealed before it: file order
     if causal:
         lines += _root_cause_lines(report)
-    lines += ["## Matrix", "",
-        "Each entry: the worst verdict of that family's rows (all comparison classes and "
-        "rounds) and the worst margin = error / sealed bound (PASS needs margin <= 1).", ""]
-    frame = matrix_frame(report)
-    lines += [str(frame.to_markdown(disable_numparse=True)), "", "## Cells", "",
-              _cells_table(report.cells), ""]
+    lines += _matrix_lines(report)
+    lines += ["## Cells", "", _cells_table(report.cells), ""]
     failures = _causal_failures(report) if causal else list(report.failures)
     lines += ["## Failures", ""]
     if not failures:
@@ -334,6 +379,7 @@ def render_markdown(report: Report) -> str:
              for f in report.field_metrics]), ""]
     else:
         lines += ["No source with round-1 actor logprobs.", ""]
+    lines += _clip_band_lines(report)
     if report.notes:
         lines += ["## Notes", "", *[f"- {n}" for n in report.notes], ""]
     return "\n".join(lines)

@@ -68,6 +68,7 @@ from qualify import jsonio
 from qualify.bounds import Bound
 from qualify.compare.mismatch import (
     FieldMismatch,
+    clip_band_tail,
     comparability_note,
     field_mismatch,
     is_like_for_like,
@@ -510,8 +511,8 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
                 reason=f"required by the contract but absent from {RUN_FILE}",
                 counts={}, worst_margin=None))
     # 5. field mismatch metrics (informational)
-    fields, field_note, like, mode, notes = _field_metrics(ctx, contract, rollout, cells,
-                                                          loaded)
+    fields, band, field_note, like, mode, notes = _field_metrics(ctx, contract, rollout,
+                                                                cells, loaded)
     report = Report(
         contract=contract.name, contract_digest=contract.digest,
         run_id=run.run_id, run_dir=str(run_dir),
@@ -519,7 +520,7 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
         bounds_digest=bounds_digest, lane=lane, created=store.utc_now_iso(),
         cells=tuple(results), rows=tuple(all_rows), logprobs_mode=mode,
         field_like_for_like=like, field_note=field_note, field_metrics=tuple(fields),
-        notes=tuple(notes), coverage=coverage,
+        notes=tuple(notes), coverage=coverage, clip_band=tuple(band),
         behavior_weights=behavior_weight_rows(
             ref_dir, run_dir, [(c.cell, c.attempt) for c in results
                                if c.role == "actor" and c.attempt]))
@@ -531,8 +532,14 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
 
 def _field_metrics(ctx: _Ctx, contract: Contract, rollout: Mapping[str, Any],
                    cells: Mapping[str, Any], loaded: Mapping[str, _Outputs | str],
-                   ) -> tuple[list[FieldMismatch], str, bool, str, list[str]]:
-    """The HF reference's and each COMPLETE actor cell's round-1 logprobs vs the sampler's."""
+                   ) -> tuple[list[FieldMismatch], list[dict[str, Any]], str, bool, str,
+                              list[str]]:
+    """The HF reference's and each COMPLETE actor cell's round-1 logprobs vs the sampler's.
+
+    Returns the field mismatch rows, the clip-band tail rows (:func:`clip_band_tail`, one
+    per source, with the contract's ``clip_ratio``), the comparability note, whether it is
+    like for like, the rollout's ``logprobs_mode`` and notes on skipped sources.
+    """
     notes: list[str] = []
     try:
         meta = jsonio.read_json(ctx.ref_dir / ROLLOUT_META_FILE)
@@ -566,10 +573,14 @@ def _field_metrics(ctx: _Ctx, contract: Contract, rollout: Mapping[str, Any],
             continue
         sources.append((cid, str(entry.get("precision", "")), lp))
     out: list[FieldMismatch] = []
+    band: list[dict[str, Any]] = []
     for source, src_prec, lp in sources:
         try:
             out.append(field_mismatch(lp, behavior, ctx.mask, source=source, precision=src_prec,
                                       logprobs_mode=mode, like_for_like=like))
+            band.append(clip_band_tail(lp, behavior, ctx.mask, source=source,
+                                       precision=src_prec,
+                                       clip_ratio=contract.algorithm.clip_ratio))
         except ValueError as exc:
             notes.append(f"field metrics skipped: {exc}")
-    return out, note, like, mode, notes
+    return out, band, note, like, mode, notes

@@ -46,14 +46,16 @@ __all__ = [
 ROW_CLASSES: Final = ("candidate_vs_hf", "tp_vs_tp1", "padding_invariance", "dtypes",
                       "replica_consistency")
 OPTIONAL_SECTIONS: Final[tuple[str, ...]] = ("coverage", "power", "root_causes",
-                                              "behavior_weights")
+                                              "behavior_weights", "clip_band")
 """Report sections added after the first comparator, in the order they were added:
 ``coverage`` (the reference's coverage record, issue #15), ``power`` (the power check of
 every metric row and its per-family summary, issue #15) and ``root_causes`` (each failing
 cell's earliest failing quantity, and ``report.md`` leading with them and listing failures
 by cell in causal order, issue #20), ``behavior_weights`` (decoupled PPO's importance-weight
-statistics, :mod:`qualify.compare.weights`, issue #18). A report without them was sealed
-before they existed and is recomputed without them (:func:`sections_of`)."""
+statistics, :mod:`qualify.compare.weights`, issue #18) and ``clip_band`` (the clip-band tail
+of the field metrics, and ``report.md``'s matrix split into trainer and sampler cells, issue
+#20). A report without them was sealed before they existed and is recomputed, and its
+``report.md`` rendered, without them (:func:`sections_of`)."""
 
 VERDICT_PRECEDENCE: Final[tuple[Verdict, ...]] = ("FAIL", "ERROR", "NOT_RUN", "PASS")
 """Worst first: a cell's verdict is the first of these that any of its rows has."""
@@ -253,6 +255,9 @@ class Report:
             it existed ("coverage not recorded").
         behavior_weights: decoupled PPO's importance-weight statistics of the reference and
             each Actor cell (:func:`qualify.compare.weights.behavior_weight_rows`).
+        clip_band: per source, the fraction of valid round-1 tokens whose train/sampler
+            ratio falls outside the PPO clip band
+            (:func:`qualify.compare.mismatch.clip_band_tail`; informational).
         sections: the optional sections this report holds (:data:`OPTIONAL_SECTIONS`,
             every one by default: what the comparator writes today). ``qualify verify``
             recomputes a report sealed by an earlier comparator with the sections that
@@ -284,6 +289,7 @@ class Report:
     notes: tuple[str, ...] = ()
     coverage: Mapping[str, Any] | None = None
     behavior_weights: tuple[Mapping[str, Any], ...] = ()
+    clip_band: tuple[Mapping[str, Any], ...] = ()
     sections: tuple[str, ...] = OPTIONAL_SECTIONS
     sections_recorded: bool = True
 
@@ -410,6 +416,10 @@ class Report:
             doc["behavior_weights"] = [
                 {k: json_number(v) if isinstance(v, float) else v for k, v in r.items()}
                 for r in self.behavior_weights]
+        if "clip_band" in self.sections:
+            doc["clip_band"] = [
+                {k: json_number(v) if isinstance(v, float) else v for k, v in r.items()}
+                for r in self.clip_band]
         return doc
 
 

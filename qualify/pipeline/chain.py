@@ -22,7 +22,7 @@ from qualify.jsonio import read_json
 from qualify.layout import REPORT_JSON, REPORT_MD, SOURCES_FILE
 from qualify.reference.stage import reference_dir_name, run_reference_stage
 
-__all__ = ["find_sealed_reference", "run_all", "run_decision"]
+__all__ = ["find_sealed_reference", "gate_view", "run_all", "run_decision"]
 
 
 def find_sealed_reference(references: Path, name: str) -> Path | None:
@@ -31,6 +31,21 @@ def find_sealed_reference(references: Path, name: str) -> Path | None:
              if p.is_dir() and (p.name == name or p.name[len(name):].lstrip("-").isdigit())
              and store.is_sealed(p)]
     return found[-1] if found else None
+
+
+def gate_view(code: ExitCode, ev: PolicyEvaluation, policy: Policy) -> dict[str, Any]:
+    """What ``report.html`` shows of the gate's decision (:func:`run_decision`'s result).
+
+    Returns:
+        ``{policy, exit_code, counts, cells}``: the policy file (``None``: no policy file,
+        the report's verdict decides), the exit code, the required cells per outcome
+        (:data:`qualify.evidence.policy.OUTCOMES` order) and each required cell's
+        ``{cell, outcome, ok, reason}``.
+    """
+    return {"policy": str(policy.path) if policy.path else None, "exit_code": int(code),
+            "counts": ev.counts(),
+            "cells": [{"cell": c.cell, "outcome": c.outcome, "ok": c.ok, "reason": c.reason}
+                      for c in ev.cells if c.required]}
 
 
 def run_decision(run_dir: Path, contract: Contract, policy: Policy, *,
@@ -103,13 +118,14 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
                                   quiet=quiet)
     report = compare_run(run_dir)
     seal_and_sign(run_dir, kind="candidate-run")
+    code, ev = run_decision(run_dir, contract, policy)
     try:  # a view beside the sealed run, never evidence: its failure must not decide the exit
-        html: Path | None = write_html(run_dir)
+        html: Path | None = write_html(run_dir, gate=gate_view(code, ev, policy))
     except Exception as exc:
         print(f"qualify: warning: report.html not written ({type(exc).__name__}: {exc}); "
-              f"`qualify report {run_dir}` makes it again", file=sys.stderr)
+              f"`qualify report {run_dir} --contract {contract_path}` makes it again",
+              file=sys.stderr)
         html = None
-    code, ev = run_decision(run_dir, contract, policy)
     causes = report.root_causes
     del report  # sealed and signed; the summary below is the policy's view of it
     pol = f"gate policy {policy.path}" if policy.path else "no gate policy (report verdict)"

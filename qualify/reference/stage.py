@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,14 @@ from qualify.protocol import ROLLOUT_META_FILE, TRAIN_INPUTS_FILE
 from qualify.reference import rollout, sampling, scoring, targets
 from qualify.reference.branches import adjust_control_errors, seal_branches
 from qualify.reference.controls import control_errors_document, control_settings
-from qualify.reference.update import Batch, Bf16Mode, UpdateSettings, run_actor, run_critic
+from qualify.reference.update import (
+    NORM_FP32_META,
+    Batch,
+    Bf16Mode,
+    UpdateSettings,
+    run_actor,
+    run_critic,
+)
 
 __all__ = ["BOUNDS_FILE", "CONTROL_ERRORS_FILE", "REFERENCE_FILE", "REFERENCE_KIND",
            "load_sealed_reference", "reference_dir_name", "resolve_prompts",
@@ -145,6 +152,15 @@ def _update_run(contract: Contract, bundle: models.ModelBundle, batch: Batch,
     from qualify.reference.update import strip_padding
 
     return strip_padding(out, r_len), meta
+
+
+def _norm_evals(meta: Mapping[str, Any]) -> dict[tuple[int, str], float]:
+    """``{(round, role): norm}``: a reference run's FP32 evaluations of its pre-clip norms."""
+    out: dict[tuple[int, str], float] = {}
+    for role in ("actor", "critic"):
+        for label, value in (meta.get(role) or {}).get(NORM_FP32_META, {}).items():
+            out[(int(str(label).removeprefix("round")), role)] = float(value)
+    return out
 
 
 def _reward_scores(contract: Contract, bundle: models.ModelBundle, roll: rollout.Rollout,
@@ -306,7 +322,8 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
             mask,
         )
         resolutions = scalar_resolutions(
-            {p: {k: v.numpy() for k, v in t.items()} for p, t in ref_runs.items()})
+            {p: {k: v.numpy() for k, v in t.items()} for p, t in ref_runs.items()},
+            {lane: _norm_evals(update_meta[f"hf-{lane}"]) for lane in ref_runs})
         bounds = compute_bounds(contract, errors, resolutions)
 
         step("branches")

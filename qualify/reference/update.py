@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import torch
 from torch import nn
@@ -40,6 +40,10 @@ from qualify.contract import Contract
 from qualify.protocol import param_sample_indices, tensor_name
 from qualify.reference.row_split import split_row_parallel
 from qualify.reference.scoring import bf16_parameters_copy
+
+NORM_FP32_META: Final = "grad_norm_fp32"
+"""The role meta key (``reference.json`` ``update_meta``) of the FP32 evaluation of each
+round's pre-clip norm, ``{"round<r>": float}`` (:func:`_grad_norm_and_clip`)."""
 
 Bf16Mode = Literal["params", "autocast"]
 RoundHook = Callable[[int, nn.Module, nn.Module, "Batch", torch.Tensor], None]
@@ -272,27 +276,45 @@ class _Precision:
 
 
 def _grad_norm_and_clip(params: list[tuple[str, nn.Parameter]],
-                        max_norm: float) -> tuple[float, float]:
+                        max_norm: float) -> tuple[float, float, float]:
     """Pre-clip global L2 norm (accumulated in FP64) and the clip coefficient; scales grads.
 
     ``clip_coef = min(1, max_norm / (norm + 1e-6))`` as ``torch.nn.utils.clip_grad_norm_``.
+
+    Returns:
+        ``(norm, clip_coef, norm_fp32)``: ``norm_fp32`` is the same pre-clip norm evaluated
+        in FP32 the way ``torch.nn.utils.clip_grad_norm_`` (``foreach=False``) does, an
+        FP32 ``vector_norm`` per gradient and then of the stacked per-tensor norms
+        (``torch/nn/utils/clip_grad.py`` ``_get_total_norm``). Its distance to ``norm`` is
+        the FP32 evaluation error of a norm over these gradients, which the FP64-accumulated
+        ``norm`` (and every control built on it) does not have and an engine's FP32 norm
+        does (:func:`qualify.bounds.scalar_resolutions`).
     """
     total = 0.0
+    per_tensor: list[torch.Tensor] = []
     for _, p in params:
         if p.grad is not None:
-            total += float(p.grad.detach().double().square().sum())
+            g = p.grad.detach()
+            total += float(g.double().square().sum())
+            per_tensor.append(torch.linalg.vector_norm(g.float(), 2.0))
     norm = total**0.5
+    norm_fp32 = float(torch.linalg.vector_norm(torch.stack(per_tensor), 2.0)) \
+        if per_tensor else 0.0
     coef = min(1.0, max_norm / (norm + 1e-6))
     for _, p in params:
         if p.grad is not None:
             p.grad.mul_(coef)
-    return norm, coef
+    return norm, coef, norm_fp32
 
 
 def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
           optim: torch.optim.Optimizer, out: dict[str, torch.Tensor],
-          grad_dtypes: set[str]) -> None:
-    """Record grads (and their dtype), clip, AdamW step, record state and updates."""
+          grad_dtypes: set[str], norm_evals: dict[str, float]) -> None:
+    """Record grads (and their dtype), clip, AdamW step, record state and updates.
+
+    ``norm_evals[f"round{round_}"]`` receives the FP32 evaluation of the pre-clip norm
+    (:func:`_grad_norm_and_clip`).
+    """
     params = [(n, p) for n, p in master.named_parameters() if p.requires_grad]
     grad_dtypes.update(str(p.grad.dtype) for _, p in params if p.grad is not None)
 
@@ -305,7 +327,8 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         out[tensor_name(round_, role, "grads", n)] = reported(n, p.grad)
-    norm, coef = _grad_norm_and_clip(params, contract.optimizer.max_grad_norm)
+    norm, coef, norm_fp32 = _grad_norm_and_clip(params, contract.optimizer.max_grad_norm)
+    norm_evals[f"round{round_}"] = norm_fp32
     out[tensor_name(round_, role, "grad_norm")] = torch.tensor(norm, dtype=torch.float32)
     out[tensor_name(round_, role, "clip_coef")] = torch.tensor(coef, dtype=torch.float32)
     before = {n: p.detach().clone() for n, p in params}
@@ -384,6 +407,7 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
     ref_logp = torch.zeros(b, r_len, dtype=acc)
     compute_dtypes: set[str] = set()
     grad_dtypes: set[str] = set()
+    norm_evals: dict[str, float] = {}
     clip_fraction: dict[str, float] = {}
     with torch.no_grad():
         ref_model = ref_prec.refresh()
@@ -442,8 +466,10 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
         out[tensor_name(round_, "actor", "loss/total")] = torch.tensor(sum(sums.values()))
         if on_round is not None:
             on_round(round_, model, actor, batch, old_logp)
-        _step("actor", round_, actor, contract, optim=optim, out=out, grad_dtypes=grad_dtypes)
+        _step("actor", round_, actor, contract, optim=optim, out=out, grad_dtypes=grad_dtypes,
+              norm_evals=norm_evals)
     meta = _run_meta(actor, optim, grad_dtypes, compute_dtypes, settings)
+    meta[NORM_FP32_META] = norm_evals
     meta["policy_clip_fraction"] = clip_fraction
     meta["loss_agg_mode"] = alg.loss_agg_mode
     if decoupled:
@@ -484,6 +510,7 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
     old_values = torch.zeros(b, r_len, dtype=acc)
     compute_dtypes: set[str] = set()
     grad_dtypes: set[str] = set()
+    norm_evals: dict[str, float] = {}
     clip_fraction: dict[str, float] = {}
     for round_ in range(1, alg.rounds + 1):
         model = prec.refresh()
@@ -517,8 +544,10 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
         out[tensor_name(round_, "critic", "loss/total")] = torch.tensor(total)
         if on_round is not None:
             on_round(round_, model, critic, batch, old_values)
-        _step("critic", round_, critic, contract, optim=optim, out=out, grad_dtypes=grad_dtypes)
+        _step("critic", round_, critic, contract, optim=optim, out=out, grad_dtypes=grad_dtypes,
+              norm_evals=norm_evals)
     meta = _run_meta(critic, optim, grad_dtypes, compute_dtypes, settings)
+    meta[NORM_FP32_META] = norm_evals
     meta["value_clip_fraction"] = clip_fraction
     return out, meta
 
