@@ -150,7 +150,8 @@ def test_the_reference_fp32_norm_is_torchs_clip_grad_norm() -> None:
     for p, q in zip(params, twins, strict=True):
         p.grad = torch.randn(p.shape, generator=g) * 1e-3
         q.grad = p.grad.clone()
-    exact = math.sqrt(sum(float(p.grad.double().square().sum()) for p in params))
+    grads = [p.grad for p in params if p.grad is not None]
+    exact = math.sqrt(math.fsum(float(x.double().square().sum()) for x in grads))
     norm, coef, norm_fp32 = _grad_norm_and_clip([(str(i), p) for i, p in enumerate(params)], 0.5)
     torch_norm = torch.nn.utils.clip_grad_norm_(twins, 0.5, foreach=False)
     assert norm_fp32 == float(torch_norm)

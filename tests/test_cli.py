@@ -21,7 +21,7 @@ EXPECTED = {
     "candidate": ["contract", "--reference", "--out", "--cells", "--run-id", "--quiet"],
     "compare": ["run_dir", "--reference", "--no-seal"],
     "run": ["contract", "--references", "--evidence", "--cells", "--quiet"],
-    "report": ["run_dir", "--html"],
+    "report": ["run_dir", "--html", "--contract", "--policy"],
     "diverge": ["run_dir", "cell", "--round", "--out", "--baseline"],
     "keygen": ["--name", "--private-key", "--public-dir"],
     "sign": ["dir", "--key", "--reference", "--keys"],
