@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from qualify import registry
+from qualify import registry, schedule
 from qualify.errors import ContractError, HarnessError
 from qualify.matrix import (
     CellSpec,
@@ -321,6 +321,9 @@ class OptimizerSpec:
         eps: denominator epsilon.
         weight_decay: decoupled weight decay.
         max_grad_norm: global L2 gradient clipping threshold.
+        lr_schedule, warmup_steps, total_steps, min_lr_ratio: the lr schedule (``constant``
+            by default, ``linear``, ``cosine``; :mod:`qualify.schedule` defines the lr of
+            optimizer step ``s``, HF ``get_scheduler`` semantics).
     """
 
     actor_lr: float
@@ -329,6 +332,23 @@ class OptimizerSpec:
     eps: float
     weight_decay: float
     max_grad_norm: float
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        problem = schedule.schedule_problem(self.lr_schedule, self.warmup_steps,
+                                            self.total_steps, self.min_lr_ratio)
+        if problem is not None:
+            raise ContractError(problem)
+
+    def lr(self, role: str, step: int) -> float:
+        """The lr of the role's optimizer step ``step`` (1-based); ValueError beyond T."""
+        base = self.actor_lr if role == "actor" else self.critic_lr
+        return schedule.lr_at(base, self.lr_schedule, step,
+                              warmup_steps=self.warmup_steps, total_steps=self.total_steps,
+                              min_lr_ratio=self.min_lr_ratio)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -397,6 +417,10 @@ class Contract:
         if self.algorithm.name == "grpo" and "critic" in self.matrix.roles:
             raise ContractError("matrix.roles: a grpo contract has no critic (its advantages "
                                 "are group-normalised scores); remove 'critic'")
+        total = self.optimizer.total_steps
+        if total is not None and self.algorithm.rounds > total:
+            raise ContractError(f"optimizer.total_steps: {total} is below algorithm.rounds = "
+                                f"{self.algorithm.rounds} (the schedule must cover every step)")
         if "bf16_mode" in self.bounds.controls_tp_vs_tp1:
             raise ContractError("bounds.controls.tp_vs_tp1: 'bf16_mode' is not a same-precision "
                                 "repeat control")

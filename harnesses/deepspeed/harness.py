@@ -133,6 +133,7 @@ class VariantRun(common.RoleOutputs):
     shims: list[str] = dataclasses.field(default_factory=list)
     engine_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     _prev_exp_avg: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    lrs: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def role(self) -> str:
@@ -162,7 +163,10 @@ class VariantRun(common.RoleOutputs):
             precision=self.precision, zero=self.zero, tp=self.placement.tp,
             micro_batch_size=c.algorithm.micro_batch_size, n_micro=n_micro, lr=lr,
             betas=(float(o.betas[0]), float(o.betas[1])), eps=o.eps,
-            weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm)
+            weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm,
+            scheduler=parallelize.ds_scheduler(
+                lr_schedule=o.lr_schedule, lr=lr, warmup_steps=o.warmup_steps,
+                total_steps=o.total_steps, min_lr_ratio=o.min_lr_ratio))
         mpu = parallelize.install_role_groups(self.placement)
         engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, mpu=mpu)
         hook = getattr(engine, "first_dataloader_check", None)
@@ -228,7 +232,8 @@ class VariantRun(common.RoleOutputs):
         self.grad_dtypes |= et.grad_dtypes()
         before = et.full_masters()
         measured = math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
-        engine.step()
+        self.lrs[f"round{round_}"] = parallelize.one_lr(engine.get_lr(), round_)
+        engine.step()  # the optimizer step, then DeepSpeed's lr_scheduler.step()
         engine_norm = _as_float(engine.get_global_grad_norm())
         norm = engine_norm if engine_norm is not None else measured
         self.grad_norms.append({"round": round_, "source": GRAD_NORM_ENGINE
@@ -518,6 +523,7 @@ class VariantRun(common.RoleOutputs):
                 "optimizer_state": {k: sda.dtype_name(v) for k, v in self.state_dtypes.items()},
                 "compute": sorted(str(d) for d in self.compute_dtypes),
             },
+            "lr": dict(self.lrs), "lr_scheduler": parallelize.DS_SCHEDULER_NOTE,
             "replica_consistency": {
                 "all_equal": all(r["all_equal"] for r in self.replica_rounds),
                 "rounds": self.replica_rounds,

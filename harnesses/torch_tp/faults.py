@@ -15,6 +15,9 @@ path stays readable. Names:
 - ``entropy_bonus_dropped``: the entropy bonus is left out of the Actor's backward (its
   value is still reported): a gradient change of about ``entropy_coef`` relative.
 - ``kl_loss_sign_flipped``: the KL-to-reference loss term is subtracted instead of added.
+- ``lr_scheduler_stepped_first``: the lr scheduler is stepped before the optimizer step
+  instead of after it (the pre-PyTorch-1.1 order), so step ``s`` applies ``lambda(s)``
+  instead of ``lambda(s - 1)``: every step's lr one step late.
 - ``hang_rank1``: rank 1 skips one collective of its TP group (and then stays alive,
   as a desynchronised rank does), so its peers wait until the collective timeout.
 """
@@ -41,6 +44,7 @@ KNOWN: Final = (
     "entropy_bonus_dropped",
     "kl_loss_sign_flipped",
     "hang_rank1",
+    "lr_scheduler_stepped_first",
 )
 
 
