@@ -184,9 +184,10 @@ def _failure_block(i: int, r: Row) -> list[str]:
 
 def _root_cause_lines(report: Report) -> list[str]:
     """``## Root causes``: one line per failing cell, its earliest failing quantity."""
+    lr = " -> lr" if "lr_schedule" in report.sections else ""  # as sealed before lr rows
     out = ["## Root causes", "",
            "Per failing cell, the earliest failing quantity in causal order (round 1 before "
-           "round 2; forward -> losses -> grads -> grad_norm -> clip_coef -> exp_avg / "
+           f"round 2; forward -> losses -> grads -> grad_norm -> clip_coef{lr} -> exp_avg / "
            "exp_avg_sq -> updates; the sampler by its own chain), with the cell's other "
            "failing rows folded under it (`qualify/compare/rootcause.py`).", ""]
     causes = report.root_causes

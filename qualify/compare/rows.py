@@ -363,8 +363,8 @@ def replica_row(cell: str, role: str, meta: Mapping[str, Any] | None, why: str) 
 
 
 
-def _lr_of(doc: Mapping[str, Any] | None, rnd: int) -> float | None:
-    lr = doc.get("lr") if isinstance(doc, Mapping) else None
+def _lr_of(lr: Any, rnd: int) -> float | None:
+    """``lr["round<rnd>"]`` as a float, ``None`` when absent or not a number."""
     x = lr.get(f"round{rnd}") if isinstance(lr, Mapping) else None
     return None if isinstance(x, bool) or not isinstance(x, int | float) else float(x)
 
@@ -394,7 +394,7 @@ def lr_rows(cell: str, role: str, meta: Mapping[str, Any] | None, why: str,
     out = []
     for rnd in rounds:
         want = _lr_of(sealed, rnd)
-        got = _lr_of(meta, rnd)
+        got = _lr_of(meta.get("lr") if isinstance(meta, Mapping) else None, rnd)
         row = Row(cell=cell, klass="lr_schedule", bound_class=None, round=rnd, role=role,
                   family="lr", statistic="abs", error=None, bound=None, margin=None,
                   verdict="FAIL", reason=None, where="")

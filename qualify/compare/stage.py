@@ -395,9 +395,10 @@ def _complete_rows(ctx: _Ctx, *, cid: str, entry: Mapping[str, Any], cells: Mapp
                             outputs.meta, "replica"))
     for r in lr_rows(cid, role, outputs.meta, outputs.meta_problem,
                      _sealed_lr(ctx, precision, role)):
-        why = declared_not_run(outputs.meta, r.round, "lr") if r.where == "(missing)" else None
-        rows.append(r if why is None else dataclasses.replace(
-            r, verdict="NOT_RUN", reason=why, detail=None, where="", bound=None))
+        declared = (declared_not_run(outputs.meta, r.round, "lr") if r.where == "(missing)"
+                    else None)
+        rows.append(r if declared is None else dataclasses.replace(
+            r, verdict="NOT_RUN", reason=declared, detail=None, where="", bound=None))
     return rows
 
 

@@ -57,6 +57,7 @@ same bytes for the same inputs.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -309,7 +310,7 @@ def _batch_rules(contract: Contract, rollout: Mapping[str, Array],
         out.append(Rule(rule=key, label=None, role=None, round=None, count=differs,
                         total=1, exercised=bool(differs), absent=absent))
     lrs = [opt.lr("actor", r) for r in range(1, alg.rounds + 1)]
-    steps = sum(1 for a, b in zip(lrs, lrs[1:], strict=False) if a != b)
+    steps = sum(1 for a, b in itertools.pairwise(lrs) if a != b)
     out.append(Rule(rule="lr_schedule", label=None, role=None, round=None, count=steps,
                     total=max(alg.rounds - 1, 0), exercised=steps > 0 and min(lrs) > 0,
                     absent=f"the lr is the same in every round or zero in one "
