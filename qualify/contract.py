@@ -321,9 +321,7 @@ class OptimizerSpec:
         eps: denominator epsilon.
         weight_decay: decoupled weight decay.
         max_grad_norm: global L2 gradient clipping threshold.
-        lr_schedule, warmup_steps, total_steps, min_lr_ratio: the lr schedule (``constant``
-            by default, ``linear``, ``cosine``; :mod:`qualify.schedule` defines the lr of
-            optimizer step ``s``, HF ``get_scheduler`` semantics).
+        lr_schedule, warmup_steps, total_steps, min_lr_ratio: the lr schedule (qualify.schedule).
     """
 
     actor_lr: float
@@ -338,17 +336,12 @@ class OptimizerSpec:
     min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        problem = schedule.schedule_problem(self.lr_schedule, self.warmup_steps,
-                                            self.total_steps, self.min_lr_ratio)
-        if problem is not None:
+        if (problem := schedule.schedule_problem(self)) is not None:
             raise ContractError(problem)
 
     def lr(self, role: str, step: int) -> float:
         """The lr of the role's optimizer step ``step`` (1-based); ValueError beyond T."""
-        base = self.actor_lr if role == "actor" else self.critic_lr
-        return schedule.lr_at(base, self.lr_schedule, step,
-                              warmup_steps=self.warmup_steps, total_steps=self.total_steps,
-                              min_lr_ratio=self.min_lr_ratio)
+        return schedule.lr_of(self, role, step)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -417,10 +410,8 @@ class Contract:
         if self.algorithm.name == "grpo" and "critic" in self.matrix.roles:
             raise ContractError("matrix.roles: a grpo contract has no critic (its advantages "
                                 "are group-normalised scores); remove 'critic'")
-        total = self.optimizer.total_steps
-        if total is not None and self.algorithm.rounds > total:
-            raise ContractError(f"optimizer.total_steps: {total} is below algorithm.rounds = "
-                                f"{self.algorithm.rounds} (the schedule must cover every step)")
+        if (problem := schedule.rounds_problem(self.optimizer, self.algorithm.rounds)) is not None:
+            raise ContractError(problem)
         if "bf16_mode" in self.bounds.controls_tp_vs_tp1:
             raise ContractError("bounds.controls.tp_vs_tp1: 'bf16_mode' is not a same-precision "
                                 "repeat control")

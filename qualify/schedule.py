@@ -29,9 +29,9 @@ The lr is ``base_lr * lambda(c)`` in Python float (IEEE FP64).
 from __future__ import annotations
 
 import math
-from typing import Final
+from typing import Any, Final
 
-__all__ = ["LR_SCHEDULES", "lr_at", "lr_factor", "schedule_problem"]
+__all__ = ["LR_SCHEDULES", "lr_at", "lr_factor", "lr_of", "rounds_problem", "schedule_problem"]
 
 LR_SCHEDULES: Final = ("constant", "linear", "cosine")
 
@@ -86,29 +86,55 @@ def lr_at(base_lr: float, schedule: str, step: int, *, warmup_steps: int = 0,
                                total_steps=total_steps, min_lr_ratio=min_lr_ratio)
 
 
-def schedule_problem(lr_schedule: str, warmup_steps: int, total_steps: int | None,
-                     min_lr_ratio: float) -> str | None:
+def lr_of(spec: Any, role: str, step: int) -> float:
+    """The lr of ``role``'s optimizer step ``step`` under a contract's ``[optimizer]``.
+
+    Args:
+        spec: a :class:`qualify.contract.OptimizerSpec` (``actor_lr`` / ``critic_lr``,
+            ``lr_schedule``, ``warmup_steps``, ``total_steps``, ``min_lr_ratio``).
+        role: ``actor`` or ``critic``.
+        step: 1-based optimizer step.
+
+    Raises:
+        ValueError: as :func:`lr_factor`.
+    """
+    base = spec.actor_lr if role == "actor" else spec.critic_lr
+    return lr_at(base, spec.lr_schedule, step, warmup_steps=spec.warmup_steps,
+                 total_steps=spec.total_steps, min_lr_ratio=spec.min_lr_ratio)
+
+
+def schedule_problem(spec: Any) -> str | None:
     """What is wrong with a contract's ``[optimizer]`` schedule settings, else ``None``.
 
     ``constant`` takes none of ``warmup_steps`` / ``total_steps`` / ``min_lr_ratio`` (they
     would be ignored); ``linear`` / ``cosine`` need ``total_steps`` above ``warmup_steps``.
-    (The schema checks types and ranges; ``rounds <= total_steps`` is checked by the
-    contract, which knows the rounds.)
+    (The schema checks types and ranges; :func:`rounds_problem` the rounds.)
+
+    Args:
+        spec: a :class:`qualify.contract.OptimizerSpec`.
 
     Returns:
         A one-line message naming the ``optimizer.<field>``, or ``None``.
     """
-    if lr_schedule == "constant":
-        for name, value, default in (("warmup_steps", warmup_steps, 0),
-                                     ("total_steps", total_steps, None),
-                                     ("min_lr_ratio", min_lr_ratio, 0.0)):
-            if value != default:
+    if spec.lr_schedule == "constant":
+        for name, default in (("warmup_steps", 0), ("total_steps", None),
+                              ("min_lr_ratio", 0.0)):
+            if getattr(spec, name) != default:
                 return (f"optimizer.{name}: set with lr_schedule = 'constant' (it would be "
                         "ignored); use 'linear' or 'cosine'")
         return None
-    if total_steps is None:
-        return f"optimizer.total_steps: required with lr_schedule = {lr_schedule!r}"
-    if warmup_steps >= total_steps:
-        return (f"optimizer.warmup_steps: {warmup_steps} must be below optimizer.total_steps "
-                f"= {total_steps}")
+    if spec.total_steps is None:
+        return f"optimizer.total_steps: required with lr_schedule = {spec.lr_schedule!r}"
+    if spec.warmup_steps >= spec.total_steps:
+        return (f"optimizer.warmup_steps: {spec.warmup_steps} must be below "
+                f"optimizer.total_steps = {spec.total_steps}")
+    return None
+
+
+def rounds_problem(spec: Any, rounds: int) -> str | None:
+    """The message when ``optimizer.total_steps`` is below ``algorithm.rounds``, else None."""
+    total = spec.total_steps
+    if total is not None and rounds > total:
+        return (f"optimizer.total_steps: {total} is below algorithm.rounds = {rounds} (the "
+                "schedule must cover every step)")
     return None

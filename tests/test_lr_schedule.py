@@ -143,12 +143,15 @@ DS_PROBE = r"""
 import json, os, sys
 import torch, deepspeed
 from harnesses.deepspeed.parallelize import ds_config, ds_scheduler
+from qualify.contract import OptimizerSpec
 deepspeed.init_distributed(dist_backend="gloo")
 out = {}
 for key in json.loads(sys.argv[1]):
     name, w, t, r = key
-    sched = ds_scheduler(lr_schedule=name, lr=3e-4, warmup_steps=w, total_steps=t,
-                         min_lr_ratio=r)
+    spec = OptimizerSpec(actor_lr=3e-4, critic_lr=3e-4, betas=(0.9, 0.95), eps=1e-6,
+                         weight_decay=0.1, max_grad_norm=0.5, lr_schedule=name,
+                         warmup_steps=w, total_steps=t, min_lr_ratio=r)
+    sched = ds_scheduler(spec, 3e-4)
     cfg = ds_config(precision="fp32", zero=0, tp=1, micro_batch_size=1, n_micro=1, lr=3e-4,
                     betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1, max_grad_norm=1.0,
                     scheduler=sched)

@@ -1,32 +1,31 @@
 """DeepSpeed harness: ``python -m harnesses.deepspeed.harness CELL_JSON`` under torchrun.
 
-Runs the PPO update of :mod:`qualify.protocol` with ``deepspeed.initialize`` engines
-driving Hugging Face models: the engine's own forward, ``engine.backward``,
-``engine.step`` (gradient accumulation, global-norm clipping, ``torch.optim.AdamW``
-through ``"torch_adam": true``), ZeRO stage 0 / 1 / 2, BF16 with FP32 master weights, and
-AutoTP tensor parallelism (``tensor_parallel.autotp_size``). The PPO / value losses are this
-harness's own (:mod:`harnesses.deepspeed.losses`).
+Runs the PPO update of :mod:`qualify.protocol` with ``deepspeed.initialize`` engines driving
+Hugging Face models: the engine's own forward, ``engine.backward``, ``engine.step`` (gradient
+accumulation, global-norm clipping, ``torch.optim.AdamW`` through ``"torch_adam": true``), ZeRO
+stage 0 / 1 / 2, BF16 with FP32 master weights, and AutoTP tensor parallelism
+(``tensor_parallel.autotp_size``). The PPO / value losses are this harness's own
+(:mod:`harnesses.deepspeed.losses`).
 
 Reads only ``cell.json`` and, from ``inputs_dir``: ``rollout.safetensors``,
-``train_inputs.safetensors``, ``contract.json`` and ``model.json`` (never reference
-scores). Ranks ``[0, actor_tp)`` run the Actor, the next ``critic_tp`` ranks the Critic,
-each role in its own TP group (:mod:`harnesses.deepspeed.parallelize`).
+``train_inputs.safetensors``, ``contract.json`` and ``model.json`` (never reference scores). Ranks
+``[0, actor_tp)`` run the Actor, the next ``critic_tp`` ranks the Critic, each role in its own TP
+group (:mod:`harnesses.deepspeed.parallelize`).
 
-Process-group reuse: a cell with ``variants`` runs every ``(precision, options)`` variant
-in order inside the same processes (one ``init_process_group``, one set of groups, fresh
-models and engines per variant) and writes variant ``v`` to
-``output_dir / variant_tag(v)``; without variants the single variant goes to
-``output_dir``. A variant that raises ends the launch with a non-zero exit (the variants
-before it keep their outputs).
+Process-group reuse: a cell with ``variants`` runs every ``(precision, options)`` variant in order
+inside the same processes (one ``init_process_group``, one set of groups, fresh models and engines
+per variant) and writes variant ``v`` to ``output_dir / variant_tag(v)``; without variants the
+single variant goes to ``output_dir``. A variant that raises ends the launch with a non-zero exit
+(the variants before it keep their outputs).
 
 What is reported is what the engine did: its own pre-clip gradient norm
-(``engine.get_global_grad_norm()``; where it returns ``None`` the L2 norm of the engine's
-gradient buffers measured by the harness, labelled so), its gradient buffers, FP32 master
-weights and AdamW state read through DeepSpeed's APIs and gathered to the HF layout
-(:mod:`harnesses.deepspeed.state_dict_adapter`). DeepSpeed exposes no clip coefficient:
-the one reported is measured from the engine's own state, the ``c`` with
-``exp_avg_r - β1·exp_avg_{r-1} = (1 - β1)·c·g_r`` (least squares over every element,
-FP64), which is the factor the engine applied to the gradients it stepped with.
+(``engine.get_global_grad_norm()``; where it returns ``None`` the L2 norm of the engine's gradient
+buffers measured by the harness, labelled so), its gradient buffers, FP32 master weights and AdamW
+state read through DeepSpeed's APIs and gathered to the HF layout
+(:mod:`harnesses.deepspeed.state_dict_adapter`). DeepSpeed exposes no clip coefficient: the one
+reported is measured from the engine's own state, the ``c`` with ``exp_avg_r - β1·exp_avg_{r-1} =
+(1 - β1)·c·g_r`` (least squares over every element, FP64), which is the factor the engine applied
+to the gradients it stepped with.
 """
 
 from __future__ import annotations
@@ -157,16 +156,13 @@ class VariantRun(common.RoleOutputs):
         import deepspeed
         from deepspeed.utils import groups
 
-        c = self.inputs.contract
-        o = c.optimizer
+        c, o = self.inputs.contract, self.inputs.contract.optimizer
         cfg = parallelize.ds_config(
             precision=self.precision, zero=self.zero, tp=self.placement.tp,
             micro_batch_size=c.algorithm.micro_batch_size, n_micro=n_micro, lr=lr,
             betas=(float(o.betas[0]), float(o.betas[1])), eps=o.eps,
             weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm,
-            scheduler=parallelize.ds_scheduler(
-                lr_schedule=o.lr_schedule, lr=lr, warmup_steps=o.warmup_steps,
-                total_steps=o.total_steps, min_lr_ratio=o.min_lr_ratio))
+            scheduler=parallelize.ds_scheduler(o, lr))
         mpu = parallelize.install_role_groups(self.placement)
         engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, mpu=mpu)
         hook = getattr(engine, "first_dataloader_check", None)

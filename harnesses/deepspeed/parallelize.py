@@ -28,6 +28,7 @@ from typing import Any, Final, Literal
 import torch.distributed as dist
 from torch import nn
 
+from qualify.contract import OptimizerSpec
 from qualify.errors import HarnessError
 
 Role = Literal["actor", "critic"]
@@ -226,9 +227,11 @@ def one_lr(lrs: Sequence[float], round_: int) -> float:
     return found[0]
 
 
-def ds_scheduler(*, lr_schedule: str, lr: float, warmup_steps: int, total_steps: int | None,
-                 min_lr_ratio: float) -> dict[str, Any] | None:
+def ds_scheduler(o: OptimizerSpec, lr: float) -> dict[str, Any] | None:
     """The DeepSpeed ``scheduler`` config of the contract's lr schedule (its real classes).
+
+    ``o``: the contract's ``[optimizer]`` (``lr_schedule``, ``W = warmup_steps``,
+    ``T = total_steps``, ``r = min_lr_ratio``); ``lr``: the role's base lr.
 
     ``deepspeed.initialize`` builds it (``DeepSpeedEngine._scheduler_from_config``) and
     ``engine.step()`` steps it after each optimizer step (``_take_model_step``); it is
@@ -246,18 +249,18 @@ def ds_scheduler(*, lr_schedule: str, lr: float, warmup_steps: int, total_steps:
     is not expressible either. Nothing is corrected here: where DeepSpeed's lr differs
     from the contract's, the cell's ``lr`` rows fail (a finding, not a harness fix).
     """
-    if lr_schedule == "constant":
+    if o.lr_schedule == "constant":
         return None
-    warm = max(1, warmup_steps)
-    if lr_schedule == "linear":
+    warm = max(1, o.warmup_steps)
+    if o.lr_schedule == "linear":
         return {"type": "WarmupDecayLR", "params": {
-            "total_num_steps": total_steps, "warmup_min_lr": 0.0, "warmup_max_lr": lr,
+            "total_num_steps": o.total_steps, "warmup_min_lr": 0.0, "warmup_max_lr": lr,
             "warmup_num_steps": warm, "warmup_type": "linear"}}
-    if lr_schedule == "cosine":
+    if o.lr_schedule == "cosine":
         return {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": total_steps, "warmup_min_ratio": 0.0, "warmup_num_steps": warm,
-            "cos_min_ratio": min_lr_ratio, "warmup_type": "linear"}}
-    raise HarnessError(f"optimizer.lr_schedule {lr_schedule!r}: no DeepSpeed scheduler mapped")
+            "total_num_steps": o.total_steps, "warmup_min_ratio": 0.0,
+            "warmup_num_steps": warm, "cos_min_ratio": o.min_lr_ratio, "warmup_type": "linear"}}
+    raise HarnessError(f"optimizer.lr_schedule {o.lr_schedule!r}: no DeepSpeed scheduler mapped")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
