@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from qualify import registry
+from qualify import registry, schedule
 from qualify.errors import ContractError, HarnessError
 from qualify.matrix import (
     CellSpec,
@@ -321,6 +321,7 @@ class OptimizerSpec:
         eps: denominator epsilon.
         weight_decay: decoupled weight decay.
         max_grad_norm: global L2 gradient clipping threshold.
+        lr_schedule, warmup_steps, total_steps, min_lr_ratio: the lr schedule (qualify.schedule).
     """
 
     actor_lr: float
@@ -329,6 +330,18 @@ class OptimizerSpec:
     eps: float
     weight_decay: float
     max_grad_norm: float
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if (problem := schedule.schedule_problem(self)) is not None:
+            raise ContractError(problem)
+
+    def lr(self, role: str, step: int) -> float:
+        """The lr of the role's optimizer step ``step`` (1-based); ValueError beyond T."""
+        return schedule.lr_of(self, role, step)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -397,6 +410,8 @@ class Contract:
         if self.algorithm.name == "grpo" and "critic" in self.matrix.roles:
             raise ContractError("matrix.roles: a grpo contract has no critic (its advantages "
                                 "are group-normalised scores); remove 'critic'")
+        if (problem := schedule.rounds_problem(self.optimizer, self.algorithm.rounds)) is not None:
+            raise ContractError(problem)
         if "bf16_mode" in self.bounds.controls_tp_vs_tp1:
             raise ContractError("bounds.controls.tp_vs_tp1: 'bf16_mode' is not a same-precision "
                                 "repeat control")

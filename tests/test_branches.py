@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qualify import branches
-from qualify.contract import Contract
+from qualify.contract import Contract, OptimizerSpec
 
 EPS_V = 0.2
 
@@ -242,8 +242,8 @@ def test_control_flip_after_an_earlier_flip_keeps_its_raw_error(tmp_path: Path) 
     contract = cast(Contract, SimpleNamespace(
         algorithm=SimpleNamespace(value_clip=0.05, clip_ratio=0.2, name="ppo",
                                   loss_agg_mode="token-mean"),
-        optimizer=SimpleNamespace(critic_lr=1e-3, actor_lr=1e-3, betas=(0.9, 0.999),
-                                  eps=1e-8, max_grad_norm=1.0)))
+        optimizer=OptimizerSpec(critic_lr=1e-3, actor_lr=1e-3, betas=(0.9, 0.999),
+                                eps=1e-8, weight_decay=0.0, max_grad_norm=1.0)))
     key = MetricKey(round=3, role="critic", family="grads")
     raw = cast(ErrorMeasure, object())
     errors = {"fp32": {"attn_impl": {key: raw}}}

@@ -825,7 +825,8 @@ def test_sealed_flip_is_judged_on_the_obtained_branch(tmp_path: Path, sealed_rig
         probe.hf["fp32"], role="critic", round_=2, flips=flips,
         jacobians={k.removeprefix("round2/critic/"): v for k, v in jac.items()},
         scalars=doc["precisions"]["fp32"]["critic"]["round2"], train=train,
-        n_valid=float(N_VALID), lr=3e-4, betas=(0.9, 0.95), eps=1e-6, max_grad_norm=0.5)
+        n_valid=float(N_VALID), lr=probe.contract.optimizer.lr("critic", 2),  # round 2's
+        betas=(0.9, 0.95), eps=1e-6, max_grad_norm=0.5)
     assert moved is not None, note
     for k, v in moved.items():
         if k.startswith("round2/critic/") and "values" not in k and k in out:

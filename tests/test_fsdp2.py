@@ -40,7 +40,7 @@ from harnesses.fsdp2.harness import dp_degree
 from harnesses.fsdp2.parallelize import dp_rows, grid, role_ranks
 from qualify.candidate.launch import check_outputs, launch_env, torchrun_command, validate_cell
 from qualify.candidate.stage import plan_launches
-from qualify.contract import load_contract
+from qualify.contract import Contract, load_contract
 from qualify.errors import HarnessError
 from qualify.protocol import HarnessCell
 from qualify.registry import get_engine
@@ -163,6 +163,11 @@ def test_launch_writes_complete_outputs(runs: Runs, run: str) -> None:
         assert d["optimizer_state"] == {"exp_avg": "torch.float32",
                                         "exp_avg_sq": "torch.float32"}, d
         assert d["compute"] == ["torch.float32"], d
+        opt = Contract.from_dict(json.loads((runs.inputs_dir / "contract.json").read_text())
+                                 ).optimizer
+        assert rm["lr"] == pytest.approx({f"round{r}": opt.lr(role, r) for r in (1, 2)},
+                                         rel=2**-24)  # transformers.get_scheduler's lr
+        assert rm["lr_scheduler"].startswith("transformers.get_scheduler")
         assert rm["micro_batches"] == 1  # 4 rows / dp ranks, micro_batch_size 4
         assert rm["valid_tokens"] == sum(RESPONSE_LENGTHS)  # the global N on every rank
     assert meta["faults"] == []

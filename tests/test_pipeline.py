@@ -186,6 +186,8 @@ FAULTS = {
     # their own BF16 style (qualify/lanes.py) it passed every BF16 cell (worst margin 0.85).
     "entropy_bonus_dropped": ("torch_tp-bf16-actor-tp1", "grad_norm"),
     "kl_loss_sign_flipped": ("torch_tp-fp32-actor-tp1", "grads"),
+    # The scheduler stepped before the optimizer: step s applies lambda(s), one step early.
+    "lr_scheduler_stepped_first": ("torch_tp-fp32-actor-tp1", "lr"),
 }
 
 

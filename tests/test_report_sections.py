@@ -33,7 +33,7 @@ def test_todays_report_holds_every_section(failing: tuple[World, Report]) -> Non
     doc = report.to_dict()
     assert sections_of(doc) == (OPTIONAL_SECTIONS, True)
     assert OPTIONAL_SECTIONS == ("coverage", "power", "root_causes", "behavior_weights",
-                                 "clip_band")
+                                 "clip_band", "lr_schedule")
     assert doc["sections"] == list(OPTIONAL_SECTIONS)
     assert all("power" in r for r in doc["rows"])
 
@@ -65,6 +65,25 @@ def test_a_report_without_the_sections_is_the_earlier_document(
     assert "## Root causes" in md_new
     with pytest.raises(jsonschema.ValidationError):  # today's schema wants both sections
         VALIDATOR.validate(doc)
+
+
+def test_a_report_sealed_before_lr_schedules_renders_as_then(
+        failing: tuple[World, Report]) -> None:  # noqa: F811
+    """The sections of the comparator before lr schedules: no ``lr_schedule`` key, and
+    report.md's causal chain and sections as that comparator wrote them (byte for byte is
+    what ``qualify verify`` checks of committed evidence)."""
+    _, report = failing
+    then = dataclasses.replace(report, sections=("coverage", "power", "root_causes",
+                                                 "behavior_weights"))
+    doc, md = then.to_dict(), render_markdown(then)
+    assert "lr_schedule" not in doc
+    assert sections_of(doc) == (then.sections, True)
+    assert "clip_coef -> exp_avg / exp_avg_sq -> updates" in md
+    assert "## Learning-rate schedule" not in md
+    md_new = render_markdown(report)
+    assert "clip_coef -> lr -> exp_avg / exp_avg_sq -> updates" in md_new
+    assert "## Learning-rate schedule" in md_new
+    assert report.to_dict()["lr_schedule"]["rule"].startswith("lr: |lr_obtained - lr_sealed|")
 
 
 def test_an_unknown_section_is_refused(failing: tuple[World, Report]) -> None:  # noqa: F811

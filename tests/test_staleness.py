@@ -63,7 +63,8 @@ def test_document_records_every_source_file_and_the_digests(code: Path, tmp_path
     ds = doc["engines"]["deepspeed"]
     assert "harnesses/common.py" in ds["files"]
     assert all(f.startswith(("harnesses/deepspeed/", "harnesses/common.py",
-                             "harnesses/__init__.py")) for f in ds["files"])
+                             "harnesses/__init__.py", "harnesses/hf_schedule.py"))
+               for f in ds["files"])
     assert set(ds["distributions"]) == {"deepspeed"}
     assert doc["contract"] == {"name": "tiny-qwen3", "digest": contract.digest}
     assert doc["policy"]["path"].endswith("gates/tiny-qwen3.toml")
@@ -135,7 +136,7 @@ def test_unknown_engine_and_broken_record(code: Path, tmp_path: Path) -> None:
 def test_engine_files_match_the_folder(code: Path) -> None:
     files = engine_files(code, "torch_tp")
     want = {p.relative_to(code).as_posix() for p in (code / "harnesses" / "torch_tp").rglob(
-        "*.py")} | {"harnesses/common.py", "harnesses/__init__.py"}
+        "*.py")} | {"harnesses/common.py", "harnesses/__init__.py", "harnesses/hf_schedule.py"}
     assert set(files) == want
 
 

@@ -1,32 +1,31 @@
 """DeepSpeed harness: ``python -m harnesses.deepspeed.harness CELL_JSON`` under torchrun.
 
-Runs the PPO update of :mod:`qualify.protocol` with ``deepspeed.initialize`` engines
-driving Hugging Face models: the engine's own forward, ``engine.backward``,
-``engine.step`` (gradient accumulation, global-norm clipping, ``torch.optim.AdamW``
-through ``"torch_adam": true``), ZeRO stage 0 / 1 / 2, BF16 with FP32 master weights, and
-AutoTP tensor parallelism (``tensor_parallel.autotp_size``). The PPO / value losses are this
-harness's own (:mod:`harnesses.deepspeed.losses`).
+Runs the PPO update of :mod:`qualify.protocol` with ``deepspeed.initialize`` engines driving
+Hugging Face models: the engine's own forward, ``engine.backward``, ``engine.step`` (gradient
+accumulation, global-norm clipping, ``torch.optim.AdamW`` through ``"torch_adam": true``), ZeRO
+stage 0 / 1 / 2, BF16 with FP32 master weights, and AutoTP tensor parallelism
+(``tensor_parallel.autotp_size``). The PPO / value losses are this harness's own
+(:mod:`harnesses.deepspeed.losses`).
 
 Reads only ``cell.json`` and, from ``inputs_dir``: ``rollout.safetensors``,
-``train_inputs.safetensors``, ``contract.json`` and ``model.json`` (never reference
-scores). Ranks ``[0, actor_tp)`` run the Actor, the next ``critic_tp`` ranks the Critic,
-each role in its own TP group (:mod:`harnesses.deepspeed.parallelize`).
+``train_inputs.safetensors``, ``contract.json`` and ``model.json`` (never reference scores). Ranks
+``[0, actor_tp)`` run the Actor, the next ``critic_tp`` ranks the Critic, each role in its own TP
+group (:mod:`harnesses.deepspeed.parallelize`).
 
-Process-group reuse: a cell with ``variants`` runs every ``(precision, options)`` variant
-in order inside the same processes (one ``init_process_group``, one set of groups, fresh
-models and engines per variant) and writes variant ``v`` to
-``output_dir / variant_tag(v)``; without variants the single variant goes to
-``output_dir``. A variant that raises ends the launch with a non-zero exit (the variants
-before it keep their outputs).
+Process-group reuse: a cell with ``variants`` runs every ``(precision, options)`` variant in order
+inside the same processes (one ``init_process_group``, one set of groups, fresh models and engines
+per variant) and writes variant ``v`` to ``output_dir / variant_tag(v)``; without variants the
+single variant goes to ``output_dir``. A variant that raises ends the launch with a non-zero exit
+(the variants before it keep their outputs).
 
 What is reported is what the engine did: its own pre-clip gradient norm
-(``engine.get_global_grad_norm()``; where it returns ``None`` the L2 norm of the engine's
-gradient buffers measured by the harness, labelled so), its gradient buffers, FP32 master
-weights and AdamW state read through DeepSpeed's APIs and gathered to the HF layout
-(:mod:`harnesses.deepspeed.state_dict_adapter`). DeepSpeed exposes no clip coefficient:
-the one reported is measured from the engine's own state, the ``c`` with
-``exp_avg_r - β1·exp_avg_{r-1} = (1 - β1)·c·g_r`` (least squares over every element,
-FP64), which is the factor the engine applied to the gradients it stepped with.
+(``engine.get_global_grad_norm()``; where it returns ``None`` the L2 norm of the engine's gradient
+buffers measured by the harness, labelled so), its gradient buffers, FP32 master weights and AdamW
+state read through DeepSpeed's APIs and gathered to the HF layout
+(:mod:`harnesses.deepspeed.state_dict_adapter`). DeepSpeed exposes no clip coefficient: the one
+reported is measured from the engine's own state, the ``c`` with ``exp_avg_r - β1·exp_avg_{r-1} =
+(1 - β1)·c·g_r`` (least squares over every element, FP64), which is the factor the engine applied
+to the gradients it stepped with.
 """
 
 from __future__ import annotations
@@ -133,6 +132,7 @@ class VariantRun(common.RoleOutputs):
     shims: list[str] = dataclasses.field(default_factory=list)
     engine_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     _prev_exp_avg: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    lrs: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def role(self) -> str:
@@ -155,13 +155,13 @@ class VariantRun(common.RoleOutputs):
         import deepspeed
         from deepspeed.utils import groups
 
-        c = self.inputs.contract
-        o = c.optimizer
+        c, o = self.inputs.contract, self.inputs.contract.optimizer
         cfg = parallelize.ds_config(
             precision=self.precision, zero=self.zero, tp=self.placement.tp,
             micro_batch_size=c.algorithm.micro_batch_size, n_micro=n_micro, lr=lr,
             betas=(float(o.betas[0]), float(o.betas[1])), eps=o.eps,
-            weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm)
+            weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm,
+            scheduler=parallelize.ds_scheduler(o, lr))
         mpu = parallelize.install_role_groups(self.placement)
         engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, mpu=mpu)
         hook = getattr(engine, "first_dataloader_check", None)
@@ -227,7 +227,8 @@ class VariantRun(common.RoleOutputs):
         self.grad_dtypes |= et.grad_dtypes()
         before = et.full_masters()
         measured = math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
-        engine.step()
+        self.lrs[f"round{round_}"] = parallelize.one_lr(engine.get_lr(), round_)
+        engine.step()  # the optimizer step, then DeepSpeed's lr_scheduler.step()
         engine_norm = _as_float(engine.get_global_grad_norm())
         norm = engine_norm if engine_norm is not None else measured
         self.grad_norms.append({"round": round_, "source": GRAD_NORM_ENGINE
@@ -520,6 +521,7 @@ class VariantRun(common.RoleOutputs):
                 "optimizer_state": {k: sda.dtype_name(v) for k, v in self.state_dtypes.items()},
                 "compute": sorted(str(d) for d in self.compute_dtypes),
             },
+            "lr": dict(self.lrs), "lr_scheduler": parallelize.DS_SCHEDULER_NOTE,
             "replica_consistency": {
                 "all_equal": all(r["all_equal"] for r in self.replica_rounds),
                 "rounds": self.replica_rounds,

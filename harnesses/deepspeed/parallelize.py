@@ -21,12 +21,14 @@ recorded as a shim in ``outputs.json``; it changes which ranks talk, not the ari
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Final, Literal
 
 import torch.distributed as dist
 from torch import nn
 
+from qualify.contract import OptimizerSpec
 from qualify.errors import HarnessError
 
 Role = Literal["actor", "critic"]
@@ -146,7 +148,7 @@ def skip_shm_comm_build() -> None:
 
 def ds_config(*, precision: str, zero: int, tp: int, micro_batch_size: int, n_micro: int,
               lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-              max_grad_norm: float) -> dict[str, Any]:
+              max_grad_norm: float, scheduler: dict[str, Any] | None = None) -> dict[str, Any]:
     """The DeepSpeed config of one role x variant (data parallel size 1).
 
     - ``optimizer``: ``AdamW`` with ``torch_adam: true`` (``torch.optim.AdamW``, decoupled
@@ -163,6 +165,7 @@ def ds_config(*, precision: str, zero: int, tp: int, micro_batch_size: int, n_mi
       FP32 accumulation without ZeRO (``NotImplementedError: unsupported mix of
       model_dtype=torch.bfloat16 and grad_accum_dtype=torch.float32``), so ZeRO 0 BF16
       accumulates gradients in BF16, DeepSpeed's only BF16 mode there; the dtype is reported.
+    - ``scheduler``: DeepSpeed's own lr scheduler (:func:`ds_scheduler`), when not ``None``.
 
     Args:
         precision: ``fp32`` or ``bf16``.
@@ -175,6 +178,7 @@ def ds_config(*, precision: str, zero: int, tp: int, micro_batch_size: int, n_mi
         eps: AdamW epsilon.
         weight_decay: AdamW decoupled weight decay.
         max_grad_norm: global-norm clipping threshold.
+        scheduler: the config's ``scheduler`` section (``None``: no scheduler, the lr stays).
 
     Raises:
         HarnessError: a ZeRO stage other than 0, 1, 2 or an unknown precision.
@@ -195,6 +199,8 @@ def ds_config(*, precision: str, zero: int, tp: int, micro_batch_size: int, n_mi
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if scheduler is not None:
+        cfg["scheduler"] = scheduler
     if tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": tp}
     if precision == "bf16":
@@ -202,6 +208,59 @@ def ds_config(*, precision: str, zero: int, tp: int, micro_batch_size: int, n_mi
         if zero in (1, 2):
             cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     return cfg
+
+
+DS_SCHEDULER_NOTE: Final = ("engine_info.deepspeed_config.scheduler (DeepSpeed's own class, "
+                             "built by deepspeed.initialize, stepped by engine.step() after the "
+                             "optimizer step); lr = engine.get_lr() just before engine.step()")
+
+
+def one_lr(lrs: Sequence[float], round_: int) -> float:
+    """The one lr of ``engine.get_lr()`` (its param groups' ``lr``) for round ``round_``.
+
+    Raises:
+        HarnessError: the param groups hold different lrs.
+    """
+    found = sorted({float(x) for x in lrs})
+    if len(found) != 1:
+        raise HarnessError(f"round {round_}: DeepSpeed param groups hold lrs {found}")
+    return found[0]
+
+
+def ds_scheduler(o: OptimizerSpec, lr: float) -> dict[str, Any] | None:
+    """The DeepSpeed ``scheduler`` config of the contract's lr schedule (its real classes).
+
+    ``o``: the contract's ``[optimizer]`` (``lr_schedule``, ``W = warmup_steps``,
+    ``T = total_steps``, ``r = min_lr_ratio``); ``lr``: the role's base lr.
+
+    ``deepspeed.initialize`` builds it (``DeepSpeedEngine._scheduler_from_config``) and
+    ``engine.step()`` steps it after each optimizer step (``_take_model_step``); it is
+    built with ``last_batch_iteration = -1`` and never stepped before step 1.
+
+    - ``constant``: ``None`` (no scheduler: the optimizer's lr);
+    - ``linear``: ``WarmupDecayLR`` (``warmup_min_lr = 0``, ``warmup_max_lr = lr``,
+      ``warmup_type = "linear"``, ``total_num_steps = T``); it decays to 0, it has no end
+      lr (a contract ``min_lr_ratio > 0`` is not expressible);
+    - ``cosine``: ``WarmupCosineLR`` (``warmup_min_ratio = 0``, ``cos_min_ratio = r``,
+      ``warmup_type = "linear"``, ``total_num_steps = T``).
+
+    ``warmup_num_steps`` is ``max(1, W)``: DeepSpeed refuses 0 (``ValueError``) and raises
+    any value below 2 to 2 itself (``max(2, warmup_num_steps)``), so a contract ``W < 2``
+    is not expressible either. Nothing is corrected here: where DeepSpeed's lr differs
+    from the contract's, the cell's ``lr`` rows fail (a finding, not a harness fix).
+    """
+    if o.lr_schedule == "constant":
+        return None
+    warm = max(1, o.warmup_steps)
+    if o.lr_schedule == "linear":
+        return {"type": "WarmupDecayLR", "params": {
+            "total_num_steps": o.total_steps, "warmup_min_lr": 0.0, "warmup_max_lr": lr,
+            "warmup_num_steps": warm, "warmup_type": "linear"}}
+    if o.lr_schedule == "cosine":
+        return {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": o.total_steps, "warmup_min_ratio": 0.0,
+            "warmup_num_steps": warm, "cos_min_ratio": o.min_lr_ratio, "warmup_type": "linear"}}
+    raise HarnessError(f"optimizer.lr_schedule {o.lr_schedule!r}: no DeepSpeed scheduler mapped")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -255,6 +255,7 @@ class RoleRun(common.RoleOutputs):
             out["dtypes"] = training["dtypes"]
             out["replica_consistency"] = training["replica_consistency"]
             out["loss_agg_mode"] = training["loss_agg_mode"]
+            out["lr"], out["lr_scheduler"] = training["lr"], training["lr_scheduler"]
             if training["behavior_weight"]:
                 out["behavior_weight"] = training["behavior_weight"]
         return out

@@ -22,6 +22,8 @@ Per role and round (``qualify.protocol``):
    TP-aware ``get_grad_norm_fp32`` (tensor-parallel duplicates counted once), and
    ``clip_coef = min(1, max_norm / (norm + 1e-6))`` is the coefficient its
    ``clip_grad_by_total_norm_fp32`` applies.
+   The lr: Megatron-Core's ``OptimizerParamScheduler`` (:func:`lr_scheduler`), stepped
+   after each optimizer step; the lr of each step read from ``param_groups`` before it.
 4. Adam moments and the master weights (FP32 model parameters in FP32 cells,
    ``fp32_from_float16_groups`` in BF16 cells) gathered and converted the same way.
 """
@@ -130,6 +132,8 @@ class Trainer:
     behavior_weight: dict[str, Any] = dataclasses.field(default_factory=dict)
     served: dict[str, int] = dataclasses.field(default_factory=dict)
     norms: list[float] = dataclasses.field(default_factory=list)
+    lrs: dict[str, float] = dataclasses.field(default_factory=dict)
+    scheduler: Any = None
 
     def __post_init__(self) -> None:
         from megatron.core.distributed import (
@@ -149,8 +153,9 @@ class Trainer:
             module=self.model, pg_collection=run.groups.pg_collection)
         o = c.optimizer
         lr = o.actor_lr if run.role == "actor" else o.critic_lr
+        min_lr = lr if o.lr_schedule == "constant" else o.min_lr_ratio * lr
         self.opt_config = OptimizerConfig(
-            optimizer="adam", lr=lr, min_lr=lr, weight_decay=o.weight_decay,
+            optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=o.weight_decay,
             adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps,
             clip_grad=o.max_grad_norm, bf16=run.bf16,
             params_dtype=torch.bfloat16 if run.bf16 else torch.float32,
@@ -159,6 +164,8 @@ class Trainer:
             self.optimizer = get_megatron_optimizer(
                 self.opt_config, [self.ddp], config_overrides={}, use_gloo_process_groups=False,
                 pg_collection=run.groups.pg_collection)
+        self.scheduler = lr_scheduler(self.optimizer, o, lr=lr, min_lr=min_lr,
+                                      rounds=c.algorithm.rounds)
 
     def placement(self) -> AbstractContextManager[Any]:
         """:func:`harnesses.megatron.cpu_shims.optimizer_placement` on CPU; nothing on CUDA.
@@ -232,10 +239,12 @@ class Trainer:
         for name, g in gather_hf(run, self.shape, grads).items():
             run.put(round_, "grads", g, name)
         before = gather_hf(run, self.shape, self.masters())
+        self.lrs[f"round{round_}"] = applied_lr(self.optimizer)
         with self.placement():
             success, norm, _ = self.optimizer.step()
         if not success:
             raise RuntimeError(f"Megatron optimizer step skipped in round {round_}")
+        self.scheduler.step(increment=1)  # as megatron.training.train_step, after the step
         max_norm = float(self.opt_config.clip_grad)
         self.norms.append(float(norm))  # the Python float Megatron clipped with
         norm_t = torch.tensor(float(norm))
@@ -355,6 +364,8 @@ class Trainer:
                 "params": params},
             "loss_agg_mode": self.run.contract.algorithm.loss_agg_mode,
             "behavior_weight": self.behavior_weight,
+            "lr": dict(self.lrs),
+            "lr_scheduler": LR_SCHEDULER_NOTE,
             "optimizer": {"class": type(self.optimizer).__name__,
                           "wrapped": [type(o).__name__ for o in self._optimizers()],
                           "inner": [type(o.optimizer).__name__ for o in self._optimizers()],
@@ -362,6 +373,52 @@ class Trainer:
                           "cpu_placement_served": dict(sorted(self.served.items())),
                           "grad_norms": list(self.norms)},
         }
+
+
+LR_SCHEDULER_NOTE = ("megatron.core.optimizer_param_scheduler.OptimizerParamScheduler "
+                     "(init_lr 0, min_lr = min_lr_ratio * lr, steps in optimizer steps, "
+                     "step(increment=1) after each optimizer step); lr read from "
+                     "optimizer.param_groups before optimizer.step()")
+
+
+def lr_scheduler(optimizer: Any, o: Any, *, lr: float, min_lr: float, rounds: int) -> Any:
+    """Megatron-Core's ``OptimizerParamScheduler`` for the contract's lr schedule.
+
+    As ``megatron.training.training.get_optimizer_param_scheduler`` builds it, in optimizer
+    steps (``increment = 1``; Megatron counts samples, ``global_batch_size`` per step, the
+    same ratios): ``init_lr = 0`` (HF warmup from 0), ``max_lr = lr``, ``min_lr = r * lr``,
+    ``lr_warmup_steps = W``, ``lr_decay_steps = T``, ``lr_decay_style`` the contract's
+    ``constant`` / ``linear`` / ``cosine`` (``constant``: ``lr_decay_steps = rounds``, which
+    Megatron requires positive and ignores), weight decay constant (``start_wd = end_wd``).
+    Its ``__init__`` calls ``step(0)``: step 1 applies ``get_lr`` at ``num_steps = 0``.
+
+    Args:
+        optimizer: the ``MegatronOptimizer`` (its ``param_groups`` carry ``max_lr`` /
+            ``min_lr`` from the ``OptimizerConfig``).
+        o: the contract's :class:`~qualify.contract.OptimizerSpec`.
+        lr: the role's base lr.
+        min_lr: the ``OptimizerConfig.min_lr`` (``lr`` for a constant schedule).
+        rounds: the contract's rounds.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    total = o.total_steps if o.total_steps is not None else rounds
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=o.warmup_steps,
+        lr_decay_steps=total, lr_decay_style=o.lr_schedule, start_wd=o.weight_decay,
+        end_wd=o.weight_decay, wd_incr_steps=total, wd_incr_style="constant")
+
+
+def applied_lr(optimizer: Any) -> float:
+    """The lr the next ``optimizer.step()`` applies: ``param_groups[*]["lr"]`` (all equal).
+
+    Raises:
+        RuntimeError: the param groups hold different lrs.
+    """
+    lrs = {float(g["lr"]) for g in optimizer.param_groups}
+    if len(lrs) != 1:
+        raise RuntimeError(f"Megatron optimizer param groups hold different lrs {sorted(lrs)}")
+    return lrs.pop()
 
 
 def _strip(name: str) -> str:

@@ -17,6 +17,9 @@ path stays readable. Names:
 - ``kl_loss_sign_flipped``: the KL-to-reference loss term is subtracted instead of added.
 - ``layer1_mlp_scaled``: decoder layer 1's MLP output is multiplied by ``1 + 1e-3`` (a
   fault in one sub-module of one layer, for ``qualify diverge`` to name).
+- ``lr_scheduler_stepped_first``: the lr scheduler is stepped before the optimizer step
+  instead of after it (the pre-PyTorch-1.1 order), so step ``s`` applies ``lambda(s)``
+  instead of ``lambda(s - 1)``: every step's lr one step late.
 - ``hang_rank1``: rank 1 skips one collective of its TP group (and then stays alive,
   as a desynchronised rank does), so its peers wait until the collective timeout.
 """
@@ -44,6 +47,7 @@ KNOWN: Final = (
     "kl_loss_sign_flipped",
     "hang_rank1",
     "layer1_mlp_scaled",
+    "lr_scheduler_stepped_first",
 )
 LAYER_FAULT_MODULE: Final = "layers.1.mlp"
 """The backbone sub-module ``layer1_mlp_scaled`` perturbs."""

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from harnesses import common, layer_probe
+from harnesses import common, hf_schedule, layer_probe
 from harnesses.common import Batch, Inputs
 from harnesses.torch_tp import faults, losses, parallelize
 from harnesses.torch_tp import state_dict_adapter as sda
@@ -98,6 +98,8 @@ class RoleRun(common.RoleOutputs):
     state_dtypes: dict[str, set[torch.dtype]] = dataclasses.field(
         default_factory=lambda: {"exp_avg": set(), "exp_avg_sq": set()})
     replica_rounds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    lr_scheduler: Any = None
+    lrs: dict[str, float] = dataclasses.field(default_factory=dict)
     replica_params: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     partial_grads: list[str] = dataclasses.field(default_factory=list)
 
@@ -140,11 +142,18 @@ class RoleRun(common.RoleOutputs):
     # ----------------------------------------------------------------- update step
 
     def optimizer_for(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-        """``torch.optim.AdamW`` with the contract's settings (single-tensor path)."""
+        """``torch.optim.AdamW`` with the contract's settings (single-tensor path) and lr scheduler.
+
+        The contract's lr schedule (:func:`harnesses.hf_schedule.hf_scheduler`), kept as
+        :attr:`lr_scheduler` and stepped after each optimizer step.
+        """
         o = self.inputs.contract.optimizer
-        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                                 betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                                 foreach=False, fused=False)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                      lr=lr, betas=o.betas, eps=o.eps,
+                                      weight_decay=o.weight_decay, foreach=False, fused=False)
+        # The engine's own scheduler (harnesses.hf_schedule: transformers.get_scheduler).
+        self.lr_scheduler = hf_schedule.hf_scheduler(optimizer, o)
+        return optimizer
 
     def step(self, round_: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Record pre-clip gradients, clip, step AdamW, record state, updates, replicas."""
@@ -164,10 +173,17 @@ class RoleRun(common.RoleOutputs):
         self.put(round_, "grad_norm", norm_local)
         self.put(round_, "clip_coef", torch.clamp(max_norm / (norm_local + 1e-6), max=1.0))
         before = sda.full_params(model)
+        # FAULT(lr_scheduler_stepped_first): scheduler.step() before optimizer.step().
+        late = "lr_scheduler_stepped_first" in self.faults
+        if late:
+            self.lr_scheduler.step()
+        self.lrs[f"round{round_}"] = hf_schedule.applied_lr(optimizer)
         # FAULT(bf16_optimizer_state): moments stored in BF16 between steps.
         with (faults.bf16_optimizer_state(optimizer) if "bf16_optimizer_state" in self.faults
               else contextlib.nullcontext()):
             optimizer.step()
+        if not late:
+            self.lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         for key in ("exp_avg", "exp_avg_sq"):
             self.state_dtypes[key] |= sda.state_dtypes(optimizer, key)
@@ -389,6 +405,8 @@ class RoleRun(common.RoleOutputs):
                 "optimizer_state": {k: sda.dtype_name(v) for k, v in self.state_dtypes.items()},
                 "compute": sorted(str(d) for d in self.compute_dtypes),
             },
+            "lr": dict(self.lrs),
+            "lr_scheduler": hf_schedule.SCHEDULER_NOTE,
             "replica_consistency": {
                 "all_equal": all(r["all_equal"] for r in self.replica_rounds),
                 "rounds": self.replica_rounds,

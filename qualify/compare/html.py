@@ -173,7 +173,7 @@ def _header(data: RunData, causes: Sequence[RootCause],
            f"every row with its failure detail is in {REPORT_MD}.</p>",
            '<h2 id="root-causes-title">Root causes</h2>',
            '<p class="note">Per failing cell, the earliest failing quantity in causal order '
-           "(round 1 before round 2; forward, losses, grads, grad_norm, clip_coef, exp_avg / "
+           "(round 1 before round 2; forward, losses, grads, grad_norm, clip_coef, lr, exp_avg / "
            "exp_avg_sq, updates; the sampler by its own chain); the cell's other failing rows "
            "are folded under it. A failing check (dtypes, replica) is listed beside the "
            "cause, never before it.</p>"]

@@ -81,7 +81,7 @@ def _adjusted_rows(ctx: SealedBranches, rows: list[Row], *, cell: str, klass: st
     prefix = f"round{rnd}/{role}/"
     jacobians = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
     opt = ctx.contract.optimizer
-    lr = opt.actor_lr if role == "actor" else opt.critic_lr
+    lr = opt.lr(role, rnd)  # the round's scheduled lr (qualify.schedule)
     behavior = None
     if ctx.contract.algorithm.name == "decoupled_ppo":  # the weight of the expected run
         behavior = np.asarray(store.load_tensors(ctx.ref_dir / ROLLOUT_FILE)["behavior_logprobs"])

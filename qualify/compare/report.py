@@ -52,7 +52,7 @@ __all__ = ["MATRIX_COLUMNS", "REPORT_SCHEMA", "matrix_frame", "render_markdown",
 
 REPORT_SCHEMA: Final = "report"
 MATRIX_COLUMNS: Final = ("logprobs", "entropy", "values", "rewards", "losses", "grad_norm",
-                         "clip_coef", "grads", "exp_avg", "exp_avg_sq", "updates", "padding",
+                         "clip_coef", "lr", "grads", "exp_avg", "exp_avg_sq", "updates", "padding",
                          "dtypes", "replica")
 """Columns of the matrix, in this order (families absent from the report are dropped)."""
 
@@ -233,9 +233,10 @@ def _failure_block(i: int, r: Row) -> list[str]:
 
 def _root_cause_lines(report: Report) -> list[str]:
     """``## Root causes``: one line per failing cell, its earliest failing quantity."""
+    lr = " -> lr" if "lr_schedule" in report.sections else ""  # as sealed before lr rows
     out = ["## Root causes", "",
            "Per failing cell, the earliest failing quantity in causal order (round 1 before "
-           "round 2; forward -> losses -> grads -> grad_norm -> clip_coef -> exp_avg / "
+           f"round 2; forward -> losses -> grads -> grad_norm -> clip_coef{lr} -> exp_avg / "
            "exp_avg_sq -> updates; the sampler by its own chain), with the cell's other "
            "failing rows folded under it (`qualify/compare/rootcause.py`).", ""]
     causes = report.root_causes
@@ -306,6 +307,21 @@ def _behavior_weight_lines(report: Report) -> list[str]:
                              "tokens"), rows), ""]
 
 
+def _lr_lines(report: Report) -> list[str]:
+    """``## Learning-rate schedule``: the contract's schedule, the rule, the sealed lrs."""
+    doc = report.lr_schedule or {}
+    sealed = doc.get("sealed")
+    lines = ["## Learning-rate schedule", ""]
+    if not sealed:
+        return [*lines, "No lr sealed: the reference was sealed before lr schedules.", ""]
+    sched = doc.get("schedule") or {}
+    lines += [f"Schedule: {', '.join(f'{k} = {v}' for k, v in sched.items())}. "
+              f"Rule of the `lr_schedule` rows: {doc.get('rule')}.", ""]
+    rows = [(role, rnd, _num(lr, ".9g")) for role, by_round in sorted(sealed.items())
+            for rnd, lr in by_round.items()]
+    return [*lines, _markdown_table(("role", "round", "sealed lr"), rows), ""]
+
+
 def render_markdown(report: Report) -> str:
     """The ``report.md`` text (see the module docstring for its sections)."""
     s = report.summary
@@ -363,6 +379,8 @@ def render_markdown(report: Report) -> str:
         lines += _power_lines(report)
     if "behavior_weights" in report.sections:
         lines += _behavior_weight_lines(report)
+    if "lr_schedule" in report.sections:
+        lines += _lr_lines(report)
     lines += ["## Field mismatch (informational, not gated)", "",
               f"Round-1 teacher-forced logprobs against the sampler's behavior logprobs "
               f"(`logprobs_mode = {report.logprobs_mode}`; like-for-like: "

@@ -13,7 +13,8 @@ The causal order (:func:`causal_key`):
 - trainer rows (role ``actor`` / ``critic``): round 1 before round 2; within a round the
   stages of :data:`TRAINER_CHAIN`: the forward (``logprobs``, ``values``, ``entropy``,
   ``rewards``; a ``*_padded`` rerun too) -> ``losses`` -> ``grads`` (before clipping) ->
-  ``grad_norm`` (pre-clip) -> ``clip_coef`` -> ``exp_avg`` / ``exp_avg_sq`` -> ``updates``;
+  ``grad_norm`` (pre-clip) -> ``clip_coef`` -> ``lr`` (the step's scheduled lr, an input of
+  the step like the clipped gradients) -> ``exp_avg`` / ``exp_avg_sq`` -> ``updates``;
   round ``r + 1``'s forward comes after round ``r``'s update;
 - sampler rows (role ``sampler``): their own chain, :data:`SAMPLER_CHAIN`: the weight
   ``install`` -> the GEMM ``kernels`` against the installed weights -> the
@@ -57,6 +58,7 @@ TRAINER_CHAIN: Final[tuple[tuple[str, ...], ...]] = (
     ("grads",),
     ("grad_norm",),
     ("clip_coef",),
+    ("lr",),
     ("exp_avg", "exp_avg_sq"),
     ("updates",),
 )

@@ -12,6 +12,9 @@
 - :func:`dtype_row`: master weights, gradients and optimizer state must be
   ``torch.float32`` (``outputs.json`` ``dtypes``); :func:`replica_row`: replicated
   parameters bitwise equal across TP ranks (``replica_consistency``);
+- :func:`lr_rows`: the lr each optimizer step applied (``outputs.json`` ``lr``) against the
+  lr the reference sealed for that step (the contract's schedule, :mod:`qualify.schedule`),
+  within one FP32 ulp of the sealed lr (:data:`LR_RULE`);
 - :func:`not_run_rows`, :func:`declared_not_run`, :func:`declared_or`: ``NOT_RUN`` rows, for
   a comparison that could not run or a metric the harness declared not run.
 """
@@ -44,12 +47,14 @@ from qualify.statistics import (
 __all__ = [
     "DETAIL_ROWS",
     "FP32",
+    "LR_RULE",
     "OPTIMIZER_STATE_KEYS",
     "PADDING_REQUIRED",
     "compare_rows",
     "declared_not_run",
     "declared_or",
     "dtype_row",
+    "lr_rows",
     "not_run_rows",
     "padding_rows",
     "replica_row",
@@ -60,6 +65,12 @@ PADDING_REQUIRED: Final = {"actor": "logprobs", "critic": "values"}
 """Per role, the per-token family whose padding rerun (``*_padded``) must be present."""
 OPTIMIZER_STATE_KEYS: Final = ("exp_avg", "exp_avg_sq")
 DETAIL_ROWS: Final = 5
+LR_RULE: Final = ("lr: |lr_obtained - lr_sealed| <= spacing_fp32(lr_sealed), one FP32 ulp of "
+                  "the sealed lr (numpy.spacing(float32(lr))): a schedule is deterministic, the "
+                  "engines compute it in FP64 Python floats (a few FP64 ulps apart by formula "
+                  "order) and the FP32 optimizers cannot resolve an lr finer than that; any "
+                  "step off by one, a missing warmup or end ratio is many ulps off")
+"""The rule of the ``lr_schedule`` rows (:func:`lr_rows`)."""
 
 
 # --------------------------------------------------------------------------- detail tables
@@ -350,6 +361,73 @@ def replica_row(cell: str, role: str, meta: Mapping[str, Any] | None, why: str) 
     return _check_row(**kw, problems=problems, total=max(1, len(params)), error=error,
                       bound=0.0 if error is not None else None)
 
+
+
+def _lr_of(lr: Any, rnd: int) -> float | None:
+    """``lr["round<rnd>"]`` as a float, ``None`` when absent or not a number."""
+    x = lr.get(f"round{rnd}") if isinstance(lr, Mapping) else None
+    return None if isinstance(x, bool) or not isinstance(x, int | float) else float(x)
+
+
+def lr_rows(cell: str, role: str, meta: Mapping[str, Any] | None, why: str,
+            sealed: Mapping[str, Any] | None) -> list[Row]:
+    """One ``lr_schedule`` row per round: the lr the cell's step applied vs the sealed one.
+
+    Args:
+        cell: cell id.
+        role: ``actor`` or ``critic``.
+        meta: the cell's ``outputs.json`` (its ``lr``: ``{"round<r>": lr}``, the lr the
+            engine's optimizer step ``r`` applied, read from its param groups).
+        why: why ``meta`` is ``None``.
+        sealed: the reference's ``{"round<r>": lr}`` of this role (``reference.json``
+            ``update_meta``), ``None`` for a reference sealed before lr schedules: no rows.
+
+    Returns:
+        Rows with family ``lr``, statistic ``abs``, ``error = |obtained - sealed|``,
+        ``bound = spacing_fp32(sealed)`` (:data:`LR_RULE`); an lr the cell did not report
+        is a ``FAIL``.
+    """
+    if not isinstance(sealed, Mapping):
+        return []
+    rounds = sorted(int(k.removeprefix("round")) for k in sealed
+                    if str(k).removeprefix("round").isdigit())
+    out = []
+    for rnd in rounds:
+        want = _lr_of(sealed, rnd)
+        got = _lr_of(meta.get("lr") if isinstance(meta, Mapping) else None, rnd)
+        row = Row(cell=cell, klass="lr_schedule", bound_class=None, round=rnd, role=role,
+                  family="lr", statistic="abs", error=None, bound=None, margin=None,
+                  verdict="FAIL", reason=None, where="")
+        if want is None:
+            out.append(dataclasses.replace(row, verdict="ERROR",
+                                           reason=f"sealed lr of round {rnd} not a number"))
+            continue
+        bound = float(np.spacing(np.float32(abs(want))))
+        if got is None:
+            missing = why if meta is None else f"lr.round{rnd} missing from {OUTPUTS_META_FILE}"
+            out.append(dataclasses.replace(
+                row, bound=bound, where="(missing)",
+                reason=f"{row.metric}: no lr reported ({missing})",
+                detail=FailureDetail(mismatched=1, total=1, max_abs=math.inf, max_rel=math.inf,
+                                     columns=("step", "obtained", "expected", "abs diff"),
+                                     table=((str(rnd), None, want, math.inf),))))
+            continue
+        err = abs(got - want)
+        verdict, margin = judge(err, bound)
+        row = dataclasses.replace(row, error=err, bound=bound, margin=margin,
+                                  where=f"step {rnd}")
+        if verdict == "PASS":
+            out.append(dataclasses.replace(row, verdict="PASS"))
+            continue
+        out.append(dataclasses.replace(
+            row, reason=f"{row.metric}: lr = {got:.9g} applied at optimizer step {rnd}, the "
+                        f"contract's schedule gives {want:.9g} (|diff| {err:.3g} > 1 FP32 ulp "
+                        f"{bound:.3g})",
+            detail=FailureDetail(mismatched=1, total=1, max_abs=err,
+                                 max_rel=err / abs(want) if want else math.inf,
+                                 columns=("step", "obtained", "expected", "abs diff"),
+                                 table=((str(rnd), got, want, err),))))
+    return out
 
 
 def declared_or(row: Row, meta: Mapping[str, Any] | None, family: str) -> Row:

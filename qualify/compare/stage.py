@@ -38,7 +38,11 @@ types: :mod:`qualify.compare.verdicts`). Per cell of ``run.json``:
   * ``dtypes``: master weights, gradients and optimizer state must be ``torch.float32``
     in fp32 **and** bf16 cells (``outputs.json`` ``dtypes``);
   * ``replica_consistency``: replicated parameters bitwise equal across TP ranks
-    (``outputs.json`` ``replica_consistency.all_equal``).
+    (``outputs.json`` ``replica_consistency.all_equal``);
+  * ``lr_schedule``: the lr each optimizer step applied (``outputs.json`` ``lr``) within one
+    FP32 ulp of the lr the reference sealed for that step (``reference.json``
+    ``update_meta``; :func:`qualify.compare.rows.lr_rows`; none for a reference sealed
+    before lr schedules).
 
   Bounds come only from the reference's ``bounds.json`` (:func:`qualify.bounds.lookup`);
   a metric without a bound is ``ERROR``, never ``PASS``. ``PASS`` iff the error is finite
@@ -77,9 +81,12 @@ from qualify.compare.power import PowerCache
 from qualify.compare.reflip import SealedBranches, with_branch_flips
 from qualify.compare.report import write_report
 from qualify.compare.rows import (
+    LR_RULE,
     compare_rows,
+    declared_not_run,
     declared_or,
     dtype_row,
+    lr_rows,
     not_run_rows,
     padding_rows,
     replica_row,
@@ -106,6 +113,7 @@ from qualify.layout import (
     LOGS_DIR,
     OUTPUTS_FILE,
     OUTPUTS_META_FILE,
+    REFERENCE_FILE,
     REPORT_JSON,
     ROLLOUT_FILE,
     ROLLOUT_META_FILE,
@@ -262,6 +270,25 @@ def _load_coverage(ref_dir: Path) -> dict[str, Any] | None:
     return doc
 
 
+def _update_meta(ref_dir: Path) -> dict[str, Any]:
+    """``reference.json`` ``update_meta`` (``{}`` when absent: nothing sealed there).
+
+    Raises:
+        ReferenceDataError: ``reference.json`` is unreadable or ``update_meta`` is no object.
+    """
+    path = ref_dir / REFERENCE_FILE
+    if not os.path.lexists(path):
+        return {}
+    try:
+        doc = jsonio.read_json(path)
+    except (OSError, ValueError, EvidenceIntegrityError) as exc:
+        raise ReferenceDataError(f"{path}: unreadable or not JSON: {exc}") from None
+    meta = doc.get("update_meta", {}) if isinstance(doc, dict) else None
+    if not isinstance(meta, dict):
+        raise ReferenceDataError(f"{path}: update_meta: not an object")
+    return meta
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -278,6 +305,8 @@ class _Ctx:
     """The contract's matrix cells by id."""
     power: PowerCache = dataclasses.field(default_factory=dict)
     """Null errors of the power check measured so far (:func:`qualify.compare.power.power_of`)."""
+    update_meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """``reference.json`` ``update_meta``: per ``hf-<lane>`` and role, the sealed ``lr``."""
 
 
 def _hf(ctx: _Ctx, precision: str) -> dict[str, npt.NDArray[Any]] | None:
@@ -365,7 +394,38 @@ def _complete_rows(ctx: _Ctx, *, cid: str, entry: Mapping[str, Any], cells: Mapp
                             outputs.meta, "dtypes"))
     rows.append(declared_or(replica_row(cid, role, outputs.meta, outputs.meta_problem),
                             outputs.meta, "replica"))
+    for r in lr_rows(cid, role, outputs.meta, outputs.meta_problem,
+                     _sealed_lr(ctx, precision, role)):
+        declared = (declared_not_run(outputs.meta, r.round, "lr") if r.where == "(missing)"
+                    else None)
+        rows.append(r if declared is None else dataclasses.replace(
+            r, verdict="NOT_RUN", reason=declared, detail=None, where="", bound=None))
     return rows
+
+
+def _lr_section(ctx: _Ctx) -> dict[str, Any]:
+    """``report.json`` ``lr_schedule``: the contract's schedule, the rule, the sealed lrs."""
+    o = ctx.contract.optimizer
+    sealed = {role: dict(lr) for role in ("actor", "critic")
+              if (lr := _sealed_lr(ctx, "", role)) is not None}
+    return {"schedule": {"lr_schedule": o.lr_schedule, "warmup_steps": o.warmup_steps,
+                         "total_steps": o.total_steps, "min_lr_ratio": o.min_lr_ratio},
+            "rule": LR_RULE, "sealed": sealed or None}
+
+
+def _sealed_lr(ctx: _Ctx, lane: str, role: str) -> Mapping[str, Any] | None:
+    """The reference's per-round lr of ``role`` (``update_meta`` ``hf-<lane>``), else ``None``.
+
+    The schedule does not depend on the precision, so a lane without its own record takes
+    another HF lane's; ``None`` for a reference sealed before lr schedules (no lr rows).
+    """
+    labels = [f"hf-{lane}", *sorted(k for k in ctx.update_meta if str(k).startswith("hf-"))]
+    for label in labels:
+        m = ctx.update_meta.get(label)
+        lr = (m.get(role) or {}).get("lr") if isinstance(m, Mapping) else None
+        if isinstance(lr, Mapping):
+            return lr
+    return None
 
 
 def _cell_reason(verdict: Verdict, rows: Sequence[Row]) -> str | None:
@@ -479,7 +539,8 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
     ctx = _Ctx(run_dir=run_dir, ref_dir=ref_dir, bounds=bounds, mask=mask, contract=contract,
                branches=SealedBranches(ref_dir=ref_dir, contract=contract, bounds=bounds,
                                        mask=mask),
-               cells={c.cell_id: c for c in contract.matrix.cells()})
+               cells={c.cell_id: c for c in contract.matrix.cells()},
+               update_meta=_update_meta(ref_dir))
     # 4. the cells
     cells = run.cells
     loaded: dict[str, _Outputs | str] = {}
@@ -521,6 +582,7 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
         cells=tuple(results), rows=tuple(all_rows), logprobs_mode=mode,
         field_like_for_like=like, field_note=field_note, field_metrics=tuple(fields),
         notes=tuple(notes), coverage=coverage, clip_band=tuple(band),
+        lr_schedule=_lr_section(ctx),
         behavior_weights=behavior_weight_rows(
             ref_dir, run_dir, [(c.cell, c.attempt) for c in results
                                if c.role == "actor" and c.attempt]))

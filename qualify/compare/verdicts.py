@@ -44,18 +44,21 @@ __all__ = [
 ]
 
 ROW_CLASSES: Final = ("candidate_vs_hf", "tp_vs_tp1", "padding_invariance", "dtypes",
-                      "replica_consistency")
+                      "replica_consistency", "lr_schedule")
 OPTIONAL_SECTIONS: Final[tuple[str, ...]] = ("coverage", "power", "root_causes",
-                                              "behavior_weights", "clip_band")
+                                              "behavior_weights", "clip_band",
+                                              "lr_schedule")
 """Report sections added after the first comparator, in the order they were added:
 ``coverage`` (the reference's coverage record, issue #15), ``power`` (the power check of
 every metric row and its per-family summary, issue #15) and ``root_causes`` (each failing
 cell's earliest failing quantity, and ``report.md`` leading with them and listing failures
 by cell in causal order, issue #20), ``behavior_weights`` (decoupled PPO's importance-weight
-statistics, :mod:`qualify.compare.weights`, issue #18) and ``clip_band`` (the clip-band tail
+statistics, :mod:`qualify.compare.weights`, issue #18), ``clip_band`` (the clip-band tail
 of the field metrics, and ``report.md``'s matrix split into trainer and sampler cells, issue
-#20). A report without them was sealed before they existed and is recomputed, and its
-``report.md`` rendered, without them (:func:`sections_of`)."""
+#20) and ``lr_schedule`` (the contract's lr schedule, the rule of the ``lr_schedule`` rows and
+the lrs the reference sealed, issue #15; the rows themselves follow from the evidence: none
+against a reference that sealed no lr). A report without them was sealed before they existed
+and is recomputed, and its ``report.md`` rendered, without them (:func:`sections_of`)."""
 
 VERDICT_PRECEDENCE: Final[tuple[Verdict, ...]] = ("FAIL", "ERROR", "NOT_RUN", "PASS")
 """Worst first: a cell's verdict is the first of these that any of its rows has."""
@@ -258,6 +261,9 @@ class Report:
         clip_band: per source, the fraction of valid round-1 tokens whose train/sampler
             ratio falls outside the PPO clip band
             (:func:`qualify.compare.mismatch.clip_band_tail`; informational).
+        lr_schedule: ``{"schedule", "rule", "sealed"}``: the contract's schedule settings,
+            the rule of the ``lr_schedule`` rows and the reference's sealed lr per role and
+            round (``None``: a reference sealed before lr schedules).
         sections: the optional sections this report holds (:data:`OPTIONAL_SECTIONS`,
             every one by default: what the comparator writes today). ``qualify verify``
             recomputes a report sealed by an earlier comparator with the sections that
@@ -290,6 +296,7 @@ class Report:
     coverage: Mapping[str, Any] | None = None
     behavior_weights: tuple[Mapping[str, Any], ...] = ()
     clip_band: tuple[Mapping[str, Any], ...] = ()
+    lr_schedule: Mapping[str, Any] | None = None
     sections: tuple[str, ...] = OPTIONAL_SECTIONS
     sections_recorded: bool = True
 
@@ -420,6 +427,8 @@ class Report:
             doc["clip_band"] = [
                 {k: json_number(v) if isinstance(v, float) else v for k, v in r.items()}
                 for r in self.clip_band]
+        if "lr_schedule" in self.sections:
+            doc["lr_schedule"] = dict(self.lr_schedule or {})
         return doc
 
 

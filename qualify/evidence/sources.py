@@ -46,7 +46,10 @@ QUALIFY_SET: Final = "qualify"
 """The key of the qualification code's file set in ``sources.json``."""
 NOT_RECORDED: Final = "sources not recorded: cannot prove freshness"
 """The stale reason of every cell of a run without ``sources.json``."""
-HARNESS_SHARED: Final = ("harnesses/__init__.py", "harnesses/common.py")
+HARNESS_SHARED: Final = ("harnesses/__init__.py", "harnesses/common.py",
+                         "harnesses/hf_schedule.py")
+"""Harness modules outside an engine's folder that engines import (``hf_schedule``: the HF
+lr scheduler of torch_tp and fsdp2); each engine's cells are stale when one changes."""
 
 
 def _digests(root: Path, rels: Iterable[str]) -> dict[str, str]:

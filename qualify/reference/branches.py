@@ -319,7 +319,7 @@ def adjust_control_errors(contract: Contract, errors: ControlErrors, *,
                         jacobians={k[len(prefix):]: v for k, v in tensors.items()
                                    if k.startswith(prefix)},
                         scalars=sealed, train=train, n_valid=float(np.asarray(mask).sum()),
-                        lr=opt.actor_lr if role == "actor" else opt.critic_lr,
+                        lr=opt.lr(role, r),
                         betas=(float(opt.betas[0]), float(opt.betas[1])), eps=opt.eps,
                         max_grad_norm=opt.max_grad_norm,
                         factors=branches.loss_factors_of(

@@ -47,6 +47,8 @@ Rules (``role`` / ``round`` / ``label`` where they apply; ``label`` is the refer
 - ``gradient_accumulation``: micro-batches per step (exercised when more than one).
 - ``adamw_betas`` / ``adamw_eps`` / ``adamw_weight_decay``: the contract's setting differs
   from ``torch.optim.AdamW``'s default ((0.9, 0.999), 1e-8, 0.01); count 1 or 0.
+- ``lr_schedule``: consecutive rounds whose scheduled lr differs (:mod:`qualify.schedule`);
+  exercised when one does and no round's lr is 0 (a zero step exercises no update).
 
 Everything is FP64 numpy and deterministic (rules in a fixed order), so the record is the
 same bytes for the same inputs.
@@ -55,6 +57,7 @@ same bytes for the same inputs.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -306,6 +309,13 @@ def _batch_rules(contract: Contract, rollout: Mapping[str, Array],
         differs = int(got != ADAMW_DEFAULTS[key.removeprefix("adamw_")])
         out.append(Rule(rule=key, label=None, role=None, round=None, count=differs,
                         total=1, exercised=bool(differs), absent=absent))
+    lrs = [opt.lr("actor", r) for r in range(1, alg.rounds + 1)]
+    steps = sum(1 for a, b in itertools.pairwise(lrs) if a != b)
+    out.append(Rule(rule="lr_schedule", label=None, role=None, round=None, count=steps,
+                    total=max(alg.rounds - 1, 0), exercised=steps > 0 and min(lrs) > 0,
+                    absent=f"the lr is the same in every round or zero in one "
+                           f"(lr_schedule = {opt.lr_schedule!r}: "
+                           f"{', '.join(f'{x:.6g}' for x in lrs)})"))
     return out
 
 

@@ -309,9 +309,12 @@ def _grad_norm_and_clip(params: list[tuple[str, nn.Parameter]],
 
 def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
           optim: torch.optim.Optimizer, out: dict[str, torch.Tensor],
-          grad_dtypes: set[str], norm_evals: dict[str, float]) -> None:
+          grad_dtypes: set[str], norm_evals: dict[str, float]) -> float:
     """Record grads (and their dtype), clip, AdamW step, record state and updates.
 
+    The step's lr is the contract's schedule at optimizer step ``round_`` (1-based,
+    :meth:`qualify.contract.OptimizerSpec.lr`, the formula of :mod:`qualify.schedule`), set
+    on every param group before ``optim.step()``; it is returned so the run seals it.
     ``norm_evals[f"round{round_}"]`` receives the FP32 evaluation of the pre-clip norm
     (:func:`_grad_norm_and_clip`).
     """
@@ -332,6 +335,9 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
     out[tensor_name(round_, role, "grad_norm")] = torch.tensor(norm, dtype=torch.float32)
     out[tensor_name(round_, role, "clip_coef")] = torch.tensor(coef, dtype=torch.float32)
     before = {n: p.detach().clone() for n, p in params}
+    lr = contract.optimizer.lr(role, round_)
+    for group in optim.param_groups:
+        group["lr"] = lr
     optim.step()
     optim.zero_grad(set_to_none=True)
     for n, p in params:
@@ -339,6 +345,7 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
         out[tensor_name(round_, role, "exp_avg", n)] = reported(n, state["exp_avg"])
         out[tensor_name(round_, role, "exp_avg_sq", n)] = reported(n, state["exp_avg_sq"])
         out[tensor_name(round_, role, "updates", n)] = reported(n, p.detach() - before[n])
+    return lr
 
 
 def _run_meta(master: nn.Module, optim: torch.optim.Optimizer, grad_dtypes: set[str],
@@ -409,6 +416,7 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
     grad_dtypes: set[str] = set()
     norm_evals: dict[str, float] = {}
     clip_fraction: dict[str, float] = {}
+    lrs: dict[str, float] = {}
     with torch.no_grad():
         ref_model = ref_prec.refresh()
         for s, mb in batch.micro_batches(settings.micro_batch_size):
@@ -466,9 +474,10 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
         out[tensor_name(round_, "actor", "loss/total")] = torch.tensor(sum(sums.values()))
         if on_round is not None:
             on_round(round_, model, actor, batch, old_logp)
-        _step("actor", round_, actor, contract, optim=optim, out=out, grad_dtypes=grad_dtypes,
-              norm_evals=norm_evals)
+        lrs[f"round{round_}"] = _step("actor", round_, actor, contract, optim=optim, out=out,
+                                      grad_dtypes=grad_dtypes, norm_evals=norm_evals)
     meta = _run_meta(actor, optim, grad_dtypes, compute_dtypes, settings)
+    meta["lr"] = lrs
     meta[NORM_FP32_META] = norm_evals
     meta["policy_clip_fraction"] = clip_fraction
     meta["loss_agg_mode"] = alg.loss_agg_mode
@@ -512,6 +521,7 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
     grad_dtypes: set[str] = set()
     norm_evals: dict[str, float] = {}
     clip_fraction: dict[str, float] = {}
+    lrs: dict[str, float] = {}
     for round_ in range(1, alg.rounds + 1):
         model = prec.refresh()
         model.eval()  # dropout off (protocol); autograd works in eval mode
@@ -544,9 +554,10 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
         out[tensor_name(round_, "critic", "loss/total")] = torch.tensor(total)
         if on_round is not None:
             on_round(round_, model, critic, batch, old_values)
-        _step("critic", round_, critic, contract, optim=optim, out=out, grad_dtypes=grad_dtypes,
-              norm_evals=norm_evals)
+        lrs[f"round{round_}"] = _step("critic", round_, critic, contract, optim=optim,
+                                      out=out, grad_dtypes=grad_dtypes, norm_evals=norm_evals)
     meta = _run_meta(critic, optim, grad_dtypes, compute_dtypes, settings)
+    meta["lr"] = lrs
     meta[NORM_FP32_META] = norm_evals
     meta["value_clip_fraction"] = clip_fraction
     return out, meta
