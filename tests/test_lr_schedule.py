@@ -142,6 +142,7 @@ def test_megatron_scheduler_gives_the_contract_lr(key: tuple[str, int, int | Non
 DS_PROBE = r"""
 import json, os, sys
 import torch, deepspeed
+from harnesses import hf_schedule
 from harnesses.deepspeed.parallelize import ds_config, ds_scheduler
 from qualify.contract import OptimizerSpec
 deepspeed.init_distributed(dist_backend="gloo")
@@ -151,17 +152,20 @@ for key in json.loads(sys.argv[1]):
     spec = OptimizerSpec(actor_lr=3e-4, critic_lr=3e-4, betas=(0.9, 0.95), eps=1e-6,
                          weight_decay=0.1, max_grad_norm=0.5, lr_schedule=name,
                          warmup_steps=w, total_steps=t, min_lr_ratio=r)
-    sched = ds_scheduler(spec, 3e-4)
-    cfg = ds_config(precision="fp32", zero=0, tp=1, micro_batch_size=1, n_micro=1, lr=3e-4,
-                    betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1, max_grad_norm=1.0,
-                    scheduler=sched)
-    engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 1), config=cfg)
-    lrs = []
-    for _ in range(t or 2):
-        engine.backward(engine(torch.ones(1, 4)).sum())
-        lrs.append(float(engine.get_lr()[0]))
-        engine.step()
-    out[json.dumps(key)] = [type(engine.lr_scheduler).__name__, lrs]
+    for how in ("config", "client"):  # DeepSpeed's own class / what the harness passes
+        sched = ds_scheduler(spec, 3e-4) if how == "config" else None
+        cfg = ds_config(precision="fp32", zero=0, tp=1, micro_batch_size=1, n_micro=1,
+                        lr=3e-4, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1,
+                        max_grad_norm=1.0, scheduler=sched)
+        client = None if how == "config" else (lambda o: hf_schedule.hf_scheduler(o, spec))
+        engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 1), config=cfg,
+                                          lr_scheduler=client)
+        lrs = []
+        for _ in range(t or 2):
+            engine.backward(engine(torch.ones(1, 4)).sum())
+            lrs.append(float(engine.get_lr()[0]))
+            engine.step()
+        out[how + " " + json.dumps(key)] = [type(engine.lr_scheduler).__name__, lrs]
 print("RESULT " + json.dumps(out))
 """
 
@@ -193,7 +197,7 @@ def test_deepspeed_config_schedulers(deepspeed_lrs: dict[str, Any]) -> None:
     """
     for key in SETTINGS:
         schedule, w, t, r = key
-        cls, got = deepspeed_lrs[json.dumps(list(key))]
+        cls, got = deepspeed_lrs["config " + json.dumps(list(key))]
         spec = _spec(schedule, warmup=w, total=t, ratio=r)
         want = [spec.lr("actor", s) for s in range(1, len(got) + 1)]
         if schedule == "constant":
@@ -205,7 +209,18 @@ def test_deepspeed_config_schedulers(deepspeed_lrs: dict[str, Any]) -> None:
         if want[0] != 0.0:
             assert not _ulp_ok(got, want)
     # The default contract (cosine, T = 2, r = 0.1): DeepSpeed applies 0 at both steps.
-    assert deepspeed_lrs[json.dumps(["cosine", 0, 2, 0.1])][1] == [0.0, 0.0]
+    assert deepspeed_lrs["config " + json.dumps(["cosine", 0, 2, 0.1])][1] == [0.0, 0.0]
+
+
+def test_deepspeed_client_scheduler_gives_the_contract_lr(deepspeed_lrs: dict[str, Any]) -> None:
+    """What the harness runs: transformers' scheduler passed to ``deepspeed.initialize`` as
+    a client scheduler, stepped by ``engine.step()``: the contract's lr at every step."""
+    for key in SETTINGS:
+        schedule, w, t, r = key
+        cls, got = deepspeed_lrs["client " + json.dumps(list(key))]
+        spec = _spec(schedule, warmup=w, total=t, ratio=r)
+        assert cls == "LambdaLR"
+        assert _ulp_ok(got, [spec.lr("actor", s) for s in range(1, len(got) + 1)]), (key, got)
 
 
 def _meta(lrs: list[float]) -> dict[str, Any]:

@@ -13,10 +13,9 @@ Reads only ``cell.json`` and, from ``inputs_dir``: ``rollout.safetensors``,
 group (:mod:`harnesses.deepspeed.parallelize`).
 
 Process-group reuse: a cell with ``variants`` runs every ``(precision, options)`` variant in order
-inside the same processes (one ``init_process_group``, one set of groups, fresh models and engines
-per variant) and writes variant ``v`` to ``output_dir / variant_tag(v)``; without variants the
-single variant goes to ``output_dir``. A variant that raises ends the launch with a non-zero exit
-(the variants before it keep their outputs).
+in the same processes (one process group, fresh models and engines per variant) and writes variant
+``v`` to ``output_dir / variant_tag(v)`` (else to ``output_dir``); a variant that raises ends the
+launch with a non-zero exit (the variants before it keep their outputs).
 
 What is reported is what the engine did: its own pre-clip gradient norm
 (``engine.get_global_grad_norm()``; where it returns ``None`` the L2 norm of the engine's gradient
@@ -46,7 +45,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from harnesses import common, layer_probe
+from harnesses import common, hf_schedule, layer_probe
 from harnesses.common import Batch, Inputs
 from harnesses.deepspeed import losses, parallelize
 from harnesses.deepspeed import state_dict_adapter as sda
@@ -160,10 +159,11 @@ class VariantRun(common.RoleOutputs):
             precision=self.precision, zero=self.zero, tp=self.placement.tp,
             micro_batch_size=c.algorithm.micro_batch_size, n_micro=n_micro, lr=lr,
             betas=(float(o.betas[0]), float(o.betas[1])), eps=o.eps,
-            weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm,
-            scheduler=parallelize.ds_scheduler(o, lr))
+            weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm)
         mpu = parallelize.install_role_groups(self.placement)
-        engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, mpu=mpu)
+        engine, _, _, _ = deepspeed.initialize(  # a client lr scheduler (README: the lr)
+            model=model, config=cfg, mpu=mpu,
+            lr_scheduler=lambda x: hf_schedule.hf_scheduler(x, o))
         hook = getattr(engine, "first_dataloader_check", None)
         src = groups.get_tensor_model_parallel_src_rank() if self.placement.tp > 1 else None
         if hook is not None and src is not None and src != self.placement.ranks[0]:

@@ -210,9 +210,10 @@ def ds_config(*, precision: str, zero: int, tp: int, micro_batch_size: int, n_mi
     return cfg
 
 
-DS_SCHEDULER_NOTE: Final = ("engine_info.deepspeed_config.scheduler (DeepSpeed's own class, "
-                             "built by deepspeed.initialize, stepped by engine.step() after the "
-                             "optimizer step); lr = engine.get_lr() just before engine.step()")
+DS_SCHEDULER_NOTE: Final = ("client lr_scheduler: deepspeed.initialize(lr_scheduler=callable) "
+                             "builds transformers.get_scheduler on the engine's basic optimizer "
+                             "(engine._configure_lr_scheduler); engine.step() steps it after the "
+                             "optimizer step; lr = engine.get_lr() just before engine.step()")
 
 
 def one_lr(lrs: Sequence[float], round_: int) -> float:
@@ -229,6 +230,10 @@ def one_lr(lrs: Sequence[float], round_: int) -> float:
 
 def ds_scheduler(o: OptimizerSpec, lr: float) -> dict[str, Any] | None:
     """The DeepSpeed ``scheduler`` config of the contract's lr schedule (its real classes).
+
+    Not what the harness runs (it passes a client scheduler, README "The lr schedule"): the
+    repro of the finding that DeepSpeed's config schedulers cannot express the contract's
+    schedule (``tests/test_lr_schedule.py::test_deepspeed_config_schedulers``).
 
     ``o``: the contract's ``[optimizer]`` (``lr_schedule``, ``W = warmup_steps``,
     ``T = total_steps``, ``r = min_lr_ratio``); ``lr``: the role's base lr.
