@@ -128,6 +128,11 @@ def schedule_problem(spec: Any) -> str | None:
     if spec.warmup_steps >= spec.total_steps:
         return (f"optimizer.warmup_steps: {spec.warmup_steps} must be below "
                 f"optimizer.total_steps = {spec.total_steps}")
+    if spec.min_lr_ratio >= 1.0:
+        # A decay to the lr itself is no decay; transformers' polynomial decay (the linear
+        # schedule's engine mapping) refuses lr_end == lr with a ValueError.
+        return (f"optimizer.min_lr_ratio: 1 with lr_schedule = {spec.lr_schedule!r} decays "
+                "to the lr itself (no decay); use a ratio below 1 or lr_schedule = 'constant'")
     return None
 
 

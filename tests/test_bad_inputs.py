@@ -111,6 +111,8 @@ CONTRACT_CASES = [
          _sub("total_steps = 2", "total_steps = 2\nwarmup_steps = 0.5"), ("warmup_steps",)),
     Case("lr-schedule-min-ratio-above-one", _sub("min_lr_ratio = 0.1", "min_lr_ratio = 1.5"),
          ("min_lr_ratio",)),
+    Case("lr-schedule-min-ratio-one", _sub("min_lr_ratio = 0.1", "min_lr_ratio = 1.0"),
+         ("min_lr_ratio", "no decay")),
     Case("lr-schedule-constant-with-total",
          _sub('lr_schedule = "cosine"', 'lr_schedule = "constant"'),
          ("optimizer.total_steps", "constant")),

@@ -10,6 +10,7 @@ must name nothing. The report page then shows the result.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,38 @@ def test_errors_count_valid_positions_only_and_bounds_follow_the_controls() -> N
     assert head["control_error"] == 0.0
     assert head["bound"] == pytest.approx(1e-3)
     assert compare.first_diverged(rows) is layer
+
+
+def test_non_finite_values_count_only_where_valid_and_then_exceed() -> None:
+    """A NaN at a padded position is ignored (a product mask would spread it); a NaN or inf
+    at a valid one is an infinite error that exceeds its bound and names the module; a
+    module the probe lists but did not capture is refused, never skipped."""
+    frame = _frame()
+    ref_h = torch.zeros(2, 5, 4)
+    names = ["model.layers.0", "model.layers.1"]
+    ref = Capture(modules=names, fwd=dict.fromkeys(names, ref_h), bwd={})
+    rule = compare.Rule(k=4.0, floor_forward=1e-3, floor_backward=1.0)
+    pad_nan, valid_nan = ref_h.clone(), ref_h.clone()
+    pad_nan[0, 0, 1] = float("nan")  # row 0's left pad
+    valid_nan[1, 3, 0] = float("nan")
+    rows = compare.compare({"fwd/model.layers.0": pad_nan, "fwd/model.layers.1": valid_nan},
+                           names, reference=ref, control_runs={}, frame=frame, rule=rule)
+    first, second = rows
+    assert (first["error"], first["exceeds"]) == (0.0, False)
+    assert second["error"] == math.inf
+    assert second["exceeds"]
+    assert second["where"] == [1, 3]
+    assert compare.first_diverged(rows) is second
+    doc = compare.document(cell={"id": "c"}, rows=rows, rule=rule, controls=[],
+                           context={})
+    assert doc["first"]["error"] == "inf"  # JSON has no infinity: written as a string
+    assert doc["rows"][1]["margin"] == "inf"
+    json.dumps(doc, allow_nan=False)
+    with pytest.raises(ValueError, match=r"holds no fwd/model\.layers\.1"):
+        compare.compare({"fwd/model.layers.0": ref_h}, names, reference=ref,
+                        control_runs={}, frame=frame, rule=rule)
+    with pytest.raises(ValueError, match="no module"):
+        compare.compare({}, [], reference=ref, control_runs={}, frame=frame, rule=rule)
 
 
 def test_the_first_forward_module_is_named_before_any_backward_one() -> None:

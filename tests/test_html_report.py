@@ -337,6 +337,14 @@ def test_gate_decision_on_the_page(run_dir: Path, page: Page, tmp_path: Path) ->
     offending = [c for c in ev.cells if c.required and not c.ok]
     assert text.count("<li>", text.index('id="gate"'), text.index("</div>", text.index(
         'id="gate"'))) == min(len(offending), 12) + (len(offending) > 12)
+    assert "gate-unverified" in gated.order  # qualify report decides without verifying
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         assert main(["report", str(run_dir), "--html", str(path), "--policy",
                      str(policy.path)]) == ExitCode.USAGE_ERROR
+    err = io.StringIO()
+    other = ROOT / "contracts" / "tiny-qwen3-grpo.toml"  # not this run's contract
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        assert main(["report", str(run_dir), "--html", str(path), "--contract",
+                     str(other)]) == ExitCode.USAGE_ERROR
+    assert "is not the run's (tiny-qwen3," in err.getvalue()
+    assert len(err.getvalue().strip().splitlines()) == 1

@@ -63,8 +63,10 @@ def test_document_records_every_source_file_and_the_digests(code: Path, tmp_path
     ds = doc["engines"]["deepspeed"]
     assert "harnesses/common.py" in ds["files"]
     assert all(f.startswith(("harnesses/deepspeed/", "harnesses/common.py",
-                             "harnesses/__init__.py", "harnesses/hf_schedule.py"))
+                             "harnesses/__init__.py", "harnesses/hf_schedule.py",
+                             "harnesses/layer_probe.py"))
                for f in ds["files"])
+    assert "harnesses/layer_probe.py" in ds["files"]  # around every DeepSpeed micro-batch
     assert set(ds["distributions"]) == {"deepspeed"}
     assert doc["contract"] == {"name": "tiny-qwen3", "digest": contract.digest}
     assert doc["policy"]["path"].endswith("gates/tiny-qwen3.toml")
@@ -136,8 +138,37 @@ def test_unknown_engine_and_broken_record(code: Path, tmp_path: Path) -> None:
 def test_engine_files_match_the_folder(code: Path) -> None:
     files = engine_files(code, "torch_tp")
     want = {p.relative_to(code).as_posix() for p in (code / "harnesses" / "torch_tp").rglob(
-        "*.py")} | {"harnesses/common.py", "harnesses/__init__.py", "harnesses/hf_schedule.py"}
+        "*.py")} | {"harnesses/common.py", "harnesses/__init__.py", "harnesses/hf_schedule.py",
+                    "harnesses/layer_probe.py"}
     assert set(files) == want
+
+
+def test_every_shared_harness_module_an_engine_imports_is_tracked() -> None:
+    """The shared set, derived from the engines' own imports (``ast``): a harness module
+    outside the engine folders that any engine imports makes its cells stale when it
+    changes, so it must be in HARNESS_SHARED (layer_probe was missing once)."""
+    import ast
+
+    from qualify.evidence.sources import HARNESS_SHARED
+
+    root = Path(__file__).resolve().parent.parent
+    engines = {p.name for p in (root / "harnesses").iterdir() if p.is_dir()
+               and (p / "__init__.py").is_file()}
+    shared: set[str] = set()
+    for path in (root / "harnesses").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module == "harnesses":
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    "harnesses."):
+                names = [str(node.module).split(".")[1]]
+            elif isinstance(node, ast.Import):
+                names = [a.name.split(".")[1] for a in node.names
+                         if a.name.startswith("harnesses.")]
+            shared |= {f"harnesses/{n}.py" for n in names if n not in engines}
+    assert shared, "no shared harness import found: the scan is broken"
+    assert shared <= set(HARNESS_SHARED), sorted(shared - set(HARNESS_SHARED))
 
 
 # --------------------------------------------------------------------------- gate, audit

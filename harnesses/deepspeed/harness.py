@@ -58,9 +58,8 @@ from qualify.protocol import (
 ENGINE: Final = "deepspeed"
 GRAD_NORM_ENGINE: Final = "engine.get_global_grad_norm() after the step (pre-clip)"
 GRAD_NORM_MEASURED: Final = ("harness-measured: L2 norm of the engine's gradient buffers "
-                             "(deepspeed.utils.safe_get_full_grad, gathered, each parameter "
-                             "once, FP64) before engine.step(); "
-                             "engine.get_global_grad_norm() returned None")
+                             "(deepspeed.utils.safe_get_full_grad, gathered, each parameter once, "
+                             "FP64) before engine.step(); engine.get_global_grad_norm() was None")
 CLIP_COEF_MEASURED: Final = ("harness-measured: DeepSpeed exposes no clip coefficient; c = "
                              "<exp_avg_r - beta1*exp_avg_{r-1}, g_r> / ((1 - beta1) <g_r, g_r>) "
                              "over every parameter (FP64), from the engine's own AdamW state and "
@@ -160,9 +159,8 @@ class VariantRun(common.RoleOutputs):
             micro_batch_size=c.algorithm.micro_batch_size, n_micro=n_micro, lr=lr,
             betas=(float(o.betas[0]), float(o.betas[1])), eps=o.eps,
             weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm)
-        mpu = parallelize.install_role_groups(self.placement)
         engine, _, _, _ = deepspeed.initialize(  # a client lr scheduler (README: the lr)
-            model=model, config=cfg, mpu=mpu,
+            model=model, config=cfg, mpu=parallelize.install_role_groups(self.placement),
             lr_scheduler=lambda x: hf_schedule.hf_scheduler(x, o))
         hook = getattr(engine, "first_dataloader_check", None)
         src = groups.get_tensor_model_parallel_src_rank() if self.placement.tp > 1 else None

@@ -37,8 +37,16 @@ def _cmd_report(args: argparse.Namespace) -> ExitCode:
         from qualify.pipeline.chain import gate_view, run_decision
 
         contract = load_contract(args.contract)
+        doc = jsonio.read_json(run_dir / REPORT_JSON)
+        if not isinstance(doc, dict) or (doc.get("contract"), doc.get("contract_digest")) != (
+                contract.name, contract.digest):
+            got = (doc.get("contract"), str(doc.get("contract_digest"))[:12]) \
+                if isinstance(doc, dict) else ("?", "?")
+            raise UsageError(f"{args.contract}: contract {contract.name} ({contract.digest12}) "
+                             f"is not the run's ({got[0]}, {got[1]}; {run_dir / REPORT_JSON} "
+                             "contract / contract_digest)")
         policy = policy_for(contract, args.policy)
-        gate = gate_view(*run_decision(run_dir, contract, policy), policy)
+        gate = gate_view(*run_decision(run_dir, contract, policy), policy, verified=False)
     elif args.policy:
         raise UsageError("--policy needs --contract (the policy judges that contract's cells)")
     path = write_html(run_dir, Path(args.html) if args.html else None, gate=gate)

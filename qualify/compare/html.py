@@ -54,6 +54,7 @@ from qualify.compare.plotdata import (
 )
 from qualify.compare.report import MATRIX_COLUMNS
 from qualify.compare.rootcause import SAMPLER_ROLE, RootCause, causes_of_report
+from qualify.errors import QualifyError
 from qualify.evidence import store
 from qualify.layout import REPORT_JSON, REPORT_MD
 
@@ -150,10 +151,15 @@ def _gate_line(gate: Mapping[str, Any] | None) -> str:
                     for c in bad[:MAX_GATE_ITEMS])
     if len(bad) > MAX_GATE_ITEMS:
         items += f"<li>and {len(bad) - MAX_GATE_ITEMS} more (qualify gate lists them)</li>"
+    unverified = "" if gate.get("verified", True) else (
+        '<p class="note" id="gate-unverified">Decided here on the run as it lies, not '
+        "verified: <code>qualify gate</code> verifies the signed evidence (signature, "
+        "manifest, recomputed verdicts) before it decides.</p>")
     return (f'<div id="gate"><p class="result result-{"passed" if ok else "failed"}">'
             f'<strong>Gate: {"PASS" if ok else "FAIL"}</strong> (exit '
             f'{_e(gate.get("exit_code"))}) by {by}; required cells: {_e(counts)}</p>'
-            + (f'<ul class="gate-offending">{items}</ul>' if items else "") + "</div>")
+            + (f'<ul class="gate-offending">{items}</ul>' if items else "") + unverified
+            + "</div>")
 
 
 def _header(data: RunData, causes: Sequence[RootCause],
@@ -397,15 +403,20 @@ def _diverge(data: RunData) -> list[str]:
            "output gradient (backward) on valid positions, against k x the largest control "
            "error of the same module + the floor.</p>"]
     for path in files:
-        doc = jsonio.read_json(path)
+        try:
+            doc = jsonio.read_json(path)
+        except (OSError, ValueError, QualifyError) as exc:
+            out.append(f'<p class="note">{_e(path)}: not shown (unreadable: {_e(exc)})</p>')
+            continue
         problem = schema.first_error(doc, "diverge")
         if problem is not None:
             out.append(f'<p class="note">{_e(path)}: not shown ({_e(problem)})</p>')
             continue
         cell, first = doc["cell"]["id"], doc["first"]
         line = ("none: every module within its bound" if first is None else
-                f"{first['module']} ({first['direction']}): max_abs {first['error']:.3g} > "
-                f"bound {first['bound']:.3g} (margin {first['margin']:.3g})")
+                f"{first['module']} ({first['direction']}): max_abs "
+                f"{float(first['error']):.3g} > bound {float(first['bound']):.3g} "
+                f"(margin {float(first['margin']):.3g})")
         out.append(f"<h3>{_e(cell)}, round {doc['round']} ({_e(doc['lane'])})</h3>"
                    f"<p>first diverging: <b>{_e(line)}</b></p>")
         out.append(_figure(_plots().diverge_svg(

@@ -30,8 +30,8 @@ valid tokens (``response_mask == 1``):
   token and the contract's PPO ``clip_ratio`` ``ε``, the fraction of tokens with
   ``r < 1 - ε`` (``below``) or ``r > 1 + ε`` (``above``): the tokens PPO's clipped objective
   would already clip at the first update only because the trainer and the sampler disagree
-  (the tail metric of huggingface/trl #6789; verl logs the same as ``pg_clipfrac`` once
-  trainer and rollout logprobs differ).
+  (the tail metric of huggingface/trl #6789, for a stack that takes the sampler's logprobs
+  as the old policy).
 
 Comparability: with ``logprobs_mode = "processed"`` the behavior logprobs are of the
 sampling distribution *after* top-k / top-p truncation and renormalisation, so on a token

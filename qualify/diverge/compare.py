@@ -26,6 +26,7 @@ error exceeds its bound; failing that, the first one in backward order (the reve
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 from typing import Any, Final
@@ -33,6 +34,7 @@ from typing import Any, Final
 import torch
 
 from qualify.diverge.capture import Capture
+from qualify.jsonio import json_number
 
 SCHEMA_VERSION: Final = 1
 _LAYER = re.compile(r"\.layers\.(\d+)(?:\.(\w+))?$")
@@ -122,9 +124,13 @@ def max_abs(a: torch.Tensor, fa: str, b: torch.Tensor, fb: str,
     a, b, mask = _aligned(a, fa, b, fb, frame)
     if a.shape != b.shape:
         raise ValueError(f"shapes {tuple(a.shape)} and {tuple(b.shape)} differ")
-    m = mask[..., None].to(torch.float64)
-    diff = ((a.double() - b.double()).abs() * m).flatten(2).amax(-1)  # [B, L]
-    mag = float((b.double().abs() * m).max())
+    m = mask[..., None].expand(a.shape)
+    zero = torch.zeros((), dtype=torch.float64)
+    # where, not a product: a NaN / inf at a padded position must not reach the maximum, and
+    # a non-finite value at a valid one is infinitely far (NaN would compare as in bound).
+    d = torch.nan_to_num((a.double() - b.double()).abs(), nan=math.inf)
+    diff = torch.where(m, d, zero).flatten(2).amax(-1)  # [B, L]
+    mag = float(torch.where(m, torch.nan_to_num(b.double().abs(), nan=math.inf), zero).max())
     flat = int(torch.argmax(diff))
     where = (flat // diff.shape[1], flat % diff.shape[1])
     return float(diff.max()), where, mag
@@ -150,6 +156,10 @@ def compare(engine: Mapping[str, torch.Tensor], engine_modules: list[str], *,
             rule: Rule) -> list[dict[str, Any]]:
     """One row per (direction, module), forward order then backward (reverse) order.
 
+    A module the reference captured and the engine's probe lists but did not capture is an
+    error, never a silent pass (the culprit could be the module left out). A non-finite
+    engine value at a valid position gives an infinite error (it exceeds any bound).
+
     Args:
         engine: the harness's ``probe.safetensors`` (``fwd/<name>``, ``bwd/<name>``).
         engine_modules: the module order the harness recorded.
@@ -160,7 +170,7 @@ def compare(engine: Mapping[str, torch.Tensor], engine_modules: list[str], *,
 
     Raises:
         ValueError: a module the engine and the reference both hold has no comparable
-            shape.
+            shape; a listed module has no engine tensor; no module is compared at all.
     """
     rows: list[dict[str, Any]] = []
     names = [n for n in reference.modules if n in set(engine_modules)]
@@ -170,8 +180,10 @@ def compare(engine: Mapping[str, torch.Tensor], engine_modules: list[str], *,
         for name in order:
             e = engine.get(f"{key}/{name}")
             ref_t = getattr(reference, key).get(name)
-            if e is None or ref_t is None:
+            if ref_t is None:
                 continue
+            if e is None:
+                raise ValueError(f"the engine's probe lists {name} but holds no {key}/{name}")
             ec, ef = _canonical(e, frame, left=0, right=0)
             rc, rf = _canonical(ref_t, frame, left=reference.left_padding,
                                 right=reference.right_padding)
@@ -193,9 +205,12 @@ def compare(engine: Mapping[str, torch.Tensor], engine_modules: list[str], *,
                 "direction": direction, "module": name, "layer": layer, "submodule": sub,
                 "error": err, "bound": bound, "control_error": ctrl_err,
                 "control": ctrl_name, "controls": per_control, "floor": floor,
-                "margin": err / bound if bound > 0 else float("inf"),
-                "exceeds": bool(err > bound), "where": list(where), "frame": frame_of(ef, rf),
+                "margin": err / bound if bound > 0 else math.inf,
+                "exceeds": not err <= bound, "where": list(where), "frame": frame_of(ef, rf),
                 "reference_max_abs": mag, "power": bool(mag > bound)})
+    if not rows:
+        raise ValueError("no module of the reference's capture is in the engine's probe "
+                         f"(engine modules: {len(engine_modules)})")
     return rows
 
 
@@ -238,7 +253,15 @@ def document(*, cell: Mapping[str, Any], rows: list[dict[str, Any]], rule: Rule,
         "first": None if named is None else {
             "module": named["module"], "direction": named["direction"],
             "layer": named["layer"], "submodule": named["submodule"],
-            "error": named["error"], "bound": named["bound"], "margin": named["margin"]},
+            "error": json_number(named["error"]), "bound": json_number(named["bound"]),
+            "margin": json_number(named["margin"])},
         "first_forward": first["forward"], "first_backward": first["backward"],
-        "rows": rows,
+        "rows": [_json_row(r) for r in rows],
     }
+
+
+def _json_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A row for JSON: an infinite error, margin or magnitude as the string ``"inf"``."""
+    out = {k: json_number(v) if isinstance(v, float) else v for k, v in row.items()}
+    out["controls"] = {k: json_number(v) for k, v in row["controls"].items()}
+    return out

@@ -199,7 +199,11 @@ def diverge(run_dir: Path, cell_id: str, *, out: Path | None = None, round_: int
 
     t0 = time.perf_counter()
     lane = lane_of(cell.precision, get_engine(cell.engine).bf16_style)
-    frozen = capture.read_frozen_inputs(inputs_dir, contract)
+    try:
+        frozen = capture.read_frozen_inputs(inputs_dir, contract)
+    except (OSError, KeyError, ValueError) as exc:
+        raise UsageError(f"{inputs_dir}: the run's frozen inputs are unreadable "
+                         f"({type(exc).__name__}: {exc})") from None
     ref, ctrl = capture.reference_captures(frozen, lane=lane, role=cell.role, round_=r)
     timings["reference_s"] = round(time.perf_counter() - t0, 3)
 
@@ -212,8 +216,12 @@ def diverge(run_dir: Path, cell_id: str, *, out: Path | None = None, round_: int
     rule = compare.Rule(k=float(contract.bounds.k), floor_forward=float(floors["logprobs"]),
                         floor_backward=float(floors["grads"]))
     with torch.no_grad():
-        rows = compare.compare(engine_t, list(probe_meta["modules"]), reference=ref,
-                               control_runs=ctrl, frame=frame, rule=rule)
+        try:
+            rows = compare.compare(engine_t, list(probe_meta["modules"]), reference=ref,
+                                   control_runs=ctrl, frame=frame, rule=rule)
+        except ValueError as exc:
+            raise UsageError(f"{probe_dir}: the engine's probe cannot be compared with the "
+                             f"reference: {exc}") from None
     timings["compare_s"] = round(time.perf_counter() - t0, 3)
     if baseline:
         _, base_wall = launch_engine(cell, run_dir=run_dir, out=out, round_=r, faults=faults,

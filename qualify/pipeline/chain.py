@@ -33,16 +33,26 @@ def find_sealed_reference(references: Path, name: str) -> Path | None:
     return found[-1] if found else None
 
 
-def gate_view(code: ExitCode, ev: PolicyEvaluation, policy: Policy) -> dict[str, Any]:
+def gate_view(code: ExitCode, ev: PolicyEvaluation, policy: Policy, *,
+              verified: bool = True) -> dict[str, Any]:
     """What ``report.html`` shows of the gate's decision (:func:`run_decision`'s result).
 
+    Args:
+        code: the decision's exit code.
+        ev: the policy evaluation.
+        policy: the policy.
+        verified: the run was just sealed by this process (``qualify run``); ``False`` for
+            ``qualify report --contract``, which decides on a run it did not verify (the
+            page says so: ``qualify gate`` verifies the signed evidence first).
+
     Returns:
-        ``{policy, exit_code, counts, cells}``: the policy file (``None``: no policy file,
-        the report's verdict decides), the exit code, the required cells per outcome
-        (:data:`qualify.evidence.policy.OUTCOMES` order) and each required cell's
+        ``{policy, exit_code, counts, cells, verified}``: the policy file (``None``: no
+        policy file, the report's verdict decides), the exit code, the required cells per
+        outcome (:data:`qualify.evidence.policy.OUTCOMES` order) and each required cell's
         ``{cell, outcome, ok, reason}``.
     """
-    return {"policy": str(policy.path) if policy.path else None, "exit_code": int(code),
+    return {"verified": verified,
+            "policy": str(policy.path) if policy.path else None, "exit_code": int(code),
             "counts": ev.counts(),
             "cells": [{"cell": c.cell, "outcome": c.outcome, "ok": c.ok, "reason": c.reason}
                       for c in ev.cells if c.required]}
