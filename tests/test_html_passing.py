@@ -16,13 +16,12 @@ import io
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 from shared_artifacts import copy_tree, tiny_chain
-from test_html_report import CHROMIUM, Page
+from test_html_report import CHROMIUM, Page, chromium_render
 
 from qualify.cli.main import main
 from qualify.errors import ExitCode
@@ -76,15 +75,8 @@ def test_headless_chromium_renders_the_passing_page(
     import numpy as np
 
     _, doc, path = passing
-    url = path.resolve().as_uri()
-    flags = [CHROMIUM, "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-             "--window-size=1280,1600"]
     png = tmp_path / "report-passing.png"
-    subprocess.run([*flags, f"--screenshot={png}", url], capture_output=True, check=True,
-                   timeout=120)
-    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, check=True,
-                         timeout=120, text=True).stdout
-    rendered = Page(dom)
+    rendered = Page(chromium_render(path, png, width=1280, height=1600))
     assert rendered.causes == []
     assert "root-causes-none" in rendered.order
     assert {c["cell"] for c in doc["cells"]} <= set(rendered.figures["heatmap-trainer"]["text"])

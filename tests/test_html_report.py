@@ -35,6 +35,22 @@ CHROMIUM: Final = next((p for p in (shutil.which(n) for n in (
     "chromium-headless-shell", "chromium", "chromium-browser")) if p), None)
 
 
+def chromium_render(page: Path, png: Path, *, width: int, height: int) -> str:
+    """Headless Chromium on ``page``: a ``width x height`` screenshot to ``png``; the DOM.
+
+    Raises:
+        subprocess.CalledProcessError: Chromium failed.
+    """
+    assert CHROMIUM is not None
+    url = page.resolve().as_uri()
+    flags = [CHROMIUM, "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+             f"--window-size={width},{height}"]
+    subprocess.run([*flags, f"--screenshot={png}", url], capture_output=True, check=True,
+                   timeout=120)
+    return subprocess.run([*flags, "--dump-dom", url], capture_output=True, check=True,
+                          timeout=120, text=True).stdout
+
+
 class Page(HTMLParser):
     """What a page holds: elements by id, root-cause lines, tables, figures, outside refs."""
 
@@ -280,16 +296,8 @@ def test_headless_chromium_renders_the_page(written: tuple[Path, str], tmp_path:
     import matplotlib.image as mpimg
     import numpy as np
 
-    assert CHROMIUM is not None
-    url = written[0].resolve().as_uri()
-    flags = [CHROMIUM, "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-             "--window-size=1280,2400"]
     png = tmp_path / "report.png"
-    subprocess.run([*flags, f"--screenshot={png}", url], capture_output=True, check=True,
-                   timeout=120)
-    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, check=True,
-                         timeout=120, text=True).stdout
-    rendered = Page(dom)
+    rendered = Page(chromium_render(written[0], png, width=1280, height=2400))
     assert rendered.causes == [rc.line() for rc in causes_of_report(doc)]
     heat = rendered.figures["heatmap-trainer"]
     assert heat["svg"] == 1
