@@ -15,6 +15,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from committed import committed_evidence_copy, committed_runs
 
 from qualify.cli.main import main as qualify_main
 from qualify.errors import ExitCode
@@ -27,7 +28,13 @@ POLICY = contracts_dir() / "gates" / "tiny-qwen3.toml"
 
 
 def _runs() -> list[Path]:
-    return sorted(p for p in (EVIDENCE / "tiny-qwen3").iterdir() if p.is_dir())
+    return committed_runs("tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def committed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An evidence root holding only the committed runs (a local ``qualify run`` left out)."""
+    return committed_evidence_copy(tmp_path_factory.mktemp("committed") / "evidence")
 
 
 def _gate(capsys: pytest.CaptureFixture[str], evidence: Path, *extra: str) -> tuple[int, str]:
@@ -38,14 +45,14 @@ def _gate(capsys: pytest.CaptureFixture[str], evidence: Path, *extra: str) -> tu
 
 
 def test_the_committed_evidence_is_there_and_gates_green(
-        capsys: pytest.CaptureFixture[str]) -> None:
+        committed: Path, capsys: pytest.CaptureFixture[str]) -> None:
     runs = _runs()
     assert len(runs) == 1, f"keep exactly one committed tiny-qwen3 run: {runs}"
     assert list((ROOT / "references").glob("tiny-qwen3-*")), "no committed reference"
-    rc, out = _gate(capsys, EVIDENCE)
+    rc, out = _gate(capsys, committed)
     assert rc == ExitCode.OK, out
     assert "XFAIL" in out
-    rc = qualify_main(["audit", str(ROOT / "references"), str(EVIDENCE)])
+    rc = qualify_main(["audit", str(ROOT / "references"), str(committed)])
     assert rc == ExitCode.OK
 
 
@@ -63,20 +70,20 @@ def test_an_edited_committed_file_fails_verification(
 
 
 def test_a_harness_change_without_new_evidence_is_stale(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        committed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for pkg in ("qualify", "harnesses"):
         shutil.copytree(ROOT / pkg, tmp_path / pkg,
                         ignore=shutil.ignore_patterns("__pycache__", "_data"))
     harness = tmp_path / "harnesses" / "deepspeed" / "harness.py"
     harness.write_text(harness.read_text() + "\n# a change the committed run did not run\n")
-    rc, out = _gate(capsys, EVIDENCE, "--sources-root", str(tmp_path))
+    rc, out = _gate(capsys, committed, "--sources-root", str(tmp_path))
     assert rc == ExitCode.QUALIFICATION_FAILED, out
     assert "STALE" in out
     assert "harnesses/deepspeed/harness.py" in out
 
 
 def test_an_expected_failure_that_passes_fails_the_gate(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        committed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     policy = tmp_path / "tiny-qwen3.toml"
     policy.write_text(POLICY.read_text() + '''
 [[expected_failures]]
@@ -85,7 +92,7 @@ families = ["grads"]
 reason = "planted: a cell that passes, listed as an expected failure"
 upstream = "harnesses/torch_tp/README.md"
 ''')
-    rc, out = _gate(capsys, EVIDENCE, "--policy", str(policy))
+    rc, out = _gate(capsys, committed, "--policy", str(policy))
     assert rc == ExitCode.QUALIFICATION_FAILED, out
     assert "expected failure now passes: update the policy" in out
     assert "torch_tp-fp32-actor-tp1" in out

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from committed import committed_runs
 from shared_artifacts import copy_tree, tiny_reference
 from tiny_contracts import torch_tp_only
 
@@ -27,8 +28,8 @@ from qualify.diverge.capture import Capture
 from qualify.evidence import store
 
 REPO = Path(__file__).resolve().parents[1]
-COMMITTED_RUN = max(p.parent for p in (REPO / "evidence" / "tiny-qwen3").glob("*/run.json"))
-"""The committed default run (the newest; ids are UTC timestamps)."""
+COMMITTED_RUN = committed_runs("tiny-qwen3")[-1]
+"""The committed default run (the newest git tracks; ids are UTC timestamps)."""
 CELL = "torch_tp-fp32-actor-tp2"
 
 

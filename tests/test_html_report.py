@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import pytest
+from committed import committed_runs
 
 from qualify.cli.main import main
 from qualify.compare.html import default_html_path, render_html
@@ -30,7 +31,7 @@ from qualify.compare.rootcause import causes_of_report
 from qualify.errors import ExitCode
 
 ROOT: Final = Path(__file__).resolve().parent.parent
-RUNS: Final = sorted((ROOT / "evidence" / "tiny-qwen3").glob("*/report.json"))
+RUNS: Final = [run / "report.json" for run in committed_runs("tiny-qwen3")]
 CHROMIUM: Final = next((p for p in (shutil.which(n) for n in (
     "chromium-headless-shell", "chromium", "chromium-browser")) if p), None)
 

@@ -17,6 +17,7 @@ from typing import Any, Final
 
 import jsonschema
 import pytest
+from committed import committed_runs
 
 from qualify.cli.summary import console, print_evaluation, root_cause_lines
 from qualify.compare.mismatch import FieldMismatch
@@ -34,7 +35,7 @@ from qualify.evidence.policy import CellOutcome, PolicyEvaluation
 from qualify.resources import load_schema
 
 ROOT: Final = Path(__file__).resolve().parent.parent
-RUNS: Final = sorted((ROOT / "evidence" / "tiny-qwen3").glob("*/report.json"))
+RUNS: Final = [run / "report.json" for run in committed_runs("tiny-qwen3")]
 
 
 def row(cell: str, metric: str, verdict: str = "FAIL", *, klass: str = "candidate_vs_hf",
