@@ -453,6 +453,34 @@ def device_and_backend(*, share_devices: bool = False) -> tuple[torch.device, st
     return torch.device("cpu"), "gloo"
 
 
+def role_device(actor_tp: int, critic_tp: int) -> tuple[torch.device, str, torch.device | None]:
+    """The rank's device and backend, and the ``device_id`` for ``init_process_group``.
+
+    Ranks share CUDA devices (rank ``LOCAL_RANK % device_count``) only when no role's TP
+    group would then hold two ranks on one device (NCCL refuses such a group): on a one-GPU
+    machine Actor TP1 + Critic TP1 run both ranks on GPU 0, each role group on its own.
+    ``device_id`` (eager NCCL init of the world group) is ``None`` when ranks share a
+    device: the world group, never used for a collective, is then never made a communicator
+    (NCCL refuses two ranks of one communicator on one GPU); the role groups are made lazily.
+
+    Args:
+        actor_tp: Actor TP size (0 = absent).
+        critic_tp: Critic TP size (0 = absent).
+
+    Returns:
+        ``(device, backend, device_id)``; on CPU ``(cpu, "gloo", None)``.
+
+    Raises:
+        HarnessError: more local ranks than CUDA devices while a TP group would share one.
+    """
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device, backend = device_and_backend(share_devices=0 < max(actor_tp, critic_tp) <= count)
+    if device.type != "cuda":
+        return device, backend, None
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return device, backend, (device if local_world <= count else None)
+
+
 def harness_main(argv: Sequence[str] | None, *, engine: str, module: str,
                  run: Callable[[HarnessCell], None]) -> int:
     """Entry point shared by the harnesses: ``python -m MODULE CELL_JSON``.

@@ -161,6 +161,7 @@ class VariantRun(common.RoleOutputs):
             weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm)
         engine, _, _, _ = deepspeed.initialize(  # a client lr scheduler (README: the lr)
             model=model, config=cfg, mpu=parallelize.install_role_groups(self.placement),
+            args=parallelize.initialize_args(self.device),
             lr_scheduler=lambda x: hf_schedule.hf_scheduler(x, o))
         hook = getattr(engine, "first_dataloader_check", None)
         src = groups.get_tensor_model_parallel_src_rank() if self.placement.tp > 1 else None
@@ -541,18 +542,16 @@ def _destroy(engine: Any) -> None:
     gc.collect()
 
 
-def _device() -> tuple[torch.device, str]:
-    """:func:`harnesses.common.device_and_backend`, with DeepSpeed's accelerator set to match.
-
-    On CPU, ``DS_ACCELERATOR`` defaults to ``cpu``.
+def _device(cell: HarnessCell) -> tuple[torch.device, str, torch.device | None]:
+    """:func:`harnesses.common.role_device`; on CPU ``DS_ACCELERATOR`` defaults to ``cpu``.
 
     Raises:
         HarnessError: more local ranks than CUDA devices.
     """
-    device, backend = common.device_and_backend()
+    device, backend, device_id = common.role_device(cell.actor_tp, cell.critic_tp)
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    return device, backend
+    return device, backend, device_id
 
 
 def check_cell(cell: HarnessCell) -> list[tuple[str, int, str]]:
@@ -592,9 +591,9 @@ def run(cell: HarnessCell) -> None:
                            f"{cell.world_size}")
     variants = check_cell(cell)
     inputs = common.read_inputs(Path(cell.inputs_dir))
-    device, backend = _device()
+    device, backend, device_id = _device(cell)
     dist.init_process_group(backend, timeout=timedelta(seconds=cell.collective_timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=device_id)
     try:
         placement = parallelize.build_placement(
             actor_tp=cell.actor_tp, critic_tp=cell.critic_tp, rank=rank,

@@ -21,10 +21,12 @@ recorded as a shim in ``outputs.json``; it changes which ranks talk, not the ari
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Final, Literal
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -130,6 +132,19 @@ def install_role_groups(placement: Placement) -> Any:
     groups._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = None
     groups._MPU_TENSOR_MODEL_PARALLEL_RANK = None
     return groups
+
+
+def initialize_args(device: torch.device) -> Any:
+    """The ``args`` of ``deepspeed.initialize``: ``device_rank`` = the rank's CUDA device.
+
+    DeepSpeed's engine sets its device from ``args.device_rank``, else from ``LOCAL_RANK``
+    (``DeepSpeedEngine._set_distributed_vars``): with ranks sharing a GPU
+    (:func:`harnesses.common.role_device`, Actor TP1 + Critic TP1 on one GPU) ``LOCAL_RANK`` 1
+    names a device that does not exist. ``None`` on CPU (DeepSpeed's default path).
+    """
+    if device.type != "cuda":
+        return None
+    return types.SimpleNamespace(device_rank=device.index)
 
 
 def skip_shm_comm_build() -> None:

@@ -463,10 +463,9 @@ def run(cell: HarnessCell) -> None:
     variants = check_cell(cell)
     active = faults.Faults(cell.faults)
     inputs = common.read_inputs(Path(cell.inputs_dir))
-    device, backend = common.device_and_backend()
+    device, backend, device_id = common.role_device(cell.actor_tp, cell.critic_tp)
     timeout = timedelta(seconds=cell.collective_timeout_s)
-    dist.init_process_group(backend, timeout=timeout,
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(backend, timeout=timeout, device_id=device_id)
     try:
         mesh = parallelize.build_role_mesh(
             actor_tp=cell.actor_tp, critic_tp=cell.critic_tp, rank=rank,
