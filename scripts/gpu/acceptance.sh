@@ -31,6 +31,11 @@
 # (16 cores), not measured there: tiny reference 45 s, torch_tp 25 s, DeepSpeed 35 s,
 # Megatron 40 s (two launches), compare 15 s, about 2.7 min in all (the trainers' cost is
 # fixed start-up: torchrun, imports, init; the tiny model's compute is milliseconds).
+# Measured basis: the same steps on CPU (--allow-cpu --only tiny, 2 cores at load average
+# 25) took 195 CPU-seconds in all (user 183 + system 12, /usr/bin/time -v) over 20:51 wall:
+# reference 689 s, torch_tp 182 s, DeepSpeed 163 s, Megatron 177 s, compare 9 s of wall,
+# 20 cells, 12 PASS and 8 FAIL (the BF16 DeepSpeed / Megatron round-2 findings of the
+# committed evidence).
 # SmolLM2 (reduced copy: 2 prompts x 2 samples x 8 new tokens, 32 response tokens instead of
 # 128): reference ~180 s, trainers ~160 s, compare 30 s, which fits only if tiny took less
 # than its estimate. SmolLM2 HONESTLY CANNOT RUN there today: its weights are the 98 MB GGUF
