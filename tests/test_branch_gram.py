@@ -93,7 +93,7 @@ def test_jvp_gram_equals_the_fp64_gram(contract: Contract, batch: Batch, role: s
              old: torch.Tensor) -> None:
         if round_ != 2:
             return
-        full, norm_sq, rows = {}, {}, {}
+        full, norm_sq, rows, upper = {}, {}, {}, {}
         for tok, c in token_gradients(master, master, b, contract, settings, role=role,
                                       tokens=TOKENS):
             key = branches.token_key(*tok)
@@ -102,8 +102,11 @@ def test_jvp_gram_equals_the_fp64_gram(contract: Contract, batch: Batch, role: s
             row = gram.jvp_row(master, b, contract, role=role, micro_batch_size=2,
                                tokens=TOKENS, direction=c)
             rows[key] = {branches.token_key(*k): v for k, v in row.items()}
+            upper[key] = {k: v for k, v in rows[key].items()  # as seal_branches computes it
+                          if tuple(map(int, k.split("_"))) >= tok}
         seen["exact"] = gram.exact_gram(full, norm_sq)
         seen["jvp"], seen["err"] = gram.symmetrize(rows, norm_sq)
+        seen["upper"], seen["err_upper"] = gram.symmetrize(upper, norm_sq)
         seen["norm"] = {k: v ** 0.5 for k, v in norm_sq.items()}
         seen["attn"] = getattr(master.config, "_attn_implementation", None)
 
@@ -114,6 +117,7 @@ def test_jvp_gram_equals_the_fp64_gram(contract: Contract, batch: Batch, role: s
         run_critic(model, batch, contract, settings, on_round=hook)
     assert seen["attn"] == "sdpa"
     assert 0.0 <= seen["err"] < 1e-5
+    assert 0.0 <= seen["err_upper"] <= seen["err"]
     exact, jvp, norm = seen["exact"], seen["jvp"], seen["norm"]
     assert len(exact) == len(TOKENS)
     off = [abs(exact[a][b]) / (norm[a] * norm[b]) for a in exact for b in exact if a != b]
@@ -121,6 +125,7 @@ def test_jvp_gram_equals_the_fp64_gram(contract: Contract, batch: Batch, role: s
     for a in exact:
         for b in exact:
             assert abs(jvp[a][b] - exact[a][b]) <= 1e-5 * norm[a] * norm[b], (a, b)
+            assert abs(seen["upper"][a][b] - exact[a][b]) <= 1e-5 * norm[a] * norm[b], (a, b)
 
 
 def test_symmetrize_averages_and_refuses_a_discrepant_row() -> None:
@@ -129,8 +134,14 @@ def test_symmetrize_averages_and_refuses_a_discrepant_row() -> None:
     assert g["0_0"]["0_1"] == g["0_1"]["0_0"] == pytest.approx(0.50005)
     assert g["0_1"]["0_1"] == 4.0
     assert err == pytest.approx(5e-5)
+    upper, err = gram.symmetrize({"0_0": rows["0_0"], "0_1": {"0_1": 4.0}},
+                                 {"0_0": 1.0, "0_1": 4.0})
+    assert upper["0_1"]["0_0"] == 0.5
+    assert err == 0.0
     with pytest.raises(ReferenceDataError, match="discrepancy"):
         gram.symmetrize({**rows, "0_1": {"0_0": 0.4, "0_1": 4.0}}, {"0_0": 1.0, "0_1": 4.0})
+    with pytest.raises(ReferenceDataError, match="no <J_0_0, J_0_1>"):
+        gram.symmetrize({"0_0": {"0_0": 1.0}, "0_1": {"0_1": 4.0}}, {"0_0": 1.0, "0_1": 4.0})
 
 
 def _sample(name: str, a: np.ndarray) -> np.ndarray:

@@ -200,8 +200,10 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
             if keep:
                 whole[key] = c
             else:
-                row = gram.jvp_row(master, b, contract, role=role, tokens=toks, direction=c,
-                                   micro_batch_size=j_settings.micro_batch_size)
+                row = gram.jvp_row(  # the upper triangle: tokens yielded from this one on
+                    master, b, contract, role=role, direction=c,
+                    tokens=[t for t in toks if tuple(t) >= (bi, ti)],
+                    micro_batch_size=j_settings.micro_batch_size)
                 rows[key] = {branches.token_key(*k): v for k, v in row.items()}
             x_old = float(run[tensor_name(1, role, family)][bi, ti])
             x_cur = float(run[tensor_name(round_, role, family)][bi, ti])

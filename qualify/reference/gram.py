@@ -21,10 +21,11 @@ produced; the off-diagonal ``<J_s, J_t>`` is computed here, in one of two exact 
   per token already paid for ``J_t``. It
   runs with eager attention (PyTorch has no forward-mode rule for the CPU flash SDPA
   kernel; eager and sdpa attention are the same function, they differ by FP32 rounding).
-  Its error is FP32 rounding of one forward pass: each product is checked against the
-  exact FP64 diagonal ``|J_s|^2`` and the symmetric pair ``(s, t)`` / ``(t, s)``, and the
-  largest discrepancy relative to ``|J_s| |J_t|`` is sealed as ``gram_rel_error`` (measured
-  on tiny-qwen3: below 1e-6, ``tests/test_branch_gram.py``); a value above
+  Row ``s`` covers only the tokens from ``s`` on (the upper triangle: about half the
+  passes). Its error is FP32 rounding of one forward pass: each row's diagonal entry is
+  checked against the exact FP64 ``|J_s|^2``, and the
+  largest discrepancy relative to ``|J_s| |J_t|`` is sealed as ``gram_rel_error`` (asserted
+  below 1e-5 on tiny-qwen3 by ``tests/test_branch_gram.py``); a value above
   :data:`MAX_REL_ERROR` is refused.
 
 The earlier estimate (``numel / samples * <sample_s, sample_t>`` over the protocol's samples)
@@ -173,16 +174,21 @@ def symmetrize(rows: Mapping[str, Mapping[str, float]],
     """The Gram from forward-mode rows, and its largest error relative to ``|J_s| |J_t|``.
 
     Args:
-        rows: ``{s: {t: <J_s, J_t> by jvp}}`` for every pair (diagonal included).
+        rows: ``{s: {t: <J_s, J_t> by jvp}}``, diagonal included, each pair in at least
+            one of its two rows (the reference stage computes row ``s`` over the tokens from
+            ``s`` on, in the order :func:`qualify.reference.update.token_gradients` yields
+            them: the upper triangle, half the passes).
         norm_sq: ``{t: |J_t|^2}`` exact in FP64.
 
     Returns:
         ``(gram, rel_error)``: the diagonal is ``norm_sq``; an off-diagonal entry is the mean
-        of ``(s, t)`` and ``(t, s)``; ``rel_error`` is the largest of ``|jvp(s, s) -
-        |J_s|^2| / |J_s|^2`` and ``|jvp(s, t) - jvp(t, s)| / (|J_s| |J_t|)``.
+        of ``(s, t)`` and ``(t, s)`` where both were computed, else the one; ``rel_error`` is
+        the largest of ``|jvp(s, s) - |J_s|^2| / |J_s|^2`` and, where both were computed,
+        ``|jvp(s, t) - jvp(t, s)| / (|J_s| |J_t|)``.
 
     Raises:
-        ReferenceDataError: ``rel_error`` exceeds :data:`MAX_REL_ERROR`.
+        ReferenceDataError: ``rel_error`` exceeds :data:`MAX_REL_ERROR`, or a pair or a
+            diagonal entry is missing.
     """
     keys = list(rows)
     norm = {k: float(norm_sq[k]) ** 0.5 for k in keys}
@@ -190,15 +196,19 @@ def symmetrize(rows: Mapping[str, Mapping[str, float]],
     err = 0.0
     for i, a in enumerate(keys):
         gram[a][a] = float(norm_sq[a])
+        if a not in rows[a]:
+            raise ReferenceDataError(f"clip-branch Gram by forward mode: no jvp({a}, {a})")
         scale = norm[a] * norm[a]
         if scale > 0.0:
             err = max(err, abs(rows[a][a] - gram[a][a]) / scale)
         for b in keys[i + 1:]:
-            x, y = rows[a][b], rows[b][a]
-            gram[a][b] = gram[b][a] = 0.5 * (x + y)
+            both = [v for v in (rows[a].get(b), rows[b].get(a)) if v is not None]
+            if not both:
+                raise ReferenceDataError(f"clip-branch Gram by forward mode: no <J_{a}, J_{b}>")
+            gram[a][b] = gram[b][a] = sum(both) / len(both)
             scale = norm[a] * norm[b]
-            if scale > 0.0:
-                err = max(err, abs(x - y) / scale)
+            if len(both) == 2 and scale > 0.0:
+                err = max(err, abs(both[0] - both[1]) / scale)
     if not err <= MAX_REL_ERROR:
         raise ReferenceDataError(
             f"clip-branch Gram by forward mode: discrepancy {err:.3g} of |J_s| |J_t| exceeds "
