@@ -11,6 +11,12 @@ either ``branches.json`` (the sealed tensors are the committed ones in both).
 Usage (from the repository root, ~5 min on 2 CPU cores)::
 
     python scripts/repro/branch_gram.py [--out DIR]
+    python scripts/repro/branch_gram.py --jvp --seal-only --out DIR2   # the forward-mode path
+    python scripts/repro/branch_gram.py --against DIR/branches.json --jvp --seal-only ...
+
+``--jvp`` sets :data:`qualify.reference.gram.FULL_BUDGET_BYTES` to 0, so every Gram is taken
+by forward mode (the path of models whose ``J_t`` do not fit in memory); ``--against``
+compares the Gram with another ``branches.json`` (e.g. the FP64 one of a first run).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from qualify.compare.stage import _load_bounds, _load_contract, compare_run
 from qualify.compare.verdicts import Report
 from qualify.evidence import store
 from qualify.models import bundle as models
+from qualify.reference import gram
 from qualify.reference.branches import adjust_control_errors, seal_branches
 from qualify.reference.rollout import Rollout
 from qualify.reference.stage import _batch
@@ -54,7 +61,7 @@ def _gram_gap(old: dict[str, Any], new: dict[str, Any]) -> None:
                              / math.sqrt(v["tokens"][s]["norm_sq"] * v["tokens"][t]["norm_sq"])
                              for s in v["gram"] for t in v["gram"][s] if s != t), default=0.0)
                 print(f"{prec} {role} {rk}: {len(v['tokens'])} tokens (tokens, dot_grad, "
-                      f"norm_sq identical: {o['tokens'] == v['tokens']}); committed "
+                      f"norm_sq identical: {o['tokens'] == v['tokens']}); its "
                       f"off-diagonal off by up to {worst:.3g} of |J_s||J_t|; now "
                       f"{v['gram_off_diagonal']}")
 
@@ -79,8 +86,14 @@ def main() -> None:
     """Print the comparison (module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("/tmp/qualify-branch-gram"))
-    out = ap.parse_args().out
+    ap.add_argument("--jvp", action="store_true", help="forward-mode Gram for every token")
+    ap.add_argument("--seal-only", action="store_true", help="skip controls and rows")
+    ap.add_argument("--against", type=Path, help="a branches.json to compare the Gram with")
+    args = ap.parse_args()
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
+    if args.jvp:
+        gram.FULL_BUDGET_BYTES = 0
     t0 = time.time()
     contract = _load_contract(REF)
     bounds, _, _ = _load_bounds(REF, contract)
@@ -101,7 +114,18 @@ def main() -> None:
         now = (out / "branches" / f"hf-{lane}.safetensors").read_bytes()
         print(f"branches/hf-{lane}.safetensors: {len(was)} B committed, {len(now)} B now, "
               f"identical bytes: {was == now}")
+    print(f"against the committed {REF / 'branches.json'}:")
     _gram_gap(old, new)
+    if args.against is not None:
+        print(f"against {args.against}:")
+        _gram_gap(json.loads(args.against.read_text()), new)
+    for prec, by_role in new["precisions"].items():
+        for role, by_round in by_role.items():
+            for rk, v in by_round.items():
+                if v["tokens"]:
+                    print(f"{prec} {role} {rk}: gram_rel_error {v['gram_rel_error']!r}")
+    if args.seal_only:
+        return
     ctrl: dict[str, dict[str, dict[str, Any]]] = {lane: {} for lane in lanes}
     for f in sorted((REF / "controls").glob("*.safetensors")):
         name, lane = f.stem.split("-", 1)
