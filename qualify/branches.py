@@ -335,7 +335,9 @@ def adjusted_expected(expected: Mapping[str, Any], *, role: str, round_: int,
       b2^r)) + eps))`` (the step's Adam part; decoupled weight decay does not change).
 
     Every other tensor is the expected run's own. Against the reference itself this is
-    exact up to the sealed Gram matrix (exact unless parameters are sampled); against
+    exact: ``J_t`` is read only at the elements both runs report, and the sealed Gram
+    matrix is over the whole ``J_t`` (:mod:`qualify.reference.gram`; its sealed
+    ``gram_rel_error``, 0 when summed in FP64); against
     another candidate (TP = n vs TP = 1) ``J_t`` and ``<g, J_t>`` are the reference's, an
     approximation of the order of the precision's own noise in one token's term.
 

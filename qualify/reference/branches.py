@@ -15,8 +15,10 @@ same code, which must reproduce the sealed run) and, at round ``r``, records for
 listed token the gradient ``J_t`` of its logprob or value
 (:func:`qualify.reference.update.token_gradients`; the token's contribution is ``s_t J_t``
 with a scalar the comparator takes from the run it adjusts), reported like the gradients
-(exact, or the protocol's sample of a large parameter), plus the FP64 scalars ``<g, J_t>``
-(``g`` the reference's whole pre-clip gradient) and ``<J_s, J_t>``. The comparator may then
+(exact, or the protocol's sample of a large parameter: the only elements the comparator
+reads, so nothing is lost), plus the scalars ``<g, J_t>`` (FP64, ``g`` the reference's whole
+pre-clip gradient) and ``<J_s, J_t>`` over the whole ``J_t`` (:mod:`qualify.reference.gram`:
+FP64, or forward mode exact to FP32 rounding when they do not fit). The comparator may then
 judge a gradient family against the expected run moved to the obtained run's own branches
 (:func:`qualify.branches.adjusted_expected`), with the same sealed bounds, and only for
 tokens sealed here.
@@ -53,6 +55,7 @@ from qualify.layout import BRANCHES_DIR, BRANCHES_FILE, hf_tensors_file
 from qualify.models import bundle as models
 from qualify.models import roles
 from qualify.protocol import ParamSampling, param_sample_indices, tensor_name
+from qualify.reference import gram
 from qualify.reference.update import (
     Batch,
     RoundHook,
@@ -66,7 +69,8 @@ from qualify.statistics import MetricKey, compare_sets
 MAX_SEALED_TOKENS = 128
 """At most this many tokens per precision, role and round, those nearest a switch first: each
 costs one FP32 backward pass of its micro-batch in the reference stage and its ``J_t`` is
-stored (about 13 MB per token for SmolLM2-135M's sampled parameters). A flip of an
+stored at the reported elements (0.28 MB per token for SmolLM2-135M at 256:256 sampling,
+docs/evidence-size.md). A flip of an
 ambiguous token left unsealed is never adjusted (its row fails and names it; a control's
 raw error, discontinuity included, sets the bound); ``branches.json`` records how many
 were left. On SmolLM2-135M at BF16 every valid token (111 of 112) is ambiguous in round 2,
@@ -89,31 +93,6 @@ def _tolerance(bounds: list[Bound], precision: str, role: str, family: str, roun
 def _reported(name: str, t: torch.Tensor, sampling: ParamSampling) -> torch.Tensor:
     idx = param_sample_indices(name, t.numel(), sampling)
     return t.clone() if idx is None else t.reshape(-1)[torch.from_numpy(idx)].clone()
-
-
-def _gram(reported: Mapping[str, Mapping[str, torch.Tensor]], numel: Mapping[str, int],
-          norm_sq: Mapping[str, float],
-          sampling: ParamSampling) -> tuple[dict[str, dict[str, float]], bool]:
-    """``<c_s, c_t>`` for every pair of sealed tokens, and whether it is exact.
-
-    The diagonal is the exact ``|c_t|^2``. Off the diagonal, exactly reported parameters
-    contribute their exact dot product; sampled ones ``numel / samples * <sample_s,
-    sample_t>`` (an unbiased estimate).
-    """
-    keys = list(reported)
-    exact = all(param_sample_indices(p, n, sampling) is None for p, n in numel.items())
-    gram: dict[str, dict[str, float]] = {k: {} for k in keys}
-    for i, a in enumerate(keys):
-        for b in keys[i:]:
-            if a == b:
-                v = norm_sq[a]
-            else:
-                v = 0.0
-                for p, n in numel.items():
-                    x, y = reported[a][p].double(), reported[b][p].double()
-                    v += float((x * y).sum()) * (n / x.numel())
-            gram[a][b] = gram[b][a] = v
-    return gram, exact
 
 
 def seal_branches(contract: Contract, bundle: models.ModelBundle, batch: Batch, *,
@@ -203,8 +182,11 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
         grad = {n: (p.grad if p.grad is not None else torch.zeros_like(p))
                 for n, p in master.named_parameters() if p.requires_grad}
         numel = {n: g.numel() for n, g in grad.items()}
-        reported: dict[str, dict[str, torch.Tensor]] = {}
         norm_sq: dict[str, float] = {}
+        # Whole J_t kept for an exact FP64 Gram while they fit; else one jvp row per token.
+        keep = len(toks) * sum(numel.values()) * 4 <= gram.FULL_BUDGET_BYTES
+        whole: dict[str, dict[str, torch.Tensor]] = {}
+        rows: dict[str, dict[str, float]] = {}
         side = branches.critic_full_gradient if role == "critic" else None
         rd["j_precision"] = "fp32"
         for (bi, ti), c in token_gradients(master, master, b, contract, j_settings,
@@ -212,10 +194,17 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
             key = branches.token_key(bi, ti)
             dot = sum(float((grad[n].double() * c[n].double()).sum()) for n in c)
             nsq = sum(float(c[n].double().square().sum()) for n in c)
-            reported[key] = {n: _reported(n, c[n], contract.evidence) for n in c}
-            for n, t in reported[key].items():
-                tensors[f"round{round_}/{role}/{key}/{n}"] = t
+            for n in c:
+                tensors[f"round{round_}/{role}/{key}/{n}"] = _reported(n, c[n], contract.evidence)
             norm_sq[key] = nsq
+            if keep:
+                whole[key] = c
+            else:
+                row = gram.jvp_row(  # the upper triangle: tokens yielded from this one on
+                    master, b, contract, role=role, direction=c,
+                    tokens=[t for t in toks if tuple(t) >= (bi, ti)],
+                    micro_batch_size=j_settings.micro_batch_size)
+                rows[key] = {branches.token_key(*k): v for k, v in row.items()}
             x_old = float(run[tensor_name(1, role, family)][bi, ti])
             x_cur = float(run[tensor_name(round_, role, family)][bi, ti])
             if side is not None:
@@ -228,8 +217,12 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
             rd["tokens"][key] = {"index": [bi, ti], "old": x_old, "current": x_cur,
                                  "reference_branch": "full" if full else "zero",
                                  "dot_grad": dot, "norm_sq": nsq}
-        rd["gram"], exact = _gram(reported, numel, norm_sq, contract.evidence)
-        rd["gram_off_diagonal"] = "exact" if exact else "estimated from the protocol's samples"
+        if keep:
+            rd["gram"], rd["gram_rel_error"] = gram.exact_gram(whole, norm_sq), 0.0
+            rd["gram_off_diagonal"] = "exact: FP64 over the whole J_t"
+        else:
+            rd["gram"], rd["gram_rel_error"] = gram.symmetrize(rows, norm_sq)
+            rd["gram_off_diagonal"] = "forward mode (jvp) over the whole J_t, FP32 rounding"
 
     torch.manual_seed(0)
     hook_fn: RoundHook = hook

@@ -1,0 +1,216 @@
+"""The Gram matrix ``<J_s, J_t>`` of the sealed clip-branch tokens, exact at any model size.
+
+The comparator moves an expected run to another run's clip branches
+(:func:`qualify.branches.adjusted_expected`) and reads the sealed ``J_t`` only at the
+gradient elements every run reports (exact, or the protocol's seeded sample of a large
+parameter: :func:`qualify.protocol.param_sample_indices`), so storing ``J_t`` at exactly
+those elements loses nothing. The one quantity that needs the whole ``J_t`` is the moved
+gradient norm, ``|g'|^2 = |g|^2 + 2 sum w_t <g, J_t> + sum_s sum_t w_s w_t <J_s, J_t>``: the
+diagonal and ``<g, J_t>`` are computed in FP64 from the whole tensors as each ``J_t`` is
+produced; the off-diagonal ``<J_s, J_t>`` is computed here, in one of two exact ways:
+
+- ``fp64``: while the tokens' whole ``J_t`` fit :data:`FULL_BUDGET_BYTES` (tiny-qwen3: 0.64
+  MB per token), they are kept and every pair's dot product is summed in FP64, parameter by
+  parameter (no approximation; this is what the default contract uses).
+- ``jvp``: otherwise, one forward-mode product per sealed token ``s`` and micro-batch
+  holding sealed tokens: forward-mode differentiation (``torch.autograd.forward_ad``) of
+  the micro-batch's token outputs in the direction ``J_s`` gives ``<J_s, J_t>`` for every
+  ``t`` in it at once (``J_t = d x_t / d theta``, so ``J v`` at ``v = J_s``), with one
+  ``J_s`` in memory at a time (Qwen3-8B: 32.8 GB FP32, on CPU). Cost: one FP32 forward
+  with tangents (about 2-3 forwards) per token and micro-batch, next to the one backward
+  per token already paid for ``J_t``. It
+  runs with eager attention (PyTorch has no forward-mode rule for the CPU flash SDPA
+  kernel; eager and sdpa attention are the same function, they differ by FP32 rounding).
+  Row ``s`` covers only the tokens from ``s`` on (the upper triangle: about half the
+  passes). Its error is FP32 rounding of one forward pass: each row's diagonal entry is
+  checked against the exact FP64 ``|J_s|^2``, and the
+  largest discrepancy relative to ``|J_s| |J_t|`` is sealed as ``gram_rel_error`` (asserted
+  below 1e-5 on tiny-qwen3 by ``tests/test_branch_gram.py``); a value above
+  :data:`MAX_REL_ERROR` is refused.
+
+The earlier estimate (``numel / samples * <sample_s, sample_t>`` over the protocol's samples)
+had no bound in terms of what was sealed; the Gram computed here is exact (``fp64``) or
+exact to the sealed ``gram_rel_error`` (``jvp``), which bounds the moved norm's error by
+``gram_rel_error * (sum_t |w_t| |J_t|)^2`` in ``|g'|^2``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import forward_ad as fwad
+
+from qualify.contract import Contract
+from qualify.errors import ReferenceDataError
+from qualify.reference.update import (
+    Batch,
+    _forward_response_outputs,
+    _token_logprobs_entropy,
+)
+
+__all__ = ["FULL_BUDGET_BYTES", "MAX_REL_ERROR", "exact_gram", "jvp_row", "symmetrize"]
+
+FULL_BUDGET_BYTES = 1 << 30
+"""Keep the tokens' whole FP32 ``J_t`` for an exact FP64 Gram up to this many bytes per
+precision, role and round (128 tokens of tiny-qwen3: 82 MB; one of SmolLM2-135M: 538 MB)."""
+MAX_REL_ERROR = 1e-4
+"""The largest ``|jvp - exact| / (|J_s| |J_t|)`` accepted (FP32 rounding is ~1e-7)."""
+
+
+def exact_gram(full: Mapping[str, Mapping[str, torch.Tensor]],
+               norm_sq: Mapping[str, float]) -> dict[str, dict[str, float]]:
+    """``<J_s, J_t>`` for every pair, summed in FP64 parameter by parameter.
+
+    Args:
+        full: ``{token key: {parameter name: FP32 J_t shaped like the parameter}}``.
+        norm_sq: ``{token key: |J_t|^2}`` (FP64, the diagonal, taken as is).
+
+    Returns:
+        The symmetric ``{key: {key: float}}`` matrix.
+    """
+    keys = list(full)
+    gram: dict[str, dict[str, float]] = {k: {} for k in keys}
+    for i, a in enumerate(keys):
+        gram[a][a] = float(norm_sq[a])
+        for b in keys[i + 1:]:
+            v = 0.0
+            for p, x in full[a].items():
+                v += float((x.double() * full[b][p].double()).sum())
+            gram[a][b] = gram[b][a] = v
+    return gram
+
+
+class _Outputs(nn.Module):
+    """``model``'s response outputs as a module of one batch argument (for ``functional_call``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, mb: Batch) -> torch.Tensor:
+        """``[b, R, D]`` (:func:`qualify.reference.update._forward_response_outputs`)."""
+        return _forward_response_outputs(self.model, mb)
+
+
+@contextlib.contextmanager
+def _eager_attention(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` with eager attention inside the block (its config is restored after)."""
+    cfg: Any = model.config
+    was = cfg._attn_implementation
+    cfg._attn_implementation = "eager"
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = was
+
+
+def jvp_row(model: nn.Module, batch: Batch, contract: Contract, *, role: str,
+            micro_batch_size: int, tokens: Sequence[tuple[int, int]],
+            direction: Mapping[str, torch.Tensor]) -> dict[tuple[int, int], float]:
+    """``<J_t, direction>`` for every listed token, by forward-mode differentiation.
+
+    The outputs are those of :func:`qualify.reference.update.token_gradients` (actor: the
+    token's logprob at the contract's temperature; critic: its value), in FP32, eval mode,
+    with eager attention, on the micro-batches of ``micro_batch_size`` that hold a listed
+    token.
+
+    Args:
+        model: the FP32 module ``J_t`` was taken of (its parameters are not changed).
+        batch: the batch as the run padded it.
+        contract: supplies the temperature.
+        role: ``actor`` or ``critic``.
+        micro_batch_size: the run's micro-batch size.
+        tokens: ``(b, t)`` response positions.
+        direction: ``{trainable parameter name: FP32 tensor shaped like it}`` (``J_s``).
+
+    Returns:
+        ``{(b, t): float}``.
+    """
+    wrapper = _Outputs(model)
+    primals = {f"model.{n}": p.detach() for n, p in model.named_parameters()}
+    tangents = {k: (direction[k[6:]].to(p.dtype) if k[6:] in direction
+                    else torch.zeros_like(p)) for k, p in primals.items()}
+    wanted = {(int(b), int(t)) for b, t in tokens}
+    out: dict[tuple[int, int], float] = {}
+    training = model.training
+    model.eval()
+    try:
+        with _eager_attention(model):
+            for s, mb in batch.micro_batches(micro_batch_size):
+                here = sorted((b, t) for b, t in wanted if s.start <= b < s.stop)
+                if not here:
+                    continue
+
+                def outputs(ps: dict[str, torch.Tensor], mb: Batch = mb) -> torch.Tensor:
+                    y: torch.Tensor = torch.func.functional_call(wrapper, ps, (mb,))
+                    if role == "actor":
+                        return _token_logprobs_entropy(
+                            y, mb.responses, contract.sampling.temperature)[0]
+                    return y.to(torch.promote_types(y.dtype, torch.float32)).squeeze(-1)
+
+                with fwad.dual_level(), warnings.catch_warnings():
+                    # torch loads its forward-mode decompositions on first use through
+                    # torch.jit.script, which warns that it is deprecated (torch's own code).
+                    warnings.filterwarnings("ignore", category=DeprecationWarning,
+                                            message=r"`torch\.jit\.script` is deprecated")
+                    duals = {k: fwad.make_dual(p, tangents[k]) for k, p in primals.items()}
+                    jv = fwad.unpack_dual(outputs(duals)).tangent
+                if jv is None:  # no output depends on the parameters
+                    jv = torch.zeros(mb.responses.shape)
+                for b, t in here:
+                    out[(b, t)] = float(jv[b - s.start, t])
+    finally:
+        model.train(training)
+    return out
+
+
+def symmetrize(rows: Mapping[str, Mapping[str, float]],
+               norm_sq: Mapping[str, float]) -> tuple[dict[str, dict[str, float]], float]:
+    """The Gram from forward-mode rows, and its largest error relative to ``|J_s| |J_t|``.
+
+    Args:
+        rows: ``{s: {t: <J_s, J_t> by jvp}}``, diagonal included, each pair in at least
+            one of its two rows (the reference stage computes row ``s`` over the tokens from
+            ``s`` on, in the order :func:`qualify.reference.update.token_gradients` yields
+            them: the upper triangle, half the passes).
+        norm_sq: ``{t: |J_t|^2}`` exact in FP64.
+
+    Returns:
+        ``(gram, rel_error)``: the diagonal is ``norm_sq``; an off-diagonal entry is the mean
+        of ``(s, t)`` and ``(t, s)`` where both were computed, else the one; ``rel_error`` is
+        the largest of ``|jvp(s, s) - |J_s|^2| / |J_s|^2`` and, where both were computed,
+        ``|jvp(s, t) - jvp(t, s)| / (|J_s| |J_t|)``.
+
+    Raises:
+        ReferenceDataError: ``rel_error`` exceeds :data:`MAX_REL_ERROR`, or a pair or a
+            diagonal entry is missing.
+    """
+    keys = list(rows)
+    norm = {k: float(norm_sq[k]) ** 0.5 for k in keys}
+    gram: dict[str, dict[str, float]] = {k: {} for k in keys}
+    err = 0.0
+    for i, a in enumerate(keys):
+        gram[a][a] = float(norm_sq[a])
+        if a not in rows[a]:
+            raise ReferenceDataError(f"clip-branch Gram by forward mode: no jvp({a}, {a})")
+        scale = norm[a] * norm[a]
+        if scale > 0.0:
+            err = max(err, abs(rows[a][a] - gram[a][a]) / scale)
+        for b in keys[i + 1:]:
+            both = [v for v in (rows[a].get(b), rows[b].get(a)) if v is not None]
+            if not both:
+                raise ReferenceDataError(f"clip-branch Gram by forward mode: no <J_{a}, J_{b}>")
+            gram[a][b] = gram[b][a] = sum(both) / len(both)
+            scale = norm[a] * norm[b]
+            if len(both) == 2 and scale > 0.0:
+                err = max(err, abs(both[0] - both[1]) / scale)
+    if not err <= MAX_REL_ERROR:
+        raise ReferenceDataError(
+            f"clip-branch Gram by forward mode: discrepancy {err:.3g} of |J_s| |J_t| exceeds "
+            f"{MAX_REL_ERROR:g}; the sealed <J_s, J_t> would not be exact to FP32 rounding")
+    return gram, err

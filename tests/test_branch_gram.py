@@ -1,0 +1,199 @@
+"""The sealed clip-branch ``J_t``: stored at the reported elements only, and still exact.
+
+Two claims of :mod:`qualify.reference.gram`: (1) the comparator's adjustment
+(:func:`qualify.branches.adjusted_expected`) computed from ``J_t`` stored at the protocol's
+sampled elements equals, at those elements, the adjustment computed from the whole ``J_t``
+(and the moved ``grad_norm`` / ``clip_coef`` are identical): nothing is approximated by not
+storing the rest; (2) the off-diagonal ``<J_s, J_t>``, by forward mode (the path used when
+the whole ``J_t`` do not fit in memory), equals the FP64 dot product of the whole tensors to
+FP32 rounding, on tiny-qwen3's Actor and Critic.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForTokenClassification
+
+from qualify import branches
+from qualify.contract import Contract, load_contract
+from qualify.errors import ReferenceDataError
+from qualify.protocol import ParamSampling, param_sample_indices
+from qualify.reference import gram
+from qualify.reference.update import (
+    Batch,
+    UpdateSettings,
+    run_actor,
+    run_critic,
+    token_gradients,
+)
+from qualify.resources import contracts_dir
+
+torch.set_num_threads(1)
+
+CFG: dict[str, Any] = {
+    "vocab_size": 384, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "pad_token_id": 0,
+    "eos_token_id": 2, "bos_token_id": 1, "attention_dropout": 0.0}
+SAMPLING = ParamSampling(exact_elements=256, sample_elements=256)  # tiny-qwen3.toml's
+TOKENS = [(0, 1), (1, 5), (3, 0), (3, 2), (2, 1)]
+
+
+@pytest.fixture(scope="module")
+def contract() -> Contract:
+    return dataclasses.replace(load_contract(contracts_dir() / "tiny-qwen3.toml"),
+                               evidence=SAMPLING)
+
+
+@pytest.fixture(scope="module")
+def batch() -> Batch:
+    g = torch.Generator().manual_seed(1)
+    b, p, r = 4, 5, 6
+    prompts = torch.randint(3, 384, (b, p), generator=g)
+    prompts[1, :2] = 0  # left padding
+    responses = torch.randint(3, 384, (b, r), generator=g)
+    response_mask = torch.ones(b, r, dtype=torch.int64)
+    response_mask[0, 4:] = 0
+    response_mask[2, 3:] = 0
+    responses[response_mask == 0] = 0
+    prompt_mask = torch.ones(b, p, dtype=torch.int64)
+    prompt_mask[1, :2] = 0
+    return Batch(prompts=prompts, responses=responses,
+                 attention_mask=torch.cat([prompt_mask, response_mask], 1),
+                 response_mask=response_mask,
+                 advantages=torch.randn(b, r, generator=g) * response_mask,
+                 returns=torch.randn(b, r, generator=g) * response_mask, pad_token_id=0)
+
+
+def _model(role: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if role == "actor":
+        cfg = Qwen3Config(**CFG)
+        cfg._attn_implementation = "sdpa"
+        return Qwen3ForCausalLM(cfg)
+    cfg = Qwen3Config(**CFG, num_labels=1)  # type: ignore[call-arg]
+    cfg._attn_implementation = "sdpa"
+    return Qwen3ForTokenClassification(cfg)
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_jvp_gram_equals_the_fp64_gram(contract: Contract, batch: Batch, role: str) -> None:
+    """At round 2 of a real reference update, the forward-mode Gram of five tokens (two
+    micro-batches) matches the FP64 dot products of their whole ``J_t`` within 1e-5 of
+    ``|J_s| |J_t|``, and the model's attention implementation is restored after."""
+    settings = UpdateSettings(precision="fp32", micro_batch_size=2)
+    seen: dict[str, Any] = {}
+
+    def hook(round_: int, work: torch.nn.Module, master: torch.nn.Module, b: Batch,
+             old: torch.Tensor) -> None:
+        if round_ != 2:
+            return
+        full, norm_sq, rows, upper = {}, {}, {}, {}
+        for tok, c in token_gradients(master, master, b, contract, settings, role=role,
+                                      tokens=TOKENS):
+            key = branches.token_key(*tok)
+            full[key] = c
+            norm_sq[key] = sum(float(v.double().square().sum()) for v in c.values())
+            row = gram.jvp_row(master, b, contract, role=role, micro_batch_size=2,
+                               tokens=TOKENS, direction=c)
+            rows[key] = {branches.token_key(*k): v for k, v in row.items()}
+            upper[key] = {k: v for k, v in rows[key].items()  # as seal_branches computes it
+                          if tuple(map(int, k.split("_"))) >= tok}
+        seen["exact"] = gram.exact_gram(full, norm_sq)
+        seen["jvp"], seen["err"] = gram.symmetrize(rows, norm_sq)
+        seen["upper"], seen["err_upper"] = gram.symmetrize(upper, norm_sq)
+        seen["norm"] = {k: v ** 0.5 for k, v in norm_sq.items()}
+        seen["attn"] = getattr(master.config, "_attn_implementation", None)
+
+    model = _model(role)
+    if role == "actor":
+        run_actor(model, copy.deepcopy(model), batch, contract, settings, on_round=hook)
+    else:
+        run_critic(model, batch, contract, settings, on_round=hook)
+    assert seen["attn"] == "sdpa"
+    assert 0.0 <= seen["err"] < 1e-5
+    assert 0.0 <= seen["err_upper"] <= seen["err"]
+    exact, jvp, norm = seen["exact"], seen["jvp"], seen["norm"]
+    assert len(exact) == len(TOKENS)
+    off = [abs(exact[a][b]) / (norm[a] * norm[b]) for a in exact for b in exact if a != b]
+    assert max(off) > 1e-3  # the off-diagonal is not trivially zero
+    for a in exact:
+        for b in exact:
+            assert abs(jvp[a][b] - exact[a][b]) <= 1e-5 * norm[a] * norm[b], (a, b)
+            assert abs(seen["upper"][a][b] - exact[a][b]) <= 1e-5 * norm[a] * norm[b], (a, b)
+
+
+def test_symmetrize_averages_and_refuses_a_discrepant_row() -> None:
+    rows = {"0_0": {"0_0": 1.0, "0_1": 0.5}, "0_1": {"0_0": 0.5001, "0_1": 4.0}}
+    g, err = gram.symmetrize(rows, {"0_0": 1.0, "0_1": 4.0})
+    assert g["0_0"]["0_1"] == g["0_1"]["0_0"] == pytest.approx(0.50005)
+    assert g["0_1"]["0_1"] == 4.0
+    assert err == pytest.approx(5e-5)
+    upper, err = gram.symmetrize({"0_0": rows["0_0"], "0_1": {"0_1": 4.0}},
+                                 {"0_0": 1.0, "0_1": 4.0})
+    assert upper["0_1"]["0_0"] == 0.5
+    assert err == 0.0
+    with pytest.raises(ReferenceDataError, match="discrepancy"):
+        gram.symmetrize({**rows, "0_1": {"0_0": 0.4, "0_1": 4.0}}, {"0_0": 1.0, "0_1": 4.0})
+    with pytest.raises(ReferenceDataError, match="no <J_0_0, J_0_1>"):
+        gram.symmetrize({"0_0": {"0_0": 1.0}, "0_1": {"0_1": 4.0}}, {"0_0": 1.0, "0_1": 4.0})
+
+
+def _sample(name: str, a: np.ndarray) -> np.ndarray:
+    idx = param_sample_indices(name, a.size, SAMPLING)
+    return a.copy() if idx is None else a.reshape(-1)[idx]
+
+
+def test_adjustment_from_sampled_jacobians_is_exact_at_the_reported_elements() -> None:
+    """``adjusted_expected`` on the sampled run with ``J_t`` sampled at the same indices
+    gives, bitwise, the sample of the adjustment computed from whole tensors; ``grad_norm``
+    and ``clip_coef`` (from the sealed exact scalars) are identical."""
+    rng = np.random.default_rng(3)
+    shapes = {"model.embed_tokens.weight": (384, 64), "model.norm.weight": (64,),
+              "model.layers.0.mlp.up_proj.weight": (160, 64)}
+    toks = [(0, 1), (2, 3), (1, 0)]
+    keys = [branches.token_key(*t) for t in toks]
+    jac = {k: {p: rng.standard_normal(s) for p, s in shapes.items()} for k in keys}
+    g = {p: rng.standard_normal(s) for p, s in shapes.items()}
+    exp: dict[str, Any] = {"round1/actor/logprobs": rng.standard_normal((3, 4)) - 2.0,
+                           "round2/actor/logprobs": rng.standard_normal((3, 4)) - 2.0}
+    for p, s in shapes.items():
+        exp[f"round2/actor/grads/{p}"] = g[p]
+        exp[f"round2/actor/exp_avg/{p}"] = 0.1 * rng.standard_normal(s)
+        exp[f"round2/actor/exp_avg_sq/{p}"] = 0.01 * rng.random(s)
+        exp[f"round2/actor/updates/{p}"] = 1e-3 * rng.standard_normal(s)
+    norm = float(np.sqrt(sum(np.square(v).sum() for v in g.values())))
+    exp["round2/actor/grad_norm"] = np.asarray(norm)
+    exp["round2/actor/clip_coef"] = np.asarray(min(1.0, 1.0 / (norm + 1e-6)))
+    flat = {k: np.concatenate([jac[k][p].ravel() for p in shapes]) for k in keys}
+    gflat = np.concatenate([g[p].ravel() for p in shapes])
+    scalars = {"tokens": {k: {"dot_grad": float(gflat @ flat[k])} for k in keys},
+               "gram": {a: {b: float(flat[a] @ flat[b]) for b in keys} for a in keys}}
+    flips = [{"index": list(t), "obtained": o} for t, o in zip(toks, ("full", "zero", "full"),
+                                                               strict=True)]
+    train = {"advantages": rng.standard_normal((3, 4)), "returns": rng.standard_normal((3, 4))}
+    kw: dict[str, Any] = {"role": "actor", "round_": 2, "flips": flips, "scalars": scalars,
+                          "train": train, "n_valid": 12.0, "lr": 1e-3, "betas": (0.9, 0.999),
+                          "eps": 1e-8, "max_grad_norm": 1.0}
+    whole, _ = branches.adjusted_expected(
+        exp, jacobians={f"{k}/{p}": v for k in keys for p, v in jac[k].items()}, **kw)
+    sampled_exp = {n: (_sample(n.split("/", 3)[3], v) if n.count("/") >= 3 else v)
+                   for n, v in exp.items()}
+    part, _ = branches.adjusted_expected(
+        sampled_exp, jacobians={f"{k}/{p}": _sample(p, v) for k in keys
+                                for p, v in jac[k].items()}, **kw)
+    assert whole is not None
+    assert part is not None
+    assert any(param_sample_indices(p, int(np.prod(s)), SAMPLING) is not None
+               for p, s in shapes.items())
+    for n in ("round2/actor/grad_norm", "round2/actor/clip_coef"):
+        assert float(part[n]) == float(whole[n])
+    assert float(whole["round2/actor/grad_norm"]) != norm  # the flips moved it
+    for n, v in part.items():
+        if n.count("/") >= 3 and n.startswith("round2/"):
+            np.testing.assert_array_equal(v, _sample(n.split("/", 3)[3], whole[n]))
