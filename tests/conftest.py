@@ -100,11 +100,17 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             return one_worker_scope(nodeid)
 
+        ranked = False
+
         def _assign_work_unit(self, node: Any) -> None:
-            # LoadScopeScheduling pops the first unit of its queue (largest first): put the
-            # best-ranked unit there (min keeps the queue's order among equals).
-            best = min(self.workqueue, key=unit_rank)
-            self.workqueue.move_to_end(best, last=False)
+            # LoadScopeScheduling fills its queue (largest unit first), then pops its first
+            # unit per assignment: before the first one, order the queue by unit_rank
+            # (sorted is stable: the size order stays among equals). A unit a crashed
+            # worker leaves is put back at the front by xdist, as before.
+            if not self.ranked:
+                for scope in sorted(self.workqueue, key=unit_rank):
+                    self.workqueue.move_to_end(scope)
+                self.ranked = True
             super()._assign_work_unit(node)
 
     return OneWorkerModules(config, log)
