@@ -15,7 +15,13 @@ pytest 9 it groups nothing: it renames ``item._nodeid``, which ``Item.nodeid`` n
 reads.) An explicit ``--dist`` other than ``load`` is left as it is.
 
 Artifacts several modules need (the tiny contract's reference and 8-cell run, the default
-contract's reference) are shared across modules and workers by :mod:`shared_artifacts`.
+contract's reference) are shared across modules and workers by :mod:`shared_artifacts`: the
+first worker that asks builds one while a second one waits on its file lock. So the units
+are not handed out by size alone (:func:`unit_rank`): the two modules that build those
+artifacts (:data:`FIRST`) start at once, one on each worker; then the other expensive
+modules, longest first (:data:`COST_S`); then the modules that read what :data:`FIRST`
+built (:data:`AFTER_BUILDERS`: by then it is there, nobody waits); then the single tests,
+those of the costlier modules first, so that the cheapest fill the end of both workers.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ import pytest
 ONE_WORKER = frozenset({
     "test_diverge",  # reference: the shared tiny reference, 2 one-cell runs + diverge
     "test_fsdp2",  # runs: each launch cached in the worker's process (5 launches)
+    "test_html_passing",  # passing: a copy of the shared tiny chain and its HTML page
     "test_kill_points",  # kit + clean: keygen, reference, candidate, compare
+    "test_lr_schedule",  # deepspeed_lrs: one DeepSpeed probe process
     "test_megatron_bf16_finding",  # finding: one torchrun launch of the repro script
     "test_megatron_harness",  # report: reference + 2 Megatron launches
     "test_packaging",  # installed: wheel build, venv, install
@@ -40,14 +48,50 @@ ONE_WORKER = frozenset({
 that makes them expensive."""
 
 
+FIRST = ("test_megatron_harness", "test_tamper_real_run")
+"""Started first, one on each worker: the builders of the shared artifacts
+(:func:`shared_artifacts.default_reference`; :func:`~shared_artifacts.tiny_reference` and
+:func:`~shared_artifacts.tiny_chain`), each among the longest chains of the suite."""
+
+AFTER_BUILDERS = frozenset({"test_diverge", "test_html_passing", "test_vllm_rollout"})
+""":data:`ONE_WORKER` modules that only read what :data:`FIRST` builds: handed out after
+the other expensive modules, when the artifact exists (else a worker would idle on the
+lock while the other builds)."""
+
+COST_S = {
+    "test_fsdp2": 120, "test_vllm_sampler": 110, "test_kill_points": 100,
+    "test_packaging": 90, "test_megatron_bf16_finding": 40, "test_lr_schedule": 30,
+    "test_pipeline": 30,
+}
+"""Rough relative cost (only the order it gives matters; unlisted: 0): of the whole unit for
+:data:`ONE_WORKER` modules (fsdp2 and the vLLM sampler took about the same in a loaded run
+of the suite, the others fewer launches), of one test for modules of single tests
+(test_pipeline: each test is a real candidate launch)."""
+
+
 def one_worker_scope(nodeid: str) -> str:
     """The scheduling unit of a test: its module for :data:`ONE_WORKER`, else itself."""
     module = nodeid.split("::", 1)[0]
     return module if PurePosixPath(module).stem in ONE_WORKER else nodeid
 
 
+def unit_rank(scope: str) -> tuple[int, float]:
+    """The order units are handed out in (smallest first): :data:`FIRST` in its order, the
+    other :data:`ONE_WORKER` modules by :data:`COST_S`, :data:`AFTER_BUILDERS`, then single
+    tests by their module's :data:`COST_S`."""
+    stem = PurePosixPath(scope.split("::", 1)[0]).stem
+    if stem in FIRST:
+        return 0, FIRST.index(stem)
+    cost = -float(COST_S.get(stem, 0))
+    if stem not in ONE_WORKER:
+        return 3, cost
+    return (2 if stem in AFTER_BUILDERS else 1), cost
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest -p no:xdist: the hook does not exist
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """For ``--dist load`` (``-n N`` alone): :func:`one_worker_scope` units."""
+    """For ``--dist load`` (``-n N`` alone): :func:`one_worker_scope` units in
+    :func:`unit_rank` order."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
@@ -55,5 +99,18 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     class OneWorkerModules(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return one_worker_scope(nodeid)
+
+        ranked = False
+
+        def _assign_work_unit(self, node: Any) -> None:
+            # LoadScopeScheduling fills its queue (largest unit first), then pops its first
+            # unit per assignment: before the first one, order the queue by unit_rank
+            # (sorted is stable: the size order stays among equals). A unit a crashed
+            # worker leaves is put back at the front by xdist, as before.
+            if not self.ranked:
+                for scope in sorted(self.workqueue, key=unit_rank):
+                    self.workqueue.move_to_end(scope)
+                self.ranked = True
+            super()._assign_work_unit(node)
 
     return OneWorkerModules(config, log)

@@ -1,7 +1,8 @@
 """The Megatron-Core harness end to end on CPU: reference -> candidate -> compare.
 
 Uses ``contracts/tiny-qwen3.toml`` (a copy with ``"megatron"`` added to ``engines`` when
-the committed matrix does not list it), seals a reference once per module, runs
+the committed matrix does not list it), takes its sealed reference (the session's shared
+:func:`shared_artifacts.default_reference` when that is the committed contract), runs
 ``megatron-fp32-*`` (two topology launches of real torchrun + gloo: a2c1 and a1c2) and
 compares. On CPU the Megatron cells run their whole update with Megatron's own optimizer
 (``get_megatron_optimizer`` under the placement shims of ``harnesses/megatron/cpu_shims.py``):
@@ -23,10 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from shared_artifacts import copy_tree, default_reference
 
 from qualify.candidate.stage import run_candidate_stage
 from qualify.compare.stage import compare_run
-from qualify.contract import Contract, load_contract
+from qualify.contract import Contract, default_contract_path, load_contract
+from qualify.evidence import store
 from qualify.reference.stage import run_reference_stage
 from qualify.resources import contracts_dir
 
@@ -51,9 +54,25 @@ def contract(tmp_path_factory: pytest.TempPathFactory) -> Contract:
 
 
 @pytest.fixture(scope="module")
-def report(contract: Contract, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    ref = run_reference_stage(contract, root=tmp_path_factory.mktemp("refs"), quiet=True)
-    run_dir = run_candidate_stage(contract, reference=ref, root=tmp_path_factory.mktemp("ev"),
+def reference(contract: Contract, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sealed reference of ``contract``: when it is the committed default contract (whose
+    matrix lists megatron), a copy of the session's shared
+    :func:`shared_artifacts.default_reference` (the same real reference stage, which
+    test_vllm_rollout checks too, built once per session); else built here."""
+    default = load_contract(default_contract_path())
+    if contract.digest12 != default.digest12:
+        return run_reference_stage(contract, root=tmp_path_factory.mktemp("refs"), quiet=True)
+    shared = default_reference(tmp_path_factory) / "references" / \
+        f"{contract.name}-{contract.digest12}"
+    assert store.is_sealed(shared)
+    return copy_tree(shared, tmp_path_factory.mktemp("refs") / shared.name)
+
+
+@pytest.fixture(scope="module")
+def report(contract: Contract, reference: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    run_dir = run_candidate_stage(contract, reference=reference,
+                                  root=tmp_path_factory.mktemp("ev"),
                                   cells=["megatron-fp32-*"], quiet=True)
     compare_run(run_dir)
     doc: dict[str, Any] = json.loads((run_dir / "report.json").read_text("utf-8"))
