@@ -32,8 +32,9 @@ import numpy as np
 import numpy.typing as npt
 
 from qualify.bounds import judge
+from qualify.evidence.tensor_stream import LazyTensor
 from qualify.jsonio import json_number
-from qualify.statistics import FAMILY_STATISTIC, MetricKey, measure
+from qualify.statistics import CHUNK_ELEMENTS, FAMILY_STATISTIC, MetricKey, measure
 
 __all__ = ["NULLS", "Power", "PowerCache", "null_alternatives", "null_errors", "power_from",
            "power_of"]
@@ -97,6 +98,65 @@ def _permuted(key: MetricKey, member: str, arr: npt.NDArray[Any],
     return out
 
 
+class _StreamedNull:
+    """A null alternative of an expected tensor read in chunks, made one chunk at a time.
+
+    For a member that lives on disk (:class:`~qualify.evidence.tensor_stream.LazyTensor`,
+    a per-parameter family; :func:`qualify.statistics.max_rel_l2` streams it):
+    ``sign_flipped`` and ``zeros`` are the same numbers as in memory. ``permuted`` is a
+    seeded permutation of whole blocks of :data:`~qualify.statistics.CHUNK_ELEMENTS`
+    elements (the block order by the member's seed, the elements inside each block by the
+    seed and the block's index; a last partial block is permuted in place), so one block
+    of the source is read per block made: every element still moves, it is another
+    permutation than the one a member held in memory gets.
+    """
+
+    __slots__ = ("_blocks", "_seed", "_src", "dtype", "kind", "shape", "size")
+
+    def __init__(self, src: Any, kind: str, seed: int) -> None:
+        """The ``kind`` null alternative of ``src`` (permuted with ``seed``)."""
+        self._src, self.kind, self._seed = src, kind, seed
+        self.shape, self.size, self.dtype = tuple(src.shape), int(src.size), np.dtype(np.float64)
+        full = self.size // CHUNK_ELEMENTS
+        self._blocks = np.random.default_rng(seed).permutation(full) if kind == "permuted" \
+            else None
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return len(self.shape)
+
+    def _block(self, j: int) -> npt.NDArray[np.float64]:
+        assert self._blocks is not None
+        src = int(self._blocks[j]) if j < self._blocks.size else j
+        vals = np.asarray(self._src.read_flat(src * CHUNK_ELEMENTS, (src + 1) * CHUNK_ELEMENTS),
+                          dtype=np.float64)
+        return vals[np.random.default_rng([self._seed, j]).permutation(vals.size)]
+
+    def read_flat(self, start: int, stop: int) -> npt.NDArray[np.float64]:
+        """Elements ``[start, stop)`` of the flattened null alternative (FP64)."""
+        start, stop = max(0, start), min(self.size, stop)
+        if self.kind == "zeros":
+            return np.zeros(max(0, stop - start))
+        if self.kind == "sign_flipped":
+            return -np.asarray(self._src.read_flat(start, stop), dtype=np.float64)
+        parts = []
+        for j in range(start // CHUNK_ELEMENTS, (stop - 1) // CHUNK_ELEMENTS + 1):
+            lo = j * CHUNK_ELEMENTS
+            parts.append(self._block(j)[max(start, lo) - lo: stop - lo])
+        return np.concatenate(parts) if parts else np.zeros(0)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> npt.NDArray[Any]:
+        """The whole null alternative in memory."""
+        arr = self.read_flat(0, self.size).reshape(self.shape)
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+
+
+def _streamed(key: MetricKey, v: Any) -> bool:
+    """A member whose nulls are made in chunks: read from disk, in a ``max_rel_l2`` family."""
+    return isinstance(v, LazyTensor) and FAMILY_STATISTIC[key.family] == "max_rel_l2"
+
+
 def null_alternatives(key: MetricKey, expected: Mapping[str, Any],
                       mask: npt.ArrayLike | None) -> dict[str, dict[str, Any] | None]:
     """The null alternatives of one metric group, built from the expected tensors.
@@ -110,15 +170,24 @@ def null_alternatives(key: MetricKey, expected: Mapping[str, Any],
     Returns:
         ``{"permuted": {member: array} | None, "sign_flipped": ..., "zeros": ...}``, all
         FP64; ``permuted`` is ``None`` when every member is a scalar (or the family is
-        ``losses``, whose members are scalar terms).
+        ``losses``, whose members are scalar terms). A member read from disk in chunks
+        gets :class:`_StreamedNull` alternatives (made when read, one chunk at a time).
     """
-    arrays = {m: np.asarray(v, dtype=np.float64) for m, v in expected.items()}
+    arrays = {m: v if _streamed(key, v) else np.asarray(v, dtype=np.float64)
+              for m, v in expected.items()}
     scalar = key.family == "losses" or all(a.ndim == 0 for a in arrays.values())
+
+    def null(kind: str, m: str, a: Any) -> Any:
+        if isinstance(a, LazyTensor):
+            return _StreamedNull(a, kind, _seed(key, m))
+        return {"permuted": lambda: _permuted(key, m, a, mask), "sign_flipped": lambda: -a,
+                "zeros": lambda: np.zeros_like(a)}[kind]()
+
     return {
-        "permuted": None if scalar else {m: _permuted(key, m, a, mask)
+        "permuted": None if scalar else {m: null("permuted", m, a)
                                          for m, a in sorted(arrays.items())},
-        "sign_flipped": {m: -a for m, a in arrays.items()},
-        "zeros": {m: np.zeros_like(a) for m, a in arrays.items()},
+        "sign_flipped": {m: null("sign_flipped", m, a) for m, a in arrays.items()},
+        "zeros": {m: null("zeros", m, a) for m, a in arrays.items()},
     }
 
 
