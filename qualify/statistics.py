@@ -40,8 +40,9 @@ FAMILY_STATISTIC: Final[Mapping[str, Statistic]] = {
 
 Array = npt.NDArray[np.float64]
 
-CHUNK_ELEMENTS: Final = 1 << 18
-"""Elements per chunk when a parameter is measured in pieces (2 MiB of FP64 per operand)."""
+CHUNK_ELEMENTS: Final = 1 << 16
+"""Elements per chunk when a tensor read from disk is measured in pieces (512 KiB of FP64
+per operand)."""
 
 
 def family_of(metric: str) -> str:
@@ -207,12 +208,12 @@ def flat_chunks(x: Any, chunk: int = CHUNK_ELEMENTS) -> Iterator[Array]:
 
 
 def l2_norm(x: Any) -> float:
-    """``||x||_2`` in FP64, streamed in :data:`CHUNK_ELEMENTS` chunks past one chunk.
+    """``||x||_2`` in FP64: ``np.linalg.norm`` of an array in memory, bit for bit as ever.
 
-    Up to one chunk it is ``np.linalg.norm`` of the FP64 array, bit for bit (past it the
-    squares are summed chunk by chunk, ``sqrt(sum(sum(c * c)))``).
+    A tensor read from disk (``read_flat``) is streamed in :data:`CHUNK_ELEMENTS` chunks,
+    ``sqrt(sum(sum(c * c)))``.
     """
-    if not hasattr(x, "read_flat") and np.size(x) <= CHUNK_ELEMENTS:
+    if not hasattr(x, "read_flat"):
         return float(np.linalg.norm(_f64(x)))
     return float(np.sqrt(sum(_sumsq(c) for c in flat_chunks(x))))
 
@@ -225,13 +226,12 @@ def _sumsq(c: Array) -> float:
 def _param_error(a_in: Any, b_in: Any, s_in: Any | None) -> tuple[float, float, float] | None:
     """``(relative L2 error, max abs diff, max rel diff)`` of one parameter; None: non-finite.
 
-    A parameter of at most :data:`CHUNK_ELEMENTS` elements in memory is measured whole (the
-    same bits as ever); a larger one, or one read from disk, one chunk of each side at a
-    time: the squared norms are summed over chunks (the last bits of the norms may differ
-    from a single dot product), the maxima are exact.
+    Two arrays in memory are measured whole (the same bits as ever); when either side is
+    read from disk (``read_flat``: a large tensor, :mod:`qualify.evidence.tensor_stream`),
+    one chunk of each side at a time: the squared norms are summed over chunks (their last
+    bits may differ from one dot product), the maxima are exact.
     """
-    if not (hasattr(a_in, "read_flat") or hasattr(b_in, "read_flat")) \
-            and max(np.size(a_in), np.size(b_in)) <= CHUNK_ELEMENTS:
+    if not (hasattr(a_in, "read_flat") or hasattr(b_in, "read_flat")):
         a, b = _f64(a_in), _f64(b_in)
         if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
             return None

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 import numpy as np
@@ -34,7 +34,7 @@ import numpy.typing as npt
 from qualify.bounds import judge
 from qualify.evidence.tensor_stream import LazyTensor
 from qualify.jsonio import json_number
-from qualify.statistics import CHUNK_ELEMENTS, FAMILY_STATISTIC, MetricKey, measure
+from qualify.statistics import CHUNK_ELEMENTS, FAMILY_STATISTIC, MetricKey, measure, shape_of
 
 __all__ = ["NULLS", "Power", "PowerCache", "null_alternatives", "null_errors", "power_from",
            "power_of"]
@@ -158,7 +158,7 @@ def _streamed(key: MetricKey, v: Any) -> bool:
 
 
 def null_alternatives(key: MetricKey, expected: Mapping[str, Any],
-                      mask: npt.ArrayLike | None) -> dict[str, dict[str, Any] | None]:
+                      mask: npt.ArrayLike | None) -> dict[str, Mapping[str, Any] | None]:
     """The null alternatives of one metric group, built from the expected tensors.
 
     Args:
@@ -170,25 +170,47 @@ def null_alternatives(key: MetricKey, expected: Mapping[str, Any],
     Returns:
         ``{"permuted": {member: array} | None, "sign_flipped": ..., "zeros": ...}``, all
         FP64; ``permuted`` is ``None`` when every member is a scalar (or the family is
-        ``losses``, whose members are scalar terms). A member read from disk in chunks
-        gets :class:`_StreamedNull` alternatives (made when read, one chunk at a time).
+        ``losses``, whose members are scalar terms). Each is a mapping that makes a
+        member when it is read (:class:`_Nulls`); a member read from disk in chunks gets
+        a :class:`_StreamedNull` (made one chunk at a time).
     """
-    arrays = {m: v if _streamed(key, v) else np.asarray(v, dtype=np.float64)
-              for m, v in expected.items()}
-    scalar = key.family == "losses" or all(a.ndim == 0 for a in arrays.values())
-
-    def null(kind: str, m: str, a: Any) -> Any:
-        if isinstance(a, LazyTensor):
-            return _StreamedNull(a, kind, _seed(key, m))
-        return {"permuted": lambda: _permuted(key, m, a, mask), "sign_flipped": lambda: -a,
-                "zeros": lambda: np.zeros_like(a)}[kind]()
-
+    scalar = key.family == "losses" or all(shape_of(v) == () for v in expected.values())
     return {
-        "permuted": None if scalar else {m: null("permuted", m, a)
-                                         for m, a in sorted(arrays.items())},
-        "sign_flipped": {m: null("sign_flipped", m, a) for m, a in arrays.items()},
-        "zeros": {m: null("zeros", m, a) for m, a in arrays.items()},
+        "permuted": None if scalar else _Nulls("permuted", key, expected, mask),
+        "sign_flipped": _Nulls("sign_flipped", key, expected, mask),
+        "zeros": _Nulls("zeros", key, expected, mask),
     }
+
+
+class _Nulls(Mapping[str, Any]):
+    """One null alternative of a metric group, each member made when it is read.
+
+    The statistic reads one member at a time, so one member's FP64 copy and null live at
+    once, not the whole group's (the same numbers as building them all first).
+    """
+
+    def __init__(self, kind: str, key: MetricKey, expected: Mapping[str, Any],
+                 mask: npt.ArrayLike | None) -> None:
+        """The ``kind`` alternative of ``expected`` (of metric ``key``, under ``mask``)."""
+        self._kind, self._key, self._expected, self._mask = kind, key, expected, mask
+
+    def __getitem__(self, m: str) -> Any:
+        """The member's null alternative (FP64 array, or :class:`_StreamedNull`)."""
+        v = self._expected[m]
+        if _streamed(self._key, v):
+            return _StreamedNull(v, self._kind, _seed(self._key, m))
+        a = np.asarray(v, dtype=np.float64)
+        if self._kind == "permuted":
+            return _permuted(self._key, m, a, self._mask)
+        return -a if self._kind == "sign_flipped" else np.zeros_like(a)
+
+    def __iter__(self) -> Iterator[str]:
+        """The members, as ``expected`` orders them."""
+        return iter(self._expected)
+
+    def __len__(self) -> int:
+        """Number of members."""
+        return len(self._expected)
 
 
 def null_errors(key: MetricKey, expected: Mapping[str, Any], mask: npt.ArrayLike | None,
