@@ -8,6 +8,7 @@ errors (comparator), so a bound and the error it bounds are always the same quan
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any, Final, Literal
 
@@ -247,17 +248,19 @@ def _param_error(a_in: Any, b_in: Any, s_in: Any | None) -> tuple[float, float, 
         ssd = ssb = 0.0
         p_abs = p_rel = 0.0
         for ca, cb in zip(flat_chunks(a_in), flat_chunks(b_in), strict=True):
-            if not (np.all(np.isfinite(ca)) and np.all(np.isfinite(cb))):
-                return None
             d = ca - cb
-            ssd += _sumsq(d)
-            ssb += _sumsq(cb)
+            sd, sb = _sumsq(d), _sumsq(cb)
+            # a non-finite element makes a sum non-finite; only then are the elements checked
+            if not (math.isfinite(sd) and math.isfinite(sb)) and not (
+                    np.all(np.isfinite(ca)) and np.all(np.isfinite(cb))):
+                return None
+            ssd += sd
+            ssb += sb
             if d.size:
-                ad, ab = np.abs(d), np.abs(cb)
+                ad, ab = np.abs(d, out=d), np.abs(cb)
                 p_abs = max(p_abs, float(ad.max()))
-                nz = ab > 0
-                if np.any(nz):
-                    p_rel = max(p_rel, float((ad[nz] / ab[nz]).max()))
+                rel = np.divide(ad, ab, out=np.zeros_like(ad), where=ab > 0)
+                p_rel = max(p_rel, float(rel.max()))
         nd, nb = float(np.sqrt(ssd)), float(np.sqrt(ssb))
     if s_in is not None:
         nb = max(nb, l2_norm(s_in))

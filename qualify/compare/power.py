@@ -104,22 +104,27 @@ class _StreamedNull:
     For a member that lives on disk (:class:`~qualify.evidence.tensor_stream.LazyTensor`,
     a per-parameter family; :func:`qualify.statistics.max_rel_l2` streams it):
     ``sign_flipped`` and ``zeros`` are the same numbers as in memory. ``permuted`` is a
-    seeded permutation of whole blocks of :data:`~qualify.statistics.CHUNK_ELEMENTS`
-    elements (the block order by the member's seed, the elements inside each block by the
-    seed and the block's index; a last partial block is permuted in place), so one block
-    of the source is read per block made: every element still moves, it is another
-    permutation than the one a member held in memory gets.
+    seeded permutation made of blocks of :data:`~qualify.statistics.CHUNK_ELEMENTS`
+    elements: the order of the whole blocks by the member's seed, the elements inside every
+    whole block by one permutation seeded with ``[seed, 1]``, a last partial block permuted
+    in place (``[seed, 2]``). One block of the source is read per block made; it is another
+    permutation of the elements than the one a member held in memory gets.
     """
 
-    __slots__ = ("_blocks", "_seed", "_src", "dtype", "kind", "shape", "size")
+    __slots__ = ("_blocks", "_inner", "_seed", "_src", "_tail", "dtype", "kind", "shape",
+                 "size")
 
     def __init__(self, src: Any, kind: str, seed: int) -> None:
         """The ``kind`` null alternative of ``src`` (permuted with ``seed``)."""
         self._src, self.kind, self._seed = src, kind, seed
         self.shape, self.size, self.dtype = tuple(src.shape), int(src.size), np.dtype(np.float64)
         full = self.size // CHUNK_ELEMENTS
-        self._blocks = np.random.default_rng(seed).permutation(full) if kind == "permuted" \
-            else None
+        perm = kind == "permuted"
+        self._blocks = np.random.default_rng(seed).permutation(full) if perm else None
+        self._inner = np.random.default_rng([seed, 1]).permutation(CHUNK_ELEMENTS) \
+            if perm else None
+        self._tail = np.random.default_rng([seed, 2]).permutation(self.size % CHUNK_ELEMENTS) \
+            if perm else None
 
     @property
     def ndim(self) -> int:
@@ -128,10 +133,11 @@ class _StreamedNull:
 
     def _block(self, j: int) -> npt.NDArray[np.float64]:
         assert self._blocks is not None
-        src = int(self._blocks[j]) if j < self._blocks.size else j
+        whole = j < self._blocks.size
+        src = int(self._blocks[j]) if whole else j
         vals = np.asarray(self._src.read_flat(src * CHUNK_ELEMENTS, (src + 1) * CHUNK_ELEMENTS),
                           dtype=np.float64)
-        return vals[np.random.default_rng([self._seed, j]).permutation(vals.size)]
+        return vals[self._inner if whole else self._tail]
 
     def read_flat(self, start: int, stop: int) -> npt.NDArray[np.float64]:
         """Elements ``[start, stop)`` of the flattened null alternative (FP64)."""
