@@ -8,7 +8,8 @@ errors (comparator), so a bound and the error it bounds are always the same quan
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+from collections.abc import Iterator, Mapping
 from typing import Any, Final, Literal
 
 import numpy as np
@@ -39,6 +40,10 @@ FAMILY_STATISTIC: Final[Mapping[str, Statistic]] = {
 """
 
 Array = npt.NDArray[np.float64]
+
+CHUNK_ELEMENTS: Final = 1 << 16
+"""Elements per chunk when a tensor read from disk is measured in pieces (512 KiB of FP64
+per operand)."""
 
 
 def family_of(metric: str) -> str:
@@ -160,31 +165,106 @@ def max_rel_l2(obtained: Mapping[str, npt.ArrayLike],
                             max_abs=float("inf"), max_rel=float("inf"))
     worst, worst_name, mism, max_abs, max_rel = 0.0, "", 0, 0.0, 0.0
     for name in sorted(expected):
-        a, b = _f64(obtained[name]), _f64(expected[name])
-        if a.shape != b.shape:
-            return ErrorMeasure(value=float("inf"), where=f"{name}: shape {a.shape} != {b.shape}",
+        sa, sb = shape_of(obtained[name]), shape_of(expected[name])
+        if sa != sb:
+            return ErrorMeasure(value=float("inf"), where=f"{name}: shape {sa} != {sb}",
                                 mismatched=1, total=len(expected), max_abs=float("inf"),
                                 max_rel=float("inf"))
-        if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        p = _param_error(obtained[name], expected[name],
+                         None if scale is None else scale.get(name))
+        if p is None:
             return ErrorMeasure(value=float("inf"), where=f"{name}: non-finite",
                                 mismatched=1, total=len(expected), max_abs=float("inf"),
                                 max_rel=float("inf"))
-        d = a - b
-        nd, nb = float(np.linalg.norm(d)), float(np.linalg.norm(b))
-        if scale is not None and name in scale:
-            nb = max(nb, float(np.linalg.norm(_f64(scale[name]))))
-        err = nd / nb if nb > 0 else nd
+        err, p_abs, p_rel = p
         if err > 0:
             mism += 1
-        if d.size:
-            max_abs = max(max_abs, float(np.max(np.abs(d))))
-            nz = np.abs(b) > 0
-            if np.any(nz):
-                max_rel = max(max_rel, float(np.max(np.abs(d[nz]) / np.abs(b[nz]))))
+        max_abs, max_rel = max(max_abs, p_abs), max(max_rel, p_rel)
         if err > worst or not worst_name:
             worst, worst_name = err, name
     return ErrorMeasure(value=worst, where=worst_name, mismatched=mism, total=len(expected),
                         max_abs=max_abs, max_rel=max_rel)
+
+
+def shape_of(x: Any) -> tuple[int, ...]:
+    """The shape of an array, or of a tensor read in chunks (anything with ``read_flat``)."""
+    return tuple(x.shape) if hasattr(x, "read_flat") else np.shape(x)
+
+
+def flat_chunks(x: Any, chunk: int = CHUNK_ELEMENTS) -> Iterator[Array]:
+    """Row-major flat FP64 chunks of ``chunk`` elements of ``x`` (one empty chunk if empty).
+
+    ``x`` is array-like, or a tensor read in chunks: an object with ``size`` and
+    ``read_flat(start, stop)`` (:class:`qualify.evidence.tensor_stream.LazyTensor`, the
+    power check's null alternatives), so only one chunk of it is in memory at a time.
+    """
+    read = getattr(x, "read_flat", None)
+    if read is not None:
+        for s in range(0, max(int(x.size), 1), chunk):
+            yield _f64(read(s, s + chunk))
+        return
+    flat = np.asarray(x).reshape(-1)
+    for s in range(0, max(flat.size, 1), chunk):
+        yield _f64(flat[s:s + chunk])
+
+
+def l2_norm(x: Any) -> float:
+    """``||x||_2`` in FP64: ``np.linalg.norm`` of an array in memory, bit for bit as ever.
+
+    A tensor read from disk (``read_flat``) is streamed in :data:`CHUNK_ELEMENTS` chunks,
+    ``sqrt(sum(sum(c * c)))``.
+    """
+    if not hasattr(x, "read_flat"):
+        return float(np.linalg.norm(_f64(x)))
+    return float(np.sqrt(sum(_sumsq(c) for c in flat_chunks(x))))
+
+
+def _sumsq(c: Array) -> float:
+    """``sum(c * c)`` of one FP64 chunk (``einsum``: no BLAS threads, no temporary)."""
+    return float(np.einsum("i,i->", c, c))
+
+
+def _param_error(a_in: Any, b_in: Any, s_in: Any | None) -> tuple[float, float, float] | None:
+    """``(relative L2 error, max abs diff, max rel diff)`` of one parameter; None: non-finite.
+
+    Two arrays in memory are measured whole (the same bits as ever); when either side is
+    read from disk (``read_flat``: a large tensor, :mod:`qualify.evidence.tensor_stream`),
+    one chunk of each side at a time: the squared norms are summed over chunks (their last
+    bits may differ from one dot product), the maxima are exact.
+    """
+    if not (hasattr(a_in, "read_flat") or hasattr(b_in, "read_flat")):
+        a, b = _f64(a_in), _f64(b_in)
+        if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+            return None
+        d = a - b
+        nd, nb = float(np.linalg.norm(d)), float(np.linalg.norm(b))
+        p_abs = p_rel = 0.0
+        if d.size:
+            p_abs = float(np.max(np.abs(d)))
+            nz = np.abs(b) > 0
+            if np.any(nz):
+                p_rel = float(np.max(np.abs(d[nz]) / np.abs(b[nz])))
+    else:
+        ssd = ssb = 0.0
+        p_abs = p_rel = 0.0
+        for ca, cb in zip(flat_chunks(a_in), flat_chunks(b_in), strict=True):
+            d = ca - cb
+            sd, sb = _sumsq(d), _sumsq(cb)
+            # a non-finite element makes a sum non-finite; only then are the elements checked
+            if not (math.isfinite(sd) and math.isfinite(sb)) and not (
+                    np.all(np.isfinite(ca)) and np.all(np.isfinite(cb))):
+                return None
+            ssd += sd
+            ssb += sb
+            if d.size:
+                ad, ab = np.abs(d, out=d), np.abs(cb)
+                p_abs = max(p_abs, float(ad.max()))
+                rel = np.divide(ad, ab, out=np.zeros_like(ad), where=ab > 0)
+                p_rel = max(p_rel, float(rel.max()))
+        nd, nb = float(np.sqrt(ssd)), float(np.sqrt(ssb))
+    if s_in is not None:
+        nb = max(nb, l2_norm(s_in))
+    return (nd / nb if nb > 0 else nd), p_abs, p_rel
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -25,15 +25,16 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
 from qualify.bounds import judge
+from qualify.evidence.tensor_stream import LazyTensor
 from qualify.jsonio import json_number
-from qualify.statistics import FAMILY_STATISTIC, MetricKey, measure
+from qualify.statistics import CHUNK_ELEMENTS, FAMILY_STATISTIC, MetricKey, measure, shape_of
 
 __all__ = ["NULLS", "Power", "PowerCache", "null_alternatives", "null_errors", "power_from",
            "power_of"]
@@ -97,8 +98,73 @@ def _permuted(key: MetricKey, member: str, arr: npt.NDArray[Any],
     return out
 
 
+class _StreamedNull:
+    """A null alternative of an expected tensor read in chunks, made one chunk at a time.
+
+    For a member that lives on disk (:class:`~qualify.evidence.tensor_stream.LazyTensor`,
+    a per-parameter family; :func:`qualify.statistics.max_rel_l2` streams it):
+    ``sign_flipped`` and ``zeros`` are the same numbers as in memory. ``permuted`` is a
+    seeded permutation made of blocks of :data:`~qualify.statistics.CHUNK_ELEMENTS`
+    elements: the order of the whole blocks by the member's seed, the elements inside every
+    whole block by one permutation seeded with ``[seed, 1]``, a last partial block permuted
+    in place (``[seed, 2]``). One block of the source is read per block made; it is another
+    permutation of the elements than the one a member held in memory gets.
+    """
+
+    __slots__ = ("_blocks", "_inner", "_seed", "_src", "_tail", "dtype", "kind", "shape",
+                 "size")
+
+    def __init__(self, src: Any, kind: str, seed: int) -> None:
+        """The ``kind`` null alternative of ``src`` (permuted with ``seed``)."""
+        self._src, self.kind, self._seed = src, kind, seed
+        self.shape, self.size, self.dtype = tuple(src.shape), int(src.size), np.dtype(np.float64)
+        full = self.size // CHUNK_ELEMENTS
+        perm = kind == "permuted"
+        self._blocks = np.random.default_rng(seed).permutation(full) if perm else None
+        self._inner = np.random.default_rng([seed, 1]).permutation(CHUNK_ELEMENTS) \
+            if perm else None
+        self._tail = np.random.default_rng([seed, 2]).permutation(self.size % CHUNK_ELEMENTS) \
+            if perm else None
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return len(self.shape)
+
+    def _block(self, j: int) -> npt.NDArray[np.float64]:
+        assert self._blocks is not None
+        whole = j < self._blocks.size
+        src = int(self._blocks[j]) if whole else j
+        vals = np.asarray(self._src.read_flat(src * CHUNK_ELEMENTS, (src + 1) * CHUNK_ELEMENTS),
+                          dtype=np.float64)
+        return vals[self._inner if whole else self._tail]
+
+    def read_flat(self, start: int, stop: int) -> npt.NDArray[np.float64]:
+        """Elements ``[start, stop)`` of the flattened null alternative (FP64)."""
+        start, stop = max(0, start), min(self.size, stop)
+        if self.kind == "zeros":
+            return np.zeros(max(0, stop - start))
+        if self.kind == "sign_flipped":
+            return -np.asarray(self._src.read_flat(start, stop), dtype=np.float64)
+        parts = []
+        for j in range(start // CHUNK_ELEMENTS, (stop - 1) // CHUNK_ELEMENTS + 1):
+            lo = j * CHUNK_ELEMENTS
+            parts.append(self._block(j)[max(start, lo) - lo: stop - lo])
+        return np.concatenate(parts) if parts else np.zeros(0)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> npt.NDArray[Any]:
+        """The whole null alternative in memory."""
+        arr = self.read_flat(0, self.size).reshape(self.shape)
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+
+
+def _streamed(key: MetricKey, v: Any) -> bool:
+    """A member whose nulls are made in chunks: read from disk, in a ``max_rel_l2`` family."""
+    return isinstance(v, LazyTensor) and FAMILY_STATISTIC[key.family] == "max_rel_l2"
+
+
 def null_alternatives(key: MetricKey, expected: Mapping[str, Any],
-                      mask: npt.ArrayLike | None) -> dict[str, dict[str, Any] | None]:
+                      mask: npt.ArrayLike | None) -> dict[str, Mapping[str, Any] | None]:
     """The null alternatives of one metric group, built from the expected tensors.
 
     Args:
@@ -110,16 +176,47 @@ def null_alternatives(key: MetricKey, expected: Mapping[str, Any],
     Returns:
         ``{"permuted": {member: array} | None, "sign_flipped": ..., "zeros": ...}``, all
         FP64; ``permuted`` is ``None`` when every member is a scalar (or the family is
-        ``losses``, whose members are scalar terms).
+        ``losses``, whose members are scalar terms). Each is a mapping that makes a
+        member when it is read (:class:`_Nulls`); a member read from disk in chunks gets
+        a :class:`_StreamedNull` (made one chunk at a time).
     """
-    arrays = {m: np.asarray(v, dtype=np.float64) for m, v in expected.items()}
-    scalar = key.family == "losses" or all(a.ndim == 0 for a in arrays.values())
+    scalar = key.family == "losses" or all(shape_of(v) == () for v in expected.values())
     return {
-        "permuted": None if scalar else {m: _permuted(key, m, a, mask)
-                                         for m, a in sorted(arrays.items())},
-        "sign_flipped": {m: -a for m, a in arrays.items()},
-        "zeros": {m: np.zeros_like(a) for m, a in arrays.items()},
+        "permuted": None if scalar else _Nulls("permuted", key, expected, mask),
+        "sign_flipped": _Nulls("sign_flipped", key, expected, mask),
+        "zeros": _Nulls("zeros", key, expected, mask),
     }
+
+
+class _Nulls(Mapping[str, Any]):
+    """One null alternative of a metric group, each member made when it is read.
+
+    The statistic reads one member at a time, so one member's FP64 copy and null live at
+    once, not the whole group's (the same numbers as building them all first).
+    """
+
+    def __init__(self, kind: str, key: MetricKey, expected: Mapping[str, Any],
+                 mask: npt.ArrayLike | None) -> None:
+        """The ``kind`` alternative of ``expected`` (of metric ``key``, under ``mask``)."""
+        self._kind, self._key, self._expected, self._mask = kind, key, expected, mask
+
+    def __getitem__(self, m: str) -> Any:
+        """The member's null alternative (FP64 array, or :class:`_StreamedNull`)."""
+        v = self._expected[m]
+        if _streamed(self._key, v):
+            return _StreamedNull(v, self._kind, _seed(self._key, m))
+        a = np.asarray(v, dtype=np.float64)
+        if self._kind == "permuted":
+            return _permuted(self._key, m, a, self._mask)
+        return -a if self._kind == "sign_flipped" else np.zeros_like(a)
+
+    def __iter__(self) -> Iterator[str]:
+        """The members, as ``expected`` orders them."""
+        return iter(self._expected)
+
+    def __len__(self) -> int:
+        """Number of members."""
+        return len(self._expected)
 
 
 def null_errors(key: MetricKey, expected: Mapping[str, Any], mask: npt.ArrayLike | None,

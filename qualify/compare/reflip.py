@@ -27,6 +27,7 @@ from qualify.compare.rows import compare_rows
 from qualify.compare.verdicts import Row
 from qualify.contract import Contract
 from qualify.evidence import store
+from qualify.evidence.tensor_stream import in_memory
 from qualify.layout import BRANCHES_DIR, BRANCHES_FILE, TRAIN_INPUTS_FILE, hf_tensors_file
 from qualify.protocol import ROLLOUT_FILE
 
@@ -142,6 +143,7 @@ def with_branch_flips(ctx: SealedBranches, rows: list[Row], *, cell: str, klass:
             r.verdict == "FAIL" and (r.round or 0) >= 2 and r.family in branches.GRADIENT_FAMILIES
             for r in rows):
         return rows
+    obtained, expected = in_memory(obtained), in_memory(expected)  # the branch arithmetic
     path = ctx.ref_dir / TRAIN_INPUTS_FILE
     if not ctx.train and path.is_file():
         ctx.train.update(store.load_tensors(path))

@@ -40,6 +40,7 @@ from qualify.statistics import (
     MetricKey,
     compare_sets,
     group_tensors,
+    l2_norm,
     max_rel_l2,
     measure,
 )
@@ -119,10 +120,8 @@ def _detail(key: MetricKey, m: ErrorMeasure, obtained: Mapping[str, Any],
         rows: list[tuple[Cell, ...]] = []
         for name in sorted(set(obtained) | set(expected)):
             a, b = obtained.get(name), expected.get(name)
-            na = float(np.linalg.norm(np.asarray(a, dtype=np.float64))) if a is not None \
-                else None
-            nb = float(np.linalg.norm(np.asarray(b, dtype=np.float64))) if b is not None \
-                else None
+            na = l2_norm(a) if a is not None else None
+            nb = l2_norm(b) if b is not None else None
             rel = max_rel_l2({name: a}, {name: b}).value if a is not None and b is not None \
                 else math.inf
             rows.append((name, rel, na, nb))

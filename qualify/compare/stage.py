@@ -105,6 +105,7 @@ from qualify.contract import CellSpec, Contract
 from qualify.digests import sha256_bytes
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
 from qualify.evidence import store
+from qualify.evidence.tensor_stream import TensorFile, in_memory, open_tensors
 from qualify.layout import (
     BOUNDS_FILE,
     CONTRACT_FILE,
@@ -138,7 +139,8 @@ class _CellError(Exception):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class _Outputs:
-    tensors: dict[str, npt.NDArray[Any]]
+    tensors: TensorFile
+    """Small tensors in memory, large ones read in chunks when used (:func:`open_tensors`)."""
     meta: dict[str, Any] | None
     meta_problem: str
 
@@ -181,7 +183,7 @@ def _load_outputs(run_dir: Path, attempt: str | None) -> _Outputs:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise _CellError(f"attempt {attempt} is incomplete or edited: {problems[0]}{more}")
     try:
-        tensors = store.load_tensors(adir / OUTPUTS_FILE)
+        tensors = open_tensors(adir / OUTPUTS_FILE)
     except EvidenceIntegrityError as exc:
         raise _CellError(str(exc)) from None
     meta: dict[str, Any] | None = None
@@ -300,7 +302,7 @@ class _Ctx:
     mask: npt.NDArray[Any]
     contract: Contract
     branches: SealedBranches
-    hf: dict[str, dict[str, npt.NDArray[Any]] | None] = dataclasses.field(default_factory=dict)
+    hf: dict[str, TensorFile | None] = dataclasses.field(default_factory=dict)
     cells: dict[str, CellSpec] = dataclasses.field(default_factory=dict)
     """The contract's matrix cells by id."""
     power: PowerCache = dataclasses.field(default_factory=dict)
@@ -309,10 +311,10 @@ class _Ctx:
     """``reference.json`` ``update_meta``: per ``hf-<lane>`` and role, the sealed ``lr``."""
 
 
-def _hf(ctx: _Ctx, precision: str) -> dict[str, npt.NDArray[Any]] | None:
+def _hf(ctx: _Ctx, precision: str) -> TensorFile | None:
     if precision not in ctx.hf:
         path = ctx.ref_dir / HF_REFERENCE_DIR / hf_tensors_file(precision)
-        ctx.hf[precision] = store.load_tensors(path) if path.is_file() else None
+        ctx.hf[precision] = open_tensors(path) if path.is_file() else None
     return ctx.hf[precision]
 
 
@@ -468,10 +470,11 @@ def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, A
             return status, "ERROR", got, rows
         if e.get("role") == "sampler":  # qualify.compare.sampler: the sampler cells
             src = loaded.get(str(e.get("weights_from")), f"not COMPLETE in {RUN_FILE}")
-            rows = sampler_rows(cell=cid, entry=e, tensors=got.tensors, meta=got.meta,
-                                meta_problem=got.meta_problem, bounds=ctx.bounds,
-                                mask=ctx.mask,
-                                actor=src.tensors if isinstance(src, _Outputs) else src)
+            rows = sampler_rows(cell=cid, entry=e, tensors=in_memory(got.tensors),
+                                meta=got.meta, meta_problem=got.meta_problem,
+                                bounds=ctx.bounds, mask=ctx.mask,
+                                actor=in_memory(src.tensors) if isinstance(src, _Outputs)
+                                else src)
         else:
             rows = _complete_rows(ctx, cid=cid, entry=e, cells=cells, outputs=got,
                                   loaded=loaded)

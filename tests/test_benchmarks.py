@@ -1,0 +1,110 @@
+"""``python -m benchmarks`` end to end at a small size, and the comparator's bounded memory.
+
+The suite builds synthetic sealed evidence in the real layout (:mod:`benchmarks.synthetic`)
+and runs the real ``qualify compare`` and ``qualify verify`` on it in children; here at
+20 MB (largest tensor 10 MB). The comparator streams tensors above
+:data:`qualify.evidence.tensor_stream.LAZY_BYTES` in chunks: its memory growth stays below
+the largest tensor, where loading the two files whole (and their FP64 copies and the power
+check's null alternatives) takes many times it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.__main__ import run_suite
+from benchmarks.synthetic import COMMITTED_REFERENCE, COMMITTED_RUN, build
+from qualify.compare.stage import compare_run
+from qualify.evidence import store
+from qualify.evidence.tensor_stream import LAZY_BYTES, LazyTensor, open_tensors
+from qualify.statistics import CHUNK_ELEMENTS, l2_norm, max_rel_l2
+
+pytestmark = pytest.mark.skipif(not (COMMITTED_RUN.is_dir() and COMMITTED_REFERENCE.is_dir()),
+                                reason="the committed tiny-qwen3 evidence is not checked out")
+
+COMPARATOR_COLUMNS = ["command", "MB", "wall_s", "cpu_s", "MB_per_s_wall", "MB_per_s_cpu",
+                      "peak_rss_mb", "base_rss_mb", "largest_tensor_mb", "peak_over_largest",
+                      "growth_over_largest"]
+VERIFY_COLUMNS = ["command", "MB", "wall_s", "cpu_s", "MB_per_s_wall", "MB_per_s_cpu",
+                  "peak_rss_mb"]
+LAUNCH_COLUMNS = ["launch", "kind", "cells", "wall_s", "compute_s", "fixed_s",
+                  "fixed_per_cell_s", "setup_s", "wall_over_compute"]
+
+
+def test_suite_end_to_end(tmp_path: Path) -> None:
+    args = argparse.Namespace(size_gb=0.02, run=str(COMMITTED_RUN), quick=True,
+                              workdir=str(tmp_path), keep=False)
+    res = run_suite(args)
+    comp, ver, launches = res["comparator"], res["verify"], res["launches"]
+    assert list(comp.columns) == COMPARATOR_COLUMNS
+    assert list(ver.columns) == VERIFY_COLUMNS
+    assert list(launches.columns) == LAUNCH_COLUMNS
+    row = comp.iloc[0]
+    assert row["largest_tensor_mb"] == pytest.approx(10.0)
+    assert row["MB"] > 2 * row["largest_tensor_mb"]
+    for col in ("MB_per_s_wall", "MB_per_s_cpu", "peak_rss_mb", "base_rss_mb"):
+        assert row[col] > 0, col
+    assert row["peak_rss_mb"] >= row["base_rss_mb"]
+    # streamed: the comparator grows by less than two largest tensors over its imports
+    assert row["growth_over_largest"] <= 2.0, row.to_dict()
+    assert (ver["MB_per_s_wall"] > 0).all()
+    assert (ver["MB_per_s_cpu"] > 0).all()
+    assert len(launches)
+    assert (launches["wall_s"] > 0).all()
+    assert (launches["fixed_s"] == launches["wall_s"] - launches["compute_s"]).all()
+    assert set(res["stages"]["stage"]) >= {"trainer", "candidate (run.json)"}
+    assert not (tmp_path / "synthetic").exists()  # removed without --keep
+
+
+def test_compare_memory_bounded_and_verdict(tmp_path: Path) -> None:
+    """The traced allocations of a whole compare stay under the largest tensor (20 MB)."""
+    syn = build(tmp_path / "s", size_bytes=40_000_000)
+    tracemalloc.start()
+    try:
+        report = compare_run(syn.run, reference_dir=syn.reference, write=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < syn.largest_bytes, (peak, syn.largest_bytes)
+    cell = next(c for c in report.cells if c.cell == "torch_tp-fp32-actor-tp1")
+    assert cell.verdict == "PASS"
+    grads = [r for r in report.rows if r.family == "grads" and r.round == 1
+             and r.klass == "candidate_vs_hf"]
+    assert grads
+    assert grads[0].verdict == "PASS"
+    assert grads[0].power is not None
+    assert grads[0].power.has_power
+
+
+def test_streamed_max_rel_l2_matches_in_memory(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    n = LAZY_BYTES // 4 + CHUNK_ELEMENTS // 3  # FP32 over the lazy size, a partial last chunk
+    b = rng.standard_normal(n).astype(np.float32)
+    a = b * (1 + 1e-3 * rng.standard_normal(n)).astype(np.float32)
+    a[7] = b[7] + 5.0
+    path = tmp_path / "t.safetensors"
+    store.save_tensors(path, {"a": a, "b": b, "small": b[:10].copy()})
+    t = open_tensors(path)
+    assert isinstance(t["a"], LazyTensor)
+    assert isinstance(t["small"], np.ndarray)
+    np.testing.assert_array_equal(np.asarray(t["a"]), a)
+    streamed = max_rel_l2({"p": t["a"]}, {"p": t["b"]})
+    whole = max_rel_l2({"p": a.astype(np.float64)}, {"p": b.astype(np.float64)})
+    d = a.astype(np.float64) - b.astype(np.float64)
+    assert streamed.value == pytest.approx(float(np.linalg.norm(d) / np.linalg.norm(
+        b.astype(np.float64))), rel=1e-12)
+    assert streamed.value == pytest.approx(whole.value, rel=1e-12)
+    assert streamed.max_abs == whole.max_abs
+    assert streamed.max_rel == whole.max_rel
+    assert l2_norm(t["b"]) == pytest.approx(float(np.linalg.norm(b.astype(np.float64))),
+                                            rel=1e-12)
+    bad = a.copy()
+    bad[-1] = np.nan
+    store.save_tensors(tmp_path / "bad.safetensors", {"a": bad})
+    assert max_rel_l2({"p": open_tensors(tmp_path / "bad.safetensors")["a"]},
+                      {"p": t["b"]}).value == float("inf")
