@@ -113,6 +113,8 @@ def test_committed_tiny_policy_gates_the_default_findings_to_exit_0() -> None:
 # contracts/tiny-qwen3-{grpo,dppo}.toml`, 2026-12-01; the runs named in each policy's header):
 # cell -> the families of its FAIL rows. Every other cell PASSed.
 _GRPO_R2 = ["clip_coef", "entropy", "grad_norm", "grads", "logprobs", "losses"]
+_DPPO_ACTOR_R2 = ["entropy", "grads", "logprobs", "losses"]
+_DPPO_CRITIC_R2 = ["clip_coef", "grad_norm", "losses"]
 ALGO_FINDINGS: dict[str, dict[str, list[str]]] = {
     "tiny-qwen3-grpo": {
         "deepspeed-bf16-zero0-actor-tp1": ["clip_coef", "dtypes", "entropy", "exp_avg",
@@ -121,6 +123,19 @@ ALGO_FINDINGS: dict[str, dict[str, list[str]]] = {
         "deepspeed-bf16-zero1-actor-tp1": _GRPO_R2,
         "deepspeed-bf16-zero2-actor-tp1": _GRPO_R2,
         "megatron-bf16-actor-tp1": _GRPO_R2,
+    },
+    "tiny-qwen3-dppo": {
+        "deepspeed-bf16-zero0-actor-tp1": ["dtypes", "entropy", "exp_avg", "exp_avg_sq",
+                                           "grad_norm", "grads", "logprobs", "losses",
+                                           "updates"],
+        "deepspeed-bf16-zero0-critic-tp1": ["clip_coef", "dtypes", "grad_norm", "losses",
+                                            "values"],
+        "deepspeed-bf16-zero1-actor-tp1": _DPPO_ACTOR_R2,
+        "deepspeed-bf16-zero1-critic-tp1": _DPPO_CRITIC_R2,
+        "deepspeed-bf16-zero2-actor-tp1": _DPPO_ACTOR_R2,
+        "deepspeed-bf16-zero2-critic-tp1": _DPPO_CRITIC_R2,
+        "megatron-bf16-actor-tp1": _DPPO_ACTOR_R2,
+        "megatron-bf16-critic-tp1": _DPPO_CRITIC_R2,
     },
 }
 
@@ -208,7 +223,8 @@ def _heading_exists(md: Path, anchor: str) -> bool:
                for line in md.read_text().splitlines())
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3", "smollm2-135m", "tiny-qwen3-grpo"])
+@pytest.mark.parametrize("name", ["tiny-qwen3", "smollm2-135m", "tiny-qwen3-grpo",
+                                  "tiny-qwen3-dppo"])
 def test_committed_policies_load_and_point_at_real_sections(name: str) -> None:
     contract = load_contract(contracts_dir() / f"{name}.toml")
     policy = policy_for(contract)
