@@ -305,7 +305,8 @@ def test_contract_field_errors_name_the_field(fields: dict[str, str], message: s
 
 def test_cap_at_most_one_is_refused_naming_file_and_field() -> None:
     doc = (contracts_dir() / "tiny-qwen3-dppo.toml").read_text()
-    bad = doc.replace("behavior_weight_cap = 5.0", "behavior_weight_cap = 1.0")
+    bad = doc.replace("behavior_weight_cap = 1.15", "behavior_weight_cap = 1.0")
+    assert bad != doc
     with pytest.raises(ContractError, match="behavior_weight_cap"):
         loads_contract(bad, name="x.toml")
 
@@ -326,7 +327,10 @@ def test_committed_algorithm_contracts_load() -> None:
     assert g.algorithm.kl_loss_estimator == "k3"
     d = load_contract(contracts_dir() / "tiny-qwen3-dppo.toml")
     assert d.algorithm.name == "decoupled_ppo"
-    assert d.algorithm.behavior_weight_cap is not None
+    # raw behavior logprobs (w = p_T / p_1 > 1 on likely tokens): a cap that can bind; with
+    # processed logprobs w is the kept top-k/top-p mass <= 1 and no cap > 1 binds
+    assert d.sampling.logprobs_mode == "raw"
+    assert d.algorithm.behavior_weight_cap == 1.15
 
 
 # --------------------------------------------------------------------------- end to end

@@ -72,12 +72,14 @@ def cell_doc(cell: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
             "reason": None if verdict == "PASS" else f"{verdict} row"}
 
 
-def tiny_report(findings: dict[str, list[str]] | None = None) -> dict[str, Any]:
-    """A report of the default contract as the default run gave it: the findings FAIL (margin
-    1.5), everything else PASS (every cell runs on CPU, Megatron's training included)."""
+def tiny_report(findings: dict[str, list[str]] | None = None,
+                contract: Path = TINY) -> dict[str, Any]:
+    """A report of ``contract`` (default: the default contract) as its run gave it: the
+    findings FAIL (margin 1.5), everything else PASS (every cell runs on CPU, Megatron's
+    training included)."""
     found = TINY_FINDINGS if findings is None else findings
     cells, rows = [], []
-    for cid in all_cells(load_contract(TINY)):
+    for cid in all_cells(load_contract(contract)):
         rs = [row(cid, "losses" if "sampler" not in cid else "install", "PASS", margin=0.1)]
         rs += [row(cid, f, "FAIL", margin=1.5) for f in found.get(cid, [])]
         cells.append(cell_doc(cid, rs))
@@ -105,6 +107,64 @@ def test_committed_tiny_policy_gates_the_default_findings_to_exit_0() -> None:
     plain = evaluate(tiny_report(), default_policy(load_contract(TINY)))
     assert plain.counts()["FAIL"] == 16
     assert {c.cell for c in plain.offending} == set(TINY_FINDINGS)
+
+
+# The findings of the full GRPO and decoupled-PPO runs on CPU (report.json of `qualify run
+# contracts/tiny-qwen3-{grpo,dppo}.toml`, 2026-12-01; the runs named in each policy's header):
+# cell -> the families of its FAIL rows. Every other cell PASSed.
+_GRPO_R2 = ["clip_coef", "entropy", "grad_norm", "grads", "logprobs", "losses"]
+_DPPO_ACTOR_R2 = ["entropy", "grads", "logprobs", "losses"]
+_DPPO_CRITIC_R2 = ["clip_coef", "grad_norm", "losses"]
+ALGO_FINDINGS: dict[str, dict[str, list[str]]] = {
+    "tiny-qwen3-grpo": {
+        "deepspeed-bf16-zero0-actor-tp1": ["clip_coef", "dtypes", "entropy", "exp_avg",
+                                           "exp_avg_sq", "grad_norm", "grads", "logprobs",
+                                           "losses", "updates"],
+        "deepspeed-bf16-zero1-actor-tp1": _GRPO_R2,
+        "deepspeed-bf16-zero2-actor-tp1": _GRPO_R2,
+        "megatron-bf16-actor-tp1": _GRPO_R2,
+    },
+    "tiny-qwen3-dppo": {
+        "deepspeed-bf16-zero0-actor-tp1": ["dtypes", "entropy", "exp_avg", "exp_avg_sq",
+                                           "grad_norm", "grads", "logprobs", "losses",
+                                           "updates"],
+        "deepspeed-bf16-zero0-critic-tp1": ["clip_coef", "dtypes", "grad_norm", "losses",
+                                            "values"],
+        "deepspeed-bf16-zero1-actor-tp1": _DPPO_ACTOR_R2,
+        "deepspeed-bf16-zero1-critic-tp1": _DPPO_CRITIC_R2,
+        "deepspeed-bf16-zero2-actor-tp1": _DPPO_ACTOR_R2,
+        "deepspeed-bf16-zero2-critic-tp1": _DPPO_CRITIC_R2,
+        "megatron-bf16-actor-tp1": _DPPO_ACTOR_R2,
+        "megatron-bf16-critic-tp1": _DPPO_CRITIC_R2,
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALGO_FINDINGS))
+def test_committed_algorithm_policies_gate_their_runs_findings_to_exit_0(name: str) -> None:
+    path = contracts_dir() / f"{name}.toml"
+    contract = load_contract(path)
+    policy = policy_for(contract)
+    assert policy.path == contracts_dir() / "gates" / f"{name}.toml"
+    findings = ALGO_FINDINGS[name]
+    assert set(findings) <= set(all_cells(contract))
+    ev = evaluate(tiny_report(findings, path), policy)
+    assert ev.exit_code == ExitCode.OK, list(ev.offending)
+    n = len(all_cells(contract))
+    assert ev.counts() == {"PASS": n - len(findings), "XFAIL": len(findings), "FAIL": 0,
+                           "NOT_RUN": 0, "STALE": 0, "XPASS": 0}
+    # without the policy exactly the findings FAIL; with it, a finding that passes is XPASS
+    plain = evaluate(tiny_report(findings, path), default_policy(contract))
+    assert {c.cell for c in plain.offending} == set(findings)
+    gone = next(iter(sorted(findings)))
+    fixed = evaluate(tiny_report({k: v for k, v in findings.items() if k != gone}, path),
+                     policy)
+    assert fixed.exit_code != ExitCode.OK
+    assert [(c.cell, c.outcome) for c in fixed.offending] == [(gone, "XPASS")]
+    # a failure in a family no entry expects fails the gate
+    extra = {**findings, gone: [*findings[gone], "replica"]}
+    worse = evaluate(tiny_report(extra, path), policy)
+    assert [(c.cell, c.outcome) for c in worse.offending] == [(gone, "FAIL")]
 
 
 @pytest.mark.parametrize(("change", "cell", "outcome", "words"), [
@@ -163,7 +223,8 @@ def _heading_exists(md: Path, anchor: str) -> bool:
                for line in md.read_text().splitlines())
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3", "smollm2-135m"])
+@pytest.mark.parametrize("name", ["tiny-qwen3", "smollm2-135m", "tiny-qwen3-grpo",
+                                  "tiny-qwen3-dppo"])
 def test_committed_policies_load_and_point_at_real_sections(name: str) -> None:
     contract = load_contract(contracts_dir() / f"{name}.toml")
     policy = policy_for(contract)
