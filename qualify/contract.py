@@ -23,6 +23,7 @@ from qualify.matrix import (
     CellSpec,
     MatrixSpec,
     Precision,
+    ResumeSpec,
     Role,
     SamplerSpec,
     Topology,
@@ -43,6 +44,7 @@ __all__ = [
     "ParamSampling",
     "Precision",
     "PromptsSpec",
+    "ResumeSpec",
     "Role",
     "RolesSpec",
     "SamplerSpec",
@@ -374,6 +376,8 @@ class Contract:
         description: free text.
         model, roles, prompts, sampling, algorithm, optimizer, matrix, bounds: the sections.
         sampler: the ``[sampler]`` section (``None``: no sampler cells).
+        resume: the ``[resume]`` section (``None``: no resume cells; absent from the
+            document, so a contract without it keeps its digest).
         evidence: the ``[evidence]`` section: how per-parameter families are stored
             (``exact_param_elements``, ``sampled_param_elements``; the protocol's defaults
             when absent, so a contract that does not write the section keeps its digest).
@@ -394,6 +398,7 @@ class Contract:
     raw: Mapping[str, Any]
     path: Path | None = None
     sampler: SamplerSpec | None = None
+    resume: ResumeSpec | None = None
     evidence: ParamSampling = DEFAULT_SAMPLING
 
     def __post_init__(self) -> None:
@@ -412,6 +417,8 @@ class Contract:
                                 "are group-normalised scores); remove 'critic'")
         if (problem := schedule.rounds_problem(self.optimizer, self.algorithm.rounds)) is not None:
             raise ContractError(problem)
+        if self.resume is not None:
+            self.resume.check(self.algorithm.rounds, [c.cell_id for c in self.matrix.cells()])
         if "bf16_mode" in self.bounds.controls_tp_vs_tp1:
             raise ContractError("bounds.controls.tp_vs_tp1: 'bf16_mode' is not a same-precision "
                                 "repeat control")
@@ -537,6 +544,11 @@ def _build(doc: Mapping[str, Any], path: Path | None) -> Contract:
                              weights_from=doc["sampler"]["weights_from"],
                              required=bool(doc["sampler"].get("required", True)))
                  if "sampler" in doc else None),
+        resume=(ResumeSpec(after_round=int(doc["resume"]["after_round"]),
+                           cells=(tuple(doc["resume"]["cells"]) if "cells" in doc["resume"]
+                                  else None),
+                           required=bool(doc["resume"].get("required", True)))
+                if "resume" in doc else None),
         evidence=_evidence(doc.get("evidence", {})),
     )
 
@@ -641,6 +653,9 @@ def cells_matching(contract: Contract, patterns: Sequence[str] | None) -> list[C
         if not hits and (p_engine in (None, contract.sampler and contract.sampler.engine)
                          and any(fnmatch.fnmatch(s, p_glob) for s in sampler_ids)):
             continue  # a sampler cell (qualify.candidate.sampler_stage selects those)
+        if not hits and contract.resume is not None and p_glob.endswith("-resume"):
+            hits = [c for c in cells if (p_engine in (None, c.engine) and fnmatch.fnmatch(
+                c.cell_id + "-resume", p_glob) and contract.resume.selects(c.cell_id))]
         if not hits:
             ids = ", ".join(c.cell_id for c in cells)
             raise ContractError(f"--cells: {pat!r} matches no cell; cells are: {ids}")

@@ -80,6 +80,7 @@ from qualify.compare.mismatch import (
 from qualify.compare.power import PowerCache
 from qualify.compare.reflip import SealedBranches, with_branch_flips
 from qualify.compare.report import write_report
+from qualify.compare.resume import resume_required, resume_rows
 from qualify.compare.rows import (
     LR_RULE,
     compare_rows,
@@ -451,7 +452,7 @@ def _required_ids(contract: Contract) -> tuple[str, ...]:
     required_ids = contract.matrix.required_cells
     if required_ids is None:
         required_ids = tuple(c.cell_id for c in contract.matrix.cells())
-    return (*required_ids, *sampler_required(contract))
+    return (*required_ids, *sampler_required(contract), *resume_required(contract))
 
 
 def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, Any],
@@ -472,6 +473,13 @@ def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, A
                                 meta_problem=got.meta_problem, bounds=ctx.bounds,
                                 mask=ctx.mask,
                                 actor=src.tensors if isinstance(src, _Outputs) else src)
+        elif "resume_of" in e:  # qualify.compare.resume: the resume cells
+            src = loaded.get(str(e["resume_of"]), f"not COMPLETE in {RUN_FILE}")
+            rows = resume_rows(cell=cid, entry=e, tensors=got.tensors, meta=got.meta,
+                               meta_problem=got.meta_problem, bounds=ctx.bounds, mask=ctx.mask,
+                               lane=_lane(ctx, str(e["resume_of"]), str(e["precision"])),
+                               base=(src.tensors, src.meta) if isinstance(src, _Outputs)
+                               else src)
         else:
             rows = _complete_rows(ctx, cid=cid, entry=e, cells=cells, outputs=got,
                                   loaded=loaded)
@@ -585,7 +593,8 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
         lr_schedule=_lr_section(ctx),
         behavior_weights=behavior_weight_rows(
             ref_dir, run_dir, [(c.cell, c.attempt) for c in results
-                               if c.role == "actor" and c.attempt]))
+                               if c.role == "actor" and c.attempt
+                               and "resume_of" not in cells.get(c.cell, {})]))
     # 6. write
     if write:
         write_report(report, run_dir)
@@ -627,7 +636,7 @@ def _field_metrics(ctx: _Ctx, contract: Contract, rollout: Mapping[str, Any],
             sources.append((f"hf-{prec}", prec, hf["round1/actor/logprobs"]))
     for cid, entry in cells.items():
         got = loaded.get(cid)
-        if not isinstance(got, _Outputs) or entry.get("role") != "actor":
+        if not isinstance(got, _Outputs) or entry.get("role") != "actor" or "resume_of" in entry:
             continue
         lp = got.tensors.get("round1/actor/logprobs")
         if lp is None:
