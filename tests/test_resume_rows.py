@@ -33,7 +33,8 @@ def _doc() -> dict[str, Any]:
 
 def test_default_contract_has_no_resume_and_keeps_its_digest() -> None:
     c = load_contract(default_contract_path())
-    assert c.resume is None and "resume" not in c.raw
+    assert c.resume is None
+    assert "resume" not in c.raw
     # the committed reference of the default contract names its digest
     assert any(p.name == f"tiny-qwen3-{c.digest12}" for p in (repo_root() / "references")
                .iterdir())
@@ -41,9 +42,12 @@ def test_default_contract_has_no_resume_and_keeps_its_digest() -> None:
 
 def test_resume_section_is_loaded_and_changes_the_digest() -> None:
     c = Contract.from_dict(_doc())
-    assert c.resume is not None and c.resume.after_round == 1 and c.resume.required
+    assert c.resume is not None
+    assert c.resume.after_round == 1
+    assert c.resume.required
     ids = c.resume.cell_ids(c.matrix.cells())
-    assert "torch_tp-fp32-actor-tp2-resume" in ids and len(ids) == len(c.matrix.cells())
+    assert "torch_tp-fp32-actor-tp2-resume" in ids
+    assert len(ids) == len(c.matrix.cells())
     assert resume_required(c) == tuple(ids)
     doc = _doc()
     del doc["resume"]
@@ -95,7 +99,8 @@ def _rows(loaded: dict[str, Any] | None = None, change: str | None = None,
 
 def test_identical_resume_passes_every_row_bitwise() -> None:
     rows = _rows()
-    assert rows and all(r.verdict == "PASS" for r in rows)
+    assert rows
+    assert all(r.verdict == "PASS" for r in rows)
     assert {r.family for r in rows if r.round == 2} == {"lr", "logprobs", "grad_norm",
                                                         "updates"}
     assert not any(r.round == 1 for r in rows)  # round 1 is before the checkpoint
@@ -104,10 +109,13 @@ def test_identical_resume_passes_every_row_bitwise() -> None:
 def test_one_ulp_is_a_bitwise_fail_on_cpu_and_within_the_bound_elsewhere() -> None:
     bad = [r for r in _rows(change="round2/actor/logprobs") if r.verdict != "PASS"]
     assert [(r.family, r.statistic) for r in bad] == [("logprobs", "bitwise")]
-    assert bad[0].error is not None and 0 < bad[0].error < 1e-5
+    assert bad[0].error is not None
+    assert 0 < bad[0].error < 1e-5
     off_cpu = _rows(change="round2/actor/logprobs", device="cuda")
     lp = next(r for r in off_cpu if r.family == "logprobs")
-    assert lp.verdict == "PASS" and lp.statistic == "max_abs" and lp.bound == 1e-5
+    assert lp.verdict == "PASS"
+    assert lp.statistic == "max_abs"
+    assert lp.bound == 1e-5
 
 
 @pytest.mark.parametrize(("loaded", "quantity"), [
@@ -119,8 +127,11 @@ def test_one_ulp_is_a_bitwise_fail_on_cpu_and_within_the_bound_elsewhere() -> No
 def test_a_lost_quantity_fails_by_name(loaded: dict[str, Any], quantity: str) -> None:
     rows = {r.family: r for r in _rows(loaded=loaded) if r.round is None}
     row = rows[quantity]
-    assert row.verdict == "FAIL" and row.klass == "resume" and row.error == math.inf
-    assert row.reason is not None and row.reason.startswith(f"resume {quantity}:")
+    assert row.verdict == "FAIL"
+    assert row.klass == "resume"
+    assert row.error == math.inf
+    assert row.reason is not None
+    assert row.reason.startswith(f"resume {quantity}:")
     assert rows["master_weights"].verdict == "PASS"
 
 
@@ -130,4 +141,5 @@ def test_missing_uninterrupted_cell_is_not_run() -> None:
                        tensors={}, meta={"resume": {"saved": REC, "loaded": REC}},
                        meta_problem="", base="not COMPLETE", bounds=[],
                        mask=np.ones((1, 1), bool), lane="fp32")
-    assert rows[-1].verdict == "NOT_RUN" and "not COMPLETE" in str(rows[-1].reason)
+    assert rows[-1].verdict == "NOT_RUN"
+    assert "not COMPLETE" in str(rows[-1].reason)

@@ -124,7 +124,9 @@ def test_planted_resume_fault_fails_naming_the_quantity(runs: Runs, name: str, q
     assert state[quantity].reason.startswith(f"resume {quantity}:")
     # the wrong restore changes the resumed update itself: round-2 updates are not bitwise
     updates = next(r for r in rows if r.round == 2 and r.family == "updates")
-    assert updates.verdict == "FAIL" and updates.error is not None and updates.error > 0
+    assert updates.verdict == "FAIL"
+    assert updates.error is not None
+    assert updates.error > 0
     if quantity == "step":  # moments restored, only the counter lost
         assert state["exp_avg"].verdict == "PASS"
         assert state["master_weights"].verdict == "PASS"
