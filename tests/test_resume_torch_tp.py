@@ -120,8 +120,9 @@ def test_planted_resume_fault_fails_naming_the_quantity(runs: Runs, name: str, q
     rows = runs.rows(name, role)
     state = {r.family: r for r in rows if r.round is None}
     assert state[quantity].verdict == "FAIL"
-    assert state[quantity].reason is not None
-    assert state[quantity].reason.startswith(f"resume {quantity}:")
+    reason = state[quantity].reason
+    assert reason is not None
+    assert reason.startswith(f"resume {quantity}:")
     # the wrong restore changes the resumed update itself: round-2 updates are not bitwise
     updates = next(r for r in rows if r.round == 2 and r.family == "updates")
     assert updates.verdict == "FAIL"
