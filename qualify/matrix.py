@@ -14,7 +14,7 @@ import difflib
 import fnmatch
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from qualify import registry
 from qualify.errors import ContractError
@@ -279,7 +279,7 @@ def _engine_spec(name: str, field: str) -> registry.EngineSpec:
 
 
 RESUME_SUFFIX: Final = "-resume"
-"""Appended to a trainer cell's id to name its resume cell (``torch_tp-fp32-actor-tp2-resume``)."""
+"""Appended to a trainer cell's id to name its resume cell (``<cell id>-resume``)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -301,6 +301,26 @@ class ResumeSpec:
     after_round: int
     cells: tuple[str, ...] | None = None
     required: bool = True
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, rounds: int,
+                  cells: Sequence[CellSpec]) -> ResumeSpec:
+        """The ``[resume]`` section (schema-checked), checked against the contract.
+
+        Raises:
+            ContractError: as :meth:`check`.
+        """
+        spec = cls(after_round=int(d["after_round"]),
+                   cells=tuple(d["cells"]) if "cells" in d else None,
+                   required=bool(d.get("required", True)))
+        spec.check(rounds, [c.cell_id for c in cells])
+        return spec
+
+    def matching(self, cells: Sequence[CellSpec], glob: str,
+                 engine: str | None) -> list[CellSpec]:
+        """The trainer cells whose resume cell ``glob`` (of ``engine``, if given) names."""
+        return [c for c in cells if engine in (None, c.engine) and self.selects(c.cell_id)
+                and fnmatch.fnmatch(c.cell_id + RESUME_SUFFIX, glob)]
 
     def check(self, rounds: int, cell_ids: Sequence[str]) -> None:
         """Check the section against the contract's rounds and matrix cell ids.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import math
 import tomllib
+import types
 from typing import Any
 
 import numpy as np
@@ -67,6 +68,11 @@ def test_bad_resume_section_names_the_field(edit: dict[str, Any], field: str) ->
         Contract.from_dict(doc)
 
 
+def _out(tensors: dict[str, Any], meta: dict[str, Any]) -> types.SimpleNamespace:
+    """A loaded cell as the comparator holds it (tensors, outputs.json, its problem)."""
+    return types.SimpleNamespace(tensors=tensors, meta=meta, meta_problem="")
+
+
 def _cell(rng: np.random.Generator) -> tuple[dict[str, Any], dict[str, Any]]:
     tensors = {"round2/actor/logprobs": rng.standard_normal((4, 10)).astype(np.float32),
                "round2/actor/grad_norm": np.float32(0.7).reshape(()),
@@ -93,7 +99,8 @@ def _rows(loaded: dict[str, Any] | None = None, change: str | None = None,
                            ("updates", "max_rel_l2"))]
     return resume_rows(cell="torch_tp-fp32-actor-tp1-resume", entry={
         "role": "actor", "after_round": K, "resume_of": "torch_tp-fp32-actor-tp1"},
-        tensors=mine, meta=meta, meta_problem="", base=(base_t, {**base_m, "device": "cpu"}),
+        outputs=_out(mine, meta), loaded={"torch_tp-fp32-actor-tp1": _out(
+            base_t, {**base_m, "device": "cpu"})},
         bounds=bounds, mask=np.ones((4, 10), bool), lane="fp32")
 
 
@@ -138,8 +145,8 @@ def test_a_lost_quantity_fails_by_name(loaded: dict[str, Any], quantity: str) ->
 def test_missing_uninterrupted_cell_is_not_run() -> None:
     rows = resume_rows(cell="c-resume", entry={"role": "actor", "after_round": 1,
                                                "resume_of": "c"},
-                       tensors={}, meta={"resume": {"saved": REC, "loaded": REC}},
-                       meta_problem="", base="not COMPLETE", bounds=[],
+                       outputs=_out({}, {"resume": {"saved": REC, "loaded": REC}}),
+                       loaded={"c": "not COMPLETE"}, bounds=[],
                        mask=np.ones((1, 1), bool), lane="fp32")
     assert rows[-1].verdict == "NOT_RUN"
     assert "not COMPLETE" in str(rows[-1].reason)

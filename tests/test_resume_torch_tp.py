@@ -11,6 +11,7 @@ running round 2): a correct one, and one with each planted resume fault. The res
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 from typing import Any
 
@@ -79,11 +80,16 @@ class Runs:
     def rows(self, name: str, role: str) -> list[Row]:
         tensors, meta = self.cell(name, role)
         mask = load_file(str(self.inputs / "rollout.safetensors"))["response_mask"]
-        return resume_rows(cell=f"torch_tp-fp32-{role}-resume", tensors=tensors, meta=meta,
-                           entry={"role": role, "after_round": 1,
-                                  "resume_of": f"torch_tp-fp32-{role}"},
-                           meta_problem="", base=self.cell("full", role), bounds=[],
-                           mask=mask, lane="fp32")
+        base_t, base_m = self.cell("full", role)
+        return resume_rows(cell=f"torch_tp-fp32-{role}-resume", entry={
+            "role": role, "after_round": 1, "resume_of": f"torch_tp-fp32-{role}"},
+            outputs=_out(tensors, meta), loaded={f"torch_tp-fp32-{role}": _out(base_t, base_m)},
+            bounds=[], mask=mask, lane="fp32")
+
+
+def _out(tensors: dict[str, Any], meta: dict[str, Any]) -> types.SimpleNamespace:
+    """A loaded cell as the comparator holds it (tensors, outputs.json, its problem)."""
+    return types.SimpleNamespace(tensors=tensors, meta=meta, meta_problem="")
 
 
 @pytest.fixture(scope="module")

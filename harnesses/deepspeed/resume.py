@@ -24,6 +24,8 @@ from harnesses.deepspeed import state_dict_adapter as sda
 from harnesses.resume_state import ResumePlan
 
 TAG: Final = "resume"
+RECORD: Final = "__record__"
+"""Key of a load launch's resume record in the run's ``carry`` (never saved: set after it)."""
 FORMAT: Final = ("DeepSpeed engine.save_checkpoint / engine.load_checkpoint (module, optimizer "
                  "and lr scheduler states; load_optimizer_states, load_lr_scheduler_states); "
                  "RNG and rollout state by torch.save beside it")
@@ -90,3 +92,43 @@ def load(plan: ResumePlan, *, role: str, engine: Any, et: sda.EngineTensors,
             "loaded": loaded, "checkpoint_files": len(files),
             "checkpoint_bytes": sum(p.stat().st_size for p in files)}
     return dict(state["rollout_state"]), meta
+
+
+def save_after(run: Any, round_: int, engine: Any, et: sda.EngineTensors) -> None:
+    """:func:`save` when the run's cell saves after ``round_`` (the harness's ``VariantRun``)."""
+    plan = ResumePlan.of(run.cell)
+    if plan.saves_after(round_):
+        save(plan, role=run.role, writer=run.writer, engine=engine, et=et,
+             rollout_state=run.carry)
+
+
+def restore(run: Any, engine: Any, et: sda.EngineTensors) -> dict[str, Tensor]:
+    """A load launch: :func:`load` into ``run`` (its record, its previous ``exp_avg``).
+
+    Returns:
+        The saved round-1 state on the run's device; ``{}`` for any other launch.
+    """
+    plan = ResumePlan.of(run.cell)
+    if not plan.loading:
+        return {}
+    state, run.carry[RECORD] = load(plan, role=run.role, engine=engine, et=et)
+    run._prev_exp_avg = et.full_state("exp_avg")  # the clip coefficient's previous moment
+    return {k: v.to(run.device) for k, v in state.items()}
+
+
+def restore_actor(run: Any, engine: Any, et: sda.EngineTensors,
+                  *defaults: Tensor) -> tuple[Tensor, ...]:
+    """The Actor's ``(old_logprobs, w_behav, w_raw)``: restored (a load launch), else ``defaults``.
+
+    Otherwise the behavior weights (written in place in round 1) join the state a save keeps.
+    """
+    if got := restore(run, engine, et):
+        return got["old_logprobs"], got["w_behav"], got["w_raw"]
+    run.carry.update(w_behav=defaults[1], w_raw=defaults[2])
+    return defaults
+
+
+def report(run: Any, meta: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """What the writer rank reports: the rounds this launch ran, the meta with its record."""
+    record = {"resume": run.carry[RECORD]} if RECORD in run.carry else {}
+    return ResumePlan.of(run.cell).keep(run.tensors), {**meta, **record}

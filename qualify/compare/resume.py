@@ -167,19 +167,18 @@ def _metric_rows(cell: str, *, lane: str, bounds: Sequence[Bound], mask: npt.NDA
     return out
 
 
-def resume_rows(*, cell: str, entry: Mapping[str, Any], tensors: Mapping[str, Any],
-                meta: Mapping[str, Any] | None, meta_problem: str,
-                base: tuple[Mapping[str, Any], Mapping[str, Any] | None] | str,
-                bounds: Sequence[Bound], mask: npt.NDArray[Any], lane: str) -> list[Row]:
+def resume_rows(*, cell: str, entry: Mapping[str, Any], outputs: Any,
+                loaded: Mapping[str, Any], bounds: Sequence[Bound], mask: npt.NDArray[Any],
+                lane: str) -> list[Row]:
     """The rows of one COMPLETE resume cell.
 
     Args:
         cell: the resume cell id.
         entry: its ``run.json`` entry (``role``, ``resume_of``, ``after_round``).
-        tensors: its outputs (rounds ``k + 1..rounds`` of its role).
-        meta: its ``outputs.json`` (``None`` when unreadable, ``meta_problem`` says why).
-        meta_problem: why ``meta`` is missing.
-        base: the uninterrupted cell's ``(tensors, outputs.json)``, or why it is missing.
+        outputs: its loaded outputs (``tensors``: rounds ``k + 1..rounds`` of its role;
+            ``meta``: its ``outputs.json``, ``None`` when unreadable, ``meta_problem`` why).
+        loaded: every COMPLETE cell's loaded outputs by id, or why they could not be
+            loaded; the uninterrupted cell ``entry["resume_of"]`` is taken from it.
         bounds: the sealed bounds (the non-deterministic lane's).
         mask: ``[B, R]`` response mask.
         lane: the cell's reference lane (:mod:`qualify.lanes`).
@@ -189,6 +188,9 @@ def resume_rows(*, cell: str, entry: Mapping[str, Any], tensors: Mapping[str, An
         not complete, a ``FAIL`` row when the resume record is missing.
     """
     role, k = str(entry["role"]), int(entry["after_round"])
+    tensors, meta, meta_problem = outputs.tensors, outputs.meta, outputs.meta_problem
+    src = loaded.get(str(entry["resume_of"]), "not COMPLETE in run.json")
+    base = src if isinstance(src, str) else (src.tensors, src.meta)
     mine = {n: v for n, v in tensors.items() if n.split("/")[1:2] == [role]}
     record = (meta or {}).get("resume")
     rows: list[Row] = []

@@ -23,8 +23,7 @@ the rows: :mod:`qualify.compare.rows`, clip-flip re-judging of round >= 2 gradie
 :mod:`qualify.compare.reflip`, sampler cells: :mod:`qualify.compare.sampler`; the verdict
 types: :mod:`qualify.compare.verdicts`). Per cell of ``run.json``:
 
-- ``NOT_RUN`` -> verdict ``NOT_RUN`` with the run's reason; ``ERROR`` -> verdict ``ERROR``
-  with the reason and the path of the attempt's logs.
+- ``NOT_RUN`` -> ``NOT_RUN``, the run's reason; ``ERROR`` -> ``ERROR``, the reason and logs path.
 - ``COMPLETE`` -> one :class:`~qualify.compare.verdicts.Row` per check:
 
   * ``candidate_vs_hf``: the cell's tensors against ``reference/hf-{precision}.safetensors``
@@ -40,14 +39,13 @@ types: :mod:`qualify.compare.verdicts`). Per cell of ``run.json``:
   * ``replica_consistency``: replicated parameters bitwise equal across TP ranks
     (``outputs.json`` ``replica_consistency.all_equal``);
   * ``lr_schedule``: the lr each optimizer step applied (``outputs.json`` ``lr``) within one
-    FP32 ulp of the lr the reference sealed for that step (``reference.json``
-    ``update_meta``; :func:`qualify.compare.rows.lr_rows`; none for a reference sealed
-    before lr schedules).
+    FP32 ulp of the lr the reference sealed for that step (``reference.json`` ``update_meta``;
+    :func:`qualify.compare.rows.lr_rows`; none for a reference sealed before lr schedules).
 
-  Bounds come only from the reference's ``bounds.json`` (:func:`qualify.bounds.lookup`);
-  a metric without a bound is ``ERROR``, never ``PASS``. ``PASS`` iff the error is finite
-  and ``error <= bound``; ``margin = error / bound`` (``inf`` when ``bound == 0 < error``,
-  0 when both are 0).
+  Bounds come only from the reference's ``bounds.json`` (:func:`qualify.bounds.lookup`); a
+  metric without a bound is ``ERROR``, never ``PASS``. ``PASS`` iff the error is finite and
+  ``error <= bound``; ``margin = error / bound`` (``inf`` when ``bound == 0 < error``, 0 when
+  both are 0). A resume cell (``resume_of``) has the rows of :mod:`qualify.compare.resume`.
 
 A cell's verdict is its worst row by the precedence ``FAIL > ERROR > NOT_RUN > PASS``: a
 cell passes only when every check ran and passed. The report passes iff there is at least
@@ -473,13 +471,9 @@ def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, A
                                 meta_problem=got.meta_problem, bounds=ctx.bounds,
                                 mask=ctx.mask,
                                 actor=src.tensors if isinstance(src, _Outputs) else src)
-        elif "resume_of" in e:  # qualify.compare.resume: the resume cells
-            src = loaded.get(str(e["resume_of"]), f"not COMPLETE in {RUN_FILE}")
-            rows = resume_rows(cell=cid, entry=e, tensors=got.tensors, meta=got.meta,
-                               meta_problem=got.meta_problem, bounds=ctx.bounds, mask=ctx.mask,
-                               lane=_lane(ctx, str(e["resume_of"]), str(e["precision"])),
-                               base=(src.tensors, src.meta) if isinstance(src, _Outputs)
-                               else src)
+        elif "resume_of" in e:  # qualify.compare.resume: against the uninterrupted cell
+            rows = resume_rows(cell=cid, entry=e, outputs=got, loaded=loaded, bounds=ctx.bounds,
+                               mask=ctx.mask, lane=_lane(ctx, e["resume_of"], e["precision"]))
         else:
             rows = _complete_rows(ctx, cid=cid, entry=e, cells=cells, outputs=got,
                                   loaded=loaded)
@@ -593,8 +587,7 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
         lr_schedule=_lr_section(ctx),
         behavior_weights=behavior_weight_rows(
             ref_dir, run_dir, [(c.cell, c.attempt) for c in results
-                               if c.role == "actor" and c.attempt
-                               and "resume_of" not in cells.get(c.cell, {})]))
+                               if c.role == "actor" and c.attempt]))
     # 6. write
     if write:
         write_report(report, run_dir)
