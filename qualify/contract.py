@@ -19,14 +19,7 @@ from typing import Any, Literal
 
 from qualify import registry, schedule
 from qualify.errors import ContractError, HarnessError
-from qualify.matrix import (
-    CellSpec,
-    MatrixSpec,
-    Precision,
-    Role,
-    SamplerSpec,
-    Topology,
-)
+from qualify.matrix import CellSpec, MatrixSpec, Precision, ResumeSpec, Role, SamplerSpec, Topology
 from qualify.prompts import read_prompts_file
 from qualify.protocol import DEFAULT_SAMPLING, ParamSampling
 from qualify.schema import first_error
@@ -43,6 +36,7 @@ __all__ = [
     "ParamSampling",
     "Precision",
     "PromptsSpec",
+    "ResumeSpec",
     "Role",
     "RolesSpec",
     "SamplerSpec",
@@ -70,7 +64,6 @@ METRIC_FAMILIES: tuple[str, ...] = (
     "updates",
 )
 """Metric families that carry a bound (one floor per family and precision)."""
-
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -374,6 +367,7 @@ class Contract:
         description: free text.
         model, roles, prompts, sampling, algorithm, optimizer, matrix, bounds: the sections.
         sampler: the ``[sampler]`` section (``None``: no sampler cells).
+        resume: the ``[resume]`` section (``None``: no resume cells, the digest unchanged).
         evidence: the ``[evidence]`` section: how per-parameter families are stored
             (``exact_param_elements``, ``sampled_param_elements``; the protocol's defaults
             when absent, so a contract that does not write the section keeps its digest).
@@ -394,6 +388,7 @@ class Contract:
     raw: Mapping[str, Any]
     path: Path | None = None
     sampler: SamplerSpec | None = None
+    resume: ResumeSpec | None = None
     evidence: ParamSampling = DEFAULT_SAMPLING
 
     def __post_init__(self) -> None:
@@ -537,6 +532,8 @@ def _build(doc: Mapping[str, Any], path: Path | None) -> Contract:
                              weights_from=doc["sampler"]["weights_from"],
                              required=bool(doc["sampler"].get("required", True)))
                  if "sampler" in doc else None),
+        resume=ResumeSpec.from_dict(doc["resume"], rounds=algorithm.rounds,
+                                    cells=matrix.cells()) if "resume" in doc else None,
         evidence=_evidence(doc.get("evidence", {})),
     )
 
@@ -641,6 +638,8 @@ def cells_matching(contract: Contract, patterns: Sequence[str] | None) -> list[C
         if not hits and (p_engine in (None, contract.sampler and contract.sampler.engine)
                          and any(fnmatch.fnmatch(s, p_glob) for s in sampler_ids)):
             continue  # a sampler cell (qualify.candidate.sampler_stage selects those)
+        if not hits and contract.resume is not None:  # a resume cell: its trainer cell
+            hits = contract.resume.matching(cells, p_glob, p_engine)
         if not hits:
             ids = ", ".join(c.cell_id for c in cells)
             raise ContractError(f"--cells: {pat!r} matches no cell; cells are: {ids}")

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Any, Final, Literal
 
 from qualify import registry
 from qualify.errors import ContractError
@@ -275,3 +276,72 @@ def _engine_spec(name: str, field: str) -> registry.EngineSpec:
     if name not in registry.ENGINES:
         raise ContractError(f"{field}: {registry.ENGINES.unknown_message(name)}")
     return registry.get_engine(name)
+
+
+RESUME_SUFFIX: Final = "-resume"
+"""Appended to a trainer cell's id to name its resume cell (``<cell id>-resume``)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ResumeSpec:
+    """The resume-equivalence cells (:mod:`qualify.candidate.resume_stage`, issue #18).
+
+    Each selected trainer cell ``C`` gets a cell ``C-resume``: one launch runs rounds
+    ``1..after_round`` and saves a checkpoint in the engine's own format, a second launch
+    (a fresh interpreter) loads it and runs rounds ``after_round + 1..rounds``; the
+    comparator holds those rounds against ``C``'s own (:mod:`qualify.compare.resume`).
+
+    Attributes:
+        after_round: rounds before the checkpoint (``1 <= after_round < rounds``, checked by
+            :class:`qualify.contract.Contract`).
+        cells: ``fnmatch`` globs on trainer cell ids (``None``: every matrix cell).
+        required: the resume cells are required cells of the report.
+    """
+
+    after_round: int
+    cells: tuple[str, ...] | None = None
+    required: bool = True
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, rounds: int,
+                  cells: Sequence[CellSpec]) -> ResumeSpec:
+        """The ``[resume]`` section (schema-checked), checked against the contract.
+
+        Raises:
+            ContractError: as :meth:`check`.
+        """
+        spec = cls(after_round=int(d["after_round"]),
+                   cells=tuple(d["cells"]) if "cells" in d else None,
+                   required=bool(d.get("required", True)))
+        spec.check(rounds, [c.cell_id for c in cells])
+        return spec
+
+    def matching(self, cells: Sequence[CellSpec], glob: str,
+                 engine: str | None) -> list[CellSpec]:
+        """The trainer cells whose resume cell ``glob`` (of ``engine``, if given) names."""
+        return [c for c in cells if engine in (None, c.engine) and self.selects(c.cell_id)
+                and fnmatch.fnmatch(c.cell_id + RESUME_SUFFIX, glob)]
+
+    def check(self, rounds: int, cell_ids: Sequence[str]) -> None:
+        """Check the section against the contract's rounds and matrix cell ids.
+
+        Raises:
+            ContractError: ``after_round`` not below ``rounds``, or a glob that matches no
+                cell (the message names the field).
+        """
+        if not self.after_round < rounds:
+            raise ContractError(f"resume.after_round: {self.after_round} must be below "
+                                f"algorithm.rounds = {rounds} (the resumed launch runs the "
+                                "rounds after it)")
+        for i, glob in enumerate(self.cells or ()):
+            if not any(fnmatch.fnmatch(cid, glob) for cid in cell_ids):
+                raise ContractError(f"resume.cells.{i}: {glob!r} matches no cell of the "
+                                    f"matrix ({', '.join(cell_ids)})")
+
+    def selects(self, cell_id: str) -> bool:
+        """Whether the trainer cell ``cell_id`` gets a resume cell."""
+        return self.cells is None or any(fnmatch.fnmatch(cell_id, g) for g in self.cells)
+
+    def cell_ids(self, cells: Sequence[CellSpec]) -> list[str]:
+        """The resume cell ids of ``cells`` this spec selects, in their order."""
+        return [c.cell_id + RESUME_SUFFIX for c in cells if self.selects(c.cell_id)]

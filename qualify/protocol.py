@@ -313,6 +313,12 @@ class HarnessCell:
             capture every probed module's output and output gradient in round ``r``
             (``harnesses/layer_probe.py``) into ``dir``; ``None`` (every normal cell, and
             then absent from ``cell.json``): no hooks.
+        resume: resume cells only (:mod:`qualify.candidate.resume_stage`):
+            ``{"phase": "save" | "load", "after_round": k, "dir": path}``. ``save``: run
+            rounds ``1..k`` and write a checkpoint in the engine's own format to ``dir``;
+            ``load``: a fresh launch loads it and runs rounds ``k + 1..rounds``, writing
+            only those rounds' tensors and its role meta's ``resume`` record. ``None``
+            (absent from ``cell.json``): an uninterrupted run.
     """
 
     engine: str
@@ -330,6 +336,7 @@ class HarnessCell:
     export_weights: bool = False
     param_sampling: ParamSampling = DEFAULT_SAMPLING
     probe: dict[str, Any] | None = None
+    resume: dict[str, Any] | None = None
 
     @property
     def world_size(self) -> int:
@@ -345,6 +352,8 @@ class HarnessCell:
         d["param_sampling"] = self.param_sampling.to_dict()
         if self.probe is None:
             del d["probe"]
+        if self.resume is None:
+            del d["resume"]
         return d
 
     @classmethod

@@ -155,6 +155,9 @@ class EngineSpec:
         groups_variants: the harness runs every precision x options variant of one
             topology in one launch (:attr:`qualify.protocol.HarnessCell.variants`), so
             that one process group serves several cells (engines whose start is costly).
+        resumes: the harness runs ``cell.json`` ``resume`` (:attr:`qualify.protocol
+            .HarnessCell.resume`: checkpoint after round k in the engine's own format, restore
+            in a fresh launch); resume cells of an engine without it are ``NOT_RUN``.
         bf16_style: how the engine trains at BF16 (:mod:`qualify.lanes`): ``params``
             (BF16 parameters with FP32 master weights) or ``autocast`` (FP32 parameters
             under ``torch.autocast``); its BF16 cells are compared with the HF reference
@@ -178,6 +181,7 @@ class EngineSpec:
     cpu_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     requires: tuple[str, ...] = ()
     groups_variants: bool = False
+    resumes: bool = False
     bf16_style: str = "params"
     description: str = ""
     source: str = "builtin"

@@ -12,19 +12,15 @@ Reads only ``cell.json`` and, from ``inputs_dir``: ``rollout.safetensors``,
 ``[0, actor_tp)`` run the Actor, the next ``critic_tp`` ranks the Critic, each role in its own TP
 group (:mod:`harnesses.deepspeed.parallelize`).
 
-Process-group reuse: a cell with ``variants`` runs every ``(precision, options)`` variant in order
-in the same processes (one process group, fresh models and engines per variant) and writes variant
-``v`` to ``output_dir / variant_tag(v)`` (else to ``output_dir``); a variant that raises ends the
-launch with a non-zero exit (the variants before it keep their outputs).
+Process-group reuse (``variants``: one process group, fresh models and engines per variant) and
+resume (``resume``, :mod:`harnesses.deepspeed.resume`): README.md.
 
 What is reported is what the engine did: its own pre-clip gradient norm
 (``engine.get_global_grad_norm()``; where it returns ``None`` the L2 norm of the engine's gradient
 buffers measured by the harness, labelled so), its gradient buffers, FP32 master weights and AdamW
 state read through DeepSpeed's APIs and gathered to the HF layout
-(:mod:`harnesses.deepspeed.state_dict_adapter`). DeepSpeed exposes no clip coefficient: the one
-reported is measured from the engine's own state, the ``c`` with ``exp_avg_r - β1·exp_avg_{r-1} =
-(1 - β1)·c·g_r`` (least squares over every element, FP64), which is the factor the engine applied
-to the gradients it stepped with.
+(:mod:`harnesses.deepspeed.state_dict_adapter`); the clip coefficient, which DeepSpeed does not
+expose, is the ``c`` of ``exp_avg_r - β1·exp_avg_{r-1} = (1 - β1)·c·g_r`` (least squares, FP64).
 """
 
 from __future__ import annotations
@@ -47,7 +43,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from harnesses import common, hf_schedule, layer_probe
 from harnesses.common import Batch, Inputs
-from harnesses.deepspeed import losses, parallelize
+from harnesses.deepspeed import losses, parallelize, resume
 from harnesses.deepspeed import state_dict_adapter as sda
 from qualify.errors import HarnessError
 from qualify.protocol import (
@@ -131,6 +127,7 @@ class VariantRun(common.RoleOutputs):
     engine_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     _prev_exp_avg: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     lrs: dict[str, float] = dataclasses.field(default_factory=dict)
+    carry: dict[str, Any] = dataclasses.field(default_factory=dict)  # resume.py: state, record
 
     @property
     def role(self) -> str:
@@ -308,7 +305,7 @@ class VariantRun(common.RoleOutputs):
         """
         probe = layer_probe.for_model(self.cell.probe, self.role, self.writer, engine.module)
         batch = self.inputs.batch
-        for round_ in range(1, self.inputs.contract.algorithm.rounds + 1):
+        for round_ in resume.ResumePlan.of(self.cell).rounds(self.inputs.contract.algorithm.rounds):
             with self.timed(f"round{round_}_s"):
                 for s in slices:
                     with probe.capture(round_, batch.prompt_len, batch.input_ids.shape[1]):
@@ -318,6 +315,7 @@ class VariantRun(common.RoleOutputs):
                     else:
                         engine.step()
                 micro_loss(round_, None)  # round done: store per-token outputs
+            resume.save_after(self, round_, engine, et)  # a resume cell's save launch
         probe.save("deepspeed")
 
     # ----------------------------------------------------------------- actor
@@ -370,12 +368,13 @@ class VariantRun(common.RoleOutputs):
         row_w, denom = losses.aggregation_terms(batch.mask, alg.loss_agg_mode)
         decoupled = alg.name == "decoupled_ppo"
         w_behav, w_raw = torch.ones(2, b, r_len, device=self.device).unbind(0)
+        old_lp, w_behav, w_raw = resume.restore_actor(self, engine, et, old_lp, w_behav, w_raw)
 
         def micro_loss(round_: int, s: slice | None) -> Tensor:
             nonlocal old_lp, lp_r, ent_r, sums
             if s is None:  # end of the round
                 if round_ == 1:
-                    old_lp = lp_r.clone()
+                    old_lp = self.carry["old_logprobs"] = lp_r.clone()
                 self.put(round_, "logprobs", lp_r)
                 self.put(round_, "entropy", ent_r)
                 for term, v in sums.items():
@@ -451,12 +450,13 @@ class VariantRun(common.RoleOutputs):
         v_r = torch.zeros(b, r_len, device=self.device)
         total = 0.0
         row_w, denom = losses.aggregation_terms(batch.mask, alg.loss_agg_mode)
+        old_v = resume.restore(self, engine, et).get("old_values", old_v)
 
         def micro_loss(round_: int, s: slice | None) -> Tensor:
             nonlocal old_v, v_r, total
             if s is None:
                 if round_ == 1:
-                    old_v = v_r.clone()
+                    old_v = self.carry["old_values"] = v_r.clone()
                 self.put(round_, "values", v_r)
                 self.put(round_, "loss/value", torch.tensor(total))
                 self.put(round_, "loss/total", torch.tensor(total))
@@ -617,8 +617,8 @@ def run(cell: HarnessCell) -> None:
             out_dir = Path(cell.output_dir) / sub if sub else Path(cell.output_dir)
             print(f"[deepspeed] rank {rank}: {placement.role} {precision} zero{zero} done, "
                   f"timings {runner.timings}", flush=True)
-            if runner.writer:
-                common.write_part(ENGINE, out_dir, placement.role, runner.tensors, meta)
+            if runner.writer:  # a resumed launch: the rounds it ran, its resume record
+                common.write_part(ENGINE, out_dir, placement.role, *resume.report(runner, meta))
             if rank == 0:
                 cell_doc = {**cell.to_dict(), "precision": precision, "options": {"zero": zero},
                             "output_dir": str(out_dir)}

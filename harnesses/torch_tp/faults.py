@@ -20,6 +20,10 @@ path stays readable. Names:
 - ``lr_scheduler_stepped_first``: the lr scheduler is stepped before the optimizer step
   instead of after it (the pre-PyTorch-1.1 order), so step ``s`` applies ``lambda(s)``
   instead of ``lambda(s - 1)``: every step's lr one step late.
+- ``resume_drops_optimizer_state``: a resumed launch restores the model only and starts a
+  fresh AdamW (no moments, step counters, or checkpointed lr; NeMo-RL #3171).
+- ``resume_drops_step_counter``: a resumed launch restores AdamW's moments but resets every
+  parameter's ``step`` to 0, so the next step's bias correction is the first step's.
 - ``hang_rank1``: rank 1 skips one collective of its TP group (and then stays alive,
   as a desynchronised rank does), so its peers wait until the collective timeout.
 """
@@ -48,6 +52,8 @@ KNOWN: Final = (
     "hang_rank1",
     "layer1_mlp_scaled",
     "lr_scheduler_stepped_first",
+    "resume_drops_optimizer_state",
+    "resume_drops_step_counter",
 )
 LAYER_FAULT_MODULE: Final = "layers.1.mlp"
 """The backbone sub-module ``layer1_mlp_scaled`` perturbs."""
@@ -173,3 +179,10 @@ def scale_layer_output(model: nn.Module) -> None:
         return out * LAYER_FAULT_SCALE
 
     mlp.register_forward_hook(hook)
+
+
+def reset_step_counters(optimizer: torch.optim.Optimizer) -> None:
+    """Set AdamW's ``step`` of every parameter to 0 (the state's own dtype and device)."""
+    for st in optimizer.state.values():
+        if "step" in st:
+            st["step"] = torch.zeros_like(st["step"]) if isinstance(st["step"], Tensor) else 0

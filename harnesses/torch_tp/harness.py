@@ -35,8 +35,9 @@ from torch import Tensor, nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from harnesses import common, hf_schedule, layer_probe
+from harnesses import resume_state as rs
 from harnesses.common import Batch, Inputs
-from harnesses.torch_tp import faults, losses, parallelize
+from harnesses.torch_tp import faults, losses, parallelize, resume
 from harnesses.torch_tp import state_dict_adapter as sda
 from qualify.errors import HarnessError
 from qualify.protocol import (
@@ -102,6 +103,7 @@ class RoleRun(common.RoleOutputs):
     lrs: dict[str, float] = dataclasses.field(default_factory=dict)
     replica_params: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     partial_grads: list[str] = dataclasses.field(default_factory=list)
+    resume_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def role(self) -> str:
@@ -249,7 +251,11 @@ class RoleRun(common.RoleOutputs):
         decoupled = alg.name == "decoupled_ppo"
         w_behav = torch.ones(b, r_len, device=self.device)
         w_raw = torch.ones(b, r_len, device=self.device)
-        for round_ in range(1, alg.rounds + 1):
+        plan = rs.ResumePlan.of(self.cell)
+        if plan.loading:  # a resume cell's second launch: restore, then round k + 1
+            got = self.resume_load(plan, model, optimizer)
+            old_lp, w_behav, w_raw = got["old_logprobs"], got["w_behav"], got["w_raw"]
+        for round_ in plan.rounds(alg.rounds):
             with self.timed(f"round{round_}_s"):
                 lp_r = torch.zeros(b, r_len, device=self.device)
                 ent_r = torch.zeros(b, r_len, device=self.device)
@@ -292,11 +298,15 @@ class RoleRun(common.RoleOutputs):
                     self.put(round_, f"loss/{term}", torch.tensor(v))
                 self.put(round_, "loss/total", torch.tensor(sum(sums.values())))
                 self.step(round_, model, optimizer)
+                if plan.saves_after(round_):
+                    self.resume_save(plan, model, optimizer, {
+                        "old_logprobs": old_lp, "w_behav": w_behav, "w_raw": w_raw})
                 if round_ == 1 and self.cell.export_weights:
                     self.export_weights(model, Path(self.cell.output_dir) / ACTOR_ROUND1_WEIGHTS)
         probe.save(ENGINE)
         meta = self.role_meta(model, info, n_valid, len(slices))
         meta["loss_agg_mode"] = alg.loss_agg_mode
+        meta.update(self.resume_meta)
         if decoupled:  # fixed by round 1 (the proximal policy), used in every round
             stats = losses.weight_stats(w_raw, batch.mask, alg.behavior_weight_cap)
             meta["behavior_weight"] = {f"round{r}": stats for r in range(1, alg.rounds + 1)}
@@ -351,7 +361,10 @@ class RoleRun(common.RoleOutputs):
             self.put(1, "values_padded", torch.where(batch.mask, padded, 0.0))
         old_v = torch.zeros(b, r_len, device=self.device)
         row_w, denom = losses.aggregation_terms(batch.mask, alg.loss_agg_mode)
-        for round_ in range(1, alg.rounds + 1):
+        plan = rs.ResumePlan.of(self.cell)
+        if plan.loading:
+            old_v = self.resume_load(plan, model, optimizer)["old_values"]
+        for round_ in plan.rounds(alg.rounds):
             with self.timed(f"round{round_}_s"):
                 v_r = torch.zeros(b, r_len, device=self.device)
                 total = 0.0
@@ -378,8 +391,29 @@ class RoleRun(common.RoleOutputs):
                 self.put(round_, "loss/value", torch.tensor(total))
                 self.put(round_, "loss/total", torch.tensor(total))
                 self.step(round_, model, optimizer)
+                if plan.saves_after(round_):
+                    self.resume_save(plan, model, optimizer, {"old_values": old_v})
         probe.save(ENGINE)
-        return self.role_meta(model, info, n_valid, len(slices))
+        return {**self.role_meta(model, info, n_valid, len(slices)), **self.resume_meta}
+
+    # ----------------------------------------------------------------- resume
+
+    def resume_save(self, plan: rs.ResumePlan, model: nn.Module,
+                    optimizer: torch.optim.Optimizer, rollout_state: dict[str, Tensor]) -> None:
+        """Checkpoint after round ``plan.after_round`` (:mod:`harnesses.torch_tp.resume`)."""
+        with self.timed("checkpoint_save_s"):
+            resume.save(plan, role=self.role, writer=self.writer, group=self.mesh.group,
+                        model=model, optimizer=optimizer, scheduler=self.lr_scheduler,
+                        rollout_state=rollout_state)
+
+    def resume_load(self, plan: rs.ResumePlan, model: nn.Module,
+                    optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
+        """Restore the checkpoint (fresh process); returns the saved rollout state."""
+        with self.timed("checkpoint_load_s"):
+            state, self.resume_meta["resume"] = resume.load(
+                plan, role=self.role, group=self.mesh.group, model=model, optimizer=optimizer,
+                scheduler=self.lr_scheduler, active=self.faults)
+        return {k: v.to(self.device) for k, v in state.items()}
 
     # ----------------------------------------------------------------- meta
 
@@ -488,8 +522,9 @@ def run(cell: HarnessCell) -> None:
             print(f"[torch_tp] rank {rank}: {mesh.role} {vcell.precision} done, timings "
                   f"{runner.timings}", flush=True)
             output_dir = Path(vcell.output_dir)
-            if runner.writer:
-                common.write_part(ENGINE, output_dir, mesh.role, runner.tensors, meta)
+            if runner.writer:  # a resumed launch reports only the rounds it ran
+                common.write_part(ENGINE, output_dir, mesh.role,
+                                  rs.ResumePlan.of(vcell).keep(runner.tensors), meta)
             if rank == 0:
                 head = common.outputs_head(
                     engine=ENGINE, cell=vcell.to_dict(), packages=PACKAGES, world=world,

@@ -16,6 +16,7 @@ SPEC: Final = EngineSpec(
     axes=(TP_AXIS,),
     distributions=("torch",),
     groups_variants=True,  # one launch per topology runs the fp32 and bf16 variants
+    resumes=True,  # harnesses/torch_tp/resume.py: torch.distributed.checkpoint
     bf16_style="autocast",  # torch.autocast over FP32 DTensor masters (harness.BF16_MECHANISM)
     description="PyTorch-native tensor parallelism (DTensor, parallelize_module); "
                 "CPU (gloo) and CUDA (NCCL)",

@@ -37,7 +37,7 @@ from typing import Any, Final
 
 from qualify import jsonio
 from qualify.atomic import TMP_PREFIX
-from qualify.candidate import sampler_stage
+from qualify.candidate import resume_stage, sampler_stage
 from qualify.candidate.launch import LaunchResult, launch, read_safetensors_header
 from qualify.contract import CellSpec, Contract, cells_matching
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
@@ -522,10 +522,26 @@ def run_candidate_stage(
                     tensor_index.drop_stored_copies(attempt, run_dir, index)
                 store.seal(attempt, kind="launch-attempt")
                 store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
+        # the resume cells ([resume]): save after round k, a fresh launch restores and goes on
+        resume_stage.run_resume_cells(
+            contract, run_dir=run_dir, run=run, wanted=wanted, plan=plan_launches,
+            base_cell=HarnessCell(
+                param_sampling=contract.evidence, engine="", precision="fp32", options={},
+                actor_tp=0, critic_tp=0, rounds=contract.algorithm.rounds,
+                seed=contract.sampling.seed, inputs_dir=str(inputs.resolve()), output_dir="",
+                collective_timeout_s=collective_timeout_s, faults=tuple(faults)),
+            split=lambda result, attempt, lc, cell, cell_attempt: _split_outputs(
+                result, attempt, lc, cell, cell_attempt, contract=contract, numels=numels),
+            entry=_cell_entry, launch_timeout_s=launch_timeout_s,
+            env_of=lambda engine: None if _cuda_available() else engine.cpu_env,
+            write_run=lambda: store.atomic_write_json(run_dir / RUN_FILE, run.to_dict()))
         sampler_stage.run_sampler_cells(contract, run_dir=run_dir, run=run, inputs=inputs,
                                         cells=cells, faults=faults)
         for c in wanted:
             run.cells.setdefault(c.cell_id, _cell_entry(c, "NOT_RUN", "not launched", None))
+        for c in resume_stage.selected(contract, wanted):
+            run.cells.setdefault(resume_stage.resume_cell_id(c),
+                                 _cell_entry(c, "NOT_RUN", "not launched", None))
         run.finished = store.utc_now()
         store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
     return run_dir

@@ -439,3 +439,7 @@ def declared_or(row: Row, meta: Mapping[str, Any] | None, family: str) -> Row:
     return dataclasses.replace(row, verdict="NOT_RUN", reason=why, detail=None, where="",
                                error=None, bound=None, margin=None)
 
+
+
+metric_detail = _detail
+"""The pytest-approx-style detail of one measured metric group (the resume rows use it)."""

@@ -23,8 +23,7 @@ the rows: :mod:`qualify.compare.rows`, clip-flip re-judging of round >= 2 gradie
 :mod:`qualify.compare.reflip`, sampler cells: :mod:`qualify.compare.sampler`; the verdict
 types: :mod:`qualify.compare.verdicts`). Per cell of ``run.json``:
 
-- ``NOT_RUN`` -> verdict ``NOT_RUN`` with the run's reason; ``ERROR`` -> verdict ``ERROR``
-  with the reason and the path of the attempt's logs.
+- ``NOT_RUN`` -> ``NOT_RUN``, the run's reason; ``ERROR`` -> ``ERROR``, the reason and logs path.
 - ``COMPLETE`` -> one :class:`~qualify.compare.verdicts.Row` per check:
 
   * ``candidate_vs_hf``: the cell's tensors against ``reference/hf-{precision}.safetensors``
@@ -40,14 +39,13 @@ types: :mod:`qualify.compare.verdicts`). Per cell of ``run.json``:
   * ``replica_consistency``: replicated parameters bitwise equal across TP ranks
     (``outputs.json`` ``replica_consistency.all_equal``);
   * ``lr_schedule``: the lr each optimizer step applied (``outputs.json`` ``lr``) within one
-    FP32 ulp of the lr the reference sealed for that step (``reference.json``
-    ``update_meta``; :func:`qualify.compare.rows.lr_rows`; none for a reference sealed
-    before lr schedules).
+    FP32 ulp of the lr the reference sealed for that step (``reference.json`` ``update_meta``;
+    :func:`qualify.compare.rows.lr_rows`; none for a reference sealed before lr schedules).
 
-  Bounds come only from the reference's ``bounds.json`` (:func:`qualify.bounds.lookup`);
-  a metric without a bound is ``ERROR``, never ``PASS``. ``PASS`` iff the error is finite
-  and ``error <= bound``; ``margin = error / bound`` (``inf`` when ``bound == 0 < error``,
-  0 when both are 0).
+  Bounds come only from the reference's ``bounds.json`` (:func:`qualify.bounds.lookup`); a
+  metric without a bound is ``ERROR``, never ``PASS``. ``PASS`` iff the error is finite and
+  ``error <= bound``; ``margin = error / bound`` (``inf`` when ``bound == 0 < error``, 0 when
+  both are 0). A resume cell (``resume_of``) has the rows of :mod:`qualify.compare.resume`.
 
 A cell's verdict is its worst row by the precedence ``FAIL > ERROR > NOT_RUN > PASS``: a
 cell passes only when every check ran and passed. The report passes iff there is at least
@@ -80,6 +78,7 @@ from qualify.compare.mismatch import (
 from qualify.compare.power import PowerCache
 from qualify.compare.reflip import SealedBranches, with_branch_flips
 from qualify.compare.report import write_report
+from qualify.compare.resume import resume_required, resume_rows
 from qualify.compare.rows import (
     LR_RULE,
     compare_rows,
@@ -453,7 +452,7 @@ def _required_ids(contract: Contract) -> tuple[str, ...]:
     required_ids = contract.matrix.required_cells
     if required_ids is None:
         required_ids = tuple(c.cell_id for c in contract.matrix.cells())
-    return (*required_ids, *sampler_required(contract))
+    return (*required_ids, *sampler_required(contract), *resume_required(contract))
 
 
 def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, Any],
@@ -475,6 +474,9 @@ def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, A
                                 bounds=ctx.bounds, mask=ctx.mask,
                                 actor=in_memory(src.tensors) if isinstance(src, _Outputs)
                                 else src)
+        elif "resume_of" in e:  # qualify.compare.resume: against the uninterrupted cell
+            rows = resume_rows(cell=cid, entry=e, outputs=got, loaded=loaded, bounds=ctx.bounds,
+                               mask=ctx.mask, lane=_lane(ctx, e["resume_of"], e["precision"]))
         else:
             rows = _complete_rows(ctx, cid=cid, entry=e, cells=cells, outputs=got,
                                   loaded=loaded)
@@ -630,7 +632,7 @@ def _field_metrics(ctx: _Ctx, contract: Contract, rollout: Mapping[str, Any],
             sources.append((f"hf-{prec}", prec, hf["round1/actor/logprobs"]))
     for cid, entry in cells.items():
         got = loaded.get(cid)
-        if not isinstance(got, _Outputs) or entry.get("role") != "actor":
+        if not isinstance(got, _Outputs) or entry.get("role") != "actor" or "resume_of" in entry:
             continue
         lp = got.tensors.get("round1/actor/logprobs")
         if lp is None:

@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 ROW_CLASSES: Final = ("candidate_vs_hf", "tp_vs_tp1", "padding_invariance", "dtypes",
-                      "replica_consistency", "lr_schedule")
+                      "replica_consistency", "lr_schedule", "resume")
 OPTIONAL_SECTIONS: Final[tuple[str, ...]] = ("coverage", "power", "root_causes",
                                               "behavior_weights", "clip_band",
                                               "lr_schedule")

@@ -47,10 +47,12 @@ QUALIFY_SET: Final = "qualify"
 NOT_RECORDED: Final = "sources not recorded: cannot prove freshness"
 """The stale reason of every cell of a run without ``sources.json``."""
 HARNESS_SHARED: Final = ("harnesses/__init__.py", "harnesses/common.py",
-                         "harnesses/hf_schedule.py", "harnesses/layer_probe.py")
+                         "harnesses/hf_schedule.py", "harnesses/layer_probe.py",
+                         "harnesses/resume_state.py")
 """Harness modules outside an engine's folder that engines import (``hf_schedule``: the HF
 lr scheduler of torch_tp, fsdp2 and DeepSpeed; ``layer_probe``: the probes of ``qualify
-diverge``, around every micro-batch of torch_tp, DeepSpeed and Megatron); each engine's
+diverge``, around every micro-batch of torch_tp, DeepSpeed and Megatron; ``resume_state``: the
+resume cells' state record); each engine's
 cells are stale when one changes (``tests/test_staleness.py`` derives the set from the
 harnesses' imports)."""
 

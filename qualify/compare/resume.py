@@ -1,0 +1,221 @@
+"""Rows of a resume cell (issue #18): the resumed rounds against the uninterrupted cell's.
+
+A resume cell ``C-resume`` (:mod:`qualify.candidate.resume_stage`) ran rounds ``1..k``,
+checkpointed in its engine's own format, and a fresh launch restored it and ran rounds
+``k + 1..rounds``. Its rows, class ``resume``:
+
+- **state rows** (``round`` empty, one per quantity a resume must carry over): the state
+  record the load launch measured right after the restore against the one the save launch
+  measured right before the checkpoint (``outputs.json`` ``resume``,
+  :mod:`harnesses.resume_state`): ``step`` (AdamW's step counter of every parameter, which
+  must also be ``k`` itself), ``lr`` (the lr the next step applies), ``scheduler`` (its
+  ``last_epoch``, also ``k``), ``master_weights``, ``exp_avg`` and ``exp_avg_sq`` (sha256 of the
+  full FP32 tensors) and ``rng_state`` (sha256 of the RNG states). Equality is exact on
+  every device: a checkpoint round trip copies bytes. A dropped optimizer state fails
+  ``exp_avg``; a reset step counter fails ``step``;
+- **lr rows** per resumed round: the lr that round's step applied (``outputs.json`` ``lr``)
+  against the uninterrupted cell's for the same round, exactly;
+- **metric rows** per resumed round and family (logprobs, losses, grads, grad norm, clip
+  coefficient, Adam moments, updates): against the uninterrupted cell ``C``'s same round.
+  **Bitwise** when both ran on CPU (the deterministic lane: the same engine code on the
+  same inputs, one thread per rank, must reproduce every bit); elsewhere **bounded** by
+  the family's sealed ``tp_vs_tp1`` bound of the cell's lane (the same-precision repeat
+  controls), as two executions of one computation on a device without a determinism
+  guarantee. Round ``k + 1``'s logprobs are those of the restored weights; round
+  ``k + 2``'s, where the contract runs it, the next logprobs after the resumed update.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from qualify.bounds import Bound, judge, lookup
+from qualify.compare.rows import metric_detail
+from qualify.compare.verdicts import FailureDetail, Row
+from qualify.contract import Contract
+from qualify.statistics import FAMILY_STATISTIC, MetricKey, group_tensors, measure
+
+__all__ = ["KLASS", "STATE_QUANTITIES", "resume_required", "resume_rows"]
+
+KLASS: Final = "resume"
+STATE_QUANTITIES: Final = ("step", "lr", "scheduler", "master_weights", "exp_avg",
+                           "exp_avg_sq", "rng_state")
+"""The state rows' families, in causal order of a restore."""
+_RECORD_KEY: Final = {"scheduler": "scheduler_last_epoch"}
+
+
+def resume_required(contract: Contract) -> tuple[str, ...]:
+    """The resume cell ids the report requires (none without ``[resume]``, or not required)."""
+    spec = contract.resume
+    if spec is None or not spec.required:
+        return ()
+    return tuple(spec.cell_ids(contract.matrix.cells()))
+
+
+def _row(cell: str, role: str, family: str, *, round_: int | None, statistic: str,
+         error: float | None, bound: float | None, verdict: str, reason: str | None,
+         where: str = "", detail: FailureDetail | None = None) -> Row:
+    margin = None if error is None or bound is None else judge(error, bound)[1]
+    return Row(cell=cell, klass=KLASS, bound_class=None if statistic == "bitwise" else
+               "tp_vs_tp1", round=round_, role=role, family=family, statistic=statistic,
+               error=error, bound=bound, margin=margin, verdict=verdict,  # type: ignore[arg-type]
+               reason=reason, where=where, detail=detail)
+
+
+def _state_rows(cell: str, role: str, record: Mapping[str, Any], k: int) -> list[Row]:
+    """One exact row per :data:`STATE_QUANTITIES`: loaded against saved (and ``k``)."""
+    saved, loaded = record.get("saved") or {}, record.get("loaded") or {}
+    out = []
+    for q in STATE_QUANTITIES:
+        key = _RECORD_KEY.get(q, q)
+        got, want = loaded.get(key), saved.get(key)
+        problems: list[tuple[str, str, str]] = []
+        if got != want:
+            problems.append((f"{q} after the restore", str(got), f"{want} (saved)"))
+        if q == "step" and want != {"min": float(k), "max": float(k)}:
+            problems.append((f"{q} saved after round {k}", str(want), f"{float(k)} for every "
+                             "parameter"))
+        if q == "scheduler" and want != k:
+            problems.append((f"{q} last_epoch saved after round {k}", str(want), str(k)))
+        if q != "scheduler" and want is None:
+            problems.append((f"{q} saved", "none", "a value (the engine held no state)"))
+        if not problems:
+            out.append(_row(cell, role, q, round_=None, statistic="bitwise", error=0.0,
+                            bound=0.0, verdict="PASS", reason=None))
+            continue
+        item, obtained, expected = problems[0]
+        out.append(_row(cell, role, q, round_=None, statistic="bitwise", error=math.inf,
+                        bound=0.0, verdict="FAIL", where=item,
+                        reason=f"resume {q}: {item} is {obtained}, expected {expected}",
+                        detail=FailureDetail(mismatched=len(problems), total=len(problems),
+                                             max_abs=None, max_rel=None,
+                                             columns=("item", "obtained", "expected"),
+                                             table=tuple(problems))))
+    return out
+
+
+def _lr_rows(cell: str, role: str, meta: Mapping[str, Any], base_meta: Mapping[str, Any],
+             rounds: Sequence[int]) -> list[Row]:
+    """The lr each resumed round applied against the uninterrupted cell's, exactly."""
+    got, want = meta.get("lr") or {}, base_meta.get("lr") or {}
+    out = []
+    for r in rounds:
+        a, b = got.get(f"round{r}"), want.get(f"round{r}")
+        if a is not None and b is not None and float(a) == float(b):
+            out.append(_row(cell, role, "lr", round_=r, statistic="bitwise", error=0.0,
+                            bound=0.0, verdict="PASS", reason=None))
+            continue
+        err = abs(float(a) - float(b)) if a is not None and b is not None else math.inf
+        out.append(_row(cell, role, "lr", round_=r, statistic="bitwise", error=err, bound=0.0,
+                        verdict="FAIL", where=f"round{r}",
+                        reason=f"resume lr: round {r} applied {a}, the uninterrupted cell "
+                               f"{b}"))
+    return out
+
+
+def _bitwise(obtained: Mapping[str, Any], expected: Mapping[str, Any]) -> bool:
+    if set(obtained) != set(expected):
+        return False
+    for name, b in expected.items():
+        x, y = np.asarray(obtained[name]), np.asarray(b)
+        if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
+            return False
+    return True
+
+
+def _metric_rows(cell: str, *, lane: str, bounds: Sequence[Bound], mask: npt.NDArray[Any],
+                 obtained: Mapping[str, Any], expected: Mapping[str, Any],
+                 deterministic: bool) -> list[Row]:
+    """Every metric of ``expected`` (the uninterrupted resumed rounds) in ``obtained``."""
+    got, want = group_tensors(obtained), group_tensors(expected)
+    out = []
+    for key in sorted(want, key=lambda x: x.label):
+        mine = got.get(key, {})
+        m = measure(key, mine, want[key], mask)
+        stat = FAMILY_STATISTIC[key.family]
+        if deterministic:
+            same = _bitwise(mine, want[key])
+            out.append(_row(
+                cell, key.role, key.family, round_=key.round, statistic="bitwise",
+                error=m.value, bound=0.0, verdict="PASS" if same else "FAIL",
+                where="" if same else m.where,
+                reason=None if same else (
+                    f"resume {key.label}: not bitwise equal to the uninterrupted cell "
+                    f"({stat} = {m.value:.6g} at {m.where}; the CPU lane is deterministic)"),
+                detail=None if same else metric_detail(key, m, mine, want[key], mask)))
+            continue
+        b = lookup(list(bounds), precision=lane, klass="tp_vs_tp1",
+                   key=MetricKey(round=key.round, role=key.role, family=key.family))
+        if b is None:
+            out.append(_row(cell, key.role, key.family, round_=key.round, statistic=stat,
+                            error=m.value, bound=None, verdict="ERROR",
+                            reason=f"no sealed tp_vs_tp1 bound for {key.label} ({lane})"))
+            continue
+        verdict, _ = judge(m.value, b.bound)
+        out.append(_row(
+            cell, key.role, key.family, round_=key.round, statistic=stat, error=m.value,
+            bound=b.bound, verdict=verdict, where=m.where,
+            reason=None if verdict == "PASS" else (
+                f"resume {key.label}: {stat} = {m.value:.6g} > bound {b.bound:.6g} at "
+                f"{m.where}"),
+            detail=None if verdict == "PASS" else metric_detail(key, m, mine, want[key], mask)))
+    return out
+
+
+def resume_rows(*, cell: str, entry: Mapping[str, Any], outputs: Any,
+                loaded: Mapping[str, Any], bounds: Sequence[Bound], mask: npt.NDArray[Any],
+                lane: str) -> list[Row]:
+    """The rows of one COMPLETE resume cell.
+
+    Args:
+        cell: the resume cell id.
+        entry: its ``run.json`` entry (``role``, ``resume_of``, ``after_round``).
+        outputs: its loaded outputs (``tensors``: rounds ``k + 1..rounds`` of its role;
+            ``meta``: its ``outputs.json``, ``None`` when unreadable, ``meta_problem`` why).
+        loaded: every COMPLETE cell's loaded outputs by id, or why they could not be
+            loaded; the uninterrupted cell ``entry["resume_of"]`` is taken from it.
+        bounds: the sealed bounds (the non-deterministic lane's).
+        mask: ``[B, R]`` response mask.
+        lane: the cell's reference lane (:mod:`qualify.lanes`).
+
+    Returns:
+        State rows, lr rows, metric rows; a ``NOT_RUN`` row when the uninterrupted cell did
+        not complete, a ``FAIL`` row when the resume record is missing.
+    """
+    role, k = str(entry["role"]), int(entry["after_round"])
+    tensors, meta, meta_problem = outputs.tensors, outputs.meta, outputs.meta_problem
+    src = loaded.get(str(entry["resume_of"]), "not COMPLETE in run.json")
+    base = src if isinstance(src, str) else (src.tensors, src.meta)
+    mine = {n: v for n, v in tensors.items() if n.split("/")[1:2] == [role]}
+    record = (meta or {}).get("resume")
+    rows: list[Row] = []
+    if not isinstance(record, Mapping):
+        why = meta_problem or "outputs.json has no resume record (the load launch's state)"
+        rows.append(_row(cell, role, "state", round_=None, statistic="bitwise",
+                         error=math.inf, bound=0.0, verdict="FAIL", reason=f"resume: {why}"))
+    else:
+        rows += _state_rows(cell, role, record, k)
+    if isinstance(base, str):
+        rows.append(_row(cell, role, "all", round_=None, statistic="bitwise", error=None,
+                         bound=None, verdict="NOT_RUN",
+                         reason=f"uninterrupted cell {entry.get('resume_of')}: {base}"))
+        return rows
+    base_tensors, base_meta = base
+    expected = {}
+    for n, v in base_tensors.items():
+        parts = n.split("/")
+        if (len(parts) > 2 and parts[1] == role and parts[0].startswith("round")
+                and int(parts[0][5:]) > k and not parts[2].endswith("_padded")):
+            expected[n] = v
+    rounds = sorted({int(n.split("/")[0][5:]) for n in expected})
+    rows += _lr_rows(cell, role, meta or {}, base_meta or {}, rounds)
+    deterministic = (meta or {}).get("device") == "cpu" and (base_meta or {}).get("device") \
+        == "cpu"
+    rows += _metric_rows(cell, lane=lane, bounds=bounds, mask=mask, obtained=mine,
+                         expected=expected, deterministic=deterministic)
+    return rows
