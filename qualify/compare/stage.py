@@ -57,9 +57,8 @@ one required cell and every required cell passes; required cells are
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +96,8 @@ from qualify.compare.verdicts import (
     Report,
     Row,
     Verdict,
+    cell_reason,
+    worst_margin,
     worst_verdict,
 )
 from qualify.compare.weights import behavior_weight_rows
@@ -429,20 +430,6 @@ def _sealed_lr(ctx: _Ctx, lane: str, role: str) -> Mapping[str, Any] | None:
     return None
 
 
-def _cell_reason(verdict: Verdict, rows: Sequence[Row]) -> str | None:
-    if verdict == "PASS":
-        return None
-    bad = [r for r in rows if r.verdict == verdict]
-    first = bad[0].reason or bad[0].metric
-    more = f" (and {len(bad) - 1} more {verdict} rows)" if len(bad) > 1 else ""
-    return f"{first}{more}"
-
-
-def _worst_margin(rows: Sequence[Row]) -> float | None:
-    ms = [r.margin for r in rows if r.margin is not None and not math.isnan(r.margin)]
-    return max(ms) if ms else None
-
-
 def _required_ids(contract: Contract) -> tuple[str, ...]:
     """The ids of the cells the report's ``passed`` depends on.
 
@@ -481,7 +468,7 @@ def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, A
             rows = _complete_rows(ctx, cid=cid, entry=e, cells=cells, outputs=got,
                                   loaded=loaded)
         verdict = worst_verdict([r.verdict for r in rows])  # a compared cell: its rows'
-        reason = _cell_reason(verdict, rows) if rows else "nothing was compared"
+        reason = cell_reason(verdict, rows) if rows else "nothing was compared"
     elif status == "ERROR":
         logs = ctx.run_dir / str(attempt) / LOGS_DIR if attempt else None
         verdict = "ERROR"
@@ -567,7 +554,7 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
             tp=int(e.get("tp", 0)), status=status, verdict=verdict, reason=reason,
             attempt=str(attempt) if attempt else None, required=cid in required_ids,
             counts={v: sum(r.verdict == v for r in rows) for v in VERDICT_PRECEDENCE},
-            worst_margin=_worst_margin(rows)))
+            worst_margin=worst_margin(rows)))
         all_rows += rows
     for cid in required_ids:
         if cid not in cells:

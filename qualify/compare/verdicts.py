@@ -17,6 +17,7 @@ imports none of them (only the leaf modules :mod:`qualify.compare.mismatch`,
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -476,3 +477,19 @@ def worst_verdict(verdicts: Sequence[Verdict]) -> Verdict:
         if v in verdicts:
             return v
     return "ERROR"
+
+
+def cell_reason(verdict: Verdict, rows: Sequence[Row]) -> str | None:
+    """A cell's reason: its first row of ``verdict`` and how many more (``None`` on PASS)."""
+    if verdict == "PASS":
+        return None
+    bad = [r for r in rows if r.verdict == verdict]
+    first = bad[0].reason or bad[0].metric
+    more = f" (and {len(bad) - 1} more {verdict} rows)" if len(bad) > 1 else ""
+    return f"{first}{more}"
+
+
+def worst_margin(rows: Sequence[Row]) -> float | None:
+    """The largest finite-or-inf margin of ``rows`` (NaN and ``None`` skipped); ``None`` if none."""
+    ms = [r.margin for r in rows if r.margin is not None and not math.isnan(r.margin)]
+    return max(ms) if ms else None
