@@ -155,6 +155,10 @@ class EngineSpec:
         groups_variants: the harness runs every precision x options variant of one
             topology in one launch (:attr:`qualify.protocol.HarnessCell.variants`), so
             that one process group serves several cells (engines whose start is costly).
+        groups_topologies: with ``groups_variants``, one launch also carries every
+            topology of the same world size (each variant names its own ``actor_tp`` /
+            ``critic_tp``; the harness builds each topology's role groups inside the
+            launch): one launch per world size instead of one per topology (issue #17).
         bf16_style: how the engine trains at BF16 (:mod:`qualify.lanes`): ``params``
             (BF16 parameters with FP32 master weights) or ``autocast`` (FP32 parameters
             under ``torch.autocast``); its BF16 cells are compared with the HF reference
@@ -178,6 +182,7 @@ class EngineSpec:
     cpu_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     requires: tuple[str, ...] = ()
     groups_variants: bool = False
+    groups_topologies: bool = False
     bf16_style: str = "params"
     description: str = ""
     source: str = "builtin"

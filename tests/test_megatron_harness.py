@@ -2,7 +2,8 @@
 
 Uses ``contracts/tiny-qwen3.toml`` (a copy with ``"megatron"`` added to ``engines`` when
 the committed matrix does not list it), seals a reference once per module, runs
-``megatron-fp32-*`` (two topology launches of real torchrun + gloo: a2c1 and a1c2) and
+``megatron-fp32-*`` (one launch of real torchrun + gloo running both topologies, a2c1 and
+a1c2, since issue #17) and
 compares. On CPU the Megatron cells run their whole update with Megatron's own optimizer
 (``get_megatron_optimizer`` under the placement shims of ``harnesses/megatron/cpu_shims.py``):
 scoring, both rounds' losses, grad_norm, clip_coef, grads, Adam moments and updates, each
