@@ -160,3 +160,19 @@ def test_cell_json_variant_topologies(tmp_path: Path) -> None:
         {"precision": "fp32", "options": {}, "actor_tp": 2, "critic_tp": 2}]})
     with pytest.raises(ValueError, match="actor_tp \\+ critic_tp = 4"):
         wrong.variant_cells()
+
+
+def test_topology_grouping_gives_each_launch_its_own_id() -> None:
+    """a1c2 with both roles (3 ranks) and a1c2 with the Critic only (2 ranks): two launches."""
+    c = _contract('["torch_tp", "deepspeed"]')
+    wanted = cells_matching(c, ["deepspeed-fp32-zero0-critic-tp2", "deepspeed-fp32-zero0-actor-tp1",
+                                "deepspeed-bf16-zero0-critic-tp2"])
+    launches = plan_launches(c, wanted, grouped_engines=["deepspeed"],
+                             topology_engines=["deepspeed"])
+    assert [(lc.launch_id, lc.actor_tp, lc.critic_tp) for lc in launches] == [
+        ("deepspeed-a1c2", 1, 2), ("deepspeed-a1c2-w2", 0, 2)]
+    # one world size, two topologies that each launch one role: (2, 0) then (0, 2)
+    two = cells_matching(c, ["deepspeed-fp32-zero0-actor-tp2", "deepspeed-fp32-zero0-critic-tp2"])
+    (both,) = plan_launches(c, two, grouped_engines=["deepspeed"], topology_engines=["deepspeed"])
+    assert both.launch_id == "deepspeed-a2c1-a1c2"
+    assert [p.tag for p in both.parts] == ["fp32-zero0-a2c0", "fp32-zero0-a0c2"]

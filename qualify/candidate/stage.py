@@ -264,7 +264,10 @@ def plan_launches(contract: Contract, wanted: Sequence[CellSpec],
         # several topologies: each part names its own (a one-topology launch is unchanged)
         parts = tuple(dataclasses.replace(p, own_topology=len(names) > 1)
                       for _, _, p in members)
-        out.append(Launch(engine=slot[0], topology="-".join(names), parts=parts, grouped=True))
+        name = "-".join(names)
+        if any(lc.launch_id == f"{slot[0]}-{name}" for lc in out):  # same topologies, other
+            name += f"-w{parts[0].actor_tp + parts[0].critic_tp}"  # roles: a distinct id
+        out.append(Launch(engine=slot[0], topology=name, parts=parts, grouped=True))
     return out
 
 
