@@ -16,6 +16,7 @@ and each cell's outputs are bitwise the same either way.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,8 +27,9 @@ from qualify.candidate.launch import launch
 from qualify.protocol import OUTPUTS_FILE, HarnessCell, variant_dir, variant_tag
 from qualify.registry import get_engine
 
-ORDER_ENGINES = {"torch_tp": ({}, None), "megatron": ({}, "megatron.core"),
-                 "deepspeed": ({"zero": 0}, "deepspeed")}
+ORDER_ENGINES: dict[str, tuple[dict[str, int], str | None]] = {
+    "torch_tp": ({}, None), "megatron": ({}, "megatron.core"),
+    "deepspeed": ({"zero": 0}, "deepspeed")}
 """Engine -> (its variants' options, the module it needs)."""
 
 
@@ -66,13 +68,13 @@ def test_cell_order_in_a_launch_does_not_change_any_output_bitwise(
     spec = get_engine(engine)
     assert spec.groups_variants
     assert spec.groups_topologies
-    a = {"precision": "fp32", "options": options, "actor_tp": 2, "critic_tp": 1}
-    b = {"precision": "fp32", "options": options, "actor_tp": 1, "critic_tp": 2}
+    a: dict[str, Any] = {"precision": "fp32", "options": options, "actor_tp": 2, "critic_tp": 1}
+    b: dict[str, Any] = {"precision": "fp32", "options": options, "actor_tp": 1, "critic_tp": 2}
     for name, order in (("ab", (a, b)), ("ba", (b, a))):
         out = tmp_path / name
         cell = HarnessCell(engine=engine, precision="fp32", options=dict(options),
-                           actor_tp=int(order[0]["actor_tp"]),
-                           critic_tp=int(order[0]["critic_tp"]), rounds=2, seed=0,
+                           actor_tp=order[0]["actor_tp"], critic_tp=order[0]["critic_tp"],
+                           rounds=2, seed=0,
                            inputs_dir=str(runs.inputs_dir), output_dir=str(out),
                            collective_timeout_s=120.0, variants=order)
         res = launch(cell, module=spec.module, attempt_dir=out, timeout_s=2 * LAUNCH_TIMEOUT_S,
