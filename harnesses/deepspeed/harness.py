@@ -591,7 +591,7 @@ def run(cell: HarnessCell) -> None:
         raise HarnessError(f"WORLD_SIZE = {world} but the cell needs actor_tp + critic_tp = "
                            f"{cell.world_size}")
     check_cell(cell)
-    topologies = common.topology_runs(cell)
+    topologies, init_s = common.topology_runs(cell), 0.0
     inputs = common.read_inputs(Path(cell.inputs_dir))
     device, backend = _device()
     dist.init_process_group(backend, timeout=timedelta(seconds=cell.collective_timeout_s),
@@ -606,7 +606,7 @@ def run(cell: HarnessCell) -> None:
             import deepspeed  # noqa: F401  (after the group exists: DeepSpeed adopts it)
 
             roles = common.roles(actor_tp, critic_tp)
-            init_s = time.perf_counter() - t0
+            init_s = init_s or time.perf_counter() - t0  # start-up: to the first groups
             print(f"[deepspeed] rank {rank}/{world}: {placement.role} tp_rank "
                   f"{placement.tp_rank}/{placement.tp} ranks {list(placement.ranks)} on "
                   f"{device} ({backend}); variants {[v.output_dir for v in vcells]}", flush=True)

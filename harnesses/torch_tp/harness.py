@@ -460,7 +460,7 @@ def run(cell: HarnessCell) -> None:
     if world != cell.world_size:
         raise HarnessError(f"WORLD_SIZE = {world} but the cell needs actor_tp + critic_tp = "
                            f"{cell.world_size}")
-    topologies = check_cell(cell)
+    topologies, init_s = check_cell(cell), 0.0
     active = faults.Faults(cell.faults)
     inputs = common.read_inputs(Path(cell.inputs_dir))
     device, backend = common.device_and_backend()
@@ -476,7 +476,7 @@ def run(cell: HarnessCell) -> None:
             if "hang_rank1" in active:
                 faults.skip_collective_and_stall(rank)
             dist.barrier(group=mesh.group)  # the TP group is up before anything is loaded
-            init_s = time.perf_counter() - t0
+            init_s = init_s or time.perf_counter() - t0  # start-up: to the first groups
             for vcell in variants:
                 _run_variant(vcell, rank=rank, world=world, mesh=mesh, inputs=inputs,
                              device=device, backend=backend, active=active,
