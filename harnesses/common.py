@@ -361,6 +361,31 @@ def merge_parts(engine: str, roles: Sequence[str], output_dir: Path,
             path.unlink()
 
 
+def topology_runs(cell: HarnessCell) -> list[tuple[tuple[int, int], list[HarnessCell]]]:
+    """The launch's variants (:meth:`HarnessCell.variant_cells`) by topology, in launch order.
+
+    Consecutive variants of one ``(actor_tp, critic_tp)`` form one run: a harness builds
+    that topology's role groups (``torch.distributed.new_group`` on every rank, in the
+    same order) once per run, then runs its variants in turn, each from the frozen inputs
+    with a fresh model, optimizer and seed (issue #17: one launch per world size).
+
+    Raises:
+        HarnessError: a variant's topology has another world size than the launch.
+    """
+    try:
+        cells = cell.variant_cells()
+    except ValueError as exc:
+        raise HarnessError(f"{CELL_FILE}: variants: {exc}") from None
+    out: list[tuple[tuple[int, int], list[HarnessCell]]] = []
+    for vcell in cells:
+        topo = (vcell.actor_tp, vcell.critic_tp)
+        if out and out[-1][0] == topo:
+            out[-1][1].append(vcell)
+        else:
+            out.append((topo, [vcell]))
+    return out
+
+
 def roles(actor_tp: int, critic_tp: int) -> list[str]:
     """The roles a launch runs, in rank order (a role with TP 0 is absent)."""
     return [r for r, n in (("actor", actor_tp), ("critic", critic_tp)) if n]

@@ -111,6 +111,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Final, Literal
 
 import numpy as np
@@ -299,11 +300,15 @@ class HarnessCell:
         output_dir: where the harness writes ``outputs.*`` and rank logs.
         collective_timeout_s: timeout of every collective (a hang becomes an error).
         faults: names of deliberate faults to inject (test suite only; empty in real runs).
-        variants: several ``{"precision": ..., "options": {...}}`` runs of the same
-            topology in one launch (process-group reuse: one ``torchrun``, one
-            ``init_process_group``, fresh models per variant). Empty: the single variant
-            ``precision`` / ``options``, written to ``output_dir``. Non-empty: variant ``v``
-            is written to ``output_dir / variant_tag(v["precision"], v["options"])``.
+        variants: several ``{"precision": ..., "options": {...}}`` runs in one launch
+            (process-group reuse: one ``torchrun``, one ``init_process_group``, fresh
+            models per variant). A variant may also carry its own topology (``"actor_tp"``,
+            ``"critic_tp"``, both or neither; every variant of a launch has the launch's
+            world size ``actor_tp + critic_tp``): the harness then builds that topology's
+            role groups inside the launch (issue #17), and may carry ``"export_weights"``
+            (default: the cell's). Empty: the single variant ``precision`` / ``options``,
+            written to ``output_dir``. Non-empty: variant ``v`` is written to
+            ``output_dir /`` :func:`variant_dir` ``(v)``.
         export_weights: the Actor writes its full HF-layout weights after the round-1
             step to ``<output dir>/`` :data:`ACTOR_ROUND1_WEIGHTS` (the candidate stage asks
             only the contract's ``sampler.weights_from`` cell; the sampler installs them).
@@ -347,7 +352,8 @@ class HarnessCell:
         """JSON form of ``cell.json``."""
         d = dataclasses.asdict(self)
         d["faults"] = list(self.faults)
-        d["variants"] = [{"precision": v["precision"], "options": dict(v["options"])}
+        d["variants"] = [{**{k: v[k] for k in VARIANT_EXTRA_KEYS if k in v},
+                          "precision": v["precision"], "options": dict(v["options"])}
                          for v in self.variants]
         d["param_sampling"] = self.param_sampling.to_dict()
         if self.probe is None:
@@ -371,15 +377,56 @@ class HarnessCell:
         """
         if not self.variants:
             return [(self.precision, dict(self.options), "")]
-        return [(str(v["precision"]), dict(v["options"]),
-                 variant_tag(str(v["precision"]), v["options"])) for v in self.variants]
+        return [(str(v["precision"]), dict(v["options"]), variant_dir(v))
+                for v in self.variants]
+
+    def variant_cells(self) -> list[HarnessCell]:
+        """Every variant as a single-variant cell, in launch order.
+
+        Each has the variant's precision, options and topology (``actor_tp`` /
+        ``critic_tp``, default the launch's), ``export_weights`` (default the launch's),
+        ``output_dir /`` :func:`variant_dir` and no ``variants``; a cell without
+        ``variants`` is its own one variant.
+
+        Raises:
+            ValueError: a variant's ``actor_tp + critic_tp`` is not the launch's world size
+                (one process group cannot serve it).
+        """
+        if not self.variants:
+            return [self]
+        out: list[HarnessCell] = []
+        for v in self.variants:
+            a, c = int(v.get("actor_tp", self.actor_tp)), int(v.get("critic_tp", self.critic_tp))
+            if a + c != self.world_size:
+                raise ValueError(f"variant {variant_dir(v)}: actor_tp + critic_tp = {a + c}, "
+                                 f"but the launch has {self.world_size} ranks")
+            out.append(dataclasses.replace(
+                self, precision=v["precision"], options=dict(v["options"]), actor_tp=a,
+                critic_tp=c, export_weights=bool(v.get("export_weights", self.export_weights)),
+                output_dir=str(Path(self.output_dir) / variant_dir(v)), variants=()))
+        return out
 
 
-def variant_tag(precision: str, options: Mapping[str, int]) -> str:
-    """Output subdirectory of one variant of a grouped launch: ``bf16-zero1``.
+VARIANT_EXTRA_KEYS: Final = ("actor_tp", "critic_tp", "export_weights")
+"""Optional keys of a ``variants`` entry besides ``precision`` and ``options``."""
+
+
+def variant_tag(precision: str, options: Mapping[str, int],
+                topology: tuple[int, int] | None = None) -> str:
+    """Output subdirectory of one variant of a grouped launch: ``bf16-zero1``, ``fp32-a1c2``.
 
     Args:
         precision: ``fp32`` or ``bf16``.
         options: engine options in contract order (``{"zero": 1}``).
+        topology: ``(actor_tp, critic_tp)`` when the variant carries its own topology (a
+            launch of several topologies): appended as ``-a{actor_tp}c{critic_tp}``.
     """
-    return precision + "".join(f"-{k}{v}" for k, v in options.items())
+    tag = precision + "".join(f"-{k}{v}" for k, v in options.items())
+    return tag if topology is None else f"{tag}-a{topology[0]}c{topology[1]}"
+
+
+def variant_dir(variant: Mapping[str, Any]) -> str:
+    """:func:`variant_tag` of one ``variants`` entry (its topology when it carries one)."""
+    topo = ((int(variant.get("actor_tp", 0)), int(variant.get("critic_tp", 0)))
+            if "actor_tp" in variant or "critic_tp" in variant else None)
+    return variant_tag(str(variant["precision"]), variant["options"], topo)

@@ -158,6 +158,10 @@ class EngineSpec:
         resumes: the harness runs ``cell.json`` ``resume`` (:attr:`qualify.protocol
             .HarnessCell.resume`: checkpoint after round k in the engine's own format, restore
             in a fresh launch); resume cells of an engine without it are ``NOT_RUN``.
+        groups_topologies: with ``groups_variants``, one launch also carries every
+            topology of the same world size (each variant names its own ``actor_tp`` /
+            ``critic_tp``; the harness builds each topology's role groups inside the
+            launch): one launch per world size instead of one per topology (issue #17).
         bf16_style: how the engine trains at BF16 (:mod:`qualify.lanes`): ``params``
             (BF16 parameters with FP32 master weights) or ``autocast`` (FP32 parameters
             under ``torch.autocast``); its BF16 cells are compared with the HF reference
@@ -182,6 +186,7 @@ class EngineSpec:
     requires: tuple[str, ...] = ()
     groups_variants: bool = False
     resumes: bool = False
+    groups_topologies: bool = False
     bf16_style: str = "params"
     description: str = ""
     source: str = "builtin"

@@ -6,9 +6,17 @@ must start from the frozen inputs with a fresh model, optimizer and RNG state, s
 tensor it writes is bitwise the tensor of the same variant launched alone (the cached
 ``fp32-a2c1`` / ``bf16-a2c1`` launches of tests/test_torch_tp.py, shared through the
 session's temporary root). CPU gloo, deterministic kernels: equality is exact.
+
+A launch of several topologies of one world size (``EngineSpec.groups_topologies``: a2c1 and
+a1c2, 3 ranks each) builds each topology's role groups in turn; every engine that groups
+topologies runs the FP32 cells of both topologies in the order A, B and in the order B, A,
+and each cell's outputs are bitwise the same either way.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,8 +24,13 @@ from safetensors.torch import load_file
 from test_torch_tp import LAUNCH_TIMEOUT_S, MODULE, Runs
 
 from qualify.candidate.launch import launch
-from qualify.protocol import OUTPUTS_FILE, variant_tag
+from qualify.protocol import OUTPUTS_FILE, HarnessCell, variant_dir, variant_tag
 from qualify.registry import get_engine
+
+ORDER_ENGINES: dict[str, tuple[dict[str, int], str | None]] = {
+    "torch_tp": ({}, None), "megatron": ({}, "megatron.core"),
+    "deepspeed": ({"zero": 0}, "deepspeed")}
+"""Engine -> (its variants' options, the module it needs)."""
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +57,37 @@ def test_variants_in_one_process_group_equal_separate_launches_bitwise(runs: Run
         differ = [k for k in alone if not torch.equal(grouped[k], alone[k])]
         assert differ == [], f"{prec}: {len(differ)} tensors differ, e.g. {differ[:3]}"
     assert not (out / OUTPUTS_FILE).exists()  # a grouped launch writes per-variant only
+
+
+@pytest.mark.parametrize("engine", sorted(ORDER_ENGINES))
+def test_cell_order_in_a_launch_does_not_change_any_output_bitwise(
+        runs: Runs, engine: str, tmp_path: Path) -> None:
+    options, needs = ORDER_ENGINES[engine]
+    if needs is not None:
+        pytest.importorskip(needs)
+    spec = get_engine(engine)
+    assert spec.groups_variants
+    assert spec.groups_topologies
+    a: dict[str, Any] = {"precision": "fp32", "options": options, "actor_tp": 2, "critic_tp": 1}
+    b: dict[str, Any] = {"precision": "fp32", "options": options, "actor_tp": 1, "critic_tp": 2}
+    for name, order in (("ab", (a, b)), ("ba", (b, a))):
+        out = tmp_path / name
+        cell = HarnessCell(engine=engine, precision="fp32", options=dict(options),
+                           actor_tp=order[0]["actor_tp"], critic_tp=order[0]["critic_tp"],
+                           rounds=2, seed=0,
+                           inputs_dir=str(runs.inputs_dir), output_dir=str(out),
+                           collective_timeout_s=120.0, variants=order)
+        res = launch(cell, module=spec.module, attempt_dir=out, timeout_s=2 * LAUNCH_TIMEOUT_S,
+                     env=dict(spec.cpu_env))
+        assert res.status == "OK", res.reason
+        assert not (out / OUTPUTS_FILE).exists()
+        print(f"\n[{engine}] launch {name}: {res.wall_s:.1f} s wall")
+    for v in (a, b):
+        sub = variant_dir(v)
+        first = load_file(str(tmp_path / "ab" / sub / OUTPUTS_FILE))
+        second = load_file(str(tmp_path / "ba" / sub / OUTPUTS_FILE))
+        assert len(first) > 20
+        assert sorted(first) == sorted(second)
+        assert {k.split("/")[1] for k in first} == {"actor", "critic"}
+        differ = [k for k in first if not torch.equal(first[k], second[k])]
+        assert differ == [], f"{engine} {sub}: {len(differ)} tensors differ, e.g. {differ[:3]}"

@@ -3,7 +3,8 @@
 Uses ``contracts/tiny-qwen3.toml`` (a copy with ``"megatron"`` added to ``engines`` when
 the committed matrix does not list it), takes its sealed reference (the session's shared
 :func:`shared_artifacts.default_reference` when that is the committed contract), runs
-``megatron-fp32-*`` (two topology launches of real torchrun + gloo: a2c1 and a1c2) and
+``megatron-fp32-*`` (one launch of real torchrun + gloo running both topologies, a2c1 and
+a1c2, since issue #17) and
 compares. On CPU the Megatron cells run their whole update with Megatron's own optimizer
 (``get_megatron_optimizer`` under the placement shims of ``harnesses/megatron/cpu_shims.py``):
 scoring, both rounds' losses, grad_norm, clip_coef, grads, Adam moments and updates, each

@@ -12,8 +12,9 @@ Reads only ``cell.json`` and, from ``inputs_dir``: ``rollout.safetensors``,
 ``[0, actor_tp)`` run the Actor, the next ``critic_tp`` ranks the Critic, each role in its own TP
 group (:mod:`harnesses.deepspeed.parallelize`).
 
-Process-group reuse (``variants``: one process group, fresh models and engines per variant) and
-resume (``resume``, :mod:`harnesses.deepspeed.resume`): README.md.
+Process-group reuse (``variants``: every variant, precision x options x topology, in order in
+the same processes: one process group, each topology's role groups built in turn, fresh models and
+engines per variant) and resume (``resume``, :mod:`harnesses.deepspeed.resume`): README.md.
 
 What is reported is what the engine did: its own pre-clip gradient norm
 (``engine.get_global_grad_norm()``; where it returns ``None`` the L2 norm of the engine's gradient
@@ -589,47 +590,47 @@ def run(cell: HarnessCell) -> None:
     if world != cell.world_size:
         raise HarnessError(f"WORLD_SIZE = {world} but the cell needs actor_tp + critic_tp = "
                            f"{cell.world_size}")
-    variants = check_cell(cell)
+    check_cell(cell)
+    topologies, init_s = common.topology_runs(cell), 0.0
     inputs = common.read_inputs(Path(cell.inputs_dir))
     device, backend, device_id = _device(cell)
     dist.init_process_group(backend, timeout=timedelta(seconds=cell.collective_timeout_s),
                             device_id=device_id)
     try:
-        placement = parallelize.build_placement(
-            actor_tp=cell.actor_tp, critic_tp=cell.critic_tp, rank=rank,
-            timeout_s=cell.collective_timeout_s)
-        dist.barrier(group=placement.tp_group)
-        parallelize.skip_shm_comm_build()
-        import deepspeed  # noqa: F401  (after the group exists: DeepSpeed adopts it)
+        for (actor_tp, critic_tp), vcells in topologies:  # each topology's groups in turn
+            placement = parallelize.build_placement(
+                actor_tp=actor_tp, critic_tp=critic_tp, rank=rank,
+                timeout_s=cell.collective_timeout_s)
+            dist.barrier(group=placement.tp_group)
+            parallelize.skip_shm_comm_build()
+            import deepspeed  # noqa: F401  (after the group exists: DeepSpeed adopts it)
 
-        roles = common.roles(cell.actor_tp, cell.critic_tp)
-        init_s = time.perf_counter() - t0
-        print(f"[deepspeed] rank {rank}/{world}: {placement.role} tp_rank "
-              f"{placement.tp_rank}/{placement.tp} ranks {list(placement.ranks)} on {device} "
-              f"({backend}); variants {[v[2] or v[0] for v in variants]}", flush=True)
-        for precision, zero, sub in variants:
-            tv = time.perf_counter()
-            torch.manual_seed(cell.seed)
-            runner = VariantRun(cell=cell, precision=precision, zero=zero, rank=rank,
-                                placement=placement, inputs=inputs, device=device)
-            with runner.timed("total_s"):
-                meta = runner.run_actor() if placement.role == "actor" else runner.run_critic()
-            out_dir = Path(cell.output_dir) / sub if sub else Path(cell.output_dir)
-            print(f"[deepspeed] rank {rank}: {placement.role} {precision} zero{zero} done, "
-                  f"timings {runner.timings}", flush=True)
-            if runner.writer:  # a resumed launch: the rounds it ran, its resume record
-                common.write_part(ENGINE, out_dir, placement.role, *resume.report(runner, meta))
-            if rank == 0:
-                cell_doc = {**cell.to_dict(), "precision": precision, "options": {"zero": zero},
-                            "output_dir": str(out_dir)}
-                head = common.outputs_head(
-                    engine=ENGINE, cell=cell_doc, packages=PACKAGES, world=world,
-                    backend=backend, device=device,
-                    timings={"init_s": round(init_s, 4),
-                             "variant_s": round(time.perf_counter() - tv, 4),
-                             "rank0_total_s": round(time.perf_counter() - t0, 4)},
-                    shims=[parallelize.GROUPS_SHIM, parallelize.SHM_SHIM], faults=[])
-                common.merge_parts(ENGINE, roles, out_dir, head)
+            roles = common.roles(actor_tp, critic_tp)
+            init_s = init_s or time.perf_counter() - t0  # start-up: to the first groups
+            print(f"[deepspeed] rank {rank}/{world}: {placement.role} tp_rank "
+                  f"{placement.tp_rank}/{placement.tp} ranks {list(placement.ranks)} on "
+                  f"{device} ({backend}); variants {[v.output_dir for v in vcells]}", flush=True)
+            for vcell in vcells:
+                tv, zero = time.perf_counter(), int(vcell.options.get("zero", 0))
+                torch.manual_seed(cell.seed)
+                runner = VariantRun(cell=vcell, precision=vcell.precision, zero=zero, rank=rank,
+                                    placement=placement, inputs=inputs, device=device)
+                with runner.timed("total_s"):
+                    meta = runner.run_actor() if runner.role == "actor" else runner.run_critic()
+                out_dir = Path(vcell.output_dir)
+                print(f"[deepspeed] rank {rank}: {placement.role} {vcell.precision} zero{zero} "
+                      f"done, timings {runner.timings}", flush=True)
+                if runner.writer:  # a resumed launch: the rounds it ran, its resume record
+                    common.write_part(ENGINE, out_dir, placement.role, *resume.report(runner, meta))
+                if rank == 0:
+                    head = common.outputs_head(
+                        engine=ENGINE, cell={**vcell.to_dict(), "options": {"zero": zero}},
+                        packages=PACKAGES, world=world, backend=backend, device=device,
+                        timings={"init_s": round(init_s, 4),
+                                 "variant_s": round(time.perf_counter() - tv, 4),
+                                 "rank0_total_s": round(time.perf_counter() - t0, 4)},
+                        shims=[parallelize.GROUPS_SHIM, parallelize.SHM_SHIM], faults=[])
+                    common.merge_parts(ENGINE, roles, out_dir, head)
     finally:
         dist.destroy_process_group()
 

@@ -262,7 +262,15 @@ class RoleRun(common.RoleOutputs):
 
 
 def run(cell: HarnessCell) -> None:
-    """Run ``cell`` on this rank (creates and destroys the process group).
+    """Run every variant and topology of ``cell`` on this rank (creates and destroys the group).
+
+    One process group serves every variant and topology of a grouped launch (issue #17):
+    each topology's role groups (:func:`harnesses.megatron.model.role_groups`: explicit
+    ``pg_collection``, every rank creates every group in the same order; Megatron's global
+    ``parallel_state`` is never initialised, so there is nothing to destroy between
+    topologies), then each variant from the frozen inputs with a fresh model, optimizer,
+    RNG tracker and ``torch.manual_seed(cell.seed)`` (tests/test_grouped_launch.py checks
+    that the order of the cells does not change a bit of their outputs).
 
     Raises:
         HarnessError: not under torchrun, wrong world size, engine options or faults given,
@@ -272,12 +280,12 @@ def run(cell: HarnessCell) -> None:
     rank, world = common.env_int("RANK"), common.env_int("WORLD_SIZE")
     if world != cell.world_size:
         raise HarnessError(f"WORLD_SIZE = {world}, the cell needs {cell.world_size}")
-    if cell.options or cell.faults or cell.variants:
-        raise HarnessError("the megatron harness takes no engine options, faults or variants")
+    topologies, init_s = common.topology_runs(cell), 0.0
+    if cell.faults or any(v.options for _, vs in topologies for v in vs):
+        raise HarnessError("the megatron harness takes no engine options or faults")
     inputs = common.read_inputs(Path(cell.inputs_dir))
     dirs = {"actor_dir": inputs.actor_dir, "critic_dir": inputs.critic_dir,
             "ref_dir": inputs.ref_dir}
-    output_dir = Path(cell.output_dir)
     # With fewer GPUs than ranks, ranks share devices: fine when every NCCL group that
     # communicates holds one rank per device (TP1 roles on a one-GPU machine); NCCL refuses
     # a TP group with two ranks on one device.
@@ -286,36 +294,42 @@ def run(cell: HarnessCell) -> None:
     # (never used for a collective) may hold two ranks sharing one GPU.
     dist.init_process_group(backend, timeout=timedelta(seconds=cell.collective_timeout_s))
     try:
-        groups = mm.role_groups(cell.actor_tp, cell.critic_tp, rank, cell.collective_timeout_s)
-        shims = mm.apply_group_shims()
-        if device.type == "cpu":
-            shims += mm.apply_cpu_shims() + cpu_shims.shim_texts()
-        else:
-            from megatron.core import tensor_parallel
+        for (actor_tp, critic_tp), vcells in topologies:
+            groups = mm.role_groups(actor_tp, critic_tp, rank, cell.collective_timeout_s)
+            shims = mm.apply_group_shims()
+            dist.barrier(group=groups.tp_group)
+            init_s = init_s or time.perf_counter() - t0  # start-up: to the first groups
+            for vcell in vcells:
+                tv = time.perf_counter()
+                if device.type == "cpu":  # also resets the RNG tracker: fresh per cell
+                    shims = mm.apply_group_shims() + mm.apply_cpu_shims() + cpu_shims.shim_texts()
+                else:
+                    from megatron.core import tensor_parallel
 
-            # explicit ranks: the global parallel_state is not initialised (see model.py)
-            tensor_parallel.model_parallel_cuda_manual_seed(
-                cell.seed, tp_rank=groups.tp_rank, ep_rank=0, etp_rank=0)
-        dist.barrier(group=groups.tp_group)
-        print(f"[megatron] rank {rank}/{world}: {groups.role} tp_rank {groups.tp_rank}/"
-              f"{groups.tp} on {device} ({backend}), {cell.precision}", flush=True)
-        torch.manual_seed(cell.seed)
-        init_s = time.perf_counter() - t0
-        runner = RoleRun(cell=cell, groups=groups, batch=inputs.batch, contract=inputs.contract,
-                         dirs=dirs, device=device)
-        with runner.timed("total_s"):
-            meta = runner.run()
-        if runner.writer:
-            common.write_part(ENGINE, output_dir, groups.role, runner.tensors, meta)
-        if rank == 0:
-            head = common.outputs_head(
-                engine=ENGINE, cell=cell.to_dict(), packages=PACKAGES, world=world,
-                backend=backend, device=device,
-                timings={"init_s": round(init_s, 4),
-                         "rank0_total_s": round(time.perf_counter() - t0, 4)},
-                shims=shims, faults=[])
-            common.merge_parts(ENGINE, common.roles(cell.actor_tp, cell.critic_tp),
-                               output_dir, head)
+                    # explicit ranks: the global parallel_state is not initialised (model.py)
+                    tensor_parallel.model_parallel_cuda_manual_seed(
+                        vcell.seed, tp_rank=groups.tp_rank, ep_rank=0, etp_rank=0)
+                print(f"[megatron] rank {rank}/{world}: {groups.role} tp_rank "
+                      f"{groups.tp_rank}/{groups.tp} on {device} ({backend}), "
+                      f"{vcell.precision}", flush=True)
+                torch.manual_seed(vcell.seed)
+                runner = RoleRun(cell=vcell, groups=groups, batch=inputs.batch,
+                                 contract=inputs.contract, dirs=dirs, device=device)
+                with runner.timed("total_s"):
+                    meta = runner.run()
+                output_dir = Path(vcell.output_dir)
+                if runner.writer:
+                    common.write_part(ENGINE, output_dir, groups.role, runner.tensors, meta)
+                if rank == 0:
+                    head = common.outputs_head(
+                        engine=ENGINE, cell=vcell.to_dict(), packages=PACKAGES, world=world,
+                        backend=backend, device=device,
+                        timings={"init_s": round(init_s, 4),
+                                 "variant_s": round(time.perf_counter() - tv, 4),
+                                 "rank0_total_s": round(time.perf_counter() - t0, 4)},
+                        shims=shims, faults=[])
+                    common.merge_parts(ENGINE, common.roles(actor_tp, critic_tp),
+                                       output_dir, head)
     finally:
         dist.destroy_process_group()
 

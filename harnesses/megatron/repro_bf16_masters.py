@@ -3,7 +3,7 @@
 Diagnostic only; never part of a qualification run. Two steps:
 
 1. ``torchrun --nproc-per-node W -m harnesses.megatron.repro_bf16_masters run CELL_JSON OUT``
-   runs the harness on a launch's ``cell.json`` (``RUN/launches/megatron-bf16-*/attempt-1``)
+   runs the harness on a launch's ``cell.json`` (``RUN/launches/megatron-*/attempt-1``)
    with one change: right after ``get_megatron_optimizer``, every FP32 master of
    ``Float16OptimizerWithFloat16Params`` is overwritten with the FP32 checkpoint's shard
    (instead of ``param.detach().clone().float()`` of the BF16 parameter,

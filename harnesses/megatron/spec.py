@@ -16,6 +16,8 @@ SPEC: Final = EngineSpec(
     axes=(TP_AXIS,),
     distributions=("megatron-core",),
     requires=("megatron",),
+    groups_variants=True,  # one launch per world size: every variant and topology
+    groups_topologies=True,
     bf16_style="params",  # Float16Module BF16 parameters, FP32 main params in the optimizer
     description="Megatron-Core tensor parallelism; Megatron's own optimizer on CPU under "
                 "placement-only shims (harnesses/megatron/cpu_shims.py) and on CUDA",

@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Final, Literal, cast
+from typing import Any, Final
 
 import torch
 import torch.distributed as dist
@@ -453,36 +453,36 @@ class RoleRun(common.RoleOutputs):
         }
 
 
-def check_cell(cell: HarnessCell) -> list[HarnessCell]:
-    """The variants of ``cell`` to run, each as a single-variant cell, validated.
+def check_cell(cell: HarnessCell) -> list[tuple[tuple[int, int], list[HarnessCell]]]:
+    """The variants of ``cell`` to run, each as a single-variant cell, by topology, validated.
 
     A cell without ``variants`` is its own single variant; a grouped launch's cell
     (:attr:`qualify.protocol.HarnessCell.variants`) gives one cell per variant, with
-    ``output_dir / variant_tag(...)`` as its output directory.
+    ``output_dir /`` :func:`~qualify.protocol.variant_dir` as its output directory,
+    consecutive variants of one topology together (:func:`harnesses.common.topology_runs`).
 
     Raises:
-        HarnessError: engine options given, a precision other than fp32 / bf16.
+        HarnessError: engine options given, a precision other than fp32 / bf16, a variant
+            topology of another world size.
     """
-    out: list[HarnessCell] = []
-    for precision, options, sub in cell.variant_runs():
-        if options:
-            raise HarnessError(f"torch_tp takes no engine options, got {dict(options)}")
-        if precision not in ("fp32", "bf16"):
-            raise HarnessError(f"precision {precision!r}: torch_tp runs fp32 or bf16")
-        out_dir = Path(cell.output_dir) / sub if sub else Path(cell.output_dir)
-        prec = cast(Literal["fp32", "bf16"], precision)
-        out.append(dataclasses.replace(cell, precision=prec, options={},
-                                       output_dir=str(out_dir), variants=()))
-    return out
+    runs = common.topology_runs(cell)
+    for _, vcells in runs:
+        for vcell in vcells:
+            if vcell.options:
+                raise HarnessError(f"torch_tp takes no engine options, got {vcell.options}")
+            if vcell.precision not in ("fp32", "bf16"):
+                raise HarnessError(f"precision {vcell.precision!r}: torch_tp runs fp32 or bf16")
+    return runs
 
 
 def run(cell: HarnessCell) -> None:
     """Run every variant of ``cell`` on this rank (the process group must not exist yet).
 
-    One process group serves every variant of a grouped launch (issue #17); each variant
-    starts from the frozen inputs with a fresh model, optimizer and ``torch.manual_seed
-    (cell.seed)``, so its outputs do not depend on the variants before it
-    (tests/test_grouped_launch.py checks this bitwise).
+    One process group serves every variant and topology of a grouped launch (issue #17):
+    each topology's role groups are built in turn (:func:`parallelize.build_role_mesh`,
+    every rank, same order), and each variant starts from the frozen inputs with a fresh
+    model, optimizer and ``torch.manual_seed(cell.seed)``, so its outputs do not depend on
+    the variants before it (tests/test_grouped_launch.py checks this bitwise).
 
     Raises:
         HarnessError: not under torchrun, a world size that is not the cell's, engine
@@ -494,49 +494,59 @@ def run(cell: HarnessCell) -> None:
     if world != cell.world_size:
         raise HarnessError(f"WORLD_SIZE = {world} but the cell needs actor_tp + critic_tp = "
                            f"{cell.world_size}")
-    variants = check_cell(cell)
+    topologies, init_s = check_cell(cell), 0.0
     active = faults.Faults(cell.faults)
     inputs = common.read_inputs(Path(cell.inputs_dir))
     device, backend, device_id = common.role_device(cell.actor_tp, cell.critic_tp)
     timeout = timedelta(seconds=cell.collective_timeout_s)
     dist.init_process_group(backend, timeout=timeout, device_id=device_id)
     try:
-        mesh = parallelize.build_role_mesh(
-            actor_tp=cell.actor_tp, critic_tp=cell.critic_tp, rank=rank,
-            device_type=device.type, timeout_s=cell.collective_timeout_s)
-        # FAULT(hang_rank1): global rank 1 skips this collective and stalls.
-        if "hang_rank1" in active:
-            faults.skip_collective_and_stall(rank)
-        dist.barrier(group=mesh.group)  # the TP group is up before anything is loaded
-        init_s = time.perf_counter() - t0
-        for vcell in variants:
-            tv = time.perf_counter()
-            print(f"[torch_tp] rank {rank}/{world}: {mesh.role} tp_rank {mesh.tp_rank}/"
-                  f"{mesh.tp} ranks {list(mesh.ranks)} on {device} ({backend}), "
-                  f"{vcell.precision}", flush=True)
-            torch.manual_seed(cell.seed)
-            runner = RoleRun(cell=vcell, rank=rank, mesh=mesh, inputs=inputs, device=device,
-                             faults=active)
-            with runner.timed("total_s"):
-                meta = runner.run_actor() if mesh.role == "actor" else runner.run_critic()
-            print(f"[torch_tp] rank {rank}: {mesh.role} {vcell.precision} done, timings "
-                  f"{runner.timings}", flush=True)
-            output_dir = Path(vcell.output_dir)
-            if runner.writer:  # a resumed launch reports only the rounds it ran
-                common.write_part(ENGINE, output_dir, mesh.role,
-                                  rs.ResumePlan.of(vcell).keep(runner.tensors), meta)
-            if rank == 0:
-                head = common.outputs_head(
-                    engine=ENGINE, cell=vcell.to_dict(), packages=PACKAGES, world=world,
-                    backend=backend, device=device,
-                    timings={"init_s": round(init_s, 4),
-                             "variant_s": round(time.perf_counter() - tv, 4),
-                             "rank0_total_s": round(time.perf_counter() - t0, 4)},
-                    shims=[], faults=cell.faults)
-                common.merge_parts(ENGINE, common.roles(cell.actor_tp, cell.critic_tp),
-                                   output_dir, head)
+        for (actor_tp, critic_tp), variants in topologies:
+            mesh = parallelize.build_role_mesh(
+                actor_tp=actor_tp, critic_tp=critic_tp, rank=rank,
+                device_type=device.type, timeout_s=cell.collective_timeout_s)
+            # FAULT(hang_rank1): global rank 1 skips this collective and stalls.
+            if "hang_rank1" in active:
+                faults.skip_collective_and_stall(rank)
+            dist.barrier(group=mesh.group)  # the TP group is up before anything is loaded
+            init_s = init_s or time.perf_counter() - t0  # start-up: to the first groups
+            for vcell in variants:
+                _run_variant(vcell, rank=rank, world=world, mesh=mesh, inputs=inputs,
+                             device=device, backend=backend, active=active,
+                             t0=t0, init_s=init_s)
     finally:
         dist.destroy_process_group()
+
+
+def _run_variant(vcell: HarnessCell, *, rank: int, world: int, mesh: parallelize.RoleMesh,
+                 inputs: Inputs, device: torch.device, backend: str, active: faults.Faults,
+                 t0: float, init_s: float) -> None:
+    """Run one single-variant cell on this rank and write its outputs (rank 0 merges)."""
+    tv = time.perf_counter()
+    print(f"[torch_tp] rank {rank}/{world}: {mesh.role} tp_rank {mesh.tp_rank}/"
+          f"{mesh.tp} ranks {list(mesh.ranks)} on {device} ({backend}), "
+          f"{vcell.precision}", flush=True)
+    torch.manual_seed(vcell.seed)
+    runner = RoleRun(cell=vcell, rank=rank, mesh=mesh, inputs=inputs, device=device,
+                     faults=active)
+    with runner.timed("total_s"):
+        meta = runner.run_actor() if mesh.role == "actor" else runner.run_critic()
+    print(f"[torch_tp] rank {rank}: {mesh.role} {vcell.precision} done, timings "
+          f"{runner.timings}", flush=True)
+    output_dir = Path(vcell.output_dir)
+    if runner.writer:  # a resumed launch reports only the rounds it ran
+        common.write_part(ENGINE, output_dir, mesh.role,
+                          rs.ResumePlan.of(vcell).keep(runner.tensors), meta)
+    if rank == 0:
+        head = common.outputs_head(
+            engine=ENGINE, cell=vcell.to_dict(), packages=PACKAGES, world=world,
+            backend=backend, device=device,
+            timings={"init_s": round(init_s, 4),
+                     "variant_s": round(time.perf_counter() - tv, 4),
+                     "rank0_total_s": round(time.perf_counter() - t0, 4)},
+            shims=[], faults=vcell.faults)
+        common.merge_parts(ENGINE, common.roles(vcell.actor_tp, vcell.critic_tp),
+                           output_dir, head)
 
 
 @record

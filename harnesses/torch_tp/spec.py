@@ -17,6 +17,7 @@ SPEC: Final = EngineSpec(
     distributions=("torch",),
     groups_variants=True,  # one launch per topology runs the fp32 and bf16 variants
     resumes=True,  # harnesses/torch_tp/resume.py: torch.distributed.checkpoint
+    groups_topologies=True,  # one launch per world size runs every topology (issue #17)
     bf16_style="autocast",  # torch.autocast over FP32 DTensor masters (harness.BF16_MECHANISM)
     description="PyTorch-native tensor parallelism (DTensor, parallelize_module); "
                 "CPU (gloo) and CUDA (NCCL)",

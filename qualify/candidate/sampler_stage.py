@@ -83,7 +83,8 @@ def find_weights(run_dir: Path, run: RunDocument, cell_id: str) -> tuple[Path | 
     """The round-1 weights file exported by ``cell_id`` in this run, or ``None`` and why.
 
     Looks in the cell's launch attempt (``result.json`` ``launch_attempt``): the file itself,
-    or, for a grouped launch, the variant subdirectory of the cell's precision / options.
+    or, for a grouped launch, the cell's variant subdirectory (``result.json``
+    ``launch_variant``; in a run without it, the tag of the cell's precision / options).
     """
     entry = run.cells.get(cell_id)
     if not isinstance(entry, dict):
@@ -97,7 +98,8 @@ def find_weights(run_dir: Path, run: RunDocument, cell_id: str) -> tuple[Path | 
     except (OSError, ValueError) as exc:
         return None, f"{attempt / RESULT_FILE}: unreadable: {exc}"
     launch = Path(str(result.get("launch_attempt", "")))
-    tag = variant_tag(str(entry.get("precision")), dict(entry.get("options") or {}))
+    tag = str(result.get("launch_variant") or variant_tag(str(entry.get("precision")),
+                                                          dict(entry.get("options") or {})))
     for cand in (launch / ACTOR_ROUND1_WEIGHTS, launch / tag / ACTOR_ROUND1_WEIGHTS):
         if cand.is_file():
             return cand, ""

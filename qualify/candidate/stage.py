@@ -3,7 +3,9 @@
 Runs every selected engine x precision x options x role x TP cell of the contract's matrix
 against a sealed reference, through the harness protocol (:mod:`qualify.protocol`). One
 launch runs one topology (Actor TP ``a`` + Critic TP ``c``, separate process groups) and
-yields the outputs of two cells; the stage splits them into append-only per-cell attempts:
+yields the outputs of two cells; an engine that groups (:class:`Launch`) runs several
+variants, and topologies of one world size, in one launch. The stage splits the outputs
+into append-only per-cell attempts:
 
     evidence/<contract>/<run-id>/
         run.json                        cell index: status, reason, attempt of each cell
@@ -86,6 +88,8 @@ class LaunchPart:
         precision, options, axes: as in :class:`qualify.contract.CellSpec`.
         actor: the Actor cell it produces (``None`` if the Actor is not run).
         critic: the Critic cell it produces (``None`` if not run).
+        own_topology: the part names its topology in ``cell.json`` and in its tag (a
+            launch of several topologies).
     """
 
     precision: str
@@ -93,6 +97,7 @@ class LaunchPart:
     actor: CellSpec | None
     critic: CellSpec | None
     axes: tuple[tuple[str, int], ...] = ()
+    own_topology: bool = False
 
     @property
     def harness_options(self) -> dict[str, int]:
@@ -100,23 +105,49 @@ class LaunchPart:
         return {**dict(self.options), **dict(self.axes)}
 
     @property
+    def actor_tp(self) -> int:
+        """The Actor's TP size in this part (0: the Actor is not run)."""
+        return self.actor.tp if self.actor is not None else 0
+
+    @property
+    def critic_tp(self) -> int:
+        """The Critic's TP size in this part (0: the Critic is not run)."""
+        return self.critic.tp if self.critic is not None else 0
+
+    @property
     def tag(self) -> str:
-        """Output subdirectory of this part in a grouped launch (``bf16-zero1``)."""
-        return variant_tag(self.precision, self.harness_options)
+        """Output subdirectory of this part in a grouped launch (``bf16-zero1``).
+
+        A part that carries its own topology (``own_topology``): ``bf16-zero1-a2c1``.
+        """
+        topo = (self.actor_tp, self.critic_tp) if self.own_topology else None
+        return variant_tag(self.precision, self.harness_options, topo)
+
+    def variant(self, export_weights: bool) -> dict[str, Any]:
+        """This part's ``cell.json`` ``variants`` entry (:class:`HarnessCell`)."""
+        out: dict[str, Any] = {"precision": self.precision, "options": self.harness_options}
+        if self.own_topology:
+            out.update(actor_tp=self.actor_tp, critic_tp=self.critic_tp,
+                       export_weights=export_weights)
+        return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Launch:
-    """One harness launch: a topology of one engine, one or several variants.
+    """One harness launch: one or several topologies of one engine, one or several variants.
 
     An engine whose spec has ``groups_variants`` gets one launch per topology carrying
-    every precision x options variant (one process group serves them all); any other
-    engine gets one launch per topology x precision x options.
+    every precision x options variant (one process group serves them all); with
+    ``groups_topologies`` as well, one launch per world size carrying every topology of
+    that size (topology-major, each topology's variants in matrix order; each part names
+    its topology, the harness builds that topology's role groups). Any other engine gets
+    one launch per topology x precision x options.
 
     Attributes:
         engine: engine name.
-        topology: topology name.
-        parts: the variants, in matrix order (one for a non-grouped engine).
+        topology: topology name, or the names joined by ``-`` (``a1c2-a2c1``) for a launch
+            of several topologies.
+        parts: the variants, in launch order (one for a non-grouped engine).
         grouped: outputs are per-variant subdirectories (``HarnessCell.variants``).
     """
 
@@ -146,8 +177,21 @@ class Launch:
         return next((p.critic for p in self.parts if p.critic is not None), None)
 
     @property
+    def actor_tp(self) -> int:
+        """The cell.json ``actor_tp``: the first part's (every part has the same world)."""
+        return self.parts[0].actor_tp
+
+    @property
+    def critic_tp(self) -> int:
+        """The cell.json ``critic_tp``: the first part's."""
+        return self.parts[0].critic_tp
+
+    @property
     def launch_id(self) -> str:
-        """``torch_tp-fp32-a2c1`` (``deepspeed-bf16-zero1-a2c1``; grouped: ``deepspeed-a2c1``)."""
+        """``torch_tp-fp32-a2c1`` (``deepspeed-bf16-zero1-a2c1``; grouped: ``deepspeed-a2c1``).
+
+        A launch of several topologies: ``megatron-a1c2-a2c1``.
+        """
         if self.grouped:
             return f"{self.engine}-{self.topology}"
         opts = "".join(f"-{k}{v}" for k, v in self.options)
@@ -164,12 +208,16 @@ class Launch:
 
 
 def plan_launches(contract: Contract, wanted: Sequence[CellSpec],
-                  grouped_engines: Sequence[str] = ()) -> list[Launch]:
-    """Group the wanted cells into topology launches, each cell in exactly one launch.
+                  grouped_engines: Sequence[str] = (),
+                  topology_engines: Sequence[str] = ()) -> list[Launch]:
+    """Group the wanted cells into launches, each cell in exactly one launch.
 
     Topologies are taken in contract order; a topology launches only the roles whose cell
     is still wanted (the other role gets TP 0). Engines in ``grouped_engines`` get one
-    launch per topology holding all their variants (see :class:`Launch`).
+    launch per topology holding all their variants; those also in ``topology_engines``
+    one launch per world size (``actor_tp + critic_tp`` of the roles launched, and the
+    same non-TP axes) holding every topology of it, topology-major; in a launch of several
+    topologies each part carries its own (``own_topology``; see :class:`Launch`).
     """
     todo = {c.cell_id: c for c in wanted}
     order = [c.cell_id for c in wanted]
@@ -180,9 +228,9 @@ def plan_launches(contract: Contract, wanted: Sequence[CellSpec],
 
     keys = sorted({key(c) for c in wanted},
                   key=lambda k: order.index(next(x.cell_id for x in wanted if key(x) == k)))
-    singles: list[tuple[str, str, LaunchPart]] = []
+    singles: list[tuple[str, int, str, LaunchPart]] = []
     for engine, precision, options, axes in keys:
-        for topo in contract.matrix.topologies:
+        for t, topo in enumerate(contract.matrix.topologies):
             actor = CellSpec(engine=engine, precision=precision,
                              role="actor", tp=topo.actor_tp, options=options, axes=axes)
             critic = CellSpec(engine=engine, precision=precision,
@@ -190,21 +238,37 @@ def plan_launches(contract: Contract, wanted: Sequence[CellSpec],
             a = todo.pop(actor.cell_id, None)
             c = todo.pop(critic.cell_id, None)
             if a or c:
-                singles.append((engine, topo.name, LaunchPart(
+                singles.append((engine, t, topo.name, LaunchPart(
                     precision=precision, options=options, actor=a, critic=c, axes=axes)))
     assert not todo, f"cells not covered by any topology: {sorted(todo)}"
+    # a launch of its own, or the key of a grouped launch (its parts gathered below)
+    slots: list[Launch | tuple[Any, ...]] = []
+    grouped: dict[tuple[Any, ...], list[tuple[int, str, LaunchPart]]] = {}
+    for engine, t, topo_name, part in singles:
+        if engine not in grouped_engines:
+            slots.append(Launch(engine=engine, topology=topo_name, parts=(part,)))
+            continue
+        gkey: tuple[Any, ...] = ((engine, part.actor_tp + part.critic_tp, part.axes)
+                                 if engine in topology_engines else (engine, topo_name))
+        if gkey not in grouped:
+            grouped[gkey] = []
+            slots.append(gkey)
+        grouped[gkey].append((t, topo_name, part))
     out: list[Launch] = []
-    grouped: dict[tuple[str, str], list[LaunchPart]] = {}
-    for engine, topo_name, part in singles:
-        if engine in grouped_engines:
-            if (engine, topo_name) not in grouped:
-                grouped[(engine, topo_name)] = []
-                out.append(Launch(engine=engine, topology=topo_name, parts=(), grouped=True))
-            grouped[(engine, topo_name)].append(part)
-        else:
-            out.append(Launch(engine=engine, topology=topo_name, parts=(part,)))
-    return [dataclasses.replace(lc, parts=tuple(grouped[(lc.engine, lc.topology)]))
-            if lc.grouped else lc for lc in out]
+    for slot in slots:
+        if isinstance(slot, Launch):
+            out.append(slot)
+            continue
+        members = sorted(grouped[slot], key=lambda m: m[0])  # topology-major, stable
+        names = list(dict.fromkeys(name for _, name, _ in members))
+        # several topologies: each part names its own (a one-topology launch is unchanged)
+        parts = tuple(dataclasses.replace(p, own_topology=len(names) > 1)
+                      for _, _, p in members)
+        name = "-".join(names)
+        if any(lc.launch_id == f"{slot[0]}-{name}" for lc in out):  # same topologies, other
+            name += f"-w{parts[0].actor_tp + parts[0].critic_tp}"  # roles: a distinct id
+        out.append(Launch(engine=slot[0], topology=name, parts=parts, grouped=True))
+    return out
 
 
 def check_run_id(run_id: str) -> str:
@@ -323,6 +387,7 @@ def _split_outputs(result: LaunchResult, attempt: Path, launch_: Launch, cell: C
         "returncode": result.returncode,
         "launch": launch_.launch_id,
         "launch_attempt": str(attempt),
+        "launch_variant": launch_.part_of(cell).tag if launch_.grouped else "",
     })
     store.seal(cell_attempt, kind=CELL_ATTEMPT_KIND)
     return "COMPLETE" if status == "OK" else "ERROR", reason
@@ -471,7 +536,9 @@ def run_candidate_stage(
         todo = [c for c in wanted
                 if run.cells.get(c.cell_id, {}).get("status") != "COMPLETE"]
         grouped = sorted({c.engine for c in todo if get_engine(c.engine).groups_variants})
-        launches = plan_launches(contract, todo, grouped_engines=grouped)
+        by_world = [e for e in grouped if get_engine(e).groups_topologies]
+        launches = plan_launches(contract, todo, grouped_engines=grouped,
+                                 topology_engines=by_world)
         with Progress(total=max(1, len(launches)), description=f"candidate {contract.name}",
                       quiet=quiet) as bar:
             for lc in launches:
@@ -485,15 +552,14 @@ def run_candidate_stage(
                     continue
                 hc = HarnessCell(
                     param_sampling=contract.evidence, engine=lc.engine, precision=lc.precision,  # type: ignore[arg-type]
-                    options=dict(lc.options),
-                    actor_tp=lc.actor.tp if lc.actor else 0,
-                    critic_tp=lc.critic.tp if lc.critic else 0,
+                    options=dict(lc.options), actor_tp=lc.actor_tp, critic_tp=lc.critic_tp,
                     rounds=contract.algorithm.rounds, seed=contract.sampling.seed,
                     inputs_dir=str(inputs.resolve()), output_dir="",
                     collective_timeout_s=collective_timeout_s, faults=tuple(faults),
                     export_weights=sampler_stage.export_wanted(contract, lc.cells),
-                    variants=tuple({"precision": p.precision, "options": p.harness_options}
-                                   for p in lc.parts) if lc.grouped else (),
+                    variants=tuple(p.variant(sampler_stage.export_wanted(
+                        contract, [c for c in (p.actor, p.critic) if c is not None]))
+                        for p in lc.parts) if lc.grouped else (),
                 )
                 attempt = store.new_attempt(run_dir / LAUNCHES_DIR / lc.launch_id)
                 hc = dataclasses.replace(hc, output_dir=str(attempt.resolve()))
