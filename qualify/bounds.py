@@ -1,20 +1,36 @@
 """The bound rule, computed once in the reference stage and sealed.
 
-``bound(m, c, p) = k * max(control_error(m, c, p), resolution(m)) + floor(m, p)`` (DESIGN.md
-section 5), with ``control_error(m, c, p)`` the largest error of the controls that the
-contract assigns to class ``c`` (``candidate_vs_hf``: a candidate at precision ``p`` against
-the HF reference at ``p``; ``tp_vs_tp1``: TP = n against TP = 1 of the same engine and
-precision). ``resolution(m)`` is non-zero for the scalar families only (:data:`RESOLVED_FAMILIES`):
-the FP32 spacing (one unit in the last place) of the reference value, the smallest non-zero
-difference two FP32 results near it can have. A control error of 0 on a scalar says that the
-control rounded exactly like the reference, not that a conforming execution summing in
-another order agrees to better than one ulp; without the term, a 2-ulp difference of an
-FP32 grad norm (|Δ| = 1.9e-6 at 8.4, sum of squares over TP shards in another order) failed
-a bound that was the floor alone (1e-6). The grad norm's resolution is also at least its own
-FP32 evaluation error on the reference's gradients (:func:`scalar_resolutions`): the
-reference sums the squares in FP64, an engine in FP32. In the
-``deterministic`` lane every bound is 0 (bitwise equality). The comparator reads bounds only
-from the sealed ``bounds.json``; a metric without a bound is an error, never a pass.
+``bound(m, c, p) = k * max(control_error(m, c, p), resolution(m), propagated(m, c, p)) +
+floor(m, p)`` (DESIGN.md section 5), with ``control_error(m, c, p)`` the largest error of the
+controls that the contract assigns to class ``c`` (``candidate_vs_hf``: a candidate at
+precision ``p`` against the HF reference at ``p``; ``tp_vs_tp1``: TP = n against TP = 1 of the
+same engine and precision). ``resolution(m)`` is non-zero for the scalar families only
+(:data:`RESOLVED_FAMILIES`): the FP32 spacing (one unit in the last place) of the reference
+value, the smallest non-zero difference two FP32 results near it can have. A control error of
+0 on a scalar says that the control rounded exactly like the reference, not that a conforming
+execution summing in another order agrees to better than one ulp; without the term, a 2-ulp
+difference of an FP32 grad norm (|Δ| = 1.9e-6 at 8.4, sum of squares over TP shards in another
+order) failed a bound that was the floor alone (1e-6). The grad norm's resolution is also at
+least its own FP32 evaluation error on the reference's gradients (:func:`scalar_resolutions`):
+the reference sums the squares in FP64, an engine in FP32.
+
+``propagated(m, c, p)`` (:func:`propagated_error`) is non-zero for the scalar reductions over
+elements that another family bounds one by one (:data:`PROPAGATED_FROM`): a loss is a weighted
+sum over tokens of logprobs, entropies or values, the grad norm the norm of every gradient. A
+control measures such a scalar once, as one realisation of how its per-element errors combine,
+which depends on the few elements that carry the weight; the per-element families take the
+largest error over every element. ``propagated`` is the scalar error those per-element control
+errors can produce (first order): ``sum_t |dL/dx_t| * e_x`` for a loss
+(:mod:`qualify.reference.sensitivity`), ``e_grads * |g|`` for the grad norm (``||g + d| - |g||
+<= |d| <= e_grads |g|`` with ``e_grads`` the largest relative L2 error over parameters),
+carried through the clip coefficient when it clips. Without it, on tiny-qwen3 seed offset 3
+the round-2 KL loss (60.17, 80 % of it at one token with ``e^r = 6.9e4``) of Megatron FP32 TP
+2 and TP 1 differed by 3.5e-4 > 2.8e-4, from a logprob difference of 4.8e-6 at that token,
+inside the logprob bound (2.5e-5); the controls' logprob errors there were 0, 0 and 9.5e-7,
+their largest over tokens 3.8e-6.
+
+In the ``deterministic`` lane every bound is 0 (bitwise equality). The comparator reads bounds
+only from the sealed ``bounds.json``; a metric without a bound is an error, never a pass.
 :func:`judge` is the verdict half of the rule: ``PASS`` iff the error is finite and
 ``error <= bound``.
 """
@@ -47,6 +63,11 @@ RESOLVED_FAMILIES = ("grad_norm", "clip_coef", "losses")
 reference value (:func:`scalar_resolutions`). Every such value is an FP32 scalar in every
 engine and lane (norms and losses are accumulated in FP32; protocol)."""
 
+PROPAGATED_FROM = {"losses": ("logprobs", "entropy", "values"), "grad_norm": ("grads",),
+                   "clip_coef": ("grads",)}
+"""Scalar family -> the per-element families whose control errors it inherits
+(:func:`propagated_error`)."""
+
 ONLY_AT = {"bf16_mode": "bf16", "fp64": "fp32"}
 """Controls that exist in one lane only (:mod:`qualify.lanes`): the distance between the
 two BF16 styles (measured from the ``bf16`` lane, BF16 parameters), and the FP64 run whose
@@ -66,10 +87,13 @@ class Bound:
         control: the control that gave it.
         floor: the contract's floor for the family at this precision.
         k: the multiplier.
-        bound: ``k * max(control_error, resolution) + floor`` (0 in the deterministic lane).
+        bound: ``k * max(control_error, resolution, propagated) + floor`` (0 in the
+            deterministic lane).
         resolution: FP32 spacing of the largest reference value of the metric (scalar
             families, :data:`RESOLVED_FAMILIES`), else 0; 0 in references sealed before it
             existed (their bounds are read as sealed).
+        propagated: the class's per-element control errors carried into the scalar
+            (:func:`propagated_error`), else 0; 0 in references sealed before it existed.
     """
 
     precision: str
@@ -82,6 +106,7 @@ class Bound:
     k: float
     bound: float
     resolution: float = 0.0
+    propagated: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (one row of ``bounds.json``)."""
@@ -98,6 +123,7 @@ class Bound:
             "k": self.k,
             "bound": self.bound,
             "resolution": self.resolution,
+            "propagated": self.propagated,
         }
 
     @classmethod
@@ -109,6 +135,7 @@ class Bound:
             statistic=d["statistic"], control_error=float(d["control_error"]),
             control=d["control"], floor=float(d["floor"]), k=float(d["k"]),
             bound=float(d["bound"]), resolution=float(d.get("resolution", 0.0)),
+            propagated=float(d.get("propagated", 0.0)),
         )
 
 
@@ -199,8 +226,81 @@ def _norm_eval_error(groups: Mapping[MetricKey, Mapping[str, Any]],
     return (e, norm) if math.isfinite(e) and math.isfinite(norm) else (0.0, 0.0)
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Propagation:
+    """How one lane's reference scalars depend on their elements (:func:`propagated_error`).
+
+    Attributes:
+        sensitivities: ``{(round, role): {term: {family: S}}}``, ``S = sum_t |dL/dx_t|`` of
+            each loss term (``qualify.reference.sensitivity``, ``update_meta``).
+        norms: ``{(round, role): (grad_norm, clip_coef)}`` of the reference run.
+    """
+
+    sensitivities: Mapping[tuple[int, str], Mapping[str, Mapping[str, float]]]
+    norms: Mapping[tuple[int, str], tuple[float, float]]
+
+
+def propagation_inputs(reference: Mapping[str, Mapping[str, npt.ArrayLike]],
+                       sensitivities: Mapping[str, Mapping[tuple[int, str],
+                                                           Mapping[str, Mapping[str, float]]]],
+                       ) -> dict[str, Propagation]:
+    """One :class:`Propagation` per lane of ``reference`` (``{lane: protocol tensors}``)."""
+    out: dict[str, Propagation] = {}
+    for lane, tensors in reference.items():
+        groups = group_tensors(tensors)
+        norms: dict[tuple[int, str], tuple[float, float]] = {}
+        for key, members in groups.items():
+            c = groups.get(dataclasses.replace(key, family="clip_coef"), {})
+            if key.family == "grad_norm" and "" in members and "" in c:
+                norms[(key.round, key.role)] = (float(np.asarray(members[""])),
+                                                float(np.asarray(c[""])))
+        out[lane] = Propagation(sensitivities=sensitivities.get(lane, {}), norms=norms)
+    return out
+
+
+def propagated_error(key: MetricKey, errors: Mapping[str, Mapping[MetricKey, ErrorMeasure]],
+                     controls: list[str], propagation: Propagation | None) -> float:
+    """The scalar error that the controls' per-element errors can produce (first order).
+
+    Args:
+        key: the scalar metric (a family of :data:`PROPAGATED_FROM`; any other gives 0).
+        errors: ``{control: {metric: error}}`` of one lane.
+        controls: the controls feeding the class; ``e_x`` is the largest of their errors of
+            family ``x`` at ``key``'s round and role (0 where none measured it).
+        propagation: the lane's :class:`Propagation` (``None``: 0).
+
+    Returns:
+        ``losses``: ``max over terms of sum_x S[term][x] * e_x`` (the family's statistic is
+        the largest over its terms). ``grad_norm``: ``e_grads * norm`` (``e_grads``: largest
+        relative L2 error over parameters, so ``|d g| <= e_grads * |g|``). ``clip_coef``
+        when it clips (``c < 1``): ``c * e_grads * norm / (norm + 1e-6)``, else 0. A
+        non-finite product gives 0 (a non-finite control error already sets the bound).
+    """
+    if propagation is None or key.family not in PROPAGATED_FROM:
+        return 0.0
+
+    def e(family: str) -> float:
+        k = MetricKey(round=key.round, role=key.role, family=family)
+        return max((errors[n][k].value for n in controls if k in errors.get(n, {})),
+                   default=0.0)
+
+    rr = (key.round, key.role)
+    out = 0.0
+    if key.family == "losses":
+        out = max((sum(s * e(f) for f, s in by_family.items())
+                   for by_family in propagation.sensitivities.get(rr, {}).values()),
+                  default=0.0)
+    elif rr in propagation.norms:
+        norm, coef = propagation.norms[rr]
+        out = e("grads") * abs(norm)
+        if key.family == "clip_coef":
+            out = coef * out / (abs(norm) + 1e-6) if coef < 1.0 else 0.0
+    return out if math.isfinite(out) else 0.0
+
+
 def compute_bounds(contract: Contract, errors: ControlErrors,
                    resolutions: Mapping[str, Mapping[MetricKey, float]] | None = None,
+                   propagation: Mapping[str, Propagation] | None = None,
                    ) -> list[Bound]:
     """Apply the contract's bound rule to the measured control errors.
 
@@ -210,6 +310,7 @@ def compute_bounds(contract: Contract, errors: ControlErrors,
             (:mod:`qualify.lanes`: ``fp32``, ``bf16``, ``bf16-autocast``); a lane takes the
             floors of its precision.
         resolutions: output of :func:`scalar_resolutions` (``None``: no resolution term).
+        propagation: output of :func:`propagation_inputs` (``None``: no propagated term).
 
     Returns:
         One :class:`Bound` per lane x class x metric measured by the controls (its
@@ -237,11 +338,14 @@ def compute_bounds(contract: Contract, errors: ControlErrors,
                         worst, worst_name = e.value, n
                 floor = float(b.floors[lane_precision(prec)][key.family])
                 res = float((resolutions or {}).get(prec, {}).get(key, 0.0))
-                bound = 0.0 if b.lane == "deterministic" else b.k * max(worst, res) + floor
+                prop = propagated_error(key, errors[prec], usable,
+                                        (propagation or {}).get(prec))
+                bound = (0.0 if b.lane == "deterministic"
+                         else b.k * max(worst, res, prop) + floor)
                 out.append(Bound(precision=prec, klass=klass, key=key,
                                  statistic=FAMILY_STATISTIC[key.family], control_error=worst,
                                  control=worst_name, floor=floor, k=b.k, bound=bound,
-                                 resolution=res))
+                                 resolution=res, propagated=prop))
     return out
 
 
@@ -251,7 +355,7 @@ def bounds_document(contract: Contract, bounds: list[Bound]) -> dict[str, Any]:
         "schema_version": 1,
         "contract": contract.name,
         "contract_digest": contract.digest,
-        "rule": "bound = k * max(control_error, resolution) + floor",
+        "rule": "bound = k * max(control_error, resolution, propagated) + floor",
         "k": contract.bounds.k,
         "lane": contract.bounds.lane,
         "controls": {"candidate_vs_hf": list(contract.bounds.controls_candidate_vs_hf),

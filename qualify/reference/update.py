@@ -37,13 +37,13 @@ from torch import nn
 
 from qualify import aggregation
 from qualify.contract import Contract
-from qualify.protocol import param_sample_indices, tensor_name
+from qualify.protocol import param_sample_indices, parse_tensor_name, tensor_name
 from qualify.reference.row_split import split_row_parallel
 from qualify.reference.scoring import bf16_parameters_copy
+from qualify.reference.sensitivity import LOSS_SENSITIVITY_META, LossSensitivity
 
 NORM_FP32_META: Final = "grad_norm_fp32"
-"""The role meta key (``reference.json`` ``update_meta``) of the FP32 evaluation of each
-round's pre-clip norm, ``{"round<r>": float}`` (:func:`_grad_norm_and_clip`)."""
+"""Role meta key of each round's pre-clip norm evaluated in FP32 (:func:`_grad_norm_and_clip`)."""
 
 Bf16Mode = Literal["params", "autocast"]
 RoundHook = Callable[[int, nn.Module, nn.Module, "Batch", torch.Tensor], None]
@@ -369,10 +369,8 @@ def _adamw(master: nn.Module, lr: float, contract: Contract) -> torch.optim.Adam
 
 
 def _state_dtypes(optim: torch.optim.Optimizer) -> dict[str, str]:
-    dtypes: set[str] = set()
-    for state in optim.state.values():
-        for key in ("exp_avg", "exp_avg_sq"):
-            dtypes.add(f"{key}:{state[key].dtype}")
+    dtypes = {f"{key}:{state[key].dtype}" for state in optim.state.values()
+              for key in ("exp_avg", "exp_avg_sq")}
     return {d.split(":")[0]: d.split(":")[1] for d in sorted(dtypes)}
 
 
@@ -417,6 +415,7 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
     norm_evals: dict[str, float] = {}
     clip_fraction: dict[str, float] = {}
     lrs: dict[str, float] = {}
+    sens = LossSensitivity()
     with torch.no_grad():
         ref_model = ref_prec.refresh()
         for s, mb in batch.micro_batches(settings.micro_batch_size):
@@ -457,6 +456,8 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
                 kl = alg.kl_loss_coef * (_kl(logp, ref_logp[s], alg.kl_loss_estimator) * agg).sum()
                 kl = kl / denom
                 ent_loss = -alg.entropy_coef * (ent * agg).sum() / denom
+                sens.add(round_, {"policy": policy, "kl": kl, "entropy": ent_loss, "total":
+                                  policy + kl + ent_loss}, {"logprobs": logp, "entropy": ent})
                 (policy + kl + ent_loss).backward()
             prec.collect_grads()
             sums["policy"] += float(policy.detach())
@@ -478,7 +479,7 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
                                       grad_dtypes=grad_dtypes, norm_evals=norm_evals)
     meta = _run_meta(actor, optim, grad_dtypes, compute_dtypes, settings)
     meta["lr"] = lrs
-    meta[NORM_FP32_META] = norm_evals
+    meta[NORM_FP32_META], meta[LOSS_SENSITIVITY_META] = norm_evals, sens.rounds
     meta["policy_clip_fraction"] = clip_fraction
     meta["loss_agg_mode"] = alg.loss_agg_mode
     if decoupled:
@@ -522,6 +523,7 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
     norm_evals: dict[str, float] = {}
     clip_fraction: dict[str, float] = {}
     lrs: dict[str, float] = {}
+    sens = LossSensitivity()
     for round_ in range(1, alg.rounds + 1):
         model = prec.refresh()
         model.eval()  # dropout off (protocol); autograd works in eval mode
@@ -542,6 +544,7 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
                 clipped_tokens += float((((clipped - ret).square() > (values - ret).square())
                                          .float() * mask).sum())
                 loss = 0.5 * (vloss * (mask * row_w[s, None])).sum() / denom
+                sens.add(round_, {"value": loss, "total": loss}, {"values": values})
                 loss.backward()
             prec.collect_grads()
             total += float(loss.detach())
@@ -558,7 +561,7 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
                                       out=out, grad_dtypes=grad_dtypes, norm_evals=norm_evals)
     meta = _run_meta(critic, optim, grad_dtypes, compute_dtypes, settings)
     meta["lr"] = lrs
-    meta[NORM_FP32_META] = norm_evals
+    meta[NORM_FP32_META], meta[LOSS_SENSITIVITY_META] = norm_evals, sens.rounds
     meta["value_clip_fraction"] = clip_fraction
     return out, meta
 
@@ -639,8 +642,6 @@ def strip_padding(tensors: dict[str, torch.Tensor], r_len: int) -> dict[str, tor
     Only per-token metrics (``logprobs``, ``entropy``, ``values``) are cut; parameters,
     gradients and optimizer state keep their shapes.
     """
-    from qualify.protocol import parse_tensor_name
-
     out = {}
     for k, v in tensors.items():
         metric = parse_tensor_name(k)[2]
