@@ -14,20 +14,17 @@ order) failed a bound that was the floor alone (1e-6). The grad norm's resolutio
 least its own FP32 evaluation error on the reference's gradients (:func:`scalar_resolutions`):
 the reference sums the squares in FP64, an engine in FP32.
 
-``propagated(m, c, p)`` (:func:`propagated_error`) is non-zero for the scalar reductions over
-elements that another family bounds one by one (:data:`PROPAGATED_FROM`): a loss is a weighted
-sum over tokens of logprobs, entropies or values, the grad norm the norm of every gradient. A
-control measures such a scalar once, as one realisation of how its per-element errors combine,
-which depends on the few elements that carry the weight; the per-element families take the
-largest error over every element. ``propagated`` is the scalar error those per-element control
-errors can produce (first order): ``sum_t |dL/dx_t| * e_x`` for a loss
-(:mod:`qualify.reference.sensitivity`), ``e_grads * |g|`` for the grad norm (``||g + d| - |g||
-<= |d| <= e_grads |g|`` with ``e_grads`` the largest relative L2 error over parameters),
-carried through the clip coefficient when it clips. Without it, on tiny-qwen3 seed offset 3
-the round-2 KL loss (60.17, 80 % of it at one token with ``e^r = 6.9e4``) of Megatron FP32 TP
-2 and TP 1 differed by 3.5e-4 > 2.8e-4, from a logprob difference of 4.8e-6 at that token,
-inside the logprob bound (2.5e-5); the controls' logprob errors there were 0, 0 and 9.5e-7,
-their largest over tokens 3.8e-6.
+``propagated(m, c, p)`` (:func:`propagated_error`) is non-zero for the losses only
+(:data:`PROPAGATED_FROM`): a loss is a weighted sum over tokens of logprobs, entropies or
+values. A control measures a loss once, as one realisation of how its per-token errors combine,
+which depends on the few tokens that carry the weight; the per-token families take the largest
+error over every token. ``propagated = sqrt(sum_x sum_t (dL/dx_t)^2 e_x^2)`` is the loss's
+uncertainty propagated from the per-token control errors ``e_x`` (first order, uncorrelated
+tokens; JCGM 100:2008 eq. 10, ``k`` its coverage factor; :mod:`qualify.reference.sensitivity`).
+Without it, on tiny-qwen3 seed offset 3 the round-2 KL loss (60.17, 80 % of it at one token
+with ``e^r = 6.9e4``) of Megatron FP32 TP 2 and TP 1 differed by 3.5e-4 > 2.8e-4, from a
+logprob difference of 4.8e-6 at that token, inside the logprob bound (2.5e-5); the controls'
+logprob errors there were 0, 0 and 9.5e-7, their largest over tokens 3.8e-6.
 
 In the ``deterministic`` lane every bound is 0 (bitwise equality). The comparator reads bounds
 only from the sealed ``bounds.json``; a metric without a bound is an error, never a pass.
@@ -63,10 +60,23 @@ RESOLVED_FAMILIES = ("grad_norm", "clip_coef", "losses")
 reference value (:func:`scalar_resolutions`). Every such value is an FP32 scalar in every
 engine and lane (norms and losses are accumulated in FP32; protocol)."""
 
-PROPAGATED_FROM = {"losses": ("logprobs", "entropy", "values"), "grad_norm": ("grads",),
-                   "clip_coef": ("grads",)}
-"""Scalar family -> the per-element families whose control errors it inherits
-(:func:`propagated_error`)."""
+BF16_EMITTED = ("values", "rewards")
+"""Per-token families that a BF16 lane's model emits in BF16 (the output of a BF16 value or
+reward head, upcast): the reference's are on the BF16 grid, and so are the BF16 cells' (both
+measured on tiny-qwen3, seed offsets 0-4). Two conforming engines whose exact values differ by
+any ``0 < |d| < u`` (``u`` one BF16 ulp at that magnitude) emit values that are equal or one
+``u`` apart, since ``|round(a) - round(b)| <= |a - b| + u`` and both lie on the grid; a bound
+below ``u`` demands bitwise equality at every token of that magnitude
+(:func:`bf16_resolutions`). Logprobs and entropy take no such term: every engine and lane
+computes them in FP32 from upcast logits (protocol; the reference's are not on the BF16 grid),
+so their noise is continuous and the controls' largest error over tokens measures it."""
+
+PROPAGATED_FROM = {"losses": ("logprobs", "entropy", "values")}
+"""Scalar family -> the per-token families whose control errors it inherits
+(:func:`propagated_error`). Not ``grad_norm``: its worst case ``e_grads * |g|`` (``e_grads``
+the largest relative L2 gradient error over parameters) is 10x the measured norm errors in
+BF16 and made 6 of the 16 known BF16 failures of the default contract pass (their round-2
+Critic grad norm, margins 1.1-1.3); a tight one needs ``ĝ . d logp_t / d theta`` per token."""
 
 ONLY_AT = {"bf16_mode": "bf16", "fp64": "fp32"}
 """Controls that exist in one lane only (:mod:`qualify.lanes`): the distance between the
@@ -90,9 +100,10 @@ class Bound:
         bound: ``k * max(control_error, resolution, propagated) + floor`` (0 in the
             deterministic lane).
         resolution: FP32 spacing of the largest reference value of the metric (scalar
-            families, :data:`RESOLVED_FAMILIES`), else 0; 0 in references sealed before it
-            existed (their bounds are read as sealed).
-        propagated: the class's per-element control errors carried into the scalar
+            families, :data:`RESOLVED_FAMILIES`), its BF16 spacing for a BF16-emitted
+            per-token family in a BF16 lane (:data:`BF16_EMITTED`), else 0; 0 in
+            references sealed before it existed (their bounds are read as sealed).
+        propagated: the class's per-token control errors carried into a loss
             (:func:`propagated_error`), else 0; 0 in references sealed before it existed.
     """
 
@@ -214,6 +225,40 @@ def scalar_resolutions(reference: Mapping[str, Mapping[str, npt.ArrayLike]],
     return out
 
 
+def bf16_resolutions(reference: Mapping[str, Mapping[str, npt.ArrayLike]],
+                     ) -> dict[str, dict[MetricKey, float]]:
+    """One BF16 ulp of the largest reference value of each BF16-emitted per-token family.
+
+    Args:
+        reference: ``{lane: protocol tensors of the HF reference run}``; only BF16 lanes
+            (:func:`qualify.lanes.lane_precision`) give entries.
+
+    Returns:
+        ``{lane: {key: 2^(floor(log2 max|v|) - 7)}}`` (bfloat16: 8 significand bits) for the
+        metrics of :data:`BF16_EMITTED` whose reference values all lie on the BF16 grid (the
+        low 16 bits of every FP32 value are 0); a family that is not on the grid, all zero or
+        non-finite gives no entry. The spacing is that of the largest magnitude, the largest
+        one-rounding difference any token can show (the bound is one number per family).
+    """
+    out: dict[str, dict[MetricKey, float]] = {}
+    for lane, tensors in reference.items():
+        if lane_precision(lane) != "bf16":
+            continue
+        res: dict[MetricKey, float] = {}
+        for key, members in group_tensors(tensors).items():
+            if key.family not in BF16_EMITTED:
+                continue
+            arrays = [np.ascontiguousarray(np.asarray(v, dtype=np.float32)).reshape(-1)
+                      for v in members.values()]
+            if not arrays or any((a.view(np.uint32) & 0xFFFF).any() for a in arrays):
+                continue
+            top = max(float(np.max(np.abs(a))) if a.size else 0.0 for a in arrays)
+            if top > 0.0 and math.isfinite(top):
+                res[key] = 2.0 ** (math.frexp(top)[1] - 1 - 7)
+        out[lane] = res
+    return out
+
+
 def _norm_eval_error(groups: Mapping[MetricKey, Mapping[str, Any]],
                      evals: Mapping[tuple[int, str], float], key: MetricKey,
                      ) -> tuple[float, float]:
@@ -226,57 +271,29 @@ def _norm_eval_error(groups: Mapping[MetricKey, Mapping[str, Any]],
     return (e, norm) if math.isfinite(e) and math.isfinite(norm) else (0.0, 0.0)
 
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Propagation:
-    """How one lane's reference scalars depend on their elements (:func:`propagated_error`).
-
-    Attributes:
-        sensitivities: ``{(round, role): {term: {family: S}}}``, ``S = sum_t |dL/dx_t|`` of
-            each loss term (``qualify.reference.sensitivity``, ``update_meta``).
-        norms: ``{(round, role): (grad_norm, clip_coef)}`` of the reference run.
-    """
-
-    sensitivities: Mapping[tuple[int, str], Mapping[str, Mapping[str, float]]]
-    norms: Mapping[tuple[int, str], tuple[float, float]]
-
-
-def propagation_inputs(reference: Mapping[str, Mapping[str, npt.ArrayLike]],
-                       sensitivities: Mapping[str, Mapping[tuple[int, str],
-                                                           Mapping[str, Mapping[str, float]]]],
-                       ) -> dict[str, Propagation]:
-    """One :class:`Propagation` per lane of ``reference`` (``{lane: protocol tensors}``)."""
-    out: dict[str, Propagation] = {}
-    for lane, tensors in reference.items():
-        groups = group_tensors(tensors)
-        norms: dict[tuple[int, str], tuple[float, float]] = {}
-        for key, members in groups.items():
-            c = groups.get(dataclasses.replace(key, family="clip_coef"), {})
-            if key.family == "grad_norm" and "" in members and "" in c:
-                norms[(key.round, key.role)] = (float(np.asarray(members[""])),
-                                                float(np.asarray(c[""])))
-        out[lane] = Propagation(sensitivities=sensitivities.get(lane, {}), norms=norms)
-    return out
+Sensitivities = Mapping[tuple[int, str], Mapping[str, Mapping[str, float]]]
+"""One lane's ``{(round, role): {term: {family: S}}}``, ``S = sum_t (dL/dx_t)^2`` of each loss
+term (:mod:`qualify.reference.sensitivity`, the reference run's ``update_meta``)."""
 
 
 def propagated_error(key: MetricKey, errors: Mapping[str, Mapping[MetricKey, ErrorMeasure]],
-                     controls: list[str], propagation: Propagation | None) -> float:
-    """The scalar error that the controls' per-element errors can produce (first order).
+                     controls: list[str], sensitivities: Sensitivities | None) -> float:
+    """The propagated uncertainty of a loss from the controls' per-token errors (first order).
 
     Args:
-        key: the scalar metric (a family of :data:`PROPAGATED_FROM`; any other gives 0).
+        key: the metric (a family of :data:`PROPAGATED_FROM`; any other gives 0).
         errors: ``{control: {metric: error}}`` of one lane.
         controls: the controls feeding the class; ``e_x`` is the largest of their errors of
             family ``x`` at ``key``'s round and role (0 where none measured it).
-        propagation: the lane's :class:`Propagation` (``None``: 0).
+        sensitivities: the lane's :data:`Sensitivities` (``None``: 0).
 
     Returns:
-        ``losses``: ``max over terms of sum_x S[term][x] * e_x`` (the family's statistic is
-        the largest over its terms). ``grad_norm``: ``e_grads * norm`` (``e_grads``: largest
-        relative L2 error over parameters, so ``|d g| <= e_grads * |g|``). ``clip_coef``
-        when it clips (``c < 1``): ``c * e_grads * norm / (norm + 1e-6)``, else 0. A
-        non-finite product gives 0 (a non-finite control error already sets the bound).
+        ``max over terms of sqrt(sum_x S[term][x] * e_x^2)`` (the ``losses`` statistic is
+        the largest over its terms): each token's error of standard uncertainty ``e_x``,
+        uncorrelated across tokens (JCGM 100:2008 eq. 10; :mod:`qualify.reference.sensitivity`).
+        A non-finite value gives 0 (a non-finite control error already sets the bound).
     """
-    if propagation is None or key.family not in PROPAGATED_FROM:
+    if sensitivities is None or key.family not in PROPAGATED_FROM:
         return 0.0
 
     def e(family: str) -> float:
@@ -284,23 +301,16 @@ def propagated_error(key: MetricKey, errors: Mapping[str, Mapping[MetricKey, Err
         return max((errors[n][k].value for n in controls if k in errors.get(n, {})),
                    default=0.0)
 
-    rr = (key.round, key.role)
-    out = 0.0
-    if key.family == "losses":
-        out = max((sum(s * e(f) for f, s in by_family.items())
-                   for by_family in propagation.sensitivities.get(rr, {}).values()),
-                  default=0.0)
-    elif rr in propagation.norms:
-        norm, coef = propagation.norms[rr]
-        out = e("grads") * abs(norm)
-        if key.family == "clip_coef":
-            out = coef * out / (abs(norm) + 1e-6) if coef < 1.0 else 0.0
+    out = max((math.sqrt(sum(s * e(f) ** 2 for f, s in by_family.items()
+                             if f in PROPAGATED_FROM[key.family]))
+               for by_family in sensitivities.get((key.round, key.role), {}).values()),
+              default=0.0)
     return out if math.isfinite(out) else 0.0
 
 
 def compute_bounds(contract: Contract, errors: ControlErrors,
                    resolutions: Mapping[str, Mapping[MetricKey, float]] | None = None,
-                   propagation: Mapping[str, Propagation] | None = None,
+                   sensitivities: Mapping[str, Sensitivities] | None = None,
                    ) -> list[Bound]:
     """Apply the contract's bound rule to the measured control errors.
 
@@ -310,7 +320,7 @@ def compute_bounds(contract: Contract, errors: ControlErrors,
             (:mod:`qualify.lanes`: ``fp32``, ``bf16``, ``bf16-autocast``); a lane takes the
             floors of its precision.
         resolutions: output of :func:`scalar_resolutions` (``None``: no resolution term).
-        propagation: output of :func:`propagation_inputs` (``None``: no propagated term).
+        sensitivities: ``{lane: Sensitivities}`` (``None``: no propagated term).
 
     Returns:
         One :class:`Bound` per lane x class x metric measured by the controls (its
@@ -339,7 +349,7 @@ def compute_bounds(contract: Contract, errors: ControlErrors,
                 floor = float(b.floors[lane_precision(prec)][key.family])
                 res = float((resolutions or {}).get(prec, {}).get(key, 0.0))
                 prop = propagated_error(key, errors[prec], usable,
-                                        (propagation or {}).get(prec))
+                                        (sensitivities or {}).get(prec))
                 bound = (0.0 if b.lane == "deterministic"
                          else b.k * max(worst, res, prop) + floor)
                 out.append(Bound(precision=prec, klass=klass, key=key,

@@ -8,12 +8,16 @@ over tokens) but the loss only as one realisation of that sum, which depends on 
 the few tokens that carry the weight: with the k3 KL estimator the weight ``c (e^r - 1) / N``
 grows as ``e^r`` (``r = ref - logp``), so one token can carry most of the loss (tiny-qwen3
 seed offset 3, round 2: 80 % of the KL at one token with ``e^r = 6.9e4``, 48 per unit
-logprob). :mod:`qualify.bounds` therefore takes a loss's control error no smaller than
-``sum_t |dL/dx_t| * e_x``, ``e_x`` the class's per-token control error of ``x``: the loss
-error that the per-token errors the controls exhibit can produce (Higham 2002, section 3.1,
-first-order error propagation through a sum). ``S = sum_t |dL/dx_t|`` is recorded here.
+logprob). :mod:`qualify.bounds` therefore takes a loss's control error no smaller than its
+propagated uncertainty ``sqrt(sum_x S_x e_x^2)``, ``S_x = sum_t (dL/dx_t)^2`` and ``e_x`` the
+class's per-token control error of ``x`` taken as each token's standard uncertainty: the law
+of propagation of uncertainty for uncorrelated inputs (JCGM 100:2008, GUM, eq. 10), with the
+rule's ``k`` as its coverage factor. One dominant token gives ``|dL/dx| e_x`` (the worst case
+there); weight spread over ``N`` tokens gives about ``1 / sqrt(N)`` of the worst-case sum
+``sum_t |dL/dx_t| e_x``, which would assume every token's error at its largest and aligned.
+``S_x`` is recorded here.
 
-``S`` comes from ``torch.autograd.grad`` of each term with respect to the per-token tensors
+``S_x`` comes from ``torch.autograd.grad`` of each term with respect to the per-token tensors
 (the elementwise loss formulas of :mod:`qualify.reference.update`, differentiated, so no
 formula is written twice: clip branches, the k3 exponential, decoupled weights).
 """
@@ -26,11 +30,12 @@ import torch
 
 LOSS_SENSITIVITY_META: Final = "loss_sensitivity"
 """The role meta key (``reference.json`` ``update_meta``) of the sensitivities,
-``{"round<r>": {term: {family: S}}}`` (:class:`LossSensitivity`)."""
+``{"round<r>": {term: {family: S}}}``, ``S = sum_t (d term / d x_t)^2``
+(:class:`LossSensitivity`)."""
 
 
 class LossSensitivity:
-    """``S = sum_t |d term / d x_t|`` per round, term and per-token family, accumulated.
+    """``S = sum_t (d term / d x_t)^2`` per round, term and per-token family, accumulated.
 
     Attributes:
         rounds: ``{"round<r>": {term: {family: S}}}``; ``S >= 0`` (a float; 0 for a family a
@@ -61,4 +66,5 @@ class LossSensitivity:
                                         allow_unused=True)
             row = sums.setdefault(term, {})
             for f, g in zip(fams, grads, strict=True):
-                row[f] = row.get(f, 0.0) + (0.0 if g is None else float(g.detach().abs().sum()))
+                row[f] = row.get(f, 0.0) + (0.0 if g is None
+                                            else float(g.detach().double().square().sum()))
