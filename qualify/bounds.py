@@ -71,12 +71,15 @@ below ``u`` demands bitwise equality at every token of that magnitude
 computes them in FP32 from upcast logits (protocol; the reference's are not on the BF16 grid),
 so their noise is continuous and the controls' largest error over tokens measures it."""
 
-PROPAGATED_FROM = {"losses": ("logprobs", "entropy", "values")}
+PROPAGATED_FROM = {"losses": ("logprobs", "entropy", "values"),
+                   "grad_norm": ("logprobs", "values")}
 """Scalar family -> the per-token families whose control errors it inherits
-(:func:`propagated_error`). Not ``grad_norm``: its worst case ``e_grads * |g|`` (``e_grads``
-the largest relative L2 gradient error over parameters) is 10x the measured norm errors in
-BF16 and made 6 of the 16 known BF16 failures of the default contract pass (their round-2
-Critic grad norm, margins 1.1-1.3); a tight one needs ``ĝ . d logp_t / d theta`` per token."""
+(:func:`propagated_error`). ``grad_norm`` through the loss weights: a per-token error moves
+``dL/dx_t`` by ``d^2L/dx_t^2 d_t`` and the norm by its projection on ``ĝ``
+(:meth:`qualify.reference.sensitivity.LossSensitivity.grad_norm`). Not the worst case
+``e_grads |g|`` (``e_grads`` the largest relative L2 gradient error over parameters): 10x the
+measured norm errors in BF16, it made 6 of the 16 known BF16 failures of the default contract
+pass (their round-2 Critic grad norm, margins 1.1-1.3)."""
 
 ONLY_AT = {"bf16_mode": "bf16", "fp64": "fp32"}
 """Controls that exist in one lane only (:mod:`qualify.lanes`): the distance between the
@@ -288,8 +291,9 @@ def propagated_error(key: MetricKey, errors: Mapping[str, Mapping[MetricKey, Err
         sensitivities: the lane's :data:`Sensitivities` (``None``: 0).
 
     Returns:
-        ``max over terms of sqrt(sum_x S[term][x] * e_x^2)`` (the ``losses`` statistic is
-        the largest over its terms): each token's error of standard uncertainty ``e_x``,
+        ``losses``: ``max over terms of sqrt(sum_x S[term][x] * e_x^2)`` (the statistic is
+        the largest over its terms); ``grad_norm``: ``sqrt(sum_x G_x e_x^2)`` with ``G`` the
+        ``"grad_norm"`` entry; each token's error of standard uncertainty ``e_x``,
         uncorrelated across tokens (JCGM 100:2008 eq. 10; :mod:`qualify.reference.sensitivity`).
         A non-finite value gives 0 (a non-finite control error already sets the bound).
     """
@@ -301,10 +305,11 @@ def propagated_error(key: MetricKey, errors: Mapping[str, Mapping[MetricKey, Err
         return max((errors[n][k].value for n in controls if k in errors.get(n, {})),
                    default=0.0)
 
+    terms = sensitivities.get((key.round, key.role), {})
+    wanted = [v for t, v in terms.items() if (t == "grad_norm") == (key.family == "grad_norm")]
     out = max((math.sqrt(sum(s * e(f) ** 2 for f, s in by_family.items()
                              if f in PROPAGATED_FROM[key.family]))
-               for by_family in sensitivities.get((key.round, key.role), {}).values()),
-              default=0.0)
+               for by_family in wanted), default=0.0)
     return out if math.isfinite(out) else 0.0
 
 

@@ -10,8 +10,9 @@ by ``0.04 / 57 * e^r = 48`` per unit: TP 2 - TP 1 there was 4.77e-6 (5 FP32 ulps
 logprob in [8, 16)), the three controls' 0, 0 and 9.5e-7, so the controls' single KL samples
 (2.7e-5, 6.9e-5, 3.1e-5) under-stated what their own per-token errors (largest over tokens
 3.8e-6) allow. The figures below are those measured values; the sensitivity is recomputed
-here from its formula. The same run's round-2 grad norm row (8.79e-2 > 5.86e-2, the same
-token through the k3 weight) is not covered: see PROPAGATED_FROM.
+here from its formula. The same cell's round-2 grad norm row (8.79e-2 > 5.86e-2) is the same
+token through the k3 weight of the gradient; its sensitivity G = 1.521e8 (sqrt 1.23e4) is
+the one the seed-3 reference's FP32 lane recorded.
 """
 
 from __future__ import annotations
@@ -129,6 +130,16 @@ def test_seed3_megatron_tp2_false_alarm_is_removed_and_faults_still_fail() -> No
     # planted faults still fail: KL sign flip (error 2 * KL), kl_loss_coef 1 % off
     assert judge(2 * 60.16687393, lb.bound)[0] == "FAIL"
     assert judge(0.01 * 60.16687393, lb.bound)[0] == "FAIL"
+    # the grad norm through the loss weights: sqrt(G) * e_lp = 1.23e4 * 3.81e-6 = 4.7e-2
+    sens = dict(_seed3_sensitivities())
+    sens[(2, "actor")] = {**sens[(2, "actor")], "grad_norm": {"logprobs": 152098073.54163584}}
+    nb = _bounds(sens)[R2["grad_norm"]]
+    assert nb.propagated == pytest.approx(12332.8 * 3.814697265625e-06, rel=1e-4)
+    assert judge(0.087890625, before[R2["grad_norm"]].bound)[0] == "FAIL"  # as sealed
+    assert judge(0.087890625, nb.bound)[0] == "PASS"
+    assert _bounds(sens)[R2["losses"]].bound == lb.bound  # the norm entry is not a loss term
+    assert judge(14177.97949 / 2, nb.bound)[0] == "FAIL"  # a gradient averaged twice
+    assert judge(14177.97949 * 1e-4, nb.bound)[0] == "FAIL"  # a 1e-4 relative norm error
     # and a KL error of 1.3e-5 relative (7.8e-4) is still caught
     assert lb.bound / 60.16687393 < 1.3e-5
 
@@ -181,3 +192,37 @@ def test_bf16_emitted_values_take_one_bf16_ulp_of_their_largest_magnitude() -> N
     assert new.bound == pytest.approx(4 * 0.03125 + 0.01)
     assert judge(0.03125, new.bound)[0] == "PASS"
     assert judge(0.2, new.bound)[0] == "FAIL"  # a value-head bias of 0.2 still fails
+
+
+class _Rows:
+    """Two micro-batches of a ``[4, 3]`` input, as ``Batch.micro_batches`` yields them."""
+
+    def __init__(self, a: torch.Tensor) -> None:
+        self.a = a
+
+    def micro_batches(self, size: int) -> list[tuple[slice, torch.Tensor]]:
+        return [(slice(i, i + size), self.a[i:i + size]) for i in range(0, len(self.a), size)]
+
+
+def test_grad_norm_sensitivity_is_the_curvature_times_the_directional_derivative() -> None:
+    """Values ``V = a @ w`` (one weight vector, 4 tokens), loss ``0.5 sum (V - G)^2 / 4``: the
+    curvature is ``1 / 4`` per token and ``ĝ . dV_t/dw = ĝ . a_t``, so
+    ``G = sum_t (ĝ . a_t / 4)^2`` by hand; the parameters come back bitwise."""
+    torch.manual_seed(0)
+    a = torch.randn(4, 3, dtype=torch.float64)
+    ret = torch.randn(4, dtype=torch.float64)
+    model = torch.nn.Linear(3, 1, bias=False).double()
+    w0 = model.weight.detach().clone()
+    rows = _Rows(a)
+    s = LossSensitivity()
+    for sl, mb in rows.micro_batches(2):
+        v = model(mb).squeeze(-1)
+        loss = 0.5 * (v - ret[sl]).square().sum() / 4
+        s.add(1, {"value": loss, "total": loss}, {"values": v}, sl)
+        loss.backward()
+    assert model.weight.grad is not None
+    g = model.weight.grad.detach().reshape(-1)
+    s.grad_norm(1, model, rows, 2, lambda m, mb: m(mb).squeeze(-1))
+    want = float((((a @ (g / g.norm())) / 4) ** 2).sum())
+    assert s.rounds["round1"]["grad_norm"]["values"] == pytest.approx(want, rel=1e-6)
+    assert torch.equal(model.weight.detach(), w0)
