@@ -14,9 +14,9 @@ order) failed a bound that was the floor alone (1e-6). The grad norm's resolutio
 least its own FP32 evaluation error on the reference's gradients (:func:`scalar_resolutions`):
 the reference sums the squares in FP64, an engine in FP32.
 
-``propagated(m, c, p)`` (:func:`propagated_error`) is non-zero for the losses only
-(:data:`PROPAGATED_FROM`): a loss is a weighted sum over tokens of logprobs, entropies or
-values. A control measures a loss once, as one realisation of how its per-token errors combine,
+``propagated(m, c, p)`` (:func:`propagated_error`) is non-zero for the losses and the grad
+norm (:data:`PROPAGATED_FROM`): a loss is a weighted sum over tokens of logprobs, entropies or
+values, and the gradient a sum of per-token gradients weighted by the loss derivatives. A control measures a loss once, as one realisation of how its per-token errors combine,
 which depends on the few tokens that carry the weight; the per-token families take the largest
 error over every token. ``propagated = sqrt(sum_x sum_t (dL/dx_t)^2 e_x^2)`` is the loss's
 uncertainty propagated from the per-token control errors ``e_x`` (first order, uncorrelated
@@ -24,7 +24,8 @@ tokens; JCGM 100:2008 eq. 10, ``k`` its coverage factor; :mod:`qualify.reference
 Without it, on tiny-qwen3 seed offset 3 the round-2 KL loss (60.17, 80 % of it at one token
 with ``e^r = 6.9e4``) of Megatron FP32 TP 2 and TP 1 differed by 3.5e-4 > 2.8e-4, from a
 logprob difference of 4.8e-6 at that token, inside the logprob bound (2.5e-5); the controls'
-logprob errors there were 0, 0 and 9.5e-7, their largest over tokens 3.8e-6.
+logprob errors there were 0, 0 and 9.5e-7, their largest over tokens 3.8e-6. The same token
+moved the round-2 grad norm (14178) by 8.8e-2 > 5.9e-2 through the k3 weight of its gradient.
 
 In the ``deterministic`` lane every bound is 0 (bitwise equality). The comparator reads bounds
 only from the sealed ``bounds.json``; a metric without a bound is an error, never a pass.
