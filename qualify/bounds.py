@@ -14,11 +14,12 @@ order) failed a bound that was the floor alone (1e-6). The grad norm's resolutio
 least its own FP32 evaluation error on the reference's gradients (:func:`scalar_resolutions`):
 the reference sums the squares in FP64, an engine in FP32.
 
-``propagated(m, c, p)`` (:func:`propagated_error`) is non-zero for the losses and the grad
-norm (:data:`PROPAGATED_FROM`): a loss is a weighted sum over tokens of logprobs, entropies or
-values, and the gradient a sum of per-token gradients weighted by the loss derivatives. A control measures a loss once, as one realisation of how its per-token errors combine,
-which depends on the few tokens that carry the weight; the per-token families take the largest
-error over every token. ``propagated = sqrt(sum_x sum_t (dL/dx_t)^2 e_x^2)`` is the loss's
+``propagated(m, c, p)`` (:func:`propagated_error`) is non-zero for the losses and the grad norm
+(:data:`PROPAGATED_FROM`): a loss is a weighted sum over tokens of logprobs, entropies or
+values, and the gradient a sum of per-token gradients weighted by the loss derivatives. A
+control measures a loss once, as one realisation of how its per-token errors combine, which
+depends on the few tokens that carry the weight; the per-token families take the largest error
+over every token. ``propagated = sqrt(sum_x sum_t (dL/dx_t)^2 e_x^2)`` is the loss's
 uncertainty propagated from the per-token control errors ``e_x`` (first order, uncorrelated
 tokens; JCGM 100:2008 eq. 10, ``k`` its coverage factor; :mod:`qualify.reference.sensitivity`).
 Without it, on tiny-qwen3 seed offset 3 the round-2 KL loss (60.17, 80 % of it at one token
