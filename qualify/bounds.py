@@ -1,20 +1,35 @@
 """The bound rule, computed once in the reference stage and sealed.
 
-``bound(m, c, p) = k * max(control_error(m, c, p), resolution(m)) + floor(m, p)`` (DESIGN.md
-section 5), with ``control_error(m, c, p)`` the largest error of the controls that the
-contract assigns to class ``c`` (``candidate_vs_hf``: a candidate at precision ``p`` against
-the HF reference at ``p``; ``tp_vs_tp1``: TP = n against TP = 1 of the same engine and
-precision). ``resolution(m)`` is non-zero for the scalar families only (:data:`RESOLVED_FAMILIES`):
-the FP32 spacing (one unit in the last place) of the reference value, the smallest non-zero
-difference two FP32 results near it can have. A control error of 0 on a scalar says that the
-control rounded exactly like the reference, not that a conforming execution summing in
-another order agrees to better than one ulp; without the term, a 2-ulp difference of an
-FP32 grad norm (|Δ| = 1.9e-6 at 8.4, sum of squares over TP shards in another order) failed
-a bound that was the floor alone (1e-6). The grad norm's resolution is also at least its own
-FP32 evaluation error on the reference's gradients (:func:`scalar_resolutions`): the
-reference sums the squares in FP64, an engine in FP32. In the
-``deterministic`` lane every bound is 0 (bitwise equality). The comparator reads bounds only
-from the sealed ``bounds.json``; a metric without a bound is an error, never a pass.
+``bound(m, c, p) = k * max(control_error(m, c, p), resolution(m), propagated(m, c, p)) +
+floor(m, p)`` (DESIGN.md section 5), with ``control_error(m, c, p)`` the largest error of the
+controls that the contract assigns to class ``c`` (``candidate_vs_hf``: a candidate at
+precision ``p`` against the HF reference at ``p``; ``tp_vs_tp1``: TP = n against TP = 1 of the
+same engine and precision). ``resolution(m)`` is non-zero for the scalar families only
+(:data:`RESOLVED_FAMILIES`): the FP32 spacing (one unit in the last place) of the reference
+value, the smallest non-zero difference two FP32 results near it can have. A control error of
+0 on a scalar says that the control rounded exactly like the reference, not that a conforming
+execution summing in another order agrees to better than one ulp; without the term, a 2-ulp
+difference of an FP32 grad norm (|Δ| = 1.9e-6 at 8.4, sum of squares over TP shards in another
+order) failed a bound that was the floor alone (1e-6). The grad norm's resolution is also at
+least its own FP32 evaluation error on the reference's gradients (:func:`scalar_resolutions`):
+the reference sums the squares in FP64, an engine in FP32.
+
+``propagated(m, c, p)`` (:func:`propagated_error`) is non-zero for the losses and the grad norm
+(:data:`PROPAGATED_FROM`): a loss is a weighted sum over tokens of logprobs, entropies or
+values, and the gradient a sum of per-token gradients weighted by the loss derivatives. A
+control measures a loss once, as one realisation of how its per-token errors combine, which
+depends on the few tokens that carry the weight; the per-token families take the largest error
+over every token. ``propagated = sqrt(sum_x sum_t (dL/dx_t)^2 e_x^2)`` is the loss's
+uncertainty propagated from the per-token control errors ``e_x`` (first order, uncorrelated
+tokens; JCGM 100:2008 eq. 10, ``k`` its coverage factor; :mod:`qualify.reference.sensitivity`).
+Without it, on tiny-qwen3 seed offset 3 the round-2 KL loss (60.17, 80 % of it at one token
+with ``e^r = 6.9e4``) of Megatron FP32 TP 2 and TP 1 differed by 3.5e-4 > 2.8e-4, from a
+logprob difference of 4.8e-6 at that token, inside the logprob bound (2.5e-5); the controls'
+logprob errors there were 0, 0 and 9.5e-7, their largest over tokens 3.8e-6. The same token
+moved the round-2 grad norm (14178) by 8.8e-2 > 5.9e-2 through the k3 weight of its gradient.
+
+In the ``deterministic`` lane every bound is 0 (bitwise equality). The comparator reads bounds
+only from the sealed ``bounds.json``; a metric without a bound is an error, never a pass.
 :func:`judge` is the verdict half of the rule: ``PASS`` iff the error is finite and
 ``error <= bound``.
 """
@@ -47,6 +62,27 @@ RESOLVED_FAMILIES = ("grad_norm", "clip_coef", "losses")
 reference value (:func:`scalar_resolutions`). Every such value is an FP32 scalar in every
 engine and lane (norms and losses are accumulated in FP32; protocol)."""
 
+BF16_EMITTED = ("values", "rewards")
+"""Per-token families that a BF16 lane's model emits in BF16 (the output of a BF16 value or
+reward head, upcast): the reference's are on the BF16 grid, and so are the BF16 cells' (both
+measured on tiny-qwen3, seed offsets 0-4). Two conforming engines whose exact values differ by
+any ``0 < |d| < u`` (``u`` one BF16 ulp at that magnitude) emit values that are equal or one
+``u`` apart, since ``|round(a) - round(b)| <= |a - b| + u`` and both lie on the grid; a bound
+below ``u`` demands bitwise equality at every token of that magnitude
+(:func:`bf16_resolutions`). Logprobs and entropy take no such term: every engine and lane
+computes them in FP32 from upcast logits (protocol; the reference's are not on the BF16 grid),
+so their noise is continuous and the controls' largest error over tokens measures it."""
+
+PROPAGATED_FROM = {"losses": ("logprobs", "entropy", "values"),
+                   "grad_norm": ("logprobs", "values")}
+"""Scalar family -> the per-token families whose control errors it inherits
+(:func:`propagated_error`). ``grad_norm`` through the loss weights: a per-token error moves
+``dL/dx_t`` by ``d^2L/dx_t^2 d_t`` and the norm by its projection on ``ĝ``
+(:meth:`qualify.reference.sensitivity.LossSensitivity.grad_norm`). Not the worst case
+``e_grads |g|`` (``e_grads`` the largest relative L2 gradient error over parameters): 10x the
+measured norm errors in BF16, it made 6 of the 16 known BF16 failures of the default contract
+pass (their round-2 Critic grad norm, margins 1.1-1.3)."""
+
 ONLY_AT = {"bf16_mode": "bf16", "fp64": "fp32"}
 """Controls that exist in one lane only (:mod:`qualify.lanes`): the distance between the
 two BF16 styles (measured from the ``bf16`` lane, BF16 parameters), and the FP64 run whose
@@ -66,10 +102,14 @@ class Bound:
         control: the control that gave it.
         floor: the contract's floor for the family at this precision.
         k: the multiplier.
-        bound: ``k * max(control_error, resolution) + floor`` (0 in the deterministic lane).
+        bound: ``k * max(control_error, resolution, propagated) + floor`` (0 in the
+            deterministic lane).
         resolution: FP32 spacing of the largest reference value of the metric (scalar
-            families, :data:`RESOLVED_FAMILIES`), else 0; 0 in references sealed before it
-            existed (their bounds are read as sealed).
+            families, :data:`RESOLVED_FAMILIES`), its BF16 spacing for a BF16-emitted
+            per-token family in a BF16 lane (:data:`BF16_EMITTED`), else 0; 0 in
+            references sealed before it existed (their bounds are read as sealed).
+        propagated: the class's per-token control errors carried into a loss
+            (:func:`propagated_error`), else 0; 0 in references sealed before it existed.
     """
 
     precision: str
@@ -82,6 +122,7 @@ class Bound:
     k: float
     bound: float
     resolution: float = 0.0
+    propagated: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (one row of ``bounds.json``)."""
@@ -98,6 +139,7 @@ class Bound:
             "k": self.k,
             "bound": self.bound,
             "resolution": self.resolution,
+            "propagated": self.propagated,
         }
 
     @classmethod
@@ -109,6 +151,7 @@ class Bound:
             statistic=d["statistic"], control_error=float(d["control_error"]),
             control=d["control"], floor=float(d["floor"]), k=float(d["k"]),
             bound=float(d["bound"]), resolution=float(d.get("resolution", 0.0)),
+            propagated=float(d.get("propagated", 0.0)),
         )
 
 
@@ -187,6 +230,40 @@ def scalar_resolutions(reference: Mapping[str, Mapping[str, npt.ArrayLike]],
     return out
 
 
+def bf16_resolutions(reference: Mapping[str, Mapping[str, npt.ArrayLike]],
+                     ) -> dict[str, dict[MetricKey, float]]:
+    """One BF16 ulp of the largest reference value of each BF16-emitted per-token family.
+
+    Args:
+        reference: ``{lane: protocol tensors of the HF reference run}``; only BF16 lanes
+            (:func:`qualify.lanes.lane_precision`) give entries.
+
+    Returns:
+        ``{lane: {key: 2^(floor(log2 max|v|) - 7)}}`` (bfloat16: 8 significand bits) for the
+        metrics of :data:`BF16_EMITTED` whose reference values all lie on the BF16 grid (the
+        low 16 bits of every FP32 value are 0); a family that is not on the grid, all zero or
+        non-finite gives no entry. The spacing is that of the largest magnitude, the largest
+        one-rounding difference any token can show (the bound is one number per family).
+    """
+    out: dict[str, dict[MetricKey, float]] = {}
+    for lane, tensors in reference.items():
+        if lane_precision(lane) != "bf16":
+            continue
+        res: dict[MetricKey, float] = {}
+        for key, members in group_tensors(tensors).items():
+            if key.family not in BF16_EMITTED:
+                continue
+            arrays = [np.ascontiguousarray(np.asarray(v, dtype=np.float32)).reshape(-1)
+                      for v in members.values()]
+            if not arrays or any((a.view(np.uint32) & 0xFFFF).any() for a in arrays):
+                continue
+            top = max(float(np.max(np.abs(a))) if a.size else 0.0 for a in arrays)
+            if top > 0.0 and math.isfinite(top):
+                res[key] = 2.0 ** (math.frexp(top)[1] - 1 - 7)
+        out[lane] = res
+    return out
+
+
 def _norm_eval_error(groups: Mapping[MetricKey, Mapping[str, Any]],
                      evals: Mapping[tuple[int, str], float], key: MetricKey,
                      ) -> tuple[float, float]:
@@ -199,8 +276,48 @@ def _norm_eval_error(groups: Mapping[MetricKey, Mapping[str, Any]],
     return (e, norm) if math.isfinite(e) and math.isfinite(norm) else (0.0, 0.0)
 
 
+Sensitivities = Mapping[tuple[int, str], Mapping[str, Mapping[str, float]]]
+"""One lane's ``{(round, role): {term: {family: S}}}``, ``S = sum_t (dL/dx_t)^2`` of each loss
+term (:mod:`qualify.reference.sensitivity`, the reference run's ``update_meta``)."""
+
+
+def propagated_error(key: MetricKey, errors: Mapping[str, Mapping[MetricKey, ErrorMeasure]],
+                     controls: list[str], sensitivities: Sensitivities | None) -> float:
+    """The propagated uncertainty of a loss from the controls' per-token errors (first order).
+
+    Args:
+        key: the metric (a family of :data:`PROPAGATED_FROM`; any other gives 0).
+        errors: ``{control: {metric: error}}`` of one lane.
+        controls: the controls feeding the class; ``e_x`` is the largest of their errors of
+            family ``x`` at ``key``'s round and role (0 where none measured it).
+        sensitivities: the lane's :data:`Sensitivities` (``None``: 0).
+
+    Returns:
+        ``losses``: ``max over terms of sqrt(sum_x S[term][x] * e_x^2)`` (the statistic is
+        the largest over its terms); ``grad_norm``: ``sqrt(sum_x G_x e_x^2)`` with ``G`` the
+        ``"grad_norm"`` entry; each token's error of standard uncertainty ``e_x``,
+        uncorrelated across tokens (JCGM 100:2008 eq. 10; :mod:`qualify.reference.sensitivity`).
+        A non-finite value gives 0 (a non-finite control error already sets the bound).
+    """
+    if sensitivities is None or key.family not in PROPAGATED_FROM:
+        return 0.0
+
+    def e(family: str) -> float:
+        k = MetricKey(round=key.round, role=key.role, family=family)
+        return max((errors[n][k].value for n in controls if k in errors.get(n, {})),
+                   default=0.0)
+
+    terms = sensitivities.get((key.round, key.role), {})
+    wanted = [v for t, v in terms.items() if (t == "grad_norm") == (key.family == "grad_norm")]
+    out = max((math.sqrt(sum(s * e(f) ** 2 for f, s in by_family.items()
+                             if f in PROPAGATED_FROM[key.family]))
+               for by_family in wanted), default=0.0)
+    return out if math.isfinite(out) else 0.0
+
+
 def compute_bounds(contract: Contract, errors: ControlErrors,
                    resolutions: Mapping[str, Mapping[MetricKey, float]] | None = None,
+                   sensitivities: Mapping[str, Sensitivities] | None = None,
                    ) -> list[Bound]:
     """Apply the contract's bound rule to the measured control errors.
 
@@ -210,6 +327,7 @@ def compute_bounds(contract: Contract, errors: ControlErrors,
             (:mod:`qualify.lanes`: ``fp32``, ``bf16``, ``bf16-autocast``); a lane takes the
             floors of its precision.
         resolutions: output of :func:`scalar_resolutions` (``None``: no resolution term).
+        sensitivities: ``{lane: Sensitivities}`` (``None``: no propagated term).
 
     Returns:
         One :class:`Bound` per lane x class x metric measured by the controls (its
@@ -237,11 +355,14 @@ def compute_bounds(contract: Contract, errors: ControlErrors,
                         worst, worst_name = e.value, n
                 floor = float(b.floors[lane_precision(prec)][key.family])
                 res = float((resolutions or {}).get(prec, {}).get(key, 0.0))
-                bound = 0.0 if b.lane == "deterministic" else b.k * max(worst, res) + floor
+                prop = propagated_error(key, errors[prec], usable,
+                                        (sensitivities or {}).get(prec))
+                bound = (0.0 if b.lane == "deterministic"
+                         else b.k * max(worst, res, prop) + floor)
                 out.append(Bound(precision=prec, klass=klass, key=key,
                                  statistic=FAMILY_STATISTIC[key.family], control_error=worst,
                                  control=worst_name, floor=floor, k=b.k, bound=bound,
-                                 resolution=res))
+                                 resolution=res, propagated=prop))
     return out
 
 
@@ -251,7 +372,7 @@ def bounds_document(contract: Contract, bounds: list[Bound]) -> dict[str, Any]:
         "schema_version": 1,
         "contract": contract.name,
         "contract_digest": contract.digest,
-        "rule": "bound = k * max(control_error, resolution) + floor",
+        "rule": "bound = k * max(control_error, resolution, propagated) + floor",
         "k": contract.bounds.k,
         "lane": contract.bounds.lane,
         "controls": {"candidate_vs_hf": list(contract.bounds.controls_candidate_vs_hf),

@@ -339,9 +339,10 @@ class OptimizerSpec:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class BoundsSpec:
-    """The bound rule ``bound(m, c) = k * max(control_error(m, c), resolution(m)) + floor(m, p)``.
+    """The rule ``bound = k * max(control_error, resolution, propagated) + floor(m, p)``.
 
-    (``resolution``: :mod:`qualify.bounds`, one FP32 ulp of the reference's scalar values.)
+    (:mod:`qualify.bounds`: ``resolution`` one FP32 ulp of a scalar, one BF16 ulp of a BF16-emitted
+    value; ``propagated`` the per-token control errors carried into losses and grad norm.)
 
     Attributes:
         k: multiplier of the control error (4 by default).

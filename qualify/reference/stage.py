@@ -26,7 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from qualify.bounds import bounds_document, compute_bounds, measure_controls, scalar_resolutions
+from qualify.bounds import (
+    bf16_resolutions,
+    bounds_document,
+    compute_bounds,
+    measure_controls,
+    scalar_resolutions,
+)
 from qualify.contract import Contract, Precision
 from qualify.errors import ContractError, ReferenceDataError
 from qualify.evidence import store
@@ -56,6 +62,7 @@ from qualify.protocol import ROLLOUT_META_FILE, TRAIN_INPUTS_FILE
 from qualify.reference import rollout, sampling, scoring, targets
 from qualify.reference.branches import adjust_control_errors, seal_branches
 from qualify.reference.controls import control_errors_document, control_settings
+from qualify.reference.sensitivity import LOSS_SENSITIVITY_META
 from qualify.reference.update import (
     NORM_FP32_META,
     Batch,
@@ -161,6 +168,13 @@ def _norm_evals(meta: Mapping[str, Any]) -> dict[tuple[int, str], float]:
         for label, value in (meta.get(role) or {}).get(NORM_FP32_META, {}).items():
             out[(int(str(label).removeprefix("round")), role)] = float(value)
     return out
+
+
+def _sensitivities(meta: Mapping[str, Any]) -> dict[tuple[int, str], Any]:
+    """``{(round, role): {term: {family: S}}}``: a reference run's loss sensitivities."""
+    return {(int(str(label).removeprefix("round")), role): terms
+            for role in ("actor", "critic")
+            for label, terms in (meta.get(role) or {}).get(LOSS_SENSITIVITY_META, {}).items()}
 
 
 def _reward_scores(contract: Contract, bundle: models.ModelBundle, roll: rollout.Rollout,
@@ -321,10 +335,13 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
              for p, runs in control_runs.items()},
             mask,
         )
+        ref_np = {p: {k: v.numpy() for k, v in t.items()} for p, t in ref_runs.items()}
         resolutions = scalar_resolutions(
-            {p: {k: v.numpy() for k, v in t.items()} for p, t in ref_runs.items()},
-            {lane: _norm_evals(update_meta[f"hf-{lane}"]) for lane in ref_runs})
-        bounds = compute_bounds(contract, errors, resolutions)
+            ref_np, {lane: _norm_evals(update_meta[f"hf-{lane}"]) for lane in ref_runs})
+        for lane, per_token in bf16_resolutions(ref_np).items():  # disjoint families
+            resolutions.setdefault(lane, {}).update(per_token)
+        sensitivities = {lane: _sensitivities(update_meta[f"hf-{lane}"]) for lane in ref_runs}
+        bounds = compute_bounds(contract, errors, resolutions, sensitivities)
 
         step("branches")
         train_np = {k: v.numpy() for k, v in train.items()}
@@ -337,7 +354,7 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
                           for p, runs in control_runs.items()},
             doc=branch_doc, out=out, train=train_np, mask=mask,
             behavior=roll.behavior_logprobs.double().numpy())
-        bounds = compute_bounds(contract, errors, resolutions)
+        bounds = compute_bounds(contract, errors, resolutions, sensitivities)
         store.atomic_write_json(out / CONTROL_ERRORS_FILE, control_errors_document(errors))
         store.atomic_write_json(out / BOUNDS_FILE, bounds_document(contract, bounds),
                                 schema="bounds")

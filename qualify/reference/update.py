@@ -1,10 +1,9 @@
 """The independent reference update: Hugging Face models + ``torch.optim.AdamW``.
 
-This is the reference path's own implementation of the update that
-:mod:`qualify.protocol` specifies. It shares no numerical code with any candidate
-harness (DESIGN.md: a shared bug would cancel out). One call runs ``rounds`` optimizer
-steps for the Actor and the Critic on the frozen rollout and returns every metric under
-its protocol tensor name.
+This is the reference path's own implementation of the update that :mod:`qualify.protocol`
+specifies. It shares no numerical code with any candidate harness (DESIGN.md: a shared bug would
+cancel out). One call runs ``rounds`` optimizer steps for the Actor and the Critic on the frozen
+rollout and returns every metric under its protocol tensor name.
 
 Precisions:
 
@@ -19,10 +18,10 @@ Precisions:
   rounded to FP32 at the end. Its distance to the FP32 reference is the reference's own
   rounding error, which the FP32 reorder controls cannot see (they share its formulas).
 
-Sources: PPO clipped surrogate and value clipping (Schulman et al. 2017, "Proximal
-Policy Optimization Algorithms"; value clipping as in OpenAI baselines ``ppo2``), KL
-estimators (Schulman 2020, "Approximating KL divergence"), AdamW (Loshchilov & Hutter
-2019; ``torch.optim.AdamW``), global-norm clipping (``torch.nn.utils.clip_grad_norm_``).
+Sources: PPO clipped surrogate and value clipping (Schulman et al. 2017, "Proximal Policy
+Optimization Algorithms"; value clipping as in OpenAI baselines ``ppo2``), KL estimators (Schulman
+2020, "Approximating KL divergence"), AdamW (Loshchilov & Hutter 2019; ``torch.optim.AdamW``),
+global-norm clipping (``torch.nn.utils.clip_grad_norm_``).
 """
 
 from __future__ import annotations
@@ -37,25 +36,23 @@ from torch import nn
 
 from qualify import aggregation
 from qualify.contract import Contract
-from qualify.protocol import param_sample_indices, tensor_name
+from qualify.protocol import param_sample_indices, parse_tensor_name, tensor_name
 from qualify.reference.row_split import split_row_parallel
 from qualify.reference.scoring import bf16_parameters_copy
+from qualify.reference.sensitivity import LOSS_SENSITIVITY_META, LossSensitivity
 
 NORM_FP32_META: Final = "grad_norm_fp32"
-"""The role meta key (``reference.json`` ``update_meta``) of the FP32 evaluation of each
-round's pre-clip norm, ``{"round<r>": float}`` (:func:`_grad_norm_and_clip`)."""
+"""Role meta key of each round's pre-clip norm evaluated in FP32 (:func:`_grad_norm_and_clip`)."""
 
 Bf16Mode = Literal["params", "autocast"]
 RoundHook = Callable[[int, nn.Module, nn.Module, "Batch", torch.Tensor], None]
-"""``hook(round_, work, master, batch, old)``, called after a round's backward and before
-its optimizer step: ``work`` is the module the round ran forward on (the master, or its BF16
-copy), ``master`` holds the round's whole pre-clip gradient in ``.grad``, ``batch`` is the
-batch as the run padded it, ``old`` the run's ``[B, R]`` round-1 logprobs (actor) or values
-(critic), the clip centre."""
+"""``hook(round_, work, master, batch, old)``, called after a round's backward and before its
+optimizer step: ``work`` is the module the round ran forward on (the master, or its BF16 copy),
+``master`` holds the round's whole pre-clip gradient in ``.grad``, ``batch`` is the batch as the
+run padded it, ``old`` the ``[B, R]`` round-1 logprobs (actor) or values (critic): clip centre."""
 ProbeHook = Callable[[int, nn.Module, "Batch"], contextlib.AbstractContextManager[Any]]
-"""``probe(round_, work, micro_batch)``: a context around one micro-batch's forward and
-backward (``qualify diverge`` registers its module hooks on ``work`` there); it must not
-touch ``.grad``."""
+"""``probe(round_, work, micro_batch)``: a context around one micro-batch's forward and backward
+(``qualify diverge`` registers its module hooks on ``work`` there); it must not touch ``.grad``."""
 
 
 def _no_probe(_round: int, _work: nn.Module, _mb: Batch) -> contextlib.AbstractContextManager[Any]:
@@ -69,8 +66,7 @@ class UpdateSettings:
     Attributes:
         precision: ``fp32``, ``bf16``, or ``fp64`` (the FP64 control; the caller passes
             FP64 models).
-        bf16_mode: ``params`` (BF16 copy of FP32 master) or ``autocast``; ignored unless
-            bf16.
+        bf16_mode: ``params`` (BF16 copy of FP32 master) or ``autocast``; ignored unless bf16.
         micro_batch_size: sequences per micro-batch.
         extra_left_padding: pad columns prepended to the prompts (attention 0).
         extra_right_padding: pad columns appended to the responses (attention 0).
@@ -369,10 +365,8 @@ def _adamw(master: nn.Module, lr: float, contract: Contract) -> torch.optim.Adam
 
 
 def _state_dtypes(optim: torch.optim.Optimizer) -> dict[str, str]:
-    dtypes: set[str] = set()
-    for state in optim.state.values():
-        for key in ("exp_avg", "exp_avg_sq"):
-            dtypes.add(f"{key}:{state[key].dtype}")
+    dtypes = {f"{key}:{state[key].dtype}" for state in optim.state.values()
+              for key in ("exp_avg", "exp_avg_sq")}
     return {d.split(":")[0]: d.split(":")[1] for d in sorted(dtypes)}
 
 
@@ -417,6 +411,7 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
     norm_evals: dict[str, float] = {}
     clip_fraction: dict[str, float] = {}
     lrs: dict[str, float] = {}
+    sens = LossSensitivity()
     with torch.no_grad():
         ref_model = ref_prec.refresh()
         for s, mb in batch.micro_batches(settings.micro_batch_size):
@@ -457,11 +452,12 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
                 kl = alg.kl_loss_coef * (_kl(logp, ref_logp[s], alg.kl_loss_estimator) * agg).sum()
                 kl = kl / denom
                 ent_loss = -alg.entropy_coef * (ent * agg).sum() / denom
+                sens.add(round_, {"policy": policy, "kl": kl, "entropy": ent_loss, "total":
+                                  policy + kl + ent_loss}, {"logprobs": logp, "entropy": ent}, s)
                 (policy + kl + ent_loss).backward()
             prec.collect_grads()
-            sums["policy"] += float(policy.detach())
-            sums["kl"] += float(kl.detach())
-            sums["entropy"] += float(ent_loss.detach())
+            for name, part in (("policy", policy), ("kl", kl), ("entropy", ent_loss)):
+                sums[name] += float(part.detach())
             logp_r[s] = (logp.detach() * mask)
             ent_r[s] = (ent.detach() * mask)
         if round_ == 1:
@@ -472,13 +468,16 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
         for term, v in sums.items():
             out[tensor_name(round_, "actor", f"loss/{term}")] = torch.tensor(v)
         out[tensor_name(round_, "actor", "loss/total")] = torch.tensor(sum(sums.values()))
+        sens.grad_norm(round_, actor, batch, settings.micro_batch_size, lambda m, mb:
+                       _token_logprobs_entropy(_forward_response_outputs(m, mb), mb.responses,
+                                               temp)[0])
         if on_round is not None:
             on_round(round_, model, actor, batch, old_logp)
         lrs[f"round{round_}"] = _step("actor", round_, actor, contract, optim=optim, out=out,
                                       grad_dtypes=grad_dtypes, norm_evals=norm_evals)
     meta = _run_meta(actor, optim, grad_dtypes, compute_dtypes, settings)
     meta["lr"] = lrs
-    meta[NORM_FP32_META] = norm_evals
+    meta[NORM_FP32_META], meta[LOSS_SENSITIVITY_META] = norm_evals, sens.rounds
     meta["policy_clip_fraction"] = clip_fraction
     meta["loss_agg_mode"] = alg.loss_agg_mode
     if decoupled:
@@ -522,6 +521,7 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
     norm_evals: dict[str, float] = {}
     clip_fraction: dict[str, float] = {}
     lrs: dict[str, float] = {}
+    sens = LossSensitivity()
     for round_ in range(1, alg.rounds + 1):
         model = prec.refresh()
         model.eval()  # dropout off (protocol); autograd works in eval mode
@@ -542,6 +542,7 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
                 clipped_tokens += float((((clipped - ret).square() > (values - ret).square())
                                          .float() * mask).sum())
                 loss = 0.5 * (vloss * (mask * row_w[s, None])).sum() / denom
+                sens.add(round_, {"value": loss, "total": loss}, {"values": values}, s)
                 loss.backward()
             prec.collect_grads()
             total += float(loss.detach())
@@ -552,13 +553,15 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
         out[tensor_name(round_, "critic", "values")] = values_r.float()
         out[tensor_name(round_, "critic", "loss/value")] = torch.tensor(total)
         out[tensor_name(round_, "critic", "loss/total")] = torch.tensor(total)
+        sens.grad_norm(round_, critic, batch, settings.micro_batch_size, lambda m, mb:
+                       _forward_response_outputs(m, mb).float().squeeze(-1))
         if on_round is not None:
             on_round(round_, model, critic, batch, old_values)
         lrs[f"round{round_}"] = _step("critic", round_, critic, contract, optim=optim,
                                       out=out, grad_dtypes=grad_dtypes, norm_evals=norm_evals)
     meta = _run_meta(critic, optim, grad_dtypes, compute_dtypes, settings)
     meta["lr"] = lrs
-    meta[NORM_FP32_META] = norm_evals
+    meta[NORM_FP32_META], meta[LOSS_SENSITIVITY_META] = norm_evals, sens.rounds
     meta["value_clip_fraction"] = clip_fraction
     return out, meta
 
@@ -639,8 +642,6 @@ def strip_padding(tensors: dict[str, torch.Tensor], r_len: int) -> dict[str, tor
     Only per-token metrics (``logprobs``, ``entropy``, ``values``) are cut; parameters,
     gradients and optimizer state keep their shapes.
     """
-    from qualify.protocol import parse_tensor_name
-
     out = {}
     for k, v in tensors.items():
         metric = parse_tensor_name(k)[2]
