@@ -44,8 +44,9 @@ from torch import Tensor, nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from harnesses import common, hf_schedule
+from harnesses import resume_state as rs
 from harnesses.common import Batch, Inputs
-from harnesses.fsdp2 import faults, losses, parallelize, tensor_parallel
+from harnesses.fsdp2 import faults, losses, parallelize, resume, tensor_parallel
 from harnesses.fsdp2 import state_dict_adapter as sda
 from qualify.errors import HarnessError
 from qualify.protocol import ACTOR_ROUND1_WEIGHTS, EXTRA_RIGHT_PADDING, HarnessCell
@@ -98,6 +99,7 @@ class RoleRun(common.RoleOutputs):
     replica_params: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     reduction: dict[str, Any] = dataclasses.field(default_factory=dict)
     tp_info: tensor_parallel.TpInfo | None = None
+    resume_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def role(self) -> str:
@@ -263,7 +265,11 @@ class RoleRun(common.RoleOutputs):
         decoupled = alg.name == "decoupled_ppo"
         w_behav = torch.ones(b, r_len, device=self.device)
         w_raw = torch.ones(b, r_len, device=self.device)
-        for round_ in range(1, alg.rounds + 1):
+        plan = rs.ResumePlan.of(self.cell)
+        if plan.loading:  # a resume cell's second launch: restore, then round k + 1
+            got = self.resume_load(plan, model, optimizer, rows)
+            old_lp, w_behav, w_raw = got["old_logprobs"], got["w_behav"], got["w_raw"]
+        for round_ in plan.rounds(alg.rounds):
             with self.timed(f"round{round_}_s"):
                 lp_r = torch.zeros(b, r_len, device=self.device)
                 ent_r = torch.zeros(b, r_len, device=self.device)
@@ -301,10 +307,14 @@ class RoleRun(common.RoleOutputs):
                     self.put(round_, f"loss/{term}", torch.tensor(sums[term]))
                 self.put(round_, "loss/total", torch.tensor(sum(sums.values())))
                 self.step(round_, model, optimizer)
+                if plan.saves_after(round_):
+                    self.resume_save(plan, model, optimizer, {
+                        "old_logprobs": old_lp, "w_behav": w_behav, "w_raw": w_raw})
                 if round_ == 1 and self.cell.export_weights:
                     self.export_weights(model, Path(self.cell.output_dir) / ACTOR_ROUND1_WEIGHTS)
         meta = self.role_meta(model, info, n_valid, len(slices), rows)
         meta["loss_agg_mode"] = alg.loss_agg_mode
+        meta.update(self.resume_meta)
         if decoupled:  # fixed by round 1 (the proximal policy); statistics over all DP rows
             stats = losses.weight_stats(self.gather_rows(w_raw).cpu(), self.inputs.batch.mask,
                                         alg.behavior_weight_cap)
@@ -356,7 +366,10 @@ class RoleRun(common.RoleOutputs):
         old_v = torch.zeros(b, r_len, device=self.device)
         full_w, denom = losses.aggregation_terms(self.inputs.batch.mask, alg.loss_agg_mode)
         row_w = full_w.to(self.device)[rows]
-        for round_ in range(1, alg.rounds + 1):
+        plan = rs.ResumePlan.of(self.cell)
+        if plan.loading:
+            old_v = self.resume_load(plan, model, optimizer, rows)["old_values"]
+        for round_ in plan.rounds(alg.rounds):
             with self.timed(f"round{round_}_s"):
                 v_r = torch.zeros(b, r_len, device=self.device)
                 share = 0.0
@@ -377,7 +390,42 @@ class RoleRun(common.RoleOutputs):
                 self.put(round_, "loss/value", torch.tensor(total))
                 self.put(round_, "loss/total", torch.tensor(total))
                 self.step(round_, model, optimizer)
-        return self.role_meta(model, info, n_valid, len(slices), rows)
+                if plan.saves_after(round_):
+                    self.resume_save(plan, model, optimizer, {"old_values": old_v})
+        return {**self.role_meta(model, info, n_valid, len(slices), rows), **self.resume_meta}
+
+    # ----------------------------------------------------------------- resume
+
+    def resume_save(self, plan: rs.ResumePlan, model: nn.Module,
+                    optimizer: torch.optim.Optimizer, rollout_state: dict[str, Tensor]) -> None:
+        """Checkpoint after round ``plan.after_round`` (:mod:`harnesses.fsdp2.resume`).
+
+        Args:
+            plan: the save plan.
+            model: the role's sharded model (resharded: between steps).
+            optimizer: its AdamW.
+            rollout_state: this DP rank's rows ``[b, R]`` FP32 of the tensors later rounds
+                read; all-gathered over ``dp`` to ``[B, R]`` here (collective).
+        """
+        with self.timed("checkpoint_save_s"):
+            whole = {k: self.gather_rows(v) for k, v in rollout_state.items()}
+            resume.save(plan, role=self.role, writer=self.writer, group=self.mesh.group,
+                        model=model, optimizer=optimizer, scheduler=self.lr_scheduler,
+                        rollout_state=whole)
+
+    def resume_load(self, plan: rs.ResumePlan, model: nn.Module,
+                    optimizer: torch.optim.Optimizer, rows: slice) -> dict[str, Tensor]:
+        """Restore the checkpoint (fresh process); its record goes to the role meta.
+
+        Returns:
+            The saved rollout state, this DP rank's ``rows`` of each ``[B, R]`` tensor, on
+            the run's device.
+        """
+        with self.timed("checkpoint_load_s"):
+            state, self.resume_meta["resume"] = resume.load(
+                plan, role=self.role, group=self.mesh.group, model=model, optimizer=optimizer,
+                scheduler=self.lr_scheduler, active=self.faults)
+        return {k: v[rows].to(self.device) for k, v in state.items()}
 
     # ----------------------------------------------------------------- meta
 
@@ -507,8 +555,9 @@ def run(cell: HarnessCell) -> None:
         with runner.timed("total_s"):
             meta = runner.run_actor() if mesh.role == "actor" else runner.run_critic()
         print(f"[fsdp2] rank {rank}: {mesh.role} done, timings {runner.timings}", flush=True)
-        if runner.writer:
-            common.write_part(ENGINE, output_dir, mesh.role, runner.tensors, meta)
+        if runner.writer:  # a resumed launch reports only the rounds it ran
+            common.write_part(ENGINE, output_dir, mesh.role,
+                              rs.ResumePlan.of(cell).keep(runner.tensors), meta)
         if rank == 0:
             head = common.outputs_head(
                 engine=ENGINE, cell=cell.to_dict(), packages=PACKAGES, world=world,

@@ -31,6 +31,7 @@ SPEC: Final = EngineSpec(
     world_size_rule="(actor_tp+critic_tp)*dp",
     # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): BF16 unsharded parameters
     # for compute, all-gathered from FP32 sharded masters (harness.BF16_MECHANISM).
+    resumes=True,  # harnesses/fsdp2/resume.py: torch.distributed.checkpoint (DCP)
     bf16_style="params",
     description="PyTorch FSDP2 (fully_shard per decoder layer and root, MixedPrecisionPolicy, "
                 "DTensor), optionally over TP (parallelize_module, 2-D mesh); CPU (gloo) "
