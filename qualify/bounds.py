@@ -2,10 +2,11 @@
 
 ``bound(m, c, p) = k * max(control_error(m, c, p), resolution(m), propagated(m, c, p)) +
 quantum(m, p) + floor(m, p)`` (DESIGN.md section 5), with ``control_error(m, c, p)`` the
-largest error of the controls that the contract assigns to class ``c`` (``candidate_vs_hf``: a candidate at
-precision ``p`` against the HF reference at ``p``; ``tp_vs_tp1``: TP = n against TP = 1 of the
-same engine and precision). ``resolution(m)`` is non-zero for the scalar families only
-(:data:`RESOLVED_FAMILIES`): the FP32 spacing (one unit in the last place) of the reference
+largest error of the controls that the contract assigns to class ``c``
+(``candidate_vs_hf``: a candidate at precision ``p`` against the HF reference at ``p``;
+``tp_vs_tp1``: TP = n against TP = 1 of the same engine and precision).
+``resolution(m)`` is non-zero for the scalar families only (:data:`RESOLVED_FAMILIES`):
+the FP32 spacing (one unit in the last place) of the reference
 value, the smallest non-zero difference two FP32 results near it can have. A control error of
 0 on a scalar says that the control rounded exactly like the reference, not that a conforming
 execution summing in another order agrees to better than one ulp; without the term, a 2-ulp

@@ -4,7 +4,6 @@ a policy on the fresh signed world, and a corpus of bad policy files (exit 2, on
 from __future__ import annotations
 
 import fnmatch
-
 import json
 import re
 from collections.abc import Callable
