@@ -506,6 +506,19 @@ def role_device(actor_tp: int, critic_tp: int) -> tuple[torch.device, str, torch
     return device, backend, (device if local_world <= count else None)
 
 
+def launch_device(cell: HarnessCell) -> tuple[torch.device, str, torch.device | None]:
+    """:func:`role_device` for a whole launch: the largest TP of every topology it runs.
+
+    A launch runs every topology of one world size (:func:`topology_runs`); whether ranks
+    may share a GPU depends on the largest TP group of any of them, not the first one's.
+
+    Raises:
+        HarnessError: as :func:`role_device`, or a variant of another world size.
+    """
+    tps = [tp for (a, c), _ in topology_runs(cell) for tp in (a, c)]
+    return role_device(max(tps, default=0), 0)
+
+
 def harness_main(argv: Sequence[str] | None, *, engine: str, module: str,
                  run: Callable[[HarnessCell], None]) -> int:
     """Entry point shared by the harnesses: ``python -m MODULE CELL_JSON``.

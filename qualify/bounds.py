@@ -1,11 +1,12 @@
 """The bound rule, computed once in the reference stage and sealed.
 
 ``bound(m, c, p) = k * max(control_error(m, c, p), resolution(m), propagated(m, c, p)) +
-floor(m, p)`` (DESIGN.md section 5), with ``control_error(m, c, p)`` the largest error of the
-controls that the contract assigns to class ``c`` (``candidate_vs_hf``: a candidate at
-precision ``p`` against the HF reference at ``p``; ``tp_vs_tp1``: TP = n against TP = 1 of the
-same engine and precision). ``resolution(m)`` is non-zero for the scalar families only
-(:data:`RESOLVED_FAMILIES`): the FP32 spacing (one unit in the last place) of the reference
+quantum(m, p) + floor(m, p)`` (DESIGN.md section 5), with ``control_error(m, c, p)`` the
+largest error of the controls that the contract assigns to class ``c``
+(``candidate_vs_hf``: a candidate at precision ``p`` against the HF reference at ``p``;
+``tp_vs_tp1``: TP = n against TP = 1 of the same engine and precision).
+``resolution(m)`` is non-zero for the scalar families only (:data:`RESOLVED_FAMILIES`):
+the FP32 spacing (one unit in the last place) of the reference
 value, the smallest non-zero difference two FP32 results near it can have. A control error of
 0 on a scalar says that the control rounded exactly like the reference, not that a conforming
 execution summing in another order agrees to better than one ulp; without the term, a 2-ulp
@@ -13,6 +14,11 @@ difference of an FP32 grad norm (|Δ| = 1.9e-6 at 8.4, sum of squares over TP sh
 order) failed a bound that was the floor alone (1e-6). The grad norm's resolution is also at
 least its own FP32 evaluation error on the reference's gradients (:func:`scalar_resolutions`):
 the reference sums the squares in FP64, an engine in FP32.
+
+``quantum(m, p)`` is the grid spacing of a per-token family that a BF16 lane's model emits in
+BF16 (:data:`BF16_EMITTED`, :func:`bf16_quanta`): two conforming engines whose exact values
+differ by ``d`` emit values at most ``|d| + u`` apart, so the spacing ``u`` is added once, not
+multiplied by ``k`` (a rounding step is a known quantity, not a measured noise to cover).
 
 ``propagated(m, c, p)`` (:func:`propagated_error`) is non-zero for the losses and the grad norm
 (:data:`PROPAGATED_FROM`): a loss is a weighted sum over tokens of logprobs, entropies or
@@ -69,7 +75,7 @@ measured on tiny-qwen3, seed offsets 0-4). Two conforming engines whose exact va
 any ``0 < |d| < u`` (``u`` one BF16 ulp at that magnitude) emit values that are equal or one
 ``u`` apart, since ``|round(a) - round(b)| <= |a - b| + u`` and both lie on the grid; a bound
 below ``u`` demands bitwise equality at every token of that magnitude
-(:func:`bf16_resolutions`). Logprobs and entropy take no such term: every engine and lane
+(:func:`bf16_quanta`). Logprobs and entropy take no such term: every engine and lane
 computes them in FP32 from upcast logits (protocol; the reference's are not on the BF16 grid),
 so their noise is continuous and the controls' largest error over tokens measures it."""
 
@@ -102,12 +108,15 @@ class Bound:
         control: the control that gave it.
         floor: the contract's floor for the family at this precision.
         k: the multiplier.
-        bound: ``k * max(control_error, resolution, propagated) + floor`` (0 in the
-            deterministic lane).
+        bound: ``k * max(control_error, resolution, propagated) + quantum + floor`` (0 in
+            the deterministic lane).
         resolution: FP32 spacing of the largest reference value of the metric (scalar
-            families, :data:`RESOLVED_FAMILIES`), its BF16 spacing for a BF16-emitted
-            per-token family in a BF16 lane (:data:`BF16_EMITTED`), else 0; 0 in
-            references sealed before it existed (their bounds are read as sealed).
+            families, :data:`RESOLVED_FAMILIES`), else 0; 0 in references sealed before it
+            existed (their bounds are read as sealed). References sealed before ``quantum``
+            existed hold the BF16 spacing of a BF16-emitted family here (multiplied by k).
+        quantum: the BF16 spacing of the largest reference value of a BF16-emitted per-token
+            family in a BF16 lane (:data:`BF16_EMITTED`, :func:`bf16_quanta`), added once;
+            else 0 (and 0 in references sealed before it existed).
         propagated: the class's per-token control errors carried into a loss
             (:func:`propagated_error`), else 0; 0 in references sealed before it existed.
     """
@@ -123,6 +132,7 @@ class Bound:
     bound: float
     resolution: float = 0.0
     propagated: float = 0.0
+    quantum: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (one row of ``bounds.json``)."""
@@ -140,6 +150,7 @@ class Bound:
             "bound": self.bound,
             "resolution": self.resolution,
             "propagated": self.propagated,
+            "quantum": self.quantum,
         }
 
     @classmethod
@@ -152,6 +163,7 @@ class Bound:
             control=d["control"], floor=float(d["floor"]), k=float(d["k"]),
             bound=float(d["bound"]), resolution=float(d.get("resolution", 0.0)),
             propagated=float(d.get("propagated", 0.0)),
+            quantum=float(d.get("quantum", 0.0)),
         )
 
 
@@ -230,8 +242,8 @@ def scalar_resolutions(reference: Mapping[str, Mapping[str, npt.ArrayLike]],
     return out
 
 
-def bf16_resolutions(reference: Mapping[str, Mapping[str, npt.ArrayLike]],
-                     ) -> dict[str, dict[MetricKey, float]]:
+def bf16_quanta(reference: Mapping[str, Mapping[str, npt.ArrayLike]],
+                ) -> dict[str, dict[MetricKey, float]]:
     """One BF16 ulp of the largest reference value of each BF16-emitted per-token family.
 
     Args:
@@ -318,6 +330,7 @@ def propagated_error(key: MetricKey, errors: Mapping[str, Mapping[MetricKey, Err
 def compute_bounds(contract: Contract, errors: ControlErrors,
                    resolutions: Mapping[str, Mapping[MetricKey, float]] | None = None,
                    sensitivities: Mapping[str, Sensitivities] | None = None,
+                   quanta: Mapping[str, Mapping[MetricKey, float]] | None = None,
                    ) -> list[Bound]:
     """Apply the contract's bound rule to the measured control errors.
 
@@ -328,6 +341,7 @@ def compute_bounds(contract: Contract, errors: ControlErrors,
             floors of its precision.
         resolutions: output of :func:`scalar_resolutions` (``None``: no resolution term).
         sensitivities: ``{lane: Sensitivities}`` (``None``: no propagated term).
+        quanta: output of :func:`bf16_quanta` (``None``: no quantum term).
 
     Returns:
         One :class:`Bound` per lane x class x metric measured by the controls (its
@@ -357,12 +371,13 @@ def compute_bounds(contract: Contract, errors: ControlErrors,
                 res = float((resolutions or {}).get(prec, {}).get(key, 0.0))
                 prop = propagated_error(key, errors[prec], usable,
                                         (sensitivities or {}).get(prec))
+                quantum = float((quanta or {}).get(prec, {}).get(key, 0.0))
                 bound = (0.0 if b.lane == "deterministic"
-                         else b.k * max(worst, res, prop) + floor)
+                         else b.k * max(worst, res, prop) + quantum + floor)
                 out.append(Bound(precision=prec, klass=klass, key=key,
                                  statistic=FAMILY_STATISTIC[key.family], control_error=worst,
                                  control=worst_name, floor=floor, k=b.k, bound=bound,
-                                 resolution=res, propagated=prop))
+                                 resolution=res, propagated=prop, quantum=quantum))
     return out
 
 
@@ -372,7 +387,7 @@ def bounds_document(contract: Contract, bounds: list[Bound]) -> dict[str, Any]:
         "schema_version": 1,
         "contract": contract.name,
         "contract_digest": contract.digest,
-        "rule": "bound = k * max(control_error, resolution, propagated) + floor",
+        "rule": "bound = k * max(control_error, resolution, propagated) + quantum + floor",
         "k": contract.bounds.k,
         "lane": contract.bounds.lane,
         "controls": {"candidate_vs_hf": list(contract.bounds.controls_candidate_vs_hf),

@@ -339,10 +339,10 @@ class OptimizerSpec:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class BoundsSpec:
-    """The rule ``bound = k * max(control_error, resolution, propagated) + floor(m, p)``.
+    """The rule ``bound = k * max(control_error, resolution, propagated) + quantum + floor``.
 
-    (:mod:`qualify.bounds`: ``resolution`` one FP32 ulp of a scalar, one BF16 ulp of a BF16-emitted
-    value; ``propagated`` the per-token control errors carried into losses and grad norm.)
+    (:mod:`qualify.bounds`: ``resolution`` one FP32 ulp of a scalar, ``quantum`` one BF16 ulp of
+    a BF16-emitted value; ``propagated`` per-token control errors carried into loss, norm.)
 
     Attributes:
         k: multiplier of the control error (4 by default).

@@ -26,7 +26,7 @@ import torch
 from qualify.bounds import (
     Bound,
     Sensitivities,
-    bf16_resolutions,
+    bf16_quanta,
     compute_bounds,
     judge,
     propagated_error,
@@ -144,10 +144,16 @@ def test_seed3_megatron_tp2_false_alarm_is_removed_and_faults_still_fail() -> No
     assert lb.bound / 60.16687393 < 1.3e-5
 
 
-def test_only_losses_take_the_propagated_term() -> None:
-    sens = _seed3_sensitivities()
+def test_only_losses_and_the_grad_norm_take_the_propagated_term() -> None:
+    sens = dict(_seed3_sensitivities())
+    # the grad norm takes only its own "grad_norm" sensitivity, never a loss term's
     assert propagated_error(R2["grad_norm"], _errors(), list(CONTROLS), sens) == 0.0
-    assert propagated_error(R2["logprobs"], _errors(), list(CONTROLS), sens) == 0.0
+    sens[(2, "actor")] = {**sens[(2, "actor")], "grad_norm": {"logprobs": 4.0}}
+    assert propagated_error(R2["grad_norm"], _errors(), list(CONTROLS), sens) == \
+        pytest.approx(2.0 * max(LOGPROB_ERR.values()))
+    for f in ("logprobs", "entropy", "clip_coef"):  # per-token rows and clip_coef: none
+        assert propagated_error(R2[f] if f in R2 else MetricKey(round=2, role="actor", family=f),
+                                _errors(), list(CONTROLS), sens) == 0.0
     assert propagated_error(R2["losses"], _errors(), list(CONTROLS), None) == 0.0
 
 
@@ -170,28 +176,32 @@ VALUES = {lane: MetricKey(round=3, role="critic", family="values")
           for lane in ("bf16", "fp32")}
 
 
-def test_bf16_emitted_values_take_one_bf16_ulp_of_their_largest_magnitude() -> None:
+def test_bf16_emitted_values_take_one_bf16_ulp_of_their_largest_magnitude_once() -> None:
     """Issue #18's 4-round run: torch_tp-bf16-critic-tp2 round-3 values differed by exactly one
     BF16 ulp (0.03125, a value in [4, 8)) against a bound of 0.0295 (control error 0.0049 at
-    smaller values): a bound below the emitted dtype's spacing there was bitwise equality."""
+    smaller values): a bound below the emitted dtype's spacing there was bitwise equality.
+    The spacing is added once (|round(a) - round(b)| <= |a - b| + u), not multiplied by k."""
     v = np.array([[4.71875, -0.3125, 0.0], [1.5, 6.25, 0.0]], dtype=np.float32)  # BF16 grid
     ref = {"bf16": {"round3/critic/values": v,
                     "round3/actor/logprobs": np.full((2, 3), -4.123, dtype=np.float32)},
            "fp32": {"round3/critic/values": v}}
-    res = bf16_resolutions(ref)
+    res = bf16_quanta(ref)
     assert res["bf16"] == {VALUES["bf16"]: 2.0 ** (2 - 7)}  # 0.03125: ulp of [4, 8), by hand
     assert "fp32" not in res  # an FP32 lane is not BF16-emitted
     off_grid = {"bf16": {"round3/critic/values": v + np.float32(1e-3)}}
-    assert bf16_resolutions(off_grid)["bf16"] == {}  # values not on the grid: no term
+    assert bf16_quanta(off_grid)["bf16"] == {}  # values not on the grid: no term
     ctrl = {"bf16": {n: {VALUES["bf16"]: _m(0.004875)} for n in CONTROLS}}
     old = {b.klass: b for b in compute_bounds(CONTRACT, ctrl)}["tp_vs_tp1"]
-    new = {b.klass: b for b in compute_bounds(CONTRACT, ctrl, res)}["tp_vs_tp1"]
+    new = {b.klass: b for b in compute_bounds(CONTRACT, ctrl, quanta=res)}["tp_vs_tp1"]
     assert old.bound == pytest.approx(0.0295)
     assert judge(0.03125, old.bound)[0] == "FAIL"  # the #18 false alarm
-    assert new.resolution == 0.03125
-    assert new.bound == pytest.approx(4 * 0.03125 + 0.01)
+    assert new.quantum == 0.03125
+    assert new.resolution == 0.0
+    assert new.bound == pytest.approx(4 * 0.004875 + 0.03125 + 0.01)  # 0.06075
     assert judge(0.03125, new.bound)[0] == "PASS"
+    assert judge(0.07, new.bound)[0] == "FAIL"  # two ulps and a bit: fails
     assert judge(0.2, new.bound)[0] == "FAIL"  # a value-head bias of 0.2 still fails
+    assert Bound.from_dict(new.to_dict()) == new
 
 
 class _Rows:

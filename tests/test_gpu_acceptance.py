@@ -10,6 +10,7 @@ and the device choice of the torch_tp / DeepSpeed harnesses when ranks share one
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import io
@@ -30,6 +31,7 @@ from harnesses import common
 from harnesses.deepspeed import parallelize as ds_parallelize
 from qualify.contract import load_contract, loads_contract
 from qualify.errors import HarnessError
+from qualify.protocol import HarnessCell
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu" / "acceptance.sh"
@@ -310,6 +312,21 @@ def test_role_device_one_gpu_per_rank_is_eager(monkeypatch: pytest.MonkeyPatch) 
     assert common.role_device(1, 1) == (torch.device("cuda", 1), "nccl",
                                         torch.device("cuda", 1))
     assert chosen == [1]
+
+
+def test_launch_device_decides_by_the_largest_tp_of_every_topology(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch of a1c1 then an actor-only a2 (one world size) must not share one GPU: the
+    second topology's TP group would hold two ranks on it (the first topology alone allows)."""
+    _fake_gpus(monkeypatch, count=1, local_rank=1, local_world=2)
+    one = HarnessCell(engine="torch_tp", precision="fp32", options={}, actor_tp=1, critic_tp=1,
+                      rounds=1, seed=0, inputs_dir="i", output_dir="o")
+    assert common.launch_device(one) == (torch.device("cuda", 0), "nccl", None)
+    both = dataclasses.replace(one, variants=(
+        {"precision": "fp32", "options": {}, "actor_tp": 1, "critic_tp": 1},
+        {"precision": "fp32", "options": {}, "actor_tp": 2, "critic_tp": 0}))
+    with pytest.raises(HarnessError, match="LOCAL_RANK 1 but only 1 CUDA device"):
+        common.launch_device(both)
 
 
 def test_deepspeed_is_given_the_shared_device() -> None:

@@ -143,8 +143,9 @@ DS_PROBE = r"""
 import json, os, sys
 import torch, deepspeed
 from harnesses import hf_schedule
-from harnesses.deepspeed.parallelize import ds_config, ds_scheduler
+from harnesses.deepspeed.parallelize import ds_config, ds_scheduler, skip_shm_comm_build
 from qualify.contract import OptimizerSpec
+skip_shm_comm_build()  # as the harness: no JIT C++ build of the shm all-reduce op (minutes)
 deepspeed.init_distributed(dist_backend="gloo")
 out = {}
 for key in json.loads(sys.argv[1]):

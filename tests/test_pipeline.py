@@ -78,7 +78,8 @@ def test_reference_is_sealed_read_only_and_complete(reference: Path, contract: C
             assert (prec, klass, 1, "critic", "values") in seen
     for b in bounds:
         assert b["bound"] == pytest.approx(
-            b["k"] * max(b["control_error"], b["resolution"]) + b["floor"])
+            b["k"] * max(b["control_error"], b["resolution"], b["propagated"])
+            + b["quantum"] + b["floor"])
         assert (b["resolution"] > 0) == (b["family"] in ("grad_norm", "clip_coef", "losses"))
     meta = json.loads((reference / "reference.json").read_text())
     bf16 = meta["scoring_records"]["bf16"]["actor"]

@@ -3,6 +3,7 @@ a policy on the fresh signed world, and a corpus of bad policy files (exit 2, on
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 from collections.abc import Callable
@@ -165,6 +166,19 @@ def test_committed_algorithm_policies_gate_their_runs_findings_to_exit_0(name: s
     extra = {**findings, gone: [*findings[gone], "replica"]}
     worse = evaluate(tiny_report(extra, path), policy)
     assert [(c.cell, c.outcome) for c in worse.offending] == [(gone, "FAIL")]
+
+
+@pytest.mark.parametrize("name", sorted(ALGO_FINDINGS))
+def test_algorithm_policies_list_exactly_the_measured_fail_families(name: str) -> None:
+    """A listed family that passed would hide a regression in it (the gate is per cell)."""
+    contract = load_contract(contracts_dir() / f"{name}.toml")
+    policy = policy_for(contract)
+    findings = ALGO_FINDINGS[name]
+    for entry in policy.expected_failures:
+        matched = [c for c in findings if fnmatch.fnmatchcase(c, entry.cells)]
+        assert matched, entry.cells
+        for cell in matched:
+            assert sorted(entry.families) == sorted(findings[cell]), (cell, entry.families)
 
 
 @pytest.mark.parametrize(("change", "cell", "outcome", "words"), [

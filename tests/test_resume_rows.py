@@ -55,6 +55,17 @@ def test_resume_section_is_loaded_and_changes_the_digest() -> None:
     assert Contract.from_dict(doc).digest != c.digest
 
 
+def test_only_required_cells_make_their_resume_cells_required() -> None:
+    doc = _doc()
+    doc["matrix"]["required_cells"] = ["torch_tp-fp32-actor-tp2",
+                                       "deepspeed-fp32-zero0-critic-tp1"]
+    c = Contract.from_dict(doc)
+    assert resume_required(c) == ("torch_tp-fp32-actor-tp2-resume",
+                                  "deepspeed-fp32-zero0-critic-tp1-resume")
+    assert c.resume is not None
+    assert len(c.resume.cell_ids(c.matrix.cells())) == len(c.matrix.cells())  # still all run
+
+
 @pytest.mark.parametrize(("edit", "field"), [
     ({"after_round": 3}, "resume.after_round"),
     ({"after_round": 0}, "resume.after_round"),

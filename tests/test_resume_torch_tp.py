@@ -25,7 +25,6 @@ from qualify.compare.verdicts import Row
 from qualify.protocol import HarnessCell
 from qualify.registry import get_engine
 
-MODULE = get_engine("torch_tp").module
 LAUNCH_TIMEOUT_S = 400.0
 PHASES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "full": (None, ()),
@@ -37,9 +36,20 @@ PHASES: dict[str, tuple[str | None, tuple[str, ...]]] = {
 
 
 class Runs:
-    """Each launch once per session (file-locked, shared by xdist workers)."""
+    """Each launch once per session (file-locked, shared by xdist workers).
 
-    def __init__(self, root: Path) -> None:
+    Args:
+        root: where the launches go.
+        engine: the trainer engine (its registry name).
+        options: the engine's options (``{"zero": 0}``).
+        topology: ``(actor_tp, critic_tp)``.
+    """
+
+    def __init__(self, root: Path, engine: str = "torch_tp",
+                 options: dict[str, int] | None = None,
+                 topology: tuple[int, int] = (2, 1)) -> None:
+        self.engine, self.options, self.topology = engine, dict(options or {}), topology
+        self.spec = get_engine(engine)
         self.root = root
         self.inputs = root / "inputs"
         root.mkdir(parents=True, exist_ok=True)
@@ -56,12 +66,14 @@ class Runs:
         with locked(self.root / f"{name}.lock"):
             if not (out / "result.json").is_file():
                 cell = HarnessCell(
-                    engine="torch_tp", precision="fp32", options={}, actor_tp=2, critic_tp=1,
+                    engine=self.engine, precision="fp32", options=dict(self.options),
+                    actor_tp=self.topology[0], critic_tp=self.topology[1],
                     rounds=2, seed=0, inputs_dir=str(self.inputs), output_dir=str(out),
                     faults=faults, resume=None if phase is None else {
                         "phase": phase, "after_round": 1, "dir": str(self.root / "ckpt")})
-                res = launch(cell, module=MODULE, attempt_dir=out, timeout_s=LAUNCH_TIMEOUT_S,
-                             env={"CUDA_VISIBLE_DEVICES": ""})
+                res = launch(cell, module=self.spec.module, attempt_dir=out,
+                             timeout_s=LAUNCH_TIMEOUT_S,
+                             env={**dict(self.spec.cpu_env), "CUDA_VISIBLE_DEVICES": ""})
                 (out / "result.json").write_text(json.dumps(
                     {"status": res.status, "reason": res.reason, "wall_s": res.wall_s}))
         result = json.loads((out / "result.json").read_text())
@@ -81,9 +93,10 @@ class Runs:
         tensors, meta = self.cell(name, role)
         mask = load_file(str(self.inputs / "rollout.safetensors"))["response_mask"]
         base_t, base_m = self.cell("full", role)
-        return resume_rows(cell=f"torch_tp-fp32-{role}-resume", entry={
-            "role": role, "after_round": 1, "resume_of": f"torch_tp-fp32-{role}"},
-            outputs=_out(tensors, meta), loaded={f"torch_tp-fp32-{role}": _out(base_t, base_m)},
+        base = f"{self.engine}-fp32-{role}"
+        return resume_rows(cell=f"{base}-resume", entry={
+            "role": role, "after_round": 1, "resume_of": base},
+            outputs=_out(tensors, meta), loaded={base: _out(base_t, base_m)},
             bounds=[], mask=mask, lane="fp32")
 
 

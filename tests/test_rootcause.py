@@ -22,7 +22,9 @@ from committed import committed_runs
 from qualify.cli.summary import console, print_evaluation, root_cause_lines
 from qualify.compare.mismatch import FieldMismatch
 from qualify.compare.report import render_markdown
+from qualify.compare.resume import STATE_QUANTITIES
 from qualify.compare.rootcause import (
+    RESTORE_FAMILIES,
     RootCause,
     causal_key,
     causal_order,
@@ -294,3 +296,23 @@ def test_policy_first_failing_is_the_root_cause(committed: dict[str, Any]) -> No
     (ds,) = [c for c in ev.cells if c.cell == "deepspeed-bf16-zero0-actor-tp2"]
     assert ds.first is not None
     assert (ds.first["family"], ds.first["round"]) == ("grad_norm", 1)
+
+
+def test_a_lost_state_of_a_resume_is_the_cause_of_the_resumed_rounds() -> None:
+    """A dropped optimizer state fails its ``exp_avg`` state row (the restore) and every
+    resumed round after it; the cause is the state row, not round 2's moments."""
+    resumed = [
+        row("R-resume", "round2/actor/logprobs", "PASS", klass="resume", margin=0.0),
+        row("R-resume", "round2/actor/exp_avg", klass="resume", margin=9.0),
+        row("R-resume", "round2/actor/updates", klass="resume", margin=3.0),
+        row("R-resume", "round3/actor/logprobs", klass="resume", margin=2.0),
+        row("R-resume", "actor/exp_avg", klass="resume", margin=None),
+        row("R-resume", "actor/step", "PASS", klass="resume", margin=None),
+    ]
+    (rc,) = root_causes(resumed)
+    assert (rc.kind, rc.round, rc.family, rc.metric) == ("chain", None, "exp_avg",
+                                                         "actor/exp_avg")
+    assert rc.folded == 3
+    assert stage_of(resumed[4]) == -1
+    assert stage_of(row("X", "actor/exp_avg", klass="candidate_vs_hf")) is None  # not resume
+    assert set(STATE_QUANTITIES) == RESTORE_FAMILIES

@@ -544,12 +544,12 @@ def _destroy(engine: Any) -> None:
 
 
 def _device(cell: HarnessCell) -> tuple[torch.device, str, torch.device | None]:
-    """:func:`harnesses.common.role_device`; on CPU ``DS_ACCELERATOR`` defaults to ``cpu``.
+    """:func:`harnesses.common.launch_device`; on CPU ``DS_ACCELERATOR`` defaults to ``cpu``.
 
     Raises:
         HarnessError: more local ranks than CUDA devices.
     """
-    device, backend, device_id = common.role_device(cell.actor_tp, cell.critic_tp)
+    device, backend, device_id = common.launch_device(cell)
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     return device, backend, device_id
@@ -573,8 +573,7 @@ def check_cell(cell: HarnessCell) -> list[tuple[str, int, str]]:
         if zero not in (0, 1, 2):
             raise HarnessError(f"ZeRO stage {zero}: the deepspeed harness runs stages 0, 1, 2")
         out.append((precision, zero, sub))
-    if cell.faults:
-        raise HarnessError(f"the deepspeed harness injects no faults, got {list(cell.faults)}")
+    resume.check_faults(cell.faults)
     return out
 
 

@@ -11,17 +11,26 @@ RNG states and the round-1 rollout state are not DeepSpeed state:
 of a launch checkpoint at the same point (after the same round), each into its own
 directory; ``save_latest=False`` and an explicit tag (only global rank 0 would write the
 ``latest`` file).
+
+Faults (test suite only; ``cell.faults``, the only ones this harness takes): a load launch
+with ``resume_drops_optimizer_state`` calls ``load_checkpoint`` with
+``load_optimizer_states=False, load_lr_scheduler_states=False`` (the model only: a fresh
+optimizer and scheduler, NeMo-RL #3171); with ``resume_drops_step_counter`` it restores
+everything, then sets the inner torch optimizer's ``step`` of every parameter to 0.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Final
 
+import torch
 from torch import Tensor
 
 from harnesses import resume_state
 from harnesses.deepspeed import state_dict_adapter as sda
 from harnesses.resume_state import ResumePlan
+from qualify.errors import HarnessError
 
 TAG: Final = "resume"
 RECORD: Final = "__record__"
@@ -29,6 +38,21 @@ RECORD: Final = "__record__"
 FORMAT: Final = ("DeepSpeed engine.save_checkpoint / engine.load_checkpoint (module, optimizer "
                  "and lr scheduler states; load_optimizer_states, load_lr_scheduler_states); "
                  "RNG and rollout state by torch.save beside it")
+
+
+FAULTS: Final = ("resume_drops_optimizer_state", "resume_drops_step_counter")
+"""The faults the DeepSpeed harness can inject (its resume only)."""
+
+
+def check_faults(names: Sequence[str]) -> None:
+    """Refuse a fault this harness cannot inject (a typo must not silently test nothing).
+
+    Raises:
+        HarnessError: an unknown fault name.
+    """
+    unknown = sorted(set(names) - set(FAULTS))
+    if unknown:
+        raise HarnessError(f"the deepspeed harness injects only {list(FAULTS)}, got {unknown}")
 
 
 def _inner(engine: Any) -> Any:
@@ -70,7 +94,7 @@ def save(plan: ResumePlan, *, role: str, writer: bool, engine: Any, et: sda.Engi
 
 
 def load(plan: ResumePlan, *, role: str, engine: Any, et: sda.EngineTensors,
-         ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+         faults: Sequence[str] = ()) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Restore the role's fresh engine before round ``plan.after_round + 1``.
 
     Returns:
@@ -80,10 +104,18 @@ def load(plan: ResumePlan, *, role: str, engine: Any, et: sda.EngineTensors,
         RuntimeError: DeepSpeed found no checkpoint to load.
     """
     d = plan.role_dir(role)
-    path, _client = engine.load_checkpoint(str(d), tag=TAG, load_optimizer_states=True,
-                                           load_lr_scheduler_states=True)
+    # FAULT(resume_drops_optimizer_state): the module only; a fresh optimizer and scheduler.
+    whole = "resume_drops_optimizer_state" not in faults
+    path, _client = engine.load_checkpoint(str(d), tag=TAG, load_optimizer_states=whole,
+                                           load_lr_scheduler_states=whole)
     if path is None:
         raise RuntimeError(f"DeepSpeed load_checkpoint found no checkpoint {TAG!r} in {d}")
+    # FAULT(resume_drops_step_counter): everything restored, then every step counter reset.
+    if "resume_drops_step_counter" in faults:
+        for st in _inner(engine).state.values():
+            if "step" in st:
+                st["step"] = (torch.zeros_like(st["step"]) if isinstance(st["step"], Tensor)
+                              else 0)
     state = resume_state.read_trainer_state(d / resume_state.TRAINER_STATE_FILE)
     resume_state.restore_rng(state["rng"])
     loaded = record(engine, et)
@@ -111,7 +143,8 @@ def restore(run: Any, engine: Any, et: sda.EngineTensors) -> dict[str, Tensor]:
     plan = ResumePlan.of(run.cell)
     if not plan.loading:
         return {}
-    state, run.carry[RECORD] = load(plan, role=run.role, engine=engine, et=et)
+    state, run.carry[RECORD] = load(plan, role=run.role, engine=engine, et=et,
+                                    faults=run.cell.faults)
     run._prev_exp_avg = et.full_state("exp_avg")  # the clip coefficient's previous moment
     return {k: v.to(run.device) for k, v in state.items()}
 

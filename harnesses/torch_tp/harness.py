@@ -497,7 +497,7 @@ def run(cell: HarnessCell) -> None:
     topologies, init_s = check_cell(cell), 0.0
     active = faults.Faults(cell.faults)
     inputs = common.read_inputs(Path(cell.inputs_dir))
-    device, backend, device_id = common.role_device(cell.actor_tp, cell.critic_tp)
+    device, backend, device_id = common.launch_device(cell)
     timeout = timedelta(seconds=cell.collective_timeout_s)
     dist.init_process_group(backend, timeout=timeout, device_id=device_id)
     try:

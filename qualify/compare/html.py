@@ -13,7 +13,8 @@ for any signed run (``qualify report RUN_DIR``). Sections, in order:
 4. per-parameter relative L2 error against the bound for the worst failing cell, at its
    root cause's round;
 5. error / bound round by round per family (every cell; failing cells in colour);
-6. why each bound is what it is: ``bound = k x control_error + floor`` with the control
+6. why each bound is what it is: ``k x max(control_error, resolution, propagated) + quantum
+   + floor`` with the control
    that set it, for each root cause and (folded) for every sealed bound;
 7. the field mismatch metrics ``report.json`` carries (informational, never gated);
 8. when ``qualify diverge`` results lie beside the run (``<run-id>.diverge/<cell>/
@@ -317,8 +318,11 @@ def _bound_of(data: RunData, rc: RootCause) -> Mapping[str, Any] | None:
 
 def _bounds_tables(data: RunData, causes: Sequence[RootCause]) -> list[str]:
     out = ['<h2 id="bounds-title">Why each bound is what it is</h2>',
-           '<p class="note">bound = k x control_error + floor, sealed in the reference\'s '
-           "bounds.json before any candidate ran: the control is two legitimate executions "
+           '<p class="note">bound = k x max(control_error, resolution, propagated) + quantum + '
+           "floor, sealed in the reference's bounds.json before any candidate ran (resolution: "
+           "one FP32 ulp of a scalar; propagated: per-token control errors carried into a "
+           "loss or the grad norm; quantum: one BF16 ulp of a BF16-emitted value): the "
+           "control is two legitimate executions "
            "of the same computation (attention implementation, micro-batch partition, "
            "FP64 vs FP32), its error measured by the family's statistic.</p>"]
     rows = []
@@ -326,15 +330,17 @@ def _bounds_tables(data: RunData, causes: Sequence[RootCause]) -> list[str]:
         b = _bound_of(data, rc)
         if b is None:
             rows.append([rc.cell, rc.metric, rc.klass, "-", rc.statistic, None, "-", None, None,
-                         None, rc.bound, rc.error, rc.margin])
+                         None, None, None, None, rc.bound, rc.error, rc.margin])
             continue
-        again = float(b["k"]) * float(b["control_error"]) + float(b["floor"])
+        terms = [float(b.get(t, 0.0)) for t in ("resolution", "propagated", "quantum")]
+        again = (float(b["k"]) * max(float(b["control_error"]), terms[0], terms[1])
+                 + terms[2] + float(b["floor"]))
         rows.append([rc.cell, rc.metric, b.get("class"), b.get("precision"), b.get("statistic"),
-                     b.get("k"), b.get("control"), b.get("control_error"), b.get("floor"),
-                     again, b.get("bound"), rc.error, rc.margin])
+                     b.get("k"), b.get("control"), b.get("control_error"), *terms,
+                     b.get("floor"), again, b.get("bound"), rc.error, rc.margin])
     cols = ["cell", "root cause", "bound class", "lane", "statistic", "k", "control",
-            "control error", "floor", "k x control + floor", "sealed bound", "error",
-            "margin"]
+            "control error", "resolution", "propagated", "quantum", "floor", "rule again",
+            "sealed bound", "error", "margin"]
     if rows:
         frame = pd.DataFrame([[_num(v) if not isinstance(v, str) else v for v in r]
                               for r in rows], columns=cols)
@@ -342,7 +348,9 @@ def _bounds_tables(data: RunData, causes: Sequence[RootCause]) -> list[str]:
     if data.bounds:
         full = pd.DataFrame([{k: b.get(k) for k in ("class", "precision", "role", "round",
                                                      "family", "statistic", "k", "control",
-                                                     "control_error", "floor", "bound")}
+                                                     "control_error", "resolution",
+                                                     "propagated", "quantum", "floor",
+                                                     "bound")}
                              for b in data.bounds])
         out.append(f"<details><summary>every sealed bound ({len(data.bounds)})</summary>"
                    f"{_table(full, 'all-bounds')}</details>")

@@ -12,7 +12,13 @@ checkpointed in its engine's own format, and a fresh launch restored it and ran 
   ``last_epoch``, also ``k``), ``master_weights``, ``exp_avg`` and ``exp_avg_sq`` (sha256 of the
   full FP32 tensors) and ``rng_state`` (sha256 of the RNG states). Equality is exact on
   every device: a checkpoint round trip copies bytes. A dropped optimizer state fails
-  ``exp_avg``; a reset step counter fails ``step``;
+  ``exp_avg``; a reset step counter fails ``step``. What each row proves depends on who
+  carries the quantity: ``step``, ``master_weights`` and the moments go through the engine's
+  own checkpoint (DCP, DeepSpeed's ``save_checkpoint``, ...), so their rows test the engine's
+  save and restore; ``rng_state`` (every engine) and a scheduler the engine's checkpoint does
+  not hold (torch_tp's) are carried beside it by the harness (``harnesses/resume_state.py``
+  ``trainer_state.pt``), so their rows test that round trip only, as a training framework's
+  own RNG save would be; the resumed rounds' metric rows below test the whole;
 - **lr rows** per resumed round: the lr that round's step applied (``outputs.json`` ``lr``)
   against the uninterrupted cell's for the same round, exactly;
 - **metric rows** per resumed round and family (logprobs, losses, grads, grad norm, clip
@@ -50,11 +56,19 @@ _RECORD_KEY: Final = {"scheduler": "scheduler_last_epoch"}
 
 
 def resume_required(contract: Contract) -> tuple[str, ...]:
-    """The resume cell ids the report requires (none without ``[resume]``, or not required)."""
+    """The resume cell ids the report requires (none without ``[resume]``, or not required).
+
+    Only the resume cells of required trainer cells (``matrix.required_cells`` when the
+    contract names them): a cell the report does not require cannot make its resume cell so.
+    """
     spec = contract.resume
     if spec is None or not spec.required:
         return ()
-    return tuple(spec.cell_ids(contract.matrix.cells()))
+    cells = contract.matrix.cells()
+    wanted = contract.matrix.required_cells
+    if wanted is not None:
+        cells = [c for c in cells if c.cell_id in set(wanted)]
+    return tuple(spec.cell_ids(cells))
 
 
 def _row(cell: str, role: str, family: str, *, round_: int | None, statistic: str,

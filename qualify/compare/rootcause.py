@@ -16,6 +16,10 @@ The causal order (:func:`causal_key`):
   ``grad_norm`` (pre-clip) -> ``clip_coef`` -> ``lr`` (the step's scheduled lr, an input of
   the step like the clipped gradients) -> ``exp_avg`` / ``exp_avg_sq`` -> ``updates``;
   round ``r + 1``'s forward comes after round ``r``'s update;
+- a resume cell's state rows (class ``resume``, no round: the step counter, lr, scheduler,
+  master weights, Adam moments and RNG measured right after the restore,
+  :mod:`qualify.compare.resume`) come before every resumed round: a state the restore lost
+  explains every resumed round that follows;
 - sampler rows (role ``sampler``): their own chain, :data:`SAMPLER_CHAIN`: the weight
   ``install`` -> the GEMM ``kernels`` against the installed weights -> the
   ``prefix_cache`` after the update -> the sampler's ``logprobs`` against the Actor's;
@@ -41,6 +45,8 @@ from typing import Any, Final
 
 __all__ = [
     "CLASS_ORDER",
+    "RESTORE_FAMILIES",
+    "RESUME_CLASS",
     "SAMPLER_CHAIN",
     "SAMPLER_ROLE",
     "TRAINER_CHAIN",
@@ -70,6 +76,11 @@ CLASS_ORDER: Final = ("candidate_vs_hf", "tp_vs_tp1", "padding_invariance", "sam
                       "sampler_cache", "sampler_vs_actor")
 """Within one stage: rows of these classes first, in this order (others after, by name)."""
 SAMPLER_ROLE: Final = "sampler"
+RESUME_CLASS: Final = "resume"
+RESTORE_FAMILIES: Final = frozenset({"step", "lr", "scheduler", "master_weights", "exp_avg",
+                                     "exp_avg_sq", "rng_state"})
+"""The families of a resume cell's state rows (:data:`qualify.compare.resume.STATE_QUANTITIES`):
+the restore, stage 0 of the cell's chain, before its first resumed round."""
 
 
 def _stage(chain: Sequence[Sequence[str]], family: str) -> int | None:
@@ -84,13 +95,16 @@ def stage_of(row: Mapping[str, Any]) -> int | None:
 
     Returns:
         The index into :data:`SAMPLER_CHAIN` for a ``sampler`` row, else into
-        :data:`TRAINER_CHAIN` for a row with a round; ``None`` otherwise (``dtypes``,
+        :data:`TRAINER_CHAIN` for a row with a round; ``-1`` for a resume cell's state row
+        (the restore, :data:`RESTORE_FAMILIES`); ``None`` otherwise (``dtypes``,
         ``replica``, sampler probes, unknown families, trainer rows without a round).
     """
     family = str(row.get("family"))
     if row.get("role") == SAMPLER_ROLE:
         return _stage(SAMPLER_CHAIN, family)
     if not isinstance(row.get("round"), int):
+        if row.get("class") == RESUME_CLASS and family in RESTORE_FAMILIES:
+            return -1
         return None
     return _stage(TRAINER_CHAIN, family)
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from qualify.bounds import (
-    bf16_resolutions,
+    bf16_quanta,
     bounds_document,
     compute_bounds,
     measure_controls,
@@ -338,10 +338,9 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
         ref_np = {p: {k: v.numpy() for k, v in t.items()} for p, t in ref_runs.items()}
         resolutions = scalar_resolutions(
             ref_np, {lane: _norm_evals(update_meta[f"hf-{lane}"]) for lane in ref_runs})
-        for lane, per_token in bf16_resolutions(ref_np).items():  # disjoint families
-            resolutions.setdefault(lane, {}).update(per_token)
+        quanta = bf16_quanta(ref_np)
         sensitivities = {lane: _sensitivities(update_meta[f"hf-{lane}"]) for lane in ref_runs}
-        bounds = compute_bounds(contract, errors, resolutions, sensitivities)
+        bounds = compute_bounds(contract, errors, resolutions, sensitivities, quanta)
 
         step("branches")
         train_np = {k: v.numpy() for k, v in train.items()}
@@ -354,7 +353,7 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
                           for p, runs in control_runs.items()},
             doc=branch_doc, out=out, train=train_np, mask=mask,
             behavior=roll.behavior_logprobs.double().numpy())
-        bounds = compute_bounds(contract, errors, resolutions, sensitivities)
+        bounds = compute_bounds(contract, errors, resolutions, sensitivities, quanta)
         store.atomic_write_json(out / CONTROL_ERRORS_FILE, control_errors_document(errors))
         store.atomic_write_json(out / BOUNDS_FILE, bounds_document(contract, bounds),
                                 schema="bounds")
