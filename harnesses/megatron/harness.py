@@ -18,6 +18,8 @@ shims of :mod:`harnesses.megatron.cpu_shims`, which map its hard-coded ``device=
 constants and legacy ``torch.cuda.*Tensor`` type checks to the CPU; every patch the CPU
 path needs is listed in ``outputs.json`` ``shims``.
 
+Resume cells (``cell.json`` ``resume``): :mod:`harnesses.megatron.resume` (README "Resume").
+
 Reads only ``cell.json`` and, from ``inputs_dir``: ``rollout.safetensors``,
 ``train_inputs.safetensors``, ``contract.json`` and ``model.json`` (never reference scores).
 """
@@ -277,8 +279,8 @@ def run(cell: HarnessCell) -> None:
     that the order of the cells does not change a bit of their outputs).
 
     Raises:
-        HarnessError: not under torchrun, wrong world size, engine options or faults given,
-            bad inputs or a TP size the model does not allow.
+        HarnessError: not under torchrun, wrong world size, engine options or an unknown
+            fault given, bad inputs or a TP size the model does not allow.
     """
     t0 = time.perf_counter()
     rank, world = common.env_int("RANK"), common.env_int("WORLD_SIZE")

@@ -91,15 +91,13 @@ def record(trainer: Any) -> dict[str, Any]:
 
     Args:
         trainer: the role's :class:`harnesses.megatron.train.Trainer` (its ``optimizer``,
-            ``scheduler``, master weights and Adam state by Megatron name).
+            ``scheduler``, master weights and Adam state by Megatron name, ``full_hf``).
 
     Returns:
         The record; ``exp_avg`` / ``exp_avg_sq`` are ``None`` while the optimizer holds no
         state for some parameter (a fresh optimizer).
     """
-    from harnesses.megatron.train import gather_hf
-
-    run, shape = trainer.run, trainer.shape
+    run = trainer.run
     masters = trainer.masters()
     states = [st for opt in inner_optimizers(trainer) for st in opt.state.values()]
     steps = [float(st["step"]) for st in states if "step" in st]
@@ -108,11 +106,11 @@ def record(trainer: Any) -> dict[str, Any]:
     for key, full in local.items():  # every TP rank must agree before gathering
         flag = torch.tensor([int(full)])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=run.groups.tp_group)
-        held[key] = gather_hf(run, shape, trainer.state(key)) if int(flag) else {}
+        held[key] = trainer.full_hf(trainer.state(key)) if int(flag) else {}
     return resume_state.state_record(
         steps=steps, lrs=[g["lr"] for g in trainer.optimizer.param_groups],
         scheduler=SchedulerPosition(trainer.scheduler),
-        master=gather_hf(run, shape, masters), exp_avg=held["exp_avg"],
+        master=trainer.full_hf(masters), exp_avg=held["exp_avg"],
         exp_avg_sq=held["exp_avg_sq"])
 
 

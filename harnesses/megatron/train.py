@@ -215,6 +215,10 @@ class Trainer:
                         out[by_id[id(p)]] = p
         return out
 
+    def full_hf(self, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """:func:`gather_hf` of this role (collective over its TP group; FP32 CPU, HF names)."""
+        return gather_hf(self.run, self.shape, local)
+
     def state(self, key: str) -> dict[str, Tensor]:
         """Adam state ``key`` (``exp_avg`` / ``exp_avg_sq``) by Megatron name."""
         masters = self.masters()
