@@ -104,7 +104,7 @@ def record(trainer: Any) -> dict[str, Any]:
     local = {k: len(trainer.state(k)) == len(masters) for k in ("exp_avg", "exp_avg_sq")}
     held = {}
     for key, full in local.items():  # every TP rank must agree before gathering
-        flag = torch.tensor([int(full)])
+        flag = torch.tensor([int(full)], device=run.device)  # NCCL: on the device
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=run.groups.tp_group)
         held[key] = trainer.full_hf(trainer.state(key)) if int(flag) else {}
     return resume_state.state_record(

@@ -278,7 +278,13 @@ class Trainer:
         self.optimizer.zero_grad()
 
     def train(self, batch: Batch, slices: list[slice]) -> None:
-        """Rounds ``1..rounds`` of the role's update (protocol losses, ``loss_agg_mode``)."""
+        """Rounds ``1..rounds`` of the role's update (protocol losses, ``loss_agg_mode``).
+
+        A resume cell (``cell.json`` ``resume``, :mod:`harnesses.megatron.resume`) runs rounds
+        ``1..k`` and checkpoints after round ``k`` (``save``), or restores that checkpoint and
+        the round-1 old logprobs / values (decoupled PPO: behavior weights) and runs rounds
+        ``k + 1..rounds`` (``load``).
+        """
         run = self.run
         alg = run.contract.algorithm
         b, r_len = batch.responses.shape
