@@ -93,6 +93,7 @@ class RoleRun(common.RoleOutputs):
         groups: role and process groups.
         batch, contract, dirs: the inputs.
         device: compute device.
+        faults: the cell's planted faults (test suite only; none by default).
         tensors, timings: what it reports (:class:`harnesses.common.RoleOutputs`).
     """
 
@@ -102,7 +103,7 @@ class RoleRun(common.RoleOutputs):
     contract: Contract
     dirs: dict[str, Path]
     device: torch.device
-    faults: faults.Faults
+    faults: faults.Faults = dataclasses.field(default_factory=lambda: faults.Faults(()))
     compute_dtypes: set[str] = dataclasses.field(default_factory=set)
     extra_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
