@@ -18,6 +18,8 @@ shims of :mod:`harnesses.megatron.cpu_shims`, which map its hard-coded ``device=
 constants and legacy ``torch.cuda.*Tensor`` type checks to the CPU; every patch the CPU
 path needs is listed in ``outputs.json`` ``shims``.
 
+Resume cells (``cell.json`` ``resume``): :mod:`harnesses.megatron.resume` (README "Resume").
+
 Reads only ``cell.json`` and, from ``inputs_dir``: ``rollout.safetensors``,
 ``train_inputs.safetensors``, ``contract.json`` and ``model.json`` (never reference scores).
 """
@@ -38,8 +40,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from harnesses import common
 from harnesses.common import Batch
-from harnesses.megatron import convert, cpu_shims, losses
+from harnesses.megatron import convert, cpu_shims, faults, losses
 from harnesses.megatron import model as mm
+from harnesses.resume_state import ResumePlan
 from qualify.contract import Contract
 from qualify.errors import HarnessError
 from qualify.protocol import (
@@ -90,6 +93,7 @@ class RoleRun(common.RoleOutputs):
         groups: role and process groups.
         batch, contract, dirs: the inputs.
         device: compute device.
+        faults: the cell's planted faults (test suite only; none by default).
         tensors, timings: what it reports (:class:`harnesses.common.RoleOutputs`).
     """
 
@@ -99,6 +103,7 @@ class RoleRun(common.RoleOutputs):
     contract: Contract
     dirs: dict[str, Path]
     device: torch.device
+    faults: faults.Faults = dataclasses.field(default_factory=lambda: faults.Faults(()))
     compute_dtypes: set[str] = dataclasses.field(default_factory=set)
     extra_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -258,6 +263,8 @@ class RoleRun(common.RoleOutputs):
             out["lr"], out["lr_scheduler"] = training["lr"], training["lr_scheduler"]
             if training["behavior_weight"]:
                 out["behavior_weight"] = training["behavior_weight"]
+            if training.get("resume"):  # a resumed launch: the restore's state record
+                out["resume"] = training["resume"]
         return out
 
 
@@ -273,16 +280,17 @@ def run(cell: HarnessCell) -> None:
     that the order of the cells does not change a bit of their outputs).
 
     Raises:
-        HarnessError: not under torchrun, wrong world size, engine options or faults given,
-            bad inputs or a TP size the model does not allow.
+        HarnessError: not under torchrun, wrong world size, engine options or an unknown
+            fault given, bad inputs or a TP size the model does not allow.
     """
     t0 = time.perf_counter()
     rank, world = common.env_int("RANK"), common.env_int("WORLD_SIZE")
     if world != cell.world_size:
         raise HarnessError(f"WORLD_SIZE = {world}, the cell needs {cell.world_size}")
     topologies, init_s = common.topology_runs(cell), 0.0
-    if cell.faults or any(v.options for _, vs in topologies for v in vs):
-        raise HarnessError("the megatron harness takes no engine options or faults")
+    if any(v.options for _, vs in topologies for v in vs):
+        raise HarnessError("the megatron harness takes no engine options")
+    active = faults.Faults(cell.faults)  # the resume faults only (test suite)
     inputs = common.read_inputs(Path(cell.inputs_dir))
     dirs = {"actor_dir": inputs.actor_dir, "critic_dir": inputs.critic_dir,
             "ref_dir": inputs.ref_dir}
@@ -314,12 +322,14 @@ def run(cell: HarnessCell) -> None:
                       f"{vcell.precision}", flush=True)
                 torch.manual_seed(vcell.seed)
                 runner = RoleRun(cell=vcell, groups=groups, batch=inputs.batch,
-                                 contract=inputs.contract, dirs=dirs, device=device)
+                                 contract=inputs.contract, dirs=dirs, device=device,
+                                 faults=active)
                 with runner.timed("total_s"):
                     meta = runner.run()
                 output_dir = Path(vcell.output_dir)
-                if runner.writer:
-                    common.write_part(ENGINE, output_dir, groups.role, runner.tensors, meta)
+                if runner.writer:  # a resumed launch reports only the rounds it ran
+                    common.write_part(ENGINE, output_dir, groups.role,
+                                      ResumePlan.of(vcell).keep(runner.tensors), meta)
                 if rank == 0:
                     head = common.outputs_head(
                         engine=ENGINE, cell=vcell.to_dict(), packages=PACKAGES, world=world,
@@ -327,7 +337,7 @@ def run(cell: HarnessCell) -> None:
                         timings={"init_s": round(init_s, 4),
                                  "variant_s": round(time.perf_counter() - tv, 4),
                                  "rank0_total_s": round(time.perf_counter() - t0, 4)},
-                        shims=shims, faults=[])
+                        shims=shims, faults=list(vcell.faults))
                     common.merge_parts(ENGINE, common.roles(actor_tp, critic_tp),
                                        output_dir, head)
     finally:

@@ -18,6 +18,7 @@ SPEC: Final = EngineSpec(
     requires=("megatron",),
     groups_variants=True,  # one launch per world size: every variant and topology
     groups_topologies=True,
+    resumes=True,  # harnesses/megatron/resume.py: megatron-core's non-distributed checkpoint
     bf16_style="params",  # Float16Module BF16 parameters, FP32 main params in the optimizer
     description="Megatron-Core tensor parallelism; Megatron's own optimizer on CPU under "
                 "placement-only shims (harnesses/megatron/cpu_shims.py) and on CUDA",

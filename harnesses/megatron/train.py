@@ -41,12 +41,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from harnesses import layer_probe
-from harnesses.megatron import convert, cpu_shims, losses
+from harnesses.megatron import convert, cpu_shims, faults, losses, resume
+from harnesses.resume_state import ResumePlan
 
 if TYPE_CHECKING:
     from harnesses.common import Batch
     from harnesses.megatron import model as mm
     from qualify.contract import Contract
+    from qualify.protocol import HarnessCell
 
 
 class RoleRun(Protocol):
@@ -55,10 +57,12 @@ class RoleRun(Protocol):
     A structural type, so this module does not import the harness that imports it.
     """
 
+    cell: HarnessCell
     groups: mm.RoleGroups
     contract: Contract
     device: torch.device
     compute_dtypes: set[str]
+    faults: faults.Faults
 
     @property
     def role(self) -> str:
@@ -134,6 +138,7 @@ class Trainer:
     norms: list[float] = dataclasses.field(default_factory=list)
     lrs: dict[str, float] = dataclasses.field(default_factory=dict)
     scheduler: Any = None
+    resume_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from megatron.core.distributed import (
@@ -210,6 +215,10 @@ class Trainer:
                         out[by_id[id(p)]] = p
         return out
 
+    def full_hf(self, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """:func:`gather_hf` of this role (collective over its TP group; FP32 CPU, HF names)."""
+        return gather_hf(self.run, self.shape, local)
+
     def state(self, key: str) -> dict[str, Tensor]:
         """Adam state ``key`` (``exp_avg`` / ``exp_avg_sq``) by Megatron name."""
         masters = self.masters()
@@ -269,7 +278,13 @@ class Trainer:
         self.optimizer.zero_grad()
 
     def train(self, batch: Batch, slices: list[slice]) -> None:
-        """Rounds ``1..rounds`` of the role's update (protocol losses, ``loss_agg_mode``)."""
+        """Rounds ``1..rounds`` of the role's update (protocol losses, ``loss_agg_mode``).
+
+        A resume cell (``cell.json`` ``resume``, :mod:`harnesses.megatron.resume`) runs rounds
+        ``1..k`` and checkpoints after round ``k`` (``save``), or restores that checkpoint and
+        the round-1 old logprobs / values (decoupled PPO: behavior weights) and runs rounds
+        ``k + 1..rounds`` (``load``).
+        """
         run = self.run
         alg = run.contract.algorithm
         b, r_len = batch.responses.shape
@@ -287,7 +302,14 @@ class Trainer:
         self.ddp.zero_grad_buffer()
         probe = self.probe or layer_probe.LayerProbe(None, role=run.role, writer=False,
                                                      modules={}, to_full=lambda _n, t: t)
-        for round_ in range(1, alg.rounds + 1):
+        plan = ResumePlan.of(run.cell)
+        if plan.loading:  # a resume cell's second launch: restore, then round k + 1
+            with run.timed("checkpoint_load_s"):
+                got, self.resume_meta = resume.load(plan, self, run.faults)
+            old = got["old"].to(dev)
+            if run.role == "actor":
+                w_b, w_raw = got["w_behav"].to(dev), got["w_raw"].to(dev)
+        for round_ in plan.rounds(alg.rounds):
             with run.timed(f"round{round_}_s"):
                 cur = torch.zeros(b, r_len, device=dev)
                 ent_r = torch.zeros(b, r_len, device=dev)
@@ -337,6 +359,10 @@ class Trainer:
                     run.put(round_, f"loss/{k}", torch.tensor(v_))
                 run.put(round_, "loss/total", torch.tensor(sum(sums.values())))
                 self.step(round_)
+                if plan.saves_after(round_):
+                    with run.timed("checkpoint_save_s"):
+                        resume.save(plan, self, {"old": old} if run.role == "critic" else
+                                    {"old": old, "w_behav": w_b, "w_raw": w_raw})
         probe.save("megatron")
         if dppo and run.role == "actor":  # fixed by round 1 (the proximal policy)
             stats = losses.weight_stats(w_raw.cpu(), batch.mask.cpu(), alg.behavior_weight_cap)
@@ -366,6 +392,7 @@ class Trainer:
             "behavior_weight": self.behavior_weight,
             "lr": dict(self.lrs),
             "lr_scheduler": LR_SCHEDULER_NOTE,
+            "resume": self.resume_meta or None,
             "optimizer": {"class": type(self.optimizer).__name__,
                           "wrapped": [type(o).__name__ for o in self._optimizers()],
                           "inner": [type(o.optimizer).__name__ for o in self._optimizers()],
