@@ -35,8 +35,19 @@ from qualify.layout import HF_REFERENCE_DIR, OUTPUTS_FILE, RUN_FILE, hf_tensors_
 __all__ = ["Synthetic", "build", "sign_run"]
 
 ROOT: Final = Path(__file__).resolve().parent.parent
-COMMITTED_RUN: Final = ROOT / "evidence" / "tiny-qwen3" / "20261201T201630Z"
-COMMITTED_REFERENCE: Final = ROOT / "references" / "tiny-qwen3-b25af0fe30b3"
+
+
+def _newest(pattern: str, base: Path) -> Path:
+    """The last directory of ``base`` matching ``pattern`` by name (run ids are UTC
+    timestamps), or ``base / pattern`` when none exists (callers check ``is_dir()``)."""
+    found = sorted(p for p in base.glob(pattern) if p.is_dir()) if base.is_dir() else []
+    return found[-1] if found else base / pattern
+
+
+COMMITTED_RUN: Final = _newest("2*Z", ROOT / "evidence" / "tiny-qwen3")
+"""The committed default run (the newest run directory under ``evidence/tiny-qwen3/``)."""
+COMMITTED_REFERENCE: Final = _newest("tiny-qwen3-*", ROOT / "references")
+"""The committed default reference."""
 CELL: Final = "torch_tp-fp32-actor-tp1"
 MEDIUM: Final = 4
 """Medium synthetic parameters per file besides the large one, each ``largest / 32``."""

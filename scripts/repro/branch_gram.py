@@ -43,7 +43,7 @@ from qualify.reference.rollout import Rollout
 from qualify.reference.stage import _batch
 
 REF = Path("references/tiny-qwen3-b25af0fe30b3")
-RUN = Path("evidence/tiny-qwen3/20261201T201630Z")
+RUN = sorted(Path("evidence/tiny-qwen3").glob("2*Z"))[-1]  # the committed default run
 
 
 def _numpy(path: Path) -> dict[str, Any]:
