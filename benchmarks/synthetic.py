@@ -38,8 +38,11 @@ ROOT: Final = Path(__file__).resolve().parent.parent
 
 
 def _newest(pattern: str, base: Path) -> Path:
-    """The last directory of ``base`` matching ``pattern`` by name (run ids are UTC
-    timestamps), or ``base / pattern`` when none exists (callers check ``is_dir()``)."""
+    """The last directory of ``base`` matching ``pattern`` by name, else ``base / pattern``.
+
+    Run ids are UTC timestamps, so the last by name is the newest; callers check
+    ``is_dir()`` when none exists.
+    """
     found = sorted(p for p in base.glob(pattern) if p.is_dir()) if base.is_dir() else []
     return found[-1] if found else base / pattern
 
