@@ -12,94 +12,19 @@ The resumed round 2 is judged by :func:`qualify.compare.resume.resume_rows` agai
 
 from __future__ import annotations
 
-import json
-import types
-from pathlib import Path
-from typing import Any
-
 import pytest
-from harness_outputs import build_inputs, locked
-from safetensors.numpy import load_file
+from test_resume_torch_tp import Runs
 
-from qualify.candidate.launch import launch
-from qualify.compare.resume import STATE_QUANTITIES, resume_rows
-from qualify.compare.verdicts import Row
-from qualify.protocol import HarnessCell
-from qualify.registry import get_engine
+from qualify.compare.resume import STATE_QUANTITIES
 
 pytest.importorskip("megatron.core")
-
-MODULE = get_engine("megatron").module
-LAUNCH_TIMEOUT_S = 400.0
-PHASES: dict[str, tuple[str | None, tuple[str, ...]]] = {
-    "full": (None, ()),
-    "save": ("save", ()),
-    "load": ("load", ()),
-    "load-drops-optimizer": ("load", ("resume_drops_optimizer_state",)),
-    "load-drops-step": ("load", ("resume_drops_step_counter",)),
-}
-
-
-class Runs:
-    """Each launch once per session (file-locked, shared by xdist workers)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.inputs = root / "inputs"
-        root.mkdir(parents=True, exist_ok=True)
-        with locked(root / "inputs.lock"):
-            if not (self.inputs / "params.json").is_file():
-                self.inputs.mkdir(exist_ok=True)
-                build_inputs(self.inputs, (10, 6, 3, 8), 10)
-
-    def out(self, name: str) -> Path:
-        phase, faults = PHASES[name]
-        if phase == "load":
-            self.out("save")
-        out = self.root / name
-        with locked(self.root / f"{name}.lock"):
-            if not (out / "result.json").is_file():
-                cell = HarnessCell(
-                    engine="megatron", precision="fp32", options={}, actor_tp=2, critic_tp=1,
-                    rounds=2, seed=0, inputs_dir=str(self.inputs), output_dir=str(out),
-                    faults=faults, resume=None if phase is None else {
-                        "phase": phase, "after_round": 1, "dir": str(self.root / "ckpt")})
-                res = launch(cell, module=MODULE, attempt_dir=out, timeout_s=LAUNCH_TIMEOUT_S,
-                             env={"CUDA_VISIBLE_DEVICES": ""})
-                (out / "result.json").write_text(json.dumps(
-                    {"status": res.status, "reason": res.reason, "wall_s": res.wall_s}))
-        result = json.loads((out / "result.json").read_text())
-        assert result["status"] == "OK", f"{name}: {result['reason']}"
-        return out
-
-    def cell(self, name: str, role: str) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The launch's share for ``role``, as the candidate stage splits a cell."""
-        out = self.out(name)
-        tensors = {k: v for k, v in load_file(str(out / "outputs.safetensors")).items()
-                   if k.split("/")[1] == role}
-        meta = json.loads((out / "outputs.json").read_text())
-        return tensors, {**{k: v for k, v in meta.items() if k != "roles"},
-                         **meta["roles"][role]}
-
-    def rows(self, name: str, role: str) -> list[Row]:
-        tensors, meta = self.cell(name, role)
-        mask = load_file(str(self.inputs / "rollout.safetensors"))["response_mask"]
-        base_t, base_m = self.cell("full", role)
-        return resume_rows(cell=f"megatron-fp32-{role}-resume", entry={
-            "role": role, "after_round": 1, "resume_of": f"megatron-fp32-{role}"},
-            outputs=_out(tensors, meta), loaded={f"megatron-fp32-{role}": _out(base_t, base_m)},
-            bounds=[], mask=mask, lane="fp32")
-
-
-def _out(tensors: dict[str, Any], meta: dict[str, Any]) -> types.SimpleNamespace:
-    """A loaded cell as the comparator holds it (tensors, outputs.json, its problem)."""
-    return types.SimpleNamespace(tensors=tensors, meta=meta, meta_problem="")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Runs:
     base = tmp_path_factory.getbasetemp()
-    return Runs((base.parent if worker_id != "master" else base) / "megatron_resume")
+    return Runs((base.parent if worker_id != "master" else base) / "megatron_resume",
+                engine="megatron", topology=(2, 1))
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
