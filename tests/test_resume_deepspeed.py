@@ -12,7 +12,7 @@ only, or every step counter reset). The resumed round 2 is judged by
 from __future__ import annotations
 
 import pytest
-from test_resume_torch_tp import Runs
+from test_resume_torch_tp import Runs, assert_planted_fault_fails
 
 from qualify.compare.resume import STATE_QUANTITIES
 
@@ -46,17 +46,7 @@ def test_resumed_round_is_bitwise_the_uninterrupted_one(runs: Runs, role: str) -
 @pytest.mark.parametrize("role", ["actor", "critic"])
 def test_planted_resume_fault_fails_naming_the_quantity(runs: Runs, name: str, quantity: str,
                                                         role: str) -> None:
-    rows = runs.rows(name, role)
-    state = {r.family: r for r in rows if r.round is None}
-    assert state[quantity].verdict == "FAIL"
-    reason = state[quantity].reason
-    assert reason is not None
-    assert reason.startswith(f"resume {quantity}:")
-    updates = next(r for r in rows if r.round == 2 and r.family == "updates")
-    assert updates.verdict == "FAIL"
-    if quantity == "step":  # moments restored, only the counter lost
-        assert state["exp_avg"].verdict == "PASS"
-        assert state["master_weights"].verdict == "PASS"
+    assert_planted_fault_fails(runs.rows(name, role), quantity)
 
 
 def test_an_unknown_fault_is_refused() -> None:

@@ -13,7 +13,7 @@ The resumed round 2 is judged by :func:`qualify.compare.resume.resume_rows` agai
 from __future__ import annotations
 
 import pytest
-from test_resume_torch_tp import Runs
+from test_resume_torch_tp import Runs, assert_planted_fault_fails
 
 from qualify.compare.resume import STATE_QUANTITIES
 
@@ -53,20 +53,7 @@ def test_resumed_round_is_bitwise_the_uninterrupted_one(runs: Runs, role: str) -
 @pytest.mark.parametrize("role", ["actor", "critic"])
 def test_planted_resume_fault_fails_naming_the_quantity(runs: Runs, name: str, quantity: str,
                                                         role: str) -> None:
-    rows = runs.rows(name, role)
-    state = {r.family: r for r in rows if r.round is None}
-    assert state[quantity].verdict == "FAIL"
-    reason = state[quantity].reason
-    assert reason is not None
-    assert reason.startswith(f"resume {quantity}:")
-    # the wrong restore changes the resumed update itself: round-2 updates are not bitwise
-    updates = next(r for r in rows if r.round == 2 and r.family == "updates")
-    assert updates.verdict == "FAIL"
-    assert updates.error is not None
-    assert updates.error > 0
-    if quantity == "step":  # moments restored, only the counter lost
-        assert state["exp_avg"].verdict == "PASS"
-        assert state["master_weights"].verdict == "PASS"
+    assert_planted_fault_fails(runs.rows(name, role), quantity)
 
 
 def test_unknown_megatron_fault_is_refused() -> None:

@@ -105,6 +105,24 @@ def _out(tensors: dict[str, Any], meta: dict[str, Any]) -> types.SimpleNamespace
     return types.SimpleNamespace(tensors=tensors, meta=meta, meta_problem="")
 
 
+def assert_planted_fault_fails(rows: list[Row], quantity: str) -> None:
+    """A load with a planted resume fault: its ``quantity`` state row FAILs, naming it, and
+    the resumed round-2 update is not bitwise (shared by every engine's resume test)."""
+    state = {r.family: r for r in rows if r.round is None}
+    assert state[quantity].verdict == "FAIL"
+    reason = state[quantity].reason
+    assert reason is not None
+    assert reason.startswith(f"resume {quantity}:")
+    # the wrong restore changes the resumed update itself: round-2 updates are not bitwise
+    updates = next(r for r in rows if r.round == 2 and r.family == "updates")
+    assert updates.verdict == "FAIL"
+    assert updates.error is not None
+    assert updates.error > 0
+    if quantity == "step":  # moments restored, only the counter lost
+        assert state["exp_avg"].verdict == "PASS"
+        assert state["master_weights"].verdict == "PASS"
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Runs:
     base = tmp_path_factory.getbasetemp()
@@ -136,17 +154,4 @@ def test_resumed_round_is_bitwise_the_uninterrupted_one(runs: Runs, role: str) -
 @pytest.mark.parametrize("role", ["actor", "critic"])
 def test_planted_resume_fault_fails_naming_the_quantity(runs: Runs, name: str, quantity: str,
                                                         role: str) -> None:
-    rows = runs.rows(name, role)
-    state = {r.family: r for r in rows if r.round is None}
-    assert state[quantity].verdict == "FAIL"
-    reason = state[quantity].reason
-    assert reason is not None
-    assert reason.startswith(f"resume {quantity}:")
-    # the wrong restore changes the resumed update itself: round-2 updates are not bitwise
-    updates = next(r for r in rows if r.round == 2 and r.family == "updates")
-    assert updates.verdict == "FAIL"
-    assert updates.error is not None
-    assert updates.error > 0
-    if quantity == "step":  # moments restored, only the counter lost
-        assert state["exp_avg"].verdict == "PASS"
-        assert state["master_weights"].verdict == "PASS"
+    assert_planted_fault_fails(runs.rows(name, role), quantity)
