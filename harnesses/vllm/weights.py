@@ -529,5 +529,6 @@ class WeightSync:
 
 
 def env_summary() -> dict[str, str]:
-    """The vLLM environment variables that were set (recorded in ``outputs.json``)."""
-    return {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+    """The ``VLLM_*`` and ``TORCH_COMPILE_DISABLE`` variables set (for ``outputs.json``)."""
+    return {k: v for k, v in os.environ.items()
+            if k.startswith("VLLM_") or k == "TORCH_COMPILE_DISABLE"}
