@@ -162,6 +162,10 @@ class EngineSpec:
             topology of the same world size (each variant names its own ``actor_tp`` /
             ``critic_tp``; the harness builds each topology's role groups inside the
             launch): one launch per world size instead of one per topology (issue #17).
+        warm_imports: modules the warm launcher (:mod:`qualify.candidate.warm`) imports
+            once, before it forks a CPU launch's ranks, beyond the harness module and the
+            model classes (the engine modules the harness imports lazily); imported only
+            there, never by qualify itself.
         bf16_style: how the engine trains at BF16 (:mod:`qualify.lanes`): ``params``
             (BF16 parameters with FP32 master weights) or ``autocast`` (FP32 parameters
             under ``torch.autocast``); its BF16 cells are compared with the HF reference
@@ -187,6 +191,7 @@ class EngineSpec:
     groups_variants: bool = False
     resumes: bool = False
     groups_topologies: bool = False
+    warm_imports: tuple[str, ...] = ()
     bf16_style: str = "params"
     description: str = ""
     source: str = "builtin"

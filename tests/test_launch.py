@@ -1,4 +1,9 @@
-"""qualify.candidate.launch with fake harnesses (no torch in the ranks): OK, failure, timeout."""
+"""qualify.candidate.launch with fake harnesses (no torch in the ranks): OK, failure, timeout.
+
+The OK and failure launches run under both single-node launchers, the warm launcher
+(:mod:`qualify.candidate.warm`, the default) and torchrun; the ranks of both see the same
+torchrun environment.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +20,11 @@ import pytest
 from safetensors.numpy import save_file
 
 from qualify.candidate.launch import (
+    LAUNCHERS,
+    Launcher,
     check_outputs,
     launch,
+    launch_command,
     launch_env,
     torchrun_command,
     validate_cell,
@@ -68,6 +76,12 @@ def main(argv):
     (out / f"pid{rank}").write_text(str(os.getpid()))
     mode = cell["faults"][0] if cell["faults"] else "ok"
     print(f"rank {rank} omp={os.environ.get('OMP_NUM_THREADS')} mode={mode}", flush=True)
+    if mode == "env":
+        keep = [k for k in os.environ if k.startswith(("TORCHELASTIC_", "MASTER_")) or k in
+                ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
+                 "OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING")]
+        (out / f"env{rank}.json").write_text(json.dumps({k: os.environ[k] for k in keep}))
     if mode == "sleep":
         time.sleep(600)
     if mode == "fail" and rank == 1:
@@ -95,6 +109,10 @@ def fake(tmp_path: Path) -> dict[str, str]:
     mod.mkdir()
     (mod / "__init__.py").write_text("")
     (mod / "harness.py").write_text(textwrap.dedent(FAKE_HARNESS % repr(VALID_META)))
+    # imported by the warm launcher before it forks: a thread makes forking unsafe
+    (mod / "threads.py").write_text("import threading, time\n"
+                                    "threading.Thread(target=time.sleep, args=(60,), "
+                                    "daemon=True).start()\n")
     return {"PYTHONPATH": str(tmp_path)}
 
 
@@ -104,10 +122,12 @@ def _cell(out: Path, mode: str | None = None) -> HarnessCell:
                        faults=(mode,) if mode else ())
 
 
-def test_ok_launch_through_module_attr_entry(tmp_path: Path, fake: dict[str, str]) -> None:
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_ok_launch_through_module_attr_entry(tmp_path: Path, fake: dict[str, str],
+                                             launcher: Any) -> None:
     att = tmp_path / "attempt-1"
     res = launch(_cell(att), module="pkg_fake.harness:main", attempt_dir=att, timeout_s=120,
-                 env=fake)
+                 env=fake, launcher=launcher)
     assert res.status == "OK", res.reason
     assert res
     assert res.returncode == 0
@@ -121,15 +141,72 @@ def test_ok_launch_through_module_attr_entry(tmp_path: Path, fake: dict[str, str
         launch(_cell(att), module="pkg_fake.harness", attempt_dir=att, timeout_s=60, env=fake)
 
 
-def test_failing_rank_is_reported_with_its_log(tmp_path: Path, fake: dict[str, str]) -> None:
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_failing_rank_is_reported_with_its_log(tmp_path: Path, fake: dict[str, str],
+                                               launcher: Any) -> None:
     res = launch(_cell(tmp_path, "fail"), module="pkg_fake.harness", attempt_dir=tmp_path,
-                 timeout_s=120, env=fake)
+                 timeout_s=120, env=fake, launcher=launcher)
     assert res.status == "ERROR"
+    assert res.wall_s < 25  # rank 0 (asleep for 30 s) was ended when rank 1 failed
     assert not res
     assert res.returncode not in (0, None)
     assert res.failed_rank == 1
     assert "boom on rank 1" in res.reason
     assert any(p.name == "error.json" for p in res.rank_logs)
+
+
+def test_warm_ranks_get_torchrun_environment(tmp_path: Path, fake: dict[str, str]) -> None:
+    envs = {}
+    for launcher in LAUNCHERS:
+        att = tmp_path / launcher
+        res = launch(_cell(att, "env"), module="pkg_fake.harness", attempt_dir=att,
+                     timeout_s=120, env=fake, launcher=launcher)
+        assert res.status == "OK", res.reason
+        envs[launcher] = [json.loads((att / f"env{r}.json").read_text()) for r in (0, 1)]
+    assert "fork; imports" in (tmp_path / "warm" / "logs" / "launcher.log").read_text()
+    per_launch = {"MASTER_PORT", "MASTER_ADDR", "TORCHELASTIC_RUN_ID",
+                  "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE"}
+    for rank in (0, 1):
+        warm, torchrun = envs["warm"][rank], envs["torchrun"][rank]
+        assert sorted(warm) == sorted(torchrun)
+        assert {k: v for k, v in warm.items() if k not in per_launch} == \
+            {k: v for k, v in torchrun.items() if k not in per_launch}
+        assert warm["RANK"] == warm["LOCAL_RANK"] == str(rank)
+        assert warm["TORCHELASTIC_ERROR_FILE"].endswith(f"/ranks/{rank}/error.json")
+        assert warm["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # rank 0 hosts the store
+
+
+def test_warm_launcher_execs_fresh_ranks_when_forking_is_unsafe(
+        tmp_path: Path, fake: dict[str, str]) -> None:
+    res = launch(_cell(tmp_path), module="pkg_fake.harness", attempt_dir=tmp_path,
+                 timeout_s=120, env=fake, launcher="warm", preload=("pkg_fake.threads",))
+    assert res.status == "OK", res.reason
+    assert "exec (2 threads after the imports)" in res.launcher_log.read_text()
+    stdouts = [p for p in res.rank_logs if p.name == "stdout.log"]
+    assert len(stdouts) == 2
+    assert all("omp=1" in p.read_text() for p in stdouts)
+
+
+def test_launch_command_picks_the_launcher() -> None:
+    cell, logs = Path("/a/cell.json"), Path("/a/logs")
+    warm = launch_command(cell, module="h.m", world_size=3, log_dir=logs, env={},
+                          preload=("x.y",))
+    assert warm[1:3] == ["-m", "qualify.candidate.warm"]
+    assert warm[3:] == ["--nproc-per-node", "3", "--log-dir", "/a/logs", "--preload", "x.y",
+                        "h.m", "/a/cell.json"]
+    choices: tuple[tuple[dict[str, str], Launcher | None], ...] = (
+        ({"QUALIFY_LAUNCHER": "torchrun"}, None), ({}, "torchrun"))
+    for env, launcher in choices:
+        cmd = launch_command(cell, module="h.m", world_size=3, log_dir=logs, env=env,
+                             launcher=launcher)
+        assert cmd[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    srun = launch_command(cell, module="h.m", world_size=4, log_dir=logs, launcher="warm",
+                          env={"QUALIFY_NNODES": "2", "QUALIFY_RDZV_ENDPOINT": "n1:29500"})
+    assert srun[0] == "srun"  # a multi-node allocation always takes srun + torchrun
+    with pytest.raises(HarnessError, match="QUALIFY_LAUNCHER='fork': must be one of warm, "
+                                           "torchrun, srun"):
+        launch_command(cell, module="h.m", world_size=1, log_dir=logs,
+                       env={"QUALIFY_LAUNCHER": "fork"})
 
 
 def test_timeout_kills_the_whole_tree(tmp_path: Path, fake: dict[str, str]) -> None:

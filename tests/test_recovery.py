@@ -87,20 +87,29 @@ KILLED_CANDIDATE = textwrap.dedent('''
 ''')
 
 # A qualify-like parent: runs a launch-like tree through qualify.procs.run and waits. The
-# tree: torchrun with two ranks (``torchrun``), or a child that forks grandchildren in
-# sessions of their own and ends them on SIGTERM, as torchrun does (``tree``).
+# tree: torchrun with two ranks (``torchrun``), qualify's warm launcher with two forked
+# ranks (``warm``), or a child that forks grandchildren in sessions of their own and ends
+# them on SIGTERM, as torchrun does (``tree``).
 PARENT = textwrap.dedent('''
-    import signal, sys
+    import os, signal, sys
+    from pathlib import Path
     from qualify import procs
     # as in a terminal's foreground job (a background job of a script inherits SIGINT ignored)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     out, kind = sys.argv[1], sys.argv[2]
+    env = None
     if kind == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                "--nproc-per-node", "2", "--max-restarts", "0", sys.argv[3], out]
+    elif kind == "warm":  # qualify's own launcher: the rank script as a module, forked
+        script = Path(sys.argv[3])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent),
+                                                            os.environ.get("PYTHONPATH", "")])}
+        cmd = [sys.executable, "-m", "qualify.candidate.warm", "--nproc-per-node", "2",
+               "--log-dir", str(Path(out) / "logs"), script.stem, out]
     else:
         cmd = [sys.executable, sys.argv[3], out]
-    procs.run(cmd, timeout_s=300)
+    procs.run(cmd, timeout_s=300, env=env)
 ''')
 RANK = textwrap.dedent('''
     import os, sys, time
@@ -394,15 +403,16 @@ def test_run_marker_lives_from_the_first_write_to_the_seal(world: World, tmp_pat
 
 @pytest.mark.parametrize(("kind", "sig"), [("tree", signal.SIGKILL),
                                            ("torchrun", signal.SIGKILL),
-                                           ("torchrun", signal.SIGINT)])
+                                           ("torchrun", signal.SIGINT),
+                                           ("warm", signal.SIGKILL),
+                                           ("warm", signal.SIGINT)])
 def test_launch_tree_dies_with_a_killed_qualify(tmp_path: Path, kind: str, sig: int) -> None:
     """Kill (SIGKILL) or Ctrl-C (SIGINT) the process that called procs.run: every
     descendant is gone within seconds."""
-    script = tmp_path / "child.py"
-    script.write_text(RANK if kind == "torchrun" else TREE)
+    script = tmp_path / "child_rank.py"
+    script.write_text(TREE if kind == "tree" else RANK)
     parent = _spawn(PARENT, tmp_path, kind, script)
-    names = ["rank0", "rank1"] if kind == "torchrun" else ["child", "grandchild0",
-                                                           "grandchild1"]
+    names = ["rank0", "rank1"] if kind != "tree" else ["child", "grandchild0", "grandchild1"]
     pids = [_wait_for(tmp_path / n, timeout_s=120) for n in names]
     family = psutil.Process(parent.pid).children(recursive=True)
     assert {p.pid for p in family} >= set(pids)

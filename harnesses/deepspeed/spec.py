@@ -27,6 +27,7 @@ SPEC: Final = EngineSpec(
     requires=("deepspeed",),
     groups_variants=True,
     resumes=True,  # harnesses/deepspeed/resume.py: engine.save_checkpoint / load_checkpoint
+    warm_imports=("deepspeed",),  # its import (accelerator, op probes) once per launch
     groups_topologies=True,  # one launch per world size runs every topology (issue #17)
     bf16_style="params",  # BF16 ZeRO engine: BF16 module, FP32 master partitions
     description="DeepSpeed ZeRO 0/1/2 + AutoTP; runs on CPU with DS_ACCELERATOR=cpu",

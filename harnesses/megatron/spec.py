@@ -17,6 +17,9 @@ SPEC: Final = EngineSpec(
     distributions=("megatron-core",),
     requires=("megatron",),
     groups_variants=True,  # one launch per world size: every variant and topology
+    warm_imports=("megatron.core.models.gpt", "megatron.core.optimizer",
+                  "megatron.core.distributed", "harnesses.megatron.train",
+                  "harnesses.megatron.probe"),  # imported lazily by the harness
     groups_topologies=True,
     resumes=True,  # harnesses/megatron/resume.py: megatron-core's non-distributed checkpoint
     bf16_style="params",  # Float16Module BF16 parameters, FP32 main params in the optimizer

@@ -1,15 +1,24 @@
-"""Launch one harness cell under torchrun, with a wall-clock timeout and every rank's logs.
+"""Launch one harness cell (torchrun or the warm launcher), with a timeout and every rank's logs.
 
 :func:`launch` writes ``cell.json`` (validated by ``contracts/schema/cell.schema.json``) into
-the attempt directory and runs::
+the attempt directory and runs, in a new session (its own process group), one of
+(:func:`launch_command`):
+
+- ``warm`` (the default on one node): ``python -m qualify.candidate.warm --nproc-per-node
+  <world_size> --log-dir <attempt>/logs/ranks [--preload MOD ...] <harness> <cell.json>``:
+  one interpreter imports the harness, the engine and the model classes once and forks
+  every rank with torchrun's environment (:mod:`qualify.candidate.warm`; issue #17);
+- ``torchrun`` (``QUALIFY_LAUNCHER=torchrun``, and every launch on a CUDA machine)::
 
     python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node <world_size>
         --max-restarts 0 --log-dir <attempt>/logs/ranks --redirects 3 --tee 3
         -m <harness module> <attempt>/cell.json
 
-in a new session (its own process group). Every rank's stdout / stderr (and torchrun's
-``error.json`` when a rank raises) is kept under ``<attempt>/logs/ranks/``; torchrun's own
-output, which carries every rank's lines prefixed with ``[rank]:``, goes to
+- ``srun`` + ``torchrun`` across the nodes of a Slurm allocation (:func:`torchrun_command`).
+
+Every rank's stdout / stderr (and ``error.json`` when a rank raises) is kept under
+``<attempt>/logs/ranks/``; the launcher's own output (torchrun's carries every rank's lines
+prefixed with ``[rank]:``; the warm launcher's, one line per rank exit) goes to
 ``<attempt>/logs/launcher.log``. The harness is generic: any module that runs under
 ``python -m MODULE CELL_JSON`` (or a ``"module:attr"`` entry point, run through this
 module's trampoline) and speaks :mod:`qualify.protocol` can be launched.
@@ -18,12 +27,14 @@ A launch ends in one :class:`LaunchResult`: ``OK`` when the harness exited 0 and
 ``outputs.safetensors`` and an ``outputs.json`` valid against
 ``contracts/schema/outputs.schema.json``; ``ERROR`` otherwise (timeout, non-zero exit with
 the failing rank's log tail, missing or invalid outputs). On timeout the whole process
-tree is ended (:func:`qualify.procs.run`): SIGTERM to torchrun's process group and to every
-descendant (torchrun starts each worker in a session of its own), then SIGKILL after a
-grace period. If qualify itself dies (``kill -9``, a second Ctrl-C), the kernel sends
-torchrun SIGTERM (``PR_SET_PDEATHSIG``, :func:`qualify.procs.run`) and torchrun ends its
-ranks: none outlives qualify or keeps writing into the abandoned attempt
-(``tests/test_recovery.py`` kills a real qualify-like parent of a real torchrun).
+tree is ended (:func:`qualify.procs.run`): SIGTERM to the launcher's process group and to
+every descendant (torchrun starts each worker in a session of its own; the warm launcher's
+ranks stay in its group), then SIGKILL after a grace period. If qualify itself dies
+(``kill -9``, a second Ctrl-C), the kernel sends the launcher SIGTERM
+(``PR_SET_PDEATHSIG``, :func:`qualify.procs.run`) and it ends its ranks (a warm rank also
+gets SIGKILL from the kernel when its launcher dies): none outlives qualify or keeps
+writing into the abandoned attempt (``tests/test_recovery.py`` kills a real qualify-like
+parent of a real torchrun and of a real warm launcher).
 
 This module imports neither torch nor any engine; it is safe to import anywhere.
 """
@@ -53,9 +64,14 @@ from qualify.protocol import (
     HarnessCell,
     parse_tensor_name,
 )
+from qualify.registry import EngineSpec
 from qualify.resources import repo_root
 
 LaunchStatus = Literal["OK", "ERROR"]
+Launcher = Literal["warm", "torchrun"]
+LAUNCHERS: Final[tuple[Launcher, ...]] = ("warm", "torchrun")
+"""The single-node launchers (``QUALIFY_LAUNCHER``; ``srun`` selects :func:`torchrun_command`'s
+multi-node path)."""
 
 KILL_GRACE_S: Final = procs.KILL_GRACE_S
 """Seconds between SIGTERM and SIGKILL when a launch is ended (:mod:`qualify.procs`)."""
@@ -73,12 +89,13 @@ class LaunchResult:
         reason: empty for ``OK``; for ``ERROR`` what went wrong (``timeout after 60s``,
             the exit code and the failing rank's log tail, or the output problem).
         wall_s: wall-clock seconds of the launch.
-        returncode: torchrun's exit status (``None`` when it was killed on timeout).
+        returncode: the launcher's exit status (``None`` when it was killed on timeout).
         attempt_dir: the attempt directory.
         cell_file: the ``cell.json`` written.
-        launcher_log: torchrun's combined stdout / stderr.
+        launcher_log: the launcher's combined stdout / stderr.
         rank_logs: every rank's ``stdout.log`` / ``stderr.log`` / ``error.json`` found.
-        failed_rank: global rank of the first failure, when torchrun recorded one.
+        failed_rank: global rank of the first failure, when its ``error.json`` or a
+            traceback in its ``stderr.log`` names it.
     """
 
     status: LaunchStatus
@@ -245,6 +262,43 @@ def torchrun_command(cell_file: Path, *, module: str, world_size: int,
             "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id, *tail]
 
 
+def launch_command(cell_file: Path, *, module: str, world_size: int, log_dir: Path,
+                   env: Mapping[str, str] | None = None, launcher: Launcher | None = None,
+                   preload: Sequence[str] = ()) -> list[str]:
+    """The command line of a launch: the warm launcher, torchrun, or srun + torchrun.
+
+    The srun path of :func:`torchrun_command` wins whenever it applies (a multi-node
+    allocation, or ``QUALIFY_LAUNCHER=srun``). Otherwise ``launcher`` decides, or, when it
+    is ``None``, ``QUALIFY_LAUNCHER`` (``warm`` when unset).
+
+    Args:
+        cell_file: the ``cell.json`` passed to the harness.
+        module: harness module or ``"module:attr"``.
+        world_size: processes to start.
+        log_dir: the rank-log directory.
+        env: the launch environment (default: this process's).
+        launcher: ``warm`` or ``torchrun``; ``None``: from ``QUALIFY_LAUNCHER``.
+        preload: modules the warm launcher imports before it forks the ranks
+            (:attr:`qualify.registry.EngineSpec.warm_imports`).
+
+    Raises:
+        HarnessError: ``QUALIFY_LAUNCHER`` is not ``warm``, ``torchrun`` or ``srun``, or
+            as :func:`torchrun_command`.
+    """
+    e = os.environ if env is None else env
+    chosen = e.get("QUALIFY_LAUNCHER", "") or "warm"
+    if chosen not in (*LAUNCHERS, "srun"):
+        raise HarnessError(f"QUALIFY_LAUNCHER={chosen!r}: must be one of "
+                           f"{', '.join((*LAUNCHERS, 'srun'))}")
+    torchrun = torchrun_command(cell_file, module=module, world_size=world_size,
+                                log_dir=log_dir, env=e)
+    if torchrun[0] == "srun" or (launcher or chosen) == "torchrun":
+        return torchrun
+    pre = [arg for mod in preload for arg in ("--preload", mod)]
+    return [sys.executable, "-m", "qualify.candidate.warm", "--nproc-per-node",
+            str(world_size), "--log-dir", str(log_dir), *pre, module, str(cell_file)]
+
+
 def launch_env(env: Mapping[str, str] | None) -> dict[str, str]:
     """The environment of a launch: ours, overlaid by ``env``, plus what every rank needs.
 
@@ -264,8 +318,9 @@ def launch_env(env: Mapping[str, str] | None) -> dict[str, str]:
 
 def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: float,
            env: Mapping[str, str] | None = None,
-           world_size: int | None = None) -> LaunchResult:
-    """Run ``cell`` under torchrun and report how it ended.
+           world_size: int | None = None, launcher: Launcher | None = None,
+           preload: Sequence[str] = ()) -> LaunchResult:
+    """Run ``cell`` under the launcher of :func:`launch_command` and report how it ended.
 
     Args:
         cell: what to run; its ``output_dir`` is where the harness writes ``outputs.*``
@@ -280,6 +335,9 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
             :meth:`qualify.registry.EngineSpec.world_size`: ``(actor_tp + critic_tp) * dp``
             for a data-parallel engine); ``None``: ``cell.world_size`` (``actor_tp +
             critic_tp``).
+        launcher: ``warm`` or ``torchrun`` (:func:`launch_command`; ``None``: from
+            ``QUALIFY_LAUNCHER``, ``warm`` when unset).
+        preload: modules the warm launcher imports once before forking the ranks.
 
     Returns:
         The :class:`LaunchResult` (``ERROR`` for every harness failure: none raises).
@@ -303,9 +361,10 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
     Path(cell.output_dir).mkdir(parents=True, exist_ok=True)
     atomic.write_bytes(cell_file, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
     launch_environment = launch_env(env)
-    cmd = torchrun_command(cell_file, module=module,
-                           world_size=cell.world_size if world_size is None else world_size,
-                           log_dir=rank_dir, env=launch_environment)
+    cmd = launch_command(cell_file, module=module,
+                         world_size=cell.world_size if world_size is None else world_size,
+                         log_dir=rank_dir, env=launch_environment, launcher=launcher,
+                         preload=preload)
     launcher_log = logs / LAUNCHER_LOG
     with launcher_log.open("wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
@@ -326,7 +385,7 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
                                f"kept in {logs})")
     if rc != 0:
         failed, tail = _failure_tail(rank_dir, launcher_log)
-        where = f"rank {failed}" if failed is not None else "torchrun"
+        where = f"rank {failed}" if failed is not None else "the launcher"
         return result("ERROR", f"harness exited with code {rc}; first failure on {where}:\n"
                                f"{tail}", failed)
     try:
@@ -335,6 +394,29 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
     except HarnessError as exc:
         return result("ERROR", f"harness exited 0 but its outputs are not valid: {exc}")
     return result("OK", "")
+
+
+def launch_engine(cell: HarnessCell, *, engine: EngineSpec, attempt_dir: Path,
+                  timeout_s: float, cuda: bool) -> LaunchResult:
+    """:func:`launch` of an engine's harness, as every stage launches it.
+
+    The engine's module and world-size rule; on a CPU machine (``cuda`` false) its
+    ``cpu_env`` and the warm launcher with its ``warm_imports``; on a CUDA machine torchrun
+    (fresh interpreters per rank: the path the GPU checks ran).
+
+    Args:
+        cell: what to run (see :func:`launch`).
+        engine: the engine's spec (:func:`qualify.registry.get_engine`).
+        attempt_dir: a fresh attempt directory.
+        timeout_s: wall-clock limit of the launch.
+        cuda: whether this machine has a CUDA device.
+
+    Raises:
+        HarnessError: as :func:`launch`.
+    """
+    return launch(cell, module=engine.module, attempt_dir=attempt_dir, timeout_s=timeout_s,
+                  env=None if cuda else engine.cpu_env, world_size=engine.world_size(cell),
+                  launcher="torchrun" if cuda else None, preload=engine.warm_imports)
 
 
 def _failure_tail(rank_dir: Path, launcher_log: Path) -> tuple[int | None, str]:

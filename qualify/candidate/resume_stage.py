@@ -21,11 +21,11 @@ This module imports no engine.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from qualify.candidate.launch import LaunchResult, launch
+from qualify.candidate.launch import LaunchResult, launch_engine
 from qualify.contract import CellSpec, Contract
 from qualify.evidence import store
 from qualify.layout import CELLS_DIR, LAUNCHES_DIR, RESULT_FILE, RunDocument
@@ -60,7 +60,7 @@ def _entry(entry: Entry, cell: CellSpec, status: str, reason: str | None,
 def run_resume_cells(contract: Contract, *, run_dir: Path, run: RunDocument,
                      wanted: Sequence[CellSpec], plan: Callable[..., Sequence[Any]],
                      base_cell: HarnessCell, split: Split, entry: Entry,
-                     launch_timeout_s: float, env_of: Callable[[Any], Mapping[str, str] | None],
+                     launch_timeout_s: float, cuda: bool,
                      write_run: Callable[[], None]) -> None:
     """Run the resume cells of ``wanted`` not yet COMPLETE in ``run``; record them in ``run``.
 
@@ -75,7 +75,8 @@ def run_resume_cells(contract: Contract, *, run_dir: Path, run: RunDocument,
         split: :func:`qualify.candidate.stage._split_outputs` (one cell's share, sealed).
         entry: :func:`qualify.candidate.stage._cell_entry` (the ``run.json`` entry).
         launch_timeout_s: wall-clock limit of each launch.
-        env_of: the launch environment of an engine spec.
+        cuda: whether this machine has a CUDA device
+            (:func:`qualify.candidate.launch.launch_engine`).
         write_run: writes ``run.json``.
     """
     spec = contract.resume
@@ -105,7 +106,7 @@ def run_resume_cells(contract: Contract, *, run_dir: Path, run: RunDocument,
         saved = _launch(dataclasses.replace(hc, output_dir=str(save.resolve()),
                                             resume={"phase": "save", "after_round": k,
                                                     "dir": ckpt}),
-                        engine, save, launch_timeout_s, env_of(engine))
+                        engine, save, launch_timeout_s, cuda)
         result: LaunchResult | None = None
         attempt = save
         if saved:
@@ -113,7 +114,7 @@ def run_resume_cells(contract: Contract, *, run_dir: Path, run: RunDocument,
             result = _launch(dataclasses.replace(hc, output_dir=str(attempt.resolve()),
                                                  resume={"phase": "load", "after_round": k,
                                                          "dir": ckpt}),
-                             engine, attempt, launch_timeout_s, env_of(engine))
+                             engine, attempt, launch_timeout_s, cuda)
         else:
             saved = dataclasses.replace(saved, reason=f"save launch (rounds 1..{k}): "
                                                       f"{saved.reason}")
@@ -130,10 +131,10 @@ def run_resume_cells(contract: Contract, *, run_dir: Path, run: RunDocument,
 
 
 def _launch(cell: HarnessCell, engine: Any, attempt: Path, timeout_s: float,
-            env: Mapping[str, str] | None) -> LaunchResult:
+            cuda: bool) -> LaunchResult:
     """One launch of a resume phase, its ``result.json`` written."""
-    result = launch(cell, module=engine.module, attempt_dir=attempt, timeout_s=timeout_s,
-                    env=env, world_size=engine.world_size(cell))
+    result = launch_engine(cell, engine=engine, attempt_dir=attempt, timeout_s=timeout_s,
+                           cuda=cuda)
     store.atomic_write_json(attempt / RESULT_FILE, {
         "status": result.status, "reason": result.reason, "wall_s": result.wall_s,
         "returncode": result.returncode, "resume_phase": (cell.resume or {}).get("phase")})

@@ -40,7 +40,7 @@ from typing import Any, Final
 from qualify import jsonio
 from qualify.atomic import TMP_PREFIX
 from qualify.candidate import resume_stage, sampler_stage
-from qualify.candidate.launch import LaunchResult, launch, read_safetensors_header
+from qualify.candidate.launch import LaunchResult, launch_engine, read_safetensors_header
 from qualify.contract import CellSpec, Contract, cells_matching
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
 from qualify.evidence import store, tensor_index
@@ -563,10 +563,9 @@ def run_candidate_stage(
                 )
                 attempt = store.new_attempt(run_dir / LAUNCHES_DIR / lc.launch_id)
                 hc = dataclasses.replace(hc, output_dir=str(attempt.resolve()))
-                result = launch(hc, module=engine.module, attempt_dir=attempt,
-                                timeout_s=launch_timeout_s * len(lc.parts),
-                                env=None if _cuda_available() else engine.cpu_env,
-                                world_size=engine.world_size(hc))
+                result = launch_engine(hc, engine=engine, attempt_dir=attempt,
+                                       timeout_s=launch_timeout_s * len(lc.parts),
+                                       cuda=_cuda_available())
                 store.atomic_write_json(attempt / RESULT_FILE, {
                     "status": result.status, "reason": result.reason, "wall_s": result.wall_s,
                     "returncode": result.returncode})
@@ -599,7 +598,7 @@ def run_candidate_stage(
             split=lambda result, attempt, lc, cell, cell_attempt: _split_outputs(
                 result, attempt, lc, cell, cell_attempt, contract=contract, numels=numels),
             entry=_cell_entry, launch_timeout_s=launch_timeout_s,
-            env_of=lambda engine: None if _cuda_available() else engine.cpu_env,
+            cuda=_cuda_available(),
             write_run=lambda: store.atomic_write_json(run_dir / RUN_FILE, run.to_dict()))
         sampler_stage.run_sampler_cells(contract, run_dir=run_dir, run=run, inputs=inputs,
                                         cells=cells, faults=faults)

@@ -115,7 +115,7 @@ def launch_engine(cell: CellRef, *, run_dir: Path, out: Path, round_: int,
     Raises:
         UsageError: the launch failed (its reason, first line, and the attempt's logs).
     """
-    from qualify.candidate.launch import launch
+    from qualify.candidate.launch import launch_engine
     from qualify.candidate.stage import _cuda_available
     from qualify.contract import Contract
     from qualify.protocol import HarnessCell
@@ -133,9 +133,8 @@ def launch_engine(cell: CellRef, *, run_dir: Path, out: Path, round_: int,
         inputs_dir=str(inputs), output_dir=str(attempt), faults=tuple(faults),
         param_sampling=contract.evidence,
         probe={"round": round_, "dir": str(attempt / PROBE_DIR)} if probe else None)
-    result = launch(hc, module=engine.module, attempt_dir=attempt, timeout_s=timeout_s,
-                    env=None if _cuda_available() else engine.cpu_env,
-                    world_size=engine.world_size(hc))
+    result = launch_engine(hc, engine=engine, attempt_dir=attempt, timeout_s=timeout_s,
+                           cuda=_cuda_available())
     if not result:
         first = result.reason.strip().splitlines()[0] if result.reason.strip() else "failed"
         raise UsageError(f"{attempt}: the {cell.engine} launch failed: {first} (logs in "

@@ -1,0 +1,336 @@
+"""Start a launch's ranks from one warm interpreter: import once, fork every rank (issue #17).
+
+``python -m qualify.candidate.warm --nproc-per-node W --log-dir DIR [--preload MOD ...]
+TARGET CELL_JSON`` is the single-node CPU launcher of :func:`qualify.candidate.launch.launch`.
+It replaces ``torchrun --standalone`` there, where most of a launch's wall was fixed cost:
+torchrun's own interpreter, then ``W`` interpreters that each imported torch, transformers'
+model classes and the engine (measured in README.md "Speed"). Here one interpreter imports
+``TARGET``'s module, every ``--preload`` module (the engine's
+:attr:`~qualify.registry.EngineSpec.warm_imports`) and the transformers model classes of the
+cell's model directories, then forks ``W`` ranks that share those modules.
+
+Each rank gets the environment torchrun gives a worker (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``ROLE_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``, ``TORCHELASTIC_*``; PyTorch's
+``torch/distributed/elastic/agent/server/local_elastic_agent.py``), so the harness's
+``init_process_group`` (``env://``) is the same call as under torchrun; rank 0 hosts the
+TCPStore (``TORCHELASTIC_USE_AGENT_STORE=False``). Its stdout / stderr go to
+``DIR/<rank>/stdout.log`` / ``stderr.log`` and an uncaught exception of a ``@record``
+entry point to ``DIR/<rank>/error.json`` (``TORCHELASTIC_ERROR_FILE``), the files
+:func:`qualify.candidate.launch._failure_tail` reads. The rank then runs the entry point as
+``python -m`` would: ``attr([CELL_JSON])`` for ``module:attr``, else the module's ``main``,
+else the module as ``__main__`` (:mod:`runpy`), and ends with ``os._exit`` after flushing.
+
+Independence is kept: the parent computes nothing (it only imports), so each rank starts
+from the frozen inputs with its own model, optimizer and RNG state as under torchrun;
+``tests/test_warm_launch.py`` finds every output tensor of a warm launch bitwise equal to a
+torchrun launch of the same cell. Forking is safe only from a single-threaded process that
+has not initialised CUDA: when either fails (or on a CUDA build of torch without
+``QUALIFY_DEVICE=cpu``), each rank execs a fresh interpreter instead (``python -m
+TARGET CELL_JSON``), still without torchrun. Failure handling is torchrun's: the first rank
+to exit non-zero makes the launcher SIGTERM the others, SIGKILL them after
+:data:`KILL_GRACE_S`, and exit with that rank's code; SIGTERM, SIGINT, SIGHUP or SIGQUIT to
+the launcher (``qualify.procs.run`` on a timeout) ends every rank the same way, and a rank
+dies with the launcher (``PR_SET_PDEATHSIG`` SIGKILL) however the launcher dies.
+
+Importing this module imports neither torch nor any engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import ctypes.util
+import importlib
+import json
+import os
+import runpy
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Final
+
+KILL_GRACE_S: Final = 5.0
+"""Seconds between SIGTERM and SIGKILL of the surviving ranks."""
+_POLL_S: Final = 0.02
+_PR_SET_PDEATHSIG: Final = 1
+_FORWARDED: Final = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+"""The signals torchrun's agent handles (``TORCHELASTIC_SIGNALS_TO_HANDLE``): each ends the
+ranks."""
+PREFIX: Final = "[warm]"
+"""Prefix of the launcher's own lines in ``launcher.log``."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (bound to port 0 and released), for ``MASTER_PORT``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def rank_env(rank: int, world: int, *, port: int, log_dir: Path,
+             run_id: str) -> dict[str, str]:
+    """The variables torchrun sets for a single-node worker (``local_elastic_agent.py``).
+
+    Args:
+        rank: global rank (= local rank: one node).
+        world: world size (= local world size).
+        port: ``MASTER_PORT`` (rank 0's TCPStore).
+        log_dir: the launch's rank-log directory (``error.json`` goes to ``<rank>/``).
+        run_id: ``TORCHELASTIC_RUN_ID``.
+    """
+    return {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+        "ROLE_NAME": "default", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+        "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        "TORCHELASTIC_ERROR_FILE": str(log_dir / str(rank) / "error.json"),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                                                          "1"),
+    }
+
+
+def preload(target: str, modules: Sequence[str], cell_file: Path) -> list[str]:
+    """Import the entry point's module, ``modules`` and the cell's HF model classes.
+
+    The model classes are found as ``from_pretrained`` finds them (the ``model_type`` of
+    each ``config.json`` named in the cell's ``inputs_dir/model.json``, through
+    transformers' auto-model mappings), and only imported: no model is built. A module
+    that fails to import is left to the rank, which then reports the failure itself.
+
+    Returns:
+        One note per module that could not be imported (empty when all were).
+    """
+    notes: list[str] = []
+    for name in (target.split(":", 1)[0], *modules):
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # the rank imports it again and reports the error
+            notes.append(f"{name}: {type(exc).__name__}: {exc}")
+    try:
+        _preload_model_classes(cell_file)
+    except Exception as exc:  # best effort: from_pretrained in the rank does the real work
+        notes.append(f"model classes: {type(exc).__name__}: {exc}")
+    return notes
+
+
+def _preload_model_classes(cell_file: Path) -> None:
+    from qualify.layout import MODEL_FILE
+
+    cell = json.loads(cell_file.read_text("utf-8"))
+    models = json.loads((Path(cell["inputs_dir"]) / MODEL_FILE).read_text("utf-8"))
+    dirs = {str(v) for k, v in models.items() if k.endswith("_dir")}
+    if not dirs:
+        return
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    for d in sorted(dirs):
+        config = Path(d) / "config.json"
+        if not config.is_file():
+            continue
+        model_type = json.loads(config.read_text("utf-8")).get("model_type")
+        if not isinstance(model_type, str) or model_type not in configuration_auto.CONFIG_MAPPING:
+            continue
+        config_class = configuration_auto.CONFIG_MAPPING[model_type]
+        for mapping in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING,
+                        modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
+                        modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING):
+            with contextlib.suppress(KeyError):
+                mapping[config_class]  # the lazy mapping imports the modeling module
+
+
+def fork_safe() -> tuple[bool, str]:
+    """Whether this process may fork ranks, and why not.
+
+    Safe: one thread (``/proc/self/task``; a forked child gets only the calling thread, so
+    a lock held by another would never be released), CUDA not initialised (a forked child
+    cannot use it), and no CUDA build of torch unless ``QUALIFY_DEVICE=cpu`` (the ranks
+    would initialise CUDA themselves; torchrun's fresh interpreters are the tested path).
+    """
+    try:
+        threads = len(os.listdir("/proc/self/task"))
+    except OSError:
+        return False, "no /proc/self/task to count threads"
+    if threads != 1:
+        return False, f"{threads} threads after the imports"
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        if torch.cuda.is_initialized():
+            return False, "CUDA initialised by an import"
+        if torch.version.cuda is not None and os.environ.get("QUALIFY_DEVICE") != "cpu":
+            return False, f"CUDA build of torch ({torch.version.cuda})"
+    return True, ""
+
+
+def _die_with_parent() -> None:
+    """``prctl(PR_SET_PDEATHSIG, SIGKILL)``: the kernel kills this rank when the launcher dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
+def _redirect(rank_dir: Path) -> None:
+    """Point fds 0, 1, 2 at ``/dev/null``, ``stdout.log``, ``stderr.log`` of ``rank_dir``."""
+    append = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    for fd, name, flags in ((0, os.devnull, os.O_RDONLY),
+                            (1, str(rank_dir / "stdout.log"), append),
+                            (2, str(rank_dir / "stderr.log"), append)):
+        new = os.open(name, flags, 0o644)
+        os.dup2(new, fd)
+        os.close(new)
+
+
+def _run_entry(target: str, cell_file: str) -> int:
+    """Run the entry point as torchrun's ``python -m`` would; its exit code.
+
+    ``module:attr``: ``attr([CELL_JSON])`` (what :func:`qualify.candidate.launch._trampoline`
+    does). A module: run as ``__main__`` by :mod:`runpy` (what ``python -m`` does), after
+    dropping the copy the parent imported, so the module's body runs once, as ``__main__``,
+    over the cached imports of everything it imports.
+    """
+    sys.argv = [target, cell_file]
+    try:
+        if ":" in target:
+            mod_name, attr = target.split(":", 1)
+            return int(getattr(importlib.import_module(mod_name), attr)([cell_file]) or 0)
+        sys.modules.pop(target, None)
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    return 0
+
+
+def _rank_main(rank: int, *, target: str, cell_file: str, env: dict[str, str],
+               rank_dir: Path, forked: bool) -> int:
+    """The body of one rank after the fork (or the ``exec`` of a fresh interpreter)."""
+    for sig in _FORWARDED:
+        signal.signal(sig, signal.SIG_DFL)
+    _die_with_parent()
+    _redirect(rank_dir)
+    os.environ.update(env)
+    if not forked:
+        argv = ([sys.executable, "-m", "qualify.candidate.launch", target, cell_file]
+                if ":" in target else [sys.executable, "-m", target, cell_file])
+        os.execv(sys.executable, argv)
+    try:
+        rc = _run_entry(target, cell_file)
+    except BaseException:
+        traceback.print_exc()
+        rc = 1
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    return rc
+
+
+def start_ranks(world: int, *, target: str, cell_file: str, log_dir: Path,
+                forked: bool) -> dict[int, int]:
+    """Fork ``world`` ranks; pid -> rank. Each child runs :func:`_rank_main` and exits."""
+    port = free_port()
+    run_id = f"warm-{os.getpid()}"
+    pids: dict[int, int] = {}
+    for rank in range(world):
+        rank_dir = log_dir / str(rank)
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        env = rank_env(rank, world, port=port, log_dir=log_dir, run_id=run_id)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = _rank_main(rank, target=target, cell_file=cell_file, env=env,
+                                  rank_dir=rank_dir, forked=forked)
+            finally:
+                os._exit(code)
+        pids[pid] = rank
+    return pids
+
+
+def supervise(pids: dict[int, int], *, grace_s: float = KILL_GRACE_S) -> int:
+    """Wait for every rank; on the first failure or a signal, end the others (torchrun's rule).
+
+    Returns:
+        0 when every rank exited 0; else the first failing rank's exit code (128 + signal
+        for a rank killed by a signal), or 128 + the signal the launcher received.
+    """
+    t0 = time.monotonic()
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        received.append(signum)
+
+    for sig in _FORWARDED:
+        signal.signal(sig, on_signal)
+    alive, first_bad, kill_at = dict(pids), 0, None
+    while alive:
+        for pid in list(alive):
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = pid, 0
+            if done == 0:
+                continue
+            rank = alive.pop(pid)
+            code = os.waitstatus_to_exitcode(status)
+            code = 128 - code if code < 0 else code
+            print(f"{PREFIX} rank {rank} (pid {pid}) exited with {code} after "
+                  f"{time.monotonic() - t0:.2f} s", flush=True)
+            if code != 0 and not first_bad:
+                first_bad = code
+        if (first_bad or received) and kill_at is None and alive:
+            why = f"signal {received[0]}" if received else f"a rank failed ({first_bad})"
+            print(f"{PREFIX} {why}: SIGTERM to ranks {sorted(alive.values())}", flush=True)
+            for pid in alive:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            kill_at = time.monotonic() + grace_s
+        if kill_at is not None and time.monotonic() >= kill_at:
+            for pid in alive:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            kill_at = float("inf")
+        time.sleep(_POLL_S)
+    if first_bad:
+        return first_bad
+    return 128 + received[0] if received else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point (see the module docstring); the launch's exit code."""
+    parser = argparse.ArgumentParser(prog="python -m qualify.candidate.warm")
+    parser.add_argument("--nproc-per-node", type=int, required=True)
+    parser.add_argument("--log-dir", type=Path, required=True)
+    parser.add_argument("--preload", action="append", default=[])
+    parser.add_argument("target")
+    parser.add_argument("cell_file")
+    args = parser.parse_args(argv)
+    if args.nproc_per_node < 1:
+        parser.error(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    t0 = time.monotonic()
+    notes = preload(args.target, args.preload, Path(args.cell_file))
+    forked, why = fork_safe()
+    mode = "fork" if forked else f"exec ({why})"
+    print(f"{PREFIX} {args.nproc_per_node} ranks of {args.target}, {mode}; imports "
+          f"{time.monotonic() - t0:.2f} s" + "".join(f"\n{PREFIX} not preloaded: {n}"
+                                                       for n in notes), flush=True)
+    pids = start_ranks(args.nproc_per_node, target=args.target, cell_file=args.cell_file,
+                       log_dir=args.log_dir, forked=forked)
+    return supervise(pids)
+
+
+if __name__ == "__main__":
+    code = main()
+    for _stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            _stream.flush()
+    os._exit(code)
