@@ -1,6 +1,7 @@
 """The candidate stage's sampler step: install the round-1 Actor weights into the sampler.
 
-Runs after the trainer launches of :func:`qualify.candidate.run_candidate_stage`, once per
+Runs once the trainer launch that exports the weights is done (beside the other trainer
+launches, :func:`qualify.candidate.stage.run_candidate_stage`), once per
 TP size of the contract's ``[sampler]`` section (cell ``{engine}-fp32-sampler-tp{n}``, the
 engine a registered one of kind ``sampler``):
 
@@ -21,12 +22,14 @@ The harness installs, verifies, probes and scores; the verdicts are the comparat
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import os
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Final
 
@@ -116,7 +119,8 @@ def _entry(engine: str, tp: int, status: str, *, reason: str | None, attempt: st
 
 def run_sampler_cells(contract: Contract, *, run_dir: Path, run: RunDocument, inputs: Path,
                       cells: Sequence[str] | None = None, faults: Sequence[str] = (),
-                      timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                      timeout_s: float = DEFAULT_TIMEOUT_S,
+                      lock: AbstractContextManager[Any] | None = None) -> None:
     """Run every selected, not yet complete sampler cell; update ``run`` and ``run.json``.
 
     Args:
@@ -127,29 +131,34 @@ def run_sampler_cells(contract: Contract, *, run_dir: Path, run: RunDocument, in
         cells: ``--cells`` globs (``None``: all).
         faults: deliberate faults (recorded in ``cell.json``).
         timeout_s: wall-clock limit of one sampler cell.
+        lock: held around every read and write of ``run`` (the candidate stage runs this
+            beside its trainer launches, in a thread of its own); ``None``: no other writer.
     """
     s = contract.sampler
     if s is None:
         return
+    guard = lock if lock is not None else contextlib.nullcontext()
     engine = get_engine(s.engine)
     for cid, tp in selected(contract, cells):
-        if run.cells.get(cid, {}).get("status") == "COMPLETE":
-            continue
-        why_not = engine.unavailable_reason()
-        weights, why = find_weights(run_dir, run, s.weights_from)
-        if why_not is not None or weights is None:
-            run.cells[cid] = _entry(s.engine, tp, "NOT_RUN", reason=why_not or why, attempt=None,
-                                       weights_from=s.weights_from)
-            store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
-            continue
+        with guard:
+            if run.cells.get(cid, {}).get("status") == "COMPLETE":
+                continue
+            why_not = engine.unavailable_reason()
+            weights, why = find_weights(run_dir, run, s.weights_from)
+            if why_not is not None or weights is None:
+                run.cells[cid] = _entry(s.engine, tp, "NOT_RUN", reason=why_not or why,
+                                        attempt=None, weights_from=s.weights_from)
+                store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
+                continue
         attempt = store.new_attempt(run_dir / CELLS_DIR / cid)
         status, reason = _run_one(contract, attempt, inputs=inputs, tp=tp, weights=weights,
                                   weights_from=s.weights_from, engine=engine,
                                   faults=faults, timeout_s=timeout_s)
-        run.cells[cid] = _entry(s.engine, tp, status, reason=reason,
-                                   attempt=str(attempt.relative_to(run_dir)),
-                                   weights_from=s.weights_from)
-        store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
+        with guard:
+            run.cells[cid] = _entry(s.engine, tp, status, reason=reason,
+                                    attempt=str(attempt.relative_to(run_dir)),
+                                    weights_from=s.weights_from)
+            store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
 
 
 def _run_one(contract: Contract, attempt: Path, *, inputs: Path, tp: int, weights: Path,

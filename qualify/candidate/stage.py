@@ -33,13 +33,14 @@ import json
 import os
 import re
 import shutil
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
 from qualify import jsonio
 from qualify.atomic import TMP_PREFIX
-from qualify.candidate import resume_stage, sampler_stage
+from qualify.candidate import beside, resume_stage, sampler_stage
 from qualify.candidate.launch import LaunchResult, launch_engine, read_safetensors_header
 from qualify.contract import CellSpec, Contract, cells_matching
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
@@ -477,7 +478,8 @@ def run_candidate_stage(
 
     The run directory carries the ``INCOMPLETE`` marker from its first write until
     ``qualify compare`` seals it, and this process holds the marker's writer lock while it
-    runs (:func:`qualify.evidence.attempts.hold_writer_lock`).
+    runs (:func:`qualify.evidence.attempts.hold_writer_lock`). The sampler cells run beside
+    the trainer launches once the weights they install exist (:mod:`qualify.candidate.beside`).
 
     Args:
         contract: the loaded contract (its digest must equal the reference's).
@@ -537,18 +539,33 @@ def run_candidate_stage(
                 if run.cells.get(c.cell_id, {}).get("status") != "COMPLETE"]
         grouped = sorted({c.engine for c in todo if get_engine(c.engine).groups_variants})
         by_world = [e for e in grouped if get_engine(e).groups_topologies]
-        launches = plan_launches(contract, todo, grouped_engines=grouped,
-                                 topology_engines=by_world)
+        # the launch exporting the sampler's weights first; the sampler cells then run
+        # beside the other trainer launches (qualify.candidate.beside), under one lock
+        source = contract.sampler.weights_from if contract.sampler is not None else ""
+        launches = sorted(plan_launches(contract, todo, grouped_engines=grouped,
+                                        topology_engines=by_world),
+                          key=lambda lc: source not in {c.cell_id for c in lc.cells})
+        lock, cuda = threading.Lock(), _cuda_available()
+
+        def sampler_cells() -> None:
+            sampler_stage.run_sampler_cells(contract, run_dir=run_dir, run=run, inputs=inputs,
+                                            cells=cells, faults=faults, lock=lock)
+
+        sampler = beside.start(sampler_cells, cuda=cuda)  # None: after the trainer launches
+        if sampler is not None and not any(source in {c.cell_id for c in lc.cells}
+                                           for lc in launches):
+            sampler.go()
         with Progress(total=max(1, len(launches)), description=f"candidate {contract.name}",
-                      quiet=quiet) as bar:
+                      quiet=quiet) as bar, beside.cancelled_on_error(sampler):
             for lc in launches:
                 bar.advance(lc.launch_id)
                 engine = get_engine(lc.engine)
                 why_not = engine.unavailable_reason()
                 if why_not is not None:
-                    for cell in lc.cells:
-                        run.cells[cell.cell_id] = _cell_entry(cell, "NOT_RUN", why_not, None)
-                    store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
+                    with lock:
+                        for cell in lc.cells:
+                            run.cells[cell.cell_id] = _cell_entry(cell, "NOT_RUN", why_not, None)
+                        store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
                     continue
                 hc = HarnessCell(
                     param_sampling=contract.evidence, engine=lc.engine, precision=lc.precision,  # type: ignore[arg-type]
@@ -564,29 +581,38 @@ def run_candidate_stage(
                 attempt = store.new_attempt(run_dir / LAUNCHES_DIR / lc.launch_id)
                 hc = dataclasses.replace(hc, output_dir=str(attempt.resolve()))
                 result = launch_engine(hc, engine=engine, attempt_dir=attempt,
-                                       timeout_s=launch_timeout_s * len(lc.parts),
-                                       cuda=_cuda_available())
+                                       timeout_s=launch_timeout_s * len(lc.parts), cuda=cuda)
                 store.atomic_write_json(attempt / RESULT_FILE, {
                     "status": result.status, "reason": result.reason, "wall_s": result.wall_s,
                     "returncode": result.returncode})
                 cell_attempts = {c.cell_id: store.new_attempt(run_dir / CELLS_DIR / c.cell_id)
                                  for c in lc.cells}
+                entries = {}
                 for cell in lc.cells:
                     cell_attempt = cell_attempts[cell.cell_id]
                     status, why = _split_outputs(result, attempt, lc, cell, cell_attempt,
                                                  contract=contract, numels=numels)
-                    run.cells[cell.cell_id] = _cell_entry(
+                    entries[cell.cell_id] = _cell_entry(
                         cell, status, why, str(cell_attempt.relative_to(run_dir)))
+                with lock:
+                    run.cells.update(entries)
                 # after the split (the launch files are untouched until the drop): the index
                 # names only sealed cells; a crash before the seal leaves an unsealed launch
                 # attempt whose index nothing reads (tensor_index.check_run skips it)
                 complete = {cid: a for cid, a in cell_attempts.items()
-                            if run.cells[cid]["status"] == "COMPLETE"}
+                            if entries[cid]["status"] == "COMPLETE"}
                 index = _index_launch(result, attempt, lc, complete, run_dir)
                 if index is not None:  # every tensor is in a sealed cell: drop the copy
                     tensor_index.drop_stored_copies(attempt, run_dir, index)
                 store.seal(attempt, kind="launch-attempt")
-                store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
+                with lock:
+                    store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
+                if sampler is not None and source in entries:
+                    sampler.go()  # the weights are recorded: the sampler cells may start
+        if sampler is not None:
+            sampler.result()
+        else:
+            sampler_cells()
         # the resume cells ([resume]): save after round k, a fresh launch restores and goes on
         resume_stage.run_resume_cells(
             contract, run_dir=run_dir, run=run, wanted=wanted, plan=plan_launches,
@@ -597,11 +623,8 @@ def run_candidate_stage(
                 collective_timeout_s=collective_timeout_s, faults=tuple(faults)),
             split=lambda result, attempt, lc, cell, cell_attempt: _split_outputs(
                 result, attempt, lc, cell, cell_attempt, contract=contract, numels=numels),
-            entry=_cell_entry, launch_timeout_s=launch_timeout_s,
-            cuda=_cuda_available(),
+            entry=_cell_entry, launch_timeout_s=launch_timeout_s, cuda=cuda,
             write_run=lambda: store.atomic_write_json(run_dir / RUN_FILE, run.to_dict()))
-        sampler_stage.run_sampler_cells(contract, run_dir=run_dir, run=run, inputs=inputs,
-                                        cells=cells, faults=faults)
         for c in wanted:
             run.cells.setdefault(c.cell_id, _cell_entry(c, "NOT_RUN", "not launched", None))
         for c in resume_stage.selected(contract, wanted):
