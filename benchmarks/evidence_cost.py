@@ -66,6 +66,7 @@ def _cells(run: Path) -> list[dict[str, Any]]:
             else sum(float(rt.get(k, 0.0)) for k in _SETUP) + float(t.get("init_s", 0.0))
         out.append({"cell": cid, "launch": str(res.get("launch", cid)),
                     "wall_s": float(res.get("wall_s", float("nan"))),
+                    "started": str(res.get("started") or ""),
                     "variant": (str(e.get("precision")), json.dumps(e.get("options") or {},
                                                                    sort_keys=True)),
                     "role": str(e.get("role")), "sampler": sampler, "compute_s": compute,
@@ -93,6 +94,7 @@ def launch_table(run: Path) -> pd.DataFrame:
         setup = sum(max(c["setup_s"] for c in v) for v in variants.values())
         wall = cells[0]["wall_s"]
         rows.append({"launch": launch, "kind": "sampler" if cells[0]["sampler"] else "trainer",
+                     "started": cells[0]["started"],
                      "cells": len(cells), "wall_s": wall, "compute_s": compute,
                      "fixed_s": wall - compute, "fixed_per_cell_s": (wall - compute) / len(cells),
                      "setup_s": setup,
@@ -100,12 +102,33 @@ def launch_table(run: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _elapsed(launches: pd.DataFrame) -> float | None:
+    """Seconds during which at least one of ``launches`` ran (the union of their intervals).
+
+    Launches can overlap (the sampler cells run beside the trainer launches,
+    :mod:`qualify.candidate.beside`), so a stage's wall is not the sum of its launches'.
+    ``None`` when a launch has no recorded ``started`` (runs made before it was recorded).
+    """
+    if "started" not in launches or (launches["started"] == "").any():
+        return None
+    spans = sorted((pd.Timestamp(str(s)).timestamp(), pd.Timestamp(str(s)).timestamp() + float(w))
+                   for s, w in zip(launches["started"], launches["wall_s"], strict=True))
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 def stage_table(run: Path, launches: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     """Per stage: wall, engine compute, their ratio; and notes on what is not recorded.
 
     Stages: ``reference`` (from ``reference.json`` ``step_started_s``: the start of
-    ``seal`` as its wall, compute not recorded), ``trainer`` and ``sampler`` (sums over
-    their launches), and ``candidate (run.json)`` (``started`` to ``finished``).
+    ``seal`` as its wall, compute not recorded), ``trainer``, ``sampler`` and ``trainer +
+    sampler`` (the elapsed time of their launches, from each ``result.json`` ``started`` and
+    ``wall_s``; the sum of the walls for a run without start times), and ``candidate
+    (run.json)`` (``started`` to ``finished``).
     """
     notes: list[str] = []
     rows = []
@@ -126,13 +149,20 @@ def stage_table(run: Path, launches: pd.DataFrame) -> tuple[pd.DataFrame, list[s
                      "engine compute and the seal's end are not recorded")
     else:
         notes.append("reference: no reference.json step_started_s found")
-    for kind in ("trainer", "sampler"):
-        sub = launches[launches["kind"] == kind] if len(launches) else launches
+    for kind in ("trainer", "sampler", "trainer + sampler"):
+        sub = launches[launches["kind"].isin(kind.split(" + "))] if len(launches) else launches
         if len(sub):
-            wall, compute = float(sub["wall_s"].sum()), float(sub["compute_s"].sum())
+            summed, compute = float(sub["wall_s"].sum()), float(sub["compute_s"].sum())
+            wall = _elapsed(sub)
+            detail = f"{len(sub)} launches, {int(sub['cells'].sum())} cells"
+            if wall is None:
+                wall = summed
+                detail += ", walls summed (no launch start times recorded)"
+            else:
+                detail += f", elapsed (launch walls summed: {summed:.1f} s)"
             rows.append({"stage": kind, "wall_s": wall, "compute_s": compute,
                          "wall_over_compute": wall / compute if compute else float("inf"),
-                         "detail": f"{len(sub)} launches, {int(sub['cells'].sum())} cells"})
+                         "detail": detail})
     try:
         t0 = pd.Timestamp(run_doc["started"])
         t1 = pd.Timestamp(run_doc["finished"])

@@ -15,8 +15,10 @@ import tracemalloc
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
+from benchmarks import evidence_cost
 from benchmarks.__main__ import run_suite
 from benchmarks.synthetic import COMMITTED_REFERENCE, COMMITTED_RUN, build
 from qualify.compare.stage import compare_run
@@ -32,7 +34,7 @@ COMPARATOR_COLUMNS = ["command", "MB", "wall_s", "cpu_s", "MB_per_s_wall", "MB_p
                       "growth_over_largest"]
 VERIFY_COLUMNS = ["command", "MB", "wall_s", "cpu_s", "MB_per_s_wall", "MB_per_s_cpu",
                   "peak_rss_mb"]
-LAUNCH_COLUMNS = ["launch", "kind", "cells", "wall_s", "compute_s", "fixed_s",
+LAUNCH_COLUMNS = ["launch", "kind", "started", "cells", "wall_s", "compute_s", "fixed_s",
                   "fixed_per_cell_s", "setup_s", "wall_over_compute"]
 
 
@@ -59,6 +61,17 @@ def test_suite_end_to_end(tmp_path: Path) -> None:
     assert (launches["fixed_s"] == launches["wall_s"] - launches["compute_s"]).all()
     assert set(res["stages"]["stage"]) >= {"trainer", "candidate (run.json)"}
     assert not (tmp_path / "synthetic").exists()  # removed without --keep
+
+
+def test_stage_wall_is_the_elapsed_time_of_overlapping_launches() -> None:
+    t = "2026-12-02T00:00:{:02d}.000000Z"
+    launches = pd.DataFrame([  # trainer 0-10 s and 20-25 s; sampler 5-30 s beside them
+        {"kind": "trainer", "started": t.format(0), "wall_s": 10.0},
+        {"kind": "trainer", "started": t.format(20), "wall_s": 5.0},
+        {"kind": "sampler", "started": t.format(5), "wall_s": 25.0}])
+    assert evidence_cost._elapsed(launches[launches["kind"] == "trainer"]) == 15.0
+    assert evidence_cost._elapsed(launches) == 30.0  # not the 40 s of the walls summed
+    assert evidence_cost._elapsed(launches.assign(started="")) is None
 
 
 def test_compare_memory_bounded_and_verdict(tmp_path: Path) -> None:

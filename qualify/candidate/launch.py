@@ -56,6 +56,7 @@ from typing import Any, Final, Literal
 
 from qualify import atomic, procs, schema
 from qualify.errors import HarnessError
+from qualify.evidence.timestamps import utc_now_iso
 from qualify.layout import LAUNCHER_LOG, LOGS_DIR, RANK_LOGS_DIR
 from qualify.protocol import (
     CELL_FILE,
@@ -96,6 +97,8 @@ class LaunchResult:
         rank_logs: every rank's ``stdout.log`` / ``stderr.log`` / ``error.json`` found.
         failed_rank: global rank of the first failure, when its ``error.json`` or a
             traceback in its ``stderr.log`` names it.
+        started: UTC start of the launch (ISO 8601), so that concurrent launches can be
+            laid on one time line (``benchmarks/evidence_cost.py``).
     """
 
     status: LaunchStatus
@@ -107,6 +110,7 @@ class LaunchResult:
     launcher_log: Path
     rank_logs: tuple[Path, ...]
     failed_rank: int | None = None
+    started: str = ""
 
     def __bool__(self) -> bool:
         return self.status == "OK"
@@ -365,7 +369,7 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
                          world_size=cell.world_size if world_size is None else world_size,
                          log_dir=rank_dir, env=launch_environment, launcher=launcher,
                          preload=preload)
-    launcher_log = logs / LAUNCHER_LOG
+    launcher_log, started = logs / LAUNCHER_LOG, utc_now_iso()
     with launcher_log.open("wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
@@ -378,7 +382,8 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
     def result(status: LaunchStatus, reason: str, failed: int | None = None) -> LaunchResult:
         return LaunchResult(status=status, reason=reason, wall_s=wall, returncode=rc,
                             attempt_dir=attempt_dir, cell_file=cell_file,
-                            launcher_log=launcher_log, rank_logs=rank_logs, failed_rank=failed)
+                            launcher_log=launcher_log, rank_logs=rank_logs, failed_rank=failed,
+                            started=started)
 
     if rc is None:
         return result("ERROR", f"timeout after {timeout_s:g}s (process tree ended; logs "

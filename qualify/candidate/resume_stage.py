@@ -137,5 +137,6 @@ def _launch(cell: HarnessCell, engine: Any, attempt: Path, timeout_s: float,
                            cuda=cuda)
     store.atomic_write_json(attempt / RESULT_FILE, {
         "status": result.status, "reason": result.reason, "wall_s": result.wall_s,
-        "returncode": result.returncode, "resume_phase": (cell.resume or {}).get("phase")})
+        "returncode": result.returncode, "resume_phase": (cell.resume or {}).get("phase"),
+        "started": result.started})
     return result

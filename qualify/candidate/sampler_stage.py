@@ -178,7 +178,7 @@ def _run_one(contract: Contract, attempt: Path, *, inputs: Path, tp: int, weight
     logs.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(repo_root()), os.environ.get("PYTHONPATH", "")])}
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), store.utc_now_iso()
     status, reason = "COMPLETE", None
     with (logs / "stdout.txt").open("wb") as out, (logs / "stderr.txt").open("wb") as err:
         ran = procs.run([sys.executable, "-m", engine.module, str(attempt / CELL_FILE)],
@@ -200,6 +200,7 @@ def _run_one(contract: Contract, attempt: Path, *, inputs: Path, tp: int, weight
     store.atomic_write_json(attempt / RESULT_FILE, {
         "status": status, "reason": reason, "wall_s": round(time.perf_counter() - t0, 3),
         "returncode": rc, "launch": f"{engine.name}-sampler-tp{tp}", "weights_from": weights_from,
+        "started": started,
         "weights_file": str(weights.resolve())})
     store.seal(attempt, kind=CELL_ATTEMPT_KIND)
     return status, reason

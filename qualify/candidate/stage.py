@@ -584,7 +584,7 @@ def run_candidate_stage(
                                        timeout_s=launch_timeout_s * len(lc.parts), cuda=cuda)
                 store.atomic_write_json(attempt / RESULT_FILE, {
                     "status": result.status, "reason": result.reason, "wall_s": result.wall_s,
-                    "returncode": result.returncode})
+                    "returncode": result.returncode, "started": result.started})
                 cell_attempts = {c.cell_id: store.new_attempt(run_dir / CELLS_DIR / c.cell_id)
                                  for c in lc.cells}
                 entries = {}
