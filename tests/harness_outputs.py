@@ -140,3 +140,21 @@ def expected_names(role: str, params: list[str]) -> set[str]:
         names |= {f"round{r}/{role}/{fam}/{p}" for fam in
                   ("grads", "exp_avg", "exp_avg_sq", "updates") for p in params}
     return names
+
+
+def warm_command(target: str, nproc: int, log_dir: Path, *args: str,
+                 preload: Sequence[str] = ()) -> list[str]:
+    """The command line that starts ``nproc`` ranks of ``target`` (a test script or module)
+    with qualify's CPU launcher (:mod:`qualify.candidate.warm`), as ``torchrun
+    --nproc-per-node nproc target args`` would; every rank's logs go under ``log_dir``."""
+    import sys
+
+    pre = [a for m in preload for a in ("--preload", m)]
+    return [sys.executable, "-m", "qualify.candidate.warm", "--nproc-per-node", str(nproc),
+            "--log-dir", str(log_dir), *pre, target, *args]
+
+
+def rank_stderr(log_dir: Path, chars: int = 3000) -> str:
+    """The tail of every rank's ``stderr.log`` under ``log_dir`` (a failed launch's message)."""
+    return "\n".join(f"{p}:\n{p.read_text(errors='replace')[-chars:]}"
+                     for p in sorted(log_dir.rglob("stderr*")))

@@ -34,6 +34,7 @@ from harness_outputs import (
     expected_names,
     family_errors,
     locked,
+    rank_stderr,
     role_tensors,
 )
 
@@ -41,7 +42,7 @@ from harnesses.deepspeed import losses
 from harnesses.deepspeed.harness import check_cell
 from harnesses.deepspeed.parallelize import ds_config, role_ranks
 from harnesses.deepspeed.state_dict_adapter import dtype_name
-from qualify.candidate.launch import check_outputs, launch_env, torchrun_command, validate_cell
+from qualify.candidate.launch import check_outputs, launch_command, launch_env, validate_cell
 from qualify.contract import load_contract
 from qualify.errors import HarnessError
 from qualify.protocol import HarnessCell, variant_tag
@@ -100,15 +101,17 @@ class Runs:
                 validate_cell(cell.to_dict())
                 cell_file = out / "cell.json"
                 cell_file.write_text(json.dumps(cell.to_dict()))
-                cmd = torchrun_command(cell_file, module=ENGINE.module,
-                                       world_size=cell.world_size, log_dir=out / "logs")
+                cmd = launch_command(cell_file, module=ENGINE.module,
+                                     world_size=cell.world_size, log_dir=out / "logs",
+                                     preload=ENGINE.warm_imports)
                 t0 = time.monotonic()
                 proc = subprocess.run(cmd, cwd=out, env=launch_env(ENGINE.cpu_env),
                                       capture_output=True, text=True,
                                       timeout=LAUNCH_TIMEOUT_S, check=False)
                 status, reason = "OK", ""
                 if proc.returncode != 0:
-                    status, reason = "ERROR", f"rc {proc.returncode}: {proc.stderr[-3000:]}"
+                    status, reason = "ERROR", (f"rc {proc.returncode}: {proc.stderr[-3000:]}"
+                                               f"\n{rank_stderr(out / 'logs')}")
                 else:
                     try:
                         for _, _, sub in cell.variant_runs():

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -31,14 +30,21 @@ from typing import Any
 
 import pytest
 import torch
-from harness_outputs import build_inputs, expected_names, family_errors, role_tensors
+from harness_outputs import (
+    build_inputs,
+    expected_names,
+    family_errors,
+    rank_stderr,
+    role_tensors,
+    warm_command,
+)
 from safetensors.torch import load_file
 
 from harnesses.fsdp2 import losses
 from harnesses.fsdp2.faults import Faults
 from harnesses.fsdp2.harness import dp_degree
 from harnesses.fsdp2.parallelize import dp_rows, grid, role_ranks
-from qualify.candidate.launch import check_outputs, launch_env, torchrun_command, validate_cell
+from qualify.candidate.launch import check_outputs, launch_command, launch_env, validate_cell
 from qualify.candidate.stage import plan_launches
 from qualify.contract import Contract, load_contract
 from qualify.errors import HarnessError
@@ -94,8 +100,9 @@ class Runs:
             validate_cell(cell.to_dict())
             cell_file = out / "cell.json"
             cell_file.write_text(json.dumps(cell.to_dict()))
-            cmd = torchrun_command(cell_file, module=ENGINE.module,
-                                   world_size=ENGINE.world_size(cell), log_dir=out / "logs")
+            cmd = launch_command(cell_file, module=ENGINE.module,
+                                 world_size=ENGINE.world_size(cell), log_dir=out / "logs",
+                                 preload=ENGINE.warm_imports)
             t0 = time.monotonic()
             proc = subprocess.run(cmd, cwd=out, env=launch_env(None), capture_output=True,
                                   text=True, timeout=LAUNCH_TIMEOUT_S, check=False)
@@ -329,12 +336,11 @@ def test_sharded_parameters_gather_to_the_hf_layout(runs: Runs, tmp_path: Path) 
     is the HF tensor; a 2-row batch split over 2 ranks gives the 2-row HF gradient."""
     script = tmp_path / "gather.py"
     script.write_text(GATHER_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc-per-node", "2", str(script), str(runs.inputs_dir / "critic"),
-           str(tmp_path)]
+    cmd = warm_command(str(script), 2, tmp_path / "logs", str(runs.inputs_dir / "critic"),
+                       str(tmp_path))
     proc = subprocess.run(cmd, cwd=repo_root(), env=launch_env(None), capture_output=True,
                           text=True, timeout=LAUNCH_TIMEOUT_S, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, rank_stderr(tmp_path / "logs")
     reps = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert len(reps) == 2
     for rep in reps:
@@ -554,11 +560,11 @@ def test_2d_layout_gathers_to_hf_and_clip_reduces_over_both_dims(runs: Runs,
     gradients, which a sum over ``dp`` only (the classic bug, computed here too) is not."""
     script = tmp_path / "gather2d.py"
     script.write_text(GATHER_2D_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc-per-node", "4", str(script), str(runs.inputs_dir / "actor"), str(tmp_path)]
+    cmd = warm_command(str(script), 4, tmp_path / "logs", str(runs.inputs_dir / "actor"),
+                       str(tmp_path))
     proc = subprocess.run(cmd, cwd=repo_root(), env=launch_env(None), capture_output=True,
                           text=True, timeout=LAUNCH_TIMEOUT_S, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, rank_stderr(tmp_path / "logs")
     reps = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     print("\n[fsdp2] 2-D gather/clip:", json.dumps(reps[0]))
     assert [(r["dp_rank"], r["tp_rank"]) for r in reps] == [(0, 0), (0, 1), (1, 0), (1, 1)]

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness_outputs import rank_stderr, warm_command
 from shared_artifacts import copy_tree, default_reference
 
 from qualify.candidate.stage import run_candidate_stage
@@ -32,6 +33,7 @@ from qualify.compare.stage import compare_run
 from qualify.contract import Contract, default_contract_path, load_contract
 from qualify.evidence import store
 from qualify.reference.stage import run_reference_stage
+from qualify.registry import get_engine
 from qualify.resources import contracts_dir
 
 pytest.importorskip("megatron.core")
@@ -285,19 +287,18 @@ def test_megatron_main_grads_match_hf_autograd(grad_inputs: Path, role: str, tp:
     ``finalize_model_grads`` the TP2 q/k-norm gradients are off by ~60%.
     """
     import subprocess
-    import sys
 
     import torch
 
     contract = contracts_dir() / "tiny-qwen3.toml"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc-per-node", str(tp), str(grad_inputs / "run.py"), role, str(grad_inputs),
-           str(contract)]
+    logs = grad_inputs / f"logs-run-{role}-{tp}"
+    cmd = warm_command(str(grad_inputs / "run.py"), tp, logs, role, str(grad_inputs),
+                       str(contract), preload=get_engine("megatron").warm_imports)
     env = {**__import__("os").environ,
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env,
                          check=False)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, res.stderr[-3000:] + rank_stderr(logs)
     got = torch.load(grad_inputs / f"grads-{role}-tp{tp}.pt")
     temperature = load_contract(contract).sampling.temperature
     loss, want = _hf_grads(grad_inputs, role, temperature)
@@ -410,7 +411,6 @@ def test_megatron_optimizer_step_on_cpu_matches_torch_adamw(grad_inputs: Path, r
        weights by one FP32 spacing (measured with the FP32-stored norm).
     """
     import subprocess
-    import sys
 
     import torch
 
@@ -418,14 +418,14 @@ def test_megatron_optimizer_step_on_cpu_matches_torch_adamw(grad_inputs: Path, r
     contract = load_contract(contract_path)
     max_norm = contract.optimizer.max_grad_norm
     (grad_inputs / "opt.py").write_text(OPT_SCRIPT, "utf-8")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc-per-node", str(tp), str(grad_inputs / "opt.py"), role, str(grad_inputs),
-           str(contract_path)]
+    logs = grad_inputs / f"logs-opt-{role}-{tp}"
+    cmd = warm_command(str(grad_inputs / "opt.py"), tp, logs, role, str(grad_inputs),
+                       str(contract_path), preload=get_engine("megatron").warm_imports)
     env = {**__import__("os").environ,
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env,
                          check=False)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, res.stderr[-3000:] + rank_stderr(logs)
     got = torch.load(grad_inputs / f"opt-{role}-tp{tp}.pt")
     hf = {k: v.detach() for k, v in _hf_state(grad_inputs, role).items()}
     for precision, wrapped in (("fp32", "FP32Optimizer"),

@@ -1,13 +1,14 @@
 """Start a launch's ranks from one warm interpreter: import once, fork every rank (issue #17).
 
 ``python -m qualify.candidate.warm --nproc-per-node W --log-dir DIR [--preload MOD ...]
-TARGET CELL_JSON`` is the single-node CPU launcher of :func:`qualify.candidate.launch.launch`.
-It replaces ``torchrun --standalone`` there, where most of a launch's wall was fixed cost:
-torchrun's own interpreter, then ``W`` interpreters that each imported torch, transformers'
-model classes and the engine (measured in README.md "Speed"). Here one interpreter imports
+TARGET [ARGS ...]`` is the single-node CPU launcher of
+:func:`qualify.candidate.launch.launch` (``ARGS``: the ``cell.json``). It replaces
+``torchrun --standalone`` there, where most of a launch's wall was fixed cost: torchrun's
+own interpreter, then ``W`` interpreters that each imported torch, transformers' model
+classes and the engine (measured in README.md "Speed"). Here one interpreter imports
 ``TARGET``'s module, every ``--preload`` module (the engine's
-:attr:`~qualify.registry.EngineSpec.warm_imports`) and the transformers model classes of the
-cell's model directories, then forks ``W`` ranks that share those modules.
+:attr:`~qualify.registry.EngineSpec.warm_imports`) and the transformers model classes of
+the cell's model directories, then forks ``W`` ranks that share those modules.
 
 Each rank gets the environment torchrun gives a worker (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``ROLE_RANK``, ``MASTER_ADDR``,
@@ -17,21 +18,22 @@ Each rank gets the environment torchrun gives a worker (``RANK``, ``LOCAL_RANK``
 TCPStore (``TORCHELASTIC_USE_AGENT_STORE=False``). Its stdout / stderr go to
 ``DIR/<rank>/stdout.log`` / ``stderr.log`` and an uncaught exception of a ``@record``
 entry point to ``DIR/<rank>/error.json`` (``TORCHELASTIC_ERROR_FILE``), the files
-:func:`qualify.candidate.launch._failure_tail` reads. The rank then runs the entry point as
-``python -m`` would: ``attr([CELL_JSON])`` for ``module:attr``, else the module's ``main``,
-else the module as ``__main__`` (:mod:`runpy`), and ends with ``os._exit`` after flushing.
+:func:`qualify.candidate.launch._failure_tail` reads. The rank then runs ``TARGET`` as
+torchrun would (:func:`_run_entry`): ``attr(ARGS)`` for ``module:attr`` (the launch
+trampoline), a ``.py`` script or a module as ``__main__`` (:mod:`runpy`), and ends with
+``os._exit`` after flushing.
 
 Independence is kept: the parent computes nothing (it only imports), so each rank starts
 from the frozen inputs with its own model, optimizer and RNG state as under torchrun;
 ``tests/test_warm_launch.py`` finds every output tensor of a warm launch bitwise equal to a
 torchrun launch of the same cell. Forking is safe only from a single-threaded process that
 has not initialised CUDA: when either fails (or on a CUDA build of torch without
-``QUALIFY_DEVICE=cpu``), each rank execs a fresh interpreter instead (``python -m
-TARGET CELL_JSON``), still without torchrun. Failure handling is torchrun's: the first rank
-to exit non-zero makes the launcher SIGTERM the others, SIGKILL them after
-:data:`KILL_GRACE_S`, and exit with that rank's code; SIGTERM, SIGINT, SIGHUP or SIGQUIT to
-the launcher (``qualify.procs.run`` on a timeout) ends every rank the same way, and a rank
-dies with the launcher (``PR_SET_PDEATHSIG`` SIGKILL) however the launcher dies.
+``QUALIFY_DEVICE=cpu``), each rank execs a fresh interpreter instead (``python -m TARGET
+ARGS``), still without torchrun. Failure handling is torchrun's: the first rank to exit
+non-zero makes the launcher SIGTERM the others, SIGKILL them after :data:`KILL_GRACE_S`,
+and exit with that rank's code; SIGTERM, SIGINT, SIGHUP or SIGQUIT to the launcher
+(``qualify.procs.run`` on a timeout) ends every rank the same way, and a rank dies with
+the launcher (``PR_SET_PDEATHSIG`` SIGKILL) however the launcher dies.
 
 Importing this module imports neither torch nor any engine.
 """
@@ -98,7 +100,7 @@ def rank_env(rank: int, world: int, *, port: int, log_dir: Path,
     }
 
 
-def preload(target: str, modules: Sequence[str], cell_file: Path) -> list[str]:
+def preload(target: str, modules: Sequence[str], cell_file: Path | None) -> list[str]:
     """Import the entry point's module, ``modules`` and the cell's HF model classes.
 
     The model classes are found as ``from_pretrained`` finds them (the ``model_type`` of
@@ -110,13 +112,15 @@ def preload(target: str, modules: Sequence[str], cell_file: Path) -> list[str]:
         One note per module that could not be imported (empty when all were).
     """
     notes: list[str] = []
-    for name in (target.split(":", 1)[0], *modules):
+    own = () if target.endswith(".py") else (target.split(":", 1)[0],)
+    for name in (*own, *modules):
         try:
             importlib.import_module(name)
         except Exception as exc:  # the rank imports it again and reports the error
             notes.append(f"{name}: {type(exc).__name__}: {exc}")
     try:
-        _preload_model_classes(cell_file)
+        if cell_file is not None and cell_file.suffix == ".json":
+            _preload_model_classes(cell_file)
     except Exception as exc:  # best effort: from_pretrained in the rank does the real work
         notes.append(f"model classes: {type(exc).__name__}: {exc}")
     return notes
@@ -188,19 +192,23 @@ def _redirect(rank_dir: Path) -> None:
         os.close(new)
 
 
-def _run_entry(target: str, cell_file: str) -> int:
-    """Run the entry point as torchrun's ``python -m`` would; its exit code.
+def _run_entry(target: str, args: Sequence[str]) -> int:
+    """Run the entry point as torchrun would; its exit code.
 
-    ``module:attr``: ``attr([CELL_JSON])`` (what :func:`qualify.candidate.launch._trampoline`
-    does). A module: run as ``__main__`` by :mod:`runpy` (what ``python -m`` does), after
-    dropping the copy the parent imported, so the module's body runs once, as ``__main__``,
-    over the cached imports of everything it imports.
+    ``module:attr``: ``attr(ARGS)`` (what :func:`qualify.candidate.launch._trampoline`
+    does). A ``.py`` path: the script as ``__main__`` (``torchrun script.py ARGS``). A
+    module: run as ``__main__`` by :mod:`runpy` (``python -m``), after dropping the copy
+    the parent imported, so the module's body runs once, as ``__main__``, over the cached
+    imports of everything it imports.
     """
-    sys.argv = [target, cell_file]
+    sys.argv = [target, *args]
     try:
         if ":" in target:
             mod_name, attr = target.split(":", 1)
-            return int(getattr(importlib.import_module(mod_name), attr)([cell_file]) or 0)
+            return int(getattr(importlib.import_module(mod_name), attr)(list(args)) or 0)
+        if target.endswith(".py"):
+            runpy.run_path(target, run_name="__main__")
+            return 0
         sys.modules.pop(target, None)
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     except SystemExit as exc:
@@ -209,7 +217,7 @@ def _run_entry(target: str, cell_file: str) -> int:
     return 0
 
 
-def _rank_main(rank: int, *, target: str, cell_file: str, env: dict[str, str],
+def _rank_main(rank: int, *, target: str, args: Sequence[str], env: dict[str, str],
                rank_dir: Path, forked: bool) -> int:
     """The body of one rank after the fork (or the ``exec`` of a fresh interpreter)."""
     for sig in _FORWARDED:
@@ -218,11 +226,12 @@ def _rank_main(rank: int, *, target: str, cell_file: str, env: dict[str, str],
     _redirect(rank_dir)
     os.environ.update(env)
     if not forked:
-        argv = ([sys.executable, "-m", "qualify.candidate.launch", target, cell_file]
-                if ":" in target else [sys.executable, "-m", target, cell_file])
+        argv = ([sys.executable, "-m", "qualify.candidate.launch", target, *args]
+                if ":" in target else [sys.executable, target, *args]
+                if target.endswith(".py") else [sys.executable, "-m", target, *args])
         os.execv(sys.executable, argv)
     try:
-        rc = _run_entry(target, cell_file)
+        rc = _run_entry(target, args)
     except BaseException:
         traceback.print_exc()
         rc = 1
@@ -232,7 +241,7 @@ def _rank_main(rank: int, *, target: str, cell_file: str, env: dict[str, str],
     return rc
 
 
-def start_ranks(world: int, *, target: str, cell_file: str, log_dir: Path,
+def start_ranks(world: int, *, target: str, args: Sequence[str], log_dir: Path,
                 forked: bool) -> dict[int, int]:
     """Fork ``world`` ranks; pid -> rank. Each child runs :func:`_rank_main` and exits."""
     port = free_port()
@@ -248,7 +257,7 @@ def start_ranks(world: int, *, target: str, cell_file: str, log_dir: Path,
         if pid == 0:
             code = 1
             try:
-                code = _rank_main(rank, target=target, cell_file=cell_file, env=env,
+                code = _rank_main(rank, target=target, args=args, env=env,
                                   rank_dir=rank_dir, forked=forked)
             finally:
                 os._exit(code)
@@ -312,18 +321,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-dir", type=Path, required=True)
     parser.add_argument("--preload", action="append", default=[])
     parser.add_argument("target")
-    parser.add_argument("cell_file")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.nproc_per_node < 1:
         parser.error(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    if args.nproc_per_node > 1:  # torchrun's rule (torch/distributed/run.py), before torch
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.monotonic()
-    notes = preload(args.target, args.preload, Path(args.cell_file))
+    notes = preload(args.target, args.preload, Path(args.args[0]) if args.args else None)
     forked, why = fork_safe()
     mode = "fork" if forked else f"exec ({why})"
     print(f"{PREFIX} {args.nproc_per_node} ranks of {args.target}, {mode}; imports "
           f"{time.monotonic() - t0:.2f} s" + "".join(f"\n{PREFIX} not preloaded: {n}"
                                                        for n in notes), flush=True)
-    pids = start_ranks(args.nproc_per_node, target=args.target, cell_file=args.cell_file,
+    pids = start_ranks(args.nproc_per_node, target=args.target, args=args.args,
                        log_dir=args.log_dir, forked=forked)
     return supervise(pids)
 
