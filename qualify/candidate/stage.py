@@ -384,7 +384,7 @@ def _split_outputs(result: LaunchResult, attempt: Path, launch_: Launch, cell: C
     store.atomic_write_json(cell_attempt / RESULT_FILE, {
         "status": "COMPLETE" if status == "OK" else "ERROR",
         "reason": reason,
-        "wall_s": result.wall_s,
+        "wall_s": result.wall_s, "started": result.started,
         "returncode": result.returncode,
         "launch": launch_.launch_id,
         "launch_attempt": str(attempt),
