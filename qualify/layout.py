@@ -129,7 +129,7 @@ LOGS_DIR: Final = "logs"
 RANK_LOGS_DIR: Final = "ranks"
 """Per-rank logs of a launch, under ``logs/``."""
 LAUNCHER_LOG: Final = "launcher.log"
-"""torchrun's combined stdout / stderr, under ``logs/``."""
+"""The launcher's (warm launcher's or torchrun's) combined stdout / stderr, under ``logs/``."""
 TENSOR_INDEX_FILE: Final = "tensor_index.json"
 """A launch attempt's record of the outputs its harness wrote and the cells that hold them
 (:mod:`qualify.evidence.tensor_index`): each tensor is stored once, in its cell."""

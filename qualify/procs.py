@@ -35,6 +35,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -47,6 +48,7 @@ __all__ = ["DEATH_SIGNAL", "KILL_GRACE_S", "ProcResult", "run"]
 KILL_GRACE_S: Final = 5.0
 """Default seconds between SIGTERM and SIGKILL when a tree is ended (and after SIGKILL)."""
 _POLL_S: Final = 0.05
+_CANCEL_POLL_S: Final = 0.25
 DEATH_SIGNAL: Final = signal.SIGTERM
 """What a child gets from the kernel when the qualify thread that started it dies (Linux)."""
 _PR_SET_PDEATHSIG: Final = 1
@@ -71,6 +73,7 @@ class ProcResult:
         stdout: what the child wrote to a ``subprocess.PIPE`` stdout, else ``None``.
         stderr: what the child wrote to a ``subprocess.PIPE`` stderr, else ``None``.
         pid: the child's process id.
+        cancelled: ``cancel`` was set and the tree was ended (``returncode`` is ``None``).
     """
 
     returncode: int | None
@@ -79,6 +82,7 @@ class ProcResult:
     stdout: bytes | None
     stderr: bytes | None
     pid: int
+    cancelled: bool = False
 
     def __bool__(self) -> bool:
         return self.returncode == 0
@@ -115,7 +119,7 @@ def run(cmd: Sequence[str], *, timeout_s: float, stdout: Stream = None,
         stderr: Stream = None, stdin: Stream = subprocess.DEVNULL,
         env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
         new_session: bool = True, grace_s: float = KILL_GRACE_S,
-        die_with_parent: bool = True) -> ProcResult:
+        die_with_parent: bool = True, cancel: threading.Event | None = None) -> ProcResult:
     """Run ``cmd`` with a wall-clock limit; on timeout or interruption end its whole tree.
 
     Args:
@@ -134,6 +138,9 @@ def run(cmd: Sequence[str], *, timeout_s: float, stdout: Stream = None,
         die_with_parent: on Linux, the kernel sends the child :data:`DEATH_SIGNAL` when
             the calling thread dies (``kill -9`` of qualify included); see the module
             docstring.
+        cancel: when set (by another thread), the tree is ended as on a timeout and the
+            result says ``cancelled`` (the candidate stage's sampler thread, when the main
+            thread fails).
 
     Returns:
         The :class:`ProcResult`; a timeout is a result (``timed_out``), not an exception.
@@ -156,22 +163,40 @@ def run(cmd: Sequence[str], *, timeout_s: float, stdout: Stream = None,
                             # getppid and kill: no lock a thread could hold is taken
                             preexec_fn=_death_signal_hook() if die_with_parent  # noqa: PLW1509
                             else None)
-    timed_out = False
+    timed_out = cancelled = False
     out: bytes | None
     err: bytes | None
     try:
         try:
-            out, err = proc.communicate(timeout=timeout_s)
+            out, err = _communicate(proc, t0 + timeout_s, cancel)
         except subprocess.TimeoutExpired:
-            timed_out = True
+            cancelled = cancel is not None and cancel.is_set()
+            timed_out = not cancelled
             _end_tree(proc, group=new_session, grace_s=grace_s)
             out, err = _drain(proc, grace_s)
     except BaseException:
         _end_tree(proc, group=new_session, grace_s=grace_s)
         raise
-    return ProcResult(returncode=None if timed_out else proc.returncode, timed_out=timed_out,
-                      wall_s=round(time.monotonic() - t0, 3), stdout=out, stderr=err,
-                      pid=proc.pid)
+    return ProcResult(returncode=None if timed_out or cancelled else proc.returncode,
+                      timed_out=timed_out, wall_s=round(time.monotonic() - t0, 3), stdout=out,
+                      stderr=err, pid=proc.pid, cancelled=cancelled)
+
+
+def _communicate(proc: subprocess.Popen[bytes], deadline: float,
+                 cancel: threading.Event | None) -> tuple[bytes | None, bytes | None]:
+    """``proc.communicate`` until ``deadline`` (monotonic) or ``cancel`` is set.
+
+    Raises:
+        subprocess.TimeoutExpired: the deadline passed or ``cancel`` was set first.
+    """
+    while True:
+        left = deadline - time.monotonic()
+        step = left if cancel is None else min(left, _CANCEL_POLL_S)
+        try:
+            return proc.communicate(timeout=max(step, 0.0))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline or (cancel is not None and cancel.is_set()):
+                raise
 
 
 def _drain(proc: subprocess.Popen[bytes], grace_s: float) -> tuple[bytes | None, bytes | None]:

@@ -6,7 +6,8 @@ lazy ``"module:attr"`` strings, so ``import qualify.registry`` imports no engine
 ``harnesses/<engine>/spec.py`` (its harness entry, parallel axes, number-changing options,
 distributions); a new engine is that folder plus one line of :data:`BUILTIN_ENGINES`.
 Looking a name up imports only that light ``spec`` module; the harness module itself is
-imported only by :meth:`EngineSpec.load`, normally only inside the ranks torchrun starts.
+imported only by :meth:`EngineSpec.load`, normally only inside the ranks a launcher starts
+(and by the warm launcher, :mod:`qualify.candidate.warm`, before it forks them).
 
 :class:`Registry` is the one implementation: lazy strings or ready objects, entry-point
 groups for packages outside this repository, duplicate names refused, the loaded object's

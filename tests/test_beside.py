@@ -24,35 +24,65 @@ def test_jobs_refuses_bad_values(raw: str) -> None:
         beside.jobs(cuda=False, env={"QUALIFY_JOBS": raw})
 
 
-def test_start_is_none_with_one_job(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_thread_with_one_job(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QUALIFY_JOBS", "1")
-    assert beside.start(lambda: None, cuda=False) is None
+    with beside.running(lambda stop: None, cuda=False) as thread:
+        assert thread is None
 
 
 def test_fn_waits_for_go_then_runs_in_another_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("QUALIFY_JOBS", raising=False)
     ran: list[str] = []
-    thread = beside.start(lambda: ran.append(threading.current_thread().name), cuda=False)
-    assert thread is not None
-    time.sleep(0.2)
-    assert ran == []  # not before go()
-    thread.go()
-    thread.result()
+    with beside.running(lambda stop: ran.append(threading.current_thread().name),
+                        cuda=False) as thread:
+        assert thread is not None
+        time.sleep(0.2)
+        assert ran == []  # not before go()
+        thread.go()
+        thread.result()
     assert ran == ["qualify-sampler-cells"]
 
 
-def test_result_reraises_and_cancel_never_starts() -> None:
-    def boom() -> None:
+def test_result_reraises_what_fn_raised() -> None:
+    def boom(stop: threading.Event) -> None:
         raise RuntimeError("sampler failed")
 
     failing = beside.Beside(boom)
     failing.start()
     with pytest.raises(RuntimeError, match="sampler failed"):
         failing.result()  # result() also lets a thread that was never told to go run
+
+
+def test_a_failing_stage_stops_and_joins_the_thread(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Before go(): fn never starts. After go(): fn sees stop and the thread is joined before
+    the stage's exception goes on; fn's own error is printed, not lost."""
+    monkeypatch.delenv("QUALIFY_JOBS", raising=False)
     ran: list[int] = []
-    cancelled = beside.Beside(lambda: ran.append(1))
-    cancelled.start()
-    with pytest.raises(KeyError), beside.cancelled_on_error(cancelled):
+    with pytest.raises(KeyError), beside.running(lambda stop: ran.append(1), cuda=False):
         raise KeyError("stage failed")
-    cancelled.result()
     assert ran == []
+    seen: list[bool] = []
+    entered = threading.Event()
+
+    def cell_loop(stop: threading.Event) -> None:
+        entered.set()
+        assert stop.wait(timeout=30)  # what a sampler cell's procs.run(cancel=stop) sees
+        seen.append(stop.is_set())
+        raise OSError("sampler cell cancelled")
+
+    started: list[beside.Beside] = []
+
+    def failing_stage() -> None:
+        with beside.running(cell_loop, cuda=False) as thread:
+            assert thread is not None
+            started.append(thread)
+            thread.go()
+            assert entered.wait(timeout=30)  # the cell is running when the stage fails
+            raise KeyError("stage failed")
+
+    with pytest.raises(KeyError):
+        failing_stage()
+    assert not started[0].is_alive()
+    assert seen == [True]
+    assert "also failed: OSError: sampler cell cancelled" in capsys.readouterr().err

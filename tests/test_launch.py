@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -88,6 +90,8 @@ def main(argv):
         raise RuntimeError("boom on rank 1")
     if mode == "fail":
         time.sleep(30)
+    if mode == "kill" and rank == 1:
+        os.kill(os.getpid(), 9)
     if rank == 0:
         import numpy as np
         from safetensors.numpy import save_file
@@ -165,7 +169,7 @@ def test_warm_ranks_get_torchrun_environment(tmp_path: Path, fake: dict[str, str
         envs[launcher] = [json.loads((att / f"env{r}.json").read_text()) for r in (0, 1)]
     assert "fork; imports" in (tmp_path / "warm" / "logs" / "launcher.log").read_text()
     per_launch = {"MASTER_PORT", "MASTER_ADDR", "TORCHELASTIC_RUN_ID",
-                  "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE"}
+                  "TORCHELASTIC_ERROR_FILE"}
     for rank in (0, 1):
         warm, torchrun = envs["warm"][rank], envs["torchrun"][rank]
         assert sorted(warm) == sorted(torchrun)
@@ -173,18 +177,50 @@ def test_warm_ranks_get_torchrun_environment(tmp_path: Path, fake: dict[str, str
             {k: v for k, v in torchrun.items() if k not in per_launch}
         assert warm["RANK"] == warm["LOCAL_RANK"] == str(rank)
         assert warm["TORCHELASTIC_ERROR_FILE"].endswith(f"/ranks/{rank}/error.json")
-        assert warm["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # rank 0 hosts the store
+        assert warm["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the launcher hosts it
 
 
+@pytest.mark.parametrize("module", ["pkg_fake.harness", "pkg_fake.harness:main"])
 def test_warm_launcher_execs_fresh_ranks_when_forking_is_unsafe(
-        tmp_path: Path, fake: dict[str, str]) -> None:
-    res = launch(_cell(tmp_path), module="pkg_fake.harness", attempt_dir=tmp_path,
+        tmp_path: Path, fake: dict[str, str], module: str) -> None:
+    res = launch(_cell(tmp_path), module=module, attempt_dir=tmp_path,
                  timeout_s=120, env=fake, launcher="warm", preload=("pkg_fake.threads",))
     assert res.status == "OK", res.reason
     assert "exec (2 threads after the imports)" in res.launcher_log.read_text()
     stdouts = [p for p in res.rank_logs if p.name == "stdout.log"]
     assert len(stdouts) == 2
     assert all("omp=1" in p.read_text() for p in stdouts)
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_rank_killed_by_a_signal_fails_the_launch(tmp_path: Path, fake: dict[str, str],
+                                                    launcher: Any) -> None:
+    res = launch(_cell(tmp_path, "kill"), module="pkg_fake.harness", attempt_dir=tmp_path,
+                 timeout_s=120, env=fake, launcher=launcher)
+    assert res.status == "ERROR"
+    assert res.returncode not in (0, None)
+    if launcher == "warm":
+        assert res.returncode == 1  # torchrun's exit code for a failed rank
+        assert "rank 1 (pid" in res.launcher_log.read_text()
+        assert "was killed by signal 9" in res.launcher_log.read_text()
+
+
+def test_warm_launcher_sees_failures_with_sigchld_ignored(tmp_path: Path,
+                                                          fake: dict[str, str]) -> None:
+    """SIG_IGN for SIGCHLD survives exec and makes children unwaitable: the launcher resets
+    it, so a failing rank still fails the launch (it was read as exit 0)."""
+    cell = tmp_path / "cell.json"
+    cell.write_text(json.dumps(_cell(tmp_path, "fail").to_dict()))
+    warm = launch_command(cell, module="pkg_fake.harness", world_size=2,
+                          log_dir=tmp_path / "ranks", env={})
+    script = ("import os, signal, sys; signal.signal(signal.SIGCHLD, signal.SIG_IGN); "
+              "os.execv(sys.executable, sys.argv[1:])")
+    proc = subprocess.run([sys.executable, "-c", script, *warm], capture_output=True,
+                          text=True, timeout=120, check=False,
+                          env={**launch_env(fake), "PYTHONPATH": fake["PYTHONPATH"] +
+                               os.pathsep + str(repo_root())})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "rank 1 (pid" in proc.stdout
 
 
 def test_launch_command_picks_the_launcher() -> None:
@@ -209,18 +245,21 @@ def test_launch_command_picks_the_launcher() -> None:
                        env={"QUALIFY_LAUNCHER": "fork"})
 
 
-def test_timeout_kills_the_whole_tree(tmp_path: Path, fake: dict[str, str]) -> None:
+@pytest.mark.parametrize(("launcher", "limit"), [("warm", 15), ("torchrun", 40)])
+def test_timeout_kills_the_whole_tree(tmp_path: Path, fake: dict[str, str], launcher: Any,
+                                      limit: int) -> None:
     t0 = time.monotonic()
-    # 15 s: both ranks must have started before the timeout, or there is no rank left to
-    # check: the warm launcher forks them at once (torchrun + imports took ~20 s here)
+    # both ranks must have started before the timeout, or there is no rank left to check:
+    # the warm launcher forks them at once; torchrun + Python imports take ~20 s on a
+    # loaded 2-core CI machine
     res = launch(_cell(tmp_path, "sleep"), module="pkg_fake.harness", attempt_dir=tmp_path,
-                 timeout_s=15, env=fake)
+                 timeout_s=limit, env=fake, launcher=launcher)
     assert res.status == "ERROR"
-    assert res.reason.startswith("timeout after 15s")
+    assert res.reason.startswith(f"timeout after {limit}s")
     assert res.returncode is None
-    assert time.monotonic() - t0 < 15 + 30
+    assert time.monotonic() - t0 < limit + 30
     missing = [r for r in (0, 1) if not (tmp_path / f"pid{r}").is_file()]
-    assert not missing, f"ranks {missing} had not started within the 15 s timeout"
+    assert not missing, f"ranks {missing} had not started within the {limit} s timeout"
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
     deadline = time.monotonic() + 5
     while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE

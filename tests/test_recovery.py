@@ -15,6 +15,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -575,3 +576,19 @@ def test_candidate_killed_mid_launch_resumes_to_the_uninterrupted_report(
     compare_run(whole)
     assert _verdict_rows(resumed) == _verdict_rows(whole)
     store.make_writable(tmp_path)
+
+
+def test_cancel_ends_the_tree_and_says_so(tmp_path: Path) -> None:
+    """procs.run(cancel=...): another thread sets it, the child's tree ends within seconds."""
+    script = tmp_path / "tree.py"
+    script.write_text(TREE)
+    cancel = threading.Event()
+    threading.Timer(2.0, cancel.set).start()
+    t0 = time.monotonic()
+    res = procs.run([sys.executable, str(script), str(tmp_path)], timeout_s=120, cancel=cancel)
+    assert res.cancelled
+    assert not res.timed_out
+    assert res.returncode is None
+    assert time.monotonic() - t0 < 20
+    pids = [int((tmp_path / n).read_text()) for n in ("child", "grandchild0", "grandchild1")]
+    assert all(_gone(p) for p in pids)

@@ -59,7 +59,8 @@ def test_warm_launch_equals_torchrun_bitwise(runs: Runs, engine: str, tmp_path: 
                            actor_tp=2, critic_tp=1, rounds=2, seed=0,
                            inputs_dir=str(runs.inputs_dir), output_dir=str(out),
                            collective_timeout_s=120.0, variants=variants)
-        res = launch(cell, module=spec.module, attempt_dir=out, env=dict(spec.cpu_env),
+        res = launch(cell, module=spec.module, attempt_dir=out,
+                     env={**spec.cpu_env, "QUALIFY_DEVICE": "cpu"},
                      timeout_s=2 * LAUNCH_TIMEOUT_S, world_size=spec.world_size(cell),
                      launcher=launcher, preload=spec.warm_imports)
         assert res.status == "OK", res.reason

@@ -3,7 +3,7 @@
 The sampler cells need only the round-1 Actor weights that one trainer launch exports
 (``sampler.weights_from``); the other trainer launches need nothing from them. So the
 stage runs the exporting launch first and, once it is recorded, the sampler cells in a
-thread of their own (:class:`Beside`, :meth:`Beside.go`) while the main thread goes on with
+thread of their own (:func:`running`, :meth:`Beside.go`) while the main thread goes on with
 the other trainer launches: two launches at a time (``QUALIFY_JOBS``, :func:`jobs`). Every
 read and write of the run document happens under one lock. No cell's numbers depend on
 this: a trainer rank computes with one thread (``OMP_NUM_THREADS=1``) on frozen inputs, and
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Final
@@ -24,8 +25,9 @@ from typing import Final
 from qualify.errors import UsageError
 
 JOBS_ENV: Final = "QUALIFY_JOBS"
-"""Processes the candidate stage runs at once: ``1`` runs the sampler cells after every
-trainer launch; ``2`` (the default on CPU) beside them."""
+"""Launches the candidate stage runs at once: ``1`` runs the sampler cells after every
+trainer launch (before the resume cells, as with ``2``); ``2`` (the default on CPU) beside
+them."""
 
 
 def jobs(*, cuda: bool, env: dict[str, str] | None = None) -> int:
@@ -46,24 +48,26 @@ def jobs(*, cuda: bool, env: dict[str, str] | None = None) -> int:
 
 
 class Beside(threading.Thread):
-    """Run ``fn`` in a daemon thread once :meth:`go` is called; :meth:`result` re-raises.
+    """Run ``fn(stop)`` in a daemon thread once :meth:`go` is called; :meth:`result` re-raises.
 
-    Daemon: if the main thread dies, the process exits and the thread's child process gets
-    its death signal (:func:`qualify.procs.run` binds it to this thread).
+    ``stop`` is an event ``fn`` checks between its cells and hands to
+    :func:`qualify.procs.run` (``cancel``): :meth:`stop` ends the running cell's process
+    tree and starts no other. Daemon: if the whole process dies, the thread's child process
+    still gets its death signal (:func:`qualify.procs.run` binds it to this thread).
     """
 
-    def __init__(self, fn: Callable[[], None]) -> None:
+    def __init__(self, fn: Callable[[threading.Event], None]) -> None:
         super().__init__(name="qualify-sampler-cells", daemon=True)
-        self._fn, self._ready, self._cancelled = fn, threading.Event(), False
+        self._fn, self._ready, self._halt = fn, threading.Event(), threading.Event()
         self._error: BaseException | None = None
 
     def run(self) -> None:
-        """Wait for :meth:`go`, then call ``fn`` (unless cancelled), keeping what it raised."""
+        """Wait for :meth:`go`, then call ``fn`` (unless stopped), keeping what it raised."""
         self._ready.wait()
-        if self._cancelled:
+        if self._halt.is_set():
             return
         try:
-            self._fn()
+            self._fn(self._halt)
         except BaseException as exc:  # re-raised in the main thread by result()
             self._error = exc
 
@@ -71,10 +75,12 @@ class Beside(threading.Thread):
         """Let ``fn`` start (the weights it needs are recorded)."""
         self._ready.set()
 
-    def cancel(self) -> None:
-        """Never start ``fn`` (the stage failed before :meth:`go`)."""
-        self._cancelled = True
+    def stop(self) -> BaseException | None:
+        """Stop ``fn`` (the stage failed), wait for the thread; what ``fn`` raised, if any."""
+        self._halt.set()
         self._ready.set()
+        self.join()
+        return self._error
 
     def result(self) -> None:
         """Let ``fn`` start if it has not, wait for it, and raise what it raised.
@@ -88,21 +94,23 @@ class Beside(threading.Thread):
             raise self._error
 
 
-def start(fn: Callable[[], None], *, cuda: bool) -> Beside | None:
-    """A started :class:`Beside` of ``fn`` when :func:`jobs` allows two, else ``None``."""
-    if jobs(cuda=cuda) < 2:
-        return None
-    thread = Beside(fn)
-    thread.start()
-    return thread
-
-
 @contextlib.contextmanager
-def cancelled_on_error(thread: Beside | None) -> Iterator[None]:
-    """Cancel ``thread`` if the block raises (its ``fn`` never starts for a failed stage)."""
+def running(fn: Callable[[threading.Event], None], *, cuda: bool) -> Iterator[Beside | None]:
+    """A started :class:`Beside` of ``fn`` when :func:`jobs` allows two, else ``None``.
+
+    If the block raises, the thread is stopped and joined before the exception goes on
+    (the run keeps one writer); an error of ``fn`` then is printed, not lost.
+    """
+    thread = None
+    if jobs(cuda=cuda) >= 2:
+        thread = Beside(fn)
+        thread.start()
     try:
-        yield
-    except BaseException:
+        yield thread
+    except BaseException as exc:
         if thread is not None:
-            thread.cancel()
+            error = thread.stop()
+            if error is not None and error is not exc:
+                print(f"qualify: the sampler cells beside the failed stage also failed: "
+                      f"{type(error).__name__}: {error}", file=sys.stderr)
         raise

@@ -406,7 +406,9 @@ def launch_engine(cell: HarnessCell, *, engine: EngineSpec, attempt_dir: Path,
     """:func:`launch` of an engine's harness, as every stage launches it.
 
     The engine's module and world-size rule; on a CPU machine (``cuda`` false) its
-    ``cpu_env`` and the warm launcher with its ``warm_imports``; on a CUDA machine torchrun
+    ``cpu_env`` with ``QUALIFY_DEVICE=cpu`` (the ranks run on CPU, which also lets the warm
+    launcher fork under a CUDA build of torch) and the warm launcher with its
+    ``warm_imports``; on a CUDA machine torchrun
     (fresh interpreters per rank: the path the GPU checks ran).
 
     Args:
@@ -419,8 +421,9 @@ def launch_engine(cell: HarnessCell, *, engine: EngineSpec, attempt_dir: Path,
     Raises:
         HarnessError: as :func:`launch`.
     """
+    cpu_env = {**engine.cpu_env, "QUALIFY_DEVICE": "cpu"}  # a CUDA build of torch may fork
     return launch(cell, module=engine.module, attempt_dir=attempt_dir, timeout_s=timeout_s,
-                  env=None if cuda else engine.cpu_env, world_size=engine.world_size(cell),
+                  env=None if cuda else cpu_env, world_size=engine.world_size(cell),
                   launcher="torchrun" if cuda else None, preload=engine.warm_imports)
 
 

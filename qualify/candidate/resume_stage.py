@@ -5,7 +5,8 @@ For each selected trainer cell ``C`` (:class:`qualify.matrix.ResumeSpec`), the c
 
     launches/<launch-id>-resume-save/attempt-N/   rounds 1..k, then the engine's own
                                                   checkpoint under checkpoint/<role>/
-    launches/<launch-id>-resume-load/attempt-N/   a fresh torchrun (new interpreters) that
+    launches/<launch-id>-resume-load/attempt-N/   a fresh launch (new rank processes, no
+                                                  state of the save launch's) that
                                                   restores it and runs rounds k+1..rounds
     cells/<C>-resume/attempt-N/                   the load launch's share for C's role
 

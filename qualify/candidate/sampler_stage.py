@@ -27,6 +27,7 @@ import fnmatch
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -120,7 +121,8 @@ def _entry(engine: str, tp: int, status: str, *, reason: str | None, attempt: st
 def run_sampler_cells(contract: Contract, *, run_dir: Path, run: RunDocument, inputs: Path,
                       cells: Sequence[str] | None = None, faults: Sequence[str] = (),
                       timeout_s: float = DEFAULT_TIMEOUT_S,
-                      lock: AbstractContextManager[Any] | None = None) -> None:
+                      lock: AbstractContextManager[Any] | None = None,
+                      stop: threading.Event | None = None) -> None:
     """Run every selected, not yet complete sampler cell; update ``run`` and ``run.json``.
 
     Args:
@@ -132,7 +134,9 @@ def run_sampler_cells(contract: Contract, *, run_dir: Path, run: RunDocument, in
         faults: deliberate faults (recorded in ``cell.json``).
         timeout_s: wall-clock limit of one sampler cell.
         lock: held around every read and write of ``run`` (the candidate stage runs this
-            beside its trainer launches, in a thread of its own); ``None``: no other writer.
+            beside the trainer launches, in a thread of its own); ``None``: no other writer.
+        stop: when set (the stage failed), no further cell starts and the running one's
+            process tree is ended (that cell is recorded ``ERROR``, cancelled).
     """
     s = contract.sampler
     if s is None:
@@ -140,6 +144,8 @@ def run_sampler_cells(contract: Contract, *, run_dir: Path, run: RunDocument, in
     guard = lock if lock is not None else contextlib.nullcontext()
     engine = get_engine(s.engine)
     for cid, tp in selected(contract, cells):
+        if stop is not None and stop.is_set():
+            return
         with guard:
             if run.cells.get(cid, {}).get("status") == "COMPLETE":
                 continue
@@ -153,7 +159,7 @@ def run_sampler_cells(contract: Contract, *, run_dir: Path, run: RunDocument, in
         attempt = store.new_attempt(run_dir / CELLS_DIR / cid)
         status, reason = _run_one(contract, attempt, inputs=inputs, tp=tp, weights=weights,
                                   weights_from=s.weights_from, engine=engine,
-                                  faults=faults, timeout_s=timeout_s)
+                                  faults=faults, timeout_s=timeout_s, stop=stop)
         with guard:
             run.cells[cid] = _entry(s.engine, tp, status, reason=reason,
                                     attempt=str(attempt.relative_to(run_dir)),
@@ -163,7 +169,7 @@ def run_sampler_cells(contract: Contract, *, run_dir: Path, run: RunDocument, in
 
 def _run_one(contract: Contract, attempt: Path, *, inputs: Path, tp: int, weights: Path,
              weights_from: str, engine: EngineSpec, faults: Sequence[str],
-             timeout_s: float) -> tuple[str, str | None]:
+             timeout_s: float, stop: threading.Event | None = None) -> tuple[str, str | None]:
     """Run one sampler cell into ``attempt`` and seal it; returns ``(status, reason)``."""
     hc = HarnessCell(engine=engine.name, precision="fp32", options={"rollout_tp": tp}, actor_tp=0,
                      critic_tp=0, rounds=contract.algorithm.rounds, seed=contract.sampling.seed,
@@ -182,10 +188,12 @@ def _run_one(contract: Contract, attempt: Path, *, inputs: Path, tp: int, weight
     status, reason = "COMPLETE", None
     with (logs / "stdout.txt").open("wb") as out, (logs / "stderr.txt").open("wb") as err:
         ran = procs.run([sys.executable, "-m", engine.module, str(attempt / CELL_FILE)],
-                        stdout=out, stderr=err, env=env, timeout_s=timeout_s)
+                        stdout=out, stderr=err, env=env, timeout_s=timeout_s, cancel=stop)
     rc = ran.returncode  # None on timeout: the harness's whole process tree was ended
     if ran.timed_out:
         status, reason = "ERROR", f"sampler harness exceeded {timeout_s:.0f} s"
+    elif ran.cancelled:
+        status, reason = "ERROR", "cancelled: the candidate stage failed beside it"
     elif rc != 0:
         status, reason = "ERROR", f"sampler harness exited with code {rc}"
     if status == "COMPLETE":

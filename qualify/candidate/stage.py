@@ -547,16 +547,15 @@ def run_candidate_stage(
                           key=lambda lc: source not in {c.cell_id for c in lc.cells})
         lock, cuda = threading.Lock(), _cuda_available()
 
-        def sampler_cells() -> None:
+        def sampler_cells(stop: threading.Event | None = None) -> None:
             sampler_stage.run_sampler_cells(contract, run_dir=run_dir, run=run, inputs=inputs,
-                                            cells=cells, faults=faults, lock=lock)
+                                            cells=cells, faults=faults, lock=lock, stop=stop)
 
-        sampler = beside.start(sampler_cells, cuda=cuda)  # None: after the trainer launches
-        if sampler is not None and not any(source in {c.cell_id for c in lc.cells}
-                                           for lc in launches):
-            sampler.go()
         with Progress(total=max(1, len(launches)), description=f"candidate {contract.name}",
-                      quiet=quiet) as bar, beside.cancelled_on_error(sampler):
+                      quiet=quiet) as bar, beside.running(sampler_cells, cuda=cuda) as sampler:
+            if sampler is not None and not any(source in {c.cell_id for c in lc.cells}
+                                               for lc in launches):
+                sampler.go()  # none of them exports: the weights are there, or never will be
             for lc in launches:
                 bar.advance(lc.launch_id)
                 engine = get_engine(lc.engine)
@@ -594,8 +593,6 @@ def run_candidate_stage(
                                                  contract=contract, numels=numels)
                     entries[cell.cell_id] = _cell_entry(
                         cell, status, why, str(cell_attempt.relative_to(run_dir)))
-                with lock:
-                    run.cells.update(entries)
                 # after the split (the launch files are untouched until the drop): the index
                 # names only sealed cells; a crash before the seal leaves an unsealed launch
                 # attempt whose index nothing reads (tensor_index.check_run skips it)
@@ -605,13 +602,14 @@ def run_candidate_stage(
                 if index is not None:  # every tensor is in a sealed cell: drop the copy
                     tensor_index.drop_stored_copies(attempt, run_dir, index)
                 store.seal(attempt, kind="launch-attempt")
-                with lock:
+                with lock:  # COMPLETE in run.json only once the launch attempt is sealed
+                    run.cells.update(entries)
                     store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
                 if sampler is not None and source in entries:
                     sampler.go()  # the weights are recorded: the sampler cells may start
-        if sampler is not None:
-            sampler.result()
-        else:
+            if sampler is not None:
+                sampler.result()
+        if sampler is None:
             sampler_cells()
         # the resume cells ([resume]): save after round k, a fresh launch restores and goes on
         resume_stage.run_resume_cells(

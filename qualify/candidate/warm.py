@@ -14,8 +14,10 @@ Each rank gets the environment torchrun gives a worker (``RANK``, ``LOCAL_RANK``
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``ROLE_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``, ``TORCHELASTIC_*``; PyTorch's
 ``torch/distributed/elastic/agent/server/local_elastic_agent.py``), so the harness's
-``init_process_group`` (``env://``) is the same call as under torchrun; rank 0 hosts the
-TCPStore (``TORCHELASTIC_USE_AGENT_STORE=False``). Its stdout / stderr go to
+``init_process_group`` (``env://``) is the same call as under torchrun, and, as under
+torchrun, the launcher hosts the TCPStore for the whole launch (the agent store,
+``TORCHELASTIC_USE_AGENT_STORE=True``; on a port the kernel picks, passed to each forked rank
+through a pipe). Its stdout / stderr go to
 ``DIR/<rank>/stdout.log`` / ``stderr.log`` and an uncaught exception of a ``@record``
 entry point to ``DIR/<rank>/error.json`` (``TORCHELASTIC_ERROR_FILE``), the files
 :func:`qualify.candidate.launch._failure_tail` reads. The rank then runs ``TARGET`` as
@@ -29,11 +31,22 @@ from the frozen inputs with its own model, optimizer and RNG state as under torc
 torchrun launch of the same cell. Forking is safe only from a single-threaded process that
 has not initialised CUDA: when either fails (or on a CUDA build of torch without
 ``QUALIFY_DEVICE=cpu``), each rank execs a fresh interpreter instead (``python -m TARGET
-ARGS``), still without torchrun. Failure handling is torchrun's: the first rank to exit
-non-zero makes the launcher SIGTERM the others, SIGKILL them after :data:`KILL_GRACE_S`,
-and exit with that rank's code; SIGTERM, SIGINT, SIGHUP or SIGQUIT to the launcher
-(``qualify.procs.run`` on a timeout) ends every rank the same way, and a rank dies with
-the launcher (``PR_SET_PDEATHSIG`` SIGKILL) however the launcher dies.
+ARGS``; :class:`subprocess.Popen`, rank 0 hosting the store), still without torchrun.
+Failure handling is torchrun's: the first rank to exit non-zero (or killed by a signal)
+makes the launcher SIGTERM the others, SIGKILL them after :data:`KILL_GRACE_S`, and exit 1
+(each rank's code is in ``launcher.log``); SIGTERM, SIGINT, SIGHUP or SIGQUIT to the
+launcher (``qualify.procs.run`` on a timeout), from its first line on, ends every rank the
+same way (SIGTERM, then SIGKILL) and exits 128 + the signal; a forked rank dies with the
+launcher (``PR_SET_PDEATHSIG`` SIGKILL) however the launcher dies.
+
+What a forked rank shares with its siblings and a fresh interpreter would not: the
+launcher's hash seed (``PYTHONHASHSEED``; iterating a set of strings gives the same order on
+every rank, where torchrun's ranks may differ) and the global RNG states of ``random`` and
+numpy as the imports left them (every harness seeds torch itself per variant). An engine
+whose ranks must agree on such an order passes here and could fail under torchrun: the
+periodic ``QUALIFY_LAUNCHER=torchrun`` runs and the CUDA path (always torchrun) cover it.
+Modules in ``warm_imports`` are imported before any rank exists, so they must not read a
+rank's environment (``RANK``, ``LOCAL_RANK``) at import time.
 
 Importing this module imports neither torch nor any engine.
 """
@@ -41,16 +54,18 @@ Importing this module imports neither torch nor any engine.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import ctypes
-import ctypes.util
 import importlib
 import json
 import os
 import runpy
 import signal
 import socket
+import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -82,7 +97,8 @@ def rank_env(rank: int, world: int, *, port: int, log_dir: Path,
     Args:
         rank: global rank (= local rank: one node).
         world: world size (= local world size).
-        port: ``MASTER_PORT`` (rank 0's TCPStore).
+        port: ``MASTER_PORT`` (the launcher's agent store; a forked rank gets the real
+            port through its pipe, :func:`start_ranks`).
         log_dir: the launch's rank-log directory (``error.json`` goes to ``<rank>/``).
         run_id: ``TORCHELASTIC_RUN_ID``.
     """
@@ -92,7 +108,7 @@ def rank_env(rank: int, world: int, *, port: int, log_dir: Path,
         "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": run_id,
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         "TORCHELASTIC_ERROR_FILE": str(log_dir / str(rank) / "error.json"),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
@@ -174,11 +190,23 @@ def fork_safe() -> tuple[bool, str]:
     return True, ""
 
 
-def _die_with_parent() -> None:
-    """``prctl(PR_SET_PDEATHSIG, SIGKILL)``: the kernel kills this rank when the launcher dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+class _Libc:
+    """libc, loaded once in the launcher, so a forked rank only calls into it."""
+
+    handle: ctypes.CDLL | None = None
+
+    @classmethod
+    def load(cls) -> None:
+        with contextlib.suppress(OSError):
+            cls.handle = ctypes.CDLL(None, use_errno=True)
+
+    @classmethod
+    def die_with(cls, parent: int) -> None:
+        """``prctl(PR_SET_PDEATHSIG, SIGKILL)``; exit at once if ``parent`` is gone already."""
+        if cls.handle is not None:
+            cls.handle.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(1)
 
 
 def _redirect(rank_dir: Path) -> None:
@@ -199,7 +227,8 @@ def _run_entry(target: str, args: Sequence[str]) -> int:
     does). A ``.py`` path: the script as ``__main__`` (``torchrun script.py ARGS``). A
     module: run as ``__main__`` by :mod:`runpy` (``python -m``), after dropping the copy
     the parent imported, so the module's body runs once, as ``__main__``, over the cached
-    imports of everything it imports.
+    imports of everything it imports. ``SystemExit`` ends it as it ends an interpreter: its
+    code, or 1 with a message printed to stderr.
     """
     sys.argv = [target, *args]
     try:
@@ -213,91 +242,148 @@ def _run_entry(target: str, args: Sequence[str]) -> int:
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         code = exc.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
+        if code is None or isinstance(code, int):
+            return code or 0
+        print(code, file=sys.stderr)
+        return 1
     return 0
 
 
 def _rank_main(rank: int, *, target: str, args: Sequence[str], env: dict[str, str],
-               rank_dir: Path, forked: bool) -> int:
-    """The body of one rank after the fork (or the ``exec`` of a fresh interpreter)."""
+               rank_dir: Path, parent: int, port_pipe: int) -> int:
+    """The body of one forked rank: torchrun's environment, the entry point, a clean end.
+
+    Waits for ``MASTER_PORT`` (and whether the launcher hosts the store) on ``port_pipe``,
+    runs the entry point, then ends as an interpreter does: joins its non-daemon threads
+    and runs its own ``atexit`` handlers (the launcher's were dropped at the fork), so a
+    writer thread or an exit hook of the engine finishes before ``os._exit``.
+    """
     for sig in _FORWARDED:
         signal.signal(sig, signal.SIG_DFL)
-    _die_with_parent()
+    _Libc.die_with(parent)
+    atexit._clear()  # the launcher's exit hooks are not this rank's
     _redirect(rank_dir)
-    os.environ.update(env)
-    if not forked:
-        argv = ([sys.executable, "-m", "qualify.candidate.launch", target, *args]
-                if ":" in target else [sys.executable, target, *args]
-                if target.endswith(".py") else [sys.executable, "-m", target, *args])
-        os.execv(sys.executable, argv)
+    with os.fdopen(port_pipe, "r") as pipe:
+        port, agent = pipe.read().split()
+    os.environ.update(env, MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE=agent)
     try:
         rc = _run_entry(target, args)
     except BaseException:
         traceback.print_exc()
         rc = 1
+    main_thread = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main_thread and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     return rc
 
 
+def _agent_store(world: int) -> tuple[object | None, int]:
+    """Torchrun's agent store: a TCPStore server in the launcher for the whole launch.
+
+    Made after the ranks are forked (its server threads must not be in a forked child),
+    on a port the kernel picks (no free-port race). ``(None, free port)`` without torch:
+    rank 0 then hosts the store (``TORCHELASTIC_USE_AGENT_STORE=False``).
+    """
+    try:
+        from torch.distributed import TCPStore
+    except ImportError:
+        return None, free_port()
+    store = TCPStore("127.0.0.1", 0, world, True, wait_for_workers=False)
+    return store, int(store.port)
+
+
 def start_ranks(world: int, *, target: str, args: Sequence[str], log_dir: Path,
-                forked: bool) -> dict[int, int]:
-    """Fork ``world`` ranks; pid -> rank. Each child runs :func:`_rank_main` and exits."""
-    port = free_port()
+                forked: bool) -> tuple[dict[int, int], object | None]:
+    """Start ``world`` ranks; ``(pid -> rank, the agent store kept alive by the caller)``.
+
+    Forked ranks run :func:`_rank_main` and get ``MASTER_PORT`` through a pipe once the
+    launcher's agent store is up. Unsafe to fork: each rank is a fresh interpreter
+    (:class:`subprocess.Popen`: no Python runs between its fork and exec), rank 0 hosting
+    the store on a free port, as under torchrun without an agent store.
+    """
     run_id = f"warm-{os.getpid()}"
     pids: dict[int, int] = {}
+    envs = {}
     for rank in range(world):
-        rank_dir = log_dir / str(rank)
-        rank_dir.mkdir(parents=True, exist_ok=True)
-        env = rank_env(rank, world, port=port, log_dir=log_dir, run_id=run_id)
+        (log_dir / str(rank)).mkdir(parents=True, exist_ok=True)
+        envs[rank] = rank_env(rank, world, port=0, log_dir=log_dir, run_id=run_id)
+    if not forked:
+        free = str(free_port())
+        argv = ([sys.executable, "-m", "qualify.candidate.launch", target, *args]
+                if ":" in target else [sys.executable, target, *args]
+                if target.endswith(".py") else [sys.executable, "-m", target, *args])
+        for rank in range(world):
+            rank_dir = log_dir / str(rank)
+            with (rank_dir / "stdout.log").open("ab") as out, \
+                    (rank_dir / "stderr.log").open("ab") as err:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                        env={**os.environ, **envs[rank], "MASTER_PORT": free,
+                                             "TORCHELASTIC_USE_AGENT_STORE": "False"})
+            pids[proc.pid] = rank
+        return pids, None
+    parent, pipes = os.getpid(), dict[int, int]()
+    for rank in range(world):
+        read_end, write_end = os.pipe()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
-                code = _rank_main(rank, target=target, args=args, env=env,
-                                  rank_dir=rank_dir, forked=forked)
+                os.close(write_end)
+                for other in pipes.values():
+                    os.close(other)
+                code = _rank_main(rank, target=target, args=args, env=envs[rank],
+                                  rank_dir=log_dir / str(rank), parent=parent,
+                                  port_pipe=read_end)
             finally:
                 os._exit(code)
-        pids[pid] = rank
-    return pids
+        os.close(read_end)
+        pids[pid], pipes[rank] = rank, write_end
+    store, port = _agent_store(world)
+    for write_end in pipes.values():
+        with os.fdopen(write_end, "w") as pipe:
+            pipe.write(f"{port} {store is not None}")
+    return pids, store
 
 
-def supervise(pids: dict[int, int], *, grace_s: float = KILL_GRACE_S) -> int:
+def supervise(pids: dict[int, int], received: list[int], *,
+              grace_s: float = KILL_GRACE_S) -> int:
     """Wait for every rank; on the first failure or a signal, end the others (torchrun's rule).
 
+    Args:
+        pids: pid -> rank.
+        received: the signals the launcher got (filled by its handlers, :func:`main`).
+        grace_s: seconds between SIGTERM and SIGKILL of the survivors.
+
     Returns:
-        0 when every rank exited 0; else the first failing rank's exit code (128 + signal
-        for a rank killed by a signal), or 128 + the signal the launcher received.
+        0 when every rank exited 0; 1 when one failed (torchrun's exit code; each rank's
+        own code is in ``launcher.log``); 128 + the signal the launcher received.
     """
     t0 = time.monotonic()
-    received: list[int] = []
-
-    def on_signal(signum: int, _frame: object) -> None:
-        received.append(signum)
-
-    for sig in _FORWARDED:
-        signal.signal(sig, on_signal)
-    alive, first_bad, kill_at = dict(pids), 0, None
+    alive, failed, kill_at = dict(pids), False, None
     while alive:
         for pid in list(alive):
             try:
                 done, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done, status = pid, 0
+            except ChildProcessError:  # reaped elsewhere: its exit status is unknown
+                done, status = pid, -1
             if done == 0:
                 continue
             rank = alive.pop(pid)
-            code = os.waitstatus_to_exitcode(status)
-            code = 128 - code if code < 0 else code
-            print(f"{PREFIX} rank {rank} (pid {pid}) exited with {code} after "
+            code = os.waitstatus_to_exitcode(status) if status != -1 else None
+            what = ("vanished (exit status unknown)" if code is None else
+                    f"was killed by signal {-code}" if code < 0 else f"exited with {code}")
+            print(f"{PREFIX} rank {rank} (pid {pid}) {what} after "
                   f"{time.monotonic() - t0:.2f} s", flush=True)
-            if code != 0 and not first_bad:
-                first_bad = code
-        if (first_bad or received) and kill_at is None and alive:
-            why = f"signal {received[0]}" if received else f"a rank failed ({first_bad})"
+            failed = failed or code != 0
+        if (failed or received) and kill_at is None and alive:
+            why = f"signal {received[0]}" if received else "a rank failed"
             print(f"{PREFIX} {why}: SIGTERM to ranks {sorted(alive.values())}", flush=True)
             for pid in alive:
                 with contextlib.suppress(ProcessLookupError):
@@ -309,9 +395,9 @@ def supervise(pids: dict[int, int], *, grace_s: float = KILL_GRACE_S) -> int:
                     os.kill(pid, signal.SIGKILL)
             kill_at = float("inf")
         time.sleep(_POLL_S)
-    if first_bad:
-        return first_bad
-    return 128 + received[0] if received else 0
+    if received:
+        return 128 + received[0]
+    return 1 if failed else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -325,18 +411,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.nproc_per_node < 1:
         parser.error(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    received: list[int] = []  # a signal from here on ends the launch, never the launcher alone
+
+    def on_signal(signum: int, _frame: object) -> None:
+        received.append(signum)
+
+    for sig in _FORWARDED:
+        signal.signal(sig, on_signal)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # an inherited SIG_IGN would hide exit codes
     if args.nproc_per_node > 1:  # torchrun's rule (torch/distributed/run.py), before torch
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.monotonic()
     notes = preload(args.target, args.preload, Path(args.args[0]) if args.args else None)
+    if received:
+        print(f"{PREFIX} signal {received[0]} before any rank started", flush=True)
+        return 128 + received[0]
+    _Libc.load()
     forked, why = fork_safe()
     mode = "fork" if forked else f"exec ({why})"
     print(f"{PREFIX} {args.nproc_per_node} ranks of {args.target}, {mode}; imports "
           f"{time.monotonic() - t0:.2f} s" + "".join(f"\n{PREFIX} not preloaded: {n}"
                                                        for n in notes), flush=True)
-    pids = start_ranks(args.nproc_per_node, target=args.target, args=args.args,
-                       log_dir=args.log_dir, forked=forked)
-    return supervise(pids)
+    pids, store = start_ranks(args.nproc_per_node, target=args.target, args=args.args,
+                              log_dir=args.log_dir, forked=forked)
+    try:
+        return supervise(pids, received)
+    finally:
+        del store  # the agent store lives as long as the launch
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """``qualify diverge RUN_DIR CELL``: name the first layer and sub-module that diverges.
 
-Reruns the cell's engine (its real harness, under torchrun, with layer probes) and the HF
+Reruns the cell's engine (its real harness, under its launcher, with layer probes) and the HF
 reference of its lane with its controls on the run's frozen inputs, compares every probed
 module's output and output gradient (:mod:`qualify.diverge.compare` states the bound
 rule), prints the table and writes ``diverge.json`` beside the run

@@ -8,8 +8,9 @@ Steps (each timed, the times go into ``diverge.json``):
    the round: ``--round``, else the round of the cell's root cause in
    ``RUN_DIR/report.json``, else 1.
 2. Engine: launch the engine's real harness under the same launcher as a normal cell
-   (:func:`qualify.candidate.launch.launch`: torchrun, the engine's world size and CPU
-   environment) with the run's frozen inputs (``RUN_DIR/inputs``), the run's faults, and
+   (:func:`qualify.candidate.launch.launch_engine`: the warm launcher on CPU, torchrun on
+   CUDA, the engine's world size and CPU environment) with the run's frozen inputs
+   (``RUN_DIR/inputs``), the run's faults, and
    ``probe = {"round": r, "dir": ...}``; the harness writes ``probe/<role>/probe.*`` in
    the HF layout (``harnesses/layer_probe.py``).
 3. Reference: the HF update of the cell's lane and of each of its controls on the same
