@@ -148,7 +148,7 @@ def test_line_says_cause_numbers_and_what_it_folds() -> None:
 
 # --------------------------------------------------------------------------- committed run
 
-# Read off the committed run's report.json (20261202T015031Z) rows: per failing cell, its
+# Read off the committed run's report.json (20261202T060205Z; the same in 20261202T015031Z) rows: per failing cell, its
 # earliest failing row in causal order, (metric, class). The issue's author expected
 # deepspeed-bf16-zero0-actor-tp2's cause to be the round-1 pre-clip grad norm: it is (margin
 # 4.56; its round-1 logprobs, losses and grads pass; round 1 fails grad_norm, clip_coef and
