@@ -39,7 +39,7 @@ PER_LANE = {"policy_upper_clipped", "policy_upper_unclipped", "policy_lower_clip
             "entropy_bonus_active", "value_clipped", "value_unclipped", "grad_clip_engaged"}
 GLOBAL = {"reward_kl_active", "prompts_left_padded", "responses_right_padded",
           "loss_aggregation", "gradient_accumulation", "adamw_betas", "adamw_eps",
-          "adamw_weight_decay"}
+          "adamw_weight_decay", "lr_schedule"}
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3.toml", "tiny-qwen3-vocab32k.toml"])
