@@ -153,13 +153,13 @@ def test_line_says_cause_numbers_and_what_it_folds() -> None:
 # causal step, so the larger margin names the cause: in 20261202T015031Z, made on another
 # machine, the BF16 ZeRO-1/2 Actor TP1 cells' logprobs led (1.958 vs entropy 1.914); here
 # entropy does (2.088 vs 1.958: the machine's FP32 kernels move the candidates a few ulps,
-# and BF16 amplifies it at token (6, 1)); every verdict is the same in both runs. The
-# issue's author expected deepspeed-bf16-zero0-actor-tp2's cause to be the round-1 pre-clip grad norm: it is (margin
-# 4.56; its round-1 logprobs, losses and grads pass; round 1 fails grad_norm, clip_coef and
-# the AdamW moments only). The BF16 ZeRO-0 cells also fail the
-# dtypes check (grads is torch.bfloat16); that check is listed beside the cause, not before
-# it: actor-tp1 has the same check failing and passes round 1 (harnesses/deepspeed/README.md
-# names the TP 2 grad-norm bug).
+# and BF16 amplifies it at token (6, 1)); every verdict is the same in both runs.
+# The issue's author expected deepspeed-bf16-zero0-actor-tp2's cause to be the round-1
+# pre-clip grad norm: it is (margin 4.56; its round-1 logprobs, losses and grads pass;
+# round 1 fails grad_norm, clip_coef and the AdamW moments only). The BF16 ZeRO-0 cells
+# also fail the dtypes check (grads is torch.bfloat16); that check is listed beside the
+# cause, not before it: actor-tp1 has the same check failing and passes round 1
+# (harnesses/deepspeed/README.md names the TP 2 grad-norm bug).
 COMMITTED_CAUSES: Final = {
     "deepspeed-bf16-zero0-actor-tp1": ("round2/actor/logprobs", "candidate_vs_hf"),
     "deepspeed-bf16-zero0-actor-tp2": ("round1/actor/grad_norm", "candidate_vs_hf"),
