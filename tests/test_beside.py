@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from qualify.candidate import beside
 from qualify.errors import UsageError
+from qualify.resources import contracts_dir, repo_root
 
 
 @pytest.mark.parametrize(("env", "cuda", "want"), [
@@ -86,3 +91,22 @@ def test_a_failing_stage_stops_and_joins_the_thread(monkeypatch: pytest.MonkeyPa
     assert not started[0].is_alive()
     assert seen == [True]
     assert "also failed: OSError: sampler cell cancelled" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("var", "value", "message"), [
+    ("QUALIFY_LAUNCHER", "bogus", "QUALIFY_LAUNCHER='bogus': must be one of warm, torchrun, srun"),
+    ("QUALIFY_JOBS", "0", "QUALIFY_JOBS='0': must be a positive integer"),
+    ("QUALIFY_NNODES", "x", "QUALIFY_NNODES='x': must be a positive integer")])
+def test_bad_launch_settings_exit_2_before_any_run_is_written(
+        tmp_path: Path, var: str, value: str, message: str) -> None:
+    reference = next(repo_root().glob("references/tiny-qwen3-*"), None)
+    if reference is None:
+        pytest.skip("the committed tiny-qwen3 reference is not checked out")
+    proc = subprocess.run(
+        [sys.executable, "-m", "qualify", "candidate", str(contracts_dir() / "tiny-qwen3.toml"),
+         "--reference", str(reference), "--out", str(tmp_path / "ev"), "--quiet"],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, var: value})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == f"qualify: error: {message}"
+    assert not (tmp_path / "ev").exists()  # no INCOMPLETE run left to break a gate

@@ -31,7 +31,7 @@ from qualify.candidate.launch import (
     torchrun_command,
     validate_cell,
 )
-from qualify.errors import HarnessError
+from qualify.errors import HarnessError, UsageError
 from qualify.protocol import HarnessCell
 from qualify.resources import repo_root
 
@@ -239,8 +239,8 @@ def test_launch_command_picks_the_launcher() -> None:
     srun = launch_command(cell, module="h.m", world_size=4, log_dir=logs, launcher="warm",
                           env={"QUALIFY_NNODES": "2", "QUALIFY_RDZV_ENDPOINT": "n1:29500"})
     assert srun[0] == "srun"  # a multi-node allocation always takes srun + torchrun
-    with pytest.raises(HarnessError, match="QUALIFY_LAUNCHER='fork': must be one of warm, "
-                                           "torchrun, srun"):
+    with pytest.raises(UsageError, match="QUALIFY_LAUNCHER='fork': must be one of warm, "
+                                         "torchrun, srun"):
         launch_command(cell, module="h.m", world_size=1, log_dir=logs,
                        env={"QUALIFY_LAUNCHER": "fork"})
 

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Final
 
+from qualify.candidate.launch import check_launch_env
 from qualify.errors import UsageError
 
 JOBS_ENV: Final = "QUALIFY_JOBS"
@@ -45,6 +46,17 @@ def jobs(*, cuda: bool, env: dict[str, str] | None = None) -> int:
     if not raw.isdigit() or int(raw) < 1:
         raise UsageError(f"{JOBS_ENV}={raw!r}: must be a positive integer")
     return min(int(raw), 2)
+
+
+def check_settings() -> None:
+    """Refuse bad ``QUALIFY_JOBS``, ``QUALIFY_LAUNCHER`` or ``QUALIFY_NNODES`` values now.
+
+    Raises:
+        UsageError: the variable and its value (:func:`jobs`,
+            :func:`qualify.candidate.launch.check_launch_env`).
+    """
+    jobs(cuda=False)
+    check_launch_env()
 
 
 class Beside(threading.Thread):

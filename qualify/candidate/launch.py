@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from qualify import atomic, procs, schema
-from qualify.errors import HarnessError
+from qualify.errors import HarnessError, UsageError
 from qualify.evidence.timestamps import utc_now_iso
 from qualify.layout import LAUNCHER_LOG, LOGS_DIR, RANK_LOGS_DIR
 from qualify.protocol import (
@@ -286,14 +286,12 @@ def launch_command(cell_file: Path, *, module: str, world_size: int, log_dir: Pa
             (:attr:`qualify.registry.EngineSpec.warm_imports`).
 
     Raises:
-        HarnessError: ``QUALIFY_LAUNCHER`` is not ``warm``, ``torchrun`` or ``srun``, or
-            as :func:`torchrun_command`.
+        UsageError: ``QUALIFY_LAUNCHER`` or ``QUALIFY_NNODES`` is bad
+            (:func:`check_launch_env`).
+        HarnessError: as :func:`torchrun_command`.
     """
     e = os.environ if env is None else env
-    chosen = e.get("QUALIFY_LAUNCHER", "") or "warm"
-    if chosen not in (*LAUNCHERS, "srun"):
-        raise HarnessError(f"QUALIFY_LAUNCHER={chosen!r}: must be one of "
-                           f"{', '.join((*LAUNCHERS, 'srun'))}")
+    chosen = check_launch_env(e)
     torchrun = torchrun_command(cell_file, module=module, world_size=world_size,
                                 log_dir=log_dir, env=e)
     if torchrun[0] == "srun" or (launcher or chosen) == "torchrun":
@@ -301,6 +299,27 @@ def launch_command(cell_file: Path, *, module: str, world_size: int, log_dir: Pa
     pre = [arg for mod in preload for arg in ("--preload", mod)]
     return [sys.executable, "-m", "qualify.candidate.warm", "--nproc-per-node",
             str(world_size), "--log-dir", str(log_dir), *pre, module, str(cell_file)]
+
+
+def check_launch_env(env: Mapping[str, str] | None = None) -> str:
+    """Check the launch settings of the environment; the launcher they name.
+
+    ``QUALIFY_LAUNCHER`` (``warm`` when unset) must be ``warm``, ``torchrun`` or ``srun``,
+    ``QUALIFY_NNODES`` (when set) a positive integer. The candidate stage calls this before
+    it writes anything, so a bad value leaves no run behind.
+
+    Raises:
+        UsageError: a value is not one of those (the variable and value named).
+    """
+    e = os.environ if env is None else env
+    chosen = e.get("QUALIFY_LAUNCHER", "") or "warm"
+    if chosen not in (*LAUNCHERS, "srun"):
+        raise UsageError(f"QUALIFY_LAUNCHER={chosen!r}: must be one of "
+                         f"{', '.join((*LAUNCHERS, 'srun'))}")
+    raw = e.get("QUALIFY_NNODES", "1") or "1"
+    if not raw.isdigit() or int(raw) < 1:
+        raise UsageError(f"QUALIFY_NNODES={raw!r}: must be a positive integer")
+    return chosen
 
 
 def launch_env(env: Mapping[str, str] | None) -> dict[str, str]:

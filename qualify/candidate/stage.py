@@ -508,6 +508,7 @@ def run_candidate_stage(
             f"{reference}: reference was sealed for contract digest "
             f"{str(ref_meta.get('contract_digest'))[:12]}, this contract is {contract.digest12}")
     wanted = cells_matching(contract, cells)
+    beside.check_settings()  # bad launch settings: refused before the run directory exists
     rid = run_id or _new_run_id()
     run_dir = root / contract.name / rid
     if store.is_sealed(run_dir):
