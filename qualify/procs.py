@@ -168,7 +168,8 @@ def run(cmd: Sequence[str], *, timeout_s: float, stdout: Stream = None,
     err: bytes | None
     try:
         try:
-            out, err = _communicate(proc, t0 + timeout_s, cancel)
+            out, err = (proc.communicate(timeout=timeout_s) if cancel is None
+                        else _communicate(proc, t0 + timeout_s, cancel))
         except subprocess.TimeoutExpired:
             cancelled = cancel is not None and cancel.is_set()
             timed_out = not cancelled
@@ -183,19 +184,18 @@ def run(cmd: Sequence[str], *, timeout_s: float, stdout: Stream = None,
 
 
 def _communicate(proc: subprocess.Popen[bytes], deadline: float,
-                 cancel: threading.Event | None) -> tuple[bytes | None, bytes | None]:
+                 cancel: threading.Event) -> tuple[bytes | None, bytes | None]:
     """``proc.communicate`` until ``deadline`` (monotonic) or ``cancel`` is set.
 
     Raises:
         subprocess.TimeoutExpired: the deadline passed or ``cancel`` was set first.
     """
     while True:
-        left = deadline - time.monotonic()
-        step = left if cancel is None else min(left, _CANCEL_POLL_S)
+        step = min(deadline - time.monotonic(), _CANCEL_POLL_S)
         try:
             return proc.communicate(timeout=max(step, 0.0))
         except subprocess.TimeoutExpired:
-            if time.monotonic() >= deadline or (cancel is not None and cancel.is_set()):
+            if time.monotonic() >= deadline or cancel.is_set():
                 raise
 
 

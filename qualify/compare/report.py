@@ -331,10 +331,6 @@ def render_markdown(report: Report) -> str:
     if not report.passed:
         why = ", ".join(f"`{c}`" for c in report.not_passed) or "no required cell ran"
         lines[-1] += f" (required cells not passing: {why})"
-    lines += ["", "This is the comparator's verdict over the raw rows. Expected failures that "
-              f"a gate policy names (`contracts/gates/{report.contract}.toml`, with its "
-              "reason and upstream reference for each) are judged by `qualify gate` and by "
-              "the exit code of `qualify run`: XFAIL there, never PASS."]
     lines += ["", _markdown_table(("item", "value"), [
         ("contract", f"{report.contract} (sha256 {report.contract_digest})"),
         ("reference", f"{report.reference_dir}"),
