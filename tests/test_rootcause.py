@@ -148,7 +148,7 @@ def test_line_says_cause_numbers_and_what_it_folds() -> None:
 
 # --------------------------------------------------------------------------- committed run
 
-# Read off the committed run's report.json (20261202T061813Z) rows: per failing cell, its
+# Read off the committed run's report.json (20261202T063930Z) rows: per failing cell, its
 # earliest failing row in causal order, (metric, class). Round-2 logprobs and entropy are one
 # causal step, so the larger margin names the cause: in 20261202T015031Z, made on another
 # machine, the BF16 ZeRO-1/2 Actor TP1 cells' logprobs led (1.958 vs entropy 1.914); here
