@@ -111,8 +111,8 @@ def _elapsed(launches: pd.DataFrame) -> float | None:
     """
     if "started" not in launches or (launches["started"] == "").any():
         return None
-    spans = sorted((pd.Timestamp(str(s)).timestamp(), pd.Timestamp(str(s)).timestamp() + float(w))
-                   for s, w in zip(launches["started"], launches["wall_s"], strict=True))
+    starts = [pd.Timestamp(str(s)).timestamp() for s in launches["started"]]
+    spans = sorted((t, t + float(w)) for t, w in zip(starts, launches["wall_s"], strict=True))
     total, end = 0.0, float("-inf")
     for a, b in spans:
         if b > end:

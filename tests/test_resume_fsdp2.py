@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from harness_outputs import build_inputs, locked
 from safetensors.numpy import load_file
+from test_resume_torch_tp import assert_planted_fault_fails
 
 from qualify.candidate.launch import launch
 from qualify.compare.resume import STATE_QUANTITIES, resume_rows
@@ -141,18 +142,7 @@ def test_resumed_round_is_bitwise_the_uninterrupted_one(runs: Runs, topo: str,
 def test_planted_resume_fault_fails_naming_the_quantity(runs: Runs, name: str, quantity: str,
                                                         role: str) -> None:
     rows = runs.rows("dp2", name, role)
-    state = {r.family: r for r in rows if r.round is None}
-    assert state[quantity].verdict == "FAIL"
-    reason = state[quantity].reason
-    assert reason is not None
-    assert reason.startswith(f"resume {quantity}:")
-    # the wrong restore changes the resumed update itself: round-2 updates are not bitwise
-    updates = next(r for r in rows if r.round == 2 and r.family == "updates")
-    assert updates.verdict == "FAIL"
-    assert updates.error is not None
-    assert updates.error > 0
-    if quantity == "step":  # moments restored, only the counter lost
-        assert state["exp_avg"].verdict == "PASS"
-        assert state["master_weights"].verdict == "PASS"
-    else:  # a fresh AdamW: no moments at all
+    assert_planted_fault_fails(rows, quantity)
+    if quantity != "step":  # a fresh AdamW: no moments at all
+        state = {r.family: r for r in rows if r.round is None}
         assert state["exp_avg_sq"].verdict == "FAIL"
