@@ -14,7 +14,7 @@ uninterrupted two-step AdamW.
 
 Activation checkpointing (recompute each decoder layer in backward instead of storing its
 activations, ~3 GB per micro-batch at 8B) gives bitwise the gradients of the stored
-activations on a deterministic CPU run, FP32 and BF16, and really recomputes (each layer's
+activations on a deterministic CPU run, FP32 and BF16, and really recomputes (layer 0's
 first projection runs twice).
 """
 
@@ -61,11 +61,12 @@ def test_adamw_in_parameter_chunks_is_bitwise_the_whole_step() -> None:
 
 
 def test_fp64_round2_from_the_round1_gradient_alone_is_bitwise_two_adamw_steps() -> None:
-    b1, b2, n, chunk = 0.9, 0.999, 5000, 777  # 777: ragged chunks
+    n, chunk = 5000, 777  # 777: ragged chunks
     g = torch.Generator().manual_seed(0)
     p0, g1, g2 = (torch.randn(n, dtype=torch.float64, generator=g) for _ in range(3))
     p = torch.nn.Parameter(p0.clone())
     opt = _adamw([p])
+    b1, b2 = opt.param_groups[0]["betas"]
     p.grad = g1.clone()
     opt.step()
     p1 = p.detach().clone()
