@@ -29,6 +29,8 @@ from qualify.compare.html import default_html_path, render_html
 from qualify.compare.plotdata import load_run
 from qualify.compare.rootcause import causes_of_report
 from qualify.errors import ExitCode
+from qualify.jsonio import read_json
+from qualify.layout import REPORT_JSON
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 RUNS: Final = [run / "report.json" for run in committed_runs("tiny-qwen3")]
@@ -262,6 +264,8 @@ def test_same_report_json_gives_the_same_bytes(run_dir: Path,
     again = render_html(load_run(run_dir))
     assert again.encode("utf-8") == written[0].read_bytes()
     assert "<dc:date>" not in again
+    # `qualify run` hands load_run the report.json it read once (validated before writing)
+    assert render_html(load_run(run_dir, doc=read_json(run_dir / REPORT_JSON))) == again
 
 
 def test_default_path_is_beside_the_sealed_run(run_dir: Path, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from test_compare import BF16_TP1, CRITIC_TP1, TP1, TP2, World, actor, good_meta
 
 from qualify.compare.report import matrix_frame, render_markdown, report_document
 from qualify.compare.verdicts import Report
+from qualify.errors import QualifyError
 from qualify.evidence import store
 from qualify.layout import REPORT_JSON, REPORT_MD
 from qualify.resources import load_schema
@@ -173,6 +174,35 @@ def test_schema_rejects_invalid_documents(tmp_path: Path, case: str) -> None:
     bad = copy.deepcopy(doc)
     INVALID[case](bad)
     assert not VALIDATOR.is_valid(bad), case
+
+
+def test_write_report_validates_once_and_writes_nothing_invalid(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from qualify import schema
+    from qualify.compare import report as report_mod
+
+    w = World(tmp_path)
+    w.add_cell(TP1, outputs=actor(w))
+    good = w.compare(write=False)
+    seen: list[str] = []
+    real = schema.first_error
+
+    def counting(obj: Any, name: str) -> str | None:
+        seen.append(name)
+        return real(obj, name)
+
+    monkeypatch.setattr(schema, "first_error", counting)  # every validate() goes through it
+    report_mod.write_report(good, w.run_dir)
+    assert seen == ["report"]  # once: a 1 MB report.json takes seconds to validate
+    for p in (w.run_dir / REPORT_JSON, w.run_dir / REPORT_MD):
+        p.unlink()
+    bad = report_document(good)
+    bad["passed"] = "yes"
+    monkeypatch.setattr(Report, "to_dict", lambda self: bad)
+    with pytest.raises(QualifyError, match="passed"):
+        report_mod.write_report(good, w.run_dir)
+    assert not (w.run_dir / REPORT_JSON).exists()
+    assert not (w.run_dir / REPORT_MD).exists()
 
 
 def test_margin_of_a_failing_row_is_finite_or_inf(failing: tuple[World, Report]) -> None:

@@ -466,13 +466,16 @@ def render_html(data: RunData, gate: Mapping[str, Any] | None = None) -> str:
 
 
 def write_html(run_dir: str | Path, out: str | Path | None = None, *,
-               gate: Mapping[str, Any] | None = None) -> Path:
+               gate: Mapping[str, Any] | None = None,
+               doc: Mapping[str, Any] | None = None) -> Path:
     """Render a run's page and write it atomically.
 
     Args:
         run_dir: the compared run (holds ``report.json``).
         out: where to write (default :func:`default_html_path`).
         gate: the gate's decision to show (see :func:`render_html`).
+        doc: its ``report.json`` document when the caller has read and validated it
+            (:func:`qualify.compare.plotdata.load_run`); ``None``: read here.
 
     Returns:
         The path written.
@@ -484,6 +487,6 @@ def write_html(run_dir: str | Path, out: str | Path | None = None, *,
     """
     path = Path(out) if out is not None else default_html_path(run_dir)
     store.refuse_if_sealed(path)  # before the work: the run itself is sealed
-    text = render_html(load_run(run_dir), gate)
+    text = render_html(load_run(run_dir, doc=doc), gate)
     store.atomic_write_text(path, text)
     return path

@@ -121,11 +121,14 @@ class RunData:
         return store.load_tensors(path) if path.is_file() else None
 
 
-def load_run(run_dir: str | Path) -> RunData:
+def load_run(run_dir: str | Path, *, doc: Mapping[str, Any] | None = None) -> RunData:
     """Read a run's ``report.json`` and the reference facts its plots need.
 
     Args:
         run_dir: ``evidence/<contract>/<run-id>`` (holds ``report.json``).
+        doc: its ``report.json`` document, already read and validated by the caller
+            (``qualify run`` reads it once after writing it); ``None``: read and validated
+            here.
 
     Returns:
         The :class:`RunData`; without the reference (moved, deleted) its tensors are
@@ -136,13 +139,14 @@ def load_run(run_dir: str | Path) -> RunData:
         QualifyError: ``report.json`` violates its schema.
     """
     run_dir = Path(run_dir)
-    path = run_dir / REPORT_JSON
-    try:
-        doc = jsonio.read_json(path)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{path}: unreadable or not JSON ({exc}); is {run_dir} a compared "
-                         "run?") from None
-    validate(doc, "report", what=str(path))
+    if doc is None:
+        path = run_dir / REPORT_JSON
+        try:
+            doc = jsonio.read_json(path)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{path}: unreadable or not JSON ({exc}); is {run_dir} a "
+                             "compared run?") from None
+        validate(doc, "report", what=str(path))
     try:
         ref_dir = resolve_reference(run_dir, doc)
     except ReferenceDataError as exc:

@@ -24,6 +24,7 @@ import numpy.typing as npt
 import pyparsing  # matplotlib's dependency: its deprecation category (quiet_pyparsing)
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullLocator
 
 from qualify.compare.plotdata import ParamErrors, TokenErrors
 
@@ -242,6 +243,9 @@ def rounds_svg(per_family: Mapping[str, Mapping[str, Mapping[int, float]]],
             ax.axhline(1.0, color=BOUND_COLOR, linestyle="--", linewidth=1)
             ax.set_yscale("log")
             ax.set_ylim(1e-4, 1e3)
+            # decades only: the log axis's minor ticks (8 per decade on 10 panels) were
+            # most of the page's render time (README.md "Speed") and unreadable at this size
+            ax.yaxis.set_minor_locator(NullLocator())
             ax.set_xticks(sorted({k for d in per_family[fam].values() for k in d}))
             ax.set_title(fam, loc="left")
             ax.set_xlabel("round")

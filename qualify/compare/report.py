@@ -85,7 +85,7 @@ def write_report(report: Report, run_dir: Path) -> tuple[Path, Path]:
     doc = report_document(report)
     md = render_markdown(report)
     json_path, md_path = Path(run_dir) / REPORT_JSON, Path(run_dir) / REPORT_MD
-    store.atomic_write_json(json_path, doc, schema=REPORT_SCHEMA)
+    store.atomic_write_json(json_path, doc)  # report_document validated it, once
     store.atomic_write_text(md_path, md)
     return json_path, md_path
 

@@ -128,9 +128,11 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
                                   quiet=quiet)
     report = compare_run(run_dir)
     seal_and_sign(run_dir, kind="candidate-run")
-    code, ev = run_decision(run_dir, contract, policy)
+    # read once, validated once: compare_run validated the document before writing it
+    doc = read_json(run_dir / REPORT_JSON)
+    code, ev = run_decision(run_dir, contract, policy, report=doc)
     try:  # a view beside the sealed run, never evidence: its failure must not decide the exit
-        html: Path | None = write_html(run_dir, gate=gate_view(code, ev, policy))
+        html: Path | None = write_html(run_dir, gate=gate_view(code, ev, policy), doc=doc)
     except Exception as exc:
         print(f"qualify: warning: report.html not written ({type(exc).__name__}: {exc}); "
               f"`qualify report {run_dir} --contract {contract_path}` makes it again",
