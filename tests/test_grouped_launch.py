@@ -9,8 +9,11 @@ session's temporary root). CPU gloo, deterministic kernels: equality is exact.
 
 A launch of several topologies of one world size (``EngineSpec.groups_topologies``: a2c1 and
 a1c2, 3 ranks each) builds each topology's role groups in turn; every engine that groups
-topologies runs the FP32 cells of both topologies in the order A, B and in the order B, A,
-and each cell's outputs are bitwise the same either way.
+topologies runs the FP32 cells of both topologies and a BF16 a2c1 cell between them in the
+order A, M, B and in the order B, M, A, and each cell's outputs are bitwise the same either
+way. The same A, M, B launch under torchrun (fresh interpreters) gives bitwise the warm
+launcher's outputs too (the launcher half of tests/test_warm_launch.py for these engines:
+one launch fewer per engine than two files each launching twice).
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ from safetensors.torch import load_file
 from test_torch_tp import LAUNCH_TIMEOUT_S, MODULE, Runs
 
 from qualify.candidate.launch import launch
+from qualify.layout import LAUNCHER_LOG, LOGS_DIR
 from qualify.protocol import OUTPUTS_FILE, HarnessCell, variant_dir, variant_tag
 from qualify.registry import get_engine
 
-ORDER_ENGINES: dict[str, tuple[dict[str, int], str | None]] = {
-    "torch_tp": ({}, None), "megatron": ({}, "megatron.core"),
-    "deepspeed": ({"zero": 0}, "deepspeed")}
-"""Engine -> (its variants' options, the module it needs)."""
+ORDER_ENGINES: dict[str, tuple[dict[str, int], dict[str, int], str | None]] = {
+    "torch_tp": ({}, {}, None), "megatron": ({}, {}, "megatron.core"),
+    "deepspeed": ({"zero": 0}, {"zero": 1}, "deepspeed")}
+"""Engine -> (its FP32 variants' options, its BF16 variant's options, the module it needs)."""
 
 
 @pytest.fixture(scope="module")
@@ -59,35 +63,54 @@ def test_variants_in_one_process_group_equal_separate_launches_bitwise(runs: Run
     assert not (out / OUTPUTS_FILE).exists()  # a grouped launch writes per-variant only
 
 
+def _tensors(out: Path, variant: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return load_file(str(out / variant_dir(variant) / OUTPUTS_FILE))
+
+
 @pytest.mark.parametrize("engine", sorted(ORDER_ENGINES))
-def test_cell_order_in_a_launch_does_not_change_any_output_bitwise(
+def test_cell_order_and_launcher_do_not_change_any_output_bitwise(
         runs: Runs, engine: str, tmp_path: Path) -> None:
-    options, needs = ORDER_ENGINES[engine]
+    """Three launches of three variants: A M B and B M A forked (warm), A M B under torchrun.
+
+    A = FP32 a2c1, M = BF16 a2c1, B = FP32 a1c2 (3 ranks each). Order: every variant of
+    ``ab`` equals ``ba``'s; launcher: every variant of the warm ``ab`` equals the torchrun
+    ``ab``'s (:mod:`qualify.candidate.warm` forks the ranks from one interpreter that
+    imported everything; torchrun starts a fresh interpreter per rank).
+    """
+    fp32, bf16, needs = ORDER_ENGINES[engine]
     if needs is not None:
         pytest.importorskip(needs)
     spec = get_engine(engine)
     assert spec.groups_variants
     assert spec.groups_topologies
-    a: dict[str, Any] = {"precision": "fp32", "options": options, "actor_tp": 2, "critic_tp": 1}
-    b: dict[str, Any] = {"precision": "fp32", "options": options, "actor_tp": 1, "critic_tp": 2}
-    for name, order in (("ab", (a, b)), ("ba", (b, a))):
+    a: dict[str, Any] = {"precision": "fp32", "options": fp32, "actor_tp": 2, "critic_tp": 1}
+    m: dict[str, Any] = {"precision": "bf16", "options": bf16, "actor_tp": 2, "critic_tp": 1}
+    b: dict[str, Any] = {"precision": "fp32", "options": fp32, "actor_tp": 1, "critic_tp": 2}
+    for name, launcher, order in (("ab", "warm", (a, m, b)), ("ba", "warm", (b, m, a)),
+                                  ("ab-torchrun", "torchrun", (a, m, b))):
         out = tmp_path / name
-        cell = HarnessCell(engine=engine, precision="fp32", options=dict(options),
+        cell = HarnessCell(engine=engine, precision="fp32", options=dict(fp32),
                            actor_tp=order[0]["actor_tp"], critic_tp=order[0]["critic_tp"],
                            rounds=2, seed=0,
                            inputs_dir=str(runs.inputs_dir), output_dir=str(out),
                            collective_timeout_s=120.0, variants=order)
         res = launch(cell, module=spec.module, attempt_dir=out, timeout_s=2 * LAUNCH_TIMEOUT_S,
-                     env=dict(spec.cpu_env))
+                     env={**spec.cpu_env, "QUALIFY_DEVICE": "cpu"},
+                     world_size=spec.world_size(cell), launcher=launcher,
+                     preload=spec.warm_imports)
         assert res.status == "OK", res.reason
         assert not (out / OUTPUTS_FILE).exists()
-        print(f"\n[{engine}] launch {name}: {res.wall_s:.1f} s wall")
-    for v in (a, b):
-        sub = variant_dir(v)
-        first = load_file(str(tmp_path / "ab" / sub / OUTPUTS_FILE))
-        second = load_file(str(tmp_path / "ba" / sub / OUTPUTS_FILE))
+        print(f"\n[{engine}] {launcher} launch {name}: {res.wall_s:.1f} s wall")
+    # the warm launches really forked, or the launcher half proves nothing
+    for name in ("ab", "ba"):
+        assert "fork; imports" in (tmp_path / name / LOGS_DIR / LAUNCHER_LOG).read_text()
+    for v in (a, m, b):
+        first = _tensors(tmp_path / "ab", v)
         assert len(first) > 20
-        assert sorted(first) == sorted(second)
         assert {k.split("/")[1] for k in first} == {"actor", "critic"}
-        differ = [k for k in first if not torch.equal(first[k], second[k])]
-        assert differ == [], f"{engine} {sub}: {len(differ)} tensors differ, e.g. {differ[:3]}"
+        for other in ("ba", "ab-torchrun"):
+            second = _tensors(tmp_path / other, v)
+            assert sorted(first) == sorted(second)
+            differ = [k for k in first if not torch.equal(first[k], second[k])]
+            assert differ == [], (f"{engine} {variant_dir(v)}: ab vs {other}: {len(differ)} "
+                                  f"tensors differ, e.g. {differ[:3]}")

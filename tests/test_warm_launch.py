@@ -2,11 +2,13 @@
 
 :mod:`qualify.candidate.warm` (the default single-node CPU launcher, issue #17) imports the
 harness, the engine's ``warm_imports`` and the model classes in one interpreter and forks
-the ranks; torchrun starts a fresh interpreter per rank. Each engine here runs the same
-cell under both launchers (tests/test_torch_tp.py's tiny Qwen3 inputs, real gloo ranks),
-and every tensor of the warm launch must be bitwise the torchrun launch's (CPU, FP32 and
-BF16 variants of one launch: deterministic kernels, so equality is exact). The warm launch
-must really have forked (its ``launcher.log`` says ``fork``), or the test proves nothing.
+the ranks; torchrun starts a fresh interpreter per rank. FSDP2 here runs the same cell
+under both launchers (tests/test_torch_tp.py's tiny Qwen3 inputs, real gloo ranks), and
+every tensor of the warm launch must be bitwise the torchrun launch's (CPU: deterministic
+kernels, so equality is exact). The warm launch must really have forked (its
+``launcher.log`` says ``fork``), or the test proves nothing. torch_tp, DeepSpeed and
+Megatron-Core (FP32 and BF16 variants, two topologies in one launch) get the same proof in
+tests/test_grouped_launch.py, whose order test launches each under both launchers.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from qualify.layout import LAUNCHER_LOG, LOGS_DIR
 from qualify.protocol import OUTPUTS_FILE, HarnessCell, variant_dir
 from qualify.registry import get_engine
 
-ENGINES: dict[str, tuple[dict[str, int], str | None]] = {
-    "torch_tp": ({}, None), "deepspeed": ({"zero": 1}, "deepspeed"),
-    "megatron": ({}, "megatron.core"), "fsdp2": ({"dp": 1}, None)}
-"""Engine -> (its cell's options, the module it needs)."""
+ENGINES: dict[str, tuple[dict[str, int], str | None]] = {"fsdp2": ({"dp": 1}, None)}
+"""Engine -> (its cell's options, the module it needs). torch_tp, DeepSpeed and Megatron-Core
+are compared warm vs torchrun, bitwise, by tests/test_grouped_launch.py's order test (the
+same launch of three variants under both launchers)."""
 
 
 @pytest.fixture(scope="module")
