@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -519,6 +520,31 @@ def test_cpu_threads_bind_needs_a_core_per_rank() -> None:
         cpu_threads_bind(2, [0])
     with pytest.raises(ValueError, match="must be >= 1"):
         cpu_threads_bind(0, [0])
+
+
+def test_threads_bind_is_set_only_where_vllm_applies_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP 1 runs vLLM's engine in this process, which ignores VLLM_CPU_OMP_THREADS_BIND."""
+    import importlib.util
+
+    from harnesses.vllm.engine import configure_env
+
+    for key in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING",
+                "TORCH_COMPILE_DISABLE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in configure_env(1)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    assert configure_env(2)["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    # the upstream fact the rule rests on: only the multiprocessing executor (the TP > 1
+    # workers) binds threads; if a vLLM upgrade binds them elsewhere, revisit the rule
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        pytest.skip("vllm is not installed")
+    root = Path(spec.origin).parent
+    binders = sorted(str(f.relative_to(root)) for f in root.rglob("*.py")
+                     if "OMPProcessManager(" in f.read_text("utf-8", errors="replace"))
+    assert binders == ["v1/executor/multiproc_executor.py"], binders
 
 
 def test_build_llm_rejects_a_head_size_the_cpu_backend_lacks(tmp_path: Path) -> None:

