@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 from test_torch_tp import LAUNCH_TIMEOUT_S, MODULE, Runs
 
-from qualify.candidate.launch import launch
+from qualify.candidate.launch import Launcher, launch
 from qualify.layout import LAUNCHER_LOG, LOGS_DIR
 from qualify.protocol import OUTPUTS_FILE, HarnessCell, variant_dir, variant_tag
 from qualify.registry import get_engine
@@ -86,8 +86,10 @@ def test_cell_order_and_launcher_do_not_change_any_output_bitwise(
     a: dict[str, Any] = {"precision": "fp32", "options": fp32, "actor_tp": 2, "critic_tp": 1}
     m: dict[str, Any] = {"precision": "bf16", "options": bf16, "actor_tp": 2, "critic_tp": 1}
     b: dict[str, Any] = {"precision": "fp32", "options": fp32, "actor_tp": 1, "critic_tp": 2}
-    for name, launcher, order in (("ab", "warm", (a, m, b)), ("ba", "warm", (b, m, a)),
-                                  ("ab-torchrun", "torchrun", (a, m, b))):
+    plan: tuple[tuple[str, Launcher, tuple[dict[str, Any], ...]], ...] = (
+        ("ab", "warm", (a, m, b)), ("ba", "warm", (b, m, a)),
+        ("ab-torchrun", "torchrun", (a, m, b)))
+    for name, launcher, order in plan:
         out = tmp_path / name
         cell = HarnessCell(engine=engine, precision="fp32", options=dict(fp32),
                            actor_tp=order[0]["actor_tp"], critic_tp=order[0]["critic_tp"],
