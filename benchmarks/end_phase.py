@@ -21,12 +21,13 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from qualify.layout import REPORT_JSON, REPORT_MD
+from qualify.evidence.store import make_writable
+from qualify.layout import ATTESTATION_FILE, MANIFEST_FILE, REPORT_JSON, REPORT_MD
 
-_DROP = (REPORT_JSON, REPORT_MD, "MANIFEST.json", "attestation.dsse.json")
+_DROP = (REPORT_JSON, REPORT_MD, MANIFEST_FILE, ATTESTATION_FILE)
 
 _CHILD = textwrap.dedent("""
-    import json, sys, time
+    import inspect, json, sys, time
     from pathlib import Path
     t0 = time.perf_counter()
     from qualify.compare.html import write_html
@@ -44,11 +45,11 @@ _CHILD = textwrap.dedent("""
     t2 = time.perf_counter()
     seal_and_sign(run, kind="candidate-run")
     t3 = time.perf_counter()
-    doc = read_json(run / "report.json")
-    code, ev = chain.run_decision(run, contract, policy, report=doc)
-    try:
+    if "doc" in inspect.signature(write_html).parameters:  # what run_all does now
+        doc = read_json(run / "report.json")
+        code, ev = chain.run_decision(run, contract, policy, report=doc)
         page = write_html(run, gate=chain.gate_view(code, ev, policy), doc=doc)
-    except TypeError:  # a checkout before write_html took the validated document
+    else:  # a checkout before write_html took the validated document
         code, ev = chain.run_decision(run, contract, policy)
         page = write_html(run, gate=chain.gate_view(code, ev, policy))
     t4 = time.perf_counter()
@@ -60,8 +61,7 @@ _CHILD = textwrap.dedent("""
 
 def _copy(run: Path, dest: Path) -> None:
     shutil.copytree(run, dest)
-    for p in [dest, *dest.rglob("*")]:
-        p.chmod(p.stat().st_mode | 0o200)
+    make_writable(dest)  # a sealed run is read-only
     for name in _DROP:
         (dest / name).unlink(missing_ok=True)
 
@@ -80,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             out = subprocess.run([sys.executable, "-c", _CHILD, str(work), str(args.contract)],
                                  check=True, capture_output=True, text=True)
             print(out.stdout.strip().splitlines()[-1])
-            for p in [work, *work.rglob("*")]:  # sealed files are read-only
-                p.chmod(p.stat().st_mode | 0o200)
+            make_writable(work)  # sealed again by the child: let the temp dir go
     return 0
 
 
