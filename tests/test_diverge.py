@@ -246,8 +246,9 @@ def committed_models() -> Path:
     under the models cache). A fresh machine has none, and the old collection-time
     ``skipif`` skipped these tests on every clean CI machine; the models are built locally
     and deterministically from the contract, so :func:`qualify.models.bundle.prepare_models`
-    makes the same ``<cache>/<digest12>`` directory again. Skips only where this machine's
-    cache root is another than the committed run's (``$QUALIFY_CACHE``, another home).
+    makes the same ``<cache>/<digest12>`` directory again. Skips only where it builds
+    another directory: another cache root (``$QUALIFY_CACHE``, another home) or a contract
+    digest that changed since the run (which ``qualify audit`` reports as stale).
     """
     from qualify.models.bundle import prepare_models
 
@@ -256,8 +257,9 @@ def committed_models() -> Path:
     if not actor.is_dir():
         bundle = prepare_models(load_contract(REPO / "contracts" / "tiny-qwen3.toml"))
         if Path(bundle.actor_dir) != actor:
-            pytest.skip(f"the committed run's models are under {actor.parent}, this "
-                        f"machine's cache builds {bundle.actor_dir}")
+            pytest.skip(f"the committed run's models ({actor}) are not what this machine "
+                        f"builds from contracts/tiny-qwen3.toml ({bundle.actor_dir}): another "
+                        "cache root, or a contract changed since the run")
     return actor
 
 
