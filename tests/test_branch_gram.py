@@ -133,15 +133,79 @@ def test_symmetrize_averages_and_refuses_a_discrepant_row() -> None:
     g, err = gram.symmetrize(rows, {"0_0": 1.0, "0_1": 4.0})
     assert g["0_0"]["0_1"] == g["0_1"]["0_0"] == pytest.approx(0.50005)
     assert g["0_1"]["0_1"] == 4.0
-    assert err == pytest.approx(5e-5)
+    assert err == pytest.approx(1e-4 / 4.0)  # of max |J_u|^2, not of |J_s| |J_t| = 2
     upper, err = gram.symmetrize({"0_0": rows["0_0"], "0_1": {"0_1": 4.0}},
                                  {"0_0": 1.0, "0_1": 4.0})
     assert upper["0_1"]["0_0"] == 0.5
     assert err == 0.0
     with pytest.raises(ReferenceDataError, match="discrepancy"):
         gram.symmetrize({**rows, "0_1": {"0_0": 0.4, "0_1": 4.0}}, {"0_0": 1.0, "0_1": 4.0})
+    # A token of tiny |J_t| (a confident one): 10 % of its own |J_t|^2 is 1e-10 of the scale.
+    g, err = gram.symmetrize({"0_0": {"0_0": 4.0, "0_1": 1e-6}, "0_1": {"0_1": 1.1e-9}},
+                             {"0_0": 4.0, "0_1": 1e-9})
+    assert err == pytest.approx(1e-10 / 4.0)
+    with pytest.raises(ReferenceDataError, match="discrepancy inf"):
+        gram.symmetrize({"0_0": {"0_0": 1e-30}}, {"0_0": 0.0})
+    assert gram.symmetrize({"0_0": {"0_0": 0.0}}, {"0_0": 0.0})[1] == 0.0
     with pytest.raises(ReferenceDataError, match="no <J_0_0, J_0_1>"):
         gram.symmetrize({"0_0": {"0_0": 1.0}, "0_1": {"0_1": 4.0}}, {"0_0": 1.0, "0_1": 4.0})
+
+
+def test_confident_token_is_exact_to_the_gram_scale(contract: Contract) -> None:
+    """A token the policy is sure of: backward and forward mode disagree on its tiny
+    ``|J_t|^2`` by a large fraction of it (the error a per-pair ``|J_s| |J_t|`` criterion
+    refused on SmolLM2), yet every entry of the forward-mode Gram is within 1e-6 of
+    ``max_u |J_u|^2`` of the FP64 Gram, ``symmetrize`` seals it, and a row taken in the
+    wrong direction is still refused."""
+    model = _model("actor")
+    with torch.no_grad():
+        model.get_parameter("lm_head.weight").mul_(150.0)  # sharp logits: p -> 1
+    g = torch.Generator().manual_seed(1)
+    b, p, r = 4, 5, 6
+    seq = torch.randint(3, 384, (b, p), generator=g)
+    with torch.no_grad():
+        for _ in range(r):  # the responses are the greedy continuation
+            seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        logp = torch.log_softmax(model(seq).logits[:, p - 1:-1].double()
+                                 / contract.sampling.temperature, -1)
+    responses = seq[:, p:]
+    one_minus_p = -torch.expm1(logp.gather(-1, responses[..., None])[..., 0])  # [b, r] FP64
+    mask = torch.ones(b, r, dtype=torch.int64)
+    batch = Batch(prompts=seq[:, :p], responses=responses,
+                  attention_mask=torch.ones(b, p + r, dtype=torch.int64), response_mask=mask,
+                  advantages=torch.zeros(b, r), returns=torch.zeros(b, r), pad_token_id=0)
+    sure = [(int(i), int(j)) for i, j in (one_minus_p < 1e-9).nonzero()]
+    unsure = [(int(i), int(j)) for i, j in (one_minus_p > 0.1).nonzero()]
+    assert sure
+    assert len(unsure) >= 2
+    tokens = sorted({sure[0], unsure[0], unsure[-1], (0, 1), (3, 2)})
+    settings = UpdateSettings(precision="fp32", micro_batch_size=2)
+    full, norm_sq, rows = {}, {}, {}
+    for tok, c in token_gradients(model, model, batch, contract, settings, role="actor",
+                                  tokens=tokens):
+        key = branches.token_key(*tok)
+        full[key] = c
+        norm_sq[key] = sum(float(v.double().square().sum()) for v in c.values())
+        row = gram.jvp_row(model, batch, contract, role="actor", micro_batch_size=2,
+                           tokens=tokens, direction=c)
+        rows[key] = {branches.token_key(*k): v for k, v in row.items()}
+    s_key = branches.token_key(*sure[0])
+    own = abs(rows[s_key][s_key] - norm_sq[s_key]) / norm_sq[s_key]
+    assert own > 1e-2  # per |J_s|^2 the two FP32 passes disagree by more than 1 %
+    scale = max(norm_sq.values())
+    assert norm_sq[s_key] < 1e-12 * scale
+    exact = gram.exact_gram(full, norm_sq)
+    jvp, err = gram.symmetrize(rows, norm_sq)  # sealed: err <= gram.MAX_REL_ERROR
+    assert 0.0 < err <= gram.MAX_REL_ERROR
+    for a in exact:
+        for c_ in exact:
+            assert abs(jvp[a][c_] - exact[a][c_]) <= 1e-6 * scale, (a, c_)
+    u0, u1 = branches.token_key(*unsure[0]), branches.token_key(*unsure[-1])
+    wrong = gram.jvp_row(model, batch, contract, role="actor", micro_batch_size=2,
+                         tokens=tokens, direction=full[u1])  # row u0 taken along J_u1
+    swapped = {**rows, u0: {branches.token_key(*k): v for k, v in wrong.items()}}
+    with pytest.raises(ReferenceDataError, match="discrepancy"):
+        gram.symmetrize(swapped, norm_sq)
 
 
 def _sample(name: str, a: np.ndarray) -> np.ndarray:

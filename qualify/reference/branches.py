@@ -183,8 +183,9 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
                 for n, p in master.named_parameters() if p.requires_grad}
         numel = {n: g.numel() for n, g in grad.items()}
         norm_sq: dict[str, float] = {}
-        # Whole J_t kept for an exact FP64 Gram while they fit; else one jvp row per token.
-        keep = len(toks) * sum(numel.values()) * 4 <= gram.FULL_BUDGET_BYTES
+        # Whole J_t kept for an exact FP64 Gram while they fit (one token: only the exact
+        # diagonal, nothing to keep past the loop); else one jvp row per token.
+        keep = len(toks) == 1 or len(toks) * sum(numel.values()) * 4 <= gram.FULL_BUDGET_BYTES
         whole: dict[str, dict[str, torch.Tensor]] = {}
         rows: dict[str, dict[str, float]] = {}
         side = branches.critic_full_gradient if role == "critic" else None

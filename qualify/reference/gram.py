@@ -23,15 +23,26 @@ produced; the off-diagonal ``<J_s, J_t>`` is computed here, in one of two exact 
   kernel; eager and sdpa attention are the same function, they differ by FP32 rounding).
   Row ``s`` covers only the tokens from ``s`` on (the upper triangle: about half the
   passes). Its error is FP32 rounding of one forward pass: each row's diagonal entry is
-  checked against the exact FP64 ``|J_s|^2``, and the
-  largest discrepancy relative to ``|J_s| |J_t|`` is sealed as ``gram_rel_error`` (asserted
-  below 1e-5 on tiny-qwen3 by ``tests/test_branch_gram.py``); a value above
+  checked against the exact FP64 ``|J_s|^2`` (and a pair computed in both rows against its
+  transpose), and the largest discrepancy relative to the Gram's scale ``max_u |J_u|^2``
+  (the largest entry any pair can have, by Cauchy-Schwarz) is sealed as ``gram_rel_error``
+  (asserted below 1e-5 on tiny-qwen3 by ``tests/test_branch_gram.py``); a value above
   :data:`MAX_REL_ERROR` is refused.
+
+Why the Gram's scale and not each pair's own ``|J_s| |J_t|``: a token the policy is sure of
+(``1 - p_t`` small) has a tiny ``J_t`` (the logprob's gradient carries the factor ``1 -
+p_t``) that FP32 computes as a difference of two near-equal numbers, by backward and by
+forward mode alike, so both are exact only to FP32 rounding of the logits' scale, not of
+their own; the ratio to ``|J_t|^2`` grows without bound as ``p_t -> 1`` at any finite
+precision, while against the Gram's scale the two passes agree to FP32 rounding
+(``tests/test_branch_gram.py::test_confident_token_is_exact_to_the_gram_scale``; figures in
+``docs/scale.md``). What the comparator moves is ``|g'|^2``, and its error from the Gram is
+at most ``sum_s sum_t |w_s| |w_t| |err(s, t)| <= gram_rel_error * max_u |J_u|^2 * (sum_t
+|w_t|)^2``.
 
 The earlier estimate (``numel / samples * <sample_s, sample_t>`` over the protocol's samples)
 had no bound in terms of what was sealed; the Gram computed here is exact (``fp64``) or
-exact to the sealed ``gram_rel_error`` (``jvp``), which bounds the moved norm's error by
-``gram_rel_error * (sum_t |w_t| |J_t|)^2`` in ``|g'|^2``.
+exact to the sealed ``gram_rel_error`` (``jvp``).
 """
 
 from __future__ import annotations
@@ -59,7 +70,7 @@ FULL_BUDGET_BYTES = 1 << 30
 """Keep the tokens' whole FP32 ``J_t`` for an exact FP64 Gram up to this many bytes per
 precision, role and round (128 tokens of tiny-qwen3: 82 MB; one of SmolLM2-135M: 538 MB)."""
 MAX_REL_ERROR = 1e-4
-"""The largest ``|jvp - exact| / (|J_s| |J_t|)`` accepted (FP32 rounding is ~1e-7)."""
+"""The largest ``|jvp - exact| / max_u |J_u|^2`` accepted (FP32 rounding is ~1e-7)."""
 
 
 def exact_gram(full: Mapping[str, Mapping[str, torch.Tensor]],
@@ -171,7 +182,7 @@ def jvp_row(model: nn.Module, batch: Batch, contract: Contract, *, role: str,
 
 def symmetrize(rows: Mapping[str, Mapping[str, float]],
                norm_sq: Mapping[str, float]) -> tuple[dict[str, dict[str, float]], float]:
-    """The Gram from forward-mode rows, and its largest error relative to ``|J_s| |J_t|``.
+    """The Gram from forward-mode rows, and its largest error relative to the Gram's scale.
 
     Args:
         rows: ``{s: {t: <J_s, J_t> by jvp}}``, diagonal included, each pair in at least
@@ -183,34 +194,33 @@ def symmetrize(rows: Mapping[str, Mapping[str, float]],
     Returns:
         ``(gram, rel_error)``: the diagonal is ``norm_sq``; an off-diagonal entry is the mean
         of ``(s, t)`` and ``(t, s)`` where both were computed, else the one; ``rel_error`` is
-        the largest of ``|jvp(s, s) - |J_s|^2| / |J_s|^2`` and, where both were computed,
-        ``|jvp(s, t) - jvp(t, s)| / (|J_s| |J_t|)``.
+        the largest of ``|jvp(s, s) - |J_s|^2|`` and, where both were computed, ``|jvp(s, t)
+        - jvp(t, s)|``, divided by ``max_u |J_u|^2`` (module docstring: why not by each
+        pair's ``|J_s| |J_t|``); 0 when every ``J_u`` is zero.
 
     Raises:
         ReferenceDataError: ``rel_error`` exceeds :data:`MAX_REL_ERROR`, or a pair or a
             diagonal entry is missing.
     """
     keys = list(rows)
-    norm = {k: float(norm_sq[k]) ** 0.5 for k in keys}
+    scale = max((float(norm_sq[k]) for k in keys), default=0.0)
     gram: dict[str, dict[str, float]] = {k: {} for k in keys}
-    err = 0.0
+    worst = 0.0
     for i, a in enumerate(keys):
         gram[a][a] = float(norm_sq[a])
         if a not in rows[a]:
             raise ReferenceDataError(f"clip-branch Gram by forward mode: no jvp({a}, {a})")
-        scale = norm[a] * norm[a]
-        if scale > 0.0:
-            err = max(err, abs(rows[a][a] - gram[a][a]) / scale)
+        worst = max(worst, abs(rows[a][a] - gram[a][a]))
         for b in keys[i + 1:]:
             both = [v for v in (rows[a].get(b), rows[b].get(a)) if v is not None]
             if not both:
                 raise ReferenceDataError(f"clip-branch Gram by forward mode: no <J_{a}, J_{b}>")
             gram[a][b] = gram[b][a] = sum(both) / len(both)
-            scale = norm[a] * norm[b]
-            if len(both) == 2 and scale > 0.0:
-                err = max(err, abs(both[0] - both[1]) / scale)
+            if len(both) == 2:
+                worst = max(worst, abs(both[0] - both[1]))
+    err = worst / scale if scale > 0.0 else (0.0 if worst == 0.0 else float("inf"))
     if not err <= MAX_REL_ERROR:
         raise ReferenceDataError(
-            f"clip-branch Gram by forward mode: discrepancy {err:.3g} of |J_s| |J_t| exceeds "
+            f"clip-branch Gram by forward mode: discrepancy {err:.3g} of max |J_u|^2 exceeds "
             f"{MAX_REL_ERROR:g}; the sealed <J_s, J_t> would not be exact to FP32 rounding")
     return gram, err
