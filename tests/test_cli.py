@@ -36,6 +36,18 @@ EXPECTED = {
 }
 
 
+def test_stage_commands_take_run_s_names_for_their_parents() -> None:
+    """``qualify reference --references`` and ``qualify candidate --evidence`` are the same
+    option as their ``--out``, so one spelling works for a stage and for ``qualify run``."""
+    parser = build_parser()
+    for argv in (["reference", "--out", "R"], ["reference", "--references", "R"],
+                 ["candidate", "--reference", "X", "--out", "R"],
+                 ["candidate", "--reference", "X", "--evidence", "R"]):
+        assert parser.parse_args(argv).out == "R", argv
+    assert parser.parse_args(["reference"]).out == "references"
+    assert parser.parse_args(["candidate", "--reference", "X"]).out == "evidence"
+
+
 def _surface() -> dict[str, list[str]]:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("reference", help="capture, score, compute targets and controls; seal")
     p.add_argument("contract", nargs="?", help="contract TOML (default: embedded tiny-qwen3)")
-    p.add_argument("--out", default="references", help="parent directory of references")
+    p.add_argument("--out", "--references", dest="out", default="references",
+                   help="parent directory of references (--references: as qualify run names it)")
     p.add_argument("--new", action="store_true",
                    help="make a new reference directory beside a sealed one")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -115,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("candidate", help="run engine cells against a sealed reference")
     p.add_argument("contract", nargs="?", help="contract TOML (default: embedded tiny-qwen3)")
     p.add_argument("--reference", required=True, help="sealed reference directory")
-    p.add_argument("--out", default="evidence", help="parent directory of evidence")
+    p.add_argument("--out", "--evidence", dest="out", default="evidence",
+                   help="parent directory of evidence (--evidence: as qualify run names it)")
     p.add_argument("--cells", nargs="*", help="cell id globs, or ENGINE:GLOB")
     p.add_argument("--run-id", help="resume or name a run (default: new timestamped id)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
