@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
+import weakref
 from typing import Any, Literal, cast
 
 import pytest
@@ -215,6 +217,52 @@ def test_token_gradients_sum_to_the_batch_gradient(models: Models, batch: Batch,
         assert theirs is not None
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
     assert any(float(m.abs().max()) > 0 for m, _ in pairs)
+
+
+@pytest.mark.parametrize("settings", [
+    UpdateSettings(precision="fp32", micro_batch_size=2),
+    UpdateSettings(precision="bf16", bf16_mode="params", micro_batch_size=2)],
+    ids=["fp32", "bf16-params"])
+def test_reference_policy_is_freed_before_the_rounds(models: Models, batch: Batch,
+                                                     contract: Contract,
+                                                     settings: UpdateSettings) -> None:
+    """A reference policy passed without a caller's name is gone (with its BF16 copy) by the
+    first round's backward: the rounds run with one model less in memory."""
+    actor, _ = models
+    holder = [_fresh(actor)]
+    gone = weakref.ref(holder[0])
+    seen: list[bool] = []
+
+    def hook(_r: int, _w: torch.nn.Module, _m: torch.nn.Module, _b: Batch,
+             _o: torch.Tensor) -> None:
+        gc.collect()
+        seen.append(gone() is None)
+
+    run_actor(_fresh(actor), holder.pop(), batch, contract, settings, on_round=hook)
+    assert seen == [True] * contract.algorithm.rounds
+
+
+def test_sampled_updates_are_the_exact_ones_at_the_sampled_elements(
+        models: Models, batch: Batch, contract: Contract) -> None:
+    """The reported ``updates`` of a sampled parameter (the pre-step weights kept only at the
+    sampled elements) are bitwise the whole run's updates there; small tensors stay whole."""
+    actor, _ = models
+    sampling = ParamSampling(exact_elements=64, sample_elements=16)
+    settings = UpdateSettings(precision="fp32", micro_batch_size=2)
+    whole, _ = run_actor(_fresh(actor), _fresh(actor), batch, contract, settings)
+    part, _ = run_actor(_fresh(actor), _fresh(actor), batch,
+                        dataclasses.replace(contract, evidence=sampling), settings)
+    sampled = 0
+    for name, t in whole.items():
+        if "/updates/" not in name and "/grads/" not in name:
+            continue
+        idx = sampling.indices(name.split("/", 3)[3], t.numel())
+        want = t if idx is None else t.reshape(-1)[torch.from_numpy(idx)]
+        sampled += idx is not None
+        assert torch.equal(part[name], want), name
+        if "/updates/" in name:
+            assert bool((want != 0).any()), name  # AdamW moved every parameter
+    assert sampled > 0
 
 
 def test_fp64_control_runs_in_fp64_and_reports_fp32(models: Models, batch: Batch,

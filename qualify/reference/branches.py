@@ -230,9 +230,11 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
     if role == "actor":
         actor = roles.load_actor(bundle.actor_dir, dtype=torch.float32,
                                   attn_implementation=attn, requires_grad=True)
-        ref = roles.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
-                                requires_grad=False)
-        again, _ = run_actor(actor, ref, batch, contract, settings, on_round=hook_fn)
+        # The reference policy passed without a name: run_actor frees it before the rounds.
+        again, _ = run_actor(actor, roles.load_actor(bundle.actor_dir, dtype=torch.float32,
+                                                     attn_implementation=attn,
+                                                     requires_grad=False),
+                             batch, contract, settings, on_round=hook_fn)
     else:
         critic = roles.load_critic(bundle.critic_dir, dtype=torch.float32,
                                     attn_implementation=attn, requires_grad=True)

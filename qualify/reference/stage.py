@@ -127,6 +127,14 @@ def _batch(roll: rollout.Rollout, train: dict[str, torch.Tensor], pad: int) -> B
                  behavior_logprobs=roll.behavior_logprobs.float())
 
 
+def _reference_policy(bundle: models.ModelBundle, attn: str, *, fp64: bool = False
+                      ) -> torch.nn.Module:
+    """The frozen reference policy: the Actor's checkpoint, FP32 (FP64 for that control)."""
+    ref = roles.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
+                           requires_grad=False)
+    return ref.double() if fp64 else ref
+
+
 def _update_run(contract: Contract, bundle: models.ModelBundle, batch: Batch,
                 settings: UpdateSettings, attn: str) -> tuple[dict[str, torch.Tensor],
                                                              dict[str, Any]]:
@@ -139,15 +147,17 @@ def _update_run(contract: Contract, bundle: models.ModelBundle, batch: Batch,
         "extra_right_padding": settings.extra_right_padding}}
     r_len = batch.responses.shape[1]
     torch.manual_seed(0)
+    fp64 = settings.precision == "fp64"  # the FP64 control: FP64 copies of the FP32 checkpoint
     actor = roles.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
                               requires_grad=True)
-    ref = roles.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
-                            requires_grad=False)
-    if settings.precision == "fp64":  # the FP64 control: FP64 copies of the FP32 checkpoint
-        actor, ref = actor.double(), ref.double()
-    t, meta["actor"] = run_actor(actor, ref, batch, contract, settings)
+    if fp64:
+        actor = actor.double()
+    # The reference policy is passed without a name here, so run_actor frees it after the
+    # KL reference logprobs (one model less in memory during the rounds).
+    t, meta["actor"] = run_actor(actor, _reference_policy(bundle, attn, fp64=fp64), batch,
+                                 contract, settings)
     out.update(t)
-    del actor, ref
+    del actor
     if contract.algorithm.name != "grpo":
         critic = roles.load_critic(bundle.critic_dir, dtype=torch.float32,
                                     attn_implementation=attn, requires_grad=True)

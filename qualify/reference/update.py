@@ -330,7 +330,15 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
     norm_evals[f"round{round_}"] = norm_fp32
     out[tensor_name(round_, role, "grad_norm")] = torch.tensor(norm, dtype=torch.float32)
     out[tensor_name(round_, role, "clip_coef")] = torch.tensor(coef, dtype=torch.float32)
-    before = {n: p.detach().clone() for n, p in params}
+    # Only the reported elements of the pre-step weights: the update is the same elementwise
+    # difference in the parameter's dtype, without a second copy of the model at the peak.
+    picks = {n: param_sample_indices(n, p.numel(), contract.evidence) for n, p in params}
+
+    def picked(n: str, p: torch.Tensor) -> torch.Tensor:
+        idx = picks[n]
+        return p.detach() if idx is None else p.detach().reshape(-1)[torch.from_numpy(idx)]
+
+    before = {n: picked(n, p).clone() for n, p in params}
     lr = contract.optimizer.lr(role, round_)
     for group in optim.param_groups:
         group["lr"] = lr
@@ -340,7 +348,7 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
         state = optim.state[p]
         out[tensor_name(round_, role, "exp_avg", n)] = reported(n, state["exp_avg"])
         out[tensor_name(round_, role, "exp_avg_sq", n)] = reported(n, state["exp_avg_sq"])
-        out[tensor_name(round_, role, "updates", n)] = reported(n, p.detach() - before[n])
+        out[tensor_name(round_, role, "updates", n)] = (picked(n, p) - before[n]).float()
     return lr
 
 
@@ -378,7 +386,10 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
 
     Args:
         actor: FP32 ``*ForCausalLM`` (the master; updated in place).
-        ref: FP32 frozen reference policy (same architecture).
+        ref: FP32 frozen reference policy (same architecture). Used only for the KL
+            reference logprobs before round 1; the function drops its references to it (and
+            to its BF16 copy) then, so a caller that passes it without keeping one frees
+            its memory for the rounds (:mod:`qualify.reference.stage` does).
         batch: the rollout and training inputs.
         contract: supplies temperature, clip ratio, KL/entropy coefficients, AdamW settings.
         settings: precision, micro-batching and padding of this run.
@@ -418,6 +429,7 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
             with ref_prec.autocast():
                 lg = _forward_response_outputs(ref_model, mb)
             ref_logp[s] = _token_logprobs_entropy(lg, mb.responses, temp)[0]
+    del ref, ref_prec, ref_model  # freed here unless the caller holds the reference policy
     for round_ in range(1, alg.rounds + 1):
         model = prec.refresh()
         model.eval()  # dropout off (protocol); autograd works in eval mode
