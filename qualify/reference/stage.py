@@ -58,7 +58,7 @@ from qualify.models import bundle as models
 from qualify.models import roles
 from qualify.progress import Progress
 from qualify.prompts import read_prompts_file
-from qualify.protocol import ROLLOUT_META_FILE, TRAIN_INPUTS_FILE
+from qualify.protocol import ROLLOUT_META_FILE, TRAIN_INPUTS_FILE, parse_tensor_name
 from qualify.reference import rollout, sampling, scoring, targets
 from qualify.reference.branches import adjust_control_errors, seal_branches
 from qualify.reference.controls import control_errors_document, control_settings
@@ -166,9 +166,21 @@ def _update_run(contract: Contract, bundle: models.ModelBundle, batch: Batch,
         t, meta["critic"] = run_critic(critic, batch, contract, settings)
         out.update(t)
         del critic
-    from qualify.reference.update import strip_padding
+    return _strip_padding(out, r_len), meta
 
-    return strip_padding(out, r_len), meta
+
+def _strip_padding(tensors: dict[str, torch.Tensor], r_len: int) -> dict[str, torch.Tensor]:
+    """Cut per-token tensors ``[B, R + extra]`` back to ``[B, R]`` (padding columns dropped).
+
+    Only per-token metrics (``logprobs``, ``entropy``, ``values``) are cut; parameters,
+    gradients and optimizer state keep their shapes.
+    """
+    out = {}
+    for k, v in tensors.items():
+        metric = parse_tensor_name(k)[2]
+        per_token = metric in ("logprobs", "entropy", "values")
+        out[k] = v[:, :r_len].contiguous() if per_token and v.shape[1] > r_len else v
+    return out
 
 
 def _norm_evals(meta: Mapping[str, Any]) -> dict[tuple[int, str], float]:

@@ -36,7 +36,7 @@ from torch import nn
 
 from qualify import aggregation
 from qualify.contract import Contract
-from qualify.protocol import param_sample_indices, parse_tensor_name, tensor_name
+from qualify.protocol import param_sample_indices, tensor_name
 from qualify.reference.row_split import split_row_parallel
 from qualify.reference.scoring import bf16_parameters_copy
 from qualify.reference.sensitivity import LOSS_SENSITIVITY_META, LossSensitivity
@@ -647,16 +647,3 @@ def token_gradients(work: nn.Module, master: nn.Module, batch: Batch, contract: 
     if wanted:
         raise ValueError(f"tokens {sorted(wanted)} are outside the batch")
 
-
-def strip_padding(tensors: dict[str, torch.Tensor], r_len: int) -> dict[str, torch.Tensor]:
-    """Cut per-token tensors ``[B, R + extra]`` back to ``[B, R]`` (padding columns dropped).
-
-    Only per-token metrics (``logprobs``, ``entropy``, ``values``) are cut; parameters,
-    gradients and optimizer state keep their shapes.
-    """
-    out = {}
-    for k, v in tensors.items():
-        metric = parse_tensor_name(k)[2]
-        per_token = metric in ("logprobs", "entropy", "values")
-        out[k] = v[:, :r_len].contiguous() if per_token and v.shape[1] > r_len else v
-    return out
