@@ -297,7 +297,7 @@ def contribution_scale(run: Mapping[str, Any], *, role: str, round_: int, b: int
 
     Actor ``-f_t * A_t * exp(logp_t - old_t)``; critic ``f_t * (V_t - G_t)``, from ``run``'s
     own round-1 and round-``r`` logprobs / values (see
-    :func:`qualify.reference.update.token_gradients`), with ``f_t = factors[b, t]``
+    :func:`qualify.reference.jacobian.token_gradients`), with ``f_t = factors[b, t]``
     (:func:`loss_factors`) or, when ``factors`` is ``None``, ``1 / N`` (``token-mean``).
     """
     f = 1.0 / n_valid if factors is None else float(np.asarray(factors)[b, t])
@@ -319,7 +319,7 @@ def adjusted_expected(expected: Mapping[str, Any], *, role: str, round_: int,
     """The expected run's round-``r`` gradient families, moved to the obtained run's branches.
 
     A flipped token's contribution is ``c_t = s_t J_t``: ``J_t`` sealed by the reference
-    (:func:`qualify.reference.update.token_gradients`), ``s_t`` from the expected run's own
+    (:func:`qualify.reference.jacobian.token_gradients`), ``s_t`` from the expected run's own
     values (:func:`contribution_scale`). It is added where the obtained run took the full
     branch and the expected run the zero one (``sign = +1``) and subtracted in the other
     case (``sign = -1``). Then, in FP64, with ``w_t = sign_t s_t``:

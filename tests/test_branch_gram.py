@@ -25,12 +25,12 @@ from qualify.contract import Contract, load_contract
 from qualify.errors import ReferenceDataError
 from qualify.protocol import ParamSampling, param_sample_indices
 from qualify.reference import gram
+from qualify.reference.jacobian import token_gradients
 from qualify.reference.update import (
     Batch,
     UpdateSettings,
     run_actor,
     run_critic,
-    token_gradients,
 )
 from qualify.resources import contracts_dir
 
@@ -261,3 +261,38 @@ def test_adjustment_from_sampled_jacobians_is_exact_at_the_reported_elements() -
     for n, v in part.items():
         if n.count("/") >= 3 and n.startswith("round2/"):
             np.testing.assert_array_equal(v, _sample(n.split("/", 3)[3], whole[n]))
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_token_outputs_are_the_whole_batch_outputs(contract: Contract, batch: Batch,
+                                                   role: str) -> None:
+    """:func:`token_outputs` (the rows holding a listed token, cut after the last listed
+    position) equals the whole batch's forward at those tokens to FP32 rounding, in the
+    order listed, the left-padded row included; changing every response token after the
+    last listed one changes nothing (the cut is exact for a causal model); a token outside
+    the batch is refused."""
+    from qualify.reference.jacobian import token_outputs
+
+    model = _model(role).eval()
+    t = contract.sampling.temperature
+    p_len = batch.prompts.shape[1]
+    ids = torch.cat([batch.prompts, batch.responses], 1)
+    pos = torch.clamp(torch.cumsum(batch.attention_mask, 1) - 1, min=0)
+    with torch.no_grad():
+        y = model(input_ids=ids, attention_mask=batch.attention_mask, position_ids=pos).logits
+        y = y[:, p_len - 1: p_len - 1 + batch.responses.shape[1]]
+        whole = (torch.log_softmax(y.float() / t, -1).gather(
+            -1, batch.responses[..., None])[..., 0] if role == "actor" else y[..., 0])
+        later = dataclasses.replace(batch, responses=batch.responses.clone())
+        later.responses[:, 3:] = (later.responses[:, 3:] + 7) % 384
+        for toks in ([(0, 1), (0, 0), (0, 3)], [(1, 2), (1, 5)], [(3, 1), (1, 0), (3, 0)]):
+            mine = token_outputs(model, batch, toks, role=role, temperature=t)
+            assert mine.shape == (len(toks),)
+            torch.testing.assert_close(mine, whole[[b for b, _ in toks], [u for _, u in toks]],
+                                       rtol=1e-5, atol=1e-6)
+            if max(u for _, u in toks) <= 2:
+                assert torch.equal(token_outputs(model, later, toks, role=role,
+                                                 temperature=t), mine)
+        for bad in ([(0, 6)], [(4, 0)], []):
+            with pytest.raises(ValueError, match="outside"):
+                token_outputs(model, batch, bad, role=role, temperature=t)

@@ -170,7 +170,7 @@ def test_token_gradients_sum_to_the_batch_gradient(models: Models, batch: Batch,
     """``J_t`` from :func:`token_gradients` at round 2, weighted and summed, equals the
     gradient of the same weighted sum of logprobs / values computed from one whole-batch
     forward of a copy of the round-2 model; ``.grad`` of the run is left alone."""
-    from qualify.reference.update import token_gradients
+    from qualify.reference.jacobian import token_gradients
 
     actor, critic = models
     tokens = [(0, 1), (1, 5), (3, 0), (3, 2)]
@@ -308,7 +308,7 @@ def test_fp32_token_gradients_stand_for_the_bf16_ones(models: Models, batch: Bat
     (:mod:`qualify.reference.branches`). On a real BF16 round-2 model that differs from the
     BF16 forward's own ``J_t`` by BF16 rounding only: a few per cent relative L2, not zero
     (the BF16 path really ran), and nowhere near the size of ``J_t`` itself."""
-    from qualify.reference.update import token_gradients
+    from qualify.reference.jacobian import token_gradients
 
     actor, critic = models
     tokens = [(0, 1), (1, 5), (3, 2)]

@@ -13,7 +13,7 @@ of the reference's own round-1 and round-``r`` values / logprobs
 (:func:`qualify.branches.ambiguous_tokens`), reruns the reference update of that role (the
 same code, which must reproduce the sealed run) and, at round ``r``, records for each
 listed token the gradient ``J_t`` of its logprob or value
-(:func:`qualify.reference.update.token_gradients`; the token's contribution is ``s_t J_t``
+(:func:`qualify.reference.jacobian.token_gradients`; the token's contribution is ``s_t J_t``
 with a scalar the comparator takes from the run it adjusts), reported like the gradients
 (exact, or the protocol's sample of a large parameter: the only elements the comparator
 reads, so nothing is lost), plus the scalars ``<g, J_t>`` (FP64, ``g`` the reference's whole
@@ -56,19 +56,19 @@ from qualify.models import bundle as models
 from qualify.models import roles
 from qualify.protocol import ParamSampling, param_sample_indices, tensor_name
 from qualify.reference import gram
+from qualify.reference.jacobian import token_gradients
 from qualify.reference.update import (
     Batch,
     RoundHook,
     UpdateSettings,
     run_actor,
     run_critic,
-    token_gradients,
 )
 from qualify.statistics import MetricKey, compare_sets
 
 MAX_SEALED_TOKENS = 128
 """At most this many tokens per precision, role and round, those nearest a switch first: each
-costs one FP32 backward pass of its micro-batch in the reference stage and its ``J_t`` is
+costs one FP32 backward pass of its sequence in the reference stage and its ``J_t`` is
 stored at the reported elements (0.28 MB per token for SmolLM2-135M at 256:256 sampling,
 docs/evidence-size.md). A flip of an
 ambiguous token left unsealed is never adjusted (its row fails and names it; a control's

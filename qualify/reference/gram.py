@@ -12,13 +12,14 @@ produced; the off-diagonal ``<J_s, J_t>`` is computed here, in one of two exact 
 - ``fp64``: while the tokens' whole ``J_t`` fit :data:`FULL_BUDGET_BYTES` (tiny-qwen3: 0.64
   MB per token), they are kept and every pair's dot product is summed in FP64, parameter by
   parameter (no approximation; this is what the default contract uses).
-- ``jvp``: otherwise, one forward-mode product per sealed token ``s`` and micro-batch
-  holding sealed tokens: forward-mode differentiation (``torch.autograd.forward_ad``) of
-  the micro-batch's token outputs in the direction ``J_s`` gives ``<J_s, J_t>`` for every
-  ``t`` in it at once (``J_t = d x_t / d theta``, so ``J v`` at ``v = J_s``), with one
-  ``J_s`` in memory at a time (Qwen3-8B: 32.8 GB FP32, on CPU). Cost: one FP32 forward
-  with tangents (about 2-3 forwards) per token and micro-batch, next to the one backward
-  per token already paid for ``J_t``. It
+- ``jvp``: otherwise, one forward-mode product per sealed token ``s`` and group of up to a
+  micro-batch of sequences holding sealed tokens: forward-mode differentiation
+  (``torch.autograd.forward_ad``) of the group's token outputs
+  (:func:`qualify.reference.jacobian.token_outputs`: cut after its last sealed token) in the
+  direction ``J_s`` gives ``<J_s, J_t>`` for every ``t`` in it at once (``J_t = d x_t / d
+  theta``, so ``J v`` at ``v = J_s``), with one ``J_s`` in memory at a time (Qwen3-8B: 32.8
+  GB FP32, on CPU). Cost: one FP32 forward with tangents (about 2-3 forwards) per token and
+  group, next to the one backward per token already paid for ``J_t``. It
   runs with eager attention (PyTorch has no forward-mode rule for the CPU flash SDPA
   kernel; eager and sdpa attention are the same function, they differ by FP32 rounding).
   Row ``s`` covers only the tokens from ``s`` on (the upper triangle: about half the
@@ -58,11 +59,8 @@ from torch.autograd import forward_ad as fwad
 
 from qualify.contract import Contract
 from qualify.errors import ReferenceDataError
-from qualify.reference.update import (
-    Batch,
-    _forward_response_outputs,
-    _token_logprobs_entropy,
-)
+from qualify.reference.jacobian import token_outputs
+from qualify.reference.update import Batch
 
 __all__ = ["FULL_BUDGET_BYTES", "MAX_REL_ERROR", "exact_gram", "jvp_row", "symmetrize"]
 
@@ -96,18 +94,6 @@ def exact_gram(full: Mapping[str, Mapping[str, torch.Tensor]],
     return gram
 
 
-class _Outputs(nn.Module):
-    """``model``'s response outputs as a module of one batch argument (for ``functional_call``)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, mb: Batch) -> torch.Tensor:
-        """``[b, R, D]`` (:func:`qualify.reference.update._forward_response_outputs`)."""
-        return _forward_response_outputs(self.model, mb)
-
-
 @contextlib.contextmanager
 def _eager_attention(model: nn.Module) -> Iterator[None]:
     """Run ``model`` with eager attention inside the block (its config is restored after)."""
@@ -125,56 +111,53 @@ def jvp_row(model: nn.Module, batch: Batch, contract: Contract, *, role: str,
             direction: Mapping[str, torch.Tensor]) -> dict[tuple[int, int], float]:
     """``<J_t, direction>`` for every listed token, by forward-mode differentiation.
 
-    The outputs are those of :func:`qualify.reference.update.token_gradients` (actor: the
+    The outputs are those of :func:`qualify.reference.jacobian.token_gradients` (actor: the
     token's logprob at the contract's temperature; critic: its value), in FP32, eval mode,
-    with eager attention, on the micro-batches of ``micro_batch_size`` that hold a listed
-    token.
+    with eager attention: the sequences that hold a listed token, in batch order, in groups
+    of ``micro_batch_size``, one forward with tangents per group
+    (:func:`qualify.reference.jacobian.token_outputs`: the group cut after its last listed
+    token, the Actor's head at the listed positions only).
 
     Args:
         model: the FP32 module ``J_t`` was taken of (its parameters are not changed).
         batch: the batch as the run padded it.
         contract: supplies the temperature.
         role: ``actor`` or ``critic``.
-        micro_batch_size: the run's micro-batch size.
+        micro_batch_size: at most this many sequences per forward (the run's micro-batch
+            size: the run's own activation memory).
         tokens: ``(b, t)`` response positions.
         direction: ``{trainable parameter name: FP32 tensor shaped like it}`` (``J_s``).
 
     Returns:
         ``{(b, t): float}``.
+
+    Raises:
+        ValueError: a token lies outside the batch.
     """
-    wrapper = _Outputs(model)
-    primals = {f"model.{n}": p.detach() for n, p in model.named_parameters()}
-    tangents = {k: (direction[k[6:]].to(p.dtype) if k[6:] in direction
-                    else torch.zeros_like(p)) for k, p in primals.items()}
-    wanted = {(int(b), int(t)) for b, t in tokens}
+    primals = {n: p.detach() for n, p in model.named_parameters()}
+    tangents = {n: (direction[n].to(p.dtype) if n in direction else torch.zeros_like(p))
+                for n, p in primals.items()}
+    wanted = sorted({(int(b), int(t)) for b, t in tokens})
     out: dict[tuple[int, int], float] = {}
     training = model.training
     model.eval()
     try:
         with _eager_attention(model):
-            for s, mb in batch.micro_batches(micro_batch_size):
-                here = sorted((b, t) for b, t in wanted if s.start <= b < s.stop)
-                if not here:
-                    continue
-
-                def outputs(ps: dict[str, torch.Tensor], mb: Batch = mb) -> torch.Tensor:
-                    y: torch.Tensor = torch.func.functional_call(wrapper, ps, (mb,))
-                    if role == "actor":
-                        return _token_logprobs_entropy(
-                            y, mb.responses, contract.sampling.temperature)[0]
-                    return y.to(torch.promote_types(y.dtype, torch.float32)).squeeze(-1)
-
+            seqs = sorted({b for b, _ in wanted})
+            for i in range(0, len(seqs), micro_batch_size):
+                group = set(seqs[i:i + micro_batch_size])
+                here = [k for k in wanted if k[0] in group]
                 with fwad.dual_level(), warnings.catch_warnings():
                     # torch loads its forward-mode decompositions on first use through
                     # torch.jit.script, which warns that it is deprecated (torch's own code).
                     warnings.filterwarnings("ignore", category=DeprecationWarning,
                                             message=r"`torch\.jit\.script` is deprecated")
-                    duals = {k: fwad.make_dual(p, tangents[k]) for k, p in primals.items()}
-                    jv = fwad.unpack_dual(outputs(duals)).tangent
-                if jv is None:  # no output depends on the parameters
-                    jv = torch.zeros(mb.responses.shape)
-                for b, t in here:
-                    out[(b, t)] = float(jv[b - s.start, t])
+                    duals = {n: fwad.make_dual(p, tangents[n]) for n, p in primals.items()}
+                    y = token_outputs(model, batch, here, role=role, head_at_tokens=True,
+                                      temperature=contract.sampling.temperature, params=duals)
+                    jv = fwad.unpack_dual(y).tangent
+                for j, k in enumerate(here):  # no tangent: no output depends on the parameters
+                    out[k] = 0.0 if jv is None else float(jv[j])
     finally:
         model.train(training)
     return out
@@ -187,7 +170,7 @@ def symmetrize(rows: Mapping[str, Mapping[str, float]],
     Args:
         rows: ``{s: {t: <J_s, J_t> by jvp}}``, diagonal included, each pair in at least
             one of its two rows (the reference stage computes row ``s`` over the tokens from
-            ``s`` on, in the order :func:`qualify.reference.update.token_gradients` yields
+            ``s`` on, in the order :func:`qualify.reference.jacobian.token_gradients` yields
             them: the upper triangle, half the passes).
         norm_sq: ``{t: |J_t|^2}`` exact in FP64.
 

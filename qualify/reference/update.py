@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, Final, Literal
 
 import torch
@@ -576,74 +576,3 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
     meta[NORM_FP32_META], meta[LOSS_SENSITIVITY_META] = norm_evals, sens.rounds
     meta["value_clip_fraction"] = clip_fraction
     return out, meta
-
-
-def token_gradients(work: nn.Module, master: nn.Module, batch: Batch, contract: Contract,
-                    settings: UpdateSettings, *, role: str,
-                    tokens: Sequence[tuple[int, int]],
-                    ) -> Iterator[tuple[tuple[int, int], dict[str, torch.Tensor]]]:
-    """The parameter gradient of each listed token's logprob (actor) or value (critic).
-
-    A token that a clip switch turns on or off (:mod:`qualify.branches`) moves the round's
-    gradient by its unclipped term's gradient, ``s_t * J_t`` with ``J_t`` computed here:
-
-    - Actor: ``J_t = d logp_t / d theta``, ``s_t = -c_t w_t A_t exp(logp_t - old_t)`` (the
-      unclipped surrogate, Schulman et al. 2017 eq. 7; the KL and entropy terms are smooth).
-    - Critic: ``J_t = d V_t / d theta``, ``s_t = c_t (V_t - G_t)`` (the unclipped value
-      loss ``0.5 c_t (V_t - G_t)^2``).
-
-    ``c_t`` is the aggregation factor (``1 / N`` for ``token-mean``,
-    :func:`qualify.aggregation.token_scale`), ``w_t`` decoupled PPO's behavior weight (1
-    otherwise). The scalar ``s_t`` is left to the comparator, which
-    takes it from the run it adjusts (its own values and logprobs). Each micro-batch that
-    holds a listed token runs forward once on ``work`` at this run's precision (autocast as
-    the run does) in eval mode (dropout off, as in the run; the module's mode is restored
-    after); each ``J_t`` is ``torch.autograd.grad`` (``.grad`` is not touched), cast to FP32
-    like the run's gradients.
-
-    Args:
-        work: the module the round ran forward on (from a :data:`RoundHook`).
-        master: the FP32 master (its trainable parameter names key the result).
-        batch: the batch as the run padded it (from the hook).
-        contract: supplies the temperature.
-        settings: this run's settings (micro-batch size, precision).
-        role: ``actor`` or ``critic``.
-        tokens: ``(b, t)`` response positions, each valid.
-
-    Yields:
-        ``((b, t), {parameter name: FP32 tensor shaped like the parameter})`` per token,
-        in batch order.
-
-    Raises:
-        ValueError: a token lies outside the batch.
-    """
-    names = [n for n, p in master.named_parameters() if p.requires_grad]
-    params = dict(work.named_parameters())
-    prec = _Precision(master, settings)
-    wanted = {(int(b), int(t)) for b, t in tokens}
-    training = work.training
-    work.eval()  # dropout off, as in the run (an FP32 master may still be in train mode)
-    try:
-        for s, mb in batch.micro_batches(settings.micro_batch_size):
-            here = sorted((b, t) for b, t in wanted if s.start <= b < s.stop)
-            if not here:
-                continue
-            with prec.autocast():
-                out = _forward_response_outputs(work, mb)
-            if role == "actor":
-                x, _ = _token_logprobs_entropy(out, mb.responses, contract.sampling.temperature)
-            else:
-                x = out.to(torch.promote_types(out.dtype, torch.float32)).squeeze(-1)
-            for b, t in here:
-                grads = torch.autograd.grad(x[b - s.start, t], [params[n] for n in names],
-                                            retain_graph=True, allow_unused=True)
-                yield (b, t), {
-                    n: (torch.zeros(params[n].shape) if g is None
-                        else g.detach().to(torch.float32))
-                    for n, g in zip(names, grads, strict=True)}
-                wanted.discard((b, t))
-    finally:
-        work.train(training)
-    if wanted:
-        raise ValueError(f"tokens {sorted(wanted)} are outside the batch")
-

@@ -1,0 +1,98 @@
+"""Wall time of the clip-branch sealing's per-token work on a contract's real model.
+
+Usage: ``python scripts/repro/branch_token_cost.py CONTRACT ROLE OUT.pt [PER_SEQ]``.
+
+Runs what :func:`qualify.reference.branches.seal_branches` runs per sealed token (``J_t`` by
+one FP32 backward, and the forward-mode row over the tokens from it on: the upper triangle)
+for ``PER_SEQ`` tokens of every sequence of a batch shaped like the contract's rollout
+(``samples_per_prompt x prompts`` sequences, prompts left-padded to the longest, responses
+of ``max_new_tokens``; seeded token ids), with the untrained models of the contract, and
+prints the seconds per token of each part. The Gram and the ``J_t`` go to ``OUT.pt``, so two
+code states can be compared (run the older one from ``git worktree add /tmp/old COMMIT``
+with ``PYTHONPATH=/tmp/old``). Figures measured with it: ``docs/scale.md``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import time
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from qualify import branches
+from qualify.contract import load_contract
+from qualify.errors import ReferenceDataError
+from qualify.models import bundle as models
+from qualify.models import roles
+from qualify.reference import gram
+from qualify.reference.update import Batch, UpdateSettings
+
+try:  # moved out of update.py at 2026-12-03's commit
+    from qualify.reference.jacobian import token_gradients
+except ImportError:
+    from qualify.reference.update import token_gradients  # type: ignore[attr-defined,no-redef]
+
+contract = load_contract(sys.argv[1])
+role, out_path = sys.argv[2], sys.argv[3]
+per_seq = int(sys.argv[4]) if len(sys.argv) > 4 else 4
+bundle = models.prepare_models(contract)
+spec, copies = contract.prompts, contract.sampling.samples_per_prompt
+if spec.token_ids is not None:
+    enc = [list(p) for p in spec.token_ids for _ in range(copies)]
+    vocab = int(AutoConfig.from_pretrained(bundle.actor_dir).vocab_size)
+else:
+    tok = AutoTokenizer.from_pretrained(bundle.actor_dir)
+    enc = [tok(p)["input_ids"] for p in spec.text or () for _ in range(copies)]
+    vocab = int(tok.vocab_size)
+p_len, r_len, n = max(map(len, enc)), contract.sampling.max_new_tokens, len(enc)
+g = torch.Generator().manual_seed(0)
+pad = bundle.pad_token_id
+prompt_ids = torch.full((n, p_len), pad, dtype=torch.long)
+prompt_mask = torch.zeros(n, p_len, dtype=torch.long)
+for i, e in enumerate(enc):
+    prompt_ids[i, p_len - len(e):] = torch.tensor(e)
+    prompt_mask[i, p_len - len(e):] = 1
+responses = torch.randint(3, vocab, (n, r_len), generator=g)
+batch = Batch(prompts=prompt_ids, responses=responses,
+              attention_mask=torch.cat([prompt_mask, torch.ones(n, r_len, dtype=torch.long)], 1),
+              response_mask=torch.ones(n, r_len, dtype=torch.long),
+              advantages=torch.zeros(n, r_len), returns=torch.zeros(n, r_len), pad_token_id=pad)
+load = roles.load_actor if role == "actor" else roles.load_critic
+model = load(bundle.actor_dir if role == "actor" else bundle.critic_dir, dtype=torch.float32,
+             attn_implementation="sdpa", requires_grad=True)
+step = max(1, r_len // per_seq)
+toks = [(b, t) for b in range(n) for t in range(0, r_len, step)][: n * per_seq]
+settings = UpdateSettings(precision="fp32", micro_batch_size=contract.algorithm.micro_batch_size)
+row_kw: dict[str, Any] = {}
+if "micro_batch_size" in inspect.signature(gram.jvp_row).parameters:
+    row_kw["micro_batch_size"] = settings.micro_batch_size
+norm_sq: dict[str, float] = {}
+rows: dict[str, dict[str, float]] = {}
+jt: dict[str, torch.Tensor] = {}
+t_back = t_row = 0.0
+t0 = time.perf_counter()
+for (bi, ti), c in token_gradients(model, model, batch, contract, settings, role=role,
+                                   tokens=toks):
+    t1 = time.perf_counter()
+    t_back += t1 - t0
+    key = branches.token_key(bi, ti)
+    norm_sq[key] = sum(float(v.double().square().sum()) for v in c.values())
+    jt[key] = torch.cat([v.flatten()[:4096] for v in c.values()])
+    row = gram.jvp_row(model, batch, contract, role=role, direction=c,
+                       tokens=[t for t in toks if t >= (bi, ti)], **row_kw)
+    rows[key] = {branches.token_key(*k): v for k, v in row.items()}
+    t0 = time.perf_counter()
+    t_row += t0 - t1
+try:
+    full, err = gram.symmetrize(rows, norm_sq)
+except ReferenceDataError as e:  # still report the times, and keep the rows
+    full, err = rows, float("nan")
+    print(f"refused: {e}")
+print(f"{contract.name} {role}: {len(toks)} tokens of {n} sequences (P={p_len}, R={r_len}), "
+      f"{torch.get_num_threads()} threads: J_t backward {t_back / len(toks):.2f} s/token, "
+      f"jvp row {t_row / len(toks):.2f} s/token, total {(t_back + t_row) / 60:.2f} min; "
+      f"gram_rel_error {err:.3g}")
+torch.save({"gram": full, "norm_sq": norm_sq, "jt": jt, "tokens": toks}, out_path)
