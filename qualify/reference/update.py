@@ -317,10 +317,18 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
     params = [(n, p) for n, p in master.named_parameters() if p.requires_grad]
     grad_dtypes.update(str(p.grad.dtype) for _, p in params if p.grad is not None)
 
-    def reported(name: str, t: torch.Tensor) -> torch.Tensor:
-        idx = param_sample_indices(name, t.numel(), contract.evidence)
-        t = t.detach().float()
-        return t.clone() if idx is None else t.reshape(-1)[torch.from_numpy(idx)].clone()
+    # The reported elements (exact, or the protocol's sample of a large parameter), found
+    # once per parameter: of the grads and the moments, and of the pre-step weights, so that
+    # the update is the same elementwise difference in the parameter's dtype without a second
+    # copy of the model at the peak.
+    picks = {n: param_sample_indices(n, p.numel(), contract.evidence) for n, p in params}
+
+    def picked(n: str, t: torch.Tensor) -> torch.Tensor:
+        idx = picks[n]
+        return t.detach() if idx is None else t.detach().reshape(-1)[torch.from_numpy(idx)]
+
+    def reported(n: str, t: torch.Tensor) -> torch.Tensor:
+        return picked(n, t).float().clone()
 
     for n, p in params:
         if p.grad is None:
@@ -330,14 +338,6 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
     norm_evals[f"round{round_}"] = norm_fp32
     out[tensor_name(round_, role, "grad_norm")] = torch.tensor(norm, dtype=torch.float32)
     out[tensor_name(round_, role, "clip_coef")] = torch.tensor(coef, dtype=torch.float32)
-    # Only the reported elements of the pre-step weights: the update is the same elementwise
-    # difference in the parameter's dtype, without a second copy of the model at the peak.
-    picks = {n: param_sample_indices(n, p.numel(), contract.evidence) for n, p in params}
-
-    def picked(n: str, p: torch.Tensor) -> torch.Tensor:
-        idx = picks[n]
-        return p.detach() if idx is None else p.detach().reshape(-1)[torch.from_numpy(idx)]
-
     before = {n: picked(n, p).clone() for n, p in params}
     lr = contract.optimizer.lr(role, round_)
     for group in optim.param_groups:
