@@ -83,9 +83,10 @@ def _model(role: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
 def test_jvp_gram_equals_the_fp64_gram(contract: Contract, batch: Batch, role: str) -> None:
-    """At round 2 of a real reference update, the forward-mode Gram of five tokens (two
-    micro-batches) matches the FP64 dot products of their whole ``J_t`` within 1e-5 of
-    ``|J_s| |J_t|``, and the model's attention implementation is restored after."""
+    """At round 2 of a real reference update, the forward-mode Gram of five tokens (four
+    sequences: two forwards of two per row) matches the FP64 dot products of their whole
+    ``J_t`` within 1e-5 of ``|J_s| |J_t|``, and the model's attention implementation is
+    restored after."""
     settings = UpdateSettings(precision="fp32", micro_batch_size=2)
     seen: dict[str, Any] = {}
 
@@ -268,7 +269,8 @@ def test_token_outputs_are_the_whole_batch_outputs(contract: Contract, batch: Ba
                                                    role: str) -> None:
     """:func:`token_outputs` (the rows holding a listed token, cut after the last listed
     position) equals the whole batch's forward at those tokens to FP32 rounding, in the
-    order listed, the left-padded row included; changing every response token after the
+    order listed, the left-padded row included, with the Actor's head at every position or
+    at the listed ones only; changing every response token after the
     last listed one changes nothing (the cut is exact for a causal model); a token outside
     the batch is refused."""
     from qualify.reference.jacobian import token_outputs
@@ -290,6 +292,10 @@ def test_token_outputs_are_the_whole_batch_outputs(contract: Contract, batch: Ba
             assert mine.shape == (len(toks),)
             torch.testing.assert_close(mine, whole[[b for b, _ in toks], [u for _, u in toks]],
                                        rtol=1e-5, atol=1e-6)
+            # The head at the listed positions only (what the jvp rows run): the same logits.
+            torch.testing.assert_close(token_outputs(model, batch, toks, role=role,
+                                                     temperature=t, head_at_tokens=True),
+                                       mine, rtol=1e-6, atol=1e-7)
             if max(u for _, u in toks) <= 2:
                 assert torch.equal(token_outputs(model, later, toks, role=role,
                                                  temperature=t), mine)
