@@ -13,6 +13,13 @@ Usage (from the repository root, ~5 min on 2 CPU cores)::
     python scripts/repro/branch_gram.py [--out DIR]
     python scripts/repro/branch_gram.py --jvp --seal-only --out DIR2   # the forward-mode path
     python scripts/repro/branch_gram.py --against DIR/branches.json --jvp --seal-only ...
+    python scripts/repro/branch_gram.py --reference REF_DIR --against REF_DIR/branches.json \
+        --jvp --seal-only --out DIR3   # a reference sealed on this machine
+
+The rerun must reproduce the sealed reference update (:data:`qualify.reference.branches
+.REPRODUCE_FRACTION`): on another CPU the BF16-autocast lane may not (2026-12-03, the
+committed Intel-made reference rerun on an AVX2-only AMD EPYC: round-2 logprobs 0.026 from
+the sealed run, allowed 0.0123, refused); ``--reference`` then names one sealed here.
 
 ``--jvp`` sets :data:`qualify.reference.gram.FULL_BUDGET_BYTES` to 0, so every Gram is taken
 by forward mode (the path of models whose ``J_t`` do not fit in memory); ``--against``
@@ -42,7 +49,8 @@ from qualify.reference.branches import adjust_control_errors, seal_branches
 from qualify.reference.rollout import Rollout
 from qualify.reference.stage import _batch
 
-REF = Path("references/tiny-qwen3-b25af0fe30b3")
+COMMITTED_REF = Path("references/tiny-qwen3-b25af0fe30b3")
+REF = COMMITTED_REF  # main() sets it from --reference
 RUN = sorted(Path("evidence/tiny-qwen3").glob("2*Z"))[-1]  # the committed default run
 
 
@@ -89,7 +97,13 @@ def main() -> None:
     ap.add_argument("--jvp", action="store_true", help="forward-mode Gram for every token")
     ap.add_argument("--seal-only", action="store_true", help="skip controls and rows")
     ap.add_argument("--against", type=Path, help="a branches.json to compare the Gram with")
+    ap.add_argument("--reference", type=Path, default=COMMITTED_REF,
+                    help=f"the sealed reference to rerun (default {COMMITTED_REF}; with "
+                         "--seal-only, one sealed on this machine: a BF16 rerun must "
+                         "reproduce it)")
     args = ap.parse_args()
+    global REF  # noqa: PLW0603  # the module's functions read the reference it names
+    REF = args.reference
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     if args.jvp:
