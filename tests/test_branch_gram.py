@@ -270,9 +270,9 @@ def test_token_outputs_are_the_whole_batch_outputs(contract: Contract, batch: Ba
     """:func:`token_outputs` (the rows holding a listed token, cut after the last listed
     position) equals the whole batch's forward at those tokens to FP32 rounding, in the
     order listed, the left-padded row included, with the Actor's head at every position or
-    at the listed ones only; changing every response token after the
-    last listed one changes nothing (the cut is exact for a causal model); a token outside
-    the batch is refused."""
+    at the listed ones only; the forward holds only the listed rows, cut after the last
+    listed position, and changing every response token after it changes nothing (the cut
+    is exact for a causal model); a token outside the batch is refused."""
     from qualify.reference.jacobian import token_outputs
 
     model = _model(role).eval()
@@ -299,6 +299,39 @@ def test_token_outputs_are_the_whole_batch_outputs(contract: Contract, batch: Ba
             if max(u for _, u in toks) <= 2:
                 assert torch.equal(token_outputs(model, later, toks, role=role,
                                                  temperature=t), mine)
-        for bad in ([(0, 6)], [(4, 0)], []):
+        # The forward really is cut: only the rows holding a listed token, P + max t long.
+        shapes: list[tuple[int, ...]] = []
+        hook = model.register_forward_pre_hook(
+            lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+        try:
+            token_outputs(model, batch, [(3, 1), (1, 0)], role=role, temperature=t)
+        finally:
+            hook.remove()
+        assert shapes == [(2, p_len + 1)]
+        for bad in ([(0, 6)], [(4, 0)], [(-1, 0)], [(0, -1)], []):
             with pytest.raises(ValueError, match="outside"):
                 token_outputs(model, batch, bad, role=role, temperature=t)
+
+
+def test_jvp_row_restores_the_mode_and_refuses_an_empty_group(contract: Contract,
+                                                              batch: Batch) -> None:
+    """:func:`gram.jvp_row` runs in eval mode and gives a training-mode model back in
+    training mode with its attention implementation; ``micro_batch_size < 1`` is refused."""
+    model = _model("critic").train()
+    direction = {n: torch.ones_like(p) for n, p in model.named_parameters()}
+    seen: list[bool] = []
+    hook = model.register_forward_pre_hook(lambda m, _a: seen.append(m.training))
+    try:
+        row = gram.jvp_row(model, batch, contract, role="critic", micro_batch_size=2,
+                           tokens=[(0, 1), (3, 2), (1, 0)], direction=direction)
+    finally:
+        hook.remove()
+    assert seen == [False, False]  # two groups of two sequences, both in eval mode
+    assert model.training
+    assert getattr(model.config, "_attn_implementation", None) == "sdpa"
+    assert sorted(row) == [(0, 1), (1, 0), (3, 2)]
+    assert any(v != 0.0 for v in row.values())
+    for size in (0, -1):
+        with pytest.raises(ValueError, match="micro_batch_size"):
+            gram.jvp_row(model, batch, contract, role="critic", micro_batch_size=size,
+                         tokens=[(0, 1)], direction=direction)

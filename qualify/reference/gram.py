@@ -132,8 +132,10 @@ def jvp_row(model: nn.Module, batch: Batch, contract: Contract, *, role: str,
         ``{(b, t): float}``.
 
     Raises:
-        ValueError: a token lies outside the batch.
+        ValueError: a token lies outside the batch, or ``micro_batch_size < 1``.
     """
+    if micro_batch_size < 1:
+        raise ValueError(f"jvp_row: micro_batch_size {micro_batch_size} < 1")
     primals = {n: p.detach() for n, p in model.named_parameters()}
     tangents = {n: (direction[n].to(p.dtype) if n in direction else torch.zeros_like(p))
                 for n, p in primals.items()}

@@ -43,7 +43,9 @@ def token_outputs(model: nn.Module, batch: Batch, tokens: Sequence[tuple[int, in
     One forward of the rows of the batch that hold a listed token, cut after the last
     listed position. Protocol convention: response position ``t`` is read at sequence
     position ``P - 1 + t`` (``P`` the padded prompt length); position ids from the attention
-    mask, as the update does.
+    mask, as the update does. The module's mode is the caller's: put it in eval mode first
+    (dropout off, as the run's forward; a critic's classifier dropout defaults to 0.1);
+    both callers here do.
 
     ``head_at_tokens`` (Actor) takes the language-model head only at the listed tokens'
     positions (``logits_to_keep``): each logit is its own dot product, so the outputs are

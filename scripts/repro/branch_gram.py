@@ -128,7 +128,7 @@ def main() -> None:
         now = (out / "branches" / f"hf-{lane}.safetensors").read_bytes()
         print(f"branches/hf-{lane}.safetensors: {len(was)} B committed, {len(now)} B now, "
               f"identical bytes: {was == now}")
-    print(f"against the committed {REF / 'branches.json'}:")
+    print(f"against {REF / 'branches.json'}:")
     _gram_gap(old, new)
     if args.against is not None:
         print(f"against {args.against}:")

@@ -3,7 +3,8 @@
 Usage: ``python scripts/repro/branch_token_cost.py CONTRACT ROLE OUT.pt [PER_SEQ]``.
 
 Runs what :func:`qualify.reference.branches.seal_branches` runs per sealed token (``J_t`` by
-one FP32 backward, and the forward-mode row over the tokens from it on: the upper triangle)
+one FP32 backward, its FP64 ``|J_t|^2``, and the forward-mode row over the tokens from it
+on: the upper triangle)
 for ``PER_SEQ`` tokens of every sequence of a batch shaped like the contract's rollout
 (``samples_per_prompt x prompts`` sequences, prompts left-padded to the longest, responses
 of ``max_new_tokens``; seeded token ids), with the untrained models of the contract, and
@@ -64,7 +65,7 @@ load = roles.load_actor if role == "actor" else roles.load_critic
 model = load(bundle.actor_dir if role == "actor" else bundle.critic_dir, dtype=torch.float32,
              attn_implementation="sdpa", requires_grad=True)
 step = max(1, r_len // per_seq)
-toks = [(b, t) for b in range(n) for t in range(0, r_len, step)][: n * per_seq]
+toks = [(b, t) for b in range(n) for t in list(range(0, r_len, step))[:per_seq]]
 settings = UpdateSettings(precision="fp32", micro_batch_size=contract.algorithm.micro_batch_size)
 row_kw: dict[str, Any] = {}
 if "micro_batch_size" in inspect.signature(gram.jvp_row).parameters:
@@ -72,7 +73,7 @@ if "micro_batch_size" in inspect.signature(gram.jvp_row).parameters:
 norm_sq: dict[str, float] = {}
 rows: dict[str, dict[str, float]] = {}
 jt: dict[str, torch.Tensor] = {}
-t_back = t_row = 0.0
+t_back = t_norm = t_row = 0.0
 t0 = time.perf_counter()
 for (bi, ti), c in token_gradients(model, model, batch, contract, settings, role=role,
                                    tokens=toks):
@@ -81,11 +82,13 @@ for (bi, ti), c in token_gradients(model, model, batch, contract, settings, role
     key = branches.token_key(bi, ti)
     norm_sq[key] = sum(float(v.double().square().sum()) for v in c.values())
     jt[key] = torch.cat([v.flatten()[:4096] for v in c.values()])
+    t2 = time.perf_counter()
+    t_norm += t2 - t1
     row = gram.jvp_row(model, batch, contract, role=role, direction=c,
                        tokens=[t for t in toks if t >= (bi, ti)], **row_kw)
     rows[key] = {branches.token_key(*k): v for k, v in row.items()}
     t0 = time.perf_counter()
-    t_row += t0 - t1
+    t_row += t0 - t2
 try:
     full, err = gram.symmetrize(rows, norm_sq)
 except ReferenceDataError as e:  # still report the times, and keep the rows
@@ -93,6 +96,7 @@ except ReferenceDataError as e:  # still report the times, and keep the rows
     print(f"refused: {e}")
 print(f"{contract.name} {role}: {len(toks)} tokens of {n} sequences (P={p_len}, R={r_len}), "
       f"{torch.get_num_threads()} threads: J_t backward {t_back / len(toks):.2f} s/token, "
-      f"jvp row {t_row / len(toks):.2f} s/token, total {(t_back + t_row) / 60:.2f} min; "
+      f"FP64 |J_t|^2 {t_norm / len(toks):.2f} s/token, jvp row {t_row / len(toks):.2f} "
+      f"s/token, total {(t_back + t_norm + t_row) / 60:.2f} min; "
       f"gram_rel_error {err:.3g}")
 torch.save({"gram": full, "norm_sq": norm_sq, "jt": jt, "tokens": toks}, out_path)

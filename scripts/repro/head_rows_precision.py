@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from qualify.contract import load_contract
 from qualify.models import bundle as models
@@ -30,16 +30,21 @@ contract = load_contract(sys.argv[1] if len(sys.argv) > 1 else "contracts/smollm
 b = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 t = int(sys.argv[3]) if len(sys.argv) > 3 else 8
 bundle = models.prepare_models(contract)
-tok = AutoTokenizer.from_pretrained(bundle.actor_dir)
 copies = contract.sampling.samples_per_prompt
-enc = [tok(p)["input_ids"] for p in contract.prompts.text or () for _ in range(copies)]
+if contract.prompts.token_ids is not None:
+    enc = [list(p) for p in contract.prompts.token_ids for _ in range(copies)]
+    vocab = int(AutoConfig.from_pretrained(bundle.actor_dir).vocab_size)
+else:
+    tok = AutoTokenizer.from_pretrained(bundle.actor_dir)
+    enc = [tok(p)["input_ids"] for p in contract.prompts.text or () for _ in range(copies)]
+    vocab = int(tok.vocab_size)
 p_len, r_len, n = max(map(len, enc)), contract.sampling.max_new_tokens, len(enc)
 ids = torch.full((n, p_len + r_len), bundle.pad_token_id, dtype=torch.long)
 mask = torch.zeros(n, p_len + r_len, dtype=torch.long)
 for i, e in enumerate(enc):
     ids[i, p_len - len(e):p_len] = torch.tensor(e)
     mask[i, p_len - len(e):] = 1
-ids[:, p_len:] = torch.randint(3, int(tok.vocab_size), (n, r_len),
+ids[:, p_len:] = torch.randint(3, vocab, (n, r_len),
                                generator=torch.Generator().manual_seed(0))
 fp32 = roles.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation="sdpa",
                         requires_grad=True).eval()
