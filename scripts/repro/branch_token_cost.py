@@ -6,8 +6,7 @@ Runs what :func:`qualify.reference.branches.seal_branches` runs per sealed token
 one FP32 backward, its FP64 ``|J_t|^2``, and the forward-mode row over the tokens from it
 on: the upper triangle)
 for ``PER_SEQ`` tokens of every sequence of a batch shaped like the contract's rollout
-(``samples_per_prompt x prompts`` sequences, prompts left-padded to the longest, responses
-of ``max_new_tokens``; seeded token ids), with the untrained models of the contract, and
+(``rollout_shaped_batch.py``), with the untrained models of the contract, and
 prints the seconds per token of each part. The Gram and the ``J_t`` go to ``OUT.pt``, so two
 code states can be compared (run the older one from ``git worktree add /tmp/old COMMIT``
 with ``PYTHONPATH=/tmp/old``). Figures measured with it: ``docs/scale.md``.
@@ -21,7 +20,7 @@ import time
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from rollout_shaped_batch import rollout_shaped_batch
 
 from qualify import branches
 from qualify.contract import load_contract
@@ -29,7 +28,7 @@ from qualify.errors import ReferenceDataError
 from qualify.models import bundle as models
 from qualify.models import roles
 from qualify.reference import gram
-from qualify.reference.update import Batch, UpdateSettings
+from qualify.reference.update import UpdateSettings
 
 try:  # moved out of update.py at 2026-12-03's commit
     from qualify.reference.jacobian import token_gradients
@@ -40,27 +39,9 @@ contract = load_contract(sys.argv[1])
 role, out_path = sys.argv[2], sys.argv[3]
 per_seq = int(sys.argv[4]) if len(sys.argv) > 4 else 4
 bundle = models.prepare_models(contract)
-spec, copies = contract.prompts, contract.sampling.samples_per_prompt
-if spec.token_ids is not None:
-    enc = [list(p) for p in spec.token_ids for _ in range(copies)]
-    vocab = int(AutoConfig.from_pretrained(bundle.actor_dir).vocab_size)
-else:
-    tok = AutoTokenizer.from_pretrained(bundle.actor_dir)
-    enc = [tok(p)["input_ids"] for p in spec.text or () for _ in range(copies)]
-    vocab = int(tok.vocab_size)
-p_len, r_len, n = max(map(len, enc)), contract.sampling.max_new_tokens, len(enc)
-g = torch.Generator().manual_seed(0)
-pad = bundle.pad_token_id
-prompt_ids = torch.full((n, p_len), pad, dtype=torch.long)
-prompt_mask = torch.zeros(n, p_len, dtype=torch.long)
-for i, e in enumerate(enc):
-    prompt_ids[i, p_len - len(e):] = torch.tensor(e)
-    prompt_mask[i, p_len - len(e):] = 1
-responses = torch.randint(3, vocab, (n, r_len), generator=g)
-batch = Batch(prompts=prompt_ids, responses=responses,
-              attention_mask=torch.cat([prompt_mask, torch.ones(n, r_len, dtype=torch.long)], 1),
-              response_mask=torch.ones(n, r_len, dtype=torch.long),
-              advantages=torch.zeros(n, r_len), returns=torch.zeros(n, r_len), pad_token_id=pad)
+batch = rollout_shaped_batch(contract, bundle)
+n, r_len = batch.responses.shape
+p_len = batch.prompts.shape[1]
 load = roles.load_actor if role == "actor" else roles.load_critic
 model = load(bundle.actor_dir if role == "actor" else bundle.critic_dir, dtype=torch.float32,
              attn_implementation="sdpa", requires_grad=True)

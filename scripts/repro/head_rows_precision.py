@@ -4,7 +4,7 @@ Usage: ``python scripts/repro/head_rows_precision.py [CONTRACT] [B] [T]`` (defau
 ``contracts/smollm2-135m.toml``, sequence 4, response position 8).
 
 On a batch shaped like the contract's rollout (seeded response ids, the untrained Actor;
-the batch of ``scripts/repro/branch_token_cost.py``), the gradient of token ``(B, T)``'s
+``rollout_shaped_batch.py``, as ``branch_token_cost.py``), the gradient of token ``(B, T)``'s
 logprob in FP32 is compared with the same gradient in FP64 (relative L2 over every
 parameter) for: the whole micro-batch, the one sequence, the sequence cut after ``T``
 (what :func:`qualify.reference.jacobian.token_gradients` runs), and the cut sequence with the
@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from rollout_shaped_batch import rollout_shaped_batch
 
 from qualify.contract import load_contract
 from qualify.models import bundle as models
@@ -30,22 +30,10 @@ contract = load_contract(sys.argv[1] if len(sys.argv) > 1 else "contracts/smollm
 b = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 t = int(sys.argv[3]) if len(sys.argv) > 3 else 8
 bundle = models.prepare_models(contract)
-copies = contract.sampling.samples_per_prompt
-if contract.prompts.token_ids is not None:
-    enc = [list(p) for p in contract.prompts.token_ids for _ in range(copies)]
-    vocab = int(AutoConfig.from_pretrained(bundle.actor_dir).vocab_size)
-else:
-    tok = AutoTokenizer.from_pretrained(bundle.actor_dir)
-    enc = [tok(p)["input_ids"] for p in contract.prompts.text or () for _ in range(copies)]
-    vocab = int(tok.vocab_size)
-p_len, r_len, n = max(map(len, enc)), contract.sampling.max_new_tokens, len(enc)
-ids = torch.full((n, p_len + r_len), bundle.pad_token_id, dtype=torch.long)
-mask = torch.zeros(n, p_len + r_len, dtype=torch.long)
-for i, e in enumerate(enc):
-    ids[i, p_len - len(e):p_len] = torch.tensor(e)
-    mask[i, p_len - len(e):] = 1
-ids[:, p_len:] = torch.randint(3, vocab, (n, r_len),
-                               generator=torch.Generator().manual_seed(0))
+batch = rollout_shaped_batch(contract, bundle)
+(n, p_len), r_len = batch.prompts.shape, batch.responses.shape[1]
+ids = torch.cat([batch.prompts, batch.responses], 1)
+mask = batch.attention_mask
 fp32 = roles.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation="sdpa",
                         requires_grad=True).eval()
 fp64 = copy.deepcopy(fp32).double().eval()
