@@ -109,8 +109,13 @@ if __name__ == "__main__":
 
 @pytest.fixture
 def fake(tmp_path: Path) -> dict[str, str]:
+    return write_fake(tmp_path)
+
+
+def write_fake(tmp_path: Path) -> dict[str, str]:
+    """The fake harness package ``pkg_fake`` under ``tmp_path``; the env that finds it."""
     mod = tmp_path / "pkg_fake"
-    mod.mkdir()
+    mod.mkdir(parents=True)
     (mod / "__init__.py").write_text("")
     (mod / "harness.py").write_text(textwrap.dedent(FAKE_HARNESS % repr(VALID_META)))
     # imported by the warm launcher before it forks: a thread makes forking unsafe

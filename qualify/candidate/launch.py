@@ -7,7 +7,10 @@ the attempt directory and runs, in a new session (its own process group), one of
 - ``warm`` (the default on one node): ``python -m qualify.candidate.warm --nproc-per-node
   <world_size> --log-dir <attempt>/logs/ranks [--preload MOD ...] <harness> <cell.json>``:
   one interpreter imports the harness, the engine and the model classes once and forks
-  every rank with torchrun's environment (:mod:`qualify.candidate.warm`; issue #17);
+  every rank with torchrun's environment (:mod:`qualify.candidate.warm`; issue #17); run
+  through this process's zygote of the harness (:func:`qualify.candidate.zygote.client_command`:
+  a warm interpreter kept between launches, so a second launch repeats no import) unless
+  ``QUALIFY_ZYGOTE=0``;
 - ``torchrun`` (``QUALIFY_LAUNCHER=torchrun``, and every launch on a CUDA machine)::
 
     python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node <world_size>
@@ -50,11 +53,13 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
 from qualify import atomic, procs, schema
+from qualify.candidate import zygote
 from qualify.errors import HarnessError, QualifyError, UsageError
 from qualify.evidence.timestamps import utc_now_iso
 from qualify.layout import LAUNCHER_LOG, LOGS_DIR, RANK_LOGS_DIR
@@ -392,13 +397,16 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
                          log_dir=rank_dir, env=launch_environment, launcher=launcher,
                          preload=preload)
     launcher_log, started = logs / LAUNCHER_LOG, utc_now_iso()
+    t0 = time.monotonic()
+    cmd = zygote.client_command(cmd, launch_environment, timeout_s)  # warm: one import chain
+    left = timeout_s - (time.monotonic() - t0)  # a zygote's first imports count too
     with launcher_log.open("wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
-        ran = procs.run(cmd, cwd=attempt_dir, env=launch_environment, stdout=log,
-                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, new_session=True,
-                        timeout_s=timeout_s, grace_s=KILL_GRACE_S)
-    rc, wall = ran.returncode, ran.wall_s
+        ran = (procs.run(cmd, cwd=attempt_dir, env=launch_environment, stdout=log,
+                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, new_session=True,
+                         timeout_s=left, grace_s=KILL_GRACE_S) if left > 0 else None)
+    rc, wall = (None if ran is None else ran.returncode), time.monotonic() - t0
     rank_logs = tuple(sorted(p for p in rank_dir.rglob("*") if p.is_file()))
 
     def result(status: LaunchStatus, reason: str, failed: int | None = None) -> LaunchResult:

@@ -61,6 +61,7 @@ import importlib
 import json
 import os
 import runpy
+import select
 import signal
 import socket
 import subprocess
@@ -352,14 +353,30 @@ def start_ranks(world: int, *, target: str, args: Sequence[str], log_dir: Path,
     return pids, store
 
 
+def _gone(watch: socket.socket | None) -> bool:
+    """Whether the peer of ``watch`` (a zygote client) closed its end.
+
+    Readable with nothing to read (:mod:`qualify.candidate.zygote`).
+    """
+    if watch is None:
+        return False
+    try:
+        readable, _, _ = select.select([watch], [], [], 0)
+        return bool(readable) and watch.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (OSError, ValueError):
+        return True
+
+
 def supervise(pids: dict[int, int], received: list[int], *,
-              grace_s: float = KILL_GRACE_S) -> int:
+              grace_s: float = KILL_GRACE_S, watch: socket.socket | None = None) -> int:
     """Wait for every rank; on the first failure or a signal, end the others (torchrun's rule).
 
     Args:
         pids: pid -> rank.
         received: the signals the launcher got (filled by its handlers, :func:`main`).
         grace_s: seconds between SIGTERM and SIGKILL of the survivors.
+        watch: the socket of the zygote client that asked for this launch; when the client
+            is gone (killed on a timeout) the launch ends as on SIGTERM.
 
     Returns:
         0 when every rank exited 0; 1 when one failed (torchrun's exit code; each rank's
@@ -368,6 +385,9 @@ def supervise(pids: dict[int, int], received: list[int], *,
     t0 = time.monotonic()
     alive, failed, kill_at = dict(pids), False, None
     while alive:
+        if not received and _gone(watch):
+            print(f"{PREFIX} the zygote client is gone", flush=True)
+            received.append(int(signal.SIGTERM))
         for pid in list(alive):
             try:
                 done, status = os.waitpid(pid, os.WNOHANG)
@@ -400,8 +420,12 @@ def supervise(pids: dict[int, int], received: list[int], *,
     return 1 if failed else 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point (see the module docstring); the launch's exit code."""
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The launcher's arguments.
+
+    ``--nproc-per-node``, ``--log-dir``, ``--preload``, ``target``, ``args``; exits 2 with
+    argparse's message when they are bad.
+    """
     parser = argparse.ArgumentParser(prog="python -m qualify.candidate.warm")
     parser.add_argument("--nproc-per-node", type=int, required=True)
     parser.add_argument("--log-dir", type=Path, required=True)
@@ -411,6 +435,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.nproc_per_node < 1:
         parser.error(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None, *, watch: socket.socket | None = None) -> int:
+    """Entry point (see the module docstring); the launch's exit code.
+
+    ``watch``: the zygote client's socket when a zygote forked this launcher
+    (:mod:`qualify.candidate.zygote`; :func:`supervise`).
+    """
+    args = parse_args(argv)
     received: list[int] = []  # a signal from here on ends the launch, never the launcher alone
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -435,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pids, store = start_ranks(args.nproc_per_node, target=args.target, args=args.args,
                               log_dir=args.log_dir, forked=forked)
     try:
-        return supervise(pids, received)
+        return supervise(pids, received, watch=watch)
     finally:
         del store  # the agent store lives as long as the launch
 

@@ -1,0 +1,407 @@
+"""One warm interpreter serves every launch of the same harness: import once per process (#17).
+
+The warm launcher (:mod:`qualify.candidate.warm`) imports a harness, its engine and the
+transformers model classes once per launch, then forks the ranks. A process that launches
+the same harness many times (the test suite: 66 warm launches, 399 s of launcher imports in
+one run; a contract with resume cells: the save and load launches of each engine) repeated
+those imports every time. A *zygote* does them once: ``python -m qualify.candidate.zygote
+serve`` imports what the warm launcher would (:func:`qualify.candidate.warm.preload`), checks
+that it may fork (:func:`~qualify.candidate.warm.fork_safe`) and then waits on a Unix socket.
+Each launch is then ``python -m qualify.candidate.zygote run --socket S -- WARM_ARGS``, a
+client that imports neither torch nor any engine: it hands the zygote its arguments, its
+environment, its working directory and its stdin / stdout / stderr (``SCM_RIGHTS``); the
+zygote imports the cell's model classes (cached after the first cell) and forks a child
+that *is* the warm launcher (:func:`qualify.candidate.warm.main`, in a session of its own,
+with the client's fds, environment and directory): it forks the ranks, hosts their store
+and supervises them exactly as a launcher started afresh would.
+
+Independence is kept as by the warm launcher: the zygote computes nothing (it only imports,
+and forks), so each launch starts from the frozen inputs with fresh model, optimizer and RNG
+state; nothing a launch does reaches the zygote or a later launch (each is a forked copy of
+the zygote as it was after its imports). ``tests/test_grouped_launch.py`` finds every tensor
+of a launch from a zygote that already served another cell bitwise equal to a torchrun launch of
+the same cell.
+
+A zygote serves one key: harness, preload modules and the whole launch environment but
+:data:`VOLATILE` (what torch and the engines read at import time must be what the ranks
+would have read), so a launch with another environment gets another zygote.
+:func:`client_command` keeps at most :data:`MAX_LIVE` per process (least recently used
+stopped first); each ends when it is stopped, when its parent process is gone (checked every
+:data:`POLL_S`), or at the parent's exit (``atexit``). Ending: the client forwards SIGTERM /
+SIGINT / SIGHUP / SIGQUIT to the launcher (which ends the ranks, torchrun's rule); a client
+that dies (``kill -9`` on a timeout) closes its socket and the launcher ends the ranks as on
+SIGTERM; a zygote that dies takes its launchers with it (``PR_SET_PDEATHSIG``), and they
+their ranks. A zygote that cannot start or may not fork (threads after its imports, CUDA) is
+remembered, and those launches use the plain warm launcher. ``QUALIFY_ZYGOTE=0`` turns
+zygotes off.
+
+Importing this module imports neither torch nor any engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import collections
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Final
+
+from qualify.candidate import warm
+
+MAX_LIVE: Final = 4
+"""Zygotes kept per process (each holds an imported torch, transformers and engine: about
+0.3-0.5 GB resident)."""
+VOLATILE: Final = frozenset({"PYTEST_CURRENT_TEST"})
+"""Variables left out of a zygote's key: pytest rewrites this one for every test phase and
+nothing reads it at import time (the launch itself still gets the caller's value)."""
+POLL_S: Final = 0.05
+"""The zygote's loop period: reaping launchers, accepting requests, checking its parent."""
+START_TIMEOUT_S: Final = 300.0
+"""The longest a zygote may take to import and say it is ready."""
+_HEADER: Final = struct.Struct("<Q")
+_ENTRY: Final = 3
+"""Index of the first warm-launcher argument in :func:`qualify.candidate.launch.launch_command`'s
+warm command (``python -m qualify.candidate.warm ARGS``)."""
+
+
+# --------------------------------------------------------------------------- the zygote
+
+
+def _read_request(conn: socket.socket) -> tuple[dict[str, object], list[int]]:
+    """A client's request: (``{"argv", "env", "cwd"}``, its fds 0, 1, 2)."""
+    conn.settimeout(30.0)
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    if len(data) < _HEADER.size:
+        raise ValueError("short request")
+    (size,) = _HEADER.unpack_from(data)
+    body = bytearray(data[_HEADER.size:])
+    while len(body) < size:
+        more = conn.recv(size - len(body))
+        if not more:
+            raise ValueError("request cut short")
+        body += more
+    conn.settimeout(None)
+    if len(fds) != 3:
+        raise ValueError(f"request carried {len(fds)} fds, not 3")
+    doc = json.loads(bytes(body))
+    if not isinstance(doc, dict):
+        raise ValueError("request is not an object")
+    return doc, list(fds)
+
+
+def _launcher_child(doc: Mapping[str, object], fds: Sequence[int], conn: socket.socket,
+                    zygote: int, note: str) -> int:
+    """The body of a forked launcher.
+
+    The client's fds, environment and directory, then :func:`qualify.candidate.warm.main`
+    watching the client's socket.
+    """
+    os.setsid()
+    warm._Libc.die_with(zygote)  # PR_SET_PDEATHSIG SIGKILL: a dead zygote ends its launchers
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    argv = [str(a) for a in doc["argv"]]  # type: ignore[attr-defined]
+    env = {str(k): str(v) for k, v in doc["env"].items()}  # type: ignore[attr-defined]
+    os.chdir(str(doc["cwd"]))
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = ["qualify.candidate.warm", *argv]
+    print(f"{warm.PREFIX} from zygote {zygote} ({note})", flush=True)
+    return warm.main(argv, watch=conn)
+
+
+def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int) -> int:
+    """Run a zygote: import, say ``ready`` on stdout, then fork a launcher per request.
+
+    Args:
+        socket_path: the Unix socket to listen on (made here).
+        target: the harness entry point (``harnesses.torch_tp.harness``).
+        modules: the engine's ``warm_imports``.
+        parent: the process the zygote serves; it exits when that process is gone.
+
+    Returns:
+        0 after a stop (SIGTERM) or its parent's end; 3 when it may not fork (the reason on
+        stdout instead of ``ready``).
+    """
+    stop: list[int] = []
+    for sig in warm._FORWARDED:
+        signal.signal(sig, lambda signum, _f: stop.append(signum))
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    t0 = time.monotonic()
+    notes = warm.preload(target, modules, None)
+    imports_s = time.monotonic() - t0
+    warm._Libc.load()
+    safe, why = warm.fork_safe()
+    if not safe:
+        print(f"unsafe {why}", flush=True)
+        return 3
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(socket_path))
+    listener.listen(16)
+    print("ready" + "".join(f"; not preloaded: {n}" for n in notes), flush=True)
+    os.dup2(2, 1)  # later lines go to the zygote's log, not to the pipe nobody reads
+    launchers: dict[int, socket.socket] = {}
+    served = 0
+    while not stop and os.getppid() == parent:
+        readable, _, _ = select.select([listener], [], [], POLL_S)
+        if readable:
+            conn, _ = listener.accept()
+            try:
+                doc, fds = _read_request(conn)
+                argv = [str(a) for a in doc["argv"]]  # type: ignore[attr-defined]
+                cwd = Path(str(doc["cwd"]))
+                cell = Path(argv[-1]) if argv else None
+                if cell is not None and not cell.is_absolute():
+                    cell = cwd / cell
+                warm.preload(target, (), cell)  # the model classes, kept for later cells
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                print(f"zygote: bad request: {exc}", file=sys.stderr, flush=True)
+                conn.close()
+                continue
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    listener.close()
+                    for other in launchers.values():
+                        other.close()
+                    for sig in warm._FORWARDED:
+                        signal.signal(sig, signal.SIG_DFL)
+                    code = _launcher_child(doc, fds, conn, os.getppid(),
+                                           f"its imports {imports_s:.2f} s once; launch "
+                                           f"{served + 1} it serves")
+                finally:
+                    for stream in (sys.stdout, sys.stderr):
+                        with contextlib.suppress(Exception):
+                            stream.flush()
+                    os._exit(code)
+            for fd in fds:
+                os.close(fd)
+            served += 1
+            launchers[pid] = conn
+            with contextlib.suppress(OSError):
+                conn.sendall(f"pid {pid}\n".encode())
+        for pid in list(launchers):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done == 0:
+                continue
+            conn = launchers.pop(pid)
+            with contextlib.suppress(OSError):
+                conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+            conn.close()
+    for pid in launchers:  # stopped with launches in flight: end them as on a signal
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    listener.close()
+    with contextlib.suppress(OSError):
+        socket_path.unlink()
+    return 0
+
+
+# --------------------------------------------------------------------------- the client
+
+
+def run_client(socket_path: Path, argv: Sequence[str]) -> int:
+    """Hand one launch to the zygote at ``socket_path``; the launcher's exit code.
+
+    Forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to the launcher. 1 (with a line on stderr)
+    when the zygote cannot be reached or ends the launch without an exit status.
+    """
+    received: list[int] = []
+    launcher: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        received.append(signum)
+        for pid in launcher:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    for sig in warm._FORWARDED:
+        signal.signal(sig, on_signal)
+    body = json.dumps({"argv": list(argv), "env": dict(os.environ),
+                       "cwd": os.getcwd()}).encode()
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(socket_path))
+        socket.send_fds(sock, [_HEADER.pack(len(body)) + body], [0, 1, 2])
+        lines = sock.makefile("r", encoding="utf-8")
+        first = lines.readline().split()
+        if len(first) != 2 or first[0] != "pid":
+            raise OSError("the zygote started no launcher")
+        launcher.append(int(first[1]))
+        for signum in received:  # a signal that came before the launcher's pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(launcher[0], signum)
+        last = lines.readline().split()
+    except OSError as exc:
+        print(f"{warm.PREFIX} zygote {socket_path}: {exc}", file=sys.stderr, flush=True)
+        return 128 + received[0] if received else 1
+    if len(last) != 2 or last[0] != "exit":
+        print(f"{warm.PREFIX} zygote {socket_path} ended launcher {launcher[0]} without an "
+              f"exit status", file=sys.stderr, flush=True)
+        return 128 + received[0] if received else 1
+    code = int(last[1])
+    return 128 - code if code < 0 else code
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+class Zygote:
+    """A running zygote of this process (:func:`client_command` starts and stops them).
+
+    Args:
+        proc: the ``serve`` process.
+        socket_path: its socket.
+        workdir: the temporary directory holding the socket and ``zygote.log``.
+    """
+
+    def __init__(self, proc: subprocess.Popen[bytes], socket_path: Path,
+                 workdir: tempfile.TemporaryDirectory[str]) -> None:
+        self.proc, self.socket_path, self.workdir = proc, socket_path, workdir
+
+    def alive(self) -> bool:
+        """Whether the zygote still runs."""
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        """SIGTERM, 5 s, SIGKILL; the socket directory removed."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=warm.KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.workdir.cleanup()
+
+
+_LOCK = threading.Lock()
+_LIVE: collections.OrderedDict[tuple[object, ...], Zygote] = collections.OrderedDict()
+_REFUSED: dict[tuple[object, ...], str] = {}
+
+
+def _start(target: str, modules: Sequence[str], env: Mapping[str, str],
+           timeout_s: float) -> Zygote | str:
+    """Start a zygote; it, or why it could not serve."""
+    workdir = tempfile.TemporaryDirectory(prefix="qualify-zygote-")
+    sock = Path(workdir.name) / "s"
+    pre = [a for m in modules for a in ("--preload", m)]
+    with (Path(workdir.name) / "zygote.log").open("ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, "serve", "--socket", str(sock), "--parent",
+             str(os.getpid()), *pre, target], stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=log, env=dict(env), start_new_session=True)
+    zygote = Zygote(proc, sock, workdir)
+    assert proc.stdout is not None
+    line = b""
+    deadline = time.monotonic() + timeout_s
+    while not line.endswith(b"\n") and time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.1)
+        if ready:
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                break
+            line += chunk
+    proc.stdout.close()
+    if line.startswith(b"ready"):
+        return zygote
+    zygote.stop()
+    text = line.decode(errors="replace").strip()
+    return text or f"no answer within {timeout_s:g} s (exit {proc.returncode})"
+
+
+def client_command(warm_cmd: Sequence[str], env: Mapping[str, str],
+                   timeout_s: float = START_TIMEOUT_S) -> list[str]:
+    """The command that runs the warm launch ``warm_cmd`` through this process's zygote.
+
+    Starts the zygote of the launch's key (harness, preload modules, environment) when
+    none runs, stopping the least recently used beyond :data:`MAX_LIVE`. Returns
+    ``warm_cmd`` itself when zygotes are off (``QUALIFY_ZYGOTE=0``), when ``warm_cmd`` is
+    not a warm launch, or when the key's zygote could not start or may not fork.
+
+    Args:
+        warm_cmd: :func:`qualify.candidate.launch.launch_command`'s warm command.
+        env: the whole launch environment (:func:`qualify.candidate.launch.launch_env`).
+        timeout_s: the longest to wait for a new zygote's imports.
+    """
+    cmd = list(warm_cmd)
+    if env.get("QUALIFY_ZYGOTE", "1") == "0" or cmd[1:_ENTRY] != ["-m", warm.__name__]:
+        return cmd
+    args = warm.parse_args(cmd[_ENTRY:])
+    key: tuple[object, ...] = (cmd[0], args.target, tuple(args.preload),
+                               tuple(sorted((k, v) for k, v in env.items()
+                                            if k not in VOLATILE)))
+    with _LOCK:
+        if key in _REFUSED:
+            return cmd
+        zygote = _LIVE.get(key)
+        if zygote is not None and not zygote.alive():
+            del _LIVE[key]
+            zygote.stop()
+            zygote = None
+        if zygote is None:
+            started = _start(args.target, args.preload, env, timeout_s)
+            if isinstance(started, str):
+                _REFUSED[key] = started
+                return cmd
+            zygote = _LIVE[key] = started
+            while len(_LIVE) > MAX_LIVE:
+                _, old = _LIVE.popitem(last=False)
+                old.stop()
+        _LIVE.move_to_end(key)
+        return [cmd[0], "-m", __name__, "run", "--socket", str(zygote.socket_path), "--",
+                *cmd[_ENTRY:]]
+
+
+@atexit.register
+def stop_all() -> None:
+    """Stop every zygote of this process (also at its exit)."""
+    with _LOCK:
+        while _LIVE:
+            _, zygote = _LIVE.popitem()
+            zygote.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``serve`` or ``run`` (see the module docstring)."""
+    parser = argparse.ArgumentParser(prog="python -m qualify.candidate.zygote")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve")
+    s.add_argument("--socket", type=Path, required=True)
+    s.add_argument("--parent", type=int, required=True)
+    s.add_argument("--preload", action="append", default=[])
+    s.add_argument("target")
+    r = sub.add_parser("run")
+    r.add_argument("--socket", type=Path, required=True)
+    r.add_argument("args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args.socket, target=args.target, modules=args.preload,
+                     parent=args.parent)
+    rest = args.args[1:] if args.args[:1] == ["--"] else args.args
+    return run_client(args.socket, rest)
+
+
+if __name__ == "__main__":
+    _code = main()
+    for _stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            _stream.flush()
+    os._exit(_code)

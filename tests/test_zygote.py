@@ -1,0 +1,178 @@
+"""qualify.candidate.zygote with the fake harness of tests/test_launch.py: reuse, ending, limits.
+
+The numerical half (a zygote that already served a launch gives every tensor bitwise as a
+torchrun launch of the same cell) is in tests/test_grouped_launch.py, whose warm ``ab`` and
+``ba`` launches of each engine come from one zygote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from test_launch import _cell, write_fake
+
+from qualify.candidate import zygote
+from qualify.candidate.launch import launch, launch_command, launch_env
+from qualify.resources import repo_root
+
+PER_LAUNCH = {"MASTER_PORT", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    return write_fake(tmp_path / "pkg")
+
+
+def _origin(log: Path) -> str:
+    """The ``[warm] from zygote P (...)`` line of a launcher log."""
+    lines = [x for x in log.read_text().splitlines() if x.startswith("[warm] from zygote ")]
+    assert len(lines) == 1, log.read_text()
+    return lines[0]
+
+
+def _gone(pids: list[int], within_s: float) -> list[int]:
+    """Those of ``pids`` still running (not zombies) after up to ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def test_launches_of_one_key_share_one_zygote(tmp_path: Path, env: dict[str, str]) -> None:
+    envs = []
+    for n in (1, 2):
+        att = tmp_path / f"attempt-{n}"
+        res = launch(_cell(att, "env"), module="pkg_fake.harness", attempt_dir=att,
+                     timeout_s=120, env=env, launcher="warm")
+        assert res.status == "OK", res.reason
+        log = res.launcher_log.read_text()
+        assert log.startswith(f"$ {sys.executable} -m qualify.candidate.zygote run --socket ")
+        assert "fork; imports" in log
+        assert f"launch {n} it serves" in _origin(res.launcher_log)
+        envs.append([json.loads((att / f"env{r}.json").read_text()) for r in (0, 1)])
+    one, two = (_origin(tmp_path / f"attempt-{n}" / "logs" / "launcher.log") for n in (1, 2))
+    assert one.split(" (")[0] == two.split(" (")[0]  # the same zygote pid
+    for rank in (0, 1):  # each launch its own store and run id, the rest the same
+        first, second = envs[0][rank], envs[1][rank]
+        assert sorted(first) == sorted(second)
+        assert {k: v for k, v in first.items() if k not in PER_LAUNCH} == \
+            {k: v for k, v in second.items() if k not in PER_LAUNCH}
+        assert first["TORCHELASTIC_RUN_ID"] != second["TORCHELASTIC_RUN_ID"]
+
+
+def test_off_switch_and_other_launchers_keep_their_command(tmp_path: Path,
+                                                           env: dict[str, str]) -> None:
+    cell = tmp_path / "cell.json"
+    warm = launch_command(cell, module="pkg_fake.harness", world_size=2, log_dir=tmp_path)
+    torchrun = launch_command(cell, module="pkg_fake.harness", world_size=2,
+                              log_dir=tmp_path, launcher="torchrun")
+    full = launch_env(env)
+    assert zygote.client_command(warm, {**full, "QUALIFY_ZYGOTE": "0"}) == warm
+    assert zygote.client_command(torchrun, full) == torchrun
+    served = zygote.client_command(warm, full)
+    assert served[1:4] == ["-m", "qualify.candidate.zygote", "run"]
+    assert served[served.index("--") + 1:] == warm[3:]
+
+
+def test_a_zygote_that_may_not_fork_is_refused_once(tmp_path: Path,
+                                                    env: dict[str, str]) -> None:
+    cell = tmp_path / "cell.json"
+    warm = launch_command(cell, module="pkg_fake.harness", world_size=2, log_dir=tmp_path,
+                          preload=("pkg_fake.threads",))
+    full = launch_env(env)
+    t0 = time.monotonic()
+    assert zygote.client_command(warm, full) == warm
+    assert zygote.client_command(warm, full) == warm  # remembered: no second start
+    assert time.monotonic() - t0 < 60
+    refused = [why for key, why in zygote._REFUSED.items() if "pkg_fake.threads" in str(key[2])]
+    assert any("threads after the imports" in why for why in refused), zygote._REFUSED
+
+
+def test_at_most_max_live_zygotes(tmp_path: Path, env: dict[str, str]) -> None:
+    cell = tmp_path / "cell.json"
+    warm = launch_command(cell, module="pkg_fake.harness", world_size=1, log_dir=tmp_path)
+    started = []
+    for n in range(zygote.MAX_LIVE + 1):
+        cmd = zygote.client_command(warm, {**launch_env(env), "QUALIFY_TEST_KEY": str(n)})
+        sock = Path(cmd[cmd.index("--socket") + 1])
+        started.append(next(z for z in zygote._LIVE.values() if z.socket_path == sock))
+    assert len(zygote._LIVE) <= zygote.MAX_LIVE
+    first = started[0]
+    assert first.proc.poll() is not None  # the least recently used was stopped
+    assert not first.socket_path.exists()
+    assert all(z.alive() for z in started[1:])
+
+
+def test_a_killed_client_ends_the_launcher_and_its_ranks(tmp_path: Path,
+                                                         env: dict[str, str]) -> None:
+    att = tmp_path / "attempt-1"
+    (att / "logs" / "ranks").mkdir(parents=True)
+    cell = att / "cell.json"
+    cell.write_text(json.dumps(_cell(att, "sleep").to_dict()))
+    full = launch_env(env)
+    warm = launch_command(cell, module="pkg_fake.harness", world_size=2,
+                          log_dir=att / "logs" / "ranks")
+    cmd = zygote.client_command(warm, full)
+    with (att / "client.log").open("wb") as log:
+        client = subprocess.Popen(cmd, cwd=att, env=full, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not all((att / f"pid{r}").is_file() for r in (0, 1)):
+        assert time.monotonic() < deadline, (att / "client.log").read_text()
+        time.sleep(0.1)
+    ranks = [int((att / f"pid{r}").read_text()) for r in (0, 1)]
+    launcher = psutil.Process(ranks[0]).ppid()
+    assert psutil.Process(launcher).ppid() != client.pid  # the zygote's child, not the client's
+    client.send_signal(signal.SIGKILL)
+    client.wait(timeout=10)
+    assert _gone([launcher, *ranks], within_s=15) == []
+    assert "the zygote client is gone" in (att / "client.log").read_text()
+
+
+def test_a_bad_request_leaves_the_zygote_serving(tmp_path: Path, env: dict[str, str]) -> None:
+    cell = tmp_path / "cell.json"
+    full = {**launch_env(env), "QUALIFY_TEST_KEY": "bad-request"}
+    warm = launch_command(cell, module="pkg_fake.harness", world_size=2, log_dir=tmp_path)
+    cmd = zygote.client_command(warm, full)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(cmd[cmd.index("--socket") + 1])
+        s.sendall(b"\x05\x00\x00\x00\x00\x00\x00\x00{}")  # no fds, short body
+    att = tmp_path / "attempt-1"
+    res = launch(_cell(att), module="pkg_fake.harness", attempt_dir=att, timeout_s=120,
+                 env=full, launcher="warm")
+    assert res.status == "OK", res.reason
+    assert "launch 1 it serves" in _origin(res.launcher_log)
+
+
+def test_a_zygote_ends_when_its_parent_is_gone(tmp_path: Path, env: dict[str, str]) -> None:
+    script = textwrap.dedent(f"""
+        import os, sys
+        from pathlib import Path
+        from qualify.candidate import zygote
+        from qualify.candidate.launch import launch_command, launch_env
+        warm = launch_command(Path("c.json"), module="pkg_fake.harness", world_size=1,
+                              log_dir=Path("."))
+        zygote.client_command(warm, launch_env({env!r}))
+        (z,) = zygote._LIVE.values()
+        print(z.proc.pid, z.socket_path, flush=True)
+        os._exit(0)  # no atexit: the zygote must notice on its own
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(repo_root())})
+    pid, sock = done.stdout.split()
+    assert _gone([int(pid)], within_s=10) == []
+    assert not Path(sock).exists()
