@@ -111,7 +111,8 @@ def test_at_most_max_live_zygotes(tmp_path: Path, env: dict[str, str]) -> None:
         started.append(next(z for z in zygote._LIVE.values() if z.socket_path == sock))
     assert len(zygote._LIVE) <= zygote.MAX_LIVE
     first = started[0]
-    assert first.proc.poll() is not None  # the least recently used was stopped
+    assert first in zygote._DRAINING  # the least recently used drains: nothing in flight,
+    first.proc.wait(timeout=10)  # so it exits at once and removes its socket
     assert not first.socket_path.exists()
     assert all(z.alive() for z in started[1:])
 
@@ -176,3 +177,64 @@ def test_a_zygote_ends_when_its_parent_is_gone(tmp_path: Path, env: dict[str, st
     pid, sock = done.stdout.split()
     assert _gone([int(pid)], within_s=10) == []
     assert not Path(sock).exists()
+
+
+def test_a_client_whose_zygote_is_gone_runs_the_plain_warm_launcher(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    att = tmp_path / "attempt-1"
+    (att / "logs" / "ranks").mkdir(parents=True)
+    cell = att / "cell.json"
+    cell.write_text(json.dumps(_cell(att, "env").to_dict()))
+    full = {**launch_env(env), "QUALIFY_TEST_KEY": "gone"}
+    warm = launch_command(cell, module="pkg_fake.harness", world_size=2,
+                          log_dir=att / "logs" / "ranks")
+    cmd = zygote.client_command(warm, full)
+    sock = Path(cmd[cmd.index("--socket") + 1])
+    (gone,) = [z for z in zygote._LIVE.values() if z.socket_path == sock]
+    gone.stop()
+    done = subprocess.run(cmd, cwd=att, env=full, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "the plain warm launcher runs it" in done.stdout
+    assert "fork; imports" in done.stdout
+    assert "from zygote" not in done.stdout
+    assert all((att / f"env{r}.json").is_file() for r in (0, 1))
+
+
+def test_an_evicted_zygote_lets_its_launch_in_flight_finish(tmp_path: Path,
+                                                            env: dict[str, str]) -> None:
+    att = tmp_path / "attempt-1"
+    (att / "logs" / "ranks").mkdir(parents=True)
+    cell = att / "cell.json"
+    cell.write_text(json.dumps(_cell(att, "sleep").to_dict()))
+    full = {**launch_env(env), "QUALIFY_TEST_KEY": "evicted"}
+    warm = launch_command(cell, module="pkg_fake.harness", world_size=2,
+                          log_dir=att / "logs" / "ranks")
+    cmd = zygote.client_command(warm, full)
+    with (att / "client.log").open("wb") as log:
+        client = subprocess.Popen(cmd, cwd=att, env=full, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((att / f"pid{r}").is_file() for r in (0, 1)):
+            assert time.monotonic() < deadline, (att / "client.log").read_text()
+            time.sleep(0.1)
+        ranks = [int((att / f"pid{r}").read_text()) for r in (0, 1)]
+        for n in range(zygote.MAX_LIVE):  # newer keys push this one out of the registry
+            zygote.client_command(warm, {**full, "QUALIFY_TEST_KEY": f"evicted-{n}"})
+        (drained,) = [z for z in zygote._DRAINING if str(z.socket_path) in cmd]
+        time.sleep(1.0)
+        assert client.poll() is None  # the launch in flight goes on
+        assert _gone(ranks, within_s=0) == ranks
+        assert not drained.socket_path.exists()  # no new launch: the socket is gone
+        again = zygote.client_command(warm, full)  # the key gets a new zygote
+        assert again != cmd
+    finally:
+        client.send_signal(signal.SIGTERM)  # forwarded: the launcher ends the ranks
+        rc = client.wait(timeout=30)
+    assert rc == 128 + signal.SIGTERM
+    assert _gone(ranks, within_s=15) == []
+    deadline = time.monotonic() + 10
+    while drained.alive():  # its last launch over, the drained zygote exits
+        assert time.monotonic() < deadline
+        time.sleep(0.1)

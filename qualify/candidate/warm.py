@@ -69,7 +69,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -298,6 +298,31 @@ def _agent_store(world: int) -> tuple[object | None, int]:
     return store, int(store.port)
 
 
+def fork_child(body: Callable[[], int]) -> int:
+    """Fork; the child runs ``body`` and ends with ``os._exit`` of its code; the child's pid.
+
+    This process's buffered stdout / stderr are flushed before the fork (a child never
+    writes the parent's pending lines again) and the child's after ``body``; an exception
+    out of ``body`` is printed to the child's stderr and its code is 1. The child never
+    returns into the caller's stack (no ``finally`` or ``atexit`` of the parent runs in it).
+    """
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    pid = os.fork()
+    if pid != 0:
+        return pid
+    code = 1
+    try:
+        code = body()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
 def start_ranks(world: int, *, target: str, args: Sequence[str], log_dir: Path,
                 forked: bool) -> tuple[dict[int, int], object | None]:
     """Start ``world`` ranks; ``(pid -> rank, the agent store kept alive by the caller)``.
@@ -330,20 +355,15 @@ def start_ranks(world: int, *, target: str, args: Sequence[str], log_dir: Path,
     parent, pipes = os.getpid(), dict[int, int]()
     for rank in range(world):
         read_end, write_end = os.pipe()
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                os.close(write_end)
-                for other in pipes.values():
-                    os.close(other)
-                code = _rank_main(rank, target=target, args=args, env=envs[rank],
-                                  rank_dir=log_dir / str(rank), parent=parent,
-                                  port_pipe=read_end)
-            finally:
-                os._exit(code)
+
+        def body(rank: int = rank, read_end: int = read_end, write_end: int = write_end) -> int:
+            os.close(write_end)
+            for other in pipes.values():
+                os.close(other)
+            return _rank_main(rank, target=target, args=args, env=envs[rank],
+                              rank_dir=log_dir / str(rank), parent=parent, port_pipe=read_end)
+
+        pid = fork_child(body)
         os.close(read_end)
         pids[pid], pipes[rank] = rank, write_end
     store, port = _agent_store(world)

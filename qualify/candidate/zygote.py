@@ -133,9 +133,13 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
         modules: the engine's ``warm_imports``.
         parent: the process the zygote serves; it exits when that process is gone.
 
+    A stop signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT) makes it drain: it closes and removes
+    its socket (a client that comes later runs the plain warm launcher) and exits when the
+    launches in flight have ended. Its parent's end ends those launches (SIGTERM) at once.
+
     Returns:
-        0 after a stop (SIGTERM) or its parent's end; 3 when it may not fork (the reason on
-        stdout instead of ``ready``).
+        0 after a stop or its parent's end; 3 when it may not fork (the reason on stdout
+        instead of ``ready``).
     """
     stop: list[int] = []
     for sig in warm._FORWARDED:
@@ -155,9 +159,16 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
     print("ready" + "".join(f"; not preloaded: {n}" for n in notes), flush=True)
     os.dup2(2, 1)  # later lines go to the zygote's log, not to the pipe nobody reads
     launchers: dict[int, socket.socket] = {}
-    served = 0
-    while not stop and os.getppid() == parent:
-        readable, _, _ = select.select([listener], [], [], POLL_S)
+    served, listening = 0, True
+    while os.getppid() == parent and (listening or launchers):
+        if stop and listening:  # drain: no new launch, the ones in flight run to their end
+            listener.close()
+            with contextlib.suppress(OSError):
+                socket_path.unlink()
+            listening = False
+        readable = select.select([listener], [], [], POLL_S)[0] if listening else []
+        if not listening:
+            time.sleep(POLL_S)
         if readable:
             conn, _ = listener.accept()
             try:
@@ -172,25 +183,18 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
                 print(f"zygote: bad request: {exc}", file=sys.stderr, flush=True)
                 conn.close()
                 continue
-            for stream in (sys.stdout, sys.stderr):
-                stream.flush()
-            pid = os.fork()
-            if pid == 0:
-                code = 1
-                try:
-                    listener.close()
-                    for other in launchers.values():
-                        other.close()
-                    for sig in warm._FORWARDED:
-                        signal.signal(sig, signal.SIG_DFL)
-                    code = _launcher_child(doc, fds, conn, os.getppid(),
-                                           f"its imports {imports_s:.2f} s once; launch "
-                                           f"{served + 1} it serves")
-                finally:
-                    for stream in (sys.stdout, sys.stderr):
-                        with contextlib.suppress(Exception):
-                            stream.flush()
-                    os._exit(code)
+            note = f"its imports {imports_s:.2f} s once; launch {served + 1} it serves"
+
+            def body(doc: Mapping[str, object] = doc, fds: Sequence[int] = fds,
+                     conn: socket.socket = conn, note: str = note) -> int:
+                listener.close()
+                for other in launchers.values():
+                    other.close()
+                for sig in warm._FORWARDED:
+                    signal.signal(sig, signal.SIG_DFL)
+                return _launcher_child(doc, fds, conn, os.getppid(), note)
+
+            pid = warm.fork_child(body)
             for fd in fds:
                 os.close(fd)
             served += 1
@@ -205,12 +209,13 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
             with contextlib.suppress(OSError):
                 conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
             conn.close()
-    for pid in launchers:  # stopped with launches in flight: end them as on a signal
+    for pid in launchers:  # the parent is gone with launches in flight: end them
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
-    listener.close()
-    with contextlib.suppress(OSError):
-        socket_path.unlink()
+    if listening:
+        listener.close()
+        with contextlib.suppress(OSError):
+            socket_path.unlink()
     return 0
 
 
@@ -220,8 +225,10 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
 def run_client(socket_path: Path, argv: Sequence[str]) -> int:
     """Hand one launch to the zygote at ``socket_path``; the launcher's exit code.
 
-    Forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to the launcher. 1 (with a line on stderr)
-    when the zygote cannot be reached or ends the launch without an exit status.
+    Forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to the launcher. When the zygote cannot be
+    reached or starts no launcher (stopped, draining), the client becomes the plain warm
+    launcher (``exec``) with the same arguments; 1 (with a line on stderr) when the zygote
+    ends a started launch without an exit status.
     """
     received: list[int] = []
     launcher: list[int] = []
@@ -243,11 +250,18 @@ def run_client(socket_path: Path, argv: Sequence[str]) -> int:
         lines = sock.makefile("r", encoding="utf-8")
         first = lines.readline().split()
         if len(first) != 2 or first[0] != "pid":
-            raise OSError("the zygote started no launcher")
-        launcher.append(int(first[1]))
-        for signum in received:  # a signal that came before the launcher's pid
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(launcher[0], signum)
+            raise OSError("it started no launcher")
+    except OSError as exc:  # nothing started: the plain warm launcher runs the launch
+        if received:
+            return 128 + received[0]
+        print(f"{warm.PREFIX} zygote {socket_path}: {exc}; the plain warm launcher runs it",
+              flush=True)
+        os.execv(sys.executable, [sys.executable, "-m", warm.__name__, *argv])
+    launcher.append(int(first[1]))
+    for signum in received:  # a signal that came before the launcher's pid
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(launcher[0], signum)
+    try:
         last = lines.readline().split()
     except OSError as exc:
         print(f"{warm.PREFIX} zygote {socket_path}: {exc}", file=sys.stderr, flush=True)
@@ -280,21 +294,30 @@ class Zygote:
         """Whether the zygote still runs."""
         return self.proc.poll() is None
 
-    def stop(self) -> None:
-        """SIGTERM, 5 s, SIGKILL; the socket directory removed."""
+    def drain(self) -> None:
+        """SIGTERM: the zygote takes no new launch and exits after those in flight."""
         if self.proc.poll() is None:
             self.proc.terminate()
-            try:
-                self.proc.wait(timeout=warm.KILL_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+
+    def stop(self, grace_s: float = warm.KILL_GRACE_S) -> None:
+        """Drain, wait up to ``grace_s``, then SIGKILL; the socket directory removed.
+
+        A SIGKILLed zygote's launchers die with it (``PR_SET_PDEATHSIG``), and their ranks.
+        """
+        self.drain()
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self.workdir.cleanup()
 
 
 _LOCK = threading.Lock()
 _LIVE: collections.OrderedDict[tuple[object, ...], Zygote] = collections.OrderedDict()
 _REFUSED: dict[tuple[object, ...], str] = {}
+_DRAINING: list[Zygote] = []
+"""Zygotes evicted from :data:`_LIVE` that may still serve launches in flight."""
 
 
 def _start(target: str, modules: Sequence[str], env: Mapping[str, str],
@@ -332,7 +355,8 @@ def client_command(warm_cmd: Sequence[str], env: Mapping[str, str],
     """The command that runs the warm launch ``warm_cmd`` through this process's zygote.
 
     Starts the zygote of the launch's key (harness, preload modules, environment) when
-    none runs, stopping the least recently used beyond :data:`MAX_LIVE`. Returns
+    none runs; beyond :data:`MAX_LIVE` the least recently used drains (its launches in
+    flight finish). Returns
     ``warm_cmd`` itself when zygotes are off (``QUALIFY_ZYGOTE=0``), when ``warm_cmd`` is
     not a warm launch, or when the key's zygote could not start or may not fork.
 
@@ -362,9 +386,13 @@ def client_command(warm_cmd: Sequence[str], env: Mapping[str, str],
                 _REFUSED[key] = started
                 return cmd
             zygote = _LIVE[key] = started
-            while len(_LIVE) > MAX_LIVE:
-                _, old = _LIVE.popitem(last=False)
-                old.stop()
+            while len(_LIVE) > MAX_LIVE:  # the least recently used drains: launches in
+                _, old = _LIVE.popitem(last=False)  # flight finish, later ones start plain
+                old.drain()
+                _DRAINING.append(old)
+        for done in [z for z in _DRAINING if not z.alive()]:
+            _DRAINING.remove(done)
+            done.stop()
         _LIVE.move_to_end(key)
         return [cmd[0], "-m", __name__, "run", "--socket", str(zygote.socket_path), "--",
                 *cmd[_ENTRY:]]
@@ -374,8 +402,12 @@ def client_command(warm_cmd: Sequence[str], env: Mapping[str, str],
 def stop_all() -> None:
     """Stop every zygote of this process (also at its exit)."""
     with _LOCK:
-        while _LIVE:
-            _, zygote = _LIVE.popitem()
+        every = [*_LIVE.values(), *_DRAINING]
+        _LIVE.clear()
+        _DRAINING.clear()
+        for zygote in every:
+            zygote.drain()
+        for zygote in every:
             zygote.stop()
 
 
