@@ -148,9 +148,25 @@ def test_a_bad_request_leaves_the_zygote_serving(tmp_path: Path, env: dict[str, 
     full = {**launch_env(env), "QUALIFY_TEST_KEY": "bad-request"}
     warm = launch_command(cell, module="pkg_fake.harness", world_size=2, log_dir=tmp_path)
     cmd = zygote.client_command(warm, full)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.connect(cmd[cmd.index("--socket") + 1])
-        s.sendall(b"\x05\x00\x00\x00\x00\x00\x00\x00{}")  # no fds, short body
+    sock = cmd[cmd.index("--socket") + 1]
+    (served,) = [z for z in zygote._LIVE.values() if str(z.socket_path) == sock]
+    fds_before = len(os.listdir(f"/proc/{served.proc.pid}/fd"))
+    huge = (1 << 40).to_bytes(8, "little")
+    with open(os.devnull, "rb") as null:
+        for fds, data in (([], b"\x05\x00\x00\x00\x00\x00\x00\x00{}"),  # no fds
+                          ([null.fileno()] * 3, huge + b"{"),  # a body of 1 TiB announced
+                          ([null.fileno()] * 3, b"\x02\x00\x00\x00\x00\x00\x00\x00[]"),
+                          ([null.fileno()] * 3, b"\x09\x00\x00\x00\x00\x00\x00\x00{")):  # cut
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(sock)
+                socket.send_fds(s, [data], fds)
+                s.shutdown(socket.SHUT_WR)
+                assert s.recv(100) == b""  # refused: no launcher's pid comes back
+    log = (Path(sock).parent / "zygote.log").read_text()
+    for why in ("carried 0 fds", "request body of 1099511627776 bytes", "is not {argv",
+                "cut short"):
+        assert why in log, log
+    assert len(os.listdir(f"/proc/{served.proc.pid}/fd")) == fds_before  # none kept
     att = tmp_path / "attempt-1"
     res = launch(_cell(att), module="pkg_fake.harness", attempt_dir=att, timeout_s=120,
                  env=full, launcher="warm")

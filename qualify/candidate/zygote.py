@@ -19,20 +19,25 @@ Independence is kept as by the warm launcher: the zygote computes nothing (it on
 and forks), so each launch starts from the frozen inputs with fresh model, optimizer and RNG
 state; nothing a launch does reaches the zygote or a later launch (each is a forked copy of
 the zygote as it was after its imports). ``tests/test_grouped_launch.py`` finds every tensor
-of a launch from a zygote that already served another cell bitwise equal to a torchrun launch of
-the same cell.
+of a launch from a zygote that already served another cell bitwise equal to a torchrun
+launch of the same cell.
 
 A zygote serves one key: harness, preload modules and the whole launch environment but
 :data:`VOLATILE` (what torch and the engines read at import time must be what the ranks
 would have read), so a launch with another environment gets another zygote.
-:func:`client_command` keeps at most :data:`MAX_LIVE` per process (least recently used
-stopped first); each ends when it is stopped, when its parent process is gone (checked every
+:func:`client_command` keeps at most :data:`MAX_LIVE` per process; beyond that the least
+recently used drains (it takes no new launch and exits when those in flight have ended). A
+zygote ends when it is stopped, when its parent process is gone (checked every
 :data:`POLL_S`), or at the parent's exit (``atexit``). Ending: the client forwards SIGTERM /
 SIGINT / SIGHUP / SIGQUIT to the launcher (which ends the ranks, torchrun's rule); a client
 that dies (``kill -9`` on a timeout) closes its socket and the launcher ends the ranks as on
 SIGTERM; a zygote that dies takes its launchers with it (``PR_SET_PDEATHSIG``), and they
 their ranks. A zygote that cannot start or may not fork (threads after its imports, CUDA) is
-remembered, and those launches use the plain warm launcher. ``QUALIFY_ZYGOTE=0`` turns
+remembered, and those launches use the plain warm launcher; a client that finds no zygote
+(stopped, draining) execs the plain warm launcher itself. The socket lives in a directory of
+mode 0700 (:func:`tempfile.mkdtemp`): only this user's processes reach it, and a bad
+request (no fds, a body over :data:`MAX_REQUEST_BYTES`, not JSON) is refused with its fds
+closed while the zygote goes on serving. ``QUALIFY_ZYGOTE=0`` turns
 zygotes off.
 
 Importing this module imports neither torch nor any engine.
@@ -71,6 +76,10 @@ POLL_S: Final = 0.05
 """The zygote's loop period: reaping launchers, accepting requests, checking its parent."""
 START_TIMEOUT_S: Final = 300.0
 """The longest a zygote may take to import and say it is ready."""
+MAX_REQUEST_BYTES: Final = 16 << 20
+"""The largest request body (argv, environment, cwd as JSON) a zygote reads."""
+REQUEST_TIMEOUT_S: Final = 10.0
+"""The longest a zygote waits for one request's bytes."""
 _HEADER: Final = struct.Struct("<Q")
 _ENTRY: Final = 3
 """Index of the first warm-launcher argument in :func:`qualify.candidate.launch.launch_command`'s
@@ -81,24 +90,38 @@ warm command (``python -m qualify.candidate.warm ARGS``)."""
 
 
 def _read_request(conn: socket.socket) -> tuple[dict[str, object], list[int]]:
-    """A client's request: (``{"argv", "env", "cwd"}``, its fds 0, 1, 2)."""
-    conn.settimeout(30.0)
-    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-    if len(data) < _HEADER.size:
-        raise ValueError("short request")
-    (size,) = _HEADER.unpack_from(data)
-    body = bytearray(data[_HEADER.size:])
-    while len(body) < size:
-        more = conn.recv(size - len(body))
-        if not more:
-            raise ValueError("request cut short")
-        body += more
+    """A client's request: (``{"argv", "env", "cwd"}``, its fds 0, 1, 2).
+
+    Raises:
+        ValueError: not 3 fds, a short or oversized body, not a JSON object with a list
+            ``argv``, an object ``env`` and a string ``cwd`` (the fds received are closed).
+        OSError: the socket failed or timed out (:data:`REQUEST_TIMEOUT_S`; fds closed).
+    """
+    conn.settimeout(REQUEST_TIMEOUT_S)
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+    try:
+        if len(fds) != 3:
+            raise ValueError(f"request carried {len(fds)} fds, not 3")
+        if len(data) < _HEADER.size:
+            raise ValueError("short request")
+        (size,) = _HEADER.unpack_from(data)
+        if size > MAX_REQUEST_BYTES:
+            raise ValueError(f"request body of {size} bytes (at most {MAX_REQUEST_BYTES})")
+        body = bytearray(data[_HEADER.size:])
+        while len(body) < size:
+            more = conn.recv(size - len(body))
+            if not more:
+                raise ValueError("request cut short")
+            body += more
+        doc = json.loads(bytes(body))
+        if not (isinstance(doc, dict) and isinstance(doc.get("argv"), list)
+                and isinstance(doc.get("env"), dict) and isinstance(doc.get("cwd"), str)):
+            raise ValueError("request is not {argv: list, env: object, cwd: string}")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
     conn.settimeout(None)
-    if len(fds) != 3:
-        raise ValueError(f"request carried {len(fds)} fds, not 3")
-    doc = json.loads(bytes(body))
-    if not isinstance(doc, dict):
-        raise ValueError("request is not an object")
     return doc, list(fds)
 
 
@@ -171,6 +194,7 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
             time.sleep(POLL_S)
         if readable:
             conn, _ = listener.accept()
+            fds: list[int] = []
             try:
                 doc, fds = _read_request(conn)
                 argv = [str(a) for a in doc["argv"]]  # type: ignore[attr-defined]
@@ -181,6 +205,9 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
                 warm.preload(target, (), cell)  # the model classes, kept for later cells
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 print(f"zygote: bad request: {exc}", file=sys.stderr, flush=True)
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
                 conn.close()
                 continue
             note = f"its imports {imports_s:.2f} s once; launch {served + 1} it serves"
