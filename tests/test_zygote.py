@@ -51,6 +51,29 @@ def _gone(pids: list[int], within_s: float) -> list[int]:
         time.sleep(0.1)
 
 
+def _attempt(att: Path, mode: str) -> tuple[Path, list[str]]:
+    """An attempt directory with a fake cell of ``mode``; (its cell.json, the warm command)."""
+    (att / "logs" / "ranks").mkdir(parents=True)
+    cell = att / "cell.json"
+    cell.write_text(json.dumps(_cell(att, mode).to_dict()))
+    return cell, launch_command(cell, module="pkg_fake.harness", world_size=2,
+                                log_dir=att / "logs" / "ranks")
+
+
+def _start_sleeping(att: Path, cmd: list[str],
+                    env: dict[str, str]) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """Run the client ``cmd`` of a sleeping launch; (the client, its 2 ranks' pids) once both
+    ranks run."""
+    with (att / "client.log").open("wb") as log:
+        client = subprocess.Popen(cmd, cwd=att, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not all((att / f"pid{r}").is_file() for r in (0, 1)):
+        assert time.monotonic() < deadline, (att / "client.log").read_text()
+        time.sleep(0.1)
+    return client, [int((att / f"pid{r}").read_text()) for r in (0, 1)]
+
+
 def test_launches_of_one_key_share_one_zygote(tmp_path: Path, env: dict[str, str]) -> None:
     envs = []
     for n in (1, 2):
@@ -120,21 +143,9 @@ def test_at_most_max_live_zygotes(tmp_path: Path, env: dict[str, str]) -> None:
 def test_a_killed_client_ends_the_launcher_and_its_ranks(tmp_path: Path,
                                                          env: dict[str, str]) -> None:
     att = tmp_path / "attempt-1"
-    (att / "logs" / "ranks").mkdir(parents=True)
-    cell = att / "cell.json"
-    cell.write_text(json.dumps(_cell(att, "sleep").to_dict()))
+    _, warm = _attempt(att, "sleep")
     full = launch_env(env)
-    warm = launch_command(cell, module="pkg_fake.harness", world_size=2,
-                          log_dir=att / "logs" / "ranks")
-    cmd = zygote.client_command(warm, full)
-    with (att / "client.log").open("wb") as log:
-        client = subprocess.Popen(cmd, cwd=att, env=full, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-    deadline = time.monotonic() + 60
-    while not all((att / f"pid{r}").is_file() for r in (0, 1)):
-        assert time.monotonic() < deadline, (att / "client.log").read_text()
-        time.sleep(0.1)
-    ranks = [int((att / f"pid{r}").read_text()) for r in (0, 1)]
+    client, ranks = _start_sleeping(att, zygote.client_command(warm, full), full)
     launcher = psutil.Process(ranks[0]).ppid()
     assert psutil.Process(launcher).ppid() != client.pid  # the zygote's child, not the client's
     client.send_signal(signal.SIGKILL)
@@ -198,12 +209,8 @@ def test_a_zygote_ends_when_its_parent_is_gone(tmp_path: Path, env: dict[str, st
 def test_a_client_whose_zygote_is_gone_runs_the_plain_warm_launcher(
         tmp_path: Path, env: dict[str, str]) -> None:
     att = tmp_path / "attempt-1"
-    (att / "logs" / "ranks").mkdir(parents=True)
-    cell = att / "cell.json"
-    cell.write_text(json.dumps(_cell(att, "env").to_dict()))
+    _, warm = _attempt(att, "env")
     full = {**launch_env(env), "QUALIFY_TEST_KEY": "gone"}
-    warm = launch_command(cell, module="pkg_fake.harness", world_size=2,
-                          log_dir=att / "logs" / "ranks")
     cmd = zygote.client_command(warm, full)
     sock = Path(cmd[cmd.index("--socket") + 1])
     (gone,) = [z for z in zygote._LIVE.values() if z.socket_path == sock]
@@ -220,22 +227,11 @@ def test_a_client_whose_zygote_is_gone_runs_the_plain_warm_launcher(
 def test_an_evicted_zygote_lets_its_launch_in_flight_finish(tmp_path: Path,
                                                             env: dict[str, str]) -> None:
     att = tmp_path / "attempt-1"
-    (att / "logs" / "ranks").mkdir(parents=True)
-    cell = att / "cell.json"
-    cell.write_text(json.dumps(_cell(att, "sleep").to_dict()))
+    _, warm = _attempt(att, "sleep")
     full = {**launch_env(env), "QUALIFY_TEST_KEY": "evicted"}
-    warm = launch_command(cell, module="pkg_fake.harness", world_size=2,
-                          log_dir=att / "logs" / "ranks")
     cmd = zygote.client_command(warm, full)
-    with (att / "client.log").open("wb") as log:
-        client = subprocess.Popen(cmd, cwd=att, env=full, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+    client, ranks = _start_sleeping(att, cmd, full)
     try:
-        deadline = time.monotonic() + 60
-        while not all((att / f"pid{r}").is_file() for r in (0, 1)):
-            assert time.monotonic() < deadline, (att / "client.log").read_text()
-            time.sleep(0.1)
-        ranks = [int((att / f"pid{r}").read_text()) for r in (0, 1)]
         for n in range(zygote.MAX_LIVE):  # newer keys push this one out of the registry
             zygote.client_command(warm, {**full, "QUALIFY_TEST_KEY": f"evicted-{n}"})
         (drained,) = [z for z in zygote._DRAINING if str(z.socket_path) in cmd]
