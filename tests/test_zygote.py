@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -31,6 +32,21 @@ PER_LAUNCH = {"MASTER_PORT", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "TORCHELASTIC
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
     return write_fake(tmp_path / "pkg")
+
+
+@pytest.fixture(autouse=True)
+def no_zygotes() -> Iterator[None]:
+    """Each test starts with no zygote of this process (and leaves none)."""
+    zygote.stop_all()
+    yield
+    zygote.stop_all()
+
+
+def _zygote_of(cmd: list[str]) -> zygote.Zygote:
+    """The live zygote a client command ``cmd`` talks to."""
+    sock = Path(cmd[cmd.index("--socket") + 1])
+    (found,) = [z for z in zygote._LIVE.values() if z.socket_path == sock]
+    return found
 
 
 def _origin(log: Path) -> str:
@@ -145,9 +161,10 @@ def test_a_killed_client_ends_the_launcher_and_its_ranks(tmp_path: Path,
     att = tmp_path / "attempt-1"
     _, warm = _attempt(att, "sleep")
     full = launch_env(env)
-    client, ranks = _start_sleeping(att, zygote.client_command(warm, full), full)
+    cmd = zygote.client_command(warm, full)
+    client, ranks = _start_sleeping(att, cmd, full)
     launcher = psutil.Process(ranks[0]).ppid()
-    assert psutil.Process(launcher).ppid() != client.pid  # the zygote's child, not the client's
+    assert psutil.Process(launcher).ppid() == _zygote_of(cmd).proc.pid  # not the client's
     client.send_signal(signal.SIGKILL)
     client.wait(timeout=10)
     assert _gone([launcher, *ranks], within_s=15) == []
@@ -167,7 +184,9 @@ def test_a_bad_request_leaves_the_zygote_serving(tmp_path: Path, env: dict[str, 
         for fds, data in (([], b"\x05\x00\x00\x00\x00\x00\x00\x00{}"),  # no fds
                           ([null.fileno()] * 3, huge + b"{"),  # a body of 1 TiB announced
                           ([null.fileno()] * 3, b"\x02\x00\x00\x00\x00\x00\x00\x00[]"),
-                          ([null.fileno()] * 3, b"\x09\x00\x00\x00\x00\x00\x00\x00{")):  # cut
+                          ([null.fileno()] * 3, b"\x09\x00\x00\x00\x00\x00\x00\x00{"),  # cut
+                          ([null.fileno()] * 3, (200_000).to_bytes(8, "little") +
+                           b"[" * 200_000)):  # nesting past the JSON decoder's recursion
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.connect(sock)
                 socket.send_fds(s, [data], fds)
@@ -175,7 +194,7 @@ def test_a_bad_request_leaves_the_zygote_serving(tmp_path: Path, env: dict[str, 
                 assert s.recv(100) == b""  # refused: no launcher's pid comes back
     log = (Path(sock).parent / "zygote.log").read_text()
     for why in ("carried 0 fds", "request body of 1099511627776 bytes", "is not {argv",
-                "cut short"):
+                "cut short", "recursion"):
         assert why in log, log
     assert len(os.listdir(f"/proc/{served.proc.pid}/fd")) == fds_before  # none kept
     att = tmp_path / "attempt-1"
@@ -250,3 +269,41 @@ def test_an_evicted_zygote_lets_its_launch_in_flight_finish(tmp_path: Path,
     while drained.alive():  # its last launch over, the drained zygote exits
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+def test_a_signal_forwarded_at_once_reaches_the_launcher(tmp_path: Path,
+                                                         env: dict[str, str]) -> None:
+    """The client forwards a signal as soon as it has the launcher's pid, before the forked
+    launcher has its handlers: the zygote forks with the signals blocked, so each is
+    delivered once warm.main handles them (the launch ends 128 + SIGTERM, promptly)."""
+    full = {**launch_env(env), "QUALIFY_TEST_KEY": "early-signal"}
+    for n in range(5):
+        att = tmp_path / f"attempt-{n}"
+        _, warm = _attempt(att, "sleep")
+        cmd = zygote.client_command(warm, full)
+        body = json.dumps({"argv": cmd[cmd.index("--") + 1:], "env": full,
+                           "cwd": str(att)}).encode()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, \
+                open(os.devnull, "rb") as null, (att / "client.log").open("wb") as log:
+            s.connect(cmd[cmd.index("--socket") + 1])
+            socket.send_fds(s, [len(body).to_bytes(8, "little") + body],
+                            [null.fileno(), log.fileno(), log.fileno()])
+            lines = s.makefile("r")
+            first = lines.readline().split()
+            assert first[0] == "pid"
+            os.kill(int(first[1]), signal.SIGTERM)  # at once, as run_client replays it
+            s.settimeout(30)
+            t0 = time.monotonic()
+            last = lines.readline().split()
+        assert last == ["exit", str(128 + signal.SIGTERM)], (att / "client.log").read_text()
+        assert time.monotonic() - t0 < 15
+
+
+def test_an_import_that_prints_does_not_refuse_the_zygote(tmp_path: Path,
+                                                          env: dict[str, str]) -> None:
+    noisy = Path(env["PYTHONPATH"]) / "pkg_fake" / "noisy.py"
+    noisy.write_text("print('hello from an import', flush=True)\n")
+    warm = launch_command(tmp_path / "c.json", module="pkg_fake.harness", world_size=1,
+                          log_dir=tmp_path, preload=("pkg_fake.noisy",))
+    cmd = zygote.client_command(warm, launch_env(env))
+    assert cmd[1:4] == ["-m", "qualify.candidate.zygote", "run"], zygote._REFUSED

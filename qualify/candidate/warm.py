@@ -324,13 +324,14 @@ def fork_child(body: Callable[[], int]) -> int:
 
 
 def start_ranks(world: int, *, target: str, args: Sequence[str], log_dir: Path,
-                forked: bool) -> tuple[dict[int, int], object | None]:
+                forked: bool, close: Sequence[int] = ()) -> tuple[dict[int, int], object | None]:
     """Start ``world`` ranks; ``(pid -> rank, the agent store kept alive by the caller)``.
 
     Forked ranks run :func:`_rank_main` and get ``MASTER_PORT`` through a pipe once the
-    launcher's agent store is up. Unsafe to fork: each rank is a fresh interpreter
-    (:class:`subprocess.Popen`: no Python runs between its fork and exec), rank 0 hosting
-    the store on a free port, as under torchrun without an agent store.
+    launcher's agent store is up; they close the fds in ``close`` (a zygote client's
+    socket). Unsafe to fork: each rank is a fresh interpreter (:class:`subprocess.Popen`: no
+    Python runs between its fork and exec), rank 0 hosting the store on a free port, as
+    under torchrun without an agent store.
     """
     run_id = f"warm-{os.getpid()}"
     pids: dict[int, int] = {}
@@ -358,7 +359,7 @@ def start_ranks(world: int, *, target: str, args: Sequence[str], log_dir: Path,
 
         def body(rank: int = rank, read_end: int = read_end, write_end: int = write_end) -> int:
             os.close(write_end)
-            for other in pipes.values():
+            for other in (*pipes.values(), *close):  # the launcher's, not the rank's
                 os.close(other)
             return _rank_main(rank, target=target, args=args, env=envs[rank],
                               rank_dir=log_dir / str(rank), parent=parent, port_pipe=read_end)
@@ -472,6 +473,8 @@ def main(argv: Sequence[str] | None = None, *, watch: socket.socket | None = Non
 
     for sig in _FORWARDED:
         signal.signal(sig, on_signal)
+    # a zygote forks this launcher with them blocked: one sent meanwhile is delivered now
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # an inherited SIG_IGN would hide exit codes
     if args.nproc_per_node > 1:  # torchrun's rule (torch/distributed/run.py), before torch
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -487,7 +490,8 @@ def main(argv: Sequence[str] | None = None, *, watch: socket.socket | None = Non
           f"{time.monotonic() - t0:.2f} s" + "".join(f"\n{PREFIX} not preloaded: {n}"
                                                        for n in notes), flush=True)
     pids, store = start_ranks(args.nproc_per_node, target=args.target, args=args.args,
-                              log_dir=args.log_dir, forked=forked)
+                              log_dir=args.log_dir, forked=forked,
+                              close=() if watch is None else (watch.fileno(),))
     try:
         return supervise(pids, received, watch=watch)
     finally:

@@ -52,6 +52,7 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -140,6 +141,7 @@ def _launcher_child(doc: Mapping[str, object], fds: Sequence[int], conn: socket.
     argv = [str(a) for a in doc["argv"]]  # type: ignore[attr-defined]
     env = {str(k): str(v) for k, v in doc["env"].items()}  # type: ignore[attr-defined]
     os.chdir(str(doc["cwd"]))
+    sys.path[0] = os.getcwd()  # as for ``python -m qualify.candidate.warm`` run there
     os.environ.clear()
     os.environ.update(env)
     sys.argv = ["qualify.candidate.warm", *argv]
@@ -203,7 +205,11 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
                 if cell is not None and not cell.is_absolute():
                     cell = cwd / cell
                 warm.preload(target, (), cell)  # the model classes, kept for later cells
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+                safe, why = warm.fork_safe()
+                if not safe:  # an import of this cell started a thread: no fork from here on
+                    stop.append(int(signal.SIGTERM))
+                    raise ValueError(f"may not fork any more ({why}); draining")
+            except Exception as exc:  # one request's failure; the zygote goes on
                 print(f"zygote: bad request: {exc}", file=sys.stderr, flush=True)
                 for fd in fds:
                     with contextlib.suppress(OSError):
@@ -221,7 +227,13 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
                     signal.signal(sig, signal.SIG_DFL)
                 return _launcher_child(doc, fds, conn, os.getppid(), note)
 
-            pid = warm.fork_child(body)
+            # blocked across the fork: a signal the client forwards before the launcher's
+            # handlers exist stays pending until warm.main installs them and unblocks
+            signal.pthread_sigmask(signal.SIG_BLOCK, warm._FORWARDED)
+            try:
+                pid = warm.fork_child(body)
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, warm._FORWARDED)
             for fd in fds:
                 os.close(fd)
             served += 1
@@ -243,6 +255,8 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
         listener.close()
         with contextlib.suppress(OSError):
             socket_path.unlink()
+    if os.getppid() != parent:  # nobody will clean up after it: its directory goes too
+        shutil.rmtree(socket_path.parent, ignore_errors=True)
     return 0
 
 
@@ -357,23 +371,27 @@ def _start(target: str, modules: Sequence[str], env: Mapping[str, str],
         proc = subprocess.Popen(
             [sys.executable, "-m", __name__, "serve", "--socket", str(sock), "--parent",
              str(os.getpid()), *pre, target], stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=log, env=dict(env), start_new_session=True)
+            stdout=subprocess.PIPE, stderr=log, env=dict(env), start_new_session=True,
+            cwd=workdir.name)  # sys.path[0]: an empty directory, not the caller's cwd
     zygote = Zygote(proc, sock, workdir)
     assert proc.stdout is not None
-    line = b""
+    out, answer = b"", b""
     deadline = time.monotonic() + timeout_s
-    while not line.endswith(b"\n") and time.monotonic() < deadline:
+    while not answer and time.monotonic() < deadline:
         ready, _, _ = select.select([proc.stdout], [], [], 0.1)
         if ready:
             chunk = os.read(proc.stdout.fileno(), 4096)
             if not chunk:
                 break
-            line += chunk
+            out += chunk
+            # what an import printed comes first; the answer is a line of its own
+            answer = next((ln for ln in out.split(b"\n")[:-1]
+                           if ln.startswith((b"ready", b"unsafe "))), b"")
     proc.stdout.close()
-    if line.startswith(b"ready"):
+    if answer.startswith(b"ready"):
         return zygote
     zygote.stop()
-    text = line.decode(errors="replace").strip()
+    text = answer.decode(errors="replace").strip()
     return text or f"no answer within {timeout_s:g} s (exit {proc.returncode})"
 
 
