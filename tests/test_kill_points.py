@@ -45,6 +45,7 @@ import pytest
 from tiny_contracts import torch_tp_only_text
 
 from qualify import atomic
+from qualify.candidate.zygote_pool import is_pool_zygote
 from qualify.contract import load_contract
 from qualify.crashpoints import ENV_CRASH_AT, CrashPoint, crash_spec
 from qualify.errors import ExitCode
@@ -130,11 +131,16 @@ class Kit:
 
 
 def _tagged(tag: str) -> list[psutil.Process]:
-    """Every live process whose environment carries ``tag`` (the killed one's descendants)."""
+    """Every live process whose environment carries ``tag`` (the killed one's descendants).
+
+    But a zygote of the session's pool (tests/conftest.py): it outlives the process that
+    started it by design (it ends when idle); its launchers and their ranks are counted.
+    """
     found = []
     for p in psutil.process_iter():
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(ENV_TAG) == tag:
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(ENV_TAG) == tag \
+                    and not is_pool_zygote(p.cmdline()):
                 found.append(p)
         except psutil.Error:
             continue

@@ -22,7 +22,7 @@ import psutil
 import pytest
 from test_launch import _cell, write_fake
 
-from qualify.candidate import zygote
+from qualify.candidate import zygote, zygote_pool
 from qualify.candidate.launch import launch, launch_command, launch_env
 from qualify.resources import repo_root
 
@@ -35,17 +35,19 @@ def env(tmp_path: Path) -> dict[str, str]:
 
 
 @pytest.fixture(autouse=True)
-def no_zygotes() -> Iterator[None]:
-    """Each test starts with no zygote of this process (and leaves none)."""
-    zygote.stop_all()
+def no_zygotes(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test starts with no zygote of this process (and leaves none); zygotes of this
+    process, not the session's pool (tests/test_zygote_pool.py)."""
+    monkeypatch.delenv("QUALIFY_ZYGOTE_DIR", raising=False)
+    zygote_pool.stop_all()
     yield
-    zygote.stop_all()
+    zygote_pool.stop_all()
 
 
-def _zygote_of(cmd: list[str]) -> zygote.Zygote:
+def _zygote_of(cmd: list[str]) -> zygote_pool.Zygote:
     """The live zygote a client command ``cmd`` talks to."""
     sock = Path(cmd[cmd.index("--socket") + 1])
-    (found,) = [z for z in zygote._LIVE.values() if z.socket_path == sock]
+    (found,) = [z for z in zygote_pool._LIVE.values() if z.socket_path == sock]
     return found
 
 
@@ -119,9 +121,9 @@ def test_off_switch_and_other_launchers_keep_their_command(tmp_path: Path,
     torchrun = launch_command(cell, module="pkg_fake.harness", world_size=2,
                               log_dir=tmp_path, launcher="torchrun")
     full = launch_env(env)
-    assert zygote.client_command(warm, {**full, "QUALIFY_ZYGOTE": "0"}) == warm
-    assert zygote.client_command(torchrun, full) == torchrun
-    served = zygote.client_command(warm, full)
+    assert zygote_pool.client_command(warm, {**full, "QUALIFY_ZYGOTE": "0"}) == warm
+    assert zygote_pool.client_command(torchrun, full) == torchrun
+    served = zygote_pool.client_command(warm, full)
     assert served[1:4] == ["-m", "qualify.candidate.zygote", "run"]
     assert served[served.index("--") + 1:] == warm[3:]
 
@@ -133,24 +135,25 @@ def test_a_zygote_that_may_not_fork_is_refused_once(tmp_path: Path,
                           preload=("pkg_fake.threads",))
     full = launch_env(env)
     t0 = time.monotonic()
-    assert zygote.client_command(warm, full) == warm
-    assert zygote.client_command(warm, full) == warm  # remembered: no second start
+    assert zygote_pool.client_command(warm, full) == warm
+    assert zygote_pool.client_command(warm, full) == warm  # remembered: no second start
     assert time.monotonic() - t0 < 60
-    refused = [why for key, why in zygote._REFUSED.items() if "pkg_fake.threads" in str(key[2])]
-    assert any("threads after the imports" in why for why in refused), zygote._REFUSED
+    refused = [why for key, why in zygote_pool._REFUSED.items()
+               if "pkg_fake.threads" in str(key[2])]
+    assert any("threads after the imports" in why for why in refused), zygote_pool._REFUSED
 
 
 def test_at_most_max_live_zygotes(tmp_path: Path, env: dict[str, str]) -> None:
     cell = tmp_path / "cell.json"
     warm = launch_command(cell, module="pkg_fake.harness", world_size=1, log_dir=tmp_path)
     started = []
-    for n in range(zygote.MAX_LIVE + 1):
-        cmd = zygote.client_command(warm, {**launch_env(env), "QUALIFY_TEST_KEY": str(n)})
+    for n in range(zygote_pool.MAX_LIVE + 1):
+        cmd = zygote_pool.client_command(warm, {**launch_env(env), "QUALIFY_TEST_KEY": str(n)})
         sock = Path(cmd[cmd.index("--socket") + 1])
-        started.append(next(z for z in zygote._LIVE.values() if z.socket_path == sock))
-    assert len(zygote._LIVE) <= zygote.MAX_LIVE
+        started.append(next(z for z in zygote_pool._LIVE.values() if z.socket_path == sock))
+    assert len(zygote_pool._LIVE) <= zygote_pool.MAX_LIVE
     first = started[0]
-    assert first in zygote._DRAINING  # the least recently used drains: nothing in flight,
+    assert first in zygote_pool._DRAINING  # the least recently used drains: nothing in flight,
     first.proc.wait(timeout=10)  # so it exits at once and removes its socket
     assert not first.socket_path.exists()
     assert all(z.alive() for z in started[1:])
@@ -161,7 +164,7 @@ def test_a_killed_client_ends_the_launcher_and_its_ranks(tmp_path: Path,
     att = tmp_path / "attempt-1"
     _, warm = _attempt(att, "sleep")
     full = launch_env(env)
-    cmd = zygote.client_command(warm, full)
+    cmd = zygote_pool.client_command(warm, full)
     client, ranks = _start_sleeping(att, cmd, full)
     launcher = psutil.Process(ranks[0]).ppid()
     assert psutil.Process(launcher).ppid() == _zygote_of(cmd).proc.pid  # not the client's
@@ -175,9 +178,9 @@ def test_a_bad_request_leaves_the_zygote_serving(tmp_path: Path, env: dict[str, 
     cell = tmp_path / "cell.json"
     full = {**launch_env(env), "QUALIFY_TEST_KEY": "bad-request"}
     warm = launch_command(cell, module="pkg_fake.harness", world_size=2, log_dir=tmp_path)
-    cmd = zygote.client_command(warm, full)
+    cmd = zygote_pool.client_command(warm, full)
     sock = cmd[cmd.index("--socket") + 1]
-    (served,) = [z for z in zygote._LIVE.values() if str(z.socket_path) == sock]
+    (served,) = [z for z in zygote_pool._LIVE.values() if str(z.socket_path) == sock]
     fds_before = len(os.listdir(f"/proc/{served.proc.pid}/fd"))
     huge = (1 << 40).to_bytes(8, "little")
     with open(os.devnull, "rb") as null:
@@ -208,12 +211,12 @@ def test_a_zygote_ends_when_its_parent_is_gone(tmp_path: Path, env: dict[str, st
     script = textwrap.dedent(f"""
         import os, sys
         from pathlib import Path
-        from qualify.candidate import zygote
+        from qualify.candidate import zygote, zygote_pool
         from qualify.candidate.launch import launch_command, launch_env
         warm = launch_command(Path("c.json"), module="pkg_fake.harness", world_size=1,
                               log_dir=Path("."))
-        zygote.client_command(warm, launch_env({env!r}))
-        (z,) = zygote._LIVE.values()
+        zygote_pool.client_command(warm, launch_env({env!r}))
+        (z,) = zygote_pool._LIVE.values()
         print(z.proc.pid, z.socket_path, flush=True)
         os._exit(0)  # no atexit: the zygote must notice on its own
     """)
@@ -230,9 +233,9 @@ def test_a_client_whose_zygote_is_gone_runs_the_plain_warm_launcher(
     att = tmp_path / "attempt-1"
     _, warm = _attempt(att, "env")
     full = {**launch_env(env), "QUALIFY_TEST_KEY": "gone"}
-    cmd = zygote.client_command(warm, full)
+    cmd = zygote_pool.client_command(warm, full)
     sock = Path(cmd[cmd.index("--socket") + 1])
-    (gone,) = [z for z in zygote._LIVE.values() if z.socket_path == sock]
+    (gone,) = [z for z in zygote_pool._LIVE.values() if z.socket_path == sock]
     gone.stop()
     done = subprocess.run(cmd, cwd=att, env=full, capture_output=True, text=True, timeout=120,
                           check=False)
@@ -248,17 +251,17 @@ def test_an_evicted_zygote_lets_its_launch_in_flight_finish(tmp_path: Path,
     att = tmp_path / "attempt-1"
     _, warm = _attempt(att, "sleep")
     full = {**launch_env(env), "QUALIFY_TEST_KEY": "evicted"}
-    cmd = zygote.client_command(warm, full)
+    cmd = zygote_pool.client_command(warm, full)
     client, ranks = _start_sleeping(att, cmd, full)
     try:
-        for n in range(zygote.MAX_LIVE):  # newer keys push this one out of the registry
-            zygote.client_command(warm, {**full, "QUALIFY_TEST_KEY": f"evicted-{n}"})
-        (drained,) = [z for z in zygote._DRAINING if str(z.socket_path) in cmd]
+        for n in range(zygote_pool.MAX_LIVE):  # newer keys push this one out of the registry
+            zygote_pool.client_command(warm, {**full, "QUALIFY_TEST_KEY": f"evicted-{n}"})
+        (drained,) = [z for z in zygote_pool._DRAINING if str(z.socket_path) in cmd]
         time.sleep(1.0)
         assert client.poll() is None  # the launch in flight goes on
         assert _gone(ranks, within_s=0) == ranks
         assert not drained.socket_path.exists()  # no new launch: the socket is gone
-        again = zygote.client_command(warm, full)  # the key gets a new zygote
+        again = zygote_pool.client_command(warm, full)  # the key gets a new zygote
         assert again != cmd
     finally:
         client.send_signal(signal.SIGTERM)  # forwarded: the launcher ends the ranks
@@ -280,7 +283,7 @@ def test_a_signal_forwarded_at_once_reaches_the_launcher(tmp_path: Path,
     for n in range(5):
         att = tmp_path / f"attempt-{n}"
         _, warm = _attempt(att, "sleep")
-        cmd = zygote.client_command(warm, full)
+        cmd = zygote_pool.client_command(warm, full)
         body = json.dumps({"argv": cmd[cmd.index("--") + 1:], "env": full,
                            "cwd": str(att)}).encode()
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, \
@@ -305,5 +308,30 @@ def test_an_import_that_prints_does_not_refuse_the_zygote(tmp_path: Path,
     noisy.write_text("print('hello from an import', flush=True)\n")
     warm = launch_command(tmp_path / "c.json", module="pkg_fake.harness", world_size=1,
                           log_dir=tmp_path, preload=("pkg_fake.noisy",))
-    cmd = zygote.client_command(warm, launch_env(env))
-    assert cmd[1:4] == ["-m", "qualify.candidate.zygote", "run"], zygote._REFUSED
+    cmd = zygote_pool.client_command(warm, launch_env(env))
+    assert cmd[1:4] == ["-m", "qualify.candidate.zygote", "run"], zygote_pool._REFUSED
+
+
+def test_a_silent_connection_holds_up_no_launch(tmp_path: Path, env: dict[str, str]) -> None:
+    """A client that connects and sends nothing (or half a request) does not stall the
+    zygote: the launch behind it is served at once."""
+    full = {**launch_env(env), "QUALIFY_TEST_KEY": "silent"}
+    att = tmp_path / "attempt-0"
+    first = launch(_cell(att), module="pkg_fake.harness", attempt_dir=att, timeout_s=120,
+                   env=full, launcher="warm")
+    assert first.status == "OK", first.reason
+    sock = first.launcher_log.read_text().split("--socket ", 1)[1].split()[0]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as half, \
+            open(os.devnull, "rb") as null:
+        silent.connect(sock)
+        half.connect(sock)
+        socket.send_fds(half, [(100).to_bytes(8, "little") + b'{"argv"'], [null.fileno()] * 3)
+        att = tmp_path / "attempt-1"
+        t0 = time.monotonic()
+        res = launch(_cell(att), module="pkg_fake.harness", attempt_dir=att, timeout_s=120,
+                     env=full, launcher="warm")
+        took = time.monotonic() - t0
+    assert res.status == "OK", res.reason
+    assert "launch 2 it serves" in _origin(res.launcher_log)
+    assert took < zygote.REQUEST_TIMEOUT_S / 2, took

@@ -8,8 +8,9 @@ the attempt directory and runs, in a new session (its own process group), one of
   <world_size> --log-dir <attempt>/logs/ranks [--preload MOD ...] <harness> <cell.json>``:
   one interpreter imports the harness, the engine and the model classes once and forks
   every rank with torchrun's environment (:mod:`qualify.candidate.warm`; issue #17); run
-  through this process's zygote of the harness (:func:`qualify.candidate.zygote.client_command`:
-  a warm interpreter kept between launches, so a second launch repeats no import) unless
+  through a zygote of the harness (:mod:`qualify.candidate.zygote`: a warm interpreter
+  kept between launches, so a second launch repeats no import; this process's, or the
+  session's pool in ``QUALIFY_ZYGOTE_DIR``, :mod:`qualify.candidate.zygote_pool`) unless
   ``QUALIFY_ZYGOTE=0``;
 - ``torchrun`` (``QUALIFY_LAUNCHER=torchrun``, and every launch on a CUDA machine)::
 
@@ -59,7 +60,7 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from qualify import atomic, procs, schema
-from qualify.candidate import zygote
+from qualify.candidate import zygote_pool
 from qualify.errors import HarnessError, QualifyError, UsageError
 from qualify.evidence.timestamps import utc_now_iso
 from qualify.layout import LAUNCHER_LOG, LOGS_DIR, RANK_LOGS_DIR
@@ -81,6 +82,10 @@ multi-node path)."""
 
 KILL_GRACE_S: Final = procs.KILL_GRACE_S
 """Seconds between SIGTERM and SIGKILL when a launch is ended (:mod:`qualify.procs`)."""
+CLIENT_GRACE_S: Final = KILL_GRACE_S + 3.0
+"""The same for a zygote's client: longer than its launcher's own grace for the ranks
+(:data:`qualify.candidate.warm.KILL_GRACE_S`), so that on a timeout the client, which
+waits for the launcher's exit, is not killed before the ranks are."""
 TAIL_LINES: Final = 25
 """Lines of the failing rank's log quoted in an ``ERROR`` reason."""
 _SAFETENSORS_FLOATS: Final = frozenset({"F64", "F32"})
@@ -307,8 +312,9 @@ def check_launch_env(env: Mapping[str, str] | None = None) -> str:
     """Check the launch settings of the environment; the launcher they name.
 
     ``QUALIFY_LAUNCHER`` (``warm`` when unset) must be ``warm``, ``torchrun`` or ``srun``,
-    ``QUALIFY_NNODES`` (when set) a positive integer. The candidate stage calls this before
-    it writes anything, so a bad value leaves no run behind.
+    ``QUALIFY_NNODES`` (when set) a positive integer, the zygote pool's settings as
+    :func:`qualify.candidate.zygote_pool.check_pool_env` says. The candidate stage calls
+    this before it writes anything, so a bad value leaves no run behind.
 
     Raises:
         UsageError: a value is not one of those (the variable and value named).
@@ -319,6 +325,7 @@ def check_launch_env(env: Mapping[str, str] | None = None) -> str:
         raise UsageError(f"QUALIFY_LAUNCHER={chosen!r}: must be one of "
                          f"{', '.join((*LAUNCHERS, 'srun'))}")
     _nnodes(e, UsageError)
+    zygote_pool.check_pool_env(e)
     return chosen
 
 
@@ -398,14 +405,15 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
                          preload=preload)
     launcher_log, started = logs / LAUNCHER_LOG, utc_now_iso()
     t0 = time.monotonic()
-    cmd = zygote.client_command(cmd, launch_environment, timeout_s)  # warm: one import chain
+    warm_cmd, cmd = cmd, zygote_pool.client_command(cmd, launch_environment, timeout_s)
     left = timeout_s - (time.monotonic() - t0)  # a zygote's first imports count too
+    grace = KILL_GRACE_S if cmd == warm_cmd else CLIENT_GRACE_S
     with launcher_log.open("wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
         ran = (procs.run(cmd, cwd=attempt_dir, env=launch_environment, stdout=log,
                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, new_session=True,
-                         timeout_s=left, grace_s=KILL_GRACE_S) if left > 0 else None)
+                         timeout_s=left, grace_s=grace) if left > 0 else None)
     rc, wall = (None if ran is None else ran.returncode), time.monotonic() - t0
     rank_logs = tuple(sorted(p for p in rank_dir.rglob("*") if p.is_file()))
 

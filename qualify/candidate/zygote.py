@@ -22,23 +22,25 @@ the zygote as it was after its imports). ``tests/test_grouped_launch.py`` finds 
 of a launch from a zygote that already served another cell bitwise equal to a torchrun
 launch of the same cell.
 
-A zygote serves one key: harness, preload modules and the whole launch environment but
-:data:`VOLATILE` (what torch and the engines read at import time must be what the ranks
-would have read), so a launch with another environment gets another zygote.
-:func:`client_command` keeps at most :data:`MAX_LIVE` per process; beyond that the least
-recently used drains (it takes no new launch and exits when those in flight have ended). A
-zygote ends when it is stopped, when its parent process is gone (checked every
-:data:`POLL_S`), or at the parent's exit (``atexit``). Ending: the client forwards SIGTERM /
-SIGINT / SIGHUP / SIGQUIT to the launcher (which ends the ranks, torchrun's rule); a client
-that dies (``kill -9`` on a timeout) closes its socket and the launcher ends the ranks as on
-SIGTERM; a zygote that dies takes its launchers with it (``PR_SET_PDEATHSIG``), and they
-their ranks. A zygote that cannot start or may not fork (threads after its imports, CUDA) is
-remembered, and those launches use the plain warm launcher; a client that finds no zygote
-(stopped, draining) execs the plain warm launcher itself. The socket lives in a directory of
-mode 0700 (:func:`tempfile.mkdtemp`): only this user's processes reach it, and a bad
-request (no fds, a body over :data:`MAX_REQUEST_BYTES`, not JSON) is refused with its fds
-closed while the zygote goes on serving. ``QUALIFY_ZYGOTE=0`` turns
-zygotes off.
+A zygote serves one key (:func:`launch_key`): harness, preload modules, the whole launch
+environment but :data:`VOLATILE` (what torch and the engines read at import time must be
+what the ranks would have read) and the stat of every source file of ``qualify`` and
+``harnesses`` (:func:`sources_stamp`: an edit gets a new zygote). Which zygote serves a
+launch, how many live and when they are started and stopped is
+:mod:`qualify.candidate.zygote_pool`'s business: this process's own, or a session's pool.
+A zygote ends when it is stopped (it drains: no new launch, those in flight finish), when
+the process it serves is gone (checked every :data:`POLL_S`; it then ends its launches in
+flight), or after an idle time (pool zygotes). Ending a launch: the client forwards
+SIGTERM / SIGINT / SIGHUP / SIGQUIT to the launcher (which ends the ranks, torchrun's
+rule); a client that dies (``kill -9`` on a timeout) closes its socket and the launcher
+ends the ranks as on SIGTERM; a zygote that dies takes its launchers with it
+(``PR_SET_PDEATHSIG``), and they their ranks. A client that finds no zygote (stopped,
+draining) execs the plain warm launcher itself. The socket lives in a directory of mode
+0700: only this user's processes reach it. The zygote reads every connection without
+blocking (:class:`_Request`), so a client that sends nothing holds up no other; a bad
+request (no fds, a body over :data:`MAX_REQUEST_BYTES`, not JSON, nothing whole within
+:data:`REQUEST_TIMEOUT_S`) is refused with its fds closed while the zygote goes on
+serving. ``QUALIFY_ZYGOTE=0`` turns zygotes off.
 
 Importing this module imports neither torch nor any engine.
 """
@@ -46,8 +48,6 @@ Importing this module imports neither torch nor any engine.
 from __future__ import annotations
 
 import argparse
-import atexit
-import collections
 import contextlib
 import json
 import os
@@ -58,21 +58,17 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
 from qualify.candidate import warm
 
-MAX_LIVE: Final = 4
-"""Zygotes kept per process (each holds an imported torch, transformers and engine: about
-0.3-0.5 GB resident)."""
-VOLATILE: Final = frozenset({"PYTEST_CURRENT_TEST"})
-"""Variables left out of a zygote's key: pytest rewrites this one for every test phase and
-nothing reads it at import time (the launch itself still gets the caller's value)."""
+VOLATILE: Final = frozenset({"PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER"})
+"""Variables left out of a zygote's key: pytest rewrites the first for every test phase, the
+second differs per xdist worker, and nothing reads them at import time (the launch itself
+still gets the caller's values)."""
 POLL_S: Final = 0.05
 """The zygote's loop period: reaping launchers, accepting requests, checking its parent."""
 START_TIMEOUT_S: Final = 300.0
@@ -90,40 +86,73 @@ warm command (``python -m qualify.candidate.warm ARGS``)."""
 # --------------------------------------------------------------------------- the zygote
 
 
-def _read_request(conn: socket.socket) -> tuple[dict[str, object], list[int]]:
-    """A client's request: (``{"argv", "env", "cwd"}``, its fds 0, 1, 2).
+class _Request:
+    """One client's request, read a piece at a time as its socket is readable.
 
-    Raises:
-        ValueError: not 3 fds, a short or oversized body, not a JSON object with a list
-            ``argv``, an object ``env`` and a string ``cwd`` (the fds received are closed).
-        OSError: the socket failed or timed out (:data:`REQUEST_TIMEOUT_S`; fds closed).
+    The zygote reads every connection without blocking, so a client that sends nothing (or
+    half a request) holds up no other: it is refused once :data:`REQUEST_TIMEOUT_S` has
+    passed. A whole request is ``header + body``: the body's length (``<Q``), then JSON
+    ``{"argv": [...], "env": {...}, "cwd": "..."}``; the client's fds 0, 1, 2 come with
+    its first bytes (``SCM_RIGHTS``).
     """
-    conn.settimeout(REQUEST_TIMEOUT_S)
-    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
-    try:
-        if len(fds) != 3:
-            raise ValueError(f"request carried {len(fds)} fds, not 3")
-        if len(data) < _HEADER.size:
-            raise ValueError("short request")
-        (size,) = _HEADER.unpack_from(data)
+
+    def __init__(self, conn: socket.socket) -> None:
+        conn.setblocking(False)
+        self.conn, self.data, self.fds = conn, bytearray(), list[int]()
+        self.deadline = time.monotonic() + REQUEST_TIMEOUT_S
+        self.first = True
+
+    def feed(self) -> bool:
+        """Read what has come; whether the request is whole.
+
+        Raises:
+            ValueError: not 3 fds with the first bytes, a body over
+                :data:`MAX_REQUEST_BYTES`, the connection closed before the end.
+            OSError: the socket failed.
+        """
+        try:
+            if self.first:
+                data, fds, _, _ = socket.recv_fds(self.conn, 1 << 16, 3)
+                self.fds, self.first = list(fds), False
+                if len(self.fds) != 3:
+                    raise ValueError(f"request carried {len(self.fds)} fds, not 3")
+            else:
+                data = self.conn.recv(1 << 16)
+        except BlockingIOError:
+            return False
+        if not data:
+            raise ValueError("request cut short")
+        self.data += data
+        if len(self.data) < _HEADER.size:
+            return False
+        (size,) = _HEADER.unpack_from(self.data)
         if size > MAX_REQUEST_BYTES:
             raise ValueError(f"request body of {size} bytes (at most {MAX_REQUEST_BYTES})")
-        body = bytearray(data[_HEADER.size:])
-        while len(body) < size:
-            more = conn.recv(size - len(body))
-            if not more:
-                raise ValueError("request cut short")
-            body += more
-        doc = json.loads(bytes(body))
+        return len(self.data) >= _HEADER.size + size
+
+    def doc(self) -> dict[str, object]:
+        """The whole request's body; the socket is blocking again (for the launcher).
+
+        Raises:
+            ValueError: not a JSON object with a list ``argv``, an object ``env`` and a
+                string ``cwd``.
+        """
+        (size,) = _HEADER.unpack_from(self.data)
+        doc = json.loads(bytes(self.data[_HEADER.size:_HEADER.size + size]))
         if not (isinstance(doc, dict) and isinstance(doc.get("argv"), list)
                 and isinstance(doc.get("env"), dict) and isinstance(doc.get("cwd"), str)):
             raise ValueError("request is not {argv: list, env: object, cwd: string}")
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    conn.settimeout(None)
-    return doc, list(fds)
+        self.conn.setblocking(True)
+        return doc
+
+    def refuse(self, why: object) -> None:
+        """Log ``why``; close the fds received and the connection (no pid: plain warm)."""
+        print(f"zygote: bad request: {why}", file=sys.stderr, flush=True)
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
+        self.conn.close()
 
 
 def _launcher_child(doc: Mapping[str, object], fds: Sequence[int], conn: socket.socket,
@@ -149,14 +178,73 @@ def _launcher_child(doc: Mapping[str, object], fds: Sequence[int], conn: socket.
     return warm.main(argv, watch=conn)
 
 
-def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int) -> int:
+def _fork_launcher(doc: Mapping[str, object], req: _Request, listener: socket.socket,
+                   others: Sequence[socket.socket], note: str) -> int:
+    """Fork the launcher of one whole request; its pid (the request's fds closed here).
+
+    The forwarded signals are blocked across the fork: one the client forwards before the
+    launcher's handlers exist stays pending until :func:`qualify.candidate.warm.main`
+    installs them and unblocks it.
+    """
+    fds, conn = req.fds, req.conn
+
+    def body() -> int:
+        listener.close()
+        for other in others:
+            other.close()
+        for sig in warm._FORWARDED:
+            signal.signal(sig, signal.SIG_DFL)
+        return _launcher_child(doc, fds, conn, os.getppid(), note)
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, warm._FORWARDED)
+    try:
+        pid = warm.fork_child(body)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, warm._FORWARDED)
+    for fd in fds:
+        os.close(fd)
+    req.fds = []
+    return pid
+
+
+def _owner_alive(owner: int) -> Callable[[], bool]:
+    """A check that ``owner`` still runs.
+
+    ``getppid`` when it is this process's parent (no pid reuse can fool it), else its pid
+    with the start time it has now (:mod:`psutil`).
+    """
+    if owner == os.getppid():
+        return lambda: os.getppid() == owner
+    import psutil
+
+    try:
+        born = psutil.Process(owner).create_time()
+    except psutil.Error:
+        return lambda: False
+
+    def alive() -> bool:
+        try:
+            proc = psutil.Process(owner)
+            return proc.create_time() == born and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    return alive
+
+
+def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int | None,
+          idle_s: float | None = None, remove_dir: bool = False) -> int:
     """Run a zygote: import, say ``ready`` on stdout, then fork a launcher per request.
 
     Args:
         socket_path: the Unix socket to listen on (made here).
         target: the harness entry point (``harnesses.torch_tp.harness``).
         modules: the engine's ``warm_imports``.
-        parent: the process the zygote serves; it exits when that process is gone.
+        parent: the process the zygote serves (its parent, or a pool's owner,
+            :mod:`qualify.candidate.zygote_pool`); it exits when that process is gone.
+            ``None``: no owner (a pool zygote ended by ``idle_s`` or a signal alone).
+        idle_s: drain after this many seconds with no launch in flight (``None``: never).
+        remove_dir: remove the socket's directory at the end (a pool zygote's own).
 
     A stop signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT) makes it drain: it closes and removes
     its socket (a client that comes later runs the plain warm launcher) and exits when the
@@ -166,6 +254,7 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
         0 after a stop or its parent's end; 3 when it may not fork (the reason on stdout
         instead of ``ready``).
     """
+    owner_alive = (lambda: True) if parent is None else _owner_alive(parent)
     stop: list[int] = []
     for sig in warm._FORWARDED:
         signal.signal(sig, lambda signum, _f: stop.append(signum))
@@ -184,21 +273,43 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
     print("ready" + "".join(f"; not preloaded: {n}" for n in notes), flush=True)
     os.dup2(2, 1)  # later lines go to the zygote's log, not to the pipe nobody reads
     launchers: dict[int, socket.socket] = {}
-    served, listening = 0, True
-    while os.getppid() == parent and (listening or launchers):
+    pending: dict[socket.socket, _Request] = {}
+    served, listening, last_busy = 0, True, time.monotonic()
+    while owner_alive() and (listening or launchers):
+        if launchers or pending:
+            last_busy = time.monotonic()
+        elif idle_s is not None and time.monotonic() - last_busy > idle_s and not stop:
+            stop.append(int(signal.SIGTERM))  # idle: drain (a later client starts afresh)
         if stop and listening:  # drain: no new launch, the ones in flight run to their end
             listener.close()
             with contextlib.suppress(OSError):
                 socket_path.unlink()
             listening = False
-        readable = select.select([listener], [], [], POLL_S)[0] if listening else []
-        if not listening:
+            for req in pending.values():
+                req.refuse("the zygote drains")
+            pending.clear()
+        watched = [listener, *pending] if listening else []
+        if watched:
+            readable = select.select(watched, [], [], POLL_S)[0]
+        else:
+            readable = []
             time.sleep(POLL_S)
-        if readable:
-            conn, _ = listener.accept()
-            fds: list[int] = []
+        for req in [r for r in pending.values() if time.monotonic() > r.deadline]:
+            del pending[req.conn]
+            req.refuse(f"no whole request within {REQUEST_TIMEOUT_S:g} s")
+        for ready in readable:
+            if ready is listener:
+                conn, _ = listener.accept()
+                pending[conn] = _Request(conn)
+                continue
+            if ready not in pending:
+                continue
+            req = pending[ready]
             try:
-                doc, fds = _read_request(conn)
+                if not req.feed():
+                    continue
+                del pending[ready]
+                doc = req.doc()
                 argv = [str(a) for a in doc["argv"]]  # type: ignore[attr-defined]
                 cwd = Path(str(doc["cwd"]))
                 cell = Path(argv[-1]) if argv else None
@@ -210,36 +321,15 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
                     stop.append(int(signal.SIGTERM))
                     raise ValueError(f"may not fork any more ({why}); draining")
             except Exception as exc:  # one request's failure; the zygote goes on
-                print(f"zygote: bad request: {exc}", file=sys.stderr, flush=True)
-                for fd in fds:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-                conn.close()
+                pending.pop(ready, None)
+                req.refuse(exc)
                 continue
             note = f"its imports {imports_s:.2f} s once; launch {served + 1} it serves"
-
-            def body(doc: Mapping[str, object] = doc, fds: Sequence[int] = fds,
-                     conn: socket.socket = conn, note: str = note) -> int:
-                listener.close()
-                for other in launchers.values():
-                    other.close()
-                for sig in warm._FORWARDED:
-                    signal.signal(sig, signal.SIG_DFL)
-                return _launcher_child(doc, fds, conn, os.getppid(), note)
-
-            # blocked across the fork: a signal the client forwards before the launcher's
-            # handlers exist stays pending until warm.main installs them and unblocks
-            signal.pthread_sigmask(signal.SIG_BLOCK, warm._FORWARDED)
-            try:
-                pid = warm.fork_child(body)
-            finally:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, warm._FORWARDED)
-            for fd in fds:
-                os.close(fd)
+            pid = _fork_launcher(doc, req, listener, [*launchers.values(), *pending], note)
             served += 1
-            launchers[pid] = conn
+            launchers[pid] = req.conn
             with contextlib.suppress(OSError):
-                conn.sendall(f"pid {pid}\n".encode())
+                req.conn.sendall(f"pid {pid}\n".encode())
         for pid in list(launchers):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done == 0:
@@ -255,7 +345,7 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
         listener.close()
         with contextlib.suppress(OSError):
             socket_path.unlink()
-    if os.getppid() != parent:  # nobody will clean up after it: its directory goes too
+    if remove_dir or not owner_alive():  # nobody will clean up after it: its directory too
         shutil.rmtree(socket_path.parent, ignore_errors=True)
     return 0
 
@@ -315,65 +405,32 @@ def run_client(socket_path: Path, argv: Sequence[str]) -> int:
     return 128 - code if code < 0 else code
 
 
-# --------------------------------------------------------------------------- the registry
+# ------------------------------------------------------------------- starting one, its key
 
 
-class Zygote:
-    """A running zygote of this process (:func:`client_command` starts and stops them).
+def spawn(target: str, modules: Sequence[str], env: Mapping[str, str], *, timeout_s: float,
+          workdir: Path, serve_args: Sequence[str]) -> subprocess.Popen[bytes] | str:
+    """Start ``serve`` with its socket ``workdir/s``; the process once it said ``ready``.
 
     Args:
-        proc: the ``serve`` process.
-        socket_path: its socket.
-        workdir: the temporary directory holding the socket and ``zygote.log``.
+        target: the warm launch's harness.
+        modules: its preload modules.
+        env: the zygote's environment (the launch's).
+        timeout_s: the longest its imports may take.
+        workdir: its directory (socket, ``zygote.log``; its working directory too).
+        serve_args: more ``serve`` options (``--parent PID``, ``--idle-s S``).
+
+    Returns:
+        The running zygote; or why it cannot serve (``unsafe ...``: it may not fork; else
+        it did not answer in time or exited), the process ended.
     """
-
-    def __init__(self, proc: subprocess.Popen[bytes], socket_path: Path,
-                 workdir: tempfile.TemporaryDirectory[str]) -> None:
-        self.proc, self.socket_path, self.workdir = proc, socket_path, workdir
-
-    def alive(self) -> bool:
-        """Whether the zygote still runs."""
-        return self.proc.poll() is None
-
-    def drain(self) -> None:
-        """SIGTERM: the zygote takes no new launch and exits after those in flight."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-
-    def stop(self, grace_s: float = warm.KILL_GRACE_S) -> None:
-        """Drain, wait up to ``grace_s``, then SIGKILL; the socket directory removed.
-
-        A SIGKILLed zygote's launchers die with it (``PR_SET_PDEATHSIG``), and their ranks.
-        """
-        self.drain()
-        try:
-            self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.workdir.cleanup()
-
-
-_LOCK = threading.Lock()
-_LIVE: collections.OrderedDict[tuple[object, ...], Zygote] = collections.OrderedDict()
-_REFUSED: dict[tuple[object, ...], str] = {}
-_DRAINING: list[Zygote] = []
-"""Zygotes evicted from :data:`_LIVE` that may still serve launches in flight."""
-
-
-def _start(target: str, modules: Sequence[str], env: Mapping[str, str],
-           timeout_s: float) -> Zygote | str:
-    """Start a zygote; it, or why it could not serve."""
-    workdir = tempfile.TemporaryDirectory(prefix="qualify-zygote-")
-    sock = Path(workdir.name) / "s"
     pre = [a for m in modules for a in ("--preload", m)]
-    with (Path(workdir.name) / "zygote.log").open("ab") as log:
+    with (workdir / "zygote.log").open("ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, "serve", "--socket", str(sock), "--parent",
-             str(os.getpid()), *pre, target], stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", __name__, "serve", "--socket", str(workdir / "s"),
+             *serve_args, *pre, target], stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=log, env=dict(env), start_new_session=True,
-            cwd=workdir.name)  # sys.path[0]: an empty directory, not the caller's cwd
-    zygote = Zygote(proc, sock, workdir)
+            cwd=workdir)  # sys.path[0]: a directory of its own, not the caller's cwd
     assert proc.stdout is not None
     out, answer = b"", b""
     deadline = time.monotonic() + timeout_s
@@ -389,71 +446,61 @@ def _start(target: str, modules: Sequence[str], env: Mapping[str, str],
                            if ln.startswith((b"ready", b"unsafe "))), b"")
     proc.stdout.close()
     if answer.startswith(b"ready"):
-        return zygote
-    zygote.stop()
+        return proc
+    proc.terminate()
+    try:
+        proc.wait(timeout=warm.KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
     text = answer.decode(errors="replace").strip()
     return text or f"no answer within {timeout_s:g} s (exit {proc.returncode})"
 
 
-def client_command(warm_cmd: Sequence[str], env: Mapping[str, str],
-                   timeout_s: float = START_TIMEOUT_S) -> list[str]:
-    """The command that runs the warm launch ``warm_cmd`` through this process's zygote.
+def sources_stamp() -> tuple[tuple[str, int, int], ...]:
+    """(path, size, mtime in ns) of every ``.py`` file of ``qualify`` and ``harnesses``.
 
-    Starts the zygote of the launch's key (harness, preload modules, environment) when
-    none runs; beyond :data:`MAX_LIVE` the least recently used drains (its launches in
-    flight finish). Returns
-    ``warm_cmd`` itself when zygotes are off (``QUALIFY_ZYGOTE=0``), when ``warm_cmd`` is
-    not a warm launch, or when the key's zygote could not start or may not fork.
+    Under :func:`qualify.resources.repo_root`; part of a zygote's key, so that a zygote
+    never serves code edited after its imports.
+    """
+    from qualify.resources import repo_root
 
-    Args:
-        warm_cmd: :func:`qualify.candidate.launch.launch_command`'s warm command.
-        env: the whole launch environment (:func:`qualify.candidate.launch.launch_env`).
-        timeout_s: the longest to wait for a new zygote's imports.
+    root = repo_root()
+    out = []
+    for package in ("qualify", "harnesses"):
+        for path in sorted((root / package).rglob("*.py")):
+            with contextlib.suppress(OSError):
+                st = path.stat()
+                out.append((str(path.relative_to(root)), st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+def launch_key(warm_cmd: Sequence[str], env: Mapping[str, str]) -> tuple[object, ...] | None:
+    """The key of the zygote that may serve ``warm_cmd``; ``None`` if none may.
+
+    (python, harness, preload modules, the environment but :data:`VOLATILE`,
+    :func:`sources_stamp`); ``None`` when zygotes are off (``QUALIFY_ZYGOTE=0``) or
+    ``warm_cmd`` is not a warm launch.
     """
     cmd = list(warm_cmd)
     if env.get("QUALIFY_ZYGOTE", "1") == "0" or cmd[1:_ENTRY] != ["-m", warm.__name__]:
-        return cmd
-    args = warm.parse_args(cmd[_ENTRY:])
-    key: tuple[object, ...] = (cmd[0], args.target, tuple(args.preload),
-                               tuple(sorted((k, v) for k, v in env.items()
-                                            if k not in VOLATILE)))
-    with _LOCK:
-        if key in _REFUSED:
-            return cmd
-        zygote = _LIVE.get(key)
-        if zygote is not None and not zygote.alive():
-            del _LIVE[key]
-            zygote.stop()
-            zygote = None
-        if zygote is None:
-            started = _start(args.target, args.preload, env, timeout_s)
-            if isinstance(started, str):
-                _REFUSED[key] = started
-                return cmd
-            zygote = _LIVE[key] = started
-            while len(_LIVE) > MAX_LIVE:  # the least recently used drains: launches in
-                _, old = _LIVE.popitem(last=False)  # flight finish, later ones start plain
-                old.drain()
-                _DRAINING.append(old)
-        for done in [z for z in _DRAINING if not z.alive()]:
-            _DRAINING.remove(done)
-            done.stop()
-        _LIVE.move_to_end(key)
-        return [cmd[0], "-m", __name__, "run", "--socket", str(zygote.socket_path), "--",
-                *cmd[_ENTRY:]]
+        return None
+    target, preload = launch_target(cmd)
+    return (cmd[0], target, tuple(preload),
+            tuple(sorted((k, v) for k, v in env.items() if k not in VOLATILE)),
+            sources_stamp())
 
 
-@atexit.register
-def stop_all() -> None:
-    """Stop every zygote of this process (also at its exit)."""
-    with _LOCK:
-        every = [*_LIVE.values(), *_DRAINING]
-        _LIVE.clear()
-        _DRAINING.clear()
-        for zygote in every:
-            zygote.drain()
-        for zygote in every:
-            zygote.stop()
+def launch_target(warm_cmd: Sequence[str]) -> tuple[str, list[str]]:
+    """(harness target, preload modules) of a warm command."""
+    args = warm.parse_args(list(warm_cmd)[_ENTRY:])
+    return args.target, list(args.preload)
+
+
+def run_command(warm_cmd: Sequence[str], socket_path: Path) -> list[str]:
+    """The client command that hands the warm launch ``warm_cmd`` to a zygote's socket."""
+    cmd = list(warm_cmd)
+    return [cmd[0], "-m", __name__, "run", "--socket", str(socket_path), "--", *cmd[_ENTRY:]]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -462,7 +509,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve")
     s.add_argument("--socket", type=Path, required=True)
-    s.add_argument("--parent", type=int, required=True)
+    s.add_argument("--parent", type=int, default=None)
+    s.add_argument("--idle-s", type=float, default=None)
+    s.add_argument("--remove-dir", action="store_true")
     s.add_argument("--preload", action="append", default=[])
     s.add_argument("target")
     r = sub.add_parser("run")
@@ -471,7 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args.socket, target=args.target, modules=args.preload,
-                     parent=args.parent)
+                     parent=args.parent, idle_s=args.idle_s, remove_dir=args.remove_dir)
     rest = args.args[1:] if args.args[:1] == ["--"] else args.args
     return run_client(args.socket, rest)
 
