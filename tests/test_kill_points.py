@@ -140,7 +140,7 @@ def _tagged(tag: str) -> list[psutil.Process]:
     for p in psutil.process_iter():
         try:
             if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(ENV_TAG) == tag \
-                    and not is_pool_zygote(p.cmdline()):
+                    and not is_pool_zygote(p.pid):
                 found.append(p)
         except psutil.Error:
             continue

@@ -162,13 +162,6 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _pool_zygote(proc: psutil.Process) -> bool:
-    try:
-        return is_pool_zygote(proc.cmdline())
-    except psutil.Error:
-        return False
-
-
 def _kill(proc: subprocess.Popen[bytes]) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
@@ -567,7 +560,7 @@ def test_candidate_killed_mid_launch_resumes_to_the_uninterrupted_report(
     # a zygote of the session's pool (tests/conftest.py) outlives the process that started
     # it by design; its launcher and ranks, in the family too, must not
     family = [p for p in psutil.Process(child.pid).children(recursive=True)
-              if not _pool_zygote(p)]
+              if not is_pool_zygote(p.pid)]
     _kill(child)
     t0 = time.monotonic()
     while not all(_gone(p.pid) for p in family) and time.monotonic() - t0 < 20:

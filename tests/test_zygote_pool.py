@@ -190,23 +190,36 @@ def test_an_edited_source_is_another_key(tmp_path: Path,
 
 @pytest.mark.parametrize(("name", "value", "message"), [
     ("QUALIFY_ZYGOTE_DIR", "relative/pool", "must be an absolute path"),
-    ("QUALIFY_ZYGOTE_DIR", "/" + "p" * 80, "longer than 80 bytes"),
+    ("QUALIFY_ZYGOTE_DIR", "/" + "p" * 79, "longer than 79 bytes"),
+    ("QUALIFY_ZYGOTE_DIR", "{link}", "is a symbolic link"),
+    ("QUALIFY_ZYGOTE_DIR", "{file}/pool", "cannot be made"),
+    ("QUALIFY_ZYGOTE_OWNER", "{gone}", "no such process"),
     ("QUALIFY_ZYGOTE_DIR", "{open}", "must be this user's directory with mode 0700"),
     ("QUALIFY_ZYGOTE_DIR", "{file}", "not a directory"),
     ("QUALIFY_ZYGOTE_OWNER", "me", "must be a process id"),
     ("QUALIFY_ZYGOTE_IDLE_S", "0", "must be a positive number of seconds"),
     ("QUALIFY_ZYGOTE_IDLE_S", "soon", "must be a positive number of seconds"),
 ])
-def test_bad_pool_settings_are_usage_errors(tmp_path: Path, name: str, value: str,
-                                            message: str) -> None:
-    (tmp_path / "open").mkdir(mode=0o755)
-    os.chmod(tmp_path / "open", 0o755)
-    (tmp_path / "file").write_text("")
-    value = value.format(open=tmp_path / "open", file=tmp_path / "file")
-    env = {name: value}
-    with pytest.raises(UsageError, match="^" + re.escape(f"{name}={value!r}: {message}")):
-        check_launch_env(env)
-    assert zygote_pool.pool_of({"QUALIFY_ZYGOTE_DIR": str(tmp_path / "pool"), **env}) is None
+def test_bad_pool_settings_are_usage_errors(name: str, value: str, message: str) -> None:
+    short = Path(tempfile.mkdtemp(prefix="zb-"))  # tmp_path under xdist is over 79 bytes
+    try:
+        (short / "open").mkdir(mode=0o755)
+        os.chmod(short / "open", 0o755)
+        (short / "file").write_text("")
+        (short / "private").mkdir(mode=0o700)
+        (short / "link").symlink_to(short / "private")
+        gone = subprocess.Popen([sys.executable, "-c", ""])
+        gone.wait()
+        value = value.format(open=short / "open", file=short / "file", link=short / "link",
+                             gone=gone.pid)
+        env = {name: value}
+        with pytest.raises(UsageError, match="^" + re.escape(f"{name}={value!r}: {message}")):
+            check_launch_env(env)
+        assert zygote_pool.pool_of({"QUALIFY_ZYGOTE_DIR": str(short / "pool"), **env}) is None
+        assert zygote_pool.pool_of({"QUALIFY_ZYGOTE_DIR": str(short / "pool")}) == \
+            short / "pool"
+    finally:
+        shutil.rmtree(short)
 
 
 def test_a_slurm_job_keeps_zygotes_of_its_own(tmp_path: Path) -> None:
@@ -215,13 +228,57 @@ def test_a_slurm_job_keeps_zygotes_of_its_own(tmp_path: Path) -> None:
     assert zygote_pool.pool_of({**env, "SLURM_JOB_ID": "7"}) is None
 
 
-def test_a_pool_zygote_is_told_from_a_launch(pool_env: dict[str, str], tmp_path: Path) -> None:
+
+def test_a_pool_zygote_is_told_from_its_launcher_and_ranks(pool_env: dict[str, str],
+                                                           tmp_path: Path) -> None:
+    """Forked launchers and ranks keep the zygote's command line; only the zygote's own pid
+    counts as the pool zygote (a check for survivors of a killed qualify counts the rest)."""
     pool = Path(pool_env["QUALIFY_ZYGOTE_DIR"])
+    att = tmp_path / "attempt-1"
+    (att / "logs" / "ranks").mkdir(parents=True)
+    cell = att / "cell.json"
+    cell.write_text(json.dumps(_cell(att, "sleep").to_dict()))
+    warm = launch_command(cell, module="pkg_fake.harness", world_size=2,
+                          log_dir=att / "logs" / "ranks")
+    full = launch_env(pool_env)
+    cmd = zygote_pool.client_command(warm, full)
+    with (att / "client.log").open("wb") as log:
+        client = subprocess.Popen(cmd, cwd=att, env=full, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        assert _wait(lambda: all((att / f"pid{r}").is_file() for r in (0, 1)), 60)
+        ranks = [int((att / f"pid{r}").read_text()) for r in (0, 1)]
+        launcher = psutil.Process(ranks[0]).ppid()
+        (instance,) = zygote_pool.live(pool)
+        own = int((instance / "pid").read_text())
+        assert psutil.Process(launcher).ppid() == own
+        assert zygote_pool.is_pool_zygote(own)
+        assert not any(zygote_pool.is_pool_zygote(p) for p in (launcher, *ranks, client.pid))
+    finally:
+        client.send_signal(signal.SIGTERM)
+        client.wait(timeout=30)
+
+
+def test_an_edited_harness_module_is_never_served(tmp_path: Path,
+                                                  pool_env: dict[str, str]) -> None:
+    """A module of the harness's package (outside site-packages, not in the key's stamp)
+    edited after the zygote imported it: the zygote refuses that launch and drains, the
+    launch runs the plain warm launcher, and the next launch gets a fresh zygote."""
+    util = Path(pool_env["PYTHONPATH"]) / "pkg_fake" / "util.py"
+    util.write_text("TAG = 'v1'\n")
     warm = launch_command(tmp_path / "c.json", module="pkg_fake.harness", world_size=1,
-                          log_dir=tmp_path)
-    client = zygote_pool.client_command(warm, launch_env(pool_env))
-    (instance,) = zygote_pool.live(pool)
-    argv = psutil.Process(int((instance / "pid").read_text())).cmdline()
-    assert zygote_pool.is_pool_zygote(argv)
-    assert not zygote_pool.is_pool_zygote(client)
-    assert not zygote_pool.is_pool_zygote(warm)
+                          log_dir=tmp_path, preload=("pkg_fake.util",))
+    full = launch_env(pool_env)
+    runs = []
+    for n in range(3):
+        if n == 1:
+            util.write_text("TAG = 'v22'\n")
+        att = tmp_path / f"attempt-{n}"
+        res = launch(_cell(att), module="pkg_fake.harness", attempt_dir=att, timeout_s=120,
+                     env=pool_env, launcher="warm", preload=("pkg_fake.util",))
+        assert res.status == "OK", res.reason
+        runs.append(res.launcher_log.read_text())
+    assert "launch 1 it serves" in runs[0]
+    assert "the plain warm launcher runs it" in runs[1]
+    assert "from zygote" not in runs[1]
+    assert "launch 1 it serves" in runs[2]  # a new zygote, with the new file
+    assert zygote.launch_key(warm, full) is not None

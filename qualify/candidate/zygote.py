@@ -52,6 +52,7 @@ import contextlib
 import json
 import os
 import select
+import selectors
 import shutil
 import signal
 import socket
@@ -65,10 +66,11 @@ from typing import Final
 
 from qualify.candidate import warm
 
-VOLATILE: Final = frozenset({"PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER"})
+VOLATILE: Final = frozenset({"PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "_", "PWD", "OLDPWD",
+                             "SHLVL", "PS1"})
 """Variables left out of a zygote's key: pytest rewrites the first for every test phase, the
-second differs per xdist worker, and nothing reads them at import time (the launch itself
-still gets the caller's values)."""
+second differs per xdist worker, the shell sets the others per command and directory, and
+nothing reads them at import time (the launch itself still gets the caller's values)."""
 POLL_S: Final = 0.05
 """The zygote's loop period: reaping launchers, accepting requests, checking its parent."""
 START_TIMEOUT_S: Final = 300.0
@@ -77,6 +79,9 @@ MAX_REQUEST_BYTES: Final = 16 << 20
 """The largest request body (argv, environment, cwd as JSON) a zygote reads."""
 REQUEST_TIMEOUT_S: Final = 10.0
 """The longest a zygote waits for one request's bytes."""
+MAX_PENDING: Final = 64
+"""Connections a zygote reads at once; one beyond is closed at once (its client runs the
+plain warm launcher)."""
 _HEADER: Final = struct.Struct("<Q")
 _ENTRY: Final = 3
 """Index of the first warm-launcher argument in :func:`qualify.candidate.launch.launch_command`'s
@@ -178,8 +183,8 @@ def _launcher_child(doc: Mapping[str, object], fds: Sequence[int], conn: socket.
     return warm.main(argv, watch=conn)
 
 
-def _fork_launcher(doc: Mapping[str, object], req: _Request, listener: socket.socket,
-                   others: Sequence[socket.socket], note: str) -> int:
+def _fork_launcher(doc: Mapping[str, object], req: _Request,
+                   others: Sequence[socket.socket | selectors.BaseSelector], note: str) -> int:
     """Fork the launcher of one whole request; its pid (the request's fds closed here).
 
     The forwarded signals are blocked across the fork: one the client forwards before the
@@ -189,8 +194,7 @@ def _fork_launcher(doc: Mapping[str, object], req: _Request, listener: socket.so
     fds, conn = req.fds, req.conn
 
     def body() -> int:
-        listener.close()
-        for other in others:
+        for other in others:  # the zygote's selector, listener and other connections
             other.close()
         for sig in warm._FORWARDED:
             signal.signal(sig, signal.SIG_DFL)
@@ -232,23 +236,62 @@ def _owner_alive(owner: int) -> Callable[[], bool]:
     return alive
 
 
+def _loaded_sources() -> dict[str, tuple[int, int]]:
+    """(size, mtime in ns) of every loaded module's file outside stdlib and site-packages.
+
+    The harness's own package, ``qualify`` in a checkout: what a zygote must never serve
+    edited.
+    """
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    skip = tuple({os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "purelib", "platlib")})
+    out = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if not isinstance(path, str) or os.path.realpath(path).startswith(skip):
+            continue
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            out[path] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _changed(sources: Mapping[str, tuple[int, int]]) -> list[str]:
+    """The files of ``sources`` whose size or mtime is no longer the recorded one."""
+    out = []
+    for path, seen in sources.items():
+        try:
+            st = os.stat(path)
+        except OSError:
+            out.append(path)
+            continue
+        if (st.st_size, st.st_mtime_ns) != seen:
+            out.append(path)
+    return out
+
+
 def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int | None,
           idle_s: float | None = None, remove_dir: bool = False) -> int:
     """Run a zygote: import, say ``ready`` on stdout, then fork a launcher per request.
 
     Args:
-        socket_path: the Unix socket to listen on (made here).
+        socket_path: the Unix socket to listen on (bound here, before the imports, so a
+            path that does not fit fails at once).
         target: the harness entry point (``harnesses.torch_tp.harness``).
         modules: the engine's ``warm_imports``.
         parent: the process the zygote serves (its parent, or a pool's owner,
             :mod:`qualify.candidate.zygote_pool`); it exits when that process is gone.
             ``None``: no owner (a pool zygote ended by ``idle_s`` or a signal alone).
         idle_s: drain after this many seconds with no launch in flight (``None``: never).
-        remove_dir: remove the socket's directory at the end (a pool zygote's own).
+        remove_dir: a pool zygote: it writes its pid to ``pid`` beside the socket first of
+            all, and removes the socket's directory at the end.
 
     A stop signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT) makes it drain: it closes and removes
     its socket (a client that comes later runs the plain warm launcher) and exits when the
     launches in flight have ended. Its parent's end ends those launches (SIGTERM) at once.
+    A source file it imported from outside site-packages that changed since (the harness's
+    package) refuses the request and drains it: it never serves edited code.
 
     Returns:
         0 after a stop or its parent's end; 3 when it may not fork (the reason on stdout
@@ -259,21 +302,49 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
     for sig in warm._FORWARDED:
         signal.signal(sig, lambda signum, _f: stop.append(signum))
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    t0 = time.monotonic()
-    notes = warm.preload(target, modules, None)
-    imports_s = time.monotonic() - t0
-    warm._Libc.load()
-    safe, why = warm.fork_safe()
-    if not safe:
-        print(f"unsafe {why}", flush=True)
-        return 3
+    if remove_dir:
+        (socket_path.parent / "pid").write_text(f"{os.getpid()}\n")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(socket_path))
-    listener.listen(16)
-    print("ready" + "".join(f"; not preloaded: {n}" for n in notes), flush=True)
-    os.dup2(2, 1)  # later lines go to the zygote's log, not to the pipe nobody reads
+    try:
+        listener.bind(str(socket_path))
+        listener.listen(MAX_PENDING)
+        t0 = time.monotonic()
+        notes = warm.preload(target, modules, None)
+        imports_s = time.monotonic() - t0
+        warm._Libc.load()
+        safe, why = warm.fork_safe()
+        if not safe:
+            print(f"unsafe {why}", flush=True)
+            return 3
+        sel = selectors.DefaultSelector()  # epoll: no limit on fd numbers, unlike select()
+        sel.register(listener, selectors.EVENT_READ)
+        print("ready" + "".join(f"; not preloaded: {n}" for n in notes), flush=True)
+        os.dup2(2, 1)  # later lines go to the zygote's log, not to the pipe nobody reads
+        return _loop(sel, listener, socket_path, target=target, imports_s=imports_s,
+                     owner_alive=owner_alive, stop=stop, idle_s=idle_s)
+    except BrokenPipeError:  # its starter is gone before it was ready
+        return 0
+    finally:
+        listener.close()
+        with contextlib.suppress(OSError):
+            socket_path.unlink()
+        if remove_dir or not owner_alive():  # nobody will clean up after it
+            shutil.rmtree(socket_path.parent, ignore_errors=True)
+
+
+def _loop(sel: selectors.BaseSelector, listener: socket.socket, socket_path: Path, *,
+          target: str, imports_s: float, owner_alive: Callable[[], bool], stop: list[int],
+          idle_s: float | None) -> int:
+    """:func:`serve`'s loop: read requests (none blocks another), fork, reap; 0 at its end."""
+    sources = _loaded_sources()
     launchers: dict[int, socket.socket] = {}
     pending: dict[socket.socket, _Request] = {}
+
+    def drop(req: _Request, why: object) -> None:
+        if pending.pop(req.conn, None) is not None:
+            sel.unregister(req.conn)
+        req.refuse(why)
+
     served, listening, last_busy = 0, True, time.monotonic()
     while owner_alive() and (listening or launchers):
         if launchers or pending:
@@ -281,51 +352,60 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
         elif idle_s is not None and time.monotonic() - last_busy > idle_s and not stop:
             stop.append(int(signal.SIGTERM))  # idle: drain (a later client starts afresh)
         if stop and listening:  # drain: no new launch, the ones in flight run to their end
+            sel.unregister(listener)
             listener.close()
             with contextlib.suppress(OSError):
                 socket_path.unlink()
             listening = False
-            for req in pending.values():
-                req.refuse("the zygote drains")
-            pending.clear()
-        watched = [listener, *pending] if listening else []
-        if watched:
-            readable = select.select(watched, [], [], POLL_S)[0]
-        else:
-            readable = []
+            for req in list(pending.values()):
+                drop(req, "the zygote drains")
+        events = sel.select(POLL_S) if listening else []
+        if not listening:
             time.sleep(POLL_S)
         for req in [r for r in pending.values() if time.monotonic() > r.deadline]:
-            del pending[req.conn]
-            req.refuse(f"no whole request within {REQUEST_TIMEOUT_S:g} s")
-        for ready in readable:
+            drop(req, f"no whole request within {REQUEST_TIMEOUT_S:g} s")
+        for key, _ in events:
+            ready = key.fileobj
             if ready is listener:
                 conn, _ = listener.accept()
+                if len(pending) >= MAX_PENDING:
+                    print(f"zygote: bad request: over {MAX_PENDING} pending", file=sys.stderr,
+                          flush=True)
+                    conn.close()
+                    continue
                 pending[conn] = _Request(conn)
+                sel.register(conn, selectors.EVENT_READ)
                 continue
-            if ready not in pending:
+            req = pending.get(ready)  # type: ignore[call-overload]
+            if req is None:
                 continue
-            req = pending[ready]
             try:
                 if not req.feed():
                     continue
-                del pending[ready]
+                pending.pop(req.conn)
+                sel.unregister(req.conn)
                 doc = req.doc()
-                argv = [str(a) for a in doc["argv"]]  # type: ignore[attr-defined]
+                argv = [str(a) for a in doc["argv"]]
                 cwd = Path(str(doc["cwd"]))
                 cell = Path(argv[-1]) if argv else None
                 if cell is not None and not cell.is_absolute():
                     cell = cwd / cell
+                if changed := _changed(sources):
+                    stop.append(int(signal.SIGTERM))
+                    raise ValueError(f"{changed[0]} changed since the zygote imported it; "
+                                     f"draining")
                 warm.preload(target, (), cell)  # the model classes, kept for later cells
+                sources = {**_loaded_sources(), **sources}
                 safe, why = warm.fork_safe()
                 if not safe:  # an import of this cell started a thread: no fork from here on
                     stop.append(int(signal.SIGTERM))
                     raise ValueError(f"may not fork any more ({why}); draining")
             except Exception as exc:  # one request's failure; the zygote goes on
-                pending.pop(ready, None)
-                req.refuse(exc)
+                drop(req, exc)
                 continue
             note = f"its imports {imports_s:.2f} s once; launch {served + 1} it serves"
-            pid = _fork_launcher(doc, req, listener, [*launchers.values(), *pending], note)
+            pid = _fork_launcher(doc, req, [sel, listener, *launchers.values(), *pending],
+                                 note)
             served += 1
             launchers[pid] = req.conn
             with contextlib.suppress(OSError):
@@ -341,12 +421,6 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
     for pid in launchers:  # the parent is gone with launches in flight: end them
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
-    if listening:
-        listener.close()
-        with contextlib.suppress(OSError):
-            socket_path.unlink()
-    if remove_dir or not owner_alive():  # nobody will clean up after it: its directory too
-        shutil.rmtree(socket_path.parent, ignore_errors=True)
     return 0
 
 

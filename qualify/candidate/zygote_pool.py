@@ -45,6 +45,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -69,9 +70,9 @@ DEFAULT_IDLE_S: Final = 120.0
 MAX_POOL: Final = 8
 """Zygotes live at once in one pool (about 0.3-0.5 GB resident each)."""
 _LOCK_POLL_S: Final = 0.05
-MAX_POOL_PATH: Final = 80
-"""The longest pool directory (bytes): a zygote's socket ``DIR/KEY-XXXXXXXX/s`` must fit
-the 107 bytes of a Unix socket's path (``sun_path``)."""
+MAX_POOL_PATH: Final = 79
+"""The longest pool directory (bytes): a zygote's socket ``DIR/KEY-XXXXXXXX/s`` (28 bytes
+more) must fit the 107 bytes of a Unix socket's path (``sun_path`` less its NUL)."""
 MAX_LIVE: Final = 4
 """Zygotes kept per process without a pool (each holds an imported torch, transformers and
 engine: about 0.3-0.5 GB resident)."""
@@ -85,9 +86,10 @@ def check_pool_env(env: Mapping[str, str]) -> None:
     """Check the pool settings of ``env`` (the candidate stage calls this before it writes).
 
     ``QUALIFY_ZYGOTE_DIR`` (when set) must be an absolute path of at most
-    :data:`MAX_POOL_PATH` bytes, and, when it exists, a directory of this user that no
-    other user may enter (mode ``0700`` or stricter);
-    ``QUALIFY_ZYGOTE_OWNER`` a process id; ``QUALIFY_ZYGOTE_IDLE_S`` a positive number.
+    :data:`MAX_POOL_PATH` bytes, not a symbolic link; when it exists, a directory of this
+    user that no other user may enter (mode ``0700`` or stricter), else one this user may
+    make (its nearest existing parent a writable directory); ``QUALIFY_ZYGOTE_OWNER`` a
+    running process; ``QUALIFY_ZYGOTE_IDLE_S`` a positive number.
 
     Raises:
         UsageError: one of them is not (the variable and value named).
@@ -100,7 +102,10 @@ def check_pool_env(env: Mapping[str, str]) -> None:
         if len(os.fsencode(raw)) > MAX_POOL_PATH:
             raise UsageError(f"{POOL_ENV}={raw!r}: longer than {MAX_POOL_PATH} bytes (its "
                              f"sockets' paths would not fit a Unix socket's 107)")
-        if path.exists() or path.is_symlink():
+        if path.is_symlink():
+            raise UsageError(f"{POOL_ENV}={raw!r}: is a symbolic link (name the directory "
+                             f"itself)")
+        if path.exists():
             st = path.lstat()
             if not stat.S_ISDIR(st.st_mode):
                 raise UsageError(f"{POOL_ENV}={raw!r}: not a directory")
@@ -108,9 +113,16 @@ def check_pool_env(env: Mapping[str, str]) -> None:
                 raise UsageError(f"{POOL_ENV}={raw!r}: must be this user's directory with "
                                  f"mode 0700 (it is {stat.filemode(st.st_mode)}, uid "
                                  f"{st.st_uid})")
+        else:
+            parent = next(p for p in path.parents if p.exists())
+            if not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)):
+                raise UsageError(f"{POOL_ENV}={raw!r}: cannot be made ({parent} is not a "
+                                 f"directory this user may write)")
     owner = env.get(OWNER_ENV, "")
     if owner and not (owner.isdigit() and int(owner) > 0):
         raise UsageError(f"{OWNER_ENV}={owner!r}: must be a process id")
+    if owner and not _running(int(owner)):
+        raise UsageError(f"{OWNER_ENV}={owner!r}: no such process")
     idle = env.get(IDLE_ENV, "")
     if idle:
         try:
@@ -166,16 +178,32 @@ def _digest(key: tuple[object, ...]) -> str:
 def _pid(instance: Path) -> int | None:
     """The pid of the zygote of ``instance`` while it runs, else ``None``.
 
-    It runs while that process serves the instance's socket (its command line names it: a
-    reused pid does not).
+    It runs while that process is ``serve`` on the instance's socket (its command line says
+    so: a reused pid does not; a forked launcher has the command line but not the pid).
     """
     try:
         pid = int((instance / "pid").read_text())
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
     except (OSError, ValueError):
         return None
-    return pid if os.fsencode(instance / "s") in argv and _running(pid) else None
+    argv = _cmdline(pid)
+    serving = _is_serve(argv) and _socket_of(argv) == str(instance / "s")
+    return pid if serving and _running(pid) else None
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [os.fsdecode(a) for a in f.read().split(b"\0")[:-1]]
+    except OSError:
+        return []
+
+
+def _is_serve(argv: Sequence[str]) -> bool:
+    return list(argv[1:4]) == ["-m", zygote.__name__, "serve"]
+
+
+def _socket_of(argv: Sequence[str]) -> str | None:
+    return argv[argv.index("--socket") + 1] if "--socket" in argv[:-1] else None
 
 
 def live(pool: Path, digest: str = "") -> list[Path]:
@@ -242,6 +270,15 @@ def client_command(warm_cmd: Sequence[str], env: Mapping[str, str],
     if key is None:
         return cmd
     _reap()
+    try:
+        return _pooled(cmd, key, env, pool, timeout_s)
+    except OSError:  # the pool cannot be used (gone, unwritable): this process's zygotes
+        return own_command(cmd, env, timeout_s)
+
+
+def _pooled(cmd: list[str], key: tuple[object, ...], env: Mapping[str, str], pool: Path,
+            timeout_s: float) -> list[str]:
+    """:func:`client_command` with a pool (its ``OSError`` falls back to this process's)."""
     pool.mkdir(mode=0o700, parents=True, exist_ok=True)
     digest = _digest(key)
     refused = pool / f"{digest}.refused"
@@ -252,10 +289,14 @@ def client_command(warm_cmd: Sequence[str], env: Mapping[str, str],
         if not got:
             return cmd
         serving = live(pool, digest)
+        for dead in pool.glob(f"{digest}-*"):  # left by a killed zygote or a killed start:
+            if _pid(dead) is None:  # no start of this key runs now (we hold its lock)
+                shutil.rmtree(dead, ignore_errors=True)
         if serving:
             instance = serving[-1]
         else:
             instance = Path(_mkdtemp(pool, digest))
+            (instance / "used").touch()  # before the start: not the least recently used
             idle = env.get(IDLE_ENV) or str(DEFAULT_IDLE_S)
             owner = env.get(OWNER_ENV, "")
             args = ["--idle-s", idle, "--remove-dir", *(["--parent", owner] if owner else [])]
@@ -265,16 +306,12 @@ def client_command(warm_cmd: Sequence[str], env: Mapping[str, str],
             if isinstance(started, str):
                 if started.startswith("unsafe "):
                     refused.write_text(started + "\n")
-                with contextlib.suppress(OSError):
-                    for leftover in instance.iterdir():
-                        leftover.unlink()
-                    instance.rmdir()
+                shutil.rmtree(instance, ignore_errors=True)
                 return cmd
             with _STARTED_LOCK:
                 _STARTED.append(started)
-            (instance / "pid").write_text(f"{started.pid}\n")
             _evict(pool, instance)
-        (instance / "used").touch()
+        (instance / "used").touch()  # the zygote writes its pid itself, first of all
     return zygote.run_command(cmd, instance / "s")
 
 
@@ -302,13 +339,23 @@ def stop_pool(pool: Path, grace_s: float = warm.KILL_GRACE_S) -> None:
     _reap()
 
 
-def is_pool_zygote(argv: Sequence[str]) -> bool:
-    """Whether the command line ``argv`` is a pool zygote's (``serve ... --remove-dir``).
+def is_pool_zygote(pid: int) -> bool:
+    """Whether process ``pid`` is a pool zygote, not one of its launchers or ranks.
+
+    ``serve ... --remove-dir`` with the pid its directory names: its forked launchers and
+    ranks share its command line but not its pid.
 
     Such a process outlives the one that started it by design: a check for processes left
     behind by a killed ``qualify`` leaves it out (its launchers and ranks are not).
     """
-    return list(argv[1:4]) == ["-m", zygote.__name__, "serve"] and "--remove-dir" in argv
+    argv = _cmdline(pid)
+    sock = _socket_of(argv)
+    if not (_is_serve(argv) and "--remove-dir" in argv and sock):
+        return False
+    try:
+        return int((Path(sock).parent / "pid").read_text()) == pid
+    except (OSError, ValueError):
+        return False
 
 
 def _running(pid: int) -> bool:
