@@ -148,7 +148,7 @@ def test_line_says_cause_numbers_and_what_it_folds() -> None:
 
 # --------------------------------------------------------------------------- committed run
 
-# Read off the committed run's report.json (20261204T010330Z) rows: per failing cell, its
+# Read off the committed run's report.json (20261204T034750Z) rows: per failing cell, its
 # earliest failing row in causal order, (metric, class). Round-2 logprobs and entropy are one
 # causal step, so the larger margin names the cause: in the BF16 ZeRO-1/2 Actor TP1 cells
 # logprobs lead here (1.958 vs entropy 1.914, as in 20261202T015031Z, made on another
