@@ -54,13 +54,14 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
 from qualify import atomic, procs, schema
-from qualify.candidate import zygote_pool
+from qualify.candidate import zygote, zygote_pool
 from qualify.errors import HarnessError, QualifyError, UsageError
 from qualify.evidence.timestamps import utc_now_iso
 from qualify.layout import LAUNCHER_LOG, LOGS_DIR, RANK_LOGS_DIR
@@ -80,6 +81,8 @@ LAUNCHERS: Final[tuple[Launcher, ...]] = ("warm", "torchrun")
 """The single-node launchers (``QUALIFY_LAUNCHER``; ``srun`` selects :func:`torchrun_command`'s
 multi-node path)."""
 
+PRESTART_ENV: Final = "QUALIFY_PRESTART"
+"""``0`` turns :func:`prestart` off (each launch then starts its zygote itself)."""
 KILL_GRACE_S: Final = procs.KILL_GRACE_S
 """Seconds between SIGTERM and SIGKILL when a launch is ended (:mod:`qualify.procs`)."""
 CLIENT_GRACE_S: Final = KILL_GRACE_S + 3.0
@@ -405,7 +408,9 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
                          preload=preload)
     launcher_log, started = logs / LAUNCHER_LOG, utc_now_iso()
     t0 = time.monotonic()
-    warm_cmd, cmd = cmd, zygote_pool.client_command(cmd, launch_environment, timeout_s)
+    warm_cmd, cmd = cmd, zygote_pool.client_command(
+        cmd, launch_environment, timeout_s,
+        inputs=Path(cell.inputs_dir) if cell.inputs_dir else None)
     left = timeout_s - (time.monotonic() - t0)  # a zygote's first imports count too
     grace = KILL_GRACE_S if cmd == warm_cmd else CLIENT_GRACE_S
     with launcher_log.open("wb") as log:
@@ -459,10 +464,63 @@ def launch_engine(cell: HarnessCell, *, engine: EngineSpec, attempt_dir: Path,
     Raises:
         HarnessError: as :func:`launch`.
     """
-    cpu_env = {**engine.cpu_env, "QUALIFY_DEVICE": "cpu"}  # a CUDA build of torch may fork
     return launch(cell, module=engine.module, attempt_dir=attempt_dir, timeout_s=timeout_s,
-                  env=None if cuda else cpu_env, world_size=engine.world_size(cell),
+                  env=_engine_env(engine, cuda), world_size=engine.world_size(cell),
                   launcher="torchrun" if cuda else None, preload=engine.warm_imports)
+
+
+def _engine_env(engine: EngineSpec, cuda: bool) -> dict[str, str] | None:
+    """:func:`launch_engine`'s ``env``: the engine's ``cpu_env`` on CPU, nothing on CUDA."""
+    return None if cuda else {**engine.cpu_env, "QUALIFY_DEVICE": "cpu"}  # CUDA torch may fork
+
+
+def prestart(engines: Sequence[EngineSpec], *, inputs: Path, cuda: bool,
+             timeout_s: float = zygote.START_TIMEOUT_S) -> threading.Thread | None:
+    """Start the zygotes of ``engines``' warm launches now, in a thread, one after another.
+
+    A stage that will launch several engines pays each zygote's imports (the harness, the
+    engine's ``warm_imports``, the model classes of ``inputs``) inside that launch's wall,
+    one engine after the other. Started here, in launch order, those imports run while the
+    earlier launches run: a launch whose zygote is ready forks its ranks at once, and one
+    whose zygote is still starting waits for that start (the key's lock) instead of
+    starting another. The zygote is the one :func:`launch_engine` would start (same key:
+    harness, preload modules, launch environment, sources), so nothing a launch computes
+    changes. Nothing is started on a CUDA machine (torchrun), under another launcher than
+    the warm one, with ``QUALIFY_ZYGOTE=0``, or when ``QUALIFY_PRESTART=0``. A start that
+    fails is left to the launch, which falls back as it always does.
+
+    Args:
+        engines: the engines in the order the stage launches them (repeats ignored).
+        inputs: the run's ``inputs/`` directory (its model classes are imported too).
+        cuda: whether this machine has a CUDA device.
+        timeout_s: the longest one zygote may take to start.
+
+    Returns:
+        The started daemon thread (joined by nobody: a launch waits on its key instead), or
+        ``None`` when nothing is to be started.
+    """
+    if cuda or os.environ.get(PRESTART_ENV, "1") == "0":
+        return None
+    todo: list[tuple[list[str], dict[str, str]]] = []
+    for engine in {e.name: e for e in engines}.values():
+        if engine.unavailable_reason() is not None:
+            continue
+        env = launch_env(_engine_env(engine, cuda))
+        cmd = launch_command(inputs / CELL_FILE, module=engine.module, world_size=1,
+                             log_dir=inputs, env=env, preload=engine.warm_imports)
+        if zygote.launch_key(cmd, env) is not None:
+            todo.append((cmd, env))
+    if not todo:
+        return None
+
+    def start_all() -> None:
+        for cmd, env in todo:
+            with contextlib.suppress(Exception):  # the launch itself falls back and reports
+                zygote_pool.client_command(cmd, env, timeout_s, inputs=inputs)
+
+    thread = threading.Thread(target=start_all, name="qualify-zygote-prestart", daemon=True)
+    thread.start()
+    return thread
 
 
 def _failure_tail(rank_dir: Path, launcher_log: Path) -> tuple[int | None, str]:

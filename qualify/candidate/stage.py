@@ -41,7 +41,7 @@ from typing import Any, Final
 from qualify import jsonio
 from qualify.atomic import TMP_PREFIX
 from qualify.candidate import beside, resume_stage, sampler_stage
-from qualify.candidate.launch import LaunchResult, launch_engine, read_safetensors_header
+from qualify.candidate.launch import LaunchResult, launch_engine, prestart, read_safetensors_header
 from qualify.contract import CellSpec, Contract, cells_matching
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
 from qualify.evidence import store, tensor_index
@@ -547,6 +547,7 @@ def run_candidate_stage(
                                         topology_engines=by_world),
                           key=lambda lc: source not in {c.cell_id for c in lc.cells})
         lock, cuda = threading.Lock(), _cuda_available()
+        prestart([get_engine(lc.engine) for lc in launches], inputs=inputs, cuda=cuda)
 
         def sampler_cells(stop: threading.Event | None = None) -> None:
             sampler_stage.run_sampler_cells(contract, run_dir=run_dir, run=run, inputs=inputs,

@@ -144,10 +144,23 @@ def preload(target: str, modules: Sequence[str], cell_file: Path | None) -> list
 
 
 def _preload_model_classes(cell_file: Path) -> None:
+    cell = json.loads(cell_file.read_text("utf-8"))
+    preload_models(Path(cell["inputs_dir"]))
+
+
+def preload_models(inputs_dir: Path) -> None:
+    """Import the HF model classes of the models a run's ``inputs_dir/model.json`` names.
+
+    Only imports (no model is built): the modeling module of each ``config.json``'s
+    ``model_type``, as :func:`preload` does for a cell.
+
+    Raises:
+        OSError, ValueError, KeyError: ``model.json`` is missing or malformed (callers
+            treat this as best effort).
+    """
     from qualify.layout import MODEL_FILE
 
-    cell = json.loads(cell_file.read_text("utf-8"))
-    models = json.loads((Path(cell["inputs_dir"]) / MODEL_FILE).read_text("utf-8"))
+    models = json.loads((inputs_dir / MODEL_FILE).read_text("utf-8"))
     dirs = {str(v) for k, v in models.items() if k.endswith("_dir")}
     if not dirs:
         return

@@ -59,8 +59,9 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -236,6 +237,32 @@ def _owner_alive(owner: int) -> Callable[[], bool]:
     return alive
 
 
+@contextlib.contextmanager
+def _ends_with(owner_alive: Callable[[], bool], workdir: Path) -> Iterator[None]:
+    """Exit this process (code 0), ``workdir`` removed, if its owner is gone meanwhile.
+
+    A zygote started ahead of its launches (:func:`qualify.candidate.launch.prestart`) may
+    still be importing when the process it serves is killed; a watcher thread checks every
+    :data:`POLL_S` and exits at once, so no zygote outlives its owner by its import time.
+    The thread is joined before the block's end: the zygote forks with one thread.
+    """
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(POLL_S):
+            if not owner_alive():  # nobody is left to clean up after it
+                shutil.rmtree(workdir, ignore_errors=True)
+                os._exit(0)
+
+    watcher = threading.Thread(target=watch, name="qualify-zygote-owner", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
 def _loaded_sources() -> dict[str, tuple[int, int]]:
     """(size, mtime in ns) of every loaded module's file outside stdlib and site-packages.
 
@@ -272,7 +299,8 @@ def _changed(sources: Mapping[str, tuple[int, int]]) -> list[str]:
 
 
 def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int | None,
-          idle_s: float | None = None, remove_dir: bool = False) -> int:
+          idle_s: float | None = None, remove_dir: bool = False,
+          inputs: Path | None = None) -> int:
     """Run a zygote: import, say ``ready`` on stdout, then fork a launcher per request.
 
     Args:
@@ -286,6 +314,9 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
         idle_s: drain after this many seconds with no launch in flight (``None``: never).
         remove_dir: a pool zygote: it writes its pid to ``pid`` beside the socket first of
             all, and removes the socket's directory at the end.
+        inputs: a run's ``inputs/`` directory: the model classes of its ``model.json`` are
+            imported before ``ready`` too (best effort; a prestarted zygote's first launch
+            then imports nothing, :func:`qualify.candidate.launch.prestart`).
 
     A stop signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT) makes it drain: it closes and removes
     its socket (a client that comes later runs the plain warm launcher) and exits when the
@@ -309,7 +340,13 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
         listener.bind(str(socket_path))
         listener.listen(MAX_PENDING)
         t0 = time.monotonic()
-        notes = warm.preload(target, modules, None)
+        with _ends_with(owner_alive, socket_path.parent):
+            notes = warm.preload(target, modules, None)
+            if inputs is not None:
+                try:
+                    warm.preload_models(inputs)
+                except Exception as exc:  # best effort: the first request imports them again
+                    notes.append(f"model classes of {inputs}: {type(exc).__name__}: {exc}")
         imports_s = time.monotonic() - t0
         warm._Libc.load()
         safe, why = warm.fork_safe()
@@ -587,6 +624,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--idle-s", type=float, default=None)
     s.add_argument("--remove-dir", action="store_true")
     s.add_argument("--preload", action="append", default=[])
+    s.add_argument("--inputs", type=Path, default=None)
     s.add_argument("target")
     r = sub.add_parser("run")
     r.add_argument("--socket", type=Path, required=True)
@@ -594,7 +632,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args.socket, target=args.target, modules=args.preload,
-                     parent=args.parent, idle_s=args.idle_s, remove_dir=args.remove_dir)
+                     parent=args.parent, idle_s=args.idle_s, remove_dir=args.remove_dir,
+                     inputs=args.inputs)
     rest = args.args[1:] if args.args[:1] == ["--"] else args.args
     return run_client(args.socket, rest)
 

@@ -247,7 +247,8 @@ def _mtime(path: Path) -> float:
 
 
 def client_command(warm_cmd: Sequence[str], env: Mapping[str, str],
-                   timeout_s: float = zygote.START_TIMEOUT_S) -> list[str]:
+                   timeout_s: float = zygote.START_TIMEOUT_S, *,
+                   inputs: Path | None = None) -> list[str]:
     """The command that runs the warm launch ``warm_cmd`` through a zygote.
 
     The pool's zygote of its key when ``env`` names a pool (:func:`pool_of`), else this
@@ -261,23 +262,29 @@ def client_command(warm_cmd: Sequence[str], env: Mapping[str, str],
         warm_cmd: :func:`qualify.candidate.launch.launch_command`'s warm command.
         env: the whole launch environment (:func:`qualify.candidate.launch.launch_env`).
         timeout_s: the longest to wait for the key's zygote (its lock and its imports).
+        inputs: a run's ``inputs/``: a zygote started now also imports its model classes
+            (``serve --inputs``; not part of the key).
     """
     pool = pool_of(env)
     if pool is None:
-        return own_command(warm_cmd, env, timeout_s)
+        return own_command(warm_cmd, env, timeout_s, inputs=inputs)
     cmd = list(warm_cmd)
     key = zygote.launch_key(cmd, env)
     if key is None:
         return cmd
     _reap()
     try:
-        return _pooled(cmd, key, env, pool, timeout_s)
+        return _pooled(cmd, key, env, pool, timeout_s, extra=_inputs_args(inputs))
     except OSError:  # the pool cannot be used (gone, unwritable): this process's zygotes
-        return own_command(cmd, env, timeout_s)
+        return own_command(cmd, env, timeout_s, inputs=inputs)
+
+
+def _inputs_args(inputs: Path | None) -> list[str]:
+    return [] if inputs is None else ["--inputs", str(inputs)]
 
 
 def _pooled(cmd: list[str], key: tuple[object, ...], env: Mapping[str, str], pool: Path,
-            timeout_s: float) -> list[str]:
+            timeout_s: float, *, extra: Sequence[str] = ()) -> list[str]:
     """:func:`client_command` with a pool (its ``OSError`` falls back to this process's)."""
     pool.mkdir(mode=0o700, parents=True, exist_ok=True)
     digest = _digest(key)
@@ -299,7 +306,8 @@ def _pooled(cmd: list[str], key: tuple[object, ...], env: Mapping[str, str], poo
             (instance / "used").touch()  # before the start: not the least recently used
             idle = env.get(IDLE_ENV) or str(DEFAULT_IDLE_S)
             owner = env.get(OWNER_ENV, "")
-            args = ["--idle-s", idle, "--remove-dir", *(["--parent", owner] if owner else [])]
+            args = ["--idle-s", idle, "--remove-dir", *(["--parent", owner] if owner else []),
+                    *extra]
             started = zygote.spawn(*zygote.launch_target(cmd), env,
                                    timeout_s=max(deadline - time.monotonic(), 0.1),
                                    workdir=instance, serve_args=args)
@@ -415,11 +423,11 @@ _KEY_LOCKS_LOCK = threading.Lock()
 
 
 def _start(target: str, modules: Sequence[str], env: Mapping[str, str],
-           timeout_s: float) -> Zygote | str:
+           timeout_s: float, extra: Sequence[str] = ()) -> Zygote | str:
     """Start a zygote of this process; it, or why it could not serve."""
     workdir = tempfile.TemporaryDirectory(prefix="qualify-zygote-")
     proc = zygote.spawn(target, modules, env, timeout_s=timeout_s, workdir=Path(workdir.name),
-                 serve_args=["--parent", str(os.getpid())])
+                        serve_args=["--parent", str(os.getpid()), *extra])
     if isinstance(proc, str):
         workdir.cleanup()
         return proc
@@ -427,7 +435,8 @@ def _start(target: str, modules: Sequence[str], env: Mapping[str, str],
 
 
 def own_command(warm_cmd: Sequence[str], env: Mapping[str, str],
-                timeout_s: float = zygote.START_TIMEOUT_S) -> list[str]:
+                timeout_s: float = zygote.START_TIMEOUT_S, *,
+                inputs: Path | None = None) -> list[str]:
     """The command that runs the warm launch ``warm_cmd`` through this process's zygote.
 
     Starts the zygote of the launch's key (:func:`qualify.candidate.zygote.launch_key`)
@@ -441,6 +450,7 @@ def own_command(warm_cmd: Sequence[str], env: Mapping[str, str],
         warm_cmd: :func:`qualify.candidate.launch.launch_command`'s warm command.
         env: the whole launch environment (:func:`qualify.candidate.launch.launch_env`).
         timeout_s: the longest to wait for a new zygote's imports.
+        inputs: as :func:`client_command`.
     """
     cmd = list(warm_cmd)
     key = zygote.launch_key(cmd, env)
@@ -458,7 +468,7 @@ def own_command(warm_cmd: Sequence[str], env: Mapping[str, str],
                 own.stop()
                 own = None
         if own is None:
-            started = _start(*zygote.launch_target(cmd), env, timeout_s)
+            started = _start(*zygote.launch_target(cmd), env, timeout_s, _inputs_args(inputs))
             if isinstance(started, str):
                 if started.startswith("unsafe "):
                     with _LOCK:
