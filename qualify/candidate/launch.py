@@ -486,8 +486,14 @@ def prestart(engines: Sequence[EngineSpec], *, inputs: Path, cuda: bool,
     starting another. The zygote is the one :func:`launch_engine` would start (same key:
     harness, preload modules, launch environment, sources), so nothing a launch computes
     changes. Nothing is started on a CUDA machine (torchrun), under another launcher than
-    the warm one, with ``QUALIFY_ZYGOTE=0``, or when ``QUALIFY_PRESTART=0``. A start that
-    fails is left to the launch, which falls back as it always does.
+    the warm one, in a multi-node allocation (``QUALIFY_NNODES`` > 1: srun), with
+    ``QUALIFY_ZYGOTE=0``, when ``QUALIFY_PRESTART=0``, or for an engine that is not
+    installed. A start that fails is left to the launch: it tries again, or, for a zygote
+    that may not fork (remembered), runs the plain warm launcher, as it always does. The
+    thread is not stopped when the stage ends early: what it started ends with this
+    process (own zygotes) or its pool's idle limit. A pool zygote's idle limit
+    (``QUALIFY_ZYGOTE_IDLE_S``) counts from its start: one whose launch comes later than
+    that has drained, and the launch starts its zygote again (own zygotes have no limit).
 
     Args:
         engines: the engines in the order the stage launches them (repeats ignored).
@@ -499,8 +505,8 @@ def prestart(engines: Sequence[EngineSpec], *, inputs: Path, cuda: bool,
         The started daemon thread (joined by nobody: a launch waits on its key instead), or
         ``None`` when nothing is to be started.
     """
-    if cuda or os.environ.get(PRESTART_ENV, "1") == "0":
-        return None
+    if cuda or os.environ.get(PRESTART_ENV, "1") == "0" or _nnodes(os.environ, UsageError) > 1:
+        return None  # a multi-node allocation's launches go through srun (no zygote)
     todo: list[tuple[list[str], dict[str, str]]] = []
     for engine in {e.name: e for e in engines}.values():
         if engine.unavailable_reason() is not None:

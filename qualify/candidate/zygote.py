@@ -78,6 +78,8 @@ START_TIMEOUT_S: Final = 300.0
 """The longest a zygote may take to import and say it is ready."""
 MAX_REQUEST_BYTES: Final = 16 << 20
 """The largest request body (argv, environment, cwd as JSON) a zygote reads."""
+THREAD_EXIT_S: Final = 2.0
+"""The longest a zygote waits for its owner watcher's OS thread to be gone (:func:`_ends_with`)."""
 REQUEST_TIMEOUT_S: Final = 10.0
 """The longest a zygote waits for one request's bytes."""
 MAX_PENDING: Final = 64
@@ -238,14 +240,20 @@ def _owner_alive(owner: int) -> Callable[[], bool]:
 
 
 @contextlib.contextmanager
-def _ends_with(owner_alive: Callable[[], bool], workdir: Path) -> Iterator[None]:
+def _ends_with(owner_alive: Callable[[], bool] | None, workdir: Path) -> Iterator[None]:
     """Exit this process (code 0), ``workdir`` removed, if its owner is gone meanwhile.
 
     A zygote started ahead of its launches (:func:`qualify.candidate.launch.prestart`) may
     still be importing when the process it serves is killed; a watcher thread checks every
     :data:`POLL_S` and exits at once, so no zygote outlives its owner by its import time.
-    The thread is joined before the block's end: the zygote forks with one thread.
+    ``None``: no owner, no watcher. At the block's end the thread is joined and then waited
+    for until the kernel has removed it (``/proc/self/task``; ``join`` returns while the OS
+    thread may still be exiting, and :func:`qualify.candidate.warm.fork_safe` would count
+    it), so the zygote forks with one thread.
     """
+    if owner_alive is None:
+        yield
+        return
     done = threading.Event()
 
     def watch() -> None:
@@ -261,6 +269,10 @@ def _ends_with(owner_alive: Callable[[], bool], workdir: Path) -> Iterator[None]
     finally:
         done.set()
         watcher.join()
+        task = Path(f"/proc/self/task/{watcher.native_id}")
+        deadline = time.monotonic() + THREAD_EXIT_S
+        while task.exists() and time.monotonic() < deadline:
+            time.sleep(0.001)
 
 
 def _loaded_sources() -> dict[str, tuple[int, int]]:
@@ -315,8 +327,9 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
         remove_dir: a pool zygote: it writes its pid to ``pid`` beside the socket first of
             all, and removes the socket's directory at the end.
         inputs: a run's ``inputs/`` directory: the model classes of its ``model.json`` are
-            imported before ``ready`` too (best effort; a prestarted zygote's first launch
-            then imports nothing, :func:`qualify.candidate.launch.prestart`).
+            imported right after ``ready``, before the first request is read (best effort;
+            a prestarted zygote's first launch then imports nothing,
+            :func:`qualify.candidate.launch.prestart`).
 
     A stop signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT) makes it drain: it closes and removes
     its socket (a client that comes later runs the plain warm launcher) and exits when the
@@ -340,13 +353,8 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
         listener.bind(str(socket_path))
         listener.listen(MAX_PENDING)
         t0 = time.monotonic()
-        with _ends_with(owner_alive, socket_path.parent):
+        with _ends_with(None if parent is None else owner_alive, socket_path.parent):
             notes = warm.preload(target, modules, None)
-            if inputs is not None:
-                try:
-                    warm.preload_models(inputs)
-                except Exception as exc:  # best effort: the first request imports them again
-                    notes.append(f"model classes of {inputs}: {type(exc).__name__}: {exc}")
         imports_s = time.monotonic() - t0
         warm._Libc.load()
         safe, why = warm.fork_safe()
@@ -357,6 +365,12 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
         sel.register(listener, selectors.EVENT_READ)
         print("ready" + "".join(f"; not preloaded: {n}" for n in notes), flush=True)
         os.dup2(2, 1)  # later lines go to the zygote's log, not to the pipe nobody reads
+        if inputs is not None:  # after 'ready': a request waits in the backlog meanwhile,
+            try:  # and is refused (the zygote drains) if these imports started a thread
+                warm.preload_models(inputs)
+            except Exception as exc:  # best effort: the first request imports them again
+                print(f"zygote: model classes of {inputs}: {type(exc).__name__}: {exc}",
+                      file=sys.stderr, flush=True)
         return _loop(sel, listener, socket_path, target=target, imports_s=imports_s,
                      owner_alive=owner_alive, stop=stop, idle_s=idle_s)
     except BrokenPipeError:  # its starter is gone before it was ready
