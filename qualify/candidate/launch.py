@@ -522,7 +522,7 @@ def prestart(engines: Sequence[EngineSpec], *, inputs: Path, cuda: bool,
     def start_all() -> None:
         for cmd, env in todo:
             with contextlib.suppress(Exception):  # the launch itself falls back and reports
-                zygote_pool.client_command(cmd, env, timeout_s, inputs=inputs)
+                zygote_pool.client_command(cmd, env, timeout_s, inputs=inputs, ahead=True)
 
     thread = threading.Thread(target=start_all, name="qualify-zygote-prestart", daemon=True)
     thread.start()

@@ -312,7 +312,7 @@ def _changed(sources: Mapping[str, tuple[int, int]]) -> list[str]:
 
 def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int | None,
           idle_s: float | None = None, remove_dir: bool = False,
-          inputs: Path | None = None) -> int:
+          inputs: Path | None = None, ahead: bool = False) -> int:
     """Run a zygote: import, say ``ready`` on stdout, then fork a launcher per request.
 
     Args:
@@ -330,6 +330,7 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
             imported right after ``ready``, before the first request is read (best effort;
             a prestarted zygote's first launch then imports nothing,
             :func:`qualify.candidate.launch.prestart`).
+        ahead: started ahead of its launches (by that prestart): each launcher's log says so.
 
     A stop signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT) makes it drain: it closes and removes
     its socket (a client that comes later runs the plain warm launcher) and exits when the
@@ -371,7 +372,7 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
             except Exception as exc:  # best effort: the first request imports them again
                 print(f"zygote: model classes of {inputs}: {type(exc).__name__}: {exc}",
                       file=sys.stderr, flush=True)
-        return _loop(sel, listener, socket_path, target=target, imports_s=imports_s,
+        return _loop(sel, listener, socket_path, target=target, imports_s=imports_s, ahead=ahead,
                      owner_alive=owner_alive, stop=stop, idle_s=idle_s)
     except BrokenPipeError:  # its starter is gone before it was ready
         return 0
@@ -385,7 +386,7 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
 
 def _loop(sel: selectors.BaseSelector, listener: socket.socket, socket_path: Path, *,
           target: str, imports_s: float, owner_alive: Callable[[], bool], stop: list[int],
-          idle_s: float | None) -> int:
+          idle_s: float | None, ahead: bool = False) -> int:
     """:func:`serve`'s loop: read requests (none blocks another), fork, reap; 0 at its end."""
     sources = _loaded_sources()
     launchers: dict[int, socket.socket] = {}
@@ -454,7 +455,8 @@ def _loop(sel: selectors.BaseSelector, listener: socket.socket, socket_path: Pat
             except Exception as exc:  # one request's failure; the zygote goes on
                 drop(req, exc)
                 continue
-            note = f"its imports {imports_s:.2f} s once; launch {served + 1} it serves"
+            note = (f"{'started ahead of its launches; ' if ahead else ''}its imports "
+                    f"{imports_s:.2f} s once; launch {served + 1} it serves")
             pid = _fork_launcher(doc, req, [sel, listener, *launchers.values(), *pending],
                                  note)
             served += 1
@@ -639,6 +641,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--remove-dir", action="store_true")
     s.add_argument("--preload", action="append", default=[])
     s.add_argument("--inputs", type=Path, default=None)
+    s.add_argument("--ahead", action="store_true")
     s.add_argument("target")
     r = sub.add_parser("run")
     r.add_argument("--socket", type=Path, required=True)
@@ -647,7 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         return serve(args.socket, target=args.target, modules=args.preload,
                      parent=args.parent, idle_s=args.idle_s, remove_dir=args.remove_dir,
-                     inputs=args.inputs)
+                     inputs=args.inputs, ahead=args.ahead)
     rest = args.args[1:] if args.args[:1] == ["--"] else args.args
     return run_client(args.socket, rest)
 

@@ -248,7 +248,7 @@ def _mtime(path: Path) -> float:
 
 def client_command(warm_cmd: Sequence[str], env: Mapping[str, str],
                    timeout_s: float = zygote.START_TIMEOUT_S, *,
-                   inputs: Path | None = None) -> list[str]:
+                   inputs: Path | None = None, ahead: bool = False) -> list[str]:
     """The command that runs the warm launch ``warm_cmd`` through a zygote.
 
     The pool's zygote of its key when ``env`` names a pool (:func:`pool_of`), else this
@@ -264,23 +264,26 @@ def client_command(warm_cmd: Sequence[str], env: Mapping[str, str],
         timeout_s: the longest to wait for the key's zygote (its lock and its imports).
         inputs: a run's ``inputs/``: a zygote started now also imports its model classes
             (``serve --inputs``; not part of the key).
+        ahead: a zygote started now is started ahead of its launches
+            (:func:`qualify.candidate.launch.prestart`; ``serve --ahead``: its launchers' logs
+            say so).
     """
     pool = pool_of(env)
     if pool is None:
-        return own_command(warm_cmd, env, timeout_s, inputs=inputs)
+        return own_command(warm_cmd, env, timeout_s, inputs=inputs, ahead=ahead)
     cmd = list(warm_cmd)
     key = zygote.launch_key(cmd, env)
     if key is None:
         return cmd
     _reap()
     try:
-        return _pooled(cmd, key, env, pool, timeout_s, extra=_inputs_args(inputs))
+        return _pooled(cmd, key, env, pool, timeout_s, extra=_serve_args(inputs, ahead))
     except OSError:  # the pool cannot be used (gone, unwritable): this process's zygotes
-        return own_command(cmd, env, timeout_s, inputs=inputs)
+        return own_command(cmd, env, timeout_s, inputs=inputs, ahead=ahead)
 
 
-def _inputs_args(inputs: Path | None) -> list[str]:
-    return [] if inputs is None else ["--inputs", str(inputs)]
+def _serve_args(inputs: Path | None, ahead: bool) -> list[str]:
+    return ([] if inputs is None else ["--inputs", str(inputs)]) + (["--ahead"] if ahead else [])
 
 
 def _pooled(cmd: list[str], key: tuple[object, ...], env: Mapping[str, str], pool: Path,
@@ -436,7 +439,7 @@ def _start(target: str, modules: Sequence[str], env: Mapping[str, str],
 
 def own_command(warm_cmd: Sequence[str], env: Mapping[str, str],
                 timeout_s: float = zygote.START_TIMEOUT_S, *,
-                inputs: Path | None = None) -> list[str]:
+                inputs: Path | None = None, ahead: bool = False) -> list[str]:
     """The command that runs the warm launch ``warm_cmd`` through this process's zygote.
 
     Starts the zygote of the launch's key (:func:`qualify.candidate.zygote.launch_key`)
@@ -451,6 +454,7 @@ def own_command(warm_cmd: Sequence[str], env: Mapping[str, str],
         env: the whole launch environment (:func:`qualify.candidate.launch.launch_env`).
         timeout_s: the longest to wait for a new zygote's imports.
         inputs: as :func:`client_command`.
+        ahead: as :func:`client_command`.
     """
     cmd = list(warm_cmd)
     key = zygote.launch_key(cmd, env)
@@ -468,7 +472,8 @@ def own_command(warm_cmd: Sequence[str], env: Mapping[str, str],
                 own.stop()
                 own = None
         if own is None:
-            started = _start(*zygote.launch_target(cmd), env, timeout_s, _inputs_args(inputs))
+            started = _start(*zygote.launch_target(cmd), env, timeout_s,
+                             _serve_args(inputs, ahead))
             if isinstance(started, str):
                 if started.startswith("unsafe "):
                     with _LOCK:
