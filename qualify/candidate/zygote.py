@@ -59,13 +59,12 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
-from qualify.candidate import warm
+from qualify.candidate import owner, warm
 
 VOLATILE: Final = frozenset({"PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "_", "PWD", "OLDPWD",
                              "SHLVL", "PS1"})
@@ -78,8 +77,6 @@ START_TIMEOUT_S: Final = 300.0
 """The longest a zygote may take to import and say it is ready."""
 MAX_REQUEST_BYTES: Final = 16 << 20
 """The largest request body (argv, environment, cwd as JSON) a zygote reads."""
-THREAD_EXIT_S: Final = 2.0
-"""The longest a zygote waits for its owner watcher's OS thread to be gone (:func:`_ends_with`)."""
 REQUEST_TIMEOUT_S: Final = 10.0
 """The longest a zygote waits for one request's bytes."""
 MAX_PENDING: Final = 64
@@ -214,67 +211,6 @@ def _fork_launcher(doc: Mapping[str, object], req: _Request,
     return pid
 
 
-def _owner_alive(owner: int) -> Callable[[], bool]:
-    """A check that ``owner`` still runs.
-
-    ``getppid`` when it is this process's parent (no pid reuse can fool it), else its pid
-    with the start time it has now (:mod:`psutil`).
-    """
-    if owner == os.getppid():
-        return lambda: os.getppid() == owner
-    import psutil
-
-    try:
-        born = psutil.Process(owner).create_time()
-    except psutil.Error:
-        return lambda: False
-
-    def alive() -> bool:
-        try:
-            proc = psutil.Process(owner)
-            return proc.create_time() == born and proc.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-
-    return alive
-
-
-@contextlib.contextmanager
-def _ends_with(owner_alive: Callable[[], bool] | None, workdir: Path) -> Iterator[None]:
-    """Exit this process (code 0), ``workdir`` removed, if its owner is gone meanwhile.
-
-    A zygote started ahead of its launches (:func:`qualify.candidate.launch.prestart`) may
-    still be importing when the process it serves is killed; a watcher thread checks every
-    :data:`POLL_S` and exits at once, so no zygote outlives its owner by its import time.
-    ``None``: no owner, no watcher. At the block's end the thread is joined and then waited
-    for until the kernel has removed it (``/proc/self/task``; ``join`` returns while the OS
-    thread may still be exiting, and :func:`qualify.candidate.warm.fork_safe` would count
-    it), so the zygote forks with one thread.
-    """
-    if owner_alive is None:
-        yield
-        return
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.wait(POLL_S):
-            if not owner_alive():  # nobody is left to clean up after it
-                shutil.rmtree(workdir, ignore_errors=True)
-                os._exit(0)
-
-    watcher = threading.Thread(target=watch, name="qualify-zygote-owner", daemon=True)
-    watcher.start()
-    try:
-        yield
-    finally:
-        done.set()
-        watcher.join()
-        task = Path(f"/proc/self/task/{watcher.native_id}")
-        deadline = time.monotonic() + THREAD_EXIT_S
-        while task.exists() and time.monotonic() < deadline:
-            time.sleep(0.001)
-
-
 def _loaded_sources() -> dict[str, tuple[int, int]]:
     """(size, mtime in ns) of every loaded module's file outside stdlib and site-packages.
 
@@ -342,7 +278,7 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
         0 after a stop or its parent's end; 3 when it may not fork (the reason on stdout
         instead of ``ready``).
     """
-    owner_alive = (lambda: True) if parent is None else _owner_alive(parent)
+    owner_alive = (lambda: True) if parent is None else owner.alive_check(parent)
     stop: list[int] = []
     for sig in warm._FORWARDED:
         signal.signal(sig, lambda signum, _f: stop.append(signum))
@@ -354,7 +290,8 @@ def serve(socket_path: Path, *, target: str, modules: Sequence[str], parent: int
         listener.bind(str(socket_path))
         listener.listen(MAX_PENDING)
         t0 = time.monotonic()
-        with _ends_with(None if parent is None else owner_alive, socket_path.parent):
+        with owner.exit_when_gone(None if parent is None else owner_alive,
+                                  socket_path.parent, poll_s=POLL_S):
             notes = warm.preload(target, modules, None)
         imports_s = time.monotonic() - t0
         warm._Libc.load()
