@@ -248,12 +248,15 @@ def resolve_reference(run_dir: str | Path, run: RunDocument | Mapping[str, Any],
                       given: str | Path | None = None) -> Path:
     """Find the sealed reference a candidate run names: the one resolver of qualify.
 
-    Order: ``given``; ``run.json``'s ``reference.path`` (absolute; or relative, to the run
-    directory first, then to the working directory); else, for evidence moved to another
-    place (a committed run on a CI machine), a directory under a ``references/`` folder
-    beside any ancestor of the run whose ``MANIFEST.json`` sha256 is
-    ``reference.manifest_digest`` (then one of the recorded name). Whether the found
-    directory is sealed and intact is the caller's check.
+    Order: ``given``; ``run.json``'s ``reference.path`` when relative, to the run directory;
+    a directory under a ``references/`` folder beside an ancestor of the run (nearest
+    first) whose ``MANIFEST.json`` sha256 is ``reference.manifest_digest``; the recorded
+    path itself (absolute, or relative to the working directory); else a directory of the
+    recorded name under such a ``references/`` folder. A copy beside the evidence comes
+    before the recorded absolute path: a checkout audits its own committed reference, not
+    whatever another checkout holds at the path the run was made under (a clone of an
+    older commit gated its run against a reference re-signed in the checkout at that
+    path). Whether the found directory is sealed and intact is the caller's check.
 
     Args:
         run_dir: the run directory.
@@ -276,25 +279,41 @@ def resolve_reference(run_dir: str | Path, run: RunDocument | Mapping[str, Any],
         ref = run.get("reference")
         ref = ref if isinstance(ref, Mapping) else {}
         raw, want = ref.get("path"), ref.get("manifest_digest")
-    name = Path(raw).name if isinstance(raw, str) and raw else None
-    if isinstance(raw, str) and raw:
-        p = Path(raw)
-        for cand in ([p] if p.is_absolute() else [rd / p, Path.cwd() / p]):
-            if cand.is_dir():
-                return cand.resolve()
-    for anc in rd.resolve().parents:
+    recorded = Path(raw) if isinstance(raw, str) and raw else None
+    if recorded is not None and not recorded.is_absolute() and (rd / recorded).is_dir():
+        return (rd / recorded).resolve()
+    found = _beside(rd, want, None)
+    if found is not None:
+        return found
+    if recorded is not None:
+        cand = recorded if recorded.is_absolute() else Path.cwd() / recorded
+        if cand.is_dir():
+            return cand.resolve()
+    found = _beside(rd, None, recorded.name if recorded is not None else None)
+    if found is not None:
+        return found
+    raise ReferenceDataError(f"{rd / RUN_FILE}: reference {raw!r} not found (pass the "
+                             "reference directory explicitly with --reference)")
+
+
+def _beside(run_dir: Path, digest: object, name: str | None) -> Path | None:
+    """A reference directory beside ``run_dir``'s evidence, or ``None``.
+
+    Under a ``references/`` beside an ancestor of ``run_dir`` (nearest first): the directory
+    whose ``MANIFEST.json`` sha256 is ``digest``, or the one called ``name``.
+    """
+    for anc in run_dir.resolve().parents:
         refs = anc / REFERENCES_DIR
         if not refs.is_dir():
             continue
-        dirs = sorted(d for d in refs.iterdir() if d.is_dir())
-        for d in dirs:
-            mp = d / MANIFEST_FILE
-            if want and mp.is_file() and sha256_file(mp) == want:
-                return d
+        if digest:
+            for d in sorted(d for d in refs.iterdir() if d.is_dir()):
+                mp = d / MANIFEST_FILE
+                if mp.is_file() and sha256_file(mp) == digest:
+                    return d
         if name and (refs / name).is_dir():
             return refs / name
-    raise ReferenceDataError(f"{rd / RUN_FILE}: reference {raw!r} not found (pass the "
-                             "reference directory explicitly with --reference)")
+    return None
 
 
 # --- a reference: the HF reference run's tensors (appended; the comparator reads them)
