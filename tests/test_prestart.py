@@ -3,8 +3,9 @@
 With the fake harness of tests/test_launch.py, as an engine spec: the zygote that
 :func:`~qualify.candidate.launch.prestart` starts is the one the engine's launch then uses
 (this process's own and the session pool's), nothing is started where the launch would
-not use a zygote, the model classes of the run's inputs are imported before ``ready``, and
-a zygote whose owner is killed during its imports ends at once instead of after them.
+not use a zygote, the model classes of the run's inputs are imported (``serve --inputs``,
+right after ``ready``), a zygote whose owner is killed during its imports ends at once
+instead of after them, and one with an owner still forks with one thread.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 from test_launch import _cell, write_fake
+from test_zygote import _origin
 
 from qualify.candidate import zygote_pool
 from qualify.candidate.launch import launch_engine, prestart
@@ -42,11 +44,6 @@ def no_zygotes(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def _spec(tmp_path: Path, **extra: object) -> EngineSpec:
     return EngineSpec(name="fake", entry="pkg_fake.harness:main",
                       cpu_env=write_fake(tmp_path / "pkg"), **extra)  # type: ignore[arg-type]
-
-
-def _origin(log: Path) -> str:
-    (line,) = [x for x in log.read_text().splitlines() if x.startswith("[warm] from zygote ")]
-    return line
 
 
 @pytest.mark.parametrize("where", ["own", "pool"])
