@@ -228,23 +228,26 @@ def test_hung_rank_is_an_error_with_logs_kept(reference: Path, contract: Contrac
 
 
 def test_the_stage_launches_through_the_zygote_it_prestarted(tmp_path: Path) -> None:
-    """The stage's prestarted zygote has its launch's key (qualify.candidate.launch.prestart):
-    the launch is served by the zygote started ahead of it, in a fresh ``qualify run`` of
-    the default contract (one cell, on a copy of the committed reference) with zygotes of
-    its own. A variable that the stage's own imports set in ``os.environ`` between the
-    prestart and the launch gives another key and a useless zygote: tried with the prestart
-    before the models are prepared, whose imports set ``TORCHINDUCTOR_CACHE_DIR``, every
-    launch of that run had a zygote of its own, and this test failed."""
+    """The stage's prestarted zygotes have their launches' keys (qualify.candidate.launch.
+    prestart): in a fresh ``qualify run`` of the default contract (a torch_tp and a
+    Megatron-Core cell, on a copy of the committed reference, zygotes of that process
+    alone), the second launch is served by the zygote started ahead of it. The first
+    launch follows the prestart at once and may start its zygote itself, before the
+    prestart thread takes the key (seen once under a loaded suite): not asserted. A
+    variable that the stage's own imports set in ``os.environ`` between the prestart and
+    the launches gives other keys and useless zygotes: tried with the prestart before the
+    models are prepared, whose imports set ``TORCHINDUCTOR_CACHE_DIR``, every launch of
+    that run had a zygote of its own, and this test failed."""
     refs = copy_tree(repo_root() / "references", tmp_path / "references")
     out = tmp_path / "ev"
     proc = subprocess.run(
         [sys.executable, "-m", "qualify", "run", str(contracts_dir() / "tiny-qwen3.toml"),
          "--references", str(refs), "--evidence", str(out), "--cells", "torch_tp-fp32-actor-tp1",
-         "--quiet"], capture_output=True, text=True, check=False,
+         "megatron-fp32-actor-tp1", "--quiet"], capture_output=True, text=True, check=False,
         env={**os.environ, "QUALIFY_ZYGOTE_DIR": ""})  # zygotes of that process alone
     # 1: the cells left out are NOT_RUN, so the run does not qualify
     assert proc.returncode == ExitCode.QUALIFICATION_FAILED, proc.stderr[-2000:]
-    (log,) = out.rglob("launches/*/attempt-1/logs/launcher.log")
+    (log,) = out.rglob("launches/megatron-*/attempt-1/logs/launcher.log")
     origin = [x for x in log.read_text().splitlines() if x.startswith("[warm] from zygote ")]
     assert len(origin) == 1, log.read_text()
     assert "(started ahead of its launches; its imports " in origin[0]
