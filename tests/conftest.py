@@ -45,14 +45,25 @@ ONE_WORKER = frozenset({
     "test_kill_points",  # kit + clean: keygen, reference, candidate, compare
     "test_lr_schedule",  # deepspeed_lrs: one DeepSpeed probe process
     "test_megatron_bf16_finding",  # finding: one torchrun launch of the repro script
+    "test_deepspeed",  # runs: 2 DeepSpeed launches, file-locked
     "test_megatron_harness",  # report: reference + 2 Megatron launches
     "test_packaging",  # installed: wheel build, venv, install
+    "test_resume_deepspeed",  # runs: 5 launches, each after the save launch
+    "test_resume_fsdp2",  # runs: 5 launches per topology, each after the save launch
+    "test_resume_megatron",  # runs: 5 launches, each after the save launch
+    "test_resume_torch_tp",  # runs: 5 launches, each after the save launch
+    "test_slurm",  # the real jobs; the --time=1 job is submitted as the module starts
     "test_tamper_real_run",  # real_world: the shared tiny chain, copied, sealed, signed
     "test_vllm_rollout",  # reference: the shared default reference (a vLLM engine start)
     "test_vllm_sampler",  # run / tied_run: one vLLM harness start each
 })
 """Test modules (file stems) whose tests all go to one xdist worker, with the fixture
-that makes them expensive."""
+that makes them expensive. The resume and DeepSpeed modules share their launches across
+workers through file locks, but every test of a resume module needs the ``save`` launch
+first: split over two workers, one built while the other waited on its lock (about 15 s of
+each module's 30-45 s of worker time in a measured run of the suite, 2026-12-04). The Slurm
+module's timeout test waits over a minute for Slurm's time limit; on one worker its job is
+submitted when the module starts and times out while the other real jobs run."""
 
 
 FIRST = ("test_megatron_harness", "test_tamper_real_run")
@@ -67,8 +78,10 @@ lock while the other builds)."""
 
 COST_S = {
     "test_fsdp2": 120, "test_vllm_sampler": 110, "test_kill_points": 100,
-    "test_packaging": 90, "test_megatron_bf16_finding": 40, "test_lr_schedule": 30,
-    "test_pipeline": 30,
+    "test_packaging": 90, "test_slurm": 85, "test_megatron_bf16_finding": 40,
+    "test_lr_schedule": 30, "test_pipeline": 30, "test_resume_megatron": 25,
+    "test_resume_fsdp2": 25, "test_deepspeed": 20, "test_resume_torch_tp": 18,
+    "test_resume_deepspeed": 16,
 }
 """Rough relative cost (only the order it gives matters; unlisted: 0): of the whole unit for
 :data:`ONE_WORKER` modules (fsdp2 and the vLLM sampler took about the same in a loaded run

@@ -15,6 +15,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -268,16 +269,16 @@ def _logs(tmp_path: Path, job: str) -> str:
     return "\n".join(p.read_text() for p in sorted(tmp_path.glob(f"*-{job}.*")))
 
 
-def _slow_qualify(tmp_path: Path) -> Path:
-    """A ``qualify`` whose reference stage stops for 10 minutes before scoring."""
+def _slow_qualify(tmp_path: Path, before: str = "scoring") -> Path:
+    """A ``qualify`` whose reference stage stops for 10 minutes before the step ``before``."""
     exe = tmp_path / "slow-qualify"
     exe.write_text(f"#!{sys.executable}\n"
                    "import sys, time\n"
                    "import qualify.reference.stage as r\n"
                    "real = r.run_reference_stage\n"
                    "def hook(step):\n"
-                   "    if step == 'scoring':\n"
-                   "        print('slow-qualify: stopped before scoring', flush=True)\n"
+                   f"    if step == {before!r}:\n"
+                   "        print(f'slow-qualify: stopped before {step}', flush=True)\n"
                    "        time.sleep(600)\n"
                    "r.run_reference_stage = lambda *a, **k: real(*a, on_step=hook, **k)\n"
                    "from qualify.cli.main import main\n"
@@ -393,13 +394,41 @@ def test_slurm_cancelled_reference_keeps_partial_evidence(tmp_path: Path) -> Non
     assert not (run_dir / "cells").exists()
 
 
-@needs_slurm
-def test_slurm_timeout_keeps_partial_evidence(tmp_path: Path) -> None:
-    env = _job_env(tmp_path, QUALIFY_ALLOW_DIRTY="1", QUALIFY=str(_slow_qualify(tmp_path)))
+TIMEOUT_TEST = "test_slurm_timeout_keeps_partial_evidence"
+
+
+@pytest.fixture(scope="module")
+def timeout_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, float]]:
+    """A reference job with ``--time=1`` (Slurm's least) whose stage stops before its
+    rollout (the cancel test keeps a rollout; this job then computes little while the other
+    jobs run beside it): ``(job id, its directory, submit time)``; cancelled at the module's
+    end if it still runs.
+    """
+    tmp_path = tmp_path_factory.mktemp("slurm-timeout")
+    env = _job_env(tmp_path, QUALIFY_ALLOW_DIRTY="1",
+                   QUALIFY=str(_slow_qualify(tmp_path, before="rollout")))
     t0 = time.monotonic()
     ref_id = sbatch_stage("reference", [str(CONTRACT)], options=_options(tmp_path, time="1"),
                           env=env, cwd=REPO)
+    yield ref_id, tmp_path, t0
+    subprocess.run(["scancel", ref_id], check=False, capture_output=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _submit_timeout_job_first(request: pytest.FixtureRequest) -> None:
+    """Submit :func:`timeout_job` as the module starts when its test is selected: its time
+    limit (60-90 s: slurmctld checks limits every 30 s) then passes while the other real
+    jobs run, not after them (``tests/conftest.py`` keeps this module on one xdist worker).
+    """
+    if controller_up() and any(item.name == TIMEOUT_TEST for item in request.session.items):
+        request.getfixturevalue("timeout_job")
+
+
+@needs_slurm
+def test_slurm_timeout_keeps_partial_evidence(timeout_job: tuple[str, Path, float]) -> None:
+    ref_id, tmp_path, t0 = timeout_job
     ref = _show(wait_job(ref_id, timeout_s=400, since=t0), "reference, --time=1")
     assert ref.state == "TIMEOUT", _logs(tmp_path, ref_id)
-    _assert_partial_reference(tmp_path / "refs",
-                              rollout="stopped before scoring" in _logs(tmp_path, ref_id))
+    assert "slow-qualify: stopped before rollout" in _logs(tmp_path, ref_id)
+    ref_dir = _assert_partial_reference(tmp_path / "refs", rollout=False)
+    assert not (ref_dir / "rollout.safetensors").exists()
