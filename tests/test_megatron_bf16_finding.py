@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from installed import skip_unless_installed
 
-pytest.importorskip("megatron.core")
+skip_unless_installed("megatron.core")
 
 ROOT = Path(__file__).resolve().parents[1]
 FIRST = "decoder.layers.0.self_attention.linear_proj"

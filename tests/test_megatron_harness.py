@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 from harness_outputs import rank_stderr, warm_command
+from installed import skip_unless_installed
 from shared_artifacts import copy_tree, default_reference
 
 from qualify.candidate.stage import run_candidate_stage
@@ -36,7 +37,7 @@ from qualify.reference.stage import run_reference_stage
 from qualify.registry import get_engine
 from qualify.resources import contracts_dir
 
-pytest.importorskip("megatron.core")
+skip_unless_installed("megatron.core")
 
 SCORING = {"actor": ("logprobs", "entropy"), "critic": ("values",)}
 TRAINING = ("losses", "grad_norm", "clip_coef", "grads", "exp_avg", "exp_avg_sq", "updates")
