@@ -9,7 +9,10 @@ that fails to import then fails its tests instead of skipping them.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import warnings
+from types import ModuleType
 
 import pytest
 
@@ -27,3 +30,18 @@ def skip_unless_installed(name: str) -> None:
         found = False
     if not found:
         pytest.skip(f"{name} is not installed", allow_module_level=True)
+
+
+def import_engine(name: str) -> ModuleType:
+    """Import ``name`` with its import-time warnings ignored, as ``pytest.importorskip`` did.
+
+    The suite turns warnings into errors; Megatron-Core 0.16.1's import warns that
+    Transformer Engine and Apex are missing and calls the deprecated
+    ``torch.jit.script_method``. Call it in a test before importing from the package.
+
+    Raises:
+        ModuleNotFoundError: the package is not installed.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return importlib.import_module(name)
