@@ -3,7 +3,11 @@
 The unit tests need no Slurm (a fake ``sbatch`` records its arguments). The integration
 tests submit real jobs to a one-node Slurm started by ``.ci/slurm-setup.sh`` and are
 skipped when no controller answers; run them with ``-s`` to see the job lines
-(job id, end state, reason, durations) in the log.
+(job id, end state, reason, durations) in the log. The jobs that run a stage use tiny-qwen3
+reduced to torch_tp with the HF sampler (``tiny_contracts.torch_tp_only``, same name): they
+test Slurm's chaining, cancellation and time limit, and a vLLM engine start in each
+reference job only added CPU beside the rest of the suite (the vLLM rollout has tests of
+its own).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 
 import pytest
 from slurm_cluster import REPO, JobEnd, controller_up, wait_job
+from tiny_contracts import torch_tp_only
 
 from qualify.cli.slurm import register
 from qualify.errors import ReferenceDataError, UsageError
@@ -312,7 +317,7 @@ def test_slurm_two_stages_real_jobs(tmp_path: Path) -> None:
     # (srun + torchrun with a c10d rendezvous on the first node of the allocation)
     env = _job_env(tmp_path, QUALIFY_ALLOW_DIRTY="1", QUALIFY_LAUNCHER="srun")
     t0 = time.monotonic()
-    s = submit(CONTRACT, options=_options(tmp_path), cells=[CELL],
+    s = submit(torch_tp_only(tmp_path / "contract"), options=_options(tmp_path), cells=[CELL],
                references=tmp_path / "refs", evidence=tmp_path / "ev", env=env, cwd=REPO)
     ref = _show(wait_job(s.reference_job, timeout_s=900, since=t0), "reference")
     assert ref.state == "COMPLETED", _logs(tmp_path, s.reference_job)
@@ -370,7 +375,8 @@ def test_slurm_failed_reference_never_runs_candidate(tmp_path: Path) -> None:
 def test_slurm_cancelled_reference_keeps_partial_evidence(tmp_path: Path) -> None:
     env = _job_env(tmp_path, QUALIFY_ALLOW_DIRTY="1", QUALIFY=str(_slow_qualify(tmp_path)))
     t0 = time.monotonic()
-    ref_id = sbatch_stage("reference", [str(CONTRACT)], options=_options(tmp_path),
+    contract = torch_tp_only(tmp_path / "contract")
+    ref_id = sbatch_stage("reference", [str(contract)], options=_options(tmp_path),
                           env=env, cwd=REPO)
     deadline = time.monotonic() + 600
     while "stopped before scoring" not in _logs(tmp_path, ref_id):
@@ -383,7 +389,7 @@ def test_slurm_cancelled_reference_keeps_partial_evidence(tmp_path: Path) -> Non
 
     # A manual candidate submission on the unsealed reference cannot bypass the boundary.
     t1 = time.monotonic()
-    cand_id = sbatch_stage("candidate", [str(CONTRACT), str(ref_dir), "--", "--cells", CELL],
+    cand_id = sbatch_stage("candidate", [str(contract), str(ref_dir), "--", "--cells", CELL],
                            options=_options(tmp_path), env=_job_env(
                                tmp_path, QUALIFY_ALLOW_DIRTY="1"), cwd=REPO)
     cand = _show(wait_job(cand_id, timeout_s=300, since=t1), "candidate, unsealed reference")
