@@ -24,6 +24,10 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
+pytest.importorskip("deepspeed")
+
 from harness_outputs import (
     TINY,
     build_inputs,
@@ -33,8 +37,6 @@ from harness_outputs import (
     rank_stderr,
     role_tensors,
 )
-from installed import skip_unless_installed
-from safetensors.torch import load_file
 
 from harnesses.deepspeed import losses
 from harnesses.deepspeed.harness import check_cell
@@ -46,8 +48,6 @@ from qualify.errors import HarnessError
 from qualify.protocol import HarnessCell, variant_tag
 from qualify.registry import get_engine
 from qualify.resources import contracts_dir
-
-skip_unless_installed("deepspeed")
 
 RESPONSE_LENGTHS = (10, 6, 3, 8, 9, 2)
 R = 10

@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from installed import skip_unless_installed
 
-skip_unless_installed("megatron.core")
+pytest.importorskip("megatron.core")
 
 ROOT = Path(__file__).resolve().parents[1]
 FIRST = "decoder.layers.0.self_attention.linear_proj"

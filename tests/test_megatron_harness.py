@@ -26,7 +26,6 @@ from typing import Any
 
 import pytest
 from harness_outputs import rank_stderr, warm_command
-from installed import import_engine, skip_unless_installed
 from shared_artifacts import copy_tree, default_reference
 
 from qualify.candidate.stage import run_candidate_stage
@@ -37,7 +36,7 @@ from qualify.reference.stage import run_reference_stage
 from qualify.registry import get_engine
 from qualify.resources import contracts_dir
 
-skip_unless_installed("megatron.core")
+pytest.importorskip("megatron.core")
 
 SCORING = {"actor": ("logprobs", "entropy"), "critic": ("values",)}
 TRAINING = ("losses", "grad_norm", "clip_coef", "grads", "exp_avg", "exp_avg_sq", "updates")
@@ -484,10 +483,11 @@ def _hf_state(root: Path, role: str) -> dict[str, Any]:
 
 def _upstream_line(entry: str) -> str:
     """The installed megatron-core source line an ``OPTIMIZER_SHIMS`` entry names."""
-    core = import_engine("megatron.core")
+    import megatron.core
+
     where = entry.split(" ", 1)[0]
     path, line = where.rsplit(":", 1)
-    root = Path(str(core.__file__)).resolve().parents[2]
+    root = Path(megatron.core.__file__).resolve().parents[2]
     return (root / path).read_text("utf-8").splitlines()[int(line) - 1]
 
 
@@ -540,8 +540,6 @@ def test_optimizer_placement_runs_megatron_code_with_upstream_values() -> None:
     with upstream's constants and dtype split; outside it, the same calls fail (the shims are
     needed) and every patch is undone."""
     import torch
-
-    import_engine("megatron.core.optimizer")
     from megatron.core.optimizer import OptimizerConfig, clip_grads
     from megatron.core.optimizer import optimizer as mopt
 

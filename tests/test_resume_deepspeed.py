@@ -12,12 +12,11 @@ only, or every step counter reset). The resumed round 2 is judged by
 from __future__ import annotations
 
 import pytest
-from installed import skip_unless_installed
 from test_resume_torch_tp import Runs, assert_planted_fault_fails
 
 from qualify.compare.resume import STATE_QUANTITIES
 
-skip_unless_installed("deepspeed")
+pytest.importorskip("deepspeed")
 
 
 @pytest.fixture(scope="module")

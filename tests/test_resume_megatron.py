@@ -13,12 +13,11 @@ The resumed round 2 is judged by :func:`qualify.compare.resume.resume_rows` agai
 from __future__ import annotations
 
 import pytest
-from installed import skip_unless_installed
 from test_resume_torch_tp import Runs, assert_planted_fault_fails
 
 from qualify.compare.resume import STATE_QUANTITIES
 
-skip_unless_installed("megatron.core")
+pytest.importorskip("megatron.core")
 
 
 @pytest.fixture(scope="module")

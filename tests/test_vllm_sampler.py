@@ -26,17 +26,17 @@ from typing import Any
 
 import pytest
 import torch
-from harness_outputs import TINY, tiny_rollout
-from installed import skip_unless_installed
 from safetensors.torch import load_file, save_file
+
+pytest.importorskip("vllm")
+
+from harness_outputs import TINY, tiny_rollout
 
 from harnesses.vllm import layout
 from qualify.candidate.launch import check_outputs, validate_cell
 from qualify.contract import load_contract
 from qualify.protocol import HarnessCell
 from qualify.resources import contracts_dir
-
-skip_unless_installed("vllm")
 
 RESPONSE_LENGTHS = (10, 6, 3, 8)
 R = 10
