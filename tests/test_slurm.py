@@ -13,6 +13,7 @@ its own).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import stat
@@ -414,8 +415,8 @@ def timeout_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
     env = _job_env(tmp_path, QUALIFY_ALLOW_DIRTY="1",
                    QUALIFY=str(_slow_qualify(tmp_path, before="rollout")))
     t0 = time.monotonic()
-    ref_id = sbatch_stage("reference", [str(CONTRACT)], options=_options(tmp_path, time="1"),
-                          env=env, cwd=REPO)
+    ref_id = sbatch_stage("reference", [str(torch_tp_only(tmp_path / "contract"))],
+                          options=_options(tmp_path, time="1"), env=env, cwd=REPO)
     yield ref_id, tmp_path, t0
     subprocess.run(["scancel", ref_id], check=False, capture_output=True)
 
@@ -424,10 +425,13 @@ def timeout_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
 def _submit_timeout_job_first(request: pytest.FixtureRequest) -> None:
     """Submit :func:`timeout_job` as the module starts when its test is selected: its time
     limit (60-90 s: slurmctld checks limits every 30 s) then passes while the other real
-    jobs run, not after them (``tests/conftest.py`` keeps this module on one xdist worker).
+    jobs run, not after them (``tests/conftest.py`` keeps this module on one xdist worker
+    under ``--dist load``, the README's). A failed submission fails the timeout test alone
+    (pytest raises a fixture's error again to each test that requests it).
     """
-    if controller_up() and any(item.name == TIMEOUT_TEST for item in request.session.items):
-        request.getfixturevalue("timeout_job")
+    if any(item.name == TIMEOUT_TEST for item in request.session.items) and controller_up():
+        with contextlib.suppress(UsageError):
+            request.getfixturevalue("timeout_job")
 
 
 @needs_slurm
@@ -436,5 +440,4 @@ def test_slurm_timeout_keeps_partial_evidence(timeout_job: tuple[str, Path, floa
     ref = _show(wait_job(ref_id, timeout_s=400, since=t0), "reference, --time=1")
     assert ref.state == "TIMEOUT", _logs(tmp_path, ref_id)
     assert "slow-qualify: stopped before rollout" in _logs(tmp_path, ref_id)
-    ref_dir = _assert_partial_reference(tmp_path / "refs", rollout=False)
-    assert not (ref_dir / "rollout.safetensors").exists()
+    _assert_partial_reference(tmp_path / "refs", rollout=False)
