@@ -52,7 +52,7 @@ ONE_WORKER = frozenset({
     "test_resume_fsdp2",  # runs: 5 launches per topology, each after the save launch
     "test_resume_megatron",  # runs: 5 launches, each after the save launch
     "test_resume_torch_tp",  # runs: 5 launches, each after the save launch
-    "test_slurm",  # the real jobs; the --time=1 job is submitted as the module starts
+    "test_slurm",  # the real jobs; it submits test_slurm_timeout's job as it starts
     "test_tamper_real_run",  # real_world: the shared tiny chain, copied, sealed, signed
     "test_vllm_rollout",  # reference: the shared default reference (a vLLM engine start)
     "test_vllm_sampler",  # run / tied_run: one vLLM harness start each
@@ -62,8 +62,9 @@ that makes them expensive. The resume and DeepSpeed modules share their launches
 workers through file locks, but every test of a resume module needs the ``save`` launch
 first: split over two workers, one built while the other waited on its lock (about 15 s of
 each module's 30-45 s of worker time in a measured run of the suite, 2026-12-04). The Slurm
-module's timeout test waits over a minute for Slurm's time limit; on one worker its job is
-submitted when the module starts and times out while the other real jobs run."""
+timeout test (``test_slurm_timeout``) waits over a minute for Slurm's time limit: its job
+is submitted when ``test_slurm`` starts and the test is handed out last
+(:data:`COST_S` below 0), by when the job has ended."""
 
 
 FIRST = ("test_megatron_harness", "test_tamper_real_run")
@@ -82,6 +83,7 @@ COST_S = {
     "test_lr_schedule": 30, "test_pipeline": 30, "test_resume_megatron": 25,
     "test_resume_fsdp2": 25, "test_deepspeed": 20, "test_resume_torch_tp": 18,
     "test_resume_deepspeed": 16,
+    "test_slurm_timeout": -1,  # last: test_slurm submitted its job when it started
 }
 """Rough relative cost (only the order it gives matters; unlisted: 0): of the whole unit for
 :data:`ONE_WORKER` modules (fsdp2 and the vLLM sampler took about the same in a loaded run

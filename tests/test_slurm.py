@@ -20,7 +20,6 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -401,43 +400,50 @@ def test_slurm_cancelled_reference_keeps_partial_evidence(tmp_path: Path) -> Non
     assert not (run_dir / "cells").exists()
 
 
-TIMEOUT_TEST = "test_slurm_timeout_keeps_partial_evidence"
+TIMEOUT_TEST = "test_slurm_timeout.py::test_slurm_timeout_keeps_partial_evidence"
 
 
-@pytest.fixture(scope="module")
-def timeout_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, float]]:
-    """A reference job with ``--time=1`` (Slurm's least) whose stage stops before its
-    rollout (the cancel test keeps a rollout; this job then computes little while the other
-    jobs run beside it): ``(job id, its directory, submit time)``; cancelled at the module's
-    end if it still runs.
+def submit_timeout_job(tmp_path: Path) -> str:
+    """Submit a reference job with ``--time=1`` (Slurm's least) whose stage stops before
+    its rollout (the cancel test keeps a rollout; this job computes little while other jobs
+    run beside it); its files go to ``tmp_path``. Returns the job id.
+
+    Raises:
+        UsageError: ``sbatch`` failed.
     """
-    tmp_path = tmp_path_factory.mktemp("slurm-timeout")
     env = _job_env(tmp_path, QUALIFY_ALLOW_DIRTY="1",
                    QUALIFY=str(_slow_qualify(tmp_path, before="rollout")))
-    t0 = time.monotonic()
-    ref_id = sbatch_stage("reference", [str(torch_tp_only(tmp_path / "contract"))],
-                          options=_options(tmp_path, time="1"), env=env, cwd=REPO)
-    yield ref_id, tmp_path, t0
-    subprocess.run(["scancel", ref_id], check=False, capture_output=True)
+    return sbatch_stage("reference", [str(torch_tp_only(tmp_path / "contract"))],
+                        options=_options(tmp_path, time="1"), env=env, cwd=REPO)
+
+
+def timeout_record(factory: pytest.TempPathFactory) -> Path:
+    """The file, shared by the session's xdist workers, that names the job
+    :func:`_submit_timeout_job_first` submitted: ``{"job", "dir", "t0"}`` (``t0`` from
+    ``time.monotonic()``, one clock for every process on Linux)."""
+    base = factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "slurm-timeout.json"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _submit_timeout_job_first(request: pytest.FixtureRequest) -> None:
-    """Submit :func:`timeout_job` as the module starts when its test is selected: its time
-    limit (60-90 s: slurmctld checks limits every 30 s) then passes while the other real
-    jobs run, not after them (``tests/conftest.py`` keeps this module on one xdist worker
-    under ``--dist load``, the README's). A failed submission fails the timeout test alone
-    (pytest raises a fixture's error again to each test that requests it).
+def _submit_timeout_job_first(request: pytest.FixtureRequest,
+                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Submit the job of ``tests/test_slurm_timeout.py`` as this module starts, when that
+    test is selected and a controller answers, and name it in :func:`timeout_record`.
+
+    Its time limit (60-90 s: slurmctld checks limits every 30 s) then passes while this
+    module's other real jobs and the rest of the suite run; the timeout test, handed out
+    last (``tests/conftest.py``), finds it ended. A failed submission is left to that test,
+    which then submits its own job and waits for it.
     """
-    if any(item.name == TIMEOUT_TEST for item in request.session.items) and controller_up():
-        with contextlib.suppress(UsageError):
-            request.getfixturevalue("timeout_job")
-
-
-@needs_slurm
-def test_slurm_timeout_keeps_partial_evidence(timeout_job: tuple[str, Path, float]) -> None:
-    ref_id, tmp_path, t0 = timeout_job
-    ref = _show(wait_job(ref_id, timeout_s=400, since=t0), "reference, --time=1")
-    assert ref.state == "TIMEOUT", _logs(tmp_path, ref_id)
-    assert "slow-qualify: stopped before rollout" in _logs(tmp_path, ref_id)
-    _assert_partial_reference(tmp_path / "refs", rollout=False)
+    if not any(item.nodeid.endswith(TIMEOUT_TEST) for item in request.session.items) \
+            or not controller_up():
+        return
+    job_dir = tmp_path_factory.mktemp("slurm-timeout")
+    t0 = time.monotonic()
+    with contextlib.suppress(UsageError):
+        job = submit_timeout_job(job_dir)
+        record = timeout_record(tmp_path_factory)
+        tmp = record.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"job": job, "dir": str(job_dir), "t0": t0}))
+        tmp.replace(record)
