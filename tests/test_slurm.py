@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from shared_artifacts import shared_root
 from slurm_cluster import REPO, JobEnd, controller_up, wait_job
 from tiny_contracts import torch_tp_only
 
@@ -421,8 +422,7 @@ def timeout_record(factory: pytest.TempPathFactory) -> Path:
     """The file, shared by the session's xdist workers, that names the job
     :func:`_submit_timeout_job_first` submitted: ``{"job", "dir", "t0"}`` (``t0`` from
     ``time.monotonic()``, one clock for every process on Linux)."""
-    base = factory.getbasetemp()
-    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "slurm-timeout.json"
+    return shared_root(factory) / "slurm-timeout.json"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -443,7 +443,5 @@ def _submit_timeout_job_first(request: pytest.FixtureRequest,
     t0 = time.monotonic()
     with contextlib.suppress(UsageError):
         job = submit_timeout_job(job_dir)
-        record = timeout_record(tmp_path_factory)
-        tmp = record.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"job": job, "dir": str(job_dir), "t0": t0}))
-        tmp.replace(record)
+        store.atomic_write_json(timeout_record(tmp_path_factory),
+                                {"job": job, "dir": str(job_dir), "t0": t0})
