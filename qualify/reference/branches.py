@@ -37,7 +37,9 @@ and ``branches.json`` (tokens, tolerances, scalars, the rerun's reproduction che
 from __future__ import annotations
 
 import sys
+import tempfile
 from collections.abc import Mapping
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +57,7 @@ from qualify.layout import BRANCHES_DIR, BRANCHES_FILE, hf_tensors_file
 from qualify.models import bundle as models
 from qualify.models import roles
 from qualify.protocol import ParamSampling, param_sample_indices, tensor_name
-from qualify.reference import gram
+from qualify.reference import gram, gram_factors
 from qualify.reference.jacobian import token_gradients
 from qualify.reference.update import (
     Batch,
@@ -184,46 +186,68 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
         numel = {n: g.numel() for n, g in grad.items()}
         norm_sq: dict[str, float] = {}
         # Whole J_t kept for an exact FP64 Gram while they fit (one token: only the exact
-        # diagonal, nothing to keep past the loop); else one jvp row per token.
+        # diagonal, nothing to keep past the loop); else each token's backward factors while
+        # they fit (qualify.reference.gram_factors); else one jvp row per token.
         keep = len(toks) == 1 or len(toks) * sum(numel.values()) * 4 <= gram.FULL_BUDGET_BYTES
+        positions = b.prompts.shape[1] + b.responses.shape[1]
         whole: dict[str, dict[str, torch.Tensor]] = {}
         rows: dict[str, dict[str, float]] = {}
         side = branches.critic_full_gradient if role == "critic" else None
         rd["j_precision"] = "fp32"
-        for (bi, ti), c in token_gradients(master, master, b, contract, j_settings,
-                                           role=role, tokens=toks):
-            key = branches.token_key(bi, ti)
-            dot = sum(float((grad[n].double() * c[n].double()).sum()) for n in c)
-            nsq = sum(float(c[n].double().square().sum()) for n in c)
-            for n in c:
-                tensors[f"round{round_}/{role}/{key}/{n}"] = _reported(n, c[n], contract.evidence)
-            norm_sq[key] = nsq
+        with ExitStack() as stack:  # the spilled factors' directory, removed at the end
+            factored = None
+            if not keep and gram_factors.factor_bytes(
+                    master, len(toks), len({bi for bi, _ in toks}),
+                    positions) <= gram_factors.BUDGET_BYTES:
+                spill = stack.enter_context(
+                    tempfile.TemporaryDirectory(prefix="qualify-gram-factors-"))
+                factored = gram_factors.FactorCapture(master, list(grad), spill=Path(spill))
+            with factored.hooks() if factored is not None else nullcontext():
+                for (bi, ti), c in token_gradients(master, master, b, contract, j_settings,
+                                                   role=role, tokens=toks):
+                    key = branches.token_key(bi, ti)
+                    dot = sum(float((grad[n].double() * c[n].double()).sum()) for n in c)
+                    nsq = sum(float(c[n].double().square().sum()) for n in c)
+                    for n in c:
+                        tensors[f"round{round_}/{role}/{key}/{n}"] = _reported(n, c[n],
+                                                                               contract.evidence)
+                    norm_sq[key] = nsq
+                    if keep:
+                        whole[key] = c
+                    elif factored is not None:
+                        factored.take(key, c)
+                    else:
+                        row = gram.jvp_row(  # the upper triangle: tokens yielded from this one on
+                            master, b, contract, role=role, direction=c,
+                            tokens=[t for t in toks if tuple(t) >= (bi, ti)],
+                            micro_batch_size=j_settings.micro_batch_size)
+                        rows[key] = {branches.token_key(*k): v for k, v in row.items()}
+                    del c
+                    x_old = float(run[tensor_name(1, role, family)][bi, ti])
+                    x_cur = float(run[tensor_name(round_, role, family)][bi, ti])
+                    if side is not None:
+                        full = bool(side(np.array(x_old), np.array(x_cur),
+                                         np.array(float(b.returns[bi, ti])),
+                                         contract.algorithm.value_clip))
+                    else:
+                        full = bool(branches.actor_full_gradient(
+                            np.array(x_old), np.array(x_cur), np.array(float(b.advantages[bi, ti])),
+                            contract.algorithm.clip_ratio))
+                    rd["tokens"][key] = {"index": [bi, ti], "old": x_old, "current": x_cur,
+                                         "reference_branch": "full" if full else "zero",
+                                         "dot_grad": dot, "norm_sq": nsq}
             if keep:
-                whole[key] = c
+                rd["gram"], rd["gram_rel_error"] = gram.exact_gram(whole, norm_sq), 0.0
+                rd["gram_off_diagonal"] = "exact: FP64 over the whole J_t"
+            elif factored is not None:
+                rd["gram"], rd["gram_rel_error"] = factored.gram(
+                    norm_sq, {k: v["dot_grad"] for k, v in rd["tokens"].items()}, grad)
+                rd["gram_off_diagonal"] = ("factored: each J_t rebuilt from its backward's "
+                                           "per-position inputs and output gradients, FP32 "
+                                           "rounding")
             else:
-                row = gram.jvp_row(  # the upper triangle: tokens yielded from this one on
-                    master, b, contract, role=role, direction=c,
-                    tokens=[t for t in toks if tuple(t) >= (bi, ti)],
-                    micro_batch_size=j_settings.micro_batch_size)
-                rows[key] = {branches.token_key(*k): v for k, v in row.items()}
-            x_old = float(run[tensor_name(1, role, family)][bi, ti])
-            x_cur = float(run[tensor_name(round_, role, family)][bi, ti])
-            if side is not None:
-                full = bool(side(np.array(x_old), np.array(x_cur),
-                                 np.array(float(b.returns[bi, ti])), contract.algorithm.value_clip))
-            else:
-                full = bool(branches.actor_full_gradient(
-                    np.array(x_old), np.array(x_cur), np.array(float(b.advantages[bi, ti])),
-                    contract.algorithm.clip_ratio))
-            rd["tokens"][key] = {"index": [bi, ti], "old": x_old, "current": x_cur,
-                                 "reference_branch": "full" if full else "zero",
-                                 "dot_grad": dot, "norm_sq": nsq}
-        if keep:
-            rd["gram"], rd["gram_rel_error"] = gram.exact_gram(whole, norm_sq), 0.0
-            rd["gram_off_diagonal"] = "exact: FP64 over the whole J_t"
-        else:
-            rd["gram"], rd["gram_rel_error"] = gram.symmetrize(rows, norm_sq)
-            rd["gram_off_diagonal"] = "forward mode (jvp) over the whole J_t, FP32 rounding"
+                rd["gram"], rd["gram_rel_error"] = gram.symmetrize(rows, norm_sq)
+                rd["gram_off_diagonal"] = "forward mode (jvp) over the whole J_t, FP32 rounding"
 
     torch.manual_seed(0)
     hook_fn: RoundHook = hook

@@ -7,7 +7,9 @@ parameter: :func:`qualify.protocol.param_sample_indices`), so storing ``J_t`` at
 those elements loses nothing. The one quantity that needs the whole ``J_t`` is the moved
 gradient norm, ``|g'|^2 = |g|^2 + 2 sum w_t <g, J_t> + sum_s sum_t w_s w_t <J_s, J_t>``: the
 diagonal and ``<g, J_t>`` are computed in FP64 from the whole tensors as each ``J_t`` is
-produced; the off-diagonal ``<J_s, J_t>`` is computed here, in one of two exact ways:
+produced; the off-diagonal ``<J_s, J_t>`` is computed here, in one of two exact ways, or
+from each token's backward factors (:mod:`qualify.reference.gram_factors`, used between the
+two: when the whole ``J_t`` do not fit but the factors do):
 
 - ``fp64``: while the tokens' whole ``J_t`` fit :data:`FULL_BUDGET_BYTES` (tiny-qwen3: 0.64
   MB per token), they are kept and every pair's dot product is summed in FP64, parameter by

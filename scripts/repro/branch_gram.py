@@ -15,14 +15,18 @@ Usage (from the repository root, ~5 min on 2 CPU cores)::
     python scripts/repro/branch_gram.py --against DIR/branches.json --jvp --seal-only ...
     python scripts/repro/branch_gram.py --reference REF_DIR --against REF_DIR/branches.json \
         --jvp --seal-only --out DIR3   # a reference sealed on this machine
+    python scripts/repro/branch_gram.py --factored --seal-only --out DIR4   # factored Gram
 
 The rerun must reproduce the sealed reference update (:data:`qualify.reference.branches
 .REPRODUCE_FRACTION`): on another CPU the BF16-autocast lane may not (2026-12-03, the
 committed Intel-made reference rerun on an AVX2-only AMD EPYC: round-2 logprobs 0.026 from
 the sealed run, allowed 0.0123, refused); ``--reference`` then names one sealed here.
 
-``--jvp`` sets :data:`qualify.reference.gram.FULL_BUDGET_BYTES` to 0, so every Gram is taken
-by forward mode (the path of models whose ``J_t`` do not fit in memory); ``--against``
+``--jvp`` sets :data:`qualify.reference.gram.FULL_BUDGET_BYTES` and
+:data:`qualify.reference.gram_factors.BUDGET_BYTES` to 0, so every Gram is taken by forward
+mode (the path of models whose ``J_t`` and factors do not fit in memory); ``--factored`` sets
+only the first, so every Gram is rebuilt from the tokens' backward factors (the path of
+SmolLM2-sized models); ``--against``
 compares the Gram with another ``branches.json`` (e.g. the FP64 one of a first run).
 """
 
@@ -44,7 +48,7 @@ from qualify.compare.stage import _load_bounds, _load_contract, compare_run
 from qualify.compare.verdicts import Report
 from qualify.evidence import store
 from qualify.models import bundle as models
-from qualify.reference import gram
+from qualify.reference import gram, gram_factors
 from qualify.reference.branches import adjust_control_errors, seal_branches
 from qualify.reference.rollout import Rollout
 from qualify.reference.stage import _batch
@@ -95,6 +99,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("/tmp/qualify-branch-gram"))
     ap.add_argument("--jvp", action="store_true", help="forward-mode Gram for every token")
+    ap.add_argument("--factored", action="store_true",
+                    help="the Gram from each token's backward factors for every token")
     ap.add_argument("--seal-only", action="store_true", help="skip controls and rows")
     ap.add_argument("--against", type=Path, help="a branches.json to compare the Gram with")
     ap.add_argument("--reference", type=Path, default=COMMITTED_REF,
@@ -106,8 +112,10 @@ def main() -> None:
     REF = args.reference
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    if args.jvp:
+    if args.jvp or args.factored:
         gram.FULL_BUDGET_BYTES = 0
+    if args.jvp:
+        gram_factors.BUDGET_BYTES = 0
     t0 = time.time()
     contract = _load_contract(REF)
     bounds, _, _ = _load_bounds(REF, contract)
