@@ -18,10 +18,11 @@ with a scalar the comparator takes from the run it adjusts), reported like the g
 (exact, or the protocol's sample of a large parameter: the only elements the comparator
 reads, so nothing is lost), plus the scalars ``<g, J_t>`` (FP64, ``g`` the reference's whole
 pre-clip gradient) and ``<J_s, J_t>`` over the whole ``J_t`` (:mod:`qualify.reference.gram`:
-FP64, or forward mode exact to FP32 rounding when they do not fit). The comparator may then
-judge a gradient family against the expected run moved to the obtained run's own branches
-(:func:`qualify.branches.adjusted_expected`), with the same sealed bounds, and only for
-tokens sealed here.
+FP64 while they fit; else rebuilt from each token's backward factors,
+:mod:`qualify.reference.gram_factors`, or by forward mode, both exact to FP32 rounding).
+The comparator may then judge a gradient family against the expected run moved to the
+obtained run's own branches (:func:`qualify.branches.adjusted_expected`), with the same sealed
+bounds, and only for tokens sealed here.
 
 ``J_t`` is computed in FP32 from the round's FP32 master at every precision. For BF16 that
 differs from the BF16 forward's own ``J_t`` by BF16 rounding of one token's term (relative
@@ -39,7 +40,7 @@ from __future__ import annotations
 import sys
 import tempfile
 from collections.abc import Mapping
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -184,59 +185,79 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
         grad = {n: (p.grad if p.grad is not None else torch.zeros_like(p))
                 for n, p in master.named_parameters() if p.requires_grad}
         numel = {n: g.numel() for n, g in grad.items()}
-        norm_sq: dict[str, float] = {}
         # Whole J_t kept for an exact FP64 Gram while they fit (one token: only the exact
         # diagonal, nothing to keep past the loop); else each token's backward factors while
         # they fit (qualify.reference.gram_factors); else one jvp row per token.
-        keep = len(toks) == 1 or len(toks) * sum(numel.values()) * 4 <= gram.FULL_BUDGET_BYTES
         positions = b.prompts.shape[1] + b.responses.shape[1]
+        if len(toks) == 1 or len(toks) * sum(numel.values()) * 4 <= gram.FULL_BUDGET_BYTES:
+            way = "fp64"
+        elif gram_factors.factor_bytes(master, len(toks), len({bi for bi, _ in toks}),
+                                       positions) <= gram_factors.BUDGET_BYTES:
+            way = "factored"
+        else:
+            way = "jvp"
+        rd["j_precision"] = "fp32"
+        try:
+            _seal_tokens(way, toks, round_=round_, master=master, b=b, grad=grad, rd=rd)
+        except ReferenceDataError as e:
+            if way != "factored":
+                raise
+            # a model the factors do not describe (a weight read outside its Linear or
+            # Embedding): the forward-mode rows need no such assumption
+            print(f"qualify: reference {prec} {role} round {round_}: {e}; taking the Gram "
+                  "by forward mode instead", file=sys.stderr)
+            rd["gram_factored_refused"] = str(e)
+            _seal_tokens("jvp", toks, round_=round_, master=master, b=b, grad=grad, rd=rd)
+
+    def _seal_tokens(way: str, toks: list[tuple[int, int]], *, round_: int,
+                     master: torch.nn.Module, b: Batch, grad: Mapping[str, torch.Tensor],
+                     rd: dict[str, Any]) -> None:
+        """One backward per token: its J_t, <g, J_t>, |J_t|^2, branch, and the Gram."""
+        norm_sq: dict[str, float] = {}
         whole: dict[str, dict[str, torch.Tensor]] = {}
         rows: dict[str, dict[str, float]] = {}
         side = branches.critic_full_gradient if role == "critic" else None
-        rd["j_precision"] = "fp32"
         with ExitStack() as stack:  # the spilled factors' directory, removed at the end
             factored = None
-            if not keep and gram_factors.factor_bytes(
-                    master, len(toks), len({bi for bi, _ in toks}),
-                    positions) <= gram_factors.BUDGET_BYTES:
+            if way == "factored":
                 spill = stack.enter_context(
                     tempfile.TemporaryDirectory(prefix="qualify-gram-factors-"))
                 factored = gram_factors.FactorCapture(master, list(grad), spill=Path(spill))
-            with factored.hooks() if factored is not None else nullcontext():
-                for (bi, ti), c in token_gradients(master, master, b, contract, j_settings,
-                                                   role=role, tokens=toks):
-                    key = branches.token_key(bi, ti)
-                    dot = sum(float((grad[n].double() * c[n].double()).sum()) for n in c)
-                    nsq = sum(float(c[n].double().square().sum()) for n in c)
-                    for n in c:
-                        tensors[f"round{round_}/{role}/{key}/{n}"] = _reported(n, c[n],
-                                                                               contract.evidence)
-                    norm_sq[key] = nsq
-                    if keep:
-                        whole[key] = c
-                    elif factored is not None:
-                        factored.take(key, c)
-                    else:
-                        row = gram.jvp_row(  # the upper triangle: tokens yielded from this one on
-                            master, b, contract, role=role, direction=c,
-                            tokens=[t for t in toks if tuple(t) >= (bi, ti)],
-                            micro_batch_size=j_settings.micro_batch_size)
-                        rows[key] = {branches.token_key(*k): v for k, v in row.items()}
-                    del c
-                    x_old = float(run[tensor_name(1, role, family)][bi, ti])
-                    x_cur = float(run[tensor_name(round_, role, family)][bi, ti])
-                    if side is not None:
-                        full = bool(side(np.array(x_old), np.array(x_cur),
-                                         np.array(float(b.returns[bi, ti])),
-                                         contract.algorithm.value_clip))
-                    else:
-                        full = bool(branches.actor_full_gradient(
-                            np.array(x_old), np.array(x_cur), np.array(float(b.advantages[bi, ti])),
-                            contract.algorithm.clip_ratio))
-                    rd["tokens"][key] = {"index": [bi, ti], "old": x_old, "current": x_cur,
-                                         "reference_branch": "full" if full else "zero",
-                                         "dot_grad": dot, "norm_sq": nsq}
-            if keep:
+                stack.enter_context(factored.hooks())
+            for (bi, ti), c in token_gradients(master, master, b, contract, j_settings,
+                                               role=role, tokens=toks):
+                key = branches.token_key(bi, ti)
+                dot = sum(float((grad[n].double() * c[n].double()).sum()) for n in c)
+                nsq = sum(float(c[n].double().square().sum()) for n in c)
+                for n in c:
+                    tensors[f"round{round_}/{role}/{key}/{n}"] = _reported(n, c[n],
+                                                                           contract.evidence)
+                norm_sq[key] = nsq
+                if way == "fp64":
+                    whole[key] = c
+                elif factored is not None:
+                    factored.take(key, c)
+                else:
+                    row = gram.jvp_row(  # the upper triangle: tokens yielded from this one on
+                        master, b, contract, role=role, direction=c,
+                        tokens=[t for t in toks if tuple(t) >= (bi, ti)],
+                        micro_batch_size=j_settings.micro_batch_size)
+                    rows[key] = {branches.token_key(*k): v for k, v in row.items()}
+                del c
+                x_old = float(run[tensor_name(1, role, family)][bi, ti])
+                x_cur = float(run[tensor_name(round_, role, family)][bi, ti])
+                if side is not None:
+                    full = bool(side(np.array(x_old), np.array(x_cur),
+                                     np.array(float(b.returns[bi, ti])),
+                                     contract.algorithm.value_clip))
+                else:
+                    full = bool(branches.actor_full_gradient(
+                        np.array(x_old), np.array(x_cur), np.array(float(b.advantages[bi, ti])),
+                        contract.algorithm.clip_ratio))
+                rd["tokens"][key] = {"index": [bi, ti], "old": x_old, "current": x_cur,
+                                     "reference_branch": "full" if full else "zero",
+                                     "dot_grad": dot, "norm_sq": nsq}
+            if way == "fp64":
                 rd["gram"], rd["gram_rel_error"] = gram.exact_gram(whole, norm_sq), 0.0
                 rd["gram_off_diagonal"] = "exact: FP64 over the whole J_t"
             elif factored is not None:

@@ -16,9 +16,11 @@ rebuilds, parameter by parameter and a block of rows at a time, every token's ``
 products, as autograd computes them) and sums ``J J^T`` (FP32 products over at most
 :data:`GEMM_COLUMNS` elements, those partial sums added in FP64). Bytes: the factors
 (SmolLM2-135M: at most 30 MB per token against 538 MB for its whole ``J_t``); the reference
-stage writes each token's output gradients to a temporary directory (``spill``) and keeps in
-memory only the inputs (once per forward) and, while the Gram runs, one parameter's factors
-and one block.
+stage writes each token's output gradients to a temporary directory (``spill``, under
+``$TMPDIR``: on disk, not a tmpfs, for the saving to hold) and keeps in memory the inputs (once
+per forward), the uncovered parameters' whole ``J_t`` (the RMSNorm vectors) and, while the Gram
+runs, one parameter's factors and one block. An Embedding's padding row gets no gradient
+(autograd skips ``padding_idx``), and the rebuild skips it too.
 Time: the Gram's ``N^2 P`` products in one matrix product per block, against one forward
 with tangents per token (about ``3 P`` products per position) for the forward-mode rows. (A
 linear layer's gradient as a sum of per-position outer products is what per-example
@@ -72,6 +74,7 @@ class _Use:
 
     module: str
     kind: str  # "weight" (Linear), "bias" (Linear), "embedding"
+    padding_idx: int | None = None  # an Embedding's row autograd leaves without gradient
 
 
 @dataclass
@@ -93,15 +96,27 @@ class _Token:
         return t["idx"], t["delta"]
 
 
+def _plain_embedding(mod: nn.Module) -> bool:
+    """An ``nn.Embedding`` whose weight gradient is the index_add of its output gradients.
+
+    Not one renormalised by ``max_norm``, scaled by frequency or with sparse gradients: their
+    weights count as uncovered (kept whole per token, :func:`factor_bytes`).
+    """
+    return (type(mod) is nn.Embedding and mod.max_norm is None
+            and not mod.scale_grad_by_freq and not mod.sparse)
+
+
 def _uses(model: nn.Module) -> dict[int, list[_Use]]:
+    """``{id(parameter): its uses}`` by the Linear and plain Embedding modules of ``model``."""
     uses: dict[int, list[_Use]] = {}
     for name, mod in model.named_modules():
         if type(mod) is nn.Linear:
             uses.setdefault(id(mod.weight), []).append(_Use(name, "weight"))
             if mod.bias is not None:
                 uses.setdefault(id(mod.bias), []).append(_Use(name, "bias"))
-        elif type(mod) is nn.Embedding:
-            uses.setdefault(id(mod.weight), []).append(_Use(name, "embedding"))
+        elif _plain_embedding(mod):
+            uses.setdefault(id(mod.weight), []).append(
+                _Use(name, "embedding", padding_idx=mod.padding_idx))
     return uses
 
 
@@ -110,7 +125,8 @@ def factor_bytes(model: nn.Module, n_tokens: int, n_sequences: int, positions: i
 
     :func:`qualify.reference.jacobian.token_gradients` runs one forward per sequence holding
     sealed tokens and one backward per token: the inputs are kept once per forward, the output
-    gradients once per token.
+    gradients once per token (with an int64 row index each), and one token's output gradients
+    are held whole until :meth:`FactorCapture.take` files them.
 
     Args:
         model: the model the tokens' ``J_t`` are taken of.
@@ -119,21 +135,28 @@ def factor_bytes(model: nn.Module, n_tokens: int, n_sequences: int, positions: i
         positions: the longest cut sequence (prompt plus response length).
 
     Returns:
-        ``4 * positions * (n_sequences * sum of input widths + n_tokens * sum of output
-        widths)`` over the Linear and Embedding modules (an Embedding's input is one int64 id
-        per position: width 2), plus ``4 * n_tokens`` times the trainable elements the factors
-        do not cover (kept whole per token).
+        ``positions * (4 * n_sequences * sum of input widths + (4 * (n_tokens + 1) * sum of
+        output widths + 8 * n_tokens * modules))`` over the Linear and plain Embedding modules
+        (an Embedding's input is one int64 id per position: width 2), plus ``4 * n_tokens``
+        times the trainable elements they do not cover (kept whole per token). Not counted:
+        the safetensors headers of spilled files, and the Gram's one block
+        (:data:`BLOCK_BYTES`).
     """
-    width_in, width_out, covered = 0, 0, set()
+    width_in, width_out, modules, covered = 0, 0, 0, set()
     for mod in model.modules():
         if type(mod) is nn.Linear:
             width_in, width_out = width_in + mod.in_features, width_out + mod.out_features
             covered.update({id(mod.weight), id(mod.bias)})
-        elif type(mod) is nn.Embedding:
+        elif _plain_embedding(mod):
+            assert isinstance(mod, nn.Embedding)
             width_in, width_out = width_in + 2, width_out + mod.embedding_dim
             covered.add(id(mod.weight))
+        else:
+            continue
+        modules += 1
     rest = sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in covered)
-    return 4 * (positions * (n_sequences * width_in + n_tokens * width_out) + n_tokens * rest)
+    return (positions * (4 * n_sequences * width_in + 4 * (n_tokens + 1) * width_out
+                         + 8 * n_tokens * modules) + 4 * n_tokens * rest)
 
 
 class FactorCapture:
@@ -148,8 +171,8 @@ class FactorCapture:
         names: its trainable parameter names (the keys of each ``J_t``).
         spill: an empty directory the caller owns and removes: each token's output gradients
             are written there (one safetensors file per token and module) instead of held in
-            memory, so the resident factors are the inputs (once per forward) alone; None
-            keeps everything in memory.
+            memory, so the resident factors are the inputs (once per forward) and the
+            uncovered parameters' whole ``J_t``; None keeps everything in memory.
     """
 
     def __init__(self, model: nn.Module, names: Sequence[str],
@@ -177,7 +200,7 @@ class FactorCapture:
         """Module hooks: each forward's inputs, each backward's output gradients."""
         handles = [self._model.register_forward_pre_hook(self._new_forward)]
         for name, mod in self._model.named_modules():
-            if type(mod) in (nn.Linear, nn.Embedding):
+            if type(mod) is nn.Linear or _plain_embedding(mod):
                 handles.append(mod.register_forward_hook(self._on_forward(name)))
         try:
             yield
@@ -190,21 +213,24 @@ class FactorCapture:
         self._inputs[self._forward] = {}
 
     def _on_forward(self, name: str) -> Any:
-        def hook(_mod: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
+        def hook(mod: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
             seen = self._inputs[self._forward]
             if name in seen:
                 raise ReferenceDataError(f"factored Gram: module {name} runs twice in one "
                                          "forward; its per-position factors are ambiguous")
             x = args[0].detach()
-            seen[name] = x.reshape(-1) if x.dtype == torch.long else x.reshape(-1, x.shape[-1])
+            seen[name] = (x.reshape(-1).long() if isinstance(mod, nn.Embedding)
+                          else x.reshape(-1, x.shape[-1]))
             if out.requires_grad:
                 out.register_hook(self._on_grad(name))
         return hook
 
     def _on_grad(self, name: str) -> Any:
         def hook(g: torch.Tensor) -> None:
-            g = g.detach().reshape(-1, g.shape[-1])
-            self._pending[name] = self._pending[name] + g if name in self._pending else g.clone()
+            if name in self._pending:  # one output, one gradient per backward
+                raise ReferenceDataError(f"factored Gram: module {name}'s output gradient "
+                                         "arrived twice before its token was filed")
+            self._pending[name] = g.detach().reshape(-1, g.shape[-1]).clone()
         return hook
 
     def take(self, key: str, whole: Mapping[str, torch.Tensor]) -> None:
@@ -272,8 +298,10 @@ class FactorCapture:
                     out[k] += d[:, r0:r1].T @ x
                 elif use.kind == "bias":
                     out[k, :, 0] += d[:, r0:r1].sum(dim=0)
-                else:
+                else:  # autograd leaves the padding row without gradient
                     inside = (x >= r0) & (x < r1)
+                    if use.padding_idx is not None:
+                        inside &= x != use.padding_idx
                     out[k].index_add_(0, x[inside] - r0, d[inside])
         return out.reshape(len(keys) + 1, -1)
 
@@ -290,7 +318,8 @@ class FactorCapture:
             ``(gram, rel_error)``: the off-diagonal entries from the rebuilt ``J``;
             ``rel_error`` the larger of ``max_t |rebuilt |J_t|^2 - norm_sq_t| / max_u
             |J_u|^2`` and ``max_t |rebuilt <g, J_t> - dot_grad_t| / (|g| max_u |J_u|)``
-            (0 when every ``J_u`` is zero).
+            (where every ``J_u`` is zero: 0 if the rebuilt value is zero too, else inf; NaN
+            if any rebuilt entry is not finite).
 
         Raises:
             ReferenceDataError: ``rel_error`` exceeds
@@ -315,14 +344,19 @@ class FactorCapture:
                     acc += (part @ part.T).double()
         scale = max((float(norm_sq[k]) for k in keys), default=0.0)
         gram: dict[str, dict[str, float]] = {k: {} for k in keys}
-        worst = 0.0
+        errors: list[float] = []
         for i, a in enumerate(keys):
             gram[a][a] = float(norm_sq[a])
-            worst = max(worst, abs(float(acc[i, i]) - gram[a][a]) / scale if scale else 0.0,
-                        abs(float(acc[n, i]) - float(dot_grad[a])) / math.sqrt(g_sq * scale)
-                        if g_sq * scale > 0.0 else 0.0)
+            diag = abs(float(acc[i, i]) - gram[a][a])
+            dot = abs(float(acc[n, i]) - float(dot_grad[a]))
+            errors.append(diag / scale if scale > 0.0 else (0.0 if diag == 0.0 else math.inf))
+            errors.append(dot / math.sqrt(g_sq * scale) if g_sq * scale > 0.0
+                          else (0.0 if dot == 0.0 else math.inf))
             for j_, b in enumerate(keys[i + 1:], start=i + 1):
                 gram[a][b] = gram[b][a] = float(acc[i, j_])
+        # NaN anywhere (an entry or an error) is a discrepancy: max() would drop it
+        worst = (math.nan if any(math.isnan(e) for e in errors)
+                 or not bool(torch.isfinite(acc).all()) else max(errors, default=0.0))
         if not worst <= MAX_REL_ERROR:
             raise ReferenceDataError(
                 f"factored clip-branch Gram: discrepancy {worst:.3g} of the Gram's scale "
