@@ -106,15 +106,26 @@ def _plain_embedding(mod: nn.Module) -> bool:
             and not mod.scale_grad_by_freq and not mod.sparse)
 
 
+def _factored_modules(model: nn.Module) -> Iterator[tuple[str, nn.Linear | nn.Embedding]]:
+    """``(name, module)`` of every module whose weights the factors cover.
+
+    Every ``nn.Linear`` and every plain ``nn.Embedding`` (:func:`_plain_embedding`).
+    """
+    for name, mod in model.named_modules():
+        if type(mod) is nn.Linear or _plain_embedding(mod):
+            assert isinstance(mod, (nn.Linear, nn.Embedding))
+            yield name, mod
+
+
 def _uses(model: nn.Module) -> dict[int, list[_Use]]:
     """``{id(parameter): its uses}`` by the Linear and plain Embedding modules of ``model``."""
     uses: dict[int, list[_Use]] = {}
-    for name, mod in model.named_modules():
-        if type(mod) is nn.Linear:
+    for name, mod in _factored_modules(model):
+        if isinstance(mod, nn.Linear):
             uses.setdefault(id(mod.weight), []).append(_Use(name, "weight"))
             if mod.bias is not None:
                 uses.setdefault(id(mod.bias), []).append(_Use(name, "bias"))
-        elif _plain_embedding(mod):
+        else:
             uses.setdefault(id(mod.weight), []).append(
                 _Use(name, "embedding", padding_idx=mod.padding_idx))
     return uses
@@ -142,18 +153,14 @@ def factor_bytes(model: nn.Module, n_tokens: int, n_sequences: int, positions: i
         the safetensors headers of spilled files, and the Gram's one block
         (:data:`BLOCK_BYTES`).
     """
-    width_in, width_out, modules, covered = 0, 0, 0, set()
-    for mod in model.modules():
-        if type(mod) is nn.Linear:
+    width_in, width_out, modules = 0, 0, 0
+    for _, mod in _factored_modules(model):
+        if isinstance(mod, nn.Linear):
             width_in, width_out = width_in + mod.in_features, width_out + mod.out_features
-            covered.update({id(mod.weight), id(mod.bias)})
-        elif _plain_embedding(mod):
-            assert isinstance(mod, nn.Embedding)
-            width_in, width_out = width_in + 2, width_out + mod.embedding_dim
-            covered.add(id(mod.weight))
         else:
-            continue
+            width_in, width_out = width_in + 2, width_out + mod.embedding_dim
         modules += 1
+    covered = _uses(model)
     rest = sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in covered)
     return (positions * (4 * n_sequences * width_in + 4 * (n_tokens + 1) * width_out
                          + 8 * n_tokens * modules) + 4 * n_tokens * rest)
@@ -199,9 +206,8 @@ class FactorCapture:
     def hooks(self) -> Iterator[None]:
         """Module hooks: each forward's inputs, each backward's output gradients."""
         handles = [self._model.register_forward_pre_hook(self._new_forward)]
-        for name, mod in self._model.named_modules():
-            if type(mod) is nn.Linear or _plain_embedding(mod):
-                handles.append(mod.register_forward_hook(self._on_forward(name)))
+        for name, mod in _factored_modules(self._model):
+            handles.append(mod.register_forward_hook(self._on_forward(name)))
         try:
             yield
         finally:
