@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -47,7 +49,7 @@ from qualify.contract import load_contract
 from qualify.errors import HarnessError
 from qualify.protocol import HarnessCell, variant_tag
 from qualify.registry import get_engine
-from qualify.resources import contracts_dir
+from qualify.resources import contracts_dir, repo_root
 
 RESPONSE_LENGTHS = (10, 6, 3, 8, 9, 2)
 R = 10
@@ -435,3 +437,25 @@ def test_logprobs_and_entropy_match_a_hand_softmax() -> None:
     p = [math.exp(v - lse) for v in z]
     assert float(lp[0, 0]) == pytest.approx(4.0 - lse, rel=1e-6)
     assert float(ent[0, 0]) == pytest.approx(-sum(q * math.log(q) for q in p), rel=1e-6)
+
+
+def test_the_warm_imports_hold_zeros_lazy_import() -> None:
+    """Every ZeRO ``deepspeed.initialize`` imports the Muon module lazily (1.9 s per rank
+    here): the spec's ``warm_imports`` name it, so the zygote imports it once, before the
+    fork. Fails when DeepSpeed moves that import (the preload would then be dead weight)
+    or when a warm import no longer imports. In a child: importing DeepSpeed sets
+    environment variables this worker's zygote keys must not see."""
+    code = textwrap.dedent("""
+        import inspect
+        from deepspeed.runtime.zero import utils
+        from harnesses.deepspeed.spec import SPEC
+        from qualify.candidate import warm
+        src = inspect.getsource(utils.is_zero_supported_optimizer)
+        lazy = [m for m in SPEC.warm_imports if m != "deepspeed"]
+        assert lazy and all(f"from {m} import" in src for m in lazy), (lazy, src)
+        notes = warm.preload("harnesses.deepspeed.harness", SPEC.warm_imports, None)
+        assert notes == [], notes
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                          text=True, env=launch_env(ENGINE.cpu_env), cwd=repo_root(), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

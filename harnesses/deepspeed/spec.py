@@ -27,7 +27,10 @@ SPEC: Final = EngineSpec(
     requires=("deepspeed",),
     groups_variants=True,
     resumes=True,  # harnesses/deepspeed/resume.py: engine.save_checkpoint / load_checkpoint
-    warm_imports=("deepspeed",),  # its import (accelerator, op probes) once per launch
+    # its import (accelerator, op probes) once per launch; and the Muon module every ZeRO
+    # initialize imports lazily (runtime/zero/utils.py is_zero_supported_optimizer; its
+    # torch.compile decorators import torch._dynamo): 1.9 s per rank, once, in each launch
+    warm_imports=("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer"),
     groups_topologies=True,  # one launch per world size runs every topology (issue #17)
     bf16_style="params",  # BF16 ZeRO engine: BF16 module, FP32 master partitions
     description="DeepSpeed ZeRO 0/1/2 + AutoTP; runs on CPU with DS_ACCELERATOR=cpu",
