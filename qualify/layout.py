@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from qualify.digests import sha256_file
 from qualify.errors import ReferenceDataError
@@ -37,6 +37,9 @@ from qualify.protocol import (
     ROLLOUT_META_FILE,
     TRAIN_INPUTS_FILE,
 )
+
+if TYPE_CHECKING:
+    from qualify.contract import Contract
 
 __all__ = [
     "ATTEMPT_PREFIX",
@@ -82,6 +85,7 @@ __all__ = [
     "RunDocument",
     "RunReference",
     "hf_tensors_file",
+    "reference_dir_name",
     "resolve_reference",
 ]
 
@@ -242,6 +246,11 @@ class RunDocument:
         if self.finished is not None:
             out["finished"] = self.finished
         return out
+
+
+def reference_dir_name(contract: Contract) -> str:
+    """A contract's reference directory name: ``<contract name>-<digest12>``."""
+    return f"{contract.name}-{contract.digest12}"
 
 
 def resolve_reference(run_dir: str | Path, run: RunDocument | Mapping[str, Any],

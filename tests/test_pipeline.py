@@ -227,17 +227,17 @@ def test_hung_rank_is_an_error_with_logs_kept(reference: Path, contract: Contrac
         store.make_writable(tmp_path)
 
 
-def test_the_stage_launches_through_the_zygote_it_prestarted(tmp_path: Path) -> None:
-    """The stage's prestarted zygotes have their launches' keys (qualify.candidate.launch.
-    prestart): in a fresh ``qualify run`` of the default contract (a torch_tp and a
-    Megatron-Core cell, on a copy of the committed reference, zygotes of that process
-    alone), the second launch is served by the zygote started ahead of it. The first
-    launch follows the prestart at once and may start its zygote itself, before the
-    prestart thread takes the key (seen once under a loaded suite): not asserted. A
-    variable that the stage's own imports set in ``os.environ`` between the prestart and
-    the launches gives other keys and useless zygotes: tried with the prestart before the
-    models are prepared, whose imports set ``TORCHINDUCTOR_CACHE_DIR``, every launch of
-    that run had a zygote of its own, and this test failed."""
+def test_the_run_launches_through_the_zygotes_it_started_ahead(tmp_path: Path) -> None:
+    """The zygotes ``qualify run`` starts ahead have their launches' keys: in a fresh run
+    of the default contract (a torch_tp and a Megatron-Core cell, on a copy of the
+    committed reference, zygotes of that process alone), each launch is served by the
+    zygote started ahead of it. ``run_all`` starts them before it imports torch
+    (qualify.candidate.ahead, tests/test_ahead.py), and the stage then starts none itself.
+    A variable that this process's imports set in ``os.environ`` between those
+    starts and the launches gives other keys and useless zygotes: ``import torch._inductor``
+    sets ``TORCHINDUCTOR_CACHE_DIR``, which counts in a key only with another value than
+    torch's default (without that, every launch of the run started a zygote of its own, and
+    this test failed)."""
     refs = copy_tree(repo_root() / "references", tmp_path / "references")
     out = tmp_path / "ev"
     proc = subprocess.run(
@@ -247,9 +247,10 @@ def test_the_stage_launches_through_the_zygote_it_prestarted(tmp_path: Path) -> 
         env={**os.environ, "QUALIFY_ZYGOTE_DIR": ""})  # zygotes of that process alone
     # 1: the cells left out are NOT_RUN, so the run does not qualify
     assert proc.returncode == ExitCode.QUALIFICATION_FAILED, proc.stderr[-2000:]
-    (log,) = out.rglob("launches/megatron-*/attempt-1/logs/launcher.log")
-    origin = [x for x in log.read_text().splitlines() if x.startswith("[warm] from zygote ")]
-    assert len(origin) == 1, log.read_text()
-    assert "(started ahead of its launches; its imports " in origin[0]
-    assert "launch 1 it serves)" in origin[0]
+    for engine in ("torch_tp", "megatron"):
+        (log,) = out.rglob(f"launches/{engine}-*/attempt-1/logs/launcher.log")
+        origin = [x for x in log.read_text().splitlines() if x.startswith("[warm] from zygote ")]
+        assert len(origin) == 1, log.read_text()
+        assert "(started ahead of its launches; its imports " in origin[0]
+        assert "launch 1 it serves)" in origin[0]
     store.make_writable(tmp_path)

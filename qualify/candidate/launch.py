@@ -54,6 +54,7 @@ import os
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -474,7 +475,7 @@ def _engine_env(engine: EngineSpec, cuda: bool) -> dict[str, str] | None:
     return None if cuda else {**engine.cpu_env, "QUALIFY_DEVICE": "cpu"}  # CUDA torch may fork
 
 
-def prestart(engines: Sequence[EngineSpec], *, inputs: Path, cuda: bool,
+def prestart(engines: Sequence[EngineSpec], *, inputs: Path | None, cuda: bool,
              timeout_s: float = zygote.START_TIMEOUT_S) -> threading.Thread | None:
     """Start the zygotes of ``engines``' warm launches now, in a thread, one after another.
 
@@ -497,7 +498,9 @@ def prestart(engines: Sequence[EngineSpec], *, inputs: Path, cuda: bool,
 
     Args:
         engines: the engines in the order the stage launches them (repeats ignored).
-        inputs: the run's ``inputs/`` directory (its model classes are imported too).
+        inputs: the run's ``inputs/`` directory, or a models-cache bundle
+            (:mod:`qualify.candidate.ahead`): its model classes are imported too; ``None``:
+            none (the first launch imports them).
         cuda: whether this machine has a CUDA device.
         timeout_s: the longest one zygote may take to start.
 
@@ -512,8 +515,9 @@ def prestart(engines: Sequence[EngineSpec], *, inputs: Path, cuda: bool,
         if engine.unavailable_reason() is not None:
             continue
         env = launch_env(_engine_env(engine, cuda))
-        cmd = launch_command(inputs / CELL_FILE, module=engine.module, world_size=1,
-                             log_dir=inputs, env=env, preload=engine.warm_imports)
+        where = inputs if inputs is not None else Path(tempfile.gettempdir())  # not in the key
+        cmd = launch_command(where / CELL_FILE, module=engine.module, world_size=1,
+                             log_dir=where, env=env, preload=engine.warm_imports)
         if zygote.launch_key(cmd, env) is not None:
             todo.append((cmd, env))
     if not todo:

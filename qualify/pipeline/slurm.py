@@ -265,7 +265,7 @@ def submit(contract: Path, *, options: SbatchOptions = SbatchOptions(),
         ContractError: the contract does not load.
     """
     from qualify.contract import load_contract
-    from qualify.reference.stage import reference_dir_name
+    from qualify.layout import reference_dir_name
 
     c = load_contract(contract)
     ref_dir = references / reference_dir_name(c)
@@ -390,7 +390,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
             print(c.name)
             return 0
         from qualify.evidence import store
-        from qualify.reference.stage import reference_dir_name
+        from qualify.layout import reference_dir_name
 
         d = Path(args.references) / reference_dir_name(c)
         if args.sealed and not store.is_sealed(d):

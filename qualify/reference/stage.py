@@ -53,6 +53,7 @@ from qualify.layout import (
     SCORES_DIR,
     TARGETS_FILE,
     hf_tensors_file,
+    reference_dir_name,
 )
 from qualify.models import bundle as models
 from qualify.models import roles
@@ -77,11 +78,6 @@ __all__ = ["BOUNDS_FILE", "CONTROL_ERRORS_FILE", "REFERENCE_FILE", "REFERENCE_KI
            "run_reference_stage"]
 
 REFERENCE_KIND = "reference"
-
-
-def reference_dir_name(contract: Contract) -> str:
-    """``<contract name>-<digest12>``."""
-    return f"{contract.name}-{contract.digest12}"
 
 
 def resolve_prompts(contract: Contract, bundle: models.ModelBundle) -> list[list[int]]:
