@@ -276,12 +276,17 @@ class EngineSpec:
         if not self.needs_cuda:
             return None
         if cuda_available is None:
-            import torch  # only to probe CUDA; never torch.distributed
-
-            cuda_available = bool(torch.cuda.is_available())
+            cuda_available = has_cuda()
         if cuda_available:
             return None
         return f"engine {self.name!r} needs CUDA for training; this machine has no CUDA device"
+
+
+def has_cuda() -> bool:
+    """Whether this machine has a CUDA device (torch imported lazily, never its distributed)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def _module_installed(name: str) -> bool:

@@ -73,7 +73,7 @@ from qualify.protocol import (
     variant_tag,
 )
 from qualify.reference.stage import load_sealed_reference
-from qualify.registry import get_engine
+from qualify.registry import get_engine, has_cuda
 from qualify.sampling import sampling_summary
 
 RUN_KIND = "candidate-run"
@@ -492,8 +492,7 @@ def run_candidate_stage(
         faults: deliberate engine faults (test suite only; recorded in run.json).
         launch_timeout_s: wall-clock limit of one launch.
         collective_timeout_s: timeout of every collective inside a harness.
-        prestarted: the caller started the launches' zygotes already
-            (:mod:`qualify.candidate.ahead`): no :func:`prestart` here.
+        prestarted: the caller started the zygotes (:mod:`qualify.candidate.ahead`).
 
     Raises:
         UsageError: ``run_id`` is not one safe path component (:func:`check_run_id`).
@@ -549,9 +548,9 @@ def run_candidate_stage(
         launches = sorted(plan_launches(contract, todo, grouped_engines=grouped,
                                         topology_engines=by_world),
                           key=lambda lc: source not in {c.cell_id for c in lc.cells})
-        lock, cuda = threading.Lock(), _cuda_available()
-        if not prestarted:
-            prestart([get_engine(lc.engine) for lc in launches], inputs=inputs, cuda=cuda)
+        lock, cuda = threading.Lock(), has_cuda()
+        prestart([] if prestarted else [get_engine(lc.engine) for lc in launches],
+                 inputs=inputs, cuda=cuda)
 
         def sampler_cells(stop: threading.Event | None = None) -> None:
             sampler_stage.run_sampler_cells(contract, run_dir=run_dir, run=run, inputs=inputs,
@@ -637,13 +636,6 @@ def run_candidate_stage(
         run.finished = store.utc_now()
         store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
     return run_dir
-
-
-def _cuda_available() -> bool:
-    """Whether this machine has a CUDA device (torch imported lazily)."""
-    import torch
-
-    return bool(torch.cuda.is_available())
 
 
 def _cell_entry(cell: CellSpec, status: str, reason: str | None,

@@ -117,10 +117,9 @@ def launch_engine(cell: CellRef, *, run_dir: Path, out: Path, round_: int,
         UsageError: the launch failed (its reason, first line, and the attempt's logs).
     """
     from qualify.candidate.launch import launch_engine
-    from qualify.candidate.stage import _cuda_available
     from qualify.contract import Contract
     from qualify.protocol import HarnessCell
-    from qualify.registry import get_engine
+    from qualify.registry import get_engine, has_cuda
 
     inputs = (run_dir / "inputs").resolve()
     contract = Contract.from_dict(jsonio.read_json(inputs / "contract.json"))
@@ -135,7 +134,7 @@ def launch_engine(cell: CellRef, *, run_dir: Path, out: Path, round_: int,
         param_sampling=contract.evidence,
         probe={"round": round_, "dir": str(attempt / PROBE_DIR)} if probe else None)
     result = launch_engine(hc, engine=engine, attempt_dir=attempt, timeout_s=timeout_s,
-                           cuda=_cuda_available())
+                           cuda=has_cuda())
     if not result:
         first = result.reason.strip().splitlines()[0] if result.reason.strip() else "failed"
         raise UsageError(f"{attempt}: the {cell.engine} launch failed: {first} (logs in "
