@@ -10,6 +10,7 @@ launches are then served by those zygotes: tests/test_pipeline.py
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -48,7 +49,12 @@ def test_the_weights_source_first_then_contract_order(tmp_path: Path,
     ahead.prestart_run(contract, None, dev=tmp_path)
     assert calls == [{"engines": ["torch_tp", "deepspeed", "megatron"], "inputs": None,
                       "cuda": False}]
-    # another source first: the contract's engines after it, in contract order
+    # the launch exporting the weights first, whatever the contract order
+    calls.clear()
+    moved = dataclasses.replace(contract, sampler=dataclasses.replace(
+        contract.sampler, weights_from="megatron-fp32-actor-tp1"))
+    ahead.prestart_run(moved, None, dev=tmp_path)
+    assert calls[0]["engines"] == ["megatron", "torch_tp", "deepspeed"]
     calls.clear()
     ahead.prestart_run(contract, ["megatron:*", "deepspeed:*"], dev=tmp_path)
     assert calls[0]["engines"] == ["deepspeed", "megatron"]
@@ -69,9 +75,10 @@ def test_nothing_is_started_beside_a_gpu_or_for_cells_that_match_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     contract = load_contract(TINY)
     calls = _started(monkeypatch)
-    (tmp_path / "nvidia0").touch()
-    assert ahead.prestart_run(contract, None, dev=tmp_path) is None
-    (tmp_path / "nvidia0").unlink()
+    for node in ("nvidia0", "kfd", "dxg"):  # NVIDIA, ROCm, WSL2
+        (tmp_path / node).touch()
+        assert ahead.prestart_run(contract, None, dev=tmp_path) is None
+        (tmp_path / node).unlink()
     assert ahead.prestart_run(contract, ["no-such-cell-*"], dev=tmp_path) is None
     assert calls == []
     ahead.prestart_run(contract, None, dev=tmp_path)
@@ -95,6 +102,9 @@ def test_a_default_inductor_cache_dir_is_not_part_of_the_key(
     assert before is not None
     assert zygote.launch_key(cmd, {**env, zygote.INDUCTOR_CACHE_ENV: default}) == before
     assert zygote.launch_key(cmd, {**env, zygote.INDUCTOR_CACHE_ENV: str(tmp_path)}) != before
+    # the default of another TMPDIR or user is not this process's: the variable stays
+    other = {**env, "TMPDIR": str(tmp_path), zygote.INDUCTOR_CACHE_ENV: default}
+    assert zygote.launch_key(cmd, other) != zygote.launch_key(cmd, {**env, "TMPDIR": str(tmp_path)})
 
 
 def _child(code: str) -> subprocess.CompletedProcess[str]:

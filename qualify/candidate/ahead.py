@@ -8,7 +8,10 @@ torch_tp launch's wall). Started here, the zygotes import on the other core mean
 stage's prestart and launches find them by their key (:func:`qualify.candidate.zygote.launch_key`:
 the same harness, preload modules, environment and sources), so nothing a launch computes
 changes. A zygote started here imports the model classes of the contract's models-cache
-bundle (:mod:`qualify.models.cache`) when it exists, else at its first launch.
+bundle (:mod:`qualify.models.cache`) when it exists, else at its first launch. Where a key
+still differs (an environment variable this process's imports changed otherwise), the
+stage's prestart starts that zygote again, as without this module; the one started here
+then idles until the run ends.
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ from qualify.errors import ContractError
 from qualify.models.cache import default_cache_dir
 from qualify.registry import get_engine
 
-__all__ = ["NVIDIA_DEVICES", "prestart_run"]
+__all__ = ["GPU_DEVICES", "prestart_run"]
 
-NVIDIA_DEVICES: Final = "nvidia[0-9]*"
-"""Device nodes under ``/dev`` of an NVIDIA GPU: where one exists nothing is started here
-(without torch the CUDA probe cannot be made; the stage decides, and on CUDA launches
-through torchrun, with no zygote)."""
+GPU_DEVICES: Final = ("nvidia[0-9]*", "kfd", "dxg")
+"""Device nodes under ``/dev`` of a GPU torch may use (NVIDIA, ROCm, WSL2): where one exists
+nothing is started here (without torch the CUDA probe cannot be made; the stage decides, and
+on CUDA launches through torchrun, with no zygote)."""
 
 
 def prestart_run(contract: Contract, cells: Sequence[str] | None, *,
@@ -44,13 +47,13 @@ def prestart_run(contract: Contract, cells: Sequence[str] | None, *,
     Args:
         contract: the contract about to run.
         cells: its ``--cells`` globs (``None``: every cell).
-        dev: the device directory probed for NVIDIA GPUs (tests).
+        dev: the device directory probed for GPUs (tests).
 
     Returns:
         The prestart thread, or ``None`` when nothing is started (a GPU's device node, a
         ``--cells`` glob matching nothing: the stage then reports it).
     """
-    if any(dev.glob(NVIDIA_DEVICES)):
+    if any(any(dev.glob(pattern)) for pattern in GPU_DEVICES):
         return None
     try:
         wanted = cells_matching(contract, cells)

@@ -512,7 +512,7 @@ def prestart(engines: Sequence[EngineSpec], *, inputs: Path | None, cuda: bool,
         return None  # a multi-node allocation's launches go through srun (no zygote)
     todo: list[tuple[list[str], dict[str, str]]] = []
     for engine in {e.name: e for e in engines}.values():
-        if engine.unavailable_reason() is not None:
+        if engine.unavailable_reason(cuda_available=cuda) is not None:
             continue
         env = launch_env(_engine_env(engine, cuda))
         where = inputs if inputs is not None else Path(tempfile.gettempdir())  # not in the key

@@ -473,7 +473,6 @@ def run_candidate_stage(
     faults: Sequence[str] = (),
     launch_timeout_s: float = 900.0,
     collective_timeout_s: float = 120.0,
-    prestarted: bool = False,
 ) -> Path:
     """Run the selected cells against a sealed reference; return the run directory.
 
@@ -492,7 +491,6 @@ def run_candidate_stage(
         faults: deliberate engine faults (test suite only; recorded in run.json).
         launch_timeout_s: wall-clock limit of one launch.
         collective_timeout_s: timeout of every collective inside a harness.
-        prestarted: the caller started the zygotes (:mod:`qualify.candidate.ahead`).
 
     Raises:
         UsageError: ``run_id`` is not one safe path component (:func:`check_run_id`).
@@ -549,8 +547,8 @@ def run_candidate_stage(
                                         topology_engines=by_world),
                           key=lambda lc: source not in {c.cell_id for c in lc.cells})
         lock, cuda = threading.Lock(), has_cuda()
-        prestart([] if prestarted else [get_engine(lc.engine) for lc in launches],
-                 inputs=inputs, cuda=cuda)
+        # zygotes :mod:`qualify.candidate.ahead` started are found by key: none started twice
+        prestart([get_engine(lc.engine) for lc in launches], inputs=inputs, cuda=cuda)
 
         def sampler_cells(stop: threading.Event | None = None) -> None:
             sampler_stage.run_sampler_cells(contract, run_dir=run_dir, run=run, inputs=inputs,

@@ -23,10 +23,11 @@ of a launch from a zygote that already served another cell bitwise equal to a to
 launch of the same cell.
 
 A zygote serves one key (:func:`launch_key`): harness, preload modules, the whole launch
-environment but :data:`VOLATILE` (what torch and the engines read at import time must be
-what the ranks would have read) and the stat of every source file of ``qualify`` and
-``harnesses`` (:func:`sources_stamp`: an edit gets a new zygote). Which zygote serves a
-launch, how many live and when they are started and stopped is
+environment but :data:`VOLATILE` and a default :data:`INDUCTOR_CACHE_ENV` (what torch and
+the engines read at import time must be what the ranks would have read) and the stat of
+every source file of ``qualify`` and ``harnesses`` (:func:`sources_stamp`: an edit gets a
+new zygote). Which zygote serves a launch, how many live and when they are started and
+stopped is
 :mod:`qualify.candidate.zygote_pool`'s business: this process's own, or a session's pool.
 A zygote ends when it is stopped (it drains: no new launch, those in flight finish), when
 the process it serves is gone (checked every :data:`POLL_S`; it then ends its launches in
@@ -75,10 +76,14 @@ VOLATILE: Final = frozenset({"PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "_", 
 second differs per xdist worker, the shell sets the others per command and directory, and
 nothing reads them at import time (the launch itself still gets the caller's values)."""
 INDUCTOR_CACHE_ENV: Final = "TORCHINDUCTOR_CACHE_DIR"
-"""Set by importing ``torch._inductor`` to torch's default when unset: in a key it counts only
-with another value (:func:`launch_key`), so a zygote started before this process imported
-torch (:mod:`qualify.candidate.ahead`) serves the launches after (its own imports set the
-same default; a launch still gets the caller's value)."""
+"""Set by importing ``torch._inductor`` (to torch's default when unset; a value set is made
+absolute): at torch's default it counts in no key (:func:`launch_key`), so a zygote started
+before this process imported torch (:mod:`qualify.candidate.ahead`) serves the launches
+after (its own imports set the same default; a launch still gets the caller's value)."""
+INDUCTOR_DEFAULT_INPUTS: Final = ("TMPDIR", "TEMP", "TMP", "LOGNAME", "USER", "LNAME", "USERNAME")
+"""What torch's default reads (``tempfile.gettempdir``, ``getpass.getuser``): the variable
+leaves a launch's key only if the launch's environment has this process's values of these
+(:func:`inductor_default` computes the default here)."""
 POLL_S: Final = 0.05
 """The zygote's loop period: reaping launchers, accepting requests, checking its parent."""
 START_TIMEOUT_S: Final = 300.0
@@ -559,7 +564,8 @@ def launch_key(warm_cmd: Sequence[str], env: Mapping[str, str]) -> tuple[object,
         return None
     target, preload = launch_target(cmd)
     keyed = {k: v for k, v in env.items() if k not in VOLATILE}
-    if INDUCTOR_CACHE_ENV in keyed and keyed[INDUCTOR_CACHE_ENV] == inductor_default():
+    if (INDUCTOR_CACHE_ENV in keyed and keyed[INDUCTOR_CACHE_ENV] == inductor_default()
+            and all(env.get(k) == os.environ.get(k) for k in INDUCTOR_DEFAULT_INPUTS)):
         del keyed[INDUCTOR_CACHE_ENV]
     return (cmd[0], target, tuple(preload), tuple(sorted(keyed.items())), sources_stamp())
 

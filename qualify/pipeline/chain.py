@@ -113,11 +113,10 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
     contract = load_contract(contract_path)
     policy = policy_for(contract)
     ref = find_sealed_reference(references, reference_dir_name(contract))
-    prestarted = False
     if ref is not None:  # the trainer zygotes import beside this process's imports below
         from qualify.candidate.ahead import prestart_run
 
-        prestarted = prestart_run(contract, cells) is not None
+        prestart_run(contract, cells)
     from qualify.candidate.stage import run_candidate_stage
     from qualify.cli.summary import print_evaluation
     from qualify.compare.html import write_html
@@ -131,7 +130,7 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
     ensure_signed(ref)
     print(f"reference: {ref}", file=sys.stderr)
     run_dir = run_candidate_stage(contract, reference=ref, root=evidence, cells=cells,
-                                  quiet=quiet, prestarted=prestarted)
+                                  quiet=quiet)
     report = compare_run(run_dir)
     seal_and_sign(run_dir, kind="candidate-run")
     # read once, validated once: compare_run validated the document before writing it
