@@ -55,6 +55,7 @@ from qualify.errors import ReferenceDataError
 from qualify.evidence import store
 from qualify.lanes import lane_bf16_mode
 from qualify.layout import BRANCHES_DIR, BRANCHES_FILE, hf_tensors_file
+from qualify.memory import release_free_memory
 from qualify.models import bundle as models
 from qualify.models import roles
 from qualify.protocol import ParamSampling, param_sample_indices, tensor_name
@@ -166,6 +167,7 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
            run: Mapping[str, torch.Tensor], tensors: dict[str, torch.Tensor],
            rounds_doc: dict[str, Any], attn: str) -> None:
     """Rerun one role's reference update and record the wanted tokens' contributions."""
+    release_free_memory()  # what the last rerun freed (qualify.memory)
     settings = UpdateSettings(precision="fp32" if prec == "fp32" else "bf16",
                               bf16_mode=lane_bf16_mode(prec),
                               micro_batch_size=contract.algorithm.micro_batch_size,

@@ -55,6 +55,7 @@ from qualify.layout import (
     hf_tensors_file,
     reference_dir_name,
 )
+from qualify.memory import release_free_memory
 from qualify.models import bundle as models
 from qualify.models import roles
 from qualify.progress import Progress
@@ -135,6 +136,7 @@ def _update_run(contract: Contract, bundle: models.ModelBundle, batch: Batch,
                 settings: UpdateSettings, attn: str) -> tuple[dict[str, torch.Tensor],
                                                              dict[str, Any]]:
     """One full reference-update run (actor + critic, all rounds) with fresh FP32 models."""
+    release_free_memory()  # the models and states the last run freed (qualify.memory)
     out: dict[str, torch.Tensor] = {}
     meta: dict[str, Any] = {"attn_implementation": attn, "settings": {
         "precision": settings.precision, "bf16_mode": settings.bf16_mode,
@@ -154,6 +156,7 @@ def _update_run(contract: Contract, bundle: models.ModelBundle, batch: Batch,
                                  contract, settings)
     out.update(t)
     del actor
+    release_free_memory()
     if contract.algorithm.name != "grpo":
         critic = roles.load_critic(bundle.critic_dir, dtype=torch.float32,
                                     attn_implementation=attn, requires_grad=True)
@@ -248,6 +251,7 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
                   quiet=quiet) as bar:
 
         def step(name: str) -> None:
+            release_free_memory()
             if on_step is not None:
                 on_step(name)
             bar.advance(name)
