@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -158,3 +161,21 @@ def test_factor_bytes_counts_every_linear_and_embedding() -> None:
     norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
     assert gram_factors.factor_bytes(model, 3, 2, 10) == (
         10 * (4 * 2 * width_in + 4 * 4 * width_out + 8 * 3 * modules) + 4 * 3 * norms)
+
+
+def test_a_killed_stages_spill_is_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
+    """A SIGKILLed reference stage leaves its spill (up to ``BUDGET_BYTES``): the next one
+    removes it. A directory of a running pid, or one whose name has no pid, stays."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    dead = tmp_path / f"{gram_factors.SPILL_PREFIX}{gone}-abc"
+    live = tmp_path / f"{gram_factors.spill_prefix()}xyz"
+    other = tmp_path / f"{gram_factors.SPILL_PREFIX}notapid-x"
+    for d in (dead, live, other):
+        (d / "tok").mkdir(parents=True)
+        (d / "tok" / "lm_head.safetensors").write_bytes(b"x" * 64)
+    assert gram_factors.remove_stale_spills(tmp_path) == [dead]
+    assert not dead.exists()
+    assert live.is_dir()
+    assert other.is_dir()
+    assert gram_factors.spill_prefix() == f"{gram_factors.SPILL_PREFIX}{os.getpid()}-"

@@ -222,8 +222,9 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
         with ExitStack() as stack:  # the spilled factors' directory, removed at the end
             factored = None
             if way == "factored":
+                gram_factors.remove_stale_spills(Path(tempfile.gettempdir()))
                 spill = stack.enter_context(
-                    tempfile.TemporaryDirectory(prefix="qualify-gram-factors-"))
+                    tempfile.TemporaryDirectory(prefix=gram_factors.spill_prefix()))
                 factored = gram_factors.FactorCapture(master, list(grad), spill=Path(spill))
                 stack.enter_context(factored.hooks())
             for (bi, ti), c in token_gradients(master, master, b, contract, j_settings,

@@ -17,10 +17,11 @@ products, as autograd computes them) and sums ``J J^T`` (FP32 products over at m
 :data:`GEMM_COLUMNS` elements, those partial sums added in FP64). Bytes: the factors
 (SmolLM2-135M: at most 30 MB per token against 538 MB for its whole ``J_t``); the reference
 stage writes each token's output gradients to a temporary directory (``spill``, under
-``$TMPDIR``: on disk, not a tmpfs, for the saving to hold) and keeps in memory the inputs (once
-per forward), the uncovered parameters' whole ``J_t`` (the RMSNorm vectors) and, while the Gram
-runs, one parameter's factors and one block. An Embedding's padding row gets no gradient
-(autograd skips ``padding_idx``), and the rebuild skips it too.
+``$TMPDIR``: on disk, not a tmpfs, for the saving to hold; named with the writer's pid, so
+the next stage removes one a killed process left, :func:`remove_stale_spills`) and keeps in
+memory the inputs (once per forward), the uncovered parameters' whole ``J_t`` (the RMSNorm
+vectors) and, while the Gram runs, one parameter's factors and one block. An Embedding's
+padding row gets no gradient (autograd skips ``padding_idx``), and the rebuild skips it too.
 Time: the Gram's ``N^2 P`` products in one matrix product per block, against one forward
 with tangents per token (about ``3 P`` products per position) for the forward-mode rows. (A
 linear layer's gradient as a sum of per-position outer products is what per-example
@@ -41,6 +42,8 @@ reads (a use the hooks do not see) misses part of every ``J_t`` that reaches it
 from __future__ import annotations
 
 import math
+import os
+import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -54,7 +57,11 @@ from torch import nn
 from qualify.errors import ReferenceDataError
 from qualify.reference.gram import MAX_REL_ERROR
 
-__all__ = ["BUDGET_BYTES", "FactorCapture", "factor_bytes"]
+__all__ = ["BUDGET_BYTES", "SPILL_PREFIX", "FactorCapture", "factor_bytes", "remove_stale_spills",
+           "spill_prefix"]
+
+SPILL_PREFIX = "qualify-gram-factors-"
+"""A spill directory's name: this, the writing process's pid, ``-``, ``mkdtemp``'s suffix."""
 
 BUDGET_BYTES = 4 << 30
 """Use the factored Gram while the sealed tokens' factors, estimated by :func:`factor_bytes`,
@@ -379,3 +386,40 @@ class FactorCapture:
         per = max(1, BLOCK_BYTES // max(1, 4 * n * math.prod(p.shape[1:])))
         for r0 in range(0, self._rows(name), per):
             yield r0, min(self._rows(name), r0 + per)
+
+
+def spill_prefix() -> str:
+    """The ``tempfile`` prefix of this process's spill directories: ``SPILL_PREFIX<pid>-``."""
+    return f"{SPILL_PREFIX}{os.getpid()}-"
+
+
+def remove_stale_spills(root: Path) -> list[Path]:
+    """Remove the spill directories under ``root`` whose writing process is gone.
+
+    A reference stage killed with SIGKILL (or by the OOM killer) runs no cleanup and leaves
+    its spill, up to :data:`BUDGET_BYTES`. A directory is kept when its pid runs (a live
+    stage's, or a reused pid: kept to be safe) or its name carries no pid (not ours);
+    another user's directory cannot be removed and is left.
+
+    Returns:
+        The directories removed.
+    """
+    removed = []
+    for d in sorted(root.glob(f"{SPILL_PREFIX}*-*")):
+        pid = d.name[len(SPILL_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or not d.is_dir() or _running(int(pid)):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        if not d.exists():
+            removed.append(d)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
