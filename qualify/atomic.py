@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import tempfile
 from collections.abc import Callable
@@ -38,8 +39,8 @@ import psutil
 from qualify.crashpoints import maybe_crash
 
 __all__ = ["TMP_PREFIX", "TMP_SUFFIX", "TempWriter", "fsync_dir", "host_tag", "is_temporary",
-           "json_bytes", "remove_stale_temporaries", "rename_noreplace", "temp_writer",
-           "write_bytes", "write_json", "write_with", "writer_alive"]
+           "json_bytes", "remove_stale_temporaries", "rename_noreplace", "temp_prefix",
+           "temp_writer", "write_bytes", "write_json", "write_with", "writer_alive"]
 
 _log = logging.getLogger(__name__)
 
@@ -79,6 +80,14 @@ def host_tag(host: str | None = None) -> str:
     """
     raw = socket.gethostname() if host is None else host
     return (re.sub(r"[^A-Za-z0-9-]", "-", raw)[:_HOST_MAX]) or "host"
+
+
+def temp_prefix(name: str) -> str:
+    """The ``tempfile`` prefix of this process's temporaries for ``name``: files or directories.
+
+    ``.tmp-<name>.<host>.<pid>.``; their suffix is :data:`TMP_SUFFIX`.
+    """
+    return f"{TMP_PREFIX}{name}.{host_tag()}.{os.getpid()}."
 
 
 def is_temporary(name: str) -> bool:
@@ -129,7 +138,9 @@ def remove_stale_temporaries(directory: str | Path, *, recursive: bool = False,
     """Remove the temporary files of dead writers under ``directory``.
 
     A temporary file whose writer is alive, or cannot be told (:func:`writer_alive` is
-    ``None``), is never touched. Symlinked directories are not followed.
+    ``None``), is never touched. Symlinked directories are not followed. A temporary
+    directory (named by :func:`temp_prefix` too: a spill of
+    :mod:`qualify.reference.gram_factors`) is removed whole.
 
     Args:
         directory: where to look (a missing directory is empty).
@@ -145,8 +156,8 @@ def remove_stale_temporaries(directory: str | Path, *, recursive: bool = False,
     d = Path(directory)
     removed: list[Path] = []
     walker = os.walk(d, followlinks=False) if recursive else [(str(d), [], _names(d))]
-    for root, _dirs, files in walker:
-        for fname in files:
+    for root, dirs, files in walker:
+        for fname in [*files, *dirs]:
             if not is_temporary(fname):
                 continue
             writer = temp_writer(fname)
@@ -154,8 +165,14 @@ def remove_stale_temporaries(directory: str | Path, *, recursive: bool = False,
                 continue
             full = Path(root) / fname
             if writer_alive(full) is False:
-                with contextlib.suppress(FileNotFoundError):
-                    full.unlink()
+                if full.is_dir() and not full.is_symlink():
+                    with contextlib.suppress(FileNotFoundError):
+                        shutil.rmtree(full)
+                    if fname in dirs:
+                        dirs.remove(fname)  # os.walk does not go into it
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        full.unlink()
                 _log.warning("%s: removed the temporary file of a dead writer (pid %s)",
                              full, writer.pid if writer else "?")
                 removed.append(full)
@@ -203,9 +220,8 @@ def write_with(path: str | Path, write: Callable[[IO[bytes]], object], *,
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path.parent, name=path.name)
-    fd, tmp_name = tempfile.mkstemp(
-        dir=path.parent, prefix=f"{TMP_PREFIX}{path.name}.{host_tag()}.{os.getpid()}.",
-        suffix=TMP_SUFFIX)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path.name),
+                                    suffix=TMP_SUFFIX)
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as f:

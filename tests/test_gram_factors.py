@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -26,7 +25,7 @@ import test_branch_gram
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForTokenClassification
 
-from qualify import branches
+from qualify import atomic, branches
 from qualify.contract import Contract
 from qualify.errors import ReferenceDataError
 from qualify.reference import gram, gram_factors
@@ -165,17 +164,21 @@ def test_factor_bytes_counts_every_linear_and_embedding() -> None:
 
 def test_a_killed_stages_spill_is_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
     """A SIGKILLed reference stage leaves its spill (up to ``BUDGET_BYTES``): the next one
-    removes it. A directory of a running pid, or one whose name has no pid, stays."""
+    removes it. A running writer's spill, another host's and a name without a writer stay."""
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           check=True, capture_output=True, text=True).stdout.strip()
-    dead = tmp_path / f"{gram_factors.SPILL_PREFIX}{gone}-abc"
-    live = tmp_path / f"{gram_factors.spill_prefix()}xyz"
-    other = tmp_path / f"{gram_factors.SPILL_PREFIX}notapid-x"
-    for d in (dead, live, other):
+    name, host = gram_factors.SPILL_NAME, atomic.host_tag()
+    dead = tmp_path / f".tmp-{name}.{host}.{gone}.abc.partial"
+    live = tmp_path / f"{atomic.temp_prefix(name)}xyz.partial"
+    elsewhere = tmp_path / f".tmp-{name}.another-host.{gone}.abc.partial"
+    other = tmp_path / f"{name}-notapid"
+    for d in (dead, live, elsewhere, other):
         (d / "tok").mkdir(parents=True)
         (d / "tok" / "lm_head.safetensors").write_bytes(b"x" * 64)
-    assert gram_factors.remove_stale_spills(tmp_path) == [dead]
-    assert not dead.exists()
-    assert live.is_dir()
-    assert other.is_dir()
-    assert gram_factors.spill_prefix() == f"{gram_factors.SPILL_PREFIX}{os.getpid()}-"
+    with gram_factors.spill_directory(tmp_path) as spill:
+        assert Path(spill).name.startswith(atomic.temp_prefix(name))
+        assert not dead.exists()
+        assert live.is_dir()
+        assert elsewhere.is_dir()
+        assert other.is_dir()
+    assert not Path(spill).exists()

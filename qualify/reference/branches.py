@@ -38,7 +38,6 @@ and ``branches.json`` (tokens, tolerances, scalars, the rerun's reproduction che
 from __future__ import annotations
 
 import sys
-import tempfile
 from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
@@ -222,9 +221,7 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
         with ExitStack() as stack:  # the spilled factors' directory, removed at the end
             factored = None
             if way == "factored":
-                gram_factors.remove_stale_spills(Path(tempfile.gettempdir()))
-                spill = stack.enter_context(
-                    tempfile.TemporaryDirectory(prefix=gram_factors.spill_prefix()))
+                spill = stack.enter_context(gram_factors.spill_directory())
                 factored = gram_factors.FactorCapture(master, list(grad), spill=Path(spill))
                 stack.enter_context(factored.hooks())
             for (bi, ti), c in token_gradients(master, master, b, contract, j_settings,

@@ -17,9 +17,9 @@ products, as autograd computes them) and sums ``J J^T`` (FP32 products over at m
 :data:`GEMM_COLUMNS` elements, those partial sums added in FP64). Bytes: the factors
 (SmolLM2-135M: at most 30 MB per token against 538 MB for its whole ``J_t``); the reference
 stage writes each token's output gradients to a temporary directory (``spill``, under
-``$TMPDIR``: on disk, not a tmpfs, for the saving to hold; named with the writer's pid, so
-the next stage removes one a killed process left, :func:`remove_stale_spills`) and keeps in
-memory the inputs (once per forward), the uncovered parameters' whole ``J_t`` (the RMSNorm
+``$TMPDIR``: on disk, not a tmpfs, for the saving to hold; named as an atomic write's
+temporary, so the next stage removes one a killed process left, :func:`spill_directory`) and
+keeps in memory the inputs (once per forward), the uncovered parameters' whole ``J_t`` (the RMSNorm
 vectors) and, while the Gram runs, one parameter's factors and one block. An Embedding's
 padding row gets no gradient (autograd skips ``padding_idx``), and the rebuild skips it too.
 Time: the Gram's ``N^2 P`` products in one matrix product per block, against one forward
@@ -42,8 +42,7 @@ reads (a use the hooks do not see) misses part of every ``J_t`` that reaches it
 from __future__ import annotations
 
 import math
-import os
-import shutil
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -54,14 +53,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from qualify import atomic
 from qualify.errors import ReferenceDataError
 from qualify.reference.gram import MAX_REL_ERROR
 
-__all__ = ["BUDGET_BYTES", "SPILL_PREFIX", "FactorCapture", "factor_bytes", "remove_stale_spills",
-           "spill_prefix"]
+__all__ = ["BUDGET_BYTES", "SPILL_NAME", "FactorCapture", "factor_bytes", "spill_directory"]
 
-SPILL_PREFIX = "qualify-gram-factors-"
-"""A spill directory's name: this, the writing process's pid, ``-``, ``mkdtemp``'s suffix."""
+SPILL_NAME = "qualify-gram-factors"
+"""A spill directory is an atomic temporary of this name: ``.tmp-qualify-gram-factors.<host>.
+<pid>.<random>.partial`` (:func:`qualify.atomic.temp_prefix`)."""
 
 BUDGET_BYTES = 4 << 30
 """Use the factored Gram while the sealed tokens' factors, estimated by :func:`factor_bytes`,
@@ -388,38 +388,16 @@ class FactorCapture:
             yield r0, min(self._rows(name), r0 + per)
 
 
-def spill_prefix() -> str:
-    """The ``tempfile`` prefix of this process's spill directories: ``SPILL_PREFIX<pid>-``."""
-    return f"{SPILL_PREFIX}{os.getpid()}-"
+def spill_directory(root: Path | None = None) -> tempfile.TemporaryDirectory[str]:
+    """A fresh spill directory under ``root`` (default ``$TMPDIR``), removed by its context.
 
-
-def remove_stale_spills(root: Path) -> list[Path]:
-    """Remove the spill directories under ``root`` whose writing process is gone.
-
-    A reference stage killed with SIGKILL (or by the OOM killer) runs no cleanup and leaves
-    its spill, up to :data:`BUDGET_BYTES`. A directory is kept when its pid runs (a live
-    stage's, or a reused pid: kept to be safe) or its name carries no pid (not ours);
-    another user's directory cannot be removed and is left.
-
-    Returns:
-        The directories removed.
+    The spills there of writers that are gone are removed first
+    (:func:`qualify.atomic.remove_stale_temporaries`): a reference stage killed with SIGKILL
+    or by the OOM killer runs no cleanup and leaves up to :data:`BUDGET_BYTES`. A live
+    writer's spill and another host's (a shared scratch) are kept; a process that started
+    after the spill was last written is not its writer (a recycled pid).
     """
-    removed = []
-    for d in sorted(root.glob(f"{SPILL_PREFIX}*-*")):
-        pid = d.name[len(SPILL_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or not d.is_dir() or _running(int(pid)):
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        if not d.exists():
-            removed.append(d)
-    return removed
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+    where = Path(tempfile.gettempdir()) if root is None else root
+    atomic.remove_stale_temporaries(where, name=SPILL_NAME)
+    return tempfile.TemporaryDirectory(dir=where, prefix=atomic.temp_prefix(SPILL_NAME),
+                                       suffix=atomic.TMP_SUFFIX)
