@@ -511,11 +511,11 @@ def prestart(engines: Sequence[EngineSpec], *, inputs: Path | None, cuda: bool,
     if cuda or os.environ.get(PRESTART_ENV, "1") == "0" or _nnodes(os.environ, UsageError) > 1:
         return None  # a multi-node allocation's launches go through srun (no zygote)
     todo: list[tuple[list[str], dict[str, str]]] = []
+    where = inputs if inputs is not None else Path(tempfile.gettempdir())  # not in the key
     for engine in {e.name: e for e in engines}.values():
         if engine.unavailable_reason(cuda_available=cuda) is not None:
             continue
         env = launch_env(_engine_env(engine, cuda))
-        where = inputs if inputs is not None else Path(tempfile.gettempdir())  # not in the key
         cmd = launch_command(where / CELL_FILE, module=engine.module, world_size=1,
                              log_dir=where, env=env, preload=engine.warm_imports)
         if zygote.launch_key(cmd, env) is not None:
