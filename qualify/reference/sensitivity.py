@@ -114,15 +114,18 @@ class LossSensitivity:
                 values) under ``torch.no_grad``.
             step: the central-difference step.
         """
-        pairs = [(p, p.grad.detach().double()) for p in master.parameters()
-                 if p.requires_grad and p.grad is not None]
-        params = [p for p, _ in pairs]
-        norm = torch.sqrt(sum((g.square().sum() for _, g in pairs),
-                              torch.zeros((), dtype=torch.float64)))
+        # One copy of the parameters (``saved``) and one parameter's temporaries at a time:
+        # the unit direction is recomputed per parameter and side instead of held, and the
+        # FP64 gradient only per parameter (on SmolLM2's FP64 control, held directions and
+        # FP64 gradients were a model copy each at the reference stage's peak, issue #17).
+        params = [p for p in master.parameters() if p.requires_grad and p.grad is not None]
+        norm = torch.zeros((), dtype=torch.float64)
+        for p in params:
+            norm = norm + _grad(p).double().square().sum()
+        norm = torch.sqrt(norm)
         if not params or float(norm) == 0.0:
             return
         saved = [p.detach().clone() for p in params]
-        dirs = [(g / norm).to(p.dtype) for p, g in pairs]
         acc: dict[str, float] = {}
         training = master.training
         master.eval()
@@ -134,8 +137,8 @@ class LossSensitivity:
                         continue
                     side = []
                     for sign in (1.0, -1.0):
-                        for p, d, p0 in zip(params, dirs, saved, strict=True):
-                            p.copy_(p0 + sign * step * d)
+                        for p, p0 in zip(params, saved, strict=True):
+                            p.copy_(p0 + sign * step * (_grad(p).double() / norm).to(p.dtype))
                         side.append(forward(master, mb).double())
                     jvp = (side[0] - side[1]) / (2.0 * step)
                     for f, c in curv.items():
@@ -146,3 +149,9 @@ class LossSensitivity:
                     p.copy_(p0)
             master.train(training)
         self.rounds.setdefault(f"round{round_}", {})["grad_norm"] = acc
+
+
+def _grad(p: nn.Parameter) -> torch.Tensor:
+    """``p.grad``, detached (the caller selected parameters that have one)."""
+    assert p.grad is not None
+    return p.grad.detach()
