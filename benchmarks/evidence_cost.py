@@ -15,10 +15,11 @@ Read only what the evidence records (nothing is run):
 Engine compute of a trainer cell is ``scoring_s + round1_s + round2_s + export_weights_s``
 (the engine's forward, backward and optimizer work and the weight export); its setup is
 ``load_s + parallelize_s + initialize_s`` (model load and sharding in the engine). The
-cells of one launch that share a precision and options are one variant: their roles run
-side by side on their own ranks, the variants one after another, so a launch's compute is
-the sum over variants of the slowest role's compute, and its fixed cost is its wall minus
-that. A sampler cell's compute is ``round2_sampling_s + round2_scoring_s``.
+cells of one launch variant (``result.json`` ``launch_variant``: a precision, options and a
+topology such as ``fp32-a2c1``) run their roles side by side on their own ranks, the
+variants one after another, so a launch's compute is the sum over variants of the slowest
+role's compute, and its fixed cost is its wall minus that. A sampler cell's compute is
+``round2_sampling_s + round2_scoring_s``.
 
 Not recorded (so not derived): the interpreter start and import time of each rank, the
 teardown after the outputs are written (:mod:`benchmarks.teardown` measures it), the
@@ -67,11 +68,24 @@ def _cells(run: Path) -> list[dict[str, Any]]:
         out.append({"cell": cid, "launch": str(res.get("launch", cid)),
                     "wall_s": float(res.get("wall_s", float("nan"))),
                     "started": str(res.get("started") or ""),
-                    "variant": (str(e.get("precision")), json.dumps(e.get("options") or {},
-                                                                   sort_keys=True)),
+                    "variant": _variant(e, res),
                     "role": str(e.get("role")), "sampler": sampler, "compute_s": compute,
                     "setup_s": setup})
     return out
+
+
+def _variant(entry: dict[str, Any], result: dict[str, Any]) -> tuple[str, ...]:
+    """The launch variant a cell ran in: ``result.json`` ``launch_variant``.
+
+    A launch runs its variants one after another, each a precision, options and a
+    topology (``fp32-a2c1`` then ``fp32-a1c2``: :func:`harnesses.common.topology_runs`),
+    so two cells of one precision and options but another topology never run side by side.
+    Runs from before launches grouped topologies (commit 6db5e59, which also added
+    ``launch_variant``) had one topology per launch: their precision and options.
+    """
+    if result.get("launch_variant"):
+        return (str(result["launch_variant"]),)
+    return (str(entry.get("precision")), json.dumps(entry.get("options") or {}, sort_keys=True))
 
 
 def launch_table(run: Path) -> pd.DataFrame:

@@ -11,8 +11,10 @@ check's null alternatives) takes many times it.
 from __future__ import annotations
 
 import argparse
+import json
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -121,3 +123,41 @@ def test_streamed_max_rel_l2_matches_in_memory(tmp_path: Path) -> None:
     store.save_tensors(tmp_path / "bad.safetensors", {"a": bad})
     assert max_rel_l2({"p": open_tensors(tmp_path / "bad.safetensors")["a"]},
                       {"p": t["b"]}).value == float("inf")
+
+
+def _cell_files(run: Path, cell: str, *, variant: str | None, compute: float) -> dict[str, Any]:
+    """One COMPLETE trainer cell of launch ``L`` (wall 10 s): its ``result.json`` and
+    ``outputs.json``, compute ``compute`` seconds in ``round1_s``."""
+    adir = run / "cells" / cell / "attempt-1"
+    adir.mkdir(parents=True)
+    result: dict[str, Any] = {"launch": "L", "wall_s": 10.0,
+                              "started": "2026-12-05T00:00:00.000000Z"}
+    if variant is not None:
+        result["launch_variant"] = variant
+    (adir / "result.json").write_text(json.dumps(result))
+    (adir / "outputs.json").write_text(json.dumps({"role_timings": {"round1_s": compute}}))
+    return {"status": "COMPLETE", "attempt": f"cells/{cell}/attempt-1", "precision": "fp32",
+            "options": {}, "role": cell.split("-")[1]}
+
+
+def test_a_launchs_compute_sums_its_variants_topologies(tmp_path: Path) -> None:
+    """A launch of world size 3 runs ``fp32-a2c1`` (actor TP 2 beside critic TP 1), then
+    ``fp32-a1c2``: its compute is the slowest role of each, summed (3 + 4 s), not the
+    slowest of the four cells (4 s), which the precision and options alone would give;
+    a run from before ``launch_variant`` was recorded keeps that older grouping."""
+    for variant, want in (("rec", 7.0), (None, 4.0)):
+        run = tmp_path / str(variant)
+        cells = {
+            "fp32-actor-tp2": _cell_files(run, "fp32-actor-tp2", compute=3.0,
+                                          variant=variant and "fp32-a2c1"),
+            "fp32-critic-tp1": _cell_files(run, "fp32-critic-tp1", compute=1.0,
+                                           variant=variant and "fp32-a2c1"),
+            "fp32-actor-tp1": _cell_files(run, "fp32-actor-tp1", compute=2.0,
+                                          variant=variant and "fp32-a1c2"),
+            "fp32-critic-tp2": _cell_files(run, "fp32-critic-tp2", compute=4.0,
+                                           variant=variant and "fp32-a1c2")}
+        (run / "run.json").write_text(json.dumps({"cells": cells}))
+        row = evidence_cost.launch_table(run).iloc[0]
+        assert row["cells"] == 4
+        assert row["compute_s"] == pytest.approx(want)
+        assert row["fixed_s"] == pytest.approx(10.0 - want)
