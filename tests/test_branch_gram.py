@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForTokenClassificat
 from qualify import branches
 from qualify.contract import Contract, load_contract
 from qualify.errors import ReferenceDataError
+from qualify.models import roles
+from qualify.models.manifest import write_dir_manifest
 from qualify.protocol import ParamSampling, param_sample_indices
 from qualify.reference import gram
 from qualify.reference.jacobian import token_gradients
@@ -335,3 +338,77 @@ def test_jvp_row_restores_the_mode_and_refuses_an_empty_group(contract: Contract
         with pytest.raises(ValueError, match="micro_batch_size"):
             gram.jvp_row(model, batch, contract, role="critic", micro_batch_size=size,
                          tokens=[(0, 1)], direction=direction)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The two role directories :func:`qualify.reference.branches._rerun` loads (with their
+    ``qualify-manifest.json``): the module's actor and critic, saved."""
+    root = tmp_path_factory.mktemp("bundle")
+    for role in ("actor", "critic"):
+        _model(role).save_pretrained(root / role)
+        write_dir_manifest(root / role)
+    return SimpleNamespace(actor_dir=root / "actor", critic_dir=root / "critic")
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_the_rerun_takes_each_way_to_the_same_gram(contract: Contract, batch: Batch,
+                                                   bundle: Any, role: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_rerun``'s routing, on a real rerun of the reference update: whole ``J_t`` in
+    budget -> the FP64 Gram; over it -> the factored Gram; factors over theirs -> forward
+    mode; a factored Gram refused -> forward mode, the refusal recorded. Every way gives the
+    sealed tokens' same ``J_t`` (bitwise) and a Gram within FP32 rounding of the FP64 one."""
+    from qualify.reference import branches as ref_branches
+    from qualify.reference import gram_factors
+
+    settings = UpdateSettings(precision="fp32",
+                              micro_batch_size=contract.algorithm.micro_batch_size)
+    torch.manual_seed(0)
+    if role == "actor":
+        run, _ = run_actor(roles.load_actor(bundle.actor_dir, dtype=torch.float32,
+                                            attn_implementation="sdpa", requires_grad=True),
+                           roles.load_actor(bundle.actor_dir, dtype=torch.float32,
+                                            attn_implementation="sdpa"),
+                           batch, contract, settings)
+    else:
+        run, _ = run_critic(roles.load_critic(bundle.critic_dir, dtype=torch.float32,
+                                              attn_implementation="sdpa", requires_grad=True),
+                            batch, contract, settings)
+
+    def refuse(*_a: object, **_k: object) -> object:
+        raise ReferenceDataError("factored clip-branch Gram: a test's refusal")
+
+    seen: dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
+    for way in ("fp64", "factored", "jvp", "refused"):
+        with monkeypatch.context() as m:
+            if way != "fp64":
+                m.setattr(gram, "FULL_BUDGET_BYTES", 0)
+            if way == "jvp":
+                m.setattr(gram_factors, "BUDGET_BYTES", 0)
+            if way == "refused":
+                m.setattr(gram_factors.FactorCapture, "gram", refuse)
+            rounds_doc: dict[str, Any] = {"round2": {"tol_cur": 1e-3, "tokens": {},
+                                                     "gram": {}}}
+            tensors: dict[str, torch.Tensor] = {}
+            ref_branches._rerun(contract, bundle, batch, prec="fp32", role=role,
+                                wanted={2: TOKENS}, run=run, tensors=tensors,
+                                rounds_doc=rounds_doc, attn="sdpa")
+            seen[way] = (rounds_doc["round2"], tensors)
+    said = {way: rd["gram_off_diagonal"].split(":")[0] for way, (rd, _) in seen.items()}
+    jvp = "forward mode (jvp) over the whole J_t, FP32 rounding"
+    assert said == {"fp64": "exact", "factored": "factored", "jvp": jvp, "refused": jvp}
+    assert "a test's refusal" in seen["refused"][0]["gram_factored_refused"]
+    assert all("gram_factored_refused" not in seen[w][0] for w in ("fp64", "factored", "jvp"))
+    exact_rd, exact_t = seen["fp64"]
+    assert len(exact_rd["tokens"]) == len(TOKENS)
+    assert exact_rd["rerun_max_abs_diff"] == 0.0  # the rerun is the sealed run, bitwise
+    norm = {k: v["norm_sq"] ** 0.5 for k, v in exact_rd["tokens"].items()}
+    for way, (rd, tensors) in seen.items():
+        assert tensors.keys() == exact_t.keys()
+        assert all(torch.equal(tensors[k], exact_t[k]) for k in exact_t), way
+        assert rd["tokens"] == exact_rd["tokens"], way
+        for a in norm:
+            for b in norm:
+                assert abs(rd["gram"][a][b] - exact_rd["gram"][a][b]) \
+                    <= 1e-5 * norm[a] * norm[b], (way, a, b)

@@ -242,6 +242,31 @@ def test_a_recycled_pid_is_not_the_writer_and_an_unknown_writer_is_kept(tmp_path
         _kill(newer)
 
 
+def test_recursive_removal_takes_a_dead_writers_directory_whole(tmp_path: Path) -> None:
+    """``recursive=True`` (:func:`qualify.evidence.store` claims a directory so): a dead
+    writer's temporary directory at any depth goes whole, its own temporary-named contents
+    included, and the walk does not go into it; a live writer's directory, and what is
+    inside it, stay, while a dead file temporary inside it goes."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    host = atomic.host_tag()
+    deep = tmp_path / "a" / "b"
+    dead = deep / f".tmp-spill.{host}.{gone}.abc.partial"
+    (dead / "tok").mkdir(parents=True)
+    (dead / "tok" / f".tmp-x.json.{host}.{gone}.def.partial").write_text("x")
+    live = tmp_path / "a" / f"{atomic.temp_prefix('spill')}ghi.partial"
+    live.mkdir()
+    inside = live / f".tmp-y.json.{host}.{gone}.jkl.partial"
+    inside.write_text("y")
+    kept = deep / "kept.json"
+    kept.write_text("{}")
+    assert atomic.remove_stale_temporaries(tmp_path, recursive=True) == sorted([dead, inside])
+    assert not dead.exists()
+    assert live.is_dir()
+    assert not inside.exists()
+    assert kept.is_file()
+
+
 def test_host_tag_has_no_dot() -> None:
     assert atomic.host_tag("node-1.cluster.example") == "node-1-cluster-example"
     assert "." not in atomic.host_tag()
