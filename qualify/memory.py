@@ -16,12 +16,11 @@ This module imports neither torch nor any engine.
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
-from typing import Final
+from collections.abc import Callable
 
 __all__ = ["release_free_memory"]
-
-_LIBC: Final = "libc.so.6"
 
 
 def release_free_memory() -> bool:
@@ -34,11 +33,23 @@ def release_free_memory() -> bool:
     Returns:
         Whether ``malloc_trim`` ran (``False`` off Linux or without glibc, e.g. musl).
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        trim = ctypes.CDLL(_LIBC).malloc_trim
-    except (OSError, AttributeError):
+    trim = _malloc_trim()
+    if trim is None:
         return False
     trim(0)
     return True
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """The C library's ``malloc_trim``, looked up once; ``None`` without it.
+
+    Found among the symbols this process has loaded, as :mod:`qualify.atomic` finds
+    ``renameat2`` (glibc has it; musl does not).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
