@@ -16,11 +16,12 @@ rebuilds, parameter by parameter and a block of rows at a time, every token's ``
 products, as autograd computes them) and sums ``J J^T`` (FP32 products over at most
 :data:`GEMM_COLUMNS` elements, those partial sums added in FP64). Bytes: the factors
 (SmolLM2-135M: at most 30 MB per token against 538 MB for its whole ``J_t``); the reference
-stage writes each token's output gradients to a temporary directory (``spill``, under
-``$TMPDIR``: on disk, not a tmpfs, for the saving to hold; named as an atomic write's
-temporary, so the next stage removes one a killed process left, :func:`spill_directory`) and
-keeps in memory the inputs (once per forward), the uncovered parameters' whole ``J_t`` (the RMSNorm
-vectors) and, while the Gram runs, one parameter's factors and one block. An Embedding's
+stage writes each token's output gradients to a temporary directory (``spill``, on disk for
+the saving to hold: :func:`qualify.scratch.scratch_root` avoids a tmpfs; named as an atomic
+write's temporary, so the next stage removes one a killed process left,
+:func:`spill_directory`) and keeps in memory the inputs (once per forward), the uncovered
+parameters' whole ``J_t`` (the RMSNorm vectors) and, while the Gram runs, one parameter's
+factors and one block. An Embedding's
 padding row gets no gradient (autograd skips ``padding_idx``), and the rebuild skips it too.
 Time: the Gram's ``N^2 P`` products in one matrix product per block, against one forward
 with tangents per token (about ``3 P`` products per position) for the forward-mode rows. (A
@@ -53,7 +54,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from qualify import atomic
+from qualify import atomic, scratch
 from qualify.errors import ReferenceDataError
 from qualify.reference.gram import MAX_REL_ERROR
 
@@ -389,7 +390,10 @@ class FactorCapture:
 
 
 def spill_directory(root: Path | None = None) -> tempfile.TemporaryDirectory[str]:
-    """A fresh spill directory under ``root`` (default ``$TMPDIR``), removed by its context.
+    """A fresh spill directory under ``root``, removed by its context.
+
+    ``root`` defaults to :func:`qualify.scratch.scratch_root`: ``$QUALIFY_SCRATCH_DIR``, else
+    the temporary directory unless it keeps files in memory (a tmpfs), else ``/var/tmp``.
 
     The spills there of writers that are gone are removed first
     (:func:`qualify.atomic.remove_stale_temporaries`): a reference stage killed with SIGKILL
@@ -397,7 +401,7 @@ def spill_directory(root: Path | None = None) -> tempfile.TemporaryDirectory[str
     writer's spill and another host's (a shared scratch) are kept; a process that started
     after the spill was last written is not its writer (a recycled pid).
     """
-    where = Path(tempfile.gettempdir()) if root is None else root
+    where = scratch.scratch_root() if root is None else root
     atomic.remove_stale_temporaries(where, name=SPILL_NAME)
     return tempfile.TemporaryDirectory(dir=where, prefix=atomic.temp_prefix(SPILL_NAME),
                                        suffix=atomic.TMP_SUFFIX)

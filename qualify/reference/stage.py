@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from qualify import scratch
 from qualify.bounds import (
     bf16_quanta,
     bounds_document,
@@ -234,7 +235,10 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
             sealed directory left unsigned by a killed signer is signed and returned.
         ModelSourceError: the model manifest does not match.
         ContractError: the prompts cannot be resolved.
+        UsageError: ``$QUALIFY_SCRATCH_DIR`` names no writable directory
+            (:func:`qualify.scratch.check_setting`), before anything is written.
     """
+    scratch.check_setting()
     base = root / reference_dir_name(contract)
     if not new and store.is_sealed(base) and needs_signature(base):
         # sealed, then killed while signing (tests/test_kill_points.py, ref-sign): sign it
