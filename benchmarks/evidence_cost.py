@@ -14,11 +14,14 @@ Read only what the evidence records (nothing is run):
 
 Engine compute of a trainer cell is ``scoring_s + round1_s + round2_s + export_weights_s``
 (the engine's forward, backward and optimizer work and the weight export); its setup is
-``load_s + parallelize_s + initialize_s`` (model load and sharding in the engine). The
-cells of one launch variant (``result.json`` ``launch_variant``: a precision, options and a
-topology such as ``fp32-a2c1``) run their roles side by side on their own ranks, the
-variants one after another, so a launch's compute is the sum over variants of the slowest
-role's compute, and its fixed cost is its wall minus that. A sampler cell's compute is
+``load_s + parallelize_s + initialize_s`` (model load and sharding in the engine). A cell
+computes on its role's ranks of its topology (``result.json`` ``launch_variant``, such as
+``fp32-a2c1``: the Actor on ranks 0-1, the Critic on rank 2), and a rank runs its cells one
+after another, so a launch's compute is that of its busiest rank: the largest sum, over the
+ranks, of the compute of the cells each took part in. That never counts two cells that ran
+at the same time on different ranks twice: no barrier separates a launch's variants, and a
+faster role's ranks may begin the next variant while the slower role computes. Its fixed
+cost is its wall minus that. A sampler cell's compute is
 ``round2_sampling_s + round2_scoring_s``.
 
 Not recorded (so not derived): the interpreter start and import time of each rank, the
@@ -30,6 +33,7 @@ are timed only as a whole, and its last step, ``seal``, has no end time).
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -41,6 +45,7 @@ __all__ = ["launch_table", "stage_table"]
 _COMPUTE = ("scoring_s", "round1_s", "round2_s", "export_weights_s")
 _SETUP = ("load_s", "parallelize_s", "initialize_s")
 _SAMPLER_COMPUTE = ("round2_sampling_s", "round2_scoring_s")
+_TOPOLOGY = re.compile(r"a(\d+)c(\d+)$")
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -52,7 +57,7 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def _cells(run: Path) -> list[dict[str, Any]]:
-    """One record per COMPLETE cell: launch, wall, variant, role, compute and setup."""
+    """One record per COMPLETE cell: launch, wall, ranks, role, compute, setup and init."""
     out = []
     for cid, e in sorted(_read(run / "run.json").get("cells", {}).items()):
         if e.get("status") != "COMPLETE" or not e.get("attempt"):
@@ -64,48 +69,60 @@ def _cells(run: Path) -> list[dict[str, Any]]:
         compute = sum(float(t.get(k, 0.0)) for k in _SAMPLER_COMPUTE) if sampler \
             else sum(float(rt.get(k, 0.0)) for k in _COMPUTE)
         setup = float(t.get("engine_start_s", 0.0)) if sampler \
-            else sum(float(rt.get(k, 0.0)) for k in _SETUP) + float(t.get("init_s", 0.0))
-        out.append({"cell": cid, "launch": str(res.get("launch", cid)),
+            else sum(float(rt.get(k, 0.0)) for k in _SETUP)
+        launch = str(res.get("launch", cid))
+        out.append({"cell": cid, "launch": launch,
                     "wall_s": float(res.get("wall_s", float("nan"))),
                     "started": str(res.get("started") or ""),
-                    "variant": _variant(e, res),
-                    "role": str(e.get("role")), "sampler": sampler, "compute_s": compute,
-                    "setup_s": setup})
+                    "ranks": _ranks(str(e.get("role")), str(res.get("launch_variant") or launch)),
+                    "sampler": sampler, "compute_s": compute, "setup_s": setup,
+                    "init_s": float(t.get("init_s", 0.0))})
     return out
 
 
-def _variant(entry: dict[str, Any], result: dict[str, Any]) -> tuple[str, ...]:
-    """The launch variant a cell ran in: ``result.json`` ``launch_variant``.
+def _ranks(role: str, variant: str) -> tuple[str, ...]:
+    """The ranks a trainer cell computed on, from its topology; else its role.
 
-    A launch runs its variants one after another, each a precision, options and a
-    topology (``fp32-a2c1`` then ``fp32-a1c2``: :func:`harnesses.common.topology_runs`),
-    so two cells of one precision and options but another topology never run side by side.
-    Runs from before launches grouped topologies (commit 6db5e59, which also added
-    ``launch_variant``) had one topology per launch: their precision and options.
+    ``variant`` is ``result.json`` ``launch_variant`` (``fp32-a2c1``; since commit 6db5e59
+    one launch runs every topology of its world size) or, before, the launch's name
+    (``torch_tp-a1c2``): the Actor on ranks ``[0, actor_tp)``, the Critic after
+    (:func:`harnesses.common.rank_table`).
     """
-    if result.get("launch_variant"):
-        return (str(result["launch_variant"]),)
-    return (str(entry.get("precision")), json.dumps(entry.get("options") or {}, sort_keys=True))
+    m = _TOPOLOGY.search(variant)
+    if m is None or role not in ("actor", "critic"):
+        return (role,)
+    actor_tp, critic_tp = int(m.group(1)), int(m.group(2))
+    first, n = (0, actor_tp) if role == "actor" else (actor_tp, critic_tp)
+    return tuple(f"rank{r}" for r in range(first, first + n))
+
+
+def _busiest(cells: list[dict[str, Any]], key: str) -> float:
+    """The largest sum of ``key`` over the cells one rank ran (a rank runs them in turn)."""
+    per_rank: dict[str, float] = defaultdict(float)
+    for c in cells:
+        for r in c["ranks"]:
+            per_rank[r] += c[key]
+    return max(per_rank.values(), default=0.0)
 
 
 def launch_table(run: Path) -> pd.DataFrame:
     """Per launch: cells, wall, engine compute, fixed cost, fixed cost per cell.
 
+    A launch's engine compute is that of its busiest rank: the largest sum, over the ranks,
+    of the compute of the cells each rank took part in (the module docstring).
+
     Columns: ``launch``, ``kind`` (trainer / sampler), ``cells``, ``wall_s``,
     ``compute_s``, ``fixed_s`` (wall - compute), ``fixed_per_cell_s``, ``setup_s`` (the
-    cells' recorded model load and sharding, summed over variants of the slowest role),
-    ``wall_over_compute``.
+    busiest rank's recorded model load and sharding, plus the launch's process-group
+    ``init_s`` once), ``wall_over_compute``.
     """
     by_launch: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for c in _cells(run):
         by_launch[c["launch"]].append(c)
     rows = []
     for launch, cells in sorted(by_launch.items()):
-        variants: dict[Any, list[dict[str, Any]]] = defaultdict(list)
-        for c in cells:
-            variants[c["variant"]].append(c)
-        compute = sum(max(c["compute_s"] for c in v) for v in variants.values())
-        setup = sum(max(c["setup_s"] for c in v) for v in variants.values())
+        compute = _busiest(cells, "compute_s")
+        setup = _busiest(cells, "setup_s") + max(c["init_s"] for c in cells)
         wall = cells[0]["wall_s"]
         rows.append({"launch": launch, "kind": "sampler" if cells[0]["sampler"] else "trainer",
                      "started": cells[0]["started"],

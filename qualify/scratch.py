@@ -12,85 +12,72 @@ compute nodes) keeps those files in RAM, where they cost what they were meant to
    chose it);
 2. the temporary directory (``tempfile.gettempdir()``: ``$TMPDIR``, ``$TEMP``, ``$TMP``,
    then ``/tmp``) unless its file system keeps files in memory;
-3. ``/var/tmp`` (kept on disk by the Filesystem Hierarchy Standard, section 5.15) when it
-   is a writable directory whose file system does not;
-4. else the temporary directory still, with a one-line note on stderr.
+3. ``/var/tmp`` (kept on disk, and across reboots, by the Filesystem Hierarchy Standard,
+   section 5.15) when it is a writable directory whose file system does not;
+4. else the temporary directory still, with a one-line note on stderr (once per process).
 
-A file system's type is read from ``/proc/self/mountinfo`` (proc(5)): the mount whose mount
-point is the longest prefix of the resolved path, the last such mount when several share it
-(a later mount hides an earlier one). Without that file (not Linux) nothing is in memory.
+A file system's type is the ``f_type`` that ``statfs(2)`` reports for the path itself, so
+symbolic links, bind mounts and mounts stacked over others give the file system that really
+holds it. An ``overlay`` (a container's root) counts as on disk whatever its upper layer
+lies on: set ``QUALIFY_SCRATCH_DIR`` there. Off Linux nothing counts as in memory.
 
 This module imports neither torch nor any engine.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+import struct
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Final
 
 from qualify.errors import UsageError
 
-__all__ = ["IN_MEMORY_TYPES", "SCRATCH_ENV", "check_setting", "filesystem_type", "scratch_root"]
+__all__ = ["IN_MEMORY_MAGIC", "SCRATCH_ENV", "check_setting", "filesystem_magic",
+           "scratch_root"]
 
 SCRATCH_ENV: Final = "QUALIFY_SCRATCH_DIR"
 """The directory for large temporaries, overriding the choice of :func:`scratch_root`."""
-IN_MEMORY_TYPES: Final = frozenset({"tmpfs", "ramfs"})
-"""File system types whose files live in memory (``mount(8)``)."""
-MOUNTINFO: Final = Path("/proc/self/mountinfo")
+IN_MEMORY_MAGIC: Final = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+"""``statfs(2)`` ``f_type`` values of the file systems whose files live in memory
+(``TMPFS_MAGIC``, ``RAMFS_MAGIC`` of ``linux/magic.h``)."""
 _FALLBACK: Final = Path("/var/tmp")
+_STATFS_BYTES: Final = 512
+"""More than ``sizeof(struct statfs)`` on every Linux ABI (120 bytes on x86-64)."""
 
 
-def _unescape(field: str) -> str:
-    """A mountinfo path field decoded: a backslash and 3 octal digits are one character."""
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and i + 3 < len(field) and field[i + 1:i + 4].isdigit():
-            out.append(chr(int(field[i + 1:i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
+def filesystem_magic(path: Path) -> int | None:
+    """The ``f_type`` of the file system holding ``path`` (``statfs(2)``).
 
-
-def filesystem_type(path: Path, mountinfo: str) -> str | None:
-    """The type of the file system that holds ``path``, from a mountinfo text.
-
-    Args:
-        path: an absolute path (resolved by the caller: symbolic links followed).
-        mountinfo: ``/proc/self/mountinfo``'s text (proc(5)): per line, the mount point is
-            the 5th field, the type the first field after the `` - `` separator.
+    ``f_type`` is the struct's first field, a C ``long`` (``__fsword_t``) on glibc's
+    64-bit and 32-bit Linux ABIs alike.
 
     Returns:
-        The type (``ext4``, ``tmpfs``...), or ``None`` when no line's mount point holds
-        ``path`` or the text has no well-formed line.
+        The magic number (``0x01021994`` for tmpfs), or ``None`` off Linux, without a C
+        library ``statfs`` or when the call fails (a missing path).
     """
-    best: tuple[int, str] | None = None
-    target = str(path)
-    for line in mountinfo.splitlines():
-        head, sep, tail = line.partition(" - ")
-        fields = head.split()
-        if not sep or len(fields) < 5 or not tail.split():
-            continue
-        point = _unescape(fields[4])
-        inside = target == point or target.startswith(point.rstrip("/") + "/")
-        if inside and (best is None or len(point) >= best[0]):
-            best = (len(point), tail.split()[0])
-    return None if best is None else best[1]
+    if not sys.platform.startswith("linux"):
+        return None
+    statfs = _statfs()
+    if statfs is None:
+        return None
+    buf = ctypes.create_string_buffer(_STATFS_BYTES)
+    if statfs(os.fsencode(path), buf) != 0:
+        return None
+    return int(struct.unpack_from("l", buf.raw, 0)[0]) & 0xFFFFFFFF
 
 
-def _in_memory(path: Path, mountinfo: str | None) -> bool:
-    if mountinfo is None:
-        return False
-    return filesystem_type(path.resolve(), mountinfo) in IN_MEMORY_TYPES
-
-
-def _writable_dir(path: Path) -> bool:
-    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+@functools.cache
+def _statfs() -> Callable[[bytes, ctypes.Array[ctypes.c_char]], int] | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).statfs
+    except (OSError, AttributeError):
+        return None
 
 
 def check_setting(env: Mapping[str, str] | None = None) -> Path | None:
@@ -100,28 +87,43 @@ def check_setting(env: Mapping[str, str] | None = None) -> Path | None:
         env: the environment (default ``os.environ``).
 
     Returns:
-        The directory it names, or ``None`` when it is unset or empty.
+        The directory it names, made absolute (``~`` expanded), or ``None`` when it is
+        unset or empty.
 
     Raises:
-        UsageError: it is set but not an existing, writable directory.
+        UsageError: it is set but not an existing, writable directory (one line: the
+            value is quoted).
     """
     chosen = (os.environ if env is None else env).get(SCRATCH_ENV, "")
     if not chosen:
         return None
-    path = Path(chosen)
+    path = Path(chosen).expanduser().absolute()
     if not _writable_dir(path):
-        raise UsageError(f"{SCRATCH_ENV}={chosen}: not an existing, writable directory")
+        raise UsageError(f"{SCRATCH_ENV}={chosen!r}: not an existing, writable directory")
     return path
 
 
+def _writable_dir(path: Path) -> bool:
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+
+
+def _in_memory(path: Path, magic: Callable[[Path], int | None]) -> bool:
+    return magic(path) in IN_MEMORY_MAGIC
+
+
+@functools.cache
+def _note(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def scratch_root(env: Mapping[str, str] | None = None, *,
-                 mountinfo: str | None = None, fallback: Path = _FALLBACK) -> Path:
+                 magic: Callable[[Path], int | None] = filesystem_magic,
+                 fallback: Path = _FALLBACK) -> Path:
     """The directory for the stage's large temporaries (the module docstring's order).
 
     Args:
         env: the environment (default ``os.environ``).
-        mountinfo: a mountinfo text (default: ``/proc/self/mountinfo`` read now; none off
-            Linux).
+        magic: the file-system type of a path (default :func:`filesystem_magic`).
         fallback: the on-disk directory tried when the temporary directory is in memory.
 
     Returns:
@@ -133,17 +135,11 @@ def scratch_root(env: Mapping[str, str] | None = None, *,
     chosen = check_setting(env)
     if chosen is not None:
         return chosen
-    if mountinfo is None:
-        try:
-            mountinfo = MOUNTINFO.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            mountinfo = None
     temp = Path(tempfile.gettempdir())
-    if not _in_memory(temp, mountinfo):
+    if not _in_memory(temp, magic):
         return temp
-    if _writable_dir(fallback) and not _in_memory(fallback, mountinfo):
+    if _writable_dir(fallback) and not _in_memory(fallback, magic):
         return fallback
-    print(f"qualify: {temp} keeps files in memory and {fallback} is no on-disk alternative; "
-          f"large temporaries go to {temp} (set {SCRATCH_ENV} to a directory on disk)",
-          file=sys.stderr, flush=True)
+    _note(f"qualify: {temp} keeps files in memory and {fallback} is no on-disk alternative; "
+          f"large temporaries go to {temp} (set {SCRATCH_ENV} to a directory on disk)")
     return temp

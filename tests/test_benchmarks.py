@@ -125,39 +125,54 @@ def test_streamed_max_rel_l2_matches_in_memory(tmp_path: Path) -> None:
                       {"p": t["b"]}).value == float("inf")
 
 
-def _cell_files(run: Path, cell: str, *, variant: str | None, compute: float) -> dict[str, Any]:
-    """One COMPLETE trainer cell of launch ``L`` (wall 10 s): its ``result.json`` and
-    ``outputs.json``, compute ``compute`` seconds in ``round1_s``."""
-    adir = run / "cells" / cell / "attempt-1"
+def _cell(run: Path, cid: str, *, launch: str, variant: str | None,
+          compute: float) -> dict[str, Any]:
+    """One COMPLETE trainer cell ``<precision>-<role>-tp<n>`` of ``launch`` (wall 10 s): its
+    ``result.json`` and ``outputs.json`` (``round1_s`` = ``compute``, ``load_s`` 0.25,
+    the launch's ``init_s`` 0.5); its ``run.json`` entry is returned."""
+    adir = run / "cells" / cid / "attempt-1"
     adir.mkdir(parents=True)
-    result: dict[str, Any] = {"launch": "L", "wall_s": 10.0,
+    result: dict[str, Any] = {"launch": launch, "wall_s": 10.0,
                               "started": "2026-12-05T00:00:00.000000Z"}
     if variant is not None:
         result["launch_variant"] = variant
     (adir / "result.json").write_text(json.dumps(result))
-    (adir / "outputs.json").write_text(json.dumps({"role_timings": {"round1_s": compute}}))
-    return {"status": "COMPLETE", "attempt": f"cells/{cell}/attempt-1", "precision": "fp32",
-            "options": {}, "role": cell.split("-")[1]}
+    (adir / "outputs.json").write_text(json.dumps({
+        "role_timings": {"round1_s": compute, "load_s": 0.25}, "timings": {"init_s": 0.5}}))
+    precision, role, _ = cid.split("-")
+    return {"status": "COMPLETE", "attempt": f"cells/{cid}/attempt-1", "precision": precision,
+            "options": {}, "role": role}
 
 
-def test_a_launchs_compute_sums_its_variants_topologies(tmp_path: Path) -> None:
-    """A launch of world size 3 runs ``fp32-a2c1`` (actor TP 2 beside critic TP 1), then
-    ``fp32-a1c2``: its compute is the slowest role of each, summed (3 + 4 s), not the
-    slowest of the four cells (4 s), which the precision and options alone would give;
-    a run from before ``launch_variant`` was recorded keeps that older grouping."""
-    for variant, want in (("rec", 7.0), (None, 4.0)):
-        run = tmp_path / str(variant)
-        cells = {
-            "fp32-actor-tp2": _cell_files(run, "fp32-actor-tp2", compute=3.0,
-                                          variant=variant and "fp32-a2c1"),
-            "fp32-critic-tp1": _cell_files(run, "fp32-critic-tp1", compute=1.0,
-                                           variant=variant and "fp32-a2c1"),
-            "fp32-actor-tp1": _cell_files(run, "fp32-actor-tp1", compute=2.0,
-                                          variant=variant and "fp32-a1c2"),
-            "fp32-critic-tp2": _cell_files(run, "fp32-critic-tp2", compute=4.0,
-                                           variant=variant and "fp32-a1c2")}
-        (run / "run.json").write_text(json.dumps({"cells": cells}))
-        row = evidence_cost.launch_table(run).iloc[0]
-        assert row["cells"] == 4
-        assert row["compute_s"] == pytest.approx(want)
-        assert row["fixed_s"] == pytest.approx(10.0 - want)
+@pytest.mark.parametrize(("case", "want"), [("topologies", 7.0), ("alternating", 6.0),
+                                            ("before-variants", 6.0)])
+def test_a_launchs_compute_is_its_busiest_ranks(tmp_path: Path, case: str,
+                                                want: float) -> None:
+    """World size 3: the Actor on ranks ``[0, actor_tp)``, the Critic after.
+
+    - ``topologies``: ``fp32-a2c1`` (Actor 3 s on ranks 0-1, Critic 1 s on rank 2), then
+      ``fp32-a1c2`` (Actor 2 s on rank 0, Critic 4 s on ranks 1-2): rank 1 computes
+      3 + 4 s. Grouping by precision alone counted 4 s (the slowest of the four cells).
+    - ``alternating``: two variants of one topology, the slowest role alternating: the
+      ranks compute 4, 4 and 6 s, and nothing says the Critic's 5 s did not run beside the
+      Actor's 3 s, so 6 s, not 3 + 5.
+    - ``before-variants``: the same cells without ``launch_variant`` (runs before commit
+      6db5e59): the topology is the launch name's.
+
+    The setup is the busiest rank's model load plus the launch's ``init_s`` once."""
+    if case == "topologies":
+        plan = [("fp32-actor-tp2", "fp32-a2c1", 3.0), ("fp32-critic-tp1", "fp32-a2c1", 1.0),
+                ("fp32-actor-tp1", "fp32-a1c2", 2.0), ("fp32-critic-tp2", "fp32-a1c2", 4.0)]
+    else:
+        plan = [("fp32-actor-tp2", "fp32-a2c1", 3.0), ("fp32-critic-tp1", "fp32-a2c1", 1.0),
+                ("bf16-actor-tp2", "bf16-a2c1", 1.0), ("bf16-critic-tp1", "bf16-a2c1", 5.0)]
+    launch = "L-a2c1" if case == "before-variants" else "L-a2c1-a1c2"
+    cells = {cid: _cell(tmp_path, cid, launch=launch, compute=c,
+                        variant=None if case == "before-variants" else v)
+             for cid, v, c in plan}
+    (tmp_path / "run.json").write_text(json.dumps({"cells": cells}))
+    row = evidence_cost.launch_table(tmp_path).iloc[0]
+    assert row["cells"] == 4
+    assert row["compute_s"] == pytest.approx(want)
+    assert row["fixed_s"] == pytest.approx(10.0 - want)
+    assert row["setup_s"] == pytest.approx(0.5 + 0.25 * 2)  # two cells on every rank

@@ -267,8 +267,12 @@ for sl, mb in rows.micro_batches(2):
 param_mb = sum(p.numel() * p.element_size() for p in model.parameters()) // (1 << 20)
 release_free_memory()
 before = status("VmRSS")
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # resets VmHWM to the current RSS (proc(5), Linux >= 4.0)
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS (proc(5), Linux >= 4.0)
+except OSError:  # a sandbox that refuses it (gVisor)
+    print("no-clear-refs")
+    raise SystemExit(0)
 s.grad_norm(1, model, rows, 2, lambda m, mb: m(mb).sum(-1))
 assert s.rounds["round1"]["grad_norm"]["values"] > 0
 print(param_mb, before, status("VmHWM"))
@@ -285,6 +289,8 @@ def test_grad_norm_holds_one_copy_of_the_parameters_at_its_peak() -> None:
     proc = subprocess.run([sys.executable, "-c", _GRAD_NORM_PEAK], check=False,
                           capture_output=True, text=True, cwd=repo_root(), timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    if proc.stdout.strip() == "no-clear-refs":
+        pytest.skip("/proc/self/clear_refs refused here: the peak cannot be reset")
     param_mb, before, peak = (int(x) for x in proc.stdout.split())
     assert param_mb == 128
     assert peak - before < 1.5 * param_mb, (before, peak)

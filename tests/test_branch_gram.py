@@ -19,7 +19,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForTokenClassification
+from transformers import (
+    PreTrainedModel,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3ForTokenClassification,
+)
 
 from qualify import branches
 from qualify.contract import Contract, load_contract
@@ -346,7 +351,9 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Any:
     ``qualify-manifest.json``): the module's actor and critic, saved."""
     root = tmp_path_factory.mktemp("bundle")
     for role in ("actor", "critic"):
-        _model(role).save_pretrained(root / role)
+        model = _model(role)
+        assert isinstance(model, PreTrainedModel)
+        model.save_pretrained(root / role)
         write_dir_manifest(root / role)
     return SimpleNamespace(actor_dir=root / "actor", critic_dir=root / "critic")
 
@@ -408,7 +415,7 @@ def test_the_rerun_takes_each_way_to_the_same_gram(contract: Contract, batch: Ba
         assert tensors.keys() == exact_t.keys()
         assert all(torch.equal(tensors[k], exact_t[k]) for k in exact_t), way
         assert rd["tokens"] == exact_rd["tokens"], way
-        for a in norm:
-            for b in norm:
+        for a, norm_a in norm.items():
+            for b, norm_b in norm.items():
                 assert abs(rd["gram"][a][b] - exact_rd["gram"][a][b]) \
-                    <= 1e-5 * norm[a] * norm[b], (way, a, b)
+                    <= 1e-5 * norm_a * norm_b, (way, a, b)

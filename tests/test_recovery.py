@@ -245,8 +245,8 @@ def test_a_recycled_pid_is_not_the_writer_and_an_unknown_writer_is_kept(tmp_path
 def test_recursive_removal_takes_a_dead_writers_directory_whole(tmp_path: Path) -> None:
     """``recursive=True`` (:func:`qualify.evidence.store` claims a directory so): a dead
     writer's temporary directory at any depth goes whole, its own temporary-named contents
-    included, and the walk does not go into it; a live writer's directory, and what is
-    inside it, stay, while a dead file temporary inside it goes."""
+    included (reported once, as the directory); a live writer's directory stays, while a
+    dead writer's file inside it goes."""
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           check=True, capture_output=True, text=True).stdout.strip()
     host = atomic.host_tag()
