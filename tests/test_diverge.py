@@ -221,11 +221,14 @@ def test_a_planted_layer_fault_is_named(contract: Contract, reference: Path, tmp
 
 
 def test_without_the_fault_nothing_diverges(contract: Contract, reference: Path,
-                                            tmp_path: Path,
+                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Given as relative paths (the help's ``evidence/<contract>/<run-id>``), the run and
+    ``--out`` are this directory's, though the launch runs in another."""
     run = _run(contract, reference, tmp_path / "evidence", ())
     out = tmp_path / "diverge"
-    rc = main(["diverge", str(run), CELL, "--out", str(out)])
+    monkeypatch.chdir(tmp_path)
+    rc = main(["diverge", str(run.relative_to(tmp_path)), CELL, "--out", "diverge"])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     doc = json.loads((out / "diverge.json").read_text(encoding="utf-8"))

@@ -165,7 +165,7 @@ def diverge(run_dir: Path, cell_id: str, *, out: Path | None = None, round_: int
     from qualify.registry import get_engine
 
     t_all = time.perf_counter()
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir).absolute()  # the launch runs in another working directory
     cell, faults = resolve_cell(run_dir, cell_id)
     inputs_dir = run_dir / "inputs"
     try:
@@ -177,7 +177,7 @@ def diverge(run_dir: Path, cell_id: str, *, out: Path | None = None, round_: int
     r = round_ if round_ is not None else (cause_round or 1)
     if not 1 <= r <= rounds:
         raise UsageError(f"--round {r}: the contract runs rounds 1..{rounds}")
-    out = Path(out) if out is not None else diverge_root(run_dir) / cell_id
+    out = (Path(out) if out is not None else diverge_root(run_dir) / cell_id).absolute()
     if out.resolve().is_relative_to(run_dir.resolve()):
         raise UsageError(f"--out {out}: inside the sealed run directory; choose a path "
                          f"outside it")

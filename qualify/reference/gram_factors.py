@@ -21,8 +21,8 @@ the saving to hold: :func:`qualify.scratch.scratch_root` avoids a tmpfs; named a
 write's temporary, so the next stage removes one a killed process left,
 :func:`spill_directory`) and keeps in memory the inputs (once per forward), the uncovered
 parameters' whole ``J_t`` (the RMSNorm vectors) and, while the Gram runs, one parameter's
-factors and one block. An Embedding's
-padding row gets no gradient (autograd skips ``padding_idx``), and the rebuild skips it too.
+factors and one block. An Embedding's padding row gets no gradient (autograd skips
+``padding_idx``), and the rebuild skips it too.
 Time: the Gram's ``N^2 P`` products in one matrix product per block, against one forward
 with tangents per token (about ``3 P`` products per position) for the forward-mode rows. (A
 linear layer's gradient as a sum of per-position outer products is what per-example
