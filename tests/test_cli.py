@@ -12,7 +12,7 @@ import pytest
 
 from qualify.cli.main import build_parser
 from qualify.errors import ExitCode
-from qualify.resources import contracts_dir
+from qualify.resources import contracts_dir, repo_root
 
 # Changing the CLI is a user-visible change: update this table on purpose.
 EXPECTED = {
@@ -123,9 +123,12 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     assert "Traceback" in proc.stderr
 
 
-def test_a_closed_stdout_pipe_is_a_quiet_exit_141_not_a_traceback() -> None:
-    """``qualify validate | head -0``: the reader is gone before qualify writes a byte."""
-    with subprocess.Popen([sys.executable, "-m", "qualify", "validate"],
+@pytest.mark.parametrize("argv", [
+    ["validate"], ["gate", "evidence", "--contract", "contracts/tiny-qwen3.toml"]])
+def test_a_closed_stdout_pipe_is_a_quiet_exit_141_not_a_traceback(argv: list[str]) -> None:
+    """``qualify validate | head -0``: the reader is gone before qualify writes a byte.
+    ``gate`` prints through rich, whose own handler exits 1 (a failing verdict's code)."""
+    with subprocess.Popen([sys.executable, "-m", "qualify", *argv], cwd=repo_root(),
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
         assert proc.stdout is not None
         assert proc.stderr is not None

@@ -12,6 +12,7 @@ statistic) and margin (error / sealed bound, dimensionless; > 1 fails), and wher
 
 from __future__ import annotations
 
+import errno
 import shutil
 import sys
 from collections.abc import Sequence
@@ -39,12 +40,29 @@ WIDTH_NOT_A_TTY = 160
 """Columns of the tables when stdout is not a terminal (CI logs)."""
 
 
+class _Console(Console):
+    """rich's console, but a reader that went away raises :class:`BrokenPipeError`.
+
+    rich's own :meth:`~rich.console.Console.on_broken_pipe` exits 1, a failing verdict's
+    code (``qualify gate ... | head -1`` exited 1 after printing PASS); the error goes on to
+    :func:`qualify.cli.main.main`, which exits 141 as a writer killed by SIGPIPE.
+    """
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, "the reader of stdout went away")
+
+
 def console(file: TextIO | None = None) -> Console:
-    """A console on ``file`` (default: the current ``sys.stdout``), wide in a CI log."""
+    """A console on ``file`` (default: the current ``sys.stdout``), wide in a CI log.
+
+    Raises (when printing):
+        BrokenPipeError: the reader of ``file`` went away (``| head``).
+    """
     out = file if file is not None else sys.stdout
     tty = hasattr(out, "isatty") and out.isatty()
     width = shutil.get_terminal_size((WIDTH_NOT_A_TTY, 24)).columns if tty else WIDTH_NOT_A_TTY
-    return Console(file=out, width=width, highlight=False, soft_wrap=False)
+    return _Console(file=out, width=width, highlight=False, soft_wrap=False)
 
 
 def engine_table(cells: Sequence[CellOutcome], *, title: str = "cells by engine") -> Table:
