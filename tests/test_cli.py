@@ -117,6 +117,28 @@ def test_missing_reference_dir_and_bad_usage(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(("argv", "text"), [
+    (["verify", "RUN", "--contract", "T/nope.toml"], "T/nope.toml: contract file not found"),
+    (["verify", "RUN", "--contract", "T/bad.toml"], "'name' is a required property"),
+    (["verify", "RUN", "--keys", "T/nokeys"],
+     "T/nokeys: trusted-keys directory: no such file or directory"),
+    (["verify", "RUN", "--reference", "T/noref"], "T/noref: --reference: no such file"),
+    (["verify", "RUN", "--contracts-dir", "T/nodir"], "T/nodir: --contracts-dir: no such"),
+    (["sign", "T/nope-dir"], "T/nope-dir: evidence directory: no such file or directory"),
+    (["sign", "RUN", "--keys", "T/nokeys"], "T/nokeys: trusted-keys directory: no such"),
+    (["gate", "RUN", "--contract", "contracts/tiny-qwen3.toml", "--keys", "T/nokeys"],
+     "T/nokeys: trusted-keys directory: no such")])
+def test_bad_options_of_the_evidence_commands_are_usage_errors(argv: list[str], text: str,
+                                                               tmp_path: Path) -> None:
+    """A missing or malformed file the user named is exit 2 in one line (found by a new
+    user: these exited 3, an integrity error, or signed first and complained after)."""
+    (tmp_path / "bad.toml").write_text('schema_version = "x"\n')
+    run = sorted((repo_root() / "evidence" / "tiny-qwen3").glob("*T*Z"))[-1]
+    argv = [str(run) if a == "RUN" else a.replace("T/", f"{tmp_path}/") for a in argv]
+    proc = _qualify(*argv, cwd=repo_root())
+    _one_line_error(proc, ExitCode.USAGE_ERROR, text.replace("T/", f"{tmp_path}/"))
+
+
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     proc = _qualify("--debug", "validate", str(tmp_path / "nope.toml"))
     assert proc.returncode == ExitCode.USAGE_ERROR

@@ -36,10 +36,14 @@ def _cmd_sign(args: argparse.Namespace) -> ExitCode:
     from qualify.evidence.keys import default_signing_key, load_signing_key, trusted_keys
     from qualify.evidence.sign import sign_directory
 
+    directory = _existing_dir(args.dir, "evidence directory")  # before the key's notice
+    if args.reference is not None:
+        _existing_dir(args.reference, "--reference")
+    trusted = trusted_keys(args.keys)  # a bad --keys: refused before anything is signed
     key = load_signing_key(args.key) if args.key else default_signing_key()
-    path = sign_directory(Path(args.dir), key, reference_dir=args.reference)
+    path = sign_directory(directory, key, reference_dir=args.reference)
     print(f"{path}: signed by keyid {key.keyid} ({key.source})")
-    if key.keyid not in trusted_keys(args.keys):
+    if key.keyid not in trusted:
         print(f"note: keyid {key.keyid[:16]} is not a trusted key in "
               f"{args.keys or 'contracts/keys'}; verify and gate will reject it",
               file=sys.stderr)
@@ -73,11 +77,18 @@ def _output_file(value: str | None, option: str) -> str | None:
 
 
 def _cmd_verify(args: argparse.Namespace) -> ExitCode:
+    from qualify.contract import load_contract
     from qualify.evidence import store
     from qualify.evidence.verify import verify
 
     _existing_dir(args.path, "evidence directory")
     _output_file(args.json, "--json")
+    if args.contract is not None:  # a missing or malformed contract is the user's input
+        load_contract(args.contract)
+    if args.reference is not None:
+        _existing_dir(args.reference, "--reference")
+    if args.contracts_dir is not None:
+        _existing_dir(args.contracts_dir, "--contracts-dir")
     result = verify(Path(args.path), trusted_keys_dir=args.keys, contract=args.contract,
                     contracts_dir=args.contracts_dir, reference_dir=args.reference)
     print("\n".join(result.summary_lines()))

@@ -290,17 +290,22 @@ def trusted_keys(directory: str | Path | None = None) -> dict[str, Ed25519Public
     """The trusted public keys: every ``*.pub`` in ``directory`` (default ``contracts/keys``).
 
     Args:
-        directory: the trusted-keys directory; missing means no trusted key.
+        directory: the trusted-keys directory a user named (``--keys``): it must exist.
+            ``None``: ``contracts/keys``, whose absence means no trusted key.
 
     Returns:
-        keyid -> public key (empty if the directory is missing or holds no ``*.pub``).
+        keyid -> public key (empty if the default directory is missing, or a directory
+        holds no ``*.pub``).
 
     Raises:
-        UsageError: a ``*.pub`` file is not a valid, correctly labelled Ed25519 key.
+        UsageError: a named directory is missing or not a directory; a ``*.pub`` file is not
+            a valid, correctly labelled Ed25519 key.
     """
     d = Path(directory) if directory is not None else default_keys_dir()
     out: dict[str, Ed25519PublicKey] = {}
-    if directory is not None and os.path.lexists(d) and not d.is_dir():
+    if directory is not None and not os.path.lexists(d):
+        raise UsageError(f"{d}: trusted-keys directory: no such file or directory")
+    if directory is not None and not d.is_dir():
         raise UsageError(f"{d}: trusted-keys directory: not a directory")
     if not d.is_dir():
         return out
