@@ -411,6 +411,13 @@ class Contract:
         if "bf16_mode" in self.bounds.controls_tp_vs_tp1:
             raise ContractError("bounds.controls.tp_vs_tp1: 'bf16_mode' is not a same-precision "
                                 "repeat control")
+        vocab = self.model.config.get("vocab_size", self.model.manifest_config.get("vocab_size"))
+        if self.prompts.token_ids is not None and isinstance(vocab, int):
+            # known before any model is built: refused by validate, before a stage writes
+            for i, row in enumerate(self.prompts.token_ids):
+                if bad := [t for t in row if t >= vocab]:
+                    raise ContractError(f"prompts.token_ids[{i}]: ids {bad} >= "
+                                        f"model vocab_size {vocab}")
 
     @property
     def digest(self) -> str:

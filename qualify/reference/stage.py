@@ -111,10 +111,12 @@ def resolve_prompts(contract: Contract, bundle: models.ModelBundle) -> list[list
     from transformers import AutoConfig
 
     vocab = int(AutoConfig.from_pretrained(bundle.actor_dir).vocab_size)
+    where = f"{contract.path}: " if contract.path else ""
     for i, row in enumerate(ids):
         bad = [t for t in row if t >= vocab]
         if bad:
-            raise ContractError(f"prompts.token_ids[{i}]: ids {bad} >= vocab_size {vocab}")
+            raise ContractError(f"{where}prompts.token_ids[{i}]: ids {bad} >= vocab_size "
+                                f"{vocab}")
     return ids
 
 
