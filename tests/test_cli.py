@@ -175,3 +175,15 @@ def test_a_broken_pipe_that_is_not_stdout_is_an_internal_error(
     err = capsys.readouterr().err
     assert "BrokenPipeError (not stdout)" in err
     assert "Traceback" in err
+
+
+def test_validate_lists_every_cell_the_run_has(capsys: pytest.CaptureFixture[str]) -> None:
+    """The trainer matrix and the sampler cells: the 42 cells of the default run (a new
+    user counted 40 and looked for the two vLLM cells)."""
+    from qualify.cli.main import main
+
+    assert main(["validate"]) == ExitCode.OK
+    cells = [ln.split()[1] for ln in capsys.readouterr().out.splitlines()
+             if ln.startswith("  cell ")]
+    assert len(cells) == 42
+    assert cells[-2:] == ["vllm-fp32-sampler-tp1", "vllm-fp32-sampler-tp2"]

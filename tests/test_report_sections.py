@@ -33,7 +33,7 @@ def test_todays_report_holds_every_section(failing: tuple[World, Report]) -> Non
     doc = report.to_dict()
     assert sections_of(doc) == (OPTIONAL_SECTIONS, True)
     assert OPTIONAL_SECTIONS == ("coverage", "power", "root_causes", "behavior_weights",
-                                 "clip_band", "lr_schedule")
+                                 "clip_band", "lr_schedule", "gate_note")
     assert doc["sections"] == list(OPTIONAL_SECTIONS)
     assert all("power" in r for r in doc["rows"])
 
@@ -84,6 +84,27 @@ def test_a_report_sealed_before_lr_schedules_renders_as_then(
     assert "clip_coef -> lr -> exp_avg / exp_avg_sq -> updates" in md_new
     assert "## Learning-rate schedule" in md_new
     assert report.to_dict()["lr_schedule"]["rule"].startswith("lr: |lr_obtained - lr_sealed|")
+
+
+def test_a_failed_report_says_the_gate_policy_comes_after(
+        failing: tuple[World, Report]) -> None:  # noqa: F811
+    """Today's failed ``report.md`` says its verdict precedes the contract's gate policy
+    (a new user read "Result: FAILED" where ``qualify run`` had exited 0); one sealed
+    before ``gate_note`` renders as then, byte for byte, without it."""
+    _, report = failing
+    assert not report.passed
+    md = render_markdown(report)
+    start = md.index("\n\nThis is the comparator's own verdict, before any gate policy")
+    end = md.index("\n\n", start + 2)
+    note = md[start:end]
+    assert start < md.index("| item ")  # under the result, above the table
+    assert "`qualify gate RUN_DIR --contract CONTRACT`" in note
+    then = dataclasses.replace(report, sections=tuple(s for s in report.sections
+                                                      if s != "gate_note"))
+    md_then = render_markdown(then)
+    assert "gate policy" not in md_then
+    assert md_then == md[:start] + md[end:]
+    assert "gate_note" not in then.to_dict()["sections"]
 
 
 def test_an_unknown_section_is_refused(failing: tuple[World, Report]) -> None:  # noqa: F811

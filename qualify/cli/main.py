@@ -34,6 +34,9 @@ def _cmd_validate(args: argparse.Namespace) -> ExitCode:
     print(f"{c.path}: valid contract {c.name!r}, digest {c.digest}")
     for cell in c.matrix.cells():
         print(f"  cell {cell.cell_id}")
+    if c.sampler is not None:
+        for cell_id in c.sampler.cell_ids():
+            print(f"  cell {cell_id} (sampler: {c.sampler.weights_from}'s round-1 weights)")
     return ExitCode.OK
 
 

@@ -4,9 +4,11 @@
   ``contracts/schema/report.schema.json`` before anything is written. Non-finite numbers
   (an infinite error or margin) are written as the strings ``"inf"`` / ``"-inf"`` /
   ``"nan"`` because JSON has no such numbers.
-- ``report.md``: the result and digests; the root cause of each failing cell, one line
-  per cell (:mod:`qualify.compare.rootcause`); a matrix of cells x metric families (pandas
-  ``DataFrame.to_markdown``, tabulate; trainer and sampler cells apart), each entry the
+- ``report.md``: the result (a failed one says that the contract's gate policy, applied
+  after it, decides ``qualify run``'s exit code) and digests; the root cause of each
+  failing cell, one line per cell (:mod:`qualify.compare.rootcause`); a matrix of cells x
+  metric families (pandas ``DataFrame.to_markdown``, tabulate; trainer and sampler cells
+  apart), each entry the
   worst verdict of that family's rows and its worst margin; the per-cell summary; a
   pytest-approx-style detail block for each failure (by cell, causally ordered within a
   cell); the errors and checks not run; the
@@ -331,6 +333,11 @@ def render_markdown(report: Report) -> str:
     if not report.passed:
         why = ", ".join(f"`{c}`" for c in report.not_passed) or "no required cell ran"
         lines[-1] += f" (required cells not passing: {why})"
+    if not report.passed and "gate_note" in report.sections:
+        lines += ["", "This is the comparator's own verdict, before any gate policy: "
+                  "`qualify gate RUN_DIR --contract CONTRACT` applies the contract's policy "
+                  "(`contracts/gates/<contract>.toml`), where a failure it lists as expected "
+                  "is XFAIL, never PASS, and decides the exit code of `qualify run`."]
     lines += ["", _markdown_table(("item", "value"), [
         ("contract", f"{report.contract} (sha256 {report.contract_digest})"),
         ("reference", f"{report.reference_dir}"),
