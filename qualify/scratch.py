@@ -104,7 +104,18 @@ def check_setting(env: Mapping[str, str] | None = None) -> Path | None:
 
 
 def _writable_dir(path: Path) -> bool:
-    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+    """Whether ``path`` is a directory a file can be created in.
+
+    Tried, not asked: ``os.access`` says yes to root everywhere (``/sys/kernel``, a
+    read-only mount).
+    """
+    if not path.is_dir():
+        return False
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            return True
+    except OSError:
+        return False
 
 
 def _in_memory(path: Path, magic: Callable[[Path], int | None]) -> bool:

@@ -127,7 +127,8 @@ def test_missing_reference_dir_and_bad_usage(tmp_path: Path) -> None:
     (["sign", "T/nope-dir"], "T/nope-dir: evidence directory: no such file or directory"),
     (["sign", "RUN", "--keys", "T/nokeys"], "T/nokeys: trusted-keys directory: no such"),
     (["gate", "RUN", "--contract", "contracts/tiny-qwen3.toml", "--keys", "T/nokeys"],
-     "T/nokeys: trusted-keys directory: no such")])
+     "T/nokeys: trusted-keys directory: no such"),
+    (["report", "T/nope-dir"], "T/nope-dir: run directory: no such directory")])
 def test_bad_options_of_the_evidence_commands_are_usage_errors(argv: list[str], text: str,
                                                                tmp_path: Path) -> None:
     """A missing or malformed file the user named is exit 2 in one line (found by a new

@@ -27,6 +27,8 @@ def _cmd_report(args: argparse.Namespace) -> ExitCode:
     from qualify.layout import REPORT_JSON
 
     run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise UsageError(f"{run_dir}: run directory: no such directory")
     if not (run_dir / REPORT_JSON).is_file():
         raise UsageError(f"{run_dir}: no {REPORT_JSON}; compare the run first "
                          "(qualify compare RUN_DIR)")

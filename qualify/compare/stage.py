@@ -512,7 +512,8 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
     run = _read_run(run_dir)
     if write and (store.is_sealed(run_dir) or store.sealed_ancestor(run_dir / REPORT_JSON)):
         raise EvidenceIntegrityError(f"{run_dir}: run is sealed; a sealed directory is never "
-                                     "written again (compare with write=False)")
+                                     "written again (qualify verify RUN_DIR recomputes its "
+                                     "report)")
     # 2. the reference
     ref_dir = resolve_reference(run_dir, run, reference_dir)
     manifest_digest = _check_reference(ref_dir, run, run_file)
