@@ -20,7 +20,7 @@ from typing import Any, Literal
 from qualify import registry, schedule
 from qualify.errors import ContractError, HarnessError
 from qualify.matrix import CellSpec, MatrixSpec, Precision, ResumeSpec, Role, SamplerSpec, Topology
-from qualify.prompts import read_prompts_file
+from qualify.prompts import check_token_ids, read_prompts_file
 from qualify.protocol import DEFAULT_SAMPLING, ParamSampling
 from qualify.schema import first_error
 
@@ -50,19 +50,9 @@ __all__ = [
     "sha256_hex",
 ]
 
-METRIC_FAMILIES: tuple[str, ...] = (
-    "logprobs",
-    "entropy",
-    "values",
-    "rewards",
-    "losses",
-    "grad_norm",
-    "clip_coef",
-    "grads",
-    "exp_avg",
-    "exp_avg_sq",
-    "updates",
-)
+METRIC_FAMILIES: tuple[str, ...] = ("logprobs", "entropy", "values", "rewards", "losses",
+                                     "grad_norm", "clip_coef", "grads", "exp_avg",
+                                     "exp_avg_sq", "updates")
 """Metric families that carry a bound (one floor per family and precision)."""
 
 
@@ -412,12 +402,8 @@ class Contract:
             raise ContractError("bounds.controls.tp_vs_tp1: 'bf16_mode' is not a same-precision "
                                 "repeat control")
         vocab = self.model.config.get("vocab_size", self.model.manifest_config.get("vocab_size"))
-        if self.prompts.token_ids is not None and isinstance(vocab, int):
-            # known before any model is built: refused by validate, before a stage writes
-            for i, row in enumerate(self.prompts.token_ids):
-                if bad := [t for t in row if t >= vocab]:
-                    raise ContractError(f"prompts.token_ids[{i}]: ids {bad} >= "
-                                        f"model vocab_size {vocab}")
+        if self.prompts.token_ids is not None and isinstance(vocab, int):  # before any stage
+            check_token_ids(self.prompts.token_ids, vocab)
 
     @property
     def digest(self) -> str:

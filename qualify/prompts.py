@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
 from qualify.digests import sha256_bytes
 from qualify.errors import ContractError
 
-__all__ = ["MAX_PROMPTS_BYTES", "PromptsFile", "read_prompts_file"]
+__all__ = ["MAX_PROMPTS_BYTES", "PromptsFile", "check_token_ids", "read_prompts_file"]
 
 MAX_PROMPTS_BYTES: Final = 256 << 20
 """A prompts file larger than this (256 MiB) is refused before it is read."""
@@ -111,3 +112,21 @@ def read_prompts_file(path: Path, sha256: str | None) -> PromptsFile:
     if kinds == {"token_ids"}:
         return PromptsFile(token_ids=tuple(r for r in rows if isinstance(r, tuple)), text=None)
     return PromptsFile(token_ids=None, text=tuple(r for r in rows if isinstance(r, str)))
+
+
+def check_token_ids(token_ids: Sequence[Sequence[int]], vocab_size: int, where: str = "") -> None:
+    """Refuse a prompt token id outside the model's vocabulary.
+
+    Args:
+        token_ids: the prompts, ``[n_prompts][len]`` token ids.
+        vocab_size: the model's ``vocab_size`` (ids ``0 .. vocab_size - 1``).
+        where: a prefix naming the file (``"contracts/x.toml: "``).
+
+    Raises:
+        ContractError: ``prompts.token_ids[i]: ids [...] >= vocab_size V``, the first
+            prompt with one.
+    """
+    for i, row in enumerate(token_ids):
+        if bad := [t for t in row if t >= vocab_size]:
+            raise ContractError(f"{where}prompts.token_ids[{i}]: ids {bad} >= vocab_size "
+                                f"{vocab_size}")

@@ -91,7 +91,7 @@ INVALID: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "missing_field": (_del("sampling.temperature"), r"sampling: 'temperature' is a required"),
     "prompt_id_outside_the_vocabulary": (
         _set("prompts.token_ids", [[1, 90, 12], [1, 383, 384]]),
-        r"prompts\.token_ids\[1\]: ids \[384\] >= model vocab_size 384"),
+        r"prompts\.token_ids\[1\]: ids \[384\] >= vocab_size 384"),
     "missing_section": (_del("optimizer"), r"'optimizer' is a required property"),
     "wrong_type": (_set("sampling.max_new_tokens", "ten"), r"sampling\.max_new_tokens: 'ten'"),
     "unknown_key": (_set("algorithm.learning_rate", 1e-3),

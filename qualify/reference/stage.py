@@ -60,7 +60,7 @@ from qualify.memory import release_free_memory
 from qualify.models import bundle as models
 from qualify.models import roles
 from qualify.progress import Progress
-from qualify.prompts import read_prompts_file
+from qualify.prompts import check_token_ids, read_prompts_file
 from qualify.protocol import ROLLOUT_META_FILE, TRAIN_INPUTS_FILE, parse_tensor_name
 from qualify.reference import rollout, sampling, scoring, targets
 from qualify.reference.branches import adjust_control_errors, seal_branches
@@ -111,12 +111,7 @@ def resolve_prompts(contract: Contract, bundle: models.ModelBundle) -> list[list
     from transformers import AutoConfig
 
     vocab = int(AutoConfig.from_pretrained(bundle.actor_dir).vocab_size)
-    where = f"{contract.path}: " if contract.path else ""
-    for i, row in enumerate(ids):
-        bad = [t for t in row if t >= vocab]
-        if bad:
-            raise ContractError(f"{where}prompts.token_ids[{i}]: ids {bad} >= vocab_size "
-                                f"{vocab}")
+    check_token_ids(ids, vocab, f"{contract.path}: " if contract.path else "")
     return ids
 
 
