@@ -36,6 +36,7 @@ from typing import IO, Any, Final
 
 import psutil
 
+from qualify import libc
 from qualify.crashpoints import maybe_crash
 
 __all__ = ["TMP_PREFIX", "TMP_SUFFIX", "TempWriter", "fsync_dir", "host_tag", "is_temporary",
@@ -253,10 +254,7 @@ def rename_noreplace(src: str | Path, dst: str | Path) -> None:
     """
     maybe_crash("rename", dst)  # test-only fault injection (qualify.crashpoints)
     s, d = os.fsencode(src), os.fsencode(dst)
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        renameat2 = None
+    renameat2 = libc.function("renameat2")
     if renameat2 is not None:
         if renameat2(_AT_FDCWD, s, _AT_FDCWD, d, _RENAME_NOREPLACE) == 0:
             return

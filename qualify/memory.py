@@ -15,10 +15,7 @@ This module imports neither torch nor any engine.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import sys
-from collections.abc import Callable
+from qualify import libc
 
 __all__ = ["release_free_memory"]
 
@@ -33,23 +30,8 @@ def release_free_memory() -> bool:
     Returns:
         Whether ``malloc_trim`` ran (``False`` off Linux or without glibc, e.g. musl).
     """
-    trim = _malloc_trim()
+    trim = libc.function("malloc_trim")
     if trim is None:
         return False
     trim(0)
     return True
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """The C library's ``malloc_trim``, looked up once; ``None`` without it.
-
-    Found among the symbols this process has loaded, as :mod:`qualify.atomic` finds
-    ``renameat2`` (glibc has it; musl does not).
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None

@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Final
 
+from qualify import libc
 from qualify.errors import UsageError
 
 __all__ = ["IN_MEMORY_MAGIC", "SCRATCH_ENV", "check_setting", "filesystem_magic",
@@ -63,21 +64,13 @@ def filesystem_magic(path: Path) -> int | None:
     """
     if not sys.platform.startswith("linux"):
         return None
-    statfs = _statfs()
+    statfs = libc.function("statfs")
     if statfs is None:
         return None
     buf = ctypes.create_string_buffer(_STATFS_BYTES)
     if statfs(os.fsencode(path), buf) != 0:
         return None
     return int(struct.unpack_from("l", buf.raw, 0)[0]) & 0xFFFFFFFF
-
-
-@functools.cache
-def _statfs() -> Callable[[bytes, ctypes.Array[ctypes.c_char]], int] | None:
-    try:
-        return ctypes.CDLL(None, use_errno=True).statfs
-    except (OSError, AttributeError):
-        return None
 
 
 def check_setting(env: Mapping[str, str] | None = None) -> Path | None:
