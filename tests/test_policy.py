@@ -33,7 +33,7 @@ __all__ = ["fresh", "fresh_world", "signed_world"]
 TINY = contracts_dir() / "tiny-qwen3.toml"
 # The findings of the default run (the committed run evidence/tiny-qwen3/20261201T201630Z,
 # its report.json, 2026-12-01; the same in 20261202T015031Z, 20261204T034750Z and
-# 20261205T081416Z): cell -> the families of its FAIL rows.
+# 20261205T084216Z): cell -> the families of its FAIL rows.
 _ACTOR_R2 = ["entropy", "exp_avg", "exp_avg_sq", "grad_norm", "grads", "logprobs", "losses",
              "updates"]  # BF16-born FP32 masters: round 2 (DeepSpeed ZeRO-1/2, Megatron)
 _CRITIC_R2 = ["clip_coef", "grad_norm"]

@@ -148,7 +148,7 @@ def test_line_says_cause_numbers_and_what_it_folds() -> None:
 
 # --------------------------------------------------------------------------- committed run
 
-# Read off the committed run's report.json (20261205T081416Z) rows: per failing cell, its
+# Read off the committed run's report.json (20261205T084216Z) rows: per failing cell, its
 # earliest failing row in causal order, (metric, class). Round-2 logprobs and entropy are one
 # causal step, so the larger margin names the cause: in the BF16 ZeRO-1/2 Actor TP1 cells
 # entropy leads here (2.088 vs logprobs 1.958, as in 20261202T063930Z), while in
@@ -196,7 +196,7 @@ def test_committed_run_causes(committed: dict[str, Any]) -> None:
     failing = [c["cell"] for c in committed["cells"] if c["rows"]["FAIL"]]
     assert [rc.cell for rc in causes] == failing
     ds = _by_cell(causes)["deepspeed-bf16-zero0-actor-tp2"]
-    # 4.563067845903143 here (20261205T081416Z); 4.563059419309545 in 20261204T034750Z,
+    # 4.563067845903143 here (20261205T084216Z); 4.563059419309545 in 20261204T034750Z,
     # 20261202T162126Z and 20261202T015031Z; 4.563066160584423 in 20261203T124442Z and
     # 20261202T063930Z: the machine's FP32 kernels, as above
     assert ds.margin == pytest.approx(4.563067845903143)
