@@ -11,8 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from qualify.errors import ExitCode, UsageError
+
+if TYPE_CHECKING:
+    from qualify.evidence.gate import GateResult
 
 __all__ = ["register"]
 
@@ -103,13 +107,28 @@ def _cmd_gate(args: argparse.Namespace) -> ExitCode:
 
     evidence = _existing_dir(args.evidence_dir, "evidence directory")
     _output_file(args.json, "--json")
+    _output_file(args.junit_xml, "--junit-xml")
+    _output_file(args.summary, "--summary")
     if args.sources_root is not None:
         _existing_dir(args.sources_root, "--sources-root")
     result = gate(evidence, args.contract, allow_not_run=args.allow_not_run,
                   trusted_keys_dir=args.keys, reference_dir=args.reference, json_out=args.json,
                   policy=args.policy, sources_root=args.sources_root)
     print_gate(result)
+    _write_ci_views(args, result)
     return result.exit_code
+
+
+def _write_ci_views(args: argparse.Namespace, result: GateResult) -> None:
+    """Write ``--junit-xml`` (replaced) and ``--summary`` (appended, as CI summaries are)."""
+    from qualify.evidence import store
+    from qualify.evidence.junit import gate_junit, gate_summary_markdown
+
+    if args.junit_xml:
+        store.atomic_write_text(args.junit_xml, gate_junit(result))
+    if args.summary:
+        with Path(args.summary).open("a", encoding="utf-8") as f:
+            f.write(gate_summary_markdown(result))
 
 
 def _cmd_audit(args: argparse.Namespace) -> ExitCode:
@@ -117,6 +136,7 @@ def _cmd_audit(args: argparse.Namespace) -> ExitCode:
     from qualify.evidence.audit import audit, render
 
     _output_file(args.output, "--output")
+    _output_file(args.junit_xml, "--junit-xml")
     if args.sources_root is not None:
         _existing_dir(args.sources_root, "--sources-root")
     result = audit(args.dirs, trusted_keys_dir=args.keys, contracts_dir=args.contracts_dir,
@@ -125,7 +145,19 @@ def _cmd_audit(args: argparse.Namespace) -> ExitCode:
     print(text)
     if args.output:
         store.atomic_write_text(args.output, text + "\n")
+    if args.junit_xml:
+        from qualify.evidence.junit import audit_junit
+
+        store.atomic_write_text(args.junit_xml, audit_junit(result))
     return result.exit_code
+
+
+def _ci_views_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--junit-xml", metavar="PATH",
+                   help="write a JUnit XML report: one testcase per cell (XFAIL and allowed "
+                        "NOT_RUN as skipped, the first failing quantity as the failure)")
+    p.add_argument("--summary", metavar="PATH",
+                   help="append a Markdown job summary (e.g. \"$GITHUB_STEP_SUMMARY\")")
 
 
 def _keys_arg(p: argparse.ArgumentParser) -> None:
@@ -184,6 +216,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="code the runs' sources.json is compared with (default: the code "
                         "this qualify runs)")
     p.add_argument("--json", metavar="OUT", help="write the decision (gate.schema.json)")
+    _ci_views_args(p)
     p.add_argument("--reference", metavar="DIR", help="the runs' reference (default run.json)")
     _keys_arg(p)
     p.set_defaults(func=_cmd_gate)
@@ -193,6 +226,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("dirs", nargs="+", metavar="DIR", help="directories to walk")
     p.add_argument("--format", choices=("table", "json", "md"), default="table")
     p.add_argument("--output", metavar="FILE", help="also write the rendering there")
+    p.add_argument("--junit-xml", metavar="PATH",
+                   help="write a JUnit XML report: one testcase per reference or run")
     p.add_argument("--contracts-dir", metavar="DIR", help="directory of committed contracts")
     p.add_argument("--sources-root", metavar="DIR",
                    help="code the runs' sources.json is compared with (default: the code "

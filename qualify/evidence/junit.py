@@ -1,0 +1,229 @@
+r"""CI-native views of a gate decision and of an audit: JUnit XML and a Markdown job summary.
+
+CI servers (Jenkins, GitLab, GitHub Actions' test reporters, Buildkite) read the JUnit XML
+format of Apache Surefire: ``<testsuites>`` holding one ``<testsuite>`` per group, each
+holding one ``<testcase>`` per test with at most one ``<failure>``, ``<error>`` or
+``<skipped>`` child. The mapping written here:
+
+- :func:`gate_junit`: one ``<testsuite>`` per gated contract (``name`` = the contract),
+  one ``<testcase>`` per cell of the contract's matrix (``classname`` =
+  ``qualify.<contract>.<engine>``, ``name`` = the cell id):
+
+  ========================  ==============================================================
+  gate outcome              JUnit
+  ========================  ==============================================================
+  ``PASS``                  a passing testcase (no child)
+  ``XFAIL``                 ``<skipped type="XFAIL">`` with the expected failure's reason
+  ``NOT_RUN``, allowed      ``<skipped type="NOT_RUN">`` with the allowance and the reason
+  not required              ``<skipped type="NOT_REQUIRED">``
+  ``FAIL``, ``XPASS``,      ``<failure type="<outcome>">``: the message is the first failing
+  ``STALE``, ``NOT_RUN``    quantity (family, round, statistic, margin) or the reason; the
+  not allowed, ...          text adds the stale files
+  ========================  ==============================================================
+
+  A contract whose evidence does not verify (exit 3), or that has no run, gets one more
+  testcase, ``verification``, with an ``<error>`` carrying every problem: integrity is
+  never hidden among cells.
+- :func:`audit_junit`: one ``<testsuite name="qualify audit">``, one ``<testcase>`` per
+  audited reference or run, with a ``<failure>`` listing its problems.
+- :func:`gate_summary_markdown`: the decision, a table of outcome counts per contract and
+  every cell that did not plainly pass, in GitHub-flavoured Markdown (fits
+  ``$GITHUB_STEP_SUMMARY``).
+
+Text is made safe for XML 1.0 (control characters other than tab and newline are written
+as ``\xNN``) and for Markdown tables (``|`` and newlines escaped), so a file or cell name
+cannot break the document or forge a line in it.
+"""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+from collections import Counter
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Final
+
+from qualify.errors import ExitCode
+
+if TYPE_CHECKING:
+    from qualify.evidence.audit import AuditResult
+    from qualify.evidence.gate import ContractDecision, GateResult
+    from qualify.evidence.policy import CellOutcome
+
+__all__ = ["audit_junit", "gate_junit", "gate_summary_markdown"]
+
+_XML_UNSAFE: Final = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff\ufffe\uffff]")
+_DECISION: Final = {ExitCode.OK: "PASS", ExitCode.QUALIFICATION_FAILED: "FAIL",
+                    ExitCode.INTEGRITY_ERROR: "INTEGRITY ERROR"}
+
+
+def _xml_text(text: object) -> str:
+    r"""``text`` as a string XML 1.0 can hold: unsafe characters become ``\xNN``."""
+    return _XML_UNSAFE.sub(lambda m: f"\\x{ord(m.group(0)):02x}", str(text))
+
+
+def _first_line(first: Mapping[str, Any] | None) -> str | None:
+    """The first failing quantity as one phrase (``None`` when the outcome has none)."""
+    if not first:
+        return None
+    parts = [str(first.get(k)) for k in ("family", "statistic") if first.get(k) is not None]
+    where = f", round {first['round']}" if first.get("round") is not None else ""
+    margin = first.get("margin")
+    tail = f", margin {margin}" if margin is not None else ""
+    return f"first failing: {' '.join(parts)}{where}{tail}"
+
+
+def _case(suite: ET.Element, classname: str, name: str) -> ET.Element:
+    return ET.SubElement(suite, "testcase", {"classname": _xml_text(classname),
+                                             "name": _xml_text(name), "time": "0"})
+
+
+def _child(case: ET.Element, tag: str, kind: str, message: str, text: str = "") -> None:
+    node = ET.SubElement(case, tag, {"type": _xml_text(kind), "message": _xml_text(message)})
+    if text:
+        node.text = _xml_text(text)
+
+
+def _cell_case(suite: ET.Element, contract: str, cell: CellOutcome) -> str:
+    """Add ``cell``'s testcase; return which counter it adds to (``""`` for a pass)."""
+    case = _case(suite, f"qualify.{contract}.{cell.engine or 'unknown'}", cell.cell)
+    reason = cell.reason or ""
+    if not cell.required:
+        _child(case, "skipped", "NOT_REQUIRED",
+               f"not required by the gate policy (outcome {cell.outcome})")
+        return "skipped"
+    if cell.ok and cell.outcome == "PASS":
+        return ""
+    if cell.ok:
+        allowed = (f" (allowed by {cell.allowed_not_run!r})"
+                   if cell.outcome == "NOT_RUN" and cell.allowed_not_run else "")
+        _child(case, "skipped", cell.outcome, f"{cell.outcome}{allowed}: {reason}".rstrip(": "))
+        return "skipped"
+    first = _first_line(cell.first)
+    message = f"{cell.outcome}: {first or reason}"
+    details = [f"outcome: {cell.outcome} (report verdict {cell.verdict})"]
+    if reason:
+        details.append(f"reason: {reason}")
+    if first:
+        details.append(first)
+    details += [f"changed source file: {f}" for f in cell.stale_files]
+    _child(case, "failure", cell.outcome, message, "\n".join(details))
+    return "failures"
+
+
+def _contract_suite(root: ET.Element, decision: ContractDecision) -> None:
+    suite = ET.SubElement(root, "testsuite", {"name": _xml_text(decision.contract)})
+    counts: Counter[str] = Counter()
+    props = ET.SubElement(suite, "properties")
+    for name, value in (("contract_digest", decision.contract_digest),
+                        ("run_id", decision.run_id or ""),
+                        ("exit_code", str(int(decision.exit_code))),
+                        ("decision", _DECISION.get(decision.exit_code, "?"))):
+        ET.SubElement(props, "property", {"name": name, "value": _xml_text(value)})
+    verification = decision.verification
+    if decision.exit_code == ExitCode.INTEGRITY_ERROR or decision.run_dir is None or (
+            verification is not None and not verification.passed):
+        case = _case(suite, f"qualify.{decision.contract}", "verification")
+        problems = list(verification.problems) if verification is not None else []
+        _child(case, "error", "INTEGRITY_ERROR" if decision.exit_code
+               == ExitCode.INTEGRITY_ERROR else "NO_EVIDENCE",
+               decision.message, "\n".join(problems))
+        counts["errors"] += 1
+    for cell in decision.cells:
+        counts[_cell_case(suite, decision.contract, cell) or "passed"] += 1
+    tests = sum(counts.values())
+    suite.set("tests", str(tests))
+    suite.set("failures", str(counts["failures"]))
+    suite.set("errors", str(counts["errors"]))
+    suite.set("skipped", str(counts["skipped"]))
+    suite.set("time", "0")
+
+
+def _document(root: ET.Element) -> str:
+    for attr in ("tests", "failures", "errors"):
+        root.set(attr, str(sum(int(s.get(attr, "0")) for s in root.iter("testsuite"))))
+    ET.indent(root)
+    return ('<?xml version="1.0" encoding="UTF-8"?>\n'
+            + ET.tostring(root, encoding="unicode") + "\n")
+
+
+def gate_junit(result: GateResult) -> str:
+    """The gate decision as a JUnit XML document (the mapping is the module's docstring).
+
+    Args:
+        result: :func:`qualify.evidence.gate.gate`'s decision.
+
+    Returns:
+        The document, UTF-8 text with its XML declaration.
+    """
+    root = ET.Element("testsuites", {"name": "qualify gate"})
+    for decision in result.contracts:
+        _contract_suite(root, decision)
+    return _document(root)
+
+
+def audit_junit(result: AuditResult) -> str:
+    """An audit as a JUnit XML document: one testcase per reference or run, failing on problems.
+
+    Args:
+        result: :func:`qualify.evidence.audit.audit`'s table.
+
+    Returns:
+        The document, UTF-8 text with its XML declaration.
+    """
+    root = ET.Element("testsuites", {"name": "qualify audit"})
+    suite = ET.SubElement(root, "testsuite", {"name": "qualify audit"})
+    failures = 0
+    for row in result.rows:
+        case = _case(suite, f"qualify.audit.{row.kind}", row.path)
+        if row.problems:
+            failures += 1
+            _child(case, "failure", "PROBLEM", row.problems[0], "\n".join(row.problems))
+    suite.set("tests", str(len(result.rows)))
+    suite.set("failures", str(failures))
+    suite.set("errors", "0")
+    suite.set("skipped", "0")
+    suite.set("time", "0")
+    return _document(root)
+
+
+def _md(text: object) -> str:
+    """``text`` for one Markdown table cell: no line breaks, pipes escaped, no control chars."""
+    flat = _XML_UNSAFE.sub(lambda m: f"\\x{ord(m.group(0)):02x}", str(text))
+    return flat.replace("\\", "\\\\").replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+
+
+def gate_summary_markdown(result: GateResult) -> str:
+    """The gate decision as a Markdown job summary (``$GITHUB_STEP_SUMMARY``).
+
+    Args:
+        result: :func:`qualify.evidence.gate.gate`'s decision.
+
+    Returns:
+        Markdown text: the decision headline, per contract a table of outcome counts and a
+        table of every required cell that did not plainly pass (outcome, first failing
+        quantity or reason).
+    """
+    word = _DECISION.get(result.exit_code, "?")
+    lines = [f"## qualify gate: {word} (exit {int(result.exit_code)})", ""]
+    for c in result.contracts:
+        lines += [f"### {_md(c.contract)} `{c.contract_digest[:12]}`", "",
+                  _md(c.message), ""]
+        lines += [f"- note: {_md(n)}" for n in c.notes]
+        if c.verification is not None and not c.verification.passed:
+            lines += [f"- problem: {_md(p)}" for p in c.verification.problems]
+        if c.notes or (c.verification is not None and not c.verification.passed):
+            lines.append("")
+        counts = Counter(cell.outcome for cell in c.cells if cell.required)
+        if counts:
+            lines += ["| outcome | required cells |", "| --- | --- |"]
+            lines += [f"| {o} | {n} |" for o, n in sorted(counts.items())]
+            lines.append("")
+        rows = [cell for cell in c.cells if cell.required and cell.outcome != "PASS"]
+        if rows:
+            lines += ["| cell | outcome | gate ok | first failing quantity or reason |",
+                      "| --- | --- | --- | --- |"]
+            lines += [f"| `{_md(cell.cell)}` | {cell.outcome} | {'yes' if cell.ok else 'NO'} | "
+                      f"{_md(_first_line(cell.first) or cell.reason or '')} |" for cell in rows]
+            lines.append("")
+    return "\n".join(lines).rstrip("\n") + "\n"
