@@ -22,6 +22,7 @@ EXPECTED = {
     "compare": ["run_dir", "--reference", "--no-seal"],
     "run": ["contract", "--references", "--evidence", "--cells", "--quiet"],
     "report": ["run_dir", "--html", "--contract", "--policy"],
+    "diff": ["run_a", "run_b", "--factor", "--min-margin", "--json"],
     "diverge": ["run_dir", "cell", "--round", "--out", "--baseline"],
     "keygen": ["--name", "--private-key", "--public-dir"],
     "sign": ["dir", "--key", "--reference", "--keys"],

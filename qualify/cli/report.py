@@ -58,8 +58,40 @@ def _cmd_report(args: argparse.Namespace) -> ExitCode:
     return ExitCode.OK
 
 
+def _cmd_diff(args: argparse.Namespace) -> ExitCode:
+    from qualify.compare.diff import diff_runs
+    from qualify.evidence import store
+
+    if args.json:
+        out = Path(args.json)
+        if out.is_dir() or not out.parent.is_dir():
+            raise UsageError(f"{out}: --json: not a writable file path")
+    result = diff_runs(args.run_a, args.run_b, factor=args.factor, min_margin=args.min_margin)
+    for line in result.lines():
+        print(line)
+    if args.json:
+        store.atomic_write_json(args.json, result.to_dict())
+    return ExitCode.QUALIFICATION_FAILED if result.changed else ExitCode.OK
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``report`` to the ``qualify`` subcommands."""
+    """Add ``report`` and ``diff`` to the ``qualify`` subcommands."""
+    from qualify.compare.diff import DEFAULT_FACTOR, DEFAULT_MIN_MARGIN
+
+    p = sub.add_parser("diff", help="what changed between two compared runs: cell verdicts, "
+                                    "moved margins, new and vanished rows, bounds "
+                                    "(exit 1 if a cell's verdict changed)")
+    p.add_argument("run_a", help="the baseline run (e.g. the last accepted run)")
+    p.add_argument("run_b", help="the run to compare with it")
+    p.add_argument("--factor", type=float, default=DEFAULT_FACTOR,
+                   help=f"report rows whose margin moved by more than this factor "
+                        f"(default {DEFAULT_FACTOR:g})")
+    p.add_argument("--min-margin", type=float, default=DEFAULT_MIN_MARGIN,
+                   help=f"ignore rows below this margin on both sides "
+                        f"(default {DEFAULT_MIN_MARGIN:g})")
+    p.add_argument("--json", metavar="OUT", help="also write the diff as JSON")
+    p.set_defaults(func=_cmd_diff)
+
     p = sub.add_parser("report", help="write a compared run's report.html (plots, root "
                                       "causes) from its report.json and stored tensors")
     p.add_argument("run_dir", help="evidence/<contract>/<run-id> (holds report.json)")
