@@ -401,9 +401,33 @@ class Contract:
         if "bf16_mode" in self.bounds.controls_tp_vs_tp1:
             raise ContractError("bounds.controls.tp_vs_tp1: 'bf16_mode' is not a same-precision "
                                 "repeat control")
-        vocab = self.model.config.get("vocab_size", self.model.manifest_config.get("vocab_size"))
-        if self.prompts.token_ids is not None and isinstance(vocab, int):  # before any stage
-            check_token_ids(self.prompts.token_ids, vocab)
+        if self.prompts.token_ids is not None:  # before any stage
+            self.check_prompt_ids(self.prompts.token_ids)
+
+    def model_field(self, name: str) -> int | None:
+        """An integer field of the model's config as the contract knows it, else ``None``.
+
+        From ``model.config`` (``tiny-qwen3``), else ``model.manifest.config``; ``None`` when
+        neither names it (then the model's own config decides, in the reference stage).
+        """
+        value = self.model.config.get(name, self.model.manifest_config.get(name))
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    def check_prompt_ids(self, token_ids: Sequence[Sequence[int]], *,
+                         field: str = "prompts.token_ids") -> None:
+        """Refuse prompts outside the vocabulary or too long for the model's positions.
+
+        Uses :func:`qualify.prompts.check_token_ids` with the contract's ``vocab_size``,
+        ``max_position_embeddings`` (:meth:`model_field`) and ``sampling.max_new_tokens``;
+        a field the contract does not know is not checked here.
+
+        Raises:
+            ContractError: the first prompt with an id ``>= vocab_size`` or with
+                ``len + max_new_tokens > max_position_embeddings`` (``field`` named).
+        """
+        check_token_ids(token_ids, self.model_field("vocab_size"),
+                        max_positions=self.model_field("max_position_embeddings"),
+                        max_new_tokens=self.sampling.max_new_tokens, field=field)
 
     @property
     def digest(self) -> str:
@@ -574,9 +598,11 @@ def load_contract(path: str | Path) -> Contract:
         raise ContractError(f"{p}: not valid TOML: nested too deeply for the parser") from None
     contract = Contract.from_dict(doc, path=p.resolve())
     if contract.prompts.file is not None:
+        prompts = (p.resolve().parent / contract.prompts.file).resolve()
         try:
-            read_prompts_file((p.resolve().parent / contract.prompts.file).resolve(),
-                              contract.prompts.sha256)
+            got = read_prompts_file(prompts, contract.prompts.sha256)
+            if got.token_ids is not None:
+                contract.check_prompt_ids(got.token_ids, field=f"prompts.file: {prompts}: prompt")
         except ContractError as exc:
             raise ContractError(f"{p}: {exc}") from None
     return contract

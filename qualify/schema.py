@@ -34,7 +34,7 @@ STRICT_VALIDATOR: Final = jsonschema.validators.extend(
 
 @functools.cache
 def validator(name: str) -> jsonschema.protocols.Validator:
-    """The cached strict validator (:data:`STRICT_VALIDATOR`) of ``contracts/schema/<name>.schema.json``.
+    """The cached :data:`STRICT_VALIDATOR` of ``contracts/schema/<name>.schema.json``.
 
     Raises:
         QualifyError: the schema file is missing (a broken installation).

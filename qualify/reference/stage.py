@@ -87,7 +87,9 @@ def resolve_prompts(contract: Contract, bundle: models.ModelBundle) -> list[list
 
     Raises:
         ContractError: text prompts without a tokenizer; a bad prompts file
-            (:func:`qualify.prompts.read_prompts_file`); a token id outside the vocabulary.
+            (:func:`qualify.prompts.read_prompts_file`); a token id outside the vocabulary;
+            a prompt whose length plus ``sampling.max_new_tokens`` exceeds the model's
+            ``max_position_embeddings``.
     """
     p = contract.prompts
     texts: list[str] | None = None
@@ -110,8 +112,12 @@ def resolve_prompts(contract: Contract, bundle: models.ModelBundle) -> list[list
     assert ids is not None
     from transformers import AutoConfig
 
-    vocab = int(AutoConfig.from_pretrained(bundle.actor_dir).vocab_size)
-    check_token_ids(ids, vocab, f"{contract.path}: " if contract.path else "")
+    config = AutoConfig.from_pretrained(bundle.actor_dir)
+    positions = getattr(config, "max_position_embeddings", None)
+    check_token_ids(ids, int(config.vocab_size), f"{contract.path}: " if contract.path else "",
+                    max_positions=positions if isinstance(positions, int) else None,
+                    max_new_tokens=contract.sampling.max_new_tokens,
+                    field="prompts.text" if texts is not None else "prompts.token_ids")
     return ids
 
 
