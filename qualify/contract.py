@@ -20,7 +20,7 @@ from typing import Any, Literal
 from qualify import registry, schedule
 from qualify.errors import ContractError, HarnessError
 from qualify.matrix import CellSpec, MatrixSpec, Precision, ResumeSpec, Role, SamplerSpec, Topology
-from qualify.prompts import check_token_ids, read_prompts_file
+from qualify.prompts import check_prompts_fit, read_prompts_file
 from qualify.protocol import DEFAULT_SAMPLING, ParamSampling
 from qualify.schema import first_error
 
@@ -96,6 +96,11 @@ class ModelSpec:
     config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     manifest_files: Mapping[str, str] = dataclasses.field(default_factory=dict)
     manifest_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def known_config(self) -> dict[str, Any]:
+        """The config fields the contract states: ``manifest_config`` updated by ``config``."""
+        return {**self.manifest_config, **self.config}
 
     def __post_init__(self) -> None:
         if self.source == "tiny-qwen3" and not self.config:
@@ -402,32 +407,8 @@ class Contract:
             raise ContractError("bounds.controls.tp_vs_tp1: 'bf16_mode' is not a same-precision "
                                 "repeat control")
         if self.prompts.token_ids is not None:  # before any stage
-            self.check_prompt_ids(self.prompts.token_ids)
-
-    def model_field(self, name: str) -> int | None:
-        """An integer field of the model's config as the contract knows it, else ``None``.
-
-        From ``model.config`` (``tiny-qwen3``), else ``model.manifest.config``; ``None`` when
-        neither names it (then the model's own config decides, in the reference stage).
-        """
-        value = self.model.config.get(name, self.model.manifest_config.get(name))
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-    def check_prompt_ids(self, token_ids: Sequence[Sequence[int]], *,
-                         field: str = "prompts.token_ids") -> None:
-        """Refuse prompts outside the vocabulary or too long for the model's positions.
-
-        Uses :func:`qualify.prompts.check_token_ids` with the contract's ``vocab_size``,
-        ``max_position_embeddings`` (:meth:`model_field`) and ``sampling.max_new_tokens``;
-        a field the contract does not know is not checked here.
-
-        Raises:
-            ContractError: the first prompt with an id ``>= vocab_size`` or with
-                ``len + max_new_tokens > max_position_embeddings`` (``field`` named).
-        """
-        check_token_ids(token_ids, self.model_field("vocab_size"),
-                        max_positions=self.model_field("max_position_embeddings"),
-                        max_new_tokens=self.sampling.max_new_tokens, field=field)
+            check_prompts_fit(self.prompts.token_ids, self.model.known_config,
+                              self.sampling.max_new_tokens)
 
     @property
     def digest(self) -> str:
@@ -602,7 +583,8 @@ def load_contract(path: str | Path) -> Contract:
         try:
             got = read_prompts_file(prompts, contract.prompts.sha256)
             if got.token_ids is not None:
-                contract.check_prompt_ids(got.token_ids, field=f"prompts.file: {prompts}: prompt")
+                check_prompts_fit(got.token_ids, contract.model.known_config,
+                                  contract.sampling.max_new_tokens, field=f"{prompts}: prompt")
         except ContractError as exc:
             raise ContractError(f"{p}: {exc}") from None
     return contract

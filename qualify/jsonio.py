@@ -146,9 +146,19 @@ def _no_constant(name: str) -> Any:
     raise _RefusedError(f"non-standard JSON constant {name}")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _RefusedError(f"number {text[:40]} overflows to infinity")
+    return value
+
+
 def loads_strict(data: bytes | str, *, what: str,
                  error: type[QualifyError] = EvidenceIntegrityError) -> Any:
     """Parse JSON strictly: UTF-8, no duplicate key, no ``NaN`` / ``Infinity``.
+
+    A number literal too large for a float (``1e400``, which Python's parser turns into
+    ``inf``) is refused as ``Infinity`` is.
 
     Args:
         data: the document (bytes are decoded as UTF-8).
@@ -162,11 +172,13 @@ def loads_strict(data: bytes | str, *, what: str,
 
     Raises:
         EvidenceIntegrityError: (or ``error``) not UTF-8, not JSON, nested too deep, a
-            duplicate key or a non-standard constant; the message starts with ``what``.
+            duplicate key, a non-standard constant or an infinite number; the message
+            starts with ``what``.
     """
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
+                          parse_float=_finite_float)
     except _RefusedError as exc:
         raise error(f"{what}: {exc}") from None
     except UnicodeDecodeError as exc:

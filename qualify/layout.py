@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 from qualify.digests import sha256_file
 from qualify.errors import ReferenceDataError
@@ -37,9 +37,6 @@ from qualify.protocol import (
     ROLLOUT_META_FILE,
     TRAIN_INPUTS_FILE,
 )
-
-if TYPE_CHECKING:
-    from qualify.contract import Contract
 
 __all__ = [
     "ATTEMPT_PREFIX",
@@ -248,7 +245,17 @@ class RunDocument:
         return out
 
 
-def reference_dir_name(contract: Contract) -> str:
+class _NamedContract(Protocol):
+    """What :func:`reference_dir_name` reads of a :class:`qualify.contract.Contract`."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def digest12(self) -> str: ...
+
+
+def reference_dir_name(contract: _NamedContract) -> str:
     """A contract's reference directory name: ``<contract name>-<digest12>``."""
     return f"{contract.name}-{contract.digest12}"
 

@@ -17,7 +17,7 @@ reference stage on the real model's config (:func:`qualify.reference.stage.resol
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -25,7 +25,8 @@ from qualify.digests import sha256_bytes
 from qualify.errors import ContractError
 from qualify.jsonio import loads_strict
 
-__all__ = ["MAX_PROMPTS_BYTES", "PromptsFile", "check_token_ids", "read_prompts_file"]
+__all__ = ["MAX_PROMPTS_BYTES", "PromptsFile", "check_prompts_fit", "check_token_ids",
+           "read_prompts_file"]
 
 MAX_PROMPTS_BYTES: Final = 256 << 20
 """A prompts file larger than this (256 MiB) is refused before it is read."""
@@ -144,3 +145,20 @@ def check_token_ids(token_ids: Sequence[Sequence[int]], vocab_size: int | None,
             raise ContractError(f"{where}{field}[{i}]: {len(row)} tokens + "
                                 f"sampling.max_new_tokens {max_new_tokens} > the model's "
                                 f"max_position_embeddings {max_positions}")
+
+
+def check_prompts_fit(token_ids: Sequence[Sequence[int]], config: Mapping[str, Any],
+                      max_new_tokens: int, *, field: str = "prompts.token_ids") -> None:
+    """Check prompts against the model config fields a contract states.
+
+    :func:`check_token_ids` with the ``vocab_size`` and ``max_position_embeddings`` that
+    ``config`` names; a field it does not name, or that is not an integer, is not checked
+    (the reference stage checks it on the real model's config).
+
+    Raises:
+        ContractError: as :func:`check_token_ids`.
+    """
+    vocab, positions = config.get("vocab_size"), config.get("max_position_embeddings")
+    check_token_ids(token_ids, vocab if type(vocab) is int else None,
+                    max_positions=positions if type(positions) is int else None,
+                    max_new_tokens=max_new_tokens, field=field)
