@@ -237,7 +237,8 @@ def _load_contract(ref_dir: Path) -> Contract:
     All three documents of one contract digest, each on its schema
     (:func:`qualify.reference.documents.check_reference_documents`).
     """
-    contract = documents.read_contract(ref_dir)
+    digest = documents.read_reference_record(ref_dir)["contract_digest"]
+    contract = documents.read_contract(ref_dir, digest)
     documents.check_reference_documents(ref_dir, contract)
     return contract
 
