@@ -39,7 +39,7 @@ def validator(name: str) -> jsonschema.protocols.Validator:
     Raises:
         QualifyError: the schema file is missing (a broken installation).
     """
-    return STRICT_VALIDATOR(load_schema(name))  # type: ignore[no-any-return]
+    return STRICT_VALIDATOR(load_schema(name))
 
 
 def first_error(obj: Any, name: str) -> str | None:

@@ -88,7 +88,7 @@ def _dotted(path: tuple[Any, ...]) -> str:
 @pytest.mark.parametrize("kind", ["float", "bool"])
 @pytest.mark.parametrize("path", INTEGER_LEAVES, ids=_dotted)
 def test_every_integer_field_refuses_a_float_or_bool(path: tuple[Any, ...], kind: str) -> None:
-    value = BASE_DOC
+    value: Any = BASE_DOC
     for key in path:
         value = value[key]
     bad = float(value) if kind == "float" else bool(value)
