@@ -20,7 +20,7 @@ from typing import Any, Literal
 from qualify import registry, schedule
 from qualify.errors import ContractError, HarnessError
 from qualify.matrix import CellSpec, MatrixSpec, Precision, ResumeSpec, Role, SamplerSpec, Topology
-from qualify.prompts import check_token_ids, read_prompts_file
+from qualify.prompts import check_prompts_fit, read_prompts_file
 from qualify.protocol import DEFAULT_SAMPLING, ParamSampling
 from qualify.schema import first_error
 
@@ -96,6 +96,11 @@ class ModelSpec:
     config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     manifest_files: Mapping[str, str] = dataclasses.field(default_factory=dict)
     manifest_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def known_config(self) -> dict[str, Any]:
+        """The config fields the contract states: ``manifest_config`` updated by ``config``."""
+        return {**self.manifest_config, **self.config}
 
     def __post_init__(self) -> None:
         if self.source == "tiny-qwen3" and not self.config:
@@ -401,9 +406,9 @@ class Contract:
         if "bf16_mode" in self.bounds.controls_tp_vs_tp1:
             raise ContractError("bounds.controls.tp_vs_tp1: 'bf16_mode' is not a same-precision "
                                 "repeat control")
-        vocab = self.model.config.get("vocab_size", self.model.manifest_config.get("vocab_size"))
-        if self.prompts.token_ids is not None and isinstance(vocab, int):  # before any stage
-            check_token_ids(self.prompts.token_ids, vocab)
+        if self.prompts.token_ids is not None:  # before any stage
+            check_prompts_fit(self.prompts.token_ids, self.model.known_config,
+                              self.sampling.max_new_tokens)
 
     @property
     def digest(self) -> str:
@@ -574,9 +579,12 @@ def load_contract(path: str | Path) -> Contract:
         raise ContractError(f"{p}: not valid TOML: nested too deeply for the parser") from None
     contract = Contract.from_dict(doc, path=p.resolve())
     if contract.prompts.file is not None:
+        prompts = (p.resolve().parent / contract.prompts.file).resolve()
         try:
-            read_prompts_file((p.resolve().parent / contract.prompts.file).resolve(),
-                              contract.prompts.sha256)
+            got = read_prompts_file(prompts, contract.prompts.sha256)
+            if got.token_ids is not None:
+                check_prompts_fit(got.token_ids, contract.model.known_config,
+                                  contract.sampling.max_new_tokens, field=f"{prompts}: prompt")
         except ContractError as exc:
             raise ContractError(f"{p}: {exc}") from None
     return contract

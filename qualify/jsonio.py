@@ -32,7 +32,7 @@ import stat
 from pathlib import Path
 from typing import Any, Final
 
-from qualify.errors import EvidenceIntegrityError
+from qualify.errors import EvidenceIntegrityError, QualifyError
 from qualify.layout import ATTESTATION_SUFFIX, BOUNDS_FILE, MANIFEST_FILE, REPORT_JSON
 
 __all__ = ["MAX_LISTING_BYTES", "MAX_RECORD_BYTES", "MAX_REPORT_BYTES", "json_number", "limit_for",
@@ -129,47 +129,64 @@ def read_bytes(path: str | Path, *, max_bytes: int | None = None, what: str = ""
     return b"".join(chunks)
 
 
-def _no_duplicates(what: str) -> Any:
-    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in pairs:
-            if k in out:
-                raise EvidenceIntegrityError(f"{what}: duplicate key {k!r} in a JSON object")
-            out[k] = v
-        return out
-    return hook
+class _RefusedError(Exception):
+    """A duplicate key or a non-standard constant met while parsing (message: the problem)."""
 
 
-def _no_constant(what: str) -> Any:
-    def hook(name: str) -> Any:
-        raise EvidenceIntegrityError(f"{what}: non-standard JSON constant {name}")
-    return hook
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _RefusedError(f"duplicate key {k!r} in a JSON object")
+        out[k] = v
+    return out
 
 
-def loads_strict(data: bytes | str, *, what: str) -> Any:
+def _no_constant(name: str) -> Any:
+    raise _RefusedError(f"non-standard JSON constant {name}")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _RefusedError(f"number {text[:40]} overflows to infinity")
+    return value
+
+
+def loads_strict(data: bytes | str, *, what: str,
+                 error: type[QualifyError] = EvidenceIntegrityError) -> Any:
     """Parse JSON strictly: UTF-8, no duplicate key, no ``NaN`` / ``Infinity``.
+
+    A number literal too large for a float (``1e400``, which Python's parser turns into
+    ``inf``) is refused as ``Infinity`` is.
 
     Args:
         data: the document (bytes are decoded as UTF-8).
         what: how to name the document in errors.
+        error: the class raised: :class:`~qualify.errors.EvidenceIntegrityError` (exit 3)
+            for evidence, a user-input class such as
+            :class:`~qualify.errors.ContractError` (exit 2) for a file the user wrote.
 
     Returns:
         The parsed document.
 
     Raises:
-        EvidenceIntegrityError: not UTF-8, not JSON, nested too deep, a duplicate key or a
-            non-standard constant.
+        EvidenceIntegrityError: (or ``error``) not UTF-8, not JSON, nested too deep, a
+            duplicate key, a non-standard constant or an infinite number; the message
+            starts with ``what``.
     """
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
-        return json.loads(text, object_pairs_hook=_no_duplicates(what),
-                          parse_constant=_no_constant(what))
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
+                          parse_float=_finite_float)
+    except _RefusedError as exc:
+        raise error(f"{what}: {exc}") from None
     except UnicodeDecodeError as exc:
-        raise EvidenceIntegrityError(f"{what}: not UTF-8: {exc}") from None
+        raise error(f"{what}: not UTF-8: {exc}") from None
     except RecursionError:
-        raise EvidenceIntegrityError(f"{what}: JSON nested too deep") from None
+        raise error(f"{what}: JSON nested too deep") from None
     except ValueError as exc:
-        raise EvidenceIntegrityError(f"{what}: not JSON: {exc}") from None
+        raise error(f"{what}: not JSON: {exc}") from None
 
 
 def read_json(path: str | Path, *, max_bytes: int | None = None, what: str = "") -> Any:

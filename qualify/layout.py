@@ -25,8 +25,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
+from qualify import registry, schema
 from qualify.digests import sha256_file
 from qualify.errors import ReferenceDataError
 from qualify.protocol import (
@@ -37,9 +38,6 @@ from qualify.protocol import (
     ROLLOUT_META_FILE,
     TRAIN_INPUTS_FILE,
 )
-
-if TYPE_CHECKING:
-    from qualify.contract import Contract
 
 __all__ = [
     "ATTEMPT_PREFIX",
@@ -203,10 +201,15 @@ class RunDocument:
 
     @classmethod
     def from_dict(cls, doc: Any, *, where: str = RUN_FILE) -> RunDocument:
-        """Read and type-check a ``run.json`` value.
+        """Read and check a ``run.json`` value against ``run.schema.json`` and the registry.
+
+        ``schema_version`` 1 only, a ``run_id`` that is one safe path component, ISO-8601
+        ``started`` / ``finished`` / ``reference.sealed``, 64-hex digests, cell ids of the
+        matrix's form, known statuses, and every ``engine`` a registered one.
 
         Raises:
-            ReferenceDataError: a field is missing or of the wrong type (named with ``where``).
+            ReferenceDataError: a field is missing, of the wrong type or off its schema, or
+                an engine is not registered (named with ``where`` and the field).
         """
         if not isinstance(doc, Mapping):
             raise ReferenceDataError(f"{where}: expected a JSON object")
@@ -222,7 +225,7 @@ class RunDocument:
                 _field(entry, "tp", int, ew)
             _field(entry, "attempt", str, ew, optional=True)
         faults = _field(doc, "faults", list, where) if "faults" in doc else []
-        return cls(
+        run = cls(
             schema_version=_field(doc, "schema_version", int, where),
             contract=_field(doc, "contract", str, where),
             contract_digest=_field(doc, "contract_digest", str, where),
@@ -235,6 +238,12 @@ class RunDocument:
             faults=[str(f) for f in faults],
             cells={str(k): dict(v) for k, v in cells.items()},
         )
+        schema.validate(doc, "run", what=where, error=ReferenceDataError)
+        for cid, entry in run.cells.items():
+            if "engine" in entry and entry["engine"] not in registry.ENGINES:
+                raise ReferenceDataError(f"{where}: cells.{cid}.engine: "
+                                         f"{registry.ENGINES.unknown_message(entry['engine'])}")
+        return run
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form; ``finished`` is absent until the run finished (as before typing)."""
@@ -248,7 +257,17 @@ class RunDocument:
         return out
 
 
-def reference_dir_name(contract: Contract) -> str:
+class _NamedContract(Protocol):
+    """What :func:`reference_dir_name` reads of a :class:`qualify.contract.Contract`."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def digest12(self) -> str: ...
+
+
+def reference_dir_name(contract: _NamedContract) -> str:
     """A contract's reference directory name: ``<contract name>-<digest12>``."""
     return f"{contract.name}-{contract.digest12}"
 

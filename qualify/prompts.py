@@ -5,22 +5,28 @@ same kind, UTF-8, at least one prompt, no empty prompt, no negative token id; th
 sha256 must equal the contract's ``prompts.sha256``. ``qualify validate`` checks it
 (through :func:`qualify.contract.load_contract`), and the reference stage reads the
 prompts through the same function, so a bad file fails before any model is built.
-Token ids against the vocabulary are checked where the model is known
-(:func:`qualify.reference.stage.resolve_prompts`).
+Each line is parsed by :func:`qualify.jsonio.loads_strict` (a duplicate key, which two
+readers may resolve differently, and ``NaN`` / ``Infinity`` are refused). Token ids against
+the vocabulary, and each prompt's length plus ``sampling.max_new_tokens`` against the
+model's ``max_position_embeddings``, are checked by :func:`check_token_ids` wherever the
+model's config is known: when the contract loads (``model.config`` or
+``model.manifest.config`` gives them), inline and file prompts alike, and again in the
+reference stage on the real model's config (:func:`qualify.reference.stage.resolve_prompts`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 from qualify.digests import sha256_bytes
 from qualify.errors import ContractError
+from qualify.jsonio import loads_strict
 
-__all__ = ["MAX_PROMPTS_BYTES", "PromptsFile", "check_token_ids", "read_prompts_file"]
+__all__ = ["MAX_PROMPTS_BYTES", "PromptsFile", "check_prompts_fit", "check_token_ids",
+           "read_prompts_file"]
 
 MAX_PROMPTS_BYTES: Final = 256 << 20
 """A prompts file larger than this (256 MiB) is refused before it is read."""
@@ -97,10 +103,7 @@ def read_prompts_file(path: Path, sha256: str | None) -> PromptsFile:
         if not line.strip():
             continue
         where = f"prompts.file: {path}: line {n}"
-        try:
-            obj = json.loads(line)
-        except (ValueError, RecursionError) as exc:
-            raise ContractError(f"{where}: not JSON ({str(exc)[:80]})") from None
+        obj = loads_strict(line, what=where, error=ContractError)
         kind, value = _line_prompt(obj, where)
         kinds.add(kind)
         rows.append(value)
@@ -114,19 +117,48 @@ def read_prompts_file(path: Path, sha256: str | None) -> PromptsFile:
     return PromptsFile(token_ids=None, text=tuple(r for r in rows if isinstance(r, str)))
 
 
-def check_token_ids(token_ids: Sequence[Sequence[int]], vocab_size: int, where: str = "") -> None:
-    """Refuse a prompt token id outside the model's vocabulary.
+def check_token_ids(token_ids: Sequence[Sequence[int]], vocab_size: int | None,
+                    where: str = "", *,
+                    max_positions: int | None = None, max_new_tokens: int = 0,
+                    field: str = "prompts.token_ids") -> None:
+    """Refuse a prompt the model cannot embed or cannot extend by ``max_new_tokens``.
 
     Args:
         token_ids: the prompts, ``[n_prompts][len]`` token ids.
-        vocab_size: the model's ``vocab_size`` (ids ``0 .. vocab_size - 1``).
+        vocab_size: the model's ``vocab_size`` (ids ``0 .. vocab_size - 1``; ``None``: not
+            checked).
         where: a prefix naming the file (``"contracts/x.toml: "``).
+        max_positions: the model's ``max_position_embeddings`` (``None``: not checked).
+        max_new_tokens: ``sampling.max_new_tokens``: a prompt of length ``L`` needs
+            ``L + max_new_tokens <= max_positions`` positions.
+        field: how the prompts are named (``prompts.token_ids``, or the prompts file).
 
     Raises:
-        ContractError: ``prompts.token_ids[i]: ids [...] >= vocab_size V``, the first
-            prompt with one.
+        ContractError: ``<field>[i]: ids [...] >= vocab_size V`` or ``<field>[i]: L tokens +
+            sampling.max_new_tokens N > max_position_embeddings P``, the first prompt with one.
     """
     for i, row in enumerate(token_ids):
-        if bad := [t for t in row if t >= vocab_size]:
-            raise ContractError(f"{where}prompts.token_ids[{i}]: ids {bad} >= vocab_size "
+        if vocab_size is not None and (bad := [t for t in row if t >= vocab_size]):
+            raise ContractError(f"{where}{field}[{i}]: ids {bad[:8]} >= vocab_size "
                                 f"{vocab_size}")
+        if max_positions is not None and len(row) + max_new_tokens > max_positions:
+            raise ContractError(f"{where}{field}[{i}]: {len(row)} tokens + "
+                                f"sampling.max_new_tokens {max_new_tokens} > the model's "
+                                f"max_position_embeddings {max_positions}")
+
+
+def check_prompts_fit(token_ids: Sequence[Sequence[int]], config: Mapping[str, Any],
+                      max_new_tokens: int, *, field: str = "prompts.token_ids") -> None:
+    """Check prompts against the model config fields a contract states.
+
+    :func:`check_token_ids` with the ``vocab_size`` and ``max_position_embeddings`` that
+    ``config`` names; a field it does not name, or that is not an integer, is not checked
+    (the reference stage checks it on the real model's config).
+
+    Raises:
+        ContractError: as :func:`check_token_ids`.
+    """
+    vocab, positions = config.get("vocab_size"), config.get("max_position_embeddings")
+    check_token_ids(token_ids, vocab if type(vocab) is int else None,
+                    max_positions=positions if type(positions) is int else None,
+                    max_new_tokens=max_new_tokens, field=field)

@@ -1,26 +1,45 @@
-"""The one JSON Schema validation of qualify (Draft 2020-12, ``contracts/schema/``)."""
+"""The one JSON Schema validation of qualify (Draft 2020-12, ``contracts/schema/``).
+
+Stricter than the draft in one place: ``"type": "integer"`` accepts only a JSON integer
+(a Python ``int``, never ``bool``), not a float with a zero fraction. The draft counts
+``2.0`` as an integer, but every stage indexes, ranges and shapes with these fields:
+``rounds = 2.0`` passes the draft and crashes ``range()``, a prompt id ``1.0`` crashes an
+embedding lookup. TOML and Python's JSON parser both give ``int`` for integer literals, so
+only a document that wrote ``2.0`` is refused.
+"""
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Final
 
 import jsonschema
 
 from qualify.errors import QualifyError
 from qualify.resources import load_schema
 
-__all__ = ["first_error", "validate", "validator"]
+__all__ = ["STRICT_VALIDATOR", "first_error", "validate", "validator"]
+
+
+def _is_integer(_checker: object, instance: object) -> bool:
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
+STRICT_VALIDATOR: Final = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer),
+)
+"""Draft 2020-12 whose ``integer`` type is a JSON integer only (the module docstring)."""
 
 
 @functools.cache
 def validator(name: str) -> jsonschema.protocols.Validator:
-    """The cached Draft 2020-12 validator of ``contracts/schema/<name>.schema.json``.
+    """The cached :data:`STRICT_VALIDATOR` of ``contracts/schema/<name>.schema.json``.
 
     Raises:
         QualifyError: the schema file is missing (a broken installation).
     """
-    return jsonschema.Draft202012Validator(load_schema(name))
+    return STRICT_VALIDATOR(load_schema(name))
 
 
 def first_error(obj: Any, name: str) -> str | None:

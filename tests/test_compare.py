@@ -170,6 +170,9 @@ class World:
         bounds = [b for b in all_bounds(self.hf) if not (drop_bound and drop_bound(b))]
         (self.ref / "bounds.json").write_text(
             json.dumps(bounds_document(self.contract, bounds)))
+        (self.ref / "reference.json").write_text(json.dumps({
+            "schema_version": 1, "contract": self.contract.name,
+            "contract_digest": self.contract.digest, "created": "2025-01-01T00:00:00Z"}))
         store.seal(self.ref, kind="reference")
         self.run_dir = tmp_path / "evidence" / "tiny-qwen3" / "run-1"
         self.run_dir.mkdir(parents=True)

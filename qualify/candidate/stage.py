@@ -72,6 +72,7 @@ from qualify.protocol import (
     parse_tensor_name,
     variant_tag,
 )
+from qualify.reference.documents import read_document
 from qualify.reference.stage import load_sealed_reference
 from qualify.registry import get_engine, has_cuda
 from qualify.sampling import sampling_summary
@@ -312,7 +313,9 @@ def _stage_inputs(contract: Contract, reference: Path, run_dir: Path) -> Path:
     from qualify.models import bundle as models
 
     inputs = run_dir / INPUTS_DIR
-    ref_model = json.loads((reference / MODEL_FILE).read_text())
+    ref_model = read_document(reference / MODEL_FILE, None)
+    if not isinstance(ref_model, dict) or not isinstance(ref_model.get("files"), dict):
+        raise ReferenceDataError(f"{reference / MODEL_FILE}: files: not an object of files")
     bundle = models.prepare_models(contract)
     if dict(bundle.files) != dict(ref_model.get("files", {})):
         changed = sorted(set(bundle.files.items()) ^ set(ref_model.get("files", {}).items()))
@@ -496,17 +499,17 @@ def run_candidate_stage(
         UsageError: ``run_id`` is not one safe path component (:func:`check_run_id`).
         WriterBusyError: another live process writes this run (the message names its pid
             and host).
-        ReferenceDataError: the reference is missing, unsealed, or of another contract.
+        ReferenceDataError: the reference is missing or unsealed, its ``reference.json``,
+            ``contract.json`` or ``bounds.json`` is off its schema (a non-finite or negative
+            bound, a list for a document) or of another contract
+            (:func:`qualify.reference.stage.load_sealed_reference`).
         EvidenceIntegrityError: the reference was edited, or the run is sealed already.
     """
     if run_id is not None:
         check_run_id(run_id)
     reference, root = reference.resolve(), root.resolve()
-    ref_meta = load_sealed_reference(reference)
-    if ref_meta.get("contract_digest") != contract.digest:
-        raise ReferenceDataError(
-            f"{reference}: reference was sealed for contract digest "
-            f"{str(ref_meta.get('contract_digest'))[:12]}, this contract is {contract.digest12}")
+    # every document binding the reference to the contract, before anything is launched
+    ref_meta = load_sealed_reference(reference, contract)
     wanted = cells_matching(contract, cells)
     beside.check_settings()  # bad launch settings: refused before the run directory exists
     rid = run_id or _new_run_id()

@@ -107,14 +107,11 @@ from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageErro
 from qualify.evidence import store
 from qualify.evidence.tensor_stream import TensorFile, in_memory, open_tensors
 from qualify.layout import (
-    BOUNDS_FILE,
-    CONTRACT_FILE,
     COVERAGE_FILE,
     HF_REFERENCE_DIR,
     LOGS_DIR,
     OUTPUTS_FILE,
     OUTPUTS_META_FILE,
-    REFERENCE_FILE,
     REPORT_JSON,
     ROLLOUT_FILE,
     ROLLOUT_META_FILE,
@@ -124,7 +121,7 @@ from qualify.layout import (
     resolve_reference,
 )
 from qualify.protocol import parse_tensor_name
-from qualify.schema import validate
+from qualify.reference import documents
 from qualify.statistics import group_tensors
 
 __all__ = ["compare_run"]
@@ -225,33 +222,25 @@ def _check_reference(ref_dir: Path, run: RunDocument, run_file: Path) -> str:
 
 
 def _load_bounds(ref_dir: Path, contract: Contract) -> tuple[list[Bound], str, str]:
-    """Rows of ``bounds.json`` (schema-checked), the sha256 of its bytes, and its lane."""
-    path = ref_dir / BOUNDS_FILE
-    try:
-        data = jsonio.read_bytes(path)
-        doc = jsonio.loads_strict(data, what=str(path))
-    except FileNotFoundError:
-        raise ReferenceDataError(f"{path}: missing; the reference has no sealed bounds") \
-            from None
-    except (OSError, ValueError, EvidenceIntegrityError) as exc:
-        raise ReferenceDataError(f"{path}: unreadable or not JSON: {exc}") from None
-    validate(doc, "bounds", what=str(path), error=ReferenceDataError)
-    if doc["contract_digest"] != contract.digest:
-        raise ReferenceDataError(f"{path}: contract_digest {doc['contract_digest'][:12]} is "
-                                 f"not the reference contract's {contract.digest12}")
+    """The checked ``bounds.json``'s rows, its bytes' sha256 and its lane.
+
+    (:func:`qualify.reference.documents.read_bounds`.)
+    """
+    doc, data = documents.read_bounds(ref_dir, contract.digest)
     return ([Bound.from_dict(b) for b in doc["bounds"]], sha256_bytes(data),
             str(doc["lane"]))
 
 
 def _load_contract(ref_dir: Path) -> Contract:
-    path = ref_dir / CONTRACT_FILE
-    try:
-        doc = jsonio.read_json(path)
-    except FileNotFoundError:
-        raise ReferenceDataError(f"{path}: missing") from None
-    except (OSError, ValueError, EvidenceIntegrityError) as exc:
-        raise ReferenceDataError(f"{path}: unreadable or not JSON: {exc}") from None
-    return Contract.from_dict(doc, path=path)
+    """The reference's contract, its ``reference.json`` and ``bounds.json`` checked.
+
+    All three documents of one contract digest, each on its schema
+    (:func:`qualify.reference.documents.check_reference_documents`).
+    """
+    digest = documents.read_reference_record(ref_dir)["contract_digest"]
+    contract = documents.read_contract(ref_dir, digest)
+    documents.check_reference_documents(ref_dir, contract)
+    return contract
 
 
 def _load_coverage(ref_dir: Path) -> dict[str, Any] | None:
@@ -276,18 +265,9 @@ def _update_meta(ref_dir: Path) -> dict[str, Any]:
     """``reference.json`` ``update_meta`` (``{}`` when absent: nothing sealed there).
 
     Raises:
-        ReferenceDataError: ``reference.json`` is unreadable or ``update_meta`` is no object.
+        ReferenceDataError: ``reference.json`` is missing, unreadable or off its schema.
     """
-    path = ref_dir / REFERENCE_FILE
-    if not os.path.lexists(path):
-        return {}
-    try:
-        doc = jsonio.read_json(path)
-    except (OSError, ValueError, EvidenceIntegrityError) as exc:
-        raise ReferenceDataError(f"{path}: unreadable or not JSON: {exc}") from None
-    meta = doc.get("update_meta", {}) if isinstance(doc, dict) else None
-    if not isinstance(meta, dict):
-        raise ReferenceDataError(f"{path}: update_meta: not an object")
+    meta: dict[str, Any] = documents.read_reference_record(ref_dir).get("update_meta", {})
     return meta
 
 

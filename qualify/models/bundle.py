@@ -41,6 +41,7 @@ import torch
 from qualify.contract import Contract, ModelSpec
 from qualify.digests import sha256_file
 from qualify.errors import ModelSourceError
+from qualify.jsonio import loads_strict
 from qualify.models.manifest import (
     compare_files,
     hash_tree,
@@ -337,7 +338,7 @@ def read_bundle(bundle_dir: str | Path) -> ModelBundle:
     if not path.is_file():
         raise ModelSourceError(f"{path}: bundle record missing; delete {root} to rebuild")
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = loads_strict(path.read_bytes(), what=str(path), error=ModelSourceError)
     except ValueError as exc:
         raise ModelSourceError(f"{path}: not valid JSON ({exc}); delete {root} to rebuild") \
             from None

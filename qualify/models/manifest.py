@@ -25,6 +25,7 @@ import torch
 from qualify.contract import Contract
 from qualify.digests import sha256_file
 from qualify.errors import ContractError, ModelSourceError
+from qualify.jsonio import loads_strict
 
 __all__ = ["ROLE_MANIFEST", "check_config_fields", "check_manifest_files", "check_tp_sizes",
            "compare_files", "hash_tree", "short_digest", "valid_tp_sizes", "verify_model_dir",
@@ -102,7 +103,8 @@ def verify_model_dir(directory: str | Path) -> dict[str, str]:
     if not manifest.is_file():
         raise ModelSourceError(f"{d}: {ROLE_MANIFEST} missing; not a directory qualify built")
     try:
-        expected = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+        expected = loads_strict(manifest.read_bytes(), what=str(manifest),
+                                error=ModelSourceError)["files"]
     except (ValueError, KeyError, TypeError) as exc:
         raise ModelSourceError(f"{manifest}: malformed manifest ({exc})") from None
     found = hash_tree(d, skip=frozenset({ROLE_MANIFEST}))

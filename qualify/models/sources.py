@@ -49,6 +49,7 @@ from qualify.atomic import TMP_PREFIX
 from qualify.contract import Contract, ModelSpec
 from qualify.digests import sha256_file
 from qualify.errors import ContractError, ModelSourceError
+from qualify.jsonio import loads_strict
 from qualify.models.cache import CACHE_ENV, default_cache_dir
 from qualify.models.manifest import (
     check_config_fields,
@@ -248,7 +249,8 @@ def _convert_gguf(gguf: Path, sha256: str, root: Path, *,
         if verify:
             verify_model_dir(final)
         try:
-            record = json.loads((final / "conversion.json").read_text(encoding="utf-8"))
+            record = loads_strict((final / "conversion.json").read_bytes(),
+                                  what=str(final / "conversion.json"), error=ModelSourceError)
             facts = {k: record[k] for k in _GGUF_FACTS}
         except (OSError, ValueError, KeyError) as exc:
             raise ModelSourceError(f"{final / 'conversion.json'}: unreadable ({exc}); delete "

@@ -16,7 +16,6 @@ Steps (DESIGN.md section 4), each writing into an unsealed directory
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -62,7 +61,7 @@ from qualify.models import roles
 from qualify.progress import Progress
 from qualify.prompts import check_token_ids, read_prompts_file
 from qualify.protocol import ROLLOUT_META_FILE, TRAIN_INPUTS_FILE, parse_tensor_name
-from qualify.reference import rollout, sampling, scoring, targets
+from qualify.reference import documents, rollout, sampling, scoring, targets
 from qualify.reference.branches import adjust_control_errors, seal_branches
 from qualify.reference.controls import control_errors_document, control_settings
 from qualify.reference.sensitivity import LOSS_SENSITIVITY_META
@@ -87,7 +86,9 @@ def resolve_prompts(contract: Contract, bundle: models.ModelBundle) -> list[list
 
     Raises:
         ContractError: text prompts without a tokenizer; a bad prompts file
-            (:func:`qualify.prompts.read_prompts_file`); a token id outside the vocabulary.
+            (:func:`qualify.prompts.read_prompts_file`); a token id outside the vocabulary;
+            a prompt whose length plus ``sampling.max_new_tokens`` exceeds the model's
+            ``max_position_embeddings``.
     """
     p = contract.prompts
     texts: list[str] | None = None
@@ -110,8 +111,12 @@ def resolve_prompts(contract: Contract, bundle: models.ModelBundle) -> list[list
     assert ids is not None
     from transformers import AutoConfig
 
-    vocab = int(AutoConfig.from_pretrained(bundle.actor_dir).vocab_size)
-    check_token_ids(ids, vocab, f"{contract.path}: " if contract.path else "")
+    config = AutoConfig.from_pretrained(bundle.actor_dir)
+    positions = getattr(config, "max_position_embeddings", None)
+    check_token_ids(ids, int(config.vocab_size), f"{contract.path}: " if contract.path else "",
+                    max_positions=positions if isinstance(positions, int) else None,
+                    max_new_tokens=contract.sampling.max_new_tokens,
+                    field="prompts.text" if texts is not None else "prompts.token_ids")
     return ids
 
 
@@ -485,11 +490,19 @@ def _score_all(contract: Contract, bundle: models.ModelBundle, roll: rollout.Rol
     return {k: v.float().contiguous() for k, v in out.items()}, rec
 
 
-def load_sealed_reference(path: Path) -> dict[str, Any]:
+def load_sealed_reference(path: Path, contract: Contract | None = None) -> dict[str, Any]:
     """Check that ``path`` is a sealed, intact reference and return its ``reference.json``.
 
+    Args:
+        path: the reference directory.
+        contract: the contract it must be of: ``reference.json``, ``contract.json`` and
+            ``bounds.json`` are then checked (:func:`qualify.reference.documents
+            .check_reference_documents`: schemas, finite non-negative bounds, the digest
+            of ``contract`` in each). ``None``: ``reference.json``'s schema only.
+
     Raises:
-        ReferenceDataError: not a directory, not sealed (interrupted or still running).
+        ReferenceDataError: not a directory, not sealed (interrupted or still running),
+            a document off its schema, or of another contract (file and field named).
         EvidenceIntegrityError: a file differs from the manifest.
     """
     if not path.is_dir():
@@ -498,5 +511,6 @@ def load_sealed_reference(path: Path) -> dict[str, Any]:
         raise ReferenceDataError(f"{path}: reference is not sealed (interrupted or still "
                                  "running); run `qualify reference` to completion first")
     store.check_sealed(path)
-    meta: dict[str, Any] = json.loads((path / REFERENCE_FILE).read_text())
-    return meta
+    if contract is None:
+        return documents.read_reference_record(path)
+    return documents.check_reference_documents(path, contract)
