@@ -11,6 +11,7 @@ reference and the runs (fresh against the world's code snapshot), committed on b
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import os
 import shutil
@@ -351,3 +352,38 @@ def test_the_api_reports_the_root(base_repo: Repo) -> None:
     assert result.summary_lines()[1] == doc["trust_root"]["line"]
     plain = gate(r.w.good, [r.contract], trusted_keys_dir=r.keys, sources_root=r.code)
     assert plain.to_dict()["trust_root"]["kind"] == "checkout"
+
+
+# --------------------------------------------------------------------------- CI files
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_workflow_gates_pull_requests_from_their_base() -> None:
+    """The pull-request gate names the base as its trust root, from a clone that has it."""
+    text = (ROOT / ".github/workflows/qualify-gate.yml").read_text()
+    checkout = text[text.index("uses: actions/checkout"):text.index("uses: actions/setup-python")]
+    assert "fetch-depth: 0" in checkout
+    step = text[text.index("- name: Gate\n"):text.index("- name: Gate under")]
+    assert "BASE_REF: ${{ github.base_ref }}" in step
+    run = step[step.index("run: |"):]
+    assert "${{" not in run  # the ref reaches the script through the environment
+    assert 'trust=(--trust-from "origin/$BASE_REF")' in run
+    assert '"${trust[@]}"' in run
+
+
+@pytest.mark.parametrize("path", ["contracts/keys/x.pub", "contracts/gates/x.toml",
+                                  "contracts/x.toml", ".github/workflows/qualify-gate.yml",
+                                  ".github/CODEOWNERS", ".ci/run", "qualify/evidence/gate.py"])
+def test_codeowners_own_every_trust_file(path: str) -> None:
+    rules = [line.split()[0] for line in (ROOT / ".github/CODEOWNERS").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+
+    def owns(rule: str) -> bool:
+        pattern = rule.lstrip("/")
+        if pattern.endswith("/"):
+            return path.startswith(pattern)
+        return fnmatch.fnmatchcase(path, pattern) and "/" not in path[len(
+            pattern.rsplit("/", 1)[0]) + 1:]
+
+    assert any(owns(r) for r in rules), path
