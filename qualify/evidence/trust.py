@@ -492,11 +492,12 @@ def check_change(root: TrustRoot, contract_path: Path, contract: Contract) -> Tr
                     file=str(mine), what="policy", change="added",
                     detail=f"the trust root {root.name} has no policy for {contract.name}: "
                            + "; ".join(_diff({}, doc))))
-            elif policy_digest(doc) != policy.digest:
+            elif policy_digest(doc) != policy_digest(root_doc):
                 changes.append(TrustChange(
                     file=str(mine), what="policy", change="altered",
-                    detail="; ".join(_diff(root_doc, doc)) + f" (digest {policy.digest[:12]}"
-                    f" in {root.name}, {policy_digest(doc)[:12]} here)"))
+                    detail="; ".join(_diff(root_doc, doc)) + f" (digest "
+                    f"{policy_digest(root_doc)[:12]} in {root.name}, {policy_digest(doc)[:12]} "
+                    "here)"))
     elif root_doc is not None:
         changes.append(TrustChange(file=str(mine), what="policy", change="removed",
                                    detail=f"the trust root {root.name} holds {policy.path}"))
