@@ -28,7 +28,7 @@ EXPECTED = {
     "sign": ["dir", "--key", "--reference", "--keys"],
     "verify": ["path", "--keys", "--contract", "--contracts-dir", "--reference", "--json"],
     "gate": ["evidence_dir", "--contract", "--allow-not-run", "--policy", "--sources-root",
-             "--json", "--junit-xml", "--summary", "--reference", "--keys"],
+             "--json", "--junit-xml", "--summary", "--reference", "--trust-from", "--keys"],
     "audit": ["dirs", "--format", "--output", "--junit-xml", "--contracts-dir",
               "--sources-root", "--keys"],
     "sbatch": ["sbatch_command"],

@@ -300,7 +300,7 @@ CLI_SURFACE = {
     "sign": ["dir", "--key", "--reference", "--keys"],
     "verify": ["path", "--keys", "--contract", "--contracts-dir", "--reference", "--json"],
     "gate": ["evidence_dir", "--contract", "--allow-not-run", "--policy", "--sources-root",
-             "--json", "--reference", "--keys"],
+             "--json", "--reference", "--trust-from", "--keys"],
     "audit": ["dirs", "--format", "--output", "--contracts-dir", "--sources-root", "--keys"],
 }
 

@@ -113,7 +113,8 @@ def _cmd_gate(args: argparse.Namespace) -> ExitCode:
         _existing_dir(args.sources_root, "--sources-root")
     result = gate(evidence, args.contract, allow_not_run=args.allow_not_run,
                   trusted_keys_dir=args.keys, reference_dir=args.reference, json_out=args.json,
-                  policy=args.policy, sources_root=args.sources_root)
+                  policy=args.policy, sources_root=args.sources_root,
+                  trust_from=args.trust_from)
     print_gate(result)
     _write_ci_views(args, result)
     return result.exit_code
@@ -218,6 +219,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="OUT", help="write the decision (gate.schema.json)")
     _ci_views_args(p)
     p.add_argument("--reference", metavar="DIR", help="the runs' reference (default run.json)")
+    p.add_argument("--trust-from", metavar="ROOT",
+                   help="take trusted keys, gate policy and contract from a protected root: "
+                        "a git ref (origin/main, the merge base) or a directory outside the "
+                        "checkout laid out as contracts/ (keys/, gates/, <name>.toml); a "
+                        "change that alters them is refused (exit 3). Not with --keys or "
+                        "--policy")
     _keys_arg(p)
     p.set_defaults(func=_cmd_gate)
 

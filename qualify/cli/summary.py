@@ -190,9 +190,12 @@ def print_gate(result: GateResult, *, out: Console | None = None) -> None:
     word = {0: "PASS", 1: "FAIL", 3: "INTEGRITY ERROR"}.get(int(result.exit_code), "?")
     con.print(f"qualify gate: {word} (exit {int(result.exit_code)})", highlight=False,
               soft_wrap=True)
+    con.print(result.trust_root.line, markup=False, highlight=False, soft_wrap=True)
     for c in result.contracts:
         con.print(f"[{c.contract} {c.contract_digest[:12]}] {c.message}", markup=False,
                   highlight=False, soft_wrap=True)
+        for t in c.trust_changes:
+            con.print(f"  trust: {t.line}", markup=False, highlight=False, soft_wrap=True)
         for note in c.notes:
             con.print(f"  note: {note}", markup=False, highlight=False, soft_wrap=True)
         v = c.verification

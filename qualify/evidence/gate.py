@@ -24,6 +24,16 @@ A policy edited since the run (its digest differs from the one the run recorded 
 ``sources.json``) is reported ("policy edited since the run ... evaluating with the current
 policy") and the current policy decides: a policy is updated without re-running.
 
+With ``trust_from`` (``qualify gate --trust-from ROOT``: a git ref such as the merge base,
+or a directory outside the checkout; :mod:`qualify.evidence.trust`), the trusted keys, the
+gate policy and the contract come from that protected root, never from the change being
+judged. A change whose ``contracts/keys/`` holds a key the root does not trust, or whose
+gate policy or contract differs from the root's, is refused with exit ``3`` (one line per
+file: :attr:`ContractDecision.trust_changes`); the evidence is still verified and
+evaluated under the root's keys and policy, and that outcome is reported in the message
+(not when the contract itself differs: then it is not judged). Without ``trust_from`` the
+checkout is its own trust root. The root used heads the summary and is in the JSON.
+
 Several contracts combine by the worst code (3 over 1 over 0). The decision is written as
 JSON (``contracts/schema/gate.schema.json``) and summarised for a human.
 """
@@ -44,6 +54,14 @@ from qualify.evidence.sources import recorded_policy_digest, stale_cells
 from qualify.evidence.statement import RUN_KIND
 from qualify.evidence.steps import VerificationResult
 from qualify.evidence.timestamps import utc_now_iso
+from qualify.evidence.trust import (
+    CHECKOUT,
+    TrustChange,
+    TrustCheck,
+    TrustRoot,
+    check_change,
+    resolve_trust_root,
+)
 from qualify.evidence.verify import verify
 from qualify.jsonio import read_json
 from qualify.layout import INCOMPLETE_INFIX, REPORT_JSON, REPORT_MD
@@ -82,6 +100,8 @@ class ContractDecision:
         message: one line for a human.
         policy: the policy applied (``None`` when it was not reached).
         notes: further lines for a human (an edited policy, ...).
+        trust_changes: checkout files that alter the trust root (``--trust-from``): the
+            gate refuses the change (exit 3) when any.
     """
 
     contract: str
@@ -95,6 +115,7 @@ class ContractDecision:
     message: str
     policy: Policy | None = None
     notes: tuple[str, ...] = ()
+    trust_changes: tuple[TrustChange, ...] = ()
 
     @property
     def failed_cells(self) -> tuple[str, ...]:
@@ -124,7 +145,8 @@ class ContractDecision:
                 "failed_cells": list(self.failed_cells),
                 "allowed_not_run": list(self.allowed_not_run),
                 "policy": None if self.policy is None else self.policy.to_dict(),
-                "notes": list(self.notes)}
+                "notes": list(self.notes),
+                "trust_changes": [t.to_dict() for t in self.trust_changes]}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,12 +158,14 @@ class GateResult:
         allow_not_run: the policy globs.
         contracts: one decision per contract, in command-line order.
         created: when the decision was made (ISO-8601 UTC).
+        trust_root: where the keys, policy and contract came from.
     """
 
     evidence_dir: Path
     allow_not_run: tuple[str, ...]
     contracts: tuple[ContractDecision, ...]
     created: str
+    trust_root: TrustRoot = CHECKOUT
 
     @property
     def exit_code(self) -> ExitCode:
@@ -167,15 +191,17 @@ class GateResult:
                 "evidence_dir": str(self.evidence_dir), "result": result,
                 "exit_code": int(self.exit_code),
                 "policy": {"allow_not_run": list(self.allow_not_run)},
+                "trust_root": self.trust_root.to_dict(),
                 "contracts": [c.to_dict() for c in self.contracts]}
 
     def summary_lines(self) -> list[str]:
         """The plain-text summary (the rich table is :mod:`qualify.cli.summary`'s)."""
         word = {ExitCode.OK: "PASS", ExitCode.QUALIFICATION_FAILED: "FAIL",
                 ExitCode.INTEGRITY_ERROR: "INTEGRITY ERROR"}[self.exit_code]
-        out = [f"qualify gate: {word} (exit {int(self.exit_code)})"]
+        out = [f"qualify gate: {word} (exit {int(self.exit_code)})", self.trust_root.line]
         for c in self.contracts:
             out.append(f"[{c.contract} {c.contract_digest[:12]}] {c.message}")
+            out += [f"  trust: {t.line}" for t in c.trust_changes]
             out += [f"  note: {n}" for n in c.notes]
             v = c.verification
             if v is not None and not v.passed:
@@ -266,9 +292,10 @@ def _evaluate(run_dir: Path, contract: Contract, policy: Policy, allow: Sequence
 def _decide(evidence_dir: Path, contract_path: Path, allow: Sequence[str], *,
             trusted_keys_dir: str | Path | None, reference_dir: str | Path | None,
             policy_path: str | Path | None,
-            sources_root: str | Path | None) -> ContractDecision:
+            sources_root: str | Path | None,
+            trust: TrustCheck | None = None) -> ContractDecision:
     contract = load_contract(contract_path)
-    policy = policy_for(contract, policy_path)
+    policy = trust.policy if trust is not None else policy_for(contract, policy_path)
     found = find_evidence(evidence_dir)
     runs = _runs_of(found, contract.name)
     run = max(runs, key=lambda e: (e.date or "", e.path.name)) if runs else None
@@ -296,7 +323,8 @@ def _decide(evidence_dir: Path, contract_path: Path, allow: Sequence[str], *,
         return decision(code=ExitCode.INTEGRITY_ERROR,
                         message=f"newest run {run.path} is incomplete: {run.reason}")
     result = verify(run.path, trusted_keys_dir=trusted_keys_dir, contract=contract_path,
-                    reference_dir=reference_dir)
+                    reference_dir=reference_dir,
+                    trusted=trust.trusted if trust is not None else None)
     if not result.passed:
         first = result.failed_steps[0] if result.failed_steps else None
         what = f"step {first.number} ({first.name})" if first else "verification"
@@ -323,11 +351,41 @@ def _decide(evidence_dir: Path, contract_path: Path, allow: Sequence[str], *,
                     message=f"{head}, {len(bad)} not passed: {', '.join(bad)}" if bad else head)
 
 
+def _decide_from_root(evidence_dir: Path, contract_path: Path, allow: Sequence[str],
+                      root: TrustRoot, *, reference_dir: str | Path | None,
+                      sources_root: str | Path | None) -> ContractDecision:
+    """:func:`_decide` with keys, policy and contract from ``root``; a change refused."""
+    contract = load_contract(contract_path)
+    check = check_change(root, contract_path, contract)
+    n = len(check.changes)
+    refused = (f"refused: {n} trust file{'s' if n != 1 else ''} of this change "
+               f"{'differ' if n != 1 else 'differs'} from the trust root {root.name}, which alone decides keys, policy and contract (land "
+               "such a change there first, docs/ci-gating.md)")
+    if check.contract_changed:
+        return ContractDecision(contract=contract.name, contract_path=contract_path,
+                                contract_digest=contract.digest, run_dir=None, run_id=None,
+                                verification=None, cells=(),
+                                exit_code=ExitCode.INTEGRITY_ERROR, policy=check.policy,
+                                message=f"{refused}; the contract differs, so the evidence "
+                                        "is not judged", notes=check.notes,
+                                trust_changes=check.changes)
+    d = _decide(evidence_dir, contract_path, allow, trusted_keys_dir=None,
+                reference_dir=reference_dir, policy_path=None, sources_root=sources_root,
+                trust=check)
+    d = dataclasses.replace(d, notes=(*d.notes, *check.notes))
+    if not check.changes:
+        return d
+    return dataclasses.replace(d, exit_code=ExitCode.INTEGRITY_ERROR,
+                               trust_changes=check.changes,
+                               message=f"{refused}; under the trust root (exit "
+                                       f"{int(d.exit_code)}): {d.message}")
+
+
 def gate(evidence_dir: str | Path, contracts: Sequence[str | Path], *,
          allow_not_run: Sequence[str] = (), trusted_keys_dir: str | Path | None = None,
          reference_dir: str | Path | None = None, json_out: str | Path | None = None,
          policy: str | Path | None = None, sources_root: str | Path | None = None,
-         ) -> GateResult:
+         trust_from: str | None = None) -> GateResult:
     """Decide whether committed evidence qualifies every contract.
 
     Args:
@@ -341,29 +399,47 @@ def gate(evidence_dir: str | Path, contracts: Sequence[str | Path], *,
             ``contracts/gates/<name>.toml`` beside each contract, else none).
         sources_root: the code the runs' ``sources.json`` is compared with (default: the
             code this process runs, :func:`qualify.resources.repo_root`).
+        trust_from: a protected trust root (a git ref, or a directory laid out as
+            ``contracts/``; :func:`qualify.evidence.trust.resolve_trust_root`): keys,
+            policy and contract come from there, and a change altering them is refused
+            (exit 3). ``None``: the checkout is its own trust root.
 
     Returns:
         The :class:`GateResult`; integrity problems are reported there, never raised.
 
     Raises:
         ContractError: a contract or policy file is missing or invalid (exit 2).
-        UsageError: no contract given, ``policy`` with several contracts, or a trusted
-            key file is malformed.
+        UsageError: no contract given, ``policy`` with several contracts, a trusted
+            key file is malformed, ``trust_from`` with ``trusted_keys_dir`` or ``policy``
+            (the root alone decides them), or a ``trust_from`` that names no readable
+            root (a bad ref, a missing directory, one inside the checkout).
     """
     if not contracts:
         raise UsageError("gate: give at least one --contract")
     if policy is not None and len(contracts) > 1:
         raise UsageError("gate: --policy applies to one --contract; give one, or put each "
                          "policy at contracts/gates/<name>.toml")
+    if trust_from is not None and (trusted_keys_dir is not None or policy is not None):
+        raise UsageError("gate: --trust-from takes the trusted keys and the policy from the "
+                         "trust root; drop --keys / --policy")
     ev = Path(evidence_dir)
     if not ev.is_dir():
         raise UsageError(f"{ev}: evidence directory not found")
-    decisions = tuple(_decide(ev, Path(c), list(allow_not_run),
-                              trusted_keys_dir=trusted_keys_dir, reference_dir=reference_dir,
-                              policy_path=policy, sources_root=sources_root)
-                      for c in contracts)
+    root = CHECKOUT if trust_from is None else \
+        resolve_trust_root(trust_from, checkout=Path(contracts[0]).parent)
+    if root is CHECKOUT:
+        decisions = tuple(_decide(ev, Path(c), list(allow_not_run),
+                                  trusted_keys_dir=trusted_keys_dir,
+                                  reference_dir=reference_dir, policy_path=policy,
+                                  sources_root=sources_root)
+                          for c in contracts)
+    else:
+        decisions = tuple(_decide_from_root(ev, Path(c), list(allow_not_run), root,
+                                            reference_dir=reference_dir,
+                                            sources_root=sources_root)
+                          for c in contracts)
     result = GateResult(evidence_dir=ev, allow_not_run=tuple(allow_not_run),
-                        contracts=decisions, created=utc_now_iso())
+                        contracts=decisions, created=utc_now_iso(), trust_root=root)
     if json_out is not None:
         store.atomic_write_json(json_out, result.to_dict(), schema=GATE_SCHEMA)
     return result

@@ -111,20 +111,22 @@ def _cell_case(suite: ET.Element, contract: str, cell: CellOutcome) -> str:
     return "failures"
 
 
-def _contract_suite(root: ET.Element, decision: ContractDecision) -> None:
+def _contract_suite(root: ET.Element, decision: ContractDecision, trust_root: str) -> None:
     suite = ET.SubElement(root, "testsuite", {"name": _xml_text(decision.contract)})
     counts: Counter[str] = Counter()
     props = ET.SubElement(suite, "properties")
     for name, value in (("contract_digest", decision.contract_digest),
                         ("run_id", decision.run_id or ""),
                         ("exit_code", str(int(decision.exit_code))),
-                        ("decision", _DECISION.get(decision.exit_code, "?"))):
+                        ("decision", _DECISION.get(decision.exit_code, "?")),
+                        ("trust_root", trust_root)):
         ET.SubElement(props, "property", {"name": name, "value": _xml_text(value)})
     verification = decision.verification
     if decision.exit_code == ExitCode.INTEGRITY_ERROR or decision.run_dir is None or (
             verification is not None and not verification.passed):
         case = _case(suite, f"qualify.{decision.contract}", "verification")
         problems = list(verification.problems) if verification is not None else []
+        problems += [f"trust: {t.line}" for t in decision.trust_changes]
         _child(case, "error", "INTEGRITY_ERROR" if decision.exit_code
                == ExitCode.INTEGRITY_ERROR else "NO_EVIDENCE",
                decision.message, "\n".join(problems))
@@ -158,7 +160,7 @@ def gate_junit(result: GateResult) -> str:
     """
     root = ET.Element("testsuites", {"name": "qualify gate"})
     for decision in result.contracts:
-        _contract_suite(root, decision)
+        _contract_suite(root, decision, result.trust_root.line)
     return _document(root)
 
 
@@ -205,14 +207,16 @@ def gate_summary_markdown(result: GateResult) -> str:
         quantity or reason).
     """
     word = _DECISION.get(result.exit_code, "?")
-    lines = [f"## qualify gate: {word} (exit {int(result.exit_code)})", ""]
+    lines = [f"## qualify gate: {word} (exit {int(result.exit_code)})", "",
+             _md(result.trust_root.line), ""]
     for c in result.contracts:
         lines += [f"### {_md(c.contract)} `{c.contract_digest[:12]}`", "",
                   _md(c.message), ""]
+        lines += [f"- trust: {_md(t.line)}" for t in c.trust_changes]
         lines += [f"- note: {_md(n)}" for n in c.notes]
         if c.verification is not None and not c.verification.passed:
             lines += [f"- problem: {_md(p)}" for p in c.verification.problems]
-        if c.notes or (c.verification is not None and not c.verification.passed):
+        if c.notes or c.trust_changes or (c.verification is not None and not c.verification.passed):
             lines.append("")
         counts = Counter(cell.outcome for cell in c.cells if cell.required)
         if counts:

@@ -44,6 +44,7 @@ __all__ = [
     "key_id",
     "load_public_key",
     "load_signing_key",
+    "parse_public_key",
     "trusted_keys",
 ]
 
@@ -265,24 +266,51 @@ def load_public_key(path: str | Path) -> tuple[str, Ed25519PublicKey]:
     """
     p = Path(path)
     try:
-        text = jsonio.read_bytes(p, max_bytes=MAX_PUBLIC_KEY_BYTES).decode("utf-8")
-    except (OSError, UnicodeDecodeError, EvidenceIntegrityError) as exc:
+        data = jsonio.read_bytes(p, max_bytes=MAX_PUBLIC_KEY_BYTES)
+    except (OSError, EvidenceIntegrityError) as exc:
         # a link, a FIFO, /dev/zero or an oversized file: refused before reading it whole
         raise UsageError(f"{p}: cannot read public key: {exc}") from None
+    return parse_public_key(data, str(p))
+
+
+def parse_public_key(data: bytes, source: str) -> tuple[str, Ed25519PublicKey]:
+    """The key of a ``*.pub`` file's content (:func:`load_public_key`'s checks).
+
+    Args:
+        data: the file's bytes (at most :data:`MAX_PUBLIC_KEY_BYTES`).
+        source: where they came from, for messages; its last ``/`` component is the file
+            name whose ``-<hex>`` suffix must agree with the key id (a path, or a git
+            ``REF:path``).
+
+    Returns:
+        ``(keyid, public key)``.
+
+    Raises:
+        UsageError: oversized, not UTF-8, not an Ed25519 PEM public key, or a key id in the
+            name or the comment that is not the key's.
+    """
+    if len(data) > MAX_PUBLIC_KEY_BYTES:
+        raise UsageError(f"{source}: cannot read public key: {len(data)} bytes, over the "
+                         f"{MAX_PUBLIC_KEY_BYTES}-byte limit of a key file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{source}: cannot read public key: {exc}") from None
     pem = "".join(line + "\n" for line in text.splitlines() if not line.startswith("#"))
     try:
         key = serialization.load_pem_public_key(pem.encode("ascii"))
     except (ValueError, UnicodeEncodeError) as exc:
-        raise UsageError(f"{p}: not a PEM public key: {exc}") from None
+        raise UsageError(f"{source}: not a PEM public key: {exc}") from None
     if not isinstance(key, Ed25519PublicKey):
-        raise UsageError(f"{p}: not an Ed25519 public key ({type(key).__name__})")
+        raise UsageError(f"{source}: not an Ed25519 public key ({type(key).__name__})")
     kid = key_id(key)
     m = _COMMENT_KEYID_RE.search(text)
     if m and m.group(1) != kid:
-        raise UsageError(f"{p}: '# keyid: {m.group(1)[:16]}...' is not the key's id {kid}")
-    m = _FILE_KEYID_RE.search(p.name.removesuffix(PUBLIC_KEY_SUFFIX))
+        raise UsageError(f"{source}: '# keyid: {m.group(1)[:16]}...' is not the key's id {kid}")
+    name = source.rsplit("/", 1)[-1]
+    m = _FILE_KEYID_RE.search(name.removesuffix(PUBLIC_KEY_SUFFIX))
     if m and not kid.startswith(m.group(1)):
-        raise UsageError(f"{p}: file name names keyid {m.group(1)}, the key's id is {kid}")
+        raise UsageError(f"{source}: file name names keyid {m.group(1)}, the key's id is {kid}")
     return kid, key
 
 

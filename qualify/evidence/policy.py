@@ -67,6 +67,9 @@ __all__ = [
     "evaluate",
     "find_policy",
     "load_policy",
+    "parse_policy",
+    "policy_digest",
+    "policy_document",
     "policy_for",
 ]
 
@@ -209,13 +212,47 @@ def load_policy(path: str | Path, contract: Contract) -> Policy:
     """
     p = Path(path)
     try:
-        doc = tomllib.loads(p.read_text(encoding="utf-8"))
+        text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ContractError(f"{p}: gate policy not found") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ContractError(f"{p}: cannot read the gate policy: {exc}") from None
+    return parse_policy(text, contract, path=p)
+
+
+def policy_document(text: str, *, path: Path | str) -> dict[str, Any]:
+    """The parsed TOML of a policy (not yet validated), for :attr:`Policy.digest`.
+
+    Raises:
+        ContractError: not valid TOML (one line naming ``path``).
+    """
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ContractError(f"{p}: invalid TOML: {exc}") from None
+        raise ContractError(f"{path}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ContractError(f"{path}: invalid TOML: nested too deeply for the parser") from None
+
+
+def policy_digest(doc: Mapping[str, Any]) -> str:
+    """:attr:`Policy.digest` of a parsed policy document (comments and layout ignored)."""
+    return sha256_hex(canonical_json(doc))
+
+
+def parse_policy(text: str, contract: Contract, *, path: Path) -> Policy:
+    """Validate and resolve a policy's TOML text against ``contract`` (:func:`load_policy`).
+
+    Args:
+        text: the policy TOML.
+        contract: the contract it gates.
+        path: where the text came from (messages and :attr:`Policy.path`; a file, or a git
+            ``REF:path`` label).
+
+    Raises:
+        ContractError: as :func:`load_policy`.
+    """
+    p = path
+    doc = policy_document(text, path=p)
     problem = first_error(doc, POLICY_SCHEMA)
     if problem is not None:
         raise ContractError(f"{p}: {problem} (schema {POLICY_SCHEMA}.schema.json)")
@@ -268,7 +305,7 @@ def load_policy(path: str | Path, contract: Contract) -> Policy:
         seen.add(a["cells"])
         allowed.append(AllowedNotRun(cells=a["cells"], reason=a["reason"],
                                      upstream=a.get("upstream")))
-    return Policy(contract=contract.name, path=p, digest=sha256_hex(canonical_json(doc)),
+    return Policy(contract=contract.name, path=p, digest=policy_digest(doc),
                   required=required, expected_failures=tuple(xfails),
                   allowed_not_run=tuple(allowed))
 
