@@ -151,6 +151,8 @@ def collect(attempt_dir: Path, *, module: str, expected: int, started_ns: int,
             bucket = in_dists[dist]
         else:
             continue
+        if not name.isprintable():  # kept, escaped: no such file, so the cell is stale
+            name = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in name)
         try:
             stat = os.stat(real)
             bucket[name] = sha256_file(real)
