@@ -181,7 +181,7 @@ def test_a_malformed_record_is_refused(code: Path, tmp_path: Path) -> None:
     rec = record(code, [SITE])
     rec["launches"][0]["checkout"] = {"x\n[ok] 5.": "0" * 64}  # a forged output line
     run = make_run(tmp_path, code, {TRAINER: {}}, {TRAINER: rec})
-    with pytest.raises(EvidenceIntegrityError, match="imports.json: launches.0.checkout"):
+    with pytest.raises(EvidenceIntegrityError, match=r"imports\.json: launches\.0\.checkout"):
         stale_cells(run, code)
 
 

@@ -49,7 +49,6 @@ from qualify.evidence.sources import check_resume_sources, write_sources
 from qualify.layout import (
     CELLS_DIR,
     CONTRACT_FILE,
-    IMPORTS_FILE,
     INCOMPLETE_INFIX,
     INPUTS_DIR,
     LAUNCHES_DIR,
@@ -358,9 +357,8 @@ def _split_outputs(result: LaunchResult, attempt: Path, launch_: Launch, cell: C
     The cell's ``outputs.json`` gains ``param_sampling``
     (:func:`qualify.sampling.sampling_summary`: which per-parameter statistics are exact,
     which estimated from the contract's sample, with each sample's standard-error factor).
-    The cell's ``imports.json`` holds the import records of the launch and of every launch
-    attempt in ``consumed`` (a resume cell's save launch, whose checkpoint it restored):
-    its staleness follows all of them (:mod:`qualify.evidence.imports`).
+    Its ``imports.json`` holds the import records of the launch and of ``consumed`` (a
+    resume cell's save launch, :func:`qualify.evidence.imports.inherit`).
 
     Returns:
         The cell's ``(status, reason)``: ``COMPLETE``, or ``ERROR`` when the launch
@@ -382,10 +380,7 @@ def _split_outputs(result: LaunchResult, attempt: Path, launch_: Launch, cell: C
             "role": cell.role, "tp": cell.tp,
             "param_sampling": sampling_summary(contract.evidence, numels,
                                                _stored_elements(mine))})
-    records = [r for a in (attempt, *consumed)
-               if (r := imports.read_record(a / IMPORTS_FILE)) is not None]
-    if records:
-        store.atomic_write_json(cell_attempt / IMPORTS_FILE, imports.merge_records(records))
+    imports.inherit(cell_attempt, (attempt, *consumed))
     logs = attempt / LOGS_DIR
     if logs.is_dir() and status != "OK":  # a complete cell's logs stay in its launch attempt
         shutil.copytree(logs, cell_attempt / LOGS_DIR, dirs_exist_ok=True)

@@ -38,7 +38,7 @@ import os
 import shutil
 import sys
 import sysconfig
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -49,8 +49,8 @@ from qualify.jsonio import read_json
 from qualify.layout import IMPORTS_FILE, IMPORTS_RAW_DIR, LOGS_DIR
 from qualify.resources import is_checkout, repo_root
 
-__all__ = ["collect", "engine_distributions", "merge_records", "raw_dir", "read_record",
-           "record_changes"]
+__all__ = ["collect", "engine_distributions", "inherit", "merge_records", "raw_dir",
+           "read_record", "record_changes"]
 
 SCHEMA: Final = "imports"
 
@@ -181,6 +181,29 @@ def merge_records(docs: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """One record holding every launch of ``docs`` (a cell that consumed several launches)."""
     return {"schema_version": 1,
             "launches": [launch for doc in docs for launch in doc["launches"]]}
+
+
+def inherit(cell_attempt: Path, launches: Sequence[Path]) -> dict[str, Any] | None:
+    """Write ``<cell_attempt>/imports.json``: the records of the launch attempts it consumed.
+
+    Args:
+        cell_attempt: a cell's attempt directory (before it is sealed).
+        launches: the launch attempts whose outputs (or checkpoint) the cell holds; those
+            without ``imports.json`` are skipped.
+
+    Returns:
+        The merged record, or ``None`` (none of them has one: nothing is written).
+
+    Raises:
+        EvidenceIntegrityError: a launch's record is malformed.
+        OSError: the record cannot be written.
+    """
+    records = [r for a in launches if (r := read_record(a / IMPORTS_FILE)) is not None]
+    if not records:
+        return None
+    doc = merge_records(records)
+    atomic.write_json(cell_attempt / IMPORTS_FILE, doc)
+    return doc
 
 
 def read_record(path: Path) -> dict[str, Any] | None:
