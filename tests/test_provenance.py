@@ -48,12 +48,16 @@ def _sha(path: Path) -> str:
 
 def record(root: Path, files: Sequence[str], *, label: str = "l/attempt-1",
            expected: int = 1, ranks: Sequence[int] = (0,),
-           modified: Sequence[str] = ()) -> dict[str, Any]:
+           modified: Sequence[str] = (), top_level: Sequence[str] | None = None
+           ) -> dict[str, Any]:
     """An ``imports.json`` document of one launch over ``files`` (relative to ``root``)."""
-    return {"schema_version": 1, "launches": [{
+    rec: dict[str, Any] = {
         "launch": label, "processes_expected": expected, "ranks_recorded": list(ranks),
         "processes_recorded": len(ranks), "checkout": {f: _sha(root / f) for f in files},
-        "distributions": {}, "modified_during_launch": list(modified)}]}
+        "distributions": {}, "modified_during_launch": list(modified)}
+    if top_level is not None:
+        rec["top_level"] = list(top_level)
+    return {"schema_version": 1, "launches": [rec]}
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +155,30 @@ def test_the_record_is_the_authority_for_the_harness_files(code: Path, tmp_path:
     stale = stale_cells(run, tree)
     assert set(stale) == {TRAINER, CRITIC, OTHER, SAMPLER, RESUME}
     assert all("qualify/bounds.py" in v for v in stale.values())
+
+
+def test_a_module_added_on_the_launch_path_after_the_run_makes_its_cells_stale(
+        code: Path, tmp_path: Path) -> None:
+    """The root leads every launch's PYTHONPATH: a ``sitecustomize.py`` (which ``site``
+    imports in every interpreter) or a module shadowing an imported top-level name, added
+    after the run, changes what would run now."""
+    tree = tmp_path / "checkout"
+    shutil.copytree(code, tree)
+    (tree / SITE).unlink()
+    names = ["harnesses", "qualify", "sitecustomize", "torch", "usercustomize"]
+    run = make_run(tmp_path, tree, {TRAINER: {}, SAMPLER: {"weights_from": TRAINER}}, {
+        TRAINER: record(tree, ["harnesses/__init__.py", "harnesses/torch_tp/harness.py",
+                               "qualify/__init__.py"], top_level=names),
+        SAMPLER: record(tree, ["harnesses/__init__.py", "harnesses/vllm/harness.py"],
+                        top_level=["harnesses"])})
+    assert stale_cells(run, tree) == {}
+    (tree / SITE).write_text("import os\n")
+    (tree / "torch").mkdir()
+    (tree / "torch" / "__init__.py").write_text("")
+    added = ["sitecustomize.py (added on the launch path)",
+             "torch/__init__.py (added on the launch path)"]
+    assert stale_cells(run, tree) == {TRAINER: added,
+                                      SAMPLER: [f"via {TRAINER}: {a}" for a in added]}
 
 
 def test_a_record_that_cannot_prove_what_ran_is_stale(code: Path, tmp_path: Path) -> None:
@@ -272,6 +300,7 @@ def test_a_real_launch_records_every_rank_and_the_launch_path_module(
     assert set(launch_rec["checkout"]) == {SITE, "pkg_fake/__init__.py", "pkg_fake/harness.py"}
     assert launch_rec["checkout"][SITE] == _sha(root / SITE)
     assert launch_rec["modified_during_launch"] == []
+    assert {"pkg_fake", "sitecustomize", "usercustomize", "json"} <= set(launch_rec["top_level"])
     assert not (att / "logs" / "imports").exists()  # the per-process lists are merged away
     assert imports.record_changes(doc, root) == []
     (root / SITE).write_text("LAUNCH_PATH_HOOK = 2\n")

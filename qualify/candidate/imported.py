@@ -7,14 +7,15 @@ launcher, :mod:`qualify.candidate.warm`; every process that enters through the h
 :func:`harnesses.common.harness_main`, or the launch trampoline; the vLLM sampler harness)
 writes there, as it ends, ``<RANK>-<pid>.json``::
 
-    {"rank": 0, "pid": 1234, "files": ["/abs/path/of/every/imported/module/file.py", ...]}
+    {"rank": 0, "pid": 1234, "files": ["/abs/path/of/every/imported/module/file.py", ...],
+     "modules": ["harnesses", "qualify", "sitecustomize", "torch", ...]}
 
 ``files``: the resolved ``__file__`` of every module in :data:`sys.modules` (``__main__``,
 ``sitecustomize``, ``usercustomize`` and what ``.pth`` files imported included) and of every
-file :func:`note` was given (the entry point :mod:`runpy` ran), outside the standard
-library. Nothing is hashed here: the launcher classifies and hashes the files once
-per launch, and flags every file modified after the launch began
-(:func:`qualify.evidence.imports.collect`).
+file :func:`note` was given (the entry point :mod:`runpy` ran); ``modules``:
+:func:`top_level_names`. Nothing is hashed here: the launcher
+classifies and hashes the files once per launch, and flags every file modified after the
+launch began (:func:`qualify.evidence.imports.collect`).
 
 It is written when the interpreter exits (:mod:`atexit`) and also on ``os._exit`` (which
 the warm launcher's ranks and :func:`harnesses.common.exit_now` end with; wrapped here, as
@@ -32,11 +33,11 @@ import contextlib
 import json
 import os
 import sys
-import sysconfig
 from pathlib import Path
 from typing import Any, Final
 
-__all__ = ["IMPORTS_DIR_ENV", "install", "loaded_files", "note", "write_record"]
+__all__ = ["IMPORTS_DIR_ENV", "install", "loaded_files", "note", "top_level_names",
+           "write_record"]
 
 IMPORTS_DIR_ENV: Final = "QUALIFY_IMPORTS_DIR"
 """Where a launch's processes write their records (unset: nothing is recorded)."""
@@ -45,34 +46,36 @@ _state: dict[str, Any] = {"installed_pid": None, "written_pid": None}
 _noted: set[str] = set()
 
 
-def _stdlib_prefixes() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    return tuple({os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib")
-                  if k in paths})
-
-
 def loaded_files() -> list[str]:
-    """The resolved files of every module this process has imported, outside the stdlib.
+    """The files of every module this process has imported (and :func:`note` was given).
 
     Returns:
-        Sorted absolute paths (symlinks resolved) of existing files: each module's
-        ``__file__`` (``__spec__.origin`` when it has none), namespace packages and
-        built-in modules excluded.
+        Sorted absolute paths (not resolved, not checked: string operations only, so that
+        a rank of thousands of modules ends at once; the launcher filters and resolves):
+        each module's ``__file__`` (``__spec__.origin`` when it has none), namespace
+        packages and built-in modules excluded.
     """
-    skip = _stdlib_prefixes()
-    out: set[str] = {p for p in _noted if os.path.isfile(p)}
+    out: set[str] = set(_noted)
     for module in list(sys.modules.values()):
         path = getattr(module, "__file__", None)
         if not isinstance(path, str):
             spec = getattr(module, "__spec__", None)
             path = getattr(spec, "origin", None)
-        if not isinstance(path, str) or not path:
-            continue
-        real = os.path.realpath(path)
-        if real.startswith(skip) or not os.path.isfile(real):
-            continue
-        out.add(real)
+        if isinstance(path, str) and path and path not in ("built-in", "frozen"):
+            out.add(os.path.abspath(path))
     return sorted(out)
+
+
+def top_level_names() -> list[str]:
+    """The top-level names this process imported, and the names ``site`` probes.
+
+    A file of one of these names added later at the front of the path (the code root,
+    first on the launch's ``PYTHONPATH``) would shadow what ran: ``sitecustomize`` and
+    ``usercustomize`` are always listed, imported or not.
+    """
+    names = {str(n).split(".", 1)[0] for n in list(sys.modules)} | {"sitecustomize",
+                                                                     "usercustomize"}
+    return sorted(n for n in names if n.isidentifier() and n != "__main__")
 
 
 def note(path: str | os.PathLike[str] | None) -> None:
@@ -82,7 +85,7 @@ def note(path: str | os.PathLike[str] | None) -> None:
     it out of ``sys.modules`` again when it returns). ``None`` is ignored.
     """
     if path is not None:
-        _noted.add(os.path.realpath(path))
+        _noted.add(os.path.abspath(path))
 
 
 def write_record(directory: str | Path | None = None) -> Path | None:
@@ -101,7 +104,7 @@ def write_record(directory: str | Path | None = None) -> Path | None:
     try:
         rank = os.environ.get("RANK", "")
         doc = {"rank": int(rank) if rank.isdigit() else None, "pid": os.getpid(),
-               "files": loaded_files()}
+               "files": loaded_files(), "modules": top_level_names()}
         folder = Path(where)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{rank if rank.isdigit() else 'p'}-{os.getpid()}.json"

@@ -18,7 +18,9 @@ removes them. A file is kept when it is
 Files of other installed packages (torch, transformers, the engines' upstream libraries)
 are not hashed: their versions are in the environment record. Each kept file's sha256 is
 taken here, after the launch; a file whose mtime is later than the launch's start is listed
-in ``modified_during_launch`` (what ran cannot be told from what is on disk). A process
+in ``modified_during_launch`` (what ran cannot be told from what is on disk). The top-level
+names the processes imported (and ``sitecustomize`` / ``usercustomize``) are kept too: a
+module file of such a name added at the code root later would shadow what ran. A process
 that wrote no record (killed, or a harness that never called
 :func:`qualify.candidate.imported.install`) shows as ``ranks_recorded`` short of
 ``processes_expected``.
@@ -31,6 +33,8 @@ distributions): the changed, removed and unverifiable files, which
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.machinery
 import importlib.metadata
 import importlib.util
 import json
@@ -78,30 +82,42 @@ def _own_roots(root: Path) -> tuple[str, ...]:
 def engine_distributions(module: str, root: Path | None = None) -> tuple[str, ...]:
     """The distributions that provide ``module``'s top-level package, when not under ``root``.
 
-    A built-in harness (``harnesses.torch_tp.harness``, under the code root) has none; a
-    plugin's harness module, the distribution(s) whose files hold its package
-    (:func:`importlib.metadata.packages_distributions`). Nothing is imported.
+    A built-in harness (``harnesses.torch_tp.harness``, under the code root) has none, nor
+    has a module this process cannot find; a plugin's harness module, the distribution(s)
+    whose files hold its package (:func:`importlib.metadata.packages_distributions`, read
+    once per ``sys.path``). Nothing is imported.
     """
     top = module.split(".", 1)[0].split(":", 1)[0]
     base = os.path.realpath(root if root is not None else repo_root()) + os.sep
     spec = None
     with contextlib.suppress(ImportError, ValueError):
         spec = importlib.util.find_spec(top)
-    origins = [] if spec is None else [*(spec.submodule_search_locations or []), spec.origin]
+    if spec is None:  # not importable here: no installed distribution provides it
+        return ()
+    origins = [*(spec.submodule_search_locations or []), spec.origin]
     if any(isinstance(o, str) and os.path.realpath(o).startswith(base) for o in origins):
         return ()
+    return _providers(top, tuple(sys.path))
+
+
+@functools.lru_cache(maxsize=64)
+def _providers(top: str, _path: tuple[str, ...]) -> tuple[str, ...]:
+    """The distributions whose files hold top-level package ``top`` (one scan per path)."""
     return tuple(sorted(set(importlib.metadata.packages_distributions().get(top, []))))
 
 
 def _distribution_files(name: str) -> tuple[str, dict[str, str]] | None:
-    """``(version, realpath -> RECORD path)`` of an installed distribution, or ``None``."""
+    """``(version, path -> RECORD path)`` of an installed distribution (both the absolute
+    and the resolved path of each file), or ``None``."""
     try:
         dist = importlib.metadata.distribution(name)
     except importlib.metadata.PackageNotFoundError:
         return None
     files = {}
     for rel in dist.files or ():
-        files[os.path.realpath(str(dist.locate_file(rel)))] = Path(str(rel)).as_posix()
+        where = str(dist.locate_file(rel))
+        for key in (os.path.abspath(where), os.path.realpath(where)):
+            files[key] = Path(str(rel)).as_posix()
     return str(dist.version), files
 
 
@@ -139,15 +155,19 @@ def collect(attempt_dir: Path, *, module: str, expected: int, started_ns: int,
     dists = {d: f for d in engine_distributions(module, base)
              if (f := _distribution_files(d)) is not None}
     by_path = {p: (d, rel) for d, (_, files) in dists.items() for p, rel in files.items()}
+    dist_roots = tuple({os.path.dirname(p) + os.sep for p in by_path})
+    plain_base = os.path.abspath(base) + os.sep
     checkout: dict[str, str] = {}
     in_dists: dict[str, dict[str, str]] = {d: {} for d in dists}
     modified: set[str] = set()
     for path in sorted({str(f) for doc in raw for f in doc["files"]}):
+        if not path.startswith((*own, plain_base, *dist_roots)):
+            continue  # neither the code nor the engine's distribution (a cheap test first)
         real = os.path.realpath(path)
         if real.startswith(own) and not real.startswith(env):
             name, bucket = Path(os.path.relpath(real, real_base)).as_posix(), checkout
-        elif real in by_path:
-            dist, name = by_path[real]
+        elif real in by_path or path in by_path:
+            dist, name = by_path.get(real) or by_path[path]
             bucket = in_dists[dist]
         else:
             continue
@@ -162,6 +182,7 @@ def collect(attempt_dir: Path, *, module: str, expected: int, started_ns: int,
         if stat.st_mtime_ns > started_ns:
             modified.add(name)
     ranks = sorted({int(d["rank"]) for d in raw if isinstance(d.get("rank"), int)})
+    names = sorted({str(n) for d in raw for n in d.get("modules") or () if str(n).isidentifier()})
     doc = {"schema_version": 1, "launches": [{
         "launch": label or f"{attempt_dir.parent.name}/{attempt_dir.name}",
         "processes_expected": max(1, expected),
@@ -170,7 +191,7 @@ def collect(attempt_dir: Path, *, module: str, expected: int, started_ns: int,
         "checkout": checkout,
         "distributions": {d: {"version": v, "files": in_dists[d]}
                           for d, (v, _) in dists.items()},
-        "modified_during_launch": sorted(modified)}]}
+        "modified_during_launch": sorted(modified), "top_level": names}]}
     schema.validate(doc, SCHEMA, what=str(attempt_dir / IMPORTS_FILE))
     atomic.write_json(attempt_dir / IMPORTS_FILE, doc)
     shutil.rmtree(raw_dir(attempt_dir), ignore_errors=True)
@@ -222,32 +243,48 @@ def read_record(path: Path) -> dict[str, Any] | None:
     return doc
 
 
-def _digest(path: Path, cache: MutableMapping[str, str | None]) -> str | None:
+def _digest(path: Path, cache: MutableMapping[str, Any]) -> str | None:
     key = str(path)
     if key not in cache:
         try:
             cache[key] = sha256_file(path) if path.is_file() else None
         except OSError:
             cache[key] = None
-    return cache[key]
+    found: str | None = cache[key]
+    return found
+
+
+def _shadows(root: Path, name: str, cache: MutableMapping[str, Any]) -> list[str]:
+    """Files at ``root`` that ``import name`` would find first (``root`` leads the path)."""
+    key = f"shadows:{root}:{name}"
+    if key not in cache:
+        suffixes = importlib.machinery.all_suffixes()
+        cands = [f"{name}{s}" for s in suffixes] + [f"{name}/__init__{s}" for s in suffixes]
+        cache[key] = [c for c in cands if (root / c).is_file()]
+    found: list[str] = cache[key]
+    return found
 
 
 def record_changes(doc: Mapping[str, Any], root: Path,
-                   cache: MutableMapping[str, str | None] | None = None) -> list[str]:
+                   cache: MutableMapping[str, Any] | None = None) -> list[str]:
     """What in ``doc`` differs from the code at ``root`` and the installed distributions.
 
     Args:
         doc: an ``imports.json`` document (:func:`read_record`).
         root: the checkout the ``checkout`` files are compared with.
-        cache: path -> sha256 (``None``: not a file) shared between calls.
+        cache: shared between calls (path -> sha256, ``None``: not a file; the files that
+            shadow a name).
 
     Returns:
         One line per problem, sorted: ``path`` (changed), ``path (removed)``, ``path
         (modified during launch L)``, ``dist: path`` / ``dist: path (removed)`` for a
         plugin's files, ``dist not installed here: N imported files cannot be checked``,
-        and ``imports not recorded by ranks ... of launch L: cannot prove freshness``.
+        ``path (added on the launch path)`` (a module file now at ``root`` under a
+        top-level name the processes imported or ``site`` probed, ``sitecustomize``: it
+        would shadow what ran), and ``imports not recorded by ranks ... of launch L:
+        cannot prove freshness``.
     """
-    memo: MutableMapping[str, str | None] = cache if cache is not None else {}
+    memo: MutableMapping[str, Any] = cache if cache is not None else {}
     out: set[str] = set()
     for launch in doc["launches"]:
         label = launch["launch"]
@@ -268,6 +305,9 @@ def record_changes(doc: Mapping[str, Any], root: Path,
                     out.add(f"{dist}: {rel}" + (" (removed)" if now is None else ""))
         out.update(f"{rel} (modified during launch {label})"
                    for rel in launch["modified_during_launch"])
+        out.update(f"{rel} (added on the launch path)"
+                   for name in launch.get("top_level", ())
+                   for rel in _shadows(root, name, memo) if rel not in launch["checkout"])
         missing = sorted(set(range(launch["processes_expected"]))
                          - set(launch["ranks_recorded"]))
         if missing:

@@ -264,7 +264,7 @@ def stale_cells(run_dir: str | Path, checkout_root: str | Path | None = None
         return {c: [NOT_RECORDED] for c in entries}
     common = _diff(doc[QUALIFY_SET]["files"], qualify_files(root))
     per_engine: dict[str, list[str]] = {}
-    cache: dict[str, str | None] = {}
+    cache: dict[str, Any] = {}
     own: dict[str, list[str]] = {}
     for cid, entry in entries.items():
         record = _import_record(rd, entry)
