@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save
 from torch import Tensor, nn
 
 from qualify import atomic
+from qualify.candidate import imported
 from qualify.contract import Contract
 from qualify.errors import HarnessError
 from qualify.layout import CONTRACT_FILE, MODEL_FILE
@@ -529,6 +530,7 @@ def harness_main(argv: Sequence[str] | None, *, engine: str, module: str,
     Raises:
         HarnessError: the cell names another engine.
     """
+    imported.install()  # this process's imported files, written as it ends (provenance)
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
         print(f"usage: python -m {module} {CELL_FILE}", file=sys.stderr)

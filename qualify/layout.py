@@ -56,6 +56,8 @@ __all__ = [
     "ENVIRONMENT_FILE",
     "GATES_DIR",
     "HF_REFERENCE_DIR",
+    "IMPORTS_FILE",
+    "IMPORTS_RAW_DIR",
     "INCOMPLETE_FILE",
     "INCOMPLETE_INFIX",
     "INPUTS_DIR",
@@ -374,6 +376,13 @@ SOURCES_FILE: Final = "sources.json"
 """A run's record of the code it executed (:mod:`qualify.evidence.sources`): sha256 of
 every ``qualify/`` and harness source file per engine, the engines' distribution versions,
 the contract and gate-policy digests; written at run start."""
+IMPORTS_FILE: Final = "imports.json"
+"""A launch attempt's (and each of its cells' attempts') record of the files its harness
+processes imported, with their sha256 (:mod:`qualify.evidence.imports`): what
+:func:`qualify.evidence.sources.stale_cells` checks a cell against when present."""
+IMPORTS_RAW_DIR: Final = "imports"
+"""Under an attempt's ``logs/``: each harness process's list of imported files
+(:mod:`qualify.candidate.imported`), removed once merged into :data:`IMPORTS_FILE`."""
 GATES_DIR: Final = "gates"
 """The folder of gate policies beside the contracts: ``contracts/gates/<contract>.toml``
 (:mod:`qualify.evidence.policy`)."""

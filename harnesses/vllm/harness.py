@@ -56,6 +56,7 @@ from torch import Tensor
 
 from harnesses.vllm import layout, probes, weights
 from qualify import atomic
+from qualify.candidate import imported
 from qualify.contract import Contract
 from qualify.digests import sha256_file
 from qualify.errors import HarnessError
@@ -297,6 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0 on success, 2 on a usage error (other errors propagate: non-zero exit).
     """
+    imported.install()  # this process's imported files, written as it ends (provenance)
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
         print(f"usage: python -m harnesses.vllm.harness {CELL_FILE}", file=sys.stderr)

@@ -62,8 +62,9 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from qualify import atomic, procs, schema
-from qualify.candidate import zygote, zygote_pool
+from qualify.candidate import imported, zygote, zygote_pool
 from qualify.errors import HarnessError, QualifyError, UsageError
+from qualify.evidence import imports
 from qualify.evidence.timestamps import utc_now_iso
 from qualify.layout import LAUNCHER_LOG, LOGS_DIR, RANK_LOGS_DIR
 from qualify.protocol import (
@@ -403,11 +404,11 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
     Path(cell.output_dir).mkdir(parents=True, exist_ok=True)
     atomic.write_bytes(cell_file, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
     launch_environment = launch_env(env)
-    cmd = launch_command(cell_file, module=module,
-                         world_size=cell.world_size if world_size is None else world_size,
-                         log_dir=rank_dir, env=launch_environment, launcher=launcher,
-                         preload=preload)
-    launcher_log, started = logs / LAUNCHER_LOG, utc_now_iso()
+    launch_environment[imported.IMPORTS_DIR_ENV] = str(imports.raw_dir(attempt_dir).resolve())
+    world = cell.world_size if world_size is None else world_size
+    cmd = launch_command(cell_file, module=module, world_size=world, log_dir=rank_dir,
+                         env=launch_environment, launcher=launcher, preload=preload)
+    launcher_log, started, started_ns = logs / LAUNCHER_LOG, utc_now_iso(), time.time_ns()
     t0 = time.monotonic()
     warm_cmd, cmd = cmd, zygote_pool.client_command(
         cmd, launch_environment, timeout_s,
@@ -421,6 +422,7 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, new_session=True,
                          timeout_s=left, grace_s=grace) if left > 0 else None)
     rc, wall = (None if ran is None else ran.returncode), time.monotonic() - t0
+    imports.collect(attempt_dir, module=module, expected=world, started_ns=started_ns)
     rank_logs = tuple(sorted(p for p in rank_dir.rglob("*") if p.is_file()))
 
     def result(status: LaunchStatus, reason: str, failed: int | None = None) -> LaunchResult:
@@ -575,6 +577,7 @@ def _trampoline(argv: Sequence[str]) -> int:
     if len(argv) != 2 or ":" not in argv[0]:
         print("usage: python -m qualify.candidate.launch MODULE:ATTR CELL_JSON", file=sys.stderr)
         return 2
+    imported.install()
     mod_name, attr = argv[0].split(":", 1)
     fn = getattr(importlib.import_module(mod_name), attr)
     return int(fn([argv[1]]) or 0)

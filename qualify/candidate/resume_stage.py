@@ -73,7 +73,8 @@ def run_resume_cells(contract: Contract, *, run_dir: Path, run: RunDocument,
         plan: :func:`qualify.candidate.stage.plan_launches` (topology launches of cells).
         base_cell: the launch's :class:`~qualify.protocol.HarnessCell` template (rounds,
             seed, inputs, faults, timeouts); engine, TPs, precision and options are set here.
-        split: :func:`qualify.candidate.stage._split_outputs` (one cell's share, sealed).
+        split: :func:`qualify.candidate.stage._split_outputs` (one cell's share, sealed;
+            ``consumed``: the save launch attempt, whose import record the cell inherits).
         entry: :func:`qualify.candidate.stage._cell_entry` (the ``run.json`` entry).
         launch_timeout_s: wall-clock limit of each launch.
         cuda: whether this machine has a CUDA device
@@ -122,7 +123,7 @@ def run_resume_cells(contract: Contract, *, run_dir: Path, run: RunDocument,
         for cell in lc.cells:
             cell_attempt = store.new_attempt(run_dir / CELLS_DIR / resume_cell_id(cell))
             status, why = split(result if result is not None else saved, attempt, lc, cell,
-                                cell_attempt)
+                                cell_attempt, consumed=(save,) if attempt != save else ())
             run.cells[resume_cell_id(cell)] = _entry(
                 entry, cell, status, why, str(cell_attempt.relative_to(run_dir)), after_round=k)
         store.seal(save, kind="launch-attempt")

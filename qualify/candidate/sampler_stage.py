@@ -35,10 +35,11 @@ from pathlib import Path
 from typing import Any, Final
 
 from qualify import procs
+from qualify.candidate import imported
 from qualify.candidate.launch import check_outputs, validate_cell
 from qualify.contract import CellSpec, Contract
 from qualify.errors import HarnessError
-from qualify.evidence import store
+from qualify.evidence import imports, store
 from qualify.layout import CELLS_DIR, LOGS_DIR, RESULT_FILE, RUN_FILE, RunDocument
 from qualify.protocol import (
     ACTOR_ROUND1_WEIGHTS,
@@ -183,13 +184,16 @@ def _run_one(contract: Contract, attempt: Path, *, inputs: Path, tp: int, weight
     logs = attempt / LOGS_DIR
     logs.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(repo_root()), os.environ.get("PYTHONPATH", "")])}
-    t0, started = time.perf_counter(), store.utc_now_iso()
+        [str(repo_root()), os.environ.get("PYTHONPATH", "")]),
+        imported.IMPORTS_DIR_ENV: str(imports.raw_dir(attempt).resolve())}
+    t0, started, started_ns = time.perf_counter(), store.utc_now_iso(), time.time_ns()
     status, reason = "COMPLETE", None
     with (logs / "stdout.txt").open("wb") as out, (logs / "stderr.txt").open("wb") as err:
         ran = procs.run([sys.executable, "-m", engine.module, str(attempt / CELL_FILE)],
                         stdout=out, stderr=err, env=env, timeout_s=timeout_s, cancel=stop)
     rc = ran.returncode  # None on timeout: the harness's whole process tree was ended
+    imports.collect(attempt, module=engine.module, expected=1, started_ns=started_ns,
+                    label=f"{attempt.parent.name}/{attempt.name}")
     if ran.timed_out:
         status, reason = "ERROR", f"sampler harness exceeded {timeout_s:.0f} s"
     elif ran.cancelled:

@@ -44,7 +44,7 @@ from qualify.candidate import beside, resume_stage, sampler_stage
 from qualify.candidate.launch import LaunchResult, launch_engine, prestart, read_safetensors_header
 from qualify.contract import CellSpec, Contract, cells_matching
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
-from qualify.evidence import store, tensor_index
+from qualify.evidence import imports, store, tensor_index
 from qualify.evidence.sources import check_resume_sources, write_sources
 from qualify.layout import (
     CELLS_DIR,
@@ -353,13 +353,15 @@ def _read_run(run_dir: Path) -> RunDocument | None:
 
 
 def _split_outputs(result: LaunchResult, attempt: Path, launch_: Launch, cell: CellSpec,
-                   cell_attempt: Path, *, contract: Contract,
-                   numels: dict[str, int]) -> tuple[str, str | None]:
+                   cell_attempt: Path, *, contract: Contract, numels: dict[str, int],
+                   consumed: Sequence[Path] = ()) -> tuple[str, str | None]:
     """Write one cell's share of a launch into its own attempt directory and seal it.
 
     The cell's ``outputs.json`` gains ``param_sampling``
     (:func:`qualify.sampling.sampling_summary`: which per-parameter statistics are exact,
     which estimated from the contract's sample, with each sample's standard-error factor).
+    Its ``imports.json`` holds the import records of the launch and of ``consumed`` (a
+    resume cell's save launch, :func:`qualify.evidence.imports.inherit`).
 
     Returns:
         The cell's ``(status, reason)``: ``COMPLETE``, or ``ERROR`` when the launch
@@ -381,6 +383,7 @@ def _split_outputs(result: LaunchResult, attempt: Path, launch_: Launch, cell: C
             "role": cell.role, "tp": cell.tp,
             "param_sampling": sampling_summary(contract.evidence, numels,
                                                _stored_elements(mine))})
+    imports.inherit(cell_attempt, (attempt, *consumed))
     logs = attempt / LOGS_DIR
     if logs.is_dir() and status != "OK":  # a complete cell's logs stay in its launch attempt
         shutil.copytree(logs, cell_attempt / LOGS_DIR, dirs_exist_ok=True)
@@ -625,8 +628,9 @@ def run_candidate_stage(
                 actor_tp=0, critic_tp=0, rounds=contract.algorithm.rounds,
                 seed=contract.sampling.seed, inputs_dir=str(inputs.resolve()), output_dir="",
                 collective_timeout_s=collective_timeout_s, faults=tuple(faults)),
-            split=lambda result, attempt, lc, cell, cell_attempt: _split_outputs(
-                result, attempt, lc, cell, cell_attempt, contract=contract, numels=numels),
+            split=lambda result, attempt, lc, cell, cell_attempt, consumed=(): _split_outputs(
+                result, attempt, lc, cell, cell_attempt, contract=contract, numels=numels,
+                consumed=consumed),
             entry=_cell_entry, launch_timeout_s=launch_timeout_s, cuda=cuda,
             write_run=lambda: store.atomic_write_json(run_dir / RUN_FILE, run.to_dict()))
         for c in wanted:

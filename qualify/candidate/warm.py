@@ -59,6 +59,7 @@ import contextlib
 import ctypes
 import gc
 import importlib
+import importlib.util
 import json
 import os
 import runpy
@@ -250,15 +251,20 @@ def _run_entry(target: str, args: Sequence[str]) -> int:
     imports of everything it imports. ``SystemExit`` ends it as it ends an interpreter: its
     code, or 1 with a message printed to stderr.
     """
+    from qualify.candidate import imported
+
     sys.argv = [target, *args]
     try:
         if ":" in target:
             mod_name, attr = target.split(":", 1)
             return int(getattr(importlib.import_module(mod_name), attr)(list(args)) or 0)
         if target.endswith(".py"):
+            imported.note(target)
             runpy.run_path(target, run_name="__main__")
             return 0
         sys.modules.pop(target, None)
+        with contextlib.suppress(ImportError, ValueError):  # runpy reports a bad target
+            imported.note(getattr(importlib.util.find_spec(target), "origin", None))
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         code = exc.code
@@ -286,6 +292,9 @@ def _rank_main(rank: int, *, target: str, args: Sequence[str], env: dict[str, st
     with os.fdopen(port_pipe, "r") as pipe:
         port, agent = pipe.read().split()
     os.environ.update(env, MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE=agent)
+    from qualify.candidate import imported
+
+    imported.install()  # the rank's imported files, written as it ends
     try:
         rc = _run_entry(target, args)
     except BaseException:

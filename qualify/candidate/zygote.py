@@ -71,10 +71,11 @@ from typing import Final
 from qualify.candidate import owner, warm
 
 VOLATILE: Final = frozenset({"PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "_", "PWD", "OLDPWD",
-                             "SHLVL", "PS1"})
+                             "SHLVL", "PS1", "QUALIFY_IMPORTS_DIR"})
 """Variables left out of a zygote's key: pytest rewrites the first for every test phase, the
-second differs per xdist worker, the shell sets the others per command and directory, and
-nothing reads them at import time (the launch itself still gets the caller's values)."""
+second differs per xdist worker, the shell sets the others per command and directory, the
+launch sets the last per attempt (:mod:`qualify.candidate.imported`: read when a rank ends),
+and nothing reads them at import time (the launch itself still gets the caller's values)."""
 INDUCTOR_CACHE_ENV: Final = "TORCHINDUCTOR_CACHE_DIR"
 """Set by importing ``torch._inductor`` (to torch's default when unset; a value set is made
 absolute): at torch's default it counts in no key (:func:`launch_key`), so a zygote started

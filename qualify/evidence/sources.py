@@ -10,11 +10,16 @@ sealed and signed with the run), the sha256 of every source file a cell executes
   no engine is imported; ``null`` when not installed);
 - the contract's name and digest, and the gate policy's path and digest.
 
-:func:`stale_cells` compares that record with a checkout: a cell is STALE when a file of
-its engine's set or of ``qualify/`` differs, was added or was removed; a run without
-``sources.json`` (made before it existed) cannot prove its freshness, and every cell is
-STALE. Distribution versions are recorded for the reader but not compared: the verifying
-machine (a CPU CI runner) need not have the engines installed.
+:func:`stale_cells` compares a run with a checkout. The authority for what a cell's harness
+ran is the run-time record of its attempt (``imports.json``, :mod:`qualify.evidence.imports`:
+every file its processes imported from the code root, a ``sitecustomize.py`` on the launch
+path included, or from the distribution that provided a plugin engine); a cell made before
+that record is checked against its engine's folder set above. Every cell is also checked
+against ``qualify/`` (the stages around the harness), and inherits the staleness of every
+cell whose outputs it consumed (:data:`CONSUMES`: a sampler cell that installed a trainer
+cell's weights). A run without ``sources.json`` (made before it existed) cannot prove its
+freshness, and every cell is STALE. Distribution versions are recorded for the reader but
+not compared: the verifying machine (a CPU CI runner) need not have the engines installed.
 """
 
 from __future__ import annotations
@@ -29,13 +34,15 @@ from qualify.errors import EvidenceIntegrityError, UsageError
 from qualify.evidence.environment import package_versions
 from qualify.evidence.sealed import atomic_write_bytes
 from qualify.jsonio import read_json
-from qualify.layout import RUN_FILE, SOURCES_FILE
+from qualify.evidence import imports
+from qualify.layout import IMPORTS_FILE, RUN_FILE, SOURCES_FILE
 from qualify.resources import repo_root
 
 __all__ = [
     "NOT_RECORDED",
     "QUALIFY_SET",
     "check_resume_sources",
+    "consumed_cells",
     "engine_files",
     "sources_document",
     "stale_cells",
@@ -46,6 +53,11 @@ QUALIFY_SET: Final = "qualify"
 """The key of the qualification code's file set in ``sources.json``."""
 NOT_RECORDED: Final = "sources not recorded: cannot prove freshness"
 """The stale reason of every cell of a run without ``sources.json``."""
+CONSUMES: Final = ("weights_from", "resume_of")
+"""``run.json`` cell fields that name a cell whose outputs this one consumed: a sampler
+cell's ``weights_from`` (it installed that trainer cell's round-1 weights), a resume cell's
+``resume_of`` (its rows compare it with that uninterrupted cell). A consumed cell's
+staleness is the consumer's too (:func:`stale_cells`)."""
 HARNESS_SHARED: Final = ("harnesses/__init__.py", "harnesses/common.py",
                          "harnesses/hf_schedule.py", "harnesses/layer_probe.py",
                          "harnesses/resume_state.py")
@@ -174,16 +186,60 @@ def _diff(recorded: Mapping[str, Any], now: Mapping[str, str]) -> list[str]:
     return out
 
 
-def _cell_engines(run_dir: Path) -> dict[str, str]:
+def _cell_entries(run_dir: Path) -> dict[str, dict[str, Any]]:
     doc = read_json(run_dir / RUN_FILE)
     cells = doc.get("cells", {}) if isinstance(doc, dict) else {}
-    return {str(c): str(e.get("engine") or str(c).split("-", 1)[0])
-            for c, e in cells.items() if isinstance(e, dict)}
+    return {str(c): e for c, e in cells.items() if isinstance(e, dict)} \
+        if isinstance(cells, dict) else {}
+
+
+def _engine_of(cid: str, entry: Mapping[str, Any]) -> str:
+    return str(entry.get("engine") or cid.split("-", 1)[0])
+
+
+def _import_record(run_dir: Path, entry: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``imports.json`` of a cell's attempt (``None``: no attempt, or made before it)."""
+    attempt = entry.get("attempt")
+    if not isinstance(attempt, str) or not attempt:
+        return None
+    return imports.read_record(run_dir / attempt / IMPORTS_FILE)
+
+
+def consumed_cells(entries: Mapping[str, Mapping[str, Any]], cid: str) -> list[str]:
+    """The cells whose outputs ``cid`` consumed, followed transitively (``cid`` excluded).
+
+    The edges are the ``run.json`` fields of :data:`CONSUMES` (a sampler cell's
+    ``weights_from``: the trainer cell whose round-1 weights it installed; a resume cell's
+    ``resume_of``: the uninterrupted cell its rows are compared with). In discovery order.
+    """
+    out: list[str] = []
+    todo = [cid]
+    while todo:
+        entry = entries.get(todo.pop(0), {})
+        for field in CONSUMES:
+            src = entry.get(field)
+            if isinstance(src, str) and src != cid and src not in out and src in entries:
+                out.append(src)
+                todo.append(src)
+    return out
 
 
 def stale_cells(run_dir: str | Path, checkout_root: str | Path | None = None
                 ) -> dict[str, list[str]]:
     """The cells of a run whose executed sources differ from ``checkout_root``'s.
+
+    A cell is STALE when
+
+    - a ``qualify/**/*.py`` file differs from the run's ``sources.json`` (the code of the
+      stages that staged its inputs and split its outputs);
+    - its attempt's ``imports.json`` (the files its harness processes imported, recorded at
+      run time; :mod:`qualify.evidence.imports`) names a file that changed, vanished, was
+      modified during the launch or cannot be checked here, or a process that recorded
+      nothing (:func:`qualify.evidence.imports.record_changes`); a cell without that
+      record (a run made before it, or a cell never launched) is checked against its
+      engine's folder set of ``sources.json`` instead (:func:`engine_files`);
+    - a cell whose outputs it consumed (:func:`consumed_cells`) is stale: each of that
+      cell's lines is repeated as ``via <cell>: <line>``.
 
     Args:
         run_dir: a candidate run (``run.json``, ``sources.json``).
@@ -192,30 +248,42 @@ def stale_cells(run_dir: str | Path, checkout_root: str | Path | None = None
 
     Returns:
         cell id -> changed files (``path``, ``path (added)``, ``path (removed)``, relative
-        to the root); only stale cells appear. A run without ``sources.json`` gives every
-        cell ``[NOT_RECORDED]``.
+        to the root, and the lines above); only stale cells appear. A run without
+        ``sources.json`` gives every cell ``[NOT_RECORDED]``.
 
     Raises:
-        EvidenceIntegrityError: ``run.json`` or ``sources.json`` is refused or malformed.
+        EvidenceIntegrityError: ``run.json``, ``sources.json`` or an ``imports.json`` is
+            refused or malformed.
         FileNotFoundError: the run has no ``run.json``.
     """
     rd = Path(run_dir)
     root = Path(checkout_root) if checkout_root is not None else repo_root()
-    cells = _cell_engines(rd)
+    entries = _cell_entries(rd)
     doc = read_sources(rd)
     if doc is None:
-        return {c: [NOT_RECORDED] for c in cells}
+        return {c: [NOT_RECORDED] for c in entries}
     common = _diff(doc[QUALIFY_SET]["files"], qualify_files(root))
     per_engine: dict[str, list[str]] = {}
-    out: dict[str, list[str]] = {}
-    for cid, engine in cells.items():
+    cache: dict[str, Any] = {}
+    own: dict[str, list[str]] = {}
+    for cid, entry in entries.items():
+        record = _import_record(rd, entry)
+        if record is not None:
+            own[cid] = imports.record_changes(record, root, cache)
+            continue
+        engine = _engine_of(cid, entry)
         if engine not in per_engine:
             rec = doc["engines"].get(engine)
             if not isinstance(rec, dict) or not isinstance(rec.get("files"), dict):
                 per_engine[engine] = [f"sources of engine {engine} not recorded"]
             else:
                 per_engine[engine] = _diff(rec["files"], engine_files(root, engine))
-        changed = per_engine[engine] + common
+        own[cid] = per_engine[engine]
+    out: dict[str, list[str]] = {}
+    for cid in entries:
+        via = [f"via {src}: {line}" for src in consumed_cells(entries, cid)
+               for line in own[src]]
+        changed = own[cid] + [c for c in common if c not in own[cid]] + via
         if changed:
             out[cid] = changed
     return out
