@@ -465,14 +465,14 @@ def verify_seal_order(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path
     Checks: reference ``sealed`` < ``run.json`` ``started`` (= the statement's); the
     run was sealed after it started; reference ``signed`` <= run ``signed``; the reference
     attestation on disk is the one the run statement names (digest), with the same
-    sealing and signing times.
+    sealing and signing times; the run's own times (:func:`verify_seal_times`).
 
     Raises:
         SealOrderError: any of these fails.
     """
     pred, ref_pred = predicate(statement), predicate(ref_statement)
     run_doc = read_run(run_dir)
-    bad: list[str] = []
+    bad = _seal_time_problems(run_dir, pred)
     started_raw = run_doc.started
     if pred["run"]["started"] != started_raw:
         bad.append(f"run.json started {started_raw!r}, statement {pred['run']['started']!r}")
@@ -499,7 +499,7 @@ def verify_seal_order(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path
 
 
 def verify_seal_times(directory: Path, statement: Mapping[str, Any]) -> str:
-    """Step 8 (both kinds): the directory's own sealing time is consistent and in order.
+    """Step 8 of a reference (and part of a run's): its own sealing time is in order.
 
     Checks: the statement's ``sealed`` is ``MANIFEST.json``'s ``created``; it is no later
     than the statement's ``signed`` (a directory is attested after it is sealed); for a
@@ -513,6 +513,13 @@ def verify_seal_times(directory: Path, statement: Mapping[str, Any]) -> str:
         SealOrderError: any of these fails (all are named).
     """
     pred = predicate(statement)
+    bad = _seal_time_problems(directory, pred)
+    if bad:
+        raise SealOrderError(listing(bad))
+    return f"sealed {pred['sealed']}, attested {pred['signed']}"
+
+
+def _seal_time_problems(directory: Path, pred: Mapping[str, Any]) -> list[str]:
     bad: list[str] = []
     created = store.read_manifest(directory)["created"]
     if pred["sealed"] != created:
@@ -526,9 +533,7 @@ def verify_seal_times(directory: Path, statement: Mapping[str, Any]) -> str:
                 parse_time(written, f"{directory / REFERENCE_FILE}: created") > sealed:
             bad.append(f"{REFERENCE_FILE} created {written}, after the reference was sealed "
                        f"{pred['sealed']}")
-    if bad:
-        raise SealOrderError(listing(bad))
-    return f"sealed {pred['sealed']}, attested {pred['signed']}"
+    return bad
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -622,15 +627,7 @@ def verify(path: str | Path, *, trusted: Mapping[str, Ed25519PublicKey] | None =
             rd = ref_dir
 
             def s8() -> str:
-                bad: list[str] = []
-                for check in (lambda: verify_seal_times(d, statement),
-                              lambda: verify_seal_order(d, statement, rd, ref_statement)):
-                    try:
-                        check()
-                    except SealOrderError as exc:
-                        bad.append(str(exc))
-                if bad:
-                    raise SealOrderError("; ".join(bad))
+                verify_seal_order(d, statement, rd, ref_statement)
                 return "run sealed before attested; reference sealed and attested before " \
                        "the run"
 
