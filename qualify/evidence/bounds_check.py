@@ -70,11 +70,11 @@ def bounds_differences(sealed: list[Mapping[str, Any]], recomputed: list[Bound],
     """
     rows: dict[Identity, Mapping[str, Any]] = {}
     out: list[str] = []
-    for row in sealed:
-        ident = _identity(row)
+    for one in sealed:
+        ident = _identity(one)
         if ident in rows:
             out.append(f"{_name(ident)}: sealed twice")
-        rows[ident] = row
+        rows[ident] = one
     done: set[Identity] = set()
     for b in recomputed:
         want = b.to_dict()
