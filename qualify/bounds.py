@@ -310,6 +310,8 @@ def propagated_error(key: MetricKey, errors: Mapping[str, Mapping[MetricKey, Err
         ``"grad_norm"`` entry; each token's error of standard uncertainty ``e_x``,
         uncorrelated across tokens (JCGM 100:2008 eq. 10; :mod:`qualify.reference.sensitivity`).
         A non-finite value gives 0 (a non-finite control error already sets the bound).
+        The sum runs over the families in sorted order, so the value does not depend on
+        the order a document lists them in (``qualify verify`` recomputes it bit for bit).
     """
     if sensitivities is None or key.family not in PROPAGATED_FROM:
         return 0.0
@@ -321,7 +323,7 @@ def propagated_error(key: MetricKey, errors: Mapping[str, Mapping[MetricKey, Err
 
     terms = sensitivities.get((key.round, key.role), {})
     wanted = [v for t, v in terms.items() if (t == "grad_norm") == (key.family == "grad_norm")]
-    out = max((math.sqrt(sum(s * e(f) ** 2 for f, s in by_family.items()
+    out = max((math.sqrt(sum(s * e(f) ** 2 for f, s in sorted(by_family.items())
                              if f in PROPAGATED_FROM[key.family]))
                for by_family in wanted), default=0.0)
     return out if math.isfinite(out) else 0.0

@@ -116,6 +116,10 @@ class VerdictMismatchError(EvidenceIntegrityError):
     """The report's verdicts do not follow from the raw evidence and sealed bounds (step 9)."""
 
 
+class BoundsMismatchError(VerdictMismatchError):
+    """A reference's sealed bounds are not the rule applied to its sealed inputs (step 9)."""
+
+
 # --- the reference stage (qualify.reference)
 
 

@@ -8,7 +8,9 @@ with :func:`shutil.copytree` and made writable with :func:`qualify.evidence.stor
   cells);
 - ``keys/``: two trusted Ed25519 public keys (a third key stays untrusted);
 - ``references/gate-tiny-<digest12>/``: a reference written through the store API (rollout,
-  HF FP32 tensors, ``bounds.json``), sealed with :func:`qualify.evidence.store.seal` and signed;
+  HF FP32 tensors, control errors that put each bound at ``BOUND`` and ``bounds.json`` from
+  them by the contract's rule, so that verification recomputes them), sealed with
+  :func:`qualify.evidence.store.seal` and signed;
 - ``evidence/gate-tiny/run-1-old``, ``run-2-good``, ``run-3-fail``: candidate runs with
   sealed per-cell attempts (synthetic tensors: B = 3, R = 4, an actor and a critic of two
   parameters, two rounds), deepspeed cells ``NOT_RUN`` (no CUDA), compared with the real
@@ -47,7 +49,13 @@ from safetensors.numpy import save_file
 from tiny_contracts import torch_tp_only_text
 
 from qualify import jsonio
-from qualify.bounds import Bound, bounds_document
+from qualify.bounds import (
+    ControlErrors,
+    bf16_quanta,
+    bounds_document,
+    compute_bounds,
+    scalar_resolutions,
+)
 from qualify.cli import main as cli
 from qualify.cli.evidence import register
 from qualify.compare.stage import compare_run
@@ -70,7 +78,8 @@ from qualify.evidence.verify import (
     verify,
 )
 from qualify.protocol import ROLLOUT_KEYS
-from qualify.statistics import FAMILY_STATISTIC, group_tensors
+from qualify.reference.controls import control_errors_document
+from qualify.statistics import ErrorMeasure, MetricKey, group_tensors
 
 CONTRACT = "gate-tiny"
 B, R = 3, 4
@@ -157,6 +166,19 @@ def save_tensors(path: Path, tensors: Mapping[str, np.ndarray]) -> None:
     save_file(dict(tensors), str(path))
 
 
+def control_errors(contract: Contract, hf: Mapping[str, np.ndarray]) -> ControlErrors:
+    """Control errors that put each bound at :data:`BOUND` (``k * e + floor``, within
+    rounding): every FP32 control of the contract measures ``(BOUND - floor) / k``."""
+    b = contract.bounds
+    names = sorted({*b.controls_candidate_vs_hf, *b.controls_tp_vs_tp1})
+    out: dict[MetricKey, ErrorMeasure] = {}
+    for key in group_tensors(hf):
+        e = (BOUND[key.family] - float(b.floors["fp32"][key.family])) / b.k
+        out[key] = ErrorMeasure(value=e, where="()", mismatched=0, total=1, max_abs=e,
+                                max_rel=0.0)
+    return {"fp32": {n: dict(out) for n in names}}
+
+
 def make_reference(root: Path, contract: Contract, key: signing.SigningKey,
                    hf: Mapping[str, np.ndarray]) -> Path:
     """A sealed, signed reference directory written through the store API."""
@@ -174,15 +196,15 @@ def make_reference(root: Path, contract: Contract, key: signing.SigningKey,
     save_tensors(ref / "rollout.safetensors", rollout)
     store.atomic_write_json(ref / "rollout.json", {"logprobs_mode": "processed"})
     save_tensors(ref / "reference" / "hf-fp32.safetensors", hf)
-    bounds = [Bound(precision="fp32", klass=klass, key=k, statistic=FAMILY_STATISTIC[k.family],
-                    control_error=0.0, control="hand-made", floor=BOUND[k.family], k=4.0,
-                    bound=BOUND[k.family])
-              for klass in ("candidate_vs_hf", "tp_vs_tp1") for k in group_tensors(hf)]
+    errors = control_errors(contract, hf)
+    bounds = compute_bounds(contract, errors, scalar_resolutions({"fp32": dict(hf)}),
+                            {"fp32": {}}, bf16_quanta({"fp32": dict(hf)}))
+    store.atomic_write_json(ref / "control_errors.json", control_errors_document(errors))
     store.atomic_write_json(ref / "bounds.json", bounds_document(contract, bounds),
                             schema="bounds")
     store.atomic_write_json(ref / "reference.json", {
         "schema_version": 1, "contract": contract.name, "contract_digest": contract.digest,
-        "created": store.utc_now_iso()})
+        "created": store.utc_now_iso(), "lanes": ["fp32"], "update_meta": {"hf-fp32": {}}})
     signing.seal_and_sign(ref, kind="reference", key=key)
     return ref
 
@@ -803,7 +825,8 @@ def test_untouched_evidence_verifies(signed_world: World) -> None:
         result.raise_for_problems()
     ref = w.verify(w.reference)
     assert ref.kind == "reference"
-    assert [s.status for s in ref.steps] == ["passed"] * 6 + ["not-applicable"] * 3
+    assert [s.status for s in ref.steps] == ["passed"] * 6 + ["not-applicable"] + \
+        ["passed"] * 2  # 8: sealed before attested; 9: bounds recomputed
     run = w.verify(w.good)
     assert run.kind == "candidate-run"
     assert [s.status for s in run.steps] == ["passed"] * 9

@@ -160,6 +160,8 @@ def _reference_predicate(d: Path, base: dict[str, Any]) -> dict[str, Any]:
     ref_doc = read_json(d / REFERENCE_FILE)
     contract_doc = read_json(d / CONTRACT_FILE)
     digest = _contract_digest_of(contract_doc, str(d / CONTRACT_FILE))
+    if not isinstance(ref_doc, dict):
+        raise EvidenceIntegrityError(f"{d / REFERENCE_FILE}: not a JSON object")
     if ref_doc.get("contract_digest") != digest:
         raise EvidenceIntegrityError(f"{d / REFERENCE_FILE}: contract_digest is not the "
                                      f"digest of {CONTRACT_FILE} ({digest[:12]})")

@@ -41,8 +41,8 @@ STEPS: Final[tuple[tuple[int, str], ...]] = (
     (5, "no file outside the manifest"),
     (6, "contract digest equals the committed contract"),
     (7, "bounds and reference bound to the run"),
-    (8, "reference sealed before the run"),
-    (9, "verdicts recomputed from raw evidence"),
+    (8, "sealed before attested, reference before the run"),
+    (9, "bounds and verdicts recomputed from sealed evidence"),
 )
 """The verification steps, in order: ``(number, name)``."""
 
@@ -75,7 +75,7 @@ class StepOutcome:
         number: 1..9 (:data:`STEPS`).
         name: the step's name.
         status: ``passed``, ``failed``, ``skipped`` (an earlier step failed) or
-            ``not-applicable`` (steps 7-9 of a reference).
+            ``not-applicable`` (step 7 of a reference).
         detail: one line: what was verified, the problem, or why it was skipped.
         error: the step's error when ``failed``.
     """

@@ -20,12 +20,19 @@ the steps that passed, the problems):
 7. :func:`verify_reference` (runs) - the reference verifies (steps 1-6), is the one the run
    names, and its ``bounds.json`` digest is the run's
    (:class:`~qualify.errors.ReferenceBindingError`);
-8. :func:`verify_seal_order` (runs) - the reference was sealed before the run started and
-   attested before the run was (:class:`~qualify.errors.SealOrderError`);
-9. :func:`verify_verdicts` (runs) - the report recomputed from the raw outputs and the
-   sealed bounds (``compare_run(..., write=False)``) equals ``report.json`` (every row's
-   error, bound, margin and verdict), ``report.md`` is its rendering byte for byte, and
-   the statement's verdicts are the report's (:class:`~qualify.errors.VerdictMismatchError`).
+8. :func:`verify_seal_times` - the statement's sealing time is the manifest's, no later
+   than its signing time, and no earlier than the directory's own record
+   (``reference.json`` ``created``); for a run also :func:`verify_seal_order`: the reference
+   was sealed before the run started and attested before the run was
+   (:class:`~qualify.errors.SealOrderError`);
+9. for a reference, :func:`~qualify.evidence.bounds_check.verify_bounds`: every sealed bound
+   is the contract's rule applied again to the sealed control errors, floors, k and terms
+   (:class:`~qualify.errors.BoundsMismatchError`); for a run, :func:`verify_verdicts`: the
+   report recomputed from the raw outputs and the sealed bounds
+   (``compare_run(..., write=False)``) equals ``report.json`` (every row's error, bound,
+   margin and verdict), ``report.md`` is its rendering byte for byte, and the statement's
+   verdicts are the report's (:class:`~qualify.errors.VerdictMismatchError`). A run's
+   reference passes all nine steps within step 7, so its bounds are recomputed too.
 
 Every JSON document is read through :mod:`qualify.jsonio` (bounded, no link followed,
 duplicate keys refused), so a hostile file fails its step and never exhausts memory.
@@ -62,6 +69,7 @@ from qualify.errors import (
     VerdictMismatchError,
 )
 from qualify.evidence import store, tensor_index
+from qualify.evidence.bounds_check import verify_bounds
 from qualify.evidence.discover import EvidenceDir, find_evidence
 from qualify.evidence.dsse import (
     PAYLOAD_TYPE,
@@ -128,6 +136,7 @@ __all__ = [
     "verify_no_unlisted_files",
     "verify_reference",
     "verify_seal_order",
+    "verify_seal_times",
     "verify_signature",
     "verify_statement_types",
     "verify_subjects",
@@ -366,16 +375,31 @@ def verify_contract(directory: Path, statement: Mapping[str, Any], *,
     if pred["kind"] == REFERENCE_KIND:
         records.append((CONTRACT_FILE,
                         sha256_hex(canonical_json(read_json(directory / CONTRACT_FILE)))))
-        records.append((REFERENCE_FILE, read_json(directory / REFERENCE_FILE)
-                        .get("contract_digest")))
-        records.append((BOUNDS_FILE, read_json(directory / BOUNDS_FILE).get("contract_digest")))
+        for name in (REFERENCE_FILE, BOUNDS_FILE):
+            records.append((name, _field(directory, name, "contract_digest",
+                                         ContractDigestError)))
     else:
         records.append((RUN_FILE, read_run(directory).contract_digest))
-        records.append((REPORT_JSON, read_json(directory / REPORT_JSON).get("contract_digest")))
+        records.append((REPORT_JSON, _field(directory, REPORT_JSON, "contract_digest",
+                                            ContractDigestError)))
     bad = [f"{f}: contract digest {str(v)[:12]}" for f, v in records if v != digest]
     if bad:
         raise ContractDigestError(f"statement says {digest[:12]}, but {listing(bad)}")
     return str(path)
+
+
+def _field(directory: Path, name: str, key: str,
+           error: type[EvidenceIntegrityError]) -> Any:
+    """``key`` of the JSON document ``name`` of ``directory`` (``None`` if absent).
+
+    Raises:
+        EvidenceIntegrityError: ``error``: the document is not a JSON object (named with
+            what it is).
+    """
+    doc = read_json(directory / name)
+    if not isinstance(doc, dict):
+        raise error(f"{name}: not a JSON object (a JSON {type(doc).__name__})")
+    return doc.get(key)
 
 
 def verify_reference(run_dir: Path, statement: Mapping[str, Any], *,
@@ -441,14 +465,14 @@ def verify_seal_order(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path
     Checks: reference ``sealed`` < ``run.json`` ``started`` (= the statement's); the
     run was sealed after it started; reference ``signed`` <= run ``signed``; the reference
     attestation on disk is the one the run statement names (digest), with the same
-    sealing and signing times.
+    sealing and signing times; the run's own times (:func:`verify_seal_times`).
 
     Raises:
         SealOrderError: any of these fails.
     """
     pred, ref_pred = predicate(statement), predicate(ref_statement)
     run_doc = read_run(run_dir)
-    bad: list[str] = []
+    bad = _seal_time_problems(run_dir, pred)
     started_raw = run_doc.started
     if pred["run"]["started"] != started_raw:
         bad.append(f"run.json started {started_raw!r}, statement {pred['run']['started']!r}")
@@ -472,6 +496,44 @@ def verify_seal_order(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path
             bad.append(f"reference {k} {ref_pred[k]}, the run statement says {bound[k]}")
     if bad:
         raise SealOrderError(listing(bad))
+
+
+def verify_seal_times(directory: Path, statement: Mapping[str, Any]) -> str:
+    """Step 8 of a reference (and part of a run's): its own sealing time is in order.
+
+    Checks: the statement's ``sealed`` is ``MANIFEST.json``'s ``created``; it is no later
+    than the statement's ``signed`` (a directory is attested after it is sealed); for a
+    reference, ``reference.json``'s ``created`` (written just before sealing) is no later
+    than ``sealed``.
+
+    Returns:
+        The step's detail line.
+
+    Raises:
+        SealOrderError: any of these fails (all are named).
+    """
+    pred = predicate(statement)
+    bad = _seal_time_problems(directory, pred)
+    if bad:
+        raise SealOrderError(listing(bad))
+    return f"sealed {pred['sealed']}, attested {pred['signed']}"
+
+
+def _seal_time_problems(directory: Path, pred: Mapping[str, Any]) -> list[str]:
+    bad: list[str] = []
+    created = store.read_manifest(directory)["created"]
+    if pred["sealed"] != created:
+        bad.append(f"statement sealed {pred['sealed']}, {MANIFEST_FILE} created {created}")
+    sealed = parse_time(pred["sealed"], f"{directory}: statement sealed")
+    if sealed > parse_time(pred["signed"], f"{directory}: statement signed"):
+        bad.append(f"sealed {pred['sealed']}, after it was attested {pred['signed']}")
+    if pred["kind"] == REFERENCE_KIND:
+        written = _field(directory, REFERENCE_FILE, "created", SealOrderError)
+        if written is not None and \
+                parse_time(written, f"{directory / REFERENCE_FILE}: created") > sealed:
+            bad.append(f"{REFERENCE_FILE} created {written}, after the reference was sealed "
+                       f"{pred['sealed']}")
+    return bad
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -539,7 +601,16 @@ def verify(path: str | Path, *, trusted: Mapping[str, Ed25519PublicKey] | None =
 
     steps.run(6, s6)
     ref_dir: Path | None = None
-    if kind != RUN_KIND:
+    if kind == REFERENCE_KIND:
+        steps.mark(7, "not-applicable", "a reference")
+        steps.run(8, lambda: verify_seal_times(d, statement))
+        if not recompute:
+            steps.mark(9, "skipped", "recomputation not requested")
+        elif any(steps.outcomes[n].status == "failed" for n in range(1, 9)):
+            steps.mark(9, "skipped", "an earlier step failed")
+        else:
+            steps.run(9, lambda: verify_bounds(d))
+    elif kind != RUN_KIND:
         for n in (7, 8, 9):
             steps.mark(n, "not-applicable", "a reference")
     else:
@@ -557,7 +628,8 @@ def verify(path: str | Path, *, trusted: Mapping[str, Ed25519PublicKey] | None =
 
             def s8() -> str:
                 verify_seal_order(d, statement, rd, ref_statement)
-                return "reference sealed and attested before the run"
+                return "run sealed before attested; reference sealed and attested before " \
+                       "the run"
 
             steps.run(8, s8)
             if not recompute:

@@ -25,15 +25,15 @@ formula is written twice: clip branches, the k3 exponential, decoupled weights).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any
 
 import torch
 from torch import nn
 
-LOSS_SENSITIVITY_META: Final = "loss_sensitivity"
-"""The role meta key (``reference.json`` ``update_meta``) of the sensitivities,
-``{"round<r>": {term: {family: S}}}``, ``S = sum_t (d term / d x_t)^2``
-(:class:`LossSensitivity`)."""
+from qualify.reference.bound_inputs import LOSS_SENSITIVITY_META
+
+__all__ = ["LOSS_SENSITIVITY_META", "LossSensitivity"]
+
 
 
 class LossSensitivity:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ import torch
 
 from qualify import scratch
 from qualify.bounds import (
+    Bound,
     bf16_quanta,
     bounds_document,
     compute_bounds,
@@ -62,11 +63,10 @@ from qualify.progress import Progress
 from qualify.prompts import check_token_ids, read_prompts_file
 from qualify.protocol import ROLLOUT_META_FILE, TRAIN_INPUTS_FILE, parse_tensor_name
 from qualify.reference import documents, rollout, sampling, scoring, targets
+from qualify.reference.bound_inputs import norm_evals, recompute_bounds, sensitivities
 from qualify.reference.branches import adjust_control_errors, seal_branches
 from qualify.reference.controls import control_errors_document, control_settings
-from qualify.reference.sensitivity import LOSS_SENSITIVITY_META
 from qualify.reference.update import (
-    NORM_FP32_META,
     Batch,
     Bf16Mode,
     UpdateSettings,
@@ -183,22 +183,6 @@ def _strip_padding(tensors: dict[str, torch.Tensor], r_len: int) -> dict[str, to
         per_token = metric in ("logprobs", "entropy", "values")
         out[k] = v[:, :r_len].contiguous() if per_token and v.shape[1] > r_len else v
     return out
-
-
-def _norm_evals(meta: Mapping[str, Any]) -> dict[tuple[int, str], float]:
-    """``{(round, role): norm}``: a reference run's FP32 evaluations of its pre-clip norms."""
-    out: dict[tuple[int, str], float] = {}
-    for role in ("actor", "critic"):
-        for label, value in (meta.get(role) or {}).get(NORM_FP32_META, {}).items():
-            out[(int(str(label).removeprefix("round")), role)] = float(value)
-    return out
-
-
-def _sensitivities(meta: Mapping[str, Any]) -> dict[tuple[int, str], Any]:
-    """``{(round, role): {term: {family: S}}}``: a reference run's loss sensitivities."""
-    return {(int(str(label).removeprefix("round")), role): terms
-            for role in ("actor", "critic")
-            for label, terms in (meta.get(role) or {}).get(LOSS_SENSITIVITY_META, {}).items()}
 
 
 def _reward_scores(contract: Contract, bundle: models.ModelBundle, roll: rollout.Rollout,
@@ -365,10 +349,10 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
         )
         ref_np = {p: {k: v.numpy() for k, v in t.items()} for p, t in ref_runs.items()}
         resolutions = scalar_resolutions(
-            ref_np, {lane: _norm_evals(update_meta[f"hf-{lane}"]) for lane in ref_runs})
+            ref_np, {lane: norm_evals(update_meta[f"hf-{lane}"]) for lane in ref_runs})
         quanta = bf16_quanta(ref_np)
-        sensitivities = {lane: _sensitivities(update_meta[f"hf-{lane}"]) for lane in ref_runs}
-        bounds = compute_bounds(contract, errors, resolutions, sensitivities, quanta)
+        sens = {lane: sensitivities(update_meta[f"hf-{lane}"]) for lane in ref_runs}
+        bounds = compute_bounds(contract, errors, resolutions, sens, quanta)
 
         step("branches")
         train_np = {k: v.numpy() for k, v in train.items()}
@@ -381,7 +365,7 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
                           for p, runs in control_runs.items()},
             doc=branch_doc, out=out, train=train_np, mask=mask,
             behavior=roll.behavior_logprobs.double().numpy())
-        bounds = compute_bounds(contract, errors, resolutions, sensitivities, quanta)
+        bounds = compute_bounds(contract, errors, resolutions, sens, quanta)
         store.atomic_write_json(out / CONTROL_ERRORS_FILE, control_errors_document(errors))
         store.atomic_write_json(out / BOUNDS_FILE, bounds_document(contract, bounds),
                                 schema="bounds")
@@ -411,8 +395,22 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
                 for prec, by_role in branch_doc["precisions"].items()},
             "step_started_s": {k: round(v - t0, 3) for k, v in timings.items()},
         })
+        _check_recomputable(out, contract, bounds)
         seal_and_sign(out, kind=REFERENCE_KIND)
     return out
+
+
+def _check_recomputable(out: Path, contract: Contract, bounds: list[Bound]) -> None:
+    """The bounds follow from what is about to be sealed (``qualify verify`` step 9).
+
+    Raises:
+        ReferenceDataError: the rule applied to the written files gives other bounds (a
+            defect of the stage: a rule input it does not seal).
+    """
+    again = recompute_bounds(out, contract)
+    if [b.to_dict() for b in again] != [b.to_dict() for b in bounds]:
+        raise ReferenceDataError(f"{out}: the bounds do not follow from the sealed control "
+                                 "errors and update records (internal error of the stage)")
 
 
 def _coverage(contract: Contract, out: Path, *, roll: rollout.Rollout, tg: targets.Targets,

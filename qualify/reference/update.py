@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any, Final, Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -37,12 +37,10 @@ from torch import nn
 from qualify import aggregation
 from qualify.contract import Contract
 from qualify.protocol import param_sample_indices, tensor_name
+from qualify.reference.bound_inputs import NORM_FP32_META
 from qualify.reference.row_split import split_row_parallel
 from qualify.reference.scoring import bf16_parameters_copy
 from qualify.reference.sensitivity import LOSS_SENSITIVITY_META, LossSensitivity
-
-NORM_FP32_META: Final = "grad_norm_fp32"
-"""Role meta key of each round's pre-clip norm evaluated in FP32 (:func:`_grad_norm_and_clip`)."""
 
 Bf16Mode = Literal["params", "autocast"]
 RoundHook = Callable[[int, nn.Module, nn.Module, "Batch", torch.Tensor], None]
