@@ -464,22 +464,43 @@ def test_guard_keeps_integrity_errors() -> None:
         guarded(build, cell="c", builder="b", klass="resume", role="actor", family="lr")
 
 
-STAGE_BUILDERS = ("_class_rows", "padding_rows", "dtype_row", "replica_row", "lr_rows")
+def test_guard_keeps_the_rows_a_reviser_was_given() -> None:
+    kept = [Row(
+        cell="c", klass="candidate_vs_hf", bound_class="candidate_vs_hf", round=2,
+        role="actor", family="grads", statistic="max_rel_l2", error=0.0, bound=1e-3,
+        margin=0.0, verdict="PASS", reason=None, where="model.w")]
+    rows = guarded(_boom, cell="c", builder="qualify.compare.reflip.with_branch_flips",
+                   klass="candidate_vs_hf", role="actor", family="grads", keep=kept)
+    assert rows[:-1] == kept
+    assert rows[-1].verdict == "ERROR"
+    assert "with_branch_flips" in str(rows[-1].reason)
+
+
+BROKEN = {  # stage name -> (the builder named in the ERROR row, the class it breaks in)
+    "compare_rows": ("qualify.compare.rows.compare_rows", "candidate_vs_hf"),
+    "with_branch_flips": ("qualify.compare.reflip.with_branch_flips", "tp_vs_tp1"),
+    "padding_rows": ("qualify.compare.rows.padding_rows", None),
+    "dtype_row": ("qualify.compare.rows.dtype_row", None),
+    "replica_row": ("qualify.compare.rows.replica_row", None),
+    "lr_rows": ("qualify.compare.rows.lr_rows", None),
+}
 
 
 def test_a_raising_builder_is_an_error_row_and_the_run_is_still_compared(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every guarded builder of the trainer cells raising on one cell: ERROR rows naming
-    the cell and the builder; report.json written; the other cell compared as usual."""
+    """Every guarded builder of a trainer cell raising on that cell (TP2): one ERROR row
+    each, naming the cell and the builder; report.json written; the rows that reflip was
+    to revise kept; the other cell (TP1) compared as usual."""
     w = World(tmp_path, required=[TP1, TP2])
     w.add_cell(TP1, outputs=actor(w))
     w.add_cell(TP2, outputs=actor(w))
-    for name in STAGE_BUILDERS:
+    for name, (_, klass) in BROKEN.items():
         real = getattr(stage_mod, name)
 
-        def broken(*a: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+        def broken(*a: Any, _real: Any = real, _name: str = name, _klass: str | None = klass,
+                   **kw: Any) -> Any:
             cell = kw.get("cell", a[0] if a and isinstance(a[0], str) else None)
-            if cell == TP2:
+            if cell == TP2 and _klass in (None, kw.get("klass")):
                 raise KeyError(f"{_name} met something odd")
             return _real(*a, **kw)
 
@@ -487,16 +508,15 @@ def test_a_raising_builder_is_an_error_row_and_the_run_is_still_compared(
     report = w.compare()
     doc = json.loads((w.run_dir / REPORT_JSON).read_text())
     errors = [r for r in doc["rows"] if r["cell"] == TP2 and r["verdict"] == "ERROR"]
-    named = {b.split(".")[-1] for r in errors for b in ("qualify.compare.rows.compare_rows",
-                                                         "qualify.compare.rows.padding_rows",
-                                                         "qualify.compare.rows.dtype_row",
-                                                         "qualify.compare.rows.replica_row",
-                                                         "qualify.compare.rows.lr_rows")
-             if b in r["reason"]}
-    assert named == {"compare_rows", "padding_rows", "dtype_row", "replica_row", "lr_rows"}
-    assert all(f"cell {TP2}" in r["reason"] and "KeyError" in r["reason"] for r in errors)
-    assert len(errors) == 6  # candidate_vs_hf, tp_vs_tp1, padding, dtypes, replica, lr
+    assert sorted(b for b, _ in BROKEN.values() for r in errors if b in r["reason"]) \
+        == sorted(b for b, _ in BROKEN.values())
+    assert all(r["reason"].startswith(f"cell {TP2}: ") and "KeyError" in r["reason"]
+               for r in errors)
+    kept = [r for r in doc["rows"] if r["cell"] == TP2 and r["class"] == "tp_vs_tp1"
+            and r["verdict"] == "PASS"]
+    assert kept  # compared before reflip raised, kept
     assert report.verdicts == {TP1: "PASS", TP2: "ERROR"}
+    assert all(r["verdict"] == "PASS" for r in doc["rows"] if r["cell"] == TP1)
 
 
 # --------------------------------------------------------------------------- resume lr, end to end

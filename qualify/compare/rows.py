@@ -513,7 +513,7 @@ def builder_error(*, cell: str, builder: str, klass: str, role: str, family: str
 
 
 def guarded(build: Callable[[], Sequence[Row]], *, cell: str, builder: str, klass: str,
-            role: str, family: str) -> list[Row]:
+            role: str, family: str, keep: Sequence[Row] = ()) -> list[Row]:
     """Run one row builder on one cell's data; what it cannot build is an ``ERROR`` row.
 
     A builder that raises on the cell's evidence (a value of the wrong type, a shape it did
@@ -521,7 +521,9 @@ def guarded(build: Callable[[], Sequence[Row]], *, cell: str, builder: str, klas
     exception, so the rest of the cell and the other cells are still compared and the
     report is written; a ``FAIL`` / ``ERROR`` / ``NOT_RUN`` row it returns that violates
     the report schema (:func:`row_problem`) is replaced by such a row. ``PASS`` rows are
-    not re-checked (their cost would be paid on every passing run).
+    not re-checked (their cost would be paid on every passing run). ``keep``: rows that
+    stand when the builder raises, before its ``ERROR`` row (a builder that revises rows
+    already built, e.g. :func:`qualify.compare.reflip.with_branch_flips`).
 
     Raises:
         QualifyError: raised by the builder (an integrity or input error keeps its exit
@@ -533,8 +535,8 @@ def guarded(build: Callable[[], Sequence[Row]], *, cell: str, builder: str, klas
         raise
     except Exception as exc:  # a builder's defect on this cell's data: its ERROR row
         why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        return [builder_error(cell=cell, builder=builder, klass=klass, role=role,
-                              family=family, why=why)]
+        return [*keep, builder_error(cell=cell, builder=builder, klass=klass, role=role,
+                                     family=family, why=why)]
     out = []
     for r in rows:
         problem = None if r.verdict == "PASS" else row_problem(r)

@@ -359,8 +359,11 @@ def _class_rows(ctx: _Ctx, *, cell: str, klass: str, precision: str, role: str,
     rows = compare_rows(cell=cell, klass=klass, precision=precision, bounds=ctx.bounds,
                         obtained=obtained, expected=expected, mask=ctx.mask, meta=meta,
                         power_cache=ctx.power)
-    return with_branch_flips(ctx.branches, rows, cell=cell, klass=klass, precision=precision,
-                             role=role, obtained=obtained, expected=expected, meta=meta)
+    return guarded(lambda: with_branch_flips(
+        ctx.branches, rows, cell=cell, klass=klass, precision=precision, role=role,
+        obtained=obtained, expected=expected, meta=meta),
+        cell=cell, builder="qualify.compare.reflip.with_branch_flips", klass=klass, role=role,
+        family="grads", keep=rows)
 
 
 def _complete_rows(ctx: _Ctx, *, cid: str, entry: Mapping[str, Any], cells: Mapping[str, Any],
