@@ -198,8 +198,9 @@ def family_tensors(family: str, rng: np.random.Generator) -> dict[str, np.ndarra
         elif FAMILY_STATISTIC[family] == "abs":
             out[f"round{r}/actor/{family}"] = np.array(rng.uniform(0.5, 2), dtype=np.float32)
         else:
-            for p, shape in PARAMS.items():
-                out[f"round{r}/actor/{family}/{p}"] = rng.normal(size=shape).astype(np.float32)
+            for p, p_shape in PARAMS.items():
+                out[f"round{r}/actor/{family}/{p}"] = rng.normal(size=p_shape).astype(
+                    np.float32)
     return out
 
 
@@ -517,6 +518,21 @@ def test_a_raising_builder_is_an_error_row_and_the_run_is_still_compared(
     assert kept  # compared before reflip raised, kept
     assert report.verdicts == {TP1: "PASS", TP2: "ERROR"}
     assert all(r["verdict"] == "PASS" for r in doc["rows"] if r["cell"] == TP1)
+
+
+@pytest.mark.parametrize("reason", [5, ["a", 1], {"why": None}, "", None],
+                         ids=["int", "list", "object", "empty", "null"])
+def test_a_cell_reason_of_any_json_type_gives_a_valid_report(tmp_path: Path,
+                                                            reason: Any) -> None:
+    """run.json cells that did not complete, with a reason of any JSON type."""
+    w = World(tmp_path, required=[TP1, TP2])
+    w.add_cell(TP1, status="NOT_RUN", reason=reason)
+    w.add_cell(TP2, status="ERROR", reason=reason)
+    report = w.compare()
+    doc = json.loads((w.run_dir / REPORT_JSON).read_text())
+    assert [c["verdict"] for c in doc["cells"]][:2] == ["NOT_RUN", "ERROR"]
+    assert all(isinstance(c["reason"], str) and c["reason"] for c in doc["cells"])
+    assert not report.passed
 
 
 # --------------------------------------------------------------------------- resume lr, end to end

@@ -93,9 +93,15 @@ def _list(x: Any) -> list[Any]:
     return x if isinstance(x, list) else []
 
 
-def _int(x: Any, default: int | None) -> int | None:
+def _count(x: Any) -> int | None:
+    """A JSON integer (``None`` for anything else, booleans included)."""
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def _int(x: Any, default: int) -> int:
     """A JSON integer (``default`` for anything else, booleans included)."""
-    return x if isinstance(x, int) and not isinstance(x, bool) else default
+    n = _count(x)
+    return default if n is None else n
 
 
 def _float(x: Any) -> float:
@@ -165,11 +171,12 @@ def _kernel_row(cell: str, meta: Mapping[str, Any]) -> Row:
 
 def _cache_row(cell: str, meta: Mapping[str, Any]) -> Row:
     cp = _obj(meta.get("cache_proof"))
-    first, replay = cp.get("cached_tokens_first_after_update"), cp.get(
-        "cached_tokens_same_version_replay")
-    if _int(first, None) is None or _int(replay, None) is None:
+    raw = (cp.get("cached_tokens_first_after_update"), cp.get(
+        "cached_tokens_same_version_replay"))
+    first, replay = _count(raw[0]), _count(raw[1])
+    if first is None or replay is None:
         return _row(cell, "sampler_cache", "prefix_cache", "cached_tokens", ok=False,
-                    where="cache_proof", obtained=f"{first!r}, {replay!r}",
+                    where="cache_proof", obtained=f"{raw[0]!r}, {raw[1]!r}",
                     expected="integers",
                     reason=f"cache proof missing from {OUTPUTS_META_FILE}")
     where = f"first after update {first}, same-version replay {replay}"
@@ -315,7 +322,7 @@ def sampler_rows(*, cell: str, entry: Mapping[str, Any], tensors: Mapping[str, A
         cannot be built from ``meta`` is one ``ERROR`` row naming it
         (:func:`qualify.compare.rows.guarded`).
     """
-    tp = _int(entry.get("tp", 1), 1) or 1
+    tp = _int(entry.get("tp", 1), 1)
     weights_from = str(entry.get("weights_from", ""))
     if meta is None:
         return [_row(cell, "sampler_install", "install", "digest", ok=False,

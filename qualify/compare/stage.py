@@ -43,9 +43,10 @@ types: :mod:`qualify.compare.verdicts`). Per cell of ``run.json``:
     :func:`qualify.compare.rows.lr_rows`; none for a reference sealed before lr schedules).
 
   Bounds come only from the reference's ``bounds.json`` (:func:`qualify.bounds.lookup`); a
-  metric without a bound (or with a non-finite one) is ``ERROR``, never ``PASS``. ``PASS`` iff the error is finite and
-  ``error <= bound``; ``margin = error / bound`` (``inf`` when ``bound == 0 < error``, 0 when
-  both are 0). A resume cell (``resume_of``) has the rows of :mod:`qualify.compare.resume`.
+  metric without a bound (or with a non-finite one) is ``ERROR``, never ``PASS``. ``PASS``
+  iff the error is finite and ``error <= bound``; ``margin = error / bound`` (``inf`` when
+  ``bound == 0 < error``, 0 when both are 0). A resume cell (``resume_of``) has the rows
+  of :mod:`qualify.compare.resume`.
 
   Each row builder runs guarded (:func:`qualify.compare.rows.guarded`): one that raises on
   a cell's evidence gives one ``ERROR`` row naming the cell, the builder and the exception
@@ -62,6 +63,7 @@ one required cell and every required cell passes; required cells are
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -475,7 +477,9 @@ def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, A
     status = str(e.get("status", "NOT_RUN"))
     attempt = e.get("attempt")
     rows: list[Row] = []
-    reason = e.get("reason")
+    raw_reason = e.get("reason")  # run.json text; a hand-edited non-string is shown as JSON
+    reason = None if raw_reason in (None, "") else (
+        raw_reason if isinstance(raw_reason, str) else json.dumps(raw_reason, default=str))
     verdict: Verdict
     if status == "COMPLETE":
         got = loaded[cid]
