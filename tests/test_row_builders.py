@@ -26,8 +26,11 @@ Builders and families covered (the ``ids`` of the parametrized tests):
   probes, sampler vs actor;
 - ``qualify.compare.rows.guarded``: a builder that raises, or returns a row the schema
   refuses, becomes one ``ERROR`` row naming the cell and the builder; through
-  ``compare_run`` every guarded builder of the trainer cells at once, the report still
-  written and the other cells still compared.
+  ``compare_run`` every guarded builder of a trainer cell at once (``compare_rows`` of
+  both classes, ``qualify.compare.reflip.with_branch_flips``, ``padding_rows``,
+  ``dtype_row``, ``replica_row``, ``lr_rows``), the report still written and the other
+  cell still compared;
+- the cell records of ``compare_run``: a ``run.json`` reason of any JSON type.
 
 And the case of the issue through the real compare path: a resumed round that applied
 another lr than the uninterrupted cell gives a report with a ``FAIL`` row.
