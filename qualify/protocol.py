@@ -266,10 +266,14 @@ def parse_tensor_name(name: str) -> tuple[int, str, str, str | None]:
     """Split a tensor name into ``(round, role, metric, param)``.
 
     Raises:
-        ValueError: the name does not follow ``round{r}/{role}/{metric}[/{param}]``.
+        ValueError: the name does not follow ``round{r}/{role}/{metric}[/{param}]`` with
+            ``r`` a 1-based round in ASCII digits without a leading zero (``round0``,
+            ``round01`` and ``round²`` are not rounds).
     """
     parts = name.split("/", 3)
-    if len(parts) < 3 or not parts[0].startswith("round") or not parts[0][5:].isdigit():
+    digits = parts[0][5:]
+    if (len(parts) < 3 or not parts[0].startswith("round") or not digits.isascii()
+            or not digits.isdigit() or digits.startswith("0")):
         raise ValueError(f"not a protocol tensor name: {name!r}")
     r, role, metric = int(parts[0][5:]), parts[1], parts[2]
     rest = parts[3] if len(parts) == 4 else None

@@ -18,7 +18,7 @@ import jsonschema
 from qualify.errors import QualifyError
 from qualify.resources import load_schema
 
-__all__ = ["STRICT_VALIDATOR", "first_error", "validate", "validator"]
+__all__ = ["STRICT_VALIDATOR", "definition_validator", "first_error", "validate", "validator"]
 
 
 def _is_integer(_checker: object, instance: object) -> bool:
@@ -42,12 +42,28 @@ def validator(name: str) -> jsonschema.protocols.Validator:
     return STRICT_VALIDATOR(load_schema(name))
 
 
-def first_error(obj: Any, name: str) -> str | None:
+@functools.cache
+def definition_validator(name: str, definition: str) -> jsonschema.protocols.Validator:
+    """The cached validator of ``$defs/<definition>`` of schema ``name`` (e.g. one report row).
+
+    Raises:
+        QualifyError: the schema file is missing, or has no such definition.
+    """
+    schema = load_schema(name)
+    defs = schema.get("$defs", {})
+    if definition not in defs:
+        raise QualifyError(f"{name}.schema.json has no $defs/{definition}")
+    return STRICT_VALIDATOR({"$ref": f"#/$defs/{definition}", "$defs": defs})
+
+
+def first_error(obj: Any, name: str, *, definition: str | None = None) -> str | None:
     """``"<field>: <message>"`` of the most relevant violation of schema ``name``, or None.
 
-    The field is the dotted path into ``obj`` (``(top level)`` for the root).
+    The field is the dotted path into ``obj`` (``(top level)`` for the root). With
+    ``definition``, ``obj`` is checked against that ``$defs`` entry of the schema only.
     """
-    err = jsonschema.exceptions.best_match(validator(name).iter_errors(obj))
+    v = validator(name) if definition is None else definition_validator(name, definition)
+    err = jsonschema.exceptions.best_match(v.iter_errors(obj))
     if err is None:
         return None
     field = ".".join(str(p) for p in err.absolute_path) or "(top level)"

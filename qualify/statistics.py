@@ -108,7 +108,8 @@ def masked_max_abs(obtained: npt.ArrayLike, expected: npt.ArrayLike,
     if total == 0:
         return ErrorMeasure(value=0.0, where="(no valid element)", mismatched=0, total=0,
                             max_abs=0.0, max_rel=0.0)
-    diff = np.where(m, np.abs(a - b), 0.0)
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite elements: checked below
+        diff = np.where(m, np.abs(a - b), 0.0)
     finite = np.isfinite(a) & np.isfinite(b)
     if not np.all(finite[m]):
         idx = np.argwhere(m & ~finite)[0]
@@ -326,7 +327,9 @@ def measure(key: MetricKey, obtained: Mapping[str, Any], expected: Mapping[str, 
         scale: ``{member: array}`` denominators for ``max_rel_l2`` (see :func:`max_rel_l2`).
 
     Returns:
-        The :class:`ErrorMeasure`; ``inf`` when members are missing on either side.
+        The :class:`ErrorMeasure`; ``inf`` when members are missing on either side, a
+        member of a scalar family or a loss term is not one number, or a per-token tensor
+        of matching shapes does not fit ``response_mask``.
     """
     stat = FAMILY_STATISTIC[key.family]
     if stat == "max_rel_l2":
@@ -336,22 +339,51 @@ def measure(key: MetricKey, obtained: Mapping[str, Any], expected: Mapping[str, 
         return ErrorMeasure(value=float("inf"), where=f"members differ: {diff}", mismatched=1,
                             total=max(len(obtained), len(expected)), max_abs=float("inf"),
                             max_rel=float("inf"))
-    if key.family == "losses":
-        terms = sorted(expected)
-        m = masked_max_abs([float(np.asarray(obtained[t])) for t in terms],
-                           [float(np.asarray(expected[t])) for t in terms])
-        where = terms[int(m.where.strip("(),") or 0)] if m.total and np.isfinite(m.value) \
-            else m.where
-        return dataclasses.replace(m, where=where)
-    if stat == "abs":
-        return scalar_abs(float(np.asarray(obtained[""])), float(np.asarray(expected[""])))
+    if key.family == "losses" or stat == "abs":
+        return _measure_scalars(key, obtained, expected)
     a, b = np.asarray(obtained[""]), np.asarray(expected[""])
     mask = None
     if response_mask is not None and a.ndim == 2:
         mask = np.asarray(response_mask)
         if mask.shape != b.shape:
             mask = None if b.ndim != 2 else mask[:, : b.shape[1]]
+        if mask is not None and mask.shape != b.shape and a.shape == b.shape:
+            return _inf(f"shape {b.shape} does not fit the response mask "
+                        f"{np.shape(response_mask)}", total=int(b.size))
     return masked_max_abs(a, b, mask)
+
+
+def _measure_scalars(key: MetricKey, obtained: Mapping[str, Any],
+                     expected: Mapping[str, Any]) -> ErrorMeasure:
+    """``abs`` of a scalar family, or ``max_abs`` over the loss terms (same member names).
+
+    A member that is not one number (any rank, one element) gives ``inf``.
+    """
+    names = sorted(expected)
+    for t in names:
+        for side in (obtained, expected):
+            shape = shape_of(side[t])
+            if math.prod(shape) != 1:
+                return _inf(f"{t or key.label}: shape {shape} is not a scalar",
+                            total=len(names))
+    if FAMILY_STATISTIC[key.family] == "abs":
+        return scalar_abs(_scalar(obtained[""]), _scalar(expected[""]))
+    m = masked_max_abs([_scalar(obtained[t]) for t in names],
+                       [_scalar(expected[t]) for t in names])
+    where = names[int(m.where.strip("(),") or 0)] if m.total and np.isfinite(m.value) \
+        else m.where
+    return dataclasses.replace(m, where=where)
+
+
+def _scalar(x: Any) -> float:
+    """A one-element tensor (any rank) as a float."""
+    return float(np.asarray(x, dtype=np.float64).reshape(-1)[0])
+
+
+def _inf(where: str, *, total: int) -> ErrorMeasure:
+    """The measure of a comparison that cannot be made (``inf``, naming why in ``where``)."""
+    return ErrorMeasure(value=float("inf"), where=where, mismatched=max(total, 1),
+                        total=max(total, 1), max_abs=float("inf"), max_rel=float("inf"))
 
 
 def compare_sets(obtained: Mapping[str, npt.ArrayLike], expected: Mapping[str, npt.ArrayLike],

@@ -194,24 +194,26 @@ def field_mismatch(train_logprobs: npt.ArrayLike, behavior_logprobs: npt.ArrayLi
     ad = np.abs(d)
     worst_flat = int(np.argmax(ad))
     worst_idx = tuple(int(i) for i in np.argwhere(use)[worst_flat])
-    pa, pg = np.exp(a[use]), np.exp(g[use])
-    pearson: float | None = None
-    if pa.size >= 2:
-        ca, cg = pa - pa.mean(), pg - pg.mean()
-        den = math.sqrt(float(np.dot(ca, ca)) * float(np.dot(cg, cg)))
-        if den > 0:
-            pearson = float(np.dot(ca, cg)) / den
-    return dataclasses.replace(
-        empty,
-        mean_abs=float(ad.mean()),
-        max_abs=float(ad[worst_flat]),
-        p99_abs=float(np.percentile(ad, 99.0)),
-        mean_signed=float(d.mean()),
-        worst=str(worst_idx),
-        token_mult_prob_error=float(np.exp(ad).mean()),
-        k3_kl=float(np.mean(np.expm1(d) - d)),
-        prob_pearson=pearson,
-    )
+    # logprobs far off overflow exp to inf (a statistic of inf, never a warning)
+    with np.errstate(over="ignore", invalid="ignore"):
+        pa, pg = np.exp(a[use]), np.exp(g[use])
+        pearson: float | None = None
+        if pa.size >= 2:
+            ca, cg = pa - pa.mean(), pg - pg.mean()
+            den = math.sqrt(float(np.dot(ca, ca)) * float(np.dot(cg, cg)))
+            if den > 0:
+                pearson = float(np.dot(ca, cg)) / den
+        return dataclasses.replace(
+            empty,
+            mean_abs=float(ad.mean()),
+            max_abs=float(ad[worst_flat]),
+            p99_abs=float(np.percentile(ad, 99.0)),
+            mean_signed=float(d.mean()),
+            worst=str(worst_idx),
+            token_mult_prob_error=float(np.exp(ad).mean()),
+            k3_kl=float(np.mean(np.expm1(d) - d)),
+            prob_pearson=pearson,
+        )
 
 
 def clip_band_tail(train_logprobs: npt.ArrayLike, behavior_logprobs: npt.ArrayLike,

@@ -20,7 +20,9 @@ checkpointed in its engine's own format, and a fresh launch restored it and ran 
   ``trainer_state.pt``), so their rows test that round trip only, as a training framework's
   own RNG save would be; the resumed rounds' metric rows below test the whole;
 - **lr rows** per resumed round: the lr that round's step applied (``outputs.json`` ``lr``)
-  against the uninterrupted cell's for the same round, exactly;
+  against the uninterrupted cell's for the same round, exactly; a ``FAIL`` shows both and
+  their difference (``round``, ``obtained``, ``expected``, ``abs diff``; a missing or
+  non-numeric lr is ``inf``);
 - **metric rows** per resumed round and family (logprobs, losses, grads, grad norm, clip
   coefficient, Adam moments, updates): against the uninterrupted cell ``C``'s same round.
   **Bitwise** when both ran on CPU (the deterministic lane: the same engine code on the
@@ -41,9 +43,10 @@ import numpy as np
 import numpy.typing as npt
 
 from qualify.bounds import Bound, judge, lookup
-from qualify.compare.rows import metric_detail
+from qualify.compare.rows import DETAIL_ROWS, guarded, metric_detail
 from qualify.compare.verdicts import FailureDetail, Row
 from qualify.contract import Contract
+from qualify.protocol import parse_tensor_name
 from qualify.statistics import FAMILY_STATISTIC, MetricKey, group_tensors, measure
 
 __all__ = ["KLASS", "STATE_QUANTITIES", "resume_required", "resume_rows"]
@@ -83,7 +86,8 @@ def _row(cell: str, role: str, family: str, *, round_: int | None, statistic: st
 
 def _state_rows(cell: str, role: str, record: Mapping[str, Any], k: int) -> list[Row]:
     """One exact row per :data:`STATE_QUANTITIES`: loaded against saved (and ``k``)."""
-    saved, loaded = record.get("saved") or {}, record.get("loaded") or {}
+    saved, loaded = (x if isinstance(x := record.get(k), Mapping) else {}
+                     for k in ("saved", "loaded"))
     out = []
     for q in STATE_QUANTITIES:
         key = _RECORD_KEY.get(q, q)
@@ -109,26 +113,41 @@ def _state_rows(cell: str, role: str, record: Mapping[str, Any], k: int) -> list
                         detail=FailureDetail(mismatched=len(problems), total=len(problems),
                                              max_abs=None, max_rel=None,
                                              columns=("item", "obtained", "expected"),
-                                             table=tuple(problems))))
+                                             table=tuple(problems[:DETAIL_ROWS]))))
     return out
+
+
+def _lr_value(lr: Mapping[str, Any], r: int) -> tuple[float | None, str]:
+    """``lr["round<r>"]`` as a float (``None`` when absent or no number) and as shown."""
+    x = lr.get(f"round{r}")
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None, "none" if x is None else f"{x!r} (not a number)"
+    return float(x), repr(float(x))
 
 
 def _lr_rows(cell: str, role: str, meta: Mapping[str, Any], base_meta: Mapping[str, Any],
              rounds: Sequence[int]) -> list[Row]:
     """The lr each resumed round applied against the uninterrupted cell's, exactly."""
-    got, want = meta.get("lr") or {}, base_meta.get("lr") or {}
+    got, want = (x if isinstance(x := m.get("lr"), Mapping) else {} for m in (meta, base_meta))
     out = []
     for r in rounds:
-        a, b = got.get(f"round{r}"), want.get(f"round{r}")
-        if a is not None and b is not None and float(a) == float(b):
+        (a, shown_a), (b, shown_b) = _lr_value(got, r), _lr_value(want, r)
+        if a is not None and b is not None and a == b:
             out.append(_row(cell, role, "lr", round_=r, statistic="bitwise", error=0.0,
                             bound=0.0, verdict="PASS", reason=None))
             continue
-        err = abs(float(a) - float(b)) if a is not None and b is not None else math.inf
+        err = abs(a - b) if a is not None and b is not None else math.inf
+        err = err if math.isfinite(err) else math.inf
         out.append(_row(cell, role, "lr", round_=r, statistic="bitwise", error=err, bound=0.0,
                         verdict="FAIL", where=f"round{r}",
-                        reason=f"resume lr: round {r} applied {a}, the uninterrupted cell "
-                               f"{b}"))
+                        reason=f"resume lr: round {r} applied {shown_a}, the uninterrupted "
+                               f"cell {shown_b}",
+                        detail=FailureDetail(
+                            mismatched=1, total=1, max_abs=err,
+                            max_rel=err / abs(b) if b else math.inf,
+                            columns=("round", "obtained", "expected", "abs diff"),
+                            table=((f"round{r}", a if a is not None else shown_a,
+                                    b if b is not None else shown_b, err),))))
     return out
 
 
@@ -165,10 +184,12 @@ def _metric_rows(cell: str, *, lane: str, bounds: Sequence[Bound], mask: npt.NDA
             continue
         b = lookup(list(bounds), precision=lane, klass="tp_vs_tp1",
                    key=MetricKey(round=key.round, role=key.role, family=key.family))
-        if b is None:
+        if b is None or not math.isfinite(b.bound) or b.bound < 0:
+            what = "no sealed tp_vs_tp1 bound" if b is None else \
+                f"the sealed tp_vs_tp1 bound {b.bound!r} is not a finite number >= 0"
             out.append(_row(cell, key.role, key.family, round_=key.round, statistic=stat,
                             error=m.value, bound=None, verdict="ERROR",
-                            reason=f"no sealed tp_vs_tp1 bound for {key.label} ({lane})"))
+                            reason=f"{what} for {key.label} ({lane})"))
             continue
         verdict, _ = judge(m.value, b.bound)
         out.append(_row(
@@ -198,8 +219,14 @@ def resume_rows(*, cell: str, entry: Mapping[str, Any], outputs: Any,
         lane: the cell's reference lane (:mod:`qualify.lanes`).
 
     Returns:
-        State rows, lr rows, metric rows; a ``NOT_RUN`` row when the uninterrupted cell did
-        not complete, a ``FAIL`` row when the resume record is missing.
+        State rows, lr rows, metric rows (every ``FAIL`` with its detail table); a
+        ``NOT_RUN`` row when the uninterrupted cell did not complete, a ``FAIL`` row when
+        the resume record is missing; one ``ERROR`` row for a group the cell's data does
+        not let be built (:func:`qualify.compare.rows.guarded`).
+
+    Raises:
+        KeyError, ValueError: ``entry`` lacks ``role``, ``after_round`` or ``resume_of``
+            (the stage's guard makes that an ``ERROR`` row).
     """
     role, k = str(entry["role"]), int(entry["after_round"])
     tensors, meta, meta_problem = outputs.tensors, outputs.meta, outputs.meta_problem
@@ -208,28 +235,44 @@ def resume_rows(*, cell: str, entry: Mapping[str, Any], outputs: Any,
     mine = {n: v for n, v in tensors.items() if n.split("/")[1:2] == [role]}
     record = (meta or {}).get("resume")
     rows: list[Row] = []
+    here = "qualify.compare.resume."
     if not isinstance(record, Mapping):
         why = meta_problem or "outputs.json has no resume record (the load launch's state)"
         rows.append(_row(cell, role, "state", round_=None, statistic="bitwise",
-                         error=math.inf, bound=0.0, verdict="FAIL", reason=f"resume: {why}"))
+                         error=math.inf, bound=0.0, verdict="FAIL", reason=f"resume: {why}",
+                         where="resume",
+                         detail=FailureDetail(mismatched=1, total=1, max_abs=None,
+                                              max_rel=None,
+                                              columns=("item", "obtained", "expected"),
+                                              table=(("resume", "absent" if record is None
+                                                      else type(record).__name__,
+                                                      "the load launch's state record"),))))
     else:
-        rows += _state_rows(cell, role, record, k)
+        rows += guarded(lambda: _state_rows(cell, role, record, k), cell=cell, role=role,
+                        builder=f"{here}_state_rows", klass=KLASS, family="state")
     if isinstance(base, str):
         rows.append(_row(cell, role, "all", round_=None, statistic="bitwise", error=None,
                          bound=None, verdict="NOT_RUN",
                          reason=f"uninterrupted cell {entry.get('resume_of')}: {base}"))
         return rows
     base_tensors, base_meta = base
-    expected = {}
+    expected, rounds_of = {}, set()
     for n, v in base_tensors.items():
-        parts = n.split("/")
-        if (len(parts) > 2 and parts[1] == role and parts[0].startswith("round")
-                and int(parts[0][5:]) > k and not parts[2].endswith("_padded")):
+        try:
+            r, r_role, metric, _ = parse_tensor_name(n)
+        except ValueError:
+            continue
+        if r_role == role and r > k and not metric.endswith("_padded"):
             expected[n] = v
-    rounds = sorted({int(n.split("/")[0][5:]) for n in expected})
-    rows += _lr_rows(cell, role, meta or {}, base_meta or {}, rounds)
+            rounds_of.add(r)
+    rounds = sorted(rounds_of)
+    rows += guarded(lambda: _lr_rows(cell, role, meta or {}, base_meta or {}, rounds),
+                    cell=cell, role=role, builder=f"{here}_lr_rows", klass=KLASS, family="lr")
     deterministic = (meta or {}).get("device") == "cpu" and (base_meta or {}).get("device") \
         == "cpu"
-    rows += _metric_rows(cell, lane=lane, bounds=bounds, mask=mask, obtained=mine,
-                         expected=expected, deterministic=deterministic)
+    rows += guarded(lambda: _metric_rows(cell, lane=lane, bounds=bounds, mask=mask,
+                                         obtained=mine, expected=expected,
+                                         deterministic=deterministic),
+                    cell=cell, role=role, builder=f"{here}_metric_rows", klass=KLASS,
+                    family="all")
     return rows

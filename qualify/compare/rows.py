@@ -16,14 +16,21 @@
   lr the reference sealed for that step (the contract's schedule, :mod:`qualify.schedule`),
   within one FP32 ulp of the sealed lr (:data:`LR_RULE`);
 - :func:`not_run_rows`, :func:`declared_not_run`, :func:`declared_or`: ``NOT_RUN`` rows, for
-  a comparison that could not run or a metric the harness declared not run.
+  a comparison that could not run or a metric the harness declared not run;
+- :func:`guarded`: runs one builder on one cell's data; what it cannot build (it raised, or
+  a non-``PASS`` row it built violates ``report.schema.json``) is one ``ERROR`` row naming
+  the cell and the builder (:func:`builder_error`), never an exit 4 for the run.
+
+Every ``FAIL`` row carries a :class:`~qualify.compare.verdicts.FailureDetail`; a sealed bound
+that is not a finite number ``>= 0`` makes its row ``ERROR`` (it could not fail).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -32,8 +39,10 @@ import numpy.typing as npt
 from qualify.bounds import Bound, judge, lookup
 from qualify.compare.power import PowerCache, power_of
 from qualify.compare.verdicts import Cell, FailureDetail, Row
+from qualify.errors import QualifyError
 from qualify.layout import BOUNDS_FILE
 from qualify.protocol import OUTPUTS_FILE, OUTPUTS_META_FILE
+from qualify.schema import first_error
 from qualify.statistics import (
     FAMILY_STATISTIC,
     ErrorMeasure,
@@ -51,14 +60,17 @@ __all__ = [
     "LR_RULE",
     "OPTIMIZER_STATE_KEYS",
     "PADDING_REQUIRED",
+    "builder_error",
     "compare_rows",
     "declared_not_run",
     "declared_or",
     "dtype_row",
+    "guarded",
     "lr_rows",
     "not_run_rows",
     "padding_rows",
     "replica_row",
+    "row_problem",
 ]
 
 FP32: Final = "torch.float32"
@@ -110,6 +122,14 @@ def _elementwise_table(a_in: Any, b_in: Any,
     return tuple(out)
 
 
+def _term_cell(x: Any) -> Cell:
+    """A loss term for a detail table: its value, ``None`` if absent, its shape if no scalar."""
+    if x is None:
+        return None
+    arr = np.asarray(x, dtype=np.float64)
+    return float(arr.reshape(-1)[0]) if arr.size == 1 else f"shape {arr.shape}"
+
+
 def _detail(key: MetricKey, m: ErrorMeasure, obtained: Mapping[str, Any],
             expected: Mapping[str, Any], mask: npt.NDArray[Any] | None) -> FailureDetail:
     """Build the failure detail of one measured metric group."""
@@ -131,10 +151,8 @@ def _detail(key: MetricKey, m: ErrorMeasure, obtained: Mapping[str, Any],
         columns = ("term", "obtained", "expected", "abs diff")
         rows = []
         for term in sorted(set(obtained) | set(expected)):
-            a, b = obtained.get(term), expected.get(term)
-            fa = float(np.asarray(a)) if a is not None else None
-            fb = float(np.asarray(b)) if b is not None else None
-            d = abs(fa - fb) if fa is not None and fb is not None else math.inf
+            fa, fb = _term_cell(obtained.get(term)), _term_cell(expected.get(term))
+            d = abs(fa - fb) if isinstance(fa, float) and isinstance(fb, float) else math.inf
             rows.append((term, fa, fb, d if math.isfinite(d) else math.inf))
         rows.sort(key=lambda r: -(r[3] if isinstance(r[3], float) else 0.0))
         table = tuple(r for r in rows if r[3] != 0)[:DETAIL_ROWS]
@@ -170,6 +188,11 @@ def _metric_row(*, cell: str, klass: str, bound_class: str, key: MetricKey, m: E
         return dataclasses.replace(
             row, reason=f"no sealed bound for {dataclasses.replace(key, variant='').label} "
                         f"(class {bound_class}, precision {precision}) in {BOUNDS_FILE}")
+    if not math.isfinite(b.bound) or b.bound < 0:
+        return dataclasses.replace(
+            row, reason=f"sealed bound of {key.label} (class {bound_class}, precision "
+                        f"{precision}) is {b.bound!r} in {BOUNDS_FILE}, not a finite number "
+                        ">= 0: a bound that cannot fail is no check")
     if b.statistic != stat:
         return dataclasses.replace(
             row, bound=b.bound, reason=f"sealed bound of {key.label} uses statistic "
@@ -362,6 +385,10 @@ def replica_row(cell: str, role: str, meta: Mapping[str, Any] | None, why: str) 
 
 
 
+_FP32_MAX: Final = float(np.finfo(np.float32).max)
+_ROUND_KEY: Final = re.compile(r"round([1-9][0-9]*)", re.ASCII)
+
+
 def _lr_of(lr: Any, rnd: int) -> float | None:
     """``lr["round<rnd>"]`` as a float, ``None`` when absent or not a number."""
     x = lr.get(f"round{rnd}") if isinstance(lr, Mapping) else None
@@ -388,8 +415,7 @@ def lr_rows(cell: str, role: str, meta: Mapping[str, Any] | None, why: str,
     """
     if not isinstance(sealed, Mapping):
         return []
-    rounds = sorted(int(k.removeprefix("round")) for k in sealed
-                    if str(k).removeprefix("round").isdigit())
+    rounds = sorted(int(m[1]) for k in sealed if (m := _ROUND_KEY.fullmatch(str(k))))
     out = []
     for rnd in rounds:
         want = _lr_of(sealed, rnd)
@@ -397,9 +423,11 @@ def lr_rows(cell: str, role: str, meta: Mapping[str, Any] | None, why: str,
         row = Row(cell=cell, klass="lr_schedule", bound_class=None, round=rnd, role=role,
                   family="lr", statistic="abs", error=None, bound=None, margin=None,
                   verdict="FAIL", reason=None, where="")
-        if want is None:
-            out.append(dataclasses.replace(row, verdict="ERROR",
-                                           reason=f"sealed lr of round {rnd} not a number"))
+        if want is None or not math.isfinite(want) or abs(want) > _FP32_MAX:
+            out.append(dataclasses.replace(
+                row, verdict="ERROR", reason=f"sealed lr of round {rnd} is "
+                                             f"{sealed.get(f'round{rnd}')!r}, not a finite "
+                                             "FP32 number"))
             continue
         bound = float(np.spacing(np.float32(abs(want))))
         if got is None:
@@ -443,3 +471,76 @@ def declared_or(row: Row, meta: Mapping[str, Any] | None, family: str) -> Row:
 
 metric_detail = _detail
 """The pytest-approx-style detail of one measured metric group (the resume rows use it)."""
+
+
+# --------------------------------------------------------------------------- builder guard
+
+
+def row_problem(row: Row) -> str | None:
+    """The first violation of ``report.schema.json`` ``$defs/row`` by ``row``'s JSON form."""
+    try:
+        doc = row.to_dict()
+    except (TypeError, ValueError, AttributeError) as exc:  # e.g. a string where a number goes
+        return f"no JSON form: {type(exc).__name__}: {exc}"
+    return first_error(doc, "report", definition="row")
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else f"{line[: limit - 3]}..."
+
+
+def builder_error(*, cell: str, builder: str, klass: str, role: str, family: str,
+                  why: str) -> Row:
+    """The ``ERROR`` row that stands for what ``builder`` could not build for ``cell``.
+
+    Args:
+        cell: the cell id.
+        builder: the row builder, e.g. ``qualify.compare.rows.padding_rows``.
+        klass: the comparison class of the rows it builds (one of the report's classes).
+        role: the cell's role.
+        family: the family of the rows it builds (``padding``, ``install``, ...).
+        why: one line: the exception, or the schema violation of the row it built.
+
+    Returns:
+        A row without round, error or bound, whose reason names the cell, the builder and
+        ``why``.
+    """
+    return Row(cell=cell, klass=klass, bound_class=None, round=None, role=role,
+               family=family, statistic="-", error=None, bound=None, margin=None,
+               verdict="ERROR", where="",
+               reason=f"cell {cell}: {builder} could not build its rows: {_one_line(why)}")
+
+
+def guarded(build: Callable[[], Sequence[Row]], *, cell: str, builder: str, klass: str,
+            role: str, family: str, keep: Sequence[Row] = ()) -> list[Row]:
+    """Run one row builder on one cell's data; what it cannot build is an ``ERROR`` row.
+
+    A builder that raises on the cell's evidence (a value of the wrong type, a shape it did
+    not expect) gives one :func:`builder_error` row naming the cell, the builder and the
+    exception, so the rest of the cell and the other cells are still compared and the
+    report is written; a ``FAIL`` / ``ERROR`` / ``NOT_RUN`` row it returns that violates
+    the report schema (:func:`row_problem`) is replaced by such a row. ``PASS`` rows are
+    not re-checked (their cost would be paid on every passing run). ``keep``: rows that
+    stand when the builder raises, before its ``ERROR`` row (a builder that revises rows
+    already built, e.g. :func:`qualify.compare.reflip.with_branch_flips`).
+
+    Raises:
+        QualifyError: raised by the builder (an integrity or input error keeps its exit
+            code); ``MemoryError`` likewise.
+    """
+    try:
+        rows = list(build())
+    except (QualifyError, MemoryError):
+        raise
+    except Exception as exc:  # a builder's defect on this cell's data: its ERROR row
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return [*keep, builder_error(cell=cell, builder=builder, klass=klass, role=role,
+                                     family=family, why=why)]
+    out = []
+    for r in rows:
+        problem = None if r.verdict == "PASS" else row_problem(r)
+        out.append(r if problem is None else builder_error(
+            cell=cell, builder=builder, klass=klass, role=role, family=family,
+            why=f"its {r.verdict} row {r.metric} violates report.schema.json: {problem}"))
+    return out

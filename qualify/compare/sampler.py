@@ -49,6 +49,7 @@ import numpy.typing as npt
 
 from qualify.bounds import Bound, judge, lookup
 from qualify.compare.mismatch import field_mismatch
+from qualify.compare.rows import guarded
 from qualify.compare.verdicts import FailureDetail, Row
 from qualify.layout import OUTPUTS_META_FILE
 from qualify.statistics import MetricKey
@@ -60,6 +61,8 @@ SAMPLER_ROW_CLASSES: Final = ("sampler_install", "sampler_cache", "sampler_probe
                               "sampler_vs_actor")
 ROLE: Final = "sampler"
 ACTOR_KEY: Final = MetricKey(round=2, role="actor", family="logprobs")
+_EXP_MAX: Final = math.log(np.finfo(np.float64).max)
+"""The largest bound whose ``exp`` is a finite FP64 number."""
 
 
 def _row(cell: str, klass: str, family: str, statistic: str, *, error: float | None = None,
@@ -80,21 +83,51 @@ def _row(cell: str, klass: str, family: str, statistic: str, *, error: float | N
                detail=detail)
 
 
+def _obj(x: Any) -> Mapping[str, Any]:
+    """An ``outputs.json`` object field (``{}`` when absent or of another type)."""
+    return x if isinstance(x, Mapping) else {}
+
+
+def _list(x: Any) -> list[Any]:
+    """An ``outputs.json`` array field (``[]`` when absent or of another type)."""
+    return x if isinstance(x, list) else []
+
+
+def _count(x: Any) -> int | None:
+    """A JSON integer (``None`` for anything else, booleans included)."""
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def _int(x: Any, default: int) -> int:
+    """A JSON integer (``default`` for anything else, booleans included)."""
+    n = _count(x)
+    return default if n is None else n
+
+
+def _float(x: Any) -> float:
+    """A JSON number as a float (``nan`` for anything else, ``inf`` beyond FP64)."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return math.nan
+    try:
+        return float(x)
+    except OverflowError:  # an integer beyond FP64
+        return math.copysign(math.inf, x)
+
+
 def _install_row(cell: str, tp: int, meta: Mapping[str, Any]) -> Row:
-    inst = meta.get("install") or {}
-    final = meta.get("final") or {}
-    acks = inst.get("acks") or []
-    ranks = sorted(int(a.get("rank", -1)) for a in acks)
+    inst, final = _obj(meta.get("install")), _obj(meta.get("final"))
+    acks = [_obj(a) for a in _list(inst.get("acks"))]
+    ranks = sorted(_int(a.get("rank"), -1) for a in acks)
     problems = []
     if inst.get("accepted") is not True:
         problems.append(("install.accepted", repr(inst.get("accepted")),
                          f"True ({inst.get('reason')})"))
     if ranks != list(range(tp)):
         problems.append(("install.acks", f"ranks {ranks}", f"one per rank {list(range(tp))}"))
-    if any(int(a.get("version", -1)) != 1 for a in acks):
+    if any(_int(a.get("version"), -1) != 1 for a in acks):
         problems.append(("install.acks.version", str([a.get("version") for a in acks]), "1"))
     if inst.get("expected_digest") != [a.get("digest") for a in sorted(
-            acks, key=lambda a: int(a.get("rank", -1)))]:
+            acks, key=lambda a: _int(a.get("rank"), -1))]:
         problems.append(("install.acks.digest", "differs", "the expected per-rank digests"))
     if final.get("verified") is not True or final.get("version") != 1:
         problems.append(("final", f"version {final.get('version')}, verified "
@@ -118,11 +151,11 @@ def _kernel_row(cell: str, meta: Mapping[str, Any]) -> Row:
                     where="kernel_probe", obtained="missing", expected="a kernel probe",
                     reason=f"kernel probe missing from {OUTPUTS_META_FILE}")
     stale = [str(x) for x in kp["stale"]]
-    probed = int(kp.get("layers_probed") or 0)
+    probed = _int(kp.get("layers_probed"), 0)
     if not stale and probed > 0:
         return _row(cell, "sampler_install", "kernels", "stale", error=0.0, ok=True,
                     where=f"{probed} GEMM kernels, worst rel err vs installed weights "
-                          f"{float(kp.get('worst_err_new', 0.0)):.3g}")
+                          f"{_float(kp.get('worst_err_new', 0.0)):.3g}")
     if not stale:
         return _row(cell, "sampler_install", "kernels", "stale", error=0.0, ok=False,
                     where="kernel_probe", obtained="0 layers probed",
@@ -137,17 +170,18 @@ def _kernel_row(cell: str, meta: Mapping[str, Any]) -> Row:
 
 
 def _cache_row(cell: str, meta: Mapping[str, Any]) -> Row:
-    cp = meta.get("cache_proof") or {}
-    first, replay = cp.get("cached_tokens_first_after_update"), cp.get(
-        "cached_tokens_same_version_replay")
-    if not isinstance(first, int) or not isinstance(replay, int):
+    cp = _obj(meta.get("cache_proof"))
+    raw = (cp.get("cached_tokens_first_after_update"), cp.get(
+        "cached_tokens_same_version_replay"))
+    first, replay = _count(raw[0]), _count(raw[1])
+    if first is None or replay is None:
         return _row(cell, "sampler_cache", "prefix_cache", "cached_tokens", ok=False,
-                    where="cache_proof", obtained=f"{first!r}, {replay!r}",
+                    where="cache_proof", obtained=f"{raw[0]!r}, {raw[1]!r}",
                     expected="integers",
                     reason=f"cache proof missing from {OUTPUTS_META_FILE}")
     where = f"first after update {first}, same-version replay {replay}"
     if first != 0:
-        return _row(cell, "sampler_cache", "prefix_cache", "cached_tokens", error=float(first),
+        return _row(cell, "sampler_cache", "prefix_cache", "cached_tokens", error=_float(first),
                     bound=0.0, ok=False, where=where, obtained=str(first), expected="0",
                     reason=f"prefix cache: the first request after the update was served "
                            f"{first} cached tokens (a cache that predates the update)")
@@ -161,7 +195,8 @@ def _cache_row(cell: str, meta: Mapping[str, Any]) -> Row:
 
 
 def _probe_rows(cell: str, meta: Mapping[str, Any]) -> list[Row]:
-    got = {p.get("name"): p for p in meta.get("probes") or [] if isinstance(p, Mapping)}
+    got = {p["name"]: p for p in _list(meta.get("probes"))
+           if isinstance(p, Mapping) and isinstance(p.get("name"), str)}
     rows = []
     for name in PROBES:
         p = got.get(name)
@@ -175,7 +210,7 @@ def _probe_rows(cell: str, meta: Mapping[str, Any]) -> list[Row]:
         if p.get("rejected") is True and p.get("stayed") is True:
             rows.append(_row(cell, "sampler_probe", name, "rejected", ok=True, where=where))
         elif p.get("rejected") is not True:
-            rec = p.get("record") or {}
+            rec = _obj(p.get("record"))
             rows.append(_row(cell, "sampler_probe", name, "rejected", ok=False, where=name,
                              obtained=f"accepted={rec.get('accepted')} check={rec.get('check')}",
                              expected=f"refused by {p.get('expected_check')}",
@@ -212,9 +247,26 @@ def _vs_actor_rows(cell: str, tensors: Mapping[str, npt.NDArray[Any]], *,
                 else f"{weights_from} has no round2/actor/logprobs")
         return [Row(**base, statistic=s, error=None, bound=None, margin=None, verdict="ERROR",
                     where="", reason=what) for s in stats]
+    bound = b.bound
+    if not (math.isfinite(bound) and 0 <= bound < _EXP_MAX):
+        return [Row(**base, statistic=s, error=None, bound=None, margin=None, verdict="ERROR",
+                    where="", reason=f"the sealed fp32 candidate_vs_hf bound of "
+                                     f"round2/actor/logprobs is {bound!r}: no finite bound of "
+                                     f"{s} follows from it (exp(bound) must be finite)")
+                for s in stats]
+    shapes = (np.shape(mine), np.shape(theirs), np.shape(mask))
+    if len(shapes[0]) != 2 or len(set(shapes)) != 1:
+        return [Row(**base, statistic=s, error=math.inf, bound=bound, margin=math.inf,
+                    verdict="FAIL", where="shape",
+                    reason=f"sampler vs actor round-2 logprobs: shapes differ or are not 2-D "
+                           f"(sampler {shapes[0]}, {weights_from} {shapes[1]}, response mask "
+                           f"{shapes[2]})",
+                    detail=FailureDetail(mismatched=1, total=1, max_abs=math.inf,
+                                         max_rel=None, columns=("item", "obtained", "expected"),
+                                         table=(("shape", str(shapes[0]), str(shapes[1])),)))
+                for s in stats]
     fm = field_mismatch(mine, theirs, mask, source=cell, precision="fp32",
                         logprobs_mode="processed", like_for_like=True)
-    bound = b.bound
     values = {"max_abs": (fm.max_abs, bound), "mean_abs": (fm.mean_abs, bound),
               "p99_abs": (fm.p99_abs, bound),
               "token_mult_prob_error-1": (
@@ -266,18 +318,30 @@ def sampler_rows(*, cell: str, entry: Mapping[str, Any], tensors: Mapping[str, A
         mask: ``[B, R]`` response mask of the frozen rollout.
 
     Returns:
-        The rows, in the order install, cache, probes, round 2.
+        The rows, in the order install, kernels, cache, probes, round 2; a check that
+        cannot be built from ``meta`` is one ``ERROR`` row naming it
+        (:func:`qualify.compare.rows.guarded`).
     """
-    tp = int(entry.get("tp", 1))
+    tp = _int(entry.get("tp", 1), 1)
     weights_from = str(entry.get("weights_from", ""))
     if meta is None:
         return [_row(cell, "sampler_install", "install", "digest", ok=False,
                      where=OUTPUTS_META_FILE, obtained=meta_problem, expected="readable JSON",
                      reason=f"{OUTPUTS_META_FILE}: {meta_problem}")]
-    rows = [_install_row(cell, tp, meta), _kernel_row(cell, meta), _cache_row(cell, meta)]
-    rows += _probe_rows(cell, meta)
-    rows += _vs_actor_rows(cell, tensors, actor=actor, bounds=bounds, mask=mask,
-                           weights_from=weights_from)
+    g: dict[str, Any] = {"cell": cell, "role": ROLE}
+    here = "qualify.compare.sampler."
+    rows = guarded(lambda: [_install_row(cell, tp, meta)], **g, builder=f"{here}_install_row",
+                   klass="sampler_install", family="install")
+    rows += guarded(lambda: [_kernel_row(cell, meta)], **g, builder=f"{here}_kernel_row",
+                    klass="sampler_install", family="kernels")
+    rows += guarded(lambda: [_cache_row(cell, meta)], **g, builder=f"{here}_cache_row",
+                    klass="sampler_cache", family="prefix_cache")
+    rows += guarded(lambda: _probe_rows(cell, meta), **g, builder=f"{here}_probe_rows",
+                    klass="sampler_probe", family="probes")
+    rows += guarded(lambda: _vs_actor_rows(cell, tensors, actor=actor, bounds=bounds,
+                                           mask=mask, weights_from=weights_from),
+                    **g, builder=f"{here}_vs_actor_rows", klass="sampler_vs_actor",
+                    family="logprobs")
     return rows
 
 

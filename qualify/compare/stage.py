@@ -43,9 +43,15 @@ types: :mod:`qualify.compare.verdicts`). Per cell of ``run.json``:
     :func:`qualify.compare.rows.lr_rows`; none for a reference sealed before lr schedules).
 
   Bounds come only from the reference's ``bounds.json`` (:func:`qualify.bounds.lookup`); a
-  metric without a bound is ``ERROR``, never ``PASS``. ``PASS`` iff the error is finite and
-  ``error <= bound``; ``margin = error / bound`` (``inf`` when ``bound == 0 < error``, 0 when
-  both are 0). A resume cell (``resume_of``) has the rows of :mod:`qualify.compare.resume`.
+  metric without a bound (or with a non-finite one) is ``ERROR``, never ``PASS``. ``PASS``
+  iff the error is finite and ``error <= bound``; ``margin = error / bound`` (``inf`` when
+  ``bound == 0 < error``, 0 when both are 0). A resume cell (``resume_of``) has the rows
+  of :mod:`qualify.compare.resume`.
+
+  Each row builder runs guarded (:func:`qualify.compare.rows.guarded`): one that raises on
+  a cell's evidence gives one ``ERROR`` row naming the cell, the builder and the exception
+  (one line), and the cell's other checks and the other cells are still compared; an
+  integrity or input error (:class:`~qualify.errors.QualifyError`) keeps its exit code.
 
 A cell's verdict is its worst row by the precedence ``FAIL > ERROR > NOT_RUN > PASS``: a
 cell passes only when every check ran and passed. The report passes iff there is at least
@@ -57,6 +63,7 @@ one required cell and every required cell passes; required cells are
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -84,6 +91,7 @@ from qualify.compare.rows import (
     declared_not_run,
     declared_or,
     dtype_row,
+    guarded,
     lr_rows,
     not_run_rows,
     padding_rows,
@@ -333,17 +341,22 @@ def _class_rows(ctx: _Ctx, *, cell: str, klass: str, precision: str, role: str,
     rows = compare_rows(cell=cell, klass=klass, precision=precision, bounds=ctx.bounds,
                         obtained=obtained, expected=expected, mask=ctx.mask, meta=meta,
                         power_cache=ctx.power)
-    return with_branch_flips(ctx.branches, rows, cell=cell, klass=klass, precision=precision,
-                             role=role, obtained=obtained, expected=expected, meta=meta)
+    return guarded(lambda: with_branch_flips(
+        ctx.branches, rows, cell=cell, klass=klass, precision=precision, role=role,
+        obtained=obtained, expected=expected, meta=meta),
+        cell=cell, builder="qualify.compare.reflip.with_branch_flips", klass=klass, role=role,
+        family="grads", keep=rows)
 
 
 def _complete_rows(ctx: _Ctx, *, cid: str, entry: Mapping[str, Any], cells: Mapping[str, Any],
                    outputs: _Outputs, loaded: dict[str, _Outputs | str]) -> list[Row]:
-    role = str(entry["role"])
-    precision = _lane(ctx, cid, str(entry["precision"]))
+    role = str(entry.get("role", ""))
+    precision = _lane(ctx, cid, str(entry.get("precision", "")))
     mine = {k: v for k, v in outputs.tensors.items() if _role_of(k) == role}
     rows: list[Row] = []
     hf = _hf(ctx, precision)
+    # each builder below is guarded: one it cannot build is an ERROR row naming it
+    g: dict[str, Any] = {"cell": cid, "role": role}
     if hf is None:
         rows.append(Row(cell=cid, klass="candidate_vs_hf", bound_class="candidate_vs_hf",
                         round=None, role=role, family="all", statistic="-", error=None,
@@ -352,16 +365,22 @@ def _complete_rows(ctx: _Ctx, *, cid: str, entry: Mapping[str, Any], cells: Mapp
                                f"{hf_tensors_file(precision)}"))
     else:
         expected = {k: v for k, v in hf.items() if _role_of(k) == role}
-        rows += _class_rows(ctx, cell=cid, klass="candidate_vs_hf", precision=precision,
-                            role=role, obtained=mine, expected=expected, meta=outputs.meta)
+        rows += guarded(lambda: _class_rows(
+            ctx, cell=cid, klass="candidate_vs_hf", precision=precision, role=role,
+            obtained=mine, expected=expected, meta=outputs.meta),
+            **g, builder="qualify.compare.rows.compare_rows", klass="candidate_vs_hf",
+            family="all")
     tp1_id, is_base = _base_cell(ctx, cid)
     if not is_base and tp1_id is not None:
         tp1 = cells.get(tp1_id)
         got = loaded.get(tp1_id)
         if isinstance(got, _Outputs):
             ref1 = {k: v for k, v in got.tensors.items() if _role_of(k) == role}
-            rows += _class_rows(ctx, cell=cid, klass="tp_vs_tp1", precision=precision,
-                                role=role, obtained=mine, expected=ref1, meta=outputs.meta)
+            rows += guarded(lambda: _class_rows(
+                ctx, cell=cid, klass="tp_vs_tp1", precision=precision, role=role,
+                obtained=mine, expected=ref1, meta=outputs.meta),
+                **g, builder="qualify.compare.rows.compare_rows", klass="tp_vs_tp1",
+                family="all")
         else:
             status = tp1.get("status") if isinstance(tp1, Mapping) else f"absent from {RUN_FILE}"
             why = f": {got}" if isinstance(got, str) else ""
@@ -369,15 +388,25 @@ def _complete_rows(ctx: _Ctx, *, cid: str, entry: Mapping[str, Any], cells: Mapp
             rows += not_run_rows(cid, "tp_vs_tp1", "tp_vs_tp1", keys,
                                  f"TP=1 cell of the same engine did not complete "
                                  f"({tp1_id}: {status}{why})")
-    padding = padding_rows(cell=cid, role=role, precision=precision, bounds=ctx.bounds,
-                           outputs=mine, mask=ctx.mask)
+    padding = guarded(lambda: padding_rows(cell=cid, role=role, precision=precision,
+                                           bounds=ctx.bounds, outputs=mine, mask=ctx.mask),
+                      **g, builder="qualify.compare.rows.padding_rows",
+                      klass="padding_invariance", family="padding")
     rows += [declared_or(r, outputs.meta, "padding") for r in padding]
-    rows.append(declared_or(dtype_row(cid, role, outputs.meta, outputs.meta_problem),
-                            outputs.meta, "dtypes"))
-    rows.append(declared_or(replica_row(cid, role, outputs.meta, outputs.meta_problem),
-                            outputs.meta, "replica"))
-    for r in lr_rows(cid, role, outputs.meta, outputs.meta_problem,
-                     _sealed_lr(ctx, precision, role)):
+    rows += guarded(lambda: [declared_or(dtype_row(cid, role, outputs.meta,
+                                                   outputs.meta_problem),
+                                         outputs.meta, "dtypes")],
+                    **g, builder="qualify.compare.rows.dtype_row", klass="dtypes",
+                    family="dtypes")
+    rows += guarded(lambda: [declared_or(replica_row(cid, role, outputs.meta,
+                                                     outputs.meta_problem),
+                                         outputs.meta, "replica")],
+                    **g, builder="qualify.compare.rows.replica_row",
+                    klass="replica_consistency", family="replica")
+    for r in guarded(lambda: lr_rows(cid, role, outputs.meta, outputs.meta_problem,
+                                     _sealed_lr(ctx, precision, role)),
+                     **g, builder="qualify.compare.rows.lr_rows", klass="lr_schedule",
+                     family="lr"):
         declared = (declared_not_run(outputs.meta, r.round, "lr") if r.where == "(missing)"
                     else None)
         rows.append(r if declared is None else dataclasses.replace(
@@ -428,22 +457,29 @@ def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, A
     status = str(e.get("status", "NOT_RUN"))
     attempt = e.get("attempt")
     rows: list[Row] = []
-    reason = e.get("reason")
+    raw_reason = e.get("reason")  # run.json text; a hand-edited non-string is shown as JSON
+    reason = None if raw_reason in (None, "") else (
+        raw_reason if isinstance(raw_reason, str) else json.dumps(raw_reason, default=str))
     verdict: Verdict
     if status == "COMPLETE":
         got = loaded[cid]
         if isinstance(got, str):
             return status, "ERROR", got, rows
+        outputs = got
         if e.get("role") == "sampler":  # qualify.compare.sampler: the sampler cells
             src = loaded.get(str(e.get("weights_from")), f"not COMPLETE in {RUN_FILE}")
-            rows = sampler_rows(cell=cid, entry=e, tensors=in_memory(got.tensors),
-                                meta=got.meta, meta_problem=got.meta_problem,
-                                bounds=ctx.bounds, mask=ctx.mask,
-                                actor=in_memory(src.tensors) if isinstance(src, _Outputs)
-                                else src)
+            rows = guarded(lambda: sampler_rows(
+                cell=cid, entry=e, tensors=in_memory(outputs.tensors), meta=outputs.meta,
+                meta_problem=outputs.meta_problem, bounds=ctx.bounds, mask=ctx.mask,
+                actor=in_memory(src.tensors) if isinstance(src, _Outputs) else src),
+                cell=cid, builder="qualify.compare.sampler.sampler_rows",
+                klass="sampler_install", role="sampler", family="all")
         elif "resume_of" in e:  # qualify.compare.resume: against the uninterrupted cell
-            rows = resume_rows(cell=cid, entry=e, outputs=got, loaded=loaded, bounds=ctx.bounds,
-                               mask=ctx.mask, lane=_lane(ctx, e["resume_of"], e["precision"]))
+            rows = guarded(lambda: resume_rows(
+                cell=cid, entry=e, outputs=outputs, loaded=loaded, bounds=ctx.bounds,
+                mask=ctx.mask, lane=_lane(ctx, str(e["resume_of"]), str(e["precision"]))),
+                cell=cid, builder="qualify.compare.resume.resume_rows", klass="resume",
+                role=str(e.get("role", "")), family="all")
         else:
             rows = _complete_rows(ctx, cid=cid, entry=e, cells=cells, outputs=got,
                                   loaded=loaded)
