@@ -15,11 +15,11 @@ object (``outputs.json`` ``dtypes.grad_reduction`` / ``dtypes.grad_accumulation`
 - planted faults: real BF16 launches of FSDP2 and DeepSpeed with the reduction set to BF16 by
   a ``sitecustomize`` the test puts on the launch's ``PYTHONPATH`` (:mod:`plant`: the harness
   runs as shipped, one seam replaced), each beside the same launch unplanted (PASS);
-- Megatron: training is CUDA-only here, so the read-back
-  (:func:`harnesses.megatron.train.reduction_dtypes`) runs on the engine object its CPU path
-  builds: a real ``megatron.core`` ``DistributedDataParallel`` over a BF16 module, with
-  ``grad_reduce_in_fp32`` True and False, one backward and ``finalize_model_grads``, in a
-  1-rank gloo group (no optimizer step, no full cell).
+- Megatron: the same, a real BF16 Actor cell on its CPU path
+  (:mod:`harnesses.megatron.cpu_shims`) with ``grad_reduce_in_fp32=False`` planted in
+  ``DistributedDataParallelConfig``;
+  its ``main_grad`` is a view of the grad buffer, so the reported ``grads`` show the BF16
+  buffer too, and the reduction entries name where it came from.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def test_row_fails_exactly_on_a_non_fp32_or_missing_item(
         if bad:
             assert r.detail is not None
             assert [t[0] for t in r.detail.table] == bad[:len(r.detail.table)]
-            assert r.reason is not None and r.reason.startswith(f"dtypes: {bad[0]} is ")
+            assert str(r.reason).startswith(f"dtypes: {bad[0]} is ")
             assert r.detail.mismatched == len(bad)
 
 
@@ -95,7 +95,8 @@ def test_missing_reduction_maps_are_named() -> None:
     d |= {"grad_reduction": {"x": FP32}, "grad_accumulation": {"y": FP32}}
     assert dtype_row("c", "critic", _meta(d), "", precision="bf16").verdict == "PASS"
     unknown = dtype_row("c", "critic", _meta(d), "", precision="fp8")
-    assert unknown.verdict == "FAIL" and "none for precision 'fp8'" in str(unknown.reason)
+    assert unknown.verdict == "FAIL"
+    assert "none for precision 'fp8'" in str(unknown.reason)
 
 
 # --------------------------------------------------------------------------- launches
@@ -149,3 +150,63 @@ def test_fsdp2_bf16_reduce_scatter_fails_the_dtypes_row(tmp_path: Path) -> None:
     d = bad["roles"]["actor"]["dtypes"]
     assert (d["master_weights"], d["grads"]) == (FP32, FP32)
     assert dtype_row("x", "actor", bad["roles"]["actor"], "", reduction=False).verdict == "PASS"
+
+
+@pytest.mark.slow
+def test_deepspeed_bf16_communication_dtype_fails_the_dtypes_row(tmp_path: Path) -> None:
+    """DeepSpeed ZeRO 1 BF16: ``communication_data_type = "bf16"`` planted in its config.
+
+    The engine's BF16 default is BF16 communication; the harness asks for FP32. With the
+    plant, the gradients still accumulate in FP32 (``grad_accum_dtype``, the
+    ``BF16_Optimizer``'s FP32 buffers), so masters, ``.grad`` and AdamW state stay FP32 and
+    only the engine's communication dtype names the fault.
+    """
+    plant = plant_env(tmp_path / "plant", "harnesses.deepspeed.parallelize", """
+        built = module.ds_config
+
+        def ds_config(**kw):
+            cfg = built(**kw)
+            cfg["communication_data_type"] = "bf16"
+            return cfg
+
+        module.ds_config = ds_config
+    """)
+    clean = _launch(tmp_path, "deepspeed", "clean", options={"zero": 1}, env=None)
+    bad = _launch(tmp_path, "deepspeed", "planted", options={"zero": 1}, env=plant)
+    ok = _rows(clean, "deepspeed-bf16-zero1-actor-tp1")
+    assert ok.verdict == "PASS", ok.reason
+    row = _rows(bad, "deepspeed-bf16-zero1-actor-tp1")
+    assert row.verdict == "FAIL"
+    assert row.reason == ("dtypes: grad_reduction.engine.communication_data_type is "
+                          "torch.bfloat16, expected torch.float32")
+    d = bad["roles"]["actor"]["dtypes"]
+    assert (d["master_weights"], d["grads"]) == (FP32, FP32)
+    assert d["grad_accumulation"]["engine.get_data_types.grad_accum_dtype"] == FP32
+    assert dtype_row("x", "actor", bad["roles"]["actor"], "", reduction=False).verdict == "PASS"
+
+
+@pytest.mark.slow
+def test_megatron_bf16_grad_buffers_fail_the_dtypes_row(tmp_path: Path) -> None:
+    """Megatron BF16 (CPU path): ``grad_reduce_in_fp32=False`` planted in its DDP config."""
+    plant = plant_env(tmp_path / "plant", "megatron.core.distributed", """
+        config = module.DistributedDataParallelConfig
+
+        def planted(**kw):
+            kw["grad_reduce_in_fp32"] = False
+            return config(**kw)
+
+        module.DistributedDataParallelConfig = planted
+    """)
+    clean = _launch(tmp_path, "megatron", "clean", options={}, env=None)
+    bad = _launch(tmp_path, "megatron", "planted", options={}, env=plant)
+    ok = _rows(clean, "megatron-bf16-actor-tp1")
+    assert ok.verdict == "PASS", ok.reason
+    row = _rows(bad, "megatron-bf16-actor-tp1")
+    assert row.verdict == "FAIL"
+    # main_grad is the grad buffer itself: Megatron's reported grads show the dtype too
+    assert row.reason == "dtypes: grads is torch.bfloat16, expected torch.float32 (and 2 more)"
+    assert row.detail is not None
+    assert list(row.detail.table) == [
+        ("grads", BF16, FP32),
+        ("grad_reduction.DistributedDataParallel.buckets.grad_data", BF16, FP32),
+        ("grad_accumulation.param.main_grad", BF16, FP32)]

@@ -321,7 +321,8 @@ def dtype_row(cell: str, role: str, meta: Mapping[str, Any] | None, why: str, *,
     is a failing item named ``grad_reduction`` / ``grad_accumulation`` (``missing``).
 
     Args:
-        cell, role: the row's cell id and role.
+        cell: the row's cell id.
+        role: the row's role.
         meta: ``outputs.json`` (``None``: unreadable, ``why`` says why).
         why: why ``meta`` is ``None``.
         precision: the cell's contract precision (``None``: ``fp32``).
