@@ -98,6 +98,8 @@ def role_outputs(hf: Mapping[str, np.ndarray], role: str) -> dict[str, np.ndarra
 def good_meta() -> dict[str, Any]:
     return {"dtypes": {"master_weights": FP32, "grads": FP32,
                        "optimizer_state": {"exp_avg": FP32, "exp_avg_sq": FP32},
+                       "grad_reduction": {"engine.reduce": FP32},
+                       "grad_accumulation": {"engine.accumulate": FP32},
                        "compute": ["torch.float32"]},
             "replica_consistency": {"all_equal": True, "params": {
                 "model.w": {"equal": True, "max_abs_diff": 0.0}}},
@@ -354,6 +356,9 @@ def test_error_status_propagates_with_logs_path(tmp_path: Path) -> None:
     (lambda d: d.update(master_weights="torch.bfloat16"), "master_weights is torch.bfloat16"),
     (lambda d: d.pop("grads"), "grads is missing"),
     (lambda d: d.pop("optimizer_state"), "optimizer_state is missing"),
+    (lambda d: d["grad_reduction"].update({"engine.reduce": "torch.bfloat16"}),
+     "grad_reduction.engine.reduce is torch.bfloat16, expected torch.float32"),
+    (lambda d: d.pop("grad_accumulation"), "grad_accumulation is missing"),
 ])
 def test_dtype_check_in_bf16_cell(tmp_path: Path, mutate: Callable[[dict[str, Any]], Any],
                                   needle: str) -> None:

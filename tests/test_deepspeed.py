@@ -287,6 +287,9 @@ def test_dtypes_are_what_deepspeed_holds(runs: Runs, precision: str, zero: int) 
         # DeepSpeed 0.19.8 rejects FP32 gradient accumulation for BF16 without ZeRO.
         grads = "torch.bfloat16" if (precision, zero) == ("bf16", 0) else "torch.float32"
         assert d["grads"] == grads == info["grad_accum_dtype"], (role, d, info)
+        # read back from the engine: FP32 communication everywhere, accumulation as above
+        assert d["grad_reduction"]["engine.communication_data_type"] == "torch.float32", d
+        assert d["grad_accumulation"]["engine.get_data_types.grad_accum_dtype"] == grads, d
         assert info["optimizer_wrapper"] == {("fp32", 0): "AdamW", ("fp32", 2): (
             "DeepSpeedZeroOptimizer"), ("bf16", 0): "FP16_UnfusedOptimizer",
             ("bf16", 1): "BF16_Optimizer"}[(precision, zero)]
@@ -364,6 +367,8 @@ def test_ds_config(precision: str, zero: int, tp: int, accum: str | None,
     assert cfg.get("data_types", {}).get("grad_accum_dtype") == accum
     assert cfg.get("tensor_parallel", {}).get("autotp_size") == autotp
     assert ("bf16" in cfg) == (precision == "bf16")
+    # DeepSpeed's BF16 default communication dtype is BF16; the contract reduces in FP32
+    assert cfg.get("communication_data_type") == ("fp32" if precision == "bf16" else None)
 
 
 def _cell(**kw: Any) -> HarnessCell:

@@ -167,6 +167,8 @@ def test_launch_writes_complete_outputs(runs: Runs, run: str) -> None:
             "rounds": [{"round": r, "all_equal": True, "max_abs_diff": 0.0} for r in (1, 2)]}
         d = rm["dtypes"]
         assert d["master_weights"] == d["grads"] == "torch.float32", d
+        assert d["grad_reduction"] == {"fully_shard.reduce_scatter": "torch.float32"}, d
+        assert d["grad_accumulation"] == {"fully_shard.sharded_grad": "torch.float32"}, d
         assert d["optimizer_state"] == {"exp_avg": "torch.float32",
                                         "exp_avg_sq": "torch.float32"}, d
         assert d["compute"] == ["torch.float32"], d

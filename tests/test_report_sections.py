@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from test_compare import World
+from test_compare import BF16_TP1, World, good_meta, rows_of
 from test_report import VALIDATOR, failing  # noqa: F401  (the fixture)
 
 from qualify.compare.report import render_markdown
@@ -33,7 +33,7 @@ def test_todays_report_holds_every_section(failing: tuple[World, Report]) -> Non
     doc = report.to_dict()
     assert sections_of(doc) == (OPTIONAL_SECTIONS, True)
     assert OPTIONAL_SECTIONS == ("coverage", "power", "root_causes", "behavior_weights",
-                                 "clip_band", "lr_schedule", "gate_note")
+                                 "clip_band", "lr_schedule", "gate_note", "reduction_dtypes")
     assert doc["sections"] == list(OPTIONAL_SECTIONS)
     assert all("power" in r for r in doc["rows"])
 
@@ -151,3 +151,21 @@ def test_clip_band_section_splits_the_matrix(failing: tuple[World, Report]) -> N
     for row in report.clip_band:
         assert row["tokens"] > 0
         assert row["clip_low"] < 1 < row["clip_high"]
+
+
+def test_reduction_dtypes_apply_only_to_reports_that_hold_the_section(tmp_path: Path) -> None:
+    """Outputs without ``grad_reduction`` / ``grad_accumulation`` (a harness written before
+    them) fail today's ``dtypes`` row, naming the missing maps; a report sealed before the
+    ``reduction_dtypes`` section is recomputed with the rule it was judged by (PASS)."""
+    w = World(tmp_path)
+    meta = good_meta()
+    for key in ("grad_reduction", "grad_accumulation"):
+        del meta["dtypes"][key]
+    w.add_cell(BF16_TP1, meta=meta)
+    (today,) = rows_of(w.compare(write=False), BF16_TP1, "dtypes")
+    assert today.verdict == "FAIL"
+    assert today.reason == ("dtypes: grad_reduction is missing, expected torch.float32 "
+                            "(and 1 more)")
+    before = tuple(s for s in OPTIONAL_SECTIONS if s != "reduction_dtypes")
+    (then,) = rows_of(w.compare(write=False, sections=before), BF16_TP1, "dtypes")
+    assert then.verdict == "PASS"

@@ -191,6 +191,9 @@ def test_replicas_and_dtypes(runs: Runs, run: str) -> None:
             assert "model.layers.0.self_attn.k_norm.weight" in par["partial_grads_reduced"]
         d = rm["dtypes"]
         assert d["master_weights"] == d["grads"] == "torch.float32", d
+        assert d["grad_reduction"] == {
+            "DTensor.redistribute:replicated_param_grads": "torch.float32"}, d
+        assert d["grad_accumulation"] == {"AccumulateGrad:param.grad": "torch.float32"}, d
         assert d["optimizer_state"] == {"exp_avg": "torch.float32",
                                         "exp_avg_sq": "torch.float32"}, d
         assert d["compute"] == [compute], d

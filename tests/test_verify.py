@@ -153,6 +153,8 @@ def role_outputs(hf: Mapping[str, np.ndarray], role: str) -> dict[str, np.ndarra
 def good_meta(role: str, tp: int) -> dict[str, Any]:
     return {"dtypes": {"master_weights": FP32, "grads": FP32,
                        "optimizer_state": {"exp_avg": FP32, "exp_avg_sq": FP32},
+                       "grad_reduction": {"engine.reduce": FP32},
+                       "grad_accumulation": {"engine.accumulate": FP32},
                        "compute": [FP32]},
             "replica_consistency": {"all_equal": True, "params": {
                 "model.w": {"equal": True, "max_abs_diff": 0.0}}},

@@ -126,6 +126,8 @@ class VariantRun(common.RoleOutputs):
     grad_norms: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     shims: list[str] = dataclasses.field(default_factory=list)
     engine_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    reduce_dtypes: dict[str, set[torch.dtype]] = dataclasses.field(default_factory=dict)
+    accum_dtypes: dict[str, set[torch.dtype]] = dataclasses.field(default_factory=dict)
     _prev_exp_avg: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     lrs: dict[str, float] = dataclasses.field(default_factory=dict)
     carry: dict[str, Any] = dataclasses.field(default_factory=dict)  # resume.py: state, record
@@ -174,6 +176,7 @@ class VariantRun(common.RoleOutputs):
                 f"in the role's TP group {list(self.placement.ranks)}; every rank reads the "
                 f"same rollout file")
         model_dtype, accum_dtype = engine.get_data_types()
+        self.reduce_dtypes, self.accum_dtypes = parallelize.reduction_dtypes(engine)
         self.engine_info.update({
             "deepspeed_config": cfg,
             "optimizer_wrapper": type(engine.optimizer).__name__,
@@ -520,6 +523,9 @@ class VariantRun(common.RoleOutputs):
                 "grads": sda.dtype_name(self.grad_dtypes),
                 "optimizer_state": {k: sda.dtype_name(v) for k, v in self.state_dtypes.items()},
                 "compute": sorted(str(d) for d in self.compute_dtypes),
+                "grad_reduction": {k: sda.dtype_name(v) for k, v in self.reduce_dtypes.items()},
+                "grad_accumulation": {k: sda.dtype_name(v)
+                                      for k, v in self.accum_dtypes.items()},
             },
             "lr": dict(self.lrs), "lr_scheduler": parallelize.DS_SCHEDULER_NOTE,
             "replica_consistency": {

@@ -175,8 +175,10 @@ def ds_config(*, precision: str, zero: int, tp: int, micro_batch_size: int, n_mi
     - ``zero_optimization.stage``: 0, 1 or 2.
     - ``tensor_parallel.autotp_size``: the role's TP size when > 1 (AutoTP training).
     - ``bf16``: ``{"enabled": true}`` for ``bf16`` (BF16 module parameters, FP32 master
-      weights and optimizer state), plus ``data_types.grad_accum_dtype = "fp32"`` at ZeRO 1
-      and 2 (FP32 gradient accumulation, as the contract asks). DeepSpeed 0.19.8 rejects
+      weights and optimizer state), plus ``communication_data_type = "fp32"`` (gradients
+      reduced in FP32, as the contract asks; DeepSpeed's BF16 default is BF16) and
+      ``data_types.grad_accum_dtype = "fp32"`` at ZeRO 1 and 2 (FP32 gradient accumulation,
+      as the contract asks). DeepSpeed 0.19.8 rejects
       FP32 accumulation without ZeRO (``NotImplementedError: unsupported mix of
       model_dtype=torch.bfloat16 and grad_accum_dtype=torch.float32``), so ZeRO 0 BF16
       accumulates gradients in BF16, DeepSpeed's only BF16 mode there; the dtype is reported.
@@ -220,9 +222,45 @@ def ds_config(*, precision: str, zero: int, tp: int, micro_batch_size: int, n_mi
         cfg["tensor_parallel"] = {"autotp_size": tp}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
+        cfg["communication_data_type"] = "fp32"
         if zero in (1, 2):
             cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     return cfg
+
+
+def reduction_dtypes(engine: Any) -> tuple[dict[str, set[torch.dtype]],
+                                           dict[str, set[torch.dtype]]]:
+    """The gradient reduction and accumulation dtypes of a built DeepSpeed engine.
+
+    Read back from the engine after ``deepspeed.initialize``, not from the config dict:
+    ``engine.communication_data_type`` (what ``buffered_allreduce_fallback`` reduces in at
+    ZeRO 0, and what the engine hands its ZeRO optimizer; under sequence parallelism the
+    engine sets it to ``seq_parallel_communication_data_type``), ``engine.get_data_types()``'s
+    gradient accumulation dtype, and, from the optimizer wrapper (``DeepSpeedZeroOptimizer``
+    at ZeRO 1 and 2, ``BF16_Optimizer``), its ``communication_data_type``, the dtypes of its
+    reduction buckets (``ipg_buckets``) and its ``gradient_accumulation_dtype`` /
+    ``grad_acc_dtype``, each where the wrapper has it.
+
+    Returns:
+        ``(reduction, accumulation)``: ``"<object>.<attribute>"`` -> dtypes.
+    """
+    reduce: dict[str, set[torch.dtype]] = {
+        "engine.communication_data_type": {engine.communication_data_type}}
+    accum: dict[str, set[torch.dtype]] = {
+        "engine.get_data_types.grad_accum_dtype": {engine.get_data_types()[1]}}
+    opt = engine.optimizer
+    kind = type(opt).__name__
+    comm = getattr(opt, "communication_data_type", None)
+    if isinstance(comm, torch.dtype):
+        reduce[f"{kind}.communication_data_type"] = {comm}
+    buckets = getattr(opt, "ipg_buckets", None)
+    if isinstance(buckets, dict) and buckets:
+        reduce[f"{kind}.ipg_buckets"] = {d for d in buckets if isinstance(d, torch.dtype)}
+    for attr in ("gradient_accumulation_dtype", "grad_acc_dtype"):
+        got = getattr(opt, attr, None)
+        if isinstance(got, torch.dtype):
+            accum[f"{kind}.{attr}"] = {got}
+    return reduce, accum
 
 
 DS_SCHEDULER_NOTE: Final = ("client lr_scheduler: deepspeed.initialize(lr_scheduler=callable) "

@@ -26,7 +26,9 @@ masters and computes in BF16 (the ``params`` BF16 style, :mod:`qualify.lanes`); 
 gradients are cast to FP32 for the reduce-scatter and accumulate in the FP32 sharded
 ``.grad``; AdamW state is FP32. Log-softmax, losses and value head output are upcast to
 FP32. Buffers (the rotary ``inv_freq``) stay FP32: the policy casts parameters only. The
-dtypes actually held are read from the tensors and recorded.
+dtypes actually held are read from the tensors and recorded, the reduce-scatter and
+accumulation dtypes from FSDP2's parameter groups
+(:func:`harnesses.fsdp2.parallelize.reduction_dtypes`).
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ class RoleRun(common.RoleOutputs):
     grad_dtypes: set[torch.dtype] = dataclasses.field(default_factory=set)
     state_dtypes: dict[str, set[torch.dtype]] = dataclasses.field(
         default_factory=lambda: {"exp_avg": set(), "exp_avg_sq": set()})
+    reduce_dtypes: dict[str, set[torch.dtype]] = dataclasses.field(default_factory=dict)
+    accum_dtypes: dict[str, set[torch.dtype]] = dataclasses.field(default_factory=dict)
     replica_rounds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     lr_scheduler: Any = None
     lrs: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -170,6 +174,10 @@ class RoleRun(common.RoleOutputs):
         max_norm = self.inputs.contract.optimizer.max_grad_norm
         self.grad_dtypes |= {p.grad.dtype for p in params if p.grad is not None}
         self.master_dtypes |= {p.dtype for p in params}
+        for into, got in zip((self.reduce_dtypes, self.accum_dtypes),
+                             parallelize.reduction_dtypes(model), strict=True):
+            for name, dtypes in got.items():
+                into.setdefault(name, set()).update(dtypes)
         for name, g in sda.full_grads(model).items():
             self.put(round_, "grads", g, name)
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -464,6 +472,9 @@ class RoleRun(common.RoleOutputs):
                 "grads": sda.dtype_name(self.grad_dtypes),
                 "optimizer_state": {k: sda.dtype_name(v) for k, v in self.state_dtypes.items()},
                 "compute": sorted(str(d) for d in self.compute_dtypes),
+                "grad_reduction": {k: sda.dtype_name(v) for k, v in self.reduce_dtypes.items()},
+                "grad_accumulation": {k: sda.dtype_name(v)
+                                      for k, v in self.accum_dtypes.items()},
             },
             "lr": dict(self.lrs),
             "lr_scheduler": hf_schedule.SCHEDULER_NOTE,

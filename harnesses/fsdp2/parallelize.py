@@ -312,6 +312,38 @@ def set_sum_reduction(model: nn.Module, *, divide_factor: float | None) -> dict[
             else "FSDP2 default (the DP size)"}
 
 
+def reduction_dtypes(model: nn.Module) -> tuple[dict[str, set[torch.dtype]],
+                                                 dict[str, set[torch.dtype]]]:
+    """The gradient reduction and accumulation dtypes FSDP2 holds for ``model``'s parameters.
+
+    Read back from the engine, not from the policy this module built: each FSDP unit's
+    parameter group (``FSDPModule._get_fsdp_state()._fsdp_param_group``) and its
+    ``FSDPParam``s, whose dtypes FSDP2 fixes at its lazy init (the root's first forward), so
+    call it after a forward. FSDP2's ``foreach_reduce`` reduce-scatters (and, for HSDP,
+    all-reduces) in ``reduce_dtype``, which FSDP2 sets to ``None`` when it equals the
+    unsharded parameter's ``param_dtype``: the gradient is then reduced in the dtype
+    autograd produced it in (``param_dtype``, or ``orig_dtype`` without mixed precision).
+    The reduced shard is cast to ``orig_dtype`` (the sharded parameter's dtype) and summed
+    into the sharded ``.grad`` across micro-batches.
+
+    Returns:
+        ``(reduction, accumulation)``: name -> the set of dtypes over every parameter,
+        ``{"fully_shard.reduce_scatter": ...}`` and ``{"fully_shard.sharded_grad": ...}``;
+        empty before lazy init.
+    """
+    reduce: set[torch.dtype] = set()
+    accum: set[torch.dtype] = set()
+    for m in fsdp_modules(model):
+        group = m._get_fsdp_state()._fsdp_param_group
+        for fp in group.fsdp_params if group is not None else ():
+            if not hasattr(fp, "orig_dtype"):  # lazy init not run yet
+                continue
+            reduce.add(fp.reduce_dtype or fp.param_dtype or fp.orig_dtype)
+            accum.add(fp.orig_dtype)
+    return (({"fully_shard.reduce_scatter": reduce} if reduce else {}),
+            ({"fully_shard.sharded_grad": accum} if accum else {}))
+
+
 def reshard(model: nn.Module) -> None:
     """Free the unsharded parameters (the root keeps them after a forward without backward)."""
     for m in fsdp_modules(model):

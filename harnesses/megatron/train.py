@@ -10,7 +10,8 @@ Per role and round (``qualify.protocol``):
    the FP32 ``main_grad`` buffers of ``param_and_grad_buffer``; then Megatron's
    ``finalize_model_grads`` (DP sync, DP = 1 here, and the TP all-reduce of the
    ``q_layernorm`` / ``k_layernorm`` gradients, partial per rank since each rank normalises
-   only its own heads).
+   only its own heads). The reduction and accumulation dtypes are read back from the DDP
+   object (:func:`reduction_dtypes`).
 2. The pre-clip ``main_grad`` of every parameter, gathered over the TP group and converted
    to the HF layout (:func:`harnesses.megatron.convert.megatron_to_hf`).
 3. ``optimizer.step()`` of ``get_megatron_optimizer(OptimizerConfig(optimizer="adam",
@@ -245,6 +246,11 @@ class Trainer:
         params = self.params()
         grads: dict[str, Tensor] = {n: p.main_grad for n, p in params.items()}  # type: ignore[attr-defined]
         self.dtypes["grads"] = sorted({str(g.dtype) for g in grads.values()})
+        for key, got in zip(("grad_reduction", "grad_accumulation"), reduction_dtypes(self.ddp),
+                            strict=True):
+            into = self.dtypes.setdefault(key, {})
+            for name, dtypes in got.items():
+                into[name] = sorted(set(into.get(name, [])) | {str(d) for d in dtypes})
         for name, g in gather_hf(run, self.shape, grads).items():
             run.put(round_, "grads", g, name)
         before = gather_hf(run, self.shape, self.masters())
@@ -370,10 +376,12 @@ class Trainer:
 
     def meta(self) -> dict[str, Any]:
         """Training part of the role's ``outputs.json`` (dtypes, replicas, optimizer)."""
+        maps = ("optimizer_state", "grad_reduction", "grad_accumulation")
         one = {k: (v[0] if isinstance(v, list) and len(v) == 1 else v)
-               for k, v in self.dtypes.items() if k != "optimizer_state"}
-        state = {k: (v[0] if len(v) == 1 else v)
-                 for k, v in self.dtypes.get("optimizer_state", {}).items()}
+               for k, v in self.dtypes.items() if k not in maps}
+        state, reduction, accumulation = ({k: (v[0] if len(v) == 1 else v)
+                                           for k, v in self.dtypes.get(m, {}).items()}
+                                          for m in maps)
         params: dict[str, dict[str, Any]] = {}
         for r in self.replica_rounds:
             for n, d in r["params"].items():
@@ -382,7 +390,8 @@ class Trainer:
                 e["max_abs_diff"] = max(float(e["max_abs_diff"]), d)
         return {
             "dtypes": {**one, "optimizer_state": state,
-                       "compute": sorted(self.run.compute_dtypes)},
+                       "compute": sorted(self.run.compute_dtypes),
+                       "grad_reduction": reduction, "grad_accumulation": accumulation},
             "replica_consistency": {
                 "all_equal": all(r["all_equal"] for r in self.replica_rounds),
                 "rounds": [{k: v for k, v in r.items() if k != "params"}
@@ -400,6 +409,36 @@ class Trainer:
                           "cpu_placement_served": dict(sorted(self.served.items())),
                           "grad_norms": list(self.norms)},
         }
+
+
+def reduction_dtypes(ddp: Any) -> tuple[dict[str, set[torch.dtype]],
+                                        dict[str, set[torch.dtype]]]:
+    """The gradient reduction and accumulation dtypes of a megatron-core DDP module.
+
+    Read back from the engine object, not from the ``DistributedDataParallelConfig`` the
+    harness passed: every bucket of every gradient buffer (``ddp.buffers`` and
+    ``ddp.expert_parallel_buffers``, ``_ParamAndGradBucket.grad_data``: the tensor each
+    bucket group's ``start_grad_sync`` all-reduces or reduce-scatters; the buffer's
+    ``grad_dtype`` is FP32 under ``grad_reduce_in_fp32``, the parameter dtype otherwise), and
+    every parameter's ``main_grad`` (the view into its buffer that Megatron's grad hooks add
+    each micro-batch's ``.grad`` into). Under ``reduce_scatter_with_fp32_accumulation``
+    (distributed optimizer only) the reduce-scatter accumulates in FP32 whatever the bucket
+    dtype; the entry names it.
+
+    Returns:
+        ``(reduction, accumulation)``: ``{"DistributedDataParallel.buckets.grad_data": ...}``
+        (``...:reduce_scatter_with_fp32_accumulation`` when that is on) and
+        ``{"param.main_grad": ...}``.
+    """
+    buffers = [*getattr(ddp, "buffers", []), *getattr(ddp, "expert_parallel_buffers", [])]
+    reduce = {bucket.grad_data.dtype for b in buffers for bucket in b.buckets}
+    accum = {p.main_grad.dtype for p in ddp.module.parameters()
+             if getattr(p, "main_grad", None) is not None}
+    fp32_rs = bool(getattr(ddp.ddp_config, "reduce_scatter_with_fp32_accumulation", False))
+    name = "DistributedDataParallel.buckets.grad_data" + (
+        ":reduce_scatter_with_fp32_accumulation" if fp32_rs else "")
+    return (({name: reduce} if reduce else {}),
+            ({"param.main_grad": accum} if accum else {}))
 
 
 LR_SCHEDULER_NOTE = ("megatron.core.optimizer_param_scheduler.OptimizerParamScheduler "

@@ -103,6 +103,8 @@ class RoleRun(common.RoleOutputs):
     lrs: dict[str, float] = dataclasses.field(default_factory=dict)
     replica_params: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     partial_grads: list[str] = dataclasses.field(default_factory=list)
+    reduce_dtypes: dict[str, set[torch.dtype]] = dataclasses.field(default_factory=dict)
+    accum_dtypes: dict[str, set[torch.dtype]] = dataclasses.field(default_factory=dict)
     resume_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
@@ -161,6 +163,10 @@ class RoleRun(common.RoleOutputs):
         """Record pre-clip gradients, clip, step AdamW, record state, updates, replicas."""
         params = [p for p in model.parameters() if p.requires_grad]
         max_norm = self.inputs.contract.optimizer.max_grad_norm
+        for into, got in zip((self.reduce_dtypes, self.accum_dtypes),
+                             parallelize.reduction_dtypes(model), strict=True):
+            for name, dtypes in got.items():
+                into.setdefault(name, set()).update(dtypes)
         self.partial_grads = parallelize.reduce_partial_grads(model)
         self.grad_dtypes |= {p.grad.dtype for p in params if p.grad is not None}
         self.master_dtypes |= {p.dtype for p in params}
@@ -438,6 +444,9 @@ class RoleRun(common.RoleOutputs):
                 "grads": sda.dtype_name(self.grad_dtypes),
                 "optimizer_state": {k: sda.dtype_name(v) for k, v in self.state_dtypes.items()},
                 "compute": sorted(str(d) for d in self.compute_dtypes),
+                "grad_reduction": {k: sda.dtype_name(v) for k, v in self.reduce_dtypes.items()},
+                "grad_accumulation": {k: sda.dtype_name(v)
+                                      for k, v in self.accum_dtypes.items()},
             },
             "lr": dict(self.lrs),
             "lr_scheduler": hf_schedule.SCHEDULER_NOTE,

@@ -356,6 +356,30 @@ def check_replicas(model: nn.Module, role_mesh: RoleMesh) -> ReplicaCheck:
     return ReplicaCheck(equal=equal, max_abs_diff=diff)
 
 
+def reduction_dtypes(model: nn.Module) -> tuple[dict[str, set[torch.dtype]],
+                                                 dict[str, set[torch.dtype]]]:
+    """The gradient reduction and accumulation dtypes of a TP model, after backward.
+
+    torch_tp has no data parallelism and no reduction dtype of its own: the only gradient
+    reduction is DTensor's ``Partial -> Replicate`` redistribute of the gradients of
+    replicated parameters (:func:`reduce_partial_grads`), which runs in the gradient
+    DTensor's own dtype; autograd's ``AccumulateGrad`` sums micro-batches into each
+    parameter's ``.grad`` DTensor in its dtype. Both are read from the gradient DTensors
+    (call it before :func:`reduce_partial_grads`).
+
+    Returns:
+        ``(reduction, accumulation)``: ``{"DTensor.redistribute:replicated_param_grads":
+        ...}`` (the gradients of every ``Replicate`` parameter, ``Partial`` or not) and
+        ``{"AccumulateGrad:param.grad": ...}``; empty before any backward.
+    """
+    reduce = {p.grad.dtype for _, p in replicated_parameters(model) if p.grad is not None}
+    reduce |= {p.grad.dtype for p in model.parameters()
+               if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)}
+    accum = {p.grad.dtype for p in model.parameters() if p.grad is not None}
+    return (({"DTensor.redistribute:replicated_param_grads": reduce} if reduce else {}),
+            ({"AccumulateGrad:param.grad": accum} if accum else {}))
+
+
 def reduce_partial_grads(model: nn.Module) -> list[str]:
     """All-reduce gradients that autograd left as ``Partial`` to their parameter's layout.
 

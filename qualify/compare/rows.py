@@ -10,7 +10,9 @@
   the family's ``tp_vs_tp1`` bound; a missing padding rerun of the role's main per-token
   family (:data:`PADDING_REQUIRED`) is a ``FAIL``;
 - :func:`dtype_row`: master weights, gradients and optimizer state must be
-  ``torch.float32`` (``outputs.json`` ``dtypes``); :func:`replica_row`: replicated
+  ``torch.float32``, and so must every gradient reduction and accumulation dtype the engine
+  used (:data:`REDUCTION_KEYS`, :data:`PRECISION_REDUCTION_DTYPE`) (``outputs.json``
+  ``dtypes``); :func:`replica_row`: replicated
   parameters bitwise equal across TP ranks (``replica_consistency``);
 - :func:`lr_rows`: the lr each optimizer step applied (``outputs.json`` ``lr``) against the
   lr the reference sealed for that step (the contract's schedule, :mod:`qualify.schedule`),
@@ -60,6 +62,8 @@ __all__ = [
     "LR_RULE",
     "OPTIMIZER_STATE_KEYS",
     "PADDING_REQUIRED",
+    "PRECISION_REDUCTION_DTYPE",
+    "REDUCTION_KEYS",
     "builder_error",
     "compare_rows",
     "declared_not_run",
@@ -77,6 +81,16 @@ FP32: Final = "torch.float32"
 PADDING_REQUIRED: Final = {"actor": "logprobs", "critic": "values"}
 """Per role, the per-token family whose padding rerun (``*_padded``) must be present."""
 OPTIMIZER_STATE_KEYS: Final = ("exp_avg", "exp_avg_sq")
+REDUCTION_KEYS: Final = ("grad_reduction", "grad_accumulation")
+"""``outputs.json`` ``dtypes`` maps (name -> dtype, each non-empty) of every dtype in which
+the engine reduced gradients across ranks (``grad_reduction``: FSDP2's reduce-scatter,
+DeepSpeed's communication data type, Megatron's grad buffers...) and accumulated them across
+micro-batches (``grad_accumulation``), read back from the engine object at run time."""
+PRECISION_REDUCTION_DTYPE: Final[Mapping[str, str]] = {"fp32": FP32, "bf16": FP32}
+"""The dtype each contract precision requires of every :data:`REDUCTION_KEYS` entry:
+``fp32`` is FP32 throughout; ``bf16`` is BF16 compute with FP32 master weights, FP32
+gradients and FP32 optimizer state (DESIGN.md section 3), so gradients are reduced and
+accumulated in FP32 too. A precision absent here fails the row (no policy to check)."""
 DETAIL_ROWS: Final = 5
 LR_RULE: Final = ("lr: |lr_obtained - lr_sealed| <= spacing_fp32(lr_sealed), one FP32 ulp of "
                   "the sealed lr (numpy.spacing(float32(lr))): a schedule is deterministic, the "
@@ -320,8 +334,29 @@ def _check_row(*, cell: str, role: str, klass: str, family: str, statistic: str,
         reason=f"{family}: {item} is {obtained}, expected {expected}{more}")
 
 
-def dtype_row(cell: str, role: str, meta: Mapping[str, Any] | None, why: str) -> Row:
-    """Master weights, grads and optimizer state must be FP32 (fp32 and bf16 cells alike)."""
+def dtype_row(cell: str, role: str, meta: Mapping[str, Any] | None, why: str, *,
+              precision: str | None = None, reduction: bool = True) -> Row:
+    """The precision policy of a cell, from ``outputs.json`` ``dtypes``.
+
+    Master weights, gradients and optimizer state must be FP32 (fp32 and bf16 cells alike);
+    with ``reduction``, every entry of each :data:`REDUCTION_KEYS` map must be the dtype
+    :data:`PRECISION_REDUCTION_DTYPE` gives ``precision``, and a map that is absent or empty
+    is a failing item named ``grad_reduction`` / ``grad_accumulation`` (``missing``).
+
+    Args:
+        cell: the row's cell id.
+        role: the row's role.
+        meta: ``outputs.json`` (``None``: unreadable, ``why`` says why).
+        why: why ``meta`` is ``None``.
+        precision: the cell's contract precision (``None``: ``fp32``).
+        reduction: check the :data:`REDUCTION_KEYS` maps (a report sealed before the
+            ``reduction_dtypes`` section, :data:`~qualify.compare.verdicts.OPTIONAL_SECTIONS`,
+            is recomputed without them).
+
+    Returns:
+        A ``dtypes`` row: ``PASS``, or ``FAIL`` naming the first offending item (``item is
+        obtained, expected torch.float32``) with every offending item in its detail table.
+    """
     kw: dict[str, Any] = {"cell": cell, "role": role, "klass": "dtypes", "family": "dtypes",
                           "statistic": "dtype"}
     if meta is None:
@@ -330,16 +365,25 @@ def dtype_row(cell: str, role: str, meta: Mapping[str, Any] | None, why: str) ->
     if not isinstance(d, Mapping):
         return _check_row(**kw, problems=[("dtypes", f"missing from {OUTPUTS_META_FILE}",
                                            "present")], total=1)
-    found: list[tuple[str, Any]] = [("master_weights", d.get("master_weights")),
-                                    ("grads", d.get("grads"))]
+    found: list[tuple[str, Any, str]] = [("master_weights", d.get("master_weights"), FP32),
+                                         ("grads", d.get("grads"), FP32)]
     state = d.get("optimizer_state")
     if isinstance(state, Mapping):
-        found += [(f"optimizer_state.{k}", state.get(k))
+        found += [(f"optimizer_state.{k}", state.get(k), FP32)
                   for k in sorted(set(OPTIMIZER_STATE_KEYS) | set(state))]
     else:
-        found.append(("optimizer_state", None))
-    problems = [(item, "missing" if got is None else str(got), FP32)
-                for item, got in found if got != FP32]
+        found.append(("optimizer_state", None, FP32))
+    if reduction:
+        p = precision or "fp32"
+        want = PRECISION_REDUCTION_DTYPE.get(p, f"a dtype policy (none for precision {p!r})")
+        for key in REDUCTION_KEYS:
+            entries = d.get(key)
+            if isinstance(entries, Mapping) and entries:
+                found += [(f"{key}.{name}", entries[name], want) for name in sorted(entries)]
+            else:
+                found.append((key, None, want))
+    problems = [(item, "missing" if got is None else str(got), want)
+                for item, got, want in found if got != want]
     return _check_row(**kw, problems=problems, total=len(found))
 
 

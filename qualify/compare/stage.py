@@ -35,7 +35,9 @@ types: :mod:`qualify.compare.verdicts`). Per cell of ``run.json``:
     under the family's ``tp_vs_tp1`` bound (a same-precision repeat control); a missing
     padding rerun of the role's main per-token family is a ``FAIL``;
   * ``dtypes``: master weights, gradients and optimizer state must be ``torch.float32``
-    in fp32 **and** bf16 cells (``outputs.json`` ``dtypes``);
+    in fp32 **and** bf16 cells, and so must every gradient reduction and accumulation dtype
+    the harness read back from its engine (``outputs.json`` ``dtypes``;
+    :func:`qualify.compare.rows.dtype_row`);
   * ``replica_consistency``: replicated parameters bitwise equal across TP ranks
     (``outputs.json`` ``replica_consistency.all_equal``);
   * ``lr_schedule``: the lr each optimizer step applied (``outputs.json`` ``lr``) within one
@@ -65,7 +67,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +101,7 @@ from qualify.compare.rows import (
 )
 from qualify.compare.sampler import sampler_required, sampler_rows
 from qualify.compare.verdicts import (
+    OPTIONAL_SECTIONS,
     VERDICT_PRECEDENCE,
     CellResult,
     Report,
@@ -297,6 +300,9 @@ class _Ctx:
     """Null errors of the power check measured so far (:func:`qualify.compare.power.power_of`)."""
     update_meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """``reference.json`` ``update_meta``: per ``hf-<lane>`` and role, the sealed ``lr``."""
+    reduction_dtypes: bool = True
+    """``dtypes`` rows check the gradient reduction and accumulation dtypes (the report's
+    ``reduction_dtypes`` section)."""
 
 
 def _hf(ctx: _Ctx, precision: str) -> TensorFile | None:
@@ -394,7 +400,8 @@ def _complete_rows(ctx: _Ctx, *, cid: str, entry: Mapping[str, Any], cells: Mapp
                       klass="padding_invariance", family="padding")
     rows += [declared_or(r, outputs.meta, "padding") for r in padding]
     rows += guarded(lambda: [declared_or(dtype_row(cid, role, outputs.meta,
-                                                   outputs.meta_problem),
+                                                   outputs.meta_problem, precision=precision,
+                                                   reduction=ctx.reduction_dtypes),
                                          outputs.meta, "dtypes")],
                     **g, builder="qualify.compare.rows.dtype_row", klass="dtypes",
                     family="dtypes")
@@ -500,7 +507,7 @@ def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, A
 
 
 def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
-                write: bool = True) -> Report:
+                write: bool = True, sections: Sequence[str] = OPTIONAL_SECTIONS) -> Report:
     """Judge every cell of a candidate run against the sealed reference's bounds.
 
     Args:
@@ -509,6 +516,11 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
             ``reference`` (:func:`qualify.layout.resolve_reference`). Either way its
             manifest digest must equal ``run.json``'s.
         write: write ``report.json`` and ``report.md`` into ``run_dir``.
+        sections: the optional report sections whose rules apply
+            (:data:`~qualify.compare.verdicts.OPTIONAL_SECTIONS`, all by default);
+            verification recomputes a report sealed by an earlier comparator with the
+            sections it holds (``reduction_dtypes``: the ``dtypes`` rows check the gradient
+            reduction and accumulation dtypes).
 
     Returns:
         The :class:`~qualify.compare.verdicts.Report` (``bool(report)`` is
@@ -549,7 +561,8 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
                branches=SealedBranches(ref_dir=ref_dir, contract=contract, bounds=bounds,
                                        mask=mask),
                cells={c.cell_id: c for c in contract.matrix.cells()},
-               update_meta=_update_meta(ref_dir))
+               update_meta=_update_meta(ref_dir),
+               reduction_dtypes="reduction_dtypes" in sections)
     # 4. the cells
     cells = run.cells
     loaded: dict[str, _Outputs | str] = {}

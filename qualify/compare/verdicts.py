@@ -48,7 +48,7 @@ ROW_CLASSES: Final = ("candidate_vs_hf", "tp_vs_tp1", "padding_invariance", "dty
                       "replica_consistency", "lr_schedule", "resume")
 OPTIONAL_SECTIONS: Final[tuple[str, ...]] = ("coverage", "power", "root_causes",
                                               "behavior_weights", "clip_band",
-                                              "lr_schedule", "gate_note")
+                                              "lr_schedule", "gate_note", "reduction_dtypes")
 """Report sections added after the first comparator, in the order they were added:
 ``coverage`` (the reference's coverage record, issue #15), ``power`` (the power check of
 every metric row and its per-family summary, issue #15) and ``root_causes`` (each failing
@@ -60,7 +60,10 @@ of the field metrics, and ``report.md``'s matrix split into trainer and sampler 
 the lrs the reference sealed, issue #15; the rows themselves follow from the evidence: none
 against a reference that sealed no lr) and ``gate_note`` (a failed ``report.md`` says that its
 verdict comes before the contract's gate policy, which ``qualify run``'s exit code follows;
-no data of its own). A report without them was sealed before they existed
+no data of its own) and ``reduction_dtypes`` (each ``dtypes`` row also requires every gradient
+reduction and accumulation dtype the harness read back from its engine,
+:func:`qualify.compare.rows.dtype_row`; no data of its own). A report without them was sealed
+before they existed
 and is recomputed, and its ``report.md`` rendered, without them (:func:`sections_of`)."""
 
 VERDICT_PRECEDENCE: Final[tuple[Verdict, ...]] = ("FAIL", "ERROR", "NOT_RUN", "PASS")

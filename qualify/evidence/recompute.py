@@ -48,23 +48,24 @@ def verify_verdicts(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path) 
     from qualify.compare.stage import compare_run
     from qualify.compare.verdicts import sections_of
 
-    try:
-        again = compare_run(run_dir, reference_dir=ref_dir, write=False)
-    except QualifyError as exc:
-        raise VerdictMismatchError(f"verdicts cannot be recomputed: {exc}") from None
     report = read_json(run_dir / REPORT_JSON)
     if not isinstance(report, dict):
         raise VerdictMismatchError(f"{REPORT_JSON}: not a JSON object")
-    pred = predicate(statement)
-    ref_path = report.get("reference", {}).get("path") \
-        if isinstance(report.get("reference"), dict) else None
     # A report sealed by an earlier comparator is recomputed with the sections it holds
     # (qualify.compare.verdicts.OPTIONAL_SECTIONS): every row's verdict, error, bound and
-    # margin is compared whatever the sections.
+    # margin is compared whatever the sections; a section that adds a rule (the dtypes
+    # rows' reduction_dtypes) applies only to the reports that hold it.
     try:
         sections, recorded = sections_of(report)
     except ValueError as exc:
         raise VerdictMismatchError(f"{REPORT_JSON}: {exc}") from None
+    try:
+        again = compare_run(run_dir, reference_dir=ref_dir, write=False, sections=sections)
+    except QualifyError as exc:
+        raise VerdictMismatchError(f"verdicts cannot be recomputed: {exc}") from None
+    pred = predicate(statement)
+    ref_path = report.get("reference", {}).get("path") \
+        if isinstance(report.get("reference"), dict) else None
     again = dataclasses.replace(again, created=str(report.get("created")),
                                 run_dir=str(report.get("run_dir")),
                                 reference_dir=str(ref_path), sections=sections,
