@@ -275,14 +275,21 @@ print(json.dumps({"pythonpath": env["PYTHONPATH"], "harness": out.stdout.strip()
     assert not under(doc["pythonpath"].split(os.pathsep)[0], ROOT)
 
 
-def test_pre_redesign_evidence_verifies_from_the_install(installed: Install,
-                                                         tmp_path: Path) -> None:
+def test_pre_redesign_evidence_is_judged_from_the_install_as_from_the_checkout(
+        installed: Install, tmp_path: Path) -> None:
+    """The installed verify reads the fixture's signature, manifest and schemas (steps 1-6 ok)
+    and refuses its run at step 7, as the checkout does (tests/test_pre_redesign.py): the
+    fixture's reference seals hand-made bounds that the bound rule does not give."""
     world = tmp_path / "pre_redesign"
     shutil.copytree(FIXTURE, world)
     proc = installed.run([installed.qualify, "verify",
                           world / "evidence" / "gate-tiny" / "run-1-good",
                           "--keys", world / "keys", "--contracts-dir", world / "contracts"])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    for step in range(1, 7):
+        assert f"[ok  ] {step}." in proc.stdout, proc.stdout
+    assert "[FAIL] 7." in proc.stdout, proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
 
 
 def test_slurm_finds_its_job_scripts_in_the_install(installed: Install) -> None:

@@ -300,8 +300,9 @@ CLI_SURFACE = {
     "sign": ["dir", "--key", "--reference", "--keys"],
     "verify": ["path", "--keys", "--contract", "--contracts-dir", "--reference", "--json"],
     "gate": ["evidence_dir", "--contract", "--allow-not-run", "--policy", "--sources-root",
-             "--json", "--reference", "--trust-from", "--keys"],
-    "audit": ["dirs", "--format", "--output", "--contracts-dir", "--sources-root", "--keys"],
+             "--json", "--junit-xml", "--summary", "--reference", "--trust-from", "--keys"],
+    "audit": ["dirs", "--format", "--output", "--junit-xml", "--contracts-dir",
+              "--sources-root", "--keys"],
 }
 
 

@@ -117,6 +117,7 @@ from qualify.digests import sha256_bytes
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
 from qualify.evidence import store
 from qualify.evidence.tensor_stream import TensorFile, in_memory, open_tensors
+from qualify.lanes import lane_precision
 from qualify.layout import (
     COVERAGE_FILE,
     HF_REFERENCE_DIR,
@@ -400,7 +401,8 @@ def _complete_rows(ctx: _Ctx, *, cid: str, entry: Mapping[str, Any], cells: Mapp
                       klass="padding_invariance", family="padding")
     rows += [declared_or(r, outputs.meta, "padding") for r in padding]
     rows += guarded(lambda: [declared_or(dtype_row(cid, role, outputs.meta,
-                                                   outputs.meta_problem, precision=precision,
+                                                   outputs.meta_problem,
+                                                   precision=lane_precision(precision),
                                                    reduction=ctx.reduction_dtypes),
                                          outputs.meta, "dtypes")],
                     **g, builder="qualify.compare.rows.dtype_row", klass="dtypes",
