@@ -309,7 +309,6 @@ def new_run_id(parent: Path) -> str:
     return rid
 
 
-
 def _stage_inputs(contract: Contract, reference: Path, run_dir: Path) -> Path:
     """Copy what a harness may read into ``run_dir/inputs`` (never the reference scores).
 
