@@ -13,8 +13,9 @@ verdict, not a problem); incomplete directories (``INCOMPLETE`` marker, no manif
 aside as ``*.incomplete-*``) are listed as ``INCOMPLETE`` and are problems; an interrupted
 run a later run superseded (:mod:`qualify.evidence.supersede`) is listed as ``SUPERSEDED``,
 a problem only when that run does not confirm it or its files changed since. A
-directory whose records :mod:`qualify.jsonio` refused is a problem too (a symbolic link, a special file such
-as ``/dev/zero``, an oversized or unparsable document: never read further). The audit
+directory whose records :mod:`qualify.jsonio` refused is a problem too (a symbolic link, a
+special file such as ``/dev/zero``, an oversized or unparsable document: never read
+further). The audit
 exits 3 when any problem is found, and 2 when it found nothing to audit.
 """
 

@@ -189,6 +189,26 @@ def supersede(run_dir: str | Path, *, by: str, reason: str) -> dict[str, str]:
     return {"run_id": d.name, "reason": line, "marker_sha256": marker_sha256(d)}
 
 
+def _unconfirmed(d: Path, marker: Marker) -> str | None:
+    """Why the run ``marker`` names does not confirm it (``None``: it does)."""
+    path = d / SUPERSEDED_FILE
+    by = d.parent / marker.superseded_by
+    if os.path.lexists(d / MANIFEST_FILE):
+        return f"{path}: in a sealed run (a sealed run is never superseded)"
+    if marker.superseded_by in ("", ".", "..") or "/" in marker.superseded_by \
+            or not by.is_dir() or by.is_symlink():
+        return f"{path}: superseded_by {marker.superseded_by!r}: no such run beside it"
+    try:
+        run = RunDocument.from_dict(read_json(by / RUN_FILE), where=str(by / RUN_FILE))
+    except (OSError, EvidenceIntegrityError, ReferenceDataError) as exc:
+        return f"superseding run {marker.superseded_by} unreadable: {exc}"
+    if not any(s["run_id"] == d.name and s["marker_sha256"] == marker.sha256
+               for s in run.supersedes):
+        return (f"{path}: run {marker.superseded_by} does not record superseding {d.name} "
+                f"with this marker (sha256 {marker.sha256[:12]})")
+    return None
+
+
 def check(run_dir: str | Path, *, listing: bool = True) -> tuple[Marker | None, str | None]:
     """Whether ``run_dir``'s supersession is confirmed.
 
@@ -208,28 +228,11 @@ def check(run_dir: str | Path, *, listing: bool = True) -> tuple[Marker | None, 
         return None, f"superseded marker refused: {exc}"
     if marker is None:
         return None, None
-    if os.path.lexists(d / MANIFEST_FILE):
-        return marker, (f"{d / SUPERSEDED_FILE}: in a sealed run (a sealed run is never "
-                        "superseded)")
-    by = d.parent / marker.superseded_by
-    if marker.superseded_by in ("", ".", "..") or "/" in marker.superseded_by \
-            or not by.is_dir() or by.is_symlink():
-        return marker, (f"{d / SUPERSEDED_FILE}: superseded_by {marker.superseded_by!r}: no "
-                        f"such run beside it")
-    try:
-        run = RunDocument.from_dict(read_json(by / RUN_FILE), where=str(by / RUN_FILE))
-    except (OSError, EvidenceIntegrityError, ReferenceDataError) as exc:
-        return marker, f"superseding run {marker.superseded_by} unreadable: {exc}"
-    if not any(s["run_id"] == d.name and s["marker_sha256"] == marker.sha256
-               for s in run.supersedes):
-        return marker, (f"{d / SUPERSEDED_FILE}: run {marker.superseded_by} does not record "
-                        f"superseding {d.name} with this marker (sha256 {marker.sha256[:12]})")
-    if listing:
+    problem = _unconfirmed(d, marker)
+    if problem is None and listing:
         try:
-            now = listing_digest(d)
+            if listing_digest(d) != marker.listing_sha256:
+                problem = f"{d}: files changed since it was superseded by {marker.superseded_by}"
         except (OSError, EvidenceIntegrityError) as exc:
-            return marker, f"superseded run unreadable: {exc}"
-        if now != marker.listing_sha256:
-            return marker, (f"{d}: files changed since it was superseded by "
-                            f"{marker.superseded_by}")
-    return marker, None
+            problem = f"superseded run unreadable: {exc}"
+    return marker, problem
