@@ -451,7 +451,7 @@ CANDIDATE_POINTS = {
                   "written), before that launch finishes",
     "cand-ranks": "`qualify candidate` SIGKILLed mid-launch, torchrun and its ranks alive",
     "cand-split": "`qualify candidate` SIGKILLed inside the write of the first cell's "
-                  "outputs (the launch finished, run.json not yet written)",
+                  "outputs (the launch finished, run.json not yet listing its cells)",
 }
 
 

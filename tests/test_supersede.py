@@ -199,6 +199,10 @@ def test_only_an_unsealed_run_without_a_live_writer_is_superseded(world: World) 
     with store.hold_writer_lock(old, kind=RUN_KIND), pytest.raises(WriterBusyError):
         supersede.supersede(old, by=NEW, reason="r")
     assert not (old / SUPERSEDED_FILE).exists()
+    pending = supersede.prepare(old, by=NEW, reason="r")
+    (old / "launches" / "x" / "late.log").write_text("a writer came back\n")
+    assert not supersede.write(pending)  # the run changed since: not superseded
+    assert not (old / SUPERSEDED_FILE).exists()
 
 
 def test_a_superseded_run_is_never_written_again(world: World) -> None:
@@ -268,11 +272,12 @@ def test_plan_resumes_the_newest_and_supersedes_the_rest(world: World) -> None:
     p = _plan(world)
     assert (p.run_id, p.resume) == ("run-4-b", True)
     assert [d for d, _ in p.supersede] == [first]
-    entries = recovery.apply(p, _runs(world))
-    assert [e["run_id"] for e in entries] == ["run-4-a"]
-    assert supersede.read_marker(first) is not None
-    # --run-id names the run: every other interrupted run is superseded by it, run-4-a
-    # again (run-4-b never recorded it: the candidate stage that would have was not run)
+    pending = recovery.apply(p, _runs(world))
+    assert [x.entry["run_id"] for x in pending] == ["run-4-a"]
+    assert supersede.read_marker(first) is None  # written once run-4-b records it
+    # a marker written but never recorded (an older version's order, or a hand): the next
+    # plan supersedes that run again; --run-id names the run the others are superseded by
+    assert supersede.write(pending[0])
     named = _plan(world, run_id="ci-1")
     assert (named.run_id, named.resume) == ("ci-1", False)
     assert [d.name for d, _ in named.supersede] == ["run-4-a", "run-4-b"]

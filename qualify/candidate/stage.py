@@ -27,6 +27,7 @@ failed attempts are kept and a new attempt is added.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -34,7 +35,7 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -43,7 +44,12 @@ from qualify.atomic import TMP_PREFIX
 from qualify.candidate import beside, resume_stage, sampler_stage
 from qualify.candidate.launch import LaunchResult, launch_engine, prestart, read_safetensors_header
 from qualify.contract import CellSpec, Contract, cells_matching
-from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
+from qualify.errors import (
+    EvidenceIntegrityError,
+    ReferenceDataError,
+    UsageError,
+    WriterBusyError,
+)
 from qualify.evidence import store, supersede, tensor_index
 from qualify.evidence.sources import check_resume_sources, write_sources
 from qualify.layout import (
@@ -482,7 +488,7 @@ def run_candidate_stage(
     faults: Sequence[str] = (),
     launch_timeout_s: float = 900.0,
     collective_timeout_s: float = 120.0,
-    supersedes: Sequence[Mapping[str, str]] = (),
+    supersedes: Sequence[supersede.Pending] = (),
 ) -> Path:
     """Run the selected cells against a sealed reference; return the run directory.
 
@@ -501,8 +507,9 @@ def run_candidate_stage(
         faults: deliberate engine faults (test suite only; recorded in run.json).
         launch_timeout_s: wall-clock limit of one launch.
         collective_timeout_s: timeout of every collective inside a harness.
-        supersedes: entries of the interrupted runs this run supersedes
-            (:func:`qualify.evidence.supersede.supersede`), recorded in ``run.json``.
+        supersedes: the interrupted runs this run supersedes
+            (:func:`qualify.evidence.supersede.prepare`): recorded in ``run.json``, then
+            their markers written (:func:`qualify.evidence.supersede.write`).
 
     ``run.json`` is written before the first launch (with the ``--cells`` selection, so a
     later plain ``qualify run`` can tell whether it may resume the run); each resume
@@ -558,9 +565,12 @@ def run_candidate_stage(
         if previous is not None:
             run.resumed.append(store.utc_now())
         known = {(s["run_id"], s["marker_sha256"]) for s in run.supersedes}
-        run.supersedes += [dict(s) for s in supersedes
-                           if (s["run_id"], s["marker_sha256"]) not in known]
+        run.supersedes += [dict(p.entry) for p in supersedes
+                           if (p.entry["run_id"], p.entry["marker_sha256"]) not in known]
         store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
+        for pending in supersedes:  # recorded first: a marker is never left unconfirmed
+            with contextlib.suppress(WriterBusyError):  # a writer came back: not superseded
+                supersede.write(pending)
         inputs = _stage_inputs(contract, reference, run_dir)
         numels = _model_numels(inputs)
         todo = [c for c in wanted

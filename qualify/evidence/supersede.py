@@ -5,13 +5,13 @@ stays unsealed with its ``INCOMPLETE`` marker, which fails ``qualify gate``. Whe
 ``qualify run`` cannot resume it (another contract digest or reference, changed sources,
 another cell selection, an unreadable ``run.json``), that run supersedes it:
 
-1. :func:`supersede` writes ``superseded.json`` (:data:`~qualify.layout.SUPERSEDED_FILE`)
-   into the interrupted run, atomically and under its writer lock (a run a live process
-   writes is never superseded), naming the superseding run id, the reason, when, and the
-   sha256 of the interrupted run's file listing (every file's sha256 and size); nothing
-   is deleted or moved;
+1. :func:`prepare` computes ``superseded.json`` (:data:`~qualify.layout.SUPERSEDED_FILE`):
+   the superseding run id, the reason, when, and the sha256 of the interrupted run's file
+   listing (every file's sha256 and size); a run a live process writes is refused;
 2. the superseding run records ``{run_id, reason, marker_sha256}`` in its own ``run.json``
-   (:attr:`qualify.layout.RunDocument.supersedes`), which is sealed and signed with it.
+   (:attr:`qualify.layout.RunDocument.supersedes`), which is sealed and signed with it;
+3. :func:`write` writes the marker into the interrupted run, atomically and under its
+   writer lock; nothing is deleted or moved.
 
 :func:`check` accepts a marker only when it confirms: the directory is unsealed (no
 ``MANIFEST.json``: a sealed run, passing or failing, is never superseded and a marker in
@@ -32,6 +32,7 @@ import socket
 from pathlib import Path
 from typing import Any, Final
 
+from qualify.atomic import json_bytes
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
 from qualify.evidence import store
 from qualify.evidence.timestamps import utc_now_iso
@@ -44,8 +45,8 @@ from qualify.layout import (
     RunDocument,
 )
 
-__all__ = ["MARKER_SCHEMA_VERSION", "Marker", "check", "listing_digest", "marker_sha256",
-           "read_marker", "refuse", "supersede"]
+__all__ = ["MARKER_SCHEMA_VERSION", "Marker", "Pending", "check", "listing_digest",
+           "marker_sha256", "prepare", "read_marker", "refuse", "supersede", "write"]
 
 MARKER_SCHEMA_VERSION: Final = 1
 _KEYS: Final = ("superseded_by", "reason", "created", "listing_sha256")
@@ -152,26 +153,39 @@ def refuse(run_dir: str | Path) -> None:
                          "it is kept as it is: start a new --run-id")
 
 
-def supersede(run_dir: str | Path, *, by: str, reason: str) -> dict[str, str]:
-    """Record that run ``by`` (a sibling directory) supersedes the interrupted ``run_dir``.
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Pending:
+    """A marker computed and not yet written (:func:`prepare`, then :func:`write`).
 
-    Writes ``superseded.json`` atomically while holding the run's writer lock; an earlier
-    marker (one its run never confirmed: its writer was interrupted before the superseding
-    run recorded it) is replaced. Nothing else in ``run_dir`` changes.
+    Attributes:
+        run_dir: the run to supersede.
+        data: the exact bytes of its ``superseded.json``.
+        listing_sha256: the run's file listing when prepared.
+        entry: ``{run_id, reason, marker_sha256}`` for the superseding run's ``run.json``.
+    """
+
+    run_dir: Path
+    data: bytes
+    listing_sha256: str
+    entry: dict[str, str]
+
+
+def prepare(run_dir: str | Path, *, by: str, reason: str) -> Pending:
+    """Compute the marker by which run ``by`` (a sibling directory) supersedes ``run_dir``.
+
+    Nothing is written: the superseding run records :attr:`Pending.entry` in its
+    ``run.json`` first, then :func:`write` writes the marker; an interruption between the
+    two leaves ``run_dir`` as it was (unsuperseded, to be resumed or superseded later).
 
     Args:
         run_dir: an unsealed candidate run.
         by: the superseding run's id.
         reason: why ``run_dir`` is not resumed (one line).
 
-    Returns:
-        The entry for the superseding run's ``run.json``: ``{run_id, reason, marker_sha256}``.
-
     Raises:
         EvidenceIntegrityError: ``run_dir`` is sealed (a sealed run is never superseded),
             holds a special file, or is ``by`` itself.
         WriterBusyError: a live process writes ``run_dir``.
-        OSError: the marker cannot be written (a full disk, a read-only directory).
     """
     d = Path(run_dir)
     if os.path.lexists(d / MANIFEST_FILE) or store.is_sealed(d):
@@ -179,14 +193,52 @@ def supersede(run_dir: str | Path, *, by: str, reason: str) -> dict[str, str]:
                                      "superseded")
     if d.name == by:
         raise EvidenceIntegrityError(f"{d}: a run cannot supersede itself")
+    store.refuse_if_locked(d)
     line = " ".join(reason.split())
+    listing = listing_digest(d)
+    doc = {"schema_version": MARKER_SCHEMA_VERSION, "kind": "superseded-run",
+           "run_id": d.name, "superseded_by": by, "reason": line,
+           "created": utc_now_iso(), "listing_sha256": listing,
+           "writer": {"pid": os.getpid(), "host": socket.gethostname()}}
+    data = json_bytes(doc)
+    return Pending(run_dir=d, data=data, listing_sha256=listing,
+                   entry={"run_id": d.name, "reason": line,
+                          "marker_sha256": hashlib.sha256(data).hexdigest()})
+
+
+def write(pending: Pending) -> bool:
+    """Write a prepared marker atomically, under the run's writer lock.
+
+    An earlier marker (one no run confirmed) is replaced. Nothing is written when the run
+    changed since :func:`prepare` (a writer came back: it is not superseded).
+
+    Returns:
+        Whether the marker was written.
+
+    Raises:
+        WriterBusyError: a live process writes the run.
+        OSError: the marker cannot be written (a full disk, a read-only directory).
+    """
+    d = pending.run_dir
     with store.sealing_lock(d):
-        doc = {"schema_version": MARKER_SCHEMA_VERSION, "kind": "superseded-run",
-               "run_id": d.name, "superseded_by": by, "reason": line,
-               "created": utc_now_iso(), "listing_sha256": listing_digest(d),
-               "writer": {"pid": os.getpid(), "host": socket.gethostname()}}
-        store.atomic_write_json(d / SUPERSEDED_FILE, doc)
-    return {"run_id": d.name, "reason": line, "marker_sha256": marker_sha256(d)}
+        if os.path.lexists(d / MANIFEST_FILE) or listing_digest(d) != pending.listing_sha256:
+            return False
+        store.atomic_write_bytes(d / SUPERSEDED_FILE, pending.data)
+    return True
+
+
+def supersede(run_dir: str | Path, *, by: str, reason: str) -> dict[str, str]:
+    """:func:`prepare` and :func:`write` at once (the entry is for ``by``'s ``run.json``).
+
+    Raises:
+        EvidenceIntegrityError: see :func:`prepare`; or the run changed meanwhile.
+        WriterBusyError: a live process writes ``run_dir``.
+        OSError: the marker cannot be written.
+    """
+    pending = prepare(run_dir, by=by, reason=reason)
+    if not write(pending):
+        raise EvidenceIntegrityError(f"{run_dir}: changed while superseding it")
+    return pending.entry
 
 
 def _unconfirmed(d: Path, marker: Marker) -> str | None:

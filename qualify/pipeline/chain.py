@@ -119,21 +119,19 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
     """
     contract = load_contract(contract_path)
     policy = policy_for(contract)
-    if run_id is not None:
-        from qualify.candidate.stage import check_run_id
-
-        check_run_id(run_id)
     ref = find_sealed_reference(references, reference_dir_name(contract))
     if ref is not None:  # the trainer zygotes import beside this process's imports below
         from qualify.candidate.ahead import prestart_run
 
         prestart_run(contract, cells)
-    from qualify.candidate.stage import new_run_id, run_candidate_stage
+    from qualify.candidate.stage import check_run_id, new_run_id, run_candidate_stage
     from qualify.cli.summary import print_evaluation
     from qualify.compare.html import write_html
     from qualify.compare.stage import compare_run
     from qualify.evidence.sign import ensure_signed, seal_and_sign
 
+    if run_id is not None:  # before a reference stage of minutes
+        check_run_id(run_id)
     if ref is None:
         from qualify.reference.stage import run_reference_stage
 

@@ -232,15 +232,19 @@ def _sealed_to_finish(parent: Path, unsigned: Sequence[Path], contract: Contract
     return name, True
 
 
-def apply(p: Plan, parent: Path) -> list[dict[str, str]]:
-    """Carry out the plan's writes: sign the unsigned runs, supersede the others.
+def apply(p: Plan, parent: Path) -> list[supersede.Pending]:
+    """Carry out the plan: sign the unsigned runs, prepare the supersessions.
 
-    Prints the plan's notes (stderr). Returns the entries for the written run's
-    ``run.json`` (:attr:`qualify.layout.RunDocument.supersedes`).
+    Prints the plan's notes (stderr). The markers are written by the candidate stage once
+    the written run's ``run.json`` records them (:func:`qualify.evidence.supersede.prepare`).
+
+    Returns:
+        The prepared supersessions, for
+        :func:`qualify.candidate.stage.run_candidate_stage`.
 
     Raises:
         QualifyError: signing failed (no key, ...).
-        OSError: a marker could not be written (a full disk, a read-only directory).
+        WriterBusyError: a writer of a run to supersede came back since :func:`plan`.
     """
     from qualify.evidence.sign import ensure_signed
 
@@ -252,5 +256,5 @@ def apply(p: Plan, parent: Path) -> list[dict[str, str]]:
               "signed, deciding on it", file=sys.stderr)
     for line in p.notes:
         print(line, file=sys.stderr)
-    return [supersede.supersede(d, by=p.run_id, reason=why) for d, why in p.supersede
+    return [supersede.prepare(d, by=p.run_id, reason=why) for d, why in p.supersede
             if d != parent / p.run_id]
