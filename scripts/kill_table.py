@@ -28,7 +28,7 @@ COLUMNS = (("point", "point"), ("killed", "killed"), ("state", "state left"),
            ("gate", "then `qualify gate`"), ("audit", "then `qualify audit`"))
 ORDER = ("ref-controls", "ref-write", "ref-sign", "cand-start", "cand-ranks", "cand-split",
          "cmp-report", "cmp-seal", "cmp-sign", "run-kill9", "run-sigint", "run-sigterm",
-         "run-full", "run-cells", "run-seal")
+         "run-full", "run-cells", "run-seal", "run-sign")
 
 
 def render(rows: list[dict[str, str]]) -> str:

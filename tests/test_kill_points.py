@@ -1,4 +1,4 @@
-"""Kill a real ``qualify`` at each of 15 points; the next plain invocation finishes the job.
+"""Kill a real ``qualify`` at each of 16 points; the next plain invocation finishes the job.
 
 Issue #15, item 1. Each point SIGKILLs a real ``qualify`` process (``python -m qualify``):
 from outside, when the point is a state the file system shows (a control's file, the
@@ -22,9 +22,10 @@ cores: the comparator's points share one uninterrupted run and stay in the defau
 ``slow``. With ``QUALIFY_KILL_TABLE=FILE`` every point appends its table row (JSON lines)
 there; ``scripts/kill_table.py`` runs this file and prints the table.
 
-Issue #43, item 5 adds six points of ``qualify run`` itself (``run-*``): kill -9, SIGINT
+Issue #43, item 5 adds seven points of ``qualify run`` itself (``run-*``): kill -9, SIGINT
 and SIGTERM of the process alone mid-launch, a full disk (the ``full`` crash point raises
-ENOSPC), a run of another ``--cells`` selection, and a kill while sealing. The next plain
+ENOSPC), a run of another ``--cells`` selection, a kill while sealing and one while
+signing. The next plain
 ``qualify run`` resumes the interrupted run (or supersedes it, kept whole:
 :mod:`qualify.evidence.supersede`), and then ``qualify gate`` must exit 0 and ``qualify
 audit`` list the run (``ok``, or ``SUPERSEDED``) with no problem. Only ``run-seal`` (no
@@ -590,6 +591,8 @@ RUN_POINTS: dict[str, tuple[str, signal.Signals | None]] = {
                   "selects every cell, so it cannot resume that run", signal.SIGKILL),
     "run-seal": ("`qualify run` (resuming a run whose candidate stage had finished) "
                  "SIGKILLed inside the write of the run's MANIFEST.json", None),
+    "run-sign": ("`qualify run` (resuming a run whose candidate stage had finished) "
+                 "SIGKILLed while signing the sealed run", None),
 }
 # the exit of the interrupted process: by the signal, or qualify's own one-line exit
 RUN_EXITS = {signal.SIGKILL: -signal.SIGKILL, signal.SIGTERM: -signal.SIGTERM,
@@ -629,10 +632,11 @@ def test_qualify_run_interrupted_then_plain_rerun_gates_green(kit: Kit, clean: C
         crash = ("full", runs / RUN_ID / "cells" / CELL_A / "attempt-1" / "outputs.safetensors")
     elif point == "run-cells":
         first = (*run_args, "--cells", CELL_A)
-    elif point == "run-seal":
+    elif point in ("run-seal", "run-sign"):
         runs.mkdir(parents=True)
         shutil.copytree(clean.uncompared, runs / RUN_ID, symlinks=True)
-        crash = ("write", runs / RUN_ID / MANIFEST_FILE)
+        crash = ("write", runs / RUN_ID / MANIFEST_FILE) if point == "run-seal" \
+            else ("rename", runs / RUN_ID / ATTESTATION_FILE)
     proc, tag = kit.start(*first, crash=crash, foreground=sig == signal.SIGINT)
     if sig is None:
         rc = proc.wait(timeout=STAGE_TIMEOUT_S)
@@ -653,13 +657,14 @@ def test_qualify_run_interrupted_then_plain_rerun_gates_green(kit: Kit, clean: C
         assert err[-1].startswith("qualify: error: "), err
         assert "ENOSPC" in err[-1], err
         assert not any("Traceback" in ln for ln in err), err
-    elif point == "run-seal":
+    elif point in ("run-seal", "run-sign"):
         assert rc == -signal.SIGKILL, err
     else:
         assert sig is not None
         assert rc == RUN_EXITS[sig], err
     (killed,) = [p for p in runs.iterdir() if p.is_dir()]
-    assert not store.is_sealed(killed)
+    assert store.is_sealed(killed) == (point == "run-sign")
+    assert not (killed / ATTESTATION_FILE).exists()
     said = f"exit {rc}" + (f" ({_last_line(err[-1])})" if rc >= 0 and err else "")
     row.state = f"{said}; run {describe(killed)}; no process left after {waited:.1f} s"
     row.after_kill = _audit_gate(kit, evidence, evidence)
@@ -682,7 +687,9 @@ def test_qualify_run_interrupted_then_plain_rerun_gates_green(kit: Kit, clean: C
         assert dirs == [killed.name], dirs  # resumed: no second run
         line = f"resuming interrupted run {killed.name} (started "
         assert line in out, out
-        row.next_did = f"{line}...)'; sealed + signed it"
+        row.next_did = f"'{line}...)'; " + ("signed it (sealed before the kill), decided on "
+                                            "it" if point == "run-sign" else
+                                            "sealed + signed it")
         run = killed
     assert store.is_sealed(run)
     assert _temporaries(run) == []

@@ -185,9 +185,12 @@ def plan(contract: Contract, *, reference: Path, evidence: Path,
             assert chosen[1] is not None
             notes.append(f"resuming interrupted run {target} (started {chosen[1].started})")
         elif not interrupted and unsigned:
-            target, sealed = _sealed_to_finish(parent, unsigned, contract, ref_digest, cells,
-                                               default=new_id)
-            resume = sealed
+            target, started_at = _sealed_to_finish(parent, unsigned, contract, ref_digest,
+                                                   cells, default=new_id)
+            resume = sealed = started_at is not None
+            if sealed:
+                notes.append(f"resuming interrupted run {target} (started {started_at}): "
+                             "sealed before the interruption; signing it and deciding on it")
     out = []
     for d, _, why in interrupted:
         if d.name == target:
@@ -207,12 +210,12 @@ def _needs_signature(d: Path) -> bool:
 
 def _sealed_to_finish(parent: Path, unsigned: Sequence[Path], contract: Contract,
                       ref_digest: str, cells: Sequence[str] | None, *,
-                      default: str) -> tuple[str, bool]:
+                      default: str) -> tuple[str, str | None]:
     """The sealed unsigned run to finish instead of starting a new one.
 
     Returns:
-        ``(its id, True)`` when it is the contract's newest run and would be resumed,
-        else ``(default, False)``.
+        ``(its id, its start time)`` when it is the contract's newest run and would be
+        resumed, else ``(default, None)``.
     """
     newest: tuple[str, str] | None = None
     docs: dict[str, RunDocument] = {}
@@ -223,13 +226,13 @@ def _sealed_to_finish(parent: Path, unsigned: Sequence[Path], contract: Contract
             key = (run.started, d.name)
             newest = key if newest is None or key > newest else newest
     if newest is None:
-        return default, False
+        return default, None
     name = newest[1]
     if parent / name not in unsigned:
-        return default, False
+        return default, None
     if _why_not(parent / name, docs[name], contract, ref_digest, cells, sealed=True):
-        return default, False
-    return name, True
+        return default, None
+    return name, newest[0]
 
 
 def apply(p: Plan, parent: Path) -> list[supersede.Pending]:
@@ -251,9 +254,6 @@ def apply(p: Plan, parent: Path) -> list[supersede.Pending]:
     for d in p.sign:
         ensure_signed(d)
         print(f"signed sealed run {d.name} (its signing was interrupted)", file=sys.stderr)
-    if p.sealed:
-        print(f"resuming interrupted run {p.run_id}: sealed before the interruption; "
-              "signed, deciding on it", file=sys.stderr)
     for line in p.notes:
         print(line, file=sys.stderr)
     return [supersede.prepare(d, by=p.run_id, reason=why) for d, why in p.supersede
