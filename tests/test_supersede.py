@@ -120,8 +120,8 @@ def test_superseded_run_is_kept_and_gate_and_audit_accept_it(fresh: World) -> No
     assert rows["run-4-killed"].problems == ()
     assert rows[NEW].integrity == "ok"
     assert rows[NEW].problems == ()
-    code, out = run_cli(["verify", str(old), "--keys", str(fresh.keys)])
-    assert code == ExitCode.INTEGRITY_ERROR  # never evidence itself; it names its successor
+    rc, out = run_cli(["verify", str(old), "--keys", str(fresh.keys)])
+    assert rc == ExitCode.INTEGRITY_ERROR  # never evidence itself; it names its successor
     assert f"superseded by run {NEW}: verify that run" in out
     # its files are kept as they were: an edit after the fact is an audit problem
     (old / "launches" / "x" / "attempt-1" / "cell.json").write_text('{"edited": 1}\n')
