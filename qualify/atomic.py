@@ -216,7 +216,8 @@ def write_with(path: str | Path, write: Callable[[IO[bytes]], object], *,
 
     Raises:
         OSError: the write failed (no temporary file is left behind; the old file, if
-            any, is untouched).
+            any, is untouched); its ``filename`` is ``path`` when the failing call named
+            none (a full disk fails ``write``).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -226,15 +227,18 @@ def write_with(path: str | Path, write: Callable[[IO[bytes]], object], *,
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as f:
+            maybe_crash("full", path)  # test-only fault injection (qualify.crashpoints)
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
         maybe_crash("write", path)  # test-only fault injection (qualify.crashpoints)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if isinstance(exc, OSError) and exc.filename is None:  # name the file (full disk)
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
     fsync_dir(path.parent)
 

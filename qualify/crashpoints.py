@@ -10,7 +10,10 @@ temporary file left behind). Points:
 - ``write``: :func:`qualify.atomic.write_with`, after the temporary file is written and
   ``fsync``-ed, before it is renamed over the destination;
 - ``rename``: :func:`qualify.atomic.rename_noreplace`, before the no-replace rename (the
-  attestation's last step).
+  attestation's last step);
+- ``full``: :func:`qualify.atomic.write_with`, before the content is written: instead of a
+  SIGKILL, the write raises ``OSError(ENOSPC)`` as on a full disk (the process goes on and
+  handles it as it would a real one).
 
 Unset (always, outside ``tests/test_kill_points.py``) the hook costs one environment
 lookup. The path must be absolute and is compared after :func:`os.path.abspath`, so a
@@ -19,6 +22,7 @@ harness child that inherits the variable and writes elsewhere is not affected.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 from pathlib import Path
@@ -29,8 +33,8 @@ __all__ = ["ENV_CRASH_AT", "POINTS", "CrashPoint", "crash_spec", "maybe_crash"]
 ENV_CRASH_AT: Final = "QUALIFY_CRASH_AT"
 """Environment variable naming the crash point: ``<point>:<absolute path>``."""
 
-CrashPoint = Literal["write", "rename"]
-POINTS: Final[tuple[CrashPoint, ...]] = ("write", "rename")
+CrashPoint = Literal["write", "rename", "full"]
+POINTS: Final[tuple[CrashPoint, ...]] = ("write", "rename", "full")
 """The points that have a call site."""
 
 
@@ -55,10 +59,15 @@ def maybe_crash(point: CrashPoint, path: str | Path) -> None:
     Args:
         point: the call site's point.
         path: the destination file of the write or rename at that call site.
+
+    Raises:
+        OSError: ``ENOSPC`` at the ``full`` point (a full disk) instead of the SIGKILL.
     """
     spec = os.environ.get(ENV_CRASH_AT)
     if not spec:
         return
     want, _, target = spec.partition(":")
     if want == point and target == os.path.abspath(path):
+        if point == "full":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         os.kill(os.getpid(), signal.SIGKILL)

@@ -79,6 +79,7 @@ __all__ = [
     "RUN_FILE",
     "SCORES_DIR",
     "SOURCES_FILE",
+    "SUPERSEDED_FILE",
     "TARGETS_FILE",
     "TENSOR_INDEX_FILE",
     "TRAIN_INPUTS_FILE",
@@ -189,6 +190,15 @@ class RunDocument:
         cells: cell id -> entry (``engine``, ``precision``, ``options``, ``role``, ``tp``,
             ``status``, ``reason``, ``attempt``; sampler cells add ``weights_from``).
         schema_version: 1.
+        selection: the ``--cells`` globs of the invocation that started the run (``None``:
+            every cell); meaningful only when ``selection_recorded`` (runs made before the
+            field existed did not record it, and a plain rerun never resumes them).
+        selection_recorded: ``run.json`` holds the ``selection`` key.
+        resumed: when each later invocation resumed the run (ISO-8601 UTC, in order).
+        supersedes: the interrupted runs this run supersedes, one
+            ``{run_id, reason, marker_sha256}`` each: the sha256 (hex) of the
+            ``superseded.json`` bytes in that run (:mod:`qualify.evidence.supersede`); sealed
+            and signed with this run, so a marker no signed run confirms is refused.
     """
 
     contract: str
@@ -200,6 +210,10 @@ class RunDocument:
     faults: list[str] = dataclasses.field(default_factory=list)
     cells: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     schema_version: int = 1
+    selection: list[str] | None = None
+    selection_recorded: bool = False
+    resumed: list[str] = dataclasses.field(default_factory=list)
+    supersedes: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_dict(cls, doc: Any, *, where: str = RUN_FILE) -> RunDocument:
@@ -227,6 +241,15 @@ class RunDocument:
                 _field(entry, "tp", int, ew)
             _field(entry, "attempt", str, ew, optional=True)
         faults = _field(doc, "faults", list, where) if "faults" in doc else []
+        selection = _field(doc, "selection", list, where, optional=True)
+        resumed = _field(doc, "resumed", list, where) if "resumed" in doc else []
+        supersedes = _field(doc, "supersedes", list, where) if "supersedes" in doc else []
+        for i, sup in enumerate(supersedes):
+            sw = f"{where}: supersedes.{i}"
+            if not isinstance(sup, Mapping):
+                raise ReferenceDataError(f"{sw}: expected an object")
+            for key in ("run_id", "reason", "marker_sha256"):
+                _field(sup, key, str, sw)
         run = cls(
             schema_version=_field(doc, "schema_version", int, where),
             contract=_field(doc, "contract", str, where),
@@ -239,6 +262,11 @@ class RunDocument:
             finished=_field(doc, "finished", str, where, optional=True),
             faults=[str(f) for f in faults],
             cells={str(k): dict(v) for k, v in cells.items()},
+            selection=None if selection is None else [str(g) for g in selection],
+            selection_recorded="selection" in doc,
+            resumed=[str(t) for t in resumed],
+            supersedes=[{k: str(sup[k]) for k in ("run_id", "reason", "marker_sha256")}
+                        for sup in supersedes],
         )
         schema.validate(doc, "run", what=where, error=ReferenceDataError)
         for cid, entry in run.cells.items():
@@ -256,6 +284,12 @@ class RunDocument:
             "cells": self.cells}
         if self.finished is not None:
             out["finished"] = self.finished
+        if self.selection_recorded:
+            out["selection"] = self.selection
+        if self.resumed:
+            out["resumed"] = list(self.resumed)
+        if self.supersedes:
+            out["supersedes"] = [dict(sup) for sup in self.supersedes]
         return out
 
 
@@ -386,3 +420,7 @@ IMPORTS_RAW_DIR: Final = "imports"
 GATES_DIR: Final = "gates"
 """The folder of gate policies beside the contracts: ``contracts/gates/<contract>.toml``
 (:mod:`qualify.evidence.policy`)."""
+SUPERSEDED_FILE: Final = "superseded.json"
+"""An interrupted run's record that a later run superseded it (:mod:`qualify.evidence.supersede`):
+written into the unsealed run, which is kept whole; ``gate`` and ``audit`` accept it only
+when the run it names confirms it in its own ``run.json``."""

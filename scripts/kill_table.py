@@ -24,9 +24,11 @@ ROOT = Path(__file__).resolve().parent.parent
 TEST = ROOT / "tests" / "test_kill_points.py"
 COLUMNS = (("point", "point"), ("killed", "killed"), ("state", "state left"),
            ("after_kill", "audit / gate of that state"), ("next_did", "next plain invocation did"),
-           ("next_rc", "exit"), ("equal", "final report equal to the clean run's"))
+           ("next_rc", "exit"), ("equal", "final report equal to the clean run's"),
+           ("gate", "then `qualify gate`"), ("audit", "then `qualify audit`"))
 ORDER = ("ref-controls", "ref-write", "ref-sign", "cand-start", "cand-ranks", "cand-split",
-         "cmp-report", "cmp-seal", "cmp-sign")
+         "cmp-report", "cmp-seal", "cmp-sign", "run-kill9", "run-sigint", "run-sigterm",
+         "run-full", "run-cells", "run-seal", "run-sign")
 
 
 def render(rows: list[dict[str, str]]) -> str:

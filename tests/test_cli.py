@@ -20,7 +20,7 @@ EXPECTED = {
     "reference": ["contract", "--out", "--new", "--quiet"],
     "candidate": ["contract", "--reference", "--out", "--cells", "--run-id", "--quiet"],
     "compare": ["run_dir", "--reference", "--no-seal"],
-    "run": ["contract", "--references", "--evidence", "--cells", "--quiet"],
+    "run": ["contract", "--references", "--evidence", "--cells", "--run-id", "--quiet"],
     "report": ["run_dir", "--html", "--contract", "--policy"],
     "diff": ["run_a", "run_b", "--factor", "--min-margin", "--json"],
     "diverge": ["run_dir", "cell", "--round", "--out", "--baseline"],

@@ -1,4 +1,4 @@
-"""Kill a real ``qualify`` at each of 9 points; the next plain invocation finishes the job.
+"""Kill a real ``qualify`` at each of 16 points; the next plain invocation finishes the job.
 
 Issue #15, item 1. Each point SIGKILLs a real ``qualify`` process (``python -m qualify``):
 from outside, when the point is a state the file system shows (a control's file, the
@@ -21,6 +21,15 @@ cores: the comparator's points share one uninterrupted run and stay in the defau
 (fast) selection; the reference's and the candidate's each rerun a stage and are
 ``slow``. With ``QUALIFY_KILL_TABLE=FILE`` every point appends its table row (JSON lines)
 there; ``scripts/kill_table.py`` runs this file and prints the table.
+
+Issue #43, item 5 adds seven points of ``qualify run`` itself (``run-*``): kill -9, SIGINT
+and SIGTERM of the process alone mid-launch, a full disk (the ``full`` crash point raises
+ENOSPC), a run of another ``--cells`` selection, a kill while sealing and one while
+signing. The next plain
+``qualify run`` resumes the interrupted run (or supersedes it, kept whole:
+:mod:`qualify.evidence.supersede`), and then ``qualify gate`` must exit 0 and ``qualify
+audit`` list the run (``ok``, or ``SUPERSEDED``) with no problem. Only ``run-seal`` (no
+launch) is in the fast selection.
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ from qualify.candidate.zygote_pool import is_pool_zygote
 from qualify.contract import load_contract
 from qualify.crashpoints import ENV_CRASH_AT, CrashPoint, crash_spec
 from qualify.errors import ExitCode
-from qualify.evidence import store
+from qualify.evidence import store, supersede
 from qualify.layout import (
     ATTESTATION_FILE,
     INCOMPLETE_FILE,
@@ -70,6 +79,10 @@ GONE_WITHIN_S = 5.0
 # run-specific fields of report.json; everything else must be equal
 RUN_FIELDS = ("created", "run_dir", "run_id")
 SLOW = pytest.mark.slow
+FOREGROUND = ("import runpy, signal, sys; "
+              "signal.signal(signal.SIGINT, signal.default_int_handler); "
+              "sys.argv[0] = 'qualify'; runpy.run_module('qualify', run_name='__main__')")
+"""``python -m qualify`` with Python's own SIGINT handler, however SIGINT was inherited."""
 
 
 def _params(points: dict[str, Any]) -> list[Any]:
@@ -116,13 +129,18 @@ class Kit:
         return res.returncode, res.stdout + res.stderr
 
     def start(self, *args: str | Path, crash: tuple[CrashPoint, Path] | None = None,
-              ) -> tuple[subprocess.Popen[bytes], str]:
+              foreground: bool = False) -> tuple[subprocess.Popen[bytes], str]:
+        """Start ``qualify ARGS``; ``foreground``: SIGINT handled as in a terminal's
+        foreground job (a background job of a shell inherits SIGINT ignored)."""
         tag = uuid.uuid4().hex
         env = {**self.env, ENV_TAG: tag}
         if crash is not None:
             env[ENV_CRASH_AT] = crash_spec(*crash)
+        cmd = self.cmd(*args)
+        if foreground:
+            cmd[1:3] = ["-c", FOREGROUND]
         with (self.root / f"{tag}.stderr").open("wb") as err:
-            proc = subprocess.Popen(self.cmd(*args), env=env, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=err)
         return proc, tag
 
@@ -240,6 +258,8 @@ class Row:
     next_did: str = ""
     next_rc: str = ""
     equal: str = "no"
+    gate: str = ""
+    audit: str = ""
 
     def record(self) -> None:
         path = os.environ.get(ENV_TABLE)
@@ -432,7 +452,7 @@ CANDIDATE_POINTS = {
                   "written), before that launch finishes",
     "cand-ranks": "`qualify candidate` SIGKILLed mid-launch, torchrun and its ranks alive",
     "cand-split": "`qualify candidate` SIGKILLed inside the write of the first cell's "
-                  "outputs (the launch finished, run.json not yet written)",
+                  "outputs (the launch finished, run.json not yet listing its cells)",
 }
 
 
@@ -463,7 +483,9 @@ def test_candidate_killed_then_resumed_by_run_id(kit: Kit, clean: Clean, row: Ro
         row.state += (f"; {family} descendant processes alive at the kill, none left "
                       f"after {waited:.1f} s")
     assert (run / INCOMPLETE_FILE).exists()
-    assert not (run / RUN_FILE).exists()
+    # run.json is written before the first launch; no cell is recorded before it is sealed
+    assert not any(c["status"] == "COMPLETE"
+                   for c in json.loads((run / RUN_FILE).read_text())["cells"].values())
     first = run / "launches" / LAUNCH / "attempt-1"
     row.state += f"; launch attempt-1 {describe(first).split(',')[0]}"
     if point == "cand-split":
@@ -548,6 +570,142 @@ def test_compare_killed_then_compare_again(kit: Kit, clean: Clean, row: Row, poi
         row.next_did = "removed the dead writer's temp, wrote the report, sealed, signed"
     _equal(clean, run, row)
     _verified(kit, run, row)
+
+
+# --------------------------------------------------------------------------- qualify run
+# Issue #43 item 5: ``qualify run`` interrupted (kill -9, SIGINT, SIGTERM of the process
+# alone, a full disk); the next plain ``qualify run`` resumes the run, or supersedes it
+# (kept whole), and then ``qualify gate`` exits 0 and ``qualify audit`` lists it, with
+# nothing deleted or edited by hand.
+
+RUN_POINTS: dict[str, tuple[str, signal.Signals | None]] = {
+    "run-kill9": ("`qualify run` SIGKILLed (kill -9, the process alone) mid-launch, torchrun "
+                  "and its ranks alive", signal.SIGKILL),
+    "run-sigint": ("`qualify run` sent SIGINT (Ctrl-C, the process alone) mid-launch",
+                   signal.SIGINT),
+    "run-sigterm": ("`qualify run` sent SIGTERM (the process alone) mid-launch",
+                    signal.SIGTERM),
+    "run-full": ("`qualify run --run-id killed`: the disk is full (ENOSPC) when it writes the "
+                 "first cell's outputs", None),
+    "run-cells": ("`qualify run --cells <actor>` SIGKILLed mid-launch; the plain rerun "
+                  "selects every cell, so it cannot resume that run", signal.SIGKILL),
+    "run-seal": ("`qualify run` (resuming a run whose candidate stage had finished) "
+                 "SIGKILLed inside the write of the run's MANIFEST.json", None),
+    "run-sign": ("`qualify run` (resuming a run whose candidate stage had finished) "
+                 "SIGKILLed while signing the sealed run", None),
+}
+# the exit of the interrupted process: by the signal, or qualify's own one-line exit
+RUN_EXITS = {signal.SIGKILL: -signal.SIGKILL, signal.SIGTERM: -signal.SIGTERM,
+             signal.SIGINT: ExitCode.INTERNAL_ERROR}
+
+
+def _ranks_alive(evidence: Path) -> Callable[[], bool]:
+    def when() -> bool:
+        return any(evidence.glob(f"{NAME}/*/launches/*/attempt-1/logs/ranks/**/stdout.log"))
+    return when
+
+
+def _audit_rows(kit: Kit, evidence: Path) -> tuple[int, list[dict[str, Any]]]:
+    rc, out = kit.run("audit", evidence, "--keys", kit.keys, "--contracts-dir",
+                      kit.contracts_dir, "--format", "json")
+    start = out.index("{")
+    rows: list[dict[str, Any]] = json.loads(out[start:out.rindex("}") + 1])["rows"]
+    return rc, rows
+
+
+@pytest.mark.parametrize("point", [pytest.param(p, marks=() if p == "run-seal" else SLOW)
+                                   for p in RUN_POINTS])
+def test_qualify_run_interrupted_then_plain_rerun_gates_green(kit: Kit, clean: Clean,
+                                                              row: Row, point: str) -> None:
+    what, sig = RUN_POINTS[point]
+    row.killed = what
+    refs, evidence = kit.root / point / "refs", kit.root / point / "evidence"
+    refs.mkdir(parents=True)
+    shutil.copytree(clean.reference, refs / clean.reference.name, symlinks=True)
+    runs = evidence / NAME
+    run_args: tuple[str | Path, ...] = ("run", kit.contract, "--references", refs,
+                                        "--evidence", evidence, "--quiet")
+    first = run_args
+    crash: tuple[CrashPoint, Path] | None = None
+    if point == "run-full":
+        first = (*run_args, "--run-id", RUN_ID)
+        crash = ("full", runs / RUN_ID / "cells" / CELL_A / "attempt-1" / "outputs.safetensors")
+    elif point == "run-cells":
+        first = (*run_args, "--cells", CELL_A)
+    elif point in ("run-seal", "run-sign"):
+        runs.mkdir(parents=True)
+        shutil.copytree(clean.uncompared, runs / RUN_ID, symlinks=True)
+        crash = ("write", runs / RUN_ID / MANIFEST_FILE) if point == "run-seal" \
+            else ("rename", runs / RUN_ID / ATTESTATION_FILE)
+    proc, tag = kit.start(*first, crash=crash, foreground=sig == signal.SIGINT)
+    if sig is None:
+        rc = proc.wait(timeout=STAGE_TIMEOUT_S)
+    else:
+        when = _ranks_alive(evidence)
+        deadline = time.monotonic() + STAGE_TIMEOUT_S
+        while not when():
+            assert proc.poll() is None, f"qualify ended before its kill point: {kit.stderr(tag)}"
+            assert time.monotonic() < deadline, "the kill point never came"
+            time.sleep(0.005)
+        proc.send_signal(sig)  # the process alone, not its group
+        rc = proc.wait(timeout=STAGE_TIMEOUT_S)
+    left, waited = _survivors_after_kill(tag)
+    assert left == 0, f"{left} processes outlived the interruption"
+    err = [ln for ln in kit.stderr(tag).strip().splitlines() if ln.strip()]
+    if point == "run-full":
+        assert rc == ExitCode.USAGE_ERROR, err
+        assert err[-1].startswith("qualify: error: "), err
+        assert "ENOSPC" in err[-1], err
+        assert not any("Traceback" in ln for ln in err), err
+    elif point in ("run-seal", "run-sign"):
+        assert rc == -signal.SIGKILL, err
+    else:
+        assert sig is not None
+        assert rc == RUN_EXITS[sig], err
+    (killed,) = [p for p in runs.iterdir() if p.is_dir()]
+    assert store.is_sealed(killed) == (point == "run-sign")
+    assert not (killed / ATTESTATION_FILE).exists()
+    said = f"exit {rc}" + (f" ({_last_line(err[-1])})" if rc >= 0 and err else "")
+    row.state = f"{said}; run {describe(killed)}; no process left after {waited:.1f} s"
+    row.after_kill = _audit_gate(kit, evidence, evidence)
+
+    rc, out = kit.run(*run_args)
+    row.next_rc = str(rc)
+    assert rc == ExitCode.OK, out
+    dirs = sorted(p.name for p in runs.iterdir() if p.is_dir())
+    if point == "run-cells":
+        (new,) = [d for d in dirs if d != killed.name]
+        assert f"superseding interrupted run {killed.name}: another --cells selection" in out
+        marker = supersede.read_marker(killed)
+        assert marker is not None
+        assert marker.superseded_by == new
+        assert (killed / INCOMPLETE_FILE).exists()  # kept whole, nothing deleted
+        row.next_did = (f"superseded {killed.name} (another --cells selection; kept, "
+                        f"superseded.json), ran {new}, sealed + signed it")
+        run = runs / new
+    else:
+        assert dirs == [killed.name], dirs  # resumed: no second run
+        line = f"resuming interrupted run {killed.name} (started "
+        assert line in out, out
+        row.next_did = f"'{line}...)'; " + ("signed it (sealed before the kill), decided on "
+                                            "it" if point == "run-sign" else
+                                            "sealed + signed it")
+        run = killed
+    assert store.is_sealed(run)
+    assert _temporaries(run) == []
+    _equal(clean, run, row)
+    _verified(kit, run, row)
+
+    rc, out = kit.run("gate", evidence, "--contract", kit.contract, "--keys", kit.keys)
+    row.gate = f"{rc}: {_last_line(out.splitlines()[1] if len(out.splitlines()) > 1 else out)}"
+    assert rc == ExitCode.OK, out
+    rc, rows = _audit_rows(kit, evidence)
+    row.audit = f"exit {rc}; " + "; ".join(
+        f"{r['run_id']}: {r['integrity']}, {r['verdict']}, {len(r['problems'])} problems"
+        for r in rows)
+    assert rc == ExitCode.OK, rows
+    assert {r["run_id"]: r["integrity"] for r in rows} == (
+        {killed.name: "SUPERSEDED", run.name: "ok"} if run != killed else {run.name: "ok"})
 
 
 # --------------------------------------------------------------------------- the hook

@@ -27,6 +27,7 @@ failed attempts are kept and a new attempt is added.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -43,8 +44,13 @@ from qualify.atomic import TMP_PREFIX
 from qualify.candidate import beside, resume_stage, sampler_stage
 from qualify.candidate.launch import LaunchResult, launch_engine, prestart, read_safetensors_header
 from qualify.contract import CellSpec, Contract, cells_matching
-from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
-from qualify.evidence import imports, store, tensor_index
+from qualify.errors import (
+    EvidenceIntegrityError,
+    ReferenceDataError,
+    UsageError,
+    WriterBusyError,
+)
+from qualify.evidence import imports, store, supersede, tensor_index
 from qualify.evidence.sources import check_resume_sources, write_sources
 from qualify.layout import (
     CELLS_DIR,
@@ -297,8 +303,17 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
-def _new_run_id() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+def new_run_id(parent: Path) -> str:
+    """A new UTC timestamp run id (``20261201T103000Z``) naming nothing under ``parent``.
+
+    A second run started within the same second gets ``-2``, ``-3``, ... appended, so a
+    new run never resumes (or collides with) an existing directory.
+    """
+    base = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    rid, n = base, 2
+    while os.path.lexists(parent / rid):
+        rid, n = f"{base}-{n}", n + 1
+    return rid
 
 
 def _stage_inputs(contract: Contract, reference: Path, run_dir: Path) -> Path:
@@ -479,6 +494,7 @@ def run_candidate_stage(
     faults: Sequence[str] = (),
     launch_timeout_s: float = 900.0,
     collective_timeout_s: float = 120.0,
+    supersedes: Sequence[supersede.Pending] = (),
 ) -> Path:
     """Run the selected cells against a sealed reference; return the run directory.
 
@@ -497,9 +513,17 @@ def run_candidate_stage(
         faults: deliberate engine faults (test suite only; recorded in run.json).
         launch_timeout_s: wall-clock limit of one launch.
         collective_timeout_s: timeout of every collective inside a harness.
+        supersedes: the interrupted runs this run supersedes
+            (:func:`qualify.evidence.supersede.prepare`): recorded in ``run.json``, then
+            their markers written (:func:`qualify.evidence.supersede.write`).
+
+    ``run.json`` is written before the first launch (with the ``--cells`` selection, so a
+    later plain ``qualify run`` can tell whether it may resume the run); each resume
+    appends its time to ``resumed``. A new run id never names an existing directory.
 
     Raises:
-        UsageError: ``run_id`` is not one safe path component (:func:`check_run_id`).
+        UsageError: ``run_id`` is not one safe path component (:func:`check_run_id`), or
+            names a run that a later run superseded (``superseded.json``).
         WriterBusyError: another live process writes this run (the message names its pid
             and host).
         ReferenceDataError: the reference is missing or unsealed, its ``reference.json``,
@@ -515,31 +539,44 @@ def run_candidate_stage(
     ref_meta = load_sealed_reference(reference, contract)
     wanted = cells_matching(contract, cells)
     beside.check_settings()  # bad launch settings: refused before the run directory exists
-    rid = run_id or _new_run_id()
+    rid = run_id or new_run_id(root / contract.name)
     run_dir = root / contract.name / rid
     if store.is_sealed(run_dir):
         raise EvidenceIntegrityError(f"{run_dir}: run is sealed (compared); start a new run")
+    supersede.refuse(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     # INCOMPLETE from the first write until compare seals the run; its lock makes
     # this process the run's one writer (a dead writer's lock is taken over)
     with store.hold_writer_lock(run_dir, kind=RUN_KIND):
-        resumed = (run_dir / RUN_FILE).is_file()
-        run = _read_run(run_dir) or RunDocument(
+        supersede.refuse(run_dir)  # superseded while this process waited for the lock
+        previous = _read_run(run_dir)
+        run = previous or RunDocument(
             contract=contract.name, contract_digest=contract.digest,
             reference=RunReference(path=str(reference.resolve()),
                                    manifest_digest=store.manifest_digest(reference),
                                    sealed=ref_meta.get("created")),
-            run_id=rid, started=store.utc_now(), faults=list(faults))
+            run_id=rid, started=store.utc_now(), faults=list(faults),
+            selection=list(cells) if cells else None, selection_recorded=True)
         if run.contract_digest != contract.digest:
             raise ReferenceDataError(f"{run_dir / RUN_FILE}: contract_digest: run belongs to "
                                      f"another contract digest")
-        # What code runs the cells (qualify.evidence.sources): recorded once, at the run's
-        # start; a resume under changed code is refused (a run mixes no code versions). A
-        # resumed run made before sources.json existed stays unrecorded (STALE at the gate).
-        if resumed:
+        # What code runs the cells (qualify.evidence.sources): recorded once, before the
+        # first cell; a resume under changed code is refused once a cell is recorded (a run
+        # mixes no code versions). A resumed run made before sources.json existed stays
+        # unrecorded (STALE at the gate).
+        if run.cells:
             check_resume_sources(run_dir)
         else:
             write_sources(run_dir, contract=contract)
+        if previous is not None:
+            run.resumed.append(store.utc_now())
+        known = {(s["run_id"], s["marker_sha256"]) for s in run.supersedes}
+        run.supersedes += [dict(p.entry) for p in supersedes
+                           if (p.entry["run_id"], p.entry["marker_sha256"]) not in known]
+        store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
+        for pending in supersedes:  # recorded first: a marker is never left unconfirmed
+            with contextlib.suppress(WriterBusyError):  # a writer came back: not superseded
+                supersede.write(pending)
         inputs = _stage_inputs(contract, reference, run_dir)
         numels = _model_numels(inputs)
         todo = [c for c in wanted

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import select
 import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Final
 
 from qualify.errors import ExitCode, QualifyError, UsageError
 from qualify.layout import REPORT_MD
@@ -66,9 +68,11 @@ def _cmd_candidate(args: argparse.Namespace) -> ExitCode:
 def _cmd_compare(args: argparse.Namespace) -> ExitCode:
     from qualify.compare.stage import compare_run
     from qualify.evidence.sign import ensure_signed, needs_signature, seal_and_sign
+    from qualify.evidence.supersede import refuse
 
     run_dir = Path(args.run_dir)
     reference = Path(args.reference) if args.reference else None
+    refuse(run_dir)  # a superseded run is kept as it is, never compared into evidence
     if not args.no_seal and needs_signature(run_dir):
         # A compare killed while signing left the run sealed but unsigned: sign it; the
         # sealed report is recomputed (not rewritten) for the summary.
@@ -89,7 +93,8 @@ def _cmd_run(args: argparse.Namespace) -> ExitCode:
     from qualify.pipeline.chain import run_all
 
     return run_all(_contract_arg(args.contract), references=Path(args.references),
-                   evidence=Path(args.evidence), cells=args.cells, quiet=args.quiet)
+                   evidence=Path(args.evidence), cells=args.cells, quiet=args.quiet,
+                   run_id=args.run_id)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--references", default="references", help="parent of references")
     p.add_argument("--evidence", default="evidence", help="parent of evidence")
     p.add_argument("--cells", nargs="*", help="cell id globs, or ENGINE:GLOB")
+    p.add_argument("--run-id", help="resume or name a run (default: resume the interrupted "
+                                    "run of the same contract, reference and cells, else a "
+                                    "new timestamped id)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_run)
 
@@ -154,6 +162,39 @@ def build_parser() -> argparse.ArgumentParser:
     register_diverge(sub)
     register_slurm(sub)
     return parser
+
+
+UNWRITABLE_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS,
+                                      errno.EACCES, errno.EPERM})
+"""``OSError`` numbers that mean the place qualify writes cannot take the write (a full
+disk or quota, a read-only or forbidden directory): the user's environment, exit 2 with one
+line; what was written stays unsealed (``INCOMPLETE``), never evidence that can pass."""
+
+
+def unwritable_message(exc: OSError) -> str:
+    """One line for an :data:`UNWRITABLE_ERRNOS` error: the file, the cause, what to do."""
+    name = errno.errorcode.get(exc.errno or 0, "?")
+    where = f"{exc.filename}: " if exc.filename else ""
+    return (f"{where}{exc.strerror or os.strerror(exc.errno or 0)} ({name}); nothing "
+            "unfinished was sealed: free space or make the directory writable, then run the "
+            "same command again (an interrupted `qualify run` is resumed)")
+
+
+def _unexpected(exc: Exception, *, debug: bool) -> int:
+    """The exit of an exception that is no :class:`QualifyError`.
+
+    An :data:`UNWRITABLE_ERRNOS` ``OSError`` is the user's environment: one line, exit 2
+    (the traceback with ``--debug``); anything else is an internal error, with its
+    traceback, exit 4.
+    """
+    if isinstance(exc, OSError) and exc.errno in UNWRITABLE_ERRNOS:
+        if debug:
+            traceback.print_exc()
+        print(f"qualify: error: {unwritable_message(exc)}", file=sys.stderr)
+        return int(ExitCode.USAGE_ERROR)
+    traceback.print_exc()
+    print(f"qualify: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return int(ExitCode.INTERNAL_ERROR)
 
 
 BROKEN_PIPE_EXIT = 141
@@ -215,14 +256,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"qualify: error: {exc}", file=sys.stderr)
         return int(exc.exit_code)
     except KeyboardInterrupt:
-        print("qualify: interrupted; partial output is left unsealed", file=sys.stderr)
+        print("qualify: interrupted; partial output is left unsealed (the same command "
+              "again resumes it)", file=sys.stderr)
         return int(ExitCode.INTERNAL_ERROR)
     except BrokenPipeError:
         return _broken_pipe()
     except Exception as exc:
-        traceback.print_exc()
-        print(f"qualify: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return int(ExitCode.INTERNAL_ERROR)
+        return _unexpected(exc, debug=args.debug)
 
 
 __all__ = ["UsageError", "build_parser", "main"]

@@ -10,9 +10,12 @@ files changed since the run; ``not recorded`` for a run made before ``sources.js
 every problem found. Stale sources are no problem of the audit (an old run is an honest
 record of old code); the gate fails on them. Failed runs are listed as ``FAIL`` (a
 verdict, not a problem); incomplete directories (``INCOMPLETE`` marker, no manifest, moved
-aside as ``*.incomplete-*``) are listed as ``INCOMPLETE`` and are problems, and so is a
-directory whose records :mod:`qualify.jsonio` refused (a symbolic link, a special file such
-as ``/dev/zero``, an oversized or unparsable document: never read further). The audit
+aside as ``*.incomplete-*``) are listed as ``INCOMPLETE`` and are problems; an interrupted
+run a later run superseded (:mod:`qualify.evidence.supersede`) is listed as ``SUPERSEDED``,
+a problem only when that run does not confirm it or its files changed since. A
+directory whose records :mod:`qualify.jsonio` refused is a problem too (a symbolic link, a
+special file such as ``/dev/zero``, an oversized or unparsable document: never read
+further). The audit
 exits 3 when any problem is found, and 2 when it found nothing to audit.
 """
 
@@ -29,7 +32,7 @@ from typing import Any, Final, Literal
 import pandas as pd
 
 from qualify.errors import EvidenceIntegrityError, ExitCode, QualifyError, UsageError
-from qualify.evidence import store
+from qualify.evidence import store, supersede
 from qualify.evidence.discover import EvidenceDir, find_evidence
 from qualify.evidence.keys import trusted_keys
 from qualify.evidence.sources import NOT_RECORDED, stale_cells
@@ -248,7 +251,12 @@ def _row(e: EvidenceDir, root: Path, *, keys: Any, contracts_dir: str | Path | N
     commit = ""
     digest = e.contract_digest
     step6_ran = False
-    if e.state == "incomplete":
+    if e.superseded_by is not None:  # kept whole; a problem only if unconfirmed
+        integrity = "SUPERSEDED"
+        _, problem = supersede.check(e.path)
+        problems += [f"superseded marker not confirmed: {problem}"] if problem else []
+        problems += [f"refused: {p}" for p in e.problems]
+    elif e.state == "incomplete":
         integrity = "INCOMPLETE"
         problems.append(f"incomplete: {e.reason}")
         problems += [f"refused: {p}" for p in e.problems]
@@ -268,15 +276,17 @@ def _row(e: EvidenceDir, root: Path, *, keys: Any, contracts_dir: str | Path | N
             src = pred["source"]
             commit = (str(src.get("commit") or "")[:12] + ("+dirty" if src.get("dirty") else ""))
     staleness, stale_problem = _staleness(e, digest, contracts_dir)
-    if stale_problem and not step6_ran:
-        problems.append(stale_problem)
+    if stale_problem and not step6_ran and e.superseded_by is None:
+        problems.append(stale_problem)  # a superseded run may be of an older contract
     report = _report(e.path) if e.kind == RUN_KIND else {}
     counts = dict.fromkeys(VERDICTS, 0)
     for c in report.get("cells", []):
         if isinstance(c, dict) and c.get("verdict") in counts:
             counts[str(c["verdict"])] += 1
     verdict = "-"
-    if e.kind == RUN_KIND:
+    if e.superseded_by is not None:
+        verdict = f"superseded by {e.superseded_by}"
+    elif e.kind == RUN_KIND:
         verdict = ("PASS" if report.get("passed") else "FAIL") if report else "no report"
     return AuditRow(path=rel, kind=e.kind, contract=e.contract or "", run_id=e.run_id or "",
                     date=e.date or "", source_commit=commit, signature=signature,

@@ -27,6 +27,7 @@ from qualify.layout import (
     MANIFEST_FILE,
     REFERENCE_FILE,
     RUN_FILE,
+    SUPERSEDED_FILE,
 )
 
 __all__ = ["EvidenceDir", "find_evidence"]
@@ -48,6 +49,9 @@ class EvidenceDir:
         run_id: a run's id.
         date: run start or reference creation time (ISO-8601) if known.
         marker: the directory carries the ``INCOMPLETE`` marker.
+        superseded_by: an unsealed run's ``superseded.json`` names this superseding run
+            (:mod:`qualify.evidence.supersede`; whether that run confirms it is
+            :func:`qualify.evidence.supersede.check`'s question); ``None`` otherwise.
         problems: records that were refused while labelling it (a symbolic link, a
             special file, an oversized or unparsable ``run.json`` / ``MANIFEST.json`` /
             attestation, ...): a hostile or broken directory, reported, never read further.
@@ -63,6 +67,7 @@ class EvidenceDir:
     date: str | None = None
     marker: bool = False
     problems: tuple[str, ...] = ()
+    superseded_by: str | None = None
 
 
 def _read(path: Path, problems: list[str], *, lenient: bool = False) -> dict[str, Any]:
@@ -147,7 +152,18 @@ def _classify(d: Path) -> EvidenceDir | None:
         digest = doc.get("contract_digest", digest)
         date = doc.get("created") or manifest.get("created")
     reason = ""
-    if moved:
+    superseded_by = None
+    if kind == RUN_KIND and SUPERSEDED_FILE in names and MANIFEST_FILE not in names:
+        sup = _read(d / SUPERSEDED_FILE, problems)
+        by, why = sup.get("superseded_by"), sup.get("reason")
+        if isinstance(by, str) and isinstance(why, str):
+            superseded_by = by
+            reason = f"superseded by run {by}: {why}"
+        elif sup:
+            problems.append(f"{d / SUPERSEDED_FILE}: superseded_by, reason: expected strings")
+    if superseded_by is not None:
+        pass  # the reason says so; gate and audit check the marker (supersede.check)
+    elif moved:
         reason = "moved aside as an interrupted directory (*.incomplete-*)"
     elif INCOMPLETE_FILE in names and MANIFEST_FILE not in names:
         reason = "INCOMPLETE marker: interrupted or still being written"
@@ -157,7 +173,7 @@ def _classify(d: Path) -> EvidenceDir | None:
                        reason=reason, contract=str(contract) if contract else None,
                        contract_digest=str(digest) if digest else None, run_id=run_id,
                        date=str(date) if date else None, marker=INCOMPLETE_FILE in names,
-                       problems=tuple(problems))
+                       problems=tuple(problems), superseded_by=superseded_by)
 
 
 def find_evidence(root: str | Path) -> list[EvidenceDir]:

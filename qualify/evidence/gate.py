@@ -6,7 +6,8 @@ against that committed contract file) and its report is read. The gate's exit co
 
 - ``3`` (:attr:`~qualify.errors.ExitCode.INTEGRITY_ERROR`): a verification step failed;
   the newest run is incomplete (not sealed and signed); a run directory of the contract
-  carries the ``INCOMPLETE`` marker; or a directory under the evidence directory is
+  carries the ``INCOMPLETE`` marker (unless a later run superseded it and confirms so,
+  :mod:`qualify.evidence.supersede`); or a directory under the evidence directory is
   unreadable evidence (a record refused by :mod:`qualify.jsonio`: a symbolic link, a
   special file, an oversized or unparsable document), see :func:`blocking_dirs`;
 - ``1`` (:attr:`~qualify.errors.ExitCode.QUALIFICATION_FAILED`): no run for a contract, or
@@ -47,7 +48,7 @@ from typing import Any, Final
 
 from qualify.contract import Contract, load_contract
 from qualify.errors import EvidenceIntegrityError, ExitCode, UsageError
-from qualify.evidence import store
+from qualify.evidence import store, supersede
 from qualify.evidence.discover import EvidenceDir, find_evidence
 from qualify.evidence.policy import CellOutcome, Policy, all_cells, evaluate, policy_for
 from qualify.evidence.sources import recorded_policy_digest, stale_cells
@@ -225,15 +226,17 @@ def required_cells(contract: Contract) -> list[str]:
 
 
 def _runs_of(found: Sequence[EvidenceDir], contract_name: str) -> list[EvidenceDir]:
+    """The runs the gate may choose: never moved-aside nor superseded (unsealed) runs."""
     return [e for e in found if e.kind == RUN_KIND and e.contract == contract_name
-            and INCOMPLETE_INFIX not in e.path.name]
+            and INCOMPLETE_INFIX not in e.path.name and e.superseded_by is None]
 
 
 def latest_run(evidence_dir: str | Path, contract_name: str) -> EvidenceDir | None:
     """The newest candidate run of ``contract_name`` at or below ``evidence_dir``.
 
-    Moved-aside ``*.incomplete-*`` directories are never chosen; any other incomplete run
-    is (and then fails the gate). Newest = latest ``run.json`` ``started``, then name.
+    Moved-aside ``*.incomplete-*`` directories and superseded runs are never chosen; any
+    other incomplete run is (and then fails the gate). Newest = latest ``run.json``
+    ``started``, then name.
     """
     runs = _runs_of(find_evidence(evidence_dir), contract_name)
     if not runs:
@@ -250,7 +253,10 @@ def blocking_dirs(found: Sequence[EvidenceDir], contract_name: str, *,
     any directory whose records were refused (:attr:`EvidenceDir.problems`: a symbolic
     link, special file, oversized or unparsable document: a hostile or broken stray
     directory) are integrity errors. Moved-aside ``*.incomplete-*`` directories with
-    readable records are not. ``chosen`` (the newest run, verified in full) is left out.
+    readable records are not, nor is an unsealed run superseded by a later one
+    (``superseded.json``) when that run confirms it in its ``run.json``
+    (:func:`qualify.evidence.supersede.check`); an unconfirmed marker is an integrity
+    error. ``chosen`` (the newest run, verified in full) is left out.
 
     Returns:
         ``(directory, why)`` pairs, sorted by path.
@@ -263,6 +269,10 @@ def blocking_dirs(found: Sequence[EvidenceDir], contract_name: str, *,
             continue
         if e.problems:
             out.append((e, "unreadable evidence directory: " + "; ".join(e.problems)))
+        elif e.superseded_by is not None:
+            _, problem = supersede.check(e.path, listing=False)
+            if problem is not None:
+                out.append((e, f"superseded marker not confirmed: {problem}"))
         elif e.state == "incomplete" and e.marker and INCOMPLETE_INFIX not in e.path.name:
             out.append((e, f"incomplete: {e.reason}"))
     return sorted(out, key=lambda x: str(x[0].path))

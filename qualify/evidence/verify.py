@@ -189,8 +189,13 @@ def verify_envelope(directory: Path) -> Envelope:
         return read_envelope(directory)
     except EnvelopeFormatError:
         if store.is_incomplete(directory):
+            from qualify.evidence.supersede import check
+
+            marker, _ = check(directory, listing=False)
+            later = f"; superseded by run {marker.superseded_by}: verify that run" \
+                if marker is not None else ""
             raise EnvelopeFormatError(f"{directory}: incomplete (INCOMPLETE marker) and "
-                                      "unsigned") from None
+                                      f"unsigned{later}") from None
         raise
 
 

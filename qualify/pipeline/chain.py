@@ -91,8 +91,13 @@ def run_decision(run_dir: Path, contract: Contract, policy: Policy, *,
 
 
 def run_all(contract_path: Path, *, references: Path, evidence: Path,
-            cells: Sequence[str] | None = None, quiet: bool = False) -> ExitCode:
+            cells: Sequence[str] | None = None, quiet: bool = False,
+            run_id: str | None = None) -> ExitCode:
     """Run the whole job for one contract and return its exit code.
+
+    An interrupted earlier run of the contract is resumed, or superseded and kept
+    (:mod:`qualify.pipeline.recovery`), so the gate needs no hand edit after a ``kill -9``,
+    Ctrl-C, SIGTERM or a full disk.
 
     Args:
         contract_path: the contract TOML.
@@ -101,6 +106,8 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
         evidence: parent of candidate runs.
         cells: cell globs (``None`` = all).
         quiet: no progress bars.
+        run_id: resume or name this run (default: resume the newest interrupted run that
+            can be resumed, else a new timestamped id).
 
     Returns:
         ``OK`` when it qualified (by the gate policy when the contract has one, see
@@ -117,22 +124,35 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
         from qualify.candidate.ahead import prestart_run
 
         prestart_run(contract, cells)
-    from qualify.candidate.stage import run_candidate_stage
+    from qualify.candidate.stage import check_run_id, new_run_id, run_candidate_stage
     from qualify.cli.summary import print_evaluation
     from qualify.compare.html import write_html
     from qualify.compare.stage import compare_run
     from qualify.evidence.sign import ensure_signed, seal_and_sign
 
+    if run_id is not None:  # before a reference stage of minutes
+        check_run_id(run_id)
     if ref is None:
         from qualify.reference.stage import run_reference_stage
 
         ref = run_reference_stage(contract, root=references, quiet=quiet)
     ensure_signed(ref)
     print(f"reference: {ref}", file=sys.stderr)
-    run_dir = run_candidate_stage(contract, reference=ref, root=evidence, cells=cells,
-                                  quiet=quiet)
-    report = compare_run(run_dir)
-    seal_and_sign(run_dir, kind="candidate-run")
+    from qualify.pipeline import recovery
+
+    parent = evidence.resolve() / contract.name
+    plan = recovery.plan(contract, reference=ref, evidence=evidence.resolve(), cells=cells,
+                         run_id=run_id, new_id=new_run_id(parent))
+    supersedes = recovery.apply(plan, parent)
+    if plan.sealed:  # killed while signing: signed now, its sealed report decides
+        run_dir = parent / plan.run_id
+        report = compare_run(run_dir, write=False)
+    else:
+        run_dir = run_candidate_stage(contract, reference=ref, root=evidence, cells=cells,
+                                      quiet=quiet, run_id=plan.run_id,
+                                      supersedes=supersedes)
+        report = compare_run(run_dir)
+        seal_and_sign(run_dir, kind="candidate-run")
     # read once, validated once: compare_run validated the document before writing it
     doc = read_json(run_dir / REPORT_JSON)
     code, ev = run_decision(run_dir, contract, policy, report=doc)
