@@ -369,8 +369,9 @@ def _decide_from_root(evidence_dir: Path, contract_path: Path, allow: Sequence[s
     check = check_change(root, contract_path, contract)
     n = len(check.changes)
     refused = (f"refused: {n} trust file{'s' if n != 1 else ''} of this change "
-               f"{'differ' if n != 1 else 'differs'} from the trust root {root.name}, which alone decides keys, policy and contract (land "
-               "such a change there first, docs/ci-gating.md)")
+               f"{'differ' if n != 1 else 'differs'} from the trust root {root.name}, which "
+               "alone decides keys, policy and contract (land such a change there first, "
+               "docs/ci-gating.md)")
     if check.contract_changed:
         return ContractDecision(contract=contract.name, contract_path=contract_path,
                                 contract_digest=contract.digest, run_dir=None, run_id=None,

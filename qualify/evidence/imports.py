@@ -107,8 +107,10 @@ def _providers(top: str, _path: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _distribution_files(name: str) -> tuple[str, dict[str, str]] | None:
-    """``(version, path -> RECORD path)`` of an installed distribution (both the absolute
-    and the resolved path of each file), or ``None``."""
+    """``(version, path -> RECORD path)`` of an installed distribution, or ``None``.
+
+    Each file is listed by its absolute and its resolved path.
+    """
     try:
         dist = importlib.metadata.distribution(name)
     except importlib.metadata.PackageNotFoundError:

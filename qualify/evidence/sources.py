@@ -31,10 +31,10 @@ from typing import Any, Final
 from qualify.contract import Contract
 from qualify.digests import sha256_file
 from qualify.errors import EvidenceIntegrityError, UsageError
+from qualify.evidence import imports
 from qualify.evidence.environment import package_versions
 from qualify.evidence.sealed import atomic_write_bytes
 from qualify.jsonio import read_json
-from qualify.evidence import imports
 from qualify.layout import IMPORTS_FILE, RUN_FILE, SOURCES_FILE
 from qualify.resources import repo_root
 

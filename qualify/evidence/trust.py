@@ -144,7 +144,8 @@ class TrustRoot:
         raise UsageError("the checkout is no trust root to compare with")
 
     def _git_files(self, contracts_dir: Path, name: str) -> RootFiles:
-        assert self.repo is not None and self.commit is not None
+        assert self.repo is not None
+        assert self.commit is not None
         try:
             rel = contracts_dir.resolve().relative_to(self.repo)
         except ValueError:
@@ -161,7 +162,8 @@ class TrustRoot:
                          contract=self._file(f"{base}{name}.toml"))
 
     def _file(self, path: str) -> tuple[str, bytes] | None:
-        assert self.repo is not None and self.commit is not None
+        assert self.repo is not None
+        assert self.commit is not None
         found = [e for e in _ls_tree(self.repo, self.commit, path) if e[2] == path]
         if not found:
             return None

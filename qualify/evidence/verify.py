@@ -45,15 +45,13 @@ result) are :mod:`qualify.evidence.steps`; finding directories to verify is
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from qualify import jsonio
 from qualify.digests import sha256_file
 from qualify.errors import (
     ContractDigestError,
@@ -68,7 +66,7 @@ from qualify.errors import (
     UnlistedFileError,
     VerdictMismatchError,
 )
-from qualify.evidence import store, tensor_index
+from qualify.evidence import store
 from qualify.evidence.bounds_check import verify_bounds
 from qualify.evidence.discover import EvidenceDir, find_evidence
 from qualify.evidence.dsse import (
@@ -78,6 +76,7 @@ from qualify.evidence.dsse import (
     verify_envelope_signatures,
 )
 from qualify.evidence.keys import trusted_keys
+from qualify.evidence.recompute import verify_verdicts
 from qualify.evidence.statement import (
     PREDICATE_TYPE,
     REFERENCE_KIND,
@@ -86,16 +85,13 @@ from qualify.evidence.statement import (
     read_json,
     read_run,
 )
-from qualify.evidence.recompute import verify_verdicts
 from qualify.evidence.steps import (
-    listing,
-    predicate,
     STEPS,
     StepOutcome,
     StepRunner,
     VerificationResult,
-    document_differences,
-    first_line_difference,
+    listing,
+    predicate,
 )
 from qualify.evidence.timestamps import parse_time
 from qualify.jsonio import loads_strict
