@@ -307,10 +307,14 @@ def test_gate_with_policy_xfail_xpass_and_fail_outside(fresh: World, tmp_path: P
     assert "fails outside the expected families: logprobs" in text
     # expected in its family, but failing beyond the entry's ceiling: a FAIL naming the row
     write_policy(fresh, HEAD + xfail('"logprobs"', max_margin=1.0001) + ALLOW)
-    code, text = gate_world(fresh, fresh.failing)
+    code, text = gate_world(fresh, fresh.failing, "--json", str(out))
     assert code == ExitCode.QUALIFICATION_FAILED
-    assert re.search(r"regressed beyond the expected failure: round1/actor/logprobs "
-                     r"\(candidate_vs_hf\) margin \S+ > max_margin 1.0001", text), text
+    assert re.search(rf"{FAIL_CELL}\s.*FAIL\s.*FAILS\s.*regressed beyond", text), text
+    (bad,) = [c for c in json.loads(out.read_text())["contracts"][0]["cells"] if not c["ok"]
+              and c["required"]]
+    assert re.fullmatch(r"regressed beyond the expected failure: round1/actor/logprobs "
+                        r"\(\w+\) margin \S+ > max_margin 1.0001( \(and \d+ more rows\))?",
+                        bad["reason"]), bad
 
 
 def test_allow_not_run_flag_adds_to_the_policy(fresh: World) -> None:

@@ -29,8 +29,9 @@ stale cells (:func:`qualify.evidence.sources.stale_cells`). Each cell gets one o
   at most the entry's ``max_margin``), and any ``NOT_RUN`` row allowed (an ``ERROR`` row is
   never expected);
 - ``FAIL``: any other ``FAIL`` or ``ERROR``; a cell with expected failures whose failing row
-  no entry covers says "regressed beyond the expected failure: <row> <why>" (the causally
-  first such row: margin X > max_margin Y, or its family, round or role not expected);
+  no entry covers says "fails outside the expected families: F: <row> ..." when no entry
+  names the row's family, else "regressed beyond the expected failure: <row> <why>" (the
+  causally first such row: margin X > max_margin Y, or its round or role not expected);
 - ``NOT_RUN``: not run (allowed when an ``allowed_not_run`` glob or ``--allow-not-run``
   glob matches);
 - ``XPASS``: an expected failure names the cell and it passes, or its expected families
@@ -550,12 +551,13 @@ def _judge(*, verdict: str, reason: str | None, rows: Sequence[Mapping[str, Any]
     elif verdict == "FAIL" and not xf:
         out = ("FAIL", False, reason, _first(rows))
     elif verdict == "FAIL" and beyond:
-        row, why = beyond[0]
+        outside = [(r, w) for r, w in beyond if r.get("family") not in families]
+        row, why = (outside or beyond)[0]
         more = f" (and {len(beyond) - 1} more rows)" if len(beyond) > 1 else ""
-        outside = sorted({str(r.get("family")) for r, _ in beyond} - families)
-        fams = f"; fails outside the expected families: {', '.join(outside)}" if outside else ""
-        out = ("FAIL", False, f"regressed beyond the expected failure: {row_label(row)} {why}"
-               f"{more}{fams}", _first([row]))
+        head = ("fails outside the expected families: "
+                f"{', '.join(sorted({str(r.get('family')) for r, _ in outside}))}: "
+                if outside else "regressed beyond the expected failure: ")
+        out = ("FAIL", False, f"{head}{row_label(row)} {why}{more}", _first([row]))
     elif verdict == "FAIL" and rows_not_run and nr is None:
         out = ("NOT_RUN", False, "fails as expected, but some rows are NOT_RUN without an "
                "allowance", _first(rows, failing))
