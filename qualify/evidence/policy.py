@@ -218,6 +218,8 @@ class Policy:
         required: required cell ids, in matrix order.
         expected_failures: the known failures.
         allowed_not_run: the NOT_RUN allowances.
+        document: the parsed document the policy was read from (``None``: default), which
+            a report embeds with the decision it sealed (:mod:`qualify.evidence.decision`).
     """
 
     contract: str
@@ -226,6 +228,7 @@ class Policy:
     required: tuple[str, ...]
     expected_failures: tuple[ExpectedFailure, ...] = ()
     allowed_not_run: tuple[AllowedNotRun, ...] = ()
+    document: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (for the gate decision)."""
@@ -419,7 +422,7 @@ def policy_from_document(doc: Any, contract: Contract, *, path: Path | str) -> P
                                      upstream=a.get("upstream")))
     return Policy(contract=contract.name, path=p, digest=policy_digest(doc),
                   required=required, expected_failures=tuple(xfails),
-                  allowed_not_run=tuple(allowed))
+                  allowed_not_run=tuple(allowed), document=doc)
 
 
 def policy_for(contract: Contract, path: str | Path | None = None) -> Policy:
