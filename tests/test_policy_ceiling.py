@@ -20,7 +20,6 @@ from collections.abc import Mapping
 from functools import cache
 from typing import Any
 
-import pytest
 from committed import committed_runs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -21,7 +21,8 @@ from qualify.evidence.policy import Policy, PolicyEvaluation, all_cells, evaluat
 from qualify.jsonio import read_json
 from qualify.layout import REPORT_JSON, REPORT_MD, SOURCES_FILE, reference_dir_name
 
-__all__ = ["find_sealed_reference", "gate_view", "run_all", "run_decision"]
+__all__ = ["comparator_line", "find_sealed_reference", "gate_view", "run_all",
+           "run_decision"]
 
 
 def find_sealed_reference(references: Path, name: str) -> Path | None:
@@ -55,6 +56,15 @@ def gate_view(code: ExitCode, ev: PolicyEvaluation, policy: Policy, *,
             "counts": ev.counts(),
             "cells": [{"cell": c.cell, "outcome": c.outcome, "ok": c.ok, "reason": c.reason}
                       for c in ev.cells if c.required]}
+
+
+def comparator_line(doc: Mapping[str, Any], ev: PolicyEvaluation) -> str:
+    """The comparator's verdict beneath the decision, saying how much the policy expects."""
+    fails = [c for c in ev.cells if c.required and c.verdict != "PASS"]
+    xfail = sum(c.outcome == "XFAIL" for c in fails)
+    raw = "PASSED" if doc.get("passed") else "FAILED"
+    return (f"comparator verdict (before the policy): {raw} ({len(fails)} required cells not "
+            f"PASS; {xfail} of them expected by the policy)")
 
 
 def run_decision(run_dir: Path, contract: Contract, policy: Policy, *,
@@ -131,7 +141,7 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
     print(f"reference: {ref}", file=sys.stderr)
     run_dir = run_candidate_stage(contract, reference=ref, root=evidence, cells=cells,
                                   quiet=quiet)
-    report = compare_run(run_dir)
+    report = compare_run(run_dir, policy=policy)  # report.md leads with this policy's decision
     seal_and_sign(run_dir, kind="candidate-run")
     # read once, validated once: compare_run validated the document before writing it
     doc = read_json(run_dir / REPORT_JSON)
@@ -147,5 +157,6 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
     del report  # sealed and signed; the summary below is the policy's view of it
     pol = f"gate policy {policy.path}" if policy.path else "no gate policy (report verdict)"
     print(f"{contract.name}: exit {int(code)} by {pol}")
+    print(comparator_line(doc, ev))
     print_evaluation(ev, report_md=run_dir / REPORT_MD, report_html=html, causes=causes)
     return code
