@@ -511,7 +511,7 @@ def _render_decision_first(report: Report) -> str:
 
 def render_markdown(report: Report) -> str:
     """The ``report.md`` text (see the module docstring for its sections)."""
-    if "gate_decision" in report.sections:
+    if "gate_decision" in report.sections and report.gate is not None:
         return _render_decision_first(report)
     s = report.summary
     verdict = "PASSED" if report.passed else "FAILED"
