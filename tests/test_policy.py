@@ -317,6 +317,30 @@ def test_gate_with_policy_xfail_xpass_and_fail_outside(fresh: World, tmp_path: P
                         bad["reason"]), bad
 
 
+def test_audit_verdict_is_the_gate_decision_under_todays_policy(fresh: World) -> None:
+    """audit's verdict is the gate's (the policy beside the committed contract, read now),
+    the comparator's verdict beside it: one answer with the gate."""
+    from qualify.evidence.audit import audit
+
+    def rows() -> dict[str, Any]:
+        result = audit(fresh.root, trusted_keys_dir=fresh.keys, contracts_dir=fresh.contracts,
+                       source_root=code_root(fresh))
+        return {Path(r.path).name: r for r in result.rows}
+
+    assert (rows()["run-3-fail"].verdict, rows()["run-3-fail"].comparator) == ("FAIL", "FAIL")
+    write_policy(fresh, HEAD + xfail('"logprobs"') + ALLOW)
+    row = rows()["run-3-fail"]
+    assert (row.verdict, row.comparator, row.problems) == ("PASS", "FAIL", ())
+    code, _ = gate_world(fresh, fresh.failing)
+    assert code == ExitCode.OK  # the gate agrees
+    write_policy(fresh, HEAD + xfail('"logprobs"', max_margin=1.0001) + ALLOW)
+    assert rows()["run-3-fail"].verdict == "FAIL"
+    write_policy(fresh, HEAD + '[[expected_failures]]\ncells = "x"\n')
+    row = rows()["run-3-fail"]
+    assert row.verdict == "FAIL"
+    assert any(p.startswith("gate policy: ") for p in row.problems), row.problems
+
+
 def test_allow_not_run_flag_adds_to_the_policy(fresh: World) -> None:
     write_policy(fresh, HEAD + xfail('"logprobs"'))
     code, text = gate_world(fresh, fresh.failing)
