@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import math
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any

@@ -165,7 +165,8 @@ def _gate_line(gate: Mapping[str, Any] | None) -> str:
 
 def _sealed_gate_line(sealed: Mapping[str, Any]) -> str:
     """The decision the report sealed at compare time (``report.json`` ``gate``)."""
-    pol = sealed.get("policy") if isinstance(sealed.get("policy"), Mapping) else {}
+    got = sealed.get("policy")
+    pol: Mapping[str, Any] = got if isinstance(got, Mapping) else {}
     view = {"exit_code": sealed.get("exit_code", 1), "counts": sealed.get("counts", {}),
             "policy": pol.get("path"),
             "cells": [c for c in sealed.get("cells", []) if isinstance(c, Mapping)
