@@ -4,8 +4,16 @@
   ``contracts/schema/report.schema.json`` before anything is written. Non-finite numbers
   (an infinite error or margin) are written as the strings ``"inf"`` / ``"-inf"`` /
   ``"nan"`` because JSON has no such numbers.
-- ``report.md``: the result (a failed one says that the contract's gate policy, applied
-  after it, decides ``qualify run``'s exit code) and digests; the root cause of each
+- ``report.md`` of a report with the sealed gate decision (section ``gate_decision``,
+  :mod:`qualify.evidence.decision`): the decision under the contract's policy at compare
+  time, the comparator's verdict beneath it, digests, the root causes (each with its gate
+  outcome), the cells not plainly passing, the expected failures one line each, the detail
+  of the failing rows of the cells the decision fails (at most :data:`ROW_DETAILS_PER_CELL`
+  per cell), errors, coverage, the power check and field metrics in brief; every row stays
+  in ``report.json``.
+- ``report.md`` of an earlier report, as it was sealed: the result (a failed one says that
+  the contract's gate policy, applied after it, decides ``qualify run``'s exit code) and
+  digests; the root cause of each
   failing cell, one line per cell (:mod:`qualify.compare.rootcause`); a matrix of cells x
   metric families (pandas ``DataFrame.to_markdown``, tabulate; trainer and sampler cells
   apart), each entry the
@@ -49,8 +57,8 @@ from qualify.layout import (
 )
 from qualify.schema import validate
 
-__all__ = ["MATRIX_COLUMNS", "REPORT_SCHEMA", "matrix_frame", "render_markdown",
-           "report_document", "write_report"]
+__all__ = ["MATRIX_COLUMNS", "REPORT_SCHEMA", "ROW_DETAILS_PER_CELL", "matrix_frame",
+           "render_markdown", "report_document", "write_report"]
 
 REPORT_SCHEMA: Final = "report"
 MATRIX_COLUMNS: Final = ("logprobs", "entropy", "values", "rewards", "losses", "grad_norm",

@@ -4,7 +4,9 @@ The run ends with the summary table (:mod:`qualify.cli.summary`) and exits by th
 contract's gate policy (:mod:`qualify.evidence.policy`) when one exists
 (``contracts/gates/<name>.toml``): known failures XFAIL, allowed cells NOT_RUN, exit 0; any
 other failure, unallowed NOT_RUN or expected failure that passes, exit 1. Without a policy
-file the report's own verdict decides (every required cell ``PASS``).
+file the report's own verdict decides (every required cell ``PASS``). The comparator's
+verdict is printed beneath the decision; ``report.md`` seals the same decision (the policy is
+passed to the comparator).
 """
 
 from __future__ import annotations
