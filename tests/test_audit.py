@@ -71,10 +71,11 @@ def test_good_failed_and_tampered_runs(world: World, tmp_path: Path) -> None:
     (fail,) = [ln for ln in lines if "run-3-fail" in ln]
     assert "FAILED step 4" in old
     assert "outputs.safetensors: modified" in old
-    # integrity, verdict, then the PASS / FAIL / ERROR / NOT_RUN counts: the good run does
-    # not pass (its deepspeed cells, required by the matrix, did not run) but none failed
-    assert re.search(r" ok +FAIL +4 +0 +0 +4 ", good), good
-    assert re.search(r" ok +FAIL +3 +1 +0 +4 ", fail), fail
+    # integrity, verdict (the gate's decision: no policy file here, so the comparator's),
+    # the comparator's verdict, then the PASS / FAIL / ERROR / NOT_RUN counts: the good run
+    # does not pass (its deepspeed cells, required by the matrix, did not run), none failed
+    assert re.search(r" ok +FAIL +FAIL +4 +0 +0 +4 ", good), good
+    assert re.search(r" ok +FAIL +FAIL +3 +1 +0 +4 ", fail), fail
     assert lines[-1] == "4 directories audited, 1 problem(s)"
     (tmp_path / "audit-table.txt").write_text(table)
     code, md = audit_cli(world, world.root, fmt="md")

@@ -89,6 +89,7 @@ def test_an_expected_failure_that_passes_fails_the_gate(
 [[expected_failures]]
 cells = "torch_tp-fp32-actor-tp1"
 families = ["grads"]
+max_margin = 2.0
 reason = "planted: a cell that passes, listed as an expected failure"
 upstream = "harnesses/torch_tp/README.md"
 ''')

@@ -53,7 +53,11 @@ def test_passing_page_says_so(passing: tuple[Path, dict[str, Any], Path]) -> Non
     assert {c["verdict"] for c in doc["cells"]} == {"PASS"}
     text = path.read_text(encoding="utf-8")
     page = Page(text)
-    assert 'class="result result-passed"><strong>Result: PASSED</strong>' in text
+    assert ('class="result result-passed"><strong>Comparator verdict (before the policy): '
+            'PASSED</strong>') in text
+    # the headline is the decision the report sealed (no policy file: the verdict decides)
+    assert text.index('id="gate"') < text.index("Comparator verdict")
+    assert "<strong>Gate: PASS</strong> (exit 0) by the report verdict" in text
     assert page.h2[0] == "Root causes"
     assert "root-causes-none" in page.order
     assert page.causes == []
@@ -63,7 +67,7 @@ def test_passing_page_says_so(passing: tuple[Path, dict[str, Any], Path]) -> Non
     assert "heatmap-sampler" not in page.figures  # the chain has no sampler cell
     band = page.tables["clip-band"]  # today's comparator always writes the section
     assert [r[0] for r in band[1:]] == [r["source"] for r in doc["clip_band"]]
-    assert "gate-none" in page.order  # qualify report without --contract decides nothing
+    assert "gate-sealed" in page.order  # without --contract: the decision sealed at compare
 
 
 @pytest.mark.skipif(CHROMIUM is None and not os.environ.get("QUALIFY_REQUIRE_CHROMIUM"),

@@ -31,10 +31,9 @@ from qualify.resources import contracts_dir, repo_root
 __all__ = ["fresh", "fresh_world", "signed_world"]
 
 TINY = contracts_dir() / "tiny-qwen3.toml"
-# The findings of the default run (the committed run evidence/tiny-qwen3/20261201T201630Z,
-# its report.json, 2026-12-01; the same in 20261202T015031Z, 20261204T034750Z and
-# 20261205T084216Z): cell -> the families of its FAIL rows.
-_ACTOR_R2 = ["entropy", "exp_avg", "exp_avg_sq", "grad_norm", "grads", "logprobs", "losses",
+# The findings of the default run (the committed run evidence/tiny-qwen3/20261205T084216Z,
+# its report.json): cell -> the families of its FAIL rows.
+_ACTOR_R2 = ["entropy", "exp_avg", "exp_avg_sq", "grads", "logprobs",
              "updates"]  # BF16-born FP32 masters: round 2 (DeepSpeed ZeRO-1/2, Megatron)
 _CRITIC_R2 = ["clip_coef", "grad_norm"]
 TINY_FINDINGS: dict[str, list[str]] = {
@@ -271,8 +270,9 @@ HEAD = f'schema_version = 1\ncontract = "{CONTRACT}"\n'
 ALLOW = f'[[allowed_not_run]]\ncells = "{CUDA_ONLY}-*"\nreason = "needs CUDA"\n'
 
 
-def xfail(families: str) -> str:
+def xfail(families: str, max_margin: float = 1e6) -> str:
     return (f'[[expected_failures]]\ncells = "{FAIL_CELL}"\nfamilies = [{families}]\n'
+            f'max_margin = {max_margin}\n'
             'reason = "planted logprobs fault"\nupstream = "https://example.org/bug/1"\n')
 
 
@@ -305,6 +305,40 @@ def test_gate_with_policy_xfail_xpass_and_fail_outside(fresh: World, tmp_path: P
     code, text = gate_world(fresh, fresh.failing)
     assert code == ExitCode.QUALIFICATION_FAILED
     assert "fails outside the expected families: logprobs" in text
+    # expected in its family, but failing beyond the entry's ceiling: a FAIL naming the row
+    write_policy(fresh, HEAD + xfail('"logprobs"', max_margin=1.0001) + ALLOW)
+    code, text = gate_world(fresh, fresh.failing, "--json", str(out))
+    assert code == ExitCode.QUALIFICATION_FAILED
+    assert re.search(rf"{FAIL_CELL}\s.*FAIL\s.*FAILS\s.*regressed beyond", text), text
+    (bad,) = [c for c in json.loads(out.read_text())["contracts"][0]["cells"] if not c["ok"]
+              and c["required"]]
+    assert re.fullmatch(r"regressed beyond the expected failure: round1/actor/logprobs "
+                        r"\(\w+\) margin \S+ > max_margin 1.0001( \(and \d+ more rows\))?",
+                        bad["reason"]), bad
+
+
+def test_audit_verdict_is_the_gate_decision_under_todays_policy(fresh: World) -> None:
+    """audit's verdict is the gate's (the policy beside the committed contract, read now),
+    the comparator's verdict beside it: one answer with the gate."""
+    from qualify.evidence.audit import audit
+
+    def rows() -> dict[str, Any]:
+        result = audit(fresh.root, trusted_keys_dir=fresh.keys, contracts_dir=fresh.contracts,
+                       source_root=code_root(fresh))
+        return {Path(r.path).name: r for r in result.rows}
+
+    assert (rows()["run-3-fail"].verdict, rows()["run-3-fail"].comparator) == ("FAIL", "FAIL")
+    write_policy(fresh, HEAD + xfail('"logprobs"') + ALLOW)
+    row = rows()["run-3-fail"]
+    assert (row.verdict, row.comparator, row.problems) == ("PASS", "FAIL", ())
+    code, _ = gate_world(fresh, fresh.failing)
+    assert code == ExitCode.OK  # the gate agrees
+    write_policy(fresh, HEAD + xfail('"logprobs"', max_margin=1.0001) + ALLOW)
+    assert rows()["run-3-fail"].verdict == "FAIL"
+    write_policy(fresh, HEAD + '[[expected_failures]]\ncells = "x"\n')
+    row = rows()["run-3-fail"]
+    assert row.verdict == "FAIL"
+    assert any(p.startswith("gate policy: ") for p in row.problems), row.problems
 
 
 def test_allow_not_run_flag_adds_to_the_policy(fresh: World) -> None:
@@ -331,7 +365,7 @@ def test_policy_option_and_the_run_recorded_policy(fresh: World, tmp_path: Path)
 
 def _ef(cells: str = FAIL_CELL, families: str = '"logprobs"', extra: str = "") -> str:
     return (f'[[expected_failures]]\ncells = "{cells}"\nfamilies = [{families}]\n'
-            f'reason = "r r r"\nupstream = "https://x.org/1"\n{extra}')
+            f'max_margin = 2.0\nreason = "r r r"\nupstream = "https://x.org/1"\n{extra}')
 
 
 BAD: dict[str, tuple[str, str]] = {
@@ -348,7 +382,19 @@ BAD: dict[str, tuple[str, str]] = {
     "required-no-cell": (HEAD + 'required = ["vllm-*"]\n', "required.0: 'vllm-*' matches no"),
     "required-and-allowed": (HEAD + f'required = ["{CUDA_ONLY}-*"]\n' + ALLOW,
                              "is also listed in required"),
-    "duplicate-xfail": (HEAD + _ef() + _ef(families='"entropy"'), "is listed twice"),
+    "duplicate-xfail": (HEAD + _ef() + _ef(families='"entropy", "logprobs"'),
+                        "is listed twice in expected_failures with overlapping families"),
+    "no-max-margin": (HEAD + _ef().replace("max_margin = 2.0\n", ""),
+                      "expected_failures.0.max_margin: missing: an expected failure names the "
+                      "largest margin it accepts"),
+    "max-margin-not-above-1": (HEAD + _ef().replace("2.0", "1.0"),
+                               "expected_failures.0.max_margin: 1.0 is less than or equal"),
+    "max-margin-a-string": (HEAD + _ef().replace("2.0", '"2"'),
+                            "expected_failures.0.max_margin"),
+    "round-beyond-contract": (HEAD + _ef(extra="rounds = [9]\n"),
+                              "expected_failures.0.rounds: round 9 beyond the contract's"),
+    "round-zero": (HEAD + _ef(extra="rounds = [0]\n"), "expected_failures.0.rounds.0"),
+    "unknown-role": (HEAD + _ef(extra='roles = ["reward"]\n'), "expected_failures.0.roles.0"),
     "other-contract": ('schema_version = 1\ncontract = "tiny-qwen3"\n',
                        "contract: 'tiny-qwen3' is not the gated contract"),
     "missing-reason": (HEAD + f'[[allowed_not_run]]\ncells = "{CUDA_ONLY}-*"\n',

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -87,20 +88,21 @@ def test_infinite_numbers_are_json_strings(tmp_path: Path) -> None:
     assert (row["error"], row["margin"], row["verdict"]) == ("inf", "inf", "FAIL")
 
 
-def test_report_md_has_matrix_details_and_field_table(failing: tuple[World, Report]) -> None:
+def test_report_md_leads_with_the_decision_then_details(failing: tuple[World, Report]) -> None:
     w, report = failing
     md = (w.run_dir / REPORT_MD).read_text()
     assert md == render_markdown(report)
-    assert "**Result: FAILED**" in md
-    sections = ["## Matrix", "## Cells", "## Failures", "## Errors and checks not run",
-                "## Field mismatch (informational, not gated)"]
+    head = md.splitlines()[2]
+    assert head.startswith("**Gate decision: FAIL** (exit 1) without a gate policy file (the "
+                           "comparator's verdict decides)")
+    assert f"`{TP1}` (FAIL)" in head
+    assert "Comparator verdict (before the policy): FAILED" in md
+    sections = ["## Root causes", "## Cells", "## Expected failures", "## Failures",
+                "## Errors and checks not run", "## Field mismatch (informational, not gated)"]
     assert [md.index(s) for s in sections] == sorted(md.index(s) for s in sections)
-    matrix = md[md.index("## Matrix"):md.index("## Cells")]
-    assert "| cell " in matrix
-    assert "| logprobs " in matrix
-    assert "| dtypes " in matrix
-    assert f"| {TP1} " in matrix
-    assert "FAIL 2" in matrix
+    cells = md[md.index("## Cells"):md.index("## Expected failures")]
+    assert re.search(rf"\| {TP1} +\| FAIL +\| FAIL +\| 1 +\| 21 +\| 2 +\| round 1 actor "
+                     "logprobs", cells), cells
     failures = md[md.index("## Failures"):md.index("## Errors and checks not run")]
     assert f"`{TP1}` · candidate_vs_hf · `round1/actor/logprobs`" in failures
     assert "Mismatched elements: 1 / 9" in failures
@@ -111,6 +113,43 @@ def test_report_md_has_matrix_details_and_field_table(failing: tuple[World, Repo
     assert "needs 2 GPUs" in md
     assert "token_mult_prob_error" in md
     assert "NOT like-for-like" in md
+
+
+def test_report_md_expected_failures_are_one_line_and_details_are_capped(
+        failing: tuple[World, Report]) -> None:
+    """A cell the policy expects to fail: one line, no row detail; a cell it fails: at most
+    ROW_DETAILS_PER_CELL detail blocks, the rest counted."""
+    import dataclasses
+
+    from qualify.compare.report import ROW_DETAILS_PER_CELL
+    from qualify.evidence.decision import decision_section
+    from qualify.evidence.policy import all_cells, policy_from_document
+
+    w, report = failing
+    doc = {"schema_version": 1, "contract": w.contract.name, "expected_failures": [
+        {"cells": TP1, "families": ["logprobs"], "max_margin": 1e9, "reason": "planted r",
+         "upstream": "https://example.org/1"}]}
+    policy = policy_from_document(doc, w.contract, path="p.toml")
+    gate = decision_section(report.to_dict(), policy, all_cells(w.contract))
+    md = render_markdown(dataclasses.replace(report, gate=gate))
+    expected = md[md.index("## Expected failures"):md.index("## Failures")]
+    (line,) = [x for x in expected.splitlines() if x.startswith("- ")]
+    assert line.startswith(f"- {TP1}: 1 failing rows, worst margin 2; ")
+    assert line.endswith("planted r (https://example.org/1)")
+    failures = md[md.index("## Failures"):md.index("## Errors and checks not run")]
+    assert f"`{TP1}`" not in failures
+    many = tuple(dataclasses.replace(r, where=f"(9, {i})")
+                 for r in report.rows if r.cell == TP1 and r.verdict == "FAIL"
+                 for i in range(ROW_DETAILS_PER_CELL))
+    big = dataclasses.replace(report, rows=report.rows + many)
+    md = render_markdown(dataclasses.replace(big, gate=decision_section(
+        big.to_dict(), policy_from_document({**doc, "expected_failures": []}, w.contract,
+                                            path="p.toml"), all_cells(w.contract))))
+    failures = md[md.index("## Failures"):md.index("## Errors and checks not run")]
+    n = sum(r.cell == TP1 and r.verdict == "FAIL" for r in big.rows)
+    assert failures.count(f"`{TP1}` · ") == ROW_DETAILS_PER_CELL
+    assert f"`{TP1}`: {n - ROW_DETAILS_PER_CELL} more failing rows in `report.json`." \
+        in failures
 
 
 def test_matrix_frame(failing: tuple[World, Report]) -> None:

@@ -33,8 +33,10 @@ def test_todays_report_holds_every_section(failing: tuple[World, Report]) -> Non
     doc = report.to_dict()
     assert sections_of(doc) == (OPTIONAL_SECTIONS, True)
     assert OPTIONAL_SECTIONS == ("coverage", "power", "root_causes", "behavior_weights",
-                                 "clip_band", "lr_schedule", "gate_note", "reduction_dtypes")
+                                 "clip_band", "lr_schedule", "gate_note", "reduction_dtypes",
+                                 "gate_decision")
     assert doc["sections"] == list(OPTIONAL_SECTIONS)
+    assert doc["gate"]["result"] == "FAIL"  # the decision the comparator sealed
     assert all("power" in r for r in doc["rows"])
 
 
@@ -90,9 +92,15 @@ def test_a_failed_report_says_the_gate_policy_comes_after(
         failing: tuple[World, Report]) -> None:  # noqa: F811
     """Today's failed ``report.md`` says its verdict precedes the contract's gate policy
     (a new user read "Result: FAILED" where ``qualify run`` had exited 0); one sealed
-    before ``gate_note`` renders as then, byte for byte, without it."""
-    _, report = failing
-    assert not report.passed
+    before ``gate_note`` renders as then, byte for byte, without it. Since ``gate_decision``
+    the decision itself heads the page, the comparator's verdict beneath it."""
+    _, today = failing
+    assert not today.passed
+    md_today = render_markdown(today)
+    assert md_today.splitlines()[2].startswith("**Gate decision: FAIL** (exit 1)")
+    assert md_today.splitlines()[4].startswith("Comparator verdict (before the policy): FAILED")
+    report = dataclasses.replace(today, sections=tuple(s for s in today.sections
+                                                       if s != "gate_decision"))
     md = render_markdown(report)
     start = md.index("\n\nThis is the comparator's own verdict, before any gate policy")
     end = md.index("\n\n", start + 2)
@@ -131,10 +139,13 @@ def test_a_report_without_the_record_must_be_a_comparator_that_existed(
 
 def test_clip_band_section_splits_the_matrix(failing: tuple[World, Report]) -> None:  # noqa: F811
     """Before ``clip_band`` report.md had one matrix of every cell; since, trainer and
-    sampler cells are apart, and the clip-band table follows the field metrics."""
-    _, report = failing
+    sampler cells are apart, and the clip-band table follows the field metrics (the layout
+    before ``gate_decision``, which keeps the matrix and clip band in report.json only)."""
+    _, today = failing
+    report = dataclasses.replace(today, sections=tuple(
+        s for s in OPTIONAL_SECTIONS if s != "gate_decision"))
     before = dataclasses.replace(report, sections=tuple(
-        s for s in OPTIONAL_SECTIONS if s != "clip_band"))
+        s for s in OPTIONAL_SECTIONS if s not in ("clip_band", "gate_decision")))
     doc = before.to_dict()
     assert "clip_band" not in doc
     assert sections_of(doc) == (before.sections, True)

@@ -197,7 +197,7 @@ PolicyEdit = Callable[[Repo], str]
 def _add_expected_failure(r: Repo) -> str:
     with r.policy.open("a") as f:
         f.write(f'\n[[expected_failures]]\ncells = "{FAIL_CELL}"\nfamilies = ["logprobs"]\n'
-                'reason = "mine"\nupstream = "https://example.org/1"\n')
+                'max_margin = 1e6\nreason = "mine"\nupstream = "https://example.org/1"\n')
     return f"policy altered: expected_failures: added '{FAIL_CELL}' (logprobs)"
 
 

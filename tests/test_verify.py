@@ -712,11 +712,22 @@ def m_error_and_margin_rewritten(w: World) -> Path:
     return run
 
 
+def m_gate_decision_flipped(w: World) -> Path:
+    """The sealed headline forged: the failing run's gate decision said to PASS."""
+    def flip(doc: dict[str, Any]) -> None:
+        gate = doc["gate"]
+        assert (gate["result"], gate["exit_code"]) == ("FAIL", 1)
+        gate.update(result="PASS", exit_code=0)
+    edit_json(w.failing / "report.json", flip)
+    reseal_and_resign(w.failing, w.key, "candidate-run")
+    return w.failing
+
+
 def m_report_md_rewritten(w: World) -> Path:
     path = w.good / "report.md"
     text = path.read_text()
-    assert "## Failures\n\nNone." in text
-    path.write_text(text.replace("## Matrix", "## Matrix (reviewed: all fine)", 1))
+    assert "## Cells\n" in text
+    path.write_text(text.replace("## Cells\n", "## Cells (reviewed: all fine)\n", 1))
     reseal_and_resign(w.good, w.key, "candidate-run")
     return w.good
 
@@ -796,6 +807,8 @@ MUTATIONS: tuple[Mutation, ...] = (
              m_error_and_margin_rewritten, 9, VerdictMismatchError),
     Mutation("report.md rewritten (re-sealed, re-signed)", m_report_md_rewritten, 9,
              VerdictMismatchError),
+    Mutation("sealed gate decision flipped (re-sealed, re-signed)", m_gate_decision_flipped,
+             9, VerdictMismatchError),
 )
 """The tamper set: each caught by ``verify`` at ``step`` with ``error`` (exit code 3)."""
 
@@ -978,8 +991,9 @@ def _detail(result: VerificationResult, step: int) -> str:
 @pytest.mark.parametrize(("apply", "names"), [
     (m_margin_rewritten, [".margin: report.json"]),
     (m_error_and_margin_rewritten, [".error: report.json", ".margin: report.json"]),
-    (m_report_md_rewritten, ["report.md: not the rendering", "## Matrix (reviewed"]),
-], ids=["margin", "error-and-margin", "report.md"])
+    (m_report_md_rewritten, ["report.md: not the rendering", "## Cells (reviewed"]),
+    (m_gate_decision_flipped, [".result: report.json", ".exit_code: report.json"]),
+], ids=["margin", "error-and-margin", "report.md", "gate-decision"])
 def test_step_9_names_the_rewritten_row_or_file(
         world: World, apply: Callable[[World], Path], names: list[str]) -> None:
     target = apply(world)
@@ -988,7 +1002,7 @@ def test_step_9_names_the_rewritten_row_or_file(
     detail = _detail(result, 9)
     for name in names:
         assert name in detail, detail
-    if apply is not m_report_md_rewritten:
+    if apply not in (m_report_md_rewritten, m_gate_decision_flipped):
         # the row is named by cell, class and metric; its verdict still agrees
         doc = json.loads((target / "report.json").read_text())
         row = _measured_row(doc, positive=apply is m_error_and_margin_rewritten)

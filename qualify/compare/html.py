@@ -138,7 +138,7 @@ def _gate_line(gate: Mapping[str, Any] | None) -> str:
     """
     if gate is None:
         return ('<p class="note" id="gate-none">No gate policy was applied to this page: the '
-                "result above is the comparator's own verdict, where an expected failure "
+                "result below is the comparator's own verdict, where an expected failure "
                 "(a finding the contract's gate policy lists) still fails. <code>qualify "
                 "report RUN_DIR --contract CONTRACT</code> or <code>qualify gate</code> "
                 "judges the run by the policy.</p>")
@@ -163,17 +163,36 @@ def _gate_line(gate: Mapping[str, Any] | None) -> str:
             + "</div>")
 
 
+def _sealed_gate_line(sealed: Mapping[str, Any]) -> str:
+    """The decision the report sealed at compare time (``report.json`` ``gate``)."""
+    got = sealed.get("policy")
+    pol: Mapping[str, Any] = got if isinstance(got, Mapping) else {}
+    view = {"exit_code": sealed.get("exit_code", 1), "counts": sealed.get("counts", {}),
+            "policy": pol.get("path"),
+            "cells": [c for c in sealed.get("cells", []) if isinstance(c, Mapping)
+                      and c.get("required")]}
+    digest = str(pol.get("digest") or "")[:12]
+    note = ('<p class="note" id="gate-sealed">The decision sealed with the run at compare '
+            f"time{' (policy sha256 ' + _e(digest) + ')' if digest else ''}; "
+            "<code>qualify gate</code> decides again under the current policy, on verified, "
+            "fresh evidence.</p>")
+    return _gate_line(view).replace("</div>", note + "</div>")
+
+
 def _header(data: RunData, causes: Sequence[RootCause],
             gate: Mapping[str, Any] | None = None) -> list[str]:
     doc = data.doc
     passed = bool(doc.get("passed"))
     s = doc.get("summary", {})
     counts = ", ".join(f"{k} {v}" for k, v in s.get("cells", {}).items())
+    sealed = doc.get("gate") if gate is None else None
+    headline = _gate_line(gate) if gate is not None or not isinstance(sealed, Mapping) \
+        else _sealed_gate_line(sealed)
     out = [f"<h1>Qualification report: {_e(doc.get('contract'))} / run "
-           f"{_e(doc.get('run_id'))}</h1>",
-           f'<p class="result result-{"passed" if passed else "failed"}"><strong>Result: '
-           f'{"PASSED" if passed else "FAILED"}</strong> (cells: {_e(counts)})</p>',
-           _gate_line(gate),
+           f"{_e(doc.get('run_id'))}</h1>", headline,
+           f'<p class="result result-{"passed" if passed else "failed"}"><strong>Comparator '
+           f'verdict (before the policy): {"PASSED" if passed else "FAILED"}</strong> '
+           f"(cells: {_e(counts)})</p>",
            f'<p class="note">contract sha256 {_e(doc.get("contract_digest"))}; bounds.json '
            f'sha256 {_e(doc.get("bounds_digest"))}; lane {_e(doc.get("lane"))}; compared '
            f'{_e(doc.get("created"))}. Generated from {REPORT_JSON} and the stored tensors; '

@@ -4,8 +4,16 @@
   ``contracts/schema/report.schema.json`` before anything is written. Non-finite numbers
   (an infinite error or margin) are written as the strings ``"inf"`` / ``"-inf"`` /
   ``"nan"`` because JSON has no such numbers.
-- ``report.md``: the result (a failed one says that the contract's gate policy, applied
-  after it, decides ``qualify run``'s exit code) and digests; the root cause of each
+- ``report.md`` of a report with the sealed gate decision (section ``gate_decision``,
+  :mod:`qualify.evidence.decision`): the decision under the contract's policy at compare
+  time, the comparator's verdict beneath it, digests, the root causes (each with its gate
+  outcome), the cells not plainly passing, the expected failures one line each, the detail
+  of the failing rows of the cells the decision fails (at most :data:`ROW_DETAILS_PER_CELL`
+  per cell), errors, coverage, the power check and field metrics in brief; every row stays
+  in ``report.json``.
+- ``report.md`` of an earlier report, as it was sealed: the result (a failed one says that
+  the contract's gate policy, applied after it, decides ``qualify run``'s exit code) and
+  digests; the root cause of each
   failing cell, one line per cell (:mod:`qualify.compare.rootcause`); a matrix of cells x
   metric families (pandas ``DataFrame.to_markdown``, tabulate; trainer and sampler cells
   apart), each entry the
@@ -27,7 +35,7 @@ generated from ``report.json`` and the stored tensors, outside the sealed run.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -49,8 +57,8 @@ from qualify.layout import (
 )
 from qualify.schema import validate
 
-__all__ = ["MATRIX_COLUMNS", "REPORT_SCHEMA", "matrix_frame", "render_markdown",
-           "report_document", "write_report"]
+__all__ = ["MATRIX_COLUMNS", "REPORT_SCHEMA", "ROW_DETAILS_PER_CELL", "matrix_frame",
+           "render_markdown", "report_document", "write_report"]
 
 REPORT_SCHEMA: Final = "report"
 MATRIX_COLUMNS: Final = ("logprobs", "entropy", "values", "rewards", "losses", "grad_norm",
@@ -324,8 +332,195 @@ def _lr_lines(report: Report) -> list[str]:
     return [*lines, _markdown_table(("role", "round", "sealed lr"), rows), ""]
 
 
+ROW_DETAILS_PER_CELL: Final = 20
+"""Failure detail blocks shown per cell the gate's decision fails (the rest: ``report.json``)."""
+
+
+def _decision_lines(report: Report) -> list[str]:
+    """The headline: the gate's decision under the policy, the comparator's verdict beneath."""
+    gate = report.gate or {}
+    pol = gate.get("policy") or {}
+    counts = gate.get("counts") or {}
+    required = [c for c in gate.get("cells", []) if c.get("required")]
+    tally = ", ".join(f"{n} {o}" for o, n in counts.items() if n)
+    if pol.get("path"):
+        under = (f"under gate policy `{pol['path']}` (sha256 {str(pol.get('digest'))[:12]}) "
+                 "at compare time")
+    else:
+        under = "without a gate policy file (the comparator's verdict decides)"
+    lines = [f"**Gate decision: {gate.get('result')}** (exit {gate.get('exit_code')}) {under}: "
+             f"{len(required)} required cells, {tally or 'none'}."]
+    bad = [c for c in required if not c.get("ok")]
+    if bad:
+        lines[-1] += " Not passing: " + ", ".join(f"`{c['cell']}` ({c['outcome']})"
+                                                   for c in bad) + "."
+    fails = [c for c in report.cells if c.required and c.verdict != "PASS"]
+    xfail = sum(c.get("outcome") == "XFAIL" for c in required)
+    raw = "PASSED" if report.passed else "FAILED"
+    lines += ["", f"Comparator verdict (before the policy): {raw} ({len(fails)} required "
+              f"cell{'s' if len(fails) != 1 else ''} not PASS; {xfail} of them expected by "
+              "the policy)."]
+    lines += ["", "`qualify gate` and `qualify audit` decide again under the policy current "
+              "when they run, with the run's freshness; this is the decision sealed with the "
+              "run (`report.json` `gate`)."]
+    return lines
+
+
+def _outcomes(report: Report) -> dict[str, Mapping[str, Any]]:
+    return {str(c.get("cell")): c for c in (report.gate or {}).get("cells", [])}
+
+
+def _cell_lines(report: Report) -> list[str]:
+    """``## Cells``: the cells not plainly passing, one row each; the passing ones counted."""
+    out = _outcomes(report)
+    causes = {rc.cell: rc for rc in report.root_causes}
+    shown = [c for c in report.cells
+             if c.verdict != "PASS" or out.get(c.cell, {}).get("outcome") not in (None, "PASS")]
+    passing = [c for c in report.cells if c not in shown]
+    lines = ["## Cells", ""]
+    by_engine: dict[str, int] = {}
+    for c in passing:
+        by_engine[c.engine or c.cell.split("-", 1)[0]] = \
+            by_engine.get(c.engine or c.cell.split("-", 1)[0], 0) + 1
+    lines += [f"{len(passing)} cells PASS at the comparator and the gate"
+              + (f" ({', '.join(f'{e} {n}' for e, n in sorted(by_engine.items()))})"
+                 if by_engine else "") + "; the others:", ""]
+    if not shown:
+        return [*lines[:-2], f"All {len(passing)} cells PASS.", ""]
+    rows = []
+    for c in shown:
+        o = out.get(c.cell, {})
+        rc = causes.get(c.cell)
+        first = (f"round {rc.round} {rc.role} {rc.family}" if rc.round is not None
+                 else f"{rc.role} {rc.family}") if rc is not None else (c.reason or "")
+        rows.append((c.cell, o.get("outcome", "-"), c.verdict, c.counts.get("FAIL", 0),
+                     sum(c.counts.values()), _num(c.worst_margin), first))
+    return [*lines, _markdown_table(("cell", "gate", "comparator", "FAIL rows", "rows",
+                                     "worst margin", "root cause"), rows), ""]
+
+
+def _expected_lines(report: Report) -> list[str]:
+    """``## Expected failures``: one line per cell the policy expects to fail (XFAIL)."""
+    xf = [c for c in (report.gate or {}).get("cells", []) if c.get("outcome") == "XFAIL"]
+    lines = ["## Expected failures", "",
+             "Cells failing only as the gate policy expects (XFAIL): each failing row in a "
+             "family, round and role an entry names, within its max_margin. Row details: "
+             "`report.json`.", ""]
+    if not xf:
+        return [*lines, "None.", ""]
+    cells = {c.cell: c for c in report.cells}
+    for o in xf:
+        c = cells.get(str(o["cell"]))
+        n = c.counts.get("FAIL", 0) if c else 0
+        worst = _num(c.worst_margin) if c else "-"
+        lines.append(f"- {o['cell']}: {n} failing rows, worst margin {worst}; {o.get('reason')}")
+    return [*lines, ""]
+
+
+def _unexpected_failure_lines(report: Report) -> list[str]:
+    """``## Failures``: detail blocks of the cells the decision fails, capped per cell."""
+    out = _outcomes(report)
+    bad = {cid for cid, o in out.items() if not o.get("ok") and o.get("outcome") == "FAIL"}
+    if not out:  # no decision recorded: every failing cell
+        bad = {c.cell for c in report.cells if c.verdict == "FAIL"}
+    lines = ["## Failures", "",
+             f"The failing rows of the cells the gate's decision fails (FAIL), each cell's "
+             f"in causal order (its root cause first), at most {ROW_DETAILS_PER_CELL} per "
+             "cell; every row is in `report.json`.", ""]
+    rows = [r for r in _causal_failures(report) if r.cell in bad]
+    if not rows:
+        return [*lines, "None.", ""]
+    shown: dict[str, int] = {}
+    i = 0
+    for r in rows:
+        shown[r.cell] = shown.get(r.cell, 0) + 1
+        if shown[r.cell] <= ROW_DETAILS_PER_CELL:
+            i += 1
+            lines += _failure_block(i, r)
+    for cell, n in shown.items():
+        if n > ROW_DETAILS_PER_CELL:
+            lines += [f"`{cell}`: {n - ROW_DETAILS_PER_CELL} more failing rows in "
+                      "`report.json`.", ""]
+    return lines
+
+
+def _short_power_lines(report: Report) -> list[str]:
+    """``## Power check``, one line, and the rows without power."""
+    p = report.power
+    n = sum(d["rows"] for d in p["families"].values())
+    lines = ["## Power check", "",
+             f"{n - len(p['without_power'])} of {n} metric rows reject every null "
+             "alternative built from the expected tensor (`qualify/compare/power.py`; per "
+             "family in `report.json` `power`).", ""]
+    if p["without_power"]:
+        lines += [_markdown_table(("cell", "class", "metric", "the bound accepts"),
+                                  [(r["cell"], r["class"], r["metric"], ", ".join(r["accepted"]))
+                                   for r in p["without_power"]]), ""]
+    return lines
+
+
+def _render_decision_first(report: Report) -> str:
+    """``report.md`` of a report with the ``gate_decision`` section: short, decision first.
+
+    The decision and the comparator's verdict, the digests, the root causes, the cells not
+    plainly passing, the expected failures one line each, the detail of failures the
+    decision does not expect (capped), then the errors, coverage, power, lr and field
+    metrics in brief. Everything else is in ``report.json``.
+    """
+    s = report.summary
+    lines = [f"# Qualification report: {report.contract} / run {report.run_id}", "",
+             *_decision_lines(report), ""]
+    adjusted = sum(1 for r in report.rows if r.adjustment)
+    lines += [_markdown_table(("item", "value"), [
+        ("contract", f"{report.contract} (sha256 {report.contract_digest})"),
+        ("reference", f"{report.reference_dir}"),
+        ("reference manifest sha256", report.reference_manifest_digest),
+        (f"{BOUNDS_FILE} sha256", report.bounds_digest),
+        ("lane", report.lane),
+        ("created", report.created),
+        ("cells", _counts(s["cells"])),
+        ("rows", _counts(s["rows"])),
+        ("clip-branch adjusted rows", f"{adjusted} (`qualify/branches.py`; in `report.json`)"),
+    ]), ""]
+    outcome = {k: str(v.get("outcome")) for k, v in _outcomes(report).items()}
+    causes = _root_cause_lines(report)
+    lines += [f"- [{outcome.get(ln[2:].split(':', 1)[0], '-')}] {ln[2:]}"
+              if ln.startswith("- ") else ln for ln in causes]
+    lines += _cell_lines(report)
+    lines += _expected_lines(report)
+    lines += _unexpected_failure_lines(report)
+    others = [r for r in report.rows if r.verdict in ("ERROR", "NOT_RUN")]
+    lines += ["## Errors and checks not run", ""]
+    lines += ([_markdown_table(("cell", "class", "metric", "verdict", "reason"),
+                               [(r.cell, r.klass, r.metric, r.verdict, r.reason)
+                                for r in others]), ""] if others else ["None.", ""])
+    lines += _coverage_lines(report)
+    lines += _short_power_lines(report)
+    if report.behavior_weights:
+        lines += _behavior_weight_lines(report)
+    lines += _lr_lines(report)
+    lines += ["## Field mismatch (informational, not gated)", "",
+              f"Round-1 teacher-forced logprobs against the sampler's behavior logprobs "
+              f"(`logprobs_mode = {report.logprobs_mode}`; like-for-like: "
+              f"{'yes' if report.field_like_for_like else 'NO'}). {report.field_note} "
+              "Per source (token_mult_prob_error, k3 KL, clip-band tail): `report.json`.", ""]
+    if report.field_metrics:
+        lines += [_markdown_table(
+            ("source", "precision", "valid", "mean abs", "max abs", "token_mult_prob_error",
+             "k3 KL"),
+            [(f.source, f.precision, f.n_valid, f.mean_abs, f.max_abs,
+              f.token_mult_prob_error, f.k3_kl) for f in report.field_metrics]), ""]
+    else:
+        lines += ["No source with round-1 actor logprobs.", ""]
+    if report.notes:
+        lines += ["## Notes", "", *[f"- {n}" for n in report.notes], ""]
+    return "\n".join(lines)
+
+
 def render_markdown(report: Report) -> str:
     """The ``report.md`` text (see the module docstring for its sections)."""
+    if "gate_decision" in report.sections and report.gate is not None:
+        return _render_decision_first(report)
     s = report.summary
     verdict = "PASSED" if report.passed else "FAILED"
     lines = [f"# Qualification report: {report.contract} / run {report.run_id}", "",

@@ -67,7 +67,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +116,7 @@ from qualify.contract import CellSpec, Contract
 from qualify.digests import sha256_bytes
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError
 from qualify.evidence import store
+from qualify.evidence.policy import Policy
 from qualify.evidence.tensor_stream import TensorFile, in_memory, open_tensors
 from qualify.lanes import lane_precision
 from qualify.layout import (
@@ -509,7 +510,8 @@ def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, A
 
 
 def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
-                write: bool = True, sections: Sequence[str] = OPTIONAL_SECTIONS) -> Report:
+                write: bool = True, sections: Sequence[str] = OPTIONAL_SECTIONS,
+                policy: Policy | Callable[[Contract], Policy] | None = None) -> Report:
     """Judge every cell of a candidate run against the sealed reference's bounds.
 
     Args:
@@ -523,6 +525,11 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
             verification recomputes a report sealed by an earlier comparator with the
             sections it holds (``reduction_dtypes``: the ``dtypes`` rows check the gradient
             reduction and accumulation dtypes).
+        policy: the gate policy whose decision the report records (section
+            ``gate_decision``, :mod:`qualify.evidence.decision`), or a function of the
+            run's contract giving it (verification: the policy the sealed report embeds);
+            default: the one the run recorded at its start (``sources.json``), read now,
+            else none (the comparator's verdict decides).
 
     Returns:
         The :class:`~qualify.compare.verdicts.Report` (``bool(report)`` is
@@ -533,6 +540,7 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
         ReferenceDataError: a ``run.json`` field has the wrong type (e.g. a non-integer
             ``tp``); the reference is missing, unsealed, lacks its contract, bounds or
             rollout, or belongs to another contract than the run.
+        ContractError: the recorded gate policy file is invalid (one line naming it).
         EvidenceIntegrityError: the reference was edited or is not the run's reference,
             or ``write=True`` and the run directory is sealed.
     """
@@ -610,7 +618,15 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
         behavior_weights=behavior_weight_rows(
             ref_dir, run_dir, [(c.cell, c.attempt) for c in results
                                if c.role == "actor" and c.attempt]))
-    # 6. write
+    if "gate_decision" in sections:  # 6. the gate's decision under the policy, now
+        from qualify.evidence.decision import decision_section, recorded_policy
+        from qualify.evidence.policy import all_cells
+
+        pol = policy(contract) if callable(policy) else policy if policy is not None \
+            else recorded_policy(run_dir, contract)
+        report = dataclasses.replace(report, sections=tuple(sections), gate=decision_section(
+            report.to_dict(), pol, all_cells(contract)))
+    # 7. write
     if write:
         write_report(report, run_dir)
     return report

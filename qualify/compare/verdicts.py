@@ -48,7 +48,8 @@ ROW_CLASSES: Final = ("candidate_vs_hf", "tp_vs_tp1", "padding_invariance", "dty
                       "replica_consistency", "lr_schedule", "resume")
 OPTIONAL_SECTIONS: Final[tuple[str, ...]] = ("coverage", "power", "root_causes",
                                               "behavior_weights", "clip_band",
-                                              "lr_schedule", "gate_note", "reduction_dtypes")
+                                              "lr_schedule", "gate_note", "reduction_dtypes",
+                                              "gate_decision")
 """Report sections added after the first comparator, in the order they were added:
 ``coverage`` (the reference's coverage record, issue #15), ``power`` (the power check of
 every metric row and its per-family summary, issue #15) and ``root_causes`` (each failing
@@ -62,7 +63,11 @@ against a reference that sealed no lr) and ``gate_note`` (a failed ``report.md``
 verdict comes before the contract's gate policy, which ``qualify run``'s exit code follows;
 no data of its own) and ``reduction_dtypes`` (each ``dtypes`` row also requires every gradient
 reduction and accumulation dtype the harness read back from its engine,
-:func:`qualify.compare.rows.dtype_row`; no data of its own). A report without them was sealed
+:func:`qualify.compare.rows.dtype_row`; no data of its own) and ``gate_decision`` (the gate's
+decision under the contract's policy at compare time, with the policy's document,
+:mod:`qualify.evidence.decision`; ``report.md`` leads with it, the comparator's verdict
+beneath, and is short: expected failures one line each, row details only of the cells the
+decision fails, capped). A report without them was sealed
 before they existed
 and is recomputed, and its ``report.md`` rendered, without them (:func:`sections_of`)."""
 
@@ -278,6 +283,9 @@ class Report:
             recomputed and compared whatever the sections.
         sections_recorded: ``report.json`` lists ``sections`` (every report since
             ``root_causes``; ``False`` only to recompute an earlier one).
+        gate: the ``gate`` section (:func:`qualify.evidence.decision.decision_section`):
+            the gate's decision under the contract's policy at compare time; ``None`` until
+            the comparator adds it (written only with the ``gate_decision`` section).
 
     Raises:
         ValueError: an unknown section name.
@@ -305,6 +313,7 @@ class Report:
     lr_schedule: Mapping[str, Any] | None = None
     sections: tuple[str, ...] = OPTIONAL_SECTIONS
     sections_recorded: bool = True
+    gate: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.sections) - set(OPTIONAL_SECTIONS))
@@ -435,6 +444,8 @@ class Report:
                 for r in self.clip_band]
         if "lr_schedule" in self.sections:
             doc["lr_schedule"] = dict(self.lr_schedule or {})
+        if "gate_decision" in self.sections and self.gate is not None:
+            doc["gate"] = dict(self.gate)
         return doc
 
 

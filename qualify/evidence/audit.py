@@ -2,7 +2,8 @@
 
 Each directory found by :func:`qualify.evidence.discover.find_evidence` becomes one row:
 contract, run id, date, source commit, signature status, integrity status (the nine
-verification steps of :func:`qualify.evidence.verify.verify`), the report's verdict and
+verification steps of :func:`qualify.evidence.verify.verify`), the gate's decision under
+the contract's current policy (``verdict``), the comparator's verdict beneath it and the
 cell counts by verdict, cell attempts (failed ones counted, never hidden), staleness (the
 committed contract's digest changed since sealing), the run's sources
 (:func:`qualify.evidence.sources.stale_cells`: ``fresh``, or the STALE cells and the source
@@ -45,7 +46,8 @@ from qualify.layout import CELLS_DIR, REPORT_JSON, RESULT_FILE, RUN_FILE
 __all__ = ["COLUMNS", "AuditResult", "AuditRow", "audit", "render"]
 
 COLUMNS: Final = ("path", "kind", "contract", "run_id", "date", "source_commit", "signature",
-                  "integrity", "verdict", "PASS", "FAIL", "ERROR", "NOT_RUN", "attempts",
+                  "integrity", "verdict", "comparator", "PASS", "FAIL", "ERROR", "NOT_RUN",
+                  "attempts",
                   "staleness", "sources", "problems")
 """The table's columns, in order."""
 VERDICTS: Final = ("PASS", "FAIL", "ERROR", "NOT_RUN")
@@ -67,8 +69,12 @@ class AuditRow:
             ``invalid`` or ``-`` (incomplete).
         integrity: ``ok``, ``INCOMPLETE``, ``FAILED step N`` or ``manifest ok`` /
             ``manifest BROKEN`` when the signature could not be checked.
-        verdict: a run's report result (``PASS`` / ``FAIL``), ``-`` otherwise.
-        counts: cells per verdict in the report.
+        verdict: a run's gate decision (``PASS`` / ``FAIL``) under its committed contract's
+            gate policy as ``qualify gate`` finds it now, staleness aside (the ``sources``
+            column); the comparator's verdict when the contract has no policy file or is
+            not committed; ``-`` for a reference (:func:`_decision`).
+        comparator: a run's report result before any policy (``PASS`` / ``FAIL``).
+        counts: cells per verdict in the report (the comparator's).
         attempts: cell attempts, ``N (k failed)``.
         staleness: ``current``, ``STALE`` or ``no committed contract``.
         sources: a run's code against this checkout: ``fresh``, ``STALE <n>/<cells> cells:
@@ -90,13 +96,15 @@ class AuditRow:
     staleness: str
     problems: tuple[str, ...]
     sources: str = ""
+    comparator: str = "-"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (``problems`` as a list)."""
         return {"path": self.path, "kind": self.kind, "contract": self.contract,
                 "run_id": self.run_id, "date": self.date, "source_commit": self.source_commit,
                 "signature": self.signature, "integrity": self.integrity,
-                "verdict": self.verdict, **{v: int(self.counts.get(v, 0)) for v in VERDICTS},
+                "verdict": self.verdict, "comparator": self.comparator,
+                **{v: int(self.counts.get(v, 0)) for v in VERDICTS},
                 "attempts": self.attempts, "staleness": self.staleness,
                 "sources": self.sources, "problems": list(self.problems)}
 
@@ -240,6 +248,34 @@ def _report(d: Path) -> dict[str, Any]:
     return doc if isinstance(doc, dict) else {}
 
 
+def _decision(e: EvidenceDir, report: Mapping[str, Any], raw: str,
+              contracts_dir: str | Path | None) -> tuple[str, str | None]:
+    """``(verdict, problem)``: the gate's decision on ``report`` under today's policy.
+
+    The policy of the committed contract of the run's name, found as ``qualify gate``
+    finds it (``contracts/gates/<name>.toml`` beside it); staleness is the ``sources``
+    column's. The comparator's verdict when there is no report, no committed contract of
+    that digest (the gate would not judge the run by it) or no policy file; an invalid
+    policy file is a problem.
+    """
+    from qualify.contract import load_contract
+    from qualify.evidence.decision import section_code
+    from qualify.evidence.policy import all_cells, evaluate, policy_for
+
+    path = committed_contract_path(e.contract, contracts_dir=contracts_dir) \
+        if report and e.contract else None
+    try:
+        contract = load_contract(path) if path is not None else None
+        if contract is None or contract.digest != report.get("contract_digest"):
+            return raw, None
+        policy = policy_for(contract)
+    except QualifyError as exc:
+        return raw, f"gate policy: {exc}"
+    ev = evaluate(report, policy, cells=all_cells(contract))
+    code = section_code(policy, ev, bool(report.get("passed")))
+    return ("PASS" if code == ExitCode.OK else "FAIL"), None
+
+
 def _row(e: EvidenceDir, root: Path, *, keys: Any, contracts_dir: str | Path | None,
          source_root: str | Path | None = None) -> AuditRow:
     try:
@@ -283,14 +319,16 @@ def _row(e: EvidenceDir, root: Path, *, keys: Any, contracts_dir: str | Path | N
     for c in report.get("cells", []):
         if isinstance(c, dict) and c.get("verdict") in counts:
             counts[str(c["verdict"])] += 1
-    verdict = "-"
+    verdict = raw = "-"
     if e.superseded_by is not None:
         verdict = f"superseded by {e.superseded_by}"
     elif e.kind == RUN_KIND:
-        verdict = ("PASS" if report.get("passed") else "FAIL") if report else "no report"
+        raw = ("PASS" if report.get("passed") else "FAIL") if report else "no report"
+        verdict, why = _decision(e, report, raw, contracts_dir)
+        problems += [why] if why else []
     return AuditRow(path=rel, kind=e.kind, contract=e.contract or "", run_id=e.run_id or "",
                     date=e.date or "", source_commit=commit, signature=signature,
-                    integrity=integrity, verdict=verdict, counts=counts,
+                    integrity=integrity, verdict=verdict, comparator=raw, counts=counts,
                     attempts=_attempts(e.path) if e.kind == RUN_KIND else "",
                     staleness=staleness, problems=tuple(problems),
                     sources=_sources(e.path, source_root)

@@ -10,6 +10,9 @@ A policy is committed beside the contracts as ``contracts/gates/<contract-name>.
     [[expected_failures]]                 # strict, as pytest's xfail(strict=True)
     cells = "deepspeed-bf16-zero0-*"
     families = ["logprobs", "entropy"]    # the metric families allowed (expected) to FAIL
+    rounds = [2]                          # optional: only in these rounds (default: any)
+    roles = ["actor"]                     # optional: only of these roles (default: any)
+    max_margin = 3.1                      # required, > 1: the largest margin accepted
     reason = "..."
     upstream = "harnesses/deepspeed/README.md#<section heading>"   # or a bug report URL
 
@@ -21,9 +24,14 @@ A policy is committed beside the contracts as ``contracts/gates/<contract-name>.
 stale cells (:func:`qualify.evidence.sources.stale_cells`). Each cell gets one outcome:
 
 - ``PASS``: the report's verdict is ``PASS`` and no expected failure names the cell;
-- ``XFAIL``: ``FAIL``, every ``FAIL`` row in an expected family of a matching entry, and
-  any ``NOT_RUN`` row allowed (an ``ERROR`` row is never expected);
-- ``FAIL``: any other ``FAIL`` or ``ERROR``;
+- ``XFAIL``: ``FAIL``, every ``FAIL`` row covered by an entry matching the cell
+  (:meth:`ExpectedFailure.miss`: its family, round and role named by the entry, its margin
+  at most the entry's ``max_margin``), and any ``NOT_RUN`` row allowed (an ``ERROR`` row is
+  never expected);
+- ``FAIL``: any other ``FAIL`` or ``ERROR``; a cell with expected failures whose failing row
+  no entry covers says "fails outside the expected families: F: <row> ..." when no entry
+  names the row's family, else "regressed beyond the expected failure: <row> <why>" (the
+  causally first such row: margin X > max_margin Y, or its round or role not expected);
 - ``NOT_RUN``: not run (allowed when an ``allowed_not_run`` glob or ``--allow-not-run``
   glob matches);
 - ``XPASS``: an expected failure names the cell and it passes, or its expected families
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -71,6 +80,10 @@ __all__ = [
     "policy_digest",
     "policy_document",
     "policy_for",
+    "policy_from_document",
+    "row_label",
+    "row_margin",
+    "uncovered",
 ]
 
 POLICY_SCHEMA: Final = "gate-policy"
@@ -85,25 +98,91 @@ KNOWN_FAMILIES: Final = (*FAMILY_STATISTIC, "dtypes", "replica", *SAMPLER_FAMILI
 sampler probes."""
 
 
+def row_margin(row: Mapping[str, Any]) -> float | None:
+    """A report row's ``margin`` as a float (``"inf"`` / ``"nan"`` strings parsed), or ``None``.
+
+    ``None`` for a check without a margin (``dtypes``, ``replica``, the sampler's install
+    checks and probes: pass or fail, no error / bound); anything unparsable is ``nan``.
+    """
+    m = row.get("margin")
+    if m is None:
+        return None
+    if isinstance(m, bool):
+        return math.nan
+    if isinstance(m, int | float):
+        return float(m)
+    try:
+        return float(str(m))
+    except ValueError:
+        return math.nan
+
+
+def row_label(row: Mapping[str, Any]) -> str:
+    """``round2/actor/grads (candidate_vs_hf)``: a row's metric and comparison class."""
+    metric = row.get("metric") or f"{row.get('role')}/{row.get('family')}"
+    klass = row.get("class")
+    return f"{metric} ({klass})" if klass else str(metric)
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ExpectedFailure:
-    """A known failure: cells matching ``cells`` may FAIL, only in ``families``.
+    """A known failure: matching cells may FAIL in the quantities it names, up to a ceiling.
 
     Attributes:
         cells: cell-id glob (``fnmatch``).
         families: row families expected to fail.
+        max_margin: the largest margin (error / sealed bound, dimensionless) a failing row
+            it covers may have; ``> 1``. A row without a margin (a ``dtypes`` / ``replica``
+            check, a sampler probe) is covered by family, round and role alone.
+        rounds: the rounds whose rows it covers (``None``: any); a row of no round (a
+            whole-run check such as ``dtypes``) is covered whatever the rounds.
+        roles: the roles (``actor``, ``critic``, ``sampler``) whose rows it covers
+            (``None``: any).
         reason: why (for a person).
         upstream: a bug report URL or ``<file>.md#<section heading>``.
+        index: its position in the policy's ``expected_failures`` (messages).
     """
 
     cells: str
     families: tuple[str, ...]
+    max_margin: float
     reason: str
     upstream: str
+    rounds: tuple[int, ...] | None = None
+    roles: tuple[str, ...] | None = None
+    index: int = 0
+
+    @property
+    def name(self) -> str:
+        """``expected_failures.<index>`` (the policy field)."""
+        return f"expected_failures.{self.index}"
+
+    def miss(self, row: Mapping[str, Any]) -> str | None:
+        """Why this entry does not cover the failing ``row`` (``None``: it covers it).
+
+        Checked in order: family, round, role, margin. A margin that is not a finite number
+        (an infinite or NaN error) is beyond every ceiling.
+        """
+        fam, rnd, role = row.get("family"), row.get("round"), row.get("role")
+        if fam not in self.families:
+            return f"family {fam} not expected"
+        if self.rounds is not None and isinstance(rnd, int) and rnd not in self.rounds:
+            return f"round {rnd} not expected (rounds {list(self.rounds)})"
+        if self.roles is not None and role not in self.roles:
+            return f"role {role} not expected (roles {list(self.roles)})"
+        m = row_margin(row)
+        if m is not None and not (math.isfinite(m) and m <= self.max_margin):
+            return f"margin {m:.4g} > max_margin {self.max_margin:g}"
+        return None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return {"cells": self.cells, "families": list(self.families), "reason": self.reason,
+        """JSON form (the policy file's keys; ``rounds`` / ``roles`` only when set)."""
+        out: dict[str, Any] = {"cells": self.cells, "families": list(self.families)}
+        if self.rounds is not None:
+            out["rounds"] = list(self.rounds)
+        if self.roles is not None:
+            out["roles"] = list(self.roles)
+        return {**out, "max_margin": self.max_margin, "reason": self.reason,
                 "upstream": self.upstream}
 
 
@@ -138,6 +217,8 @@ class Policy:
         required: required cell ids, in matrix order.
         expected_failures: the known failures.
         allowed_not_run: the NOT_RUN allowances.
+        document: the parsed document the policy was read from (``None``: default), which
+            a report embeds with the decision it sealed (:mod:`qualify.evidence.decision`).
     """
 
     contract: str
@@ -146,6 +227,7 @@ class Policy:
     required: tuple[str, ...]
     expected_failures: tuple[ExpectedFailure, ...] = ()
     allowed_not_run: tuple[AllowedNotRun, ...] = ()
+    document: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (for the gate decision)."""
@@ -251,8 +333,31 @@ def parse_policy(text: str, contract: Contract, *, path: Path) -> Policy:
     Raises:
         ContractError: as :func:`load_policy`.
     """
-    p = path
-    doc = policy_document(text, path=p)
+    return policy_from_document(policy_document(text, path=path), contract, path=path)
+
+
+def _overlap(a: Sequence[Any] | None, b: Sequence[Any] | None) -> bool:
+    return a is None or b is None or bool(set(a) & set(b))
+
+
+def policy_from_document(doc: Any, contract: Contract, *, path: Path | str) -> Policy:
+    """Validate and resolve a parsed policy document against ``contract``.
+
+    The document as :func:`policy_document` parses it, or as a report embeds it
+    (``report.json`` ``gate.policy.document``).
+
+    Raises:
+        ContractError: as :func:`load_policy`; an expected failure without ``max_margin``
+            (a policy written before ceilings) is refused with the one line that says what
+            to add.
+    """
+    p = Path(path)
+    for i, e in enumerate(doc.get("expected_failures", []) if isinstance(doc, Mapping) else []):
+        if isinstance(e, Mapping) and "max_margin" not in e:
+            raise ContractError(
+                f"{p}: expected_failures.{i}.max_margin: missing: an expected failure "
+                "names the largest margin it accepts (a number > 1: the measured margin "
+                "times a stated factor, contracts/gates/README.md)")
     problem = first_error(doc, POLICY_SCHEMA)
     if problem is not None:
         raise ContractError(f"{p}: {problem} (schema {POLICY_SCHEMA}.schema.json)")
@@ -276,22 +381,31 @@ def parse_policy(text: str, contract: Contract, *, path: Path) -> Policy:
     else:
         required = _default_required(contract)
     xfails: list[ExpectedFailure] = []
-    seen: set[str] = set()
     for i, e in enumerate(doc.get("expected_failures", [])):
         field = f"expected_failures.{i}"
         cells_of(e["cells"], f"{field}.cells")
-        if e["cells"] in seen:
-            raise ContractError(f"{p}: {field}.cells: {e['cells']!r} is listed twice in "
-                                "expected_failures; merge the entries")
-        seen.add(e["cells"])
         for j, fam in enumerate(e["families"]):
             if fam not in KNOWN_FAMILIES:
                 raise ContractError(f"{p}: {field}.families.{j}: unknown family {fam!r} "
                                     f"(known: {', '.join(KNOWN_FAMILIES)})")
-        xfails.append(ExpectedFailure(cells=e["cells"], families=tuple(e["families"]),
-                                      reason=e["reason"], upstream=e["upstream"]))
+        rounds = tuple(e["rounds"]) if "rounds" in e else None
+        if rounds is not None and max(rounds) > contract.algorithm.rounds:
+            raise ContractError(f"{p}: {field}.rounds: round {max(rounds)} beyond the "
+                                f"contract's {contract.algorithm.rounds} rounds")
+        x = ExpectedFailure(cells=e["cells"], families=tuple(e["families"]),
+                            max_margin=float(e["max_margin"]), rounds=rounds,
+                            roles=tuple(e["roles"]) if "roles" in e else None,
+                            reason=e["reason"], upstream=e["upstream"], index=i)
+        twin = next((o for o in xfails if o.cells == x.cells and _overlap(o.families, x.families)
+                     and _overlap(o.rounds, x.rounds) and _overlap(o.roles, x.roles)), None)
+        if twin is not None:
+            raise ContractError(f"{p}: {field}.cells: {x.cells!r} is listed twice in "
+                                f"expected_failures with overlapping families, rounds and "
+                                f"roles ({twin.name}); merge the entries or split the "
+                                "quantities")
+        xfails.append(x)
     allowed: list[AllowedNotRun] = []
-    seen = set()
+    seen: set[str] = set()
     for i, a in enumerate(doc.get("allowed_not_run", [])):
         field = f"allowed_not_run.{i}"
         cells_of(a["cells"], f"{field}.cells")
@@ -307,7 +421,7 @@ def parse_policy(text: str, contract: Contract, *, path: Path) -> Policy:
                                      upstream=a.get("upstream")))
     return Policy(contract=contract.name, path=p, digest=policy_digest(doc),
                   required=required, expected_failures=tuple(xfails),
-                  allowed_not_run=tuple(allowed))
+                  allowed_not_run=tuple(allowed), document=doc)
 
 
 def policy_for(contract: Contract, path: str | Path | None = None) -> Policy:
@@ -405,42 +519,83 @@ def _first(rows: Sequence[Mapping[str, Any]], families: set[str] | None = None,
     return None
 
 
+def uncovered(rows: Sequence[Mapping[str, Any]], xf: Sequence[ExpectedFailure],
+              ) -> list[tuple[Mapping[str, Any], str]]:
+    """The ``FAIL`` rows no entry of ``xf`` covers, causally ordered, each with why.
+
+    The why is the first matching entry's :meth:`ExpectedFailure.miss` (an entry naming the
+    row's family first, so "margin X > max_margin Y" is preferred over "family F not
+    expected" when some entry expects the family).
+    """
+    out: list[tuple[Mapping[str, Any], str]] = []
+    for r in causal_order(rows):
+        if r.get("verdict") != "FAIL":
+            continue
+        misses = [e.miss(r) for e in xf]
+        if any(m is None for m in misses):
+            continue
+        named = [m for e, m in zip(xf, misses, strict=True) if r.get("family") in e.families]
+        out.append((r, str((named or misses or ["no expected failure"])[0])))
+    return out
+
+
 def _judge(*, verdict: str, reason: str | None, rows: Sequence[Mapping[str, Any]],
            xf: Sequence[ExpectedFailure], nr: str | None, policy: Policy,
            ) -> tuple[str, bool, str | None, dict[str, Any] | None]:
     """``(outcome, ok, reason, first failing row)`` of a fresh (not stale) cell."""
     families = {f for e in xf for f in e.families}
     failing = {str(r.get("family")) for r in rows if r.get("verdict") == "FAIL"}
-    unexpected = failing - families
+    beyond = uncovered(rows, xf) if xf else []
     rows_not_run = any(r.get("verdict") == "NOT_RUN" for r in rows)
     out: tuple[str, bool, str | None, dict[str, Any] | None]
     if verdict == "ERROR" or any(r.get("verdict") == "ERROR" for r in rows):
         out = ("FAIL", False, reason, _first(rows, verdicts=("ERROR",)))
-    elif verdict == "FAIL" and (unexpected or not xf):
-        why = reason if not xf else (f"fails outside the expected families: "
-                                     f"{', '.join(sorted(unexpected))} ({reason})")
-        out = ("FAIL", False, why, _first(rows, unexpected))
+    elif verdict == "FAIL" and not xf:
+        out = ("FAIL", False, reason, _first(rows))
+    elif verdict == "FAIL" and beyond:
+        outside = [(r, w) for r, w in beyond if r.get("family") not in families]
+        row, why = (outside or beyond)[0]
+        more = f" (and {len(beyond) - 1} more rows)" if len(beyond) > 1 else ""
+        head = ("fails outside the expected families: "
+                f"{', '.join(sorted({str(r.get('family')) for r, _ in outside}))}: "
+                if outside else "regressed beyond the expected failure: ")
+        out = ("FAIL", False, f"{head}{row_label(row)} {why}{more}", _first([row]))
     elif verdict == "FAIL" and rows_not_run and nr is None:
         out = ("NOT_RUN", False, "fails as expected, but some rows are NOT_RUN without an "
                "allowance", _first(rows, failing))
     elif verdict == "FAIL":
-        out = ("XFAIL", True, "; ".join(f"{e.reason} ({e.upstream})" for e in xf),
+        out = ("XFAIL", True, "; ".join(f"{e.reason} ({e.upstream})" for e in _distinct(xf)),
                _first(rows, failing))
     elif verdict == "NOT_RUN" and xf and any(
             r.get("verdict") == "PASS" and r.get("family") in families for r in rows):
         out = ("XPASS", False, "expected failure now passes: update the policy "
-               f"({policy.path}: {', '.join(e.cells for e in xf)}; its families ran and "
+               f"({policy.path}: {', '.join(_globs(xf))}; its families ran and "
                "passed, the other rows NOT_RUN)", None)
     elif verdict == "NOT_RUN":
         out = ("NOT_RUN", nr is not None, reason, None)
     elif xf:
         out = ("XPASS", False, "expected failure now passes: update the policy "
-               f"({policy.path}: {', '.join(e.cells for e in xf)})", None)
+               f"({policy.path}: {', '.join(_globs(xf))})", None)
     elif rows_not_run and nr is None:
         out = ("NOT_RUN", False, "some rows are NOT_RUN without an allowance", None)
     else:
         out = ("PASS", True, None, None)
     return out
+
+
+def _distinct(xf: Sequence[ExpectedFailure]) -> list[ExpectedFailure]:
+    """``xf`` with one entry per ``(reason, upstream)`` (entries split by quantity)."""
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for e in xf:
+        if (e.reason, e.upstream) not in seen:
+            seen.add((e.reason, e.upstream))
+            out.append(e)
+    return out
+
+
+def _globs(xf: Sequence[ExpectedFailure]) -> list[str]:
+    return list(dict.fromkeys(e.cells for e in xf))
 
 
 def _outcome(cid: str, entry: Mapping[str, Any] | None, rows: Sequence[Mapping[str, Any]], *,

@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from qualify import jsonio
+from qualify.contract import Contract
 from qualify.errors import EvidenceIntegrityError, QualifyError, VerdictMismatchError
 from qualify.evidence import tensor_index
+from qualify.evidence.policy import Policy
 from qualify.evidence.statement import read_json
 from qualify.evidence.steps import document_differences, first_line_difference, listing, predicate
 from qualify.layout import REPORT_JSON, REPORT_MD
@@ -35,6 +37,9 @@ def verify_verdicts(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path) 
     ``report.json``). Each launch's tensor index must match its cells
     (:func:`qualify.evidence.tensor_index.check_run`). ``report.md`` is rendered again
     (:func:`qualify.compare.report.render_markdown`) and must equal the file byte for byte.
+    The sealed gate decision (``gate``, section ``gate_decision``) is recomputed from the
+    recomputed rows under the policy document the report embeds
+    (:func:`qualify.evidence.decision.policy_of_section`), never the policy file of today.
 
     Returns:
         The number of cells compared.
@@ -59,8 +64,21 @@ def verify_verdicts(run_dir: Path, statement: Mapping[str, Any], ref_dir: Path) 
         sections, recorded = sections_of(report)
     except ValueError as exc:
         raise VerdictMismatchError(f"{REPORT_JSON}: {exc}") from None
+    from qualify.evidence.decision import policy_of_section
+
+    def embedded(contract: Contract) -> Policy:  # the policy the sealed decision embeds
+        try:
+            return policy_of_section(report.get("gate"), contract,
+                                     what=str(run_dir / REPORT_JSON))
+        except QualifyError as exc:
+            raise VerdictMismatchError(f"the sealed gate decision cannot be recomputed: "
+                                       f"{exc}") from None
+
     try:
-        again = compare_run(run_dir, reference_dir=ref_dir, write=False, sections=sections)
+        again = compare_run(run_dir, reference_dir=ref_dir, write=False, sections=sections,
+                            policy=embedded)
+    except VerdictMismatchError:
+        raise
     except QualifyError as exc:
         raise VerdictMismatchError(f"verdicts cannot be recomputed: {exc}") from None
     pred = predicate(statement)

@@ -4,7 +4,9 @@ The run ends with the summary table (:mod:`qualify.cli.summary`) and exits by th
 contract's gate policy (:mod:`qualify.evidence.policy`) when one exists
 (``contracts/gates/<name>.toml``): known failures XFAIL, allowed cells NOT_RUN, exit 0; any
 other failure, unallowed NOT_RUN or expected failure that passes, exit 1. Without a policy
-file the report's own verdict decides (every required cell ``PASS``).
+file the report's own verdict decides (every required cell ``PASS``). The comparator's
+verdict is printed beneath the decision; ``report.md`` seals the same decision (the policy is
+passed to the comparator).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from qualify.evidence.policy import Policy, PolicyEvaluation, all_cells, evaluat
 from qualify.jsonio import read_json
 from qualify.layout import REPORT_JSON, REPORT_MD, SOURCES_FILE, reference_dir_name
 
-__all__ = ["find_sealed_reference", "gate_view", "run_all", "run_decision"]
+__all__ = ["comparator_line", "find_sealed_reference", "gate_view", "run_all",
+           "run_decision"]
 
 
 def find_sealed_reference(references: Path, name: str) -> Path | None:
@@ -55,6 +58,15 @@ def gate_view(code: ExitCode, ev: PolicyEvaluation, policy: Policy, *,
             "counts": ev.counts(),
             "cells": [{"cell": c.cell, "outcome": c.outcome, "ok": c.ok, "reason": c.reason}
                       for c in ev.cells if c.required]}
+
+
+def comparator_line(doc: Mapping[str, Any], ev: PolicyEvaluation) -> str:
+    """The comparator's verdict beneath the decision, saying how much the policy expects."""
+    fails = [c for c in ev.cells if c.required and c.verdict != "PASS"]
+    xfail = sum(c.outcome == "XFAIL" for c in fails)
+    raw = "PASSED" if doc.get("passed") else "FAILED"
+    return (f"comparator verdict (before the policy): {raw} ({len(fails)} required cells not "
+            f"PASS; {xfail} of them expected by the policy)")
 
 
 def run_decision(run_dir: Path, contract: Contract, policy: Policy, *,
@@ -151,7 +163,7 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
         run_dir = run_candidate_stage(contract, reference=ref, root=evidence, cells=cells,
                                       quiet=quiet, run_id=plan.run_id,
                                       supersedes=supersedes)
-        report = compare_run(run_dir)
+        report = compare_run(run_dir, policy=policy)  # report.md leads with its decision
         seal_and_sign(run_dir, kind="candidate-run")
     # read once, validated once: compare_run validated the document before writing it
     doc = read_json(run_dir / REPORT_JSON)
@@ -167,5 +179,6 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
     del report  # sealed and signed; the summary below is the policy's view of it
     pol = f"gate policy {policy.path}" if policy.path else "no gate policy (report verdict)"
     print(f"{contract.name}: exit {int(code)} by {pol}")
+    print(comparator_line(doc, ev))
     print_evaluation(ev, report_md=run_dir / REPORT_MD, report_html=html, causes=causes)
     return code
