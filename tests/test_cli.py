@@ -21,6 +21,8 @@ EXPECTED = {
     "candidate": ["contract", "--reference", "--out", "--cells", "--run-id", "--quiet"],
     "compare": ["run_dir", "--reference", "--no-seal"],
     "run": ["contract", "--references", "--evidence", "--cells", "--run-id", "--quiet"],
+    "sweep": ["contract", "--out", "--variants", "--offsets", "--move", "--policy", "--factor",
+              "--cells", "--include", "--report-only", "--write-policy", "--summary-dir"],
     "report": ["run_dir", "--html", "--contract", "--policy"],
     "diff": ["run_a", "run_b", "--factor", "--min-margin", "--json"],
     "diverge": ["run_dir", "cell", "--round", "--out", "--baseline"],

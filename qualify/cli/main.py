@@ -156,11 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     from qualify.cli.evidence import register
     from qualify.cli.report import register as register_report
     from qualify.cli.slurm import register as register_slurm
+    from qualify.cli.sweep import register as register_sweep
 
     register(sub)
     register_report(sub)
     register_diverge(sub)
     register_slurm(sub)
+    register_sweep(sub)
     return parser
 
 
