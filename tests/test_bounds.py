@@ -1,6 +1,7 @@
 """Tests of the bound rule's resolution term (qualify.bounds).
 
-The case that motivated it (seed 3 of ``scripts/sweep_seeds.py`` on the default contract):
+The case that motivated it (seed offset 3 of ``qualify sweep --move model,sampling`` on the
+default contract):
 the round-1 Actor grad norm of torch_tp and DeepSpeed at TP 2 differed from the HF reference
 by 1.907e-6, two FP32 ulps of a value in [8, 16), while every control (micro-batch, eager
 attention, FP64) gave exactly 0, so the bound was the FP32 floor alone (1e-6) and a

@@ -1,6 +1,6 @@
 """Tests of the bound rule's propagated term (qualify.bounds.propagated_error).
 
-The case that motivated it (seed offset 3 of ``scripts/sweep_seeds.py`` on the default
+The case that motivated it (seed offset 3 of ``qualify sweep --move model,sampling`` on the default
 contract, run 20261201T201435Z): Megatron FP32 Actor TP 2 failed tp_vs_tp1 on its round-2 KL
 loss (|3.548e-4| > 2.757e-4) while every per-token and per-parameter row passed (round-2
 logprobs margin 0.19, grads 0.06) and TP 1 and TP 2 each passed against HF (KL +1.56e-4 and
