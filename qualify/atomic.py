@@ -38,6 +38,7 @@ import psutil
 
 from qualify import libc
 from qualify.crashpoints import maybe_crash
+from qualify.display import printable
 
 __all__ = ["TMP_PREFIX", "TMP_SUFFIX", "TempWriter", "fsync_dir", "host_tag", "is_temporary",
            "json_bytes", "remove_stale_temporaries", "rename_noreplace", "temp_prefix",
@@ -175,7 +176,7 @@ def remove_stale_temporaries(directory: str | Path, *, recursive: bool = False,
                     with contextlib.suppress(FileNotFoundError):
                         full.unlink()
                 _log.warning("%s: removed the temporary file of a dead writer (pid %s)",
-                             full, writer.pid if writer else "?")
+                             printable(full), writer.pid if writer else "?")
                 removed.append(full)
     return sorted(removed)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from qualify.display import printable
 from qualify.errors import ExitCode
 
 __all__ = ["register"]
@@ -35,7 +36,7 @@ def _cmd_diverge(args: argparse.Namespace) -> ExitCode:
     cost = f", cost ratio {t['cost_ratio']:g} x a normal cell" if "cost_ratio" in t else ""
     print(f"timings: total {t['total_s']:g} s (engine {t['engine_s']:g} s, reference "
           f"{t['reference_s']:g} s){cost}")
-    print(f"diverge.json: {out / DIVERGE_FILE}")
+    print(f"diverge.json: {printable(out / DIVERGE_FILE)}")
     if first is None:
         print("diverged: none (every module within its bound)")
         return ExitCode.OK

@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from qualify.display import printable
 from qualify.errors import ExitCode, UsageError
 
 __all__ = ["register"]
@@ -24,11 +25,11 @@ def _cmd_keygen(args: argparse.Namespace) -> ExitCode:
         Path("~/.config/qualify").expanduser() / f"{args.name}{PRIVATE_KEY_SUFFIX}"
     key, pub = generate_key(private, Path(args.public_dir), name=args.name)
     print(f"keyid {key.keyid}")
-    print(f"private key: {private} (mode 0600; never commit it)")
-    print(f"public key:  {pub}")
+    print(f"private key: {printable(private)} (mode 0600; never commit it)")
+    print(f"public key:  {printable(pub)}")
     keys = default_keys_dir()
     if pub is not None and pub.parent.resolve() != keys.resolve():
-        print(f"to trust it: copy {pub} into {keys}/ and commit it")
+        print(f"to trust it: copy {printable(pub)} into {printable(keys)}/ and commit it")
     return ExitCode.OK
 
 
@@ -42,10 +43,10 @@ def _cmd_sign(args: argparse.Namespace) -> ExitCode:
     trusted = trusted_keys(args.keys)  # a bad --keys: refused before anything is signed
     key = load_signing_key(args.key) if args.key else default_signing_key()
     path = sign_directory(directory, key, reference_dir=args.reference)
-    print(f"{path}: signed by keyid {key.keyid} ({key.source})")
+    print(f"{printable(path)}: signed by keyid {key.keyid} ({printable(key.source)})")
     if key.keyid not in trusted:
         print(f"note: keyid {key.keyid[:16]} is not a trusted key in "
-              f"{args.keys or 'contracts/keys'}; verify and gate will reject it",
+              f"{printable(args.keys or 'contracts/keys')}; verify and gate will reject it",
               file=sys.stderr)
     return ExitCode.OK
 

@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from qualify.display import printable
 from qualify.errors import ExitCode, QualifyError, UsageError
 from qualify.layout import REPORT_MD
 
@@ -31,7 +32,7 @@ def _cmd_validate(args: argparse.Namespace) -> ExitCode:
     from qualify.contract import load_contract
 
     c = load_contract(_contract_arg(args.contract))
-    print(f"{c.path}: valid contract {c.name!r}, digest {c.digest}")
+    print(f"{printable(c.path)}: valid contract {c.name!r}, digest {c.digest}")
     for cell in c.matrix.cells():
         print(f"  cell {cell.cell_id}")
     if c.sampler is not None:
@@ -47,7 +48,7 @@ def _cmd_reference(args: argparse.Namespace) -> ExitCode:
     contract = load_contract(_contract_arg(args.contract))
     out = run_reference_stage(contract, root=Path(args.out), new=args.new,
                               quiet=args.quiet)
-    print(f"sealed reference: {out}")
+    print(f"sealed reference: {printable(out)}")
     return ExitCode.OK
 
 
@@ -59,7 +60,7 @@ def _cmd_candidate(args: argparse.Namespace) -> ExitCode:
     run_dir = run_candidate_stage(contract, reference=Path(args.reference),
                                   root=Path(args.out), cells=args.cells, run_id=args.run_id,
                                   quiet=args.quiet)
-    print(f"candidate run: {run_dir}")
+    print(f"candidate run: {printable(run_dir)}")
     return ExitCode.OK
 
 
@@ -81,7 +82,7 @@ def _cmd_compare(args: argparse.Namespace) -> ExitCode:
     cells = report.summary.get("cells", {})
     counts = ", ".join(f"{k} {v}" for k, v in cells.items() if v) if isinstance(cells, dict) \
         else ""
-    print(f"report: {run_dir / REPORT_MD} (cells: {counts})")
+    print(f"report: {printable(run_dir / REPORT_MD)} (cells: {counts})")
     return ExitCode.OK if report.passed else ExitCode.QUALIFICATION_FAILED
 
 
@@ -212,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except QualifyError as exc:
         if args.debug:
             traceback.print_exc()
-        print(f"qualify: error: {exc}", file=sys.stderr)
+        print(f"qualify: error: {printable(exc)}", file=sys.stderr)
         return int(exc.exit_code)
     except KeyboardInterrupt:
         print("qualify: interrupted; partial output is left unsealed", file=sys.stderr)
@@ -221,7 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _broken_pipe()
     except Exception as exc:
         traceback.print_exc()
-        print(f"qualify: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"qualify: internal error: {type(exc).__name__}: {printable(exc)}",
+              file=sys.stderr)
         return int(ExitCode.INTERNAL_ERROR)
 
 

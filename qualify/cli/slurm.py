@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from qualify.display import printable
 from qualify.errors import ExitCode
 
 
@@ -49,7 +50,7 @@ def _cmd_render(args: argparse.Namespace) -> ExitCode:
             out.chmod(0o755)
         except OSError as exc:
             raise UsageError(f"{out}: cannot write: {exc.strerror}") from None
-        print(f"{args.stage} job script: {out}", file=sys.stderr)
+        print(f"{args.stage} job script: {printable(out)}", file=sys.stderr)
     return ExitCode.OK
 
 
@@ -61,7 +62,7 @@ def _cmd_submit(args: argparse.Namespace) -> ExitCode:
                sbatch=args.sbatch)
     print(f"reference job: {s.reference_job}")
     print(f"candidate job: {s.candidate_job} (afterok:{s.reference_job}; reference "
-          f"{s.reference_dir})")
+          f"{printable(s.reference_dir)})")
     return ExitCode.OK
 
 

@@ -33,6 +33,7 @@ from typing import Any, Final
 
 import psutil
 
+from qualify.display import printable
 from qualify.atomic import json_bytes
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError, WriterBusyError
 from qualify.evidence.sealed import atomic_write_json, is_sealed, refuse_if_sealed
@@ -256,7 +257,8 @@ def claim_dir(path: str | Path, *, kind: str) -> Path:
                              "wait for it, or pass --new to write a new directory "
                              f"({next_free_dir(p)})")
         aside = _move_aside(p)
-        _log.warning("%s: unsealed (interrupted) directory moved aside to %s", p, aside)
+        _log.warning("%s: unsealed (interrupted) directory moved aside to %s",
+                     printable(p), printable(aside))
     p.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.mkdir(p)

@@ -24,6 +24,7 @@ from typing import Final
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from qualify.display import printable
 from qualify import jsonio
 from qualify.digests import sha256_bytes
 from qualify.errors import EvidenceIntegrityError, UsageError
@@ -140,7 +141,8 @@ def load_signing_key(path: str | Path) -> SigningKey:
         raise UsageError(f"{p}: cannot read signing key: {exc}") from None
     mode = stat.S_IMODE(p.stat().st_mode)
     if mode & 0o077:
-        _log.warning("%s: signing key is readable by others (mode %o); chmod 600 it", p, mode)
+        _log.warning("%s: signing key is readable by others (mode %o); chmod 600 it",
+                     printable(p), mode)
     return SigningKey.from_pem(data, source=str(p))
 
 
@@ -238,8 +240,8 @@ def default_signing_key() -> SigningKey:
     sk = dataclasses.replace(load_signing_key(dev), development=True)
     _log.warning("qualify: signing with the per-user development key %s (keyid %s); its "
                  "public key %s is NOT trusted unless you add it to contracts/keys/ "
-                 "(set %s or %s to sign with a project key)", dev, sk.keyid[:16],
-                 dev.with_suffix(PUBLIC_KEY_SUFFIX), ENV_SIGNING_KEY, ENV_SIGNING_KEY_FILE)
+                 "(set %s or %s to sign with a project key)", printable(dev), sk.keyid[:16],
+                 printable(dev.with_suffix(PUBLIC_KEY_SUFFIX)), ENV_SIGNING_KEY, ENV_SIGNING_KEY_FILE)
     return sk
 
 
