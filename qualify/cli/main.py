@@ -209,6 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     func: Callable[[argparse.Namespace], ExitCode] = args.func
     try:
+        from qualify.settings import check_environment
+
+        check_environment(args.command)  # a bad variable: refused before anything is written
         return int(func(args))
     except QualifyError as exc:
         if args.debug:
