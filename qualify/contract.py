@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from qualify import registry, schedule
 from qualify.errors import ContractError, HarnessError
+from qualify.jsonio import read_input_bytes
 from qualify.matrix import CellSpec, MatrixSpec, Precision, ResumeSpec, Role, SamplerSpec, Topology
 from qualify.prompts import check_token_ids, read_prompts_file
 from qualify.protocol import DEFAULT_SAMPLING, ParamSampling
@@ -558,14 +559,14 @@ def load_contract(path: str | Path) -> Contract:
         The frozen :class:`Contract`.
 
     Raises:
-        ContractError: the file is missing, is not valid TOML, or fails validation;
+        ContractError: the file is missing, not a regular file, over
+            :data:`qualify.jsonio.MAX_INPUT_BYTES`, not valid TOML, or fails validation;
             the message names the file and the field.
     """
     p = Path(path)
-    if not p.is_file():
-        raise ContractError(f"{p}: contract file not found")
+    data = read_input_bytes(p, what="contract file", error=ContractError)
     try:
-        doc = tomllib.loads(p.read_text(encoding="utf-8"))
+        doc = tomllib.loads(data.decode("utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ContractError(f"{p}: not valid TOML: {exc}") from None
     except UnicodeDecodeError as exc:

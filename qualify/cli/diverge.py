@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from qualify.cli.outputs import output_dir
 from qualify.display import printable
 from qualify.errors import ExitCode
 
@@ -25,6 +26,7 @@ def _cmd_diverge(args: argparse.Namespace) -> ExitCode:
 
     run_dir = Path(args.run_dir)
     out = Path(args.out) if args.out else diverge_root(run_dir) / args.cell
+    output_dir(out, "--out")
     doc = diverge(run_dir, args.cell, out=out, round_=args.round, baseline=args.baseline)
     print(f"{doc['cell']['id']}: round {doc['round']}, lane {doc['lane']}, controls "
           f"{', '.join(doc['rule']['controls'])}; bound = k * max control error + floor "

@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from qualify.cli.outputs import output_dir, output_file
 from qualify.display import printable
 from qualify.errors import ExitCode, UsageError
 
@@ -21,8 +22,11 @@ __all__ = ["register"]
 def _cmd_keygen(args: argparse.Namespace) -> ExitCode:
     from qualify.evidence.keys import PRIVATE_KEY_SUFFIX, default_keys_dir, generate_key
 
-    private = Path(args.private_key) if args.private_key else \
+    private = Path(args.private_key).expanduser() if args.private_key else \
         Path("~/.config/qualify").expanduser() / f"{args.name}{PRIVATE_KEY_SUFFIX}"
+    output_dir(private.parent, "--private-key")  # its missing levels are made, mode 0700
+    output_file(private, "--private-key")  # when it exists, generate_key refuses it
+    output_dir(args.public_dir, "--public-dir")
     key, pub = generate_key(private, Path(args.public_dir), name=args.name)
     print(f"keyid {key.keyid}")
     print(f"private key: {printable(private)} (mode 0600; never commit it)")
@@ -38,6 +42,7 @@ def _cmd_sign(args: argparse.Namespace) -> ExitCode:
     from qualify.evidence.sign import sign_directory
 
     directory = _existing_dir(args.dir, "evidence directory")  # before the key's notice
+    output_dir(directory, "evidence directory")  # the attestation is written there
     if args.reference is not None:
         _existing_dir(args.reference, "--reference")
     trusted = trusted_keys(args.keys)  # a bad --keys: refused before anything is signed
@@ -64,16 +69,13 @@ def _existing_dir(value: str, what: str) -> Path:
 def _output_file(value: str | None, option: str) -> str | None:
     """``value`` as a file to write, checked before any work.
 
-    Its directory must exist and it must not be a directory itself: a one-line usage
-    error (exit 2) before verifying, instead of a crash that loses the verdict.
+    Its directory must exist and be writable and it must not be a directory itself
+    (:func:`qualify.cli.outputs.output_file`): a one-line usage error (exit 2) before
+    verifying, instead of a crash that loses the verdict.
     """
     if value is None:
         return None
-    path = Path(value)
-    if path.is_dir():
-        raise UsageError(f"{path}: {option}: is a directory, not a file")
-    if not path.parent.is_dir():
-        raise UsageError(f"{path}: {option}: directory {path.parent} does not exist")
+    output_file(value, option)
     return value
 
 

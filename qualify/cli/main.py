@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from qualify.cli.outputs import MACHINE_ERRNOS, output_dir
 from qualify.display import printable
 from qualify.errors import ExitCode, QualifyError, UsageError
 from qualify.layout import REPORT_MD
@@ -45,8 +46,9 @@ def _cmd_reference(args: argparse.Namespace) -> ExitCode:
     from qualify.contract import load_contract
     from qualify.reference.stage import run_reference_stage
 
+    root = output_dir(args.out, "--out")
     contract = load_contract(_contract_arg(args.contract))
-    out = run_reference_stage(contract, root=Path(args.out), new=args.new,
+    out = run_reference_stage(contract, root=root, new=args.new,
                               quiet=args.quiet)
     print(f"sealed reference: {printable(out)}")
     return ExitCode.OK
@@ -56,9 +58,10 @@ def _cmd_candidate(args: argparse.Namespace) -> ExitCode:
     from qualify.candidate.stage import run_candidate_stage
     from qualify.contract import load_contract
 
+    root = output_dir(args.out, "--out")
     contract = load_contract(_contract_arg(args.contract))
     run_dir = run_candidate_stage(contract, reference=Path(args.reference),
-                                  root=Path(args.out), cells=args.cells, run_id=args.run_id,
+                                  root=root, cells=args.cells, run_id=args.run_id,
                                   quiet=args.quiet)
     print(f"candidate run: {printable(run_dir)}")
     return ExitCode.OK
@@ -89,8 +92,10 @@ def _cmd_compare(args: argparse.Namespace) -> ExitCode:
 def _cmd_run(args: argparse.Namespace) -> ExitCode:
     from qualify.pipeline.chain import run_all
 
-    return run_all(_contract_arg(args.contract), references=Path(args.references),
-                   evidence=Path(args.evidence), cells=args.cells, quiet=args.quiet)
+    return run_all(_contract_arg(args.contract),
+                   references=output_dir(args.references, "--references"),
+                   evidence=output_dir(args.evidence, "--evidence"), cells=args.cells,
+                   quiet=args.quiet)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -224,10 +229,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return _broken_pipe()
     except Exception as exc:
-        traceback.print_exc()
-        print(f"qualify: internal error: {type(exc).__name__}: {printable(exc)}",
-              file=sys.stderr)
-        return int(ExitCode.INTERNAL_ERROR)
+        return _unexpected(exc, debug=args.debug)
 
+
+def _unexpected(exc: Exception, *, debug: bool) -> int:
+    """The exit of an error qualify did not raise on purpose.
+
+    An ``OSError`` of :data:`~qualify.cli.outputs.MACHINE_ERRNOS` (a full disk, a read-only
+    mount, a permission) is the machine's state, not a bug: one line naming the file,
+    exit 2 (what was written stays unsealed: an ``INCOMPLETE`` directory never passes).
+    Anything else is an internal error: its traceback and one line, exit 4.
+    """
+    if isinstance(exc, OSError) and exc.errno in MACHINE_ERRNOS:
+        if debug:
+            traceback.print_exc()
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"qualify: error: {printable(where)}{printable(exc.strerror or exc)} (what "
+              "this command wrote is left unsealed, never a pass)", file=sys.stderr)
+        return int(ExitCode.USAGE_ERROR)
+    traceback.print_exc()
+    print(f"qualify: internal error: {type(exc).__name__}: {printable(exc)}", file=sys.stderr)
+    return int(ExitCode.INTERNAL_ERROR)
 
 __all__ = ["UsageError", "build_parser", "main"]

@@ -33,6 +33,10 @@ def _cmd_report(args: argparse.Namespace) -> ExitCode:
     if not (run_dir / REPORT_JSON).is_file():
         raise UsageError(f"{run_dir}: no {REPORT_JSON}; compare the run first "
                          "(qualify compare RUN_DIR)")
+    from qualify.cli.outputs import output_file
+    from qualify.compare.html import default_html_path
+
+    output_file(args.html or default_html_path(run_dir), "--html")
     gate = None
     if args.contract:
         from qualify.contract import load_contract

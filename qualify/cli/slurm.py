@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from qualify.cli.outputs import output_file
 from qualify.display import printable
 from qualify.errors import ExitCode
 
@@ -44,7 +45,7 @@ def _cmd_render(args: argparse.Namespace) -> ExitCode:
     if args.output in (None, "-"):
         sys.stdout.write(text)
     else:
-        out = Path(args.output)
+        out = output_file(args.output, "--output")
         try:
             out.write_text(text)
             out.chmod(0o755)

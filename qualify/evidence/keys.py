@@ -29,6 +29,7 @@ from qualify import jsonio
 from qualify.digests import sha256_bytes
 from qualify.errors import EvidenceIntegrityError, UsageError
 from qualify.evidence.sealed import atomic_write_bytes
+from qualify.jsonio import read_input_bytes
 
 __all__ = [
     "DEV_KEY_FILE",
@@ -68,6 +69,9 @@ _COMMENT_KEYID_RE: Final = re.compile(r"^#\s*keyid:\s*([0-9a-f]{64})\s*$", re.MU
 
 MAX_PUBLIC_KEY_BYTES: Final = 64 * 1024
 """A ``*.pub`` file larger than this is refused unread (an Ed25519 PEM is about 113 bytes)."""
+MAX_KEY_BYTES: Final = 64 * 1024
+"""A private key file larger than this is refused unread (an Ed25519 PKCS#8 PEM is about
+119 bytes)."""
 
 
 def key_id(public_key: Ed25519PublicKey) -> str:
@@ -132,13 +136,11 @@ def load_signing_key(path: str | Path) -> SigningKey:
     """Load a PEM Ed25519 private key file.
 
     Raises:
-        UsageError: the file is missing, unreadable or not an Ed25519 PEM private key.
+        UsageError: the file is missing, not a regular file, over :data:`MAX_KEY_BYTES`,
+            unreadable or not an Ed25519 PEM private key.
     """
     p = Path(path).expanduser()
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise UsageError(f"{p}: cannot read signing key: {exc}") from None
+    data = read_input_bytes(p, what="signing key", max_bytes=MAX_KEY_BYTES)
     mode = stat.S_IMODE(p.stat().st_mode)
     if mode & 0o077:
         _log.warning("%s: signing key is readable by others (mode %o); chmod 600 it",

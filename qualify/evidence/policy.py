@@ -48,6 +48,7 @@ from qualify.compare.rootcause import causal_order
 from qualify.compare.sampler import PROBES
 from qualify.contract import Contract, canonical_json, sha256_hex
 from qualify.errors import ContractError, ExitCode
+from qualify.jsonio import read_input_bytes
 from qualify.layout import GATES_DIR
 from qualify.resources import contracts_dir
 from qualify.schema import first_error
@@ -209,10 +210,9 @@ def load_policy(path: str | Path, contract: Contract) -> Policy:
     """
     p = Path(path)
     try:
-        doc = tomllib.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ContractError(f"{p}: gate policy not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
+        doc = tomllib.loads(read_input_bytes(p, what="gate policy", error=ContractError)
+                            .decode("utf-8"))
+    except UnicodeDecodeError as exc:
         raise ContractError(f"{p}: cannot read the gate policy: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ContractError(f"{p}: invalid TOML: {exc}") from None

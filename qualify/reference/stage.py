@@ -16,7 +16,6 @@ Steps (DESIGN.md section 4), each writing into an unsealed directory
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -26,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qualify import scratch
+from qualify import jsonio, scratch
 from qualify.bounds import (
     bf16_quanta,
     bounds_document,
@@ -489,14 +488,24 @@ def load_sealed_reference(path: Path) -> dict[str, Any]:
     """Check that ``path`` is a sealed, intact reference and return its ``reference.json``.
 
     Raises:
-        ReferenceDataError: not a directory, not sealed (interrupted or still running).
-        EvidenceIntegrityError: a file differs from the manifest.
+        ReferenceDataError: not a directory, not sealed (interrupted or still running), or
+            sealed but not a reference (a candidate run or an attempt directory), or its
+            ``reference.json`` is not a JSON object.
+        EvidenceIntegrityError: a file differs from the manifest, or ``reference.json`` is
+            not JSON (:func:`qualify.jsonio.read_json`).
     """
     if not path.is_dir():
         raise ReferenceDataError(f"{path}: reference directory not found")
     if not store.is_sealed(path):
         raise ReferenceDataError(f"{path}: reference is not sealed (interrupted or still "
                                  "running); run `qualify reference` to completion first")
+    kind = store.read_manifest(path).get("kind")
+    if kind != REFERENCE_KIND or not (path / REFERENCE_FILE).is_file():
+        raise ReferenceDataError(f"{path}: not a reference directory (its manifest's kind is "
+                                 f"{kind!r}; a reference holds {REFERENCE_FILE}): name the "
+                                 "sealed directory `qualify reference` printed")
     store.check_sealed(path)
-    meta: dict[str, Any] = json.loads((path / REFERENCE_FILE).read_text())
+    meta = jsonio.read_json(path / REFERENCE_FILE)
+    if not isinstance(meta, dict):
+        raise ReferenceDataError(f"{path / REFERENCE_FILE}: not a JSON object")
     return meta
