@@ -217,7 +217,8 @@ def write_with(path: str | Path, write: Callable[[IO[bytes]], object], *,
 
     Raises:
         OSError: the write failed (no temporary file is left behind; the old file, if
-            any, is untouched).
+            any, is untouched); its ``filename`` is ``path`` when the failing call named
+            none (a full disk surfaces in ``write`` or ``fsync``).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -233,6 +234,12 @@ def write_with(path: str | Path, write: Callable[[IO[bytes]], object], *,
         os.chmod(tmp, mode)
         maybe_crash("write", path)  # test-only fault injection (qualify.crashpoints)
         os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if exc.filename is None:  # write() and fsync() name no file: name the destination
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()

@@ -35,6 +35,7 @@ def _options(args: argparse.Namespace) -> Any:
 
 
 def _cmd_render(args: argparse.Namespace) -> ExitCode:
+    from qualify import atomic
     from qualify.contract import load_contract
     from qualify.errors import UsageError
     from qualify.pipeline.slurm import render_script
@@ -46,11 +47,10 @@ def _cmd_render(args: argparse.Namespace) -> ExitCode:
         sys.stdout.write(text)
     else:
         out = output_file(args.output, "--output")
-        try:
-            out.write_text(text)
-            out.chmod(0o755)
+        try:  # atomic: a full disk leaves no truncated script that would run half
+            atomic.write_with(out, lambda f: f.write(text.encode("utf-8")), mode=0o755)
         except OSError as exc:
-            raise UsageError(f"{out}: cannot write: {exc.strerror}") from None
+            raise UsageError(f"{out}: --output: cannot write: {exc.strerror}") from None
         print(f"{args.stage} job script: {printable(out)}", file=sys.stderr)
     return ExitCode.OK
 

@@ -14,6 +14,7 @@ trusted unless a user commits it.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import re
@@ -156,10 +157,14 @@ def _write_private(path: Path, key: Ed25519PrivateKey) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.fchmod(fd, 0o600)
-        os.write(fd, pem)
+        if os.write(fd, pem) != len(pem):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         os.fsync(fd)
-    finally:
+    except OSError as exc:  # a full disk: no truncated key is left to be loaded later
         os.close(fd)
+        path.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+    os.close(fd)
 
 
 def generate_key(private_path: str | Path, public_dir: str | Path | None, *,
