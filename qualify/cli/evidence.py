@@ -25,7 +25,8 @@ def _cmd_keygen(args: argparse.Namespace) -> ExitCode:
     private = Path(args.private_key).expanduser() if args.private_key else \
         Path("~/.config/qualify").expanduser() / f"{args.name}{PRIVATE_KEY_SUFFIX}"
     output_dir(private.parent, "--private-key")  # its missing levels are made, mode 0700
-    output_file(private, "--private-key")  # when it exists, generate_key refuses it
+    if private.parent.is_dir():
+        output_file(private, "--private-key")  # a file there: generate_key refuses it
     output_dir(args.public_dir, "--public-dir")
     key, pub = generate_key(private, Path(args.public_dir), name=args.name)
     print(f"keyid {key.keyid}")
