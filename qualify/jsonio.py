@@ -164,17 +164,17 @@ def read_input_bytes(path: str | Path, *, what: str, max_bytes: int = MAX_INPUT_
     except FileNotFoundError:
         raise error(f"{p}: {what} not found") from None
     except OSError as exc:
-        raise error(f"{p}: {what}: cannot open: {exc.strerror or exc}") from None
+        raise error(f"{p}: cannot read the {what}: {exc.strerror or exc}") from None
     try:
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
-            raise error(f"{p}: {what}: is a directory, not a file")
+            raise error(f"{p}: cannot read the {what}: is a directory, not a file")
         if not stat.S_ISREG(st.st_mode):
-            raise error(f"{p}: {what}: not a regular file (a FIFO, socket or device; "
-                        "refused, not read)")
+            raise error(f"{p}: cannot read the {what}: not a regular file (a FIFO, socket "
+                        "or device; refused, not read)")
         if st.st_size > max_bytes:
-            raise error(f"{p}: {what}: {st.st_size} bytes, over the {max_bytes}-byte limit "
-                        "(refused, not read)")
+            raise error(f"{p}: cannot read the {what}: {st.st_size} bytes, over the "
+                        f"{max_bytes}-byte limit (refused, not read)")
         chunks: list[bytes] = []
         total = 0
         while total <= max_bytes:
@@ -184,11 +184,12 @@ def read_input_bytes(path: str | Path, *, what: str, max_bytes: int = MAX_INPUT_
             chunks.append(chunk)
             total += len(chunk)
     except OSError as exc:
-        raise error(f"{p}: {what}: unreadable: {exc.strerror or exc}") from None
+        raise error(f"{p}: cannot read the {what}: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
     if total > max_bytes:
-        raise error(f"{p}: {what}: over the {max_bytes}-byte limit (it grew while read)")
+        raise error(f"{p}: cannot read the {what}: over the {max_bytes}-byte limit (it grew "
+                    "while read)")
     return b"".join(chunks)
 
 
