@@ -45,7 +45,7 @@ from qualify.contract import default_contract_path
 from qualify.display import printable
 from qualify.errors import ExitCode
 from qualify.jsonio import MAX_INPUT_BYTES
-from qualify.pipeline.slurm import SbatchOptions, render_script
+from qualify.pipeline.slurm import STAGES, SbatchOptions, Stage, render_script
 from qualify.resources import repo_root
 from qualify.settings import NOT_READ, SETTINGS
 
@@ -449,8 +449,8 @@ def test_a_rendered_contract_path_is_one_literal_shell_word(path: str) -> None:
 
 
 @pytest.mark.skipif(_BASH is None, reason="no bash")
-@pytest.mark.parametrize("stage", ["reference", "candidate"])
-def test_a_hostile_contract_path_runs_nothing_in_either_job_script(stage: str,
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_hostile_contract_path_runs_nothing_in_either_job_script(stage: Stage,
                                                                    tmp_path: Path) -> None:
     """The issue's case: backticks and ``$(...)`` in the path, evaluated by bash the way the
     job script does, create nothing; the whole script still parses."""
