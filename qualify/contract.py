@@ -19,11 +19,11 @@ from typing import Any, Literal
 
 from qualify import registry, schedule
 from qualify.errors import ContractError, HarnessError
-from qualify.jsonio import read_input_bytes
 from qualify.matrix import CellSpec, MatrixSpec, Precision, ResumeSpec, Role, SamplerSpec, Topology
 from qualify.prompts import check_token_ids, read_prompts_file
 from qualify.protocol import DEFAULT_SAMPLING, ParamSampling
 from qualify.schema import first_error
+from qualify.userfiles import read_input_bytes
 
 __all__ = [
     "METRIC_FAMILIES",
@@ -560,7 +560,7 @@ def load_contract(path: str | Path) -> Contract:
 
     Raises:
         ContractError: the file is missing, not a regular file, over
-            :data:`qualify.jsonio.MAX_INPUT_BYTES`, not valid TOML, or fails validation;
+            :data:`qualify.userfiles.MAX_INPUT_BYTES`, not valid TOML, or fails validation;
             the message names the file and the field.
     """
     p = Path(path)

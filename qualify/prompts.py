@@ -19,7 +19,7 @@ from typing import Any, Final
 
 from qualify.digests import sha256_bytes
 from qualify.errors import ContractError
-from qualify.jsonio import read_input_bytes
+from qualify.userfiles import read_input_bytes
 
 __all__ = ["MAX_PROMPTS_BYTES", "PromptsFile", "check_token_ids", "read_prompts_file"]
 

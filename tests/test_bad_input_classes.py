@@ -44,10 +44,10 @@ from qualify.cli.main import main
 from qualify.contract import default_contract_path
 from qualify.display import printable
 from qualify.errors import ExitCode
-from qualify.jsonio import MAX_INPUT_BYTES
 from qualify.pipeline.slurm import STAGES, SbatchOptions, Stage, render_script
 from qualify.resources import repo_root
 from qualify.settings import NOT_READ, SETTINGS
+from qualify.userfiles import MAX_INPUT_BYTES
 
 ROOT = repo_root()
 RUN = committed_runs()[-1]

@@ -25,12 +25,12 @@ from typing import Final
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from qualify.userfiles import read_input_bytes
 from qualify.display import printable
 from qualify import jsonio
 from qualify.digests import sha256_bytes
 from qualify.errors import EvidenceIntegrityError, UsageError
 from qualify.evidence.sealed import atomic_write_bytes
-from qualify.jsonio import read_input_bytes
 
 __all__ = [
     "DEV_KEY_FILE",

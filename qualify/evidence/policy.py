@@ -44,11 +44,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from qualify.userfiles import read_input_bytes
 from qualify.compare.rootcause import causal_order
 from qualify.compare.sampler import PROBES
 from qualify.contract import Contract, canonical_json, sha256_hex
 from qualify.errors import ContractError, ExitCode
-from qualify.jsonio import read_input_bytes
 from qualify.layout import GATES_DIR
 from qualify.resources import contracts_dir
 from qualify.schema import first_error
