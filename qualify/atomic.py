@@ -38,6 +38,7 @@ import psutil
 
 from qualify import libc
 from qualify.crashpoints import maybe_crash
+from qualify.display import printable
 
 __all__ = ["TMP_PREFIX", "TMP_SUFFIX", "TempWriter", "fsync_dir", "host_tag", "is_temporary",
            "json_bytes", "remove_stale_temporaries", "rename_noreplace", "temp_prefix",
@@ -175,7 +176,7 @@ def remove_stale_temporaries(directory: str | Path, *, recursive: bool = False,
                     with contextlib.suppress(FileNotFoundError):
                         full.unlink()
                 _log.warning("%s: removed the temporary file of a dead writer (pid %s)",
-                             full, writer.pid if writer else "?")
+                             printable(full), writer.pid if writer else "?")
                 removed.append(full)
     return sorted(removed)
 
@@ -217,7 +218,7 @@ def write_with(path: str | Path, write: Callable[[IO[bytes]], object], *,
     Raises:
         OSError: the write failed (no temporary file is left behind; the old file, if
             any, is untouched); its ``filename`` is ``path`` when the failing call named
-            none (a full disk fails ``write``).
+            none (a full disk surfaces in ``write`` or ``fsync``).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -234,11 +235,15 @@ def write_with(path: str | Path, write: Callable[[IO[bytes]], object], *,
         os.chmod(tmp, mode)
         maybe_crash("write", path)  # test-only fault injection (qualify.crashpoints)
         os.replace(tmp, path)
-    except BaseException as exc:
+    except OSError as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        if isinstance(exc, OSError) and exc.filename is None:  # name the file (full disk)
+        if exc.filename is None:  # write() and fsync() name no file: name the destination
             raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
         raise
     fsync_dir(path.parent)
 

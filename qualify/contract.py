@@ -23,6 +23,7 @@ from qualify.matrix import CellSpec, MatrixSpec, Precision, ResumeSpec, Role, Sa
 from qualify.prompts import check_prompts_fit, read_prompts_file
 from qualify.protocol import DEFAULT_SAMPLING, ParamSampling
 from qualify.schema import first_error
+from qualify.userfiles import read_input_bytes
 
 __all__ = [
     "METRIC_FAMILIES",
@@ -563,14 +564,14 @@ def load_contract(path: str | Path) -> Contract:
         The frozen :class:`Contract`.
 
     Raises:
-        ContractError: the file is missing, is not valid TOML, or fails validation;
+        ContractError: the file is missing, not a regular file, over
+            :data:`qualify.userfiles.MAX_INPUT_BYTES`, not valid TOML, or fails validation;
             the message names the file and the field.
     """
     p = Path(path)
-    if not p.is_file():
-        raise ContractError(f"{p}: contract file not found")
+    data = read_input_bytes(p, what="contract file", error=ContractError)
     try:
-        doc = tomllib.loads(p.read_text(encoding="utf-8"))
+        doc = tomllib.loads(data.decode("utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ContractError(f"{p}: not valid TOML: {exc}") from None
     except UnicodeDecodeError as exc:

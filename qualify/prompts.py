@@ -24,6 +24,7 @@ from typing import Any, Final
 from qualify.digests import sha256_bytes
 from qualify.errors import ContractError
 from qualify.jsonio import loads_strict
+from qualify.userfiles import read_input_bytes
 
 __all__ = ["MAX_PROMPTS_BYTES", "PromptsFile", "check_prompts_fit", "check_token_ids",
            "read_prompts_file"]
@@ -84,11 +85,8 @@ def read_prompts_file(path: Path, sha256: str | None) -> PromptsFile:
             mixed kinds, or no prompt at all; the message names the file, the line and
             the field (``prompts.file``, ``prompts.sha256``).
     """
-    if not path.is_file():
-        raise ContractError(f"prompts.file: {path}: not found (or not a regular file)")
-    if path.stat().st_size > MAX_PROMPTS_BYTES:
-        raise ContractError(f"prompts.file: {path}: larger than {MAX_PROMPTS_BYTES} bytes")
-    data = path.read_bytes()
+    data = read_input_bytes(path, what="prompts.file", max_bytes=MAX_PROMPTS_BYTES,
+                            error=ContractError)
     digest = sha256_bytes(data)
     if digest != sha256:
         raise ContractError(f"prompts.sha256: {path}: expected {sha256}, found {digest}")

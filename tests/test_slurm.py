@@ -87,7 +87,7 @@ def test_render_four_gpu_cluster(stage: str) -> None:
     old = parse_header(committed)
     for key in ("job-name", "nodes", "output", "error"):
         assert header[key] == old[key]
-    assert 'QUALIFY_CONTRACT_DEFAULT="contracts/qwen3-8b.toml"' in text
+    assert "QUALIFY_CONTRACT_DEFAULT=contracts/qwen3-8b.toml " in text
     # Only the header values and the contract default differ from the committed script.
     changed = [(a, b) for a, b in zip(committed.splitlines(), text.splitlines(), strict=True)
                if a != b]

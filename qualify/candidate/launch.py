@@ -317,7 +317,8 @@ def check_launch_env(env: Mapping[str, str] | None = None) -> str:
     """Check the launch settings of the environment; the launcher they name.
 
     ``QUALIFY_LAUNCHER`` (``warm`` when unset) must be ``warm``, ``torchrun`` or ``srun``,
-    ``QUALIFY_NNODES`` (when set) a positive integer, the zygote pool's settings as
+    ``QUALIFY_NNODES`` (when set) a positive integer, ``QUALIFY_RDZV_ENDPOINT`` ``HOST:PORT``
+    (required with ``srun`` or more than one node: the srun path), the zygote pool's settings as
     :func:`qualify.candidate.zygote_pool.check_pool_env` says. The candidate stage calls
     this before it writes anything, so a bad value leaves no run behind.
 
@@ -329,9 +330,29 @@ def check_launch_env(env: Mapping[str, str] | None = None) -> str:
     if chosen not in (*LAUNCHERS, "srun"):
         raise UsageError(f"QUALIFY_LAUNCHER={chosen!r}: must be one of "
                          f"{', '.join((*LAUNCHERS, 'srun'))}")
-    _nnodes(e, UsageError)
+    nnodes = _nnodes(e, UsageError)
+    endpoint = e.get("QUALIFY_RDZV_ENDPOINT", "")
+    if endpoint or chosen == "srun" or nnodes > 1:
+        _check_endpoint(endpoint, "QUALIFY_LAUNCHER=srun" if chosen == "srun"
+                        else f"QUALIFY_NNODES={nnodes}")
     zygote_pool.check_pool_env(e)
     return chosen
+
+
+def _check_endpoint(endpoint: str, why: str) -> None:
+    """``QUALIFY_RDZV_ENDPOINT`` is ``HOST:PORT`` (port 1-65535).
+
+    Raises:
+        UsageError: unset (``why`` says what needs it) or not ``HOST:PORT``.
+    """
+    if not endpoint:
+        raise UsageError(f"QUALIFY_RDZV_ENDPOINT is not set: {why} launches through srun and "
+                         "needs the rendezvous HOST:PORT (the candidate sbatch script "
+                         "exports it)")
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 \
+            or any(c.isspace() for c in endpoint):
+        raise UsageError(f"QUALIFY_RDZV_ENDPOINT={endpoint!r}: must be HOST:PORT")
 
 
 def _nnodes(env: Mapping[str, str], error: type[QualifyError]) -> int:

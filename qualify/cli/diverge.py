@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from qualify.cli.outputs import output_dir
+from qualify.display import printable
 from qualify.errors import ExitCode
 
 __all__ = ["register"]
@@ -24,6 +26,7 @@ def _cmd_diverge(args: argparse.Namespace) -> ExitCode:
 
     run_dir = Path(args.run_dir)
     out = Path(args.out) if args.out else diverge_root(run_dir) / args.cell
+    output_dir(out, "--out")
     doc = diverge(run_dir, args.cell, out=out, round_=args.round, baseline=args.baseline)
     print(f"{doc['cell']['id']}: round {doc['round']}, lane {doc['lane']}, controls "
           f"{', '.join(doc['rule']['controls'])}; bound = k * max control error + floor "
@@ -35,7 +38,7 @@ def _cmd_diverge(args: argparse.Namespace) -> ExitCode:
     cost = f", cost ratio {t['cost_ratio']:g} x a normal cell" if "cost_ratio" in t else ""
     print(f"timings: total {t['total_s']:g} s (engine {t['engine_s']:g} s, reference "
           f"{t['reference_s']:g} s){cost}")
-    print(f"diverge.json: {out / DIVERGE_FILE}")
+    print(f"diverge.json: {printable(out / DIVERGE_FILE)}")
     if first is None:
         print("diverged: none (every module within its bound)")
         return ExitCode.OK

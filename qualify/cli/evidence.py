@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qualify.cli.outputs import output_dir, output_file
+from qualify.display import printable
 from qualify.errors import ExitCode, UsageError
 
 if TYPE_CHECKING:
@@ -24,15 +26,19 @@ __all__ = ["register"]
 def _cmd_keygen(args: argparse.Namespace) -> ExitCode:
     from qualify.evidence.keys import PRIVATE_KEY_SUFFIX, default_keys_dir, generate_key
 
-    private = Path(args.private_key) if args.private_key else \
+    private = Path(args.private_key).expanduser() if args.private_key else \
         Path("~/.config/qualify").expanduser() / f"{args.name}{PRIVATE_KEY_SUFFIX}"
+    output_dir(private.parent, "--private-key")  # its missing levels are made, mode 0700
+    if private.parent.is_dir():
+        output_file(private, "--private-key")  # a file there: generate_key refuses it
+    output_dir(args.public_dir, "--public-dir")
     key, pub = generate_key(private, Path(args.public_dir), name=args.name)
     print(f"keyid {key.keyid}")
-    print(f"private key: {private} (mode 0600; never commit it)")
-    print(f"public key:  {pub}")
+    print(f"private key: {printable(private)} (mode 0600; never commit it)")
+    print(f"public key:  {printable(pub)}")
     keys = default_keys_dir()
     if pub is not None and pub.parent.resolve() != keys.resolve():
-        print(f"to trust it: copy {pub} into {keys}/ and commit it")
+        print(f"to trust it: copy {printable(pub)} into {printable(keys)}/ and commit it")
     return ExitCode.OK
 
 
@@ -41,15 +47,16 @@ def _cmd_sign(args: argparse.Namespace) -> ExitCode:
     from qualify.evidence.sign import sign_directory
 
     directory = _existing_dir(args.dir, "evidence directory")  # before the key's notice
+    output_dir(directory, "evidence directory")  # the attestation is written there
     if args.reference is not None:
         _existing_dir(args.reference, "--reference")
     trusted = trusted_keys(args.keys)  # a bad --keys: refused before anything is signed
     key = load_signing_key(args.key) if args.key else default_signing_key()
     path = sign_directory(directory, key, reference_dir=args.reference)
-    print(f"{path}: signed by keyid {key.keyid} ({key.source})")
+    print(f"{printable(path)}: signed by keyid {key.keyid} ({printable(key.source)})")
     if key.keyid not in trusted:
         print(f"note: keyid {key.keyid[:16]} is not a trusted key in "
-              f"{args.keys or 'contracts/keys'}; verify and gate will reject it",
+              f"{printable(args.keys or 'contracts/keys')}; verify and gate will reject it",
               file=sys.stderr)
     return ExitCode.OK
 
@@ -67,16 +74,13 @@ def _existing_dir(value: str, what: str) -> Path:
 def _output_file(value: str | None, option: str) -> str | None:
     """``value`` as a file to write, checked before any work.
 
-    Its directory must exist and it must not be a directory itself: a one-line usage
-    error (exit 2) before verifying, instead of a crash that loses the verdict.
+    Its directory must exist and be writable and it must not be a directory itself
+    (:func:`qualify.cli.outputs.output_file`): a one-line usage error (exit 2) before
+    verifying, instead of a crash that loses the verdict.
     """
     if value is None:
         return None
-    path = Path(value)
-    if path.is_dir():
-        raise UsageError(f"{path}: {option}: is a directory, not a file")
-    if not path.parent.is_dir():
-        raise UsageError(f"{path}: {option}: directory {path.parent} does not exist")
+    output_file(value, option)
     return value
 
 

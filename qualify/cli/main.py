@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
 
+from qualify.cli.outputs import MACHINE_ERRNOS, output_dir
+from qualify.display import printable
 from qualify.errors import ExitCode, QualifyError, UsageError
 from qualify.layout import REPORT_MD
 
@@ -33,7 +35,7 @@ def _cmd_validate(args: argparse.Namespace) -> ExitCode:
     from qualify.contract import load_contract
 
     c = load_contract(_contract_arg(args.contract))
-    print(f"{c.path}: valid contract {c.name!r}, digest {c.digest}")
+    print(f"{printable(c.path)}: valid contract {c.name!r}, digest {c.digest}")
     for cell in c.matrix.cells():
         print(f"  cell {cell.cell_id}")
     if c.sampler is not None:
@@ -46,10 +48,11 @@ def _cmd_reference(args: argparse.Namespace) -> ExitCode:
     from qualify.contract import load_contract
     from qualify.reference.stage import run_reference_stage
 
+    root = output_dir(args.out, "--out")
     contract = load_contract(_contract_arg(args.contract))
-    out = run_reference_stage(contract, root=Path(args.out), new=args.new,
+    out = run_reference_stage(contract, root=root, new=args.new,
                               quiet=args.quiet)
-    print(f"sealed reference: {out}")
+    print(f"sealed reference: {printable(out)}")
     return ExitCode.OK
 
 
@@ -57,11 +60,12 @@ def _cmd_candidate(args: argparse.Namespace) -> ExitCode:
     from qualify.candidate.stage import run_candidate_stage
     from qualify.contract import load_contract
 
+    root = output_dir(args.out, "--out")
     contract = load_contract(_contract_arg(args.contract))
     run_dir = run_candidate_stage(contract, reference=Path(args.reference),
-                                  root=Path(args.out), cells=args.cells, run_id=args.run_id,
+                                  root=root, cells=args.cells, run_id=args.run_id,
                                   quiet=args.quiet)
-    print(f"candidate run: {run_dir}")
+    print(f"candidate run: {printable(run_dir)}")
     return ExitCode.OK
 
 
@@ -85,16 +89,17 @@ def _cmd_compare(args: argparse.Namespace) -> ExitCode:
     cells = report.summary.get("cells", {})
     counts = ", ".join(f"{k} {v}" for k, v in cells.items() if v) if isinstance(cells, dict) \
         else ""
-    print(f"report: {run_dir / REPORT_MD} (cells: {counts})")
+    print(f"report: {printable(run_dir / REPORT_MD)} (cells: {counts})")
     return ExitCode.OK if report.passed else ExitCode.QUALIFICATION_FAILED
 
 
 def _cmd_run(args: argparse.Namespace) -> ExitCode:
     from qualify.pipeline.chain import run_all
 
-    return run_all(_contract_arg(args.contract), references=Path(args.references),
-                   evidence=Path(args.evidence), cells=args.cells, quiet=args.quiet,
-                   run_id=args.run_id)
+    return run_all(_contract_arg(args.contract),
+                   references=output_dir(args.references, "--references"),
+                   evidence=output_dir(args.evidence, "--evidence"), cells=args.cells,
+                   quiet=args.quiet, run_id=args.run_id)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,37 +171,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-UNWRITABLE_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS,
-                                      errno.EACCES, errno.EPERM})
-"""``OSError`` numbers that mean the place qualify writes cannot take the write (a full
-disk or quota, a read-only or forbidden directory): the user's environment, exit 2 with one
-line; what was written stays unsealed (``INCOMPLETE``), never evidence that can pass."""
+UNWRITABLE_ERRNOS: Final = MACHINE_ERRNOS
+"""``OSError`` numbers that mean the machine cannot take what qualify does (a full disk or
+quota, a file too large, a read-only or forbidden directory, open-file limits): the user's
+environment, exit 2 with one line; what was written stays unsealed (``INCOMPLETE``), never
+evidence that can pass (:data:`qualify.cli.outputs.MACHINE_ERRNOS`)."""
 
 
 def unwritable_message(exc: OSError) -> str:
     """One line for an :data:`UNWRITABLE_ERRNOS` error: the file, the cause, what to do."""
     name = errno.errorcode.get(exc.errno or 0, "?")
-    where = f"{exc.filename}: " if exc.filename else ""
+    where = f"{printable(exc.filename)}: " if exc.filename else ""
     return (f"{where}{exc.strerror or os.strerror(exc.errno or 0)} ({name}); nothing "
             "unfinished was sealed: free space or make the directory writable, then run the "
             "same command again (an interrupted `qualify run` is resumed)")
-
-
-def _unexpected(exc: Exception, *, debug: bool) -> int:
-    """The exit of an exception that is no :class:`QualifyError`.
-
-    An :data:`UNWRITABLE_ERRNOS` ``OSError`` is the user's environment: one line, exit 2
-    (the traceback with ``--debug``); anything else is an internal error, with its
-    traceback, exit 4.
-    """
-    if isinstance(exc, OSError) and exc.errno in UNWRITABLE_ERRNOS:
-        if debug:
-            traceback.print_exc()
-        print(f"qualify: error: {unwritable_message(exc)}", file=sys.stderr)
-        return int(ExitCode.USAGE_ERROR)
-    traceback.print_exc()
-    print(f"qualify: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
-    return int(ExitCode.INTERNAL_ERROR)
 
 
 BROKEN_PIPE_EXIT = 141
@@ -251,11 +239,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     func: Callable[[argparse.Namespace], ExitCode] = args.func
     try:
+        from qualify.settings import check_environment
+
+        check_environment(args.command)  # a bad variable: refused before anything is written
         return int(func(args))
     except QualifyError as exc:
         if args.debug:
             traceback.print_exc()
-        print(f"qualify: error: {exc}", file=sys.stderr)
+        print(f"qualify: error: {printable(exc)}", file=sys.stderr)
         return int(exc.exit_code)
     except KeyboardInterrupt:
         print("qualify: interrupted; partial output is left unsealed (the same command "
@@ -265,6 +256,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _broken_pipe()
     except Exception as exc:
         return _unexpected(exc, debug=args.debug)
+
+
+def _unexpected(exc: Exception, *, debug: bool) -> int:
+    """The exit of an exception that is no :class:`QualifyError`.
+
+    An :data:`UNWRITABLE_ERRNOS` ``OSError`` is the machine's state, not a bug: one line
+    naming the file, exit 2 (the traceback with ``--debug``; what was written stays
+    unsealed: an ``INCOMPLETE`` directory never passes). Anything else is an internal
+    error: its traceback and one line, exit 4.
+    """
+    if isinstance(exc, OSError) and exc.errno in UNWRITABLE_ERRNOS:
+        if debug:
+            traceback.print_exc()
+        print(f"qualify: error: {unwritable_message(exc)}", file=sys.stderr)
+        return int(ExitCode.USAGE_ERROR)
+    traceback.print_exc()
+    print(f"qualify: internal error: {type(exc).__name__}: {printable(exc)}", file=sys.stderr)
+    return int(ExitCode.INTERNAL_ERROR)
 
 
 __all__ = ["UsageError", "build_parser", "main"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from qualify.display import printable
 from qualify.errors import ExitCode, UsageError
 
 __all__ = ["register"]
@@ -32,6 +33,10 @@ def _cmd_report(args: argparse.Namespace) -> ExitCode:
     if not (run_dir / REPORT_JSON).is_file():
         raise UsageError(f"{run_dir}: no {REPORT_JSON}; compare the run first "
                          "(qualify compare RUN_DIR)")
+    from qualify.cli.outputs import output_file
+    from qualify.compare.html import default_html_path
+
+    output_file(args.html or default_html_path(run_dir), "--html")
     gate = None
     if args.contract:
         from qualify.contract import load_contract
@@ -53,8 +58,8 @@ def _cmd_report(args: argparse.Namespace) -> ExitCode:
         raise UsageError("--policy needs --contract (the policy judges that contract's cells)")
     path = write_html(run_dir, Path(args.html) if args.html else None, gate=gate)
     for rc in causes_of_report(jsonio.read_json(run_dir / REPORT_JSON)):
-        print(f"root cause: {rc.line()}")
-    print(f"report.html: {path}")
+        print(f"root cause: {printable(rc.line())}")
+    print(f"report.html: {printable(path)}")
     return ExitCode.OK
 
 

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from qualify.cli.outputs import output_file
+from qualify.display import printable
 from qualify.errors import ExitCode
 
 
@@ -33,6 +35,7 @@ def _options(args: argparse.Namespace) -> Any:
 
 
 def _cmd_render(args: argparse.Namespace) -> ExitCode:
+    from qualify import atomic
     from qualify.contract import load_contract
     from qualify.errors import UsageError
     from qualify.pipeline.slurm import render_script
@@ -43,13 +46,12 @@ def _cmd_render(args: argparse.Namespace) -> ExitCode:
     if args.output in (None, "-"):
         sys.stdout.write(text)
     else:
-        out = Path(args.output)
-        try:
-            out.write_text(text)
-            out.chmod(0o755)
+        out = output_file(args.output, "--output")
+        try:  # atomic: a full disk leaves no truncated script that would run half
+            atomic.write_with(out, lambda f: f.write(text.encode("utf-8")), mode=0o755)
         except OSError as exc:
-            raise UsageError(f"{out}: cannot write: {exc.strerror}") from None
-        print(f"{args.stage} job script: {out}", file=sys.stderr)
+            raise UsageError(f"{out}: --output: cannot write: {exc.strerror}") from None
+        print(f"{args.stage} job script: {printable(out)}", file=sys.stderr)
     return ExitCode.OK
 
 
@@ -61,7 +63,7 @@ def _cmd_submit(args: argparse.Namespace) -> ExitCode:
                sbatch=args.sbatch)
     print(f"reference job: {s.reference_job}")
     print(f"candidate job: {s.candidate_job} (afterok:{s.reference_job}; reference "
-          f"{s.reference_dir})")
+          f"{printable(s.reference_dir)})")
     return ExitCode.OK
 
 

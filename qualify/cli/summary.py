@@ -21,9 +21,11 @@ from typing import TYPE_CHECKING, TextIO
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from qualify import jsonio
 from qualify.compare.rootcause import RootCause, causes_of_report
+from qualify.display import printable
 from qualify.errors import EvidenceIntegrityError
 from qualify.evidence.policy import OUTCOMES, CellOutcome, PolicyEvaluation
 from qualify.layout import REPORT_JSON
@@ -78,7 +80,7 @@ def engine_table(cells: Sequence[CellOutcome], *, title: str = "cells by engine"
                for o in OUTCOMES]
         for o, n in zip(OUTCOMES, row, strict=True):
             total[o] += n
-        table.add_row(e, *(str(n) if n else "" for n in row))
+        table.add_row(Text(printable(e)), *(str(n) if n else "" for n in row))
     table.add_row("total", *(str(total[o]) for o in OUTCOMES), style="bold")
     return table
 
@@ -110,8 +112,8 @@ def problem_table(cells: Sequence[CellOutcome], *, reason_width: int = 56) -> Ta
         where, margin = _first(c)
         gate = ("ok" if c.ok else "FAILS") if c.required else "not required"
         reason = c.reason or ""  # one line here; the whole reason is in --json
-        table.add_row(c.cell, f"[{_STYLE[c.outcome]}]{c.outcome}[/]", gate, where, margin,
-                      reason)
+        table.add_row(Text(printable(c.cell)), f"[{_STYLE[c.outcome]}]{c.outcome}[/]", gate,
+                      Text(printable(where)), margin, Text(printable(reason)))
     return table
 
 
@@ -172,15 +174,15 @@ def print_evaluation(evaluation: PolicyEvaluation, *, report_md: Path | None,
                   "order; the cell's other failing rows folded under it):", markup=False,
                   highlight=False, soft_wrap=True)
         for line in root_cause_lines(found, evaluation.cells):
-            con.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+            con.print(f"  {printable(line)}", markup=False, highlight=False, soft_wrap=True)
     con.print(engine_table(evaluation.cells))
     problems = problem_table(evaluation.cells)
     if problems is not None:
         con.print(problems)
     if report_md is not None:
-        con.print(f"report: {report_md}", highlight=False, markup=False, soft_wrap=True)
+        con.print(f"report: {printable(report_md)}", highlight=False, markup=False, soft_wrap=True)
     if report_html is not None:
-        con.print(f"report.html: {report_html}", highlight=False, markup=False,
+        con.print(f"report.html: {printable(report_html)}", highlight=False, markup=False,
                   soft_wrap=True)
 
 
@@ -192,15 +194,15 @@ def print_gate(result: GateResult, *, out: Console | None = None) -> None:
               soft_wrap=True)
     con.print(result.trust_root.line, markup=False, highlight=False, soft_wrap=True)
     for c in result.contracts:
-        con.print(f"[{c.contract} {c.contract_digest[:12]}] {c.message}", markup=False,
+        con.print(printable(f"[{c.contract} {c.contract_digest[:12]}] {c.message}"), markup=False,
                   highlight=False, soft_wrap=True)
         for t in c.trust_changes:
             con.print(f"  trust: {t.line}", markup=False, highlight=False, soft_wrap=True)
         for note in c.notes:
-            con.print(f"  note: {note}", markup=False, highlight=False, soft_wrap=True)
+            con.print(f"  note: {printable(note)}", markup=False, highlight=False, soft_wrap=True)
         v = c.verification
         if v is not None and not v.passed:
             for p in v.problems:
-                con.print(f"  {p}", markup=False, highlight=False, soft_wrap=True)
+                con.print(f"  {printable(p)}", markup=False, highlight=False, soft_wrap=True)
         if c.cells:
             print_evaluation(PolicyEvaluation(cells=c.cells), report_md=c.report_md, out=con)

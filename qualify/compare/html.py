@@ -55,6 +55,7 @@ from qualify.compare.plotdata import (
 )
 from qualify.compare.report import MATRIX_COLUMNS
 from qualify.compare.rootcause import SAMPLER_ROLE, RootCause, causes_of_report
+from qualify.display import printable
 from qualify.errors import QualifyError
 from qualify.evidence import store
 from qualify.layout import REPORT_JSON, REPORT_MD
@@ -101,7 +102,8 @@ def default_html_path(run_dir: str | Path) -> Path:
 
 
 def _e(x: Any) -> str:
-    return html.escape(str(x), quote=True)
+    """HTML-escaped :func:`~qualify.display.printable` text (no control or bidi character)."""
+    return html.escape(printable(x), quote=True)
 
 
 def _num(x: Any) -> str:

@@ -49,6 +49,7 @@ from qualify.compare.verdicts import (
     Row,
     worst_verdict,
 )
+from qualify.display import printable
 from qualify.evidence import store
 from qualify.layout import (
     BOUNDS_FILE,
@@ -113,13 +114,21 @@ def _num(x: float | None, spec: str = ".3g") -> str:
     return format(x, spec)
 
 
+def _text(x: Any) -> str:
+    """One line of user-controlled text (newlines and tabs as spaces, the rest escaped).
+
+    Every other non-printable character is escaped by :func:`qualify.display.printable`.
+    """
+    return printable(str(x).replace("\n", " ").replace("\t", " "))
+
+
 def _cell(x: Any) -> str:
-    """A table cell: numbers formatted, ``|`` escaped for markdown tables."""
+    """A table cell: numbers formatted, one :func:`_text` line, ``|`` escaped."""
     if x is None:
         return "-"
     if isinstance(x, float):
         return _num(x, ".6g")
-    return str(x).replace("|", "\\|").replace("\n", " ")
+    return _text(x).replace("|", "\\|")
 
 
 def _markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -232,11 +241,11 @@ def _failure_block(i: int, r: Row) -> list[str]:
     out = [f"### {i}. `{r.cell}` · {r.klass} · `{r.metric}`", ""]
     bound_src = f" (bound class {r.bound_class})" if r.bound_class and \
         r.bound_class != r.klass else ""
-    out += [f"{r.reason}{bound_src}", "",
+    out += [f"{_text(r.reason)}{bound_src}", "",
             f"statistic `{r.statistic}`: error {_num(r.error, '.6g')}, bound "
             f"{_num(r.bound, '.6g')}, margin {_num(r.margin)}, worst at `{r.where}`", ""]
     if r.detail is not None:
-        out += ["```", *r.detail.summary_lines(), "```", "",
+        out += ["```", *map(printable, r.detail.summary_lines()), "```", "",
                 _markdown_table(r.detail.columns, r.detail.table), ""]
     return out
 
@@ -252,7 +261,7 @@ def _root_cause_lines(report: Report) -> list[str]:
     causes = report.root_causes
     if not causes:
         return [*out, "None.", ""]
-    return [*out, *(f"- {rc.line()}" for rc in causes), ""]
+    return [*out, *(f"- {_text(rc.line())}" for rc in causes), ""]
 
 
 def _causal_failures(report: Report) -> list[Row]:
@@ -601,5 +610,5 @@ def render_markdown(report: Report) -> str:
         lines += ["No source with round-1 actor logprobs.", ""]
     lines += _clip_band_lines(report)
     if report.notes:
-        lines += ["## Notes", "", *[f"- {n}" for n in report.notes], ""]
+        lines += ["## Notes", "", *[f"- {_text(n)}" for n in report.notes], ""]
     return "\n".join(lines)

@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import socket
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
@@ -34,6 +35,7 @@ from typing import Any, Final
 import psutil
 
 from qualify.atomic import json_bytes
+from qualify.display import printable
 from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageError, WriterBusyError
 from qualify.evidence.sealed import atomic_write_json, is_sealed, refuse_if_sealed
 from qualify.evidence.timestamps import ISO_FORMAT, utc_now_iso, utc_stamp
@@ -256,7 +258,8 @@ def claim_dir(path: str | Path, *, kind: str) -> Path:
                              "wait for it, or pass --new to write a new directory "
                              f"({next_free_dir(p)})")
         aside = _move_aside(p)
-        _log.warning("%s: unsealed (interrupted) directory moved aside to %s", p, aside)
+        _log.warning("%s: unsealed (interrupted) directory moved aside to %s",
+                     printable(p), printable(aside))
     p.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.mkdir(p)
@@ -280,13 +283,22 @@ def attempt_number(path: str | Path) -> int:
 
 
 def attempts(cell_dir: str | Path) -> list[Path]:
-    """Every ``attempt-N`` directory under ``cell_dir``, sorted by N (empty if none)."""
+    """Every ``attempt-N`` directory under ``cell_dir``, sorted by N (empty if none).
+
+    ``cell_dir`` and its attempts are taken only as real directories: a missing path, a
+    plain file, a FIFO, a socket or a symbolic link (to a directory or not) in their place
+    has no attempts, so a walk over a run's ``cells/`` never follows a link out of the run
+    nor fails on a notes file left there.
+    """
     d = Path(cell_dir)
     try:
-        names = os.listdir(d)
-    except FileNotFoundError:
+        if not stat.S_ISDIR(os.lstat(d).st_mode):
+            return []
+        with os.scandir(d) as it:
+            found = [d / e.name for e in it
+                     if _ATTEMPT_RE.match(e.name) and e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    found = [d / n for n in names if _ATTEMPT_RE.match(n) and (d / n).is_dir()]
     return sorted(found, key=attempt_number)
 
 

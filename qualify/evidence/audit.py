@@ -32,6 +32,7 @@ from typing import Any, Final, Literal
 
 import pandas as pd
 
+from qualify.display import markdown_cell, printable
 from qualify.errors import EvidenceIntegrityError, ExitCode, QualifyError, UsageError
 from qualify.evidence import store, supersede
 from qualify.evidence.discover import EvidenceDir, find_evidence
@@ -369,14 +370,16 @@ def render(result: AuditResult, fmt: Format = "table") -> str:
 
     Args:
         result: the audit.
-        fmt: ``table`` (pandas text), ``md`` (pandas/tabulate Markdown) or ``json``.
+        fmt: ``table`` (pandas text), ``md`` (pandas/tabulate Markdown) or ``json``;
+            every cell of a table is :func:`~qualify.display.printable` (``md`` also
+            escapes ``|``).
 
     Returns:
         The text (a trailing summary line for ``table`` and ``md``).
     """
     if result.empty:
         line = ("qualify audit: nothing to audit: no reference or candidate-run directory "
-                f"under {', '.join(map(str, result.roots))}")
+                f"under {', '.join(map(printable, result.roots))}")
         if fmt == "json":
             return json.dumps({"roots": [str(r) for r in result.roots],
                                "exit_code": int(result.exit_code), "rows": [],
@@ -392,6 +395,9 @@ def render(result: AuditResult, fmt: Format = "table") -> str:
     df = result.frame()
     if df.empty:
         return summary
+    # every cell one visible line: a name holding a newline or an escape forges nothing
+    escape = markdown_cell if fmt == "md" else printable
+    df = df.map(lambda v: escape(v) if isinstance(v, str) else v)
     if fmt == "md":
         return str(df.to_markdown(index=False)) + "\n\n" + summary
     with pd.option_context("display.max_colwidth", None, "display.width", 10_000):

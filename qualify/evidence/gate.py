@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from qualify.contract import Contract, load_contract
+from qualify.display import printable_lines
 from qualify.errors import EvidenceIntegrityError, ExitCode, UsageError
 from qualify.evidence import store, supersede
 from qualify.evidence.discover import EvidenceDir, find_evidence
@@ -196,7 +197,10 @@ class GateResult:
                 "contracts": [c.to_dict() for c in self.contracts]}
 
     def summary_lines(self) -> list[str]:
-        """The plain-text summary (the rich table is :mod:`qualify.cli.summary`'s)."""
+        """The plain-text summary, one :func:`~qualify.display.printable` line per item.
+
+        The rich table is :mod:`qualify.cli.summary`'s.
+        """
         word = {ExitCode.OK: "PASS", ExitCode.QUALIFICATION_FAILED: "FAIL",
                 ExitCode.INTEGRITY_ERROR: "INTEGRITY ERROR"}[self.exit_code]
         out = [f"qualify gate: {word} (exit {int(self.exit_code)})", self.trust_root.line]
@@ -215,7 +219,7 @@ class GateResult:
                                f"({cell.reason})")
                 else:
                     out.append(f"  {cell.outcome:<8} {cell.cell}: {cell.reason}")
-        return out
+        return printable_lines(out)
 
 
 def required_cells(contract: Contract) -> list[str]:

@@ -43,6 +43,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
+from qualify.display import markdown_cell
 from qualify.errors import ExitCode
 
 if TYPE_CHECKING:
@@ -190,9 +191,8 @@ def audit_junit(result: AuditResult) -> str:
 
 
 def _md(text: object) -> str:
-    """``text`` for one Markdown table cell: no line breaks, pipes escaped, no control chars."""
-    flat = _XML_UNSAFE.sub(lambda m: f"\\x{ord(m.group(0)):02x}", str(text))
-    return flat.replace("\\", "\\\\").replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+    """``text`` for one Markdown table cell (:func:`qualify.display.markdown_cell`)."""
+    return markdown_cell(text)
 
 
 def gate_summary_markdown(result: GateResult) -> str:

@@ -14,6 +14,7 @@ trusted unless a user commits it.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import re
@@ -26,8 +27,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from qualify import jsonio
 from qualify.digests import sha256_bytes
+from qualify.display import printable
 from qualify.errors import EvidenceIntegrityError, UsageError
 from qualify.evidence.sealed import atomic_write_bytes
+from qualify.userfiles import read_input_bytes
 
 __all__ = [
     "DEV_KEY_FILE",
@@ -68,6 +71,9 @@ _COMMENT_KEYID_RE: Final = re.compile(r"^#\s*keyid:\s*([0-9a-f]{64})\s*$", re.MU
 
 MAX_PUBLIC_KEY_BYTES: Final = 64 * 1024
 """A ``*.pub`` file larger than this is refused unread (an Ed25519 PEM is about 113 bytes)."""
+MAX_KEY_BYTES: Final = 64 * 1024
+"""A private key file larger than this is refused unread (an Ed25519 PKCS#8 PEM is about
+119 bytes)."""
 
 
 def key_id(public_key: Ed25519PublicKey) -> str:
@@ -132,16 +138,15 @@ def load_signing_key(path: str | Path) -> SigningKey:
     """Load a PEM Ed25519 private key file.
 
     Raises:
-        UsageError: the file is missing, unreadable or not an Ed25519 PEM private key.
+        UsageError: the file is missing, not a regular file, over :data:`MAX_KEY_BYTES`,
+            unreadable or not an Ed25519 PEM private key.
     """
     p = Path(path).expanduser()
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise UsageError(f"{p}: cannot read signing key: {exc}") from None
+    data = read_input_bytes(p, what="signing key", max_bytes=MAX_KEY_BYTES)
     mode = stat.S_IMODE(p.stat().st_mode)
     if mode & 0o077:
-        _log.warning("%s: signing key is readable by others (mode %o); chmod 600 it", p, mode)
+        _log.warning("%s: signing key is readable by others (mode %o); chmod 600 it",
+                     printable(p), mode)
     return SigningKey.from_pem(data, source=str(p))
 
 
@@ -153,10 +158,14 @@ def _write_private(path: Path, key: Ed25519PrivateKey) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.fchmod(fd, 0o600)
-        os.write(fd, pem)
+        if os.write(fd, pem) != len(pem):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         os.fsync(fd)
-    finally:
+    except OSError as exc:  # a full disk: no truncated key is left to be loaded later
         os.close(fd)
+        path.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+    os.close(fd)
 
 
 def generate_key(private_path: str | Path, public_dir: str | Path | None, *,
@@ -239,8 +248,9 @@ def default_signing_key() -> SigningKey:
     sk = dataclasses.replace(load_signing_key(dev), development=True)
     _log.warning("qualify: signing with the per-user development key %s (keyid %s); its "
                  "public key %s is NOT trusted unless you add it to contracts/keys/ "
-                 "(set %s or %s to sign with a project key)", dev, sk.keyid[:16],
-                 dev.with_suffix(PUBLIC_KEY_SUFFIX), ENV_SIGNING_KEY, ENV_SIGNING_KEY_FILE)
+                 "(set %s or %s to sign with a project key)", printable(dev), sk.keyid[:16],
+                 printable(dev.with_suffix(PUBLIC_KEY_SUFFIX)), ENV_SIGNING_KEY,
+                 ENV_SIGNING_KEY_FILE)
     return sk
 
 

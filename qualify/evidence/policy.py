@@ -61,6 +61,7 @@ from qualify.layout import GATES_DIR
 from qualify.resources import contracts_dir
 from qualify.schema import first_error
 from qualify.statistics import FAMILY_STATISTIC
+from qualify.userfiles import read_input_bytes
 
 __all__ = [
     "KNOWN_FAMILIES",
@@ -294,10 +295,8 @@ def load_policy(path: str | Path, contract: Contract) -> Policy:
     """
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ContractError(f"{p}: gate policy not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
+        text = read_input_bytes(p, what="gate policy", error=ContractError).decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise ContractError(f"{p}: cannot read the gate policy: {exc}") from None
     return parse_policy(text, contract, path=p)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from qualify import atomic
+from qualify.display import printable
 from qualify.errors import (
     EnvelopeFormatError,
     EvidenceIntegrityError,
@@ -178,7 +179,8 @@ def sign_directory(directory: str | Path, key: SigningKey | None = None, *,
     k = key if key is not None else default_signing_key()
     envelope = sign_statement(statement, k)
     path = store.add_attestation(d, ATTESTATION_FILE, envelope.to_json())
-    _log.info("%s: signed by keyid %s (%s)", path, k.keyid[:16], k.source)
+    _log.info("%s: signed by keyid %s (%s)", printable(path), k.keyid[:16],
+              printable(k.source))
     return path
 
 

@@ -16,6 +16,7 @@ The payload of the DSSE envelope is :func:`statement_bytes`.
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -182,7 +183,7 @@ def _run_predicate(d: Path, base: dict[str, Any],
     ref_dir = resolve_reference(d, run_doc, reference_dir)
     if not (ref_dir / ATTESTATION_FILE).is_file():
         raise ReferenceDataError(f"{ref_dir}: the reference is not signed; sign it first "
-                                 f"(qualify sign {ref_dir})")
+                                 f"(qualify sign {shlex.quote(str(ref_dir))})")
     ref_manifest = store.read_manifest(ref_dir)
     ref_stmt = jsonio.loads_strict(read_envelope(ref_dir).payload,
                                     what=f"{ref_dir}: statement")

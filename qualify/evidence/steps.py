@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
+from qualify.display import printable_lines
 from qualify.errors import (
     ContractDigestError,
     EnvelopeFormatError,
@@ -166,7 +167,11 @@ class VerificationResult:
             raise EvidenceIntegrityError(f"{self.path}: verification incomplete")
 
     def summary_lines(self) -> list[str]:
-        """The numbered steps for a human, one line each."""
+        """The numbered steps for a human, one line each.
+
+        Every line is :func:`~qualify.display.printable`: a file name holding a newline or an
+        escape cannot add or rewrite a line.
+        """
         mark = {"passed": "ok  ", "failed": "FAIL", "skipped": "skip", "not-applicable": "n/a "}
         head = f"{self.path}: {'VERIFIED' if self.passed else 'NOT VERIFIED'}" + (
             f" ({self.kind})" if self.kind else "")
@@ -174,7 +179,7 @@ class VerificationResult:
             head += f", signed by keyid {', '.join(k[:16] for k in self.keyids)}"
         out = [head]
         out += [f"  [{mark[s.status]}] {s.number}. {s.name}: {s.detail}" for s in self.steps]
-        return out
+        return printable_lines(out)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""

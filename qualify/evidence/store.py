@@ -39,6 +39,7 @@ from typing import Any, Final, Literal
 from qualify import atomic
 from qualify.atomic import json_bytes, write_bytes
 from qualify.digests import sha256_bytes, sha256_file
+from qualify.display import printable
 from qualify.errors import EvidenceIntegrityError, QualifyError
 from qualify.evidence.attempts import (
     attempt_number,
@@ -258,7 +259,8 @@ def seal(directory: str | Path, *, kind: str) -> str:
     refuse_if_sealed(d / MANIFEST_FILE)
     if os.path.lexists(d / MANIFEST_FILE):
         # An invalid leftover manifest (interrupted or hand-made): replaced below.
-        _log.warning("%s: replacing an invalid %s while sealing", d, MANIFEST_FILE)
+        _log.warning("%s: replacing an invalid %s while sealing", printable(d),
+                     MANIFEST_FILE)
     with sealing_lock(d):
         atomic.remove_stale_temporaries(d, recursive=True)
         manifest = build_manifest(d, kind=kind)
@@ -457,7 +459,8 @@ def add_attestation(directory: str | Path, name: str, data: bytes) -> Path:
     try:
         atomic.remove_stale_temporaries(d, name=name)
         if partial:
-            _log.warning("%s: replacing a partial attestation (interrupted signing)", target)
+            _log.warning("%s: replacing a partial attestation (interrupted signing)",
+                         printable(target))
             write_bytes(target, data)  # atomic replace of the partial file
         else:
             _link_new(target, data)

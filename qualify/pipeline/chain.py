@@ -11,12 +11,14 @@ passed to the comparator).
 
 from __future__ import annotations
 
+import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from qualify.contract import Contract, load_contract
+from qualify.display import printable
 from qualify.errors import ExitCode
 from qualify.evidence import store
 from qualify.evidence.policy import Policy, PolicyEvaluation, all_cells, evaluate, policy_for
@@ -149,7 +151,7 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
 
         ref = run_reference_stage(contract, root=references, quiet=quiet)
     ensure_signed(ref)
-    print(f"reference: {ref}", file=sys.stderr)
+    print(f"reference: {printable(ref)}", file=sys.stderr)
     from qualify.pipeline import recovery
 
     parent = evidence.resolve() / contract.name
@@ -171,14 +173,15 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
     try:  # a view beside the sealed run, never evidence: its failure must not decide the exit
         html: Path | None = write_html(run_dir, gate=gate_view(code, ev, policy), doc=doc)
     except Exception as exc:
-        print(f"qualify: warning: report.html not written ({type(exc).__name__}: {exc}); "
-              f"`qualify report {run_dir} --contract {contract_path}` makes it again",
+        print(printable(f"qualify: warning: report.html not written ({type(exc).__name__}: "
+                        f"{exc}); `qualify report {shlex.quote(str(run_dir))} --contract "
+                        f"{shlex.quote(str(contract_path))}` makes it again"),
               file=sys.stderr)
         html = None
     causes = report.root_causes
     del report  # sealed and signed; the summary below is the policy's view of it
     pol = f"gate policy {policy.path}" if policy.path else "no gate policy (report verdict)"
-    print(f"{contract.name}: exit {int(code)} by {pol}")
+    print(printable(f"{contract.name}: exit {int(code)} by {pol}"))
     print(comparator_line(doc, ev))
     print_evaluation(ev, report_md=run_dir / REPORT_MD, report_html=html, causes=causes)
     return code

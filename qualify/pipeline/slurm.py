@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -40,7 +41,7 @@ _HEADER_RE: Final = re.compile(r"^#SBATCH\s+--(?P<key>[a-z-]+)(?:=(?P<value>\S*)
 _TIME_RE: Final = re.compile(r"^(\d+-\d{1,2}(:\d{2}){0,2}|\d+(:\d{2}){0,2})$")
 _MEM_RE: Final = re.compile(r"^\d+[KMGT]?$")
 _JOBID_RE: Final = re.compile(r"^(\d+)(;\S+)?$")
-_CONTRACT_DEFAULT_RE: Final = re.compile(r'^QUALIFY_CONTRACT_DEFAULT=".*?"', re.MULTILINE)
+_CONTRACT_DEFAULT_RE: Final = re.compile(r'^QUALIFY_CONTRACT_DEFAULT=""', re.MULTILINE)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,10 +166,27 @@ def render_script(stage: Stage, contract: str | Path | None,
     lines[last + 1:last + 1] = [f"#SBATCH --{k}={v}\n" for k, v in values.items()]
     out = "".join(lines)
     if contract is not None:
-        quoted = str(contract).replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
-        out = _CONTRACT_DEFAULT_RE.sub(lambda _m: f'QUALIFY_CONTRACT_DEFAULT="{quoted}"',
-                                       out, count=1)
+        word = shell_word(contract)
+        out = _CONTRACT_DEFAULT_RE.sub(lambda _m: f"QUALIFY_CONTRACT_DEFAULT={word}", out,
+                                       count=1)
     return out
+
+
+def shell_word(value: str | Path) -> str:
+    r"""``value`` as one POSIX shell word that expands to exactly ``value``.
+
+    Every text qualify renders for a shell (a job script's baked-in contract path, a
+    command line it suggests) quotes each value through here: :func:`shlex.quote`, which
+    single-quotes anything but ``[A-Za-z0-9@%+=:,./-]`` so backticks, ``$``, ``\``,
+    quotes, ``;``, ``|``, globs and newlines stay literal.
+
+    Raises:
+        UsageError: ``value`` holds a NUL byte (no shell word can carry one).
+    """
+    text = str(value)
+    if "\0" in text:
+        raise UsageError(f"{text!r}: a NUL byte cannot be passed to a shell")
+    return shlex.quote(text)
 
 
 def parse_job_id(stdout: str) -> str:
@@ -404,7 +422,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
 __all__ = ["STAGES", "DirtyTreeError", "SbatchOptions", "Submission", "gpu_inventory",
            "job_info", "job_record", "parse_header", "parse_job_id", "render_script",
-           "sbatch_stage", "submit", "template_path"]
+           "sbatch_stage", "shell_word", "submit", "template_path"]
 
 if __name__ == "__main__":
     sys.exit(_main())

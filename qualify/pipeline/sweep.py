@@ -42,6 +42,7 @@ from typing import Any, Final
 
 from qualify.contract import Contract, load_contract
 from qualify.digests import sha256_file
+from qualify.display import markdown_cell
 from qualify.errors import ContractError, ExitCode, UsageError
 from qualify.evidence.policy import Policy, all_cells, evaluate, policy_from_document
 from qualify.jsonio import read_json
@@ -414,14 +415,10 @@ def run_sweep(contract_path: Path, *, offsets: Sequence[int], out: Path, policy:
                        derived=derived, factor=factor, moved=tuple(move))
 
 
-def _md(text: Any) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
-
-
 def summary_markdown(result: SweepResult) -> str:
     """The sweep table for a person (``sweep.md``)."""
     lines = [f"# Seed sweep of `{result.contract.name}` ({result.contract.digest12})", "",
-             f"Policy `{result.policy.path}` ({result.policy.digest[:12]}); seeds moved: "
+             f"Policy `{result.policy.path}` ({(result.policy.digest or '')[:12]}); seeds moved: "
              f"{', '.join(result.moved)}; sweep exit {int(result.exit_code)}.", "",
              "| variant | offset | cells PASS / FAIL | gate exit | cells outside the policy "
              "(first failing quantity) |", "| --- | --- | --- | --- | --- |"]
@@ -433,7 +430,7 @@ def summary_markdown(result: SweepResult) -> str:
         lines.append(f"| `{v.name}` | {v.offset} | {v.counts.get('PASS', 0)} / "
                      f"{v.counts.get('FAIL', 0)} | "
                      f"{'no report' if v.exit_code is None else v.exit_code} | "
-                     f"{_md(outside)} |")
+                     f"{markdown_cell(outside)} |")
     if result.unexplained:
         lines += ["", "Failures no committed entry explains (findings to run to their cause): "
                   + ", ".join(f"`{c}`" for c in result.unexplained)]

@@ -500,7 +500,8 @@ def load_sealed_reference(path: Path, contract: Contract | None = None) -> dict[
 
     Raises:
         ReferenceDataError: not a directory, not sealed (interrupted or still running),
-            a document off its schema, or of another contract (file and field named).
+            sealed but not a reference (a candidate run or an attempt directory), a
+            document off its schema, or of another contract (file and field named).
         EvidenceIntegrityError: a file differs from the manifest.
     """
     if not path.is_dir():
@@ -508,6 +509,11 @@ def load_sealed_reference(path: Path, contract: Contract | None = None) -> dict[
     if not store.is_sealed(path):
         raise ReferenceDataError(f"{path}: reference is not sealed (interrupted or still "
                                  "running); run `qualify reference` to completion first")
+    kind = store.read_manifest(path).get("kind")
+    if kind != REFERENCE_KIND or not (path / REFERENCE_FILE).is_file():
+        raise ReferenceDataError(f"{path}: not a reference directory (its manifest's kind is "
+                                 f"{kind!r}; a reference holds {REFERENCE_FILE}): name the "
+                                 "sealed directory `qualify reference` printed")
     store.check_sealed(path)
     if contract is None:
         return documents.read_reference_record(path)
