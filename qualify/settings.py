@@ -204,8 +204,11 @@ NOT_READ: Final[dict[str, str]] = {
     "QUALIFY_REFERENCES": "read by the job scripts only (qualify submit sets it)",
     "QUALIFY_EVIDENCE": "read by the job scripts only (qualify submit sets it)",
     "QUALIFY_SET": "not a variable: the name of qualify's own file set in sources.json",
+    "QUALIFY_IMPORTS_DIR": "set by the launcher for the harness processes it starts (where "
+                           "each records the files it imported); no command reads it from "
+                           "the user's environment",
 }
-"""``QUALIFY_*`` names in the sources that the Python code does not read from the
+"""``QUALIFY_*`` names in the sources that no qualify command reads from the user's
 environment, with why."""
 
 

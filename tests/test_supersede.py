@@ -11,6 +11,7 @@ interrupted runs: what it resumes, what it supersedes and why, what it leaves al
 
 from __future__ import annotations
 
+import datetime
 import errno
 import json
 import os
@@ -292,19 +293,25 @@ def test_plan_leaves_a_live_writers_run_alone(world: World) -> None:
     assert any("left alone" in n for n in p.notes)
 
 
+_STAMP = st.datetimes(min_value=datetime.datetime(2000, 1, 1)).map(lambda t: t.strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
+_HEX64 = st.text("0123456789abcdef", min_size=64, max_size=64)
+_RUN_ID = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,20}\Z")
+
+
 @settings(max_examples=25, deadline=None)
 @given(selection=st.none() | st.lists(st.text(min_size=1, max_size=8), max_size=3),
-       resumed=st.lists(st.text(max_size=20), max_size=3),
-       supersedes=st.lists(st.fixed_dictionaries({"run_id": st.text(max_size=8),
+       resumed=st.lists(_STAMP, max_size=3),
+       supersedes=st.lists(st.fixed_dictionaries({"run_id": _RUN_ID,
                                                   "reason": st.text(max_size=20),
-                                                  "marker_sha256": st.text(max_size=64)}),
+                                                  "marker_sha256": _HEX64}),
                            max_size=3))
 def test_run_document_keeps_the_recovery_fields(selection: list[str] | None,
                                                 resumed: list[str],
                                                 supersedes: list[dict[str, str]]) -> None:
-    doc = RunDocument(contract="c", contract_digest="d",
-                      reference=RunReference(path="p", manifest_digest="m"), run_id="r",
-                      started="s", selection=selection, selection_recorded=True,
+    doc = RunDocument(contract="c", contract_digest="d" * 64,
+                      reference=RunReference(path="p", manifest_digest="e" * 64), run_id="r",
+                      started="2026-12-05T00:00:00Z", selection=selection,
+                      selection_recorded=True,
                       resumed=resumed, supersedes=supersedes)
     again = RunDocument.from_dict(json.loads(json.dumps(doc.to_dict())))
     assert again == doc
@@ -359,5 +366,5 @@ def test_read_only_evidence_directory_is_one_line_exit_2(world: World, tmp_path:
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == ExitCode.USAGE_ERROR, lines
     assert len(lines) == 1, lines
-    assert "EROFS" in lines[0]
+    assert "EROFS" in lines[0] or "Read-only file system" in lines[0]
     assert str(ro) in lines[0]

@@ -145,7 +145,8 @@ def m_reference_scores_byte(w: World) -> Path:
     return w.good
 
 
-NEEDS_FAILING_RUN = {"verdict FAIL->PASS in report.json (re-sealed, re-signed)"}
+NEEDS_FAILING_RUN = {"verdict FAIL->PASS in report.json (re-sealed, re-signed)",
+                     "sealed gate decision flipped (re-sealed, re-signed)"}
 REAL_MUTATIONS: tuple[Mutation, ...] = (
     *(m for m in MUTATIONS if m.name not in NEEDS_FAILING_RUN),
     Mutation("byte flipped in a launch attempt's tensor index", m_launch_output_byte, 4,

@@ -19,8 +19,7 @@ __all__ = ["register"]
 
 def _cmd_sweep(args: argparse.Namespace) -> ExitCode:
     from qualify.atomic import write_with
-    from qualify.cli.main import _contract_arg
-    from qualify.contract import load_contract
+    from qualify.contract import default_contract_path, load_contract
     from qualify.evidence.policy import policy_for
     from qualify.jsonio import read_json
     from qualify.layout import REPORT_JSON
@@ -32,7 +31,7 @@ def _cmd_sweep(args: argparse.Namespace) -> ExitCode:
         write_summary,
     )
 
-    contract_path = _contract_arg(args.contract)
+    contract_path = Path(args.contract) if args.contract else default_contract_path()
     contract = load_contract(contract_path)
     policy = policy_for(contract, args.policy)
     offsets = args.offsets if args.offsets is not None else list(range(1, args.variants + 1))
