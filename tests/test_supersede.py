@@ -293,7 +293,8 @@ def test_plan_leaves_a_live_writers_run_alone(world: World) -> None:
     assert any("left alone" in n for n in p.notes)
 
 
-_STAMP = st.datetimes(min_value=datetime.datetime(2000, 1, 1)).map(lambda t: t.strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
+_STAMP = st.datetimes(min_value=datetime.datetime(2000, 1, 1)).map(
+    lambda t: t.strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
 _HEX64 = st.text("0123456789abcdef", min_size=64, max_size=64)
 _RUN_ID = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,20}\Z")
 
