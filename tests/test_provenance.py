@@ -16,6 +16,7 @@ import importlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -363,3 +364,26 @@ def test_collect_hashes_the_plugin_distribution_files_and_flags_late_edits(
     assert imports.record_changes(doc, root) == [
         "imports not recorded by rank(s) 1 of launch late/attempt-1: cannot prove freshness",
         f"{SITE} (modified during launch late/attempt-1)"]
+
+
+def test_a_module_with_a_relative_file_is_not_recorded(monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    """torch's ``torch.ops`` / ``torch.classes`` namespaces say ``__file__ = "_ops.py"``: a
+    relative name is no loaded file, and resolved against the working directory (the code
+    root for the sampler stage) it read as a code file "modified during launch", so every
+    vLLM sampler cell was STALE."""
+    import types
+
+    from qualify.candidate import imported
+
+    monkeypatch.chdir(tmp_path)
+    fake = types.ModuleType("fake_namespace")
+    fake.__file__ = "_ops.py"
+    real = types.ModuleType("fake_real")
+    real.__file__ = str(tmp_path / "real.py")
+    monkeypatch.setitem(sys.modules, "fake_namespace", fake)
+    monkeypatch.setitem(sys.modules, "fake_real", real)
+    files = imported.loaded_files()
+    assert str(tmp_path / "real.py") in files
+    assert str(tmp_path / "_ops.py") not in files
+    assert all(os.path.isabs(f) for f in files)

@@ -53,7 +53,10 @@ def loaded_files() -> list[str]:
         Sorted absolute paths (not resolved, not checked: string operations only, so that
         a rank of thousands of modules ends at once; the launcher filters and resolves):
         each module's ``__file__`` (``__spec__.origin`` when it has none), namespace
-        packages and built-in modules excluded.
+        packages and built-in modules excluded. A relative ``__file__`` names no file the
+        import system loaded (torch's ``torch.ops`` / ``torch.classes`` namespaces say
+        ``"_ops.py"`` and ``"_classes.py"``): it is skipped, never resolved against the
+        working directory, where it would read as a missing file of the code root.
     """
     out: set[str] = set(_noted)
     for module in list(sys.modules.values()):
@@ -61,8 +64,8 @@ def loaded_files() -> list[str]:
         if not isinstance(path, str):
             spec = getattr(module, "__spec__", None)
             path = getattr(spec, "origin", None)
-        if isinstance(path, str) and path and path not in ("built-in", "frozen"):
-            out.add(os.path.abspath(path))
+        if isinstance(path, str) and os.path.isabs(path):
+            out.add(os.path.normpath(path))
     return sorted(out)
 
 
