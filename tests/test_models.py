@@ -321,7 +321,15 @@ def test_hf_dir_source_builds_roles_from_the_directory(tiny: Contract, bundle: M
     built = prepare_models(contract, cache_dir=tmp_path / "c")
     assert built.source["kind"] == "hf-dir"
     assert built.files["actor/model.safetensors"] == digest
-    assert built.files["critic/model.safetensors"] == bundle.files["critic/model.safetensors"]
+    # the same backbone and seeded head as the tiny build, whose head the default contract
+    # rounds to BF16 (model.bf16_representable; the hf-dir source stores its head as drawn)
+    assert tiny.model.bf16_representable
+    mine, theirs = tensors(built.critic_dir), tensors(bundle.critic_dir)
+    assert mine.keys() == theirs.keys()
+    for name, t in mine.items():
+        assert torch.equal(t.bfloat16().float() if name == "score.weight" else t,
+                           theirs[name]), name
+    assert not torch.equal(mine["score.weight"], theirs["score.weight"])
     assert tensors(built.actor_dir).keys() == tensors(bundle.actor_dir).keys()
 
 
