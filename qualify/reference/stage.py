@@ -461,7 +461,7 @@ def _score_all(contract: Contract, bundle: models.ModelBundle, roll: rollout.Rol
     temp = contract.sampling.temperature
     out: dict[str, torch.Tensor] = {}
     rec: dict[str, Any] = {}
-    bf16_mode: Bf16Mode = "params"
+    bf16_mode: scoring.Bf16Mode = "params"
     actor = roles.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
                               requires_grad=False)
     res = scoring.score_policy(actor, roll, temperature=temp, micro_batch_size=micro_batch_size,
