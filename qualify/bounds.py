@@ -4,7 +4,11 @@
 quantum(m, p) + floor(m, p)`` (DESIGN.md section 5), with ``control_error(m, c, p)`` the
 largest error of the controls that the contract assigns to class ``c``
 (``candidate_vs_hf``: a candidate at precision ``p`` against the HF reference at ``p``;
-``tp_vs_tp1``: TP = n against TP = 1 of the same engine and precision).
+``tp_vs_tp1``: TP = n against TP = 1 of the same engine and precision). A control that
+only a TP > 1 execution takes (:data:`TP_ONLY_CONTROLS`: ``row_split``, the row-parallel
+re-partition) feeds ``candidate_vs_hf`` through its own bound class
+:data:`TP_CANDIDATE_CLASS`, the bound of the cells at TP > 1, so a TP 1 cell keeps the
+tighter bound of the executions it can take.
 ``resolution(m)`` is non-zero for the scalar families only (:data:`RESOLVED_FAMILIES`):
 the FP32 spacing (one unit in the last place) of the reference
 value, the smallest non-zero difference two FP32 results near it can have. A control error of
@@ -45,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -62,6 +66,15 @@ from qualify.statistics import (
 )
 
 CLASSES = ("candidate_vs_hf", "tp_vs_tp1")
+
+TP_ONLY_CONTROLS: Final = frozenset({"row_split"})
+"""Controls of an execution only a TP > 1 engine takes: ``row_split`` re-rounds each
+row-parallel partial sum as TP ranks and their all-reduce do. A TP 1 engine computes those
+sums whole, so its ``candidate_vs_hf`` bound leaves them out."""
+TP_CANDIDATE_CLASS: Final = "candidate_vs_hf_tp"
+"""The bound class of ``candidate_vs_hf`` rows of cells at TP > 1: the contract's
+``candidate_vs_hf`` controls with :data:`TP_ONLY_CONTROLS`; sealed only when the contract
+names one of them (else those cells take the ``candidate_vs_hf`` bound)."""
 
 RESOLVED_FAMILIES = ("grad_norm", "clip_coef", "losses")
 """Scalar families whose control error is taken no smaller than the FP32 resolution of the
@@ -100,8 +113,10 @@ class Bound:
     """One sealed bound.
 
     Attributes:
-        precision: the reference lane (``fp32``, ``bf16``, ``bf16-autocast``; :mod:`qualify.lanes`).
-        klass: comparison class (``candidate_vs_hf`` or ``tp_vs_tp1``).
+        precision: the reference lane (``fp32``, ``bf16``, ``bf16-castmasters``,
+            ``bf16-autocast``; :mod:`qualify.lanes`).
+        klass: bound class (``candidate_vs_hf``, ``tp_vs_tp1`` or
+            :data:`TP_CANDIDATE_CLASS`).
         key: the metric.
         statistic: the family's declared statistic.
         control_error: the largest control error feeding this class.
@@ -339,21 +354,27 @@ def compute_bounds(contract: Contract, errors: ControlErrors,
     Args:
         contract: supplies k, lane, floors and which controls feed which class.
         errors: output of :func:`measure_controls`, keyed by reference lane
-            (:mod:`qualify.lanes`: ``fp32``, ``bf16``, ``bf16-autocast``); a lane takes the
-            floors of its precision.
+            (:mod:`qualify.lanes`: ``fp32``, ``bf16``, ``bf16-castmasters``,
+            ``bf16-autocast``); a lane takes the floors of its precision.
         resolutions: output of :func:`scalar_resolutions` (``None``: no resolution term).
         sensitivities: ``{lane: Sensitivities}`` (``None``: no propagated term).
         quanta: output of :func:`bf16_quanta` (``None``: no quantum term).
 
     Returns:
         One :class:`Bound` per lane x class x metric measured by the controls (its
-        ``precision`` field is the lane).
+        ``precision`` field is the lane); the classes ``candidate_vs_hf`` (without
+        :data:`TP_ONLY_CONTROLS`), ``tp_vs_tp1`` and, when the contract's
+        ``candidate_vs_hf`` names a TP-only control, :data:`TP_CANDIDATE_CLASS`.
 
     Raises:
         KeyError: a control the contract names was not measured at a precision.
     """
     b = contract.bounds
-    classes = {"candidate_vs_hf": b.controls_candidate_vs_hf, "tp_vs_tp1": b.controls_tp_vs_tp1}
+    cand = b.controls_candidate_vs_hf
+    classes = {"candidate_vs_hf": tuple(n for n in cand if n not in TP_ONLY_CONTROLS),
+               "tp_vs_tp1": b.controls_tp_vs_tp1}
+    if TP_ONLY_CONTROLS & set(cand):
+        classes[TP_CANDIDATE_CLASS] = cand
     out: list[Bound] = []
     for prec in sorted(errors):
         for klass, names in classes.items():

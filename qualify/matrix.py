@@ -87,8 +87,8 @@ class CellSpec:
     def lane(self) -> str:
         """The reference lane this cell is compared in (:func:`qualify.lanes.lane_of`).
 
-        ``fp32``; at BF16 ``bf16`` or ``bf16-autocast`` by the engine's declared
-        :attr:`~qualify.registry.EngineSpec.bf16_style`.
+        ``fp32``; at BF16 ``bf16``, ``bf16-castmasters`` or ``bf16-autocast`` by the
+        engine's declared :attr:`~qualify.registry.EngineSpec.bf16_style`.
 
         Raises:
             UsageError: the engine is not registered.

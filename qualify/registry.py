@@ -168,9 +168,11 @@ class EngineSpec:
             model classes (the engine modules the harness imports lazily); imported only
             there, never by qualify itself.
         bf16_style: how the engine trains at BF16 (:mod:`qualify.lanes`): ``params``
-            (BF16 parameters with FP32 master weights) or ``autocast`` (FP32 parameters
-            under ``torch.autocast``); its BF16 cells are compared with the HF reference
-            run of the same style, under that style's controls.
+            (BF16 parameters with FP32 master weights born from the checkpoint),
+            ``castmasters`` (BF16 parameters with FP32 master weights born from the
+            BF16-cast parameters) or ``autocast`` (FP32 parameters under
+            ``torch.autocast``); its BF16 cells are compared with the HF reference run of
+            the same style, under that style's controls.
         description: one line for listings and reports.
         source: ``builtin`` or the distribution that declared the entry point.
 

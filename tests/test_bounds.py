@@ -11,17 +11,31 @@ binary32 by hand (ulp of x in [2^e, 2^(e+1)) is 2^(e-23)), not by calling numpy.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import numpy.typing as npt
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qualify.bounds import Bound, compute_bounds, judge, scalar_resolutions
-from qualify.contract import default_contract_path, load_contract
+from qualify.contract import Contract, default_contract_path, load_contract
 from qualify.statistics import ErrorMeasure, MetricKey
 
-CONTRACT = load_contract(default_contract_path())
+
+def _without_row_split(c: Contract) -> Contract:
+    """The default contract with the controls these figures were measured under (no
+    ``row_split``; its TP-only class has a test of its own in tests/test_bounds.py)."""
+    b = c.bounds
+    return dataclasses.replace(c, bounds=dataclasses.replace(
+        b, controls_candidate_vs_hf=tuple(n for n in b.controls_candidate_vs_hf
+                                          if n != "row_split"),
+        controls_tp_vs_tp1=tuple(n for n in b.controls_tp_vs_tp1 if n != "row_split")))
+
+
+CONTRACT = _without_row_split(load_contract(default_contract_path()))
 GRAD_NORM = MetricKey(round=1, role="actor", family="grad_norm")
 LOSSES = MetricKey(round=1, role="actor", family="losses")
 LOGPROBS = MetricKey(round=1, role="actor", family="logprobs")
@@ -159,3 +173,33 @@ def test_the_reference_fp32_norm_is_torchs_clip_grad_norm() -> None:
     assert norm == pytest.approx(exact, rel=1e-12)
     assert coef == pytest.approx(0.5 / (exact + 1e-6), rel=1e-12)
     assert norm_fp32 != norm  # the FP32 evaluation rounds where the FP64 sum does not
+
+
+@settings(max_examples=60, deadline=None)
+@given(errs=st.dictionaries(st.sampled_from(["attn_impl", "microbatch", "fp64", "row_split"]),
+                            st.floats(0.0, 1.0), min_size=4, max_size=4))
+def test_the_row_parallel_repartition_bounds_only_the_cells_that_take_it(
+        errs: dict[str, float]) -> None:
+    """``row_split`` (a TP > 1 engine's row-parallel partial sums) feeds the TP = n vs TP = 1
+    class and the ``candidate_vs_hf`` bound of cells at TP > 1 (``candidate_vs_hf_tp``),
+    never the ``candidate_vs_hf`` bound of a TP 1 cell, which keeps the tighter bound of
+    the executions a TP 1 engine can take (its power to see a 1 % gradient bug)."""
+    from qualify.bounds import TP_CANDIDATE_CLASS, TP_ONLY_CONTROLS
+
+    full = load_contract(default_contract_path())  # row_split in both classes
+    assert "row_split" in full.bounds.controls_candidate_vs_hf
+    errors = {"fp32": {n: {GRAD_NORM: _measure(v)} for n, v in errs.items()}}
+    got = {b.klass: b for b in compute_bounds(full, errors)}
+    assert set(got) == {"candidate_vs_hf", "tp_vs_tp1", TP_CANDIDATE_CLASS}
+    tp1_worst = max(v for n, v in errs.items() if n not in TP_ONLY_CONTROLS)
+    assert got["candidate_vs_hf"].control_error == tp1_worst
+    assert got["candidate_vs_hf"].control != "row_split"
+    assert got[TP_CANDIDATE_CLASS].control_error == max(errs.values())
+    assert got["tp_vs_tp1"].control_error == max(
+        v for n, v in errs.items() if n in full.bounds.controls_tp_vs_tp1)
+    assert got[TP_CANDIDATE_CLASS].bound >= got["candidate_vs_hf"].bound
+    # A contract without a TP-only control seals no TP class (its TP > 1 cells take
+    # candidate_vs_hf, as before).
+    assert {b.klass for b in compute_bounds(CONTRACT, {"fp32": {
+        n: v for n, v in errors["fp32"].items() if n != "row_split"}})} == {
+        "candidate_vs_hf", "tp_vs_tp1"}

@@ -10,6 +10,7 @@ real code path (safetensors, manifests, ``compare_sets``, bounds lookup).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import tomllib
@@ -25,7 +26,7 @@ from hypothesis.extra import numpy as hnp
 from safetensors.numpy import save_file
 from tiny_contracts import torch_tp_only_text
 
-from qualify.bounds import Bound, bounds_document, judge
+from qualify.bounds import TP_CANDIDATE_CLASS, Bound, bounds_document, judge
 from qualify.cli.main import main
 from qualify.compare.rows import compare_rows
 from qualify.compare.stage import compare_run
@@ -138,6 +139,7 @@ class World:
                  edit_hf: Callable[[dict[str, np.ndarray]], None] | None = None,
                  train: Mapping[str, np.ndarray] | None = None,
                  sealed_branches: tuple[dict[str, Any], dict[str, np.ndarray]] | None = None,
+                 tp_class_factor: float | None = None,
                  ) -> None:
         self.contract = make_contract(required)
         self.hf = {"fp32": hf_tensors(1)}
@@ -170,6 +172,10 @@ class World:
             (self.ref / "branches.json").write_text(json.dumps(sealed_branches[0]))
             save_file(sealed_branches[1], str(self.ref / "branches" / "hf-fp32.safetensors"))
         bounds = [b for b in all_bounds(self.hf) if not (drop_bound and drop_bound(b))]
+        if tp_class_factor is not None:  # a TP-only control (row_split) sealed its own class
+            bounds += [dataclasses.replace(b, klass=TP_CANDIDATE_CLASS,
+                                           bound=b.bound * tp_class_factor)
+                       for b in bounds if b.klass == "candidate_vs_hf"]
         (self.ref / "bounds.json").write_text(
             json.dumps(bounds_document(self.contract, bounds)))
         (self.ref / "reference.json").write_text(json.dumps({
@@ -452,6 +458,28 @@ def test_tp_vs_tp1_catches_what_hf_bounds_allow(tmp_path: Path) -> None:
     assert detail.columns == ("param", "rel L2", "norm obtained", "norm expected")
     assert {row[0] for row in detail.table} == set(PARAMS)
     assert bad[0].error == pytest.approx(0.012 / 0.994, rel=1e-4)
+
+
+@pytest.mark.parametrize("sealed", [True, False], ids=["tp-class", "no-tp-class"])
+def test_tp_only_bounds_judge_the_cells_at_tp_above_one(tmp_path: Path, sealed: bool) -> None:
+    """A reference that sealed the TP-only class (row_split) judges the candidate_vs_hf rows
+    of a TP 2 cell by it, never a TP 1 cell's; one without it judges both by
+    candidate_vs_hf (a reference sealed before the class existed)."""
+    w = World(tmp_path, tp_class_factor=3.0 if sealed else None)
+    off = actor(w)
+    for r in (1, 2):
+        for name in PARAMS:  # 1.2 %: over the candidate_vs_hf bound, under 3x it
+            off[f"round{r}/actor/grads/{name}"] *= np.float32(1 + 0.012)
+    w.add_cell(TP1, outputs=off)
+    w.add_cell(TP2, outputs=off)
+    report = w.compare(write=False)
+    tp1, tp2 = rows_of(report, TP1, "candidate_vs_hf"), rows_of(report, TP2, "candidate_vs_hf")
+    assert {r.bound_class for r in tp1} == {"candidate_vs_hf"}
+    assert {r.bound_class for r in tp2} == ({TP_CANDIDATE_CLASS} if sealed
+                                            else {"candidate_vs_hf"})
+    grads = {"round1/actor/grads", "round2/actor/grads"}
+    assert {r.metric for r in tp1 if r.verdict == "FAIL"} == grads
+    assert {r.metric for r in tp2 if r.verdict == "FAIL"} == (set() if sealed else grads)
 
 
 def test_tp_row_not_run_when_tp1_did_not_complete(tmp_path: Path) -> None:

@@ -226,6 +226,20 @@ def test_fp32_tp_class_is_fed_by_the_fp64_control() -> None:
         assert "bf16_mode" not in c.bounds.controls_tp_vs_tp1, name
 
 
+@pytest.mark.parametrize("path", sorted(contracts_dir().glob("*.toml")), ids=lambda p: p.stem)
+def test_bf16_tp_classes_measure_the_row_parallel_repartition(path: Path) -> None:
+    """Every committed contract with BF16 cells at TP > 1 runs the ``row_split`` control in
+    both classes it bounds them by (issue #49): TP re-rounds each row-parallel partial sum,
+    which neither eager-vs-sdpa attention nor the micro-batch partition does, so without it
+    a conforming TP 2 BF16 cell (torch_tp) failed a round-2 grad_norm at margin 1.05."""
+    c = load_contract(path)
+    bf16_tp = [x.cell_id for x in c.matrix.cells() if x.precision == "bf16" and x.tp > 1]
+    if not bf16_tp:
+        pytest.skip(f"{path.name}: no BF16 cell at TP > 1")
+    assert "row_split" in c.bounds.controls_candidate_vs_hf, (path.name, bf16_tp[0])
+    assert "row_split" in c.bounds.controls_tp_vs_tp1, (path.name, bf16_tp[0])
+
+
 def test_round_trip_dump_is_valid(tmp_path: Path) -> None:
     f = tmp_path / "same.toml"
     f.write_text(_dump(_doc()))

@@ -4,7 +4,7 @@ A check that cannot fail is not evidence: ``coverage.json`` of a sealed referenc
 (:mod:`qualify.reference.coverage`) counts what each rule of the losses, the padding and the
 optimizer touches on the frozen rollout. The fast tests check the contract's settings
 alone; the slow one seals a real reference of the committed default contract (its vLLM
-rollout, every lane: ``fp32``, ``bf16``, ``bf16-autocast``) and requires every rule
+rollout, every lane: ``fp32``, ``bf16-castmasters``, ``bf16-autocast``) and requires every rule
 exercised but the one the contract schema cannot reach:
 
 - ``reward_kl_active``: the schema's only reference policy is the actor's initial weights
@@ -89,7 +89,7 @@ def test_default_contract_exercises_every_rule(coverage: dict[str, Any]) -> None
     assert missing == UNREACHABLE, coverage["summary"]["no_power"]
     assert {r["rule"] for r in rules if r["label"] is None} == GLOBAL
     labels = {r["label"] for r in rules if r["label"] is not None}
-    assert labels == {"fp32", "bf16", "bf16-autocast"}
+    assert labels == {"fp32", "bf16-castmasters", "bf16-autocast"}
     for label in labels:
         assert {r["rule"] for r in rules if r["label"] == label} == PER_LANE, label
     assert coverage["summary"]["no_power"] == [

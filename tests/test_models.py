@@ -157,6 +157,38 @@ def test_eos_row_is_part_of_the_tiny_definition(bundle: ModelBundle) -> None:
     assert float(norms[2]) > 5 * float(norms.median())
 
 
+def test_bf16_representable_checkpoint_rounds_every_role(tiny: Contract, bundle: ModelBundle,
+                                                         tmp_path: Path) -> None:
+    """``model.bf16_representable``: every stored parameter of every role (backbone, lm_head,
+    score heads) is FP32 holding a BF16 value, the nearest one to the FP32 init's."""
+    assert tiny.model.bf16_representable  # the default contract's checkpoint
+    model = {k: v for k, v in tiny.to_dict()["model"].items() if k != "bf16_representable"}
+    fp32 = prepare_models(variant(tiny, model=model), cache_dir=tmp_path)
+    assert "bf16_representable" not in fp32.source
+    assert bundle.source["bf16_representable"] is True
+    dirs = {"actor": (bundle.actor_dir, fp32.actor_dir),
+            "critic": (bundle.critic_dir, fp32.critic_dir),
+            "reward": (bundle.reward_dir, fp32.reward_dir)}
+    for role, (rounded_dir, fp32_dir) in dirs.items():
+        assert rounded_dir is not None
+        assert fp32_dir is not None
+        rounded, raw = tensors(rounded_dir), tensors(fp32_dir)
+        assert rounded.keys() == raw.keys()
+        for name, t in rounded.items():
+            assert t.dtype == torch.float32, (role, name)
+            assert torch.equal(t, raw[name].bfloat16().float()), (role, name)
+        # the FP32 init holds values BF16 cannot (else the field would change nothing)
+        assert any(not torch.equal(t, t.bfloat16().float()) for t in raw.values()), role
+
+
+def test_bf16_representable_is_for_the_tiny_source_only(tiny: Contract) -> None:
+    from qualify.errors import ContractError
+
+    with pytest.raises(ContractError, match=r"^model\.bf16_representable: only for "
+                                            r"model\.source = 'tiny-qwen3' \(got 'hf-dir'\)$"):
+        hf_dir_contract(tiny, path="/nonexistent", bf16_representable=True)
+
+
 def test_rule_reward_has_no_model(tiny: Contract, tmp_path: Path) -> None:
     rule = prepare_models(variant(tiny, roles={**tiny.to_dict()["roles"],
                                                "reward": "rule:eos_bonus"}), cache_dir=tmp_path)
@@ -289,7 +321,15 @@ def test_hf_dir_source_builds_roles_from_the_directory(tiny: Contract, bundle: M
     built = prepare_models(contract, cache_dir=tmp_path / "c")
     assert built.source["kind"] == "hf-dir"
     assert built.files["actor/model.safetensors"] == digest
-    assert built.files["critic/model.safetensors"] == bundle.files["critic/model.safetensors"]
+    # the same backbone and seeded head as the tiny build, whose head the default contract
+    # rounds to BF16 (model.bf16_representable; the hf-dir source stores its head as drawn)
+    assert tiny.model.bf16_representable
+    mine, theirs = tensors(built.critic_dir), tensors(bundle.critic_dir)
+    assert mine.keys() == theirs.keys()
+    for name, t in mine.items():
+        assert torch.equal(t.bfloat16().float() if name == "score.weight" else t,
+                           theirs[name]), name
+    assert not torch.equal(mine["score.weight"], theirs["score.weight"])
     assert tensors(built.actor_dir).keys() == tensors(bundle.actor_dir).keys()
 
 

@@ -164,6 +164,56 @@ def test_bf16_keeps_fp32_master_and_state(models: Models, batch: Batch, contract
     assert all(v.dtype == torch.float32 for v in out.values())
 
 
+def _bf16_rounded(model: torch.nn.Module) -> torch.nn.Module:
+    twin = _fresh(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.copy_(p.bfloat16().float())
+    return twin
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_castmasters_births_the_masters_from_the_bf16_cast_parameters(
+        models: Models, batch: Batch, contract: Contract, role: str) -> None:
+    """``castmasters`` steps masters born ``bf16(checkpoint)``, ``params`` the checkpoint.
+
+    On an FP32 checkpoint (values BF16 cannot hold) the two styles run the same round-1
+    forward and gradients (both on the BF16 cast) and part in round 2, after one AdamW step
+    from different masters; on a BF16-representable checkpoint they are one computation.
+    """
+    actor, critic = models
+    model = actor if role == "actor" else critic
+    masters: dict[str, dict[str, torch.Tensor]] = {}
+
+    def run(m: torch.nn.Module, mode: Literal["params", "castmasters"]) -> dict[str, torch.Tensor]:
+        settings = UpdateSettings(precision="bf16", bf16_mode=mode, micro_batch_size=2)
+
+        def hook(round_: int, _w: torch.nn.Module, master: torch.nn.Module, _b: Batch,
+                 _o: torch.Tensor) -> None:
+            if round_ == 1:
+                masters[mode] = {n: p.detach().clone() for n, p in master.named_parameters()}
+
+        if role == "actor":
+            return run_actor(_fresh(m), _fresh(m), batch, contract, settings, on_round=hook)[0]
+        return run_critic(_fresh(m), batch, contract, settings, on_round=hook)[0]
+
+    params, cast = run(model, "params"), run(model, "castmasters")
+    born = dict(_bf16_rounded(model).named_parameters())
+    ckpt = dict(model.named_parameters())
+    assert all(torch.equal(masters["castmasters"][n], born[n]) for n in born)
+    assert all(torch.equal(masters["params"][n], ckpt[n]) for n in ckpt)
+    assert any(not torch.equal(born[n], ckpt[n]) for n in ckpt)  # an FP32 checkpoint
+    first = "logprobs" if role == "actor" else "values"
+    assert torch.equal(params[f"round1/{role}/{first}"], cast[f"round1/{role}/{first}"])
+    assert torch.equal(params[f"round1/{role}/grad_norm"], cast[f"round1/{role}/grad_norm"])
+    assert not torch.equal(params[f"round2/{role}/{first}"], cast[f"round2/{role}/{first}"])
+    # A BF16-representable checkpoint: the two styles coincide bitwise, every tensor.
+    rounded = _bf16_rounded(model)
+    params, cast = run(rounded, "params"), run(rounded, "castmasters")
+    assert params.keys() == cast.keys()
+    assert all(torch.equal(params[k], cast[k]) for k in params)
+
+
 @pytest.mark.parametrize("role", ["actor", "critic"])
 def test_token_gradients_sum_to_the_batch_gradient(models: Models, batch: Batch,
                                                    contract: Contract, role: str) -> None:
@@ -351,10 +401,14 @@ def test_control_settings_per_lane(contract: Contract) -> None:
     fp32 = control_settings(contract, "fp32")
     bf16 = control_settings(contract, "bf16")
     auto = control_settings(contract, "bf16-autocast")
-    assert list(fp32) == ["attn_impl", "microbatch", "fp64"]
-    # The default contract bounds BF16 by same-style controls only (no bf16_mode).
-    assert list(bf16) == list(auto) == ["attn_impl", "microbatch"]
+    cast = control_settings(contract, "bf16-castmasters")
+    assert list(fp32) == ["attn_impl", "microbatch", "row_split", "fp64"]
+    # The default contract bounds BF16 by same-style controls only (no bf16_mode), the TP
+    # re-partition (row_split) among them.
+    assert list(bf16) == list(auto) == list(cast) == ["attn_impl", "microbatch", "row_split"]
     assert {s.bf16_mode for s, _ in bf16.values()} == {"params"}
+    assert {s.bf16_mode for s, _ in cast.values()} == {"castmasters"}
+    assert {s.row_split for n, (s, _) in cast.items() if n == "row_split"} == {2}
     assert {s.bf16_mode for s, _ in auto.values()} == {"autocast"}
     assert {s.precision for s, _ in auto.values()} == {"bf16"}
     assert fp32["attn_impl"][1] == "eager"
@@ -364,7 +418,8 @@ def test_control_settings_per_lane(contract: Contract) -> None:
         max(1, mbs // 2) if mbs > 1 else 2, 2, 3)
     assert (fp32["fp64"][0].precision, fp32["fp64"][0].label) == ("fp64", "fp64-fp32")
     assert all(s.label == f"{name}-{p}"
-               for p, ctl in (("fp32", fp32), ("bf16", bf16), ("bf16-autocast", auto))
+               for p, ctl in (("fp32", fp32), ("bf16", bf16), ("bf16-autocast", auto),
+                              ("bf16-castmasters", cast))
                for name, (s, _) in ctl.items())
     # A contract that still names bf16_mode measures it from the BF16-parameters lane only.
     named = dataclasses.replace(contract, bounds=dataclasses.replace(
@@ -374,24 +429,45 @@ def test_control_settings_per_lane(contract: Contract) -> None:
     assert (with_mode["bf16_mode"][0].bf16_mode, with_mode["bf16_mode"][0].label) == (
         "autocast", "bf16_mode-bf16")
     assert "bf16_mode" not in control_settings(named, "bf16-autocast")
+    assert "bf16_mode" not in control_settings(named, "bf16-castmasters")
     with pytest.raises(ValueError, match="lane"):
         control_settings(contract, "fp64")
 
 
 def test_lanes_follow_the_engines_bf16_styles(contract: Contract) -> None:
-    from qualify.lanes import lane_bf16_mode, lane_of, lane_precision, lanes
+    from qualify.lanes import (
+        BF16_STYLES,
+        forward_mode,
+        lane_bf16_mode,
+        lane_of,
+        lane_precision,
+        lanes,
+    )
 
-    assert contract.matrix.lanes() == ["fp32", "bf16", "bf16-autocast"]
+    # Only the lanes the matrix's cells need: no engine of the default matrix keeps the
+    # checkpoint as its master (params), so no bf16 lane.
+    assert contract.matrix.lanes() == ["fp32", "bf16-castmasters", "bf16-autocast"]
     by_engine = {c.engine: c.lane for c in contract.matrix.cells() if c.precision == "bf16"}
-    assert by_engine == {"torch_tp": "bf16-autocast", "deepspeed": "bf16", "megatron": "bf16"}
+    assert by_engine == {"torch_tp": "bf16-autocast", "deepspeed": "bf16-castmasters",
+                         "megatron": "bf16-castmasters"}
     assert {c.lane for c in contract.matrix.cells() if c.precision == "fp32"} == {"fp32"}
     assert lanes(["fp32", "bf16"], []) == ["fp32", "bf16"]
     assert lanes(["bf16"], ["autocast"]) == ["bf16-autocast"]
+    assert lanes(["bf16", "fp32"], ["autocast", "castmasters", "params"]) == [
+        "bf16", "bf16-castmasters", "bf16-autocast", "fp32"]
     assert (lane_of("fp32", "autocast"), lane_precision("bf16-autocast"),
             lane_bf16_mode("bf16-autocast"), lane_bf16_mode("fp32")) == (
         "fp32", "bf16", "autocast", "params")
+    # Every style round-trips through its lane; a forward runs on BF16 parameters in both
+    # master styles.
+    for style in BF16_STYLES:
+        lane = lane_of("bf16", style)
+        assert (lane_precision(lane), lane_bf16_mode(lane)) == ("bf16", style)
+    assert [forward_mode(s) for s in BF16_STYLES] == ["params", "params", "autocast"]
     with pytest.raises(ValueError, match="bf16_style"):
         lane_of("bf16", "fp8")
+    with pytest.raises(ValueError, match="unknown BF16 style 'fp8'"):
+        lane_bf16_mode("bf16-fp8")
 
 
 def test_control_settings_only_the_named_controls(contract: Contract) -> None:

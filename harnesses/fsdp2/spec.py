@@ -30,7 +30,11 @@ SPEC: Final = EngineSpec(
     distributions=("torch",),
     world_size_rule="(actor_tp+critic_tp)*dp",
     # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): BF16 unsharded parameters
-    # for compute, all-gathered from FP32 sharded masters (harness.BF16_MECHANISM).
+    # for compute, all-gathered from FP32 sharded masters (harness.BF16_MECHANISM). The
+    # sharded parameters keep the module's FP32 checkpoint values (orig_dtype =
+    # sharded_param.dtype, torch 2.13 distributed/fsdp/_fully_shard/_fsdp_param.py:588);
+    # only the all-gather input is cast (_fsdp_param.py:901, _to_dtype_if_needed(
+    # sharded_param_data, self.param_dtype)): masters born from the checkpoint.
     resumes=True,  # harnesses/fsdp2/resume.py: torch.distributed.checkpoint (DCP)
     bf16_style="params",
     description="PyTorch FSDP2 (fully_shard per decoder layer and root, MixedPrecisionPolicy, "

@@ -22,7 +22,11 @@ SPEC: Final = EngineSpec(
                   "harnesses.megatron.probe"),  # imported lazily by the harness
     groups_topologies=True,
     resumes=True,  # harnesses/megatron/resume.py: megatron-core's non-distributed checkpoint
-    bf16_style="params",  # Float16Module BF16 parameters, FP32 main params in the optimizer
+    # Float16Module BF16 parameters; Float16OptimizerWithFloat16Params makes each FP32 main
+    # param from the BF16 parameter, main_param = param.detach().clone().float()
+    # (megatron-core 0.16.1 megatron/core/optimizer/optimizer.py:674): masters born from
+    # the BF16-cast parameters.
+    bf16_style="castmasters",
     description="Megatron-Core tensor parallelism; Megatron's own optimizer on CPU under "
                 "placement-only shims (harnesses/megatron/cpu_shims.py) and on CUDA",
 )

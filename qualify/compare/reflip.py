@@ -94,9 +94,10 @@ def _adjusted_rows(ctx: SealedBranches, rows: list[Row], *, cell: str, klass: st
         factors=branches.loss_factors_of(ctx.contract, expected, role, ctx.mask, behavior))
     if adjusted is None:
         return None, note
+    bound_class = next((r.bound_class for r in rows if r.bound_class), klass)
     again = {(r.round, r.family, r.variant): r for r in compare_rows(
         cell=cell, klass=klass, precision=precision, bounds=ctx.bounds, obtained=obtained,
-        expected=adjusted, mask=ctx.mask, meta=meta, scale=expected)}
+        expected=adjusted, mask=ctx.mask, meta=meta, scale=expected, bound_class=bound_class)}
     out = []
     for row in rows:
         if row.round == rnd and row.family in branches.GRADIENT_FAMILIES and not row.variant:

@@ -42,6 +42,7 @@ from qualify.bounds import Bound, judge, lookup
 from qualify.compare.power import PowerCache, power_of
 from qualify.compare.verdicts import Cell, FailureDetail, Row
 from qualify.errors import QualifyError
+from qualify.lanes import lane_precision
 from qualify.layout import BOUNDS_FILE
 from qualify.protocol import OUTPUTS_FILE, OUTPUTS_META_FILE
 from qualify.schema import first_error
@@ -262,8 +263,12 @@ def compare_rows(*, cell: str, klass: str, precision: str, bounds: Sequence[Boun
                  obtained: Mapping[str, Any], expected: Mapping[str, Any],
                  mask: npt.NDArray[Any], meta: Mapping[str, Any] | None = None,
                  scale: Mapping[str, Any] | None = None,
-                 power_cache: PowerCache | None = None) -> list[Row]:
+                 power_cache: PowerCache | None = None,
+                 bound_class: str | None = None) -> list[Row]:
     """Rows of one class: every metric of ``expected`` measured in ``obtained``.
+
+    ``bound_class``: the ``bounds.json`` class judging the rows (``None``: ``klass``;
+    :data:`qualify.bounds.TP_CANDIDATE_CLASS` for ``candidate_vs_hf`` rows at TP > 1).
 
     A metric absent from ``obtained`` that the harness declared not run (see
     :func:`declared_not_run`) is a ``NOT_RUN`` row with the declared reason. ``scale``: the
@@ -277,9 +282,10 @@ def compare_rows(*, cell: str, klass: str, precision: str, bounds: Sequence[Boun
     for key, m in compare_sets(obtained, expected, mask, scale).items():
         why = None if key in got else declared_not_run(meta, key.round, key.family)
         if why is not None:
-            out += not_run_rows(cell, klass, klass, [key], why)
+            out += not_run_rows(cell, klass, bound_class or klass, [key], why)
             continue
-        out.append(_metric_row(cell=cell, klass=klass, bound_class=klass, key=key, m=m,
+        out.append(_metric_row(cell=cell, klass=klass, bound_class=bound_class or klass,
+                               key=key, m=m,
                                precision=precision, bounds=bounds, obtained=got.get(key, {}),
                                expected=want[key], mask=mask, scale=scales.get(key),
                                power_cache=power_cache))
@@ -348,7 +354,8 @@ def dtype_row(cell: str, role: str, meta: Mapping[str, Any] | None, why: str, *,
         role: the row's role.
         meta: ``outputs.json`` (``None``: unreadable, ``why`` says why).
         why: why ``meta`` is ``None``.
-        precision: the cell's contract precision (``None``: ``fp32``).
+        precision: the cell's contract precision or its reference lane (``bf16-autocast``
+            takes the policy of ``bf16``; ``None``: ``fp32``).
         reduction: check the :data:`REDUCTION_KEYS` maps (a report sealed before the
             ``reduction_dtypes`` section, :data:`~qualify.compare.verdicts.OPTIONAL_SECTIONS`,
             is recomputed without them).
@@ -374,7 +381,7 @@ def dtype_row(cell: str, role: str, meta: Mapping[str, Any] | None, why: str, *,
     else:
         found.append(("optimizer_state", None, FP32))
     if reduction:
-        p = precision or "fp32"
+        p = lane_precision(precision or "fp32")  # a lane (bf16-autocast) keys its precision
         want = PRECISION_REDUCTION_DTYPE.get(p, f"a dtype policy (none for precision {p!r})")
         for key in REDUCTION_KEYS:
             entries = d.get(key)

@@ -28,7 +28,8 @@ types: :mod:`qualify.compare.verdicts`). Per cell of ``run.json``:
 
   * ``candidate_vs_hf``: the cell's tensors against ``reference/hf-{precision}.safetensors``
     restricted to the cell's role (:func:`qualify.statistics.compare_sets`, rollout's
-    ``response_mask``);
+    ``response_mask``); a cell at TP > 1 is judged by the bound class
+    :data:`~qualify.bounds.TP_CANDIDATE_CLASS` when the reference sealed it;
   * ``tp_vs_tp1`` (TP > 1): against the TP = 1 cell of the same engine, precision, options
     and role; ``NOT_RUN`` rows when that cell did not complete;
   * ``padding_invariance``: each ``*_padded`` tensor against the same cell's unpadded one,
@@ -75,7 +76,7 @@ import numpy as np
 import numpy.typing as npt
 
 from qualify import jsonio
-from qualify.bounds import Bound
+from qualify.bounds import TP_CANDIDATE_CLASS, Bound
 from qualify.compare.mismatch import (
     FieldMismatch,
     clip_band_tail,
@@ -328,6 +329,20 @@ def _lane(ctx: _Ctx, cid: str, precision: str) -> str:
     return lane
 
 
+def _candidate_bound_class(ctx: _Ctx, cid: str) -> str:
+    """The bound class of a cell's ``candidate_vs_hf`` rows.
+
+    :data:`~qualify.bounds.TP_CANDIDATE_CLASS` for a cell at TP > 1 when the sealed bounds
+    hold it (the contract names a TP-only control such as ``row_split``), else
+    ``candidate_vs_hf``.
+    """
+    spec = ctx.cells.get(cid)
+    if spec is not None and spec.tp > 1 and any(b.klass == TP_CANDIDATE_CLASS
+                                                 for b in ctx.bounds):
+        return TP_CANDIDATE_CLASS
+    return "candidate_vs_hf"
+
+
 def _base_cell(ctx: _Ctx, cid: str) -> tuple[str | None, bool]:
     """``(id of the same cell at every axis's base degree, whether cid is that cell)``.
 
@@ -344,11 +359,11 @@ def _base_cell(ctx: _Ctx, cid: str) -> tuple[str | None, bool]:
 
 def _class_rows(ctx: _Ctx, *, cell: str, klass: str, precision: str, role: str,
                 obtained: Mapping[str, Any], expected: Mapping[str, Any],
-                meta: Mapping[str, Any] | None) -> list[Row]:
+                meta: Mapping[str, Any] | None, bound_class: str | None = None) -> list[Row]:
     """One comparison class's rows, with round >= 2 clip flips re-judged (:mod:`.reflip`)."""
     rows = compare_rows(cell=cell, klass=klass, precision=precision, bounds=ctx.bounds,
                         obtained=obtained, expected=expected, mask=ctx.mask, meta=meta,
-                        power_cache=ctx.power)
+                        power_cache=ctx.power, bound_class=bound_class)
     return guarded(lambda: with_branch_flips(
         ctx.branches, rows, cell=cell, klass=klass, precision=precision, role=role,
         obtained=obtained, expected=expected, meta=meta),
@@ -375,7 +390,8 @@ def _complete_rows(ctx: _Ctx, *, cid: str, entry: Mapping[str, Any], cells: Mapp
         expected = {k: v for k, v in hf.items() if _role_of(k) == role}
         rows += guarded(lambda: _class_rows(
             ctx, cell=cid, klass="candidate_vs_hf", precision=precision, role=role,
-            obtained=mine, expected=expected, meta=outputs.meta),
+            obtained=mine, expected=expected, meta=outputs.meta,
+            bound_class=_candidate_bound_class(ctx, cid)),
             **g, builder="qualify.compare.rows.compare_rows", klass="candidate_vs_hf",
             family="all")
     tp1_id, is_base = _base_cell(ctx, cid)

@@ -4,7 +4,8 @@ Runs the reference's own update (:func:`qualify.reference.update.run_actor` /
 :func:`~qualify.reference.update.run_critic`, the code that sealed the reference) on the
 run's frozen inputs (``RUN_DIR/inputs``: the rollout and training inputs the engine read),
 in the lane of the cell (:mod:`qualify.lanes`: ``fp32``, ``bf16`` = BF16 parameters with an
-FP32 master, ``bf16-autocast``), and once per control of that lane
+FP32 master, ``bf16-castmasters`` = the same with the master born ``bf16(checkpoint)``,
+``bf16-autocast``), and once per control of that lane
 (:func:`qualify.reference.controls.control_settings`, the ones the contract's
 ``bounds.controls.candidate_vs_hf`` names: eager-vs-sdpa attention, another micro-batch
 partition with extra padding, FP64 for the FP32 lane). Rounds before the probed round run

@@ -16,7 +16,8 @@ else ``~/.cache/qualify/models``) holds, built once and verified on every later 
 
 Score heads: weight ``~ N(0, config.initializer_range^2)`` drawn in float32 from
 ``torch.Generator().manual_seed(seed)`` (``roles.critic_head_seed``, ``roles.reward_seed``),
-then cast to the saved dtype; bias (critic) zero. Every dropout probability of the three
+then cast to the saved dtype (rounded to BF16 first under ``model.bf16_representable``, as
+every tiny-qwen3 parameter then is); bias (critic) zero. Every dropout probability of the three
 configs (``attention_dropout``, ``classifier_dropout``, ...) is set to 0. The configs keep
 ``pad_token_id``. Weights are saved in FP32 for ``tiny-qwen3`` and ``smollm2-135m`` and in the
 source's dtype for ``hf-dir``. Each role directory holds ``qualify-manifest.json`` (sha256 of
@@ -222,8 +223,22 @@ def _build_tiny_actor(spec: ModelSpec, config: Any, dst: Path) -> None:
         param.data = param.data.to(torch.float32)
     with torch.no_grad():
         model.lm_head.weight[int(config.eos_token_id)].mul_(TINY_EOS_LOGIT_SCALE)
+        if spec.bf16_representable:
+            _round_to_bf16(model)
     with quiet():
         model.save_pretrained(dst)
+
+
+def _round_to_bf16(model: torch.nn.Module) -> None:
+    """Round every parameter to its nearest BF16 value in place, keeping its dtype.
+
+    Round to nearest even (``Tensor.to(torch.bfloat16)``); the values of a checkpoint stored
+    in BF16, as ``model.bf16_representable`` declares. Buffers (rotary ``inv_freq``) are
+    computed from the config, not stored, and are left alone.
+    """
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16).to(param.dtype))
 
 
 def _materialize_actor(src: Path, config: Any, dst: Path) -> None:
@@ -255,8 +270,12 @@ def _materialize_actor(src: Path, config: Any, dst: Path) -> None:
 
 
 def _build_head_model(role: Literal["critic", "reward"], actor_dir: Path, dst: Path, *,
-                      seed: int, dtype: torch.dtype) -> None:
-    """Backbone from the actor dir + a seeded ``score = Linear(hidden, 1)`` head."""
+                      seed: int, dtype: torch.dtype, bf16_representable: bool = False) -> None:
+    """Backbone from the actor dir + a seeded ``score = Linear(hidden, 1)`` head.
+
+    ``bf16_representable``: the head's weight is rounded to BF16 too (the backbone already
+    is, in the actor directory).
+    """
     from transformers import (
         AutoConfig,
         AutoModelForSequenceClassification,
@@ -281,6 +300,8 @@ def _build_head_model(role: Literal["critic", "reward"], actor_dir: Path, dst: P
         score.weight.copy_((weight * float(config.initializer_range)).to(score.weight.dtype))
         if score.bias is not None:
             score.bias.zero_()
+    if bf16_representable:
+        _round_to_bf16(score)
     with quiet():
         model.save_pretrained(dst)
 
@@ -292,12 +313,15 @@ def _build_bundle(contract: Contract, source: Source, tmp: Path) -> None:
         _build_tiny_actor(spec, source.config, actor_dir)
     else:
         _materialize_actor(source.directory, source.config, actor_dir)
+    rounded = spec.bf16_representable
     _build_head_model("critic", actor_dir, tmp / "critic", seed=roles.critic_head_seed,
-                      dtype=source.dtype)
+                      dtype=source.dtype, bf16_representable=rounded)
     if roles.reward == "model":
         _build_head_model("reward", actor_dir, tmp / "reward", seed=roles.reward_seed,
-                          dtype=source.dtype)
+                          dtype=source.dtype, bf16_representable=rounded)
     init = "normal(0, initializer_range) from torch.Generator().manual_seed(seed), float32"
+    if rounded:
+        init += ", rounded to bf16"
     record = {
         **source.record,
         "critic_head": {"seed": roles.critic_head_seed, "init": f"{init}; bias 0"},

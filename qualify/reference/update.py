@@ -10,7 +10,14 @@ Precisions:
 - ``fp32``: FP32 parameters, FP32 compute.
 - ``bf16`` with ``bf16_mode="params"`` (the reference): each micro-batch runs on a BF16
   copy of the FP32 master weights; the BF16 gradients are cast to FP32 and accumulated
-  into the master's ``.grad``; AdamW steps the FP32 master with FP32 state.
+  into the master's ``.grad``; AdamW steps the FP32 master with FP32 state. The masters
+  are the FP32 checkpoint.
+- ``bf16`` with ``bf16_mode="castmasters"``: the same, with the masters born from the
+  BF16-cast parameters: every trained parameter is rounded to BF16 (round to nearest even)
+  and kept FP32 before the optimizer is built, as DeepSpeed's ``bf16`` engine and
+  Megatron-Core's ``Float16OptimizerWithFloat16Params`` build their FP32 masters
+  (:mod:`qualify.lanes`). The frozen reference policy is not rounded (its forward runs on
+  a BF16 copy in both styles, the same numbers).
 - ``bf16`` with ``bf16_mode="autocast"`` (a control): FP32 parameters under
   ``torch.autocast(dtype=torch.bfloat16)``; gradients land in FP32 directly.
 - ``fp64`` (the ``fp64`` control of the FP32 class): the same code on FP64 copies of the
@@ -36,13 +43,14 @@ from torch import nn
 
 from qualify import aggregation
 from qualify.contract import Contract
+from qualify.lanes import Bf16Style
 from qualify.protocol import param_sample_indices, tensor_name
 from qualify.reference.bound_inputs import NORM_FP32_META
 from qualify.reference.row_split import split_row_parallel
 from qualify.reference.scoring import bf16_parameters_copy
 from qualify.reference.sensitivity import LOSS_SENSITIVITY_META, LossSensitivity
 
-Bf16Mode = Literal["params", "autocast"]
+Bf16Mode = Bf16Style
 RoundHook = Callable[[int, nn.Module, nn.Module, "Batch", torch.Tensor], None]
 """``hook(round_, work, master, batch, old)``, called after a round's backward and before its
 optimizer step: ``work`` is the module the round ran forward on (the master, or its BF16 copy),
@@ -64,7 +72,9 @@ class UpdateSettings:
     Attributes:
         precision: ``fp32``, ``bf16``, or ``fp64`` (the FP64 control; the caller passes
             FP64 models).
-        bf16_mode: ``params`` (BF16 copy of FP32 master) or ``autocast``; ignored unless bf16.
+        bf16_mode: ``params`` (BF16 copy of the FP32 master, the master the checkpoint),
+            ``castmasters`` (the same, the master born ``bf16(checkpoint)``) or
+            ``autocast``; ignored unless bf16.
         micro_batch_size: sequences per micro-batch.
         extra_left_padding: pad columns prepended to the prompts (attention 0).
         extra_right_padding: pad columns appended to the responses (attention 0).
@@ -234,7 +244,18 @@ class _Precision:
 
     @property
     def bf16_params(self) -> bool:
-        return self.settings.precision == "bf16" and self.settings.bf16_mode == "params"
+        return self.settings.precision == "bf16" and self.settings.bf16_mode != "autocast"
+
+    def birth_masters(self) -> None:
+        """Round the trained master to BF16 in place (``castmasters``; else nothing).
+
+        The FP32 masters of the ``castmasters`` style are born from the BF16-cast
+        parameters: ``p.bfloat16().float()`` of every parameter, buffers untouched.
+        """
+        if self.settings.precision == "bf16" and self.settings.bf16_mode == "castmasters":
+            with torch.no_grad():
+                for p in self.master.parameters():
+                    p.copy_(p.to(torch.bfloat16).to(p.dtype))
 
     def refresh(self) -> nn.Module:
         """The module to run forward on: the master, or a fresh BF16 copy of it.
@@ -383,7 +404,8 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
     """Run ``rounds`` PPO actor steps on ``batch`` (protocol semantics).
 
     Args:
-        actor: FP32 ``*ForCausalLM`` (the master; updated in place).
+        actor: FP32 ``*ForCausalLM`` (the master; updated in place, and first rounded to
+            BF16 in place under ``bf16_mode="castmasters"``).
         ref: FP32 frozen reference policy (same architecture). Used only for the KL
             reference logprobs before round 1; the function drops its references to it (and
             to its BF16 copy) then, so a caller that passes it without keeping one frees
@@ -404,6 +426,7 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
     n_valid = float(batch.response_mask.sum())
     out: dict[str, torch.Tensor] = {}
     prec = _Precision(actor, settings)
+    prec.birth_masters()
     ref_prec = _Precision(ref, settings)
     optim = _adamw(actor, contract.optimizer.actor_lr, contract)
     b, r_len = batch.responses.shape
@@ -506,7 +529,7 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
 
     Args:
         critic: FP32 ``*ForTokenClassification`` with one label (backbone + value head);
-            updated in place.
+            updated in place (first rounded to BF16 in place under ``castmasters``).
         batch: the rollout and training inputs (``returns`` are the value targets).
         contract: supplies value clip range and AdamW settings.
         settings: precision, micro-batching and padding of this run.
@@ -521,6 +544,7 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
     n_valid = float(batch.response_mask.sum())
     out: dict[str, torch.Tensor] = {}
     prec = _Precision(critic, settings)
+    prec.birth_masters()
     optim = _adamw(critic, contract.optimizer.critic_lr, contract)
     b, r_len = batch.responses.shape
     acc = settings.accumulate_dtype
