@@ -196,7 +196,21 @@ FAULTS = {
 }
 
 
-@pytest.mark.parametrize("fault", sorted(FAULTS))
+# A power gap, kept visible (strict: it fails the suite the day the fault is caught again).
+# On this torch_tp-only, HF-sampled contract with the BF16-representable checkpoint the
+# eager-vs-sdpa control's round-2 errors are about twice those of the FP32 checkpoint
+# (entropy 0.10 against 0.047), and the 1 % gradient change of a dropped entropy bonus stays
+# inside every bound (worst: round-2 clip_coef margin 0.755, grad_norm 0.31 against 0.50).
+# The full default contract (vLLM rollout) still catches it (grad_norm 1.02, clip_coef 2.23,
+# grads 1.05, updates 1.11) and so does this contract with the FP32 checkpoint (grad_norm
+# 1.56): measured on the h/bf16ckpt branch with `qualify run` on each.
+POWER_GAPS = {"entropy_bonus_dropped"}
+
+
+@pytest.mark.parametrize("fault", [
+    pytest.param(f, marks=pytest.mark.xfail(strict=True, reason="power gap on this contract "
+                                            "(see POWER_GAPS)")) if f in POWER_GAPS else f
+    for f in sorted(FAULTS)])
 def test_broken_engine_variant_fails_with_the_expected_metric(
         fault: str, reference: Path, contract: Contract, tmp_path: Path) -> None:
     cell, family = FAULTS[fault]
