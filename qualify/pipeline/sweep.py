@@ -153,6 +153,7 @@ class SweepResult:
         policy: the policy the variants were judged by.
         variants: one result per offset.
         derived: the derived policy document (``None`` when no report was read).
+        seen: per derived entry ``(cell, family)``, the largest finite margin seen.
         factor: the ceiling factor of the derived policy.
         moved: the seeds moved.
     """
@@ -163,6 +164,7 @@ class SweepResult:
     derived: Mapping[str, Any] | None
     factor: float
     moved: tuple[str, ...]
+    seen: Mapping[tuple[str, str], float | None] = dataclasses.field(default_factory=dict)
 
     @property
     def unexplained(self) -> tuple[str, ...]:
@@ -189,7 +191,12 @@ class SweepResult:
                 "policy_digest": self.policy.digest, "rule_digest": rule_digest(),
                 "moved": list(self.moved), "factor": self.factor,
                 "exit_code": int(self.exit_code), "unexplained": list(self.unexplained),
-                "variants": [v.to_dict() for v in self.variants]}
+                "variants": [v.to_dict() for v in self.variants],
+                "derived": [] if self.derived is None else [
+                    {"cells": e["cells"], "families": e["families"],
+                     "max_margin": e["max_margin"],
+                     "max_margin_seen": self.seen.get((e["cells"], e["families"][0]))}
+                    for e in self.derived.get("expected_failures", [])]}
 
 
 def _judge(report: Mapping[str, Any], contract: Contract, policy: Policy
@@ -212,7 +219,8 @@ def _finite(value: Any) -> float | None:
 
 
 def derive_policy(reports: Sequence[Mapping[str, Any]], contract: Contract, policy: Policy,
-                  *, factor: float = DEFAULT_FACTOR, source: str = "") -> dict[str, Any]:
+                  *, factor: float = DEFAULT_FACTOR, source: str = "",
+                  seen: dict[tuple[str, str], float | None] | None = None) -> dict[str, Any]:
     """A gate policy document that expects exactly what failed in ``reports``.
 
     One expected failure per (cell, family) that failed in any report: its rounds and
@@ -228,6 +236,8 @@ def derive_policy(reports: Sequence[Mapping[str, Any]], contract: Contract, poli
         policy: the committed policy (reasons, upstream pointers, required cells).
         factor: the ceiling factor, > 1.
         source: a line naming where the reports came from (the document's ``comment``).
+        seen: filled, when given, with each entry's ``(cell, family)`` and the largest
+            finite margin seen (``None``: no failing row of the group had one).
 
     Returns:
         The policy document (valid for :func:`qualify.evidence.policy.policy_from_document`).
@@ -272,6 +282,8 @@ def derive_policy(reports: Sequence[Mapping[str, Any]], contract: Contract, poli
             f"{UNEXPLAINED}: failed in the sweep, named by no entry of the committed policy")
         entry["upstream"] = explained.upstream if explained is not None else "(none)"
         entries.append(entry)
+        if seen is not None:
+            seen[(cell, family)] = g["margin"]
     doc: dict[str, Any] = {"schema_version": 1, "contract": contract.name}
     if policy.path is not None and set(policy.required) != set(all_cells(contract)):
         doc["required"] = list(policy.required)
@@ -406,13 +418,14 @@ def run_sweep(contract_path: Path, *, offsets: Sequence[int], out: Path, policy:
               f"{', '.join(str(k) for k in offsets)} moving {', '.join(move)}"
               + (f", plus {len(extra_reports)} committed run(s)" if extra_reports else "")
               + f"; factor {factor:g}.")
-    derived = derive_policy(reports, contract, policy, factor=factor, source=source) \
-        if reports else None
+    seen: dict[tuple[str, str], float | None] = {}
+    derived = derive_policy(reports, contract, policy, factor=factor, source=source,
+                            seen=seen) if reports else None
     if derived is not None:  # the derived document must itself be a valid policy
         policy_from_document({k: v for k, v in derived.items() if k != "comment"}, contract,
                              path=out / "derived-policy.toml")
     return SweepResult(contract=contract, policy=policy, variants=tuple(results),
-                       derived=derived, factor=factor, moved=tuple(move))
+                       derived=derived, factor=factor, moved=tuple(move), seen=seen)
 
 
 def summary_markdown(result: SweepResult) -> str:
