@@ -310,11 +310,36 @@ def contribution_scale(run: Mapping[str, Any], *, role: str, round_: int, b: int
     return (v - float(np.asarray(train["returns"])[b, t])) * f
 
 
+def branch_offsets(run: Mapping[str, Any], reference: Mapping[str, Any], *, role: str,
+                   round_: int, train: Mapping[str, Any], mask: npt.ArrayLike, n_valid: float,
+                   value_clip: float, clip_ratio: float,
+                   factors: npt.ArrayLike | None = None) -> dict[str, float]:
+    """``{"b_t": o_t}``: how ``run``'s round-``r`` gradient differs from the reference's by branch.
+
+    ``g_run = g_ref + sum_t o_t J_t`` over the tokens whose clip branch ``run`` took
+    differently from the reference (:func:`flipped_tokens` with the reference as the
+    expected side): ``o_t = +s_t`` where ``run`` took the full branch and the reference the
+    zero one, ``-s_t`` in the other case, ``s_t`` the reference's own contribution scale
+    (:func:`contribution_scale`).
+
+    Raises:
+        KeyError: a tensor the scale needs is missing from ``reference``.
+    """
+    flips = flipped_tokens(run, reference, role=role, round_=round_, train=train, mask=mask,
+                           value_clip=value_clip, clip_ratio=clip_ratio) or []
+    return {token_key(*f["index"]): (1.0 if f["obtained"] == "full" else -1.0)
+            * contribution_scale(reference, role=role, round_=round_, b=f["index"][0],
+                                 t=f["index"][1], train=train, n_valid=n_valid,
+                                 factors=factors)
+            for f in flips}
+
+
 def adjusted_expected(expected: Mapping[str, Any], *, role: str, round_: int,
                       flips: list[dict[str, Any]], jacobians: Mapping[str, Any],
                       scalars: Mapping[str, Any], train: Mapping[str, Any], n_valid: float,
                       lr: float, betas: tuple[float, float], eps: float,
                       max_grad_norm: float, factors: npt.ArrayLike | None = None,
+                      offsets: Mapping[str, float] | None = None,
                       ) -> tuple[dict[str, Any], str] | tuple[None, str]:
     """The expected run's round-``r`` gradient families, moved to the obtained run's branches.
 
@@ -326,8 +351,12 @@ def adjusted_expected(expected: Mapping[str, Any], *, role: str, round_: int,
 
     - ``g' = g + sum w_t J_t`` (pre-clip gradients, reported elements);
     - ``|g'|^2 = |g|^2 + 2 sum w_t <g, J_t> + sum_s sum_t w_s w_t <J_s, J_t>`` (the sealed
-      scalars, ``<g, J_t>`` with the reference's ``g``; ``|g|`` is the expected run's
-      reported ``grad_norm``);
+      scalars; ``|g|`` is the expected run's reported ``grad_norm``). The sealed
+      ``<g_ref, J_t>`` is the reference's; when the expected run is another candidate that
+      itself took other branches than the reference (``offsets``: ``g = g_ref + sum_u o_u
+      J_u``), ``<g, J_t> = <g_ref, J_t> + sum_u o_u <J_u, J_t>``. Without that correction a
+      TP = 1 run that left out a token the reference kept, moved to a TP = n run's branch
+      that keeps it, counted ``|J_t|^2`` three times instead of once;
     - ``coef' = min(1, max_grad_norm / (|g'| + 1e-6))`` (``torch.nn.utils.clip_grad_norm_``);
     - ``m' = m + (1 - b1)(coef' g' - coef g)``, ``v' = v + (1 - b2)((coef' g')^2 -
       (coef g)^2)`` (AdamW's moments after step ``r``; Loshchilov & Hutter 2019);
@@ -359,13 +388,16 @@ def adjusted_expected(expected: Mapping[str, Any], *, role: str, round_: int,
         factors: ``[B, R]`` per-token loss factors of the expected run (:func:`loss_factors`:
             the aggregation and, for decoupled PPO, the behavior weight); ``None``:
             ``1 / n_valid`` (``token-mean`` PPO).
+        offsets: ``{"b_t": o_t}``, the expected run's own branch offsets from the reference
+            (:func:`branch_offsets`); ``None`` or empty: the expected run is the reference
+            or took its branches.
 
     Returns:
         ``(tensors, note)``; ``(None, why)`` when a flipped token is not sealed or a needed
         tensor is missing.
     """
     tok = scalars.get("tokens", {})
-    keys = [token_key(*f["index"]) for f in flips]
+    keys = [token_key(*f["index"]) for f in flips] + list(offsets or {})
     unsealed = [k for k in keys if k not in tok]
     if unsealed:
         return None, (f"flipped token(s) {', '.join(unsealed[:MAX_LISTED])} are not among the "
@@ -396,7 +428,13 @@ def adjusted_expected(expected: Mapping[str, Any], *, role: str, round_: int,
     norm = float(np.asarray(expected[base + "grad_norm"], np.float64))
     coef = float(np.asarray(expected[base + "clip_coef"], np.float64))
     gram = scalars.get("gram", {})
-    sq = norm * norm + sum(2.0 * w * float(tok[k]["dot_grad"]) for k, w in weight.items())
+    try:
+        dot = {k: float(tok[k]["dot_grad"]) + sum(o * float(gram[u][k])
+                                                 for u, o in (offsets or {}).items())
+               for k in weight}
+    except KeyError as exc:
+        return None, f"the sealed Gram lacks {exc}"
+    sq = norm * norm + sum(2.0 * w * dot[k] for k, w in weight.items())
     sq += sum(w1 * w2 * float(gram[k1][k2]) for k1, w1 in weight.items()
               for k2, w2 in weight.items())
     norm_new = float(np.sqrt(max(sq, 0.0)))

@@ -72,8 +72,14 @@ def _sealed_branches(ctx: SealedBranches,
 def _adjusted_rows(ctx: SealedBranches, rows: list[Row], *, cell: str, klass: str,
                    precision: str, role: str, rnd: int, flips: list[dict[str, Any]],
                    obtained: Mapping[str, Any], expected: Mapping[str, Any],
-                   meta: Mapping[str, Any] | None) -> tuple[list[Row] | None, str]:
-    """Round ``rnd``'s gradient-family rows against the flip-adjusted expected run."""
+                   meta: Mapping[str, Any] | None, reference: Mapping[str, Any] | None = None,
+                   ) -> tuple[list[Row] | None, str]:
+    """Round ``rnd``'s gradient-family rows against the flip-adjusted expected run.
+
+    ``reference``: the HF reference's tensors of the role when ``expected`` is another
+    candidate (TP = 1): its own branch offsets from the reference then correct the sealed
+    ``<g, J_t>`` (:func:`qualify.branches.branch_offsets`).
+    """
     doc, tensors = _sealed_branches(ctx, precision)
     sealed = (doc.get("precisions", {}).get(precision, {}).get(role, {})
               .get(f"round{rnd}"))
@@ -86,12 +92,25 @@ def _adjusted_rows(ctx: SealedBranches, rows: list[Row], *, cell: str, klass: st
     behavior = None
     if ctx.contract.algorithm.name == "decoupled_ppo":  # the weight of the expected run
         behavior = np.asarray(store.load_tensors(ctx.ref_dir / ROLLOUT_FILE)["behavior_logprobs"])
+    n_valid = float(np.asarray(ctx.mask).sum())
+    offsets = None
+    if reference is not None:
+        alg = ctx.contract.algorithm
+        try:
+            offsets = branches.branch_offsets(
+                expected, reference, role=role, round_=rnd, train=ctx.train, mask=ctx.mask,
+                n_valid=n_valid, value_clip=alg.value_clip, clip_ratio=alg.clip_ratio,
+                factors=branches.loss_factors_of(ctx.contract, reference, role, ctx.mask,
+                                                 behavior))
+        except KeyError as exc:
+            return None, f"the reference lacks {exc} (the TP = 1 run's own branches)"
     adjusted, note = branches.adjusted_expected(
         expected, role=role, round_=rnd, flips=flips, jacobians=jacobians, scalars=sealed,
-        train=ctx.train, n_valid=float(np.asarray(ctx.mask).sum()), lr=lr,
+        train=ctx.train, n_valid=n_valid, lr=lr,
         betas=(float(opt.betas[0]), float(opt.betas[1])), eps=opt.eps,
         max_grad_norm=opt.max_grad_norm,
-        factors=branches.loss_factors_of(ctx.contract, expected, role, ctx.mask, behavior))
+        factors=branches.loss_factors_of(ctx.contract, expected, role, ctx.mask, behavior),
+        offsets=offsets)
     if adjusted is None:
         return None, note
     bound_class = next((r.bound_class for r in rows if r.bound_class), klass)
@@ -113,7 +132,8 @@ def _adjusted_rows(ctx: SealedBranches, rows: list[Row], *, cell: str, klass: st
 def with_branch_flips(ctx: SealedBranches, rows: list[Row], *, cell: str, klass: str,
                       precision: str, role: str, obtained: Mapping[str, Any],
                       expected: Mapping[str, Any],
-                      meta: Mapping[str, Any] | None = None) -> list[Row]:
+                      meta: Mapping[str, Any] | None = None,
+                      reference: Mapping[str, Any] | None = None) -> list[Row]:
     """Handle failing gradient-family rows of rounds >= 2 that a clip-branch flip explains.
 
     For each such round, the tokens whose clip branch differs between ``obtained`` and
@@ -136,6 +156,8 @@ def with_branch_flips(ctx: SealedBranches, rows: list[Row], *, cell: str, klass:
         obtained: the cell's tensors of ``role``.
         expected: the tensors it was compared against.
         meta: the cell's ``outputs.json`` (declared not-run metrics).
+        reference: the HF reference's tensors of ``role`` when ``expected`` is another
+            candidate (``tp_vs_tp1``); ``None`` when ``expected`` is the reference.
 
     Returns:
         ``rows``, with the adjusted rows replaced and the unexplained failures annotated.
@@ -145,6 +167,8 @@ def with_branch_flips(ctx: SealedBranches, rows: list[Row], *, cell: str, klass:
             for r in rows):
         return rows
     obtained, expected = in_memory(obtained), in_memory(expected)  # the branch arithmetic
+    if reference is not None:
+        reference = in_memory(reference)
     path = ctx.ref_dir / TRAIN_INPUTS_FILE
     if not ctx.train and path.is_file():
         ctx.train.update(store.load_tensors(path))
@@ -168,7 +192,7 @@ def with_branch_flips(ctx: SealedBranches, rows: list[Row], *, cell: str, klass:
             adjusted, why = _adjusted_rows(ctx, rows, cell=cell, klass=klass,
                                            precision=precision, role=role, rnd=rnd,
                                            flips=flips, obtained=obtained, expected=expected,
-                                           meta=meta)
+                                           meta=meta, reference=reference)
             if adjusted is not None:
                 rows = adjusted
                 continue

@@ -359,14 +359,19 @@ def _base_cell(ctx: _Ctx, cid: str) -> tuple[str | None, bool]:
 
 def _class_rows(ctx: _Ctx, *, cell: str, klass: str, precision: str, role: str,
                 obtained: Mapping[str, Any], expected: Mapping[str, Any],
-                meta: Mapping[str, Any] | None, bound_class: str | None = None) -> list[Row]:
-    """One comparison class's rows, with round >= 2 clip flips re-judged (:mod:`.reflip`)."""
+                meta: Mapping[str, Any] | None, bound_class: str | None = None,
+                reference: Mapping[str, Any] | None = None) -> list[Row]:
+    """One comparison class's rows, with round >= 2 clip flips re-judged (:mod:`.reflip`).
+
+    ``reference``: the HF reference's tensors of the role when ``expected`` is the TP = 1
+    cell (its own clip branches are then measured from the reference).
+    """
     rows = compare_rows(cell=cell, klass=klass, precision=precision, bounds=ctx.bounds,
                         obtained=obtained, expected=expected, mask=ctx.mask, meta=meta,
                         power_cache=ctx.power, bound_class=bound_class)
     return guarded(lambda: with_branch_flips(
         ctx.branches, rows, cell=cell, klass=klass, precision=precision, role=role,
-        obtained=obtained, expected=expected, meta=meta),
+        obtained=obtained, expected=expected, meta=meta, reference=reference),
         cell=cell, builder="qualify.compare.reflip.with_branch_flips", klass=klass, role=role,
         family="grads", keep=rows)
 
@@ -402,7 +407,9 @@ def _complete_rows(ctx: _Ctx, *, cid: str, entry: Mapping[str, Any], cells: Mapp
             ref1 = {k: v for k, v in got.tensors.items() if _role_of(k) == role}
             rows += guarded(lambda: _class_rows(
                 ctx, cell=cid, klass="tp_vs_tp1", precision=precision, role=role,
-                obtained=mine, expected=ref1, meta=outputs.meta),
+                obtained=mine, expected=ref1, meta=outputs.meta,
+                reference=None if hf is None
+                else {k: v for k, v in hf.items() if _role_of(k) == role}),
                 **g, builder="qualify.compare.rows.compare_rows", klass="tp_vs_tp1",
                 family="all")
         else:

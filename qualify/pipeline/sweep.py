@@ -280,7 +280,9 @@ def derive_policy(reports: Sequence[Mapping[str, Any]], contract: Contract, poli
             entry["max_margin"] = 1.001
         entry["reason"] = explained.reason if explained is not None else (
             f"{UNEXPLAINED}: failed in the sweep, named by no entry of the committed policy")
-        entry["upstream"] = explained.upstream if explained is not None else "(none)"
+        # an unexplained entry points at the findings page, where its explanation belongs;
+        # the sweep fails on it (SweepResult.unexplained) until a person writes it up
+        entry["upstream"] = explained.upstream if explained is not None else "docs/findings.md"
         entries.append(entry)
         if seen is not None:
             seen[(cell, family)] = g["margin"]
