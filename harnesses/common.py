@@ -6,7 +6,7 @@ model computation, loss, norm or optimizer code: each engine's numbers come from
 modules (``harnesses/<engine>/``), and the reference path (``qualify.reference.scoring``,
 ``qualify.reference.targets``, ``qualify.reference.update``) shares nothing with any of them.
 
-Files (DESIGN.md section 6): a harness reads ``cell.json`` and, from ``inputs_dir``,
+Files (docs/engine-guide.md): a harness reads ``cell.json`` and, from ``inputs_dir``,
 ``rollout.safetensors``, ``train_inputs.safetensors``, ``contract.json`` and ``model.json``
 (never reference scores). TP rank 0 of each role writes its role's part
 (``.part-<role>.safetensors`` then ``.part-<role>.json``, each by atomic rename, the JSON

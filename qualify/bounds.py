@@ -1,7 +1,7 @@
 """The bound rule, computed once in the reference stage and sealed.
 
 ``bound(m, c, p) = k * max(control_error(m, c, p), resolution(m), propagated(m, c, p)) +
-quantum(m, p) + floor(m, p)`` (DESIGN.md section 5), with ``control_error(m, c, p)`` the
+quantum(m, p) + floor(m, p)`` (docs/bound-rule.md), with ``control_error(m, c, p)`` the
 largest error of the controls that the contract assigns to class ``c``
 (``candidate_vs_hf``: a candidate at precision ``p`` against the HF reference at ``p``;
 ``tp_vs_tp1``: TP = n against TP = 1 of the same engine and precision). A control that

@@ -1,7 +1,7 @@
 """The harness protocol: file names, tensor names and the computation every engine runs.
 
 This module is the one place where the interface between qualify and an engine
-harness is written down (DESIGN.md section 6). It holds names and types only, no
+harness is written down (docs/engine-guide.md). It holds names and types only, no
 numerics, so the reference path and the harnesses share no numerical code.
 
 Rollout layout (verl's convention; ``B`` sequences, ``P`` prompt length, ``R`` response length)

@@ -1,6 +1,6 @@
 """Locate the files qualify ships: JSON Schemas, committed contracts, keys, job scripts.
 
-The repository keeps one copy of each (DESIGN.md section 2): ``contracts/`` (with
+The repository keeps one copy of each (docs/engine-guide.md, Layout): ``contracts/`` (with
 ``contracts/schema/`` and ``contracts/keys/``), ``sbatch/`` and ``harnesses/`` at its root.
 qualify runs in one of two layouts, and every path is asked for here:
 

@@ -2,7 +2,7 @@
 
 The same statistic is used to measure control errors (reference stage) and candidate
 errors (comparator), so a bound and the error it bounds are always the same quantity
-(DESIGN.md section 5). All arithmetic is FP64 numpy.
+(docs/bound-rule.md). All arithmetic is FP64 numpy.
 """
 
 from __future__ import annotations

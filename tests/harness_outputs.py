@@ -130,7 +130,7 @@ def family_errors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
 
 
 def expected_names(role: str, params: list[str]) -> set[str]:
-    """Every tensor name a two-round trainer part of ``role`` must hold (DESIGN.md section 6)."""
+    """Every tensor name a two-round trainer part of ``role`` must hold (docs/engine-guide.md)."""
     per_token = ("logprobs", "entropy") if role == "actor" else ("values",)
     terms = ("policy", "kl", "entropy", "total") if role == "actor" else ("value", "total")
     names = {f"round1/{role}/{per_token[0]}_padded"}

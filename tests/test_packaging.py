@@ -10,7 +10,7 @@ editable install of this checkout (``__editable__.qualify-*.pth``) stays inert a
 ``qualify`` the venv imports is the wheel's. Every command runs from a directory outside
 the repository with ``PYTHONPATH`` unset.
 
-What must hold (DESIGN.md section 2, :mod:`qualify.resources`): the wheel carries
+What must hold (docs/engine-guide.md, :mod:`qualify.resources`): the wheel carries
 ``harnesses`` (every module and README), the JSON Schemas, the committed contracts, the
 trusted public keys and the job scripts, each from its one place in the repository; ``qualify
 validate`` finds the embedded default contract; every resource path lies in the install;

@@ -579,7 +579,7 @@ def test_store_reexports_are_the_defining_modules_objects(module: str) -> None:
 
 
 def test_evidence_modules_import_no_cycle() -> None:
-    """The qualify.evidence modules import one another without a cycle (DESIGN.md 2)."""
+    """The qualify.evidence modules import one another without a cycle (docs/engine-guide.md)."""
     import ast
 
     pkg = Path(store.__file__).parent

@@ -90,7 +90,7 @@ micro-batches (``grad_accumulation``), read back from the engine object at run t
 PRECISION_REDUCTION_DTYPE: Final[Mapping[str, str]] = {"fp32": FP32, "bf16": FP32}
 """The dtype each contract precision requires of every :data:`REDUCTION_KEYS` entry:
 ``fp32`` is FP32 throughout; ``bf16`` is BF16 compute with FP32 master weights, FP32
-gradients and FP32 optimizer state (DESIGN.md section 3), so gradients are reduced and
+gradients and FP32 optimizer state (docs/concepts.md), so gradients are reduced and
 accumulated in FP32 too. A precision absent here fails the row (no policy to check)."""
 DETAIL_ROWS: Final = 5
 LR_RULE: Final = ("lr: |lr_obtained - lr_sealed| <= spacing_fp32(lr_sealed), one FP32 ulp of "

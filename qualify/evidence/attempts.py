@@ -12,7 +12,7 @@
   sealing holds the lock (:func:`sealing_lock`) so a live writer's directory is never sealed.
 - **Attempts.** ``attempt-1``, ``attempt-2``, ... under a cell directory, created with
   :func:`os.mkdir` (atomic), never reused or overwritten; a failed attempt is kept
-  (DESIGN.md section 7). Each new attempt carries the marker until it is sealed.
+  (docs/concepts.md). Each new attempt carries the marker until it is sealed.
 
 Public through :mod:`qualify.evidence.store`.
 """

@@ -1,7 +1,7 @@
 """Capture the environment a stage ran in (schema ``environment.schema.json``).
 
 The report and every sealed directory record where their numbers came from
-(DESIGN.md section 7): qualify and Python versions, OS and hardware, GPUs, package
+(docs/concepts.md): qualify and Python versions, OS and hardware, GPUs, package
 versions (through :mod:`importlib.metadata`, so no ``pip`` is needed and nothing is
 imported), the git state of the source tree, numerics-relevant environment variables,
 torch's numerics settings and the Slurm job.

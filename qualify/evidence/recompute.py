@@ -1,4 +1,4 @@
-"""Verification step 9: the report recomputed from the raw evidence (DESIGN.md section 8).
+"""Verification step 9: the report recomputed from the raw evidence (docs/ci-gating.md).
 
 :func:`verify_verdicts` recomputes a run's report with the comparator
 (:func:`qualify.compare.stage.compare_run`, ``write=False``) and requires ``report.json``,

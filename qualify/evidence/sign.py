@@ -2,7 +2,7 @@
 
 Every sealed reference and every sealed candidate run gets one attestation,
 ``attestation.dsse.json``, added after sealing with
-:func:`qualify.evidence.store.add_attestation` (DESIGN.md section 7). The pieces live in
+:func:`qualify.evidence.store.add_attestation` (docs/concepts.md). The pieces live in
 their own modules: the envelope in :mod:`qualify.evidence.dsse`, the keys in
 :mod:`qualify.evidence.keys`, the statement and its predicate in
 :mod:`qualify.evidence.statement`; this module signs (:func:`sign_statement`,

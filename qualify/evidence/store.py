@@ -1,6 +1,6 @@
 """Append-only evidence directories: the public face of :mod:`qualify.evidence`'s storage.
 
-Every file qualify writes goes through this module (DESIGN.md section 7):
+Every file qualify writes goes through this module (docs/concepts.md):
 
 - **Atomic writes** (:func:`atomic_write_bytes`, :func:`atomic_write_text`,
   :func:`atomic_write_json`): :mod:`qualify.atomic`'s one atomic write (temp file, fsync,

@@ -1,4 +1,4 @@
-"""The independent controls of the reference stage (DESIGN.md section 5).
+"""The independent controls of the reference stage (docs/bound-rule.md).
 
 A control is a second legitimate execution of the reference update at the same precision
 that differs only in a way an engine may differ; its distance from the HF reference run is
@@ -23,7 +23,7 @@ __all__ = ["control_errors_document", "control_settings"]
 
 def control_settings(contract: Contract,
                      lane: str) -> dict[str, tuple[UpdateSettings, str]]:
-    """The independent controls of DESIGN.md section 5 in one reference lane.
+    """The independent controls of docs/bound-rule.md in one reference lane.
 
     A lane is a precision and, at BF16, a BF16 style (:mod:`qualify.lanes`): every control
     of the ``bf16-autocast`` lane runs under autocast, every one of the ``bf16`` lane with

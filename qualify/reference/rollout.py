@@ -1,6 +1,6 @@
 """The rollout document: sampled once, stored, never recomputed.
 
-DESIGN.md section 4, step 1. A :class:`Rollout` holds the tensors of
+The reference stage's first step (docs/concepts.md). A :class:`Rollout` holds the tensors of
 :data:`qualify.protocol.ROLLOUT_KEYS` in the exact layout written in
 :mod:`qualify.protocol`, plus metadata (sampler name and version, settings, logprobs
 mode, finish reasons, seed). A rollout is stored as ``rollout.safetensors`` +

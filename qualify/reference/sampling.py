@@ -1,7 +1,7 @@
 """Sampling a rollout: the backend registry, the HF sampler, the reference-stage capture.
 
-DESIGN.md section 4, step 1. A rollout backend turns prompts (token id lists) and the
-contract's :class:`~qualify.contract.SamplingSpec` into a
+The reference stage's first step (docs/concepts.md). A rollout backend turns prompts (token
+id lists) and the contract's :class:`~qualify.contract.SamplingSpec` into a
 :class:`~qualify.reference.rollout.Rollout` (the stored document, its layout checks and
 :func:`~qualify.reference.rollout.build_rollout` live in :mod:`qualify.reference.rollout`).
 

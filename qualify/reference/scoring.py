@@ -1,6 +1,6 @@
 """Teacher-forced Hugging Face scoring of a fixed rollout: the reference's scores.
 
-DESIGN.md section 4, step 2. Every function here runs a plain HF model on
+The reference stage's second step (docs/concepts.md). Every function here runs a plain HF model on
 ``cat(prompts, responses)`` of a :class:`~qualify.reference.rollout.Rollout` under
 ``torch.no_grad()`` and returns per-token quantities at the response positions, with
 the position convention of :mod:`qualify.protocol`: the quantity at response position
@@ -19,7 +19,7 @@ parameters, the master copy):
 - ``fp64`` (the reference's ``fp64`` control only, never a contract precision): an FP64
   copy of the parameters, FP64 compute; scores are rounded to FP32 when stored.
 
-The two BF16 modes are the ``bf16_mode`` control of DESIGN.md section 5. Each pass
+The two BF16 modes are the ``bf16_mode`` control of docs/bound-rule.md. Each pass
 records what really ran (parameter dtypes, the autocast state seen by the output head,
 the dtype of the logits / values the head produced) in a :class:`ScoreRecord`, which is
 checked against the request before anything is returned.
@@ -417,8 +417,9 @@ def score_values(
     ``values[b, t]`` is the critic output at sequence position ``P - 1 + t`` (``V(s_t)``,
     the state before response token ``t``). ``last_values[b]`` is the output at the last
     valid token (the final response token, EOS included): ``V`` of the state after the
-    response, which GAE uses to bootstrap a length-truncated response (DESIGN.md
-    section 4, step 3; an EOS-terminated response does not bootstrap).
+    response, which GAE uses to bootstrap a length-truncated response (the reference
+    stage's targets, :mod:`qualify.reference.targets`; an EOS-terminated response does not
+    bootstrap).
 
     Args:
         critic: an HF ``*ForTokenClassification`` with ``num_labels=1`` (backbone + value

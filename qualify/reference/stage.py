@@ -1,6 +1,6 @@
 """The frozen-contract stage: ``qualify reference CONTRACT``.
 
-Steps (DESIGN.md section 4), each writing into an unsealed directory
+Steps (docs/concepts.md, the reference stage), each writing into an unsealed directory
 ``references/<name>-<digest12>/`` that is sealed only at the very end:
 
 1. verify the model manifest and prepare the role models;

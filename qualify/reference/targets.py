@@ -1,6 +1,6 @@
 """PPO and GRPO training targets in FP64 numpy, written independently of any engine.
 
-The reference stage (DESIGN.md section 4, step 3) turns the HF scores of the frozen
+The reference stage's third step (docs/concepts.md) turns the HF scores of the frozen
 rollout into the targets every engine trains on: KL-shaped token rewards, masked GAE
 advantages and returns with a termination-aware bootstrap, whitened advantages, and
 GRPO group-normalised advantages. Everything here is float64 numpy; this module

@@ -1,7 +1,7 @@
 """The independent reference update: Hugging Face models + ``torch.optim.AdamW``.
 
 This is the reference path's own implementation of the update that :mod:`qualify.protocol`
-specifies. It shares no numerical code with any candidate harness (DESIGN.md: a shared bug would
+specifies. It shares no numerical code with any candidate harness (a shared bug would
 cancel out). One call runs ``rounds`` optimizer steps for the Actor and the Critic on the frozen
 rollout and returns every metric under its protocol tensor name.
 
