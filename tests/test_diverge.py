@@ -204,7 +204,8 @@ def test_a_planted_layer_fault_is_named(contract: Contract, reference: Path, tmp
     assert all(r["power"] for r in forward)
     assert doc["faults"] == ["layer1_mlp_scaled"]
     assert doc["round"] == 1
-    assert set(doc["rule"]["controls"]) == {"attn_impl", "microbatch", "fp64"}
+    # a TP 2 cell: its class's controls include the row-parallel re-partition
+    assert set(doc["rule"]["controls"]) == {"attn_impl", "microbatch", "fp64", "row_split"}
     # The page of the run shows it when the result lies beside the run.
     from qualify.compare.html import write_html
     from qualify.compare.stage import compare_run
