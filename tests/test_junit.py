@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import xmlschema
+from committed import committed_evidence_copy
 
 from qualify.cli.main import main
 from qualify.errors import ExitCode
@@ -132,7 +133,9 @@ def committed_gate(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path,
     out = tmp_path_factory.mktemp("junit")
     summary = out / "summary.md"
     summary.write_text("earlier step\n")
-    code = main(["gate", str(ROOT / "evidence"), "--contract",
+    # the committed runs only: a clone where README command 1 ran holds a local run too
+    evidence = committed_evidence_copy(out / "evidence")
+    code = main(["gate", str(evidence), "--contract",
                  str(ROOT / "contracts" / "tiny-qwen3.toml"), "--junit-xml",
                  str(out / "gate.xml"), "--summary", str(summary), "--json",
                  str(out / "gate.json")])
