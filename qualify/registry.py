@@ -173,6 +173,9 @@ class EngineSpec:
             BF16-cast parameters) or ``autocast`` (FP32 parameters under
             ``torch.autocast``); its BF16 cells are compared with the HF reference run of
             the same style, under that style's controls.
+        diverge: the harness takes ``cell.json`` ``probe`` (layer probes in the HF layout,
+            ``harnesses/layer_probe.py``), so ``qualify diverge`` can rerun its cells;
+            other engines' cells are refused there with one line.
         description: one line for listings and reports.
         source: ``builtin`` or the distribution that declared the entry point.
 
@@ -196,6 +199,7 @@ class EngineSpec:
     groups_topologies: bool = False
     warm_imports: tuple[str, ...] = ()
     bf16_style: str = "params"
+    diverge: bool = False
     description: str = ""
     source: str = "builtin"
 
@@ -216,6 +220,18 @@ class EngineSpec:
         if self.kind == "trainer" and self.axis(TOPOLOGY_AXIS) is None:
             raise HarnessError(f"engine {self.name!r}: a trainer needs the "
                                f"{TOPOLOGY_AXIS!r} axis (the topologies place its roles)")
+
+    @property
+    def capabilities(self) -> tuple[str, ...]:
+        """What the harness can do beyond one plain launch, by name, for listings.
+
+        ``groups_variants``, ``groups_topologies``, ``resumes``, ``diverge`` (each a field
+        of this spec) and ``cuda_only`` (:attr:`needs_cuda`), those that are true.
+        """
+        flags = (("groups_variants", self.groups_variants),
+                 ("groups_topologies", self.groups_topologies), ("resumes", self.resumes),
+                 ("diverge", self.diverge), ("cuda_only", self.needs_cuda))
+        return tuple(name for name, on in flags if on)
 
     @property
     def module(self) -> str:
@@ -267,11 +283,22 @@ class EngineSpec:
     def unavailable_reason(self, cuda_available: bool | None = None) -> str | None:
         """Why this engine cannot run on this machine (a ``NOT_RUN`` reason), else ``None``.
 
+        ``requires`` is not probed for an engine whose ranks run in another interpreter
+        (``QUALIFY_LAUNCHER_<ENGINE>``, :mod:`qualify.candidate.interpreter`): a module
+        missing there fails the launch, with the rank's log.
+
         Args:
             cuda_available: override the probe (tests); ``None`` asks torch (imported
                 lazily, without ``torch.distributed``).
+
+        Raises:
+            UsageError: ``QUALIFY_LAUNCHER_<ENGINE>`` is set to a bad value.
         """
-        missing = [m for m in self.requires if not _module_installed(m)]
+        from qualify.candidate.interpreter import engine_command
+
+        # ranks in another interpreter (a venv, a container): its modules are not ours to probe
+        foreign = engine_command(self.name) is not None
+        missing = [] if foreign else [m for m in self.requires if not _module_installed(m)]
         if missing:
             return (f"engine {self.name!r} is not installed here (no module "
                     f"{', '.join(repr(m) for m in missing)}); see README 'Engines'")

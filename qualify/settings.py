@@ -38,7 +38,8 @@ class Setting:
     """One environment variable.
 
     Attributes:
-        name: the variable.
+        name: the variable; a family of variables ends in ``<...>``
+            (``QUALIFY_LAUNCHER_<ENGINE>``: every variable of that prefix).
         commands: the ``qualify`` subcommands whose behaviour it changes (``*``: all).
         meaning: what a good value is, for the error message and the docs.
         check: raises :class:`~qualify.errors.UsageError` naming ``name`` when the value
@@ -108,6 +109,12 @@ def _launch(value: str, env: Mapping[str, str]) -> None:
     check_launch_env(env)
 
 
+def _interpreters(value: str, env: Mapping[str, str]) -> None:
+    from qualify.candidate.interpreter import check_env
+
+    check_env(env)
+
+
 def _jobs(value: str, env: Mapping[str, str]) -> None:
     if not value.isdigit() or int(value) < 1:
         raise _refuse("QUALIFY_JOBS", value, "must be a positive integer")
@@ -172,6 +179,11 @@ SETTINGS: Final[tuple[Setting, ...]] = (
                     "QUALIFY_RDZV_ENDPOINT)"),
     Setting(name="QUALIFY_RDZV_ENDPOINT", commands=_LAUNCHING, check=_launch,
             meaning="the multi-node rendezvous: HOST:PORT"),
+    Setting(name="QUALIFY_LAUNCHER_<ENGINE>", commands=_LAUNCHING | {"harness"},
+            check=_interpreters,
+            meaning="the interpreter of one engine's ranks, site-specific: a python (a "
+                    "venv's bin/python) or a command prefix ending in one (apptainer exec "
+                    "IMAGE python3); `--launcher ENGINE=CMD` sets it for one command"),
     Setting(name="QUALIFY_ZYGOTE_DIR", commands=_LAUNCHING, check=_launch,
             meaning="the shared zygote pool: an absolute path, this user's, mode 0700"),
     Setting(name="QUALIFY_ZYGOTE_OWNER", commands=_LAUNCHING, check=_launch,
@@ -226,6 +238,10 @@ def check_environment(command: str, env: Mapping[str, str] | None = None) -> Non
     """
     e = os.environ if env is None else env
     for s in SETTINGS:
-        value = e.get(s.name, "")
+        if "<" in s.name:  # a family: checked once when any of its variables is set
+            prefix = s.name.split("<", 1)[0]
+            value = next((e[k] for k in sorted(e) if k.startswith(prefix) and e[k]), "")
+        else:
+            value = e.get(s.name, "")
         if value and s.applies_to(command):
             s.check(value, e)

@@ -42,6 +42,7 @@ SPEC: Final = EngineSpec(
     # p.clone().float().detach()). Measured per role: engine_info
     # .initial_master_vs_checkpoint (harness.check_initial_masters).
     bf16_style="castmasters",
+    diverge=True,  # takes cell.json probe (harnesses/layer_probe.py)
     description="DeepSpeed ZeRO 0/1/2 + AutoTP; runs on CPU with DS_ACCELERATOR=cpu",
 )
 """DeepSpeed: TP axis, the ZeRO stage option; one launch per topology runs every variant."""

@@ -27,6 +27,7 @@ SPEC: Final = EngineSpec(
     # (megatron-core 0.16.1 megatron/core/optimizer/optimizer.py:674): masters born from
     # the BF16-cast parameters.
     bf16_style="castmasters",
+    diverge=True,  # takes cell.json probe (harnesses/layer_probe.py)
     description="Megatron-Core tensor parallelism; Megatron's own optimizer on CPU under "
                 "placement-only shims (harnesses/megatron/cpu_shims.py) and on CUDA",
 )

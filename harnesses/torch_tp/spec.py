@@ -19,6 +19,7 @@ SPEC: Final = EngineSpec(
     resumes=True,  # harnesses/torch_tp/resume.py: torch.distributed.checkpoint
     groups_topologies=True,  # one launch per world size runs every topology (issue #17)
     bf16_style="autocast",  # torch.autocast over FP32 DTensor masters (harness.BF16_MECHANISM)
+    diverge=True,  # takes cell.json probe (harnesses/layer_probe.py)
     description="PyTorch-native tensor parallelism (DTensor, parallelize_module); "
                 "CPU (gloo) and CUDA (NCCL)",
 )

@@ -8,12 +8,17 @@ launcher, :mod:`qualify.candidate.warm`; every process that enters through the h
 writes there, as it ends, ``<RANK>-<pid>.json``::
 
     {"rank": 0, "pid": 1234, "files": ["/abs/path/of/every/imported/module/file.py", ...],
-     "modules": ["harnesses", "qualify", "sitecustomize", "torch", ...]}
+     "modules": ["harnesses", "qualify", "sitecustomize", "torch", ...],
+     "prefixes": ["/usr/lib/python3.12", ...], "sys_path": ["/repo", ...],
+     "executable": "/usr/bin/python3"}
 
 ``files``: the resolved ``__file__`` of every module in :data:`sys.modules` (``__main__``,
 ``sitecustomize``, ``usercustomize`` and what ``.pth`` files imported included) and of every
 file :func:`note` was given (the entry point :mod:`runpy` ran); ``modules``:
-:func:`top_level_names`. Nothing is hashed here: the launcher
+:func:`top_level_names`; ``prefixes``: the interpreter's own trees (:func:`env_prefixes`);
+``sys_path``: :data:`sys.path`, where the launcher finds the distributions of a foreign
+interpreter (a venv or a container, :mod:`qualify.candidate.interpreter`) again. Nothing is
+hashed here: the launcher
 classifies and hashes the files once per launch, and flags every file modified after the
 launch began (:func:`qualify.evidence.imports.collect`).
 
@@ -23,6 +28,11 @@ coverage.py's ``patch = _exit`` does), at most once per process. A process kille
 signal writes nothing, and the launch then misses its rank (the record says so). Writing
 never raises into the harness: a failed write is a missing rank.
 
+Run as a script (``python .../qualify/candidate/imported.py MODULE[:ATTR] CELL_JSON``), it
+is the entry of each rank of a foreign interpreter (:data:`qualify.candidate.interpreter
+.RUNNER`): it installs the record, then runs ``MODULE`` as ``__main__`` with ``CELL_JSON``
+as its argument, or calls ``ATTR([CELL_JSON])``; without importing the ``qualify`` package.
+
 Importing this module imports nothing outside the standard library.
 """
 
@@ -30,14 +40,18 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
+import importlib.util
 import json
 import os
+import runpy
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Any, Final
 
-__all__ = ["IMPORTS_DIR_ENV", "install", "loaded_files", "note", "top_level_names",
-           "write_record"]
+__all__ = ["IMPORTS_DIR_ENV", "env_prefixes", "install", "loaded_files", "note", "run",
+           "top_level_names", "write_record"]
 
 IMPORTS_DIR_ENV: Final = "QUALIFY_IMPORTS_DIR"
 """Where a launch's processes write their records (unset: nothing is recorded)."""
@@ -81,6 +95,18 @@ def top_level_names() -> list[str]:
     return sorted(n for n in names if n.isidentifier() and n != "__main__")
 
 
+def env_prefixes() -> list[str]:
+    """This interpreter's own trees: stdlib, site-packages and the prefixes, resolved.
+
+    Files below them are the environment's, not code of a checkout that holds them (a
+    ``.venv`` inside the repository).
+    """
+    paths = sysconfig.get_paths()
+    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    dirs |= {sys.prefix, sys.base_prefix, sys.exec_prefix}
+    return sorted({os.path.realpath(d) for d in dirs})
+
+
 def note(path: str | os.PathLike[str] | None) -> None:
     """Count ``path`` among this process's imported files even once it left ``sys.modules``.
 
@@ -107,7 +133,9 @@ def write_record(directory: str | Path | None = None) -> Path | None:
     try:
         rank = os.environ.get("RANK", "")
         doc = {"rank": int(rank) if rank.isdigit() else None, "pid": os.getpid(),
-               "files": loaded_files(), "modules": top_level_names()}
+               "files": loaded_files(), "modules": top_level_names(),
+               "prefixes": env_prefixes(), "sys_path": [p for p in sys.path if p],
+               "executable": sys.executable}
         folder = Path(where)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{rank if rank.isdigit() else 'p'}-{os.getpid()}.json"
@@ -140,3 +168,33 @@ def install() -> None:
         real_exit(code)
 
     os._exit = _exit  # type: ignore[assignment]
+
+
+def run(argv: list[str]) -> int:
+    """``MODULE[:ATTR] CELL_JSON``: install the record, then run the harness (module doc).
+
+    Returns:
+        The harness's exit status (``ATTR``'s return value, 0 for ``None``; a module run as
+        ``__main__`` exits through :class:`SystemExit` itself); 2 for bad arguments.
+    """
+    if len(argv) != 2:
+        print("usage: python imported.py MODULE[:ATTR] CELL_JSON", file=sys.stderr)
+        return 2
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]  # no shadowing
+    install()
+    target, cell = argv
+    module, _, attr = target.partition(":")
+    if attr:
+        fn = getattr(importlib.import_module(module), attr)
+        return int(fn([cell]) or 0)
+    spec = importlib.util.find_spec(module)
+    if spec is not None:
+        note(spec.origin)
+    sys.argv = [module, cell]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))

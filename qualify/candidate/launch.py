@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from qualify import atomic, procs, schema
-from qualify.candidate import imported, zygote, zygote_pool
+from qualify.candidate import imported, interpreter, zygote, zygote_pool
 from qualify.errors import HarnessError, QualifyError, UsageError
 from qualify.evidence import imports
 from qualify.evidence.timestamps import utc_now_iso
@@ -228,7 +228,8 @@ def check_outputs(output_dir: Path, *, sampler: bool = False) -> None:
 
 
 def torchrun_command(cell_file: Path, *, module: str, world_size: int,
-                     log_dir: Path, env: Mapping[str, str] | None = None) -> list[str]:
+                     log_dir: Path, env: Mapping[str, str] | None = None,
+                     python: Sequence[str] | None = None) -> list[str]:
     """The command line of a launch: ``torchrun`` on this node, or ``srun`` + ``torchrun``.
 
     Single node (default): ``torchrun --standalone --nnodes 1 --nproc-per-node W``.
@@ -251,19 +252,25 @@ def torchrun_command(cell_file: Path, *, module: str, world_size: int,
         world_size: processes to start, in all nodes together.
         log_dir: torchrun's ``--log-dir``.
         env: the launch environment (default: this process's).
+        python: the interpreter command of the ranks (a foreign environment,
+            :mod:`qualify.candidate.interpreter`): it runs torchrun, and each rank enters
+            through :data:`~qualify.candidate.interpreter.RUNNER`; ``None``:
+            :data:`sys.executable`.
 
     Raises:
         HarnessError: ``QUALIFY_NNODES`` is not a positive integer, or the srun path is
             asked for without ``QUALIFY_RDZV_ENDPOINT``.
     """
     e = os.environ if env is None else env
-    target = (["-m", __name__, module] if ":" in module else ["-m", module])
+    exe = [sys.executable] if python is None else list(python)
+    target = ([str(interpreter.RUNNER), module] if python is not None
+              else ["-m", __name__, module] if ":" in module else ["-m", module])
     tail = ["--max-restarts", "0", "--log-dir", str(log_dir), "--redirects", "3",
             "--tee", "3", *target, str(cell_file)]
     nnodes = _nnodes(e, HarnessError)
     use_srun = (nnodes > 1 and world_size % nnodes == 0) or e.get("QUALIFY_LAUNCHER") == "srun"
     if not use_srun:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes",
+        return [*exe, "-m", "torch.distributed.run", "--standalone", "--nnodes",
                 "1", "--nproc-per-node", str(world_size), *tail]
     endpoint = e.get("QUALIFY_RDZV_ENDPOINT", "")
     if not endpoint:
@@ -273,14 +280,15 @@ def torchrun_command(cell_file: Path, *, module: str, world_size: int,
     # srun's --kill-on-bad-exit takes an optional value: only the `=` form binds it
     return ["srun", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1",
             "--kill-on-bad-exit=1",
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+            *exe, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
             "--nproc-per-node", str(world_size // nnodes), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id, *tail]
 
 
 def launch_command(cell_file: Path, *, module: str, world_size: int, log_dir: Path,
                    env: Mapping[str, str] | None = None, launcher: Launcher | None = None,
-                   preload: Sequence[str] = ()) -> list[str]:
+                   preload: Sequence[str] = (), python: Sequence[str] | None = None
+                   ) -> list[str]:
     """The command line of a launch: the warm launcher, torchrun, or srun + torchrun.
 
     The srun path of :func:`torchrun_command` wins whenever it applies (a multi-node
@@ -296,6 +304,8 @@ def launch_command(cell_file: Path, *, module: str, world_size: int, log_dir: Pa
         launcher: ``warm`` or ``torchrun``; ``None``: from ``QUALIFY_LAUNCHER``.
         preload: modules the warm launcher imports before it forks the ranks
             (:attr:`qualify.registry.EngineSpec.warm_imports`).
+        python: a foreign interpreter command (:func:`torchrun_command`): always torchrun
+            (the warm launcher forks qualify's own interpreter, never another).
 
     Raises:
         UsageError: ``QUALIFY_LAUNCHER`` or ``QUALIFY_NNODES`` is bad
@@ -305,8 +315,8 @@ def launch_command(cell_file: Path, *, module: str, world_size: int, log_dir: Pa
     e = os.environ if env is None else env
     chosen = check_launch_env(e)
     torchrun = torchrun_command(cell_file, module=module, world_size=world_size,
-                                log_dir=log_dir, env=e)
-    if torchrun[0] == "srun" or (launcher or chosen) == "torchrun":
+                                log_dir=log_dir, env=e, python=python)
+    if torchrun[0] == "srun" or (launcher or chosen) == "torchrun" or python is not None:
         return torchrun
     pre = [arg for mod in preload for arg in ("--preload", mod)]
     return [sys.executable, "-m", "qualify.candidate.warm", "--nproc-per-node",
@@ -336,6 +346,7 @@ def check_launch_env(env: Mapping[str, str] | None = None) -> str:
         _check_endpoint(endpoint, "QUALIFY_LAUNCHER=srun" if chosen == "srun"
                         else f"QUALIFY_NNODES={nnodes}")
     zygote_pool.check_pool_env(e)
+    interpreter.check_env(e)
     return chosen
 
 
@@ -383,7 +394,7 @@ def launch_env(env: Mapping[str, str] | None) -> dict[str, str]:
 def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: float,
            env: Mapping[str, str] | None = None,
            world_size: int | None = None, launcher: Launcher | None = None,
-           preload: Sequence[str] = ()) -> LaunchResult:
+           preload: Sequence[str] = (), python: Sequence[str] | None = None) -> LaunchResult:
     """Run ``cell`` under the launcher of :func:`launch_command` and report how it ended.
 
     Args:
@@ -402,6 +413,8 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
         launcher: ``warm`` or ``torchrun`` (:func:`launch_command`; ``None``: from
             ``QUALIFY_LAUNCHER``, ``warm`` when unset).
         preload: modules the warm launcher imports once before forking the ranks.
+        python: the ranks' interpreter command when not qualify's own
+            (:func:`torchrun_command`).
 
     Returns:
         The :class:`LaunchResult` (``ERROR`` for every harness failure: none raises).
@@ -428,7 +441,8 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
     launch_environment[imported.IMPORTS_DIR_ENV] = str(imports.raw_dir(attempt_dir).resolve())
     world = cell.world_size if world_size is None else world_size
     cmd = launch_command(cell_file, module=module, world_size=world, log_dir=rank_dir,
-                         env=launch_environment, launcher=launcher, preload=preload)
+                         env=launch_environment, launcher=launcher, preload=preload,
+                         python=python)
     launcher_log, started, started_ns = logs / LAUNCHER_LOG, utc_now_iso(), time.time_ns()
     t0 = time.monotonic()
     warm_cmd, cmd = cmd, zygote_pool.client_command(
@@ -476,7 +490,9 @@ def launch_engine(cell: HarnessCell, *, engine: EngineSpec, attempt_dir: Path,
     ``cpu_env`` with ``QUALIFY_DEVICE=cpu`` (the ranks run on CPU, which also lets the warm
     launcher fork under a CUDA build of torch) and the warm launcher with its
     ``warm_imports``; on a CUDA machine torchrun
-    (fresh interpreters per rank: the path the GPU checks ran).
+    (fresh interpreters per rank: the path the GPU checks ran). An engine given its own
+    interpreter (``QUALIFY_LAUNCHER_<ENGINE>``, :mod:`qualify.candidate.interpreter`) runs
+    under torchrun of that interpreter.
 
     Args:
         cell: what to run (see :func:`launch`).
@@ -487,10 +503,12 @@ def launch_engine(cell: HarnessCell, *, engine: EngineSpec, attempt_dir: Path,
 
     Raises:
         HarnessError: as :func:`launch`.
+        UsageError: ``QUALIFY_LAUNCHER_<ENGINE>`` is bad.
     """
     return launch(cell, module=engine.module, attempt_dir=attempt_dir, timeout_s=timeout_s,
                   env=_engine_env(engine, cuda), world_size=engine.world_size(cell),
-                  launcher="torchrun" if cuda else None, preload=engine.warm_imports)
+                  launcher="torchrun" if cuda else None, preload=engine.warm_imports,
+                  python=interpreter.engine_command(engine.name))
 
 
 def _engine_env(engine: EngineSpec, cuda: bool) -> dict[str, str] | None:
@@ -536,8 +554,9 @@ def prestart(engines: Sequence[EngineSpec], *, inputs: Path | None, cuda: bool,
     todo: list[tuple[list[str], dict[str, str]]] = []
     where = inputs if inputs is not None else Path(tempfile.gettempdir())  # not in the key
     for engine in {e.name: e for e in engines}.values():
-        if engine.unavailable_reason(cuda_available=cuda) is not None:
-            continue
+        if (engine.unavailable_reason(cuda_available=cuda) is not None
+                or interpreter.engine_command(engine.name) is not None):
+            continue  # not installed, or its ranks run in another interpreter (no zygote)
         env = launch_env(_engine_env(engine, cuda))
         cmd = launch_command(where / CELL_FILE, module=engine.module, world_size=1,
                              log_dir=where, env=env, preload=engine.warm_imports)

@@ -535,11 +535,14 @@ def spawn(target: str, modules: Sequence[str], env: Mapping[str, str], *, timeou
     return text or f"no answer within {timeout_s:g} s (exit {proc.returncode})"
 
 
-def sources_stamp() -> tuple[tuple[str, int, int], ...]:
+def sources_stamp(target: str = "") -> tuple[tuple[str, int, int], ...]:
     """(path, size, mtime in ns) of every ``.py`` file of ``qualify`` and ``harnesses``.
 
-    Under :func:`qualify.resources.repo_root`; part of a zygote's key, so that a zygote
-    never serves code edited after its imports.
+    Under :func:`qualify.resources.repo_root`; and, when ``target`` (the harness,
+    ``module`` or ``module:attr``) is a package outside it (a plugin engine's
+    distribution, installed or editable), every ``.py`` file of that top-level package
+    (found with :func:`importlib.util.find_spec`, never imported), by absolute path. Part
+    of a zygote's key, so that a zygote never serves code edited after its imports.
     """
     from qualify.resources import repo_root
 
@@ -550,14 +553,39 @@ def sources_stamp() -> tuple[tuple[str, int, int], ...]:
             with contextlib.suppress(OSError):
                 st = path.stat()
                 out.append((str(path.relative_to(root)), st.st_size, st.st_mtime_ns))
+    for path in _plugin_files(target, root):
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            out.append((str(path), st.st_size, st.st_mtime_ns))
     return tuple(out)
+
+
+def _plugin_files(target: str, root: Path) -> list[Path]:
+    """The ``.py`` files of ``target``'s top-level package when it lies outside ``root``."""
+    import importlib.util
+
+    top = target.split(":", 1)[0].split(".", 1)[0]
+    if not top:
+        return []
+    spec = None
+    with contextlib.suppress(ImportError, ValueError):
+        spec = importlib.util.find_spec(top)
+    if spec is None:
+        return []
+    base = os.path.realpath(root) + os.sep
+    dirs = [Path(d) for d in spec.submodule_search_locations or ()]
+    files = [Path(spec.origin)] if spec.origin and not dirs else []
+    if any(os.path.realpath(p).startswith(base) for p in (*dirs, *files)):
+        return []  # a package of the checkout: covered above, or not code of an engine
+    return sorted({*files, *(p for d in dirs for p in d.rglob("*.py"))})
 
 
 def launch_key(warm_cmd: Sequence[str], env: Mapping[str, str]) -> tuple[object, ...] | None:
     """The key of the zygote that may serve ``warm_cmd``; ``None`` if none may.
 
     (python, harness, preload modules, the environment but :data:`VOLATILE` and a default
-    :data:`INDUCTOR_CACHE_ENV`, :func:`sources_stamp`); ``None`` when zygotes are off
+    :data:`INDUCTOR_CACHE_ENV`, :func:`sources_stamp` of the harness: qualify's, the
+    harnesses' and a plugin harness's own files); ``None`` when zygotes are off
     (``QUALIFY_ZYGOTE=0``) or ``warm_cmd`` is not a warm launch.
     """
     cmd = list(warm_cmd)
@@ -568,7 +596,8 @@ def launch_key(warm_cmd: Sequence[str], env: Mapping[str, str]) -> tuple[object,
     if (INDUCTOR_CACHE_ENV in keyed and keyed[INDUCTOR_CACHE_ENV] == inductor_default()
             and all(env.get(k) == os.environ.get(k) for k in INDUCTOR_DEFAULT_INPUTS)):
         del keyed[INDUCTOR_CACHE_ENV]
-    return (cmd[0], target, tuple(preload), tuple(sorted(keyed.items())), sources_stamp())
+    return (cmd[0], target, tuple(preload), tuple(sorted(keyed.items())),
+            sources_stamp(target))
 
 
 def inductor_default() -> str:

@@ -61,4 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="output directory (default: <RUN_DIR>.diverge/<CELL>, beside the run)")
     p.add_argument("--baseline", action="store_true",
                    help="also launch the cell without probes and report the cost ratio")
+    p.add_argument("--launcher", action="append", default=[], metavar="ENGINE=CMD",
+                   help="run ENGINE's ranks with CMD instead of qualify's python (sets "
+                        "QUALIFY_LAUNCHER_<ENGINE> for this command)")
     p.set_defaults(func=_cmd_diverge)

@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "Hugging Face reference.",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    from qualify import __version__
+
+    parser.add_argument("--version", action="version", version=f"qualify {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -134,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cells", nargs="*", help="cell id globs, or ENGINE:GLOB")
     p.add_argument("--run-id", help="resume or name a run (default: new timestamped id)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    _launcher_option(p)
     p.set_defaults(func=_cmd_candidate)
 
     p = sub.add_parser("compare", help="apply the sealed bounds to a candidate run; report")
@@ -155,9 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
                                     "run of the same contract, reference and cells, else a "
                                     "new timestamped id)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    _launcher_option(p)
     p.set_defaults(func=_cmd_run)
 
     from qualify.cli.diverge import register as register_diverge
+    from qualify.cli.engines import register as register_engines
     from qualify.cli.evidence import register
     from qualify.cli.report import register as register_report
     from qualify.cli.slurm import register as register_slurm
@@ -168,7 +174,16 @@ def build_parser() -> argparse.ArgumentParser:
     register_diverge(sub)
     register_slurm(sub)
     register_sweep(sub)
+    register_engines(sub)
     return parser
+
+
+def _launcher_option(p: argparse.ArgumentParser) -> None:
+    """``--launcher ENGINE=CMD`` (repeatable): :mod:`qualify.candidate.interpreter`."""
+    p.add_argument("--launcher", action="append", default=[], metavar="ENGINE=CMD",
+                   help="run ENGINE's ranks with CMD (a venv's python, or a prefix ending in "
+                        "one: 'apptainer exec IMG python3') instead of qualify's python; "
+                        "sets QUALIFY_LAUNCHER_<ENGINE> for this command")
 
 
 UNWRITABLE_ERRNOS: Final = MACHINE_ERRNOS
@@ -241,6 +256,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from qualify.settings import check_environment
 
+        if getattr(args, "launcher", None):  # site-specific: the environment, not the contract
+            from qualify.candidate.interpreter import apply_options
+            from qualify.registry import engine_names
+
+            apply_options(args.launcher, known=engine_names())
         check_environment(args.command)  # a bad variable: refused before anything is written
         return int(func(args))
     except QualifyError as exc:

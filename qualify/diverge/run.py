@@ -34,8 +34,6 @@ from qualify import atomic, jsonio, schema
 from qualify.errors import UsageError
 
 DIVERGE_FILE: Final = "diverge.json"
-SUPPORTED: Final = ("torch_tp", "deepspeed", "megatron")
-"""Engines whose harness takes ``probe`` (others are refused with one line, exit 2)."""
 PROBE_DIR: Final = "probe"
 
 
@@ -78,13 +76,38 @@ def resolve_cell(run_dir: Path, cell_id: str) -> tuple[CellRef, list[str]]:
         raise UsageError(f"{run_file}: cells.{cell_id}.role is {role!r}: qualify diverge "
                          f"probes trainer cells (actor or critic) only")
     engine = str(c["engine"])
-    if engine not in SUPPORTED:
-        raise UsageError(f"{run_file}: cells.{cell_id}.engine is {engine!r}: qualify diverge "
-                         f"supports {', '.join(SUPPORTED)} (its harness has no layer probes)")
+    if not _probes(engine):
+        raise UsageError(f"{run_file}: cells.{cell_id}.engine is {engine!r}: its spec does not "
+                         f"declare diverge (its harness has no layer probes); engines that "
+                         f"do: {', '.join(supported()) or 'none'}")
     ref = CellRef(cell_id=cell_id, engine=engine, precision=str(c["precision"]),
                   options={str(k): int(v) for k, v in dict(c.get("options", {})).items()},
                   role=role, tp=int(c["tp"]))
     return ref, [str(f) for f in doc.get("faults", [])]
+
+
+def _probes(engine: str) -> bool:
+    """Whether the registered ``engine`` declares :attr:`~qualify.registry.EngineSpec.diverge`.
+
+    An engine this checkout does not register has no probes.
+    """
+    from qualify.registry import ENGINES
+
+    return engine in ENGINES and ENGINES.get(engine).diverge
+
+
+def supported() -> tuple[str, ...]:
+    """The registered engines whose spec declares ``diverge``, sorted."""
+    from qualify.registry import ENGINES
+
+    out = []
+    for name in ENGINES.names():
+        try:
+            if ENGINES.get(name).diverge:
+                out.append(name)
+        except Exception:  # a plugin whose spec cannot be imported: it has no probes here
+            continue
+    return tuple(out)
 
 
 def root_cause_round(run_dir: Path, cell_id: str) -> int | None:

@@ -13,7 +13,14 @@ removes them. A file is kept when it is
 - a file of the distribution that provided the engine's harness module (a plugin
   installed from outside this repository; :func:`engine_distributions`): under
   ``distributions``, with the distribution's version, by its path in the distribution's
-  ``RECORD``.
+  ``RECORD``. When the ranks ran in another interpreter (a venv or a container,
+  :mod:`qualify.candidate.interpreter`; its processes' records name their own
+  ``prefixes`` and ``sys_path``), the distribution is looked up on that interpreter's
+  ``sys_path``, and its entry also names the ``site`` directory it was found in, where
+  :func:`record_changes` looks for it again. Files of that interpreter's own trees are
+  never ``checkout`` files, even when the venv lies inside the checkout. A plugin of
+  another interpreter installed in editable mode from this checkout (``examples/``) is
+  ``checkout`` code like any file there.
 
 Files of other installed packages (torch, transformers, the engines' upstream libraries)
 are not hashed: their versions are in the environment record. Each kept file's sha256 is
@@ -64,6 +71,40 @@ def raw_dir(attempt_dir: Path) -> Path:
     return attempt_dir / LOGS_DIR / IMPORTS_RAW_DIR
 
 
+def _foreign(raw: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(prefixes, sys_path)`` of the records made by another interpreter (else empty).
+
+    A record is another interpreter's when it names ``prefixes`` other than this one's
+    (:func:`_env_prefixes`); records made before those fields carry none (this one's).
+    """
+    ours = {p.rstrip(os.sep) for p in _env_prefixes()}
+    prefixes: dict[str, None] = {}
+    path: dict[str, None] = {}
+    for doc in raw:
+        theirs = [str(p) for p in doc.get("prefixes") or () if isinstance(p, str)]
+        if theirs and set(theirs) != ours:
+            prefixes.update(dict.fromkeys(os.path.realpath(p) + os.sep for p in theirs))
+            path.update(dict.fromkeys(str(p) for p in doc.get("sys_path") or ()
+                                      if isinstance(p, str) and p))
+    return tuple(prefixes), tuple(path)
+
+
+def _providers_on(top: str, path: tuple[str, ...]) -> tuple[str, ...]:
+    """The distributions on ``path`` (another interpreter's) whose files hold ``top``."""
+    found: set[str] = set()
+    for dist in importlib.metadata.distributions(path=list(path)):
+        names = set((dist.read_text("top_level.txt") or "").split())
+        for rel in dist.files or ():
+            parts = Path(str(rel)).parts
+            if len(parts) > 1 and not parts[0].endswith((".dist-info", ".data")):
+                names.add(parts[0])
+            elif parts and parts[0].endswith(".py"):
+                names.add(parts[0][:-3])
+        if top in names and dist.metadata["Name"]:
+            found.add(str(dist.metadata["Name"]))
+    return tuple(sorted(found))
+
+
 def _env_prefixes() -> tuple[str, ...]:
     """The interpreter's own trees (a ``.venv`` inside the checkout is not code of it)."""
     paths = sysconfig.get_paths()
@@ -106,21 +147,40 @@ def _providers(top: str, _path: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(sorted(set(importlib.metadata.packages_distributions().get(top, []))))
 
 
-def _distribution_files(name: str) -> tuple[str, dict[str, str]] | None:
-    """``(version, path -> RECORD path)`` of an installed distribution, or ``None``.
+def _find_distribution(name: str, site: str | None = None
+                       ) -> importlib.metadata.Distribution | None:
+    """The installed distribution ``name``: in this interpreter, or in directory ``site``."""
+    if site is None:
+        try:
+            return importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    return next(iter(importlib.metadata.distributions(name=name, path=[site])), None)
 
-    Each file is listed by its absolute and its resolved path.
+
+def _distribution_files(name: str, path: tuple[str, ...] | None = None
+                        ) -> tuple[str, dict[str, str], str | None] | None:
+    """``(version, path -> RECORD path, site)`` of an installed distribution, or ``None``.
+
+    Each file is listed by its absolute and its resolved path. ``path``: another
+    interpreter's ``sys_path`` to find it on (``site``: the directory it was found in);
+    ``None``: this interpreter's (``site`` is ``None``).
     """
-    try:
-        dist = importlib.metadata.distribution(name)
-    except importlib.metadata.PackageNotFoundError:
+    site: str | None = None
+    if path is None:
+        dist = _find_distribution(name)
+    else:
+        dist = next(iter(importlib.metadata.distributions(name=name, path=list(path))), None)
+        if dist is not None:
+            site = os.path.abspath(str(dist.locate_file("")))
+    if dist is None:
         return None
     files = {}
     for rel in dist.files or ():
         where = str(dist.locate_file(rel))
         for key in (os.path.abspath(where), os.path.realpath(where)):
             files[key] = Path(str(rel)).as_posix()
-    return str(dist.version), files
+    return str(dist.version), files, site
 
 
 def _read_raw(folder: Path) -> list[dict[str, Any]]:
@@ -153,10 +213,17 @@ def collect(attempt_dir: Path, *, module: str, expected: int, started_ns: int,
     raw = _read_raw(raw_dir(attempt_dir))
     real_base = os.path.realpath(base)
     own = _own_roots(base)
-    env = tuple(p for p in _env_prefixes() if p.startswith(real_base + os.sep))
-    dists = {d: f for d in engine_distributions(module, base)
-             if (f := _distribution_files(d)) is not None}
-    by_path = {p: (d, rel) for d, (_, files) in dists.items() for p, rel in files.items()}
+    foreign_prefixes, foreign_path = _foreign(raw)
+    env = tuple(p for p in (*_env_prefixes(), *foreign_prefixes)
+                if p.startswith(real_base + os.sep))
+    if foreign_path:
+        top = module.split(".", 1)[0].split(":", 1)[0]
+        dists = {d: f for d in _providers_on(top, foreign_path)
+                 if (f := _distribution_files(d, foreign_path)) is not None}
+    else:
+        dists = {d: f for d in engine_distributions(module, base)
+                 if (f := _distribution_files(d)) is not None}
+    by_path = {p: (d, rel) for d, (_, files, _) in dists.items() for p, rel in files.items()}
     dist_roots = tuple({os.path.dirname(p) + os.sep for p in by_path})
     plain_base = os.path.abspath(base) + os.sep
     checkout: dict[str, str] = {}
@@ -191,8 +258,9 @@ def collect(attempt_dir: Path, *, module: str, expected: int, started_ns: int,
         "ranks_recorded": ranks if ranks else list(range(min(len(raw), max(1, expected)))),
         "processes_recorded": len(raw),
         "checkout": checkout,
-        "distributions": {d: {"version": v, "files": in_dists[d]}
-                          for d, (v, _) in dists.items()},
+        "distributions": {d: {"version": v, "files": in_dists[d],
+                              **({"site": site} if site is not None else {})}
+                          for d, (v, _, site) in dists.items()},
         "modified_during_launch": sorted(modified), "top_level": names}]}
     schema.validate(doc, SCHEMA, what=str(attempt_dir / IMPORTS_FILE))
     atomic.write_json(attempt_dir / IMPORTS_FILE, doc)
@@ -280,7 +348,8 @@ def record_changes(doc: Mapping[str, Any], root: Path,
     Returns:
         One line per problem, sorted: ``path`` (changed), ``path (removed)``, ``path
         (modified during launch L)``, ``dist: path`` / ``dist: path (removed)`` for a
-        plugin's files, ``dist not installed here: N imported files cannot be checked``,
+        plugin's files (looked up in its recorded ``site`` when it ran in another
+        interpreter), ``dist not installed here: N imported files cannot be checked``,
         ``path (added on the launch path)`` (a module file now at ``root`` under a
         top-level name the processes imported or ``site`` probed, ``sitecustomize``: it
         would shadow what ran), and ``imports not recorded by ranks ... of launch L:
@@ -295,11 +364,12 @@ def record_changes(doc: Mapping[str, Any], root: Path,
             if now != sha:
                 out.add(f"{rel} (removed)" if now is None else rel)
         for dist, rec in launch["distributions"].items():
-            try:
-                installed = importlib.metadata.distribution(dist)
-            except importlib.metadata.PackageNotFoundError:
-                out.add(f"{dist} not installed here: {len(rec['files'])} imported files "
-                        f"cannot be checked")
+            site = rec.get("site")
+            installed = _find_distribution(dist, site)
+            if installed is None:
+                where = f" (in {site})" if site else ""
+                out.add(f"{dist} not installed here{where}: {len(rec['files'])} imported "
+                        f"files cannot be checked")
                 continue
             for rel, sha in rec["files"].items():
                 now = _digest(Path(str(installed.locate_file(rel))), memo)

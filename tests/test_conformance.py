@@ -1,0 +1,125 @@
+"""``qualify harness check``: every missing, mis-shaped or mis-typed output named, one line each.
+
+The complete outputs (the committed torch_tp FP32 TP 1 cells joined back into one launch's
+outputs) conform; any subset of what the comparator reads, dropped, is named item by item
+(hypothesis over the subsets); and a deliberately incomplete harness, registered as an
+engine and launched by the real launcher, fails the CLI check with exit 1 naming each.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.numpy import save_file
+
+from qualify.candidate.conformance import check_outputs_dir, find_reference
+from qualify.contract import default_contract_path, load_contract
+from qualify.errors import ExitCode
+from qualify.resources import repo_root
+
+FIXTURES = Path(__file__).parent / "fixtures" / "plugin_harnesses"
+sys.path.insert(0, str(FIXTURES))
+import incomplete_harness  # noqa: E402  (a test harness module, not a package)
+
+REFERENCE = find_reference(load_contract(default_contract_path()), None)
+ROUNDS = load_contract(default_contract_path()).algorithm.rounds
+
+# what the comparator reads beyond the schema (qualify/compare/rows.py), as drop specs
+# with the finding's expected location
+META_DROPS = {
+    "meta:actor:dtypes.grads": "outputs.json roles.actor.dtypes.grads",
+    "meta:critic:dtypes.optimizer_state": "outputs.json roles.critic.dtypes.optimizer_state",
+    "meta:actor:dtypes.grad_reduction": "outputs.json roles.actor.dtypes.grad_reduction",
+    "meta:critic:replica_consistency": "outputs.json roles.critic.replica_consistency",
+    "meta:actor:lr.round2": "outputs.json roles.actor.lr.round2",
+    "meta:critic:lr.round1": "outputs.json roles.critic.lr.round1",
+}
+
+
+def _write(out: Path, drops: list[str]) -> Path:
+    meta, tensors = incomplete_harness.launch_outputs()
+    incomplete_harness.drop(meta, tensors, drops)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+              str(out / "outputs.safetensors"))
+    (out / "outputs.json").write_text(json.dumps(meta))
+    return out
+
+
+def _findings(out: Path) -> list[str]:
+    found, _ = check_outputs_dir(out, roles=("actor", "critic"), rounds=ROUNDS,
+                                 reference=REFERENCE)
+    return [str(f) for f in found]
+
+
+def test_the_complete_outputs_conform(tmp_path: Path) -> None:
+    """The check passes real complete outputs: it does not fail everything."""
+    assert _findings(_write(tmp_path, [])) == []
+
+
+_TENSORS = sorted(incomplete_harness.launch_outputs()[1])
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tensors=st.lists(st.sampled_from(_TENSORS), max_size=4, unique=True),
+       metas=st.lists(st.sampled_from(sorted(META_DROPS)), max_size=3, unique=True))
+def test_every_dropped_output_is_named(tmp_path_factory: pytest.TempPathFactory,
+                                       tensors: list[str], metas: list[str]) -> None:
+    """Any subset of the tensors and of the meta items the comparator reads, dropped: each is
+    a finding of its own naming it; nothing is reported when nothing was dropped."""
+    out = _write(tmp_path_factory.mktemp("drop"), [f"tensor:{t}" for t in tensors] + metas)
+    found = _findings(out)
+    wheres = [f.split(": ", 1)[0] for f in found]
+    for name in tensors:
+        padded = name.endswith("_padded") and not any(
+            t.endswith(name.split("/", 1)[1]) for t in _TENSORS if t not in tensors)
+        assert f"outputs.safetensors {name}" in wheres or padded, (name, found)
+    for spec in metas:
+        assert any(w.startswith(META_DROPS[spec]) for w in wheres), (spec, found)
+    assert bool(found) == bool(tensors or metas)
+
+
+def test_mis_shaped_and_mis_typed_tensors_are_named(tmp_path: Path) -> None:
+    name = "round1/actor/logprobs"
+    found = _findings(_write(tmp_path, [f"reshape:{name}", "int:round1/critic/values"]))
+    assert any(f.startswith(f"outputs.safetensors {name}: shape [1,") for f in found), found
+    assert "outputs.safetensors round1/critic/values: dtype I64, expected F32 (or F64)" \
+        in found, found
+
+
+def test_an_incomplete_harness_fails_the_cli_check_naming_each_output(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A test engine registered like a plugin and launched by the real launcher."""
+    from qualify import registry
+    from qualify.cli.main import main
+
+    drops = ["tensor:round1/actor/logprobs_padded", "tensor:round2/critic/values",
+             "meta:actor:dtypes", "meta:critic:lr.round2"]
+    monkeypatch.setenv("INCOMPLETE_DROPS", json.dumps(drops))
+    monkeypatch.setenv("PYTHONPATH", str(FIXTURES))
+    spec = registry.EngineSpec(name="incomplete", entry="incomplete_harness:main",
+                               source="tests")
+    registry.register_engine(spec)
+    try:
+        rc = main(["harness", "check", "incomplete", "--out", str(tmp_path / "chk")])
+    finally:
+        registry.ENGINES.reset()
+    out = capsys.readouterr().out
+    assert rc == ExitCode.QUALIFICATION_FAILED, out
+    lines = out.splitlines()
+    assert "outputs.safetensors round2/critic/values: missing" in lines
+    assert any(x.startswith("outputs.safetensors round<r>/actor/logprobs_padded: missing")
+               for x in lines), out
+    assert any(x.startswith("outputs.json roles.actor.dtypes: missing") for x in lines), out
+    assert "outputs.json roles.critic.lr.round2: missing" in lines
+    assert "harness SDK / protocol version: not declared" in lines
+    assert lines[-1].startswith("harness check incomplete: ")
+    assert repo_root() / "references" in REFERENCE.parents
