@@ -94,6 +94,7 @@ def test_mis_shaped_and_mis_typed_tensors_are_named(tmp_path: Path) -> None:
         in found, found
 
 
+@pytest.mark.slow
 def test_an_incomplete_harness_fails_the_cli_check_naming_each_output(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:

@@ -155,7 +155,8 @@ def _tensor_findings(header: Mapping[str, Any], meta: Mapping[str, Any]) -> list
 
 def _one_number(name: str, shape: Sequence[int]) -> bool:
     """Whether the comparator reads tensor ``name`` as one number (a scalar family or a loss
-    term: :func:`qualify.statistics.measure`'s rule, on its own keying of the name)."""
+    term: :func:`qualify.statistics.measure`'s rule, on its own keying of the name).
+    """
     import numpy as np
 
     from qualify.statistics import FAMILY_STATISTIC, group_tensors

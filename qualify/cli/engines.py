@@ -13,6 +13,7 @@ wrong (each problem on its own line), 2 for a usage error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 from pathlib import Path
@@ -40,10 +41,8 @@ def engine_rows() -> list[dict[str, Any]]:
             continue
         source = spec.source
         if source != "builtin":
-            try:
+            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
                 source = f"{source} {importlib.metadata.version(source)}"
-            except importlib.metadata.PackageNotFoundError:
-                pass
         try:
             interp = engine_command(name)
         except QualifyError as exc:
