@@ -124,3 +124,25 @@ def test_an_incomplete_harness_fails_the_cli_check_naming_each_output(
     assert "harness SDK / protocol version: not declared" in lines
     assert lines[-1].startswith("harness check incomplete: ")
     assert repo_root() / "references" in REFERENCE.parents
+
+
+def test_the_pytest_helper_fails_naming_every_finding(tmp_path: Path) -> None:
+    """``qualify.testing.assert_conforms``: silent on a conforming result, else one
+    AssertionError whose lines are the findings."""
+    from qualify.candidate.conformance import CheckResult, Finding
+    from qualify.testing import assert_conforms
+
+    ok = CheckResult(engine="e", attempt_dir=tmp_path, findings=(), versions={}, wall_s=0.0)
+    assert_conforms(ok)
+    bad = CheckResult(engine="e", attempt_dir=tmp_path, wall_s=0.0,
+                      versions={"harness SDK / protocol version": "not declared"},
+                      findings=(Finding(where="outputs.json roles.actor.dtypes",
+                                        problem="missing"),
+                                Finding(where="outputs.safetensors round1/actor/logprobs",
+                                        problem="missing")))
+    with pytest.raises(AssertionError) as info:
+        assert_conforms(bad)
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("harness check e: 2 problem(s)")
+    assert lines[2:] == ["outputs.json roles.actor.dtypes: missing",
+                         "outputs.safetensors round1/actor/logprobs: missing"]

@@ -154,8 +154,10 @@ def _tensor_findings(header: Mapping[str, Any], meta: Mapping[str, Any]) -> list
 
 
 def _one_number(name: str, shape: Sequence[int]) -> bool:
-    """Whether the comparator reads tensor ``name`` as one number (a scalar family or a loss
-    term: :func:`qualify.statistics.measure`'s rule, on its own keying of the name).
+    """Whether the comparator reads tensor ``name`` as one number.
+
+    A scalar family or a loss term: :func:`qualify.statistics.measure`'s rule, on its own
+    keying of the name (:func:`qualify.statistics.group_tensors`).
     """
     import numpy as np
 
@@ -165,7 +167,7 @@ def _one_number(name: str, shape: Sequence[int]) -> bool:
     return key.family == "losses" or FAMILY_STATISTIC.get(key.family) == "abs"
 
 
-def _role_findings(role: str, header: Mapping[str, Any], meta: Mapping[str, Any],
+def _role_findings(role: str, *, header: Mapping[str, Any], meta: Mapping[str, Any],
                    expected: Mapping[str, Any], sealed_lr: Mapping[str, Any] | None,
                    rounds: int) -> list[Finding]:
     """What the comparator's row builders find missing or wrong for one role."""
@@ -255,8 +257,9 @@ def check_outputs_dir(output_dir: Path, *, roles: Sequence[str], rounds: int,
                      **(role_metas.get(role) or {})}  # as the candidate stage splits it
         expected = {k: v for k, v in expected_all.items() if k.split("/")[1:2] == [role]}
         sealed = (lr_meta.get(role) or {}).get("lr") if isinstance(lr_meta, dict) else None
-        findings += _role_findings(role, header, role_meta, expected,
-                                   sealed if isinstance(sealed, dict) else None, rounds)
+        findings += _role_findings(role, header=header, meta=role_meta, expected=expected,
+                                   sealed_lr=sealed if isinstance(sealed, dict) else None,
+                                   rounds=rounds)
     return findings, _versions(meta)
 
 
