@@ -150,6 +150,8 @@ def test_a_foreign_interpreter_s_plugin_is_hashed_where_it_is_installed(
         "version": "0.3", "site": str(site), "files": {
             "qforeign/__init__.py": _sha(site / "qforeign" / "__init__.py"),
             "qforeign/harness.py": _sha(site / "qforeign" / "harness.py")}}}
+    assert rec["interpreter"] == {"executables": [str(venv / "bin" / "python")],
+                                  "packages": {"qforeign": "0.3"}}
     assert imports.record_changes(doc, root) == []
     (site / "qforeign" / "harness.py").write_text("def main(argv): return 1\n")
     assert imports.record_changes(doc, root) == ["qforeign: qforeign/harness.py"]

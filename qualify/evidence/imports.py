@@ -17,7 +17,10 @@ removes them. A file is kept when it is
   :mod:`qualify.candidate.interpreter`; its processes' records name their own
   ``prefixes`` and ``sys_path``), the distribution is looked up on that interpreter's
   ``sys_path``, and its entry also names the ``site`` directory it was found in, where
-  :func:`record_changes` looks for it again. Files of that interpreter's own trees are
+  :func:`record_changes` looks for it again; the launch's ``interpreter`` entry names that
+  interpreter and the versions of every distribution there whose modules the ranks
+  imported (torch, transformers: qualify's own environment record cannot see them).
+  Files of that interpreter's own trees are
   never ``checkout`` files, even when the venv lies inside the checkout. A plugin of
   another interpreter installed in editable mode from this checkout (``examples/``) is
   ``checkout`` code like any file there.
@@ -89,10 +92,18 @@ def _foreign(raw: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, ...], tuple[s
     return tuple(prefixes), tuple(path)
 
 
-def _providers_on(top: str, path: tuple[str, ...]) -> tuple[str, ...]:
-    """The distributions on ``path`` (another interpreter's) whose files hold ``top``."""
-    found: set[str] = set()
+def _top_levels_on(path: tuple[str, ...]) -> dict[str, dict[str, str]]:
+    """Top-level module name -> {distribution: version} of the distributions on ``path``.
+
+    ``path``: another interpreter's ``sys.path``; each distribution's ``top_level.txt``
+    and the first part of each file it installed (what
+    :func:`importlib.metadata.packages_distributions` reads, for a foreign path).
+    """
+    out: dict[str, dict[str, str]] = {}
     for dist in importlib.metadata.distributions(path=list(path)):
+        name = dist.metadata["Name"]
+        if not name:
+            continue
         names = set((dist.read_text("top_level.txt") or "").split())
         for rel in dist.files or ():
             parts = Path(str(rel)).parts
@@ -100,9 +111,9 @@ def _providers_on(top: str, path: tuple[str, ...]) -> tuple[str, ...]:
                 names.add(parts[0])
             elif parts and parts[0].endswith(".py"):
                 names.add(parts[0][:-3])
-        if top in names and dist.metadata["Name"]:
-            found.add(str(dist.metadata["Name"]))
-    return tuple(sorted(found))
+        for top in names:
+            out.setdefault(top, {}).setdefault(str(name), str(dist.version))
+    return out
 
 
 def _env_prefixes() -> tuple[str, ...]:
@@ -216,10 +227,18 @@ def collect(attempt_dir: Path, *, module: str, expected: int, started_ns: int,
     foreign_prefixes, foreign_path = _foreign(raw)
     env = tuple(p for p in (*_env_prefixes(), *foreign_prefixes)
                 if p.startswith(real_base + os.sep))
+    interpreter: dict[str, Any] | None = None
     if foreign_path:
         top = module.split(".", 1)[0].split(":", 1)[0]
-        dists = {d: f for d in _providers_on(top, foreign_path)
+        tops = _top_levels_on(foreign_path)
+        dists = {d: f for d in sorted(tops.get(top, {}))
                  if (f := _distribution_files(d, foreign_path)) is not None}
+        imported_tops = {str(n) for d in raw for n in d.get("modules") or ()}
+        interpreter = {
+            "executables": sorted({str(d["executable"]) for d in raw
+                                   if isinstance(d.get("executable"), str)}),
+            "packages": dict(sorted((dist, version) for t in imported_tops
+                                    for dist, version in tops.get(t, {}).items()))}
     else:
         dists = {d: f for d in engine_distributions(module, base)
                  if (f := _distribution_files(d)) is not None}
@@ -261,7 +280,8 @@ def collect(attempt_dir: Path, *, module: str, expected: int, started_ns: int,
         "distributions": {d: {"version": v, "files": in_dists[d],
                               **({"site": site} if site is not None else {})}
                           for d, (v, _, site) in dists.items()},
-        "modified_during_launch": sorted(modified), "top_level": names}]}
+        "modified_during_launch": sorted(modified), "top_level": names,
+        **({"interpreter": interpreter} if interpreter is not None else {})}]}
     schema.validate(doc, SCHEMA, what=str(attempt_dir / IMPORTS_FILE))
     atomic.write_json(attempt_dir / IMPORTS_FILE, doc)
     shutil.rmtree(raw_dir(attempt_dir), ignore_errors=True)

@@ -1,0 +1,1 @@
+"""An out-of-tree qualify engine: ``example_tp1`` (see ``docs/engine-guide.md``)."""
