@@ -19,8 +19,8 @@ python3.11 -m venv "$venv"
 py="$venv/bin/python"
 "$py" -m pip install -q torch==2.13.0           # the CPU wheel on disk (scripts/install.sh)
 # the harness's own dependencies, and those of the qualify modules the built-in torch_tp
-# round loop it delegates to imports (qualify.contract: jsonschema)
-"$py" -m pip install -q transformers==4.57.6 safetensors numpy jsonschema
+# round loop it delegates to imports (qualify.contract: jsonschema; qualify.atomic: psutil)
+"$py" -m pip install -q transformers==4.57.6 safetensors numpy jsonschema psutil
 "$py" -m pip install -q --no-deps --no-build-isolation -e examples/qualify-example-engine
 "$py" - <<'PY'
 import importlib.metadata as md

@@ -249,6 +249,8 @@ def check_outputs_dir(output_dir: Path, *, roles: Sequence[str], rounds: int,
     else:
         header = _header(tensors_path)
         findings += _tensor_findings(header, meta)
+    if not meta or not header:  # nothing to check item by item: the missing file says it
+        return findings, _versions(meta)
     expected_all = _header(reference / HF_REFERENCE_DIR / hf_tensors_file(PRECISION))
     lr_meta = _update_meta(reference).get(f"hf-{PRECISION}", {})
     role_metas = meta.get("roles") if isinstance(meta.get("roles"), dict) else {}
