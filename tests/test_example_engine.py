@@ -86,7 +86,8 @@ def test_the_example_passes_in_its_own_venv_and_an_edit_makes_it_stale(tmp_path:
     (run_dir,) = (tmp_path / "ev" / "example-tp1").glob("2*Z")
     report = json.loads((run_dir / "report.json").read_text())
     cells = {c["cell"]: c["verdict"] for c in report["cells"]}
-    assert cells and set(cells.values()) == {"PASS"}, cells
+    assert cells, report
+    assert set(cells.values()) == {"PASS"}, cells
     record = json.loads((run_dir / "cells" / next(iter(cells)) / "attempt-1" /
                          "imports.json").read_text())
     (launch,) = record["launches"]
