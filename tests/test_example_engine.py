@@ -31,6 +31,7 @@ EXAMPLE = ROOT / "examples" / "qualify-example-engine"
 VENV = Path(os.environ.get("QUALIFY_EXAMPLE_VENV", ROOT / ".venv-example"))
 PYTHON = VENV / "bin" / "python"
 HARNESS = "src/qualify_example_engine/harness.py"
+pytestmark = pytest.mark.slow  # minutes: a reference stage, a run and two gates (.ci/run runs it)
 
 if not PYTHON.is_file():
     if os.environ.get("QUALIFY_REQUIRE_EXAMPLE") == "1":
