@@ -76,7 +76,7 @@ def test_a_foreign_interpreter_runs_torchrun_and_the_runner_never_the_warm_launc
     prefix = ["/bin/env", "A=1", sys.executable]
     for launcher in ("warm", "torchrun", None):
         cmd = launch_command(tmp_path / "cell.json", module="pkg.harness", world_size=2,
-                             log_dir=tmp_path, env={}, launcher=launcher,  # type: ignore[arg-type]
+                             log_dir=tmp_path, env={}, launcher=launcher,
                              preload=("x",), python=prefix)
         assert cmd[:5] == [*prefix, "-m", "torch.distributed.run"]
         assert cmd[-3:] == [str(interpreter.RUNNER), "pkg.harness", str(tmp_path / "cell.json")]

@@ -209,10 +209,10 @@ def _role_findings(role: str, *, header: Mapping[str, Any], meta: Mapping[str, A
             continue  # a wrong lr value is a numerical finding, not a conformance one
         section = "dtypes" if row.family == "dtypes" else "replica_consistency"
         table = row.detail.table if row.detail is not None else ((row.where, "?", "?"),)
-        for item, got, want in table:
-            where = item if str(item).startswith(section) else f"{section}.{item}"
+        for item, obtained, wanted in table:
+            where = str(item) if str(item).startswith(section) else f"{section}.{item}"
             out.append(Finding(where=f"{OUTPUTS_META_FILE} roles.{role}.{where}",
-                               problem=f"{got}, expected {want}"))
+                               problem=f"{obtained}, expected {wanted}"))
     return out
 
 

@@ -103,7 +103,7 @@ def output_dir_or_none(value: str | None) -> Path | None:
     return None if value is None else output_dir(value, "--out")
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     """Add ``engines`` and ``harness`` to the subcommands."""
     p = sub.add_parser("engines", help="list the registered engines: source, axes, options, "
                                        "capabilities, interpreter")
