@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
 import importlib
 import importlib.metadata
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Generic, Literal, TypeVar
 
 from qualify.errors import ContractError, HarnessError, QualifyError, UsageError
@@ -173,6 +174,11 @@ class EngineSpec:
             BF16-cast parameters) or ``autocast`` (FP32 parameters under
             ``torch.autocast``); its BF16 cells are compared with the HF reference run of
             the same style, under that style's controls.
+        algorithms: the algorithm variants beyond the protocol's base update the harness
+            implements, as ``fnmatch`` patterns over
+            :meth:`qualify.contract.AlgorithmSpec.variants` (``policy_loss=gspo``,
+            ``clip_ratio_high=*``); a contract using one it does not match makes every
+            cell of the engine ``NOT_RUN`` naming the variant (:meth:`unavailable_reason`).
         description: one line for listings and reports.
         source: ``builtin`` or the distribution that declared the entry point.
 
@@ -196,6 +202,7 @@ class EngineSpec:
     groups_topologies: bool = False
     warm_imports: tuple[str, ...] = ()
     bf16_style: str = "params"
+    algorithms: tuple[str, ...] = ()
     description: str = ""
     source: str = "builtin"
 
@@ -264,13 +271,22 @@ class EngineSpec:
             return cell.world_size * int(cell.options.get("dp", BASE_DEGREE))
         return cell.world_size
 
-    def unavailable_reason(self, cuda_available: bool | None = None) -> str | None:
+    def unavailable_reason(self, cuda_available: bool | None = None, *,
+                           variants: Sequence[str] = ()) -> str | None:
         """Why this engine cannot run on this machine (a ``NOT_RUN`` reason), else ``None``.
 
         Args:
             cuda_available: override the probe (tests); ``None`` asks torch (imported
                 lazily, without ``torch.distributed``).
+            variants: the contract's algorithm variants
+                (:meth:`qualify.contract.AlgorithmSpec.variants`); one that
+                :attr:`algorithms` does not match is the reason.
         """
+        lacking = [v for v in variants
+                   if not any(fnmatch.fnmatchcase(v, p) for p in self.algorithms)]
+        if lacking:
+            return (f"engine {self.name!r} does not implement the contract's algorithm "
+                    f"variant {', '.join(lacking)}")
         missing = [m for m in self.requires if not _module_installed(m)]
         if missing:
             return (f"engine {self.name!r} is not installed here (no module "
