@@ -294,6 +294,10 @@ class AlgorithmSpec:
         rollout_is_threshold: ``C > 0`` (verl ``rollout_is_threshold``, TRL
             ``vllm_importance_sampling_cap``); required with ``rollout_is``.
         rollout_is_threshold_low: ``C_low`` of ``mask`` (``None``: 0).
+        kl_loss_bias_correction: the KL loss term is weighted by the differentiable policy
+            ratio (token ratio; GSPO's sequence ratio under ``gspo``):
+            :func:`qualify.reference.losses.ratio_weighted_kl` (DeepSeek-V3.2; TRL
+            ``use_bias_correction_kl``, on by default in TRL 1.16).
 
     Raises:
         ContractError: a cap <= 1, a cap or cap mode on a non-``decoupled_ppo`` contract,
@@ -333,6 +337,7 @@ class AlgorithmSpec:
     rollout_is_mode: Literal["truncate", "mask"] = "truncate"
     rollout_is_threshold: float | None = None
     rollout_is_threshold_low: float | None = None
+    kl_loss_bias_correction: bool = False
 
     @property
     def clip_low(self) -> float:
@@ -373,6 +378,8 @@ class AlgorithmSpec:
                            ("kl_loss_estimator", self.kl_loss_estimator)):
             if est not in ("k1", "k2", "k3"):
                 out.append(f"{field}={est}")
+        if self.kl_loss_bias_correction:
+            out.append("kl_loss_bias_correction=true")
         if self.loss_agg_mode in ("token-sum", "seq-mean-token-sum-norm"):
             out.append(f"loss_agg_mode={self.loss_agg_mode}")
         if self.rollout_is is not None:

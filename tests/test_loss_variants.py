@@ -150,6 +150,21 @@ def test_kl_golden(estimator: str) -> None:
     _close(g, want_g)
 
 
+def test_ratio_weighted_kl_golden() -> None:
+    """r k3 with r = 2, x = logp - ref = ln 2: value 2 (ln 2 - 1/2) = 2 ln 2 - 1; gradient
+    r k3 + r (1 - e^{-x}) = 2 ln 2 - 1 + 1 = 2 ln 2. At r = 1 (round 1) the value is k3 and
+    the gradient k3 + (1 - e^{-x})."""
+    ref = torch.tensor([[-2.0, -2.0]], dtype=torch.float64)
+    lp = (ref + L2).requires_grad_()
+    old = torch.stack([lp.detach()[0, 0] - L2, lp.detach()[0, 1]])[None]  # r = 2, r = 1
+    kl = losses.kl_estimate(lp, ref, "k3")
+    v, g = _value_grad(losses.ratio_weighted_kl(kl, lp, old, torch.ones(1, 2)), lp)
+    _close(v, [2 * L2 - 1, L2 - 0.5])
+    _close(g, [2 * L2, L2])
+    with pytest.raises(ValueError, match="level"):
+        losses.ratio_weighted_kl(kl, lp, old, torch.ones(1, 2), level="batch")
+
+
 def test_kl_unknown() -> None:
     with pytest.raises(ValueError, match="unknown KL estimator 'k4'"):
         losses.kl_estimate(torch.zeros(1, 1), torch.zeros(1, 1), "k4")

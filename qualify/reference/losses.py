@@ -170,6 +170,38 @@ def kl_estimate(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.
     return k2 - k2.detach() + value.detach()
 
 
+def ratio_weighted_kl(kl: torch.Tensor, logp: torch.Tensor, old: torch.Tensor,
+                      mask: torch.Tensor, *, level: str = "token") -> torch.Tensor:
+    """The KL estimate weighted by the (differentiable) policy ratio: ``r · k``.
+
+    Samples come from ``π_old``; ``E_{π_old}[r k(π_θ, π_ref)]`` with ``r = π_θ / π_old`` is
+    the KL of ``π_θ`` itself, and its gradient the unbiased reverse-KL gradient (DeepSeek-AI
+    2025, "DeepSeek-V3.2", arXiv 2512.02556, the unbiased KL estimate of its GRPO objective;
+    TRL ``use_bias_correction_kl``). ``r`` is not detached: at ``r = 1`` (round 1) the
+    value is ``k`` but the gradient gains ``k ∂r/∂logp = k``. ``level = "sequence"``
+    weights every token by GSPO's sequence ratio ``s_b`` (:func:`gspo`).
+
+    Args:
+        kl: ``[B, R]`` per-token estimate (:func:`kl_estimate`).
+        logp: ``[B, R]`` current logprobs (differentiated).
+        old: ``[B, R]`` the ratio's denominator (detached by the caller).
+        mask: ``[B, R]`` 0/1 response mask (for the sequence ratio).
+        level: ``token`` or ``sequence``.
+
+    Returns:
+        ``[B, R]`` weighted estimate.
+
+    Raises:
+        ValueError: an unknown level.
+    """
+    if level == "token":
+        return torch.exp(logp - old) * kl
+    if level == "sequence":
+        m = mask.to(logp.dtype)
+        return torch.exp(((logp - old) * m).sum(-1) / m.sum(-1).clamp(min=1.0))[:, None] * kl
+    raise ValueError(f"level: expected token or sequence, got {level!r}")
+
+
 def rollout_correction_weights(old: torch.Tensor, behavior: torch.Tensor,
                                mask: torch.Tensor, *, level: str, mode: str,
                                threshold: float,

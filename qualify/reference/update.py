@@ -503,8 +503,12 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
                 clipped_tokens += float((clipped.float() * mask).sum())
                 agg = mask * row_w[s, None]  # [b, R]: 1 on valid tokens for token-mean
                 policy = (pg * agg).sum() / denom
-                kl = alg.kl_loss_coef * (losses.kl_estimate(logp, ref_logp[s],
-                                                            alg.kl_loss_estimator) * agg).sum()
+                kl_tok = losses.kl_estimate(logp, ref_logp[s], alg.kl_loss_estimator)
+                if alg.kl_loss_bias_correction:
+                    kl_tok = losses.ratio_weighted_kl(
+                        kl_tok, logp, old, mb.response_mask,
+                        level="sequence" if alg.policy_loss == "gspo" else "token")
+                kl = alg.kl_loss_coef * (kl_tok * agg).sum()
                 kl = kl / denom
                 ent_loss = -alg.entropy_coef * (ent * agg).sum() / denom
                 sens.add(round_, {"policy": policy, "kl": kl, "entropy": ent_loss, "total":
