@@ -11,7 +11,7 @@ paper puts a stop-gradient) is what a stack can get wrong while the value still 
 from __future__ import annotations
 
 import math
-from fractions import Fraction as F
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -26,9 +26,10 @@ from qualify.reference import losses
 from qualify.registry import EngineSpec
 
 LN = math.log
+F = Fraction
 
 
-def _logp(ratios: list[F], old: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+def _logp(ratios: list[Fraction], old: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logp [1, T] requiring grad, old [1, T])`` with ``exp(logp - old) = ratio``."""
     o = torch.tensor([old], dtype=torch.float64)
     lp = (o + torch.tensor([[LN(r) for r in ratios]], dtype=torch.float64)).requires_grad_()
@@ -40,7 +41,7 @@ def _value_grad(loss: torch.Tensor, lp: torch.Tensor) -> tuple[list[float], list
     return loss.detach().flatten().tolist(), g.flatten().tolist()
 
 
-def _close(got: list[float], want: list[F | float]) -> None:
+def _close(got: list[float], want: list[Fraction | float]) -> None:
     assert got == pytest.approx([float(w) for w in want], abs=1e-14, rel=1e-14)
 
 
@@ -248,7 +249,8 @@ def test_variants_agree_on_policy(log_r: list[float], adv: list[float], eps: flo
                                               mode="truncate", threshold=1.5)
         k = losses.rollout_correction_weights(old, torch.zeros_like(old), m, level=level,
                                               mode="mask", threshold=1.5)
-        assert bool((t <= raw).all()) and bool(((k == raw) | (k == 0)).all())
+        assert bool((t <= raw).all())
+        assert bool(((k == raw) | (k == 0)).all())
 
 
 # ------------------------------------------------------ the contract names, engines refuse
@@ -298,7 +300,9 @@ def test_engine_without_variant_is_not_run() -> None:
     alg = _alg(policy_loss="cispo", clip_ratio_high=0.28)
     plain = EngineSpec(name="plain", entry="harnesses.plain.harness:main")
     why = plain.unavailable_reason(False, variants=alg.variants())
-    assert why is not None and "policy_loss=cispo" in why and "clip_ratio_high=0.28" in why
+    assert why is not None
+    assert "policy_loss=cispo" in why
+    assert "clip_ratio_high=0.28" in why
     able = EngineSpec(name="able", entry="harnesses.able.harness:main",
                       algorithms=("policy_loss=cispo", "clip_ratio_high=*"))
     assert able.unavailable_reason(False, variants=alg.variants()) is None

@@ -1,1 +1,1 @@
-"""The TRL stack adapter (``harnesses/trl/README.md``): TRL's own GRPO update on qualify's inputs."""
+"""The TRL stack adapter (``harnesses/trl/README.md``): TRL's own GRPO update."""

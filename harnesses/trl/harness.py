@@ -23,10 +23,11 @@ TRL itself computed in round 1; round 1: absent, TRL then uses its current ones,
 ``ref_per_token_logps`` (``beta != 0``: TRL's ``_get_per_token_logps_and_entropies`` on its
 own reference model) and ``num_items_in_batch`` (the batch's valid tokens, for ``dapo`` /
 ``cispo``). Reported: the logprobs and entropies TRL's loss used (captured from its own call,
-masked to 0 off the response mask), ``loss/total`` (the sum of TRL's micro-batch losses),
-``grad_norm``, ``clip_coef`` (measured: the norm of the clipped gradients over the norm of
-the unclipped ones), the pre-clip FP32 gradients, AdamW's moments and the updates under HF
-names, the lr applied, and round 1's padding rerun. Nothing of TRL's numbers is recomputed
+masked to 0 off the response mask), ``grad_norm``, ``clip_coef`` (measured: the norm of the
+clipped gradients over the norm of the unclipped ones), the pre-clip FP32 gradients, AdamW's moments and the updates under HF
+names, the lr applied, and round 1's padding rerun; TRL's loss (the sum of its micro-batch
+losses) per round goes to ``engine_info.loss_total``, and the ``losses`` and ``rewards``
+families are declared not run (:data:`NOT_RUN`). Nothing of TRL's numbers is recomputed
 or corrected here.
 """
 
@@ -51,13 +52,32 @@ from qualify.protocol import HarnessCell
 
 ENGINE: Final = "trl"
 PACKAGES: Final = ("torch", "trl", "transformers", "accelerate")
+NOT_RUN: Final = (
+    {"round": None, "family": "losses",
+     "reason": "GRPOTrainer.compute_loss returns one loss (policy + beta KL + entropy bonus, "
+               "aggregated): no per-term split; its total per round is engine_info.loss_total"},
+    {"round": None, "family": "rewards",
+     "reason": "the TRL adapter runs GRPOTrainer's update on the frozen rollout; it scores no "
+               "reward model"},
+)
+"""Families the adapter declares not run (:func:`qualify.compare.rows.declared_not_run`)."""
+FAULTS: Final = ("completion_mask_shifted", "temperature_not_passed")
+"""Deliberate translation bugs for the test suite (``cell.faults``; never in a real run),
+at the places marked ``# FAULT(<name>)``: ``completion_mask_shifted``: TRL's loss mask is
+the rollout's response mask rolled right by one token (the off-by-one of a prompt/response
+boundary); ``temperature_not_passed``: ``GRPOConfig.temperature`` is left at 1.0 instead of
+the contract's sampling temperature (the trainer's logprobs then refer to another
+distribution than the sampler's, TRL #4159)."""
 EXTRA_RIGHT_PADDING: Final = 3
 """Pad columns appended for the padding-invariance rerun (attention 0)."""
 
 
 def _tokenizer(vocab_size: int, pad_id: int, eos_id: int) -> Any:
-    """A word-level tokenizer over ids ``t0..t{V-1}``: GRPOTrainer needs a processing class,
-    and the frozen rollout is already token ids (nothing is tokenized)."""
+    """A word-level tokenizer over ids ``t0..t{V-1}``.
+
+    GRPOTrainer needs a processing class; the frozen rollout is already token ids (nothing
+    is tokenized).
+    """
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
@@ -110,6 +130,9 @@ def run(cell: HarnessCell) -> None:
     lacking = translate.unsupported(alg, tuple(c.matrix.roles))
     if lacking:
         raise HarnessError(f"TRL does not implement the contract's variant {', '.join(lacking)}")
+    unknown = sorted(set(cell.faults) - set(FAULTS))
+    if unknown:
+        raise HarnessError(f"unknown fault(s) {unknown}; trl knows {list(FAULTS)}")
     if (cell.actor_tp, cell.critic_tp) != (1, 0) or cell.precision not in ("fp32", "bf16"):
         raise HarnessError(f"cell {cell.actor_tp=} {cell.critic_tp=} {cell.precision=}: the TRL "
                            "adapter runs the actor alone, TP 1, fp32 or bf16")
@@ -162,7 +185,10 @@ class _ActorRun(common.RoleOutputs):
             report_to="none", save_strategy="no", logging_strategy="no", seed=self.cell.seed,
             per_device_train_batch_size=mbs, gradient_accumulation_steps=steps,
             steps_per_generation=steps, num_generations=c.sampling.samples_per_prompt,
-            num_iterations=alg.rounds, temperature=c.sampling.temperature,
+            num_iterations=alg.rounds,
+            # FAULT(temperature_not_passed)
+            temperature=1.0 if "temperature_not_passed" in self.cell.faults
+            else c.sampling.temperature,
             learning_rate=opt.actor_lr, adam_beta1=opt.betas[0], adam_beta2=opt.betas[1],
             adam_epsilon=opt.eps, weight_decay=opt.weight_decay, max_grad_norm=opt.max_grad_norm,
             lr_scheduler_type=opt.lr_schedule if opt.lr_schedule != "constant" else
@@ -187,7 +213,9 @@ class _ActorRun(common.RoleOutputs):
         out = {"prompt_ids": b.input_ids[:, :p], "prompt_mask": b.attention_mask[:, :p],
                "completion_ids": b.responses, "completion_mask": b.attention_mask[:, p:],
                "advantages": b.advantages, "num_items_in_batch": torch.tensor(float(n_valid))}
-        if not torch.equal(b.mask.long(), b.attention_mask[:, p:].long()):
+        if "completion_mask_shifted" in self.cell.faults:  # FAULT(completion_mask_shifted)
+            out["tool_mask"] = torch.roll(b.mask.long(), 1, dims=1)
+        elif not torch.equal(b.mask.long(), b.attention_mask[:, p:].long()):
             out["tool_mask"] = b.mask.long()
         if old is not None:
             out["old_per_token_logps"] = old[rows]
@@ -196,8 +224,10 @@ class _ActorRun(common.RoleOutputs):
         return out
 
     def scores(self, trainer: Any, model: nn.Module, extra: int = 0) -> Tensor:
-        """TRL's own logprobs of the whole batch, ``[B, R]`` (no gradient; as TRL scores
-        its reference model, without entropies)."""
+        """TRL's own logprobs of the whole batch, ``[B, R]``.
+
+        No gradient; as TRL scores its reference model, without entropies.
+        """
         b = self.inputs.batch
         pad = common.pad_token_id(model)
         p, r = b.prompt_len, b.response_len
@@ -231,6 +261,7 @@ class _ActorRun(common.RoleOutputs):
             slices = common.micro_slices(int(b.input_ids.shape[0]), alg.micro_batch_size)
             old: Tensor | None = None
             lrs: dict[str, float] = {}
+            loss_totals: dict[str, float] = {}
             grad_dtypes: set[str] = set()
             for round_ in range(1, alg.rounds + 1):
                 with self.timed(f"round{round_}_s"), capture.fresh():
@@ -243,14 +274,14 @@ class _ActorRun(common.RoleOutputs):
                     ent = torch.cat(capture.entropies).float()
                     self.put(round_, "logprobs", torch.where(mask, lp, 0.0))
                     self.put(round_, "entropy", torch.where(mask, ent, 0.0))
-                    self.put(round_, "loss/total", torch.tensor(total))
+                    loss_totals[f"round{round_}"] = total
                     if round_ == 1:
                         old = lp.detach()
                     lrs[f"round{round_}"] = self.step(trainer, round_, params, grad_dtypes)
         return {"tp": 1, "global_ranks": [0], "precision": self.cell.precision,
                 "role_timings": self.timings, "model_class": type(model).__name__,
-                "loss_agg_mode": alg.loss_agg_mode, "lr": lrs,
-                "engine_info": {"trainer": "trl.GRPOTrainer",
+                "loss_agg_mode": alg.loss_agg_mode, "lr": lrs, "not_run": NOT_RUN,
+                "engine_info": {"trainer": "trl.GRPOTrainer", "loss_total": loss_totals,
                                 **translate.grpo_config_kwargs(alg,
                                                                response_len=b.response_len),
                                 "grad_dtypes": sorted(grad_dtypes)}}
