@@ -27,8 +27,8 @@ masked to 0 off the response mask), ``grad_norm``, ``clip_coef`` (measured: the 
 clipped gradients over the norm of the unclipped ones), the pre-clip FP32 gradients, AdamW's
 moments and the updates under HF names, the lr applied, and round 1's padding rerun. TRL's
 loss (the sum of its micro-batch losses) per round goes to ``engine_info.loss_total``, and
-the ``losses`` and ``rewards`` families are declared not run (:data:`NOT_RUN`). Nothing of TRL's numbers is recomputed
-or corrected here.
+the ``losses`` and ``rewards`` families are declared not run (:data:`NOT_RUN`). Nothing of
+TRL's numbers is recomputed or corrected here.
 """
 
 from __future__ import annotations
