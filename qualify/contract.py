@@ -241,7 +241,12 @@ class AlgorithmSpec:
         kl_coef: coefficient of the per-token KL penalty folded into the reward.
         kl_estimator: estimator of that KL (k1, k2, k3; Schulman 2020, "Approximating KL").
         kl_loss_coef: coefficient of the KL loss term of the actor.
-        kl_loss_estimator: estimator of the KL loss term.
+        kl_loss_estimator: estimator of the KL loss term (k1, k2, k3).
+        kl_loss_type: verl ``kl_loss_type``'s forms beyond k1 / k2 / k3, the KL loss
+            estimator when set (:func:`qualify.reference.losses.kl_estimate`): ``low_var_kl``
+            (k3 clamped as verl does) and the straight-through ``k1+``, ``k3+``,
+            ``low_var_kl+`` (the estimator's value, k2's gradient). ``None``:
+            ``kl_loss_estimator``.
         clip_ratio: PPO policy clip epsilon.
         value_clip: PPO value clip range.
         entropy_coef: entropy bonus coefficient.
@@ -302,8 +307,8 @@ class AlgorithmSpec:
     Raises:
         ContractError: a cap <= 1, a cap or cap mode on a non-``decoupled_ppo`` contract,
             GRPO fields on a non-``grpo`` one, an advantage estimator ``name`` does not
-            use, a dual clip off ``ppo_clip``, a ``+`` (straight-through) estimator in the
-            reward KL, a scale factor without its mode (or the reverse), or rollout
+            use, a dual clip off ``ppo_clip``, ``kl_loss_type`` beside a non-default
+            ``kl_loss_estimator``, a scale factor without its mode (or the reverse), or rollout
             correction fields that do not fit (the message names the field).
     """
 
@@ -313,8 +318,7 @@ class AlgorithmSpec:
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"
     kl_loss_coef: float = 0.0
-    kl_loss_estimator: Literal["k1", "k2", "k3", "low_var_kl", "k1+", "k3+",
-                               "low_var_kl+"] = "k3"
+    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
     clip_ratio: float
     value_clip: float = 0.2
     entropy_coef: float = 0.0
@@ -338,6 +342,12 @@ class AlgorithmSpec:
     rollout_is_threshold: float | None = None
     rollout_is_threshold_low: float | None = None
     kl_loss_bias_correction: bool = False
+    kl_loss_type: Literal["low_var_kl", "k1+", "k3+", "low_var_kl+"] | None = None
+
+    @property
+    def kl_loss_form(self) -> str:
+        """The KL loss estimator in force: ``kl_loss_type`` if set, else ``kl_loss_estimator``."""
+        return self.kl_loss_estimator if self.kl_loss_type is None else self.kl_loss_type
 
     @property
     def clip_low(self) -> float:
@@ -374,10 +384,10 @@ class AlgorithmSpec:
             out.append(f"clip_ratio_high={self.clip_high}")
         if self.clip_ratio_c is not None:
             out.append(f"clip_ratio_c={self.clip_ratio_c}")
-        for field, est in (("kl_estimator", self.kl_estimator),
-                           ("kl_loss_estimator", self.kl_loss_estimator)):
-            if est not in ("k1", "k2", "k3"):
-                out.append(f"{field}={est}")
+        if self.kl_estimator not in ("k1", "k2", "k3"):
+            out.append(f"kl_estimator={self.kl_estimator}")
+        if self.kl_loss_type is not None:
+            out.append(f"kl_loss_type={self.kl_loss_type}")
         if self.kl_loss_bias_correction:
             out.append("kl_loss_bias_correction=true")
         if self.loss_agg_mode in ("token-sum", "seq-mean-token-sum-norm"):
@@ -416,9 +426,10 @@ class AlgorithmSpec:
             raise ContractError(f"algorithm.clip_ratio_c: dual clip needs policy_loss = "
                                 f"'ppo_clip' and c > 1, got {self.policy_loss!r}, "
                                 f"{self.clip_ratio_c}")
-        if self.kl_estimator.endswith("+"):
-            raise ContractError(f"algorithm.kl_estimator: {self.kl_estimator!r} is a "
-                                "straight-through form, which only a loss term has")
+        if self.kl_loss_type is not None and self.kl_loss_estimator != "k3":
+            raise ContractError(f"algorithm.kl_loss_type: {self.kl_loss_type!r} names the KL "
+                                f"loss estimator; kl_loss_estimator = "
+                                f"{self.kl_loss_estimator!r} would name another one")
         norm = self.loss_agg_mode == "seq-mean-token-sum-norm"
         if norm != (self.loss_scale_factor is not None) or (
                 norm and not (self.loss_scale_factor or 0) > 0):

@@ -11,6 +11,7 @@ paper puts a stop-gradient) is what a stack can get wrong while the value still 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from fractions import Fraction
 
 import numpy as np
@@ -41,7 +42,7 @@ def _value_grad(loss: torch.Tensor, lp: torch.Tensor) -> tuple[list[float], list
     return loss.detach().flatten().tolist(), g.flatten().tolist()
 
 
-def _close(got: list[float], want: list[Fraction | float]) -> None:
+def _close(got: Sequence[float], want: Sequence[Fraction | float]) -> None:
     assert got == pytest.approx([float(w) for w in want], abs=1e-14, rel=1e-14)
 
 
@@ -201,7 +202,7 @@ def test_norm_mode_needs_its_factor() -> None:
 # log(old / behavior): seq 0 = ln 1/2, ln 3, ln 5/4; seq 1 = ln 2, ln 1/4, (masked ln 9)
 RC_LOG = [[LN(F(1, 2)), LN(3), LN(F(5, 4))], [LN(2), LN(F(1, 4)), LN(9)]]
 RC_MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
-RC_GOLDEN = {
+RC_GOLDEN: dict[tuple[str, str, float, float | None], list[list[Fraction | int]]] = {
     # token: rho itself; truncate C = 2: min(rho, 2)
     ("token", "truncate", 2.0, None): [[F(1, 2), 2, F(5, 4)], [2, F(1, 4), 0]],
     # token mask [2/5, 5/2]: 3 and 1/4 fall outside -> 0; 1/2, 5/4 and 2 are kept
@@ -268,11 +269,11 @@ def test_base_contract_has_no_variants() -> None:
 
 
 def test_variants_named() -> None:
-    alg = _alg(policy_loss="gspo", clip_ratio_high=0.28, kl_loss_estimator="low_var_kl+",
+    alg = _alg(policy_loss="gspo", clip_ratio_high=0.28, kl_loss_type="low_var_kl+",
                loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=16.0,
                rollout_is="sequence", rollout_is_mode="mask", rollout_is_threshold=2.0)
     assert alg.variants() == ("policy_loss=gspo", "clip_ratio_high=0.28",
-                              "kl_loss_estimator=low_var_kl+",
+                              "kl_loss_type=low_var_kl+",
                               "loss_agg_mode=seq-mean-token-sum-norm", "rollout_is=sequence_mask")
 
 
@@ -280,7 +281,7 @@ def test_variants_named() -> None:
     ({"advantage_estimator": "gae"}, "algorithm.advantage_estimator"),
     ({"clip_ratio_c": 3.0, "policy_loss": "cispo"}, "algorithm.clip_ratio_c"),
     ({"clip_ratio_c": 1.0}, "algorithm.clip_ratio_c"),
-    ({"kl_estimator": "k3+"}, "algorithm.kl_estimator"),
+    ({"kl_loss_type": "k3+", "kl_loss_estimator": "k1"}, "algorithm.kl_loss_type"),
     ({"loss_agg_mode": "seq-mean-token-sum-norm"}, "algorithm.loss_scale_factor"),
     ({"loss_scale_factor": 4.0}, "algorithm.loss_scale_factor"),
     ({"rollout_is": "token"}, "algorithm.rollout_is_threshold"),

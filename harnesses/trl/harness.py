@@ -167,9 +167,9 @@ class _ActorRun(common.RoleOutputs):
 
     def trainer(self, workdir: Path) -> Any:
         """GRPOTrainer on the actor directory, its config from the contract."""
-        from datasets import Dataset
+        from datasets import Dataset  # type: ignore[import-not-found]
         from transformers import AutoConfig
-        from trl import GRPOConfig, GRPOTrainer
+        from trl import GRPOConfig, GRPOTrainer  # type: ignore[import-not-found]
 
         c, batch = self.inputs.contract, self.inputs.batch
         opt, alg = c.optimizer, c.algorithm
@@ -300,7 +300,12 @@ class _ActorRun(common.RoleOutputs):
         norm = trainer.accelerator.clip_grad_norm_([p for _, p in params],
                                                    trainer.args.max_grad_norm)
         self.put(round_, "grad_norm", torch.as_tensor(float(norm)))
-        num = math.sqrt(sum(float(p.grad.double().square().sum()) for _, p in params))
+        num = 0.0
+        for n, p in params:
+            if p.grad is None:
+                raise HarnessError(f"{n}: the gradient disappeared in TRL's clip")
+            num += float(p.grad.double().square().sum())
+        num = math.sqrt(num)
         den = math.sqrt(sum(float(g.double().square().sum()) for g in pre.values()))
         self.put(round_, "clip_coef", torch.tensor(num / den if den > 0 else 1.0))
         lr = float(trainer.optimizer.param_groups[0]["lr"])

@@ -60,8 +60,9 @@ def unsupported(alg: AlgorithmSpec, roles: tuple[str, ...] = ("actor",)) -> list
         out.append(f"loss_agg_mode={alg.loss_agg_mode}")
     if alg.clip_ratio_c is not None:
         out.append(f"clip_ratio_c={alg.clip_ratio_c} (dual clip)")
-    if alg.kl_loss_coef != 0 and alg.kl_loss_estimator != "k3":
-        out.append(f"kl_loss_estimator={alg.kl_loss_estimator}")
+    if alg.kl_loss_coef != 0 and alg.kl_loss_form != "k3":
+        field = "kl_loss_estimator" if alg.kl_loss_type is None else "kl_loss_type"
+        out.append(f"{field}={alg.kl_loss_form}")
     if alg.entropy_coef != 0 and alg.loss_agg_mode != "token-mean":
         out.append(f"entropy_coef={alg.entropy_coef} with loss_agg_mode="
                    f"{alg.loss_agg_mode} (TRL's entropy bonus is a token mean)")

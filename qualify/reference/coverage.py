@@ -170,7 +170,7 @@ def _policy_rules(contract: Contract, label: str, run: Mapping[str, Array], *,
                          total=n, exercised=bool(m.any()), absent=a) for k, m, a in counts]
         if r >= first_kl:
             ref = ref_logprobs if ref_logprobs is not None else old
-            kl = _kl(cur - np.asarray(ref, np.float64), alg.kl_loss_estimator)
+            kl = _kl(cur - np.asarray(ref, np.float64), alg.kl_loss_form)
             m = valid & (kl != 0)
             active = alg.kl_loss_coef != 0
             out.append(Rule(rule="loss_kl_active", label=label, role="actor", round=r,

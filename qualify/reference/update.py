@@ -503,7 +503,7 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
                 clipped_tokens += float((clipped.float() * mask).sum())
                 agg = mask * row_w[s, None]  # [b, R]: 1 on valid tokens for token-mean
                 policy = (pg * agg).sum() / denom
-                kl_tok = losses.kl_estimate(logp, ref_logp[s], alg.kl_loss_estimator)
+                kl_tok = losses.kl_estimate(logp, ref_logp[s], alg.kl_loss_form)
                 if alg.kl_loss_bias_correction:
                     kl_tok = losses.ratio_weighted_kl(
                         kl_tok, logp, old, mb.response_mask,
