@@ -226,7 +226,7 @@ def test_rollout_correction_golden(case: tuple[str, str, float, float | None]) -
     _close(w.flatten().tolist(), [x for row in RC_GOLDEN[case] for x in row])
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(st.lists(st.floats(-3, 3), min_size=4, max_size=4),
        st.lists(st.sampled_from([-1.0, 1.0, 0.5, -2.0]), min_size=4, max_size=4),
        st.floats(0.05, 0.5))
@@ -308,3 +308,77 @@ def test_engine_without_variant_is_not_run() -> None:
                       algorithms=("policy_loss=cispo", "clip_ratio_high=*"))
     assert able.unavailable_reason(False, variants=alg.variants()) is None
     assert plain.unavailable_reason(False, variants=()) is None
+
+
+# ------------------------------------------- the reference update runs the contract's variant
+
+TINY_CFG = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+            "max_position_embeddings": 64, "tie_word_embeddings": False}
+WIRING = {
+    "asymmetric": {"clip_ratio_high": 0.01, "clip_ratio_low": 0.005},
+    "gspo": {"policy_loss": "gspo", "clip_ratio": 0.01},
+    "cispo": {"policy_loss": "cispo", "clip_ratio_low": 1.0, "clip_ratio_high": 0.01},
+    "tis_sequence": {"rollout_is": "sequence", "rollout_is_threshold": 1e6},
+    "mis_token": {"rollout_is": "token", "rollout_is_mode": "mask", "rollout_is_threshold": 1.0},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", sorted(WIRING))
+def test_reference_update_runs_the_variant(variant: str) -> None:
+    """Round 2's reported policy loss is the variant's, recomputed in FP64 from the run's own
+    reported logprobs, and differs from plain PPO's: the update does not ignore the field.
+
+    (Dual clip is not here: on this batch no negative-advantage token's ratio rises above
+    ``c``; its dispatch passes ``clip_ratio_c`` straight to :func:`losses.ppo_clip`.)
+    """
+    import copy
+    import dataclasses
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from qualify.contract import load_contract
+    from qualify.protocol import ParamSampling
+    from qualify.reference.update import Batch, UpdateSettings, run_actor
+    from qualify.resources import contracts_dir
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(**TINY_CFG)
+    cfg._attn_implementation = "sdpa"
+    actor = Qwen3ForCausalLM(cfg)
+    g = torch.Generator().manual_seed(5)
+    mask = torch.ones(3, 5, dtype=torch.int64)
+    mask[1, 3:] = 0
+    batch = Batch(prompts=torch.randint(3, 64, (3, 3), generator=g),
+                  responses=torch.randint(3, 64, (3, 5), generator=g) * mask,
+                  attention_mask=torch.cat([torch.ones(3, 3, dtype=torch.int64), mask], 1),
+                  response_mask=mask, advantages=torch.randn(3, 5, generator=g) * mask,
+                  returns=torch.zeros(3, 5), pad_token_id=0,
+                  behavior_logprobs=(-4.2 + 0.3 * torch.randn(3, 5, generator=g)) * mask)
+    base = load_contract(contracts_dir() / "tiny-qwen3.toml")
+    c = dataclasses.replace(base, evidence=ParamSampling(exact_elements=1 << 30, sample_elements=1),
+                            optimizer=dataclasses.replace(base.optimizer, actor_lr=3e-2),
+                            algorithm=dataclasses.replace(base.algorithm, kl_loss_coef=0.0,
+                                                          entropy_coef=0.0, **WIRING[variant]))
+    out, _ = run_actor(copy.deepcopy(actor), copy.deepcopy(actor), batch, c,
+                       UpdateSettings(precision="fp32", micro_batch_size=2))
+    alg, m = c.algorithm, mask.double()
+    lp1, lp2 = (out[f"round{r}/actor/logprobs"].double() for r in (1, 2))
+    adv = batch.advantages.double()
+    if alg.policy_loss == "gspo":
+        per = losses.gspo(lp2, lp1, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high)
+    elif alg.policy_loss == "cispo":
+        per = losses.cispo(lp2, lp1, adv, clip_low=alg.clip_low, clip_high=alg.clip_high)
+    else:
+        per = losses.ppo_clip(lp2, lp1, adv, clip_low=alg.clip_low, clip_high=alg.clip_high,
+                              clip_c=alg.clip_ratio_c)
+    if alg.rollout_is is not None:
+        per = per * losses.rollout_correction_weights(
+            lp1, batch.behavior_logprobs.double(), mask, level=alg.rollout_is,
+            mode=alg.rollout_is_mode, threshold=float(alg.rollout_is_threshold or 0))
+    plain = losses.ppo_clip(lp2, lp1, adv, clip_low=alg.clip_ratio, clip_high=alg.clip_ratio)
+    n = float(m.sum())
+    want, base_value = float((per * m).sum()) / n, float((plain * m).sum()) / n
+    assert float(out["round2/actor/loss/policy"]) == pytest.approx(want, rel=1e-5, abs=1e-7)
+    assert abs(want - base_value) > 1e-4, "this batch must make the variant matter"
