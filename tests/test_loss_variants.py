@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 import pytest
@@ -312,10 +313,10 @@ def test_engine_without_variant_is_not_run() -> None:
 
 # ------------------------------------------- the reference update runs the contract's variant
 
-TINY_CFG = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+TINY_CFG: dict[str, Any] = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
             "max_position_embeddings": 64, "tie_word_embeddings": False}
-WIRING = {
+WIRING: dict[str, dict[str, Any]] = {
     "asymmetric": {"clip_ratio_high": 0.01, "clip_ratio_low": 0.005},
     "gspo": {"policy_loss": "gspo", "clip_ratio": 0.01},
     "cispo": {"policy_loss": "cispo", "clip_ratio_low": 1.0, "clip_ratio_high": 0.01},
@@ -374,6 +375,7 @@ def test_reference_update_runs_the_variant(variant: str) -> None:
         per = losses.ppo_clip(lp2, lp1, adv, clip_low=alg.clip_low, clip_high=alg.clip_high,
                               clip_c=alg.clip_ratio_c)
     if alg.rollout_is is not None:
+        assert batch.behavior_logprobs is not None
         per = per * losses.rollout_correction_weights(
             lp1, batch.behavior_logprobs.double(), mask, level=alg.rollout_is,
             mode=alg.rollout_is_mode, threshold=float(alg.rollout_is_threshold or 0))
