@@ -313,9 +313,10 @@ def test_engine_without_variant_is_not_run() -> None:
 
 # ------------------------------------------- the reference update runs the contract's variant
 
-TINY_CFG: dict[str, Any] = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-            "max_position_embeddings": 64, "tie_word_embeddings": False}
+TINY_CFG: dict[str, Any] = {
+    "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+    "max_position_embeddings": 64, "tie_word_embeddings": False}
 WIRING: dict[str, dict[str, Any]] = {
     "asymmetric": {"clip_ratio_high": 0.01, "clip_ratio_low": 0.005},
     "gspo": {"policy_loss": "gspo", "clip_ratio": 0.01},
