@@ -15,6 +15,16 @@ Aggregation (verl ``core_algos.agg_loss``'s mode names). A loss term with per-to
   ``Σ_t`` per sequence, mean over sequences).
 - ``seq-mean-token-mean``: ``c = 1 / (B' n_b)``, ``n_b = Σ_t m[b, t]`` (GRPO, Shao et al.
   2024, arXiv 2402.03300 eq. 3: per-sequence token mean, then mean over sequences).
+- ``token-sum``: ``c = 1`` (the plain sum over valid tokens).
+- ``seq-mean-token-sum-norm``: ``c = 1 / (B' L)`` with the constant ``L`` (the contract's
+  ``loss_scale_factor``; Dr. GRPO's normalisation by the generation budget, Liu et al.
+  2025, arXiv 2503.20783 eq. 3's "Dr. GRPO" objective with ``1 / |o_i|`` replaced by a
+  constant; TRL ``loss_type = "dr_grpo"`` divides by ``B · max_completion_length``).
+
+TRL's ``loss_type`` normalisations are these modes over one micro-batch: ``grpo`` =
+``seq-mean-token-mean``, ``bnpo`` = ``token-mean``, ``dr_grpo`` =
+``seq-mean-token-sum-norm`` with ``L = max_completion_length``, ``dapo`` and ``cispo`` =
+``token-mean`` (over the global count of valid tokens, ``num_items_in_batch``).
 
 ``B'`` is the number of sequences with at least one valid token (a sequence without any
 contributes nothing and is not counted). ``N``, ``B'`` and ``n_b`` are global to the batch,
@@ -36,16 +46,18 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-AGG_MODES: Final = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+AGG_MODES: Final = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "token-sum",
+                     "seq-mean-token-sum-norm")
 CAP_MODES: Final = ("truncate", "filter")
 
 
-def aggregation_terms(response_mask: npt.ArrayLike,
-                      mode: str) -> tuple[npt.NDArray[np.float64], float]:
+def aggregation_terms(response_mask: npt.ArrayLike, mode: str,
+                      scale_factor: float | None = None) -> tuple[npt.NDArray[np.float64], float]:
     """The aggregation ``mode`` as a per-sequence weight and one global denominator.
 
     ``c[b, t] = row_weight[b] / denominator`` (module docstring): ``token-mean``: ``(1,
-    N)``; ``seq-mean-token-sum``: ``(1, B')``; ``seq-mean-token-mean``: ``(1 / n_b, B')``.
+    N)``; ``seq-mean-token-sum``: ``(1, B')``; ``seq-mean-token-mean``: ``(1 / n_b, B')``;
+    ``token-sum``: ``(1, 1)``; ``seq-mean-token-sum-norm``: ``(1, B' L)``.
     A loss term is ``Σ_{b,t} m x row_weight[b] / denominator``; for ``token-mean`` the
     weight is exactly 1, so the sum is the protocol's ``Σ m x / N`` bit for bit.
 
@@ -53,13 +65,16 @@ def aggregation_terms(response_mask: npt.ArrayLike,
         response_mask: ``[B, R]`` 0/1 (or bool), 1 on valid response tokens (the whole
             batch, never one micro-batch: the denominators are global).
         mode: one of :data:`AGG_MODES`.
+        scale_factor: ``L > 0`` of ``seq-mean-token-sum-norm`` (required there, ignored
+            otherwise).
 
     Returns:
         ``(row_weight [B] float64, denominator)``; a sequence without valid tokens has
         weight 0.
 
     Raises:
-        ValueError: an unknown mode, a mask that is not 2-D, or no valid token at all.
+        ValueError: an unknown mode, a mask that is not 2-D, no valid token at all, or
+            ``seq-mean-token-sum-norm`` without a positive ``scale_factor``.
     """
     m = np.asarray(response_mask).astype(bool)
     if m.ndim != 2:
@@ -75,15 +90,24 @@ def aggregation_terms(response_mask: npt.ArrayLike,
         return has.astype(np.float64), float(has.sum())
     if mode == "seq-mean-token-mean":
         return np.where(has, 1.0 / np.maximum(per_seq, 1.0), 0.0), float(has.sum())
+    if mode == "token-sum":
+        return has.astype(np.float64), 1.0
+    if mode == "seq-mean-token-sum-norm":
+        if scale_factor is None or not scale_factor > 0:
+            raise ValueError(f"seq-mean-token-sum-norm needs a loss_scale_factor > 0, got "
+                             f"{scale_factor}")
+        return has.astype(np.float64), float(has.sum()) * float(scale_factor)
     raise ValueError(f"loss_agg_mode: expected one of {list(AGG_MODES)}, got {mode!r}")
 
 
-def token_scale(response_mask: npt.ArrayLike, mode: str) -> npt.NDArray[np.float64]:
+def token_scale(response_mask: npt.ArrayLike, mode: str,
+                scale_factor: float | None = None) -> npt.NDArray[np.float64]:
     """The per-token factor ``c[b, t]`` of the aggregation ``mode`` (module docstring).
 
     Args:
         response_mask: ``[B, R]`` 0/1, the whole batch.
         mode: one of :data:`AGG_MODES`.
+        scale_factor: as :func:`aggregation_terms`.
 
     Returns:
         ``[B, R]`` float64 ``row_weight[b] / denominator`` (:func:`aggregation_terms`), 0
@@ -93,7 +117,7 @@ def token_scale(response_mask: npt.ArrayLike, mode: str) -> npt.NDArray[np.float
         ValueError: as :func:`aggregation_terms`.
     """
     m = np.asarray(response_mask).astype(bool)
-    row, denom = aggregation_terms(m, mode)
+    row, denom = aggregation_terms(m, mode, scale_factor)
     return np.where(m, row[:, None] / denom, 0.0)
 
 

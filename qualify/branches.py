@@ -238,7 +238,8 @@ def token_key(b: int, t: int) -> str:
 def loss_factors(run: Mapping[str, Any], *, role: str, mask: npt.ArrayLike,
                  loss_agg_mode: str, behavior_logprobs: npt.ArrayLike | None = None,
                  behavior_weight_cap: float | None = None,
-                 cap_mode: str = "truncate") -> npt.NDArray[np.float64]:
+                 cap_mode: str = "truncate",
+                 scale_factor: float | None = None) -> npt.NDArray[np.float64]:
     """``[B, R]`` FP64 per-token factor of a token's loss term in ``run``: ``c_t`` (· ``w_t``).
 
     ``c_t`` is the aggregation factor of ``loss_agg_mode``
@@ -255,11 +256,12 @@ def loss_factors(run: Mapping[str, Any], *, role: str, mask: npt.ArrayLike,
         behavior_logprobs: ``[B, R]`` the rollout's behavior logprobs (decoupled PPO only).
         behavior_weight_cap: the contract's cap (``None``: uncapped).
         cap_mode: ``truncate`` or ``filter``.
+        scale_factor: the contract's ``loss_scale_factor`` (``seq-mean-token-sum-norm``).
 
     Raises:
         KeyError: the actor run lacks ``round1/actor/logprobs`` (decoupled PPO).
     """
-    c = aggregation.token_scale(mask, loss_agg_mode)
+    c = aggregation.token_scale(mask, loss_agg_mode, scale_factor)
     if role != "actor" or behavior_logprobs is None:
         return c
     w = aggregation.behavior_weights(run["round1/actor/logprobs"], behavior_logprobs, mask,
@@ -287,7 +289,8 @@ def loss_factors_of(contract: Contract, run: Mapping[str, Any], role: str,
     return loss_factors(run, role=role, mask=mask, loss_agg_mode=alg.loss_agg_mode,
                                  behavior_logprobs=behavior if decoupled else None,
                                  behavior_weight_cap=alg.behavior_weight_cap,
-                                 cap_mode=alg.behavior_weight_cap_mode)
+                                 cap_mode=alg.behavior_weight_cap_mode,
+                                 scale_factor=alg.loss_scale_factor)
 
 
 def contribution_scale(run: Mapping[str, Any], *, role: str, round_: int, b: int, t: int,

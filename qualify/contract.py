@@ -241,7 +241,12 @@ class AlgorithmSpec:
         kl_coef: coefficient of the per-token KL penalty folded into the reward.
         kl_estimator: estimator of that KL (k1, k2, k3; Schulman 2020, "Approximating KL").
         kl_loss_coef: coefficient of the KL loss term of the actor.
-        kl_loss_estimator: estimator of the KL loss term.
+        kl_loss_estimator: estimator of the KL loss term (k1, k2, k3).
+        kl_loss_type: verl ``kl_loss_type``'s forms beyond k1 / k2 / k3, the KL loss
+            estimator when set (:func:`qualify.reference.losses.kl_estimate`): ``low_var_kl``
+            (k3 clamped as verl does) and the straight-through ``k1+``, ``k3+``,
+            ``low_var_kl+`` (the estimator's value, k2's gradient). ``None``:
+            ``kl_loss_estimator``.
         clip_ratio: PPO policy clip epsilon.
         value_clip: PPO value clip range.
         entropy_coef: entropy bonus coefficient.
@@ -266,17 +271,52 @@ class AlgorithmSpec:
         behavior_weight_cap_mode: ``truncate`` (``w_t = min(w, cap)``, verl's truncated IS)
             or ``filter`` (``w_t = w`` if ``w <= cap`` else 0: AReaL ``ppo_actor_loss_fn``
             masks such tokens out of the policy term).
+        advantage_estimator: ``gae`` (``ppo``, ``decoupled_ppo``) or ``grpo`` (``grpo``);
+            verl ``algorithm.adv_estimator``'s names. Fixed by ``name``; stated here so a
+            contract names it (``None``: the one ``name`` implies).
+        policy_loss: per-token policy loss (:mod:`qualify.reference.losses`): ``ppo_clip``
+            (verl ``vanilla``; TRL ``importance_sampling_level = "token"``), ``gspo``
+            (sequence-level ratio; verl ``gspo``, TRL ``importance_sampling_level =
+            "sequence"``), ``cispo`` (clipped stop-gradient IS weight times REINFORCE;
+            verl / TRL ``cispo``).
+        clip_ratio_low: ``ε_low`` of the ratio clip ``[1 - ε_low, 1 + ε_high]`` (verl
+            ``clip_ratio_low``; TRL ``epsilon``); ``None``: ``clip_ratio``.
+        clip_ratio_high: ``ε_high`` (verl ``clip_ratio_high``; TRL ``epsilon_high``; DAPO's
+            clip-higher when above ``ε_low``); ``None``: ``clip_ratio``.
+        clip_ratio_c: dual-clip bound ``c > 1`` on the loss of negative-advantage tokens
+            (Ye et al. 2020; verl ``clip_ratio_c``); ``None``: no dual clip. ``ppo_clip``
+            only.
+        loss_scale_factor: the constant ``L`` of ``seq-mean-token-sum-norm`` (verl
+            ``loss_scale_factor``; TRL ``dr_grpo``'s ``max_completion_length``); required by
+            that mode, refused by the others.
+        rollout_is: train/rollout importance correction (:func:`qualify.reference.losses
+            .rollout_correction_weights`): ``token`` or ``sequence`` level ratio of the
+            trainer's round-1 logprobs to the rollout's ``behavior_logprobs``; ``None``: off.
+            Not with ``decoupled_ppo`` (its behavior weight is the token-level one).
+        rollout_is_mode: ``truncate`` (TIS: ``min(ρ, C)``) or ``mask`` (MIS: ``ρ`` inside
+            ``[C_low, C]``, else 0; TRL ``vllm_importance_sampling_mode``'s
+            ``{token,sequence}_{truncate,mask}``).
+        rollout_is_threshold: ``C > 0`` (verl ``rollout_is_threshold``, TRL
+            ``vllm_importance_sampling_cap``); required with ``rollout_is``.
+        rollout_is_threshold_low: ``C_low`` of ``mask`` (``None``: 0).
+        kl_loss_bias_correction: the KL loss term is weighted by the differentiable policy
+            ratio (token ratio; GSPO's sequence ratio under ``gspo``):
+            :func:`qualify.reference.losses.ratio_weighted_kl` (DeepSeek-V3.2; TRL
+            ``use_bias_correction_kl``, on by default in TRL 1.16).
 
     Raises:
         ContractError: a cap <= 1, a cap or cap mode on a non-``decoupled_ppo`` contract,
-            or GRPO fields on a non-``grpo`` one (the message names the field).
+            GRPO fields on a non-``grpo`` one, an advantage estimator ``name`` does not
+            use, a dual clip off ``ppo_clip``, ``kl_loss_type`` beside a non-default
+            ``kl_loss_estimator``, a scale factor without its mode (or the reverse), or rollout
+            correction fields that do not fit (the message names the field).
     """
 
     name: Literal["ppo", "grpo", "decoupled_ppo"]
     gamma: float
     lam: float
     kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"
     kl_loss_coef: float = 0.0
     kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
     clip_ratio: float
@@ -285,12 +325,76 @@ class AlgorithmSpec:
     whiten_advantages: bool = True
     micro_batch_size: int
     rounds: int
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum",
-                           "seq-mean-token-mean"] = "token-mean"
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "token-sum", "seq-mean-token-sum-norm"] = "token-mean"
     grpo_norm_by_std: bool = True
     grpo_eps: float = 1e-6
     behavior_weight_cap: float | None = None
     behavior_weight_cap_mode: Literal["truncate", "filter"] = "truncate"
+    advantage_estimator: Literal["gae", "grpo"] | None = None
+    policy_loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float | None = None
+    loss_scale_factor: float | None = None
+    rollout_is: Literal["token", "sequence"] | None = None
+    rollout_is_mode: Literal["truncate", "mask"] = "truncate"
+    rollout_is_threshold: float | None = None
+    rollout_is_threshold_low: float | None = None
+    kl_loss_bias_correction: bool = False
+    kl_loss_type: Literal["low_var_kl", "k1+", "k3+", "low_var_kl+"] | None = None
+
+    @property
+    def kl_loss_form(self) -> str:
+        """The KL loss estimator in force: ``kl_loss_type`` if set, else ``kl_loss_estimator``."""
+        return self.kl_loss_estimator if self.kl_loss_type is None else self.kl_loss_type
+
+    @property
+    def clip_low(self) -> float:
+        """``ε_low``: ``clip_ratio_low``, else ``clip_ratio``."""
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def clip_high(self) -> float:
+        """``ε_high``: ``clip_ratio_high``, else ``clip_ratio``."""
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
+    @property
+    def estimator(self) -> str:
+        """The advantage estimator (``gae`` or ``grpo``), stated or implied by ``name``."""
+        return "grpo" if self.name == "grpo" else "gae"
+
+    def variants(self) -> tuple[str, ...]:
+        """The variants this algorithm uses beyond the protocol's base update.
+
+        The base (:mod:`qualify.protocol`, what every built-in trainer harness implements):
+        ``ppo_clip`` with one symmetric ``clip_ratio``, no dual clip, KL estimators k1 / k2 /
+        k3, the aggregation modes ``token-mean`` / ``seq-mean-token-sum`` /
+        ``seq-mean-token-mean``, and decoupled PPO's token-level behavior weight. Each name
+        returned is ``field=value`` (``policy_loss=gspo``, ``clip_ratio_high=0.28``, ...):
+        an engine that does not declare it runs none of this contract's cells
+        (:meth:`qualify.registry.EngineSpec.unavailable_reason`).
+        """
+        out: list[str] = []
+        if self.policy_loss != "ppo_clip":
+            out.append(f"policy_loss={self.policy_loss}")
+        if self.clip_low != self.clip_ratio:
+            out.append(f"clip_ratio_low={self.clip_low}")
+        if self.clip_high != self.clip_ratio:
+            out.append(f"clip_ratio_high={self.clip_high}")
+        if self.clip_ratio_c is not None:
+            out.append(f"clip_ratio_c={self.clip_ratio_c}")
+        if self.kl_estimator not in ("k1", "k2", "k3"):
+            out.append(f"kl_estimator={self.kl_estimator}")
+        if self.kl_loss_type is not None:
+            out.append(f"kl_loss_type={self.kl_loss_type}")
+        if self.kl_loss_bias_correction:
+            out.append("kl_loss_bias_correction=true")
+        if self.loss_agg_mode in ("token-sum", "seq-mean-token-sum-norm"):
+            out.append(f"loss_agg_mode={self.loss_agg_mode}")
+        if self.rollout_is is not None:
+            out.append(f"rollout_is={self.rollout_is}_{self.rollout_is_mode}")
+        return tuple(out)
 
     def __post_init__(self) -> None:
         cap = self.behavior_weight_cap
@@ -304,6 +408,50 @@ class AlgorithmSpec:
         if self.name != "grpo" and (not self.grpo_norm_by_std or self.grpo_eps != 1e-6):
             raise ContractError(f"algorithm.grpo_norm_by_std / grpo_eps: GRPO settings on "
                                 f"algorithm.name = {self.name!r}")
+        self._check_variants()
+
+    def _check_variants(self) -> None:
+        """The variant fields' own rules (the class docstring's Raises)."""
+        if self.advantage_estimator not in (None, self.estimator):
+            raise ContractError(f"algorithm.advantage_estimator: {self.advantage_estimator!r} "
+                                f"is not the estimator of algorithm.name = {self.name!r} "
+                                f"({self.estimator!r})")
+        for field in ("clip_ratio_low", "clip_ratio_high"):
+            v = getattr(self, field)
+            if v is not None and not 0 < v <= (1.0 if field == "clip_ratio_low" else 10.0):
+                raise ContractError(f"algorithm.{field}: {v} is out of range (low in (0, 1], "
+                                    "high in (0, 10])")
+        if self.clip_ratio_c is not None and (self.policy_loss != "ppo_clip"
+                                              or not self.clip_ratio_c > 1.0):
+            raise ContractError(f"algorithm.clip_ratio_c: dual clip needs policy_loss = "
+                                f"'ppo_clip' and c > 1, got {self.policy_loss!r}, "
+                                f"{self.clip_ratio_c}")
+        if self.kl_loss_type is not None and self.kl_loss_estimator != "k3":
+            raise ContractError(f"algorithm.kl_loss_type: {self.kl_loss_type!r} names the KL "
+                                f"loss estimator; kl_loss_estimator = "
+                                f"{self.kl_loss_estimator!r} would name another one")
+        norm = self.loss_agg_mode == "seq-mean-token-sum-norm"
+        if norm != (self.loss_scale_factor is not None) or (
+                norm and not (self.loss_scale_factor or 0) > 0):
+            raise ContractError(f"algorithm.loss_scale_factor: {self.loss_scale_factor} with "
+                                f"loss_agg_mode = {self.loss_agg_mode!r} (the factor > 0 is "
+                                "required by seq-mean-token-sum-norm and only there)")
+        if self.rollout_is is None:
+            if (self.rollout_is_threshold, self.rollout_is_threshold_low) != (None, None) \
+                    or self.rollout_is_mode != "truncate":
+                raise ContractError("algorithm.rollout_is_threshold / rollout_is_mode: set "
+                                    "without algorithm.rollout_is")
+            return
+        if self.name == "decoupled_ppo":
+            raise ContractError("algorithm.rollout_is: decoupled_ppo has its own behavior "
+                                "weight (behavior_weight_cap)")
+        hi, lo = self.rollout_is_threshold, self.rollout_is_threshold_low
+        if hi is None or not hi > 0:
+            raise ContractError(f"algorithm.rollout_is_threshold: {hi} (required with "
+                                "rollout_is, > 0)")
+        if lo is not None and (self.rollout_is_mode != "mask" or not 0 <= lo < hi):
+            raise ContractError(f"algorithm.rollout_is_threshold_low: {lo} (mask mode only, "
+                                f"0 <= low < {hi})")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
 import importlib
 import importlib.metadata
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Generic, Literal, TypeVar
 
 from qualify.errors import ContractError, HarnessError, QualifyError, UsageError
@@ -176,6 +177,11 @@ class EngineSpec:
         diverge: the harness takes ``cell.json`` ``probe`` (layer probes in the HF layout,
             ``harnesses/layer_probe.py``), so ``qualify diverge`` can rerun its cells;
             other engines' cells are refused there with one line.
+        algorithms: the algorithm variants beyond the protocol's base update the harness
+            implements, as ``fnmatch`` patterns over
+            :meth:`qualify.contract.AlgorithmSpec.variants` (``policy_loss=gspo``,
+            ``clip_ratio_high=*``); a contract using one it does not match makes every
+            cell of the engine ``NOT_RUN`` naming the variant (:meth:`unavailable_reason`).
         description: one line for listings and reports.
         source: ``builtin`` or the distribution that declared the entry point.
 
@@ -200,6 +206,7 @@ class EngineSpec:
     warm_imports: tuple[str, ...] = ()
     bf16_style: str = "params"
     diverge: bool = False
+    algorithms: tuple[str, ...] = ()
     description: str = ""
     source: str = "builtin"
 
@@ -280,7 +287,8 @@ class EngineSpec:
             return cell.world_size * int(cell.options.get("dp", BASE_DEGREE))
         return cell.world_size
 
-    def unavailable_reason(self, cuda_available: bool | None = None) -> str | None:
+    def unavailable_reason(self, cuda_available: bool | None = None, *,
+                           variants: Sequence[str] = ()) -> str | None:
         """Why this engine cannot run on this machine (a ``NOT_RUN`` reason), else ``None``.
 
         ``requires`` is not probed for an engine whose ranks run in another interpreter
@@ -290,12 +298,20 @@ class EngineSpec:
         Args:
             cuda_available: override the probe (tests); ``None`` asks torch (imported
                 lazily, without ``torch.distributed``).
+            variants: the contract's algorithm variants
+                (:meth:`qualify.contract.AlgorithmSpec.variants`); one that
+                :attr:`algorithms` does not match is the reason.
 
         Raises:
             UsageError: ``QUALIFY_LAUNCHER_<ENGINE>`` is set to a bad value.
         """
         from qualify.candidate.interpreter import engine_command
 
+        lacking = [v for v in variants
+                   if not any(fnmatch.fnmatchcase(v, p) for p in self.algorithms)]
+        if lacking:
+            return (f"engine {self.name!r} does not implement the contract's algorithm "
+                    f"variant {', '.join(lacking)}")
         # ranks in another interpreter (a venv, a container): its modules are not ours to probe
         foreign = engine_command(self.name) is not None
         missing = [] if foreign else [m for m in self.requires if not _module_installed(m)]

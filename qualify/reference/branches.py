@@ -124,7 +124,10 @@ def seal_branches(contract: Contract, bundle: models.ModelBundle, batch: Batch, 
             sealed reference update.
     """
     alg = contract.algorithm
-    role_names = ["actor"] + ([] if alg.name == "grpo" else ["critic"])
+    # The branch switches (qualify.branches) are PPO's symmetric clip's: a contract using
+    # another policy-loss variant seals no actor contributions, so no actor row is re-judged.
+    role_names = ([] if alg.variants() else ["actor"]) + ([] if alg.name == "grpo" else
+                                                          ["critic"])
     doc: dict[str, Any] = {"schema_version": 1, "precisions": {}}
     for prec, run in ref_runs.items():
         tensors: dict[str, torch.Tensor] = {}

@@ -119,18 +119,26 @@ class Rule:
 
 
 def _kl(log_ratio: Array, estimator: str) -> Array:
-    """Per-token KL estimate from ``log_ratio = logp - logp_ref`` (Schulman 2020)."""
+    """Per-token KL estimate (its value) from ``log_ratio = logp - logp_ref`` (Schulman 2020).
+
+    A straight-through ``+`` form has its base estimator's value; ``low_var_kl`` clamps as
+    :func:`qualify.reference.losses.kl_estimate`.
+    """
+    estimator = estimator.removesuffix("+")
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio**2
+    if estimator == "low_var_kl":
+        neg = np.clip(-log_ratio, -20.0, 20.0)
+        return np.clip(np.exp(neg) - neg - 1.0, -10.0, 10.0)
     return np.exp(-log_ratio) + log_ratio - 1.0
 
 
 def _policy_rules(contract: Contract, label: str, run: Mapping[str, Array], *,
                   adv: Array, valid: Array, ref_logprobs: Array | None) -> list[Rule]:
     alg = contract.algorithm
-    eps = alg.clip_ratio
+    eps, eps_hi = alg.clip_low, alg.clip_high
     out: list[Rule] = []
     old_name = "round1/actor/logprobs"
     if old_name not in run:
@@ -147,9 +155,9 @@ def _policy_rules(contract: Contract, label: str, run: Mapping[str, Array], *,
             ratio = np.exp(cur - old)
             pos, neg = valid & (adv > 0), valid & (adv < 0)
             counts = [
-                ("policy_upper_clipped", pos & (ratio > 1 + eps),
+                ("policy_upper_clipped", pos & (ratio > 1 + eps_hi),
                  "no token on the upper policy clip edge (A > 0, ratio > 1 + clip_ratio)"),
-                ("policy_upper_unclipped", pos & (ratio <= 1 + eps),
+                ("policy_upper_unclipped", pos & (ratio <= 1 + eps_hi),
                  "no token with A > 0 inside the upper policy clip edge"),
                 ("policy_lower_clipped", neg & (ratio < 1 - eps),
                  "no token on the lower policy clip edge (A < 0, ratio < 1 - clip_ratio)"),
@@ -162,7 +170,7 @@ def _policy_rules(contract: Contract, label: str, run: Mapping[str, Array], *,
                          total=n, exercised=bool(m.any()), absent=a) for k, m, a in counts]
         if r >= first_kl:
             ref = ref_logprobs if ref_logprobs is not None else old
-            kl = _kl(cur - np.asarray(ref, np.float64), alg.kl_loss_estimator)
+            kl = _kl(cur - np.asarray(ref, np.float64), alg.kl_loss_form)
             m = valid & (kl != 0)
             active = alg.kl_loss_coef != 0
             out.append(Rule(rule="loss_kl_active", label=label, role="actor", round=r,

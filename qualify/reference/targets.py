@@ -47,7 +47,7 @@ __all__ = [
 
 Array = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
-KlEstimator = Literal["k1", "k2", "k3"]
+KlEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
 Algorithm = Literal["ppo", "grpo", "decoupled_ppo"]
 
 _KL_ESTIMATORS: Final = get_args(KlEstimator)
@@ -138,13 +138,14 @@ def kl_estimate(
     - ``k3 = exp(-d) - (-d) - 1`` (unbiased, low variance, >= 0), computed as
       ``expm1(-d) + d`` to avoid the cancellation of ``exp(-d) - 1`` for small ``d``.
 
-    verl calls these ``kl`` (k1), ``mse`` (k2) and ``low_var_kl`` (k3; verl clamps it to
-    [-10, 10], this reference does not clamp).
+    verl calls these ``kl`` (k1), ``mse`` (k2) and ``low_var_kl`` (k3 with ``-d`` clamped
+    to [-20, 20] and the estimate to [-10, 10]); ``k3`` here does not clamp, ``low_var_kl``
+    does, as verl.
 
     Args:
         logprobs: ``[B, R]`` float, logprobs of the sampled tokens under the actor.
         ref_logprobs: ``[B, R]`` float, logprobs of the same tokens under the reference policy.
-        estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+        estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"low_var_kl"``.
         response_mask: optional ``[B, R]`` 0/1; where 0, the inputs are not read and the
             output is exactly 0. ``None`` evaluates every element.
 
@@ -172,8 +173,11 @@ def kl_estimate(
         out = d
     elif estimator == "k2":
         out = 0.5 * d * d
-    else:
+    elif estimator == "k3":
         out = np.expm1(-d) + d
+    else:
+        neg = np.clip(-d, -20.0, 20.0)
+        out = np.clip(np.expm1(neg) - neg, -10.0, 10.0)
     return np.where(mask, out, 0.0)
 
 

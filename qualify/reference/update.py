@@ -45,6 +45,7 @@ from qualify import aggregation
 from qualify.contract import Contract
 from qualify.lanes import Bf16Style
 from qualify.protocol import param_sample_indices, tensor_name
+from qualify.reference import losses
 from qualify.reference.bound_inputs import NORM_FP32_META
 from qualify.reference.row_split import split_row_parallel
 from qualify.reference.scoring import bf16_parameters_copy
@@ -208,16 +209,29 @@ def _token_logprobs_entropy(logits: torch.Tensor, tokens: torch.Tensor,
     return logp, entropy
 
 
-def _kl(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL(π || π_ref) estimate from samples of π (Schulman 2020)."""
-    log_ratio = logp - ref
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio.square()
-    if estimator == "k3":
-        return torch.exp(-log_ratio) + log_ratio - 1.0
-    raise ValueError(f"unknown KL estimator {estimator!r}")
+def _policy_loss(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor,
+                 mask: torch.Tensor, contract: Contract) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([B, R] per-token policy loss, [B, R] clipped)`` of the contract's ``policy_loss``.
+
+    :mod:`qualify.reference.losses`; ``clipped`` marks the tokens whose clip is active
+    (the clipped surrogate strictly wins, or CISPO's weight differs from the ratio).
+    """
+    alg = contract.algorithm
+    if alg.policy_loss == "cispo":
+        ratio = torch.exp(logp - old).detach()
+        clipped = (ratio < 1 - alg.clip_low) | (ratio > 1 + alg.clip_high)
+        return losses.cispo(logp, old, adv, clip_low=alg.clip_low,
+                            clip_high=alg.clip_high), clipped
+    if alg.policy_loss == "gspo":
+        m = mask.to(logp.dtype)
+        s = torch.exp(((logp - old) * m).sum(-1) / m.sum(-1).clamp(min=1.0))[:, None].detach()
+        clipped = (-adv * torch.clamp(s, 1 - alg.clip_low, 1 + alg.clip_high)) > -adv * s
+        return losses.gspo(logp, old, adv, mask, clip_low=alg.clip_low,
+                           clip_high=alg.clip_high), clipped
+    ratio = torch.exp(logp - old).detach()
+    clipped = (-adv * torch.clamp(ratio, 1 - alg.clip_low, 1 + alg.clip_high)) > -adv * ratio
+    return losses.ppo_clip(logp, old, adv, clip_low=alg.clip_low, clip_high=alg.clip_high,
+                           clip_c=alg.clip_ratio_c), clipped
 
 
 def _aggregation(batch: Batch, contract: Contract,
@@ -228,7 +242,8 @@ def _aggregation(batch: Batch, contract: Contract,
     micro-batch's term is ``Σ m x row_weight[b] / denominator``, global denominators.
     """
     row, denom = aggregation.aggregation_terms(batch.response_mask.numpy(),
-                                               contract.algorithm.loss_agg_mode)
+                                               contract.algorithm.loss_agg_mode,
+                                               contract.algorithm.loss_scale_factor)
     return torch.from_numpy(row).to(dtype), denom
 
 
@@ -433,8 +448,9 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
     acc = settings.accumulate_dtype
     row_w, denom = _aggregation(batch, contract, acc)
     decoupled = alg.name == "decoupled_ppo"
-    if decoupled and batch.behavior_logprobs is None:
-        raise ValueError("decoupled_ppo: the batch has no behavior_logprobs")
+    if (decoupled or alg.rollout_is is not None) and batch.behavior_logprobs is None:
+        raise ValueError(f"{alg.name} with rollout correction: the batch has no "
+                         "behavior_logprobs")
     weights, raw_weights = torch.ones(2, b, r_len, dtype=acc).unbind(0)
     old_logp = torch.zeros(b, r_len, dtype=acc)
     ref_logp = torch.zeros(b, r_len, dtype=acc)
@@ -473,16 +489,26 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
                         cap=alg.behavior_weight_cap, cap_mode=alg.behavior_weight_cap_mode)).to(acc)
                     raw_weights[s] = torch.exp(torch.from_numpy(prox) - mb.behavior_logprobs
                                                .double()).to(acc) * mb.response_mask
-                ratio = torch.exp(logp - old)
+                if alg.rollout_is is not None and round_ == 1:  # fixed by round 1, as decoupled
+                    assert mb.behavior_logprobs is not None
+                    weights[s] = losses.rollout_correction_weights(
+                        logp.detach(), mb.behavior_logprobs.to(logp.dtype), mb.response_mask,
+                        level=alg.rollout_is, mode=alg.rollout_is_mode,
+                        threshold=float(alg.rollout_is_threshold or 0.0),
+                        threshold_low=alg.rollout_is_threshold_low).to(acc)
                 adv = mb.advantages.float()
-                pg_clipped = -adv * torch.clamp(ratio, 1 - alg.clip_ratio, 1 + alg.clip_ratio)
-                pg = torch.maximum(-adv * ratio, pg_clipped)
-                if decoupled:
+                pg, clipped = _policy_loss(logp, old, adv, mb.response_mask, contract)
+                if decoupled or alg.rollout_is is not None:
                     pg = weights[s] * pg
-                clipped_tokens += float(((pg_clipped > -adv * ratio).float() * mask).sum())
+                clipped_tokens += float((clipped.float() * mask).sum())
                 agg = mask * row_w[s, None]  # [b, R]: 1 on valid tokens for token-mean
                 policy = (pg * agg).sum() / denom
-                kl = alg.kl_loss_coef * (_kl(logp, ref_logp[s], alg.kl_loss_estimator) * agg).sum()
+                kl_tok = losses.kl_estimate(logp, ref_logp[s], alg.kl_loss_form)
+                if alg.kl_loss_bias_correction:
+                    kl_tok = losses.ratio_weighted_kl(
+                        kl_tok, logp, old, mb.response_mask,
+                        level="sequence" if alg.policy_loss == "gspo" else "token")
+                kl = alg.kl_loss_coef * (kl_tok * agg).sum()
                 kl = kl / denom
                 ent_loss = -alg.entropy_coef * (ent * agg).sum() / denom
                 sens.add(round_, {"policy": policy, "kl": kl, "entropy": ent_loss, "total":

@@ -1,0 +1,1 @@
+"""The TRL stack adapter (``harnesses/trl/README.md``): TRL's own GRPO update."""

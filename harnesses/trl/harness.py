@@ -1,0 +1,334 @@
+"""The TRL stack adapter: TRL 1.16.0's own GRPO loss, backward and optimizer step.
+
+``python -m harnesses.trl CELL_JSON`` in TRL's own venv (``scripts/install_trl.sh``, with
+this checkout on ``PYTHONPATH``). One process, one rank, CPU. It reads qualify's frozen
+inputs (``cell.json``, ``inputs_dir``: rollout, training inputs, contract, model
+directories; :func:`harnesses.common.read_inputs`) and runs, per round ``r = 1..rounds``,
+what ``transformers.Trainer``'s inner loop runs around ``GRPOTrainer``:
+
+1. per micro-batch of ``micro_batch_size`` rows: ``trainer.compute_loss(model, batch)``
+   (TRL's ``_compute_loss``: its fused-LM-head logprobs at the contract's temperature, its
+   ratio, clip, KL and ``loss_type`` normalisation, with ``current_gradient_accumulation_steps``
+   = the number of micro-batches) and ``trainer.accelerator.backward(loss)``;
+2. ``trainer.accelerator.clip_grad_norm_(params, max_grad_norm)`` (its pre-clip norm is the
+   reported ``grad_norm``);
+3. ``trainer.optimizer.step()`` (``create_optimizer_and_scheduler``: torch AdamW with the
+   Trainer's parameter groups), ``trainer.lr_scheduler.step()``, ``zero_grad``.
+
+The batch TRL gets: ``prompt_ids`` / ``prompt_mask`` (the rollout's left-padded prompts and
+their attention), ``completion_ids`` / ``completion_mask`` (the responses and their attention;
+``tool_mask`` = the rollout's ``response_mask`` where it differs, TRL's loss mask is their
+product), ``advantages`` ``[B, R]``, ``old_per_token_logps`` (round ``r >= 2``: the logprobs
+TRL itself computed in round 1; round 1: absent, TRL then uses its current ones, detached),
+``ref_per_token_logps`` (``beta != 0``: TRL's ``_get_per_token_logps_and_entropies`` on its
+own reference model) and ``num_items_in_batch`` (the batch's valid tokens, for ``dapo`` /
+``cispo``). Reported: the logprobs and entropies TRL's loss used (captured from its own call,
+masked to 0 off the response mask), ``grad_norm``, ``clip_coef`` (measured: the norm of the
+clipped gradients over the norm of the unclipped ones), the pre-clip FP32 gradients, AdamW's
+moments and the updates under HF names, the lr applied, and round 1's padding rerun. TRL's
+loss (the sum of its micro-batch losses) per round goes to ``engine_info.loss_total``, and
+the ``losses`` and ``rewards`` families are declared not run (:data:`NOT_RUN`). Nothing of
+TRL's numbers is recomputed or corrected here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+from torch import Tensor, nn
+
+from harnesses import common
+from harnesses.trl import translate
+from qualify.errors import HarnessError
+from qualify.protocol import HarnessCell
+
+ENGINE: Final = "trl"
+PACKAGES: Final = ("torch", "trl", "transformers", "accelerate")
+NOT_RUN: Final = (
+    {"round": None, "family": "losses",
+     "reason": "GRPOTrainer.compute_loss returns one loss (policy + beta KL + entropy bonus, "
+               "aggregated): no per-term split; its total per round is engine_info.loss_total"},
+    {"round": None, "family": "rewards",
+     "reason": "the TRL adapter runs GRPOTrainer's update on the frozen rollout; it scores no "
+               "reward model"},
+)
+"""Families the adapter declares not run (:func:`qualify.compare.rows.declared_not_run`)."""
+FAULTS: Final = ("completion_mask_shifted", "temperature_not_passed")
+"""Deliberate translation bugs for the test suite (``cell.faults``; never in a real run),
+at the places marked ``# FAULT(<name>)``: ``completion_mask_shifted``: TRL's loss mask is
+the rollout's response mask rolled right by one token (the off-by-one of a prompt/response
+boundary); ``temperature_not_passed``: ``GRPOConfig.temperature`` is left at 1.0 instead of
+the contract's sampling temperature (the trainer's logprobs then refer to another
+distribution than the sampler's, TRL #4159)."""
+EXTRA_RIGHT_PADDING: Final = 3
+"""Pad columns appended for the padding-invariance rerun (attention 0)."""
+
+
+def _tokenizer(vocab_size: int, pad_id: int, eos_id: int) -> Any:
+    """A word-level tokenizer over ids ``t0..t{V-1}``.
+
+    GRPOTrainer needs a processing class; the frozen rollout is already token ids (nothing
+    is tokenized).
+    """
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")))
+    tok.pad_token, tok.eos_token = f"t{pad_id}", f"t{eos_id}"
+    return tok
+
+
+def _reward(prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -> list[float]:
+    """GRPOTrainer's required reward function; never called (no generation here)."""
+    raise HarnessError("the TRL adapter does not generate: the reward function was called")
+
+
+class _Capture:
+    """Wraps ``trainer._get_per_token_logps_and_entropies`` to keep what TRL's loss used."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.inner = trainer._get_per_token_logps_and_entropies
+        self.logps: list[Tensor] = []
+        self.entropies: list[Tensor] = []
+        trainer._get_per_token_logps_and_entropies = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.inner(*args, **kwargs)
+        self.logps.append(out[0].detach())
+        if out[1] is not None:
+            self.entropies.append(out[1].detach())
+        return out
+
+    @contextlib.contextmanager
+    def fresh(self) -> Iterator[None]:
+        self.logps.clear()
+        self.entropies.clear()
+        yield
+
+
+def run(cell: HarnessCell) -> None:
+    """Run ``cell`` in this process (TRL venv, one CPU rank).
+
+    Raises:
+        HarnessError: a topology or precision TRL does not run, a variant it does not
+            implement (:func:`harnesses.trl.translate.unsupported`), bad inputs.
+    """
+    t0 = time.perf_counter()
+    inputs = common.read_inputs(Path(cell.inputs_dir))
+    c = inputs.contract
+    alg = c.algorithm
+    lacking = translate.unsupported(alg, tuple(c.matrix.roles))
+    if lacking:
+        raise HarnessError(f"TRL does not implement the contract's variant {', '.join(lacking)}")
+    unknown = sorted(set(cell.faults) - set(FAULTS))
+    if unknown:
+        raise HarnessError(f"unknown fault(s) {unknown}; trl knows {list(FAULTS)}")
+    if (cell.actor_tp, cell.critic_tp) != (1, 0) or cell.precision not in ("fp32", "bf16"):
+        raise HarnessError(f"cell {cell.actor_tp=} {cell.critic_tp=} {cell.precision=}: the TRL "
+                           "adapter runs the actor alone, TP 1, fp32 or bf16")
+    out_dir = Path(cell.output_dir)
+    torch.manual_seed(cell.seed)
+    runner = _ActorRun(cell=cell, inputs=inputs)
+    with runner.timed("total_s"):
+        meta = runner.run()
+    common.write_part(ENGINE, out_dir, "actor", runner.tensors, meta)
+    head = common.outputs_head(engine=ENGINE, cell=cell.to_dict(), packages=PACKAGES, world=1,
+                               backend="none", device=torch.device("cpu"),
+                               timings={"rank0_total_s": round(time.perf_counter() - t0, 4)},
+                               shims=[], faults=cell.faults)
+    common.merge_parts(ENGINE, ["actor"], out_dir, head)
+
+
+class _ActorRun(common.RoleOutputs):
+    """The actor's rounds through GRPOTrainer (module docstring)."""
+
+    def __init__(self, *, cell: HarnessCell, inputs: common.Inputs) -> None:
+        super().__init__()
+        self.cell = cell
+        self.inputs = inputs
+
+    @property
+    def role(self) -> str:
+        return "actor"
+
+    @property
+    def writer(self) -> bool:
+        return True
+
+    def trainer(self, workdir: Path) -> Any:
+        """GRPOTrainer on the actor directory, its config from the contract."""
+        from datasets import Dataset  # type: ignore[import-not-found]
+        from transformers import AutoConfig
+        from trl import GRPOConfig, GRPOTrainer  # type: ignore[import-not-found]
+
+        c, batch = self.inputs.contract, self.inputs.batch
+        opt, alg = c.optimizer, c.algorithm
+        n = int(batch.input_ids.shape[0])
+        mbs = alg.micro_batch_size
+        if n % mbs:
+            raise HarnessError(f"micro_batch_size {mbs} does not divide the batch ({n} rows): "
+                               "TRL's accumulation steps are equal micro-batches")
+        steps = n // mbs
+        hf = AutoConfig.from_pretrained(str(self.inputs.actor_dir))
+        args = GRPOConfig(
+            output_dir=str(workdir), use_cpu=True, bf16=self.cell.precision == "bf16",
+            report_to="none", save_strategy="no", logging_strategy="no", seed=self.cell.seed,
+            per_device_train_batch_size=mbs, gradient_accumulation_steps=steps,
+            steps_per_generation=steps, num_generations=c.sampling.samples_per_prompt,
+            num_iterations=alg.rounds,
+            # FAULT(temperature_not_passed)
+            temperature=1.0 if "temperature_not_passed" in self.cell.faults
+            else c.sampling.temperature,
+            learning_rate=opt.actor_lr, adam_beta1=opt.betas[0], adam_beta2=opt.betas[1],
+            adam_epsilon=opt.eps, weight_decay=opt.weight_decay, max_grad_norm=opt.max_grad_norm,
+            lr_scheduler_type=opt.lr_schedule if opt.lr_schedule != "constant" else
+            "constant_with_warmup", warmup_steps=opt.warmup_steps, max_steps=alg.rounds,
+            entropy_coef=alg.entropy_coef,
+            model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
+            **translate.grpo_config_kwargs(alg, response_len=batch.response_len))
+        dataset = Dataset.from_dict({"prompt": ["t1"] * n})
+        tok = _tokenizer(int(hf.vocab_size), int(hf.pad_token_id or 0), int(hf.eos_token_id))
+        trainer = GRPOTrainer(model=str(self.inputs.actor_dir), reward_funcs=_reward, args=args,
+                              train_dataset=dataset, processing_class=tok)
+        trainer.current_gradient_accumulation_steps = steps
+        total = opt.total_steps if opt.total_steps is not None else alg.rounds
+        trainer.create_optimizer_and_scheduler(num_training_steps=total)
+        return trainer
+
+    def trl_batch(self, rows: slice, old: Tensor | None, ref: Tensor | None,
+                  n_valid: int) -> dict[str, Tensor]:
+        """The rows' frozen rollout in GRPOTrainer's batch keys (module docstring)."""
+        b = self.inputs.batch.rows(rows)
+        p = b.prompt_len
+        out = {"prompt_ids": b.input_ids[:, :p], "prompt_mask": b.attention_mask[:, :p],
+               "completion_ids": b.responses, "completion_mask": b.attention_mask[:, p:],
+               "advantages": b.advantages, "num_items_in_batch": torch.tensor(float(n_valid))}
+        if "completion_mask_shifted" in self.cell.faults:  # FAULT(completion_mask_shifted)
+            out["tool_mask"] = torch.roll(b.mask.long(), 1, dims=1)
+        elif not torch.equal(b.mask.long(), b.attention_mask[:, p:].long()):
+            out["tool_mask"] = b.mask.long()
+        if old is not None:
+            out["old_per_token_logps"] = old[rows]
+        if ref is not None:
+            out["ref_per_token_logps"] = ref[rows]
+        return out
+
+    def scores(self, trainer: Any, model: nn.Module, extra: int = 0) -> Tensor:
+        """TRL's own logprobs of the whole batch, ``[B, R]``.
+
+        No gradient; as TRL scores its reference model, without entropies.
+        """
+        b = self.inputs.batch
+        pad = common.pad_token_id(model)
+        p, r = b.prompt_len, b.response_len
+        comp = torch.cat([b.responses, b.responses.new_full((b.responses.shape[0], extra), pad)], 1)
+        cmask = torch.cat([b.attention_mask[:, p:],
+                           b.attention_mask.new_zeros((b.responses.shape[0], extra))], 1)
+        ids = torch.cat([b.input_ids[:, :p], comp], 1)
+        am = torch.cat([b.attention_mask[:, :p], cmask], 1)
+        with torch.no_grad():
+            lp, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, am, r + extra)
+        return lp[:, :r].float()
+
+    def run(self) -> dict[str, Any]:
+        """Every round (module docstring); returns the role's ``outputs.json`` part."""
+        c, b = self.inputs.contract, self.inputs.batch
+        alg = c.algorithm
+        mask = b.mask
+        n_valid = int(mask.sum())
+        with tempfile.TemporaryDirectory(prefix="qualify-trl-") as work:
+            with self.timed("load_s"):
+                trainer = self.trainer(Path(work))
+            model = trainer.model
+            model.train()  # TRL's training mode (its normalisers read model.training)
+            params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            ref = None
+            if alg.kl_loss_coef != 0:
+                ref = self.scores(trainer, trainer.ref_model)
+            padded = self.scores(trainer, model, EXTRA_RIGHT_PADDING)
+            self.put(1, "logprobs_padded", torch.where(mask, padded, 0.0))
+            capture = _Capture(trainer)
+            slices = common.micro_slices(int(b.input_ids.shape[0]), alg.micro_batch_size)
+            old: Tensor | None = None
+            lrs: dict[str, float] = {}
+            loss_totals: dict[str, float] = {}
+            grad_dtypes: set[str] = set()
+            for round_ in range(1, alg.rounds + 1):
+                with self.timed(f"round{round_}_s"), capture.fresh():
+                    total = 0.0
+                    for s in slices:
+                        loss = trainer.compute_loss(model, self.trl_batch(s, old, ref, n_valid))
+                        trainer.accelerator.backward(loss)
+                        total += float(loss.detach())
+                    lp = torch.cat(capture.logps).float()
+                    ent = torch.cat(capture.entropies).float()
+                    self.put(round_, "logprobs", torch.where(mask, lp, 0.0))
+                    self.put(round_, "entropy", torch.where(mask, ent, 0.0))
+                    loss_totals[f"round{round_}"] = total
+                    if round_ == 1:
+                        old = lp.detach()
+                    lrs[f"round{round_}"] = self.step(trainer, round_, params, grad_dtypes)
+        return {"tp": 1, "global_ranks": [0], "precision": self.cell.precision,
+                "role_timings": self.timings, "model_class": type(model).__name__,
+                "loss_agg_mode": alg.loss_agg_mode, "lr": lrs, "not_run": NOT_RUN,
+                "engine_info": {"trainer": "trl.GRPOTrainer", "loss_total": loss_totals,
+                                **translate.grpo_config_kwargs(alg,
+                                                               response_len=b.response_len),
+                                "grad_dtypes": sorted(grad_dtypes)}}
+
+    def step(self, trainer: Any, round_: int, params: list[tuple[str, nn.Parameter]],
+             grad_dtypes: set[str]) -> float:
+        """Record grads, TRL's clip, AdamW step and scheduler step; return the lr applied."""
+        before = {n: p.detach().clone() for n, p in params}
+        pre = {}
+        for n, p in params:
+            if p.grad is None:
+                raise HarnessError(f"{n}: no gradient after TRL's backward")
+            grad_dtypes.add(str(p.grad.dtype))
+            pre[n] = p.grad.detach().clone()
+            self.put(round_, "grads", pre[n], n)
+        norm = trainer.accelerator.clip_grad_norm_([p for _, p in params],
+                                                   trainer.args.max_grad_norm)
+        self.put(round_, "grad_norm", torch.as_tensor(float(norm)))
+        num = 0.0
+        for n, p in params:
+            if p.grad is None:
+                raise HarnessError(f"{n}: the gradient disappeared in TRL's clip")
+            num += float(p.grad.double().square().sum())
+        num = math.sqrt(num)
+        den = math.sqrt(sum(float(g.double().square().sum()) for g in pre.values()))
+        self.put(round_, "clip_coef", torch.tensor(num / den if den > 0 else 1.0))
+        lr = float(trainer.optimizer.param_groups[0]["lr"])
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        state = trainer.optimizer.state
+        for n, p in params:
+            st = state[p]
+            self.put(round_, "exp_avg", st["exp_avg"].clone(), n)
+            self.put(round_, "exp_avg_sq", st["exp_avg_sq"].clone(), n)
+            self.put(round_, "updates", p.detach() - before[n], n)
+        return lr
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: ``python -m harnesses.trl CELL_JSON``.
+
+    Returns:
+        0 on success, 2 on a usage error.
+    """
+    return common.harness_main(argv, engine=ENGINE, module="harnesses.trl", run=run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
