@@ -89,7 +89,7 @@ def run_resume_cells(contract: Contract, *, run_dir: Path, run: RunDocument,
             if run.cells.get(resume_cell_id(c), {}).get("status") != "COMPLETE"]
     for lc in plan(contract, todo):
         engine = get_engine(lc.engine)
-        why_not = engine.unavailable_reason()
+        why_not = engine.unavailable_reason(variants=contract.algorithm.variants())
         if why_not is None and not engine.resumes:
             why_not = (f"the {lc.engine} harness does not implement resume (its spec does not "
                        "declare resumes: no checkpoint save / restore in its own format)")

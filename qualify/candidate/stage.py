@@ -605,7 +605,7 @@ def run_candidate_stage(
             for lc in launches:
                 bar.advance(lc.launch_id)
                 engine = get_engine(lc.engine)
-                why_not = engine.unavailable_reason()
+                why_not = engine.unavailable_reason(variants=contract.algorithm.variants())
                 if why_not is not None:
                     with lock:
                         for cell in lc.cells:
