@@ -126,14 +126,10 @@ def _cmd_gate(args: argparse.Namespace) -> ExitCode:
 
 def _write_ci_views(args: argparse.Namespace, result: GateResult) -> None:
     """Write ``--junit-xml`` (replaced) and ``--summary`` (appended, as CI summaries are)."""
-    from qualify.evidence import store
-    from qualify.evidence.junit import gate_junit, gate_summary_markdown
+    from qualify.evidence.junit import write_views
 
-    if args.junit_xml:
-        store.atomic_write_text(args.junit_xml, gate_junit(result))
-    if args.summary:
-        with Path(args.summary).open("a", encoding="utf-8") as f:
-            f.write(gate_summary_markdown(result))
+    write_views(result, junit_xml=args.junit_xml, summary=args.summary,
+                command="qualify gate")
 
 
 def _cmd_audit(args: argparse.Namespace) -> ExitCode:
