@@ -280,7 +280,7 @@ def run_result(*, contract: Contract, run_dir: Path, code: ExitCode, ev: PolicyE
 
 
 def write_views(result: GateResult, *, junit_xml: str | Path | None,
-                summary: str | Path | None, command: str) -> None:
+                summary: str | Path | None, command: str, extra_markdown: str = "") -> None:
     """Write ``junit_xml`` (atomically replaced) and append to ``summary`` (as CI summaries are).
 
     Args:
@@ -288,6 +288,7 @@ def write_views(result: GateResult, *, junit_xml: str | Path | None,
         junit_xml: the JUnit XML file (``None``: not written).
         summary: the Markdown summary file (``None``: not written).
         command: ``qualify gate`` or ``qualify run``, named in both documents.
+        extra_markdown: appended to the summary after the decision.
     """
     from pathlib import Path
 
@@ -297,4 +298,4 @@ def write_views(result: GateResult, *, junit_xml: str | Path | None,
         store.atomic_write_text(junit_xml, gate_junit(result, command=command))
     if summary:
         with Path(summary).open("a", encoding="utf-8") as f:
-            f.write(gate_summary_markdown(result, command=command))
+            f.write(gate_summary_markdown(result, command=command) + extra_markdown)
