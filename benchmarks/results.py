@@ -6,7 +6,8 @@ machine it ran on, when, the commit, and every table as a list of records::
     {"schema_version": 1, "command": str, "created": ISO-8601 UTC, "commit": str | None,
      "machine": {"cpus": int, "cpu_model": str, "memory_gb": float,
                  "load_average_1m": float, "python": str, "platform": str},
-     "run": str,                                  # the --run whose launches are tabulated
+     "run": str,              # the --run whose launches are tabulated (relative to the
+                              # checkout when inside it)
      "tables": {name: [{column: value, ...}, ...]},   # comparator, verify, launches,
                                                       # stages, teardown (absent: --quick)
      "notes": [str, ...]}
@@ -91,14 +92,16 @@ def _records(table: pd.DataFrame) -> list[dict[str, Any]]:
 def result_document(*, command: Sequence[str], created: str, run: str,
                     tables: Mapping[str, pd.DataFrame], notes: Sequence[str]) -> dict[str, Any]:
     """The result file's document (module docstring) for the tables of one run."""
+    where = Path(run).absolute()
+    shown = str(where.relative_to(ROOT)) if where.is_relative_to(ROOT) else run
     return {"schema_version": 1, "command": " ".join(command), "created": created,
-            "commit": commit(), "machine": machine(), "run": run,
+            "commit": commit(), "machine": machine(), "run": shown,
             "tables": {k: _records(v) for k, v in tables.items()}, "notes": list(notes)}
 
 
 def write_result(path: str | Path, doc: Mapping[str, Any]) -> None:
-    """Write ``doc`` as indented JSON (a file a reviewer can diff)."""
-    Path(path).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    """Write ``doc`` as indented JSON (a file a reviewer can diff; columns in table order)."""
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
 
 
 def _cell(v: Any) -> str:
