@@ -141,11 +141,14 @@ def _contract_suite(root: ET.Element, decision: ContractDecision, trust_root: st
         counts["errors"] += 1
     for cell in decision.cells:
         counts[_cell_case(suite, decision.contract, cell) or "passed"] += 1
-    tests = sum(counts.values())
-    suite.set("tests", str(tests))
-    suite.set("failures", str(counts["failures"]))
-    suite.set("errors", str(counts["errors"]))
-    suite.set("skipped", str(counts["skipped"]))
+    _set_counts(suite, counts)
+
+
+def _set_counts(suite: ET.Element, counts: Counter[str]) -> None:
+    """The suite's ``tests`` (every counted testcase), ``failures``, ``errors``, ``skipped``."""
+    suite.set("tests", str(sum(counts.values())))
+    for attr in ("failures", "errors", "skipped"):
+        suite.set(attr, str(counts[attr]))
     suite.set("time", "0")
 
 
@@ -184,17 +187,13 @@ def audit_junit(result: AuditResult) -> str:
     """
     root = ET.Element("testsuites", {"name": "qualify audit"})
     suite = ET.SubElement(root, "testsuite", {"name": "qualify audit"})
-    failures = 0
+    counts: Counter[str] = Counter()
     for row in result.rows:
         case = _case(suite, f"qualify.audit.{row.kind}", row.path)
         if row.problems:
-            failures += 1
             _child(case, "failure", "PROBLEM", row.problems[0], "\n".join(row.problems))
-    suite.set("tests", str(len(result.rows)))
-    suite.set("failures", str(failures))
-    suite.set("errors", "0")
-    suite.set("skipped", "0")
-    suite.set("time", "0")
+        counts["failures" if row.problems else "passed"] += 1
+    _set_counts(suite, counts)
     return _document(root)
 
 
