@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import xmlschema
-from committed import committed_evidence_copy
+from shared_artifacts import committed_gate as shared_committed_gate
 
 from qualify.cli.main import main
 from qualify.errors import ExitCode
@@ -130,16 +130,9 @@ def test_the_summary_heads_with_the_decision_and_lists_what_did_not_pass() -> No
 
 @pytest.fixture(scope="module")
 def committed_gate(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, Path]:
-    out = tmp_path_factory.mktemp("junit")
-    summary = out / "summary.md"
-    summary.write_text("earlier step\n")
-    # the committed runs only: a clone where README command 1 ran holds a local run too
-    evidence = committed_evidence_copy(out / "evidence")
-    code = main(["gate", str(evidence), "--contract",
-                 str(ROOT / "contracts" / "tiny-qwen3.toml"), "--junit-xml",
-                 str(out / "gate.xml"), "--summary", str(summary), "--json",
-                 str(out / "gate.json")])
-    return code, out / "gate.xml", summary
+    """The session's gate of the committed runs (:func:`shared_artifacts.committed_gate`)."""
+    out = shared_committed_gate(tmp_path_factory)
+    return int((out / "rc.txt").read_text()), out / "gate.xml", out / "summary.md"
 
 
 def test_the_gate_on_the_committed_evidence_writes_what_it_decided(
