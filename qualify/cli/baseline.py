@@ -114,8 +114,9 @@ def _sealed_gate(run_dir: Path) -> Mapping[str, Any] | None:
 
 def _outcome_changes(baseline: Path, decision: ContractDecision) -> tuple[Mapping[str, Any], ...]:
     gate = _sealed_gate(baseline) or {}
-    cells = gate.get("cells") if isinstance(gate.get("cells"), list) else []
-    was = {str(c.get("cell")): c.get("outcome") for c in cells if isinstance(c, Mapping)}
+    cells = gate.get("cells")
+    was = {str(c.get("cell")): c.get("outcome") for c in
+           (cells if isinstance(cells, list) else []) if isinstance(c, Mapping)}
     now = {c.cell: c.outcome for c in decision.cells}
     return tuple({"cell": cell, "outcome_a": was.get(cell), "outcome_b": now.get(cell)}
                  for cell in sorted(set(was) | set(now)) if was.get(cell) != now.get(cell))
