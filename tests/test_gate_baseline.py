@@ -123,5 +123,9 @@ def test_no_accepted_run_is_said_and_an_explicit_baseline_is_used(repo: Repo) ->
     code, out = _gate(repo, "--baseline", str(repo.w.failing))
     assert f"baseline: {repo.w.failing} (given by --baseline)" in out
     assert "cells whose verdict changed: 0" in out
+    code, out = _gate(repo, "--baseline", str(repo.root / "contracts"))  # not a run
+    assert code == ExitCode.QUALIFICATION_FAILED  # the gate's own code, whatever the baseline
+    assert f"{HEAD} [{CONTRACT}]: no accepted run found (the baseline could not be read: " \
+           "UsageError: " in out
     code, out = _gate(repo, "--baseline", str(repo.root / "nope"))
     assert code == ExitCode.USAGE_ERROR

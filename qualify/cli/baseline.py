@@ -20,13 +20,12 @@ The last accepted run (``--baseline auto``, the default):
 
 ``--baseline RUN`` names the run; ``--baseline none`` shows nothing. The diff is
 information: it never changes the gate's exit code, and a baseline that cannot be read is
-reported as a line, never raised.
+reported as a line, never raised (whatever the error).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
@@ -269,9 +268,9 @@ def find_baseline(decision: ContractDecision, spec: str, *, evidence_dir: Path,
         diff = diff_runs(run, decision.run_dir)
         return Baseline(contract=decision.contract, label=label, why=why,
                         outcomes=_outcome_changes(run, decision), diff=diff)
-    except (QualifyError, OSError, json.JSONDecodeError) as exc:
+    except Exception as exc:  # information only: nothing here may change the gate's exit
         return Baseline(contract=decision.contract, label=None,
-                        why=f"the baseline could not be read: {exc}")
+                        why=f"the baseline could not be read: {type(exc).__name__}: {exc}")
 
 
 def baselines(result: GateResult, spec: str, *, keys: str | Path | None,
@@ -279,10 +278,14 @@ def baselines(result: GateResult, spec: str, *, keys: str | Path | None,
     """:func:`find_baseline` for every contract of ``result`` (``[]`` for ``none``)."""
     if spec == NONE:
         return []
-    with tempfile.TemporaryDirectory(prefix="qualify-baseline-") as tmp:
-        out: Sequence[Baseline] = [
-            find_baseline(d, spec, evidence_dir=result.evidence_dir,
-                          trust_root=result.trust_root, keys=keys,
-                          reference_dir=reference_dir, work=Path(tmp) / str(i))
-            for i, d in enumerate(result.contracts)]
-        return list(out)
+    try:
+        with tempfile.TemporaryDirectory(prefix="qualify-baseline-") as tmp:
+            out: Sequence[Baseline] = [
+                find_baseline(d, spec, evidence_dir=result.evidence_dir,
+                              trust_root=result.trust_root, keys=keys,
+                              reference_dir=reference_dir, work=Path(tmp) / str(i))
+                for i, d in enumerate(result.contracts)]
+            return list(out)
+    except OSError as exc:  # no temporary directory: said, never the gate's exit
+        return [Baseline(contract=d.contract, label=None,
+                         why=f"the baseline could not be read: {exc}") for d in result.contracts]
