@@ -18,7 +18,10 @@
    imports the trainer engines); skipped with ``--quick``.
 
 The synthetic evidence goes under ``--workdir`` (default a new temporary directory) and is
-removed afterwards unless ``--keep``.
+removed afterwards unless ``--keep``. ``--out FILE`` also writes every table, the command
+and the machine as a result file (:mod:`benchmarks.results`); ``--doc`` renders
+``docs/performance.md`` from the committed result files in ``benchmarks/results/`` (with
+``--check``: exit 1 when the page differs) and measures nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Any
 
 import pandas as pd
 
-from benchmarks import evidence_cost, teardown
+from benchmarks import evidence_cost, results, teardown
 from benchmarks.synthetic import COMMITTED_RUN, ROOT, Synthetic, build, sign_run
 
 MB = 1e6
@@ -167,16 +170,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="skip the teardown benchmark")
     ap.add_argument("--workdir", help="where the synthetic evidence goes (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic evidence")
+    ap.add_argument("--out", metavar="FILE",
+                    help="also write the tables, the command and the machine as JSON "
+                         "(commit it under benchmarks/results/)")
+    ap.add_argument("--doc", action="store_true",
+                    help="render docs/performance.md from benchmarks/results/*.json; measure "
+                         "nothing")
+    ap.add_argument("--check", action="store_true",
+                    help="with --doc: exit 1 when docs/performance.md differs from the files")
     args = ap.parse_args(argv)
+    if args.doc:
+        return results.write_doc(check=args.check)
+    if args.check:
+        print("--check: only with --doc", file=sys.stderr)
+        return 2
+    if args.out and not Path(args.out).absolute().parent.is_dir():
+        print(f"--out: {args.out}: its directory does not exist", file=sys.stderr)
+        return 2
+    command = ["python", "-m", "benchmarks", *(argv if argv is not None else sys.argv[1:])]
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     if args.size_gb <= 0:
         print(f"--size-gb: {args.size_gb} is not positive", file=sys.stderr)
         return 2
     if not (Path(args.run) / "run.json").is_file():
         print(f"--run: {args.run}/run.json not found", file=sys.stderr)
         return 2
-    print(f"# benchmarks {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    print(f"# benchmarks {created}, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f}")
     res = run_suite(args)
+    tables = {name: res[name] for name in ("comparator", "verify", "launches", "stages")}
     for name in ("comparator", "verify", "launches", "stages"):
         print(f"\n## {name}")
         print(res[name].to_string(index=False, float_format=_fmt))
@@ -184,7 +206,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {n}")
     if not args.quick:
         print("\n## teardown")
-        teardown.main(["--reps", "3"])
+        tables["teardown"] = teardown.table(3)
+        print(tables["teardown"].to_string(index=False, float_format=_fmt))
+    if args.out:
+        results.write_result(args.out, results.result_document(
+            command=command, created=created, run=str(args.run), tables=tables,
+            notes=res["notes"]))
+        print(f"wrote {args.out}")
     return 0
 
 

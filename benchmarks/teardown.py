@@ -44,20 +44,25 @@ def teardown_s(mode: str) -> float:
     return end - float(proc.stdout.strip().splitlines()[-1])
 
 
+def table(reps: int = 3) -> pd.DataFrame:
+    """``mode``, ``median_s``, ``min_s``, ``max_s`` of ``reps`` children per mode."""
+    samples: dict[str, list[float]] = {"sys_exit": [], "exit_now": []}
+    for _ in range(reps):
+        for mode, values in samples.items():
+            values.append(teardown_s(mode))
+    return pd.DataFrame([{"mode": m, "median_s": statistics.median(v), "min_s": min(v),
+                          "max_s": max(v)} for m, v in samples.items()])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the teardown table; returns 0."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
-    samples: dict[str, list[float]] = {"sys_exit": [], "exit_now": []}
-    for _ in range(args.reps):
-        for mode, values in samples.items():
-            values.append(teardown_s(mode))
-    rows = [{"mode": m, "median_s": statistics.median(v), "min_s": min(v), "max_s": max(v)}
-            for m, v in samples.items()]
-    print(pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
-    ratio = statistics.median(samples["sys_exit"]) / statistics.median(samples["exit_now"])
-    print(f"teardown sys_exit / exit_now: {ratio:.0f}x")
+    t = table(args.reps)
+    print(t.to_string(index=False, float_format=lambda x: f"{x:.2f}"))
+    med = dict(zip(t["mode"], t["median_s"], strict=True))
+    print(f"teardown sys_exit / exit_now: {med['sys_exit'] / med['exit_now']:.0f}x")
     return 0
 
 

@@ -34,6 +34,7 @@ from typing import Any, Final
 
 from qualify.errors import EvidenceIntegrityError, QualifyError
 from qualify.layout import ATTESTATION_SUFFIX, BOUNDS_FILE, MANIFEST_FILE, REPORT_JSON
+from qualify.userfiles import _read_fd_bounded
 
 __all__ = ["MAX_LISTING_BYTES", "MAX_RECORD_BYTES", "MAX_REPORT_BYTES", "json_number", "limit_for",
            "loads_strict", "read_bytes", "read_json"]
@@ -109,24 +110,17 @@ def read_bytes(path: str | Path, *, max_bytes: int | None = None, what: str = ""
         raise EvidenceIntegrityError(f"{name}: cannot open: {exc.strerror or exc} "
                                      "(a link or special file swapped in?)") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise EvidenceIntegrityError(f"{name}: not a regular file (refused, not read)")
-        chunks: list[bytes] = []
-        total = 0
-        while total <= limit:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
     except OSError as exc:
-        raise EvidenceIntegrityError(f"{name}: unreadable: {exc}") from None
-    finally:
         os.close(fd)
-    if total > limit:
-        raise EvidenceIntegrityError(f"{name}: over the {limit}-byte limit for this file "
-                                     "(it grew while read)")
-    return b"".join(chunks)
+        raise EvidenceIntegrityError(f"{name}: unreadable: {exc}") from None
+    if not regular:
+        os.close(fd)
+        raise EvidenceIntegrityError(f"{name}: not a regular file (refused, not read)")
+    return _read_fd_bounded(
+        fd, limit, error=EvidenceIntegrityError,
+        unreadable=lambda exc: f"{name}: unreadable: {exc}",
+        too_large=f"{name}: over the {limit}-byte limit for this file (it grew while read)")
 
 
 class _RefusedError(Exception):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -56,27 +57,59 @@ def read_input_bytes(path: str | Path, *, what: str, max_bytes: int = MAX_INPUT_
         raise error(f"{p}: cannot read the {what}: {exc.strerror or exc}") from None
     try:
         st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise error(f"{p}: cannot read the {what}: is a directory, not a file")
-        if not stat.S_ISREG(st.st_mode):
-            raise error(f"{p}: cannot read the {what}: not a regular file (a FIFO, socket "
-                        "or device; refused, not read)")
-        if st.st_size > max_bytes:
-            raise error(f"{p}: cannot read the {what}: {st.st_size} bytes, over the "
-                        f"{max_bytes}-byte limit (refused, not read)")
-        chunks: list[bytes] = []
-        total = 0
-        while total <= max_bytes:
-            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
+    except OSError as exc:
+        os.close(fd)
+        raise error(f"{p}: cannot read the {what}: {exc.strerror or exc}") from None
+    problem = ("is a directory, not a file" if stat.S_ISDIR(st.st_mode)
+               else "not a regular file (a FIFO, socket or device; refused, not read)"
+               if not stat.S_ISREG(st.st_mode)
+               else f"{st.st_size} bytes, over the {max_bytes}-byte limit (refused, not read)"
+               if st.st_size > max_bytes else None)
+    if problem is not None:
+        os.close(fd)
+        raise error(f"{p}: cannot read the {what}: {problem}")
+    return _read_fd_bounded(
+        fd, max_bytes, error=error,
+        unreadable=lambda exc: f"{p}: cannot read the {what}: {exc.strerror or exc}",
+        too_large=f"{p}: cannot read the {what}: over the {max_bytes}-byte limit (it grew "
+                  "while read)")
+
+
+def _read_fd_bounded(fd: int, limit: int, *, error: type[QualifyError],
+                     unreadable: Callable[[OSError], str], too_large: str) -> bytes:
+    """Read an open file to its end, at most ``limit + 1`` bytes, 1 MiB a read; close it.
+
+    The one bounded read loop of :func:`read_input_bytes` and
+    :func:`qualify.jsonio.read_bytes` (each checks what ``fd`` is before, and names its own
+    error class and messages).
+
+    Args:
+        fd: a file descriptor opened for reading (closed on return or error).
+        limit: the size limit in bytes.
+        error: the error class raised.
+        unreadable: the message of a read that fails (given the ``OSError``).
+        too_large: the message when the file holds more than ``limit`` bytes (it grew
+            after its size was checked).
+
+    Returns:
+        The file's bytes.
+
+    Raises:
+        QualifyError: of class ``error``: a read failed, or more than ``limit`` bytes.
+    """
+    chunks: list[bytes] = []
+    total = 0
+    try:
+        while total <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
             if not chunk:
                 break
             chunks.append(chunk)
             total += len(chunk)
     except OSError as exc:
-        raise error(f"{p}: cannot read the {what}: {exc.strerror or exc}") from None
+        raise error(unreadable(exc)) from None
     finally:
         os.close(fd)
-    if total > max_bytes:
-        raise error(f"{p}: cannot read the {what}: over the {max_bytes}-byte limit (it grew "
-                    "while read)")
+    if total > limit:
+        raise error(too_large)
     return b"".join(chunks)

@@ -22,7 +22,11 @@ relies on that). Consumers never write into a shared artifact: they copy it
   and :func:`~qualify.compare.stage.compare_run` (compared, not sealed: what
   ``qualify run`` holds before it seals and signs);
 - :func:`default_reference`: the sealed reference of the committed default contract
-  (vLLM rollout, every lane), signed with the default key (as ``qualify reference`` does).
+  (vLLM rollout, every lane), signed with the default key (as ``qualify reference`` does);
+- :func:`committed_gate`: ``qualify gate`` of a copy of the committed tiny-qwen3 runs (a
+  full verification of the committed run), with ``--json``, ``--junit-xml`` and
+  ``--summary``, its exit code and its output (test_junit and test_committed_evidence read
+  the same decision).
 """
 
 from __future__ import annotations
@@ -48,8 +52,8 @@ from qualify.contract import Contract, default_contract_path, load_contract
 from qualify.evidence import sign as signing
 from qualify.evidence import store
 
-__all__ = ["TinyChain", "copy_tree", "default_reference", "shared_root", "signing_env",
-           "tiny_chain", "tiny_reference"]
+__all__ = ["GATE_SUMMARY_BEFORE", "TinyChain", "committed_gate", "copy_tree",
+           "default_reference", "shared_root", "signing_env", "tiny_chain", "tiny_reference"]
 
 KEY_FILE = "signing-key.pem"
 CHAIN_FILE = "chain.json"
@@ -220,3 +224,35 @@ def default_reference(factory: pytest.TempPathFactory) -> Path:
         run_reference_stage(contract, root=work / "references", quiet=True)
 
     return build_once(factory, f"default-reference-{contract.digest12}", build)
+
+
+GATE_SUMMARY_BEFORE = "earlier step\n"
+"""What :func:`committed_gate`'s ``summary.md`` held before the gate appended to it."""
+
+
+def committed_gate(factory: pytest.TempPathFactory) -> Path:
+    """The shared gate of the committed tiny-qwen3 runs (read-only): ``evidence/`` (a copy
+    of the runs git tracks, :func:`committed.committed_evidence_copy`), ``gate.json``,
+    ``gate.xml``, ``summary.md`` (:data:`GATE_SUMMARY_BEFORE`, then the gate's summary),
+    ``out.txt`` (stdout and stderr) and ``rc.txt`` (the exit code) of
+    ``qualify gate evidence --contract contracts/tiny-qwen3.toml``."""
+    from committed import ROOT, committed_evidence_copy
+
+    def build(work: Path) -> None:
+        import io
+        from contextlib import redirect_stderr, redirect_stdout
+
+        from qualify.cli.main import main
+
+        evidence = committed_evidence_copy(work / "evidence")
+        (work / "summary.md").write_text(GATE_SUMMARY_BEFORE, encoding="utf-8")
+        buf = io.StringIO()
+        with redirect_stdout(buf), redirect_stderr(buf):
+            rc = main(["gate", str(evidence), "--contract",
+                       str(ROOT / "contracts" / "tiny-qwen3.toml"), "--junit-xml",
+                       str(work / "gate.xml"), "--summary", str(work / "summary.md"),
+                       "--json", str(work / "gate.json")])
+        (work / "out.txt").write_text(buf.getvalue(), encoding="utf-8")
+        (work / "rc.txt").write_text(str(rc), encoding="utf-8")
+
+    return build_once(factory, "committed-gate", build)

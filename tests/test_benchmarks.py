@@ -63,6 +63,22 @@ def test_suite_end_to_end(tmp_path: Path) -> None:
     assert (launches["fixed_s"] == launches["wall_s"] - launches["compute_s"]).all()
     assert set(res["stages"]["stage"]) >= {"trainer", "candidate (run.json)"}
     assert not (tmp_path / "synthetic").exists()  # removed without --keep
+    # the result file (--out) keeps every table in its column order, and renders
+    from benchmarks import results
+
+    tables = {k: res[k] for k in ("comparator", "verify", "launches", "stages")}
+    doc = results.result_document(command=["python", "-m", "benchmarks", "--size-gb", "0.02"],
+                                  created="2026-12-05T00:00:00Z", run=str(COMMITTED_RUN),
+                                  tables=tables, notes=res["notes"])
+    results.write_result(tmp_path / "r.json", doc)
+    back = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    assert list(back["tables"]["comparator"][0]) == COMPARATOR_COLUMNS
+    assert back["tables"]["launches"][0]["wall_s"] == pytest.approx(launches["wall_s"].iloc[0])
+    assert back["run"] == str(COMMITTED_RUN.relative_to(results.ROOT))
+    assert back["machine"]["cpus"] >= 1
+    page = results.render([back])
+    assert "python -m benchmarks --size-gb 0.02" in page
+    assert "| " + " | ".join(COMPARATOR_COLUMNS) + " |" in page
 
 
 def test_stage_wall_is_the_elapsed_time_of_overlapping_launches() -> None:

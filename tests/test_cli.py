@@ -22,7 +22,7 @@ EXPECTED = {
                   "--launcher"],
     "compare": ["run_dir", "--reference", "--no-seal"],
     "run": ["contract", "--references", "--evidence", "--cells", "--run-id", "--quiet",
-            "--launcher"],
+            "--launcher", "--junit-xml", "--summary"],
     "sweep": ["contract", "--out", "--variants", "--offsets", "--move", "--policy", "--factor",
               "--cells", "--include", "--report-only", "--write-policy", "--summary-dir"],
     "report": ["run_dir", "--html", "--contract", "--policy"],
@@ -34,7 +34,8 @@ EXPECTED = {
     "sign": ["dir", "--key", "--reference", "--keys"],
     "verify": ["path", "--keys", "--contract", "--contracts-dir", "--reference", "--json"],
     "gate": ["evidence_dir", "--contract", "--allow-not-run", "--policy", "--sources-root",
-             "--json", "--junit-xml", "--summary", "--reference", "--trust-from", "--keys"],
+             "--json", "--junit-xml", "--summary", "--reference", "--trust-from", "--baseline",
+             "--keys"],
     "audit": ["dirs", "--format", "--output", "--junit-xml", "--contracts-dir",
               "--sources-root", "--keys"],
     "sbatch": ["sbatch_command"],
@@ -106,14 +107,30 @@ def _hf_dir_contract(tmp_path: Path, model: str) -> Path:
      + '"\n', 'model.manifest.files["model.safetensors"]'),
 ])
 def test_model_errors_exit_two_with_one_line(case: str, model: str, text: str,
-                                             tmp_path: Path) -> None:
+                                             tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """In-process (``main``, as the console script calls it): a child interpreter would
+    spend its time importing torch and transformers before the check; the entry point's
+    exit status and stderr in a child are test_missing_reference_dir_and_bad_usage's."""
     contract = _hf_dir_contract(tmp_path, model)
     if case == "manifest_digest_mismatch":
         (tmp_path / "hf").mkdir()
         (tmp_path / "hf" / "model.safetensors").write_bytes(b"not the expected weights")
         (tmp_path / "hf" / "config.json").write_text("{}")
-    proc = _qualify("reference", str(contract), "--out", str(tmp_path / "refs"), "--quiet")
+    proc = _in_process(capsys, "reference", str(contract), "--out", str(tmp_path / "refs"),
+                       "--quiet")
     _one_line_error(proc, ExitCode.USAGE_ERROR, text)
+
+
+def _in_process(capsys: pytest.CaptureFixture[str], *args: str
+                ) -> subprocess.CompletedProcess[str]:
+    """``qualify ARGS`` through :func:`qualify.cli.main.main`: its exit code and output."""
+    from qualify.cli.main import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out.out, out.err)
 
 
 def test_missing_reference_dir_and_bad_usage(tmp_path: Path) -> None:

@@ -78,3 +78,31 @@ def test_every_page_the_readme_names_exists() -> None:
     missing = sorted(p for p in named
                      if "<" not in p and not (ROOT / p).exists())
     assert not missing, missing
+
+
+def test_the_performance_page_is_generated_from_the_benchmark_results() -> None:
+    from benchmarks import results
+
+    assert list(results.RESULTS_DIR.glob("*.json")), "no committed benchmark result"
+    assert results.write_doc(check=True) == 0, "run: python -m benchmarks --doc"
+
+
+def test_a_new_result_makes_the_performance_check_fail(tmp_path: Path) -> None:
+    import json
+
+    from benchmarks import results
+
+    for p in results.RESULTS_DIR.glob("*.json"):
+        (tmp_path / p.name).write_text(p.read_text(encoding="utf-8"), encoding="utf-8")
+    doc = json.loads(next(tmp_path.glob("*.json")).read_text(encoding="utf-8"))
+    created = doc["created"]
+    page = tmp_path / "performance.md"
+    assert results.write_doc(directory=tmp_path, page=page) == 0
+    assert results.write_doc(check=True, directory=tmp_path, page=page) == 0
+    doc["created"] = "2999-01-01T00:00:00Z"  # a newer run: it heads the page
+    (tmp_path / "newer.json").write_text(json.dumps(doc), encoding="utf-8")
+    assert results.write_doc(check=True, directory=tmp_path, page=page) == 1
+    assert results.write_doc(directory=tmp_path, page=page) == 0
+    text = page.read_text(encoding="utf-8")
+    assert text.index("## 2999-01-01T00:00:00Z") < text.index(f"## {created}")
+    assert doc["command"] in text

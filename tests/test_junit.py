@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import xmlschema
-from committed import committed_evidence_copy
+from shared_artifacts import committed_gate as shared_committed_gate
 
 from qualify.cli.main import main
 from qualify.errors import ExitCode
@@ -130,16 +130,9 @@ def test_the_summary_heads_with_the_decision_and_lists_what_did_not_pass() -> No
 
 @pytest.fixture(scope="module")
 def committed_gate(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, Path]:
-    out = tmp_path_factory.mktemp("junit")
-    summary = out / "summary.md"
-    summary.write_text("earlier step\n")
-    # the committed runs only: a clone where README command 1 ran holds a local run too
-    evidence = committed_evidence_copy(out / "evidence")
-    code = main(["gate", str(evidence), "--contract",
-                 str(ROOT / "contracts" / "tiny-qwen3.toml"), "--junit-xml",
-                 str(out / "gate.xml"), "--summary", str(summary), "--json",
-                 str(out / "gate.json")])
-    return code, out / "gate.xml", summary
+    """The session's gate of the committed runs (:func:`shared_artifacts.committed_gate`)."""
+    out = shared_committed_gate(tmp_path_factory)
+    return int((out / "rc.txt").read_text()), out / "gate.xml", out / "summary.md"
 
 
 def test_the_gate_on_the_committed_evidence_writes_what_it_decided(
@@ -180,3 +173,50 @@ def test_an_unwritable_junit_path_is_a_usage_error_before_any_work(tmp_path: Pat
                  str(ROOT / "contracts" / "tiny-qwen3.toml"), "--junit-xml",
                  str(tmp_path / "missing" / "gate.xml")])
     assert code == ExitCode.USAGE_ERROR
+
+
+def _shape(xml: str) -> dict[str, tuple[str | None, ...]]:
+    """Each testcase: its classname and its child's tag, type and message."""
+    return {name: (c.get("classname"), *((c[0].tag, c[0].get("type"), c[0].get("message"))
+                                         if len(c) else ("pass", None, None)))
+            for name, c in _cases(xml).items()}
+
+
+def test_the_run_writes_the_gates_format_for_its_decision(
+        committed_gate: tuple[int, Path, Path]) -> None:
+    """``qualify run``'s documents are the gate's, built from the decision the run exits by."""
+    from committed import committed_runs
+
+    from qualify.contract import load_contract
+    from qualify.evidence.junit import run_result
+    from qualify.evidence.policy import policy_for
+    from qualify.pipeline.chain import run_decision
+
+    code, gate_xml, _ = committed_gate
+    contract = load_contract(ROOT / "contracts" / "tiny-qwen3.toml")
+    policy = policy_for(contract)
+    run_dir = committed_runs()[-1]
+    run_code, ev = run_decision(run_dir, contract, policy)
+    result = run_result(contract=contract, run_dir=run_dir, code=run_code, ev=ev,
+                        policy=policy, created="2026-12-05T00:00:00Z")
+    xml = gate_junit(result, command="qualify run")
+    XSD.validate(xml)
+    assert ET.fromstring(xml).get("name") == "qualify run"
+    assert run_code == code
+    assert _shape(xml) == _shape(gate_xml.read_text(encoding="utf-8"))
+    md = gate_summary_markdown(result, command="qualify run")
+    assert md.startswith(f"## qualify run: {'PASS' if code == 0 else 'FAIL'} (exit {code})")
+
+
+def test_run_output_files_are_checked_before_any_work(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    for option in ("--junit-xml", "--summary"):
+        code = main(["run", str(tmp_path / "no-such-contract.toml"), "--references",
+                     str(tmp_path / "refs"), "--evidence", str(tmp_path / "ev"), option,
+                     str(tmp_path / "missing" / "out")])
+        err = capsys.readouterr().err
+        assert code == ExitCode.USAGE_ERROR
+        assert f"{option}: directory" in err
+        assert "no-such-contract" not in err
+        assert not (tmp_path / "refs").exists()
+        assert not (tmp_path / "ev").exists()

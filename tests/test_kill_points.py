@@ -669,7 +669,11 @@ def test_qualify_run_interrupted_then_plain_rerun_gates_green(kit: Kit, clean: C
     row.state = f"{said}; run {describe(killed)}; no process left after {waited:.1f} s"
     row.after_kill = _audit_gate(kit, evidence, evidence)
 
-    rc, out = kit.run(*run_args)
+    views = kit.root / point / "views"  # run-seal (the default tier): its CI documents
+    views.mkdir()
+    ci_views: tuple[str | Path, ...] = ("--junit-xml", views / "run.xml", "--summary",
+                                        views / "summary.md") if point == "run-seal" else ()
+    rc, out = kit.run(*run_args, *ci_views)
     row.next_rc = str(rc)
     assert rc == ExitCode.OK, out
     dirs = sorted(p.name for p in runs.iterdir() if p.is_dir())
@@ -696,9 +700,19 @@ def test_qualify_run_interrupted_then_plain_rerun_gates_green(kit: Kit, clean: C
     _equal(clean, run, row)
     _verified(kit, run, row)
 
-    rc, out = kit.run("gate", evidence, "--contract", kit.contract, "--keys", kit.keys)
+    rc, out = kit.run("gate", evidence, "--contract", kit.contract, "--keys", kit.keys,
+                      *(("--junit-xml", views / "gate.xml") if ci_views else ()))
     row.gate = f"{rc}: {_last_line(out.splitlines()[1] if len(out.splitlines()) > 1 else out)}"
     assert rc == ExitCode.OK, out
+    if ci_views:  # qualify run --junit-xml / --summary: the gate's documents, its decision
+        from test_junit import XSD, _shape
+
+        run_xml = (views / "run.xml").read_text(encoding="utf-8")
+        XSD.validate(run_xml)
+        assert _shape(run_xml) == _shape((views / "gate.xml").read_text(encoding="utf-8"))
+        assert set(_shape(run_xml)) == {CELL_A, CELL_C}
+        assert (views / "summary.md").read_text(encoding="utf-8").startswith(
+            "## qualify run: PASS (exit 0)")
     rc, rows = _audit_rows(kit, evidence)
     row.audit = f"exit {rc}; " + "; ".join(
         f"{r['run_id']}: {r['integrity']}, {r['verdict']}, {len(r['problems'])} problems"

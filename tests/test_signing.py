@@ -300,7 +300,8 @@ CLI_SURFACE = {
     "sign": ["dir", "--key", "--reference", "--keys"],
     "verify": ["path", "--keys", "--contract", "--contracts-dir", "--reference", "--json"],
     "gate": ["evidence_dir", "--contract", "--allow-not-run", "--policy", "--sources-root",
-             "--json", "--junit-xml", "--summary", "--reference", "--trust-from", "--keys"],
+             "--json", "--junit-xml", "--summary", "--reference", "--trust-from", "--baseline",
+             "--keys"],
     "audit": ["dirs", "--format", "--output", "--junit-xml", "--contracts-dir",
               "--sources-root", "--keys"],
 }

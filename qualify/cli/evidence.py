@@ -106,8 +106,10 @@ def _cmd_verify(args: argparse.Namespace) -> ExitCode:
 
 
 def _cmd_gate(args: argparse.Namespace) -> ExitCode:
+    from qualify.cli.baseline import AUTO, NONE, baselines
     from qualify.cli.summary import print_gate
-    from qualify.evidence.gate import gate
+    from qualify.evidence import store
+    from qualify.evidence.gate import GATE_SCHEMA, gate
 
     evidence = _existing_dir(args.evidence_dir, "evidence directory")
     _output_file(args.json, "--json")
@@ -115,25 +117,30 @@ def _cmd_gate(args: argparse.Namespace) -> ExitCode:
     _output_file(args.summary, "--summary")
     if args.sources_root is not None:
         _existing_dir(args.sources_root, "--sources-root")
+    if args.baseline not in (AUTO, NONE):
+        _existing_dir(args.baseline, "--baseline")
     result = gate(evidence, args.contract, allow_not_run=args.allow_not_run,
-                  trusted_keys_dir=args.keys, reference_dir=args.reference, json_out=args.json,
+                  trusted_keys_dir=args.keys, reference_dir=args.reference,
                   policy=args.policy, sources_root=args.sources_root,
                   trust_from=args.trust_from)
+    found = baselines(result, args.baseline, keys=args.keys, reference_dir=args.reference)
+    if args.json:  # the decision (as gate() writes it) and what changed since the baseline
+        store.atomic_write_json(args.json, {**result.to_dict(),
+                                            "baselines": [b.to_dict() for b in found]},
+                                schema=GATE_SCHEMA)
     print_gate(result)
-    _write_ci_views(args, result)
+    for b in found:
+        print("\n".join(b.lines()))
+    _write_ci_views(args, result, "".join(f"\n{b.markdown()}" for b in found))
     return result.exit_code
 
 
-def _write_ci_views(args: argparse.Namespace, result: GateResult) -> None:
+def _write_ci_views(args: argparse.Namespace, result: GateResult, extra: str = "") -> None:
     """Write ``--junit-xml`` (replaced) and ``--summary`` (appended, as CI summaries are)."""
-    from qualify.evidence import store
-    from qualify.evidence.junit import gate_junit, gate_summary_markdown
+    from qualify.evidence.junit import write_views
 
-    if args.junit_xml:
-        store.atomic_write_text(args.junit_xml, gate_junit(result))
-    if args.summary:
-        with Path(args.summary).open("a", encoding="utf-8") as f:
-            f.write(gate_summary_markdown(result))
+    write_views(result, junit_xml=args.junit_xml, summary=args.summary,
+                command="qualify gate", extra_markdown=extra)
 
 
 def _cmd_audit(args: argparse.Namespace) -> ExitCode:
@@ -229,6 +236,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "checkout laid out as contracts/ (keys/, gates/, <name>.toml); a "
                         "change that alters them is refused (exit 3). Not with --keys or "
                         "--policy")
+    p.add_argument("--baseline", default="auto", metavar="RUN|auto|none",
+                   help="show what changed since the last accepted run of the same contract "
+                        "(information; the exit code is the gate's): auto (default) = the "
+                        "newest run in the --trust-from ref, else the newest older run here "
+                        "whose sealed decision is PASS and that verifies; a run directory; "
+                        "or none")
     _keys_arg(p)
     p.set_defaults(func=_cmd_gate)
 

@@ -94,12 +94,15 @@ def _cmd_compare(args: argparse.Namespace) -> ExitCode:
 
 
 def _cmd_run(args: argparse.Namespace) -> ExitCode:
+    from qualify.cli.outputs import output_file
     from qualify.pipeline.chain import run_all
 
+    junit_xml = output_file(args.junit_xml, "--junit-xml") if args.junit_xml else None
+    summary = output_file(args.summary, "--summary") if args.summary else None
     return run_all(_contract_arg(args.contract),
                    references=output_dir(args.references, "--references"),
                    evidence=output_dir(args.evidence, "--evidence"), cells=args.cells,
-                   quiet=args.quiet, run_id=args.run_id)
+                   quiet=args.quiet, run_id=args.run_id, junit_xml=junit_xml, summary=summary)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
                                     "new timestamped id)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     _launcher_option(p)
+    p.add_argument("--junit-xml", metavar="PATH",
+                   help="write the run's decision as JUnit XML, as qualify gate does: one "
+                        "testcase per cell (XFAIL and allowed NOT_RUN as skipped, the first "
+                        "failing quantity as the failure)")
+    p.add_argument("--summary", metavar="PATH",
+                   help="append a Markdown job summary (e.g. \"$GITHUB_STEP_SUMMARY\")")
     p.set_defaults(func=_cmd_run)
 
     from qualify.cli.diverge import register as register_diverge

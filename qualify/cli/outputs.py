@@ -77,12 +77,8 @@ def output_dir(value: str | Path, option: str) -> Path:
 def output_file(value: str | Path, option: str) -> Path:
     """``value`` as a file this command may write (created or atomically replaced).
 
-    Args:
-        value: the path the user gave.
-        option: the option that named it (``--json``), for the message.
-
-    Returns:
-        ``value`` as a :class:`~pathlib.Path`.
+    Takes and returns what :func:`output_dir` does (``option``: ``--json``); the same write
+    probe, in the file's directory.
 
     Raises:
         UsageError: it is a directory or a special file, or its directory does not exist

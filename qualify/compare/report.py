@@ -468,19 +468,10 @@ def _short_power_lines(report: Report) -> list[str]:
     return lines
 
 
-def _render_decision_first(report: Report) -> str:
-    """``report.md`` of a report with the ``gate_decision`` section: short, decision first.
-
-    The decision and the comparator's verdict, the digests, the root causes, the cells not
-    plainly passing, the expected failures one line each, the detail of failures the
-    decision does not expect (capped), then the errors, coverage, power, lr and field
-    metrics in brief. Everything else is in ``report.json``.
-    """
+def _header_table(report: Report, extra: Sequence[tuple[str, str]] = ()) -> str:
+    """The ``item | value`` table under the headline: digests, lane, counts, then ``extra``."""
     s = report.summary
-    lines = [f"# Qualification report: {report.contract} / run {report.run_id}", "",
-             *_decision_lines(report), ""]
-    adjusted = sum(1 for r in report.rows if r.adjustment)
-    lines += [_markdown_table(("item", "value"), [
+    return _markdown_table(("item", "value"), [
         ("contract", f"{report.contract} (sha256 {report.contract_digest})"),
         ("reference", f"{report.reference_dir}"),
         ("reference manifest sha256", report.reference_manifest_digest),
@@ -489,6 +480,22 @@ def _render_decision_first(report: Report) -> str:
         ("created", report.created),
         ("cells", _counts(s["cells"])),
         ("rows", _counts(s["rows"])),
+        *extra,
+    ])
+
+
+def _render_decision_first(report: Report) -> str:
+    """``report.md`` of a report with the ``gate_decision`` section: short, decision first.
+
+    The decision and the comparator's verdict, the digests, the root causes, the cells not
+    plainly passing, the expected failures one line each, the detail of failures the
+    decision does not expect (capped), then the errors, coverage, power, lr and field
+    metrics in brief. Everything else is in ``report.json``.
+    """
+    lines = [f"# Qualification report: {report.contract} / run {report.run_id}", "",
+             *_decision_lines(report), ""]
+    adjusted = sum(1 for r in report.rows if r.adjustment)
+    lines += [_header_table(report, [
         ("clip-branch adjusted rows", f"{adjusted} (`qualify/branches.py`; in `report.json`)"),
     ]), ""]
     outcome = {k: str(v.get("outcome")) for k, v in _outcomes(report).items()}
@@ -530,7 +537,6 @@ def render_markdown(report: Report) -> str:
     """The ``report.md`` text (see the module docstring for its sections)."""
     if "gate_decision" in report.sections and report.gate is not None:
         return _render_decision_first(report)
-    s = report.summary
     verdict = "PASSED" if report.passed else "FAILED"
     lines = [f"# Qualification report: {report.contract} / run {report.run_id}", "",
              f"**Result: {verdict}**"]
@@ -542,16 +548,7 @@ def render_markdown(report: Report) -> str:
                   "`qualify gate RUN_DIR --contract CONTRACT` applies the contract's policy "
                   "(`contracts/gates/<contract>.toml`), where a failure it lists as expected "
                   "is XFAIL, never PASS, and decides the exit code of `qualify run`."]
-    lines += ["", _markdown_table(("item", "value"), [
-        ("contract", f"{report.contract} (sha256 {report.contract_digest})"),
-        ("reference", f"{report.reference_dir}"),
-        ("reference manifest sha256", report.reference_manifest_digest),
-        (f"{BOUNDS_FILE} sha256", report.bounds_digest),
-        ("lane", report.lane),
-        ("created", report.created),
-        ("cells", _counts(s["cells"])),
-        ("rows", _counts(s["rows"])),
-    ]), ""]
+    lines += ["", _header_table(report), ""]
     causal = "root_causes" in report.sections  # a report sealed before it: file order
     if causal:
         lines += _root_cause_lines(report)

@@ -29,6 +29,10 @@ holding one ``<testcase>`` per test with at most one ``<failure>``, ``<error>`` 
 - :func:`gate_summary_markdown`: the decision, a table of outcome counts per contract and
   every cell that did not plainly pass, in GitHub-flavoured Markdown (fits
   ``$GITHUB_STEP_SUMMARY``).
+- :func:`run_result`: the decision ``qualify run`` exits by (the gate policy's, the one
+  ``report.json`` seals, with the run's freshness) as a one-contract gate result, so that
+  ``qualify run --junit-xml / --summary`` write the same documents as ``qualify gate``
+  (the testsuites and the summary heading name ``qualify run``).
 
 Text is made safe for XML 1.0 (control characters other than tab and newline are written
 as ``\xNN``) and for Markdown tables (``|`` and newlines escaped), so a file or cell name
@@ -47,11 +51,14 @@ from qualify.display import markdown_cell
 from qualify.errors import ExitCode
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from qualify.contract import Contract
     from qualify.evidence.audit import AuditResult
     from qualify.evidence.gate import ContractDecision, GateResult
-    from qualify.evidence.policy import CellOutcome
+    from qualify.evidence.policy import CellOutcome, Policy, PolicyEvaluation
 
-__all__ = ["audit_junit", "gate_junit", "gate_summary_markdown"]
+__all__ = ["audit_junit", "gate_junit", "gate_summary_markdown", "run_result", "write_views"]
 
 _XML_UNSAFE: Final = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff\ufffe\uffff]")
 _DECISION: Final = {ExitCode.OK: "PASS", ExitCode.QUALIFICATION_FAILED: "FAIL",
@@ -134,11 +141,14 @@ def _contract_suite(root: ET.Element, decision: ContractDecision, trust_root: st
         counts["errors"] += 1
     for cell in decision.cells:
         counts[_cell_case(suite, decision.contract, cell) or "passed"] += 1
-    tests = sum(counts.values())
-    suite.set("tests", str(tests))
-    suite.set("failures", str(counts["failures"]))
-    suite.set("errors", str(counts["errors"]))
-    suite.set("skipped", str(counts["skipped"]))
+    _set_counts(suite, counts)
+
+
+def _set_counts(suite: ET.Element, counts: Counter[str]) -> None:
+    """The suite's ``tests`` (every counted testcase), ``failures``, ``errors``, ``skipped``."""
+    suite.set("tests", str(sum(counts.values())))
+    for attr in ("failures", "errors", "skipped"):
+        suite.set(attr, str(counts[attr]))
     suite.set("time", "0")
 
 
@@ -150,16 +160,17 @@ def _document(root: ET.Element) -> str:
             + ET.tostring(root, encoding="unicode") + "\n")
 
 
-def gate_junit(result: GateResult) -> str:
+def gate_junit(result: GateResult, *, command: str = "qualify gate") -> str:
     """The gate decision as a JUnit XML document (the mapping is the module's docstring).
 
     Args:
-        result: :func:`qualify.evidence.gate.gate`'s decision.
+        result: :func:`qualify.evidence.gate.gate`'s decision (or :func:`run_result`).
+        command: the ``<testsuites>`` name (the command that decided).
 
     Returns:
         The document, UTF-8 text with its XML declaration.
     """
-    root = ET.Element("testsuites", {"name": "qualify gate"})
+    root = ET.Element("testsuites", {"name": _xml_text(command)})
     for decision in result.contracts:
         _contract_suite(root, decision, result.trust_root.line)
     return _document(root)
@@ -176,17 +187,13 @@ def audit_junit(result: AuditResult) -> str:
     """
     root = ET.Element("testsuites", {"name": "qualify audit"})
     suite = ET.SubElement(root, "testsuite", {"name": "qualify audit"})
-    failures = 0
+    counts: Counter[str] = Counter()
     for row in result.rows:
         case = _case(suite, f"qualify.audit.{row.kind}", row.path)
         if row.problems:
-            failures += 1
             _child(case, "failure", "PROBLEM", row.problems[0], "\n".join(row.problems))
-    suite.set("tests", str(len(result.rows)))
-    suite.set("failures", str(failures))
-    suite.set("errors", "0")
-    suite.set("skipped", "0")
-    suite.set("time", "0")
+        counts["failures" if row.problems else "passed"] += 1
+    _set_counts(suite, counts)
     return _document(root)
 
 
@@ -195,11 +202,12 @@ def _md(text: object) -> str:
     return markdown_cell(text)
 
 
-def gate_summary_markdown(result: GateResult) -> str:
+def gate_summary_markdown(result: GateResult, *, command: str = "qualify gate") -> str:
     """The gate decision as a Markdown job summary (``$GITHUB_STEP_SUMMARY``).
 
     Args:
-        result: :func:`qualify.evidence.gate.gate`'s decision.
+        result: :func:`qualify.evidence.gate.gate`'s decision (or :func:`run_result`).
+        command: the command that decided, in the headline.
 
     Returns:
         Markdown text: the decision headline, per contract a table of outcome counts and a
@@ -207,7 +215,7 @@ def gate_summary_markdown(result: GateResult) -> str:
         quantity or reason).
     """
     word = _DECISION.get(result.exit_code, "?")
-    lines = [f"## qualify gate: {word} (exit {int(result.exit_code)})", "",
+    lines = [f"## {_md(command)}: {word} (exit {int(result.exit_code)})", "",
              _md(result.trust_root.line), ""]
     for c in result.contracts:
         lines += [f"### {_md(c.contract)} `{c.contract_digest[:12]}`", "",
@@ -231,3 +239,62 @@ def gate_summary_markdown(result: GateResult) -> str:
                       f"{_md(_first_line(cell.first) or cell.reason or '')} |" for cell in rows]
             lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def run_result(*, contract: Contract, run_dir: Path, code: ExitCode, ev: PolicyEvaluation,
+               policy: Policy, created: str) -> GateResult:
+    """The decision ``qualify run`` exits by, as a one-contract gate result.
+
+    Args:
+        contract: the run's contract.
+        run_dir: the sealed, signed run.
+        code: the run's exit code (:func:`qualify.pipeline.chain.run_decision`).
+        ev: every cell's outcome under ``policy``.
+        policy: the contract's gate policy (``policy.path`` ``None``: the report's verdict
+            decides).
+        created: when the decision was made (ISO-8601 UTC).
+
+    Returns:
+        A :class:`~qualify.evidence.gate.GateResult` with one
+        :class:`~qualify.evidence.gate.ContractDecision` (no verification: the run was
+        sealed and signed by this process; the trust root is the checkout, whose policy
+        the run used).
+    """
+    from pathlib import Path
+
+    from qualify.evidence.gate import ContractDecision, GateResult
+
+    pol = f"gate policy {policy.path}" if policy.path else "no gate policy (report verdict)"
+    counts = ", ".join(f"{n} {o}" for o, n in ev.counts().items() if n)
+    bad = [c.cell for c in ev.offending]
+    message = f"run {run_dir} sealed; {pol}; required cells: {counts}" + (
+        f"; {len(bad)} not passed: {', '.join(bad)}" if bad else "")
+    decision = ContractDecision(contract=contract.name,
+                                contract_path=contract.path or Path(f"{contract.name}.toml"),
+                                contract_digest=contract.digest, run_dir=run_dir,
+                                run_id=run_dir.name, verification=None, cells=ev.cells,
+                                exit_code=code, message=message, policy=policy)
+    return GateResult(evidence_dir=run_dir.parent, allow_not_run=(), contracts=(decision,),
+                      created=created)
+
+
+def write_views(result: GateResult, *, junit_xml: str | Path | None,
+                summary: str | Path | None, command: str, extra_markdown: str = "") -> None:
+    """Write ``junit_xml`` (atomically replaced) and append to ``summary`` (as CI summaries are).
+
+    Args:
+        result: the decision.
+        junit_xml: the JUnit XML file (``None``: not written).
+        summary: the Markdown summary file (``None``: not written).
+        command: ``qualify gate`` or ``qualify run``, named in both documents.
+        extra_markdown: appended to the summary after the decision.
+    """
+    from pathlib import Path
+
+    from qualify.evidence import store
+
+    if junit_xml:
+        store.atomic_write_text(junit_xml, gate_junit(result, command=command))
+    if summary:
+        with Path(summary).open("a", encoding="utf-8") as f:
+            f.write(gate_summary_markdown(result, command=command) + extra_markdown)

@@ -106,7 +106,8 @@ def run_decision(run_dir: Path, contract: Contract, policy: Policy, *,
 
 def run_all(contract_path: Path, *, references: Path, evidence: Path,
             cells: Sequence[str] | None = None, quiet: bool = False,
-            run_id: str | None = None) -> ExitCode:
+            run_id: str | None = None, junit_xml: Path | None = None,
+            summary: Path | None = None) -> ExitCode:
     """Run the whole job for one contract and return its exit code.
 
     An interrupted earlier run of the contract is resumed, or superseded and kept
@@ -122,6 +123,9 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
         quiet: no progress bars.
         run_id: resume or name this run (default: resume the newest interrupted run that
             can be resumed, else a new timestamped id).
+        junit_xml: write the decision there as JUnit XML (:mod:`qualify.evidence.junit`,
+            the format of ``qualify gate --junit-xml``); checked writable by the caller.
+        summary: append the decision there as a Markdown job summary.
 
     Returns:
         ``OK`` when it qualified (by the gate policy when the contract has one, see
@@ -184,4 +188,11 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
     print(printable(f"{contract.name}: exit {int(code)} by {pol}"))
     print(comparator_line(doc, ev))
     print_evaluation(ev, report_md=run_dir / REPORT_MD, report_html=html, causes=causes)
+    if junit_xml is not None or summary is not None:
+        from qualify.evidence.junit import run_result, write_views
+        from qualify.evidence.timestamps import utc_now_iso
+
+        write_views(run_result(contract=contract, run_dir=run_dir, code=code, ev=ev,
+                               policy=policy, created=utc_now_iso()),
+                    junit_xml=junit_xml, summary=summary, command="qualify run")
     return code
