@@ -100,6 +100,7 @@ from qualify.compare.rows import (
     padding_rows,
     replica_row,
 )
+from qualify.compare.distribution import decode_clip_band, distribution_rows, read_sealed
 from qualify.compare.sampler import sampler_required, sampler_rows
 from qualify.compare.verdicts import (
     OPTIONAL_SECTIONS,
@@ -507,6 +508,11 @@ def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, A
                 actor=in_memory(src.tensors) if isinstance(src, _Outputs) else src),
                 cell=cid, builder="qualify.compare.sampler.sampler_rows",
                 klass="sampler_install", role="sampler", family="all")
+            rows += guarded(lambda: distribution_rows(  # qualify.compare.distribution
+                cell=cid, tensors=in_memory(outputs.tensors), ref_dir=ctx.ref_dir,
+                mask=ctx.mask, responses=store.load_tensors(ctx.ref_dir / ROLLOUT_FILE)[
+                    "responses"]), cell=cid, klass="sampler_distribution", role="sampler",
+                builder="qualify.compare.distribution.distribution_rows", family="all")
         elif "resume_of" in e:  # qualify.compare.resume: against the uninterrupted cell
             rows = guarded(lambda: resume_rows(
                 cell=cid, entry=e, outputs=outputs, loaded=loaded, bounds=ctx.bounds,
@@ -629,6 +635,15 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
     # 5. field mismatch metrics (informational)
     fields, band, field_note, like, mode, notes = _field_metrics(ctx, contract, rollout,
                                                                 cells, loaded)
+    hf32 = _hf(ctx, "fp32")
+    if any(e.get("role") == "sampler" for e in cells.values()) and read_sealed(ctx.ref_dir)[1]:
+        notes.append(f"no decode-path distribution rows: {read_sealed(ctx.ref_dir)[1]}")
+    for cid, got in loaded.items():  # the like-for-like pair: qualify.compare.distribution
+        if isinstance(got, _Outputs) and cells[cid].get("role") == "sampler" and \
+                hf32 is not None and "round1/actor/logprobs" in hf32:
+            band += decode_clip_band(sources=[("hf-fp32", "fp32", hf32["round1/actor/logprobs"])],
+                                     cell=cid, tensors=in_memory(got.tensors), mask=ctx.mask,
+                                     clip_ratio=contract.algorithm.clip_ratio)
     report = Report(
         contract=contract.name, contract_digest=contract.digest,
         run_id=run.run_id, run_dir=str(run_dir),
