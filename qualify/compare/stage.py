@@ -653,6 +653,9 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
         field_like_for_like=like, field_note=field_note, field_metrics=tuple(fields),
         notes=tuple(notes), coverage=coverage, clip_band=tuple(band),
         lr_schedule=_lr_section(ctx),
+        routes={cid: (dict(got.meta["routes"]) if isinstance(got.meta, dict) and isinstance(
+            got.meta.get("routes"), dict) else "not recorded by this harness")
+                for cid, got in loaded.items() if isinstance(got, _Outputs)},
         behavior_weights=behavior_weight_rows(
             ref_dir, run_dir, [(c.cell, c.attempt) for c in results
                                if c.role == "actor" and c.attempt]))

@@ -114,6 +114,19 @@ def _logprobs(logits: torch.Tensor, temperature: float, mask: torch.Tensor) -> t
     return torch.where(mask.bool()[..., None], lp, 0.0)
 
 
+def torch_routes() -> dict[str, Any]:
+    """The SDPA backend torch selects here for an FP32 CPU attention call (read back)."""
+    q = torch.zeros(1, 2, 4, 32)
+    try:
+        choice = int(torch._fused_sdp_choice(q, q, q))  # type: ignore[attr-defined]
+        backend = {int(b): b.name for b in torch.nn.attention.SDPBackend}.get(choice,
+                                                                              str(choice))
+    except (AttributeError, RuntimeError) as exc:
+        backend = f"unknown ({exc})"
+    return {"sdpa_backend_fp32_cpu": backend, "num_threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
 def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tensor],
                       out: Path) -> dict[str, Any]:
     """Compute and write the module docstring's two files into ``out``; return the JSON.
@@ -136,6 +149,7 @@ def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tens
                            "temperature": temperature, "clip_ratio": clip, "k": k,
                            "floors": dict(FLOORS), "fp32_controls": list(FP32_CONTROLS),
                            "info_controls": list(INFO_CONTROLS)}
+    doc["routes"] = torch_routes()
     cfg = _model(actor_dir, "sdpa", torch.float32).config
     vocab = int(cfg.vocab_size)
     if vocab > MAX_VOCAB:
