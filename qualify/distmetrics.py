@@ -1,12 +1,13 @@
 """Full-distribution metrics between two next-token distributions at every response position.
 
-Shared by the reference stage (its controls, :mod:`qualify.reference.distribution`) and the
-comparator (the sampler cells, :mod:`qualify.compare.distribution`), so a bound and the
-error it judges are computed by the same code. FP64 numpy throughout.
+Shared by the reference stage (its controls, :mod:`qualify.reference.distribution`) and
+the comparator (the sampler cells, :mod:`qualify.compare.distribution`), so a bound and
+the error it judges are computed by the same code. FP64 numpy throughout.
 
 Inputs are log-probabilities ``[B, R, V]`` over the whole vocabulary (``-inf`` allowed for
 a token outside a truncated distribution), the frozen response tokens ``[B, R]`` and the
-response mask ``[B, R]``; each position's row is renormalised in FP64 first. ``cand`` is the execution under test, ``ref`` the reference.
+response mask ``[B, R]``; each position's row is renormalised in FP64 first. ``cand`` is
+the execution under test, ``ref`` the reference.
 Per valid position ``(b, t)``, with ``p = exp(ref)``, ``q = exp(cand)``:
 
 - ``kl_ref_cand`` = ``KL(p || q)``, ``kl_cand_ref`` = ``KL(q || p)`` (``0 * log 0 = 0``;
@@ -52,8 +53,11 @@ def tie_resolution(top: npt.ArrayLike) -> npt.NDArray[np.float64]:
 
 
 def _renormalise(lp: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-    """Each row minus its FP64 log-sum-exp: FP32 logprobs sum to 1 only within FP32
-    rounding, which would dominate a KL between nearly equal distributions."""
+    """Each row minus its FP64 log-sum-exp.
+
+    FP32 logprobs sum to 1 only within FP32 rounding, which would dominate a KL between
+    nearly equal distributions.
+    """
     top = np.max(lp, axis=-1, keepdims=True)
     top = np.where(np.isfinite(top), top, 0.0)
     with np.errstate(divide="ignore"):

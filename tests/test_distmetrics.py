@@ -125,6 +125,6 @@ def test_planted_sampler_faults_fail_the_distribution_rows(tmp_path: Path, fault
 
 
 def test_reference_without_distribution_gives_no_rows(tmp_path: Path) -> None:
-    logits, tokens, mask = _case(5)
+    _, tokens, mask = _case(5)
     assert distribution_rows(cell="c", tensors={}, ref_dir=tmp_path, mask=mask,
                              responses=tokens) == []

@@ -56,13 +56,14 @@ temperature, top-k and top-p: the behaviour distribution)."""
 def worker_force_trace(worker: Any, faults: Sequence[str] = ()) -> dict[str, Any]:
     """Run inside each vLLM worker (``LLM.collective_rpc``): install the trace forcing.
 
-    Idempotent. Returns the route facts of this worker (:func:`worker_routes`).
+    Idempotent; a later call replaces the planted ``faults``. Returns the route facts of this
+    worker (:func:`worker_routes`).
     """
     runner = worker.model_runner
     sampler = runner.sampler
+    sampler._qualify_faults = tuple(faults)
     if not getattr(sampler, "_qualify_forced", False):
         orig = sampler.sample
-        double = FAULT_DOUBLE_TEMPERATURE in faults
 
         def sample(logits: Tensor, sampling_metadata: Any, *args: Any,
                    **kwargs: Any) -> Any:
@@ -75,7 +76,7 @@ def worker_force_trace(worker: Any, faults: Sequence[str] = ()) -> dict[str, Any
                 if trace:
                     step = int(ib.num_tokens_no_spec[i]) - int(ib.num_prompt_tokens[i])
                     forced.append((i, trace, step))
-            if double:
+            if FAULT_DOUBLE_TEMPERATURE in sampler._qualify_faults:
                 for i, _, step in forced:
                     t = float(state_temperature(runner, ib.req_ids[i]))
                     if step >= 1 and t > 0:
@@ -150,7 +151,9 @@ def decode_pass(llm: Any, rows: Sequence[tuple[list[int], list[int], list[int]]]
         llm: the engine, with :func:`worker_force_trace` installed on every worker.
         rows: per sequence ``(prompt ids, response ids [R], response mask [R])``.
         mode: vLLM ``logprobs_mode`` of the pass (``raw_logprobs`` / ``processed_logprobs``).
-        temperature, top_k, top_p: the pass's sampling parameters.
+        temperature: the pass's sampling temperature.
+        top_k: its top-k (0: none).
+        top_p: its top-p (1.0: none).
         vocab: the model's vocabulary size ``V``.
         seed: per-request seeds are ``seed + b``.
 

@@ -173,18 +173,6 @@ def _decode_round1(llm: Any, rows: list[tuple[list[int], list[int], list[int]]],
     return dists, facts
 
 
-def _torch_routes() -> dict[str, Any]:
-    """The SDPA backend torch selects in this process for an FP32 CPU attention call."""
-    q = torch.zeros(1, 2, 4, 32)
-    try:
-        choice = int(torch._fused_sdp_choice(q, q, q))  # type: ignore[attr-defined]
-        names = {int(b): b.name for b in torch.nn.attention.SDPBackend}
-        backend = names.get(choice, str(choice))
-    except (AttributeError, RuntimeError) as exc:
-        backend = f"unknown ({exc})"
-    return {"sdpa_backend_fp32_cpu": backend, "num_threads": torch.get_num_threads()}
-
-
 def sample_rollout(llm: Any, rows: list[tuple[list[int], list[int], list[int]]],
                    contract: Contract, eos: int, pad: int) -> tuple[dict[str, Tensor],
                                                                      dict[str, Any]]:
@@ -343,7 +331,7 @@ def run(cell: HarnessCell) -> dict[str, Any]:
                   "tensors_verified": n},
         "round2": {"scoring": scoring, "rollout": sampling},
         "decode": decode_facts,
-        "routes": {"vllm": routes_end, "vllm_at_start": routes, "torch": _torch_routes()},
+        "routes": {"vllm": routes_end, "vllm_at_start": routes},
         "timings": timings,
         "faults": list(cell.faults),
     }

@@ -49,14 +49,14 @@ KINDS: Final = ("raw", "tempered")
 ROLE: Final = "sampler"
 
 
-def _not_run(cell: str, klass: str, family: str, statistic: str, round_: int,
+def _not_run(cell: str, klass: str, *, family: str, statistic: str, round_: int,
              reason: str) -> Row:
     return Row(cell=cell, klass=klass, bound_class=None, round=round_, role=ROLE,
                family=family, statistic=statistic, error=None, bound=None, margin=None,
                verdict="NOT_RUN", reason=reason, where="")
 
 
-def _judged(cell: str, klass: str, family: str, statistic: str, round_: int, error: float,
+def _judged(cell: str, klass: str, *, family: str, statistic: str, round_: int, error: float,
             bound: float, where: str, control: str) -> Row:
     verdict, margin = judge(error, bound)
     reason = detail = None
@@ -107,7 +107,8 @@ def distribution_rows(*, cell: str, tensors: Mapping[str, Any], ref_dir: Path,
         mine = tensors.get(f"round1/{ROLE}/{family}")
         if mine is None:
             reason = f"{cell} has no round1/{ROLE}/{family} (a sampler cell of older code)"
-            rows += [_not_run(cell, "sampler_distribution", family, s, 1, reason)
+            rows += [_not_run(cell, "sampler_distribution", family=family, statistic=s, round_=1,
+                         reason=reason)
                      for s in STATISTICS]
             continue
         got = distribution_metrics(np.asarray(mine), np.asarray(ref[kind]), responses, mask,
@@ -115,31 +116,37 @@ def distribution_rows(*, cell: str, tensors: Mapping[str, Any], ref_dir: Path,
         for s in STATISTICS:
             b = doc[kind]["bounds"][s]
             err = float(got[s])
-            rows.append(_judged(cell, "sampler_distribution", family, s, 1,
-                                err if math.isfinite(err) else math.inf, float(b["bound"]),
-                                f"{got['worst']} (n={got['n_valid']}, top-1 ties "
-                                f"{got['top1_ties']})", str(b["control"])))
+            rows.append(_judged(cell, "sampler_distribution", family=family, statistic=s,
+                                round_=1, error=err if math.isfinite(err) else math.inf,
+                                bound=float(b["bound"]),
+                                where=f"{got['worst']} (n={got['n_valid']}, top-1 ties "
+                                      f"{got['top1_ties']})", control=str(b["control"])))
     dec, pre = tensors.get(f"round2/{ROLE}/decode_logprobs"), tensors.get(f"round2/{ROLE}/logprobs")
     if dec is None or pre is None:
-        rows.append(_not_run(cell, "sampler_decode_vs_prefill", "logprobs", "max_abs", 2,
-                             why or f"{cell} has no round2/{ROLE}/decode_logprobs"))
+        rows.append(_not_run(cell, "sampler_decode_vs_prefill", family="logprobs",
+                             statistic="max_abs", round_=2,
+                             reason=why or f"{cell} has no round2/{ROLE}/decode_logprobs"))
         return rows
     m = np.asarray(mask) != 0
     d = np.abs(np.asarray(dec, dtype=np.float64) - np.asarray(pre, dtype=np.float64))[m]
     err = float(d.max()) if d.size and np.isfinite(d).all() else math.inf
     worst = np.argwhere(m)[int(np.argmax(np.where(np.isfinite(d), d, np.inf)))]
     b = doc["decode_vs_prefill"]
-    rows.append(_judged(cell, "sampler_decode_vs_prefill", "logprobs", "max_abs", 2, err,
-                        float(b["bound"]), f"({int(worst[0])}, {int(worst[1])}) mean "
-                        f"{float(d.mean()):.3g}", str(b["control"])))
+    rows.append(_judged(cell, "sampler_decode_vs_prefill", family="logprobs",
+                        statistic="max_abs", round_=2, error=err, bound=float(b["bound"]),
+                        where=f"({int(worst[0])}, {int(worst[1])}) mean {float(d.mean()):.3g}",
+                        control=str(b["control"])))
     return rows
 
 
 def decode_clip_band(*, sources: list[tuple[str, str, Any]], cell: str,
                      tensors: Mapping[str, Any], mask: npt.NDArray[Any],
                      clip_ratio: float) -> list[dict[str, Any]]:
-    """Clip-band tails of each ``(source, precision, round-1 logprobs)`` against ``cell``'s
-    decode-path tempered logprobs (like for like); ``[]`` when the cell has none."""
+    """Clip-band tails of each source's round-1 logprobs against the decode-path ones.
+
+    ``sources``: ``(source, precision, [B, R] logprobs)``; the sampler's side is ``cell``'s
+    ``round1/sampler/decode_tempered_logprobs`` (like for like); ``[]`` when it has none.
+    """
     beh = tensors.get(f"round1/{ROLE}/decode_tempered_logprobs")
     if beh is None:
         return []
@@ -148,4 +155,25 @@ def decode_clip_band(*, sources: list[tuple[str, str, Any]], cell: str,
         row = clip_band_tail(lp, beh, mask, source=f"{source} vs {cell} decode (like for like)",
                              precision=prec, clip_ratio=clip_ratio)
         out.append(row)
+    return out
+
+
+def cell_routes(metas: Mapping[str, Mapping[str, Any] | None], ref_dir: Path
+                ) -> dict[str, Any]:
+    """The report's ``routes`` section.
+
+    Each cell's ``outputs.json`` ``routes`` (or that its harness records none), and the
+    reference's SDPA read-back from ``distribution.json`` (key ``reference``).
+
+    Args:
+        metas: COMPLETE cell id -> its ``outputs.json`` (``None`` when unreadable).
+        ref_dir: the sealed reference directory.
+    """
+    out: dict[str, Any] = {}
+    for cid, meta in metas.items():
+        got = meta.get("routes") if isinstance(meta, Mapping) else None
+        out[cid] = dict(got) if isinstance(got, Mapping) else "not recorded by this harness"
+    doc, _ = read_sealed(ref_dir)
+    if doc is not None and isinstance(doc.get("routes"), Mapping):
+        out["reference"] = dict(doc["routes"])
     return out

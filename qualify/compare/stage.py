@@ -77,6 +77,12 @@ import numpy.typing as npt
 
 from qualify import jsonio
 from qualify.bounds import TP_CANDIDATE_CLASS, Bound
+from qualify.compare.distribution import (
+    cell_routes,
+    decode_clip_band,
+    distribution_rows,
+    read_sealed,
+)
 from qualify.compare.mismatch import (
     FieldMismatch,
     clip_band_tail,
@@ -100,7 +106,6 @@ from qualify.compare.rows import (
     padding_rows,
     replica_row,
 )
-from qualify.compare.distribution import decode_clip_band, distribution_rows, read_sealed
 from qualify.compare.sampler import sampler_required, sampler_rows
 from qualify.compare.verdicts import (
     OPTIONAL_SECTIONS,
@@ -653,9 +658,8 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
         field_like_for_like=like, field_note=field_note, field_metrics=tuple(fields),
         notes=tuple(notes), coverage=coverage, clip_band=tuple(band),
         lr_schedule=_lr_section(ctx),
-        routes={cid: (dict(got.meta["routes"]) if isinstance(got.meta, dict) and isinstance(
-            got.meta.get("routes"), dict) else "not recorded by this harness")
-                for cid, got in loaded.items() if isinstance(got, _Outputs)},
+        routes=cell_routes({cid: got.meta for cid, got in loaded.items()
+                            if isinstance(got, _Outputs)}, ctx.ref_dir),
         behavior_weights=behavior_weight_rows(
             ref_dir, run_dir, [(c.cell, c.attempt) for c in results
                                if c.role == "actor" and c.attempt]))

@@ -8,7 +8,8 @@ reference:
   HF FP32 ``sdpa`` batched prefill (teacher forcing) at every response position, and
   ``tempered`` ``[B, R, V]``, ``log_softmax(logits / T)`` (``T`` the contract's sampling
   temperature); 0 at masked positions;
-- ``distribution.json``: for each of ``raw`` / ``tempered``, the metrics of
+- ``distribution.json``: the SDPA backends each HF execution dispatched to, read back
+  (:func:`qualify.routes.sdpa_recorder`); for each of ``raw`` / ``tempered``, the metrics of
   :mod:`qualify.distmetrics` of every control against that reference, and per statistic
   ``bound = k * max over the FP32 controls + floor`` (``k`` the contract's
   ``bounds.k``, the floors :data:`FLOORS`); the ``decode_vs_prefill`` token-logprob bound of
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 from qualify.distmetrics import STATISTICS, distribution_metrics
+from qualify.routes import sdpa_recorder
 
 DISTRIBUTION_FILE: Final = "distribution.safetensors"
 DISTRIBUTION_JSON: Final = "distribution.json"
@@ -46,8 +48,8 @@ FLOORS: Final = {"kl_ref_cand_max": 1e-10, "kl_ref_cand_mean": 1e-10, "kl_cand_r
                  "top1_mismatch": 0.0, "topk_disagreement_mean": 0.0, "ratio_outside_2": 0.0,
                  "ratio_outside_clip": 0.0, "seq_max_kl_mean": 1e-10}
 """Per-statistic floors: an FP32 logprob difference of the logprob floor (1e-5) at every
-token gives a KL of at most 0.5 * 1e-10 and a TV of order 1e-5 spread over the vocabulary; counts and
-fractions of discrete events have no floor (a control that shows none bounds them at 0)."""
+token gives a KL of about 0.5 * 1e-10 and a TV of order 1e-6; counts and fractions of
+discrete events have no floor (a control that shows none bounds them at 0)."""
 LOGPROB_FLOOR: Final = 1e-5
 """Floor of the token-logprob decode-vs-prefill bound (the contract's FP32 logprob floor)."""
 
@@ -114,19 +116,6 @@ def _logprobs(logits: torch.Tensor, temperature: float, mask: torch.Tensor) -> t
     return torch.where(mask.bool()[..., None], lp, 0.0)
 
 
-def torch_routes() -> dict[str, Any]:
-    """The SDPA backend torch selects here for an FP32 CPU attention call (read back)."""
-    q = torch.zeros(1, 2, 4, 32)
-    try:
-        choice = int(torch._fused_sdp_choice(q, q, q))  # type: ignore[attr-defined]
-        backend = {int(b): b.name for b in torch.nn.attention.SDPBackend}.get(choice,
-                                                                              str(choice))
-    except (AttributeError, RuntimeError) as exc:
-        backend = f"unknown ({exc})"
-    return {"sdpa_backend_fp32_cpu": backend, "num_threads": torch.get_num_threads(),
-            "torch": torch.__version__}
-
-
 def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tensor],
                       out: Path) -> dict[str, Any]:
     """Compute and write the module docstring's two files into ``out``; return the JSON.
@@ -149,7 +138,6 @@ def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tens
                            "temperature": temperature, "clip_ratio": clip, "k": k,
                            "floors": dict(FLOORS), "fp32_controls": list(FP32_CONTROLS),
                            "info_controls": list(INFO_CONTROLS)}
-    doc["routes"] = torch_routes()
     cfg = _model(actor_dir, "sdpa", torch.float32).config
     vocab = int(cfg.vocab_size)
     if vocab > MAX_VOCAB:
@@ -157,12 +145,20 @@ def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tens
                           f"sealed")
         store.atomic_write_json(out / DISTRIBUTION_JSON, doc)
         return doc
-    runs = {"reference": _prefill(_model(actor_dir, "sdpa", torch.float32), roll)}
+    runs: dict[str, torch.Tensor] = {}
+    routes: dict[str, Any] = {}
     sdpa = _model(actor_dir, "sdpa", torch.float32)
-    runs["decode"] = _per_sequence(sdpa, roll, decode=True)
-    runs["batch"] = _per_sequence(sdpa, roll, decode=False)
-    runs["attn_impl"] = _prefill(_model(actor_dir, "eager", torch.float32), roll)
-    runs["bf16"] = _prefill(_model(actor_dir, "sdpa", torch.bfloat16), roll)
+    for name, build in (
+            ("reference", lambda: _prefill(sdpa, roll)),
+            ("decode", lambda: _per_sequence(sdpa, roll, decode=True)),
+            ("batch", lambda: _per_sequence(sdpa, roll, decode=False)),
+            ("attn_impl", lambda: _prefill(_model(actor_dir, "eager", torch.float32), roll)),
+            ("bf16", lambda: _prefill(_model(actor_dir, "sdpa", torch.bfloat16), roll))):
+        with sdpa_recorder() as seen:
+            runs[name] = build()
+        routes[name] = dict(seen) or {"no SDPA call (eager attention)": 0}
+    doc["routes"] = {"torch": torch.__version__, "num_threads": torch.get_num_threads(),
+                     "sdpa_backends": routes}
     tensors: dict[str, torch.Tensor] = {}
     for kind in KINDS:
         t = 1.0 if kind == "raw" else temperature

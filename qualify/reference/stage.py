@@ -65,8 +65,8 @@ from qualify.protocol import ROLLOUT_META_FILE, TRAIN_INPUTS_FILE, parse_tensor_
 from qualify.reference import documents, rollout, sampling, scoring, targets
 from qualify.reference.bound_inputs import norm_evals, recompute_bounds, sensitivities
 from qualify.reference.branches import adjust_control_errors, seal_branches
-from qualify.reference.distribution import seal_distribution
 from qualify.reference.controls import control_errors_document, control_settings
+from qualify.reference.distribution import seal_distribution
 from qualify.reference.update import (
     Batch,
     Bf16Mode,
