@@ -18,7 +18,7 @@ import torch
 
 
 def _backend_name(choice: int) -> str:
-    names = {int(v): k for k, v in torch.nn.attention.SDPBackend.__members__.items()}
+    names = {int(v.value): k for k, v in torch.nn.attention.SDPBackend.__members__.items()}
     return names.get(int(choice), str(choice))
 
 
@@ -35,8 +35,7 @@ def sdpa_recorder() -> Iterator[dict[str, int]]:
     def wrapped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 *args: Any, **kwargs: Any) -> torch.Tensor:
         try:
-            choice = _backend_name(torch._fused_sdp_choice(  # type: ignore[attr-defined]
-                query, key, value, *args, **kwargs))
+            choice = _backend_name(torch._fused_sdp_choice(query, key, value, *args, **kwargs))
         except (RuntimeError, TypeError) as exc:
             choice = f"unknown ({type(exc).__name__})"
         label = f"{choice} {query.device.type} {str(query.dtype).removeprefix('torch.')}"

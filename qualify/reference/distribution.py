@@ -172,8 +172,9 @@ def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tens
             got.pop("seq_max_kl")
             section["controls"][name] = got
         for s in STATISTICS:
-            worst = max(float(section["controls"][c][s]) for c in FP32_CONTROLS)
-            control = max(FP32_CONTROLS, key=lambda c, s=s: float(section["controls"][c][s]))
+            per = {c: float(section["controls"][c][s]) for c in FP32_CONTROLS}
+            control = max(per, key=per.__getitem__)
+            worst = per[control]
             section["bounds"][s] = {"bound": k * worst + FLOORS[s], "control": control,
                                     "control_error": worst, "k": k, "floor": FLOORS[s]}
         doc[kind] = section
