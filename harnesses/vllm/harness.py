@@ -300,8 +300,9 @@ def run(cell: HarnessCell) -> dict[str, Any]:
     tensors.update({f"round2/{ROLE}/{k}": v.contiguous() for k, v in new.items()})
     tensors[f"round2/{ROLE}/decode_logprobs"] = torch.where(
         mask, decode.token_logprobs(d2, rows), 0.0).contiguous()
-    for name in ("raw", "tempered"):
-        tensors[f"round1/{ROLE}/decode_{name}"] = dists[name].contiguous()
+    if spec.vocab_size <= decode.MAX_FULL_VOCAB:  # full distributions: [B, R, V] stays small
+        for name in ("raw", "tempered"):
+            tensors[f"round1/{ROLE}/decode_{name}"] = dists[name].contiguous()
     for name in decode.PASSES:
         tensors[f"round1/{ROLE}/decode_{name}_logprobs"] = torch.where(
             mask, decode.token_logprobs(dists[name], rows), 0.0).contiguous()
