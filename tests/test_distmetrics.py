@@ -128,3 +128,25 @@ def test_reference_without_distribution_gives_no_rows(tmp_path: Path) -> None:
     _, tokens, mask = _case(5)
     assert distribution_rows(cell="c", tensors={}, ref_dir=tmp_path, mask=mask,
                              responses=tokens) == []
+
+
+def test_like_for_like_clip_band_and_routes(tmp_path: Path) -> None:
+    """The decode pair is like for like (no tail when the trainer agrees); routes are read
+    from each cell's outputs.json, and a harness that records none is named as such."""
+    from qualify.compare.distribution import cell_routes, decode_clip_band
+
+    logits, tokens, mask = _case(2)
+    lp = np.take_along_axis(_lsm(logits, T), tokens[..., None], axis=-1)[..., 0]
+    tensors = {"round1/sampler/decode_tempered_logprobs": lp}
+    same, shifted = decode_clip_band(
+        sources=[("hf-fp32", "fp32", lp), ("shifted", "fp32", lp + 0.5)], cell="s",
+        tensors=tensors, mask=mask, clip_ratio=0.2)
+    assert same["fraction_outside"] == 0.0
+    assert shifted["fraction_outside"] == 1.0
+    assert decode_clip_band(sources=[("hf-fp32", "fp32", lp)], cell="s", tensors={},
+                            mask=mask, clip_ratio=0.2) == []
+    _sealed(tmp_path, _lsm(logits), control=0.0)
+    routes = cell_routes({"a": {"routes": {"attention_backends": ["CPU_ATTN"]}}, "b": {},
+                          "c": None}, tmp_path)
+    assert routes == {"a": {"attention_backends": ["CPU_ATTN"]},
+                      "b": "not recorded by this harness", "c": "not recorded by this harness"}
