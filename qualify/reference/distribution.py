@@ -138,8 +138,9 @@ def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tens
                            "temperature": temperature, "clip_ratio": clip, "k": k,
                            "floors": dict(FLOORS), "fp32_controls": list(FP32_CONTROLS),
                            "info_controls": list(INFO_CONTROLS)}
-    cfg = _model(actor_dir, "sdpa", torch.float32).config
-    vocab = int(cfg.vocab_size)
+    from transformers import AutoConfig
+
+    vocab = int(AutoConfig.from_pretrained(str(actor_dir)).vocab_size)
     if vocab > MAX_VOCAB:
         doc["not_run"] = (f"vocabulary {vocab} > {MAX_VOCAB}: the full distributions are not "
                           f"sealed")
