@@ -150,3 +150,36 @@ def test_like_for_like_clip_band_and_routes(tmp_path: Path) -> None:
                           "c": None}, tmp_path)
     assert routes == {"a": {"attention_backends": ["CPU_ATTN"]},
                       "b": "not recorded by this harness", "c": "not recorded by this harness"}
+
+
+@pytest.mark.slow
+def test_large_vocabulary_seals_the_decode_vs_prefill_bound_only(tmp_path: Path) -> None:
+    """Above MAX_VOCAB: HF prefill and decode only; the decode-vs-prefill row is judged, no
+    distribution rows (no sealed distributions), and a sampler whose decode and prefill
+    logprobs differ beyond the sealed bound fails it."""
+    from harness_outputs import TINY, tiny_rollout
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from qualify.contract import load_contract
+    from qualify.reference.distribution import MAX_VOCAB, seal_distribution
+    from qualify.resources import contracts_dir
+
+    cfg = Qwen3Config(**{**TINY, "vocab_size": MAX_VOCAB + 4}, pad_token_id=0, bos_token_id=1,
+                      eos_token_id=2, max_position_embeddings=64)
+    torch.manual_seed(3)
+    Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "actor")
+    roll = tiny_rollout([[5, 6, 7], [8, 9]], (4, 2), 4, torch.Generator().manual_seed(1))
+    doc = seal_distribution(load_contract(contracts_dir() / "tiny-qwen3.toml"),
+                            tmp_path / "actor", roll, tmp_path)
+    assert "raw" not in doc
+    assert "distributions_not_run" in doc
+    assert not (tmp_path / "distribution.safetensors").exists()
+    b = doc["decode_vs_prefill"]["bound"]
+    assert 1e-5 <= b < 1e-3
+    mask, tokens = roll["response_mask"].numpy(), roll["responses"].numpy()
+    lp = np.where(mask != 0, -1.0, 0.0)
+    for shift, verdict in ((0.0, "PASS"), (2 * b, "FAIL")):
+        rows = distribution_rows(cell="c", tensors={
+            "round2/sampler/logprobs": lp, "round2/sampler/decode_logprobs": lp + shift},
+            ref_dir=tmp_path, mask=mask, responses=tokens)
+        assert [(r.klass, r.verdict) for r in rows] == [("sampler_decode_vs_prefill", verdict)]

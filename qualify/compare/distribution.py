@@ -16,10 +16,11 @@ Reads the sealed ``distribution.json`` / ``distribution.safetensors`` of the ref
   ones (``round2/sampler/logprobs``), same weights and temperature, against the sealed
   HF decode-vs-prefill bound.
 
-A reference sealed without ``distribution.json`` (or whose ``distribution.json`` says why it
-holds no bounds: a vocabulary too large to seal in full) gives no rows, and the report's notes
-say why (:func:`read_sealed`); a sampler cell without the tensors, against a reference that
-has them, gives ``NOT_RUN`` rows naming what is missing. None of them passes.
+A reference sealed without ``distribution.json`` gives no rows; one whose vocabulary is too
+large to seal in full (``distributions_not_run``) gives the ``sampler_decode_vs_prefill`` row
+only; the report's notes say why (:func:`read_sealed`). A sampler cell without the tensors,
+against a reference that has them, gives ``NOT_RUN`` rows naming what is missing; none of
+them passes.
 
 :func:`decode_clip_band` is the like-for-like clip-band tail: the HF FP32 reference's and
 each actor cell's round-1 logprobs (``log_softmax(logits / T)``) against the sampler's
@@ -72,7 +73,7 @@ def _judged(cell: str, klass: str, *, family: str, statistic: str, round_: int, 
 
 
 def read_sealed(ref_dir: Path) -> tuple[dict[str, Any] | None, str]:
-    """The reference's ``distribution.json``, or ``None`` and why."""
+    """The reference's ``distribution.json`` (or ``None``) and why rows are missing (or "")."""
     path = ref_dir / DISTRIBUTION_JSON
     if not path.is_file():
         return None, (f"the reference {ref_dir.name} was sealed without {DISTRIBUTION_JSON} "
@@ -82,7 +83,7 @@ def read_sealed(ref_dir: Path) -> tuple[dict[str, Any] | None, str]:
         return None, f"{path}: not a JSON object"
     if doc.get("not_run"):
         return None, f"{path}: {doc['not_run']}"
-    return doc, ""
+    return doc, str(doc.get("distributions_not_run") or "")
 
 
 def distribution_rows(*, cell: str, tensors: Mapping[str, Any], ref_dir: Path,
@@ -100,9 +101,10 @@ def distribution_rows(*, cell: str, tensors: Mapping[str, Any], ref_dir: Path,
     if doc is None:  # a reference without decode-path bounds: no rows (a report note says so)
         return []
     rows: list[Row] = []
-    ref = store.load_tensors(ref_dir / DISTRIBUTION_FILE)
+    full = "raw" in doc
+    ref = store.load_tensors(ref_dir / DISTRIBUTION_FILE) if full else {}
     why = ""
-    for kind in KINDS:
+    for kind in KINDS if full else ():
         family = f"decode_{kind}"
         mine = tensors.get(f"round1/{ROLE}/{family}")
         if mine is None:
@@ -122,6 +124,8 @@ def distribution_rows(*, cell: str, tensors: Mapping[str, Any], ref_dir: Path,
                                 where=f"{got['worst']} (n={got['n_valid']}, top-1 ties "
                                       f"{got['top1_ties']})", control=str(b["control"])))
     dec, pre = tensors.get(f"round2/{ROLE}/decode_logprobs"), tensors.get(f"round2/{ROLE}/logprobs")
+    if "decode_vs_prefill" not in doc:
+        return rows
     if dec is None or pre is None:
         rows.append(_not_run(cell, "sampler_decode_vs_prefill", family="logprobs",
                              statistic="max_abs", round_=2,

@@ -20,13 +20,16 @@ Controls, each an HF execution of the same model and tokens that an engine may l
 take instead: ``decode`` (prompt prefill, then one token at a time against the KV cache,
 ``sdpa``, per sequence), ``attn_impl`` (``eager`` batched prefill), ``batch`` (each sequence
 alone, no padding, ``sdpa``), ``bf16`` (information only: BF16 parameters, ``sdpa``).
-A vocabulary above :data:`MAX_VOCAB` is not scored (``distribution.json`` says so; the
-comparator's rows are then ``NOT_RUN``).
+Above a vocabulary of :data:`MAX_VOCAB` only the reference and ``decode`` runs are made:
+``distribution.json`` holds the ``decode_vs_prefill`` bound and says why the distributions
+are not sealed (``distributions_not_run``; no ``distribution.safetensors``, no
+``sampler_distribution`` rows).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -141,27 +144,29 @@ def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tens
     from transformers import AutoConfig
 
     vocab = int(AutoConfig.from_pretrained(str(actor_dir)).vocab_size)
-    if vocab > MAX_VOCAB:
-        doc["not_run"] = (f"vocabulary {vocab} > {MAX_VOCAB}: the full distributions are not "
-                          f"sealed")
-        store.atomic_write_json(out / DISTRIBUTION_JSON, doc)
-        return doc
+    full = vocab <= MAX_VOCAB
+    if not full:
+        doc["distributions_not_run"] = (f"vocabulary {vocab} > {MAX_VOCAB}: the full "
+                                        f"distributions are not sealed")
     runs: dict[str, torch.Tensor] = {}
     routes: dict[str, Any] = {}
     sdpa = _model(actor_dir, "sdpa", torch.float32)
-    for name, build in (
-            ("reference", lambda: _prefill(sdpa, roll)),
-            ("decode", lambda: _per_sequence(sdpa, roll, decode=True)),
+    builds: list[tuple[str, Callable[[], torch.Tensor]]] = [
+        ("reference", lambda: _prefill(sdpa, roll)),
+        ("decode", lambda: _per_sequence(sdpa, roll, decode=True))]
+    if full:
+        builds += [
             ("batch", lambda: _per_sequence(sdpa, roll, decode=False)),
             ("attn_impl", lambda: _prefill(_model(actor_dir, "eager", torch.float32), roll)),
-            ("bf16", lambda: _prefill(_model(actor_dir, "sdpa", torch.bfloat16), roll))):
+            ("bf16", lambda: _prefill(_model(actor_dir, "sdpa", torch.bfloat16), roll))]
+    for name, build in builds:
         with sdpa_recorder() as seen:
             runs[name] = build()
         routes[name] = dict(seen) or {"no SDPA call (eager attention)": 0}
     doc["routes"] = {"torch": torch.__version__, "num_threads": torch.get_num_threads(),
                      "sdpa_backends": routes}
     tensors: dict[str, torch.Tensor] = {}
-    for kind in KINDS:
+    for kind in KINDS if full else ():
         t = 1.0 if kind == "raw" else temperature
         ref = _logprobs(runs["reference"], t, mask)
         tensors[kind] = ref.contiguous()
@@ -192,8 +197,10 @@ def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tens
                                 "control_error": worst, "k": k, "floor": LOGPROB_FLOOR,
                                 "bound": k * worst + LOGPROB_FLOOR,
                                 "mean_abs": float(d.mean()) if d.size else 0.0}
-    if not all(math.isfinite(v["bound"]) for kind in KINDS for v in doc[kind]["bounds"].values()):
+    if not all(math.isfinite(v["bound"]) for kind in KINDS if kind in doc
+               for v in doc[kind]["bounds"].values()):
         doc["not_run"] = "a control's metric is not finite: no bound"
-    store.save_tensors(out / DISTRIBUTION_FILE, tensors)
+    if tensors:
+        store.save_tensors(out / DISTRIBUTION_FILE, tensors)
     store.atomic_write_json(out / DISTRIBUTION_JSON, doc)
     return doc
