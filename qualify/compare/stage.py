@@ -641,7 +641,8 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
     fields, band, field_note, like, mode, notes = _field_metrics(ctx, contract, rollout,
                                                                 cells, loaded)
     hf32 = _hf(ctx, "fp32")
-    if any(e.get("role") == "sampler" for e in cells.values()) and read_sealed(ctx.ref_dir)[1]:
+    if "routes" in sections and any(e.get("role") == "sampler" for e in cells.values()) \
+            and read_sealed(ctx.ref_dir)[1]:  # a report sealed before routes: as then
         notes.append(f"no sampler_distribution rows: {read_sealed(ctx.ref_dir)[1]}")
     for cid, got in loaded.items():  # the like-for-like pair: qualify.compare.distribution
         if isinstance(got, _Outputs) and cells[cid].get("role") == "sampler" and \
