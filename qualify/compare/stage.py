@@ -77,6 +77,12 @@ import numpy.typing as npt
 
 from qualify import jsonio
 from qualify.bounds import TP_CANDIDATE_CLASS, Bound
+from qualify.compare.distribution import (
+    cell_routes,
+    decode_clip_band,
+    distribution_rows,
+    read_sealed,
+)
 from qualify.compare.mismatch import (
     FieldMismatch,
     clip_band_tail,
@@ -507,6 +513,11 @@ def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, A
                 actor=in_memory(src.tensors) if isinstance(src, _Outputs) else src),
                 cell=cid, builder="qualify.compare.sampler.sampler_rows",
                 klass="sampler_install", role="sampler", family="all")
+            rows += guarded(lambda: distribution_rows(  # qualify.compare.distribution
+                cell=cid, tensors=in_memory(outputs.tensors), ref_dir=ctx.ref_dir,
+                mask=ctx.mask, responses=store.load_tensors(ctx.ref_dir / ROLLOUT_FILE)[
+                    "responses"]), cell=cid, klass="sampler_distribution", role="sampler",
+                builder="qualify.compare.distribution.distribution_rows", family="all")
         elif "resume_of" in e:  # qualify.compare.resume: against the uninterrupted cell
             rows = guarded(lambda: resume_rows(
                 cell=cid, entry=e, outputs=outputs, loaded=loaded, bounds=ctx.bounds,
@@ -629,6 +640,16 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
     # 5. field mismatch metrics (informational)
     fields, band, field_note, like, mode, notes = _field_metrics(ctx, contract, rollout,
                                                                 cells, loaded)
+    hf32 = _hf(ctx, "fp32")
+    if "routes" in sections and any(e.get("role") == "sampler" for e in cells.values()) \
+            and read_sealed(ctx.ref_dir)[1]:  # a report sealed before routes: as then
+        notes.append(f"no sampler_distribution rows: {read_sealed(ctx.ref_dir)[1]}")
+    for cid, got in loaded.items():  # the like-for-like pair: qualify.compare.distribution
+        if isinstance(got, _Outputs) and cells[cid].get("role") == "sampler" and \
+                hf32 is not None and "round1/actor/logprobs" in hf32:
+            band += decode_clip_band(sources=[("hf-fp32", "fp32", hf32["round1/actor/logprobs"])],
+                                     cell=cid, tensors=in_memory(got.tensors), mask=ctx.mask,
+                                     clip_ratio=contract.algorithm.clip_ratio)
     report = Report(
         contract=contract.name, contract_digest=contract.digest,
         run_id=run.run_id, run_dir=str(run_dir),
@@ -638,6 +659,8 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
         field_like_for_like=like, field_note=field_note, field_metrics=tuple(fields),
         notes=tuple(notes), coverage=coverage, clip_band=tuple(band),
         lr_schedule=_lr_section(ctx),
+        routes=cell_routes({cid: got.meta for cid, got in loaded.items()
+                            if isinstance(got, _Outputs)}, ctx.ref_dir),
         behavior_weights=behavior_weight_rows(
             ref_dir, run_dir, [(c.cell, c.attempt) for c in results
                                if c.role == "actor" and c.attempt]))

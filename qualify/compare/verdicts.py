@@ -49,7 +49,7 @@ ROW_CLASSES: Final = ("candidate_vs_hf", "tp_vs_tp1", "padding_invariance", "dty
 OPTIONAL_SECTIONS: Final[tuple[str, ...]] = ("coverage", "power", "root_causes",
                                               "behavior_weights", "clip_band",
                                               "lr_schedule", "gate_note", "reduction_dtypes",
-                                              "gate_decision")
+                                              "gate_decision", "routes")
 """Report sections added after the first comparator, in the order they were added:
 ``coverage`` (the reference's coverage record, issue #15), ``power`` (the power check of
 every metric row and its per-family summary, issue #15) and ``root_causes`` (each failing
@@ -67,7 +67,9 @@ reduction and accumulation dtype the harness read back from its engine,
 decision under the contract's policy at compare time, with the policy's document,
 :mod:`qualify.evidence.decision`; ``report.md`` leads with it, the comparator's verdict
 beneath, and is short: expected failures one line each, row details only of the cells the
-decision fails, capped). A report without them was sealed
+decision fails, capped) and ``routes`` (per COMPLETE cell, the kernel routes its harness read
+back at run time: ``outputs.json`` ``routes``, or that the harness records none). A report
+without them was sealed
 before they existed
 and is recomputed, and its ``report.md`` rendered, without them (:func:`sections_of`)."""
 
@@ -314,6 +316,7 @@ class Report:
     sections: tuple[str, ...] = OPTIONAL_SECTIONS
     sections_recorded: bool = True
     gate: Mapping[str, Any] | None = None
+    routes: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.sections) - set(OPTIONAL_SECTIONS))
@@ -446,6 +449,8 @@ class Report:
             doc["lr_schedule"] = dict(self.lr_schedule or {})
         if "gate_decision" in self.sections and self.gate is not None:
             doc["gate"] = dict(self.gate)
+        if "routes" in self.sections:
+            doc["routes"] = dict(self.routes or {})
         return doc
 
 

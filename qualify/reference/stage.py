@@ -66,6 +66,7 @@ from qualify.reference import documents, rollout, sampling, scoring, targets
 from qualify.reference.bound_inputs import norm_evals, recompute_bounds, sensitivities
 from qualify.reference.branches import adjust_control_errors, seal_branches
 from qualify.reference.controls import control_errors_document, control_settings
+from qualify.reference.distribution import seal_distribution
 from qualify.reference.update import (
     Batch,
     Bf16Mode,
@@ -372,6 +373,8 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
         store.atomic_write_json(out / CONTROL_ERRORS_FILE, control_errors_document(errors))
         store.atomic_write_json(out / BOUNDS_FILE, bounds_document(contract, bounds),
                                 schema="bounds")
+
+        seal_distribution(contract, bundle.actor_dir, roll.to_tensors(), out)  # decode rows
 
         step("seal")
         coverage = _coverage(contract, out, roll=roll, tg=tg, train=train, scores=scores,

@@ -1,0 +1,206 @@
+"""The reference's next-token distributions on the frozen rollout, their controls and bounds.
+
+Run by the reference stage (:func:`seal_distribution`, one call before sealing) for the
+Actor's initial weights, the weights the rollout was sampled with. Writes, sealed with the
+reference:
+
+- ``distribution.safetensors``: ``raw`` ``[B, R, V]`` FP32, ``log_softmax(logits)`` of an
+  HF FP32 ``sdpa`` batched prefill (teacher forcing) at every response position, and
+  ``tempered`` ``[B, R, V]``, ``log_softmax(logits / T)`` (``T`` the contract's sampling
+  temperature); 0 at masked positions;
+- ``distribution.json``: the SDPA backends each HF execution dispatched to, read back
+  (:func:`qualify.routes.sdpa_recorder`); for each of ``raw`` / ``tempered``, the metrics of
+  :mod:`qualify.distmetrics` of every control against that reference, and per statistic
+  ``bound = k * max over the FP32 controls + floor`` (``k`` the contract's
+  ``bounds.k``, the floors :data:`FLOORS`); the ``decode_vs_prefill`` token-logprob bound of
+  the sampler's own decode-vs-prefill row; the ``bf16`` control is listed for information
+  only: a BF16 execution is another precision, not noise of an FP32 one (docs/bound-rule.md).
+
+Controls, each an HF execution of the same model and tokens that an engine may legitimately
+take instead: ``decode`` (prompt prefill, then one token at a time against the KV cache,
+``sdpa``, per sequence), ``attn_impl`` (``eager`` batched prefill), ``batch`` (each sequence
+alone, no padding, ``sdpa``), ``bf16`` (information only: BF16 parameters, ``sdpa``).
+Above a vocabulary of :data:`MAX_VOCAB` only the reference and ``decode`` runs are made:
+``distribution.json`` holds the ``decode_vs_prefill`` bound and says why the distributions
+are not sealed (``distributions_not_run``; no ``distribution.safetensors``, no
+``sampler_distribution`` rows).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+import torch
+
+from qualify.distmetrics import STATISTICS, distribution_metrics
+from qualify.routes import sdpa_recorder
+
+DISTRIBUTION_FILE: Final = "distribution.safetensors"
+DISTRIBUTION_JSON: Final = "distribution.json"
+MAX_VOCAB: Final = 4096
+"""Largest vocabulary whose full distributions are sealed (``[B, R, V]`` FP32 per kind)."""
+FP32_CONTROLS: Final = ("decode", "attn_impl", "batch")
+INFO_CONTROLS: Final = ("bf16",)
+KINDS: Final = ("raw", "tempered")
+FLOORS: Final = {"kl_ref_cand_max": 1e-10, "kl_ref_cand_mean": 1e-10, "kl_cand_ref_max": 1e-10,
+                 "kl_cand_ref_mean": 1e-10, "tv_max": 1e-6, "tv_mean": 1e-6,
+                 "top1_mismatch": 0.0, "topk_disagreement_mean": 0.0, "ratio_outside_2": 0.0,
+                 "ratio_outside_clip": 0.0, "seq_max_kl_mean": 1e-10}
+"""Per-statistic floors: an FP32 logprob difference of the logprob floor (1e-5) at every
+token gives a KL of about 0.5 * 1e-10 and a TV of order 1e-6; counts and fractions of
+discrete events have no floor (a control that shows none bounds them at 0)."""
+LOGPROB_FLOOR: Final = 1e-5
+"""Floor of the token-logprob decode-vs-prefill bound (the contract's FP32 logprob floor)."""
+
+
+def _model(actor_dir: Path, attn: str, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(actor_dir), torch_dtype=dtype,
+                                                 attn_implementation=attn)
+    return model.eval()
+
+
+def _prefill(model: Any, roll: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[B, R, V]`` FP32 logits at the response positions of a batched prefill."""
+    p = roll["prompts"].shape[1]
+    r = roll["responses"].shape[1]
+    ids = torch.cat([roll["prompts"], roll["responses"]], dim=1)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=roll["attention_mask"],
+                    position_ids=roll["position_ids"]).logits
+    return out[:, p - 1:p + r - 1].float()
+
+
+def _sequences(roll: dict[str, torch.Tensor]) -> list[tuple[list[int], list[int]]]:
+    p = roll["prompts"].shape[1]
+    am, rm = roll["attention_mask"], roll["response_mask"]
+    out = []
+    for b in range(am.shape[0]):
+        prompt = [int(t) for t, m in zip(roll["prompts"][b], am[b, :p], strict=True) if int(m)]
+        resp = [int(t) for t, m in zip(roll["responses"][b], rm[b], strict=True) if int(m)]
+        out.append((prompt, resp))
+    return out
+
+
+def _per_sequence(model: Any, roll: dict[str, torch.Tensor], *, decode: bool) -> torch.Tensor:
+    """``[B, R, V]`` logits, each sequence alone: one prefill, or prefill + KV-cache decode."""
+    b_n, r = roll["responses"].shape
+    out: torch.Tensor | None = None
+    with torch.no_grad():
+        for b, (prompt, resp) in enumerate(_sequences(roll)):
+            if not resp:
+                continue
+            if decode:
+                step = model(input_ids=torch.tensor([prompt]), use_cache=True)
+                rows, cache = [step.logits[0, -1]], step.past_key_values
+                for t in range(len(resp) - 1):
+                    step = model(input_ids=torch.tensor([[resp[t]]]), past_key_values=cache,
+                                 use_cache=True)
+                    rows.append(step.logits[0, -1])
+                    cache = step.past_key_values
+                logits = torch.stack(rows)
+            else:
+                full = model(input_ids=torch.tensor([prompt + resp[:-1]])).logits[0]
+                logits = full[len(prompt) - 1:]
+            if out is None:
+                out = torch.zeros(b_n, r, logits.shape[-1])
+            out[b, :len(resp)] = logits.float()
+    assert out is not None
+    return out
+
+
+def _logprobs(logits: torch.Tensor, temperature: float, mask: torch.Tensor) -> torch.Tensor:
+    lp = torch.log_softmax(logits.double() / temperature, dim=-1).float()
+    return torch.where(mask.bool()[..., None], lp, 0.0)
+
+
+def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tensor],
+                      out: Path) -> dict[str, Any]:
+    """Compute and write the module docstring's two files into ``out``; return the JSON.
+
+    Args:
+        contract: the contract (``sampling.temperature``, ``algorithm.clip_ratio``,
+            ``bounds.k``).
+        actor_dir: the Actor's initial HF directory.
+        roll: the frozen rollout's tensors (``prompts``, ``responses``, ``attention_mask``,
+            ``position_ids``, ``response_mask``).
+        out: the unsealed reference directory.
+    """
+    from qualify.evidence import store
+
+    temperature = float(contract.sampling.temperature)
+    clip = float(contract.algorithm.clip_ratio)
+    k = float(contract.bounds.k)
+    mask = roll["response_mask"]
+    doc: dict[str, Any] = {"schema_version": 1, "weights": "actor initial (round 1)",
+                           "temperature": temperature, "clip_ratio": clip, "k": k,
+                           "floors": dict(FLOORS), "fp32_controls": list(FP32_CONTROLS),
+                           "info_controls": list(INFO_CONTROLS)}
+    from transformers import AutoConfig
+
+    vocab = int(AutoConfig.from_pretrained(str(actor_dir)).vocab_size)
+    full = vocab <= MAX_VOCAB
+    if not full:
+        doc["distributions_not_run"] = (f"vocabulary {vocab} > {MAX_VOCAB}: the full "
+                                        f"distributions are not sealed")
+    runs: dict[str, torch.Tensor] = {}
+    routes: dict[str, Any] = {}
+    sdpa = _model(actor_dir, "sdpa", torch.float32)
+    builds: list[tuple[str, Callable[[], torch.Tensor]]] = [
+        ("reference", lambda: _prefill(sdpa, roll)),
+        ("decode", lambda: _per_sequence(sdpa, roll, decode=True))]
+    if full:
+        builds += [
+            ("batch", lambda: _per_sequence(sdpa, roll, decode=False)),
+            ("attn_impl", lambda: _prefill(_model(actor_dir, "eager", torch.float32), roll)),
+            ("bf16", lambda: _prefill(_model(actor_dir, "sdpa", torch.bfloat16), roll))]
+    for name, build in builds:
+        with sdpa_recorder() as seen:
+            runs[name] = build()
+        routes[name] = dict(seen) or {"no SDPA call (eager attention)": 0}
+    doc["routes"] = {"torch": torch.__version__, "num_threads": torch.get_num_threads(),
+                     "sdpa_backends": routes}
+    tensors: dict[str, torch.Tensor] = {}
+    for kind in KINDS if full else ():
+        t = 1.0 if kind == "raw" else temperature
+        ref = _logprobs(runs["reference"], t, mask)
+        tensors[kind] = ref.contiguous()
+        section: dict[str, Any] = {"controls": {}, "bounds": {}}
+        for name in FP32_CONTROLS + INFO_CONTROLS:
+            got = distribution_metrics(_logprobs(runs[name], t, mask).numpy(), ref.numpy(),
+                                       roll["responses"].numpy(), mask.numpy(),
+                                       clip_ratio=clip)
+            got.pop("seq_max_kl")
+            section["controls"][name] = got
+        for s in STATISTICS:
+            per = {c: float(section["controls"][c][s]) for c in FP32_CONTROLS}
+            control = max(per, key=per.__getitem__)
+            worst = per[control]
+            section["bounds"][s] = {"bound": k * worst + FLOORS[s], "control": control,
+                                    "control_error": worst, "k": k, "floor": FLOORS[s]}
+        doc[kind] = section
+    # The sampler's decode-vs-prefill token-logprob row: HF decode against HF prefill.
+    m = mask.bool().numpy()
+    toks = roll["responses"].numpy()
+    ref_t = _logprobs(runs["reference"], temperature, mask).numpy()
+    dec_t = _logprobs(runs["decode"], temperature, mask).numpy()
+    idx = np.nonzero(m)
+    d = np.abs(dec_t[idx[0], idx[1], toks[m]].astype(np.float64)
+               - ref_t[idx[0], idx[1], toks[m]].astype(np.float64))
+    worst = float(d.max()) if d.size else 0.0
+    doc["decode_vs_prefill"] = {"statistic": "max_abs", "control": "decode",
+                                "control_error": worst, "k": k, "floor": LOGPROB_FLOOR,
+                                "bound": k * worst + LOGPROB_FLOOR,
+                                "mean_abs": float(d.mean()) if d.size else 0.0}
+    if not all(math.isfinite(v["bound"]) for kind in KINDS if kind in doc
+               for v in doc[kind]["bounds"].values()):
+        doc["not_run"] = "a control's metric is not finite: no bound"
+    if tensors:
+        store.save_tensors(out / DISTRIBUTION_FILE, tensors)
+    store.atomic_write_json(out / DISTRIBUTION_JSON, doc)
+    return doc
