@@ -26,8 +26,8 @@ A zygote serves one key (:func:`launch_key`): harness, preload modules, the whol
 environment but :data:`VOLATILE` and a default :data:`INDUCTOR_CACHE_ENV` (what torch and
 the engines read at import time must be what the ranks would have read) and the stat of
 every source file of ``qualify`` and ``harnesses``, and of a plugin harness's package
-outside them (:func:`sources_stamp`: an edit gets a new zygote). Which zygote serves a launch, how many live and when they are started and
-stopped is
+outside them (:func:`sources_stamp`: an edit gets a new zygote). Which zygote serves a
+launch, how many live and when they are started and stopped is
 :mod:`qualify.candidate.zygote_pool`'s business: this process's own, or a session's pool.
 A zygote ends when it is stopped (it drains: no new launch, those in flight finish), when
 the process it serves is gone (checked every :data:`POLL_S`; it then ends its launches in
