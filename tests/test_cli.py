@@ -17,10 +17,11 @@ from qualify.resources import contracts_dir, repo_root
 # Changing the CLI is a user-visible change: update this table on purpose.
 EXPECTED = {
     "validate": ["contract"],
-    "reference": ["contract", "--out", "--new", "--quiet"],
+    "reference": ["contract", "--out", "--new", "--quiet", "--no-plan-check"],
     "candidate": ["contract", "--reference", "--out", "--cells", "--run-id", "--quiet"],
     "compare": ["run_dir", "--reference", "--no-seal"],
     "run": ["contract", "--references", "--evidence", "--cells", "--run-id", "--quiet"],
+    "plan": ["contract", "--devices", "--device-memory", "--host-memory", "--cores", "--json"],
     "sweep": ["contract", "--out", "--variants", "--offsets", "--move", "--policy", "--factor",
               "--cells", "--include", "--report-only", "--write-policy", "--summary-dir"],
     "report": ["run_dir", "--html", "--contract", "--policy"],

@@ -53,9 +53,9 @@ from typing import Any, Final
 from qualify.contract import Contract
 from qualify.errors import ContractError, UsageError
 
-__all__ = ["DoesNotFitError", "INTERPRETER_BYTES", "Machine", "ModelShape", "Plan", "Step",
-           "activation_elements", "check_fits", "machine_defaults", "model_shape",
-           "place_layers", "plan_reference", "plan_launches"]
+__all__ = ["INTERPRETER_BYTES", "DoesNotFitError", "Machine", "ModelShape", "Plan", "Step",
+           "activation_elements", "build_plan", "check_fits", "machine_defaults", "model_shape",
+           "place_layers", "plan_launches", "plan_reference"]
 
 GB: Final = 10**9
 
@@ -120,6 +120,7 @@ class ModelShape:
 
     @property
     def qk_norm(self) -> bool:
+        """Whether the layers norm queries and keys per head (Qwen3)."""
         return self.model_type == "qwen3"
 
     def layer_params(self) -> list[tuple[str, int]]:
@@ -130,9 +131,9 @@ class ModelShape:
                ("self_attn.v_proj.weight", h * kv), ("self_attn.o_proj.weight", q * h)]
         if self.qk_norm:
             out += [("self_attn.q_norm.weight", d), ("self_attn.k_norm.weight", d)]
-        return out + [("mlp.gate_proj.weight", h * i), ("mlp.up_proj.weight", h * i),
-                      ("mlp.down_proj.weight", i * h), ("input_layernorm.weight", h),
-                      ("post_attention_layernorm.weight", h)]
+        return [*out, ("mlp.gate_proj.weight", h * i), ("mlp.up_proj.weight", h * i),
+                ("mlp.down_proj.weight", i * h), ("input_layernorm.weight", h),
+                ("post_attention_layernorm.weight", h)]
 
     def params(self, role: str) -> list[tuple[str, int]]:
         """``(name, numel)`` of every trainable parameter of ``role``.
@@ -156,6 +157,7 @@ class ModelShape:
         return out
 
     def count(self, role: str) -> int:
+        """The number of trainable parameters of ``role`` (:meth:`params`)."""
         return sum(n for _, n in self.params(role))
 
 
@@ -217,8 +219,11 @@ def activation_elements(shape: ModelShape, *, eager: bool = False, positions: in
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
-    """Where the stage runs: ``devices`` accelerators of ``device_bytes`` each (0: host only),
-    ``host_bytes`` of memory and ``cores`` CPU cores."""
+    """Where the stage runs.
+
+    ``devices`` accelerators of ``device_bytes`` each (0: host only), ``host_bytes`` of
+    memory and ``cores`` CPU cores.
+    """
 
     devices: int
     device_bytes: int
@@ -228,8 +233,11 @@ class Machine:
 
 
 def machine_defaults() -> Machine:
-    """This machine: CUDA devices and their memory when torch sees any, the host's
-    ``MemTotal`` (``/proc/meminfo``) and its usable cores (``os.sched_getaffinity``)."""
+    """This machine.
+
+    CUDA devices and the smallest one's memory when torch sees any, the host's ``MemTotal``
+    (``/proc/meminfo``) and its usable cores (``os.sched_getaffinity``).
+    """
     host = 0
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -270,6 +278,7 @@ class Step:
     phase: str = ""
 
     def to_dict(self) -> dict[str, Any]:
+        """The step as JSON (``qualify plan --json``)."""
         return {"step": self.name, "kind": self.kind, "device_peak_bytes": self.device_peak,
                 "host_peak_bytes": self.host_peak, "bytes_written": self.written,
                 "seconds": round(self.seconds, 1), "processes": self.processes,
@@ -287,8 +296,11 @@ class Plan:
     cost_model: str
 
     def shortfall(self, kind: str | None = None) -> str | None:
-        """The first step (of ``kind``: ``reference`` or ``launch``; default any) that does
-        not fit, as one line; ``None`` when all fit."""
+        """The first step that does not fit, as one line; ``None`` when all fit.
+
+        Args:
+            kind: only steps of this kind (``reference`` or ``launch``); default any.
+        """
         m = self.machine
         for s in self.steps:
             if kind is not None and s.kind != kind:
@@ -304,6 +316,7 @@ class Plan:
         return None
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON (``qualify plan --json``)."""
         return {"contract": self.contract, "machine": dataclasses.asdict(self.machine),
                 "params": dict(self.params), "cost_model": self.cost_model,
                 "steps": [s.to_dict() for s in self.steps], "shortfall": self.shortfall()}
@@ -364,7 +377,7 @@ def place_layers(layer_bytes: Sequence[int], devices: int, *, first: int = 0,
 
 
 def _device_peak(shape: ModelShape, role: str, per_param: float, act_per_layer: int,
-                 head_extra: int, devices: int) -> int:
+                 head_extra: int, *, devices: int) -> int:
     """The fullest device's bytes with whole layers per device (:func:`place_layers`)."""
     layer = int(sum(n for _, n in shape.layer_params()) * per_param) + act_per_layer
     params = dict(shape.params(role))
@@ -453,7 +466,7 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
         return per_layer, logits + 2 * size * pos * shape.hidden_size * 4
 
     def add(name: str, phases: Mapping[str, Mapping[str, int]], role_of: Mapping[str, str],
-            per_param_dev: Mapping[str, float], act_dev: Mapping[str, tuple[int, int]],
+            per_param_dev: Mapping[str, float], act_dev: Mapping[str, tuple[int, int]], *,
             written: int, seconds: float) -> None:
         """Reduce phases to the step's peaks; with devices split host and device terms."""
         host_peak, dev_peak, at = 0, 0, ""
@@ -463,7 +476,7 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
                 host_t = {"interpreter": INTERPRETER_BYTES,
                           **{k: v for k, v in terms.items() if k in host_side}}
                 d = _device_peak(shape, role_of[phase], per_param_dev[phase],
-                                 act_dev[phase][0], act_dev[phase][1], machine.devices)
+                                 act_dev[phase][0], act_dev[phase][1], devices=machine.devices)
                 dev_peak = max(dev_peak, d)
             else:
                 host_t = {"interpreter": INTERPRETER_BYTES, **terms}
@@ -488,8 +501,8 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
         flops = 2 * (2 * p["actor"] + p["critic"] + p["reward"]) * tokens
         add(f"scoring {prec}", phases, {"load": "actor", "forward": "actor"},
             {"load": 8, "forward": 8 + (2 if bf16 else 0)},
-            {"load": (0, 0), "forward": (layer_act, head)}, 6 * n_seq * resp * 4,
-            flops / rate("bf16" if bf16 else "fp32")
+            {"load": (0, 0), "forward": (layer_act, head)}, written=6 * n_seq * resp * 4,
+            seconds=flops / rate("bf16" if bf16 else "fp32")
             + load_s(4 * (2 * p["actor"] + p["critic"] + p["reward"])))
 
     lanes = contract.matrix.lanes()
@@ -555,8 +568,8 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
              + (2 if autocast else 0), f"{role} sensitivity": 2 * w + (2 if bf16_params else 0)},
             {f"{role} load": (0, 0), f"{role} backward": (layer_act, head),
              f"{role} sensitivity": (0, head)},
-            update_file,
-            flops / rate("fp64" if prec == "fp64" else ("bf16" if prec == "bf16" else "fp32"))
+            written=update_file,
+            seconds=flops / rate(prec if prec in ("fp64", "bf16") else "fp32")
             + load_s(loads)
             + (sum(4 * w * p[r] for r in roles) * rounds / HOST_ADAMW_BYTES_PER_S if dev else 0))
 
@@ -591,8 +604,8 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
             extra_dev = 2 if bf16_params else 0
             add(f"branches hf-{lane} {role}", phases, {"rerun": role, "tokens": role},
                 {"rerun": 8 + extra_dev, "tokens": 8 + extra_dev + 8},
-                {"rerun": (0, head), "tokens": (layer_act, head)}, written,
-                flops / rate("fp32") + load_s((2 if role == "actor" else 1) * 4 * pr))
+                {"rerun": (0, head), "tokens": (layer_act, head)}, written=written,
+                seconds=flops / rate("fp32") + load_s((2 if role == "actor" else 1) * 4 * pr))
     return steps
 
 
@@ -664,8 +677,10 @@ def build_plan(contract: Contract, machine: Machine) -> Plan:
 
 
 def check_fits(contract: Contract, machine: Machine | None = None) -> Plan:
-    """Plan ``contract`` on ``machine`` (default: this one); refuse a reference stage that
-    cannot fit (the launches are the candidate stage's, planned but not checked here).
+    """Plan ``contract`` on ``machine`` (default: this one); refuse what cannot fit.
+
+    Only the reference stage's steps are checked: the launches are the candidate stage's,
+    planned but not checked here.
 
     Raises:
         DoesNotFitError: one line naming the first step that does not fit and the shortfall.

@@ -417,7 +417,9 @@ def _plan_check(contract: Contract, enforce: bool) -> dict[str, Any]:
 
     Returns:
         The environment document's ``plan_check``: whether it was enforced, the planned host
-        peak (bytes) and the shortfall line (``None`` when it fits).
+        peak (bytes) and the shortfall line (``None`` when it fits); a contract whose model
+        sizes the plan cannot read (an ``hf-dir`` model without ``model.manifest.config``)
+        is not planned (``not_planned``: why) and runs.
 
     Raises:
         DoesNotFitError: it does not fit and ``enforce``.
@@ -425,7 +427,12 @@ def _plan_check(contract: Contract, enforce: bool) -> dict[str, Any]:
     from qualify.reference.plan import DoesNotFitError, build_plan, machine_defaults
 
     machine = machine_defaults()
-    plan = build_plan(contract, machine)
+    try:
+        plan = build_plan(contract, machine)
+    except ContractError as e:  # sizes the contract does not state: the model decides later
+        return {"enforced": enforce, "devices": machine.devices,
+                "host_bytes": machine.host_bytes, "planned_host_peak_bytes": None,
+                "shortfall": None, "not_planned": str(e)}
     short = plan.shortfall("reference")  # the launches are the candidate stage's
     if short is not None and enforce:
         raise DoesNotFitError(f"{contract.path or contract.name}: does not fit this machine: "

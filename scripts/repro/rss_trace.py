@@ -13,6 +13,7 @@ reference stage's memory model predicts (the rollout sampler's child is another 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -34,16 +35,15 @@ def _children(pid: int) -> list[int]:
     out: list[int] = []
     try:
         for task in Path(f"/proc/{pid}/task").iterdir():
-            try:
+            with contextlib.suppress(OSError):
                 out += [int(x) for x in (task / "children").read_text().split()]
-            except OSError:
-                pass
     except OSError:
         pass
     return out
 
 
 def main() -> int:
+    """Run the command, sample, write the JSON; return the command's exit status."""
     out = Path(sys.argv[1])
     cmd = sys.argv[sys.argv.index("--") + 1:]
     t0 = time.monotonic()
