@@ -61,12 +61,12 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
             table.add_column(col, justify="right" if col.endswith(("GB", "MB", "time"))
                              else "left", no_wrap=True, overflow="ellipsis")
         for s in plan.steps:
-            top = sorted(s.terms.items(), key=lambda kv: -kv[1])[:3]
+            largest = sorted(s.terms.items(), key=lambda kv: -kv[1])[:3]
             table.add_row(s.name, f"{s.device_peak / GB:.2f}" if m.devices else "-",
                           f"{s.host_peak / GB:.2f}", f"{s.written / 1e6:.2f}",
                           _duration(s.seconds),
                           (f"{s.phase}: " if s.phase else "")
-                          + ", ".join(f"{k} {v / GB:.2f}" for k, v in top))
+                          + ", ".join(f"{k} {v / GB:.2f}" for k, v in largest))
         Console(width=200).print(table)
         ref = [s for s in plan.steps if s.kind == "reference"]
         top = max(ref, key=lambda s: s.host_peak)
@@ -92,7 +92,7 @@ def _duration(s: float) -> str:
     return f"{s / 3600:.1f} h"
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     """Add ``plan`` to the ``qualify`` subcommands."""
     p = sub.add_parser("plan", help="memory, bytes written and time of the reference stage "
                                     "and the candidate launches; refuse what cannot fit")

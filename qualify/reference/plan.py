@@ -309,6 +309,9 @@ class Plan:
                 return (f"{s.name}: needs {s.host_peak / GB:.1f} GB of host memory, the "
                         f"machine has {m.host_bytes / GB:.1f} GB (short by "
                         f"{(s.host_peak - m.host_bytes) / GB:.1f} GB)")
+            if m.devices and s.kind == "launch" and s.processes > m.devices:
+                return (f"{s.name}: needs {s.processes} devices, one per rank; the machine "
+                        f"has {m.devices}")
             if m.devices and s.device_peak > m.device_bytes:
                 return (f"{s.name}: needs {s.device_peak / GB:.1f} GB on a device, each of "
                         f"the {m.devices} has {m.device_bytes / GB:.1f} GB (short by "
@@ -456,7 +459,7 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
     def rate(prec: str) -> float:
         return THROUGHPUT[f"{rate_key}-{prec}"] * units
 
-    def load_s(n_bytes: int) -> float:
+    def load_s(n_bytes: float) -> float:
         return n_bytes / CHECKPOINT_READ_BYTES_PER_S
 
     def acts(role: str, size: int, pos: int, elem: int, eager: bool) -> tuple[int, int]:
@@ -490,16 +493,16 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
     # scoring (stage._score_all): the Actor and the reference policy loaded in FP32 and held
     # together, then the Critic, then the reward model; forward only (one layer's
     # activations at a time), a BF16 copy of the parameters at BF16
-    for prec in contract.matrix.precisions:
-        bf16 = prec == "bf16"
+    for score_prec in contract.matrix.precisions:
+        bf16 = score_prec == "bf16"
         layer_act, head = acts("actor", mbs, positions, 2 if bf16 else 4, False)
         pa = p["actor"]
         phases = {
             "load": {"weights": 8 * pa, "checkpoint_map": 4 * pa},
             "forward": {"weights": 8 * pa, "bf16_work": 2 * pa if bf16 else 0,
                         "activations": layer_act + head}}
-        flops = 2 * (2 * p["actor"] + p["critic"] + p["reward"]) * tokens
-        add(f"scoring {prec}", phases, {"load": "actor", "forward": "actor"},
+        flops = 2.0 * (2 * p["actor"] + p["critic"] + p["reward"]) * tokens
+        add(f"scoring {score_prec}", phases, {"load": "actor", "forward": "actor"},
             {"load": 8, "forward": 8 + (2 if bf16 else 0)},
             {"load": (0, 0), "forward": (layer_act, head)}, written=6 * n_seq * resp * 4,
             seconds=flops / rate("bf16" if bf16 else "fp32")
@@ -508,14 +511,14 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
     lanes = contract.matrix.lanes()
     runs: list[tuple[str, str, str, int, int, bool]] = []
     for lane in lanes:
-        runs.append((f"updates hf-{lane}", lane_precision(lane), lane_bf16_mode(lane) or "",
-                     mbs, 0, False))
+        runs.append((f"updates hf-{lane}", str(lane_precision(lane)),
+                     str(lane_bf16_mode(lane)), mbs, 0, False))
     for lane in lanes:
         for name, (settings, attn) in control_settings(contract, lane).items():
             if name == "bf16_mode" and "bf16-autocast" in lanes:
                 continue  # the stage reuses the autocast lane's update
             runs.append((f"control {name}-{lane}" + (" (eager)" if attn == "eager" else ""),
-                         settings.precision, settings.bf16_mode or "",
+                         str(settings.precision), str(settings.bf16_mode),
                          settings.micro_batch_size,
                          settings.extra_left_padding + settings.extra_right_padding,
                          attn == "eager"))
@@ -529,7 +532,7 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
                 "autocast_cache": 2 * pr if autocast else 0}
 
     for label, prec, mode, size, extra, eager in runs:
-        w = 8 if prec == "fp64" else 4
+        w = 8 if prec == "fp64" else 4  # the fp64 control's models, gradients and state
         bf16_params = prec == "bf16" and mode != "autocast"
         autocast = prec == "bf16" and mode == "autocast"
         elem = 8 if prec == "fp64" else (2 if bf16_params else 4)
@@ -578,7 +581,7 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
     # round, at most every valid token) and the Gram
     k = min(MAX_SEALED_TOKENS, n_seq * resp)
     for lane in lanes:
-        prec, mode = lane_precision(lane), lane_bf16_mode(lane) or ""
+        prec, mode = str(lane_precision(lane)), str(lane_bf16_mode(lane))
         bf16_params = prec == "bf16" and mode != "autocast"
         autocast = prec == "bf16" and mode == "autocast"
         for role in roles:
