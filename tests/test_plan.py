@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,7 @@ from hypothesis import strategies as st
 from qualify.contract import load_contract
 from qualify.errors import ExitCode
 from qualify.reference import plan
-from qualify.resources import contracts_dir, repo_root
+from qualify.resources import contracts_dir
 
 CONTRACTS = ["tiny-qwen3", "qwen3-34m", "smollm2-135m", "qwen3-8b"]
 
@@ -84,33 +82,37 @@ def test_placement_is_contiguous_complete_and_no_heavier_than_any_other(
     assert heaviest(placed) == best
 
 
-def _plan(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "qualify", "plan", *argv],
-                          capture_output=True, text=True, cwd=repo_root(), timeout=120,
-                          check=False)
+def _plan(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    from qualify.cli.main import main
+
+    code = main(["plan", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_qwen3_8b_fits_a_node_of_eight_and_not_one_device() -> None:
+def test_qwen3_8b_fits_a_node_of_eight_and_not_one_device(
+        capsys: pytest.CaptureFixture[str]) -> None:
     """The refusal is one line naming the step and the shortfall, exit 2. On a node of eight
     the reference stage and every TP > 1 launch fit; a TP 1 BF16 cell (20 bytes per
     parameter: FP32 master, gradient and moments, BF16 copy and gradient) does not fit one
     141 GB device, and the refusal names that launch."""
     import json
 
-    node = _plan("contracts/qwen3-8b.toml", "--devices", "8", "--device-memory", "141",
-                 "--host-memory", "2048", "--json")
-    doc = json.loads(node.stdout)
+    code, out, _ = _plan(capsys, str(contracts_dir() / "qwen3-8b.toml"), "--devices", "8",
+                         "--device-memory", "141", "--host-memory", "2048", "--json")
+    doc = json.loads(out)
     assert all(s["device_peak_bytes"] <= 141e9 and s["host_peak_bytes"] <= 2048e9
                for s in doc["steps"] if s["kind"] == "reference" or "world 1 " not in s["step"])
-    assert node.returncode == ExitCode.USAGE_ERROR
+    assert code == ExitCode.USAGE_ERROR
     assert doc["shortfall"].startswith("launch torch_tp world 1"), doc["shortfall"]
-    one = _plan("contracts/qwen3-8b.toml", "--devices", "1", "--device-memory", "141",
-                "--host-memory", "2048")
-    assert one.returncode == ExitCode.USAGE_ERROR
-    lines = one.stderr.strip().splitlines()
-    assert len(lines) == 1, one.stderr
-    assert "Traceback" not in one.stderr
-    for part in ("does not fit", "on a device", "short by"):
+    code, _, err = _plan(capsys, str(contracts_dir() / "qwen3-8b.toml"), "--devices", "1",
+                         "--device-memory", "141", "--host-memory", "2048")
+    assert code == ExitCode.USAGE_ERROR
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for part in ("does not fit", "branches hf-bf16-castmasters actor", "on a device",
+                 "short by"):
         assert part in lines[0], lines[0]
 
 
@@ -124,8 +126,12 @@ def test_a_step_that_cannot_fit_is_refused_before_anything_is_written(tmp_path: 
     small = plan.Machine(devices=0, device_bytes=0, host_bytes=10**8, cores=2)
     monkeypatch.setattr(plan, "machine_defaults", lambda: small)
     contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
+    def started(name: str) -> None:
+        raise AssertionError(f"the stage started ({name}) on a machine its plan does not fit")
+
     with pytest.raises(plan.DoesNotFitError, match=r"does not fit this machine: scoring fp32"):
-        stage.run_reference_stage(contract, root=tmp_path / "refs", quiet=True)
+        stage.run_reference_stage(contract, root=tmp_path / "refs", quiet=True,
+                                  on_step=started)
     assert not (tmp_path / "refs").exists()
     record = stage._plan_check(contract, enforce=False)
     assert record["enforced"] is False
