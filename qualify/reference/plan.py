@@ -72,11 +72,12 @@ _token_logprobs_entropy` and its backward (logits, ``z``, ``log_softmax``, ``sof
 ``p * log p``)."""
 
 THROUGHPUT: Final[Mapping[str, float]] = {
-    # FLOP/s per CPU core. FP32: torch.mm of 2048 x 2048 FP32 on one thread of the CI's AMD
-    # EPYC (AVX-512), 4.2e10 FLOP/s in isolation; a quarter of that taken for the stage's
-    # small matrices. BF16 runs about 5x slower than FP32 on CPUs without BF16 units
-    # (docs/scale.md, section 5), FP64 at half the FP32 rate (vector width).
-    "cpu-fp32": 1.0e10, "cpu-bf16": 2.0e9, "cpu-fp64": 5.0e9,
+    # FLOP/s per CPU core: the best of 5 torch.mm of two 2048 x 2048 matrices on one thread of
+    # the 2-core AMD EPYC CI machine (torch.set_num_threads(1)), measured while other jobs
+    # held the load average near 20, so lower bounds: FP32 1.1e10, BF16 1.9e10 (this CPU has
+    # BF16 units; one without them runs the stage's BF16 passes about 5x slower than FP32,
+    # docs/scale.md section 5), FP64 3.8e9.
+    "cpu-fp32": 1.1e10, "cpu-bf16": 1.9e10, "cpu-fp64": 3.8e9,
     # FLOP/s per device, NVIDIA H100/H200 SXM datasheet dense peaks at half: FP32 without
     # TF32 67 TFLOPS, FP64 tensor core 67 TFLOPS, BF16 989 TFLOPS.
     "gpu-fp32": 3.35e13, "gpu-bf16": 4.9e14, "gpu-fp64": 3.35e13,
