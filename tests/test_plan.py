@@ -136,3 +136,10 @@ def test_a_step_that_cannot_fit_is_refused_before_anything_is_written(tmp_path: 
     record = stage._plan_check(contract, enforce=False)
     assert record["enforced"] is False
     assert "short by" in record["shortfall"]
+
+
+def test_mirrored_constants_are_the_codes() -> None:
+    """The plan mirrors the factored Gram's block size without importing torch at import."""
+    from qualify.reference import gram_factors
+
+    assert plan.GRAM_BLOCK_BYTES == gram_factors.BLOCK_BYTES

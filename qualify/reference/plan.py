@@ -25,6 +25,7 @@ step is the sum of the terms alive together there:
   computed (the generator's tuple still holds the last one), so ``8 P``;
 - ``jt_kept``: the fp64 Gram's whole ``J_t`` (at most :data:`qualify.reference.gram.
   FULL_BUDGET_BYTES` per lane, role and round: above it the stage spills factors to disk);
+- ``gram_block``: the factored Gram's block of rebuilt ``J_t`` rows (:data:`GRAM_BLOCK_BYTES`);
 - ``checkpoint_map``: a model file mapped while it is read (``roles.load_*``: safetensors
   maps the FP32 checkpoint, whose pages count as resident while mapped), one model;
 - ``interpreter``: the process before any model, :data:`INTERPRETER_BYTES`.
@@ -404,6 +405,10 @@ def _sampled_elements(params: Iterable[tuple[str, int]], exact: int, sampled: in
     return sum(n if n <= exact else min(n, sampled) for _, n in params)
 
 
+GRAM_BLOCK_BYTES: Final = 256 << 20
+"""The factored Gram's block of rebuilt ``J_t`` rows
+(:data:`qualify.reference.gram_factors.BLOCK_BYTES`, not imported: that module imports torch)."""
+
 SAFETENSORS_HEADER_BYTES: Final = 121
 """Header bytes per tensor in a safetensors file (docs/scale.md section 2, measured)."""
 
@@ -600,15 +605,23 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
                            "jt_kept": k * 4 * pr if keep else 0,
                            "host_temporaries": 3 * 8 * largest[role],
                            "activations": layer_act * shape.num_hidden_layers + head},
+                # the factored Gram (gram_factors.FactorCapture.gram), taken when the whole
+                # J_t do not fit: one block of rebuilt J_t rows, the round's gradient of one
+                # parameter in FP64 and its square
+                "gram": {**train, "autocast_cache": 0,
+                         "gram_block": 0 if keep else GRAM_BLOCK_BYTES,
+                         "host_temporaries": 2 * 8 * largest[role]},
             }
             flops = (rounds * 10 * pr * n_seq * positions
                      + (rounds - 1) * k * 6 * pr * positions)
             written = (rounds - 1) * k * (4 * reported[role]
                                           + SAFETENSORS_HEADER_BYTES * n_tensors[role])
             extra_dev = 2 if bf16_params else 0
-            add(f"branches hf-{lane} {role}", phases, {"rerun": role, "tokens": role},
-                {"rerun": 8 + extra_dev, "tokens": 8 + extra_dev + 8},
-                {"rerun": (0, head), "tokens": (layer_act, head)}, written=written,
+            add(f"branches hf-{lane} {role}", phases,
+                {"rerun": role, "tokens": role, "gram": role},
+                {"rerun": 8 + extra_dev, "tokens": 8 + extra_dev + 8, "gram": 8 + extra_dev},
+                {"rerun": (0, head), "tokens": (layer_act, head), "gram": (0, 0)},
+                written=written,
                 seconds=flops / rate("fp32") + load_s((2 if role == "actor" else 1) * 4 * pr))
     return steps
 
