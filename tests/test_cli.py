@@ -17,12 +17,13 @@ from qualify.resources import contracts_dir, repo_root
 # Changing the CLI is a user-visible change: update this table on purpose.
 EXPECTED = {
     "validate": ["contract"],
-    "reference": ["contract", "--out", "--new", "--quiet"],
+    "reference": ["contract", "--out", "--new", "--quiet", "--no-plan-check"],
     "candidate": ["contract", "--reference", "--out", "--cells", "--run-id", "--quiet",
                   "--launcher"],
     "compare": ["run_dir", "--reference", "--no-seal"],
     "run": ["contract", "--references", "--evidence", "--cells", "--run-id", "--quiet",
             "--launcher", "--junit-xml", "--summary"],
+    "plan": ["contract", "--devices", "--device-memory", "--host-memory", "--cores", "--json"],
     "sweep": ["contract", "--out", "--variants", "--offsets", "--move", "--policy", "--factor",
               "--cells", "--include", "--report-only", "--write-policy", "--summary-dir"],
     "report": ["run_dir", "--html", "--contract", "--policy"],

@@ -51,7 +51,7 @@ def _cmd_reference(args: argparse.Namespace) -> ExitCode:
     root = output_dir(args.out, "--out")
     contract = load_contract(_contract_arg(args.contract))
     out = run_reference_stage(contract, root=root, new=args.new,
-                              quiet=args.quiet)
+                              quiet=args.quiet, plan_check=not args.no_plan_check)
     print(f"sealed reference: {printable(out)}")
     return ExitCode.OK
 
@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new", action="store_true",
                    help="make a new reference directory beside a sealed one")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--no-plan-check", action="store_true",
+                   help="run even if `qualify plan` says it does not fit (recorded in "
+                        "environment.json)")
     p.set_defaults(func=_cmd_reference)
 
     p = sub.add_parser("candidate", help="run engine cells against a sealed reference")
@@ -174,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     from qualify.cli.diverge import register as register_diverge
     from qualify.cli.engines import register as register_engines
     from qualify.cli.evidence import register
+    from qualify.cli.plan import register as register_plan
     from qualify.cli.report import register as register_report
     from qualify.cli.slurm import register as register_slurm
     from qualify.cli.sweep import register as register_sweep
@@ -184,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_slurm(sub)
     register_sweep(sub)
     register_engines(sub)
+    register_plan(sub)
     return parser
 
 

@@ -204,7 +204,8 @@ def _reward_scores(contract: Contract, bundle: models.ModelBundle, roll: rollout
 
 def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
                         quiet: bool = False,
-                        on_step: Callable[[str], None] | None = None) -> Path:
+                        on_step: Callable[[str], None] | None = None,
+                        plan_check: bool = True) -> Path:
     """Run the whole reference stage and seal its directory.
 
     Args:
@@ -214,6 +215,10 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
         quiet: no progress bars.
         on_step: test hook called with each step name before it runs (used to simulate an
             interrupted run).
+        plan_check: refuse, before anything is written, a contract whose planned memory
+            does not fit this machine (:func:`qualify.reference.plan.check_fits`). ``False``
+            (``qualify reference --no-plan-check``) runs it anyway; the environment document
+            records which (``plan_check``).
 
     Returns:
         The sealed reference directory.
@@ -225,8 +230,11 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
         ContractError: the prompts cannot be resolved.
         UsageError: ``$QUALIFY_SCRATCH_DIR`` names no writable directory
             (:func:`qualify.scratch.check_setting`), before anything is written.
+        DoesNotFitError: the plan does not fit this machine (with ``plan_check``), before
+            anything is written.
     """
     scratch.check_setting()
+    plan_record = _plan_check(contract, plan_check)
     base = root / reference_dir_name(contract)
     if not new and store.is_sealed(base) and needs_signature(base):
         # sealed, then killed while signing (tests/test_kill_points.py, ref-sign): sign it
@@ -379,7 +387,8 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
         step("seal")
         coverage = _coverage(contract, out, roll=roll, tg=tg, train=train, scores=scores,
                              ref_runs=ref_runs)
-        store.atomic_write_json(out / ENVIRONMENT_FILE, capture_environment(),
+        store.atomic_write_json(out / ENVIRONMENT_FILE,
+                                {**capture_environment(), "plan_check": plan_record},
                                 schema="environment")
         t0 = min(timings.values())
         store.atomic_write_json(out / REFERENCE_FILE, {
@@ -404,6 +413,41 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
         _check_recomputable(out, contract, bounds)
         seal_and_sign(out, kind=REFERENCE_KIND)
     return out
+
+
+def _plan_check(contract: Contract, enforce: bool) -> dict[str, Any]:
+    """Plan the stage on this machine; refuse it if ``enforce`` and it does not fit.
+
+    Returns:
+        The environment document's ``plan_check``: whether it was enforced, the planned host
+        peak (bytes) and the shortfall line (``None`` when it fits); a contract whose model
+        sizes the plan cannot read (an ``hf-dir`` model without ``model.manifest.config``)
+        is not planned (``not_planned``: why) and runs.
+
+    Raises:
+        DoesNotFitError: it does not fit and ``enforce``.
+    """
+    from qualify.reference.plan import DoesNotFitError, build_plan, machine_defaults
+
+    machine = machine_defaults()
+    try:
+        plan = build_plan(contract, machine)
+    except ContractError as e:  # sizes the contract does not state: the model decides later
+        return {"enforced": enforce, "devices": machine.devices,
+                "host_bytes": machine.host_bytes, "planned_host_peak_bytes": None,
+                "shortfall": None, "not_planned": str(e)}
+    short = plan.shortfall("reference")  # the launches are the candidate stage's
+    if short is not None and enforce:
+        raise DoesNotFitError(f"{contract.path or contract.name}: does not fit this machine: "
+                              f"{short} (qualify plan shows each step; --no-plan-check runs "
+                              "it anyway)")
+    if short is not None:
+        print(f"qualify: warning: the plan does not fit this machine, running anyway "
+              f"(--no-plan-check): {short}", file=sys.stderr)
+    return {"enforced": enforce, "devices": machine.devices, "host_bytes": machine.host_bytes,
+            "planned_host_peak_bytes": max((s.host_peak for s in plan.steps
+                                            if s.kind == "reference"), default=0),
+            "shortfall": short}
 
 
 def _check_recomputable(out: Path, contract: Contract, bounds: list[Bound]) -> None:

@@ -1,0 +1,108 @@
+"""``qualify plan CONTRACT``: memory, bytes and time of the reference stage and the launches.
+
+One row per step of the reference stage and per candidate launch
+(:func:`qualify.reference.plan.build_plan`); ``--json`` prints the same as JSON. A contract
+that cannot fit the machine is refused with one line naming the step and the shortfall, exit
+2 (:class:`qualify.reference.plan.DoesNotFitError`), after the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from qualify.errors import ExitCode, UsageError
+
+
+def _gb(x: str) -> int:
+    try:
+        v = float(x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{x!r}: a number of GB (10^9 bytes)") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{x!r}: must be positive")
+    return int(v * 1e9)
+
+
+def _cmd_plan(args: argparse.Namespace) -> ExitCode:
+    from rich.console import Console
+    from rich.table import Table
+
+    from qualify.cli.main import _contract_arg
+    from qualify.contract import load_contract
+    from qualify.reference.plan import GB, DoesNotFitError, Machine, build_plan, machine_defaults
+
+    here = machine_defaults()
+    devices = here.devices if args.devices is None else args.devices
+    if devices < 0:
+        raise UsageError(f"--devices {devices}: must be 0 (host only) or more")
+    dev_bytes = args.device_memory if args.device_memory is not None else here.device_bytes
+    if devices and not dev_bytes:
+        raise UsageError("--devices: give --device-memory GB (no CUDA device seen here)")
+    machine = Machine(devices=devices, device_bytes=dev_bytes if devices else 0,
+                      host_bytes=args.host_memory if args.host_memory is not None
+                      else here.host_bytes,
+                      cores=args.cores if args.cores is not None else here.cores)
+    contract = load_contract(_contract_arg(args.contract))
+    plan = build_plan(contract, machine)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        m = plan.machine
+        where = (f"{m.devices} device(s) x {m.device_bytes / GB:.0f} GB, " if m.devices
+                 else "host only, ")
+        table = Table(title=f"qualify plan {contract.name}: {where}"
+                            f"{m.host_bytes / GB:.0f} GB host, {m.cores} cores; "
+                            f"Actor {plan.params['actor'] / 1e6:,.1f} M, Critic "
+                            f"{plan.params['critic'] / 1e6:,.1f} M parameters",
+                      title_justify="left")
+        for col in ("step", "device peak GB", "host peak GB", "written MB", "time",
+                    "host peak at (phase): largest terms, GB"):
+            table.add_column(col, justify="right" if col.endswith(("GB", "MB", "time"))
+                             else "left", no_wrap=True, overflow="ellipsis")
+        for s in plan.steps:
+            largest = sorted(s.terms.items(), key=lambda kv: -kv[1])[:3]
+            table.add_row(s.name, f"{s.device_peak / GB:.2f}" if m.devices else "-",
+                          f"{s.host_peak / GB:.2f}", f"{s.written / 1e6:.2f}",
+                          _duration(s.seconds),
+                          (f"{s.phase}: " if s.phase else "")
+                          + ", ".join(f"{k} {v / GB:.2f}" for k, v in largest))
+        Console(width=200).print(table)
+        ref = [s for s in plan.steps if s.kind == "reference"]
+        top = max(ref, key=lambda s: s.host_peak)
+        line = (f"reference stage: host peak {top.host_peak / GB:.2f} GB ({top.name}, "
+                f"{top.phase})")
+        if m.devices:
+            dtop = max(ref, key=lambda s: s.device_peak)
+            line += f", device peak {dtop.device_peak / GB:.2f} GB ({dtop.name})"
+        print(f"{line}; time {_duration(sum(s.seconds for s in ref))} (compute and model "
+              "loading only)")
+        print(f"cost model: {plan.cost_model}")
+    short = plan.shortfall()
+    if short is not None:
+        raise DoesNotFitError(f"{contract.path or contract.name}: does not fit: {short}")
+    return ExitCode.OK
+
+
+def _duration(s: float) -> str:
+    if s < 60:
+        return f"{s:.1f} s"
+    if s < 3600:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``plan`` to the ``qualify`` subcommands."""
+    p = sub.add_parser("plan", help="memory, bytes written and time of the reference stage "
+                                    "and the candidate launches; refuse what cannot fit")
+    p.add_argument("contract", nargs="?", help="contract TOML (default: embedded tiny-qwen3)")
+    p.add_argument("--devices", type=int, help="accelerators (default: CUDA devices here; 0: "
+                                               "host only)")
+    p.add_argument("--device-memory", type=_gb, metavar="GB",
+                   help="memory of each device, GB (default: the devices here)")
+    p.add_argument("--host-memory", type=_gb, metavar="GB",
+                   help="host memory, GB (default: this machine's MemTotal)")
+    p.add_argument("--cores", type=int, help="CPU cores (default: those usable here)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=_cmd_plan)

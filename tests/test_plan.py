@@ -1,0 +1,145 @@
+"""``qualify plan``: the model's parameter counts, the layer placement, the refusal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qualify.contract import load_contract
+from qualify.errors import ExitCode
+from qualify.reference import plan
+from qualify.resources import contracts_dir
+
+CONTRACTS = ["tiny-qwen3", "qwen3-34m", "smollm2-135m", "qwen3-8b"]
+
+
+@pytest.mark.parametrize("name", CONTRACTS)
+def test_parameter_names_and_counts_are_the_hf_models(name: str) -> None:
+    """The formula's parameters are, name for name and element for element, those of the
+    Hugging Face classes the stage loads (built on the meta device: no memory, no weights)."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
+
+    shape = plan.model_shape(load_contract(contracts_dir() / f"{name}.toml"))
+    fields = {k: getattr(shape, k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")}
+    config = AutoConfig.for_model(shape.model_type, **fields, num_labels=1)
+    for role, cls in (("actor", AutoModelForCausalLM), ("critic", AutoModelForTokenClassification),
+                      ("reward", AutoModelForSequenceClassification)):
+        with torch.device("meta"):
+            model = cls.from_config(config)
+        got = {n: p.numel() for n, p in model.named_parameters()}
+        assert got == dict(shape.params(role)), (name, role)
+
+
+def test_qwen3_8b_counts_are_the_documented_ones() -> None:
+    """docs/scale.md's figures: 8,190.7 M Actor and 7,568.4 M Critic parameters."""
+    shape = plan.model_shape(load_contract(contracts_dir() / "qwen3-8b.toml"))
+    assert round(shape.count("actor") / 1e5) == 81907
+    assert round(shape.count("critic") / 1e5) == 75684
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=0, max_size=9), st.integers(1, 5),
+       st.integers(0, 40), st.integers(0, 40))
+def test_placement_is_contiguous_complete_and_no_heavier_than_any_other(
+        layers: list[int], devices: int, first: int, last: int) -> None:
+    """Whole layers, in order, each once; the fullest device (embedding on the first, head
+    on the one after the last layer's or with it) is as light as the best contiguous split
+    found by brute force."""
+    import itertools
+
+    placed = plan.place_layers(layers, devices, first=first, last=last)
+    assert len(placed) == devices
+    assert [k for dev in placed for k in dev] == list(range(len(layers)))
+
+    def heaviest(split: list[list[int]]) -> int:
+        loads = [sum(layers[k] for k in dev) for dev in split]
+        loads[0] += first
+        tail = max((d for d in range(devices) if split[d]), default=0)
+        with_head = loads[tail] + last
+        alone = tail + 1 < devices
+        return max([*loads[:tail], min(with_head, max(loads[tail], last)) if alone
+                    else with_head, *loads[tail + 1:]])
+
+    best = None
+    n = len(layers)
+    for cuts in itertools.combinations_with_replacement(range(n + 1), devices - 1):
+        bounds = [0, *cuts, n]
+        split = [list(range(bounds[i], bounds[i + 1])) for i in range(devices)]
+        h = heaviest(split)
+        best = h if best is None else min(best, h)
+    assert best is not None
+    assert heaviest(placed) == best
+
+
+def _plan(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    from qualify.cli.main import main
+
+    code = main(["plan", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_qwen3_8b_fits_a_node_of_eight_and_not_one_device(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The refusal is one line naming the step and the shortfall, exit 2. On a node of eight
+    the reference stage and every TP > 1 launch fit; a TP 1 BF16 cell (20 bytes per
+    parameter: FP32 master, gradient and moments, BF16 copy and gradient) does not fit one
+    141 GB device, and the refusal names that launch."""
+    import json
+
+    code, out, _ = _plan(capsys, str(contracts_dir() / "qwen3-8b.toml"), "--devices", "8",
+                         "--device-memory", "141", "--host-memory", "2048", "--json")
+    doc = json.loads(out)
+    assert all(s["device_peak_bytes"] <= 141e9 and s["host_peak_bytes"] <= 2048e9
+               for s in doc["steps"] if s["kind"] == "reference" or "world 1 " not in s["step"])
+    assert code == ExitCode.USAGE_ERROR
+    assert doc["shortfall"].startswith("launch torch_tp world 1"), doc["shortfall"]
+    code, _, err = _plan(capsys, str(contracts_dir() / "qwen3-8b.toml"), "--devices", "1",
+                         "--device-memory", "141", "--host-memory", "2048")
+    assert code == ExitCode.USAGE_ERROR
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for part in ("does not fit", "branches hf-bf16-castmasters actor", "on a device",
+                 "short by"):
+        assert part in lines[0], lines[0]
+
+
+def test_a_step_that_cannot_fit_is_refused_before_anything_is_written(tmp_path: Path,
+                                                                     monkeypatch: pytest
+                                                                     .MonkeyPatch) -> None:
+    """``qualify reference`` plans first: on a machine too small for the plan it raises
+    :class:`~qualify.reference.plan.DoesNotFitError` and leaves no directory behind."""
+    from qualify.reference import stage
+
+    small = plan.Machine(devices=0, device_bytes=0, host_bytes=10**8, cores=2)
+    monkeypatch.setattr(plan, "machine_defaults", lambda: small)
+    contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
+    def started(name: str) -> None:
+        raise AssertionError(f"the stage started ({name}) on a machine its plan does not fit")
+
+    with pytest.raises(plan.DoesNotFitError, match=r"does not fit this machine: scoring fp32"):
+        stage.run_reference_stage(contract, root=tmp_path / "refs", quiet=True,
+                                  on_step=started)
+    assert not (tmp_path / "refs").exists()
+    record = stage._plan_check(contract, enforce=False)
+    assert record["enforced"] is False
+    assert "short by" in record["shortfall"]
+
+
+def test_mirrored_constants_are_the_codes() -> None:
+    """The plan mirrors the factored Gram's block size without importing torch at import."""
+    from qualify.reference import gram_factors
+
+    assert plan.GRAM_BLOCK_BYTES == gram_factors.BLOCK_BYTES
