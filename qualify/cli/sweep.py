@@ -52,7 +52,7 @@ def _cmd_sweep(args: argparse.Namespace) -> ExitCode:
         if value is not None and not Path(value).parent.is_dir():
             raise UsageError(f"{value}: {option}: directory {Path(value).parent} does not exist")
     result = run_sweep(Path(contract_path), offsets=offsets, out=Path(args.out), policy=policy,
-                       move=move, factor=args.factor, cells=args.cells,
+                       move=move, factor=args.factor, coverage=args.coverage, cells=args.cells,
                        report_only=args.report_only, extra_reports=extra, progress=print)
     print(summary_markdown(result), end="")
     if args.summary_dir:
@@ -81,7 +81,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", metavar="FILE",
                    help="gate policy to judge by (default contracts/gates/<name>.toml)")
     p.add_argument("--factor", type=float, default=1.5,
-                   help="derived ceiling = factor x the largest margin seen (default 1.5)")
+                   help="derived ceiling >= factor x the largest margin seen (default 1.5)")
+    p.add_argument("--coverage", type=float, default=0.99,
+                   help="probability with which a derived ceiling covers the next seed, from "
+                        "the runs' spread of margins (default 0.99; qualify.pipeline.sweep."
+                        "ceiling)")
     p.add_argument("--cells", nargs="*", help="cell id globs passed to qualify run")
     p.add_argument("--include", nargs="*", default=[], metavar="RUN_DIR",
                    help="compared runs of the base contract the derived policy also covers")
