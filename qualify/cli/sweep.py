@@ -10,6 +10,7 @@ runs given with ``--include``) measured (:func:`qualify.pipeline.sweep.derive_po
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 from qualify.errors import ExitCode, UsageError
@@ -59,7 +60,15 @@ def _cmd_sweep(args: argparse.Namespace) -> ExitCode:
         for path in write_summary(result, Path(args.summary_dir)):
             print(f"wrote {path}")
     if args.write_policy and result.derived is not None:
-        text = policy_toml(result.derived)
+        command = shlex.join(["qualify", "sweep", str(args.contract or ""), "--out", "DIR",
+                              "--offsets", *map(str, offsets), "--move", ",".join(move),
+                              "--factor", f"{args.factor:g}", "--coverage",
+                              f"{args.coverage:g}", *(["--include", *args.include]
+                                                      if args.include else []),
+                              "--write-policy", str(args.write_policy)])
+        doc = {**result.derived, "comment": result.derived.get("comment", "")
+               + f"\nRegenerate with: {command}"}
+        text = policy_toml(doc)
         write_with(args.write_policy, lambda f: f.write(text.encode("utf-8")))
         print(f"derived policy: {args.write_policy}")
     return result.exit_code

@@ -576,6 +576,20 @@ def summary_markdown(result: SweepResult) -> str:
     if result.unexplained:
         lines += ["", "Failures no committed entry explains (findings to run to their cause): "
                   + ", ".join(f"`{c}`" for c in result.unexplained)]
+    if result.derived is not None and result.derived.get("expected_failures"):
+        lines += ["", f"Derived ceilings (`qualify.pipeline.sweep.ceiling`: at least "
+                  f"{result.factor:g} x the largest margin; from {MIN_SPREAD_RUNS} runs the "
+                  f"one-sided {result.coverage:g} prediction bound of the next run's margin "
+                  "if larger):", "",
+                  "| cell | family | runs | margins (min / max) | ceiling | set by |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for e in result.derived["expected_failures"]:
+            key = (e["cells"], e["families"][0])
+            rule = result.rules.get(key, {})
+            ms = rule.get("margins") or []
+            span = f"{min(ms):.3g} / {max(ms):.3g}" if ms else "no margin (check)"
+            lines.append(f"| `{e['cells']}` | {e['families'][0]} | {rule.get('runs', 0)} | "
+                         f"{span} | {e['max_margin']:g} | {rule.get('rule', 'factor')} |")
     return "\n".join(lines) + "\n"
 
 
