@@ -96,7 +96,7 @@ def main() -> None:
 
             @contextlib.contextmanager
             def registered() -> Iterator[None]:
-                handle = work.lm_head.register_forward_hook(hook)
+                handle = work.get_submodule("lm_head").register_forward_hook(hook)
                 try:
                     yield
                 finally:
