@@ -14,8 +14,8 @@ contract's seed variants and answers two questions:
 2. **What policy do the seeds support?** :func:`derive_policy` groups every FAIL row of
    every variant (and of any extra runs given) by cell and family and writes one expected
    failure per group: the rounds and roles that failed, and a ceiling (:func:`ceiling`):
-   ``factor x`` the largest margin seen, or, when at least :data:`MIN_SPREAD_RUNS` runs
-   measured the group, the one-sided ``coverage`` prediction bound of the next seed's
+   ``factor x`` the largest margin seen, or, when the group failed in at least
+   :data:`MIN_SPREAD_RUNS` runs, the one-sided ``coverage`` prediction bound of the next seed's
    margin from their spread if that is larger (a row without a finite margin, a ``dtypes``
    check, is covered by family alone). Each group keeps the reason and upstream of the
    committed entry that covers its cell; a group no committed entry names gets the reason
@@ -78,7 +78,7 @@ DEFAULT_FACTOR: Final = 1.5
 DEFAULT_COVERAGE: Final = 0.99
 """The probability with which the spread term of :func:`ceiling` covers the next seed."""
 MIN_SPREAD_RUNS: Final = 5
-"""Runs that must measure a (cell, family) before its spread enters its ceiling; fewer
+"""Runs a (cell, family) must fail in before its spread enters its ceiling; fewer
 runs leave ``factor x`` the largest margin alone (a spread of two or three runs says
 little, and their Student-t quantile would open the ceiling wide)."""
 UNEXPLAINED: Final = "UNEXPLAINED"
@@ -260,9 +260,9 @@ def ceiling(margins: Sequence[float], *, factor: float = DEFAULT_FACTOR,
             coverage: float = DEFAULT_COVERAGE) -> tuple[float, str]:
     """The derived ``max_margin`` of one (cell, family) from its margin in each run.
 
-    ``margins`` holds, per run that reported the (cell, family), its largest finite margin
-    (passing rows included: a seed on which an expected failure stayed under its bound is
-    a measurement of the defect's size too). The ceiling is ``factor x max(margins)``, or
+    ``margins`` holds, per run in which the (cell, family) failed, its largest finite margin:
+    the ceiling judges failing rows only, so the distribution to predict is the defect's
+    size on a seed where it shows. The ceiling is ``factor x max(margins)``, or
     when ``n = len(margins) >= MIN_SPREAD_RUNS`` and it is larger, the one-sided
     ``coverage`` prediction bound of one more run's margin, margins taken log-normal over
     seeds (a defect's error scales with the data it meets, so its spread is a ratio):
@@ -330,7 +330,7 @@ def derive_policy(reports: Sequence[Mapping[str, Any]], contract: Contract, poli
 
     One expected failure per (cell, family) that failed in any report: its rounds and
     roles, ``max_margin`` from :func:`ceiling` over the (cell, family)'s largest finite
-    margin in each report that has one, passing rows included (``factor x 1`` when no row
+    margin in each report where it failed (``factor x 1`` when no row
     of the group has a finite margin, so the entry stays valid; such rows are covered by
     family alone), the reason and upstream of the first entry of ``policy``
     whose glob matches the cell (else ``UNEXPLAINED``). ``required`` and
@@ -386,8 +386,8 @@ def derive_policy(reports: Sequence[Mapping[str, Any]], contract: Contract, poli
     for (cell, family), g in sorted(groups.items()):
         explained = next((e for e in policy.expected_failures
                           if fnmatch.fnmatchcase(cell, e.cells)), None)
-        margins = [run[(cell, family)] for run in per_run if (cell, family) in run] \
-            if g["margin"] is not None else []
+        margins = [run[(cell, family)] for run in per_run
+                   if run.get((cell, family), 0.0) > 1.0] if g["margin"] is not None else []
         top, rule = ceiling(margins, factor=factor, coverage=coverage)
         entry: dict[str, Any] = {"cells": cell, "families": [family]}
         if g["rounds"]:
@@ -578,10 +578,10 @@ def summary_markdown(result: SweepResult) -> str:
                   + ", ".join(f"`{c}`" for c in result.unexplained)]
     if result.derived is not None and result.derived.get("expected_failures"):
         lines += ["", f"Derived ceilings (`qualify.pipeline.sweep.ceiling`: at least "
-                  f"{result.factor:g} x the largest margin; from {MIN_SPREAD_RUNS} runs the "
-                  f"one-sided {result.coverage:g} prediction bound of the next run's margin "
-                  "if larger):", "",
-                  "| cell | family | runs | margins (min / max) | ceiling | set by |",
+                  f"{result.factor:g} x the largest margin; from {MIN_SPREAD_RUNS} failing "
+                  f"runs the one-sided {result.coverage:g} prediction bound of the next "
+                  "failing run's margin if larger):", "",
+                  "| cell | family | runs failed | margins (min / max) | ceiling | set by |",
                   "| --- | --- | --- | --- | --- | --- |"]
         for e in result.derived["expected_failures"]:
             key = (e["cells"], e["families"][0])
