@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import shutil
 import tomllib
 from pathlib import Path
@@ -35,11 +36,14 @@ from qualify.evidence.policy import (
     policy_from_document,
 )
 from qualify.pipeline.sweep import (
+    MIN_SPREAD_RUNS,
     SEED_FIELDS,
+    ceiling,
     derive_policy,
     policy_toml,
     rule_digest,
     run_sweep,
+    student_t_quantile,
     variant_text,
 )
 
@@ -184,3 +188,90 @@ def test_the_committed_sweep_was_made_under_this_checkout() -> None:
     assert doc["rule_digest"] == rule_digest(), "the bound rule changed since the sweep"
     assert len(doc["variants"]) >= 5
     assert doc["exit_code"] == 0, [v["outside"] for v in doc["variants"] if v["exit_code"]]
+
+
+# --------------------------------------------------------------------------- ceilings
+
+
+def test_student_t_quantiles_match_the_tables() -> None:
+    # Student-t tables (e.g. NIST/SEMATECH e-Handbook 1.3.6.7.2): one-sided upper quantiles
+    for p, dof, want in ((0.99, 10, 2.764), (0.995, 5, 4.032), (0.975, 3, 3.182),
+                         (0.95, 1, 6.314), (0.99, 100, 2.364)):
+        assert student_t_quantile(p, dof) == pytest.approx(want, abs=1.5e-3)
+    with pytest.raises(ValueError, match="dof"):
+        student_t_quantile(0.99, 0)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.lists(st.floats(0.05, 200.0), min_size=1, max_size=14), st.floats(0.1, 10.0))
+def test_a_ceiling_is_never_below_the_factor_and_scales_with_the_margins(
+        margins: list[float], scale: float) -> None:
+    top, rule = ceiling(margins, factor=1.5)
+    assert top >= 1.5 * max(margins) * (1 - 1e-12)
+    assert rule == ("factor" if len(margins) < MIN_SPREAD_RUNS else rule)
+    scaled, rule2 = ceiling([m * scale for m in margins], factor=1.5)
+    assert (scaled, rule2) == (pytest.approx(top * scale, rel=1e-9), rule)
+
+
+def test_a_defect_that_moves_with_the_seed_gets_the_ceiling_of_its_spread() -> None:
+    stable = [4.0, 4.1, 3.9, 4.2, 4.0, 4.05]
+    assert ceiling(stable) == (pytest.approx(1.5 * 4.2), "factor")
+    moving = [2.8, 1.4, 7.0, 3.4, 1.1, 9.2, 1.8, 3.6]  # a ZeRO-0 family over 8 seeds
+    top, rule = ceiling(moving, coverage=0.99)
+    logs = [math.log(m) for m in moving]
+    mean, n = sum(logs) / len(logs), len(logs)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
+    assert rule == "spread"
+    assert top == pytest.approx(math.exp(mean + student_t_quantile(0.99, n - 1) * sd
+                                         * math.sqrt(1 + 1 / n)))
+    assert top > 1.5 * max(moving)
+    assert ceiling(moving[:MIN_SPREAD_RUNS - 1]) == (pytest.approx(1.5 * 7.0), "factor")
+    with pytest.raises(UsageError, match="--coverage"):
+        ceiling(moving, coverage=1.0)
+
+
+def _scaled(report: dict[str, Any], scale: float) -> dict[str, Any]:
+    """``report`` with the margin of every failing row times ``scale >= 1`` (a defect whose
+    size moves with the seed)."""
+    out = copy.deepcopy(report)
+    for r in out["rows"]:
+        if r["verdict"] == "FAIL" and isinstance(r.get("margin"), float):
+            r["margin"] *= scale
+    return out
+
+
+def test_the_next_seed_of_a_defect_that_moves_stays_within_and_a_planted_fault_fails(
+        base: Any) -> None:
+    """Derived from runs whose defect margins move 3x with the seed, the policy accepts a
+    next seed 1.6x beyond the largest seen (a factor-1.5 ceiling of the largest margin
+    failed it: the held-out seeds 7 and 8), and still fails a fault planted in a failing
+    cell's family that no run failed, or a row past its ceiling."""
+    contract, policy, report = base
+    runs = [_scaled(report, s) for s in (1.0, 1.3, 3.0, 1.5, 1.1, 2.2)]
+    doc = derive_policy(runs, contract, policy, factor=1.5)
+    derived = policy_from_document(doc, contract, path="derived.toml")
+    for run in runs:
+        assert evaluate(run, derived, cells=all_cells(contract)).exit_code == ExitCode.OK
+    nxt = _scaled(report, 3.0 * 1.6)
+    assert evaluate(nxt, derived, cells=all_cells(contract)).exit_code == ExitCode.OK
+    cell = next(c["cell"] for c in report["cells"] if c["verdict"] == "FAIL")
+    named = {f for e in doc["expected_failures"] if e["cells"] == cell for f in e["families"]}
+    planted = copy.deepcopy(report)
+    row = next(r for r in planted["rows"] if r["cell"] == cell and r["verdict"] == "PASS"
+               and r["family"] not in named and isinstance(r.get("margin"), float))
+    row["verdict"], row["margin"] = "FAIL", 1.2
+    outcome = next(c for c in evaluate(planted, derived, cells=all_cells(contract)).cells
+                   if c.cell == cell)
+    assert (outcome.outcome, "fails outside the expected families" in (outcome.reason or "")) \
+        == ("FAIL", True)
+    past = copy.deepcopy(report)
+    entry = next(e for e in doc["expected_failures"] if e["cells"] == cell
+                 and any(r["cell"] == cell and r["family"] == e["families"][0]
+                         and isinstance(r.get("margin"), float) for r in past["rows"]))
+    row = next(r for r in past["rows"] if r["cell"] == cell
+               and r["family"] == entry["families"][0] and isinstance(r.get("margin"), float)
+               and r["round"] in entry.get("rounds", [r["round"]]))
+    row["verdict"], row["margin"] = "FAIL", entry["max_margin"] * 1.01
+    outcome = next(c for c in evaluate(past, derived, cells=all_cells(contract)).cells
+                   if c.cell == cell)
+    assert outcome.outcome == "FAIL"

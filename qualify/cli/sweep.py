@@ -10,6 +10,7 @@ runs given with ``--include``) measured (:func:`qualify.pipeline.sweep.derive_po
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 from qualify.errors import ExitCode, UsageError
@@ -52,14 +53,22 @@ def _cmd_sweep(args: argparse.Namespace) -> ExitCode:
         if value is not None and not Path(value).parent.is_dir():
             raise UsageError(f"{value}: {option}: directory {Path(value).parent} does not exist")
     result = run_sweep(Path(contract_path), offsets=offsets, out=Path(args.out), policy=policy,
-                       move=move, factor=args.factor, cells=args.cells,
+                       move=move, factor=args.factor, coverage=args.coverage, cells=args.cells,
                        report_only=args.report_only, extra_reports=extra, progress=print)
     print(summary_markdown(result), end="")
     if args.summary_dir:
         for path in write_summary(result, Path(args.summary_dir)):
             print(f"wrote {path}")
     if args.write_policy and result.derived is not None:
-        text = policy_toml(result.derived)
+        command = shlex.join(["qualify", "sweep", str(args.contract or ""), "--out", "DIR",
+                              "--offsets", *map(str, offsets), "--move", ",".join(move),
+                              "--factor", f"{args.factor:g}", "--coverage",
+                              f"{args.coverage:g}", *(["--include", *args.include]
+                                                      if args.include else []),
+                              "--write-policy", str(args.write_policy)])
+        doc = {**result.derived, "comment": result.derived.get("comment", "")
+               + f"\nRegenerate with: {command}"}
+        text = policy_toml(doc)
         write_with(args.write_policy, lambda f: f.write(text.encode("utf-8")))
         print(f"derived policy: {args.write_policy}")
     return result.exit_code
@@ -81,7 +90,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", metavar="FILE",
                    help="gate policy to judge by (default contracts/gates/<name>.toml)")
     p.add_argument("--factor", type=float, default=1.5,
-                   help="derived ceiling = factor x the largest margin seen (default 1.5)")
+                   help="derived ceiling >= factor x the largest margin seen (default 1.5)")
+    p.add_argument("--coverage", type=float, default=0.99,
+                   help="probability with which a derived ceiling covers the next seed, from "
+                        "the runs' spread of margins (default 0.99; qualify.pipeline.sweep."
+                        "ceiling)")
     p.add_argument("--cells", nargs="*", help="cell id globs passed to qualify run")
     p.add_argument("--include", nargs="*", default=[], metavar="RUN_DIR",
                    help="compared runs of the base contract the derived policy also covers")

@@ -13,11 +13,14 @@ contract's seed variants and answers two questions:
    be fixed at its cause (a control the bound rule lacks) or a finding to explain.
 2. **What policy do the seeds support?** :func:`derive_policy` groups every FAIL row of
    every variant (and of any extra runs given) by cell and family and writes one expected
-   failure per group: the rounds and roles that failed, and ``max_margin = factor x`` the
-   largest margin seen (a row without a finite margin, a ``dtypes`` check, is covered by
-   family alone). Each group keeps the reason and upstream of the committed entry that
-   covers its cell; a group no committed entry names gets the reason ``UNEXPLAINED`` and
-   the sweep fails: a new failure is a finding, never a line silently added to a policy.
+   failure per group: the rounds and roles that failed, and a ceiling (:func:`ceiling`):
+   ``factor x`` the largest margin seen, or, when the group failed in at least
+   :data:`MIN_SPREAD_RUNS` runs, the one-sided ``coverage`` prediction bound of the next seed's
+   margin from their spread if that is larger (a row without a finite margin, a ``dtypes``
+   check, is covered by family alone). Each group keeps the reason and upstream of the
+   committed entry that covers its cell; a group no committed entry names gets the reason
+   ``UNEXPLAINED`` and the sweep fails: a new failure is a finding, never a line silently
+   added to a policy.
 
 The summary (``sweep.json``, ``sweep.md``; :func:`write_summary`) records the base
 contract's digest, the policy's digest, the bound rule's source digest, the offsets and
@@ -49,14 +52,18 @@ from qualify.jsonio import read_json
 from qualify.layout import REPORT_JSON
 
 __all__ = [
+    "DEFAULT_COVERAGE",
     "DEFAULT_FACTOR",
+    "MIN_SPREAD_RUNS",
     "SEED_FIELDS",
     "SweepResult",
     "VariantResult",
+    "ceiling",
     "derive_policy",
     "policy_toml",
     "rule_digest",
     "run_sweep",
+    "student_t_quantile",
     "summary_markdown",
     "variant_text",
     "write_summary",
@@ -67,7 +74,13 @@ SEED_FIELDS: Final = {"model": ("model", "seed"), "sampling": ("sampling", "seed
                       "reward": ("roles", "reward_seed")}
 """The seeds a variant moves, by name: ``(TOML section, key)``."""
 DEFAULT_FACTOR: Final = 1.5
-"""A derived ceiling is this factor times the largest margin the sweep saw."""
+"""A derived ceiling is at least this factor times the largest margin the sweep saw."""
+DEFAULT_COVERAGE: Final = 0.99
+"""The probability with which the spread term of :func:`ceiling` covers the next seed."""
+MIN_SPREAD_RUNS: Final = 5
+"""Runs a (cell, family) must fail in before its spread enters its ceiling; fewer
+runs leave ``factor x`` the largest margin alone (a spread of two or three runs says
+little, and their Student-t quantile would open the ceiling wide)."""
 UNEXPLAINED: Final = "UNEXPLAINED"
 SUMMARY_JSON: Final = "sweep.json"
 SUMMARY_MD: Final = "sweep.md"
@@ -154,8 +167,11 @@ class SweepResult:
         variants: one result per offset.
         derived: the derived policy document (``None`` when no report was read).
         seen: per derived entry ``(cell, family)``, the largest finite margin seen.
-        factor: the ceiling factor of the derived policy.
+        factor: the least ceiling factor of the derived policy.
         moved: the seeds moved.
+        coverage: the probability of the ceilings' spread term (:func:`ceiling`).
+        rules: per derived entry ``(cell, family)``: the runs, per-run margins and the
+            term that set its ceiling.
     """
 
     contract: Contract
@@ -165,6 +181,8 @@ class SweepResult:
     factor: float
     moved: tuple[str, ...]
     seen: Mapping[tuple[str, str], float | None] = dataclasses.field(default_factory=dict)
+    coverage: float = DEFAULT_COVERAGE
+    rules: Mapping[tuple[str, str], Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     @property
     def unexplained(self) -> tuple[str, ...]:
@@ -190,13 +208,97 @@ class SweepResult:
                 "policy": None if self.policy.path is None else str(self.policy.path),
                 "policy_digest": self.policy.digest, "rule_digest": rule_digest(),
                 "moved": list(self.moved), "factor": self.factor,
+                "coverage": self.coverage, "min_spread_runs": MIN_SPREAD_RUNS,
                 "exit_code": int(self.exit_code), "unexplained": list(self.unexplained),
                 "variants": [v.to_dict() for v in self.variants],
                 "derived": [] if self.derived is None else [
                     {"cells": e["cells"], "families": e["families"],
                      "max_margin": e["max_margin"],
-                     "max_margin_seen": self.seen.get((e["cells"], e["families"][0]))}
+                     "max_margin_seen": self.seen.get((e["cells"], e["families"][0])),
+                     **self.rules.get((e["cells"], e["families"][0]), {})}
                     for e in self.derived.get("expected_failures", [])]}
+
+
+def student_t_quantile(p: float, dof: int) -> float:
+    """The ``p`` quantile of Student's t distribution with ``dof`` degrees of freedom.
+
+    Bisection on the CDF ``1/2 + integral_0^t pdf`` (composite Simpson rule, 2,000
+    intervals; ``pdf(x) = Gamma((v+1)/2) / (sqrt(v pi) Gamma(v/2)) (1 + x^2/v)^(-(v+1)/2)``),
+    to 1e-9 in ``t``. Tables: ``t(0.99, 10) = 2.764``, ``t(0.995, 5) = 4.032``.
+
+    Args:
+        p: a probability in ``[0.5, 1)``.
+        dof: degrees of freedom, ``>= 1``.
+
+    Raises:
+        ValueError: ``p`` or ``dof`` out of range.
+    """
+    if not (0.5 <= p < 1.0) or dof < 1:
+        raise ValueError(f"student_t_quantile: p {p!r} must be in [0.5, 1), dof {dof!r} >= 1")
+    v = float(dof)
+    log_c = math.lgamma((v + 1) / 2) - math.lgamma(v / 2) - 0.5 * math.log(v * math.pi)
+
+    def pdf(x: float) -> float:
+        return math.exp(log_c - (v + 1) / 2 * math.log1p(x * x / v))
+
+    def cdf(t: float) -> float:
+        n = 2000
+        h = t / n
+        acc = pdf(0.0) + pdf(t) + sum((4 if i % 2 else 2) * pdf(i * h) for i in range(1, n))
+        return 0.5 + acc * h / 3
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1e-9:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def ceiling(margins: Sequence[float], *, factor: float = DEFAULT_FACTOR,
+            coverage: float = DEFAULT_COVERAGE) -> tuple[float, str]:
+    """The derived ``max_margin`` of one (cell, family) from its margin in each run.
+
+    ``margins`` holds, per run in which the (cell, family) failed, its largest finite margin:
+    the ceiling judges failing rows only, so the distribution to predict is the defect's
+    size on a seed where it shows. The ceiling is ``factor x max(margins)``, or
+    when ``n = len(margins) >= MIN_SPREAD_RUNS`` and it is larger, the one-sided
+    ``coverage`` prediction bound of one more run's margin, margins taken log-normal over
+    seeds (a defect's error scales with the data it meets, so its spread is a ratio):
+    ``exp(mean + t(coverage, n - 1) * sd * sqrt(1 + 1/n))`` of ``ln margins``
+    (:func:`student_t_quantile`). A defect whose size moves 3-5x with the seed gets a
+    ceiling that the next seed stays under with that probability; one whose size is stable
+    keeps ``factor x`` the largest margin.
+
+    Args:
+        margins: positive finite margins, one per run (empty: no run had one).
+        factor: the least ratio of ceiling to largest margin, ``> 1``.
+        coverage: the prediction bound's probability, in ``[0.5, 1)``.
+
+    Returns:
+        ``(ceiling, rule)``: ``rule`` is ``"factor"`` or ``"spread"`` (which term set it).
+        ``factor x 1`` with ``"factor"`` when ``margins`` is empty.
+
+    Raises:
+        UsageError: ``factor <= 1`` or ``coverage`` out of range.
+    """
+    if not (math.isfinite(factor) and factor > 1.0):
+        raise UsageError(f"--factor: {factor!r}: must be a number > 1")
+    if not (0.5 <= coverage < 1.0):
+        raise UsageError(f"--coverage: {coverage!r}: must be in [0.5, 1)")
+    ms = [m for m in margins if m > 0 and math.isfinite(m)]
+    if not ms:
+        return factor, "factor"
+    by_factor = factor * max(ms)
+    n = len(ms)
+    if n < MIN_SPREAD_RUNS:
+        return by_factor, "factor"
+    logs = [math.log(m) for m in ms]
+    mean = sum(logs) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
+    spread = math.exp(mean + student_t_quantile(coverage, n - 1) * sd * math.sqrt(1 + 1 / n))
+    return (spread, "spread") if spread > by_factor else (by_factor, "factor")
 
 
 def _judge(report: Mapping[str, Any], contract: Contract, policy: Policy
@@ -219,14 +321,18 @@ def _finite(value: Any) -> float | None:
 
 
 def derive_policy(reports: Sequence[Mapping[str, Any]], contract: Contract, policy: Policy,
-                  *, factor: float = DEFAULT_FACTOR, source: str = "",
-                  seen: dict[tuple[str, str], float | None] | None = None) -> dict[str, Any]:
+                  *, factor: float = DEFAULT_FACTOR, coverage: float = DEFAULT_COVERAGE,
+                  source: str = "",
+                  seen: dict[tuple[str, str], float | None] | None = None,
+                  rules: dict[tuple[str, str], dict[str, Any]] | None = None
+                  ) -> dict[str, Any]:
     """A gate policy document that expects exactly what failed in ``reports``.
 
     One expected failure per (cell, family) that failed in any report: its rounds and
-    roles, ``max_margin = factor x`` the largest finite margin (``factor x 1`` when every
-    failing row of the group lacks a finite margin, so the entry stays valid; such rows are
-    covered by family alone), the reason and upstream of the first entry of ``policy``
+    roles, ``max_margin`` from :func:`ceiling` over the (cell, family)'s largest finite
+    margin in each report where it failed (``factor x 1`` when no row
+    of the group has a finite margin, so the entry stays valid; such rows are covered by
+    family alone), the reason and upstream of the first entry of ``policy``
     whose glob matches the cell (else ``UNEXPLAINED``). ``required`` and
     ``allowed_not_run`` are ``policy``'s.
 
@@ -234,22 +340,33 @@ def derive_policy(reports: Sequence[Mapping[str, Any]], contract: Contract, poli
         reports: ``report.json`` documents of runs of the contract (or its seed variants).
         contract: the base contract (its cell ids).
         policy: the committed policy (reasons, upstream pointers, required cells).
-        factor: the ceiling factor, > 1.
+        factor: the least ceiling factor over the largest margin, > 1.
+        coverage: the probability of the spread term of :func:`ceiling`.
         source: a line naming where the reports came from (the document's ``comment``).
         seen: filled, when given, with each entry's ``(cell, family)`` and the largest
             finite margin seen (``None``: no failing row of the group had one).
+        rules: filled, when given, with each entry's ``(cell, family)`` and
+            ``{"runs": n, "rule": "factor" | "spread", "margins": [...]}`` (the per-run
+            margins :func:`ceiling` read).
 
     Returns:
         The policy document (valid for :func:`qualify.evidence.policy.policy_from_document`).
 
     Raises:
-        UsageError: ``factor <= 1``.
+        UsageError: ``factor <= 1`` or ``coverage`` out of range.
     """
-    if not (math.isfinite(factor) and factor > 1.0):
-        raise UsageError(f"--factor: {factor!r}: must be a number > 1")
+    ceiling([], factor=factor, coverage=coverage)  # refuses a bad factor or coverage first
     groups: dict[tuple[str, str], dict[str, Any]] = {}
     ids = set(all_cells(contract))
+    per_run: list[dict[tuple[str, str], float]] = []
     for report in reports:
+        largest: dict[tuple[str, str], float] = {}
+        for r in report.get("rows", []):
+            m = _finite(r.get("margin")) if isinstance(r, Mapping) else None
+            if m is not None:
+                key = (str(r.get("cell")), str(r.get("family")))
+                largest[key] = max(m, largest.get(key, m))
+        per_run.append(largest)
         for r in report.get("rows", []):
             if not isinstance(r, Mapping) or r.get("verdict") != "FAIL":
                 continue
@@ -269,13 +386,15 @@ def derive_policy(reports: Sequence[Mapping[str, Any]], contract: Contract, poli
     for (cell, family), g in sorted(groups.items()):
         explained = next((e for e in policy.expected_failures
                           if fnmatch.fnmatchcase(cell, e.cells)), None)
-        ceiling = factor * (g["margin"] if g["margin"] is not None else 1.0)
+        margins = [run[(cell, family)] for run in per_run
+                   if run.get((cell, family), 0.0) > 1.0] if g["margin"] is not None else []
+        top, rule = ceiling(margins, factor=factor, coverage=coverage)
         entry: dict[str, Any] = {"cells": cell, "families": [family]}
         if g["rounds"]:
             entry["rounds"] = sorted(g["rounds"])
         if g["roles"]:
             entry["roles"] = sorted(g["roles"])
-        entry["max_margin"] = float(f"{max(ceiling, 1.0 + 1e-9):.4g}")
+        entry["max_margin"] = float(f"{max(top, 1.0 + 1e-9):.4g}")
         if entry["max_margin"] <= 1.0:
             entry["max_margin"] = 1.001
         entry["reason"] = explained.reason if explained is not None else (
@@ -286,6 +405,8 @@ def derive_policy(reports: Sequence[Mapping[str, Any]], contract: Contract, poli
         entries.append(entry)
         if seen is not None:
             seen[(cell, family)] = g["margin"]
+        if rules is not None:
+            rules[(cell, family)] = {"runs": len(margins), "rule": rule, "margins": margins}
     doc: dict[str, Any] = {"schema_version": 1, "contract": contract.name}
     if policy.path is not None and set(policy.required) != set(all_cells(contract)):
         doc["required"] = list(policy.required)
@@ -314,8 +435,9 @@ def _toml_value(value: Any) -> str:
 def policy_toml(doc: Mapping[str, Any]) -> str:
     """``doc`` (from :func:`derive_policy`) as gate-policy TOML, its comment as a header."""
     lines = ["# Gate policy derived by `qualify sweep` (qualify/pipeline/sweep.py): one expected",
-             "# failure per cell and family that failed in the sweep, its ceiling the factor",
-             "# times the largest margin seen."]
+             "# failure per cell and family that failed in the sweep, its ceiling the larger of",
+             "# the factor times the largest margin seen and the prediction bound of the next",
+             "# seed's margin from the runs' spread (qualify.pipeline.sweep.ceiling)."]
     if doc.get("comment"):
         lines += [f"# {line}" for line in str(doc["comment"]).splitlines()]
     lines += [f"schema_version = {doc['schema_version']}",
@@ -340,6 +462,7 @@ def _latest_report(evidence: Path, name: str) -> Path | None:
 
 def run_sweep(contract_path: Path, *, offsets: Sequence[int], out: Path, policy: Policy,
               move: Sequence[str] = tuple(SEED_FIELDS), factor: float = DEFAULT_FACTOR,
+              coverage: float = DEFAULT_COVERAGE,
               cells: Sequence[str] | None = None, report_only: bool = False,
               extra_reports: Sequence[Path] = (),
               progress: Callable[[str], None] | None = None) -> SweepResult:
@@ -351,7 +474,8 @@ def run_sweep(contract_path: Path, *, offsets: Sequence[int], out: Path, policy:
         out: working directory (``contracts/``, ``references/``, ``evidence/``, ``logs/``).
         policy: the gate policy of the base contract.
         move: the seeds to move (:data:`SEED_FIELDS` names).
-        factor: the derived policy's ceiling factor.
+        factor: the derived policy's least ceiling factor.
+        coverage: the probability of the derived ceilings' spread term (:func:`ceiling`).
         cells: cell globs passed to ``qualify run`` (``None``: every cell).
         report_only: run nothing; judge the reports already under ``out``.
         extra_reports: ``report.json`` files of further runs of the base contract (the
@@ -419,15 +543,18 @@ def run_sweep(contract_path: Path, *, offsets: Sequence[int], out: Path, policy:
     source = (f"Sweep of {contract.name} ({contract.digest12}): seed offsets "
               f"{', '.join(str(k) for k in offsets)} moving {', '.join(move)}"
               + (f", plus {len(extra_reports)} committed run(s)" if extra_reports else "")
-              + f"; factor {factor:g}.")
+              + f"; ceilings by qualify.pipeline.sweep.ceiling: factor {factor:g}, coverage "
+              f"{coverage:g} from {MIN_SPREAD_RUNS} runs.")
     seen: dict[tuple[str, str], float | None] = {}
-    derived = derive_policy(reports, contract, policy, factor=factor, source=source,
-                            seen=seen) if reports else None
+    rules: dict[tuple[str, str], dict[str, Any]] = {}
+    derived = derive_policy(reports, contract, policy, factor=factor, coverage=coverage,
+                            source=source, seen=seen, rules=rules) if reports else None
     if derived is not None:  # the derived document must itself be a valid policy
         policy_from_document({k: v for k, v in derived.items() if k != "comment"}, contract,
                              path=out / "derived-policy.toml")
     return SweepResult(contract=contract, policy=policy, variants=tuple(results),
-                       derived=derived, factor=factor, moved=tuple(move), seen=seen)
+                       derived=derived, factor=factor, moved=tuple(move), seen=seen,
+                       coverage=coverage, rules=rules)
 
 
 def summary_markdown(result: SweepResult) -> str:
@@ -449,6 +576,20 @@ def summary_markdown(result: SweepResult) -> str:
     if result.unexplained:
         lines += ["", "Failures no committed entry explains (findings to run to their cause): "
                   + ", ".join(f"`{c}`" for c in result.unexplained)]
+    if result.derived is not None and result.derived.get("expected_failures"):
+        lines += ["", f"Derived ceilings (`qualify.pipeline.sweep.ceiling`: at least "
+                  f"{result.factor:g} x the largest margin; from {MIN_SPREAD_RUNS} failing "
+                  f"runs the one-sided {result.coverage:g} prediction bound of the next "
+                  "failing run's margin if larger):", "",
+                  "| cell | family | runs failed | margins (min / max) | ceiling | set by |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for e in result.derived["expected_failures"]:
+            key = (e["cells"], e["families"][0])
+            rule = result.rules.get(key, {})
+            ms = rule.get("margins") or []
+            span = f"{min(ms):.3g} / {max(ms):.3g}" if ms else "no margin (check)"
+            lines.append(f"| `{e['cells']}` | {e['families'][0]} | {rule.get('runs', 0)} | "
+                         f"{span} | {e['max_margin']:g} | {rule.get('rule', 'factor')} |")
     return "\n".join(lines) + "\n"
 
 
