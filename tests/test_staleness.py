@@ -139,7 +139,8 @@ def test_engine_files_match_the_folder(code: Path) -> None:
     files = engine_files(code, "torch_tp")
     want = {p.relative_to(code).as_posix() for p in (code / "harnesses" / "torch_tp").rglob(
         "*.py")} | {"harnesses/common.py", "harnesses/__init__.py", "harnesses/hf_schedule.py",
-                    "harnesses/layer_probe.py", "harnesses/resume_state.py"}
+                    "harnesses/layer_probe.py", "harnesses/resume_state.py"} | {
+        p.relative_to(code).as_posix() for p in (code / "sdk" / "qualify_harness").rglob("*.py")}
     assert set(files) == want
 
 
