@@ -30,7 +30,6 @@ from typing import Any, Final, NoReturn
 
 import qualify_harness as sdk
 import torch
-from qualify_harness.inputs import Batch
 from safetensors.torch import load_file, save
 from torch import Tensor, nn
 
@@ -48,6 +47,11 @@ from qualify.protocol import (
     param_sample_indices,
     tensor_name,
 )
+
+Batch = sdk.Batch
+"""The rollout rows an engine consumes (:class:`qualify_harness.Batch`)."""
+micro_slices = sdk.micro_slices
+"""Row slices of a micro-batch partition (:func:`qualify_harness.micro_slices`)."""
 
 PART_WAIT_S: Final = 24 * 3600.0
 """Upper bound of rank 0's wait for the other role's part (torchrun ends the job first

@@ -124,6 +124,14 @@ class Engine(ABC):
     def check_replicas(self) -> tuple[Mapping[str, bool], Mapping[str, float]]:
         """Replicated parameters bitwise equal on every rank: (name -> equal, name -> max diff)."""
 
+    def update(self, rec: Recorder, round_: int, max_norm: float) -> None:
+        """The round's optimizer step and what it reports: :func:`update` from the parts.
+
+        An engine whose clip and step are one call (DeepSpeed's ``engine.step()``)
+        overrides this whole method and records the same families around that call.
+        """
+        update(self, rec, round_, max_norm)
+
 
 def update(engine: Engine, rec: Recorder, round_: int, max_norm: float) -> None:
     """Round ``round_``'s step: record pre-clip grads, clip, step, state, updates, replicas."""
@@ -248,7 +256,7 @@ def run_actor(engine: Engine, model: Any, ref: Any, batch: Batch, recipe: Recipe
             for term in ("policy", "kl", "entropy"):
                 rec.put(round_, f"loss/{term}", torch.tensor(sums[term]))
             rec.put(round_, "loss/total", torch.tensor(sum(sums.values())))
-            update(engine, rec, round_, recipe.max_grad_norm)
+            engine.update(rec, round_, recipe.max_grad_norm)
             if after_round is not None:
                 after_round(round_, {"old_logprobs": old_lp, "w_behav": w_behav,
                                      "w_raw": w_raw})
@@ -308,7 +316,7 @@ def run_critic(engine: Engine, model: Any, batch: Batch, recipe: Recipe, *, rec:
             total = engine.sum_over_ranks({"value": total})["value"]
             rec.put(round_, "loss/value", torch.tensor(total))
             rec.put(round_, "loss/total", torch.tensor(total))
-            update(engine, rec, round_, recipe.max_grad_norm)
+            engine.update(rec, round_, recipe.max_grad_norm)
             if after_round is not None:
                 after_round(round_, {"old_values": old_v})
     return {"valid_tokens": int(float(mask.sum())), "micro_batches": len(slices)}

@@ -298,7 +298,7 @@ def rank_table(actor_tp: int, critic_tp: int) -> list[dict[str, Any]]:
 
 def versions(packages: Iterable[str]) -> dict[str, str]:
     """Python's version and each installed package's (``"not installed"`` when absent)."""
-    out = {"python": platform.python_version(), "qualify-harness": SDK_VERSION}
+    out = {"python": platform.python_version()}
     for pkg in packages:
         try:
             out[pkg] = importlib.metadata.version(pkg)
