@@ -19,7 +19,7 @@ replace (the gradient divide factor, the checkpoint restore) in that process onl
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import ModuleType
+from pathlib import Path
 from typing import Any, Final
 
 import torch
@@ -63,9 +63,10 @@ def reset_step_counters(optimizer: torch.optim.Optimizer) -> None:
             st["step"] = torch.zeros_like(st["step"]) if isinstance(st["step"], Tensor) else 0
 
 
-def restore_model_only(model: nn.Module, _optimizer: torch.optim.Optimizer, ckpt: Any,
+def restore_model_only(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: Path,
                        group: Any) -> None:
     """FAULT ``resume_drops_optimizer_state``: load the model alone; AdamW stays fresh."""
+    del optimizer
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -77,7 +78,7 @@ def restore_model_only(model: nn.Module, _optimizer: torch.optim.Optimizer, ckpt
     set_model_state_dict(model, model_sd)
 
 
-def install(names: Sequence[str], harness: ModuleType) -> Faults:
+def install(names: Sequence[str], harness: Any) -> Faults:
     """Patch the named faults into this process's harness (a test-only plugin).
 
     Args:
@@ -94,14 +95,14 @@ def install(names: Sequence[str], harness: ModuleType) -> Faults:
     active = Faults(names)
     if "grad_averaged_twice" in active:  # FSDP2's default divide-by-dp left in place
         set_sum = parallelize.set_sum_reduction
-        parallelize.set_sum_reduction = (  # type: ignore[assignment]
+        parallelize.set_sum_reduction = (
             lambda model, *, divide_factor: set_sum(model, divide_factor=None))
     if "resume_drops_optimizer_state" in active:
         resume.restore = restore_model_only
     if "resume_drops_step_counter" in active:
         restore = resume.restore
 
-        def reset_steps(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: Any,
+        def reset_steps(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: Path,
                         group: Any) -> None:
             restore(model, optimizer, ckpt, group)
             reset_step_counters(optimizer)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
-from types import ModuleType
+from pathlib import Path
 from typing import Any, Final
 
 import torch
@@ -180,9 +180,10 @@ def reset_step_counters(optimizer: torch.optim.Optimizer) -> None:
             st["step"] = torch.zeros_like(st["step"]) if isinstance(st["step"], Tensor) else 0
 
 
-def restore_model_only(model: nn.Module, _optimizer: torch.optim.Optimizer, ckpt: Any,
+def restore_model_only(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: Path,
                        group: Any) -> None:
     """FAULT ``resume_drops_optimizer_state``: load the model alone; AdamW stays fresh."""
+    del optimizer
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -194,7 +195,7 @@ def restore_model_only(model: nn.Module, _optimizer: torch.optim.Optimizer, ckpt
     set_model_state_dict(model, model_sd)
 
 
-def install(names: Sequence[str], harness: ModuleType) -> Faults:
+def install(names: Sequence[str], harness: Any) -> Faults:
     """Patch the named faults into this process's harness (a test-only plugin).
 
     Args:
@@ -213,12 +214,12 @@ def install(names: Sequence[str], harness: ModuleType) -> Faults:
     active = Faults(names)
     engine = harness.TorchTPEngine
     if "no_temperature" in active:
-        engine.temperature = lambda self: 1.0  # type: ignore[method-assign]
+        engine.temperature = lambda self: 1.0
     if "logprobs_shift_one" in active:
-        engine.actor_hidden = (  # type: ignore[method-assign]
+        engine.actor_hidden = (
             lambda self, model, batch: harness.response_hidden(model, batch, 1))
     if "grad_norm_replicated_per_rank" in active:
-        engine.clip = (  # type: ignore[method-assign]
+        engine.clip = (
             lambda self, max_norm: sda.full_fp32(grad_norm_replicated_per_rank(
                 self.params(), max_norm, self.mesh.group)))
     if "lr_scheduler_stepped_first" in active:
@@ -228,8 +229,8 @@ def install(names: Sequence[str], harness: ModuleType) -> Faults:
             self.lr_scheduler.step()
             return applied(self)
 
-        engine.applied_lr = stepped_first  # type: ignore[method-assign]
-        engine.scheduler_step = lambda self: None  # type: ignore[method-assign]
+        engine.applied_lr = stepped_first
+        engine.scheduler_step = lambda self: None
     if "bf16_optimizer_state" in active:
         step = engine.optimizer_step
 
@@ -237,17 +238,22 @@ def install(names: Sequence[str], harness: ModuleType) -> Faults:
             with bf16_optimizer_state(self.optimizer):
                 step(self)
 
-        engine.optimizer_step = bf16_step  # type: ignore[method-assign]
+        engine.optimizer_step = bf16_step
     if "value_loss_unclipped" in active:
-        losses.value_loss_sum = (  # type: ignore[assignment]
-            lambda values, _old, returns, mask, _clip, weight=None:
-            unclipped_value_loss_sum(values, returns, mask))
+        def unclipped(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+                      value_clip: float, *, weight: Tensor | None = None) -> Tensor:
+            del old_values, value_clip, weight
+            return unclipped_value_loss_sum(values, returns, mask)
+
+        losses.value_loss_sum = unclipped
     flip, drop = "kl_loss_sign_flipped" in active, "entropy_bonus_dropped" in active
     if flip or drop:
         objective = driver.actor_objective
-        driver.actor_objective = (  # type: ignore[assignment]
-            lambda policy, kl, entropy: objective(policy, -kl if flip else kl,
-                                                  0.0 * entropy if drop else entropy))
+
+        def faulty(policy: Tensor, kl: Tensor, entropy: Tensor) -> Tensor:
+            return objective(policy, -kl if flip else kl, 0.0 * entropy if drop else entropy)
+
+        driver.actor_objective = faulty
     if "layer1_mlp_scaled" in active:
         probe_for = harness.RoleRun.probe_for
 
@@ -255,7 +261,7 @@ def install(names: Sequence[str], harness: ModuleType) -> Faults:
             scale_layer_output(model)
             return probe_for(self, model)
 
-        harness.RoleRun.probe_for = scaled  # type: ignore[method-assign]
+        harness.RoleRun.probe_for = scaled
     if "hang_rank1" in active:
         groups_up = harness.groups_up
 
@@ -269,7 +275,7 @@ def install(names: Sequence[str], harness: ModuleType) -> Faults:
     if "resume_drops_step_counter" in active:
         restore = resume.restore
 
-        def reset_steps(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: Any,
+        def reset_steps(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: Path,
                         group: Any) -> None:
             restore(model, optimizer, ckpt, group)
             reset_step_counters(optimizer)
