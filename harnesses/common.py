@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
+import qualify_harness as sdk
 import torch
 from safetensors.torch import load_file, save
 from torch import Tensor, nn
@@ -36,21 +37,21 @@ from qualify import atomic
 from qualify.candidate import imported
 from qualify.contract import Contract
 from qualify.errors import HarnessError
-from qualify.layout import CONTRACT_FILE, MODEL_FILE
 from qualify.protocol import (
     CELL_FILE,
     DEFAULT_SAMPLING,
     OUTPUTS_FILE,
     OUTPUTS_META_FILE,
-    ROLLOUT_FILE,
-    ROLLOUT_KEYS,
-    TRAIN_INPUT_KEYS,
-    TRAIN_INPUTS_FILE,
     HarnessCell,
     ParamSampling,
     param_sample_indices,
     tensor_name,
 )
+
+Batch = sdk.Batch
+"""The rollout rows an engine consumes (:class:`qualify_harness.Batch`)."""
+micro_slices = sdk.micro_slices
+"""Row slices of a micro-batch partition (:func:`qualify_harness.micro_slices`)."""
 
 PART_WAIT_S: Final = 24 * 3600.0
 """Upper bound of rank 0's wait for the other role's part (torchrun ends the job first
@@ -61,82 +62,19 @@ when a rank fails; the launcher's wall-clock timeout ends a stuck one)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Batch:
-    """Rollout rows as an engine consumes them (``b`` rows, ``T = P + R`` columns).
-
-    Attributes:
-        input_ids: ``[b, T]`` int64, prompt (left-padded) then response (right-padded).
-        attention_mask: ``[b, T]`` int64.
-        position_ids: ``[b, T]`` int64.
-        responses: ``[b, R]`` int64 target tokens.
-        mask: ``[b, R]`` bool, response tokens that count in losses.
-        advantages: ``[b, R]`` FP32.
-        returns: ``[b, R]`` FP32.
-        prompt_len: ``P``.
-        behavior_logprobs: ``[b, R]`` FP32, the sampler's logprobs (decoupled PPO's
-            behavior policy); ``None`` only in tests that build a batch by hand.
-    """
-
-    input_ids: Tensor
-    attention_mask: Tensor
-    position_ids: Tensor
-    responses: Tensor
-    mask: Tensor
-    advantages: Tensor
-    returns: Tensor
-    prompt_len: int
-    behavior_logprobs: Tensor | None = None
-
-    @property
-    def response_len(self) -> int:
-        """``R``."""
-        return int(self.responses.shape[1])
-
-    def _map(self, fn: Callable[[Tensor], Tensor]) -> Batch:
-        tensors: dict[str, Any] = {f.name: fn(getattr(self, f.name))
-                                   for f in dataclasses.fields(self)
-                                   if f.name != "prompt_len" and getattr(self, f.name) is not None}
-        return dataclasses.replace(self, **tensors)
-
-    def rows(self, s: slice) -> Batch:
-        """The sub-batch of rows ``s``."""
-        return self._map(lambda t: t[s])
-
-    def to(self, device: torch.device) -> Batch:
-        """The batch on ``device``."""
-        return self._map(lambda t: t.to(device))
-
-    def right_padded(self, extra: int, pad_token_id: int) -> Batch:
-        """``extra`` more pad columns on the right (attention 0), for padding invariance.
-
-        The response window (``responses``, ``mask``...) is unchanged: only the sequence
-        the model sees grows. Positions follow ``clamp(cumsum(attention_mask) - 1, min=0)``
-        (as the rollout's own ``position_ids``).
-        """
-        b = self.input_ids.shape[0]
-        ids = torch.cat([self.input_ids, self.input_ids.new_full((b, extra), pad_token_id)], 1)
-        am = torch.cat([self.attention_mask, self.attention_mask.new_zeros((b, extra))], 1)
-        pos = torch.clamp(torch.cumsum(am, dim=1) - 1, min=0)
-        return dataclasses.replace(self, input_ids=ids, attention_mask=am, position_ids=pos)
-
-    def window(self) -> Tensor:
-        """``[R]`` int64 sequence positions ``P - 1 + t`` whose outputs score token ``t``."""
-        start = self.prompt_len - 1
-        return torch.arange(start, start + self.response_len, device=self.input_ids.device)
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Inputs:
     """What a harness reads from ``inputs_dir`` (and nothing else).
 
     Attributes:
         batch: the rollout with the training inputs.
+        recipe: the SDK's view of the contract (what its round driver runs).
         contract: the contract (``contract.json``).
         actor_dir, critic_dir, ref_dir: HF model directories (``model.json``; ``ref_dir``
             defaults to ``actor_dir``).
     """
 
     batch: Batch
+    recipe: sdk.Recipe
     contract: Contract
     actor_dir: Path
     critic_dir: Path
@@ -144,54 +82,18 @@ class Inputs:
 
 
 def read_inputs(inputs_dir: Path) -> Inputs:
-    """Load the frozen rollout, training inputs, contract and model paths.
+    """Load the frozen inputs (:func:`qualify_harness.read_inputs`) and the typed contract.
 
     Raises:
         HarnessError: a file, tensor or model path is missing, or shapes disagree.
         ContractError: ``contract.json`` fails validation.
     """
-    for name in (ROLLOUT_FILE, TRAIN_INPUTS_FILE, CONTRACT_FILE, MODEL_FILE):
-        if not (inputs_dir / name).is_file():
-            raise HarnessError(f"{inputs_dir / name}: missing harness input")
-    rollout = load_file(str(inputs_dir / ROLLOUT_FILE))
-    train = load_file(str(inputs_dir / TRAIN_INPUTS_FILE))
-    for file, tensors, keys in ((ROLLOUT_FILE, rollout, ROLLOUT_KEYS),
-                                (TRAIN_INPUTS_FILE, train, TRAIN_INPUT_KEYS)):
-        missing = [k for k in keys if k not in tensors]
-        if missing:
-            raise HarnessError(f"{inputs_dir / file}: missing tensors {missing}")
-    contract = Contract.from_dict(json.loads((inputs_dir / CONTRACT_FILE).read_text("utf-8")))
-    models = json.loads((inputs_dir / MODEL_FILE).read_text("utf-8"))
-    prompts, responses = rollout["prompts"], rollout["responses"]
-    b, p = prompts.shape
-    r = responses.shape[1]
-    for key, shape in (("attention_mask", (b, p + r)), ("position_ids", (b, p + r)),
-                       ("response_mask", (b, r))):
-        if tuple(rollout[key].shape) != shape:
-            raise HarnessError(f"{ROLLOUT_FILE}: {key} has shape {tuple(rollout[key].shape)}, "
-                               f"expected {shape}")
-    for key in TRAIN_INPUT_KEYS:
-        if tuple(train[key].shape) != (b, r):
-            raise HarnessError(f"{TRAIN_INPUTS_FILE}: {key} has shape "
-                               f"{tuple(train[key].shape)}, expected {(b, r)}")
-    batch = Batch(
-        input_ids=torch.cat([prompts, responses], dim=1).long(),
-        attention_mask=rollout["attention_mask"].long(),
-        position_ids=rollout["position_ids"].long(),
-        responses=responses.long(),
-        mask=rollout["response_mask"].bool(),
-        advantages=train["advantages"].float(),
-        returns=train["returns"].float(),
-        prompt_len=int(p),
-        behavior_logprobs=rollout["behavior_logprobs"].float(),
-    )
     try:
-        dirs = {k: Path(models[k]) for k in ("actor_dir", "critic_dir")}
-    except KeyError as exc:
-        raise HarnessError(f"{inputs_dir / MODEL_FILE}: missing {exc.args[0]!r}") from None
-    return Inputs(batch=batch, contract=contract, actor_dir=dirs["actor_dir"],
-                  critic_dir=dirs["critic_dir"],
-                  ref_dir=Path(models.get("ref_dir", models["actor_dir"])))
+        got = sdk.read_inputs(inputs_dir)
+    except sdk.InputError as exc:
+        raise HarnessError(str(exc)) from None
+    return Inputs(batch=got.batch, recipe=got.recipe, contract=Contract.from_dict(got.contract),
+                  actor_dir=got.actor_dir, critic_dir=got.critic_dir, ref_dir=got.ref_dir)
 
 
 def load_hf_model(kind: str, path: Path, device: torch.device) -> nn.Module:
@@ -227,11 +129,6 @@ def pad_token_id(model: nn.Module) -> int:
     """The model config's ``pad_token_id`` (0 when unset), used for the padding rerun."""
     pad = getattr(model.config, "pad_token_id", None)
     return int(pad) if pad is not None else 0
-
-
-def micro_slices(n: int, size: int) -> list[slice]:
-    """Row slices of at most ``size`` sequences, in order: ``[0:size], [size:2 size], ...``."""
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
 # --------------------------------------------------------------------------- what a role reports
@@ -392,27 +289,8 @@ def roles(actor_tp: int, critic_tp: int) -> list[str]:
     return [r for r, n in (("actor", actor_tp), ("critic", critic_tp)) if n]
 
 
-def outputs_head(*, engine: str, cell: dict[str, Any], packages: Iterable[str], world: int,
-                 backend: str, device: torch.device, timings: dict[str, float],
-                 shims: Sequence[str], faults: Sequence[str]) -> dict[str, Any]:
-    """The run-level part of ``outputs.json`` that rank 0 hands to :func:`merge_parts`.
-
-    Args:
-        engine: engine name.
-        cell: the ``cell.json`` document this output belongs to.
-        packages: packages whose versions are recorded (:func:`versions`).
-        world: ``WORLD_SIZE``.
-        backend: ``torch.distributed`` backend.
-        device: the ranks' device.
-        timings: rank 0's wall seconds (``merge_s`` is added by the merge).
-        shims: patches the harness applied to the engine or the model code.
-        faults: deliberate faults injected.
-    """
-    return {"schema_version": 1, "engine": engine, "cell": cell,
-            "versions": versions(packages), "world_size": world, "backend": backend,
-            "device": device.type,
-            "ranks": rank_table(int(cell["actor_tp"]), int(cell["critic_tp"])),
-            "timings": timings, "shims": list(shims), "faults": list(faults)}
+outputs_head = sdk.outputs_head
+"""The run-level part of ``outputs.json`` (:func:`qualify_harness.outputs_head`)."""
 
 
 def rank_table(actor_tp: int, critic_tp: int) -> list[dict[str, Any]]:

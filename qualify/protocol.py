@@ -138,6 +138,10 @@ ROLLOUT_KEYS: Final = (
 )
 TRAIN_INPUT_KEYS: Final = ("advantages", "returns")
 
+HARNESS_SDK_MAJOR: Final = 1
+"""The harness SDK major version (``outputs.json`` ``sdk_version`` = ``MAJOR.MINOR``, written
+by ``qualify_harness``) whose outputs this comparator reads; another major is refused."""
+
 ACTOR_LOSS_TERMS: Final = ("policy", "kl", "entropy", "total")
 CRITIC_LOSS_TERMS: Final = ("value", "total")
 

@@ -21,6 +21,7 @@ cd "$(dirname "$0")/.."
 pip() { python -m pip "$@"; }
 pip install -q --upgrade pip
 pip install -q torch==2.13.0
+pip install -q -e sdk  # qualify-harness, the harness SDK (torch, numpy, safetensors only)
 pip install -q -e '.[test]'
 pip install -q matplotlib==3.9.2
 DS_BUILD_OPS=0 pip install -q --no-build-isolation deepspeed==0.19.8

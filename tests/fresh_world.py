@@ -34,9 +34,10 @@ def code_root(w: World) -> Path:
 
 
 def code_snapshot(dest: Path) -> Path:
-    """Copy every ``qualify/**/*.py`` and ``harnesses/**/*.py`` of this checkout to ``dest``."""
+    """Copy every ``qualify/**/*.py``, ``harnesses/**/*.py`` and ``sdk/**/*.py`` of this
+    checkout to ``dest``."""
     src = repo_root()
-    for top in ("qualify", "harnesses"):
+    for top in ("qualify", "harnesses", "sdk"):
         for p in (src / top).rglob("*.py"):
             if "__pycache__" in p.parts:
                 continue

@@ -35,12 +35,10 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
+from qualify_harness import losses as sdk_losses
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from harnesses.deepspeed import losses as ds_losses
-from harnesses.fsdp2 import losses as fsdp2_losses
 from harnesses.megatron import losses as mg_losses
-from harnesses.torch_tp import losses as tp_losses
 from qualify import aggregation, branches
 from qualify.contract import Contract, load_contract, loads_contract
 from qualify.errors import ContractError
@@ -51,8 +49,7 @@ from qualify.resources import contracts_dir
 
 torch.set_num_threads(1)
 
-HARNESS_LOSSES: dict[str, ModuleType] = {"torch_tp": tp_losses, "deepspeed": ds_losses,
-                                         "fsdp2": fsdp2_losses, "megatron": mg_losses}
+HARNESS_LOSSES: dict[str, ModuleType] = {"sdk": sdk_losses, "megatron": mg_losses}
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 MASK = np.array([[1, 1, 0], [1, 0, 0]])

@@ -39,8 +39,8 @@ from harness_outputs import (
     rank_stderr,
     role_tensors,
 )
+from qualify_harness import losses
 
-from harnesses.deepspeed import losses
 from harnesses.deepspeed.harness import check_cell
 from harnesses.deepspeed.parallelize import ds_config, role_ranks
 from harnesses.deepspeed.state_dict_adapter import dtype_name
@@ -436,7 +436,7 @@ def test_kl_estimators(estimator: Any, expected: float) -> None:
 
 def test_logprobs_and_entropy_match_a_hand_softmax() -> None:
     logits = torch.tensor([[[1.0, 2.0, 0.5]]])
-    lp, ent = losses.token_logprobs_and_entropy(logits, torch.tensor([[1]]), temperature=0.5)
+    lp, ent = losses.logprobs_and_entropy(logits, torch.tensor([[1]]), temperature=0.5)
     z = [2.0, 4.0, 1.0]
     lse = math.log(sum(math.exp(v) for v in z))
     p = [math.exp(v - lse) for v in z]

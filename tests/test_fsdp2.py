@@ -38,9 +38,9 @@ from harness_outputs import (
     role_tensors,
     warm_command,
 )
+from qualify_harness import losses as sdk_losses
 from safetensors.torch import load_file
 
-from harnesses.fsdp2 import losses
 from harnesses.fsdp2.faults import Faults
 from harnesses.fsdp2.harness import dp_degree
 from harnesses.fsdp2.parallelize import dp_rows, grid, role_ranks
@@ -412,7 +412,7 @@ def test_vocab_math_matches_log_softmax() -> None:
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 5, 11, generator=g) * 4
     targets = torch.randint(0, 11, (3, 5), generator=g)
-    lp, ent = losses.token_logprobs_and_entropy(logits, targets, 0.7)
+    lp, ent = sdk_losses.logprobs_and_entropy(logits, targets, 0.7)
     ref = torch.log_softmax(logits / 0.7, dim=-1)
     torch.testing.assert_close(lp, ref.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
     torch.testing.assert_close(ent, -(ref.exp() * ref).sum(-1))

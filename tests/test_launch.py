@@ -36,7 +36,7 @@ from qualify.protocol import HarnessCell
 from qualify.resources import repo_root
 
 VALID_META: dict[str, Any] = {
-    "schema_version": 1, "engine": "fake", "cell": {},
+    "schema_version": 1, "sdk_version": "1.0", "engine": "fake", "cell": {},
     "versions": {"python": "3.11", "torch": "none"}, "world_size": 2, "backend": "none",
     "device": "cpu",
     "ranks": [{"rank": 0, "role": "actor", "tp_rank": 0, "tp_group": [0, 1]},
@@ -46,9 +46,12 @@ VALID_META: dict[str, Any] = {
         "dtypes": {"master_weights": "torch.float32", "grads": "torch.float32",
                    "optimizer_state": {"exp_avg": "torch.float32",
                                        "exp_avg_sq": "torch.float32"},
-                   "compute": ["torch.float32"]},
+                   "compute": ["torch.float32"],
+                   "grad_reduction": {"allreduce": "torch.float32"},
+                   "grad_accumulation": {"grad": "torch.float32"}},
         "replica_consistency": {"all_equal": True, "rounds": [],
                                 "params": {"w": {"equal": True, "max_abs_diff": 0.0}}},
+        "lr": {"round1": 0.001},
         "role_timings": {"total_s": 0.1}}},
     "timings": {"total_s": 0.1}, "shims": [], "faults": [],
     "tensors": {"file": "outputs.safetensors", "count": 1},

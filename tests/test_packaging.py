@@ -152,10 +152,11 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Install:
     dist = base / "dist"
     _timed(seconds, "build", [sys.executable, "-m", "pip", "wheel", "--no-deps",
                               "--no-build-isolation", "--disable-pip-version-check", "-q",
-                              "-w", dist, source])
+                              "-w", dist, source, source / "sdk"])
     (wheel,) = dist.glob("qualify-*.whl")
+    (sdk_wheel,) = dist.glob("qualify_harness-*.whl")
     venv, python, site = make_venv(base, seconds)
-    pip_install(python, seconds, wheel)
+    pip_install(python, seconds, wheel, sdk_wheel)
     see_dependencies(site)
     elsewhere = base / "elsewhere"
     elsewhere.mkdir()

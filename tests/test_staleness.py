@@ -64,8 +64,10 @@ def test_document_records_every_source_file_and_the_digests(code: Path, tmp_path
     assert "harnesses/common.py" in ds["files"]
     assert all(f.startswith(("harnesses/deepspeed/", "harnesses/common.py",
                              "harnesses/__init__.py", "harnesses/hf_schedule.py",
-                             "harnesses/layer_probe.py", "harnesses/resume_state.py"))
+                             "harnesses/layer_probe.py", "harnesses/resume_state.py",
+                             "sdk/qualify_harness/"))
                for f in ds["files"])
+    assert "sdk/qualify_harness/driver.py" in ds["files"]  # the SDK runs in every engine
     assert "harnesses/layer_probe.py" in ds["files"]  # around every DeepSpeed micro-batch
     assert set(ds["distributions"]) == {"deepspeed"}
     assert doc["contract"] == {"name": "tiny-qwen3", "digest": contract.digest}
@@ -139,7 +141,8 @@ def test_engine_files_match_the_folder(code: Path) -> None:
     files = engine_files(code, "torch_tp")
     want = {p.relative_to(code).as_posix() for p in (code / "harnesses" / "torch_tp").rglob(
         "*.py")} | {"harnesses/common.py", "harnesses/__init__.py", "harnesses/hf_schedule.py",
-                    "harnesses/layer_probe.py", "harnesses/resume_state.py"}
+                    "harnesses/layer_probe.py", "harnesses/resume_state.py"} | {
+        p.relative_to(code).as_posix() for p in (code / "sdk" / "qualify_harness").rglob("*.py")}
     assert set(files) == want
 
 

@@ -27,9 +27,10 @@ from harness_outputs import (
     locked,
     role_tensors,
 )
+from qualify_harness import losses
 from safetensors.torch import load_file
 
-from harnesses.torch_tp import losses
+from harnesses.torch_tp import vocab_parallel
 from harnesses.torch_tp.faults import Faults
 from harnesses.torch_tp.parallelize import check_divisible
 from qualify.candidate.launch import launch
@@ -329,7 +330,7 @@ def test_vocab_parallel_math_matches_log_softmax_on_plain_tensors() -> None:
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 5, 11, generator=g) * 4
     targets = torch.randint(0, 11, (3, 5), generator=g)
-    lp, ent = losses.token_logprobs_and_entropy(logits, targets, 0.7)
+    lp, ent = vocab_parallel.logprobs_and_entropy(logits, targets, 0.7)
     ref = torch.log_softmax(logits / 0.7, dim=-1)
     torch.testing.assert_close(lp, ref.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
     torch.testing.assert_close(ent, -(ref.exp() * ref).sum(-1))

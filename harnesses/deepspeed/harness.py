@@ -4,8 +4,9 @@ Runs the PPO update of :mod:`qualify.protocol` with ``deepspeed.initialize`` eng
 Hugging Face models: the engine's own forward, ``engine.backward``, ``engine.step`` (gradient
 accumulation, global-norm clipping, ``torch.optim.AdamW`` through ``"torch_adam": true``), ZeRO
 stage 0 / 1 / 2, BF16 with FP32 master weights, and AutoTP tensor parallelism
-(``tensor_parallel.autotp_size``). The PPO / value losses are this harness's own
-(:mod:`harnesses.deepspeed.losses`).
+(``tensor_parallel.autotp_size``). The rounds, the PPO / value losses and the output files
+are the harness SDK's (:mod:`qualify_harness`): this module supplies
+:class:`DeepSpeedEngine`, the engine's parts.
 
 Reads only ``cell.json`` and, from ``inputs_dir``: ``rollout.safetensors``,
 ``train_inputs.safetensors``, ``contract.json`` and ``model.json`` (never reference scores). Ranks
@@ -37,20 +38,19 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Final
 
+import qualify_harness as sdk
 import torch
 import torch.distributed as dist
+from qualify_harness import losses as sdk_losses
 from torch import Tensor, nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from harnesses import common, hf_schedule, layer_probe
 from harnesses.common import Batch, Inputs
-from harnesses.deepspeed import losses, parallelize, resume
+from harnesses.deepspeed import parallelize, resume
 from harnesses.deepspeed import state_dict_adapter as sda
 from qualify.errors import HarnessError
-from qualify.protocol import (
-    EXTRA_RIGHT_PADDING,
-    HarnessCell,
-)
+from qualify.protocol import HarnessCell
 
 ENGINE: Final = "deepspeed"
 GRAD_NORM_ENGINE: Final = "engine.get_global_grad_norm() after the step (pre-clip)"
@@ -91,22 +91,206 @@ def _as_float(x: Any) -> float | None:
     return float(x.item()) if isinstance(x, Tensor) else float(x)
 
 
+# --------------------------------------------------------------------------- the engine
+
+
+@dataclasses.dataclass(kw_only=True)
+class DeepSpeedEngine(sdk.Engine):
+    """One role on one rank: a ``deepspeed.initialize`` engine over the HF model.
+
+    DeepSpeed owns the step: ``engine.backward`` accumulates, ``engine.step`` inside the
+    accumulation window only counts the micro-batch, and at the boundary it clips, steps the
+    optimizer and the client lr scheduler together. :meth:`update` therefore records around
+    that one call (the SDK's default sequence has separate clip and step parts).
+
+    Attributes:
+        ds: the DeepSpeed engine.
+        et: its tensors, gathered to the HF layout (:class:`sda.EngineTensors`).
+        placement: the role's TP group.
+        temperature: the contract's sampling temperature.
+        beta1: AdamW's first-moment decay (the clip coefficient's least squares).
+        rec: what the role reports.
+    """
+
+    ds: Any
+    et: sda.EngineTensors
+    placement: parallelize.Placement
+    device: torch.device
+    temperature: float
+    beta1: float
+    rec: sdk.Recorder
+    pad_token_id: int = 0
+    grad_norms: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    prev_exp_avg: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+
+    def logprobs_and_entropy(self, model: Any, batch: Batch) -> tuple[Tensor, Tensor]:
+        """Log-probs and entropy ``[b, R]`` FP32 of ``batch.responses`` under ``model``.
+
+        AutoTP's vocab-parallel ``lm_head`` gathers its output: the logits arrive whole on
+        every TP rank (the SDK's single-device log-softmax).
+        """
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                    position_ids=batch.position_ids, use_cache=False,
+                    logits_to_keep=batch.window())
+        logits = out.logits  # [b, R, V], gathered over the TP group by AutoTP's lm_head
+        self.rec.compute_dtypes.add(logits.dtype)
+        return sdk_losses.logprobs_and_entropy(logits, batch.responses, self.temperature)
+
+    def values(self, model: Any, batch: Batch) -> Tensor:
+        """Values ``V(s_t)`` ``[b, R]`` FP32 (``score`` head on the response window)."""
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                    position_ids=batch.position_ids, use_cache=False)
+        v = out.logits[:, batch.window()]  # [b, R, 1]
+        self.rec.compute_dtypes.add(v.dtype)
+        values: Tensor = v.float().squeeze(-1)
+        return values
+
+    def backward(self, loss: Tensor) -> None:
+        """``engine.backward(loss, scale_wrt_gas=False)``; inside the window ``engine.step()``.
+
+        Each micro-batch loss is already ``sum / N`` (whole-batch denominators), so it is
+        not divided by the accumulation steps; the boundary's step is :meth:`update`'s.
+        """
+        self.ds.backward(loss, scale_wrt_gas=False)
+        if not self.ds.is_gradient_accumulation_boundary():
+            self.ds.step()
+
+    def update(self, rec: sdk.Recorder, round_: int, max_norm: float) -> None:
+        """Record grads and masters, ``engine.step()``, then norm, clip, state, updates.
+
+        Called at the accumulation boundary (after the last micro-batch's backward).
+        Collective over the role's TP group (gathers). The grad norm is the engine's
+        (``get_global_grad_norm()``, else the harness-measured L2 norm, labelled); the clip
+        coefficient, which DeepSpeed does not expose, is measured from its AdamW moments.
+
+        Raises:
+            HarnessError: every gradient is zero (no clip coefficient).
+        """
+        del max_norm  # DeepSpeed's own gradient_clipping (its config) clips
+        et = self.et
+        grads = et.full_grads()
+        rec.grad_dtypes |= et.grad_dtypes()
+        before = et.full_masters()
+        measured = math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
+        rec.lrs[f"round{round_}"] = parallelize.one_lr(self.ds.get_lr(), round_)
+        self.ds.step()  # the optimizer step, then DeepSpeed's lr_scheduler.step()
+        engine_norm = _as_float(self.ds.get_global_grad_norm())
+        norm = engine_norm if engine_norm is not None else measured
+        self.grad_norms.append({"round": round_, "source": GRAD_NORM_ENGINE
+                                if engine_norm is not None else GRAD_NORM_MEASURED,
+                                "engine": engine_norm, "harness_measured": measured})
+        for name, g in grads.items():
+            rec.put(round_, "grads", g, name)
+        rec.put(round_, "grad_norm", torch.tensor(norm, dtype=torch.float32))
+        state = {key: et.full_state(key) for key in ("exp_avg", "exp_avg_sq")}
+        after = et.full_masters()
+        for key, dtypes in et.dtypes().items():
+            (rec.master_dtypes if key == "master" else rec.state_dtypes[key]).update(dtypes)
+        num = den = 0.0
+        for name, g in grads.items():
+            m = state["exp_avg"][name].double()
+            prev = self.prev_exp_avg.get(name)
+            delta = m - self.beta1 * prev.double() if prev is not None else m
+            gd = g.double()
+            num += float((delta * gd).sum())
+            den += (1.0 - self.beta1) * float(gd.square().sum())
+        if den <= 0.0:
+            raise HarnessError(f"round {round_}: every gradient is zero; no clip coefficient")
+        rec.put(round_, "clip_coef", torch.tensor(num / den, dtype=torch.float32))
+        self.prev_exp_avg = state["exp_avg"]
+        for key, tensors in state.items():
+            for name, t in tensors.items():
+                rec.put(round_, key, t, name)
+        for name, a in after.items():
+            rec.put(round_, "updates", a - before[name], name)
+        rec.replicas(round_, *self.check_replicas())
+
+    def check_replicas(self) -> tuple[dict[str, bool], dict[str, float]]:
+        """Compare every replicated parameter (FP32 master and module copy) across TP ranks.
+
+        Bitwise on the FP32 bit patterns; one ``all_gather`` over the role's TP group.
+        """
+        et = self.et
+        reps = [pl for pl in et.layout if pl.dim is None]
+        if self.placement.tp == 1 or not reps:
+            return {pl.name: True for pl in reps}, {pl.name: 0.0 for pl in reps}
+        local = []
+        for pl in reps:
+            local.append(et.local_master(pl.name).detach().float().reshape(-1))
+            local.append(et.params[pl.name].detach().float().reshape(-1))
+        flat = torch.cat(local)
+        gathered = [torch.empty_like(flat) for _ in range(self.placement.tp)]
+        dist.all_gather(gathered, flat, group=self.placement.tp_group)
+        base = gathered[0]
+        equal: dict[str, bool] = {}
+        diff: dict[str, float] = {}
+        offset = 0
+        for pl in reps:
+            n = 2 * et.params[pl.name].numel()
+            sl = slice(offset, offset + n)
+            offset += n
+            bits = base[sl].view(torch.int32)
+            equal[pl.name] = all(torch.equal(g[sl].view(torch.int32), bits)
+                                 for g in gathered[1:])
+            diff[pl.name] = max(float((g[sl] - base[sl]).abs().max()) if n else 0.0
+                                for g in gathered[1:])
+        return equal, diff
+
+    # The SDK's default update sequence is replaced by :meth:`update`: these parts of it
+    # are DeepSpeed's, inside ``engine.step()``.
+    def params(self) -> list[Tensor]:
+        """Trainable module parameters."""
+        return [p for p in self.ds.module.parameters() if p.requires_grad]
+
+    def full_grads(self) -> dict[str, Tensor]:
+        """The engine's gradient buffers, full, by HF name."""
+        return self.et.full_grads()
+
+    def clip(self, max_norm: float) -> Tensor:
+        """Not separable from DeepSpeed's step (:meth:`update`)."""
+        raise NotImplementedError("DeepSpeed clips inside engine.step()")
+
+    def full_params(self) -> dict[str, Tensor]:
+        """The FP32 masters, full, by HF name."""
+        return self.et.full_masters()
+
+    def applied_lr(self) -> float:
+        """The lr of the engine's next step."""
+        return float(parallelize.one_lr(self.ds.get_lr(), 0))
+
+    def optimizer_step(self) -> None:
+        """Not separable from DeepSpeed's step (:meth:`update`)."""
+        raise NotImplementedError("DeepSpeed steps inside engine.step()")
+
+    def zero_grad(self) -> None:
+        """DeepSpeed zeroes its gradients in ``engine.step()``."""
+
+    def state_dtypes(self, key: str) -> set[torch.dtype]:
+        """Dtypes of AdamW's ``key`` state."""
+        return set(self.et.dtypes().get(key, set()))
+
+    def full_optimizer_state(self, key: str) -> dict[str, Tensor]:
+        """AdamW state ``key``, full, by HF name."""
+        return self.et.full_state(key)
+
+
 # --------------------------------------------------------------------------- one variant
 
 
 @dataclasses.dataclass(kw_only=True)
-class VariantRun(common.RoleOutputs):
+class VariantRun:
     """One role x one variant on one rank: a fresh model and engine, and what it reports.
 
     Attributes:
-        cell: the launch's cell.
+        cell: the variant's cell.
         precision: the variant's precision.
         zero: the variant's ZeRO stage.
         rank: global rank.
         placement: the role's groups.
         inputs: the harness inputs.
         device: compute device.
-        tensors, timings: what it reports (:class:`harnesses.common.RoleOutputs`).
+        rec: what the role reports.
+        carry: a resume cell's state (:mod:`harnesses.deepspeed.resume`).
     """
 
     cell: HarnessCell
@@ -116,21 +300,11 @@ class VariantRun(common.RoleOutputs):
     placement: parallelize.Placement
     inputs: Inputs
     device: torch.device
-    compute_dtypes: set[torch.dtype] = dataclasses.field(default_factory=set)
-    master_dtypes: set[torch.dtype] = dataclasses.field(default_factory=set)
-    grad_dtypes: set[torch.dtype] = dataclasses.field(default_factory=set)
-    state_dtypes: dict[str, set[torch.dtype]] = dataclasses.field(
-        default_factory=lambda: {"exp_avg": set(), "exp_avg_sq": set()})
-    replica_rounds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    replica_params: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    grad_norms: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    rec: sdk.Recorder
     shims: list[str] = dataclasses.field(default_factory=list)
     engine_info: dict[str, Any] = dataclasses.field(default_factory=dict)
-    reduce_dtypes: dict[str, set[torch.dtype]] = dataclasses.field(default_factory=dict)
-    accum_dtypes: dict[str, set[torch.dtype]] = dataclasses.field(default_factory=dict)
+    carry: dict[str, Any] = dataclasses.field(default_factory=dict)
     _prev_exp_avg: dict[str, Tensor] = dataclasses.field(default_factory=dict)
-    lrs: dict[str, float] = dataclasses.field(default_factory=dict)
-    carry: dict[str, Any] = dataclasses.field(default_factory=dict)  # resume.py: state, record
 
     @property
     def role(self) -> str:
@@ -142,7 +316,10 @@ class VariantRun(common.RoleOutputs):
         """TP rank 0 keeps and writes the role's tensors."""
         return self.placement.tp_rank == 0
 
-    # ----------------------------------------------------------------- engine
+    @property
+    def tensors(self) -> dict[str, Tensor]:
+        """The role's reported tensors (:mod:`harnesses.deepspeed.resume` keeps some)."""
+        return self.rec.tensors
 
     def build_engine(self, model: nn.Module, lr: float, n_micro: int) -> Any:
         """``deepspeed.initialize`` on ``model`` with this variant's config, role groups.
@@ -176,7 +353,7 @@ class VariantRun(common.RoleOutputs):
                 f"in the role's TP group {list(self.placement.ranks)}; every rank reads the "
                 f"same rollout file")
         model_dtype, accum_dtype = engine.get_data_types()
-        self.reduce_dtypes, self.accum_dtypes = parallelize.reduction_dtypes(engine)
+        self.rec.engine_dtypes(*parallelize.reduction_dtypes(engine))
         self.engine_info.update({
             "deepspeed_config": cfg,
             "optimizer_wrapper": type(engine.optimizer).__name__,
@@ -217,281 +394,70 @@ class VariantRun(common.RoleOutputs):
             "measured": True, "max_abs": worst, "param": where,
             "equals_bf16_rounded_checkpoint": bf16_equal}
 
-    def boundary_step(self, round_: int, engine: Any, et: sda.EngineTensors) -> None:
-        """Record grads and masters, ``engine.step()``, then norm, clip, state, updates.
+    def run(self) -> dict[str, Any]:
+        """The role: load, initialize, the SDK's rounds; returns the role meta."""
+        actor = self.role == "actor"
+        c = self.inputs.contract
+        batch = self.inputs.batch.to(self.device)
+        n_micro = len(sdk.micro_slices(batch.input_ids.shape[0], c.algorithm.micro_batch_size))
+        ref = None
+        with self.rec.timed("load_s"):
+            model = common.load_hf_model("causal_lm" if actor else "value",
+                                         self.inputs.actor_dir if actor
+                                         else self.inputs.critic_dir, self.device)
+            if actor:
+                ref = common.load_hf_model("causal_lm", self.inputs.ref_dir, self.device)
+                ref.requires_grad_(False)
+                if self.precision == "bf16":
+                    ref.to(torch.bfloat16)
+        ckpt = snapshot(model)
+        with self.rec.timed("initialize_s"):
+            ds = self.build_engine(model, c.optimizer.actor_lr if actor
+                                   else c.optimizer.critic_lr, n_micro)
+            et = sda.EngineTensors(ds, parallelize.tp_layout(ds.module))
+        self.check_initial_masters(et, ckpt)
+        del ckpt
+        engine = DeepSpeedEngine(ds=ds, et=et, placement=self.placement, device=self.device,
+                                 temperature=c.sampling.temperature,
+                                 beta1=float(c.optimizer.betas[0]), rec=self.rec,
+                                 pad_token_id=common.pad_token_id(model))
+        plan = resume.ResumePlan.of(self.cell)
+        probe = layer_probe.for_model(self.cell.probe, self.role, self.writer, ds.module)
 
-        Called at the accumulation boundary (after the last micro-batch's backward).
-        Collective over the role's TP group (gathers).
-        """
-        grads = et.full_grads()
-        self.grad_dtypes |= et.grad_dtypes()
-        before = et.full_masters()
-        measured = math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
-        self.lrs[f"round{round_}"] = parallelize.one_lr(engine.get_lr(), round_)
-        engine.step()  # the optimizer step, then DeepSpeed's lr_scheduler.step()
-        engine_norm = _as_float(engine.get_global_grad_norm())
-        norm = engine_norm if engine_norm is not None else measured
-        self.grad_norms.append({"round": round_, "source": GRAD_NORM_ENGINE
-                                if engine_norm is not None else GRAD_NORM_MEASURED,
-                                "engine": engine_norm, "harness_measured": measured})
-        for name, g in grads.items():
-            self.put(round_, "grads", g, name)
-        self.put(round_, "grad_norm", torch.tensor(norm, dtype=torch.float32))
-        state = {key: et.full_state(key) for key in ("exp_avg", "exp_avg_sq")}
-        after = et.full_masters()
-        for key, dtypes in et.dtypes().items():
-            (self.master_dtypes if key == "master" else self.state_dtypes[key]).update(dtypes)
-        beta1 = float(self.inputs.contract.optimizer.betas[0])
-        num = den = 0.0
-        for name, g in grads.items():
-            m = state["exp_avg"][name].double()
-            prev = self._prev_exp_avg.get(name)
-            delta = m - beta1 * prev.double() if prev is not None else m
-            gd = g.double()
-            num += float((delta * gd).sum())
-            den += (1.0 - beta1) * float(gd.square().sum())
-        if den <= 0.0:
-            raise HarnessError(f"round {round_}: every gradient is zero; no clip coefficient")
-        self.put(round_, "clip_coef", torch.tensor(num / den, dtype=torch.float32))
-        self._prev_exp_avg = state["exp_avg"]
-        for key, tensors in state.items():
-            for name, t in tensors.items():
-                self.put(round_, key, t, name)
-        for name, a in after.items():
-            self.put(round_, "updates", a - before[name], name)
-        self.check_replicas(round_, engine, et)
+        def restore() -> dict[str, Tensor]:
+            got = resume.restore(self, ds, et)
+            engine.prev_exp_avg = self._prev_exp_avg  # the clip coefficient's previous moment
+            return got
 
-    def check_replicas(self, round_: int, engine: Any, et: sda.EngineTensors) -> None:
-        """Compare every replicated parameter (FP32 master and module copy) across TP ranks.
+        def after_round(round_: int, rollout_state: dict[str, Tensor]) -> None:
+            self.carry.update(rollout_state)
+            resume.save_after(self, round_, ds, et)  # a resume cell's save launch
 
-        Bitwise on the FP32 bit patterns; one ``all_gather`` over the role's TP group.
-        """
-        del engine
-        reps = [pl for pl in et.layout if pl.dim is None]
-        if self.placement.tp == 1 or not reps:
-            equal = {pl.name: True for pl in reps}
-            diff = {pl.name: 0.0 for pl in reps}
+        def capture(round_: int, mb: Batch) -> contextlib.AbstractContextManager[Any]:
+            return probe.capture(round_, mb.prompt_len, mb.input_ids.shape[1])
+
+        recipe = self.inputs.recipe
+        kw: dict[str, Any] = {"rec": self.rec, "rounds": plan.rounds(recipe.rounds),
+                              "restore": restore if plan.loading else None,
+                              "after_round": after_round, "capture": capture}
+        if actor:
+            meta = sdk.run_actor(engine, ds, ref, batch, recipe, **kw)
         else:
-            local = []
-            for pl in reps:
-                local.append(et.local_master(pl.name).detach().float().reshape(-1))
-                local.append(et.params[pl.name].detach().float().reshape(-1))
-            flat = torch.cat(local)
-            gathered = [torch.empty_like(flat) for _ in range(self.placement.tp)]
-            dist.all_gather(gathered, flat, group=self.placement.tp_group)
-            base = gathered[0]
-            equal, diff = {}, {}
-            offset = 0
-            for pl in reps:
-                n = 2 * et.params[pl.name].numel()
-                sl = slice(offset, offset + n)
-                offset += n
-                bits = base[sl].view(torch.int32)
-                equal[pl.name] = all(torch.equal(g[sl].view(torch.int32), bits)
-                                     for g in gathered[1:])
-                diff[pl.name] = max(float((g[sl] - base[sl]).abs().max()) if n else 0.0
-                                    for g in gathered[1:])
-        self.replica_rounds.append({"round": round_, "all_equal": all(equal.values()),
-                                    "max_abs_diff": max(diff.values(), default=0.0)})
-        for name, eq in equal.items():
-            entry = self.replica_params.setdefault(name, {"equal": True, "max_abs_diff": 0.0})
-            entry["equal"] = bool(entry["equal"] and eq)
-            entry["max_abs_diff"] = max(float(entry["max_abs_diff"]), diff[name])
-
-    def run_rounds(self, engine: Any, et: sda.EngineTensors, slices: list[slice],
-                   micro_loss: Any) -> None:
-        """Rounds 1..rounds of forward, loss, ``engine.backward`` and ``engine.step``.
-
-        ``engine.step`` inside the accumulation window only counts the micro-batch; at the
-        boundary :meth:`boundary_step` records around the real step. ``micro_loss(r, s)``
-        returns the loss of rows ``s`` (0-d FP32, sum / N); ``micro_loss(r, None)`` ends
-        round ``r`` (stores the per-token outputs).
-        """
-        probe = layer_probe.for_model(self.cell.probe, self.role, self.writer, engine.module)
-        batch = self.inputs.batch
-        for round_ in resume.ResumePlan.of(self.cell).rounds(self.inputs.contract.algorithm.rounds):
-            with self.timed(f"round{round_}_s"):
-                for s in slices:
-                    with probe.capture(round_, batch.prompt_len, batch.input_ids.shape[1]):
-                        engine.backward(micro_loss(round_, s), scale_wrt_gas=False)
-                    if engine.is_gradient_accumulation_boundary():
-                        self.boundary_step(round_, engine, et)
-                    else:
-                        engine.step()
-                micro_loss(round_, None)  # round done: store per-token outputs
-            resume.save_after(self, round_, engine, et)  # a resume cell's save launch
+            meta = sdk.run_critic(engine, ds, batch, recipe, **kw)
         probe.save("deepspeed")
+        out = self.role_meta(engine, meta)
+        _destroy(ds)
+        return out
 
-    # ----------------------------------------------------------------- actor
-
-    def actor_scores(self, model: Any, batch: Batch) -> tuple[Tensor, Tensor]:
-        """Log-probs and entropy ``[b, R]`` FP32 of ``batch.responses`` under ``model``."""
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                    position_ids=batch.position_ids, use_cache=False,
-                    logits_to_keep=batch.window())
-        logits = out.logits  # [b, R, V], gathered over the TP group by AutoTP's lm_head
-        self.compute_dtypes.add(logits.dtype)
-        return losses.token_logprobs_and_entropy(logits, batch.responses,
-                                                 self.inputs.contract.sampling.temperature)
-
-    def run_actor(self) -> dict[str, Any]:
-        """The Actor: reference log-probs, padded rerun, rounds; returns the role meta."""
-        c = self.inputs.contract
-        alg = c.algorithm
-        batch = self.inputs.batch.to(self.device)
-        slices = common.micro_slices(batch.input_ids.shape[0], alg.micro_batch_size)
-        n_valid = float(batch.mask.sum())
-        b, r_len = batch.responses.shape
-        with self.timed("load_s"):
-            model = common.load_hf_model("causal_lm", self.inputs.actor_dir, self.device)
-            ref = common.load_hf_model("causal_lm", self.inputs.ref_dir, self.device)
-            ref.requires_grad_(False)
-            if self.precision == "bf16":
-                ref.to(torch.bfloat16)
-        pad_id = common.pad_token_id(model)
-        ckpt = snapshot(model)
-        with self.timed("initialize_s"):
-            engine = self.build_engine(model, c.optimizer.actor_lr, len(slices))
-            et = sda.EngineTensors(engine, parallelize.tp_layout(engine.module))
-        self.check_initial_masters(et, ckpt)
-        del ckpt
-        with self.timed("scoring_s"), torch.no_grad():
-            ref_lp = torch.zeros(b, r_len, device=self.device)
-            padded = torch.zeros(b, r_len, device=self.device)
-            for s in slices:
-                ref_lp[s] = self.actor_scores(ref, batch.rows(s))[0]
-                padded[s] = self.actor_scores(
-                    engine, batch.rows(s).right_padded(EXTRA_RIGHT_PADDING, pad_id))[0]
-            self.put(1, "logprobs_padded", torch.where(batch.mask, padded, 0.0))
-        del ref
-        old_lp = torch.zeros(b, r_len, device=self.device)
-        lp_r = torch.zeros(b, r_len, device=self.device)
-        ent_r = torch.zeros(b, r_len, device=self.device)
-        sums = {"policy": 0.0, "kl": 0.0, "entropy": 0.0}
-        # loss_agg_mode (global row weights and denominator); decoupled PPO's weight.
-        row_w, denom = losses.aggregation_terms(batch.mask, alg.loss_agg_mode)
-        decoupled = alg.name == "decoupled_ppo"
-        w_behav, w_raw = torch.ones(2, b, r_len, device=self.device).unbind(0)
-        old_lp, w_behav, w_raw = resume.restore_actor(self, engine, et, old_lp, w_behav, w_raw)
-
-        def micro_loss(round_: int, s: slice | None) -> Tensor:
-            nonlocal old_lp, lp_r, ent_r, sums
-            if s is None:  # end of the round
-                if round_ == 1:
-                    old_lp = self.carry["old_logprobs"] = lp_r.clone()
-                self.put(round_, "logprobs", lp_r)
-                self.put(round_, "entropy", ent_r)
-                for term, v in sums.items():
-                    self.put(round_, f"loss/{term}", torch.tensor(v))
-                self.put(round_, "loss/total", torch.tensor(sum(sums.values())))
-                lp_r, ent_r = torch.zeros_like(lp_r), torch.zeros_like(ent_r)
-                sums = dict.fromkeys(sums, 0.0)
-                return torch.zeros(())
-            mb = batch.rows(s)
-            lp, ent = self.actor_scores(engine, mb)
-            old = lp.detach() if round_ == 1 else old_lp[s]
-            if decoupled and round_ == 1:  # the proximal policy: this engine's round 1
-                assert mb.behavior_logprobs is not None
-                w_behav[s], w_raw[s] = losses.behavior_weight(
-                    lp, mb.behavior_logprobs, alg.behavior_weight_cap,
-                    alg.behavior_weight_cap_mode)
-            rw = row_w[s].unsqueeze(-1)
-            weight = rw * w_behav[s] if decoupled else rw  # x 1.0 is exact for token-mean
-            policy = losses.policy_loss_sum(lp, old, mb.advantages, mb.mask,
-                                            alg.clip_ratio, weight=weight) / denom
-            kl = alg.kl_loss_coef * losses.masked_sum(
-                losses.kl_penalty(lp, ref_lp[s], alg.kl_loss_estimator) * rw, mb.mask) / denom
-            entropy = -alg.entropy_coef * losses.masked_sum(ent * rw, mb.mask) / denom
-            sums["policy"] += float(policy.detach())
-            sums["kl"] += float(kl.detach())
-            sums["entropy"] += float(entropy.detach())
-            lp_r[s] = torch.where(mb.mask, lp.detach(), 0.0)
-            ent_r[s] = torch.where(mb.mask, ent.detach(), 0.0)
-            total: Tensor = policy + kl + entropy
-            return total
-
-        self.run_rounds(engine, et, slices, micro_loss)
-        meta = self.role_meta(engine, et, n_valid, len(slices))
-        meta.update(losses.algorithm_meta(alg, w_raw if decoupled else None, batch.mask))
-        _destroy(engine)
-        return meta
-
-    # ----------------------------------------------------------------- critic
-
-    def critic_values(self, model: Any, batch: Batch) -> Tensor:
-        """Values ``V(s_t)`` ``[b, R]`` FP32 (``score`` head on the response window)."""
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                    position_ids=batch.position_ids, use_cache=False)
-        v = out.logits[:, batch.window()]  # [b, R, 1]
-        self.compute_dtypes.add(v.dtype)
-        values: Tensor = v.float().squeeze(-1)
-        return values
-
-    def run_critic(self) -> dict[str, Any]:
-        """The Critic: padded rerun, rounds; returns the role meta."""
-        c = self.inputs.contract
-        alg = c.algorithm
-        batch = self.inputs.batch.to(self.device)
-        slices = common.micro_slices(batch.input_ids.shape[0], alg.micro_batch_size)
-        n_valid = float(batch.mask.sum())
-        b, r_len = batch.responses.shape
-        with self.timed("load_s"):
-            model = common.load_hf_model("value", self.inputs.critic_dir, self.device)
-        pad_id = common.pad_token_id(model)
-        ckpt = snapshot(model)
-        with self.timed("initialize_s"):
-            engine = self.build_engine(model, c.optimizer.critic_lr, len(slices))
-            et = sda.EngineTensors(engine, parallelize.tp_layout(engine.module))
-        self.check_initial_masters(et, ckpt)
-        del ckpt
-        with self.timed("scoring_s"), torch.no_grad():
-            padded = torch.zeros(b, r_len, device=self.device)
-            for s in slices:
-                padded[s] = self.critic_values(
-                    engine, batch.rows(s).right_padded(EXTRA_RIGHT_PADDING, pad_id))
-            self.put(1, "values_padded", torch.where(batch.mask, padded, 0.0))
-        old_v = torch.zeros(b, r_len, device=self.device)
-        v_r = torch.zeros(b, r_len, device=self.device)
-        total = 0.0
-        row_w, denom = losses.aggregation_terms(batch.mask, alg.loss_agg_mode)
-        old_v = resume.restore(self, engine, et).get("old_values", old_v)
-
-        def micro_loss(round_: int, s: slice | None) -> Tensor:
-            nonlocal old_v, v_r, total
-            if s is None:
-                if round_ == 1:
-                    old_v = self.carry["old_values"] = v_r.clone()
-                self.put(round_, "values", v_r)
-                self.put(round_, "loss/value", torch.tensor(total))
-                self.put(round_, "loss/total", torch.tensor(total))
-                v_r, total = torch.zeros_like(v_r), 0.0
-                return torch.zeros(())
-            mb = batch.rows(s)
-            values = self.critic_values(engine, mb)
-            old = values.detach() if round_ == 1 else old_v[s]
-            loss = losses.value_loss_sum(values, old, mb.returns, mb.mask, alg.value_clip,
-                                         weight=row_w[s].unsqueeze(-1)) / denom
-            total += float(loss.detach())
-            v_r[s] = torch.where(mb.mask, values.detach(), 0.0)
-            return loss
-
-        self.run_rounds(engine, et, slices, micro_loss)
-        meta = self.role_meta(engine, et, n_valid, len(slices))
-        _destroy(engine)
-        return meta
-
-    # ----------------------------------------------------------------- meta
-
-    def role_meta(self, engine: Any, et: sda.EngineTensors, n_valid: float,
-                  n_micro: int) -> dict[str, Any]:
+    def role_meta(self, engine: DeepSpeedEngine, meta: dict[str, Any]) -> dict[str, Any]:
         """The role's part of ``outputs.json`` (merged under ``roles.<role>``)."""
-        del engine
+        et = engine.et
         sharded = [pl.name for pl in et.layout if pl.dim is not None]
         replicated = [pl.name for pl in et.layout if pl.dim is None]
         info = dict(self.engine_info)
         info.update({
-            "grad_norm": {"reported": self.grad_norms[0]["source"] if self.grad_norms else None,
-                          "rounds": self.grad_norms},
+            "grad_norm": {"reported": engine.grad_norms[0]["source"] if engine.grad_norms
+                          else None, "rounds": engine.grad_norms},
             "clip_coef": CLIP_COEF_MEASURED,
             "apis": {k: sorted(v) for k, v in et.sources.items()},
             "tp_gather": sda.API_TP_GATHER if sharded else None,
@@ -500,11 +466,10 @@ class VariantRun(common.RoleOutputs):
                                  "rank, in the engine's module dtype"),
             "shims": list(self.shims),
         })
-        return {
-            "tp": self.placement.tp,
-            "global_ranks": list(self.placement.ranks),
-            "model_class": type(et.engine.module).__name__,
-            "parallelism": {
+        return sdk.role_meta(
+            self.rec, tp=self.placement.tp, global_ranks=self.placement.ranks,
+            precision=self.precision, model_class=type(et.engine.module).__name__,
+            parallelism={
                 "mesh_dim_names": ["tp"],
                 "lm_head": ("vocab_parallel" if "lm_head.weight" in sharded else
                             "replicated" if self.role == "actor" else None),
@@ -512,33 +477,13 @@ class VariantRun(common.RoleOutputs):
                 "replicated_params": replicated,
                 "partial_grads_reduced": [],
             },
-            "precision": self.precision,
-            "bf16_mechanism": (f"DeepSpeed bf16.enabled: module parameters cast to BF16 "
-                               f"(BF16 compute), FP32 master weights and AdamW state in "
-                               f"{info['optimizer_wrapper']}; gradient accumulation in "
-                               f"{info['grad_accum_dtype']}"
-                               if self.precision == "bf16" else None),
-            "dtypes": {
-                "master_weights": sda.dtype_name(self.master_dtypes),
-                "grads": sda.dtype_name(self.grad_dtypes),
-                "optimizer_state": {k: sda.dtype_name(v) for k, v in self.state_dtypes.items()},
-                "compute": sorted(str(d) for d in self.compute_dtypes),
-                "grad_reduction": {k: sda.dtype_name(v) for k, v in self.reduce_dtypes.items()},
-                "grad_accumulation": {k: sda.dtype_name(v)
-                                      for k, v in self.accum_dtypes.items()},
-            },
-            "lr": dict(self.lrs), "lr_scheduler": parallelize.DS_SCHEDULER_NOTE,
-            "replica_consistency": {
-                "all_equal": all(r["all_equal"] for r in self.replica_rounds),
-                "rounds": self.replica_rounds,
-                "params": self.replica_params,
-            },
-            "valid_tokens": int(n_valid),
-            "micro_batches": n_micro,
-            "dropout": "off (eval mode)",
-            "role_timings": dict(self.timings),
-            "engine_info": info,
-        }
+            bf16_mechanism=(f"DeepSpeed bf16.enabled: module parameters cast to BF16 "
+                            f"(BF16 compute), FP32 master weights and AdamW state in "
+                            f"{info['optimizer_wrapper']}; gradient accumulation in "
+                            f"{info['grad_accum_dtype']}"
+                            if self.precision == "bf16" else None),
+            lr_scheduler=parallelize.DS_SCHEDULER_NOTE, dropout="off (eval mode)",
+            engine_info=info, **meta)
 
 
 def _destroy(engine: Any) -> None:
@@ -596,6 +541,9 @@ def run(cell: HarnessCell) -> None:
         raise HarnessError(f"WORLD_SIZE = {world} but the cell needs actor_tp + critic_tp = "
                            f"{cell.world_size}")
     check_cell(cell)
+    if cell.faults:  # the test suite's deliberate bugs, patched in (harnesses/deepspeed/faults.py)
+        from harnesses.deepspeed import faults
+        faults.install(cell.faults)
     topologies, init_s = common.topology_runs(cell), 0.0
     inputs = common.read_inputs(Path(cell.inputs_dir))
     device, backend, device_id = _device(cell)
@@ -618,24 +566,27 @@ def run(cell: HarnessCell) -> None:
             for vcell in vcells:
                 tv, zero = time.perf_counter(), int(vcell.options.get("zero", 0))
                 torch.manual_seed(cell.seed)
+                rec = sdk.Recorder(
+                    role=placement.role, writer=placement.tp_rank == 0,
+                    sampling=sdk.ParamSampling.from_dict(vcell.param_sampling.to_dict()))
                 runner = VariantRun(cell=vcell, precision=vcell.precision, zero=zero, rank=rank,
-                                    placement=placement, inputs=inputs, device=device)
-                with runner.timed("total_s"):
-                    meta = runner.run_actor() if runner.role == "actor" else runner.run_critic()
+                                    placement=placement, inputs=inputs, device=device, rec=rec)
+                with rec.timed("total_s"):
+                    meta = runner.run()
                 out_dir = Path(vcell.output_dir)
                 print(f"[deepspeed] rank {rank}: {placement.role} {vcell.precision} zero{zero} "
-                      f"done, timings {runner.timings}", flush=True)
+                      f"done, timings {rec.timings}", flush=True)
                 if runner.writer:  # a resumed launch: the rounds it ran, its resume record
-                    common.write_part(ENGINE, out_dir, placement.role, *resume.report(runner, meta))
+                    sdk.write_part(ENGINE, out_dir, placement.role, *resume.report(runner, meta))
                 if rank == 0:
-                    head = common.outputs_head(
+                    head = sdk.outputs_head(
                         engine=ENGINE, cell={**vcell.to_dict(), "options": {"zero": zero}},
                         packages=PACKAGES, world=world, backend=backend, device=device,
                         timings={"init_s": round(init_s, 4),
                                  "variant_s": round(time.perf_counter() - tv, 4),
                                  "rank0_total_s": round(time.perf_counter() - t0, 4)},
                         shims=[parallelize.GROUPS_SHIM, parallelize.SHM_SHIM], faults=[])
-                    common.merge_parts(ENGINE, roles, out_dir, head)
+                    sdk.merge_parts(ENGINE, roles, out_dir, head)
     finally:
         dist.destroy_process_group()
 

@@ -12,7 +12,8 @@ of a launch checkpoint at the same point (after the same round), each into its o
 directory; ``save_latest=False`` and an explicit tag (only global rank 0 would write the
 ``latest`` file).
 
-Faults (test suite only; ``cell.faults``, the only ones this harness takes): a load launch
+Faults (test suite only; ``cell.faults``, the only ones this harness takes), patched in by
+:func:`harnesses.deepspeed.faults.install` over :func:`restore_checkpoint`: a load launch
 with ``resume_drops_optimizer_state`` calls ``load_checkpoint`` with
 ``load_optimizer_states=False, load_lr_scheduler_states=False`` (the model only: a fresh
 optimizer and scheduler, NeMo-RL #3171); with ``resume_drops_step_counter`` it restores
@@ -24,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
-import torch
 from torch import Tensor
 
 from harnesses import resume_state
@@ -55,7 +55,7 @@ def check_faults(names: Sequence[str]) -> None:
         raise HarnessError(f"the deepspeed harness injects only {list(FAULTS)}, got {unknown}")
 
 
-def _inner(engine: Any) -> Any:
+def inner_optimizer(engine: Any) -> Any:
     """The torch optimizer that holds the Adam state (inside DeepSpeed's wrapper, if any)."""
     opt = engine.optimizer
     return getattr(opt, "optimizer", opt)
@@ -63,7 +63,7 @@ def _inner(engine: Any) -> Any:
 
 def record(engine: Any, et: sda.EngineTensors) -> dict[str, Any]:
     """The live engine's :func:`harnesses.resume_state.state_record` (collective: gathers)."""
-    inner = _inner(engine)
+    inner = inner_optimizer(engine)
     states = list(inner.state.values())
     steps = [float(st["step"]) for st in states if "step" in st]
     held = any("exp_avg" in st for st in states)
@@ -93,8 +93,20 @@ def save(plan: ResumePlan, *, role: str, writer: bool, engine: Any, et: sda.Engi
                                          rollout_state=rollout_state, record=saved)
 
 
-def load(plan: ResumePlan, *, role: str, engine: Any, et: sda.EngineTensors,
-         faults: Sequence[str] = ()) -> tuple[dict[str, Tensor], dict[str, Any]]:
+def restore_checkpoint(engine: Any, d: Any) -> None:
+    """``engine.load_checkpoint``: module, optimizer and lr scheduler states of tag ``resume``.
+
+    Raises:
+        RuntimeError: DeepSpeed found no checkpoint to load.
+    """
+    path, _client = engine.load_checkpoint(str(d), tag=TAG, load_optimizer_states=True,
+                                           load_lr_scheduler_states=True)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed load_checkpoint found no checkpoint {TAG!r} in {d}")
+
+
+def load(plan: ResumePlan, *, role: str, engine: Any,
+         et: sda.EngineTensors) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Restore the role's fresh engine before round ``plan.after_round + 1``.
 
     Returns:
@@ -104,18 +116,7 @@ def load(plan: ResumePlan, *, role: str, engine: Any, et: sda.EngineTensors,
         RuntimeError: DeepSpeed found no checkpoint to load.
     """
     d = plan.role_dir(role)
-    # FAULT(resume_drops_optimizer_state): the module only; a fresh optimizer and scheduler.
-    whole = "resume_drops_optimizer_state" not in faults
-    path, _client = engine.load_checkpoint(str(d), tag=TAG, load_optimizer_states=whole,
-                                           load_lr_scheduler_states=whole)
-    if path is None:
-        raise RuntimeError(f"DeepSpeed load_checkpoint found no checkpoint {TAG!r} in {d}")
-    # FAULT(resume_drops_step_counter): everything restored, then every step counter reset.
-    if "resume_drops_step_counter" in faults:
-        for st in _inner(engine).state.values():
-            if "step" in st:
-                st["step"] = (torch.zeros_like(st["step"]) if isinstance(st["step"], Tensor)
-                              else 0)
+    restore_checkpoint(engine, d)
     state = resume_state.read_trainer_state(d / resume_state.TRAINER_STATE_FILE)
     resume_state.restore_rng(state["rng"])
     loaded = record(engine, et)
@@ -143,22 +144,9 @@ def restore(run: Any, engine: Any, et: sda.EngineTensors) -> dict[str, Tensor]:
     plan = ResumePlan.of(run.cell)
     if not plan.loading:
         return {}
-    state, run.carry[RECORD] = load(plan, role=run.role, engine=engine, et=et,
-                                    faults=run.cell.faults)
+    state, run.carry[RECORD] = load(plan, role=run.role, engine=engine, et=et)
     run._prev_exp_avg = et.full_state("exp_avg")  # the clip coefficient's previous moment
     return {k: v.to(run.device) for k, v in state.items()}
-
-
-def restore_actor(run: Any, engine: Any, et: sda.EngineTensors,
-                  *defaults: Tensor) -> tuple[Tensor, ...]:
-    """The Actor's ``(old_logprobs, w_behav, w_raw)``: restored (a load launch), else ``defaults``.
-
-    Otherwise the behavior weights (written in place in round 1) join the state a save keeps.
-    """
-    if got := restore(run, engine, et):
-        return got["old_logprobs"], got["w_behav"], got["w_raw"]
-    run.carry.update(w_behav=defaults[1], w_raw=defaults[2])
-    return defaults
 
 
 def report(run: Any, meta: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:

@@ -21,7 +21,7 @@ written, and each DP rank of the restored run takes its rows back (``rows``).
 
 Every function here is collective over the role's process group.
 
-Planted faults (test suite only, :mod:`harnesses.fsdp2.faults`):
+The test suite's resume faults (:mod:`harnesses.fsdp2.faults`) replace :func:`restore`:
 ``resume_drops_optimizer_state`` restores the model only (a fresh AdamW, NeMo-RL #3171);
 ``resume_drops_step_counter`` restores the optimizer and then resets every ``step`` to 0.
 """
@@ -37,14 +37,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
     get_state_dict,
-    set_model_state_dict,
     set_state_dict,
 )
 
 from harnesses import resume_state
-from harnesses.fsdp2 import faults
 from harnesses.fsdp2 import state_dict_adapter as sda
 from harnesses.resume_state import ResumePlan
 
@@ -98,8 +95,16 @@ def save(plan: ResumePlan, *, role: str, writer: bool, group: Any, model: nn.Mod
     dist.barrier(group=group)
 
 
+def restore(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: Path, group: Any) -> None:
+    """Load the model and AdamW state of the DCP checkpoint ``ckpt`` (collective)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(ckpt),
+             process_group=group)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
 def load(plan: ResumePlan, *, role: str, group: Any, model: nn.Module,
-         optimizer: torch.optim.Optimizer, scheduler: Any, active: faults.Faults,
+         optimizer: torch.optim.Optimizer, scheduler: Any,
          ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Restore the role in a fresh process before round ``plan.after_round + 1``.
 
@@ -110,7 +115,6 @@ def load(plan: ResumePlan, *, role: str, group: Any, model: nn.Module,
         model: the freshly loaded and ``fully_shard``-ed model (resharded).
         optimizer: its fresh AdamW (no state yet).
         scheduler: its fresh lr scheduler.
-        active: the cell's faults.
 
     Returns:
         ``(rollout_state, resume record)``: the saved whole-batch rollout tensors (CPU),
@@ -123,19 +127,7 @@ def load(plan: ResumePlan, *, role: str, group: Any, model: nn.Module,
     """
     d = plan.role_dir(role)
     ckpt = d / DCP_DIR
-    # FAULT(resume_drops_optimizer_state): the model is restored, AdamW starts fresh.
-    if "resume_drops_optimizer_state" in active:
-        model_sd = get_model_state_dict(model)
-        dcp.load({"model": model_sd}, checkpoint_id=str(ckpt), process_group=group)
-        set_model_state_dict(model, model_sd)
-    else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(ckpt),
-                 process_group=group)
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    # FAULT(resume_drops_step_counter): AdamW's state restored, its step counters reset.
-    if "resume_drops_step_counter" in active:
-        faults.reset_step_counters(optimizer)
+    restore(model, optimizer, ckpt, group)
     state = resume_state.read_trainer_state(d / resume_state.TRAINER_STATE_FILE)
     if state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])

@@ -1,8 +1,9 @@
 """Deliberate bugs for the test suite: each must later be caught by the comparator.
 
-Never active in a real run (``cell.faults`` is empty). The harness checks them at places
-marked ``# FAULT(<name>)``; each fault is one small function here, so the correct code
-path stays readable. Names:
+Never active in a real run (``cell.faults`` is empty). The harness's numerical path holds no
+fault: a launch whose cell names faults calls :func:`install`, which patches the parts they
+replace (methods of :class:`harnesses.torch_tp.harness.TorchTPEngine`, the SDK's loss
+assembly, the checkpoint restore) in that process only. Names:
 
 - ``grad_norm_replicated_per_rank``: the gradient norm sums the squares of every local
   gradient over the TP group, so replicated parameters (norms, embeddings, value head)
@@ -33,7 +34,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
-from typing import Final
+from pathlib import Path
+from typing import Any, Final
 
 import torch
 import torch.distributed as dist
@@ -149,16 +151,6 @@ def skip_collective_and_stall(rank: int) -> None:
         time.sleep(1.0)
 
 
-def window_shift(active: bool) -> int:
-    """FAULT ``logprobs_shift_one``: the response window's offset (1 when active, else 0)."""
-    return 1 if active else 0
-
-
-def effective_temperature(temperature: float, *, ignore: bool) -> float:
-    """FAULT ``no_temperature``: 1.0 when active, else the contract's temperature."""
-    return 1.0 if ignore else temperature
-
-
 def scale_layer_output(model: nn.Module) -> None:
     """FAULT ``layer1_mlp_scaled``: scale ``<backbone>.layers.1.mlp``'s output.
 
@@ -186,3 +178,107 @@ def reset_step_counters(optimizer: torch.optim.Optimizer) -> None:
     for st in optimizer.state.values():
         if "step" in st:
             st["step"] = torch.zeros_like(st["step"]) if isinstance(st["step"], Tensor) else 0
+
+
+def restore_model_only(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: Path,
+                       group: Any) -> None:
+    """FAULT ``resume_drops_optimizer_state``: load the model alone; AdamW stays fresh."""
+    del optimizer
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    model_sd = get_model_state_dict(model)
+    dcp.load({"model": model_sd}, checkpoint_id=str(ckpt), process_group=group)
+    set_model_state_dict(model, model_sd)
+
+
+def install(names: Sequence[str], harness: Any) -> Faults:
+    """Patch the named faults into this process's harness (a test-only plugin).
+
+    Args:
+        names: ``cell.faults``.
+        harness: the running harness module (``__main__`` under ``python -m``, so it is
+            passed in rather than imported a second time).
+
+    Raises:
+        HarnessError: an unknown fault name.
+    """
+    from qualify_harness import driver, losses
+
+    from harnesses.torch_tp import resume
+    from harnesses.torch_tp import state_dict_adapter as sda
+
+    active = Faults(names)
+    engine = harness.TorchTPEngine
+    if "no_temperature" in active:
+        engine.temperature = lambda self: 1.0
+    if "logprobs_shift_one" in active:
+        engine.actor_hidden = (
+            lambda self, model, batch: harness.response_hidden(model, batch, 1))
+    if "grad_norm_replicated_per_rank" in active:
+        engine.clip = (
+            lambda self, max_norm: sda.full_fp32(grad_norm_replicated_per_rank(
+                self.params(), max_norm, self.mesh.group)))
+    if "lr_scheduler_stepped_first" in active:
+        applied = engine.applied_lr
+
+        def stepped_first(self: Any) -> float:
+            self.lr_scheduler.step()
+            return applied(self)
+
+        engine.applied_lr = stepped_first
+        engine.scheduler_step = lambda self: None
+    if "bf16_optimizer_state" in active:
+        step = engine.optimizer_step
+
+        def bf16_step(self: Any) -> None:
+            with bf16_optimizer_state(self.optimizer):
+                step(self)
+
+        engine.optimizer_step = bf16_step
+    if "value_loss_unclipped" in active:
+        def unclipped(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+                      value_clip: float, *, weight: Tensor | None = None) -> Tensor:
+            del old_values, value_clip, weight
+            return unclipped_value_loss_sum(values, returns, mask)
+
+        losses.value_loss_sum = unclipped
+    flip, drop = "kl_loss_sign_flipped" in active, "entropy_bonus_dropped" in active
+    if flip or drop:
+        objective = driver.actor_objective
+
+        def faulty(policy: Tensor, kl: Tensor, entropy: Tensor) -> Tensor:
+            return objective(policy, -kl if flip else kl, 0.0 * entropy if drop else entropy)
+
+        driver.actor_objective = faulty
+    if "layer1_mlp_scaled" in active:
+        probe_for = harness.RoleRun.probe_for
+
+        def scaled(self: Any, model: nn.Module) -> Any:
+            scale_layer_output(model)
+            return probe_for(self, model)
+
+        harness.RoleRun.probe_for = scaled
+    if "hang_rank1" in active:
+        groups_up = harness.groups_up
+
+        def hang(group: Any, rank: int) -> None:
+            skip_collective_and_stall(rank)
+            groups_up(group, rank)
+
+        harness.groups_up = hang
+    if "resume_drops_optimizer_state" in active:
+        resume.restore = restore_model_only
+    if "resume_drops_step_counter" in active:
+        restore = resume.restore
+
+        def reset_steps(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: Path,
+                        group: Any) -> None:
+            restore(model, optimizer, ckpt, group)
+            reset_step_counters(optimizer)
+
+        resume.restore = reset_steps
+    return active

@@ -13,7 +13,7 @@ scheduler, the RNG states and the rollout state of the later rounds are not DCP 
 
 Every function here is collective over the role's TP group.
 
-Planted faults (test suite only, :mod:`harnesses.torch_tp.faults`):
+The test suite's resume faults (:mod:`harnesses.torch_tp.faults`) replace :func:`restore`:
 ``resume_drops_optimizer_state`` restores the model only (a fresh AdamW, NeMo-RL #3171);
 ``resume_drops_step_counter`` restores the optimizer and then resets every ``step`` to 0.
 """
@@ -27,15 +27,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
     get_state_dict,
-    set_model_state_dict,
     set_state_dict,
 )
 
 from harnesses import resume_state
 from harnesses.resume_state import ResumePlan
-from harnesses.torch_tp import faults
 from harnesses.torch_tp import state_dict_adapter as sda
 
 DCP_DIR: Final = "dcp"
@@ -83,7 +80,7 @@ def save(plan: ResumePlan, *, role: str, writer: bool, group: Any, model: nn.Mod
 
 
 def load(plan: ResumePlan, *, role: str, group: Any, model: nn.Module,
-         optimizer: torch.optim.Optimizer, scheduler: Any, active: faults.Faults,
+         optimizer: torch.optim.Optimizer, scheduler: Any,
          ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Restore the role in a fresh process before round ``plan.after_round + 1``.
 
@@ -94,19 +91,7 @@ def load(plan: ResumePlan, *, role: str, group: Any, model: nn.Module,
     """
     d = plan.role_dir(role)
     ckpt = d / DCP_DIR
-    # FAULT(resume_drops_optimizer_state): the model is restored, AdamW starts fresh.
-    if "resume_drops_optimizer_state" in active:
-        model_sd = get_model_state_dict(model)
-        dcp.load({"model": model_sd}, checkpoint_id=str(ckpt), process_group=group)
-        set_model_state_dict(model, model_sd)
-    else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(ckpt),
-                 process_group=group)
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    # FAULT(resume_drops_step_counter): AdamW's state restored, its step counters reset.
-    if "resume_drops_step_counter" in active:
-        faults.reset_step_counters(optimizer)
+    restore(model, optimizer, ckpt, group)
     state = resume_state.read_trainer_state(d / resume_state.TRAINER_STATE_FILE)
     if state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
@@ -117,6 +102,14 @@ def load(plan: ResumePlan, *, role: str, group: Any, model: nn.Module,
             "loaded": loaded, "checkpoint_files": len(files),
             "checkpoint_bytes": sum(p.stat().st_size for p in files)}
     return dict(state["rollout_state"]), meta
+
+
+def restore(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: Path, group: Any) -> None:
+    """Load the model and AdamW state of the DCP checkpoint ``ckpt`` (collective)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(ckpt),
+             process_group=group)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 
 def checkpoint_path(plan: ResumePlan, role: str) -> Path:

@@ -69,6 +69,7 @@ from qualify.evidence.timestamps import utc_now_iso
 from qualify.layout import LAUNCHER_LOG, LOGS_DIR, RANK_LOGS_DIR
 from qualify.protocol import (
     CELL_FILE,
+    HARNESS_SDK_MAJOR,
     OUTPUTS_FILE,
     OUTPUTS_META_FILE,
     HarnessCell,
@@ -209,6 +210,10 @@ def check_outputs(output_dir: Path, *, sampler: bool = False) -> None:
     if sampler:
         validate_sampler_outputs_meta(meta)
     else:
+        sdk = str(meta.get("sdk_version", ""))
+        if sdk and sdk.split(".", maxsplit=1)[0] != str(HARNESS_SDK_MAJOR):
+            raise HarnessError(f"{meta_path}: sdk_version {sdk} is not supported: qualify reads "
+                               f"harness SDK {HARNESS_SDK_MAJOR}.x outputs")
         validate_outputs_meta(meta)
     header = read_safetensors_header(tensors_path)
     if not header:

@@ -88,7 +88,7 @@ def qualify_files(root: Path) -> dict[str, str]:
 
 def engine_files(root: Path, engine: str) -> dict[str, str]:
     """sha256 of ``harnesses/<engine>/**/*.py`` and the shared harness modules."""
-    return _digests(root, [*_py_under(root, f"harnesses/{engine}"), *HARNESS_SHARED])
+    return _digests(root, [*_py_under(root, f"harnesses/{engine}"), *HARNESS_SHARED, *_py_under(root, "sdk/qualify_harness")])  # noqa: E501 - the harness SDK runs in every engine
 
 
 def _distributions(engine: str) -> dict[str, str | None]:

@@ -1,0 +1,322 @@
+"""The round driver: the contract's rounds, once for every engine.
+
+An engine harness supplies an :class:`Engine` (one role on one rank: the placed model, its
+forward to per-token quantities, backward, gradient gathering, clip, optimizer step and what
+it reports); :func:`run_actor` and :func:`run_critic` run the rounds, compute the losses
+(:mod:`qualify_harness.losses`) and record every protocol tensor in a
+:class:`~qualify_harness.outputs.Recorder`, in this order per round:
+
+1. per micro-batch: forward, loss terms (each a masked sum over the micro-batch divided by
+   the whole batch's denominator), backward of their sum;
+2. per-token tensors and loss values; then :func:`update`: pre-clip gradients (full, HF
+   names), clip (pre-clip norm and clip coefficient), the lr the step applies, optimizer
+   step, scheduler step, optimizer state, per-parameter updates, the replica check.
+
+Round 1's own log-probs (values) are the ``old`` of every later round; decoupled PPO's
+behavior weights come from round 1's log-probs (the proximal policy). Before round 1 the
+padding rerun (``<metric>_padded``, :data:`~qualify_harness.protocol.EXTRA_RIGHT_PADDING`
+more pad columns) is scored without gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qualify_harness import losses
+from qualify_harness.inputs import Batch, Recipe, micro_slices
+from qualify_harness.outputs import Recorder
+from qualify_harness.protocol import EXTRA_RIGHT_PADDING
+
+Restore = Callable[[], Mapping[str, Tensor]]
+"""Restores a checkpoint (after the scoring pass) and returns the state later rounds need."""
+RoundHook = Callable[[int, dict[str, Tensor]], None]
+"""Called after round ``r``'s step with the state later rounds need (resume, export)."""
+Capture = Callable[[int, Batch], contextlib.AbstractContextManager[Any]]
+"""A context around one micro-batch's forward and backward (a layer probe)."""
+
+
+class Engine(ABC):
+    """One role of one engine on one rank: the parts the driver asks for.
+
+    Tensors the driver receives are FP32 ``[b, R]`` plain tensors, equal on every rank of
+    the role; full tensors (``full_*``) are keyed by Hugging Face parameter name.
+    """
+
+    device: torch.device
+    pad_token_id: int = 0
+
+    @abstractmethod
+    def logprobs_and_entropy(self, model: Any, batch: Batch) -> tuple[Tensor, Tensor]:
+        """Actor: ``(logprobs, entropy)`` of ``batch.responses``, each ``[b, R]`` FP32."""
+
+    def values(self, model: Any, batch: Batch) -> Tensor:
+        """Critic: values ``V(s_t)`` on the response window, ``[b, R]`` FP32."""
+        raise NotImplementedError(f"{type(self).__name__} runs no critic")
+
+    def after_scoring(self, models: list[Any]) -> None:  # noqa: B027 - optional: nothing
+        """Called once the no-gradient scoring pass is over (FSDP reshards there)."""
+
+    def gather_rows(self, local: Tensor) -> Tensor:
+        """This rank's ``[b_local, R]`` rows -> the whole batch's ``[B, R]`` (data parallel)."""
+        return local
+
+    def sum_over_ranks(self, shares: dict[str, float]) -> dict[str, float]:
+        """Each loss term's per-rank share summed over the data-parallel ranks."""
+        return shares
+
+    def backward(self, loss: Tensor) -> None:
+        """Back-propagate ``loss`` (accumulating gradients over micro-batches)."""
+        loss.backward()
+
+    def prepare_grads(self) -> None:  # noqa: B027 - an optional part: nothing by default
+        """Anything the engine does to its gradients before they are read (reductions)."""
+
+    @abstractmethod
+    def params(self) -> list[Tensor]:
+        """The trained parameters as the optimizer holds them (their ``dtype`` and ``grad``)."""
+
+    def engine_dtypes(self) -> tuple[dict[str, set[torch.dtype]], dict[str, set[torch.dtype]]]:
+        """Dtypes gradients were reduced across ranks in, and accumulated in (name -> set)."""
+        return {}, {}
+
+    @abstractmethod
+    def full_grads(self) -> dict[str, Tensor]:
+        """Pre-clip FP32 gradients, full, by HF name (collective where sharded)."""
+
+    @abstractmethod
+    def clip(self, max_norm: float) -> Tensor:
+        """Clip the gradients to ``max_norm``; returns the pre-clip global norm (0-d)."""
+
+    @abstractmethod
+    def full_params(self) -> dict[str, Tensor]:
+        """The master weights, full, by HF name."""
+
+    @abstractmethod
+    def applied_lr(self) -> float:
+        """The lr the next optimizer step applies (read from the optimizer)."""
+
+    @abstractmethod
+    def optimizer_step(self) -> None:
+        """One optimizer step."""
+
+    def scheduler_step(self) -> None:  # noqa: B027 - an optional part: nothing by default
+        """Step the lr scheduler (after the optimizer step)."""
+
+    @abstractmethod
+    def zero_grad(self) -> None:
+        """Drop the gradients."""
+
+    @abstractmethod
+    def state_dtypes(self, key: str) -> set[torch.dtype]:
+        """Dtypes of the optimizer state ``key`` (``exp_avg``, ``exp_avg_sq``)."""
+
+    @abstractmethod
+    def full_optimizer_state(self, key: str) -> dict[str, Tensor]:
+        """The optimizer state ``key``, full, by HF name."""
+
+    @abstractmethod
+    def check_replicas(self) -> tuple[Mapping[str, bool], Mapping[str, float]]:
+        """Replicated parameters bitwise equal on every rank: (name -> equal, name -> max diff)."""
+
+    def update(self, rec: Recorder, round_: int, max_norm: float) -> None:
+        """The round's optimizer step and what it reports: :func:`update` from the parts.
+
+        An engine whose clip and step are one call (DeepSpeed's ``engine.step()``)
+        overrides this whole method and records the same families around that call.
+        """
+        update(self, rec, round_, max_norm)
+
+
+def update(engine: Engine, rec: Recorder, round_: int, max_norm: float) -> None:
+    """Round ``round_``'s step: record pre-clip grads, clip, step, state, updates, replicas."""
+    engine.prepare_grads()
+    rec.engine_dtypes(*engine.engine_dtypes())
+    params = engine.params()
+    rec.grad_dtypes |= {p.grad.dtype for p in params if p.grad is not None}
+    rec.master_dtypes |= {p.dtype for p in params}
+    for name, g in engine.full_grads().items():
+        rec.put(round_, "grads", g, name)
+    norm = engine.clip(max_norm).reshape(())
+    rec.put(round_, "grad_norm", norm)
+    rec.put(round_, "clip_coef", torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    before = engine.full_params()
+    rec.lrs[f"round{round_}"] = engine.applied_lr()
+    engine.optimizer_step()
+    engine.scheduler_step()
+    engine.zero_grad()
+    for key in ("exp_avg", "exp_avg_sq"):
+        rec.state_dtypes[key] |= engine.state_dtypes(key)
+        for name, t in engine.full_optimizer_state(key).items():
+            rec.put(round_, key, t, name)
+    for name, after in engine.full_params().items():
+        rec.put(round_, "updates", after - before[name], name)
+    rec.replicas(round_, *engine.check_replicas())
+
+
+def actor_objective(policy: Tensor, kl: Tensor, entropy: Tensor) -> Tensor:
+    """The Actor's loss to back-propagate: ``policy + kl + entropy`` (each already weighted)."""
+    return policy + kl + entropy
+
+
+def _no_capture(_round: int, _batch: Batch) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+def run_actor(engine: Engine, model: Any, ref: Any, batch: Batch, recipe: Recipe, *,
+              rec: Recorder, rounds: Iterable[int], restore: Restore | None = None,
+              after_round: RoundHook | None = None, capture: Capture = _no_capture,
+              whole_mask: Tensor | None = None, rows: slice | None = None,
+              ) -> dict[str, Any]:
+    """The Actor's rounds (PPO / GRPO clipped surrogate, KL to the reference, entropy bonus).
+
+    Args:
+        engine: the role's engine parts.
+        model: the placed Actor (what :meth:`Engine.logprobs_and_entropy` takes).
+        ref: the placed reference policy.
+        batch: this rank's rows of the batch (all of it without data parallelism), on the
+            engine's device.
+        recipe: the contract's algorithm and optimizer.
+        rec: where the role's outputs go.
+        rounds: the rounds to run (all, or those after a resumed checkpoint).
+        restore: a resumed launch's checkpoint load, called after the padding rerun; it
+            returns ``old_logprobs``, ``w_behav``, ``w_raw``.
+        after_round: called after each round's step with that state.
+        capture: context around each micro-batch's forward and backward.
+        whole_mask: the whole batch's ``[B, R]`` mask (default ``batch.mask``): the loss
+            denominators are the whole batch's.
+        rows: this rank's rows of the whole batch (default all).
+
+    Returns:
+        Role meta: ``loss_agg_mode``, ``valid_tokens``, ``micro_batches`` and, for decoupled
+        PPO, ``behavior_weight`` statistics per round.
+    """
+    dev = engine.device
+    slices = micro_slices(batch.input_ids.shape[0], recipe.micro_batch_size)
+    b, r_len = batch.responses.shape
+    with rec.timed("scoring_s"), torch.no_grad():
+        ref_lp = torch.zeros(b, r_len, device=dev)
+        padded = torch.zeros(b, r_len, device=dev)
+        for s in slices:
+            ref_lp[s] = engine.logprobs_and_entropy(ref, batch.rows(s))[0]
+            padded[s] = engine.logprobs_and_entropy(
+                model, batch.rows(s).right_padded(EXTRA_RIGHT_PADDING, engine.pad_token_id))[0]
+        engine.after_scoring([ref, model])
+        rec.put(1, "logprobs_padded", engine.gather_rows(torch.where(batch.mask, padded, 0.0)))
+    mask = batch.mask if whole_mask is None else whole_mask
+    full_w, denom = losses.aggregation_terms(mask, recipe.loss_agg_mode)
+    row_w = full_w.to(dev)[slice(None) if rows is None else rows]
+    decoupled = recipe.algorithm == "decoupled_ppo"
+    old_lp = torch.zeros(b, r_len, device=dev)
+    w_behav = torch.ones(b, r_len, device=dev)
+    w_raw = torch.ones(b, r_len, device=dev)
+    if restore is not None:
+        state = restore()
+        old_lp, w_behav, w_raw = state["old_logprobs"], state["w_behav"], state["w_raw"]
+    for round_ in rounds:
+        with rec.timed(f"round{round_}_s"):
+            lp_r = torch.zeros(b, r_len, device=dev)
+            ent_r = torch.zeros(b, r_len, device=dev)
+            sums = {"policy": 0.0, "kl": 0.0, "entropy": 0.0}
+            for s in slices:
+                mb = batch.rows(s)
+                with capture(round_, mb):
+                    lp, ent = engine.logprobs_and_entropy(model, mb)
+                    old = lp.detach() if round_ == 1 else old_lp[s]
+                    if decoupled and round_ == 1:  # proximal = this engine's round 1
+                        assert mb.behavior_logprobs is not None
+                        w_behav[s], w_raw[s] = losses.behavior_weight(
+                            lp, mb.behavior_logprobs, recipe.behavior_weight_cap,
+                            recipe.behavior_weight_cap_mode)
+                    rw = row_w[s][:, None]
+                    weight = rw * w_behav[s] if decoupled else \
+                        (None if recipe.loss_agg_mode == "token-mean" else rw)
+                    policy = losses.policy_loss_sum(lp, old, mb.advantages, mb.mask,
+                                                    recipe.clip_ratio, weight=weight) / denom
+                    kl = recipe.kl_loss_coef * losses.masked_sum(
+                        losses.kl_penalty(lp, ref_lp[s], recipe.kl_loss_estimator) * rw,  # type: ignore[arg-type]
+                        mb.mask) / denom
+                    entropy = -recipe.entropy_coef * losses.masked_sum(ent * rw, mb.mask) / denom
+                    engine.backward(actor_objective(policy, kl, entropy))
+                sums["policy"] += float(policy.detach())
+                sums["kl"] += float(kl.detach())
+                sums["entropy"] += float(entropy.detach())
+                lp_r[s] = torch.where(mb.mask, lp.detach(), 0.0)
+                ent_r[s] = torch.where(mb.mask, ent.detach(), 0.0)
+            if round_ == 1:
+                old_lp = lp_r.clone()
+            rec.put(round_, "logprobs", engine.gather_rows(lp_r))
+            rec.put(round_, "entropy", engine.gather_rows(ent_r))
+            sums = engine.sum_over_ranks(sums)
+            for term in ("policy", "kl", "entropy"):
+                rec.put(round_, f"loss/{term}", torch.tensor(sums[term]))
+            rec.put(round_, "loss/total", torch.tensor(sum(sums.values())))
+            engine.update(rec, round_, recipe.max_grad_norm)
+            if after_round is not None:
+                after_round(round_, {"old_logprobs": old_lp, "w_behav": w_behav,
+                                     "w_raw": w_raw})
+    meta: dict[str, Any] = {"loss_agg_mode": recipe.loss_agg_mode,
+                            "valid_tokens": int(float(mask.sum())),
+                            "micro_batches": len(slices)}
+    if decoupled:  # fixed by round 1 (the proximal policy), used in every round
+        stats = losses.weight_stats(engine.gather_rows(w_raw), mask.to(dev),
+                                    recipe.behavior_weight_cap)
+        meta["behavior_weight"] = {f"round{r}": stats for r in range(1, recipe.rounds + 1)}
+    return meta
+
+
+def run_critic(engine: Engine, model: Any, batch: Batch, recipe: Recipe, *, rec: Recorder,
+               rounds: Iterable[int], restore: Restore | None = None,
+               after_round: RoundHook | None = None, capture: Capture = _no_capture,
+               whole_mask: Tensor | None = None, rows: slice | None = None,
+               ) -> dict[str, Any]:
+    """The Critic's rounds (clipped value loss); arguments as :func:`run_actor`.
+
+    ``restore`` returns ``old_values``. Returns ``valid_tokens`` and ``micro_batches``.
+    """
+    dev = engine.device
+    slices = micro_slices(batch.input_ids.shape[0], recipe.micro_batch_size)
+    b, r_len = batch.responses.shape
+    with rec.timed("scoring_s"), torch.no_grad():
+        padded = torch.zeros(b, r_len, device=dev)
+        for s in slices:
+            padded[s] = engine.values(
+                model, batch.rows(s).right_padded(EXTRA_RIGHT_PADDING, engine.pad_token_id))
+        engine.after_scoring([model])
+        rec.put(1, "values_padded", engine.gather_rows(torch.where(batch.mask, padded, 0.0)))
+    old_v = torch.zeros(b, r_len, device=dev)
+    mask = batch.mask if whole_mask is None else whole_mask
+    full_w, denom = losses.aggregation_terms(mask, recipe.loss_agg_mode)
+    row_w = full_w.to(dev)[slice(None) if rows is None else rows]
+    if restore is not None:
+        old_v = restore()["old_values"]
+    for round_ in rounds:
+        with rec.timed(f"round{round_}_s"):
+            v_r = torch.zeros(b, r_len, device=dev)
+            total = 0.0
+            for s in slices:
+                mb = batch.rows(s)
+                with capture(round_, mb):
+                    values = engine.values(model, mb)
+                    old = values.detach() if round_ == 1 else old_v[s]
+                    vw = None if recipe.loss_agg_mode == "token-mean" else row_w[s][:, None]
+                    loss = losses.value_loss_sum(values, old, mb.returns, mb.mask,
+                                                 recipe.value_clip, weight=vw) / denom
+                    engine.backward(loss)
+                total += float(loss.detach())
+                v_r[s] = torch.where(mb.mask, values.detach(), 0.0)
+            if round_ == 1:
+                old_v = v_r.clone()
+            rec.put(round_, "values", engine.gather_rows(v_r))
+            total = engine.sum_over_ranks({"value": total})["value"]
+            rec.put(round_, "loss/value", torch.tensor(total))
+            rec.put(round_, "loss/total", torch.tensor(total))
+            engine.update(rec, round_, recipe.max_grad_norm)
+            if after_round is not None:
+                after_round(round_, {"old_values": old_v})
+    return {"valid_tokens": int(float(mask.sum())), "micro_batches": len(slices)}

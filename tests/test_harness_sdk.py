@@ -1,0 +1,176 @@
+"""The harness SDK (``sdk/qualify_harness``): its promise to harnesses and to the comparator.
+
+- it imports nothing beyond torch, numpy, safetensors and the standard library (so it
+  installs into a training stack's own environment), and never ``qualify``;
+- its protocol names and per-parameter sampling are ``qualify.protocol``'s;
+- :class:`~qualify_harness.Recipe` reads every committed contract as ``qualify.contract`` does
+  (a default that drifts between the two would train another algorithm than the reference);
+- the writer writes, and ``outputs.schema.json`` requires, exactly the role keys the
+  comparator reads; a role part without them is refused, naming them;
+- the candidate stage refuses outputs of another SDK major version in one line.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+from pathlib import Path
+
+import hypothesis.strategies as st
+import pytest
+import qualify_harness as sdk
+import torch
+from hypothesis import given, settings
+from qualify_harness import outputs as sdk_outputs
+from qualify_harness import protocol as sdk_protocol
+
+from qualify import protocol
+from qualify.candidate.launch import check_outputs
+from qualify.contract import load_contract
+from qualify.errors import HarnessError
+from qualify.resources import contracts_dir, repo_root
+
+SDK_DIR = repo_root() / "sdk" / "qualify_harness"
+ALLOWED_THIRD_PARTY = {"torch", "numpy", "safetensors", "qualify_harness"}
+
+
+def _top_imports(path: Path) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_sdk_imports_only_torch_numpy_safetensors_and_the_standard_library() -> None:
+    files = sorted(SDK_DIR.rglob("*.py"))
+    assert len(files) >= 5, files
+    for path in files:
+        extra = _top_imports(path) - set(sys.stdlib_module_names) - ALLOWED_THIRD_PARTY
+        assert not extra, f"{path.name} imports {sorted(extra)}"
+
+
+def test_protocol_names_are_qualifys() -> None:
+    for name in ("ROLLOUT_FILE", "TRAIN_INPUTS_FILE", "OUTPUTS_FILE", "OUTPUTS_META_FILE",
+                 "CELL_FILE", "ROLLOUT_KEYS", "TRAIN_INPUT_KEYS", "EXTRA_RIGHT_PADDING",
+                 "PADDED_SUFFIX", "EXACT_PARAM_ELEMENTS", "SAMPLED_PARAM_ELEMENTS"):
+        assert getattr(sdk_protocol, name) == getattr(protocol, name), name
+    assert sdk.SDK_MAJOR == protocol.HARNESS_SDK_MAJOR
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.text(min_size=1, max_size=30), numel=st.integers(1, 200_000),
+       exact=st.integers(1, 70_000), sample=st.integers(1, 70_000),
+       rnd=st.integers(1, 9), role=st.sampled_from(["actor", "critic"]))
+def test_sampling_and_tensor_names_are_qualifys(name: str, numel: int, exact: int, sample: int,
+                                                rnd: int, role: str) -> None:
+    sample = min(sample, exact)
+    mine = sdk_protocol.ParamSampling(exact_elements=exact, sample_elements=sample)
+    theirs = protocol.ParamSampling(exact_elements=exact, sample_elements=sample)
+    a, b = mine.indices(name, numel), theirs.indices(name, numel)
+    assert (a is None) == (b is None)
+    if a is not None and b is not None:
+        assert a.tolist() == b.tolist()
+    assert sdk.tensor_name(rnd, role, "grads", name) == protocol.tensor_name(rnd, role, "grads",
+                                                                             name)
+
+
+@pytest.mark.parametrize("path", sorted(contracts_dir().glob("*.toml")), ids=lambda p: p.stem)
+def test_recipe_reads_every_contract_as_qualify_does(path: Path) -> None:
+    c = load_contract(path)
+    r = sdk.Recipe.from_contract(c.to_dict())
+    a, o = c.algorithm, c.optimizer
+    assert (r.algorithm, r.rounds, r.micro_batch_size, r.loss_agg_mode) == (
+        a.name, a.rounds, a.micro_batch_size, a.loss_agg_mode)
+    assert (r.clip_ratio, r.value_clip, r.kl_loss_coef, r.kl_loss_estimator,
+            r.entropy_coef) == (a.clip_ratio, a.value_clip, a.kl_loss_coef,
+                                a.kl_loss_estimator, a.entropy_coef)
+    assert (r.behavior_weight_cap, r.behavior_weight_cap_mode) == (
+        a.behavior_weight_cap, a.behavior_weight_cap_mode)
+    assert (r.actor_lr, r.critic_lr, r.betas, r.eps, r.weight_decay, r.max_grad_norm) == (
+        o.actor_lr, o.critic_lr, tuple(o.betas), o.eps, o.weight_decay, o.max_grad_norm)
+    assert r.temperature == c.sampling.temperature
+
+
+def test_recipe_names_a_missing_field() -> None:
+    with pytest.raises(sdk.InputError, match=r"contract.json: missing or bad field 'optimizer'"):
+        sdk.Recipe.from_contract({"algorithm": {}, "sampling": {}})
+
+
+def test_schema_requires_exactly_what_the_writer_writes() -> None:
+    schema = json.loads((repo_root() / "contracts" / "schema" /
+                         "outputs.schema.json").read_text("utf-8"))
+    role = schema["$defs"]["role"]
+    required = set(role["required"]) | set(role["anyOf"][0]["required"])
+    assert required == set(sdk_outputs.ROLE_REQUIRED)
+    dtypes = role["properties"]["dtypes"]["required"]
+    assert set(dtypes) == set(sdk_outputs.DTYPE_REQUIRED)
+    assert "sdk_version" in schema["required"]
+
+
+def _recorder() -> sdk.Recorder:
+    rec = sdk.Recorder(role="actor", writer=True)
+    rec.compute_dtypes.add(torch.float32)
+    rec.master_dtypes.add(torch.float32)
+    rec.grad_dtypes.add(torch.float32)
+    for key in ("exp_avg", "exp_avg_sq"):
+        rec.state_dtypes[key].add(torch.float32)
+    rec.engine_dtypes({"allreduce": {torch.float32}}, {"main_grad": {torch.float32}})
+    rec.lrs["round1"] = 3e-4
+    rec.replicas(1, {"model.norm.weight": True}, {"model.norm.weight": 0.0})
+    return rec
+
+
+def test_role_meta_holds_every_dtype_key_and_refuses_an_empty_record() -> None:
+    meta = sdk.role_meta(_recorder(), tp=1, global_ranks=[0], precision="fp32")
+    assert set(sdk_outputs.ROLE_REQUIRED) <= set(meta)
+    assert set(meta["dtypes"]) == set(sdk_outputs.DTYPE_REQUIRED)
+    with pytest.raises(sdk.OutputError, match=r"actor: nothing recorded for lr, "
+                                              r"replica_consistency, dtypes.compute"):
+        sdk.role_meta(sdk.Recorder(role="actor", writer=True), tp=1, global_ranks=[0],
+                      precision="fp32")
+
+
+@pytest.mark.parametrize("drop", sdk_outputs.ROLE_REQUIRED)
+def test_a_part_without_a_required_key_is_refused(tmp_path: Path, drop: str) -> None:
+    meta = sdk.role_meta(_recorder(), tp=1, global_ranks=[0], precision="fp32")
+    del meta[drop]
+    with pytest.raises(sdk.OutputError, match=rf"roles.actor lacks \['{drop}'\]"):
+        sdk.write_part("x", tmp_path, "actor", {"round1/actor/logprobs": torch.zeros(1)}, meta)
+    assert not list(tmp_path.iterdir())
+
+
+def _outputs(tmp_path: Path, sdk_version: str | None) -> Path:
+    rec = _recorder()
+    rec.put(1, "logprobs", torch.zeros(2, 3))
+    meta = sdk.role_meta(rec, tp=1, global_ranks=[0], precision="fp32")
+    sdk.write_part("torch_tp", tmp_path, "actor", rec.tensors, meta)
+    head = sdk.outputs_head(engine="torch_tp", cell={"actor_tp": 1, "critic_tp": 0},
+                            packages=["torch"], world=1, backend="gloo",
+                            device=torch.device("cpu"), timings={}, shims=[], faults=[])
+    if sdk_version is None:
+        del head["sdk_version"]
+    else:
+        head["sdk_version"] = sdk_version
+    sdk.merge_parts("torch_tp", ["actor"], tmp_path, head, wait_s=1.0)
+    return tmp_path
+
+
+def test_written_outputs_pass_the_candidate_stage_check(tmp_path: Path) -> None:
+    check_outputs(_outputs(tmp_path, sdk.SDK_VERSION))
+
+
+@pytest.mark.parametrize(("version", "message"), [
+    ("2.0", r"outputs.json: sdk_version 2.0 is not supported: qualify reads harness SDK 1.x"),
+    ("0.9", r"outputs.json: sdk_version 0.9 is not supported"),
+    (None, r"outputs.json: .*'sdk_version' is a required property"),
+])
+def test_another_sdk_major_is_refused_in_one_line(tmp_path: Path, version: str | None,
+                                                   message: str) -> None:
+    out = _outputs(tmp_path, version)
+    with pytest.raises(HarnessError, match=message) as info:
+        check_outputs(out)
+    assert "\n" not in str(info.value)
