@@ -21,6 +21,9 @@ py="$venv/bin/python"
 # the harness's own dependencies, and those of the qualify modules the built-in torch_tp
 # round loop it delegates to imports (qualify.contract: jsonschema; qualify.atomic: psutil)
 "$py" -m pip install -q transformers==4.57.6 safetensors numpy jsonschema psutil
+# the harness SDK (torch, numpy, safetensors and the standard library only), which the
+# built-in torch_tp engine parts run on
+"$py" -m pip install -q --no-deps --no-build-isolation -e sdk
 "$py" -m pip install -q --no-deps --no-build-isolation -e examples/qualify-example-engine
 "$py" - <<'PY'
 import importlib.metadata as md

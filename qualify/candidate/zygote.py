@@ -536,7 +536,9 @@ def spawn(target: str, modules: Sequence[str], env: Mapping[str, str], *, timeou
 
 
 def sources_stamp(target: str = "") -> tuple[tuple[str, int, int], ...]:
-    """(path, size, mtime in ns) of every ``.py`` file of ``qualify`` and ``harnesses``.
+    """(path, size, mtime in ns) of every ``.py`` file of qualify, harnesses and the SDK.
+
+    The SDK is ``sdk/qualify_harness``, which every built-in engine harness runs on.
 
     Under :func:`qualify.resources.repo_root`; and, when ``target`` (the harness,
     ``module`` or ``module:attr``) is a package outside it (a plugin engine's
@@ -548,7 +550,7 @@ def sources_stamp(target: str = "") -> tuple[tuple[str, int, int], ...]:
 
     root = repo_root()
     out = []
-    for package in ("qualify", "harnesses"):
+    for package in ("qualify", "harnesses", "sdk/qualify_harness"):
         for path in sorted((root / package).rglob("*.py")):
             with contextlib.suppress(OSError):
                 st = path.stat()

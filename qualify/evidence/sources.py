@@ -87,8 +87,13 @@ def qualify_files(root: Path) -> dict[str, str]:
 
 
 def engine_files(root: Path, engine: str) -> dict[str, str]:
-    """sha256 of ``harnesses/<engine>/**/*.py`` and the shared harness modules."""
-    return _digests(root, [*_py_under(root, f"harnesses/{engine}"), *HARNESS_SHARED, *_py_under(root, "sdk/qualify_harness")])  # noqa: E501 - the harness SDK runs in every engine
+    """sha256 of an engine's harness files, the shared harness modules and the harness SDK.
+
+    That is ``harnesses/<engine>/**/*.py``, :data:`HARNESS_SHARED` and
+    ``sdk/qualify_harness/**/*.py`` (which runs in every engine).
+    """
+    return _digests(root, [*_py_under(root, f"harnesses/{engine}"), *HARNESS_SHARED,
+                           *_py_under(root, "sdk/qualify_harness")])
 
 
 def _distributions(engine: str) -> dict[str, str | None]:
