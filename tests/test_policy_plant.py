@@ -73,7 +73,7 @@ PATCH = f"""
 
 
 @pytest.mark.slow
-def test_planted_lr_fault_is_xfail_under_the_old_policy_and_fail_under_the_committed_one(tmp_path: Path) -> None:
+def test_planted_lr_fault_is_xfail_under_the_old_policy_and_fail_now(tmp_path: Path) -> None:
     pytest.importorskip("deepspeed")
     contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
     ref = find_sealed_reference(repo_root() / "references", reference_dir_name(contract))
