@@ -24,10 +24,15 @@ from qualify.resources import contracts_dir
 BACKENDS = ("MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 
 
-def _meta(*backends: str) -> dict[str, Any]:
+def _meta(*backends: str, launch: bool = False) -> dict[str, Any]:
+    """A cell's ``outputs.json`` with its role's routes (``launch``: a launch's, by role)."""
     meta = good_meta()
-    meta["roles"] = {"actor": {"routes": {"sdpa_backends": {
-        f"{b} cpu bfloat16": 4 for b in backends} or {"no SDPA call": 0}}}}
+    routes = {"sdpa_backends": {f"{b} cpu bfloat16": 4 for b in backends} or
+              {"no SDPA call": 0}}
+    if launch:
+        meta["roles"] = {"actor": {"routes": routes}}
+    else:
+        meta["routes"] = routes
     return meta
 
 
@@ -55,6 +60,7 @@ def _world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, pins: dict[str, s
     return World(tmp_path, required=[BF16_TP1])
 
 
+@pytest.mark.parametrize("launch", [False, True])
 @pytest.mark.parametrize(("pin", "ran", "verdict"), [
     ("MATH", ("MATH",), "PASS"),
     ("MATH", ("FLASH_ATTENTION",), "FAIL"),
@@ -63,9 +69,9 @@ def _world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, pins: dict[str, s
 ])
 def test_a_cell_whose_sdpa_route_differs_from_its_pin_fails(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pin: str, ran: tuple[str, ...],
-        verdict: str) -> None:
+        verdict: str, launch: bool) -> None:
     w = _world(tmp_path, monkeypatch, pins={"sdpa": pin})
-    w.add_cell(BF16_TP1, meta=_meta(*ran))
+    w.add_cell(BF16_TP1, meta=_meta(*ran, launch=launch))
     report = w.compare(write=False)
     (row,) = rows_of(report, BF16_TP1, "routes")
     assert row.verdict == verdict

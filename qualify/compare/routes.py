@@ -1,8 +1,9 @@
 """The ``routes`` rows: a cell whose kernel routes differ from its pins or its reference.
 
 A cell's routes are what its harness read back at run time (``report.json`` ``routes``,
-:func:`qualify.compare.distribution.cell_routes`): a trainer cell ``{role: {"sdpa_backends":
-{"<backend> <device> <dtype>": calls}, ...}}``, a vLLM sampler cell ``{"vllm": [per worker
+:func:`qualify.compare.distribution.cell_routes`): a trainer cell ``{"sdpa_backends":
+{"<backend> <device> <dtype>": calls}, ...}`` (its role's; ``{role: ...}`` of each role for
+a launch's ``outputs.json``), a vLLM sampler cell ``{"vllm": [per worker
 {"attention_backends": [...], ...}], ...}``. :func:`route_row` checks, for one COMPLETE cell:
 
 - the contract's pins (``[routes]``, :class:`qualify.contract.RoutePins`): ``sdpa`` against
@@ -67,8 +68,9 @@ def route_row(cell: str, role: str, kind: str, routes: Any, *, pins: RoutePins |
         cell: the cell id.
         role: the cell's role (``actor``, ``critic``, ``sampler``).
         kind: ``trainer`` or ``sampler``.
-        routes: the cell's entry of ``report.json`` ``routes`` (a string when its harness
-            records none).
+        routes: the cell's entry of ``report.json`` ``routes``: its role's routes (a cell's
+            ``outputs.json``), ``{role: routes}`` (a launch's), or a string when its harness
+            records none.
         pins: the contract's ``[routes]`` (``None``: none).
         reference: :func:`reference_backends` (empty: not a constraint).
 
@@ -79,6 +81,8 @@ def route_row(cell: str, role: str, kind: str, routes: Any, *, pins: RoutePins |
     problems: list[tuple[str, str, str]] = []
     checked = 0
     recorded = isinstance(routes, Mapping)
+    if recorded and kind == "trainer" and "sdpa_backends" in routes:
+        routes = {role: routes}  # a cell's own outputs.json: its role's routes
     if kind == "trainer":
         if pins is not None and pins.sdpa is not None:
             if not recorded:
