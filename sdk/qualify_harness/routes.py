@@ -62,7 +62,7 @@ def sdpa_recorder(into: dict[str, int] | None = None) -> Iterator[dict[str, int]
         seen[label] = seen.get(label, 0) + 1
         return fn(query, key, value, *args, **kwargs)
 
-    torch.nn.functional.scaled_dot_product_attention = wrapped  # type: ignore[assignment]
+    torch.nn.functional.scaled_dot_product_attention = wrapped
     try:
         yield seen
     finally:
