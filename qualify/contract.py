@@ -40,6 +40,7 @@ __all__ = [
     "ResumeSpec",
     "Role",
     "RolesSpec",
+    "RoutePins",
     "SamplerSpec",
     "SamplingSpec",
     "Topology",
@@ -489,6 +490,23 @@ class OptimizerSpec:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RoutePins:
+    """The ``[routes]`` section: the kernel routes the cells must have run.
+
+    Checked by :mod:`qualify.compare.routes` against what each harness read back.
+
+    Attributes:
+        sdpa: the torch SDPA backend every SDPA call of every trainer cell dispatched to
+            (``torch.nn.attention.SDPBackend`` name), or ``None``: not pinned.
+        vllm_attention: the attention backend every vLLM worker of every sampler cell holds,
+            or ``None``: not pinned.
+    """
+
+    sdpa: str | None = None
+    vllm_attention: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class BoundsSpec:
     """The rule ``bound = k * max(control_error, resolution, propagated) + quantum + floor``.
 
@@ -520,6 +538,7 @@ class Contract:
         model, roles, prompts, sampling, algorithm, optimizer, matrix, bounds: the sections.
         sampler: the ``[sampler]`` section (``None``: no sampler cells).
         resume: the ``[resume]`` section (``None``: no resume cells, the digest unchanged).
+        routes: the ``[routes]`` pins (``None``: no pins, the digest unchanged).
         evidence: the ``[evidence]`` section: how per-parameter families are stored
             (``exact_param_elements``, ``sampled_param_elements``; the protocol's defaults
             when absent, so a contract that does not write the section keeps its digest).
@@ -542,6 +561,7 @@ class Contract:
     sampler: SamplerSpec | None = None
     resume: ResumeSpec | None = None
     evidence: ParamSampling = DEFAULT_SAMPLING
+    routes: RoutePins | None = None
 
     def __post_init__(self) -> None:
         if self.sampler is not None:
@@ -691,6 +711,7 @@ def _build(doc: Mapping[str, Any], path: Path | None) -> Contract:
         resume=ResumeSpec.from_dict(doc["resume"], rounds=algorithm.rounds,
                                     cells=matrix.cells()) if "resume" in doc else None,
         evidence=_evidence(doc.get("evidence", {})),
+        routes=RoutePins(**doc["routes"]) if "routes" in doc else None,
     )
 
 

@@ -293,6 +293,10 @@ def test_dtypes_are_what_deepspeed_holds(runs: Runs, precision: str, zero: int) 
         assert info["optimizer_wrapper"] == {("fp32", 0): "AdamW", ("fp32", 2): (
             "DeepSpeedZeroOptimizer"), ("bf16", 0): "FP16_UnfusedOptimizer",
             ("bf16", 1): "BF16_Optimizer"}[(precision, zero)]
+        routes = rm["routes"]  # read back from the live engine and the forwards
+        assert routes["optimizer_wrapper"]["class"].endswith("." + info["optimizer_wrapper"])
+        assert routes["zero_stage"] == zero
+        assert sum(routes["sdpa_backends"].values()) > 0, routes
 
 
 @pytest.mark.parametrize(("precision", "zero"), RUNS["a2c1"]["variants"])

@@ -179,6 +179,10 @@ def test_launch_writes_complete_outputs(runs: Runs, run: str) -> None:
         assert rm["lr_scheduler"].startswith("transformers.get_scheduler")
         assert rm["micro_batches"] == 1  # 4 rows / dp ranks, micro_batch_size 4
         assert rm["valid_tokens"] == sum(RESPONSE_LENGTHS)  # the global N on every rank
+        routes = rm["routes"]  # read back as the forwards ran and from the live optimizer
+        assert sum(routes["sdpa_backends"].values()) > 0, routes
+        assert routes["optimizer"]["class"] == "torch.optim.adamw.AdamW"
+        assert routes["optimizer"]["fused"] is False
     assert meta["faults"] == []
     assert meta["shims"] == []
 

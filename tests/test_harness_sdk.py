@@ -24,6 +24,7 @@ import torch
 from hypothesis import given, settings
 from qualify_harness import outputs as sdk_outputs
 from qualify_harness import protocol as sdk_protocol
+from qualify_harness import routes as sdk_routes
 
 from qualify import protocol
 from qualify.candidate.launch import check_outputs
@@ -174,3 +175,44 @@ def test_another_sdk_major_is_refused_in_one_line(tmp_path: Path, version: str |
     with pytest.raises(HarnessError, match=message) as info:
         check_outputs(out)
     assert "\n" not in str(info.value)
+
+
+def test_sdpa_routes_are_read_back_per_call_not_from_config() -> None:
+    """The backend torch selects for each call is counted, a forced one included."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, 2, 5, 8)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with sdk_routes.sdpa_recorder() as seen:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        with sdpa_kernel([SDPBackend.MATH]):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+            torch.nn.functional.scaled_dot_product_attention(q.double(), q.double(), q.double())
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa  # restored
+    assert seen["MATH cpu float32"] == 1
+    assert seen["MATH cpu float64"] == 1
+    assert sum(seen.values()) == 3
+    assert sdk_routes.sdpa_summary({}) == {sdk_routes.NO_SDPA: 0}
+    assert sdk_routes.sdpa_backends(seen) <= set(SDPBackend.__members__)
+
+
+def test_role_meta_carries_the_routes_the_driver_read_back(tmp_path: Path) -> None:
+    rec = _recorder()
+    with sdk_routes.sdpa_recorder(rec.sdpa):
+        q = torch.randn(1, 1, 3, 4)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    rec.routes["optimizer"] = sdk_routes.optimizer_route(
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=False, foreach=False))
+    meta = sdk.role_meta(rec, tp=1, global_ranks=[0], precision="fp32")
+    assert sum(meta["routes"]["sdpa_backends"].values()) == 1
+    assert meta["routes"]["optimizer"]["class"] == "torch.optim.adamw.AdamW"
+    assert meta["routes"]["optimizer"]["fused"] is False
+    empty = sdk.role_meta(_recorder(), tp=1, global_ranks=[0], precision="fp32")
+    assert empty["routes"]["sdpa_backends"] == {sdk_routes.NO_SDPA: 0}
+    from qualify.compare.distribution import cell_routes
+
+    out = _outputs(tmp_path, sdk.SDK_VERSION)
+    doc = json.loads((out / "outputs.json").read_text("utf-8"))
+    got = cell_routes({"c": doc, "old": {"roles": {"actor": {}}}}, tmp_path)
+    assert got["c"] == {"actor": doc["roles"]["actor"]["routes"]}
+    assert got["old"] == "not recorded by this harness"

@@ -138,6 +138,12 @@ def test_outputs_list_the_shims(report: dict[str, Any]) -> None:
         assert "megatron/core/optimizer/optimizer.py:907" in shims
         assert "megatron/core/optimizer/clip_grads.py:167" in shims
         assert meta["engine"] == "megatron"
+        routes = meta["routes"]  # the cell's role, read back from the built model
+        assert routes["core_attention"] == [
+            "megatron.core.transformer.dot_product_attention.DotProductAttention"]
+        assert routes["fusions"]["masked_softmax_fusion"] is False
+        assert routes["fusions"]["attention_softmax_in_fp32"] is True
+        assert routes["sdpa_backends"] == {"no SDPA call": 0}
         assert meta["versions"]["megatron-core"] == "0.16.1"
         assert meta["device"] == "cpu"
         assert meta["not_run"] == []

@@ -34,7 +34,7 @@ def test_todays_report_holds_every_section(failing: tuple[World, Report]) -> Non
     assert sections_of(doc) == (OPTIONAL_SECTIONS, True)
     assert OPTIONAL_SECTIONS == ("coverage", "power", "root_causes", "behavior_weights",
                                  "clip_band", "lr_schedule", "gate_note", "reduction_dtypes",
-                                 "gate_decision", "routes")
+                                 "gate_decision", "routes", "route_pins")
     assert doc["sections"] == list(OPTIONAL_SECTIONS)
     assert doc["gate"]["result"] == "FAIL"  # the decision the comparator sealed
     assert all("power" in r for r in doc["rows"])

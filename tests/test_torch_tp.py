@@ -150,6 +150,14 @@ def test_launch_writes_complete_outputs(runs: Runs, run: str) -> None:
     assert meta["faults"] == []
     assert [r["role"] for r in meta["ranks"]] == (["actor"] * spec["actor_tp"]
                                                   + ["critic"] * spec["critic_tp"])
+    for role in ("actor", "critic"):  # read back as the forwards ran (HF sdpa attention)
+        routes = meta["roles"][role]["routes"]
+        sdpa = routes["sdpa_backends"]
+        assert sdpa, role
+        assert all(n > 0 and label.endswith(" cpu float32") and
+                   not label.startswith("unknown") for label, n in sdpa.items()), sdpa
+        assert routes["optimizer"] == {"class": "torch.optim.adamw.AdamW", "fused": False,
+                                       "foreach": False, "capturable": False}
 
 
 @pytest.mark.parametrize(("precision", "role"), [

@@ -42,6 +42,7 @@ import qualify_harness as sdk
 import torch
 import torch.distributed as dist
 from qualify_harness import losses as sdk_losses
+from qualify_harness import routes as sdk_routes
 from torch import Tensor, nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -235,6 +236,18 @@ class DeepSpeedEngine(sdk.Engine):
             diff[pl.name] = max(float((g[sl] - base[sl]).abs().max()) if n else 0.0
                                 for g in gathered[1:])
         return equal, diff
+
+    def routes(self) -> dict[str, Any]:
+        """The optimizer wrapper, the basic optimizer and the ZeRO stage, read off the engine.
+
+        The wrapper: ``FP16_Optimizer`` is the fused-flatten path, ``FP16_UnfusedOptimizer``
+        the per-tensor one; the basic optimizer it steps: DeepSpeed's ``FusedAdam`` /
+        ``DeepSpeedCPUAdam`` or torch's AdamW with its ``fused`` / ``foreach`` flags.
+        """
+        basic = getattr(self.ds, "basic_optimizer", None) or self.ds.optimizer
+        return {"optimizer_wrapper": sdk_routes.optimizer_route(self.ds.optimizer),
+                "optimizer": sdk_routes.optimizer_route(basic),
+                "zero_stage": int(self.ds.zero_optimization_stage())}
 
     # The SDK's default update sequence is replaced by :meth:`update`: these parts of it
     # are DeepSpeed's, inside ``engine.step()``.

@@ -46,6 +46,7 @@ import qualify_harness as sdk
 import torch
 import torch.distributed as dist
 from qualify_harness import losses as sdk_losses
+from qualify_harness import routes as sdk_routes
 from torch import Tensor, nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -139,6 +140,10 @@ class FSDP2Engine(sdk.Engine):
         if self.mesh.dp > 1:  # TP ranks of a DP rank hold the same (replicated) shares
             dist.all_reduce(t, group=self.mesh.dp_group)
         return {k: float(v) for k, v in zip(keys, t.tolist(), strict=True)}
+
+    def routes(self) -> dict[str, Any]:
+        """The optimizer actually built, with its ``fused`` / ``foreach`` flags."""
+        return {"optimizer": sdk_routes.optimizer_route(self.optimizer)}
 
     def params(self) -> list[Tensor]:
         """Trainable sharded DTensor parameters."""

@@ -35,6 +35,7 @@ from typing import Any, Final
 
 import torch
 import torch.distributed as dist
+from qualify_harness.routes import optimizer_route, sdpa_recorder, sdpa_summary
 from torch import Tensor, nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -95,6 +96,8 @@ class RoleRun(common.RoleOutputs):
         device: compute device.
         faults: the cell's planted faults (test suite only; none by default).
         tensors, timings: what it reports (:class:`harnesses.common.RoleOutputs`).
+        sdpa, routes: the kernel routes read back as the role ran (:func:`megatron_routes`;
+            ``sdpa``: :func:`qualify_harness.routes.sdpa_recorder`'s counts).
     """
 
     cell: HarnessCell
@@ -106,6 +109,8 @@ class RoleRun(common.RoleOutputs):
     faults: faults.Faults = dataclasses.field(default_factory=lambda: faults.Faults(()))
     compute_dtypes: set[str] = dataclasses.field(default_factory=set)
     extra_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    sdpa: dict[str, int] = dataclasses.field(default_factory=dict)
+    routes: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def role(self) -> str:
@@ -182,7 +187,6 @@ class RoleRun(common.RoleOutputs):
 
     def run(self) -> dict[str, Any]:
         """Score and train this role; return its ``outputs.json`` part."""
-        alg = self.contract.algorithm
         head: convert.Head = "lm" if self.role == "actor" else "value"
         src = self.dirs["actor_dir" if self.role == "actor" else "critic_dir"]
         with self.timed("load_s"):
@@ -192,6 +196,13 @@ class RoleRun(common.RoleOutputs):
                 ref, _ = self.build(self.dirs["ref_dir"], "lm")
                 ref.requires_grad_(False)
         batch = self.batch.to(self.device)
+        with sdpa_recorder(self.sdpa):
+            return self._score_and_train(model, ref, shape, batch)
+
+    def _score_and_train(self, model: nn.Module, ref: nn.Module | None, shape: convert.Shape,
+                         batch: Batch) -> dict[str, Any]:
+        """:meth:`run` after the load: scoring, then training (SDPA calls counted)."""
+        alg = self.contract.algorithm
         b, r_len = batch.responses.shape
         slices = common.micro_slices(b, alg.micro_batch_size)
         pad_id = int(self.extra_meta["pad_token_id"])
@@ -219,6 +230,7 @@ class RoleRun(common.RoleOutputs):
                                tp_group=self.groups.tp_group)
         trainer = train.Trainer(run=self, model=model, shape=shape, ref=ref, probe=probe)
         trainer.train(batch, slices)
+        self.routes = megatron_routes(model, trainer.optimizer)
         return self.meta(shape, not_run=[], training=trainer.meta())
 
     def meta(self, shape: convert.Shape, *, not_run: list[dict[str, Any]],
@@ -242,6 +254,7 @@ class RoleRun(common.RoleOutputs):
             "dropout": "0 (hidden_dropout = attention_dropout = 0)",
             "not_run": not_run,
             "role_timings": dict(self.timings),
+            "routes": {"sdpa_backends": sdpa_summary(self.sdpa), **self.routes},
             "engine_info": {
                 "compute": sorted(self.compute_dtypes),
                 "value_head": ("replicated Linear(hidden, 1) + bias as GPTModel.output_layer"
@@ -266,6 +279,29 @@ class RoleRun(common.RoleOutputs):
             if training.get("resume"):  # a resumed launch: the restore's state record
                 out["resume"] = training["resume"]
         return out
+
+
+MEGATRON_FUSIONS: Final = ("bias_activation_fusion", "masked_softmax_fusion",
+                            "persist_layer_norm", "bias_dropout_fusion", "apply_rope_fusion",
+                            "gradient_accumulation_fusion", "attention_softmax_in_fp32")
+"""``TransformerConfig`` flags that switch Megatron's fused kernels (read off the built model)."""
+
+
+def megatron_routes(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The kernel routes of a built Megatron model, read back from the live objects.
+
+    ``fusions``: :data:`MEGATRON_FUSIONS` from the ``config`` the model's layers hold (the
+    one they branch on at run time); ``core_attention``: the classes of the modules named
+    ``*.core_attention`` (``DotProductAttention`` for the local spec, TE's otherwise);
+    ``optimizer``: :func:`qualify_harness.routes.optimizer_route` of the optimizer stepped.
+    """
+    config = next((m.config for m in model.modules() if hasattr(m, "config")
+                   and hasattr(m.config, "masked_softmax_fusion")), None)
+    attn = sorted({f"{type(m).__module__}.{type(m).__qualname__}"
+                   for n, m in model.named_modules() if n.endswith("core_attention")})
+    return {"fusions": {k: getattr(config, k, None) for k in MEGATRON_FUSIONS},
+            "core_attention": attn,
+            "optimizer": optimizer_route(optimizer)}
 
 
 def run(cell: HarnessCell) -> None:

@@ -35,6 +35,7 @@ from typing import Any, Final
 import qualify_harness as sdk
 import torch
 import torch.distributed as dist
+from qualify_harness import routes as sdk_routes
 from torch import Tensor, nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -137,6 +138,10 @@ class TorchTPEngine(sdk.Engine):
     def engine_dtypes(self) -> tuple[dict[str, set[torch.dtype]], dict[str, set[torch.dtype]]]:
         """DTensor reduction and accumulation dtypes (:func:`parallelize.reduction_dtypes`)."""
         return self._dtypes
+
+    def routes(self) -> dict[str, Any]:
+        """The optimizer actually built, with its ``fused`` / ``foreach`` flags."""
+        return {"optimizer": sdk_routes.optimizer_route(self.optimizer)}
 
     def params(self) -> list[Tensor]:
         """Trainable DTensor parameters."""

@@ -166,7 +166,8 @@ def cell_routes(metas: Mapping[str, Mapping[str, Any] | None], ref_dir: Path
                 ) -> dict[str, Any]:
     """The report's ``routes`` section.
 
-    Each cell's ``outputs.json`` ``routes`` (or that its harness records none), and the
+    Each cell's ``outputs.json`` ``routes`` (a trainer cell's: ``{role: roles.<role>.routes}``;
+    or that its harness records none), and the
     reference's SDPA read-back from ``distribution.json`` (key ``reference``).
 
     Args:
@@ -176,6 +177,9 @@ def cell_routes(metas: Mapping[str, Mapping[str, Any] | None], ref_dir: Path
     out: dict[str, Any] = {}
     for cid, meta in metas.items():
         got = meta.get("routes") if isinstance(meta, Mapping) else None
+        if got is None and isinstance(meta, Mapping) and isinstance(meta.get("roles"), Mapping):
+            got = {role: r["routes"] for role, r in meta["roles"].items()
+                   if isinstance(r, Mapping) and isinstance(r.get("routes"), Mapping)} or None
         out[cid] = dict(got) if isinstance(got, Mapping) else "not recorded by this harness"
     doc, _ = read_sealed(ref_dir)
     if doc is not None and isinstance(doc.get("routes"), Mapping):

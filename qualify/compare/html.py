@@ -49,6 +49,7 @@ from qualify.compare.plotdata import (
     family_margins,
     load_run,
     param_errors,
+    position_distributions,
     round_margins,
     token_errors,
     worst_row,
@@ -277,6 +278,35 @@ def _token_plots(data: RunData) -> list[str]:
     return out
 
 
+def _distribution_plots(data: RunData) -> list[str]:
+    """Per sampler cell and kind: KL and top-k agreement per position, worst sequences."""
+    cells = [str(c.get("cell")) for c in data.doc.get("cells", [])
+             if c.get("role") == SAMPLER_ROLE and c.get("status") == "COMPLETE"]
+    if not cells:
+        return []
+    distribution_svg = _plots().distribution_svg
+    out = ['<h2 id="distribution-title">Sampler distribution per position</h2>',
+           '<p class="note">For each sampler cell, the decode-path distribution against the '
+           "sealed HF reference at every valid response position of its worst sequences "
+           "(largest token KL): KL(p || q) with the sealed kl_ref_cand_max bound dashed, and "
+           "the top-k set agreement.</p>"]
+    drawn = 0
+    for cid in cells:
+        for pd_ in position_distributions(data, cid):
+            stored = pd_.stored.get("error") if pd_.stored is not None else None
+            check = ("the largest equals the row's stored kl_ref_cand_max" if pd_.reproduces
+                     else f"NOTE: the largest, {pd_.kl_max:.6g}, is not a stored "
+                          f"kl_ref_cand_max ({stored})")
+            out.append(_figure(distribution_svg(pd_), f"distribution-{cid}-{pd_.kind}",
+                               f"{cid} decode_{pd_.kind}: {len(pd_.sequences)} worst "
+                               f"sequences; {check}."))
+            drawn += 1
+    if not drawn:
+        out.append('<p class="note">No decode-path distributions to draw (the sampler cells '
+                   f"or the reference hold none). {_e(data.note)}</p>")
+    return out
+
+
 def _param_plot(data: RunData, causes: Sequence[RootCause]) -> list[str]:
     param_svg = _plots().param_svg
 
@@ -474,7 +504,7 @@ def render_html(data: RunData, gate: Mapping[str, Any] | None = None) -> str:
     """
     causes = causes_of_report(data.doc)
     body = [*_header(data, causes, gate), *_heatmaps(data), *_token_plots(data),
-            *_param_plot(data, causes), *_rounds_plot(data, causes),
+            *_distribution_plots(data), *_param_plot(data, causes), *_rounds_plot(data, causes),
             *_bounds_tables(data, causes), *_field_table(data), *_diverge(data)]
     notes = data.doc.get("notes", [])
     if notes:

@@ -45,11 +45,13 @@ __all__ = [
     "PER_PARAM_FAMILIES",
     "PER_TOKEN_FAMILIES",
     "ParamErrors",
+    "PositionDistribution",
     "RunData",
     "TokenErrors",
     "family_margins",
     "load_run",
     "param_errors",
+    "position_distributions",
     "round_margins",
     "token_errors",
     "worst_row",
@@ -358,3 +360,84 @@ def param_errors(data: RunData, row: Mapping[str, Any]) -> ParamErrors | None:
                        bound=bound if bound is not None else math.nan,
                        reproduces=_reproduces(errs[0][1], row.get("error")),
                        adjusted=bool(row.get("adjustment")))
+
+
+# --------------------------------------------------------------------------- sampler cells
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PositionDistribution:
+    """Per-position KL and top-k agreement of one sampler cell's decode-path distribution.
+
+    Attributes:
+        cell: the sampler cell id.
+        kind: ``raw`` or ``tempered`` (the reference's ``distribution.safetensors`` key).
+        sequences: ``(b, positions, KL(p || q), top-k agreement)`` per drawn sequence (valid
+            positions only), largest token KL first.
+        kl_max: the largest token KL over every valid position.
+        stored: the cell's ``sampler_distribution`` row ``decode_<kind>`` /
+            ``kl_ref_cand_max`` (``None`` when the report has none).
+        bound: that row's sealed bound (``nan`` when none).
+        reproduces: ``kl_max`` equals the stored row's error.
+    """
+
+    cell: str
+    kind: str
+    sequences: tuple[tuple[int, npt.NDArray[np.int64], npt.NDArray[np.float64],
+                           npt.NDArray[np.float64]], ...]
+    kl_max: float
+    stored: Mapping[str, Any] | None
+    bound: float
+    reproduces: bool
+
+
+def position_distributions(data: RunData, cell: str,
+                           n: int = WORST_SEQUENCES) -> list[PositionDistribution]:
+    """The per-position metrics behind a sampler cell's ``sampler_distribution`` rows.
+
+    Reads the cell's ``round1/sampler/decode_<kind>`` (``[B, R, V]``) and the sealed
+    reference's ``distribution.safetensors`` ``<kind>``, for each kind both hold
+    (:func:`qualify.distmetrics.position_metrics`).
+
+    Args:
+        data: the run.
+        cell: a sampler cell id.
+        n: how many sequences to keep (largest token KL first).
+
+    Returns:
+        One :class:`PositionDistribution` per kind; ``[]`` without the tensors.
+    """
+    from qualify.compare.distribution import DISTRIBUTION_FILE, KINDS
+    from qualify.distmetrics import position_metrics
+
+    if data.mask is None or data.ref_dir is None:
+        return []
+    path = data.ref_dir / DISTRIBUTION_FILE
+    got = data.outputs(cell)
+    if got is None or not path.is_file():
+        return []
+    ref = store.load_tensors(path)
+    mask = data.mask.astype(bool)
+    out = []
+    for kind in KINDS:
+        mine = got.get(f"round1/{SAMPLER_ROLE}/decode_{kind}")
+        if mine is None or kind not in ref or np.shape(mine) != np.shape(ref[kind]) or \
+                np.shape(mine)[:2] != mask.shape or not mask.any():
+            continue
+        kl, agree = position_metrics(mine, ref[kind], mask)
+        worst = np.where(mask, np.nan_to_num(kl, nan=np.inf), -np.inf)
+        per_seq = worst.max(axis=1)
+        order = [int(i) for i in np.argsort(-per_seq, kind="stable") if mask[i].any()][:n]
+        seqs = tuple((i, np.flatnonzero(mask[i]).astype(np.int64), kl[i][mask[i]],
+                      agree[i][mask[i]]) for i in order)
+        total = float(np.max(worst))
+        stored = next((r for r in data.rows if r.get("cell") == cell
+                       and r.get("class") == "sampler_distribution"
+                       and r.get("family") == f"decode_{kind}"
+                       and r.get("statistic") == "kl_ref_cand_max"), None)
+        bound = _float(stored.get("bound")) if stored is not None else None
+        out.append(PositionDistribution(
+            cell=cell, kind=kind, sequences=seqs, kl_max=total, stored=stored,
+            bound=bound if bound is not None else math.nan,
+            reproduces=stored is not None and _reproduces(total, stored.get("error"))))
+    return out

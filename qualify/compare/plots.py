@@ -26,10 +26,10 @@ from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullLocator
 
-from qualify.compare.plotdata import ParamErrors, TokenErrors
+from qualify.compare.plotdata import ParamErrors, PositionDistribution, TokenErrors
 
-__all__ = ["RC", "diverge_svg", "heatmap_svg", "param_svg", "quiet_pyparsing", "rounds_svg",
-           "svg", "token_svg"]
+__all__ = ["RC", "distribution_svg", "diverge_svg", "heatmap_svg", "param_svg",
+           "quiet_pyparsing", "rounds_svg", "svg", "token_svg"]
 
 RC: Final[dict[str, Any]] = {
     "svg.hashsalt": "qualify-report",
@@ -176,6 +176,37 @@ def token_svg(te: TokenErrors) -> str:
                      f"{r['statistic']} {te.max_abs:.3g}, margin {float(r['margin']):.3g}",
                      loc="left")
         ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        return svg(fig)
+
+
+def distribution_svg(pd_: PositionDistribution) -> str:
+    """Per-position token KL and top-k agreement of a sampler cell's worst sequences.
+
+    Args:
+        pd_: one cell and kind (:func:`qualify.compare.plotdata.position_distributions`).
+
+    Returns:
+        The SVG text: two panels sharing the response position axis, one line per sequence;
+        top, ``KL(p || q)`` (symlog scale, the sealed ``kl_ref_cand_max`` bound as a dashed
+        line); bottom, ``|top-k(q) ∩ top-k(p)| / k`` in ``[0, 1]``.
+    """
+    with _drawing():
+        fig = _figure(6.2, 3.8)
+        ax_kl, ax_k = fig.subplots(2, 1, sharex=True)
+        for b, pos, kl, agree in pd_.sequences:
+            ax_kl.plot(pos, kl, marker="o", markersize=3, linewidth=1, label=f"sequence {b}")
+            ax_k.plot(pos, agree, marker="o", markersize=3, linewidth=1)
+        if math.isfinite(pd_.bound):
+            ax_kl.axhline(pd_.bound, color=BOUND_COLOR, linestyle="--", linewidth=1,
+                          label=f"bound {pd_.bound:.3g}")
+        ax_kl.set_yscale("symlog", linthresh=1e-8)
+        ax_kl.set_ylabel("KL(p || q)")
+        ax_k.set_ylim(-0.05, 1.05)
+        ax_k.set_ylabel("top-k agreement")
+        ax_k.set_xlabel("response position t")
+        ax_kl.set_title(f"{pd_.cell} · decode_{pd_.kind} (sampler vs HF): "
+                        f"max token KL {pd_.kl_max:.3g}", loc="left")
+        ax_kl.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         return svg(fig)
 
 

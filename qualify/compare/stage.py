@@ -94,6 +94,7 @@ from qualify.compare.power import PowerCache
 from qualify.compare.reflip import SealedBranches, with_branch_flips
 from qualify.compare.report import write_report
 from qualify.compare.resume import resume_required, resume_rows
+from qualify.compare.routes import reference_backends, route_row
 from qualify.compare.rows import (
     LR_RULE,
     compare_rows,
@@ -619,8 +620,18 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
     required_ids = _required_ids(contract)
     results: list[CellResult] = []
     all_rows: list[Row] = []
+    routes = cell_routes({cid: got.meta for cid, got in loaded.items()
+                          if isinstance(got, _Outputs)}, ctx.ref_dir)
+    ref_backends = reference_backends(read_sealed(ctx.ref_dir)[0])
     for cid, e in cells.items():
         status, verdict, reason, rows = _judge_cell(ctx, cid, e, cells, loaded)
+        if "route_pins" in sections and status == "COMPLETE" and cid in routes and \
+                (rrow := route_row(cid, str(e.get("role", "")), "sampler" if e.get("role") ==
+                                   "sampler" else "trainer", routes[cid], pins=contract.routes,
+                                   reference=ref_backends)) is not None:  # qualify.compare.routes
+            rows.append(rrow)
+            if worst_verdict([verdict, rrow.verdict]) != verdict:
+                verdict, reason = rrow.verdict, rrow.reason
         attempt = e.get("attempt")
         results.append(CellResult(
             cell=cid, engine=str(e.get("engine", "")), precision=str(e.get("precision", "")),
@@ -659,8 +670,7 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
         field_like_for_like=like, field_note=field_note, field_metrics=tuple(fields),
         notes=tuple(notes), coverage=coverage, clip_band=tuple(band),
         lr_schedule=_lr_section(ctx),
-        routes=cell_routes({cid: got.meta for cid, got in loaded.items()
-                            if isinstance(got, _Outputs)}, ctx.ref_dir),
+        routes=routes,
         behavior_weights=behavior_weight_rows(
             ref_dir, run_dir, [(c.cell, c.attempt) for c in results
                                if c.role == "actor" and c.attempt]))

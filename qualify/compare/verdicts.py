@@ -49,7 +49,7 @@ ROW_CLASSES: Final = ("candidate_vs_hf", "tp_vs_tp1", "padding_invariance", "dty
 OPTIONAL_SECTIONS: Final[tuple[str, ...]] = ("coverage", "power", "root_causes",
                                               "behavior_weights", "clip_band",
                                               "lr_schedule", "gate_note", "reduction_dtypes",
-                                              "gate_decision", "routes")
+                                              "gate_decision", "routes", "route_pins")
 """Report sections added after the first comparator, in the order they were added:
 ``coverage`` (the reference's coverage record, issue #15), ``power`` (the power check of
 every metric row and its per-family summary, issue #15) and ``root_causes`` (each failing
@@ -68,7 +68,10 @@ decision under the contract's policy at compare time, with the policy's document
 :mod:`qualify.evidence.decision`; ``report.md`` leads with it, the comparator's verdict
 beneath, and is short: expected failures one line each, row details only of the cells the
 decision fails, capped) and ``routes`` (per COMPLETE cell, the kernel routes its harness read
-back at run time: ``outputs.json`` ``routes``, or that the harness records none). A report
+back at run time: ``outputs.json`` ``routes``, or that the harness records none) and
+``route_pins`` (a COMPLETE cell whose routes differ from the contract's ``[routes]`` pins or
+from the SDPA backends of the reference's controls has a FAILing ``routes`` row,
+:mod:`qualify.compare.routes`). A report
 without them was sealed
 before they existed
 and is recomputed, and its ``report.md`` rendered, without them (:func:`sections_of`)."""

@@ -16,14 +16,19 @@ Round 1's own log-probs (values) are the ``old`` of every later round; decoupled
 behavior weights come from round 1's log-probs (the proximal policy). Before round 1 the
 padding rerun (``<metric>_padded``, :data:`~qualify_harness.protocol.EXTRA_RIGHT_PADDING`
 more pad columns) is scored without gradient.
+
+Every SDPA call of a role's forwards is counted by the backend torch selects for it
+(:mod:`qualify_harness.routes`), and :meth:`Engine.routes` read back after the last round:
+the role meta's ``routes``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -32,6 +37,7 @@ from qualify_harness import losses
 from qualify_harness.inputs import Batch, Recipe, micro_slices
 from qualify_harness.outputs import Recorder
 from qualify_harness.protocol import EXTRA_RIGHT_PADDING
+from qualify_harness.routes import sdpa_recorder
 
 Restore = Callable[[], Mapping[str, Tensor]]
 """Restores a checkpoint (after the scoring pass) and returns the state later rounds need."""
@@ -124,6 +130,14 @@ class Engine(ABC):
     def check_replicas(self) -> tuple[Mapping[str, bool], Mapping[str, float]]:
         """Replicated parameters bitwise equal on every rank: (name -> equal, name -> max diff)."""
 
+    def routes(self) -> dict[str, Any]:
+        """Kernel routes read back from the engine's live objects; ``{}`` by default.
+
+        E.g. the optimizer class and its ``fused`` / ``foreach`` flags, fused kernels the
+        engine enabled.
+        """
+        return {}
+
     def update(self, rec: Recorder, round_: int, max_norm: float) -> None:
         """The round's optimizer step and what it reports: :func:`update` from the parts.
 
@@ -164,10 +178,31 @@ def actor_objective(policy: Tensor, kl: Tensor, entropy: Tensor) -> Tensor:
     return policy + kl + entropy
 
 
+_F = TypeVar("_F", bound=Callable[..., dict[str, Any]])
+
+
+def _recording_routes(fn: _F) -> _F:
+    """Wrap a role's rounds: the SDPA calls counted, the engine's routes read back after.
+
+    Every SDPA call of ``fn`` is counted into ``rec.sdpa``; then :meth:`Engine.routes` goes
+    into ``rec.routes``: the routes the role's forwards and steps actually took.
+    """
+
+    @functools.wraps(fn)
+    def wrapped(engine: Engine, *args: Any, rec: Recorder, **kwargs: Any) -> dict[str, Any]:
+        with sdpa_recorder(rec.sdpa):
+            out = fn(engine, *args, rec=rec, **kwargs)
+        rec.routes.update(engine.routes())
+        return out
+
+    return cast(_F, wrapped)
+
+
 def _no_capture(_round: int, _batch: Batch) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
+@_recording_routes
 def run_actor(engine: Engine, model: Any, ref: Any, batch: Batch, recipe: Recipe, *,
               rec: Recorder, rounds: Iterable[int], restore: Restore | None = None,
               after_round: RoundHook | None = None, capture: Capture = _no_capture,
@@ -270,6 +305,7 @@ def run_actor(engine: Engine, model: Any, ref: Any, batch: Batch, recipe: Recipe
     return meta
 
 
+@_recording_routes
 def run_critic(engine: Engine, model: Any, batch: Batch, recipe: Recipe, *, rec: Recorder,
                rounds: Iterable[int], restore: Restore | None = None,
                after_round: RoundHook | None = None, capture: Capture = _no_capture,

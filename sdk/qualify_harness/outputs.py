@@ -35,6 +35,7 @@ from qualify_harness.protocol import (
     ParamSampling,
     tensor_name,
 )
+from qualify_harness.routes import sdpa_summary
 from qualify_harness.version import SDK_VERSION
 
 OUTPUTS_SCHEMA_VERSION: Final = 1
@@ -65,6 +66,10 @@ class Recorder:
         tensors: protocol name -> FP32 CPU tensor (kept on the writer rank only).
         timings: wall seconds per phase.
         lrs: ``round<r>`` -> the lr the optimizer step of round ``r`` applied.
+        sdpa: ``"<backend> <device> <dtype>"`` -> SDPA calls of the role's forwards, read
+            back as they ran (:func:`qualify_harness.routes.sdpa_recorder`).
+        routes: the engine's other kernel routes read back from its live objects
+            (:meth:`qualify_harness.Engine.routes`).
     """
 
     role: str
@@ -82,6 +87,8 @@ class Recorder:
     accum_dtypes: dict[str, set[torch.dtype]] = dataclasses.field(default_factory=dict)
     replica_rounds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     replica_params: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    sdpa: dict[str, int] = dataclasses.field(default_factory=dict)
+    routes: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def put(self, round_: int, metric: str, value: Tensor, param: str | None = None) -> None:
         """Keep ``value`` (FP32, CPU) under its protocol name on the writer rank.
@@ -134,6 +141,9 @@ def role_meta(rec: Recorder, *, tp: int, global_ranks: Sequence[int], precision:
         engine: engine-specific keys (``parallelism``, ``model_class``, ``bf16_mechanism``,
             ``engine_info``...), added as given.
 
+    The meta's ``routes`` is ``{"sdpa_backends": ...}`` (:func:`~qualify_harness.routes.
+    sdpa_summary` of :attr:`Recorder.sdpa`) and :attr:`Recorder.routes`.
+
     Raises:
         OutputError: no round recorded an lr, a replica check or a compute dtype (named).
     """
@@ -164,6 +174,7 @@ def role_meta(rec: Recorder, *, tp: int, global_ranks: Sequence[int], precision:
             "params": rec.replica_params,
         },
         "role_timings": dict(rec.timings),
+        "routes": {"sdpa_backends": sdpa_summary(rec.sdpa), **rec.routes},
         **engine,
     }
 
