@@ -86,7 +86,7 @@ def _ranks(role: str, variant: str) -> tuple[str, ...]:
     ``variant`` is ``result.json`` ``launch_variant`` (``fp32-a2c1``; since commit 6db5e59
     one launch runs every topology of its world size) or, before, the launch's name
     (``torch_tp-a1c2``): the Actor on ranks ``[0, actor_tp)``, the Critic after
-    (:func:`harnesses.common.rank_table`).
+    (:func:`qualify_harness.outputs.rank_table`).
     """
     m = _TOPOLOGY.search(variant)
     if m is None or role not in ("actor", "critic"):

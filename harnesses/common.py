@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.metadata
 import json
 import os
-import platform
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
@@ -291,29 +289,6 @@ def roles(actor_tp: int, critic_tp: int) -> list[str]:
 
 outputs_head = sdk.outputs_head
 """The run-level part of ``outputs.json`` (:func:`qualify_harness.outputs_head`)."""
-
-
-def rank_table(actor_tp: int, critic_tp: int) -> list[dict[str, Any]]:
-    """``outputs.json`` ``ranks``: Actor on global ranks ``[0, actor_tp)``, Critic after.
-
-    Returns:
-        One ``{"rank", "role", "tp_rank", "tp_group"}`` per rank, in rank order.
-    """
-    spans = {"actor": list(range(actor_tp)),
-             "critic": list(range(actor_tp, actor_tp + critic_tp))}
-    return [{"rank": r, "role": role, "tp_rank": i, "tp_group": ranks}
-            for role, ranks in spans.items() for i, r in enumerate(ranks)]
-
-
-def versions(packages: Iterable[str]) -> dict[str, str]:
-    """Python's version and each installed package's (``"not installed"`` when absent)."""
-    out = {"python": platform.python_version()}
-    for pkg in packages:
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
 
 
 # --------------------------------------------------------------------------- process

@@ -38,7 +38,6 @@ from hypothesis import given, settings
 from qualify_harness import losses as sdk_losses
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from harnesses.megatron import losses as mg_losses
 from qualify import aggregation, branches
 from qualify.contract import Contract, load_contract, loads_contract
 from qualify.errors import ContractError
@@ -49,7 +48,7 @@ from qualify.resources import contracts_dir
 
 torch.set_num_threads(1)
 
-HARNESS_LOSSES: dict[str, ModuleType] = {"sdk": sdk_losses, "megatron": mg_losses}
+HARNESS_LOSSES: dict[str, ModuleType] = {"sdk": sdk_losses}
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 MASK = np.array([[1, 1, 0], [1, 0, 0]])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from qualify_harness.outputs import rank_table, versions
 from safetensors.torch import load_file, save_file
 
 from harnesses import common
@@ -110,11 +111,11 @@ def test_micro_slices(n: int, size: int, want: list[tuple[int, int]]) -> None:
 
 
 def test_rank_table() -> None:
-    assert common.rank_table(2, 1) == [
+    assert rank_table(2, 1) == [
         {"rank": 0, "role": "actor", "tp_rank": 0, "tp_group": [0, 1]},
         {"rank": 1, "role": "actor", "tp_rank": 1, "tp_group": [0, 1]},
         {"rank": 2, "role": "critic", "tp_rank": 0, "tp_group": [2]}]
-    assert [r["role"] for r in common.rank_table(0, 2)] == ["critic", "critic"]
+    assert [r["role"] for r in rank_table(0, 2)] == ["critic", "critic"]
 
 
 def test_merge_parts_waits_for_every_role(tmp_path: Path) -> None:
@@ -169,7 +170,7 @@ def test_cpu_device_when_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_versions_names_missing_packages() -> None:
-    v = common.versions(("torch", "no-such-package-qualify"))
+    v = versions(("torch", "no-such-package-qualify"))
     assert v["torch"] == torch.__version__.split("+")[0] or v["torch"] == torch.__version__
     assert v["no-such-package-qualify"] == "not installed"
     assert "python" in v
@@ -199,7 +200,7 @@ def test_outputs_head_and_roles(tmp_path: Path) -> None:
     head = common.outputs_head(engine="torch_tp", cell=cell.to_dict(), packages=("torch",),
                                world=3, backend="gloo", device=torch.device("cpu"),
                                timings={"init_s": 1.0}, shims=("s",), faults=cell.faults)
-    assert head["ranks"] == common.rank_table(2, 1)
+    assert head["ranks"] == rank_table(2, 1)
     assert (head["world_size"], head["device"], head["shims"], head["faults"]) == (
         3, "cpu", ["s"], ["x"])
     assert set(head["versions"]) == {"python", "torch"}

@@ -146,7 +146,7 @@ def test_outputs_list_the_shims(report: dict[str, Any]) -> None:
         assert routes["sdpa_backends"] == {"no SDPA call": 0}
         assert meta["versions"]["megatron-core"] == "0.16.1"
         assert meta["device"] == "cpu"
-        assert meta["not_run"] == []
+        assert not meta.get("not_run")
         opt = meta["engine_info"]["optimizer"]
         assert opt["wrapped"] == ["FP32Optimizer"]
         assert opt["inner"] == ["AdamW"]
@@ -163,7 +163,9 @@ import json, sys
 from pathlib import Path
 import torch, torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-from harnesses.megatron import convert, harness as H, losses, model as mm, train
+import qualify_harness as sdk
+from qualify_harness import losses
+from harnesses.megatron import convert, harness as H, model as mm, train
 from qualify.contract import load_contract
 from qualify.protocol import HarnessCell
 
@@ -185,28 +187,23 @@ cell = HarnessCell(engine="megatron", precision="fp32", options={},
 groups = mm.role_groups(cell.actor_tp, cell.critic_tp, rank, 60.0)
 mm.apply_group_shims()
 mm.apply_cpu_shims()
-run = H.RoleRun(cell=cell, groups=groups, batch=batch, contract=contract,
-                dirs={"actor_dir": root / "actor", "critic_dir": root / "critic",
-                      "ref_dir": root / "actor"}, device=torch.device("cpu"))
-model, shape = run.build(root / role, "lm" if role == "actor" else "value")
-from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                       finalize_model_grads)
-model.train()
-ddp = DistributedDataParallel(config=model.config, ddp_config=DistributedDataParallelConfig(
-    grad_reduce_in_fp32=True, use_distributed_optimizer=False), module=model,
-    pg_collection=groups.pg_collection)
-ddp.zero_grad_buffer()
+cpu = torch.device("cpu")
+model, shape, _ = H.build(root / role, "lm" if role == "actor" else "value", groups,
+                          bf16=False, device=cpu)
+eng = train.MegatronEngine(model=model, shape=shape, groups=groups, contract=contract,
+                           device=cpu, bf16=False, rec=sdk.Recorder(role=role, writer=True))
+eng.after_scoring([])  # train mode, empty main_grad buffers
 n = float(mask.sum())
 if role == "actor":
-    lp, ent = run.actor_scores(ddp, shape, batch)
+    lp, ent = eng.logprobs_and_entropy(eng.ddp, batch)
     loss = (-losses.masked_sum(lp, mask) - 0.01 * losses.masked_sum(ent, mask)) / n
 else:
-    v = run.critic_values(ddp, batch)
+    v = eng.values(eng.ddp, batch)
     loss = 0.5 * losses.masked_sum((v - batch.returns) ** 2, mask) / n
 loss.backward()
-finalize_model_grads([ddp], num_tokens=None, pg_collection=groups.pg_collection)
-grads = {train._strip(k): p.main_grad for k, p in ddp.named_parameters()}
-hf = train.gather_hf(run, shape, grads)
+eng.prepare_grads()  # Megatron's finalize_model_grads
+grads = {k: p.main_grad for k, p in eng.named().items()}
+hf = eng.full_hf(grads)
 if rank == 0:
     torch.save({"loss": float(loss), "grads": hf,
                 "dtypes": sorted({str(g.dtype) for g in grads.values()})},
@@ -324,7 +321,9 @@ OPT_SCRIPT = r'''
 import sys
 from pathlib import Path
 import torch, torch.distributed as dist
-from harnesses.megatron import harness as H, losses, model as mm, train
+import qualify_harness as sdk
+from qualify_harness import losses
+from harnesses.megatron import harness as H, model as mm, train
 from qualify.contract import load_contract
 from qualify.protocol import HarnessCell
 
@@ -348,23 +347,26 @@ for precision in ("fp32", "bf16"):
     if groups is None:
         groups = mm.role_groups(cell.actor_tp, cell.critic_tp, rank, 60.0)
         mm.apply_group_shims()
-    run = H.RoleRun(cell=cell, groups=groups, batch=batch, contract=contract,
-                    dirs={"actor_dir": root / "actor", "critic_dir": root / "critic",
-                          "ref_dir": root / "actor"}, device=torch.device("cpu"))
-    model, shape = run.build(root / role, "lm" if role == "actor" else "value")
-    trainer = train.Trainer(run=run, model=model, shape=shape, ref=None)  # DDP + optimizer
-    trainer.ddp.zero_grad_buffer()
+    cpu, bf16 = torch.device("cpu"), precision == "bf16"
+    model, shape, _ = H.build(root / role, "lm" if role == "actor" else "value", groups,
+                              bf16=bf16, device=cpu)
+    rec = sdk.Recorder(role=role, writer=groups.tp_rank == 0)
+    eng = train.MegatronEngine(model=model, shape=shape, groups=groups, contract=contract,
+                               device=cpu, bf16=bf16, rec=rec)  # DDP + optimizer
+    eng.after_scoring([])
     n = float(mask.sum())
     if role == "actor":
-        lp, ent = run.actor_scores(trainer.ddp, shape, batch)
+        lp, ent = eng.logprobs_and_entropy(eng.ddp, batch)
         loss = (-losses.masked_sum(lp, mask) - 0.01 * losses.masked_sum(ent, mask)) / n
     else:
-        v = run.critic_values(trainer.ddp, batch)
+        v = eng.values(eng.ddp, batch)
         loss = 0.5 * losses.masked_sum((v - batch.returns) ** 2, mask) / n
     loss.backward()
-    before = train.gather_hf(run, shape, trainer.masters())
-    trainer.step(1)  # finalize_model_grads, main_grad, Megatron's optimizer.step()
-    out[precision] = {"before": before, "tensors": dict(run.tensors), "meta": trainer.meta()}
+    before = eng.full_params()
+    eng.update(rec, 1, contract.optimizer.max_grad_norm)  # main_grad, Megatron's step()
+    meta = sdk.role_meta(rec, tp=groups.tp, global_ranks=groups.ranks, precision=precision,
+                         optimizer=eng.optimizer_info())
+    out[precision] = {"before": before, "tensors": dict(rec.tensors), "meta": meta}
 if rank == 0:
     torch.save(out, root / f"opt-{role}-tp{world}.pt")
 dist.destroy_process_group()

@@ -57,9 +57,9 @@ def test_planted_resume_fault_fails_naming_the_quantity(runs: Runs, name: str, q
 
 
 def test_unknown_megatron_fault_is_refused() -> None:
-    from harnesses.megatron import faults
+    from harnesses.megatron import faults, resume
     from qualify.errors import HarnessError
 
-    assert "resume_drops_step_counter" in faults.Faults(["resume_drops_step_counter"])
+    resume.check_faults(["resume_drops_step_counter"])
     with pytest.raises(HarnessError, match="megatron knows"):
-        faults.Faults(["grad_norm_replicated_per_rank"])
+        faults.install(["grad_norm_replicated_per_rank"])

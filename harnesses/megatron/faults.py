@@ -1,8 +1,9 @@
 """Deliberate resume bugs for the test suite (the Megatron harness's only faults).
 
-Never active in a real run (``cell.faults`` is empty). :mod:`harnesses.megatron.resume`
-checks them at the places marked ``# FAULT(<name>)``. Names (the same as
-:mod:`harnesses.torch_tp.faults`'s, so one test shape serves every engine):
+Never active in a real run (``cell.faults`` is empty). :func:`install` patches
+:func:`harnesses.megatron.resume.restore_checkpoint` in the launch's process; the names
+(the same as :mod:`harnesses.torch_tp.faults`'s, so one test shape serves every engine) are
+checked by :func:`harnesses.megatron.resume.check_faults`:
 
 - ``resume_drops_optimizer_state``: a resumed launch restores the model only, as
   Megatron-LM's ``load_checkpoint`` does under ``--no-load-optim``: neither
@@ -17,45 +18,40 @@ checks them at the places marked ``# FAULT(<name>)``. Names (the same as
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, Final
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from qualify.errors import HarnessError
-
-KNOWN: Final = ("resume_drops_optimizer_state", "resume_drops_step_counter")
+from harnesses.megatron import resume
 
 
-class Faults:
-    """The set of faults a cell asks for.
-
-    Args:
-        names: ``cell.faults``.
+def install(names: Sequence[str]) -> None:
+    """Patch the named faults into this process (a test-only plugin).
 
     Raises:
-        HarnessError: an unknown fault name (a typo must not silently test nothing).
+        HarnessError: an unknown fault name.
     """
+    resume.check_faults(names)
+    restore = resume.restore_checkpoint
+    if "resume_drops_optimizer_state" in names:
 
-    def __init__(self, names: Sequence[str]) -> None:
-        unknown = sorted(set(names) - set(KNOWN))
-        if unknown:
-            raise HarnessError(f"unknown fault(s) {unknown}; megatron knows {list(KNOWN)}")
-        self.names = tuple(names)
+        def model_only(engine: Any, doc: dict[str, Any]) -> None:
+            del doc  # Megatron-LM's --no-load-optim path
+            with engine.placement():
+                engine.optimizer.reload_model_params()
 
-    def __contains__(self, name: str) -> bool:
-        assert name in KNOWN, name
-        return name in self.names
+        restore = model_only
+    if "resume_drops_step_counter" in names:
+        inner = restore
 
+        def reset_steps(engine: Any, doc: dict[str, Any]) -> None:
+            inner(engine, doc)
+            for opt in resume.inner_optimizers(engine):
+                for st in opt.state.values():
+                    if "step" in st:
+                        s = st["step"]
+                        st["step"] = torch.zeros_like(s) if isinstance(s, torch.Tensor) else 0
 
-def reset_step_counters(optimizers: Iterable[Any]) -> None:
-    """Set ``step`` of every parameter's state to 0 (same type, dtype and device).
-
-    Args:
-        optimizers: the inner ``torch.optim`` optimizers (``MegatronOptimizer.optimizer``).
-    """
-    for opt in optimizers:
-        for st in opt.state.values():
-            if "step" in st:
-                s = st["step"]
-                st["step"] = torch.zeros_like(s) if isinstance(s, torch.Tensor) else 0
+        restore = reset_steps
+    resume.restore_checkpoint = restore

@@ -25,21 +25,20 @@ from typing import Any
 
 import torch
 
+from harnesses import common
 from harnesses.megatron import convert, harness, train
 
 
-def _fp32_born_masters(trainer: Any) -> None:
+def _fp32_born_masters(engine: Any, model_dir: Path) -> None:
     """Overwrite the BF16 cell's FP32 masters with the FP32 checkpoint's shard (per rank)."""
-    run = trainer.run
-    if not run.bf16:
+    if not engine.bf16:
         return
-    head: convert.Head = "lm" if run.role == "actor" else "value"
-    _, sd = harness.hf_state(run.dirs["actor_dir" if run.role == "actor" else "critic_dir"],
-                             head)
-    shard = convert.hf_to_megatron(sd, trainer.shape, run.groups.tp)[run.groups.tp_rank]
-    by_id = {id(p): n for n, p in trainer.params().items()}
+    head: convert.Head = "lm" if engine.role == "actor" else "value"
+    _, sd = harness.hf_state(model_dir, head)
+    shard = convert.hf_to_megatron(sd, engine.shape, engine.groups.tp)[engine.groups.tp_rank]
+    by_id = {id(p): n for n, p in engine.named().items()}
     with torch.no_grad():
-        for opt in trainer._optimizers():
+        for opt in engine.optimizers():
             for models, masters in zip(opt.float16_groups, opt.fp32_from_float16_groups,
                                        strict=True):
                 for p, master in zip(models, masters, strict=True):
@@ -53,13 +52,15 @@ def run_cell(cell_json: Path, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     patched = out / "cell.json"
     patched.write_text(json.dumps(doc), "utf-8")
-    original = train.Trainer.__post_init__
+    inputs = common.read_inputs(Path(doc["inputs_dir"]))
+    original = train.MegatronEngine.__post_init__
 
-    def post_init(self: train.Trainer) -> None:
+    def post_init(self: train.MegatronEngine) -> None:
         original(self)
-        _fp32_born_masters(self)
+        _fp32_born_masters(self, inputs.actor_dir if self.role == "actor"
+                           else inputs.critic_dir)
 
-    train.Trainer.__post_init__ = post_init  # type: ignore[method-assign]
+    train.MegatronEngine.__post_init__ = post_init  # type: ignore[method-assign]
     return int(harness.main([str(patched)]) or 0)
 
 

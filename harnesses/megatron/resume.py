@@ -43,9 +43,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from harnesses import resume_state
-from harnesses.megatron import faults
 from harnesses.resume_state import ResumePlan
+from qualify.errors import HarnessError
 
+FAULTS: Final = ("resume_drops_optimizer_state", "resume_drops_step_counter")
+"""The planted resume faults :mod:`harnesses.megatron.faults` patches in (test suite)."""
 CHECKPOINT_FILE: Final = "model_optim_rng.pt"
 CHECKPOINT_VERSION: Final = 3.0
 FORMAT: Final = ("megatron-core non-distributed checkpoint, Megatron-LM legacy layout "
@@ -81,36 +83,60 @@ def rank_dir(plan: ResumePlan, role: str, tp_rank: int) -> Path:
     return d
 
 
-def inner_optimizers(trainer: Any) -> list[Any]:
-    """The ``torch.optim`` optimizers inside the trainer's ``MegatronOptimizer`` (chained)."""
-    return [o.optimizer for o in trainer._optimizers()]
+def check_faults(names: Any) -> None:
+    """Refuse a fault name this harness does not plant (a typo must not test nothing).
+
+    Raises:
+        HarnessError: an unknown name.
+    """
+    unknown = sorted(set(names) - set(FAULTS))
+    if unknown:
+        raise HarnessError(f"unknown fault(s) {unknown}; megatron knows {list(FAULTS)}")
 
 
-def record(trainer: Any) -> dict[str, Any]:
+def inner_optimizers(engine: Any) -> list[Any]:
+    """The ``torch.optim`` optimizers inside the engine's ``MegatronOptimizer`` (chained)."""
+    return [o.optimizer for o in engine.optimizers()]
+
+
+def restore_checkpoint(engine: Any, doc: dict[str, Any]) -> None:
+    """Megatron-LM's ``load_checkpoint`` of the optimizer and scheduler state in ``doc``.
+
+    ``optimizer.load_state_dict`` (under the CPU placement), then
+    ``opt_param_scheduler.load_state_dict`` (which steps the fresh scheduler by
+    ``num_steps``). :mod:`harnesses.megatron.faults` replaces this function in a test
+    launch.
+    """
+    with engine.placement():
+        engine.optimizer.load_state_dict(doc["optimizer"])
+    engine.scheduler.load_state_dict(doc["opt_param_scheduler"])
+
+
+def record(engine: Any) -> dict[str, Any]:
     """The live state's :func:`harnesses.resume_state.state_record` (collective: gathers).
 
     Args:
-        trainer: the role's :class:`harnesses.megatron.train.Trainer` (its ``optimizer``,
-            ``scheduler``, master weights and Adam state by Megatron name, ``full_hf``).
+        engine: the role's :class:`harnesses.megatron.train.MegatronEngine` (its
+            ``optimizer``, ``scheduler``, master weights and Adam state by Megatron name,
+            ``full_hf``).
 
     Returns:
         The record; ``exp_avg`` / ``exp_avg_sq`` are ``None`` while the optimizer holds no
         state for some parameter (a fresh optimizer).
     """
-    run = trainer.run
-    masters = trainer.masters()
-    states = [st for opt in inner_optimizers(trainer) for st in opt.state.values()]
+    masters = engine.masters()
+    states = [st for opt in inner_optimizers(engine) for st in opt.state.values()]
     steps = [float(st["step"]) for st in states if "step" in st]
-    local = {k: len(trainer.state(k)) == len(masters) for k in ("exp_avg", "exp_avg_sq")}
+    local = {k: len(engine.state(k)) == len(masters) for k in ("exp_avg", "exp_avg_sq")}
     held = {}
     for key, full in local.items():  # every TP rank must agree before gathering
-        flag = torch.tensor([int(full)], device=run.device)  # NCCL: on the device
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=run.groups.tp_group)
-        held[key] = trainer.full_hf(trainer.state(key)) if int(flag) else {}
+        flag = torch.tensor([int(full)], device=engine.device)  # NCCL: on the device
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=engine.groups.tp_group)
+        held[key] = engine.full_hf(engine.state(key)) if int(flag) else {}
     return resume_state.state_record(
-        steps=steps, lrs=[g["lr"] for g in trainer.optimizer.param_groups],
-        scheduler=SchedulerPosition(trainer.scheduler),
-        master=trainer.full_hf(masters), exp_avg=held["exp_avg"],
+        steps=steps, lrs=[g["lr"] for g in engine.optimizer.param_groups],
+        scheduler=SchedulerPosition(engine.scheduler),
+        master=engine.full_hf(masters), exp_avg=held["exp_avg"],
         exp_avg_sq=held["exp_avg_sq"])
 
 
@@ -140,7 +166,7 @@ def restore_rng(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
-def save(plan: ResumePlan, trainer: Any, rollout_state: dict[str, Tensor]) -> None:
+def save(plan: ResumePlan, engine: Any, rollout_state: dict[str, Tensor]) -> None:
     """Checkpoint the role after round ``plan.after_round`` (every rank of the role).
 
     Each TP rank writes its ``mp_rank_XX/model_optim_rng.pt`` (``torch.save``, temp file +
@@ -148,35 +174,32 @@ def save(plan: ResumePlan, trainer: Any, rollout_state: dict[str, Tensor]) -> No
 
     Args:
         plan: the save plan.
-        trainer: the role's :class:`harnesses.megatron.train.Trainer`.
+        engine: the role's :class:`harnesses.megatron.train.MegatronEngine`.
         rollout_state: tensors later rounds read (equal on every rank of the role).
     """
-    run = trainer.run
-    saved = record(trainer)
-    with trainer.placement():
-        optim_sd = trainer.optimizer.state_dict()
-    doc = {"model": trainer.ddp.state_dict_for_save_checkpoint(), "optimizer": optim_sd,
-           "opt_param_scheduler": trainer.scheduler.state_dict(), "rng_state": rng_state(),
+    saved = record(engine)
+    with engine.placement():
+        optim_sd = engine.optimizer.state_dict()
+    doc = {"model": engine.ddp.state_dict_for_save_checkpoint(), "optimizer": optim_sd,
+           "opt_param_scheduler": engine.scheduler.state_dict(), "rng_state": rng_state(),
            "iteration": plan.after_round, "checkpoint_version": CHECKPOINT_VERSION}
-    path = rank_dir(plan, run.role, run.groups.tp_rank) / CHECKPOINT_FILE
+    path = rank_dir(plan, engine.role, engine.groups.tp_rank) / CHECKPOINT_FILE
     tmp = path.with_name(path.name + ".tmp")
     torch.save(doc, tmp)
     tmp.replace(path)
-    if run.groups.tp_rank == 0:
+    if engine.groups.tp_rank == 0:
         resume_state.write_trainer_state(
-            plan.role_dir(run.role) / resume_state.TRAINER_STATE_FILE, scheduler=None,
+            plan.role_dir(engine.role) / resume_state.TRAINER_STATE_FILE, scheduler=None,
             rollout_state=rollout_state, record=saved)
-    dist.barrier(group=run.groups.tp_group)
+    dist.barrier(group=engine.groups.tp_group)
 
 
-def load(plan: ResumePlan, trainer: Any, active: faults.Faults,
-         ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+def load(plan: ResumePlan, engine: Any) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Restore the role in a fresh process before round ``plan.after_round + 1``.
 
     Args:
         plan: the load plan.
-        trainer: the role's fresh :class:`harnesses.megatron.train.Trainer`.
-        active: the cell's faults (the two resume faults).
+        engine: the role's fresh :class:`harnesses.megatron.train.MegatronEngine`.
 
     Returns:
         ``(rollout_state, resume record)``: the saved rollout tensors (CPU), and the role
@@ -187,26 +210,15 @@ def load(plan: ResumePlan, trainer: Any, active: faults.Faults,
         FileNotFoundError: this rank's checkpoint file is missing.
         RuntimeError: ``load_state_dict`` found missing or unexpected keys (strict).
     """
-    run = trainer.run
-    d = plan.role_dir(run.role)
-    path = rank_dir(plan, run.role, run.groups.tp_rank) / CHECKPOINT_FILE
+    d = plan.role_dir(engine.role)
+    path = rank_dir(plan, engine.role, engine.groups.tp_rank) / CHECKPOINT_FILE
     # The engine's own pickle (RNG tuples, NumPy state), as Megatron-LM loads it.
     doc = torch.load(path, map_location="cpu", weights_only=False)
-    trainer.ddp.load_state_dict(doc["model"], strict=True)
-    # FAULT(resume_drops_optimizer_state): Megatron-LM's --no-load-optim path.
-    if "resume_drops_optimizer_state" in active:
-        with trainer.placement():
-            trainer.optimizer.reload_model_params()
-    else:
-        with trainer.placement():
-            trainer.optimizer.load_state_dict(doc["optimizer"])
-        trainer.scheduler.load_state_dict(doc["opt_param_scheduler"])
-    # FAULT(resume_drops_step_counter): the optimizer restored, its step counters reset.
-    if "resume_drops_step_counter" in active:
-        faults.reset_step_counters(inner_optimizers(trainer))
+    engine.ddp.load_state_dict(doc["model"], strict=True)
+    restore_checkpoint(engine, doc)
     restore_rng(doc["rng_state"])
     state = resume_state.read_trainer_state(d / resume_state.TRAINER_STATE_FILE)
-    loaded = record(trainer)
+    loaded = record(engine)
     files = [p for p in d.rglob("*") if p.is_file()
              and p.name != resume_state.TRAINER_STATE_FILE]
     meta = {"after_round": plan.after_round, "format": FORMAT, "saved": state["record"],

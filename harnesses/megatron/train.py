@@ -1,9 +1,6 @@
-"""The CUDA training path: Megatron DDP + ``get_megatron_optimizer`` (not runnable on CPU).
+"""The Megatron-Core engine's parts for the SDK's round driver (:mod:`qualify_harness`).
 
-**Not run in this repository's CI** (no CUDA): written against megatron-core 0.16.1's
-source and exercised only by ``scripts/gpu/acceptance.sh`` on a GPU machine.
-
-Per role and round (``qualify.protocol``):
+What Megatron dictates, and only that: per role,
 
 1. ``DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
    use_distributed_optimizer=False), module, pg_collection=...)``: gradients accumulate in
@@ -22,11 +19,18 @@ Per role and round (``qualify.protocol``):
    default exempts biases and 1-D parameters). Its returned grad norm is Megatron's
    TP-aware ``get_grad_norm_fp32`` (tensor-parallel duplicates counted once), and
    ``clip_coef = min(1, max_norm / (norm + 1e-6))`` is the coefficient its
-   ``clip_grad_by_total_norm_fp32`` applies.
-   The lr: Megatron-Core's ``OptimizerParamScheduler`` (:func:`lr_scheduler`), stepped
-   after each optimizer step; the lr of each step read from ``param_groups`` before it.
+   ``clip_grad_by_total_norm_fp32`` applies. Clip and step are one call, so
+   :meth:`MegatronEngine.update` replaces the SDK's default update sequence and records
+   the same families around it. The lr: Megatron-Core's ``OptimizerParamScheduler``
+   (:func:`lr_scheduler`), stepped after each optimizer step; the lr of each step read
+   from ``param_groups`` before it.
 4. Adam moments and the master weights (FP32 model parameters in FP32 cells,
    ``fp32_from_float16_groups`` in BF16 cells) gathered and converted the same way.
+
+On CPU the optimizer runs under :func:`harnesses.megatron.cpu_shims.optimizer_placement`.
+The forward is the model's own (vocab-parallel log-softmax:
+:func:`harnesses.megatron.losses.vocab_parallel_logprobs_entropy`); the losses and the
+rounds are the SDK's.
 """
 
 from __future__ import annotations
@@ -35,111 +39,98 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Final
 
+import qualify_harness as sdk
 import torch
 import torch.distributed as dist
+from qualify_harness.routes import optimizer_route
 from torch import Tensor, nn
 
-from harnesses import layer_probe
-from harnesses.megatron import convert, cpu_shims, faults, losses, resume
-from harnesses.resume_state import ResumePlan
+from harnesses.megatron import convert, cpu_shims, losses
+from harnesses.megatron import model as mm
+from qualify.contract import Contract
 
-if TYPE_CHECKING:
-    from harnesses.common import Batch
-    from harnesses.megatron import model as mm
-    from qualify.contract import Contract
-    from qualify.protocol import HarnessCell
-
-
-class RoleRun(Protocol):
-    """What training needs of :class:`harnesses.megatron.harness.RoleRun` (one role, one rank).
-
-    A structural type, so this module does not import the harness that imports it.
-    """
-
-    cell: HarnessCell
-    groups: mm.RoleGroups
-    contract: Contract
-    device: torch.device
-    compute_dtypes: set[str]
-    faults: faults.Faults
-
-    @property
-    def role(self) -> str:
-        """``actor`` or ``critic``."""
-
-    @property
-    def bf16(self) -> bool:
-        """Megatron BF16 mode."""
-
-    def put(self, round_: int, metric: str, value: Tensor, param: str | None = None) -> None:
-        """Report one tensor (:meth:`harnesses.common.RoleOutputs.put`)."""
-
-    def timed(self, key: str) -> AbstractContextManager[None]:
-        """Time a block under ``key`` (:meth:`harnesses.common.RoleOutputs.timed`)."""
-
-    def actor_scores(self, model: nn.Module, shape: convert.Shape,
-                     batch: Batch) -> tuple[Tensor, Tensor]:
-        """Logprobs and entropy ``[b, R]`` FP32."""
-
-    def critic_values(self, model: nn.Module, batch: Batch) -> Tensor:
-        """Values ``[b, R]`` FP32."""
+MEGATRON_FUSIONS: Final = ("bias_activation_fusion", "masked_softmax_fusion",
+                            "persist_layer_norm", "bias_dropout_fusion", "apply_rope_fusion",
+                            "gradient_accumulation_fusion", "attention_softmax_in_fp32")
+"""``TransformerConfig`` flags that switch Megatron's fused kernels (read off the built model)."""
 
 
-def gather_hf(run: RoleRun, shape: convert.Shape, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def gather_hf(groups: mm.RoleGroups, shape: convert.Shape,
+              local: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """All-gather this rank's ``{megatron name: tensor}`` over the TP group; HF layout.
 
     Collective over the role's TP group. Returns FP32 CPU tensors (all ranks).
     """
     names = convert.megatron_param_names(shape)
-    shards: list[dict[str, Tensor]] = [{} for _ in range(run.groups.tp)]
+    shards: list[dict[str, Tensor]] = [{} for _ in range(groups.tp)]
     for n in names:
         x = local[n].detach().float().contiguous()
-        parts = [torch.empty_like(x) for _ in range(run.groups.tp)]
-        dist.all_gather(parts, x, group=run.groups.tp_group)
+        parts = [torch.empty_like(x) for _ in range(groups.tp)]
+        dist.all_gather(parts, x, group=groups.tp_group)
         for r, p in enumerate(parts):
             shards[r][n] = p.cpu()
     return convert.megatron_to_hf(shards, shape)
 
 
-def replica_check(run: RoleRun, shape: convert.Shape,
+def replica_check(groups: mm.RoleGroups, shape: convert.Shape,
                   local: Mapping[str, Tensor]) -> dict[str, float]:
     """Max abs difference across TP ranks of each replicated parameter (0.0 = bitwise)."""
     out: dict[str, float] = {}
     for n in convert.replicated_megatron_names(shape):
         x = local[n].detach().float().contiguous()
-        parts = [torch.empty_like(x) for _ in range(run.groups.tp)]
-        dist.all_gather(parts, x, group=run.groups.tp_group)
+        parts = [torch.empty_like(x) for _ in range(groups.tp)]
+        dist.all_gather(parts, x, group=groups.tp_group)
         out[n] = max(float((p - parts[0]).abs().max()) for p in parts)
     return out
 
 
-@dataclasses.dataclass(kw_only=True)
-class Trainer:
-    """Megatron DDP + optimizer for one role (CUDA only).
+def output_window(model: nn.Module, batch: sdk.Batch) -> Tensor:
+    """The Megatron model's output at positions ``P - 1 + t``, ``t < R``.
+
+    Returns:
+        ``[b, R, V'/tp]`` (LM head: this rank's vocab shard) or ``[b, R, 1]`` (value head).
+    """
+    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                attention_mask=mm.padding_mask(batch.attention_mask))
+    start = batch.prompt_len - 1
+    window: Tensor = out[:, start:start + batch.responses.shape[1]]
+    return window
+
+
+@dataclasses.dataclass(kw_only=True, eq=False)
+class MegatronEngine(sdk.Engine):
+    """One role on one rank: Megatron DDP + ``get_megatron_optimizer`` over a ``GPTModel``.
 
     Attributes:
-        run: the role run (inputs, reporting).
-        model: the Megatron model (``Float16Module``-wrapped in BF16 cells).
+        model: the Megatron model (``Float16Module``-wrapped in BF16 cells), in eval mode
+            until the scoring pass is over (:meth:`after_scoring`).
         shape: its conversion shape.
-        ref: the frozen reference policy (actor only).
-        probe: ``qualify diverge``'s layer probe (:mod:`harnesses.megatron.probe`), if any.
+        groups: the role's process groups.
+        contract: the contract (optimizer, schedule, temperature).
+        device: compute device.
+        bf16: Megatron BF16 mode.
+        rec: what the role reports (compute dtypes).
+        ddp, optimizer, scheduler, opt_config: built in ``__post_init__``.
+        served: what each CPU placement block served (``outputs.json``).
+        norms: the grad norm each ``optimizer.step()`` returned.
     """
 
-    run: RoleRun
     model: nn.Module
     shape: convert.Shape
-    ref: nn.Module | None
-    probe: layer_probe.LayerProbe | None = None
-    replica_rounds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    dtypes: dict[str, Any] = dataclasses.field(default_factory=dict)
-    behavior_weight: dict[str, Any] = dataclasses.field(default_factory=dict)
+    groups: mm.RoleGroups
+    contract: Contract
+    device: torch.device
+    bf16: bool
+    rec: sdk.Recorder
+    pad_token_id: int = 0
     served: dict[str, int] = dataclasses.field(default_factory=dict)
     norms: list[float] = dataclasses.field(default_factory=list)
-    lrs: dict[str, float] = dataclasses.field(default_factory=dict)
-    scheduler: Any = None
-    resume_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    ddp: Any = dataclasses.field(init=False)
+    optimizer: Any = dataclasses.field(init=False)
+    scheduler: Any = dataclasses.field(init=False)
+    opt_config: Any = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         from megatron.core.distributed import (
@@ -148,37 +139,40 @@ class Trainer:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        run, c = self.run, self.run.contract
+        c = self.contract
         inner: Any = getattr(self.model, "module", self.model)
-        tcfg = inner.config
-        self.model.train()
         self.ddp = DistributedDataParallel(
-            config=tcfg, ddp_config=DistributedDataParallelConfig(
+            config=inner.config, ddp_config=DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                 use_distributed_optimizer=False),
-            module=self.model, pg_collection=run.groups.pg_collection)
+            module=self.model, pg_collection=self.groups.pg_collection)
         o = c.optimizer
-        lr = o.actor_lr if run.role == "actor" else o.critic_lr
+        lr = o.actor_lr if self.role == "actor" else o.critic_lr
         min_lr = lr if o.lr_schedule == "constant" else o.min_lr_ratio * lr
         self.opt_config = OptimizerConfig(
             optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=o.weight_decay,
             adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps,
-            clip_grad=o.max_grad_norm, bf16=run.bf16,
-            params_dtype=torch.bfloat16 if run.bf16 else torch.float32,
+            clip_grad=o.max_grad_norm, bf16=self.bf16,
+            params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
             use_distributed_optimizer=False)
         with self.placement():
             self.optimizer = get_megatron_optimizer(
                 self.opt_config, [self.ddp], config_overrides={}, use_gloo_process_groups=False,
-                pg_collection=run.groups.pg_collection)
+                pg_collection=self.groups.pg_collection)
         self.scheduler = lr_scheduler(self.optimizer, o, lr=lr, min_lr=min_lr,
                                       rounds=c.algorithm.rounds)
+
+    @property
+    def role(self) -> str:
+        """``actor`` or ``critic``."""
+        return self.groups.role
 
     def placement(self) -> AbstractContextManager[Any]:
         """:func:`harnesses.megatron.cpu_shims.optimizer_placement` on CPU; nothing on CUDA.
 
         What each CPU block served is accumulated in :attr:`served` (``outputs.json``).
         """
-        if self.run.device.type != "cpu":
+        if self.device.type != "cpu":
             return contextlib.nullcontext()
         return self._cpu_placement()
 
@@ -189,20 +183,49 @@ class Trainer:
         for where, n in placed.served.items():
             self.served[where] = self.served.get(where, 0) + n
 
+    # ----------------------------------------------------------------- forward
+
+    def window(self, model: nn.Module, batch: sdk.Batch) -> Tensor:
+        """Model output at positions ``P - 1 + t``, ``t < R``.
+
+        Returns:
+            ``[b, R, V'/tp]`` (actor: this rank's vocab shard) or ``[b, R, 1]`` (critic).
+        """
+        out = output_window(model, batch)
+        self.rec.compute_dtypes.add(out.dtype)
+        return out
+
+    def logprobs_and_entropy(self, model: Any, batch: sdk.Batch) -> tuple[Tensor, Tensor]:
+        """Logprobs and entropy ``[b, R]`` FP32 (vocab-parallel, the contract's temperature)."""
+        return losses.vocab_parallel_logprobs_entropy(
+            self.window(model, batch), batch.responses, vocab=self.shape.vocab,
+            tp_rank=self.groups.tp_rank, group=self.groups.tp_group,
+            temperature=self.contract.sampling.temperature)
+
+    def values(self, model: Any, batch: sdk.Batch) -> Tensor:
+        """Values ``[b, R]`` FP32 (replicated value head; identical on every TP rank)."""
+        return self.window(model, batch).float().squeeze(-1)
+
+    def after_scoring(self, models: list[Any]) -> None:
+        """The trained model to train mode (dropout is 0 either way); empty grad buffers."""
+        self.model.train()
+        self.ddp.zero_grad_buffer()
+
     # ----------------------------------------------------------------- views
 
-    def params(self) -> dict[str, nn.Parameter]:
+    def named(self) -> dict[str, nn.Parameter]:
         """Model parameters by Megatron name."""
         return {_strip(n): p for n, p in self.ddp.named_parameters()}
 
-    def _optimizers(self) -> list[Any]:
+    def optimizers(self) -> list[Any]:
+        """The ``MegatronOptimizer`` s (a chained optimizer's members, else itself)."""
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
     def masters(self) -> dict[str, Tensor]:
         """FP32 master weights by Megatron name (the model params themselves in FP32 cells)."""
-        by_id = {id(p): n for n, p in self.params().items()}
+        by_id = {id(p): n for n, p in self.named().items()}
         out: dict[str, Tensor] = {}
-        for opt in self._optimizers():
+        for opt in self.optimizers():
             if hasattr(opt, "fp32_from_float16_groups"):
                 for mg, fg in zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True):
                     for model_p, master in zip(mg, fg, strict=True):
@@ -218,197 +241,144 @@ class Trainer:
 
     def full_hf(self, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """:func:`gather_hf` of this role (collective over its TP group; FP32 CPU, HF names)."""
-        return gather_hf(self.run, self.shape, local)
+        return gather_hf(self.groups, self.shape, local)
 
     def state(self, key: str) -> dict[str, Tensor]:
         """Adam state ``key`` (``exp_avg`` / ``exp_avg_sq``) by Megatron name."""
         masters = self.masters()
         out: dict[str, Tensor] = {}
-        for opt in self._optimizers():
+        for opt in self.optimizers():
             st = opt.optimizer.state
             for name, m in masters.items():
                 if m in st and key in st[m]:
                     out[name] = st[m][key]
         return out
 
-    # ----------------------------------------------------------------- step
+    # ----------------------------------------------------------------- the SDK's parts
 
-    def step(self, round_: int) -> None:
-        """Record main_grad, step Megatron's optimizer, record state, updates, replicas."""
+    def prepare_grads(self) -> None:
+        """Megatron's own end of the backward (its ``finalize_model_grads_func``).
+
+        DP grad sync, then the TP all-reduce of gradients of replicated parameters fed by
+        head-sharded inputs (``q_layernorm`` / ``k_layernorm``); without it those
+        ``main_grad`` s are per-rank partial sums.
+        """
         from megatron.core.distributed import finalize_model_grads
 
-        run = self.run
-        # Megatron's own end of the backward (what its training loop's
-        # config.finalize_model_grads_func runs): DP grad sync, then the TP all-reduce of
-        # gradients of replicated parameters fed by head-sharded inputs (q_layernorm /
-        # k_layernorm); without it those main_grads are per-rank partial sums.
-        finalize_model_grads([self.ddp], num_tokens=None, pg_collection=run.groups.pg_collection)
-        params = self.params()
-        grads: dict[str, Tensor] = {n: p.main_grad for n, p in params.items()}  # type: ignore[attr-defined]
-        self.dtypes["grads"] = sorted({str(g.dtype) for g in grads.values()})
-        for key, got in zip(("grad_reduction", "grad_accumulation"), reduction_dtypes(self.ddp),
-                            strict=True):
-            into = self.dtypes.setdefault(key, {})
-            for name, dtypes in got.items():
-                into[name] = sorted(set(into.get(name, [])) | {str(d) for d in dtypes})
-        for name, g in gather_hf(run, self.shape, grads).items():
-            run.put(round_, "grads", g, name)
-        before = gather_hf(run, self.shape, self.masters())
-        self.lrs[f"round{round_}"] = applied_lr(self.optimizer)
+        finalize_model_grads([self.ddp], num_tokens=None, pg_collection=self.groups.pg_collection)
+
+    def params(self) -> list[Tensor]:
+        """Model parameters (their ``main_grad`` is what Megatron steps with)."""
+        return list(self.named().values())
+
+    def engine_dtypes(self) -> tuple[dict[str, set[torch.dtype]], dict[str, set[torch.dtype]]]:
+        """:func:`reduction_dtypes` of the DDP module."""
+        return reduction_dtypes(self.ddp)
+
+    def full_grads(self) -> dict[str, Tensor]:
+        """The pre-clip ``main_grad`` of every parameter, full, by HF name (collective)."""
+        return self.full_hf({n: p.main_grad for n, p in self.named().items()})  # type: ignore[attr-defined]
+
+    def clip(self, max_norm: float) -> Tensor:
+        """Not separable from Megatron's ``optimizer.step()`` (:meth:`update`)."""
+        raise NotImplementedError("Megatron clips inside optimizer.step()")
+
+    def full_params(self) -> dict[str, Tensor]:
+        """The FP32 masters, full, by HF name (collective)."""
+        return self.full_hf(self.masters())
+
+    def applied_lr(self) -> float:
+        """The lr of the next ``optimizer.step()`` (:func:`applied_lr`)."""
+        return applied_lr(self.optimizer)
+
+    def optimizer_step(self) -> None:
+        """Not separable from Megatron's clip (:meth:`update`)."""
+        raise NotImplementedError("Megatron steps inside optimizer.step()")
+
+    def scheduler_step(self) -> None:
+        """``OptimizerParamScheduler.step(increment=1)``, as ``megatron.training.train_step``."""
+        self.scheduler.step(increment=1)
+
+    def zero_grad(self) -> None:
+        """Zero the DDP grad buffers and the optimizer's gradients."""
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def state_dtypes(self, key: str) -> set[torch.dtype]:
+        """Dtypes of Adam's ``key`` state."""
+        return {t.dtype for t in self.state(key).values()}
+
+    def full_optimizer_state(self, key: str) -> dict[str, Tensor]:
+        """Adam state ``key``, full, by HF name (collective)."""
+        return self.full_hf(self.state(key))
+
+    def routes(self) -> dict[str, Any]:
+        """The kernel routes of the built model and optimizer, read back from live objects.
+
+        ``fusions``: :data:`MEGATRON_FUSIONS` from the ``config`` the model's layers hold (the
+        one they branch on at run time); ``core_attention``: the classes of the modules named
+        ``*.core_attention`` (``DotProductAttention`` for the local spec, TE's otherwise);
+        ``optimizer``: :func:`qualify_harness.routes.optimizer_route` of the optimizer stepped.
+        """
+        config = next((m.config for m in self.model.modules() if hasattr(m, "config")
+                       and hasattr(m.config, "masked_softmax_fusion")), None)
+        attn = sorted({f"{type(m).__module__}.{type(m).__qualname__}"
+                       for n, m in self.model.named_modules() if n.endswith("core_attention")})
+        return {"fusions": {k: getattr(config, k, None) for k in MEGATRON_FUSIONS},
+                "core_attention": attn,
+                "optimizer": optimizer_route(self.optimizer)}
+
+    def check_replicas(self) -> tuple[dict[str, bool], dict[str, float]]:
+        """Replicated parameters (Megatron names) across the TP group: equal, max abs diff."""
+        diffs = replica_check(self.groups, self.shape, self.named())
+        return {n: d == 0 for n, d in diffs.items()}, diffs
+
+    def update(self, rec: sdk.Recorder, round_: int, max_norm: float) -> None:
+        """Record ``main_grad``, Megatron's ``optimizer.step()``, then norm, clip, state.
+
+        Collective over the role's TP group (gathers). ``max_norm`` is the optimizer
+        config's ``clip_grad`` (Megatron clips inside its step).
+
+        Raises:
+            RuntimeError: Megatron skipped the step.
+        """
+        self.prepare_grads()
+        rec.engine_dtypes(*self.engine_dtypes())
+        named = self.named()
+        rec.grad_dtypes |= {p.main_grad.dtype for p in named.values()}  # type: ignore[attr-defined]
+        for name, g in self.full_grads().items():
+            rec.put(round_, "grads", g, name)
+        before = self.full_params()
+        rec.lrs[f"round{round_}"] = self.applied_lr()
         with self.placement():
             success, norm, _ = self.optimizer.step()
         if not success:
             raise RuntimeError(f"Megatron optimizer step skipped in round {round_}")
-        self.scheduler.step(increment=1)  # as megatron.training.train_step, after the step
-        max_norm = float(self.opt_config.clip_grad)
+        self.scheduler_step()
+        clip = float(self.opt_config.clip_grad)
         self.norms.append(float(norm))  # the Python float Megatron clipped with
         norm_t = torch.tensor(float(norm))
-        run.put(round_, "grad_norm", norm_t)
-        run.put(round_, "clip_coef", torch.clamp(max_norm / (norm_t + 1e-6), max=1.0))
+        rec.put(round_, "grad_norm", norm_t)
+        rec.put(round_, "clip_coef", torch.clamp(clip / (norm_t + 1e-6), max=1.0))
         masters = self.masters()
-        self.dtypes["master_weights"] = sorted({str(m.dtype) for m in masters.values()})
+        rec.master_dtypes |= {m.dtype for m in masters.values()}
         for key in ("exp_avg", "exp_avg_sq"):
-            st = self.state(key)
-            self.dtypes.setdefault("optimizer_state", {})[key] = sorted(
-                {str(t.dtype) for t in st.values()})
-            for name, t in gather_hf(run, self.shape, st).items():
-                run.put(round_, key, t, name)
-        for name, after in gather_hf(run, self.shape, masters).items():
-            run.put(round_, "updates", after - before[name], name)
-        diffs = replica_check(run, self.shape, dict(params))
-        self.replica_rounds.append({"round": round_, "all_equal": all(v == 0 for v in
-                                                                       diffs.values()),
-                                    "max_abs_diff": max(diffs.values(), default=0.0),
-                                    "params": diffs})
-        self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
+            rec.state_dtypes[key] |= self.state_dtypes(key)
+            for name, t in self.full_optimizer_state(key).items():
+                rec.put(round_, key, t, name)
+        for name, after in self.full_hf(masters).items():
+            rec.put(round_, "updates", after - before[name], name)
+        rec.replicas(round_, *self.check_replicas())
+        self.zero_grad()
 
-    def train(self, batch: Batch, slices: list[slice]) -> None:
-        """Rounds ``1..rounds`` of the role's update (protocol losses, ``loss_agg_mode``).
-
-        A resume cell (``cell.json`` ``resume``, :mod:`harnesses.megatron.resume`) runs rounds
-        ``1..k`` and checkpoints after round ``k`` (``save``), or restores that checkpoint and
-        the round-1 old logprobs / values (decoupled PPO: behavior weights) and runs rounds
-        ``k + 1..rounds`` (``load``).
-        """
-        run = self.run
-        alg = run.contract.algorithm
-        b, r_len = batch.responses.shape
-        dev = run.device
-        ref_lp = torch.zeros(b, r_len, device=dev)
-        if run.role == "actor" and self.ref is not None:
-            with torch.no_grad():
-                for s in slices:
-                    ref_lp[s] = run.actor_scores(self.ref, self.shape, batch.rows(s))[0]
-        old = torch.zeros(b, r_len, device=dev)
-        row_w, denom = losses.aggregation_terms(batch.mask, alg.loss_agg_mode)
-        row_w = row_w.to(dev)
-        dppo = alg.name == "decoupled_ppo"
-        w_b, w_raw = torch.ones(b, r_len, device=dev), torch.ones(b, r_len, device=dev)
-        self.ddp.zero_grad_buffer()
-        probe = self.probe or layer_probe.LayerProbe(None, role=run.role, writer=False,
-                                                     modules={}, to_full=lambda _n, t: t)
-        plan = ResumePlan.of(run.cell)
-        if plan.loading:  # a resume cell's second launch: restore, then round k + 1
-            with run.timed("checkpoint_load_s"):
-                got, self.resume_meta = resume.load(plan, self, run.faults)
-            old = got["old"].to(dev)
-            if run.role == "actor":
-                w_b, w_raw = got["w_behav"].to(dev), got["w_raw"].to(dev)
-        for round_ in plan.rounds(alg.rounds):
-            with run.timed(f"round{round_}_s"):
-                cur = torch.zeros(b, r_len, device=dev)
-                ent_r = torch.zeros(b, r_len, device=dev)
-                sums: dict[str, float] = {}
-                for s in slices:
-                    with probe.capture(round_, batch.prompt_len,
-                                       batch.input_ids.shape[1]):
-                        mb = batch.rows(s)
-                        if run.role == "actor":
-                            lp, ent = run.actor_scores(self.ddp, self.shape, mb)
-                            o_lp = lp.detach() if round_ == 1 else old[s]
-                            if dppo and round_ == 1:  # proximal policy: this engine's round 1
-                                assert mb.behavior_logprobs is not None
-                                w_b[s], w_raw[s] = losses.behavior_weight(
-                                    lp, mb.behavior_logprobs, alg.behavior_weight_cap,
-                                    alg.behavior_weight_cap_mode)
-                            rw = row_w[s, None]
-                            pw = rw * w_b[s] if dppo else \
-                                (None if alg.loss_agg_mode == "token-mean" else rw)
-                            terms = {
-                                "policy": losses.policy_loss_sum(lp, o_lp, mb.advantages, mb.mask,
-                                                                 alg.clip_ratio, weight=pw) / denom,
-                                "kl": alg.kl_loss_coef * losses.masked_sum(losses.kl_penalty(
-                                    lp, ref_lp[s], alg.kl_loss_estimator) * rw, mb.mask) / denom,
-                                "entropy": -alg.entropy_coef * losses.masked_sum(ent * rw, mb.mask)
-                                / denom}
-                            cur[s] = torch.where(mb.mask, lp.detach(), 0.0)
-                            ent_r[s] = torch.where(mb.mask, ent.detach(), 0.0)
-                        else:
-                            v = run.critic_values(self.ddp, mb)
-                            o_v = v.detach() if round_ == 1 else old[s]
-                            vw = None if alg.loss_agg_mode == "token-mean" else row_w[s, None]
-                            terms = {"value": losses.value_loss_sum(
-                                v, o_v, mb.returns, mb.mask, alg.value_clip, weight=vw) / denom}
-                            cur[s] = torch.where(mb.mask, v.detach(), 0.0)
-                        sum(terms.values()).backward()  # type: ignore[union-attr]
-                    for k, t in terms.items():
-                        sums[k] = sums.get(k, 0.0) + float(t.detach())
-                if round_ == 1:
-                    old = cur.clone()
-                if run.role == "actor":
-                    run.put(round_, "logprobs", cur)
-                    run.put(round_, "entropy", ent_r)
-                else:
-                    run.put(round_, "values", cur)
-                for k, v_ in sums.items():
-                    run.put(round_, f"loss/{k}", torch.tensor(v_))
-                run.put(round_, "loss/total", torch.tensor(sum(sums.values())))
-                self.step(round_)
-                if plan.saves_after(round_):
-                    with run.timed("checkpoint_save_s"):
-                        resume.save(plan, self, {"old": old} if run.role == "critic" else
-                                    {"old": old, "w_behav": w_b, "w_raw": w_raw})
-        probe.save("megatron")
-        if dppo and run.role == "actor":  # fixed by round 1 (the proximal policy)
-            stats = losses.weight_stats(w_raw.cpu(), batch.mask.cpu(), alg.behavior_weight_cap)
-            self.behavior_weight = {f"round{r}": stats for r in range(1, alg.rounds + 1)}
-
-    def meta(self) -> dict[str, Any]:
-        """Training part of the role's ``outputs.json`` (dtypes, replicas, optimizer)."""
-        maps = ("optimizer_state", "grad_reduction", "grad_accumulation")
-        one = {k: (v[0] if isinstance(v, list) and len(v) == 1 else v)
-               for k, v in self.dtypes.items() if k not in maps}
-        state, reduction, accumulation = ({k: (v[0] if len(v) == 1 else v)
-                                           for k, v in self.dtypes.get(m, {}).items()}
-                                          for m in maps)
-        params: dict[str, dict[str, Any]] = {}
-        for r in self.replica_rounds:
-            for n, d in r["params"].items():
-                e = params.setdefault(n, {"equal": True, "max_abs_diff": 0.0})
-                e["equal"] = bool(e["equal"] and d == 0)
-                e["max_abs_diff"] = max(float(e["max_abs_diff"]), d)
-        return {
-            "dtypes": {**one, "optimizer_state": state,
-                       "compute": sorted(self.run.compute_dtypes),
-                       "grad_reduction": reduction, "grad_accumulation": accumulation},
-            "replica_consistency": {
-                "all_equal": all(r["all_equal"] for r in self.replica_rounds),
-                "rounds": [{k: v for k, v in r.items() if k != "params"}
-                           for r in self.replica_rounds],
-                "params": params},
-            "loss_agg_mode": self.run.contract.algorithm.loss_agg_mode,
-            "behavior_weight": self.behavior_weight,
-            "lr": dict(self.lrs),
-            "lr_scheduler": LR_SCHEDULER_NOTE,
-            "resume": self.resume_meta or None,
-            "optimizer": {"class": type(self.optimizer).__name__,
-                          "wrapped": [type(o).__name__ for o in self._optimizers()],
-                          "inner": [type(o.optimizer).__name__ for o in self._optimizers()],
-                          "config_overrides": "{} (weight decay on every parameter)",
-                          "cpu_placement_served": dict(sorted(self.served.items())),
-                          "grad_norms": list(self.norms)},
-        }
+    def optimizer_info(self) -> dict[str, Any]:
+        """``engine_info.optimizer`` of the role's ``outputs.json``."""
+        return {"class": type(self.optimizer).__name__,
+                "wrapped": [type(o).__name__ for o in self.optimizers()],
+                "inner": [type(o.optimizer).__name__ for o in self.optimizers()],
+                "config_overrides": "{} (weight decay on every parameter)",
+                "cpu_placement_served": dict(sorted(self.served.items())),
+                "grad_norms": list(self.norms)}
 
 
 def reduction_dtypes(ddp: Any) -> tuple[dict[str, set[torch.dtype]],

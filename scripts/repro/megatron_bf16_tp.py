@@ -199,12 +199,17 @@ def patch_row_parallel(model: torch.nn.Module, make: Any) -> int:
     return n
 
 
-def megatron_pass(run: Any, model: Any, shape: Any, batch: Any) -> dict[str, Any]:
+def megatron_pass(groups: Any, model: Any, shape: Any, batch: Any,
+                  temperature: float) -> dict[str, Any]:
     """One scored forward with hooks: per-module outputs, logprobs, entropy."""
+    from harnesses.megatron import losses, train
+
     rec: dict[str, Any] = {}
-    handles = record(model, run.groups, rec)
+    handles = record(model, groups, rec)
     with torch.no_grad():
-        lp, ent = run.actor_scores(model, shape, batch)
+        lp, ent = losses.vocab_parallel_logprobs_entropy(
+            train.output_window(model, batch), batch.responses, vocab=shape.vocab,
+            tp_rank=groups.tp_rank, group=groups.tp_group, temperature=temperature)
     for h in handles:
         h.remove()
     return {"rec": rec, "lp": lp, "ent": ent}
@@ -283,7 +288,6 @@ def worker(args: argparse.Namespace) -> None:
 
     from harnesses.megatron import harness
     from harnesses.megatron import model as mm
-    from qualify.protocol import HarnessCell
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -293,27 +297,23 @@ def worker(args: argparse.Namespace) -> None:
     mm.apply_cpu_shims()
     batch, actor_dir, contract = load_batch(args)
 
-    def runner(tp: int) -> Any:
-        groups = (groups_for([0, 1], both, singles[rank], rank) if tp == 2
-                  else groups_for([rank], singles[rank], singles[rank], rank))
-        cell = HarnessCell(engine="megatron", precision="bf16", options={}, actor_tp=tp,
-                           critic_tp=0, rounds=1, seed=0, inputs_dir=str(args.work),
-                           output_dir=str(args.work))
-        return harness.RoleRun(cell=cell, groups=groups, batch=batch, contract=contract,
-                         dirs={"actor_dir": actor_dir}, device=torch.device("cpu"))
+    def groups_of(tp: int) -> Any:
+        return (groups_for([0, 1], both, singles[rank], rank) if tp == 2
+                else groups_for([rank], singles[rank], singles[rank], rank))
 
+    cpu, temp = torch.device("cpu"), contract.sampling.temperature
     res: dict[str, Any] = {}
     if rank == 0:
-        run1 = runner(1)
-        model1, shape = run1.build(actor_dir, "lm")
-        res["tp1"] = megatron_pass(run1, model1, shape, batch)
+        g1 = groups_of(1)
+        model1, shape, _ = harness.build(actor_dir, "lm", g1, bf16=True, device=cpu)
+        res["tp1"] = megatron_pass(g1, model1, shape, batch, temp)
         assert patch_row_parallel(model1, lambda m: split_forward(m, 2)) == 2 * shape.num_layers
-        res["tp1_split"] = megatron_pass(run1, model1, shape, batch)
-    run2 = runner(2)
-    model2, shape = run2.build(actor_dir, "lm")
-    res["tp2"] = megatron_pass(run2, model2, shape, batch)
+        res["tp1_split"] = megatron_pass(g1, model1, shape, batch, temp)
+    g2 = groups_of(2)
+    model2, shape, _ = harness.build(actor_dir, "lm", g2, bf16=True, device=cpu)
+    res["tp2"] = megatron_pass(g2, model2, shape, batch, temp)
     patch_row_parallel(model2, lambda m: fp32_reduce_forward(m, both))
-    res["tp2_fp32_reduce"] = megatron_pass(run2, model2, shape, batch)
+    res["tp2_fp32_reduce"] = megatron_pass(g2, model2, shape, batch, temp)
     if rank == 0:
         res["hf"] = hf_pass(actor_dir, batch, contract.sampling.temperature)
         if os.environ.get("REPRO_DUMP"):
