@@ -22,8 +22,10 @@ parameters where that matters.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
@@ -31,10 +33,32 @@ import numpy.typing as npt
 
 from qualify.protocol import PER_PARAM_METRICS, ParamSampling
 
-__all__ = ["DEFAULT_Z", "rel_l2_halfwidth", "sampling_summary", "standard_error_factor"]
+__all__ = ["DEFAULT_Z", "rel_l2_halfwidth", "rollout_sampling", "sampling_summary",
+           "standard_error_factor"]
 
 DEFAULT_Z: Final = 3.0
 """Standard errors in :func:`rel_l2_halfwidth` (about 99.7 % two-sided, normal approximation)."""
+
+
+def rollout_sampling(sampling: ParamSampling, inputs: Path) -> ParamSampling:
+    """``sampling`` with the rows of every token id of a staged rollout (``cell.json``).
+
+    The ids are every entry of ``inputs/rollout.safetensors`` ``prompts`` and ``responses``
+    (pad columns included), the vocabulary the actor's ``config.json`` ``vocab_size``
+    (``inputs/model.json`` ``actor_dir``): :meth:`ParamSampling.with_rows`, the same rows
+    the reference stores (:func:`qualify.reference.update.run_actor` / ``run_critic``).
+
+    Raises:
+        ValueError: a token id outside the vocabulary.
+        OSError: a file is missing; KeyError: a field is missing.
+    """
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(inputs / "rollout.safetensors"))
+    model = json.loads((inputs / "model.json").read_text("utf-8"))
+    config = json.loads((Path(str(model["actor_dir"])) / "config.json").read_text("utf-8"))
+    ids = np.concatenate([tensors["prompts"].reshape(-1), tensors["responses"].reshape(-1)])
+    return sampling.with_rows(ids, int(config["vocab_size"]))
 
 
 def standard_error_factor(numel: int, stored: int) -> float:

@@ -73,7 +73,7 @@ def main() -> int:
         hf: Any = AutoModelForCausalLM.from_pretrained(str(actor), dtype=torch.float32)
         pad = int(hf.config.pad_token_id)
         vocab = int(hf.config.vocab_size)
-        print(f"HF embed_tokens: {hf.model.embed_tokens}  padding_idx={hf.model.embed_tokens.padding_idx}")
+        print(f"HF embed_tokens: {hf.model.embed_tokens}")
         print(f"tokens {ids.tolist()[0]} (pad id {pad}); |embed row {pad}| = "
               f"{float(hf.model.embed_tokens.weight[pad].detach().norm()):.3g}")
         next_token_logprob_sum(hf(input_ids=ids).logits, ids, vocab).backward()
