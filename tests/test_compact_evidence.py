@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.numpy as stn
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import safetensors.numpy as stn
 
 from qualify.candidate.launch import validate_cell
 from qualify.contract import load_contract, loads_contract
@@ -88,11 +88,14 @@ def test_token_rows_are_reported_whole(vocab: int, width: int, sample: int, ids:
     sdk = sdk_protocol.ParamSampling.from_dict(rows.to_dict()).indices(name, numel)
     assert ParamSampling.from_dict(rows.to_dict()) == rows
     if old is None:
-        assert got is None and sdk is None
+        assert got is None
+        assert sdk is None
         return
-    assert got is not None and sdk is not None
+    assert got is not None
+    assert sdk is not None
     assert got.tolist() == sdk.tolist()
-    assert np.all(np.diff(got) > 0) and got.dtype == np.int64
+    assert np.all(np.diff(got) > 0)
+    assert got.dtype == np.int64
     assert set(old.tolist()) <= set(got.tolist())
     if name == "model.layers.0.mlp.up_proj.weight":
         assert got.tolist() == old.tolist()
