@@ -337,17 +337,18 @@ def _grad_norm_and_clip(params: list[tuple[str, nn.Parameter]],
     return norm, coef, norm_fp32
 
 
-def with_rollout_rows(contract: Contract, batch: Batch, model: nn.Module) -> Contract:
+def with_rollout_rows(contract: Contract, batch: Batch, vocab_size: int) -> Contract:
     """``contract`` whose sampling also stores the rows of every token id of ``batch``.
 
     The ids are every entry of ``batch.prompts`` and ``batch.responses`` before any extra
     padding (the rollout as staged, as :func:`qualify.sampling.rollout_sampling` reads it for
-    the harnesses), the vocabulary ``model.config.vocab_size``
-    (:meth:`qualify.protocol.ParamSampling.with_rows`).
+    the harnesses; :meth:`qualify.protocol.ParamSampling.with_rows`).
+
+    Raises:
+        ValueError: an id outside ``[0, vocab_size)``.
     """
     ids = torch.cat([batch.prompts.reshape(-1), batch.responses.reshape(-1)]).cpu().numpy()
-    vocab = int(model.config.vocab_size)  # type: ignore[union-attr]
-    return dataclasses.replace(contract, evidence=contract.evidence.with_rows(ids, vocab))
+    return dataclasses.replace(contract, evidence=contract.evidence.with_rows(ids, vocab_size))
 
 
 def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
@@ -450,7 +451,7 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
         meta with the observed dtypes (master weights, gradients, optimizer state, compute).
     """
     alg, temp = contract.algorithm, contract.sampling.temperature
-    contract = with_rollout_rows(contract, batch, actor)
+    contract = with_rollout_rows(contract, batch, int(actor.config.vocab_size))
     batch = batch.padded(settings.extra_left_padding, settings.extra_right_padding)
     n_valid = float(batch.response_mask.sum())
     out: dict[str, torch.Tensor] = {}
@@ -580,7 +581,7 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
         ``(tensors, meta)`` as :func:`run_actor`, under ``round{r}/critic/...``.
     """
     alg = contract.algorithm
-    contract = with_rollout_rows(contract, batch, critic)
+    contract = with_rollout_rows(contract, batch, int(critic.config.vocab_size))
     batch = batch.padded(settings.extra_left_padding, settings.extra_right_padding)
     n_valid = float(batch.response_mask.sum())
     out: dict[str, torch.Tensor] = {}
