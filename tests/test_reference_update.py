@@ -335,7 +335,7 @@ def test_a_difference_in_one_token_row_is_seen_by_the_per_parameter_rows(
                                                                 sample_elements=256))
     settings = UpdateSettings(precision="fp32", micro_batch_size=4)
     trains = _fresh(actor)
-    trains.model.embed_tokens.padding_idx = None
+    cast(Any, trains).model.embed_tokens.padding_idx = None
     frozen, _ = run_actor(_fresh(actor), _fresh(actor), b, tiny, settings)
     trained, _ = run_actor(trains, _fresh(actor), b, tiny, settings)
     name = "model.embed_tokens.weight"

@@ -451,7 +451,8 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
         meta with the observed dtypes (master weights, gradients, optimizer state, compute).
     """
     alg, temp = contract.algorithm, contract.sampling.temperature
-    contract = with_rollout_rows(contract, batch, int(actor.config.vocab_size))
+    config: Any = actor.config
+    contract = with_rollout_rows(contract, batch, int(config.vocab_size))
     batch = batch.padded(settings.extra_left_padding, settings.extra_right_padding)
     n_valid = float(batch.response_mask.sum())
     out: dict[str, torch.Tensor] = {}
@@ -581,7 +582,8 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
         ``(tensors, meta)`` as :func:`run_actor`, under ``round{r}/critic/...``.
     """
     alg = contract.algorithm
-    contract = with_rollout_rows(contract, batch, int(critic.config.vocab_size))
+    config: Any = critic.config
+    contract = with_rollout_rows(contract, batch, int(config.vocab_size))
     batch = batch.padded(settings.extra_left_padding, settings.extra_right_padding)
     n_valid = float(batch.response_mask.sum())
     out: dict[str, torch.Tensor] = {}

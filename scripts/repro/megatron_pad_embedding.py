@@ -43,8 +43,8 @@ def next_token_logprob_sum(logits: torch.Tensor, ids: torch.Tensor, vocab: int) 
 
 def total_norm(model: torch.nn.Module) -> float:
     """L2 norm over every parameter gradient."""
-    return float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()
-                                if p.grad is not None)))
+    return float(torch.stack([(p.grad.double() ** 2).sum() for p in model.parameters()
+                              if p.grad is not None]).sum().sqrt())
 
 
 def main() -> int:
@@ -85,7 +85,7 @@ def main() -> int:
         mm.apply_cpu_shims()
         config, sd = hf_state(actor, "lm")
         shape = convert.Shape.from_hf_config(config, head="lm")
-        mg = mm.build_gpt(config, shape, groups, bf16=False, cpu=True)
+        mg: Any = mm.build_gpt(config, shape, groups, bf16=False, cpu=True)
         mm.load_shard(mg, convert.hf_to_megatron(sd, shape, 1)[0])
         emb = mg.embedding.word_embeddings
         print(f"Megatron word_embeddings: {type(emb).__module__}.{type(emb).__name__} "
