@@ -17,7 +17,12 @@ correction ``1 - n/N`` of section 2.5); ``sqrt(R)``, the relative L2 error, has 
 it (first-order delta method). The half-width is ``z`` standard errors. It is a
 large-sample approximation: a parameter whose difference sits in a few elements outside
 the sample is not seen by any sample, which is why ``exact_elements`` should cover the
-parameters where that matters.
+parameters where that matters. A vocab-indexed parameter (``model.embed_tokens.weight``,
+``lm_head.weight``) also stores whole the rows of every token id of the rollout
+(``ParamSampling.rows``, :func:`rollout_sampling`), so a difference confined to one token's
+row is measured, not estimated; its stored elements are then the sample and those rows, and
+the summary's ``se_factor`` (the simple-random-sample formula at that size) only
+approximates them.
 """
 
 from __future__ import annotations
