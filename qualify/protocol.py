@@ -160,6 +160,10 @@ SAMPLED_PARAM_ELEMENTS: Final = 16_384
 """Default: elements reported for a larger parameter (a seeded sample of its flattened values)."""
 
 
+VOCAB_PARAMS: Final = ("model.embed_tokens.weight", "lm_head.weight")
+"""HF parameters indexed by token id (``[vocab, H]``): the rollout's rows are stored."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ParamSampling:
     """How per-parameter families (grads, exp_avg, exp_avg_sq, updates, ``J_t``) are stored.
@@ -175,23 +179,46 @@ class ParamSampling:
             the seeded indices of :meth:`indices` (``1 <= sample_elements <=
             exact_elements``, so a sampled parameter always has more elements than its
             sample).
+        rows: sorted distinct token ids of the rollout (every id of its ``prompts`` and
+            ``responses``, pad columns included; :meth:`with_rows`). A sampled
+            vocab-indexed parameter (:data:`VOCAB_PARAMS`, ``[vocab_size, H]``) also stores
+            these whole rows, so a difference confined to one token's row (the pad id's
+            embedding row, trained by one engine and frozen by another) is seen by the
+            per-parameter rows and not only by the norm. Empty: the sample alone.
+        vocab_size: ``V`` of those parameters (required with ``rows``).
 
     Raises:
         ValueError: the sizes are not integers with ``1 <= sample_elements <=
-            exact_elements``.
+            exact_elements``; ``rows`` not sorted distinct ids in ``[0, vocab_size)``.
     """
 
     exact_elements: int = EXACT_PARAM_ELEMENTS
     sample_elements: int = SAMPLED_PARAM_ELEMENTS
+    rows: tuple[int, ...] = ()
+    vocab_size: int = 0
 
     def __post_init__(self) -> None:
-        for field in ("exact_elements", "sample_elements"):
+        for field in ("exact_elements", "sample_elements", "vocab_size"):
             v = getattr(self, field)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"{field}: {v!r} is not an integer")
         if not 1 <= self.sample_elements <= self.exact_elements:
             raise ValueError(f"sample_elements {self.sample_elements} must be in "
                              f"[1, exact_elements = {self.exact_elements}]")
+        if self.rows and (list(self.rows) != sorted(set(self.rows))
+                          or not 0 <= self.rows[0] <= self.rows[-1] < self.vocab_size):
+            raise ValueError(f"rows: not sorted distinct token ids in [0, vocab_size = "
+                             f"{self.vocab_size})")
+
+    def with_rows(self, token_ids: npt.ArrayLike, vocab_size: int) -> ParamSampling:
+        """This sampling with :attr:`rows` = the distinct ids of ``token_ids`` (any shape).
+
+        Raises:
+            ValueError: an id outside ``[0, vocab_size)``.
+        """
+        ids = np.unique(np.asarray(token_ids, dtype=np.int64).reshape(-1))
+        return dataclasses.replace(self, rows=tuple(int(i) for i in ids),
+                                   vocab_size=int(vocab_size))
 
     def indices(self, name: str, numel: int) -> npt.NDArray[np.int64] | None:
         """Which flattened elements of a per-parameter tensor are stored.
@@ -205,19 +232,30 @@ class ParamSampling:
             otherwise ``sample_elements`` sorted distinct int64 indices in ``[0, numel)``
             drawn without replacement by ``numpy.random.default_rng`` seeded from the first 8
             bytes (little endian) of sha256(``name:numel``), so every harness and the
-            reference store the same elements.
+            reference store the same elements; for a :data:`VOCAB_PARAMS` name whose
+            ``numel`` is a multiple of ``vocab_size``, united (sorted, distinct) with the
+            flattened elements of its :attr:`rows` (row ``i`` of ``[V, H]``: ``i H ..
+            i H + H - 1``).
         """
         if numel <= self.exact_elements:
             return None
         seed = int.from_bytes(hashlib.sha256(f"{name}:{numel}".encode()).digest()[:8],
                               "little")
         rng = np.random.default_rng(seed)
-        idx = rng.choice(numel, size=self.sample_elements, replace=False)
-        return np.sort(idx).astype(np.int64)
+        idx = np.sort(rng.choice(numel, size=self.sample_elements, replace=False))
+        if self.rows and name in VOCAB_PARAMS and numel % self.vocab_size == 0:
+            width = numel // self.vocab_size
+            rows = np.asarray(self.rows, dtype=np.int64)[:, None] * width + np.arange(width)
+            idx = np.union1d(idx, rows.reshape(-1))
+        return idx.astype(np.int64)
 
-    def to_dict(self) -> dict[str, int]:
-        """JSON form (``cell.json`` ``param_sampling``, ``outputs.json``)."""
-        return {"exact_elements": self.exact_elements, "sample_elements": self.sample_elements}
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (``cell.json`` ``param_sampling``; ``rows``, ``vocab_size`` when set)."""
+        d: dict[str, Any] = {"exact_elements": self.exact_elements,
+                             "sample_elements": self.sample_elements}
+        if self.rows:
+            d.update(rows=list(self.rows), vocab_size=self.vocab_size)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> ParamSampling:
@@ -228,7 +266,9 @@ class ParamSampling:
         """
         d = d or {}
         return cls(exact_elements=int(d.get("exact_elements", EXACT_PARAM_ELEMENTS)),
-                   sample_elements=int(d.get("sample_elements", SAMPLED_PARAM_ELEMENTS)))
+                   sample_elements=int(d.get("sample_elements", SAMPLED_PARAM_ELEMENTS)),
+                   rows=tuple(int(i) for i in d.get("rows", ())),
+                   vocab_size=int(d.get("vocab_size", 0)))
 
 
 DEFAULT_SAMPLING: Final = ParamSampling()

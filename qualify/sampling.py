@@ -17,13 +17,20 @@ correction ``1 - n/N`` of section 2.5); ``sqrt(R)``, the relative L2 error, has 
 it (first-order delta method). The half-width is ``z`` standard errors. It is a
 large-sample approximation: a parameter whose difference sits in a few elements outside
 the sample is not seen by any sample, which is why ``exact_elements`` should cover the
-parameters where that matters.
+parameters where that matters. A vocab-indexed parameter (``model.embed_tokens.weight``,
+``lm_head.weight``) also stores whole the rows of every token id of the rollout
+(``ParamSampling.rows``, :func:`rollout_sampling`), so a difference confined to one token's
+row is measured, not estimated; its stored elements are then the sample and those rows, and
+the summary's ``se_factor`` (the simple-random-sample formula at that size) only
+approximates them.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
@@ -31,10 +38,32 @@ import numpy.typing as npt
 
 from qualify.protocol import PER_PARAM_METRICS, ParamSampling
 
-__all__ = ["DEFAULT_Z", "rel_l2_halfwidth", "sampling_summary", "standard_error_factor"]
+__all__ = ["DEFAULT_Z", "rel_l2_halfwidth", "rollout_sampling", "sampling_summary",
+           "standard_error_factor"]
 
 DEFAULT_Z: Final = 3.0
 """Standard errors in :func:`rel_l2_halfwidth` (about 99.7 % two-sided, normal approximation)."""
+
+
+def rollout_sampling(sampling: ParamSampling, inputs: Path) -> ParamSampling:
+    """``sampling`` with the rows of every token id of a staged rollout (``cell.json``).
+
+    The ids are every entry of ``inputs/rollout.safetensors`` ``prompts`` and ``responses``
+    (pad columns included), the vocabulary the actor's ``config.json`` ``vocab_size``
+    (``inputs/model.json`` ``actor_dir``): :meth:`ParamSampling.with_rows`, the same rows
+    the reference stores (:func:`qualify.reference.update.run_actor` / ``run_critic``).
+
+    Raises:
+        ValueError: a token id outside the vocabulary.
+        OSError: a file is missing; KeyError: a field is missing.
+    """
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(inputs / "rollout.safetensors"))
+    model = json.loads((inputs / "model.json").read_text("utf-8"))
+    config = json.loads((Path(str(model["actor_dir"])) / "config.json").read_text("utf-8"))
+    ids = np.concatenate([tensors["prompts"].reshape(-1), tensors["responses"].reshape(-1)])
+    return sampling.with_rows(ids, int(config["vocab_size"]))
 
 
 def standard_error_factor(numel: int, stored: int) -> float:

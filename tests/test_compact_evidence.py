@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors.numpy as stn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qualify.candidate.launch import validate_cell
 from qualify.contract import load_contract, loads_contract
@@ -62,6 +64,52 @@ def test_contract_sampling_sets_threshold_and_size() -> None:
     assert np.all(np.diff(idx) > 0)
     again = param_sample_indices("w", 257, ParamSampling(exact_elements=256, sample_elements=100))
     np.testing.assert_array_equal(idx, again)
+
+
+@settings(max_examples=30, deadline=None)
+@given(vocab=st.integers(2, 400), width=st.integers(1, 80), sample=st.integers(1, 256),
+       ids=st.lists(st.integers(0, 10_000), min_size=1, max_size=40),
+       name=st.sampled_from(["model.embed_tokens.weight", "lm_head.weight",
+                             "model.layers.0.mlp.up_proj.weight"]))
+def test_token_rows_are_reported_whole(vocab: int, width: int, sample: int, ids: list[int],
+                                       name: str) -> None:
+    """A sampled vocab-indexed parameter reports every element of every batch token's row
+    (so a difference confined to one row is seen), on top of the unchanged seeded sample;
+    other parameters keep the sample alone; the SDK's sampling draws the same elements."""
+    from qualify_harness import protocol as sdk_protocol
+
+    numel = vocab * width
+    ids = [i % vocab for i in ids]
+    base = ParamSampling(exact_elements=max(sample, min(numel - 1, 256)) if numel > sample
+                         else sample, sample_elements=sample)
+    rows = base.with_rows(np.asarray(ids), vocab)
+    assert rows.rows == tuple(sorted(set(ids)))
+    old, got = base.indices(name, numel), rows.indices(name, numel)
+    sdk = sdk_protocol.ParamSampling.from_dict(rows.to_dict()).indices(name, numel)
+    assert ParamSampling.from_dict(rows.to_dict()) == rows
+    if old is None:
+        assert got is None
+        assert sdk is None
+        return
+    assert got is not None
+    assert sdk is not None
+    assert got.tolist() == sdk.tolist()
+    assert np.all(np.diff(got) > 0)
+    assert got.dtype == np.int64
+    assert set(old.tolist()) <= set(got.tolist())
+    if name == "model.layers.0.mlp.up_proj.weight":
+        assert got.tolist() == old.tolist()
+    else:
+        want = {i * width + j for i in ids for j in range(width)}
+        assert want <= set(got.tolist())
+        assert set(got.tolist()) == set(old.tolist()) | want
+
+
+def test_rows_outside_the_vocabulary_are_refused() -> None:
+    with pytest.raises(ValueError, match="rows"):
+        ParamSampling().with_rows(np.asarray([3, 384]), 384)
+    with pytest.raises(ValueError, match="rows"):
+        ParamSampling(rows=(5, 2), vocab_size=384)
 
 
 @pytest.mark.parametrize(("exact", "sample"), [(10, 11), (0, 0), (5, 0)])

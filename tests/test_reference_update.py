@@ -306,13 +306,54 @@ def test_sampled_updates_are_the_exact_ones_at_the_sampled_elements(
     for name, t in whole.items():
         if "/updates/" not in name and "/grads/" not in name:
             continue
-        idx = sampling.indices(name.split("/", 3)[3], t.numel())
+        # the reported sample includes the rows of the batch's token ids (ParamSampling.rows)
+        idx = sampling.with_rows(torch.cat([batch.prompts.reshape(-1),
+                                            batch.responses.reshape(-1)]).numpy(),
+                                 CFG["vocab_size"]).indices(name.split("/", 3)[3], t.numel())
         want = t if idx is None else t.reshape(-1)[torch.from_numpy(idx)]
         sampled += idx is not None
         assert torch.equal(part[name], want), name
         if "/updates/" in name:
             assert bool((want != 0).any()), name  # AdamW moved every parameter
     assert sampled > 0
+
+
+def test_a_difference_in_one_token_row_is_seen_by_the_per_parameter_rows(
+        models: Models, batch: Batch, contract: Contract) -> None:
+    """The pad id sampled as a real response token: an engine that trains its embedding row
+    (Megatron-Core's ``VocabParallelEmbedding`` has no ``padding_idx``; here the HF module with
+    ``padding_idx`` removed) and HF, which freezes it, differ in round 1 only in that row.
+    At tiny-qwen3's sampling (256 of the embedding's 24,576 elements, a seeded sample that
+    holds none of row 0) the reported ``grads`` and ``updates`` must still see it."""
+    actor, _ = models
+    pad = CFG["pad_token_id"]
+    responses = batch.responses.clone()
+    assert int(batch.response_mask[3, 2]) == 1
+    responses[3, 2] = pad  # a valid response position
+    b = dataclasses.replace(batch, responses=responses)
+    tiny = dataclasses.replace(contract, evidence=ParamSampling(exact_elements=256,
+                                                                sample_elements=256))
+    settings = UpdateSettings(precision="fp32", micro_batch_size=4)
+    trains = _fresh(actor)
+    cast(Any, trains).model.embed_tokens.padding_idx = None
+    frozen, _ = run_actor(_fresh(actor), _fresh(actor), b, tiny, settings)
+    trained, _ = run_actor(trains, _fresh(actor), b, tiny, settings)
+    name = "model.embed_tokens.weight"
+    numel = CFG["vocab_size"] * CFG["hidden_size"]
+    idx = tiny.evidence.with_rows(torch.cat([b.prompts, b.responses], 1).numpy(),
+                                  CFG["vocab_size"]).indices(name, numel)
+    assert idx is not None
+    in_pad_row = torch.from_numpy(idx // CFG["hidden_size"] == pad)
+    assert int(in_pad_row.sum()) == CFG["hidden_size"]  # the whole row is reported
+    for family in ("grads", "updates"):
+        f, t = frozen[f"round1/actor/{family}/{name}"], trained[f"round1/actor/{family}/{name}"]
+        assert f.shape == t.shape == (len(idx),)
+        assert float(f[in_pad_row].abs().max()) == 0.0, family  # HF: the pad row is frozen
+        assert float(t[in_pad_row].abs().max()) > 0.0, family  # trained: the row moved
+        if family == "grads":  # the difference is confined to that row
+            assert torch.equal(f[~in_pad_row], t[~in_pad_row])
+        rel = float((t - f).norm() / f.norm())
+        assert rel > 1e-3, (family, rel)  # far outside any per-parameter bound
 
 
 def test_fp64_control_runs_in_fp64_and_reports_fp32(models: Models, batch: Batch,

@@ -34,6 +34,7 @@ from qualify.compare.rows import compare_rows
 from qualify.contract import load_contract
 from qualify.lanes import lane_of
 from qualify.protocol import HarnessCell
+from qualify.sampling import rollout_sampling
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -60,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            rounds=contract.algorithm.rounds, seed=contract.sampling.seed,
                            inputs_dir=str(inputs.resolve()), output_dir=str(out.resolve()),
                            collective_timeout_s=600.0, faults=tuple(args.fault),
-                           param_sampling=contract.evidence)
+                           param_sampling=rollout_sampling(contract.evidence, inputs))
         cell_file = args.work / f"cell-{prec}.json"
         cell_file.write_text(json.dumps(cell.to_dict()), "utf-8")
         t0 = time.perf_counter()

@@ -304,6 +304,7 @@ def check_engine(engine: str, *, contract_path: Path | None = None,
     from qualify.candidate.stage import _stage_inputs
     from qualify.contract import default_contract_path, load_contract
     from qualify.registry import get_engine, has_cuda
+    from qualify.sampling import rollout_sampling
 
     spec = get_engine(engine)
     if spec.kind != "trainer":
@@ -324,7 +325,8 @@ def check_engine(engine: str, *, contract_path: Path | None = None,
         n += 1
         attempt = root / "launch" / f"attempt-{n}"
     cell = HarnessCell(
-        param_sampling=contract.evidence, engine=engine, precision=PRECISION,
+        param_sampling=rollout_sampling(contract.evidence, inputs), engine=engine,
+        precision=PRECISION,
         options={o.key: o.default[0] for o in spec.options},
         actor_tp=1 if "actor" in roles else 0, critic_tp=1 if "critic" in roles else 0,
         rounds=contract.algorithm.rounds, seed=contract.sampling.seed,

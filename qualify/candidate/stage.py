@@ -81,7 +81,7 @@ from qualify.protocol import (
 from qualify.reference.documents import read_document
 from qualify.reference.stage import load_sealed_reference
 from qualify.registry import get_engine, has_cuda
-from qualify.sampling import sampling_summary
+from qualify.sampling import rollout_sampling, sampling_summary
 
 RUN_KIND = "candidate-run"
 CELL_ATTEMPT_KIND = "cell-attempt"
@@ -613,7 +613,8 @@ def run_candidate_stage(
                         store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
                     continue
                 hc = HarnessCell(
-                    param_sampling=contract.evidence, engine=lc.engine, precision=lc.precision,  # type: ignore[arg-type]
+                    param_sampling=rollout_sampling(contract.evidence, inputs),
+                    engine=lc.engine, precision=lc.precision,  # type: ignore[arg-type]
                     options=dict(lc.options), actor_tp=lc.actor_tp, critic_tp=lc.critic_tp,
                     rounds=contract.algorithm.rounds, seed=contract.sampling.seed,
                     inputs_dir=str(inputs.resolve()), output_dir="",
@@ -661,7 +662,8 @@ def run_candidate_stage(
         resume_stage.run_resume_cells(
             contract, run_dir=run_dir, run=run, wanted=wanted, plan=plan_launches,
             base_cell=HarnessCell(
-                param_sampling=contract.evidence, engine="", precision="fp32", options={},
+                param_sampling=rollout_sampling(contract.evidence, inputs), engine="",
+                precision="fp32", options={},
                 actor_tp=0, critic_tp=0, rounds=contract.algorithm.rounds,
                 seed=contract.sampling.seed, inputs_dir=str(inputs.resolve()), output_dir="",
                 collective_timeout_s=collective_timeout_s, faults=tuple(faults)),

@@ -143,6 +143,7 @@ def launch_engine(cell: CellRef, *, run_dir: Path, out: Path, round_: int,
     from qualify.contract import Contract
     from qualify.protocol import HarnessCell
     from qualify.registry import get_engine, has_cuda
+    from qualify.sampling import rollout_sampling
 
     inputs = (run_dir / "inputs").resolve()
     contract = Contract.from_dict(jsonio.read_json(inputs / "contract.json"))
@@ -154,7 +155,7 @@ def launch_engine(cell: CellRef, *, run_dir: Path, out: Path, round_: int,
         critic_tp=cell.tp if cell.role == "critic" else 0,
         rounds=contract.algorithm.rounds, seed=contract.sampling.seed,
         inputs_dir=str(inputs), output_dir=str(attempt), faults=tuple(faults),
-        param_sampling=contract.evidence,
+        param_sampling=rollout_sampling(contract.evidence, inputs),
         probe={"round": round_, "dir": str(attempt / PROBE_DIR)} if probe else None)
     result = launch_engine(hc, engine=engine, attempt_dir=attempt, timeout_s=timeout_s,
                            cuda=has_cuda())

@@ -37,6 +37,7 @@ and ``branches.json`` (tokens, tolerances, scalars, the rerun's reproduction che
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Mapping
 from contextlib import ExitStack
@@ -66,6 +67,7 @@ from qualify.reference.update import (
     UpdateSettings,
     run_actor,
     run_critic,
+    with_rollout_rows,
 )
 from qualify.statistics import MetricKey, compare_sets
 
@@ -179,6 +181,8 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
                                 micro_batch_size=contract.algorithm.micro_batch_size,
                                 label=f"hf-{prec}-branches-jt")
     family = "logprobs" if role == "actor" else "values"
+    vocab = json.loads((bundle.actor_dir / "config.json").read_text("utf-8"))["vocab_size"]
+    sampling = with_rollout_rows(contract, batch, int(vocab)).evidence  # as run_actor's
 
     def hook(round_: int, work: torch.nn.Module, master: torch.nn.Module, b: Batch,
              old: torch.Tensor) -> None:
@@ -234,7 +238,7 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
                 nsq = sum(float(c[n].double().square().sum()) for n in c)
                 for n in c:
                     tensors[f"round{round_}/{role}/{key}/{n}"] = _reported(n, c[n],
-                                                                           contract.evidence)
+                                                                           sampling)
                 norm_sq[key] = nsq
                 if way == "fp64":
                     whole[key] = c

@@ -337,6 +337,20 @@ def _grad_norm_and_clip(params: list[tuple[str, nn.Parameter]],
     return norm, coef, norm_fp32
 
 
+def with_rollout_rows(contract: Contract, batch: Batch, vocab_size: int) -> Contract:
+    """``contract`` whose sampling also stores the rows of every token id of ``batch``.
+
+    The ids are every entry of ``batch.prompts`` and ``batch.responses`` before any extra
+    padding (the rollout as staged, as :func:`qualify.sampling.rollout_sampling` reads it for
+    the harnesses; :meth:`qualify.protocol.ParamSampling.with_rows`).
+
+    Raises:
+        ValueError: an id outside ``[0, vocab_size)``.
+    """
+    ids = torch.cat([batch.prompts.reshape(-1), batch.responses.reshape(-1)]).cpu().numpy()
+    return dataclasses.replace(contract, evidence=contract.evidence.with_rows(ids, vocab_size))
+
+
 def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
           optim: torch.optim.Optimizer, out: dict[str, torch.Tensor],
           grad_dtypes: set[str], norm_evals: dict[str, float]) -> float:
@@ -437,6 +451,8 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
         meta with the observed dtypes (master weights, gradients, optimizer state, compute).
     """
     alg, temp = contract.algorithm, contract.sampling.temperature
+    config: Any = actor.config
+    contract = with_rollout_rows(contract, batch, int(config.vocab_size))
     batch = batch.padded(settings.extra_left_padding, settings.extra_right_padding)
     n_valid = float(batch.response_mask.sum())
     out: dict[str, torch.Tensor] = {}
@@ -566,6 +582,8 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
         ``(tensors, meta)`` as :func:`run_actor`, under ``round{r}/critic/...``.
     """
     alg = contract.algorithm
+    config: Any = critic.config
+    contract = with_rollout_rows(contract, batch, int(config.vocab_size))
     batch = batch.padded(settings.extra_left_padding, settings.extra_right_padding)
     n_valid = float(batch.response_mask.sum())
     out: dict[str, torch.Tensor] = {}
