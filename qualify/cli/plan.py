@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from qualify.errors import ExitCode, UsageError
 
@@ -28,8 +29,7 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
     from rich.console import Console
     from rich.table import Table
 
-    from qualify.cli.main import _contract_arg
-    from qualify.contract import load_contract
+    from qualify.contract import default_contract_path, load_contract
     from qualify.reference.plan import GB, DoesNotFitError, Machine, build_plan, machine_defaults
 
     here = machine_defaults()
@@ -43,7 +43,7 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
                       host_bytes=args.host_memory if args.host_memory is not None
                       else here.host_bytes,
                       cores=args.cores if args.cores is not None else here.cores)
-    contract = load_contract(_contract_arg(args.contract))
+    contract = load_contract(Path(args.contract) if args.contract else default_contract_path())
     plan = build_plan(contract, machine)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
