@@ -22,6 +22,23 @@ def _backend_name(choice: int) -> str:
     return names.get(int(choice), str(choice))
 
 
+def _as_dispatched(a: Any) -> Any:
+    """``a`` as SDPA receives it: under autocast a floating tensor is cast to its dtype.
+
+    ``scaled_dot_product_attention`` is a lower-precision op of autocast, which casts every
+    floating tensor argument before the backend is chosen; asked about the arguments as the
+    caller holds them (Qwen3's ``q_norm`` / ``k_norm`` return FP32 beside a BF16 ``v``),
+    ``torch._fused_sdp_choice`` would answer for mixed dtypes (``MATH``), not for the call
+    that runs.
+    """
+    if not isinstance(a, torch.Tensor) or not a.is_floating_point():
+        return a
+    device = a.device.type
+    if not torch.is_autocast_enabled(device):
+        return a
+    return a.to(torch.get_autocast_dtype(device))
+
+
 @contextlib.contextmanager
 def sdpa_recorder() -> Iterator[dict[str, int]]:
     """Count the SDPA backends torch selects for the calls made inside the block.
@@ -34,11 +51,14 @@ def sdpa_recorder() -> Iterator[dict[str, int]]:
 
     def wrapped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 *args: Any, **kwargs: Any) -> torch.Tensor:
+        q, k, v = (_as_dispatched(t) for t in (query, key, value))
         try:
-            choice = _backend_name(torch._fused_sdp_choice(query, key, value, *args, **kwargs))
+            choice = _backend_name(torch._fused_sdp_choice(
+                q, k, v, *[_as_dispatched(a) for a in args],
+                **{n: _as_dispatched(a) for n, a in kwargs.items()}))
         except (RuntimeError, TypeError) as exc:
             choice = f"unknown ({type(exc).__name__})"
-        label = f"{choice} {query.device.type} {str(query.dtype).removeprefix('torch.')}"
+        label = f"{choice} {q.device.type} {str(q.dtype).removeprefix('torch.')}"
         seen[label] = seen.get(label, 0) + 1
         return fn(query, key, value, *args, **kwargs)
 

@@ -51,14 +51,14 @@ def sdpa_recorder(into: dict[str, int] | None = None) -> Iterator[dict[str, int]
 
     def wrapped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 *args: Any, **kwargs: Any) -> torch.Tensor:
-        q, k, v = _local(query), _local(key), _local(value)
-        loc_args = [_local(a) for a in args]
-        loc_kwargs = {n: _local(a) for n, a in kwargs.items()}
+        q, k, v = (_as_dispatched(_local(t)) for t in (query, key, value))
+        loc_args = [_as_dispatched(_local(a)) for a in args]
+        loc_kwargs = {n: _as_dispatched(_local(a)) for n, a in kwargs.items()}
         try:
             choice = backend_name(torch._fused_sdp_choice(q, k, v, *loc_args, **loc_kwargs))
         except (RuntimeError, TypeError, NotImplementedError) as exc:
             choice = f"unknown ({type(exc).__name__})"
-        label = f"{choice} {q.device.type} {str(q.dtype).removeprefix('torch.')}"
+        label = f"{choice} {q.device.type} {str(q.dtype).removeprefix('torch.')}"  # as run
         seen[label] = seen.get(label, 0) + 1
         return fn(query, key, value, *args, **kwargs)
 
@@ -68,6 +68,23 @@ def sdpa_recorder(into: dict[str, int] | None = None) -> Iterator[dict[str, int]
     finally:
         torch.nn.functional.scaled_dot_product_attention = fn
 
+
+
+def _as_dispatched(a: Any) -> Any:
+    """``a`` as SDPA receives it: under autocast a floating tensor is cast to its dtype.
+
+    ``scaled_dot_product_attention`` is a lower-precision op of autocast, which casts every
+    floating tensor argument before the backend is chosen; asked about the arguments as the
+    caller holds them (Qwen3's ``q_norm`` / ``k_norm`` return FP32 beside a BF16 ``v``),
+    ``torch._fused_sdp_choice`` would answer for mixed dtypes (``MATH``), not for the call
+    that runs.
+    """
+    if not isinstance(a, torch.Tensor) or not a.is_floating_point():
+        return a
+    device = a.device.type
+    if not torch.is_autocast_enabled(device):
+        return a
+    return a.to(torch.get_autocast_dtype(device))
 
 def sdpa_summary(seen: Mapping[str, int]) -> dict[str, int]:
     """``seen`` as recorded, or ``{NO_SDPA: 0}`` when no forward called SDPA."""
