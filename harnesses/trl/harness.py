@@ -61,13 +61,6 @@ NOT_RUN: Final = (
                "reward model"},
 )
 """Families the adapter declares not run (:func:`qualify.compare.rows.declared_not_run`)."""
-FAULTS: Final = ("completion_mask_shifted", "temperature_not_passed")
-"""Deliberate translation bugs for the test suite (``cell.faults``; never in a real run),
-at the places marked ``# FAULT(<name>)``: ``completion_mask_shifted``: TRL's loss mask is
-the rollout's response mask rolled right by one token (the off-by-one of a prompt/response
-boundary); ``temperature_not_passed``: ``GRPOConfig.temperature`` is left at 1.0 instead of
-the contract's sampling temperature (the trainer's logprobs then refer to another
-distribution than the sampler's, TRL #4159)."""
 EXTRA_RIGHT_PADDING: Final = 3
 """Pad columns appended for the padding-invariance rerun (attention 0)."""
 
@@ -91,6 +84,23 @@ def _tokenizer(vocab_size: int, pad_id: int, eos_id: int) -> Any:
 def _reward(prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -> list[float]:
     """GRPOTrainer's required reward function; never called (no generation here)."""
     raise HarnessError("the TRL adapter does not generate: the reward function was called")
+
+
+def tool_mask(response_mask: Tensor, completion_attention: Tensor) -> Tensor | None:
+    """TRL's ``tool_mask`` for a batch: the response mask where it differs from attention.
+
+    TRL's loss mask is ``completion_mask * tool_mask``; ``completion_mask`` is the responses'
+    attention.
+
+    Args:
+        response_mask: the rollout's ``response_mask`` rows, ``[B, R]`` bool.
+        completion_attention: the same rows' attention over the responses, ``[B, R]``.
+
+    Returns:
+        ``response_mask`` as int64 ``[B, R]``, or ``None`` where it equals the attention.
+    """
+    mask = response_mask.long()
+    return None if torch.equal(mask, completion_attention.long()) else mask
 
 
 class _Capture:
@@ -130,9 +140,9 @@ def run(cell: HarnessCell) -> None:
     lacking = translate.unsupported(alg, tuple(c.matrix.roles))
     if lacking:
         raise HarnessError(f"TRL does not implement the contract's variant {', '.join(lacking)}")
-    unknown = sorted(set(cell.faults) - set(FAULTS))
-    if unknown:
-        raise HarnessError(f"unknown fault(s) {unknown}; trl knows {list(FAULTS)}")
+    if cell.faults:  # the test suite's deliberate bugs, patched in (harnesses/trl/faults.py)
+        from harnesses.trl import faults
+        faults.install(cell.faults, sys.modules[__name__])
     if (cell.actor_tp, cell.critic_tp) != (1, 0) or cell.precision not in ("fp32", "bf16"):
         raise HarnessError(f"cell {cell.actor_tp=} {cell.critic_tp=} {cell.precision=}: the TRL "
                            "adapter runs the actor alone, TP 1, fp32 or bf16")
@@ -186,9 +196,7 @@ class _ActorRun(common.RoleOutputs):
             per_device_train_batch_size=mbs, gradient_accumulation_steps=steps,
             steps_per_generation=steps, num_generations=c.sampling.samples_per_prompt,
             num_iterations=alg.rounds,
-            # FAULT(temperature_not_passed)
-            temperature=1.0 if "temperature_not_passed" in self.cell.faults
-            else c.sampling.temperature,
+            **translate.sampling_kwargs(c.sampling),
             learning_rate=opt.actor_lr, adam_beta1=opt.betas[0], adam_beta2=opt.betas[1],
             adam_epsilon=opt.eps, weight_decay=opt.weight_decay, max_grad_norm=opt.max_grad_norm,
             lr_scheduler_type=opt.lr_schedule if opt.lr_schedule != "constant" else
@@ -213,10 +221,9 @@ class _ActorRun(common.RoleOutputs):
         out = {"prompt_ids": b.input_ids[:, :p], "prompt_mask": b.attention_mask[:, :p],
                "completion_ids": b.responses, "completion_mask": b.attention_mask[:, p:],
                "advantages": b.advantages, "num_items_in_batch": torch.tensor(float(n_valid))}
-        if "completion_mask_shifted" in self.cell.faults:  # FAULT(completion_mask_shifted)
-            out["tool_mask"] = torch.roll(b.mask.long(), 1, dims=1)
-        elif not torch.equal(b.mask.long(), b.attention_mask[:, p:].long()):
-            out["tool_mask"] = b.mask.long()
+        loss_mask = tool_mask(b.mask, b.attention_mask[:, p:])
+        if loss_mask is not None:
+            out["tool_mask"] = loss_mask
         if old is not None:
             out["old_per_token_logps"] = old[rows]
         if ref is not None:
