@@ -34,6 +34,7 @@ TRL's numbers is recomputed or corrected here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 import tempfile
@@ -101,6 +102,62 @@ def tool_mask(response_mask: Tensor, completion_attention: Tensor) -> Tensor | N
     """
     mask = response_mask.long()
     return None if torch.equal(mask, completion_attention.long()) else mask
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Dtypes:
+    """The dtypes the run used, read from TRL's model, gradients and AdamW state.
+
+    ``compute`` is every ``nn.Linear`` output dtype of the policy's forwards (BF16 under
+    ``GRPOConfig(bf16=True)``'s autocast). One process: gradients are neither reduced across
+    ranks nor accumulated outside ``param.grad`` (autograd's ``AccumulateGrad`` sums the
+    micro-batches there, in the gradient's dtype), so both maps name ``param.grad``.
+    """
+
+    master: set[torch.dtype]
+    compute: set[torch.dtype] = dataclasses.field(default_factory=set)
+    grads: set[torch.dtype] = dataclasses.field(default_factory=set)
+    exp_avg: set[torch.dtype] = dataclasses.field(default_factory=set)
+    exp_avg_sq: set[torch.dtype] = dataclasses.field(default_factory=set)
+
+    def compute_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Forward hook: keep the output dtype."""
+        if isinstance(output, Tensor):
+            self.compute.add(output.dtype)
+
+    def meta(self) -> dict[str, Any]:
+        """``outputs.json`` ``roles.actor.dtypes``.
+
+        Raises:
+            HarnessError: a dtype set that nothing filled (named).
+        """
+        sets = {"master_weights": self.master, "compute": self.compute, "grads": self.grads,
+                "optimizer_state.exp_avg": self.exp_avg,
+                "optimizer_state.exp_avg_sq": self.exp_avg_sq}
+        empty = [k for k, v in sets.items() if not v]
+        if empty:
+            raise HarnessError(f"actor: no dtype recorded for {', '.join(empty)}")
+
+        def name(d: set[torch.dtype]) -> str | list[str]:
+            names = sorted(str(x) for x in d)
+            return names[0] if len(names) == 1 else names
+
+        return {"master_weights": name(self.master), "grads": name(self.grads),
+                "optimizer_state": {"exp_avg": name(self.exp_avg),
+                                    "exp_avg_sq": name(self.exp_avg_sq)},
+                "compute": sorted(str(x) for x in self.compute),
+                "grad_reduction": {"one_process_no_reduction:param.grad": name(self.grads)},
+                "grad_accumulation": {"AccumulateGrad:param.grad": name(self.grads)}}
+
+
+def _one_copy(rounds: int) -> dict[str, Any]:
+    """``replica_consistency`` of a one-process run: every parameter has a single copy.
+
+    Nothing is replicated across ranks, so no parameter is listed and each round is equal.
+    """
+    return {"all_equal": True, "params": {},
+            "rounds": [{"round": r, "all_equal": True, "max_abs_diff": 0.0}
+                       for r in range(1, rounds + 1)]}
 
 
 class _Capture:
@@ -259,6 +316,9 @@ class _ActorRun(common.RoleOutputs):
             model = trainer.model
             model.train()  # TRL's training mode (its normalisers read model.training)
             params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            dtypes = _Dtypes(master={p.dtype for _, p in params})
+            hooks = [m.register_forward_hook(dtypes.compute_hook) for m in model.modules()
+                     if isinstance(m, nn.Linear)]
             ref = None
             if alg.kl_loss_coef != 0:
                 ref = self.scores(trainer, trainer.ref_model)
@@ -269,7 +329,6 @@ class _ActorRun(common.RoleOutputs):
             old: Tensor | None = None
             lrs: dict[str, float] = {}
             loss_totals: dict[str, float] = {}
-            grad_dtypes: set[str] = set()
             for round_ in range(1, alg.rounds + 1):
                 with self.timed(f"round{round_}_s"), capture.fresh():
                     total = 0.0
@@ -284,24 +343,27 @@ class _ActorRun(common.RoleOutputs):
                     loss_totals[f"round{round_}"] = total
                     if round_ == 1:
                         old = lp.detach()
-                    lrs[f"round{round_}"] = self.step(trainer, round_, params, grad_dtypes)
+                    lrs[f"round{round_}"] = self.step(trainer, round_, params, dtypes)
+            for h in hooks:
+                h.remove()
         return {"tp": 1, "global_ranks": [0], "precision": self.cell.precision,
+                "dtypes": dtypes.meta(), "replica_consistency": _one_copy(alg.rounds),
                 "role_timings": self.timings, "model_class": type(model).__name__,
                 "loss_agg_mode": alg.loss_agg_mode, "lr": lrs, "not_run": NOT_RUN,
                 "engine_info": {"trainer": "trl.GRPOTrainer", "loss_total": loss_totals,
                                 **translate.grpo_config_kwargs(alg,
                                                                response_len=b.response_len),
-                                "grad_dtypes": sorted(grad_dtypes)}}
+                                **translate.sampling_kwargs(c.sampling)}}
 
     def step(self, trainer: Any, round_: int, params: list[tuple[str, nn.Parameter]],
-             grad_dtypes: set[str]) -> float:
+             dtypes: _Dtypes) -> float:
         """Record grads, TRL's clip, AdamW step and scheduler step; return the lr applied."""
         before = {n: p.detach().clone() for n, p in params}
         pre = {}
         for n, p in params:
             if p.grad is None:
                 raise HarnessError(f"{n}: no gradient after TRL's backward")
-            grad_dtypes.add(str(p.grad.dtype))
+            dtypes.grads.add(p.grad.dtype)
             pre[n] = p.grad.detach().clone()
             self.put(round_, "grads", pre[n], n)
         norm = trainer.accelerator.clip_grad_norm_([p for _, p in params],
@@ -322,6 +384,8 @@ class _ActorRun(common.RoleOutputs):
         state = trainer.optimizer.state
         for n, p in params:
             st = state[p]
+            dtypes.exp_avg.add(st["exp_avg"].dtype)
+            dtypes.exp_avg_sq.add(st["exp_avg_sq"].dtype)
             self.put(round_, "exp_avg", st["exp_avg"].clone(), n)
             self.put(round_, "exp_avg_sq", st["exp_avg_sq"].clone(), n)
             self.put(round_, "updates", p.detach() - before[n], n)
