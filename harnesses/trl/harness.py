@@ -1,7 +1,9 @@
 """The TRL stack adapter: TRL 1.16.0's own GRPO loss, backward and optimizer step.
 
-``python -m harnesses.trl CELL_JSON`` in TRL's own venv (``scripts/install_trl.sh``, with
-this checkout on ``PYTHONPATH``). One process, one rank, CPU. It reads qualify's frozen
+The ``trl`` engine's harness (:mod:`harnesses.trl.spec`), ``python -m harnesses.trl.harness
+CELL_JSON`` in TRL's own venv (``scripts/install_trl.sh``; the launcher starts it there under
+``--launcher trl=.venv-trl/bin/python``, this checkout on ``PYTHONPATH``). One process, one
+rank, CPU. It reads qualify's frozen
 inputs (``cell.json``, ``inputs_dir``: rollout, training inputs, contract, model
 directories; :func:`harnesses.common.read_inputs`) and runs, per round ``r = 1..rounds``,
 what ``transformers.Trainer``'s inner loop runs around ``GRPOTrainer``:
@@ -25,7 +27,8 @@ own reference model) and ``num_items_in_batch`` (the batch's valid tokens, for `
 ``cispo``). Reported: the logprobs and entropies TRL's loss used (captured from its own call,
 masked to 0 off the response mask), ``grad_norm``, ``clip_coef`` (measured: the norm of the
 clipped gradients over the norm of the unclipped ones), the pre-clip FP32 gradients, AdamW's
-moments and the updates under HF names, the lr applied, and round 1's padding rerun. TRL's
+moments and the updates under HF names, the lr applied, round 1's padding rerun, the dtypes
+(:class:`_Dtypes`) and the one-process replica record (:func:`_one_copy`). TRL's
 loss (the sum of its micro-batch losses) per round goes to ``engine_info.loss_total``, and
 the ``losses`` and ``rewards`` families are declared not run (:data:`NOT_RUN`). Nothing of
 TRL's numbers is recomputed or corrected here.
