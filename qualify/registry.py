@@ -503,6 +503,7 @@ BUILTIN_ENGINES: Final[Mapping[str, str]] = {
     "megatron": "harnesses.megatron.spec:SPEC",
     "fsdp2": "harnesses.fsdp2.spec:SPEC",
     "vllm": "harnesses.vllm.spec:SPEC",
+    "trl": "harnesses.trl.spec:SPEC",
 }
 """Engines of this repository: one line per engine folder (its ``spec`` module)."""
 

@@ -71,6 +71,21 @@ def test_the_cli_refuses_a_bad_launcher_with_exit_2_and_writes_nothing(tmp_path:
     assert not (tmp_path / "ev").exists()
 
 
+def test_a_relative_interpreter_path_is_resolved_where_qualify_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks start in their attempt directory: ``.venv-x/bin/python`` must not move."""
+    python = tmp_path / ".venv-x" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    for value in (".venv-x/bin/python -X dev", "./.venv-x/bin/python -X dev"):
+        cmd = interpreter.engine_command("trl", {"QUALIFY_LAUNCHER_TRL": value})
+        assert cmd == [str(python), "-X", "dev"]
+    bare = interpreter.engine_command("trl", {"QUALIFY_LAUNCHER_TRL": "env A=1 python3"})
+    assert bare == ["env", "A=1", "python3"]  # a program on PATH stays a name
+
+
 def test_a_foreign_interpreter_runs_torchrun_and_the_runner_never_the_warm_launcher(
         tmp_path: Path) -> None:
     prefix = ["/bin/env", "A=1", sys.executable]

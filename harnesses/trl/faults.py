@@ -1,0 +1,60 @@
+"""Deliberate translation bugs for the test suite: each must be caught by the comparator.
+
+Never active in a real run (``cell.faults`` is empty). The adapter's numerical path holds no
+fault: a launch whose cell names faults calls :func:`install`, which replaces the translation
+function the fault corrupts, in that process only. Names:
+
+- ``completion_mask_shifted``: TRL's loss mask (``tool_mask``,
+  :func:`harnesses.trl.harness.tool_mask`) is the rollout's response mask rolled right by
+  one token, the off-by-one of a prompt / response boundary.
+- ``temperature_not_passed``: ``GRPOConfig.temperature`` is left at TRL's default 1.0
+  instead of the contract's sampling temperature
+  (:func:`harnesses.trl.translate.sampling_kwargs`): the trainer's logprobs then refer to
+  another distribution than the sampler's (TRL #4159).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+import torch
+from torch import Tensor
+
+from qualify.contract import SamplingSpec
+from qualify.errors import HarnessError
+
+KNOWN: Final = ("completion_mask_shifted", "temperature_not_passed")
+
+
+def shifted_tool_mask(response_mask: Tensor, completion_attention: Tensor) -> Tensor:
+    """FAULT ``completion_mask_shifted``: the response mask rolled right by one token."""
+    del completion_attention
+    return torch.roll(response_mask.long(), 1, dims=1)
+
+
+def default_temperature(sampling: SamplingSpec) -> dict[str, Any]:
+    """FAULT ``temperature_not_passed``: TRL's default temperature, not the sampler's."""
+    del sampling
+    return {"temperature": 1.0}
+
+
+def install(names: Sequence[str], harness: Any) -> None:
+    """Patch the named faults into this process's adapter (a test-only plugin).
+
+    Args:
+        names: ``cell.faults``.
+        harness: the running harness module (:mod:`harnesses.trl.harness`).
+
+    Raises:
+        HarnessError: an unknown fault name.
+    """
+    unknown = sorted(set(names) - set(KNOWN))
+    if unknown:
+        raise HarnessError(f"unknown fault(s) {unknown}; trl knows {list(KNOWN)}")
+    if "completion_mask_shifted" in names:
+        harness.tool_mask = shifted_tool_mask
+    if "temperature_not_passed" in names:
+        from harnesses.trl import translate
+
+        translate.sampling_kwargs = default_temperature

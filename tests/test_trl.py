@@ -1,0 +1,146 @@
+"""TRL's GRPOTrainer qualified end to end in its own venv (harnesses/trl, the ``trl`` engine).
+
+``qualify run contracts/<c>.toml --launcher trl=.venv-trl/bin/python`` for each TRL contract:
+every ``trl`` cell completes with all its metric, dtype, replica and padding rows ``PASS`` and
+only the ``losses`` rows, which the adapter declares not run, ``NOT_RUN``;
+each planted translation fault (harnesses/trl/faults.py) turns the FP32 cell ``FAIL``; the
+same cells without a TRL interpreter are ``NOT_RUN`` naming ``scripts/install_trl.sh``.
+Skipped when ``.venv-trl`` is absent (``scripts/install_trl.sh`` builds it), unless
+``QUALIFY_REQUIRE_TRL=1`` (CI builds it), then it fails.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qualify.candidate.stage import run_candidate_stage
+from qualify.compare.stage import compare_run
+from qualify.contract import load_contract
+from qualify.errors import ExitCode
+from qualify.evidence import store
+from qualify.resources import contracts_dir, repo_root
+
+ROOT = repo_root()
+VENV = Path(os.environ.get("QUALIFY_TRL_VENV", ROOT / ".venv-trl"))
+PYTHON = VENV / "bin" / "python"
+CONTRACTS = ("tiny-qwen3-trl", "tiny-qwen3-trl-gspo")
+CELLS = ("trl-fp32-actor-tp1", "trl-bf16-actor-tp1")
+DECLARED_NOT_RUN = {"losses": "GRPOTrainer.compute_loss returns one loss",
+                    "rewards": "the TRL adapter runs GRPOTrainer's update"}
+"""The families harnesses/trl/harness.py declares not run, and how each reason starts."""
+pytestmark = pytest.mark.slow  # minutes: a reference stage and TRL launches per contract
+
+if not PYTHON.is_file():
+    if os.environ.get("QUALIFY_REQUIRE_TRL") == "1":
+        pytest.fail(f"QUALIFY_REQUIRE_TRL=1 but {PYTHON} is absent: run scripts/install_trl.sh",
+                    pytrace=False)
+    pytest.skip(f"{PYTHON} absent (scripts/install_trl.sh builds it)", allow_module_level=True)
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "QUALIFY_LAUNCHER_TRL"}
+    return {**env, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
+            "XDG_CONFIG_HOME": str(tmp / "config"), "QUALIFY_SIGNING_KEY": "",
+            "QUALIFY_SIGNING_KEY_FILE": str(tmp / "k.pem")}
+
+
+def _qualify(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qualify", *args], capture_output=True,
+                          text=True, check=False, env=env, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, float]]:
+    """contract name -> (its sealed reference, its run directory, wall seconds of the run)."""
+    tmp = tmp_path_factory.mktemp("trl")
+    env = _env(tmp)
+    keygen = _qualify("keygen", "--private-key", str(tmp / "k.pem"), "--public-dir",
+                      str(tmp / "keys"), env=env)
+    assert keygen.returncode == 0, keygen.stderr
+    out: dict[str, tuple[Path, Path, float]] = {}
+    for name in CONTRACTS:
+        t0 = time.perf_counter()
+        # the relative interpreter path, as the README writes it (resolved where qualify runs)
+        proc = _qualify("run", str(contracts_dir() / f"{name}.toml"), "--launcher",
+                        f"trl={os.path.relpath(PYTHON, ROOT)}", "--references",
+                        str(tmp / "refs"), "--evidence", str(tmp / "ev"), "--quiet", env=env)
+        wall = time.perf_counter() - t0
+        # no gate policy: the declared NOT_RUN rows make the report's verdict exit 1
+        assert proc.returncode in (ExitCode.OK, ExitCode.QUALIFICATION_FAILED), proc.stderr
+        (ref,) = (tmp / "refs").glob(f"{name}-*")
+        (run,) = (tmp / "ev" / name).glob("2*[0-9]Z")
+        out[name] = (ref, run, wall)
+    return out
+
+
+def _report(run: Path) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads((run / "report.json").read_text())
+    return doc
+
+
+@pytest.mark.parametrize("name", CONTRACTS)
+def test_trl_cells_pass_every_row_they_run(name: str,
+                                           runs: dict[str, tuple[Path, Path, float]]) -> None:
+    _, run, wall = runs[name]
+    report = _report(run)
+    cells = {c["cell"]: c for c in report["cells"]}
+    assert sorted(cells) == sorted(CELLS)
+    for cell in CELLS:
+        rows = [r for r in report["rows"] if r["cell"] == cell]
+        ran = [r for r in rows if r["verdict"] != "NOT_RUN"]
+        not_run = [r for r in rows if r["verdict"] == "NOT_RUN"]
+        assert {r["family"] for r in not_run} == {"losses"}  # the actor's rows: no rewards
+        for r in not_run:
+            assert r["reason"].startswith(DECLARED_NOT_RUN[r["family"]]), r
+        assert ran
+        bad = [(r["family"], r["round"], r["verdict"], r["reason"]) for r in ran
+               if r["verdict"] != "PASS"]
+        assert not bad, bad
+        families = {r["family"] for r in ran}
+        assert {"logprobs", "entropy", "grad_norm", "clip_coef", "grads", "exp_avg",
+                "exp_avg_sq", "updates", "lr", "dtypes", "replica"} <= families, families
+        assert {r["round"] for r in ran if r["family"] == "updates"} == {1, 2}
+        print(f"{name} {cell}: {cells[cell]['verdict']} worst margin "
+              f"{cells[cell]['worst_margin']:.3g} ({len(ran)} PASS); run {wall:.0f} s")
+
+
+@pytest.mark.parametrize("fault", ["completion_mask_shifted", "temperature_not_passed"])
+def test_a_planted_translation_fault_fails_the_cell(
+        fault: str, runs: dict[str, tuple[Path, Path, float]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ref, _, _ = runs["tiny-qwen3-trl"]
+    monkeypatch.setenv("QUALIFY_LAUNCHER_TRL", str(PYTHON))
+    contract = load_contract(contracts_dir() / "tiny-qwen3-trl.toml")
+    run = run_candidate_stage(contract, reference=ref, root=tmp_path, quiet=True,
+                              faults=(fault,), cells=["trl-fp32-actor-tp1"])
+    report = compare_run(run)
+    assert report.verdicts["trl-fp32-actor-tp1"] == "FAIL", report.summary
+    failing = {r["family"] for r in _report(run)["rows"] if r["verdict"] == "FAIL"}
+    assert {"logprobs", "grads"} <= failing, failing
+    store.make_writable(tmp_path)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is not None,
+                    reason="trl importable in qualify's own environment")
+def test_without_a_trl_interpreter_the_cells_are_not_run_naming_the_install_script(
+        runs: dict[str, tuple[Path, Path, float]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ref, _, _ = runs["tiny-qwen3-trl"]
+    monkeypatch.delenv("QUALIFY_LAUNCHER_TRL", raising=False)
+    contract = load_contract(contracts_dir() / "tiny-qwen3-trl.toml")
+    run = run_candidate_stage(contract, reference=ref, root=tmp_path, quiet=True)
+    report = compare_run(run)
+    assert {report.verdicts[c] for c in CELLS} == {"NOT_RUN"}
+    cells = {c["cell"]: c for c in _report(run)["cells"]}
+    for cell in CELLS:
+        assert "scripts/install_trl.sh" in cells[cell]["reason"], cells[cell]["reason"]
+    store.make_writable(tmp_path)
