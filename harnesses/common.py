@@ -28,7 +28,7 @@ from typing import Any, Final, NoReturn
 
 import qualify_harness as sdk
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import save
 from torch import Tensor, nn
 
 from qualify import atomic
@@ -38,8 +38,6 @@ from qualify.errors import HarnessError
 from qualify.protocol import (
     CELL_FILE,
     DEFAULT_SAMPLING,
-    OUTPUTS_FILE,
-    OUTPUTS_META_FILE,
     HarnessCell,
     ParamSampling,
     param_sample_indices,
@@ -194,11 +192,6 @@ class RoleOutputs:
 # --------------------------------------------------------------------------- output files
 
 
-def part_paths(output_dir: Path, role: str) -> tuple[Path, Path]:
-    """``(.part-<role>.safetensors, .part-<role>.json)`` in ``output_dir``."""
-    return output_dir / f".part-{role}.safetensors", output_dir / f".part-{role}.json"
-
-
 def atomic_json(path: Path, doc: Any) -> None:
     """Write ``doc`` as sorted JSON (indent 1, no NaN) to ``path`` (:mod:`qualify.atomic`)."""
     atomic.write_bytes(path, (json.dumps(doc, indent=1, sort_keys=True, allow_nan=False)
@@ -208,53 +201,6 @@ def atomic_json(path: Path, doc: Any) -> None:
 def atomic_tensors(path: Path, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
     """Write ``tensors`` (safetensors, with ``meta``) to ``path`` (:mod:`qualify.atomic`)."""
     atomic.write_bytes(path, save(tensors, metadata=meta))
-
-
-def write_part(engine: str, output_dir: Path, role: str, tensors: dict[str, Tensor],
-               meta: dict[str, Any]) -> None:
-    """Write one role's tensors and meta (the JSON last: it marks the part complete)."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    st, js = part_paths(output_dir, role)
-    atomic_tensors(st, tensors, {"engine": engine, "role": role})
-    atomic_json(js, meta)
-
-
-def merge_parts(engine: str, roles: Sequence[str], output_dir: Path,
-                head: dict[str, Any], *, wait_s: float = PART_WAIT_S) -> None:
-    """Wait for every role's part, then write ``outputs.safetensors`` and ``outputs.json``.
-
-    ``head`` is the run-level part of ``outputs.json`` (engine, cell, versions, ranks,
-    timings, shims...); each role's meta goes under ``roles``, and shims a role lists under
-    ``engine_info.shims`` join the run's ``shims``. The parts are removed after the merge.
-
-    Raises:
-        HarnessError: a part did not appear within ``wait_s`` seconds.
-    """
-    deadline = time.monotonic() + wait_s
-    t0 = time.perf_counter()
-    for role in roles:
-        js = part_paths(output_dir, role)[1]
-        while not js.is_file():
-            if time.monotonic() > deadline:
-                raise HarnessError(f"{js}: the {role} part never appeared")
-            time.sleep(0.05)
-    tensors: dict[str, Tensor] = {}
-    role_meta: dict[str, Any] = {}
-    shims = set(head.get("shims", []))
-    for role in roles:
-        st, js = part_paths(output_dir, role)
-        tensors.update(load_file(str(st)))
-        role_meta[role] = json.loads(js.read_text("utf-8"))
-        shims.update(role_meta[role].get("engine_info", {}).get("shims", []))
-    head["roles"] = role_meta
-    head["shims"] = sorted(shims)
-    head["tensors"] = {"file": OUTPUTS_FILE, "count": len(tensors)}
-    head.setdefault("timings", {})["merge_s"] = round(time.perf_counter() - t0, 4)
-    atomic_tensors(output_dir / OUTPUTS_FILE, tensors, {"engine": engine})
-    atomic_json(output_dir / OUTPUTS_META_FILE, head)
-    for role in roles:
-        for path in part_paths(output_dir, role):
-            path.unlink()
 
 
 def topology_runs(cell: HarnessCell) -> list[tuple[tuple[int, int], list[HarnessCell]]]:
@@ -287,8 +233,6 @@ def roles(actor_tp: int, critic_tp: int) -> list[str]:
     return [r for r, n in (("actor", actor_tp), ("critic", critic_tp)) if n]
 
 
-outputs_head = sdk.outputs_head
-"""The run-level part of ``outputs.json`` (:func:`qualify_harness.outputs_head`)."""
 
 
 # --------------------------------------------------------------------------- process

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import qualify_harness as sdk
 import torch
 from qualify_harness.outputs import rank_table, versions
 from safetensors.torch import load_file, save_file
@@ -119,22 +120,23 @@ def test_rank_table() -> None:
 
 
 def test_merge_parts_waits_for_every_role(tmp_path: Path) -> None:
-    common.write_part("x", tmp_path, "actor", {"round1/actor/a": torch.ones(2)},
-                      {"tp": 2, "engine_info": {"shims": ["s-actor"]}})
+    sdk.write_part("x", tmp_path, "actor", {"round1/actor/a": torch.ones(2)},
+                   {"tp": 2, "not_run": [], "engine_info": {"shims": ["s-actor"]}})
 
     def late_critic() -> None:
         time.sleep(0.3)
-        common.write_part("x", tmp_path, "critic", {"round1/critic/v": torch.zeros(3)},
-                          {"tp": 1})
+        sdk.write_part("x", tmp_path, "critic", {"round1/critic/v": torch.zeros(3)},
+                       {"tp": 1, "not_run": []})
 
     t = threading.Thread(target=late_critic)
     t.start()
     head = {"engine": "x", "shims": ["s-run"], "timings": {"init_s": 1.0}}
-    common.merge_parts("x", ["actor", "critic"], tmp_path, head)
+    sdk.merge_parts("x", ["actor", "critic"], tmp_path, head)
     t.join()
     meta = json.loads((tmp_path / "outputs.json").read_text())
-    assert meta["roles"] == {"actor": {"tp": 2, "engine_info": {"shims": ["s-actor"]}},
-                             "critic": {"tp": 1}}
+    assert meta["roles"] == {"actor": {"tp": 2, "not_run": [],
+                                       "engine_info": {"shims": ["s-actor"]}},
+                             "critic": {"tp": 1, "not_run": []}}
     assert meta["shims"] == ["s-actor", "s-run"]
     assert meta["tensors"] == {"file": "outputs.safetensors", "count": 2}
     assert meta["timings"]["merge_s"] >= 0.2  # it waited for the critic's part
@@ -144,9 +146,9 @@ def test_merge_parts_waits_for_every_role(tmp_path: Path) -> None:
 
 
 def test_merge_parts_gives_up_on_a_missing_part(tmp_path: Path) -> None:
-    common.write_part("x", tmp_path, "actor", {"a": torch.ones(1)}, {})
-    with pytest.raises(HarnessError, match=r"\.part-critic\.json: the critic part never"):
-        common.merge_parts("x", ["actor", "critic"], tmp_path, {"timings": {}}, wait_s=0.2)
+    sdk.write_part("x", tmp_path, "actor", {"a": torch.ones(1)}, {"not_run": []})
+    with pytest.raises(sdk.OutputError, match=r"\.part-critic\.json: the critic part never"):
+        sdk.merge_parts("x", ["actor", "critic"], tmp_path, {"timings": {}}, wait_s=0.2)
     assert not (tmp_path / "outputs.json").exists()  # nothing that could pass for complete
 
 
@@ -197,9 +199,9 @@ def test_outputs_head_and_roles(tmp_path: Path) -> None:
     cell = HarnessCell(engine="torch_tp", precision="fp32", options={}, actor_tp=2,
                        critic_tp=1, rounds=2, seed=0, inputs_dir=str(tmp_path),
                        output_dir=str(tmp_path), faults=("x",))
-    head = common.outputs_head(engine="torch_tp", cell=cell.to_dict(), packages=("torch",),
-                               world=3, backend="gloo", device=torch.device("cpu"),
-                               timings={"init_s": 1.0}, shims=("s",), faults=cell.faults)
+    head = sdk.outputs_head(engine="torch_tp", cell=cell.to_dict(), packages=("torch",),
+                            world=3, backend="gloo", device=torch.device("cpu"),
+                            timings={"init_s": 1.0}, shims=("s",), faults=cell.faults)
     assert head["ranks"] == rank_table(2, 1)
     assert (head["world_size"], head["device"], head["shims"], head["faults"]) == (
         3, "cpu", ["s"], ["x"])

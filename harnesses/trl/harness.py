@@ -46,6 +46,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+import qualify_harness as sdk
 import torch
 from torch import Tensor, nn
 
@@ -211,12 +212,12 @@ def run(cell: HarnessCell) -> None:
     runner = _ActorRun(cell=cell, inputs=inputs)
     with runner.timed("total_s"):
         meta = runner.run()
-    common.write_part(ENGINE, out_dir, "actor", runner.tensors, meta)
-    head = common.outputs_head(engine=ENGINE, cell=cell.to_dict(), packages=PACKAGES, world=1,
-                               backend="none", device=torch.device("cpu"),
-                               timings={"rank0_total_s": round(time.perf_counter() - t0, 4)},
-                               shims=[], faults=cell.faults)
-    common.merge_parts(ENGINE, ["actor"], out_dir, head)
+    sdk.write_part(ENGINE, out_dir, "actor", runner.tensors, meta)
+    head = sdk.outputs_head(engine=ENGINE, cell=cell.to_dict(), packages=PACKAGES, world=1,
+                            backend="none", device=torch.device("cpu"),
+                            timings={"rank0_total_s": round(time.perf_counter() - t0, 4)},
+                            shims=[], faults=cell.faults)
+    sdk.merge_parts(ENGINE, ["actor"], out_dir, head)
 
 
 class _ActorRun(common.RoleOutputs):
