@@ -2,9 +2,9 @@
 
 TRL 1.16.0 pins a transformers above qualify's own, so its ranks run in the venv that
 ``scripts/install_trl.sh`` builds (``.venv-trl``), named at launch:
-``qualify run CONTRACT --launcher trl=.venv-trl/bin/python`` (or
-``QUALIFY_LAUNCHER_TRL``; :mod:`qualify.candidate.interpreter`). Without it, and with no
-``trl`` importable in qualify's own environment, the engine's cells are ``NOT_RUN`` with
+``qualify run CONTRACT --launcher trl=.venv-trl/bin/python`` (or the engine's
+``QUALIFY_LAUNCHER_<ENGINE>`` setting; :mod:`qualify.candidate.interpreter`). Without it,
+and with no ``trl`` importable in qualify's own environment, the engine's cells are ``NOT_RUN`` with
 :data:`INSTALL_REASON`. Importing this module imports neither torch nor TRL.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
+from qualify.candidate.interpreter import env_name
 from qualify.registry import Axis, EngineSpec
 
 ALGORITHMS: Final = ("policy_loss=gspo", "policy_loss=cispo", "clip_ratio_low=*",
@@ -23,7 +24,7 @@ the base's own forms TRL lacks, a critic, decoupled PPO, k1 / k2, are named by
 :func:`harnesses.trl.translate.unsupported`)."""
 
 INSTALL_REASON: Final = (
-    "engine 'trl' is not installed here (no module 'trl', no QUALIFY_LAUNCHER_TRL): TRL "
+    f"engine 'trl' is not installed here (no module 'trl', no {env_name('trl')}): TRL "
     "1.16.0 runs in its own venv; build it with `bash scripts/install_trl.sh` and run with "
     "--launcher trl=.venv-trl/bin/python")
 """The ``NOT_RUN`` reason of every ``trl`` cell when TRL is nowhere to run."""
@@ -37,7 +38,7 @@ class TrlEngineSpec(EngineSpec):
         """:meth:`EngineSpec.unavailable_reason`, a missing ``trl`` as :data:`INSTALL_REASON`.
 
         Raises:
-            UsageError: ``QUALIFY_LAUNCHER_TRL`` is set to a bad value.
+            UsageError: the engine's ``QUALIFY_LAUNCHER_<ENGINE>`` is set to a bad value.
         """
         reason = super().unavailable_reason(cuda_available, variants=variants)
         if reason is not None and reason.startswith(f"engine {self.name!r} is not installed"):
