@@ -100,7 +100,7 @@ def test_the_example_passes_in_its_own_venv_and_an_edit_makes_it_stale(tmp_path:
     fresh = _qualify(*gate, env=env)
     assert fresh.returncode == ExitCode.OK, fresh.stdout + fresh.stderr
     checkout = tmp_path / "checkout"  # the code with one line of the example edited
-    for part in ("qualify", "harnesses", "examples"):
+    for part in ("qualify", "harnesses", "examples", "sdk"):
         shutil.copytree(ROOT / part, checkout / part,
                         ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     edited = checkout / "examples" / "qualify-example-engine" / HARNESS
