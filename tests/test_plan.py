@@ -143,3 +143,33 @@ def test_mirrored_constants_are_the_codes() -> None:
     from qualify.reference import gram_factors
 
     assert plan.GRAM_BLOCK_BYTES == gram_factors.BLOCK_BYTES
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-vocab32k", "smollm2-135m"])
+def test_reported_elements_are_the_stored_ones_with_the_rollouts_rows(name: str) -> None:
+    """For a rollout whose distinct ids reach the planner's bound, the planned per-family
+    element count is exactly what :meth:`ParamSampling.indices` stores (the sample plus the
+    whole rows of every rollout id in the vocab-indexed parameters), and the bound holds:
+    no larger number of distinct ids fits the rollout's shape."""
+    from qualify.protocol import ParamSampling
+
+    contract = load_contract(contracts_dir() / f"{name}.toml")
+    shape = plan.model_shape(contract)
+    ev = contract.evidence
+    bound = plan._rollout_ids_bound(contract, shape.vocab_size)
+    n_seq, prompt, resp, _ = plan._rollout_shape(contract)
+    assert bound <= min(shape.vocab_size, n_seq * (prompt + resp) + 1)
+    ids = torch.randperm(shape.vocab_size, generator=torch.Generator().manual_seed(0))[:bound]
+    sampling = ParamSampling(exact_elements=ev.exact_elements,
+                             sample_elements=ev.sample_elements).with_rows(
+        ids.numpy(), shape.vocab_size)
+    for role in ("actor", "critic"):
+        stored = 0
+        for pname, numel in shape.params(role):
+            idx = sampling.indices(pname, numel)
+            stored += numel if idx is None else len(idx)
+        planned = plan._sampled_elements(shape.params(role), ev.exact_elements,
+                                         ev.sample_elements, vocab_rows=bound,
+                                         vocab_size=shape.vocab_size)
+        # the seeded sample and the rows may overlap: the plan never under-counts
+        assert stored <= planned <= stored + 2 * ev.sample_elements

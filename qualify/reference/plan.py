@@ -53,6 +53,7 @@ from typing import Any, Final
 
 from qualify.contract import Contract
 from qualify.errors import ContractError, UsageError
+from qualify.protocol import VOCAB_PARAMS
 
 __all__ = ["INTERPRETER_BYTES", "DoesNotFitError", "Machine", "ModelShape", "Plan", "Step",
            "activation_elements", "build_plan", "check_fits", "machine_defaults", "model_shape",
@@ -401,8 +402,38 @@ def _device_peak(shape: ModelShape, role: str, per_param: float, act_per_layer: 
     return max(loads)
 
 
-def _sampled_elements(params: Iterable[tuple[str, int]], exact: int, sampled: int) -> int:
-    return sum(n if n <= exact else min(n, sampled) for _, n in params)
+def _sampled_elements(params: Iterable[tuple[str, int]], exact: int, sampled: int, *,
+                      vocab_rows: int = 0, vocab_size: int = 0) -> int:
+    """Elements stored per per-parameter family (``qualify.protocol.ParamSampling.indices``).
+
+    A parameter of at most ``exact`` elements is stored whole; a larger one as ``sampled``
+    seeded elements, and a vocab-indexed one (:data:`qualify.protocol.VOCAB_PARAMS`,
+    ``[vocab_size, H]``) also as ``vocab_rows`` whole rows (the rollout's distinct token ids;
+    :func:`_rollout_ids_bound` gives an upper bound), capped at the whole parameter.
+    """
+    total = 0
+    for name, n in params:
+        if n <= exact:
+            total += n
+        elif vocab_rows and vocab_size and name in VOCAB_PARAMS and n % vocab_size == 0:
+            total += min(n, sampled + vocab_rows * (n // vocab_size))
+        else:
+            total += min(n, sampled)
+    return total
+
+
+def _rollout_ids_bound(contract: Contract, vocab_size: int) -> int:
+    """An upper bound on the rollout's distinct token ids (``ParamSampling.rows``).
+
+    The prompts' distinct ids when they are given as token ids (else one per prompt
+    position), plus one per response position of every sequence, plus the pad id; at most
+    ``vocab_size``.
+    """
+    n_seq, prompt, resp, _ = _rollout_shape(contract)
+    p = contract.prompts
+    prompt_ids = (len({t for ids in p.token_ids for t in ids}) if p.token_ids is not None
+                  else prompt * (n_seq // max(contract.sampling.samples_per_prompt, 1)))
+    return min(vocab_size, prompt_ids + n_seq * resp + 1)
 
 
 GRAM_BLOCK_BYTES: Final = 256 << 20
@@ -453,7 +484,9 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
     mbs = contract.algorithm.micro_batch_size
     rounds = contract.algorithm.rounds
     ev = contract.evidence
-    reported = {r: _sampled_elements(shape.params(r), ev.exact_elements, ev.sample_elements)
+    id_rows = _rollout_ids_bound(contract, shape.vocab_size)
+    reported = {r: _sampled_elements(shape.params(r), ev.exact_elements, ev.sample_elements,
+                                     vocab_rows=id_rows, vocab_size=shape.vocab_size)
                 for r in p}
     n_tensors = {r: len(shape.params(r)) for r in p}
     dev = machine.devices > 0
@@ -661,7 +694,9 @@ def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
                       if cell.role == "actor" else 0)
             per_rank = max(per_rank, per_param * pr // cell.tp + act + logits)
             rep = _sampled_elements(shape.params(cell.role), ev.exact_elements,
-                                    ev.sample_elements)
+                                    ev.sample_elements,
+                                    vocab_rows=_rollout_ids_bound(contract, shape.vocab_size),
+                                    vocab_size=shape.vocab_size)
             written += 4 * rounds * 4 * rep + SAFETENSORS_HEADER_BYTES * rounds * 4 * len(
                 shape.params(cell.role))
             flops += rounds * 6 * pr * n_seq * positions
