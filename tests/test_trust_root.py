@@ -189,6 +189,33 @@ def test_a_removed_key_is_a_note_and_still_trusted(repo: Repo) -> None:
     assert f"key {repo.w.key.keyid[:16]} removed by this change; still trusted here" in text
 
 
+@pytest.mark.parametrize("command", ["verify", "audit"])
+def test_verify_and_audit_trust_only_the_roots_keys(repo: Repo, command: str,
+                                                    capsys: pytest.CaptureFixture[str]
+                                                    ) -> None:
+    """A change that adds its own key and signs with it passes ``verify`` / ``audit`` under
+    the checkout's keys (the hole) and fails them under ``--trust-from`` (signature step),
+    naming the untrusted key; a key the root holds verifies either way."""
+    def argv(*extra: str) -> list[str]:
+        target = [str(repo.w.good)] if command == "verify" else [str(repo.w.good.parent)]
+        return [command, *target, "--contracts-dir", str(repo.contracts), *extra]
+
+    code, text = run_cli(argv("--trust-from", BASE))  # nothing changed yet
+    assert code == ExitCode.OK, text
+    assert f"trust root: git ref {BASE}" in text
+    mine = self_added_key(repo)
+    code, text = run_cli(argv("--keys", str(repo.keys)))
+    if command == "verify":
+        assert code == ExitCode.OK, text
+    code, text = run_cli(argv("--trust-from", BASE))
+    assert code == ExitCode.INTEGRITY_ERROR, text
+    assert f"key added: keyid {mine.keyid} is not trusted by the trust root {BASE}" in text
+    code, _ = run_cli(argv("--trust-from", BASE, "--keys", str(repo.keys)))
+    err = capsys.readouterr().err
+    assert code == ExitCode.USAGE_ERROR
+    assert "--trust-from takes the trusted keys from the trust root; drop --keys" in err
+
+
 # --------------------------------------------------------------------------- policy
 
 PolicyEdit = Callable[[Repo], str]
@@ -370,6 +397,9 @@ def test_the_workflow_gates_pull_requests_from_their_base() -> None:
     assert "${{" not in run  # the ref reaches the script through the environment
     assert 'trust=(--trust-from "origin/$BASE_REF")' in run
     assert '"${trust[@]}"' in run
+    audit = text[text.index("qualify audit") - 400:text.index("- name: Gate\n")]
+    assert "BASE_REF: ${{ github.base_ref }}" in audit  # audit trusts the base's keys too
+    assert 'qualify audit references evidence "${trust[@]}"' in audit
 
 
 @pytest.mark.parametrize("path", ["contracts/keys/x.pub", "contracts/gates/x.toml",

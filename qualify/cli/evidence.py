@@ -11,13 +11,17 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from qualify.cli.outputs import output_dir, output_file
 from qualify.display import printable
 from qualify.errors import ExitCode, UsageError
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     from qualify.evidence.gate import GateResult
 
 __all__ = ["register"]
@@ -97,8 +101,11 @@ def _cmd_verify(args: argparse.Namespace) -> ExitCode:
         _existing_dir(args.reference, "--reference")
     if args.contracts_dir is not None:
         _existing_dir(args.contracts_dir, "--contracts-dir")
-    result = verify(Path(args.path), trusted_keys_dir=args.keys, contract=args.contract,
-                    contracts_dir=args.contracts_dir, reference_dir=args.reference)
+    trusted = _root_keys(args, args.contracts_dir
+                         or (Path(args.contract).parent if args.contract else None))
+    result = verify(Path(args.path), trusted=trusted, trusted_keys_dir=args.keys,
+                    contract=args.contract, contracts_dir=args.contracts_dir,
+                    reference_dir=args.reference)
     print("\n".join(result.summary_lines()))
     if args.json:
         store.atomic_write_json(args.json, result.to_dict())
@@ -151,8 +158,10 @@ def _cmd_audit(args: argparse.Namespace) -> ExitCode:
     _output_file(args.junit_xml, "--junit-xml")
     if args.sources_root is not None:
         _existing_dir(args.sources_root, "--sources-root")
-    result = audit(args.dirs, trusted_keys_dir=args.keys, contracts_dir=args.contracts_dir,
-                   source_root=args.sources_root)
+    trusted = _root_keys(args, args.contracts_dir,
+                         stream=None if args.format == "table" else sys.stderr)
+    result = audit(args.dirs, trusted=trusted, trusted_keys_dir=args.keys,
+                   contracts_dir=args.contracts_dir, source_root=args.sources_root)
     text = render(result, args.format)
     print(text)
     if args.output:
@@ -170,6 +179,35 @@ def _ci_views_args(p: argparse.ArgumentParser) -> None:
                         "NOT_RUN as skipped, the first failing quantity as the failure)")
     p.add_argument("--summary", metavar="PATH",
                    help="append a Markdown job summary (e.g. \"$GITHUB_STEP_SUMMARY\")")
+
+
+def _root_keys(args: argparse.Namespace, contracts_dir: str | Path | None, *,
+               stream: TextIO | None = None) -> Mapping[str, Ed25519PublicKey] | None:
+    """``--trust-from``'s keys for ``verify`` / ``audit``, else ``None``.
+
+    The root and any checkout key it does not trust are printed to ``stream`` (stdout). The
+    checkout's contracts directory is ``contracts_dir`` (default ``./contracts``).
+
+    Raises:
+        UsageError: ``--trust-from`` with ``--keys``, or a root that cannot be read.
+    """
+    if args.trust_from is None:
+        return None
+    from qualify.evidence.trust import root_keys
+
+    if args.keys is not None:
+        raise UsageError("--trust-from takes the trusted keys from the trust root; drop --keys")
+    found = root_keys(args.trust_from, contracts_dir=Path(contracts_dir or "contracts"))
+    print("\n".join(found.lines()), file=stream or sys.stdout)
+    return found.trusted
+
+
+def _trust_from_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust-from", metavar="ROOT",
+                   help="trust only the keys of a protected root: a git ref (origin/main, "
+                        "the merge base) or a directory outside the checkout laid out as "
+                        "contracts/ (keys/*.pub); keys the checkout adds are not trusted. "
+                        "Not with --keys")
 
 
 def _keys_arg(p: argparse.ArgumentParser) -> None:
@@ -210,6 +248,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--contracts-dir", metavar="DIR", help="directory of committed contracts")
     p.add_argument("--reference", metavar="DIR", help="the run's reference (default run.json)")
     p.add_argument("--json", metavar="OUT", help="write the verification result as JSON")
+    _trust_from_arg(p)
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser("gate", help="CI merge gate: verified, fresh evidence and every "
@@ -257,4 +296,5 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="code the runs' sources.json is compared with (default: the code "
                         "this qualify runs)")
     _keys_arg(p)
+    _trust_from_arg(p)
     p.set_defaults(func=_cmd_audit)

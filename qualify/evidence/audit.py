@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 import pandas as pd
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from qualify.display import markdown_cell, printable
 from qualify.errors import EvidenceIntegrityError, ExitCode, QualifyError, UsageError
@@ -337,6 +338,7 @@ def _row(e: EvidenceDir, root: Path, *, keys: Any, contracts_dir: str | Path | N
 
 
 def audit(roots: str | Path | Sequence[str | Path], *,
+          trusted: Mapping[str, Ed25519PublicKey] | None = None,
           trusted_keys_dir: str | Path | None = None,
           contracts_dir: str | Path | None = None,
           source_root: str | Path | None = None) -> AuditResult:
@@ -344,6 +346,9 @@ def audit(roots: str | Path | Sequence[str | Path], *,
 
     Args:
         roots: one directory or several.
+        trusted: trusted keys (``qualify audit --trust-from``:
+            :func:`qualify.evidence.trust.root_keys`); default: those of
+            ``trusted_keys_dir``.
         trusted_keys_dir: trusted ``*.pub`` directory (default ``contracts/keys``).
         contracts_dir: committed contracts (default ``./contracts``, then qualify's).
         source_root: the code runs' ``sources.json`` is compared with (default: the code
@@ -359,7 +364,7 @@ def audit(roots: str | Path | Sequence[str | Path], *,
     for r in rs:
         if not r.is_dir():
             raise UsageError(f"{r}: not a directory")
-    keys = trusted_keys(trusted_keys_dir)
+    keys = trusted if trusted is not None else trusted_keys(trusted_keys_dir)
     rows = [_row(e, r, keys=keys, contracts_dir=contracts_dir, source_root=source_root)
             for r in rs for e in find_evidence(r)]
     return AuditResult(roots=tuple(rs), rows=tuple(rows))

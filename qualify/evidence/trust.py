@@ -67,11 +67,13 @@ __all__ = [
     "CHECKOUT",
     "MAX_ROOT_FILE_BYTES",
     "RootFiles",
+    "RootKeys",
     "TrustChange",
     "TrustCheck",
     "TrustRoot",
     "check_change",
     "resolve_trust_root",
+    "root_keys",
 ]
 
 MAX_ROOT_FILE_BYTES: Final = 16 * 1024 * 1024
@@ -125,12 +127,13 @@ class TrustRoot:
                 if self.kind != "checkout" else None,
                 "line": self.line}
 
-    def files(self, contracts_dir: Path, contract_name: str) -> RootFiles:
+    def files(self, contracts_dir: Path, contract_name: str | None) -> RootFiles:
         """The root's keys, policy and contract for the checkout's ``contracts_dir``.
 
         Args:
             contracts_dir: the checkout's directory of the contract (``contracts/``).
-            contract_name: the contract's name (``<name>.toml``, ``gates/<name>.toml``).
+            contract_name: the contract's name (``<name>.toml``, ``gates/<name>.toml``);
+                ``None``: the keys only (``policy`` and ``contract`` are ``None``).
 
         Raises:
             UsageError: the root cannot be read there (the contracts directory outside the
@@ -143,7 +146,7 @@ class TrustRoot:
             return _dir_files(self.directory, contract_name)
         raise UsageError("the checkout is no trust root to compare with")
 
-    def _git_files(self, contracts_dir: Path, name: str) -> RootFiles:
+    def _git_files(self, contracts_dir: Path, name: str | None) -> RootFiles:
         assert self.repo is not None
         assert self.commit is not None
         try:
@@ -157,6 +160,8 @@ class TrustRoot:
             if path.endswith(PUBLIC_KEY_SUFFIX) and mode != "040000":
                 keys.append((f"{self.spec}:{path}",
                              self._blob(mode, oid, path, MAX_PUBLIC_KEY_BYTES)))
+        if name is None:
+            return RootFiles(keys=tuple(keys), policy=None, contract=None)
         return RootFiles(keys=tuple(keys),
                          policy=self._file(f"{base}{GATES_DIR}/{name}.toml"),
                          contract=self._file(f"{base}{name}.toml"))
@@ -294,7 +299,7 @@ def _read_root_file(path: Path, limit: int) -> bytes | None:
         raise UsageError(f"trust root: {exc}") from None
 
 
-def _dir_files(root: Path, name: str) -> RootFiles:
+def _dir_files(root: Path, name: str | None) -> RootFiles:
     keys = []
     kdir = root / KEYS_DIR
     if kdir.is_dir():
@@ -302,6 +307,8 @@ def _dir_files(root: Path, name: str) -> RootFiles:
             data = _read_root_file(p, MAX_PUBLIC_KEY_BYTES)
             if data is not None:
                 keys.append((str(p), data))
+    if name is None:
+        return RootFiles(keys=tuple(keys), policy=None, contract=None)
     out: dict[str, tuple[str, bytes] | None] = {}
     for field, p in (("policy", root / GATES_DIR / f"{name}.toml"),
                      ("contract", root / f"{name}.toml")):
@@ -524,3 +531,47 @@ def check_change(root: TrustRoot, contract_path: Path, contract: Contract) -> Tr
                        f"{contract.digest[:12]} here)"))
     return TrustCheck(root=root, trusted=trusted, policy=policy, changes=tuple(changes),
                       notes=tuple(notes))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RootKeys:
+    """The trusted keys of a protected root, for ``qualify verify`` and ``qualify audit``.
+
+    Attributes:
+        root: the trust root.
+        trusted: the root's keys, keyid -> public key (the only keys accepted).
+        changes: checkout key files the root does not trust (evidence signed by them fails
+            verification at its signature step).
+        notes: root keys the checkout removed (still trusted until the removal lands).
+    """
+
+    root: TrustRoot
+    trusted: Mapping[str, Ed25519PublicKey]
+    changes: tuple[TrustChange, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def lines(self) -> list[str]:
+        """The root line, then one line per untrusted checkout key and per note."""
+        return [self.root.line, *(f"  trust: {c.line}" for c in self.changes),
+                *(f"  note: {n}" for n in self.notes)]
+
+
+def root_keys(spec: str, *, contracts_dir: Path) -> RootKeys:
+    """The trusted keys of the root ``--trust-from SPEC`` names (never the checkout's).
+
+    Args:
+        spec: the ``--trust-from`` value (:func:`resolve_trust_root`).
+        contracts_dir: the checkout's contracts directory (``contracts/``): a git ref's
+            keys are read at the same path in the ref, and the checkout's
+            ``contracts/keys/`` is compared with them.
+
+    Returns:
+        The :class:`RootKeys`.
+
+    Raises:
+        UsageError: the root cannot be read, or one of its key files is invalid.
+    """
+    root = resolve_trust_root(spec, checkout=contracts_dir)
+    files = root.files(contracts_dir, None)
+    trusted, changes, notes = _key_changes(root, files, contracts_dir / KEYS_DIR)
+    return RootKeys(root=root, trusted=trusted, changes=tuple(changes), notes=tuple(notes))
