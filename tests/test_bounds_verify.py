@@ -284,11 +284,44 @@ BAD_BOUNDS: list[tuple[str, Callable[[Path], None], str]] = [
      r"fp32.fp64.round1/actor/logprobs.value: not a finite number"),
     ("a lane's control errors removed", _control_errors(lambda d: d.pop("bf16-autocast")),
      r"not recomputable from sealed data: control_errors.json: lanes"),
+    ("a control run deleted", _delete("controls/attn_impl-fp32.safetensors"),
+     r"control_errors.json: not recomputable from the sealed control and reference tensors: "
+     r"controls/attn_impl-fp32.safetensors"),
     ("a control the contract names removed",
      _control_errors(lambda d: d["fp32"].pop("fp64")),
      r"not recomputable from sealed data: control_errors.json: controls \['fp64'\] not "
      r"measured at fp32"),
 ]
+
+
+def test_a_widened_control_error_with_its_bounds_rederived_is_refused(
+        real_ref: tuple[Path, Path, signing.SigningKey]) -> None:
+    """The insider widens the control error behind a bound 1000x and derives bounds.json
+    from the edited errors by the rule itself, so the bounds check alone passes; measuring
+    the sealed control runs against the sealed reference again refuses it, naming the
+    entry and both values."""
+    ref, keys, key = real_ref
+    doc = json.loads((COMMITTED / "bounds.json").read_text())
+    (row,) = [b for b in doc["bounds"] if first_logprobs(b)]
+    label = "round1/actor/logprobs"
+    sealed = json.loads((COMMITTED / "control_errors.json").read_text())
+    value = sealed["fp32"][row["control"]][label]["value"]
+    edit_json(ref / "control_errors.json",
+              lambda d: d["fp32"][row["control"]][label].update(value=value * 1000.0))
+    again = [b.to_dict() for b in recompute_bounds(ref)]
+    (wide,) = [b for b in again if first_logprobs(b)]
+    assert wide["bound"] > 100 * row["bound"]  # the lie widens the bound
+    edit_json(ref / "bounds.json", lambda d: d.update(bounds=again))
+    reseal_backdated(ref, key)
+
+    result = verify(ref, trusted_keys_dir=keys)
+    assert [s.number for s in result.failed_steps] == [9], result.summary_lines()
+    assert isinstance(result.first_error, BoundsMismatchError)
+    detail = result.steps[8].detail
+    assert "\n" not in detail
+    assert detail.startswith("control_errors.json: 1 of "), detail
+    assert f"fp32 {row['control']} {label}: value sealed {value * 1000.0!r}, recomputed " \
+           f"{value!r}" in detail
 
 
 @pytest.mark.parametrize(("text", "detail"), [

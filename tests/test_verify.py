@@ -50,10 +50,10 @@ from tiny_contracts import torch_tp_only_text
 
 from qualify import jsonio
 from qualify.bounds import (
-    ControlErrors,
     bf16_quanta,
     bounds_document,
     compute_bounds,
+    measure_controls,
     scalar_resolutions,
 )
 from qualify.cli import main as cli
@@ -78,8 +78,8 @@ from qualify.evidence.verify import (
     verify,
 )
 from qualify.protocol import ROLLOUT_KEYS
-from qualify.reference.controls import control_errors_document
-from qualify.statistics import ErrorMeasure, MetricKey, group_tensors
+from qualify.reference.controls import control_errors_document, control_settings
+from qualify.statistics import FAMILY_STATISTIC, group_tensors
 
 CONTRACT = "gate-tiny"
 B, R = 3, 4
@@ -168,17 +168,22 @@ def save_tensors(path: Path, tensors: Mapping[str, np.ndarray]) -> None:
     save_file(dict(tensors), str(path))
 
 
-def control_errors(contract: Contract, hf: Mapping[str, np.ndarray]) -> ControlErrors:
-    """Control errors that put each bound at :data:`BOUND` (``k * e + floor``, within
-    rounding): every FP32 control of the contract measures ``(BOUND - floor) / k``."""
+def control_runs(contract: Contract, hf: Mapping[str, np.ndarray],
+                 ) -> dict[str, dict[str, np.ndarray]]:
+    """Control runs whose measured errors put each bound at :data:`BOUND` (``k * e +
+    floor``, within rounding): every FP32 control of the contract is the HF run moved by
+    ``e = (BOUND - floor) / k`` in its family's statistic (every valid token and loss term
+    by ``e``, a scalar by ``e``, a per-parameter tensor scaled by ``1 + e``, so its relative
+    L2 error is ``e``), in FP64 so that the move is not rounded to FP32."""
     b = contract.bounds
-    names = sorted({*b.controls_candidate_vs_hf, *b.controls_tp_vs_tp1})
-    out: dict[MetricKey, ErrorMeasure] = {}
-    for key in group_tensors(hf):
+    out: dict[str, np.ndarray] = {}
+    for name, x in hf.items():
+        (key,) = group_tensors({name: x})
         e = (BOUND[key.family] - float(b.floors["fp32"][key.family])) / b.k
-        out[key] = ErrorMeasure(value=e, where="()", mismatched=0, total=1, max_abs=e,
-                                max_rel=0.0)
-    return {"fp32": {n: dict(out) for n in names}}
+        x64 = x.astype(np.float64)
+        out[name] = np.asarray(x64 * (1.0 + e) if FAMILY_STATISTIC[key.family] == "max_rel_l2"
+                               else x64 + e * MASK if x.shape == MASK.shape else x64 + e)
+    return {n: dict(out) for n in control_settings(contract, "fp32")}
 
 
 def make_reference(root: Path, contract: Contract, key: signing.SigningKey,
@@ -198,7 +203,14 @@ def make_reference(root: Path, contract: Contract, key: signing.SigningKey,
     save_tensors(ref / "rollout.safetensors", rollout)
     store.atomic_write_json(ref / "rollout.json", {"logprobs_mode": "processed"})
     save_tensors(ref / "reference" / "hf-fp32.safetensors", hf)
-    errors = control_errors(contract, hf)
+    controls = control_runs(contract, hf)
+    for name, tensors in controls.items():
+        save_tensors(ref / "controls" / f"{name}-fp32.safetensors", tensors)
+    save_tensors(ref / "train_inputs.safetensors",
+                 {"advantages": np.zeros((B, R), np.float32),
+                  "returns": np.zeros((B, R), np.float32)})
+    store.atomic_write_json(ref / "branches.json", {"schema_version": 1, "precisions": {}})
+    errors = measure_controls({"fp32": dict(hf)}, {"fp32": controls}, MASK)
     bounds = compute_bounds(contract, errors, scalar_resolutions({"fp32": dict(hf)}),
                             {"fp32": {}}, bf16_quanta({"fp32": dict(hf)}))
     store.atomic_write_json(ref / "control_errors.json", control_errors_document(errors))

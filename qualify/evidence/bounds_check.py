@@ -6,7 +6,13 @@ the rule again (:func:`qualify.reference.bound_inputs.recompute_bounds`: the sea
 errors, the contract's floors, k and lane, the resolutions, quanta and propagated terms from
 the sealed HF reference tensors and update records) and requires every row of
 ``bounds.json`` to equal the recomputed one, field for field and bit for bit (the rule is
-exact IEEE 754 arithmetic in a fixed order: no tolerance is needed or given).
+exact IEEE 754 arithmetic in a fixed order: no tolerance is needed or given). The control
+errors are not taken as stored either: the sealed control runs (``controls/``) are measured
+again against the sealed HF reference, with the clip-branch adjustment
+(:func:`qualify.reference.bound_inputs.recompute_control_errors`), and every entry of
+``control_errors.json`` must equal its measurement within
+:data:`~qualify.reference.bound_inputs.CONTROL_ERROR_REL_TOL` (numpy reductions may differ
+by a few ulps between builds).
 :mod:`qualify.evidence.verify` runs it as step 9 of a reference; a run's reference passes
 it within step 7.
 """
@@ -23,7 +29,7 @@ from qualify.bounds import Bound
 from qualify.contract import Contract
 from qualify.errors import BoundsMismatchError, EvidenceIntegrityError, QualifyError
 from qualify.evidence.steps import listing
-from qualify.layout import BOUNDS_FILE, CONTRACT_FILE
+from qualify.layout import BOUNDS_FILE, CONTRACT_FILE, CONTROL_ERRORS_FILE
 from qualify.schema import first_error
 
 __all__ = ["COMPARED_FIELDS", "TERMS", "bounds_differences", "verify_bounds"]
@@ -118,7 +124,9 @@ def verify_bounds(ref_dir: Path) -> str:
     ``contract.json``'s; every number of every row is finite and >= 0; the rule can be
     applied again to what is sealed (:func:`qualify.reference.bound_inputs.recompute_bounds`);
     and every row equals its recomputation exactly, with no row missing, added or sealed
-    twice (:func:`bounds_differences`).
+    twice (:func:`bounds_differences`); then the control errors measured again from the
+    sealed control and reference tensors equal ``control_errors.json``
+    (:func:`qualify.reference.bound_inputs.control_error_differences`).
 
     Args:
         ref_dir: a reference directory whose steps 1-8 passed (files match the manifest).
@@ -132,7 +140,12 @@ def verify_bounds(ref_dir: Path) -> str:
             sealed and recomputed values; or the input that is missing or malformed
             ("not recomputable from sealed data: ...").
     """
-    from qualify.reference.bound_inputs import recompute_bounds
+    from qualify.reference.bound_inputs import (
+        control_error_differences,
+        control_errors_from_document,
+        recompute_bounds,
+        recompute_control_errors,
+    )
 
     try:
         doc = jsonio.read_json(ref_dir / BOUNDS_FILE)
@@ -174,5 +187,18 @@ def verify_bounds(ref_dir: Path) -> str:
         raise BoundsMismatchError(
             f"{BOUNDS_FILE}: {len(bad)} of {len(rows)} sealed bounds are not the rule applied "
             f"to the sealed control errors: {listing(bad)}")
+    try:
+        sealed = control_errors_from_document(jsonio.read_json(ref_dir / CONTROL_ERRORS_FILE))
+        measured = recompute_control_errors(ref_dir, contract)
+    except (OSError, ValueError, QualifyError) as exc:
+        raise BoundsMismatchError(f"{CONTROL_ERRORS_FILE}: not recomputable from the sealed "
+                                  f"control and reference tensors: {exc}") from None
+    bad = control_error_differences(sealed, measured)
+    if bad:
+        n = sum(len(e) for by_control in sealed.values() for e in by_control.values())
+        raise BoundsMismatchError(
+            f"{CONTROL_ERRORS_FILE}: {len(bad)} of {n} sealed control errors are not what the "
+            f"sealed control runs measure against the sealed reference: {listing(bad)}")
     return f"{len(rows)} bounds of {BOUNDS_FILE} recomputed from the sealed control errors, " \
-           f"floors and k: equal"
+           f"floors and k: equal; the control errors measured again from the sealed " \
+           f"control and reference tensors: equal"

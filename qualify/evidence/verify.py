@@ -26,8 +26,9 @@ the steps that passed, the problems):
    was sealed before the run started and attested before the run was
    (:class:`~qualify.errors.SealOrderError`);
 9. for a reference, :func:`~qualify.evidence.bounds_check.verify_bounds`: every sealed bound
-   is the contract's rule applied again to the sealed control errors, floors, k and terms
-   (:class:`~qualify.errors.BoundsMismatchError`); for a run, :func:`verify_verdicts`: the
+   is the contract's rule applied again to the sealed control errors, floors, k and terms,
+   and the control errors are the sealed control runs measured again against the sealed
+   reference (:class:`~qualify.errors.BoundsMismatchError`); for a run, :func:`verify_verdicts`: the
    report recomputed from the raw outputs and the sealed bounds
    (``compare_run(..., write=False)``) equals ``report.json`` (every row's error, bound,
    margin and verdict), ``report.md`` is its rendering byte for byte, and the statement's
