@@ -23,6 +23,10 @@ class ExitCode(enum.IntEnum):
     """Evidence was edited, is incomplete, unsigned or signed by an untrusted key."""
     INTERNAL_ERROR = 4
     """A bug in qualify or an engine crash outside any cell."""
+    INTERRUPTED = 130
+    """Stopped by SIGINT (Ctrl-C): ``128 + SIGINT``, as a shell reports it. Whatever was
+    written is left unsealed (an ``INCOMPLETE`` directory never passes); the same command
+    again resumes it."""
 
 
 class QualifyError(Exception):

@@ -596,7 +596,7 @@ RUN_POINTS: dict[str, tuple[str, signal.Signals | None]] = {
 }
 # the exit of the interrupted process: by the signal, or qualify's own one-line exit
 RUN_EXITS = {signal.SIGKILL: -signal.SIGKILL, signal.SIGTERM: -signal.SIGTERM,
-             signal.SIGINT: ExitCode.INTERNAL_ERROR}
+             signal.SIGINT: ExitCode.INTERRUPTED}
 
 
 def _ranks_alive(evidence: Path) -> Callable[[], bool]:

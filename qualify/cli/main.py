@@ -285,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("qualify: interrupted; partial output is left unsealed (the same command "
               "again resumes it)", file=sys.stderr)
-        return int(ExitCode.INTERNAL_ERROR)
+        return int(ExitCode.INTERRUPTED)
     except BrokenPipeError:
         return _broken_pipe()
     except Exception as exc:
