@@ -1,23 +1,37 @@
 """Rows a harness or a contract declares not run, and how they count in a cell's verdict.
 
-The class of defect: a check that could not fail passing for one that ran. A harness whose
-stack returns its loss whole (TRL) reports ``loss/total`` and declares the other terms
-(:func:`qualify.compare.rows.declared_terms`): its ``losses`` row is then measured on the
-terms it reported, so a wrong total still fails it, and a term missing without a
-declaration is still an infinite error (``FAIL``), never a skipped one.
+The class of defect: a check that could not fail passing for one that ran, or a cell that
+could never pass for a row its engine cannot run. A contract's ``matrix.expected_not_run``
+lets a cell whose only ``NOT_RUN`` rows it expects take its verdict from the rows that ran
+(listed in report.json, report.md, report.html and the JUnit testcase); any other
+``NOT_RUN`` row still makes the cell ``NOT_RUN``, and a ``FAIL`` anywhere still fails it.
+A harness whose stack returns its loss whole (TRL) reports ``loss/total`` and declares the
+other terms (:func:`qualify.compare.rows.declared_terms`): its ``losses`` row is then
+measured on the terms it reported, so a wrong total still fails it, and a term missing
+without a declaration is still an infinite error (``FAIL``), never a skipped one.
 """
 
 from __future__ import annotations
 
+import json
+import tomllib
+import xml.etree.ElementTree as ET
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import test_compare
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qualify.bounds import Bound
+from qualify.compare.html import expected_not_run_html
 from qualify.compare.rows import compare_rows, declared_not_run, declared_terms
+from qualify.contract import Contract
+from qualify.errors import ContractError
+from qualify.evidence import junit, store
+from qualify.evidence.policy import Policy, evaluate
 from qualify.protocol import ACTOR_LOSS_TERMS
 from qualify.statistics import MetricKey
 
@@ -92,3 +106,116 @@ def test_a_terms_entry_declares_the_terms_never_the_family() -> None:
     (row,) = _rows(_losses({"total": 1.0}), want, round2)  # declared for round 2 only
     assert row.verdict == "FAIL"
     assert row.error == float("inf")
+
+
+# --------------------------------------------------------------------------- the contract's
+
+
+GRADS_WHY = "this engine's optimizer state is not reachable"
+
+
+def _expecting(monkeypatch: pytest.MonkeyPatch, entries: list[dict[str, Any]]) -> None:
+    """Make test_compare's World build its contract with ``matrix.expected_not_run``."""
+    def make(required: list[str] | None = None) -> Contract:
+        doc = tomllib.loads(test_compare.torch_tp_only_text())
+        if required is not None:
+            doc["matrix"]["required_cells"] = required
+        if entries:
+            doc["matrix"]["expected_not_run"] = entries
+        return Contract.from_dict(doc)
+    monkeypatch.setattr(test_compare, "make_contract", make)
+
+
+def _grads_not_run(w: test_compare.World, *, also: tuple[str, ...] = (),
+                   off: float = 0.0) -> None:
+    """TP 1 without its ``grads`` (and ``also``), declared by the harness; ``off`` moves
+    its round-1 logprobs."""
+    out = {k: v for k, v in test_compare.actor(w).items()
+           if not any(f"/actor/{f}/" in k for f in ("grads", *also))}
+    out["round1/actor/logprobs"] = out["round1/actor/logprobs"] + off
+    decl = [{"round": None, "family": f, "reason": "the harness cannot read it"}
+            for f in ("grads", *also)]
+    w.add_cell(test_compare.TP1, outputs=out,
+               meta={**test_compare.good_meta(), "not_run": decl})
+
+
+@pytest.mark.parametrize(("expected", "also", "off", "verdict"), [
+    ([], (), 0.0, "NOT_RUN"),  # nothing expected: a NOT_RUN row makes the cell NOT_RUN
+    ([{"engine": "torch_tp", "family": "grads", "reason": GRADS_WHY}], (), 0.0, "PASS"),
+    ([{"engine": "torch_tp", "family": "grads", "reason": GRADS_WHY}], (), 1.0, "FAIL"),
+    ([{"engine": "torch_tp", "family": "grads", "reason": GRADS_WHY}], ("exp_avg",), 0.0,
+     "NOT_RUN"),  # another NOT_RUN row the contract does not expect
+    ([{"engine": "torch_tp", "family": "grads", "round": 2, "reason": GRADS_WHY}], (), 0.0,
+     "NOT_RUN"),  # round 1's grads are not expected
+], ids=["none", "expected", "expected-other-row-fails", "other-not-run", "other-round"])
+def test_a_cell_whose_only_not_run_rows_the_contract_expects_is_judged_by_the_rest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, expected: list[dict[str, Any]],
+        also: tuple[str, ...], off: float, verdict: str) -> None:
+    _expecting(monkeypatch, expected)
+    w = test_compare.World(tmp_path, required=[test_compare.TP1])
+    _grads_not_run(w, also=also, off=off)
+    report = w.compare()
+    assert report.verdicts[test_compare.TP1] == verdict
+    rows = test_compare.rows_of(report, test_compare.TP1)
+    grads = [r for r in rows if r.family == "grads"]
+    assert {r.verdict for r in grads} == {"NOT_RUN"}  # still listed, as not run
+    marked = [r for r in rows if r.expected_not_run is not None]
+    if verdict == "PASS" or (expected and expected[0].get("round") is None):
+        assert marked == grads
+        assert all(r.expected_not_run == GRADS_WHY for r in marked)
+    doc = json.loads((w.run_dir / "report.json").read_text())  # schema-valid as written
+    md = (w.run_dir / "report.md").read_text()
+    policy = Policy(contract=w.contract.name, path=None, digest=None,
+                    required=(test_compare.TP1,))
+    (outcome,) = evaluate(doc, policy).cells
+    assert outcome.ok is (verdict == "PASS"), outcome
+    if marked:
+        assert f"(expected by the contract: {GRADS_WHY})" in md
+        assert outcome.expected_not_run
+        suite = ET.Element("testsuite")
+        junit._cell_case(suite, "c", outcome)
+        out = suite.find("testcase/system-out")
+        assert out is not None
+        assert out.text is not None
+        assert GRADS_WHY in out.text
+        html = "".join(expected_not_run_html(doc["rows"]))  # render_html's section
+        assert "Rows the contract expects not run" in html
+        assert html.count("<li>") == len(marked)
+    else:
+        assert outcome.expected_not_run == ()
+    store.make_writable(tmp_path)
+
+
+def test_an_expected_family_that_ran_and_failed_fails_the_cell(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The expectation excuses a row not run, never a row that ran."""
+    _expecting(monkeypatch, [{"engine": "torch_tp", "family": "grads", "reason": GRADS_WHY}])
+    w = test_compare.World(tmp_path, required=[test_compare.TP1])
+    out = test_compare.actor(w)
+    out["round1/actor/grads/model.w"] = out["round1/actor/grads/model.w"] * 2.0
+    w.add_cell(test_compare.TP1, outputs=out, meta=test_compare.good_meta())
+    report = w.compare(write=False)
+    assert report.verdicts[test_compare.TP1] == "FAIL"
+    assert not any(r.expected_not_run for r in test_compare.rows_of(report, test_compare.TP1))
+
+
+def test_an_expectation_of_an_engine_outside_the_matrix_is_refused_naming_the_field() -> None:
+    doc = tomllib.loads(test_compare.torch_tp_only_text())
+    doc["matrix"]["expected_not_run"] = [{"engine": "fsdp2", "family": "grads",
+                                          "reason": GRADS_WHY}]
+    with pytest.raises(ContractError, match=r"matrix\.expected_not_run\[0\]\.engine"):
+        Contract.from_dict(doc)
+    doc["matrix"]["expected_not_run"] = [{"engine": "torch_tp", "family": "grads"}]
+    with pytest.raises(ContractError, match="reason"):
+        Contract.from_dict(doc)
+
+
+def test_a_contract_without_expectations_keeps_its_digest() -> None:
+    """The field is optional: a contract that does not write it is the document it was."""
+    doc = tomllib.loads(test_compare.torch_tp_only_text())
+    plain = Contract.from_dict(doc)
+    assert plain.matrix.expected_not_run == ()
+    assert "expected_not_run" not in plain.to_dict()["matrix"]
+    doc["matrix"]["expected_not_run"] = [{"engine": "torch_tp", "family": "rewards",
+                                          "reason": "no reward model"}]
+    assert Contract.from_dict(doc).digest != plain.digest

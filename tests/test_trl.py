@@ -116,7 +116,8 @@ def test_trl_cells_pass_every_row_they_run(name: str,
               f"{cells[cell]['worst_margin']:.3g} ({len(ran)} PASS); run {wall:.0f} s")
 
 
-@pytest.mark.parametrize("fault", ["completion_mask_shifted", "temperature_not_passed"])
+@pytest.mark.parametrize("fault", ["completion_mask_shifted", "temperature_not_passed",
+                                   "advantages_negated"])
 def test_a_planted_translation_fault_fails_the_cell(
         fault: str, runs: dict[str, tuple[Path, Path, float]], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -112,6 +112,16 @@ def tool_mask(response_mask: Tensor, completion_attention: Tensor) -> Tensor | N
     return None if torch.equal(mask, completion_attention.long()) else mask
 
 
+def trl_advantages(advantages: Tensor) -> Tensor:
+    """TRL's ``advantages`` input: the rollout's per-token advantages, ``[B, R]`` FP32.
+
+    ``GRPOTrainer._compute_loss`` uses a ``[B, T]`` tensor per token as given (a ``[B]`` one
+    it unsqueezes to one value per sequence); GRPO's are constant along a response, already
+    group-normalised in qualify's training inputs, and passed as they are.
+    """
+    return advantages.float()
+
+
 def _compute_hook(into: set[torch.dtype]) -> Any:
     """A forward hook adding each ``nn.Linear`` output dtype to ``into``.
 
@@ -242,7 +252,8 @@ class _ActorRun:
         p = b.prompt_len
         out = {"prompt_ids": b.input_ids[:, :p], "prompt_mask": b.attention_mask[:, :p],
                "completion_ids": b.responses, "completion_mask": b.attention_mask[:, p:],
-               "advantages": b.advantages, "num_items_in_batch": torch.tensor(float(n_valid))}
+               "advantages": trl_advantages(b.advantages),
+               "num_items_in_batch": torch.tensor(float(n_valid))}
         loss_mask = tool_mask(b.mask, b.attention_mask[:, p:])
         if loss_mask is not None:
             out["tool_mask"] = loss_mask
