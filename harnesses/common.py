@@ -21,8 +21,7 @@ import dataclasses
 import json
 import os
 import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
@@ -37,11 +36,7 @@ from qualify.contract import Contract
 from qualify.errors import HarnessError
 from qualify.protocol import (
     CELL_FILE,
-    DEFAULT_SAMPLING,
     HarnessCell,
-    ParamSampling,
-    param_sample_indices,
-    tensor_name,
 )
 
 Batch = sdk.Batch
@@ -125,68 +120,6 @@ def pad_token_id(model: nn.Module) -> int:
     """The model config's ``pad_token_id`` (0 when unset), used for the padding rerun."""
     pad = getattr(model.config, "pad_token_id", None)
     return int(pad) if pad is not None else 0
-
-
-# --------------------------------------------------------------------------- what a role reports
-
-
-@dataclasses.dataclass(kw_only=True)
-class RoleOutputs:
-    """What one role reports on one rank: protocol tensors and wall times.
-
-    Each harness's role runner subclasses it and defines :attr:`role` and :attr:`writer`.
-
-    Attributes:
-        tensors: protocol name -> FP32 CPU tensor (kept on the writer rank only).
-        timings: wall seconds per phase.
-    """
-
-    tensors: dict[str, Tensor] = dataclasses.field(default_factory=dict)
-    timings: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    @property
-    def role(self) -> str:
-        """``actor`` or ``critic``."""
-        raise NotImplementedError
-
-    @property
-    def writer(self) -> bool:
-        """Whether this rank keeps and writes the role's tensors (TP rank 0)."""
-        raise NotImplementedError
-
-    @property
-    def param_sampling(self) -> ParamSampling:
-        """The launch's :class:`~qualify.protocol.ParamSampling` (``cell.json``).
-
-        Read from the subclass's ``cell`` attribute (every harness's role runner carries
-        the launch's :class:`~qualify.protocol.HarnessCell` as ``cell``); the protocol's
-        default when there is none.
-        """
-        cell = getattr(self, "cell", None)
-        return cell.param_sampling if isinstance(cell, HarnessCell) else DEFAULT_SAMPLING
-
-    def put(self, round_: int, metric: str, value: Tensor, param: str | None = None) -> None:
-        """Keep ``value`` (FP32, CPU) under its protocol name on the writer rank.
-
-        Per-parameter tensors of large parameters are reported at the protocol's seeded
-        sample of elements (:func:`qualify.protocol.param_sample_indices` with the
-        contract's sampling, :attr:`param_sampling`).
-        """
-        if not self.writer:
-            return
-        out = value.detach().to("cpu", torch.float32)
-        idx = param_sample_indices(param, out.numel(), self.param_sampling) \
-            if param is not None else None
-        if idx is not None:
-            out = out.reshape(-1)[torch.from_numpy(idx)]
-        self.tensors[tensor_name(round_, self.role, metric, param)] = out.contiguous()
-
-    @contextlib.contextmanager
-    def timed(self, key: str) -> Iterator[None]:
-        """Record the wall time of the block under ``key``."""
-        t0 = time.perf_counter()
-        yield
-        self.timings[key] = round(time.perf_counter() - t0, 4)
 
 
 # --------------------------------------------------------------------------- output files

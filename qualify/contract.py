@@ -19,7 +19,16 @@ from typing import Any, Literal
 
 from qualify import registry, schedule
 from qualify.errors import ContractError, HarnessError
-from qualify.matrix import CellSpec, MatrixSpec, Precision, ResumeSpec, Role, SamplerSpec, Topology
+from qualify.matrix import (
+    CellSpec,
+    ExpectedNotRun,
+    MatrixSpec,
+    Precision,
+    ResumeSpec,
+    Role,
+    SamplerSpec,
+    Topology,
+)
 from qualify.prompts import check_prompts_fit, read_prompts_file
 from qualify.protocol import DEFAULT_SAMPLING, ParamSampling
 from qualify.schema import first_error
@@ -681,6 +690,7 @@ def _build(doc: Mapping[str, Any], path: Path | None) -> Contract:
         engine_options={engine: {key: tuple(values) for key, values in chosen.items()}
                         for engine, chosen in mx.get("engine_options", {}).items()},
         required_cells=tuple(mx["required_cells"]) if "required_cells" in mx else None,
+        expected_not_run=tuple(ExpectedNotRun(**e) for e in mx.get("expected_not_run", ())),
     )
     b = doc["bounds"]
     bounds = BoundsSpec(

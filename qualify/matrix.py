@@ -97,6 +97,33 @@ class CellSpec:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ExpectedNotRun:
+    """A row the contract expects an engine not to run (``matrix.expected_not_run``).
+
+    A ``NOT_RUN`` row of a cell of ``engine`` in ``family`` (and ``round``, when given) is
+    listed with :attr:`reason` and leaves the cell's verdict to its other rows
+    (:func:`qualify.compare.verdicts.cell_verdict`); a row of that family that ran and
+    failed still fails the cell, and any other ``NOT_RUN`` row still makes it ``NOT_RUN``.
+
+    Attributes:
+        engine: a matrix engine.
+        family: the row family (``rewards``, ``losses``, ``dtypes``...).
+        reason: why the engine cannot run it (shown with the row).
+        round: the round (``None``: every round).
+    """
+
+    engine: str
+    family: str
+    reason: str
+    round: int | None = None
+
+    def matches(self, engine: str, family: str, round_: int | None) -> bool:
+        """Whether a row of ``engine``, ``family`` and ``round_`` is this expectation's."""
+        return (engine, family) == (self.engine, self.family) and \
+            (self.round is None or self.round == round_)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class MatrixSpec:
     """The engine x precision x TP x role matrix, its topologies and its engine options.
 
@@ -110,6 +137,8 @@ class MatrixSpec:
             field name), the values to qualify; an option or axis not named takes its
             spec's default (an axis: its base degree).
         required_cells: the cells a report must hold (``None``: every cell).
+        expected_not_run: rows the contract expects an engine not to run
+            (:class:`ExpectedNotRun`; empty when the contract names none).
 
     Raises:
         ContractError: an unknown engine, a value its spec does not allow, or a topology
@@ -124,8 +153,13 @@ class MatrixSpec:
     engine_options: Mapping[str, Mapping[str, tuple[int, ...]]] = dataclasses.field(
         default_factory=dict)
     required_cells: tuple[str, ...] | None = None
+    expected_not_run: tuple[ExpectedNotRun, ...] = ()
 
     def __post_init__(self) -> None:
+        for i, e in enumerate(self.expected_not_run):
+            if e.engine not in self.engines:
+                raise ContractError(f"matrix.expected_not_run[{i}].engine: {e.engine!r} is not "
+                                    f"in matrix.engines {list(self.engines)}")
         names = [t.name for t in self.topologies]
         if len(set(names)) != len(names):
             raise ContractError(f"matrix.topologies: duplicate topology names {names}")

@@ -208,31 +208,3 @@ def test_outputs_head_and_roles(tmp_path: Path) -> None:
     assert set(head["versions"]) == {"python", "torch"}
     assert common.roles(2, 1) == ["actor", "critic"]
     assert common.roles(0, 2) == ["critic"]
-
-
-class _Writer(common.RoleOutputs):
-    def __init__(self, writer: bool) -> None:
-        super().__init__()
-        self._writer = writer
-
-    @property
-    def role(self) -> str:
-        return "critic"
-
-    @property
-    def writer(self) -> bool:
-        return self._writer
-
-
-def test_role_outputs_put_and_timed() -> None:
-    w = _Writer(True)
-    w.put(2, "values", torch.ones(2, 3, dtype=torch.bfloat16))
-    w.put(1, "grads", torch.arange(6.0).reshape(2, 3), param="score.weight")
-    assert set(w.tensors) == {"round2/critic/values", "round1/critic/grads/score.weight"}
-    assert all(t.dtype == torch.float32 for t in w.tensors.values())
-    with w.timed("load_s"):
-        time.sleep(0.01)
-    assert w.timings["load_s"] >= 0.01
-    other = _Writer(False)  # a non-writer rank keeps nothing
-    other.put(1, "values", torch.ones(2))
-    assert other.tensors == {}

@@ -96,6 +96,19 @@ def test_the_temperature_fault_replaces_only_the_sampling_translation(
     assert translate.grpo_config_kwargs(contract.algorithm, response_len=10) == before
 
 
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.floats(-5, 5, width=32), min_size=1, max_size=12))
+def test_advantages_go_to_trl_as_given_and_the_planted_fault_flips_their_sign(
+        values: list[float]) -> None:
+    adv = torch.tensor(values).reshape(1, -1)
+    assert torch.equal(harness.trl_advantages(adv), adv)
+    assert harness.trl_advantages(adv).dtype == torch.float32
+    fake = types.SimpleNamespace(trl_advantages=harness.trl_advantages)
+    faults.install(["advantages_negated"], fake)
+    assert torch.equal(fake.trl_advantages(adv), -adv)
+    assert harness.trl_advantages is not fake.trl_advantages
+
+
 def test_an_unknown_fault_is_refused_naming_the_known_ones() -> None:
     with pytest.raises(HarnessError, match="completion_mask_shifted"):
         faults.install(["no_such_fault"], types.SimpleNamespace())

@@ -11,6 +11,9 @@ function the fault corrupts, in that process only. Names:
   instead of the contract's sampling temperature
   (:func:`harnesses.trl.translate.sampling_kwargs`): the trainer's logprobs then refer to
   another distribution than the sampler's (TRL #4159).
+- ``advantages_negated``: TRL's ``advantages`` input
+  (:func:`harnesses.trl.harness.trl_advantages`) is the training inputs' advantages with the
+  wrong sign, the sign-convention slip of a stack adapter (a reward taken as a cost).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from torch import Tensor
 from qualify.contract import SamplingSpec
 from qualify.errors import HarnessError
 
-KNOWN: Final = ("completion_mask_shifted", "temperature_not_passed")
+KNOWN: Final = ("completion_mask_shifted", "temperature_not_passed", "advantages_negated")
 
 
 def shifted_tool_mask(response_mask: Tensor, completion_attention: Tensor) -> Tensor:
@@ -37,6 +40,11 @@ def default_temperature(sampling: SamplingSpec) -> dict[str, Any]:
     """FAULT ``temperature_not_passed``: TRL's default temperature, not the sampler's."""
     del sampling
     return {"temperature": 1.0}
+
+
+def negated_advantages(advantages: Tensor) -> Tensor:
+    """FAULT ``advantages_negated``: the advantages with the wrong sign."""
+    return -advantages.float()
 
 
 def install(names: Sequence[str], harness: Any) -> None:
@@ -54,6 +62,8 @@ def install(names: Sequence[str], harness: Any) -> None:
         raise HarnessError(f"unknown fault(s) {unknown}; trl knows {list(KNOWN)}")
     if "completion_mask_shifted" in names:
         harness.tool_mask = shifted_tool_mask
+    if "advantages_negated" in names:
+        harness.trl_advantages = negated_advantages
     if "temperature_not_passed" in names:
         from harnesses.trl import translate
 

@@ -27,17 +27,18 @@ own reference model) and ``num_items_in_batch`` (the batch's valid tokens, for `
 ``cispo``). Reported: the logprobs and entropies TRL's loss used (captured from its own call,
 masked to 0 off the response mask), ``grad_norm``, ``clip_coef`` (measured: the norm of the
 clipped gradients over the norm of the unclipped ones), the pre-clip FP32 gradients, AdamW's
-moments and the updates under HF names, the lr applied, round 1's padding rerun, the dtypes
-(:class:`_Dtypes`) and the one-process replica record (:func:`_one_copy`). TRL's
-loss (the sum of its micro-batch losses) per round goes to ``engine_info.loss_total``, and
-the ``losses`` and ``rewards`` families are declared not run (:data:`NOT_RUN`). Nothing of
-TRL's numbers is recomputed or corrected here.
+moments and the updates under HF names, the lr applied, round 1's padding rerun, the dtypes,
+the SDPA backends of every forward, and the one-process replica record (one copy of each
+parameter), all through the harness SDK's :class:`qualify_harness.Recorder` and
+:func:`qualify_harness.role_meta`. TRL's loss per round, the sum of its micro-batch losses
+(each already normalised over the whole batch by its ``loss_type``), is ``loss/total`` (also
+``engine_info.loss_total``); the policy / KL / entropy terms and the ``rewards`` family are
+declared not run (:data:`NOT_RUN`). Nothing of TRL's numbers is recomputed or corrected here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import sys
 import tempfile
@@ -48,6 +49,7 @@ from typing import Any, Final
 
 import qualify_harness as sdk
 import torch
+from qualify_harness.routes import sdpa_recorder
 from torch import Tensor, nn
 
 from harnesses import common
@@ -58,14 +60,16 @@ from qualify.protocol import HarnessCell
 ENGINE: Final = "trl"
 PACKAGES: Final = ("torch", "trl", "transformers", "accelerate")
 NOT_RUN: Final = (
-    {"round": None, "family": "losses",
+    {"round": None, "family": "losses", "terms": ["policy", "kl", "entropy"],
      "reason": "GRPOTrainer.compute_loss returns one loss (policy + beta KL + entropy bonus, "
-               "aggregated): no per-term split; its total per round is engine_info.loss_total"},
+               "aggregated): no per-term split; its total is reported (loss/total)"},
     {"round": None, "family": "rewards",
      "reason": "the TRL adapter runs GRPOTrainer's update on the frozen rollout; it scores no "
                "reward model"},
 )
-"""Families the adapter declares not run (:func:`qualify.compare.rows.declared_not_run`)."""
+"""What the adapter declares not run: the loss terms besides ``total``
+(:func:`qualify.compare.rows.declared_terms`) and the ``rewards`` family
+(:func:`qualify.compare.rows.declared_not_run`)."""
 EXTRA_RIGHT_PADDING: Final = 3
 """Pad columns appended for the padding-invariance rerun (attention 0)."""
 
@@ -108,60 +112,26 @@ def tool_mask(response_mask: Tensor, completion_attention: Tensor) -> Tensor | N
     return None if torch.equal(mask, completion_attention.long()) else mask
 
 
-@dataclasses.dataclass(kw_only=True)
-class _Dtypes:
-    """The dtypes the run used, read from TRL's model, gradients and AdamW state.
+def trl_advantages(advantages: Tensor) -> Tensor:
+    """TRL's ``advantages`` input: the rollout's per-token advantages, ``[B, R]`` FP32.
 
-    ``compute`` is every ``nn.Linear`` output dtype of the policy's forwards (BF16 under
-    ``GRPOConfig(bf16=True)``'s autocast). One process: gradients are neither reduced across
-    ranks nor accumulated outside ``param.grad`` (autograd's ``AccumulateGrad`` sums the
-    micro-batches there, in the gradient's dtype), so both maps name ``param.grad``.
+    ``GRPOTrainer._compute_loss`` uses a ``[B, T]`` tensor per token as given (a ``[B]`` one
+    it unsqueezes to one value per sequence); GRPO's are constant along a response, already
+    group-normalised in qualify's training inputs, and passed as they are.
     """
+    return advantages.float()
 
-    master: set[torch.dtype]
-    compute: set[torch.dtype] = dataclasses.field(default_factory=set)
-    grads: set[torch.dtype] = dataclasses.field(default_factory=set)
-    exp_avg: set[torch.dtype] = dataclasses.field(default_factory=set)
-    exp_avg_sq: set[torch.dtype] = dataclasses.field(default_factory=set)
 
-    def compute_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        """Forward hook: keep the output dtype."""
+def _compute_hook(into: set[torch.dtype]) -> Any:
+    """A forward hook adding each ``nn.Linear`` output dtype to ``into``.
+
+    ``compute`` is every such dtype of the policy's forwards (BF16 under
+    ``GRPOConfig(bf16=True)``'s autocast).
+    """
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
         if isinstance(output, Tensor):
-            self.compute.add(output.dtype)
-
-    def meta(self) -> dict[str, Any]:
-        """``outputs.json`` ``roles.actor.dtypes``.
-
-        Raises:
-            HarnessError: a dtype set that nothing filled (named).
-        """
-        sets = {"master_weights": self.master, "compute": self.compute, "grads": self.grads,
-                "optimizer_state.exp_avg": self.exp_avg,
-                "optimizer_state.exp_avg_sq": self.exp_avg_sq}
-        empty = [k for k, v in sets.items() if not v]
-        if empty:
-            raise HarnessError(f"actor: no dtype recorded for {', '.join(empty)}")
-
-        def name(d: set[torch.dtype]) -> str | list[str]:
-            names = sorted(str(x) for x in d)
-            return names[0] if len(names) == 1 else names
-
-        return {"master_weights": name(self.master), "grads": name(self.grads),
-                "optimizer_state": {"exp_avg": name(self.exp_avg),
-                                    "exp_avg_sq": name(self.exp_avg_sq)},
-                "compute": sorted(str(x) for x in self.compute),
-                "grad_reduction": {"one_process_no_reduction:param.grad": name(self.grads)},
-                "grad_accumulation": {"AccumulateGrad:param.grad": name(self.grads)}}
-
-
-def _one_copy(rounds: int) -> dict[str, Any]:
-    """``replica_consistency`` of a one-process run: every parameter has a single copy.
-
-    Nothing is replicated across ranks, so no parameter is listed and each round is equal.
-    """
-    return {"all_equal": True, "params": {},
-            "rounds": [{"round": r, "all_equal": True, "max_abs_diff": 0.0}
-                       for r in range(1, rounds + 1)]}
+            into.add(output.dtype)
+    return hook
 
 
 class _Capture:
@@ -210,9 +180,9 @@ def run(cell: HarnessCell) -> None:
     out_dir = Path(cell.output_dir)
     torch.manual_seed(cell.seed)
     runner = _ActorRun(cell=cell, inputs=inputs)
-    with runner.timed("total_s"):
+    with runner.rec.timed("total_s"):
         meta = runner.run()
-    sdk.write_part(ENGINE, out_dir, "actor", runner.tensors, meta)
+    sdk.write_part(ENGINE, out_dir, "actor", runner.rec.tensors, meta)
     head = sdk.outputs_head(engine=ENGINE, cell=cell.to_dict(), packages=PACKAGES, world=1,
                             backend="none", device=torch.device("cpu"),
                             timings={"rank0_total_s": round(time.perf_counter() - t0, 4)},
@@ -220,21 +190,22 @@ def run(cell: HarnessCell) -> None:
     sdk.merge_parts(ENGINE, ["actor"], out_dir, head)
 
 
-class _ActorRun(common.RoleOutputs):
-    """The actor's rounds through GRPOTrainer (module docstring)."""
+class _ActorRun:
+    """The actor's rounds through GRPOTrainer (module docstring).
+
+    Attributes:
+        cell: the launch.
+        inputs: the frozen inputs.
+        rec: what the role reports (:class:`qualify_harness.Recorder`: tensors, dtypes,
+            replicas, lrs, SDPA calls, timings).
+    """
 
     def __init__(self, *, cell: HarnessCell, inputs: common.Inputs) -> None:
-        super().__init__()
         self.cell = cell
         self.inputs = inputs
-
-    @property
-    def role(self) -> str:
-        return "actor"
-
-    @property
-    def writer(self) -> bool:
-        return True
+        self.rec = sdk.Recorder(role="actor", writer=True,
+                                sampling=sdk.ParamSampling.from_dict(
+                                    cell.param_sampling.to_dict()))
 
     def trainer(self, workdir: Path) -> Any:
         """GRPOTrainer on the actor directory, its config from the contract."""
@@ -281,7 +252,8 @@ class _ActorRun(common.RoleOutputs):
         p = b.prompt_len
         out = {"prompt_ids": b.input_ids[:, :p], "prompt_mask": b.attention_mask[:, :p],
                "completion_ids": b.responses, "completion_mask": b.attention_mask[:, p:],
-               "advantages": b.advantages, "num_items_in_batch": torch.tensor(float(n_valid))}
+               "advantages": trl_advantages(b.advantages),
+               "num_items_in_batch": torch.tensor(float(n_valid))}
         loss_mask = tool_mask(b.mask, b.attention_mask[:, p:])
         if loss_mask is not None:
             out["tool_mask"] = loss_mask
@@ -309,70 +281,80 @@ class _ActorRun(common.RoleOutputs):
         return lp[:, :r].float()
 
     def run(self) -> dict[str, Any]:
-        """Every round (module docstring); returns the role's ``outputs.json`` part."""
-        c, b = self.inputs.contract, self.inputs.batch
+        """Every round (module docstring); returns the role's ``outputs.json`` part.
+
+        Raises:
+            HarnessError: a parameter without a gradient after TRL's backward or clip.
+            OutputError: a dtype, lr or replica record that no round filled.
+        """
+        c, b, rec = self.inputs.contract, self.inputs.batch, self.rec
         alg = c.algorithm
         mask = b.mask
         n_valid = int(mask.sum())
         with tempfile.TemporaryDirectory(prefix="qualify-trl-") as work:
-            with self.timed("load_s"):
+            with rec.timed("load_s"):
                 trainer = self.trainer(Path(work))
             model = trainer.model
             model.train()  # TRL's training mode (its normalisers read model.training)
             params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-            dtypes = _Dtypes(master={p.dtype for _, p in params})
-            hooks = [m.register_forward_hook(dtypes.compute_hook) for m in model.modules()
-                     if isinstance(m, nn.Linear)]
-            ref = None
-            if alg.kl_loss_coef != 0:
-                ref = self.scores(trainer, trainer.ref_model)
-            padded = self.scores(trainer, model, EXTRA_RIGHT_PADDING)
-            self.put(1, "logprobs_padded", torch.where(mask, padded, 0.0))
-            capture = _Capture(trainer)
-            slices = common.micro_slices(int(b.input_ids.shape[0]), alg.micro_batch_size)
-            old: Tensor | None = None
-            lrs: dict[str, float] = {}
+            rec.master_dtypes.update(p.dtype for _, p in params)
+            hooks = [m.register_forward_hook(_compute_hook(rec.compute_dtypes))
+                     for m in model.modules() if isinstance(m, nn.Linear)]
             loss_totals: dict[str, float] = {}
-            for round_ in range(1, alg.rounds + 1):
-                with self.timed(f"round{round_}_s"), capture.fresh():
-                    total = 0.0
-                    for s in slices:
-                        loss = trainer.compute_loss(model, self.trl_batch(s, old, ref, n_valid))
-                        trainer.accelerator.backward(loss)
-                        total += float(loss.detach())
-                    lp = torch.cat(capture.logps).float()
-                    ent = torch.cat(capture.entropies).float()
-                    self.put(round_, "logprobs", torch.where(mask, lp, 0.0))
-                    self.put(round_, "entropy", torch.where(mask, ent, 0.0))
-                    loss_totals[f"round{round_}"] = total
-                    if round_ == 1:
-                        old = lp.detach()
-                    lrs[f"round{round_}"] = self.step(trainer, round_, params, dtypes)
+            with sdpa_recorder(rec.sdpa):
+                ref = None
+                if alg.kl_loss_coef != 0:
+                    ref = self.scores(trainer, trainer.ref_model)
+                padded = self.scores(trainer, model, EXTRA_RIGHT_PADDING)
+                rec.put(1, "logprobs_padded", torch.where(mask, padded, 0.0))
+                capture = _Capture(trainer)
+                slices = common.micro_slices(int(b.input_ids.shape[0]), alg.micro_batch_size)
+                old: Tensor | None = None
+                for round_ in range(1, alg.rounds + 1):
+                    with rec.timed(f"round{round_}_s"), capture.fresh():
+                        total = 0.0
+                        for s in slices:
+                            loss = trainer.compute_loss(model,
+                                                        self.trl_batch(s, old, ref, n_valid))
+                            trainer.accelerator.backward(loss)
+                            total += float(loss.detach())
+                        lp = torch.cat(capture.logps).float()
+                        ent = torch.cat(capture.entropies).float()
+                        rec.put(round_, "logprobs", torch.where(mask, lp, 0.0))
+                        rec.put(round_, "entropy", torch.where(mask, ent, 0.0))
+                        rec.put(round_, "loss/total", torch.tensor(total))
+                        loss_totals[f"round{round_}"] = total
+                        if round_ == 1:
+                            old = lp.detach()
+                        rec.lrs[f"round{round_}"] = self.step(trainer, round_, params)
+                        rec.replicas(round_, {}, {})  # one process: a single copy of each
             for h in hooks:
                 h.remove()
-        return {"tp": 1, "global_ranks": [0], "precision": self.cell.precision,
-                "dtypes": dtypes.meta(), "replica_consistency": _one_copy(alg.rounds),
-                "role_timings": self.timings, "model_class": type(model).__name__,
-                "loss_agg_mode": alg.loss_agg_mode, "lr": lrs, "not_run": NOT_RUN,
-                "engine_info": {"trainer": "trl.GRPOTrainer", "loss_total": loss_totals,
-                                **translate.grpo_config_kwargs(alg,
-                                                               response_len=b.response_len),
-                                **translate.sampling_kwargs(c.sampling)}}
+        grads = set(rec.grad_dtypes)  # one process: param.grad is reduced and summed nowhere else
+        rec.engine_dtypes({"one_process_no_reduction:param.grad": grads},
+                          {"AccumulateGrad:param.grad": grads})
+        return sdk.role_meta(
+            rec, tp=1, global_ranks=[0], precision=self.cell.precision,
+            model_class=type(model).__name__, loss_agg_mode=alg.loss_agg_mode,
+            not_run=list(NOT_RUN),
+            engine_info={"trainer": "trl.GRPOTrainer", "loss_total": loss_totals,
+                         **translate.grpo_config_kwargs(alg, response_len=b.response_len),
+                         **translate.sampling_kwargs(c.sampling)})
 
-    def step(self, trainer: Any, round_: int, params: list[tuple[str, nn.Parameter]],
-             dtypes: _Dtypes) -> float:
+    def step(self, trainer: Any, round_: int, params: list[tuple[str, nn.Parameter]]) -> float:
         """Record grads, TRL's clip, AdamW step and scheduler step; return the lr applied."""
+        rec = self.rec
         before = {n: p.detach().clone() for n, p in params}
         pre = {}
         for n, p in params:
             if p.grad is None:
                 raise HarnessError(f"{n}: no gradient after TRL's backward")
-            dtypes.grads.add(p.grad.dtype)
+            rec.grad_dtypes.add(p.grad.dtype)
             pre[n] = p.grad.detach().clone()
-            self.put(round_, "grads", pre[n], n)
+            rec.put(round_, "grads", pre[n], n)
         norm = trainer.accelerator.clip_grad_norm_([p for _, p in params],
                                                    trainer.args.max_grad_norm)
-        self.put(round_, "grad_norm", torch.as_tensor(float(norm)))
+        rec.put(round_, "grad_norm", torch.as_tensor(float(norm)))
         num = 0.0
         for n, p in params:
             if p.grad is None:
@@ -380,7 +362,7 @@ class _ActorRun(common.RoleOutputs):
             num += float(p.grad.double().square().sum())
         num = math.sqrt(num)
         den = math.sqrt(sum(float(g.double().square().sum()) for g in pre.values()))
-        self.put(round_, "clip_coef", torch.tensor(num / den if den > 0 else 1.0))
+        rec.put(round_, "clip_coef", torch.tensor(num / den if den > 0 else 1.0))
         lr = float(trainer.optimizer.param_groups[0]["lr"])
         trainer.optimizer.step()
         trainer.lr_scheduler.step()
@@ -388,11 +370,11 @@ class _ActorRun(common.RoleOutputs):
         state = trainer.optimizer.state
         for n, p in params:
             st = state[p]
-            dtypes.exp_avg.add(st["exp_avg"].dtype)
-            dtypes.exp_avg_sq.add(st["exp_avg_sq"].dtype)
-            self.put(round_, "exp_avg", st["exp_avg"].clone(), n)
-            self.put(round_, "exp_avg_sq", st["exp_avg_sq"].clone(), n)
-            self.put(round_, "updates", p.detach() - before[n], n)
+            rec.state_dtypes["exp_avg"].add(st["exp_avg"].dtype)
+            rec.state_dtypes["exp_avg_sq"].add(st["exp_avg_sq"].dtype)
+            rec.put(round_, "exp_avg", st["exp_avg"].clone(), n)
+            rec.put(round_, "exp_avg_sq", st["exp_avg_sq"].clone(), n)
+            rec.put(round_, "updates", p.detach() - before[n], n)
         return lr
 
 

@@ -490,6 +490,22 @@ def _diverge(data: RunData) -> list[str]:
     return out
 
 
+def expected_not_run_html(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The section listing the rows the contract expects not run (none: no section).
+
+    Such rows (``report.json`` rows with ``expected_not_run``) do not count in their cell's
+    verdict; each is shown with the harness's reason and the contract's.
+    """
+    expected = [r for r in rows if r.get("expected_not_run")]
+    if not expected:
+        return []
+    return ['<h2 id="expected-not-run-title">Rows the contract expects not run</h2>',
+            "<ul>" + "".join(
+                f"<li>{_e(r.get('cell'))} {_e(r.get('metric'))}: {_e(r.get('reason'))} "
+                f"(expected by the contract: {_e(r.get('expected_not_run'))})</li>"
+                for r in expected) + "</ul>"]
+
+
 def render_html(data: RunData, gate: Mapping[str, Any] | None = None) -> str:
     """The whole page for one run.
 
@@ -506,6 +522,7 @@ def render_html(data: RunData, gate: Mapping[str, Any] | None = None) -> str:
     body = [*_header(data, causes, gate), *_heatmaps(data), *_token_plots(data),
             *_distribution_plots(data), *_param_plot(data, causes), *_rounds_plot(data, causes),
             *_bounds_tables(data, causes), *_field_table(data), *_diverge(data)]
+    body += expected_not_run_html(data.rows)
     notes = data.doc.get("notes", [])
     if notes:
         body += ['<h2 id="notes-title">Notes</h2>',

@@ -185,6 +185,13 @@ def matrix_frame(report: Report, cells: Sequence[CellResult] | None = None) -> p
                         columns=["verdict", *columns])
 
 
+def _not_run_reason(r: Row) -> str | None:
+    """A row's reason, with the contract's expectation of a ``NOT_RUN`` row it expects."""
+    if r.expected_not_run is None:
+        return r.reason
+    return f"{r.reason} (expected by the contract: {r.expected_not_run})"
+
+
 def _matrix_lines(report: Report) -> list[str]:
     """``## Matrix``: one table, or (since ``clip_band``) trainer and sampler cells apart.
 
@@ -508,7 +515,7 @@ def _render_decision_first(report: Report) -> str:
     others = [r for r in report.rows if r.verdict in ("ERROR", "NOT_RUN")]
     lines += ["## Errors and checks not run", ""]
     lines += ([_markdown_table(("cell", "class", "metric", "verdict", "reason"),
-                               [(r.cell, r.klass, r.metric, r.verdict, r.reason)
+                               [(r.cell, r.klass, r.metric, r.verdict, _not_run_reason(r))
                                 for r in others]), ""] if others else ["None.", ""])
     lines += _coverage_lines(report)
     lines += _short_power_lines(report)
@@ -566,7 +573,7 @@ def render_markdown(report: Report) -> str:
     lines += ["## Errors and checks not run", ""]
     if others:
         lines += [_markdown_table(("cell", "class", "metric", "verdict", "reason"),
-                                  [(r.cell, r.klass, r.metric, r.verdict, r.reason)
+                                  [(r.cell, r.klass, r.metric, r.verdict, _not_run_reason(r))
                                    for r in others]), ""]
     else:
         lines += ["None.", ""]

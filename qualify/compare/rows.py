@@ -19,6 +19,8 @@
   within one FP32 ulp of the sealed lr (:data:`LR_RULE`);
 - :func:`not_run_rows`, :func:`declared_not_run`, :func:`declared_or`: ``NOT_RUN`` rows, for
   a comparison that could not run or a metric the harness declared not run;
+  :func:`declared_terms`: loss terms a harness declared not reported (its ``losses`` row is
+  measured over the terms it reported);
 - :func:`guarded`: runs one builder on one cell's data; what it cannot build (it raised, or
   a non-``PASS`` row it built violates ``report.schema.json``) is one ``ERROR`` row naming
   the cell and the builder (:func:`builder_error`), never an exit 4 for the run.
@@ -69,6 +71,7 @@ __all__ = [
     "compare_rows",
     "declared_not_run",
     "declared_or",
+    "declared_terms",
     "dtype_row",
     "guarded",
     "lr_rows",
@@ -251,12 +254,55 @@ def declared_not_run(meta: Mapping[str, Any] | None, round_: int | None,
     if not isinstance(entries, list):
         return None
     for e in entries:
-        if not isinstance(e, Mapping):
+        if not isinstance(e, Mapping) or "terms" in e:  # loss terms only: declared_terms
             continue
         r, f = e.get("round"), e.get("family")
         if (r is None or round_ is None or r == round_) and f in ("*", family):
             return str(e.get("reason") or "declared not run by the harness")
     return None
+
+
+def declared_terms(meta: Mapping[str, Any] | None, round_: int,
+                   terms: Sequence[str]) -> str | None:
+    """The reason a harness declared every one of the loss ``terms`` not reported, else ``None``.
+
+    A harness whose stack returns its loss whole (TRL: one scalar, no policy / KL / entropy
+    split) reports the terms it has (``loss/total``) and lists the others in its role's
+    ``outputs.json`` ``not_run`` as ``{"round": r | null, "family": "losses", "terms":
+    [...], "reason": "..."}``. Such an entry declares those terms only, never the family.
+    """
+    entries = meta.get("not_run") if isinstance(meta, Mapping) else None
+    if not isinstance(entries, list) or not terms:
+        return None
+    left, why = set(terms), []
+    for e in entries:
+        if not isinstance(e, Mapping) or e.get("family") != "losses" or \
+                not isinstance(e.get("terms"), list) or e.get("round") not in (None, round_):
+            continue
+        hit = left & {str(t) for t in e["terms"]}
+        if hit:
+            left -= hit
+            why.append(str(e.get("reason") or "declared not reported by the harness"))
+    return "; ".join(why) if not left else None
+
+
+def _reported_terms(key: MetricKey, got: Mapping[str, Any], want: Mapping[str, Any],
+                    meta: Mapping[str, Any] | None) -> tuple[dict[str, Any], str] | None:
+    """The expected loss terms the harness reported, and a note for the row's ``where``.
+
+    ``None`` unless the row is ``losses``, the harness reported some terms and declared every
+    missing one (:func:`declared_terms`): then the family is measured whole, and a missing
+    undeclared term is ``inf``.
+    """
+    if key.family != "losses" or not got or not set(got) < set(want):
+        return None
+    missing = sorted(set(want) - set(got))
+    why = declared_terms(meta, key.round, missing)
+    if why is None:
+        return None
+    return ({t: want[t] for t in got},
+            f"{', '.join(sorted(got))} compared; {', '.join(missing)} declared not reported: "
+            f"{why}")
 
 
 def compare_rows(*, cell: str, klass: str, precision: str, bounds: Sequence[Bound],
@@ -271,7 +317,10 @@ def compare_rows(*, cell: str, klass: str, precision: str, bounds: Sequence[Boun
     :data:`qualify.bounds.TP_CANDIDATE_CLASS` for ``candidate_vs_hf`` rows at TP > 1).
 
     A metric absent from ``obtained`` that the harness declared not run (see
-    :func:`declared_not_run`) is a ``NOT_RUN`` row with the declared reason. ``scale``: the
+    :func:`declared_not_run`) is a ``NOT_RUN`` row with the declared reason. A ``losses``
+    row whose missing terms the harness declared (:func:`declared_terms`) is measured over
+    the terms it reported, under the family's bound (the largest error over a subset of the
+    terms is at most the largest over all of them), its ``where`` naming both. ``scale``: the
     unmoved expected run when ``expected`` was moved to other clip branches.
     ``power_cache``: shared by the rows of one comparison (:func:`qualify.compare.power
     .power_of`); every row with a bound carries its power check either way.
@@ -283,6 +332,14 @@ def compare_rows(*, cell: str, klass: str, precision: str, bounds: Sequence[Boun
         why = None if key in got else declared_not_run(meta, key.round, key.family)
         if why is not None:
             out += not_run_rows(cell, klass, bound_class or klass, [key], why)
+            continue
+        partial = _reported_terms(key, got.get(key, {}), want[key], meta)
+        if partial is not None:  # the loss terms the harness reports, the rest declared
+            row = _metric_row(cell=cell, klass=klass, bound_class=bound_class or klass,
+                              key=key, m=measure(key, got[key], partial[0], mask),
+                              precision=precision, bounds=bounds, obtained=got[key],
+                              expected=partial[0], mask=mask, power_cache=power_cache)
+            out.append(dataclasses.replace(row, where=f"{row.where} [{partial[1]}]"))
             continue
         out.append(_metric_row(cell=cell, klass=klass, bound_class=bound_class or klass,
                                key=key, m=m,

@@ -115,7 +115,7 @@ from qualify.compare.verdicts import (
     Report,
     Row,
     Verdict,
-    cell_reason,
+    cell_verdict,
     worst_margin,
     worst_verdict,
 )
@@ -141,6 +141,7 @@ from qualify.layout import (
     hf_tensors_file,
     resolve_reference,
 )
+from qualify.matrix import ExpectedNotRun
 from qualify.protocol import parse_tensor_name
 from qualify.reference import documents
 from qualify.statistics import group_tensors
@@ -491,6 +492,21 @@ def _required_ids(contract: Contract) -> tuple[str, ...]:
     return (*required_ids, *sampler_required(contract), *resume_required(contract))
 
 
+def expected_not_run(rows: Sequence[Row], engine: str,
+                     expected: Sequence[ExpectedNotRun]) -> list[Row]:
+    """``rows`` with each ``NOT_RUN`` row the contract expects of ``engine`` marked.
+
+    The first matching :class:`~qualify.matrix.ExpectedNotRun` gives the row's
+    :attr:`~qualify.compare.verdicts.Row.expected_not_run`; every other row is unchanged.
+    """
+    out = []
+    for r in rows:
+        hit = next((x for x in expected if x.matches(engine, r.family, r.round)), None) \
+            if r.verdict == "NOT_RUN" else None
+        out.append(r if hit is None else dataclasses.replace(r, expected_not_run=hit.reason))
+    return out
+
+
 def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, Any],
                 loaded: dict[str, _Outputs | str]) -> tuple[str, Verdict, str | None, list[Row]]:
     """Status, verdict, reason and rows of one ``run.json`` cell entry."""
@@ -528,8 +544,10 @@ def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, A
         else:
             rows = _complete_rows(ctx, cid=cid, entry=e, cells=cells, outputs=got,
                                   loaded=loaded)
-        verdict = worst_verdict([r.verdict for r in rows])  # a compared cell: its rows'
-        reason = cell_reason(verdict, rows) if rows else "nothing was compared"
+        rows = expected_not_run(rows, str(e.get("engine", "")),
+                                ctx.contract.matrix.expected_not_run)
+        verdict, reason = cell_verdict(rows)  # a compared cell: its rows'
+
     elif status == "ERROR":
         logs = ctx.run_dir / str(attempt) / LOGS_DIR if attempt else None
         verdict = "ERROR"

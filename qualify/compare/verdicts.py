@@ -40,6 +40,7 @@ __all__ = [
     "Report",
     "Row",
     "Verdict",
+    "cell_verdict",
     "sections_of",
     "worst_verdict",
 ]
@@ -154,6 +155,9 @@ class Row:
         power: for a metric row with a sealed bound, whether that bound also accepts a
             null alternative built from the expected tensor (permuted, sign-flipped,
             zeros; :mod:`qualify.compare.power`); ``None`` for rows without a bound.
+        expected_not_run: for a ``NOT_RUN`` row the contract expects
+            (:class:`qualify.matrix.ExpectedNotRun`), the contract's reason (the row then
+            leaves the cell's verdict to the others, :func:`cell_verdict`); else ``None``.
     """
 
     cell: str
@@ -173,6 +177,7 @@ class Row:
     detail: FailureDetail | None = None
     adjustment: str | None = None
     power: Power | None = None
+    expected_not_run: str | None = None
 
     @property
     def metric(self) -> str:
@@ -192,7 +197,9 @@ class Row:
                 "reason": self.reason, "where": self.where,
                 "detail": self.detail.to_dict() if self.detail else None,
                 "adjustment": self.adjustment,
-                "power": self.power.to_dict() if self.power is not None else None}
+                "power": self.power.to_dict() if self.power is not None else None,
+                **({"expected_not_run": self.expected_not_run}
+                   if self.expected_not_run is not None else {})}
 
     def to_dict_in(self, sections: Sequence[str]) -> dict[str, Any]:
         """:meth:`to_dict` as written by a comparator with only ``sections``.
@@ -501,6 +508,23 @@ def worst_verdict(verdicts: Sequence[Verdict]) -> Verdict:
         if v in verdicts:
             return v
     return "ERROR"
+
+
+def cell_verdict(rows: Sequence[Row]) -> tuple[Verdict, str | None]:
+    """A compared cell's verdict and reason from its rows.
+
+    The worst verdict (:func:`worst_verdict`) of the rows that are not an expected
+    ``NOT_RUN`` (:attr:`Row.expected_not_run`): a cell whose only ``NOT_RUN`` rows the
+    contract expects takes its verdict from the rows that ran, and a cell with no other row
+    is ``NOT_RUN``. No rows: ``ERROR``, "nothing was compared".
+    """
+    if not rows:
+        return "ERROR", "nothing was compared"
+    counted = [r for r in rows if r.expected_not_run is None or r.verdict != "NOT_RUN"]
+    if not counted:
+        return "NOT_RUN", cell_reason("NOT_RUN", rows)
+    verdict = worst_verdict([r.verdict for r in counted])
+    return verdict, cell_reason(verdict, counted)
 
 
 def cell_reason(verdict: Verdict, rows: Sequence[Row]) -> str | None:

@@ -21,6 +21,8 @@ holding one ``<testcase>`` per test with at most one ``<failure>``, ``<error>`` 
   not allowed, ...          text adds the stale files
   ========================  ==============================================================
 
+  A cell with rows the contract expects not run (``matrix.expected_not_run``) lists them,
+  with their reasons, in the testcase's ``<system-out>``.
   A contract whose evidence does not verify (exit 3), or that has no run, gets one more
   testcase, ``verification``, with an ``<error>`` carrying every problem: integrity is
   never hidden among cells.
@@ -93,8 +95,21 @@ def _child(case: ET.Element, tag: str, kind: str, message: str, text: str = "") 
 
 
 def _cell_case(suite: ET.Element, contract: str, cell: CellOutcome) -> str:
-    """Add ``cell``'s testcase; return which counter it adds to (``""`` for a pass)."""
+    """Add ``cell``'s testcase; return which counter it adds to (``""`` for a pass).
+
+    Its ``<system-out>``, after the outcome's child (Surefire's order), lists the rows the
+    contract expects not run.
+    """
     case = _case(suite, f"qualify.{contract}.{cell.engine or 'unknown'}", cell.cell)
+    counter = _outcome_child(case, cell)
+    if cell.expected_not_run:
+        ET.SubElement(case, "system-out").text = _xml_text(
+            "rows the contract expects not run:\n" + "\n".join(cell.expected_not_run))
+    return counter
+
+
+def _outcome_child(case: ET.Element, cell: CellOutcome) -> str:
+    """Add the child of ``cell``'s outcome to ``case``; return its counter."""
     reason = cell.reason or ""
     if not cell.required:
         _child(case, "skipped", "NOT_REQUIRED",

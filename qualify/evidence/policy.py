@@ -451,6 +451,9 @@ class CellOutcome:
             ``statistic``, ``metric``, ``margin``; :mod:`qualify.compare.rootcause` order),
             ``None`` if none.
         stale_files: the changed source files (STALE only).
+        expected_not_run: ``"<metric>: <reason> (expected by the contract: <why>)"`` of each
+            ``NOT_RUN`` row the contract expects (``matrix.expected_not_run``); such rows
+            need no allowance.
     """
 
     cell: str
@@ -464,15 +467,18 @@ class CellOutcome:
     expected: tuple[ExpectedFailure, ...] = ()
     first: Mapping[str, Any] | None = None
     stale_files: tuple[str, ...] = ()
+    expected_not_run: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON form (``gate.schema.json`` ``$defs.cell``)."""
+        """JSON form (``gate.schema.json`` ``$defs.cell``; ``expected_not_run`` when any)."""
         return {"cell": self.cell, "engine": self.engine, "required": self.required,
                 "verdict": self.verdict, "outcome": self.outcome, "ok": self.ok,
                 "reason": self.reason, "allowed_not_run": self.allowed_not_run,
                 "expected": [e.to_dict() for e in self.expected],
                 "first": dict(self.first) if self.first is not None else None,
-                "stale_files": list(self.stale_files)}
+                "stale_files": list(self.stale_files),
+                **({"expected_not_run": list(self.expected_not_run)}
+                   if self.expected_not_run else {})}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -545,7 +551,8 @@ def _judge(*, verdict: str, reason: str | None, rows: Sequence[Mapping[str, Any]
     families = {f for e in xf for f in e.families}
     failing = {str(r.get("family")) for r in rows if r.get("verdict") == "FAIL"}
     beyond = uncovered(rows, xf) if xf else []
-    rows_not_run = any(r.get("verdict") == "NOT_RUN" for r in rows)
+    rows_not_run = any(r.get("verdict") == "NOT_RUN" and not r.get("expected_not_run")
+                       for r in rows)  # a row the contract expects not run needs no allowance
     out: tuple[str, bool, str | None, dict[str, Any] | None]
     if verdict == "ERROR" or any(r.get("verdict") == "ERROR" for r in rows):
         out = ("FAIL", False, reason, _first(rows, verdicts=("ERROR",)))
@@ -607,7 +614,11 @@ def _outcome(cid: str, entry: Mapping[str, Any] | None, rows: Sequence[Mapping[s
     nr = next((a.cells for a in policy.allowed_not_run if fnmatch.fnmatchcase(cid, a.cells)),
               None) or next((g for g in allow if fnmatch.fnmatchcase(cid, g)), None)
     kw: dict[str, Any] = {"cell": cid, "engine": engine, "required": cid in policy.required,
-                          "verdict": verdict, "allowed_not_run": nr, "expected": xf}
+                          "verdict": verdict, "allowed_not_run": nr, "expected": xf,
+                          "expected_not_run": tuple(
+                              f"{r.get('metric')}: {r.get('reason')} (expected by the contract: "
+                              f"{r.get('expected_not_run')})" for r in rows
+                              if r.get("verdict") == "NOT_RUN" and r.get("expected_not_run"))}
     if cid in stale:
         files = tuple(stale[cid])
         more = f" (and {len(files) - 5} more)" if len(files) > 5 else ""
