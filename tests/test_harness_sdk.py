@@ -226,3 +226,51 @@ def test_role_meta_carries_the_routes_the_driver_read_back(tmp_path: Path) -> No
     got = cell_routes({"c": doc, "old": {"roles": {"actor": {}}}}, tmp_path)
     assert got["c"] == {"actor": doc["roles"]["actor"]["routes"]}
     assert got["old"] == "not recorded by this harness"
+
+
+class _PlainEngine(sdk.TorchOptimEngine):
+    """A two-layer model on one process (plain tensors): the parts come from the SDK."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 lr_scheduler: Any) -> None:
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.device = torch.device("cpu")
+
+    def logprobs_and_entropy(self, model: Any, batch: sdk.Batch) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def check_replicas(self) -> tuple[dict[str, bool], dict[str, float]]:
+        return {}, {}
+
+
+def test_torch_optim_engine_reads_what_its_optimizer_holds() -> None:
+    """The SDK's plain-optimizer parts report the optimizer's own tensors, step and lr."""
+    from qualify_harness.errors import OutputError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[1].bias.requires_grad_(False)  # not trained: never reported
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    engine = _PlainEngine(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s))
+    model(torch.randn(5, 4)).square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert list(engine.full_grads()) == list(grads) == ["0.weight", "0.bias", "1.weight"]
+    assert all(torch.equal(engine.full_grads()[n], g) for n, g in grads.items())
+    norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads.values()]))
+    torch.testing.assert_close(engine.clip(0.1), norm)  # pre-clip norm, gradients clipped
+    torch.testing.assert_close(model[0].weight.grad, grads["0.weight"] * 0.1 / (norm + 1e-6))
+    before = engine.full_params()
+    assert engine.applied_lr() == 1e-2
+    engine.optimizer_step()
+    engine.scheduler_step()
+    engine.zero_grad()
+    assert all(p.grad is None for p in engine.params())
+    assert engine.applied_lr() == 5e-3
+    assert engine.state_dtypes("exp_avg") == {torch.float32}
+    assert torch.equal(engine.full_optimizer_state("exp_avg")["1.weight"],
+                       opt.state[model[1].weight]["exp_avg"])
+    assert not torch.equal(engine.full_params()["0.bias"], before["0.bias"])
+    assert engine.routes()["optimizer"]["class"] == "torch.optim.adamw.AdamW"
+    opt.add_param_group({"params": [model[1].bias], "lr": 1.0})
+    with pytest.raises(OutputError, match=r"different lrs \[0.005, 1.0\]"):
+        engine.applied_lr()
