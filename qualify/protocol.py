@@ -2,7 +2,9 @@
 
 This module is the one place where the interface between qualify and an engine
 harness is written down (docs/engine-guide.md). It holds names and types only, no
-numerics, so the reference path and the harnesses share no numerical code.
+numerics, so the reference path and the harnesses share no numerical code. The names and
+the per-parameter sampling a harness needs too (file and tensor names, :class:`ParamSampling`)
+are defined once in the harness SDK (``qualify_harness.protocol``) and re-exported here.
 
 Rollout layout (verl's convention; ``B`` sequences, ``P`` prompt length, ``R`` response length)
 ---------------------------------------------------------------------------------------------
