@@ -248,8 +248,9 @@ def test_torch_optim_engine_reads_what_its_optimizer_holds() -> None:
     from qualify_harness.errors import OutputError
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    model[1].bias.requires_grad_(False)  # not trained: never reported
+    first, second = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)
+    model = torch.nn.Sequential(first, second)
+    second.bias.requires_grad_(False)  # not trained: never reported
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     engine = _PlainEngine(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s))
     model(torch.randn(5, 4)).square().sum().backward()
@@ -258,7 +259,7 @@ def test_torch_optim_engine_reads_what_its_optimizer_holds() -> None:
     assert all(torch.equal(engine.full_grads()[n], g) for n, g in grads.items())
     norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads.values()]))
     torch.testing.assert_close(engine.clip(0.1), norm)  # pre-clip norm, gradients clipped
-    torch.testing.assert_close(model[0].weight.grad, grads["0.weight"] * 0.1 / (norm + 1e-6))
+    torch.testing.assert_close(first.weight.grad, grads["0.weight"] * 0.1 / (norm + 1e-6))
     before = engine.full_params()
     assert engine.applied_lr() == 1e-2
     engine.optimizer_step()
@@ -268,9 +269,9 @@ def test_torch_optim_engine_reads_what_its_optimizer_holds() -> None:
     assert engine.applied_lr() == 5e-3
     assert engine.state_dtypes("exp_avg") == {torch.float32}
     assert torch.equal(engine.full_optimizer_state("exp_avg")["1.weight"],
-                       opt.state[model[1].weight]["exp_avg"])
+                       opt.state[second.weight]["exp_avg"])
     assert not torch.equal(engine.full_params()["0.bias"], before["0.bias"])
     assert engine.routes()["optimizer"]["class"] == "torch.optim.adamw.AdamW"
-    opt.add_param_group({"params": [model[1].bias], "lr": 1.0})
+    opt.add_param_group({"params": [second.bias], "lr": 1.0})
     with pytest.raises(OutputError, match=r"different lrs \[0.005, 1.0\]"):
         engine.applied_lr()
