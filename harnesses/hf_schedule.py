@@ -14,7 +14,8 @@ stepped once after each optimizer step. The contract's schedule maps to:
   (``get_cosine_with_min_lr_schedule_with_warmup``, ``num_cycles = 0.5``).
 
 The lr a step applied is read from the optimizer's ``param_groups`` just before
-``optimizer.step()`` (:func:`applied_lr`). Nothing here computes an lr itself.
+``optimizer.step()`` (:func:`applied_lr`, the harness SDK's
+:func:`qualify_harness.optim.applied_lr`). Nothing here computes an lr itself.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from qualify_harness.optim import applied_lr
 
 from qualify.contract import OptimizerSpec
 from qualify.errors import HarnessError
@@ -60,15 +62,3 @@ def hf_scheduler(optimizer: torch.optim.Optimizer, spec: OptimizerSpec) -> Any:
                              num_training_steps=total,
                              scheduler_specific_kwargs={"min_lr_rate": spec.min_lr_ratio})
     raise HarnessError(f"optimizer.lr_schedule {name!r}: no HF scheduler mapped")
-
-
-def applied_lr(optimizer: Any) -> float:
-    """The lr the next ``optimizer.step()`` applies: ``param_groups[*]["lr"]`` (all equal).
-
-    Raises:
-        HarnessError: the param groups hold different lrs.
-    """
-    lrs = {float(g["lr"]) for g in optimizer.param_groups}
-    if len(lrs) != 1:
-        raise HarnessError(f"optimizer param groups hold different lrs {sorted(lrs)}")
-    return lrs.pop()

@@ -32,6 +32,8 @@ from qualify.digests import sha256_file
 from qualify.errors import ReferenceDataError
 from qualify.protocol import (
     CELL_FILE,
+    CONTRACT_FILE,
+    MODEL_FILE,
     OUTPUTS_FILE,
     OUTPUTS_META_FILE,
     ROLLOUT_FILE,
@@ -103,8 +105,6 @@ ATTESTATION_SUFFIX: Final = ".dsse.json"
 """Suffix of attestation files (excluded from the manifest they sign)."""
 ENVIRONMENT_FILE: Final = "environment.json"
 """Package versions, git state, hardware, source digests of the process that wrote it."""
-CONTRACT_FILE: Final = "contract.json"
-"""The contract in canonical JSON (its digest is the contract digest)."""
 
 # --- a reference
 REFERENCES_DIR: Final = "references"
@@ -398,9 +398,6 @@ def hf_tensors_file(precision: str) -> str:
 # --- a reference: the stage's inputs and targets (appended)
 CONTRACT_TOML_FILE: Final = "contract.toml"
 """The contract's TOML text as given (empty for a contract loaded from a string)."""
-MODEL_FILE: Final = "model.json"
-"""The model bundle record (:meth:`qualify.models.bundle.ModelBundle.to_dict`); a run's
-``inputs/`` holds one too."""
 TARGETS_FILE: Final = "targets.safetensors"
 """The FP64 PPO / GRPO targets (:mod:`qualify.reference.targets`)."""
 

@@ -3,9 +3,9 @@
 Under ``torch.autocast`` SDPA receives its floating arguments cast to the autocast dtype;
 Qwen3's ``q_norm`` / ``k_norm`` hand it FP32 queries and keys beside a BF16 ``value``.
 Asked about the arguments as the caller holds them, torch names ``MATH`` (mixed dtypes);
-the call that runs gets BF16 tensors and ``FLASH_ATTENTION`` on CPU. Both recorders (the
-reference's :mod:`qualify.routes`, the harness SDK's :mod:`qualify_harness.routes`) must
-record the latter.
+the call that runs gets BF16 tensors and ``FLASH_ATTENTION`` on CPU. The recorder (the
+harness SDK's :mod:`qualify_harness.routes`, which the reference stage uses too) must record
+the latter.
 """
 
 from __future__ import annotations
@@ -19,13 +19,8 @@ import torch
 from qualify_harness import routes as sdk_routes
 from torch.nn import functional
 
-from qualify import routes as ref_routes
-
 Recorder = Callable[[], AbstractContextManager[dict[str, int]]]
-RECORDERS: dict[str, Recorder] = {
-    "qualify.routes": ref_routes.sdpa_recorder,
-    "qualify_harness.routes": sdk_routes.sdpa_recorder,
-}
+RECORDERS: dict[str, Recorder] = {"qualify_harness.routes": sdk_routes.sdpa_recorder}
 
 
 def _args() -> Iterator[torch.Tensor]:

@@ -64,6 +64,7 @@ def test_document_records_every_source_file_and_the_digests(code: Path, tmp_path
     assert "harnesses/common.py" in ds["files"]
     assert all(f.startswith(("harnesses/deepspeed/", "harnesses/common.py",
                              "harnesses/__init__.py", "harnesses/hf_schedule.py",
+                             "harnesses/faults.py",
                              "harnesses/layer_probe.py", "harnesses/resume_state.py",
                              "sdk/qualify_harness/"))
                for f in ds["files"])
@@ -141,7 +142,8 @@ def test_engine_files_match_the_folder(code: Path) -> None:
     files = engine_files(code, "torch_tp")
     want = {p.relative_to(code).as_posix() for p in (code / "harnesses" / "torch_tp").rglob(
         "*.py")} | {"harnesses/common.py", "harnesses/__init__.py", "harnesses/hf_schedule.py",
-                    "harnesses/layer_probe.py", "harnesses/resume_state.py"} | {
+                    "harnesses/faults.py", "harnesses/layer_probe.py",
+                    "harnesses/resume_state.py"} | {
         p.relative_to(code).as_posix() for p in (code / "sdk" / "qualify_harness").rglob("*.py")}
     assert set(files) == want
 

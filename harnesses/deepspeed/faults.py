@@ -16,10 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from harnesses.deepspeed import resume
+from harnesses.faults import reset_step_counters
 
 
 def install(names: Sequence[str]) -> None:
@@ -45,10 +43,7 @@ def install(names: Sequence[str]) -> None:
 
         def reset_steps(engine: Any, d: Any) -> None:
             inner(engine, d)
-            for st in resume.inner_optimizer(engine).state.values():
-                if "step" in st:
-                    st["step"] = (torch.zeros_like(st["step"])
-                                  if isinstance(st["step"], Tensor) else 0)
+            reset_step_counters(resume.inner_optimizer(engine))
 
         restore = reset_steps
     resume.restore_checkpoint = restore

@@ -19,63 +19,19 @@ replace (the gradient divide factor, the checkpoint restore) in that process onl
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Final
 
-import torch
-from torch import Tensor, nn
-
-from qualify.errors import HarnessError
+from harnesses import faults as shared
 
 KNOWN: Final = ("grad_averaged_twice", "resume_drops_optimizer_state",
                 "resume_drops_step_counter")
 
 
-class Faults:
-    """The set of faults a cell asks for.
+class Faults(shared.Faults):
+    """The fsdp2 faults a cell asks for (:data:`KNOWN`; an unknown name is refused)."""
 
-    Args:
-        names: ``cell.faults``.
-
-    Raises:
-        HarnessError: an unknown fault name (a typo must not silently test nothing).
-    """
-
-    def __init__(self, names: Sequence[str]) -> None:
-        unknown = sorted(set(names) - set(KNOWN))
-        if unknown:
-            raise HarnessError(f"unknown fault(s) {unknown}; fsdp2 knows {list(KNOWN)}")
-        self.names = tuple(names)
-
-    def __contains__(self, name: str) -> bool:
-        assert name in KNOWN, name
-        return name in self.names
-
-
-def reset_step_counters(optimizer: torch.optim.Optimizer) -> None:
-    """FAULT ``resume_drops_step_counter``: every parameter's AdamW ``step`` set to 0.
-
-    The counter keeps its own type, dtype and device (a 0-d FP32 CPU tensor in
-    ``torch.optim.AdamW``'s single-tensor path).
-    """
-    for st in optimizer.state.values():
-        if "step" in st:
-            st["step"] = torch.zeros_like(st["step"]) if isinstance(st["step"], Tensor) else 0
-
-
-def restore_model_only(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: Path,
-                       group: Any) -> None:
-    """FAULT ``resume_drops_optimizer_state``: load the model alone; AdamW stays fresh."""
-    del optimizer
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        set_model_state_dict,
-    )
-
-    model_sd = get_model_state_dict(model)
-    dcp.load({"model": model_sd}, checkpoint_id=str(ckpt), process_group=group)
-    set_model_state_dict(model, model_sd)
+    ENGINE = "fsdp2"
+    KNOWN = KNOWN
 
 
 def install(names: Sequence[str], harness: Any) -> Faults:
@@ -97,15 +53,5 @@ def install(names: Sequence[str], harness: Any) -> Faults:
         set_sum = parallelize.set_sum_reduction
         parallelize.set_sum_reduction = (
             lambda model, *, divide_factor: set_sum(model, divide_factor=None))
-    if "resume_drops_optimizer_state" in active:
-        resume.restore = restore_model_only
-    if "resume_drops_step_counter" in active:
-        restore = resume.restore
-
-        def reset_steps(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: Path,
-                        group: Any) -> None:
-            restore(model, optimizer, ckpt, group)
-            reset_step_counters(optimizer)
-
-        resume.restore = reset_steps
+    shared.plant_dcp_resume_faults(active, resume)
     return active

@@ -46,7 +46,6 @@ import qualify_harness as sdk
 import torch
 import torch.distributed as dist
 from qualify_harness import losses as sdk_losses
-from qualify_harness import routes as sdk_routes
 from torch import Tensor, nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -76,7 +75,7 @@ REPLICA_CHECK_TP: Final = ("bitwise over each TP group: the local dp shards of e
 
 
 @dataclasses.dataclass(kw_only=True)
-class FSDP2Engine(sdk.Engine):
+class FSDP2Engine(sdk.TorchOptimEngine):
     """One role on one rank: a ``fully_shard`` HF model, AdamW on the FP32 sharded masters.
 
     Attributes:
@@ -141,53 +140,13 @@ class FSDP2Engine(sdk.Engine):
             dist.all_reduce(t, group=self.mesh.dp_group)
         return {k: float(v) for k, v in zip(keys, t.tolist(), strict=True)}
 
-    def routes(self) -> dict[str, Any]:
-        """The optimizer actually built, with its ``fused`` / ``foreach`` flags."""
-        return {"optimizer": sdk_routes.optimizer_route(self.optimizer)}
-
-    def params(self) -> list[Tensor]:
-        """Trainable sharded DTensor parameters."""
-        return [p for p in self.model.parameters() if p.requires_grad]
-
     def engine_dtypes(self) -> tuple[dict[str, set[torch.dtype]], dict[str, set[torch.dtype]]]:
         """FSDP2's reduce-scatter and accumulation dtypes (its parameter groups)."""
         return parallelize.reduction_dtypes(self.model)
 
-    def full_grads(self) -> dict[str, Tensor]:
-        """Full FP32 gradients (``full_tensor()`` over both mesh dims)."""
-        return sda.full_grads(self.model)
-
-    def clip(self, max_norm: float) -> Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the sharded DTensor gradients."""
-        return sda.full_fp32(torch.nn.utils.clip_grad_norm_(self.params(), max_norm))
-
-    def full_params(self) -> dict[str, Tensor]:
-        """Full FP32 master weights."""
-        return sda.full_params(self.model)
-
-    def applied_lr(self) -> float:
-        """The lr in the optimizer's param groups."""
-        return hf_schedule.applied_lr(self.optimizer)
-
-    def optimizer_step(self) -> None:
-        """``AdamW.step()``."""
-        self.optimizer.step()
-
-    def scheduler_step(self) -> None:
-        """The HF scheduler's ``step()``."""
-        self.lr_scheduler.step()
-
-    def zero_grad(self) -> None:
-        """``zero_grad(set_to_none=True)``."""
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def state_dtypes(self, key: str) -> set[torch.dtype]:
-        """Dtypes of AdamW's ``key`` state."""
-        return sda.state_dtypes(self.optimizer, key)
-
-    def full_optimizer_state(self, key: str) -> dict[str, Tensor]:
-        """Full FP32 AdamW state ``key``."""
-        return sda.full_optimizer_state(self.model, self.optimizer, key)
+    def trained(self) -> list[tuple[str, nn.Parameter]]:
+        """Trainable parameters, each checked a sharded DTensor (:func:`sda.sharded`)."""
+        return sda.sharded(self.model)
 
     def check_replicas(self) -> tuple[dict[str, bool], dict[str, float]]:
         """Compare replicated parameters bitwise: along ``tp`` at TP > 1, else over ``dp``.

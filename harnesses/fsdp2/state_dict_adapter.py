@@ -15,37 +15,17 @@ with the same module, in the same order, while the model is resharded (between s
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
+from qualify_harness import optim
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from qualify.errors import HarnessError
 
 
-def full_fp32(x: Tensor) -> Tensor:
-    """Full, unsharded FP32 CPU copy of ``x`` (all-gather for a sharded DTensor).
-
-    Args:
-        x: a DTensor on the DP mesh, or a plain tensor.
-
-    Returns:
-        A contiguous FP32 CPU tensor with the global shape (HF layout).
-    """
-    full = x.full_tensor() if isinstance(x, DTensor) else x
-    return full.detach().to(device="cpu", dtype=torch.float32).contiguous().clone()
-
-
-def dtype_name(dtypes: Iterable[torch.dtype]) -> str | list[str]:
-    """``"torch.float32"`` when one dtype was observed, else the sorted list of names."""
-    names = sorted({str(d) for d in dtypes})
-    return names[0] if len(names) == 1 else names
-
-
-def _sharded(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+def sharded(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """Trainable ``(name, parameter)``; every one must be a DTensor (the model resharded)."""
-    out = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    out = optim.trainable(model)
     plain = [n for n, p in out if not isinstance(p, DTensor)]
     if plain:
         raise HarnessError(f"parameters {plain[:3]} are not sharded DTensors here: gather "
@@ -55,13 +35,12 @@ def _sharded(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 def full_params(model: nn.Module) -> dict[str, Tensor]:
     """HF name -> full FP32 copy of every trainable parameter (the FP32 master weights)."""
-    return {n: full_fp32(p) for n, p in _sharded(model)}
+    return optim.full_params(sharded(model))
 
 
 def full_grads(model: nn.Module) -> dict[str, Tensor]:
     """HF name -> full FP32 copy of every trainable parameter's ``.grad`` (zeros if None)."""
-    return {n: full_fp32(p.grad) if p.grad is not None else torch.zeros(p.shape)
-            for n, p in _sharded(model)}
+    return optim.full_grads(sharded(model))
 
 
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -70,19 +49,10 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 
     Parameters without state (never stepped) are reported as zeros.
     """
-    out: dict[str, Tensor] = {}
-    for n, p in _sharded(model):
-        st = optimizer.state.get(p, {})
-        out[n] = full_fp32(st[key]) if key in st else torch.zeros(p.shape)
-    return out
-
-
-def state_dtypes(optimizer: torch.optim.Optimizer, key: str) -> set[torch.dtype]:
-    """Dtypes of ``optimizer.state[*][key]`` actually held (empty before the first step)."""
-    return {st[key].dtype for st in optimizer.state.values() if key in st}
+    return optim.full_optimizer_state(sharded(model), optimizer, key)
 
 
 def local_shapes(model: nn.Module) -> dict[str, list[int]]:
     """HF name -> this rank's local shard shape (``outputs.json``: how FSDP2 split it)."""
-    return {n: list(p.to_local().shape) for n, p in _sharded(model)
+    return {n: list(p.to_local().shape) for n, p in sharded(model)
             if isinstance(p, DTensor)}

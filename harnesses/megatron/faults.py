@@ -21,8 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
+from harnesses.faults import reset_step_counters
 from harnesses.megatron import resume
 
 
@@ -48,10 +47,7 @@ def install(names: Sequence[str]) -> None:
         def reset_steps(engine: Any, doc: dict[str, Any]) -> None:
             inner(engine, doc)
             for opt in resume.inner_optimizers(engine):
-                for st in opt.state.values():
-                    if "step" in st:
-                        s = st["step"]
-                        st["step"] = torch.zeros_like(s) if isinstance(s, torch.Tensor) else 0
+                reset_step_counters(opt)
 
         restore = reset_steps
     resume.restore_checkpoint = restore

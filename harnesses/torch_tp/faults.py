@@ -34,13 +34,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any, Final
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from harnesses import faults as shared
 from qualify.errors import HarnessError
 
 KNOWN: Final = (
@@ -62,25 +62,11 @@ LAYER_FAULT_MODULE: Final = "layers.1.mlp"
 LAYER_FAULT_SCALE: Final = 1.0 + 1e-3
 
 
-class Faults:
-    """The set of faults a cell asks for.
+class Faults(shared.Faults):
+    """The torch_tp faults a cell asks for (:data:`KNOWN`; an unknown name is refused)."""
 
-    Args:
-        names: ``cell.faults``.
-
-    Raises:
-        HarnessError: an unknown fault name (a typo must not silently test nothing).
-    """
-
-    def __init__(self, names: Sequence[str]) -> None:
-        unknown = sorted(set(names) - set(KNOWN))
-        if unknown:
-            raise HarnessError(f"unknown fault(s) {unknown}; torch_tp knows {list(KNOWN)}")
-        self.names = tuple(names)
-
-    def __contains__(self, name: str) -> bool:
-        assert name in KNOWN, name
-        return name in self.names
+    ENGINE = "torch_tp"
+    KNOWN = KNOWN
 
 
 def grad_norm_replicated_per_rank(params: Sequence[nn.Parameter], max_norm: float,
@@ -173,28 +159,6 @@ def scale_layer_output(model: nn.Module) -> None:
     mlp.register_forward_hook(hook)
 
 
-def reset_step_counters(optimizer: torch.optim.Optimizer) -> None:
-    """Set AdamW's ``step`` of every parameter to 0 (the state's own dtype and device)."""
-    for st in optimizer.state.values():
-        if "step" in st:
-            st["step"] = torch.zeros_like(st["step"]) if isinstance(st["step"], Tensor) else 0
-
-
-def restore_model_only(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: Path,
-                       group: Any) -> None:
-    """FAULT ``resume_drops_optimizer_state``: load the model alone; AdamW stays fresh."""
-    del optimizer
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        set_model_state_dict,
-    )
-
-    model_sd = get_model_state_dict(model)
-    dcp.load({"model": model_sd}, checkpoint_id=str(ckpt), process_group=group)
-    set_model_state_dict(model, model_sd)
-
-
 def install(names: Sequence[str], harness: Any) -> Faults:
     """Patch the named faults into this process's harness (a test-only plugin).
 
@@ -206,10 +170,9 @@ def install(names: Sequence[str], harness: Any) -> Faults:
     Raises:
         HarnessError: an unknown fault name.
     """
-    from qualify_harness import driver, losses
+    from qualify_harness import driver, losses, optim
 
     from harnesses.torch_tp import resume
-    from harnesses.torch_tp import state_dict_adapter as sda
 
     active = Faults(names)
     engine = harness.TorchTPEngine
@@ -220,7 +183,7 @@ def install(names: Sequence[str], harness: Any) -> Faults:
             lambda self, model, batch: harness.response_hidden(model, batch, 1))
     if "grad_norm_replicated_per_rank" in active:
         engine.clip = (
-            lambda self, max_norm: sda.full_fp32(grad_norm_replicated_per_rank(
+            lambda self, max_norm: optim.full_fp32(grad_norm_replicated_per_rank(
                 self.params(), max_norm, self.mesh.group)))
     if "lr_scheduler_stepped_first" in active:
         applied = engine.applied_lr
@@ -270,15 +233,5 @@ def install(names: Sequence[str], harness: Any) -> Faults:
             groups_up(group, rank)
 
         harness.groups_up = hang
-    if "resume_drops_optimizer_state" in active:
-        resume.restore = restore_model_only
-    if "resume_drops_step_counter" in active:
-        restore = resume.restore
-
-        def reset_steps(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: Path,
-                        group: Any) -> None:
-            restore(model, optimizer, ckpt, group)
-            reset_step_counters(optimizer)
-
-        resume.restore = reset_steps
+    shared.plant_dcp_resume_faults(active, resume)
     return active

@@ -35,7 +35,6 @@ from typing import Any, Final
 import qualify_harness as sdk
 import torch
 import torch.distributed as dist
-from qualify_harness import routes as sdk_routes
 from torch import Tensor, nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -74,7 +73,7 @@ def response_hidden(model: nn.Module, batch: Batch, shift: int = 0) -> Tensor:
 
 
 @dataclasses.dataclass(kw_only=True)
-class TorchTPEngine(sdk.Engine):
+class TorchTPEngine(sdk.TorchOptimEngine):
     """One role on one rank: a DTensor-sharded HF model, AdamW on FP32 DTensor masters.
 
     Attributes:
@@ -138,50 +137,6 @@ class TorchTPEngine(sdk.Engine):
     def engine_dtypes(self) -> tuple[dict[str, set[torch.dtype]], dict[str, set[torch.dtype]]]:
         """DTensor reduction and accumulation dtypes (:func:`parallelize.reduction_dtypes`)."""
         return self._dtypes
-
-    def routes(self) -> dict[str, Any]:
-        """The optimizer actually built, with its ``fused`` / ``foreach`` flags."""
-        return {"optimizer": sdk_routes.optimizer_route(self.optimizer)}
-
-    def params(self) -> list[Tensor]:
-        """Trainable DTensor parameters."""
-        return [p for p in self.model.parameters() if p.requires_grad]
-
-    def full_grads(self) -> dict[str, Tensor]:
-        """Full FP32 gradients (``full_tensor()`` of each sharded one)."""
-        return sda.full_grads(self.model)
-
-    def clip(self, max_norm: float) -> Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the DTensor gradients."""
-        return sda.full_fp32(torch.nn.utils.clip_grad_norm_(self.params(), max_norm))
-
-    def full_params(self) -> dict[str, Tensor]:
-        """Full FP32 master weights."""
-        return sda.full_params(self.model)
-
-    def applied_lr(self) -> float:
-        """The lr in the optimizer's param groups."""
-        return hf_schedule.applied_lr(self.optimizer)
-
-    def optimizer_step(self) -> None:
-        """``AdamW.step()``."""
-        self.optimizer.step()
-
-    def scheduler_step(self) -> None:
-        """The HF scheduler's ``step()``."""
-        self.lr_scheduler.step()
-
-    def zero_grad(self) -> None:
-        """``zero_grad(set_to_none=True)``."""
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def state_dtypes(self, key: str) -> set[torch.dtype]:
-        """Dtypes of AdamW's ``key`` state."""
-        return sda.state_dtypes(self.optimizer, key)
-
-    def full_optimizer_state(self, key: str) -> dict[str, Tensor]:
-        """Full FP32 AdamW state ``key``."""
-        return sda.full_optimizer_state(self.model, self.optimizer, key)
 
     def check_replicas(self) -> tuple[dict[str, bool], dict[str, float]]:
         """Replicated DTensor parameters bitwise equal on every TP rank."""

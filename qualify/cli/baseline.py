@@ -159,30 +159,12 @@ def _local(decision: ContractDecision, evidence_dir: Path, keys: Path | None,
     return None, what + (f", none accepted: {'; '.join(refused)}" if refused else "")
 
 
-def _tree(root: TrustRoot) -> dict[str, str]:
-    """``{path: blob oid}`` of every file in the ref's commit."""
-    from qualify.evidence.trust import _git
-
-    assert root.repo is not None
-    assert root.commit is not None
-    out: dict[str, str] = {}
-    for entry in _git(root.repo, "ls-tree", "-r", "-z", root.commit).split(b"\0"):
-        head, _, name = entry.partition(b"\t")
-        parts = head.decode().split(" ")
-        if len(parts) == 3 and parts[1] == "blob":
-            out[name.decode("utf-8", "replace")] = parts[2]
-    return out
-
-
 def _extract(root: TrustRoot, oid: str, dest: Path) -> None:
-    from qualify.evidence.trust import _git
-
-    assert root.repo is not None
-    size = int(_git(root.repo, "cat-file", "-s", oid).decode().strip())
+    size = root.blob_size(oid)
     if size > _MAX_BLOB_BYTES:
         raise QualifyError(f"{dest.name}: {size} bytes in the ref, over {_MAX_BLOB_BYTES}")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_bytes(_git(root.repo, "cat-file", "blob", oid))
+    dest.write_bytes(root.read_blob(oid))
 
 
 def _from_ref(decision: ContractDecision, evidence_dir: Path, root: TrustRoot,
@@ -197,7 +179,7 @@ def _from_ref(decision: ContractDecision, evidence_dir: Path, root: TrustRoot,
         rel = PurePosixPath(evidence_dir.resolve().relative_to(root.repo.resolve()).as_posix())
     except ValueError:
         return None, f"{evidence_dir} is not inside the repository {root.repo}", None
-    tree = _tree(root)
+    tree = root.tree()
     runs: list[tuple[tuple[str, str], PurePosixPath, Mapping[str, Any]]] = []
     for path, oid in tree.items():
         p = PurePosixPath(path)

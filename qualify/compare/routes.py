@@ -29,13 +29,14 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Final
 
+from qualify_harness.routes import NO_SDPA
+
 from qualify.compare.verdicts import FailureDetail, Row
 from qualify.contract import RoutePins
 
 __all__ = ["ROUTES_CLASS", "reference_backends", "route_row", "sdpa_backends"]
 
 ROUTES_CLASS: Final = "routes"
-NO_SDPA: Final = "no SDPA call"
 DETAIL_ROWS: Final = 5
 
 

@@ -59,13 +59,13 @@ cell's ``weights_from`` (it installed that trainer cell's round-1 weights), a re
 ``resume_of`` (its rows compare it with that uninterrupted cell). A consumed cell's
 staleness is the consumer's too (:func:`stale_cells`)."""
 HARNESS_SHARED: Final = ("harnesses/__init__.py", "harnesses/common.py",
-                         "harnesses/hf_schedule.py", "harnesses/layer_probe.py",
-                         "harnesses/resume_state.py")
-"""Harness modules outside an engine's folder that engines import (``hf_schedule``: the HF
-lr scheduler of torch_tp, fsdp2 and DeepSpeed; ``layer_probe``: the probes of ``qualify
-diverge``, around every micro-batch of torch_tp, DeepSpeed and Megatron; ``resume_state``: the
-resume cells' state record); each engine's
-cells are stale when one changes (``tests/test_staleness.py`` derives the set from the
+                         "harnesses/faults.py", "harnesses/hf_schedule.py",
+                         "harnesses/layer_probe.py", "harnesses/resume_state.py")
+"""Harness modules outside an engine's folder that engines import (``faults``: what their
+test-only fault plugins share; ``hf_schedule``: the HF lr scheduler of torch_tp, fsdp2 and
+DeepSpeed; ``layer_probe``: the probes of ``qualify diverge``, around every micro-batch of
+torch_tp, DeepSpeed and Megatron; ``resume_state``: the resume cells' state record); each
+engine's cells are stale when one changes (``tests/test_staleness.py`` derives the set from the
 harnesses' imports)."""
 
 

@@ -176,14 +176,47 @@ class TrustRoot:
         return f"{self.spec}:{path}", self._blob(mode, oid, path, MAX_ROOT_FILE_BYTES)
 
     def _blob(self, mode: str, oid: str, path: str, limit: int) -> bytes:
-        assert self.repo is not None
         label = f"{self.spec}:{path}"
         if mode == _SYMLINK_MODE or not mode.startswith("100"):
             raise UsageError(f"{label}: not a regular file in the trust root (mode {mode})")
-        size = int(_git(self.repo, "cat-file", "-s", oid).decode().strip())
+        size = self.blob_size(oid)
         if size > limit:
             raise UsageError(f"{label}: {size} bytes, over the {limit}-byte limit of a "
                              "trust-root file")
+        return self.read_blob(oid)
+
+    def tree(self) -> dict[str, str]:
+        """``{path: blob oid}`` of every file in a git-ref root's commit (``ls-tree -r``).
+
+        Raises:
+            UsageError: git fails (or is not installed).
+        """
+        assert self.repo is not None
+        assert self.commit is not None
+        out: dict[str, str] = {}
+        for entry in _git(self.repo, "ls-tree", "-r", "-z", self.commit).split(b"\0"):
+            head, _, name = entry.partition(b"\t")
+            parts = head.decode().split(" ")
+            if len(parts) == 3 and parts[1] == "blob":
+                out[name.decode("utf-8", "replace")] = parts[2]
+        return out
+
+    def blob_size(self, oid: str) -> int:
+        """Bytes of the blob ``oid`` of a git-ref root's repository (``cat-file -s``).
+
+        Raises:
+            UsageError: git fails (or is not installed).
+        """
+        assert self.repo is not None
+        return int(_git(self.repo, "cat-file", "-s", oid).decode().strip())
+
+    def read_blob(self, oid: str) -> bytes:
+        """The bytes of the blob ``oid`` of a git-ref root's repository (``cat-file blob``).
+
+        Raises:
+            UsageError: git fails (or is not installed).
+        """
+        assert self.repo is not None
         return _git(self.repo, "cat-file", "blob", oid)
 
 

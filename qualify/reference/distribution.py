@@ -9,8 +9,8 @@ reference:
   ``tempered`` ``[B, R, V]``, ``log_softmax(logits / T)`` (``T`` the contract's sampling
   temperature); 0 at masked positions;
 - ``distribution.json``: the SDPA backends each HF execution dispatched to, read back
-  (:func:`qualify.routes.sdpa_recorder`); for each of ``raw`` / ``tempered``, the metrics of
-  :mod:`qualify.distmetrics` of every control against that reference, and per statistic
+  (:func:`qualify_harness.routes.sdpa_recorder`); for each of ``raw`` / ``tempered``, the
+  metrics of :mod:`qualify.distmetrics` of every control against that reference, and per statistic
   ``bound = k * max over the FP32 controls + floor`` (``k`` the contract's
   ``bounds.k``, the floors :data:`FLOORS`); the ``decode_vs_prefill`` token-logprob bound of
   the sampler's own decode-vs-prefill row; the ``bf16`` control is listed for information
@@ -35,9 +35,9 @@ from typing import Any, Final
 
 import numpy as np
 import torch
+from qualify_harness.routes import sdpa_recorder
 
 from qualify.distmetrics import STATISTICS, distribution_metrics
-from qualify.routes import sdpa_recorder
 
 DISTRIBUTION_FILE: Final = "distribution.safetensors"
 DISTRIBUTION_JSON: Final = "distribution.json"

@@ -2,10 +2,12 @@
 
 A harness reads its frozen inputs (:func:`read_inputs`: rollout, training inputs, contract,
 model directories), supplies an :class:`Engine` for each role it runs (the placed model and
-its forward, backward, clip, optimizer step and gathers), lets :func:`run_actor` /
-:func:`run_critic` run the contract's rounds with the losses of :mod:`qualify_harness.losses`,
-and writes its outputs with :func:`role_meta`, :func:`write_part`, :func:`merge_parts` and
-:func:`outputs_head` (``outputs.json`` carries :data:`SDK_VERSION`).
+its forward, backward, clip, optimizer step and gathers; :class:`TorchOptimEngine` holds
+the update parts of an engine that steps a plain ``torch.optim`` optimizer), lets
+:func:`run_actor` / :func:`run_critic` run the contract's rounds with the losses of
+:mod:`qualify_harness.losses`, and writes its outputs with :func:`role_meta`,
+:func:`write_part`, :func:`merge_parts` and :func:`outputs_head` (``outputs.json`` carries
+:data:`SDK_VERSION`).
 
 Depends on torch, numpy, safetensors and the standard library only, so it installs into a
 training stack's own environment; it never imports ``qualify``.
@@ -16,6 +18,7 @@ from __future__ import annotations
 from qualify_harness.driver import Engine, actor_objective, run_actor, run_critic, update
 from qualify_harness.errors import HarnessSDKError, InputError, OutputError
 from qualify_harness.inputs import Batch, Inputs, Recipe, micro_slices, read_inputs
+from qualify_harness.optim import TorchOptimEngine
 from qualify_harness.outputs import (
     ROLE_REQUIRED,
     Recorder,
@@ -29,5 +32,6 @@ from qualify_harness.version import SDK_MAJOR, SDK_VERSION
 
 __all__ = ["ROLE_REQUIRED", "SDK_MAJOR", "SDK_VERSION", "Batch", "Engine", "HarnessSDKError",
            "InputError", "Inputs", "OutputError", "ParamSampling", "Recipe", "Recorder",
-           "actor_objective", "merge_parts", "micro_slices", "outputs_head", "read_inputs",
-           "role_meta", "run_actor", "run_critic", "tensor_name", "update", "write_part"]
+           "TorchOptimEngine", "actor_objective", "merge_parts", "micro_slices", "outputs_head",
+           "read_inputs", "role_meta", "run_actor", "run_critic", "tensor_name", "update",
+           "write_part"]
