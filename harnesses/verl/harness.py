@@ -113,21 +113,35 @@ def place(cell: HarnessCell) -> Placement:
                      world=world)
 
 
-def init_role_group(p: Placement, out_dir: Path) -> Path:
-    """Make the role's ranks verl's default process group (gloo over a file store).
+@contextlib.contextmanager
+def role_group(p: Placement, out_dir: Path) -> Iterator[None]:
+    """The role's ranks as verl's default process group (gloo over a file store).
 
     verl reads ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` (its ``Worker``) and meshes over
-    ``torch.distributed.get_world_size()`` (its ``FSDPEngine``): both are set to the role's.
-
-    Returns:
-        The store file (removed by the caller after the role's run).
+    ``torch.distributed.get_world_size()`` (its ``FSDPEngine``): both are the role's inside
+    the block. torchrun's values are restored after it (the rank's import record is written
+    under its global ``RANK``, :mod:`qualify.candidate.imported`), the group destroyed and
+    its store file removed.
     """
     store = out_dir / f".verl-pg-{p.role}"
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    saved = {k: os.environ.get(k) for k in keys}
     os.environ.update({"RANK": str(p.dp_rank), "WORLD_SIZE": str(p.dp),
                        "LOCAL_RANK": str(p.dp_rank), "LOCAL_WORLD_SIZE": str(p.dp)})
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=p.dp_rank,
                             world_size=p.dp)
-    return store
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if p.dp_rank == 0:
+            store.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- verl objects
@@ -505,8 +519,7 @@ def run(cell: HarnessCell) -> None:
     from harnesses.verl import platform_cpu
 
     platform_cpu.install()
-    store = init_role_group(placement, out_dir)
-    try:
+    with role_group(placement, out_dir):
         torch.manual_seed(cell.seed)
         rec = sdk.Recorder(role=placement.role, writer=placement.writer,
                            sampling=sdk.ParamSampling.from_dict(cell.param_sampling.to_dict()))
@@ -515,11 +528,6 @@ def run(cell: HarnessCell) -> None:
             meta = runner.run()
         if placement.writer:
             sdk.write_part(ENGINE, out_dir, placement.role, rec.tensors, meta)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-        if placement.dp_rank == 0:
-            store.unlink(missing_ok=True)
     if placement.global_rank == 0:
         roles = common.roles(cell.actor_tp, cell.critic_tp)
         head = sdk.outputs_head(engine=ENGINE, cell=cell.to_dict(), packages=PACKAGES,
