@@ -1,4 +1,4 @@
-"""verl 0.9.1's TrainingWorker qualified end to end in its own venv (harnesses/verl, the ``verl`` engine).
+"""verl 0.9.1's TrainingWorker qualified end to end in its own venv (the ``verl`` engine).
 
 ``qualify run contracts/tiny-qwen3-verl.toml --launcher verl=.venv-verl/bin/python``: every
 ``verl`` cell (Actor and Critic, FP32 and BF16, DP 1 and 2) completes with every metric,

@@ -90,7 +90,7 @@ class Placement:
 
     @property
     def writer(self) -> bool:
-        """dp rank 0 keeps and writes the role's outputs."""
+        """Dp rank 0 keeps and writes the role's outputs."""
         return self.dp_rank == 0
 
 
@@ -149,7 +149,7 @@ def role_group(p: Placement, out_dir: Path) -> Iterator[None]:
 
 def _sdpa_valuehead(local_path: str, torch_dtype: torch.dtype, model_config: Any,
                     trust_remote_code: bool) -> nn.Module:
-    """verl's ``load_valuehead_model`` first branch, with SDPA instead of flash-attention 2."""
+    """Verl's ``load_valuehead_model`` first branch, with SDPA instead of flash-attention 2."""
     from transformers import AutoModelForTokenClassification
 
     model: nn.Module = AutoModelForTokenClassification.from_pretrained(
@@ -160,8 +160,9 @@ def _sdpa_valuehead(local_path: str, torch_dtype: torch.dtype, model_config: Any
 
 def build_worker(*, role: str, model_dir: Path, precision: str, micro_batch_size: int,
                  opt_fields: dict[str, Any], loss_fn: Callable[..., Any]) -> Any:
-    """verl's ``TrainingWorker`` for ``role``, reset, its loss function set."""
+    """Verl's ``TrainingWorker`` for ``role``, reset, its loss function set."""
     import verl.utils.model as verl_model
+    from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
         FSDPEngineConfig,
         FSDPOptimizerConfig,
@@ -170,9 +171,7 @@ def build_worker(*, role: str, model_dir: Path, precision: str, micro_batch_size
     )
     from verl.workers.engine_workers import TrainingWorker
 
-    from verl.trainer.config import CheckpointConfig
-
-    verl_model.load_valuehead_model = _sdpa_valuehead  # type: ignore[assignment]
+    verl_model.load_valuehead_model = _sdpa_valuehead
     dtype = "fp32" if precision == "fp32" else "bf16"
     model_config = HFModelConfig(path=str(model_dir), load_tokenizer=False,
                                  override_config={"attn_implementation": "sdpa"},
@@ -321,7 +320,7 @@ def _compute_hooks(module: nn.Module, rec: sdk.Recorder) -> list[Any]:
 
 def verl_batch(b: sdk.Batch, *, extra: int = 0, pad: int = 0,
                fields: dict[str, Tensor] | None = None, temperature: float = 1.0) -> Any:
-    """The rows as verl's trainer hands them to a worker: ``left_right_2_no_padding`` of a DataProto.
+    """The rows as verl's trainer hands them over: ``left_right_2_no_padding`` of a DataProto.
 
     Args:
         b: the rows (prompt left-padded, response right-padded).
@@ -362,6 +361,7 @@ class RoleRun:
 
     @property
     def actor(self) -> bool:
+        """Whether this rank runs the Actor."""
         return self.placement.role == "actor"
 
     def rows(self) -> slice:
@@ -387,6 +387,7 @@ class RoleRun:
         from verl.utils import tensordict_utils as tu
         from verl.workers.config import FSDPActorConfig, FSDPCriticConfig
         from verl.workers.utils.losses import ppo_loss, value_loss
+        from verl.workers.utils.padding import no_padding_2_padding
 
         c, rec = self.inputs.contract, self.rec
         alg, n_rows = c.algorithm, int(self.inputs.batch.input_ids.shape[0])
@@ -423,14 +424,12 @@ class RoleRun:
         pad = int(getattr(engine.model_config.hf_config, "pad_token_id", None) or 0)
 
         def infer(extra: int) -> dict[str, Tensor]:
+            """Verl's ``infer_batch`` (compute_log_prob / compute_values), padded back."""
             td = verl_batch(b, extra=extra, pad=pad, temperature=temp)
             tu.assign_non_tensor(td, compute_loss=False, calculate_entropy=self.actor)
             out = worker.infer_batch(td)
-            from verl.workers.utils.padding import no_padding_2_padding
-
-            got = {k: no_padding_2_padding(tu.get(out, k), td).float()[:, :b.response_len]
-                   for k in (key, "entropy") if (k == key or self.actor)}
-            return got
+            return {k: no_padding_2_padding(tu.get(out, k), td).float()[:, :b.response_len]
+                    for k in (key, "entropy") if (k == key or self.actor)}
 
         with rec.timed("scoring_s"):
             padded = infer(EXTRA_RIGHT_PADDING)[key]

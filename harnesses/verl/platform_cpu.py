@@ -5,8 +5,8 @@ nvidia, whose ``current_device()`` is ``torch.cuda.current_device()`` (an assert
 build). :func:`install` registers :class:`PlatformCPU` under the name ``cpu`` with
 ``PlatformRegistry.register`` and makes it the process's platform with ``set_platform``,
 before any verl engine module is imported; no verl source is edited. The platform's device
-is ``cpu`` (``current_device()`` is ``"cpu"``, not an index), its collective backend gloo, its memory statistics 0 (CPU has
-no allocator statistics), its profiler hooks no-ops.
+is ``cpu`` (``current_device()`` is ``"cpu"``, not an index), its collective backend
+gloo, its memory statistics 0 (CPU has no allocator statistics), its profiler hooks no-ops.
 
 Only imported inside verl's venv (the harness ranks); imports torch and verl.
 """
@@ -63,76 +63,98 @@ class PlatformCPU(PlatformBase):
 
     @property
     def device_name(self) -> str:
+        """``PlatformBase.device_name`` on CPU."""
         return "cpu"
 
     @property
     def vendor_name(self) -> str:
+        """``PlatformBase.vendor_name`` on CPU."""
         return "cpu"
 
     @property
     def device_module(self) -> types.ModuleType:
+        """``PlatformBase.device_module`` on CPU."""
         return self._module
 
     def is_available(self) -> bool:
+        """``PlatformBase.is_available`` on CPU."""
         return True
 
     def is_platform_available(self, use_smi_check: bool = False) -> bool:
+        """``PlatformBase.is_platform_available`` on CPU."""
         return True
 
-    def current_device(self) -> str:  # type: ignore[override]
+    def current_device(self) -> str:
         """``"cpu"``: verl passes it as a ``device=`` (an index would name a CUDA device)."""
         return "cpu"
 
     def device_count(self) -> int:
+        """``PlatformBase.device_count`` on CPU."""
         return 1
 
     def set_device(self, device_index: int) -> None:
-        return None
+        """``PlatformBase.set_device`` on CPU."""
+        return
 
     def synchronize(self, device_index: int | None = None) -> None:
-        return None
+        """``PlatformBase.synchronize`` on CPU."""
+        return
 
     def manual_seed(self, seed: int) -> None:
+        """``PlatformBase.manual_seed`` on CPU."""
         torch.manual_seed(seed)
 
     def manual_seed_all(self, seed: int) -> None:
+        """``PlatformBase.manual_seed_all`` on CPU."""
         torch.manual_seed(seed)
 
     def set_allocator_settings(self, settings: str) -> None:
-        return None
+        """``PlatformBase.set_allocator_settings`` on CPU."""
+        return
 
     def empty_cache(self) -> None:
-        return None
+        """``PlatformBase.empty_cache`` on CPU."""
+        return
 
     def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
+        """``PlatformBase.get_device_capability`` on CPU."""
         return None, None
 
     def communication_backend_name(self) -> str:
+        """``PlatformBase.communication_backend_name`` on CPU."""
         return "gloo"
 
     def visible_devices_envvar(self) -> str:
+        """``PlatformBase.visible_devices_envvar`` on CPU."""
         return "CUDA_VISIBLE_DEVICES"
 
     @contextlib.contextmanager
     def nvtx_range(self, msg: str) -> Iterator[None]:
+        """``PlatformBase.nvtx_range`` on CPU."""
         yield
 
     def profiler_start(self) -> None:
-        return None
+        """``PlatformBase.profiler_start`` on CPU."""
+        return
 
     def profiler_stop(self) -> None:
-        return None
+        """``PlatformBase.profiler_stop`` on CPU."""
+        return
 
     def ray_resource_name(self) -> str:
+        """``PlatformBase.ray_resource_name`` on CPU."""
         return "CPU"
 
     def ray_noset_envvars(self) -> list[str]:
+        """``PlatformBase.ray_noset_envvars`` on CPU."""
         return []
 
     def is_ipc_supported(self) -> bool:
+        """``PlatformBase.is_ipc_supported`` on CPU."""
         return False
 
     def cudart(self) -> Any:
+        """``PlatformBase.cudart`` on CPU."""
         return None
 
 

@@ -118,5 +118,5 @@ def optimizer_fields(opt: OptimizerSpec, *, role: str, rounds: int) -> dict[str,
 
 
 def sampling_temperature(temperature: float) -> float:
-    """verl's ``meta_info["temperature"]``: the trainer divides its logits by the sampler's."""
+    """Verl's ``meta_info["temperature"]``: the trainer divides its logits by the sampler's."""
     return temperature
