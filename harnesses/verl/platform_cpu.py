@@ -8,7 +8,8 @@ before any verl engine module is imported; no verl source is edited. The platfor
 is ``cpu`` (``current_device()`` is ``"cpu"``, not an index), its collective backend
 gloo, its memory statistics 0 (CPU has no allocator statistics), its profiler hooks no-ops.
 
-Only imported inside verl's venv (the harness ranks); imports torch and verl.
+Importing this module imports torch only (every module of the repository imports in
+qualify's own environment); :func:`install` imports verl, inside verl's venv.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from collections.abc import Iterator
 from typing import Any, Final
 
 import torch
-from verl.plugin.platform import PlatformBase, PlatformRegistry, set_platform
 
 NAME: Final = "cpu"
 ENGINE_DEVICE_ENV: Final = {"VERL_ENGINE_DEVICE": "cuda"}
@@ -56,8 +56,8 @@ def _device_module() -> types.ModuleType:
     return mod
 
 
-class PlatformCPU(PlatformBase):
-    """verl's platform interface on CPU (gloo)."""
+class PlatformCPU:
+    """verl's platform interface on CPU (gloo); :func:`install` mixes it into ``PlatformBase``."""
 
     _module: Final = _device_module()
 
@@ -158,14 +158,21 @@ class PlatformCPU(PlatformBase):
         return None
 
 
-def install() -> PlatformCPU:
-    """Register :class:`PlatformCPU` as ``cpu``, make it verl's platform, set the engine knob.
+def install() -> Any:
+    """Register the CPU platform as ``cpu``, make it verl's platform, set the engine knob.
 
-    Call before importing ``verl.workers`` (the engine registry and the device helpers read
-    the platform on first use).
+    The platform is ``PlatformCPU`` mixed into verl's ``PlatformBase`` (its abstract methods
+    implemented by the mixin). Call before importing ``verl.workers`` (the engine registry
+    and the device helpers read the platform on first use).
+
+    Returns:
+        The platform instance.
     """
+    from verl.plugin.platform import PlatformBase, PlatformRegistry, set_platform
+
     os.environ.update(ENGINE_DEVICE_ENV)
-    PlatformRegistry.register(platform=NAME)(PlatformCPU)
-    platform = PlatformCPU()
+    cls = PlatformRegistry.register(platform=NAME)(
+        type("PlatformCPU", (PlatformCPU, PlatformBase), {}))
+    platform = cls()
     set_platform(platform)
     return platform
