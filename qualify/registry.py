@@ -504,6 +504,7 @@ BUILTIN_ENGINES: Final[Mapping[str, str]] = {
     "fsdp2": "harnesses.fsdp2.spec:SPEC",
     "vllm": "harnesses.vllm.spec:SPEC",
     "trl": "harnesses.trl.spec:SPEC",
+    "verl": "harnesses.verl.spec:SPEC",
 }
 """Engines of this repository: one line per engine folder (its ``spec`` module)."""
 

@@ -127,7 +127,7 @@ INVALID: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "unknown_engine": (_set("matrix.engines", ["torch_tp", "deepspeeed"]),
                        r"matrix\.engines\.1: unknown engine 'deepspeeed'; did you mean "
                        r"'deepspeed'\? registered engines: deepspeed, fsdp2, megatron, "
-                       r"torch_tp, trl, vllm"),
+                       r"torch_tp, trl, verl, vllm"),
     "sampler_as_trainer": (_set("matrix.engines", ["torch_tp", "vllm"]),
                            r"matrix\.engines\.1: 'vllm' is a sampler engine, not a trainer"),
     "bad_zero_stage": (_set("matrix.engine_options.deepspeed.zero_stage", [0, 3]),

