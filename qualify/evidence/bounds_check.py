@@ -9,9 +9,9 @@ the sealed HF reference tensors and update records) and requires every row of
 exact IEEE 754 arithmetic in a fixed order: no tolerance is needed or given). The control
 errors are not taken as stored either: the sealed control runs (``controls/``) are measured
 again against the sealed HF reference, with the clip-branch adjustment
-(:func:`qualify.reference.bound_inputs.recompute_control_errors`), and every entry of
+(:func:`qualify.reference.control_recompute.recompute_control_errors`), and every entry of
 ``control_errors.json`` must equal its measurement within
-:data:`~qualify.reference.bound_inputs.CONTROL_ERROR_REL_TOL` (numpy reductions may differ
+:data:`~qualify.reference.control_recompute.CONTROL_ERROR_REL_TOL` (numpy reductions may differ
 by a few ulps between builds).
 :mod:`qualify.evidence.verify` runs it as step 9 of a reference; a run's reference passes
 it within step 7.
@@ -126,7 +126,7 @@ def verify_bounds(ref_dir: Path) -> str:
     and every row equals its recomputation exactly, with no row missing, added or sealed
     twice (:func:`bounds_differences`); then the control errors measured again from the
     sealed control and reference tensors equal ``control_errors.json``
-    (:func:`qualify.reference.bound_inputs.control_error_differences`).
+    (:func:`qualify.reference.control_recompute.control_error_differences`).
 
     Args:
         ref_dir: a reference directory whose steps 1-8 passed (files match the manifest).
@@ -140,10 +140,9 @@ def verify_bounds(ref_dir: Path) -> str:
             sealed and recomputed values; or the input that is missing or malformed
             ("not recomputable from sealed data: ...").
     """
-    from qualify.reference.bound_inputs import (
+    from qualify.reference.bound_inputs import control_errors_from_document, recompute_bounds
+    from qualify.reference.control_recompute import (
         control_error_differences,
-        control_errors_from_document,
-        recompute_bounds,
         recompute_control_errors,
     )
 
