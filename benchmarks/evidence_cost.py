@@ -8,7 +8,8 @@ Read only what the evidence records (nothing is run):
   ``export_weights_s``) and ``timings`` (``init_s``, ``merge_s``, ``variant_s``,
   ``rank0_total_s``); sampler cells ``timings`` (``engine_start_s``, ``install_s``,
   ``kernel_probe_s``, ``probes_s``, ``round2_sampling_s``, ``round2_scoring_s``,
-  ``total_s``);
+  ``total_s``; ``weights_wait_s``, the time one sampler process for every TP size waited,
+  engines started, for the weights it installs: in its wall, noted per run);
 - the reference's ``reference.json`` ``step_started_s`` (seconds from the stage's start to
   each step's start).
 
@@ -204,6 +205,23 @@ def stage_table(run: Path, launches: pd.DataFrame) -> tuple[pd.DataFrame, list[s
                      "detail": "started -> finished"})
     except (KeyError, ValueError, TypeError):
         notes.append("run.json: no started/finished")
+    waits = _sampler_waits(run)
+    if waits:
+        notes.append("sampler: its launch starts with the candidate stage and waits, engines "
+                     "started, for the weights it installs (outputs.json timings "
+                     "weights_wait_s: " + ", ".join(f"{c} {w:.1f} s" for c, w in waits.items())
+                     + "); that wait is in its wall, beside the trainer launches")
     notes.append("not recorded: per-rank interpreter start and imports, teardown after the "
                  "outputs (benchmarks.teardown), compare and sign wall")
     return pd.DataFrame(rows), notes
+
+
+def _sampler_waits(run: Path) -> dict[str, float]:
+    """Per COMPLETE sampler cell that records it, ``timings.weights_wait_s`` (seconds)."""
+    out = {}
+    for cid, e in sorted(_read(run / "run.json").get("cells", {}).items()):
+        if e.get("role") == "sampler" and e.get("status") == "COMPLETE" and e.get("attempt"):
+            t = _read(run / str(e["attempt"]) / "outputs.json").get("timings") or {}
+            if "weights_wait_s" in t:
+                out[cid] = float(t["weights_wait_s"])
+    return out

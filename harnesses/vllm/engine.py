@@ -33,6 +33,12 @@ the environment variables vLLM reads:
     either way, and the sampler cell's ``[B, R]`` outputs are bitwise identical with and
     without it. The variable is read by each spawned TP worker when it imports torch;
     this process sets ``torch._dynamo.config.disable`` directly.
+Several engines may be built in one process (one per TP size, :mod:`harnesses.vllm.harness`):
+vLLM caches its environment variables when an engine starts (``vllm.envs.enable_envs_cache``,
+called by ``EngineCore`` and the multiprocessing executor), so :func:`build_llm` clears that
+cache (``vllm.envs.disable_envs_cache``) before each engine, which then reads the variables
+set for it. An engine already built read its variables when it started.
+
 ``VLLM_CPU_KVCACHE_SPACE`` is not used: the KV cache is sized by ``kv_cache_memory_bytes``
 (vLLM's default asks for 92 % of a NUMA node's memory and fails on a shared machine).
 
@@ -213,6 +219,12 @@ def build_llm(
                          f"attention backend ({sorted(CPU_HEAD_SIZES)})")
     configure_env(tp, device=device, threads_bind=threads_bind)
     import vllm  # lazy: only callers that build an engine import vllm, after configure_env
+    import vllm.envs
+
+    # vLLM caches its environment variables once an engine is up (``enable_envs_cache``):
+    # a later engine of this process (the sampler cells' TP 1 then TP 2) must read the
+    # variables configure_env set for it, not the first engine's
+    vllm.envs.disable_envs_cache()
 
     kwargs: dict[str, Any] = {
         "model": str(model_dir),

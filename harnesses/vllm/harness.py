@@ -1,12 +1,17 @@
-"""vLLM sampler cell: ``python -m harnesses.vllm.harness CELL_JSON`` (one process, no torchrun).
+"""vLLM sampler cells: ``python -m harnesses.vllm.harness CELL_JSON [CELL_JSON ...]`` (no torchrun).
 
-The candidate stage's sampler step (:mod:`qualify.candidate.sampler_stage`) runs this program after
-the trainer cells, with the Actor's round-1-updated weights exported by the contract's
-``sampler.weights_from`` cell. In one in-process vLLM engine (``tp`` =
-``cell.options["rollout_tp"]``; TP > 1 spawns one worker per rank) it:
+The candidate stage's sampler step (:mod:`qualify.candidate.sampler_stage`) starts this
+program once for all of a run's sampler cells, beside the trainer launch that exports the
+Actor's round-1-updated weights (the contract's ``sampler.weights_from`` cell). One process
+holds one in-process vLLM engine per cell (``tp`` = ``cell.options["rollout_tp"]``; TP > 1
+spawns one worker per rank), each started once for everything it scores
+(:func:`run_cells`). For every cell it:
 
 1. starts vLLM on the Actor's initial weights (version 0; FP32; prefix caching on, block
    size :data:`BLOCK_SIZE`; the contract's ``logprobs_mode``);
+   then, every engine started, waits for the cell's ``sampler_request.json``
+   (:func:`wait_request`: the stage writes it once the weights are recorded; a request
+   without weights ends the cell with no outputs);
 2. installs the round-1 weights as version 1 (:class:`harnesses.vllm.weights.WeightSync`:
    per-rank digests against the expected vLLM shards, one ack per rank, prefix-cache reset
    and proof: ``num_cached_tokens`` of the first request after the update and of a
@@ -30,17 +35,19 @@ the trainer cells, with the Actor's round-1-updated weights exported by the cont
 5. re-verifies the installed version's shards on every rank and writes
    ``outputs.safetensors`` + ``outputs.json`` (atomic, JSON last).
 
-Reads ``cell.json``, ``<output_dir>/sampler_request.json`` (``weights_file``,
-``weights_sha256``, ``weights_from``) and from ``inputs_dir``: ``rollout.safetensors``,
-``contract.json``, ``model.json``; never reference scores. Reports what vLLM returned;
-nothing is corrected.
+Reads each ``cell.json`` (one ``inputs_dir`` for all), ``<output_dir>/sampler_request.json``
+(``weights_file``, ``weights_sha256``, ``weights_from``) and from ``inputs_dir``:
+``rollout.safetensors``, ``contract.json``, ``model.json``; never reference scores.
+Reports what vLLM returned; nothing is corrected.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import json
+import os
 import platform
 import shutil
 import sys
@@ -75,6 +82,7 @@ REQUEST_FILE: Final = "sampler_request.json"
 BLOCK_SIZE: Final = 32
 KV_CACHE_BYTES: Final = 128 * 1024 * 1024
 SCORING_SEED: Final = 0
+REQUEST_POLL_S: Final = 0.05
 
 
 def _versions() -> dict[str, str]:
@@ -213,71 +221,119 @@ def _atomic_json(path: Path, doc: Any) -> None:
                               + "\n").encode("utf-8"))
 
 
-def run(cell: HarnessCell) -> dict[str, Any]:
-    """Run the sampler cell (module docstring) and write its outputs; returns the meta.
+@dataclasses.dataclass(slots=True)
+class _Started:
+    """One cell's engine, started and through its round-1 decode (version 0 weights)."""
 
-    Raises:
-        HarnessError: bad cell, missing inputs or request, a weights file whose sha256 is
-            not the requested one, or a TP size vLLM cannot shard the model over.
-    """
-    t_start = time.perf_counter()
+    cell: HarnessCell
+    tp: int
+    llm: Any
+    routes: list[dict[str, Any]]
+    dists: dict[str, Tensor]
+    decode_facts: dict[str, Any]
+    env: dict[str, str]
+    timings: dict[str, float]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Inputs:
+    """What every sampler cell of one process reads from the shared ``inputs_dir``."""
+
+    contract: Contract
+    actor_dir: Path
+    spec: layout.LayoutSpec
+    eos: int
+    pad: int
+    rows: list[tuple[list[int], list[int], list[int]]]
+
+
+def _check_cell(cell: HarnessCell) -> int:
+    """The cell's TP size; raises :class:`HarnessError` for a cell this harness cannot run."""
     if cell.engine != ENGINE:
         raise HarnessError(f"engine {cell.engine!r} is not {ENGINE!r}")
     if cell.precision != "fp32":
         raise HarnessError(f"precision {cell.precision!r}: the sampler cell runs fp32")
-    tp = int(cell.options.get("rollout_tp", 1))
-    out_dir = Path(cell.output_dir)
-    inputs = Path(cell.inputs_dir)
-    req_path = out_dir / REQUEST_FILE
-    if not req_path.is_file():
-        raise HarnessError(f"{req_path}: missing sampler request")
-    req = json.loads(req_path.read_text("utf-8"))
-    wfile = Path(req["weights_file"])
-    if not wfile.is_file():
-        raise HarnessError(f"{wfile}: the round-1 Actor weights are missing")
-    if sha256_file(wfile) != req["weights_sha256"]:
-        raise HarnessError(f"{wfile}: sha256 differs from the requested {req['weights_sha256']}")
+    return int(cell.options.get("rollout_tp", 1))
+
+
+def _read_inputs(inputs: Path) -> _Inputs:
     contract = Contract.from_dict(json.loads((inputs / CONTRACT_FILE).read_text("utf-8")))
     model = json.loads((inputs / MODEL_FILE).read_text("utf-8"))
     actor_dir = Path(model["actor_dir"])
     config = json.loads((actor_dir / "config.json").read_text("utf-8"))
-    spec = layout.LayoutSpec.from_config(config)
-    spec.check_tp(tp)
     eos = int(config.get("eos_token_id", 2) if not isinstance(config.get("eos_token_id"), list)
               else config["eos_token_id"][0])
-    pad = int(config.get("pad_token_id") or 0)
-    rollout = load_file(str(inputs / ROLLOUT_FILE))
-    rows = _rows(rollout)
     if contract.sampling.logprobs_mode != "processed":
         raise HarnessError("the sampler cell scores tokens with processed_logprobs; the "
                            f"contract declares {contract.sampling.logprobs_mode!r}")
-    timings: dict[str, float] = {}
+    return _Inputs(contract=contract, actor_dir=actor_dir,
+                   spec=layout.LayoutSpec.from_config(config), eos=eos,
+                   pad=int(config.get("pad_token_id") or 0),
+                   rows=_rows(load_file(str(inputs / ROLLOUT_FILE))))
+
+
+def _start(cell: HarnessCell, tp: int, ins: _Inputs) -> _Started:
+    """Start the cell's engine on the initial weights and run the round-1 decode passes."""
     from harnesses.vllm.engine import build_llm
 
+    timings: dict[str, float] = {}
+    # every CPU worker sets its own VLLM_DIST_IDENT from its init method
+    # (vllm/v1/worker/cpu_worker.py); one left by an engine started before is not this one's
+    os.environ.pop("VLLM_DIST_IDENT", None)
     t0 = time.perf_counter()
-    llm = build_llm(actor_dir, tp=tp, dtype="float32", seed=cell.seed,
+    llm = build_llm(ins.actor_dir, tp=tp, dtype="float32", seed=cell.seed,
                     enable_prefix_caching=True, block_size=BLOCK_SIZE,
                     kv_cache_memory_bytes=KV_CACHE_BYTES, logprobs_mode="processed",
                     extra={"max_logprobs": -1})
     timings["engine_start_s"] = round(time.perf_counter() - t0, 3)
+    env = weights.env_summary()  # as this engine was built (a later engine sets its own)
     t0 = time.perf_counter()
     routes = llm.collective_rpc(decode.worker_force_trace, args=(tuple(cell.faults),))
-    dists, decode_facts = _decode_round1(llm, rows, contract, spec.vocab_size)
+    dists, decode_facts = _decode_round1(llm, ins.rows, ins.contract, ins.spec.vocab_size)
     timings["decode_round1_s"] = round(time.perf_counter() - t0, 3)
+    return _Started(cell=cell, tp=tp, llm=llm, routes=routes, dists=dists,
+                    decode_facts=decode_facts, env=env, timings=timings)
+
+
+def wait_request(out_dir: Path, *, poll_s: float = REQUEST_POLL_S) -> dict[str, Any]:
+    """The cell's ``sampler_request.json``, waiting until the candidate stage writes it.
+
+    The stage writes the request (atomically) once the round-1 weights are recorded; a
+    request whose ``weights_file`` is ``null`` says there will be none (its ``reason``).
+    The wait has no limit of its own: the stage's wall-clock limit on this process ends it.
+
+    Raises:
+        HarnessError: the request is not a JSON object.
+    """
+    path = out_dir / REQUEST_FILE
+    while not path.is_file():
+        time.sleep(poll_s)
+    req = json.loads(path.read_text("utf-8"))
+    if not isinstance(req, dict):
+        raise HarnessError(f"{path}: not a JSON object")
+    return req
+
+
+def _finish(st: _Started, ins: _Inputs, req: dict[str, Any], wfile: Path,
+            t_start: float) -> dict[str, Any]:
+    """Install the round-1 weights, probe, score round 2 and write the outputs; the meta."""
+    cell, llm, tp, spec, rows, contract = st.cell, st.llm, st.tp, ins.spec, ins.rows, ins.contract
+    timings, dists, decode_facts = st.timings, st.dists, st.decode_facts
+    out_dir = Path(cell.output_dir)
     work = Path(tempfile.mkdtemp(prefix="qualify-vllm-install-"))
     try:
-        sync = weights.WeightSync(llm, spec=spec, tp=tp, workdir=work, base_dir=actor_dir,
-                                  proof=weights.proof_prompt(spec.vocab_size, [eos, pad]))
+        sync = weights.WeightSync(llm, spec=spec, tp=tp, workdir=work, base_dir=ins.actor_dir,
+                                  proof=weights.proof_prompt(spec.vocab_size, [ins.eos, ins.pad]))
         t0 = time.perf_counter()
         install = sync.install(wfile, 1)
         timings["install_s"] = round(time.perf_counter() - t0, 3)
         if not install.accepted:
             raise HarnessError(f"the round-1 Actor weights were refused: {install.reason}")
         t0 = time.perf_counter()
-        kernels = sync.kernel_probe(actor_dir / weights.WEIGHTS_FILE)
+        kernels = sync.kernel_probe(ins.actor_dir / weights.WEIGHTS_FILE)
         timings["kernel_probe_s"] = round(time.perf_counter() - t0, 3)
         t0 = time.perf_counter()
-        results = probes.run_probes(sync, actor_dir / weights.WEIGHTS_FILE)
+        results = probes.run_probes(sync, ins.actor_dir / weights.WEIGHTS_FILE)
         timings["probes_s"] = round(time.perf_counter() - t0, 3)
         t0 = time.perf_counter()
         lp, scoring = score_tokens(llm, rows, contract.sampling.temperature)
@@ -290,7 +346,7 @@ def run(cell: HarnessCell) -> dict[str, Any]:
         decode_facts["round2_tempered"] = f2
         timings["round2_decode_s"] = round(time.perf_counter() - t0, 3)
         t0 = time.perf_counter()
-        new, sampling = sample_rollout(llm, rows, contract, eos, pad)
+        new, sampling = sample_rollout(llm, rows, contract, ins.eos, ins.pad)
         timings["round2_sampling_s"] = round(time.perf_counter() - t0, 3)
         check, problem, n = sync.verify_current()
     finally:
@@ -319,9 +375,9 @@ def run(cell: HarnessCell) -> dict[str, Any]:
                             "enable_prefix_caching": True, "block_size": BLOCK_SIZE,
                             "kv_cache_memory_bytes": KV_CACHE_BYTES,
                             "logprobs_mode": "processed_logprobs", "max_logprobs": -1,
-                            "env": weights.env_summary()},
+                            "env": st.env},
         "weights": {"file": str(wfile), "sha256": req["weights_sha256"],
-                    "from": req.get("weights_from"), "base_dir": str(actor_dir)},
+                    "from": req.get("weights_from"), "base_dir": str(ins.actor_dir)},
         "install": install.to_dict(),
         "cache_proof": {"prompt_tokens": len(sync.proof), "block_size": BLOCK_SIZE,
                         "cached_tokens_first_after_update": install.cached_first,
@@ -332,7 +388,7 @@ def run(cell: HarnessCell) -> dict[str, Any]:
                   "tensors_verified": n},
         "round2": {"scoring": scoring, "rollout": sampling},
         "decode": decode_facts,
-        "routes": {"vllm": routes_end, "vllm_at_start": routes},
+        "routes": {"vllm": routes_end, "vllm_at_start": st.routes},
         "timings": timings,
         "faults": list(cell.faults),
     }
@@ -340,6 +396,67 @@ def run(cell: HarnessCell) -> dict[str, Any]:
     blob = save(tensors, metadata={"engine": ENGINE})
     atomic.write_bytes(out_dir / OUTPUTS_FILE, blob)
     _atomic_json(out_dir / OUTPUTS_META_FILE, meta)
+    return meta
+
+
+def run_cells(cells: Sequence[HarnessCell]) -> list[dict[str, Any] | None]:
+    """Run sampler cells in one process, each engine started once (module docstring).
+
+    Every cell's engine is started and runs its round-1 decode first, in the order given
+    (before the round-1 weights exist: the candidate stage starts this process beside the
+    trainer launch that exports them); then, cell by cell, the process waits for the cell's
+    request (:func:`wait_request`), installs, probes, scores round 2 and writes the
+    outputs. The engines stay up until the process ends.
+
+    Returns:
+        Per cell, its outputs' meta, or ``None`` where the request said there are no
+        weights (no outputs written).
+
+    Raises:
+        HarnessError: a bad cell, cells of different ``inputs_dir`` or the same
+            ``output_dir``, missing inputs, a weights file whose sha256 is not the
+            requested one, or a TP size vLLM cannot shard the model over.
+    """
+    t_start = time.perf_counter()
+    tps = [_check_cell(c) for c in cells]
+    if len({c.inputs_dir for c in cells}) > 1:
+        raise HarnessError("the sampler cells of one process must share one inputs_dir")
+    if len({c.output_dir for c in cells}) != len(cells):
+        raise HarnessError("two sampler cells name the same output_dir")
+    if not cells:
+        return []
+    ins = _read_inputs(Path(cells[0].inputs_dir))
+    for tp in tps:
+        ins.spec.check_tp(tp)
+    started = [_start(c, tp, ins) for c, tp in zip(cells, tps, strict=True)]
+    metas: list[dict[str, Any] | None] = []
+    for st in started:
+        out_dir = Path(st.cell.output_dir)
+        t0 = time.perf_counter()
+        req = wait_request(out_dir)
+        st.timings["weights_wait_s"] = round(time.perf_counter() - t0, 3)
+        if req.get("weights_file") is None:
+            metas.append(None)
+            continue
+        wfile = Path(req["weights_file"])
+        if not wfile.is_file():
+            raise HarnessError(f"{wfile}: the round-1 Actor weights are missing")
+        if sha256_file(wfile) != req["weights_sha256"]:
+            raise HarnessError(f"{wfile}: sha256 differs from the requested "
+                               f"{req['weights_sha256']}")
+        metas.append(_finish(st, ins, req, wfile, t_start))
+    return metas
+
+
+def run(cell: HarnessCell) -> dict[str, Any]:
+    """Run one sampler cell (:func:`run_cells`) and write its outputs; returns the meta.
+
+    Raises:
+        HarnessError: see :func:`run_cells`; also a request without weights.
+    """
+    meta = run_cells([cell])[0]
+    if meta is None:
+        raise HarnessError(f"{Path(cell.output_dir) / REQUEST_FILE}: no weights requested")
     return meta
 
 
@@ -351,14 +468,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     imported.install()  # this process's imported files, written as it ends (provenance)
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        print(f"usage: python -m harnesses.vllm.harness {CELL_FILE}", file=sys.stderr)
+    if not args:
+        print(f"usage: python -m harnesses.vllm.harness {CELL_FILE} [{CELL_FILE} ...]",
+              file=sys.stderr)
         return 2
-    cell = HarnessCell.from_dict(json.loads(Path(args[0]).read_text("utf-8")))
-    meta = run(cell)
-    print(f"[vllm] sampler tp{meta['tp']}: version {meta['final']['version']}, probes "
-          f"{[(p['name'], p['rejected']) for p in meta['probes']]}, timings "
-          f"{meta['timings']}", flush=True)
+    cells = [HarnessCell.from_dict(json.loads(Path(a).read_text("utf-8"))) for a in args]
+    for cell, meta in zip(cells, run_cells(cells), strict=True):
+        if meta is None:
+            print(f"[vllm] sampler {cell.output_dir}: no weights requested", flush=True)
+            continue
+        print(f"[vllm] sampler tp{meta['tp']}: version {meta['final']['version']}, probes "
+              f"{[(p['name'], p['rejected']) for p in meta['probes']]}, timings "
+              f"{meta['timings']}", flush=True)
     return 0
 
 

@@ -2,9 +2,10 @@
 
 The sampler cells need only the round-1 Actor weights that one trainer launch exports
 (``sampler.weights_from``); the other trainer launches need nothing from them. So the
-stage runs the exporting launch first and, once it is recorded, the sampler cells in a
-thread of their own (:func:`running`, :meth:`Beside.go`) while the main thread goes on with
-the other trainer launches: two launches at a time (``QUALIFY_JOBS``, :func:`jobs`). Every
+stage runs the exporting launch first, and the sampler cells from the start in a thread of
+their own (:func:`running`, :meth:`Beside.go`: their engines start, then wait for the
+weights, :mod:`qualify.candidate.sampler_stage`) while the main thread goes on with the
+trainer launches: two launches at a time (``QUALIFY_JOBS``, :func:`jobs`). Every
 read and write of the run document happens under one lock. No cell's numbers depend on
 this: a trainer rank computes with one thread (``OMP_NUM_THREADS=1``) on frozen inputs, and
 every tensor of a run was bitwise the same with the sampler cells beside the trainer
@@ -84,7 +85,7 @@ class Beside(threading.Thread):
             self._error = exc
 
     def go(self) -> None:
-        """Let ``fn`` start (the weights it needs are recorded)."""
+        """Let ``fn`` start (the candidate stage: as soon as its launches begin)."""
         self._ready.set()
 
     def stop(self) -> BaseException | None:

@@ -1,20 +1,25 @@
 """The candidate stage's sampler step: install the round-1 Actor weights into the sampler.
 
-Runs once the trainer launch that exports the weights is done (beside the other trainer
-launches, :func:`qualify.candidate.stage.run_candidate_stage`), once per
-TP size of the contract's ``[sampler]`` section (cell ``{engine}-fp32-sampler-tp{n}``, the
-engine a registered one of kind ``sampler``):
+Runs beside the trainer launches (:func:`qualify.candidate.stage.run_candidate_stage`), for
+every TP size of the contract's ``[sampler]`` section (cell ``{engine}-fp32-sampler-tp{n}``,
+the engine a registered one of kind ``sampler``), all of them in one harness process that
+starts with the stage, so each engine starts once, beside the launch that exports the
+weights it installs:
 
-1. find the round-1-updated Actor weights that the ``sampler.weights_from`` cell exported
-   (``actor_round1.safetensors`` in that cell's sealed launch attempt; the candidate stage
-   asks that launch to export, :func:`export_wanted`);
-2. write ``cell.json`` and ``sampler_request.json`` (weights file, its sha256, the source
-   cell) into a new attempt ``cells/<cell>/attempt-N/`` and run the sampler harness
-   (``python -m <the engine's harness module> cell.json``, a child process with a
-   wall-clock limit; stdout/stderr in ``logs/``);
-3. record ``result.json`` and seal the attempt (:func:`qualify.evidence.store.seal`); the cell's
-   entry in ``run.json`` is ``COMPLETE``, ``ERROR`` (with the reason and logs) or
-   ``NOT_RUN`` (no ``[sampler]`` cell selected, or the weights source did not complete).
+1. write each cell's ``cell.json`` into a new attempt ``cells/<cell>/attempt-N/`` and start
+   the sampler harness on all of them (``python -m <the engine's harness module>
+   cell.json ...``, a child process with a wall-clock limit; stdout/stderr in the first
+   attempt's ``logs/``, copied into the others'): it starts its engines and scores what
+   needs no new weights, then waits for each cell's request;
+2. once the ``sampler.weights_from`` cell is recorded, find the round-1-updated Actor
+   weights it exported (``actor_round1.safetensors`` in that cell's sealed launch attempt;
+   the candidate stage asks that launch to export, :func:`export_wanted`) and write
+   ``sampler_request.json`` into each attempt (weights file, its sha256, the source cell;
+   or no weights and why);
+3. record each ``result.json`` and seal the attempt (:func:`qualify.evidence.store.seal`);
+   the cell's entry in ``run.json`` is ``COMPLETE``, ``ERROR`` (with the reason and logs)
+   or ``NOT_RUN`` (no ``[sampler]`` cell selected, the engine unavailable, or the weights
+   source did not complete).
 
 The harness installs, verifies, probes and scores; the verdicts are the comparator's
 (:mod:`qualify.compare.sampler`). The sampler engine is never imported in this process.
@@ -26,6 +31,7 @@ import contextlib
 import fnmatch
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -123,8 +129,13 @@ def run_sampler_cells(contract: Contract, *, run_dir: Path, run: RunDocument, in
                       cells: Sequence[str] | None = None, faults: Sequence[str] = (),
                       timeout_s: float = DEFAULT_TIMEOUT_S,
                       lock: AbstractContextManager[Any] | None = None,
-                      stop: threading.Event | None = None) -> None:
+                      stop: threading.Event | None = None,
+                      weights_ready: threading.Event | None = None) -> None:
     """Run every selected, not yet complete sampler cell; update ``run`` and ``run.json``.
+
+    One harness process runs all of them (each TP size's engine started once, module
+    docstring); it starts at once and waits for each cell's request, which is written when
+    ``weights_ready`` is set (the weights source is recorded in ``run``).
 
     Args:
         contract: the contract (its ``[sampler]`` section).
@@ -133,86 +144,159 @@ def run_sampler_cells(contract: Contract, *, run_dir: Path, run: RunDocument, in
         inputs: the run's ``inputs/`` directory.
         cells: ``--cells`` globs (``None``: all).
         faults: deliberate faults (recorded in ``cell.json``).
-        timeout_s: wall-clock limit of one sampler cell.
+        timeout_s: wall-clock limit per sampler cell; the process gets that many seconds
+            per cell it runs, its wait for the weights included.
         lock: held around every read and write of ``run`` (the candidate stage runs this
             beside the trainer launches, in a thread of its own); ``None``: no other writer.
-        stop: when set (the stage failed), no further cell starts and the running one's
-            process tree is ended (that cell is recorded ``ERROR``, cancelled).
+        stop: when set (the stage failed), the harness process tree is ended (its cells
+            are recorded ``ERROR``, cancelled) and no request is written.
+        weights_ready: set once the ``sampler.weights_from`` cell is recorded in ``run``
+            (or will never be); ``None``: it is already.
     """
     s = contract.sampler
     if s is None:
         return
     guard = lock if lock is not None else contextlib.nullcontext()
     engine = get_engine(s.engine)
-    for cid, tp in selected(contract, cells):
-        if stop is not None and stop.is_set():
-            return
-        with guard:
+    todo: list[tuple[str, int]] = []
+    with guard:
+        for cid, tp in selected(contract, cells):
             if run.cells.get(cid, {}).get("status") == "COMPLETE":
                 continue
             why_not = engine.unavailable_reason()
-            weights, why = find_weights(run_dir, run, s.weights_from)
-            if why_not is not None or weights is None:
-                run.cells[cid] = _entry(s.engine, tp, "NOT_RUN", reason=why_not or why,
+            if why_not is not None:
+                run.cells[cid] = _entry(s.engine, tp, "NOT_RUN", reason=why_not,
                                         attempt=None, weights_from=s.weights_from)
                 store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
                 continue
-        attempt = store.new_attempt(run_dir / CELLS_DIR / cid)
-        status, reason = _run_one(contract, attempt, inputs=inputs, tp=tp, weights=weights,
-                                  weights_from=s.weights_from, engine=engine,
-                                  faults=faults, timeout_s=timeout_s, stop=stop)
+            todo.append((cid, tp))
+    if not todo or (stop is not None and stop.is_set()):
+        return
+    attempts = {cid: store.new_attempt(run_dir / CELLS_DIR / cid) for cid, _ in todo}
+    proc = _Process(contract, attempts, dict(todo), inputs=inputs, engine=engine,
+                    faults=faults, timeout_s=timeout_s * len(todo), stop=stop)
+    proc.start()
+    ready = weights_ready if weights_ready is not None else threading.Event()
+    if weights_ready is None:
+        ready.set()
+    while not ready.wait(0.05):  # the harness starts its engines meanwhile
+        if (stop is not None and stop.is_set()) or not proc.is_alive():
+            break
+    weights, why = None, "the candidate stage stopped before the weights were recorded"
+    if ready.is_set():
+        with guard:
+            weights, why = find_weights(run_dir, run, s.weights_from)
+    if stop is None or not stop.is_set():
+        request: dict[str, Any] = {"weights_file": None, "weights_sha256": None,
+                                   "weights_from": s.weights_from, "reason": why}
+        if weights is not None:
+            request = {"weights_file": str(weights.resolve()),
+                       "weights_sha256": store.sha256_file(weights),
+                       "weights_from": s.weights_from}
+        for attempt in attempts.values():
+            store.atomic_write_json(attempt / REQUEST_FILE, request)
+    proc.join()
+    for cid, tp in todo:
+        attempt = attempts[cid]
+        status, reason = proc.judge(attempt, weights=weights, why=why)
+        store.atomic_write_json(attempt / RESULT_FILE, {
+            "status": status, "reason": reason, "wall_s": proc.wall_s,
+            "returncode": proc.returncode, "launch": proc.launch,
+            "weights_from": s.weights_from, "started": proc.started,
+            "weights_file": str(weights.resolve()) if weights is not None else None})
+        store.seal(attempt, kind=CELL_ATTEMPT_KIND)
         with guard:
             run.cells[cid] = _entry(s.engine, tp, status, reason=reason,
-                                    attempt=str(attempt.relative_to(run_dir)),
+                                    attempt=(str(attempt.relative_to(run_dir))
+                                             if status != "NOT_RUN" else None),
                                     weights_from=s.weights_from)
             store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
 
 
-def _run_one(contract: Contract, attempt: Path, *, inputs: Path, tp: int, weights: Path,
-             weights_from: str, engine: EngineSpec, faults: Sequence[str],
-             timeout_s: float, stop: threading.Event | None = None) -> tuple[str, str | None]:
-    """Run one sampler cell into ``attempt`` and seal it; returns ``(status, reason)``."""
-    hc = HarnessCell(engine=engine.name, precision="fp32", options={"rollout_tp": tp}, actor_tp=0,
-                     critic_tp=0, rounds=contract.algorithm.rounds, seed=contract.sampling.seed,
-                     inputs_dir=str(inputs.resolve()), output_dir=str(attempt.resolve()),
-                     faults=tuple(faults))
-    validate_cell(hc.to_dict())
-    store.atomic_write_json(attempt / CELL_FILE, hc.to_dict())
-    store.atomic_write_json(attempt / REQUEST_FILE, {
-        "weights_file": str(weights.resolve()), "weights_sha256": store.sha256_file(weights),
-        "weights_from": weights_from})
-    logs = attempt / LOGS_DIR
-    logs.mkdir(exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(repo_root()), os.environ.get("PYTHONPATH", "")]),
-        imported.IMPORTS_DIR_ENV: str(imports.raw_dir(attempt).resolve())}
-    t0, started, started_ns = time.perf_counter(), store.utc_now_iso(), time.time_ns()
-    status, reason = "COMPLETE", None
-    with (logs / "stdout.txt").open("wb") as out, (logs / "stderr.txt").open("wb") as err:
-        ran = procs.run([sys.executable, "-m", engine.module, str(attempt / CELL_FILE)],
-                        stdout=out, stderr=err, env=env, timeout_s=timeout_s, cancel=stop)
-    rc = ran.returncode  # None on timeout: the harness's whole process tree was ended
-    imports.collect(attempt, module=engine.module, expected=1, started_ns=started_ns,
-                    label=f"{attempt.parent.name}/{attempt.name}")
-    if ran.timed_out:
-        status, reason = "ERROR", f"sampler harness exceeded {timeout_s:.0f} s"
-    elif ran.cancelled:
-        status, reason = "ERROR", "cancelled: the candidate stage failed beside it"
-    elif rc != 0:
-        status, reason = "ERROR", f"sampler harness exited with code {rc}"
-    if status == "COMPLETE":
+class _Process(threading.Thread):
+    """The one sampler harness process of :func:`run_sampler_cells`, run in a thread.
+
+    Its ``cell.json`` files are written, in the contract's TP order, before it starts; its
+    stdout / stderr go to the first attempt's ``logs/`` and are copied into the others',
+    as are its imported-files lists (:func:`qualify.evidence.imports.collect`, per attempt).
+    """
+
+    def __init__(self, contract: Contract, attempts: dict[str, Path], tps: dict[str, int], *,
+                 inputs: Path, engine: EngineSpec, faults: Sequence[str], timeout_s: float,
+                 stop: threading.Event | None) -> None:
+        super().__init__(name="qualify-sampler-harness", daemon=True)
+        self.attempts, self.engine, self.timeout_s, self.stop = attempts, engine, timeout_s, stop
+        self.launch = f"{engine.name}-sampler-" + "-".join(f"tp{tps[c]}" for c in attempts)
+        self.files: list[Path] = []
+        for cid, attempt in attempts.items():
+            hc = HarnessCell(engine=engine.name, precision="fp32",
+                             options={"rollout_tp": tps[cid]}, actor_tp=0, critic_tp=0,
+                             rounds=contract.algorithm.rounds, seed=contract.sampling.seed,
+                             inputs_dir=str(inputs.resolve()), output_dir=str(attempt.resolve()),
+                             faults=tuple(faults))
+            validate_cell(hc.to_dict())
+            store.atomic_write_json(attempt / CELL_FILE, hc.to_dict())
+            (attempt / LOGS_DIR).mkdir(exist_ok=True)
+            self.files.append(attempt / CELL_FILE)
+        self.first = next(iter(attempts.values()))
+        self.started, self.wall_s = store.utc_now_iso(), 0.0
+        self.returncode: int | None = None
+        self.timed_out = self.cancelled = False
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        """Run the harness process; keep its return code (or what running it raised)."""
+        logs = self.first / LOGS_DIR
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(repo_root()), os.environ.get("PYTHONPATH", "")]),
+            imported.IMPORTS_DIR_ENV: str(imports.raw_dir(self.first).resolve())}
+        t0, self.started, started_ns = time.perf_counter(), store.utc_now_iso(), time.time_ns()
         try:
-            check_outputs(attempt, sampler=True)
-        except HarnessError as exc:
-            status, reason = "ERROR", f"sampler harness exited 0 but its outputs are bad: {exc}"
-    if status == "ERROR":
-        tail = (logs / "stderr.txt").read_text("utf-8", errors="replace").strip().splitlines()
-        last = next((ln for ln in reversed(tail) if ln.strip()), "")
-        reason = f"{reason}: {last[-300:]}" if last else reason
-    store.atomic_write_json(attempt / RESULT_FILE, {
-        "status": status, "reason": reason, "wall_s": round(time.perf_counter() - t0, 3),
-        "returncode": rc, "launch": f"{engine.name}-sampler-tp{tp}", "weights_from": weights_from,
-        "started": started,
-        "weights_file": str(weights.resolve())})
-    store.seal(attempt, kind=CELL_ATTEMPT_KIND)
-    return status, reason
+            with (logs / "stdout.txt").open("wb") as out, \
+                    (logs / "stderr.txt").open("wb") as err:
+                ran = procs.run([sys.executable, "-m", self.engine.module,
+                                 *(str(f) for f in self.files)],
+                                stdout=out, stderr=err, env=env, timeout_s=self.timeout_s,
+                                cancel=self.stop)
+            self.returncode, self.timed_out, self.cancelled = (ran.returncode, ran.timed_out,
+                                                               ran.cancelled)
+        except BaseException as exc:  # judged as an ERROR of every cell, in the caller
+            self.error = exc
+        self.wall_s = round(time.perf_counter() - t0, 3)
+        raw = imports.raw_dir(self.first)
+        for attempt in self.attempts.values():
+            if attempt != self.first:
+                for name in ("stdout.txt", "stderr.txt"):
+                    if (logs / name).is_file():
+                        shutil.copyfile(logs / name, attempt / LOGS_DIR / name)
+                if raw.is_dir():
+                    shutil.copytree(raw, imports.raw_dir(attempt), dirs_exist_ok=True)
+        for attempt in self.attempts.values():
+            imports.collect(attempt, module=self.engine.module, expected=1,
+                            started_ns=started_ns,
+                            label=f"{attempt.parent.name}/{attempt.name}")
+
+    def judge(self, attempt: Path, *, weights: Path | None, why: str) -> tuple[str, str | None]:
+        """``(status, reason)`` of one cell once the process has ended."""
+        if self.error is not None:
+            return "ERROR", f"the sampler harness could not be run: {self.error}"
+        status, reason = "COMPLETE", None
+        if self.timed_out:
+            status, reason = "ERROR", f"sampler harness exceeded {self.timeout_s:.0f} s"
+        elif self.cancelled:
+            status, reason = "ERROR", "cancelled: the candidate stage failed beside it"
+        elif self.returncode != 0:
+            status, reason = "ERROR", f"sampler harness exited with code {self.returncode}"
+        elif weights is None:
+            return "NOT_RUN", why
+        if status == "COMPLETE":
+            try:
+                check_outputs(attempt, sampler=True)
+            except HarnessError as exc:
+                status, reason = "ERROR", f"sampler harness exited 0 but its outputs are bad: {exc}"
+        if status == "ERROR":
+            tail = (attempt / LOGS_DIR / "stderr.txt").read_text(
+                "utf-8", errors="replace").strip().splitlines()
+            last = next((ln for ln in reversed(tail) if ln.strip()), "")
+            reason = f"{reason}: {last[-300:]}" if last else reason
+        return status, reason

@@ -593,15 +593,19 @@ def run_candidate_stage(
         # zygotes :mod:`qualify.candidate.ahead` started are found by key: none started twice
         prestart([get_engine(lc.engine) for lc in launches], inputs=inputs, cuda=cuda)
 
+        weights_ready = threading.Event()  # the sampler's weights source is recorded
+
         def sampler_cells(stop: threading.Event | None = None) -> None:
             sampler_stage.run_sampler_cells(contract, run_dir=run_dir, run=run, inputs=inputs,
-                                            cells=cells, faults=faults, lock=lock, stop=stop)
+                                            cells=cells, faults=faults, lock=lock, stop=stop,
+                                            weights_ready=weights_ready)
 
         with Progress(total=max(1, len(launches)), description=f"candidate {contract.name}",
                       quiet=quiet) as bar, beside.running(sampler_cells, cuda=cuda) as sampler:
-            if sampler is not None and not any(source in {c.cell_id for c in lc.cells}
-                                               for lc in launches):
-                sampler.go()  # none of them exports: the weights are there, or never will be
+            if not any(source in {c.cell_id for c in lc.cells} for lc in launches):
+                weights_ready.set()  # none of them exports: the weights are there, or never
+            if sampler is not None:
+                sampler.go()  # the sampler engines start now, beside the trainer launches
             for lc in launches:
                 bar.advance(lc.launch_id)
                 engine = get_engine(lc.engine)
@@ -652,8 +656,9 @@ def run_candidate_stage(
                 with lock:  # COMPLETE in run.json only once the launch attempt is sealed
                     run.cells.update(entries)
                     store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
-                if sampler is not None and source in entries:
-                    sampler.go()  # the weights are recorded: the sampler cells may start
+                if source in entries:
+                    weights_ready.set()  # the weights are recorded: the sampler installs them
+            weights_ready.set()
             if sampler is not None:
                 sampler.result()
         if sampler is None:
