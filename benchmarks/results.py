@@ -89,6 +89,10 @@ def _records(table: pd.DataFrame) -> list[dict[str, Any]]:
     return out
 
 
+records = _records
+"""A table as a list of JSON-ready records (non-finite floats as ``None``)."""
+
+
 def result_document(*, command: Sequence[str], created: str, run: str,
                     tables: Mapping[str, pd.DataFrame], notes: Sequence[str]) -> dict[str, Any]:
     """The result file's document (module docstring) for the tables of one run."""
