@@ -125,6 +125,14 @@ def _recorder() -> sdk.Recorder:
     return rec
 
 
+@pytest.mark.parametrize("value", [torch.ones(3), torch.ones(3, dtype=torch.float64)])
+def test_a_recorded_tensor_is_a_copy_not_the_engines_live_tensor(value: torch.Tensor) -> None:
+    rec = sdk.Recorder(role="actor", writer=True)
+    rec.put(1, "exp_avg", value, "w")  # an optimizer state the next step changes in place
+    value.add_(1.0)
+    assert torch.equal(rec.tensors[sdk.tensor_name(1, "actor", "exp_avg", "w")], torch.ones(3))
+
+
 def test_role_meta_holds_every_dtype_key_and_refuses_an_empty_record() -> None:
     meta = sdk.role_meta(_recorder(), tp=1, global_ranks=[0], precision="fp32")
     assert set(sdk_outputs.ROLE_REQUIRED) <= set(meta)
