@@ -54,6 +54,15 @@ def test_sdk_imports_only_torch_numpy_safetensors_and_the_standard_library() -> 
         assert not extra, f"{path.name} imports {sorted(extra)}"
 
 
+def test_the_example_harness_runs_on_the_sdk_alone() -> None:
+    """The worked example's ranks import the SDK, torch and transformers, nothing of qualify."""
+    harness = (repo_root() / "examples" / "qualify-example-engine" / "src" /
+               "qualify_example_engine" / "harness.py")
+    extra = _top_imports(harness) - set(sys.stdlib_module_names) - {
+        "torch", "transformers", "qualify_harness"}
+    assert not extra, f"{harness.name} imports {sorted(extra)}"
+
+
 def test_protocol_names_are_qualifys() -> None:
     for name in ("ROLLOUT_FILE", "TRAIN_INPUTS_FILE", "OUTPUTS_FILE", "OUTPUTS_META_FILE",
                  "CELL_FILE", "ROLLOUT_KEYS", "TRAIN_INPUT_KEYS", "EXTRA_RIGHT_PADDING",
