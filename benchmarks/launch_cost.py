@@ -192,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     command = ["python", "-m", "benchmarks.launch_cost",
                *(argv if argv is not None else sys.argv[1:])]
     created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    doc_head = results.result_document(command=command, created=created, run=args.references,
-                                       tables={}, notes=[])  # machine and commit at the start
+    doc_head = {**results.result_document(command=command, created=created, run="",
+                                          tables={}, notes=[]),  # machine, commit: at start
+                "run": None}
     work = Path(tempfile.mkdtemp(prefix="qlaunch-"))
     try:
         mech, runs, notes = measure(args.rounds, Path(args.references).absolute(), work,
