@@ -114,12 +114,18 @@ def one_run(name: str, env_over: Mapping[str, str], *, references: Path, evidenc
             "verdicts": verdicts}
 
 
-def measure(rounds: int, references: Path, work: Path, from_nothing: bool,
-            only: Sequence[str]) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
-    """The runs (interleaved rounds), then the per-mechanism table; plus notes."""
-    names = [m for m in MECHANISMS if not only or m in only]
+def measure(rounds: int, references: Path, work: Path, *, from_nothing: bool,
+            names: Sequence[str], log: Path | None) -> list[dict[str, Any]]:
+    """The runs (interleaved rounds); each also appended to ``log`` (JSON lines) when given."""
     configs = ["all on", *names]
     runs: list[dict[str, Any]] = []
+
+    def keep(row: dict[str, Any]) -> None:
+        runs.append(row)
+        if log is not None:
+            with log.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+
     for r in range(rounds):
         shift = r % len(configs)
         for name in configs[shift:] + configs[:shift]:
@@ -132,17 +138,23 @@ def measure(rounds: int, references: Path, work: Path, from_nothing: bool,
             row = one_run(name, over, references=references,
                           evidence=work / f"ev-{r}-{name.replace(' ', '_')}")
             row["round"] = r + 1
-            runs.append(row)
+            keep(row)
             print(f"round {r + 1} {name}: {row['wall_s']:.1f} s (rc {row['rc']}, load "
                   f"{row['load_1m_at_start']:.1f})", flush=True)
-    notes: list[str] = []
     if from_nothing:
         fresh = work / "fresh-references"
         row = one_run("all on, from nothing", {}, references=fresh,
                       evidence=work / "ev-fresh")
         row["round"] = 0
-        runs.append(row)
+        keep(row)
         print(f"from nothing: {row['wall_s']:.1f} s (rc {row['rc']})", flush=True)
+    return runs
+
+
+def summarize(runs: list[dict[str, Any]], names: Sequence[str]
+              ) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
+    """The per-mechanism table from the runs (paired within rounds), the runs table, notes."""
+    notes: list[str] = []
     base = {r["round"]: r for r in runs if r["config"] == "all on"}
     for row in runs:
         ref = base.get(row["round"], next(iter(base.values())))
@@ -150,7 +162,9 @@ def measure(rounds: int, references: Path, work: Path, from_nothing: bool,
     table = []
     for name in names:
         spec = MECHANISMS[name]
-        mine = [r for r in runs if r["config"] == name]
+        mine = [r for r in runs if r["config"] == name and r["round"] in base]
+        if not mine:
+            continue
         # saved = (mechanism off) - (mechanism on), paired within each round
         if "on" in spec:
             pairs = [(base[r["round"]]["wall_s"], r["wall_s"]) for r in mine]
@@ -184,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", default=[], help="mechanisms to measure (default all)")
     ap.add_argument("--note", action="append", default=[], help="a note for the result file")
     ap.add_argument("--out", metavar="FILE", help="write a result file (benchmarks/results/)")
+    ap.add_argument("--runs-log", metavar="FILE",
+                    help="append each run to FILE as a JSON line as it ends")
+    ap.add_argument("--from-runs", metavar="FILE",
+                    help="measure nothing: the tables from the runs of a --runs-log FILE")
     args = ap.parse_args(argv)
     unknown = set(args.only) - set(MECHANISMS)
     if unknown:
@@ -195,12 +213,19 @@ def main(argv: list[str] | None = None) -> int:
     doc_head = {**results.result_document(command=command, created=created, run="",
                                           tables={}, notes=[]),  # machine, commit: at start
                 "run": None}
-    work = Path(tempfile.mkdtemp(prefix="qlaunch-"))
-    try:
-        mech, runs, notes = measure(args.rounds, Path(args.references).absolute(), work,
-                                    args.from_nothing, args.only)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    names = [m for m in MECHANISMS if not args.only or m in args.only]
+    if args.from_runs:
+        rows = [json.loads(ln) for ln in Path(args.from_runs).read_text("utf-8").splitlines()
+                if ln.strip()]
+    else:
+        work = Path(tempfile.mkdtemp(prefix="qlaunch-"))
+        try:
+            rows = measure(args.rounds, Path(args.references).absolute(), work,
+                           from_nothing=args.from_nothing, names=names,
+                           log=Path(args.runs_log) if args.runs_log else None)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    mech, runs, notes = summarize(rows, names)
     with pd.option_context("display.width", 200, "display.max_colwidth", 60):
         print(mech.drop(columns=["what"]).to_string(index=False))
     if args.out:
