@@ -154,16 +154,21 @@ def preload_models(inputs_dir: Path) -> None:
     """Import the HF model classes of the models a run's ``inputs_dir/model.json`` names.
 
     Only imports (no model is built): the modeling module of each ``config.json``'s
-    ``model_type``, as :func:`preload` does for a cell.
+    ``model_type``, as :func:`preload` does for a cell. A directory without ``model.json``
+    is read as a models-cache bundle (:mod:`qualify.models.cache`): the ``config.json`` of
+    each of its subdirectories.
 
     Raises:
-        OSError, ValueError, KeyError: ``model.json`` is missing or malformed (callers treat
-            this as best effort).
+        OSError, ValueError, KeyError: ``model.json`` is missing (and ``inputs_dir`` is no
+            directory) or malformed (callers treat this as best effort).
     """
     from qualify.layout import MODEL_FILE
 
-    models = json.loads((inputs_dir / MODEL_FILE).read_text("utf-8"))
-    dirs = {str(v) for k, v in models.items() if k.endswith("_dir")}
+    if inputs_dir.is_dir() and not (inputs_dir / MODEL_FILE).exists():
+        dirs = {str(p.parent) for p in inputs_dir.glob("*/config.json")}
+    else:
+        models = json.loads((inputs_dir / MODEL_FILE).read_text("utf-8"))
+        dirs = {str(v) for k, v in models.items() if k.endswith("_dir")}
     if not dirs:
         return
     from transformers.models.auto import configuration_auto, modeling_auto
