@@ -67,6 +67,10 @@ MECHANISMS: Final[dict[str, dict[str, Any]]] = {
         "files": [], "functions": ["qualify.candidate.launch:prestart"],
         "what": "the candidate stage starts every engine's zygote at its start (off: also "
                 "ahead, which calls it)"},
+    "ahead": {
+        "off": {"QUALIFY_AHEAD": "0"},
+        "files": ["qualify/candidate/ahead.py"], "functions": [],
+        "what": "qualify run starts the trainer zygotes before it imports torch"},
     "beside": {
         "off": {"QUALIFY_JOBS": "1"},
         "files": ["qualify/candidate/beside.py"], "functions": [],

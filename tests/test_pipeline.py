@@ -249,8 +249,9 @@ def test_the_run_launches_through_the_zygotes_it_started_ahead(tmp_path: Path) -
     """The zygotes ``qualify run`` starts ahead have their launches' keys: in a fresh run
     of the default contract (a torch_tp and a Megatron-Core cell, on a copy of the
     committed reference, zygotes in a pool of this test's own), each launch is served by a
-    zygote started ahead of it by the stage's prestart, and the pool holds one zygote per
-    engine. ``import torch._inductor`` sets
+    zygote started ahead of it, and the pool holds one zygote per engine: ``run_all``
+    started them before it imported torch (qualify.candidate.ahead, tests/test_ahead.py),
+    and the stage's own prestart found them by key. ``import torch._inductor`` sets
     ``TORCHINDUCTOR_CACHE_DIR`` in ``os.environ`` between those starts and the launches;
     it counts in a key only with another value than torch's default: without that rule
     the stage started a second zygote per engine, and this test failed (4 live)."""

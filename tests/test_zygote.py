@@ -355,25 +355,3 @@ def test_a_forked_child_freezes_what_it_inherited() -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert any(o is marker for o in gc.get_objects())  # the parent froze nothing
-
-
-def test_a_default_inductor_cache_dir_is_not_part_of_the_key(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``import torch._inductor`` sets ``TORCHINDUCTOR_CACHE_DIR`` to torch's default: a
-    zygote started before that import serves the launches after it. Another value is
-    another key."""
-    from torch._inductor.runtime import cache_dir_utils  # sets the variable here
-
-    default = os.path.abspath(cache_dir_utils.default_cache_dir())
-    assert zygote.inductor_default() == default  # torch's formula, without torch
-    env = launch_env(None)
-    env.pop(zygote.INDUCTOR_CACHE_ENV, None)
-    cmd = launch_command(tmp_path / "cell.json", module="harnesses.torch_tp.harness",
-                         world_size=1, log_dir=tmp_path, env=env, launcher="warm")
-    before = zygote.launch_key(cmd, env)
-    assert before is not None
-    assert zygote.launch_key(cmd, {**env, zygote.INDUCTOR_CACHE_ENV: default}) == before
-    assert zygote.launch_key(cmd, {**env, zygote.INDUCTOR_CACHE_ENV: str(tmp_path)}) != before
-    # the default of another TMPDIR or user is not this process's: the variable stays
-    other = {**env, "TMPDIR": str(tmp_path), zygote.INDUCTOR_CACHE_ENV: default}
-    assert zygote.launch_key(cmd, other) != zygote.launch_key(cmd, {**env, "TMPDIR": str(tmp_path)})

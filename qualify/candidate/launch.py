@@ -32,6 +32,8 @@ measured by ``python -m benchmarks.launch_cost``):
   ``QUALIFY_ZYGOTE_DIR`` is set (the test suite; a CI job of several runs);
 - :func:`prestart`: the stage starts every engine's zygote at its start
   (``QUALIFY_PRESTART=0``);
+- :mod:`qualify.candidate.ahead`: ``qualify run`` starts them before it imports torch
+  (``QUALIFY_AHEAD=0``);
 - :mod:`qualify.candidate.beside`: the sampler cells beside the trainer launches
   (``QUALIFY_JOBS=1``).
 
@@ -559,8 +561,9 @@ def prestart(engines: Sequence[EngineSpec], *, inputs: Path | None, cuda: bool,
 
     Args:
         engines: the engines in the order the stage launches them (repeats ignored).
-        inputs: the run's ``inputs/`` directory: its model classes are imported too;
-            ``None``: none (the first launch imports them).
+        inputs: the run's ``inputs/`` directory, or a models-cache bundle
+            (:mod:`qualify.candidate.ahead`): its model classes are imported too; ``None``:
+            none (the first launch imports them).
         cuda: whether this machine has a CUDA device.
         timeout_s: the longest one zygote may take to start.
 

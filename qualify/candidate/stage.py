@@ -590,6 +590,7 @@ def run_candidate_stage(
                                         topology_engines=by_world),
                           key=lambda lc: source not in {c.cell_id for c in lc.cells})
         lock, cuda = threading.Lock(), has_cuda()
+        # zygotes :mod:`qualify.candidate.ahead` started are found by key: none started twice
         prestart([get_engine(lc.engine) for lc in launches], inputs=inputs, cuda=cuda)
 
         def sampler_cells(stop: threading.Event | None = None) -> None:

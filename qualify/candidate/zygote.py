@@ -79,8 +79,8 @@ and nothing reads them at import time (the launch itself still gets the caller's
 INDUCTOR_CACHE_ENV: Final = "TORCHINDUCTOR_CACHE_DIR"
 """Set by importing ``torch._inductor`` (to torch's default when unset; a value set is made
 absolute): at torch's default it counts in no key (:func:`launch_key`), so a zygote started
-before this process imported torch serves the launches after (its own imports set the same
-default; a launch still gets the caller's value)."""
+before this process imported torch (:mod:`qualify.candidate.ahead`) serves the launches
+after (its own imports set the same default; a launch still gets the caller's value)."""
 INDUCTOR_DEFAULT_INPUTS: Final = ("TMPDIR", "TEMP", "TMP", "LOGNAME", "USER", "LNAME", "USERNAME")
 """What torch's default reads (``tempfile.gettempdir``, ``getpass.getuser``): the variable
 leaves a launch's key only if the launch's environment has this process's values of these
@@ -608,7 +608,7 @@ def inductor_default() -> str:
     ``torch/_inductor/runtime/cache_dir_utils.py`` ``default_cache_dir`` (outside fbcode),
     made absolute as its ``cache_dir`` does, without importing torch: the key of a zygote
     started before this process imported ``torch._inductor`` must equal the key after.
-    ``tests/test_zygote.py`` checks it against torch's own function.
+    ``tests/test_ahead.py`` checks it against torch's own function.
     """
     try:
         user = getpass.getuser()

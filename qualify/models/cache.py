@@ -2,7 +2,8 @@
 
 :func:`qualify.models.bundle.prepare_models` builds each contract's role models once into
 ``<cache>/<digest12>/`` (``actor/``, ``critic/``, ``reward/``, each with its
-``config.json``).
+``config.json``); :mod:`qualify.candidate.ahead` reads their model types before torch is
+imported.
 """
 
 from __future__ import annotations
