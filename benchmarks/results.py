@@ -89,6 +89,10 @@ def _records(table: pd.DataFrame) -> list[dict[str, Any]]:
     return out
 
 
+records = _records
+"""A table as a list of JSON-ready records (non-finite floats as ``None``)."""
+
+
 def result_document(*, command: Sequence[str], created: str, run: str,
                     tables: Mapping[str, pd.DataFrame], notes: Sequence[str]) -> dict[str, Any]:
     """The result file's document (module docstring) for the tables of one run."""
@@ -130,7 +134,8 @@ def render(results: Sequence[Mapping[str, Any]]) -> str:
                   f"- machine: {m.get('cpus')} CPUs ({m.get('cpu_model')}), "
                   f"{m.get('memory_gb')} GB, load average {m.get('load_average_1m')} at the "
                   f"start; Python {m.get('python')}, {m.get('platform')}",
-                  f"- launches and stages read from `{doc.get('run')}`", ""]
+                  *([f"- launches and stages read from `{doc['run']}`"] if doc.get("run")
+                    else []), ""]
         tables = doc.get("tables", {})
         for name in (*TABLES, *sorted(set(tables) - set(TABLES))):
             if name in tables:

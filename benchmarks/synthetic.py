@@ -2,7 +2,8 @@
 
 :func:`build` copies the committed tiny-qwen3 reference and one COMPLETE actor cell of the
 committed run (``torch_tp-fp32-actor-tp1``), adds synthetic round-1 gradient parameters to
-the reference's ``reference/hf-fp32.safetensors`` and to the cell's
+the reference's ``reference/hf-fp32.safetensors`` (and, equal to them, to its FP32 control
+runs ``controls/*-fp32.safetensors``, whose errors verify measures again) and to the cell's
 ``outputs.safetensors`` (one large one and a few medium ones, FP32), and seals and signs
 both with a throw-away Ed25519 key, so ``qualify compare`` and ``qualify verify`` run their
 real code paths on it (the ``max_rel_l2`` statistic of ``round1/actor/grads``, its power
@@ -30,7 +31,7 @@ from qualify import atomic, jsonio
 from qualify.evidence import store
 from qualify.evidence.keys import SigningKey, generate_key
 from qualify.evidence.sign import sign_directory
-from qualify.layout import HF_REFERENCE_DIR, OUTPUTS_FILE, RUN_FILE, hf_tensors_file
+from qualify.layout import CONTROLS_DIR, HF_REFERENCE_DIR, OUTPUTS_FILE, RUN_FILE, hf_tensors_file
 
 __all__ = ["Synthetic", "build", "sign_run"]
 
@@ -193,6 +194,12 @@ def build(out: Path, *, size_bytes: int) -> Synthetic:
     tmp = hf.with_suffix(".new")
     _augmented(hf, tmp, params, candidate=False)
     tmp.replace(hf)
+    # the FP32 control runs get the same synthetic parameters, equal to the reference's:
+    # verify measures the control errors again (0 on them: the sealed errors stand)
+    for control in sorted((ref / CONTROLS_DIR).glob("*-fp32.safetensors")):
+        tmp = control.with_suffix(".new")
+        _augmented(control, tmp, params, candidate=False)
+        tmp.replace(control)
     store.seal(ref, kind="reference")
     sign_directory(ref, key)
     # run: one cell

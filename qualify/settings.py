@@ -195,6 +195,9 @@ SETTINGS: Final[tuple[Setting, ...]] = (
     Setting(name="QUALIFY_PRESTART", commands=_LAUNCHING, check=_flag("QUALIFY_PRESTART"),
             meaning="0 disables starting the next launch's ranks early, 1 (default) "
                     "enables it"),
+    Setting(name="QUALIFY_AHEAD", commands=frozenset({"run"}), check=_flag("QUALIFY_AHEAD"),
+            meaning="0 disables starting the trainer zygotes before the reference is read "
+                    "(qualify run), 1 (default) enables it"),
     Setting(name="QUALIFY_DEVICE", commands=_LAUNCHING, check=_device,
             meaning="cpu runs the ranks on CPU even with CUDA present; cuda (default when "
                     "present)"),

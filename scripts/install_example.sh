@@ -3,8 +3,8 @@
 # whose transformers differs from qualify's own (qualify pins transformers>=5.16.1,<5.20; the
 # stack here pins 4.57.6, as real stacks pin theirs), holding the example engine installed
 # from its own pyproject.toml (editable: its files stay in this checkout, where `qualify gate`
-# sees an edit). qualify itself is NOT installed there: the harness reaches the qualify
-# checkout through the launch's PYTHONPATH and talks to qualify through files.
+# sees an edit) and the harness SDK (sdk/). qualify itself is NOT installed there and the
+# harness imports none of it: it runs on the SDK and talks to qualify through files.
 #   bash scripts/install_example.sh [VENV_DIR]      (default: .venv-example)
 # Then, from qualify's own environment:
 #   qualify run examples/qualify-example-engine/contract.toml \
@@ -18,11 +18,9 @@ venv="${1:-.venv-example}"
 python3.11 -m venv "$venv"
 py="$venv/bin/python"
 "$py" -m pip install -q torch==2.13.0           # the CPU wheel on disk (scripts/install.sh)
-# the harness's own dependencies, and those of the qualify modules the built-in torch_tp
-# round loop it delegates to imports (qualify.contract: jsonschema; qualify.atomic: psutil)
-"$py" -m pip install -q transformers==4.57.6 safetensors numpy jsonschema psutil
-# the harness SDK (torch, numpy, safetensors and the standard library only), which the
-# built-in torch_tp engine parts run on
+# the harness's own dependencies: transformers and the harness SDK's (torch, numpy,
+# safetensors and the standard library only); no qualify module is imported there
+"$py" -m pip install -q transformers==4.57.6 safetensors numpy
 "$py" -m pip install -q --no-deps --no-build-isolation -e sdk
 "$py" -m pip install -q --no-deps --no-build-isolation -e examples/qualify-example-engine
 "$py" - <<'PY'

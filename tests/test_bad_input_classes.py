@@ -159,6 +159,7 @@ ENV = [
         ("QUALIFY_ZYGOTE_IDLE_S", "-1", _CANDIDATE, {}),
         ("QUALIFY_ZYGOTE", "yes", _CANDIDATE, {}),
         ("QUALIFY_PRESTART", "2", _CANDIDATE, {}),
+        ("QUALIFY_AHEAD", "2", "run --evidence T/ev", {}),
         ("QUALIFY_DEVICE", "gpu", _CANDIDATE, {}),
         ("QUALIFY_LAUNCHER_TORCH_TP", "T/absent/python", _CANDIDATE, {}),
         ("QUALIFY_LAUNCHER_TORCH_TP", "'unbalanced", "run --evidence T/ev", {}),

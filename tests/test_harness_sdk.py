@@ -54,6 +54,15 @@ def test_sdk_imports_only_torch_numpy_safetensors_and_the_standard_library() -> 
         assert not extra, f"{path.name} imports {sorted(extra)}"
 
 
+def test_the_example_harness_runs_on_the_sdk_alone() -> None:
+    """The worked example's ranks import the SDK, torch and transformers, nothing of qualify."""
+    harness = (repo_root() / "examples" / "qualify-example-engine" / "src" /
+               "qualify_example_engine" / "harness.py")
+    extra = _top_imports(harness) - set(sys.stdlib_module_names) - {
+        "torch", "transformers", "qualify_harness"}
+    assert not extra, f"{harness.name} imports {sorted(extra)}"
+
+
 def _public_defs(module: Any) -> set[str]:
     """Public names ``module`` itself defines (not imports), read from its source."""
     tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
@@ -133,6 +142,14 @@ def _recorder() -> sdk.Recorder:
     rec.lrs["round1"] = 3e-4
     rec.replicas(1, {"model.norm.weight": True}, {"model.norm.weight": 0.0})
     return rec
+
+
+@pytest.mark.parametrize("value", [torch.ones(3), torch.ones(3, dtype=torch.float64)])
+def test_a_recorded_tensor_is_a_copy_not_the_engines_live_tensor(value: torch.Tensor) -> None:
+    rec = sdk.Recorder(role="actor", writer=True)
+    rec.put(1, "exp_avg", value, "w")  # an optimizer state the next step changes in place
+    value.add_(1.0)
+    assert torch.equal(rec.tensors[sdk.tensor_name(1, "actor", "exp_avg", "w")], torch.ones(3))
 
 
 def test_role_meta_holds_every_dtype_key_and_refuses_an_empty_record() -> None:

@@ -16,6 +16,7 @@ then idles until the run ends.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +28,10 @@ from qualify.errors import ContractError
 from qualify.models.cache import default_cache_dir
 from qualify.registry import get_engine
 
-__all__ = ["GPU_DEVICES", "prestart_run"]
+__all__ = ["AHEAD_ENV", "GPU_DEVICES", "prestart_run"]
+
+AHEAD_ENV: Final = "QUALIFY_AHEAD"
+"""``0`` turns :func:`prestart_run` off (the stage's own prestart still runs)."""
 
 GPU_DEVICES: Final = ("nvidia[0-9]*", "kfd", "dxg")
 """Device nodes under ``/dev`` of a GPU torch may use (NVIDIA, ROCm, WSL2): where one exists
@@ -42,6 +46,7 @@ def prestart_run(contract: Contract, cells: Sequence[str] | None, *,
     The order: the launch exporting the sampler's weights first (``sampler.weights_from``),
     then the engines in contract order, as the stage launches them. Everything else is
     :func:`qualify.candidate.launch.prestart`'s (``QUALIFY_PRESTART=0``,
+    ``QUALIFY_AHEAD=0`` here alone,
     ``QUALIFY_ZYGOTE=0``, multi-node, an engine not installed: nothing started).
 
     Args:
@@ -53,7 +58,7 @@ def prestart_run(contract: Contract, cells: Sequence[str] | None, *,
         The prestart thread, or ``None`` when nothing is started (a GPU's device node, a
         ``--cells`` glob matching nothing: the stage then reports it).
     """
-    if any(any(dev.glob(pattern)) for pattern in GPU_DEVICES):
+    if os.environ.get(AHEAD_ENV, "1") == "0" or any(any(dev.glob(p)) for p in GPU_DEVICES):
         return None
     try:
         wanted = cells_matching(contract, cells)

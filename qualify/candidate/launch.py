@@ -20,6 +20,23 @@ the attempt directory and runs, in a new session (its own process group), one of
 
 - ``srun`` + ``torchrun`` across the nodes of a Slurm allocation (:func:`torchrun_command`).
 
+On CUDA, under Slurm and for an engine run by a foreign interpreter every launch is
+torchrun; the rest serves CPU launches only, each piece with the switch that turns it off
+alone (what each saves on the default run, against its lines: ``docs/performance.md``,
+measured by ``python -m benchmarks.launch_cost``):
+
+- the warm launcher, :mod:`qualify.candidate.warm` (``QUALIFY_LAUNCHER=torchrun``);
+- zygotes, :mod:`qualify.candidate.zygote` with :mod:`qualify.candidate.owner` and this
+  process's zygotes in :mod:`qualify.candidate.zygote_pool` (``QUALIFY_ZYGOTE=0``);
+- the session's pool, the rest of :mod:`qualify.candidate.zygote_pool`, used only where
+  ``QUALIFY_ZYGOTE_DIR`` is set (the test suite; a CI job of several runs);
+- :func:`prestart`: the stage starts every engine's zygote at its start
+  (``QUALIFY_PRESTART=0``);
+- :mod:`qualify.candidate.ahead`: ``qualify run`` starts them before it imports torch
+  (``QUALIFY_AHEAD=0``);
+- :mod:`qualify.candidate.beside`: the sampler cells beside the trainer launches
+  (``QUALIFY_JOBS=1``).
+
 Every rank's stdout / stderr (and ``error.json`` when a rank raises) is kept under
 ``<attempt>/logs/ranks/``; the launcher's own output (torchrun's carries every rank's lines
 prefixed with ``[rank]:``; the warm launcher's, one line per rank exit) goes to

@@ -91,14 +91,15 @@ class Recorder:
     routes: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def put(self, round_: int, metric: str, value: Tensor, param: str | None = None) -> None:
-        """Keep ``value`` (FP32, CPU) under its protocol name on the writer rank.
+        """Keep a copy of ``value`` (FP32, CPU) under its protocol name on the writer rank.
 
-        A per-parameter tensor (``param`` given) of a large parameter is kept at the seeded
-        sample of :attr:`sampling`.
+        A copy: an engine may hand its live tensors (a parameter, an optimizer state that
+        the next step changes in place). A per-parameter tensor (``param`` given) of a large
+        parameter is kept at the seeded sample of :attr:`sampling`.
         """
         if not self.writer:
             return
-        out = value.detach().to("cpu", torch.float32)
+        out = value.detach().to("cpu", torch.float32, copy=True)
         idx = self.sampling.indices(param, out.numel()) if param is not None else None
         if idx is not None:
             out = out.reshape(-1)[torch.from_numpy(idx)]
