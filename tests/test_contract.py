@@ -155,7 +155,8 @@ INVALID: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
                            r"sampling\.tp: the hf sampler has no tensor parallelism; got tp = 2 "
                            r"\(use engine = \"vllm\"\)"),
     "unknown_sampler_engine": (_set("sampler.engine", "vlm"),
-                               r"sampler\.engine: unknown engine 'vlm'; did you mean 'vllm'\?"),
+                               r"sampler\.engine: unknown engine 'vlm'; did you mean 'vllm' or "
+                               r"'verl'\?"),
     "trainer_as_sampler": (_set("sampler.engine", "torch_tp"),
                            r"sampler\.engine: 'torch_tp' is a trainer engine, not a sampler"),
     "duplicate_topology_names": (

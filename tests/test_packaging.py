@@ -124,8 +124,17 @@ def make_venv(base: Path, seconds: dict[str, float]) -> tuple[Path, Path, Path]:
 
 
 def see_dependencies(site: Path) -> None:
-    """Let the venv import this environment's packages, but not its editable qualify."""
-    paths = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    """Let the venv import this environment's packages, but not its editable qualify.
+
+    The harness SDK (``qualify-harness``, a dependency of qualify) is installed editable
+    from ``sdk/`` here as in CI: an editable finder's ``.pth`` is not run from a path that a
+    ``.pth`` adds, so its directory is added itself.
+    """
+    import qualify_harness
+
+    sdk = Path(qualify_harness.__file__).resolve().parent.parent
+    paths = dict.fromkeys([*(sysconfig.get_paths()[k] for k in ("purelib", "platlib")),
+                           str(sdk)])
     (site / "zz_test_dependencies.pth").write_text("".join(f"{p}\n" for p in paths))
 
 

@@ -298,12 +298,13 @@ KEY = new_key("hypothesis")
 CLI_SURFACE = {
     "keygen": ["--name", "--private-key", "--public-dir"],
     "sign": ["dir", "--key", "--reference", "--keys"],
-    "verify": ["path", "--keys", "--contract", "--contracts-dir", "--reference", "--json"],
+    "verify": ["path", "--keys", "--contract", "--contracts-dir", "--reference", "--json",
+               "--trust-from"],
     "gate": ["evidence_dir", "--contract", "--allow-not-run", "--policy", "--sources-root",
              "--json", "--junit-xml", "--summary", "--reference", "--trust-from", "--baseline",
              "--keys"],
     "audit": ["dirs", "--format", "--output", "--junit-xml", "--contracts-dir",
-              "--sources-root", "--keys"],
+              "--sources-root", "--keys", "--trust-from"],
 }
 
 
