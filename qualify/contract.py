@@ -508,10 +508,12 @@ class RoutePins:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class BoundsSpec:
-    """The rule ``bound = k * max(control_error, resolution, propagated) + quantum + floor``.
+    """The rule ``bound = k * max(control_error, resolution, propagated, round_to_round) +
+    quantum + floor``.
 
     (:mod:`qualify.bounds`: ``resolution`` one FP32 ulp of a scalar, ``quantum`` one BF16 ulp of
-    a BF16-emitted value; ``propagated`` per-token control errors carried into loss, norm.)
+    a BF16-emitted value; ``propagated`` per-token control errors carried into loss, norm;
+    ``round_to_round`` a round-2+ per-token value's response to its own earlier value.)
 
     Attributes:
         k: multiplier of the control error (4 by default).
