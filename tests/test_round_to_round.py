@@ -42,8 +42,9 @@ def _toy_actor(mask: torch.Tensor, p: torch.Tensor, temperature: float,
                gain: torch.Tensor, flip: tuple[int, int]) -> round_to_round.UpdateFn:
     """A toy update whose round-2 logprob at each token is ``gain`` times its own round-1
     logprob change (``offset (1 - p) / T``, what a target-logit offset does to first
-    order) and whose round-2 entropy at ``flip`` drops by 0.25 when that change is
-    negative (a sign flip of the first Adam step), nothing elsewhere."""
+    order) plus 0.5 times the others' (the update is shared), and whose round-2 entropy at
+    ``flip`` drops by 0.25 when that change is negative and no other token moved (a sign
+    flip of the first Adam step that other tokens' gradients can cancel, as on variant 12)."""
     base2 = torch.arange(mask.numel(), dtype=torch.float32).reshape(mask.shape) * -0.1
     ent2 = torch.full(mask.shape, 3.0)
 
@@ -56,17 +57,22 @@ def _toy_actor(mask: torch.Tensor, p: torch.Tensor, temperature: float,
             assert set(offsets) == {1}
             change = offsets[1] * (1.0 - p.double()) / temperature
         ent = ent2.clone()
-        if change[flip] < 0:
+        others = change.clone()
+        others[flip] = 0.0
+        if change[flip] < 0 and not bool(others.any()):
             ent[flip] -= 0.25
-        return {"round2/actor/logprobs": base2 + (gain.double() * change).float(),
+        cross = 0.5 * (change.sum() - change)
+        return {"round2/actor/logprobs": base2 + (gain.double() * change + cross).float(),
                 "round2/actor/entropy": ent}
     return update
 
 
 def test_the_term_is_each_tokens_own_response_at_the_largest_control_error() -> None:
     """Known answer: 2 sequences, 3 columns, token (1, 2) padding; the largest self gain
-    is 6.0 at (0, 1), so the logprob term is 6 e; the entropy term is the flip, 0.25 at
-    (1, 0), reached only by the negative perturbation; 2 x 3 perturbed updates."""
+    is 6.0 at (0, 1), so the logprob term is 6 e (the cross term moves only the other
+    tokens); the entropy term is the flip, 0.25 at (1, 0), reached only by the negative
+    perturbation of that token alone (perturbing its column, (0, 0) too, misses it);
+    2 x 5 perturbed updates, one per valid token and sign."""
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     p = torch.tensor([[0.5, 0.2, 0.9], [0.1, 0.3, 0.99]])
     gain = torch.tensor([[1.0, 6.0, 2.0], [0.5, 3.0, 100.0]])  # (1, 2) is padding
@@ -78,7 +84,7 @@ def test_the_term_is_each_tokens_own_response_at_the_largest_control_error() -> 
     ent = got[MetricKey(round=2, role="actor", family="entropy")]
     assert lp.value == pytest.approx(6.0 * e, rel=1e-6)
     assert lp.where == "(0, 1)"
-    assert (lp.perturbation, lp.runs) == (e, 6)
+    assert (lp.perturbation, lp.runs) == (e, 10)
     assert ent.value == pytest.approx(0.25)
     assert ent.where == "(1, 0)"
 
@@ -108,7 +114,7 @@ def test_the_target_logit_offset_moves_the_logprob_by_the_size(logp: float, e: f
     logits = torch.tensor([[[math.log(p), math.log(rest), math.log(rest)]]],
                           dtype=torch.float64) * temperature
     tokens = torch.tensor([[0]])
-    offs = round_to_round._offsets("actor", 1.0, e, 0, mask=torch.tensor([[1]]),
+    offs = round_to_round._offsets("actor", 1.0, e, (0, 0), shape=(1, 1),
                                    logprobs=torch.tensor([[math.log(p)]]),
                                    temperature=temperature)
     before, _ = _token_logprobs_entropy(logits, tokens, temperature)

@@ -18,19 +18,23 @@ close to ``sign(g)`` and a small gradient change flips whole elements):
   control errors of :func:`qualify.bounds.measure_controls`). It is the noise one honest
   execution was measured to put on one token, not the round-``r - 1`` bound: the bound is
   ``k`` times it, and the term is itself multiplied by ``k`` in the rule.
-- perturbation: in round ``r - 1`` only, every valid token of one response column ``j``
-  gets ``s e`` (``s = +1`` and ``-1``, one update each): the Actor through its target
-  logit, ``+ s T e / max(1 - p, 1/16)`` (``T`` the sampling temperature, ``p`` the
+- perturbation: in round ``r - 1`` only, one valid token gets ``s e`` (``s = +1`` and
+  ``-1``, one update per token and sign; nothing else is perturbed): the Actor through its
+  target logit, ``+ s T e / max(1 - p, 1/16)`` (``T`` the sampling temperature, ``p`` the
   reference's round-``r - 1`` probability of the target; a logprob change of ``s e`` to
   first order, less where ``p > 15/16``), so the per-token gradient moves as a noisy
   forward's does; the Critic on the value.
-- response: the largest ``|x_r - x_r^0|`` over the perturbed tokens of every such update,
-  against an unperturbed update run the same way (``x^0``); one number per lane, round,
-  role and family (:data:`RESPONDING`), the same for every bound class of the lane.
+- response: the largest ``|x_r - x_r^0|`` of each perturbed token itself over every such
+  update, against an unperturbed update run the same way (``x^0``); one number per lane,
+  round, role and family (:data:`RESPONDING`), the same for every bound class of the lane.
+  One token at a time: perturbing a whole response column at once (every sequence's token
+  ``j``) missed the case it must hold (variant 12, token ``(1, 1)``: its own response 0.034,
+  with the seven other tokens of its column perturbed too 0.004), since the first AdamW
+  step answers the sum of the perturbations' gradients, not each.
 
 ``bound = k * max(control_error, resolution, propagated, round_to_round) + quantum + floor``
-(:func:`qualify.bounds.compute_bounds`). Cost: ``2 x`` (the response columns with a valid
-token) ``+ 1`` updates of ``r`` rounds per lane, role and round ``r >= 2``.
+(:func:`qualify.bounds.compute_bounds`). Cost: ``2 x`` (the valid response tokens) ``+ 1``
+updates of ``r`` rounds (the last forward only) per lane, role and round ``r >= 2``.
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ class Response:
         value: the largest response over the perturbed tokens (>= 0).
         where: ``"(b, t)"`` of that token (``"none"`` when nothing was perturbed).
         perturbation: ``e``, the round-``r - 1`` size.
-        runs: perturbed updates run.
+        runs: perturbed updates run (two per valid token).
     """
 
     value: float
@@ -98,17 +102,17 @@ def perturbation_size(errors: Mapping[str, Mapping[MetricKey, ErrorMeasure]],
     return e if math.isfinite(e) else 0.0
 
 
-def _offsets(role: str, sign: float, size: float, column: int, *, mask: torch.Tensor,
-             logprobs: torch.Tensor | None, temperature: float) -> torch.Tensor:
-    """``[B, R]`` FP64: ``sign * size`` at the valid tokens of ``column`` (module docstring)."""
-    out = torch.zeros(mask.shape, dtype=torch.float64)
-    rows = mask[:, column].bool()
+def _offsets(role: str, sign: float, size: float, token: tuple[int, int], *,
+             shape: tuple[int, int], logprobs: torch.Tensor | None,
+             temperature: float) -> torch.Tensor:
+    """``[B, R]`` FP64, zero but at ``token``: ``sign * size`` (module docstring)."""
+    out = torch.zeros(shape, dtype=torch.float64)
     if role == "actor":
         assert logprobs is not None
-        one_minus_p = (1.0 - logprobs[:, column].double().exp()).clamp(min=MIN_ONE_MINUS_P)
-        out[rows, column] = sign * temperature * size / one_minus_p[rows]
+        one_minus_p = max(1.0 - math.exp(float(logprobs[token])), MIN_ONE_MINUS_P)
+        out[token] = sign * temperature * size / one_minus_p
     else:
-        out[rows, column] = sign * size
+        out[token] = sign * size
     return out
 
 
@@ -136,7 +140,8 @@ def measure(update: UpdateFn, *, roles: Iterable[str], rounds: int,
         KeyError: ``update`` did not return a responding family.
     """
     out: dict[MetricKey, Response] = {}
-    columns = [j for j in range(mask.shape[1]) if bool(mask[:, j].any())]
+    tokens = [(int(b), int(t)) for b, t in mask.bool().nonzero().tolist()]
+    shape = (int(mask.shape[0]), int(mask.shape[1]))
     for role in roles:
         base: Mapping[str, torch.Tensor] | None = None
         for r in range(2, rounds + 1):
@@ -144,24 +149,20 @@ def measure(update: UpdateFn, *, roles: Iterable[str], rounds: int,
             keys = [MetricKey(round=r, role=role, family=f) for f in RESPONDING[role]]
             best = dict.fromkeys(keys, (0.0, "none"))
             runs = 0
-            if e > 0.0 and columns:
+            if e > 0.0 and tokens:
                 base = base if base is not None else update(role, rounds, None)
                 for sign in (1.0, -1.0):
-                    for j in columns:
-                        offs = {r - 1: _offsets(role, sign, e, j, mask=mask,
+                    for token in tokens:
+                        offs = {r - 1: _offsets(role, sign, e, token, shape=shape,
                                                 logprobs=logprobs.get(r - 1),
                                                 temperature=temperature)}
                         got = update(role, r, offs)
                         runs += 1
                         for k in keys:
-                            d = (got[k.label][:, j].double() - base[k.label][:, j].double()).abs()
-                            d = torch.where(mask[:, j].bool(), d, torch.zeros_like(d))
-                            b = int(torch.argmax(d))
-                            v = float(d[b])
-                            if not math.isfinite(v):
-                                v = math.inf
+                            v = abs(float(got[k.label][token]) - float(base[k.label][token]))
+                            v = v if math.isfinite(v) else math.inf
                             if v > best[k][0]:
-                                best[k] = (v, f"({b}, {j})")
+                                best[k] = (v, f"({token[0]}, {token[1]})")
             for k in keys:
                 out[k] = Response(value=best[k][0], where=best[k][1], perturbation=e,
                                   runs=runs)
