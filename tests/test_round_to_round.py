@@ -12,8 +12,12 @@ those sealed and measured values; the toy updates have responses known in closed
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import shutil
 from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,11 +25,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qualify.bounds import compute_bounds, judge, lookup
-from qualify.contract import default_contract_path, load_contract
+from qualify.contract import Contract, default_contract_path, load_contract
 from qualify.errors import ReferenceDataError
 from qualify.reference import round_to_round
-from qualify.reference.bound_inputs import round_to_round_from_document
+from qualify.reference.bound_inputs import recompute_bounds, round_to_round_from_document
 from qualify.reference.update import _offset_targets, _token_logprobs_entropy
+from qualify.resources import repo_root
 from qualify.statistics import ErrorMeasure, MetricKey
 
 CONTRACT = load_contract(default_contract_path())
@@ -183,3 +188,36 @@ def test_the_sealed_document_round_trips_and_bad_entries_are_refused() -> None:
                 {LANE: {"round2/actor/logprobs": {"value": "nan"}}}, [1]):
         with pytest.raises(ReferenceDataError, match=r"round_to_round\.json"):
             round_to_round_from_document(bad)
+
+
+COMMITTED_REF = next((repo_root() / "references").glob("tiny-qwen3-*"))
+
+
+def test_a_sealed_term_is_recomputed_and_a_contract_that_asks_for_it_needs_it(
+        tmp_path: Path) -> None:
+    """``recompute_bounds`` (verify's step 9) reads ``round_to_round.json``: a term there
+    widens exactly the round-2 rows it names (``k x max(...)``, bit for bit), and a contract
+    with ``[bounds] round_to_round`` whose reference lacks the file is refused."""
+    ref = shutil.copytree(COMMITTED_REF, tmp_path / "ref")
+    before = {(b.precision, b.klass, b.key.label): b for b in recompute_bounds(ref)}
+    on = dataclasses.replace(CONTRACT, bounds=dataclasses.replace(CONTRACT.bounds,
+                                                                  round_to_round=True))
+    on_ref = dataclasses.replace(Contract.from_dict(json.loads(
+        (ref / "contract.json").read_text()), path=ref / "contract.json"),
+        bounds=on.bounds)
+    with pytest.raises(ReferenceDataError, match=r"round_to_round\.json: missing"):
+        recompute_bounds(ref, on_ref)
+    (ref / "round_to_round.json").write_text(json.dumps(
+        {LANE: {"round2/actor/logprobs": {"value": 0.5, "where": "(2, 0)",
+                                          "perturbation": 0.03, "runs": 84}}}))
+    after = {(b.precision, b.klass, b.key.label): b for b in recompute_bounds(ref, on_ref)}
+    assert after.keys() == before.keys()
+    changed = {k for k in after if after[k] != before[k]}
+    assert changed == {(LANE, c, "round2/actor/logprobs")
+                       for c in ("candidate_vs_hf", "tp_vs_tp1", "candidate_vs_hf_tp")}
+    for k in changed:
+        b = after[k]
+        assert b.round_to_round == 0.5
+        assert b.bound == b.k * max(b.control_error, b.resolution, b.propagated, 0.5) + \
+            b.quantum + b.floor
+        assert b.bound > before[k].bound

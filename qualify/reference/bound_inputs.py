@@ -9,8 +9,10 @@ sealed in the reference directory (:mod:`qualify.layout` names):
 - the HF reference tensors of each lane (``reference/hf-<lane>.safetensors``): the scalar
   resolutions (:func:`qualify.bounds.scalar_resolutions`) and the BF16 quanta
   (:func:`qualify.bounds.bf16_quanta`) are functions of them;
-- the round-to-round responses (``round_to_round.json``, absent in references sealed before
-  the term existed: no term), ``{lane: {metric label: {"value", ...}}}``
+- the round-to-round responses (``round_to_round.json``, read when it exists or the
+  contract's ``[bounds] round_to_round`` is on, where a missing file is an error; else no
+  term),
+  ``{lane: {metric label: {"value", ...}}}``
   (:mod:`qualify.reference.round_to_round`);
 - per lane, ``reference.json`` ``update_meta["hf-<lane>"][role]``: the FP32 evaluations of the
   pre-clip norms (:data:`NORM_FP32_META`, ``{"round<r>": norm}``) and the loss
@@ -268,7 +270,8 @@ def recompute_bounds(ref_dir: Path, contract: Contract | None = None) -> list[Bo
             raise BoundsNotRecomputableError(f"{CONTRACT_FILE}: {exc}") from None
     errors = control_errors_from_document(_read(ref_dir / CONTROL_ERRORS_FILE))
     r2r = (round_to_round_from_document(_read(ref_dir / ROUND_TO_ROUND_FILE))
-           if os.path.lexists(ref_dir / ROUND_TO_ROUND_FILE) else None)
+           if contract.bounds.round_to_round or os.path.lexists(ref_dir / ROUND_TO_ROUND_FILE)
+           else None)
     ref_doc = _read(ref_dir / REFERENCE_FILE)
     meta = ref_doc.get("update_meta") if isinstance(ref_doc, dict) else None
     if not isinstance(meta, dict):

@@ -182,9 +182,10 @@ def _round_to_round(contract: Contract, bundle: models.ModelBundle, batch: Batch
 
     Each perturbed update runs with the lane's reference settings on fresh FP32 models,
     as :func:`_update_run` does; the size is the largest control error of the lane over
-    every control it measured. None in the deterministic lane (its bounds are 0).
+    every control it measured. None in the deterministic lane (its bounds are 0) or where
+    the contract does not ask for the term (``[bounds] round_to_round``).
     """
-    if contract.bounds.lane == "deterministic":
+    if contract.bounds.lane == "deterministic" or not contract.bounds.round_to_round:
         return {}
     rounds = contract.algorithm.rounds
     roles_run = ["actor"] + ([] if contract.algorithm.name == "grpo" else ["critic"])
@@ -292,8 +293,8 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
     timings: dict[str, float] = {}
     precisions = list(contract.matrix.precisions)
     mbs = contract.algorithm.micro_batch_size
-    steps = ["models", "rollout", "scoring", "targets", "updates", "controls", "branches",
-             "seal"]
+    steps = ["models", "rollout", "scoring", "targets", "updates", "controls", "round_to_round",
+             "branches", "seal"]
     with Progress(total=len(steps), description=f"reference {contract.name}",
                   quiet=quiet) as bar:
 
@@ -417,8 +418,9 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
                                           mask=roll.response_mask)
                     for lane in lanes}
         r2r = round_to_round.terms(r2r_runs)
-        store.atomic_write_json(out / ROUND_TO_ROUND_FILE,
-                                round_to_round.round_to_round_document(r2r_runs))
+        if contract.bounds.round_to_round:
+            store.atomic_write_json(out / ROUND_TO_ROUND_FILE,
+                                    round_to_round.round_to_round_document(r2r_runs))
         bounds = compute_bounds(contract, errors, resolutions, sens, quanta,
                                 round_to_round=r2r)
 
