@@ -25,7 +25,10 @@ token whose round-2 logprob is most sensitive to its own round-1 value. The boun
 measures round-2 per-token noise as the controls' own realisation, whose round-1 noise
 happens to miss that token (the ``attn_impl`` control: 4.6e-5 there in round 1, 0.026 in
 round 2). Not a Megatron defect and not noise the Megatron cell adds: a gap in how round-1
-per-token noise carries into round 2 (``docs/findings.md``, "Open").
+per-token noise carried into round 2, closed by the bound rule's round-to-round term
+(``qualify/reference/round_to_round.py``, which perturbs the same way one token at a time;
+``docs/findings.md``, "Explained: round-2 rows and round-1 noise"). The script prints the
+round-2 entropy change too (variant 12: ``--token 1 1``).
 
 Usage (a sealed reference of the contract, e.g. one ``qualify sweep`` wrote)::
 
