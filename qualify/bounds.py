@@ -1,9 +1,9 @@
 """The bound rule, computed once in the reference stage and sealed.
 
-``bound(m, c, p) = k * max(control_error(m, c, p), resolution(m), propagated(m, c, p)) +
-quantum(m, p) + floor(m, p)`` (docs/bound-rule.md), with ``control_error(m, c, p)`` the
-largest error of the controls that the contract assigns to class ``c``
-(``candidate_vs_hf``: a candidate at precision ``p`` against the HF reference at ``p``;
+``bound(m, c, p) = k * max(control_error(m, c, p), resolution(m), propagated(m, c, p),
+round_to_round(m, p)) + quantum(m, p) + floor(m, p)`` (docs/bound-rule.md), with
+``control_error(m, c, p)`` the largest error of the controls that the contract assigns to
+class ``c`` (``candidate_vs_hf``: a candidate at precision ``p`` against the HF reference at ``p``;
 ``tp_vs_tp1``: TP = n against TP = 1 of the same engine and precision). A control that
 only a TP > 1 execution takes (:data:`TP_ONLY_CONTROLS`: ``row_split``, the row-parallel
 re-partition) feeds ``candidate_vs_hf`` through its own bound class
@@ -134,6 +134,10 @@ class Bound:
             else 0 (and 0 in references sealed before it existed).
         propagated: the class's per-token control errors carried into a loss
             (:func:`propagated_error`), else 0; 0 in references sealed before it existed.
+        round_to_round: the largest response of a round-``r >= 2`` per-token family to its
+            own round-``r - 1`` value perturbed by the lane's largest control error
+            (:mod:`qualify.reference.round_to_round`), else 0; 0 in references sealed
+            before it existed.
     """
 
     precision: str
@@ -148,6 +152,7 @@ class Bound:
     resolution: float = 0.0
     propagated: float = 0.0
     quantum: float = 0.0
+    round_to_round: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (one row of ``bounds.json``)."""
@@ -166,6 +171,7 @@ class Bound:
             "resolution": self.resolution,
             "propagated": self.propagated,
             "quantum": self.quantum,
+            "round_to_round": self.round_to_round,
         }
 
     @classmethod
@@ -179,6 +185,7 @@ class Bound:
             bound=float(d["bound"]), resolution=float(d.get("resolution", 0.0)),
             propagated=float(d.get("propagated", 0.0)),
             quantum=float(d.get("quantum", 0.0)),
+            round_to_round=float(d.get("round_to_round", 0.0)),
         )
 
 
@@ -348,6 +355,7 @@ def compute_bounds(contract: Contract, errors: ControlErrors,
                    resolutions: Mapping[str, Mapping[MetricKey, float]] | None = None,
                    sensitivities: Mapping[str, Sensitivities] | None = None,
                    quanta: Mapping[str, Mapping[MetricKey, float]] | None = None,
+                   *, round_to_round: Mapping[str, Mapping[MetricKey, float]] | None = None,
                    ) -> list[Bound]:
     """Apply the contract's bound rule to the measured control errors.
 
@@ -359,6 +367,10 @@ def compute_bounds(contract: Contract, errors: ControlErrors,
         resolutions: output of :func:`scalar_resolutions` (``None``: no resolution term).
         sensitivities: ``{lane: Sensitivities}`` (``None``: no propagated term).
         quanta: output of :func:`bf16_quanta` (``None``: no quantum term).
+        round_to_round: ``{lane: {metric: response}}``
+            (:func:`qualify.reference.round_to_round.terms`; ``None``: no such term), the
+            same for every class of the lane; a non-finite response is taken as 0 here
+            (the perturbed update is a reference run, not a candidate).
 
     Returns:
         One :class:`Bound` per lane x class x metric measured by the controls (its
@@ -395,12 +407,15 @@ def compute_bounds(contract: Contract, errors: ControlErrors,
                 prop = propagated_error(key, errors[prec], usable,
                                         (sensitivities or {}).get(prec))
                 quantum = float((quanta or {}).get(prec, {}).get(key, 0.0))
+                r2r = float((round_to_round or {}).get(prec, {}).get(key, 0.0))
+                r2r = r2r if math.isfinite(r2r) else 0.0
                 bound = (0.0 if b.lane == "deterministic"
-                         else b.k * max(worst, res, prop) + quantum + floor)
+                         else b.k * max(worst, res, prop, r2r) + quantum + floor)
                 out.append(Bound(precision=prec, klass=klass, key=key,
                                  statistic=FAMILY_STATISTIC[key.family], control_error=worst,
                                  control=worst_name, floor=floor, k=b.k, bound=bound,
-                                 resolution=res, propagated=prop, quantum=quantum))
+                                 resolution=res, propagated=prop, quantum=quantum,
+                                 round_to_round=r2r))
     return out
 
 
@@ -410,7 +425,8 @@ def bounds_document(contract: Contract, bounds: list[Bound]) -> dict[str, Any]:
         "schema_version": 1,
         "contract": contract.name,
         "contract_digest": contract.digest,
-        "rule": "bound = k * max(control_error, resolution, propagated) + quantum + floor",
+        "rule": "bound = k * max(control_error, resolution, propagated, round_to_round)"
+                " + quantum + floor",
         "k": contract.bounds.k,
         "lane": contract.bounds.lane,
         "controls": {"candidate_vs_hf": list(contract.bounds.controls_candidate_vs_hf),

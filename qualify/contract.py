@@ -517,10 +517,12 @@ class RoutePins:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class BoundsSpec:
-    """The rule ``bound = k * max(control_error, resolution, propagated) + quantum + floor``.
+    """The bound rule's inputs: ``k``, lane, controls, floors, the round-to-round switch.
 
-    (:mod:`qualify.bounds`: ``resolution`` one FP32 ulp of a scalar, ``quantum`` one BF16 ulp of
-    a BF16-emitted value; ``propagated`` per-token control errors carried into loss, norm.)
+    ``bound = k * max(control_error, resolution, propagated, round_to_round) + quantum +
+    floor`` (:mod:`qualify.bounds`: ``resolution`` one FP32 ulp of a scalar, ``quantum`` one
+    BF16 ulp of a BF16-emitted value; ``propagated`` per-token control errors carried into
+    loss, norm; ``round_to_round`` a round-2+ per-token value's response to its own earlier value.)
 
     Attributes:
         k: multiplier of the control error (4 by default).
@@ -528,6 +530,10 @@ class BoundsSpec:
         controls_candidate_vs_hf: controls feeding the candidate-vs-HF class.
         controls_tp_vs_tp1: controls feeding the TP=n vs TP=1 class.
         floors: per precision, per metric family, the absolute floor.
+        round_to_round: the reference measures the round-to-round term
+            (:mod:`qualify.reference.round_to_round`: ``2 x`` valid response tokens ``+ 1``
+            perturbed updates per lane, role and round ``>= 2``); ``False`` (the default):
+            the term is 0.
     """
 
     k: float
@@ -535,6 +541,7 @@ class BoundsSpec:
     controls_candidate_vs_hf: tuple[str, ...]
     controls_tp_vs_tp1: tuple[str, ...]
     floors: Mapping[str, Mapping[str, float]]
+    round_to_round: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -699,6 +706,7 @@ def _build(doc: Mapping[str, Any], path: Path | None) -> Contract:
         controls_candidate_vs_hf=tuple(b["controls"]["candidate_vs_hf"]),
         controls_tp_vs_tp1=tuple(b["controls"]["tp_vs_tp1"]),
         floors={prec: dict(fl) for prec, fl in b["floors"].items()},
+        round_to_round=bool(b.get("round_to_round", False)),
     )
     return Contract(
         name=doc["name"],

@@ -78,6 +78,7 @@ __all__ = [
     "RESULT_FILE",
     "ROLLOUT_FILE",
     "ROLLOUT_META_FILE",
+    "ROUND_TO_ROUND_FILE",
     "RUN_FILE",
     "SCORES_DIR",
     "SOURCES_FILE",
@@ -112,6 +113,8 @@ REFERENCES_DIR: Final = "references"
 REFERENCE_FILE: Final = "reference.json"
 BOUNDS_FILE: Final = "bounds.json"
 CONTROL_ERRORS_FILE: Final = "control_errors.json"
+ROUND_TO_ROUND_FILE: Final = "round_to_round.json"
+"""The bound rule's round-to-round responses (:mod:`qualify.reference.round_to_round`)."""
 SCORES_DIR: Final = "scores"
 CONTROLS_DIR: Final = "controls"
 BRANCHES_DIR: Final = "branches"

@@ -34,7 +34,7 @@ from qualify.schema import first_error
 
 __all__ = ["COMPARED_FIELDS", "TERMS", "bounds_differences", "verify_bounds"]
 
-TERMS: Final = ("resolution", "propagated", "quantum")
+TERMS: Final = ("resolution", "propagated", "quantum", "round_to_round")
 """Row fields of terms added to the rule after the first references were sealed: a row
 without one was sealed by a rule without that term."""
 

@@ -9,6 +9,11 @@ sealed in the reference directory (:mod:`qualify.layout` names):
 - the HF reference tensors of each lane (``reference/hf-<lane>.safetensors``): the scalar
   resolutions (:func:`qualify.bounds.scalar_resolutions`) and the BF16 quanta
   (:func:`qualify.bounds.bf16_quanta`) are functions of them;
+- the round-to-round responses (``round_to_round.json``, read when it exists or the
+  contract's ``[bounds] round_to_round`` is on, where a missing file is an error; else no
+  term),
+  ``{lane: {metric label: {"value", ...}}}``
+  (:mod:`qualify.reference.round_to_round`);
 - per lane, ``reference.json`` ``update_meta["hf-<lane>"][role]``: the FP32 evaluations of the
   pre-clip norms (:data:`NORM_FP32_META`, ``{"round<r>": norm}``) and the loss
   sensitivities (:data:`LOSS_SENSITIVITY_META`, ``{"round<r>": {term: {family: S}}}``).
@@ -46,13 +51,14 @@ from qualify.layout import (
     CONTROL_ERRORS_FILE,
     HF_REFERENCE_DIR,
     REFERENCE_FILE,
+    ROUND_TO_ROUND_FILE,
     hf_tensors_file,
 )
 from qualify.statistics import FAMILY_STATISTIC, ErrorMeasure, MetricKey
 
 __all__ = ["LOSS_SENSITIVITY_META", "NORM_FP32_META", "BoundsNotRecomputableError",
            "control_errors_from_document", "metric_key", "norm_evals", "read_sealed",
-           "recompute_bounds", "sensitivities"]
+           "recompute_bounds", "round_to_round_from_document", "sensitivities"]
 
 NORM_FP32_META: Final = "grad_norm_fp32"
 """Role meta key (``reference.json`` ``update_meta``) of each round's pre-clip norm evaluated
@@ -134,6 +140,39 @@ def control_errors_from_document(doc: Any, what: str = CONTROL_ERRORS_FILE) -> C
                     max_abs=_number(e.get("max_abs", 0.0), f"{where}.max_abs"),
                     max_rel=_number(e.get("max_rel", 0.0), f"{where}.max_rel"))
             out[lane][name] = errs
+    return out
+
+
+def round_to_round_from_document(doc: Any, what: str = ROUND_TO_ROUND_FILE,
+                                 ) -> dict[str, dict[MetricKey, float]]:
+    """``{lane: {metric: response}}`` of a sealed ``round_to_round.json``.
+
+    Inverse of the ``value`` fields of
+    :func:`qualify.reference.round_to_round.round_to_round_document`.
+
+    Raises:
+        BoundsNotRecomputableError: not the document's shape, a label that is not a
+            per-token metric of round >= 2, or a value that is not a finite number >= 0.
+    """
+    if not isinstance(doc, dict):
+        raise BoundsNotRecomputableError(f"{what}: not a JSON object")
+    out: dict[str, dict[MetricKey, float]] = {}
+    for lane, by_label in doc.items():
+        if not isinstance(by_label, dict):
+            raise BoundsNotRecomputableError(f"{what}: {lane}: not a JSON object")
+        out[lane] = {}
+        for label, e in by_label.items():
+            where = f"{what}: {lane}.{label}"
+            try:
+                key = metric_key(label)
+            except ValueError as exc:
+                raise BoundsNotRecomputableError(f"{where}: {exc}") from None
+            if key.round < 2 or key.family not in ("logprobs", "entropy", "values"):
+                raise BoundsNotRecomputableError(f"{where}: not a per-token family of a "
+                                                 "round >= 2")
+            if not isinstance(e, dict):
+                raise BoundsNotRecomputableError(f"{where}: not a JSON object")
+            out[lane][key] = _number(e.get("value"), f"{where}.value")
     return out
 
 
@@ -231,6 +270,9 @@ def recompute_bounds(ref_dir: Path, contract: Contract | None = None) -> list[Bo
                 raise
             raise BoundsNotRecomputableError(f"{CONTRACT_FILE}: {exc}") from None
     errors = control_errors_from_document(read_sealed(ref_dir / CONTROL_ERRORS_FILE))
+    r2r = (round_to_round_from_document(read_sealed(ref_dir / ROUND_TO_ROUND_FILE))
+           if contract.bounds.round_to_round or os.path.lexists(ref_dir / ROUND_TO_ROUND_FILE)
+           else None)
     ref_doc = read_sealed(ref_dir / REFERENCE_FILE)
     meta = ref_doc.get("update_meta") if isinstance(ref_doc, dict) else None
     if not isinstance(meta, dict):
@@ -264,7 +306,7 @@ def recompute_bounds(ref_dir: Path, contract: Contract | None = None) -> list[Bo
         sens[lane] = sensitivities(lane_meta, where)
     try:
         return compute_bounds(contract, errors, scalar_resolutions(ref_np, evals), sens,
-                              bf16_quanta(ref_np))
+                              bf16_quanta(ref_np), round_to_round=r2r)
     except KeyError as exc:  # a control the contract names was not measured
         raise BoundsNotRecomputableError(f"{CONTROL_ERRORS_FILE}: {exc.args[0]}") from None
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from qualify.layout import (
     HF_REFERENCE_DIR,
     MODEL_FILE,
     REFERENCE_FILE,
+    ROUND_TO_ROUND_FILE,
     SCORES_DIR,
     TARGETS_FILE,
     hf_tensors_file,
@@ -62,7 +63,7 @@ from qualify.models import roles
 from qualify.progress import Progress
 from qualify.prompts import check_token_ids, read_prompts_file
 from qualify.protocol import ROLLOUT_META_FILE, TRAIN_INPUTS_FILE, parse_tensor_name
-from qualify.reference import documents, rollout, sampling, scoring, targets
+from qualify.reference import documents, rollout, round_to_round, sampling, scoring, targets
 from qualify.reference.bound_inputs import norm_evals, recompute_bounds, sensitivities
 from qualify.reference.branches import adjust_control_errors, seal_branches
 from qualify.reference.controls import control_errors_document, control_settings
@@ -74,6 +75,7 @@ from qualify.reference.update import (
     run_actor,
     run_critic,
 )
+from qualify.statistics import ErrorMeasure, MetricKey
 
 __all__ = ["BOUNDS_FILE", "CONTROL_ERRORS_FILE", "REFERENCE_FILE", "REFERENCE_KIND",
            "load_sealed_reference", "reference_dir_name", "resolve_prompts",
@@ -172,6 +174,52 @@ def _update_run(contract: Contract, bundle: models.ModelBundle, batch: Batch,
     return _strip_padding(out, r_len), meta
 
 
+def _round_to_round(contract: Contract, bundle: models.ModelBundle, batch: Batch, *,
+                    lane: str, reference: dict[str, torch.Tensor],
+                    errors: dict[str, dict[MetricKey, ErrorMeasure]],
+                    mask: torch.Tensor) -> dict[MetricKey, round_to_round.Response]:
+    """The round-to-round responses of one lane (:mod:`qualify.reference.round_to_round`).
+
+    Each perturbed update runs with the lane's reference settings on fresh FP32 models,
+    as :func:`_update_run` does; the size is the largest control error of the lane over
+    every control it measured. None in the deterministic lane (its bounds are 0) or where
+    the contract does not ask for the term (``[bounds] round_to_round``).
+    """
+    if contract.bounds.lane == "deterministic" or not contract.bounds.round_to_round:
+        return {}
+    rounds = contract.algorithm.rounds
+    roles_run = ["actor"] + ([] if contract.algorithm.name == "grpo" else ["critic"])
+    sizes = {(r - 1, role): round_to_round.perturbation_size(errors, errors, r - 1, role)
+             for r in range(2, rounds + 1) for role in roles_run}
+    settings = UpdateSettings(precision="bf16" if lane_precision(lane) == "bf16" else "fp32",
+                              bf16_mode=lane_bf16_mode(lane),
+                              micro_batch_size=contract.algorithm.micro_batch_size,
+                              label=f"round_to_round-{lane}")
+    r_len = batch.responses.shape[1]
+
+    def update(role: str, n: int, offsets: Mapping[int, torch.Tensor] | None
+               ) -> dict[str, torch.Tensor]:
+        release_free_memory()
+        torch.manual_seed(0)
+        if role == "actor":
+            actor = roles.load_actor(bundle.actor_dir, dtype=torch.float32,
+                                     attn_implementation="sdpa", requires_grad=True)
+            t, _ = run_actor(actor, _reference_policy(bundle, "sdpa"), batch, contract,
+                             settings, offsets=offsets, last_forward=n)
+        else:
+            critic = roles.load_critic(bundle.critic_dir, dtype=torch.float32,
+                                       attn_implementation="sdpa", requires_grad=True)
+            t, _ = run_critic(critic, batch, contract, settings, offsets=offsets,
+                              last_forward=n)
+        return _strip_padding(t, r_len)
+
+    logprobs = {r: reference[f"round{r}/actor/logprobs"] for r in range(1, rounds)
+                if f"round{r}/actor/logprobs" in reference}
+    return round_to_round.measure(update, roles=roles_run, rounds=rounds, sizes=sizes,
+                                  mask=mask, logprobs=logprobs,
+                                  temperature=contract.sampling.temperature)
+
+
 def _strip_padding(tensors: dict[str, torch.Tensor], r_len: int) -> dict[str, torch.Tensor]:
     """Cut per-token tensors ``[B, R + extra]`` back to ``[B, R]`` (padding columns dropped).
 
@@ -245,8 +293,8 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
     timings: dict[str, float] = {}
     precisions = list(contract.matrix.precisions)
     mbs = contract.algorithm.micro_batch_size
-    steps = ["models", "rollout", "scoring", "targets", "updates", "controls", "branches",
-             "seal"]
+    steps = ["models", "rollout", "scoring", "targets", "updates", "controls", "round_to_round",
+             "branches", "seal"]
     with Progress(total=len(steps), description=f"reference {contract.name}",
                   quiet=quiet) as bar:
 
@@ -364,7 +412,17 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
             ref_np, {lane: norm_evals(update_meta[f"hf-{lane}"]) for lane in ref_runs})
         quanta = bf16_quanta(ref_np)
         sens = {lane: sensitivities(update_meta[f"hf-{lane}"]) for lane in ref_runs}
-        bounds = compute_bounds(contract, errors, resolutions, sens, quanta)
+        step("round_to_round")
+        r2r_runs = {lane: _round_to_round(contract, bundle, batch, lane=lane,
+                                          reference=ref_runs[lane], errors=errors[lane],
+                                          mask=roll.response_mask)
+                    for lane in lanes}
+        r2r = round_to_round.terms(r2r_runs)
+        if contract.bounds.round_to_round:
+            store.atomic_write_json(out / ROUND_TO_ROUND_FILE,
+                                    round_to_round.round_to_round_document(r2r_runs))
+        bounds = compute_bounds(contract, errors, resolutions, sens, quanta,
+                                round_to_round=r2r)
 
         step("branches")
         train_np = {k: v.numpy() for k, v in train.items()}
@@ -377,7 +435,8 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
                           for p, runs in control_runs.items()},
             doc=branch_doc, out=out, train=train_np, mask=mask,
             behavior=roll.behavior_logprobs.double().numpy())
-        bounds = compute_bounds(contract, errors, resolutions, sens, quanta)
+        bounds = compute_bounds(contract, errors, resolutions, sens, quanta,
+                                round_to_round=r2r)
         store.atomic_write_json(out / CONTROL_ERRORS_FILE, control_errors_document(errors))
         store.atomic_write_json(out / BOUNDS_FILE, bounds_document(contract, bounds),
                                 schema="bounds")

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -60,6 +60,25 @@ run padded it, ``old`` the ``[B, R]`` round-1 logprobs (actor) or values (critic
 ProbeHook = Callable[[int, nn.Module, "Batch"], contextlib.AbstractContextManager[Any]]
 """``probe(round_, work, micro_batch)``: a context around one micro-batch's forward and backward
 (``qualify diverge`` registers its module hooks on ``work`` there); it must not touch ``.grad``."""
+
+
+Offsets = Mapping[int, torch.Tensor]
+"""``{round: [B, R] offset}`` of the whole (unpadded) batch: added at that round to each
+response token's target logit (actor) or value (critic), FP32 or FP64 (padding columns the
+run adds get none). The perturbed updates of :mod:`qualify.reference.round_to_round`."""
+
+
+def _offset_targets(logits: torch.Tensor, tokens: torch.Tensor,
+                    offset: torch.Tensor) -> torch.Tensor:
+    """``logits`` ``[b, R, V]`` with ``offset[b, t]`` added at ``tokens[b, t]``, upcast first.
+
+    The micro-batch's ``R`` may exceed the offset's (extra right padding): those columns
+    get 0.
+    """
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    full = torch.zeros(tokens.shape, dtype=z.dtype)
+    full[:, :offset.shape[1]] = offset.to(z.dtype)
+    return z.scatter_add(-1, tokens.unsqueeze(-1), full.unsqueeze(-1))
 
 
 def _no_probe(_round: int, _work: nn.Module, _mb: Batch) -> contextlib.AbstractContextManager[Any]:
@@ -428,7 +447,8 @@ def _state_dtypes(optim: torch.optim.Optimizer) -> dict[str, str]:
 
 def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract,
               settings: UpdateSettings, *, on_round: RoundHook | None = None,
-              probe: ProbeHook = _no_probe,
+              probe: ProbeHook = _no_probe, offsets: Offsets | None = None,
+              last_forward: int | None = None,
               ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Run ``rounds`` PPO actor steps on ``batch`` (protocol semantics).
 
@@ -445,6 +465,13 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
         on_round: optional :data:`RoundHook` (the sealed clip-branch contributions of
             :mod:`qualify.reference.branches` use it); it must not touch ``.grad``.
         probe: a :data:`ProbeHook` around each micro-batch's forward and backward.
+        offsets: :data:`Offsets`: at the rounds it names, ``offsets[r][b, t]`` is added to
+            the logit of response token ``t`` of row ``b`` (its target) before the logprob
+            and the entropy are taken (:mod:`qualify.reference.round_to_round`).
+        last_forward: stop after this round's forward: its per-token tensors and losses
+            are returned, its backward and step are not run, and no round records the
+            sensitivities (the perturbed updates of :mod:`qualify.reference.round_to_round`
+            need only those tensors); ``None``: every round in full.
 
     Returns:
         ``(tensors, meta)``: tensors under protocol names (``round{r}/actor/...``), FP32 CPU;
@@ -495,6 +522,8 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
                 with prec.autocast():
                     lg = _forward_response_outputs(model, mb)
                 compute_dtypes.add(str(lg.dtype))
+                if offsets is not None and round_ in offsets:
+                    lg = _offset_targets(lg, mb.responses, offsets[round_][s])
                 logp, ent = _token_logprobs_entropy(lg, mb.responses, temp)
                 old = logp.detach() if round_ == 1 else old_logp[s]
                 if decoupled and round_ == 1:  # proximal policy = this run's own round 1
@@ -527,10 +556,14 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
                 kl = alg.kl_loss_coef * (kl_tok * agg).sum()
                 kl = kl / denom
                 ent_loss = -alg.entropy_coef * (ent * agg).sum() / denom
-                sens.add(round_, {"policy": policy, "kl": kl, "entropy": ent_loss, "total":
-                                  policy + kl + ent_loss}, {"logprobs": logp, "entropy": ent}, s)
-                (policy + kl + ent_loss).backward()
-            prec.collect_grads()
+                if last_forward is None:
+                    sens.add(round_, {"policy": policy, "kl": kl, "entropy": ent_loss, "total":
+                                      policy + kl + ent_loss}, {"logprobs": logp, "entropy": ent},
+                             s)
+                if round_ != last_forward:
+                    (policy + kl + ent_loss).backward()
+            if round_ != last_forward:
+                prec.collect_grads()
             for name, part in (("policy", policy), ("kl", kl), ("entropy", ent_loss)):
                 sums[name] += float(part.detach())
             logp_r[s] = (logp.detach() * mask)
@@ -543,9 +576,12 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
         for term, v in sums.items():
             out[tensor_name(round_, "actor", f"loss/{term}")] = torch.tensor(v)
         out[tensor_name(round_, "actor", "loss/total")] = torch.tensor(sum(sums.values()))
-        sens.grad_norm(round_, actor, batch, settings.micro_batch_size, lambda m, mb:
-                       _token_logprobs_entropy(_forward_response_outputs(m, mb), mb.responses,
-                                               temp)[0])
+        if round_ == last_forward:
+            break
+        if last_forward is None:
+            sens.grad_norm(round_, actor, batch, settings.micro_batch_size, lambda m, mb:
+                           _token_logprobs_entropy(_forward_response_outputs(m, mb),
+                                                   mb.responses, temp)[0])
         if on_round is not None:
             on_round(round_, model, actor, batch, old_logp)
         lrs[f"round{round_}"] = _step("actor", round_, actor, contract, optim=optim, out=out,
@@ -565,7 +601,8 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
 
 def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
                settings: UpdateSettings, *, on_round: RoundHook | None = None,
-               probe: ProbeHook = _no_probe,
+               probe: ProbeHook = _no_probe, offsets: Offsets | None = None,
+               last_forward: int | None = None,
                ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Run ``rounds`` clipped-value-loss critic steps on ``batch`` (protocol semantics).
 
@@ -577,6 +614,9 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
         settings: precision, micro-batching and padding of this run.
         on_round: optional :data:`RoundHook`, as in :func:`run_actor`.
         probe: a :data:`ProbeHook`, as in :func:`run_actor`.
+        offsets: :data:`Offsets`: at the rounds it names, ``offsets[r][b, t]`` is added to
+            the value of response token ``t`` of row ``b``.
+        last_forward: as in :func:`run_actor`.
 
     Returns:
         ``(tensors, meta)`` as :func:`run_actor`, under ``round{r}/critic/...``.
@@ -613,6 +653,8 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
                     v = _forward_response_outputs(model, mb)
                 compute_dtypes.add(str(v.dtype))
                 values = v.to(torch.promote_types(v.dtype, torch.float32)).squeeze(-1)
+                if offsets is not None and round_ in offsets:
+                    values = values + offsets[round_][s].to(values.dtype)
                 old = values.detach() if round_ == 1 else old_values[s]
                 ret = mb.returns.float()
                 clipped = old + torch.clamp(values - old, -alg.value_clip, alg.value_clip)
@@ -620,9 +662,12 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
                 clipped_tokens += float((((clipped - ret).square() > (values - ret).square())
                                          .float() * mask).sum())
                 loss = 0.5 * (vloss * (mask * row_w[s, None])).sum() / denom
-                sens.add(round_, {"value": loss, "total": loss}, {"values": values}, s)
-                loss.backward()
-            prec.collect_grads()
+                if last_forward is None:
+                    sens.add(round_, {"value": loss, "total": loss}, {"values": values}, s)
+                if round_ != last_forward:
+                    loss.backward()
+            if round_ != last_forward:
+                prec.collect_grads()
             total += float(loss.detach())
             values_r[s] = values.detach() * mask
         if round_ == 1:
@@ -631,8 +676,11 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
         out[tensor_name(round_, "critic", "values")] = values_r.float()
         out[tensor_name(round_, "critic", "loss/value")] = torch.tensor(total)
         out[tensor_name(round_, "critic", "loss/total")] = torch.tensor(total)
-        sens.grad_norm(round_, critic, batch, settings.micro_batch_size, lambda m, mb:
-                       _forward_response_outputs(m, mb).float().squeeze(-1))
+        if round_ == last_forward:
+            break
+        if last_forward is None:
+            sens.grad_norm(round_, critic, batch, settings.micro_batch_size, lambda m, mb:
+                           _forward_response_outputs(m, mb).float().squeeze(-1))
         if on_round is not None:
             on_round(round_, model, critic, batch, old_values)
         lrs[f"round{round_}"] = _step("critic", round_, critic, contract, optim=optim,

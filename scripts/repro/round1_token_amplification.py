@@ -25,7 +25,10 @@ token whose round-2 logprob is most sensitive to its own round-1 value. The boun
 measures round-2 per-token noise as the controls' own realisation, whose round-1 noise
 happens to miss that token (the ``attn_impl`` control: 4.6e-5 there in round 1, 0.026 in
 round 2). Not a Megatron defect and not noise the Megatron cell adds: a gap in how round-1
-per-token noise carries into round 2 (``docs/findings.md``, "Open").
+per-token noise carried into round 2, closed by the bound rule's round-to-round term
+(``qualify/reference/round_to_round.py``, which perturbs the same way one token at a time;
+``docs/findings.md``, "Explained: round-2 rows and round-1 noise"). The script prints the
+round-2 entropy change too (variant 12: ``--token 1 1``).
 
 Usage (a sealed reference of the contract, e.g. one ``qualify sweep`` wrote)::
 
@@ -114,22 +117,26 @@ def main() -> None:
                            settings, probe=probe)
         return out
 
-    key1, key2 = "round1/actor/logprobs", "round2/actor/logprobs"
     base = run(0.0)
     r = mask.shape[1]
-    same = torch.equal(base[key2][:, :r], sealed[key2])
+    key = "round2/actor/logprobs"
+    same = torch.equal(base[key][:, :r], sealed[key])
     print(f"unperturbed run equals the sealed {args.lane} reference: {same}")
-    print(f"token ({row}, {pos}): round-1 logprob {float(sealed[key1][row, pos]):.4f}, "
-          f"round-2 {float(sealed[key2][row, pos]):.4f}")
+    for fam in ("logprobs", "entropy"):
+        k1, k2 = f"round1/actor/{fam}", f"round2/actor/{fam}"
+        print(f"token ({row}, {pos}) {fam}: round 1 {float(sealed[k1][row, pos]):.4f}, "
+              f"round 2 {float(sealed[k2][row, pos]):.4f}")
     for delta in args.delta:
         out = run(delta)
-        d1 = float(out[key1][row, pos] - base[key1][row, pos])
-        d2 = (out[key2][:, :r] - base[key2][:, :r]) * mask
-        other = d2.clone()
-        other[row, pos] = 0.0
-        print(f"delta logit {delta:+.4f}: round-1 logprob change {d1:+.5f}, round-2 change "
-              f"{float(d2[row, pos]):+.5f} (other tokens: at most {float(other.abs().max()):.5f})")
-
+        for fam in ("logprobs", "entropy"):
+            k1, k2 = f"round1/actor/{fam}", f"round2/actor/{fam}"
+            d1 = float(out[k1][row, pos] - base[k1][row, pos])
+            d2 = (out[k2][:, :r] - base[k2][:, :r]) * mask
+            other = d2.clone()
+            other[row, pos] = 0.0
+            print(f"delta logit {delta:+.4f}: round-1 {fam} change {d1:+.5f}, round-2 change "
+                  f"{float(d2[row, pos]):+.5f} (other tokens: at most "
+                  f"{float(other.abs().max()):.5f})")
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,223 @@
+"""Tests of the bound rule's round-to-round term (qualify.reference.round_to_round).
+
+The case that motivated it (seed variant 6 of ``contracts/tiny-qwen3.toml``, issue #49,
+``docs/findings.md``): ``megatron-bf16-actor-tp2`` failed one round-2 Actor logprob, token
+``(2, 0)``, error 0.1274 against the bound 0.11275 (``4 x`` the ``attn_impl`` control's
+0.025687 plus the floor 0.01), while its round-1 logprob there was 0.0171 from the reference,
+half the lane's largest round-1 control error (0.033663). That token's round-2 logprob
+responds to its own round-1 value: perturbing it alone by +0.0171 / -0.0174 moved it by
++0.093 / -0.188 (``scripts/repro/round1_token_amplification.py``). The figures below are
+those sealed and measured values; the toy updates have responses known in closed form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qualify.bounds import compute_bounds, judge, lookup
+from qualify.contract import Contract, default_contract_path, load_contract
+from qualify.errors import ReferenceDataError
+from qualify.reference import round_to_round
+from qualify.reference.bound_inputs import recompute_bounds, round_to_round_from_document
+from qualify.reference.update import _offset_targets, _token_logprobs_entropy
+from qualify.resources import repo_root
+from qualify.statistics import ErrorMeasure, MetricKey
+
+CONTRACT = load_contract(default_contract_path())
+LANE = "bf16-castmasters"
+R1, R2 = (MetricKey(round=r, role="actor", family="logprobs") for r in (1, 2))
+
+
+def _err(value: float) -> ErrorMeasure:
+    return ErrorMeasure(value=value, where="(0, 0)", mismatched=0, total=1, max_abs=value,
+                        max_rel=0.0)
+
+
+def _toy_actor(mask: torch.Tensor, p: torch.Tensor, temperature: float,
+               gain: torch.Tensor, flip: tuple[int, int]) -> round_to_round.UpdateFn:
+    """A toy update whose round-2 logprob at each token is ``gain`` times its own round-1
+    logprob change (``offset (1 - p) / T``, what a target-logit offset does to first
+    order) plus 0.5 times the others' (the update is shared), and whose round-2 entropy at
+    ``flip`` drops by 0.25 when that change is negative and no other token moved (a sign
+    flip of the first Adam step that other tokens' gradients can cancel, as on variant 12)."""
+    base2 = torch.arange(mask.numel(), dtype=torch.float32).reshape(mask.shape) * -0.1
+    ent2 = torch.full(mask.shape, 3.0)
+
+    def update(role: str, rounds: int, offsets: Mapping[int, torch.Tensor] | None,
+               ) -> dict[str, torch.Tensor]:
+        assert role == "actor"
+        assert rounds >= 2
+        change = torch.zeros(mask.shape, dtype=torch.float64)
+        if offsets is not None:
+            assert set(offsets) == {1}
+            change = offsets[1] * (1.0 - p.double()) / temperature
+        ent = ent2.clone()
+        others = change.clone()
+        others[flip] = 0.0
+        if change[flip] < 0 and not bool(others.any()):
+            ent[flip] -= 0.25
+        cross = 0.5 * (change.sum() - change)
+        return {"round2/actor/logprobs": base2 + (gain.double() * change + cross).float(),
+                "round2/actor/entropy": ent}
+    return update
+
+
+def test_the_term_is_each_tokens_own_response_at_the_largest_control_error() -> None:
+    """Known answer: 2 sequences, 3 columns, token (1, 2) padding; the largest self gain
+    is 6.0 at (0, 1), so the logprob term is 6 e (the cross term moves only the other
+    tokens); the entropy term is the flip, 0.25 at (1, 0), reached only by the negative
+    perturbation of that token alone (perturbing its column, (0, 0) too, misses it);
+    2 x 5 perturbed updates, one per valid token and sign."""
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    p = torch.tensor([[0.5, 0.2, 0.9], [0.1, 0.3, 0.99]])
+    gain = torch.tensor([[1.0, 6.0, 2.0], [0.5, 3.0, 100.0]])  # (1, 2) is padding
+    e, temperature = 0.03, 0.7
+    got = round_to_round.measure(
+        _toy_actor(mask, p, temperature, gain, (1, 0)), roles=["actor"], rounds=2,
+        sizes={(1, "actor"): e}, mask=mask, logprobs={1: p.log()}, temperature=temperature)
+    lp = got[MetricKey(round=2, role="actor", family="logprobs")]
+    ent = got[MetricKey(round=2, role="actor", family="entropy")]
+    assert lp.value == pytest.approx(6.0 * e, rel=1e-6)
+    assert lp.where == "(0, 1)"
+    assert (lp.perturbation, lp.runs) == (e, 10)
+    assert ent.value == pytest.approx(0.25)
+    assert ent.where == "(1, 0)"
+
+
+def test_a_target_near_certainty_is_perturbed_by_at_most_the_size() -> None:
+    """Where ``p > 15/16`` the logit offset is capped (``1 - p >= 1/16``): the first-order
+    logprob change is ``e (1 - p) * 16 < e`` there, never more than ``e``."""
+    mask = torch.tensor([[1]])
+    p = torch.tensor([[0.99]])
+    got = round_to_round.measure(
+        _toy_actor(mask, p, 1.0, torch.tensor([[1.0]]), (0, 0)), roles=["actor"], rounds=2,
+        sizes={(1, "actor"): 0.04}, mask=mask, logprobs={1: p.log()}, temperature=1.0)
+    assert got[R2].value == pytest.approx(0.04 * 0.01 * 16, rel=1e-5)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.floats(-30, 0.0), st.floats(1e-4, 0.05), st.floats(0.3, 1.5))
+def test_the_target_logit_offset_moves_the_logprob_by_the_size(logp: float, e: float,
+                                                               temperature: float) -> None:
+    """The offset the term applies, through the update's own logprob formula, moves the
+    target's logprob by ``e`` to first order (``p <= 15/16``; a 3-token vocabulary whose
+    target has logprob ``logp`` at temperature ``T``): the scaled offset is
+    ``u = e / (1 - p)`` and ``log sigmoid`` has curvature at most 1/4, so the change is
+    within ``u^2 / 8`` of ``e``."""
+    p = min(math.exp(logp), 0.9)
+    rest = (1.0 - p) / 2
+    logits = torch.tensor([[[math.log(p), math.log(rest), math.log(rest)]]],
+                          dtype=torch.float64) * temperature
+    tokens = torch.tensor([[0]])
+    offs = round_to_round._offsets("actor", 1.0, e, (0, 0), shape=(1, 1),
+                                   logprobs=torch.tensor([[math.log(p)]]),
+                                   temperature=temperature)
+    before, _ = _token_logprobs_entropy(logits, tokens, temperature)
+    after, _ = _token_logprobs_entropy(_offset_targets(logits, tokens, offs), tokens,
+                                       temperature)
+    u = e / (1.0 - p)
+    assert abs(float(after - before) - e) <= u * u / 8 + 1e-12
+
+
+def test_no_control_error_runs_nothing() -> None:
+    def update(*_: object) -> dict[str, torch.Tensor]:
+        raise AssertionError("no perturbed update expected")
+    got = round_to_round.measure(update, roles=["critic"], rounds=3, sizes={},
+                                 mask=torch.ones(1, 2), logprobs={}, temperature=1.0)
+    assert {k.label: r.value for k, r in got.items()} == {"round2/critic/values": 0.0,
+                                                           "round3/critic/values": 0.0}
+
+
+def test_the_size_is_the_largest_control_error_of_the_perturbed_round() -> None:
+    errors = {"attn_impl": {R1: _err(0.0337), R2: _err(0.9)},
+              "row_split": {R1: _err(0.0336)}, "microbatch": {}}
+    assert round_to_round.perturbation_size(errors, errors, 1, "actor") == 0.0337
+    assert round_to_round.perturbation_size(errors, ["row_split"], 1, "actor") == 0.0336
+    assert round_to_round.perturbation_size(errors, errors, 1, "critic") == 0.0
+
+
+def _bounds(r2r: float | None) -> tuple[float, float]:
+    """Variant 6's sealed round-1 / round-2 BF16 Actor logprob control errors, bounded."""
+    errors = {LANE: {name: {R1: _err(0.033663), R2: _err(0.025687)}
+                     for name in ("attn_impl", "microbatch", "row_split")}}
+    terms = None if r2r is None else {LANE: {R2: r2r}}
+    bounds = compute_bounds(CONTRACT, errors, round_to_round=terms)
+    got = [lookup(bounds, precision=LANE, klass=c, key=k)
+           for c in ("candidate_vs_hf_tp", "tp_vs_tp1") for k in (R1, R2)]
+    assert all(b is not None for b in got)
+    r1, r2 = (b.bound for b in got[:2] if b is not None)
+    assert [b.bound for b in got[2:] if b is not None] == [r1, r2]  # the same in each class
+    return r1, r2
+
+
+def test_variant6_false_alarm_is_removed_and_the_term_keeps_its_k() -> None:
+    """Old rule: 0.1274 > 0.11275 at (2, 0) FAILs. With the term the measured response of
+    that token to the lane's largest round-1 control error (the figure this change
+    measured on the variant, 0.29878) enters the max and takes ``k``; round 1 is unchanged.
+    An error of ``k + 1`` times the response still FAILs."""
+    r1_old, r2_old = _bounds(None)
+    assert judge(0.12740016, r2_old)[0] == "FAIL"
+    r1_new, r2_new = _bounds(0.29878)
+    assert r1_new == r1_old
+    assert r2_new == pytest.approx(4.0 * 0.29878 + 0.01)
+    assert judge(0.12740016, r2_new)[0] == "PASS"
+    assert judge(5.0 * 0.29878, r2_new)[0] == "FAIL"
+    # A response below the control error changes nothing.
+    assert _bounds(0.01)[1] == r2_old
+
+
+def test_the_sealed_document_round_trips_and_bad_entries_are_refused() -> None:
+    key = MetricKey(round=2, role="critic", family="values")
+    doc = round_to_round.round_to_round_document(
+        {LANE: {key: round_to_round.Response(value=0.25, where="(1, 0)", perturbation=0.03,
+                                             runs=6)}})
+    assert round_to_round_from_document(doc) == {LANE: {key: 0.25}}
+    for bad in ({LANE: {"round1/actor/logprobs": {"value": 0.1}}},
+                {LANE: {"round2/actor/grads": {"value": 0.1}}},
+                {LANE: {"round2/actor/logprobs": {"value": -1.0}}},
+                {LANE: {"round2/actor/logprobs": {"value": "nan"}}}, [1]):
+        with pytest.raises(ReferenceDataError, match=r"round_to_round\.json"):
+            round_to_round_from_document(bad)
+
+
+COMMITTED_REF = next((repo_root() / "references").glob("tiny-qwen3-*"))
+
+
+def test_a_sealed_term_is_recomputed_and_a_contract_that_asks_for_it_needs_it(
+        tmp_path: Path) -> None:
+    """``recompute_bounds`` (verify's step 9) reads ``round_to_round.json``: a term there
+    widens exactly the round-2 rows it names (``k x max(...)``, bit for bit), and a contract
+    with ``[bounds] round_to_round`` whose reference lacks the file is refused."""
+    ref = shutil.copytree(COMMITTED_REF, tmp_path / "ref")
+    before = {(b.precision, b.klass, b.key.label): b for b in recompute_bounds(ref)}
+    on = dataclasses.replace(CONTRACT, bounds=dataclasses.replace(CONTRACT.bounds,
+                                                                  round_to_round=True))
+    on_ref = dataclasses.replace(Contract.from_dict(json.loads(
+        (ref / "contract.json").read_text()), path=ref / "contract.json"),
+        bounds=on.bounds)
+    with pytest.raises(ReferenceDataError, match=r"round_to_round\.json: missing"):
+        recompute_bounds(ref, on_ref)
+    (ref / "round_to_round.json").write_text(json.dumps(
+        {LANE: {"round2/actor/logprobs": {"value": 0.5, "where": "(2, 0)",
+                                          "perturbation": 0.03, "runs": 84}}}))
+    after = {(b.precision, b.klass, b.key.label): b for b in recompute_bounds(ref, on_ref)}
+    assert after.keys() == before.keys()
+    changed = {k for k in after if after[k] != before[k]}
+    assert changed == {(LANE, c, "round2/actor/logprobs")
+                       for c in ("candidate_vs_hf", "tp_vs_tp1", "candidate_vs_hf_tp")}
+    for k in changed:
+        b = after[k]
+        assert b.round_to_round == 0.5
+        assert b.bound == b.k * max(b.control_error, b.resolution, b.propagated, 0.5) + \
+            b.quantum + b.floor
+        assert b.bound > before[k].bound
