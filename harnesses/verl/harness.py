@@ -275,6 +275,8 @@ class _StepTap:
         self.engine.optimizer_step = step
 
     def around(self, inner: Callable[[], float]) -> float:
+        from qualify_harness import optim as sdk_optim
+
         from harnesses.fsdp2 import parallelize
         from harnesses.fsdp2 import state_dict_adapter as sda
 
@@ -295,7 +297,7 @@ class _StepTap:
         rec.put(r, "grad_norm", torch.tensor(float(norm)))
         rec.put(r, "clip_coef", torch.tensor(num / den if den > 0 else 1.0))
         for key in ("exp_avg", "exp_avg_sq"):
-            rec.state_dtypes[key] |= sda.state_dtypes(opt, key)
+            rec.state_dtypes[key] |= sdk_optim.state_dtypes(opt, key)
             for name, t in sda.full_optimizer_state(module, opt, key).items():
                 rec.put(r, key, t, name)
         for name, after in sda.full_params(module).items():
