@@ -50,7 +50,7 @@ def _newest(pattern: str, base: Path) -> Path:
 
 COMMITTED_RUN: Final = _newest("2*Z", ROOT / "evidence" / "tiny-qwen3")
 """The committed default run (the newest run directory under ``evidence/tiny-qwen3/``)."""
-COMMITTED_REFERENCE: Final = _newest("tiny-qwen3-*", ROOT / "references")
+COMMITTED_REFERENCE: Final = _newest("tiny-qwen3-" + "[0-9a-f]" * 12, ROOT / "references")
 """The committed default reference."""
 CELL: Final = "torch_tp-fp32-actor-tp1"
 MEDIUM: Final = 4

@@ -40,6 +40,7 @@ from test_verify import (
     world,
 )
 
+from qualify.contract import load_contract
 from qualify.errors import BoundsMismatchError, ExitCode, SealOrderError
 from qualify.evidence import sign as signing
 from qualify.evidence import store
@@ -50,7 +51,8 @@ from qualify.reference.bound_inputs import recompute_bounds
 __all__ = ["signed_world", "world"]  # shared fixtures
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMITTED = next((ROOT / "references").glob("tiny-qwen3-*"))
+COMMITTED = ROOT / "references" / (
+    f"tiny-qwen3-{load_contract(ROOT / 'contracts' / 'tiny-qwen3.toml').digest12}")
 PRE_REDESIGN = ROOT / "tests" / "fixtures" / "pre_redesign"
 NUMBERS = ("bound", "control_error", "floor", "k", *TERMS)
 

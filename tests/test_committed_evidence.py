@@ -79,7 +79,8 @@ def test_the_committed_evidence_is_there_and_gates_green(
         shared_gate: Path, committed: Path) -> None:
     runs = _runs()
     assert len(runs) == 1, f"keep exactly one committed tiny-qwen3 run: {runs}"
-    assert list((ROOT / "references").glob("tiny-qwen3-*")), "no committed reference"
+    assert list((ROOT / "references").glob("tiny-qwen3-" + "[0-9a-f]" * 12)), \
+        "no committed reference"
     rc = int((shared_gate / "rc.txt").read_text())  # qualify gate EVIDENCE --contract C
     out = (shared_gate / "out.txt").read_text()
     assert rc == ExitCode.OK, out

@@ -190,7 +190,8 @@ def test_the_sealed_document_round_trips_and_bad_entries_are_refused() -> None:
             round_to_round_from_document(bad)
 
 
-COMMITTED_REF = next((repo_root() / "references").glob("tiny-qwen3-*"))
+COMMITTED_REF = repo_root() / "references" / (
+    f"tiny-qwen3-{load_contract(repo_root() / 'contracts' / 'tiny-qwen3.toml').digest12}")
 
 
 def test_a_sealed_term_is_recomputed_and_a_contract_that_asks_for_it_needs_it(
