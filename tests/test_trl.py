@@ -15,18 +15,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from stack_runs import Runs, require_venv, run_contracts
 
 from qualify.candidate.stage import run_candidate_stage
 from qualify.compare.stage import compare_run
 from qualify.contract import load_contract
-from qualify.errors import ExitCode
 from qualify.evidence import store
 from qualify.resources import contracts_dir, repo_root
 
@@ -39,46 +36,13 @@ LOSS_SPLIT = "total compared; entropy, kl, policy declared not reported: GRPOTra
 """How the ``where`` of a ``losses`` row of a TRL cell starts after its worst term."""
 pytestmark = pytest.mark.slow  # minutes: a reference stage and TRL launches per contract
 
-if not PYTHON.is_file():
-    if os.environ.get("QUALIFY_REQUIRE_TRL") == "1":
-        pytest.fail(f"QUALIFY_REQUIRE_TRL=1 but {PYTHON} is absent: run scripts/install_trl.sh",
-                    pytrace=False)
-    pytest.skip(f"{PYTHON} absent (scripts/install_trl.sh builds it)", allow_module_level=True)
-
-
-def _env(tmp: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "QUALIFY_LAUNCHER_TRL"}
-    return {**env, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
-            "XDG_CONFIG_HOME": str(tmp / "config"), "QUALIFY_SIGNING_KEY": "",
-            "QUALIFY_SIGNING_KEY_FILE": str(tmp / "k.pem")}
-
-
-def _qualify(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "qualify", *args], capture_output=True,
-                          text=True, check=False, env=env, cwd=ROOT)
+require_venv("trl", PYTHON)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, float]]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     """contract name -> (its sealed reference, its run directory, wall seconds of the run)."""
-    tmp = tmp_path_factory.mktemp("trl")
-    env = _env(tmp)
-    keygen = _qualify("keygen", "--private-key", str(tmp / "k.pem"), "--public-dir",
-                      str(tmp / "keys"), env=env)
-    assert keygen.returncode == 0, keygen.stderr
-    out: dict[str, tuple[Path, Path, float]] = {}
-    for name in CONTRACTS:
-        t0 = time.perf_counter()
-        # the relative interpreter path, as the README writes it (resolved where qualify runs)
-        proc = _qualify("run", str(contracts_dir() / f"{name}.toml"), "--launcher",
-                        f"trl={os.path.relpath(PYTHON, ROOT)}", "--references",
-                        str(tmp / "refs"), "--evidence", str(tmp / "ev"), "--quiet", env=env)
-        wall = time.perf_counter() - t0
-        assert proc.returncode in (ExitCode.OK, ExitCode.QUALIFICATION_FAILED), proc.stderr
-        (ref,) = (tmp / "refs").glob(f"{name}-*")
-        (run,) = (tmp / "ev" / name).glob("2*[0-9]Z")
-        out[name] = (ref, run, wall)
-    return out
+    return run_contracts("trl", PYTHON, CONTRACTS, tmp_path_factory.mktemp("trl"))
 
 
 def _report(run: Path) -> dict[str, Any]:
@@ -88,7 +52,7 @@ def _report(run: Path) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", CONTRACTS)
 def test_trl_cells_pass_every_row_they_run(name: str,
-                                           runs: dict[str, tuple[Path, Path, float]]) -> None:
+                                           runs: Runs) -> None:
     _, run, wall = runs[name]
     report = _report(run)
     cells = {c["cell"]: c for c in report["cells"]}
@@ -119,7 +83,7 @@ def test_trl_cells_pass_every_row_they_run(name: str,
 @pytest.mark.parametrize("fault", ["completion_mask_shifted", "temperature_not_passed",
                                    "advantages_negated"])
 def test_a_planted_translation_fault_fails_the_cell(
-        fault: str, runs: dict[str, tuple[Path, Path, float]], tmp_path: Path,
+        fault: str, runs: Runs, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     ref, _, _ = runs["tiny-qwen3-trl"]
     monkeypatch.setenv("QUALIFY_LAUNCHER_TRL", str(PYTHON))
@@ -136,7 +100,7 @@ def test_a_planted_translation_fault_fails_the_cell(
 @pytest.mark.skipif(importlib.util.find_spec("trl") is not None,
                     reason="trl importable in qualify's own environment")
 def test_without_a_trl_interpreter_the_cells_are_not_run_naming_the_install_script(
-        runs: dict[str, tuple[Path, Path, float]], tmp_path: Path,
+        runs: Runs, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     ref, _, _ = runs["tiny-qwen3-trl"]
     monkeypatch.delenv("QUALIFY_LAUNCHER_TRL", raising=False)

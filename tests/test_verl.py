@@ -15,18 +15,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from stack_runs import Runs, require_venv, run_contracts
 
 from qualify.candidate.stage import run_candidate_stage
 from qualify.compare.stage import compare_run
 from qualify.contract import load_contract
-from qualify.errors import ExitCode
 from qualify.evidence import store
 from qualify.resources import contracts_dir, repo_root
 
@@ -41,46 +38,13 @@ CELLS = tuple(f"verl-{p}-{r}-tp1-dp{d}" for p in ("fp32", "bf16") for r in ("act
 FAULT_CELL = "verl-fp32-actor-tp1-dp1"
 pytestmark = pytest.mark.slow  # minutes: a reference stage and 4 verl launches per contract
 
-if not PYTHON.is_file():
-    if os.environ.get("QUALIFY_REQUIRE_VERL") == "1":
-        pytest.fail(f"QUALIFY_REQUIRE_VERL=1 but {PYTHON} is absent: run scripts/install_verl.sh",
-                    pytrace=False)
-    pytest.skip(f"{PYTHON} absent (scripts/install_verl.sh builds it)", allow_module_level=True)
-
-
-def _env(tmp: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "QUALIFY_LAUNCHER_VERL"}
-    return {**env, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
-            "XDG_CONFIG_HOME": str(tmp / "config"), "QUALIFY_SIGNING_KEY": "",
-            "QUALIFY_SIGNING_KEY_FILE": str(tmp / "k.pem")}
-
-
-def _qualify(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "qualify", *args], capture_output=True,
-                          text=True, check=False, env=env, cwd=ROOT)
+require_venv("verl", PYTHON)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, float]]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     """contract name -> (its sealed reference, its run directory, wall seconds of the run)."""
-    tmp = tmp_path_factory.mktemp("verl")
-    env = _env(tmp)
-    keygen = _qualify("keygen", "--private-key", str(tmp / "k.pem"), "--public-dir",
-                      str(tmp / "keys"), env=env)
-    assert keygen.returncode == 0, keygen.stderr
-    out: dict[str, tuple[Path, Path, float]] = {}
-    for name in CONTRACTS:
-        t0 = time.perf_counter()
-        # the relative interpreter path, as the README writes it (resolved where qualify runs)
-        proc = _qualify("run", str(contracts_dir() / f"{name}.toml"), "--launcher",
-                        f"verl={os.path.relpath(PYTHON, ROOT)}", "--references",
-                        str(tmp / "refs"), "--evidence", str(tmp / "ev"), "--quiet", env=env)
-        wall = time.perf_counter() - t0
-        assert proc.returncode in (ExitCode.OK, ExitCode.QUALIFICATION_FAILED), proc.stderr
-        (ref,) = (tmp / "refs").glob(f"{name}-[0-9a-f]*")
-        (run,) = (tmp / "ev" / name).glob("2*[0-9]Z")
-        out[name] = (ref, run, wall)
-    return out
+    return run_contracts("verl", PYTHON, CONTRACTS, tmp_path_factory.mktemp("verl"))
 
 
 def _report(run: Path) -> dict[str, Any]:
@@ -90,7 +54,7 @@ def _report(run: Path) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", sorted(CONTRACTS))
 def test_verl_cells_pass_every_row(name: str,
-                                   runs: dict[str, tuple[Path, Path, float]]) -> None:
+                                   runs: Runs) -> None:
     _, run, wall = runs[name]
     report = _report(run)
     cells = {c["cell"]: c for c in report["cells"]}
@@ -114,7 +78,7 @@ def test_verl_cells_pass_every_row(name: str,
 
 @pytest.mark.parametrize("fault", ["response_mask_shifted", "advantages_unnormalised"])
 def test_a_planted_translation_fault_fails_the_cell(
-        fault: str, runs: dict[str, tuple[Path, Path, float]], tmp_path: Path,
+        fault: str, runs: Runs, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     ref, _, _ = runs[CONTRACT]
     monkeypatch.setenv("QUALIFY_LAUNCHER_VERL", str(PYTHON))
@@ -132,7 +96,7 @@ def test_a_planted_translation_fault_fails_the_cell(
 @pytest.mark.skipif(importlib.util.find_spec("verl") is not None,
                     reason="verl importable in qualify's own environment")
 def test_without_a_verl_interpreter_the_cells_are_not_run_naming_the_install_script(
-        runs: dict[str, tuple[Path, Path, float]], tmp_path: Path,
+        runs: Runs, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     ref, _, _ = runs[CONTRACT]
     monkeypatch.delenv("QUALIFY_LAUNCHER_VERL", raising=False)
