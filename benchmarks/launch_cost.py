@@ -44,44 +44,18 @@ MECHANISMS: Final[dict[str, dict[str, Any]]] = {
         "off": {"QUALIFY_LAUNCHER": "torchrun"},
         "files": ["qualify/candidate/warm.py"], "functions": [],
         "what": "one interpreter imports the harness once and forks every rank (off: "
-                "torchrun; zygotes and prestarts need it, so they are off too)"},
-    "zygote": {
-        "off": {"QUALIFY_ZYGOTE": "0"},
-        "files": ["qualify/candidate/zygote.py", "qualify/candidate/owner.py"],
-        "functions": ["qualify.candidate.zygote_pool:Zygote",
-                      "qualify.candidate.zygote_pool:own_command",
-                      "qualify.candidate.zygote_pool:stop_all"],
-        "what": "a warm interpreter kept between launches of one harness (off: each launch "
-                "imports again; the prestarts need it, so they are off too)"},
-    "zygote pool": {
-        "off": {}, "on": {"QUALIFY_ZYGOTE_DIR": "{pool}"},
-        "files": ["qualify/candidate/zygote_pool.py"],
-        "minus_functions": ["qualify.candidate.zygote_pool:Zygote",
-                            "qualify.candidate.zygote_pool:own_command",
-                            "qualify.candidate.zygote_pool:stop_all"],
-        "functions": [],
-        "what": "zygotes shared by the processes of a session (QUALIFY_ZYGOTE_DIR; the "
-                "default run does not set it: measured with it set to a new pool)"},
-    "stage prestart": {
-        "off": {"QUALIFY_PRESTART": "0"},
-        "files": [], "functions": ["qualify.candidate.launch:prestart"],
-        "what": "the candidate stage starts every engine's zygote at its start (off: also "
-                "ahead, which calls it)"},
-    "ahead": {
-        "off": {"QUALIFY_AHEAD": "0"},
-        "files": ["qualify/candidate/ahead.py"], "functions": [],
-        "what": "qualify run starts the trainer zygotes before it imports torch"},
+                "torchrun)"},
     "beside": {
         "off": {"QUALIFY_JOBS": "1"},
         "files": ["qualify/candidate/beside.py"], "functions": [],
         "what": "the sampler cells run beside the trainer launches (two launches at once)"},
 }
-"""Each mechanism: the environment that turns it off (or, ``on``, on), its modules, the
-functions of other modules that are its lines, and what it does."""
+"""Each mechanism: the environment that turns it off, its modules, the functions of other
+modules that are its lines, and what it does."""
 
 
 def lines_of(spec: Mapping[str, Any]) -> int:
-    """``wc -l`` of the mechanism's files, plus its functions' lines, minus ``minus_functions``."""
+    """``wc -l`` of the mechanism's files, plus its functions' lines."""
     import importlib
 
     def fn_lines(ref: str) -> int:
@@ -89,8 +63,7 @@ def lines_of(spec: Mapping[str, Any]) -> int:
         return len(inspect.getsourcelines(getattr(importlib.import_module(mod), attr))[0])
 
     total = sum(len((ROOT / f).read_text(encoding="utf-8").splitlines()) for f in spec["files"])
-    total += sum(fn_lines(r) for r in spec["functions"])
-    return total - sum(fn_lines(r) for r in spec.get("minus_functions", []))
+    return total + sum(fn_lines(r) for r in spec["functions"])
 
 
 def one_run(name: str, env_over: Mapping[str, str], *, references: Path, evidence: Path
@@ -129,12 +102,7 @@ def measure(rounds: int, references: Path, work: Path, *, from_nothing: bool,
     for r in range(rounds):
         shift = r % len(configs)
         for name in configs[shift:] + configs[:shift]:
-            spec = MECHANISMS.get(name, {})
-            pool = work / f"pool-{r}-{name.replace(' ', '_')}"
-            over = {k: v.format(pool=pool) for k, v in
-                    (spec.get("on", {}) if "on" in spec else spec.get("off", {})).items()}
-            if "on" in spec:
-                pool.mkdir(mode=0o700)
+            over = dict(MECHANISMS.get(name, {}).get("off", {}))
             row = one_run(name, over, references=references,
                           evidence=work / f"ev-{r}-{name.replace(' ', '_')}")
             row["round"] = r + 1
@@ -166,14 +134,10 @@ def summarize(runs: list[dict[str, Any]], names: Sequence[str]
         if not mine:
             continue
         # saved = (mechanism off) - (mechanism on), paired within each round
-        if "on" in spec:
-            pairs = [(base[r["round"]]["wall_s"], r["wall_s"]) for r in mine]
-        else:
-            pairs = [(r["wall_s"], base[r["round"]]["wall_s"]) for r in mine]
+        pairs = [(r["wall_s"], base[r["round"]]["wall_s"]) for r in mine]
         saved = [off - on for off, on in pairs]
         table.append({"mechanism": name, "lines": lines_of(spec),
-                      "switch_off": ("unset " + " ".join(spec["on"]) if "on" in spec else
-                                     " ".join(f"{k}={v}" for k, v in spec["off"].items())),
+                      "switch_off": " ".join(f"{k}={v}" for k, v in spec["off"].items()),
                       "saved_s": sum(saved) / len(saved),
                       "saved_s_each_round": ", ".join(f"{s:.1f}" for s in saved),
                       "ratio_off_on": sum(off / on for off, on in pairs) / len(pairs),

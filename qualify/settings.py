@@ -184,20 +184,6 @@ SETTINGS: Final[tuple[Setting, ...]] = (
             meaning="the interpreter of one engine's ranks, site-specific: a python (a "
                     "venv's bin/python) or a command prefix ending in one (apptainer exec "
                     "IMAGE python3); `--launcher ENGINE=CMD` sets it for one command"),
-    Setting(name="QUALIFY_ZYGOTE_DIR", commands=_LAUNCHING, check=_launch,
-            meaning="the shared zygote pool: an absolute path, this user's, mode 0700"),
-    Setting(name="QUALIFY_ZYGOTE_OWNER", commands=_LAUNCHING, check=_launch,
-            meaning="the process id the pool's zygotes outlive no longer than"),
-    Setting(name="QUALIFY_ZYGOTE_IDLE_S", commands=_LAUNCHING, check=_launch,
-            meaning="idle seconds before a pool zygote ends: a positive number"),
-    Setting(name="QUALIFY_ZYGOTE", commands=_LAUNCHING, check=_flag("QUALIFY_ZYGOTE"),
-            meaning="0 disables the zygote launcher, 1 (default) enables it"),
-    Setting(name="QUALIFY_PRESTART", commands=_LAUNCHING, check=_flag("QUALIFY_PRESTART"),
-            meaning="0 disables starting the next launch's ranks early, 1 (default) "
-                    "enables it"),
-    Setting(name="QUALIFY_AHEAD", commands=frozenset({"run"}), check=_flag("QUALIFY_AHEAD"),
-            meaning="0 disables starting the trainer zygotes before the reference is read "
-                    "(qualify run), 1 (default) enables it"),
     Setting(name="QUALIFY_DEVICE", commands=_LAUNCHING, check=_device,
             meaning="cpu runs the ranks on CPU even with CUDA present; cuda (default when "
                     "present)"),

@@ -22,18 +22,11 @@ artifacts (:data:`FIRST`) start at once, one on each worker; then the other expe
 modules, longest first (:data:`COST_S`); then the modules that read what :data:`FIRST`
 built (:data:`AFTER_BUILDERS`: by then it is there, nobody waits); then the single tests,
 those of the costlier modules first, so that the cheapest fill the end of both workers.
-
-The whole session shares one zygote pool (:func:`pytest_configure`,
-:mod:`qualify.candidate.zygote_pool`): both workers and every ``qualify`` process a test
-starts hand their warm launches to the same warm interpreters.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import Any
 
 import pytest
@@ -138,36 +131,3 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return OneWorkerModules(config, log)
 
 
-_POOL = pytest.StashKey[str]()
-POOL_IDLE_S = "60"
-"""A pool zygote of the suite waits this long for its next launch (one-off keys, such as a
-fake harness in a test's own directory, do not linger)."""
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """On the controller (or a run without xdist): make the session's zygote pool.
-
-    ``QUALIFY_ZYGOTE_DIR`` (a 0700 temp dir), ``QUALIFY_ZYGOTE_OWNER`` (this process: a
-    killed session's zygotes end on their own) and ``QUALIFY_ZYGOTE_IDLE_S`` go into the
-    environment the workers and every child inherit. Left alone when the caller set
-    ``QUALIFY_ZYGOTE_DIR`` (to a pool of theirs, or empty: zygotes of each process, no
-    pool) or ``QUALIFY_ZYGOTE=0``.
-    """
-    if hasattr(config, "workerinput") or "QUALIFY_ZYGOTE_DIR" in os.environ \
-            or os.environ.get("QUALIFY_ZYGOTE") == "0":
-        return
-    pool = tempfile.mkdtemp(prefix="qualify-zygotes-")
-    os.environ.update({"QUALIFY_ZYGOTE_DIR": pool, "QUALIFY_ZYGOTE_OWNER": str(os.getpid()),
-                       "QUALIFY_ZYGOTE_IDLE_S": POOL_IDLE_S})
-    config.stash[_POOL] = pool
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    """End the session's pool zygotes (their launches in flight too) and remove the pool."""
-    pool = config.stash.get(_POOL, None)
-    if pool is None:
-        return
-    from qualify.candidate.zygote_pool import stop_pool
-
-    stop_pool(Path(pool))
-    shutil.rmtree(pool, ignore_errors=True)

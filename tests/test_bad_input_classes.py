@@ -153,13 +153,6 @@ ENV = [
         ("QUALIFY_RDZV_ENDPOINT", ":29500", _CANDIDATE, {"QUALIFY_LAUNCHER": "srun"}),
         ("QUALIFY_NNODES", "0", _CANDIDATE, {}),
         ("QUALIFY_NNODES", "two", f"diverge {RUN} {CELL} --out T/ev", {}),
-        ("QUALIFY_ZYGOTE_DIR", "relative/pool", _CANDIDATE, {}),
-        ("QUALIFY_ZYGOTE_DIR", "T/file", _CANDIDATE, {}),
-        ("QUALIFY_ZYGOTE_OWNER", "me", _CANDIDATE, {}),
-        ("QUALIFY_ZYGOTE_IDLE_S", "-1", _CANDIDATE, {}),
-        ("QUALIFY_ZYGOTE", "yes", _CANDIDATE, {}),
-        ("QUALIFY_PRESTART", "2", _CANDIDATE, {}),
-        ("QUALIFY_AHEAD", "2", "run --evidence T/ev", {}),
         ("QUALIFY_DEVICE", "gpu", _CANDIDATE, {}),
         ("QUALIFY_LAUNCHER_TORCH_TP", "T/absent/python", _CANDIDATE, {}),
         ("QUALIFY_LAUNCHER_TORCH_TP", "'unbalanced", "run --evidence T/ev", {}),
@@ -172,6 +165,13 @@ ENV = [
         ("QUALIFY_CRASH_AT", "explode", "validate", {}),
         ("QUALIFY_CRASH_AT", "write:relative/path", "audit T/dir", {}),
         ("QUALIFY_ALLOW_DIRTY", "yes", f"submit {CONTRACT}", {}),
+        ("QUALIFY_ALLOW_DIRTY", "true", f"submit {CONTRACT}", {}),
+        ("QUALIFY_DEVICE", "CUDA", "run --evidence T/ev", {}),
+        ("QUALIFY_JOBS", "-1", _CANDIDATE, {}),
+        ("QUALIFY_NNODES", "1.5", "run --evidence T/ev", {}),
+        ("QUALIFY_LAUNCHER", "torchrun ", "run --evidence T/ev", {}),
+        ("QUALIFY_LAUNCHER_TORCH_TP", "T/dir", _CANDIDATE, {}),
+        ("QUALIFY_SCRATCH_DIR", "relative/scratch", "reference --out T/ev", {}),
     ]
 ]
 

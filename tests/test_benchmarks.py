@@ -195,22 +195,22 @@ def test_a_launchs_compute_is_its_busiest_ranks(tmp_path: Path, case: str,
 
 
 def test_launch_cost_pairs_each_mechanism_with_its_rounds_all_on_run() -> None:
-    """``saved_s`` is (off - on) paired within a round (a pool is on when set), the ratio is
-    off / on, and a run whose verdicts differ from its round's all-on run is flagged."""
+    """``saved_s`` is (off - on) paired within a round, the ratio is off / on, and a run
+    whose verdicts differ from its round's all-on run is flagged."""
     from benchmarks import launch_cost
 
     def row(config: str, rnd: int, wall: float, verdict: str = "PASS") -> dict[str, Any]:
         return {"config": config, "round": rnd, "wall_s": wall, "rc": 0, "env": "",
                 "load_1m_at_start": 0.0, "verdicts": {"c": verdict}}
 
-    runs = [row("all on", 1, 100.0), row("warm launcher", 1, 150.0), row("zygote pool", 1, 90.0),
+    runs = [row("all on", 1, 100.0), row("warm launcher", 1, 150.0), row("beside", 1, 90.0),
             row("all on", 2, 200.0), row("warm launcher", 2, 250.0, "FAIL")]
-    table, runs_df, notes = launch_cost.summarize(runs, ["warm launcher", "zygote pool"])
+    table, runs_df, notes = launch_cost.summarize(runs, ["warm launcher", "beside"])
     got = table.set_index("mechanism")
     assert got.loc["warm launcher", "saved_s"] == pytest.approx(50.0)
     assert got.loc["warm launcher", "ratio_off_on"] == pytest.approx((1.5 + 1.25) / 2)
     assert not got.loc["warm launcher", "verdicts_same"]
-    assert got.loc["zygote pool", "saved_s"] == pytest.approx(10.0)  # on: 90 s, off: 100 s
-    assert got.loc["zygote pool", "verdicts_same"]
+    assert got.loc["beside", "saved_s"] == pytest.approx(-10.0)  # off: 90 s, on: 100 s
+    assert got.loc["beside", "verdicts_same"]
     assert notes
     assert list(runs_df["same_verdicts"]) == [True, True, True, True, False]

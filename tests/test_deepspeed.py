@@ -450,10 +450,10 @@ def test_logprobs_and_entropy_match_a_hand_softmax() -> None:
 
 def test_the_warm_imports_hold_zeros_lazy_import() -> None:
     """Every ZeRO ``deepspeed.initialize`` imports the Muon module lazily (1.9 s per rank
-    here): the spec's ``warm_imports`` name it, so the zygote imports it once, before the
-    fork. Fails when DeepSpeed moves that import (the preload would then be dead weight)
+    here): the spec's ``warm_imports`` name it, so the warm launcher imports it once, before
+    the fork. Fails when DeepSpeed moves that import (the preload would then be dead weight)
     or when a warm import no longer imports. In a child: importing DeepSpeed sets
-    environment variables this worker's zygote keys must not see."""
+    environment variables this test worker must not keep."""
     code = textwrap.dedent("""
         import inspect
         from deepspeed.runtime.zero import utils

@@ -13,9 +13,7 @@ topologies runs the FP32 cells of both topologies and a BF16 a2c1 cell between t
 order A, M, B and in the order B, M, A, and each cell's outputs are bitwise the same either
 way. The same A, M, B launch under torchrun (fresh interpreters) gives bitwise the warm
 launcher's outputs too (the launcher half of tests/test_warm_launch.py for these engines:
-one launch fewer per engine than two files each launching twice). The two warm launches of
-an engine come from one zygote (:mod:`qualify.candidate.zygote`): ``ba`` is that zygote's
-second launch.
+one launch fewer per engine than two files each launching twice).
 """
 
 from __future__ import annotations
@@ -113,17 +111,9 @@ def test_cell_order_and_launcher_do_not_change_any_output_bitwise(
         assert res.status == "OK", res.reason
         assert not (out / OUTPUTS_FILE).exists()
         print(f"\n[{engine}] {launcher} launch {name}: {res.wall_s:.1f} s wall")
-    # the warm launches really forked, or the launcher half proves nothing; and both came
-    # from one zygote (qualify.candidate.zygote), ba after it had served ab: a zygote that
-    # served a launch gives the next one the outputs a fresh torchrun gives
-    origins = []
+    # the warm launches really forked, or the launcher half proves nothing
     for name in ("ab", "ba"):
-        log = (tmp_path / name / LOGS_DIR / LAUNCHER_LOG).read_text()
-        assert "fork; imports" in log
-        origins.append([x.split(" (")[0] for x in log.splitlines()
-                        if x.startswith("[warm] from zygote ")])
-    assert origins[0] == origins[1]
-    assert len(origins[0]) == 1
+        assert "fork; imports" in (tmp_path / name / LOGS_DIR / LAUNCHER_LOG).read_text()
     for v in (a, m, b):
         first = _tensors(tmp_path / "ab", v)
         assert len(first) > 20

@@ -2,12 +2,11 @@
 
 The setting (``QUALIFY_LAUNCHER_<ENGINE>`` / ``--launcher ENGINE=CMD``) is refused with one
 line for every bad value; a foreign interpreter always launches through torchrun of that
-interpreter with the recording runner, never the warm launcher or a zygote; a real launch
+interpreter with the recording runner, never the warm launcher; a real launch
 through a command prefix records every rank; the import record of a foreign interpreter
 finds the engine's distribution on that interpreter's ``sys.path`` (and keeps the venv's own
 files out of the checkout set even when the venv lies inside it), so that editing the
-plugin makes its cells stale; the zygote key covers a plugin's files; ``qualify diverge``
-support is a capability of the spec.
+plugin makes its cells stale; ``qualify diverge`` support is a capability of the spec.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -25,8 +23,8 @@ from typing import Any
 import pytest
 from test_launch import _cell, write_fake
 
-from qualify.candidate import interpreter, zygote
-from qualify.candidate.launch import launch, launch_command, prestart
+from qualify.candidate import interpreter
+from qualify.candidate.launch import launch, launch_command
 from qualify.errors import ExitCode, UsageError
 from qualify.evidence import imports
 from qualify.registry import EngineSpec
@@ -95,13 +93,7 @@ def test_a_foreign_interpreter_runs_torchrun_and_the_runner_never_the_warm_launc
                              preload=("x",), python=prefix)
         assert cmd[:5] == [*prefix, "-m", "torch.distributed.run"]
         assert cmd[-3:] == [str(interpreter.RUNNER), "pkg.harness", str(tmp_path / "cell.json")]
-        assert zygote.launch_key(cmd, {}) is None
-    spec = EngineSpec(name="torch_tp", entry="harnesses.torch_tp.harness:main")
-    os.environ[interpreter.env_name("torch_tp")] = sys.executable
-    try:
-        assert prestart([spec], inputs=None, cuda=False) is None  # no zygote for it
-    finally:
-        del os.environ[interpreter.env_name("torch_tp")]
+        assert "qualify.candidate.warm" not in cmd
 
 
 def test_a_real_launch_through_a_command_prefix_records_every_rank(
@@ -174,19 +166,6 @@ def test_a_foreign_interpreter_s_plugin_is_hashed_where_it_is_installed(
     (site / "qforeign-0.3.dist-info").rename(site / "gone")
     assert imports.record_changes(doc, root) == [
         f"qforeign not installed here (in {site}): 2 imported files cannot be checked"]
-
-
-def test_the_zygote_key_covers_a_plugin_s_files(tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    site = tmp_path / "site"
-    _fake_dist(site, "qzplug", "1.0")
-    monkeypatch.syspath_prepend(str(site))
-    importlib.invalidate_caches()
-    before = zygote.sources_stamp("qzplug.harness:main")
-    assert any(str(site / "qzplug" / "harness.py") == p for p, _, _ in before)
-    assert zygote.sources_stamp("harnesses.torch_tp.harness") == zygote.sources_stamp()
-    (site / "qzplug" / "harness.py").write_text("def main(argv): return 7  # edited\n")
-    assert zygote.sources_stamp("qzplug.harness:main") != before
 
 
 def test_diverge_support_is_the_spec_s_capability(tmp_path: Path) -> None:

@@ -13,25 +13,21 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 from shared_artifacts import copy_tree, tiny_chain, tiny_reference
 from tiny_contracts import torch_tp_only, torch_tp_only_text
 
-from qualify.candidate import zygote_pool
 from qualify.candidate.stage import run_candidate_stage
 from qualify.compare.stage import compare_run
 from qualify.contract import Contract, load_contract
 from qualify.errors import ExitCode, ReferenceDataError
 from qualify.evidence import store
 from qualify.reference.stage import BOUNDS_FILE, run_reference_stage
-from qualify.resources import contracts_dir, repo_root
 from qualify.statistics import FAMILY_STATISTIC
 
 
@@ -245,38 +241,3 @@ def test_hung_rank_is_an_error_with_logs_kept(reference: Path, contract: Contrac
         store.make_writable(tmp_path)
 
 
-def test_the_run_launches_through_the_zygotes_it_started_ahead(tmp_path: Path) -> None:
-    """The zygotes ``qualify run`` starts ahead have their launches' keys: in a fresh run
-    of the default contract (a torch_tp and a Megatron-Core cell, on a copy of the
-    committed reference, zygotes in a pool of this test's own), each launch is served by a
-    zygote started ahead of it, and the pool holds one zygote per engine: ``run_all``
-    started them before it imported torch (qualify.candidate.ahead, tests/test_ahead.py),
-    and the stage's own prestart found them by key. ``import torch._inductor`` sets
-    ``TORCHINDUCTOR_CACHE_DIR`` in ``os.environ`` between those starts and the launches;
-    it counts in a key only with another value than torch's default: without that rule
-    the stage started a second zygote per engine, and this test failed (4 live)."""
-    refs = copy_tree(repo_root() / "references", tmp_path / "references")
-    out = tmp_path / "ev"
-    pool = Path(tempfile.mkdtemp(prefix="zp-"))  # short: a socket path must fit 108 bytes
-    env = {**os.environ, "QUALIFY_ZYGOTE_DIR": str(pool),
-           "QUALIFY_ZYGOTE_OWNER": str(os.getpid()), "QUALIFY_ZYGOTE_IDLE_S": "120"}
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "qualify", "run", str(contracts_dir() / "tiny-qwen3.toml"),
-             "--references", str(refs), "--evidence", str(out), "--cells",
-             "torch_tp-fp32-actor-tp1", "megatron-fp32-actor-tp1", "--quiet"],
-            capture_output=True, text=True, check=False, env=env)
-        serving = zygote_pool.live(pool)
-    finally:
-        zygote_pool.stop_pool(pool)
-        shutil.rmtree(pool, ignore_errors=True)
-    # 1: the cells left out are NOT_RUN, so the run does not qualify
-    assert proc.returncode == ExitCode.QUALIFICATION_FAILED, proc.stderr[-2000:]
-    for engine in ("torch_tp", "megatron"):
-        (log,) = out.rglob(f"launches/{engine}-*/attempt-1/logs/launcher.log")
-        origin = [x for x in log.read_text().splitlines() if x.startswith("[warm] from zygote ")]
-        assert len(origin) == 1, log.read_text()
-        assert "(started ahead of its launches; its imports " in origin[0]
-        assert "launch 1 it serves)" in origin[0]
-    assert len(serving) == 2, [d.name for d in serving]
-    store.make_writable(tmp_path)

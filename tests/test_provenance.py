@@ -278,10 +278,10 @@ def test_staleness_is_the_closure_of_what_each_cell_consumed(
 
 def test_a_real_launch_records_every_rank_and_the_launch_path_module(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Warm launcher (through a zygote when the session has a pool): both ranks record;
-    the root's ``sitecustomize.py`` (imported by the interpreter that forked them, from the
-    ``PYTHONPATH`` the launch puts first) and the harness run as ``__main__`` are in it;
-    nothing of the standard library or site-packages is."""
+    """Warm launcher: both ranks record; the root's ``sitecustomize.py`` (imported by the
+    interpreter that forked them, from the ``PYTHONPATH`` the launch puts first) and the
+    harness run as ``__main__`` are in it; nothing of the standard library or site-packages
+    is."""
     from qualify.candidate.launch import launch
     from qualify.evidence import imports
 

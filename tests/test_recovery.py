@@ -27,7 +27,6 @@ from test_verify import World, run_cli, signed_world, world
 
 from qualify import atomic, procs
 from qualify.candidate.stage import check_run_id, run_candidate_stage
-from qualify.candidate.zygote_pool import is_pool_zygote
 from qualify.contract import load_contract
 from qualify.errors import EvidenceIntegrityError, ExitCode, UsageError, WriterBusyError
 from qualify.evidence import sign as signing
@@ -582,10 +581,7 @@ def test_candidate_killed_mid_launch_resumes_to_the_uninterrupted_report(
         assert child.poll() is None, "the candidate ended before it could be killed"
         assert time.monotonic() < deadline, "the launch never started"
         time.sleep(0.02)
-    # a zygote of the session's pool (tests/conftest.py) outlives the process that started
-    # it by design; its launcher and ranks, in the family too, must not
-    family = [p for p in psutil.Process(child.pid).children(recursive=True)
-              if not is_pool_zygote(p.pid)]
+    family = psutil.Process(child.pid).children(recursive=True)
     _kill(child)
     t0 = time.monotonic()
     while not all(_gone(p.pid) for p in family) and time.monotonic() - t0 < 20:

@@ -29,6 +29,8 @@ from qualify.compare.verdicts import Row
 from qualify.protocol import HarnessCell
 from qualify.registry import get_engine
 
+pytestmark = pytest.mark.slow  # minutes: .ci/run's resume and recovery step
+
 ENGINE = get_engine("fsdp2")
 LAUNCH_TIMEOUT_S = 400.0
 TOPOLOGIES: dict[str, tuple[int, int]] = {"dp2": (1, 2), "tp2": (2, 1)}

@@ -17,6 +17,8 @@ from test_resume_torch_tp import Runs, assert_planted_fault_fails
 
 from qualify.compare.resume import STATE_QUANTITIES
 
+pytestmark = pytest.mark.slow  # minutes: .ci/run's resume and recovery step
+
 pytest.importorskip("megatron.core")
 
 

@@ -25,6 +25,8 @@ from qualify.compare.verdicts import Row
 from qualify.protocol import HarnessCell
 from qualify.registry import get_engine
 
+pytestmark = pytest.mark.slow  # minutes: .ci/run's resume and recovery step
+
 LAUNCH_TIMEOUT_S = 400.0
 PHASES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "full": (None, ()),

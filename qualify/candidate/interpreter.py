@@ -15,7 +15,7 @@ environment of the command that launches:
   for the command (:func:`apply_options`).
 
 Such an engine is launched by torchrun of that interpreter (``CMD -m torch.distributed.run
-...``; the warm launcher and its zygotes fork qualify's own interpreter and are never used
+...``; the warm launcher forks qualify's own interpreter and is never used
 for it), each rank entering through :data:`RUNNER` (this repository's
 ``qualify/candidate/imported.py`` run as a script: standard library only, it records the
 files the rank imported, :mod:`qualify.candidate.imported`, then runs the harness). The

@@ -7,11 +7,7 @@ the attempt directory and runs, in a new session (its own process group), one of
 - ``warm`` (the default on one node): ``python -m qualify.candidate.warm --nproc-per-node
   <world_size> --log-dir <attempt>/logs/ranks [--preload MOD ...] <harness> <cell.json>``:
   one interpreter imports the harness, the engine and the model classes once and forks
-  every rank with torchrun's environment (:mod:`qualify.candidate.warm`; issue #17); run
-  through a zygote of the harness (:mod:`qualify.candidate.zygote`: a warm interpreter
-  kept between launches, so a second launch repeats no import; this process's, or the
-  session's pool in ``QUALIFY_ZYGOTE_DIR``, :mod:`qualify.candidate.zygote_pool`) unless
-  ``QUALIFY_ZYGOTE=0``;
+  every rank with torchrun's environment (:mod:`qualify.candidate.warm`; issue #17);
 - ``torchrun`` (``QUALIFY_LAUNCHER=torchrun``, and every launch on a CUDA machine)::
 
     python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node <world_size>
@@ -21,19 +17,11 @@ the attempt directory and runs, in a new session (its own process group), one of
 - ``srun`` + ``torchrun`` across the nodes of a Slurm allocation (:func:`torchrun_command`).
 
 On CUDA, under Slurm and for an engine run by a foreign interpreter every launch is
-torchrun; the rest serves CPU launches only, each piece with the switch that turns it off
-alone (what each saves on the default run, against its lines: ``docs/performance.md``,
-measured by ``python -m benchmarks.launch_cost``):
+torchrun. Two speed-ups serve CPU launches only, each with the switch that turns it off
+(what each saves on the default run, against its lines: ``docs/performance.md``, measured
+by ``python -m benchmarks.launch_cost``):
 
 - the warm launcher, :mod:`qualify.candidate.warm` (``QUALIFY_LAUNCHER=torchrun``);
-- zygotes, :mod:`qualify.candidate.zygote` with :mod:`qualify.candidate.owner` and this
-  process's zygotes in :mod:`qualify.candidate.zygote_pool` (``QUALIFY_ZYGOTE=0``);
-- the session's pool, the rest of :mod:`qualify.candidate.zygote_pool`, used only where
-  ``QUALIFY_ZYGOTE_DIR`` is set (the test suite; a CI job of several runs);
-- :func:`prestart`: the stage starts every engine's zygote at its start
-  (``QUALIFY_PRESTART=0``);
-- :mod:`qualify.candidate.ahead`: ``qualify run`` starts them before it imports torch
-  (``QUALIFY_AHEAD=0``);
 - :mod:`qualify.candidate.beside`: the sampler cells beside the trainer launches
   (``QUALIFY_JOBS=1``).
 
@@ -71,15 +59,13 @@ import os
 import struct
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
 from qualify import atomic, procs, schema
-from qualify.candidate import imported, interpreter, zygote, zygote_pool
+from qualify.candidate import imported, interpreter
 from qualify.errors import HarnessError, QualifyError, UsageError
 from qualify.evidence import imports
 from qualify.evidence.timestamps import utc_now_iso
@@ -101,14 +87,8 @@ LAUNCHERS: Final[tuple[Launcher, ...]] = ("warm", "torchrun")
 """The single-node launchers (``QUALIFY_LAUNCHER``; ``srun`` selects :func:`torchrun_command`'s
 multi-node path)."""
 
-PRESTART_ENV: Final = "QUALIFY_PRESTART"
-"""``0`` turns :func:`prestart` off (each launch then starts its zygote itself)."""
 KILL_GRACE_S: Final = procs.KILL_GRACE_S
 """Seconds between SIGTERM and SIGKILL when a launch is ended (:mod:`qualify.procs`)."""
-CLIENT_GRACE_S: Final = KILL_GRACE_S + 3.0
-"""The same for a zygote's client: longer than its launcher's own grace for the ranks
-(:data:`qualify.candidate.warm.KILL_GRACE_S`), so that on a timeout the client, which
-waits for the launcher's exit, is not killed before the ranks are."""
 TAIL_LINES: Final = 25
 """Lines of the failing rank's log quoted in an ``ERROR`` reason."""
 _SAFETENSORS_FLOATS: Final = frozenset({"F64", "F32"})
@@ -350,8 +330,8 @@ def check_launch_env(env: Mapping[str, str] | None = None) -> str:
 
     ``QUALIFY_LAUNCHER`` (``warm`` when unset) must be ``warm``, ``torchrun`` or ``srun``,
     ``QUALIFY_NNODES`` (when set) a positive integer, ``QUALIFY_RDZV_ENDPOINT`` ``HOST:PORT``
-    (required with ``srun`` or more than one node: the srun path), the zygote pool's settings as
-    :func:`qualify.candidate.zygote_pool.check_pool_env` says. The candidate stage calls
+    (required with ``srun`` or more than one node: the srun path), and each engine's
+    interpreter (:func:`qualify.candidate.interpreter.check_env`). The candidate stage calls
     this before it writes anything, so a bad value leaves no run behind.
 
     Raises:
@@ -367,7 +347,6 @@ def check_launch_env(env: Mapping[str, str] | None = None) -> str:
     if endpoint or chosen == "srun" or nnodes > 1:
         _check_endpoint(endpoint, "QUALIFY_LAUNCHER=srun" if chosen == "srun"
                         else f"QUALIFY_NNODES={nnodes}")
-    zygote_pool.check_pool_env(e)
     interpreter.check_env(e)
     return chosen
 
@@ -467,18 +446,13 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
                          python=python)
     launcher_log, started, started_ns = logs / LAUNCHER_LOG, utc_now_iso(), time.time_ns()
     t0 = time.monotonic()
-    warm_cmd, cmd = cmd, zygote_pool.client_command(
-        cmd, launch_environment, timeout_s,
-        inputs=Path(cell.inputs_dir) if cell.inputs_dir else None)
-    left = timeout_s - (time.monotonic() - t0)  # a zygote's first imports count too
-    grace = KILL_GRACE_S if cmd == warm_cmd else CLIENT_GRACE_S
     with launcher_log.open("wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
-        ran = (procs.run(cmd, cwd=attempt_dir, env=launch_environment, stdout=log,
-                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, new_session=True,
-                         timeout_s=left, grace_s=grace) if left > 0 else None)
-    rc, wall = (None if ran is None else ran.returncode), time.monotonic() - t0
+        ran = procs.run(cmd, cwd=attempt_dir, env=launch_environment, stdout=log,
+                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, new_session=True,
+                        timeout_s=timeout_s, grace_s=KILL_GRACE_S)
+    rc, wall = ran.returncode, time.monotonic() - t0
     imports.collect(attempt_dir, module=module, expected=world, started_ns=started_ns)
     rank_logs = tuple(sorted(p for p in rank_dir.rglob("*") if p.is_file()))
 
@@ -536,65 +510,6 @@ def launch_engine(cell: HarnessCell, *, engine: EngineSpec, attempt_dir: Path,
 def _engine_env(engine: EngineSpec, cuda: bool) -> dict[str, str] | None:
     """:func:`launch_engine`'s ``env``: the engine's ``cpu_env`` on CPU, nothing on CUDA."""
     return None if cuda else {**engine.cpu_env, "QUALIFY_DEVICE": "cpu"}  # CUDA torch may fork
-
-
-def prestart(engines: Sequence[EngineSpec], *, inputs: Path | None, cuda: bool,
-             timeout_s: float = zygote.START_TIMEOUT_S) -> threading.Thread | None:
-    """Start the zygotes of ``engines``' warm launches now, in a thread, one after another.
-
-    A stage that will launch several engines pays each zygote's imports (the harness, the
-    engine's ``warm_imports``, the model classes of ``inputs``) inside that launch's wall,
-    one engine after the other. Started here, in launch order, those imports run while the
-    earlier launches run: a launch whose zygote is ready forks its ranks at once, and one
-    whose zygote is still starting waits for that start (the key's lock) instead of
-    starting another. The zygote is the one :func:`launch_engine` would start (same key:
-    harness, preload modules, launch environment, sources), so nothing a launch computes
-    changes. Nothing is started on a CUDA machine (torchrun), under another launcher than
-    the warm one, in a multi-node allocation (``QUALIFY_NNODES`` > 1: srun), with
-    ``QUALIFY_ZYGOTE=0``, when ``QUALIFY_PRESTART=0``, or for an engine that is not
-    installed. A start that fails is left to the launch: it tries again, or, for a zygote
-    that may not fork (remembered), runs the plain warm launcher, as it always does. The
-    thread is not stopped when the stage ends early: what it started ends with this
-    process (own zygotes) or its pool's idle limit. A pool zygote's idle limit
-    (``QUALIFY_ZYGOTE_IDLE_S``) counts from its start: one whose launch comes later than
-    that has drained, and the launch starts its zygote again (own zygotes have no limit).
-
-    Args:
-        engines: the engines in the order the stage launches them (repeats ignored).
-        inputs: the run's ``inputs/`` directory, or a models-cache bundle
-            (:mod:`qualify.candidate.ahead`): its model classes are imported too; ``None``:
-            none (the first launch imports them).
-        cuda: whether this machine has a CUDA device.
-        timeout_s: the longest one zygote may take to start.
-
-    Returns:
-        The started daemon thread (joined by nobody: a launch waits on its key instead), or
-        ``None`` when nothing is to be started.
-    """
-    if cuda or os.environ.get(PRESTART_ENV, "1") == "0" or _nnodes(os.environ, UsageError) > 1:
-        return None  # a multi-node allocation's launches go through srun (no zygote)
-    todo: list[tuple[list[str], dict[str, str]]] = []
-    where = inputs if inputs is not None else Path(tempfile.gettempdir())  # not in the key
-    for engine in {e.name: e for e in engines}.values():
-        if (engine.unavailable_reason(cuda_available=cuda) is not None
-                or interpreter.engine_command(engine.name) is not None):
-            continue  # not installed, or its ranks run in another interpreter (no zygote)
-        env = launch_env(_engine_env(engine, cuda))
-        cmd = launch_command(where / CELL_FILE, module=engine.module, world_size=1,
-                             log_dir=where, env=env, preload=engine.warm_imports)
-        if zygote.launch_key(cmd, env) is not None:
-            todo.append((cmd, env))
-    if not todo:
-        return None
-
-    def start_all() -> None:
-        for cmd, env in todo:
-            with contextlib.suppress(Exception):  # the launch itself falls back and reports
-                zygote_pool.client_command(cmd, env, timeout_s, inputs=inputs, ahead=True)
-
-    thread = threading.Thread(target=start_all, name="qualify-zygote-prestart", daemon=True)
-    thread.start()
-    return thread
 
 
 def _failure_tail(rank_dir: Path, launcher_log: Path) -> tuple[int | None, str]:

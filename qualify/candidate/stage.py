@@ -42,7 +42,7 @@ from typing import Any, Final
 from qualify import jsonio
 from qualify.atomic import TMP_PREFIX
 from qualify.candidate import beside, resume_stage, sampler_stage
-from qualify.candidate.launch import LaunchResult, launch_engine, prestart, read_safetensors_header
+from qualify.candidate.launch import LaunchResult, launch_engine, read_safetensors_header
 from qualify.contract import CellSpec, Contract, cells_matching
 from qualify.errors import (
     EvidenceIntegrityError,
@@ -590,8 +590,6 @@ def run_candidate_stage(
                                         topology_engines=by_world),
                           key=lambda lc: source not in {c.cell_id for c in lc.cells})
         lock, cuda = threading.Lock(), has_cuda()
-        # zygotes :mod:`qualify.candidate.ahead` started are found by key: none started twice
-        prestart([get_engine(lc.engine) for lc in launches], inputs=inputs, cuda=cuda)
 
         weights_ready = threading.Event()  # the sampler's weights source is recorded
 

@@ -63,7 +63,6 @@ import importlib.util
 import json
 import os
 import runpy
-import select
 import signal
 import socket
 import subprocess
@@ -359,14 +358,13 @@ def fork_child(body: Callable[[], int]) -> int:
 
 
 def start_ranks(world: int, *, target: str, args: Sequence[str], log_dir: Path,
-                forked: bool, close: Sequence[int] = ()) -> tuple[dict[int, int], object | None]:
+                forked: bool) -> tuple[dict[int, int], object | None]:
     """Start ``world`` ranks; ``(pid -> rank, the agent store kept alive by the caller)``.
 
     Forked ranks run :func:`_rank_main` and get ``MASTER_PORT`` through a pipe once the
-    launcher's agent store is up; they close the fds in ``close`` (a zygote client's
-    socket). Unsafe to fork: each rank is a fresh interpreter (:class:`subprocess.Popen`: no
-    Python runs between its fork and exec), rank 0 hosting the store on a free port, as
-    under torchrun without an agent store.
+    launcher's agent store is up. Unsafe to fork: each rank is a fresh interpreter
+    (:class:`subprocess.Popen`: no Python runs between its fork and exec), rank 0 hosting the
+    store on a free port, as under torchrun without an agent store.
     """
     run_id = f"warm-{os.getpid()}"
     pids: dict[int, int] = {}
@@ -394,7 +392,7 @@ def start_ranks(world: int, *, target: str, args: Sequence[str], log_dir: Path,
 
         def body(rank: int = rank, read_end: int = read_end, write_end: int = write_end) -> int:
             os.close(write_end)
-            for other in (*pipes.values(), *close):  # the launcher's, not the rank's
+            for other in pipes.values():  # the launcher's, not the rank's
                 os.close(other)
             return _rank_main(rank, target=target, args=args, env=envs[rank],
                               rank_dir=log_dir / str(rank), parent=parent, port_pipe=read_end)
@@ -409,30 +407,14 @@ def start_ranks(world: int, *, target: str, args: Sequence[str], log_dir: Path,
     return pids, store
 
 
-def _gone(watch: socket.socket | None) -> bool:
-    """Whether the peer of ``watch`` (a zygote client) closed its end.
-
-    Readable with nothing to read (:mod:`qualify.candidate.zygote`).
-    """
-    if watch is None:
-        return False
-    try:
-        readable, _, _ = select.select([watch], [], [], 0)
-        return bool(readable) and watch.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (OSError, ValueError):
-        return True
-
-
 def supervise(pids: dict[int, int], received: list[int], *,
-              grace_s: float = KILL_GRACE_S, watch: socket.socket | None = None) -> int:
+              grace_s: float = KILL_GRACE_S) -> int:
     """Wait for every rank; on the first failure or a signal, end the others (torchrun's rule).
 
     Args:
         pids: pid -> rank.
         received: the signals the launcher got (filled by its handlers, :func:`main`).
         grace_s: seconds between SIGTERM and SIGKILL of the survivors.
-        watch: the socket of the zygote client that asked for this launch; when the client
-            is gone (killed on a timeout) the launch ends as on SIGTERM.
 
     Returns:
         0 when every rank exited 0; 1 when one failed (torchrun's exit code; each rank's
@@ -441,9 +423,6 @@ def supervise(pids: dict[int, int], received: list[int], *,
     t0 = time.monotonic()
     alive, failed, kill_at = dict(pids), False, None
     while alive:
-        if not received and _gone(watch):
-            print(f"{PREFIX} the zygote client is gone", flush=True)
-            received.append(int(signal.SIGTERM))
         for pid in list(alive):
             try:
                 done, status = os.waitpid(pid, os.WNOHANG)
@@ -494,12 +473,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None, *, watch: socket.socket | None = None) -> int:
-    """Entry point (see the module docstring); the launch's exit code.
-
-    ``watch``: the zygote client's socket when a zygote forked this launcher
-    (:mod:`qualify.candidate.zygote`; :func:`supervise`).
-    """
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point (see the module docstring); the launch's exit code."""
     args = parse_args(argv)
     received: list[int] = []  # a signal from here on ends the launch, never the launcher alone
 
@@ -508,8 +483,6 @@ def main(argv: Sequence[str] | None = None, *, watch: socket.socket | None = Non
 
     for sig in _FORWARDED:
         signal.signal(sig, on_signal)
-    # a zygote forks this launcher with them blocked: one sent meanwhile is delivered now
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # an inherited SIG_IGN would hide exit codes
     if args.nproc_per_node > 1:  # torchrun's rule (torch/distributed/run.py), before torch
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -525,10 +498,9 @@ def main(argv: Sequence[str] | None = None, *, watch: socket.socket | None = Non
           f"{time.monotonic() - t0:.2f} s" + "".join(f"\n{PREFIX} not preloaded: {n}"
                                                        for n in notes), flush=True)
     pids, store = start_ranks(args.nproc_per_node, target=args.target, args=args.args,
-                              log_dir=args.log_dir, forked=forked,
-                              close=() if watch is None else (watch.fileno(),))
+                              log_dir=args.log_dir, forked=forked)
     try:
-        return supervise(pids, received, watch=watch)
+        return supervise(pids, received)
     finally:
         del store  # the agent store lives as long as the launch
 

@@ -2,8 +2,7 @@
 
 :func:`qualify.models.bundle.prepare_models` builds each contract's role models once into
 ``<cache>/<digest12>/`` (``actor/``, ``critic/``, ``reward/``, each with its
-``config.json``); :mod:`qualify.candidate.ahead` reads their model types before torch is
-imported.
+``config.json``).
 """
 
 from __future__ import annotations

@@ -138,10 +138,6 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
     contract = load_contract(contract_path)
     policy = policy_for(contract)
     ref = find_sealed_reference(references, reference_dir_name(contract))
-    if ref is not None:  # the trainer zygotes import beside this process's imports below
-        from qualify.candidate.ahead import prestart_run
-
-        prestart_run(contract, cells)
     from qualify.candidate.stage import check_run_id, new_run_id, run_candidate_stage
     from qualify.cli.summary import print_evaluation
     from qualify.compare.html import write_html
