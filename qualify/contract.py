@@ -534,6 +534,9 @@ class BoundsSpec:
             (:mod:`qualify.reference.round_to_round`: ``2 x`` valid response tokens ``+ 1``
             perturbed updates per lane, role and round ``>= 2``); ``False`` (the default):
             the term is 0.
+        distribution_topk: ``k`` of the sampler's decode-path distribution rows above a
+            vocabulary of 4096 (:mod:`qualify.reference.distribution`: the reference and the
+            sampler keep each position's ``k`` largest logprobs; 64 by default).
     """
 
     k: float
@@ -542,6 +545,7 @@ class BoundsSpec:
     controls_tp_vs_tp1: tuple[str, ...]
     floors: Mapping[str, Mapping[str, float]]
     round_to_round: bool = False
+    distribution_topk: int = 64
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -707,6 +711,7 @@ def _build(doc: Mapping[str, Any], path: Path | None) -> Contract:
         controls_tp_vs_tp1=tuple(b["controls"]["tp_vs_tp1"]),
         floors={prec: dict(fl) for prec, fl in b["floors"].items()},
         round_to_round=bool(b.get("round_to_round", False)),
+        distribution_topk=int(b.get("distribution_topk", 64)),
     )
     return Contract(
         name=doc["name"],

@@ -25,6 +25,36 @@ Statistics (the keys of :func:`distribution_metrics`): ``kl_ref_cand_max``,
 ``top1_mismatch`` (count, ties excluded), ``topk_disagreement_mean``, ``ratio_outside_2``,
 ``ratio_outside_clip``, ``seq_max_kl_mean`` (the mean over sequences of each sequence's
 largest token ``KL(p || q)``; its maximum is ``kl_ref_cand_max``).
+
+**Top-k path** (:func:`topk_metrics`, a vocabulary too large to keep whole): each side holds,
+per position, its own ``k`` largest logprobs (normalised over the whole vocabulary) with
+their token ids (:func:`topk_of`), and the logprob of the response token. Let ``I`` be the
+intersection of the two top-k sets, and lump everything outside ``I`` into one bucket, of
+mass ``1 - P(I)`` under ``p`` and ``1 - Q(I)`` under ``q`` (every mass computed in FP64 from
+the FP32 logprobs). Statistics of the same names then mean:
+
+- ``kl_*`` and ``seq_max_kl_mean``: the KL of the lumped distributions (the ``|I|`` tokens
+  and the bucket), a **lower bound** on the true KL by the data-processing inequality (a
+  partition of the vocabulary cannot increase a KL); no upper bound exists (the tail may put
+  arbitrarily little mass where the other puts some);
+- ``tv_max`` / ``tv_mean``: the lumped total variation, a lower bound on the true TV;
+- ``tv_upper_max`` / ``tv_upper_mean``: ``0.5 * (sum_I |p - q| + (1 - P(I)) + (1 - Q(I)))``,
+  an **upper bound** on the true TV (the tokens outside ``I`` differ by at most the sum of
+  their masses), sharp when the two tails may sit on disjoint tokens;
+- ``top1_mismatch`` and ``topk_disagreement_mean`` (``k`` = :data:`TOPK` <= the kept ``k``)
+  and the ratio tails (from the response token's logprobs): exact, as on the full path;
+- ``topk_set_disagreement_mean``: ``1 - |I| / k`` at the kept ``k``.
+
+A bucket is measured from FP32 logprobs and resolved only down to
+:func:`tail_resolution` (``k`` FP32 roundings of the kept probabilities) plus
+:data:`NORM_RESOLUTION` of the kept mass (a row's FP32 normalisation offset, which the full
+path renormalises away): two buckets that differ by less are taken as equal, and a larger
+difference is reduced by it (``tv_upper`` instead adds it to each bucket); when both buckets
+are below :func:`tail_resolution` they are dropped and the kept parts renormalised (as the
+full path renormalises each row, so ``k = V`` gives the full path's statistics); otherwise a
+bucket below it is raised to it (a tail the FP32 sums cannot see is not called empty). The
+bounds hold up to that resolution. ``missing_ref_max`` / ``missing_cand_max`` (and
+``_mean``) report each side's mass outside its own top-k.
 """
 
 from __future__ import annotations
@@ -44,6 +74,10 @@ STATISTICS: Final = ("kl_ref_cand_max", "kl_ref_cand_mean", "kl_cand_ref_max",
                      "topk_disagreement_mean", "ratio_outside_2", "ratio_outside_clip",
                      "seq_max_kl_mean")
 """Every statistic :func:`distribution_metrics` returns, in report order."""
+TOPK_STATISTICS: Final = (*STATISTICS, "tv_upper_max", "tv_upper_mean",
+                          "topk_set_disagreement_mean")
+"""Every statistic :func:`topk_metrics` returns, in report order."""
+
 
 
 def tie_resolution(top: npt.ArrayLike) -> npt.NDArray[np.float64]:
@@ -182,3 +216,160 @@ def position_metrics(cand: npt.ArrayLike, ref: npt.ArrayLike, mask: npt.ArrayLik
     agree[m] = [len(set(a.tolist()) & set(b.tolist())) / k
                 for a, b in zip(order_c, order_r, strict=True)]
     return kl, agree
+
+
+NORM_RESOLUTION: Final = 2.0 ** -18
+"""Relative resolution of an FP32 logprob row's normalisation: its log-sum-exp is off by up
+to a few FP32 spacings (4 at a magnitude of 16), which scales every kept probability alike;
+the full path renormalises it away, the top-k path cannot (the tail is unseen)."""
+
+
+def tail_resolution(k: int) -> float:
+    """The smallest bucket mass a sum of ``k`` FP32-rounded probabilities resolves."""
+    return float(k) * 2.0 ** -24
+
+
+def topk_of(lp: npt.ArrayLike, k: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
+    """The ``k`` largest entries of each row of ``lp [..., V]`` and their ids.
+
+    Ordered by logprob, largest first, equal logprobs by the smaller id (the full path's
+    stable order); ``-inf`` entries last.
+
+    Returns:
+        ``(logprobs [..., k] float32, ids [..., k] int64)``.
+
+    Raises:
+        ValueError: ``k`` not in ``[1, V]``.
+    """
+    a = np.asarray(lp, dtype=np.float32)
+    if not 1 <= k <= a.shape[-1]:
+        raise ValueError(f"k = {k} is not in [1, V = {a.shape[-1]}]")
+    ids = np.argsort(-a, axis=-1, kind="stable")[..., :k].astype(np.int64)
+    return np.take_along_axis(a, ids, axis=-1), ids
+
+
+def _topk_positions(lp: npt.NDArray[np.float64], ids: npt.NDArray[np.int64]
+                    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    """Each row of ``[N, k]`` sorted by (-logprob, id)."""
+    order = np.lexsort((ids, -lp), axis=-1)
+    return np.take_along_axis(lp, order, axis=-1), np.take_along_axis(ids, order, axis=-1)
+
+
+def topk_metrics(cand: npt.ArrayLike, cand_ids: npt.ArrayLike, ref: npt.ArrayLike,
+                 ref_ids: npt.ArrayLike, *, cand_token: npt.ArrayLike,
+                 ref_token: npt.ArrayLike, mask: npt.ArrayLike,
+                 clip_ratio: float) -> dict[str, Any]:
+    """Every statistic of :data:`TOPK_STATISTICS` on the top-k path (module docstring).
+
+    Args:
+        cand: ``[B, R, k]`` the candidate's top-k logprobs ``log q`` (normalised over the
+            whole vocabulary; any order).
+        cand_ids: ``[B, R, k]`` their token ids.
+        ref: ``[B, R, k]`` the reference's top-k logprobs ``log p``.
+        ref_ids: ``[B, R, k]`` their token ids.
+        cand_token: ``[B, R]`` the candidate's logprob of the response token.
+        ref_token: ``[B, R]`` the reference's logprob of the response token.
+        mask: ``[B, R]`` response mask (non-zero = valid).
+        clip_ratio: PPO ``ε`` (> 0).
+
+    Returns:
+        ``{statistic: float}`` for :data:`TOPK_STATISTICS`, plus ``k``, ``n_valid``,
+        ``top1_ties``, ``worst`` (``"(b, t)"`` of the largest lumped ``KL(p || q)``),
+        ``seq_max_kl`` (per-sequence maxima, a list), ``missing_ref_max``,
+        ``missing_ref_mean``, ``missing_cand_max``, ``missing_cand_mean``.
+
+    Raises:
+        ValueError: shapes differ or are not ``[B, R, k]`` / ``[B, R]``, ``k < TOPK``, a
+            position repeats a token id, no valid position, or ``clip_ratio <= 0``.
+    """
+    c = np.asarray(cand, dtype=np.float64)
+    r = np.asarray(ref, dtype=np.float64)
+    ci = np.asarray(cand_ids).astype(np.int64)
+    ri = np.asarray(ref_ids).astype(np.int64)
+    ct = np.asarray(cand_token, dtype=np.float64)
+    rt = np.asarray(ref_token, dtype=np.float64)
+    m = np.asarray(mask) != 0
+    if c.ndim != 3 or not (c.shape == r.shape == ci.shape == ri.shape) or \
+            not (ct.shape == rt.shape == m.shape == c.shape[:2]):
+        raise ValueError(f"shapes: cand {c.shape}, cand_ids {ci.shape}, ref {r.shape}, "
+                         f"ref_ids {ri.shape}, cand_token {ct.shape}, ref_token {rt.shape}, "
+                         f"mask {m.shape}; expected [B, R, k] four times and [B, R] three")
+    k = c.shape[2]
+    if k < TOPK:
+        raise ValueError(f"k = {k} < {TOPK} (the top-{TOPK} set agreement needs {TOPK})")
+    if not clip_ratio > 0:
+        raise ValueError(f"clip_ratio must be > 0, got {clip_ratio!r}")
+    if not m.any():
+        raise ValueError("no valid response position")
+    cv, cid = _topk_positions(c[m], ci[m])
+    rv, rid = _topk_positions(r[m], ri[m])
+    for name, ids in (("cand_ids", cid), ("ref_ids", rid)):
+        s = np.sort(ids, axis=-1)
+        if (s[:, 1:] == s[:, :-1]).any():
+            raise ValueError(f"{name}: a position repeats a token id")
+    eq = cid[:, :, None] == rid[:, None, :]          # [N, k (cand), k (ref)]
+    in_ref = eq.any(axis=2)                           # candidate entry j is in I
+    in_cand = eq.any(axis=1)                          # reference entry j is in I
+    pc, pr = np.exp(cv), np.exp(rv)
+    with np.errstate(invalid="ignore"):
+        # log p at the candidate's entries that are in I (-inf elsewhere, unused)
+        lp_at_c = np.where(in_ref, np.max(np.where(eq, rv[:, None, :], -np.inf), axis=2),
+                           -np.inf)
+    q_i = np.where(in_ref, pc, 0.0).sum(axis=-1)
+    p_i = np.where(in_cand, pr, 0.0).sum(axis=-1)
+    tau = tail_resolution(k)
+    bp, bq = np.maximum(1.0 - p_i, 0.0), np.maximum(1.0 - q_i, 0.0)
+    bp_raw, bq_raw = bp, bq
+    # buckets that differ by no more than the normalisation's resolution are equal; a larger
+    # difference is counted less that resolution (the lumped statistics stay lower bounds)
+    rho = tau + NORM_RESOLUTION * np.maximum(p_i, q_i)
+    gap = bq - bp
+    bq = bp + np.sign(gap) * np.maximum(np.abs(gap) - rho, 0.0)
+    drop = (bp <= tau) & (bq <= tau)
+    bp = np.where(drop, 0.0, np.maximum(bp, tau))
+    bq = np.where(drop, 0.0, np.maximum(bq, tau))
+    log_zp, log_zq = np.log(p_i + bp), np.log(q_i + bq)   # renormalise the lumped vectors
+    with np.errstate(divide="ignore"):
+        lbp, lbq = np.log(bp) - log_zp, np.log(bq) - log_zq
+    lq = np.where(in_ref, cv, -np.inf) - log_zq[:, None]
+    lpp = lp_at_c - log_zp[:, None]
+    # KL over the |I| shared tokens (indexed by the candidate's entries) plus the bucket
+    kl_rc = _kl(np.concatenate([lpp, lbp[:, None]], axis=1),
+                np.concatenate([lq, lbq[:, None]], axis=1))
+    kl_cr = _kl(np.concatenate([lq, lbq[:, None]], axis=1),
+                np.concatenate([lpp, lbp[:, None]], axis=1))
+    shared = np.where(in_ref, np.abs(np.exp(lpp) - np.exp(lq)), 0.0).sum(axis=-1)
+    bpn, bqn = np.exp(lbp), np.exp(lbq)
+    tv = 0.5 * (shared + np.abs(bpn - bqn))
+    tv_up = 0.5 * (shared + np.where(drop, 0.0, np.exp(np.log(bp_raw + rho) - log_zp)
+                                     + np.exp(np.log(bq_raw + rho) - log_zq)))
+    differ = cid[:, 0] != rid[:, 0]
+    tie = differ & ((cv[:, 0] - cv[:, 1]) <= tie_resolution(cv[:, 0]))
+    small = (cid[:, :TOPK, None] == rid[:, None, :TOPK]).any(axis=2).sum(axis=1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        log_ratio = ct[m] - rt[m]
+    ratio_out_2 = ~(np.abs(log_ratio) <= np.log(2.0))
+    with np.errstate(over="ignore"):
+        ratio = np.exp(log_ratio)
+    ratio_out_clip = ~((ratio >= 1.0 - clip_ratio) & (ratio <= 1.0 + clip_ratio))
+    full_kl = np.full(m.shape, -np.inf)
+    full_kl[m] = kl_rc
+    seq = [float(full_kl[b][m[b]].max()) for b in range(m.shape[0]) if m[b].any()]
+    flat = int(np.nanargmax(np.where(np.isnan(kl_rc), np.inf, kl_rc)))
+    where = np.argwhere(m)[flat]
+    miss_r = np.maximum(1.0 - pr.sum(axis=-1), 0.0)
+    miss_c = np.maximum(1.0 - pc.sum(axis=-1), 0.0)
+    return {"kl_ref_cand_max": float(np.max(kl_rc)), "kl_ref_cand_mean": float(np.mean(kl_rc)),
+            "kl_cand_ref_max": float(np.max(kl_cr)), "kl_cand_ref_mean": float(np.mean(kl_cr)),
+            "tv_max": float(np.max(tv)), "tv_mean": float(np.mean(tv)),
+            "top1_mismatch": float(np.sum(differ & ~tie)),
+            "topk_disagreement_mean": float(np.mean(1.0 - small / TOPK)),
+            "ratio_outside_2": float(np.mean(ratio_out_2)),
+            "ratio_outside_clip": float(np.mean(ratio_out_clip)),
+            "seq_max_kl_mean": float(np.mean(seq)),
+            "tv_upper_max": float(np.max(tv_up)), "tv_upper_mean": float(np.mean(tv_up)),
+            "topk_set_disagreement_mean": float(np.mean(1.0 - in_ref.sum(axis=1) / k)),
+            "k": int(k), "n_valid": int(m.sum()), "top1_ties": int(np.sum(tie)),
+            "worst": f"({int(where[0])}, {int(where[1])})", "seq_max_kl": seq,
+            "missing_ref_max": float(miss_r.max()), "missing_ref_mean": float(miss_r.mean()),
+            "missing_cand_max": float(miss_c.max()), "missing_cand_mean": float(miss_c.mean())}

@@ -153,14 +153,17 @@ def test_like_for_like_clip_band_and_routes(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_large_vocabulary_seals_the_decode_vs_prefill_bound_only(tmp_path: Path) -> None:
-    """Above MAX_VOCAB: HF prefill and decode only; the decode-vs-prefill row is judged, no
-    distribution rows (no sealed distributions), and a sampler whose decode and prefill
-    logprobs differ beyond the sealed bound fails it."""
+def test_large_vocabulary_seals_the_topk_path(tmp_path: Path) -> None:
+    """Above MAX_VOCAB: the reference seals each kind's top-k (``bounds.distribution_topk``)
+    with every control's metrics and a finite bound per top-k statistic; a sampler that
+    returns the reference's own top-k passes every row, one whose raw logprobs carry a top-8
+    mask fails the raw rows, and the decode-vs-prefill row is judged as before."""
     from harness_outputs import TINY, tiny_rollout
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from qualify.contract import load_contract
+    from qualify.distmetrics import TOPK_STATISTICS
+    from qualify.evidence import store
     from qualify.reference.distribution import MAX_VOCAB, seal_distribution
     from qualify.resources import contracts_dir
 
@@ -169,17 +172,49 @@ def test_large_vocabulary_seals_the_decode_vs_prefill_bound_only(tmp_path: Path)
     torch.manual_seed(3)
     Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "actor")
     roll = tiny_rollout([[5, 6, 7], [8, 9]], (4, 2), 4, torch.Generator().manual_seed(1))
-    doc = seal_distribution(load_contract(contracts_dir() / "tiny-qwen3.toml"),
-                            tmp_path / "actor", roll, tmp_path)
-    assert "raw" not in doc
-    assert "distributions_not_run" in doc
-    assert not (tmp_path / "distribution.safetensors").exists()
+    contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
+    k = contract.bounds.distribution_topk
+    doc = seal_distribution(contract, tmp_path / "actor", roll, tmp_path)
+    assert doc["topk"]["k"] == k
+    assert "distributions_not_run" not in doc
+    ref = store.load_tensors(tmp_path / "distribution.safetensors")
+    mask, tokens = roll["response_mask"].numpy(), roll["responses"].numpy()
+    for kind in ("raw", "tempered"):
+        assert ref[f"{kind}_topk_logprobs"].shape == (*tokens.shape, k)
+        assert ref[f"{kind}_topk_ids"].dtype == np.int64
+        assert set(doc[kind]["controls"]) == {"decode", "attn_impl", "batch", "bf16"}
+        for s in TOPK_STATISTICS:
+            assert np.isfinite(doc[kind]["bounds"][s]["bound"]), (kind, s)
+        assert 0.0 < doc[kind]["missing_mass"]["max"] <= 1.0
     b = doc["decode_vs_prefill"]["bound"]
     assert 1e-5 <= b < 1e-3
-    mask, tokens = roll["response_mask"].numpy(), roll["responses"].numpy()
     lp = np.where(mask != 0, -1.0, 0.0)
-    for shift, verdict in ((0.0, "PASS"), (2 * b, "FAIL")):
-        rows = distribution_rows(cell="c", tensors={
-            "round2/sampler/logprobs": lp, "round2/sampler/decode_logprobs": lp + shift},
-            ref_dir=tmp_path, mask=mask, responses=tokens)
-        assert [(r.klass, r.verdict) for r in rows] == [("sampler_decode_vs_prefill", verdict)]
+
+    def sampler(leak: bool, shift: float) -> dict[str, np.ndarray]:
+        out = {"round2/sampler/logprobs": lp, "round2/sampler/decode_logprobs": lp + shift}
+        for kind in ("raw", "tempered"):
+            vals = ref[f"{kind}_topk_logprobs"].astype(np.float64)
+            if leak and kind == "raw":  # the sampling top-8 mask leaks into raw logprobs
+                kept = vals[..., :8]
+                vals = np.concatenate([kept - np.log(np.exp(kept).sum(-1, keepdims=True)),
+                                       np.full(vals[..., 8:].shape, -np.inf)], axis=-1)
+            out[f"round1/sampler/decode_{kind}_topk_logprobs"] = vals
+            out[f"round1/sampler/decode_{kind}_topk_ids"] = ref[f"{kind}_topk_ids"]
+            out[f"round1/sampler/decode_{kind}_logprobs"] = ref[f"{kind}_token_logprobs"]
+        return out
+
+    for leak, shift, verdict in ((False, 0.0, "PASS"), (False, 2 * b, "FAIL"),
+                                 (True, 0.0, "PASS")):
+        rows = distribution_rows(cell="c", tensors=sampler(leak, shift), ref_dir=tmp_path,
+                                 mask=mask, responses=tokens)
+        dvp = [r.verdict for r in rows if r.klass == "sampler_decode_vs_prefill"]
+        assert dvp == [verdict]
+        dist = [r for r in rows if r.klass == "sampler_distribution"]
+        assert {r.family for r in dist} == {"decode_raw_topk", "decode_tempered_topk"}
+        failed = {(r.family, r.statistic) for r in dist if r.verdict != "PASS"}
+        if leak:
+            assert {("decode_raw_topk", "kl_ref_cand_max"), ("decode_raw_topk", "tv_max")} \
+                <= failed
+            assert not any(f == "decode_tempered_topk" for f, _ in failed)
+        else:
+            assert not failed

@@ -19,7 +19,9 @@ The engine's ``logprobs_mode`` is switched between passes by :func:`worker_logpr
 on x86 CPU the sampler's ``forward_cpu`` is chosen independently of the mode), and read back
 for the record. A pass requests the full vocabulary's logprobs (``logprobs=-1``,
 ``max_logprobs=-1``) when the vocabulary has at most :data:`MAX_FULL_VOCAB` entries;
-otherwise the top :data:`TOP_K` and the trace token, and the missing mass is recorded.
+otherwise vLLM's own top ``k`` (``SamplingParams.logprobs = k``: ``Sampler.gather_logprobs``'s
+``torch.topk`` of the pass's logprobs, plus the trace token; ``k`` the contract's
+``bounds.distribution_topk``, default :data:`TOP_K`), and the missing mass is recorded.
 
 Planted fault (test suite only, ``cell.faults``): :data:`FAULT_DOUBLE_TEMPERATURE` divides a
 forced request's logits by its temperature before ``Sampler.sample`` on decode steps
@@ -45,7 +47,7 @@ FAULT_DOUBLE_TEMPERATURE: Final = "sampler_decode_double_temperature"
 MAX_FULL_VOCAB: Final = 4096
 """Largest vocabulary whose full logprobs are requested at every position."""
 TOP_K: Final = 64
-"""Logprobs per position requested above :data:`MAX_FULL_VOCAB`."""
+"""Logprobs per position requested above :data:`MAX_FULL_VOCAB` (the default ``k``)."""
 PASSES: Final = ("raw", "tempered", "sampling")
 """The decode passes: ``raw`` (``raw_logprobs``: ``log_softmax(logits)``), ``tempered``
 (``processed_logprobs`` at the contract's temperature, no top-k / top-p: the trainer's
@@ -144,7 +146,7 @@ def worker_routes(worker: Any) -> dict[str, Any]:
 
 def decode_pass(llm: Any, rows: Sequence[tuple[list[int], list[int], list[int]]], *,
                 mode: str, temperature: float, top_k: int, top_p: float, vocab: int,
-                seed: int) -> tuple[Tensor, dict[str, Any]]:
+                seed: int, topk: int = TOP_K) -> tuple[Tensor, dict[str, Any]]:
     """Score every valid response token of ``rows`` on the decode path, one pass.
 
     Args:
@@ -156,9 +158,11 @@ def decode_pass(llm: Any, rows: Sequence[tuple[list[int], list[int], list[int]]]
         top_p: its top-p (1.0: none).
         vocab: the model's vocabulary size ``V``.
         seed: per-request seeds are ``seed + b``.
+        topk: logprobs per position requested when ``V >`` :data:`MAX_FULL_VOCAB`.
 
     Returns:
-        ``[B, R, V]`` FP32 logprobs (``-inf`` outside the top-k when ``V >``
+        ``[B, R, V]`` FP32 logprobs (``-inf`` outside the top-``topk`` and the trace token
+        when ``V >``
         :data:`MAX_FULL_VOCAB` and where the processed distribution truncates; 0 at masked
         positions) and facts (mode read back, k, cached tokens, worst missing mass).
 
@@ -172,7 +176,7 @@ def decode_pass(llm: Any, rows: Sequence[tuple[list[int], list[int], list[int]]]
         raise HarnessError(f"vLLM workers did not take logprobs_mode {mode!r}: {back}")
     llm.reset_prefix_cache()
     full = vocab <= MAX_FULL_VOCAB
-    k = -1 if full else TOP_K
+    k = -1 if full else topk
     idx, reqs, params = [], [], []
     for b, (prompt, resp, mask) in enumerate(rows):
         n = sum(1 for m in mask if m)
@@ -210,6 +214,18 @@ def decode_pass(llm: Any, rows: Sequence[tuple[list[int], list[int], list[int]]]
                  "top_k": top_k, "top_p": top_p, "logprobs_per_position": "all" if full else k,
                  "max_missing_mass": missing, "requests": len(reqs), "cached_tokens": cached,
                  "seeds": [seed + b for b, _ in idx]}
+
+
+def topk_rows(dist: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """``[B, R, k]`` FP32 top-k logprobs and int64 ids of ``dist [B, R, V]``.
+
+    Ordered by :func:`qualify.distmetrics.topk_of` (largest first, equal values by id): the
+    ``k`` largest of what vLLM returned (its top ``k`` and, when outside them, the trace token).
+    """
+    from qualify.distmetrics import topk_of
+
+    vals, ids = topk_of(dist.numpy(), k)
+    return torch.from_numpy(vals), torch.from_numpy(ids)
 
 
 def token_logprobs(dist: Tensor, rows: Sequence[tuple[list[int], list[int], list[int]]]

@@ -176,7 +176,7 @@ def _decode_round1(llm: Any, rows: list[tuple[list[int], list[int], list[int]]],
         mode, top_k, top_p = settings[name]
         dists[name], facts[name] = decode.decode_pass(
             llm, rows, mode=mode, temperature=s.temperature, top_k=top_k, top_p=top_p,
-            vocab=vocab, seed=SCORING_SEED)
+            vocab=vocab, seed=SCORING_SEED, topk=contract.bounds.distribution_topk)
     llm.collective_rpc(decode.worker_logprobs_mode, args=("processed_logprobs",))
     return dists, facts
 
@@ -359,6 +359,11 @@ def _finish(st: _Started, ins: _Inputs, req: dict[str, Any], wfile: Path,
     if spec.vocab_size <= decode.MAX_FULL_VOCAB:  # full distributions: [B, R, V] stays small
         for name in ("raw", "tempered"):
             tensors[f"round1/{ROLE}/decode_{name}"] = dists[name].contiguous()
+    else:  # the top-k path (qualify.reference.distribution): vLLM's own top-k and their ids
+        for name in ("raw", "tempered"):
+            vals, ids = decode.topk_rows(dists[name], contract.bounds.distribution_topk)
+            tensors[f"round1/{ROLE}/decode_{name}_topk_logprobs"] = vals.contiguous()
+            tensors[f"round1/{ROLE}/decode_{name}_topk_ids"] = ids.contiguous()
     for name in decode.PASSES:
         tensors[f"round1/{ROLE}/decode_{name}_logprobs"] = torch.where(
             mask, decode.token_logprobs(dists[name], rows), 0.0).contiguous()

@@ -16,11 +16,23 @@ Reads the sealed ``distribution.json`` / ``distribution.safetensors`` of the ref
   ones (``round2/sampler/logprobs``), same weights and temperature, against the sealed
   HF decode-vs-prefill bound.
 
-A reference sealed without ``distribution.json`` gives no rows; one whose vocabulary is too
-large to seal in full (``distributions_not_run``) gives the ``sampler_decode_vs_prefill`` row
-only; the report's notes say why (:func:`read_sealed`). A sampler cell without the tensors,
-against a reference that has them, gives ``NOT_RUN`` rows naming what is missing; none of
-them passes.
+A reference sealed on the **top-k path** (``topk`` in ``distribution.json``: a vocabulary
+too large to seal whole) gives the ``sampler_distribution`` rows of family
+``decode_raw_topk`` / ``decode_tempered_topk`` instead: every statistic of
+:data:`qualify.distmetrics.TOPK_STATISTICS` of the sampler's top-k logprobs and ids
+(``round1/sampler/decode_<kind>_topk_logprobs`` / ``_topk_ids`` ``[B, R, k']``, ``k' >= k``,
+cut to the sealed ``k``) and its response-token logprobs
+(``round1/sampler/decode_<kind>_logprobs``) against the sealed top-k of the reference
+(:func:`qualify.distmetrics.topk_metrics`: the KL and TV rows are lower bounds of the true
+ones, ``tv_upper_*`` an upper bound; each row's ``where`` states ``k`` and both sides'
+missing mass). A ``tv_upper_*`` statistic whose sealed bound is at least 1 (the largest TV:
+a missing mass that large hides everything) gives no row, since it could not fail; its value
+is stated in the ``where`` of the matching ``tv_*`` row.
+A reference sealed without ``distribution.json`` gives no rows; one whose vocabulary was too
+large to seal by older code (``distributions_not_run``) gives the
+``sampler_decode_vs_prefill`` row only; the report's notes say why (:func:`read_sealed`).
+A sampler cell without the tensors, against a reference that has them, gives ``NOT_RUN``
+rows naming what is missing; none of them passes.
 
 :func:`decode_clip_band` is the like-for-like clip-band tail: the HF FP32 reference's and
 each actor cell's round-1 logprobs (``log_softmax(logits / T)``) against the sampler's
@@ -41,7 +53,12 @@ from qualify import jsonio
 from qualify.bounds import judge
 from qualify.compare.mismatch import clip_band_tail
 from qualify.compare.verdicts import FailureDetail, Row
-from qualify.distmetrics import STATISTICS, distribution_metrics
+from qualify.distmetrics import (
+    STATISTICS,
+    TOPK_STATISTICS,
+    distribution_metrics,
+    topk_metrics,
+)
 from qualify.evidence import store
 
 DISTRIBUTION_FILE: Final = "distribution.safetensors"
@@ -101,8 +118,10 @@ def distribution_rows(*, cell: str, tensors: Mapping[str, Any], ref_dir: Path,
     if doc is None:  # a reference without decode-path bounds: no rows (a report note says so)
         return []
     rows: list[Row] = []
-    full = "raw" in doc
-    ref = store.load_tensors(ref_dir / DISTRIBUTION_FILE) if full else {}
+    full = "raw" in doc and "topk" not in doc
+    ref = store.load_tensors(ref_dir / DISTRIBUTION_FILE) if "raw" in doc else {}
+    if "topk" in doc:
+        rows += _topk_rows(cell, tensors, doc, ref, mask)
     why = ""
     for kind in KINDS if full else ():
         family = f"decode_{kind}"
@@ -140,6 +159,55 @@ def distribution_rows(*, cell: str, tensors: Mapping[str, Any], ref_dir: Path,
                         statistic="max_abs", round_=2, error=err, bound=float(b["bound"]),
                         where=f"({int(worst[0])}, {int(worst[1])}) mean {float(d.mean()):.3g}",
                         control=str(b["control"])))
+    return rows
+
+
+def _topk_rows(cell: str, tensors: Mapping[str, Any], doc: Mapping[str, Any],
+               ref: Mapping[str, Any], mask: npt.NDArray[Any]) -> list[Row]:
+    """The ``decode_<kind>_topk`` rows (module docstring) of one sampler cell."""
+    k = int(doc["topk"]["k"])
+    rows: list[Row] = []
+    for kind in KINDS:
+        family = f"decode_{kind}_topk"
+        names = [f"round1/{ROLE}/decode_{kind}_topk_logprobs",
+                 f"round1/{ROLE}/decode_{kind}_topk_ids", f"round1/{ROLE}/decode_{kind}_logprobs"]
+        missing = [n for n in names if n not in tensors]
+        lp = np.asarray(tensors[names[0]]) if not missing else None
+        reason = (f"{cell} has no {', '.join(missing)} (a sampler cell of older code)"
+                  if missing else "")
+        if lp is not None and (lp.ndim != 3 or lp.shape[2] < k):
+            reason = (f"{cell}'s {names[0]} has shape {lp.shape}: fewer than the sealed "
+                      f"top-{k} logprobs per position")
+        if reason:
+            rows += [_not_run(cell, "sampler_distribution", family=family, statistic=s,
+                              round_=1, reason=reason) for s in TOPK_STATISTICS]
+            continue
+        assert lp is not None
+        ids = np.asarray(tensors[names[1]]).astype(np.int64)
+        order = np.lexsort((ids, -lp.astype(np.float64)), axis=-1)[..., :k]  # its own top-k
+        got = topk_metrics(np.take_along_axis(lp, order, axis=-1),
+                           np.take_along_axis(ids, order, axis=-1),
+                           ref[f"{kind}_topk_logprobs"], ref[f"{kind}_topk_ids"],
+                           cand_token=np.asarray(tensors[names[2]]),
+                           ref_token=ref[f"{kind}_token_logprobs"], mask=mask,
+                           clip_ratio=float(doc["clip_ratio"]))
+        where = (f"{got['worst']} (n={got['n_valid']}, top-1 ties {got['top1_ties']}, k={k}, "
+                 f"missing mass ref <= {got['missing_ref_max']:.3g}, sampler <= "
+                 f"{got['missing_cand_max']:.3g})")
+        bounds = doc[kind]["bounds"]
+        for s in TOPK_STATISTICS:
+            b, err = bounds[s], float(got[s])
+            upper = s.replace("tv_", "tv_upper_") if s in ("tv_max", "tv_mean") else ""
+            if s.startswith("tv_upper_") and float(b["bound"]) >= 1.0:
+                continue  # could not fail: stated on the tv_ row instead
+            note = ""
+            if upper and float(bounds[upper]["bound"]) >= 1.0:
+                note = (f"; true TV <= {float(got[upper]):.3g} ({upper} not judged: its "
+                        f"sealed bound {float(bounds[upper]['bound']):.3g} >= 1)")
+            rows.append(_judged(cell, "sampler_distribution", family=family, statistic=s,
+                                round_=1, error=err if math.isfinite(err) else math.inf,
+                                bound=float(b["bound"]), where=where + note,
+                                control=str(b["control"])))
     return rows
 
 

@@ -20,10 +20,18 @@ Controls, each an HF execution of the same model and tokens that an engine may l
 take instead: ``decode`` (prompt prefill, then one token at a time against the KV cache,
 ``sdpa``, per sequence), ``attn_impl`` (``eager`` batched prefill), ``batch`` (each sequence
 alone, no padding, ``sdpa``), ``bf16`` (information only: BF16 parameters, ``sdpa``).
-Above a vocabulary of :data:`MAX_VOCAB` only the reference and ``decode`` runs are made:
-``distribution.json`` holds the ``decode_vs_prefill`` bound and says why the distributions
-are not sealed (``distributions_not_run``; no ``distribution.safetensors``, no
-``sampler_distribution`` rows).
+Above a vocabulary of :data:`MAX_VOCAB` the distributions are sealed on the **top-k path**
+(:func:`qualify.distmetrics.topk_metrics`; ``k`` the contract's ``bounds.distribution_topk``):
+``distribution.safetensors`` holds, for each ``kind``, ``<kind>_topk_logprobs`` ``[B, R, k]``
+FP32 (the reference's ``k`` largest logprobs, ordered by :func:`qualify.distmetrics.topk_of`),
+``<kind>_topk_ids`` ``[B, R, k]`` int64, ``<kind>_token_logprobs`` ``[B, R]`` FP32 (the
+response token's logprob) and ``<kind>_missing_mass`` ``[B, R]`` FP64 (``1 -`` the FP64 mass
+of the top-k set: what the metrics cannot see); each control is reduced to its own top-k the
+same way before its metrics are taken; ``distribution.json`` adds ``topk`` (``k``, why) and
+per kind ``missing_mass`` (max and mean over valid positions). The statistics are
+:data:`qualify.distmetrics.TOPK_STATISTICS`; the lumped KL and TV are lower bounds of the
+true ones, ``tv_upper_*`` an upper bound (:mod:`qualify.distmetrics`). A reference sealed by
+older code above :data:`MAX_VOCAB` holds ``distributions_not_run`` instead (no distributions).
 """
 
 from __future__ import annotations
@@ -37,7 +45,13 @@ import numpy as np
 import torch
 from qualify_harness.routes import sdpa_recorder
 
-from qualify.distmetrics import STATISTICS, distribution_metrics
+from qualify.distmetrics import (
+    STATISTICS,
+    TOPK_STATISTICS,
+    distribution_metrics,
+    topk_metrics,
+    topk_of,
+)
 
 DISTRIBUTION_FILE: Final = "distribution.safetensors"
 DISTRIBUTION_JSON: Final = "distribution.json"
@@ -49,7 +63,8 @@ KINDS: Final = ("raw", "tempered")
 FLOORS: Final = {"kl_ref_cand_max": 1e-10, "kl_ref_cand_mean": 1e-10, "kl_cand_ref_max": 1e-10,
                  "kl_cand_ref_mean": 1e-10, "tv_max": 1e-6, "tv_mean": 1e-6,
                  "top1_mismatch": 0.0, "topk_disagreement_mean": 0.0, "ratio_outside_2": 0.0,
-                 "ratio_outside_clip": 0.0, "seq_max_kl_mean": 1e-10}
+                 "ratio_outside_clip": 0.0, "seq_max_kl_mean": 1e-10,
+                 "tv_upper_max": 1e-6, "tv_upper_mean": 1e-6, "topk_set_disagreement_mean": 0.0}
 """Per-statistic floors: an FP32 logprob difference of the logprob floor (1e-5) at every
 token gives a KL of about 0.5 * 1e-10 and a TV of order 1e-6; counts and fractions of
 discrete events have no floor (a control that shows none bounds them at 0)."""
@@ -119,6 +134,21 @@ def _logprobs(logits: torch.Tensor, temperature: float, mask: torch.Tensor) -> t
     return torch.where(mask.bool()[..., None], lp, 0.0)
 
 
+def _topk(lp: torch.Tensor, tokens: Any, k: int) -> dict[str, Any]:
+    """``topk_logprobs`` / ``topk_ids`` ``[B, R, k]`` and ``token_logprobs`` ``[B, R]``."""
+    vals, ids = topk_of(lp.numpy(), k)
+    tok = np.take_along_axis(lp.numpy(), np.asarray(tokens, dtype=np.int64)[..., None],
+                             axis=-1)[..., 0]
+    return {"topk_logprobs": vals, "topk_ids": ids, "token_logprobs": tok.astype(np.float32)}
+
+
+def _missing_mass(logits: torch.Tensor, temperature: float, ids: Any) -> torch.Tensor:
+    """``[B, R]`` FP64 mass outside the top-k ``ids`` of ``log_softmax(logits / T)``."""
+    lp = torch.log_softmax(logits.double() / temperature, dim=-1)
+    kept = torch.exp(torch.gather(lp, -1, torch.from_numpy(np.asarray(ids)))).sum(-1)
+    return torch.clamp(1.0 - kept, min=0.0)
+
+
 def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tensor],
                       out: Path) -> dict[str, Any]:
     """Compute and write the module docstring's two files into ``out``; return the JSON.
@@ -145,20 +175,20 @@ def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tens
 
     vocab = int(AutoConfig.from_pretrained(str(actor_dir)).vocab_size)
     full = vocab <= MAX_VOCAB
+    topk = int(contract.bounds.distribution_topk)
     if not full:
-        doc["distributions_not_run"] = (f"vocabulary {vocab} > {MAX_VOCAB}: the full "
-                                        f"distributions are not sealed")
+        doc["topk"] = {"k": topk, "why": f"vocabulary {vocab} > {MAX_VOCAB}: the top-{topk} "
+                                         f"logprobs of each position are sealed, not the "
+                                         f"whole distribution"}
     runs: dict[str, torch.Tensor] = {}
     routes: dict[str, Any] = {}
     sdpa = _model(actor_dir, "sdpa", torch.float32)
     builds: list[tuple[str, Callable[[], torch.Tensor]]] = [
         ("reference", lambda: _prefill(sdpa, roll)),
-        ("decode", lambda: _per_sequence(sdpa, roll, decode=True))]
-    if full:
-        builds += [
-            ("batch", lambda: _per_sequence(sdpa, roll, decode=False)),
-            ("attn_impl", lambda: _prefill(_model(actor_dir, "eager", torch.float32), roll)),
-            ("bf16", lambda: _prefill(_model(actor_dir, "sdpa", torch.bfloat16), roll))]
+        ("decode", lambda: _per_sequence(sdpa, roll, decode=True)),
+        ("batch", lambda: _per_sequence(sdpa, roll, decode=False)),
+        ("attn_impl", lambda: _prefill(_model(actor_dir, "eager", torch.float32), roll)),
+        ("bf16", lambda: _prefill(_model(actor_dir, "sdpa", torch.bfloat16), roll))]
     for name, build in builds:
         with sdpa_recorder() as seen:
             runs[name] = build()
@@ -166,18 +196,36 @@ def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tens
     doc["routes"] = {"torch": torch.__version__, "num_threads": torch.get_num_threads(),
                      "sdpa_backends": routes}
     tensors: dict[str, torch.Tensor] = {}
-    for kind in KINDS if full else ():
+    toks_np, mask_np = roll["responses"].numpy(), mask.numpy()
+    for kind in KINDS:
         t = 1.0 if kind == "raw" else temperature
         ref = _logprobs(runs["reference"], t, mask)
-        tensors[kind] = ref.contiguous()
         section: dict[str, Any] = {"controls": {}, "bounds": {}}
+        if full:
+            tensors[kind] = ref.contiguous()
+        else:
+            ref_k = _topk(ref, toks_np, topk)
+            tensors.update({f"{kind}_{n}": torch.from_numpy(a).contiguous()
+                            for n, a in ref_k.items()})
+            miss = _missing_mass(runs["reference"], t, ref_k["topk_ids"])
+            tensors[f"{kind}_missing_mass"] = torch.where(mask.bool(), miss, 0.0).contiguous()
+            valid = miss[mask.bool()]
+            section["missing_mass"] = {"max": float(valid.max()) if valid.numel() else 0.0,
+                                       "mean": float(valid.mean()) if valid.numel() else 0.0}
         for name in FP32_CONTROLS + INFO_CONTROLS:
-            got = distribution_metrics(_logprobs(runs[name], t, mask).numpy(), ref.numpy(),
-                                       roll["responses"].numpy(), mask.numpy(),
-                                       clip_ratio=clip)
+            lp = _logprobs(runs[name], t, mask).numpy()
+            if full:
+                got = distribution_metrics(lp, ref.numpy(), toks_np, mask_np, clip_ratio=clip)
+            else:
+                mine = _topk(torch.from_numpy(lp), toks_np, topk)
+                got = topk_metrics(mine["topk_logprobs"], mine["topk_ids"],
+                                   ref_k["topk_logprobs"], ref_k["topk_ids"],
+                                   cand_token=mine["token_logprobs"],
+                                   ref_token=ref_k["token_logprobs"], mask=mask_np,
+                                   clip_ratio=clip)
             got.pop("seq_max_kl")
             section["controls"][name] = got
-        for s in STATISTICS:
+        for s in STATISTICS if full else TOPK_STATISTICS:
             per = {c: float(section["controls"][c][s]) for c in FP32_CONTROLS}
             control = max(per, key=per.__getitem__)
             worst = per[control]
