@@ -119,7 +119,7 @@ def test_verify_reread_is_the_sealed_files_verify_reads(monkeypatch: pytest.Monk
     roles = ("actor", "critic")
     reported = {r: sum(n if (idx := sampling.indices(name, n)) is None else len(idx)
                        for name, n in shape.params(r)) for r in roles}
-    n_seq, prompt, resp, _ = plan._rollout_shape(contract)
+    n_seq, _, resp, _ = plan._rollout_shape(contract)
     update = plan._update_file_bytes(roles, rounds=contract.algorithm.rounds, reported=reported,
                                      n_tensors={r: len(shape.params(r)) for r in roles},
                                      n_seq=n_seq, resp=resp)
