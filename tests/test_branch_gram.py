@@ -419,3 +419,35 @@ def test_the_rerun_takes_each_way_to_the_same_gram(contract: Contract, batch: Ba
             for b, norm_b in norm.items():
                 assert abs(rd["gram"][a][b] - exact_rd["gram"][a][b]) \
                     <= 1e-5 * norm_a * norm_b, (way, a, b)
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_one_j_t_is_alive_during_each_backward(contract: Contract, batch: Batch, role: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer that drops each ``J_t`` before asking for the next one holds no earlier
+    ``J_t`` while the next backward runs (tokens of one sequence and of several), so the
+    clip-branch step's peak carries one model-sized ``J_t``, not two."""
+    import weakref
+
+    model = _model(role)
+    settings = UpdateSettings(precision="fp32", micro_batch_size=2)
+    earlier: list[weakref.ref[torch.Tensor]] = []
+    alive: list[int] = []
+    real = torch.autograd.grad
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        alive.append(sum(r() is not None for r in earlier))
+        out = real(*args, **kwargs)
+        earlier.extend(weakref.ref(g) for g in out if g is not None)
+        return out
+
+    monkeypatch.setattr(torch.autograd, "grad", spy)
+    n = 0
+    for _, c in token_gradients(model, model, batch, contract, settings, role=role,
+                                tokens=TOKENS):
+        assert c
+        assert all(v.dtype == torch.float32 for v in c.values())
+        del c
+        n += 1
+    assert n == len(TOKENS)
+    assert alive == [0] * len(TOKENS)

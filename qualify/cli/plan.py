@@ -56,7 +56,7 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
                             f"Actor {plan.params['actor'] / 1e6:,.1f} M, Critic "
                             f"{plan.params['critic'] / 1e6:,.1f} M parameters",
                       title_justify="left")
-        for col in ("step", "device peak GB", "host peak GB", "written MB", "time",
+        for col in ("step", "device peak GB", "host peak GB", "written MB", "read MB", "time",
                     "host peak at (phase): largest terms, GB"):
             table.add_column(col, justify="right" if col.endswith(("GB", "MB", "time"))
                              else "left", no_wrap=True, overflow="ellipsis")
@@ -64,7 +64,7 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
             largest = sorted(s.terms.items(), key=lambda kv: -kv[1])[:3]
             table.add_row(s.name, f"{s.device_peak / GB:.2f}" if m.devices else "-",
                           f"{s.host_peak / GB:.2f}", f"{s.written / 1e6:.2f}",
-                          _duration(s.seconds),
+                          f"{s.read / 1e6:.2f}" if s.read else "-", _duration(s.seconds),
                           (f"{s.phase}: " if s.phase else "")
                           + ", ".join(f"{k} {v / GB:.2f}" for k, v in largest))
         Console(width=200).print(table)

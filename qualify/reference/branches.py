@@ -233,6 +233,11 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
                 stack.enter_context(factored.hooks())
             for (bi, ti), c in token_gradients(master, master, b, contract, j_settings,
                                                role=role, tokens=toks):
+                # what the earlier tokens freed and this backward did not reuse, back to the
+                # OS: the J_t's per-layer tensors come from glibc's heap, whose freed pages
+                # otherwise stay resident and add up over the tokens (qualify.memory). Here,
+                # not after the token: the last J_t's pages are then the next one's.
+                release_free_memory()
                 key = branches.token_key(bi, ti)
                 dot = sum(float((grad[n].double() * c[n].double()).sum()) for n in c)
                 nsq = sum(float(c[n].double().square().sum()) for n in c)
@@ -264,6 +269,7 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
                 rd["tokens"][key] = {"index": [bi, ti], "old": x_old, "current": x_cur,
                                      "reference_branch": "full" if full else "zero",
                                      "dot_grad": dot, "norm_sq": nsq}
+            release_free_memory()  # the last J_t, before the Gram allocates
             if way == "fp64":
                 rd["gram"], rd["gram_rel_error"] = gram.exact_gram(whole, norm_sq), 0.0
                 rd["gram_off_diagonal"] = "exact: FP64 over the whole J_t"

@@ -123,7 +123,9 @@ def token_gradients(work: nn.Module, master: nn.Module, batch: Batch, contract: 
     forward once on ``work`` (:func:`token_outputs`: cut after its last listed token) at
     this run's precision (autocast as the run does) in eval mode (dropout off, as in the
     run; the module's mode is restored after); each ``J_t`` is ``torch.autograd.grad``
-    (``.grad`` is not touched), cast to FP32 like the run's gradients.
+    (``.grad`` is not touched), cast to FP32 like the run's gradients. The generator drops
+    its own references to a ``J_t`` when the consumer asks for the next one, so a consumer
+    that drops its references too holds one ``J_t`` during each backward, not two.
 
     Args:
         work: the module the round ran forward on (from a :data:`RoundHook`).
@@ -164,5 +166,8 @@ def token_gradients(work: nn.Module, master: nn.Module, batch: Batch, contract: 
                     n: (torch.zeros(params[n].shape) if g is None
                         else g.detach().to(torch.float32))
                     for n, g in zip(names, grads, strict=True)}
+                # the consumer is done with this J_t: without this the next backward would
+                # run beside it (two J_t, two models' bytes, instead of one)
+                del grads
     finally:
         work.train(training)

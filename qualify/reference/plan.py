@@ -21,10 +21,17 @@ step is the sum of the terms alive together there:
   count of :func:`activation_elements`), plus ``logits``: the head's output at the response
   positions in ``LOGIT_COPIES`` FP32 copies (logits, ``z / T``, ``log_softmax``, softmax and
   the entropy's product);
-- ``jt``: a clip-branch token's FP32 ``J_t``, one model; two are alive while the next is
-  computed (the generator's tuple still holds the last one), so ``8 P``;
+- ``jt``: a clip-branch token's FP32 ``J_t``, one model, ``4 P``: one at a time
+  (:func:`qualify.reference.jacobian.token_gradients` drops its reference to the last one
+  before the next backward, and the stage returns the freed heap pages to the OS before each
+  token's arithmetic and before the Gram, :func:`qualify.memory.release_free_memory`);
 - ``jt_kept``: the fp64 Gram's whole ``J_t`` (at most :data:`qualify.reference.gram.
   FULL_BUDGET_BYTES` per lane, role and round: above it the stage spills factors to disk);
+- ``sealed_kept``: the sealed ``J_t`` samples of the lane (``4 x`` the reported elements per
+  token), held until the lane's ``branches/`` file is written after its last role;
+- ``factor_inputs``, ``factor_outputs``, ``gram_factors``: the factored Gram's forward
+  inputs of every sequence, one backward's output gradients (until spilled), and in the Gram
+  one parameter's factors of every token (:mod:`qualify.reference.gram_factors`);
 - ``gram_block``: the factored Gram's block of rebuilt ``J_t`` rows (:data:`GRAM_BLOCK_BYTES`);
 - ``checkpoint_map``: a model file mapped while it is read (``roles.load_*``: safetensors
   maps the FP32 checkpoint, whose pages count as resident while mapped), one model;
@@ -32,8 +39,9 @@ step is the sum of the terms alive together there:
 
 Host-only execution (``devices = 0``, what the stage does today) puts every term on the host.
 With devices, the plan of docs/scale.md section 3: weights, gradients, activations, the BF16
-copy and ``J_t`` on the devices, whole layers per device (:func:`place_layers`); the AdamW
-moments on the host (the chunked host AdamW); the sensitivity copy on the host.
+copy and ``J_t`` on the devices, whole layers per device
+(:func:`qualify.reference.placement.assign_layers`); the AdamW moments on the host (the
+chunked host AdamW); the sensitivity copy on the host.
 
 Time: ``FLOPs / throughput`` with ``FLOPs = 2 P`` per token for a forward and ``6 P`` for
 a forward and backward (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", eq.
@@ -46,6 +54,7 @@ This module imports neither torch nor any engine.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -57,7 +66,7 @@ from qualify.protocol import VOCAB_PARAMS
 
 __all__ = ["INTERPRETER_BYTES", "DoesNotFitError", "Machine", "ModelShape", "Plan", "Step",
            "activation_elements", "build_plan", "check_fits", "machine_defaults", "model_shape",
-           "place_layers", "plan_launches", "plan_reference"]
+           "plan_launches", "plan_reference", "round_to_round_updates"]
 
 GB: Final = 10**9
 
@@ -267,6 +276,9 @@ def machine_defaults() -> Machine:
 class Step:
     """One planned step: peak bytes per device and on the host, bytes written, seconds.
 
+    ``reads``: ``{file relative to the reference: bytes}`` the step reads back from a sealed
+    reference (``qualify verify``'s re-measurement of the control errors); empty for the
+    stage's own steps.
     ``terms``: the named terms of the host (or, with devices, of the fullest device) peak.
     """
 
@@ -279,11 +291,18 @@ class Step:
     terms: Mapping[str, int]
     processes: int = 1
     phase: str = ""
+    reads: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def read(self) -> int:
+        """Bytes read back from a sealed reference (the sum of :attr:`reads`)."""
+        return sum(self.reads.values())
 
     def to_dict(self) -> dict[str, Any]:
         """The step as JSON (``qualify plan --json``)."""
         return {"step": self.name, "kind": self.kind, "device_peak_bytes": self.device_peak,
                 "host_peak_bytes": self.host_peak, "bytes_written": self.written,
+                "bytes_read": self.read, "files_read": dict(self.reads),
                 "seconds": round(self.seconds, 1), "processes": self.processes,
                 "peak_phase": self.phase, "terms": dict(self.terms)}
 
@@ -328,78 +347,39 @@ class Plan:
                 "steps": [s.to_dict() for s in self.steps], "shortfall": self.shortfall()}
 
 
-def place_layers(layer_bytes: Sequence[int], devices: int, *, first: int = 0,
-                 last: int = 0) -> list[list[int]]:
-    """Whole layers per device, contiguous, the fullest device as light as it can be.
-
-    Args:
-        layer_bytes: each decoder layer's bytes, in order.
-        devices: how many devices (at least 1).
-        first: bytes only the first device holds (the embedding).
-        last: bytes only the last device holds (final norm, head, logits).
-
-    Returns:
-        Per device, the indices of its layers (a device may hold none).
-
-    Raises:
-        ValueError: ``devices < 1``.
-    """
-    if devices < 1:
-        raise ValueError("devices must be at least 1")
-    n = len(layer_bytes)
-
-    def split(cap: int) -> list[list[int]] | None:
-        out: list[list[int]] = [[] for _ in range(devices)]
-        dev, load = 0, first
-        for k, b in enumerate(layer_bytes):
-            while load + b > cap:
-                dev += 1
-                if dev >= devices:
-                    return None
-                load = 0
-            out[dev].append(k)
-            load += b
-        # the last device also holds ``last``
-        tail = max((d for d in range(devices) if out[d]), default=0)
-        used = sum(layer_bytes[k] for k in out[tail]) + (first if tail == 0 else 0)
-        if used + last > cap:
-            if tail + 1 < devices:
-                return out  # the head goes alone on the next device
-            return None
-        return out
-
-    lo = max([first, last, *layer_bytes], default=0)
-    hi = first + last + sum(layer_bytes)
-    best = split(hi)
-    assert best is not None or n == 0
-    while lo < hi:
-        mid = (lo + hi) // 2
-        got = split(mid)
-        if got is None:
-            lo = mid + 1
-        else:
-            hi, best = mid, got
-    return best if best is not None else [[] for _ in range(devices)]
-
-
 def _device_peak(shape: ModelShape, role: str, per_param: float, act_per_layer: int,
                  head_extra: int, *, devices: int) -> int:
-    """The fullest device's bytes with whole layers per device (:func:`place_layers`)."""
-    layer = int(sum(n for _, n in shape.layer_params()) * per_param) + act_per_layer
+    """The fullest device's bytes with whole layers per device.
+
+    Placed as the reference places them (:func:`qualify.reference.placement.assign_layers`,
+    uncapped: the lightest fullest device; the head with the last layer).
+    """
+    from qualify.reference.placement import assign_layers, device_loads
+
+    layer_n = sum(n for _, n in shape.layer_params())
+    layer = int(layer_n * per_param) + act_per_layer
     params = dict(shape.params(role))
-    first = int(params["model.embed_tokens.weight"] * per_param)
-    head = int((params.get("lm_head.weight", 0) + shape.hidden_size) * per_param) + head_extra
-    if devices == 1:
-        return first + head + layer * shape.num_hidden_layers
-    placed = place_layers([layer] * shape.num_hidden_layers, devices, first=first, last=head)
-    loads = [len(ks) * layer for ks in placed]
-    loads[0] += first
-    tail = max((d for d in range(devices) if placed[d]), default=0)
-    if tail + 1 < devices and loads[tail] + head > max(loads):
-        loads[tail + 1] += head
-    else:
-        loads[tail] += head
-    return max(loads)
+    embed = params["model.embed_tokens.weight"]
+    first = int(embed * per_param)
+    rest = shape.count(role) - embed - layer_n * shape.num_hidden_layers  # norm and head
+    head = int(rest * per_param) + head_extra
+    layers = [layer] * shape.num_hidden_layers
+    placed = assign_layers(layers, [math.inf] * devices, first=first, last=head)
+    return max(device_loads(layers, placed, devices, first=first, last=head))
+
+
+def _module_widths(shape: ModelShape, role: str) -> list[tuple[int, int]]:
+    """``(input, output)`` widths of the modules the factored Gram hooks.
+
+    As :func:`qualify.reference.gram_factors.factor_bytes` counts them: every ``nn.Linear``
+    of the layers and the head (the Actor's ``lm_head``, the value head's one output), and
+    the embedding (one int64 id per position: input width 2 in FP32 elements).
+    """
+    h, i = shape.hidden_size, shape.intermediate_size
+    q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
+    layer = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
+    head = (h, shape.vocab_size) if role == "actor" else (h, 1)
+    return [(2, h), *layer * shape.num_hidden_layers, head]
 
 
 def _sampled_elements(params: Iterable[tuple[str, int]], exact: int, sampled: int, *,
@@ -444,6 +424,84 @@ SAFETENSORS_HEADER_BYTES: Final = 121
 """Header bytes per tensor in a safetensors file (docs/scale.md section 2, measured)."""
 
 
+PER_TOKEN_FAMILIES: Final = {"actor": 2, "critic": 1}
+"""``[B, R]`` tensors per round of an update file: the Actor's ``logprobs`` and ``entropy``,
+the Critic's ``values`` (:func:`qualify.reference.update.run_actor`, ``run_critic``)."""
+SCALARS: Final = {"actor": 6, "critic": 4}
+"""Scalars per round of an update file: ``clip_coef``, ``grad_norm`` and the losses (Actor:
+``policy``, ``kl``, ``entropy``, ``total``; Critic: ``value``, ``total``)."""
+
+
+def _update_file_bytes(roles: Sequence[str], *, rounds: int, reported: Mapping[str, int],
+                       n_tensors: Mapping[str, int], n_seq: int, resp: int) -> int:
+    """Bytes of one update file (``reference/hf-LANE``, ``controls/NAME-LANE``).
+
+    Per round and role: the four per-parameter families (``grads``, ``exp_avg``,
+    ``exp_avg_sq``, ``updates``) at the reported elements, the per-token tensors
+    (:data:`PER_TOKEN_FAMILIES`) and the scalars (:data:`SCALARS`); round 1 also the reward
+    model's ``[B]`` rewards; FP32, :data:`SAFETENSORS_HEADER_BYTES` of header per tensor and
+    safetensors' 8-byte length prefix. A policy-loss variant's extra scalars are not counted.
+    """
+    count = 1 + rounds * sum(4 * n_tensors[r] + PER_TOKEN_FAMILIES[r] + SCALARS[r]
+                             for r in roles)
+    data = 4 * (n_seq + rounds * sum(4 * reported[r] + PER_TOKEN_FAMILIES[r] * n_seq * resp
+                                     + SCALARS[r] for r in roles))
+    return 8 + SAFETENSORS_HEADER_BYTES * count + data
+
+
+_DTYPE_BYTES: Final = {"I64": 8, "F32": 4}
+
+
+def _safetensors_bytes(tensors: Sequence[tuple[str, str, Sequence[int]]],
+                       metadata: Mapping[str, str] | None = None) -> int:
+    """The exact size of a safetensors file of these ``(name, dtype, shape)`` tensors.
+
+    The format: an 8-byte header length, the JSON header (tensors ordered by descending
+    element size then name, no spaces, padded with spaces to 8 bytes), then the data.
+    """
+    import json
+
+    order = sorted(tensors, key=lambda t: (-_DTYPE_BYTES[t[1]], t[0]))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    at = 0
+    for name, dtype, shape in order:
+        n = _DTYPE_BYTES[dtype] * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    text = len(json.dumps(header, separators=(",", ":")).encode())
+    return 8 + text + (-text) % 8 + at
+
+
+def _rollout_bytes(n_seq: int, prompt: int, resp: int) -> int:
+    """Bytes of ``rollout.safetensors`` (:mod:`qualify.reference.rollout`, torch's writer).
+
+    int64 attention mask and position ids ``[B, P + R]``, prompts ``[B, P]``, responses and
+    their mask ``[B, R]``, EOS flags and group indices ``[B]``; FP32 behavior logprobs.
+    """
+    both = [n_seq, prompt + resp]
+    return _safetensors_bytes(
+        [("attention_mask", "I64", both), ("position_ids", "I64", both),
+         ("prompts", "I64", [n_seq, prompt]), ("responses", "I64", [n_seq, resp]),
+         ("response_mask", "I64", [n_seq, resp]), ("eos_terminated", "I64", [n_seq]),
+         ("group_index", "I64", [n_seq]), ("behavior_logprobs", "F32", [n_seq, resp])],
+        {"format": "pt"})
+
+
+def _train_inputs_bytes(n_seq: int, resp: int) -> int:
+    """Bytes of ``train_inputs.safetensors``: FP32 advantages and returns ``[B, R]``."""
+    return _safetensors_bytes([("advantages", "F32", [n_seq, resp]),
+                               ("returns", "F32", [n_seq, resp])])
+
+
+VERIFY_SECONDS_PER_FILE: Final = 0.023
+"""``qualify verify``'s re-measurement of the control errors, per file it reads
+(:func:`qualify.reference.control_recompute.recompute_control_errors`: load, then every
+metric of every control against its lane's reference in numpy, and the clip-branch
+adjustment): the median wall of that call on the committed tiny-qwen3 reference, 0.418 s
+for its 18 files (1.87 MB) on the 2-core CI machine (docs/scale.md section 6). The bytes are
+charged on top at :data:`CHECKPOINT_READ_BYTES_PER_S` (not measured at scale)."""
+
+
 def _rollout_shape(contract: Contract) -> tuple[int, int, int, str]:
     """``(sequences, longest prompt, response length, how the prompt length is known)``."""
     p, s = contract.prompts, contract.sampling
@@ -458,6 +516,29 @@ def _rollout_shape(contract: Contract) -> tuple[int, int, int, str]:
     return n, max(lengths), s.max_new_tokens, how
 
 
+def round_to_round_updates(contract: Contract, valid_tokens: int) -> dict[int, int]:
+    """The round-to-round term's reference updates per lane and role: ``{r: count}``.
+
+    As :mod:`qualify.reference.round_to_round` states its cost: ``2 x valid_tokens + 1``
+    updates of ``r`` rounds (each stopped after round ``r``'s forward) per lane, role and
+    round ``r >= 2``; none when the contract's ``[bounds] round_to_round`` is off or its bound
+    lane is ``deterministic`` (:func:`qualify.reference.stage._round_to_round` runs nothing
+    then). An upper bound: a role whose perturbation size is 0 runs none.
+
+    Args:
+        contract: the contract (rounds, ``[bounds]``).
+        valid_tokens: valid response tokens of the rollout (the plan: every response
+            position of every sequence).
+
+    Returns:
+        ``{rounds run: updates}``; empty when the term is off.
+    """
+    b = contract.bounds
+    if not b.round_to_round or b.lane == "deterministic":
+        return {}
+    return dict.fromkeys(range(2, contract.algorithm.rounds + 1), 2 * valid_tokens + 1)
+
+
 def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
     """The reference stage's steps in the order it runs them (module docstring).
 
@@ -468,6 +549,9 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
     sensitivity copy, the mapped checkpoint, the per-parameter temporaries of the host-side
     arithmetic) are the host's; the rest is placed on the devices, whole layers per device,
     one run at a time (so one device computes at a time: a pipeline without overlap).
+
+    After the stage's steps, one ``verify`` step: what ``qualify verify`` reads back to
+    measure the control errors again (bytes read, time, the host memory of holding them).
     """
     from qualify.lanes import lane_bf16_mode, lane_precision
     from qualify.reference.branches import MAX_SEALED_TOKENS
@@ -561,8 +645,8 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
                          settings.micro_batch_size,
                          settings.extra_left_padding + settings.extra_right_padding,
                          attn == "eager"))
-    update_file = (SAFETENSORS_HEADER_BYTES * rounds * 4 * sum(n_tensors[r] for r in roles)
-                   + 4 * rounds * 4 * sum(reported[r] for r in roles))
+    update_file = _update_file_bytes(roles, rounds=rounds, reported=reported,
+                                     n_tensors=n_tensors, n_seq=n_seq, resp=resp)
 
     def training(role: str, w: int, bf16_params: bool, autocast: bool) -> dict[str, int]:
         pr = p[role]
@@ -570,14 +654,20 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
                 "bf16_work": 2 * pr if bf16_params else 0,
                 "autocast_cache": 2 * pr if autocast else 0}
 
-    for label, prec, mode, size, extra, eager in runs:
+    def update_step(label: str, prec: str, mode: str, size: int, extra: int, *,
+                    eager: bool, runs_of: Mapping[int, int] | None = None) -> Step:
+        """One reference update run (``runs_of`` None), or the round-to-round runs.
+
+        ``runs_of``: ``{r: count}`` perturbed runs, each stopped after round ``r``'s forward
+        (no sensitivity pass: ``last_forward``).
+        """
         w = 8 if prec == "fp64" else 4  # the fp64 control's models, gradients and state
         bf16_params = prec == "bf16" and mode != "autocast"
         autocast = prec == "bf16" and mode == "autocast"
         elem = 8 if prec == "fp64" else (2 if bf16_params else 4)
         pos = positions + extra
         best: tuple[int, str] = (-1, "")
-        flops, loads = 0.0, 0
+        flops, loads, adamw_bytes = 0.0, 0, 0
         phases_by_role: dict[str, dict[str, dict[str, int]]] = {}
         for role in roles:
             pr = p[role]
@@ -591,71 +681,151 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
                          "host_temporaries": 4 * pr if w == 8 else 0},
                 "backward": {**train, "bf16_work": 4 * pr if bf16_params else 0,
                              "activations": layer_act * shape.num_hidden_layers + head},
-                "sensitivity": {**train, "sensitivity_copy": w * pr,
-                                "host_temporaries": 3 * 8 * largest[role],
-                                "activations": layer_act + head},
             }
+            if runs_of is None:
+                phases["sensitivity"] = {**train, "sensitivity_copy": w * pr,
+                                         "host_temporaries": 3 * 8 * largest[role],
+                                         "activations": layer_act + head}
             phases_by_role[role] = phases
             peak = max(sum(t.values()) for t in phases.values())
             if peak > best[0]:
                 best = (peak, role)
-            flops += ((2 * pr * n_seq * pos if role == "actor" else 0)  # KL reference forward
-                      + rounds * (6 + 4) * pr * n_seq * pos)  # fwd+bwd, sensitivity 2 fwd
-            loads += models_loaded * 4 * pr
+            kl_ref = 2 * pr * n_seq * pos if role == "actor" else 0  # KL reference forward
+            if runs_of is None:  # every round: fwd+bwd, sensitivity 2 fwd
+                flops += kl_ref + rounds * (6 + 4) * pr * n_seq * pos
+                loads += models_loaded * 4 * pr
+                adamw_bytes += 4 * w * pr * rounds
+            else:  # rounds before r: fwd+bwd; round r: its forward only
+                for r, count in runs_of.items():
+                    flops += count * (kl_ref + ((r - 1) * 6 + 2) * pr * n_seq * pos)
+                    loads += count * models_loaded * 4 * pr
+                    adamw_bytes += count * 4 * w * pr * (r - 1)
         role = best[1]
         layer_act, head = acts(role, size, pos, elem, eager)
+        per_param = {f"{role} load": w, f"{role} backward": 2 * w + (4 if bf16_params else 0)
+                     + (2 if autocast else 0)}
+        act_dev = {f"{role} load": (0, 0), f"{role} backward": (layer_act, head)}
+        if runs_of is None:
+            per_param[f"{role} sensitivity"] = 2 * w + (2 if bf16_params else 0)
+            act_dev[f"{role} sensitivity"] = (0, head)
         add(label, {f"{role} {k}": v for k, v in phases_by_role[role].items()},
-            {f"{role} {k}": role for k in ("load", "backward", "sensitivity")},
-            {f"{role} load": w, f"{role} backward": 2 * w + (4 if bf16_params else 0)
-             + (2 if autocast else 0), f"{role} sensitivity": 2 * w + (2 if bf16_params else 0)},
-            {f"{role} load": (0, 0), f"{role} backward": (layer_act, head),
-             f"{role} sensitivity": (0, head)},
-            written=update_file,
+            {f"{role} {k}": role for k in phases_by_role[role]}, per_param, act_dev,
+            written=update_file if runs_of is None else 0,
             seconds=flops / rate(prec if prec in ("fp64", "bf16") else "fp32")
-            + load_s(loads)
-            + (sum(4 * w * p[r] for r in roles) * rounds / HOST_ADAMW_BYTES_PER_S if dev else 0))
+            + load_s(loads) + (adamw_bytes / HOST_ADAMW_BYTES_PER_S if dev else 0))
+        return steps[-1]
+
+    for label, prec, mode, size, extra, eager in runs:
+        update_step(label, prec, mode, size, extra, eager=eager)
+
+    # the round-to-round term (stage._round_to_round): per lane, the perturbed updates of
+    # round_to_round_updates with the lane's reference settings
+    per_role = round_to_round_updates(contract, n_seq * resp)
+    if per_role:
+        for lane in lanes:
+            update_step(f"round_to_round hf-{lane} ({sum(per_role.values())} runs per role)",
+                        str(lane_precision(lane)), str(lane_bf16_mode(lane)), mbs, 0,
+                        eager=False, runs_of=per_role)
 
     # clip-branch passes (branches._rerun): per lane and role, the lane's update rerun, then
     # at round r >= 2 one FP32 backward per sealed token (at most MAX_SEALED_TOKENS per
     # round, at most every valid token) and the Gram
     k = min(MAX_SEALED_TOKENS, n_seq * resp)
+    branch_file = dict.fromkeys(lanes, 8)
     for lane in lanes:
         prec, mode = str(lane_precision(lane)), str(lane_bf16_mode(lane))
         bf16_params = prec == "bf16" and mode != "autocast"
         autocast = prec == "bf16" and mode == "autocast"
+        sealed_before = 0  # the lane's J_t samples of the roles already done, kept till saved
         for role in roles:
             pr = p[role]
             layer_act, head = acts(role, 1, positions, 4, False)
+            run_act, run_head = acts(role, mbs, positions, 2 if bf16_params else 4, False)
             train = training(role, 4, bf16_params, autocast)
             keep = k * 4 * pr <= FULL_BUDGET_BYTES
+            sealed = (rounds - 1) * k * 4 * reported[role]
+            widths = _module_widths(shape, role)
+            # the factored Gram's hooks: each sequence's forward inputs (the q/k/v and the
+            # gate/up projections share theirs), until the Gram; one backward's output
+            # gradients until take() spills them; in the Gram, one parameter's factors
+            # (rows of inputs and output gradients, int64 row index) of every token
+            inputs = 0 if keep else n_seq * positions * (
+                4 * (shape.num_hidden_layers * (2 * shape.hidden_size + shape.num_attention_heads
+                                                * shape.head_dim + shape.intermediate_size)
+                     + shape.hidden_size) + 8)
+            pending = 0 if keep else positions * 4 * sum(o for _, o in widths)
+            # a token's logprob reaches the head's output at its own position only: one row
+            rows = [1 if role == "actor" and m == len(widths) - 1 else positions
+                    for m in range(len(widths))]
+            factors = 0 if keep else k * max(r * (4 * (i + o) + 8)
+                                             for r, (i, o) in zip(rows, widths, strict=True))
             phases = {
+                # the lane's update rerun (its backward and its sensitivity pass)
+                "rerun backward": {**train, "bf16_work": 4 * pr if bf16_params else 0,
+                                   "activations": run_act * shape.num_hidden_layers + run_head,
+                                   "sealed_kept": sealed_before},
                 "rerun": {**train, "sensitivity_copy": 4 * pr,
-                          "host_temporaries": 3 * 8 * largest[role]},
-                # the work copy's grads were folded into the master; J_t twice (the
-                # generator's tuple holds the last one while the next is computed); the
-                # FP64 <g, J_t> and |J_t|^2 of the largest parameter
-                "tokens": {**train, "autocast_cache": 0, "jt": 8 * pr,
+                          "host_temporaries": 3 * 8 * largest[role],
+                          "sealed_kept": sealed_before},
+                # the work copy's grads were folded into the master; one J_t during each
+                # backward (jacobian.token_gradients drops its own); the FP64 <g, J_t> and
+                # |J_t|^2 of the largest parameter; the sealed samples so far
+                "tokens": {**train, "autocast_cache": 0, "jt": 4 * pr,
                            "jt_kept": k * 4 * pr if keep else 0,
                            "host_temporaries": 3 * 8 * largest[role],
-                           "activations": layer_act * shape.num_hidden_layers + head},
-                # the factored Gram (gram_factors.FactorCapture.gram), taken when the whole
-                # J_t do not fit: one block of rebuilt J_t rows, the round's gradient of one
-                # parameter in FP64 and its square
+                           "activations": layer_act * shape.num_hidden_layers + head,
+                           "factor_inputs": inputs, "factor_outputs": pending,
+                           "sealed_kept": sealed_before + sealed},
+                # the Gram: fp64, the kept J_t and one parameter's FP64 products; factored
+                # (gram_factors.FactorCapture.gram), one block of rebuilt J_t rows, one
+                # parameter's factors, the round's gradient of one parameter in FP64 and
+                # its square
                 "gram": {**train, "autocast_cache": 0,
+                         "jt_kept": k * 4 * pr if keep else 0,
                          "gram_block": 0 if keep else GRAM_BLOCK_BYTES,
-                         "host_temporaries": 2 * 8 * largest[role]},
+                         "factor_inputs": inputs, "gram_factors": factors,
+                         "host_temporaries": (3 if keep else 2) * 8 * largest[role],
+                         "sealed_kept": sealed_before + sealed},
             }
+            sealed_before += sealed
             flops = (rounds * 10 * pr * n_seq * positions
                      + (rounds - 1) * k * 6 * pr * positions)
             written = (rounds - 1) * k * (4 * reported[role]
                                           + SAFETENSORS_HEADER_BYTES * n_tensors[role])
             extra_dev = 2 if bf16_params else 0
-            add(f"branches hf-{lane} {role}", phases,
-                {"rerun": role, "tokens": role, "gram": role},
-                {"rerun": 8 + extra_dev, "tokens": 8 + extra_dev + 8, "gram": 8 + extra_dev},
-                {"rerun": (0, head), "tokens": (layer_act, head), "gram": (0, 0)},
+            branch_file[lane] += written
+            add(f"branches hf-{lane} {role}", phases, dict.fromkeys(phases, role),
+                {"rerun backward": 8 + 2 * extra_dev, "rerun": 8 + extra_dev,
+                 "tokens": 8 + extra_dev + 4, "gram": 8 + extra_dev},
+                {"rerun backward": (run_act, run_head), "rerun": (0, head),
+                 "tokens": (layer_act, head), "gram": (0, 0)},
                 written=written,
                 seconds=flops / rate("fp32") + load_s((2 if role == "actor" else 1) * 4 * pr))
+
+    # qualify verify, step 9 (control_recompute.recompute_control_errors): every lane's
+    # reference update and every control's file, the rollout and train inputs, each lane's
+    # clip-branch J_t (an upper bound: every sealable token), loaded together in numpy
+    from qualify.layout import (
+        BRANCHES_DIR,
+        CONTROLS_DIR,
+        HF_REFERENCE_DIR,
+        ROLLOUT_FILE,
+        TRAIN_INPUTS_FILE,
+        hf_tensors_file,
+    )
+
+    reads = {ROLLOUT_FILE: _rollout_bytes(n_seq, prompt, resp),
+             TRAIN_INPUTS_FILE: _train_inputs_bytes(n_seq, resp)}
+    for lane in lanes:
+        reads[f"{HF_REFERENCE_DIR}/{hf_tensors_file(lane)}"] = update_file
+        for name in control_settings(contract, lane):
+            reads[f"{CONTROLS_DIR}/{name}-{lane}.safetensors"] = update_file
+        reads[f"{BRANCHES_DIR}/{hf_tensors_file(lane)}"] = branch_file[lane]
+    read = sum(reads.values())
+    steps.append(Step(name="verify: control errors re-measured", kind="verify", device_peak=0,
+                      host_peak=INTERPRETER_BYTES + read, written=0, reads=reads,
+                      seconds=len(reads) * VERIFY_SECONDS_PER_FILE + load_s(read),
+                      terms={"interpreter": INTERPRETER_BYTES, "sealed_tensors": read}))
     return steps
 
 

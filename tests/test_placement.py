@@ -1,0 +1,106 @@
+"""Whole layers per device (:mod:`qualify.reference.placement`), on CPU."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForTokenClassification
+
+from qualify.reference.placement import (
+    assign_layers,
+    device_loads,
+    layer_bytes,
+    place_model,
+)
+
+CFG: dict[str, Any] = {
+    "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "pad_token_id": 0,
+    "eos_token_id": 2, "bos_token_id": 1, "attention_dropout": 0.0}
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 30), min_size=0, max_size=6),
+       st.lists(st.one_of(st.integers(0, 80), st.just(math.inf)), min_size=1, max_size=4),
+       st.integers(0, 30), st.integers(0, 30))
+def test_assignment_is_the_lightest_contiguous_one_under_the_caps(
+        layers: list[int], caps: list[float], first: int, last: int) -> None:
+    """Against brute force over every contiguous, in-order assignment (embedding on the
+    first device, head with the last layer): it fits the caps, its fullest device is as light
+    as the best one, and it is refused exactly when none fits."""
+    n, d = len(layers), len(caps)
+    best = math.inf
+    for a in itertools.combinations_with_replacement(range(d), n):
+        loads = device_loads(layers, a, d, first=first, last=last)
+        if all(x <= c for x, c in zip(loads, caps, strict=True)):
+            best = min(best, max(loads))
+    if best == math.inf:
+        with pytest.raises(ValueError, match=r"does not fit|do not fit"):
+            assign_layers(layers, caps, first=first, last=last)
+        return
+    got = assign_layers(layers, caps, first=first, last=last)
+    assert len(got) == n
+    assert list(got) == sorted(got)
+    loads = device_loads(layers, got, d, first=first, last=last)
+    assert all(x <= c for x, c in zip(loads, caps, strict=True))
+    assert max(loads) == best
+
+
+def _model(role: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if role == "actor":
+        cfg = Qwen3Config(**CFG)
+        cfg._attn_implementation = "sdpa"
+        return Qwen3ForCausalLM(cfg)
+    cfg = Qwen3Config(**CFG, num_labels=1)  # type: ignore[call-arg]
+    cfg._attn_implementation = "sdpa"
+    return Qwen3ForTokenClassification(cfg)
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_placed_model_is_bitwise_the_unplaced_one(role: str) -> None:
+    """Placed across three devices (all ``cpu``: the CUDA path has not run on a GPU), the
+    forward outputs and every parameter's gradient are bitwise those of the unplaced model,
+    the hooks run once per placed module per forward, and the bytes add up."""
+    plain = _model(role)
+    placed = copy.deepcopy(plain)
+    layers, first, last = layer_bytes(placed)
+    total = sum(p.numel() * p.element_size() for p in placed.parameters()) + sum(
+        b.numel() * b.element_size() for b in placed.buffers())
+    assert sum(layers) + first + last == total
+    assignment = assign_layers(layers, [math.inf] * 3, first=first, last=last)
+    assert len(set(assignment)) > 1
+    handles = place_model(placed, ["cpu", "cpu", "cpu"], assignment)
+    heads = [n for n, _ in placed.named_children() if n != "model"]  # lm_head; dropout, score
+    assert len(handles) == 2 + CFG["num_hidden_layers"] + 1 + len(heads) + 1
+    calls: list[str] = []
+    for name, mod in placed.named_modules():
+        if name.startswith("model.layers.") and name.count(".") == 2:
+            mod.register_forward_pre_hook(lambda m, a, _n=name: calls.append(_n))
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 96, (2, 9), generator=g)
+    mask = torch.ones(2, 9, dtype=torch.int64)
+    mask[1, :3] = 0
+    outs = []
+    for m in (plain, placed):
+        m.zero_grad()
+        torch.manual_seed(5)  # the critic's classifier dropout draws the same mask
+        y = m(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        (y.float().square().sum() * 1e-3).backward()
+        outs.append((y.detach(), {n: p.grad.clone() for n, p in m.named_parameters()
+                                  if p.grad is not None}))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert outs[0][1].keys() == outs[1][1].keys()
+    assert outs[0][1]
+    for n, gr in outs[0][1].items():
+        assert torch.equal(gr, outs[1][1][n]), n
+    assert len(calls) == CFG["num_hidden_layers"]
+    with pytest.raises(ValueError, match="one device index"):
+        place_model(copy.deepcopy(plain), ["cpu"], [0, 1, 0])
