@@ -1,9 +1,11 @@
-"""End-to-end runs of a stack adapter's contracts in the stack's own venv (test support).
+"""Test support for the stack adapters (TRL, verl): their end-to-end runs, their masks.
 
 ``tests/test_trl.py`` and ``tests/test_verl.py`` each qualify their stack's contracts with
 ``qualify run CONTRACT --launcher ENGINE=VENV/bin/python``, as the adapter's README writes it,
 against a throw-away signing key: :func:`require_venv` skips (or, under the stack's
 ``QUALIFY_REQUIRE_<ENGINE>=1``, fails) without the venv, :func:`run_contracts` runs them.
+The adapters' fast tests (no stack imported) draw rollout response masks from
+:func:`response_masks`.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
+import torch
+from hypothesis import strategies as st
 
 from qualify.errors import ExitCode
 from qualify.resources import contracts_dir, repo_root
 
-__all__ = ["Runs", "require_venv", "run_contracts"]
+__all__ = ["Runs", "require_venv", "response_masks", "run_contracts"]
 
 ROOT = repo_root()
 
@@ -77,3 +81,19 @@ def run_contracts(engine: str, python: Path, contracts: Iterable[str], tmp: Path
         (run,) = (tmp / "ev" / name).glob("2*[0-9]Z")
         out[name] = (ref, run, wall)
     return out
+
+
+def _mask(r: int, rows: list[tuple[int, int]]) -> torch.Tensor:
+    """``[len(rows), r]`` bool: row ``i`` is True on ``[lo, lo + n)`` (clipped at ``r``)."""
+    m = torch.zeros((len(rows), r), dtype=torch.bool)
+    for i, (lo, n) in enumerate(rows):
+        m[i, lo:lo + n] = True
+    return m
+
+
+def response_masks() -> st.SearchStrategy[torch.Tensor]:
+    """Rollout response masks ``[B, R]`` bool, ``B`` 1 to 5, ``R`` 1 to 6: each row one run
+    of responses tokens (its start and length drawn, clipped at ``R``)."""
+    return st.integers(1, 6).flatmap(lambda r: st.lists(
+        st.tuples(st.integers(0, r - 1), st.integers(1, r)), min_size=1, max_size=5).map(
+        lambda rows: _mask(r, rows)))
