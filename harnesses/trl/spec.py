@@ -1,11 +1,10 @@
 """The ``trl`` engine spec: TRL 1.16.0's GRPOTrainer, in its own venv.
 
-TRL 1.16.0 pins a transformers above qualify's own, so its ranks run in the venv that
-``scripts/install_trl.sh`` builds (``.venv-trl``), named at launch:
-``qualify run CONTRACT --launcher trl=.venv-trl/bin/python`` (or the engine's
-``QUALIFY_LAUNCHER_<ENGINE>`` setting; :mod:`qualify.candidate.interpreter`). Without it,
-and with no ``trl`` importable in qualify's own environment, the engine's cells are ``NOT_RUN``,
-their reason ending in :data:`INSTALL_HINT`. Importing this module imports neither torch nor TRL.
+TRL pins a transformers above qualify's own: its ranks run in the venv
+``scripts/install_trl.sh`` builds, named by ``--launcher trl=...`` or
+``QUALIFY_LAUNCHER_TRL`` (:mod:`qualify.candidate.interpreter`); with neither, nor ``trl``
+in qualify's environment, its cells are ``NOT_RUN`` saying so (:data:`INSTALL_HINT`).
+Importing this module imports neither torch nor TRL.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """The ``verl`` engine spec: verl 0.9.1's ``TrainingWorker`` (FSDP2, CPU), in its own venv.
 
-verl 0.9.1 pins ``transformers<5.11``, below qualify's own, so its ranks run in the venv that
-``scripts/install_verl.sh`` builds (``.venv-verl``), named at launch:
-``qualify run CONTRACT --launcher verl=.venv-verl/bin/python`` (or the engine's
-``QUALIFY_LAUNCHER_<ENGINE>`` setting; :mod:`qualify.candidate.interpreter`). Without it,
-and with no ``verl`` importable in qualify's own environment, the engine's cells are ``NOT_RUN``,
-their reason ending in :data:`INSTALL_HINT`. Importing this module imports neither torch nor verl.
+verl pins ``transformers<5.11``, below qualify's own: its ranks run in the venv
+``scripts/install_verl.sh`` builds, named by ``--launcher verl=...`` or
+``QUALIFY_LAUNCHER_VERL`` (:mod:`qualify.candidate.interpreter`); with neither, nor ``verl``
+in qualify's environment, its cells are ``NOT_RUN`` saying so (:data:`INSTALL_HINT`).
+Importing this module imports neither torch nor verl.
 """
 
 from __future__ import annotations
