@@ -5,7 +5,8 @@ the registry's "not installed" reason ending in the spec's ``install_hint`` (its
 script and ``--launcher`` option); a contract variant it lacks is named first; a stack
 interpreter (``QUALIFY_LAUNCHER_<ENGINE>``) lifts both. Each fault plugin refuses an unknown
 fault naming the known ones, and its ``*_mask_shifted`` fault replaces exactly the loss-mask
-translation, by the same one-token roll. Each stack's own translations are tested in
+translation, by the same one-token roll; the clip both adapters measure is the ratio of the
+gradient norms after and before it. Each stack's own translations are tested in
 tests/test_trl_adapter.py and tests/test_verl_adapter.py, its end-to-end runs in
 tests/test_trl.py and tests/test_verl.py (slow, in the stack's venv).
 """
@@ -21,9 +22,11 @@ from collections.abc import Callable
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from stack_runs import response_masks
 from torch import Tensor
 
+from harnesses import common
 from qualify.contract import load_contract
 from qualify.errors import HarnessError
 from qualify.registry import DEFAULT_INSTALL_HINT, EngineSpec, get_engine
@@ -94,3 +97,16 @@ def test_the_shifted_mask_fault_rolls_the_loss_mask_one_token(engine: str,
     assert torch.equal(shifted, torch.roll(mask.long(), 1, dims=1))
     assert getattr(harness, attr) is not getattr(fake, attr)  # the plugin patched only `fake`
 
+
+@settings(max_examples=30, deadline=None)
+@given(shapes=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+       scale=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
+def test_the_measured_clip_is_the_ratio_of_the_gradient_norms(shapes: list[int], scale: float,
+                                                              seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(n, generator=gen) for n in shapes]
+    got = common.measured_clip_coef([g * scale for g in grads], grads)
+    assert got.shape == ()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.tensor(scale), rtol=1e-6, atol=1e-7)
+    assert float(common.measured_clip_coef(grads, [torch.zeros(n) for n in shapes])) == 1.0
