@@ -3,7 +3,8 @@
 ``qualify run contracts/<c>.toml --launcher trl=.venv-trl/bin/python`` for each TRL contract:
 every ``trl`` cell completes with all its metric, dtype, replica, padding, lr and route rows
 ``PASS``, its ``losses`` rows measured on TRL's one loss (``total``; the policy / KL / entropy
-split declared not reported by the adapter);
+split declared not reported by the adapter), and the run's ``sources.json`` names the TRL
+version of the venv its ranks ran in;
 each planted translation fault (harnesses/trl/faults.py) turns the FP32 cell ``FAIL``; the
 same cells without a TRL interpreter are ``NOT_RUN`` naming ``scripts/install_trl.sh``.
 Skipped when ``.venv-trl`` is absent (``scripts/install_trl.sh`` builds it), unless
@@ -54,6 +55,8 @@ def _report(run: Path) -> dict[str, Any]:
 def test_trl_cells_pass_every_row_they_run(name: str,
                                            runs: Runs) -> None:
     _, run, wall = runs[name]
+    sources = json.loads((run / "sources.json").read_text())
+    assert sources["engines"]["trl"]["distributions"]["trl"] == "1.16.0"  # the venv's
     report = _report(run)
     cells = {c["cell"]: c for c in report["cells"]}
     assert sorted(cells) == sorted(CELLS)

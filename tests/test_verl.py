@@ -2,8 +2,9 @@
 
 ``qualify run contracts/<c>.toml --launcher verl=.venv-verl/bin/python`` for each verl
 contract: every ``verl`` cell (PPO: Actor and Critic; GSPO: the Actor; FP32 and BF16, DP 1
-and 2) completes with every metric, loss, dtype, replica and padding row ``PASS``; each
-planted translation fault
+and 2) completes with every metric, loss, dtype, replica and padding row ``PASS``, the run's
+``sources.json`` naming the verl version of the venv its ranks ran in; each planted
+translation fault
 (harnesses/verl/faults.py) turns the FP32 DP 1 Actor cell ``FAIL``; the same cells without a
 verl interpreter are ``NOT_RUN`` naming ``scripts/install_verl.sh``. Skipped when
 ``.venv-verl`` is absent (``scripts/install_verl.sh`` builds it), unless
@@ -56,6 +57,8 @@ def _report(run: Path) -> dict[str, Any]:
 def test_verl_cells_pass_every_row(name: str,
                                    runs: Runs) -> None:
     _, run, wall = runs[name]
+    sources = json.loads((run / "sources.json").read_text())
+    assert sources["engines"]["verl"]["distributions"]["verl"] == "0.9.1"  # the venv's
     report = _report(run)
     cells = {c["cell"]: c for c in report["cells"]}
     expected = [c for c in CELLS if c.split("-")[2] in CONTRACTS[name]]
