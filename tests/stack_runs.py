@@ -138,7 +138,7 @@ def candidate_run(engine: str, python: Path | None, ref: Path, contract: str, tm
     run = run_candidate_stage(load_contract(contracts_dir() / f"{contract}.toml"), reference=ref,
                               root=tmp, quiet=True, faults=tuple(faults),
                               cells=list(cells) if cells is not None else None)
-    verdicts = dict(compare_run(run).verdicts)
+    verdicts: dict[str, str] = dict(compare_run(run).verdicts)
     store.make_writable(tmp)
     return run, verdicts
 
