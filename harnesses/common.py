@@ -6,6 +6,12 @@ model computation, loss, norm or optimizer code: each engine's numbers come from
 modules (``harnesses/<engine>/``), and the reference path (``qualify.reference.scoring``,
 ``qualify.reference.targets``, ``qualify.reference.update``) shares nothing with any of them.
 
+The stack adapters (TRL, verl: ``harnesses/trl``, ``harnesses/verl``), which run a stack's
+own loss and update rather than the SDK's, start and end the same way too
+(:func:`stack_inputs`, :func:`merge_stack_outputs`) and read their stack's compute dtypes and
+clip the same way (:func:`compute_dtype_hooks`, :func:`measured_clip_coef`): measurements of
+what the stack did, never part of its update.
+
 Files (docs/engine-guide.md): a harness reads ``cell.json`` and, from ``inputs_dir``,
 ``rollout.safetensors``, ``train_inputs.safetensors``, ``contract.json`` and ``model.json``
 (never reference scores). TP rank 0 of each role writes its role's part
@@ -18,10 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
+import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
@@ -248,6 +257,88 @@ def launch_device(cell: HarnessCell) -> tuple[torch.device, str, torch.device | 
     """
     tps = [tp for (a, c), _ in topology_runs(cell) for tp in (a, c)]
     return role_device(max(tps, default=0), 0)
+
+
+# --------------------------------------------------------------------------- stack adapters
+
+
+def stack_inputs(cell: HarnessCell, *, stack: str, lacking: Callable[[Contract], list[str]],
+                 faults: str, harness: str) -> Inputs:
+    """A stack adapter's start: the frozen inputs, the stack's gaps refused, faults planted.
+
+    Args:
+        cell: the launch.
+        stack: the stack's name for the error (``TRL``).
+        lacking: the contract's variants the stack does not run (the adapter's
+            ``translate.unsupported``).
+        faults: the adapter's fault plugin (``harnesses.trl.faults``), imported only when
+            the cell names faults (the test suite's deliberate bugs); its
+            ``install(names, harness_module)`` patches the running harness.
+        harness: the running harness module's name (its ``__name__``).
+
+    Raises:
+        HarnessError: a variant the stack does not implement, an unknown fault, bad inputs.
+    """
+    inputs = read_inputs(Path(cell.inputs_dir))
+    missing = lacking(inputs.contract)
+    if missing:
+        raise HarnessError(f"{stack} does not implement the contract's variant "
+                           f"{', '.join(missing)}")
+    if cell.faults:
+        importlib.import_module(faults).install(cell.faults, sys.modules[harness])
+    return inputs
+
+
+def merge_stack_outputs(cell: HarnessCell, *, engine: str, packages: Sequence[str],
+                        world: int, backend: str, shims: Sequence[str], t0: float) -> None:
+    """A stack adapter's end, on global rank 0: ``outputs.json``'s head, the parts merged.
+
+    The ranks ran on CPU; the roles are the cell's (:func:`roles`), each part already written
+    by its role's writer (:func:`qualify_harness.write_part`).
+
+    Args:
+        cell: the launch (its ``output_dir`` holds the parts).
+        engine: the engine name.
+        packages: distributions whose versions ``outputs.json`` records (this interpreter's).
+        world: the launch's ranks.
+        backend: the ``torch.distributed`` backend (``none`` for one process).
+        shims: what the adapter sets in the stack from outside.
+        t0: ``time.perf_counter()`` at the start of the run (``rank0_total_s``).
+
+    Raises:
+        OutputError: a part is missing or malformed (:func:`qualify_harness.merge_parts`).
+    """
+    head = sdk.outputs_head(engine=engine, cell=cell.to_dict(), packages=packages, world=world,
+                            backend=backend, device=torch.device("cpu"),
+                            timings={"rank0_total_s": round(time.perf_counter() - t0, 4)},
+                            shims=list(shims), faults=cell.faults)
+    sdk.merge_parts(engine, roles(cell.actor_tp, cell.critic_tp), Path(cell.output_dir), head)
+
+
+def compute_dtype_hooks(module: nn.Module, into: set[torch.dtype]) -> list[Any]:
+    """Forward hooks adding each ``nn.Linear`` output dtype of ``module`` to ``into``.
+
+    ``into`` is the role's compute dtypes (BF16 under a stack's autocast or mixed-precision
+    parameters); returns the hook handles (``.remove()`` each after the rounds).
+    """
+    def hook(_m: nn.Module, _args: Any, out: Any) -> None:
+        if isinstance(out, Tensor):
+            into.add(out.dtype)
+
+    return [m.register_forward_hook(hook) for m in module.modules() if isinstance(m, nn.Linear)]
+
+
+def measured_clip_coef(clipped: Iterable[Tensor], unclipped: Iterable[Tensor]) -> Tensor:
+    """The clip a stack applied, measured: ``||clipped|| / ||unclipped||`` (FP64 sums), 0-d.
+
+    1.0 when the unclipped gradients are all zero. A measurement of the stack's own clip
+    (its gradients read before and after it), not a clip.
+    """
+    def norm(grads: Iterable[Tensor]) -> float:
+        return math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+
+    num, den = norm(clipped), norm(unclipped)
+    return torch.tensor(num / den if den > 0 else 1.0)
 
 
 def harness_main(argv: Sequence[str] | None, *, engine: str, module: str,

@@ -4,6 +4,10 @@ Never active in a real run (``cell.faults`` is empty): an engine's ``install`` p
 parts a fault replaces in the launch's process only, and nothing here runs otherwise.
 
 - :class:`Faults`: the set of faults a cell names, checked against the engine's list;
+- :func:`plant`: each named fault's replacement set on the module it patches (the stack
+  adapters', TRL and verl, whose faults each replace one translation function);
+- :func:`shifted_response_mask`: the response mask one token late (the stack adapters'
+  ``*_mask_shifted`` faults);
 - :func:`reset_step_counters`: ``resume_drops_step_counter``'s reset of a ``torch.optim``
   optimizer's per-parameter ``step`` (every engine's resume fault of that name);
 - :func:`restore_model_only` and :func:`plant_dcp_resume_faults`: the resume faults of the
@@ -13,7 +17,7 @@ parts a fault replaces in the launch's process only, and nothing here runs other
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -22,6 +26,8 @@ from torch import Tensor, nn
 
 from qualify.errors import HarnessError
 
+Patch = tuple[Any, str, Callable[..., Any]]
+"""``(owner, attribute, replacement)``: what :func:`plant` sets for one fault."""
 DCP_RESUME_FAULTS: tuple[str, ...] = ("resume_drops_optimizer_state",
                                       "resume_drops_step_counter")
 """The resume faults :func:`plant_dcp_resume_faults` plants."""
@@ -50,6 +56,28 @@ class Faults:
     def __contains__(self, name: str) -> bool:
         assert name in self.KNOWN, name
         return name in self.names
+
+
+def plant(active: Faults, patches: Mapping[str, Patch]) -> None:
+    """``setattr(owner, attribute, replacement)`` for every fault of ``active`` in ``patches``.
+
+    Args:
+        active: the cell's faults.
+        patches: fault name (one of ``active.KNOWN``) -> :data:`Patch`; the owner is the
+            running module whose function the fault replaces, in this process only.
+    """
+    for name, (owner, attr, replacement) in patches.items():
+        if name in active:
+            setattr(owner, attr, replacement)
+
+
+def shifted_response_mask(response_mask: Tensor) -> Tensor:
+    """FAULT: ``response_mask`` rolled right by one token, int64 ``[B, R]``.
+
+    The off-by-one of a prompt / response boundary: each response's first token leaves the
+    loss and the token after its last (or row ``i``'s last column, wrapped) enters it.
+    """
+    return torch.roll(response_mask.long(), 1, dims=1)
 
 
 def reset_step_counters(optimizer: Any) -> None:

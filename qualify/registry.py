@@ -50,6 +50,8 @@ TOPOLOGY_AXIS: Final = "tp"
 """The axis whose per-role degrees come from the contract's topologies (``actor_tp``...)."""
 BASE_DEGREE: Final = 1
 """The base degree of every parallel axis (no parallelism along it)."""
+DEFAULT_INSTALL_HINT: Final = "see README 'Engines'"
+"""The end of an engine's "not installed" reason when its spec gives no ``install_hint``."""
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 T = TypeVar("T")
@@ -182,6 +184,10 @@ class EngineSpec:
             :meth:`qualify.contract.AlgorithmSpec.variants` (``policy_loss=gspo``,
             ``clip_ratio_high=*``); a contract using one it does not match makes every
             cell of the engine ``NOT_RUN`` naming the variant (:meth:`unavailable_reason`).
+        install_hint: how to make the engine runnable where its ``requires`` are missing
+            (``build it with `bash scripts/install_trl.sh` and run with --launcher
+            trl=.venv-trl/bin/python``): the end of that ``NOT_RUN`` reason
+            (:meth:`unavailable_reason`); empty: :data:`DEFAULT_INSTALL_HINT`.
         description: one line for listings and reports.
         source: ``builtin`` or the distribution that declared the entry point.
 
@@ -207,6 +213,7 @@ class EngineSpec:
     bf16_style: str = "params"
     diverge: bool = False
     algorithms: tuple[str, ...] = ()
+    install_hint: str = ""
     description: str = ""
     source: str = "builtin"
 
@@ -291,9 +298,12 @@ class EngineSpec:
                            variants: Sequence[str] = ()) -> str | None:
         """Why this engine cannot run on this machine (a ``NOT_RUN`` reason), else ``None``.
 
-        ``requires`` is not probed for an engine whose ranks run in another interpreter
-        (``QUALIFY_LAUNCHER_<ENGINE>``, :mod:`qualify.candidate.interpreter`): a module
-        missing there fails the launch, with the rank's log.
+        A module of ``requires`` missing gives ``engine 'NAME' is not installed here (no
+        module 'M', no QUALIFY_LAUNCHER_NAME): HINT``, ``HINT`` the :attr:`install_hint`
+        (default :data:`DEFAULT_INSTALL_HINT`). ``requires`` is not probed for an engine
+        whose ranks run in another interpreter (``QUALIFY_LAUNCHER_<ENGINE>``,
+        :mod:`qualify.candidate.interpreter`): a module missing there fails the launch,
+        with the rank's log.
 
         Args:
             cuda_available: override the probe (tests); ``None`` asks torch (imported
@@ -305,7 +315,7 @@ class EngineSpec:
         Raises:
             UsageError: ``QUALIFY_LAUNCHER_<ENGINE>`` is set to a bad value.
         """
-        from qualify.candidate.interpreter import engine_command
+        from qualify.candidate.interpreter import engine_command, env_name
 
         lacking = [v for v in variants
                    if not any(fnmatch.fnmatchcase(v, p) for p in self.algorithms)]
@@ -317,7 +327,8 @@ class EngineSpec:
         missing = [] if foreign else [m for m in self.requires if not _module_installed(m)]
         if missing:
             return (f"engine {self.name!r} is not installed here (no module "
-                    f"{', '.join(repr(m) for m in missing)}); see README 'Engines'")
+                    f"{', '.join(repr(m) for m in missing)}, no {env_name(self.name)}): "
+                    f"{self.install_hint or DEFAULT_INSTALL_HINT}")
         if not self.needs_cuda:
             return None
         if cuda_available is None:

@@ -4,24 +4,10 @@
 # pin, so it never shares qualify's environment:
 #   bash scripts/install_trl.sh [VENV]     # then: qualify run contracts/tiny-qwen3-trl.toml \
 #                                          #           --launcher trl=.venv-trl/bin/python
-#
-# - torch 2.13.0: pip takes the CPU wheel on disk first (a plain `torch` would take a CUDA build).
-# - the adapter imports qualify's file and contract modules from the checkout (PYTHONPATH), so
-#   the venv gets qualify's runtime dependencies only, not qualify itself, and the harness
-#   SDK (sdk/, qualify_harness) that harnesses/common.py builds on.
+# The steps every stack's venv shares (torch, qualify's runtime deps, the harness SDK) are
+# scripts/stack_venv.sh's.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-VENV="${1:-${QUALIFY_TRL_VENV:-.venv-trl}}"
-PY="${PYTHON:-python3.11}"
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip() { "$VENV/bin/python" -m pip "$@"; }
-pip install -q --upgrade pip
-pip install -q torch==2.13.0
+source "$(dirname "$0")/stack_venv.sh"
+stack_venv_begin "${1:-${QUALIFY_TRL_VENV:-.venv-trl}}"
 pip install -q trl==1.16.0
-pip install -q safetensors numpy jsonschema psutil
-pip install -q --no-deps --no-build-isolation -e sdk
-"$VENV/bin/python" - <<'PY'
-import importlib.metadata as md
-for dist in ("torch", "trl", "transformers", "accelerate"):
-    print(f"installed: {dist} {md.version(dist)}")
-PY
+stack_venv_end torch trl transformers accelerate

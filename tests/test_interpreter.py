@@ -6,7 +6,8 @@ interpreter with the recording runner, never the warm launcher; a real launch
 through a command prefix records every rank; the import record of a foreign interpreter
 finds the engine's distribution on that interpreter's ``sys.path`` (and keeps the venv's own
 files out of the checkout set even when the venv lies inside it), so that editing the
-plugin makes its cells stale; ``qualify diverge`` support is a capability of the spec.
+plugin makes its cells stale; ``sources.json`` records the engine's distributions' versions
+from that interpreter; ``qualify diverge`` support is a capability of the spec.
 """
 
 from __future__ import annotations
@@ -25,9 +26,13 @@ from test_launch import _cell, write_fake
 
 from qualify.candidate import interpreter
 from qualify.candidate.launch import launch, launch_command
+from qualify.contract import load_contract
 from qualify.errors import ExitCode, UsageError
 from qualify.evidence import imports
+from qualify.evidence.environment import package_versions
+from qualify.evidence.sources import sources_document
 from qualify.registry import EngineSpec
+from qualify.resources import contracts_dir
 
 
 def _sha(path: Path) -> str:
@@ -113,6 +118,35 @@ def test_a_real_launch_through_a_command_prefix_records_every_rank(
     (rec,) = json.loads((att / "imports.json").read_text())["launches"]
     assert rec["ranks_recorded"] == [0, 1]
     assert {"pkg_fake/__init__.py", "pkg_fake/harness.py"} <= set(rec["checkout"])
+
+
+def test_sources_record_the_versions_of_the_interpreter_that_runs_the_engine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sources.json`` names a stack's versions as its ranks see them (its own venv: here a
+    wrapper whose ``PYTHONPATH`` holds other ``trl`` and ``transformers`` distributions), not
+    qualify's; an interpreter that cannot report them is one line naming the setting."""
+    site = tmp_path / "site"
+    for name, version in (("trl", "9.9.9"), ("transformers", "4.0.1")):
+        info = site / f"{name}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    stack = tmp_path / "stack-python"
+    stack.write_text(f"#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} \"$@\"\n")
+    stack.chmod(0o755)
+    contract = load_contract(contracts_dir() / "tiny-qwen3-trl.toml")
+    monkeypatch.delenv("QUALIFY_LAUNCHER_TRL", raising=False)
+    ours = sources_document(contract)["engines"]["trl"]["distributions"]
+    assert ours == package_versions(["torch", "trl", "transformers", "accelerate"])
+    assert ours["transformers"] != "4.0.1"
+    monkeypatch.setenv("QUALIFY_LAUNCHER_TRL", str(stack))
+    theirs = sources_document(contract)["engines"]["trl"]["distributions"]
+    assert theirs == {**ours, "trl": "9.9.9", "transformers": "4.0.1"}
+    stack.write_text("#!/bin/sh\necho 'no python here' >&2\nexit 3\n")
+    with pytest.raises(UsageError, match=r"^QUALIFY_LAUNCHER_TRL=.*stack-python: cannot read "
+                                         r"its distributions' versions \(exit 3: no python "
+                                         r"here\)$"):
+        sources_document(contract)
 
 
 def _fake_dist(site: Path, name: str, version: str) -> None:

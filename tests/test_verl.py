@@ -2,8 +2,9 @@
 
 ``qualify run contracts/<c>.toml --launcher verl=.venv-verl/bin/python`` for each verl
 contract: every ``verl`` cell (PPO: Actor and Critic; GSPO: the Actor; FP32 and BF16, DP 1
-and 2) completes with every metric, loss, dtype, replica and padding row ``PASS``; each
-planted translation fault
+and 2) completes with every metric, loss, dtype, replica and padding row ``PASS``, the run's
+``sources.json`` naming the verl version of the venv its ranks ran in; each planted
+translation fault
 (harnesses/verl/faults.py) turns the FP32 DP 1 Actor cell ``FAIL``; the same cells without a
 verl interpreter are ``NOT_RUN`` naming ``scripts/install_verl.sh``. Skipped when
 ``.venv-verl`` is absent (``scripts/install_verl.sh`` builds it), unless
@@ -14,22 +15,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
-from typing import Any
 
 import pytest
-from stack_runs import Runs, require_venv, run_contracts
+import stack_runs
+from stack_runs import Runs, candidate_run
+from stack_runs import report as read_report
 
-from qualify.candidate.stage import run_candidate_stage
-from qualify.compare.stage import compare_run
-from qualify.contract import load_contract
-from qualify.evidence import store
-from qualify.resources import contracts_dir, repo_root
-
-ROOT = repo_root()
-VENV = Path(os.environ.get("QUALIFY_VERL_VENV", ROOT / ".venv-verl"))
-PYTHON = VENV / "bin" / "python"
+PYTHON = stack_runs.venv_python("verl")
 CONTRACT = "tiny-qwen3-verl"
 CONTRACTS = {CONTRACT: ("actor", "critic"), "tiny-qwen3-verl-gspo": ("actor",)}
 """Contract -> the roles of its cells."""
@@ -38,25 +31,17 @@ CELLS = tuple(f"verl-{p}-{r}-tp1-dp{d}" for p in ("fp32", "bf16") for r in ("act
 FAULT_CELL = "verl-fp32-actor-tp1-dp1"
 pytestmark = pytest.mark.slow  # minutes: a reference stage and 4 verl launches per contract
 
-require_venv("verl", PYTHON)
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    """contract name -> (its sealed reference, its run directory, wall seconds of the run)."""
-    return run_contracts("verl", PYTHON, CONTRACTS, tmp_path_factory.mktemp("verl"))
-
-
-def _report(run: Path) -> dict[str, Any]:
-    doc: dict[str, Any] = json.loads((run / "report.json").read_text())
-    return doc
+stack_runs.require_venv("verl", PYTHON)
+runs = stack_runs.runs_fixture("verl", PYTHON, CONTRACTS)
 
 
 @pytest.mark.parametrize("name", sorted(CONTRACTS))
 def test_verl_cells_pass_every_row(name: str,
                                    runs: Runs) -> None:
     _, run, wall = runs[name]
-    report = _report(run)
+    sources = json.loads((run / "sources.json").read_text())
+    assert sources["engines"]["verl"]["distributions"]["verl"] == "0.9.1"  # the venv's
+    report = read_report(run)
     cells = {c["cell"]: c for c in report["cells"]}
     expected = [c for c in CELLS if c.split("-")[2] in CONTRACTS[name]]
     assert sorted(cells) == sorted(expected)
@@ -81,16 +66,12 @@ def test_a_planted_translation_fault_fails_the_cell(
         fault: str, runs: Runs, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     ref, _, _ = runs[CONTRACT]
-    monkeypatch.setenv("QUALIFY_LAUNCHER_VERL", str(PYTHON))
-    contract = load_contract(contracts_dir() / f"{CONTRACT}.toml")
-    run = run_candidate_stage(contract, reference=ref, root=tmp_path, quiet=True,
-                              faults=(fault,), cells=[FAULT_CELL])
-    report = compare_run(run)
-    assert report.verdicts[FAULT_CELL] == "FAIL", report.summary
-    failing = {r["family"] for r in _report(run)["rows"]
+    run, verdicts = candidate_run("verl", PYTHON, ref, CONTRACT, tmp_path, monkeypatch,
+                                  faults=(fault,), cells=[FAULT_CELL])
+    assert verdicts[FAULT_CELL] == "FAIL", verdicts
+    failing = {r["family"] for r in read_report(run)["rows"]
                if r["cell"] == FAULT_CELL and r["verdict"] == "FAIL"}
     assert {"grads", "updates"} <= failing, failing
-    store.make_writable(tmp_path)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("verl") is not None,
@@ -99,12 +80,5 @@ def test_without_a_verl_interpreter_the_cells_are_not_run_naming_the_install_scr
         runs: Runs, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     ref, _, _ = runs[CONTRACT]
-    monkeypatch.delenv("QUALIFY_LAUNCHER_VERL", raising=False)
-    contract = load_contract(contracts_dir() / f"{CONTRACT}.toml")
-    run = run_candidate_stage(contract, reference=ref, root=tmp_path, quiet=True)
-    report = compare_run(run)
-    assert {report.verdicts[c] for c in CELLS} == {"NOT_RUN"}
-    cells = {c["cell"]: c for c in _report(run)["cells"]}
-    for cell in CELLS:
-        assert "scripts/install_verl.sh" in cells[cell]["reason"], cells[cell]["reason"]
-    store.make_writable(tmp_path)
+    stack_runs.assert_not_run_naming_the_install_script("verl", ref, CONTRACT, CELLS, tmp_path,
+                                                        monkeypatch)

@@ -1,56 +1,38 @@
-"""The ``verl`` engine without verl: its registration, NOT_RUN reasons, translation, fault plugin.
+"""The ``verl`` engine's translations without verl, and its planted faults.
 
-No verl import (qualify's environment lacks it): the spec is registered as a built-in; with
-no verl anywhere its cells' reason names ``scripts/install_verl.sh``, a variant it lacks is
-named first, a verl interpreter (``QUALIFY_LAUNCHER_VERL``) lifts both; the contract's
-algorithm maps onto verl's config fields by name, and every variant verl's engine path does
-not run is named; each planted translation fault replaces exactly the translation it
-corrupts. The end-to-end runs are tests/test_verl.py (slow, in verl's venv).
+No verl import (qualify's environment lacks it): the committed verl contracts use only what
+verl runs; the contract's algorithm maps onto verl's config fields by name, and every
+variant verl's engine path does not run is named; the loss mask and advantages go to verl as
+given, and each planted translation fault replaces exactly the translation it corrupts. What
+verl shares with TRL (registration, NOT_RUN reason, unknown and shifted-mask faults) is
+tests/test_stack_adapters.py; the end-to-end runs are tests/test_verl.py (slow, in verl's
+venv).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import sys
 import types
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
+from stack_runs import response_masks
 
 from harnesses.verl import faults, harness, translate
-from harnesses.verl.spec import INSTALL_REASON
 from qualify.contract import load_contract
-from qualify.errors import HarnessError
-from qualify.registry import get_engine
 from qualify.resources import contracts_dir
 
 VERL_CONTRACTS = ("tiny-qwen3-verl", "tiny-qwen3-verl-gspo")
 
 
 @pytest.mark.parametrize("name", VERL_CONTRACTS)
-def test_verl_is_a_builtin_whose_missing_stack_names_the_install_script(
-        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = get_engine("verl")
-    assert (spec.source, spec.entry, spec.bf16_style) == ("builtin",
-                                                          "harnesses.verl.harness:main", "params")
+def test_verls_contracts_use_only_what_verl_runs(name: str) -> None:
     contract = load_contract(contracts_dir() / f"{name}.toml")
-    assert set(contract.matrix.engines) == {"verl"}
-    assert translate.unsupported(contract.algorithm, contract.optimizer) == []
-    variants = contract.algorithm.variants()
-    monkeypatch.delenv("QUALIFY_LAUNCHER_VERL", raising=False)
-    if importlib.util.find_spec("verl") is None:
-        assert spec.unavailable_reason(False, variants=variants) == INSTALL_REASON
-        assert "scripts/install_verl.sh" in INSTALL_REASON
-    lacking = spec.unavailable_reason(False, variants=(*variants, "policy_loss=nope"))
-    assert lacking is not None
-    assert "policy_loss=nope" in lacking
-    monkeypatch.setenv("QUALIFY_LAUNCHER_VERL", sys.executable)
-    assert spec.unavailable_reason(False, variants=variants) is None
+    assert translate.unsupported(contract.algorithm, contract.optimizer,
+                                 tuple(contract.matrix.roles)) == []
 
 
 def test_the_contract_maps_onto_verls_fields_by_name() -> None:
@@ -90,30 +72,14 @@ def test_an_lr_schedule_verl_does_not_build_is_named() -> None:
                for x in translate.unsupported(c.algorithm, c.optimizer))
 
 
-_MASKS = st.integers(1, 6).flatmap(lambda r: st.lists(
-    st.tuples(st.integers(0, r - 1), st.integers(1, r)), min_size=1, max_size=5).map(
-    lambda rows: (r, rows)))
-
-
 @settings(max_examples=40, deadline=None)
-@given(_MASKS)
-def test_the_loss_mask_is_the_response_mask_and_the_planted_shift_moves_it(
-        case: tuple[int, list[tuple[int, int]]]) -> None:
-    r, rows = case
-    mask = torch.zeros((len(rows), r), dtype=torch.bool)
-    for i, (lo, n) in enumerate(rows):
-        mask[i, lo:lo + n] = True
+@given(response_masks())
+def test_verl_gets_the_loss_mask_and_advantages_as_given_and_the_planted_fault_scales_them(
+        mask: torch.Tensor) -> None:
     assert torch.equal(harness.response_loss_mask(mask), mask.long())
     adv = torch.linspace(-1.0, 1.0, mask.numel()).reshape(mask.shape)
     assert torch.equal(harness.advantages_in(adv), adv)
-    fake = types.SimpleNamespace(response_loss_mask=harness.response_loss_mask,
-                                 advantages_in=harness.advantages_in)
-    faults.install(["response_mask_shifted", "advantages_unnormalised"], fake)
-    assert torch.equal(fake.response_loss_mask(mask), torch.roll(mask.long(), 1, dims=1))
+    fake = types.SimpleNamespace(advantages_in=harness.advantages_in)
+    faults.install(["advantages_unnormalised"], fake)
     assert torch.equal(fake.advantages_in(adv), adv * 4.0)
-    assert harness.response_loss_mask is not fake.response_loss_mask  # only what it got
-
-
-def test_an_unknown_fault_is_refused_naming_the_known_ones() -> None:
-    with pytest.raises(HarnessError, match="response_mask_shifted"):
-        faults.install(["no_such_fault"], types.SimpleNamespace())
+    assert harness.advantages_in is not fake.advantages_in  # only what it got

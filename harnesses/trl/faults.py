@@ -21,19 +21,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
-import torch
 from torch import Tensor
 
+from harnesses import faults as shared
 from qualify.contract import SamplingSpec
-from qualify.errors import HarnessError
 
 KNOWN: Final = ("completion_mask_shifted", "temperature_not_passed", "advantages_negated")
+
+
+class Faults(shared.Faults):
+    """The trl faults a cell asks for (:data:`KNOWN`; an unknown name is refused)."""
+
+    ENGINE = "trl"
+    KNOWN = KNOWN
 
 
 def shifted_tool_mask(response_mask: Tensor, completion_attention: Tensor) -> Tensor:
     """FAULT ``completion_mask_shifted``: the response mask rolled right by one token."""
     del completion_attention
-    return torch.roll(response_mask.long(), 1, dims=1)
+    return shared.shifted_response_mask(response_mask)
 
 
 def default_temperature(sampling: SamplingSpec) -> dict[str, Any]:
@@ -48,23 +54,14 @@ def negated_advantages(advantages: Tensor) -> Tensor:
 
 
 def install(names: Sequence[str], harness: Any) -> None:
-    """Patch the named faults into this process's adapter (a test-only plugin).
-
-    Args:
-        names: ``cell.faults``.
-        harness: the running harness module (:mod:`harnesses.trl.harness`).
+    """Plant faults ``names`` (``cell.faults``) into ``harness`` (:mod:`harnesses.trl.harness`).
 
     Raises:
         HarnessError: an unknown fault name.
     """
-    unknown = sorted(set(names) - set(KNOWN))
-    if unknown:
-        raise HarnessError(f"unknown fault(s) {unknown}; trl knows {list(KNOWN)}")
-    if "completion_mask_shifted" in names:
-        harness.tool_mask = shifted_tool_mask
-    if "advantages_negated" in names:
-        harness.trl_advantages = negated_advantages
-    if "temperature_not_passed" in names:
-        from harnesses.trl import translate
+    from harnesses.trl import translate
 
-        translate.sampling_kwargs = default_temperature
+    shared.plant(Faults(names), {
+        "completion_mask_shifted": (harness, "tool_mask", shifted_tool_mask),
+        "advantages_negated": (harness, "trl_advantages", negated_advantages),
+        "temperature_not_passed": (translate, "sampling_kwargs", default_temperature)})

@@ -39,7 +39,6 @@ declared not run (:data:`NOT_RUN`). Nothing of TRL's numbers is recomputed or co
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 import tempfile
 import time
@@ -122,18 +121,6 @@ def trl_advantages(advantages: Tensor) -> Tensor:
     return advantages.float()
 
 
-def _compute_hook(into: set[torch.dtype]) -> Any:
-    """A forward hook adding each ``nn.Linear`` output dtype to ``into``.
-
-    ``compute`` is every such dtype of the policy's forwards (BF16 under
-    ``GRPOConfig(bf16=True)``'s autocast).
-    """
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        if isinstance(output, Tensor):
-            into.add(output.dtype)
-    return hook
-
-
 class _Capture:
     """Wraps ``trainer._get_per_token_logps_and_entropies`` to keep what TRL's loss used."""
 
@@ -165,29 +152,19 @@ def run(cell: HarnessCell) -> None:
             implement (:func:`harnesses.trl.translate.unsupported`), bad inputs.
     """
     t0 = time.perf_counter()
-    inputs = common.read_inputs(Path(cell.inputs_dir))
-    c = inputs.contract
-    alg = c.algorithm
-    lacking = translate.unsupported(alg, tuple(c.matrix.roles))
-    if lacking:
-        raise HarnessError(f"TRL does not implement the contract's variant {', '.join(lacking)}")
-    if cell.faults:  # the test suite's deliberate bugs, patched in (harnesses/trl/faults.py)
-        from harnesses.trl import faults
-        faults.install(cell.faults, sys.modules[__name__])
+    inputs = common.stack_inputs(  # cell.faults: harnesses/trl/faults.py, patched in
+        cell, stack="TRL", faults="harnesses.trl.faults", harness=__name__,
+        lacking=lambda c: translate.unsupported(c.algorithm, tuple(c.matrix.roles)))
     if (cell.actor_tp, cell.critic_tp) != (1, 0) or cell.precision not in ("fp32", "bf16"):
         raise HarnessError(f"cell {cell.actor_tp=} {cell.critic_tp=} {cell.precision=}: the TRL "
                            "adapter runs the actor alone, TP 1, fp32 or bf16")
-    out_dir = Path(cell.output_dir)
     torch.manual_seed(cell.seed)
     runner = _ActorRun(cell=cell, inputs=inputs)
     with runner.rec.timed("total_s"):
         meta = runner.run()
-    sdk.write_part(ENGINE, out_dir, "actor", runner.rec.tensors, meta)
-    head = sdk.outputs_head(engine=ENGINE, cell=cell.to_dict(), packages=PACKAGES, world=1,
-                            backend="none", device=torch.device("cpu"),
-                            timings={"rank0_total_s": round(time.perf_counter() - t0, 4)},
-                            shims=[], faults=cell.faults)
-    sdk.merge_parts(ENGINE, ["actor"], out_dir, head)
+    sdk.write_part(ENGINE, Path(cell.output_dir), "actor", runner.rec.tensors, meta)
+    common.merge_stack_outputs(cell, engine=ENGINE, packages=PACKAGES, world=1, backend="none",
+                               shims=(), t0=t0)
 
 
 class _ActorRun:
@@ -298,8 +275,7 @@ class _ActorRun:
             model.train()  # TRL's training mode (its normalisers read model.training)
             params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             rec.master_dtypes.update(p.dtype for _, p in params)
-            hooks = [m.register_forward_hook(_compute_hook(rec.compute_dtypes))
-                     for m in model.modules() if isinstance(m, nn.Linear)]
+            hooks = common.compute_dtype_hooks(model, rec.compute_dtypes)
             loss_totals: dict[str, float] = {}
             with sdpa_recorder(rec.sdpa):
                 ref = None
@@ -355,14 +331,12 @@ class _ActorRun:
         norm = trainer.accelerator.clip_grad_norm_([p for _, p in params],
                                                    trainer.args.max_grad_norm)
         rec.put(round_, "grad_norm", torch.as_tensor(float(norm)))
-        num = 0.0
+        clipped = []
         for n, p in params:
             if p.grad is None:
                 raise HarnessError(f"{n}: the gradient disappeared in TRL's clip")
-            num += float(p.grad.double().square().sum())
-        num = math.sqrt(num)
-        den = math.sqrt(sum(float(g.double().square().sum()) for g in pre.values()))
-        rec.put(round_, "clip_coef", torch.tensor(num / den if den > 0 else 1.0))
+            clipped.append(p.grad)
+        rec.put(round_, "clip_coef", common.measured_clip_coef(clipped, pre.values()))
         lr = float(trainer.optimizer.param_groups[0]["lr"])
         trainer.optimizer.step()
         trainer.lr_scheduler.step()

@@ -17,17 +17,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
-import torch
 from torch import Tensor
 
-from qualify.errors import HarnessError
+from harnesses import faults as shared
 
 KNOWN: Final = ("response_mask_shifted", "advantages_unnormalised")
 
 
-def shifted_mask(response_mask: Tensor) -> Tensor:
-    """FAULT ``response_mask_shifted``: the response mask rolled right by one token."""
-    return torch.roll(response_mask.long(), 1, dims=1)
+class Faults(shared.Faults):
+    """The verl faults a cell asks for (:data:`KNOWN`; an unknown name is refused)."""
+
+    ENGINE = "verl"
+    KNOWN = KNOWN
 
 
 def unnormalised(advantages: Tensor) -> Tensor:
@@ -36,19 +37,11 @@ def unnormalised(advantages: Tensor) -> Tensor:
 
 
 def install(names: Sequence[str], harness: Any) -> None:
-    """Patch the named faults into this process's adapter (a test-only plugin).
-
-    Args:
-        names: ``cell.faults``.
-        harness: the running harness module (:mod:`harnesses.verl.harness`).
+    """Plant faults ``names`` (``cell.faults``) into ``harness`` (:mod:`harnesses.verl.harness`).
 
     Raises:
         HarnessError: an unknown fault name.
     """
-    unknown = sorted(set(names) - set(KNOWN))
-    if unknown:
-        raise HarnessError(f"unknown fault(s) {unknown}; verl knows {list(KNOWN)}")
-    if "response_mask_shifted" in names:
-        harness.response_loss_mask = shifted_mask
-    if "advantages_unnormalised" in names:
-        harness.advantages_in = unnormalised
+    shared.plant(Faults(names), {
+        "response_mask_shifted": (harness, "response_loss_mask", shared.shifted_response_mask),
+        "advantages_unnormalised": (harness, "advantages_in", unnormalised)})

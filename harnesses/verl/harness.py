@@ -292,10 +292,8 @@ class _StepTap:
         rec.lrs[f"round{r}"] = float(opt.param_groups[0]["lr"])
         norm = inner()
         post = sda.full_grads(module)
-        num = math.sqrt(sum(float(g.double().square().sum()) for g in post.values()))
-        den = math.sqrt(sum(float(g.double().square().sum()) for g in pre.values()))
         rec.put(r, "grad_norm", torch.tensor(float(norm)))
-        rec.put(r, "clip_coef", torch.tensor(num / den if den > 0 else 1.0))
+        rec.put(r, "clip_coef", common.measured_clip_coef(post.values(), pre.values()))
         for key in ("exp_avg", "exp_avg_sq"):
             rec.state_dtypes[key] |= sdk_optim.state_dtypes(opt, key)
             for name, t in sda.full_optimizer_state(module, opt, key).items():
@@ -305,16 +303,6 @@ class _StepTap:
         reps = parallelize.replicated_parameters(module)
         rec.replicas(r, {n: True for n, _ in reps}, {n: 0.0 for n, _ in reps})
         return norm
-
-
-def _compute_hooks(module: nn.Module, rec: sdk.Recorder) -> list[Any]:
-    """Forward hooks keeping every ``nn.Linear`` output dtype (the compute dtype)."""
-
-    def hook(_m: nn.Module, _a: Any, out: Any) -> None:
-        if isinstance(out, Tensor):
-            rec.compute_dtypes.add(out.dtype)
-
-    return [m.register_forward_hook(hook) for m in module.modules() if isinstance(m, nn.Linear)]
 
 
 # --------------------------------------------------------------------------- batches
@@ -422,7 +410,7 @@ class RoleRun:
                                       c.optimizer, role=self.placement.role, rounds=alg.rounds),
                                   loss_fn=tap)
         engine = worker.engine
-        hooks = _compute_hooks(engine.module, rec)
+        hooks = common.compute_dtype_hooks(engine.module, rec.compute_dtypes)
         pad = int(getattr(engine.model_config.hf_config, "pad_token_id", None) or 0)
 
         def infer(extra: int) -> dict[str, Tensor]:
@@ -504,16 +492,11 @@ def run(cell: HarnessCell) -> None:
             not implement (:func:`harnesses.verl.translate.unsupported`), bad inputs.
     """
     t0 = time.perf_counter()
-    inputs = common.read_inputs(Path(cell.inputs_dir))
-    c = inputs.contract
-    lacking = translate.unsupported(c.algorithm, c.optimizer, tuple(c.matrix.roles))
-    if lacking:
-        raise HarnessError(f"verl does not implement the contract's variant {', '.join(lacking)}")
+    inputs = common.stack_inputs(  # cell.faults: harnesses/verl/faults.py, patched in
+        cell, stack="verl", faults="harnesses.verl.faults", harness=__name__,
+        lacking=lambda c: translate.unsupported(c.algorithm, c.optimizer, tuple(c.matrix.roles)))
     if cell.precision not in ("fp32", "bf16"):
         raise HarnessError(f"cell precision {cell.precision!r}: the verl adapter runs fp32 or bf16")
-    if cell.faults:  # the test suite's deliberate bugs, patched in (harnesses/verl/faults.py)
-        from harnesses.verl import faults
-        faults.install(cell.faults, sys.modules[__name__])
     placement = place(cell)
     out_dir = Path(cell.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -530,13 +513,8 @@ def run(cell: HarnessCell) -> None:
         if placement.writer:
             sdk.write_part(ENGINE, out_dir, placement.role, rec.tensors, meta)
     if placement.global_rank == 0:
-        roles = common.roles(cell.actor_tp, cell.critic_tp)
-        head = sdk.outputs_head(engine=ENGINE, cell=cell.to_dict(), packages=PACKAGES,
-                                world=placement.world, backend="gloo",
-                                device=torch.device("cpu"),
-                                timings={"rank0_total_s": round(time.perf_counter() - t0, 4)},
-                                shims=list(SHIMS), faults=cell.faults)
-        sdk.merge_parts(ENGINE, roles, out_dir, head)
+        common.merge_stack_outputs(cell, engine=ENGINE, packages=PACKAGES, world=placement.world,
+                                   backend="gloo", shims=SHIMS, t0=t0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

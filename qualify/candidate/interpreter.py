@@ -21,30 +21,45 @@ for it), each rank entering through :data:`RUNNER` (this repository's
 files the rank imported, :mod:`qualify.candidate.imported`, then runs the harness). The
 foreign environment needs torch (torchrun) and the harness's own dependencies; it must see
 this checkout's path (a container: bind-mount it at the same path), and the launch's
-``PYTHONPATH`` leads with it, as for every launch.
+``PYTHONPATH`` leads with it, as for every launch. The run's record of the engine's
+distributions' versions (``sources.json``, :mod:`qualify.evidence.sources`) is read in that
+interpreter, asked once (:func:`distribution_versions`).
 
 Importing this module imports nothing outside the standard library and :mod:`qualify.errors`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import shutil
+import subprocess
 from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Final
 
 from qualify.errors import UsageError
 
-__all__ = ["ENV_PREFIX", "RUNNER", "apply_options", "check_env", "engine_command", "env_name"]
+__all__ = ["ENV_PREFIX", "RUNNER", "apply_options", "check_env", "distribution_versions",
+           "engine_command", "env_name"]
 
 ENV_PREFIX: Final = "QUALIFY_LAUNCHER_"
 """``QUALIFY_LAUNCHER_<ENGINE>``: the interpreter command of one engine's ranks."""
 RUNNER: Final = Path(__file__).with_name("imported.py")
 """The script each rank of a foreign interpreter runs (``RUNNER MODULE[:ATTR] CELL_JSON``)."""
 _ENGINE: Final = re.compile(r"^[a-z][a-z0-9_]*$")
+VERSIONS_TIMEOUT_S: Final = 300.0
+"""How long :func:`distribution_versions` waits for the interpreter (a container's start)."""
+_VERSIONS: Final = """import importlib.metadata as md, json, sys
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+print(json.dumps({name: version(name) for name in sys.argv[1:]}))
+"""
 
 
 def env_name(engine: str) -> str:
@@ -147,3 +162,44 @@ def apply_options(options: Sequence[str], env: MutableMapping[str, str] | None =
         out[name] = cmd
     e.update(out)
     return out
+
+
+def distribution_versions(command: Sequence[str], names: Sequence[str], *, what: str,
+                          env: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """The versions of distributions ``names`` as the interpreter ``command`` sees them.
+
+    Runs ``COMMAND -c SCRIPT NAME...`` once (:mod:`importlib.metadata` there; nothing is
+    imported), so that a record of what an engine's ranks ran names their environment's
+    versions, not qualify's.
+
+    Args:
+        command: the interpreter command (:func:`engine_command`).
+        names: distribution names (PyPI spelling).
+        what: the setting that named the command (``QUALIFY_LAUNCHER_TRL``), for errors.
+        env: the environment it runs in (default this process's).
+
+    Returns:
+        name -> version, or ``None`` where that interpreter has no such distribution.
+
+    Raises:
+        UsageError: the command cannot start, fails, outlasts :data:`VERSIONS_TIMEOUT_S`
+            or prints no such mapping (one line: ``what``, the command, the cause).
+    """
+    cmd = [*command, "-c", _VERSIONS, *names]
+    where = f"{what}={shlex.join(command)}: cannot read its distributions' versions"
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                              timeout=VERSIONS_TIMEOUT_S,
+                              env=None if env is None else dict(env))
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise UsageError(f"{where} ({type(exc).__name__}: {exc})") from None
+    lines = done.stdout.strip().splitlines()
+    try:
+        got = json.loads(lines[-1]) if done.returncode == 0 and lines else None
+    except ValueError:
+        got = None
+    if not (isinstance(got, dict) and set(got) == set(names)
+            and all(v is None or isinstance(v, str) for v in got.values())):
+        tail = (done.stderr.strip().splitlines() or lines or ["no output"])[-1]
+        raise UsageError(f"{where} (exit {done.returncode}: {tail})")
+    return {name: got[name] for name in names}

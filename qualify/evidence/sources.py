@@ -6,8 +6,11 @@ sealed and signed with the run), the sha256 of every source file a cell executes
 - ``qualify``: every ``qualify/**/*.py`` (the comparator, the stages, the evidence code);
 - per engine: ``harnesses/<engine>/**/*.py`` plus ``harnesses/common.py`` and
   ``harnesses/__init__.py``, and the versions of the engine's distributions
-  (:attr:`qualify.registry.EngineSpec.distributions`, read with :mod:`importlib.metadata`;
-  no engine is imported; ``null`` when not installed);
+  (:attr:`qualify.registry.EngineSpec.distributions`, read with :mod:`importlib.metadata`
+  in the interpreter that runs the engine's ranks: qualify's own, or the one its
+  ``QUALIFY_LAUNCHER_<ENGINE>`` names, asked once,
+  :func:`qualify.candidate.interpreter.distribution_versions`; no engine is imported;
+  ``null`` when not installed there);
 - the contract's name and digest, and the gate policy's path and digest.
 
 :func:`stale_cells` compares a run with a checkout. The authority for what a cell's harness
@@ -97,13 +100,26 @@ def engine_files(root: Path, engine: str) -> dict[str, str]:
 
 
 def _distributions(engine: str) -> dict[str, str | None]:
+    """The engine's distributions' versions in the interpreter that runs its ranks.
+
+    Raises:
+        UsageError: ``QUALIFY_LAUNCHER_<ENGINE>`` is bad, or its interpreter cannot report
+            them (:func:`qualify.candidate.interpreter.distribution_versions`).
+    """
     from qualify import registry
+    from qualify.candidate import interpreter
 
     try:
         names: Sequence[str] = registry.get_engine(engine).distributions
     except Exception:  # an engine this checkout no longer knows: nothing to read
         names = ()
-    return package_versions(list(names))
+    command = interpreter.engine_command(engine)
+    if command is None or not names:
+        return package_versions(list(names))
+    from qualify.candidate.launch import launch_env
+
+    return interpreter.distribution_versions(command, names, env=launch_env(None),
+                                             what=interpreter.env_name(engine))
 
 
 def contract_engines(contract: Contract) -> list[str]:
@@ -126,6 +142,8 @@ def sources_document(contract: Contract, engines: Sequence[str] | None = None, *
 
     Raises:
         ContractError: the contract's gate policy file is invalid.
+        UsageError: an engine's ``QUALIFY_LAUNCHER_<ENGINE>`` interpreter cannot report its
+            distributions' versions.
     """
     from qualify.evidence.policy import find_policy, load_policy
 
@@ -151,6 +169,8 @@ def write_sources(run_dir: str | Path, engines: Sequence[str] | None = None, *,
 
     Raises:
         ContractError: the contract's gate policy file is invalid.
+        UsageError: an engine's ``QUALIFY_LAUNCHER_<ENGINE>`` interpreter cannot report its
+            distributions' versions.
     """
     import json
 

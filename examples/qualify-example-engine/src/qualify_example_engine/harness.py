@@ -3,12 +3,13 @@
 The harness SDK (:mod:`qualify_harness`) reads the frozen inputs, runs the contract's rounds
 with its losses and writes every output; this module supplies only what the engine owns
 (:class:`PlainEngine`): the Hugging Face model in FP32 on one device, the forward to
-per-token log-probs / entropy / values, ``torch.optim.AdamW`` with transformers' lr
-scheduler, and the gathers (at TP 1 each tensor is already whole). Global rank 0 runs the
-Actor, the next rank the Critic (a cell with one role has one rank); the roles never
-communicate: each writes its part, rank 0 merges them. It imports the SDK, torch and
-transformers only (no ``qualify``), runs in whichever interpreter the site names
-(``QUALIFY_LAUNCHER_EXAMPLE_TP1``) and talks to qualify through files only.
+per-token log-probs / entropy / values, and ``torch.optim.AdamW`` with transformers' lr
+scheduler, which the SDK's :class:`qualify_harness.TorchOptimEngine` steps and reads (at TP 1
+each tensor is already whole). Global rank 0 runs the Actor, the next rank the Critic (a cell
+with one role has one rank); the roles never communicate: each writes its part, rank 0
+merges them. It imports the SDK, torch and transformers only (no ``qualify``), runs in
+whichever interpreter the site names (``QUALIFY_LAUNCHER_EXAMPLE_TP1``) and talks to qualify
+through files only.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from typing import Any
 
 import qualify_harness as sdk
 import torch
-from qualify_harness.routes import optimizer_route
 from torch import Tensor, nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -66,8 +66,15 @@ def scheduler(optimizer: torch.optim.Optimizer, opt: dict[str, Any]) -> Any:
     raise ValueError(f"contract.json optimizer.lr_schedule {name!r}: not supported by {ENGINE}")
 
 
-class PlainEngine(sdk.Engine):
-    """One role on one rank: an FP32 HF model (BF16 autocast for ``bf16``) and AdamW."""
+class PlainEngine(sdk.TorchOptimEngine):
+    """One role on one rank: an FP32 HF model (BF16 autocast for ``bf16``) and AdamW.
+
+    The update parts (pre-clip gradients, clip, step, applied lr, optimizer state and the
+    full tensors by HF name: at TP 1 each is already whole) are
+    :class:`qualify_harness.TorchOptimEngine`'s, over :attr:`model`, :attr:`optimizer` and
+    :attr:`lr_scheduler`; this class adds the forwards, the dtypes of its gradients and the
+    (empty) replica check.
+    """
 
     def __init__(self, model: nn.Module, *, lr: float, inputs: sdk.Inputs, precision: str,
                  rec: sdk.Recorder, device: torch.device) -> None:
@@ -75,11 +82,10 @@ class PlainEngine(sdk.Engine):
         self.model, self.rec, self.device, self.precision = model, rec, device, precision
         self.temperature = r.temperature
         self.pad_token_id = int(getattr(model.config, "pad_token_id", None) or 0)
-        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW([p for _, p in self.named], lr=lr, betas=r.betas,
-                                           eps=r.eps, weight_decay=r.weight_decay,
-                                           foreach=False, fused=False)
-        self.scheduler = scheduler(self.optimizer, dict(inputs.contract["optimizer"]))
+        self.optimizer = torch.optim.AdamW(self.params(), lr=lr, betas=r.betas, eps=r.eps,
+                                           weight_decay=r.weight_decay, foreach=False,
+                                           fused=False)
+        self.lr_scheduler = scheduler(self.optimizer, dict(inputs.contract["optimizer"]))
 
     def hidden(self, model: nn.Module, batch: sdk.Batch) -> Tensor:
         """Backbone output at positions ``P - 1 + t`` for ``t < R``: ``[b, R, H]``."""
@@ -105,58 +111,14 @@ class PlainEngine(sdk.Engine):
         self.rec.compute_dtypes.add(v.dtype)
         return v.float().squeeze(-1)
 
-    def params(self) -> list[Tensor]:
-        """The trained parameters."""
-        return [p for _, p in self.named]
-
     def engine_dtypes(self) -> tuple[dict[str, set[torch.dtype]], dict[str, set[torch.dtype]]]:
         """No cross-rank reduction (one rank per role); autograd accumulates in ``.grad``."""
         grads = {p.grad.dtype for p in self.params() if p.grad is not None}
         return {"none_one_rank_per_role:param.grad": grads}, {"AccumulateGrad:param.grad": grads}
 
-    def full_grads(self) -> dict[str, Tensor]:
-        """Pre-clip gradients by HF name (zeros where none)."""
-        return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.named}
-
-    def clip(self, max_norm: float) -> Tensor:
-        """``clip_grad_norm_``; the pre-clip norm."""
-        return torch.nn.utils.clip_grad_norm_(self.params(), max_norm)
-
-    def full_params(self) -> dict[str, Tensor]:
-        """Copies of the weights by HF name."""
-        return {n: p.detach().clone() for n, p in self.named}
-
-    def applied_lr(self) -> float:
-        """The lr of the (one) param group."""
-        return float(self.optimizer.param_groups[0]["lr"])
-
-    def optimizer_step(self) -> None:
-        """``AdamW.step()``."""
-        self.optimizer.step()
-
-    def scheduler_step(self) -> None:
-        """The HF scheduler's ``step()``."""
-        self.scheduler.step()
-
-    def zero_grad(self) -> None:
-        """Drop the gradients."""
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def state_dtypes(self, key: str) -> set[torch.dtype]:
-        """Dtypes AdamW holds its ``key`` state in."""
-        return {s[key].dtype for s in self.optimizer.state.values() if key in s}
-
-    def full_optimizer_state(self, key: str) -> dict[str, Tensor]:
-        """AdamW's ``key`` state by HF name."""
-        return {n: self.optimizer.state[p][key] for n, p in self.named}
-
     def check_replicas(self) -> tuple[dict[str, bool], dict[str, float]]:
         """TP 1: no parameter is replicated across ranks."""
         return {}, {}
-
-    def routes(self) -> dict[str, Any]:
-        """The optimizer built, with its ``fused`` / ``foreach`` flags."""
-        return {"optimizer": optimizer_route(self.optimizer)}
 
 
 def run(cell: dict[str, Any]) -> None:
