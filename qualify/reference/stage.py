@@ -52,6 +52,7 @@ from qualify.layout import (
     MODEL_FILE,
     REFERENCE_FILE,
     ROUND_TO_ROUND_FILE,
+    ROUND_TO_ROUND_TENSORS_FILE,
     SCORES_DIR,
     TARGETS_FILE,
     hf_tensors_file,
@@ -421,6 +422,8 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
         if contract.bounds.round_to_round:
             store.atomic_write_json(out / ROUND_TO_ROUND_FILE,
                                     round_to_round.round_to_round_document(r2r_runs))
+            store.save_tensors(out / ROUND_TO_ROUND_TENSORS_FILE,
+                               round_to_round.round_to_round_tensors(r2r_runs))
         bounds = compute_bounds(contract, errors, resolutions, sens, quanta,
                                 round_to_round=r2r)
 
