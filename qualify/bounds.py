@@ -1,7 +1,11 @@
 """The bound rule, computed once in the reference stage and sealed.
 
-``bound(m, c, p) = k * max(control_error(m, c, p), resolution(m), propagated(m, c, p),
-round_to_round(m, p)) + quantum(m, p) + floor(m, p)`` (docs/bound-rule.md), with
+``bound(m, c, p) = k * max(control_error(m, c, p), resolution(m), propagated(m, c, p))
++ quantum(m, p) + floor(m, p)`` (docs/bound-rule.md), and for each token ``t`` of a
+round ``r >= 2`` per-token family with a measured round-to-round response ``response_t``
+(:mod:`qualify.reference.round_to_round`) its own bound ``k * max(control_error(m, c, p),
+resolution(m), propagated(m, c, p), response_t) + quantum(m, p) + floor(m, p)``
+(:meth:`Bound.token_bounds`), with
 ``control_error(m, c, p)`` the largest error of the controls that the contract assigns to
 class ``c`` (``candidate_vs_hf``: a candidate at precision ``p`` against the HF reference at ``p``;
 ``tp_vs_tp1``: TP = n against TP = 1 of the same engine and precision). A control that
@@ -124,7 +128,8 @@ class Bound:
         floor: the contract's floor for the family at this precision.
         k: the multiplier.
         bound: ``k * max(control_error, resolution, propagated) + quantum + floor`` (0 in
-            the deterministic lane).
+            the deterministic lane): the bound of the row, and of each token whose
+            round-to-round response does not exceed that max.
         resolution: FP32 spacing of the largest reference value of the metric (scalar
             families, :data:`RESOLVED_FAMILIES`), else 0; 0 in references sealed before it
             existed (their bounds are read as sealed). References sealed before ``quantum``
@@ -134,10 +139,15 @@ class Bound:
             else 0 (and 0 in references sealed before it existed).
         propagated: the class's per-token control errors carried into a loss
             (:func:`propagated_error`), else 0; 0 in references sealed before it existed.
-        round_to_round: the largest response of a round-``r >= 2`` per-token family to its
-            own round-``r - 1`` value perturbed by the lane's largest control error
-            (:mod:`qualify.reference.round_to_round`), else 0; 0 in references sealed
-            before it existed.
+        round_to_round: the largest round-to-round response of a round-``r >= 2`` per-token
+            family over its tokens (:attr:`tokens`; each token's value moved by its own
+            round-``r - 1`` value perturbed by the lane's largest control error,
+            :mod:`qualify.reference.round_to_round`), else 0; 0 in references sealed
+            before it existed. Not in ``bound``: it sets the widest token bound
+            (:attr:`widest`).
+        tokens: ``[B, R]`` FP64 round-to-round responses of each token (non-finite entries
+            taken as 0), from the sealed ``round_to_round.safetensors``; ``None`` when the
+            row has none (``round_to_round == 0``). Not a ``bounds.json`` field.
     """
 
     precision: str
@@ -153,6 +163,32 @@ class Bound:
     propagated: float = 0.0
     quantum: float = 0.0
     round_to_round: float = 0.0
+    tokens: npt.NDArray[np.float64] | None = dataclasses.field(default=None, compare=False,
+                                                               repr=False)
+
+    def token_bounds(self) -> npt.NDArray[np.float64] | None:
+        """Each token's bound, ``[B, R]`` FP64.
+
+        ``k * max(control_error, resolution, propagated, tokens[b, t]) + quantum + floor``
+        (IEEE 754, in the order of ``bound``: a token whose response is at most that max
+        gets ``bound`` bit for bit); ``None`` without :attr:`tokens` or in the
+        deterministic lane (``bound`` 0).
+        """
+        if self.tokens is None or self.bound == 0.0:
+            return None
+        base = max(self.control_error, self.resolution, self.propagated)
+        return self.k * np.maximum(base, self.tokens) + self.quantum + self.floor
+
+    @property
+    def widest(self) -> float:
+        """The largest token bound: ``bound`` widened by :attr:`round_to_round`.
+
+        ``bound`` when the row has no response or is of the deterministic lane.
+        """
+        if self.round_to_round == 0.0 or self.bound == 0.0:
+            return self.bound
+        return self.k * max(self.control_error, self.resolution, self.propagated,
+                            self.round_to_round) + self.quantum + self.floor
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (one row of ``bounds.json``)."""
@@ -355,7 +391,8 @@ def compute_bounds(contract: Contract, errors: ControlErrors,
                    resolutions: Mapping[str, Mapping[MetricKey, float]] | None = None,
                    sensitivities: Mapping[str, Sensitivities] | None = None,
                    quanta: Mapping[str, Mapping[MetricKey, float]] | None = None,
-                   *, round_to_round: Mapping[str, Mapping[MetricKey, float]] | None = None,
+                   *, round_to_round: Mapping[str, Mapping[MetricKey, npt.ArrayLike]]
+                   | None = None,
                    ) -> list[Bound]:
     """Apply the contract's bound rule to the measured control errors.
 
@@ -367,10 +404,13 @@ def compute_bounds(contract: Contract, errors: ControlErrors,
         resolutions: output of :func:`scalar_resolutions` (``None``: no resolution term).
         sensitivities: ``{lane: Sensitivities}`` (``None``: no propagated term).
         quanta: output of :func:`bf16_quanta` (``None``: no quantum term).
-        round_to_round: ``{lane: {metric: response}}``
+        round_to_round: ``{lane: {metric: [B, R] per-token responses}}``
             (:func:`qualify.reference.round_to_round.terms`; ``None``: no such term), the
             same for every class of the lane; a non-finite response is taken as 0 here
-            (the perturbed update is a reference run, not a candidate).
+            (the perturbed update is a reference run, not a candidate). A metric with a
+            response > 0 gets it as :attr:`Bound.tokens` and its largest as
+            :attr:`Bound.round_to_round`; ``bound`` does not take it (the per-token bounds
+            do, :meth:`Bound.token_bounds`).
 
     Returns:
         One :class:`Bound` per lane x class x metric measured by the controls (its
@@ -407,16 +447,27 @@ def compute_bounds(contract: Contract, errors: ControlErrors,
                 prop = propagated_error(key, errors[prec], usable,
                                         (sensitivities or {}).get(prec))
                 quantum = float((quanta or {}).get(prec, {}).get(key, 0.0))
-                r2r = float((round_to_round or {}).get(prec, {}).get(key, 0.0))
-                r2r = r2r if math.isfinite(r2r) else 0.0
+                tokens = _responses((round_to_round or {}).get(prec, {}).get(key))
+                r2r = float(tokens.max()) if tokens is not None else 0.0
                 bound = (0.0 if b.lane == "deterministic"
-                         else b.k * max(worst, res, prop, r2r) + quantum + floor)
+                         else b.k * max(worst, res, prop) + quantum + floor)
                 out.append(Bound(precision=prec, klass=klass, key=key,
                                  statistic=FAMILY_STATISTIC[key.family], control_error=worst,
                                  control=worst_name, floor=floor, k=b.k, bound=bound,
                                  resolution=res, propagated=prop, quantum=quantum,
-                                 round_to_round=r2r))
+                                 round_to_round=r2r,
+                                 tokens=tokens if r2r > 0.0 and bound > 0.0 else None))
     return out
+
+
+def _responses(x: npt.ArrayLike | None) -> npt.NDArray[np.float64] | None:
+    """Per-token responses as FP64 (non-finite entries 0); ``None`` if none or empty."""
+    if x is None:
+        return None
+    a = np.asarray(x, dtype=np.float64)
+    if a.size == 0:
+        return None
+    return np.where(np.isfinite(a), a, 0.0)
 
 
 def bounds_document(contract: Contract, bounds: list[Bound]) -> dict[str, Any]:

@@ -519,10 +519,11 @@ class RoutePins:
 class BoundsSpec:
     """The bound rule's inputs: ``k``, lane, controls, floors, the round-to-round switch.
 
-    ``bound = k * max(control_error, resolution, propagated, round_to_round) + quantum +
-    floor`` (:mod:`qualify.bounds`: ``resolution`` one FP32 ulp of a scalar, ``quantum`` one
-    BF16 ulp of a BF16-emitted value; ``propagated`` per-token control errors carried into
-    loss, norm; ``round_to_round`` a round-2+ per-token value's response to its own earlier value.)
+    ``bound = k * max(control_error, resolution, propagated) + quantum + floor``
+    (:mod:`qualify.bounds`: ``resolution`` one FP32 ulp of a scalar, ``quantum`` one BF16
+    ulp of a BF16-emitted value; ``propagated`` per-token control errors carried into loss,
+    norm), and each token of a round-2+ per-token family its own bound with its
+    round-to-round response (its value's response to its own earlier value) in the max.
 
     Attributes:
         k: multiplier of the control error (4 by default).
@@ -532,8 +533,8 @@ class BoundsSpec:
         floors: per precision, per metric family, the absolute floor.
         round_to_round: the reference measures the round-to-round term
             (:mod:`qualify.reference.round_to_round`: ``2 x`` valid response tokens ``+ 1``
-            perturbed updates per lane, role and round ``>= 2``); ``False`` (the default):
-            the term is 0.
+            perturbed updates per lane, role and round ``>= 2``) and judges those rows
+            token by token; ``False`` (the default): the term is 0.
         distribution_topk: ``k`` of the sampler's decode-path distribution rows above a
             vocabulary of 4096 (:mod:`qualify.reference.distribution`: the reference and the
             sampler keep each position's ``k`` largest logprobs; 64 by default).

@@ -79,6 +79,7 @@ __all__ = [
     "ROLLOUT_FILE",
     "ROLLOUT_META_FILE",
     "ROUND_TO_ROUND_FILE",
+    "ROUND_TO_ROUND_TENSORS_FILE",
     "RUN_FILE",
     "SCORES_DIR",
     "SOURCES_FILE",
@@ -115,6 +116,9 @@ BOUNDS_FILE: Final = "bounds.json"
 CONTROL_ERRORS_FILE: Final = "control_errors.json"
 ROUND_TO_ROUND_FILE: Final = "round_to_round.json"
 """The bound rule's round-to-round responses (:mod:`qualify.reference.round_to_round`)."""
+ROUND_TO_ROUND_TENSORS_FILE: Final = "round_to_round.safetensors"
+"""The per-token round-to-round responses, ``<lane>/round<r>/<role>/<family>`` ``[B, R]``
+FP64 (:func:`qualify.reference.round_to_round.round_to_round_tensors`)."""
 SCORES_DIR: Final = "scores"
 CONTROLS_DIR: Final = "controls"
 BRANCHES_DIR: Final = "branches"

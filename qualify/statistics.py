@@ -130,6 +130,68 @@ def masked_max_abs(obtained: npt.ArrayLike, expected: npt.ArrayLike,
     )
 
 
+def masked_max_margin(obtained: npt.ArrayLike, expected: npt.ArrayLike,
+                      mask: npt.ArrayLike | None, bounds: npt.ArrayLike,
+                      ) -> tuple[ErrorMeasure, float]:
+    """The valid element of largest margin ``|obtained - expected| / bounds`` and its bound.
+
+    The ``max_abs`` statistic judged against a bound per element (a per-token family with
+    round-to-round responses, :meth:`qualify.bounds.Bound.token_bounds`).
+
+    Args:
+        obtained: ``[B, R]`` values of the candidate.
+        expected: same shape, the expected values.
+        mask: same shape, 1 on elements that count; ``None`` counts all.
+        bounds: same shape, FP64, each element's bound (>= 0).
+
+    Returns:
+        ``(measure, bound)``: :func:`masked_max_abs`'s measure with ``value`` and ``where``
+        those of the element of largest margin (the first in row-major order among equal
+        margins; margin ``inf`` where the bound is 0 and the difference is not, 0 where
+        both are), ``bound`` that element's bound; where every margin is 0 or no element
+        is valid, the element :func:`masked_max_abs` names. A measure that is ``inf``
+        (shapes differ, a non-finite element) is returned as it is, with the bound of the
+        element it names (the largest bound if it names none).
+
+    Raises:
+        ValueError: ``bounds`` does not have the shape of ``expected``.
+    """
+    m = masked_max_abs(obtained, expected, mask)
+    a, b, bt = _f64(obtained), _f64(expected), _f64(bounds)
+    if bt.shape != b.shape:
+        raise ValueError(f"per-element bounds of shape {bt.shape} for a tensor of shape "
+                         f"{b.shape}")
+    if not math.isfinite(m.value) or m.total == 0:
+        idx = _index(m.where)
+        at = float(bt[idx]) if idx is not None and len(idx) == bt.ndim and \
+            all(0 <= i < n for i, n in zip(idx, bt.shape, strict=True)) else float(bt.max())
+        return m, at
+    valid = _f64(mask).astype(bool) if mask is not None else np.ones(b.shape, dtype=bool)
+    diff = np.where(valid, np.abs(a - b), 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        margin = np.where(bt > 0, diff / np.where(bt > 0, bt, 1.0),
+                          np.where(diff > 0, np.inf, 0.0))
+    margin = np.where(valid, margin, 0.0)
+    if not np.any(margin > 0):
+        idx = _index(m.where)
+        assert idx is not None
+        return m, float(bt[idx])
+    where = np.unravel_index(int(np.argmax(margin)), margin.shape)
+    return dataclasses.replace(m, value=float(diff[where]),
+                               where=str(tuple(int(i) for i in where))), float(bt[where])
+
+
+def _index(where: str) -> tuple[int, ...] | None:
+    """``(b, t)`` of a measure's ``where`` (``"(1, 2)"``, ``"non-finite at (1, 2)"``)."""
+    text = where.removeprefix("non-finite at ").strip()
+    if not (text.startswith("(") and text.endswith(")")):
+        return None
+    try:
+        return tuple(int(x) for x in text[1:-1].split(",") if x.strip())
+    except ValueError:
+        return None
+
+
 def scalar_abs(obtained: float, expected: float) -> ErrorMeasure:
     """|obtained - expected| of two scalars (``inf`` if either is non-finite)."""
     a, b = float(obtained), float(expected)

@@ -55,6 +55,7 @@ from qualify.statistics import (
     compare_sets,
     group_tensors,
     l2_norm,
+    masked_max_margin,
     max_rel_l2,
     measure,
 )
@@ -215,17 +216,53 @@ def _metric_row(*, cell: str, klass: str, bound_class: str, key: MetricKey, m: E
         return dataclasses.replace(
             row, bound=b.bound, reason=f"sealed bound of {key.label} uses statistic "
                                        f"{b.statistic!r}, the family declares {stat!r}")
-    verdict, margin = judge(m.value, b.bound)
-    power = power_of(key, expected, mask, b.bound, scale=scale,
+    bound, note = b.bound, ""
+    per_token = b.token_bounds() if key.variant == "" and b.widest > b.bound else None
+    if per_token is not None and "" in obtained and "" in expected:
+        try:
+            m, bound, note = _per_token(m, b, per_token, obtained[""], expected[""],
+                                        mask=mask)
+        except ValueError as exc:
+            return dataclasses.replace(row, bound=b.bound, reason=f"sealed per-token bounds "
+                                       f"of {key.label} (precision {precision}): {exc}")
+        row = dataclasses.replace(row, error=m.value, where=f"{m.where}{note}")
+    verdict, margin = judge(m.value, bound)
+    power = power_of(key, expected, mask, b.widest, scale=scale,
                                   cache=power_cache) if expected else None
     if verdict == "PASS":
-        return dataclasses.replace(row, bound=b.bound, margin=margin, verdict="PASS",
+        return dataclasses.replace(row, bound=bound, margin=margin, verdict="PASS",
                                    power=power)
     return dataclasses.replace(
-        row, bound=b.bound, margin=margin, verdict="FAIL", power=power,
-        reason=f"{key.label}: {stat} = {m.value:.6g} > bound {b.bound:.6g} "
-               f"(margin {margin:.3g}) at {m.where}",
+        row, bound=bound, margin=margin, verdict="FAIL", power=power,
+        reason=f"{key.label}: {stat} = {m.value:.6g} > bound {bound:.6g} "
+               f"(margin {margin:.3g}) at {m.where}{note}",
         detail=_detail(key, m, obtained, expected, mask))
+
+
+def _per_token(m: ErrorMeasure, b: Bound, bounds: npt.NDArray[np.float64], obtained: Any,
+               expected: Any, *, mask: npt.NDArray[Any] | None,
+               ) -> tuple[ErrorMeasure, float, str]:
+    """A per-token row judged token by token (:meth:`qualify.bounds.Bound.token_bounds`).
+
+    Returns:
+        ``(measure, bound, note)``: the measure at the token of largest margin
+        (:func:`qualify.statistics.masked_max_margin`), that token's bound, and the note its
+        ``where`` carries (the row used a per-token bound; that token's response).
+
+    Raises:
+        ValueError: the per-token bounds do not have the expected tensor's shape.
+    """
+    want = np.asarray(expected)
+    got, bound = masked_max_margin(obtained, want, _mask_for(want, mask), bounds)
+    if not math.isfinite(m.value):
+        got = m
+    response = 0.0
+    idx = tuple(int(x) for x in re.findall(r"-?[0-9]+", got.where))
+    if b.tokens is not None and len(idx) == b.tokens.ndim and \
+            all(0 <= i < n for i, n in zip(idx, b.tokens.shape, strict=True)):
+        response = float(b.tokens[idx])
+    return got, bound, (f" [per-token bound: round-to-round response {response:.6g} at this "
+                        f"token; row bound {b.bound:.6g}, widest token bound {b.widest:.6g}]")
 
 
 def not_run_rows(cell: str, klass: str, bound_class: str, keys: Sequence[MetricKey],

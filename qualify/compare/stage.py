@@ -246,11 +246,14 @@ def _check_reference(ref_dir: Path, run: RunDocument, run_file: Path) -> str:
 def _load_bounds(ref_dir: Path, contract: Contract) -> tuple[list[Bound], str, str]:
     """The checked ``bounds.json``'s rows, its bytes' sha256 and its lane.
 
-    (:func:`qualify.reference.documents.read_bounds`.)
+    (:func:`qualify.reference.documents.read_bounds`; each row with its sealed per-token
+    round-to-round responses, :func:`qualify.reference.bound_inputs.with_token_responses`.)
     """
+    from qualify.reference.bound_inputs import with_token_responses
+
     doc, data = documents.read_bounds(ref_dir, contract.digest)
-    return ([Bound.from_dict(b) for b in doc["bounds"]], sha256_bytes(data),
-            str(doc["lane"]))
+    return (with_token_responses([Bound.from_dict(b) for b in doc["bounds"]], ref_dir),
+            sha256_bytes(data), str(doc["lane"]))
 
 
 def _load_contract(ref_dir: Path) -> Contract:

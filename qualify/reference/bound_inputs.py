@@ -9,11 +9,14 @@ sealed in the reference directory (:mod:`qualify.layout` names):
 - the HF reference tensors of each lane (``reference/hf-<lane>.safetensors``): the scalar
   resolutions (:func:`qualify.bounds.scalar_resolutions`) and the BF16 quanta
   (:func:`qualify.bounds.bf16_quanta`) are functions of them;
-- the round-to-round responses (``round_to_round.json``, read when it exists or the
-  contract's ``[bounds] round_to_round`` is on, where a missing file is an error; else no
-  term),
-  ``{lane: {metric label: {"value", ...}}}``
-  (:mod:`qualify.reference.round_to_round`);
+- the round-to-round responses (``round_to_round.json``, ``{lane: {metric label:
+  {"value", "where", "perturbation", "runs"}}}``, and the per-token
+  ``round_to_round.safetensors``, ``<lane>/<metric label>`` ``[B, R]`` FP64; read when the
+  JSON exists or the contract's ``[bounds] round_to_round`` is on, where a missing file is
+  an error; else no term): every label of the JSON has its tensor and no other tensor is
+  sealed, every tensor is finite, >= 0, 0 at padding, of the rollout's ``[B, R]``, and its
+  largest entry is the JSON's ``value`` exactly (:func:`round_to_round_from_sealed`;
+  :mod:`qualify.reference.round_to_round`);
 - per lane, ``reference.json`` ``update_meta["hf-<lane>"][role]``: the FP32 evaluations of the
   pre-clip norms (:data:`NORM_FP32_META`, ``{"round<r>": norm}``) and the loss
   sensitivities (:data:`LOSS_SENSITIVITY_META`, ``{"round<r>": {term: {family: S}}}``).
@@ -26,6 +29,7 @@ exactly, so the recomputed bounds equal the sealed ones bit for bit on any machi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -51,14 +55,17 @@ from qualify.layout import (
     CONTROL_ERRORS_FILE,
     HF_REFERENCE_DIR,
     REFERENCE_FILE,
+    ROLLOUT_FILE,
     ROUND_TO_ROUND_FILE,
+    ROUND_TO_ROUND_TENSORS_FILE,
     hf_tensors_file,
 )
 from qualify.statistics import FAMILY_STATISTIC, ErrorMeasure, MetricKey
 
 __all__ = ["LOSS_SENSITIVITY_META", "NORM_FP32_META", "BoundsNotRecomputableError",
            "control_errors_from_document", "metric_key", "norm_evals", "read_sealed",
-           "recompute_bounds", "round_to_round_from_document", "sensitivities"]
+           "recompute_bounds", "round_to_round_from_document", "round_to_round_from_sealed",
+           "sensitivities", "tensor_key", "with_token_responses"]
 
 NORM_FP32_META: Final = "grad_norm_fp32"
 """Role meta key (``reference.json`` ``update_meta``) of each round's pre-clip norm evaluated
@@ -71,6 +78,10 @@ LOSS_SENSITIVITY_META: Final = "loss_sensitivity"
 
 ROLES: Final = ("actor", "critic", "reward")
 """The roles a bound can belong to (``bounds.schema.json``)."""
+
+RESPONDING_FAMILIES: Final = ("logprobs", "entropy", "values")
+"""The per-token families a round-to-round response can belong to
+(``qualify.reference.round_to_round.RESPONDING``)."""
 
 _LABEL = re.compile(r"round([1-9][0-9]{0,5})/([a-z_]+)/([a-z_0-9]+)(?:\[([a-z_]+)\])?")
 
@@ -89,6 +100,25 @@ def metric_key(label: str) -> MetricKey:
     if m is None:
         raise ValueError(f"not a metric label: {label!r}")
     return MetricKey(round=int(m[1]), role=m[2], family=m[3], variant=m[4] or "")
+
+
+def _sealed_key(label: str, where: str, *, families: Any = FAMILY_STATISTIC,
+                min_round: int = 1) -> MetricKey:
+    """The metric of a sealed document's label (control errors, round-to-round responses).
+
+    Raises:
+        BoundsNotRecomputableError: ``label`` is not a metric label, or names a role outside
+            :data:`ROLES`, a family outside ``families`` or a round below ``min_round``.
+    """
+    try:
+        key = metric_key(label)
+    except ValueError as exc:
+        raise BoundsNotRecomputableError(f"{where}: {exc}") from None
+    if key.role not in ROLES or key.family not in families:
+        raise BoundsNotRecomputableError(f"{where}: no such role or metric family")
+    if key.round < min_round:
+        raise BoundsNotRecomputableError(f"{where}: not a metric of a round >= {min_round}")
+    return key
 
 
 def _number(value: Any, where: str) -> float:
@@ -126,12 +156,7 @@ def control_errors_from_document(doc: Any, what: str = CONTROL_ERRORS_FILE) -> C
             errs: dict[MetricKey, ErrorMeasure] = {}
             for label, e in by_label.items():
                 where = f"{what}: {lane}.{name}.{label}"
-                try:
-                    key = metric_key(label)
-                except ValueError as exc:
-                    raise BoundsNotRecomputableError(f"{where}: {exc}") from None
-                if key.family not in FAMILY_STATISTIC or key.role not in ROLES:
-                    raise BoundsNotRecomputableError(f"{where}: no such role or metric family")
+                key = _sealed_key(label, where)
                 if not isinstance(e, dict):
                     raise BoundsNotRecomputableError(f"{where}: not a JSON object")
                 errs[key] = ErrorMeasure(
@@ -163,16 +188,102 @@ def round_to_round_from_document(doc: Any, what: str = ROUND_TO_ROUND_FILE,
         out[lane] = {}
         for label, e in by_label.items():
             where = f"{what}: {lane}.{label}"
-            try:
-                key = metric_key(label)
-            except ValueError as exc:
-                raise BoundsNotRecomputableError(f"{where}: {exc}") from None
-            if key.round < 2 or key.family not in ("logprobs", "entropy", "values"):
-                raise BoundsNotRecomputableError(f"{where}: not a per-token family of a "
-                                                 "round >= 2")
+            key = _sealed_key(label, where, families=RESPONDING_FAMILIES, min_round=2)
             if not isinstance(e, dict):
                 raise BoundsNotRecomputableError(f"{where}: not a JSON object")
             out[lane][key] = _number(e.get("value"), f"{where}.value")
+    return out
+
+
+def tensor_key(lane: str, key: MetricKey) -> str:
+    """The name of one response tensor in ``round_to_round.safetensors``: ``<lane>/<label>``."""
+    return f"{lane}/{key.label}"
+
+
+def round_to_round_from_sealed(ref_dir: Path, mask: Any | None = None,
+                               ) -> dict[str, dict[MetricKey, np.ndarray]]:
+    """``{lane: {metric: [B, R] FP64 responses}}`` of a sealed reference (module docstring).
+
+    Args:
+        ref_dir: the reference directory (files taken as they are).
+        mask: ``[B, R]`` response mask (default: the sealed rollout's ``response_mask``).
+
+    Raises:
+        BoundsNotRecomputableError: either file missing or malformed, a label of the JSON
+            without its tensor or a tensor without its label, a tensor not of the mask's
+            shape, not finite, negative, non-zero at padding, or whose largest entry is not
+            the JSON's ``value``.
+    """
+    from qualify.evidence.tensors import load_tensors
+
+    values = round_to_round_from_document(read_sealed(ref_dir / ROUND_TO_ROUND_FILE))
+    what = ROUND_TO_ROUND_TENSORS_FILE
+    if not os.path.lexists(ref_dir / what):
+        raise BoundsNotRecomputableError(f"{what}: missing (the reference was sealed without "
+                                         "it)")
+    try:
+        tensors = load_tensors(ref_dir / what)
+        if mask is None:
+            mask = load_tensors(ref_dir / ROLLOUT_FILE).get("response_mask")
+    except EvidenceIntegrityError as exc:
+        raise BoundsNotRecomputableError(f"{what}: {exc}") from None
+    if mask is None:
+        raise BoundsNotRecomputableError(f"{ROLLOUT_FILE}: no response_mask tensor")
+    valid = np.asarray(mask).astype(bool)
+    names = {tensor_key(lane, key): (lane, key) for lane, by in values.items() for key in by}
+    extra = sorted(set(tensors) - set(names))
+    if extra:
+        raise BoundsNotRecomputableError(f"{what}: {extra[0]}: no such entry in "
+                                         f"{ROUND_TO_ROUND_FILE}")
+    out: dict[str, dict[MetricKey, np.ndarray]] = {lane: {} for lane in values}
+    for name, (lane, key) in sorted(names.items()):
+        if name not in tensors:
+            raise BoundsNotRecomputableError(f"{what}: no tensor {name} (sealed in "
+                                             f"{ROUND_TO_ROUND_FILE})")
+        t = np.asarray(tensors[name], dtype=np.float64)
+        if t.shape != valid.shape:
+            raise BoundsNotRecomputableError(f"{what}: {name}: shape {t.shape}, the response "
+                                             f"mask's is {valid.shape}")
+        if not (np.all(np.isfinite(t)) and np.all(t >= 0)) or np.any(t[~valid] != 0):
+            raise BoundsNotRecomputableError(f"{what}: {name}: not finite numbers >= 0 that "
+                                             "are 0 at padding")
+        top = float(t.max()) if t.size else 0.0
+        if top != values[lane][key]:
+            raise BoundsNotRecomputableError(
+                f"{what}: {name}: largest response {top!r}, {ROUND_TO_ROUND_FILE} says "
+                f"{values[lane][key]!r}")
+        out[lane][key] = t
+    return out
+
+
+def with_token_responses(bounds: list[Bound], ref_dir: Path, mask: Any | None = None,
+                         ) -> list[Bound]:
+    """``bounds`` (``bounds.json``'s rows) with each row's sealed per-token responses.
+
+    A row with ``round_to_round > 0`` takes the tensor of its lane and metric from
+    ``round_to_round.safetensors`` as :attr:`qualify.bounds.Bound.tokens`; without such a
+    row nothing is read.
+
+    Raises:
+        BoundsNotRecomputableError: a row's responses are not sealed, or their largest
+            entry is not the row's ``round_to_round`` (and what
+            :func:`round_to_round_from_sealed` raises).
+    """
+    if not any(b.round_to_round > 0.0 for b in bounds):
+        return bounds
+    sealed = round_to_round_from_sealed(ref_dir, mask)
+    out = []
+    for b in bounds:
+        if b.round_to_round == 0.0:
+            out.append(b)
+            continue
+        t = sealed.get(b.precision, {}).get(b.key)
+        if t is None or float(t.max()) != b.round_to_round:
+            raise BoundsNotRecomputableError(
+                f"{ROUND_TO_ROUND_TENSORS_FILE}: no responses of {b.key.label} at "
+                f"{b.precision} whose largest is the bound's round_to_round "
+                f"{b.round_to_round!r}")
+        out.append(dataclasses.replace(b, tokens=t if b.bound > 0.0 else None))
     return out
 
 
@@ -270,7 +381,7 @@ def recompute_bounds(ref_dir: Path, contract: Contract | None = None) -> list[Bo
                 raise
             raise BoundsNotRecomputableError(f"{CONTRACT_FILE}: {exc}") from None
     errors = control_errors_from_document(read_sealed(ref_dir / CONTROL_ERRORS_FILE))
-    r2r = (round_to_round_from_document(read_sealed(ref_dir / ROUND_TO_ROUND_FILE))
+    r2r = (round_to_round_from_sealed(ref_dir)
            if contract.bounds.round_to_round or os.path.lexists(ref_dir / ROUND_TO_ROUND_FILE)
            else None)
     ref_doc = read_sealed(ref_dir / REFERENCE_FILE)

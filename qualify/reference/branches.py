@@ -92,7 +92,7 @@ def _tolerance(bounds: list[Bound], precision: str, role: str, family: str, roun
     if b is None:
         raise ReferenceDataError(f"bounds: no candidate_vs_hf bound for "
                                  f"round{round_}/{role}/{family} at {precision}")
-    return b.bound
+    return b.widest  # a token with a round-to-round response may move this far
 
 
 def _reported(name: str, t: torch.Tensor, sampling: ParamSampling) -> torch.Tensor:

@@ -24,16 +24,21 @@ close to ``sign(g)`` and a small gradient change flips whole elements):
   reference's round-``r - 1`` probability of the target; a logprob change of ``s e`` to
   first order, less where ``p > 15/16``), so the per-token gradient moves as a noisy
   forward's does; the Critic on the value.
-- response: the largest ``|x_r - x_r^0|`` of each perturbed token itself over every such
-  update, against an unperturbed update run the same way (``x^0``); one number per lane,
-  round, role and family (:data:`RESPONDING`), the same for every bound class of the lane.
-  One token at a time: perturbing a whole response column at once (every sequence's token
-  ``j``) missed the case it must hold (variant 12, token ``(1, 1)``: its own response 0.034,
-  with the seven other tokens of its column perturbed too 0.004), since the first AdamW
+- response: per token, the largest ``|x_r - x_r^0|`` of the perturbed token itself over
+  its two updates, against an unperturbed update run the same way (``x^0``): a ``[B, R]``
+  FP64 tensor per lane, round, role and family (:data:`RESPONDING`; 0 at padding), the same
+  for every bound class of the lane, sealed in ``round_to_round.safetensors``
+  (:func:`round_to_round_tensors`), its largest entry and that token in
+  ``round_to_round.json`` (:func:`round_to_round_document`). One token at a time:
+  perturbing a whole response column at once (every sequence's token ``j``) missed the
+  case it must hold (variant 12, token ``(1, 1)``: its own response 0.034, with the seven
+  other tokens of its column perturbed too 0.004), since the first AdamW
   step answers the sum of the perturbations' gradients, not each.
 
-``bound = k * max(control_error, resolution, propagated, round_to_round) + quantum + floor``
-(:func:`qualify.bounds.compute_bounds`). Cost: ``2 x`` (the valid response tokens) ``+ 1``
+Each token ``t`` of a responding row is judged against its own bound
+``b_t = k * max(control_error, resolution, propagated, response_t) + quantum + floor``
+(:meth:`qualify.bounds.Bound.token_bounds`); a token with no response keeps the row's
+bound. Cost: ``2 x`` (the valid response tokens) ``+ 1``
 updates of ``r`` rounds (the last forward only) per lane, role and round ``r >= 2``.
 """
 
@@ -44,12 +49,15 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
+from qualify.reference.bound_inputs import tensor_key
 from qualify.statistics import ErrorMeasure, MetricKey
 
 __all__ = ["PERTURBED", "RESPONDING", "Response", "UpdateFn", "measure", "perturbation_size",
-           "round_to_round_document", "terms"]
+           "round_to_round_document", "round_to_round_tensors", "terms"]
 
 PERTURBED: Final = {"actor": "logprobs", "critic": "values"}
 """Role -> the round-``r - 1`` per-token family perturbed (its control error is the size)."""
@@ -75,12 +83,16 @@ class Response:
         where: ``"(b, t)"`` of that token (``"none"`` when nothing was perturbed).
         perturbation: ``e``, the round-``r - 1`` size.
         runs: perturbed updates run (two per valid token).
+        tokens: ``[B, R]`` FP64, each valid token's own response (the larger over its two
+            updates; ``inf`` where one was not finite), 0 at padding and where nothing
+            was perturbed; ``value`` is its largest entry and ``where`` a token holding it.
     """
 
     value: float
     where: str
     perturbation: float
     runs: int
+    tokens: torch.Tensor
 
 
 def perturbation_size(errors: Mapping[str, Mapping[MetricKey, ErrorMeasure]],
@@ -148,6 +160,7 @@ def measure(update: UpdateFn, *, roles: Iterable[str], rounds: int,
             e = float(sizes.get((r - 1, role), 0.0))
             keys = [MetricKey(round=r, role=role, family=f) for f in RESPONDING[role]]
             best = dict.fromkeys(keys, (0.0, "none"))
+            per_token = {k: torch.zeros(shape, dtype=torch.float64) for k in keys}
             runs = 0
             if e > 0.0 and tokens:
                 base = base if base is not None else update(role, rounds, None)
@@ -161,18 +174,37 @@ def measure(update: UpdateFn, *, roles: Iterable[str], rounds: int,
                         for k in keys:
                             v = abs(float(got[k.label][token]) - float(base[k.label][token]))
                             v = v if math.isfinite(v) else math.inf
+                            per_token[k][token] = max(float(per_token[k][token]), v)
                             if v > best[k][0]:
                                 best[k] = (v, f"({token[0]}, {token[1]})")
             for k in keys:
                 out[k] = Response(value=best[k][0], where=best[k][1], perturbation=e,
-                                  runs=runs)
+                                  runs=runs, tokens=per_token[k])
     return out
 
 
 def terms(responses: Mapping[str, Mapping[MetricKey, Response]],
-          ) -> dict[str, dict[MetricKey, float]]:
-    """``{lane: {metric: value}}``: the term :func:`qualify.bounds.compute_bounds` takes."""
-    return {lane: {k: r.value for k, r in by_key.items()} for lane, by_key in responses.items()}
+          ) -> dict[str, dict[MetricKey, npt.NDArray[np.float64]]]:
+    """The per-token responses :func:`qualify.bounds.compute_bounds` takes.
+
+    Returns:
+        ``{lane: {metric: [B, R] FP64}}`` (:attr:`Response.tokens`).
+    """
+    return {lane: {k: r.tokens.numpy() for k, r in by_key.items()}
+            for lane, by_key in responses.items()}
+
+
+def round_to_round_tensors(responses: Mapping[str, Mapping[MetricKey, Response]],
+                           ) -> dict[str, torch.Tensor]:
+    """The tensors of ``round_to_round.safetensors``.
+
+    Returns:
+        ``{<lane>/<metric label>: [B, R] FP64}``
+        (:func:`qualify.reference.bound_inputs.tensor_key`, :attr:`Response.tokens`).
+    """
+    return {tensor_key(lane, k): r.tokens.contiguous()
+            for lane, by_key in responses.items()
+            for k, r in sorted(by_key.items(), key=lambda kv: kv[0].label)}
 
 
 def round_to_round_document(responses: Mapping[str, Mapping[MetricKey, Response]],

@@ -16,6 +16,7 @@ Steps (docs/concepts.md, the reference stage), each writing into an unsealed dir
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -52,6 +53,7 @@ from qualify.layout import (
     MODEL_FILE,
     REFERENCE_FILE,
     ROUND_TO_ROUND_FILE,
+    ROUND_TO_ROUND_TENSORS_FILE,
     SCORES_DIR,
     TARGETS_FILE,
     hf_tensors_file,
@@ -181,9 +183,10 @@ def _round_to_round(contract: Contract, bundle: models.ModelBundle, batch: Batch
     """The round-to-round responses of one lane (:mod:`qualify.reference.round_to_round`).
 
     Each perturbed update runs with the lane's reference settings on fresh FP32 models,
-    as :func:`_update_run` does; the size is the largest control error of the lane over
-    every control it measured. None in the deterministic lane (its bounds are 0) or where
-    the contract does not ask for the term (``[bounds] round_to_round``).
+    as :func:`_update_run` does (deep copies of one load of the checkpoint); the size is
+    the largest control error of the lane over every control it measured. None in the
+    deterministic lane (its bounds are 0) or where the contract does not ask for the term
+    (``[bounds] round_to_round``).
     """
     if contract.bounds.lane == "deterministic" or not contract.bounds.round_to_round:
         return {}
@@ -196,20 +199,33 @@ def _round_to_round(contract: Contract, bundle: models.ModelBundle, batch: Batch
                               micro_batch_size=contract.algorithm.micro_batch_size,
                               label=f"round_to_round-{lane}")
     r_len = batch.responses.shape[1]
+    loaded: dict[str, torch.nn.Module] = {}
+
+    def fresh(role: str) -> torch.nn.Module:
+        """A fresh FP32 ``role`` model as its checkpoint loads it.
+
+        Loaded once, then deep copies (every parameter and buffer copied bit for bit; one
+        role's checkpoint held at a time).
+        """
+        if role not in loaded:
+            loaded.clear()
+            load = roles.load_actor if role == "actor" else roles.load_critic
+            loaded[role] = load(bundle.actor_dir if role == "actor" else bundle.critic_dir,
+                                dtype=torch.float32, attn_implementation="sdpa",
+                                requires_grad=True)
+        return copy.deepcopy(loaded[role])
 
     def update(role: str, n: int, offsets: Mapping[int, torch.Tensor] | None
                ) -> dict[str, torch.Tensor]:
         release_free_memory()
         torch.manual_seed(0)
         if role == "actor":
-            actor = roles.load_actor(bundle.actor_dir, dtype=torch.float32,
-                                     attn_implementation="sdpa", requires_grad=True)
-            t, _ = run_actor(actor, _reference_policy(bundle, "sdpa"), batch, contract,
-                             settings, offsets=offsets, last_forward=n)
+            # The reference policy is the Actor's checkpoint (_reference_policy), frozen;
+            # passed without a name, so run_actor frees it after its logprobs.
+            t, _ = run_actor(fresh("actor"), fresh("actor").requires_grad_(False), batch,
+                             contract, settings, offsets=offsets, last_forward=n)
         else:
-            critic = roles.load_critic(bundle.critic_dir, dtype=torch.float32,
-                                       attn_implementation="sdpa", requires_grad=True)
-            t, _ = run_critic(critic, batch, contract, settings, offsets=offsets,
+            t, _ = run_critic(fresh("critic"), batch, contract, settings, offsets=offsets,
                               last_forward=n)
         return _strip_padding(t, r_len)
 
@@ -421,6 +437,8 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
         if contract.bounds.round_to_round:
             store.atomic_write_json(out / ROUND_TO_ROUND_FILE,
                                     round_to_round.round_to_round_document(r2r_runs))
+            store.save_tensors(out / ROUND_TO_ROUND_TENSORS_FILE,
+                               round_to_round.round_to_round_tensors(r2r_runs))
         bounds = compute_bounds(contract, errors, resolutions, sens, quanta,
                                 round_to_round=r2r)
 
