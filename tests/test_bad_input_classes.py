@@ -208,7 +208,14 @@ def _full_disk_cases() -> list[Case]:
 
 
 FULL_DISK = _full_disk_cases()
-ALL = DEST + ENV + USER_FILES + FULL_DISK
+
+VALUES = [
+    _c("plan-cores-zero", "plan --cores 0", "--cores 0", "1 or more"),
+    _c("plan-cores-negative", "plan --cores -2", "--cores -2", "1 or more"),
+    _c("plan-devices-negative", "plan --devices -1", "--devices -1", "0 (host only) or more"),
+]
+"""Option values out of their range (numbers the parser accepts as numbers)."""
+ALL = DEST + ENV + USER_FILES + FULL_DISK + VALUES
 
 
 def _world(t: Path) -> None:
@@ -265,7 +272,7 @@ def _one_line(rc: int, out: str, err: str, case: Case, tmp: Path) -> None:
         assert not os.path.lexists(case.untouched.replace("T/", f"{tmp}/")), lines[0]
 
 
-@pytest.mark.parametrize("case", DEST + ENV + USER_FILES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", DEST + ENV + USER_FILES + VALUES, ids=lambda c: c.id)
 def test_bad_input_is_one_line_with_its_exit_code(
         case: Case, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:

@@ -36,6 +36,8 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
     devices = here.devices if args.devices is None else args.devices
     if devices < 0:
         raise UsageError(f"--devices {devices}: must be 0 (host only) or more")
+    if args.cores is not None and args.cores < 1:
+        raise UsageError(f"--cores {args.cores}: must be 1 or more")
     dev_bytes = args.device_memory if args.device_memory is not None else here.device_bytes
     if devices and not dev_bytes:
         raise UsageError("--devices: give --device-memory GB (no CUDA device seen here)")
