@@ -19,11 +19,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from tiny_models import seeded_qwen3
 from transformers import (
     PreTrainedModel,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    Qwen3ForTokenClassification,
 )
 
 from qualify import branches
@@ -79,14 +77,7 @@ def batch() -> Batch:
 
 
 def _model(role: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    if role == "actor":
-        cfg = Qwen3Config(**CFG)
-        cfg._attn_implementation = "sdpa"
-        return Qwen3ForCausalLM(cfg)
-    cfg = Qwen3Config(**CFG, num_labels=1)  # type: ignore[call-arg]
-    cfg._attn_implementation = "sdpa"
-    return Qwen3ForTokenClassification(cfg)
+    return seeded_qwen3(role, CFG)
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import test_branch_gram
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForTokenClassification
+from tiny_models import seeded_qwen3
 
 from qualify import atomic, branches
 from qualify.contract import Contract
@@ -39,14 +39,8 @@ contract, batch = test_branch_gram.contract, test_branch_gram.batch  # module fi
 
 
 def _model(kind: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    if kind == "critic":
-        cfg = Qwen3Config(**CFG, num_labels=1)  # type: ignore[call-arg]
-        cfg._attn_implementation = "sdpa"
-        return Qwen3ForTokenClassification(cfg)
-    cfg = Qwen3Config(**CFG, tie_word_embeddings=kind == "actor-tied")
-    cfg._attn_implementation = "sdpa"
-    return Qwen3ForCausalLM(cfg)
+    return seeded_qwen3("critic" if kind == "critic" else "actor", CFG,
+                        tie_word_embeddings=kind == "actor-tied")
 
 
 def _round2(kind: str, contract: Contract, batch: Batch,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForTokenClassification
+from tiny_models import seeded_qwen3
 
 from qualify.reference.placement import (
     assign_layers,
@@ -54,14 +54,7 @@ def test_assignment_is_the_lightest_contiguous_one_under_the_caps(
 
 
 def _model(role: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    if role == "actor":
-        cfg = Qwen3Config(**CFG)
-        cfg._attn_implementation = "sdpa"
-        return Qwen3ForCausalLM(cfg)
-    cfg = Qwen3Config(**CFG, num_labels=1)  # type: ignore[call-arg]
-    cfg._attn_implementation = "sdpa"
-    return Qwen3ForTokenClassification(cfg)
+    return seeded_qwen3(role, CFG)
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
