@@ -276,14 +276,15 @@ def _algo_toml(**fields: Any) -> str:
 def test_default_contract_digest_unchanged() -> None:
     """The new fields default when absent: the committed contract keeps its digest."""
     c = load_contract(contracts_dir() / "tiny-qwen3.toml")
-    # with its lr schedule, its BF16-representable checkpoint and row_split (b25af0fe30b3
-    # before those two)
-    assert c.digest12 == "97421d680c97"
+    # with its lr schedule, its BF16-representable checkpoint, row_split and the
+    # round-to-round term (97421d680c97 before the term, b25af0fe30b3 before the two before)
+    assert c.digest12 == "9cd85d5fbd99"
     # Without the lr schedule lines it is the contract sealed before them: the schedule's
     # fields default when absent and keep that digest.
     text = (contracts_dir() / "tiny-qwen3.toml").read_text()
     old = "\n".join(ln for ln in text.splitlines()
-                    if not ln.startswith(("lr_schedule =", "total_steps =", "min_lr_ratio =")))
+                    if not ln.startswith(("lr_schedule =", "total_steps =", "min_lr_ratio =",
+                                          "round_to_round =")))
     start = old.index("# A non-constant lr (issue #15)")
     old = old[:start] + old[old.index("\n[matrix]", start) + 1:]
     assert loads_contract(old + "\n").digest12 == "54ce8c02fcc4"

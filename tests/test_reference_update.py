@@ -571,3 +571,106 @@ def test_row_split_control_is_built_per_lane(contract: Contract) -> None:
         settings, attn = control_settings(named, lane)["row_split"]
         assert (settings.row_split, settings.bf16_mode, settings.label, attn) == (
             max(2, *contract.matrix.tp_sizes), mode, f"row_split-{lane}", "sdpa")
+
+
+# --------------------------------------------------------------------------- reuse, bit for bit
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """The names whose tensors differ in any bit (or are missing on one side)."""
+    return sorted(k for k in a.keys() | b.keys()
+                  if k not in a or k not in b or not torch.equal(a[k], b[k]))
+
+
+@pytest.mark.parametrize("bf16_mode", ["castmasters", "params"])
+def test_the_bf16_working_copy_reused_across_rounds_is_a_new_copy_bit_for_bit(
+        models: Models, batch: Batch, contract: Contract, bf16_mode: Literal[
+            "castmasters", "params"], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each round's BF16 working copy is the master's parameters rounded again into the same
+    module: every tensor of a two-round run equals the run that deep-copies the module at
+    every round (the code before), and the copy is made once."""
+    from qualify.reference import update
+
+    actor, _ = models
+    settings = UpdateSettings(precision="bf16", bf16_mode=bf16_mode, micro_batch_size=2)
+    copies: list[int] = []
+    original = update.bf16_parameters_copy
+
+    def counted(model: torch.nn.Module) -> torch.nn.Module:
+        copies.append(1)
+        return original(model)
+
+    monkeypatch.setattr(update, "bf16_parameters_copy", counted)
+    reused, _ = run_actor(_fresh(actor), _fresh(actor), batch, contract, settings)
+    # one for the KL reference policy, one for the trained Actor (not one per round)
+    assert len(copies) == 2
+    copies.clear()
+
+    def always_new(self: Any) -> torch.nn.Module:
+        if not self.bf16_params:
+            return cast(torch.nn.Module, self.master)
+        self.work = counted(self.master)
+        return cast(torch.nn.Module, self.work)
+
+    monkeypatch.setattr(update._Precision, "refresh", always_new)
+    fresh, _ = run_actor(_fresh(actor), _fresh(actor), batch, contract, settings)
+    assert len(copies) == 1 + contract.algorithm.rounds
+    assert _equal(reused, fresh) == []
+
+
+def test_kl_reference_logprobs_passed_back_give_the_same_run_bit_for_bit(
+        models: Models, batch: Batch, contract: Contract) -> None:
+    """run_actor with the KL reference logprobs taken once (kl_reference_logprobs) and no
+    reference policy equals the run that forwards the reference policy itself; logprobs of
+    another shape or dtype are refused, naming the argument."""
+    from qualify.reference.update import kl_reference_logprobs
+
+    actor, _ = models
+    settings = UpdateSettings(precision="bf16", bf16_mode="castmasters", micro_batch_size=2,
+                              extra_left_padding=1, extra_right_padding=2)
+    ref_logp = kl_reference_logprobs(_fresh(actor), batch, contract, settings)
+    assert ref_logp.shape == (batch.responses.shape[0], batch.responses.shape[1] + 2)
+    given, _ = run_actor(_fresh(actor), None, batch, contract, settings,
+                         ref_logprobs=ref_logp)
+    computed, _ = run_actor(_fresh(actor), _fresh(actor), batch, contract, settings)
+    assert _equal(given, computed) == []
+    # the KL term was live: a reference policy one step away changes the run
+    moved = _fresh(actor)
+    run_actor(moved, _fresh(actor), batch, contract, settings)
+    other, _ = run_actor(_fresh(actor), None, batch, contract, settings,
+                         ref_logprobs=kl_reference_logprobs(moved, batch, contract, settings))
+    assert "round1/actor/loss/kl" in _equal(given, other)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        run_actor(_fresh(actor), None, batch, contract, settings, ref_logprobs=ref_logp[:, 1:])
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        run_actor(_fresh(actor), None, batch, contract, settings,
+                  ref_logprobs=ref_logp.double())
+
+
+def test_restore_model_gives_back_what_a_new_deep_copy_would_be(models: Models,
+                                                                 batch: Batch,
+                                                                 contract: Contract) -> None:
+    """After a run trains the working copy (and rounds its masters to BF16), restore_model
+    puts back every parameter and buffer, drops every gradient and keeps requires_grad and
+    the mode: a second run on it equals a run on a new deep copy, bit for bit. A module that
+    is not a copy is refused."""
+    from qualify.models.roles import restore_model
+
+    actor, critic = models
+    template = _fresh(actor)
+    work = _fresh(template)
+    settings = UpdateSettings(precision="bf16", bf16_mode="castmasters", micro_batch_size=2)
+    first, _ = run_actor(work, _fresh(actor), batch, contract, settings)
+    assert not torch.equal(work.model.norm.weight, template.model.norm.weight)
+    restore_model(work, template)
+    for (name, w), (_, t) in zip(work.state_dict(keep_vars=True).items(),
+                                 template.state_dict(keep_vars=True).items(), strict=True):
+        assert torch.equal(w, t), name
+    for b_w, b_t in zip(work.buffers(), template.buffers(), strict=True):
+        assert torch.equal(b_w, b_t)
+    assert all(p.grad is None and p.requires_grad == q.requires_grad
+               for p, q in zip(work.parameters(), template.parameters(), strict=True))
+    again, _ = run_actor(work, _fresh(actor), batch, contract, settings)
+    assert _equal(first, again) == []
+    with pytest.raises(ValueError, match="not a copy"):
+        restore_model(work, critic)

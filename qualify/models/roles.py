@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["ATTN_IMPLEMENTATIONS", "SUPPORTED_DTYPES", "load_actor", "load_critic",
-           "load_reference", "load_reward", "load_tokenizer"]
+           "load_reference", "load_reward", "load_tokenizer", "restore_model"]
 
 SUPPORTED_DTYPES: Final = (torch.float32, torch.bfloat16)
 ATTN_IMPLEMENTATIONS: Final = ("sdpa", "eager")
@@ -164,3 +164,43 @@ def load_tokenizer(bundle: ModelBundle) -> PreTrainedTokenizerBase | None:
         tok.pad_token = tok.convert_ids_to_tokens(bundle.pad_token_id)
     result: PreTrainedTokenizerBase = tok
     return result
+
+
+def restore_model(work: torch.nn.Module, template: torch.nn.Module) -> torch.nn.Module:
+    """Put ``template``'s state back into ``work``, a ``copy.deepcopy`` of it, in place.
+
+    Every parameter and every buffer (persistent or not, e.g. the rotary ``inv_freq``) is
+    copied bit for bit, each parameter's ``requires_grad`` and the train/eval mode are
+    restored and every ``.grad`` is dropped: what a new deep copy of ``template`` would be,
+    for a caller that only trained ``work``'s values (no module added, removed or re-typed),
+    without copying the module tree again.
+
+    Args:
+        work: a deep copy of ``template`` that has been trained or otherwise modified.
+        template: the state to restore; not modified.
+
+    Returns:
+        ``work``.
+
+    Raises:
+        ValueError: the two do not have the same parameters and buffers (names, shapes,
+            dtypes): ``work`` is not a copy of ``template``.
+    """
+    pairs = [*zip(work.named_parameters(), template.named_parameters(), strict=False),
+             *zip(work.named_buffers(), template.named_buffers(), strict=False)]
+    n_work = len(list(work.parameters())) + len(list(work.buffers()))
+    n_template = len(list(template.parameters())) + len(list(template.buffers()))
+    if n_work != n_template or len(pairs) != n_template or any(
+            nw != nt or w.shape != t.shape or w.dtype != t.dtype
+            for (nw, w), (nt, t) in pairs):
+        raise ValueError("restore_model: work is not a copy of template (its parameters or "
+                         "buffers differ in name, shape or dtype)")
+    with torch.no_grad():
+        for (_, w), (_, t) in pairs:
+            w.copy_(t)
+    for w, t in zip(work.parameters(), template.parameters(), strict=True):
+        w.grad = None
+        w.requires_grad_(t.requires_grad)
+    for mw, mt in zip(work.modules(), template.modules(), strict=True):
+        mw.training = mt.training
+    return work

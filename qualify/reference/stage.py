@@ -74,6 +74,7 @@ from qualify.reference.update import (
     Batch,
     Bf16Mode,
     UpdateSettings,
+    kl_reference_logprobs,
     run_actor,
     run_critic,
 )
@@ -183,7 +184,8 @@ def _round_to_round(contract: Contract, bundle: models.ModelBundle, batch: Batch
     """The round-to-round responses of one lane (:mod:`qualify.reference.round_to_round`).
 
     Each perturbed update runs with the lane's reference settings on fresh FP32 models,
-    as :func:`_update_run` does (deep copies of one load of the checkpoint); the size is
+    as :func:`_update_run` does (one load of the checkpoint, restored into one working
+    copy before each run; the KL reference logprobs taken once); the size is
     the largest control error of the lane over every control it measured. None in the
     deterministic lane (its bounds are 0) or where the contract does not ask for the term
     (``[bounds] round_to_round``).
@@ -199,31 +201,40 @@ def _round_to_round(contract: Contract, bundle: models.ModelBundle, batch: Batch
                               micro_batch_size=contract.algorithm.micro_batch_size,
                               label=f"round_to_round-{lane}")
     r_len = batch.responses.shape[1]
-    loaded: dict[str, torch.nn.Module] = {}
+    loaded: dict[str, tuple[torch.nn.Module, torch.nn.Module]] = {}
+    kl_reference: dict[str, torch.Tensor] = {}
 
     def fresh(role: str) -> torch.nn.Module:
-        """A fresh FP32 ``role`` model as its checkpoint loads it.
+        """A ``role`` model holding its checkpoint's FP32 values, as a fresh load would.
 
-        Loaded once, then deep copies (every parameter and buffer copied bit for bit; one
-        role's checkpoint held at a time).
+        The checkpoint is loaded once and copied once (one role held at a time); each call
+        then restores that one working copy from the load
+        (:func:`qualify.models.roles.restore_model`) instead
+        of copying the module again.
         """
         if role not in loaded:
             loaded.clear()
             load = roles.load_actor if role == "actor" else roles.load_critic
-            loaded[role] = load(bundle.actor_dir if role == "actor" else bundle.critic_dir,
-                                dtype=torch.float32, attn_implementation="sdpa",
-                                requires_grad=True)
-        return copy.deepcopy(loaded[role])
+            template = load(bundle.actor_dir if role == "actor" else bundle.critic_dir,
+                            dtype=torch.float32, attn_implementation="sdpa",
+                            requires_grad=True)
+            loaded[role] = (template, copy.deepcopy(template))
+        template, work = loaded[role]
+        return roles.restore_model(work, template)
 
     def update(role: str, n: int, offsets: Mapping[int, torch.Tensor] | None
                ) -> dict[str, torch.Tensor]:
         release_free_memory()
         torch.manual_seed(0)
         if role == "actor":
-            # The reference policy is the Actor's checkpoint (_reference_policy), frozen;
-            # passed without a name, so run_actor frees it after its logprobs.
-            t, _ = run_actor(fresh("actor"), fresh("actor").requires_grad_(False), batch,
-                             contract, settings, offsets=offsets, last_forward=n)
+            # The reference policy is the Actor's checkpoint (_reference_policy), frozen; its
+            # KL logprobs are the same in every perturbed update, so they are taken once.
+            if "actor" not in kl_reference:
+                kl_reference["actor"] = kl_reference_logprobs(
+                    copy.deepcopy(fresh("actor")).requires_grad_(False), batch, contract,
+                    settings)
+            t, _ = run_actor(fresh("actor"), None, batch, contract, settings, offsets=offsets,
+                             last_forward=n, ref_logprobs=kl_reference["actor"])
         else:
             t, _ = run_critic(fresh("critic"), batch, contract, settings, offsets=offsets,
                               last_forward=n)

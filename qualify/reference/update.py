@@ -296,12 +296,20 @@ class _Precision:
 
         The copy has BF16 parameters and FP32 buffers
         (:func:`qualify.reference.scoring.bf16_parameters_copy`: the rotary ``inv_freq`` is
-        not rounded, as in Hugging Face's own BF16 model).
+        not rounded, as in Hugging Face's own BF16 model). It is made once per run; each
+        later refresh rounds the master's current parameters into it (the same values a new
+        copy would hold; its gradients were moved to the master by :meth:`collect_grads`).
         """
-        if self.bf16_params:
+        if not self.bf16_params:
+            return self.master
+        if self.work is None:
             self.work = bf16_parameters_copy(self.master)
-            return self.work
-        return self.master
+        else:  # the same copy, its parameters re-rounded from the master (no module copy)
+            with torch.no_grad():
+                for p_work, p_master in zip(self.work.parameters(), self.master.parameters(),
+                                            strict=True):
+                    p_work.data = p_master.data.to(torch.bfloat16)
+        return self.work
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.settings.precision == "bf16" and self.settings.bf16_mode == "autocast":
@@ -445,10 +453,52 @@ def _state_dtypes(optim: torch.optim.Optimizer) -> dict[str, str]:
     return {d.split(":")[0]: d.split(":")[1] for d in sorted(dtypes)}
 
 
-def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract,
+def _kl_reference_logprobs(ref: nn.Module, batch: Batch, temperature: float,
+                           settings: UpdateSettings) -> torch.Tensor:
+    """The KL reference policy's response logprobs on the (already padded) ``batch``.
+
+    Returns:
+        ``[B, R]`` in ``settings.accumulate_dtype``: each micro-batch's forward at the run's
+        precision (:class:`_Precision` of ``ref``, no master rounding), no gradient.
+    """
+    b, r_len = batch.responses.shape
+    out = torch.zeros(b, r_len, dtype=settings.accumulate_dtype)
+    ref_prec = _Precision(ref, settings)
+    with torch.no_grad():
+        ref_model = ref_prec.refresh()
+        for s, mb in batch.micro_batches(settings.micro_batch_size):
+            with ref_prec.autocast():
+                lg = _forward_response_outputs(ref_model, mb)
+            out[s] = _token_logprobs_entropy(lg, mb.responses, temperature)[0]
+    return out
+
+
+def kl_reference_logprobs(ref: nn.Module, batch: Batch, contract: Contract,
+                          settings: UpdateSettings) -> torch.Tensor:
+    """The KL reference logprobs :func:`run_actor` computes from ``ref`` before round 1.
+
+    For callers that run several actor updates on one batch and settings (the perturbed
+    updates of :mod:`qualify.reference.round_to_round`): passed back as ``ref_logprobs``,
+    they spare each run the reference policy's forward, bit for bit.
+
+    Args:
+        ref: the frozen reference policy, as :func:`run_actor` takes it; not modified.
+        batch: the unpadded batch :func:`run_actor` is given.
+        contract: supplies the sampling temperature.
+        settings: the run's settings (precision, micro-batching, padding).
+
+    Returns:
+        ``[B, R + extra_right_padding]`` (left padding goes before the prompt),
+        ``settings.accumulate_dtype``.
+    """
+    padded = batch.padded(settings.extra_left_padding, settings.extra_right_padding)
+    return _kl_reference_logprobs(ref, padded, contract.sampling.temperature, settings)
+
+
+def run_actor(actor: nn.Module, ref: nn.Module | None, batch: Batch, contract: Contract,
               settings: UpdateSettings, *, on_round: RoundHook | None = None,
               probe: ProbeHook = _no_probe, offsets: Offsets | None = None,
-              last_forward: int | None = None,
+              last_forward: int | None = None, ref_logprobs: torch.Tensor | None = None,
               ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Run ``rounds`` PPO actor steps on ``batch`` (protocol semantics).
 
@@ -458,7 +508,8 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
         ref: FP32 frozen reference policy (same architecture). Used only for the KL
             reference logprobs before round 1; the function drops its references to it (and
             to its BF16 copy) then, so a caller that passes it without keeping one frees
-            its memory for the rounds (:mod:`qualify.reference.stage` does).
+            its memory for the rounds (:mod:`qualify.reference.stage` does). ``None`` when
+            ``ref_logprobs`` is given.
         batch: the rollout and training inputs.
         contract: supplies temperature, clip ratio, KL/entropy coefficients, AdamW settings.
         settings: precision, micro-batching and padding of this run.
@@ -472,10 +523,16 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
             are returned, its backward and step are not run, and no round records the
             sensitivities (the perturbed updates of :mod:`qualify.reference.round_to_round`
             need only those tensors); ``None``: every round in full.
+        ref_logprobs: the KL reference logprobs of this batch and settings
+            (:func:`kl_reference_logprobs`); ``None``: computed from ``ref``.
 
     Returns:
         ``(tensors, meta)``: tensors under protocol names (``round{r}/actor/...``), FP32 CPU;
         meta with the observed dtypes (master weights, gradients, optimizer state, compute).
+
+    Raises:
+        ValueError: ``ref_logprobs`` of another shape or dtype than this batch's; a
+            decoupled PPO or rollout-corrected run whose batch has no behavior logprobs.
     """
     alg, temp = contract.algorithm, contract.sampling.temperature
     config: Any = actor.config
@@ -485,7 +542,6 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
     out: dict[str, torch.Tensor] = {}
     prec = _Precision(actor, settings)
     prec.birth_masters()
-    ref_prec = _Precision(ref, settings)
     optim = _adamw(actor, contract.optimizer.actor_lr, contract)
     b, r_len = batch.responses.shape
     acc = settings.accumulate_dtype
@@ -496,20 +552,21 @@ def run_actor(actor: nn.Module, ref: nn.Module, batch: Batch, contract: Contract
                          "behavior_logprobs")
     weights, raw_weights = torch.ones(2, b, r_len, dtype=acc).unbind(0)
     old_logp = torch.zeros(b, r_len, dtype=acc)
-    ref_logp = torch.zeros(b, r_len, dtype=acc)
     compute_dtypes: set[str] = set()
     grad_dtypes: set[str] = set()
     norm_evals: dict[str, float] = {}
     clip_fraction: dict[str, float] = {}
     lrs: dict[str, float] = {}
     sens = LossSensitivity()
-    with torch.no_grad():
-        ref_model = ref_prec.refresh()
-        for s, mb in batch.micro_batches(settings.micro_batch_size):
-            with ref_prec.autocast():
-                lg = _forward_response_outputs(ref_model, mb)
-            ref_logp[s] = _token_logprobs_entropy(lg, mb.responses, temp)[0]
-    del ref, ref_prec, ref_model  # freed here unless the caller holds the reference policy
+    if ref_logprobs is None:
+        assert ref is not None
+        ref_logp = _kl_reference_logprobs(ref, batch, temp, settings)
+    elif ref_logprobs.shape != (b, r_len) or ref_logprobs.dtype != acc:
+        raise ValueError(f"ref_logprobs: {tuple(ref_logprobs.shape)} {ref_logprobs.dtype}, "
+                         f"expected {(b, r_len)} {acc} (kl_reference_logprobs of this batch)")
+    else:
+        ref_logp = ref_logprobs
+    del ref  # freed here unless the caller holds the reference policy
     for round_ in range(1, alg.rounds + 1):
         model = prec.refresh()
         model.eval()  # dropout off (protocol); autograd works in eval mode
