@@ -248,46 +248,6 @@ def distribution_metrics(cand: npt.ArrayLike, ref: npt.ArrayLike, tokens: npt.Ar
     return {**stats, **meta}
 
 
-def position_metrics(cand: npt.ArrayLike, ref: npt.ArrayLike, mask: npt.ArrayLike
-                     ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-    """Per position, the token ``KL(p || q)`` and the top-k set agreement.
-
-    The same quantities :func:`distribution_metrics` aggregates (its ``kl_ref_cand_max`` is
-    the maximum of the first over valid positions, its ``topk_disagreement_mean`` the mean of
-    one minus the second).
-
-    Args:
-        cand: ``[B, R, V]`` candidate logprobs ``q``.
-        ref: ``[B, R, V]`` reference logprobs ``p``.
-        mask: ``[B, R]`` response mask (non-zero = valid).
-
-    Returns:
-        ``(kl, agreement)``, each ``[B, R]`` float64, ``nan`` at masked positions;
-        ``agreement = |top-k(q) ∩ top-k(p)| / k`` (``k = min(TOPK, V)``).
-
-    Raises:
-        ValueError: shapes differ or are not ``[B, R, V]`` / ``[B, R]``.
-    """
-    c = np.asarray(cand, dtype=np.float64)
-    r = np.asarray(ref, dtype=np.float64)
-    m = np.asarray(mask) != 0
-    if c.ndim != 3 or c.shape != r.shape or m.shape != c.shape[:2]:
-        raise ValueError(f"shapes: cand {c.shape}, ref {r.shape}, mask {m.shape}; expected "
-                         f"[B, R, V] twice and [B, R]")
-    kl = np.full(m.shape, np.nan)
-    agree = np.full(m.shape, np.nan)
-    if not m.any():
-        return kl, agree
-    cv, rv = _renormalise(c[m]), _renormalise(r[m])
-    kl[m] = _kl(rv, cv)
-    k = min(TOPK, c.shape[2])
-    order_c = np.argsort(-cv, axis=-1, kind="stable")[:, :k]
-    order_r = np.argsort(-rv, axis=-1, kind="stable")[:, :k]
-    agree[m] = [len(set(a.tolist()) & set(b.tolist())) / k
-                for a, b in zip(order_c, order_r, strict=True)]
-    return kl, agree
-
-
 NORM_RESOLUTION: Final = 2.0 ** -18
 """Relative resolution of an FP32 logprob row's normalisation: its log-sum-exp is off by up
 to a few FP32 spacings (4 at a magnitude of 16), which scales every kept probability alike;
