@@ -208,9 +208,9 @@ def distribution_svg(pd_: PositionDistribution) -> str:
         ax_kl, ax_k, ax_1 = fig.subplots(
             3, 1, sharex=True, gridspec_kw={"height_ratios": [3.0, 1.6,
                                                                0.5 + 0.3 * len(pd_.sequences)]})
-        colors = mpl.colormaps["tab10"].colors
+        palette = mpl.colormaps["tab10"]
         for i, q in enumerate(pd_.sequences):
-            c = colors[i % len(colors)]
+            c = palette(i % palette.N)
             for vals, style, label in ((q.kl_ref_cand, "-", f"sequence {q.b}: KL(p‖q)"),
                                        (q.kl_cand_ref, ":", f"sequence {q.b}: KL(q‖p)")):
                 shown = np.where(np.isnan(vals) | (vals > KL_FLOOR), vals, KL_FLOOR)
