@@ -109,8 +109,91 @@ def _kl(a: npt.NDArray[np.float64], b: npt.NDArray[np.float64]) -> npt.NDArray[n
     return out
 
 
+TOP1_STATES: Final = ("agree", "mismatch", "tie")
+"""A position's top-1 state in a ``sequences`` record: the argmaxes agree, differ, or differ
+within the candidate's own resolution (:func:`tie_resolution`, not counted)."""
+
+
+def _summary(*, kl_rc: npt.NDArray[np.float64], kl_cr: npt.NDArray[np.float64],
+             tv: npt.NDArray[np.float64], differ: npt.NDArray[np.bool_],
+             tie: npt.NDArray[np.bool_], agree: npt.NDArray[np.float64],
+             cand_token: npt.NDArray[np.float64], ref_token: npt.NDArray[np.float64],
+             mask: npt.NDArray[np.bool_], clip_ratio: float, worst_sequences: int
+             ) -> tuple[dict[str, float], dict[str, Any]]:
+    """The statistics both paths aggregate from their per-position values.
+
+    Args:
+        kl_rc: ``[N]`` ``KL(p || q)`` at the ``N`` valid positions (row-major order of
+            ``mask``).
+        kl_cr: ``[N]`` ``KL(q || p)``.
+        tv: ``[N]`` total variation.
+        differ: ``[N]`` the two top-1 tokens differ.
+        tie: ``[N]`` they differ within the candidate's resolution (a subset of ``differ``).
+        agree: ``[N]`` top-:data:`TOPK` set agreement in ``[0, 1]``.
+        cand_token: ``[N]`` the candidate's logprob of the response token.
+        ref_token: ``[N]`` the reference's.
+        mask: ``[B, R]`` boolean response mask.
+        clip_ratio: PPO ``ε``.
+        worst_sequences: how many ``sequences`` records to add (``0``: no key).
+
+    Returns:
+        ``(statistics, meta)``: :data:`STATISTICS` in order; ``n_valid``, ``top1_ties``,
+        ``worst``, ``seq_max_kl`` and, when ``worst_sequences > 0``, ``sequences``: for the
+        sequences with the largest token ``KL(p || q)`` (``nan`` counted as ``inf``; equal
+        maxima by the smaller ``b``), largest first, ``{"b", "t": [valid positions],
+        "kl_ref_cand", "kl_cand_ref", "top1": [TOP1_STATES], "topk_agreement"}``.
+    """
+    m = mask
+    with np.errstate(invalid="ignore", over="ignore"):
+        log_ratio = cand_token - ref_token
+    ratio_out_2 = ~(np.abs(log_ratio) <= np.log(2.0))
+    with np.errstate(over="ignore"):
+        ratio = np.exp(log_ratio)
+    ratio_out_clip = ~((ratio >= 1.0 - clip_ratio) & (ratio <= 1.0 + clip_ratio))
+    full_kl = np.full(m.shape, -np.inf)
+    full_kl[m] = kl_rc
+    seq = [float(full_kl[b][m[b]].max()) for b in range(m.shape[0]) if m[b].any()]
+    flat = int(np.nanargmax(np.where(np.isnan(kl_rc), np.inf, kl_rc)))
+    where = np.argwhere(m)[flat]
+    stats = {"kl_ref_cand_max": float(np.max(kl_rc)), "kl_ref_cand_mean": float(np.mean(kl_rc)),
+             "kl_cand_ref_max": float(np.max(kl_cr)), "kl_cand_ref_mean": float(np.mean(kl_cr)),
+             "tv_max": float(np.max(tv)), "tv_mean": float(np.mean(tv)),
+             "top1_mismatch": float(np.sum(differ & ~tie)),
+             "topk_disagreement_mean": float(np.mean(1.0 - agree)),
+             "ratio_outside_2": float(np.mean(ratio_out_2)),
+             "ratio_outside_clip": float(np.mean(ratio_out_clip)),
+             "seq_max_kl_mean": float(np.mean(seq))}
+    meta: dict[str, Any] = {"n_valid": int(m.sum()), "top1_ties": int(np.sum(tie)),
+                            "worst": f"({int(where[0])}, {int(where[1])})", "seq_max_kl": seq}
+    if worst_sequences > 0:
+        meta["sequences"] = _worst_sequences(
+            worst_sequences, mask=m, kl_rc=kl_rc, kl_cr=kl_cr, agree=agree,
+            top1=np.where(tie, 2, np.where(differ, 1, 0)))
+    return stats, meta
+
+
+def _worst_sequences(n: int, *, mask: npt.NDArray[np.bool_], kl_rc: npt.NDArray[np.float64],
+                     kl_cr: npt.NDArray[np.float64], agree: npt.NDArray[np.float64],
+                     top1: npt.NDArray[np.int64]) -> list[dict[str, Any]]:
+    """The ``sequences`` records of :func:`_summary` (``top1`` indexes :data:`TOP1_STATES`)."""
+    per_pos = np.full(mask.shape, -np.inf)
+    per_pos[mask] = np.where(np.isnan(kl_rc), np.inf, kl_rc)
+    ranked = [int(b) for b in np.argsort(-per_pos.max(axis=1), kind="stable") if mask[b].any()]
+    start = np.concatenate([[0], np.cumsum(mask.sum(axis=1))])  # b's slice of the [N] arrays
+    out = []
+    for b in ranked[:n]:
+        sl = slice(int(start[b]), int(start[b + 1]))
+        out.append({"b": b, "t": [int(t) for t in np.flatnonzero(mask[b])],
+                    "kl_ref_cand": [float(x) for x in kl_rc[sl]],
+                    "kl_cand_ref": [float(x) for x in kl_cr[sl]],
+                    "top1": [TOP1_STATES[int(x)] for x in top1[sl]],
+                    "topk_agreement": [float(x) for x in agree[sl]]})
+    return out
+
+
 def distribution_metrics(cand: npt.ArrayLike, ref: npt.ArrayLike, tokens: npt.ArrayLike,
-                         mask: npt.ArrayLike, *, clip_ratio: float) -> dict[str, Any]:
+                         mask: npt.ArrayLike, *, clip_ratio: float,
+                         worst_sequences: int = 0) -> dict[str, Any]:
     """Every statistic of the module docstring, plus where the worst KL sits.
 
     Args:
@@ -119,11 +202,14 @@ def distribution_metrics(cand: npt.ArrayLike, ref: npt.ArrayLike, tokens: npt.Ar
         tokens: ``[B, R]`` response token ids.
         mask: ``[B, R]`` response mask (non-zero = valid).
         clip_ratio: PPO ``ε`` (> 0).
+        worst_sequences: how many of the sequences with the largest token ``KL(p || q)`` to
+            return per position (key ``sequences``; ``0``: no key).
 
     Returns:
         ``{statistic: float}`` for :data:`STATISTICS`, plus ``n_valid``, ``top1_ties``,
-        ``worst`` (``"(b, t)"`` of the largest ``KL(p || q)``) and ``seq_max_kl``
-        (per-sequence maxima, a list).
+        ``worst`` (``"(b, t)"`` of the largest ``KL(p || q)``), ``seq_max_kl``
+        (per-sequence maxima, a list) and, when asked, ``sequences``: the per-position
+        values those statistics aggregate, of the worst sequences (:func:`_summary`).
 
     Raises:
         ValueError: shapes differ, are not ``[B, R, V]`` / ``[B, R]``, no valid position,
@@ -155,67 +241,11 @@ def distribution_metrics(cand: npt.ArrayLike, ref: npt.ArrayLike, tokens: npt.Ar
     inter = np.array([len(set(a[:k].tolist()) & set(b[:k].tolist()))
                       for a, b in zip(order_c, order_r, strict=True)], dtype=np.float64)
     idx = np.arange(len(tv_tok))
-    with np.errstate(invalid="ignore", over="ignore"):
-        log_ratio = cv[idx, tv_tok] - rv[idx, tv_tok]
-    ratio_out_2 = ~(np.abs(log_ratio) <= np.log(2.0))
-    with np.errstate(over="ignore"):
-        ratio = np.exp(log_ratio)
-    ratio_out_clip = ~((ratio >= 1.0 - clip_ratio) & (ratio <= 1.0 + clip_ratio))
-    full_kl = np.full(m.shape, -np.inf)
-    full_kl[m] = kl_rc
-    seq = [float(full_kl[b][m[b]].max()) for b in range(m.shape[0]) if m[b].any()]
-    flat = int(np.nanargmax(np.where(np.isnan(kl_rc), np.inf, kl_rc)))
-    where = np.argwhere(m)[flat]
-    return {"kl_ref_cand_max": float(np.max(kl_rc)), "kl_ref_cand_mean": float(np.mean(kl_rc)),
-            "kl_cand_ref_max": float(np.max(kl_cr)), "kl_cand_ref_mean": float(np.mean(kl_cr)),
-            "tv_max": float(np.max(tv)), "tv_mean": float(np.mean(tv)),
-            "top1_mismatch": float(np.sum(differ & ~tie)),
-            "topk_disagreement_mean": float(np.mean(1.0 - inter / k)),
-            "ratio_outside_2": float(np.mean(ratio_out_2)),
-            "ratio_outside_clip": float(np.mean(ratio_out_clip)),
-            "seq_max_kl_mean": float(np.mean(seq)),
-            "n_valid": int(m.sum()), "top1_ties": int(np.sum(tie)),
-            "worst": f"({int(where[0])}, {int(where[1])})", "seq_max_kl": seq}
-
-
-def position_metrics(cand: npt.ArrayLike, ref: npt.ArrayLike, mask: npt.ArrayLike
-                     ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-    """Per position, the token ``KL(p || q)`` and the top-k set agreement.
-
-    The same quantities :func:`distribution_metrics` aggregates (its ``kl_ref_cand_max`` is
-    the maximum of the first over valid positions, its ``topk_disagreement_mean`` the mean of
-    one minus the second).
-
-    Args:
-        cand: ``[B, R, V]`` candidate logprobs ``q``.
-        ref: ``[B, R, V]`` reference logprobs ``p``.
-        mask: ``[B, R]`` response mask (non-zero = valid).
-
-    Returns:
-        ``(kl, agreement)``, each ``[B, R]`` float64, ``nan`` at masked positions;
-        ``agreement = |top-k(q) ∩ top-k(p)| / k`` (``k = min(TOPK, V)``).
-
-    Raises:
-        ValueError: shapes differ or are not ``[B, R, V]`` / ``[B, R]``.
-    """
-    c = np.asarray(cand, dtype=np.float64)
-    r = np.asarray(ref, dtype=np.float64)
-    m = np.asarray(mask) != 0
-    if c.ndim != 3 or c.shape != r.shape or m.shape != c.shape[:2]:
-        raise ValueError(f"shapes: cand {c.shape}, ref {r.shape}, mask {m.shape}; expected "
-                         f"[B, R, V] twice and [B, R]")
-    kl = np.full(m.shape, np.nan)
-    agree = np.full(m.shape, np.nan)
-    if not m.any():
-        return kl, agree
-    cv, rv = _renormalise(c[m]), _renormalise(r[m])
-    kl[m] = _kl(rv, cv)
-    k = min(TOPK, c.shape[2])
-    order_c = np.argsort(-cv, axis=-1, kind="stable")[:, :k]
-    order_r = np.argsort(-rv, axis=-1, kind="stable")[:, :k]
-    agree[m] = [len(set(a.tolist()) & set(b.tolist())) / k
-                for a, b in zip(order_c, order_r, strict=True)]
-    return kl, agree
+    stats, meta = _summary(kl_rc=kl_rc, kl_cr=kl_cr, tv=tv, differ=differ, tie=tie,
+                           agree=inter / k, cand_token=cv[idx, tv_tok],
+                           ref_token=rv[idx, tv_tok], mask=m, clip_ratio=clip_ratio,
+                           worst_sequences=worst_sequences)
+    return {**stats, **meta}
 
 
 NORM_RESOLUTION: Final = 2.0 ** -18
@@ -258,7 +288,7 @@ def _topk_positions(lp: npt.NDArray[np.float64], ids: npt.NDArray[np.int64]
 def topk_metrics(cand: npt.ArrayLike, cand_ids: npt.ArrayLike, ref: npt.ArrayLike,
                  ref_ids: npt.ArrayLike, *, cand_token: npt.ArrayLike,
                  ref_token: npt.ArrayLike, mask: npt.ArrayLike,
-                 clip_ratio: float) -> dict[str, Any]:
+                 clip_ratio: float, worst_sequences: int = 0) -> dict[str, Any]:
     """Every statistic of :data:`TOPK_STATISTICS` on the top-k path (module docstring).
 
     Args:
@@ -271,12 +301,15 @@ def topk_metrics(cand: npt.ArrayLike, cand_ids: npt.ArrayLike, ref: npt.ArrayLik
         ref_token: ``[B, R]`` the reference's logprob of the response token.
         mask: ``[B, R]`` response mask (non-zero = valid).
         clip_ratio: PPO ``ε`` (> 0).
+        worst_sequences: as in :func:`distribution_metrics` (the lumped KLs, the exact top-1
+            states and top-:data:`TOPK` agreement).
 
     Returns:
         ``{statistic: float}`` for :data:`TOPK_STATISTICS`, plus ``k``, ``n_valid``,
         ``top1_ties``, ``worst`` (``"(b, t)"`` of the largest lumped ``KL(p || q)``),
-        ``seq_max_kl`` (per-sequence maxima, a list), ``missing_ref_max``,
-        ``missing_ref_mean``, ``missing_cand_max``, ``missing_cand_mean``.
+        ``seq_max_kl`` (per-sequence maxima, a list), ``sequences`` when asked,
+        ``missing_ref_max``, ``missing_ref_mean``, ``missing_cand_max``,
+        ``missing_cand_mean``.
 
     Raises:
         ValueError: shapes differ or are not ``[B, R, k]`` / ``[B, R]``, ``k < TOPK``, a
@@ -346,30 +379,14 @@ def topk_metrics(cand: npt.ArrayLike, cand_ids: npt.ArrayLike, ref: npt.ArrayLik
     differ = cid[:, 0] != rid[:, 0]
     tie = differ & ((cv[:, 0] - cv[:, 1]) <= tie_resolution(cv[:, 0]))
     small = (cid[:, :TOPK, None] == rid[:, None, :TOPK]).any(axis=2).sum(axis=1)
-    with np.errstate(invalid="ignore", over="ignore"):
-        log_ratio = ct[m] - rt[m]
-    ratio_out_2 = ~(np.abs(log_ratio) <= np.log(2.0))
-    with np.errstate(over="ignore"):
-        ratio = np.exp(log_ratio)
-    ratio_out_clip = ~((ratio >= 1.0 - clip_ratio) & (ratio <= 1.0 + clip_ratio))
-    full_kl = np.full(m.shape, -np.inf)
-    full_kl[m] = kl_rc
-    seq = [float(full_kl[b][m[b]].max()) for b in range(m.shape[0]) if m[b].any()]
-    flat = int(np.nanargmax(np.where(np.isnan(kl_rc), np.inf, kl_rc)))
-    where = np.argwhere(m)[flat]
+    stats, meta = _summary(kl_rc=kl_rc, kl_cr=kl_cr, tv=tv, differ=differ, tie=tie,
+                           agree=small / TOPK, cand_token=ct[m], ref_token=rt[m], mask=m,
+                           clip_ratio=clip_ratio, worst_sequences=worst_sequences)
     miss_r = np.maximum(1.0 - pr.sum(axis=-1), 0.0)
     miss_c = np.maximum(1.0 - pc.sum(axis=-1), 0.0)
-    return {"kl_ref_cand_max": float(np.max(kl_rc)), "kl_ref_cand_mean": float(np.mean(kl_rc)),
-            "kl_cand_ref_max": float(np.max(kl_cr)), "kl_cand_ref_mean": float(np.mean(kl_cr)),
-            "tv_max": float(np.max(tv)), "tv_mean": float(np.mean(tv)),
-            "top1_mismatch": float(np.sum(differ & ~tie)),
-            "topk_disagreement_mean": float(np.mean(1.0 - small / TOPK)),
-            "ratio_outside_2": float(np.mean(ratio_out_2)),
-            "ratio_outside_clip": float(np.mean(ratio_out_clip)),
-            "seq_max_kl_mean": float(np.mean(seq)),
+    return {**stats,
             "tv_upper_max": float(np.max(tv_up)), "tv_upper_mean": float(np.mean(tv_up)),
             "topk_set_disagreement_mean": float(np.mean(1.0 - in_ref.sum(axis=1) / k)),
-            "k": int(k), "n_valid": int(m.sum()), "top1_ties": int(np.sum(tie)),
-            "worst": f"({int(where[0])}, {int(where[1])})", "seq_max_kl": seq,
+            "k": int(k), **meta,
             "missing_ref_max": float(miss_r.max()), "missing_ref_mean": float(miss_r.mean()),
             "missing_cand_max": float(miss_c.max()), "missing_cand_mean": float(miss_c.mean())}

@@ -1,104 +1,224 @@
-"""report.html's per-position plot of a sampler cell's decode-path distribution: KL and top-k
-agreement of its worst sequences, drawn from the stored tensors, saying whether the drawing
-reproduces the row that was judged."""
+"""report.html's per-position plot of a sampler cell's decode-path distribution rows.
+
+The values come from the comparator's own call (:func:`distribution_rows` with ``positions``,
+kept in ``report.json`` ``distribution_positions`` through :class:`Report`): built here in
+memory for a full-vocabulary reference and a top-k one, with one sequence planted as the
+worst and a near-tie planted in another. The figure draws the planted worst sequence first,
+the tie as a tie, both bounds, and (top-k) the lumped-tail caveat; a report without
+distribution rows, or written before the section existed, draws no figure.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
-import hypothesis.strategies as st
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis.extra.numpy import arrays
-from safetensors.numpy import save_file
+import torch
+from safetensors.torch import save_file
 
 from qualify.compare import html
+from qualify.compare.distribution import WORST_SEQUENCES, distribution_rows
 from qualify.compare.plotdata import RunData, position_distributions
-from qualify.distmetrics import distribution_metrics, position_metrics
+from qualify.compare.verdicts import OPTIONAL_SECTIONS, CellResult, Report, Row
+from qualify.distmetrics import STATISTICS, TOPK_STATISTICS, tie_resolution, topk_of
+from qualify.reference.distribution import FLOORS
+from qualify.schema import validate
 
-B, R, V = 5, 6, 11
-CELL = "vllm-bf16-sampler-tp1"
-
-
-@settings(max_examples=40, deadline=None)
-@given(cand=arrays(np.float64, (3, 4, 7), elements=st.floats(-12, 0)),
-       ref=arrays(np.float64, (3, 4, 7), elements=st.floats(-12, 0)),
-       mask=arrays(np.bool_, (3, 4)))
-def test_position_metrics_are_what_the_rows_aggregate(cand: np.ndarray, ref: np.ndarray,
-                                                      mask: np.ndarray) -> None:
-    """Max token KL is ``kl_ref_cand_max``, mean disagreement ``topk_disagreement_mean``."""
-    kl, agree = position_metrics(cand, ref, mask)
-    assert np.isnan(kl[~mask]).all()
-    assert np.isnan(agree[~mask]).all()
-    if not mask.any():
-        return
-    got = distribution_metrics(cand, ref, np.zeros(mask.shape, np.int64), mask, clip_ratio=0.2)
-    assert float(np.max(kl[mask])) == got["kl_ref_cand_max"]
-    assert float(np.mean(1.0 - agree[mask])) == pytest.approx(got["topk_disagreement_mean"],
-                                                              abs=1e-12)
-    assert ((agree[mask] >= 0) & (agree[mask] <= 1)).all()
+B, R, V, K = 6, 7, 40, 8
+CELL = "vllm-fp32-sampler-tp1"
+WORST, WORST_T = 4, 5
+TIE_B, TIE_T = 1, 2
 
 
-def _logprobs(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    x = rng.normal(size=shape) * 3.0
-    return (x - np.log(np.exp(x).sum(-1, keepdims=True))).astype(np.float32)
+def _lsm(x: np.ndarray) -> np.ndarray:
+    return torch.log_softmax(torch.from_numpy(x), dim=-1).numpy().astype(np.float32)
 
 
-def _run(tmp_path: Path, *, stored_shift: float = 0.0) -> tuple[RunData, dict[str, Any]]:
-    """A run whose sampler cell holds ``decode_raw``, its reference ``raw``, and the
-    ``kl_ref_cand_max`` row the comparator would write for them (shifted by ``stored_shift``)."""
-    rng = np.random.default_rng(0)
-    ref = _logprobs(rng, (B, R, V))
-    cand = ref.copy()
-    cand[3, 2] = _logprobs(rng, (V,))  # one far position: sequence 3 is the worst
-    cand[1] += rng.normal(size=(R, V)).astype(np.float32) * 1e-3
+def _inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Reference and sampler logprobs ``[B, R, V]``: small noise everywhere, one far position
+    ``(WORST, WORST_T)``, a near-tie at ``(TIE_B, TIE_T)``; tokens, and a mask with a hole."""
+    g = np.random.default_rng(7)
+    logits = g.normal(0.0, 3.0, (B, R, V))
+    ref = _lsm(logits)
+    cand = _lsm(logits + g.normal(0.0, 0.02, logits.shape))
+    cand[WORST, WORST_T] = _lsm(g.normal(0.0, 3.0, V))
+    o = np.argsort(-ref[TIE_B, TIE_T], kind="stable")
+    cand[TIE_B, TIE_T] = ref[TIE_B, TIE_T]
+    cand[TIE_B, TIE_T, o[1]] = cand[TIE_B, TIE_T, o[0]]
+    cand[TIE_B, TIE_T, o[0]] -= np.float32(tie_resolution(cand[TIE_B, TIE_T, o[0]]) / 2)
     mask = np.ones((B, R), dtype=np.int64)
-    mask[4, 3:] = 0
-    attempt = tmp_path / "run" / "cells" / CELL / "attempt-1"
-    attempt.mkdir(parents=True)
-    save_file({"round1/sampler/decode_raw": cand}, str(attempt / "outputs.safetensors"))
-    ref_dir = tmp_path / "ref"
-    ref_dir.mkdir()
-    save_file({"raw": ref}, str(ref_dir / "distribution.safetensors"))
-    got = distribution_metrics(cand, ref, np.zeros((B, R), np.int64), mask, clip_ratio=0.2)
-    row = {"cell": CELL, "class": "sampler_distribution", "family": "decode_raw",
-           "statistic": "kl_ref_cand_max", "error": got["kl_ref_cand_max"] + stored_shift,
-           "bound": 0.5, "round": 1, "role": "sampler"}
-    doc = {"cells": [{"cell": CELL, "role": "sampler", "status": "COMPLETE",
-                      "attempt": f"cells/{CELL}/attempt-1"}], "rows": [row]}
-    return RunData(run_dir=tmp_path / "run", doc=doc, ref_dir=ref_dir, bounds=(),
-                   mask=mask, lanes={}), got
+    mask[0, 4:] = 0
+    return ref, cand, g.integers(0, V, (B, R)), mask
 
 
-def test_worst_sequences_are_drawn_and_reproduce_the_judged_row(tmp_path: Path) -> None:
-    data, got = _run(tmp_path)
-    (pd_,) = position_distributions(data, CELL, n=2)
-    assert pd_.kind == "raw"
-    assert [s[0] for s in pd_.sequences] == [3, 1]  # largest token KL first
+def _bounds(stats: tuple[str, ...]) -> dict[str, Any]:
+    return {s: {"bound": 0.05 + FLOORS[s], "control": "decode", "control_error": 0.0125,
+                "k": 4.0, "floor": FLOORS[s]} for s in stats}
+
+
+def _report(tmp: Path, *, topk: bool, positions: bool = True) -> dict[str, Any]:
+    """``report.json`` of one sampler cell judged by the comparator's code on the inputs."""
+    ref, cand, tokens, mask = _inputs()
+    doc: dict[str, Any] = {"clip_ratio": 0.2}
+    if topk:
+        vals, ids = topk_of(ref, K)
+        tok = np.take_along_axis(ref, tokens[..., None], -1)[..., 0]
+        doc.update(topk={"k": K, "why": "test"}, raw={"bounds": _bounds(TOPK_STATISTICS)},
+                   tempered={"bounds": _bounds(TOPK_STATISTICS)})
+        save_file({f"{kind}_{n}": torch.from_numpy(np.array(a, copy=True))
+                   for kind in ("raw", "tempered")
+                   for n, a in (("topk_logprobs", vals), ("topk_ids", ids),
+                                ("token_logprobs", tok))}, str(tmp / "distribution.safetensors"))
+        cv, ci = topk_of(cand, K + 3)
+        ct = np.take_along_axis(cand, tokens[..., None], -1)[..., 0]
+        tensors = {f"round1/sampler/decode_{kind}_{n}": a for kind in ("raw", "tempered")
+                   for n, a in (("topk_logprobs", cv), ("topk_ids", ci), ("logprobs", ct))}
+    else:
+        doc.update(raw={"bounds": _bounds(STATISTICS)}, tempered={"bounds": _bounds(STATISTICS)})
+        save_file({"raw": torch.from_numpy(ref), "tempered": torch.from_numpy(ref.copy())},
+                  str(tmp / "distribution.safetensors"))
+        tensors = {"round1/sampler/decode_raw": cand, "round1/sampler/decode_tempered": ref}
+    (tmp / "distribution.json").write_text(json.dumps(doc))
+    kept: dict[str, Any] = {}
+    rows = distribution_rows(cell=CELL, tensors=tensors, ref_dir=tmp, mask=mask,
+                             responses=tokens, positions=kept if positions else None)
+    return _document(rows, kept if positions else None)
+
+
+def _document(rows: list[Row], kept: dict[str, Any] | None) -> dict[str, Any]:
+    cell = CellResult(cell=CELL, engine="vllm", precision="fp32", options={}, role="sampler",
+                      tp=1, status="COMPLETE", verdict="PASS", reason=None,
+                      attempt=f"cells/{CELL}/attempt-1", required=True, counts={},
+                      worst_margin=None)
+    sections = OPTIONAL_SECTIONS if kept is not None else tuple(
+        s for s in OPTIONAL_SECTIONS if s != "distribution_positions")
+    rep = Report(contract="t", contract_digest="0" * 64, run_id="r", run_dir="run",
+                 reference_dir="ref", reference_manifest_digest="0" * 64,
+                 bounds_digest="0" * 64, lane="approximate", created="now", cells=(cell,),
+                 rows=tuple(rows), logprobs_mode="processed", field_like_for_like=True,
+                 field_note="n/a", field_metrics=(), sections=sections,
+                 distribution_positions={CELL: kept} if kept else {})
+    doc = json.loads(json.dumps(rep.to_dict(), allow_nan=False))  # as report.json holds it
+    validate(doc, "report")
+    return doc
+
+
+def _data(tmp: Path, doc: dict[str, Any]) -> RunData:
+    return RunData(run_dir=tmp / "run", doc=doc, ref_dir=None, bounds=(), mask=None, lanes={})
+
+
+@pytest.mark.parametrize("topk", [False, True], ids=["full", "topk"])
+def test_the_worst_sequence_is_drawn_with_its_bounds(tmp_path: Path, topk: bool) -> None:
+    doc = _report(tmp_path, topk=topk)
+    pds = position_distributions(_data(tmp_path, doc), CELL)
+    fams = ["decode_raw_topk", "decode_tempered_topk"] if topk else ["decode_raw",
+                                                                      "decode_tempered"]
+    assert [p.family for p in pds] == fams
+    pd_ = pds[0]
+    assert pd_.k == (K if topk else None)
+    assert len(pd_.sequences) == WORST_SEQUENCES
+    worst = pd_.sequences[0]
+    assert worst.b == WORST  # the planted far position's sequence
+    assert int(worst.t[int(np.argmax(worst.kl_ref_cand))]) == WORST_T
     assert pd_.reproduces
-    assert pd_.kl_max == got["kl_ref_cand_max"]
-    assert pd_.bound == 0.5
-    _, pos, kl, agree = pd_.sequences[0]
-    assert int(np.argmax(kl)) == 2
-    assert pos.tolist() == list(range(R))
-    assert agree[0] == 1.0  # an untouched position: the same top-k
-    page = "\n".join(html._distribution_plots(data))
-    assert f'id="distribution-{CELL}-raw"' in page
-    assert page.count("<svg") == 1
+    assert pd_.kl_max == float(pd_.stored["error"])  # type: ignore[index]
+    assert pd_.bound == 0.05 + FLOORS["kl_ref_cand_max"]
+    assert pd_.bound_cand_ref == 0.05 + FLOORS["kl_cand_ref_max"]
+    maxima = [float(np.max(q.kl_ref_cand)) for q in pd_.sequences]
+    assert maxima == sorted(maxima, reverse=True)
+    tie = next(q for q in pd_.sequences if q.b == TIE_B)
+    assert tie.top1[list(tie.t).index(TIE_T)] == "tie"
+    page = "\n".join(html._distribution_plots(_data(tmp_path, doc)))
+    for fam in fams:
+        assert f'id="distribution-{CELL}-{fam}"' in page
+    assert page.count("<svg") == 2
     assert "equals the row&#x27;s stored kl_ref_cand_max" in page
+    assert "KL(q‖p)" in page
+    assert "tie" in page
+    assert ("a lower bound on the true KL" in page) is topk
+    assert ("lumped token KL" in page) is topk
+    assert len(json.dumps(doc["distribution_positions"])) < 12_000  # worst sequences only
 
 
 def test_a_drawing_that_is_not_the_judged_row_says_so(tmp_path: Path) -> None:
-    data, _ = _run(tmp_path, stored_shift=1e-3)
-    (pd_,) = position_distributions(data, CELL)
+    doc = _report(tmp_path, topk=False)
+    for r in doc["rows"]:
+        if r["family"] == "decode_raw" and r["statistic"] == "kl_ref_cand_max":
+            r["error"] += 1e-3
+    (pd_, _) = position_distributions(_data(tmp_path, doc), CELL)
     assert not pd_.reproduces
-    assert "NOTE: the largest" in "\n".join(html._distribution_plots(data))
+    assert "NOTE: the largest" in "\n".join(html._distribution_plots(_data(tmp_path, doc)))
 
 
-def test_without_decode_tensors_the_page_says_so(tmp_path: Path) -> None:
-    data, _ = _run(tmp_path)
-    (data.ref_dir / "distribution.safetensors").unlink()  # type: ignore[operator]
-    assert position_distributions(data, CELL) == []
-    assert "No decode-path distributions" in "\n".join(html._distribution_plots(data))
+def test_without_distribution_rows_there_is_no_figure(tmp_path: Path) -> None:
+    doc = _document([], {})  # a sampler cell against a reference without distribution rows
+    assert "distribution_positions" in doc
+    assert position_distributions(_data(tmp_path, doc), CELL) == []
+    page = "\n".join(html._distribution_plots(_data(tmp_path, doc)))
+    assert "<svg" not in page
+    assert 'id="distribution-' not in page.replace('id="distribution-title"', "")
+    assert "the sampler cells or the reference hold none" in page
+    doc["cells"] = []  # no sampler cell: no section at all
+    assert html._distribution_plots(_data(tmp_path, doc)) == []
+
+
+def test_a_report_from_before_the_section_says_so(tmp_path: Path) -> None:
+    doc = _report(tmp_path, topk=False, positions=False)
+    assert "distribution_positions" not in doc
+    page = "\n".join(html._distribution_plots(_data(tmp_path, doc)))
+    assert "<svg" not in page
+    assert "written before the comparator kept the per-position values" in page
+
+
+def test_the_comparator_keeps_what_its_rows_aggregate(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compare_run`` on a sampler cell against a reference with distribution rows: the
+    report holds ``distribution_positions`` (schema-valid), whose worst sequence's largest KL
+    is the judged ``kl_ref_cand_max``; a report recomputed without the section (one sealed
+    before it) has no such key and the same rows."""
+    import test_compare
+    from test_compare import SAMPLER, TP1, World, _sampler_meta
+
+    b, r = test_compare.B, test_compare.R
+    g = np.random.default_rng(3)
+    ref = _lsm(g.normal(0.0, 3.0, (b, r, V)))
+    cand = _lsm(ref.astype(np.float64) + g.normal(0.0, 0.02, (b, r, V)))
+    valid = np.argwhere(np.asarray(test_compare.MASK) != 0)
+    wb, wt = (int(x) for x in valid[len(valid) // 2])
+    cand[wb, wt] = _lsm(g.normal(0.0, 3.0, V))  # the planted worst position
+    seal = test_compare.store.seal
+
+    def seal_with(path: Path, *, kind: str) -> Any:
+        if kind == "reference":
+            (path / "distribution.json").write_text(json.dumps(
+                {"clip_ratio": 0.2, "raw": {"bounds": _bounds(STATISTICS)},
+                 "tempered": {"bounds": _bounds(STATISTICS)}}))
+            save_file({"raw": torch.from_numpy(ref), "tempered": torch.from_numpy(ref.copy())},
+                      str(path / "distribution.safetensors"))
+        return seal(path, kind=kind)
+
+    monkeypatch.setattr(test_compare.store, "seal", seal_with)
+    w = World(tmp_path, required=[TP1])
+    w.add_cell(TP1)
+    w.add_cell(SAMPLER, outputs={"round2/sampler/logprobs": w.hf["fp32"][
+        "round2/actor/logprobs"].copy(), "round1/sampler/decode_raw": cand,
+        "round1/sampler/decode_tempered": cand.copy()}, meta=_sampler_meta(0))
+    w.cells[SAMPLER]["weights_from"] = TP1
+    report = w.compare(write=False)
+    doc = json.loads(json.dumps(report.to_dict(), allow_nan=False))
+    validate(doc, "report")
+    kept = doc["distribution_positions"][SAMPLER]
+    assert set(kept) == {"decode_raw", "decode_tempered"}
+    (row,) = [x for x in doc["rows"] if x["cell"] == SAMPLER and x["family"] == "decode_raw"
+              and x["statistic"] == "kl_ref_cand_max"]
+    worst = kept["decode_raw"]["sequences"][0]
+    assert worst["b"] == wb
+    assert worst["t"][int(np.argmax(worst["kl_ref_cand"]))] == wt
+    assert max(worst["kl_ref_cand"]) == row["error"]
+    before = tuple(s for s in OPTIONAL_SECTIONS if s != "distribution_positions")
+    old = w.compare(write=False, sections=before)
+    assert "distribution_positions" not in old.to_dict()
+    assert [x.to_dict() for x in old.rows] == [x.to_dict() for x in report.rows]

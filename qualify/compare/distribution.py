@@ -31,6 +31,9 @@ is stated in the ``where`` of the matching ``tv_*`` row.
 A reference sealed without ``distribution.json`` gives no rows; one whose vocabulary was too
 large to seal by older code (``distributions_not_run``) gives the
 ``sampler_decode_vs_prefill`` row only; the report's notes say why (:func:`read_sealed`).
+Asked for them, :func:`distribution_rows` also gives, per judged family, the per-position
+values of its :data:`WORST_SEQUENCES` worst sequences from the very call that gives its rows
+(``report.json`` ``distribution_positions``, what ``report.html`` draws).
 A sampler cell without the tensors, against a reference that has them, gives ``NOT_RUN``
 rows naming what is missing; none of them passes.
 
@@ -64,6 +67,8 @@ from qualify.evidence import store
 DISTRIBUTION_FILE: Final = "distribution.safetensors"
 DISTRIBUTION_JSON: Final = "distribution.json"
 KINDS: Final = ("raw", "tempered")
+WORST_SEQUENCES: Final = 4
+"""Sequences per family whose per-position values the report keeps (largest token KL)."""
 ROLE: Final = "sampler"
 
 
@@ -104,7 +109,8 @@ def read_sealed(ref_dir: Path) -> tuple[dict[str, Any] | None, str]:
 
 
 def distribution_rows(*, cell: str, tensors: Mapping[str, Any], ref_dir: Path,
-                      mask: npt.NDArray[Any], responses: npt.NDArray[Any]) -> list[Row]:
+                      mask: npt.NDArray[Any], responses: npt.NDArray[Any],
+                      positions: dict[str, Any] | None = None) -> list[Row]:
     """The rows of the module docstring for one COMPLETE sampler cell.
 
     Args:
@@ -113,6 +119,10 @@ def distribution_rows(*, cell: str, tensors: Mapping[str, Any], ref_dir: Path,
         ref_dir: the sealed reference directory.
         mask: ``[B, R]`` response mask of the frozen rollout.
         responses: ``[B, R]`` response token ids of the frozen rollout.
+        positions: when given, receives per judged ``sampler_distribution`` family
+            ``{"k": the top-k path's k or None, "sequences": ...}``: the per-position values
+            of the :data:`WORST_SEQUENCES` worst sequences from the same call that gives the
+            family's rows (``worst_sequences`` of :mod:`qualify.distmetrics`).
     """
     doc, _ = read_sealed(ref_dir)
     if doc is None:  # a reference without decode-path bounds: no rows (a report note says so)
@@ -121,7 +131,7 @@ def distribution_rows(*, cell: str, tensors: Mapping[str, Any], ref_dir: Path,
     full = "raw" in doc and "topk" not in doc
     ref = store.load_tensors(ref_dir / DISTRIBUTION_FILE) if "raw" in doc else {}
     if "topk" in doc:
-        rows += _topk_rows(cell, tensors, doc, ref, mask)
+        rows += _topk_rows(cell, tensors, doc, ref, mask, positions=positions)
     why = ""
     for kind in KINDS if full else ():
         family = f"decode_{kind}"
@@ -133,7 +143,11 @@ def distribution_rows(*, cell: str, tensors: Mapping[str, Any], ref_dir: Path,
                      for s in STATISTICS]
             continue
         got = distribution_metrics(np.asarray(mine), np.asarray(ref[kind]), responses, mask,
-                                   clip_ratio=float(doc["clip_ratio"]))
+                                   clip_ratio=float(doc["clip_ratio"]),
+                                   worst_sequences=WORST_SEQUENCES if positions is not None
+                                   else 0)
+        if positions is not None:
+            positions[family] = {"k": None, "sequences": got["sequences"]}
         for s in STATISTICS:
             b = doc[kind]["bounds"][s]
             err = float(got[s])
@@ -163,7 +177,8 @@ def distribution_rows(*, cell: str, tensors: Mapping[str, Any], ref_dir: Path,
 
 
 def _topk_rows(cell: str, tensors: Mapping[str, Any], doc: Mapping[str, Any],
-               ref: Mapping[str, Any], mask: npt.NDArray[Any]) -> list[Row]:
+               ref: Mapping[str, Any], mask: npt.NDArray[Any], *,
+               positions: dict[str, Any] | None = None) -> list[Row]:
     """The ``decode_<kind>_topk`` rows (module docstring) of one sampler cell."""
     k = int(doc["topk"]["k"])
     rows: list[Row] = []
@@ -190,7 +205,10 @@ def _topk_rows(cell: str, tensors: Mapping[str, Any], doc: Mapping[str, Any],
                            ref[f"{kind}_topk_logprobs"], ref[f"{kind}_topk_ids"],
                            cand_token=np.asarray(tensors[names[2]]),
                            ref_token=ref[f"{kind}_token_logprobs"], mask=mask,
-                           clip_ratio=float(doc["clip_ratio"]))
+                           clip_ratio=float(doc["clip_ratio"]),
+                           worst_sequences=WORST_SEQUENCES if positions is not None else 0)
+        if positions is not None:
+            positions[family] = {"k": k, "sequences": got["sequences"]}
         where = (f"{got['worst']} (n={got['n_valid']}, top-1 ties {got['top1_ties']}, k={k}, "
                  f"missing mass ref <= {got['missing_ref_max']:.3g}, sampler <= "
                  f"{got['missing_cand_max']:.3g})")

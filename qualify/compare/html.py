@@ -279,17 +279,20 @@ def _token_plots(data: RunData) -> list[str]:
 
 
 def _distribution_plots(data: RunData) -> list[str]:
-    """Per sampler cell and kind: KL and top-k agreement per position, worst sequences."""
+    """Per sampler cell and distribution family: the worst sequences' per-position values."""
     cells = [str(c.get("cell")) for c in data.doc.get("cells", [])
              if c.get("role") == SAMPLER_ROLE and c.get("status") == "COMPLETE"]
     if not cells:
         return []
     distribution_svg = _plots().distribution_svg
     out = ['<h2 id="distribution-title">Sampler distribution per position</h2>',
-           '<p class="note">For each sampler cell, the decode-path distribution against the '
-           "sealed HF reference at every valid response position of its worst sequences "
-           "(largest token KL): KL(p || q) with the sealed kl_ref_cand_max bound dashed, and "
-           "the top-k set agreement.</p>"]
+           '<p class="note">For each sampler cell and decode-path distribution row family, '
+           "the sampler (q) against the sealed HF reference (p) at every valid response "
+           "position of its worst sequences (largest token KL(p || q)), as the comparator "
+           "computed them for the rows: token KL both ways (log scale) with the sealed "
+           "kl_ref_cand_max and kl_cand_ref_max bounds, the top-k set agreement, and the "
+           "top-1 state (a disagreement within the sampler's own FP32 resolution of its "
+           "top-2 gap is a tie, not counted as a mismatch).</p>"]
     drawn = 0
     for cid in cells:
         for pd_ in position_distributions(data, cid):
@@ -297,13 +300,22 @@ def _distribution_plots(data: RunData) -> list[str]:
             check = ("the largest equals the row's stored kl_ref_cand_max" if pd_.reproduces
                      else f"NOTE: the largest, {pd_.kl_max:.6g}, is not a stored "
                           f"kl_ref_cand_max ({stored})")
-            out.append(_figure(distribution_svg(pd_), f"distribution-{cid}-{pd_.kind}",
-                               f"{cid} decode_{pd_.kind}: {len(pd_.sequences)} worst "
-                               f"sequences; {check}."))
+            lumped = (f" Top-k path (k = {pd_.k}): each KL is of the lumped distributions "
+                      "(the shared top-k tokens and one bucket for the rest), a lower bound "
+                      "on the true KL; the top-1 states and top-k agreement are exact."
+                      if pd_.k is not None else "")
+            out.append(_figure(distribution_svg(pd_), f"distribution-{cid}-{pd_.family}",
+                               f"{cid} {pd_.family}: {len(pd_.sequences)} worst sequences; "
+                               f"{check}.{lumped}"))
             drawn += 1
     if not drawn:
-        out.append('<p class="note">No decode-path distributions to draw (the sampler cells '
-                   f"or the reference hold none). {_e(data.note)}</p>")
+        rows = any(r.get("class") == "sampler_distribution" and r.get("error") is not None
+                   for r in data.rows)
+        why = ("this report was written before the comparator kept the per-position values "
+               "(report.json distribution_positions); qualify compare on the run writes them"
+               if rows else "the sampler cells or the reference hold none")
+        out.append(f'<p class="note">No decode-path distributions to draw ({why}). '
+                   f"{_e(data.note)}</p>")
     return out
 
 

@@ -4,7 +4,10 @@ Nothing here recomputes a verdict: the rows come from ``report.json`` as they ar
 tensors are read only to draw what a row summarises (the per-token differences behind a
 ``max_abs``, the per-parameter relative L2 errors behind a ``max_rel_l2``). Each drawing
 says whether its data reproduces the row's stored error (:attr:`TokenErrors.reproduces`,
-:attr:`ParamErrors.reproduces`), so a plot that does not show what was judged says so.
+:attr:`ParamErrors.reproduces`, :attr:`PositionDistribution.reproduces`), so a plot that does
+not show what was judged says so. The sampler cells' per-position distribution values are not
+read from tensors: the comparator keeps them in ``report.json`` ``distribution_positions``
+(from the call that gave the rows), and they are drawn as kept.
 
 Sources: the run's ``report.json`` (validated against ``report.schema.json``), the cells'
 ``outputs.safetensors`` (the attempt ``report.json`` names), and the sealed reference the
@@ -42,10 +45,12 @@ from qualify.schema import validate
 from qualify.statistics import masked_max_abs, max_rel_l2
 
 __all__ = [
+    "DISTRIBUTION_FAMILIES",
     "PER_PARAM_FAMILIES",
     "PER_TOKEN_FAMILIES",
     "ParamErrors",
     "PositionDistribution",
+    "PositionSequence",
     "RunData",
     "TokenErrors",
     "family_margins",
@@ -364,80 +369,110 @@ def param_errors(data: RunData, row: Mapping[str, Any]) -> ParamErrors | None:
 
 # --------------------------------------------------------------------------- sampler cells
 
+DISTRIBUTION_FAMILIES: Final = ("decode_raw", "decode_tempered", "decode_raw_topk",
+                                "decode_tempered_topk")
+"""The ``sampler_distribution`` families, in drawing order."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PositionSequence:
+    """One drawn sequence: its valid positions and the values there.
+
+    Attributes:
+        b: the sequence's row in the rollout.
+        t: ``[n]`` its valid response positions.
+        kl_ref_cand: ``[n]`` token ``KL(p || q)`` (``p`` the reference, ``q`` the sampler).
+        kl_cand_ref: ``[n]`` token ``KL(q || p)``.
+        top1: ``agree``, ``mismatch`` or ``tie`` per position
+            (:data:`qualify.distmetrics.TOP1_STATES`).
+        topk_agreement: ``[n]`` top-k set agreement in ``[0, 1]``.
+    """
+
+    b: int
+    t: npt.NDArray[np.int64]
+    kl_ref_cand: npt.NDArray[np.float64]
+    kl_cand_ref: npt.NDArray[np.float64]
+    top1: tuple[str, ...]
+    topk_agreement: npt.NDArray[np.float64]
+
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class PositionDistribution:
-    """Per-position KL and top-k agreement of one sampler cell's decode-path distribution.
+    """Per-position values of one sampler cell's ``sampler_distribution`` family.
 
     Attributes:
         cell: the sampler cell id.
-        kind: ``raw`` or ``tempered`` (the reference's ``distribution.safetensors`` key).
-        sequences: ``(b, positions, KL(p || q), top-k agreement)`` per drawn sequence (valid
-            positions only), largest token KL first.
-        kl_max: the largest token KL over every valid position.
-        stored: the cell's ``sampler_distribution`` row ``decode_<kind>`` /
-            ``kl_ref_cand_max`` (``None`` when the report has none).
+        family: one of :data:`DISTRIBUTION_FAMILIES`.
+        k: the top-k path's ``k`` (its KLs are of the lumped distributions, lower bounds of
+            the true ones); ``None`` on the full path.
+        sequences: the worst sequences, largest token KL first.
+        kl_max: the largest ``KL(p || q)`` drawn (the worst sequence's).
+        stored: the family's ``kl_ref_cand_max`` row (``None`` when the report has none).
         bound: that row's sealed bound (``nan`` when none).
+        bound_cand_ref: the ``kl_cand_ref_max`` row's sealed bound (``nan`` when none).
         reproduces: ``kl_max`` equals the stored row's error.
     """
 
     cell: str
-    kind: str
-    sequences: tuple[tuple[int, npt.NDArray[np.int64], npt.NDArray[np.float64],
-                           npt.NDArray[np.float64]], ...]
+    family: str
+    k: int | None
+    sequences: tuple[PositionSequence, ...]
     kl_max: float
     stored: Mapping[str, Any] | None
     bound: float
+    bound_cand_ref: float
     reproduces: bool
 
 
-def position_distributions(data: RunData, cell: str,
-                           n: int = WORST_SEQUENCES) -> list[PositionDistribution]:
-    """The per-position metrics behind a sampler cell's ``sampler_distribution`` rows.
+def _numbers(xs: Any) -> npt.NDArray[np.float64]:
+    vals = [_float(x) for x in xs] if isinstance(xs, list) else []
+    return np.array([math.nan if v is None else v for v in vals], dtype=np.float64)
 
-    Reads the cell's ``round1/sampler/decode_<kind>`` (``[B, R, V]``) and the sealed
-    reference's ``distribution.safetensors`` ``<kind>``, for each kind both hold
-    (:func:`qualify.distmetrics.position_metrics`).
+
+def position_distributions(data: RunData, cell: str) -> list[PositionDistribution]:
+    """The per-position values behind a sampler cell's ``sampler_distribution`` rows.
+
+    Read from ``report.json`` ``distribution_positions`` as the comparator kept them (the
+    same call that gave the rows, :func:`qualify.compare.distribution.distribution_rows`):
+    nothing is recomputed here.
 
     Args:
         data: the run.
         cell: a sampler cell id.
-        n: how many sequences to keep (largest token KL first).
 
     Returns:
-        One :class:`PositionDistribution` per kind; ``[]`` without the tensors.
+        One :class:`PositionDistribution` per family the report keeps for ``cell``, in
+        :data:`DISTRIBUTION_FAMILIES` order; ``[]`` for a report without them.
     """
-    from qualify.compare.distribution import DISTRIBUTION_FILE, KINDS
-    from qualify.distmetrics import position_metrics
-
-    if data.mask is None or data.ref_dir is None:
+    section = data.doc.get("distribution_positions")
+    fams = section.get(cell) if isinstance(section, Mapping) else None
+    if not isinstance(fams, Mapping):
         return []
-    path = data.ref_dir / DISTRIBUTION_FILE
-    got = data.outputs(cell)
-    if got is None or not path.is_file():
-        return []
-    ref = store.load_tensors(path)
-    mask = data.mask.astype(bool)
     out = []
-    for kind in KINDS:
-        mine = got.get(f"round1/{SAMPLER_ROLE}/decode_{kind}")
-        if mine is None or kind not in ref or np.shape(mine) != np.shape(ref[kind]) or \
-                np.shape(mine)[:2] != mask.shape or not mask.any():
+    for family in DISTRIBUTION_FAMILIES:
+        rec = fams.get(family)
+        if not isinstance(rec, Mapping) or not isinstance(rec.get("sequences"), list):
             continue
-        kl, agree = position_metrics(mine, ref[kind], mask)
-        worst = np.where(mask, np.nan_to_num(kl, nan=np.inf), -np.inf)
-        per_seq = worst.max(axis=1)
-        order = [int(i) for i in np.argsort(-per_seq, kind="stable") if mask[i].any()][:n]
-        seqs = tuple((i, np.flatnonzero(mask[i]).astype(np.int64), kl[i][mask[i]],
-                      agree[i][mask[i]]) for i in order)
-        total = float(np.max(worst))
-        stored = next((r for r in data.rows if r.get("cell") == cell
-                       and r.get("class") == "sampler_distribution"
-                       and r.get("family") == f"decode_{kind}"
-                       and r.get("statistic") == "kl_ref_cand_max"), None)
-        bound = _float(stored.get("bound")) if stored is not None else None
+        seqs = tuple(PositionSequence(
+            b=int(q["b"]), t=np.asarray(q["t"], dtype=np.int64),
+            kl_ref_cand=_numbers(q["kl_ref_cand"]), kl_cand_ref=_numbers(q["kl_cand_ref"]),
+            top1=tuple(str(x) for x in q["top1"]), topk_agreement=_numbers(q["topk_agreement"]))
+            for q in rec["sequences"] if isinstance(q, Mapping))
+        if not seqs:
+            continue
+        kl_max = float(np.nanmax(np.where(np.isnan(seqs[0].kl_ref_cand), np.inf,
+                                          seqs[0].kl_ref_cand)))
+        rows = {str(r.get("statistic")): r for r in data.rows if r.get("cell") == cell
+                and r.get("class") == "sampler_distribution" and r.get("family") == family}
+        stored = rows.get("kl_ref_cand_max")
+        bounds = [_float(rows[s].get("bound")) if s in rows else None
+                  for s in ("kl_ref_cand_max", "kl_cand_ref_max")]
+        error = _float(stored.get("error")) if stored is not None else None
+        k = rec.get("k")
         out.append(PositionDistribution(
-            cell=cell, kind=kind, sequences=seqs, kl_max=total, stored=stored,
-            bound=bound if bound is not None else math.nan,
-            reproduces=stored is not None and _reproduces(total, stored.get("error"))))
+            cell=cell, family=family, k=int(k) if isinstance(k, int) else None, sequences=seqs,
+            kl_max=kl_max, stored=stored,
+            bound=bounds[0] if bounds[0] is not None else math.nan,
+            bound_cand_ref=bounds[1] if bounds[1] is not None else math.nan,
+            reproduces=error is not None and (error == kl_max or _reproduces(kl_max, error))))
     return out

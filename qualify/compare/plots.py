@@ -27,6 +27,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import NullLocator
 
 from qualify.compare.plotdata import ParamErrors, PositionDistribution, TokenErrors
+from qualify.distmetrics import TOPK
 
 __all__ = ["RC", "distribution_svg", "diverge_svg", "heatmap_svg", "param_svg",
            "quiet_pyparsing", "rounds_svg", "svg", "token_svg"]
@@ -179,34 +180,71 @@ def token_svg(te: TokenErrors) -> str:
         return svg(fig)
 
 
+KL_FLOOR: Final = 1e-20
+"""Token KLs at or below this (0 included; an FP64 KL of equal rows may round below 0) are
+drawn at it on the log axis."""
+TOP1_MARKERS: Final = {"agree": ("o", PASS_COLOR, 2.0), "tie": ("D", "#ef6c00", 4.0),
+                       "mismatch": ("x", FAIL_COLOR, 5.0)}
+"""Marker, colour and size of each top-1 state (:data:`qualify.distmetrics.TOP1_STATES`)."""
+
+
 def distribution_svg(pd_: PositionDistribution) -> str:
-    """Per-position token KL and top-k agreement of a sampler cell's worst sequences.
+    """Per-position token KL, top-k agreement and top-1 state of the worst sequences.
 
     Args:
-        pd_: one cell and kind (:func:`qualify.compare.plotdata.position_distributions`).
+        pd_: one cell and family (:func:`qualify.compare.plotdata.position_distributions`).
 
     Returns:
-        The SVG text: two panels sharing the response position axis, one line per sequence;
-        top, ``KL(p || q)`` (symlog scale, the sealed ``kl_ref_cand_max`` bound as a dashed
-        line); bottom, ``|top-k(q) ∩ top-k(p)| / k`` in ``[0, 1]``.
+        The SVG text: three panels sharing the response position axis; top, ``KL(p || q)``
+        (solid) and ``KL(q || p)`` (dotted), one colour per sequence, log scale (values at or
+        below :data:`KL_FLOOR` drawn at it), the sealed ``kl_ref_cand_max`` and
+        ``kl_cand_ref_max`` bounds as horizontal lines (dashed, dash-dotted); middle, the
+        top-:data:`~qualify.distmetrics.TOPK` set agreement in ``[0, 1]``; bottom, one strip
+        per sequence with each position's top-1 state (agree, tie, mismatch).
     """
+    lumped = pd_.k is not None
     with _drawing():
-        fig = _figure(6.2, 3.8)
-        ax_kl, ax_k = fig.subplots(2, 1, sharex=True)
-        for b, pos, kl, agree in pd_.sequences:
-            ax_kl.plot(pos, kl, marker="o", markersize=3, linewidth=1, label=f"sequence {b}")
-            ax_k.plot(pos, agree, marker="o", markersize=3, linewidth=1)
-        if math.isfinite(pd_.bound):
-            ax_kl.axhline(pd_.bound, color=BOUND_COLOR, linestyle="--", linewidth=1,
-                          label=f"bound {pd_.bound:.3g}")
-        ax_kl.set_yscale("symlog", linthresh=1e-8)
-        ax_kl.set_ylabel("KL(p || q)")
+        fig = _figure(6.6, 4.0 + 0.18 * len(pd_.sequences))
+        ax_kl, ax_k, ax_1 = fig.subplots(
+            3, 1, sharex=True, gridspec_kw={"height_ratios": [3.0, 1.6,
+                                                               0.5 + 0.3 * len(pd_.sequences)]})
+        palette = mpl.colormaps["tab10"]
+        for i, q in enumerate(pd_.sequences):
+            c = palette(i % palette.N)
+            for vals, style, label in ((q.kl_ref_cand, "-", f"sequence {q.b}: KL(p‖q)"),
+                                       (q.kl_cand_ref, ":", f"sequence {q.b}: KL(q‖p)")):
+                shown = np.where(np.isnan(vals) | (vals > KL_FLOOR), vals, KL_FLOOR)
+                ax_kl.plot(q.t, shown, linestyle=style, marker="o", markersize=2.5,
+                           linewidth=1, color=c, label=label)
+            ax_k.plot(q.t, q.topk_agreement, marker="o", markersize=2.5, linewidth=1, color=c)
+            for state, (marker, color, size) in TOP1_MARKERS.items():
+                at = [t for t, s in zip(q.t, q.top1, strict=True) if s == state]
+                if at:
+                    ax_1.scatter(at, [i] * len(at), marker=marker, color=color, s=size * 6,
+                                 label=state)
+        for bound, style, name in ((pd_.bound, "--", "kl_ref_cand_max"),
+                                   (pd_.bound_cand_ref, "-.", "kl_cand_ref_max")):
+            if math.isfinite(bound):
+                ax_kl.axhline(max(bound, KL_FLOOR), color=BOUND_COLOR, linestyle=style,
+                              linewidth=1, label=f"bound {name} {bound:.3g}")
+        ax_kl.set_yscale("log")
+        ax_kl.yaxis.set_minor_locator(NullLocator())
+        ax_kl.set_ylabel("lumped token KL\n(lower bound)" if lumped else "token KL")
         ax_k.set_ylim(-0.05, 1.05)
-        ax_k.set_ylabel("top-k agreement")
-        ax_k.set_xlabel("response position t")
-        ax_kl.set_title(f"{pd_.cell} · decode_{pd_.kind} (sampler vs HF): "
+        ax_k.set_ylabel(f"top-{TOPK} agreement")
+        ax_1.set_yticks(range(len(pd_.sequences)), [f"seq {q.b}" for q in pd_.sequences])
+        ax_1.set_ylim(len(pd_.sequences) - 0.5, -0.5)
+        ax_1.set_ylabel("top-1")
+        ax_1.set_xlabel("response position t")
+        handles, labels = ax_1.get_legend_handles_labels()
+        seen = dict(zip(labels, handles, strict=True))
+        if seen:
+            ax_1.legend(seen.values(), seen.keys(), fontsize=6.5, loc="upper left",
+                        bbox_to_anchor=(1.0, 1.0))
+        path = f"top-k path, k = {pd_.k}" if lumped else "full vocabulary"
+        ax_kl.set_title(f"{pd_.cell} · {pd_.family} (sampler vs HF, {path}): "
                         f"max token KL {pd_.kl_max:.3g}", loc="left")
-        ax_kl.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        ax_kl.legend(fontsize=6.0, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         return svg(fig)
 
 

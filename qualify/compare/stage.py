@@ -317,6 +317,9 @@ class _Ctx:
     reduction_dtypes: bool = True
     """``dtypes`` rows check the gradient reduction and accumulation dtypes (the report's
     ``reduction_dtypes`` section)."""
+    positions: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Per sampler cell, the per-position values behind its distribution rows (the report's
+    ``distribution_positions`` section)."""
 
 
 def _hf(ctx: _Ctx, precision: str) -> TensorFile | None:
@@ -533,11 +536,19 @@ def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, A
                 actor=in_memory(src.tensors) if isinstance(src, _Outputs) else src),
                 cell=cid, builder="qualify.compare.sampler.sampler_rows",
                 klass="sampler_install", role="sampler", family="all")
-            rows += guarded(lambda: distribution_rows(  # qualify.compare.distribution
-                cell=cid, tensors=in_memory(outputs.tensors), ref_dir=ctx.ref_dir,
-                mask=ctx.mask, responses=store.load_tensors(ctx.ref_dir / ROLLOUT_FILE)[
-                    "responses"]), cell=cid, klass="sampler_distribution", role="sampler",
-                builder="qualify.compare.distribution.distribution_rows", family="all")
+
+            def distribution() -> list[Row]:  # qualify.compare.distribution
+                kept: dict[str, Any] = {}  # the report's only when every row was built
+                got = distribution_rows(
+                    cell=cid, tensors=in_memory(outputs.tensors), ref_dir=ctx.ref_dir,
+                    mask=ctx.mask, responses=store.load_tensors(ctx.ref_dir / ROLLOUT_FILE)[
+                        "responses"], positions=kept)
+                ctx.positions[cid] = kept
+                return got
+
+            rows += guarded(distribution, cell=cid, klass="sampler_distribution",
+                            role="sampler", family="all",
+                            builder="qualify.compare.distribution.distribution_rows")
         elif "resume_of" in e:  # qualify.compare.resume: against the uninterrupted cell
             rows = guarded(lambda: resume_rows(
                 cell=cid, entry=e, outputs=outputs, loaded=loaded, bounds=ctx.bounds,
@@ -692,6 +703,7 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
         notes=tuple(notes), coverage=coverage, clip_band=tuple(band),
         lr_schedule=_lr_section(ctx),
         routes=routes,
+        distribution_positions={c: p for c, p in ctx.positions.items() if p},
         behavior_weights=behavior_weight_rows(
             ref_dir, run_dir, [(c.cell, c.attempt) for c in results
                                if c.role == "actor" and c.attempt]))

@@ -50,7 +50,8 @@ ROW_CLASSES: Final = ("candidate_vs_hf", "tp_vs_tp1", "padding_invariance", "dty
 OPTIONAL_SECTIONS: Final[tuple[str, ...]] = ("coverage", "power", "root_causes",
                                               "behavior_weights", "clip_band",
                                               "lr_schedule", "gate_note", "reduction_dtypes",
-                                              "gate_decision", "routes", "route_pins")
+                                              "gate_decision", "routes", "route_pins",
+                                              "distribution_positions")
 """Report sections added after the first comparator, in the order they were added:
 ``coverage`` (the reference's coverage record, issue #15), ``power`` (the power check of
 every metric row and its per-family summary, issue #15) and ``root_causes`` (each failing
@@ -72,7 +73,10 @@ decision fails, capped) and ``routes`` (per COMPLETE cell, the kernel routes its
 back at run time: ``outputs.json`` ``routes``, or that the harness records none) and
 ``route_pins`` (a COMPLETE cell whose routes differ from the contract's ``[routes]`` pins or
 from the SDPA backends of the reference's controls has a FAILing ``routes`` row,
-:mod:`qualify.compare.routes`). A report
+:mod:`qualify.compare.routes`) and ``distribution_positions`` (per sampler cell and
+``sampler_distribution`` family, the per-position values of its worst sequences that the rows
+aggregate, :func:`qualify.compare.distribution.distribution_rows`; what ``report.html``
+plots). A report
 without them was sealed
 before they existed
 and is recomputed, and its ``report.md`` rendered, without them (:func:`sections_of`)."""
@@ -298,6 +302,12 @@ class Report:
         gate: the ``gate`` section (:func:`qualify.evidence.decision.decision_section`):
             the gate's decision under the contract's policy at compare time; ``None`` until
             the comparator adds it (written only with the ``gate_decision`` section).
+        routes: the ``routes`` section (:func:`qualify.compare.distribution.cell_routes`).
+        distribution_positions: ``{cell: {family: {"k", "sequences"}}}``: per sampler cell
+            and ``sampler_distribution`` family, the top-k path's ``k`` (``None`` on the full
+            path) and the ``sequences`` records of its worst sequences
+            (:func:`qualify.distmetrics.distribution_metrics`); written only with the
+            ``distribution_positions`` section.
 
     Raises:
         ValueError: an unknown section name.
@@ -327,6 +337,7 @@ class Report:
     sections_recorded: bool = True
     gate: Mapping[str, Any] | None = None
     routes: Mapping[str, Any] | None = None
+    distribution_positions: Mapping[str, Mapping[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.sections) - set(OPTIONAL_SECTIONS))
@@ -461,6 +472,8 @@ class Report:
             doc["gate"] = dict(self.gate)
         if "routes" in self.sections:
             doc["routes"] = dict(self.routes or {})
+        if "distribution_positions" in self.sections:
+            doc["distribution_positions"] = _json_numbers(self.distribution_positions or {})
         return doc
 
 
@@ -496,6 +509,17 @@ def sections_of(report_doc: Mapping[str, Any]) -> tuple[tuple[str, ...], bool]:
         raise ValueError(f"report.json holds sections {list(present)} without recording them "
                          f"('sections'): no comparator wrote such a report")
     return present, False
+
+
+def _json_numbers(x: Any) -> Any:
+    """``x`` with every float, at any depth of dicts and lists, as :func:`json_number`."""
+    if isinstance(x, float):
+        return json_number(x)
+    if isinstance(x, Mapping):
+        return {k: _json_numbers(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_numbers(v) for v in x]
+    return x
 
 
 def _field_row_json(f: FieldMismatch) -> dict[str, Any]:
