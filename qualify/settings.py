@@ -132,6 +132,12 @@ def _device(value: str, env: Mapping[str, str]) -> None:
         raise _refuse("QUALIFY_DEVICE", value, "must be cpu or cuda")
 
 
+def _reference_devices(value: str, env: Mapping[str, str]) -> None:
+    from qualify.reference.devices import check_setting
+
+    check_setting(value, env)
+
+
 def _signing_key(value: str, env: Mapping[str, str]) -> None:
     from qualify.evidence.keys import SigningKey
 
@@ -187,6 +193,11 @@ SETTINGS: Final[tuple[Setting, ...]] = (
     Setting(name="QUALIFY_DEVICE", commands=_LAUNCHING, check=_device,
             meaning="cpu runs the ranks on CPU even with CUDA present; cuda (default when "
                     "present)"),
+    Setting(name="QUALIFY_REFERENCE_DEVICES", commands=frozenset({"reference", "run"}),
+            check=_reference_devices,
+            meaning="the reference stage's devices, whole decoder layers per device: "
+                    "cpu,cpu,... (the placed path on the host) or cuda:N,... (default: every "
+                    "CUDA device when present, else the host unplaced)"),
     Setting(name="QUALIFY_SIGNING_KEY", commands=_SIGNING, check=_signing_key,
             meaning="an Ed25519 private key, PEM text"),
     Setting(name="QUALIFY_SIGNING_KEY_FILE", commands=_SIGNING, check=_signing_key_file,
