@@ -38,7 +38,7 @@ THREE = devices.ReferenceDevices(("cpu", "cpu", "cpu"), devices.ENV)
 @pytest.mark.parametrize(("value", "why"), [
     ("gpu", "not a device"), ("cpu,,cpu", "empty entry"), ("cpu,cuda:0", "one device kind"),
     ("cuda:1", "torch sees 1 CUDA"), ("cuda", "sees no CUDA"), ("cuda:x", "not a device"),
-    ("cpu:0", "not a device"), ("cuda,cuda", "not a device")])
+    ("cpu:0", "not a device"), ("cuda,cuda", "not a device"), ("host,cpu", "not a device")])
 def test_a_bad_device_list_is_one_line_naming_the_variable(value: str, why: str) -> None:
     count = 0 if value == "cuda" else 1
     with pytest.raises(UsageError, match=re.escape(f"{devices.ENV}={value!r}")) as e:
@@ -53,6 +53,8 @@ def test_good_device_lists() -> None:
     assert devices.parse("cuda", cuda_count=3) == ("cuda:0", "cuda:1", "cuda:2")
     assert devices.resolve({devices.ENV: "cpu,cpu"}) == devices.ReferenceDevices(
         ("cpu", "cpu"), devices.ENV)
+    assert devices.parse("host", cuda_count=2) == ()
+    assert devices.resolve({devices.ENV: "host"}) is None  # nothing placed, CUDA or not
     if not torch.cuda.is_available():
         assert devices.resolve({}) is None  # the host, unplaced
 

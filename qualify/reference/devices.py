@@ -11,7 +11,8 @@ Which devices (:func:`resolve`):
 
 - ``$QUALIFY_REFERENCE_DEVICES`` set: its comma-separated list, each ``cpu`` or ``cuda:N``
   (one kind per list; ``cuda`` alone is every CUDA device). ``cpu,cpu,cpu`` runs the placed
-  path on the host: the same hooks and moves as on CUDA, every module on the host.
+  path on the host: the same hooks and moves as on CUDA, every module on the host. ``host``
+  alone: nothing placed, even where CUDA is present (the stage as it runs without CUDA).
 - else, CUDA present: every CUDA device (one device: the whole model on it).
 - else: none; the models stay where they load (the host), untouched.
 
@@ -96,11 +97,12 @@ def parse(value: str, *, cuda_count: int | None = None) -> tuple[str, ...]:
     """The device list of ``$QUALIFY_REFERENCE_DEVICES``.
 
     Args:
-        value: ``cpu[,cpu...]``, ``cuda:N[,cuda:M...]`` or ``cuda`` (every CUDA device).
+        value: ``cpu[,cpu...]``, ``cuda:N[,cuda:M...]``, ``cuda`` (every CUDA device) or
+            ``host`` (nothing placed).
         cuda_count: CUDA devices torch sees (``None``: ask torch).
 
     Returns:
-        The devices, in order.
+        The devices, in order; ``()`` for ``host``.
 
     Raises:
         UsageError: an empty entry, an unknown device, two kinds in one list, a CUDA device
@@ -109,6 +111,8 @@ def parse(value: str, *, cuda_count: int | None = None) -> tuple[str, ...]:
     def refuse(why: str) -> UsageError:
         return UsageError(f"{ENV}={value!r}: {why}")
 
+    if value.strip() == "host":
+        return ()
     items = [v.strip() for v in value.split(",")]
     if any(not v for v in items):
         raise refuse("an empty entry; give devices separated by commas (cpu,cpu or "
@@ -120,7 +124,7 @@ def parse(value: str, *, cuda_count: int | None = None) -> tuple[str, ...]:
         if kind == "cuda" and (index.isdigit() or (not index and len(items) == 1)):
             continue
         raise refuse(f"{v!r} is not a device; each entry is cpu or cuda:N (or cuda alone: "
-                     "every CUDA device)")
+                     "every CUDA device; host alone: nothing placed)")
     if len({v.split(":")[0] for v in items}) > 1:
         raise refuse("one device kind per list (cpu, or cuda:N)")
     if items[0].startswith("cuda"):
@@ -153,7 +157,8 @@ def resolve(env: Mapping[str, str] | None = None) -> ReferenceDevices | None:
     """
     value = (os.environ if env is None else env).get(ENV, "")
     if value:
-        return ReferenceDevices(parse(value), ENV)
+        devices = parse(value)
+        return ReferenceDevices(devices, ENV) if devices else None
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         return ReferenceDevices(tuple(f"cuda:{i}" for i in range(torch.cuda.device_count())),
                                 "cuda")
