@@ -188,3 +188,29 @@ def test_tiny_reference_placed_on_three_cpus_seals_the_unplaced_tensors(
     plain_env = json.loads((plain / "environment.json").read_text())["reference_devices"]
     assert plain_env["kind"] == "host"
     assert plain_env["placed"] == {}
+
+
+@pytest.mark.parametrize(("kind", "cells", "flagged"), [
+    (None, {"a": "cpu", "b": "cpu"}, []), (None, {"a": "cpu", "b": "cuda:0"}, ["b"]),
+    ("host", {"a": "cuda:1"}, ["a"]), ("cpu", {"a": "cpu"}, []),
+    ("cuda", {"a": "cuda:0", "b": "cuda:3"}, []), ("cuda", {"a": "cpu", "b": "cuda:0"}, ["a"])])
+def test_compare_flags_cells_of_another_device_kind_than_the_bounds(
+        tmp_path: Path, kind: str | None, cells: dict[str, str], flagged: list[str]) -> None:
+    """The report notes the cells that ran on another device kind than the reference's bounds
+    were sealed on (``reference_devices.kind``; a reference without it ran on the host)."""
+    from qualify.compare.stage import _device_kind_notes, _Outputs
+
+    env: dict[str, Any] = {"schema_version": 1}
+    if kind is not None:
+        env["reference_devices"] = {"kind": kind}
+    (tmp_path / "environment.json").write_text(json.dumps(env))
+    loaded: Any = {c: _Outputs(tensors=None, meta={"device": d},  # type: ignore[arg-type]
+                               meta_problem="") for c, d in cells.items()}
+    notes = _device_kind_notes(tmp_path, loaded)
+    if not flagged:
+        assert notes == []
+    else:
+        (note,) = notes
+        ref = "cuda" if kind == "cuda" else "cpu"
+        assert note.startswith(f"device kinds differ: the bounds were sealed on {ref}")
+        assert f"{len(flagged)} cell(s) ran on another kind ({', '.join(flagged)})" in note
