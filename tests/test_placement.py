@@ -135,7 +135,8 @@ def test_each_module_lands_on_its_device(role: str, tied: bool) -> None:
     """With a second device kind (``meta``: placement only, no forward), every parameter
     lies where the assignment puts its module: the embedding on the first device, each
     layer on its own, the norm and the head with the last layer, a tied head with the
-    embedding (moving it to the last layer's device would take the embedding along)."""
+    embedding and still tied (``Module.to`` across devices gives the moved module a new
+    ``Parameter``: the head would train apart from the embedding)."""
     model = seeded_qwen3(role, CFG, tie_word_embeddings=tied)
     assignment = place_for_devices(model, ["cpu", "meta"])
     assert assignment is not None
@@ -149,3 +150,5 @@ def test_each_module_lands_on_its_device(role: str, tied: bool) -> None:
     assert backbone.norm.weight.device.type == "meta"
     head = model.lm_head if role == "actor" else model.score
     assert head.weight.device.type == ("cpu" if tied else "meta")
+    if tied:  # moving the head alone to another device would have untied it (a new Parameter)
+        assert head.weight is backbone.embed_tokens.weight
