@@ -148,7 +148,7 @@ def test_each_module_lands_on_its_device(role: str, tied: bool) -> None:
     for layer, a in zip(backbone.layers, assignment, strict=True):
         assert {p.device.type for p in layer.parameters()} == {devs[a]}
     assert backbone.norm.weight.device.type == "meta"
-    head = model.lm_head if role == "actor" else model.score
+    head: Any = model.lm_head if role == "actor" else model.score
     assert head.weight.device.type == ("cpu" if tied else "meta")
     if tied:  # moving the head alone to another device would have untied it (a new Parameter)
         assert head.weight is backbone.embed_tokens.weight
