@@ -129,26 +129,28 @@ def test_plan_counts_the_elements_the_stage_places(role: str, tied: bool) -> Non
         assert a == assign_layers(got[0], [math.inf] * n, first=got[1], last=got[2])
 
 
+@pytest.mark.parametrize("first", ["cpu", "meta"])
 @pytest.mark.parametrize(("role", "tied"), [("actor", False), ("actor", True),
                                              ("critic", False)])
-def test_each_module_lands_on_its_device(role: str, tied: bool) -> None:
+def test_each_module_lands_on_its_device(role: str, tied: bool, first: str) -> None:
     """With a second device kind (``meta``: placement only, no forward), every parameter
     lies where the assignment puts its module: the embedding on the first device, each
     layer on its own, the norm and the head with the last layer, a tied head with the
-    embedding and still tied (``Module.to`` across devices gives the moved module a new
-    ``Parameter``: the head would train apart from the embedding)."""
+    embedding and still tied (on CUDA ``Module.to`` moves a shared weight in place, so the
+    old placement of the head with the last layer took the embedding's weight away from it;
+    to ``meta`` it makes the moved module a new ``Parameter``: the head would train apart)."""
     model = seeded_qwen3(role, CFG, tie_word_embeddings=tied)
-    assignment = place_for_devices(model, ["cpu", "meta"])
+    devs = [first, "meta" if first == "cpu" else "cpu"]
+    assignment = place_for_devices(model, devs)
     assert assignment is not None
     assert assignment[0] == 0
     assert assignment[-1] == 1
-    devs = ["cpu", "meta"]
     backbone: Any = model.get_submodule("model")
-    assert backbone.embed_tokens.weight.device.type == "cpu"
+    assert backbone.embed_tokens.weight.device.type == devs[0]
     for layer, a in zip(backbone.layers, assignment, strict=True):
         assert {p.device.type for p in layer.parameters()} == {devs[a]}
-    assert backbone.norm.weight.device.type == "meta"
+    assert backbone.norm.weight.device.type == devs[1]
     head: Any = model.lm_head if role == "actor" else model.score
-    assert head.weight.device.type == ("cpu" if tied else "meta")
-    if tied:  # moving the head alone to another device would have untied it (a new Parameter)
+    assert head.weight.device.type == devs[0 if tied else 1]
+    if tied:
         assert head.weight is backbone.embed_tokens.weight

@@ -238,6 +238,13 @@ def place_model(model: nn.Module, devices: Sequence[str | torch.device],
         hook(module, device)
 
     embedding = {id(p) for p in backbone.embed_tokens.parameters()}
+    # Every (module, name) of each parameter: a shared one (a tied head) is one Parameter
+    # again after the moves (a move that cannot set .data, e.g. to ``meta``, makes a new one).
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for pname, prm in mod._parameters.items():
+            if prm is not None:
+                owners.setdefault(id(prm), []).append((mod, pname))
     hook(backbone, devs[0])
     put(backbone.embed_tokens, devs[0])
     put(backbone.rotary_emb, devs[0])
@@ -248,6 +255,10 @@ def place_model(model: nn.Module, devices: Sequence[str | torch.device],
         if name != "model":
             tied = any(id(p) in embedding for p in child.parameters())
             put(child, devs[0] if tied else tail)
+    for refs in owners.values():
+        first, first_name = refs[0]
+        for mod, pname in refs[1:]:
+            mod._parameters[pname] = first._parameters[first_name]
 
     def back(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
         ids = kwargs.get("input_ids", args[0] if args else None)
