@@ -214,3 +214,16 @@ def test_compare_flags_cells_of_another_device_kind_than_the_bounds(
         ref = "cuda" if kind == "cuda" else "cpu"
         assert note.startswith(f"device kinds differ: the bounds were sealed on {ref}")
         assert f"{len(flagged)} cell(s) ran on another kind ({', '.join(flagged)})" in note
+
+
+def test_the_plan_check_plans_the_stages_own_devices(capsys: pytest.CaptureFixture[str]) -> None:
+    """``qualify reference`` plans its CUDA devices as the stage will use them, and the host
+    (``host``, a ``cpu`` placement, no CUDA) without devices."""
+    from qualify.reference import stage
+
+    contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
+    two = devices.ReferenceDevices(("cuda:0", "cuda:1"), devices.ENV)
+    assert stage._plan_check(contract, False, two)["devices"] == 2
+    assert stage._plan_check(contract, False, THREE)["devices"] == 0
+    assert stage._plan_check(contract, False, None)["devices"] == 0
+    capsys.readouterr()

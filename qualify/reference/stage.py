@@ -506,8 +506,8 @@ def _plan_check(contract: Contract, enforce: bool,
                 devices: reference_devices.ReferenceDevices | None = None) -> dict[str, Any]:
     """Plan the stage on this machine; refuse it if ``enforce`` and it does not fit.
 
-    On CUDA the plan's devices are the stage's (:func:`qualify.reference.devices.resolve`);
-    a ``cpu`` placement is host memory (planned as the host).
+    The plan's devices are the stage's CUDA devices (:func:`qualify.reference.devices.resolve`);
+    the host (``host``, or a ``cpu`` placement: host memory) is planned without devices.
 
     Returns:
         The environment document's ``plan_check``: whether it was enforced, the planned host
@@ -521,8 +521,8 @@ def _plan_check(contract: Contract, enforce: bool,
     from qualify.reference.plan import DoesNotFitError, build_plan, machine_defaults
 
     machine = machine_defaults()
-    if devices is not None and devices.kind == "cuda":
-        machine = dataclasses.replace(machine, devices=len(devices.devices))
+    machine = dataclasses.replace(machine, devices=len(devices.devices) if devices is not None
+                                  and devices.kind == "cuda" else 0)
     try:
         plan = build_plan(contract, machine)
     except ContractError as e:  # sizes the contract does not state: the model decides later
