@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -33,6 +34,18 @@ CFG: dict[str, Any] = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "pad_token_id": 0,
     "eos_token_id": 2, "bos_token_id": 1, "attention_dropout": 0.0}
 THREE = devices.ReferenceDevices(("cpu", "cpu", "cpu"), devices.ENV)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for tiny models (two spin against each other on a loaded 2-core
+    machine: 100x the wall); restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize(("value", "why"), [
@@ -93,6 +106,7 @@ def _batch() -> Batch:
 
 @pytest.mark.parametrize(("precision", "mode"), [("fp32", "params"), ("bf16", "autocast"),
                                                  ("bf16", "castmasters"), ("fp64", "params")])
+@pytest.mark.usefixtures("one_thread")
 def test_update_run_placed_on_three_devices_is_bitwise_the_unplaced_one(
         precision: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The stage's update run (:func:`qualify.reference.stage._update_run`: Actor, reference
