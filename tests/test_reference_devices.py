@@ -9,6 +9,7 @@ the whole tiny reference stage seals bitwise the unplaced files (slow).
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -241,3 +242,28 @@ def test_the_plan_check_plans_the_stages_own_devices(capsys: pytest.CaptureFixtu
     assert stage._plan_check(contract, False, THREE)["devices"] == 0
     assert stage._plan_check(contract, False, None)["devices"] == 0
     capsys.readouterr()
+
+
+def test_cuda_numerics_are_set_for_the_block_and_restored(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the stage runs without TF32 and with deterministic algorithms (warn-only where
+    torch has none), cuBLAS's deterministic workspace unless set; everything as it was
+    after. Off CUDA nothing is touched."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+              torch.get_float32_matmul_precision(), torch.are_deterministic_algorithms_enabled())
+    with devices.active(THREE) as record:
+        assert record["numerics"] is None
+        assert torch.are_deterministic_algorithms_enabled() == before[3]
+    with devices._cuda_numerics() as numerics:
+        assert not torch.backends.cuda.matmul.allow_tf32
+        assert not torch.backends.cudnn.allow_tf32
+        assert torch.get_float32_matmul_precision() == "highest"
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.backends.cudnn.deterministic
+        assert numerics["cublas_workspace_config"] == ":4096:8"
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+            torch.get_float32_matmul_precision(),
+            torch.are_deterministic_algorithms_enabled()) == before
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
