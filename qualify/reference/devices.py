@@ -16,16 +16,20 @@ Which devices (:func:`resolve`):
 - else, CUDA present: every CUDA device (one device: the whole model on it).
 - else: none; the models stay where they load (the host), untouched.
 
-Placed models take their inputs on the host and give their logits (values) back to the
-device of their ``input_ids`` (:func:`~qualify.reference.placement.place_model`'s hooks), so
-the stage's per-token tensors, losses and targets stay on the host; the parameters, their
-gradients, the AdamW state and the clip-branch ``J_t`` stay with their layer, and what the
-stage seals from them is copied to the host where it is taken (:mod:`qualify.reference.update`,
-:mod:`qualify.reference.branches`, :mod:`qualify.reference.gram_factors`).
+Placed models give their logits (values) back to the device of their ``input_ids``
+(:func:`~qualify.reference.placement.place_model`'s hooks). The updates, the sensitivities
+and the clip-branch passes give host inputs, so their per-token tensors and losses stay on
+the host; scoring gives its inputs on the model's first device and copies its per-token
+results to the host, as it always has. The parameters, their gradients, the AdamW state, the
+sensitivity copy and the clip-branch ``J_t`` stay with their layer, and what the stage seals
+from them is copied to the host where it is taken (:mod:`qualify.reference.update`,
+:mod:`qualify.reference.branches`; the factored Gram keeps its factors on the host,
+:mod:`qualify.reference.gram_factors`).
 
-The assignment (:func:`stage_assignment`) balances the parameters' element counts over the
-devices, uncapped: the devices' memory is the plan's check (:mod:`qualify.reference.plan`,
-which computes its device peaks from the same function), run before the stage writes anything.
+The assignment (:func:`qualify.reference.placement.stage_assignment`) balances the
+parameters' element counts over the devices, uncapped: the devices' memory is the plan's
+check (:mod:`qualify.reference.plan`, which computes its device peaks from the same
+function), run before the stage writes anything.
 
 On CUDA, :func:`active` sets torch's numerics once for the stage and restores them after:
 no TF32 (cuBLAS and cuDNN), FP32 matmul precision ``highest``, cuDNN deterministic and not
