@@ -132,6 +132,12 @@ def _device(value: str, env: Mapping[str, str]) -> None:
         raise _refuse("QUALIFY_DEVICE", value, "must be cpu or cuda")
 
 
+def _reference_devices(value: str, env: Mapping[str, str]) -> None:
+    from qualify.reference.devices import check_setting
+
+    check_setting(value, env)
+
+
 def _signing_key(value: str, env: Mapping[str, str]) -> None:
     from qualify.evidence.keys import SigningKey
 
@@ -187,6 +193,11 @@ SETTINGS: Final[tuple[Setting, ...]] = (
     Setting(name="QUALIFY_DEVICE", commands=_LAUNCHING, check=_device,
             meaning="cpu runs the ranks on CPU even with CUDA present; cuda (default when "
                     "present)"),
+    Setting(name="QUALIFY_REFERENCE_DEVICES", commands=frozenset({"reference", "run"}),
+            check=_reference_devices,
+            meaning="the reference stage's devices, whole decoder layers per device: "
+                    "cpu,cpu,... (the placed path on the host), cuda:N,... or host (nothing "
+                    "placed); default: every CUDA device when present, else the host"),
     Setting(name="QUALIFY_SIGNING_KEY", commands=_SIGNING, check=_signing_key,
             meaning="an Ed25519 private key, PEM text"),
     Setting(name="QUALIFY_SIGNING_KEY_FILE", commands=_SIGNING, check=_signing_key_file,
@@ -208,6 +219,10 @@ NOT_READ: Final[dict[str, str]] = {
     "QUALIFY_IMPORTS_DIR": "set by the launcher for the harness processes it starts (where "
                            "each records the files it imported); no command reads it from "
                            "the user's environment",
+    "CUBLAS_WORKSPACE_CONFIG": "cuBLAS's own; the reference stage on CUDA sets it to :4096:8 "
+                               "(deterministic) unless it is set, restores it after, and "
+                               "records it in environment.json (qualify.reference.devices); "
+                               "qualify does not interpret it",
 }
 """``QUALIFY_*`` names in the sources that no qualify command reads from the user's
 environment, with why."""

@@ -172,6 +172,8 @@ ENV = [
         ("QUALIFY_LAUNCHER", "torchrun ", "run --evidence T/ev", {}),
         ("QUALIFY_LAUNCHER_TORCH_TP", "T/dir", _CANDIDATE, {}),
         ("QUALIFY_SCRATCH_DIR", "relative/scratch", "reference --out T/ev", {}),
+        ("QUALIFY_REFERENCE_DEVICES", "gpu", "reference --out T/ev", {}),
+        ("QUALIFY_REFERENCE_DEVICES", "cpu,cuda:0", "run --evidence T/ev", {}),
     ]
 ]
 

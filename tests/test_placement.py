@@ -17,8 +17,12 @@ from qualify.reference.placement import (
     assign_layers,
     device_loads,
     layer_bytes,
+    parameter_counts,
+    place_for_devices,
     place_model,
+    stage_assignment,
 )
+from qualify.reference.plan import ModelShape, stage_layer_counts
 
 CFG: dict[str, Any] = {
     "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
@@ -72,7 +76,8 @@ def test_placed_model_is_bitwise_the_unplaced_one(role: str) -> None:
     assert len(set(assignment)) > 1
     handles = place_model(placed, ["cpu", "cpu", "cpu"], assignment)
     heads = [n for n, _ in placed.named_children() if n != "model"]  # lm_head; dropout, score
-    assert len(handles) == 2 + CFG["num_hidden_layers"] + 1 + len(heads) + 1
+    # backbone, embedding, rotary, layers, norm, heads; the logits' way back
+    assert len(handles) == 1 + 2 + CFG["num_hidden_layers"] + 1 + len(heads) + 1
     calls: list[str] = []
     for name, mod in placed.named_modules():
         if name.startswith("model.layers.") and name.count(".") == 2:
@@ -97,3 +102,55 @@ def test_placed_model_is_bitwise_the_unplaced_one(role: str) -> None:
     assert len(calls) == CFG["num_hidden_layers"]
     with pytest.raises(ValueError, match="one device index"):
         place_model(copy.deepcopy(plain), ["cpu"], [0, 1, 0])
+
+
+def _shape(tied: bool) -> ModelShape:
+    return ModelShape(model_type="qwen3", vocab_size=CFG["vocab_size"],
+                      hidden_size=CFG["hidden_size"],
+                      intermediate_size=CFG["intermediate_size"],
+                      num_hidden_layers=CFG["num_hidden_layers"],
+                      num_attention_heads=CFG["num_attention_heads"],
+                      num_key_value_heads=CFG["num_key_value_heads"], head_dim=CFG["head_dim"],
+                      tie_word_embeddings=tied)
+
+
+@pytest.mark.parametrize(("role", "tied"), [("actor", False), ("actor", True),
+                                             ("critic", False)])
+def test_plan_counts_the_elements_the_stage_places(role: str, tied: bool) -> None:
+    """``qualify plan``'s per-layer, embedding and head element counts (from the contract's
+    shapes) are those the stage's placement counts on the loaded model, so both take the same
+    assignment from :func:`stage_assignment` at every device count."""
+    model = seeded_qwen3(role, CFG, tie_word_embeddings=tied)
+    got = parameter_counts(model)
+    assert got == stage_layer_counts(_shape(tied), role)
+    assert sum(got[0]) + got[1] + got[2] == sum(p.numel() for p in model.parameters())
+    for n in range(1, 6):
+        a = stage_assignment(*got, n)
+        assert a == assign_layers(got[0], [math.inf] * n, first=got[1], last=got[2])
+
+
+@pytest.mark.parametrize("first", ["cpu", "meta"])
+@pytest.mark.parametrize(("role", "tied"), [("actor", False), ("actor", True),
+                                             ("critic", False)])
+def test_each_module_lands_on_its_device(role: str, tied: bool, first: str) -> None:
+    """With a second device kind (``meta``: placement only, no forward), every parameter
+    lies where the assignment puts its module: the embedding on the first device, each
+    layer on its own, the norm and the head with the last layer, a tied head with the
+    embedding and still tied (on CUDA ``Module.to`` moves a shared weight in place, so the
+    old placement of the head with the last layer took the embedding's weight away from it;
+    to ``meta`` it makes the moved module a new ``Parameter``: the head would train apart)."""
+    model = seeded_qwen3(role, CFG, tie_word_embeddings=tied)
+    devs = [first, "meta" if first == "cpu" else "cpu"]
+    assignment = place_for_devices(model, devs)
+    assert assignment is not None
+    assert assignment[0] == 0
+    assert assignment[-1] == 1
+    backbone: Any = model.get_submodule("model")
+    assert backbone.embed_tokens.weight.device.type == devs[0]
+    for layer, a in zip(backbone.layers, assignment, strict=True):
+        assert {p.device.type for p in layer.parameters()} == {devs[a]}
+    assert backbone.norm.weight.device.type == devs[1]
+    head: Any = model.lm_head if role == "actor" else model.score
+    assert head.weight.device.type == devs[0 if tied else 1]
+    if tied:
+        assert head.weight is backbone.embed_tokens.weight

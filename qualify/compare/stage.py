@@ -129,6 +129,7 @@ from qualify.evidence.tensor_stream import TensorFile, in_memory, open_tensors
 from qualify.lanes import lane_precision
 from qualify.layout import (
     COVERAGE_FILE,
+    ENVIRONMENT_FILE,
     HF_REFERENCE_DIR,
     LOGS_DIR,
     OUTPUTS_FILE,
@@ -162,6 +163,32 @@ class _Outputs:
     """Small tensors in memory, large ones read in chunks when used (:func:`open_tensors`)."""
     meta: dict[str, Any] | None
     meta_problem: str
+
+
+def _device_kind_notes(ref_dir: Path, loaded: Mapping[str, Any]) -> list[str]:
+    """A note when cells ran on another device kind than the reference's bounds were sealed on.
+
+    The reference's kind is its ``environment.json`` ``reference_devices.kind`` (``cuda``, or
+    the host: ``host`` / ``cpu``, and every reference written before the field); a cell's is
+    its ``outputs.json`` ``device`` (``cpu``, ``cuda:N``). Bounds are their device kind's: a
+    flag for the reader, not a verdict.
+    """
+    try:
+        env = json.loads((ref_dir / ENVIRONMENT_FILE).read_text("utf-8"))
+        kind = str((env.get("reference_devices") or {}).get("kind") or "host")
+    except (OSError, ValueError, AttributeError):
+        return []
+    ref_kind = "cuda" if kind == "cuda" else "cpu"
+    other = sorted(cid for cid, got in loaded.items()
+                   if isinstance(got, _Outputs) and isinstance(got.meta, dict)
+                   and isinstance(got.meta.get("device"), str)
+                   and got.meta["device"].split(":")[0] != ref_kind)
+    if not other:
+        return []
+    return [f"device kinds differ: the bounds were sealed on {ref_kind} (the reference's "
+            f"{ENVIRONMENT_FILE} reference_devices) and {len(other)} cell(s) ran on another "
+            f"kind ({', '.join(other[:3])}{', ...' if len(other) > 3 else ''}): bounds are "
+            "their device kind's"]
 
 
 def _read_run(run_dir: Path) -> RunDocument:
@@ -683,6 +710,7 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
     # 5. field mismatch metrics (informational)
     fields, band, field_note, like, mode, notes = _field_metrics(ctx, contract, rollout,
                                                                 cells, loaded)
+    notes += _device_kind_notes(ctx.ref_dir, loaded)
     hf32 = _hf(ctx, "fp32")
     if "routes" in sections and any(e.get("role") == "sampler" for e in cells.values()) \
             and read_sealed(ctx.ref_dir)[1]:  # a report sealed before routes: as then

@@ -57,9 +57,9 @@ from qualify.lanes import lane_bf16_mode
 from qualify.layout import BRANCHES_DIR, BRANCHES_FILE, hf_tensors_file
 from qualify.memory import release_free_memory
 from qualify.models import bundle as models
-from qualify.models import roles
 from qualify.protocol import ParamSampling, param_sample_indices, tensor_name
 from qualify.reference import gram, gram_factors
+from qualify.reference.devices import load_role
 from qualify.reference.jacobian import token_gradients
 from qualify.reference.update import (
     Batch,
@@ -97,7 +97,8 @@ def _tolerance(bounds: list[Bound], precision: str, role: str, family: str, roun
 
 def _reported(name: str, t: torch.Tensor, sampling: ParamSampling) -> torch.Tensor:
     idx = param_sample_indices(name, t.numel(), sampling)
-    return t.clone() if idx is None else t.reshape(-1)[torch.from_numpy(idx)].clone()
+    t = t if idx is None else t.reshape(-1)[torch.from_numpy(idx)]
+    return t.cpu().clone()  # sealed on the host (a placed model's J_t is on its devices)
 
 
 def seal_branches(contract: Contract, bundle: models.ModelBundle, batch: Batch, *,
@@ -286,16 +287,15 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
     torch.manual_seed(0)
     hook_fn: RoundHook = hook
     if role == "actor":
-        actor = roles.load_actor(bundle.actor_dir, dtype=torch.float32,
-                                  attn_implementation=attn, requires_grad=True)
+        actor = load_role("actor", bundle.actor_dir, dtype=torch.float32,
+                          attn_implementation=attn, requires_grad=True)
         # The reference policy passed without a name: run_actor frees it before the rounds.
-        again, _ = run_actor(actor, roles.load_actor(bundle.actor_dir, dtype=torch.float32,
-                                                     attn_implementation=attn,
-                                                     requires_grad=False),
+        again, _ = run_actor(actor, load_role("actor", bundle.actor_dir, dtype=torch.float32,
+                                              attn_implementation=attn, requires_grad=False),
                              batch, contract, settings, on_round=hook_fn)
     else:
-        critic = roles.load_critic(bundle.critic_dir, dtype=torch.float32,
-                                    attn_implementation=attn, requires_grad=True)
+        critic = load_role("critic", bundle.critic_dir, dtype=torch.float32,
+                           attn_implementation=attn, requires_grad=True)
         again, _ = run_critic(critic, batch, contract, settings, on_round=hook_fn)
     for r in wanted:
         name = tensor_name(r, role, family)

@@ -232,7 +232,7 @@ class FactorCapture:
             if name in seen:
                 raise ReferenceDataError(f"factored Gram: module {name} runs twice in one "
                                          "forward; its per-position factors are ambiguous")
-            x = args[0].detach()
+            x = args[0].detach().cpu()  # the factors live on the host (placed models)
             seen[name] = (x.reshape(-1).long() if isinstance(mod, nn.Embedding)
                           else x.reshape(-1, x.shape[-1]))
             if out.requires_grad:
@@ -244,7 +244,7 @@ class FactorCapture:
             if name in self._pending:  # one output, one gradient per backward
                 raise ReferenceDataError(f"factored Gram: module {name}'s output gradient "
                                          "arrived twice before its token was filed")
-            self._pending[name] = g.detach().reshape(-1, g.shape[-1]).clone()
+            self._pending[name] = g.detach().reshape(-1, g.shape[-1]).cpu().clone()
         return hook
 
     def take(self, key: str, whole: Mapping[str, torch.Tensor]) -> None:
@@ -271,7 +271,7 @@ class FactorCapture:
                 tok.spilled.add(name)
         self._pending = {}
         self._tokens[key] = tok
-        self._whole[key] = {n: whole[n].detach().to(torch.float32).clone()
+        self._whole[key] = {n: whole[n].detach().to(torch.float32).cpu().clone()
                             for n in self.uncovered}
 
     def _factors(self, keys: Sequence[str], name: str
@@ -347,7 +347,7 @@ class FactorCapture:
         acc = torch.zeros(n + 1, n + 1, dtype=torch.float64)  # row n: g
         g_sq = 0.0
         for name in self._names:
-            g = grad[name].detach().to(torch.float32)
+            g = grad[name].detach().to(torch.float32).cpu()
             g_sq += float(g.double().square().sum())
             g = g.reshape(self._rows(name), -1)
             factors = self._factors(keys, name)

@@ -163,7 +163,7 @@ def token_gradients(work: nn.Module, master: nn.Module, batch: Batch, contract: 
                 grads = torch.autograd.grad(x[i], [params[n] for n in names],
                                             retain_graph=i + 1 < len(here), allow_unused=True)
                 yield (b, t), {
-                    n: (torch.zeros(params[n].shape) if g is None
+                    n: (torch.zeros(params[n].shape, device=params[n].device) if g is None
                         else g.detach().to(torch.float32))
                     for n, g in zip(names, grads, strict=True)}
                 # the consumer is done with this J_t: without this the next backward would

@@ -3,22 +3,25 @@
 docs/scale.md section 3: with several CUDA devices the reference's models are split by whole
 decoder layers, so every matrix product and every reduction runs on one device in the order
 it runs unplaced; only the activations between two layers (and their gradients) move. The
-embedding sits on the first device, the final norm and the head with the last layer.
+embedding sits on the first device, the final norm and the head with the last layer (a head
+tied to the embedding stays with the embedding).
 
 - :func:`assign_layers` (pure, no torch): each layer's device, contiguous, under per-device
-  caps, the fullest device as light as any contiguous assignment makes it. ``qualify plan``
-  takes its devices' peaks from it (:mod:`qualify.reference.plan`).
+  caps, the fullest device as light as any contiguous assignment makes it.
+- :func:`stage_assignment`: the assignment the reference stage uses, from the parameters'
+  element counts (:func:`parameter_counts` of a model; ``qualify plan`` counts the same
+  elements from the contract's shapes and takes its devices' peaks from this function,
+  :mod:`qualify.reference.plan`).
 - :func:`place_model`: moves a Hugging Face Llama / Qwen3 model's modules to their devices and
   hooks each placed module to take its inputs on its device; the model's outputs come back to
   the device of its inputs, so the caller's loss code is unchanged.
-- :func:`place_for_devices`: places a model across every CUDA device when
-  ``torch.cuda.device_count() > 1``, else leaves it. The reference stage's model loading does
-  not call it yet: the rest of the stage (batches, AdamW, the FP64 control) still runs on the
-  host.
+- :func:`place_for_devices`: places a model across given devices, or every CUDA device when
+  there are several. The reference stage places its models through
+  :mod:`qualify.reference.devices`.
 
 The CUDA path has not run on a GPU: on CPU the tests place models across devices that are all
 ``cpu`` (the same hooks and moves; outputs and gradients bitwise those of the unplaced
-model, ``tests/test_placement.py``).
+model, ``tests/test_placement.py``; the whole reference stage, ``tests/test_reference_devices.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["assign_layers", "device_loads", "layer_bytes", "place_for_devices", "place_model"]
+__all__ = ["assign_layers", "device_loads", "layer_bytes", "parameter_counts", "place_for_devices",
+           "place_model", "stage_assignment"]
 
 
 def _fits(layers: Sequence[int], caps: Sequence[float], first: int,
@@ -133,6 +137,45 @@ def layer_bytes(model: nn.Module, per_element: float = 1.0) -> tuple[list[int], 
     return layers, first, last
 
 
+def parameter_counts(model: nn.Module) -> tuple[list[int], int, int]:
+    """``(per decoder layer, embedding, final norm and head)`` parameter elements of ``model``.
+
+    Each parameter counted once (a head tied to the embedding counts with the embedding);
+    buffers are not counted. ``qualify plan`` counts the same elements from the contract's
+    shapes (:meth:`qualify.reference.plan.ModelShape.params`).
+    """
+    backbone: Any = model.get_submodule("model")
+    seen: set[int] = set()
+
+    def count(m: nn.Module) -> int:
+        n = 0
+        for p in m.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel()
+        return n
+
+    first = count(backbone.embed_tokens)
+    layers = [count(layer) for layer in backbone.layers]
+    last = count(backbone.norm) + sum(count(m) for n, m in model.named_children()
+                                      if n != "model")
+    return layers, first, last
+
+
+def stage_assignment(layers: Sequence[int], first: int, last: int, devices: int) -> list[int]:
+    """The reference stage's device of each decoder layer (module docstring).
+
+    :func:`assign_layers` over parameter element counts (:func:`parameter_counts`), every
+    device uncapped: the fullest device as light as any contiguous assignment makes it.
+    Whether the devices' memory holds it is the plan's check (:mod:`qualify.reference.plan`),
+    which computes its device peaks under this assignment.
+
+    Raises:
+        ValueError: ``devices < 1`` or a negative count.
+    """
+    return assign_layers(layers, [math.inf] * devices, first=first, last=last)
+
+
 def _to(x: Any, device: torch.device) -> Any:
     import torch
 
@@ -153,9 +196,11 @@ def place_model(model: nn.Module, devices: Sequence[str | torch.device],
 
     The embedding and rotary embedding on ``devices[0]``, decoder layer ``i`` on
     ``devices[assignment[i]]``, the final norm and the head (``lm_head`` or ``score``) with
-    the last layer. Each placed module gets a forward pre-hook that moves its tensor
-    arguments to its device; the model a forward hook that moves ``logits`` back to the
-    device of ``input_ids``.
+    the last layer (a head sharing a parameter with the embedding on ``devices[0]``). Each
+    placed module gets a forward pre-hook that moves its tensor arguments to its device, and
+    so does the backbone (``model.model``: its masks and positions are built on
+    ``devices[0]``); the model a forward hook that moves ``logits`` back to the device of
+    ``input_ids``.
 
     Args:
         model: a ``*ForCausalLM`` / ``*ForTokenClassification`` /
@@ -181,15 +226,26 @@ def place_model(model: nn.Module, devices: Sequence[str | torch.device],
     tail = devs[assignment[-1]] if assignment else devs[0]
     handles: list[Any] = []
 
-    def put(module: nn.Module, device: torch.device) -> None:
-        module.to(device)
-
+    def hook(module: nn.Module, device: torch.device) -> None:
         def pre(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
             return _to(args, device), _to(kwargs, device)
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
 
+    def put(module: nn.Module, device: torch.device) -> None:
+        module.to(device)
+        hook(module, device)
+
+    embedding = {id(p) for p in backbone.embed_tokens.parameters()}
+    # Every (module, name) of each parameter: a shared one (a tied head) is one Parameter
+    # again after the moves (a move that cannot set .data, e.g. to ``meta``, makes a new one).
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for pname, prm in mod._parameters.items():
+            if prm is not None:
+                owners.setdefault(id(prm), []).append((mod, pname))
+    hook(backbone, devs[0])
     put(backbone.embed_tokens, devs[0])
     put(backbone.rotary_emb, devs[0])
     for layer, a in zip(backbone.layers, assignment, strict=True):
@@ -197,7 +253,12 @@ def place_model(model: nn.Module, devices: Sequence[str | torch.device],
     put(backbone.norm, tail)
     for name, child in model.named_children():
         if name != "model":
-            put(child, tail)
+            tied = any(id(p) in embedding for p in child.parameters())
+            put(child, devs[0] if tied else tail)
+    for refs in owners.values():
+        first, first_name = refs[0]
+        for mod, pname in refs[1:]:
+            mod._parameters[pname] = first._parameters[first_name]
 
     def back(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -209,19 +270,26 @@ def place_model(model: nn.Module, devices: Sequence[str | torch.device],
     return handles
 
 
-def place_for_devices(model: nn.Module) -> nn.Module:
-    """Place ``model`` across every CUDA device when there are several; else return it as is.
+def place_for_devices(model: nn.Module, devices: Sequence[str] | None = None
+                      ) -> list[int] | None:
+    """Place ``model`` across ``devices`` by :func:`stage_assignment` (:func:`place_model`).
 
-    Each device's cap is its total memory; the assignment balances the parameters' bytes
-    (:func:`assign_layers`). Not yet run on a GPU (module docstring).
+    Args:
+        model: a Llama / Qwen3 role model.
+        devices: the devices (``cpu`` or ``cuda:N``); ``None``: every CUDA device when torch
+            sees several, else nothing is placed.
+
+    Returns:
+        The assignment (device index per decoder layer), or ``None`` when nothing was placed.
     """
     import torch
 
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n <= 1:
-        return model
-    caps = [torch.cuda.get_device_properties(i).total_memory for i in range(n)]
-    layers, first, last = layer_bytes(model)
-    place_model(model, [f"cuda:{i}" for i in range(n)],
-                assign_layers(layers, caps, first=first, last=last))
-    return model
+    if devices is None:
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n <= 1:
+            return None
+        devices = [f"cuda:{i}" for i in range(n)]
+    layers, first, last = parameter_counts(model)
+    assignment = stage_assignment(layers, first, last, len(devices))
+    place_model(model, devices, assignment)
+    return assignment

@@ -37,11 +37,14 @@ step is the sum of the terms alive together there:
   maps the FP32 checkpoint, whose pages count as resident while mapped), one model;
 - ``interpreter``: the process before any model, :data:`INTERPRETER_BYTES`.
 
-Host-only execution (``devices = 0``, what the stage does today) puts every term on the host.
+Host-only execution (``devices = 0``: the stage without CUDA) puts every term on the host.
 With devices, the plan of docs/scale.md section 3: weights, gradients, activations, the BF16
-copy and ``J_t`` on the devices, whole layers per device
-(:func:`qualify.reference.placement.assign_layers`); the AdamW moments on the host (the
-chunked host AdamW); the sensitivity copy on the host.
+copy and ``J_t`` on the devices, whole layers per device under the stage's own assignment
+(:func:`qualify.reference.placement.stage_assignment`); the AdamW moments on the host (the
+chunked host AdamW) and the sensitivity copy on the host. The placed stage
+(:mod:`qualify.reference.devices`) does not do that yet: it keeps the AdamW moments, the
+sensitivity copy and the FP64 temporaries with their parameters on the devices, so on CUDA
+its device peaks exceed these by those terms spread over the devices.
 
 Time: ``FLOPs / throughput`` with ``FLOPs = 2 P`` per token for a forward and ``6 P`` for
 a forward and backward (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", eq.
@@ -351,21 +354,33 @@ def _device_peak(shape: ModelShape, role: str, per_param: float, act_per_layer: 
                  head_extra: int, *, devices: int) -> int:
     """The fullest device's bytes with whole layers per device.
 
-    Placed as the reference places them (:func:`qualify.reference.placement.assign_layers`,
-    uncapped: the lightest fullest device; the head with the last layer).
+    Under the assignment the reference stage places ``role``'s model with
+    (:func:`qualify.reference.placement.stage_assignment` of the same parameter element
+    counts as :func:`qualify.reference.placement.parameter_counts` takes from the model:
+    :func:`stage_layer_counts`), each layer then holding ``per_param`` bytes per parameter and
+    its activations, the embedding's device its bytes, the last layer's the head's and
+    ``head_extra``.
     """
-    from qualify.reference.placement import assign_layers, device_loads
+    from qualify.reference.placement import device_loads, stage_assignment
 
-    layer_n = sum(n for _, n in shape.layer_params())
-    layer = int(layer_n * per_param) + act_per_layer
-    params = dict(shape.params(role))
-    embed = params["model.embed_tokens.weight"]
-    first = int(embed * per_param)
-    rest = shape.count(role) - embed - layer_n * shape.num_hidden_layers  # norm and head
-    head = int(rest * per_param) + head_extra
-    layers = [layer] * shape.num_hidden_layers
-    placed = assign_layers(layers, [math.inf] * devices, first=first, last=head)
+    layer_n, first_n, last_n = stage_layer_counts(shape, role)
+    placed = stage_assignment(layer_n, first_n, last_n, devices)
+    layers = [int(n * per_param) + act_per_layer for n in layer_n]
+    first = int(first_n * per_param)
+    head = int(last_n * per_param) + head_extra
     return max(device_loads(layers, placed, devices, first=first, last=head))
+
+
+def stage_layer_counts(shape: ModelShape, role: str) -> tuple[list[int], int, int]:
+    """``(per decoder layer, embedding, final norm and head)`` parameter elements of ``role``.
+
+    What :func:`qualify.reference.placement.parameter_counts` counts on the loaded model (a
+    tied head with the embedding, as :meth:`ModelShape.params` leaves it out).
+    """
+    layer = sum(n for _, n in shape.layer_params())
+    embed = dict(shape.params(role))["model.embed_tokens.weight"]
+    rest = shape.count(role) - embed - layer * shape.num_hidden_layers  # norm and head
+    return [layer] * shape.num_hidden_layers, embed, rest
 
 
 def _module_widths(shape: ModelShape, role: str) -> list[tuple[int, int]]:

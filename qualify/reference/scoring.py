@@ -522,7 +522,7 @@ def score_rewards(
         out = run.score(hidden)  # [b, T, 1]
         if out.shape[-1] != 1:
             raise ValueError(f"reward head has {out.shape[-1]} outputs; a reward head has 1")
-        last = _last_valid(mb.attention_mask).to(device)
+        last = _last_valid(mb.attention_mask).to(out.device)  # placed: the head's device
         pooled = out[..., 0].gather(1, last.unsqueeze(1)).squeeze(1)  # [b]
         scores[mb.rows] = pooled.float().cpu()
 

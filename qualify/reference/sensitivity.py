@@ -121,7 +121,7 @@ class LossSensitivity:
         params = [p for p in master.parameters() if p.requires_grad and p.grad is not None]
         norm = torch.zeros((), dtype=torch.float64)
         for p in params:
-            norm = norm + _grad(p).double().square().sum()
+            norm = norm + _grad(p).double().square().sum().cpu()  # placed: on the host
         norm = torch.sqrt(norm)
         if not params or float(norm) == 0.0:
             return

@@ -17,6 +17,7 @@ Steps (docs/concepts.md, the reference stage), each writing into an unsealed dir
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -65,6 +66,7 @@ from qualify.models import roles
 from qualify.progress import Progress
 from qualify.prompts import check_token_ids, read_prompts_file
 from qualify.protocol import ROLLOUT_META_FILE, TRAIN_INPUTS_FILE, parse_tensor_name
+from qualify.reference import devices as reference_devices
 from qualify.reference import documents, rollout, round_to_round, sampling, scoring, targets
 from qualify.reference.bound_inputs import norm_evals, recompute_bounds, sensitivities
 from qualify.reference.branches import adjust_control_errors, seal_branches
@@ -136,8 +138,8 @@ def _batch(roll: rollout.Rollout, train: dict[str, torch.Tensor], pad: int) -> B
 def _reference_policy(bundle: models.ModelBundle, attn: str, *, fp64: bool = False
                       ) -> torch.nn.Module:
     """The frozen reference policy: the Actor's checkpoint, FP32 (FP64 for that control)."""
-    ref = roles.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
-                           requires_grad=False)
+    ref = reference_devices.load_role("actor", bundle.actor_dir, dtype=torch.float32,
+                                      attn_implementation=attn, requires_grad=False)
     return ref.double() if fp64 else ref
 
 
@@ -155,8 +157,8 @@ def _update_run(contract: Contract, bundle: models.ModelBundle, batch: Batch,
     r_len = batch.responses.shape[1]
     torch.manual_seed(0)
     fp64 = settings.precision == "fp64"  # the FP64 control: FP64 copies of the FP32 checkpoint
-    actor = roles.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
-                              requires_grad=True)
+    actor = reference_devices.load_role("actor", bundle.actor_dir, dtype=torch.float32,
+                                        attn_implementation=attn, requires_grad=True)
     if fp64:
         actor = actor.double()
     # The reference policy is passed without a name here, so run_actor frees it after the
@@ -167,8 +169,8 @@ def _update_run(contract: Contract, bundle: models.ModelBundle, batch: Batch,
     del actor
     release_free_memory()
     if contract.algorithm.name != "grpo":
-        critic = roles.load_critic(bundle.critic_dir, dtype=torch.float32,
-                                    attn_implementation=attn, requires_grad=True)
+        critic = reference_devices.load_role("critic", bundle.critic_dir, dtype=torch.float32,
+                                             attn_implementation=attn, requires_grad=True)
         if settings.precision == "fp64":
             critic = critic.double()
         t, meta["critic"] = run_critic(critic, batch, contract, settings)
@@ -214,10 +216,9 @@ def _round_to_round(contract: Contract, bundle: models.ModelBundle, batch: Batch
         """
         if role not in loaded:
             loaded.clear()
-            load = roles.load_actor if role == "actor" else roles.load_critic
-            template = load(bundle.actor_dir if role == "actor" else bundle.critic_dir,
-                            dtype=torch.float32, attn_implementation="sdpa",
-                            requires_grad=True)
+            template = reference_devices.load_role(
+                role, bundle.actor_dir if role == "actor" else bundle.critic_dir,
+                dtype=torch.float32, attn_implementation="sdpa", requires_grad=True)
             loaded[role] = (template, copy.deepcopy(template))
         template, work = loaded[role]
         return roles.restore_model(work, template)
@@ -267,7 +268,8 @@ def _reward_scores(contract: Contract, bundle: models.ModelBundle, roll: rollout
                    extra_left: int = 0, extra_right: int = 0) -> torch.Tensor:
     if contract.roles.reward == "model":
         assert bundle.reward_dir is not None
-        rm = roles.load_reward(bundle.reward_dir, dtype=torch.float32, attn_implementation=attn)
+        rm = reference_devices.load_role("reward", bundle.reward_dir, dtype=torch.float32,
+                                         attn_implementation=attn, requires_grad=False)
         res = scoring.score_rewards(rm, roll, precision=precision,
                                     bf16_mode=forward_mode(bf16_mode),
                                     micro_batch_size=micro_batch_size,
@@ -282,6 +284,10 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
                         on_step: Callable[[str], None] | None = None,
                         plan_check: bool = True) -> Path:
     """Run the whole reference stage and seal its directory.
+
+    Its models run on the devices :func:`qualify.reference.devices.resolve` gives (every
+    CUDA device, whole layers per device; ``$QUALIFY_REFERENCE_DEVICES``; else the host),
+    recorded in the environment document's ``reference_devices``.
 
     Args:
         contract: the loaded contract.
@@ -304,12 +310,14 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
         ModelSourceError: the model manifest does not match.
         ContractError: the prompts cannot be resolved.
         UsageError: ``$QUALIFY_SCRATCH_DIR`` names no writable directory
-            (:func:`qualify.scratch.check_setting`), before anything is written.
+            (:func:`qualify.scratch.check_setting`), or ``$QUALIFY_REFERENCE_DEVICES`` no
+            devices (:func:`qualify.reference.devices.resolve`), before anything is written.
         DoesNotFitError: the plan does not fit this machine (with ``plan_check``), before
             anything is written.
     """
     scratch.check_setting()
-    plan_record = _plan_check(contract, plan_check)
+    devices = reference_devices.resolve()
+    plan_record = _plan_check(contract, plan_check, devices)
     base = root / reference_dir_name(contract)
     if not new and store.is_sealed(base) and needs_signature(base):
         # sealed, then killed while signing (tests/test_kill_points.py, ref-sign): sign it
@@ -322,8 +330,9 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
     mbs = contract.algorithm.micro_batch_size
     steps = ["models", "rollout", "scoring", "targets", "updates", "controls", "round_to_round",
              "branches", "seal"]
-    with Progress(total=len(steps), description=f"reference {contract.name}",
-                  quiet=quiet) as bar:
+    with reference_devices.active(devices) as devices_record, \
+            Progress(total=len(steps), description=f"reference {contract.name}",
+                     quiet=quiet) as bar:
 
         def step(name: str) -> None:
             release_free_memory()
@@ -476,7 +485,8 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
         coverage = _coverage(contract, out, roll=roll, tg=tg, train=train, scores=scores,
                              ref_runs=ref_runs)
         store.atomic_write_json(out / ENVIRONMENT_FILE,
-                                {**capture_environment(), "plan_check": plan_record},
+                                {**capture_environment(), "plan_check": plan_record,
+                                 "reference_devices": devices_record},
                                 schema="environment")
         t0 = min(timings.values())
         store.atomic_write_json(out / REFERENCE_FILE, {
@@ -503,8 +513,12 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
     return out
 
 
-def _plan_check(contract: Contract, enforce: bool) -> dict[str, Any]:
+def _plan_check(contract: Contract, enforce: bool,
+                devices: reference_devices.ReferenceDevices | None = None) -> dict[str, Any]:
     """Plan the stage on this machine; refuse it if ``enforce`` and it does not fit.
+
+    The plan's devices are the stage's CUDA devices (:func:`qualify.reference.devices.resolve`);
+    the host (``host``, or a ``cpu`` placement: host memory) is planned without devices.
 
     Returns:
         The environment document's ``plan_check``: whether it was enforced, the planned host
@@ -518,6 +532,8 @@ def _plan_check(contract: Contract, enforce: bool) -> dict[str, Any]:
     from qualify.reference.plan import DoesNotFitError, build_plan, machine_defaults
 
     machine = machine_defaults()
+    machine = dataclasses.replace(machine, devices=len(devices.devices) if devices is not None
+                                  and devices.kind == "cuda" else 0)
     try:
         plan = build_plan(contract, machine)
     except ContractError as e:  # sizes the contract does not state: the model decides later
@@ -597,24 +613,24 @@ def _score_all(contract: Contract, bundle: models.ModelBundle, roll: rollout.Rol
     out: dict[str, torch.Tensor] = {}
     rec: dict[str, Any] = {}
     bf16_mode: scoring.Bf16Mode = "params"
-    actor = roles.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
-                              requires_grad=False)
+    actor = reference_devices.load_role("actor", bundle.actor_dir, dtype=torch.float32,
+                                        attn_implementation=attn, requires_grad=False)
     res = scoring.score_policy(actor, roll, temperature=temp, micro_batch_size=micro_batch_size,
                                precision=precision, bf16_mode=bf16_mode)
     out["actor/logprobs"] = res.tensors["logprobs"]
     out["actor/entropy"] = res.tensors["entropy"]
     rec["actor"] = res.record.to_dict()
     # The reference policy is the actor's init: a separate load, so nothing is shared.
-    ref = roles.load_actor(bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
-                            requires_grad=False)
+    ref = reference_devices.load_role("actor", bundle.actor_dir, dtype=torch.float32,
+                                      attn_implementation=attn, requires_grad=False)
     res = scoring.score_policy(ref, roll, temperature=temp, micro_batch_size=micro_batch_size,
                                precision=precision, bf16_mode=bf16_mode)
     out["reference/logprobs"] = res.tensors["logprobs"]
     rec["reference"] = res.record.to_dict()
     del actor, ref
     if contract.algorithm.name != "grpo":
-        critic = roles.load_critic(bundle.critic_dir, dtype=torch.float32,
-                                    attn_implementation=attn, requires_grad=False)
+        critic = reference_devices.load_role("critic", bundle.critic_dir, dtype=torch.float32,
+                                             attn_implementation=attn, requires_grad=False)
         res = scoring.score_values(critic, roll, micro_batch_size=micro_batch_size,
                                    precision=precision, bf16_mode=bf16_mode)
         out["critic/values"] = res.tensors["values"]

@@ -312,8 +312,10 @@ class _Precision:
         return self.work
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """BF16 autocast on the master's device type in the ``autocast`` style, else none."""
         if self.settings.precision == "bf16" and self.settings.bf16_mode == "autocast":
-            return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
+            device = next(self.master.parameters()).device.type
+            return torch.autocast(device_type=device, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def collect_grads(self) -> None:
@@ -355,8 +357,9 @@ def _grad_norm_and_clip(params: list[tuple[str, nn.Parameter]],
             total += float(g.double().square().sum())
             per_tensor.append(torch.linalg.vector_norm(g.float(), 2.0))
     norm = total**0.5
-    norm_fp32 = float(torch.linalg.vector_norm(torch.stack(per_tensor), 2.0)) \
-        if per_tensor else 0.0
+    # on the first gradient's device, as torch's _get_total_norm stacks them (placed models)
+    norm_fp32 = float(torch.linalg.vector_norm(torch.stack(
+        [t.to(per_tensor[0].device) for t in per_tensor]), 2.0)) if per_tensor else 0.0
     coef = min(1.0, max_norm / (norm + 1e-6))
     for _, p in params:
         if p.grad is not None:
@@ -403,7 +406,8 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
         return t.detach() if idx is None else t.detach().reshape(-1)[torch.from_numpy(idx)]
 
     def reported(n: str, t: torch.Tensor) -> torch.Tensor:
-        return picked(n, t).float().clone()
+        # sealed on the host (a placed model's tensors live on its devices)
+        return picked(n, t).float().cpu().clone()
 
     for n, p in params:
         if p.grad is None:
@@ -423,7 +427,7 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
         state = optim.state[p]
         out[tensor_name(round_, role, "exp_avg", n)] = reported(n, state["exp_avg"])
         out[tensor_name(round_, role, "exp_avg_sq", n)] = reported(n, state["exp_avg_sq"])
-        out[tensor_name(round_, role, "updates", n)] = (picked(n, p) - before[n]).float()
+        out[tensor_name(round_, role, "updates", n)] = (picked(n, p) - before[n]).float().cpu()
     return lr
 
 

@@ -11,12 +11,19 @@ codes, time estimates). Steps:
    engines torch_tp / deepspeed / megatron, ``tp_sizes = [1]``, the one topology a1c1 (Actor
    TP1 + Critic TP1 on the one GPU), no ``[sampler]`` stage and ``sampling.engine = "hf"``
    (no vLLM on that machine), plus the per-contract reductions of :data:`PLANS`.
-4. Per contract: ``qualify reference`` (HF on the host CPU: the reference stage never uses
-   CUDA), then ``qualify candidate --cells 'ENGINE-*'`` once per engine into one run, then
-   ``qualify compare --no-seal``; each step's wall time is measured, and a step starts only
-   when the time budget (:class:`Budget`) leaves its estimate; a step still running at the
-   budget is killed (its own process group) and its cells are NOT_RUN ("time budget").
-5. ``$OUT`` receives at most :data:`OUT_FILE_LIMIT` files (:func:`fit_out`): the log, env,
+4. Per contract: ``qualify reference`` on the host CPU (``QUALIFY_REFERENCE_DEVICES=host``:
+   the reference the committed evidence is judged against), then ``qualify candidate
+   --cells 'ENGINE-*'`` once per engine into one run, then ``qualify compare --no-seal``;
+   each step's wall time is measured, and a step starts only when the time budget
+   (:class:`Budget`) leaves its estimate; a step still running at the budget is killed (its
+   own process group) and its cells are NOT_RUN ("time budget").
+5. Then, per contract, the reference stage on CUDA (:func:`run_reference_cuda`: ``qualify
+   reference`` with ``QUALIFY_REFERENCE_DEVICES=cuda``, the models on the GPU, TF32 off,
+   deterministic algorithms) into its own directory, and ``scripts/gpu/reference_diff.py``:
+   how far its sealed tensors and bounds lie from the CPU reference's (nothing judged; the
+   candidates are not compared against it). Its status is ``SEALED``, ``NOT_RUN`` (budget,
+   or no CPU reference) or ``ERROR``.
+6. ``$OUT`` receives at most :data:`OUT_FILE_LIMIT` files (:func:`fit_out`): the log, env,
    summary (JSON and Markdown with the per-cell timings table), the two report.md files and
    one tarball of report.json, run.json, cell outputs.json / result.json, launch logs and
    the contract copies.
@@ -48,9 +55,11 @@ from gpu_contract import ENGINES, contract_cells, gpu_contract_text  # noqa: E40
 
 ROOT: Final = Path(__file__).resolve().parents[2]
 EXIT_OK: Final = 0
-"""Every cell ran on CUDA and was compared (its verdict, PASS or FAIL, is in the report)."""
+"""Every cell ran on CUDA and was compared (its verdict, PASS or FAIL, is in the report), and
+every contract's reference stage on CUDA sealed."""
 EXIT_INCOMPLETE: Final = 1
-"""Some cell is NOT_RUN or ERROR (the summary gives each one's reason)."""
+"""Some cell, or some contract's CUDA reference, is NOT_RUN or ERROR (the summary gives each
+one's reason)."""
 EXIT_USAGE: Final = 2
 """Bad arguments, or ``--prepare`` found the travelling tree over the device tool's limit."""
 EXIT_NO_CUDA: Final = 3
@@ -75,7 +84,8 @@ class Plan:
         source: the committed contract, relative to the repository root.
         overrides: ``{section: {key: TOML literal}}`` applied to the copy.
         estimate_s: expected wall seconds on the H200 host per step (``reference``,
-            ``compare`` and each engine), the budget guard's admission figures.
+            ``compare``, each engine, and ``reference_cuda`` with its diff), the budget
+            guard's admission figures.
         needs: a distribution that must be installed (the model's source), or ``None``.
     """
 
@@ -88,7 +98,8 @@ class Plan:
 
 PLANS: Final = (
     Plan("tiny", "contracts/tiny-qwen3.toml", {},
-         {"reference": 45, "torch_tp": 25, "deepspeed": 35, "megatron": 40, "compare": 15}),
+         {"reference": 45, "torch_tp": 25, "deepspeed": 35, "megatron": 40, "compare": 15,
+          "reference_cuda": 60}),
     # SmolLM2's reference stage took 56 min on 2 CPU cores (issue #17: BF16 controls and
     # clip-branch J_t without BF16 GEMM units). The copy samples 2 prompts x 2 x 8 new tokens
     # (32 response tokens instead of 4 x 2 x 16 = 128): the per-token work is 4x smaller.
@@ -99,7 +110,8 @@ PLANS: Final = (
                               'one word.<|im_end|>\\n<|im_start|>assistant\\n", "<|im_start|>'
                               'user\\nWrite a long story about a lighthouse keeper.<|im_end|>'
                               '\\n<|im_start|>assistant\\n"]'}},
-         {"reference": 180, "torch_tp": 40, "deepspeed": 60, "megatron": 60, "compare": 30},
+         {"reference": 180, "torch_tp": 40, "deepspeed": 60, "megatron": 60, "compare": 30,
+          "reference_cuda": 150},
          needs=SMOLLM2_DIST),
 )
 
@@ -234,7 +246,8 @@ def run_contract(plan: Plan, contract: Path, cells: Sequence[str], *, budget: Bu
         return out
     step = runner([py, "-m", "qualify", "reference", str(contract), "--out",
                    str(work / "references"), "--quiet"],
-                  timeout_s=budget.remaining() - first - est["compare"], log=log, env=env)
+                  timeout_s=budget.remaining() - first - est["compare"], log=log,
+                  env={**env, "QUALIFY_REFERENCE_DEVICES": "host"})
     out["stages"]["reference"] = _stage(step)
     ref = next((t.split(": ", 1)[1] for t in step.tail if t.startswith("sealed reference: ")),
                None)
@@ -291,6 +304,54 @@ def run_contract(plan: Plan, contract: Path, cells: Sequence[str], *, budget: Bu
             r = verdicts[cid]
             v.update(status=r.get("verdict", "ERROR"), reason=r.get("reason") or "",
                      worst_margin=r.get("worst_margin"))
+    return out
+
+
+def run_reference_cuda(plan: Plan, contract: Path, cpu_reference: str | None, *,
+                       budget: Budget, work: Path, log: TextIO, env: dict[str, str],
+                       runner: Runner = run_step, devices: str = "cuda") -> dict[str, Any]:
+    """The reference stage on CUDA, then its distance to the CPU reference (module docstring).
+
+    ``devices``: the stage's ``QUALIFY_REFERENCE_DEVICES`` (``cpu,cpu`` in the ``--allow-cpu``
+    dry run: the placed path on the host, never evidence).
+
+    Returns:
+        ``{"status": SEALED | NOT_RUN | ERROR, "reason", "stages", "reference", "diff"}``:
+        ``reference`` the sealed CUDA directory, ``diff`` the path of
+        ``scripts/gpu/reference_diff.py``'s JSON (``None`` when not reached).
+    """
+    py = sys.executable
+    out: dict[str, Any] = {"status": "NOT_RUN", "reason": "", "stages": {}, "reference": None,
+                           "diff": None}
+    need = plan.estimate_s["reference_cuda"]
+    if cpu_reference is None:
+        out["reason"] = "no CPU reference to compare with"
+        return out
+    if not budget.admits(need):
+        out["reason"] = (f"time budget: {budget.remaining():.0f} s left, the CUDA reference "
+                         f"and its diff need ~{need:.0f} s")
+        return out
+    step = runner([py, "-m", "qualify", "reference", str(contract), "--out",
+                   str(work / "references-cuda"), "--quiet"], timeout_s=budget.remaining(),
+                  log=log, env={**env, "QUALIFY_REFERENCE_DEVICES": devices})
+    out["stages"]["reference cuda"] = _stage(step)
+    ref = next((t.split(": ", 1)[1] for t in step.tail if t.startswith("sealed reference: ")),
+               None)
+    if step.rc != 0 or ref is None:
+        out.update(status="NOT_RUN" if step.timed_out else "ERROR",
+                   reason=_why(step, "qualify reference (CUDA)"))
+        return out
+    out["reference"] = ref
+    target = work / f"reference-diff-{plan.tag}.json"
+    step = runner([py, str(ROOT / "scripts" / "gpu" / "reference_diff.py"), cpu_reference, ref,
+                   "--json", str(target)], timeout_s=max(1.0, budget.remaining()), log=log,
+                  env=env)
+    out["stages"]["reference diff"] = _stage(step)
+    if step.rc != 0 or not target.is_file():
+        out.update(status="ERROR", reason=_why(step, "reference_diff.py"))
+        return out
+    out.update(status="SEALED", diff=str(target),
+               reason=next((t for t in reversed(step.tail) if t.strip()), ""))
     return out
 
 
@@ -456,12 +517,17 @@ def bundle(out: Path, work: Path, results: dict[str, dict[str, Any]]) -> None:
                 for p in sorted(run.rglob("*")):
                     if p.is_file() and p.suffix in (".json", ".md", ".log", ".txt"):
                         tf.add(p, arcname=f"{tag}/run/{p.relative_to(run)}")
-            if res.get("reference"):
-                ref = Path(res["reference"])
-                for name in ("reference.json", "bounds.json", "control_errors.json",
-                             "environment.json", "rollout.json"):
-                    if (ref / name).is_file():
-                        tf.add(ref / name, arcname=f"{tag}/reference/{name}")
+            cuda = res.get("reference_cuda") or {}
+            for key, ref_s in (("reference", res.get("reference")),
+                               ("reference-cuda", cuda.get("reference"))):
+                if ref_s:
+                    ref = Path(ref_s)
+                    for name in ("reference.json", "bounds.json", "control_errors.json",
+                                 "environment.json", "rollout.json"):
+                        if (ref / name).is_file():
+                            tf.add(ref / name, arcname=f"{tag}/{key}/{name}")
+            if cuda.get("diff") and Path(cuda["diff"]).is_file():
+                tf.add(cuda["diff"], arcname=f"{tag}/reference-diff.json")
 
 
 def summary_md(summary: dict[str, Any]) -> str:
@@ -475,8 +541,13 @@ def summary_md(summary: dict[str, Any]) -> str:
     for tag, res in summary["contracts"].items():
         lines += ["", f"## {tag} ({res.get('contract')})", "", "| stage | wall s | CPU s | rc |",
                   "| --- | --- | --- | --- |"]
+        cuda = res.get("reference_cuda") or {}
         lines += [f"| {k} | {v['wall_s']} | {v.get('cpu_s')} | {v['rc']} |"
-                  for k, v in res["stages"].items()]
+                  for k, v in {**res["stages"], **cuda.get("stages", {})}.items()]
+        if cuda:
+            reason = str(cuda.get("reason", "")).replace("|", "/")[:200]
+            lines += ["", f"Reference stage on CUDA: {cuda['status']}"
+                      + (f" ({reason})" if reason else "")]
         lines += ["", "Launch wall: the whole torchrun launch, shared by its cells; variant: the "
                   "harness's time for this cell's precision/options; rank 0 total: from the "
                   "harness's start to this variant's end.", "",
@@ -555,8 +626,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-_MEANING: Final = {EXIT_OK: "every cell ran and was compared", EXIT_INCOMPLETE: "some cell "
-                   "NOT_RUN or ERROR", EXIT_NO_CUDA: "no CUDA device: nothing ran",
+_MEANING: Final = {EXIT_OK: "every cell ran and was compared, every CUDA reference sealed",
+                   EXIT_INCOMPLETE: "some cell or CUDA reference NOT_RUN or ERROR",
+                   EXIT_NO_CUDA: "no CUDA device: nothing ran",
                    EXIT_ENV: "a missing package could not be installed"}
 
 
@@ -612,9 +684,16 @@ def _acceptance(plans: list[Plan], args: argparse.Namespace, budget: Budget, *, 
         res = run_contract(pl, path, cells, budget=budget, work=work, log=log, env=env)
         res["contract"] = str(path)
         results[pl.tag] = res
+    for pl in plans:  # after every contract's cells: the CUDA reference never starves them
+        res = results[pl.tag]
+        if "reference_cuda" not in res:
+            res["reference_cuda"] = run_reference_cuda(
+                pl, copies[pl.tag][0], res.get("reference"), budget=budget, work=work,
+                log=log, env=env, devices="cuda" if device is not None else "cpu,cpu")
     bundle(out, work, results)
     done = all(c["status"] not in ("NOT_RUN", "ERROR")
-               for r in results.values() for c in r["cells"].values())
+               for r in results.values() for c in r["cells"].values()) and all(
+        r.get("reference_cuda", {}).get("status") == "SEALED" for r in results.values())
     return finish(EXIT_OK if done else EXIT_INCOMPLETE, results)
 
 
@@ -626,7 +705,9 @@ def _all(plan: Plan, copies: dict[str, tuple[Path, str]], status: str,
     except ImportError:  # qualify's dependencies are not installed yet: one row per engine
         cells = [f"{e}-*" for e in ENGINES]
     return {"contract": str(path), "stages": {}, "run_dir": None, "reference": None,
-            "cells": {c: _cell(status, reason) for c in cells}}
+            "cells": {c: _cell(status, reason) for c in cells},
+            "reference_cuda": {"status": status, "reason": reason, "stages": {},
+                               "reference": None, "diff": None}}
 
 
 if __name__ == "__main__":

@@ -17,10 +17,18 @@
 # What it runs, per contract copy (engines torch_tp/deepspeed/megatron, tp_sizes [1], the
 # one topology a1c1 = Actor TP1 + Critic TP1 as two ranks on the one GPU, no [sampler]
 # stage and sampling.engine = "hf": no vLLM there):
-#   qualify reference (HF on the host's CPU: the reference stage never uses CUDA)
+#   qualify reference (HF on the host's CPU: QUALIFY_REFERENCE_DEVICES=host)
 #   -> qualify candidate --cells 'ENGINE-*' per engine (harnesses on CUDA/NCCL; each role
 #      group holds one rank, the world group is never a communicator)
 #   -> qualify compare --no-seal.
+# Then, per contract, after every contract's cells: the reference stage on CUDA
+# (QUALIFY_REFERENCE_DEVICES=cuda: its models on the GPU, TF32 off, deterministic
+# algorithms; qualify/reference/devices.py) into WORK/references-cuda, and
+# scripts/gpu/reference_diff.py: its sealed tensors and bounds against the CPU reference's
+# (nothing judged: the candidates are compared against the CPU reference only). The CUDA
+# reference path HAS NOT RUN ON A GPU yet (tested on CPU with cpu,cpu,... placements). Budget
+# estimate 60 s for tiny (a guess: the host reference's 45 s plus CUDA start-up), 150 s for
+# SmolLM2 (which cannot run there, below); it starts only if it fits what the cells left.
 # Missing packages (megatron-core, deepspeed, jsonschema, cryptography, gguf, pydantic...)
 # come from the wheels folder (.whl/, shared/wheels-cp312/ or ../shared/wheels-cp312/) with
 # pip --no-index --no-deps --target WORK/site; never from the network.
@@ -52,11 +60,13 @@
 #   acceptance.log, env.txt (nvidia-smi, torch/CUDA/NCCL, package versions), summary.json,
 #   summary.md (stage walls, one row per cell: status, launch wall, harness timings, device),
 #   tiny-report.md, smollm2-report.md, evidence.tar.gz (report.json, run.json, cell
-#   outputs.json/result.json, launch logs, reference.json/bounds.json, the contract copies).
+#   outputs.json/result.json, launch logs, reference.json/bounds.json/environment.json of the
+#   CPU reference and of the CUDA one (TAG/reference-cuda/), TAG/reference-diff.json, the
+#   contract copies).
 #
 # Exit codes: 0 every cell ran on CUDA and was compared (PASS or FAIL verdicts are in the
-# reports: a FAIL is a finding, not a script failure); 1 some cell NOT_RUN or ERROR (reasons
-# in the summary); 2 bad arguments, or --prepare found the tree over 64 MiB; 3 no CUDA
+# reports: a FAIL is a finding, not a script failure) and every CUDA reference sealed;
+# 1 some cell or CUDA reference NOT_RUN or ERROR (reasons in the summary); 2 bad arguments, or --prepare found the tree over 64 MiB; 3 no CUDA
 # device: one line printed, every cell NOT_RUN ("no CUDA device"), nothing installed or run;
 # 4 a missing package could not be installed from the wheels folder.
 set -uo pipefail

@@ -1,0 +1,286 @@
+"""Where the reference stage's models run: the one place that decides their devices.
+
+Every model the reference stage loads for scoring, its updates and controls, the
+round-to-round term and the clip-branch reruns comes from :func:`load_role`, which loads it
+on the host (:mod:`qualify.models.roles`) and then places it as the active
+:class:`ReferenceDevices` says (:func:`qualify.reference.placement.place_model`: whole decoder
+layers per device, the embedding on the first, the final norm and the head with the last
+layer). The rollout's sampler and the decode rows of ``distribution.json`` stay on the host.
+
+Which devices (:func:`resolve`):
+
+- ``$QUALIFY_REFERENCE_DEVICES`` set: its comma-separated list, each ``cpu`` or ``cuda:N``
+  (one kind per list; ``cuda`` alone is every CUDA device). ``cpu,cpu,cpu`` runs the placed
+  path on the host: the same hooks and moves as on CUDA, every module on the host. ``host``
+  alone: nothing placed, even where CUDA is present (the stage as it runs without CUDA).
+- else, CUDA present: every CUDA device (one device: the whole model on it).
+- else: none; the models stay where they load (the host), untouched.
+
+Placed models give their logits (values) back to the device of their ``input_ids``
+(:func:`~qualify.reference.placement.place_model`'s hooks). The updates, the sensitivities
+and the clip-branch passes give host inputs, so their per-token tensors and losses stay on
+the host; scoring gives its inputs on the model's first device and copies its per-token
+results to the host, as it always has. The parameters, their gradients, the AdamW state, the
+sensitivity copy and the clip-branch ``J_t`` stay with their layer, and what the stage seals
+from them is copied to the host where it is taken (:mod:`qualify.reference.update`,
+:mod:`qualify.reference.branches`; the factored Gram keeps its factors on the host,
+:mod:`qualify.reference.gram_factors`).
+
+The assignment (:func:`qualify.reference.placement.stage_assignment`) balances the
+parameters' element counts over the devices, uncapped: the devices' memory is the plan's
+check (:mod:`qualify.reference.plan`, which computes its device peaks from the same
+function), run before the stage writes anything.
+
+On CUDA, :func:`active` sets torch's numerics once for the stage and restores them after:
+no TF32 (cuBLAS and cuDNN), FP32 matmul precision ``highest``, cuDNN deterministic and not
+benchmarking, ``torch.use_deterministic_algorithms(True, warn_only=True)`` (deterministic
+kernels where torch has them; a warning, not an error, where it has none) and
+``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless set (cuBLAS's deterministic workspace). BF16
+lanes run as they do on the host (BF16 parameters or autocast, FP32 masters).
+
+The CUDA path has not run on a GPU: on CPU, ``cpu,cpu,cpu`` runs every hook and move of it
+(``tests/test_reference_devices.py``: the sealed tensors are bitwise those of the unplaced
+run), but not a host copy of a CUDA tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+from torch import nn
+
+from qualify.errors import ReferenceDataError, UsageError
+from qualify.models import roles
+from qualify.reference.placement import place_for_devices
+
+__all__ = ["ENV", "ReferenceDevices", "active", "check_setting", "load_role", "parse", "resolve"]
+
+ENV: Final = "QUALIFY_REFERENCE_DEVICES"
+
+CUBLAS_DETERMINISTIC: Final = ":4096:8"
+"""cuBLAS's workspace setting for reproducible results (CUDA toolkit docs, "Results
+reproducibility"; torch raises in ``use_deterministic_algorithms`` mode without it)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReferenceDevices:
+    """The devices the reference stage places its models on.
+
+    Attributes:
+        devices: each device, ``cpu`` or ``cuda:N``, all of one kind, at least one.
+        source: ``QUALIFY_REFERENCE_DEVICES`` (asked for) or ``cuda`` (every CUDA device
+            torch sees, the default when CUDA is present).
+    """
+
+    devices: tuple[str, ...]
+    source: str
+
+    @property
+    def kind(self) -> str:
+        """``cpu`` or ``cuda``."""
+        return self.devices[0].split(":")[0]
+
+
+@dataclasses.dataclass(slots=True)
+class _Active:
+    devices: ReferenceDevices
+    placed: dict[str, dict[str, Any]]
+
+
+_ACTIVE: ContextVar[_Active | None] = ContextVar("qualify_reference_devices", default=None)
+
+
+def parse(value: str, *, cuda_count: int | None = None) -> tuple[str, ...]:
+    """The device list of ``$QUALIFY_REFERENCE_DEVICES``.
+
+    Args:
+        value: ``cpu[,cpu...]``, ``cuda:N[,cuda:M...]``, ``cuda`` (every CUDA device) or
+            ``host`` (nothing placed).
+        cuda_count: CUDA devices torch sees (``None``: ask torch).
+
+    Returns:
+        The devices, in order; ``()`` for ``host``.
+
+    Raises:
+        UsageError: an empty entry, an unknown device, two kinds in one list, a CUDA device
+            torch does not see, or ``cuda`` without CUDA (one line naming the variable).
+    """
+    def refuse(why: str) -> UsageError:
+        return UsageError(f"{ENV}={value!r}: {why}")
+
+    if value.strip() == "host":
+        return ()
+    items = [v.strip() for v in value.split(",")]
+    if any(not v for v in items):
+        raise refuse("an empty entry; give devices separated by commas (cpu,cpu or "
+                     "cuda:0,cuda:1)")
+    for v in items:
+        kind, _, index = v.partition(":")
+        if kind == "cpu" and not index:
+            continue
+        if kind == "cuda" and (index.isdigit() or (not index and len(items) == 1)):
+            continue
+        raise refuse(f"{v!r} is not a device; each entry is cpu or cuda:N (or cuda alone: "
+                     "every CUDA device; host alone: nothing placed)")
+    if len({v.split(":")[0] for v in items}) > 1:
+        raise refuse("one device kind per list (cpu, or cuda:N)")
+    if items[0].startswith("cuda"):
+        n = (torch.cuda.device_count() if torch.cuda.is_available() else 0) \
+            if cuda_count is None else cuda_count
+        if items == ["cuda"]:
+            if n == 0:
+                raise refuse("torch sees no CUDA device")
+            return tuple(f"cuda:{i}" for i in range(n))
+        missing = [v for v in items if int(v.partition(":")[2]) >= n]
+        if missing:
+            raise refuse(f"{', '.join(missing)}: torch sees {n} CUDA device(s)")
+    return tuple(items)
+
+
+def check_setting(value: str, env: Mapping[str, str]) -> None:
+    """:data:`qualify.settings.SETTINGS` check of ``$QUALIFY_REFERENCE_DEVICES``.
+
+    Raises:
+        UsageError: :func:`parse` refuses it.
+    """
+    parse(value)
+
+
+def resolve(env: Mapping[str, str] | None = None) -> ReferenceDevices | None:
+    """The stage's devices (module docstring); ``None``: the host, nothing placed.
+
+    Raises:
+        UsageError: a bad ``$QUALIFY_REFERENCE_DEVICES`` (:func:`parse`).
+    """
+    value = (os.environ if env is None else env).get(ENV, "")
+    if value:
+        devices = parse(value)
+        return ReferenceDevices(devices, ENV) if devices else None
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return ReferenceDevices(tuple(f"cuda:{i}" for i in range(torch.cuda.device_count())),
+                                "cuda")
+    return None
+
+
+@contextlib.contextmanager
+def _cuda_numerics() -> Iterator[dict[str, Any]]:
+    """TF32 off, deterministic algorithms on, for the block; restored after."""
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.get_float32_matmul_precision(), torch.backends.cudnn.deterministic,
+             torch.backends.cudnn.benchmark, torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(),
+             os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield {"cuda_matmul_allow_tf32": False, "cudnn_allow_tf32": False,
+               "float32_matmul_precision": "highest", "cudnn_deterministic": True,
+               "cudnn_benchmark": False, "deterministic_algorithms": "warn_only",
+               "cublas_workspace_config": os.environ["CUBLAS_WORKSPACE_CONFIG"]}
+    finally:
+        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, precision,
+         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, det, warn,
+         cublas) = saved
+        torch.set_float32_matmul_precision(precision)
+        torch.use_deterministic_algorithms(det, warn_only=warn)
+        if cublas is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+@contextlib.contextmanager
+def active(devices: ReferenceDevices | None) -> Iterator[dict[str, Any]]:
+    """Place every model :func:`load_role` loads in the block on ``devices``.
+
+    Yields:
+        The environment document's ``reference_devices``, filled in as models are placed:
+        ``kind`` (``host`` when ``devices`` is ``None``), ``source``, ``devices`` (each with
+        its name: the CUDA device's, or ``cpu``), ``numerics`` (the CUDA settings, ``None``
+        off CUDA) and ``placed``: ``{role: {"assignment": [device index per decoder layer],
+        "layers": n}}``, one entry per role placed (the same assignment every time a role
+        is loaded: it depends on the model's shape only).
+    """
+    record: dict[str, Any] = {"kind": "host", "source": None, "devices": [],
+                              "numerics": None, "placed": {}}
+    if devices is None:
+        yield record
+        return
+    record.update(kind=devices.kind, source=devices.source,
+                  devices=[{"device": d, "name": _device_name(d)} for d in devices.devices])
+    state = _Active(devices, record["placed"])
+    token = _ACTIVE.set(state)
+    try:
+        with (_cuda_numerics() if devices.kind == "cuda" else contextlib.nullcontext(None)
+              ) as numerics:
+            record["numerics"] = numerics
+            yield record
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return str(torch.cuda.get_device_name(torch.device(device)))
+    return "cpu"
+
+
+def place(model: nn.Module, role: str) -> nn.Module:
+    """Place ``model`` on the active devices (:func:`active`); outside it, return it as is.
+
+    Args:
+        model: a loaded Llama / Qwen3 role model (on the host).
+        role: ``actor``, ``critic`` or ``reward`` (the key of the record's ``placed``).
+
+    Returns:
+        ``model``, placed in place.
+
+    Raises:
+        ReferenceDataError: the role is placed with another assignment than before (the
+            assignment is a function of the shape: a defect).
+    """
+    state = _ACTIVE.get()
+    if state is None:
+        return model
+    assignment = place_for_devices(model, state.devices.devices)
+    assert assignment is not None
+    entry = {"assignment": list(assignment), "layers": len(assignment)}
+    seen = state.placed.setdefault(role, entry)
+    if seen != entry:
+        raise ReferenceDataError(f"reference devices: {role} placed as {entry} after {seen}")
+    return model
+
+
+def load_role(role: str, path: str | Path, *, dtype: torch.dtype, attn_implementation: str,
+              requires_grad: bool) -> nn.Module:
+    """Load one role model (:mod:`qualify.models.roles`) and :func:`place` it.
+
+    Args:
+        role: ``actor`` (the policy and the frozen reference policy), ``critic`` or
+            ``reward``.
+        path: the role's directory of the prepared bundle.
+        dtype: as :func:`qualify.models.roles.load_actor`.
+        attn_implementation: as :func:`qualify.models.roles.load_actor`.
+        requires_grad: as :func:`qualify.models.roles.load_actor`.
+
+    Raises:
+        ModelSourceError: as the loaders.
+        ValueError: an unknown role.
+    """
+    loaders = {"actor": roles.load_actor, "critic": roles.load_critic,
+               "reward": roles.load_reward}
+    if role not in loaders:
+        raise ValueError(f"load_role: unknown role {role!r}")
+    model = loaders[role](path, dtype=dtype, attn_implementation=attn_implementation,
+                          requires_grad=requires_grad)
+    return place(model, role)
