@@ -53,7 +53,7 @@ from qualify.reference.branches import adjust_control_errors, seal_branches
 from qualify.reference.rollout import Rollout
 from qualify.reference.stage import _batch
 
-COMMITTED_REF = Path("references/tiny-qwen3-97421d680c97")
+COMMITTED_REF = Path("references/tiny-qwen3-9cd85d5fbd99")
 REF = COMMITTED_REF  # main() sets it from --reference
 RUN = sorted(Path("evidence/tiny-qwen3").glob("2*Z"))[-1]  # the committed default run
 
