@@ -222,10 +222,22 @@ def _seal_responses(ref: Path, tokens: np.ndarray, label: str = "round2/actor/lo
 
 
 def _unsealed_copy(tmp_path: Path) -> Path:
-    """A writable copy of the committed reference without its seal (its inputs edited)."""
+    """A writable copy of the committed reference without its seal (its inputs edited) and
+    without its round-to-round term: its sealed responses removed, its contract's
+    ``[bounds] round_to_round`` off, and ``bounds.json`` the rule's bounds without the term
+    (the reference the same contract with the term off would have sealed)."""
     ref = Path(shutil.copytree(COMMITTED_REF, tmp_path / "ref"))
     store.make_writable(ref)
     (ref / store.MANIFEST_FILE).unlink()
+    for name in ("round_to_round.json", "round_to_round.safetensors"):
+        (ref / name).unlink()
+    doc = json.loads((ref / "contract.json").read_text())
+    doc["bounds"]["round_to_round"] = False
+    (ref / "contract.json").write_text(json.dumps(doc))
+    bounds = json.loads((ref / "bounds.json").read_text())
+    bounds["contract_digest"] = Contract.from_dict(doc, path=ref / "contract.json").digest
+    bounds["bounds"] = [b.to_dict() for b in recompute_bounds(ref)]
+    (ref / "bounds.json").write_text(json.dumps(bounds))
     return ref
 
 
