@@ -14,12 +14,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
 import torch
-from tiny_models import seeded_qwen3
+from tiny_models import seeded_batch, seeded_qwen3
 from transformers import (
     PreTrainedModel,
 )
@@ -58,22 +58,7 @@ def contract() -> Contract:
 
 @pytest.fixture(scope="module")
 def batch() -> Batch:
-    g = torch.Generator().manual_seed(1)
-    b, p, r = 4, 5, 6
-    prompts = torch.randint(3, 384, (b, p), generator=g)
-    prompts[1, :2] = 0  # left padding
-    responses = torch.randint(3, 384, (b, r), generator=g)
-    response_mask = torch.ones(b, r, dtype=torch.int64)
-    response_mask[0, 4:] = 0
-    response_mask[2, 3:] = 0
-    responses[response_mask == 0] = 0
-    prompt_mask = torch.ones(b, p, dtype=torch.int64)
-    prompt_mask[1, :2] = 0
-    return Batch(prompts=prompts, responses=responses,
-                 attention_mask=torch.cat([prompt_mask, response_mask], 1),
-                 response_mask=response_mask,
-                 advantages=torch.randn(b, r, generator=g) * response_mask,
-                 returns=torch.randn(b, r, generator=g) * response_mask, pad_token_id=0)
+    return cast(Batch, seeded_batch(384, short={0: 4, 2: 3}, masked_targets=True))
 
 
 def _model(role: str) -> torch.nn.Module:

@@ -14,13 +14,13 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 from shared_artifacts import tiny_reference
 from tiny_contracts import torch_tp_only_text
-from tiny_models import seeded_qwen3
+from tiny_models import seeded_batch, seeded_qwen3
 
 from qualify.contract import Contract, load_contract
 from qualify.errors import UsageError
@@ -89,20 +89,7 @@ def test_every_model_the_stage_loads_goes_through_the_one_place() -> None:
 
 
 def _batch() -> Batch:
-    g = torch.Generator().manual_seed(1)
-    b, p, r = 4, 5, 6
-    prompts = torch.randint(3, 96, (b, p), generator=g)
-    prompts[1, :2] = 0
-    responses = torch.randint(3, 96, (b, r), generator=g)
-    response_mask = torch.ones(b, r, dtype=torch.int64)
-    response_mask[0, 4:] = 0
-    responses[response_mask == 0] = 0
-    prompt_mask = torch.ones(b, p, dtype=torch.int64)
-    prompt_mask[1, :2] = 0
-    return Batch(prompts=prompts, responses=responses,
-                 attention_mask=torch.cat([prompt_mask, response_mask], 1),
-                 response_mask=response_mask, advantages=torch.randn(b, r, generator=g),
-                 returns=torch.randn(b, r, generator=g), pad_token_id=0)
+    return cast(Batch, seeded_batch(96, short={0: 4}, masked_targets=False))
 
 
 @pytest.mark.parametrize(("precision", "mode"), [("fp32", "params"), ("bf16", "autocast"),

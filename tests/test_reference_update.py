@@ -10,6 +10,7 @@ from typing import Any, Literal, cast
 
 import pytest
 import torch
+from tiny_models import seeded_batch
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForTokenClassification
 
 from qualify.contract import Contract, load_contract
@@ -51,22 +52,7 @@ def models() -> tuple[Qwen3ForCausalLM, Qwen3ForTokenClassification]:
 
 @pytest.fixture(scope="module")
 def batch() -> Batch:
-    g = torch.Generator().manual_seed(1)
-    b, p, r = 4, 5, 6
-    prompts = torch.randint(3, 384, (b, p), generator=g)
-    prompts[1, :2] = 0  # left padding
-    responses = torch.randint(3, 384, (b, r), generator=g)
-    response_mask = torch.ones(b, r, dtype=torch.int64)
-    response_mask[0, 4:] = 0  # short response
-    response_mask[2, 3:] = 0
-    responses[response_mask == 0] = 0
-    prompt_mask = (torch.arange(p) >= 0).long().expand(b, p).clone()
-    prompt_mask[1, :2] = 0
-    attention_mask = torch.cat([prompt_mask, response_mask], 1)
-    adv = torch.randn(b, r, generator=g) * response_mask
-    ret = torch.randn(b, r, generator=g) * response_mask
-    return Batch(prompts=prompts, responses=responses, attention_mask=attention_mask,
-                 response_mask=response_mask, advantages=adv, returns=ret, pad_token_id=0)
+    return cast(Batch, seeded_batch(384, short={0: 4, 2: 3}, masked_targets=True))
 
 
 def _fresh(model: torch.nn.Module) -> torch.nn.Module:
