@@ -52,7 +52,11 @@ def one_thread() -> Iterator[None]:
 @pytest.mark.parametrize(("value", "why"), [
     ("gpu", "not a device"), ("cpu,,cpu", "empty entry"), ("cpu,cuda:0", "one device kind"),
     ("cuda:1", "torch sees 1 CUDA"), ("cuda", "sees no CUDA"), ("cuda:x", "not a device"),
-    ("cpu:0", "not a device"), ("cuda,cuda", "not a device"), ("host,cpu", "not a device")])
+    ("cpu:0", "not a device"), ("cuda,cuda", "not a device"), ("host,cpu", "not a device"),
+    # digits str.isdigit() takes and int() or torch.device() do not, a leading zero, a device
+    # twice
+    ("cuda:\u00b2", "not a device"), ("cuda:\uff10", "not a device"), ("cuda:01", "not a device"),
+    ("cuda:0,cuda:0", "named twice")])
 def test_a_bad_device_list_is_one_line_naming_the_variable(value: str, why: str) -> None:
     count = 0 if value == "cuda" else 1
     with pytest.raises(UsageError, match=re.escape(f"{devices.ENV}={value!r}")) as e:

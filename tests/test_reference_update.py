@@ -628,6 +628,8 @@ def test_kl_reference_logprobs_passed_back_give_the_same_run_bit_for_bit(
     assert "round1/actor/loss/kl" in _equal(given, other)
     with pytest.raises(ValueError, match="ref_logprobs"):
         run_actor(_fresh(actor), None, batch, contract, settings, ref_logprobs=ref_logp[:, 1:])
+    with pytest.raises(ValueError, match="give the reference policy"):
+        run_actor(_fresh(actor), None, batch, contract, settings)
     with pytest.raises(ValueError, match="ref_logprobs"):
         run_actor(_fresh(actor), None, batch, contract, settings,
                   ref_logprobs=ref_logp.double())
@@ -647,6 +649,8 @@ def test_restore_model_gives_back_what_a_new_deep_copy_would_be(models: Models,
     work = _fresh(template)
     settings = UpdateSettings(precision="bf16", bf16_mode="castmasters", micro_batch_size=2)
     first, _ = run_actor(work, _fresh(actor), batch, contract, settings)
+    next(work.parameters()).requires_grad_(False)  # flags a caller may have changed
+    work.train()
     assert not torch.equal(dict(work.named_parameters())["model.norm.weight"],
                            dict(template.named_parameters())["model.norm.weight"])
     restore_model(work, template)
@@ -657,7 +661,16 @@ def test_restore_model_gives_back_what_a_new_deep_copy_would_be(models: Models,
         assert torch.equal(b_w, b_t)
     assert all(p.grad is None and p.requires_grad == q.requires_grad
                for p, q in zip(work.parameters(), template.parameters(), strict=True))
+    assert all(m.training == t.training
+               for m, t in zip(work.modules(), template.modules(), strict=True))
     again, _ = run_actor(work, _fresh(actor), batch, contract, settings)
     assert _equal(first, again) == []
     with pytest.raises(ValueError, match="not a copy"):
         restore_model(work, critic)
+    # a hook registered on the working copy since it was copied would stay: refused
+    handle = dict(work.named_modules())["model.layers.0"].register_forward_pre_hook(
+        lambda m, a: None)
+    with pytest.raises(ValueError, match="hooks differ"):
+        restore_model(work, template)
+    handle.remove()
+    restore_model(work, template)

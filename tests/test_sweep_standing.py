@@ -1,15 +1,14 @@
 """The standing seed sweep of every contract with a gate policy (slow tier).
 
-Issue #49's standing check: each contract with a committed gate policy
+Each contract with a committed gate policy
 (``contracts/gates/<name>.toml``) is run over seed variants 1..5 (model, sampling, critic
 head and reward seeds moved, :func:`qualify.pipeline.sweep.variant_text`), every cell, and
 each variant is judged by the committed policy: every variant must gate 0 and no cell outside
 the policy may fail (``sweep.json``'s ``exit_code`` and ``unexplained``). The default
 contract's sweep is committed (``evidence/tiny-qwen3/sweep.json``, checked against this
-checkout by ``tests/test_sweep.py``); the other gated contracts are swept here, minutes per
-variant each: ``python -m pytest -m slow tests/test_sweep_standing.py``. SmolLM2-135M's
-reference stage alone takes tens of minutes on a 2-core machine: its sweep runs only when
-``QUALIFY_SWEEP_SMOLLM2=1``.
+checkout by ``tests/test_sweep.py``); the other gated contracts are swept here:
+``python -m pytest -m slow tests/test_sweep_standing.py``. SmolLM2-135M's sweep runs only
+when ``QUALIFY_SWEEP_SMOLLM2=1`` (its cost: ``docs/ci-gating.md``).
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ def test_every_seed_variant_of_a_gated_contract_gates_zero(name: str, tmp_path: 
                     "QUALIFY_SWEEP_SMOLLM2=1 runs it")
     code = main(["sweep", str(ROOT / "contracts" / f"{name}.toml"), "--out", str(tmp_path),
                  "--variants", str(VARIANTS), "--summary-dir", str(tmp_path)])
+    assert code in (0, 1), f"qualify sweep {name}: exit {code} (not a verdict)"
     doc = json.loads((tmp_path / "sweep.json").read_text())
     failing = {v["name"]: v["outside"] for v in doc["variants"] if v["exit_code"] != 0}
     assert len(doc["variants"]) == VARIANTS

@@ -184,7 +184,9 @@ def restore_model(work: torch.nn.Module, template: torch.nn.Module) -> torch.nn.
 
     Raises:
         ValueError: the two do not have the same parameters and buffers (names, shapes,
-            dtypes): ``work`` is not a copy of ``template``.
+            dtypes), or a module of one has hooks the other's has not (a hook registered on
+            ``work`` since the copy, e.g. the ``row_split`` control's, would stay): ``work``
+            is not a copy of ``template``.
     """
     pairs = [*zip(work.named_parameters(), template.named_parameters(), strict=False),
              *zip(work.named_buffers(), template.named_buffers(), strict=False)]
@@ -195,6 +197,13 @@ def restore_model(work: torch.nn.Module, template: torch.nn.Module) -> torch.nn.
             for (nw, w), (nt, t) in pairs):
         raise ValueError("restore_model: work is not a copy of template (its parameters or "
                          "buffers differ in name, shape or dtype)")
+    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+             "_backward_pre_hooks")
+    if any(len(getattr(mw, h)) != len(getattr(mt, h)) for mw, mt in
+           zip(work.modules(), template.modules(), strict=False) for h in hooks) or \
+            len(list(work.modules())) != len(list(template.modules())):
+        raise ValueError("restore_model: work is not a copy of template (its modules or their "
+                         "hooks differ)")
     with torch.no_grad():
         for (_, w), (_, t) in pairs:
             w.copy_(t)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from pathlib import Path
@@ -110,7 +111,8 @@ def parse(value: str, *, cuda_count: int | None = None) -> tuple[str, ...]:
 
     Raises:
         UsageError: an empty entry, an unknown device, two kinds in one list, a CUDA device
-            torch does not see, or ``cuda`` without CUDA (one line naming the variable).
+            named twice or that torch does not see, or ``cuda`` without CUDA (one line naming
+            the variable).
     """
     def refuse(why: str) -> UsageError:
         return UsageError(f"{ENV}={value!r}: {why}")
@@ -122,15 +124,17 @@ def parse(value: str, *, cuda_count: int | None = None) -> tuple[str, ...]:
         raise refuse("an empty entry; give devices separated by commas (cpu,cpu or "
                      "cuda:0,cuda:1)")
     for v in items:
-        kind, _, index = v.partition(":")
-        if kind == "cpu" and not index:
+        if v == "cpu" or re.fullmatch(r"cuda:(0|[1-9][0-9]*)", v, re.ASCII) or (
+                v == "cuda" and len(items) == 1):
             continue
-        if kind == "cuda" and (index.isdigit() or (not index and len(items) == 1)):
-            continue
-        raise refuse(f"{v!r} is not a device; each entry is cpu or cuda:N (or cuda alone: "
-                     "every CUDA device; host alone: nothing placed)")
+        raise refuse(f"{v!r} is not a device; each entry is cpu or cuda:N (N a decimal "
+                     "index without leading zeros; cuda alone: every CUDA device; host "
+                     "alone: nothing placed)")
     if len({v.split(":")[0] for v in items}) > 1:
         raise refuse("one device kind per list (cpu, or cuda:N)")
+    twice = sorted({v for v in items if v.startswith("cuda:") and items.count(v) > 1})
+    if twice:
+        raise refuse(f"{', '.join(twice)} named twice: each CUDA device holds its own layers")
     if items[0].startswith("cuda"):
         n = (torch.cuda.device_count() if torch.cuda.is_available() else 0) \
             if cuda_count is None else cuda_count
@@ -172,6 +176,7 @@ def resolve(env: Mapping[str, str] | None = None) -> ReferenceDevices | None:
 @contextlib.contextmanager
 def _cuda_numerics() -> Iterator[dict[str, Any]]:
     """TF32 off, deterministic algorithms on, for the block; restored after."""
+    initialized = torch.cuda.is_initialized()
     saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
              torch.get_float32_matmul_precision(), torch.backends.cudnn.deterministic,
              torch.backends.cudnn.benchmark, torch.are_deterministic_algorithms_enabled(),
@@ -188,7 +193,10 @@ def _cuda_numerics() -> Iterator[dict[str, Any]]:
         yield {"cuda_matmul_allow_tf32": False, "cudnn_allow_tf32": False,
                "float32_matmul_precision": "highest", "cudnn_deterministic": True,
                "cudnn_benchmark": False, "deterministic_algorithms": "warn_only",
-               "cublas_workspace_config": os.environ["CUBLAS_WORKSPACE_CONFIG"]}
+               "cublas_workspace_config": os.environ["CUBLAS_WORKSPACE_CONFIG"],
+               # cuBLAS reads CUBLAS_WORKSPACE_CONFIG when the process first initialises
+               # CUDA: set here after that, it does not take effect
+               "cuda_initialized_before": initialized}
     finally:
         (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, precision,
          torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, det, warn,

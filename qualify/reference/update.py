@@ -292,7 +292,7 @@ class _Precision:
                     p.copy_(p.to(torch.bfloat16).to(p.dtype))
 
     def refresh(self) -> nn.Module:
-        """The module to run forward on: the master, or a fresh BF16 copy of it.
+        """The module to run forward on: the master, or a BF16 copy of its current values.
 
         The copy has BF16 parameters and FP32 buffers
         (:func:`qualify.reference.scoring.bf16_parameters_copy`: the rotary ``inv_freq`` is
@@ -486,7 +486,9 @@ def kl_reference_logprobs(ref: nn.Module, batch: Batch, contract: Contract,
     they spare each run the reference policy's forward, bit for bit.
 
     Args:
-        ref: the frozen reference policy, as :func:`run_actor` takes it; not modified.
+        ref: the frozen reference policy, as :func:`run_actor` takes it; its values are not
+            modified (with ``settings.row_split > 1`` its row-parallel projections are split,
+            as :func:`run_actor` splits them).
         batch: the unpadded batch :func:`run_actor` is given.
         contract: supplies the sampling temperature.
         settings: the run's settings (precision, micro-batching, padding).
@@ -528,15 +530,17 @@ def run_actor(actor: nn.Module, ref: nn.Module | None, batch: Batch, contract: C
             sensitivities (the perturbed updates of :mod:`qualify.reference.round_to_round`
             need only those tensors); ``None``: every round in full.
         ref_logprobs: the KL reference logprobs of this batch and settings
-            (:func:`kl_reference_logprobs`); ``None``: computed from ``ref``.
+            (:func:`kl_reference_logprobs`); ``None``: computed from ``ref``. When given,
+            ``ref`` is not run (pass ``None``).
 
     Returns:
         ``(tensors, meta)``: tensors under protocol names (``round{r}/actor/...``), FP32 CPU;
         meta with the observed dtypes (master weights, gradients, optimizer state, compute).
 
     Raises:
-        ValueError: ``ref_logprobs`` of another shape or dtype than this batch's; a
-            decoupled PPO or rollout-corrected run whose batch has no behavior logprobs.
+        ValueError: neither ``ref`` nor ``ref_logprobs``; ``ref_logprobs`` of another shape
+            or dtype than this batch's; a decoupled PPO or rollout-corrected run whose batch
+            has no behavior logprobs.
     """
     alg, temp = contract.algorithm, contract.sampling.temperature
     config: Any = actor.config
@@ -563,7 +567,9 @@ def run_actor(actor: nn.Module, ref: nn.Module | None, batch: Batch, contract: C
     lrs: dict[str, float] = {}
     sens = LossSensitivity()
     if ref_logprobs is None:
-        assert ref is not None
+        if ref is None:
+            raise ValueError("run_actor: give the reference policy (ref) or its KL "
+                             "reference logprobs (ref_logprobs)")
         ref_logp = _kl_reference_logprobs(ref, batch, temp, settings)
     elif ref_logprobs.shape != (b, r_len) or ref_logprobs.dtype != acc:
         raise ValueError(f"ref_logprobs: {tuple(ref_logprobs.shape)} {ref_logprobs.dtype}, "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,6 +49,10 @@ def diff(cpu: Path, cuda: Path) -> dict[str, Any]:
 
     files: dict[str, Any] = {}
     for g in GLOBS:
+        for p in sorted(cuda.glob(g)):
+            rel = str(p.relative_to(cuda))
+            if not (cpu / rel).is_file():
+                files[rel] = {"missing_in_cpu": True}
         for p in sorted(cpu.glob(g)):
             rel = str(p.relative_to(cpu))
             other = cuda / rel
@@ -70,14 +75,21 @@ def diff(cpu: Path, cuda: Path) -> dict[str, Any]:
         def key(b: dict[str, Any]) -> str:
             return "/".join(str(b.get(k)) for k in BOUND_KEY)
 
-        cy = {key(b): b["bound"] for b in by}
-        ratios = {key(b): (cy[key(b)] / b["bound"] if b["bound"] else None)
+        def number(v: Any) -> float:  # bounds.json writes a non-finite bound as a string
+            return float(v)
+
+        cy = {key(b): number(b["bound"]) for b in by}
+        ratios = {key(b): (cy[key(b)] / number(b["bound"])
+                           if number(b["bound"]) and math.isfinite(number(b["bound"]))
+                           and math.isfinite(cy[key(b)]) else None)
                   for b in bx if key(b) in cy}
+        dup = len(bx) - len({key(b) for b in bx}) + len(by) - len(cy)
         finite = [r for r in ratios.values() if r is not None]
         bounds = {"matched": len(ratios), "cpu": len(bx), "cuda": len(by),
+                  "duplicate_keys": dup,
                   "ratio_min": min(finite, default=None), "ratio_max": max(finite, default=None),
                   "ratios": ratios}
-    except (OSError, KeyError, ValueError) as e:
+    except (OSError, KeyError, ValueError, TypeError) as e:
         bounds = {"error": str(e)}
 
     def devices(d: Path) -> Any:
