@@ -674,3 +674,64 @@ def test_restore_model_gives_back_what_a_new_deep_copy_would_be(models: Models,
         restore_model(work, template)
     handle.remove()
     restore_model(work, template)
+
+
+def _perturbed_updates(models: Models, batch: Batch, contract: Contract,
+                       settings: UpdateSettings, *, restored: bool, placed: bool,
+                       ) -> list[dict[str, torch.Tensor]]:
+    """The round-to-round step's perturbed updates of both roles (no offset, then +-1e-3 at
+    two tokens in round ``rounds - 1``, the last round forward only): each from a new deep
+    copy with the reference policy run (the code before), or, ``restored``, from one working
+    copy restored each time with the KL reference logprobs taken once (the stage's way)."""
+    from qualify.models.roles import restore_model
+    from qualify.reference import devices
+    from qualify.reference.update import kl_reference_logprobs
+
+    rounds = contract.algorithm.rounds
+    b, r = batch.responses.shape
+    offsets: list[dict[int, torch.Tensor] | None] = [None]
+    for sign in (1.0, -1.0):
+        for token in ((0, 1), (2, 3)):
+            o = torch.zeros(b, r, dtype=torch.float64)
+            o[token] = sign * 1e-3
+            offsets.append({rounds - 1: o})
+    out = []
+    for role, base in zip(("actor", "critic"), models, strict=True):
+        template = _fresh(base)
+        if placed:
+            with devices.active(devices.ReferenceDevices(("cpu", "cpu", "cpu"), devices.ENV)):
+                devices.place(template, role)
+        work = _fresh(template)
+        kl: torch.Tensor | None = None
+        for offs in offsets:
+            torch.manual_seed(0)
+            model = restore_model(work, template) if restored else _fresh(template)
+            if role == "critic":
+                out.append(run_critic(model, batch, contract, settings, offsets=offs,
+                                      last_forward=rounds)[0])
+            elif restored:
+                kl = kl if kl is not None else kl_reference_logprobs(
+                    _fresh(template).requires_grad_(False), batch, contract, settings)
+                out.append(run_actor(model, None, batch, contract, settings, offsets=offs,
+                                     last_forward=rounds, ref_logprobs=kl)[0])
+            else:
+                out.append(run_actor(model, _fresh(template).requires_grad_(False), batch,
+                                     contract, settings, offsets=offs, last_forward=rounds)[0])
+    return out
+
+
+@pytest.mark.parametrize(("precision", "bf16_mode", "placed"), [
+    ("fp32", "params", False), ("bf16", "castmasters", True)])
+def test_perturbed_updates_restored_equal_new_copies_bit_for_bit(
+        models: Models, batch: Batch, contract: Contract, precision: Literal["fp32", "bf16"],
+        bf16_mode: Literal["params", "castmasters"], placed: bool) -> None:
+    """The round-to-round step's way (one working copy restored per update, the KL reference
+    logprobs once, one BF16 copy per run) gives every perturbed update's tensors bit for bit
+    as a new deep copy per update does, unplaced and placed across three ``cpu`` devices;
+    the offsets moved the results (the runs compared are not all the same run)."""
+    settings = UpdateSettings(precision=precision, bf16_mode=bf16_mode, micro_batch_size=2)
+    before = _perturbed_updates(models, batch, contract, settings, restored=False,
+                                placed=placed)
+    after = _perturbed_updates(models, batch, contract, settings, restored=True, placed=placed)
+    assert [_equal(x, y) for x, y in zip(before, after, strict=True)] == [[]] * len(before)
+    assert _equal(before[0], before[1]) != []
