@@ -79,7 +79,7 @@ def test_qwen3_8b_fits_a_node_of_eight_and_not_one_device(
     ref = [s for s in doc["steps"] if s["kind"] == "reference"]
     top = max(ref, key=lambda s: s["device_peak_bytes"])
     assert top["step"] == "branches hf-bf16-castmasters actor"
-    assert 22 * 8.19e9 < top["device_peak_bytes"]
+    assert top["device_peak_bytes"] > 22 * 8.19e9
     assert doc["shortfall"].startswith("updates hf-fp32: "), doc["shortfall"]
     code, _, err = _plan(capsys, str(contracts_dir() / "qwen3-8b.toml"), "--devices", "1",
                          "--device-memory", "141", "--host-memory", "2048")

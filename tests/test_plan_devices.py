@@ -24,8 +24,8 @@ from qualify.resources import contracts_dir
 QWEN3_8B = contracts_dir() / "qwen3-8b.toml"
 TINY = contracts_dir() / "tiny-qwen3.toml"
 
-H, I, LAYERS, HEADS, KV_HEADS, D, V = 4096, 12288, 36, 32, 8, 128, 151936
-LAYER = (H * HEADS * D + 2 * H * KV_HEADS * D + HEADS * D * H + 2 * D + 3 * H * I + 2 * H)
+H, MLP, LAYERS, HEADS, KV_HEADS, D, V = 4096, 12288, 36, 32, 8, 128, 151936
+LAYER = (H * HEADS * D + 2 * H * KV_HEADS * D + HEADS * D * H + 2 * D + 3 * H * MLP + 2 * H)
 ACTOR = V * H + LAYERS * LAYER + H + V * H  # embedding, layers, final norm, untied lm_head
 EMBED = V * H  # the largest parameter (lm_head is the same size)
 
@@ -46,10 +46,10 @@ def test_one_device_holds_the_whole_sensitivity_pass() -> None:
     parameter, the FP64 temporaries of the embedding, the head's output and one layer's
     activations (a forward without a graph). Each BF16 lane adds its 2-byte copy."""
     contract = load_contract(QWEN3_8B)
-    n_seq, prompt, resp, _ = plan._rollout_shape(contract)
+    _, prompt, resp, _ = plan._rollout_shape(contract)
     mbs, pos = contract.algorithm.micro_batch_size, prompt + resp
     q, kv = HEADS * D, KV_HEADS * D
-    layer_elems = 2 * H + 2 * (q + kv) + kv + 5 * q + 2 * H + 4 * I + (q + kv)
+    layer_elems = 2 * H + 2 * (q + kv) + kv + 5 * q + 2 * H + 4 * MLP + (q + kv)
     head = 5 * mbs * resp * V * 4 + 2 * mbs * pos * H * 4
     steps = _steps(str(QWEN3_8B), 1)
     fp32 = 20 * ACTOR + 24 * EMBED + head + layer_elems * mbs * pos * 4
@@ -127,16 +127,21 @@ def test_devices_come_from_the_setting_and_devices_overrides(
                         ("cpu,cpu,cpu", 0)):
         monkeypatch.setenv("QUALIFY_REFERENCE_DEVICES", value)
         _, doc, _ = _plan_json(capsys)
-        assert doc is not None and doc["machine"]["devices"] == want, value
+        assert doc is not None
+        assert doc["machine"]["devices"] == want, value
         _, doc, _ = _plan_json(capsys, "--devices", "4")
-        assert doc is not None and doc["machine"]["devices"] == 4, value
+        assert doc is not None
+        assert doc["machine"]["devices"] == 4, value
     monkeypatch.delenv("QUALIFY_REFERENCE_DEVICES")
     _, doc, _ = _plan_json(capsys)
-    assert doc is not None and doc["machine"]["devices"] == 8  # unset: the CUDA devices here
+    assert doc is not None
+    assert doc["machine"]["devices"] == 8  # unset: the CUDA devices here
     for bad in ("gpu:0", "cuda:0,cpu", "cuda:9", "cpu,,cpu"):
         monkeypatch.setenv("QUALIFY_REFERENCE_DEVICES", bad)
         code, doc, err = _plan_json(capsys)
-        assert code == ExitCode.USAGE_ERROR and doc is None, bad
+        assert code == ExitCode.USAGE_ERROR, bad
+        assert doc is None, bad
         lines = err.strip().splitlines()
-        assert len(lines) == 1 and "QUALIFY_REFERENCE_DEVICES" in lines[0], err
+        assert len(lines) == 1, err
+        assert "QUALIFY_REFERENCE_DEVICES" in lines[0], err
         assert "Traceback" not in err
