@@ -34,6 +34,8 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
 
     here = machine_defaults()
     devices = here.devices if args.devices is None else args.devices
+    if args.devices is None:
+        devices = _env_devices(here.devices)
     if devices < 0:
         raise UsageError(f"--devices {devices}: must be 0 (host only) or more")
     if args.cores is not None and args.cores < 1:
@@ -86,6 +88,27 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
     return ExitCode.OK
 
 
+def _env_devices(default: int) -> int:
+    """The reference stage's devices as ``$QUALIFY_REFERENCE_DEVICES`` sets them, else ``default``.
+
+    Parsed as the stage parses it (:func:`qualify.reference.devices.parse`): ``cuda:N,...``
+    or ``cuda`` is that many devices; ``host`` and a ``cpu`` list run on the host, no devices
+    (the stage's own plan check, :func:`qualify.reference.stage._plan_check`, counts them so).
+
+    Raises:
+        UsageError: the setting is refused (:func:`qualify.reference.devices.parse`).
+    """
+    import os
+
+    from qualify.reference import devices as reference_devices
+
+    value = os.environ.get(reference_devices.ENV, "")
+    if not value:
+        return default
+    listed = reference_devices.parse(value)
+    return len(listed) if listed and listed[0].startswith("cuda") else 0
+
+
 def _duration(s: float) -> str:
     if s < 60:
         return f"{s:.1f} s"
@@ -99,8 +122,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="memory, bytes written and time of the reference stage "
                                     "and the candidate launches; refuse what cannot fit")
     p.add_argument("contract", nargs="?", help="contract TOML (default: embedded tiny-qwen3)")
-    p.add_argument("--devices", type=int, help="accelerators (default: CUDA devices here; 0: "
-                                               "host only)")
+    p.add_argument("--devices", type=int, help="accelerators (default: those "
+                                               "$QUALIFY_REFERENCE_DEVICES names, host and cpu "
+                                               "lists 0, else the CUDA devices here; 0: host "
+                                               "only); overrides $QUALIFY_REFERENCE_DEVICES")
     p.add_argument("--device-memory", type=_gb, metavar="GB",
                    help="memory of each device, GB (default: the devices here)")
     p.add_argument("--host-memory", type=_gb, metavar="GB",

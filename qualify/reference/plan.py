@@ -33,18 +33,34 @@ step is the sum of the terms alive together there:
   inputs of every sequence, one backward's output gradients (until spilled), and in the Gram
   one parameter's factors of every token (:mod:`qualify.reference.gram_factors`);
 - ``gram_block``: the factored Gram's block of rebuilt ``J_t`` rows (:data:`GRAM_BLOCK_BYTES`);
+- ``host_temporaries``: the per-parameter FP64 arithmetic (``g.double() / norm`` of the
+  sensitivity, ``<g, J_t>`` and ``|J_t|^2``, the fp64 Gram's products), ``3 x 8`` bytes per
+  element of the largest parameter, one parameter at a time;
+- ``fp32_before_double``: the FP64 control's FP32 model while ``.double()`` converts it, one
+  FP32 model (an upper bound: torch converts parameter by parameter);
+- ``factor_temporaries``: the factored Gram's round gradient of one parameter copied to the
+  host in FP32 and its FP64 square (``2 x 8`` bytes per element of the largest parameter);
 - ``checkpoint_map``: a model file mapped while it is read (``roles.load_*``: safetensors
   maps the FP32 checkpoint, whose pages count as resident while mapped), one model;
 - ``interpreter``: the process before any model, :data:`INTERPRETER_BYTES`.
 
 Host-only execution (``devices = 0``: the stage without CUDA) puts every term on the host.
-With devices, the plan of docs/scale.md section 3: weights, gradients, activations, the BF16
-copy and ``J_t`` on the devices, whole layers per device under the stage's own assignment
-(:func:`qualify.reference.placement.stage_assignment`); the AdamW moments on the host (the
-chunked host AdamW) and the sensitivity copy on the host. The placed stage
-(:mod:`qualify.reference.devices`) does not do that yet: it keeps the AdamW moments, the
-sensitivity copy and the FP64 temporaries with their parameters on the devices, so on CUDA
-its device peaks exceed these by those terms spread over the devices.
+With devices, what the placed stage (:mod:`qualify.reference.devices`) holds where, whole
+layers per device under its own assignment (:func:`qualify.reference.placement.
+stage_assignment`): on the devices, with their layers, the models, their gradients, the AdamW
+moments (``torch.optim.AdamW`` on the placed parameters), the sensitivity copy, the BF16 copy
+and its gradient, the autocast cache, ``J_t`` and the fp64 Gram's kept ``J_t``, the FP64
+control's models and the FP32 model before ``.double()`` (:data:`DEVICE_PARAM_TERMS`); the
+per-parameter FP64 temporaries on each device at the largest parameter it holds
+(:data:`DEVICE_TRANSIENT_TERMS`); a micro-batch's activations with their layers (a backward)
+or one layer's on every device (a forward without a graph), the head's output with the last
+layer. On the host: the interpreter, the mapped checkpoint and the model read from it before
+it is placed (``host_load_copy``, one FP32 model), the sealed ``J_t`` samples and the factored
+Gram's factors and temporaries (:mod:`qualify.reference.gram_factors` keeps them there).
+docs/scale.md section 3 designs a split that is not built: the AdamW moments on the host (a
+chunked host AdamW), the sensitivity copy on the host and the FP64 control's round 2 from
+``p1`` and ``g1``, which would take ``12 P`` (``24 P`` in the FP64 control) bytes off the
+devices in an update's sensitivity pass.
 
 Time: ``FLOPs / throughput`` with ``FLOPs = 2 P`` per token for a forward and ``6 P`` for
 a forward and backward (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", eq.
@@ -101,12 +117,6 @@ CHECKPOINT_READ_BYTES_PER_S: Final = 1.0e9
 """Reading a model into FP32 (``roles.load_*``: safetensors read, dtype conversion): 1 GB/s,
 an order for a local disk; loading dominates the device plan's time (docs/scale.md section
 3)."""
-
-HOST_ADAMW_BYTES_PER_S: Final = 2.0e10
-"""The chunked host AdamW's memory traffic (one parameter read and written with its two
-moments and gradient, ~28 bytes per FP32 element): 20 GB/s, a fraction of a server socket's
-bandwidth (docs/scale.md section 3)."""
-
 
 class DoesNotFitError(UsageError):
     """The contract's reference stage or a launch needs more memory than the machine has.
@@ -350,25 +360,54 @@ class Plan:
                 "steps": [s.to_dict() for s in self.steps], "shortfall": self.shortfall()}
 
 
-def _device_peak(shape: ModelShape, role: str, per_param: float, act_per_layer: int,
-                 head_extra: int, *, devices: int) -> int:
+DEVICE_PARAM_TERMS: Final = frozenset({
+    "weights", "grads", "adamw", "sensitivity_copy", "bf16_work", "autocast_cache", "jt",
+    "jt_kept", "fp32_before_double"})
+"""Terms the placed stage holds with their parameters' layers (whole multiples of the role's
+parameter count): the models and their ``.grad``, ``torch.optim.AdamW``'s moments (created on
+the placed parameters, :func:`qualify.reference.update._adamw`), the sensitivity's ``saved``
+copy, the BF16 copy and its gradient, the autocast cache, a ``J_t`` and the fp64 Gram's kept
+``J_t`` (:func:`qualify.reference.jacobian.token_gradients` returns them on the parameters'
+devices), the FP32 model before ``.double()`` (the FP64 control)."""
+
+DEVICE_TRANSIENT_TERMS: Final = frozenset({"host_temporaries"})
+"""Per-parameter temporaries (a multiple of the role's largest parameter) computed where the
+parameter is: with devices, on each device a multiple of the largest parameter it holds."""
+
+
+def _device_peak(shape: ModelShape, role: str, per_param: int, act_per_layer: int,
+                 head_extra: int, *, devices: int, per_largest: int = 0,
+                 transient: int = 0) -> int:
     """The fullest device's bytes with whole layers per device.
 
     Under the assignment the reference stage places ``role``'s model with
     (:func:`qualify.reference.placement.stage_assignment` of the same parameter element
     counts as :func:`qualify.reference.placement.parameter_counts` takes from the model:
     :func:`stage_layer_counts`), each layer then holding ``per_param`` bytes per parameter and
-    its activations, the embedding's device its bytes, the last layer's the head's and
-    ``head_extra``.
+    ``act_per_layer`` of activations, the embedding's device its bytes, the last layer's the
+    head's and ``head_extra``; every device also ``per_largest`` bytes per element of the
+    largest parameter it holds (:data:`DEVICE_TRANSIENT_TERMS`) and ``transient`` bytes (one
+    layer's activations of a forward without a graph).
     """
     from qualify.reference.placement import device_loads, stage_assignment
 
     layer_n, first_n, last_n = stage_layer_counts(shape, role)
     placed = stage_assignment(layer_n, first_n, last_n, devices)
-    layers = [int(n * per_param) + act_per_layer for n in layer_n]
-    first = int(first_n * per_param)
-    head = int(last_n * per_param) + head_extra
-    return max(device_loads(layers, placed, devices, first=first, last=head))
+    layers = [n * per_param + act_per_layer for n in layer_n]
+    first = first_n * per_param
+    head = last_n * per_param + head_extra
+    loads = device_loads(layers, placed, devices, first=first, last=head)
+    biggest = [0] * devices
+    layer_max = max(n for _, n in shape.layer_params())
+    for d in placed:
+        biggest[d] = max(biggest[d], layer_max)
+    names = dict(shape.params(role))
+    biggest[0] = max(biggest[0], names["model.embed_tokens.weight"])
+    head_params = [n for k, n in shape.params(role)
+                   if k != "model.embed_tokens.weight" and not k.startswith("model.layers.")]
+    at_head = placed[-1] if placed else 0
+    biggest[at_head] = max(biggest[at_head], *head_params)
+    return max(load + per_largest * b + transient for load, b in zip(loads, biggest, strict=True))
 
 
 def stage_layer_counts(shape: ModelShape, role: str) -> tuple[list[int], int, int]:
@@ -560,10 +599,10 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
     Each step's peak is the largest over its phases of the terms alive together: ``load``
     (the checkpoint mapped while the model is read), ``backward`` (a micro-batch's graph),
     ``sensitivity`` (the saved copy, forward only), ``tokens`` and ``gram`` (the clip-branch
-    passes). With devices, the terms the plan keeps on the host (the AdamW moments, the
-    sensitivity copy, the mapped checkpoint, the per-parameter temporaries of the host-side
-    arithmetic) are the host's; the rest is placed on the devices, whole layers per device,
-    one run at a time (so one device computes at a time: a pipeline without overlap).
+    passes). With devices, as the placed stage holds them (module docstring): the terms of
+    :data:`DEVICE_PARAM_TERMS` with their layers, :data:`DEVICE_TRANSIENT_TERMS` at each
+    device's largest parameter, the activations with their layers, the rest on the host, one
+    run at a time (so one device computes at a time: a pipeline without overlap).
 
     After the stage's steps, one ``verify`` step: what ``qualify verify`` reads back to
     measure the control errors again (bytes read, time, the host memory of holding them).
@@ -591,7 +630,6 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
     dev = machine.devices > 0
     rate_key = "gpu" if dev else "cpu"
     units = 1 if dev else machine.cores  # whole layers per device: one device at a time
-    host_side = {"checkpoint_map", "adamw", "sensitivity_copy", "host_temporaries"}
     steps: list[Step] = []
 
     def rate(prec: str) -> float:
@@ -607,17 +645,38 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
         return per_layer, logits + 2 * size * pos * shape.hidden_size * 4
 
     def add(name: str, phases: Mapping[str, Mapping[str, int]], role_of: Mapping[str, str],
-            per_param_dev: Mapping[str, float], act_dev: Mapping[str, tuple[int, int]], *,
-            written: int, seconds: float) -> None:
-        """Reduce phases to the step's peaks; with devices split host and device terms."""
+            act_dev: Mapping[str, tuple[int, int, int]], *, written: int,
+            seconds: float) -> None:
+        """Reduce phases to the step's peaks; with devices split host and device terms.
+
+        With devices, each phase's :data:`DEVICE_PARAM_TERMS` are spread over the devices
+        with their layers, its :data:`DEVICE_TRANSIENT_TERMS` on each device at its largest
+        parameter, its activations as ``act_dev`` gives them (``(per layer, head, one
+        layer's transient)`` bytes); every other term stays on the host, and a phase that
+        maps a checkpoint (``checkpoint_map``) also holds the loaded FP32 model on the host
+        before it is placed (``host_load_copy``, the checkpoint's size).
+        """
         host_peak, dev_peak, at = 0, 0, ""
         terms_at_peak: dict[str, int] = {}
         for phase, terms in phases.items():
             if dev:
+                role = role_of[phase]
+                on_dev = sum(v for k, v in terms.items() if k in DEVICE_PARAM_TERMS)
+                per_param, rest = divmod(on_dev, p[role])
+                trans = sum(v for k, v in terms.items() if k in DEVICE_TRANSIENT_TERMS)
+                per_largest, rest_t = divmod(trans, largest[role])
+                if rest or rest_t:  # every such term is a multiple of its unit: a defect
+                    raise AssertionError(f"plan: {name} {phase}: device terms not whole "
+                                         f"multiples of the parameters ({rest}, {rest_t})")
                 host_t = {"interpreter": INTERPRETER_BYTES,
-                          **{k: v for k, v in terms.items() if k in host_side}}
-                d = _device_peak(shape, role_of[phase], per_param_dev[phase],
-                                 act_dev[phase][0], act_dev[phase][1], devices=machine.devices)
+                          **{k: v for k, v in terms.items()
+                             if k not in DEVICE_PARAM_TERMS | DEVICE_TRANSIENT_TERMS
+                             and k != "activations"}}
+                if terms.get("checkpoint_map"):
+                    host_t["host_load_copy"] = terms["checkpoint_map"]
+                layer, head, transient = act_dev[phase]
+                d = _device_peak(shape, role, per_param, layer, head, devices=machine.devices,
+                                 per_largest=per_largest, transient=transient)
                 dev_peak = max(dev_peak, d)
             else:
                 host_t = {"interpreter": INTERPRETER_BYTES, **terms}
@@ -641,8 +700,7 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
                         "activations": layer_act + head}}
         flops = 2.0 * (2 * p["actor"] + p["critic"] + p["reward"]) * tokens
         add(f"scoring {score_prec}", phases, {"load": "actor", "forward": "actor"},
-            {"load": 8, "forward": 8 + (2 if bf16 else 0)},
-            {"load": (0, 0), "forward": (layer_act, head)}, written=6 * n_seq * resp * 4,
+            {"load": (0, 0, 0), "forward": (0, head, layer_act)}, written=6 * n_seq * resp * 4,
             seconds=flops / rate("bf16" if bf16 else "fp32")
             + load_s(4 * (2 * p["actor"] + p["critic"] + p["reward"])))
 
@@ -682,7 +740,7 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
         elem = 8 if prec == "fp64" else (2 if bf16_params else 4)
         pos = positions + extra
         best: tuple[int, str] = (-1, "")
-        flops, loads, adamw_bytes = 0.0, 0, 0
+        flops, loads = 0.0, 0
         phases_by_role: dict[str, dict[str, dict[str, int]]] = {}
         for role in roles:
             pr = p[role]
@@ -693,7 +751,7 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
             train = training(role, w, bf16_params, autocast)
             phases = {
                 "load": {"weights": models_loaded * w * pr, "checkpoint_map": 4 * pr,
-                         "host_temporaries": 4 * pr if w == 8 else 0},
+                         "fp32_before_double": 4 * pr if w == 8 else 0},
                 "backward": {**train, "bf16_work": 4 * pr if bf16_params else 0,
                              "activations": layer_act * shape.num_hidden_layers + head},
             }
@@ -709,25 +767,19 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
             if runs_of is None:  # every round: fwd+bwd, sensitivity 2 fwd
                 flops += kl_ref + rounds * (6 + 4) * pr * n_seq * pos
                 loads += models_loaded * 4 * pr
-                adamw_bytes += 4 * w * pr * rounds
             else:  # rounds before r: fwd+bwd; round r: its forward only
                 for r, count in runs_of.items():
                     flops += count * (kl_ref + ((r - 1) * 6 + 2) * pr * n_seq * pos)
                     loads += count * models_loaded * 4 * pr
-                    adamw_bytes += count * 4 * w * pr * (r - 1)
         role = best[1]
         layer_act, head = acts(role, size, pos, elem, eager)
-        per_param = {f"{role} load": w, f"{role} backward": 2 * w + (4 if bf16_params else 0)
-                     + (2 if autocast else 0)}
-        act_dev = {f"{role} load": (0, 0), f"{role} backward": (layer_act, head)}
-        if runs_of is None:
-            per_param[f"{role} sensitivity"] = 2 * w + (2 if bf16_params else 0)
-            act_dev[f"{role} sensitivity"] = (0, head)
+        act_dev = {f"{role} load": (0, 0, 0), f"{role} backward": (layer_act, head, 0),
+                   f"{role} sensitivity": (0, head, layer_act)}
         add(label, {f"{role} {k}": v for k, v in phases_by_role[role].items()},
-            {f"{role} {k}": role for k in phases_by_role[role]}, per_param, act_dev,
+            {f"{role} {k}": role for k in phases_by_role[role]}, act_dev,
             written=update_file if runs_of is None else 0,
             seconds=flops / rate(prec if prec in ("fp64", "bf16") else "fp32")
-            + load_s(loads) + (adamw_bytes / HOST_ADAMW_BYTES_PER_S if dev else 0))
+            + load_s(loads))
         return steps[-1]
 
     for label, prec, mode, size, extra, eager in runs:
@@ -799,7 +851,8 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
                          "jt_kept": k * 4 * pr if keep else 0,
                          "gram_block": 0 if keep else GRAM_BLOCK_BYTES,
                          "factor_inputs": inputs, "gram_factors": factors,
-                         "host_temporaries": (3 if keep else 2) * 8 * largest[role],
+                         "host_temporaries": 3 * 8 * largest[role] if keep else 0,
+                         "factor_temporaries": 0 if keep else 2 * 8 * largest[role],
                          "sealed_kept": sealed_before + sealed},
             }
             sealed_before += sealed
@@ -807,13 +860,10 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
                      + (rounds - 1) * k * 6 * pr * positions)
             written = (rounds - 1) * k * (4 * reported[role]
                                           + SAFETENSORS_HEADER_BYTES * n_tensors[role])
-            extra_dev = 2 if bf16_params else 0
             branch_file[lane] += written
             add(f"branches hf-{lane} {role}", phases, dict.fromkeys(phases, role),
-                {"rerun backward": 8 + 2 * extra_dev, "rerun": 8 + extra_dev,
-                 "tokens": 8 + extra_dev + 4, "gram": 8 + extra_dev},
-                {"rerun backward": (run_act, run_head), "rerun": (0, head),
-                 "tokens": (layer_act, head), "gram": (0, 0)},
+                {"rerun backward": (run_act, run_head, 0), "rerun": (0, run_head, run_act),
+                 "tokens": (layer_act, head, 0), "gram": (0, 0, 0)},
                 written=written,
                 seconds=flops / rate("fp32") + load_s((2 if role == "actor" else 1) * 4 * pr))
 
@@ -900,8 +950,7 @@ def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
 COST_MODEL: Final = (
     "memory: named terms of the reference code (qualify/reference/plan.py), summed where "
     "alive together; time: FLOPs = 2 P per token forward, 6 P forward+backward (Kaplan et al. "
-    "2020), over THROUGHPUT per core (CPU) or per device (GPU) of qualify/reference/plan.py; "
-    "host AdamW at 20 GB/s of memory traffic")
+    "2020), over THROUGHPUT per core (CPU) or per device (GPU) of qualify/reference/plan.py")
 
 
 def build_plan(contract: Contract, machine: Machine) -> Plan:
