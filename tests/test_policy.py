@@ -26,6 +26,7 @@ from qualify.evidence.policy import (
     load_policy,
     policy_for,
 )
+from qualify.pipeline.sweep import rule_digest
 from qualify.resources import contracts_dir, repo_root
 
 __all__ = ["fresh", "fresh_world", "signed_world"]
@@ -181,8 +182,10 @@ def test_algorithm_policies_are_derived_by_their_committed_sweep(name: str) -> N
     sweep = json.loads((repo_root() / "evidence" / name / "sweep.json").read_text())
     assert sweep["contract_digest"] == contract.digest, "the contract changed since the sweep"
     assert sweep["policy_digest"] == policy.digest, "the policy changed since the sweep"
+    assert sweep["rule_digest"] == rule_digest(), "the bound rule changed since the sweep"
     assert [v["offset"] for v in sweep["variants"]] == [0, 1, 2, 3, 4, 5]
-    assert sweep["exit_code"] == 0 and sweep["unexplained"] == []
+    assert sweep["exit_code"] == 0
+    assert sweep["unexplained"] == []
     assert all(v["exit_code"] == 0 for v in sweep["variants"])
     derived = {(d["cells"], tuple(d["families"])): d["max_margin"] for d in sweep["derived"]}
     listed = {(e.cells, tuple(e.families)): e.max_margin for e in policy.expected_failures}
