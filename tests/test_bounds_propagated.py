@@ -298,11 +298,16 @@ def test_grad_norm_holds_one_copy_of_the_parameters_at_its_peak() -> None:
     by less than 1.5x the parameters (measured here: 149 MiB). Holding the unit directions
     and an FP64 copy of the gradients as well, as before issue #17's change, rose by 4.2x
     (533 MiB): on SmolLM2's FP64 control that was the reference stage's peak."""
-    proc = subprocess.run([sys.executable, "-c", _GRAD_NORM_PEAK], check=False,
-                          capture_output=True, text=True, cwd=repo_root(), timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    if proc.stdout.strip() == "no-clear-refs":
-        pytest.skip("/proc/self/clear_refs refused here: the peak cannot be reset")
-    param_mb, before, peak = (int(x) for x in proc.stdout.split())
-    assert param_mb == 128
-    assert peak - before < 1.5 * param_mb, (before, peak)
+    rises = []
+    for _ in range(3):  # the smallest of three fresh interpreters: one run's peak also holds
+        # what the allocator happened to keep (a rise of 145-181 MiB over eight runs here,
+        # 202 MiB once beside a loaded test run); a copy more of the parameters raises all
+        proc = subprocess.run([sys.executable, "-c", _GRAD_NORM_PEAK], check=False,
+                              capture_output=True, text=True, cwd=repo_root(), timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        if proc.stdout.strip() == "no-clear-refs":
+            pytest.skip("/proc/self/clear_refs refused here: the peak cannot be reset")
+        param_mb, before, peak = (int(x) for x in proc.stdout.split())
+        assert param_mb == 128
+        rises.append(peak - before)
+    assert min(rises) < 1.5 * param_mb, rises
