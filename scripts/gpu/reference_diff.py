@@ -75,15 +75,12 @@ def diff(cpu: Path, cuda: Path) -> dict[str, Any]:
         def key(b: dict[str, Any]) -> str:
             return "/".join(str(b.get(k)) for k in BOUND_KEY)
 
-        def number(v: Any) -> float:  # bounds.json writes a non-finite bound as a string
-            return float(v)
-
-        cy = {key(b): number(b["bound"]) for b in by}
-        ratios = {key(b): (cy[key(b)] / number(b["bound"])
-                           if number(b["bound"]) and math.isfinite(number(b["bound"]))
-                           and math.isfinite(cy[key(b)]) else None)
-                  for b in bx if key(b) in cy}
-        dup = len(bx) - len({key(b) for b in bx}) + len(by) - len(cy)
+        # float(): bounds.json writes a non-finite bound as a string
+        cx = {key(b): float(b["bound"]) for b in bx}
+        cy = {key(b): float(b["bound"]) for b in by}
+        ratios = {k: (cy[k] / v if v and math.isfinite(v) and math.isfinite(cy[k]) else None)
+                  for k, v in cx.items() if k in cy}
+        dup = len(bx) - len(cx) + len(by) - len(cy)
         finite = [r for r in ratios.values() if r is not None]
         bounds = {"matched": len(ratios), "cpu": len(bx), "cuda": len(by),
                   "duplicate_keys": dup,
