@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -258,3 +259,39 @@ def test_cuda_numerics_are_set_for_the_block_and_restored(
             torch.get_float32_matmul_precision(),
             torch.are_deterministic_algorithms_enabled()) == before
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+
+
+def test_kernels_without_a_deterministic_implementation_are_recorded_once_each(
+        recwarn: pytest.WarningsRecorder) -> None:
+    """Under ``warn_only`` torch warns where an op has no deterministic kernel; the CUDA
+    numerics block records each such op once, in order, from torch's own warning, whatever
+    the filters, shows it once, passes other warnings through, and restores the warnings
+    module after."""
+    from torch._prims_common import alert_not_deterministic
+
+    shown, filters = warnings.showwarning, list(warnings.filters)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a user's -W ignore must not hide them from the record
+        with devices._cuda_numerics() as numerics:
+            alert_not_deterministic("index_add_cuda_")
+            alert_not_deterministic("index_add_cuda_")
+            alert_not_deterministic("scatter_add_cuda_kernel")
+    assert numerics["nondeterministic_kernels"] == ["index_add_cuda_",
+                                                    "scatter_add_cuda_kernel"]
+    assert warnings.showwarning is shown
+    assert warnings.filters == filters
+    assert sum("index_add_cuda_" in str(w.message) for w in recwarn.list) == 1
+    recwarn.clear()
+    into: list[str] = []
+    with devices.recording_nondeterministic_kernels(into):
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            alert_not_deterministic("index_add_cuda_")
+            alert_not_deterministic("index_add_cuda_")
+            warnings.warn("another warning", UserWarning, stacklevel=1)
+        finally:
+            torch.use_deterministic_algorithms(False)
+    assert into == ["index_add_cuda_"]
+    messages = [str(w.message) for w in recwarn.list]
+    assert sum("index_add_cuda_" in m for m in messages) == 1
+    assert "another warning" in messages

@@ -34,7 +34,8 @@ function), run before the stage writes anything.
 On CUDA, :func:`active` sets torch's numerics once for the stage and restores them after:
 no TF32 (cuBLAS and cuDNN), FP32 matmul precision ``highest``, cuDNN deterministic and not
 benchmarking, ``torch.use_deterministic_algorithms(True, warn_only=True)`` (deterministic
-kernels where torch has them; a warning, not an error, where it has none) and
+kernels where torch has them; a warning, not an error, where it has none, and each such op
+recorded: :func:`recording_nondeterministic_kernels`) and
 ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless set (cuBLAS's deterministic workspace). BF16
 lanes run as they do on the host (BF16 parameters or autocast, FP32 masters).
 
@@ -49,6 +50,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import warnings
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from pathlib import Path
@@ -64,6 +66,12 @@ from qualify.reference.placement import place_for_devices
 __all__ = ["ENV", "ReferenceDevices", "active", "check_setting", "load_role", "parse", "resolve"]
 
 ENV: Final = "QUALIFY_REFERENCE_DEVICES"
+
+_NONDETERMINISTIC: Final = re.compile(
+    r"(?P<op>.+?) does not have a deterministic implementation, but you set "
+    r"'torch\.use_deterministic_algorithms\(True, warn_only=True\)'", re.DOTALL)
+"""torch's warning for a kernel without a deterministic implementation under ``warn_only``
+(``at::Context::alertNotDeterministic``, ``torch._prims_common.alert_not_deterministic``)."""
 
 CUBLAS_DETERMINISTIC: Final = ":4096:8"
 """cuBLAS's workspace setting for reproducible results (CUDA toolkit docs, "Results
@@ -189,14 +197,18 @@ def _cuda_numerics() -> Iterator[dict[str, Any]]:
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(True, warn_only=True)
+    fallbacks: list[str] = []
     try:
-        yield {"cuda_matmul_allow_tf32": False, "cudnn_allow_tf32": False,
+        with recording_nondeterministic_kernels(fallbacks):
+            yield {"cuda_matmul_allow_tf32": False, "cudnn_allow_tf32": False,
                "float32_matmul_precision": "highest", "cudnn_deterministic": True,
-               "cudnn_benchmark": False, "deterministic_algorithms": "warn_only",
-               "cublas_workspace_config": os.environ["CUBLAS_WORKSPACE_CONFIG"],
-               # cuBLAS reads CUBLAS_WORKSPACE_CONFIG when the process first initialises
-               # CUDA: set here after that, it does not take effect
-               "cuda_initialized_before": initialized}
+                   "cudnn_benchmark": False, "deterministic_algorithms": "warn_only",
+                   "cublas_workspace_config": os.environ["CUBLAS_WORKSPACE_CONFIG"],
+                   # cuBLAS reads CUBLAS_WORKSPACE_CONFIG when the process first initialises
+                   # CUDA: set here after that, it does not take effect
+                   "cuda_initialized_before": initialized,
+                   # filled while the block runs: the kernels that ran nondeterministically
+                   "nondeterministic_kernels": fallbacks}
     finally:
         (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, precision,
          torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, det, warn,
@@ -205,6 +217,40 @@ def _cuda_numerics() -> Iterator[dict[str, Any]]:
         torch.use_deterministic_algorithms(det, warn_only=warn)
         if cublas is None:
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+@contextlib.contextmanager
+def recording_nondeterministic_kernels(into: list[str]) -> Iterator[None]:
+    """Append to ``into`` each op torch ran without a deterministic implementation.
+
+    Under ``torch.use_deterministic_algorithms(True, warn_only=True)`` torch warns (a
+    ``UserWarning``, :data:`_NONDETERMINISTIC`) instead of raising when an op has no
+    deterministic kernel; such an op may give different bits on a rerun, so the stage
+    records it (``environment.json`` ``reference_devices.numerics.nondeterministic_kernels``)
+    rather than leave it to a log. Each op is recorded and shown once, in the order first
+    seen, whatever the warning filters say (the block shows these warnings ``always``); every
+    other warning is shown as before. The warnings module's state is restored after.
+
+    Args:
+        into: the list to append the ops' names to (torch's ``caller``, e.g.
+            ``index_add_cuda_``).
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("always",
+                                message=r".* does not have a deterministic implementation")
+        shown = warnings.showwarning
+
+        def show(message: Warning | str, category: type[Warning], filename: str,  # noqa: PLR0917 (warnings.showwarning's signature)
+                 lineno: int, file: Any = None, line: str | None = None) -> None:
+            match = _NONDETERMINISTIC.match(str(message))
+            if match is not None:
+                if match["op"] in into:
+                    return
+                into.append(match["op"])
+            shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield
 
 
 @contextlib.contextmanager
