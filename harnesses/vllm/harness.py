@@ -181,6 +181,40 @@ def _decode_round1(llm: Any, rows: list[tuple[list[int], list[int], list[int]]],
     return dists, facts
 
 
+def round1_decode_tensors(dists: dict[str, Tensor],
+                          rows: list[tuple[list[int], list[int], list[int]]],
+                          contract: Contract, vocab: int) -> dict[str, Tensor]:
+    """The round-1 decode-path tensors a sampler cell writes, from :func:`_decode_round1`.
+
+    Args:
+        dists: the passes' ``[B, R, V]`` FP32 logprobs (:data:`harnesses.vllm.decode.PASSES`).
+        rows: per sequence ``(prompt ids, response ids [R], response mask [R])``.
+        contract: its ``bounds.distribution_topk`` (the top-k path's ``k``).
+        vocab: the model's vocabulary size ``V``.
+
+    Returns:
+        Up to :data:`harnesses.vllm.decode.MAX_FULL_VOCAB`: ``round1/sampler/decode_raw`` and
+        ``decode_tempered`` ``[B, R, V]``; above it, vLLM's own top-k of each,
+        ``decode_{raw,tempered}_topk_logprobs`` FP32 and ``_topk_ids`` int64 ``[B, R, k]``;
+        always ``decode_{pass}_logprobs`` ``[B, R]``, each response token's logprob (0 where
+        the response mask is 0).
+    """
+    mask = torch.tensor([m for _, _, m in rows], dtype=torch.bool)
+    tensors: dict[str, Tensor] = {}
+    if vocab <= decode.MAX_FULL_VOCAB:  # full distributions: [B, R, V] stays small
+        for name in ("raw", "tempered"):
+            tensors[f"round1/{ROLE}/decode_{name}"] = dists[name].contiguous()
+    else:  # the top-k path (qualify.reference.distribution): vLLM's own top-k and their ids
+        for name in ("raw", "tempered"):
+            vals, ids = decode.topk_rows(dists[name], contract.bounds.distribution_topk)
+            tensors[f"round1/{ROLE}/decode_{name}_topk_logprobs"] = vals.contiguous()
+            tensors[f"round1/{ROLE}/decode_{name}_topk_ids"] = ids.contiguous()
+    for name in decode.PASSES:
+        tensors[f"round1/{ROLE}/decode_{name}_logprobs"] = torch.where(
+            mask, decode.token_logprobs(dists[name], rows), 0.0).contiguous()
+    return tensors
+
+
 def sample_rollout(llm: Any, rows: list[tuple[list[int], list[int], list[int]]],
                    contract: Contract, eos: int, pad: int) -> tuple[dict[str, Tensor],
                                                                      dict[str, Any]]:
@@ -356,17 +390,7 @@ def _finish(st: _Started, ins: _Inputs, req: dict[str, Any], wfile: Path,
     tensors.update({f"round2/{ROLE}/{k}": v.contiguous() for k, v in new.items()})
     tensors[f"round2/{ROLE}/decode_logprobs"] = torch.where(
         mask, decode.token_logprobs(d2, rows), 0.0).contiguous()
-    if spec.vocab_size <= decode.MAX_FULL_VOCAB:  # full distributions: [B, R, V] stays small
-        for name in ("raw", "tempered"):
-            tensors[f"round1/{ROLE}/decode_{name}"] = dists[name].contiguous()
-    else:  # the top-k path (qualify.reference.distribution): vLLM's own top-k and their ids
-        for name in ("raw", "tempered"):
-            vals, ids = decode.topk_rows(dists[name], contract.bounds.distribution_topk)
-            tensors[f"round1/{ROLE}/decode_{name}_topk_logprobs"] = vals.contiguous()
-            tensors[f"round1/{ROLE}/decode_{name}_topk_ids"] = ids.contiguous()
-    for name in decode.PASSES:
-        tensors[f"round1/{ROLE}/decode_{name}_logprobs"] = torch.where(
-            mask, decode.token_logprobs(dists[name], rows), 0.0).contiguous()
+    tensors.update(round1_decode_tensors(dists, rows, contract, spec.vocab_size))
     routes_end = llm.collective_rpc(decode.worker_routes)
     timings["total_s"] = round(time.perf_counter() - t_start, 3)
     meta: dict[str, Any] = {
