@@ -61,13 +61,18 @@ from qualify.errors import ReferenceDataError, UsageError
 from qualify.models import roles
 from qualify.reference.placement import place_for_devices
 
-__all__ = ["ENV", "ReferenceDevices", "active", "check_setting", "load_role", "parse", "resolve"]
+__all__ = ["ENV", "OPTIMIZER_STATES", "ReferenceDevices", "active", "check_setting", "load_role",
+           "optimizer_state", "parse", "resolve"]
 
 ENV: Final = "QUALIFY_REFERENCE_DEVICES"
 
 CUBLAS_DETERMINISTIC: Final = ":4096:8"
 """cuBLAS's workspace setting for reproducible results (CUDA toolkit docs, "Results
 reproducibility"; torch raises in ``use_deterministic_algorithms`` mode without it)."""
+
+OPTIMIZER_STATES: Final = ("device", "host")
+"""Where a placed update keeps its AdamW moments and the sensitivity copy
+(:attr:`ReferenceDevices.optimizer_state`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,10 +83,26 @@ class ReferenceDevices:
         devices: each device, ``cpu`` or ``cuda:N``, all of one kind, at least one.
         source: ``QUALIFY_REFERENCE_DEVICES`` (asked for) or ``cuda`` (every CUDA device
             torch sees, the default when CUDA is present).
+        optimizer_state: ``device``: the AdamW moments and the sensitivity's ``saved`` copy
+            live with their parameters' layers (``torch.optim.AdamW`` over the placed
+            parameters); ``host``: both on the host, the AdamW step taken one parameter at a
+            time there (:class:`qualify.reference.update.HostAdamW`,
+            :meth:`qualify.reference.sensitivity.LossSensitivity.grad_norm`). The stage sets
+            ``host`` when its plan says the devices cannot hold the state
+            (:func:`qualify.reference.plan.choose_optimizer_state`).
+
+    Raises:
+        ValueError: ``optimizer_state`` is not one of :data:`OPTIMIZER_STATES`.
     """
 
     devices: tuple[str, ...]
     source: str
+    optimizer_state: str = "device"
+
+    def __post_init__(self) -> None:
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(f"ReferenceDevices.optimizer_state: {self.optimizer_state!r}, "
+                             f"expected one of {OPTIMIZER_STATES}")
 
     @property
     def kind(self) -> str:
@@ -173,6 +194,18 @@ def resolve(env: Mapping[str, str] | None = None) -> ReferenceDevices | None:
     return None
 
 
+def optimizer_state() -> str:
+    """Where the active devices keep the AdamW moments and the sensitivity copy.
+
+    Returns:
+        The active :class:`ReferenceDevices`' ``optimizer_state`` inside :func:`active`;
+        ``device`` outside it or when nothing is placed (the unplaced stage: every tensor is on
+        the host already, and its optimizer is ``torch.optim.AdamW`` over the parameters).
+    """
+    state = _ACTIVE.get()
+    return "device" if state is None else state.devices.optimizer_state
+
+
 @contextlib.contextmanager
 def _cuda_numerics() -> Iterator[dict[str, Any]]:
     """TF32 off, deterministic algorithms on, for the block; restored after."""
@@ -215,16 +248,18 @@ def active(devices: ReferenceDevices | None) -> Iterator[dict[str, Any]]:
         The environment document's ``reference_devices``, filled in as models are placed:
         ``kind`` (``host`` when ``devices`` is ``None``), ``source``, ``devices`` (each with
         its name: the CUDA device's, or ``cpu``), ``numerics`` (the CUDA settings, ``None``
-        off CUDA) and ``placed``: ``{role: {"assignment": [device index per decoder layer],
-        "layers": n}}``, one entry per role placed (the same assignment every time a role
-        is loaded: it depends on the model's shape only).
+        off CUDA), ``optimizer_state`` (:attr:`ReferenceDevices.optimizer_state`; ``device``
+        when nothing is placed) and ``placed``: ``{role: {"assignment": [device index per
+        decoder layer], "layers": n}}``, one entry per role placed (the same assignment every
+        time a role is loaded: it depends on the model's shape only).
     """
     record: dict[str, Any] = {"kind": "host", "source": None, "devices": [],
-                              "numerics": None, "placed": {}}
+                              "numerics": None, "optimizer_state": "device", "placed": {}}
     if devices is None:
         yield record
         return
     record.update(kind=devices.kind, source=devices.source,
+                  optimizer_state=devices.optimizer_state,
                   devices=[{"device": d, "name": _device_name(d)} for d in devices.devices])
     state = _Active(devices, record["placed"])
     token = _ACTIVE.set(state)

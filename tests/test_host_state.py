@@ -1,0 +1,175 @@
+"""The AdamW moments and the sensitivity copy on the host (``optimizer_state = "host"``).
+
+:class:`qualify.reference.update.HostAdamW` steps one parameter at a time with torch's own
+AdamW on a host copy and keeps every moment there; the sensitivity's ``saved`` copy goes to
+the host with it. On host parameters the update and control runs must seal bitwise what the
+placed path with the state on the devices seals (the same per-parameter arithmetic in the same
+order), and the option must really be taken (the optimizer torch steps is then one host
+tensor per parameter, never the model's parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, cast
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+from tiny_models import seeded_batch, seeded_qwen3
+
+from qualify.contract import Contract, load_contract
+from qualify.reference import devices, update
+from qualify.reference.sensitivity import LossSensitivity
+from qualify.reference.update import Batch, HostAdamW, UpdateSettings
+from qualify.resources import contracts_dir
+
+CFG: dict[str, Any] = {
+    "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "pad_token_id": 0,
+    "eos_token_id": 2, "bos_token_id": 1, "attention_dropout": 0.0}
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for tiny models; restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _contract() -> Contract:
+    return load_contract(contracts_dir() / "tiny-qwen3.toml")
+
+
+def _run(state: str, precision: str, mode: str) -> tuple[dict[str, torch.Tensor], ...]:
+    """The Actor's and the Critic's update runs, placed on two ``cpu`` devices."""
+    contract = _contract()
+    st_ = UpdateSettings(precision=precision,  # type: ignore[arg-type]
+                         bf16_mode=mode, micro_batch_size=2)  # type: ignore[arg-type]
+    two = devices.ReferenceDevices(("cpu", "cpu"), devices.ENV, state)
+    with devices.active(two) as record:
+        models = []
+        for role in ("actor", "actor", "critic"):
+            m = seeded_qwen3(role, CFG)
+            models.append(devices.place(m.double() if precision == "fp64" else m,
+                                        role))
+        batch = cast(Batch, seeded_batch(96, short={0: 4}, masked_targets=False))
+        actor, meta_a = update.run_actor(models[0], models[1], batch, contract, st_)
+        critic, meta_c = update.run_critic(models[2], batch, contract, st_)
+    assert record["optimizer_state"] == state
+    assert len(set(record["placed"]["actor"]["assignment"])) == 2
+    return actor, critic, {"meta": meta_a}, {"meta": meta_c}  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(("precision", "mode"), [("fp32", "params"), ("bf16", "castmasters"),
+                                                 ("fp64", "params")])
+@pytest.mark.usefixtures("one_thread")
+def test_host_state_seals_bitwise_the_device_state(precision: str, mode: str) -> None:
+    """Every tensor of both runs (grads, moments, updates, logprobs, losses, norms) and the
+    meta (optimizer-state dtypes, the FP32 norm evaluations, the sensitivities) are equal."""
+    dev = _run("device", precision, mode)
+    host = _run("host", precision, mode)
+    for a, b in zip(dev[:2], host[:2], strict=True):
+        assert a.keys() == b.keys()
+        assert any("/exp_avg_sq/" in k for k in a)
+        for k in a:
+            assert a[k].dtype == b[k].dtype, k
+            assert torch.equal(a[k], b[k]), k
+    assert dev[2] == host[2]
+    assert dev[3] == host[3]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_host_option_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``host`` torch's AdamW steps one tensor per parameter and step, none of them a
+    model parameter nor sharing its storage, and the sensitivity pass keeps its copy on the
+    host; with ``device`` it steps the model's parameters together."""
+    stepped: list[list[torch.Tensor]] = []
+    plain_step = torch.optim.AdamW.step
+
+    def spy(self: torch.optim.AdamW, *a: Any, **kw: Any) -> Any:
+        stepped.append([p for g in self.param_groups for p in g["params"]])
+        return plain_step(self, *a, **kw)
+
+    saved_on_host: list[bool] = []
+    plain_norm = LossSensitivity.grad_norm
+
+    def norm_spy(self: LossSensitivity, *a: Any, **kw: Any) -> None:
+        saved_on_host.append(bool(kw.get("saved_on_host", False)))
+        plain_norm(self, *a, **kw)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy)
+    monkeypatch.setattr(LossSensitivity, "grad_norm", norm_spy)
+    contract = _contract()
+    rounds = contract.algorithm.rounds
+    for state in ("device", "host"):
+        stepped.clear()
+        saved_on_host.clear()
+        critic = seeded_qwen3("critic", CFG)
+        params = [p for p in critic.parameters() if p.requires_grad]
+        with devices.active(devices.ReferenceDevices(("cpu", "cpu"), devices.ENV, state)):
+            devices.place(critic, "critic")
+            batch = cast(Batch, seeded_batch(96, short={0: 4}, masked_targets=False))
+            update.run_critic(critic, batch, contract, UpdateSettings(precision="fp32",
+                                                                      micro_batch_size=2))
+        assert saved_on_host == [state == "host"] * rounds
+        if state == "device":
+            assert len(stepped) == rounds
+            assert all(len(s) == len(params) and all(x is y for x, y in zip(s, params,
+                                                                               strict=True))
+                       for s in stepped)
+            continue
+        assert len(stepped) == rounds * len(params)
+        ptrs = {p.untyped_storage().data_ptr() for p in params}
+        for s in stepped:
+            (t,) = s
+            assert t.device.type == "cpu"
+            assert not any(t is p for p in params)
+            assert t.numel() == 0 or t.untyped_storage().data_ptr() not in ptrs
+
+
+@settings(max_examples=25, deadline=None)
+@given(shapes=st.lists(st.tuples(st.integers(1, 5), st.integers(1, 4)), min_size=1,
+                       max_size=4),
+       steps=st.integers(1, 4), skip=st.integers(0, 7), seed=st.integers(0, 2**16),
+       lr=st.sampled_from([1e-3, 0.5]), wd=st.sampled_from([0.0, 0.01]),
+       dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_host_adamw_is_torch_adamw(shapes: list[tuple[int, int]], steps: int, skip: int,
+                                   seed: int, lr: float, wd: float,
+                                   dtype: torch.dtype) -> None:
+    """:class:`HostAdamW` gives bitwise ``torch.optim.AdamW``'s (single-tensor) parameters,
+    moments and per-parameter step counts, over steps where some parameters have no
+    gradient (torch skips them: their step count does not advance) and the lr changes."""
+    g = torch.Generator().manual_seed(seed)
+    init = [torch.randn(s, generator=g, dtype=dtype) for s in shapes]
+    grads = [[torch.randn(s, generator=g, dtype=dtype) for s in shapes] for _ in range(steps)]
+    a = [torch.nn.Parameter(t.clone()) for t in init]
+    b = [torch.nn.Parameter(t.clone()) for t in init]
+    kw: dict[str, Any] = {"lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": wd}
+    ref = torch.optim.AdamW(a, foreach=False, fused=False, **kw)
+    host = HostAdamW(b, **kw)
+    for k in range(steps):
+        for i, (pa, pb) in enumerate(zip(a, b, strict=True)):
+            given_grad = (skip >> (i % 3)) & 1 == 0 or k == 0
+            pa.grad = grads[k][i].clone() if given_grad else None
+            pb.grad = grads[k][i].clone() if given_grad else None
+        for opt in (ref, host):
+            for group in opt.param_groups:
+                group["lr"] = lr / (k + 1)
+        ref.step()
+        host.step()
+        ref.zero_grad(set_to_none=True)
+        host.zero_grad(set_to_none=True)
+        for pa, pb in zip(a, b, strict=True):
+            assert torch.equal(pa, pb)
+            sa, sb = ref.state[pa], host.moments(pb)
+            assert set(sb) == {"step", "exp_avg", "exp_avg_sq"}
+            for key in sb:
+                assert torch.equal(sa[key], sb[key]), key
+            assert sb["exp_avg"].device.type == "cpu"
+            assert sb["exp_avg"].untyped_storage().data_ptr() != pb.untyped_storage().data_ptr()
