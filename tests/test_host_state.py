@@ -11,6 +11,7 @@ tensor per parameter, never the model's parameters).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import hypothesis.strategies as st
@@ -173,3 +174,37 @@ def test_host_adamw_is_torch_adamw(shapes: list[tuple[int, int]], steps: int, sk
                 assert torch.equal(sa[key], sb[key]), key
             assert sb["exp_avg"].device.type == "cpu"
             assert sb["exp_avg"].untyped_storage().data_ptr() != pb.untyped_storage().data_ptr()
+
+
+def test_the_stage_runs_with_the_plans_choice(monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    """Under ``cpu,cpu,cpu`` and a device memory the device-state plan of tiny-qwen3 does not
+    fit (28.2 MB on the fullest device) and the host-state plan does (27.6 MB), the stage
+    enters its devices with ``optimizer_state = "host"``; with room for both, ``device``.
+    A device memory with nothing placed is one line before anything is written."""
+    from qualify.errors import UsageError
+    from qualify.reference import stage
+
+    seen: list[devices.ReferenceDevices | None] = []
+
+    class EnteredError(Exception):
+        pass
+
+    def spy(d: devices.ReferenceDevices | None) -> Any:
+        seen.append(d)
+        raise EnteredError
+
+    monkeypatch.setattr(devices, "active", spy)
+    monkeypatch.setenv(devices.ENV, "cpu,cpu,cpu")
+    for memory, want in (("0.028", "host"), ("1", "device")):
+        monkeypatch.setenv(devices.MEMORY_ENV, memory)
+        with pytest.raises(EnteredError):
+            stage.run_reference_stage(_contract(), root=tmp_path / memory, quiet=True)
+        assert seen[-1] == devices.ReferenceDevices(("cpu",) * 3, devices.ENV, want)
+        record = stage._plan_check(_contract(), True, seen[-1], devices.device_memory())
+        assert (record["devices"], record["device_bytes"]) == (3, int(float(memory) * 1e9))
+        assert record["optimizer_state"] == want
+    monkeypatch.setenv(devices.ENV, "host")
+    with pytest.raises(UsageError, match=devices.MEMORY_ENV):
+        stage.run_reference_stage(_contract(), root=tmp_path / "host", quiet=True)
+    assert not (tmp_path / "host").exists()

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -61,10 +62,17 @@ from qualify.errors import ReferenceDataError, UsageError
 from qualify.models import roles
 from qualify.reference.placement import place_for_devices
 
-__all__ = ["ENV", "OPTIMIZER_STATES", "ReferenceDevices", "active", "check_setting", "load_role",
-           "optimizer_state", "parse", "resolve"]
+__all__ = ["ENV", "MEMORY_ENV", "OPTIMIZER_STATES", "ReferenceDevices", "active",
+           "check_memory_setting", "check_setting", "device_memory", "load_role",
+           "optimizer_state", "parse", "parse_memory", "resolve"]
 
 ENV: Final = "QUALIFY_REFERENCE_DEVICES"
+
+MEMORY_ENV: Final = "QUALIFY_REFERENCE_DEVICE_MEMORY"
+"""Each device's memory in GB (10^9 bytes) for the stage's plan check (:func:`device_memory`):
+under it a ``cpu,cpu,...`` placement is planned as that many devices of that memory (the
+device-budget mode on the host), and a CUDA placement with that memory instead of the
+device's own."""
 
 CUBLAS_DETERMINISTIC: Final = ":4096:8"
 """cuBLAS's workspace setting for reproducible results (CUDA toolkit docs, "Results
@@ -176,6 +184,46 @@ def check_setting(value: str, env: Mapping[str, str]) -> None:
         UsageError: :func:`parse` refuses it.
     """
     parse(value)
+
+
+def parse_memory(value: str) -> int:
+    """``$QUALIFY_REFERENCE_DEVICE_MEMORY`` in bytes.
+
+    Args:
+        value: a positive, finite decimal number of GB (10^9 bytes), e.g. ``141`` or ``0.5``.
+
+    Returns:
+        ``int(GB x 10^9)``, at least 1.
+
+    Raises:
+        UsageError: not such a number, or under one byte (one line naming the variable).
+    """
+    text = value.strip()
+    gb = float(text) if re.fullmatch(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", text, re.ASCII) \
+        else math.nan
+    if not 1 <= gb * 1e9 < math.inf:
+        raise UsageError(f"{MEMORY_ENV}={value!r}: each device's memory in GB (10^9 bytes), a "
+                         "positive decimal number such as 141 or 0.5")
+    return int(gb * 1e9)
+
+
+def check_memory_setting(value: str, env: Mapping[str, str]) -> None:
+    """:data:`qualify.settings.SETTINGS` check of ``$QUALIFY_REFERENCE_DEVICE_MEMORY``.
+
+    Raises:
+        UsageError: :func:`parse_memory` refuses it.
+    """
+    parse_memory(value)
+
+
+def device_memory(env: Mapping[str, str] | None = None) -> int | None:
+    """Each device's memory for the stage's plan, in bytes; ``None``: unset or empty.
+
+    Raises:
+        UsageError: a bad ``$QUALIFY_REFERENCE_DEVICE_MEMORY`` (:func:`parse_memory`).
+    """
+    value = (os.environ if env is None else env).get(MEMORY_ENV, "")
+    return parse_memory(value) if value else None
 
 
 def resolve(env: Mapping[str, str] | None = None) -> ReferenceDevices | None:
