@@ -89,7 +89,9 @@ def test_host_state_seals_bitwise_the_device_state(precision: str, mode: str) ->
 def test_the_host_option_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``host`` torch's AdamW steps one tensor per parameter and step, none of them a
     model parameter nor sharing its storage, and the sensitivity pass keeps its copy on the
-    host; with ``device`` it steps the model's parameters together."""
+    host; with ``device`` it steps the model's parameters together. The bytes noted per
+    device after each step are the parameters and gradients (8 per FP32 element), with the
+    moments only when they are on the devices (16)."""
     stepped: list[list[torch.Tensor]] = []
     plain_step = torch.optim.AdamW.step
 
@@ -113,12 +115,19 @@ def test_the_host_option_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
         saved_on_host.clear()
         critic = seeded_qwen3("critic", CFG)
         params = [p for p in critic.parameters() if p.requires_grad]
-        with devices.active(devices.ReferenceDevices(("cpu", "cpu"), devices.ENV, state)):
+        with devices.active(devices.ReferenceDevices(("cpu", "cpu"), devices.ENV,
+                                                     state)) as record:
             devices.place(critic, "critic")
             batch = cast(Batch, seeded_batch(96, short={0: 4}, masked_targets=False))
             update.run_critic(critic, batch, contract, UpdateSettings(precision="fp32",
                                                                       micro_batch_size=2))
         assert saved_on_host == [state == "host"] * rounds
+        # the noted device bytes: FP32 master and gradient, and the moments if kept there
+        n = sum(p.numel() for p in params)
+        memory = record["memory"]
+        assert memory["measure"] == devices.MEMORY_MEASURES["cpu"]
+        assert sum(memory["bytes"]) == (8 if state == "host" else 16) * n
+        assert all(b > 0 for b in memory["bytes"])
         if state == "device":
             assert len(stepped) == rounds
             assert all(len(s) == len(params) and all(x is y for x, y in zip(s, params,
@@ -208,3 +217,45 @@ def test_the_stage_runs_with_the_plans_choice(monkeypatch: pytest.MonkeyPatch,
     with pytest.raises(UsageError, match=devices.MEMORY_ENV):
         stage.run_reference_stage(_contract(), root=tmp_path / "host", quiet=True)
     assert not (tmp_path / "host").exists()
+
+
+@pytest.mark.slow
+def test_tiny_reference_under_a_device_budget_seals_the_unplaced_tensors(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny torch_tp contract's whole reference stage on ``cpu,cpu,cpu`` under 0.028 GB
+    per device (the device-state plan needs 28.2 MB, the host-state plan 27.6 MB) runs with
+    the state on the host and seals the unplaced shared reference's update, control, branch
+    and score tensors and its bounds byte for byte; environment.json records the budget and
+    the choice."""
+    import json
+
+    from shared_artifacts import tiny_reference
+    from tiny_contracts import torch_tp_only_text
+
+    from qualify.evidence.tensors import load_tensors
+    from qualify.layout import BOUNDS_FILE, BRANCHES_FILE, CONTROL_ERRORS_FILE
+    from qualify.reference.stage import run_reference_stage
+
+    plain = next(p for p in (tiny_reference(tmp_path_factory) / "references").iterdir()
+                 if p.is_dir())
+    path = tmp_path / "tiny-qwen3.toml"
+    path.write_text(torch_tp_only_text(), encoding="utf-8")
+    monkeypatch.setenv(devices.ENV, "cpu,cpu,cpu")
+    monkeypatch.setenv(devices.MEMORY_ENV, "0.028")
+    budget = run_reference_stage(load_contract(path), root=tmp_path / "references", quiet=True)
+    files = sorted(str(p.relative_to(plain)) for p in plain.rglob("*.safetensors"))
+    assert any(f.startswith("branches/") for f in files)
+    assert files == sorted(str(p.relative_to(budget)) for p in budget.rglob("*.safetensors"))
+    for f in files:
+        a, b = load_tensors(plain / f), load_tensors(budget / f)
+        assert a.keys() == b.keys(), f
+        for k in a:
+            assert a[k].tobytes() == b[k].tobytes(), (f, k)
+    for doc in (BOUNDS_FILE, CONTROL_ERRORS_FILE, BRANCHES_FILE):
+        assert (plain / doc).read_bytes() == (budget / doc).read_bytes(), doc
+    env = json.loads((budget / "environment.json").read_text())
+    assert env["reference_devices"]["optimizer_state"] == "host"
+    assert env["plan_check"]["optimizer_state"] == "host"
+    assert (env["plan_check"]["devices"], env["plan_check"]["device_bytes"]) == (3, 28 * 10**6)
+    assert env["plan_check"]["shortfall"] is None

@@ -20,16 +20,20 @@ Placed models give their logits (values) back to the device of their ``input_ids
 (:func:`~qualify.reference.placement.place_model`'s hooks). The updates, the sensitivities
 and the clip-branch passes give host inputs, so their per-token tensors and losses stay on
 the host; scoring gives its inputs on the model's first device and copies its per-token
-results to the host, as it always has. The parameters, their gradients, the AdamW state, the
-sensitivity copy and the clip-branch ``J_t`` stay with their layer, and what the stage seals
-from them is copied to the host where it is taken (:mod:`qualify.reference.update`,
-:mod:`qualify.reference.branches`; the factored Gram keeps its factors on the host,
-:mod:`qualify.reference.gram_factors`).
+results to the host, as it always has. The parameters, their gradients and the clip-branch
+``J_t`` stay with their layer; the AdamW state and the sensitivity copy too, or on the host
+(:attr:`ReferenceDevices.optimizer_state`, read by the update through
+:func:`optimizer_state`); what the stage seals from them is copied to the host where it is
+taken (:mod:`qualify.reference.update`, :mod:`qualify.reference.branches`; the factored Gram
+keeps its factors on the host, :mod:`qualify.reference.gram_factors`).
 
 The assignment (:func:`qualify.reference.placement.stage_assignment`) balances the
 parameters' element counts over the devices, uncapped: the devices' memory is the plan's
 check (:mod:`qualify.reference.plan`, which computes its device peaks from the same
-function), run before the stage writes anything.
+function), run before the stage writes anything, with the devices' own memory or
+``$QUALIFY_REFERENCE_DEVICE_MEMORY`` (:func:`device_memory`; with it a ``cpu`` list is planned
+as devices of that memory). The plan also chooses ``optimizer_state`` (on the host only when
+the devices cannot hold the state), and the stage runs with it.
 
 On CUDA, :func:`active` sets torch's numerics once for the stage and restores them after:
 no TF32 (cuBLAS and cuDNN), FP32 matmul precision ``highest``, cuDNN deterministic and not
@@ -50,7 +54,7 @@ import dataclasses
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Final
@@ -63,7 +67,7 @@ from qualify.models import roles
 from qualify.reference.placement import place_for_devices
 
 __all__ = ["ENV", "MEMORY_ENV", "OPTIMIZER_STATES", "ReferenceDevices", "active",
-           "check_memory_setting", "check_setting", "device_memory", "load_role",
+           "check_memory_setting", "check_setting", "device_memory", "load_role", "note_step",
            "optimizer_state", "parse", "parse_memory", "resolve"]
 
 ENV: Final = "QUALIFY_REFERENCE_DEVICES"
@@ -122,6 +126,18 @@ class ReferenceDevices:
 class _Active:
     devices: ReferenceDevices
     placed: dict[str, dict[str, Any]]
+    memory: dict[str, Any]
+
+
+MEMORY_MEASURES: Final = {
+    "cuda": "torch.cuda.max_memory_allocated of each device after each optimizer step (peak "
+            "since the stage entered its devices)",
+    "cpu": "bytes of the stepped role's parameters, gradients and device-kept AdamW moments "
+           "on each device index after each optimizer step, the largest over the stage's "
+           "steps (not an allocator peak: no activations, copies or temporaries; cpu devices "
+           "share the host's memory)",
+}
+"""What ``reference_devices.memory.bytes`` measures, per device kind (:func:`note_step`)."""
 
 
 _ACTIVE: ContextVar[_Active | None] = ContextVar("qualify_reference_devices", default=None)
@@ -242,6 +258,45 @@ def resolve(env: Mapping[str, str] | None = None) -> ReferenceDevices | None:
     return None
 
 
+def note_step(role: str, held: Callable[[], list[tuple[str, int]]]) -> None:
+    """Record the devices' memory after an optimizer step (the record of :func:`active`).
+
+    On CUDA each device's ``torch.cuda.max_memory_allocated``; on ``cpu`` devices the bytes
+    ``held()`` gives per parameter name, summed by the device index the placement gave the
+    parameter (``model.layers.N.``: layer ``N``'s; the embedding: the first; the rest: the last
+    layer's), each device's largest over the steps. Outside :func:`active`, or for a role not
+    placed, nothing (``held`` is not called).
+
+    Args:
+        role: the role stepped (the key of the record's ``placed``).
+        held: ``[(parameter name, bytes kept on its device)]``, called only when needed.
+    """
+    state = _ACTIVE.get()
+    if state is None:
+        return
+    seen: list[int] = state.memory["bytes"]
+    if state.devices.kind == "cuda":
+        for i, d in enumerate(state.devices.devices):
+            seen[i] = max(seen[i], int(torch.cuda.max_memory_allocated(torch.device(d))))
+        return
+    placed = state.placed.get(role)
+    if placed is None:
+        return
+    assignment: list[int] = placed["assignment"]
+    per = [0] * len(seen)
+    for name, nbytes in held():
+        m = re.search(r"(?:^|\.)layers\.([0-9]+)\.", name)
+        if m is not None:
+            index = assignment[int(m.group(1))]
+        elif "embed_tokens" in name or not assignment:
+            index = 0
+        else:
+            index = assignment[-1]
+        per[index] += nbytes
+    for i, b in enumerate(per):
+        seen[i] = max(seen[i], b)
+
+
 def optimizer_state() -> str:
     """Where the active devices keep the AdamW moments and the sensitivity copy.
 
@@ -297,19 +352,27 @@ def active(devices: ReferenceDevices | None) -> Iterator[dict[str, Any]]:
         ``kind`` (``host`` when ``devices`` is ``None``), ``source``, ``devices`` (each with
         its name: the CUDA device's, or ``cpu``), ``numerics`` (the CUDA settings, ``None``
         off CUDA), ``optimizer_state`` (:attr:`ReferenceDevices.optimizer_state`; ``device``
-        when nothing is placed) and ``placed``: ``{role: {"assignment": [device index per
+        when nothing is placed), ``placed``: ``{role: {"assignment": [device index per
         decoder layer], "layers": n}}``, one entry per role placed (the same assignment every
-        time a role is loaded: it depends on the model's shape only).
+        time a role is loaded: it depends on the model's shape only), and ``memory``
+        (``None`` when nothing is placed): ``{"measure": MEMORY_MEASURES[kind], "bytes":
+        [per device]}``, filled in after each optimizer step (:func:`note_step`).
     """
     record: dict[str, Any] = {"kind": "host", "source": None, "devices": [],
-                              "numerics": None, "optimizer_state": "device", "placed": {}}
+                              "numerics": None, "optimizer_state": "device", "placed": {},
+                              "memory": None}
     if devices is None:
         yield record
         return
     record.update(kind=devices.kind, source=devices.source,
                   optimizer_state=devices.optimizer_state,
                   devices=[{"device": d, "name": _device_name(d)} for d in devices.devices])
-    state = _Active(devices, record["placed"])
+    record["memory"] = {"measure": MEMORY_MEASURES[devices.kind],
+                        "bytes": [0] * len(devices.devices)}
+    state = _Active(devices, record["placed"], record["memory"])
+    if devices.kind == "cuda":
+        for d in devices.devices:
+            torch.cuda.reset_peak_memory_stats(torch.device(d))
     token = _ACTIVE.set(state)
     try:
         with (_cuda_numerics() if devices.kind == "cuda" else contextlib.nullcontext(None)

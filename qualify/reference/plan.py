@@ -57,10 +57,12 @@ or one layer's on every device (a forward without a graph), the head's output wi
 layer. On the host: the interpreter, the mapped checkpoint and the model read from it before
 it is placed (``host_load_copy``, one FP32 model), the sealed ``J_t`` samples and the factored
 Gram's factors and temporaries (:mod:`qualify.reference.gram_factors` keeps them there).
-docs/scale.md section 3 designs a split that is not built: the AdamW moments on the host (a
-chunked host AdamW), the sensitivity copy on the host and the FP64 control's round 2 from
-``p1`` and ``g1``, which would take ``12 P`` (``24 P`` in the FP64 control) bytes off the
-devices in an update's sensitivity pass.
+With ``optimizer_state = "host"`` (:class:`qualify.reference.update.HostAdamW`) the AdamW
+moments and the sensitivity copy (:data:`HOST_STATE_TERMS`) are on the host, with one
+parameter's ``host_step`` there and its ``saved_transient`` on the devices: ``12 P`` (``24 P``
+in the FP64 control) bytes fewer on the devices in an update's sensitivity pass, less the
+transient. :func:`build_plan` chooses where, once for the stage. The FP64 control's round 2
+from ``p1`` and ``g1`` (docs/scale.md section 3) is not built.
 
 Time: ``FLOPs / throughput`` with ``FLOPs = 2 P`` per token for a forward and ``6 P`` for
 a forward and backward (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", eq.

@@ -25,6 +25,14 @@ Precisions:
   rounded to FP32 at the end. Its distance to the FP32 reference is the reference's own
   rounding error, which the FP32 reorder controls cannot see (they share its formulas).
 
+The optimizer: ``torch.optim.AdamW`` (``foreach=False, fused=False``) over the trained
+parameters, its moments with them; or, when the placed stage keeps the state on the host
+(:func:`qualify.reference.devices.optimizer_state` is ``host``), :class:`HostAdamW`: the same
+AdamW per parameter on a host copy, the moments on the host (bitwise the former on host
+parameters), and the sensitivity pass's copy of the parameters on the host too
+(:meth:`~qualify.reference.sensitivity.LossSensitivity.grad_norm`). What a run reports is the
+same in both.
+
 Sources: PPO clipped surrogate and value clipping (Schulman et al. 2017, "Proximal Policy
 Optimization Algorithms"; value clipping as in OpenAI baselines ``ppo2``), KL estimators (Schulman
 2020, "Approximating KL divergence"), AdamW (Loshchilov & Hutter 2019; ``torch.optim.AdamW``),
@@ -391,7 +399,8 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
     :meth:`qualify.contract.OptimizerSpec.lr`, the formula of :mod:`qualify.schedule`), set
     on every param group before ``optim.step()``; it is returned so the run seals it.
     ``norm_evals[f"round{round_}"]`` receives the FP32 evaluation of the pre-clip norm
-    (:func:`_grad_norm_and_clip`).
+    (:func:`_grad_norm_and_clip`). After the step, before the gradients are dropped, the
+    devices' memory is noted (:func:`qualify.reference.devices.note_step`).
     """
     params = [(n, p) for n, p in master.named_parameters() if p.requires_grad]
     grad_dtypes.update(str(p.grad.dtype) for _, p in params if p.grad is not None)
@@ -423,6 +432,15 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
     for group in optim.param_groups:
         group["lr"] = lr
     optim.step()
+
+    def held() -> list[tuple[str, int]]:  # what each parameter keeps on its device
+        def size(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        return [(n, size(p) + size(p.grad) + (0 if isinstance(optim, HostAdamW) else sum(
+            size(v) for k, v in _moments(optim, p).items() if k != "step"))) for n, p in params]
+
+    reference_devices.note_step(role, held)
     optim.zero_grad(set_to_none=True)
     for n, p in params:
         state = _moments(optim, p)
