@@ -213,6 +213,9 @@ def test_the_stage_runs_with_the_plans_choice(monkeypatch: pytest.MonkeyPatch,
         record = stage._plan_check(_contract(), True, seen[-1], devices.device_memory())
         assert (record["devices"], record["device_bytes"]) == (3, int(float(memory) * 1e9))
         assert record["optimizer_state"] == want
+        if want == "host":  # a small budget's refusal line reads in MB, not "0.0 GB"
+            assert "on a device, each of the 3 has 28.0 MB (short by" in record[
+                "optimizer_state_why"], record
     monkeypatch.setenv(devices.ENV, "host")
     with pytest.raises(UsageError, match=devices.MEMORY_ENV):
         stage.run_reference_stage(_contract(), root=tmp_path / "host", quiet=True)

@@ -350,16 +350,16 @@ class Plan:
             if kind is not None and s.kind != kind:
                 continue
             if s.host_peak > m.host_bytes:
-                return i, (f"{s.name}: needs {s.host_peak / GB:.1f} GB of host memory, the "
-                           f"machine has {m.host_bytes / GB:.1f} GB (short by "
-                           f"{(s.host_peak - m.host_bytes) / GB:.1f} GB)")
+                return i, (f"{s.name}: needs {_size(s.host_peak)} of host memory, the "
+                           f"machine has {_size(m.host_bytes)} (short by "
+                           f"{_size(s.host_peak - m.host_bytes)})")
             if m.devices and s.kind == "launch" and s.processes > m.devices:
                 return i, (f"{s.name}: needs {s.processes} devices, one per rank; the machine "
                            f"has {m.devices}")
             if m.devices and s.device_peak > m.device_bytes:
-                return i, (f"{s.name}: needs {s.device_peak / GB:.1f} GB on a device, each of "
-                           f"the {m.devices} has {m.device_bytes / GB:.1f} GB (short by "
-                           f"{(s.device_peak - m.device_bytes) / GB:.1f} GB)")
+                return i, (f"{s.name}: needs {_size(s.device_peak)} on a device, each of "
+                           f"the {m.devices} has {_size(m.device_bytes)} (short by "
+                           f"{_size(s.device_peak - m.device_bytes)})")
         return None
 
     def to_dict(self) -> dict[str, Any]:
@@ -369,6 +369,11 @@ class Plan:
                 "optimizer_state": self.optimizer_state,
                 "optimizer_state_why": self.optimizer_state_why,
                 "steps": [s.to_dict() for s in self.steps], "shortfall": self.shortfall()}
+
+
+def _size(n: int) -> str:
+    """``n`` bytes for a refusal line: GB with one decimal, MB below 0.1 GB."""
+    return f"{n / GB:.1f} GB" if n >= GB // 10 else f"{n / 10**6:.1f} MB"
 
 
 DEVICE_PARAM_TERMS: Final = frozenset({
