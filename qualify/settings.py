@@ -138,6 +138,12 @@ def _reference_devices(value: str, env: Mapping[str, str]) -> None:
     check_setting(value, env)
 
 
+def _reference_device_memory(value: str, env: Mapping[str, str]) -> None:
+    from qualify.reference.devices import check_memory_setting
+
+    check_memory_setting(value, env)
+
+
 def _signing_key(value: str, env: Mapping[str, str]) -> None:
     from qualify.evidence.keys import SigningKey
 
@@ -198,6 +204,11 @@ SETTINGS: Final[tuple[Setting, ...]] = (
             meaning="the reference stage's devices, whole decoder layers per device: "
                     "cpu,cpu,... (the placed path on the host), cuda:N,... or host (nothing "
                     "placed); default: every CUDA device when present, else the host"),
+    Setting(name="QUALIFY_REFERENCE_DEVICE_MEMORY",
+            commands=frozenset({"reference", "run", "plan"}), check=_reference_device_memory,
+            meaning="each reference device's memory for the stage's plan check, GB (a "
+                    "positive decimal number); with cpu,cpu,... the placed path on the host "
+                    "is planned as devices of that memory; recorded in environment.json"),
     Setting(name="QUALIFY_SIGNING_KEY", commands=_SIGNING, check=_signing_key,
             meaning="an Ed25519 private key, PEM text"),
     Setting(name="QUALIFY_SIGNING_KEY_FILE", commands=_SIGNING, check=_signing_key_file,

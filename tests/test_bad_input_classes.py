@@ -174,6 +174,8 @@ ENV = [
         ("QUALIFY_SCRATCH_DIR", "relative/scratch", "reference --out T/ev", {}),
         ("QUALIFY_REFERENCE_DEVICES", "gpu", "reference --out T/ev", {}),
         ("QUALIFY_REFERENCE_DEVICES", "cpu,cuda:0", "run --evidence T/ev", {}),
+        ("QUALIFY_REFERENCE_DEVICE_MEMORY", "0", "reference --out T/ev", {}),
+        ("QUALIFY_REFERENCE_DEVICE_MEMORY", "12GB", "plan", {}),
     ]
 ]
 

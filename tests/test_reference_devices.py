@@ -154,7 +154,7 @@ def test_outside_the_stage_nothing_is_placed() -> None:
         assert devices.place(m, "actor") is m
         assert not m._forward_pre_hooks
     assert record == {"kind": "host", "source": None, "devices": [], "numerics": None,
-                      "placed": {}}
+                      "optimizer_state": "device", "placed": {}, "memory": None}
 
 
 @pytest.mark.slow

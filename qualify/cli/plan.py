@@ -1,9 +1,11 @@
 """``qualify plan CONTRACT``: memory, bytes and time of the reference stage and the launches.
 
 One row per step of the reference stage and per candidate launch
-(:func:`qualify.reference.plan.build_plan`); ``--json`` prints the same as JSON. A contract
-that cannot fit the machine is refused with one line naming the step and the shortfall, exit
-2 (:class:`qualify.reference.plan.DoesNotFitError`), after the table.
+(:func:`qualify.reference.plan.build_plan`), with devices a line saying where the plan keeps
+the AdamW state (on the devices unless only the host fits it:
+:attr:`qualify.reference.plan.Plan.optimizer_state`); ``--json`` prints the same as JSON. A
+contract that cannot fit the machine is refused with one line naming the step and the
+shortfall, exit 2 (:class:`qualify.reference.plan.DoesNotFitError`), after the table.
 """
 
 from __future__ import annotations
@@ -40,7 +42,11 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
         raise UsageError(f"--devices {devices}: must be 0 (host only) or more")
     if args.cores is not None and args.cores < 1:
         raise UsageError(f"--cores {args.cores}: must be 1 or more")
-    dev_bytes = args.device_memory if args.device_memory is not None else here.device_bytes
+    from qualify.reference import devices as reference_devices
+
+    env_memory = reference_devices.device_memory()
+    dev_bytes = args.device_memory if args.device_memory is not None else (
+        env_memory if env_memory is not None else here.device_bytes)
     if devices and not dev_bytes:
         raise UsageError("--devices: give --device-memory GB (no CUDA device seen here)")
     machine = Machine(devices=devices, device_bytes=dev_bytes if devices else 0,
@@ -82,6 +88,10 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
         print(f"{line}; time {_duration(sum(s.seconds for s in ref))} (compute and model "
               "loading only)")
         print(f"cost model: {plan.cost_model}")
+        if m.devices:
+            where = "devices" if plan.optimizer_state == "device" else "host"
+            print(f"AdamW state and sensitivity copy: on the {where} "
+                  f"({plan.optimizer_state_why})")
     short = plan.shortfall()
     if short is not None:
         raise DoesNotFitError(f"{contract.path or contract.name}: does not fit: {short}")
@@ -92,11 +102,14 @@ def _env_devices(default: int) -> int:
     """The reference stage's devices as ``$QUALIFY_REFERENCE_DEVICES`` sets them, else ``default``.
 
     Parsed as the stage parses it (:func:`qualify.reference.devices.parse`): ``cuda:N,...``
-    or ``cuda`` is that many devices; ``host`` and a ``cpu`` list run on the host, no devices
-    (the stage's own plan check, :func:`qualify.reference.stage._plan_check`, counts them so).
+    or ``cuda`` is that many devices; ``host`` runs on the host, no devices; a ``cpu`` list is
+    that many devices under ``$QUALIFY_REFERENCE_DEVICE_MEMORY`` (the device-budget mode),
+    else none (the stage's own plan check, :func:`qualify.reference.stage._plan_check`,
+    counts them so).
 
     Raises:
-        UsageError: the setting is refused (:func:`qualify.reference.devices.parse`).
+        UsageError: the setting is refused (:func:`qualify.reference.devices.parse`,
+            :func:`qualify.reference.devices.device_memory`).
     """
     import os
 
@@ -106,7 +119,9 @@ def _env_devices(default: int) -> int:
     if not value:
         return default
     listed = reference_devices.parse(value)
-    return len(listed) if listed and listed[0].startswith("cuda") else 0
+    if listed and listed[0] == "cpu":
+        return len(listed) if reference_devices.device_memory() is not None else 0
+    return len(listed)
 
 
 def _duration(s: float) -> str:
@@ -127,7 +142,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                "lists 0, else the CUDA devices here; 0: host "
                                                "only); overrides $QUALIFY_REFERENCE_DEVICES")
     p.add_argument("--device-memory", type=_gb, metavar="GB",
-                   help="memory of each device, GB (default: the devices here)")
+                   help="memory of each device, GB (default: "
+                        "$QUALIFY_REFERENCE_DEVICE_MEMORY, else the devices here)")
     p.add_argument("--host-memory", type=_gb, metavar="GB",
                    help="host memory, GB (default: this machine's MemTotal)")
     p.add_argument("--cores", type=int, help="CPU cores (default: those usable here)")

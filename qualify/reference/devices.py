@@ -20,16 +20,20 @@ Placed models give their logits (values) back to the device of their ``input_ids
 (:func:`~qualify.reference.placement.place_model`'s hooks). The updates, the sensitivities
 and the clip-branch passes give host inputs, so their per-token tensors and losses stay on
 the host; scoring gives its inputs on the model's first device and copies its per-token
-results to the host, as it always has. The parameters, their gradients, the AdamW state, the
-sensitivity copy and the clip-branch ``J_t`` stay with their layer, and what the stage seals
-from them is copied to the host where it is taken (:mod:`qualify.reference.update`,
-:mod:`qualify.reference.branches`; the factored Gram keeps its factors on the host,
-:mod:`qualify.reference.gram_factors`).
+results to the host, as it always has. The parameters, their gradients and the clip-branch
+``J_t`` stay with their layer; the AdamW state and the sensitivity copy too, or on the host
+(:attr:`ReferenceDevices.optimizer_state`, read by the update through
+:func:`optimizer_state`); what the stage seals from them is copied to the host where it is
+taken (:mod:`qualify.reference.update`, :mod:`qualify.reference.branches`; the factored Gram
+keeps its factors on the host, :mod:`qualify.reference.gram_factors`).
 
 The assignment (:func:`qualify.reference.placement.stage_assignment`) balances the
 parameters' element counts over the devices, uncapped: the devices' memory is the plan's
 check (:mod:`qualify.reference.plan`, which computes its device peaks from the same
-function), run before the stage writes anything.
+function), run before the stage writes anything, with the devices' own memory or
+``$QUALIFY_REFERENCE_DEVICE_MEMORY`` (:func:`device_memory`; with it a ``cpu`` list is planned
+as devices of that memory). The plan also chooses ``optimizer_state`` (on the host only when
+the devices cannot hold the state), and the stage runs with it.
 
 On CUDA, :func:`active` sets torch's numerics once for the stage and restores them after:
 no TF32 (cuBLAS and cuDNN), FP32 matmul precision ``highest``, cuDNN deterministic and not
@@ -48,10 +52,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Final
@@ -63,7 +68,9 @@ from qualify.errors import ReferenceDataError, UsageError
 from qualify.models import roles
 from qualify.reference.placement import place_for_devices
 
-__all__ = ["ENV", "ReferenceDevices", "active", "check_setting", "load_role", "parse", "resolve"]
+__all__ = ["ENV", "MEMORY_ENV", "OPTIMIZER_STATES", "ReferenceDevices", "active",
+           "check_memory_setting", "check_setting", "device_memory", "load_role", "note_step",
+           "optimizer_state", "parse", "parse_memory", "resolve"]
 
 ENV: Final = "QUALIFY_REFERENCE_DEVICES"
 
@@ -73,9 +80,19 @@ _NONDETERMINISTIC: Final = re.compile(
 """torch's warning for a kernel without a deterministic implementation under ``warn_only``
 (``at::Context::alertNotDeterministic``, ``torch._prims_common.alert_not_deterministic``)."""
 
+MEMORY_ENV: Final = "QUALIFY_REFERENCE_DEVICE_MEMORY"
+"""Each device's memory in GB (10^9 bytes) for the stage's plan check (:func:`device_memory`):
+under it a ``cpu,cpu,...`` placement is planned as that many devices of that memory (the
+device-budget mode on the host), and a CUDA placement with that memory instead of the
+device's own."""
+
 CUBLAS_DETERMINISTIC: Final = ":4096:8"
 """cuBLAS's workspace setting for reproducible results (CUDA toolkit docs, "Results
 reproducibility"; torch raises in ``use_deterministic_algorithms`` mode without it)."""
+
+OPTIMIZER_STATES: Final = ("device", "host")
+"""Where a placed update keeps its AdamW moments and the sensitivity copy
+(:attr:`ReferenceDevices.optimizer_state`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -86,10 +103,26 @@ class ReferenceDevices:
         devices: each device, ``cpu`` or ``cuda:N``, all of one kind, at least one.
         source: ``QUALIFY_REFERENCE_DEVICES`` (asked for) or ``cuda`` (every CUDA device
             torch sees, the default when CUDA is present).
+        optimizer_state: ``device``: the AdamW moments and the sensitivity's ``saved`` copy
+            live with their parameters' layers (``torch.optim.AdamW`` over the placed
+            parameters); ``host``: both on the host, the AdamW step taken one parameter at a
+            time there (:class:`qualify.reference.update.HostAdamW`,
+            :meth:`qualify.reference.sensitivity.LossSensitivity.grad_norm`). The stage sets
+            ``host`` when its plan says the devices cannot hold the state
+            (:func:`qualify.reference.plan.choose_optimizer_state`).
+
+    Raises:
+        ValueError: ``optimizer_state`` is not one of :data:`OPTIMIZER_STATES`.
     """
 
     devices: tuple[str, ...]
     source: str
+    optimizer_state: str = "device"
+
+    def __post_init__(self) -> None:
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(f"ReferenceDevices.optimizer_state: {self.optimizer_state!r}, "
+                             f"expected one of {OPTIMIZER_STATES}")
 
     @property
     def kind(self) -> str:
@@ -101,6 +134,18 @@ class ReferenceDevices:
 class _Active:
     devices: ReferenceDevices
     placed: dict[str, dict[str, Any]]
+    memory: dict[str, Any]
+
+
+MEMORY_MEASURES: Final = {
+    "cuda": "torch.cuda.max_memory_allocated of each device after each optimizer step (peak "
+            "since the stage entered its devices)",
+    "cpu": "bytes of the stepped role's parameters, gradients and device-kept AdamW moments "
+           "on each device index after each optimizer step, the largest over the stage's "
+           "steps (not an allocator peak: no activations, copies or temporaries; cpu devices "
+           "share the host's memory)",
+}
+"""What ``reference_devices.memory.bytes`` measures, per device kind (:func:`note_step`)."""
 
 
 _ACTIVE: ContextVar[_Active | None] = ContextVar("qualify_reference_devices", default=None)
@@ -165,6 +210,46 @@ def check_setting(value: str, env: Mapping[str, str]) -> None:
     parse(value)
 
 
+def parse_memory(value: str) -> int:
+    """``$QUALIFY_REFERENCE_DEVICE_MEMORY`` in bytes.
+
+    Args:
+        value: a positive, finite decimal number of GB (10^9 bytes), e.g. ``141`` or ``0.5``.
+
+    Returns:
+        ``int(GB x 10^9)``, at least 1.
+
+    Raises:
+        UsageError: not such a number, or under one byte (one line naming the variable).
+    """
+    text = value.strip()
+    gb = float(text) if re.fullmatch(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", text, re.ASCII) \
+        else math.nan
+    if not 1 <= gb * 1e9 < math.inf:
+        raise UsageError(f"{MEMORY_ENV}={value!r}: each device's memory in GB (10^9 bytes), a "
+                         "positive decimal number such as 141 or 0.5")
+    return int(gb * 1e9)
+
+
+def check_memory_setting(value: str, env: Mapping[str, str]) -> None:
+    """:data:`qualify.settings.SETTINGS` check of ``$QUALIFY_REFERENCE_DEVICE_MEMORY``.
+
+    Raises:
+        UsageError: :func:`parse_memory` refuses it.
+    """
+    parse_memory(value)
+
+
+def device_memory(env: Mapping[str, str] | None = None) -> int | None:
+    """Each device's memory for the stage's plan, in bytes; ``None``: unset or empty.
+
+    Raises:
+        UsageError: a bad ``$QUALIFY_REFERENCE_DEVICE_MEMORY`` (:func:`parse_memory`).
+    """
+    value = (os.environ if env is None else env).get(MEMORY_ENV, "")
+    return parse_memory(value) if value else None
+
+
 def resolve(env: Mapping[str, str] | None = None) -> ReferenceDevices | None:
     """The stage's devices (module docstring); ``None``: the host, nothing placed.
 
@@ -179,6 +264,57 @@ def resolve(env: Mapping[str, str] | None = None) -> ReferenceDevices | None:
         return ReferenceDevices(tuple(f"cuda:{i}" for i in range(torch.cuda.device_count())),
                                 "cuda")
     return None
+
+
+def note_step(role: str, held: Callable[[], list[tuple[str, int]]]) -> None:
+    """Record the devices' memory after an optimizer step (the record of :func:`active`).
+
+    On CUDA each device's ``torch.cuda.max_memory_allocated``; on ``cpu`` devices the bytes
+    ``held()`` gives per parameter name, summed by the device index the placement gave the
+    parameter (``model.layers.N.``: layer ``N``'s; the embedding: the first; the rest: the last
+    layer's), each device's largest over the steps. Outside :func:`active`, or for a role not
+    placed, nothing (``held`` is not called).
+
+    Args:
+        role: the role stepped (the key of the record's ``placed``).
+        held: ``[(parameter name, bytes kept on its device)]``, called only when needed.
+    """
+    state = _ACTIVE.get()
+    if state is None:
+        return
+    seen: list[int] = state.memory["bytes"]
+    if state.devices.kind == "cuda":
+        for i, d in enumerate(state.devices.devices):
+            seen[i] = max(seen[i], int(torch.cuda.max_memory_allocated(torch.device(d))))
+        return
+    placed = state.placed.get(role)
+    if placed is None:
+        return
+    assignment: list[int] = placed["assignment"]
+    per = [0] * len(seen)
+    for name, nbytes in held():
+        m = re.search(r"(?:^|\.)layers\.([0-9]+)\.", name)
+        if m is not None:
+            index = assignment[int(m.group(1))]
+        elif "embed_tokens" in name or not assignment:
+            index = 0
+        else:
+            index = assignment[-1]
+        per[index] += nbytes
+    for i, b in enumerate(per):
+        seen[i] = max(seen[i], b)
+
+
+def optimizer_state() -> str:
+    """Where the active devices keep the AdamW moments and the sensitivity copy.
+
+    Returns:
+        The active :class:`ReferenceDevices`' ``optimizer_state`` inside :func:`active`;
+        ``device`` outside it or when nothing is placed (the unplaced stage: every tensor is on
+        the host already, and its optimizer is ``torch.optim.AdamW`` over the parameters).
+    """
+    state = _ACTIVE.get()
+    return "device" if state is None else state.devices.optimizer_state
 
 
 @contextlib.contextmanager
@@ -261,18 +397,28 @@ def active(devices: ReferenceDevices | None) -> Iterator[dict[str, Any]]:
         The environment document's ``reference_devices``, filled in as models are placed:
         ``kind`` (``host`` when ``devices`` is ``None``), ``source``, ``devices`` (each with
         its name: the CUDA device's, or ``cpu``), ``numerics`` (the CUDA settings, ``None``
-        off CUDA) and ``placed``: ``{role: {"assignment": [device index per decoder layer],
-        "layers": n}}``, one entry per role placed (the same assignment every time a role
-        is loaded: it depends on the model's shape only).
+        off CUDA), ``optimizer_state`` (:attr:`ReferenceDevices.optimizer_state`; ``device``
+        when nothing is placed), ``placed``: ``{role: {"assignment": [device index per
+        decoder layer], "layers": n}}``, one entry per role placed (the same assignment every
+        time a role is loaded: it depends on the model's shape only), and ``memory``
+        (``None`` when nothing is placed): ``{"measure": MEMORY_MEASURES[kind], "bytes":
+        [per device]}``, filled in after each optimizer step (:func:`note_step`).
     """
     record: dict[str, Any] = {"kind": "host", "source": None, "devices": [],
-                              "numerics": None, "placed": {}}
+                              "numerics": None, "optimizer_state": "device", "placed": {},
+                              "memory": None}
     if devices is None:
         yield record
         return
     record.update(kind=devices.kind, source=devices.source,
+                  optimizer_state=devices.optimizer_state,
                   devices=[{"device": d, "name": _device_name(d)} for d in devices.devices])
-    state = _Active(devices, record["placed"])
+    record["memory"] = {"measure": MEMORY_MEASURES[devices.kind],
+                        "bytes": [0] * len(devices.devices)}
+    state = _Active(devices, record["placed"], record["memory"])
+    if devices.kind == "cuda":
+        for d in devices.devices:
+            torch.cuda.reset_peak_memory_stats(torch.device(d))
     token = _ACTIVE.set(state)
     try:
         with (_cuda_numerics() if devices.kind == "cuda" else contextlib.nullcontext(None)

@@ -57,10 +57,12 @@ or one layer's on every device (a forward without a graph), the head's output wi
 layer. On the host: the interpreter, the mapped checkpoint and the model read from it before
 it is placed (``host_load_copy``, one FP32 model), the sealed ``J_t`` samples and the factored
 Gram's factors and temporaries (:mod:`qualify.reference.gram_factors` keeps them there).
-docs/scale.md section 3 designs a split that is not built: the AdamW moments on the host (a
-chunked host AdamW), the sensitivity copy on the host and the FP64 control's round 2 from
-``p1`` and ``g1``, which would take ``12 P`` (``24 P`` in the FP64 control) bytes off the
-devices in an update's sensitivity pass.
+With ``optimizer_state = "host"`` (:class:`qualify.reference.update.HostAdamW`) the AdamW
+moments and the sensitivity copy (:data:`HOST_STATE_TERMS`) are on the host, with one
+parameter's ``host_step`` there and its ``saved_transient`` on the devices: ``12 P`` (``24 P``
+in the FP64 control) bytes fewer on the devices in an update's sensitivity pass, less the
+transient. :func:`build_plan` chooses where, once for the stage. The FP64 control's round 2
+from ``p1`` and ``g1`` (docs/scale.md section 3) is not built.
 
 Time: ``FLOPs / throughput`` with ``FLOPs = 2 P`` per token for a forward and ``6 P`` for
 a forward and backward (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", eq.
@@ -329,6 +331,8 @@ class Plan:
     params: Mapping[str, int]
     steps: Sequence[Step]
     cost_model: str
+    optimizer_state: str = "device"
+    optimizer_state_why: str = ""
 
     def shortfall(self, kind: str | None = None) -> str | None:
         """The first step that does not fit, as one line; ``None`` when all fit.
@@ -336,28 +340,40 @@ class Plan:
         Args:
             kind: only steps of this kind (``reference`` or ``launch``); default any.
         """
+        found = self._first_short(kind)
+        return None if found is None else found[1]
+
+    def _first_short(self, kind: str | None) -> tuple[int, str] | None:
+        """``(index of the first step that does not fit, its line)``; ``None``: all fit."""
         m = self.machine
-        for s in self.steps:
+        for i, s in enumerate(self.steps):
             if kind is not None and s.kind != kind:
                 continue
             if s.host_peak > m.host_bytes:
-                return (f"{s.name}: needs {s.host_peak / GB:.1f} GB of host memory, the "
-                        f"machine has {m.host_bytes / GB:.1f} GB (short by "
-                        f"{(s.host_peak - m.host_bytes) / GB:.1f} GB)")
+                return i, (f"{s.name}: needs {_size(s.host_peak)} of host memory, the "
+                           f"machine has {_size(m.host_bytes)} (short by "
+                           f"{_size(s.host_peak - m.host_bytes)})")
             if m.devices and s.kind == "launch" and s.processes > m.devices:
-                return (f"{s.name}: needs {s.processes} devices, one per rank; the machine "
-                        f"has {m.devices}")
+                return i, (f"{s.name}: needs {s.processes} devices, one per rank; the machine "
+                           f"has {m.devices}")
             if m.devices and s.device_peak > m.device_bytes:
-                return (f"{s.name}: needs {s.device_peak / GB:.1f} GB on a device, each of "
-                        f"the {m.devices} has {m.device_bytes / GB:.1f} GB (short by "
-                        f"{(s.device_peak - m.device_bytes) / GB:.1f} GB)")
+                return i, (f"{s.name}: needs {_size(s.device_peak)} on a device, each of "
+                           f"the {m.devices} has {_size(m.device_bytes)} (short by "
+                           f"{_size(s.device_peak - m.device_bytes)})")
         return None
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON (``qualify plan --json``)."""
         return {"contract": self.contract, "machine": dataclasses.asdict(self.machine),
                 "params": dict(self.params), "cost_model": self.cost_model,
+                "optimizer_state": self.optimizer_state,
+                "optimizer_state_why": self.optimizer_state_why,
                 "steps": [s.to_dict() for s in self.steps], "shortfall": self.shortfall()}
+
+
+def _size(n: int) -> str:
+    """``n`` bytes for a refusal line: GB with one decimal, MB below 0.1 GB."""
+    return f"{n / GB:.1f} GB" if n >= GB // 10 else f"{n / 10**6:.1f} MB"
 
 
 DEVICE_PARAM_TERMS: Final = frozenset({
@@ -370,9 +386,23 @@ copy, the BF16 copy and its gradient, the autocast cache, a ``J_t`` and the fp64
 ``J_t`` (:func:`qualify.reference.jacobian.token_gradients` returns them on the parameters'
 devices), the FP32 model before ``.double()`` (the FP64 control)."""
 
-DEVICE_TRANSIENT_TERMS: Final = frozenset({"host_temporaries"})
+DEVICE_TRANSIENT_TERMS: Final = frozenset({"host_temporaries", "saved_transient"})
 """Per-parameter temporaries (a multiple of the role's largest parameter) computed where the
-parameter is: with devices, on each device a multiple of the largest parameter it holds."""
+parameter is: with devices, on each device a multiple of the largest parameter it holds
+(``saved_transient``: with the state on the host, one parameter of the host's sensitivity
+copy brought back to its device, :meth:`qualify.reference.sensitivity.LossSensitivity.
+grad_norm`)."""
+
+HOST_STATE_TERMS: Final = frozenset({"adamw", "sensitivity_copy"})
+"""The terms ``optimizer_state = "host"`` keeps on the host instead of the devices
+(:class:`qualify.reference.update.HostAdamW`, the sensitivity's ``saved_on_host``): the whole
+model's AdamW moments and the sensitivity copy. The AdamW step then holds, on the host, one
+parameter at a time (``host_step``: its value, its gradient and torch's ``denom`` temporary
+of the single-tensor AdamW, ``3 x`` the largest parameter in the master's dtype)."""
+
+OPTIMIZER_STATES: Final = ("device", "host")
+"""Where the placed stage keeps the AdamW moments and the sensitivity copy
+(:attr:`qualify.reference.devices.ReferenceDevices.optimizer_state`)."""
 
 
 def _device_peak(shape: ModelShape, role: str, per_param: int, act_per_layer: int,
@@ -593,8 +623,15 @@ def round_to_round_updates(contract: Contract, valid_tokens: int) -> dict[int, i
     return dict.fromkeys(range(2, contract.algorithm.rounds + 1), 2 * valid_tokens + 1)
 
 
-def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
+def plan_reference(contract: Contract, machine: Machine, *,
+                   optimizer_state: str = "device") -> list[Step]:
     """The reference stage's steps in the order it runs them (module docstring).
+
+    ``optimizer_state``: ``device`` (the AdamW moments and the sensitivity copy with their
+    layers) or ``host`` (:data:`HOST_STATE_TERMS` on the host, a ``step`` phase with one
+    parameter's ``host_step`` there and the sensitivity's ``saved_transient`` on the
+    devices); without devices every term is on the host either way and ``host`` adds only
+    the ``step`` phase.
 
     Each step's peak is the largest over its phases of the terms alive together: ``load``
     (the checkpoint mapped while the model is read), ``backward`` (a micro-batch's graph),
@@ -627,7 +664,11 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
                                      vocab_rows=id_rows, vocab_size=shape.vocab_size)
                 for r in p}
     n_tensors = {r: len(shape.params(r)) for r in p}
+    if optimizer_state not in OPTIMIZER_STATES:
+        raise ValueError(f"plan_reference: optimizer_state {optimizer_state!r}")
+    host_state = optimizer_state == "host"
     dev = machine.devices > 0
+    dev_terms = DEVICE_PARAM_TERMS - HOST_STATE_TERMS if host_state else DEVICE_PARAM_TERMS
     rate_key = "gpu" if dev else "cpu"
     units = 1 if dev else machine.cores  # whole layers per device: one device at a time
     steps: list[Step] = []
@@ -661,7 +702,7 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
         for phase, terms in phases.items():
             if dev:
                 role = role_of[phase]
-                on_dev = sum(v for k, v in terms.items() if k in DEVICE_PARAM_TERMS)
+                on_dev = sum(v for k, v in terms.items() if k in dev_terms)
                 per_param, rest = divmod(on_dev, p[role])
                 trans = sum(v for k, v in terms.items() if k in DEVICE_TRANSIENT_TERMS)
                 per_largest, rest_t = divmod(trans, largest[role])
@@ -670,7 +711,7 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
                                          f"multiples of the parameters ({rest}, {rest_t})")
                 host_t = {"interpreter": INTERPRETER_BYTES,
                           **{k: v for k, v in terms.items()
-                             if k not in DEVICE_PARAM_TERMS | DEVICE_TRANSIENT_TERMS
+                             if k not in dev_terms | DEVICE_TRANSIENT_TERMS
                              and k != "activations"}}
                 if terms.get("checkpoint_map"):
                     host_t["host_load_copy"] = terms["checkpoint_map"]
@@ -758,7 +799,11 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
             if runs_of is None:
                 phases["sensitivity"] = {**train, "sensitivity_copy": w * pr,
                                          "host_temporaries": 3 * 8 * largest[role],
+                                         "saved_transient": w * largest[role] if host_state
+                                         else 0,
                                          "activations": layer_act + head}
+            if host_state:  # HostAdamW: one parameter's value, gradient and denom
+                phases["step"] = {**train, "host_step": 3 * w * largest[role]}
             phases_by_role[role] = phases
             peak = max(sum(t.values()) for t in phases.values())
             if peak > best[0]:
@@ -774,7 +819,7 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
         role = best[1]
         layer_act, head = acts(role, size, pos, elem, eager)
         act_dev = {f"{role} load": (0, 0, 0), f"{role} backward": (layer_act, head, 0),
-                   f"{role} sensitivity": (0, head, layer_act)}
+                   f"{role} sensitivity": (0, head, layer_act), f"{role} step": (0, 0, 0)}
         add(label, {f"{role} {k}": v for k, v in phases_by_role[role].items()},
             {f"{role} {k}": role for k in phases_by_role[role]}, act_dev,
             written=update_file if runs_of is None else 0,
@@ -833,7 +878,10 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
                                    "sealed_kept": sealed_before},
                 "rerun": {**train, "sensitivity_copy": 4 * pr,
                           "host_temporaries": 3 * 8 * largest[role],
+                          "saved_transient": 4 * largest[role] if host_state else 0,
                           "sealed_kept": sealed_before},
+                **({"rerun step": {**train, "host_step": 3 * 4 * largest[role],
+                                   "sealed_kept": sealed_before}} if host_state else {}),
                 # the work copy's grads were folded into the master; one J_t during each
                 # backward (jacobian.token_gradients drops its own); the FP64 <g, J_t> and
                 # |J_t|^2 of the largest parameter; the sealed samples so far
@@ -863,7 +911,7 @@ def plan_reference(contract: Contract, machine: Machine) -> list[Step]:
             branch_file[lane] += written
             add(f"branches hf-{lane} {role}", phases, dict.fromkeys(phases, role),
                 {"rerun backward": (run_act, run_head, 0), "rerun": (0, run_head, run_act),
-                 "tokens": (layer_act, head, 0), "gram": (0, 0, 0)},
+                 "rerun step": (0, 0, 0), "tokens": (layer_act, head, 0), "gram": (0, 0, 0)},
                 written=written,
                 seconds=flops / rate("fp32") + load_s((2 if role == "actor" else 1) * 4 * pr))
 
@@ -953,13 +1001,45 @@ COST_MODEL: Final = (
     "2020), over THROUGHPUT per core (CPU) or per device (GPU) of qualify/reference/plan.py")
 
 
-def build_plan(contract: Contract, machine: Machine) -> Plan:
-    """The reference stage's steps then the candidate launches (:class:`Plan`)."""
+def build_plan(contract: Contract, machine: Machine, *,
+               optimizer_state: str | None = None) -> Plan:
+    """The reference stage's steps then the candidate launches (:class:`Plan`).
+
+    Args:
+        contract: the contract.
+        machine: where it runs.
+        optimizer_state: ``device`` or ``host`` (:func:`plan_reference`); ``None``: chosen
+            for the whole stage, one decision: ``device`` unless the machine has devices, the
+            reference stage does not fit them with the state on the devices, and with the
+            state on the host it fits or its first step that does not fit comes later (the
+            plan's :attr:`Plan.optimizer_state_why` says which). The stage runs with the
+            plan's choice (:func:`qualify.reference.stage._plan_check`).
+
+    Raises:
+        ContractError: the model's sizes are not in the contract (:func:`model_shape`).
+        ValueError: an unknown ``optimizer_state``.
+    """
     shape = model_shape(contract)
-    steps = plan_reference(contract, machine) + plan_launches(contract, machine)
-    return Plan(contract=contract.name, machine=machine,
-                params={r: shape.count(r) for r in ("actor", "critic")}, steps=steps,
-                cost_model=COST_MODEL)
+    params = {r: shape.count(r) for r in ("actor", "critic")}
+    launches = plan_launches(contract, machine)
+
+    def plan(state: str, why: str) -> Plan:
+        return Plan(contract=contract.name, machine=machine, params=params,
+                    steps=plan_reference(contract, machine, optimizer_state=state) + launches,
+                    cost_model=COST_MODEL, optimizer_state=state, optimizer_state_why=why)
+
+    if optimizer_state is not None:
+        return plan(optimizer_state, "asked for")
+    on_device = plan("device", "")
+    short = on_device._first_short("reference")
+    if short is None or not machine.devices:
+        return plan("device", "the stage fits with them on the devices" if short is None
+                    else "no devices")
+    on_host = plan("host", "")
+    host_short = on_host._first_short("reference")
+    if host_short is None or host_short[0] > short[0]:
+        return plan("host", f"with the AdamW state on the devices: {short[1]}")
+    return plan("device", "the AdamW state on the host does not get further")
 
 
 def check_fits(contract: Contract, machine: Machine | None = None) -> Plan:

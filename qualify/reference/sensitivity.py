@@ -92,7 +92,7 @@ class LossSensitivity:
 
     def grad_norm(self, round_: int, master: nn.Module, batch: Any, micro_batch_size: int,
                   forward: Callable[[nn.Module, Any], torch.Tensor], *,
-                  step: float = 1e-3) -> None:
+                  step: float = 1e-3, saved_on_host: bool = False) -> None:
         """Record ``G_x = sum_t (d^2 L / d x_t^2 * (ĝ . d x_t / d theta))^2`` for the norm.
 
         A per-token error ``d_t`` of ``x_t`` moves the loss weight ``dL/dx_t`` by
@@ -113,6 +113,10 @@ class LossSensitivity:
             forward: ``(module, micro_batch) -> [b, R]`` per-token tensor (logprobs or
                 values) under ``torch.no_grad``.
             step: the central-difference step.
+            saved_on_host: keep the ``saved`` copy of the parameters on the host (the placed
+                stage's ``optimizer_state = "host"``); each parameter's value is copied back
+                to its device for the arithmetic (the same operations on host parameters:
+                bitwise the copy kept with the parameters). ``False``: with the parameters.
         """
         # One copy of the parameters (``saved``) and one parameter's temporaries at a time:
         # the unit direction is recomputed per parameter and side instead of held, and the
@@ -125,7 +129,8 @@ class LossSensitivity:
         norm = torch.sqrt(norm)
         if not params or float(norm) == 0.0:
             return
-        saved = [p.detach().clone() for p in params]
+        saved = [p.detach().to("cpu", copy=True) if saved_on_host else p.detach().clone()
+                 for p in params]
         acc: dict[str, float] = {}
         training = master.training
         master.eval()
@@ -138,7 +143,8 @@ class LossSensitivity:
                     side = []
                     for sign in (1.0, -1.0):
                         for p, p0 in zip(params, saved, strict=True):
-                            p.copy_(p0 + sign * step * (_grad(p).double() / norm).to(p.dtype))
+                            p.copy_(p0.to(p.device) + sign * step
+                                    * (_grad(p).double() / norm).to(p.dtype))
                         side.append(forward(master, mb).double())
                     jvp = (side[0] - side[1]) / (2.0 * step)
                     for f, c in curv.items():

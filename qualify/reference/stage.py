@@ -37,7 +37,7 @@ from qualify.bounds import (
     scalar_resolutions,
 )
 from qualify.contract import Contract, Precision
-from qualify.errors import ContractError, ReferenceDataError
+from qualify.errors import ContractError, ReferenceDataError, UsageError
 from qualify.evidence import store
 from qualify.evidence.environment import capture_environment
 from qualify.evidence.sign import ensure_signed, needs_signature, seal_and_sign
@@ -287,7 +287,9 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
 
     Its models run on the devices :func:`qualify.reference.devices.resolve` gives (every
     CUDA device, whole layers per device; ``$QUALIFY_REFERENCE_DEVICES``; else the host),
-    recorded in the environment document's ``reference_devices``.
+    recorded in the environment document's ``reference_devices``, with the AdamW state and
+    the sensitivity copy where the plan check chose (``optimizer_state``: on the host when
+    only the host fits them, :func:`_plan_check`).
 
     Args:
         contract: the loaded contract.
@@ -310,14 +312,23 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
         ModelSourceError: the model manifest does not match.
         ContractError: the prompts cannot be resolved.
         UsageError: ``$QUALIFY_SCRATCH_DIR`` names no writable directory
-            (:func:`qualify.scratch.check_setting`), or ``$QUALIFY_REFERENCE_DEVICES`` no
-            devices (:func:`qualify.reference.devices.resolve`), before anything is written.
+            (:func:`qualify.scratch.check_setting`), ``$QUALIFY_REFERENCE_DEVICES`` no
+            devices (:func:`qualify.reference.devices.resolve`), or
+            ``$QUALIFY_REFERENCE_DEVICE_MEMORY`` a bad memory or one without placed devices
+            (:func:`qualify.reference.devices.device_memory`), before anything is written.
         DoesNotFitError: the plan does not fit this machine (with ``plan_check``), before
             anything is written.
     """
     scratch.check_setting()
     devices = reference_devices.resolve()
-    plan_record = _plan_check(contract, plan_check, devices)
+    memory = reference_devices.device_memory()
+    if memory is not None and devices is None:
+        raise UsageError(f"{reference_devices.MEMORY_ENV}: nothing is placed (no CUDA device, "
+                         f"or {reference_devices.ENV}=host); give {reference_devices.ENV}="
+                         "cpu,cpu,... for the placed path on the host")
+    plan_record = _plan_check(contract, plan_check, devices, memory)
+    if devices is not None and plan_record["optimizer_state"] == "host":
+        devices = dataclasses.replace(devices, optimizer_state="host")
     base = root / reference_dir_name(contract)
     if not new and store.is_sealed(base) and needs_signature(base):
         # sealed, then killed while signing (tests/test_kill_points.py, ref-sign): sign it
@@ -514,17 +525,25 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
 
 
 def _plan_check(contract: Contract, enforce: bool,
-                devices: reference_devices.ReferenceDevices | None = None) -> dict[str, Any]:
+                devices: reference_devices.ReferenceDevices | None = None,
+                device_bytes: int | None = None) -> dict[str, Any]:
     """Plan the stage on this machine; refuse it if ``enforce`` and it does not fit.
 
-    The plan's devices are the stage's CUDA devices (:func:`qualify.reference.devices.resolve`);
-    the host (``host``, or a ``cpu`` placement: host memory) is planned without devices.
+    The plan's devices are the stage's CUDA devices (:func:`qualify.reference.devices.resolve`)
+    with their own memory, or ``device_bytes`` each when given
+    (``$QUALIFY_REFERENCE_DEVICE_MEMORY``); a ``cpu`` placement is planned as its devices with
+    ``device_bytes`` each when given (the device-budget mode on the host), else without
+    devices (host memory), as is the host (``host``, nothing placed). The plan chooses where
+    the AdamW state lives (:func:`qualify.reference.plan.build_plan`: on the devices unless
+    only the host fits it), and the stage runs with that choice.
 
     Returns:
-        The environment document's ``plan_check``: whether it was enforced, the planned host
-        peak (bytes) and the shortfall line (``None`` when it fits); a contract whose model
-        sizes the plan cannot read (an ``hf-dir`` model without ``model.manifest.config``)
-        is not planned (``not_planned``: why) and runs.
+        The environment document's ``plan_check``: whether it was enforced, the planned
+        devices and each one's memory (``device_bytes``, 0 without devices), the planned host
+        peak (bytes), the shortfall line (``None`` when it fits), ``optimizer_state`` and
+        why (``optimizer_state_why``); a contract whose model sizes the plan cannot read (an
+        ``hf-dir`` model without ``model.manifest.config``) is not planned (``not_planned``:
+        why) and runs with the state on the devices.
 
     Raises:
         DoesNotFitError: it does not fit and ``enforce``.
@@ -532,14 +551,19 @@ def _plan_check(contract: Contract, enforce: bool,
     from qualify.reference.plan import DoesNotFitError, build_plan, machine_defaults
 
     machine = machine_defaults()
-    machine = dataclasses.replace(machine, devices=len(devices.devices) if devices is not None
-                                  and devices.kind == "cuda" else 0)
+    n = len(devices.devices) if devices is not None and (
+        devices.kind == "cuda" or device_bytes is not None) else 0
+    machine = dataclasses.replace(
+        machine, devices=n, device_bytes=0 if not n else (
+            machine.device_bytes if device_bytes is None else device_bytes))
     try:
         plan = build_plan(contract, machine)
     except ContractError as e:  # sizes the contract does not state: the model decides later
         return {"enforced": enforce, "devices": machine.devices,
+                "device_bytes": machine.device_bytes,
                 "host_bytes": machine.host_bytes, "planned_host_peak_bytes": None,
-                "shortfall": None, "not_planned": str(e)}
+                "shortfall": None, "optimizer_state": "device",
+                "optimizer_state_why": "not planned", "not_planned": str(e)}
     short = plan.shortfall("reference")  # the launches are the candidate stage's
     if short is not None and enforce:
         raise DoesNotFitError(f"{contract.path or contract.name}: does not fit this machine: "
@@ -548,10 +572,12 @@ def _plan_check(contract: Contract, enforce: bool,
     if short is not None:
         print(f"qualify: warning: the plan does not fit this machine, running anyway "
               f"(--no-plan-check): {short}", file=sys.stderr)
-    return {"enforced": enforce, "devices": machine.devices, "host_bytes": machine.host_bytes,
+    return {"enforced": enforce, "devices": machine.devices,
+            "device_bytes": machine.device_bytes, "host_bytes": machine.host_bytes,
             "planned_host_peak_bytes": max((s.host_peak for s in plan.steps
                                             if s.kind == "reference"), default=0),
-            "shortfall": short}
+            "shortfall": short, "optimizer_state": plan.optimizer_state,
+            "optimizer_state_why": plan.optimizer_state_why}
 
 
 def _check_recomputable(out: Path, contract: Contract, bounds: list[Bound]) -> None:

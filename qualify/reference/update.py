@@ -25,6 +25,14 @@ Precisions:
   rounded to FP32 at the end. Its distance to the FP32 reference is the reference's own
   rounding error, which the FP32 reorder controls cannot see (they share its formulas).
 
+The optimizer: ``torch.optim.AdamW`` (``foreach=False, fused=False``) over the trained
+parameters, its moments with them; or, when the placed stage keeps the state on the host
+(:func:`qualify.reference.devices.optimizer_state` is ``host``), :class:`HostAdamW`: the same
+AdamW per parameter on a host copy, the moments on the host (bitwise the former on host
+parameters), and the sensitivity pass's copy of the parameters on the host too
+(:meth:`~qualify.reference.sensitivity.LossSensitivity.grad_norm`). What a run reports is the
+same in both.
+
 Sources: PPO clipped surrogate and value clipping (Schulman et al. 2017, "Proximal Policy
 Optimization Algorithms"; value clipping as in OpenAI baselines ``ppo2``), KL estimators (Schulman
 2020, "Approximating KL divergence"), AdamW (Loshchilov & Hutter 2019; ``torch.optim.AdamW``),
@@ -45,6 +53,7 @@ from qualify import aggregation
 from qualify.contract import Contract
 from qualify.lanes import Bf16Style
 from qualify.protocol import param_sample_indices, tensor_name
+from qualify.reference import devices as reference_devices
 from qualify.reference import losses
 from qualify.reference.bound_inputs import NORM_FP32_META
 from qualify.reference.row_split import split_row_parallel
@@ -382,7 +391,7 @@ def with_rollout_rows(contract: Contract, batch: Batch, vocab_size: int) -> Cont
 
 
 def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
-          optim: torch.optim.Optimizer, out: dict[str, torch.Tensor],
+          optim: Optimizer, out: dict[str, torch.Tensor],
           grad_dtypes: set[str], norm_evals: dict[str, float]) -> float:
     """Record grads (and their dtype), clip, AdamW step, record state and updates.
 
@@ -390,7 +399,8 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
     :meth:`qualify.contract.OptimizerSpec.lr`, the formula of :mod:`qualify.schedule`), set
     on every param group before ``optim.step()``; it is returned so the run seals it.
     ``norm_evals[f"round{round_}"]`` receives the FP32 evaluation of the pre-clip norm
-    (:func:`_grad_norm_and_clip`).
+    (:func:`_grad_norm_and_clip`). After the step, before the gradients are dropped, the
+    devices' memory is noted (:func:`qualify.reference.devices.note_step`).
     """
     params = [(n, p) for n, p in master.named_parameters() if p.requires_grad]
     grad_dtypes.update(str(p.grad.dtype) for _, p in params if p.grad is not None)
@@ -422,16 +432,25 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
     for group in optim.param_groups:
         group["lr"] = lr
     optim.step()
+
+    def held() -> list[tuple[str, int]]:  # what each parameter keeps on its device
+        def size(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        return [(n, size(p) + size(p.grad) + (0 if isinstance(optim, HostAdamW) else sum(
+            size(v) for k, v in _moments(optim, p).items() if k != "step"))) for n, p in params]
+
+    reference_devices.note_step(role, held)
     optim.zero_grad(set_to_none=True)
     for n, p in params:
-        state = optim.state[p]
+        state = _moments(optim, p)
         out[tensor_name(round_, role, "exp_avg", n)] = reported(n, state["exp_avg"])
         out[tensor_name(round_, role, "exp_avg_sq", n)] = reported(n, state["exp_avg_sq"])
         out[tensor_name(round_, role, "updates", n)] = (picked(n, p) - before[n]).float().cpu()
     return lr
 
 
-def _run_meta(master: nn.Module, optim: torch.optim.Optimizer, grad_dtypes: set[str],
+def _run_meta(master: nn.Module, optim: Optimizer, grad_dtypes: set[str],
               compute_dtypes: set[str], settings: UpdateSettings) -> dict[str, Any]:
     """Dtypes observed in one role's run (master weights, gradients, state, compute)."""
     return {
@@ -443,16 +462,106 @@ def _run_meta(master: nn.Module, optim: torch.optim.Optimizer, grad_dtypes: set[
     }
 
 
-def _adamw(master: nn.Module, lr: float, contract: Contract) -> torch.optim.AdamW:
+class HostAdamW:
+    """``torch.optim.AdamW`` with each parameter's moments on the host, one parameter a step.
+
+    Each parameter has its own ``torch.optim.AdamW`` (``foreach=False, fused=False``, the
+    settings of the reference's optimizer) over one host tensor, its *slot*. :meth:`step`
+    takes the parameters in order: the parameter's value and its ``.grad`` are copied to the
+    host into the slot, that optimizer steps it (torch's single-tensor AdamW arithmetic, on
+    the host, with the moments and the step count it keeps for that parameter), the value is
+    copied back into the parameter, and the slot is emptied. So the host holds the moments of
+    every parameter (``2 x`` the model in the master's dtype) and one parameter's value and
+    gradient at a time; the devices hold neither. ``torch.optim.AdamW`` over all the
+    parameters runs the same per-parameter arithmetic in the same order (its single-tensor
+    loop), so on host parameters the values are bitwise those of :func:`_adamw`'s optimizer.
+
+    Attributes:
+        params: the trained parameters, in the order given.
+        param_groups: one group per parameter (its optimizer's), ``lr`` settable as on a
+            ``torch.optim.AdamW``.
+    """
+
+    def __init__(self, params: list[nn.Parameter], *, lr: float,
+                 betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+        self.params = list(params)
+        self._slots = [torch.empty(0, dtype=p.dtype) for p in self.params]
+        self._optims = [torch.optim.AdamW([s], lr=lr, betas=betas, eps=eps,
+                                          weight_decay=weight_decay, foreach=False, fused=False)
+                        for s in self._slots]
+        self.param_groups = [g for o in self._optims for g in o.param_groups]
+
+    def step(self) -> None:
+        """One AdamW step of every parameter that has a ``.grad`` (torch skips the others)."""
+        for p, slot, optim in zip(self.params, self._slots, self._optims, strict=True):
+            if p.grad is None:
+                continue
+            slot.data = p.detach().to("cpu", copy=True)
+            slot.grad = p.grad.detach().to("cpu", copy=True)
+            optim.step()
+            with torch.no_grad():
+                p.copy_(slot)
+            slot.grad = None
+            slot.data = torch.empty(0, dtype=p.dtype)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop (``set_to_none``) or zero every parameter's ``.grad``, as torch's optimizers."""
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()
+
+    def moments(self, p: nn.Parameter) -> dict[str, torch.Tensor]:
+        """``p``'s AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``), host tensors.
+
+        Raises:
+            KeyError: ``p`` is not one of :attr:`params`, or has not been stepped.
+        """
+        for q, slot, optim in zip(self.params, self._slots, self._optims, strict=True):
+            if q is p:
+                return dict(optim.state[slot])
+        raise KeyError("HostAdamW.moments: not one of its parameters")
+
+    def states(self) -> list[dict[str, torch.Tensor]]:
+        """The AdamW state of every parameter stepped so far."""
+        return [dict(o.state[s]) for s, o in zip(self._slots, self._optims, strict=True)
+                if s in o.state]
+
+
+Optimizer = torch.optim.Optimizer | HostAdamW
+"""The update's optimizer: ``torch.optim.AdamW`` over the parameters, or :class:`HostAdamW`."""
+
+
+def _adamw(master: nn.Module, lr: float, contract: Contract, *,
+           host: bool = False) -> Optimizer:
+    """The run's AdamW: over the parameters (``host`` false) or with its state on the host.
+
+    ``host``: :class:`HostAdamW` (the placed stage's ``optimizer_state = "host"``,
+    :func:`qualify.reference.devices.optimizer_state`).
+    """
     o = contract.optimizer
+    params = [p for p in master.parameters() if p.requires_grad]
+    if host:
+        return HostAdamW(params, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     return torch.optim.AdamW(
-        [p for p in master.parameters() if p.requires_grad], lr=lr, betas=o.betas, eps=o.eps,
+        params, lr=lr, betas=o.betas, eps=o.eps,
         weight_decay=o.weight_decay, foreach=False, fused=False,
     )
 
 
-def _state_dtypes(optim: torch.optim.Optimizer) -> dict[str, str]:
-    dtypes = {f"{key}:{state[key].dtype}" for state in optim.state.values()
+def _moments(optim: Optimizer, p: nn.Parameter) -> dict[str, torch.Tensor]:
+    """``p``'s AdamW state in ``optim``."""
+    if isinstance(optim, HostAdamW):
+        return optim.moments(p)
+    return optim.state[p]
+
+
+def _state_dtypes(optim: Optimizer) -> dict[str, str]:
+    states = optim.states() if isinstance(optim, HostAdamW) else list(optim.state.values())
+    dtypes = {f"{key}:{state[key].dtype}" for state in states
               for key in ("exp_avg", "exp_avg_sq")}
     return {d.split(":")[0]: d.split(":")[1] for d in sorted(dtypes)}
 
@@ -550,7 +659,8 @@ def run_actor(actor: nn.Module, ref: nn.Module | None, batch: Batch, contract: C
     out: dict[str, torch.Tensor] = {}
     prec = _Precision(actor, settings)
     prec.birth_masters()
-    optim = _adamw(actor, contract.optimizer.actor_lr, contract)
+    host_state = reference_devices.optimizer_state() == "host"
+    optim = _adamw(actor, contract.optimizer.actor_lr, contract, host=host_state)
     b, r_len = batch.responses.shape
     acc = settings.accumulate_dtype
     row_w, denom = _aggregation(batch, contract, acc)
@@ -648,7 +758,8 @@ def run_actor(actor: nn.Module, ref: nn.Module | None, batch: Batch, contract: C
         if last_forward is None:
             sens.grad_norm(round_, actor, batch, settings.micro_batch_size, lambda m, mb:
                            _token_logprobs_entropy(_forward_response_outputs(m, mb),
-                                                   mb.responses, temp)[0])
+                                                   mb.responses, temp)[0],
+                           saved_on_host=host_state)
         if on_round is not None:
             on_round(round_, model, actor, batch, old_logp)
         lrs[f"round{round_}"] = _step("actor", round_, actor, contract, optim=optim, out=out,
@@ -696,7 +807,8 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
     out: dict[str, torch.Tensor] = {}
     prec = _Precision(critic, settings)
     prec.birth_masters()
-    optim = _adamw(critic, contract.optimizer.critic_lr, contract)
+    host_state = reference_devices.optimizer_state() == "host"
+    optim = _adamw(critic, contract.optimizer.critic_lr, contract, host=host_state)
     b, r_len = batch.responses.shape
     acc = settings.accumulate_dtype
     row_w, denom = _aggregation(batch, contract, acc)
@@ -747,7 +859,8 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
             break
         if last_forward is None:
             sens.grad_norm(round_, critic, batch, settings.micro_batch_size, lambda m, mb:
-                           _forward_response_outputs(m, mb).float().squeeze(-1))
+                           _forward_response_outputs(m, mb).float().squeeze(-1),
+                           saved_on_host=host_state)
         if on_round is not None:
             on_round(round_, model, critic, batch, old_values)
         lrs[f"round{round_}"] = _step("critic", round_, critic, contract, optim=optim,

@@ -1,0 +1,151 @@
+"""``qualify plan`` with the AdamW state on the host, and the stage's choice of it.
+
+With ``optimizer_state = "host"`` (:class:`qualify.reference.update.HostAdamW`) the whole
+model's AdamW moments (``8`` bytes per FP32 parameter) and the sensitivity's ``saved`` copy
+(``4``) are on the host; the devices keep the FP32 master and its ``.grad`` (``8``), the FP64
+arithmetic of one parameter (``3 x 8`` bytes per element of the largest) and, in the
+sensitivity pass, one parameter of the host copy brought back (``4`` bytes per element of the
+largest); the host's AdamW step holds one parameter's value, gradient and torch's ``denom``
+(``3 x 4`` bytes per element of the largest). The expected bytes are written here from
+Qwen3-8B's shape (as ``tests/test_plan_devices.py``), not taken from the planner.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from qualify.contract import load_contract
+from qualify.errors import ExitCode
+from qualify.reference import plan
+from qualify.resources import contracts_dir
+
+QWEN3_8B = contracts_dir() / "qwen3-8b.toml"
+H, MLP, LAYERS, HEADS, KV_HEADS, D, V = 4096, 12288, 36, 32, 8, 128, 151936
+LAYER = (H * HEADS * D + 2 * H * KV_HEADS * D + HEADS * D * H + 2 * D + 3 * H * MLP + 2 * H)
+ACTOR = V * H + LAYERS * LAYER + H + V * H  # embedding, layers, final norm, untied lm_head
+EMBED = V * H  # the largest parameter (lm_head is the same size)
+GB = 10**9
+NODE = plan.Machine(devices=1, device_bytes=141 * GB, host_bytes=2000 * GB, cores=2)
+
+
+def _activations() -> tuple[int, int, int]:
+    """``(one layer's FP32 activations of a micro-batch, the head's output, layers)``."""
+    contract = load_contract(QWEN3_8B)
+    _, prompt, resp, _ = plan._rollout_shape(contract)
+    mbs, pos = contract.algorithm.micro_batch_size, prompt + resp
+    q, kv = HEADS * D, KV_HEADS * D
+    layer_elems = 2 * H + 2 * (q + kv) + kv + 5 * q + 2 * H + 4 * MLP + (q + kv)
+    head = 5 * mbs * resp * V * 4 + 2 * mbs * pos * H * 4
+    return layer_elems * mbs * pos * 4, head, LAYERS
+
+
+def test_host_state_moves_the_moments_and_the_copy_to_the_host() -> None:
+    """One device, the FP32 update: the device keeps 8 bytes per parameter and the
+    per-parameter transients (its peak the larger of the sensitivity pass and the backward);
+    the host holds the interpreter, the moments and the copy (12 bytes per parameter); the
+    device-state plan of the same step holds 12 bytes per parameter more on the device,
+    less the one parameter brought back."""
+    contract = load_contract(QWEN3_8B)
+    host = {s.name: s for s in plan.plan_reference(contract, NODE, optimizer_state="host")}
+    device = {s.name: s for s in plan.plan_reference(contract, NODE)}
+    layer, head, n = _activations()
+    sensitivity = 8 * ACTOR + 24 * EMBED + 4 * EMBED + head + layer
+    backward = 8 * ACTOR + n * layer + head
+    step = host["updates hf-fp32"]
+    assert step.device_peak == max(sensitivity, backward)
+    assert step.host_peak == plan.INTERPRETER_BYTES + 12 * ACTOR
+    assert step.terms == {"interpreter": plan.INTERPRETER_BYTES, "adamw": 8 * ACTOR,
+                          "sensitivity_copy": 4 * ACTOR}
+    assert device["updates hf-fp32"].device_peak == 20 * ACTOR + 24 * EMBED + head + layer
+    # the host's AdamW step of one parameter: below the sensitivity pass on the host here
+    assert 8 * ACTOR + 3 * 4 * EMBED < 12 * ACTOR
+
+
+@pytest.mark.parametrize("devices", [1, 2, 8])
+def test_host_state_never_holds_more_on_a_device(devices: int) -> None:
+    """Whatever the split, no reference step needs more of a device with the state on the
+    host than on the devices, and the whole-model moments land on the host."""
+    contract = load_contract(QWEN3_8B)
+    machine = plan.Machine(devices=devices, device_bytes=141 * GB, host_bytes=2000 * GB,
+                           cores=2)
+    host = plan.plan_reference(contract, machine, optimizer_state="host")
+    device = plan.plan_reference(contract, machine)
+    assert [s.name for s in host] == [s.name for s in device]
+    for a, b in zip(host, device, strict=True):
+        assert a.device_peak <= b.device_peak, a.name
+    updates = next(s for s in host if s.name == "updates hf-fp32")
+    assert updates.terms["adamw"] == 8 * ACTOR
+
+
+def test_the_plan_chooses_host_state_only_when_the_devices_need_it() -> None:
+    """1 x 141 GB: the device-state plan is refused at the FP32 update (179.4 GB), so the
+    plan takes the state to the host and the reference stage fits; 8 x 141 GB: it fits on the
+    devices, which keep it; no devices: nothing to move. Asked for, either is planned."""
+    contract = load_contract(QWEN3_8B)
+    one = plan.build_plan(contract, NODE)
+    assert one.optimizer_state == "host"
+    assert one.optimizer_state_why.startswith("with the AdamW state on the devices: updates "
+                                              "hf-fp32: needs 179.4 GB on a device")
+    assert one.shortfall("reference") is None
+    assert plan.build_plan(contract, NODE, optimizer_state="device").shortfall(
+        "reference").startswith("updates hf-fp32: ")  # type: ignore[union-attr]
+    eight = plan.build_plan(contract, plan.Machine(devices=8, device_bytes=141 * GB,
+                                                   host_bytes=2000 * GB, cores=2))
+    assert eight.optimizer_state == "device"
+    host_only = plan.build_plan(contract, plan.Machine(devices=0, device_bytes=0,
+                                                       host_bytes=10 * GB, cores=2))
+    assert host_only.optimizer_state == "device"
+    assert host_only.shortfall("reference") is not None
+    # host state that would not get further keeps the state on the devices: a host too small
+    # for the moments
+    small_host = plan.Machine(devices=1, device_bytes=141 * GB, host_bytes=70 * GB, cores=2)
+    chosen = plan.build_plan(contract, small_host)
+    assert chosen.optimizer_state == "device"
+    assert chosen.shortfall("reference").startswith("updates hf-fp32: needs 179.4 GB")  # type: ignore[union-attr]
+
+
+def test_qualify_plan_on_one_h200_gets_past_the_updates(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``qualify plan contracts/qwen3-8b.toml --devices 1 --device-memory 141 --host-memory
+    2000`` prints where the state is, and is refused past the reference stage (a candidate
+    launch: TP 1 needs 168.7 GB on its device), one line, exit 2."""
+    from qualify.cli.main import main
+
+    code = main(["plan", str(QWEN3_8B), "--devices", "1", "--device-memory", "141",
+                 "--host-memory", "2000"])
+    out = capsys.readouterr()
+    assert code == ExitCode.USAGE_ERROR
+    assert "AdamW state and sensitivity copy: on the host (with the AdamW state on the " \
+           "devices: updates hf-fp32: needs 179.4 GB" in out.out
+    (line,) = out.err.strip().splitlines()
+    assert "does not fit: launch torch_tp world 1 (4 cells): needs 168.7 GB on a device" in line
+    code = main(["plan", str(QWEN3_8B), "--devices", "1", "--device-memory", "141",
+                 "--host-memory", "2000", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["optimizer_state"] == "host"
+
+
+def test_device_memory_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``$QUALIFY_REFERENCE_DEVICE_MEMORY`` makes a ``cpu`` list devices of that memory in
+    ``qualify plan``; a bad value is one line naming the variable, exit 2."""
+    from qualify.cli.main import main
+
+    monkeypatch.setenv("QUALIFY_REFERENCE_DEVICES", "cpu")
+    monkeypatch.setenv("QUALIFY_REFERENCE_DEVICE_MEMORY", "141")
+    main(["plan", str(QWEN3_8B), "--host-memory", "2000", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["machine"]["devices"] == 1
+    assert doc["machine"]["device_bytes"] == 141 * GB
+    assert doc["optimizer_state"] == "host"
+    for bad in ("0", "-3", "1e3", "lots", "inf", "nan"):
+        monkeypatch.setenv("QUALIFY_REFERENCE_DEVICE_MEMORY", bad)
+        code = main(["plan", str(QWEN3_8B), "--json"])
+        out = capsys.readouterr()
+        assert code == ExitCode.USAGE_ERROR, bad
+        assert out.out == ""
+        (line,) = out.err.strip().splitlines()
+        assert f"QUALIFY_REFERENCE_DEVICE_MEMORY={bad!r}" in line
