@@ -149,3 +149,22 @@ def test_device_memory_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
         assert out.out == ""
         (line,) = out.err.strip().splitlines()
         assert f"QUALIFY_REFERENCE_DEVICE_MEMORY={bad!r}" in line
+
+
+def test_cpu_devices_under_a_budget_are_timed_at_the_hosts_rates() -> None:
+    """``cpu`` devices under ``$QUALIFY_REFERENCE_DEVICE_MEMORY`` share the host's cores: each
+    step's planned time is the host-only plan's, not a GPU's (memory is counted per device)."""
+    contract = load_contract(contracts_dir() / "smollm2-135m.toml")
+    host = plan.build_plan(contract, plan.Machine(devices=0, device_bytes=0,
+                                                  host_bytes=2000 * GB, cores=2))
+    cpu = plan.build_plan(contract, plan.Machine(devices=3, device_bytes=100 * GB,
+                                                 host_bytes=2000 * GB, cores=2,
+                                                 device_kind="cpu"))
+    gpu = plan.build_plan(contract, plan.Machine(devices=3, device_bytes=100 * GB,
+                                                 host_bytes=2000 * GB, cores=2))
+    times = {p: {s.name: s.seconds for s in x.steps} for p, x in
+             (("host", host), ("cpu", cpu), ("gpu", gpu))}
+    assert times["cpu"] == times["host"]
+    assert all(times["gpu"][n] < times["host"][n] for n in times["host"]
+               if n.startswith(("updates", "control")))
+    assert any(s.device_peak > 0 for s in cpu.steps)

@@ -52,7 +52,9 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
     machine = Machine(devices=devices, device_bytes=dev_bytes if devices else 0,
                       host_bytes=args.host_memory if args.host_memory is not None
                       else here.host_bytes,
-                      cores=args.cores if args.cores is not None else here.cores)
+                      cores=args.cores if args.cores is not None else here.cores,
+                      device_kind="cpu" if args.devices is None and _env_cpu_devices()
+                      else "gpu")
     contract = load_contract(Path(args.contract) if args.contract else default_contract_path())
     plan = build_plan(contract, machine)
     if args.json:
@@ -122,6 +124,16 @@ def _env_devices(default: int) -> int:
     if listed and listed[0] == "cpu":
         return len(listed) if reference_devices.device_memory() is not None else 0
     return len(listed)
+
+
+def _env_cpu_devices() -> bool:
+    """``$QUALIFY_REFERENCE_DEVICES`` lists ``cpu`` devices (their time is the host's cores')."""
+    import os
+
+    from qualify.reference import devices as reference_devices
+
+    value = os.environ.get(reference_devices.ENV, "")
+    return bool(value) and value.strip() != "host" and reference_devices.parse(value)[0] == "cpu"
 
 
 def _duration(s: float) -> str:

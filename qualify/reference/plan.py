@@ -249,7 +249,10 @@ class Machine:
     """Where the stage runs.
 
     ``devices`` accelerators of ``device_bytes`` each (0: host only), ``host_bytes`` of
-    memory and ``cores`` CPU cores.
+    memory and ``cores`` CPU cores. ``device_kind``: ``gpu`` (each device computes at
+    :data:`THROUGHPUT`'s ``gpu`` rates) or ``cpu`` (``cpu`` devices under a memory budget,
+    ``$QUALIFY_REFERENCE_DEVICE_MEMORY``: memory counted per device, time at the host's
+    cores' rates).
     """
 
     devices: int
@@ -669,8 +672,10 @@ def plan_reference(contract: Contract, machine: Machine, *,
     host_state = optimizer_state == "host"
     dev = machine.devices > 0
     dev_terms = DEVICE_PARAM_TERMS - HOST_STATE_TERMS if host_state else DEVICE_PARAM_TERMS
-    rate_key = "gpu" if dev else "cpu"
-    units = 1 if dev else machine.cores  # whole layers per device: one device at a time
+    gpu = dev and machine.device_kind == "gpu"
+    rate_key = "gpu" if gpu else "cpu"
+    # whole layers per device: one device at a time; ``cpu`` devices share the host's cores
+    units = 1 if gpu else machine.cores
     steps: list[Step] = []
 
     def rate(prec: str) -> float:
@@ -983,9 +988,10 @@ def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
             written += 4 * rounds * 4 * rep + SAFETENSORS_HEADER_BYTES * rounds * 4 * len(
                 shape.params(cell.role))
             flops += rounds * 6 * pr * n_seq * positions
-        rk = ("gpu" if dev else "cpu") + ("-bf16" if all(c.precision == "bf16" for c in cells)
+        gpu = dev and machine.device_kind == "gpu"
+        rk = ("gpu" if gpu else "cpu") + ("-bf16" if all(c.precision == "bf16" for c in cells)
                                           else "-fp32")
-        units = min(world, machine.devices) if dev else min(world, machine.cores)
+        units = min(world, machine.devices) if gpu else min(world, machine.cores)
         seconds = flops / (THROUGHPUT[rk] * max(units, 1))
         host = (INTERPRETER_BYTES * world + (0 if dev else per_rank * world))
         steps.append(Step(name=f"launch {engine} world {world} ({len(cells)} cells)",

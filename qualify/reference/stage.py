@@ -555,7 +555,8 @@ def _plan_check(contract: Contract, enforce: bool,
         devices.kind == "cuda" or device_bytes is not None) else 0
     machine = dataclasses.replace(
         machine, devices=n, device_bytes=0 if not n else (
-            machine.device_bytes if device_bytes is None else device_bytes))
+            machine.device_bytes if device_bytes is None else device_bytes),
+        device_kind="cpu" if devices is not None and devices.kind == "cpu" else "gpu")
     try:
         plan = build_plan(contract, machine)
     except ContractError as e:  # sizes the contract does not state: the model decides later
