@@ -26,6 +26,7 @@ those of the costlier modules first, so that the cheapest fill the end of both w
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -131,3 +132,17 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return OneWorkerModules(config, log)
 
 
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for tiny models (two spin against each other on a loaded 2-core
+    machine: 100x the wall); restored after."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)

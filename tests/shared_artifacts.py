@@ -256,3 +256,26 @@ def committed_gate(factory: pytest.TempPathFactory) -> Path:
         (work / "rc.txt").write_text(str(rc), encoding="utf-8")
 
     return build_once(factory, "committed-gate", build)
+
+
+def assert_sealed_bitwise_equal(plain: Path, other: Path) -> list[str]:
+    """Assert two reference directories seal the same bytes; return the tensor files.
+
+    The same ``*.safetensors`` files with the same tensors byte for byte (dtype and shape
+    included), and ``bounds.json``, ``control_errors.json`` and ``branches.json`` byte for
+    byte. Signatures, timings and the environment document are not compared.
+    """
+    from qualify.evidence.tensors import load_tensors
+    from qualify.layout import BOUNDS_FILE, BRANCHES_FILE, CONTROL_ERRORS_FILE
+
+    files = sorted(str(p.relative_to(plain)) for p in plain.rglob("*.safetensors"))
+    assert files == sorted(str(p.relative_to(other)) for p in other.rglob("*.safetensors"))
+    for f in files:
+        a, b = load_tensors(plain / f), load_tensors(other / f)
+        assert a.keys() == b.keys(), f
+        for k in a:
+            assert (a[k].dtype, a[k].shape) == (b[k].dtype, b[k].shape), (f, k)
+            assert a[k].tobytes() == b[k].tobytes(), (f, k)
+    for doc in (BOUNDS_FILE, CONTROL_ERRORS_FILE, BRANCHES_FILE):
+        assert (plain / doc).read_bytes() == (other / doc).read_bytes(), doc
+    return files

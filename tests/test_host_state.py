@@ -10,7 +10,6 @@ tensor per parameter, never the model's parameters).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -18,7 +17,7 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given, settings
-from tiny_models import seeded_batch, seeded_qwen3
+from tiny_models import THREE_LAYER_CFG, seeded_batch, seeded_qwen3
 
 from qualify.contract import Contract, load_contract
 from qualify.reference import devices, update
@@ -26,21 +25,9 @@ from qualify.reference.sensitivity import LossSensitivity
 from qualify.reference.update import Batch, HostAdamW, UpdateSettings
 from qualify.resources import contracts_dir
 
-CFG: dict[str, Any] = {
-    "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "pad_token_id": 0,
-    "eos_token_id": 2, "bos_token_id": 1, "attention_dropout": 0.0}
+CFG = THREE_LAYER_CFG
 
 
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """One intra-op thread for tiny models; restored after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 def _contract() -> Contract:
@@ -233,11 +220,9 @@ def test_tiny_reference_under_a_device_budget_seals_the_unplaced_tensors(
     the choice."""
     import json
 
-    from shared_artifacts import tiny_reference
+    from shared_artifacts import assert_sealed_bitwise_equal, tiny_reference
     from tiny_contracts import torch_tp_only_text
 
-    from qualify.evidence.tensors import load_tensors
-    from qualify.layout import BOUNDS_FILE, BRANCHES_FILE, CONTROL_ERRORS_FILE
     from qualify.reference.stage import run_reference_stage
 
     plain = next(p for p in (tiny_reference(tmp_path_factory) / "references").iterdir()
@@ -247,16 +232,8 @@ def test_tiny_reference_under_a_device_budget_seals_the_unplaced_tensors(
     monkeypatch.setenv(devices.ENV, "cpu,cpu,cpu")
     monkeypatch.setenv(devices.MEMORY_ENV, "0.028")
     budget = run_reference_stage(load_contract(path), root=tmp_path / "references", quiet=True)
-    files = sorted(str(p.relative_to(plain)) for p in plain.rglob("*.safetensors"))
+    files = assert_sealed_bitwise_equal(plain, budget)
     assert any(f.startswith("branches/") for f in files)
-    assert files == sorted(str(p.relative_to(budget)) for p in budget.rglob("*.safetensors"))
-    for f in files:
-        a, b = load_tensors(plain / f), load_tensors(budget / f)
-        assert a.keys() == b.keys(), f
-        for k in a:
-            assert a[k].tobytes() == b[k].tobytes(), (f, k)
-    for doc in (BOUNDS_FILE, CONTROL_ERRORS_FILE, BRANCHES_FILE):
-        assert (plain / doc).read_bytes() == (budget / doc).read_bytes(), doc
     env = json.loads((budget / "environment.json").read_text())
     assert env["reference_devices"]["optimizer_state"] == "host"
     assert env["plan_check"]["optimizer_state"] == "host"

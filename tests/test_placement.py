@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import seeded_qwen3
+from tiny_models import THREE_LAYER_CFG, seeded_qwen3
 
 from qualify.reference.placement import (
     assign_layers,
@@ -24,10 +24,7 @@ from qualify.reference.placement import (
 )
 from qualify.reference.plan import ModelShape, stage_layer_counts
 
-CFG: dict[str, Any] = {
-    "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "pad_token_id": 0,
-    "eos_token_id": 2, "bos_token_id": 1, "attention_dropout": 0.0}
+CFG = THREE_LAYER_CFG
 
 
 @settings(max_examples=150, deadline=None)

@@ -15,19 +15,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from qwen3_8b_shape import ACTOR, EMBED, QWEN3_8B, activations
 
 from qualify.contract import load_contract
 from qualify.errors import ExitCode
 from qualify.reference import plan
 from qualify.resources import contracts_dir
 
-QWEN3_8B = contracts_dir() / "qwen3-8b.toml"
 TINY = contracts_dir() / "tiny-qwen3.toml"
-
-H, MLP, LAYERS, HEADS, KV_HEADS, D, V = 4096, 12288, 36, 32, 8, 128, 151936
-LAYER = (H * HEADS * D + 2 * H * KV_HEADS * D + HEADS * D * H + 2 * D + 3 * H * MLP + 2 * H)
-ACTOR = V * H + LAYERS * LAYER + H + V * H  # embedding, layers, final norm, untied lm_head
-EMBED = V * H  # the largest parameter (lm_head is the same size)
 
 
 def _steps(contract: str, devices: int) -> dict[str, plan.Step]:
@@ -45,20 +40,15 @@ def test_one_device_holds_the_whole_sensitivity_pass() -> None:
     """On one device the FP32 update's peak is its sensitivity pass, exactly: 20 bytes per
     parameter, the FP64 temporaries of the embedding, the head's output and one layer's
     activations (a forward without a graph). Each BF16 lane adds its 2-byte copy."""
-    contract = load_contract(QWEN3_8B)
-    _, prompt, resp, _ = plan._rollout_shape(contract)
-    mbs, pos = contract.algorithm.micro_batch_size, prompt + resp
-    q, kv = HEADS * D, KV_HEADS * D
-    layer_elems = 2 * H + 2 * (q + kv) + kv + 5 * q + 2 * H + 4 * MLP + (q + kv)
-    head = 5 * mbs * resp * V * 4 + 2 * mbs * pos * H * 4
+    elements, head = activations()
     steps = _steps(str(QWEN3_8B), 1)
-    fp32 = 20 * ACTOR + 24 * EMBED + head + layer_elems * mbs * pos * 4
+    fp32 = 20 * ACTOR + 24 * EMBED + head + elements * 4
     assert steps["updates hf-fp32"].device_peak == fp32
-    bf16 = 22 * ACTOR + 24 * EMBED + head + layer_elems * mbs * pos * 2
+    bf16 = 22 * ACTOR + 24 * EMBED + head + elements * 2
     assert steps["updates hf-bf16-castmasters"].device_peak == bf16
     # autocast: FP32 parameters (activations FP32), the BF16 weight casts alive
     assert steps["updates hf-bf16-autocast"].device_peak == (
-        22 * ACTOR + 24 * EMBED + head + layer_elems * mbs * pos * 4)
+        22 * ACTOR + 24 * EMBED + head + elements * 4)
     # the clip-branch rerun of the FP32 lane holds the same state
     assert steps["branches hf-fp32 actor"].device_peak >= 20 * ACTOR + 24 * EMBED
 

@@ -16,30 +16,14 @@ import json
 from pathlib import Path
 
 import pytest
+from qwen3_8b_shape import ACTOR, EMBED, GB, LAYERS, QWEN3_8B, activations
 
 from qualify.contract import load_contract
 from qualify.errors import ExitCode
 from qualify.reference import plan
 from qualify.resources import contracts_dir
 
-QWEN3_8B = contracts_dir() / "qwen3-8b.toml"
-H, MLP, LAYERS, HEADS, KV_HEADS, D, V = 4096, 12288, 36, 32, 8, 128, 151936
-LAYER = (H * HEADS * D + 2 * H * KV_HEADS * D + HEADS * D * H + 2 * D + 3 * H * MLP + 2 * H)
-ACTOR = V * H + LAYERS * LAYER + H + V * H  # embedding, layers, final norm, untied lm_head
-EMBED = V * H  # the largest parameter (lm_head is the same size)
-GB = 10**9
 NODE = plan.Machine(devices=1, device_bytes=141 * GB, host_bytes=2000 * GB, cores=2)
-
-
-def _activations() -> tuple[int, int, int]:
-    """``(one layer's FP32 activations of a micro-batch, the head's output, layers)``."""
-    contract = load_contract(QWEN3_8B)
-    _, prompt, resp, _ = plan._rollout_shape(contract)
-    mbs, pos = contract.algorithm.micro_batch_size, prompt + resp
-    q, kv = HEADS * D, KV_HEADS * D
-    layer_elems = 2 * H + 2 * (q + kv) + kv + 5 * q + 2 * H + 4 * MLP + (q + kv)
-    head = 5 * mbs * resp * V * 4 + 2 * mbs * pos * H * 4
-    return layer_elems * mbs * pos * 4, head, LAYERS
 
 
 def test_host_state_moves_the_moments_and_the_copy_to_the_host() -> None:
@@ -51,7 +35,8 @@ def test_host_state_moves_the_moments_and_the_copy_to_the_host() -> None:
     contract = load_contract(QWEN3_8B)
     host = {s.name: s for s in plan.plan_reference(contract, NODE, optimizer_state="host")}
     device = {s.name: s for s in plan.plan_reference(contract, NODE)}
-    layer, head, n = _activations()
+    elements, head = activations()
+    layer, n = 4 * elements, LAYERS
     sensitivity = 8 * ACTOR + 24 * EMBED + 4 * EMBED + head + layer
     backward = 8 * ACTOR + n * layer + head
     step = host["updates hf-fp32"]

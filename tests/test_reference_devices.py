@@ -12,42 +12,27 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 import torch
-from shared_artifacts import tiny_reference
+from shared_artifacts import assert_sealed_bitwise_equal, tiny_reference
 from tiny_contracts import torch_tp_only_text
-from tiny_models import seeded_batch, seeded_qwen3
+from tiny_models import THREE_LAYER_CFG, seeded_batch, seeded_qwen3
 
 from qualify.contract import Contract, load_contract
 from qualify.errors import UsageError
-from qualify.layout import BOUNDS_FILE, BRANCHES_FILE, CONTROL_ERRORS_FILE
 from qualify.models import roles
 from qualify.reference import devices
 from qualify.reference.update import Batch, UpdateSettings
 from qualify.resources import contracts_dir, repo_root
 
-CFG: dict[str, Any] = {
-    "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "pad_token_id": 0,
-    "eos_token_id": 2, "bos_token_id": 1, "attention_dropout": 0.0}
+CFG = THREE_LAYER_CFG
 THREE = devices.ReferenceDevices(("cpu", "cpu", "cpu"), devices.ENV)
 
 
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """One intra-op thread for tiny models (two spin against each other on a loaded 2-core
-    machine: 100x the wall); restored after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize(("value", "why"), [
@@ -165,7 +150,6 @@ def test_tiny_reference_placed_on_three_cpus_seals_the_unplaced_tensors(
     ``QUALIFY_REFERENCE_DEVICES=cpu,cpu,cpu`` seals the same update, control, branch and
     score tensors and the same bounds, byte for byte, as the unplaced shared reference; its
     environment document records the placement."""
-    from qualify.evidence.tensors import load_tensors
     from qualify.reference.stage import run_reference_stage
 
     plain = next(p for p in (tiny_reference(tmp_path_factory) / "references").iterdir()
@@ -174,19 +158,10 @@ def test_tiny_reference_placed_on_three_cpus_seals_the_unplaced_tensors(
     path.write_text(torch_tp_only_text(), encoding="utf-8")
     monkeypatch.setenv(devices.ENV, "cpu,cpu,cpu")
     placed = run_reference_stage(load_contract(path), root=tmp_path / "references", quiet=True)
-    files = sorted(str(p.relative_to(plain)) for p in plain.rglob("*.safetensors"))
+    files = assert_sealed_bitwise_equal(plain, placed)
     assert any(f.startswith("reference/") for f in files)
     assert any(f.startswith("controls/") for f in files)
     assert any(f.startswith("branches/") for f in files)
-    assert files == sorted(str(p.relative_to(placed)) for p in placed.rglob("*.safetensors"))
-    for f in files:
-        a, b = load_tensors(plain / f), load_tensors(placed / f)
-        assert a.keys() == b.keys(), f
-        for k in a:
-            assert (a[k].dtype, a[k].shape) == (b[k].dtype, b[k].shape), (f, k)
-            assert a[k].tobytes() == b[k].tobytes(), (f, k)
-    for doc in (BOUNDS_FILE, CONTROL_ERRORS_FILE, BRANCHES_FILE):
-        assert (plain / doc).read_bytes() == (placed / doc).read_bytes(), doc
     env = json.loads((placed / "environment.json").read_text())["reference_devices"]
     assert env["kind"] == "cpu"
     assert len(env["devices"]) == 3

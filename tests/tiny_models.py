@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForTokenClassification
+
+THREE_LAYER_CFG: Final[dict[str, Any]] = {
+    "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "pad_token_id": 0,
+    "eos_token_id": 2, "bos_token_id": 1, "attention_dropout": 0.0}
+"""A Qwen3 of three decoder layers (placement over up to three devices), vocabulary 96."""
 
 
 def seeded_qwen3(role: str, cfg: Mapping[str, Any], *,
