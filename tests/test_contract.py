@@ -221,7 +221,7 @@ def test_fp32_tp_class_is_fed_by_the_fp64_control() -> None:
     grad_norm: microbatch and attn_impl errors 0.0) while a TP=2 engine sums sharded squares
     in another order (1.9e-6 from TP=1 on a norm bound by the floor alone, 1e-6).
     """
-    for name in ("tiny-qwen3", "smollm2-135m"):  # qwen3-8b runs no fp64 control at all
+    for name in ("tiny-qwen3", "smollm2-135m", "qwen3-8b"):
         c = load_contract(TINY.parent / f"{name}.toml")
         assert "fp64" in c.bounds.controls_tp_vs_tp1, name
         assert "bf16_mode" not in c.bounds.controls_tp_vs_tp1, name

@@ -62,9 +62,10 @@ def test_qwen3_8b_fits_a_node_of_eight_and_not_one_device(
     141 GB device, and the refusal names that launch. On one 141 GB device the reference
     stage does not fit with the AdamW moments and the sensitivity copy on the device (20
     bytes per parameter, 164 GB: the plan's reason names its first update), so the plan keeps
-    them on the host and the stage fits; its fullest device step, the BF16-parameter lane's
-    clip-branch passes, holds the FP32 master, its gradient, a ``J_t`` and a BF16 copy (14
-    bytes per parameter); the refusal then names the TP 1 launch."""
+    them on the host; the FP32 lanes then fit (the BF16-parameter lane's clip-branch passes,
+    the fullest, hold the FP32 master, its gradient, a ``J_t`` and a BF16 copy: 14 bytes per
+    parameter), but the FP64 control's weights and gradient alone are 16 bytes per parameter
+    (131 GB) and with the embedding's FP64 temporaries do not, and the refusal names it."""
     import json
 
     code, out, _ = _plan(capsys, str(contracts_dir() / "qwen3-8b.toml"), "--devices", "8",
@@ -78,20 +79,22 @@ def test_qwen3_8b_fits_a_node_of_eight_and_not_one_device(
                          "--device-memory", "141", "--host-memory", "2048", "--json")
     doc = json.loads(out)
     ref = [s for s in doc["steps"] if s["kind"] == "reference"]
-    top = max(ref, key=lambda s: s["device_peak_bytes"])
+    top = max((s for s in ref if "fp64" not in s["step"]), key=lambda s: s["device_peak_bytes"])
     assert top["step"] == "branches hf-bf16-castmasters actor"
     assert 14 * 8.19e9 < top["device_peak_bytes"] <= 141e9
+    fp64 = next(s for s in ref if s["step"] == "control fp64-fp32")
+    assert 16 * 8.19e9 < 141e9 < fp64["device_peak_bytes"]
     assert doc["optimizer_state"] == "host"
     assert doc["optimizer_state_why"].startswith(
         "with the AdamW state on the devices: updates hf-fp32: "), doc["optimizer_state_why"]
-    assert doc["shortfall"].startswith("launch torch_tp world 1"), doc["shortfall"]
+    assert doc["shortfall"].startswith("control fp64-fp32"), doc["shortfall"]
     code, _, err = _plan(capsys, str(contracts_dir() / "qwen3-8b.toml"), "--devices", "1",
                          "--device-memory", "141", "--host-memory", "2048")
     assert code == ExitCode.USAGE_ERROR
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert "Traceback" not in err
-    for part in ("does not fit", "launch torch_tp world 1", "on a device", "short by"):
+    for part in ("does not fit", "control fp64-fp32", "on a device", "short by"):
         assert part in lines[0], lines[0]
 
 
