@@ -155,3 +155,74 @@ def test_cpu_devices_under_a_budget_are_timed_at_the_hosts_rates() -> None:
     assert all(times["gpu"][n] < times["host"][n] for n in times["host"]
                if n.startswith(("updates", "control")))
     assert any(s.device_peak > 0 for s in cpu.steps)
+
+
+def test_cpu_devices_under_a_budget_hold_no_candidate_launch() -> None:
+    """The device budget is the reference stage's: under it a ``cpu`` list's candidate
+    launches are the host's processes, planned as on the host (no launch is refused for the
+    count of ``cpu`` devices, none is put on them), while the reference steps keep their
+    device peaks."""
+    contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
+    host = plan.build_plan(contract, plan.Machine(devices=0, device_bytes=0,
+                                                  host_bytes=2000 * GB, cores=2))
+    cpu = plan.build_plan(contract, plan.Machine(devices=1, device_bytes=100 * GB,
+                                                 host_bytes=2000 * GB, cores=2,
+                                                 device_kind="cpu"))
+    launches = {s.name: s for s in cpu.steps if s.kind == "launch"}
+    assert any(s.processes > 1 for s in launches.values())
+    assert launches == {s.name: s for s in host.steps if s.kind == "launch"}
+    assert cpu.shortfall() is None
+    assert any(s.device_peak > 0 for s in cpu.steps if s.kind == "reference")
+
+
+def test_plan_memory_options_refuse_what_is_no_size(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--device-memory`` and ``--host-memory`` refuse a value that is no finite size of at
+    least one byte (an overflow, an infinity, a size that rounds to 0 bytes) as argparse
+    refuses a word: exit 2, no traceback, nothing on stdout."""
+    from qualify.cli.main import main
+
+    for option in ("--device-memory", "--host-memory"):
+        for bad in ("inf", "1e400", "-inf", "nan", "0", "-1", "1e-12", "words"):
+            code = main(["plan", str(QWEN3_8B), "--devices", "1", f"{option}={bad}"])
+            out = capsys.readouterr()
+            assert code == ExitCode.USAGE_ERROR, (option, bad)
+            assert out.out == "", (option, bad)
+            assert "Traceback" not in out.err, (option, bad)
+            assert f"argument {option}: {bad!r}" in out.err, (option, bad)
+
+
+def test_plan_refuses_a_device_budget_with_nothing_placed(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``$QUALIFY_REFERENCE_DEVICE_MEMORY`` with nothing placed (``host``, or no devices here
+    and no list) is refused by ``qualify plan`` as the stage refuses it, one line naming the
+    variable, exit 2; ``--devices N`` plans N devices of that memory."""
+    from qualify.cli.main import main
+
+    monkeypatch.setattr(plan, "machine_defaults", lambda: plan.Machine(
+        devices=0, device_bytes=0, host_bytes=2000 * GB, cores=2))
+    monkeypatch.setenv("QUALIFY_REFERENCE_DEVICE_MEMORY", "141")
+    for listed in ("host", None):
+        if listed is None:
+            monkeypatch.delenv("QUALIFY_REFERENCE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("QUALIFY_REFERENCE_DEVICES", listed)
+        code = main(["plan", str(QWEN3_8B), "--json"])
+        out = capsys.readouterr()
+        assert code == ExitCode.USAGE_ERROR, listed
+        assert out.out == ""
+        (line,) = out.err.strip().splitlines()
+        assert "QUALIFY_REFERENCE_DEVICE_MEMORY: nothing is placed" in line
+    main(["plan", str(QWEN3_8B), "--devices", "2", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["machine"]["devices"], doc["machine"]["device_bytes"]) == (2, 141 * GB)
+
+
+def test_refusal_sizes_never_read_zero() -> None:
+    """A refusal line's size is never ``0.0`` of a unit for a positive size, and reads the
+    size back to its unit's rounding."""
+    for n in (1, 999, 10**5 - 1, 10**5, GB // 10 - 1, GB // 10, 141 * GB):
+        text = plan._size(n)
+        value, unit = text.split()
+        assert float(value) > 0, text
+        scale = {"bytes": 1, "MB": 10**6, "GB": GB}[unit]
+        assert abs(float(value) * scale - n) <= 0.05 * scale, text

@@ -12,18 +12,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from qualify.errors import ExitCode, UsageError
 
 
 def _gb(x: str) -> int:
+    """``--device-memory`` / ``--host-memory``: a finite number of GB, in bytes (at least 1).
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, not finite, or under one byte.
+    """
     try:
         v = float(x)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{x!r}: a number of GB (10^9 bytes)") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"{x!r}: must be positive")
+    if not 1 <= v * 1e9 < math.inf:
+        raise argparse.ArgumentTypeError(f"{x!r}: must be positive and finite, at least one "
+                                         "byte (1e-9 GB)")
     return int(v * 1e9)
 
 
@@ -45,6 +52,11 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
     from qualify.reference import devices as reference_devices
 
     env_memory = reference_devices.device_memory()
+    if env_memory is not None and args.devices is None and not devices:
+        # as the stage refuses it (qualify.reference.stage.run_reference_stage)
+        raise UsageError(f"{reference_devices.MEMORY_ENV}: nothing is placed (no CUDA device, "
+                         f"or {reference_devices.ENV}=host); give {reference_devices.ENV}="
+                         "cpu,cpu,... for the placed path on the host, or --devices N")
     dev_bytes = args.device_memory if args.device_memory is not None else (
         env_memory if env_memory is not None else here.device_bytes)
     if devices and not dev_bytes:
@@ -61,7 +73,7 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
         m = plan.machine
-        where = (f"{m.devices} device(s) x {m.device_bytes / GB:.0f} GB, " if m.devices
+        where = (f"{m.devices} device(s) x {m.device_bytes / GB:.3g} GB, " if m.devices
                  else "host only, ")
         table = Table(title=f"qualify plan {contract.name}: {where}"
                             f"{m.host_bytes / GB:.0f} GB host, {m.cores} cores; "

@@ -109,7 +109,7 @@ class ReferenceDevices:
             time there (:class:`qualify.reference.update.HostAdamW`,
             :meth:`qualify.reference.sensitivity.LossSensitivity.grad_norm`). The stage sets
             ``host`` when its plan says the devices cannot hold the state
-            (:func:`qualify.reference.plan.choose_optimizer_state`).
+            (:func:`qualify.reference.plan.build_plan`).
 
     Raises:
         ValueError: ``optimizer_state`` is not one of :data:`OPTIMIZER_STATES`.

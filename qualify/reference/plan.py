@@ -356,7 +356,8 @@ class Plan:
                 return i, (f"{s.name}: needs {_size(s.host_peak)} of host memory, the "
                            f"machine has {_size(m.host_bytes)} (short by "
                            f"{_size(s.host_peak - m.host_bytes)})")
-            if m.devices and s.kind == "launch" and s.processes > m.devices:
+            if m.devices and m.device_kind == "gpu" and s.kind == "launch" \
+                    and s.processes > m.devices:
                 return i, (f"{s.name}: needs {s.processes} devices, one per rank; the machine "
                            f"has {m.devices}")
             if m.devices and s.device_peak > m.device_bytes:
@@ -375,8 +376,13 @@ class Plan:
 
 
 def _size(n: int) -> str:
-    """``n`` bytes for a refusal line: GB with one decimal, MB below 0.1 GB."""
-    return f"{n / GB:.1f} GB" if n >= GB // 10 else f"{n / 10**6:.1f} MB"
+    """``n`` bytes for a refusal line, never ``0.0`` of a unit.
+
+    GB with one decimal; MB below 0.1 GB; bytes below 0.1 MB.
+    """
+    if n >= GB // 10:
+        return f"{n / GB:.1f} GB"
+    return f"{n / 10**6:.1f} MB" if n >= 10**5 else f"{n} bytes"
 
 
 DEVICE_PARAM_TERMS: Final = frozenset({
@@ -954,7 +960,9 @@ def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
     weights, gradients, AdamW moments; ``20 P / tp`` at BF16 with an FP32 master and a BF16
     copy and gradient), its activations over TP and the interpreter; with devices each rank
     holds one device, on the host every rank is a process (``world`` of them at once). The
-    engines' own buffers (NCCL, DeepSpeed's flat buffers) are not counted.
+    engines' own buffers (NCCL, DeepSpeed's flat buffers) are not counted. ``cpu`` devices
+    (``Machine.device_kind``: the reference stage's device budget on the host) hold no
+    launch: the candidate's ranks are host processes there, planned as on the host.
     """
     shape = model_shape(contract)
     n_seq, prompt, resp, _ = _rollout_shape(contract)
@@ -968,7 +976,7 @@ def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
         for _, deg in cell.axes:
             world *= deg
         groups.setdefault((cell.engine, world), []).append(cell)
-    dev = machine.devices > 0
+    dev = machine.devices > 0 and machine.device_kind == "gpu"
     steps: list[Step] = []
     for (engine, world), cells in groups.items():
         per_rank, written, flops = 0, 0, 0.0
@@ -988,10 +996,9 @@ def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
             written += 4 * rounds * 4 * rep + SAFETENSORS_HEADER_BYTES * rounds * 4 * len(
                 shape.params(cell.role))
             flops += rounds * 6 * pr * n_seq * positions
-        gpu = dev and machine.device_kind == "gpu"
-        rk = ("gpu" if gpu else "cpu") + ("-bf16" if all(c.precision == "bf16" for c in cells)
+        rk = ("gpu" if dev else "cpu") + ("-bf16" if all(c.precision == "bf16" for c in cells)
                                           else "-fp32")
-        units = min(world, machine.devices) if gpu else min(world, machine.cores)
+        units = min(world, machine.devices) if dev else min(world, machine.cores)
         seconds = flops / (THROUGHPUT[rk] * max(units, 1))
         host = (INTERPRETER_BYTES * world + (0 if dev else per_rank * world))
         steps.append(Step(name=f"launch {engine} world {world} ({len(cells)} cells)",
