@@ -406,8 +406,14 @@ HOST_STATE_TERMS: Final = frozenset({"adamw", "sensitivity_copy"})
 """The terms ``optimizer_state = "host"`` keeps on the host instead of the devices
 (:class:`qualify.reference.update.HostAdamW`, the sensitivity's ``saved_on_host``): the whole
 model's AdamW moments and the sensitivity copy. The AdamW step then holds, on the host, one
-parameter at a time (``host_step``: its value, its gradient and torch's ``denom`` temporary
-of the single-tensor AdamW, ``3 x`` the largest parameter in the master's dtype)."""
+parameter at a time (``host_step``: its value, its gradient and the two temporaries of the
+single-tensor AdamW's ``denom = (exp_avg_sq.sqrt() / c).add_(eps)``, alive together while
+the quotient is formed: :data:`HOST_STEP_COPIES` ``x`` the largest parameter in the master's
+dtype)."""
+
+HOST_STEP_COPIES: Final = 4
+"""Copies of one parameter :meth:`qualify.reference.update.HostAdamW.step` holds on the host
+at its peak (:data:`HOST_STATE_TERMS`)."""
 
 OPTIMIZER_STATES: Final = ("device", "host")
 """Where the placed stage keeps the AdamW moments and the sensitivity copy
@@ -813,8 +819,8 @@ def plan_reference(contract: Contract, machine: Machine, *,
                                          "saved_transient": w * largest[role] if host_state
                                          else 0,
                                          "activations": layer_act + head}
-            if host_state:  # HostAdamW: one parameter's value, gradient and denom
-                phases["step"] = {**train, "host_step": 3 * w * largest[role]}
+            if host_state:  # HostAdamW: one parameter's value, gradient and denom's two
+                phases["step"] = {**train, "host_step": HOST_STEP_COPIES * w * largest[role]}
             phases_by_role[role] = phases
             peak = max(sum(t.values()) for t in phases.values())
             if peak > best[0]:
@@ -891,7 +897,7 @@ def plan_reference(contract: Contract, machine: Machine, *,
                           "host_temporaries": 3 * 8 * largest[role],
                           "saved_transient": 4 * largest[role] if host_state else 0,
                           "sealed_kept": sealed_before},
-                **({"rerun step": {**train, "host_step": 3 * 4 * largest[role],
+                **({"rerun step": {**train, "host_step": HOST_STEP_COPIES * 4 * largest[role],
                                    "sealed_kept": sealed_before}} if host_state else {}),
                 # the work copy's grads were folded into the master; one J_t during each
                 # backward (jacobian.token_gradients drops its own); the FP64 <g, J_t> and
