@@ -239,3 +239,18 @@ def test_tiny_reference_under_a_device_budget_seals_the_unplaced_tensors(
     assert env["plan_check"]["optimizer_state"] == "host"
     assert (env["plan_check"]["devices"], env["plan_check"]["device_bytes"]) == (3, 28 * 10**6)
     assert env["plan_check"]["shortfall"] is None
+
+
+def test_host_adamw_moments_of_an_unstepped_parameter_raise() -> None:
+    """:meth:`HostAdamW.moments` raises ``KeyError`` for a parameter not stepped yet (its
+    docstring) and for one not its own, and asking leaves :meth:`HostAdamW.states` as it was
+    (no empty state that the meta's dtypes would trip on)."""
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    host = HostAdamW([a, b], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    a.grad = torch.ones(3)
+    host.step()
+    for p in (b, torch.nn.Parameter(torch.ones(1))):
+        with pytest.raises(KeyError, match=r"HostAdamW\.moments"):
+            host.moments(p)
+    assert [set(s) for s in host.states()] == [{"step", "exp_avg", "exp_avg_sq"}]
+    assert set(host.moments(a)) == {"step", "exp_avg", "exp_avg_sq"}

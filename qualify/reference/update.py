@@ -522,6 +522,8 @@ class HostAdamW:
         """
         for q, slot, optim in zip(self.params, self._slots, self._optims, strict=True):
             if q is p:
+                if slot not in optim.state:  # not ``optim.state[slot]``: a defaultdict
+                    raise KeyError("HostAdamW.moments: a parameter not stepped yet")
                 return dict(optim.state[slot])
         raise KeyError("HostAdamW.moments: not one of its parameters")
 
