@@ -9,7 +9,9 @@ rollout, at the initial weights and the contract's temperature (``log_softmax(lo
 of the token, no truncation), it prints ``max`` and ``mean`` of ``|a - b|`` for:
 
 - HF FP32 batched prefill (the reference's scoring, SDPA) against HF FP64 (the same model
-  loaded in FP64): the FP32 reference's own rounding;
+  loaded in FP64; its logits rounded to FP32 once and its logprobs to FP32, as
+  ``qualify.reference.distribution._prefill`` and ``_logprobs`` give them, so FP64 here
+  carries about one FP32 rounding of the logprob): the FP32 reference's own rounding;
 - vLLM FP32 (the sampler cell's engine as it starts it, ``harnesses.vllm.harness._start``)
   by one-token prefill requests (``harnesses.vllm.harness.score_tokens``) and on the decode
   path (the forced-trace pass, ``harnesses.vllm.decode.decode_pass``) against each of them;
