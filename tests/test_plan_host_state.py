@@ -295,3 +295,9 @@ def test_host_step_term_is_host_adamws_measured_peak() -> None:
         step = steps[name]
         assert step.phase == "actor step", (name, step.phase)
         assert step.terms["host_step"] == _host_step_peak(largest, dtype), name
+
+
+def test_machine_refuses_an_unknown_device_kind() -> None:
+    """A device kind the plan does not know is refused, not timed and placed as ``cpu``."""
+    with pytest.raises(ValueError, match="device_kind"):
+        plan.Machine(devices=1, device_bytes=GB, host_bytes=GB, cores=1, device_kind="cuda")

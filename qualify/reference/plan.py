@@ -251,8 +251,11 @@ class Machine:
     ``devices`` accelerators of ``device_bytes`` each (0: host only), ``host_bytes`` of
     memory and ``cores`` CPU cores. ``device_kind``: ``gpu`` (each device computes at
     :data:`THROUGHPUT`'s ``gpu`` rates) or ``cpu`` (``cpu`` devices under a memory budget,
-    ``$QUALIFY_REFERENCE_DEVICE_MEMORY``: memory counted per device, time at the host's
-    cores' rates).
+    ``$QUALIFY_REFERENCE_DEVICE_MEMORY``: the reference stage's memory counted per device,
+    time at the host's cores' rates, the candidate launches planned on the host).
+
+    Raises:
+        ValueError: ``device_kind`` is neither ``gpu`` nor ``cpu``.
     """
 
     devices: int
@@ -260,6 +263,10 @@ class Machine:
     host_bytes: int
     cores: int
     device_kind: str = "gpu"
+
+    def __post_init__(self) -> None:
+        if self.device_kind not in {"gpu", "cpu"}:
+            raise ValueError(f"Machine.device_kind: {self.device_kind!r}, expected gpu or cpu")
 
 
 def machine_defaults() -> Machine:
