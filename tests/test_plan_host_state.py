@@ -301,3 +301,20 @@ def test_machine_refuses_an_unknown_device_kind() -> None:
     """A device kind the plan does not know is refused, not timed and placed as ``cpu``."""
     with pytest.raises(ValueError, match="device_kind"):
         plan.Machine(devices=1, device_bytes=GB, host_bytes=GB, cores=1, device_kind="cuda")
+
+
+@pytest.mark.parametrize("state", ["device", "host"])
+def test_cpu_devices_are_counted_in_the_hosts_memory(state: str) -> None:
+    """``cpu`` devices under a budget live in the host's memory: each reference step's host
+    peak is what the host-only plan holds (the devices' bytes included), while each device's
+    peak is still checked against the budget."""
+    contract = load_contract(contracts_dir() / "smollm2-135m.toml")
+    host = plan.plan_reference(contract, plan.Machine(devices=0, device_bytes=0,
+                                                      host_bytes=2000 * GB, cores=2),
+                               optimizer_state=state)
+    cpu = plan.plan_reference(contract, plan.Machine(devices=2, device_bytes=GB,
+                                                     host_bytes=2000 * GB, cores=2,
+                                                     device_kind="cpu"),
+                              optimizer_state=state)
+    assert [(s.name, s.host_peak) for s in cpu] == [(s.name, s.host_peak) for s in host]
+    assert all(s.device_peak > 0 for s in cpu if not s.name.startswith("verify"))

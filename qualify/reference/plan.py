@@ -719,7 +719,10 @@ def plan_reference(contract: Contract, machine: Machine, *,
         parameter, its activations as ``act_dev`` gives them (``(per layer, head, one
         layer's transient)`` bytes); every other term stays on the host, and a phase that
         maps a checkpoint (``checkpoint_map``) also holds the loaded FP32 model on the host
-        before it is placed (``host_load_copy``, the checkpoint's size).
+        before it is placed (``host_load_copy``, the checkpoint's size). ``cpu`` devices
+        (``Machine.device_kind``) are in the host's memory: their phase's device bytes are
+        also the host's (``on_cpu_devices``, so its host total is the host-only plan's), and
+        placing the loaded model on them copies nothing (no ``host_load_copy``).
         """
         host_peak, dev_peak, at = 0, 0, ""
         terms_at_peak: dict[str, int] = {}
@@ -737,7 +740,9 @@ def plan_reference(contract: Contract, machine: Machine, *,
                           **{k: v for k, v in terms.items()
                              if k not in dev_terms | DEVICE_TRANSIENT_TERMS
                              and k != "activations"}}
-                if terms.get("checkpoint_map"):
+                if machine.device_kind == "cpu":  # the devices' bytes are the host's too
+                    host_t["on_cpu_devices"] = on_dev + trans + terms.get("activations", 0)
+                elif terms.get("checkpoint_map"):
                     host_t["host_load_copy"] = terms["checkpoint_map"]
                 layer, head, transient = act_dev[phase]
                 d = _device_peak(shape, role, per_param, layer, head, devices=machine.devices,
