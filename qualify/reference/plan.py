@@ -251,8 +251,9 @@ class Machine:
     ``devices`` accelerators of ``device_bytes`` each (0: host only), ``host_bytes`` of
     memory and ``cores`` CPU cores. ``device_kind``: ``gpu`` (each device computes at
     :data:`THROUGHPUT`'s ``gpu`` rates) or ``cpu`` (``cpu`` devices under a memory budget,
-    ``$QUALIFY_REFERENCE_DEVICE_MEMORY``: the reference stage's memory counted per device,
-    time at the host's cores' rates, the candidate launches planned on the host).
+    ``$QUALIFY_REFERENCE_DEVICE_MEMORY``: the reference stage's memory counted per device
+    and, since they are in the host's memory, on the host too; time at the host's cores'
+    rates; the candidate launches planned on the host).
 
     Raises:
         ValueError: ``device_kind`` is neither ``gpu`` nor ``cpu``.
