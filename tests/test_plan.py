@@ -12,7 +12,7 @@ from qualify.errors import ExitCode
 from qualify.reference import plan
 from qualify.resources import contracts_dir
 
-CONTRACTS = ["tiny-qwen3", "qwen3-34m", "smollm2-135m", "qwen3-8b"]
+CONTRACTS = ["tiny-qwen3", "qwen3-34m", "qwen3-500m", "smollm2-135m", "qwen3-8b"]
 
 
 @pytest.mark.parametrize("name", CONTRACTS)
