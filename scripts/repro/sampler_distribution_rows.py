@@ -3,11 +3,9 @@
 Usage: ``python scripts/repro/sampler_distribution_rows.py INPUTS DIST_DIR OUT.json
 [--tp N] [--fault NAME]``
 
-``INPUTS`` is a reference directory, sealed or interrupted, holding ``rollout.safetensors``
-and ``contract.json`` (what a sampler cell reads, with ``model.json``, which names the
-prepared bundle's directories relative to the bundle: a temporary inputs directory gets
-the absolute Actor directory of :func:`qualify.models.bundle.prepare_models`); ``DIST_DIR``
-holds the ``distribution.json`` / ``distribution.safetensors`` that
+``INPUTS`` is a reference directory, sealed or interrupted, holding ``rollout.safetensors``,
+``contract.json`` and ``model.json`` (what a sampler cell reads: ``sampler_start.py``);
+``DIST_DIR`` holds the ``distribution.json`` / ``distribution.safetensors`` that
 :func:`qualify.reference.distribution.seal_distribution` wrote for that rollout. The
 sampler harness's own code runs: the engine started as a cell starts it
 (``harnesses.vllm.harness._start``: FP32, the initial weights, the forced-trace decode
@@ -26,20 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from sampler_start import start_sampler
 
 from harnesses.vllm import harness
 from qualify.compare.distribution import distribution_rows
-from qualify.contract import Contract
-from qualify.layout import CONTRACT_FILE, MODEL_FILE
-from qualify.models import bundle
-from qualify.protocol import HarnessCell
 
 
 def main() -> int:
@@ -51,21 +44,10 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--fault", action="append", default=[])
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="sampler-rows-"))
-    contract = Contract.from_dict(json.loads((args.inputs / CONTRACT_FILE).read_text("utf-8")))
-    model = json.loads((args.inputs / MODEL_FILE).read_text("utf-8"))
-    model["actor_dir"] = str(bundle.prepare_models(contract).actor_dir)
-    (work / MODEL_FILE).write_text(json.dumps(model), "utf-8")
-    for name in (CONTRACT_FILE, "rollout.safetensors"):
-        shutil.copy(args.inputs / name, work / name)
-    ins = harness._read_inputs(work)
     name = f"vllm-fp32-sampler-tp{args.tp}"
-    cell = HarnessCell(engine="vllm", precision="fp32", options={"rollout_tp": args.tp},
-                       actor_tp=0, critic_tp=0, rounds=2, seed=ins.contract.sampling.seed,
-                       inputs_dir=str(work), output_dir=str(args.out.parent),
-                       faults=tuple(args.fault))
     t0 = time.perf_counter()
-    started = harness._start(cell, args.tp, ins)
+    ins, started = start_sampler(args.inputs, tp=args.tp, faults=args.fault,
+                                 output_dir=args.out.parent)
     tensors = harness.round1_decode_tensors(started.dists, ins.rows, ins.contract,
                                             ins.spec.vocab_size)
     mask = np.array([m for _, _, m in ins.rows])

@@ -23,18 +23,13 @@ and the kernel routes vLLM reports. Nothing is judged.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
+from sampler_start import start_sampler
 
 from harnesses.vllm import decode, harness
-from qualify.contract import Contract
-from qualify.layout import CONTRACT_FILE, MODEL_FILE
-from qualify.models import bundle
-from qualify.protocol import HarnessCell
 from qualify.reference import rollout
 from qualify.reference.distribution import _logprobs, _model, _prefill
 
@@ -42,14 +37,8 @@ from qualify.reference.distribution import _logprobs, _model, _prefill
 def main() -> int:
     """Print the token-logprob differences and vLLM's routes."""
     src = Path(sys.argv[1])
-    work = Path(tempfile.mkdtemp(prefix="vllm-fp32-"))
-    contract = Contract.from_dict(json.loads((src / CONTRACT_FILE).read_text("utf-8")))
-    model = json.loads((src / MODEL_FILE).read_text("utf-8"))
-    model["actor_dir"] = str(bundle.prepare_models(contract).actor_dir)
-    (work / MODEL_FILE).write_text(json.dumps(model), "utf-8")
-    for name in (CONTRACT_FILE, "rollout.safetensors"):
-        shutil.copy(src / name, work / name)
-    ins = harness._read_inputs(work)
+    ins, started = start_sampler(src)
+    contract = ins.contract
     roll = rollout.Rollout.load(src).to_tensors()
     temperature = float(contract.sampling.temperature)
     mask = roll["response_mask"].bool()
@@ -60,10 +49,6 @@ def main() -> int:
 
     hf32 = token_logprobs(_prefill(_model(ins.actor_dir, "sdpa", torch.float32), roll))
     hf64 = token_logprobs(_prefill(_model(ins.actor_dir, "sdpa", torch.float64), roll))
-    cell = HarnessCell(engine="vllm", precision="fp32", options={"rollout_tp": 1}, actor_tp=0,
-                       critic_tp=0, rounds=2, seed=contract.sampling.seed,
-                       inputs_dir=str(work), output_dir=str(work))
-    started = harness._start(cell, 1, ins)
     prefill, _ = harness.score_tokens(started.llm, ins.rows, temperature)
     decoded = decode.token_logprobs(started.dists["tempered"], ins.rows)
 
