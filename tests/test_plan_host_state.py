@@ -119,6 +119,19 @@ def test_qualify_plan_on_one_h200_gets_past_the_updates(
     assert doc["optimizer_state"] == "host"
 
 
+def _refused(capsys: pytest.CaptureFixture[str], why: object) -> str:
+    """The one line ``qualify plan contracts/qwen3-8b.toml --json`` refuses with: exit 2,
+    nothing on stdout, one line on stderr (``why`` labels a failed assertion)."""
+    from qualify.cli.main import main
+
+    code = main(["plan", str(QWEN3_8B), "--json"])
+    out = capsys.readouterr()
+    assert code == ExitCode.USAGE_ERROR, why
+    assert out.out == "", why
+    (line,) = out.err.strip().splitlines()
+    return line
+
+
 def test_device_memory_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                capsys: pytest.CaptureFixture[str]) -> None:
     """``$QUALIFY_REFERENCE_DEVICE_MEMORY`` makes a ``cpu`` list devices of that memory in
@@ -134,25 +147,22 @@ def test_device_memory_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
     assert doc["optimizer_state"] == "host"
     for bad in ("0", "-3", "1e3", "lots", "inf", "nan"):
         monkeypatch.setenv("QUALIFY_REFERENCE_DEVICE_MEMORY", bad)
-        code = main(["plan", str(QWEN3_8B), "--json"])
-        out = capsys.readouterr()
-        assert code == ExitCode.USAGE_ERROR, bad
-        assert out.out == ""
-        (line,) = out.err.strip().splitlines()
-        assert f"QUALIFY_REFERENCE_DEVICE_MEMORY={bad!r}" in line
+        assert f"QUALIFY_REFERENCE_DEVICE_MEMORY={bad!r}" in _refused(capsys, bad)
+
+
+def _machine(devices: int, kind: str = "gpu") -> plan.Machine:
+    """``devices`` of 100 GB (none: host only) of ``kind``, 2000 GB of host, 2 cores."""
+    return plan.Machine(devices=devices, device_bytes=100 * GB if devices else 0,
+                        host_bytes=2000 * GB, cores=2, device_kind=kind)
 
 
 def test_cpu_devices_under_a_budget_are_timed_at_the_hosts_rates() -> None:
     """``cpu`` devices under ``$QUALIFY_REFERENCE_DEVICE_MEMORY`` share the host's cores: each
     step's planned time is the host-only plan's, not a GPU's (memory is counted per device)."""
     contract = load_contract(contracts_dir() / "smollm2-135m.toml")
-    host = plan.build_plan(contract, plan.Machine(devices=0, device_bytes=0,
-                                                  host_bytes=2000 * GB, cores=2))
-    cpu = plan.build_plan(contract, plan.Machine(devices=3, device_bytes=100 * GB,
-                                                 host_bytes=2000 * GB, cores=2,
-                                                 device_kind="cpu"))
-    gpu = plan.build_plan(contract, plan.Machine(devices=3, device_bytes=100 * GB,
-                                                 host_bytes=2000 * GB, cores=2))
+    host = plan.build_plan(contract, _machine(0))
+    cpu = plan.build_plan(contract, _machine(3, "cpu"))
+    gpu = plan.build_plan(contract, _machine(3))
     times = {p: {s.name: s.seconds for s in x.steps} for p, x in
              (("host", host), ("cpu", cpu), ("gpu", gpu))}
     assert times["cpu"] == times["host"]
@@ -167,11 +177,8 @@ def test_cpu_devices_under_a_budget_hold_no_candidate_launch() -> None:
     count of ``cpu`` devices, none is put on them), while the reference steps keep their
     device peaks."""
     contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
-    host = plan.build_plan(contract, plan.Machine(devices=0, device_bytes=0,
-                                                  host_bytes=2000 * GB, cores=2))
-    cpu = plan.build_plan(contract, plan.Machine(devices=1, device_bytes=100 * GB,
-                                                 host_bytes=2000 * GB, cores=2,
-                                                 device_kind="cpu"))
+    host = plan.build_plan(contract, _machine(0))
+    cpu = plan.build_plan(contract, _machine(1, "cpu"))
     launches = {s.name: s for s in cpu.steps if s.kind == "launch"}
     assert any(s.processes > 1 for s in launches.values())
     assert launches == {s.name: s for s in host.steps if s.kind == "launch"}
@@ -210,12 +217,7 @@ def test_plan_refuses_a_device_budget_with_nothing_placed(
             monkeypatch.delenv("QUALIFY_REFERENCE_DEVICES", raising=False)
         else:
             monkeypatch.setenv("QUALIFY_REFERENCE_DEVICES", listed)
-        code = main(["plan", str(QWEN3_8B), "--json"])
-        out = capsys.readouterr()
-        assert code == ExitCode.USAGE_ERROR, listed
-        assert out.out == ""
-        (line,) = out.err.strip().splitlines()
-        assert "QUALIFY_REFERENCE_DEVICE_MEMORY: nothing is placed" in line
+        assert "QUALIFY_REFERENCE_DEVICE_MEMORY: nothing is placed" in _refused(capsys, listed)
     main(["plan", str(QWEN3_8B), "--devices", "2", "--json"])
     doc = json.loads(capsys.readouterr().out)
     assert (doc["machine"]["devices"], doc["machine"]["device_bytes"]) == (2, 141 * GB)
