@@ -42,9 +42,8 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
     from qualify.reference.plan import GB, DoesNotFitError, Machine, build_plan, machine_defaults
 
     here = machine_defaults()
-    devices = here.devices if args.devices is None else args.devices
-    if args.devices is None:
-        devices = _env_devices(here.devices)
+    devices, kind = (args.devices, "gpu") if args.devices is not None else \
+        _env_devices(here.devices)
     if devices < 0:
         raise UsageError(f"--devices {devices}: must be 0 (host only) or more")
     if args.cores is not None and args.cores < 1:
@@ -65,8 +64,7 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
                       host_bytes=args.host_memory if args.host_memory is not None
                       else here.host_bytes,
                       cores=args.cores if args.cores is not None else here.cores,
-                      device_kind="cpu" if args.devices is None and _env_cpu_devices()
-                      else "gpu")
+                      device_kind=kind)
     contract = load_contract(Path(args.contract) if args.contract else default_contract_path())
     plan = build_plan(contract, machine)
     if args.json:
@@ -112,14 +110,15 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
     return ExitCode.OK
 
 
-def _env_devices(default: int) -> int:
-    """The reference stage's devices as ``$QUALIFY_REFERENCE_DEVICES`` sets them, else ``default``.
+def _env_devices(default: int) -> tuple[int, str]:
+    """The reference stage's devices as ``$QUALIFY_REFERENCE_DEVICES`` sets them, and their kind.
 
     Parsed as the stage parses it (:func:`qualify.reference.devices.parse`): ``cuda:N,...``
-    or ``cuda`` is that many devices; ``host`` runs on the host, no devices; a ``cpu`` list is
-    that many devices under ``$QUALIFY_REFERENCE_DEVICE_MEMORY`` (the device-budget mode),
-    else none (the stage's own plan check, :func:`qualify.reference.stage._plan_check`,
-    counts them so).
+    or ``cuda`` is that many ``gpu`` devices; ``host`` runs on the host, no devices; a ``cpu``
+    list is that many ``cpu`` devices (timed at the host's rates, :class:`qualify.reference.
+    plan.Machine`) under ``$QUALIFY_REFERENCE_DEVICE_MEMORY`` (the device-budget mode), else
+    none (the stage's own plan check, :func:`qualify.reference.stage._plan_check`, counts
+    them so). Unset: ``default`` ``gpu`` devices.
 
     Raises:
         UsageError: the setting is refused (:func:`qualify.reference.devices.parse`,
@@ -131,21 +130,11 @@ def _env_devices(default: int) -> int:
 
     value = os.environ.get(reference_devices.ENV, "")
     if not value:
-        return default
+        return default, "gpu"
     listed = reference_devices.parse(value)
     if listed and listed[0] == "cpu":
-        return len(listed) if reference_devices.device_memory() is not None else 0
-    return len(listed)
-
-
-def _env_cpu_devices() -> bool:
-    """``$QUALIFY_REFERENCE_DEVICES`` lists ``cpu`` devices (their time is the host's cores')."""
-    import os
-
-    from qualify.reference import devices as reference_devices
-
-    value = os.environ.get(reference_devices.ENV, "")
-    return bool(value) and value.strip() != "host" and reference_devices.parse(value)[0] == "cpu"
+        return (len(listed) if reference_devices.device_memory() is not None else 0), "cpu"
+    return len(listed), "gpu"
 
 
 def _duration(s: float) -> str:
