@@ -23,7 +23,7 @@ import torch
 from qwen3_8b_shape import ACTOR, EMBED, GB, LAYERS, QWEN3_8B, activations
 
 from qualify.contract import load_contract
-from qualify.errors import ExitCode
+from qualify.errors import ExitCode, UsageError
 from qualify.reference import plan
 from qualify.resources import contracts_dir
 
@@ -148,6 +148,27 @@ def test_device_memory_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
     for bad in ("0", "-3", "1e3", "lots", "inf", "nan"):
         monkeypatch.setenv("QUALIFY_REFERENCE_DEVICE_MEMORY", bad)
         assert f"QUALIFY_REFERENCE_DEVICE_MEMORY={bad!r}" in _refused(capsys, bad)
+
+
+@pytest.mark.parametrize("text", ["141", " 0.5 ", ".25", "2000.", "0", "-3", "1e3", "1E3",
+                                  "lots", "inf", "nan", "1e400", "+5", "0x10", "1_000", ""])
+def test_device_memory_flag_and_setting_share_one_grammar(text: str) -> None:
+    """``--device-memory`` / ``--host-memory`` accept exactly what
+    ``$QUALIFY_REFERENCE_DEVICE_MEMORY`` accepts, with the same bytes."""
+    import argparse
+
+    from qualify.cli.plan import _gb
+    from qualify.reference import devices
+
+    try:
+        want: int | None = devices.parse_memory(text)
+    except UsageError:
+        want = None
+    try:
+        got: int | None = _gb(text)
+    except argparse.ArgumentTypeError:
+        got = None
+    assert got == want, (text, got, want)
 
 
 def _machine(devices: int, kind: str = "gpu") -> plan.Machine:

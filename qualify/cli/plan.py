@@ -12,26 +12,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 from qualify.errors import ExitCode, UsageError
 
 
 def _gb(x: str) -> int:
-    """``--device-memory`` / ``--host-memory``: a finite number of GB, in bytes (at least 1).
+    """``--device-memory`` / ``--host-memory`` in bytes.
+
+    The grammar of ``$QUALIFY_REFERENCE_DEVICE_MEMORY``
+    (:func:`qualify.reference.devices.gb_bytes`).
 
     Raises:
-        argparse.ArgumentTypeError: not a number, not finite, or under one byte.
+        argparse.ArgumentTypeError: :func:`~qualify.reference.devices.gb_bytes` refuses it.
     """
+    from qualify.reference.devices import gb_bytes
+
     try:
-        v = float(x)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{x!r}: a number of GB (10^9 bytes)") from None
-    if not 1 <= v * 1e9 < math.inf:
-        raise argparse.ArgumentTypeError(f"{x!r}: must be positive and finite, at least one "
-                                         "byte (1e-9 GB)")
-    return int(v * 1e9)
+        return gb_bytes(x)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _cmd_plan(args: argparse.Namespace) -> ExitCode:

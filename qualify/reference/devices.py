@@ -210,25 +210,38 @@ def check_setting(value: str, env: Mapping[str, str]) -> None:
     parse(value)
 
 
-def parse_memory(value: str) -> int:
-    """``$QUALIFY_REFERENCE_DEVICE_MEMORY`` in bytes.
+def gb_bytes(text: str) -> int:
+    """A number of GB (10^9 bytes) in bytes: the one grammar of every device-memory setting.
 
     Args:
-        value: a positive, finite decimal number of GB (10^9 bytes), e.g. ``141`` or ``0.5``.
+        text: a positive, finite decimal number such as ``141`` or ``0.5`` (no exponent, no
+            sign; surrounding blanks ignored).
 
     Returns:
         ``int(GB x 10^9)``, at least 1.
 
     Raises:
-        UsageError: not such a number, or under one byte (one line naming the variable).
+        ValueError: not such a number, or under one byte.
     """
-    text = value.strip()
-    gb = float(text) if re.fullmatch(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", text, re.ASCII) \
-        else math.nan
+    t = text.strip()
+    gb = float(t) if re.fullmatch(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", t, re.ASCII) else math.nan
     if not 1 <= gb * 1e9 < math.inf:
-        raise UsageError(f"{MEMORY_ENV}={value!r}: each device's memory in GB (10^9 bytes), a "
-                         "positive decimal number such as 141 or 0.5")
+        raise ValueError(f"{text!r}: a positive decimal number of GB (10^9 bytes) such as 141 "
+                         "or 0.5, at least one byte")
     return int(gb * 1e9)
+
+
+def parse_memory(value: str) -> int:
+    """``$QUALIFY_REFERENCE_DEVICE_MEMORY`` in bytes (:func:`gb_bytes`).
+
+    Raises:
+        UsageError: :func:`gb_bytes` refuses it (one line naming the variable).
+    """
+    try:
+        return gb_bytes(value)
+    except ValueError:
+        raise UsageError(f"{MEMORY_ENV}={value!r}: each device's memory in GB (10^9 bytes), a "
+                         "positive decimal number such as 141 or 0.5") from None
 
 
 def check_memory_setting(value: str, env: Mapping[str, str]) -> None:
