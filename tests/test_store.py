@@ -620,3 +620,32 @@ def test_parse_time_reads_what_utc_now_writes() -> None:
     for bad in (None, 3, "yesterday"):
         with pytest.raises(EvidenceIntegrityError):
             parse_time(bad, "bad")
+
+
+def test_a_folder_of_sealed_directories_is_named_as_such(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    """``--reference`` given the folder that holds references (``qualify reference --out``'s
+    parent) is refused in one line that names the sealed directories inside, not as an
+    interrupted reference; an interrupted one still reads "not sealed"."""
+    from qualify.cli.main import main
+    from qualify.evidence import store
+
+    refs = Path(__file__).resolve().parents[1] / "references"
+    code = main(["candidate", "--reference", str(refs), "--out", str(tmp_path / "ev")])
+    captured = capsys.readouterr()
+    assert code == 2
+    (line,) = captured.err.strip().splitlines()
+    assert f"{refs}: not a reference directory but a folder holding sealed directories (" \
+        in line, line
+    assert "tiny-qwen3-" in line
+    assert "name one of them" in line
+    assert not (tmp_path / "ev").exists()
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / store.INCOMPLETE_FILE).write_text("")
+    (broken / "sub").mkdir()
+    assert store.not_sealed_reason(broken, "reference") == \
+        f"{broken}: reference is not sealed (interrupted or still running)"
+    assert store.not_sealed_reason(tmp_path / "broken" / "sub", "run") == \
+        f"{broken / 'sub'}: run is not sealed (interrupted or still running)"

@@ -59,6 +59,32 @@ def is_sealed(directory: str | Path) -> bool:
     return _manifest_valid(d)
 
 
+def not_sealed_reason(directory: str | Path, what: str) -> str:
+    """Why ``directory`` is not a sealed ``what``: one line for a user error.
+
+    A folder with no ``MANIFEST.json`` and no ``INCOMPLETE`` marker whose subdirectories
+    are sealed (an ``--out`` / ``--references`` parent) is named as such, with the sealed
+    subdirectories to choose from; anything else is "not sealed (interrupted or still
+    running)".
+
+    Args:
+        directory: an existing directory that :func:`is_sealed` refused.
+        what: the noun of the message (``reference``, ``run``).
+    """
+    d = Path(directory)
+    if not os.path.lexists(d / MANIFEST_FILE) and not is_incomplete(d):
+        try:
+            inside = sorted(c.name for c in d.iterdir() if c.is_dir() and is_sealed(c))
+        except OSError:
+            inside = []
+        if inside:
+            shown = ", ".join(inside[:3]) + (f" and {len(inside) - 3} more"
+                                             if len(inside) > 3 else "")
+            return (f"{d}: not a {what} directory but a folder holding sealed directories "
+                    f"({shown}): name one of them")
+    return f"{d}: {what} is not sealed (interrupted or still running)"
+
+
 def sealed_ancestor(path: str | Path) -> Path | None:
     """The nearest sealed directory containing ``path`` (``path`` itself excluded), if any.
 

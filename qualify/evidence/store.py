@@ -58,6 +58,7 @@ from qualify.evidence.sealed import (
     atomic_write_text,
     is_incomplete,
     is_sealed,
+    not_sealed_reason,
     refuse_if_sealed,
     sealed_ancestor,
 )
@@ -99,6 +100,7 @@ __all__ = [
     "manifest_digest",
     "new_attempt",
     "next_free_dir",
+    "not_sealed_reason",
     "read_manifest",
     "read_tensor_metadata",
     "refuse_if_locked",

@@ -688,8 +688,8 @@ def load_sealed_reference(path: Path, contract: Contract | None = None) -> dict[
     if not path.is_dir():
         raise ReferenceDataError(f"{path}: reference directory not found")
     if not store.is_sealed(path):
-        raise ReferenceDataError(f"{path}: reference is not sealed (interrupted or still "
-                                 "running); run `qualify reference` to completion first")
+        raise ReferenceDataError(f"{store.not_sealed_reason(path, 'reference')}; run "
+                                 "`qualify reference` to completion first")
     kind = store.read_manifest(path).get("kind")
     if kind != REFERENCE_KIND or not (path / REFERENCE_FILE).is_file():
         raise ReferenceDataError(f"{path}: not a reference directory (its manifest's kind is "
