@@ -254,3 +254,24 @@ def test_host_adamw_moments_of_an_unstepped_parameter_raise() -> None:
             host.moments(p)
     assert [set(s) for s in host.states()] == [{"step", "exp_avg", "exp_avg_sq"}]
     assert set(host.moments(a)) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_a_budget_for_a_contract_the_plan_cannot_read_is_not_silently_unused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A device budget on a contract whose sizes the plan cannot read (an ``hf-dir`` model
+    without ``model.manifest.config``) is refused with the plan check on and warned about
+    with it off; without a budget the contract runs unplanned, as before."""
+    from qualify.errors import UsageError
+    from qualify.reference import stage
+
+    doc = _contract().to_dict()
+    doc["model"] = {"source": "hf-dir", "path": str(tmp_path / "model")}
+    contract = Contract.from_dict(doc)
+    cpu = devices.ReferenceDevices(("cpu",) * 2, devices.ENV, "device")
+    with pytest.raises(UsageError, match=rf"^{devices.MEMORY_ENV}: .* cannot be planned \("):
+        stage._plan_check(contract, True, cpu, 10**9)
+    record = stage._plan_check(contract, False, cpu, 10**9)
+    assert "running without it (--no-plan-check)" in capsys.readouterr().err
+    assert record["not_planned"]
+    assert stage._plan_check(contract, True, cpu, None)["not_planned"]
+    assert capsys.readouterr().err == ""

@@ -314,8 +314,9 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
         UsageError: ``$QUALIFY_SCRATCH_DIR`` names no writable directory
             (:func:`qualify.scratch.check_setting`), ``$QUALIFY_REFERENCE_DEVICES`` no
             devices (:func:`qualify.reference.devices.resolve`), or
-            ``$QUALIFY_REFERENCE_DEVICE_MEMORY`` a bad memory or one without placed devices
-            (:func:`qualify.reference.devices.device_memory`), before anything is written.
+            ``$QUALIFY_REFERENCE_DEVICE_MEMORY`` a bad memory, one without placed devices
+            (:func:`qualify.reference.devices.device_memory`) or one for a contract that
+            cannot be planned (with ``plan_check``), before anything is written.
         DoesNotFitError: the plan does not fit this machine (with ``plan_check``), before
             anything is written.
     """
@@ -543,10 +544,12 @@ def _plan_check(contract: Contract, enforce: bool,
         peak (bytes), the shortfall line (``None`` when it fits), ``optimizer_state`` and
         why (``optimizer_state_why``); a contract whose model sizes the plan cannot read (an
         ``hf-dir`` model without ``model.manifest.config``) is not planned (``not_planned``:
-        why) and runs with the state on the devices.
+        why) and runs with the state on the devices; with ``device_bytes`` given too it is
+        refused when ``enforce`` (a budget nothing checks), else warned about.
 
     Raises:
         DoesNotFitError: it does not fit and ``enforce``.
+        UsageError: ``device_bytes`` given, ``enforce``, and the contract cannot be planned.
     """
     from qualify.reference.plan import DoesNotFitError, build_plan, machine_defaults
 
@@ -560,6 +563,14 @@ def _plan_check(contract: Contract, enforce: bool,
     try:
         plan = build_plan(contract, machine)
     except ContractError as e:  # sizes the contract does not state: the model decides later
+        if device_bytes is not None:  # a budget that nothing can be checked against
+            msg = (f"{reference_devices.MEMORY_ENV}: {contract.path or contract.name} cannot be "
+                   f"planned ({e}), so a device budget cannot be applied")
+            if enforce:
+                raise UsageError(f"{msg}; unset it, or run with --no-plan-check to go on "
+                                 "without it") from None
+            print(f"qualify: warning: {msg}; running without it (--no-plan-check)",
+                  file=sys.stderr)
         return {"enforced": enforce, "devices": machine.devices,
                 "device_bytes": machine.device_bytes,
                 "host_bytes": machine.host_bytes, "planned_host_peak_bytes": None,
