@@ -11,6 +11,7 @@ the step, one hook call per parameter, micro-batch and round).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, cast
 
 import pytest
@@ -19,6 +20,7 @@ from tiny_models import THREE_LAYER_CFG, seeded_batch, seeded_qwen3
 
 from qualify.contract import load_contract
 from qualify.reference import devices, update
+from qualify.reference import plan as reference_plan
 from qualify.reference.update import Batch, UpdateSettings
 from qualify.resources import contracts_dir
 
@@ -89,3 +91,92 @@ def test_streaming_needs_the_host_state() -> None:
         devices.ReferenceDevices(("cpu",), devices.ENV, "device", "host")
     with pytest.raises(ValueError, match=r"ReferenceDevices\.gradients"):
         devices.ReferenceDevices(("cpu",), devices.ENV, "host", "disk")
+
+
+def _qwen3_8b() -> Any:
+    return load_contract(contracts_dir() / "qwen3-8b.toml")
+
+
+@pytest.mark.parametrize("contract_name", ["qwen3-8b", "smollm2-135m"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_the_planned_stream_drops_the_update_gradients(contract_name: str, n: int) -> None:
+    """Streamed, every update, control and round-to-round step's device peak is at most the
+    unstreamed one's (the clip-branch reruns keep ``.grad`` there: unchanged), the host's at
+    least; on one device an FP64 control whose peak is its backward drops exactly the FP64
+    gradient less the one parameter in flight (``8 P - 8 x largest``)."""
+
+    contract = load_contract(contracts_dir() / f"{contract_name}.toml")
+    m = reference_plan.Machine(devices=n, device_bytes=10**15, host_bytes=10**15, cores=2)
+    plain = reference_plan.plan_reference(contract, m, optimizer_state="host")
+    streamed = reference_plan.plan_reference(contract, m, optimizer_state="host", gradients="host")
+    assert [s.name for s in plain] == [s.name for s in streamed]
+    dropped = 0
+    for a, b in zip(plain, streamed, strict=True):
+        if a.name.startswith(("updates", "control", "round_to_round")):
+            assert b.device_peak <= a.device_peak, a.name
+            assert b.host_peak >= a.host_peak, a.name
+            dropped += b.device_peak < a.device_peak
+        else:
+            assert (b.device_peak, b.host_peak) == (a.device_peak, a.host_peak), a.name
+    assert dropped
+    if n == 1:
+        shape = reference_plan.model_shape(contract)
+        largest = max(k for _, k in shape.params("actor"))
+        a, b = (next(s for s in steps if s.name == "control fp64-fp32")
+                for steps in (plain, streamed))
+        if contract_name == "smollm2-135m":  # its FP64 control peaks in the backward
+            assert a.device_phase == b.device_phase == "actor backward"
+            assert a.device_peak - b.device_peak == 8 * shape.count("actor") - 8 * largest
+
+
+def test_build_plan_streams_only_when_the_devices_need_it() -> None:
+    """Qwen3-8B on 4 devices of 48 GB: the host state alone leaves the FP64 control short;
+    streaming fits, so the plan takes both. On 8 x 141 GB neither is taken; a stream without
+    the host state is refused."""
+
+    contract = _qwen3_8b()
+    tight = reference_plan.Machine(devices=4, device_bytes=48 * 10**9,
+                                   host_bytes=2000 * 10**9, cores=2)
+    plan = reference_plan.build_plan(contract, tight)
+    assert (plan.optimizer_state, plan.gradients) == ("host", "host")
+    assert plan.shortfall("reference") is None
+    assert plan.gradients_why.startswith("with them on the devices: control fp64-fp32: "), \
+        plan.gradients_why
+    unstreamed = reference_plan.build_plan(contract, tight, optimizer_state="host",
+                                           gradients="device")
+    assert unstreamed.shortfall("reference") is not None
+    roomy = dataclasses.replace(tight, devices=8, device_bytes=141 * 10**9)
+    plan = reference_plan.build_plan(contract, roomy)
+    assert (plan.optimizer_state, plan.gradients) == ("device", "device")
+    assert plan.to_dict()["gradients"] == "device"
+    with pytest.raises(ValueError, match="gradients"):
+        reference_plan.plan_reference(contract, roomy, optimizer_state="device", gradients="host")
+
+
+def test_the_stage_enters_its_devices_with_the_plans_stream(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """The plan's ``gradients = "host"`` reaches the stage's :class:`ReferenceDevices` and its
+    ``plan_check`` record."""
+    from qualify.reference import stage
+
+    seen: list[devices.ReferenceDevices | None] = []
+
+    class EnteredError(Exception):
+        pass
+
+    def spy(d: devices.ReferenceDevices | None) -> Any:
+        seen.append(d)
+        raise EnteredError
+
+    plain_build = reference_plan.build_plan
+    monkeypatch.setattr(reference_plan, "build_plan", lambda c, m: plain_build(
+        c, m, optimizer_state="host", gradients="host"))
+    monkeypatch.setattr(devices, "active", spy)
+    monkeypatch.setenv(devices.ENV, "cpu,cpu")
+    monkeypatch.setenv(devices.MEMORY_ENV, "1")
+    contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
+    with pytest.raises(EnteredError):
+        stage.run_reference_stage(contract, root=tmp_path, quiet=True)
+    assert seen[-1] == devices.ReferenceDevices(("cpu",) * 2, devices.ENV, "host", "host")
+    record = stage._plan_check(contract, True, seen[-1], devices.device_memory())
+    assert (record["gradients"], record["gradients_why"]) == ("host", "asked for")

@@ -318,6 +318,7 @@ class Step:
     processes: int = 1
     phase: str = ""
     reads: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    device_phase: str = ""
 
     @property
     def read(self) -> int:
@@ -330,7 +331,8 @@ class Step:
                 "host_peak_bytes": self.host_peak, "bytes_written": self.written,
                 "bytes_read": self.read, "files_read": dict(self.reads),
                 "seconds": round(self.seconds, 1), "processes": self.processes,
-                "peak_phase": self.phase, "terms": dict(self.terms)}
+                "peak_phase": self.phase, "device_peak_phase": self.device_phase,
+                "terms": dict(self.terms)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,6 +346,8 @@ class Plan:
     cost_model: str
     optimizer_state: str = "device"
     optimizer_state_why: str = ""
+    gradients: str = "device"
+    gradients_why: str = ""
 
     def shortfall(self, kind: str | None = None) -> str | None:
         """The first step that does not fit, as one line; ``None`` when all fit.
@@ -380,6 +384,7 @@ class Plan:
                 "params": dict(self.params), "cost_model": self.cost_model,
                 "optimizer_state": self.optimizer_state,
                 "optimizer_state_why": self.optimizer_state_why,
+                "gradients": self.gradients, "gradients_why": self.gradients_why,
                 "steps": [s.to_dict() for s in self.steps], "shortfall": self.shortfall()}
 
 
@@ -403,12 +408,14 @@ copy, the BF16 copy and its gradient, the autocast cache, a ``J_t`` and the fp64
 ``J_t`` (:func:`qualify.reference.jacobian.token_gradients` returns them on the parameters'
 devices), the FP32 model before ``.double()`` (the FP64 control)."""
 
-DEVICE_TRANSIENT_TERMS: Final = frozenset({"host_temporaries", "saved_transient"})
+DEVICE_TRANSIENT_TERMS: Final = frozenset({"host_temporaries", "saved_transient",
+                                          "grad_in_flight"})
 """Per-parameter temporaries (a multiple of the role's largest parameter) computed where the
 parameter is: with devices, on each device a multiple of the largest parameter it holds
 (``saved_transient``: with the state on the host, one parameter of the host's sensitivity
 copy brought back to its device, :meth:`qualify.reference.sensitivity.LossSensitivity.
-grad_norm`)."""
+grad_norm`; ``grad_in_flight``: with the gradients streamed, the one parameter's gradient
+autograd has just accumulated, until the hook has copied it to the host)."""
 
 HOST_STATE_TERMS: Final = frozenset({"adamw", "sensitivity_copy"})
 """The terms ``optimizer_state = "host"`` keeps on the host instead of the devices
@@ -426,6 +433,20 @@ at its peak (:data:`HOST_STATE_TERMS`)."""
 OPTIMIZER_STATES: Final = ("device", "host")
 """Where the placed stage keeps the AdamW moments and the sensitivity copy
 (:attr:`qualify.reference.devices.ReferenceDevices.optimizer_state`)."""
+
+GRADIENTS: Final = ("device", "host")
+"""Where the placed stage's update runs accumulate their gradients
+(:attr:`qualify.reference.devices.ReferenceDevices.gradients`). ``host``
+(:class:`qualify.reference.update._GradStream`, only with ``optimizer_state = "host"``): an
+update or control run's (and a round-to-round run's) ``grads`` leave the devices for the
+host (``host_grads``, the master's dtype); the devices keep ``grad_in_flight``: one
+parameter's gradient in the backward's dtype (BF16 in the ``bf16`` lanes with a BF16 copy,
+whose ``bf16_work`` gradient is then that one parameter's too), at the largest parameter each
+holds; the host, in the backward, the hook's copy of that gradient and the sum it forms
+(``host_grad_transient``, ``2 x`` the largest parameter in the master's dtype), and in the
+sensitivity pass each parameter's FP64 direction formed there (``host_direction``, ``2 x 8``
+bytes per element of the largest parameter). The clip-branch reruns keep ``.grad`` on the
+devices (their hook reads it beside each ``J_t``)."""
 
 
 def _device_peak(shape: ModelShape, role: str, per_param: int, act_per_layer: int,
@@ -647,14 +668,15 @@ def round_to_round_updates(contract: Contract, valid_tokens: int) -> dict[int, i
 
 
 def plan_reference(contract: Contract, machine: Machine, *,
-                   optimizer_state: str = "device") -> list[Step]:
+                   optimizer_state: str = "device", gradients: str = "device") -> list[Step]:
     """The reference stage's steps in the order it runs them (module docstring).
 
     ``optimizer_state``: ``device`` (the AdamW moments and the sensitivity copy with their
     layers) or ``host`` (:data:`HOST_STATE_TERMS` on the host, a ``step`` phase with one
     parameter's ``host_step`` there and the sensitivity's ``saved_transient`` on the
     devices); without devices every term is on the host either way and ``host`` adds only
-    the ``step`` phase.
+    the ``step`` phase. ``gradients``: ``device`` or ``host`` (:data:`GRADIENTS`, the update
+    runs' gradients streamed to the host; only with ``optimizer_state = "host"``).
 
     Each step's peak is the largest over its phases of the terms alive together: ``load``
     (the checkpoint mapped while the model is read), ``backward`` (a micro-batch's graph),
@@ -690,6 +712,10 @@ def plan_reference(contract: Contract, machine: Machine, *,
     if optimizer_state not in OPTIMIZER_STATES:
         raise ValueError(f"plan_reference: optimizer_state {optimizer_state!r}")
     host_state = optimizer_state == "host"
+    if gradients not in GRADIENTS or (gradients == "host" and not host_state):
+        raise ValueError(f"plan_reference: gradients {gradients!r} with optimizer_state "
+                         f"{optimizer_state!r}")
+    streamed = gradients == "host"
     dev = machine.devices > 0
     dev_terms = DEVICE_PARAM_TERMS - HOST_STATE_TERMS if host_state else DEVICE_PARAM_TERMS
     gpu = dev and machine.device_kind == "gpu"
@@ -725,7 +751,7 @@ def plan_reference(contract: Contract, machine: Machine, *,
         also the host's (``on_cpu_devices``, so its host total is the host-only plan's), and
         placing the loaded model on them copies nothing (no ``host_load_copy``).
         """
-        host_peak, dev_peak, at = 0, 0, ""
+        host_peak, dev_peak, at, dev_at = 0, 0, "", ""
         terms_at_peak: dict[str, int] = {}
         for phase, terms in phases.items():
             if dev:
@@ -748,7 +774,8 @@ def plan_reference(contract: Contract, machine: Machine, *,
                 layer, head, transient = act_dev[phase]
                 d = _device_peak(shape, role, per_param, layer, head, devices=machine.devices,
                                  per_largest=per_largest, transient=transient)
-                dev_peak = max(dev_peak, d)
+                if d > dev_peak:
+                    dev_peak, dev_at = d, phase
             else:
                 host_t = {"interpreter": INTERPRETER_BYTES, **terms}
             total = sum(host_t.values())
@@ -756,7 +783,8 @@ def plan_reference(contract: Contract, machine: Machine, *,
                 host_peak = total
                 terms_at_peak, at = {k: v for k, v in host_t.items() if v}, phase
         steps.append(Step(name=name, kind="reference", device_peak=dev_peak, host_peak=host_peak,
-                          written=written, seconds=seconds, terms=terms_at_peak, phase=at))
+                          written=written, seconds=seconds, terms=terms_at_peak, phase=at,
+                          device_phase=dev_at))
 
     # scoring (stage._score_all): the Actor and the reference policy loaded in FP32 and held
     # together, then the Critic, then the reward model; forward only (one layer's
@@ -792,9 +820,11 @@ def plan_reference(contract: Contract, machine: Machine, *,
     update_file = _update_file_bytes(roles, rounds=rounds, reported=reported,
                                      n_tensors=n_tensors, n_seq=n_seq, resp=resp)
 
-    def training(role: str, w: int, bf16_params: bool, autocast: bool) -> dict[str, int]:
+    def training(role: str, w: int, bf16_params: bool, autocast: bool,
+                 stream: bool = False) -> dict[str, int]:
         pr = p[role]
-        return {"weights": w * pr, "grads": w * pr, "adamw": 2 * w * pr,
+        return {"weights": w * pr, "host_grads" if stream else "grads": w * pr,
+                "adamw": 2 * w * pr,
                 "bf16_work": 2 * pr if bf16_params else 0,
                 "autocast_cache": 2 * pr if autocast else 0}
 
@@ -819,17 +849,23 @@ def plan_reference(contract: Contract, machine: Machine, *,
             # loading: FP32 from the checkpoint, then .double() for the fp64 control; the
             # Actor's run also loads the frozen reference policy beside it
             models_loaded = 2 if role == "actor" else 1
-            train = training(role, w, bf16_params, autocast)
+            train = training(role, w, bf16_params, autocast, streamed)
+            # streamed: the BF16 copy's gradient is one parameter's at a time (in flight)
+            work = (2 if streamed else 4) * pr if bf16_params else 0
+            in_flight = {"grad_in_flight": (2 if bf16_params else w) * largest[role],
+                         "host_grad_transient": 2 * w * largest[role]} if streamed else {}
             phases = {
                 "load": {"weights": models_loaded * w * pr, "checkpoint_map": 4 * pr,
                          "fp32_before_double": 4 * pr if w == 8 else 0},
-                "backward": {**train, "bf16_work": 4 * pr if bf16_params else 0,
+                "backward": {**train, "bf16_work": work, **in_flight,
                              "activations": layer_act * shape.num_hidden_layers + head},
             }
             if runs_of is None:
                 phases["sensitivity"] = {**train, "sensitivity_copy": w * pr,
                                          "host_temporaries": 3 * 8 * largest[role],
                                          "saved_transient": w * largest[role] if host_state
+                                         else 0,
+                                         "host_direction": 2 * 8 * largest[role] if streamed
                                          else 0,
                                          "activations": layer_act + head}
             if host_state:  # HostAdamW: one parameter's value, gradient and denom's two
@@ -1034,7 +1070,7 @@ COST_MODEL: Final = (
 
 
 def build_plan(contract: Contract, machine: Machine, *,
-               optimizer_state: str | None = None) -> Plan:
+               optimizer_state: str | None = None, gradients: str | None = None) -> Plan:
     """The reference stage's steps then the candidate launches (:class:`Plan`).
 
     Args:
@@ -1046,22 +1082,32 @@ def build_plan(contract: Contract, machine: Machine, *,
             state on the host it fits or its first step that does not fit comes later (the
             plan's :attr:`Plan.optimizer_state_why` says which). The stage runs with the
             plan's choice (:func:`qualify.reference.stage._plan_check`).
+        gradients: ``device`` or ``host`` (:data:`GRADIENTS`); ``None``: chosen after the
+            state, one decision for the stage: ``host`` only when the state is on the host,
+            the stage still does not fit the devices, and with the gradients streamed it fits
+            or its first step that does not fit comes later (:attr:`Plan.gradients_why`).
 
     Raises:
         ContractError: the model's sizes are not in the contract (:func:`model_shape`).
-        ValueError: an unknown ``optimizer_state``.
+        ValueError: an unknown ``optimizer_state`` or ``gradients``, or ``gradients`` ``host``
+            with the state on the devices.
     """
     shape = model_shape(contract)
     params = {r: shape.count(r) for r in ("actor", "critic")}
     launches = plan_launches(contract, machine)
 
-    def plan(state: str, why: str) -> Plan:
+    def plan(state: str, why: str, grads: str = "device", grads_why: str = "") -> Plan:
         return Plan(contract=contract.name, machine=machine, params=params,
-                    steps=plan_reference(contract, machine, optimizer_state=state) + launches,
-                    cost_model=COST_MODEL, optimizer_state=state, optimizer_state_why=why)
+                    steps=plan_reference(contract, machine, optimizer_state=state,
+                                         gradients=grads) + launches,
+                    cost_model=COST_MODEL, optimizer_state=state, optimizer_state_why=why,
+                    gradients=grads, gradients_why=grads_why or (
+                        "asked for" if gradients is not None else why))
 
     if optimizer_state is not None:
-        return plan(optimizer_state, "asked for")
+        return plan(optimizer_state, "asked for", gradients or "device")
+    if gradients is not None:
+        raise ValueError("build_plan: gradients without optimizer_state")
     on_device = plan("device", "")
     short = on_device._first_short("reference")
     if short is None or not machine.devices:
@@ -1070,7 +1116,14 @@ def build_plan(contract: Contract, machine: Machine, *,
     on_host = plan("host", "")
     host_short = on_host._first_short("reference")
     if host_short is None or host_short[0] > short[0]:
-        return plan("host", f"with the AdamW state on the devices: {short[1]}")
+        why = f"with the AdamW state on the devices: {short[1]}"
+        if host_short is None:
+            return plan("host", why, "device", "the stage fits with them on the devices")
+        streamed = plan("host", why, "host", "")
+        stream_short = streamed._first_short("reference")
+        if stream_short is None or stream_short[0] > host_short[0]:
+            return plan("host", why, "host", f"with them on the devices: {host_short[1]}")
+        return plan("host", why, "device", "streaming them to the host does not get further")
     return plan("device", "the AdamW state on the host does not get further")
 
 

@@ -328,7 +328,8 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
                          "cpu,cpu,... for the placed path on the host")
     plan_record = _plan_check(contract, plan_check, devices, memory)
     if devices is not None and plan_record["optimizer_state"] == "host":
-        devices = dataclasses.replace(devices, optimizer_state="host")
+        devices = dataclasses.replace(devices, optimizer_state="host",
+                                      gradients=plan_record.get("gradients", "device"))
     base = root / reference_dir_name(contract)
     if not new and store.is_sealed(base) and needs_signature(base):
         # sealed, then killed while signing (tests/test_kill_points.py, ref-sign): sign it
@@ -541,7 +542,9 @@ def _plan_check(contract: Contract, enforce: bool,
         The environment document's ``plan_check``: whether it was enforced, the planned
         devices and each one's memory (``device_bytes``, 0 without devices), the planned host
         peak (bytes), the shortfall line (``None`` when it fits), ``optimizer_state`` and
-        why (``optimizer_state_why``); a contract whose model sizes the plan cannot read (an
+        why (``optimizer_state_why``), ``gradients`` and why (``gradients_why``: the update
+        runs' gradients streamed to the host or not, :data:`qualify.reference.plan.GRADIENTS`);
+        a contract whose model sizes the plan cannot read (an
         ``hf-dir`` model without ``model.manifest.config``) is not planned (``not_planned``:
         why) and runs with the state on the devices.
 
@@ -578,7 +581,8 @@ def _plan_check(contract: Contract, enforce: bool,
             "planned_host_peak_bytes": max((s.host_peak for s in plan.steps
                                             if s.kind == "reference"), default=0),
             "shortfall": short, "optimizer_state": plan.optimizer_state,
-            "optimizer_state_why": plan.optimizer_state_why}
+            "optimizer_state_why": plan.optimizer_state_why, "gradients": plan.gradients,
+            "gradients_why": plan.gradients_why}
 
 
 def _check_recomputable(out: Path, contract: Contract, bounds: list[Bound]) -> None:
