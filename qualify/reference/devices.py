@@ -68,9 +68,10 @@ from qualify.errors import ReferenceDataError, UsageError
 from qualify.models import roles
 from qualify.reference.placement import place_for_devices
 
-__all__ = ["ENV", "GRADIENTS", "MEMORY_ENV", "OPTIMIZER_STATES", "ReferenceDevices", "active",
-           "check_memory_setting", "check_setting", "device_memory", "gradients", "load_role",
-           "note_step", "optimizer_state", "parse", "parse_memory", "resolve"]
+__all__ = ["ENV", "GRADIENTS", "MEMORY_ENV", "OPTIMIZER_STATES", "ROUND2_STATES",
+           "ReferenceDevices", "active", "check_memory_setting", "check_setting",
+           "device_memory", "gradients", "load_role", "note_step", "optimizer_state", "parse",
+           "parse_memory", "resolve", "round2_state"]
 
 ENV: Final = "QUALIFY_REFERENCE_DEVICES"
 
@@ -97,6 +98,10 @@ OPTIMIZER_STATES: Final = ("device", "host")
 GRADIENTS: Final = ("device", "host")
 """Where a placed update accumulates its gradients (:attr:`ReferenceDevices.gradients`)."""
 
+ROUND2_STATES: Final = ("moments", "g1")
+"""What the host AdamW keeps of a parameter between its first two steps
+(:attr:`ReferenceDevices.round2_state`)."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReferenceDevices:
@@ -119,17 +124,24 @@ class ReferenceDevices:
             every update run but the clip-branch reruns (their hook reads ``.grad``). Only
             with ``optimizer_state = "host"``. The stage sets ``host`` when its plan says the
             devices cannot hold the gradients either.
+        round2_state: ``moments``: the host AdamW keeps both moments of every parameter from
+            its first step on; ``g1``: between its first two steps only its first gradient,
+            the moments rebuilt from it for the second
+            (:class:`qualify.reference.update.HostAdamW`, bitwise). Only with
+            ``optimizer_state = "host"``. The stage sets ``g1`` when its plan says the host
+            needs the memory.
 
     Raises:
         ValueError: ``optimizer_state`` is not one of :data:`OPTIMIZER_STATES`, ``gradients``
-            not one of :data:`GRADIENTS`, or ``gradients`` is ``host`` with the state on the
-            devices.
+            not one of :data:`GRADIENTS`, ``round2_state`` not one of :data:`ROUND2_STATES`,
+            or ``gradients`` ``host`` or ``round2_state`` ``g1`` with the state on the devices.
     """
 
     devices: tuple[str, ...]
     source: str
     optimizer_state: str = "device"
     gradients: str = "device"
+    round2_state: str = "moments"
 
     def __post_init__(self) -> None:
         if self.optimizer_state not in OPTIMIZER_STATES:
@@ -141,6 +153,12 @@ class ReferenceDevices:
         if self.gradients == "host" and self.optimizer_state != "host":
             raise ValueError("ReferenceDevices.gradients: host streaming needs "
                              "optimizer_state host (the step reads the host copies)")
+        if self.round2_state not in ROUND2_STATES:
+            raise ValueError(f"ReferenceDevices.round2_state: {self.round2_state!r}, expected "
+                             f"one of {ROUND2_STATES}")
+        if self.round2_state == "g1" and self.optimizer_state != "host":
+            raise ValueError("ReferenceDevices.round2_state: g1 needs optimizer_state host "
+                             "(the host AdamW keeps it)")
 
     @property
     def kind(self) -> str:
@@ -335,6 +353,17 @@ def optimizer_state() -> str:
     return "device" if state is None else state.devices.optimizer_state
 
 
+def round2_state() -> str:
+    """What the active devices' host AdamW keeps between a parameter's first two steps.
+
+    Returns:
+        The active :class:`ReferenceDevices`' ``round2_state`` inside :func:`active`;
+        ``moments`` outside it or when nothing is placed.
+    """
+    state = _ACTIVE.get()
+    return "moments" if state is None else state.devices.round2_state
+
+
 def gradients() -> str:
     """Where the active devices' update runs accumulate their gradients.
 
@@ -428,6 +457,7 @@ def active(devices: ReferenceDevices | None) -> Iterator[dict[str, Any]]:
         its name: the CUDA device's, or ``cpu``), ``numerics`` (the CUDA settings, ``None``
         off CUDA), ``optimizer_state`` (:attr:`ReferenceDevices.optimizer_state`; ``device``
         when nothing is placed), ``gradients`` (:attr:`ReferenceDevices.gradients`; placed
+        stages only), ``round2_state`` (:attr:`ReferenceDevices.round2_state`; placed
         stages only), ``placed``: ``{role: {"assignment": [device index per
         decoder layer], "layers": n}}``, one entry per role placed (the same assignment every
         time a role is loaded: it depends on the model's shape only), and ``memory``
@@ -442,6 +472,7 @@ def active(devices: ReferenceDevices | None) -> Iterator[dict[str, Any]]:
         return
     record.update(kind=devices.kind, source=devices.source,
                   optimizer_state=devices.optimizer_state, gradients=devices.gradients,
+                  round2_state=devices.round2_state,
                   devices=[{"device": d, "name": _device_name(d)} for d in devices.devices])
     record["memory"] = {"measure": MEMORY_MEASURES[devices.kind],
                         "bytes": [0] * len(devices.devices)}

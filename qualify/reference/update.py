@@ -579,20 +579,46 @@ class HostAdamW:
     parameters runs the same per-parameter arithmetic in the same order (its single-tensor
     loop), so on host parameters the values are bitwise those of :func:`_adamw`'s optimizer.
 
+    With ``keep="g1"`` a parameter's state between its first and second step is its first
+    step's gradient ``g1`` alone (one copy of the parameter instead of two): after one step
+    from zero state torch's moments are exactly ``(1 - b1) * g1`` (``lerp_`` from 0) and
+    ``((1 - b2) * g1) * g1`` (``addcmul_`` from 0), so the second step rebuilds them (and the
+    step count 1) for that parameter and steps: bitwise the kept moments
+    (``tests/test_scale_plan.py`` proves the arithmetic; ``tests/test_round2_g1.py`` this
+    class). From the second step on the moments are kept as with ``keep="moments"``.
+    :meth:`moments` between the steps returns the rebuilt ones.
+
     Attributes:
         params: the trained parameters, in the order given.
         param_groups: one group per parameter (its optimizer's), ``lr`` settable as on a
             ``torch.optim.AdamW``.
+        keep: ``moments`` or ``g1`` (what a parameter keeps between its first two steps).
+
+    Raises:
+        ValueError: ``keep`` is neither.
     """
 
     def __init__(self, params: list[nn.Parameter], *, lr: float,
-                 betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+                 betas: tuple[float, float], eps: float, weight_decay: float,
+                 keep: str = "moments") -> None:
+        if keep not in reference_devices.ROUND2_STATES:
+            raise ValueError(f"HostAdamW: keep {keep!r}, expected one of "
+                             f"{reference_devices.ROUND2_STATES}")
         self.params = list(params)
+        self.keep = keep
+        self._betas = betas
         self._slots = [torch.empty(0, dtype=p.dtype) for p in self.params]
         self._optims = [torch.optim.AdamW([s], lr=lr, betas=betas, eps=eps,
                                           weight_decay=weight_decay, foreach=False, fused=False)
                         for s in self._slots]
+        self._g1: list[torch.Tensor | None] = [None] * len(self.params)
         self.param_groups = [g for o in self._optims for g in o.param_groups]
+
+    def _rebuilt(self, g1: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The state torch's AdamW holds after one step from zero state with gradient ``g1``."""
+        b1, b2 = self._betas
+        return {"step": torch.tensor(1.0), "exp_avg": (1 - b1) * g1,
+                "exp_avg_sq": ((1 - b2) * g1) * g1}
 
     def step(self, grads: list[torch.Tensor | None] | None = None) -> None:
         """One AdamW step of every parameter that has a gradient (torch skips the others).
@@ -608,15 +634,23 @@ class HostAdamW:
             raise ValueError(f"HostAdamW.step: {len(grads)} gradients for "
                              f"{len(self.params)} parameters")
         given = [p.grad for p in self.params] if grads is None else grads
-        for p, grad, slot, optim in zip(self.params, given, self._slots, self._optims,
-                                        strict=True):
+        for i, (p, grad, slot, optim) in enumerate(zip(self.params, given, self._slots,
+                                                       self._optims, strict=True)):
             if grad is None:
                 continue
             slot.data = p.detach().to("cpu", copy=True)
             slot.grad = grad.detach().to("cpu", copy=True)
+            g1 = self._g1[i]
+            if g1 is not None:  # keep="g1", its second step: the moments from g1
+                optim.state[slot] = self._rebuilt(g1)
+                self._g1[i] = None
+            first = slot not in optim.state
             optim.step()
             with torch.no_grad():
                 p.copy_(slot)
+            if first and self.keep == "g1":
+                self._g1[i] = slot.grad
+                del optim.state[slot]
             slot.grad = None
             slot.data = torch.empty(0, dtype=p.dtype)
 
@@ -636,17 +670,21 @@ class HostAdamW:
         Raises:
             KeyError: ``p`` is not one of :attr:`params`, or has not been stepped.
         """
-        for q, slot, optim in zip(self.params, self._slots, self._optims, strict=True):
+        for q, slot, optim, g1 in zip(self.params, self._slots, self._optims, self._g1,
+                                      strict=True):
             if q is p:
+                if g1 is not None:
+                    return self._rebuilt(g1)
                 if slot not in optim.state:  # not ``optim.state[slot]``: a defaultdict
                     raise KeyError("HostAdamW.moments: a parameter not stepped yet")
                 return dict(optim.state[slot])
         raise KeyError("HostAdamW.moments: not one of its parameters")
 
     def states(self) -> list[dict[str, torch.Tensor]]:
-        """The AdamW state of every parameter stepped so far."""
-        return [dict(o.state[s]) for s, o in zip(self._slots, self._optims, strict=True)
-                if s in o.state]
+        """The AdamW state of every parameter stepped so far (rebuilt from ``g1`` where kept)."""
+        return [self._rebuilt(g1) if g1 is not None else dict(o.state[s])
+                for s, o, g1 in zip(self._slots, self._optims, self._g1, strict=True)
+                if g1 is not None or s in o.state]
 
 
 Optimizer = torch.optim.Optimizer | HostAdamW
@@ -658,12 +696,15 @@ def _adamw(master: nn.Module, lr: float, contract: Contract, *,
     """The run's AdamW: over the parameters (``host`` false) or with its state on the host.
 
     ``host``: :class:`HostAdamW` (the placed stage's ``optimizer_state = "host"``,
-    :func:`qualify.reference.devices.optimizer_state`).
+    :func:`qualify.reference.devices.optimizer_state`), keeping ``g1`` instead of the
+    moments between the first two steps when :func:`qualify.reference.devices.round2_state`
+    says so.
     """
     o = contract.optimizer
     params = [p for p in master.parameters() if p.requires_grad]
     if host:
-        return HostAdamW(params, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        return HostAdamW(params, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                         keep=reference_devices.round2_state())
     return torch.optim.AdamW(
         params, lr=lr, betas=o.betas, eps=o.eps,
         weight_decay=o.weight_decay, foreach=False, fused=False,
