@@ -9,6 +9,7 @@ what the runs keeping the moments seal.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, cast
 
 import hypothesis.strategies as st
@@ -19,6 +20,7 @@ from tiny_models import THREE_LAYER_CFG, seeded_batch, seeded_qwen3
 
 from qualify.contract import load_contract
 from qualify.reference import devices, update
+from qualify.reference import plan as reference_plan
 from qualify.reference.update import Batch, HostAdamW, UpdateSettings
 from qualify.resources import contracts_dir
 
@@ -121,3 +123,39 @@ def test_g1_needs_the_host_state() -> None:
         devices.ReferenceDevices(("cpu",), devices.ENV, "host", "device", "p1")
     with pytest.raises(ValueError, match="keep"):
         HostAdamW([], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, keep="p1")
+
+
+def test_the_plan_keeps_g1_only_where_the_host_needs_it() -> None:
+    """Qwen3-8B on 4 devices of 48 GB: with a 256 GB host the moments leave the FP64 control
+    short of host memory and ``g1`` fits, so the plan takes the state on the host, the
+    gradients streamed and ``g1``; with 2 TB it keeps the moments. Keeping ``g1`` lowers no
+    device peak and raises no host peak, and does nothing with three rounds."""
+    contract = load_contract(contracts_dir() / "qwen3-8b.toml")
+    small = reference_plan.Machine(devices=4, device_bytes=48 * 10**9, host_bytes=256 * 10**9,
+                                   cores=2)
+    plan = reference_plan.build_plan(contract, small)
+    assert (plan.optimizer_state, plan.gradients, plan.round2_state) == ("host", "host", "g1")
+    assert plan.shortfall("reference") is None
+    assert plan.round2_state_why.startswith(
+        "keeping the moments: control fp64-fp32: needs 272.6 GB of host memory"), \
+        plan.round2_state_why
+    big = dataclasses.replace(small, host_bytes=2000 * 10**9)
+    assert reference_plan.build_plan(contract, big).round2_state == "moments"
+    steps = {keep: reference_plan.plan_reference(contract, big, optimizer_state="host",
+                                                 gradients="host", round2_state=keep)
+             for keep in ("moments", "g1")}
+    lower = 0
+    for a, b in zip(steps["moments"], steps["g1"], strict=True):
+        assert b.device_peak == a.device_peak, a.name
+        assert b.host_peak <= a.host_peak, a.name
+        lower += b.host_peak < a.host_peak
+    assert lower
+    three = dataclasses.replace(contract, algorithm=dataclasses.replace(contract.algorithm,
+                                                                        rounds=3))
+    again = {keep: reference_plan.plan_reference(three, big, optimizer_state="host",
+                                                 round2_state=keep)
+             for keep in ("moments", "g1")}
+    assert [s.host_peak for s in again["moments"]] == [s.host_peak for s in again["g1"]]
+    assert reference_plan.build_plan(three, small).round2_state == "moments"
+    with pytest.raises(ValueError, match="round2_state"):
+        reference_plan.plan_reference(contract, big, round2_state="g1")

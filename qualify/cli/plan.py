@@ -109,6 +109,8 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
                   f"({plan.optimizer_state_why})")
             grads = "devices" if plan.gradients == "device" else "host, streamed"
             print(f"update gradients: on the {grads} ({plan.gradients_why})")
+            print(f"between rounds 1 and 2 the host AdamW keeps: {plan.round2_state} "
+                  f"({plan.round2_state_why})")
     short = plan.shortfall()
     if short is not None:
         raise DoesNotFitError(f"{contract.path or contract.name}: does not fit: {short}")

@@ -348,6 +348,8 @@ class Plan:
     optimizer_state_why: str = ""
     gradients: str = "device"
     gradients_why: str = ""
+    round2_state: str = "moments"
+    round2_state_why: str = ""
 
     def shortfall(self, kind: str | None = None) -> str | None:
         """The first step that does not fit, as one line; ``None`` when all fit.
@@ -385,6 +387,7 @@ class Plan:
                 "optimizer_state": self.optimizer_state,
                 "optimizer_state_why": self.optimizer_state_why,
                 "gradients": self.gradients, "gradients_why": self.gradients_why,
+                "round2_state": self.round2_state, "round2_state_why": self.round2_state_why,
                 "steps": [s.to_dict() for s in self.steps], "shortfall": self.shortfall()}
 
 
@@ -433,6 +436,17 @@ at its peak (:data:`HOST_STATE_TERMS`)."""
 OPTIMIZER_STATES: Final = ("device", "host")
 """Where the placed stage keeps the AdamW moments and the sensitivity copy
 (:attr:`qualify.reference.devices.ReferenceDevices.optimizer_state`)."""
+
+ROUND2_STATES: Final = ("moments", "g1")
+"""What the placed stage's host AdamW keeps between a parameter's first two steps
+(:attr:`qualify.reference.devices.ReferenceDevices.round2_state`). ``g1``
+(:class:`qualify.reference.update.HostAdamW` ``keep="g1"``, only with ``optimizer_state =
+"host"``): in a contract of two rounds, round 2's backward, its sensitivity pass and the
+clip-branch passes hold ``g1_kept`` (one model in the master's dtype) on the host instead of
+``adamw`` (two); each step phase keeps ``adamw`` (round 2's step rebuilds the moments of one
+parameter at a time and keeps them). With more rounds round 3's phases hold the moments, so
+the plan counts ``adamw`` there as before; with one round nothing is kept between steps
+(the plan's ``adamw`` is then an over-count either way)."""
 
 GRADIENTS: Final = ("device", "host")
 """Where the placed stage's update runs accumulate their gradients
@@ -668,7 +682,8 @@ def round_to_round_updates(contract: Contract, valid_tokens: int) -> dict[int, i
 
 
 def plan_reference(contract: Contract, machine: Machine, *,
-                   optimizer_state: str = "device", gradients: str = "device") -> list[Step]:
+                   optimizer_state: str = "device", gradients: str = "device",
+                   round2_state: str = "moments") -> list[Step]:
     """The reference stage's steps in the order it runs them (module docstring).
 
     ``optimizer_state``: ``device`` (the AdamW moments and the sensitivity copy with their
@@ -677,6 +692,8 @@ def plan_reference(contract: Contract, machine: Machine, *,
     devices); without devices every term is on the host either way and ``host`` adds only
     the ``step`` phase. ``gradients``: ``device`` or ``host`` (:data:`GRADIENTS`, the update
     runs' gradients streamed to the host; only with ``optimizer_state = "host"``).
+    ``round2_state``: ``moments`` or ``g1`` (:data:`ROUND2_STATES`; only with
+    ``optimizer_state = "host"``).
 
     Each step's peak is the largest over its phases of the terms alive together: ``load``
     (the checkpoint mapped while the model is read), ``backward`` (a micro-batch's graph),
@@ -716,6 +733,18 @@ def plan_reference(contract: Contract, machine: Machine, *,
         raise ValueError(f"plan_reference: gradients {gradients!r} with optimizer_state "
                          f"{optimizer_state!r}")
     streamed = gradients == "host"
+    if round2_state not in ROUND2_STATES or (round2_state == "g1" and not host_state):
+        raise ValueError(f"plan_reference: round2_state {round2_state!r} with optimizer_state "
+                         f"{optimizer_state!r}")
+    g1_kept = round2_state == "g1" and contract.algorithm.rounds == 2
+
+    def between(terms: dict[str, int]) -> dict[str, int]:
+        """A phase between round 1's step and round 2's: ``g1`` instead of the moments."""
+        if not g1_kept:
+            return terms
+        out = {k: v for k, v in terms.items() if k != "adamw"}
+        out["g1_kept"] = terms["adamw"] // 2
+        return out
     dev = machine.devices > 0
     dev_terms = DEVICE_PARAM_TERMS - HOST_STATE_TERMS if host_state else DEVICE_PARAM_TERMS
     gpu = dev and machine.device_kind == "gpu"
@@ -857,17 +886,18 @@ def plan_reference(contract: Contract, machine: Machine, *,
             phases = {
                 "load": {"weights": models_loaded * w * pr, "checkpoint_map": 4 * pr,
                          "fp32_before_double": 4 * pr if w == 8 else 0},
-                "backward": {**train, "bf16_work": work, **in_flight,
-                             "activations": layer_act * shape.num_hidden_layers + head},
+                "backward": between({**train, "bf16_work": work, **in_flight,
+                                     "activations": layer_act * shape.num_hidden_layers
+                                     + head}),
             }
             if runs_of is None:
-                phases["sensitivity"] = {**train, "sensitivity_copy": w * pr,
+                phases["sensitivity"] = between({**train, "sensitivity_copy": w * pr,
                                          "host_temporaries": 3 * 8 * largest[role],
                                          "saved_transient": w * largest[role] if host_state
                                          else 0,
                                          "host_direction": 2 * 8 * largest[role] if streamed
                                          else 0,
-                                         "activations": layer_act + head}
+                                         "activations": layer_act + head})
             if host_state:  # HostAdamW: one parameter's value, gradient and denom's two
                 phases["step"] = {**train, "host_step": HOST_STEP_COPIES * w * largest[role]}
             phases_by_role[role] = phases
@@ -969,6 +999,8 @@ def plan_reference(contract: Contract, machine: Machine, *,
                          "factor_temporaries": 0 if keep else 2 * 8 * largest[role],
                          "sealed_kept": sealed_before + sealed},
             }
+            # round 2's rerun, its tokens and its Gram come before round 2's step
+            phases = {k: v if k == "rerun step" else between(v) for k, v in phases.items()}
             sealed_before += sealed
             flops = (rounds * 10 * pr * n_seq * positions
                      + (rounds - 1) * k * 6 * pr * positions)
@@ -1070,61 +1102,98 @@ COST_MODEL: Final = (
 
 
 def build_plan(contract: Contract, machine: Machine, *,
-               optimizer_state: str | None = None, gradients: str | None = None) -> Plan:
+               optimizer_state: str | None = None, gradients: str | None = None,
+               round2_state: str | None = None) -> Plan:
     """The reference stage's steps then the candidate launches (:class:`Plan`).
 
     Args:
         contract: the contract.
         machine: where it runs.
-        optimizer_state: ``device`` or ``host`` (:func:`plan_reference`); ``None``: chosen
-            for the whole stage, one decision: ``device`` unless the machine has devices, the
-            reference stage does not fit them with the state on the devices, and with the
-            state on the host it fits or its first step that does not fit comes later (the
-            plan's :attr:`Plan.optimizer_state_why` says which). The stage runs with the
-            plan's choice (:func:`qualify.reference.stage._plan_check`).
-        gradients: ``device`` or ``host`` (:data:`GRADIENTS`); ``None``: chosen after the
-            state, one decision for the stage: ``host`` only when the state is on the host,
-            the stage still does not fit the devices, and with the gradients streamed it fits
-            or its first step that does not fit comes later (:attr:`Plan.gradients_why`).
+        optimizer_state: ``device`` or ``host`` (:func:`plan_reference`).
+        gradients: ``device`` or ``host`` (:data:`GRADIENTS`); only with ``optimizer_state``.
+        round2_state: ``moments`` or ``g1`` (:data:`ROUND2_STATES`); only with
+            ``optimizer_state``.
+
+    All ``None``: chosen together, one decision for the stage, and the plan's
+    :attr:`Plan.optimizer_state_why`, :attr:`Plan.gradients_why` and
+    :attr:`Plan.round2_state_why` say why. Without devices everything stays as it is (nothing
+    is placed). With devices, in this order: the state on the devices; on the host; on the
+    host with the gradients streamed; and, in a contract of two rounds, on the host keeping
+    ``g1`` without and with the streaming: the first under which the reference stage fits,
+    else the one whose first step that does not fit comes last (the earliest in that order
+    among equals). The stage runs with the plan's choice
+    (:func:`qualify.reference.stage._plan_check`).
 
     Raises:
         ContractError: the model's sizes are not in the contract (:func:`model_shape`).
-        ValueError: an unknown ``optimizer_state`` or ``gradients``, or ``gradients`` ``host``
-            with the state on the devices.
+        ValueError: an unknown ``optimizer_state``, ``gradients`` or ``round2_state``;
+            ``gradients`` ``host`` or ``round2_state`` ``g1`` with the state on the devices;
+            ``gradients`` or ``round2_state`` without ``optimizer_state``.
     """
     shape = model_shape(contract)
     params = {r: shape.count(r) for r in ("actor", "critic")}
     launches = plan_launches(contract, machine)
 
-    def plan(state: str, why: str, grads: str = "device", grads_why: str = "") -> Plan:
+    def plan(state: str, why: str, grads: str = "device", grads_why: str = "", *,
+             keep: str = "moments", keep_why: str = "") -> Plan:
         return Plan(contract=contract.name, machine=machine, params=params,
                     steps=plan_reference(contract, machine, optimizer_state=state,
-                                         gradients=grads) + launches,
+                                         gradients=grads, round2_state=keep) + launches,
                     cost_model=COST_MODEL, optimizer_state=state, optimizer_state_why=why,
                     gradients=grads, gradients_why=grads_why or (
-                        "asked for" if gradients is not None else why))
+                        "asked for" if gradients is not None else why),
+                    round2_state=keep, round2_state_why=keep_why or (
+                        "asked for" if round2_state is not None else ""))
 
     if optimizer_state is not None:
-        return plan(optimizer_state, "asked for", gradients or "device")
-    if gradients is not None:
-        raise ValueError("build_plan: gradients without optimizer_state")
-    on_device = plan("device", "")
-    short = on_device._first_short("reference")
-    if short is None or not machine.devices:
-        return plan("device", "the stage fits with them on the devices" if short is None
-                    else "no devices")
-    on_host = plan("host", "")
-    host_short = on_host._first_short("reference")
-    if host_short is None or host_short[0] > short[0]:
-        why = f"with the AdamW state on the devices: {short[1]}"
-        if host_short is None:
-            return plan("host", why, "device", "the stage fits with them on the devices")
-        streamed = plan("host", why, "host", "")
-        stream_short = streamed._first_short("reference")
-        if stream_short is None or stream_short[0] > host_short[0]:
-            return plan("host", why, "host", f"with them on the devices: {host_short[1]}")
-        return plan("host", why, "device", "streaming them to the host does not get further")
-    return plan("device", "the AdamW state on the host does not get further")
+        return plan(optimizer_state, "asked for", gradients or "device", "",
+                    keep=round2_state or "moments")
+    if gradients is not None or round2_state is not None:
+        raise ValueError("build_plan: gradients or round2_state without optimizer_state")
+    if not machine.devices:
+        fits = plan("device", "")._first_short("reference") is None
+        why = "the stage fits with them on the devices" if fits else "no devices"
+        return plan("device", why, keep_why=why)
+    rounds = contract.algorithm.rounds
+    configs = [("device", "device", "moments"), ("host", "device", "moments"),
+               ("host", "host", "moments")]
+    if rounds == 2:
+        configs += [("host", "device", "g1"), ("host", "host", "g1")]
+    plans = {c: plan(c[0], "", c[1], keep=c[2]) for c in configs}
+    shorts = {c: pl._first_short("reference") for c, pl in plans.items()}
+    fitting = [c for c in configs if shorts[c] is None]
+    # the first that fits, in the order above; else the one whose first short step is last
+    best = fitting[0] if fitting else max(configs, key=lambda c: shorts[c][0])  # type: ignore[index]
+    state, grads, keep = best
+    fits = shorts[best] is None
+
+    def line(c: tuple[str, str, str]) -> str:
+        found = shorts[c]
+        return "" if found is None else found[1]
+
+    if state == "host":
+        state_why = f"with the AdamW state on the devices: {line(configs[0])}"
+    else:
+        state_why = ("the stage fits with them on the devices" if fits
+                     else "the AdamW state on the host does not get further")
+    if grads == "host":
+        grads_why = f"with them on the devices: {line(('host', 'device', keep))}"
+    elif state == "host":
+        grads_why = ("the stage fits with them on the devices" if fits
+                     else "streaming them to the host does not get further")
+    else:
+        grads_why = state_why
+    if keep == "g1":
+        keep_why = f"keeping the moments: {line(('host', grads, 'moments'))}"
+    elif fits:
+        keep_why = "the stage fits keeping them"
+    elif state != "host":
+        keep_why = "the AdamW state is on the devices"
+    elif rounds != 2:
+        keep_why = f"{rounds} rounds: g1 stands for the moments between two only"
+    else:
+        keep_why = "keeping g1 does not get further"
+    return plan(state, state_why, grads, grads_why, keep=keep, keep_why=keep_why)
 
 
 def check_fits(contract: Contract, machine: Machine | None = None) -> Plan:

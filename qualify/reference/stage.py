@@ -329,7 +329,8 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
     plan_record = _plan_check(contract, plan_check, devices, memory)
     if devices is not None and plan_record["optimizer_state"] == "host":
         devices = dataclasses.replace(devices, optimizer_state="host",
-                                      gradients=plan_record.get("gradients", "device"))
+                                      gradients=plan_record.get("gradients", "device"),
+                                      round2_state=plan_record.get("round2_state", "moments"))
     base = root / reference_dir_name(contract)
     if not new and store.is_sealed(base) and needs_signature(base):
         # sealed, then killed while signing (tests/test_kill_points.py, ref-sign): sign it
@@ -543,7 +544,9 @@ def _plan_check(contract: Contract, enforce: bool,
         devices and each one's memory (``device_bytes``, 0 without devices), the planned host
         peak (bytes), the shortfall line (``None`` when it fits), ``optimizer_state`` and
         why (``optimizer_state_why``), ``gradients`` and why (``gradients_why``: the update
-        runs' gradients streamed to the host or not, :data:`qualify.reference.plan.GRADIENTS`);
+        runs' gradients streamed to the host or not, :data:`qualify.reference.plan.GRADIENTS`),
+        ``round2_state`` and why (``round2_state_why``: what the host AdamW keeps between
+        rounds 1 and 2, :data:`qualify.reference.plan.ROUND2_STATES`);
         a contract whose model sizes the plan cannot read (an
         ``hf-dir`` model without ``model.manifest.config``) is not planned (``not_planned``:
         why) and runs with the state on the devices.
@@ -582,7 +585,8 @@ def _plan_check(contract: Contract, enforce: bool,
                                             if s.kind == "reference"), default=0),
             "shortfall": short, "optimizer_state": plan.optimizer_state,
             "optimizer_state_why": plan.optimizer_state_why, "gradients": plan.gradients,
-            "gradients_why": plan.gradients_why}
+            "gradients_why": plan.gradients_why, "round2_state": plan.round2_state,
+            "round2_state_why": plan.round2_state_why}
 
 
 def _check_recomputable(out: Path, contract: Contract, bounds: list[Bound]) -> None:

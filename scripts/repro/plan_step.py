@@ -57,7 +57,8 @@ def main() -> int:
     record = _plan_check(contract, False, placed, devices.device_memory())
     if placed is not None and record["optimizer_state"] == "host":
         placed = dataclasses.replace(placed, optimizer_state="host",
-                                     gradients=record["gradients"])
+                                     gradients=record["gradients"],
+                                     round2_state=record["round2_state"])
     with devices.active(placed) as where:
         tensors, _ = _update_run(contract, bundle, batch, settings, attn)
     if len(sys.argv) > 5:
