@@ -155,8 +155,8 @@ def test_build_plan_streams_only_when_the_devices_need_it() -> None:
 
 def test_the_stage_enters_its_devices_with_the_plans_stream(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    """The plan's ``gradients = "host"`` reaches the stage's :class:`ReferenceDevices` and its
-    ``plan_check`` record."""
+    """The plan's ``gradients = "host"`` and ``round2_state = "g1"`` reach the stage's
+    :class:`ReferenceDevices` and its ``plan_check`` record."""
     from qualify.reference import stage
 
     seen: list[devices.ReferenceDevices | None] = []
@@ -170,13 +170,14 @@ def test_the_stage_enters_its_devices_with_the_plans_stream(
 
     plain_build = reference_plan.build_plan
     monkeypatch.setattr(reference_plan, "build_plan", lambda c, m: plain_build(
-        c, m, optimizer_state="host", gradients="host"))
+        c, m, optimizer_state="host", gradients="host", round2_state="g1"))
     monkeypatch.setattr(devices, "active", spy)
     monkeypatch.setenv(devices.ENV, "cpu,cpu")
     monkeypatch.setenv(devices.MEMORY_ENV, "1")
     contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
     with pytest.raises(EnteredError):
         stage.run_reference_stage(contract, root=tmp_path, quiet=True)
-    assert seen[-1] == devices.ReferenceDevices(("cpu",) * 2, devices.ENV, "host", "host")
+    assert seen[-1] == devices.ReferenceDevices(("cpu",) * 2, devices.ENV, "host", "host", "g1")
     record = stage._plan_check(contract, True, seen[-1], devices.device_memory())
     assert (record["gradients"], record["gradients_why"]) == ("host", "asked for")
+    assert (record["round2_state"], record["round2_state_why"]) == ("g1", "asked for")
