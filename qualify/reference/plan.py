@@ -61,8 +61,11 @@ With ``optimizer_state = "host"`` (:class:`qualify.reference.update.HostAdamW`) 
 moments and the sensitivity copy (:data:`HOST_STATE_TERMS`) are on the host, with one
 parameter's ``host_step`` there and its ``saved_transient`` on the devices: ``12 P`` (``24 P``
 in the FP64 control) bytes fewer on the devices in an update's sensitivity pass, less the
-transient. :func:`build_plan` chooses where, once for the stage. The FP64 control's round 2
-from ``p1`` and ``g1`` (docs/scale.md section 3) is not built.
+transient. With the state on the host, the update runs' gradients may be streamed to the
+host as the backward completes each (:data:`GRADIENTS`: ``grads`` leaves the devices,
+``grad_in_flight`` stays), and the host AdamW may keep ``g1`` instead of the moments between
+rounds 1 and 2 (:data:`ROUND2_STATES`: ``g1_kept``, one model instead of two, on the host).
+:func:`build_plan` chooses the three together, once for the stage.
 
 Time: ``FLOPs / throughput`` with ``FLOPs = 2 P`` per token for a forward and ``6 P`` for
 a forward and backward (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", eq.

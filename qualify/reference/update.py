@@ -30,8 +30,13 @@ parameters, its moments with them; or, when the placed stage keeps the state on 
 (:func:`qualify.reference.devices.optimizer_state` is ``host``), :class:`HostAdamW`: the same
 AdamW per parameter on a host copy, the moments on the host (bitwise the former on host
 parameters), and the sensitivity pass's copy of the parameters on the host too
-(:meth:`~qualify.reference.sensitivity.LossSensitivity.grad_norm`). What a run reports is the
-same in both.
+(:meth:`~qualify.reference.sensitivity.LossSensitivity.grad_norm`). With the state on the
+host the placed stage may also stream each parameter's gradient to the host as the backward
+completes it (:func:`qualify.reference.devices.gradients` ``host``, :class:`_GradStream`;
+not in runs with an ``on_round`` hook), and keep only the first gradient instead of the
+moments between a parameter's first two steps (:func:`qualify.reference.devices.
+round2_state` ``g1``, :class:`HostAdamW`). What a run reports is the same in all of them,
+bitwise on host parameters.
 
 Sources: PPO clipped surrogate and value clipping (Schulman et al. 2017, "Proximal Policy
 Optimization Algorithms"; value clipping as in OpenAI baselines ``ppo2``), KL estimators (Schulman
