@@ -159,3 +159,38 @@ def test_the_plan_keeps_g1_only_where_the_host_needs_it() -> None:
     assert reference_plan.build_plan(three, small).round2_state == "moments"
     with pytest.raises(ValueError, match="round2_state"):
         reference_plan.plan_reference(contract, big, round2_state="g1")
+
+
+@pytest.mark.slow
+def test_tiny_reference_streamed_keeping_g1_seals_the_unplaced_tensors(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny torch_tp contract's whole reference stage on ``cpu,cpu,cpu`` with the state on
+    the host, the gradients streamed and ``g1`` kept (the plan's choice forced) seals the
+    unplaced shared reference's update, control, branch and score tensors and its bounds
+    byte for byte; environment.json records the three."""
+    import json
+
+    from shared_artifacts import assert_sealed_bitwise_equal, tiny_reference
+    from tiny_contracts import torch_tp_only_text
+
+    from qualify.reference.stage import run_reference_stage
+
+    plain = next(p for p in (tiny_reference(tmp_path_factory) / "references").iterdir()
+                 if p.is_dir())
+    path = tmp_path / "tiny-qwen3.toml"
+    path.write_text(torch_tp_only_text(), encoding="utf-8")
+    plain_build = reference_plan.build_plan
+    monkeypatch.setattr(reference_plan, "build_plan", lambda c, m: plain_build(
+        c, m, optimizer_state="host", gradients="host", round2_state="g1"))
+    monkeypatch.setenv(devices.ENV, "cpu,cpu,cpu")
+    monkeypatch.setenv(devices.MEMORY_ENV, "1")
+    out = run_reference_stage(load_contract(path), root=tmp_path / "references", quiet=True)
+    files = assert_sealed_bitwise_equal(plain, out)
+    assert any(f.startswith("branches/") for f in files)
+    assert any(f.startswith("controls/fp64") for f in files)
+    env = json.loads((out / "environment.json").read_text())
+    where = env["reference_devices"]
+    assert (where["optimizer_state"], where["gradients"], where["round2_state"]) == (
+        "host", "host", "g1")
+    assert (env["plan_check"]["gradients"], env["plan_check"]["round2_state"]) == ("host", "g1")
