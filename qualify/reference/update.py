@@ -362,7 +362,10 @@ class _GradStream:
     autograd's own ``.grad`` accumulation (FP32 / FP64 lanes) or
     :meth:`_Precision.collect_grads` (BF16 copy): bitwise the unstreamed gradient. Autograd
     calls the hook once per parameter and backward (a tied weight's two uses are summed
-    before it).
+    before it). The readers of the round's gradient then run where it is, on the host: on
+    ``cpu`` devices the same arithmetic as unstreamed; on CUDA the norm's reductions run on
+    the host instead of the devices (as in the unplaced stage), so its last bits may differ
+    from an unstreamed CUDA run's.
 
     Attributes:
         grads: ``{parameter name: host gradient}`` of the round so far (a name absent: no
