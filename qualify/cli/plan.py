@@ -96,7 +96,8 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
                 f"{top.phase})")
         if m.devices:
             dtop = max(ref, key=lambda s: s.device_peak)
-            line += f", device peak {dtop.device_peak / GB:.2f} GB ({dtop.name})"
+            line += (f", device peak {dtop.device_peak / GB:.2f} GB ({dtop.name}, "
+                     f"{dtop.device_phase})")
         print(f"{line}; time {_duration(sum(s.seconds for s in ref))} (compute and model "
               "loading only)")
         print(f"cost model: {plan.cost_model}")
@@ -104,6 +105,10 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
             where = "devices" if plan.optimizer_state == "device" else "host"
             print(f"AdamW state and sensitivity copy: on the {where} "
                   f"({plan.optimizer_state_why})")
+            grads = "devices" if plan.gradients == "device" else "host, streamed"
+            print(f"update gradients: on the {grads} ({plan.gradients_why})")
+            print(f"between rounds 1 and 2 the host AdamW keeps: {plan.round2_state} "
+                  f"({plan.round2_state_why})")
     short = plan.shortfall()
     if short is not None:
         raise DoesNotFitError(f"{contract.path or contract.name}: does not fit: {short}")

@@ -68,9 +68,10 @@ from qualify.errors import ReferenceDataError, UsageError
 from qualify.models import roles
 from qualify.reference.placement import place_for_devices
 
-__all__ = ["ENV", "MEMORY_ENV", "OPTIMIZER_STATES", "ReferenceDevices", "active",
-           "check_memory_setting", "check_setting", "device_memory", "load_role", "note_step",
-           "optimizer_state", "parse", "parse_memory", "resolve"]
+__all__ = ["ENV", "GRADIENTS", "MEMORY_ENV", "OPTIMIZER_STATES", "ROUND2_STATES",
+           "ReferenceDevices", "active", "check_memory_setting", "check_setting",
+           "device_memory", "gradients", "load_role", "note_step", "optimizer_state", "parse",
+           "parse_memory", "resolve", "round2_state"]
 
 ENV: Final = "QUALIFY_REFERENCE_DEVICES"
 
@@ -94,6 +95,13 @@ OPTIMIZER_STATES: Final = ("device", "host")
 """Where a placed update keeps its AdamW moments and the sensitivity copy
 (:attr:`ReferenceDevices.optimizer_state`)."""
 
+GRADIENTS: Final = ("device", "host")
+"""Where a placed update accumulates its gradients (:attr:`ReferenceDevices.gradients`)."""
+
+ROUND2_STATES: Final = ("moments", "g1")
+"""What the host AdamW keeps of a parameter between its first two steps
+(:attr:`ReferenceDevices.round2_state`)."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReferenceDevices:
@@ -110,19 +118,47 @@ class ReferenceDevices:
             :meth:`qualify.reference.sensitivity.LossSensitivity.grad_norm`). The stage sets
             ``host`` when its plan says the devices cannot hold the state
             (:func:`qualify.reference.plan.build_plan`).
+        gradients: ``device``: each update accumulates its gradients in the parameters'
+            ``.grad``, with their layers; ``host``: streamed to the host as the backward
+            completes each parameter's (:class:`qualify.reference.update._GradStream`) in
+            every update run but the clip-branch reruns (their hook reads ``.grad``). Only
+            with ``optimizer_state = "host"``. The stage sets ``host`` when its plan says the
+            devices cannot hold the gradients either.
+        round2_state: ``moments``: the host AdamW keeps both moments of every parameter from
+            its first step on; ``g1``: between its first two steps only its first gradient,
+            the moments rebuilt from it for the second
+            (:class:`qualify.reference.update.HostAdamW`, bitwise). Only with
+            ``optimizer_state = "host"``. The stage sets ``g1`` when its plan says the host
+            needs the memory.
 
     Raises:
-        ValueError: ``optimizer_state`` is not one of :data:`OPTIMIZER_STATES`.
+        ValueError: ``optimizer_state`` is not one of :data:`OPTIMIZER_STATES`, ``gradients``
+            not one of :data:`GRADIENTS`, ``round2_state`` not one of :data:`ROUND2_STATES`,
+            or ``gradients`` ``host`` or ``round2_state`` ``g1`` with the state on the devices.
     """
 
     devices: tuple[str, ...]
     source: str
     optimizer_state: str = "device"
+    gradients: str = "device"
+    round2_state: str = "moments"
 
     def __post_init__(self) -> None:
         if self.optimizer_state not in OPTIMIZER_STATES:
             raise ValueError(f"ReferenceDevices.optimizer_state: {self.optimizer_state!r}, "
                              f"expected one of {OPTIMIZER_STATES}")
+        if self.gradients not in GRADIENTS:
+            raise ValueError(f"ReferenceDevices.gradients: {self.gradients!r}, expected one "
+                             f"of {GRADIENTS}")
+        if self.gradients == "host" and self.optimizer_state != "host":
+            raise ValueError("ReferenceDevices.gradients: host streaming needs "
+                             "optimizer_state host (the step reads the host copies)")
+        if self.round2_state not in ROUND2_STATES:
+            raise ValueError(f"ReferenceDevices.round2_state: {self.round2_state!r}, expected "
+                             f"one of {ROUND2_STATES}")
+        if self.round2_state == "g1" and self.optimizer_state != "host":
+            raise ValueError("ReferenceDevices.round2_state: g1 needs optimizer_state host "
+                             "(the host AdamW keeps it)")
 
     @property
     def kind(self) -> str:
@@ -330,6 +366,28 @@ def optimizer_state() -> str:
     return "device" if state is None else state.devices.optimizer_state
 
 
+def round2_state() -> str:
+    """What the active devices' host AdamW keeps between a parameter's first two steps.
+
+    Returns:
+        The active :class:`ReferenceDevices`' ``round2_state`` inside :func:`active`;
+        ``moments`` outside it or when nothing is placed.
+    """
+    state = _ACTIVE.get()
+    return "moments" if state is None else state.devices.round2_state
+
+
+def gradients() -> str:
+    """Where the active devices' update runs accumulate their gradients.
+
+    Returns:
+        The active :class:`ReferenceDevices`' ``gradients`` inside :func:`active`; ``device``
+        outside it or when nothing is placed.
+    """
+    state = _ACTIVE.get()
+    return "device" if state is None else state.devices.gradients
+
+
 @contextlib.contextmanager
 def _cuda_numerics() -> Iterator[dict[str, Any]]:
     """TF32 off, deterministic algorithms on, for the block; restored after."""
@@ -411,7 +469,9 @@ def active(devices: ReferenceDevices | None) -> Iterator[dict[str, Any]]:
         ``kind`` (``host`` when ``devices`` is ``None``), ``source``, ``devices`` (each with
         its name: the CUDA device's, or ``cpu``), ``numerics`` (the CUDA settings, ``None``
         off CUDA), ``optimizer_state`` (:attr:`ReferenceDevices.optimizer_state`; ``device``
-        when nothing is placed), ``placed``: ``{role: {"assignment": [device index per
+        when nothing is placed), ``gradients`` (:attr:`ReferenceDevices.gradients`; placed
+        stages only), ``round2_state`` (:attr:`ReferenceDevices.round2_state`; placed
+        stages only), ``placed``: ``{role: {"assignment": [device index per
         decoder layer], "layers": n}}``, one entry per role placed (the same assignment every
         time a role is loaded: it depends on the model's shape only), and ``memory``
         (``None`` when nothing is placed): ``{"measure": MEMORY_MEASURES[kind], "bytes":
@@ -424,7 +484,8 @@ def active(devices: ReferenceDevices | None) -> Iterator[dict[str, Any]]:
         yield record
         return
     record.update(kind=devices.kind, source=devices.source,
-                  optimizer_state=devices.optimizer_state,
+                  optimizer_state=devices.optimizer_state, gradients=devices.gradients,
+                  round2_state=devices.round2_state,
                   devices=[{"device": d, "name": _device_name(d)} for d in devices.devices])
     record["memory"] = {"measure": MEMORY_MEASURES[devices.kind],
                         "bytes": [0] * len(devices.devices)}

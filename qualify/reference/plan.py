@@ -61,8 +61,11 @@ With ``optimizer_state = "host"`` (:class:`qualify.reference.update.HostAdamW`) 
 moments and the sensitivity copy (:data:`HOST_STATE_TERMS`) are on the host, with one
 parameter's ``host_step`` there and its ``saved_transient`` on the devices: ``12 P`` (``24 P``
 in the FP64 control) bytes fewer on the devices in an update's sensitivity pass, less the
-transient. :func:`build_plan` chooses where, once for the stage. The FP64 control's round 2
-from ``p1`` and ``g1`` (docs/scale.md section 3) is not built.
+transient. With the state on the host, the update runs' gradients may be streamed to the
+host as the backward completes each (:data:`GRADIENTS`: ``grads`` leaves the devices,
+``grad_in_flight`` stays), and the host AdamW may keep ``g1`` instead of the moments between
+rounds 1 and 2 (:data:`ROUND2_STATES`: ``g1_kept``, one model instead of two, on the host).
+:func:`build_plan` chooses the three together, once for the stage.
 
 Time: ``FLOPs / throughput`` with ``FLOPs = 2 P`` per token for a forward and ``6 P`` for
 a forward and backward (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", eq.
@@ -318,6 +321,7 @@ class Step:
     processes: int = 1
     phase: str = ""
     reads: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    device_phase: str = ""
 
     @property
     def read(self) -> int:
@@ -330,7 +334,8 @@ class Step:
                 "host_peak_bytes": self.host_peak, "bytes_written": self.written,
                 "bytes_read": self.read, "files_read": dict(self.reads),
                 "seconds": round(self.seconds, 1), "processes": self.processes,
-                "peak_phase": self.phase, "terms": dict(self.terms)}
+                "peak_phase": self.phase, "device_peak_phase": self.device_phase,
+                "terms": dict(self.terms)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,6 +349,10 @@ class Plan:
     cost_model: str
     optimizer_state: str = "device"
     optimizer_state_why: str = ""
+    gradients: str = "device"
+    gradients_why: str = ""
+    round2_state: str = "moments"
+    round2_state_why: str = ""
 
     def shortfall(self, kind: str | None = None) -> str | None:
         """The first step that does not fit, as one line; ``None`` when all fit.
@@ -380,6 +389,8 @@ class Plan:
                 "params": dict(self.params), "cost_model": self.cost_model,
                 "optimizer_state": self.optimizer_state,
                 "optimizer_state_why": self.optimizer_state_why,
+                "gradients": self.gradients, "gradients_why": self.gradients_why,
+                "round2_state": self.round2_state, "round2_state_why": self.round2_state_why,
                 "steps": [s.to_dict() for s in self.steps], "shortfall": self.shortfall()}
 
 
@@ -403,12 +414,14 @@ copy, the BF16 copy and its gradient, the autocast cache, a ``J_t`` and the fp64
 ``J_t`` (:func:`qualify.reference.jacobian.token_gradients` returns them on the parameters'
 devices), the FP32 model before ``.double()`` (the FP64 control)."""
 
-DEVICE_TRANSIENT_TERMS: Final = frozenset({"host_temporaries", "saved_transient"})
+DEVICE_TRANSIENT_TERMS: Final = frozenset({"host_temporaries", "saved_transient",
+                                          "grad_in_flight"})
 """Per-parameter temporaries (a multiple of the role's largest parameter) computed where the
 parameter is: with devices, on each device a multiple of the largest parameter it holds
 (``saved_transient``: with the state on the host, one parameter of the host's sensitivity
 copy brought back to its device, :meth:`qualify.reference.sensitivity.LossSensitivity.
-grad_norm`)."""
+grad_norm`; ``grad_in_flight``: with the gradients streamed, the one parameter's gradient
+autograd has just accumulated, until the hook has copied it to the host)."""
 
 HOST_STATE_TERMS: Final = frozenset({"adamw", "sensitivity_copy"})
 """The terms ``optimizer_state = "host"`` keeps on the host instead of the devices
@@ -426,6 +439,31 @@ at its peak (:data:`HOST_STATE_TERMS`)."""
 OPTIMIZER_STATES: Final = ("device", "host")
 """Where the placed stage keeps the AdamW moments and the sensitivity copy
 (:attr:`qualify.reference.devices.ReferenceDevices.optimizer_state`)."""
+
+ROUND2_STATES: Final = ("moments", "g1")
+"""What the placed stage's host AdamW keeps between a parameter's first two steps
+(:attr:`qualify.reference.devices.ReferenceDevices.round2_state`). ``g1``
+(:class:`qualify.reference.update.HostAdamW` ``keep="g1"``, only with ``optimizer_state =
+"host"``): in a contract of two rounds, round 2's backward, its sensitivity pass and the
+clip-branch passes hold ``g1_kept`` (one model in the master's dtype) on the host instead of
+``adamw`` (two); each step phase keeps ``adamw`` (round 2's step rebuilds the moments of one
+parameter at a time and keeps them). With more rounds round 3's phases hold the moments, so
+the plan counts ``adamw`` there as before; with one round nothing is kept between steps
+(the plan's ``adamw`` is then an over-count either way)."""
+
+GRADIENTS: Final = ("device", "host")
+"""Where the placed stage's update runs accumulate their gradients
+(:attr:`qualify.reference.devices.ReferenceDevices.gradients`). ``host``
+(:class:`qualify.reference.update._GradStream`, only with ``optimizer_state = "host"``): an
+update or control run's (and a round-to-round run's) ``grads`` leave the devices for the
+host (``host_grads``, the master's dtype); the devices keep ``grad_in_flight``: one
+parameter's gradient in the backward's dtype (BF16 in the ``bf16`` lanes with a BF16 copy,
+whose ``bf16_work`` gradient is then that one parameter's too), at the largest parameter each
+holds; the host, in the backward, the hook's copy of that gradient and the sum it forms
+(``host_grad_transient``, ``2 x`` the largest parameter in the master's dtype), and in the
+sensitivity pass each parameter's FP64 direction formed there (``host_direction``, ``2 x 8``
+bytes per element of the largest parameter). The clip-branch reruns keep ``.grad`` on the
+devices (their hook reads it beside each ``J_t``)."""
 
 
 def _device_peak(shape: ModelShape, role: str, per_param: int, act_per_layer: int,
@@ -647,14 +685,18 @@ def round_to_round_updates(contract: Contract, valid_tokens: int) -> dict[int, i
 
 
 def plan_reference(contract: Contract, machine: Machine, *,
-                   optimizer_state: str = "device") -> list[Step]:
+                   optimizer_state: str = "device", gradients: str = "device",
+                   round2_state: str = "moments") -> list[Step]:
     """The reference stage's steps in the order it runs them (module docstring).
 
     ``optimizer_state``: ``device`` (the AdamW moments and the sensitivity copy with their
     layers) or ``host`` (:data:`HOST_STATE_TERMS` on the host, a ``step`` phase with one
     parameter's ``host_step`` there and the sensitivity's ``saved_transient`` on the
     devices); without devices every term is on the host either way and ``host`` adds only
-    the ``step`` phase.
+    the ``step`` phase. ``gradients``: ``device`` or ``host`` (:data:`GRADIENTS`, the update
+    runs' gradients streamed to the host; only with ``optimizer_state = "host"``).
+    ``round2_state``: ``moments`` or ``g1`` (:data:`ROUND2_STATES`; only with
+    ``optimizer_state = "host"``).
 
     Each step's peak is the largest over its phases of the terms alive together: ``load``
     (the checkpoint mapped while the model is read), ``backward`` (a micro-batch's graph),
@@ -690,6 +732,22 @@ def plan_reference(contract: Contract, machine: Machine, *,
     if optimizer_state not in OPTIMIZER_STATES:
         raise ValueError(f"plan_reference: optimizer_state {optimizer_state!r}")
     host_state = optimizer_state == "host"
+    if gradients not in GRADIENTS or (gradients == "host" and not host_state):
+        raise ValueError(f"plan_reference: gradients {gradients!r} with optimizer_state "
+                         f"{optimizer_state!r}")
+    streamed = gradients == "host"
+    if round2_state not in ROUND2_STATES or (round2_state == "g1" and not host_state):
+        raise ValueError(f"plan_reference: round2_state {round2_state!r} with optimizer_state "
+                         f"{optimizer_state!r}")
+    g1_kept = round2_state == "g1" and contract.algorithm.rounds == 2
+
+    def between(terms: dict[str, int]) -> dict[str, int]:
+        """A phase between round 1's step and round 2's: ``g1`` instead of the moments."""
+        if not g1_kept:
+            return terms
+        out = {k: v for k, v in terms.items() if k != "adamw"}
+        out["g1_kept"] = terms["adamw"] // 2
+        return out
     dev = machine.devices > 0
     dev_terms = DEVICE_PARAM_TERMS - HOST_STATE_TERMS if host_state else DEVICE_PARAM_TERMS
     gpu = dev and machine.device_kind == "gpu"
@@ -725,7 +783,7 @@ def plan_reference(contract: Contract, machine: Machine, *,
         also the host's (``on_cpu_devices``, so its host total is the host-only plan's), and
         placing the loaded model on them copies nothing (no ``host_load_copy``).
         """
-        host_peak, dev_peak, at = 0, 0, ""
+        host_peak, dev_peak, at, dev_at = 0, 0, "", ""
         terms_at_peak: dict[str, int] = {}
         for phase, terms in phases.items():
             if dev:
@@ -748,7 +806,8 @@ def plan_reference(contract: Contract, machine: Machine, *,
                 layer, head, transient = act_dev[phase]
                 d = _device_peak(shape, role, per_param, layer, head, devices=machine.devices,
                                  per_largest=per_largest, transient=transient)
-                dev_peak = max(dev_peak, d)
+                if d > dev_peak:
+                    dev_peak, dev_at = d, phase
             else:
                 host_t = {"interpreter": INTERPRETER_BYTES, **terms}
             total = sum(host_t.values())
@@ -756,7 +815,8 @@ def plan_reference(contract: Contract, machine: Machine, *,
                 host_peak = total
                 terms_at_peak, at = {k: v for k, v in host_t.items() if v}, phase
         steps.append(Step(name=name, kind="reference", device_peak=dev_peak, host_peak=host_peak,
-                          written=written, seconds=seconds, terms=terms_at_peak, phase=at))
+                          written=written, seconds=seconds, terms=terms_at_peak, phase=at,
+                          device_phase=dev_at))
 
     # scoring (stage._score_all): the Actor and the reference policy loaded in FP32 and held
     # together, then the Critic, then the reward model; forward only (one layer's
@@ -792,9 +852,11 @@ def plan_reference(contract: Contract, machine: Machine, *,
     update_file = _update_file_bytes(roles, rounds=rounds, reported=reported,
                                      n_tensors=n_tensors, n_seq=n_seq, resp=resp)
 
-    def training(role: str, w: int, bf16_params: bool, autocast: bool) -> dict[str, int]:
+    def training(role: str, w: int, bf16_params: bool, autocast: bool,
+                 stream: bool = False) -> dict[str, int]:
         pr = p[role]
-        return {"weights": w * pr, "grads": w * pr, "adamw": 2 * w * pr,
+        return {"weights": w * pr, "host_grads" if stream else "grads": w * pr,
+                "adamw": 2 * w * pr,
                 "bf16_work": 2 * pr if bf16_params else 0,
                 "autocast_cache": 2 * pr if autocast else 0}
 
@@ -819,19 +881,26 @@ def plan_reference(contract: Contract, machine: Machine, *,
             # loading: FP32 from the checkpoint, then .double() for the fp64 control; the
             # Actor's run also loads the frozen reference policy beside it
             models_loaded = 2 if role == "actor" else 1
-            train = training(role, w, bf16_params, autocast)
+            train = training(role, w, bf16_params, autocast, streamed)
+            # streamed: the BF16 copy's gradient is one parameter's at a time (in flight)
+            work = (2 if streamed else 4) * pr if bf16_params else 0
+            in_flight = {"grad_in_flight": (2 if bf16_params else w) * largest[role],
+                         "host_grad_transient": 2 * w * largest[role]} if streamed else {}
             phases = {
                 "load": {"weights": models_loaded * w * pr, "checkpoint_map": 4 * pr,
                          "fp32_before_double": 4 * pr if w == 8 else 0},
-                "backward": {**train, "bf16_work": 4 * pr if bf16_params else 0,
-                             "activations": layer_act * shape.num_hidden_layers + head},
+                "backward": between({**train, "bf16_work": work, **in_flight,
+                                     "activations": layer_act * shape.num_hidden_layers
+                                     + head}),
             }
             if runs_of is None:
-                phases["sensitivity"] = {**train, "sensitivity_copy": w * pr,
+                phases["sensitivity"] = between({**train, "sensitivity_copy": w * pr,
                                          "host_temporaries": 3 * 8 * largest[role],
                                          "saved_transient": w * largest[role] if host_state
                                          else 0,
-                                         "activations": layer_act + head}
+                                         "host_direction": 2 * 8 * largest[role] if streamed
+                                         else 0,
+                                         "activations": layer_act + head})
             if host_state:  # HostAdamW: one parameter's value, gradient and denom's two
                 phases["step"] = {**train, "host_step": HOST_STEP_COPIES * w * largest[role]}
             phases_by_role[role] = phases
@@ -933,6 +1002,8 @@ def plan_reference(contract: Contract, machine: Machine, *,
                          "factor_temporaries": 0 if keep else 2 * 8 * largest[role],
                          "sealed_kept": sealed_before + sealed},
             }
+            # round 2's rerun, its tokens and its Gram come before round 2's step
+            phases = {k: v if k == "rerun step" else between(v) for k, v in phases.items()}
             sealed_before += sealed
             flops = (rounds * 10 * pr * n_seq * positions
                      + (rounds - 1) * k * 6 * pr * positions)
@@ -1034,44 +1105,98 @@ COST_MODEL: Final = (
 
 
 def build_plan(contract: Contract, machine: Machine, *,
-               optimizer_state: str | None = None) -> Plan:
+               optimizer_state: str | None = None, gradients: str | None = None,
+               round2_state: str | None = None) -> Plan:
     """The reference stage's steps then the candidate launches (:class:`Plan`).
 
     Args:
         contract: the contract.
         machine: where it runs.
-        optimizer_state: ``device`` or ``host`` (:func:`plan_reference`); ``None``: chosen
-            for the whole stage, one decision: ``device`` unless the machine has devices, the
-            reference stage does not fit them with the state on the devices, and with the
-            state on the host it fits or its first step that does not fit comes later (the
-            plan's :attr:`Plan.optimizer_state_why` says which). The stage runs with the
-            plan's choice (:func:`qualify.reference.stage._plan_check`).
+        optimizer_state: ``device`` or ``host`` (:func:`plan_reference`).
+        gradients: ``device`` or ``host`` (:data:`GRADIENTS`); only with ``optimizer_state``.
+        round2_state: ``moments`` or ``g1`` (:data:`ROUND2_STATES`); only with
+            ``optimizer_state``.
+
+    All ``None``: chosen together, one decision for the stage, and the plan's
+    :attr:`Plan.optimizer_state_why`, :attr:`Plan.gradients_why` and
+    :attr:`Plan.round2_state_why` say why. Without devices everything stays as it is (nothing
+    is placed). With devices, in this order: the state on the devices; on the host; on the
+    host with the gradients streamed; and, in a contract of two rounds, on the host keeping
+    ``g1`` without and with the streaming: the first under which the reference stage fits,
+    else the one whose first step that does not fit comes last (the earliest in that order
+    among equals). The stage runs with the plan's choice
+    (:func:`qualify.reference.stage._plan_check`).
 
     Raises:
         ContractError: the model's sizes are not in the contract (:func:`model_shape`).
-        ValueError: an unknown ``optimizer_state``.
+        ValueError: an unknown ``optimizer_state``, ``gradients`` or ``round2_state``;
+            ``gradients`` ``host`` or ``round2_state`` ``g1`` with the state on the devices;
+            ``gradients`` or ``round2_state`` without ``optimizer_state``.
     """
     shape = model_shape(contract)
     params = {r: shape.count(r) for r in ("actor", "critic")}
     launches = plan_launches(contract, machine)
 
-    def plan(state: str, why: str) -> Plan:
+    def plan(state: str, why: str, grads: str = "device", grads_why: str = "", *,
+             keep: str = "moments", keep_why: str = "") -> Plan:
         return Plan(contract=contract.name, machine=machine, params=params,
-                    steps=plan_reference(contract, machine, optimizer_state=state) + launches,
-                    cost_model=COST_MODEL, optimizer_state=state, optimizer_state_why=why)
+                    steps=plan_reference(contract, machine, optimizer_state=state,
+                                         gradients=grads, round2_state=keep) + launches,
+                    cost_model=COST_MODEL, optimizer_state=state, optimizer_state_why=why,
+                    gradients=grads, gradients_why=grads_why or (
+                        "asked for" if gradients is not None else why),
+                    round2_state=keep, round2_state_why=keep_why or (
+                        "asked for" if round2_state is not None else ""))
 
     if optimizer_state is not None:
-        return plan(optimizer_state, "asked for")
-    on_device = plan("device", "")
-    short = on_device._first_short("reference")
-    if short is None or not machine.devices:
-        return plan("device", "the stage fits with them on the devices" if short is None
-                    else "no devices")
-    on_host = plan("host", "")
-    host_short = on_host._first_short("reference")
-    if host_short is None or host_short[0] > short[0]:
-        return plan("host", f"with the AdamW state on the devices: {short[1]}")
-    return plan("device", "the AdamW state on the host does not get further")
+        return plan(optimizer_state, "asked for", gradients or "device", "",
+                    keep=round2_state or "moments")
+    if gradients is not None or round2_state is not None:
+        raise ValueError("build_plan: gradients or round2_state without optimizer_state")
+    if not machine.devices:
+        fits = plan("device", "")._first_short("reference") is None
+        why = "the stage fits with them on the devices" if fits else "no devices"
+        return plan("device", why, keep_why=why)
+    rounds = contract.algorithm.rounds
+    configs = [("device", "device", "moments"), ("host", "device", "moments"),
+               ("host", "host", "moments")]
+    if rounds == 2:
+        configs += [("host", "device", "g1"), ("host", "host", "g1")]
+    plans = {c: plan(c[0], "", c[1], keep=c[2]) for c in configs}
+    shorts = {c: pl._first_short("reference") for c, pl in plans.items()}
+    fitting = [c for c in configs if shorts[c] is None]
+    # the first that fits, in the order above; else the one whose first short step is last
+    best = fitting[0] if fitting else max(configs, key=lambda c: shorts[c][0])  # type: ignore[index]
+    state, grads, keep = best
+    fits = shorts[best] is None
+
+    def line(c: tuple[str, str, str]) -> str:
+        found = shorts[c]
+        return "" if found is None else found[1]
+
+    if state == "host":
+        state_why = f"with the AdamW state on the devices: {line(configs[0])}"
+    else:
+        state_why = ("the stage fits with them on the devices" if fits
+                     else "the AdamW state on the host does not get further")
+    if grads == "host":
+        grads_why = f"with them on the devices: {line(('host', 'device', keep))}"
+    elif state == "host":
+        grads_why = ("the stage fits with them on the devices" if fits
+                     else "streaming them to the host does not get further")
+    else:
+        grads_why = state_why
+    if keep == "g1":
+        keep_why = f"keeping the moments: {line(('host', grads, 'moments'))}"
+    elif fits:
+        keep_why = "the stage fits keeping them"
+    elif state != "host":
+        keep_why = "the AdamW state is on the devices"
+    elif rounds != 2:
+        keep_why = f"{rounds} rounds: g1 stands for the moments between two only"
+    else:
+        keep_why = "keeping g1 does not get further"
+    return plan(state, state_why, grads, grads_why, keep=keep, keep_why=keep_why)
 
 
 def check_fits(contract: Contract, machine: Machine | None = None) -> Plan:

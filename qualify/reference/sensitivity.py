@@ -92,7 +92,9 @@ class LossSensitivity:
 
     def grad_norm(self, round_: int, master: nn.Module, batch: Any, micro_batch_size: int,
                   forward: Callable[[nn.Module, Any], torch.Tensor], *,
-                  step: float = 1e-3, saved_on_host: bool = False) -> None:
+                  step: float = 1e-3, saved_on_host: bool = False,
+                  grad_of: Callable[[nn.Parameter], torch.Tensor | None] | None = None,
+                  ) -> None:
         """Record ``G_x = sum_t (d^2 L / d x_t^2 * (ĝ . d x_t / d theta))^2`` for the norm.
 
         A per-token error ``d_t`` of ``x_t`` moves the loss weight ``dL/dx_t`` by
@@ -117,15 +119,25 @@ class LossSensitivity:
                 stage's ``optimizer_state = "host"``); each parameter's value is copied back
                 to its device for the arithmetic (the same operations on host parameters:
                 bitwise the copy kept with the parameters). ``False``: with the parameters.
+            grad_of: ``p -> its gradient`` (``None``: none) instead of ``p.grad`` (a streamed
+                run's host copies, :class:`qualify.reference.update._GradStream`); each
+                direction is formed where the gradient is and moved to the parameter's
+                device (the same operations: bitwise on host parameters).
         """
         # One copy of the parameters (``saved``) and one parameter's temporaries at a time:
         # the unit direction is recomputed per parameter and side instead of held, and the
         # FP64 gradient only per parameter (on SmolLM2's FP64 control, held directions and
         # FP64 gradients were a model copy each at the reference stage's peak, issue #17).
-        params = [p for p in master.parameters() if p.requires_grad and p.grad is not None]
+        def grad(p: nn.Parameter) -> torch.Tensor | None:
+            if grad_of is not None:
+                return grad_of(p)
+            return None if p.grad is None else p.grad.detach()
+
+        params = [p for p in master.parameters() if p.requires_grad and grad(p) is not None]
+        grads = [g for g in map(grad, params) if g is not None]
         norm = torch.zeros((), dtype=torch.float64)
-        for p in params:
-            norm = norm + _grad(p).double().square().sum().cpu()  # placed: on the host
+        for g in grads:
+            norm = norm + g.double().square().sum().cpu()  # placed: on the host
         norm = torch.sqrt(norm)
         if not params or float(norm) == 0.0:
             return
@@ -142,9 +154,9 @@ class LossSensitivity:
                         continue
                     side = []
                     for sign in (1.0, -1.0):
-                        for p, p0 in zip(params, saved, strict=True):
+                        for p, p0, g in zip(params, saved, grads, strict=True):
                             p.copy_(p0.to(p.device) + sign * step
-                                    * (_grad(p).double() / norm).to(p.dtype))
+                                    * (g.double() / norm).to(p.dtype).to(p.device))
                         side.append(forward(master, mb).double())
                     jvp = (side[0] - side[1]) / (2.0 * step)
                     for f, c in curv.items():
@@ -155,9 +167,3 @@ class LossSensitivity:
                     p.copy_(p0)
             master.train(training)
         self.rounds.setdefault(f"round{round_}", {})["grad_norm"] = acc
-
-
-def _grad(p: nn.Parameter) -> torch.Tensor:
-    """``p.grad``, detached (the caller selected parameters that have one)."""
-    assert p.grad is not None
-    return p.grad.detach()

@@ -329,7 +329,9 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
                          "cpu,cpu,... for the placed path on the host")
     plan_record = _plan_check(contract, plan_check, devices, memory)
     if devices is not None and plan_record["optimizer_state"] == "host":
-        devices = dataclasses.replace(devices, optimizer_state="host")
+        devices = dataclasses.replace(devices, optimizer_state="host",
+                                      gradients=plan_record.get("gradients", "device"),
+                                      round2_state=plan_record.get("round2_state", "moments"))
     base = root / reference_dir_name(contract)
     if not new and store.is_sealed(base) and needs_signature(base):
         # sealed, then killed while signing (tests/test_kill_points.py, ref-sign): sign it
@@ -542,7 +544,11 @@ def _plan_check(contract: Contract, enforce: bool,
         The environment document's ``plan_check``: whether it was enforced, the planned
         devices and each one's memory (``device_bytes``, 0 without devices), the planned host
         peak (bytes), the shortfall line (``None`` when it fits), ``optimizer_state`` and
-        why (``optimizer_state_why``); a contract whose model sizes the plan cannot read (an
+        why (``optimizer_state_why``), ``gradients`` and why (``gradients_why``: the update
+        runs' gradients streamed to the host or not, :data:`qualify.reference.plan.GRADIENTS`),
+        ``round2_state`` and why (``round2_state_why``: what the host AdamW keeps between
+        rounds 1 and 2, :data:`qualify.reference.plan.ROUND2_STATES`);
+        a contract whose model sizes the plan cannot read (an
         ``hf-dir`` model without ``model.manifest.config``) is not planned (``not_planned``:
         why) and runs with the state on the devices; with ``device_bytes`` given too it is
         refused when ``enforce`` (a budget nothing checks), else warned about.
@@ -589,7 +595,9 @@ def _plan_check(contract: Contract, enforce: bool,
             "planned_host_peak_bytes": max((s.host_peak for s in plan.steps
                                             if s.kind == "reference"), default=0),
             "shortfall": short, "optimizer_state": plan.optimizer_state,
-            "optimizer_state_why": plan.optimizer_state_why}
+            "optimizer_state_why": plan.optimizer_state_why, "gradients": plan.gradients,
+            "gradients_why": plan.gradients_why, "round2_state": plan.round2_state,
+            "round2_state_why": plan.round2_state_why}
 
 
 def _check_recomputable(out: Path, contract: Contract, bounds: list[Bound]) -> None:

@@ -30,8 +30,13 @@ parameters, its moments with them; or, when the placed stage keeps the state on 
 (:func:`qualify.reference.devices.optimizer_state` is ``host``), :class:`HostAdamW`: the same
 AdamW per parameter on a host copy, the moments on the host (bitwise the former on host
 parameters), and the sensitivity pass's copy of the parameters on the host too
-(:meth:`~qualify.reference.sensitivity.LossSensitivity.grad_norm`). What a run reports is the
-same in both.
+(:meth:`~qualify.reference.sensitivity.LossSensitivity.grad_norm`). With the state on the
+host the placed stage may also stream each parameter's gradient to the host as the backward
+completes it (:func:`qualify.reference.devices.gradients` ``host``, :class:`_GradStream`;
+not in runs with an ``on_round`` hook), and keep only the first gradient instead of the
+moments between a parameter's first two steps (:func:`qualify.reference.devices.
+round2_state` ``g1``, :class:`HostAdamW`). What a run reports is the same in all of them,
+bitwise on host parameters.
 
 Sources: PPO clipped surrogate and value clipping (Schulman et al. 2017, "Proximal Policy
 Optimization Algorithms"; value clipping as in OpenAI baselines ``ppo2``), KL estimators (Schulman
@@ -343,9 +348,94 @@ class _Precision:
             p_work.grad = None
 
 
-def _grad_norm_and_clip(params: list[tuple[str, nn.Parameter]],
-                        max_norm: float) -> tuple[float, float, float]:
+class _GradStream:
+    """Each parameter's gradient moved to the host as the backward completes it.
+
+    A ``register_post_accumulate_grad_hook`` on every trained parameter of the module the
+    run's backward goes through (the master, or the BF16 working copy of the ``bf16`` lanes)
+    copies the gradient autograd has just accumulated into ``.grad`` to the host, casts it to
+    the master's dtype there (BF16 to FP32: exact), adds it to the host accumulator of that
+    parameter (the first micro-batch's gradient is taken as is) and drops ``.grad``. So the
+    devices hold at most the gradient being accumulated (one parameter's, in the backward's
+    dtype) and the host the round's whole gradient, in the master's dtype. The accumulation
+    is the same elementwise IEEE sum of the same micro-batch gradients in the same order as
+    autograd's own ``.grad`` accumulation (FP32 / FP64 lanes) or
+    :meth:`_Precision.collect_grads` (BF16 copy): bitwise the unstreamed gradient. Autograd
+    calls the hook once per parameter and backward (a tied weight's two uses are summed
+    before it). The readers of the round's gradient then run where it is, on the host: on
+    ``cpu`` devices the same arithmetic as unstreamed; on CUDA the norm's reductions run on
+    the host instead of the devices (as in the unplaced stage), so its last bits may differ
+    from an unstreamed CUDA run's.
+
+    Attributes:
+        grads: ``{parameter name: host gradient}`` of the round so far (a name absent: no
+            gradient reached that parameter yet).
+        calls: the hooks run so far (a test's proof that the streaming was taken).
+    """
+
+    def __init__(self, master: nn.Module) -> None:
+        self._dtypes = {n: p.dtype for n, p in master.named_parameters() if p.requires_grad}
+        self.grads: dict[str, torch.Tensor] = {}
+        self.calls = 0
+        self._attached: nn.Module | None = None
+        self._handles: list[Any] = []
+
+    def attach(self, module: nn.Module) -> None:
+        """Hook ``module``'s trained parameters (named as the master's); once per module."""
+        if module is self._attached:
+            return
+        self.close()
+        for n, p in module.named_parameters():
+            if n in self._dtypes and p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._hook(n)))
+        self._attached = module
+
+    def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        dtype = self._dtypes[name]
+
+        def hook(p: torch.Tensor) -> None:
+            assert p.grad is not None
+            g = p.grad.detach().to("cpu", copy=True).to(dtype)
+            p.grad = None
+            prev = self.grads.get(name)
+            self.grads[name] = g if prev is None else prev + g
+            self.calls += 1
+
+        return hook
+
+    def grad_of(self, named: Mapping[nn.Parameter, str]) -> Callable[[nn.Parameter],
+                                                                      torch.Tensor | None]:
+        """``p -> its host gradient`` (``None``: none yet), ``named`` giving each its name."""
+        return lambda p: self.grads.get(named[p])
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._attached = None
+
+
+def _stream(master: nn.Module, on_round: RoundHook | None) -> _GradStream | None:
+    """The run's :class:`_GradStream` when the active devices stream the gradients.
+
+    :func:`qualify.reference.devices.gradients` ``host`` (which implies the AdamW state on
+    the host) and no ``on_round`` hook: the clip-branch reruns' hook reads the round's
+    gradient beside each token's ``J_t`` on the parameters' devices, so those runs keep
+    ``.grad`` there. ``None``: the gradients accumulate in ``.grad``.
+    """
+    if on_round is not None or reference_devices.gradients() != "host":
+        return None
+    return _GradStream(master)
+
+
+def _grad_norm_and_clip(params: list[tuple[str, nn.Parameter]], max_norm: float,
+                        grads: Mapping[str, torch.Tensor] | None = None,
+                        ) -> tuple[float, float, float]:
     """Pre-clip global L2 norm (accumulated in FP64) and the clip coefficient; scales grads.
+
+    The gradients are each parameter's ``.grad`` or, when ``grads`` is given, ``grads[name]``
+    (the host copies of a streamed run, :class:`_GradStream`), scaled in place either way.
 
     ``clip_coef = min(1, max_norm / (norm + 1e-6))`` as ``torch.nn.utils.clip_grad_norm_``.
 
@@ -358,11 +448,12 @@ def _grad_norm_and_clip(params: list[tuple[str, nn.Parameter]],
         ``norm`` (and every control built on it) does not have and an engine's FP32 norm
         does (:func:`qualify.bounds.scalar_resolutions`).
     """
+    given = [p.grad if grads is None else grads.get(n) for n, p in params]
     total = 0.0
     per_tensor: list[torch.Tensor] = []
-    for _, p in params:
-        if p.grad is not None:
-            g = p.grad.detach()
+    for grad in given:
+        if grad is not None:
+            g = grad.detach()
             total += float(g.double().square().sum())
             per_tensor.append(torch.linalg.vector_norm(g.float(), 2.0))
     norm = total**0.5
@@ -370,9 +461,9 @@ def _grad_norm_and_clip(params: list[tuple[str, nn.Parameter]],
     norm_fp32 = float(torch.linalg.vector_norm(torch.stack(
         [t.to(per_tensor[0].device) for t in per_tensor]), 2.0)) if per_tensor else 0.0
     coef = min(1.0, max_norm / (norm + 1e-6))
-    for _, p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef)
+    for grad in given:
+        if grad is not None:
+            grad.mul_(coef)
     return norm, coef, norm_fp32
 
 
@@ -392,8 +483,13 @@ def with_rollout_rows(contract: Contract, batch: Batch, vocab_size: int) -> Cont
 
 def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
           optim: Optimizer, out: dict[str, torch.Tensor],
-          grad_dtypes: set[str], norm_evals: dict[str, float]) -> float:
+          grad_dtypes: set[str], norm_evals: dict[str, float],
+          stream: _GradStream | None = None) -> float:
     """Record grads (and their dtype), clip, AdamW step, record state and updates.
+
+    The gradients are the parameters' ``.grad`` or, with ``stream``, its host copies (the
+    device holds none); a parameter without one steps with zeros, as before, and ``stream``
+    is emptied after the step.
 
     The step's lr is the contract's schedule at optimizer step ``round_`` (1-based,
     :meth:`qualify.contract.OptimizerSpec.lr`, the formula of :mod:`qualify.schedule`), set
@@ -403,7 +499,9 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
     devices' memory is noted (:func:`qualify.reference.devices.note_step`).
     """
     params = [(n, p) for n, p in master.named_parameters() if p.requires_grad]
-    grad_dtypes.update(str(p.grad.dtype) for _, p in params if p.grad is not None)
+    grads = None if stream is None else stream.grads
+    grad_dtypes.update(str(g.dtype) for g in ([p.grad for _, p in params] if grads is None
+                                              else grads.values()) if g is not None)
 
     # The reported elements (exact, or the protocol's sample of a large parameter), found
     # once per parameter: of the grads and the moments, and of the pre-step weights, so that
@@ -420,10 +518,17 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
         return picked(n, t).float().cpu().clone()
 
     for n, p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        out[tensor_name(round_, role, "grads", n)] = reported(n, p.grad)
-    norm, coef, norm_fp32 = _grad_norm_and_clip(params, contract.optimizer.max_grad_norm)
+        if grads is not None:
+            if n not in grads:
+                grads[n] = torch.zeros_like(p, device="cpu")
+            g = grads[n]
+        else:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            g = p.grad
+        out[tensor_name(round_, role, "grads", n)] = reported(n, g)
+    norm, coef, norm_fp32 = _grad_norm_and_clip(params, contract.optimizer.max_grad_norm,
+                                                grads)
     norm_evals[f"round{round_}"] = norm_fp32
     out[tensor_name(round_, role, "grad_norm")] = torch.tensor(norm, dtype=torch.float32)
     out[tensor_name(round_, role, "clip_coef")] = torch.tensor(coef, dtype=torch.float32)
@@ -431,7 +536,11 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
     lr = contract.optimizer.lr(role, round_)
     for group in optim.param_groups:
         group["lr"] = lr
-    optim.step()
+    if grads is not None:
+        assert isinstance(optim, HostAdamW)  # streaming implies the host state
+        optim.step([grads[n] for n, _ in params])
+    else:
+        optim.step()
 
     def held() -> list[tuple[str, int]]:  # what each parameter keeps on its device
         def size(t: torch.Tensor | None) -> int:
@@ -442,6 +551,8 @@ def _step(role: str, round_: int, master: nn.Module, contract: Contract, *,
 
     reference_devices.note_step(role, held)
     optim.zero_grad(set_to_none=True)
+    if stream is not None:
+        stream.grads.clear()
     for n, p in params:
         state = _moments(optim, p)
         out[tensor_name(round_, role, "exp_avg", n)] = reported(n, state["exp_avg"])
@@ -476,31 +587,78 @@ class HostAdamW:
     parameters runs the same per-parameter arithmetic in the same order (its single-tensor
     loop), so on host parameters the values are bitwise those of :func:`_adamw`'s optimizer.
 
+    With ``keep="g1"`` a parameter's state between its first and second step is its first
+    step's gradient ``g1`` alone (one copy of the parameter instead of two): after one step
+    from zero state torch's moments are exactly ``(1 - b1) * g1`` (``lerp_`` from 0) and
+    ``((1 - b2) * g1) * g1`` (``addcmul_`` from 0), so the second step rebuilds them (and the
+    step count 1) for that parameter and steps: bitwise the kept moments
+    (``tests/test_scale_plan.py`` proves the arithmetic; ``tests/test_round2_g1.py`` this
+    class). From the second step on the moments are kept as with ``keep="moments"``.
+    :meth:`moments` between the steps returns the rebuilt ones.
+
     Attributes:
         params: the trained parameters, in the order given.
         param_groups: one group per parameter (its optimizer's), ``lr`` settable as on a
             ``torch.optim.AdamW``.
+        keep: ``moments`` or ``g1`` (what a parameter keeps between its first two steps).
+
+    Raises:
+        ValueError: ``keep`` is neither.
     """
 
     def __init__(self, params: list[nn.Parameter], *, lr: float,
-                 betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+                 betas: tuple[float, float], eps: float, weight_decay: float,
+                 keep: str = "moments") -> None:
+        if keep not in reference_devices.ROUND2_STATES:
+            raise ValueError(f"HostAdamW: keep {keep!r}, expected one of "
+                             f"{reference_devices.ROUND2_STATES}")
         self.params = list(params)
+        self.keep = keep
+        self._betas = betas
         self._slots = [torch.empty(0, dtype=p.dtype) for p in self.params]
         self._optims = [torch.optim.AdamW([s], lr=lr, betas=betas, eps=eps,
                                           weight_decay=weight_decay, foreach=False, fused=False)
                         for s in self._slots]
+        self._g1: list[torch.Tensor | None] = [None] * len(self.params)
         self.param_groups = [g for o in self._optims for g in o.param_groups]
 
-    def step(self) -> None:
-        """One AdamW step of every parameter that has a ``.grad`` (torch skips the others)."""
-        for p, slot, optim in zip(self.params, self._slots, self._optims, strict=True):
-            if p.grad is None:
+    def _rebuilt(self, g1: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The state torch's AdamW holds after one step from zero state with gradient ``g1``."""
+        b1, b2 = self._betas
+        return {"step": torch.tensor(1.0), "exp_avg": (1 - b1) * g1,
+                "exp_avg_sq": ((1 - b2) * g1) * g1}
+
+    def step(self, grads: list[torch.Tensor | None] | None = None) -> None:
+        """One AdamW step of every parameter that has a gradient (torch skips the others).
+
+        Args:
+            grads: each parameter's gradient, in :attr:`params`' order (a streamed run's host
+                copies, :class:`_GradStream`); ``None``: each parameter's ``.grad``.
+
+        Raises:
+            ValueError: ``grads`` is not one per parameter.
+        """
+        if grads is not None and len(grads) != len(self.params):
+            raise ValueError(f"HostAdamW.step: {len(grads)} gradients for "
+                             f"{len(self.params)} parameters")
+        given = [p.grad for p in self.params] if grads is None else grads
+        for i, (p, grad, slot, optim) in enumerate(zip(self.params, given, self._slots,
+                                                       self._optims, strict=True)):
+            if grad is None:
                 continue
             slot.data = p.detach().to("cpu", copy=True)
-            slot.grad = p.grad.detach().to("cpu", copy=True)
+            slot.grad = grad.detach().to("cpu", copy=True)
+            g1 = self._g1[i]
+            if g1 is not None:  # keep="g1", its second step: the moments from g1
+                optim.state[slot] = self._rebuilt(g1)
+                self._g1[i] = None
+            first = slot not in optim.state
             optim.step()
             with torch.no_grad():
                 p.copy_(slot)
+            if first and self.keep == "g1":
+                self._g1[i] = slot.grad
+                del optim.state[slot]
             slot.grad = None
             slot.data = torch.empty(0, dtype=p.dtype)
 
@@ -520,17 +678,21 @@ class HostAdamW:
         Raises:
             KeyError: ``p`` is not one of :attr:`params`, or has not been stepped.
         """
-        for q, slot, optim in zip(self.params, self._slots, self._optims, strict=True):
+        for q, slot, optim, g1 in zip(self.params, self._slots, self._optims, self._g1,
+                                      strict=True):
             if q is p:
+                if g1 is not None:
+                    return self._rebuilt(g1)
                 if slot not in optim.state:  # not ``optim.state[slot]``: a defaultdict
                     raise KeyError("HostAdamW.moments: a parameter not stepped yet")
                 return dict(optim.state[slot])
         raise KeyError("HostAdamW.moments: not one of its parameters")
 
     def states(self) -> list[dict[str, torch.Tensor]]:
-        """The AdamW state of every parameter stepped so far."""
-        return [dict(o.state[s]) for s, o in zip(self._slots, self._optims, strict=True)
-                if s in o.state]
+        """The AdamW state of every parameter stepped so far (rebuilt from ``g1`` where kept)."""
+        return [self._rebuilt(g1) if g1 is not None else dict(o.state[s])
+                for s, o, g1 in zip(self._slots, self._optims, self._g1, strict=True)
+                if g1 is not None or s in o.state]
 
 
 Optimizer = torch.optim.Optimizer | HostAdamW
@@ -542,12 +704,15 @@ def _adamw(master: nn.Module, lr: float, contract: Contract, *,
     """The run's AdamW: over the parameters (``host`` false) or with its state on the host.
 
     ``host``: :class:`HostAdamW` (the placed stage's ``optimizer_state = "host"``,
-    :func:`qualify.reference.devices.optimizer_state`).
+    :func:`qualify.reference.devices.optimizer_state`), keeping ``g1`` instead of the
+    moments between the first two steps when :func:`qualify.reference.devices.round2_state`
+    says so.
     """
     o = contract.optimizer
     params = [p for p in master.parameters() if p.requires_grad]
     if host:
-        return HostAdamW(params, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        return HostAdamW(params, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                         keep=reference_devices.round2_state())
     return torch.optim.AdamW(
         params, lr=lr, betas=o.betas, eps=o.eps,
         weight_decay=o.weight_decay, foreach=False, fused=False,
@@ -663,6 +828,8 @@ def run_actor(actor: nn.Module, ref: nn.Module | None, batch: Batch, contract: C
     prec.birth_masters()
     host_state = reference_devices.optimizer_state() == "host"
     optim = _adamw(actor, contract.optimizer.actor_lr, contract, host=host_state)
+    stream = _stream(actor, on_round)
+    names = {p: n for n, p in actor.named_parameters()}
     b, r_len = batch.responses.shape
     acc = settings.accumulate_dtype
     row_w, denom = _aggregation(batch, contract, acc)
@@ -692,6 +859,8 @@ def run_actor(actor: nn.Module, ref: nn.Module | None, batch: Batch, contract: C
     for round_ in range(1, alg.rounds + 1):
         model = prec.refresh()
         model.eval()  # dropout off (protocol); autograd works in eval mode
+        if stream is not None:
+            stream.attach(model)
         logp_r, ent_r = torch.zeros(b, r_len, dtype=acc), torch.zeros(b, r_len, dtype=acc)
         sums = {"policy": 0.0, "kl": 0.0, "entropy": 0.0}
         clipped_tokens = 0.0
@@ -761,11 +930,15 @@ def run_actor(actor: nn.Module, ref: nn.Module | None, batch: Batch, contract: C
             sens.grad_norm(round_, actor, batch, settings.micro_batch_size, lambda m, mb:
                            _token_logprobs_entropy(_forward_response_outputs(m, mb),
                                                    mb.responses, temp)[0],
-                           saved_on_host=host_state)
+                           saved_on_host=host_state,
+                           grad_of=None if stream is None else stream.grad_of(names))
         if on_round is not None:
             on_round(round_, model, actor, batch, old_logp)
         lrs[f"round{round_}"] = _step("actor", round_, actor, contract, optim=optim, out=out,
-                                      grad_dtypes=grad_dtypes, norm_evals=norm_evals)
+                                      grad_dtypes=grad_dtypes, norm_evals=norm_evals,
+                                      stream=stream)
+    if stream is not None:
+        stream.close()
     meta = _run_meta(actor, optim, grad_dtypes, compute_dtypes, settings)
     meta["lr"] = lrs
     meta[NORM_FP32_META], meta[LOSS_SENSITIVITY_META] = norm_evals, sens.rounds
@@ -811,6 +984,8 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
     prec.birth_masters()
     host_state = reference_devices.optimizer_state() == "host"
     optim = _adamw(critic, contract.optimizer.critic_lr, contract, host=host_state)
+    stream = _stream(critic, on_round)
+    names = {p: n for n, p in critic.named_parameters()}
     b, r_len = batch.responses.shape
     acc = settings.accumulate_dtype
     row_w, denom = _aggregation(batch, contract, acc)
@@ -824,6 +999,8 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
     for round_ in range(1, alg.rounds + 1):
         model = prec.refresh()
         model.eval()  # dropout off (protocol); autograd works in eval mode
+        if stream is not None:
+            stream.attach(model)
         values_r = torch.zeros(b, r_len, dtype=acc)
         total = 0.0
         clipped_tokens = 0.0
@@ -862,11 +1039,15 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
         if last_forward is None:
             sens.grad_norm(round_, critic, batch, settings.micro_batch_size, lambda m, mb:
                            _forward_response_outputs(m, mb).float().squeeze(-1),
-                           saved_on_host=host_state)
+                           saved_on_host=host_state,
+                           grad_of=None if stream is None else stream.grad_of(names))
         if on_round is not None:
             on_round(round_, model, critic, batch, old_values)
         lrs[f"round{round_}"] = _step("critic", round_, critic, contract, optim=optim,
-                                      out=out, grad_dtypes=grad_dtypes, norm_evals=norm_evals)
+                                      out=out, grad_dtypes=grad_dtypes, norm_evals=norm_evals,
+                                      stream=stream)
+    if stream is not None:
+        stream.close()
     meta = _run_meta(critic, optim, grad_dtypes, compute_dtypes, settings)
     meta["lr"] = lrs
     meta[NORM_FP32_META], meta[LOSS_SENSITIVITY_META] = norm_evals, sens.rounds

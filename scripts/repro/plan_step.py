@@ -12,7 +12,8 @@ lane's own update. Runs :func:`qualify.reference.stage._update_run` exactly as t
 
 The run is placed as the stage places it: on the devices of ``$QUALIFY_REFERENCE_DEVICES``,
 planned under ``$QUALIFY_REFERENCE_DEVICE_MEMORY`` when set, with the AdamW state where the
-stage's plan check puts it (``qualify.reference.stage._plan_check``, not enforced: a step is
+stage's plan check puts it and the gradients streamed when it says so
+(``qualify.reference.stage._plan_check``, not enforced: a step is
 run even when another step would not fit). ``OUT.safetensors``, when given, receives the
 run's tensors as the stage computes them (for the lane's own update, what it seals in
 ``reference/`` without the reward scores), to compare with a sealed or interrupted
@@ -55,14 +56,17 @@ def main() -> int:
     placed = devices.resolve()
     record = _plan_check(contract, False, placed, devices.device_memory())
     if placed is not None and record["optimizer_state"] == "host":
-        placed = dataclasses.replace(placed, optimizer_state="host")
+        placed = dataclasses.replace(placed, optimizer_state="host",
+                                     gradients=record["gradients"],
+                                     round2_state=record["round2_state"])
     with devices.active(placed) as where:
         tensors, _ = _update_run(contract, bundle, batch, settings, attn)
     if len(sys.argv) > 5:
         save_file({k: v.contiguous() for k, v in tensors.items()}, sys.argv[5])
     print(f"plan_step: ran {settings.label} ({attn}) on {where['kind']} devices "
           f"{[d['device'] for d in where['devices']]}, AdamW state "
-          f"{where.get('optimizer_state', 'device')}, placed {where['placed']}, "
+          f"{where.get('optimizer_state', 'device')}, gradients "
+          f"{where.get('gradients', 'device')}, placed {where['placed']}, "
           f"noted {where.get('memory')}")
     return 0
 
