@@ -119,3 +119,65 @@ def test_update_run_holds_no_reference_policy_and_seals_the_same_bits(
     assert any(k.startswith("round1/actor/loss/kl") for k in new)
     for k, v in old.items():
         assert torch.equal(v, new[k]), (label, k)
+
+
+@pytest.mark.parametrize("lane", ["fp32", pytest.param("bf16-castmasters",
+                                                        marks=pytest.mark.slow)])
+@pytest.mark.usefixtures("one_thread")
+def test_round_to_round_updates_hold_no_reference_policy_and_give_the_same_bits(
+        lane: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The round-to-round term's perturbed Actor updates (:func:`stage._round_to_round`)
+    take the KL reference logprobs once from the policy alone: each update is bitwise
+    run_actor with a fresh reference policy passed (stopped after round ``n``, with and
+    without logit offsets), with only the Actor's template and working copy alive when
+    it runs (no frozen model)."""
+    from qualify.reference import round_to_round
+
+    contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
+    batch = cast(Batch, seeded_batch(96, short={0: 4}, masked_targets=False))
+    loaded: list[tuple[weakref.ref[torch.nn.Module], bool]] = []
+
+    def load(grad: bool) -> torch.nn.Module:
+        m = seeded_qwen3("actor", THREE_LAYER_CFG).requires_grad_(grad).eval()
+        loaded.append((weakref.ref(m), grad))
+        return m
+
+    offs = {1: torch.full(batch.responses.shape, 0.25, dtype=torch.float64)}
+    got: list[dict[str, torch.Tensor]] = []
+    alive: list[int] = []
+
+    def measure(update: Any, **_: Any) -> dict[Any, Any]:  # the Actor's (the KL's) only
+        for n, o in ((1, None), (2, None), (2, offs)):
+            got.append(update("actor", n, o))
+            gc.collect()
+            alive.append(sum(r() is not None for r, _ in loaded))
+        return {}
+
+    def checked_run_actor(actor: torch.nn.Module, ref: torch.nn.Module | None, *a: Any,
+                          **kw: Any) -> Any:
+        gc.collect()
+        assert ref is None
+        assert kw.get("ref_logprobs") is not None
+        assert all(r() is None for r, grad in loaded if not grad)
+        return run_actor(actor, ref, *a, **kw)
+
+    monkeypatch.setattr(roles, "load_actor", lambda _p, **kw: load(kw["requires_grad"]))
+    monkeypatch.setattr(stage, "run_actor", checked_run_actor)
+    monkeypatch.setattr(round_to_round, "measure", measure)
+    monkeypatch.setattr(round_to_round, "perturbation_size", lambda *a: 1.0)
+    bundle: Any = SimpleNamespace(actor_dir=Path("actor"), critic_dir=Path("critic"))
+    stage._round_to_round(contract, bundle, batch, lane=lane, reference={}, errors={},
+                          mask=batch.response_mask)
+    assert [grad for _, grad in loaded] == [False, True]  # the policy, then the template
+    assert alive == [1, 1, 1]  # of the loads, the template only (the working copy is its copy)
+    settings = UpdateSettings(precision="bf16" if lane_precision(lane) == "bf16" else "fp32",
+                              bf16_mode=lane_bf16_mode(lane),
+                              micro_batch_size=contract.algorithm.micro_batch_size)
+    for (n, o), new in zip(((1, None), (2, None), (2, offs)), got, strict=True):
+        torch.manual_seed(0)
+        old, _ = run_actor(load(True), load(False), batch, contract, settings,
+                           offsets=o, last_forward=n)
+        old = stage._strip_padding(old, batch.responses.shape[1])
+        assert old.keys() == new.keys()
+        for k, v in old.items():
+            assert torch.equal(v, new[k]), (lane, n, k)

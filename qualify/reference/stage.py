@@ -256,11 +256,13 @@ def _round_to_round(contract: Contract, bundle: models.ModelBundle, batch: Batch
         torch.manual_seed(0)
         if role == "actor":
             # The reference policy is the Actor's checkpoint (_reference_policy), frozen; its
-            # KL logprobs are the same in every perturbed update, so they are taken once.
+            # KL logprobs are the same in every perturbed update, so they are taken once,
+            # from the policy alone (no role model held), before the Actor's first load.
             if "actor" not in kl_reference:
-                kl_reference["actor"] = kl_reference_logprobs(
-                    copy.deepcopy(fresh("actor")).requires_grad_(False), batch, contract,
-                    settings)
+                loaded.clear()
+                kl_reference["actor"] = _kl_reference(contract, bundle, batch, settings, "sdpa")
+                release_free_memory()
+                torch.manual_seed(0)  # the Actor's load sees the seed as without this load
             t, _ = run_actor(fresh("actor"), None, batch, contract, settings, offsets=offsets,
                              last_forward=n, ref_logprobs=kl_reference["actor"])
         else:
