@@ -9,6 +9,7 @@ gives, and the policy is gone when the update starts.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 from pathlib import Path
@@ -181,3 +182,30 @@ def test_round_to_round_updates_hold_no_reference_policy_and_give_the_same_bits(
         assert old.keys() == new.keys()
         for k, v in old.items():
             assert torch.equal(v, new[k]), (lane, n, k)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3.toml", "qwen3-8b.toml"])
+def test_the_plan_puts_each_kl_reference_forward_before_its_update_with_one_model(
+        name: str) -> None:
+    """Every Actor update the stage runs (each lane's, each control's, each lane's
+    round-to-round runs and clip-branch rerun) is planned after its own ``kl reference``
+    step: the frozen policy alone (one model in the run's dtype, nothing written); the
+    update's own load holds one model."""
+    from qualify.reference import plan
+
+    contract = load_contract(contracts_dir() / name)
+    contract = dataclasses.replace(contract, bounds=dataclasses.replace(
+        contract.bounds, lane="approximate", round_to_round=True))
+    p_actor = plan.model_shape(contract).count("actor")
+    steps = plan.plan_reference(contract, plan.Machine(devices=0, device_bytes=0,
+                                                       host_bytes=10**15, cores=2))
+    names = [s.name for s in steps]
+    updates = [n for n in names if n.startswith(("updates ", "control ", "round_to_round "))
+               or (n.startswith("branches ") and n.endswith(" actor"))]
+    assert len(updates) > len(contract.matrix.lanes()) * 3
+    for n in updates:
+        kl = steps[names.index(n) - 1]
+        assert kl.name == f"kl reference: {n}"
+        assert kl.written == 0
+        assert kl.terms["weights"] == (8 if "fp64" in n else 4) * p_actor, n
+    assert len([n for n in names if n.startswith("kl reference: ")]) == len(updates)
