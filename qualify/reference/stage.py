@@ -214,7 +214,8 @@ def _round_to_round(contract: Contract, bundle: models.ModelBundle, batch: Batch
 
     Each perturbed update runs with the lane's reference settings on fresh FP32 models,
     as :func:`_update_run` does (one load of the checkpoint, restored into one working
-    copy before each run; the KL reference logprobs taken once); the size is
+    copy before each run; the KL reference logprobs taken once, by the reference policy
+    loaded alone before the Actor, :func:`_kl_reference`); the size is
     the largest control error of the lane over every control it measured. None in the
     deterministic lane (its bounds are 0) or where the contract does not ask for the term
     (``[bounds] round_to_round``).
