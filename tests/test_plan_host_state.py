@@ -71,16 +71,21 @@ def test_host_state_never_holds_more_on_a_device(devices: int) -> None:
 
 def test_the_plan_chooses_host_state_only_when_the_devices_need_it() -> None:
     """1 x 141 GB: the device-state plan is refused at the FP32 update (179.4 GB), so the
-    plan takes the state to the host, where the stage gets as far as the FP64 control (its
-    weights and gradient on the device: 163.8 GB); 8 x 141 GB: it fits on the devices, which
-    keep it; no devices: nothing to move. Asked for, either is planned."""
+    plan takes the state to the host, where the stage with the gradients on the device gets
+    as far as the FP64 control (its weights, gradient and activations on the device: 151.9
+    GB; the frozen reference policy is not loaded beside them), and with them streamed to
+    the host the whole stage fits; 8 x 141 GB: it fits on the devices, which keep it; no
+    devices: nothing to move. Asked for, either is planned."""
     contract = load_contract(QWEN3_8B)
     one = plan.build_plan(contract, NODE)
     assert one.optimizer_state == "host"
     assert one.optimizer_state_why.startswith("with the AdamW state on the devices: updates "
                                               "hf-fp32: needs 179.4 GB on a device")
-    assert one.shortfall("reference").startswith(  # type: ignore[union-attr]
-        "control fp64-fp32: needs 163.8 GB on a device")
+    assert one.shortfall("reference") is None
+    assert one.gradients == "host"
+    assert plan.build_plan(contract, NODE, optimizer_state="host", gradients="device",
+                           round2_state="moments").shortfall("reference").startswith(  # type: ignore[union-attr]
+        "control fp64-fp32: needs 151.9 GB on a device")
     assert plan.build_plan(contract, NODE, optimizer_state="device").shortfall(
         "reference").startswith("updates hf-fp32: ")  # type: ignore[union-attr]
     eight = plan.build_plan(contract, plan.Machine(devices=8, device_bytes=141 * GB,
@@ -101,8 +106,9 @@ def test_the_plan_chooses_host_state_only_when_the_devices_need_it() -> None:
 def test_qualify_plan_on_one_h200_gets_past_the_updates(
         capsys: pytest.CaptureFixture[str]) -> None:
     """``qualify plan contracts/qwen3-8b.toml --devices 1 --device-memory 141 --host-memory
-    2000`` prints where the state is, and is refused past the updates, at the FP64 control
-    (its FP64 weights and gradient on the one device), one line, exit 2."""
+    2000`` prints where the state and the gradients are, fits the whole reference stage, and
+    is refused at the first candidate launch that does not fit one device (the TP 1 cells),
+    one line, exit 2."""
     from qualify.cli.main import main
 
     code = main(["plan", str(QWEN3_8B), "--devices", "1", "--device-memory", "141",
@@ -111,12 +117,15 @@ def test_qualify_plan_on_one_h200_gets_past_the_updates(
     assert code == ExitCode.USAGE_ERROR
     assert "AdamW state and sensitivity copy: on the host (with the AdamW state on the " \
            "devices: updates hf-fp32: needs 179.4 GB" in out.out
+    assert "update gradients: on the host, streamed (with them on the devices: control " \
+           "fp64-fp32: needs 151.9 GB" in out.out
     (line,) = out.err.strip().splitlines()
-    assert "does not fit: control fp64-fp32: needs 163.8 GB on a device" in line
+    assert "does not fit: launch torch_tp world 1 (4 cells): needs 168.7 GB on a device" in line
     code = main(["plan", str(QWEN3_8B), "--devices", "1", "--device-memory", "141",
                  "--host-memory", "2000", "--json"])
     doc = json.loads(capsys.readouterr().out)
     assert doc["optimizer_state"] == "host"
+    assert doc["gradients"] == "host"
 
 
 def _refused(capsys: pytest.CaptureFixture[str], why: object) -> str:

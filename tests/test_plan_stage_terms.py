@@ -56,16 +56,19 @@ def test_round_to_round_count_is_the_updates_the_term_runs(roles: tuple[str, ...
 
 
 def test_round_to_round_steps_are_planned_only_with_the_term() -> None:
-    """One planned step per lane with the term on, none with it off; each holds what the
-    lane's update holds (no sensitivity pass) and costs the count's runs."""
+    """One planned step per lane with the term on (and its KL reference forward, once per
+    lane), none with it off; each holds what the lane's update holds (no sensitivity pass)
+    and costs the count's runs."""
     on = _with(load_contract(TINY), round_to_round=True)
     off = _with(on, round_to_round=False)
     steps_on = plan.plan_reference(on, HOST)
     steps_off = plan.plan_reference(off, HOST)
     r2r = [s for s in steps_on if s.name.startswith("round_to_round ")]
-    assert [s.name for s in steps_off if s.name.startswith("round_to_round")] == []
-    assert len(r2r) == len(on.matrix.lanes())
-    assert [s.name for s in steps_on if s not in r2r] == [s.name for s in steps_off]
+    kl = [s for s in steps_on if s.name.startswith("kl reference: round_to_round ")]
+    assert [s.name for s in steps_off if "round_to_round" in s.name] == []
+    assert len(r2r) == len(kl) == len(on.matrix.lanes())
+    assert [s.name for s in steps_on if s not in r2r + kl] == [s.name for s in steps_off]
+    assert [s.name for s in kl] == [f"kl reference: {s.name}" for s in r2r]
     n_seq, _, resp, _ = plan._rollout_shape(on)
     runs = 2 * n_seq * resp + 1
     for lane, s in zip(on.matrix.lanes(), r2r, strict=True):

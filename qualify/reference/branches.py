@@ -65,6 +65,7 @@ from qualify.reference.update import (
     Batch,
     RoundHook,
     UpdateSettings,
+    kl_reference_logprobs,
     run_actor,
     run_critic,
     with_rollout_rows,
@@ -287,12 +288,16 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
     torch.manual_seed(0)
     hook_fn: RoundHook = hook
     if role == "actor":
+        # The KL reference logprobs first, from the frozen reference policy alone (freed
+        # before the Actor is loaded), as the stage's update run takes them.
+        ref_logp = kl_reference_logprobs(
+            load_role("actor", bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
+                      requires_grad=False), batch, contract, settings)
+        release_free_memory()
         actor = load_role("actor", bundle.actor_dir, dtype=torch.float32,
                           attn_implementation=attn, requires_grad=True)
-        # The reference policy passed without a name: run_actor frees it before the rounds.
-        again, _ = run_actor(actor, load_role("actor", bundle.actor_dir, dtype=torch.float32,
-                                              attn_implementation=attn, requires_grad=False),
-                             batch, contract, settings, on_round=hook_fn)
+        again, _ = run_actor(actor, None, batch, contract, settings, on_round=hook_fn,
+                             ref_logprobs=ref_logp)
     else:
         critic = load_role("critic", bundle.critic_dir, dtype=torch.float32,
                            attn_implementation=attn, requires_grad=True)

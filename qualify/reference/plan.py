@@ -44,6 +44,12 @@ step is the sum of the terms alive together there:
   maps the FP32 checkpoint, whose pages count as resident while mapped), one model;
 - ``interpreter``: the process before any model, :data:`INTERPRETER_BYTES`.
 
+Each Actor update (a lane's, a control's, a lane's round-to-round runs, a clip-branch
+rerun) follows its own ``kl reference:`` step: the frozen reference policy alone, loaded
+(``.double()`` in the FP64 control), its BF16 copy at BF16 parameters and one forward
+without a graph (:func:`qualify.reference.stage._kl_reference`); the update itself loads
+one model, not the policy beside it.
+
 Host-only execution (``devices = 0``: the stage without CUDA) puts every term on the host.
 With devices, what the placed stage (:mod:`qualify.reference.devices`) holds where, whole
 layers per device under its own assignment (:func:`qualify.reference.placement.
@@ -879,8 +885,9 @@ def plan_reference(contract: Contract, machine: Machine, *,
             pr = p[role]
             layer_act, head = acts(role, size, pos, elem, eager)
             # loading: FP32 from the checkpoint, then .double() for the fp64 control; the
-            # Actor's run also loads the frozen reference policy beside it
-            models_loaded = 2 if role == "actor" else 1
+            # frozen reference policy is not beside it (its KL logprobs are taken before,
+            # kl_step); the round-to-round runs hold the template and its working copy
+            models_loaded = 1 if runs_of is None else 2
             train = training(role, w, bf16_params, autocast, streamed)
             # streamed: the BF16 copy's gradient is one parameter's at a time (in flight)
             work = (2 if streamed else 4) * pr if bf16_params else 0
@@ -907,14 +914,13 @@ def plan_reference(contract: Contract, machine: Machine, *,
             peak = max(sum(t.values()) for t in phases.values())
             if peak > best[0]:
                 best = (peak, role)
-            kl_ref = 2 * pr * n_seq * pos if role == "actor" else 0  # KL reference forward
             if runs_of is None:  # every round: fwd+bwd, sensitivity 2 fwd
-                flops += kl_ref + rounds * (6 + 4) * pr * n_seq * pos
-                loads += models_loaded * 4 * pr
+                flops += rounds * (6 + 4) * pr * n_seq * pos
+                loads += 4 * pr
             else:  # rounds before r: fwd+bwd; round r: its forward only
                 for r, count in runs_of.items():
-                    flops += count * (kl_ref + ((r - 1) * 6 + 2) * pr * n_seq * pos)
-                    loads += count * models_loaded * 4 * pr
+                    flops += count * ((r - 1) * 6 + 2) * pr * n_seq * pos
+                    loads += count * 4 * pr
         role = best[1]
         layer_act, head = acts(role, size, pos, elem, eager)
         act_dev = {f"{role} load": (0, 0, 0), f"{role} backward": (layer_act, head, 0),
@@ -926,7 +932,31 @@ def plan_reference(contract: Contract, machine: Machine, *,
             + load_s(loads))
         return steps[-1]
 
+    def kl_step(label: str, prec: str, mode: str, size: int, extra: int, *,
+                eager: bool) -> None:
+        """The KL reference forward before an Actor update (``stage._kl_reference``).
+
+        The frozen reference policy alone (no trained model): loaded (``.double()`` in the
+        fp64 control), its BF16 copy at BF16 parameters, one forward of the batch without
+        a graph under the run's micro-batches, padding and attention.
+        """
+        w = 8 if prec == "fp64" else 4
+        bf16_params = prec == "bf16" and mode != "autocast"
+        pa, pos = p["actor"], positions + extra
+        layer_act, head = acts("actor", size, pos,
+                               8 if prec == "fp64" else (2 if bf16_params else 4), eager)
+        phases = {
+            "load": {"weights": w * pa, "checkpoint_map": 4 * pa,
+                     "fp32_before_double": 4 * pa if w == 8 else 0},
+            "forward": {"weights": w * pa, "bf16_work": 2 * pa if bf16_params else 0,
+                        "activations": layer_act + head}}
+        add(f"kl reference: {label}", phases, dict.fromkeys(phases, "actor"),
+            {"load": (0, 0, 0), "forward": (0, head, layer_act)}, written=0,
+            seconds=2 * pa * n_seq * pos / rate(prec if prec in ("fp64", "bf16") else "fp32")
+            + load_s(4 * pa))
+
     for label, prec, mode, size, extra, eager in runs:
+        kl_step(label, prec, mode, size, extra, eager=eager)
         update_step(label, prec, mode, size, extra, eager=eager)
 
     # the round-to-round term (stage._round_to_round): per lane, the perturbed updates of
@@ -934,8 +964,10 @@ def plan_reference(contract: Contract, machine: Machine, *,
     per_role = round_to_round_updates(contract, n_seq * resp)
     if per_role:
         for lane in lanes:
-            update_step(f"round_to_round hf-{lane} ({sum(per_role.values())} runs per role)",
-                        str(lane_precision(lane)), str(lane_bf16_mode(lane)), mbs, 0,
+            label = f"round_to_round hf-{lane} ({sum(per_role.values())} runs per role)"
+            kl_step(label, str(lane_precision(lane)), str(lane_bf16_mode(lane)), mbs, 0,
+                    eager=False)  # once per lane
+            update_step(label, str(lane_precision(lane)), str(lane_bf16_mode(lane)), mbs, 0,
                         eager=False, runs_of=per_role)
 
     # clip-branch passes (branches._rerun): per lane and role, the lane's update rerun, then
@@ -949,6 +981,8 @@ def plan_reference(contract: Contract, machine: Machine, *,
         autocast = prec == "bf16" and mode == "autocast"
         sealed_before = 0  # the lane's J_t samples of the roles already done, kept till saved
         for role in roles:
+            if role == "actor":  # the rerun's KL reference forward, before its Actor load
+                kl_step(f"branches hf-{lane} actor", prec, mode, mbs, 0, eager=False)
             pr = p[role]
             layer_act, head = acts(role, 1, positions, 4, False)
             run_act, run_head = acts(role, mbs, positions, 2 if bf16_params else 4, False)
@@ -1014,7 +1048,7 @@ def plan_reference(contract: Contract, machine: Machine, *,
                 {"rerun backward": (run_act, run_head, 0), "rerun": (0, run_head, run_act),
                  "rerun step": (0, 0, 0), "tokens": (layer_act, head, 0), "gram": (0, 0, 0)},
                 written=written,
-                seconds=flops / rate("fp32") + load_s((2 if role == "actor" else 1) * 4 * pr))
+                seconds=flops / rate("fp32") + load_s(4 * pr))
 
     # qualify verify, step 9 (control_recompute.recompute_control_errors): every lane's
     # reference update and every control's file, the rollout and train inputs, each lane's
