@@ -131,3 +131,29 @@ def test_verify_reread_is_the_sealed_files_verify_reads(monkeypatch: pytest.Monk
             assert abs(update - size) <= 0.01 * size, (rel, size, update)
     assert step.reads["rollout.safetensors"] == sizes["rollout.safetensors"]
     assert step.reads["train_inputs.safetensors"] == sizes["train_inputs.safetensors"]
+
+
+def test_scoring_counts_a_mapped_model_once_and_bf16_scorings_fp32_copy() -> None:
+    """Scoring on the host: an FP32 model read from the FP32 checkpoint is the mapped file's
+    pages, so loading the reference policy beside the Actor holds one model and its mapped
+    file (``8 P``), not two models and the file (``12 P``: measured 4.31 GB against 6.60
+    planned on qwen3-500m, docs/scale.md section 6); BF16 scoring holds both FP32 models and
+    one FP32 deep copy before its cast (``12 P``). On CUDA devices the Actor is copied there
+    before the policy loads, so the devices hold both."""
+    contract = load_contract(contracts_dir() / "qwen3-500m.toml")
+    host = plan.build_plan(contract, plan.Machine(devices=0, device_bytes=0,
+                                                  host_bytes=100 * 10**9, cores=2))
+    p_actor = host.params["actor"]
+    steps = {s.name: s for s in host.steps}
+    fp32, bf16 = steps["scoring fp32"], steps["scoring bf16"]
+    assert fp32.phase == "forward"
+    assert fp32.terms["weights"] == 8 * p_actor
+    assert "checkpoint_map" not in fp32.terms
+    assert fp32.host_peak - plan.INTERPRETER_BYTES - fp32.terms["activations"] == 8 * p_actor
+    assert bf16.phase == "bf16 copy"
+    assert bf16.terms == {"interpreter": plan.INTERPRETER_BYTES, "weights": 8 * p_actor,
+                          "bf16_cast_source": 4 * p_actor}
+    gpu = plan.build_plan(contract, plan.Machine(devices=1, device_bytes=100 * 10**9,
+                                                 host_bytes=100 * 10**9, cores=2))
+    on_gpu = next(s for s in gpu.steps if s.name == "scoring fp32")
+    assert on_gpu.device_peak >= 8 * p_actor  # both models on the device at the load

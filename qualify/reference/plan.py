@@ -12,6 +12,10 @@ step is the sum of the terms alive together there:
 - ``sensitivity_copy``: :meth:`~qualify.reference.sensitivity.LossSensitivity.grad_norm`'s
   ``saved`` copy of the parameters, one model in the master's dtype, in every round after
   the backward (so with round 2 the AdamW moments are alive beside it);
+- ``bf16_cast_source``: BF16 scoring's FP32 deep copy of the model, made before its
+  parameters are cast to BF16 one by one
+  (:func:`qualify.reference.scoring.bf16_parameters_copy`), ``4 P`` (an upper bound: the
+  cast frees it parameter by parameter);
 - ``bf16_work``: the BF16 working copy of the ``bf16`` lanes (``2 P``;
   :meth:`~qualify.reference.update._Precision.refresh`), its BF16 ``.grad`` (``2 P``) until
   ``collect_grads`` folds it into the master;
@@ -412,13 +416,14 @@ def _size(n: int) -> str:
 
 DEVICE_PARAM_TERMS: Final = frozenset({
     "weights", "grads", "adamw", "sensitivity_copy", "bf16_work", "autocast_cache", "jt",
-    "jt_kept", "fp32_before_double"})
+    "jt_kept", "fp32_before_double", "bf16_cast_source"})
 """Terms the placed stage holds with their parameters' layers (whole multiples of the role's
 parameter count): the models and their ``.grad``, ``torch.optim.AdamW``'s moments (created on
 the placed parameters, :func:`qualify.reference.update._adamw`), the sensitivity's ``saved``
 copy, the BF16 copy and its gradient, the autocast cache, a ``J_t`` and the fp64 Gram's kept
 ``J_t`` (:func:`qualify.reference.jacobian.token_gradients` returns them on the parameters'
-devices), the FP32 model before ``.double()`` (the FP64 control)."""
+devices), the FP32 model before ``.double()`` (the FP64 control), BF16 scoring's FP32 copy
+before its cast."""
 
 DEVICE_TRANSIENT_TERMS: Final = frozenset({"host_temporaries", "saved_transient",
                                           "grad_in_flight"})
@@ -826,18 +831,27 @@ def plan_reference(contract: Contract, machine: Machine, *,
 
     # scoring (stage._score_all): the Actor and the reference policy loaded in FP32 and held
     # together, then the Critic, then the reward model; forward only (one layer's
-    # activations at a time), a BF16 copy of the parameters at BF16
+    # activations at a time), a BF16 copy of the parameters at BF16. Where the loaded model
+    # stays in the host's memory (no devices, or cpu devices), the FP32 parameters read
+    # from the FP32 checkpoint are that file's mapped pages, resident only once touched:
+    # while the reference policy loads, the Actor loaded before it holds nothing yet, so
+    # the load phase is one model and its mapped checkpoint (docs/scale.md section 6,
+    # measured on qwen3-500m); on CUDA devices the Actor is already copied there
+    mapped = machine.devices == 0 or machine.device_kind == "cpu"
     for score_prec in contract.matrix.precisions:
         bf16 = score_prec == "bf16"
         layer_act, head = acts("actor", mbs, positions, 2 if bf16 else 4, False)
         pa = p["actor"]
         phases = {
-            "load": {"weights": 8 * pa, "checkpoint_map": 4 * pa},
+            "load": {"weights": (4 if mapped else 8) * pa, "checkpoint_map": 4 * pa},
             "forward": {"weights": 8 * pa, "bf16_work": 2 * pa if bf16 else 0,
                         "activations": layer_act + head}}
+        if bf16:  # the reference policy's FP32 copy before its cast, the Actor's too
+            phases["bf16 copy"] = {"weights": 8 * pa, "bf16_cast_source": 4 * pa}
         flops = 2.0 * (2 * p["actor"] + p["critic"] + p["reward"]) * tokens
-        add(f"scoring {score_prec}", phases, {"load": "actor", "forward": "actor"},
-            {"load": (0, 0, 0), "forward": (0, head, layer_act)}, written=6 * n_seq * resp * 4,
+        add(f"scoring {score_prec}", phases, dict.fromkeys(phases, "actor"),
+            {"load": (0, 0, 0), "forward": (0, head, layer_act), "bf16 copy": (0, 0, 0)},
+            written=6 * n_seq * resp * 4,
             seconds=flops / rate("bf16" if bf16 else "fp32")
             + load_s(4 * (2 * p["actor"] + p["critic"] + p["reward"])))
 
