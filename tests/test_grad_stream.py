@@ -127,6 +127,10 @@ def test_the_planned_stream_drops_the_update_gradients(contract_name: str, n: in
         if contract_name == "smollm2-135m":  # its FP64 control peaks in the backward
             assert a.device_phase == b.device_phase == "actor backward"
             assert a.device_peak - b.device_peak == 8 * shape.count("actor") - 8 * largest
+        else:  # streamed, the FP64 control's load (weights, FP32 before .double()) is left
+            assert a.device_phase != "actor load", a.device_phase
+            assert b.device_phase == "actor load", b.device_phase
+            assert b.device_peak < a.device_peak
 
 
 def test_build_plan_streams_only_when_the_devices_need_it() -> None:

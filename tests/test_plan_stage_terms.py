@@ -58,7 +58,7 @@ def test_round_to_round_count_is_the_updates_the_term_runs(roles: tuple[str, ...
 def test_round_to_round_steps_are_planned_only_with_the_term() -> None:
     """One planned step per lane with the term on (and its KL reference forward, once per
     lane), none with it off; each holds what the lane's update holds (no sensitivity pass)
-    and costs the count's runs."""
+    and the FP32 template its working copy is restored from, and costs the count's runs."""
     on = _with(load_contract(TINY), round_to_round=True)
     off = _with(on, round_to_round=False)
     steps_on = plan.plan_reference(on, HOST)
@@ -74,7 +74,9 @@ def test_round_to_round_steps_are_planned_only_with_the_term() -> None:
     for lane, s in zip(on.matrix.lanes(), r2r, strict=True):
         assert s.name == f"round_to_round hf-{lane} ({runs} runs per role)"
         update = next(u for u in steps_on if u.name == f"updates hf-{lane}")
-        assert s.host_peak <= update.host_peak
+        template = s.terms["template"]
+        assert template == 4 * plan.build_plan(on, HOST).params[s.phase.split()[0]]
+        assert s.host_peak <= update.host_peak + template
         assert "sensitivity" not in s.phase
         assert s.seconds > 10 * update.seconds  # 2 x 80 + 1 runs of 2 rounds each
 
@@ -157,3 +159,18 @@ def test_scoring_counts_a_mapped_model_once_and_bf16_scorings_fp32_copy() -> Non
                                                  host_bytes=100 * 10**9, cores=2))
     on_gpu = next(s for s in gpu.steps if s.name == "scoring fp32")
     assert on_gpu.device_peak >= 8 * p_actor  # both models on the device at the load
+
+
+def test_a_bf16_copy_is_planned_with_the_fp32_copy_it_is_cast_from() -> None:
+    """``bf16_parameters_copy`` deep-copies the FP32 model before casting it: on a device the
+    KL reference forward of a BF16-parameter run peaks there (the policy and its copy,
+    ``8 P``), not at its forward (``6 P``); the FP32 lane's has no such phase."""
+    contract = load_contract(contracts_dir() / "qwen3-500m.toml")
+    gpu = plan.build_plan(contract, plan.Machine(devices=1, device_bytes=100 * 10**9,
+                                                 host_bytes=100 * 10**9, cores=2))
+    p_actor = gpu.params["actor"]
+    steps = {s.name: s for s in gpu.steps}
+    cast = steps["kl reference: updates hf-bf16-castmasters"]
+    assert cast.device_phase == "bf16 copy"
+    assert cast.device_peak >= 8 * p_actor
+    assert steps["kl reference: updates hf-fp32"].device_peak < 8 * p_actor

@@ -259,8 +259,8 @@ def _check_reference(ref_dir: Path, run: RunDocument, run_file: Path) -> str:
     if not ref_dir.is_dir():
         raise ReferenceDataError(f"{ref_dir}: reference directory not found")
     if not store.is_sealed(ref_dir):
-        raise ReferenceDataError(f"{store.not_sealed_reason(ref_dir, 'reference')}; bounds "
-                                 "are only read from a sealed reference")
+        raise ReferenceDataError(store.not_sealed_reason(
+            ref_dir, "reference", advice="bounds are only read from a sealed reference"))
     digest = store.check_sealed(ref_dir)
     want = run.reference.manifest_digest
     if want != digest:

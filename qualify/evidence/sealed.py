@@ -59,7 +59,7 @@ def is_sealed(directory: str | Path) -> bool:
     return _manifest_valid(d)
 
 
-def not_sealed_reason(directory: str | Path, what: str) -> str:
+def not_sealed_reason(directory: str | Path, what: str, *, advice: str = "") -> str:
     """Why ``directory`` is not a sealed ``what``: one line for a user error.
 
     A folder with no ``MANIFEST.json`` and no ``INCOMPLETE`` marker whose subdirectories
@@ -70,6 +70,7 @@ def not_sealed_reason(directory: str | Path, what: str) -> str:
     Args:
         directory: an existing directory that :func:`is_sealed` refused.
         what: the noun of the message (``reference``, ``run``).
+        advice: appended (after ``"; "``) to the "not sealed" line only, not to the folder's.
     """
     d = Path(directory)
     if not os.path.lexists(d / MANIFEST_FILE) and not is_incomplete(d):
@@ -82,7 +83,8 @@ def not_sealed_reason(directory: str | Path, what: str) -> str:
                                              if len(inside) > 3 else "")
             return (f"{d}: not a {what} directory but a folder holding sealed directories "
                     f"({shown}): name one of them")
-    return f"{d}: {what} is not sealed (interrupted or still running)"
+    return f"{d}: {what} is not sealed (interrupted or still running)" + (
+        f"; {advice}" if advice else "")
 
 
 def sealed_ancestor(path: str | Path) -> Path | None:

@@ -16,6 +16,8 @@ step is the sum of the terms alive together there:
   parameters are cast to BF16 one by one
   (:func:`qualify.reference.scoring.bf16_parameters_copy`), ``4 P`` (an upper bound: the
   cast frees it parameter by parameter);
+- ``template``: the round-to-round runs' FP32 template, held beside the working copy each
+  run restores from it (:func:`qualify.reference.stage._round_to_round`), ``4 P``;
 - ``bf16_work``: the BF16 working copy of the ``bf16`` lanes (``2 P``;
   :meth:`~qualify.reference.update._Precision.refresh`), its BF16 ``.grad`` (``2 P``) until
   ``collect_grads`` folds it into the master;
@@ -416,14 +418,14 @@ def _size(n: int) -> str:
 
 DEVICE_PARAM_TERMS: Final = frozenset({
     "weights", "grads", "adamw", "sensitivity_copy", "bf16_work", "autocast_cache", "jt",
-    "jt_kept", "fp32_before_double", "bf16_cast_source"})
+    "jt_kept", "fp32_before_double", "bf16_cast_source", "template"})
 """Terms the placed stage holds with their parameters' layers (whole multiples of the role's
 parameter count): the models and their ``.grad``, ``torch.optim.AdamW``'s moments (created on
 the placed parameters, :func:`qualify.reference.update._adamw`), the sensitivity's ``saved``
 copy, the BF16 copy and its gradient, the autocast cache, a ``J_t`` and the fp64 Gram's kept
 ``J_t`` (:func:`qualify.reference.jacobian.token_gradients` returns them on the parameters'
-devices), the FP32 model before ``.double()`` (the FP64 control), BF16 scoring's FP32 copy
-before its cast."""
+devices), the FP32 model before ``.double()`` (the FP64 control), the FP32 copy a BF16 copy
+is cast from, the round-to-round runs' template."""
 
 DEVICE_TRANSIENT_TERMS: Final = frozenset({"host_temporaries", "saved_transient",
                                           "grad_in_flight"})
@@ -903,6 +905,8 @@ def plan_reference(contract: Contract, machine: Machine, *,
             # kl_step); the round-to-round runs hold the template and its working copy
             models_loaded = 1 if runs_of is None else 2
             train = training(role, w, bf16_params, autocast, streamed)
+            if runs_of is not None:  # the template stays beside the working copy
+                train = {**train, "template": 4 * pr}
             # streamed: the BF16 copy's gradient is one parameter's at a time (in flight)
             work = (2 if streamed else 4) * pr if bf16_params else 0
             in_flight = {"grad_in_flight": (2 if bf16_params else w) * largest[role],
@@ -924,6 +928,9 @@ def plan_reference(contract: Contract, machine: Machine, *,
                                          "activations": layer_act + head})
             if host_state:  # HostAdamW: one parameter's value, gradient and denom's two
                 phases["step"] = {**train, "host_step": HOST_STEP_COPIES * w * largest[role]}
+            if bf16_params:  # round 1's first refresh: the master's FP32 deep copy, then cast
+                phases["bf16 copy"] = {"weights": w * pr, "bf16_cast_source": 4 * pr,
+                                       "template": 4 * pr if runs_of is not None else 0}
             phases_by_role[role] = phases
             peak = max(sum(t.values()) for t in phases.values())
             if peak > best[0]:
@@ -938,7 +945,8 @@ def plan_reference(contract: Contract, machine: Machine, *,
         role = best[1]
         layer_act, head = acts(role, size, pos, elem, eager)
         act_dev = {f"{role} load": (0, 0, 0), f"{role} backward": (layer_act, head, 0),
-                   f"{role} sensitivity": (0, head, layer_act), f"{role} step": (0, 0, 0)}
+                   f"{role} sensitivity": (0, head, layer_act), f"{role} step": (0, 0, 0),
+                   f"{role} bf16 copy": (0, 0, 0)}
         add(label, {f"{role} {k}": v for k, v in phases_by_role[role].items()},
             {f"{role} {k}": role for k in phases_by_role[role]}, act_dev,
             written=update_file if runs_of is None else 0,
@@ -964,8 +972,11 @@ def plan_reference(contract: Contract, machine: Machine, *,
                      "fp32_before_double": 4 * pa if w == 8 else 0},
             "forward": {"weights": w * pa, "bf16_work": 2 * pa if bf16_params else 0,
                         "activations": layer_act + head}}
+        if bf16_params:  # _Precision.refresh: the policy's FP32 deep copy, then cast
+            phases["bf16 copy"] = {"weights": w * pa, "bf16_cast_source": 4 * pa}
         add(f"kl reference: {label}", phases, dict.fromkeys(phases, "actor"),
-            {"load": (0, 0, 0), "forward": (0, head, layer_act)}, written=0,
+            {"load": (0, 0, 0), "forward": (0, head, layer_act), "bf16 copy": (0, 0, 0)},
+            written=0,
             seconds=2 * pa * n_seq * pos / rate(prec if prec in ("fp64", "bf16") else "fp32")
             + load_s(4 * pa))
 

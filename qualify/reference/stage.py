@@ -603,8 +603,8 @@ def _plan_check(contract: Contract, enforce: bool,
             msg = (f"{reference_devices.MEMORY_ENV}: {contract.path or contract.name} cannot be "
                    f"planned ({e}), so a device budget cannot be applied")
             if enforce:
-                raise UsageError(f"{msg}; unset it, or run with --no-plan-check to go on "
-                                 "without it") from None
+                raise UsageError(f"{msg}; unset it, or `qualify reference --no-plan-check` "
+                                 "goes on without it") from None
             print(f"qualify: warning: {msg}; running without it (--no-plan-check)",
                   file=sys.stderr)
         return {"enforced": enforce, "devices": machine.devices,
@@ -615,8 +615,8 @@ def _plan_check(contract: Contract, enforce: bool,
     short = plan.shortfall("reference")  # the launches are the candidate stage's
     if short is not None and enforce:
         raise DoesNotFitError(f"{contract.path or contract.name}: does not fit this machine: "
-                              f"{short} (qualify plan shows each step; --no-plan-check runs "
-                              "it anyway)")
+                              f"{short} (qualify plan shows each step; `qualify reference "
+                              "--no-plan-check` runs it anyway)")
     if short is not None:
         print(f"qualify: warning: the plan does not fit this machine, running anyway "
               f"(--no-plan-check): {short}", file=sys.stderr)
@@ -737,8 +737,8 @@ def load_sealed_reference(path: Path, contract: Contract | None = None) -> dict[
     if not path.is_dir():
         raise ReferenceDataError(f"{path}: reference directory not found")
     if not store.is_sealed(path):
-        raise ReferenceDataError(f"{store.not_sealed_reason(path, 'reference')}; run "
-                                 "`qualify reference` to completion first")
+        raise ReferenceDataError(store.not_sealed_reason(
+            path, "reference", advice="run `qualify reference` to completion first"))
     kind = store.read_manifest(path).get("kind")
     if kind != REFERENCE_KIND or not (path / REFERENCE_FILE).is_file():
         raise ReferenceDataError(f"{path}: not a reference directory (its manifest's kind is "

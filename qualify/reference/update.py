@@ -589,8 +589,8 @@ class HostAdamW:
 
     With ``keep="g1"`` a parameter's state between its first and second step is its first
     step's gradient ``g1`` alone (one copy of the parameter instead of two): after one step
-    from zero state torch's moments are exactly ``(1 - b1) * g1`` (``lerp_`` from 0) and
-    ``((1 - b2) * g1) * g1`` (``addcmul_`` from 0), so the second step rebuilds them (and the
+    from zero state torch's moments are ``lerp_(g1, 1 - b1)`` and ``addcmul_(g1, g1, value=1 -
+    b2)`` of zeros, so the second step rebuilds them with those operations (and the
     step count 1) for that parameter and steps: bitwise the kept moments
     (``tests/test_scale_plan.py`` proves the arithmetic; ``tests/test_round2_g1.py`` this
     class). From the second step on the moments are kept as with ``keep="moments"``.
@@ -623,10 +623,18 @@ class HostAdamW:
         self.param_groups = [g for o in self._optims for g in o.param_groups]
 
     def _rebuilt(self, g1: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The state torch's AdamW holds after one step from zero state with gradient ``g1``."""
+        """The state torch's AdamW holds after one step from zero state with gradient ``g1``.
+
+        Rebuilt with the very operations of torch's single-tensor AdamW on zero state
+        (``exp_avg.lerp_(g, 1 - b1)``; ``exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)``),
+        so it is bitwise that state, the sign of a zero included (``(1 - b1) * g1`` would
+        keep a ``-0.0`` that ``lerp_`` from ``+0.0`` does not).
+        """
         b1, b2 = self._betas
-        return {"step": torch.tensor(1.0), "exp_avg": (1 - b1) * g1,
-                "exp_avg_sq": ((1 - b2) * g1) * g1}
+        exp_avg = torch.zeros_like(g1, memory_format=torch.preserve_format).lerp_(g1, 1 - b1)
+        exp_avg_sq = torch.zeros_like(g1, memory_format=torch.preserve_format)
+        exp_avg_sq.mul_(b2).addcmul_(g1, g1, value=1 - b2)
+        return {"step": torch.tensor(1.0), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
     def step(self, grads: list[torch.Tensor | None] | None = None) -> None:
         """One AdamW step of every parameter that has a gradient (torch skips the others).
@@ -688,6 +696,20 @@ class HostAdamW:
                 return dict(optim.state[slot])
         raise KeyError("HostAdamW.moments: not one of its parameters")
 
+    def state_dtypes(self) -> set[tuple[str, torch.dtype]]:
+        """``(moment, dtype)`` of every parameter stepped so far, nothing rebuilt.
+
+        A parameter that keeps ``g1`` reports ``g1``'s dtype (its rebuilt moments have it),
+        so no moment is allocated to read a dtype.
+        """
+        out: set[tuple[str, torch.dtype]] = set()
+        for s, o, g1 in zip(self._slots, self._optims, self._g1, strict=True):
+            if g1 is not None:
+                out |= {("exp_avg", g1.dtype), ("exp_avg_sq", g1.dtype)}
+            elif s in o.state:
+                out |= {(k, o.state[s][k].dtype) for k in ("exp_avg", "exp_avg_sq")}
+        return out
+
     def states(self) -> list[dict[str, torch.Tensor]]:
         """The AdamW state of every parameter stepped so far (rebuilt from ``g1`` where kept)."""
         return [self._rebuilt(g1) if g1 is not None else dict(o.state[s])
@@ -727,9 +749,10 @@ def _moments(optim: Optimizer, p: nn.Parameter) -> dict[str, torch.Tensor]:
 
 
 def _state_dtypes(optim: Optimizer) -> dict[str, str]:
-    states = optim.states() if isinstance(optim, HostAdamW) else list(optim.state.values())
-    dtypes = {f"{key}:{state[key].dtype}" for state in states
-              for key in ("exp_avg", "exp_avg_sq")}
+    pairs = optim.state_dtypes() if isinstance(optim, HostAdamW) else {
+        (key, state[key].dtype) for state in optim.state.values()
+        for key in ("exp_avg", "exp_avg_sq")}
+    dtypes = {f"{key}:{dtype}" for key, dtype in pairs}
     return {d.split(":")[0]: d.split(":")[1] for d in sorted(dtypes)}
 
 

