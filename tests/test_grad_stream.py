@@ -12,36 +12,33 @@ the step, one hook call per parameter, micro-batch and round).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import torch
-from tiny_models import THREE_LAYER_CFG, seeded_batch, seeded_qwen3
+from placed_runs import (
+    EnteredError,
+    assert_same_runs,
+    placed_update_runs,
+    spy_on_entered_devices,
+    tiny_contract,
+)
+from tiny_models import THREE_LAYER_CFG, seeded_qwen3
 
 from qualify.contract import load_contract
 from qualify.reference import devices, update
 from qualify.reference import plan as reference_plan
-from qualify.reference.update import Batch, UpdateSettings
 from qualify.resources import contracts_dir
 
 
 def _run(gradients: str, precision: str, mode: str,
          seen: list[update._GradStream]) -> tuple[Any, ...]:
-    """The Actor's and the Critic's update runs on two ``cpu`` devices, state on the host."""
-    contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
-    st_ = UpdateSettings(precision=precision,  # type: ignore[arg-type]
-                         bf16_mode=mode, micro_batch_size=2)  # type: ignore[arg-type]
+    """The Actor's and the Critic's update runs on two ``cpu`` devices, state on the host;
+    ``(actor, critic, metas, the bytes noted per device, the contract)``."""
     two = devices.ReferenceDevices(("cpu", "cpu"), devices.ENV, "host", gradients)
-    with devices.active(two) as record:
-        models = []
-        for role in ("actor", "actor", "critic"):
-            m = seeded_qwen3(role, THREE_LAYER_CFG)
-            models.append(devices.place(m.double() if precision == "fp64" else m, role))
-        batch = cast(Batch, seeded_batch(96, short={0: 4}, masked_targets=False))
-        actor, meta_a = update.run_actor(models[0], models[1], batch, contract, st_)
-        critic, meta_c = update.run_critic(models[2], batch, contract, st_)
+    actor, critic, meta_a, meta_c, record = placed_update_runs(two, precision, mode)
     assert record["gradients"] == gradients
-    return actor, critic, meta_a, meta_c, record["memory"]["bytes"], contract
+    return actor, critic, meta_a, meta_c, record["memory"]["bytes"], tiny_contract()
 
 
 @pytest.mark.parametrize(("precision", "mode"), [("fp32", "params"), ("bf16", "castmasters"),
@@ -64,14 +61,7 @@ def test_streamed_gradients_seal_bitwise_the_unstreamed(precision: str, mode: st
     dev = _run("device", precision, mode, seen)
     assert not seen
     host = _run("host", precision, mode, seen)
-    for a, b in zip(dev[:2], host[:2], strict=True):
-        assert a.keys() == b.keys()
-        assert any("/grads/" in k for k in a)
-        for k in a:
-            assert a[k].dtype == b[k].dtype, k
-            assert torch.equal(a[k], b[k]), k
-    assert dev[2] == host[2]
-    assert dev[3] == host[3]
+    assert_same_runs(dev, host, must_have="/grads/")
     # noted per device at each step: the master and its .grad, or the master alone
     assert [2 * b for b in host[4]] == dev[4]
     assert all(b > 0 for b in host[4])
@@ -163,19 +153,10 @@ def test_the_stage_enters_its_devices_with_the_plans_stream(
     :class:`ReferenceDevices` and its ``plan_check`` record."""
     from qualify.reference import stage
 
-    seen: list[devices.ReferenceDevices | None] = []
-
-    class EnteredError(Exception):
-        pass
-
-    def spy(d: devices.ReferenceDevices | None) -> Any:
-        seen.append(d)
-        raise EnteredError
-
+    seen = spy_on_entered_devices(monkeypatch)
     plain_build = reference_plan.build_plan
     monkeypatch.setattr(reference_plan, "build_plan", lambda c, m: plain_build(
         c, m, optimizer_state="host", gradients="host", round2_state="g1"))
-    monkeypatch.setattr(devices, "active", spy)
     monkeypatch.setenv(devices.ENV, "cpu,cpu")
     monkeypatch.setenv(devices.MEMORY_ENV, "1")
     contract = load_contract(contracts_dir() / "tiny-qwen3.toml")

@@ -17,6 +17,12 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given, settings
+from placed_runs import (
+    EnteredError,
+    assert_same_runs,
+    placed_update_runs,
+    spy_on_entered_devices,
+)
 from tiny_models import THREE_LAYER_CFG, seeded_batch, seeded_qwen3
 
 from qualify.contract import Contract, load_contract
@@ -36,22 +42,12 @@ def _contract() -> Contract:
 
 def _run(state: str, precision: str, mode: str) -> tuple[dict[str, Any], ...]:
     """The Actor's and the Critic's update runs, placed on two ``cpu`` devices."""
-    contract = _contract()
-    st_ = UpdateSettings(precision=precision,  # type: ignore[arg-type]
-                         bf16_mode=mode, micro_batch_size=2)  # type: ignore[arg-type]
-    two = devices.ReferenceDevices(("cpu", "cpu"), devices.ENV, state)
-    with devices.active(two) as record:
-        models = []
-        for role in ("actor", "actor", "critic"):
-            m = seeded_qwen3(role, CFG)
-            models.append(devices.place(m.double() if precision == "fp64" else m,
-                                        role))
-        batch = cast(Batch, seeded_batch(96, short={0: 4}, masked_targets=False))
-        actor, meta_a = update.run_actor(models[0], models[1], batch, contract, st_)
-        critic, meta_c = update.run_critic(models[2], batch, contract, st_)
+    runs = placed_update_runs(devices.ReferenceDevices(("cpu", "cpu"), devices.ENV, state),
+                              precision, mode)
+    record = runs[4]
     assert record["optimizer_state"] == state
     assert len(set(record["placed"]["actor"]["assignment"])) == 2
-    return actor, critic, meta_a, meta_c
+    return runs[:4]
 
 
 @pytest.mark.parametrize(("precision", "mode"), [("fp32", "params"), ("bf16", "castmasters"),
@@ -62,14 +58,7 @@ def test_host_state_seals_bitwise_the_device_state(precision: str, mode: str) ->
     meta (optimizer-state dtypes, the FP32 norm evaluations, the sensitivities) are equal."""
     dev = _run("device", precision, mode)
     host = _run("host", precision, mode)
-    for a, b in zip(dev[:2], host[:2], strict=True):
-        assert a.keys() == b.keys()
-        assert any("/exp_avg_sq/" in k for k in a)
-        for k in a:
-            assert a[k].dtype == b[k].dtype, k
-            assert torch.equal(a[k], b[k]), k
-    assert dev[2] == host[2]
-    assert dev[3] == host[3]
+    assert_same_runs(dev, host, must_have="/exp_avg_sq/")
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -181,16 +170,7 @@ def test_the_stage_runs_with_the_plans_choice(monkeypatch: pytest.MonkeyPatch,
     from qualify.errors import UsageError
     from qualify.reference import stage
 
-    seen: list[devices.ReferenceDevices | None] = []
-
-    class EnteredError(Exception):
-        pass
-
-    def spy(d: devices.ReferenceDevices | None) -> Any:
-        seen.append(d)
-        raise EnteredError
-
-    monkeypatch.setattr(devices, "active", spy)
+    seen = spy_on_entered_devices(monkeypatch)
     monkeypatch.setenv(devices.ENV, "cpu,cpu,cpu")
     for memory, want in (("0.028", "host"), ("1", "device")):
         monkeypatch.setenv(devices.MEMORY_ENV, memory)

@@ -10,18 +10,19 @@ what the runs keeping the moments seal.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
+from typing import Any
 
 import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given, settings
-from tiny_models import THREE_LAYER_CFG, seeded_batch, seeded_qwen3
+from placed_runs import assert_same_runs, placed_update_runs
+from tiny_models import THREE_LAYER_CFG, seeded_qwen3
 
 from qualify.contract import load_contract
 from qualify.reference import devices, update
 from qualify.reference import plan as reference_plan
-from qualify.reference.update import Batch, HostAdamW, UpdateSettings
+from qualify.reference.update import HostAdamW
 from qualify.resources import contracts_dir
 
 
@@ -99,19 +100,10 @@ def test_g1_host_adamw_is_torch_adamw(shapes: list[tuple[int, int]], steps: int,
 
 
 def _run(keep: str, precision: str) -> tuple[Any, ...]:
-    contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
-    st_ = UpdateSettings(precision=precision, micro_batch_size=2)  # type: ignore[arg-type]
     two = devices.ReferenceDevices(("cpu", "cpu"), devices.ENV, "host", "host", keep)
-    with devices.active(two) as record:
-        models = []
-        for role in ("actor", "actor", "critic"):
-            m = seeded_qwen3(role, THREE_LAYER_CFG)
-            models.append(devices.place(m.double() if precision == "fp64" else m, role))
-        batch = cast(Batch, seeded_batch(96, short={0: 4}, masked_targets=False))
-        actor, meta_a = update.run_actor(models[0], models[1], batch, contract, st_)
-        critic, meta_c = update.run_critic(models[2], batch, contract, st_)
-    assert record["round2_state"] == keep
-    return actor, critic, meta_a, meta_c
+    runs = placed_update_runs(two, precision)
+    assert runs[4]["round2_state"] == keep
+    return runs[:4]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp64"])
@@ -135,13 +127,8 @@ def test_g1_runs_seal_bitwise_the_kept_moments(precision: str,
     n = [len([p for p in seeded_qwen3(r, THREE_LAYER_CFG).parameters() if p.requires_grad])
          for r in ("actor", "critic")]
     assert kept == [n[0], 0, n[1], 0]  # after round 1: every parameter's g1; after 2: none
-    for a, b in zip(moments[:2], g1[:2], strict=True):
-        assert a.keys() == b.keys()
-        assert any("round2/" in k and "/exp_avg_sq/" in k for k in a)
-        for k in a:
-            assert a[k].dtype == b[k].dtype, k
-            assert torch.equal(a[k], b[k]), k
-    assert moments[2:] == g1[2:]
+    assert_same_runs(moments, g1, must_have="/exp_avg_sq/")
+    assert any(k.startswith("round2/") and "/exp_avg_sq/" in k for k in g1[0])
 
 
 def test_g1_needs_the_host_state() -> None:
