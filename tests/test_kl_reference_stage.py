@@ -1,10 +1,11 @@
 """The KL reference logprobs of the stage's update runs, taken before the Actor is loaded.
 
 :func:`qualify.reference.stage._update_run` takes each run's KL reference logprobs from the
-frozen reference policy alone (:func:`qualify.reference.stage._kl_reference`) and runs the
-Actor's update with no second model: every sealed tensor of every lane's update and control
-is bitwise the one the reference policy passed to :func:`qualify.reference.update.run_actor`
-gives, and the policy is gone when the update starts.
+frozen reference policy alone (:func:`qualify.reference.update.kl_reference_before_load`)
+and runs the Actor's update with no second model: every sealed tensor of every lane's update
+and control is bitwise the one the reference policy passed to
+:func:`qualify.reference.update.run_actor` gives, and the policy is gone when the update
+starts.
 """
 
 from __future__ import annotations

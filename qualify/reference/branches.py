@@ -65,7 +65,7 @@ from qualify.reference.update import (
     Batch,
     RoundHook,
     UpdateSettings,
-    kl_reference_logprobs,
+    kl_reference_before_load,
     run_actor,
     run_critic,
     with_rollout_rows,
@@ -290,9 +290,7 @@ def _rerun(contract: Contract, bundle: models.ModelBundle, batch: Batch, *, prec
     if role == "actor":
         # The KL reference logprobs first, from the frozen reference policy alone (freed
         # before the Actor is loaded), as the stage's update run takes them.
-        ref_logp = kl_reference_logprobs(
-            load_role("actor", bundle.actor_dir, dtype=torch.float32, attn_implementation=attn,
-                      requires_grad=False), batch, contract, settings)
+        ref_logp = kl_reference_before_load(contract, bundle.actor_dir, batch, settings, attn)
         release_free_memory()
         actor = load_role("actor", bundle.actor_dir, dtype=torch.float32,
                           attn_implementation=attn, requires_grad=True)

@@ -354,6 +354,12 @@ def note_step(role: str, held: Callable[[], list[tuple[str, int]]]) -> None:
         seen[i] = max(seen[i], b)
 
 
+def _active_setting(field: str, *, unplaced: str) -> str:
+    """The active :class:`ReferenceDevices`' ``field`` inside :func:`active`, else ``unplaced``."""
+    state = _ACTIVE.get()
+    return unplaced if state is None else str(getattr(state.devices, field))
+
+
 def optimizer_state() -> str:
     """Where the active devices keep the AdamW moments and the sensitivity copy.
 
@@ -362,8 +368,7 @@ def optimizer_state() -> str:
         ``device`` outside it or when nothing is placed (the unplaced stage: every tensor is on
         the host already, and its optimizer is ``torch.optim.AdamW`` over the parameters).
     """
-    state = _ACTIVE.get()
-    return "device" if state is None else state.devices.optimizer_state
+    return _active_setting("optimizer_state", unplaced="device")
 
 
 def round2_state() -> str:
@@ -373,8 +378,7 @@ def round2_state() -> str:
         The active :class:`ReferenceDevices`' ``round2_state`` inside :func:`active`;
         ``moments`` outside it or when nothing is placed.
     """
-    state = _ACTIVE.get()
-    return "moments" if state is None else state.devices.round2_state
+    return _active_setting("round2_state", unplaced="moments")
 
 
 def gradients() -> str:
@@ -384,8 +388,7 @@ def gradients() -> str:
         The active :class:`ReferenceDevices`' ``gradients`` inside :func:`active`; ``device``
         outside it or when nothing is placed.
     """
-    state = _ACTIVE.get()
-    return "device" if state is None else state.devices.gradients
+    return _active_setting("gradients", unplaced="device")
 
 
 @contextlib.contextmanager

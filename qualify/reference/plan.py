@@ -53,7 +53,7 @@ step is the sum of the terms alive together there:
 Each Actor update (a lane's, a control's, a lane's round-to-round runs, a clip-branch
 rerun) follows its own ``kl reference:`` step: the frozen reference policy alone, loaded
 (``.double()`` in the FP64 control), its BF16 copy at BF16 parameters and one forward
-without a graph (:func:`qualify.reference.stage._kl_reference`); the update itself loads
+without a graph (:func:`qualify.reference.update.kl_reference_before_load`); the update itself loads
 one model, not the policy beside it.
 
 Host-only execution (``devices = 0``: the stage without CUDA) puts every term on the host.
@@ -956,7 +956,7 @@ def plan_reference(contract: Contract, machine: Machine, *,
 
     def kl_step(label: str, prec: str, mode: str, size: int, extra: int, *,
                 eager: bool) -> None:
-        """The KL reference forward before an Actor update (``stage._kl_reference``).
+        """The KL reference forward before an Actor update (``update.kl_reference_before_load``).
 
         The frozen reference policy alone (no trained model): loaded (``.double()`` in the
         fp64 control), its BF16 copy at BF16 parameters, one forward of the batch without
@@ -1213,9 +1213,11 @@ def build_plan(contract: Contract, machine: Machine, *,
     if gradients is not None or round2_state is not None:
         raise ValueError("build_plan: gradients or round2_state without optimizer_state")
     if not machine.devices:
-        fits = plan("device", "")._first_short("reference") is None
-        why = "the stage fits with them on the devices" if fits else "no devices"
-        return plan("device", why, keep_why=why)
+        only = plan("device", "")
+        why = ("the stage fits with them on the devices" if only._first_short("reference") is None
+               else "no devices")
+        return dataclasses.replace(only, optimizer_state_why=why, gradients_why=why,
+                                   round2_state_why=why)
     rounds = contract.algorithm.rounds
     configs = [("device", "device", "moments"), ("host", "device", "moments"),
                ("host", "host", "moments")]
@@ -1255,7 +1257,9 @@ def build_plan(contract: Contract, machine: Machine, *,
         keep_why = f"{rounds} rounds: g1 stands for the moments between two only"
     else:
         keep_why = "keeping g1 does not get further"
-    return plan(state, state_why, grads, grads_why, keep=keep, keep_why=keep_why)
+    # the chosen configuration's plan, already made: only its reasons are added
+    return dataclasses.replace(plans[best], optimizer_state_why=state_why,
+                               gradients_why=grads_why or state_why, round2_state_why=keep_why)
 
 
 def check_fits(contract: Contract, machine: Machine | None = None) -> Plan:

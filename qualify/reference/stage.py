@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,10 +73,11 @@ from qualify.reference.branches import adjust_control_errors, seal_branches
 from qualify.reference.controls import control_errors_document, control_settings
 from qualify.reference.distribution import seal_distribution
 from qualify.reference.update import (
+    KL_REFERENCE_SOURCE,
     Batch,
     Bf16Mode,
     UpdateSettings,
-    kl_reference_logprobs,
+    kl_reference_before_load,
     run_actor,
     run_critic,
 )
@@ -135,41 +136,6 @@ def _batch(roll: rollout.Rollout, train: dict[str, torch.Tensor], pad: int) -> B
                  behavior_logprobs=roll.behavior_logprobs.float())
 
 
-def _reference_policy(bundle: models.ModelBundle, attn: str, *, fp64: bool = False
-                      ) -> torch.nn.Module:
-    """The frozen reference policy: the Actor's checkpoint, FP32 (FP64 for that control)."""
-    ref = reference_devices.load_role("actor", bundle.actor_dir, dtype=torch.float32,
-                                      attn_implementation=attn, requires_grad=False)
-    return ref.double() if fp64 else ref
-
-
-KL_REFERENCE_SOURCE: Final[dict[str, str]] = {
-    "source": "reference_policy_forward", "taken": "before_actor_load",
-    "settings": "the_run_own"}
-"""Where each update run's KL reference logprobs came from (the reference document's
-``update_meta[run]["kl_reference"]``): a forward of the frozen reference policy under that
-run's own settings and attention (:func:`_kl_reference`), taken before its Actor is loaded
-and freed before the update; not reused from scoring."""
-
-
-def _kl_reference(contract: Contract, bundle: models.ModelBundle, batch: Batch,
-                  settings: UpdateSettings, attn: str) -> torch.Tensor:
-    """The KL reference logprobs of one update run, with no trained model loaded.
-
-    Loads the frozen reference policy (:func:`_reference_policy`, FP64 in the ``fp64``
-    control), takes :func:`qualify.reference.update.kl_reference_logprobs` of ``batch``
-    under ``settings`` (precision and BF16 style, micro-batches, extra padding,
-    ``row_split``) with attention ``attn``, and drops the policy before returning: the
-    ``ref_logprobs`` :func:`qualify.reference.update.run_actor` computes from that policy
-    itself, bit for bit, so the update that follows holds no second model.
-
-    Returns:
-        ``[B, R + extra_right_padding]`` in ``settings.accumulate_dtype``.
-    """
-    ref = _reference_policy(bundle, attn, fp64=settings.precision == "fp64")
-    return kl_reference_logprobs(ref, batch, contract, settings)
-
-
 def _update_run(contract: Contract, bundle: models.ModelBundle, batch: Batch,
                 settings: UpdateSettings, attn: str) -> tuple[dict[str, torch.Tensor],
                                                              dict[str, Any]]:
@@ -184,7 +150,7 @@ def _update_run(contract: Contract, bundle: models.ModelBundle, batch: Batch,
     r_len = batch.responses.shape[1]
     torch.manual_seed(0)
     fp64 = settings.precision == "fp64"  # the FP64 control: FP64 copies of the FP32 checkpoint
-    ref_logp = _kl_reference(contract, bundle, batch, settings, attn)
+    ref_logp = kl_reference_before_load(contract, bundle.actor_dir, batch, settings, attn)
     meta["kl_reference"] = dict(KL_REFERENCE_SOURCE)
     release_free_memory()  # the reference policy, before the trained Actor is loaded
     actor = reference_devices.load_role("actor", bundle.actor_dir, dtype=torch.float32,
@@ -215,7 +181,8 @@ def _round_to_round(contract: Contract, bundle: models.ModelBundle, batch: Batch
     Each perturbed update runs with the lane's reference settings on fresh FP32 models,
     as :func:`_update_run` does (one load of the checkpoint, restored into one working
     copy before each run; the KL reference logprobs taken once, by the reference policy
-    loaded alone before the Actor, :func:`_kl_reference`); the size is
+    loaded alone before the Actor,
+    :func:`qualify.reference.update.kl_reference_before_load`); the size is
     the largest control error of the lane over every control it measured. None in the
     deterministic lane (its bounds are 0) or where the contract does not ask for the term
     (``[bounds] round_to_round``).
@@ -256,12 +223,13 @@ def _round_to_round(contract: Contract, bundle: models.ModelBundle, batch: Batch
         release_free_memory()
         torch.manual_seed(0)
         if role == "actor":
-            # The reference policy is the Actor's checkpoint (_reference_policy), frozen; its
+            # The reference policy is the Actor's checkpoint (reference_policy), frozen; its
             # KL logprobs are the same in every perturbed update, so they are taken once,
             # from the policy alone (no role model held), before the Actor's first load.
             if "actor" not in kl_reference:
                 loaded.clear()
-                kl_reference["actor"] = _kl_reference(contract, bundle, batch, settings, "sdpa")
+                kl_reference["actor"] = kl_reference_before_load(
+                    contract, bundle.actor_dir, batch, settings, "sdpa")
                 release_free_memory()
                 torch.manual_seed(0)  # the Actor's load sees the seed as without this load
             t, _ = run_actor(fresh("actor"), None, batch, contract, settings, offsets=offsets,

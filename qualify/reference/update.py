@@ -49,7 +49,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Final, Literal
 
 import torch
 from torch import nn
@@ -375,6 +376,7 @@ class _GradStream:
 
     def __init__(self, master: nn.Module) -> None:
         self._dtypes = {n: p.dtype for n, p in master.named_parameters() if p.requires_grad}
+        self._names = {p: n for n, p in master.named_parameters()}
         self.grads: dict[str, torch.Tensor] = {}
         self.calls = 0
         self._attached: nn.Module | None = None
@@ -403,10 +405,9 @@ class _GradStream:
 
         return hook
 
-    def grad_of(self, named: Mapping[nn.Parameter, str]) -> Callable[[nn.Parameter],
-                                                                      torch.Tensor | None]:
-        """``p -> its host gradient`` (``None``: none yet), ``named`` giving each its name."""
-        return lambda p: self.grads.get(named[p])
+    def grad_of(self, p: nn.Parameter) -> torch.Tensor | None:
+        """The master parameter ``p``'s host gradient of the round (``None``: none yet)."""
+        return self.grads.get(self._names[p])
 
     def close(self) -> None:
         """Remove the hooks."""
@@ -800,6 +801,46 @@ def kl_reference_logprobs(ref: nn.Module, batch: Batch, contract: Contract,
     return _kl_reference_logprobs(ref, padded, contract.sampling.temperature, settings)
 
 
+def reference_policy(actor_dir: Path, attn: str, *, fp64: bool = False) -> nn.Module:
+    """The frozen reference policy: the Actor's checkpoint in ``actor_dir``.
+
+    FP32 (FP64 for the FP64 control), attention ``attn``, no gradients, placed as the stage
+    places models (:func:`qualify.reference.devices.load_role`).
+    """
+    ref = reference_devices.load_role("actor", actor_dir, dtype=torch.float32,
+                                      attn_implementation=attn, requires_grad=False)
+    return ref.double() if fp64 else ref
+
+
+KL_REFERENCE_SOURCE: Final[dict[str, str]] = {
+    "source": "reference_policy_forward", "taken": "before_actor_load",
+    "settings": "the_run_own"}
+"""Where each update run's KL reference logprobs came from (the reference document's
+``update_meta[run]["kl_reference"]``): a forward of the frozen reference policy under that
+run's own settings and attention (:func:`kl_reference_before_load`), taken before its Actor
+is loaded and freed before the update; not reused from scoring."""
+
+
+def kl_reference_before_load(contract: Contract, actor_dir: Path, batch: Batch,
+                             settings: UpdateSettings, attn: str) -> torch.Tensor:
+    """The KL reference logprobs of one Actor update run, with no trained model loaded.
+
+    Loads the frozen reference policy (:func:`reference_policy`, FP64 in the ``fp64``
+    control), takes :func:`kl_reference_logprobs` of ``batch`` under ``settings``
+    (precision and BF16 style, micro-batches, extra padding, ``row_split``) with attention
+    ``attn``, and drops the policy before returning: the ``ref_logprobs``
+    :func:`run_actor` computes from that policy itself, bit for bit, so the update that
+    follows holds no second model. Used by every Actor update of the stage (lanes,
+    controls, round-to-round runs) and by the clip-branch reruns
+    (:mod:`qualify.reference.branches`).
+
+    Returns:
+        ``[B, R + extra_right_padding]`` in ``settings.accumulate_dtype``.
+    """
+    ref = reference_policy(actor_dir, attn, fp64=settings.precision == "fp64")
+    return kl_reference_logprobs(ref, batch, contract, settings)
+
+
 def run_actor(actor: nn.Module, ref: nn.Module | None, batch: Batch, contract: Contract,
               settings: UpdateSettings, *, on_round: RoundHook | None = None,
               probe: ProbeHook = _no_probe, offsets: Offsets | None = None,
@@ -852,7 +893,6 @@ def run_actor(actor: nn.Module, ref: nn.Module | None, batch: Batch, contract: C
     host_state = reference_devices.optimizer_state() == "host"
     optim = _adamw(actor, contract.optimizer.actor_lr, contract, host=host_state)
     stream = _stream(actor, on_round)
-    names = {p: n for n, p in actor.named_parameters()}
     b, r_len = batch.responses.shape
     acc = settings.accumulate_dtype
     row_w, denom = _aggregation(batch, contract, acc)
@@ -954,7 +994,7 @@ def run_actor(actor: nn.Module, ref: nn.Module | None, batch: Batch, contract: C
                            _token_logprobs_entropy(_forward_response_outputs(m, mb),
                                                    mb.responses, temp)[0],
                            saved_on_host=host_state,
-                           grad_of=None if stream is None else stream.grad_of(names))
+                           grad_of=None if stream is None else stream.grad_of)
         if on_round is not None:
             on_round(round_, model, actor, batch, old_logp)
         lrs[f"round{round_}"] = _step("actor", round_, actor, contract, optim=optim, out=out,
@@ -1008,7 +1048,6 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
     host_state = reference_devices.optimizer_state() == "host"
     optim = _adamw(critic, contract.optimizer.critic_lr, contract, host=host_state)
     stream = _stream(critic, on_round)
-    names = {p: n for n, p in critic.named_parameters()}
     b, r_len = batch.responses.shape
     acc = settings.accumulate_dtype
     row_w, denom = _aggregation(batch, contract, acc)
@@ -1063,7 +1102,7 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
             sens.grad_norm(round_, critic, batch, settings.micro_batch_size, lambda m, mb:
                            _forward_response_outputs(m, mb).float().squeeze(-1),
                            saved_on_host=host_state,
-                           grad_of=None if stream is None else stream.grad_of(names))
+                           grad_of=None if stream is None else stream.grad_of)
         if on_round is not None:
             on_round(round_, model, critic, batch, old_values)
         lrs[f"round{round_}"] = _step("critic", round_, critic, contract, optim=optim,

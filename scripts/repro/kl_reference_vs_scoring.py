@@ -5,7 +5,7 @@ Usage: ``python scripts/repro/kl_reference_vs_scoring.py CONTRACT DIR``
 ``DIR`` is a reference directory (sealed or interrupted) holding the rollout, the train
 inputs and ``scores/``. For each lane's settings (FP32; BF16 parameters, castmasters,
 autocast), takes :func:`qualify.reference.update.kl_reference_logprobs` of the frozen policy
-(:func:`qualify.reference.stage._reference_policy`) as the stage's update runs do, and
+(:func:`qualify.reference.update.reference_policy`) as the stage's update runs do, and
 compares it on the valid response tokens with the scoring's ``reference/logprobs`` of that
 precision: bitwise or not, and the largest absolute difference. Prints one line per lane.
 """
@@ -22,7 +22,7 @@ from qualify.contract import load_contract
 from qualify.layout import SCORES_DIR, hf_tensors_file
 from qualify.models import bundle as models
 from qualify.protocol import TRAIN_INPUTS_FILE
-from qualify.reference import rollout, stage
+from qualify.reference import rollout, stage, update
 from qualify.reference.update import UpdateSettings, kl_reference_logprobs
 
 
@@ -39,8 +39,8 @@ def main() -> int:
                        ("bf16", "autocast")):
         settings = UpdateSettings(precision=prec, bf16_mode=mode,  # type: ignore[arg-type]
                                   micro_batch_size=contract.algorithm.micro_batch_size)
-        kl = kl_reference_logprobs(stage._reference_policy(bundle, "sdpa"), batch, contract,
-                                   settings)[:, :mask.shape[1]]
+        ref = update.reference_policy(bundle.actor_dir, "sdpa")
+        kl = kl_reference_logprobs(ref, batch, contract, settings)[:, :mask.shape[1]]
         scored = load_file(str(directory / SCORES_DIR / hf_tensors_file(prec)))
         sc = scored["reference/logprobs"].to(kl.dtype)
         diff = float((kl.double() - sc.double()).abs()[mask].max())

@@ -57,7 +57,7 @@ def main() -> None:
     from qualify.layout import hf_tensors_file
     from qualify.models import bundle as models
     from qualify.models import roles
-    from qualify.reference import rollout, stage
+    from qualify.reference import rollout, stage, update
     from qualify.reference.update import Batch, UpdateSettings, run_actor
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -113,8 +113,8 @@ def main() -> None:
         actor = roles.load_actor(bundle.actor_dir, dtype=torch.float32,
                                  attn_implementation="sdpa", requires_grad=True)
         torch.manual_seed(0)
-        out, _ = run_actor(actor, stage._reference_policy(bundle, "sdpa"), batch, contract,
-                           settings, probe=probe)
+        ref = update.reference_policy(bundle.actor_dir, "sdpa")
+        out, _ = run_actor(actor, ref, batch, contract, settings, probe=probe)
         return out
 
     base = run(0.0)
