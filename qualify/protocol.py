@@ -105,7 +105,9 @@ exact when the parameter has at most ``exact_elements`` elements (the contract's
 values at the seeded sample :func:`param_sample_indices` (``sample_elements``, the same
 elements on every side, so relative L2 errors are estimated on a fixed sample),
 and ``logprobs_padded`` / ``values_padded`` (the padding-invariance rerun, same shape as
-``logprobs``). All floating tensors are stored as float32 (or float64 for FP64 targets).
+``logprobs``); an Actor on the harness SDK may add round 1's ``prefill_*`` distributions
+(:mod:`qualify_harness.distribution`; their top-k ids are int64). All floating tensors are
+stored as float32 (or float64 for FP64 targets).
 """
 
 from __future__ import annotations

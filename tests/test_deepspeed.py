@@ -214,7 +214,8 @@ def test_tp2_agrees_with_tp1_at_fp32(runs: Runs) -> None:
         err = family_errors(role_tensors(tp2, role), role_tensors(tp1, role), runs.mask)
         print(f"\n[deepspeed] TP2 vs TP1 fp32 {role}: "
               + ", ".join(f"{k}={v:.2e}" for k, v in sorted(err.items())))
-        per_token = ("logprobs", "entropy") if role == "actor" else ("values",)
+        per_token = ("logprobs", "entropy", "prefill_raw", "prefill_tempered") \
+            if role == "actor" else ("values",)
         assert all(err[f] < 1e-5 for f in per_token), err
         assert err["grads"] < 1e-4, err
         assert err["exp_avg"] < 1e-4, err

@@ -205,6 +205,8 @@ def test_dp2_agrees_with_dp1(runs: Runs, role: str) -> None:
     for fam in ("logprobs", "entropy", "values", "grads", "exp_avg", "exp_avg_sq"):
         if fam in err:
             assert err[fam] <= floors[fam], (fam, err)
+    if role == "actor":  # the initial-weights distributions, rows gathered over dp
+        assert max(err["prefill_raw"], err["prefill_tempered"]) <= floors["logprobs"], err
     assert err["updates"] <= 10 * floors["updates"], err  # AdamW's m / sqrt(v) amplifies
     assert err["loss"] <= 10 * floors["losses"], err
     assert err["grad_norm"] <= 10 * floors["grad_norm"], err
@@ -478,6 +480,8 @@ def test_tp2_dp2_agrees_with_dp1(runs: Runs, role: str) -> None:
     for fam in ("logprobs", "entropy", "values", "grads", "exp_avg", "exp_avg_sq"):
         if fam in err:
             assert err[fam] <= floors[fam], (fam, err)
+    if role == "actor":  # the initial-weights distributions, rows gathered over dp
+        assert max(err["prefill_raw"], err["prefill_tempered"]) <= floors["logprobs"], err
     assert err["updates"] <= 10 * floors["updates"], err
     assert err["loss"] <= 10 * floors["losses"], err
     assert err["grad_norm"] <= 10 * floors["grad_norm"], err

@@ -125,6 +125,33 @@ def test_training_rows_run_on_cpu_and_pass(report: dict[str, Any], cell: str) ->
     assert verdict[cell] == "PASS"
 
 
+@pytest.mark.parametrize("cell", ["megatron-fp32-actor-tp1", "megatron-fp32-actor-tp2"])
+def test_distribution_is_the_references_within_the_cells_logprobs_bound(
+        report: dict[str, Any], reference: Path, cell: str) -> None:
+    """``round1/actor/prefill_<kind>`` (TP 2: the padded vocabulary's shards gathered with
+    megatron-core's gather and cut to V) equals the reference's sealed distribution entry by
+    entry, within the cell's own sealed round-1 logprobs bound (``candidate_vs_hf``: the same
+    log-softmax on the same forward); 0 at masked positions."""
+    from safetensors.torch import load_file
+
+    (att,) = sorted((Path(report["_run_dir"]) / "cells" / cell).glob("attempt-*"))[-1:]
+    got = load_file(str(att / "outputs.safetensors"))
+    ref = load_file(str(reference / "distribution.safetensors"))
+    mask = load_file(str(reference / "rollout.safetensors"))["response_mask"].bool()
+    (bound,) = {r["bound"] for r in _rows(report, cell) if r["round"] == 1
+                and r["class"] == "candidate_vs_hf"
+                and r["metric"] == "round1/actor/logprobs"}
+    assert json.loads((att / "outputs.json").read_text("utf-8"))["distribution"] == {
+        "path": "full", "k": None, "vocab": ref["raw"].shape[-1]}
+    for kind in ("raw", "tempered"):
+        t = got[f"round1/actor/prefill_{kind}"]
+        assert t.shape == ref[kind].shape
+        assert not t[~mask].any()
+        err = float((t - ref[kind]).abs()[mask].max())
+        print(f"\n[megatron] {cell} prefill_{kind} vs reference: {err:.3g} (bound {bound:.3g})")
+        assert err <= bound
+
+
 def test_outputs_list_the_shims(report: dict[str, Any]) -> None:
     run_dir = Path(report["_run_dir"])
     metas = sorted(run_dir.glob("cells/megatron-fp32-*/attempt-*/outputs.json"))

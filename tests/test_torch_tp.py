@@ -218,6 +218,56 @@ def test_padding_invariance(runs: Runs) -> None:
         assert err < 1e-5
 
 
+def _hf_window_log_softmax(runs: Runs, dtype: torch.dtype, temperature: float
+                           ) -> torch.Tensor:
+    """An independent HF forward of the inputs' Actor (``dtype``, sdpa, one batch):
+    ``log_softmax(logits / temperature)`` on the response positions, ``[B, R, V]`` FP64."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(runs.inputs_dir / "actor"),
+                                                 dtype=dtype).eval()
+    ro = runs.rollout
+    p = ro["prompts"].shape[1]
+    ids = torch.cat([ro["prompts"], ro["responses"]], dim=1).long()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=ro["attention_mask"].long(),
+                       position_ids=ro["position_ids"].long(), use_cache=False).logits
+    return torch.log_softmax(logits[:, p - 1:p - 1 + R].to(dtype) / temperature, -1).double()
+
+
+@pytest.mark.parametrize("kind", ["raw", "tempered"])
+def test_recorded_distribution_is_hf_fp32_log_softmax_at_tp1_and_tp2(runs: Runs,
+                                                                      kind: str) -> None:
+    """``round1/actor/prefill_<kind>`` of the Actor at TP 1 and TP 2 (vocabulary gathered)
+    equals an independent HF FP32 ``log_softmax`` on the response positions, and TP 2 equals
+    TP 1, within ``k`` (the contract's) x the FP32 rounding of this model on these tokens
+    (max |HF FP32 - HF FP64| over valid entries, the bound rule's ``fp64`` control; the
+    FP32 floor is left out: it is 10 times that here and would hide a real difference).
+    Masked positions are 0."""
+    c = runs.contract
+    temperature = c.sampling.temperature if kind == "tempered" else 1.0
+    hf32 = _hf_window_log_softmax(runs, torch.float32, temperature)
+    hf64 = _hf_window_log_softmax(runs, torch.float64, temperature)
+    m = runs.mask
+    control = float((hf32 - hf64).abs()[m].max())
+    tol = c.bounds.k * control
+    name = f"round1/actor/prefill_{kind}"
+    tp2, tp1 = runs.tensors("fp32-a2c1")[name], runs.tensors("fp32-a1c2")[name]
+    errs = {"tp1_vs_hf": float((tp1.double() - hf32).abs()[m].max()),
+            "tp2_vs_hf": float((tp2.double() - hf32).abs()[m].max()),
+            "tp2_vs_tp1": float((tp2 - tp1).abs()[m].max())}
+    print(f"\n[torch_tp] prefill_{kind}: control {control:.2e} tol {tol:.2e} "
+          + ", ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+    for t in (tp1, tp2):
+        assert t.dtype == torch.float32
+        assert t.shape == hf32.shape
+        assert not t[~m].any()
+    assert all(e <= tol for e in errs.values()), (errs, tol)
+    for run in ("fp32-a2c1", "fp32-a1c2"):
+        assert runs.meta(run)["roles"]["actor"]["distribution"] == {
+            "path": "full", "k": None, "vocab": TINY["vocab_size"]}
+
+
 def _value_loss(t: dict[str, torch.Tensor], ret: torch.Tensor, mask: torch.Tensor,
                 clip: float | None) -> float:
     v1, v2 = t["round1/critic/values"].double(), t["round2/critic/values"].double()

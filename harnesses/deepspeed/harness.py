@@ -124,18 +124,23 @@ class DeepSpeedEngine(sdk.Engine):
     grad_norms: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     prev_exp_avg: dict[str, Tensor] = dataclasses.field(default_factory=dict)
 
-    def logprobs_and_entropy(self, model: Any, batch: Batch) -> tuple[Tensor, Tensor]:
-        """Log-probs and entropy ``[b, R]`` FP32 of ``batch.responses`` under ``model``.
+    def response_logits(self, model: Any, batch: Batch) -> Tensor:
+        """Logits ``[b, R, V]`` of ``model`` on the response window, in the module's dtype.
 
         AutoTP's vocab-parallel ``lm_head`` gathers its output: the logits arrive whole on
-        every TP rank (the SDK's single-device log-softmax).
+        every TP rank.
         """
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                     position_ids=batch.position_ids, use_cache=False,
                     logits_to_keep=batch.window())
-        logits = out.logits  # [b, R, V], gathered over the TP group by AutoTP's lm_head
+        logits: Tensor = out.logits  # [b, R, V], gathered over the TP group by AutoTP
         self.rec.compute_dtypes.add(logits.dtype)
-        return sdk_losses.logprobs_and_entropy(logits, batch.responses, self.temperature)
+        return logits
+
+    def logprobs_and_entropy(self, model: Any, batch: Batch) -> tuple[Tensor, Tensor]:
+        """Log-probs and entropy ``[b, R]`` FP32 (SDK log-softmax of :meth:`response_logits`)."""
+        return sdk_losses.logprobs_and_entropy(self.response_logits(model, batch),
+                                               batch.responses, self.temperature)
 
     def values(self, model: Any, batch: Batch) -> Tensor:
         """Values ``V(s_t)`` ``[b, R]`` FP32 (``score`` head on the response window)."""

@@ -96,19 +96,25 @@ class FSDP2Engine(sdk.TorchOptimEngine):
     rec: sdk.Recorder
     pad_token_id: int = 0
 
-    def logprobs_and_entropy(self, model: Any, batch: Batch) -> tuple[Tensor, Tensor]:
-        """Log-probs and entropy ``[b, R]`` FP32 of ``batch.responses`` under ``model``.
+    def response_logits(self, model: Any, batch: Batch) -> Tensor:
+        """Logits ``[b, R, V]`` of ``model`` on the response window, in the policy's dtype.
 
         The root module's forward runs (FSDP2's hooks unshard the root's parameters there),
         with ``logits_to_keep`` = the response window ``P - 1 + t``; the whole vocabulary is
-        on every rank (the SDK's single-device log-softmax).
+        on every rank (TP's ``lm_head`` output gathered, :mod:`harnesses.fsdp2
+        .tensor_parallel`).
         """
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                     position_ids=batch.position_ids, use_cache=False,
                     logits_to_keep=batch.window())
         logits: Tensor = out.logits  # [b, R, V] in the policy's param dtype
         self.rec.compute_dtypes.add(logits.dtype)
-        return sdk_losses.logprobs_and_entropy(logits, batch.responses, self.temperature)
+        return logits
+
+    def logprobs_and_entropy(self, model: Any, batch: Batch) -> tuple[Tensor, Tensor]:
+        """Log-probs and entropy ``[b, R]`` FP32 (SDK log-softmax of :meth:`response_logits`)."""
+        return sdk_losses.logprobs_and_entropy(self.response_logits(model, batch),
+                                               batch.responses, self.temperature)
 
     def values(self, model: Any, batch: Batch) -> Tensor:
         """Values ``V(s_t)`` ``[b, R]`` FP32 (the root forward, value head at ``P - 1 + t``)."""
@@ -125,7 +131,7 @@ class FSDP2Engine(sdk.TorchOptimEngine):
             parallelize.reshard(m)
 
     def gather_rows(self, local: Tensor) -> Tensor:
-        """All-gather ``[b_local, R]`` FP32 rows from the DP group: ``[B, R]`` in row order."""
+        """All-gather ``[b_local, ...]`` rows from the DP group: ``[B, ...]`` in row order."""
         if self.mesh.dp == 1:
             return local
         parts = [torch.empty_like(local) for _ in range(self.mesh.dp)]

@@ -202,6 +202,22 @@ class MegatronEngine(sdk.Engine):
             tp_rank=self.groups.tp_rank, group=self.groups.tp_group,
             temperature=self.contract.sampling.temperature)
 
+    def response_logits(self, model: Any, batch: sdk.Batch) -> Tensor:
+        """Logits ``[b, R, V]`` on every TP rank, in the compute dtype.
+
+        :meth:`window`'s vocab shards gathered over the role's TP group with megatron-core's
+        ``gather_from_tensor_model_parallel_region`` (all-gather, concatenated along the
+        vocabulary in TP-rank order: the padded ``V'``), then cut to the true ``V``.
+        """
+        from megatron.core.tensor_parallel.mappings import (
+            gather_from_tensor_model_parallel_region,
+        )
+
+        shard = self.window(model, batch)
+        whole: Tensor = gather_from_tensor_model_parallel_region(shard,
+                                                                 group=self.groups.tp_group)
+        return whole[..., :self.shape.vocab]
+
     def values(self, model: Any, batch: sdk.Batch) -> Tensor:
         """Values ``[b, R]`` FP32 (replicated value head; identical on every TP rank)."""
         return self.window(model, batch).float().squeeze(-1)

@@ -114,12 +114,31 @@ class TorchTPEngine(sdk.TorchOptimEngine):
         """The backbone output that scores the response tokens (``[b, R, hidden]``)."""
         return response_hidden(model, batch)
 
+    def head_logits(self, model: Any, batch: Batch) -> Tensor:
+        """The ``lm_head`` output on the response window, ``[b, R, V]`` in the compute dtype.
+
+        A ``Shard(-1)`` DTensor from the vocab-parallel head under TP (a plain tensor at TP 1
+        without DTensor, or from a replicated head).
+        """
+        with self.autocast():
+            logits: Tensor = model.get_submodule("lm_head")(self.actor_hidden(model, batch))
+        self.rec.compute_dtypes.add(logits.dtype)
+        return logits
+
     def logprobs_and_entropy(self, model: Any, batch: Batch) -> tuple[Tensor, Tensor]:
         """Log-probs and entropy ``[b, R]`` FP32 through the vocab-parallel head."""
-        with self.autocast():
-            logits = model.get_submodule("lm_head")(self.actor_hidden(model, batch))
-        self.rec.compute_dtypes.add(logits.dtype)
-        return vocab_parallel.logprobs_and_entropy(logits, batch.responses, self.temperature())
+        return vocab_parallel.logprobs_and_entropy(self.head_logits(model, batch),
+                                                   batch.responses, self.temperature())
+
+    def response_logits(self, model: Any, batch: Batch) -> Tensor:
+        """:meth:`head_logits` whole, ``[b, R, V]``, on every TP rank.
+
+        ``DTensor.full_tensor()``: the vocabulary shards all-gathered over the role's TP group.
+        """
+        logits = self.head_logits(model, batch)
+        full = getattr(logits, "full_tensor", None)
+        whole: Tensor = full() if callable(full) else logits
+        return whole
 
     def values(self, model: Any, batch: Batch) -> Tensor:
         """Values ``V(s_t)`` ``[b, R]`` FP32 (value head on the response window)."""

@@ -9,8 +9,8 @@ engine's own interpreter included), and lists every problem of its outputs, one
 :class:`Finding` each:
 
 - ``outputs.json``: every violation of ``outputs.schema.json`` (not only the first);
-- ``outputs.safetensors``: a name that is not ``round{r}/{role}/{metric}``, a floating
-  tensor that is not F32 / F64, a tensor count that is not ``tensors.count``;
+- ``outputs.safetensors``: a name that is not ``round{r}/{role}/{metric}``, a tensor that
+  is not F32 / F64 (``..._ids``: not I64), a tensor count that is not ``tensors.count``;
 - per role, what the comparator reads (:mod:`qualify.compare.rows`, run here on the cell's
   own share of the outputs, as :mod:`qualify.candidate.stage` splits it): each tensor the
   reference holds for that role at FP32 (the expected set of ``candidate_vs_hf``) missing
@@ -47,6 +47,8 @@ __all__ = ["CheckResult", "Finding", "check_engine", "check_outputs_dir", "find_
 FLOAT_DTYPES: Final = frozenset({"F32", "F64"})
 """safetensors dtypes a floating tensor may have (:mod:`qualify.protocol`)."""
 PRECISION: Final = "fp32"
+ID_SUFFIX: Final = "_ids"
+"""Tensors named ``..._ids`` hold token ids, int64 (the Actor distributions' top-k ids)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,7 +149,11 @@ def _tensor_findings(header: Mapping[str, Any], meta: Mapping[str, Any]) -> list
         except ValueError as exc:
             out.append(Finding(where=f"{OUTPUTS_FILE} {name}", problem=str(exc)))
         dtype = str(header[name].get("dtype", ""))
-        if dtype not in FLOAT_DTYPES:
+        if name.endswith(ID_SUFFIX):  # token ids (qualify_harness.distribution's top-k)
+            if dtype != "I64":
+                out.append(Finding(where=f"{OUTPUTS_FILE} {name}",
+                                   problem=f"dtype {dtype}, expected I64 (token ids)"))
+        elif dtype not in FLOAT_DTYPES:
             out.append(Finding(where=f"{OUTPUTS_FILE} {name}",
                                problem=f"dtype {dtype}, expected F32 (or F64)"))
     return out

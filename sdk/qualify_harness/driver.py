@@ -15,7 +15,9 @@ it reports); :func:`run_actor` and :func:`run_critic` run the rounds, compute th
 Round 1's own log-probs (values) are the ``old`` of every later round; decoupled PPO's
 behavior weights come from round 1's log-probs (the proximal policy). Before round 1 the
 padding rerun (``<metric>_padded``, :data:`~qualify_harness.protocol.EXTRA_RIGHT_PADDING`
-more pad columns) is scored without gradient.
+more pad columns) is scored without gradient, and the Actor's initial-weights next-token
+distributions are recorded (:func:`record_distribution`, engines that implement
+:meth:`Engine.response_logits`).
 
 Every SDPA call of a role's forwards is counted by the backend torch selects for it
 (:mod:`qualify_harness.routes`), and :meth:`Engine.routes` read back after the last round:
@@ -28,15 +30,16 @@ import contextlib
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar, cast
+from typing import Any, Final, TypeVar, cast
 
 import torch
 from torch import Tensor
 
+from qualify_harness import distribution as distmod
 from qualify_harness import losses
 from qualify_harness.inputs import Batch, Recipe, micro_slices
 from qualify_harness.outputs import Recorder
-from qualify_harness.protocol import EXTRA_RIGHT_PADDING
+from qualify_harness.protocol import EXTRA_RIGHT_PADDING, FULL_DISTRIBUTION_MAX_VOCAB
 from qualify_harness.routes import sdpa_recorder
 
 Restore = Callable[[], Mapping[str, Tensor]]
@@ -65,11 +68,30 @@ class Engine(ABC):
         """Critic: values ``V(s_t)`` on the response window, ``[b, R]`` FP32."""
         raise NotImplementedError(f"{type(self).__name__} runs no critic")
 
+    def response_logits(self, model: Any, batch: Batch) -> Tensor:
+        """Actor (optional): the logits of ``model`` on the response window, ``[b, R, V]``.
+
+        The forward ``logprobs_and_entropy`` scores (same positions, the engine's compute
+        dtype: BF16 cells return BF16 logits), with the whole vocabulary on every rank of
+        the role: a vocab-parallel head's output gathered over the TP group, a padded
+        vocabulary cut to ``V`` = the model's ``config.vocab_size``. The driver records the
+        distributions of :mod:`qualify_harness.distribution` from it.
+
+        Raises:
+            NotImplementedError: the engine does not expose its logits (the default); the
+                role meta's ``distribution`` then says ``not_recorded`` with this message.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement response_logits")
+
     def after_scoring(self, models: list[Any]) -> None:  # noqa: B027 - optional: nothing
         """Called once the no-gradient scoring pass is over (FSDP reshards there)."""
 
     def gather_rows(self, local: Tensor) -> Tensor:
-        """This rank's ``[b_local, R]`` rows -> the whole batch's ``[B, R]`` (data parallel)."""
+        """This rank's rows ``[b_local, ...]`` -> the whole batch's ``[B, ...]`` (data parallel).
+
+        Any trailing shape and dtype (``[b, R]`` per-token tensors, ``[b, R, V]`` / ``[b, R,
+        k]`` distributions, int64 ids); every DP rank holds the same ``b_local``.
+        """
         return local
 
     def sum_over_ranks(self, shares: dict[str, float]) -> dict[str, float]:
@@ -178,6 +200,49 @@ def actor_objective(policy: Tensor, kl: Tensor, entropy: Tensor) -> Tensor:
     return policy + kl + entropy
 
 
+RESUMED_WITHOUT_ROUND1: Final = ("a resumed launch: round 1 and its initial-weights "
+                                 "scoring ran in the save launch")
+"""The role meta's ``distribution.not_recorded`` of a launch whose rounds omit round 1."""
+
+
+def record_distribution(engine: Engine, model: Any, batch: Batch, recipe: Recipe, *,
+                        rec: Recorder, slices: list[slice]) -> dict[str, Any]:
+    """Record round 1's Actor distributions (:mod:`qualify_harness.distribution`).
+
+    Per micro-batch slice, :meth:`Engine.response_logits` of ``model`` (call it before any
+    step: the initial weights), reduced to the protocol's tensors (top-k ``k`` =
+    ``recipe.distribution_topk``), gathered over the DP ranks (:meth:`Engine.gather_rows`)
+    and put under ``round1/actor/<name>``.
+
+    Returns:
+        The role meta's ``distribution``: ``{"path": "full" | "topk", "k": k | None,
+        "vocab": V}``, or ``{"not_recorded": reason}`` when the engine raised
+        ``NotImplementedError``.
+    """
+    b = batch.input_ids.shape[0]
+    local: dict[str, Tensor] = {}
+    vocab = 0
+    for s in slices:
+        mb = batch.rows(s)
+        try:
+            logits = engine.response_logits(model, mb)
+        except NotImplementedError as exc:
+            return {"not_recorded": str(exc) or f"{type(engine).__name__}: no response_logits"}
+        vocab = int(logits.shape[-1])
+        got = distmod.distribution_tensors(logits, mb.responses, mb.mask,
+                                           temperature=recipe.temperature,
+                                           k=recipe.distribution_topk)
+        for name, t in got.items():
+            if name not in local:
+                local[name] = t.new_zeros((b, *t.shape[1:]))
+            local[name][s] = t
+    for name, t in local.items():
+        rec.put(1, name, engine.gather_rows(t))
+    full = vocab <= FULL_DISTRIBUTION_MAX_VOCAB
+    return {"path": "full" if full else "topk",
+            "k": None if full else recipe.distribution_topk, "vocab": vocab}
+
+
 _F = TypeVar("_F", bound=Callable[..., dict[str, Any]])
 
 
@@ -227,9 +292,15 @@ def run_actor(engine: Engine, model: Any, ref: Any, batch: Batch, recipe: Recipe
             denominators are the whole batch's.
         rows: this rank's rows of the whole batch (default all).
 
+    Before the padding rerun's ``after_scoring``, when round 1 is among ``rounds``, the
+    Actor's initial-weights distributions are recorded (:func:`record_distribution`); a
+    resumed launch (``rounds`` without round 1) records none: its round-1 outputs are the
+    save launch's.
+
     Returns:
-        Role meta: ``loss_agg_mode``, ``valid_tokens``, ``micro_batches`` and, for decoupled
-        PPO, ``behavior_weight`` statistics per round.
+        Role meta: ``loss_agg_mode``, ``valid_tokens``, ``micro_batches``,
+        ``distribution`` (:func:`record_distribution`'s, or ``not_recorded``) and, for
+        decoupled PPO, ``behavior_weight`` statistics per round.
     """
     dev = engine.device
     slices = micro_slices(batch.input_ids.shape[0], recipe.micro_batch_size)
@@ -241,6 +312,11 @@ def run_actor(engine: Engine, model: Any, ref: Any, batch: Batch, recipe: Recipe
             ref_lp[s] = engine.logprobs_and_entropy(ref, batch.rows(s))[0]
             padded[s] = engine.logprobs_and_entropy(
                 model, batch.rows(s).right_padded(EXTRA_RIGHT_PADDING, engine.pad_token_id))[0]
+        rounds = list(rounds)
+        distribution: dict[str, Any] = {"not_recorded": RESUMED_WITHOUT_ROUND1}
+        if 1 in rounds:
+            distribution = record_distribution(engine, model, batch, recipe, rec=rec,
+                                               slices=slices)
         engine.after_scoring([ref, model])
         rec.put(1, "logprobs_padded", engine.gather_rows(torch.where(batch.mask, padded, 0.0)))
     mask = batch.mask if whole_mask is None else whole_mask
@@ -297,7 +373,7 @@ def run_actor(engine: Engine, model: Any, ref: Any, batch: Batch, recipe: Recipe
                                      "w_raw": w_raw})
     meta: dict[str, Any] = {"loss_agg_mode": recipe.loss_agg_mode,
                             "valid_tokens": int(float(mask.sum())),
-                            "micro_batches": len(slices)}
+                            "micro_batches": len(slices), "distribution": distribution}
     if decoupled:  # fixed by round 1 (the proximal policy), used in every round
         stats = losses.weight_stats(engine.gather_rows(w_raw), mask.to(dev),
                                     recipe.behavior_weight_cap)

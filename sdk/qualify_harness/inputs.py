@@ -21,6 +21,7 @@ from torch import Tensor
 from qualify_harness.errors import InputError
 from qualify_harness.protocol import (
     CONTRACT_FILE,
+    DEFAULT_DISTRIBUTION_TOPK,
     MODEL_FILE,
     ROLLOUT_FILE,
     ROLLOUT_KEYS,
@@ -119,6 +120,8 @@ class Recipe:
         betas, eps, weight_decay: AdamW's settings.
         max_grad_norm: the clip threshold.
         temperature: the sampling temperature (logits divisor).
+        distribution_topk: ``k`` of the Actor distributions' top-k path
+            (``bounds.distribution_topk``; :mod:`qualify_harness.distribution`).
     """
 
     algorithm: str
@@ -139,6 +142,7 @@ class Recipe:
     weight_decay: float
     max_grad_norm: float
     temperature: float
+    distribution_topk: int = DEFAULT_DISTRIBUTION_TOPK
 
     @classmethod
     def from_contract(cls, doc: Mapping[str, Any]) -> Recipe:
@@ -166,6 +170,9 @@ class Recipe:
                           ("entropy_coef", float), ("behavior_weight_cap_mode", str)):
             if key in alg:
                 kw[key] = conv(alg[key])
+        bounds = doc.get("bounds")
+        if isinstance(bounds, Mapping) and "distribution_topk" in bounds:
+            kw["distribution_topk"] = int(bounds["distribution_topk"])
         cap = alg.get("behavior_weight_cap")
         kw["behavior_weight_cap"] = None if cap is None else float(cap)
         return cls(**kw)

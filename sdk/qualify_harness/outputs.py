@@ -63,7 +63,8 @@ class Recorder:
         role: ``actor`` or ``critic``.
         writer: whether this rank keeps and writes the role's tensors (TP rank 0).
         sampling: the launch's per-parameter sampling (``cell.json`` ``param_sampling``).
-        tensors: protocol name -> FP32 CPU tensor (kept on the writer rank only).
+        tensors: protocol name -> FP32 (token ids: int64) CPU tensor (kept on the writer
+            rank only).
         timings: wall seconds per phase.
         lrs: ``round<r>`` -> the lr the optimizer step of round ``r`` applied.
         sdpa: ``"<backend> <device> <dtype>"`` -> SDPA calls of the role's forwards, read
@@ -91,15 +92,17 @@ class Recorder:
     routes: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def put(self, round_: int, metric: str, value: Tensor, param: str | None = None) -> None:
-        """Keep a copy of ``value`` (FP32, CPU) under its protocol name on the writer rank.
+        """Keep a copy of ``value`` (CPU) under its protocol name on the writer rank.
 
-        A copy: an engine may hand its live tensors (a parameter, an optimizer state that
+        Floating and bool tensors are kept as FP32, integer ones (token ids) as int64. A
+        copy: an engine may hand its live tensors (a parameter, an optimizer state that
         the next step changes in place). A per-parameter tensor (``param`` given) of a large
         parameter is kept at the seeded sample of :attr:`sampling`.
         """
         if not self.writer:
             return
-        out = value.detach().to("cpu", torch.float32, copy=True)
+        integer = not value.is_floating_point() and value.dtype != torch.bool
+        out = value.detach().to("cpu", torch.int64 if integer else torch.float32, copy=True)
         idx = self.sampling.indices(param, out.numel()) if param is not None else None
         if idx is not None:
             out = out.reshape(-1)[torch.from_numpy(idx)]

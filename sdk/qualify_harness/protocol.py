@@ -41,6 +41,14 @@ SAMPLED_PARAM_ELEMENTS: Final = 16_384
 """Default: elements reported for a larger parameter (a seeded sample of its flattened values)."""
 VOCAB_PARAMS: Final = ("model.embed_tokens.weight", "lm_head.weight")
 """HF parameters indexed by token id (``[vocab, H]``): the rollout's rows are stored."""
+FULL_DISTRIBUTION_MAX_VOCAB: Final = 4096
+"""Largest vocabulary whose Actor next-token distributions are stored whole (``[B, R, V]``
+per kind); above it the top-k path (:mod:`qualify_harness.distribution`). Equal to
+``qualify.reference.distribution.MAX_VOCAB``, the reference side's switch."""
+DEFAULT_DISTRIBUTION_TOPK: Final = 64
+"""``k`` of the top-k path when ``contract.json`` has no ``bounds.distribution_topk``."""
+DISTRIBUTION_KINDS: Final = ("raw", "tempered")
+"""``raw``: ``log_softmax(logits)``; ``tempered``: ``log_softmax(logits / T)``."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
