@@ -41,6 +41,9 @@ types: :mod:`qualify.compare.verdicts`). Per cell of ``run.json``:
     :func:`qualify.compare.rows.dtype_row`);
   * ``replica_consistency``: replicated parameters bitwise equal across TP ranks
     (``outputs.json`` ``replica_consistency.all_equal``);
+  * ``trainer_distribution`` (an Actor cell): its own round-1 next-token distributions
+    against the reference's sealed ones, under the sealed bounds of its precision
+    (:func:`qualify.compare.distribution.trainer_distribution_rows`);
   * ``lr_schedule``: the lr each optimizer step applied (``outputs.json`` ``lr``) within one
     FP32 ulp of the lr the reference sealed for that step (``reference.json`` ``update_meta``;
     :func:`qualify.compare.rows.lr_rows`; none for a reference sealed before lr schedules).
@@ -82,6 +85,7 @@ from qualify.compare.distribution import (
     decode_clip_band,
     distribution_rows,
     read_sealed,
+    trainer_distribution_rows,
 )
 from qualify.compare.mismatch import (
     FieldMismatch,
@@ -344,9 +348,12 @@ class _Ctx:
     reduction_dtypes: bool = True
     """``dtypes`` rows check the gradient reduction and accumulation dtypes (the report's
     ``reduction_dtypes`` section)."""
+    trainer_distribution: bool = True
+    """Actor trainer cells have ``trainer_distribution`` rows (the report's section of that
+    name)."""
     positions: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    """Per sampler cell, the per-position values behind its distribution rows (the report's
-    ``distribution_positions`` section)."""
+    """Per sampler and Actor trainer cell, the per-position values behind its distribution
+    rows (the report's ``distribution_positions`` section)."""
 
 
 def _hf(ctx: _Ctx, precision: str) -> TensorFile | None:
@@ -540,6 +547,24 @@ def expected_not_run(rows: Sequence[Row], engine: str,
     return out
 
 
+def _trainer_distribution(ctx: _Ctx, cid: str, e: Mapping[str, Any],
+                          outputs: _Outputs) -> list[Row]:
+    """An Actor trainer cell's ``trainer_distribution`` rows, its positions kept in ``ctx``.
+
+    The cell's precision (``run.json``, else the contract's matrix cell) picks the sealed
+    bounds: ``fp32`` the FP32 controls', ``bf16`` the BF16 control's.
+    """
+    spec = ctx.cells.get(cid)
+    precision = lane_precision(str(e.get("precision") or (spec.precision if spec else "")))
+    kept: dict[str, Any] = {}  # the report's only when every row was built
+    got = trainer_distribution_rows(
+        cell=cid, precision=precision, tensors=in_memory(outputs.tensors),
+        ref_dir=ctx.ref_dir, mask=ctx.mask,
+        responses=store.load_tensors(ctx.ref_dir / ROLLOUT_FILE)["responses"], positions=kept)
+    ctx.positions[cid] = kept
+    return got
+
+
 def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, Any],
                 loaded: dict[str, _Outputs | str]) -> tuple[str, Verdict, str | None, list[Row]]:
     """Status, verdict, reason and rows of one ``run.json`` cell entry."""
@@ -585,6 +610,12 @@ def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, A
         else:
             rows = _complete_rows(ctx, cid=cid, entry=e, cells=cells, outputs=got,
                                   loaded=loaded)
+            if e.get("role") == "actor" and ctx.trainer_distribution:  # its distributions
+                rows += guarded(lambda: _trainer_distribution(ctx, cid, e, outputs),
+                                cell=cid, klass="trainer_distribution", role="actor",
+                                family="all",
+                                builder="qualify.compare.distribution."
+                                        "trainer_distribution_rows")
         rows = expected_not_run(rows, str(e.get("engine", "")),
                                 ctx.contract.matrix.expected_not_run)
         verdict, reason = cell_verdict(rows)  # a compared cell: its rows'
@@ -666,7 +697,8 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
                                        mask=mask),
                cells={c.cell_id: c for c in contract.matrix.cells()},
                update_meta=_update_meta(ref_dir),
-               reduction_dtypes="reduction_dtypes" in sections)
+               reduction_dtypes="reduction_dtypes" in sections,
+               trainer_distribution="trainer_distribution" in sections)
     # 4. the cells
     cells = run.cells
     loaded: dict[str, _Outputs | str] = {}

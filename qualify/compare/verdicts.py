@@ -46,12 +46,13 @@ __all__ = [
 ]
 
 ROW_CLASSES: Final = ("candidate_vs_hf", "tp_vs_tp1", "padding_invariance", "dtypes",
-                      "replica_consistency", "lr_schedule", "resume")
+                      "replica_consistency", "lr_schedule", "resume", "trainer_distribution")
 OPTIONAL_SECTIONS: Final[tuple[str, ...]] = ("coverage", "power", "root_causes",
                                               "behavior_weights", "clip_band",
                                               "lr_schedule", "gate_note", "reduction_dtypes",
                                               "gate_decision", "routes", "route_pins",
-                                              "distribution_positions")
+                                              "distribution_positions",
+                                              "trainer_distribution")
 """Report sections added after the first comparator, in the order they were added:
 ``coverage`` (the reference's coverage record, issue #15), ``power`` (the power check of
 every metric row and its per-family summary, issue #15) and ``root_causes`` (each failing
@@ -76,7 +77,10 @@ from the SDPA backends of the reference's controls has a FAILing ``routes`` row,
 :mod:`qualify.compare.routes`) and ``distribution_positions`` (per sampler cell and
 ``sampler_distribution`` family, the per-position values of its worst sequences that the rows
 aggregate, :func:`qualify.compare.distribution.distribution_rows`; what ``report.html``
-plots). A report
+plots) and ``trainer_distribution`` (each Actor trainer cell's own next-token distributions
+judged against the reference's sealed ones, rows ``trainer_distribution``,
+:func:`qualify.compare.distribution.trainer_distribution_rows`, their per-position values
+kept in ``distribution_positions`` as a sampler cell's are). A report
 without them was sealed
 before they existed
 and is recomputed, and its ``report.md`` rendered, without them (:func:`sections_of`)."""
