@@ -234,3 +234,104 @@ def test_the_committed_reference_judges_fp32_cells_only() -> None:
     bf16 = trainer_distribution_rows(cell="c", precision="bf16", **common)
     assert {r.verdict for r in bf16} == {"NOT_RUN"}
     assert "has no raw bounds_bf16 (sealed by older code)" in (bf16[0].reason or "")
+
+
+# --------------------------------------------------------------------------- the comparator
+
+
+def test_compare_run_judges_actor_cells_only_and_keeps_their_positions(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through ``compare_run``: an FP32 and a BF16 Actor cell get ``trainer_distribution``
+    rows under their own ceilings, the Critic none; a cell that records none is NOT_RUN
+    unless the contract expects it (``matrix.expected_not_run``); ``report.json`` keeps the
+    Actor cells' per-position values, and the plot data finds their rows; a report recomputed
+    without the ``trainer_distribution`` section has none of the rows."""
+    import tomllib
+
+    import test_compare as tc
+
+    from qualify.compare.plotdata import load_run, position_distributions
+    from qualify.compare.verdicts import OPTIONAL_SECTIONS
+    from qualify.contract import Contract
+
+    rng = np.random.default_rng(7)
+    logits = rng.normal(size=(tc.B, tc.R, 16)) * 3
+    m = tc.MASK[..., None] != 0
+    ref = {kind: np.where(m, _lsm(logits / (1.0 if kind == "raw" else 0.9)), 0.0)
+           .astype(np.float32) for kind in KINDS}
+    bf16 = {kind: np.where(m, _lsm(ref[kind] + rng.normal(size=logits.shape) * 1e-2), 0.0)
+            .astype(np.float32) for kind in KINDS}
+    tokens = np.zeros((tc.B, tc.R), dtype=np.int64)
+    doc: dict[str, Any] = {"clip_ratio": 0.2}
+    for kind in KINDS:
+        got = distribution_metrics(bf16[kind], ref[kind], tokens, tc.MASK, clip_ratio=0.2)
+        doc[kind] = {key: {s: {"bound": 4.0 * c + refdist.FLOORS[s], "control": name,
+                               "control_error": c, "k": 4.0, "floor": refdist.FLOORS[s]}
+                           for s in STATISTICS for c in [float(got[s]) if key == "bounds_bf16"
+                                                         else 1e-12]}
+                     for key, name in (("bounds", "decode"), ("bounds_bf16", "bf16"))}
+    real_seal = store.seal
+
+    def seal(directory: str | Path, *, kind: str) -> str:
+        if kind == "reference":
+            Path(directory, refdist.DISTRIBUTION_JSON).write_text(json.dumps(doc))
+            store.save_tensors(Path(directory, refdist.DISTRIBUTION_FILE),
+                               {k: torch.from_numpy(v) for k, v in ref.items()})
+        return real_seal(directory, kind=kind)
+
+    expected: list[dict[str, Any]] = []
+
+    def make(required: list[str] | None = None) -> Contract:
+        d = tomllib.loads(tc.torch_tp_only_text())
+        d["matrix"]["required_cells"] = required
+        if expected:
+            d["matrix"]["expected_not_run"] = expected
+        return Contract.from_dict(d)
+
+    monkeypatch.setattr(store, "seal", seal)
+    monkeypatch.setattr(tc, "make_contract", make)
+    cells = [tc.TP1, tc.BF16_TP1, tc.CRITIC_TP1]
+
+    def world(path: Path) -> tc.World:
+        w = tc.World(path, required=cells)
+        w.add_cell(tc.TP1, outputs={**tc.actor(w), **{f"round1/actor/prefill_{k}":
+                                                      ref[k] + np.float32(1e-7) * m
+                                                      for k in KINDS}})
+        w.add_cell(tc.BF16_TP1, outputs={**tc.actor(w, "bf16"), **{
+            f"round1/actor/prefill_{k}": bf16[k] for k in KINDS}})
+        w.add_cell(tc.CRITIC_TP1)
+        return w
+
+    w = world(tmp_path / "a")
+    report = w.compare()
+    assert report.verdicts == dict.fromkeys(cells, "PASS")
+    fp32, bf = (tc.rows_of(report, c, "trainer_distribution") for c in cells[:2])
+    assert len(fp32) == len(bf) == 2 * len(STATISTICS)
+    assert not tc.rows_of(report, tc.CRITIC_TP1, "trainer_distribution")
+    assert {r.bound for r in fp32 if r.statistic == "kl_ref_cand_max"} == {4e-12 + 1e-10}
+    assert {r.bound for r in bf if r.statistic == "kl_ref_cand_max"} == {
+        doc[k]["bounds_bf16"]["kl_ref_cand_max"]["bound"] for k in KINDS}
+    written = json.loads((w.run_dir / "report.json").read_text())
+    assert set(written["distribution_positions"]) == {tc.TP1, tc.BF16_TP1}
+    assert set(written["distribution_positions"][tc.TP1]) == {"prefill_raw", "prefill_tempered"}
+    drawn = position_distributions(load_run(w.run_dir), tc.TP1)  # what report.html draws
+    assert [d.family for d in drawn] == ["prefill_raw", "prefill_tempered"]
+    assert all(d.stored is not None and d.reproduces for d in drawn)
+    again = tc.compare_run(w.run_dir, write=False,
+                           sections=tuple(s for s in OPTIONAL_SECTIONS
+                                          if s != "trainer_distribution"))
+    assert not [r for r in again.rows if r.klass == "trainer_distribution"]
+    store.make_writable(tmp_path)
+
+    for expect, verdict in (([], "NOT_RUN"), ([{"engine": "torch_tp", "family": f,
+                                                 "round": 1, "reason": "records none"}
+                                                for f in ("prefill_raw", "prefill_tempered")],
+                                               "PASS")):
+        expected[:] = expect
+        w = tc.World(tmp_path / f"none-{verdict}", required=[tc.TP1])
+        w.add_cell(tc.TP1)  # no prefill tensors
+        report = w.compare(write=False)
+        assert report.verdicts == {tc.TP1: verdict}
+        rows = tc.rows_of(report, tc.TP1, "trainer_distribution")
+        assert {r.verdict for r in rows} == {"NOT_RUN"}
+        assert all((r.expected_not_run is not None) is bool(expect) for r in rows)
