@@ -335,3 +335,33 @@ def test_compare_run_judges_actor_cells_only_and_keeps_their_positions(
         rows = tc.rows_of(report, tc.TP1, "trainer_distribution")
         assert {r.verdict for r in rows} == {"NOT_RUN"}
         assert all((r.expected_not_run is not None) is bool(expect) for r in rows)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-trl", "tiny-qwen3-trl-gspo", "tiny-qwen3-verl",
+                                  "tiny-qwen3-verl-gspo"])
+def test_adapter_contracts_expect_no_distributions(name: str) -> None:
+    """The TRL and verl adapters record no distributions: against their committed reference
+    (which seals them), every ``trainer_distribution`` row of their Actor cells is a NOT_RUN
+    the contract expects, so a cell whose other rows pass still passes."""
+    import dataclasses
+
+    from qualify.compare.stage import expected_not_run
+    from qualify.compare.verdicts import cell_verdict
+    from qualify.contract import load_contract
+    from qualify.resources import contracts_dir
+
+    contract = load_contract(contracts_dir() / f"{name}.toml")
+    (ref_dir,) = [p for p in COMMITTED.parent.glob(f"{name}-*")
+                  if p.name.removeprefix(f"{name}-").isalnum()]
+    roll = store.load_tensors(ref_dir / "rollout.safetensors")
+    for cell in contract.matrix.cells():
+        if cell.role != "actor":
+            continue
+        rows = trainer_distribution_rows(
+            cell=cell.cell_id, precision=cell.precision, tensors={}, ref_dir=ref_dir,
+            mask=np.asarray(roll["response_mask"]), responses=np.asarray(roll["responses"]))
+        assert rows
+        marked = expected_not_run(rows, cell.engine, contract.matrix.expected_not_run)
+        assert all(r.verdict == "NOT_RUN" and r.expected_not_run for r in marked)
+        passing = dataclasses.replace(marked[0], verdict="PASS", expected_not_run=None)
+        assert cell_verdict([*marked, passing])[0] == "PASS"
