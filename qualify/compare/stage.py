@@ -747,6 +747,9 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
     if "routes" in sections and any(e.get("role") == "sampler" for e in cells.values()) \
             and read_sealed(ctx.ref_dir)[1]:  # a report sealed before routes: as then
         notes.append(f"no sampler_distribution rows: {read_sealed(ctx.ref_dir)[1]}")
+    if ctx.trainer_distribution and any(e.get("role") == "actor" for e in cells.values()) \
+            and read_sealed(ctx.ref_dir)[1]:
+        notes.append(f"no trainer_distribution rows: {read_sealed(ctx.ref_dir)[1]}")
     for cid, got in loaded.items():  # the like-for-like pair: qualify.compare.distribution
         if isinstance(got, _Outputs) and cells[cid].get("role") == "sampler" and \
                 hf32 is not None and "round1/actor/logprobs" in hf32:
