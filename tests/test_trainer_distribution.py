@@ -26,6 +26,7 @@ from qualify.evidence import store
 from qualify.reference import distribution as refdist
 
 KINDS = ("raw", "tempered")
+SAMPLER = "vllm-fp32-sampler-tp1"
 COMMITTED = Path(__file__).resolve().parents[1] / "references" / "tiny-qwen3-9cd85d5fbd99"
 
 
@@ -300,11 +301,12 @@ def test_compare_run_judges_actor_cells_only_and_keeps_their_positions(
         w.add_cell(tc.BF16_TP1, outputs={**tc.actor(w, "bf16"), **{
             f"round1/actor/prefill_{k}": bf16[k] for k in KINDS}})
         w.add_cell(tc.CRITIC_TP1)
+        w.add_cell(SAMPLER, outputs={f"round1/sampler/decode_{k}": ref[k] for k in KINDS})
         return w
 
     w = world(tmp_path / "a")
-    report = w.compare()
-    assert report.verdicts == dict.fromkeys(cells, "PASS")
+    report = w.compare()  # the sampler cell lacks its install evidence: judged apart
+    assert {c: report.verdicts[c] for c in cells} == dict.fromkeys(cells, "PASS")
     fp32, bf = (tc.rows_of(report, c, "trainer_distribution") for c in cells[:2])
     assert len(fp32) == len(bf) == 2 * len(STATISTICS)
     assert not tc.rows_of(report, tc.CRITIC_TP1, "trainer_distribution")
@@ -312,8 +314,24 @@ def test_compare_run_judges_actor_cells_only_and_keeps_their_positions(
     assert {r.bound for r in bf if r.statistic == "kl_ref_cand_max"} == {
         doc[k]["bounds_bf16"]["kl_ref_cand_max"]["bound"] for k in KINDS}
     written = json.loads((w.run_dir / "report.json").read_text())
-    assert set(written["distribution_positions"]) == {tc.TP1, tc.BF16_TP1}
+    assert set(written["distribution_positions"]) == {tc.TP1, tc.BF16_TP1, SAMPLER}
     assert set(written["distribution_positions"][tc.TP1]) == {"prefill_raw", "prefill_tempered"}
+    pairs = written["trainer_vs_sampler"]["pairs"]  # information: the direct pair metrics
+    assert {(q["trainer"], q["kind"]) for q in pairs} == {(c, k) for c in cells[:2] for k in KINDS}
+    for q in pairs:
+        key = "bounds" if q["trainer"] == tc.TP1 else "bounds_bf16"
+        kind = q["kind"]
+        assert q["sampler"] == SAMPLER
+        assert q["tv_max_ceiling"] == (doc[kind][key]["tv_max"]["bound"]
+                                       + doc[kind]["bounds"]["tv_max"]["bound"])
+        mine = (ref if q["trainer"] == tc.TP1 else bf16)[kind]
+        assert q["tv_max"] == pytest.approx(0.5 * np.abs(np.exp(mine.astype(np.float64))
+                                                         - np.exp(ref[kind])).sum(-1).max(),
+                                            rel=1e-3, abs=1e-6)
+        assert q["tv_max"] <= q["tv_max_ceiling"]  # both within their rows: the pair too
+    md = (w.run_dir / "report.md").read_text()
+    assert "## Trainer vs sampler distributions (information, no verdict)" in md
+    assert "KL obeys no triangle inequality" in md
     drawn = position_distributions(load_run(w.run_dir), tc.TP1)  # what report.html draws
     assert [d.family for d in drawn] == ["prefill_raw", "prefill_tempered"]
     assert all(d.stored is not None and d.reproduces for d in drawn)
@@ -321,6 +339,7 @@ def test_compare_run_judges_actor_cells_only_and_keeps_their_positions(
                            sections=tuple(s for s in OPTIONAL_SECTIONS
                                           if s != "trainer_distribution"))
     assert not [r for r in again.rows if r.klass == "trainer_distribution"]
+    assert "trainer_vs_sampler" not in again.to_dict()
     store.make_writable(tmp_path)
 
     for expect, verdict in (([], "NOT_RUN"), ([{"engine": "torch_tp", "family": f,

@@ -337,6 +337,67 @@ def _topk_rows(cell: str, tensors: Mapping[str, Any], doc: Mapping[str, Any],
     return rows
 
 
+TRAINER_VS_SAMPLER_NOTE: Final = (
+    "information, no verdict: each Actor trainer cell's round-1 prefill distributions (p) "
+    "against each sampler cell's decode-path ones (q), same weights and tokens. The TV "
+    "ceiling is the triangle inequality through the sealed reference, TV(p, q) <= TV(p, ref) "
+    "+ TV(ref, q) at each position, so tv_max <= the trainer's sealed tv_max bound + the "
+    "sampler's (tv_mean likewise): both cells within their own rows imply the pair within "
+    "it. KL obeys no triangle inequality: no KL ceiling composes from the two rows.")
+"""What ``report.json`` ``trainer_vs_sampler`` measures (its ``note``)."""
+
+
+def trainer_vs_sampler(*, trainer: str, precision: str, sampler: str,
+                       trainer_tensors: Mapping[str, Any], sampler_tensors: Mapping[str, Any],
+                       ref_dir: Path, mask: npt.NDArray[Any], responses: npt.NDArray[Any]
+                       ) -> list[dict[str, Any]]:
+    """Direct trainer-vs-sampler metrics of one pair, per kind, on the full path (no verdict).
+
+    For each kind with both ``round1/actor/prefill_<kind>`` (``p``) and
+    ``round1/sampler/decode_<kind>`` (``q``), both ``[B, R, V]``:
+    :func:`qualify.distmetrics.distribution_metrics` of ``q`` against ``p`` and the derived TV
+    ceilings (:data:`TRAINER_VS_SAMPLER_NOTE`): ``tv_max_ceiling`` = the trainer's sealed
+    ``tv_max`` bound (its precision's: ``bounds`` or ``bounds_bf16``) + the sampler's
+    (``bounds``), ``tv_mean_ceiling`` likewise; ``None`` where either bound is not sealed.
+
+    Returns:
+        One dict per kind: ``trainer``, ``sampler``, ``kind``, ``family`` (the two row
+        families), ``n_valid``, ``tv_max``, ``tv_mean``, ``kl_trainer_sampler_max``
+        (``max KL(p || q)``), ``kl_sampler_trainer_max`` (``max KL(q || p)``),
+        ``top1_mismatch`` (count), ``top1_ties``, ``worst`` (the worst position),
+        ``tv_max_ceiling``, ``tv_mean_ceiling``; ``[]`` for a reference without full sealed
+        distributions (no ceilings to compose) or a pair without the tensors.
+    """
+    doc, _ = read_sealed(ref_dir)
+    if doc is None or "topk" in doc or "raw" not in doc:
+        return []
+    side = trainer_side(precision) if precision in TRAINER_BOUNDS else None
+    out = []
+    for kind in KINDS:
+        p = trainer_tensors.get(f"round1/actor/prefill_{kind}")
+        q = sampler_tensors.get(f"round1/{ROLE}/decode_{kind}")
+        if p is None or q is None:
+            continue
+        got = distribution_metrics(np.asarray(q), np.asarray(p), responses, mask,
+                                   clip_ratio=float(doc["clip_ratio"]))
+        ceilings: dict[str, float | None] = {}
+        for s in ("tv_max", "tv_mean"):
+            mine = doc[kind].get(side.bounds_key, {}).get(s) if side is not None else None
+            theirs = doc[kind].get(SAMPLER.bounds_key, {}).get(s)
+            ceilings[f"{s}_ceiling"] = (float(mine["bound"]) + float(theirs["bound"])
+                                        if mine is not None and theirs is not None else None)
+        out.append({"trainer": trainer, "sampler": sampler, "kind": kind,
+                    "family": [f"prefill_{kind}", f"decode_{kind}"],
+                    "n_valid": int(got["n_valid"]), "tv_max": float(got["tv_max"]),
+                    "tv_mean": float(got["tv_mean"]),
+                    "kl_trainer_sampler_max": float(got["kl_ref_cand_max"]),
+                    "kl_sampler_trainer_max": float(got["kl_cand_ref_max"]),
+                    "top1_mismatch": int(got["top1_mismatch"]),
+                    "top1_ties": int(got["top1_ties"]), "worst": str(got["worst"]),
+                    **ceilings})
+    return out
+
+
 def decode_clip_band(*, sources: list[tuple[str, str, Any]], cell: str,
                      tensors: Mapping[str, Any], mask: npt.NDArray[Any],
                      clip_ratio: float) -> list[dict[str, Any]]:

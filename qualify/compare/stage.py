@@ -81,11 +81,13 @@ import numpy.typing as npt
 from qualify import jsonio
 from qualify.bounds import TP_CANDIDATE_CLASS, Bound
 from qualify.compare.distribution import (
+    TRAINER_VS_SAMPLER_NOTE,
     cell_routes,
     decode_clip_band,
     distribution_rows,
     read_sealed,
     trainer_distribution_rows,
+    trainer_vs_sampler,
 )
 from qualify.compare.mismatch import (
     FieldMismatch,
@@ -565,6 +567,32 @@ def _trainer_distribution(ctx: _Ctx, cid: str, e: Mapping[str, Any],
     return got
 
 
+def _trainer_vs_sampler(ctx: _Ctx, cells: Mapping[str, Any],
+                        loaded: Mapping[str, _Outputs | str]) -> dict[str, Any] | None:
+    """``report.json`` ``trainer_vs_sampler``: each (Actor trainer, sampler) cell pair's metrics.
+
+    Every COMPLETE Actor trainer cell (not a resume cell) with every COMPLETE sampler cell
+    (:func:`trainer_vs_sampler`); ``None`` without the ``trainer_distribution`` section.
+    """
+    if not ctx.trainer_distribution:
+        return None
+    done = {cid: got for cid, got in loaded.items() if isinstance(got, _Outputs)}
+    actors = [c for c in done if cells[c].get("role") == "actor" and "resume_of" not in cells[c]]
+    samplers = [c for c in done if cells[c].get("role") == "sampler"]
+    pairs: list[dict[str, Any]] = []
+    if actors and samplers:
+        responses = store.load_tensors(ctx.ref_dir / ROLLOUT_FILE)["responses"]
+        for a in actors:
+            precision = lane_precision(str(cells[a].get("precision", "")))
+            for s in samplers:
+                pairs += trainer_vs_sampler(
+                    trainer=a, precision=precision, sampler=s,
+                    trainer_tensors=in_memory(done[a].tensors),
+                    sampler_tensors=in_memory(done[s].tensors), ref_dir=ctx.ref_dir,
+                    mask=ctx.mask, responses=responses)
+    return {"note": TRAINER_VS_SAMPLER_NOTE, "pairs": pairs}
+
+
 def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, Any],
                 loaded: dict[str, _Outputs | str]) -> tuple[str, Verdict, str | None, list[Row]]:
     """Status, verdict, reason and rows of one ``run.json`` cell entry."""
@@ -767,6 +795,7 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
         lr_schedule=_lr_section(ctx),
         routes=routes,
         distribution_positions={c: p for c, p in ctx.positions.items() if p},
+        trainer_vs_sampler=_trainer_vs_sampler(ctx, cells, loaded),
         behavior_weights=behavior_weight_rows(
             ref_dir, run_dir, [(c.cell, c.attempt) for c in results
                                if c.role == "actor" and c.attempt]))

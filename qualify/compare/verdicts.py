@@ -312,6 +312,10 @@ class Report:
             path) and the ``sequences`` records of its worst sequences
             (:func:`qualify.distmetrics.distribution_metrics`); written only with the
             ``distribution_positions`` section.
+        trainer_vs_sampler: ``{"note", "pairs"}``: per (Actor trainer cell, sampler cell)
+            pair and kind on the full path, the direct metrics and the composed TV ceiling
+            (:func:`qualify.compare.distribution.trainer_vs_sampler`; information, no
+            verdict); written only with the ``trainer_distribution`` section.
 
     Raises:
         ValueError: an unknown section name.
@@ -342,6 +346,7 @@ class Report:
     gate: Mapping[str, Any] | None = None
     routes: Mapping[str, Any] | None = None
     distribution_positions: Mapping[str, Mapping[str, Any]] | None = None
+    trainer_vs_sampler: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.sections) - set(OPTIONAL_SECTIONS))
@@ -478,6 +483,9 @@ class Report:
             doc["routes"] = dict(self.routes or {})
         if "distribution_positions" in self.sections:
             doc["distribution_positions"] = _json_numbers(self.distribution_positions or {})
+        if "trainer_distribution" in self.sections:
+            doc["trainer_vs_sampler"] = _json_numbers(
+                dict(self.trainer_vs_sampler or {"note": "", "pairs": []}))
         return doc
 
 
