@@ -226,7 +226,7 @@ def test_the_committed_reference_judges_fp32_cells_only() -> None:
     ref = store.load_tensors(COMMITTED / refdist.DISTRIBUTION_FILE)
     roll = store.load_tensors(COMMITTED / "rollout.safetensors")
     tensors = {f"round1/actor/prefill_{kind}": np.asarray(ref[kind]) for kind in KINDS}
-    common = {"tensors": tensors, "ref_dir": COMMITTED,
+    common: dict[str, Any] = {"tensors": tensors, "ref_dir": COMMITTED,
               "mask": np.asarray(roll["response_mask"]),
               "responses": np.asarray(roll["responses"])}
     fp32 = trainer_distribution_rows(cell="c", precision="fp32", **common)
