@@ -500,7 +500,7 @@ def _trainer_vs_sampler_lines(report: Report) -> list[str]:
     return ["## Trainer vs sampler distributions (information, no verdict)", "",
             str(got.get("note", "")), "",
             _markdown_table(("trainer", "sampler", "kind", "max TV", "mean TV",
-                             "TV ceiling (max)", "max KL(t||s)", "max KL(s||t)",
+                             "TV ceiling (max)", "max KL(t ‖ s)", "max KL(s ‖ t)",
                              "top-1 disagreements"),
                             [(p["trainer"], p["sampler"], p["kind"], _num(p["tv_max"]),
                               _num(p["tv_mean"]), _num(p.get("tv_max_ceiling")),
