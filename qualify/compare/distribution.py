@@ -37,6 +37,20 @@ values of its :data:`WORST_SEQUENCES` worst sequences from the very call that gi
 A sampler cell without the tensors, against a reference that has them, gives ``NOT_RUN``
 rows naming what is missing; none of them passes.
 
+An Actor trainer cell's own distributions (:func:`trainer_distribution_rows`, rows
+``trainer_distribution``, role ``actor``, round 1) are judged the same way, by the same
+functions against the same sealed distributions: families ``prefill_raw`` /
+``prefill_tempered`` (``round1/actor/prefill_<kind>`` ``[B, R, V]`` FP32, the engine's own
+forward of the response window at the initial weights) or, on the top-k path,
+``prefill_<kind>_topk`` (``round1/actor/prefill_<kind>_topk_logprobs`` / ``_topk_ids``
+``[B, R, k']`` and ``round1/actor/prefill_<kind>_logprobs`` ``[B, R]``). An FP32 cell is
+judged by the sealed ``bounds`` (the FP32 controls'), a BF16 cell by the sealed
+``bounds_bf16`` (``k * bf16 control + floor``, :mod:`qualify.reference.distribution`); a
+reference without ``bounds_bf16`` (sealed by older code) gives a BF16 cell's rows ``NOT_RUN``
+naming it. A cell whose harness records none of the tensors (the TRL and verl adapters) has
+``NOT_RUN`` rows naming them; a contract lists them as expected
+(``matrix.expected_not_run``, :class:`qualify.matrix.ExpectedNotRun`).
+
 :func:`decode_clip_band` is the like-for-like clip-band tail: the HF FP32 reference's and
 each actor cell's round-1 logprobs (``log_softmax(logits / T)``) against the sampler's
 decode-path tempered logprobs of the same tokens (same distribution, no truncation).
@@ -44,6 +58,7 @@ decode-path tempered logprobs of the same tokens (same distribution, no truncati
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -70,17 +85,58 @@ KINDS: Final = ("raw", "tempered")
 WORST_SEQUENCES: Final = 4
 """Sequences per family whose per-position values the report keeps (largest token KL)."""
 ROLE: Final = "sampler"
+TRAINER_CLASS: Final = "trainer_distribution"
+"""The row class of an Actor trainer cell's own prefill distributions."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Side:
+    """Whose distributions a row family judges, and under which sealed bounds.
+
+    Attributes:
+        role: the tensors' role (``round1/<role>/...``) and the rows' role.
+        path: the family prefix (``decode``: the sampler's decode path; ``prefill``: a
+            trainer's forward of the response window).
+        klass: the rows' class.
+        bounds_key: the sealed bound entries of each kind (``bounds``: the FP32 controls';
+            ``bounds_bf16``: the BF16 control's).
+        missing: why a cell lacks the tensors (part of its ``NOT_RUN`` reason).
+    """
+
+    role: str
+    path: str
+    klass: str
+    bounds_key: str
+    missing: str
+
+
+SAMPLER: Final = Side(role=ROLE, path="decode", klass="sampler_distribution",
+                      bounds_key="bounds", missing="a sampler cell of older code")
+"""The sampler cells' decode-path distributions, judged by the FP32 ceilings."""
+TRAINER_BOUNDS: Final = {"fp32": "bounds", "bf16": "bounds_bf16"}
+"""A trainer cell's precision -> the sealed bounds its distribution rows are judged by."""
+
+
+def trainer_side(precision: str) -> Side:
+    """The :class:`Side` of an Actor trainer cell of ``precision`` (``fp32`` or ``bf16``).
+
+    Raises:
+        KeyError: another precision (no sealed distribution ceiling).
+    """
+    return Side(role="actor", path="prefill", klass=TRAINER_CLASS,
+                bounds_key=TRAINER_BOUNDS[precision],
+                missing="its harness records no full distributions")
 
 
 def _not_run(cell: str, klass: str, *, family: str, statistic: str, round_: int,
-             reason: str) -> Row:
-    return Row(cell=cell, klass=klass, bound_class=None, round=round_, role=ROLE,
+             reason: str, role: str = ROLE) -> Row:
+    return Row(cell=cell, klass=klass, bound_class=None, round=round_, role=role,
                family=family, statistic=statistic, error=None, bound=None, margin=None,
                verdict="NOT_RUN", reason=reason, where="")
 
 
 def _judged(cell: str, klass: str, *, family: str, statistic: str, round_: int, error: float,
-            bound: float, where: str, control: str) -> Row:
+            bound: float, where: str, control: str, role: str = ROLE) -> Row:
     verdict, margin = judge(error, bound)
     reason = detail = None
     if verdict != "PASS":
@@ -89,7 +145,7 @@ def _judged(cell: str, klass: str, *, family: str, statistic: str, round_: int, 
         detail = FailureDetail(mismatched=1, total=1, max_abs=error, max_rel=None,
                                columns=("item", "obtained", "expected"),
                                table=((where or statistic, error, f"<= {bound:.6g}"),))
-    return Row(cell=cell, klass=klass, bound_class=None, round=round_, role=ROLE,
+    return Row(cell=cell, klass=klass, bound_class=None, round=round_, role=role,
                family=family, statistic=statistic, error=error, bound=bound, margin=margin,
                verdict=verdict, reason=reason, where=where, detail=detail)
 
@@ -106,6 +162,54 @@ def read_sealed(ref_dir: Path) -> tuple[dict[str, Any] | None, str]:
     if doc.get("not_run"):
         return None, f"{path}: {doc['not_run']}"
     return doc, str(doc.get("distributions_not_run") or "")
+
+
+def _no_bounds(doc: Mapping[str, Any], kind: str, side: Side, ref_dir: Path) -> str:
+    """Why ``doc`` has no ``side.bounds_key`` for ``kind`` ("" when it has them)."""
+    section = doc.get(kind)
+    if isinstance(section, Mapping) and isinstance(section.get(side.bounds_key), Mapping):
+        return ""
+    why = section.get(f"{side.bounds_key}_not_run") if isinstance(section, Mapping) else None
+    return (f"the reference {ref_dir.name}'s {DISTRIBUTION_JSON} has no {kind} "
+            f"{side.bounds_key}" + (f": {why}" if why else " (sealed by older code)"))
+
+
+def _side_rows(cell: str, side: Side, *, tensors: Mapping[str, Any], doc: Mapping[str, Any],
+               ref_dir: Path, mask: npt.NDArray[Any], responses: npt.NDArray[Any],
+               positions: dict[str, Any] | None) -> list[Row]:
+    """The full-path or top-k-path distribution rows of one side (module docstring)."""
+    if "raw" not in doc:  # sealed by older code above the full-path vocabulary: none
+        return []
+    ref = store.load_tensors(ref_dir / DISTRIBUTION_FILE)
+    if "topk" in doc:
+        return _topk_rows(cell, tensors, doc, ref, mask, positions=positions, side=side,
+                          ref_dir=ref_dir)
+    rows: list[Row] = []
+    for kind in KINDS:
+        family = f"{side.path}_{kind}"
+        mine = tensors.get(f"round1/{side.role}/{family}")
+        reason = (f"{cell} has no round1/{side.role}/{family} ({side.missing})" if mine is None
+                  else _no_bounds(doc, kind, side, ref_dir))
+        if reason:
+            rows += [_not_run(cell, side.klass, family=family, statistic=s, round_=1,
+                              reason=reason, role=side.role) for s in STATISTICS]
+            continue
+        got = distribution_metrics(np.asarray(mine), np.asarray(ref[kind]), responses, mask,
+                                   clip_ratio=float(doc["clip_ratio"]),
+                                   worst_sequences=WORST_SEQUENCES if positions is not None
+                                   else 0)
+        if positions is not None:
+            positions[family] = {"k": None, "sequences": got["sequences"]}
+        for s in STATISTICS:
+            b = doc[kind][side.bounds_key][s]
+            err = float(got[s])
+            rows.append(_judged(cell, side.klass, family=family, statistic=s,
+                                round_=1, error=err if math.isfinite(err) else math.inf,
+                                bound=float(b["bound"]),
+                                where=f"{got['worst']} (n={got['n_valid']}, top-1 ties "
+                                      f"{got['top1_ties']})", control=str(b["control"]),
+                                role=side.role))
+    return rows
 
 
 def distribution_rows(*, cell: str, tensors: Mapping[str, Any], ref_dir: Path,
@@ -127,42 +231,15 @@ def distribution_rows(*, cell: str, tensors: Mapping[str, Any], ref_dir: Path,
     doc, _ = read_sealed(ref_dir)
     if doc is None:  # a reference without decode-path bounds: no rows (a report note says so)
         return []
-    rows: list[Row] = []
-    full = "raw" in doc and "topk" not in doc
-    ref = store.load_tensors(ref_dir / DISTRIBUTION_FILE) if "raw" in doc else {}
-    if "topk" in doc:
-        rows += _topk_rows(cell, tensors, doc, ref, mask, positions=positions)
-    why = ""
-    for kind in KINDS if full else ():
-        family = f"decode_{kind}"
-        mine = tensors.get(f"round1/{ROLE}/{family}")
-        if mine is None:
-            reason = f"{cell} has no round1/{ROLE}/{family} (a sampler cell of older code)"
-            rows += [_not_run(cell, "sampler_distribution", family=family, statistic=s, round_=1,
-                         reason=reason)
-                     for s in STATISTICS]
-            continue
-        got = distribution_metrics(np.asarray(mine), np.asarray(ref[kind]), responses, mask,
-                                   clip_ratio=float(doc["clip_ratio"]),
-                                   worst_sequences=WORST_SEQUENCES if positions is not None
-                                   else 0)
-        if positions is not None:
-            positions[family] = {"k": None, "sequences": got["sequences"]}
-        for s in STATISTICS:
-            b = doc[kind]["bounds"][s]
-            err = float(got[s])
-            rows.append(_judged(cell, "sampler_distribution", family=family, statistic=s,
-                                round_=1, error=err if math.isfinite(err) else math.inf,
-                                bound=float(b["bound"]),
-                                where=f"{got['worst']} (n={got['n_valid']}, top-1 ties "
-                                      f"{got['top1_ties']})", control=str(b["control"])))
+    rows = _side_rows(cell, SAMPLER, tensors=tensors, doc=doc, ref_dir=ref_dir, mask=mask,
+                      responses=responses, positions=positions)
     dec, pre = tensors.get(f"round2/{ROLE}/decode_logprobs"), tensors.get(f"round2/{ROLE}/logprobs")
     if "decode_vs_prefill" not in doc:
         return rows
     if dec is None or pre is None:
         rows.append(_not_run(cell, "sampler_decode_vs_prefill", family="logprobs",
                              statistic="max_abs", round_=2,
-                             reason=why or f"{cell} has no round2/{ROLE}/decode_logprobs"))
+                             reason=f"{cell} has no round2/{ROLE}/decode_logprobs"))
         return rows
     m = np.asarray(mask) != 0
     d = np.abs(np.asarray(dec, dtype=np.float64) - np.asarray(pre, dtype=np.float64))[m]
@@ -176,26 +253,57 @@ def distribution_rows(*, cell: str, tensors: Mapping[str, Any], ref_dir: Path,
     return rows
 
 
+def trainer_distribution_rows(*, cell: str, precision: str, tensors: Mapping[str, Any],
+                              ref_dir: Path, mask: npt.NDArray[Any],
+                              responses: npt.NDArray[Any],
+                              positions: dict[str, Any] | None = None) -> list[Row]:
+    """The ``trainer_distribution`` rows of one COMPLETE Actor trainer cell (module docstring).
+
+    Args:
+        cell: the trainer cell id.
+        precision: its precision (``fp32``: the sealed ``bounds``; ``bf16``: the sealed
+            ``bounds_bf16``; any other: ``NOT_RUN`` rows saying no ceiling is sealed for it).
+        tensors: its ``outputs.safetensors`` (numpy).
+        ref_dir: the sealed reference directory.
+        mask: ``[B, R]`` response mask of the frozen rollout.
+        responses: ``[B, R]`` response token ids of the frozen rollout.
+        positions: as :func:`distribution_rows`, per judged ``prefill_*`` family.
+    """
+    doc, _ = read_sealed(ref_dir)
+    if doc is None:
+        return []
+    if precision not in TRAINER_BOUNDS:
+        fams = [f"prefill_{kind}" + ("_topk" if "topk" in doc else "") for kind in KINDS]
+        stats = TOPK_STATISTICS if "topk" in doc else STATISTICS
+        return [_not_run(cell, TRAINER_CLASS, family=f, statistic=s, round_=1, role="actor",
+                         reason=f"no distribution ceiling is sealed for precision "
+                                f"{precision!r}") for f in fams for s in stats]
+    return _side_rows(cell, trainer_side(precision), tensors=tensors, doc=doc, ref_dir=ref_dir,
+                      mask=mask, responses=responses, positions=positions)
+
+
 def _topk_rows(cell: str, tensors: Mapping[str, Any], doc: Mapping[str, Any],
                ref: Mapping[str, Any], mask: npt.NDArray[Any], *,
-               positions: dict[str, Any] | None = None) -> list[Row]:
-    """The ``decode_<kind>_topk`` rows (module docstring) of one sampler cell."""
+               positions: dict[str, Any] | None = None, side: Side = SAMPLER,
+               ref_dir: Path | None = None) -> list[Row]:
+    """The ``<path>_<kind>_topk`` rows (module docstring) of one side's cell."""
     k = int(doc["topk"]["k"])
     rows: list[Row] = []
+    pre = f"round1/{side.role}/{side.path}"
     for kind in KINDS:
-        family = f"decode_{kind}_topk"
-        names = [f"round1/{ROLE}/decode_{kind}_topk_logprobs",
-                 f"round1/{ROLE}/decode_{kind}_topk_ids", f"round1/{ROLE}/decode_{kind}_logprobs"]
+        family = f"{side.path}_{kind}_topk"
+        names = [f"{pre}_{kind}_topk_logprobs", f"{pre}_{kind}_topk_ids", f"{pre}_{kind}_logprobs"]
         missing = [n for n in names if n not in tensors]
         lp = np.asarray(tensors[names[0]]) if not missing else None
-        reason = (f"{cell} has no {', '.join(missing)} (a sampler cell of older code)"
-                  if missing else "")
+        reason = (f"{cell} has no {', '.join(missing)} ({side.missing})" if missing else "")
         if lp is not None and (lp.ndim != 3 or lp.shape[2] < k):
             reason = (f"{cell}'s {names[0]} has shape {lp.shape}: fewer than the sealed "
                       f"top-{k} logprobs per position")
+        if not reason and ref_dir is not None:
+            reason = _no_bounds(doc, kind, side, ref_dir)
         if reason:
-            rows += [_not_run(cell, "sampler_distribution", family=family, statistic=s,
-                              round_=1, reason=reason) for s in TOPK_STATISTICS]
+            rows += [_not_run(cell, side.klass, family=family, statistic=s,
+                              round_=1, reason=reason, role=side.role) for s in TOPK_STATISTICS]
             continue
         assert lp is not None
         ids = np.asarray(tensors[names[1]]).astype(np.int64)
@@ -210,9 +318,9 @@ def _topk_rows(cell: str, tensors: Mapping[str, Any], doc: Mapping[str, Any],
         if positions is not None:
             positions[family] = {"k": k, "sequences": got["sequences"]}
         where = (f"{got['worst']} (n={got['n_valid']}, top-1 ties {got['top1_ties']}, k={k}, "
-                 f"missing mass ref <= {got['missing_ref_max']:.3g}, sampler <= "
+                 f"missing mass ref <= {got['missing_ref_max']:.3g}, {side.role} <= "
                  f"{got['missing_cand_max']:.3g})")
-        bounds = doc[kind]["bounds"]
+        bounds = doc[kind][side.bounds_key]
         for s in TOPK_STATISTICS:
             b, err = bounds[s], float(got[s])
             upper = s.replace("tv_", "tv_upper_") if s in ("tv_max", "tv_mean") else ""
@@ -222,11 +330,72 @@ def _topk_rows(cell: str, tensors: Mapping[str, Any], doc: Mapping[str, Any],
             if upper and float(bounds[upper]["bound"]) >= 1.0:
                 note = (f"; true TV <= {float(got[upper]):.3g} ({upper} not judged: its "
                         f"sealed bound {float(bounds[upper]['bound']):.3g} >= 1)")
-            rows.append(_judged(cell, "sampler_distribution", family=family, statistic=s,
+            rows.append(_judged(cell, side.klass, family=family, statistic=s,
                                 round_=1, error=err if math.isfinite(err) else math.inf,
                                 bound=float(b["bound"]), where=where + note,
-                                control=str(b["control"])))
+                                control=str(b["control"]), role=side.role))
     return rows
+
+
+TRAINER_VS_SAMPLER_NOTE: Final = (
+    "information, no verdict: each Actor trainer cell's round-1 prefill distributions (p) "
+    "against each sampler cell's decode-path ones (q), same weights and tokens. The TV "
+    "ceiling is the triangle inequality through the sealed reference, TV(p, q) <= TV(p, ref) "
+    "+ TV(ref, q) at each position, so tv_max <= the trainer's sealed tv_max bound + the "
+    "sampler's (tv_mean likewise): both cells within their own rows imply the pair within "
+    "it. KL obeys no triangle inequality: no KL ceiling composes from the two rows.")
+"""What ``report.json`` ``trainer_vs_sampler`` measures (its ``note``)."""
+
+
+def trainer_vs_sampler(*, trainer: str, precision: str, sampler: str,
+                       trainer_tensors: Mapping[str, Any], sampler_tensors: Mapping[str, Any],
+                       ref_dir: Path, mask: npt.NDArray[Any], responses: npt.NDArray[Any]
+                       ) -> list[dict[str, Any]]:
+    """Direct trainer-vs-sampler metrics of one pair, per kind, on the full path (no verdict).
+
+    For each kind with both ``round1/actor/prefill_<kind>`` (``p``) and
+    ``round1/sampler/decode_<kind>`` (``q``), both ``[B, R, V]``:
+    :func:`qualify.distmetrics.distribution_metrics` of ``q`` against ``p`` and the derived TV
+    ceilings (:data:`TRAINER_VS_SAMPLER_NOTE`): ``tv_max_ceiling`` = the trainer's sealed
+    ``tv_max`` bound (its precision's: ``bounds`` or ``bounds_bf16``) + the sampler's
+    (``bounds``), ``tv_mean_ceiling`` likewise; ``None`` where either bound is not sealed.
+
+    Returns:
+        One dict per kind: ``trainer``, ``sampler``, ``kind``, ``family`` (the two row
+        families), ``n_valid``, ``tv_max``, ``tv_mean``, ``kl_trainer_sampler_max``
+        (``max KL(p || q)``), ``kl_sampler_trainer_max`` (``max KL(q || p)``),
+        ``top1_mismatch`` (count), ``top1_ties``, ``worst`` (the worst position),
+        ``tv_max_ceiling``, ``tv_mean_ceiling``; ``[]`` for a reference without full sealed
+        distributions (no ceilings to compose) or a pair without the tensors.
+    """
+    doc, _ = read_sealed(ref_dir)
+    if doc is None or "topk" in doc or "raw" not in doc:
+        return []
+    side = trainer_side(precision) if precision in TRAINER_BOUNDS else None
+    out = []
+    for kind in KINDS:
+        p = trainer_tensors.get(f"round1/actor/prefill_{kind}")
+        q = sampler_tensors.get(f"round1/{ROLE}/decode_{kind}")
+        if p is None or q is None:
+            continue
+        got = distribution_metrics(np.asarray(q), np.asarray(p), responses, mask,
+                                   clip_ratio=float(doc["clip_ratio"]))
+        ceilings: dict[str, float | None] = {}
+        for s in ("tv_max", "tv_mean"):
+            mine = doc[kind].get(side.bounds_key, {}).get(s) if side is not None else None
+            theirs = doc[kind].get(SAMPLER.bounds_key, {}).get(s)
+            ceilings[f"{s}_ceiling"] = (float(mine["bound"]) + float(theirs["bound"])
+                                        if mine is not None and theirs is not None else None)
+        out.append({"trainer": trainer, "sampler": sampler, "kind": kind,
+                    "family": [f"prefill_{kind}", f"decode_{kind}"],
+                    "n_valid": int(got["n_valid"]), "tv_max": float(got["tv_max"]),
+                    "tv_mean": float(got["tv_mean"]),
+                    "kl_trainer_sampler_max": float(got["kl_ref_cand_max"]),
+                    "kl_sampler_trainer_max": float(got["kl_cand_ref_max"]),
+                    "top1_mismatch": int(got["top1_mismatch"]),
+                    "top1_ties": int(got["top1_ties"]), "worst": str(got["worst"]),
+                    **ceilings})
+    return out
 
 
 def decode_clip_band(*, sources: list[tuple[str, str, Any]], cell: str,

@@ -43,6 +43,7 @@ from typing import Any, Final
 import pandas as pd
 
 from qualify.compare.plotdata import (
+    DISTRIBUTION_CLASSES,
     PER_PARAM_FAMILIES,
     PER_TOKEN_FAMILIES,
     RunData,
@@ -279,14 +280,20 @@ def _token_plots(data: RunData) -> list[str]:
 
 
 def _distribution_plots(data: RunData) -> list[str]:
-    """Per sampler cell and distribution family: the worst sequences' per-position values."""
+    """Per sampler or Actor trainer cell and distribution family: worst sequences' values."""
+    kept = data.doc.get("distribution_positions")
+    trainers = [str(c.get("cell")) for c in data.doc.get("cells", [])
+                if c.get("role") == "actor" and c.get("status") == "COMPLETE"
+                and isinstance(kept, Mapping) and kept.get(c.get("cell"))]
     cells = [str(c.get("cell")) for c in data.doc.get("cells", [])
-             if c.get("role") == SAMPLER_ROLE and c.get("status") == "COMPLETE"]
+             if c.get("role") == SAMPLER_ROLE and c.get("status") == "COMPLETE"] + trainers
     if not cells:
         return []
     distribution_svg = _plots().distribution_svg
     out = ['<h2 id="distribution-title">Sampler distribution per position</h2>',
-           '<p class="note">For each sampler cell and decode-path distribution row family, '
+           '<p class="note">For each sampler cell and decode-path distribution row family '
+           "(and each Actor trainer cell and prefill_* family: its own forward in place of "
+           "the sampler's), "
            "the sampler (q) against the sealed HF reference (p) at every valid response "
            "position of its worst sequences (largest token KL(p || q)), as the comparator "
            "computed them for the rows: token KL both ways (log scale) with the sealed "
@@ -309,7 +316,7 @@ def _distribution_plots(data: RunData) -> list[str]:
                                f"{check}.{lumped}"))
             drawn += 1
     if not drawn:
-        rows = any(r.get("class") == "sampler_distribution" and r.get("error") is not None
+        rows = any(r.get("class") in DISTRIBUTION_CLASSES and r.get("error") is not None
                    for r in data.rows)
         why = ("this report was written before the comparator kept the per-position values "
                "(report.json distribution_positions); qualify compare on the run writes them"

@@ -370,8 +370,12 @@ def param_errors(data: RunData, row: Mapping[str, Any]) -> ParamErrors | None:
 # --------------------------------------------------------------------------- sampler cells
 
 DISTRIBUTION_FAMILIES: Final = ("decode_raw", "decode_tempered", "decode_raw_topk",
-                                "decode_tempered_topk")
-"""The ``sampler_distribution`` families, in drawing order."""
+                                "decode_tempered_topk", "prefill_raw", "prefill_tempered",
+                                "prefill_raw_topk", "prefill_tempered_topk")
+"""The ``sampler_distribution`` families (a sampler cell's) and the ``trainer_distribution``
+ones (an Actor trainer cell's), in drawing order."""
+DISTRIBUTION_CLASSES: Final = ("sampler_distribution", "trainer_distribution")
+"""The row classes whose per-position values ``report.json`` keeps."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -398,10 +402,10 @@ class PositionSequence:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class PositionDistribution:
-    """Per-position values of one sampler cell's ``sampler_distribution`` family.
+    """Per-position values of one cell's distribution family (``decode_*``, ``prefill_*``).
 
     Attributes:
-        cell: the sampler cell id.
+        cell: the sampler or Actor trainer cell id.
         family: one of :data:`DISTRIBUTION_FAMILIES`.
         k: the top-k path's ``k`` (its KLs are of the lumped distributions, lower bounds of
             the true ones); ``None`` on the full path.
@@ -430,7 +434,7 @@ def _numbers(xs: Any) -> npt.NDArray[np.float64]:
 
 
 def position_distributions(data: RunData, cell: str) -> list[PositionDistribution]:
-    """The per-position values behind a sampler cell's ``sampler_distribution`` rows.
+    """The per-position values behind a cell's distribution rows (:data:`DISTRIBUTION_CLASSES`).
 
     Read from ``report.json`` ``distribution_positions`` as the comparator kept them (the
     same call that gave the rows, :func:`qualify.compare.distribution.distribution_rows`):
@@ -438,7 +442,7 @@ def position_distributions(data: RunData, cell: str) -> list[PositionDistributio
 
     Args:
         data: the run.
-        cell: a sampler cell id.
+        cell: a sampler or Actor trainer cell id.
 
     Returns:
         One :class:`PositionDistribution` per family the report keeps for ``cell``, in
@@ -463,7 +467,7 @@ def position_distributions(data: RunData, cell: str) -> list[PositionDistributio
         kl_max = float(np.nanmax(np.where(np.isnan(seqs[0].kl_ref_cand), np.inf,
                                           seqs[0].kl_ref_cand)))
         rows = {str(r.get("statistic")): r for r in data.rows if r.get("cell") == cell
-                and r.get("class") == "sampler_distribution" and r.get("family") == family}
+                and r.get("class") in DISTRIBUTION_CLASSES and r.get("family") == family}
         stored = rows.get("kl_ref_cand_max")
         bounds = [_float(rows[s].get("bound")) if s in rows else None
                   for s in ("kl_ref_cand_max", "kl_cand_ref_max")]

@@ -491,6 +491,24 @@ def _header_table(report: Report, extra: Sequence[tuple[str, str]] = ()) -> str:
     ])
 
 
+def _trainer_vs_sampler_lines(report: Report) -> list[str]:
+    """The trainer-vs-sampler table (``trainer_distribution`` section; information)."""
+    got = report.trainer_vs_sampler or {}
+    pairs = got.get("pairs") or []
+    if "trainer_distribution" not in report.sections or not pairs:
+        return []
+    return ["## Trainer vs sampler distributions (information, no verdict)", "",
+            str(got.get("note", "")), "",
+            _markdown_table(("trainer", "sampler", "kind", "max TV", "mean TV",
+                             "TV ceiling (max)", "max KL(t ‖ s)", "max KL(s ‖ t)",
+                             "top-1 disagreements"),
+                            [(p["trainer"], p["sampler"], p["kind"], _num(p["tv_max"]),
+                              _num(p["tv_mean"]), _num(p.get("tv_max_ceiling")),
+                              _num(p["kl_trainer_sampler_max"]),
+                              _num(p["kl_sampler_trainer_max"]),
+                              f"{p['top1_mismatch']} of {p['n_valid']}") for p in pairs]), ""]
+
+
 def _render_decision_first(report: Report) -> str:
     """``report.md`` of a report with the ``gate_decision`` section: short, decision first.
 
@@ -535,6 +553,7 @@ def _render_decision_first(report: Report) -> str:
               f.token_mult_prob_error, f.k3_kl) for f in report.field_metrics]), ""]
     else:
         lines += ["No source with round-1 actor logprobs.", ""]
+    lines += _trainer_vs_sampler_lines(report)
     if report.notes:
         lines += ["## Notes", "", *[f"- {n}" for n in report.notes], ""]
     return "\n".join(lines)
@@ -613,6 +632,7 @@ def render_markdown(report: Report) -> str:
     else:
         lines += ["No source with round-1 actor logprobs.", ""]
     lines += _clip_band_lines(report)
+    lines += _trainer_vs_sampler_lines(report)
     if report.notes:
         lines += ["## Notes", "", *[f"- {_text(n)}" for n in report.notes], ""]
     return "\n".join(lines)

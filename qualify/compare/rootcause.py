@@ -12,7 +12,8 @@ The causal order (:func:`causal_key`):
 
 - trainer rows (role ``actor`` / ``critic``): round 1 before round 2; within a round the
   stages of :data:`TRAINER_CHAIN`: the forward (``logprobs``, ``values``, ``entropy``,
-  ``rewards``; a ``*_padded`` rerun too) -> ``losses`` -> ``grads`` (before clipping) ->
+  ``rewards``; a ``*_padded`` rerun too; the Actor's own next-token distributions,
+  ``prefill_*`` of class ``trainer_distribution``) -> ``losses`` -> ``grads`` (before clipping) ->
   ``grad_norm`` (pre-clip) -> ``clip_coef`` -> ``lr`` (the step's scheduled lr, an input of
   the step like the clipped gradients) -> ``exp_avg`` / ``exp_avg_sq`` -> ``updates``;
   round ``r + 1``'s forward comes after round ``r``'s update;
@@ -59,7 +60,8 @@ __all__ = [
 ]
 
 TRAINER_CHAIN: Final[tuple[tuple[str, ...], ...]] = (
-    ("logprobs", "values", "entropy", "rewards"),
+    ("logprobs", "values", "entropy", "rewards", "prefill_raw", "prefill_tempered",
+     "prefill_raw_topk", "prefill_tempered_topk"),
     ("losses",),
     ("grads",),
     ("grad_norm",),
@@ -72,8 +74,9 @@ TRAINER_CHAIN: Final[tuple[tuple[str, ...], ...]] = (
 SAMPLER_CHAIN: Final[tuple[tuple[str, ...], ...]] = (
     ("install",), ("kernels",), ("prefix_cache",), ("logprobs",))
 """The stages of a sampler cell, in causal order."""
-CLASS_ORDER: Final = ("candidate_vs_hf", "tp_vs_tp1", "padding_invariance", "sampler_install",
-                      "sampler_cache", "sampler_vs_actor")
+CLASS_ORDER: Final = ("candidate_vs_hf", "tp_vs_tp1", "padding_invariance",
+                      "trainer_distribution", "sampler_install", "sampler_cache",
+                      "sampler_vs_actor")
 """Within one stage: rows of these classes first, in this order (others after, by name)."""
 SAMPLER_ROLE: Final = "sampler"
 RESUME_CLASS: Final = "resume"

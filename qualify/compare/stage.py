@@ -41,6 +41,9 @@ types: :mod:`qualify.compare.verdicts`). Per cell of ``run.json``:
     :func:`qualify.compare.rows.dtype_row`);
   * ``replica_consistency``: replicated parameters bitwise equal across TP ranks
     (``outputs.json`` ``replica_consistency.all_equal``);
+  * ``trainer_distribution`` (an Actor cell): its own round-1 next-token distributions
+    against the reference's sealed ones, under the sealed bounds of its precision
+    (:func:`qualify.compare.distribution.trainer_distribution_rows`);
   * ``lr_schedule``: the lr each optimizer step applied (``outputs.json`` ``lr``) within one
     FP32 ulp of the lr the reference sealed for that step (``reference.json`` ``update_meta``;
     :func:`qualify.compare.rows.lr_rows`; none for a reference sealed before lr schedules).
@@ -78,10 +81,13 @@ import numpy.typing as npt
 from qualify import jsonio
 from qualify.bounds import TP_CANDIDATE_CLASS, Bound
 from qualify.compare.distribution import (
+    TRAINER_VS_SAMPLER_NOTE,
     cell_routes,
     decode_clip_band,
     distribution_rows,
     read_sealed,
+    trainer_distribution_rows,
+    trainer_vs_sampler,
 )
 from qualify.compare.mismatch import (
     FieldMismatch,
@@ -344,9 +350,12 @@ class _Ctx:
     reduction_dtypes: bool = True
     """``dtypes`` rows check the gradient reduction and accumulation dtypes (the report's
     ``reduction_dtypes`` section)."""
+    trainer_distribution: bool = True
+    """Actor trainer cells have ``trainer_distribution`` rows (the report's section of that
+    name)."""
     positions: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    """Per sampler cell, the per-position values behind its distribution rows (the report's
-    ``distribution_positions`` section)."""
+    """Per sampler and Actor trainer cell, the per-position values behind its distribution
+    rows (the report's ``distribution_positions`` section)."""
 
 
 def _hf(ctx: _Ctx, precision: str) -> TensorFile | None:
@@ -540,6 +549,50 @@ def expected_not_run(rows: Sequence[Row], engine: str,
     return out
 
 
+def _trainer_distribution(ctx: _Ctx, cid: str, e: Mapping[str, Any],
+                          outputs: _Outputs) -> list[Row]:
+    """An Actor trainer cell's ``trainer_distribution`` rows, its positions kept in ``ctx``.
+
+    The cell's precision (``run.json``, else the contract's matrix cell) picks the sealed
+    bounds: ``fp32`` the FP32 controls', ``bf16`` the BF16 control's.
+    """
+    spec = ctx.cells.get(cid)
+    precision = lane_precision(str(e.get("precision") or (spec.precision if spec else "")))
+    kept: dict[str, Any] = {}  # the report's only when every row was built
+    got = trainer_distribution_rows(
+        cell=cid, precision=precision, tensors=in_memory(outputs.tensors),
+        ref_dir=ctx.ref_dir, mask=ctx.mask,
+        responses=store.load_tensors(ctx.ref_dir / ROLLOUT_FILE)["responses"], positions=kept)
+    ctx.positions[cid] = kept
+    return got
+
+
+def _trainer_vs_sampler(ctx: _Ctx, cells: Mapping[str, Any],
+                        loaded: Mapping[str, _Outputs | str]) -> dict[str, Any] | None:
+    """``report.json`` ``trainer_vs_sampler``: each (Actor trainer, sampler) cell pair's metrics.
+
+    Every COMPLETE Actor trainer cell (not a resume cell) with every COMPLETE sampler cell
+    (:func:`trainer_vs_sampler`); ``None`` without the ``trainer_distribution`` section.
+    """
+    if not ctx.trainer_distribution:
+        return None
+    done = {cid: got for cid, got in loaded.items() if isinstance(got, _Outputs)}
+    actors = [c for c in done if cells[c].get("role") == "actor" and "resume_of" not in cells[c]]
+    samplers = [c for c in done if cells[c].get("role") == "sampler"]
+    pairs: list[dict[str, Any]] = []
+    if actors and samplers:
+        responses = store.load_tensors(ctx.ref_dir / ROLLOUT_FILE)["responses"]
+        for a in actors:
+            precision = lane_precision(str(cells[a].get("precision", "")))
+            for s in samplers:
+                pairs += trainer_vs_sampler(
+                    trainer=a, precision=precision, sampler=s,
+                    trainer_tensors=in_memory(done[a].tensors),
+                    sampler_tensors=in_memory(done[s].tensors), ref_dir=ctx.ref_dir,
+                    mask=ctx.mask, responses=responses)
+    return {"note": TRAINER_VS_SAMPLER_NOTE, "pairs": pairs}
+
+
 def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, Any],
                 loaded: dict[str, _Outputs | str]) -> tuple[str, Verdict, str | None, list[Row]]:
     """Status, verdict, reason and rows of one ``run.json`` cell entry."""
@@ -585,6 +638,12 @@ def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, A
         else:
             rows = _complete_rows(ctx, cid=cid, entry=e, cells=cells, outputs=got,
                                   loaded=loaded)
+            if e.get("role") == "actor" and ctx.trainer_distribution:  # its distributions
+                rows += guarded(lambda: _trainer_distribution(ctx, cid, e, outputs),
+                                cell=cid, klass="trainer_distribution", role="actor",
+                                family="all",
+                                builder="qualify.compare.distribution."
+                                        "trainer_distribution_rows")
         rows = expected_not_run(rows, str(e.get("engine", "")),
                                 ctx.contract.matrix.expected_not_run)
         verdict, reason = cell_verdict(rows)  # a compared cell: its rows'
@@ -666,7 +725,8 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
                                        mask=mask),
                cells={c.cell_id: c for c in contract.matrix.cells()},
                update_meta=_update_meta(ref_dir),
-               reduction_dtypes="reduction_dtypes" in sections)
+               reduction_dtypes="reduction_dtypes" in sections,
+               trainer_distribution="trainer_distribution" in sections)
     # 4. the cells
     cells = run.cells
     loaded: dict[str, _Outputs | str] = {}
@@ -715,6 +775,9 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
     if "routes" in sections and any(e.get("role") == "sampler" for e in cells.values()) \
             and read_sealed(ctx.ref_dir)[1]:  # a report sealed before routes: as then
         notes.append(f"no sampler_distribution rows: {read_sealed(ctx.ref_dir)[1]}")
+    if ctx.trainer_distribution and any(e.get("role") == "actor" for e in cells.values()) \
+            and read_sealed(ctx.ref_dir)[1]:
+        notes.append(f"no trainer_distribution rows: {read_sealed(ctx.ref_dir)[1]}")
     for cid, got in loaded.items():  # the like-for-like pair: qualify.compare.distribution
         if isinstance(got, _Outputs) and cells[cid].get("role") == "sampler" and \
                 hf32 is not None and "round1/actor/logprobs" in hf32:
@@ -732,6 +795,7 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
         lr_schedule=_lr_section(ctx),
         routes=routes,
         distribution_positions={c: p for c, p in ctx.positions.items() if p},
+        trainer_vs_sampler=_trainer_vs_sampler(ctx, cells, loaded),
         behavior_weights=behavior_weight_rows(
             ref_dir, run_dir, [(c.cell, c.attempt) for c in results
                                if c.role == "actor" and c.attempt]))

@@ -46,12 +46,13 @@ __all__ = [
 ]
 
 ROW_CLASSES: Final = ("candidate_vs_hf", "tp_vs_tp1", "padding_invariance", "dtypes",
-                      "replica_consistency", "lr_schedule", "resume")
+                      "replica_consistency", "lr_schedule", "resume", "trainer_distribution")
 OPTIONAL_SECTIONS: Final[tuple[str, ...]] = ("coverage", "power", "root_causes",
                                               "behavior_weights", "clip_band",
                                               "lr_schedule", "gate_note", "reduction_dtypes",
                                               "gate_decision", "routes", "route_pins",
-                                              "distribution_positions")
+                                              "distribution_positions",
+                                              "trainer_distribution")
 """Report sections added after the first comparator, in the order they were added:
 ``coverage`` (the reference's coverage record, issue #15), ``power`` (the power check of
 every metric row and its per-family summary, issue #15) and ``root_causes`` (each failing
@@ -76,7 +77,10 @@ from the SDPA backends of the reference's controls has a FAILing ``routes`` row,
 :mod:`qualify.compare.routes`) and ``distribution_positions`` (per sampler cell and
 ``sampler_distribution`` family, the per-position values of its worst sequences that the rows
 aggregate, :func:`qualify.compare.distribution.distribution_rows`; what ``report.html``
-plots). A report
+plots) and ``trainer_distribution`` (each Actor trainer cell's own next-token distributions
+judged against the reference's sealed ones, rows ``trainer_distribution``,
+:func:`qualify.compare.distribution.trainer_distribution_rows`, their per-position values
+kept in ``distribution_positions`` as a sampler cell's are). A report
 without them was sealed
 before they existed
 and is recomputed, and its ``report.md`` rendered, without them (:func:`sections_of`)."""
@@ -308,6 +312,10 @@ class Report:
             path) and the ``sequences`` records of its worst sequences
             (:func:`qualify.distmetrics.distribution_metrics`); written only with the
             ``distribution_positions`` section.
+        trainer_vs_sampler: ``{"note", "pairs"}``: per (Actor trainer cell, sampler cell)
+            pair and kind on the full path, the direct metrics and the composed TV ceiling
+            (:func:`qualify.compare.distribution.trainer_vs_sampler`; information, no
+            verdict); written only with the ``trainer_distribution`` section.
 
     Raises:
         ValueError: an unknown section name.
@@ -338,6 +346,7 @@ class Report:
     gate: Mapping[str, Any] | None = None
     routes: Mapping[str, Any] | None = None
     distribution_positions: Mapping[str, Mapping[str, Any]] | None = None
+    trainer_vs_sampler: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.sections) - set(OPTIONAL_SECTIONS))
@@ -474,6 +483,9 @@ class Report:
             doc["routes"] = dict(self.routes or {})
         if "distribution_positions" in self.sections:
             doc["distribution_positions"] = _json_numbers(self.distribution_positions or {})
+        if "trainer_distribution" in self.sections:
+            doc["trainer_vs_sampler"] = _json_numbers(
+                dict(self.trainer_vs_sampler or {"note": "", "pairs": []}))
         return doc
 
 

@@ -93,10 +93,15 @@ OUTCOMES: Final = ("PASS", "XFAIL", "FAIL", "NOT_RUN", "STALE", "XPASS")
 SAMPLER_FAMILIES: Final = ("install", "kernels", "prefix_cache", *PROBES)
 """Row families of a sampler cell (:mod:`qualify.compare.sampler`: install, kernel and cache
 checks, then its rejection probes)."""
-KNOWN_FAMILIES: Final = (*FAMILY_STATISTIC, "dtypes", "replica", *SAMPLER_FAMILIES)
+DISTRIBUTION_FAMILIES: Final = tuple(f"{path}_{kind}{topk}" for path in ("decode", "prefill")
+                                    for kind in ("raw", "tempered") for topk in ("", "_topk"))
+"""Row families of the next-token distribution rows (:mod:`qualify.compare.distribution`):
+a sampler's ``decode_*``, an Actor trainer cell's ``prefill_*``."""
+KNOWN_FAMILIES: Final = (*FAMILY_STATISTIC, "dtypes", "replica", *SAMPLER_FAMILIES,
+                         *DISTRIBUTION_FAMILIES)
 """Every row family a report holds: the metric families of
-:data:`qualify.statistics.FAMILY_STATISTIC`, the ``dtypes`` and ``replica`` checks and the
-sampler probes."""
+:data:`qualify.statistics.FAMILY_STATISTIC`, the ``dtypes`` and ``replica`` checks, the
+sampler probes and the distribution families."""
 
 
 def row_margin(row: Mapping[str, Any]) -> float | None:

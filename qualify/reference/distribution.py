@@ -12,14 +12,20 @@ reference:
   (:func:`qualify_harness.routes.sdpa_recorder`); for each of ``raw`` / ``tempered``, the
   metrics of :mod:`qualify.distmetrics` of every control against that reference, and per statistic
   ``bound = k * max over the FP32 controls + floor`` (``k`` the contract's
-  ``bounds.k``, the floors :data:`FLOORS`); the ``decode_vs_prefill`` token-logprob bound of
-  the sampler's own decode-vs-prefill row; the ``bf16`` control is listed for information
-  only: a BF16 execution is another precision, not noise of an FP32 one (docs/bound-rule.md).
+  ``bounds.k``, the floors :data:`FLOORS`), the ceiling of every FP32 candidate (the
+  sampler cells, the FP32 trainer cells); per statistic ``bounds_bf16 = k * bf16 control +
+  floor`` (same floors, same entry fields, ``control: "bf16"``), the ceiling of a BF16
+  trainer cell: a BF16 execution is another precision, not noise of an FP32 one, so its
+  ceiling comes from the HF BF16 control, as every BF16 bound does (docs/bound-rule.md);
+  the ``decode_vs_prefill`` token-logprob bound of the sampler's own decode-vs-prefill row.
+  A reference sealed by older code, or whose ``bf16`` metric of a kind is not finite
+  (``bounds_bf16_not_run`` then says so), has no ``bounds_bf16`` for it (its BF16 trainer rows
+  are ``NOT_RUN``, :mod:`qualify.compare.distribution`).
 
 Controls, each an HF execution of the same model and tokens that an engine may legitimately
 take instead: ``decode`` (prompt prefill, then one token at a time against the KV cache,
 ``sdpa``, per sequence), ``attn_impl`` (``eager`` batched prefill), ``batch`` (each sequence
-alone, no padding, ``sdpa``), ``bf16`` (information only: BF16 parameters, ``sdpa``).
+alone, no padding, ``sdpa``), ``bf16`` (BF16 parameters, ``sdpa``: the BF16 ceilings only).
 Above a vocabulary of :data:`MAX_VOCAB` the distributions are sealed on the **top-k path**
 (:func:`qualify.distmetrics.topk_metrics`; ``k`` the contract's ``bounds.distribution_topk``):
 ``distribution.safetensors`` holds, for each ``kind``, ``<kind>_topk_logprobs`` ``[B, R, k]``
@@ -58,7 +64,10 @@ DISTRIBUTION_JSON: Final = "distribution.json"
 MAX_VOCAB: Final = 4096
 """Largest vocabulary whose full distributions are sealed (``[B, R, V]`` FP32 per kind)."""
 FP32_CONTROLS: Final = ("decode", "attn_impl", "batch")
-INFO_CONTROLS: Final = ("bf16",)
+BF16_CONTROL: Final = "bf16"
+"""The control of the BF16 ceilings (``bounds_bf16``): HF, BF16 parameters, ``sdpa``."""
+INFO_CONTROLS: Final = (BF16_CONTROL,)
+"""Controls measured beside the FP32 ones, outside the FP32 ceilings (``info_controls``)."""
 KINDS: Final = ("raw", "tempered")
 FLOORS: Final = {"kl_ref_cand_max": 1e-10, "kl_ref_cand_mean": 1e-10, "kl_cand_ref_max": 1e-10,
                  "kl_cand_ref_mean": 1e-10, "tv_max": 1e-6, "tv_mean": 1e-6,
@@ -170,7 +179,8 @@ def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tens
     doc: dict[str, Any] = {"schema_version": 1, "weights": "actor initial (round 1)",
                            "temperature": temperature, "clip_ratio": clip, "k": k,
                            "floors": dict(FLOORS), "fp32_controls": list(FP32_CONTROLS),
-                           "info_controls": list(INFO_CONTROLS)}
+                           "info_controls": list(INFO_CONTROLS),
+                           "bf16_control": BF16_CONTROL}
     from transformers import AutoConfig
 
     vocab = int(AutoConfig.from_pretrained(str(actor_dir)).vocab_size)
@@ -200,7 +210,7 @@ def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tens
     for kind in KINDS:
         t = 1.0 if kind == "raw" else temperature
         ref = _logprobs(runs["reference"], t, mask)
-        section: dict[str, Any] = {"controls": {}, "bounds": {}}
+        section: dict[str, Any] = {"controls": {}, "bounds": {}, "bounds_bf16": {}}
         if full:
             tensors[kind] = ref.contiguous()
         else:
@@ -231,6 +241,12 @@ def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tens
             worst = per[control]
             section["bounds"][s] = {"bound": k * worst + FLOORS[s], "control": control,
                                     "control_error": worst, "k": k, "floor": FLOORS[s]}
+            bf16 = float(section["controls"][BF16_CONTROL][s])
+            section["bounds_bf16"][s] = {"bound": k * bf16 + FLOORS[s], "control": BF16_CONTROL,
+                                         "control_error": bf16, "k": k, "floor": FLOORS[s]}
+        if not all(math.isfinite(v["bound"]) for v in section["bounds_bf16"].values()):
+            del section["bounds_bf16"]  # the BF16 rows are NOT_RUN, the FP32 ones stand
+            section["bounds_bf16_not_run"] = "the bf16 control's metric is not finite: no bound"
         doc[kind] = section
     # The sampler's decode-vs-prefill token-logprob row: HF decode against HF prefill.
     m = mask.bool().numpy()
