@@ -1,7 +1,9 @@
 """An Actor trainer cell's own next-token distributions against the reference's sealed ones.
 
-The reference seals, beside the FP32 ceilings, ``bounds_bf16 = k * bf16 control + floor``
-(:mod:`qualify.reference.distribution`); the comparator's ``trainer_distribution`` rows
+The reference seals, beside the FP32 ceilings, ``bounds_bf16 = k * max over the BF16
+controls + floor`` (:mod:`qualify.reference.distribution`: HF at BF16 parameters, batched
+``sdpa``, ``eager``, per sequence, KV-cache decode, each against the FP32 reference); the
+comparator's ``trainer_distribution`` rows
 (:func:`qualify.compare.distribution.trainer_distribution_rows`) judge an FP32 cell by the
 FP32 ceilings and a BF16 cell by the BF16 ones. Classes of defect the rows must catch: a
 temperature applied twice in the tempered kind, a top-k mask leaking into the raw kind, a
@@ -31,13 +33,13 @@ COMMITTED = Path(__file__).resolve().parents[1] / "references" / "tiny-qwen3-9cd
 
 
 def _hf_logprobs(actor: Path, roll: dict[str, torch.Tensor], dtype: torch.dtype,
-                 temperature: float) -> np.ndarray:
-    """``[B, R, V]`` FP32 logprobs of an HF ``sdpa`` prefill in ``dtype``, 0 where masked:
-    computed here, apart from the reference stage's code."""
+                 temperature: float, attn: str = "sdpa") -> np.ndarray:
+    """``[B, R, V]`` FP32 logprobs of an HF batched prefill in ``dtype`` with attention
+    ``attn``, 0 where masked: computed here, apart from the reference stage's code."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(actor), torch_dtype=dtype,
-                                                 attn_implementation="sdpa").eval()
+                                                 attn_implementation=attn).eval()
     p, r = roll["prompts"].shape[1], roll["responses"].shape[1]
     with torch.no_grad():
         logits = model(input_ids=torch.cat([roll["prompts"], roll["responses"]], dim=1),
@@ -75,6 +77,9 @@ def sealed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             "ref": store.load_tensors(tmp / refdist.DISTRIBUTION_FILE),
             "bf16": {kind: _hf_logprobs(tmp / "actor", roll, torch.bfloat16,
                                         1.0 if kind == "raw" else t) for kind in KINDS},
+            "bf16_eager": {kind: _hf_logprobs(tmp / "actor", roll, torch.bfloat16,
+                                              1.0 if kind == "raw" else t, attn="eager")
+                           for kind in KINDS},
             "fp32": {kind: _hf_logprobs(tmp / "actor", roll, torch.float32,
                                         1.0 if kind == "raw" else t) for kind in KINDS},
             "temperature": t, "k": float(contract.bounds.k),
@@ -113,39 +118,49 @@ def _lsm(x: np.ndarray) -> np.ndarray:
     return (x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))).astype(np.float32)
 
 
-def test_bf16_ceiling_is_k_times_the_bf16_control_plus_the_floor(sealed: dict[str, Any]
-                                                                   ) -> None:
-    """Each sealed ``bounds_bf16`` entry is ``k x`` the HF BF16 prefill's metric against the
-    sealed reference (recomputed here from an HF BF16 forward of our own) ``+`` the floor; the
-    FP32 ceilings stay ``k x`` the largest FP32 control ``+`` the floor."""
-    s, doc = sealed, sealed["doc"]
+def _metrics(s: dict[str, Any], full: dict[str, np.ndarray], kind: str) -> dict[str, Any]:
+    """The statistics of ``full`` (``[B, R, V]`` logprobs per kind) against the sealed
+    reference, on the fixture's path."""
     mask = s["roll"]["response_mask"].numpy()
-    tokens = s["roll"]["responses"].numpy()
-    stats = TOPK_STATISTICS if s["topk"] else STATISTICS
-    for kind in KINDS:
-        if s["topk"]:
-            from qualify.distmetrics import topk_metrics
+    if not s["topk"]:
+        return distribution_metrics(full[kind], s["ref"][kind], s["roll"]["responses"].numpy(),
+                                    mask, clip_ratio=0.2)
+    from qualify.distmetrics import topk_metrics
 
-            mine = _cell_tensors(s, s["bf16"])
-            ref = s["ref"]
-            got = topk_metrics(mine[f"round1/actor/prefill_{kind}_topk_logprobs"],
-                               mine[f"round1/actor/prefill_{kind}_topk_ids"],
-                               ref[f"{kind}_topk_logprobs"], ref[f"{kind}_topk_ids"],
-                               cand_token=mine[f"round1/actor/prefill_{kind}_logprobs"],
-                               ref_token=ref[f"{kind}_token_logprobs"], mask=mask,
-                               clip_ratio=0.2)
-        else:
-            got = distribution_metrics(s["bf16"][kind], s["ref"][kind], tokens, mask,
-                                       clip_ratio=0.2)
+    mine, ref = _cell_tensors(s, full), s["ref"]
+    return topk_metrics(mine[f"round1/actor/prefill_{kind}_topk_logprobs"],
+                        mine[f"round1/actor/prefill_{kind}_topk_ids"],
+                        ref[f"{kind}_topk_logprobs"], ref[f"{kind}_topk_ids"],
+                        cand_token=mine[f"round1/actor/prefill_{kind}_logprobs"],
+                        ref_token=ref[f"{kind}_token_logprobs"], mask=mask, clip_ratio=0.2)
+
+
+def test_bf16_ceiling_is_k_times_the_largest_bf16_control_plus_the_floor(
+        sealed: dict[str, Any]) -> None:
+    """Each sealed ``bounds_bf16`` entry is ``k x`` the largest BF16 control's metric ``+``
+    the floor; the ``bf16`` (batched ``sdpa``) and ``bf16_attn_impl`` (``eager``) controls
+    equal HF BF16 prefills recomputed here; the FP32 ceilings stay ``k x`` the largest FP32
+    control ``+`` the floor."""
+    s, doc = sealed, sealed["doc"]
+    stats = TOPK_STATISTICS if s["topk"] else STATISTICS
+    assert doc["bf16_controls"] == ["bf16", "bf16_decode", "bf16_attn_impl", "bf16_batch"]
+    for kind in KINDS:
+        sdpa, eager = _metrics(s, s["bf16"], kind), _metrics(s, s["bf16_eager"], kind)
+        controls = doc[kind]["controls"]
         bf16, fp32 = doc[kind]["bounds_bf16"], doc[kind]["bounds"]
         assert set(bf16) == set(stats)
         for st in stats:
-            want = s["k"] * float(got[st]) + refdist.FLOORS[st]
-            assert bf16[st]["bound"] == pytest.approx(want, rel=1e-9, abs=1e-300), (kind, st)
-            assert bf16[st]["control"] == "bf16"
+            assert float(controls["bf16"][st]) == pytest.approx(float(sdpa[st]), rel=1e-9,
+                                                                abs=1e-300), (kind, st)
+            assert float(controls["bf16_attn_impl"][st]) == pytest.approx(
+                float(eager[st]), rel=1e-9, abs=1e-300), (kind, st)
+            per = {c: float(controls[c][st]) for c in doc["bf16_controls"]}
+            worst = max(per.values())
+            assert bf16[st]["bound"] == s["k"] * worst + refdist.FLOORS[st], (kind, st)
+            assert per[bf16[st]["control"]] == worst
             assert bf16[st]["floor"] == refdist.FLOORS[st]
-            worst = max(float(doc[kind]["controls"][c][st]) for c in refdist.FP32_CONTROLS)
-            assert fp32[st]["bound"] == s["k"] * worst + refdist.FLOORS[st]
+            worst32 = max(float(controls[c][st]) for c in refdist.FP32_CONTROLS)
+            assert fp32[st]["bound"] == s["k"] * worst32 + refdist.FLOORS[st]
         # the BF16 ceiling is a different, wider one: a BF16 forward is not FP32 noise
         assert bf16["kl_ref_cand_max"]["bound"] > 10 * fp32["kl_ref_cand_max"]["bound"]
 
@@ -220,21 +235,26 @@ def test_missing_tensors_and_old_references_are_not_run(sealed: dict[str, Any],
     assert _rows(s, _cell_tensors(s, s["fp32"]), "fp32", ref_dir=old) == []
 
 
-def test_the_committed_reference_judges_fp32_cells_only() -> None:
-    """The committed tiny-qwen3 reference (sealed before ``bounds_bf16``): its own sealed
-    distributions pass as an FP32 cell's; a BF16 cell's rows are NOT_RUN naming the gap."""
+def test_the_committed_reference_passes_its_own_distributions_at_both_precisions() -> None:
+    """The committed tiny-qwen3 reference: its own sealed distributions pass as an FP32
+    cell's and as a BF16 cell's, each against its own sealed ceilings, which it has for
+    both kinds (the BF16 ones the wider)."""
+    doc = json.loads((COMMITTED / refdist.DISTRIBUTION_JSON).read_text())
     ref = store.load_tensors(COMMITTED / refdist.DISTRIBUTION_FILE)
     roll = store.load_tensors(COMMITTED / "rollout.safetensors")
     tensors = {f"round1/actor/prefill_{kind}": np.asarray(ref[kind]) for kind in KINDS}
     common: dict[str, Any] = {"tensors": tensors, "ref_dir": COMMITTED,
-              "mask": np.asarray(roll["response_mask"]),
-              "responses": np.asarray(roll["responses"])}
-    fp32 = trainer_distribution_rows(cell="c", precision="fp32", **common)
-    assert len(fp32) == 2 * len(STATISTICS)
-    assert {r.verdict for r in fp32} == {"PASS"}
-    bf16 = trainer_distribution_rows(cell="c", precision="bf16", **common)
-    assert {r.verdict for r in bf16} == {"NOT_RUN"}
-    assert "has no raw bounds_bf16 (sealed by older code)" in (bf16[0].reason or "")
+                              "mask": np.asarray(roll["response_mask"]),
+                              "responses": np.asarray(roll["responses"])}
+    for precision, key in (("fp32", "bounds"), ("bf16", "bounds_bf16")):
+        rows = trainer_distribution_rows(cell="c", precision=precision, **common)
+        assert len(rows) == 2 * len(STATISTICS)
+        assert {r.verdict for r in rows} == {"PASS"}
+        for r in rows:
+            assert r.bound == doc[r.family.removeprefix("prefill_")][key][r.statistic]["bound"]
+    for kind in KINDS:
+        assert (doc[kind]["bounds_bf16"]["kl_ref_cand_max"]["bound"]
+                > doc[kind]["bounds"]["kl_ref_cand_max"]["bound"])
 
 
 # --------------------------------------------------------------------------- the comparator

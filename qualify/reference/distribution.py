@@ -13,19 +13,23 @@ reference:
   metrics of :mod:`qualify.distmetrics` of every control against that reference, and per statistic
   ``bound = k * max over the FP32 controls + floor`` (``k`` the contract's
   ``bounds.k``, the floors :data:`FLOORS`), the ceiling of every FP32 candidate (the
-  sampler cells, the FP32 trainer cells); per statistic ``bounds_bf16 = k * bf16 control +
-  floor`` (same floors, same entry fields, ``control: "bf16"``), the ceiling of a BF16
-  trainer cell: a BF16 execution is another precision, not noise of an FP32 one, so its
-  ceiling comes from the HF BF16 control, as every BF16 bound does (docs/bound-rule.md);
+  sampler cells, the FP32 trainer cells); per statistic ``bounds_bf16 = k * max over the
+  BF16 controls + floor`` (same floors, same entry fields, ``control`` the largest of
+  :data:`BF16_CONTROLS`), the ceiling of a BF16 trainer cell: a BF16 execution is another
+  precision, not noise of an FP32 one, so its ceiling comes from HF BF16 executions against
+  the FP32 reference, as every BF16 bound does (docs/bound-rule.md), and a BF16 engine may
+  take any of the executions the FP32 controls stand for, so each is measured at BF16 too;
   the ``decode_vs_prefill`` token-logprob bound of the sampler's own decode-vs-prefill row.
-  A reference sealed by older code, or whose ``bf16`` metric of a kind is not finite
+  A reference sealed by older code, or whose BF16 metric of a kind is not finite
   (``bounds_bf16_not_run`` then says so), has no ``bounds_bf16`` for it (its BF16 trainer rows
   are ``NOT_RUN``, :mod:`qualify.compare.distribution`).
 
 Controls, each an HF execution of the same model and tokens that an engine may legitimately
 take instead: ``decode`` (prompt prefill, then one token at a time against the KV cache,
 ``sdpa``, per sequence), ``attn_impl`` (``eager`` batched prefill), ``batch`` (each sequence
-alone, no padding, ``sdpa``), ``bf16`` (BF16 parameters, ``sdpa``: the BF16 ceilings only).
+alone, no padding, ``sdpa``); for the BF16 ceilings only, ``bf16`` (BF16 parameters,
+``sdpa`` batched prefill) and ``bf16_decode``, ``bf16_attn_impl``, ``bf16_batch`` (those
+three at BF16 parameters).
 Above a vocabulary of :data:`MAX_VOCAB` the distributions are sealed on the **top-k path**
 (:func:`qualify.distmetrics.topk_metrics`; ``k`` the contract's ``bounds.distribution_topk``):
 ``distribution.safetensors`` holds, for each ``kind``, ``<kind>_topk_logprobs`` ``[B, R, k]``
@@ -65,8 +69,12 @@ MAX_VOCAB: Final = 4096
 """Largest vocabulary whose full distributions are sealed (``[B, R, V]`` FP32 per kind)."""
 FP32_CONTROLS: Final = ("decode", "attn_impl", "batch")
 BF16_CONTROL: Final = "bf16"
-"""The control of the BF16 ceilings (``bounds_bf16``): HF, BF16 parameters, ``sdpa``."""
-INFO_CONTROLS: Final = (BF16_CONTROL,)
+"""HF, BF16 parameters, ``sdpa`` batched prefill: the BF16 execution of the reference."""
+BF16_CONTROLS: Final = (BF16_CONTROL, *(f"bf16_{c}" for c in FP32_CONTROLS))
+"""The controls of the BF16 ceilings (``bounds_bf16``): the reference's own execution and each
+FP32 control's, at BF16 parameters (``bf16_decode``, ``bf16_attn_impl``, ``bf16_batch``),
+each against the FP32 reference."""
+INFO_CONTROLS: Final = BF16_CONTROLS
 """Controls measured beside the FP32 ones, outside the FP32 ceilings (``info_controls``)."""
 KINDS: Final = ("raw", "tempered")
 FLOORS: Final = {"kl_ref_cand_max": 1e-10, "kl_ref_cand_mean": 1e-10, "kl_cand_ref_max": 1e-10,
@@ -180,7 +188,7 @@ def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tens
                            "temperature": temperature, "clip_ratio": clip, "k": k,
                            "floors": dict(FLOORS), "fp32_controls": list(FP32_CONTROLS),
                            "info_controls": list(INFO_CONTROLS),
-                           "bf16_control": BF16_CONTROL}
+                           "bf16_controls": list(BF16_CONTROLS)}
     from transformers import AutoConfig
 
     vocab = int(AutoConfig.from_pretrained(str(actor_dir)).vocab_size)
@@ -192,17 +200,19 @@ def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tens
                                          f"whole distribution"}
     runs: dict[str, torch.Tensor] = {}
     routes: dict[str, Any] = {}
-    sdpa = _model(actor_dir, "sdpa", torch.float32)
-    builds: list[tuple[str, Callable[[], torch.Tensor]]] = [
-        ("reference", lambda: _prefill(sdpa, roll)),
-        ("decode", lambda: _per_sequence(sdpa, roll, decode=True)),
-        ("batch", lambda: _per_sequence(sdpa, roll, decode=False)),
-        ("attn_impl", lambda: _prefill(_model(actor_dir, "eager", torch.float32), roll)),
-        ("bf16", lambda: _prefill(_model(actor_dir, "sdpa", torch.bfloat16), roll))]
-    for name, build in builds:
-        with sdpa_recorder() as seen:
-            runs[name] = build()
-        routes[name] = dict(seen) or {"no SDPA call (eager attention)": 0}
+    for prefix, dtype in (("", torch.float32), ("bf16_", torch.bfloat16)):
+        # one model at a time: the sdpa model serves the prefill, decode and batch runs
+        sdpa = _model(actor_dir, "sdpa", dtype)
+        builds: list[tuple[str, Callable[[], torch.Tensor]]] = [
+            ("reference" if not prefix else BF16_CONTROL, lambda m=sdpa: _prefill(m, roll)),
+            (f"{prefix}decode", lambda m=sdpa: _per_sequence(m, roll, decode=True)),
+            (f"{prefix}batch", lambda m=sdpa: _per_sequence(m, roll, decode=False)),
+            (f"{prefix}attn_impl", lambda d=dtype: _prefill(_model(actor_dir, "eager", d), roll))]
+        for name, build in builds:
+            with sdpa_recorder() as seen:
+                runs[name] = build()
+            routes[name] = dict(seen) or {"no SDPA call (eager attention)": 0}
+        del sdpa, builds
     doc["routes"] = {"torch": torch.__version__, "num_threads": torch.get_num_threads(),
                      "sdpa_backends": routes}
     tensors: dict[str, torch.Tensor] = {}
@@ -241,12 +251,14 @@ def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tens
             worst = per[control]
             section["bounds"][s] = {"bound": k * worst + FLOORS[s], "control": control,
                                     "control_error": worst, "k": k, "floor": FLOORS[s]}
-            bf16 = float(section["controls"][BF16_CONTROL][s])
-            section["bounds_bf16"][s] = {"bound": k * bf16 + FLOORS[s], "control": BF16_CONTROL,
+            per16 = {c: float(section["controls"][c][s]) for c in BF16_CONTROLS}
+            control16 = max(per16, key=per16.__getitem__)
+            bf16 = per16[control16]
+            section["bounds_bf16"][s] = {"bound": k * bf16 + FLOORS[s], "control": control16,
                                          "control_error": bf16, "k": k, "floor": FLOORS[s]}
         if not all(math.isfinite(v["bound"]) for v in section["bounds_bf16"].values()):
             del section["bounds_bf16"]  # the BF16 rows are NOT_RUN, the FP32 ones stand
-            section["bounds_bf16_not_run"] = "the bf16 control's metric is not finite: no bound"
+            section["bounds_bf16_not_run"] = "a BF16 control's metric is not finite: no bound"
         doc[kind] = section
     # The sampler's decode-vs-prefill token-logprob row: HF decode against HF prefill.
     m = mask.bool().numpy()
