@@ -174,3 +174,26 @@ def test_a_bf16_copy_is_planned_with_the_fp32_copy_it_is_cast_from() -> None:
     assert cast.device_phase == "bf16 copy"
     assert cast.device_peak >= 8 * p_actor
     assert steps["kl reference: updates hf-fp32"].device_peak < 8 * p_actor
+
+
+def test_the_distribution_step_is_planned_on_the_host_after_the_branches() -> None:
+    """``seal_distribution`` runs HF models on the host whatever the devices: its step has
+    no device bytes, holds two FP32 models (``8 P``) beside the logits of the runs taken so
+    far, or every run's logits and the metrics' work, and comes after the clip-branch steps
+    and before ``verify``, where the stage runs it."""
+    contract = load_contract(contracts_dir() / "qwen3-500m.toml")
+    for devices in (0, 1):
+        built = plan.build_plan(contract, plan.Machine(devices=devices,
+                                                       device_bytes=100 * 10**9,
+                                                       host_bytes=100 * 10**9, cores=2))
+        names = [s.name for s in built.steps]
+        step = built.steps[names.index("distribution: HF controls (host)")]
+        assert step.device_peak == 0
+        n_seq, prompt, resp, _ = plan._rollout_shape(contract)
+        vocab = plan.model_shape(contract).vocab_size
+        run = n_seq * resp * vocab * 4
+        models = 8 * built.params["actor"] + 7 * run + n_seq * (prompt + resp) * vocab * 4
+        assert step.host_peak == plan.INTERPRETER_BYTES + max(models, 18 * run)
+        last_branch = max(i for i, n in enumerate(names) if n.startswith("branches "))
+        assert last_branch < names.index(step.name) < names.index(
+            "verify: control errors re-measured")

@@ -46,6 +46,7 @@ older code above :data:`MAX_VOCAB` holds ``distributions_not_run`` instead (no d
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -106,6 +107,12 @@ def _prefill(model: Any, roll: dict[str, torch.Tensor]) -> torch.Tensor:
         out = model(input_ids=ids, attention_mask=roll["attention_mask"],
                     position_ids=roll["position_ids"]).logits
     return out[:, p - 1:p + r - 1].float()
+
+
+def _eager_prefill(actor_dir: Path, dtype: torch.dtype, roll: dict[str, torch.Tensor]
+                   ) -> torch.Tensor:
+    """:func:`_prefill` of a fresh ``eager`` model in ``dtype`` (freed on return)."""
+    return _prefill(_model(actor_dir, "eager", dtype), roll)
 
 
 def _sequences(roll: dict[str, torch.Tensor]) -> list[tuple[list[int], list[int]]]:
@@ -204,10 +211,10 @@ def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tens
         # one model at a time: the sdpa model serves the prefill, decode and batch runs
         sdpa = _model(actor_dir, "sdpa", dtype)
         builds: list[tuple[str, Callable[[], torch.Tensor]]] = [
-            ("reference" if not prefix else BF16_CONTROL, lambda m=sdpa: _prefill(m, roll)),
-            (f"{prefix}decode", lambda m=sdpa: _per_sequence(m, roll, decode=True)),
-            (f"{prefix}batch", lambda m=sdpa: _per_sequence(m, roll, decode=False)),
-            (f"{prefix}attn_impl", lambda d=dtype: _prefill(_model(actor_dir, "eager", d), roll))]
+            ("reference" if not prefix else BF16_CONTROL, functools.partial(_prefill, sdpa, roll)),
+            (f"{prefix}decode", functools.partial(_per_sequence, sdpa, roll, decode=True)),
+            (f"{prefix}batch", functools.partial(_per_sequence, sdpa, roll, decode=False)),
+            (f"{prefix}attn_impl", functools.partial(_eager_prefill, actor_dir, dtype, roll))]
         for name, build in builds:
             with sdpa_recorder() as seen:
                 runs[name] = build()

@@ -1075,6 +1075,11 @@ def plan_reference(contract: Contract, machine: Machine, *,
                 written=written,
                 seconds=flops / rate("fp32") + load_s(4 * pr))
 
+    # the reference's next-token distributions and their controls
+    # (qualify.reference.distribution.seal_distribution): HF models on the host, unplaced
+    steps.append(_distribution_step(contract, machine, params=p["actor"], n_seq=n_seq,
+                                    positions=positions, resp=resp, vocab=shape.vocab_size))
+
     # qualify verify, step 9 (control_recompute.recompute_control_errors): every lane's
     # reference update and every control's file, the rollout and train inputs, each lane's
     # clip-branch J_t (an upper bound: every sealable token), loaded together in numpy
@@ -1100,6 +1105,59 @@ def plan_reference(contract: Contract, machine: Machine, *,
                       seconds=len(reads) * VERIFY_SECONDS_PER_FILE + load_s(read),
                       terms={"interpreter": INTERPRETER_BYTES, "sealed_tensors": read}))
     return steps
+
+
+DISTRIBUTION_RUNS: Final = 8
+"""HF executions :func:`qualify.reference.distribution.seal_distribution` holds the
+response-window logits of (``[B, R, V]`` FP32 each): the FP32 reference, its three FP32
+controls and the four BF16 controls."""
+DISTRIBUTION_METRIC_COPIES: Final = 10
+"""``[B, R, V]``-sized FP32 arrays alive while one control's metrics are taken: the reference's
+and the control's logprobs (FP64 while formed) and :func:`qualify.distmetrics.
+distribution_metrics`' FP64 work (both renormalised rows, their probabilities, the KL terms)."""
+
+
+def _distribution_step(contract: Contract, machine: Machine, *, params: int, n_seq: int,
+                       positions: int, resp: int, vocab: int) -> Step:
+    """The ``distribution`` step: the reference's distributions and their controls.
+
+    :func:`qualify.reference.distribution.seal_distribution` runs HF models on the host
+    whatever the devices (``from_pretrained``, not placed), one precision at a time: the
+    ``sdpa`` model of a precision serves its prefill, decode and per-sequence runs, and the
+    ``eager`` one is loaded beside it for one prefill. Phases (host): ``models``, the
+    ``sdpa`` FP32 model and the ``eager`` one, each the mapped FP32 checkpoint's pages as in
+    scoring (``weights``, ``8 P``; the BF16 pair is cast copies, ``4 P``, beside the FP32
+    checkpoint being read), the logits of
+    the runs taken so far (at most :data:`DISTRIBUTION_RUNS` ``- 1``) and one forward's
+    whole-sequence logits (``[B, P + R, V]`` FP32); ``metrics``, every run's logits and
+    :data:`DISTRIBUTION_METRIC_COPIES` more of their size. Written: the full path's two
+    ``[B, R, V]`` FP32 distributions, or above ``MAX_VOCAB`` per kind the top-``k`` logprobs
+    (FP32) and ids (int64) and two ``[B, R]`` tensors (FP32 token logprobs, FP64 missing
+    mass). Time: ``2 P`` FLOPs per token for each of the four runs per precision, on the
+    host's cores, plus reading the checkpoint four times.
+    """
+    from qualify.reference.distribution import MAX_VOCAB
+
+    run = n_seq * resp * vocab * 4
+    terms = {
+        "models": {"weights": 8 * params,
+                   "logit_runs": (DISTRIBUTION_RUNS - 1) * run,
+                   "forward_logits": n_seq * positions * vocab * 4},
+        "metrics": {"logit_runs": DISTRIBUTION_RUNS * run,
+                    "metric_work": DISTRIBUTION_METRIC_COPIES * run}}
+    peak_phase = max(terms, key=lambda ph: sum(terms[ph].values()))
+    k = contract.bounds.distribution_topk
+    written = (2 * run if vocab <= MAX_VOCAB
+               else 2 * (n_seq * resp * k * (4 + 8) + n_seq * resp * (4 + 8)))
+    flops = 4 * 2 * params * n_seq * positions
+    cores = max(machine.cores, 1)
+    seconds = (flops / (THROUGHPUT["cpu-fp32"] * cores) + flops / (THROUGHPUT["cpu-bf16"] * cores)
+               + 4 * 4 * params / CHECKPOINT_READ_BYTES_PER_S)
+    return Step(name="distribution: HF controls (host)", kind="reference", device_peak=0,
+                host_peak=INTERPRETER_BYTES + sum(terms[peak_phase].values()),
+                written=written + SAFETENSORS_HEADER_BYTES, seconds=seconds,
+                terms={"interpreter": INTERPRETER_BYTES, **terms[peak_phase]},
+                phase=peak_phase)
 
 
 def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
