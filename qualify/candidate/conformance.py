@@ -16,7 +16,8 @@ engine's own interpreter included), and lists every problem of its outputs, one
   reference holds for that role at FP32 (the expected set of ``candidate_vs_hf``) missing
   or of another shape; the padding rerun :data:`qualify.compare.rows.PADDING_REQUIRED`;
   every item :func:`~qualify.compare.rows.dtype_row`, :func:`~qualify.compare.rows
-  .replica_row` and :func:`~qualify.compare.rows.lr_rows` find missing or wrong.
+  .replica_row` and :func:`~qualify.compare.rows.lr_rows` find missing or wrong; the Actor's
+  distribution tensors its ``outputs.json`` says it recorded (optional otherwise).
 
 Nothing here is a second list of required outputs: the items come from the schema, the
 reference's tensor set and the comparator's own row builders. Numerical agreement is not
@@ -197,6 +198,7 @@ def _role_findings(role: str, *, header: Mapping[str, Any], meta: Mapping[str, A
         elif got != want:
             out.append(Finding(where=f"{OUTPUTS_FILE} {name}",
                                problem=f"shape {got}, expected {want}"))
+    out += _distribution_findings(role, mine, meta)
     need = PADDING_REQUIRED.get(role)
     if need is not None and not any(k.endswith(f"/{role}/{need}{PADDED_SUFFIX}") for k in mine):
         out.append(Finding(where=f"{OUTPUTS_FILE} round<r>/{role}/{need}{PADDED_SUFFIX}",
@@ -219,6 +221,41 @@ def _role_findings(role: str, *, header: Mapping[str, Any], meta: Mapping[str, A
             where = str(item) if str(item).startswith(section) else f"{section}.{item}"
             out.append(Finding(where=f"{OUTPUTS_META_FILE} roles.{role}.{where}",
                                problem=f"{obtained}, expected {wanted}"))
+    return out
+
+
+def _distribution_findings(role: str, mine: Mapping[str, Any], meta: Mapping[str, Any]
+                           ) -> list[Finding]:
+    """The Actor's distribution tensors its role meta says it recorded, each missing named.
+
+    Recording them is optional (``distribution.not_recorded``: the comparator's
+    ``trainer_distribution`` rows are then ``NOT_RUN``); a meta that says ``path`` ``full``
+    or ``topk`` promises every tensor of :func:`qualify_harness.distribution.metric_names`
+    under ``round1/actor/``, full ones ``[B, R, V]`` with ``[B, R]`` the role's round-1
+    logprobs' shape.
+    """
+    from qualify_harness.distribution import metric_names
+
+    dist = meta.get("distribution")
+    if role != "actor" or not isinstance(dist, dict) or dist.get("path") not in ("full", "topk"):
+        return []
+    vocab = dist.get("vocab")
+    if not isinstance(vocab, int) or vocab < 1:
+        return [Finding(where=f"{OUTPUTS_META_FILE} roles.actor.distribution.vocab",
+                        problem=f"{vocab!r}, expected a positive integer")]
+    out = []
+    base = list((mine.get("round1/actor/logprobs") or {}).get("shape", []))
+    for metric in metric_names(vocab, topk=dist["path"] == "topk"):
+        name = f"round1/actor/{metric}"
+        if name not in mine:
+            out.append(Finding(where=f"{OUTPUTS_FILE} {name}",
+                               problem=f"missing (outputs.json says distribution "
+                                       f"path {dist['path']})"))
+            continue
+        got = list(mine[name].get("shape", []))
+        if dist["path"] == "full" and base and got != [*base, vocab]:
+            out.append(Finding(where=f"{OUTPUTS_FILE} {name}",
+                               problem=f"shape {got}, expected {[*base, vocab]}"))
     return out
 
 
