@@ -64,6 +64,9 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+KINDS: Final = ("raw", "tempered")
+"""The distributions compared: ``raw`` ``log_softmax(logits)``, ``tempered``
+``log_softmax(logits / T)``."""
 TOPK: Final = 5
 """``k`` of the top-k set agreement."""
 TIE_ULPS: Final = 4.0

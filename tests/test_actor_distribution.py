@@ -1,7 +1,8 @@
 """The Actor's own next-token distributions the harness SDK records (issue #48 item 2).
 
 - :func:`qualify_harness.distribution.distribution_tensors`: the full path is
-  ``log_softmax`` of the FP32 logits (raw and tempered), 0 at masked positions; the top-k
+  ``log_softmax`` of the logits in FP64 rounded to FP32 (raw and tempered), 0 at masked
+  positions; the top-k
   path (forced on a small vocabulary) orders equal logprobs by the smaller id, exactly as
   :func:`qualify.distmetrics.topk_of` does, and gives the response token's logprob; the
   path switches at the reference side's own limit;
@@ -72,21 +73,21 @@ def _case(draw: Any, ties: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), temperature=st.floats(0.25, 2.0), bf16=st.booleans())
-def test_full_path_is_the_fp32_log_softmax_and_zero_where_masked(
+def test_full_path_is_the_fp64_log_softmax_rounded_and_zero_where_masked(
         data: st.DataObject, temperature: float, bf16: bool) -> None:
     logits, responses, mask = _case(data.draw, ties=False)
     if bf16:
         logits = logits.bfloat16()
     got = sdk_dist.distribution_tensors(logits, responses, mask, temperature=temperature, k=3)
     assert set(got) == {"prefill_raw", "prefill_tempered"}
-    for name, z in (("prefill_raw", logits.float()),
-                    ("prefill_tempered", logits.float() / temperature)):
+    for name, z in (("prefill_raw", logits.double()),
+                    ("prefill_tempered", logits.double() / temperature)):
         t = got[name]
         assert t.dtype == torch.float32
         assert t.shape == logits.shape
         assert torch.all(t[~mask] == 0)
-        # the contract's formula itself (BF16 logits cast to FP32 first): bitwise
-        assert torch.equal(t[mask], torch.log_softmax(z, dim=-1)[mask])
+        # the contract's formula itself (FP64 log-softmax, rounded once): bitwise
+        assert torch.equal(t[mask], torch.log_softmax(z, dim=-1).float()[mask])
 
 
 @settings(max_examples=60, deadline=None)
@@ -98,8 +99,8 @@ def test_topk_path_orders_ties_by_id_and_gives_the_token_logprob(
     got = sdk_dist.distribution_tensors(logits, responses, mask, temperature=temperature,
                                         k=k, topk=True)
     assert tuple(got) == sdk_dist.metric_names(2, topk=True)
-    for kind, z in (("raw", logits), ("tempered", logits / temperature)):
-        lp = torch.log_softmax(z.float(), dim=-1)
+    for kind, z in (("raw", logits.double()), ("tempered", logits.double() / temperature)):
+        lp = torch.log_softmax(z, dim=-1).float()
         vals, ids = topk_of(lp.numpy(), k)
         top_lp, top_ids = got[f"prefill_{kind}_topk_logprobs"], got[f"prefill_{kind}_topk_ids"]
         token = got[f"prefill_{kind}_logprobs"]
@@ -204,10 +205,12 @@ def test_run_actor_records_the_initial_weights_distributions() -> None:
     meta, rec, initial = _run(_WithLogits, [1, 2])
     assert meta["distribution"] == {"path": "full", "k": None, "vocab": V}
     mask = _batch().mask
-    for name, z in (("prefill_raw", initial), ("prefill_tempered", initial / RECIPE.temperature)):
+    for name, z in (("prefill_raw", initial.double()),
+                    ("prefill_tempered", initial.double() / RECIPE.temperature)):
         got = rec.tensors[f"round1/actor/{name}"]
         assert got.shape == (5, R, V)  # 3 micro-batches (2, 2, 1 rows) assembled in order
-        torch.testing.assert_close(got[mask], torch.log_softmax(z, -1)[mask], rtol=0, atol=0)
+        torch.testing.assert_close(got[mask], torch.log_softmax(z, -1).float()[mask], rtol=0,
+                                   atol=0)
         assert not got[~mask].any()
     assert not any(n.startswith("round2/actor/prefill") for n in rec.tensors)
 

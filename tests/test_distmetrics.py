@@ -182,7 +182,8 @@ def test_large_vocabulary_seals_the_topk_path(tmp_path: Path) -> None:
     for kind in ("raw", "tempered"):
         assert ref[f"{kind}_topk_logprobs"].shape == (*tokens.shape, k)
         assert ref[f"{kind}_topk_ids"].dtype == np.int64
-        assert set(doc[kind]["controls"]) == {"decode", "attn_impl", "batch", "bf16"}
+        assert set(doc[kind]["controls"]) == {"decode", "attn_impl", "batch", "bf16",
+                                              "bf16_decode", "bf16_attn_impl", "bf16_batch"}
         for s in TOPK_STATISTICS:
             assert np.isfinite(doc[kind]["bounds"][s]["bound"]), (kind, s)
         assert 0.0 < doc[kind]["missing_mass"]["max"] <= 1.0

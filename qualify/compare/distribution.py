@@ -72,16 +72,15 @@ from qualify.bounds import judge
 from qualify.compare.mismatch import clip_band_tail
 from qualify.compare.verdicts import FailureDetail, Row
 from qualify.distmetrics import (
+    KINDS,
     STATISTICS,
     TOPK_STATISTICS,
     distribution_metrics,
     topk_metrics,
 )
 from qualify.evidence import store
+from qualify.layout import DISTRIBUTION_FILE, DISTRIBUTION_JSON
 
-DISTRIBUTION_FILE: Final = "distribution.safetensors"
-DISTRIBUTION_JSON: Final = "distribution.json"
-KINDS: Final = ("raw", "tempered")
 WORST_SEQUENCES: Final = 4
 """Sequences per family whose per-position values the report keeps (largest token KL)."""
 ROLE: Final = "sampler"

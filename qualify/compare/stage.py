@@ -549,6 +549,15 @@ def expected_not_run(rows: Sequence[Row], engine: str,
     return out
 
 
+def _cell_precision(ctx: _Ctx, cid: str, e: Mapping[str, Any]) -> str:
+    """A cell's precision lane (``fp32`` / ``bf16``).
+
+    Its ``run.json`` entry's, else the contract's matrix cell's.
+    """
+    spec = ctx.cells.get(cid)
+    return lane_precision(str(e.get("precision") or (spec.precision if spec else "")))
+
+
 def _trainer_distribution(ctx: _Ctx, cid: str, e: Mapping[str, Any],
                           outputs: _Outputs) -> list[Row]:
     """An Actor trainer cell's ``trainer_distribution`` rows, its positions kept in ``ctx``.
@@ -556,8 +565,7 @@ def _trainer_distribution(ctx: _Ctx, cid: str, e: Mapping[str, Any],
     The cell's precision (``run.json``, else the contract's matrix cell) picks the sealed
     bounds: ``fp32`` the FP32 controls', ``bf16`` the BF16 control's.
     """
-    spec = ctx.cells.get(cid)
-    precision = lane_precision(str(e.get("precision") or (spec.precision if spec else "")))
+    precision = _cell_precision(ctx, cid, e)
     kept: dict[str, Any] = {}  # the report's only when every row was built
     got = trainer_distribution_rows(
         cell=cid, precision=precision, tensors=in_memory(outputs.tensors),
@@ -583,7 +591,7 @@ def _trainer_vs_sampler(ctx: _Ctx, cells: Mapping[str, Any],
     if actors and samplers:
         responses = store.load_tensors(ctx.ref_dir / ROLLOUT_FILE)["responses"]
         for a in actors:
-            precision = lane_precision(str(cells[a].get("precision", "")))
+            precision = _cell_precision(ctx, a, cells[a])
             for s in samplers:
                 pairs += trainer_vs_sampler(
                     trainer=a, precision=precision, sampler=s,

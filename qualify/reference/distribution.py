@@ -57,15 +57,15 @@ import torch
 from qualify_harness.routes import sdpa_recorder
 
 from qualify.distmetrics import (
+    KINDS,
     STATISTICS,
     TOPK_STATISTICS,
     distribution_metrics,
     topk_metrics,
     topk_of,
 )
+from qualify.layout import DISTRIBUTION_FILE, DISTRIBUTION_JSON
 
-DISTRIBUTION_FILE: Final = "distribution.safetensors"
-DISTRIBUTION_JSON: Final = "distribution.json"
 MAX_VOCAB: Final = 4096
 """Largest vocabulary whose full distributions are sealed (``[B, R, V]`` FP32 per kind)."""
 FP32_CONTROLS: Final = ("decode", "attn_impl", "batch")
@@ -77,7 +77,6 @@ FP32 control's, at BF16 parameters (``bf16_decode``, ``bf16_attn_impl``, ``bf16_
 each against the FP32 reference."""
 INFO_CONTROLS: Final = BF16_CONTROLS
 """Controls measured beside the FP32 ones, outside the FP32 ceilings (``info_controls``)."""
-KINDS: Final = ("raw", "tempered")
 FLOORS: Final = {"kl_ref_cand_max": 1e-10, "kl_ref_cand_mean": 1e-10, "kl_cand_ref_max": 1e-10,
                  "kl_cand_ref_mean": 1e-10, "tv_max": 1e-6, "tv_mean": 1e-6,
                  "top1_mismatch": 0.0, "topk_disagreement_mean": 0.0, "ratio_outside_2": 0.0,
@@ -106,7 +105,8 @@ def _prefill(model: Any, roll: dict[str, torch.Tensor]) -> torch.Tensor:
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=roll["attention_mask"],
                     position_ids=roll["position_ids"]).logits
-    return out[:, p - 1:p + r - 1].float()
+    # a compact copy: a view would keep the whole-sequence [B, P + R, V] logits alive
+    return out[:, p - 1:p + r - 1].to(torch.float32, copy=True)
 
 
 def _eager_prefill(actor_dir: Path, dtype: torch.dtype, roll: dict[str, torch.Tensor]

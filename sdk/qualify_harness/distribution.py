@@ -12,8 +12,13 @@ comparator judges them against the reference's sealed distributions
 Full path (``V <=`` :data:`~qualify_harness.protocol.FULL_DISTRIBUTION_MAX_VOCAB`), metric
 names under ``round1/actor/``:
 
-- ``prefill_raw`` ``[b, R, V]`` FP32: ``log_softmax(logits.float(), -1)``;
-- ``prefill_tempered`` ``[b, R, V]`` FP32: ``log_softmax(logits.float() / T, -1)``.
+- ``prefill_raw`` ``[b, R, V]`` FP32: ``log_softmax(logits.double(), -1).float()``;
+- ``prefill_tempered`` ``[b, R, V]`` FP32: ``log_softmax(logits.double() / T, -1).float()``.
+
+The log-softmax is taken in FP64 and rounded once, as the reference forms its own
+(``qualify/reference/distribution.py``): an FP32 log-softmax of the same logits differs by
+its own rounding, which at logits of magnitude 30 reaches a total variation of 2e-6,
+above the statistic's floor. The engine's numbers are its logits.
 
 Top-k path (``V >`` the limit), for ``kind`` in ``raw``, ``tempered`` (the same
 log-softmax, then reduced):
@@ -86,11 +91,11 @@ def distribution_tensors(logits: Tensor, responses: Tensor, mask: Tensor, *,
     use_topk = vocab > FULL_DISTRIBUTION_MAX_VOCAB if topk is None else topk
     if use_topk and not 1 <= k <= vocab:
         raise ValueError(f"k = {k} is not in [1, V = {vocab}]")
-    z = logits.detach().float()
+    z = logits.detach().double()  # the log-softmax in FP64, rounded once to FP32
     valid = mask.bool()
     out: dict[str, Tensor] = {}
     for kind in DISTRIBUTION_KINDS:
-        lp = torch.log_softmax(z if kind == "raw" else z / temperature, dim=-1)
+        lp = torch.log_softmax(z if kind == "raw" else z / temperature, dim=-1).float()
         if not use_topk:
             out[f"{PREFIX}_{kind}"] = torch.where(valid[..., None], lp, 0.0)
             continue

@@ -97,9 +97,17 @@ class PlainEngine(sdk.TorchOptimEngine):
         h: Tensor = out.last_hidden_state[:, batch.prompt_len - 1:][:, :batch.response_len]
         return h
 
+    def response_logits(self, model: Any, batch: sdk.Batch) -> Tensor:
+        """The Actor's logits on the response window, ``[b, R, V]``, in its compute dtype.
+
+        The SDK records the initial weights' next-token distributions from them.
+        """
+        logits: Tensor = model.lm_head(self.hidden(model, batch))
+        return logits
+
     def logprobs_and_entropy(self, model: Any, batch: sdk.Batch) -> tuple[Tensor, Tensor]:
         """Log-probs of the responses and entropy under ``softmax(logits / T)``, FP32."""
-        logits = model.lm_head(self.hidden(model, batch))
+        logits = self.response_logits(model, batch)
         self.rec.compute_dtypes.add(logits.dtype)
         logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         entropy = -(logp.exp() * logp).sum(-1)
