@@ -549,6 +549,16 @@ def expected_not_run(rows: Sequence[Row], engine: str,
     return out
 
 
+def _round1(tensors: TensorFile, prefix: str) -> dict[str, Any]:
+    """The round-1 tensors ``round1/<prefix>...`` of a cell, in memory; the others unread.
+
+    An Actor's outputs hold its whole gradients, moments and updates: the distribution rows
+    read only their own tensors, so a compare stays bounded by its largest tensor.
+    """
+    want = f"round1/{prefix}"
+    return in_memory({k: v for k, v in tensors.items() if k.startswith(want)})
+
+
 def _cell_precision(ctx: _Ctx, cid: str, e: Mapping[str, Any]) -> str:
     """A cell's precision lane (``fp32`` / ``bf16``).
 
@@ -568,7 +578,7 @@ def _trainer_distribution(ctx: _Ctx, cid: str, e: Mapping[str, Any],
     precision = _cell_precision(ctx, cid, e)
     kept: dict[str, Any] = {}  # the report's only when every row was built
     got = trainer_distribution_rows(
-        cell=cid, precision=precision, tensors=in_memory(outputs.tensors),
+        cell=cid, precision=precision, tensors=_round1(outputs.tensors, "actor/prefill_"),
         ref_dir=ctx.ref_dir, mask=ctx.mask,
         responses=store.load_tensors(ctx.ref_dir / ROLLOUT_FILE)["responses"], positions=kept)
     ctx.positions[cid] = kept
@@ -595,8 +605,9 @@ def _trainer_vs_sampler(ctx: _Ctx, cells: Mapping[str, Any],
             for s in samplers:
                 pairs += trainer_vs_sampler(
                     trainer=a, precision=precision, sampler=s,
-                    trainer_tensors=in_memory(done[a].tensors),
-                    sampler_tensors=in_memory(done[s].tensors), ref_dir=ctx.ref_dir,
+                    trainer_tensors=_round1(done[a].tensors, "actor/prefill_"),
+                    sampler_tensors=_round1(done[s].tensors, "sampler/decode_"),
+                    ref_dir=ctx.ref_dir,
                     mask=ctx.mask, responses=responses)
     return {"note": TRAINER_VS_SAMPLER_NOTE, "pairs": pairs}
 
