@@ -47,8 +47,14 @@ def test_verl_cells_pass_every_row(name: str,
     assert sorted(cells) == sorted(expected)
     for cell in expected:
         rows = [r for r in report["rows"] if r["cell"] == cell]
+        # the only rows not run are those the contract expects: verl's actor records no full
+        # distributions (matrix.expected_not_run), every trainer_distribution row of round 1
+        expected = [r for r in rows if r["verdict"] == "NOT_RUN" and r.get("expected_not_run")]
+        assert {(r["class"], r["family"], r["round"]) for r in expected} == ({
+            ("trainer_distribution", "prefill_raw", 1),
+            ("trainer_distribution", "prefill_tempered", 1)} if "-actor-" in cell else set())
         bad = [(r["family"], r["round"], r["verdict"], r["reason"]) for r in rows
-               if r["verdict"] != "PASS"]
+               if r["verdict"] != "PASS" and r not in expected]
         assert not bad, (cell, bad)
         families = {r["family"] for r in rows}
         per_token = {"logprobs", "entropy"} if "-actor-" in cell else {"values"}
