@@ -47,9 +47,9 @@ def test_trl_cells_pass_every_row_they_run(name: str,
         ran = [r for r in rows if r["verdict"] != "NOT_RUN"]
         # the only rows not run are those the contract expects: TRL records no full
         # distributions (matrix.expected_not_run), every trainer_distribution row of round 1
-        expected = [r for r in rows if r not in ran and r.get("expected_not_run")]
-        assert len(ran) + len(expected) == len(rows), [r for r in rows if r not in ran]
-        assert {(r["class"], r["family"], r["round"]) for r in expected} == {
+        declared = [r for r in rows if r not in ran and r.get("expected_not_run")]
+        assert len(ran) + len(declared) == len(rows), [r for r in rows if r not in ran]
+        assert {(r["class"], r["family"], r["round"]) for r in declared} == {
             ("trainer_distribution", "prefill_raw", 1),
             ("trainer_distribution", "prefill_tempered", 1)}
         bad = [(r["family"], r["round"], r["verdict"], r["reason"]) for r in ran

@@ -49,12 +49,12 @@ def test_verl_cells_pass_every_row(name: str,
         rows = [r for r in report["rows"] if r["cell"] == cell]
         # the only rows not run are those the contract expects: verl's actor records no full
         # distributions (matrix.expected_not_run), every trainer_distribution row of round 1
-        expected = [r for r in rows if r["verdict"] == "NOT_RUN" and r.get("expected_not_run")]
-        assert {(r["class"], r["family"], r["round"]) for r in expected} == ({
+        declared = [r for r in rows if r["verdict"] == "NOT_RUN" and r.get("expected_not_run")]
+        assert {(r["class"], r["family"], r["round"]) for r in declared} == ({
             ("trainer_distribution", "prefill_raw", 1),
             ("trainer_distribution", "prefill_tempered", 1)} if "-actor-" in cell else set())
         bad = [(r["family"], r["round"], r["verdict"], r["reason"]) for r in rows
-               if r["verdict"] != "PASS" and r not in expected]
+               if r["verdict"] != "PASS" and r not in declared]
         assert not bad, (cell, bad)
         families = {r["family"] for r in rows}
         per_token = {"logprobs", "entropy"} if "-actor-" in cell else {"values"}
