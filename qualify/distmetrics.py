@@ -67,6 +67,26 @@ import numpy.typing as npt
 KINDS: Final = ("raw", "tempered")
 """The distributions compared: ``raw`` ``log_softmax(logits)``, ``tempered``
 ``log_softmax(logits / T)``."""
+PATHS: Final = ("decode", "prefill")
+"""Where a judged distribution is taken: ``decode`` a sampler cell's decode path,
+``prefill`` an Actor trainer cell's teacher-forced forward of the response window."""
+
+
+def family(path: str, kind: str, *, topk: bool) -> str:
+    """The row family of the ``kind`` distributions taken on ``path``.
+
+    ``<path>_<kind>``, with ``_topk`` appended on the top-k path (a vocabulary too large to
+    compare whole).
+    """
+    return f"{path}_{kind}" + ("_topk" if topk else "")
+
+
+FAMILIES: Final = tuple(family(path, kind, topk=topk) for path in PATHS
+                        for topk in (False, True) for kind in KINDS)
+"""Every distribution row family, in report and drawing order (``decode_raw``,
+``decode_tempered``, ``decode_raw_topk``, ..., ``prefill_tempered_topk``). Defined here, the
+comparator's leaf module, so that :mod:`qualify.compare.rootcause` (imported by the rows'
+own module) and :mod:`qualify.evidence.policy` name them without an import cycle."""
 TOPK: Final = 5
 """``k`` of the top-k set agreement."""
 TIE_ULPS: Final = 4.0

@@ -952,3 +952,37 @@ def test_sampler_cell_verdict_is_its_own_rows(tmp_path: Path, first_after_update
         assert "predates the update" in cell.reason
     else:
         assert cell.reason is None
+
+
+def test_sampler_rows_read_only_the_weights_source_logprobs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampler rows get the weights source's ``round2/actor/logprobs`` and nothing else.
+
+    The weights source is an Actor cell, whose outputs hold its whole gradients, moments and
+    updates: reading them all for one ``[B, R]`` tensor would make that cell the compare's
+    memory peak on a large model. The committed default run is compared again (not written)
+    with the builder watched; its rows are the committed report's.
+    """
+    from committed import committed_runs
+
+    import qualify.compare.stage as stage
+
+    run = committed_runs()[-1]
+    seen: list[Any] = []
+    real = stage.sampler_rows
+
+    def watched(**kw: Any) -> list[Row]:
+        actor = kw["actor"]
+        seen.append(actor if isinstance(actor, str) else sorted(actor))
+        return real(**kw)
+
+    monkeypatch.setattr(stage, "sampler_rows", watched)
+    report = compare_run(run, write=False)
+    assert len(seen) == 2, seen  # the TP 1 and TP 2 sampler cells
+    assert all(s == ["round2/actor/logprobs"] for s in seen), seen
+    committed = json.loads((run / REPORT_JSON).read_text())
+    want = {(r["cell"], r["class"], r["family"], r["statistic"]): r["verdict"]
+            for r in committed["rows"] if r["class"] == "sampler_vs_actor"}
+    got = {(r.cell, r.klass, r.family, r.statistic): r.verdict for r in report.rows
+           if r.klass == "sampler_vs_actor"}
+    assert want and got == want

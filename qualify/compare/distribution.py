@@ -45,7 +45,8 @@ forward of the response window at the initial weights) or, on the top-k path,
 ``prefill_<kind>_topk`` (``round1/actor/prefill_<kind>_topk_logprobs`` / ``_topk_ids``
 ``[B, R, k']`` and ``round1/actor/prefill_<kind>_logprobs`` ``[B, R]``). An FP32 cell is
 judged by the sealed ``bounds`` (the FP32 controls'), a BF16 cell by the sealed
-``bounds_bf16`` (``k * bf16 control + floor``, :mod:`qualify.reference.distribution`); a
+``bounds_bf16`` (``k *`` the largest of the HF BF16 controls against the FP32 reference
+``+ floor``, :data:`qualify.reference.distribution.BF16_CONTROLS`); a
 reference without ``bounds_bf16`` (sealed by older code) gives a BF16 cell's rows ``NOT_RUN``
 naming it. A cell whose harness records none of the tensors (the TRL and verl adapters) has
 ``NOT_RUN`` rows naming them; a contract lists them as expected
@@ -78,6 +79,7 @@ from qualify.distmetrics import (
     distribution_metrics,
     topk_metrics,
 )
+from qualify.distmetrics import family as family_name
 from qualify.evidence import store
 from qualify.layout import DISTRIBUTION_FILE, DISTRIBUTION_JSON
 
@@ -98,7 +100,8 @@ class Side:
             trainer's forward of the response window).
         klass: the rows' class.
         bounds_key: the sealed bound entries of each kind (``bounds``: the FP32 controls';
-            ``bounds_bf16``: the BF16 control's).
+            ``bounds_bf16``: the largest of the HF BF16 controls',
+            :data:`qualify.reference.distribution.BF16_CONTROLS`).
         missing: why a cell lacks the tensors (part of its ``NOT_RUN`` reason).
     """
 
@@ -185,7 +188,7 @@ def _side_rows(cell: str, side: Side, *, tensors: Mapping[str, Any], doc: Mappin
                           ref_dir=ref_dir)
     rows: list[Row] = []
     for kind in KINDS:
-        family = f"{side.path}_{kind}"
+        family = family_name(side.path, kind, topk=False)
         mine = tensors.get(f"round1/{side.role}/{family}")
         reason = (f"{cell} has no round1/{side.role}/{family} ({side.missing})" if mine is None
                   else _no_bounds(doc, kind, side, ref_dir))
@@ -272,7 +275,7 @@ def trainer_distribution_rows(*, cell: str, precision: str, tensors: Mapping[str
     if doc is None:
         return []
     if precision not in TRAINER_BOUNDS:
-        fams = [f"prefill_{kind}" + ("_topk" if "topk" in doc else "") for kind in KINDS]
+        fams = [family_name("prefill", kind, topk="topk" in doc) for kind in KINDS]
         stats = TOPK_STATISTICS if "topk" in doc else STATISTICS
         return [_not_run(cell, TRAINER_CLASS, family=f, statistic=s, round_=1, role="actor",
                          reason=f"no distribution ceiling is sealed for precision "
@@ -290,7 +293,7 @@ def _topk_rows(cell: str, tensors: Mapping[str, Any], doc: Mapping[str, Any],
     rows: list[Row] = []
     pre = f"round1/{side.role}/{side.path}"
     for kind in KINDS:
-        family = f"{side.path}_{kind}_topk"
+        family = family_name(side.path, kind, topk=True)
         names = [f"{pre}_{kind}_topk_logprobs", f"{pre}_{kind}_topk_ids", f"{pre}_{kind}_logprobs"]
         missing = [n for n in names if n not in tensors]
         lp = np.asarray(tensors[names[0]]) if not missing else None

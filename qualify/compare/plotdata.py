@@ -30,6 +30,7 @@ import numpy.typing as npt
 from qualify import jsonio
 from qualify.compare.rootcause import SAMPLER_ROLE
 from qualify.contract import Contract
+from qualify.distmetrics import FAMILIES
 from qualify.errors import ReferenceDataError, UsageError
 from qualify.evidence import store
 from qualify.layout import (
@@ -369,11 +370,9 @@ def param_errors(data: RunData, row: Mapping[str, Any]) -> ParamErrors | None:
 
 # --------------------------------------------------------------------------- sampler cells
 
-DISTRIBUTION_FAMILIES: Final = ("decode_raw", "decode_tempered", "decode_raw_topk",
-                                "decode_tempered_topk", "prefill_raw", "prefill_tempered",
-                                "prefill_raw_topk", "prefill_tempered_topk")
+DISTRIBUTION_FAMILIES: Final = FAMILIES
 """The ``sampler_distribution`` families (a sampler cell's) and the ``trainer_distribution``
-ones (an Actor trainer cell's), in drawing order."""
+ones (an Actor trainer cell's), in drawing order (:data:`qualify.distmetrics.FAMILIES`)."""
 DISTRIBUTION_CLASSES: Final = ("sampler_distribution", "trainer_distribution")
 """The row classes whose per-position values ``report.json`` keeps."""
 

@@ -44,6 +44,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+from qualify.distmetrics import KINDS, family
+
 __all__ = [
     "CLASS_ORDER",
     "RESTORE_FAMILIES",
@@ -60,8 +62,8 @@ __all__ = [
 ]
 
 TRAINER_CHAIN: Final[tuple[tuple[str, ...], ...]] = (
-    ("logprobs", "values", "entropy", "rewards", "prefill_raw", "prefill_tempered",
-     "prefill_raw_topk", "prefill_tempered_topk"),
+    ("logprobs", "values", "entropy", "rewards",
+     *(family("prefill", kind, topk=topk) for topk in (False, True) for kind in KINDS)),
     ("losses",),
     ("grads",),
     ("grad_norm",),

@@ -113,7 +113,7 @@ from qualify.compare.rows import (
     padding_rows,
     replica_row,
 )
-from qualify.compare.sampler import sampler_required, sampler_rows
+from qualify.compare.sampler import ACTOR_KEY, sampler_required, sampler_rows
 from qualify.compare.verdicts import (
     OPTIONAL_SECTIONS,
     VERDICT_PRECEDENCE,
@@ -555,8 +555,12 @@ def _round1(tensors: TensorFile, prefix: str) -> dict[str, Any]:
     An Actor's outputs hold its whole gradients, moments and updates: the distribution rows
     read only their own tensors, so a compare stays bounded by its largest tensor.
     """
-    want = f"round1/{prefix}"
-    return in_memory({k: v for k, v in tensors.items() if k.startswith(want)})
+    return _only(tensors, lambda name: name.startswith(f"round1/{prefix}"))
+
+
+def _only(tensors: TensorFile, wanted: Callable[[str], bool]) -> dict[str, Any]:
+    """The tensors of a cell whose names ``wanted`` accepts, in memory; the others unread."""
+    return in_memory({k: v for k, v in tensors.items() if wanted(k)})
 
 
 def _cell_precision(ctx: _Ctx, cid: str, e: Mapping[str, Any]) -> str:
@@ -632,7 +636,8 @@ def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, A
             rows = guarded(lambda: sampler_rows(
                 cell=cid, entry=e, tensors=in_memory(outputs.tensors), meta=outputs.meta,
                 meta_problem=outputs.meta_problem, bounds=ctx.bounds, mask=ctx.mask,
-                actor=in_memory(src.tensors) if isinstance(src, _Outputs) else src),
+                actor=_only(src.tensors, lambda name: name == ACTOR_KEY.label)
+                if isinstance(src, _Outputs) else src),
                 cell=cid, builder="qualify.compare.sampler.sampler_rows",
                 klass="sampler_install", role="sampler", family="all")
 

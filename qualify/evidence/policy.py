@@ -56,6 +56,7 @@ from typing import Any, Final
 from qualify.compare.rootcause import causal_order
 from qualify.compare.sampler import PROBES
 from qualify.contract import Contract, canonical_json, sha256_hex
+from qualify.distmetrics import FAMILIES
 from qualify.errors import ContractError, ExitCode
 from qualify.layout import GATES_DIR
 from qualify.resources import contracts_dir
@@ -93,12 +94,8 @@ OUTCOMES: Final = ("PASS", "XFAIL", "FAIL", "NOT_RUN", "STALE", "XPASS")
 SAMPLER_FAMILIES: Final = ("install", "kernels", "prefix_cache", *PROBES)
 """Row families of a sampler cell (:mod:`qualify.compare.sampler`: install, kernel and cache
 checks, then its rejection probes)."""
-DISTRIBUTION_FAMILIES: Final = tuple(f"{path}_{kind}{topk}" for path in ("decode", "prefill")
-                                    for kind in ("raw", "tempered") for topk in ("", "_topk"))
-"""Row families of the next-token distribution rows (:mod:`qualify.compare.distribution`):
-a sampler's ``decode_*``, an Actor trainer cell's ``prefill_*``."""
 KNOWN_FAMILIES: Final = (*FAMILY_STATISTIC, "dtypes", "replica", *SAMPLER_FAMILIES,
-                         *DISTRIBUTION_FAMILIES)
+                         *FAMILIES)
 """Every row family a report holds: the metric families of
 :data:`qualify.statistics.FAMILY_STATISTIC`, the ``dtypes`` and ``replica`` checks, the
 sampler probes and the distribution families."""
