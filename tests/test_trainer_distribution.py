@@ -235,6 +235,47 @@ def test_missing_tensors_and_old_references_are_not_run(sealed: dict[str, Any],
     assert _rows(s, _cell_tensors(s, s["fp32"]), "fp32", ref_dir=old) == []
 
 
+def test_trainer_vs_sampler_pairs_on_both_paths(sealed: dict[str, Any]) -> None:
+    """A BF16 trainer's prefill against an FP32 sampler's decode-path distributions (here the
+    HF BF16 and FP32 forwards): the pair's TV is the one computed directly from the two whole
+    distributions on the full path, and brackets it (lower <= true <= upper) on the top-k
+    path; the TV ceiling is the sum of the two cells' sealed bounds (``tv_upper_max`` on the
+    top-k path, none where that sum is 1 or more)."""
+    from qualify.compare.distribution import trainer_vs_sampler
+
+    s = sealed
+    mask = s["roll"]["response_mask"].numpy() != 0
+    trainer = _cell_tensors(s, s["bf16"])
+    sampler = {n.replace("round1/actor/prefill_", "round1/sampler/decode_"): v
+               for n, v in _cell_tensors(s, s["fp32"]).items()}
+    pairs = trainer_vs_sampler(trainer="t", precision="bf16", sampler="s",
+                               trainer_tensors=trainer, sampler_tensors=sampler,
+                               ref_dir=s["dir"], mask=mask,
+                               responses=s["roll"]["responses"].numpy())
+    assert [p["kind"] for p in pairs] == list(KINDS)
+    for p in pairs:
+        kind = p["kind"]
+        a, b = (np.exp(s[side][kind].astype(np.float64))[mask] for side in ("bf16", "fp32"))
+        a, b = a / a.sum(-1, keepdims=True), b / b.sum(-1, keepdims=True)
+        true_tv = float((0.5 * np.abs(a - b).sum(-1)).max())
+        assert true_tv > 0  # the two forwards differ: the check below can fail
+        doc = s["doc"][kind]
+        if not s["topk"]:
+            assert p["tv_max"] == pytest.approx(true_tv, rel=1e-9, abs=1e-12)
+            assert p["tv_max_ceiling"] == (doc["bounds_bf16"]["tv_max"]["bound"]
+                                           + doc["bounds"]["tv_max"]["bound"])
+            continue
+        assert p["k"] == s["topk_k"]
+        assert p["tv_max"] <= true_tv * (1 + 1e-9) + 1e-12 <= p["tv_upper_max"] + 2e-12
+        total = (doc["bounds_bf16"]["tv_upper_max"]["bound"]
+                 + doc["bounds"]["tv_upper_max"]["bound"])
+        assert p["tv_max_ceiling"] == (total if total < 1 else None)
+    # a pair without one side's tensors gives nothing
+    assert trainer_vs_sampler(trainer="t", precision="bf16", sampler="s",
+                              trainer_tensors=trainer, sampler_tensors={}, ref_dir=s["dir"],
+                              mask=mask, responses=s["roll"]["responses"].numpy()) == []
+
+
 def test_the_committed_reference_passes_its_own_distributions_at_both_precisions() -> None:
     """The committed tiny-qwen3 reference: its own sealed distributions pass as an FP32
     cell's and as a BF16 cell's, each against its own sealed ceilings, which it has for

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -284,6 +284,31 @@ def trainer_distribution_rows(*, cell: str, precision: str, tensors: Mapping[str
                       mask=mask, responses=responses, positions=positions)
 
 
+def _topk_names(pre: str, kind: str) -> list[str]:
+    """A top-k side's tensor names under ``pre`` (``round1/<role>/<path>``).
+
+    Its top-k logprobs ``[B, R, k']``, their ids ``[B, R, k']`` and the response token's
+    logprobs ``[B, R]``.
+    """
+    return [f"{pre}_{kind}_topk_logprobs", f"{pre}_{kind}_topk_ids", f"{pre}_{kind}_logprobs"]
+
+
+def _own_topk(tensors: Mapping[str, Any], names: Sequence[str], k: int
+              ) -> tuple[npt.NDArray[Any], npt.NDArray[np.int64], npt.NDArray[Any]]:
+    """A cell's own top-``k`` and its response-token logprobs.
+
+    Returns:
+        ``(logprobs [B, R, k], ids [B, R, k] int64, token logprobs [B, R])``: the ``k``
+        largest of its ``[B, R, k' >= k]`` tensors ``names`` (:func:`_topk_names`), by
+        (-logprob, id).
+    """
+    lp = np.asarray(tensors[names[0]])
+    ids = np.asarray(tensors[names[1]]).astype(np.int64)
+    order = np.lexsort((ids, -lp.astype(np.float64)), axis=-1)[..., :k]
+    return (np.take_along_axis(lp, order, axis=-1), np.take_along_axis(ids, order, axis=-1),
+            np.asarray(tensors[names[2]]))
+
+
 def _topk_rows(cell: str, tensors: Mapping[str, Any], doc: Mapping[str, Any],
                ref: Mapping[str, Any], mask: npt.NDArray[Any], *,
                positions: dict[str, Any] | None = None, side: Side = SAMPLER,
@@ -294,7 +319,7 @@ def _topk_rows(cell: str, tensors: Mapping[str, Any], doc: Mapping[str, Any],
     pre = f"round1/{side.role}/{side.path}"
     for kind in KINDS:
         family = family_name(side.path, kind, topk=True)
-        names = [f"{pre}_{kind}_topk_logprobs", f"{pre}_{kind}_topk_ids", f"{pre}_{kind}_logprobs"]
+        names = _topk_names(pre, kind)
         missing = [n for n in names if n not in tensors]
         lp = np.asarray(tensors[names[0]]) if not missing else None
         reason = (f"{cell} has no {', '.join(missing)} ({side.missing})" if missing else "")
@@ -307,13 +332,10 @@ def _topk_rows(cell: str, tensors: Mapping[str, Any], doc: Mapping[str, Any],
             rows += [_not_run(cell, side.klass, family=family, statistic=s,
                               round_=1, reason=reason, role=side.role) for s in TOPK_STATISTICS]
             continue
-        assert lp is not None
-        ids = np.asarray(tensors[names[1]]).astype(np.int64)
-        order = np.lexsort((ids, -lp.astype(np.float64)), axis=-1)[..., :k]  # its own top-k
-        got = topk_metrics(np.take_along_axis(lp, order, axis=-1),
-                           np.take_along_axis(ids, order, axis=-1),
+        own_lp, own_ids, own_token = _own_topk(tensors, names, k)
+        got = topk_metrics(own_lp, own_ids,
                            ref[f"{kind}_topk_logprobs"], ref[f"{kind}_topk_ids"],
-                           cand_token=np.asarray(tensors[names[2]]),
+                           cand_token=own_token,
                            ref_token=ref[f"{kind}_token_logprobs"], mask=mask,
                            clip_ratio=float(doc["clip_ratio"]),
                            worst_sequences=WORST_SEQUENCES if positions is not None else 0)
@@ -353,27 +375,45 @@ def trainer_vs_sampler(*, trainer: str, precision: str, sampler: str,
                        trainer_tensors: Mapping[str, Any], sampler_tensors: Mapping[str, Any],
                        ref_dir: Path, mask: npt.NDArray[Any], responses: npt.NDArray[Any]
                        ) -> list[dict[str, Any]]:
-    """Direct trainer-vs-sampler metrics of one pair, per kind, on the full path (no verdict).
+    """Direct trainer-vs-sampler metrics of one pair, per kind (no verdict).
 
-    For each kind with both ``round1/actor/prefill_<kind>`` (``p``) and
-    ``round1/sampler/decode_<kind>`` (``q``), both ``[B, R, V]``:
-    :func:`qualify.distmetrics.distribution_metrics` of ``q`` against ``p`` and the derived TV
-    ceilings (:data:`TRAINER_VS_SAMPLER_NOTE`): ``tv_max_ceiling`` = the trainer's sealed
-    ``tv_max`` bound (its precision's: ``bounds`` or ``bounds_bf16``) + the sampler's
-    (``bounds``), ``tv_mean_ceiling`` likewise; ``None`` where either bound is not sealed.
+    **Full path** (a reference sealed whole): for each kind with both
+    ``round1/actor/prefill_<kind>`` (``p``) and ``round1/sampler/decode_<kind>`` (``q``), both
+    ``[B, R, V]``: :func:`qualify.distmetrics.distribution_metrics` of ``q`` against ``p`` and
+    the derived TV ceilings (:data:`TRAINER_VS_SAMPLER_NOTE`): ``tv_max_ceiling`` = the
+    trainer's sealed ``tv_max`` bound (its precision's: ``bounds`` or ``bounds_bf16``) + the
+    sampler's (``bounds``), ``tv_mean_ceiling`` likewise; ``None`` where either bound is not
+    sealed.
+
+    **Top-k path** (a reference sealed on the top-k path, ``k`` its sealed width): for each
+    kind with both cells' top-k tensors (``round1/actor/prefill_<kind>_topk_logprobs`` /
+    ``_topk_ids`` / ``_logprobs`` and the sampler's ``decode_`` ones, each cut to its own
+    top-``k``): :func:`qualify.distmetrics.topk_metrics` of ``q`` against ``p``. Its TV and KL
+    are lower bounds of the true ones (the mass outside both top-k sets is lumped), its
+    ``tv_upper_*`` upper bounds; the true TV lies between ``tv_max`` and ``tv_upper_max``.
+    The ceilings then compose from the two cells' sealed ``tv_upper_max`` / ``tv_upper_mean``
+    bounds (the true TV of each cell against the reference is at most its ``tv_upper``), and
+    are ``None`` where either is at least 1 (a TV ceiling of 1 or more bounds nothing).
 
     Returns:
         One dict per kind: ``trainer``, ``sampler``, ``kind``, ``family`` (the two row
         families), ``n_valid``, ``tv_max``, ``tv_mean``, ``kl_trainer_sampler_max``
         (``max KL(p || q)``), ``kl_sampler_trainer_max`` (``max KL(q || p)``),
         ``top1_mismatch`` (count), ``top1_ties``, ``worst`` (the worst position),
-        ``tv_max_ceiling``, ``tv_mean_ceiling``; ``[]`` for a reference without full sealed
-        distributions (no ceilings to compose) or a pair without the tensors.
+        ``tv_max_ceiling``, ``tv_mean_ceiling``; on the top-k path also ``k``,
+        ``tv_upper_max``, ``tv_upper_mean``, ``missing_trainer_max`` and
+        ``missing_sampler_max`` (the largest mass outside each side's top-k). ``[]`` for a
+        reference without sealed distributions (no ceilings to compose) or a pair without
+        the tensors.
     """
     doc, _ = read_sealed(ref_dir)
-    if doc is None or "topk" in doc or "raw" not in doc:
+    if doc is None or "raw" not in doc:
         return []
     side = trainer_side(precision) if precision in TRAINER_BOUNDS else None
+    if "topk" in doc:
+        return _trainer_vs_sampler_topk(trainer=trainer, sampler=sampler, side=side,
+                                        trainer_tensors=trainer_tensors,
+                                        sampler_tensors=sampler_tensors, doc=doc, mask=mask)
     out = []
     for kind in KINDS:
         p = trainer_tensors.get(f"round1/actor/prefill_{kind}")
@@ -396,6 +436,51 @@ def trainer_vs_sampler(*, trainer: str, precision: str, sampler: str,
                     "kl_sampler_trainer_max": float(got["kl_cand_ref_max"]),
                     "top1_mismatch": int(got["top1_mismatch"]),
                     "top1_ties": int(got["top1_ties"]), "worst": str(got["worst"]),
+                    **ceilings})
+    return out
+
+
+def _trainer_vs_sampler_topk(*, trainer: str, sampler: str, side: Side | None,
+                             trainer_tensors: Mapping[str, Any],
+                             sampler_tensors: Mapping[str, Any], doc: Mapping[str, Any],
+                             mask: npt.NDArray[Any]) -> list[dict[str, Any]]:
+    """:func:`trainer_vs_sampler` on the top-k path (its docstring)."""
+    k = int(doc["topk"]["k"])
+    out = []
+    for kind in KINDS:
+        p_names = _topk_names("round1/actor/prefill", kind)
+        q_names = _topk_names(f"round1/{ROLE}/decode", kind)
+        if any(n not in trainer_tensors for n in p_names) or \
+                any(n not in sampler_tensors for n in q_names):
+            continue
+        if any(np.ndim(t[n[0]]) != 3 or np.shape(t[n[0]])[2] < k
+               for t, n in ((trainer_tensors, p_names), (sampler_tensors, q_names))):
+            continue  # fewer than the sealed top-k: that cell's own rows say so
+        p, p_ids, p_token = _own_topk(trainer_tensors, p_names, k)
+        q, q_ids, q_token = _own_topk(sampler_tensors, q_names, k)
+        got = topk_metrics(q, q_ids, p, p_ids, cand_token=q_token, ref_token=p_token,
+                           mask=mask, clip_ratio=float(doc["clip_ratio"]))
+        ceilings: dict[str, float | None] = {}
+        for s in ("tv_max", "tv_mean"):
+            upper = s.replace("tv_", "tv_upper_")
+            mine = doc[kind].get(side.bounds_key, {}).get(upper) if side is not None else None
+            theirs = doc[kind].get(SAMPLER.bounds_key, {}).get(upper)
+            total = (float(mine["bound"]) + float(theirs["bound"])
+                     if mine is not None and theirs is not None else math.inf)
+            ceilings[f"{s}_ceiling"] = total if total < 1.0 else None
+        out.append({"trainer": trainer, "sampler": sampler, "kind": kind, "k": k,
+                    "family": [family_name("prefill", kind, topk=True),
+                               family_name("decode", kind, topk=True)],
+                    "n_valid": int(got["n_valid"]), "tv_max": float(got["tv_max"]),
+                    "tv_mean": float(got["tv_mean"]),
+                    "tv_upper_max": float(got["tv_upper_max"]),
+                    "tv_upper_mean": float(got["tv_upper_mean"]),
+                    "kl_trainer_sampler_max": float(got["kl_ref_cand_max"]),
+                    "kl_sampler_trainer_max": float(got["kl_cand_ref_max"]),
+                    "top1_mismatch": int(got["top1_mismatch"]),
+                    "top1_ties": int(got["top1_ties"]), "worst": str(got["worst"]),
+                    "missing_trainer_max": float(got["missing_ref_max"]),
+                    "missing_sampler_max": float(got["missing_cand_max"]),
                     **ceilings})
     return out
 

@@ -497,12 +497,23 @@ def _trainer_vs_sampler_lines(report: Report) -> list[str]:
     pairs = got.get("pairs") or []
     if "trainer_distribution" not in report.sections or not pairs:
         return []
+    topk = sorted({int(p["k"]) for p in pairs if "k" in p})
+    extra = ([f"Top-k path (k = {', '.join(map(str, topk))}): the TV and KL columns are "
+              "lower bounds (the mass outside both top-k sets is lumped); max TV is shown "
+              "as its lower to its upper bound, and the ceiling composes from the two "
+              "cells' sealed `tv_upper_max` bounds (none where their sum is 1 or more).", ""]
+             if topk else [])
+
+    def tv(p: Mapping[str, Any]) -> str:
+        return (_num(p["tv_max"]) if "tv_upper_max" not in p
+                else f"{_num(p['tv_max'])} to {_num(p['tv_upper_max'])}")
+
     return ["## Trainer vs sampler distributions (information, no verdict)", "",
-            str(got.get("note", "")), "",
+            str(got.get("note", "")), "", *extra,
             _markdown_table(("trainer", "sampler", "kind", "max TV", "mean TV",
                              "TV ceiling (max)", "max KL(t ‖ s)", "max KL(s ‖ t)",
                              "top-1 disagreements"),
-                            [(p["trainer"], p["sampler"], p["kind"], _num(p["tv_max"]),
+                            [(p["trainer"], p["sampler"], p["kind"], tv(p),
                               _num(p["tv_mean"]), _num(p.get("tv_max_ceiling")),
                               _num(p["kl_trainer_sampler_max"]),
                               _num(p["kl_sampler_trainer_max"]),
