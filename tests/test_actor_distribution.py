@@ -11,6 +11,8 @@
 - :func:`qualify_harness.run_actor` records them at the initial weights for an engine with
   :meth:`~qualify_harness.Engine.response_logits`, and says ``not_recorded`` (no tensors)
   for one without it and for a resumed launch that skips round 1;
+- an engine with :meth:`~qualify_harness.Engine.response_logits` and no
+  ``logprobs_and_entropy`` of its own scores by the SDK log-softmax of its logits, bitwise;
 - the conformance check accepts int64 ``*_ids`` tensors and only those.
 """
 
@@ -239,6 +241,31 @@ def test_the_path_is_decided_once(monkeypatch: pytest.MonkeyPatch) -> None:
     got = {n.removeprefix("round1/actor/") for n in rec.tensors if "prefill" in n}
     assert got == {*sdk_dist.metric_names(V), sdk_dist.TOP_LOGIT}
     assert "prefill_raw_topk_ids" in got
+
+
+def test_the_default_logprobs_and_entropy_is_the_sdk_log_softmax_of_the_logits() -> None:
+    """An engine with ``response_logits`` and no ``logprobs_and_entropy`` of its own scores
+    by the SDK's single-device log-softmax at its ``temperature``, bitwise; one with neither
+    raises ``NotImplementedError``."""
+
+    class _Default(_WithLogits):
+        logprobs_and_entropy = sdk.Engine.logprobs_and_entropy
+
+    torch.manual_seed(0)
+    model, batch = _TinyLM(), _batch()
+    engine = _Default(model, RECIPE.temperature)
+    with torch.no_grad():
+        lp, ent = engine.logprobs_and_entropy(model, batch)
+        want_lp, want_ent = losses.logprobs_and_entropy(_window(model, batch), batch.responses,
+                                                        RECIPE.temperature)
+    assert torch.equal(lp, want_lp)
+    assert torch.equal(ent, want_ent)
+
+    class _Neither(_NoLogits):
+        logprobs_and_entropy = sdk.Engine.logprobs_and_entropy
+
+    with pytest.raises(NotImplementedError, match="does not implement response_logits"):
+        _Neither(model, RECIPE.temperature).logprobs_and_entropy(model, batch)
 
 
 def test_an_engine_without_response_logits_records_none_and_says_why() -> None:

@@ -59,10 +59,24 @@ class Engine(ABC):
 
     device: torch.device
     pad_token_id: int = 0
+    temperature: float
+    """The contract's sampling temperature ``T``, the logits divisor of the default
+    :meth:`logprobs_and_entropy` (an engine that overrides it need not set it)."""
 
-    @abstractmethod
     def logprobs_and_entropy(self, model: Any, batch: Batch) -> tuple[Tensor, Tensor]:
-        """Actor: ``(logprobs, entropy)`` of ``batch.responses``, each ``[b, R]`` FP32."""
+        """Actor: ``(logprobs, entropy)`` of ``batch.responses``, each ``[b, R]`` FP32.
+
+        The default: :func:`qualify_harness.losses.logprobs_and_entropy` (the single-device
+        log-softmax) of :meth:`response_logits` at :attr:`temperature`, for an engine whose
+        logits arrive whole on the rank. An engine whose head is vocab-parallel, or that
+        scores otherwise, overrides it.
+
+        Raises:
+            NotImplementedError: the engine implements neither this nor
+                :meth:`response_logits`.
+        """
+        return losses.logprobs_and_entropy(self.response_logits(model, batch),
+                                           batch.responses, self.temperature)
 
     def values(self, model: Any, batch: Batch) -> Tensor:
         """Critic: values ``V(s_t)`` on the response window, ``[b, R]`` FP32."""
