@@ -14,8 +14,9 @@ Per valid position ``(b, t)``, with ``p = exp(ref)``, ``q = exp(cand)``:
   ``inf`` where one puts mass the other excludes);
 - ``tv`` = ``0.5 * sum |p - q|``;
 - ``top1`` disagreement: ``argmax q != argmax p``, a **tie** (not counted) when the
-  candidate's own top-2 gap ``q1 - q2`` in log space is at most :func:`tie_resolution` of
-  its top logprob: below what the candidate's FP32 arithmetic resolves at that magnitude;
+  candidate's own top-2 gap ``q1 - q2`` in log space is at most :func:`tie_resolution`:
+  below what the candidate's own precision resolves (FP32: at its top logprob; BF16: at its
+  top raw logit's magnitude, when the candidate recorded it, see :func:`tie_resolution`);
 - ``topk`` disagreement: ``1 - |top-k(q) ∩ top-k(p)| / k`` (``k`` = :data:`TOPK`);
 - ratio tails at the response token ``y``: ``r = q(y) / p(y)``; the fraction of valid
   tokens with ``r`` outside ``[1/2, 2]`` and outside the PPO band ``[1 - ε, 1 + ε]``.
@@ -92,6 +93,11 @@ TOPK: Final = 5
 TIE_ULPS: Final = 4.0
 """FP32 spacings of the top logprob below which a top-2 gap is a tie (log_softmax rounds
 the logit, the running max and the log-sum-exp: a few spacings at that magnitude)."""
+BF16_TIE_SPACINGS: Final = 2.0
+"""BF16 spacings of the top raw logit below which a BF16 candidate's top-2 gap is a tie
+(``c`` of :func:`tie_resolution`, where the choice is argued)."""
+TIE_PRECISIONS: Final = ("fp32", "bf16")
+"""The candidate precisions :func:`tie_resolution` knows."""
 STATISTICS: Final = ("kl_ref_cand_max", "kl_ref_cand_mean", "kl_cand_ref_max",
                      "kl_cand_ref_mean", "tv_max", "tv_mean", "top1_mismatch",
                      "topk_disagreement_mean", "ratio_outside_2", "ratio_outside_clip",
@@ -103,10 +109,76 @@ TOPK_STATISTICS: Final = (*STATISTICS, "tv_upper_max", "tv_upper_mean",
 
 
 
-def tie_resolution(top: npt.ArrayLike) -> npt.NDArray[np.float64]:
-    """The smallest top-2 gap an FP32 computation resolves at log-probability ``top``."""
+def bf16_spacing(x: npt.ArrayLike) -> npt.NDArray[np.float64]:
+    """The spacing of BF16 numbers at magnitude ``max(|x|, 1)``, FP64.
+
+    ``2^(e - 7)`` for ``|x|`` in ``[2^e, 2^(e+1))`` (8 significant bits). The floor at 1
+    mirrors :func:`tie_resolution`'s FP32 rule: a logit's error does not shrink with its own
+    magnitude (it is a sum of rounded products of any size), so a small top logit does not
+    make a small gap resolvable.
+    """
+    a = np.maximum(np.abs(np.asarray(x, dtype=np.float64)), 1.0)
+    _, e = np.frexp(a)  # a = m * 2^e, m in [0.5, 1): a in [2^(e-1), 2^e)
+    return np.ldexp(1.0, e - 8).astype(np.float64)
+
+
+def tie_resolution(top: npt.ArrayLike, *, precision: str = "fp32",
+                   top_logit: npt.ArrayLike | None = None,
+                   temperature: float = 1.0) -> npt.NDArray[np.float64]:
+    """The smallest top-2 log-probability gap the candidate's own precision resolves.
+
+    FP32 (and any candidate without ``top_logit``): :data:`TIE_ULPS` FP32 spacings at the
+    top log-probability ``top`` (magnitude floored at 1), what the FP32 log-softmax's own
+    roundings leave unresolved.
+
+    BF16 with ``top_logit``: the logits are BF16 values, so a top-2 gap is resolved only to
+    BF16 spacings at the logits' magnitude, not at the log-probability's. The gap of two
+    BF16 logits in one binade is a multiple of the spacing ``s = bf16_spacing(top_logit)``;
+    one rounding of each already lets an observed gap of one ``s`` come from a true gap of
+    0, and a BF16 forward's logit carries more error than its final rounding (every layer's
+    output is rounded to BF16 before the head), of the same order or larger. The rule takes
+    ``c =`` :data:`BF16_TIE_SPACINGS` ``= 2``: an observed gap of 0, 1 or 2 spacings (each
+    logit off by up to one spacing, twice the final rounding's half spacing) is a tie; a
+    larger gap is a mismatch. It is not a bound on the upstream error (none holds a priori:
+    a logit is a sum of products with cancellation); a flip beyond it is counted, and judged
+    against the sealed ceiling. The resolution is ``c * s / temperature`` (a tempered gap
+    is the raw gap over ``T``) **plus** the FP32 rule (the stored log-probabilities are FP32
+    roundings of the FP64 log-softmax, which moves a gap of exactly ``c * s`` by a few FP32
+    spacings), so it is never below the FP32 rule. ``s`` is the larger spacing of the two
+    logits: the top one's for a top logit ``z >= 0`` (the runner-up is nearer 0), and for
+    ``z < 0`` the spacing at ``|z| + c * bf16_spacing(z)``, the farthest from 0 a runner-up
+    within the rule sits (it may be in the next binade, of twice the spacing).
+
+    Args:
+        top: ``[N]`` the candidate's top log-probability per position.
+        precision: the candidate's compute precision (:data:`TIE_PRECISIONS`).
+        top_logit: ``[N]`` the candidate's top raw logit per position (``None``: not
+            recorded; the FP32 rule for every precision).
+        temperature: the divisor of the logits these log-probabilities come from (1 for
+            the raw kind, ``T`` for the tempered kind; > 0).
+
+    Returns:
+        ``[N]`` FP64 resolutions.
+
+    Raises:
+        ValueError: an unknown precision, ``temperature <= 0``, or ``top_logit`` of another
+            shape than ``top``.
+    """
+    if precision not in TIE_PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {TIE_PRECISIONS}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
     a = np.abs(np.asarray(top, dtype=np.float64)).astype(np.float32)
-    return TIE_ULPS * np.spacing(np.maximum(a, np.float32(1.0))).astype(np.float64)
+    fp32 = TIE_ULPS * np.spacing(np.maximum(a, np.float32(1.0))).astype(np.float64)
+    if precision == "fp32" or top_logit is None:
+        return fp32
+    z = np.asarray(top_logit, dtype=np.float64)
+    if z.shape != fp32.shape:
+        raise ValueError(f"top_logit has shape {z.shape}, top {fp32.shape}")
+    far = np.where(z < 0, np.abs(z) + BF16_TIE_SPACINGS * bf16_spacing(z), z)
+    out: npt.NDArray[np.float64] = fp32 + BF16_TIE_SPACINGS * bf16_spacing(far) / float(
+        temperature)
+    return out
 
 
 def _renormalise(lp: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
@@ -216,7 +288,9 @@ def _worst_sequences(n: int, *, mask: npt.NDArray[np.bool_], kl_rc: npt.NDArray[
 
 def distribution_metrics(cand: npt.ArrayLike, ref: npt.ArrayLike, tokens: npt.ArrayLike,
                          mask: npt.ArrayLike, *, clip_ratio: float,
-                         worst_sequences: int = 0) -> dict[str, Any]:
+                         worst_sequences: int = 0, precision: str = "fp32",
+                         top_logit: npt.ArrayLike | None = None,
+                         temperature: float = 1.0) -> dict[str, Any]:
     """Every statistic of the module docstring, plus where the worst KL sits.
 
     Args:
@@ -227,6 +301,12 @@ def distribution_metrics(cand: npt.ArrayLike, ref: npt.ArrayLike, tokens: npt.Ar
         clip_ratio: PPO ``ε`` (> 0).
         worst_sequences: how many of the sequences with the largest token ``KL(p || q)`` to
             return per position (key ``sequences``; ``0``: no key).
+        precision: the candidate's compute precision, for its top-1 tie resolution
+            (:func:`tie_resolution`).
+        top_logit: ``[B, R]`` the candidate's top raw logit per position (``None``: not
+            recorded, the FP32 tie rule).
+        temperature: the divisor of the logits ``cand`` was formed from (1 for the raw
+            kind, ``T`` for the tempered kind).
 
     Returns:
         ``{statistic: float}`` for :data:`STATISTICS`, plus ``n_valid``, ``top1_ties``,
@@ -235,8 +315,10 @@ def distribution_metrics(cand: npt.ArrayLike, ref: npt.ArrayLike, tokens: npt.Ar
         values those statistics aggregate, of the worst sequences (:func:`_summary`).
 
     Raises:
-        ValueError: shapes differ, are not ``[B, R, V]`` / ``[B, R]``, no valid position,
-            a token id outside the vocabulary, or ``clip_ratio <= 0``.
+        ValueError: shapes differ, are not ``[B, R, V]`` / ``[B, R]`` (``top_logit``
+            included), no valid position, a token id outside the vocabulary,
+            ``clip_ratio <= 0``, or a bad ``precision`` / ``temperature``
+            (:func:`tie_resolution`).
     """
     c = np.asarray(cand, dtype=np.float64)
     r = np.asarray(ref, dtype=np.float64)
@@ -259,7 +341,9 @@ def distribution_metrics(cand: npt.ArrayLike, ref: npt.ArrayLike, tokens: npt.Ar
     order_r = np.argsort(-rv, axis=-1, kind="stable")
     top_c = np.take_along_axis(cv, order_c[:, :2], axis=-1)
     differ = order_c[:, 0] != order_r[:, 0]
-    tie = differ & ((top_c[:, 0] - top_c[:, 1]) <= tie_resolution(top_c[:, 0]))
+    tie = differ & ((top_c[:, 0] - top_c[:, 1]) <= tie_resolution(
+        top_c[:, 0], precision=precision, top_logit=_at_valid(top_logit, m),
+        temperature=temperature))
     k = min(TOPK, v)
     inter = np.array([len(set(a[:k].tolist()) & set(b[:k].tolist()))
                       for a, b in zip(order_c, order_r, strict=True)], dtype=np.float64)
@@ -269,6 +353,22 @@ def distribution_metrics(cand: npt.ArrayLike, ref: npt.ArrayLike, tokens: npt.Ar
                            ref_token=rv[idx, tv_tok], mask=m, clip_ratio=clip_ratio,
                            worst_sequences=worst_sequences)
     return {**stats, **meta}
+
+
+def _at_valid(top_logit: npt.ArrayLike | None, mask: npt.NDArray[np.bool_]
+              ) -> npt.NDArray[np.float64] | None:
+    """``top_logit [B, R]`` at the valid positions ``[N]`` (``None`` stays ``None``).
+
+    Raises:
+        ValueError: ``top_logit`` is not of ``mask``'s shape.
+    """
+    if top_logit is None:
+        return None
+    z = np.asarray(top_logit, dtype=np.float64)
+    if z.shape != mask.shape:
+        raise ValueError(f"top_logit has shape {z.shape}, expected the mask's {mask.shape}")
+    out: npt.NDArray[np.float64] = z[mask]
+    return out
 
 
 NORM_RESOLUTION: Final = 2.0 ** -18
@@ -311,7 +411,9 @@ def _topk_positions(lp: npt.NDArray[np.float64], ids: npt.NDArray[np.int64]
 def topk_metrics(cand: npt.ArrayLike, cand_ids: npt.ArrayLike, ref: npt.ArrayLike,
                  ref_ids: npt.ArrayLike, *, cand_token: npt.ArrayLike,
                  ref_token: npt.ArrayLike, mask: npt.ArrayLike,
-                 clip_ratio: float, worst_sequences: int = 0) -> dict[str, Any]:
+                 clip_ratio: float, worst_sequences: int = 0, precision: str = "fp32",
+                 top_logit: npt.ArrayLike | None = None,
+                 temperature: float = 1.0) -> dict[str, Any]:
     """Every statistic of :data:`TOPK_STATISTICS` on the top-k path (module docstring).
 
     Args:
@@ -326,6 +428,9 @@ def topk_metrics(cand: npt.ArrayLike, cand_ids: npt.ArrayLike, ref: npt.ArrayLik
         clip_ratio: PPO ``ε`` (> 0).
         worst_sequences: as in :func:`distribution_metrics` (the lumped KLs, the exact top-1
             states and top-:data:`TOPK` agreement).
+        precision: as in :func:`distribution_metrics`.
+        top_logit: as in :func:`distribution_metrics`, ``[B, R]``.
+        temperature: as in :func:`distribution_metrics`.
 
     Returns:
         ``{statistic: float}`` for :data:`TOPK_STATISTICS`, plus ``k``, ``n_valid``,
@@ -335,8 +440,9 @@ def topk_metrics(cand: npt.ArrayLike, cand_ids: npt.ArrayLike, ref: npt.ArrayLik
         ``missing_cand_mean``.
 
     Raises:
-        ValueError: shapes differ or are not ``[B, R, k]`` / ``[B, R]``, ``k < TOPK``, a
-            position repeats a token id, no valid position, or ``clip_ratio <= 0``.
+        ValueError: shapes differ or are not ``[B, R, k]`` / ``[B, R]`` (``top_logit``
+            included), ``k < TOPK``, a position repeats a token id, no valid position,
+            ``clip_ratio <= 0``, or a bad ``precision`` / ``temperature``.
     """
     c = np.asarray(cand, dtype=np.float64)
     r = np.asarray(ref, dtype=np.float64)
@@ -400,7 +506,9 @@ def topk_metrics(cand: npt.ArrayLike, cand_ids: npt.ArrayLike, ref: npt.ArrayLik
     tv_up = 0.5 * (shared + np.where(drop, 0.0, np.exp(np.log(bp_raw + rho) - log_zp)
                                      + np.exp(np.log(bq_raw + rho) - log_zq)))
     differ = cid[:, 0] != rid[:, 0]
-    tie = differ & ((cv[:, 0] - cv[:, 1]) <= tie_resolution(cv[:, 0]))
+    tie = differ & ((cv[:, 0] - cv[:, 1]) <= tie_resolution(
+        cv[:, 0], precision=precision, top_logit=_at_valid(top_logit, m),
+        temperature=temperature))
     small = (cid[:, :TOPK, None] == rid[:, None, :TOPK]).any(axis=2).sum(axis=1)
     stats, meta = _summary(kl_rc=kl_rc, kl_cr=kl_cr, tv=tv, differ=differ, tie=tie,
                            agree=small / TOPK, cand_token=ct[m], ref_token=rt[m], mask=m,

@@ -135,7 +135,8 @@ def expected_names(role: str, params: list[str]) -> set[str]:
     terms = ("policy", "kl", "entropy", "total") if role == "actor" else ("value", "total")
     names = {f"round1/{role}/{per_token[0]}_padded"}
     if role == "actor":  # the initial weights' distributions (V = 384: the full path)
-        names |= {"round1/actor/prefill_raw", "round1/actor/prefill_tempered"}
+        names |= {"round1/actor/prefill_raw", "round1/actor/prefill_tempered",
+                  "round1/actor/prefill_top_logit"}
     for r in (1, 2):
         names |= {f"round{r}/{role}/{m}" for m in (*per_token, "grad_norm", "clip_coef")}
         names |= {f"round{r}/{role}/loss/{t}" for t in terms}

@@ -5,16 +5,21 @@
   positions; the top-k
   path (forced on a small vocabulary) orders equal logprobs by the smaller id, exactly as
   :func:`qualify.distmetrics.topk_of` does, and gives the response token's logprob; the
-  path switches at the reference side's own limit;
+  path switches at the reference side's own limit, decided once (:func:`qualify_harness
+  .distribution.use_topk`, which the driver's record and meta follow); both paths give the
+  top raw logit per position ``[b, R]``, the engine's own value;
 - :func:`qualify_harness.run_actor` records them at the initial weights for an engine with
   :meth:`~qualify_harness.Engine.response_logits`, and says ``not_recorded`` (no tensors)
   for one without it and for a resumed launch that skips round 1;
+- an engine with :meth:`~qualify_harness.Engine.response_logits` and no
+  ``logprobs_and_entropy`` of its own scores by the SDK log-softmax of its logits, bitwise;
 - the conformance check accepts int64 ``*_ids`` tensors and only those.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +50,10 @@ def test_the_paths_switch_where_the_reference_switches() -> None:
     got = sdk_dist.distribution_tensors(torch.randn(1, 2, MAX_VOCAB + 1),
                                         torch.tensor([[3, MAX_VOCAB]]),
                                         torch.tensor([[True, True]]), temperature=0.5, k=5)
-    assert tuple(got) == sdk_dist.metric_names(MAX_VOCAB + 1)
+    assert tuple(got) == (*sdk_dist.metric_names(MAX_VOCAB + 1), sdk_dist.TOP_LOGIT)
+    assert sdk_dist.TOP_LOGIT == "prefill_top_logit"
+    assert [sdk_dist.use_topk(v) for v in (MAX_VOCAB, MAX_VOCAB + 1)] == [False, True]
+    assert [sdk_dist.use_topk(MAX_VOCAB + 1, t) for t in (False, True)] == [False, True]
 
 
 @pytest.mark.parametrize("path", sorted(contracts_dir().glob("*.toml")), ids=lambda p: p.stem)
@@ -79,7 +87,12 @@ def test_full_path_is_the_fp64_log_softmax_rounded_and_zero_where_masked(
     if bf16:
         logits = logits.bfloat16()
     got = sdk_dist.distribution_tensors(logits, responses, mask, temperature=temperature, k=3)
-    assert set(got) == {"prefill_raw", "prefill_tempered"}
+    assert set(got) == {"prefill_raw", "prefill_tempered", "prefill_top_logit"}
+    top = got["prefill_top_logit"]
+    assert top.dtype == torch.float32
+    assert top.shape == mask.shape
+    assert torch.all(top[~mask] == 0)
+    assert torch.equal(top[mask], logits.float().max(dim=-1).values[mask])  # exact, raw
     for name, z in (("prefill_raw", logits.double()),
                     ("prefill_tempered", logits.double() / temperature)):
         t = got[name]
@@ -98,7 +111,9 @@ def test_topk_path_orders_ties_by_id_and_gives_the_token_logprob(
     k = data.draw(st.integers(1, logits.shape[-1]))
     got = sdk_dist.distribution_tensors(logits, responses, mask, temperature=temperature,
                                         k=k, topk=True)
-    assert tuple(got) == sdk_dist.metric_names(2, topk=True)
+    assert tuple(got) == (*sdk_dist.metric_names(2, topk=True), sdk_dist.TOP_LOGIT)
+    assert torch.equal(got[sdk_dist.TOP_LOGIT],
+                       torch.where(mask, logits.max(dim=-1).values, 0.0))
     for kind, z in (("raw", logits.double()), ("tempered", logits.double() / temperature)):
         lp = torch.log_softmax(z, dim=-1).float()
         vals, ids = topk_of(lp.numpy(), k)
@@ -185,8 +200,8 @@ RECIPE = sdk.Recipe(algorithm="ppo", rounds=2, micro_batch_size=2, clip_ratio=0.
                     weight_decay=0.0, max_grad_norm=1.0, temperature=0.7)
 
 
-def _run(engine_cls: type[_NoLogits], rounds: list[int]) -> tuple[dict[str, Any],
-                                                                  sdk.Recorder, torch.Tensor]:
+def _run(engine_cls: type[_NoLogits], rounds: list[int], recipe: sdk.Recipe = RECIPE
+         ) -> tuple[dict[str, Any], sdk.Recorder, torch.Tensor]:
     torch.manual_seed(0)
     model, batch = _TinyLM(), _batch()
     with torch.no_grad():
@@ -195,7 +210,7 @@ def _run(engine_cls: type[_NoLogits], rounds: list[int]) -> tuple[dict[str, Any]
     rec = sdk.Recorder(role="actor", writer=True)
     state = {"old_logprobs": torch.zeros(5, R), "w_behav": torch.ones(5, R),
              "w_raw": torch.ones(5, R)}
-    meta = sdk.run_actor(engine_cls(model, RECIPE.temperature), model, ref, batch, RECIPE,
+    meta = sdk.run_actor(engine_cls(model, recipe.temperature), model, ref, batch, recipe,
                          rec=rec, rounds=rounds,
                          restore=None if 1 in rounds else (lambda: state))
     return meta, rec, initial
@@ -212,7 +227,45 @@ def test_run_actor_records_the_initial_weights_distributions() -> None:
         torch.testing.assert_close(got[mask], torch.log_softmax(z, -1).float()[mask], rtol=0,
                                    atol=0)
         assert not got[~mask].any()
+    assert torch.equal(rec.tensors["round1/actor/prefill_top_logit"],
+                       torch.where(mask, initial.max(dim=-1).values, 0.0))
     assert not any(n.startswith("round2/actor/prefill") for n in rec.tensors)
+
+
+def test_the_path_is_decided_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``use_topk`` forced on the run's small vocabulary: the driver records the top-k tensors
+    and says so in its meta, the names ``metric_names`` (and conformance) expect."""
+    monkeypatch.setattr(sdk_dist, "use_topk", lambda vocab, topk=None: True)
+    meta, rec, _ = _run(_WithLogits, [1, 2], dataclasses.replace(RECIPE, distribution_topk=5))
+    assert meta["distribution"] == {"path": "topk", "k": 5, "vocab": V}
+    got = {n.removeprefix("round1/actor/") for n in rec.tensors if "prefill" in n}
+    assert got == {*sdk_dist.metric_names(V), sdk_dist.TOP_LOGIT}
+    assert "prefill_raw_topk_ids" in got
+
+
+def test_the_default_logprobs_and_entropy_is_the_sdk_log_softmax_of_the_logits() -> None:
+    """An engine with ``response_logits`` and no ``logprobs_and_entropy`` of its own scores
+    by the SDK's single-device log-softmax at its ``temperature``, bitwise; one with neither
+    raises ``NotImplementedError``."""
+
+    class _Default(_WithLogits):
+        logprobs_and_entropy = sdk.Engine.logprobs_and_entropy
+
+    torch.manual_seed(0)
+    model, batch = _TinyLM(), _batch()
+    engine = _Default(model, RECIPE.temperature)
+    with torch.no_grad():
+        lp, ent = engine.logprobs_and_entropy(model, batch)
+        want_lp, want_ent = losses.logprobs_and_entropy(_window(model, batch), batch.responses,
+                                                        RECIPE.temperature)
+    assert torch.equal(lp, want_lp)
+    assert torch.equal(ent, want_ent)
+
+    class _Neither(_NoLogits):
+        logprobs_and_entropy = sdk.Engine.logprobs_and_entropy
+
+    with pytest.raises(NotImplementedError, match="does not implement response_logits"):
+        _Neither(model, RECIPE.temperature).logprobs_and_entropy(model, batch)
 
 
 def test_an_engine_without_response_logits_records_none_and_says_why() -> None:

@@ -97,6 +97,61 @@ def test_mis_shaped_and_mis_typed_tensors_are_named(tmp_path: Path) -> None:
         in found, found
 
 
+def _padded_vocab(out: Path, vocab: int) -> Path:
+    """The committed outputs with the Actor's full distributions widened to ``vocab`` (a
+    padded vocabulary left uncut) and the meta claiming it: consistent with each other."""
+    meta, tensors = incomplete_harness.launch_outputs()
+    assert meta["roles"]["actor"]["distribution"]["path"] == "full"
+    for kind in ("raw", "tempered"):
+        t = tensors[f"round1/actor/prefill_{kind}"]
+        tensors[f"round1/actor/prefill_{kind}"] = np.concatenate(
+            [t, np.full((*t.shape[:2], vocab - t.shape[2]), -np.inf, dtype=t.dtype)], axis=2)
+    meta["roles"]["actor"]["distribution"]["vocab"] = vocab
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+              str(out / "outputs.safetensors"))
+    (out / "outputs.json").write_text(json.dumps(meta))
+    return out
+
+
+def test_a_distribution_vocab_other_than_the_models_is_named(tmp_path: Path) -> None:
+    """A meta's ``distribution.vocab`` (and a full tensor's last dim) must be the model's
+    ``vocab_size``: from the reference's contract here (384), and from the launch's own
+    model (``cell.json`` -> inputs ``model.json`` -> ``config.json``) when the outputs sit
+    in a launch attempt. A mis-shaped top logit is named too."""
+    model = json.loads((REFERENCE / "contract.json").read_text())["model"]["config"]
+    assert model["vocab_size"] == 384
+    found = _findings(_padded_vocab(tmp_path / "padded", 400))
+    b, r = incomplete_harness.launch_outputs()[1]["round1/actor/logprobs"].shape
+    assert found == [
+        "outputs.json roles.actor.distribution.vocab: 400, expected the model's vocab_size 384",
+        *(f"outputs.safetensors round1/actor/prefill_{kind}: shape [{b}, {r}, 400], expected "
+          f"[{b}, {r}, 384]" for kind in ("raw", "tempered"))]
+    # the launch's own model decides when the attempt says which inputs it ran
+    out = _write(tmp_path / "launch", [])
+    inputs, actor = tmp_path / "inputs", tmp_path / "actor"
+    actor.mkdir()
+    (actor / "config.json").write_text(json.dumps({"vocab_size": 500}))
+    inputs.mkdir()
+    (inputs / "model.json").write_text(json.dumps({"actor_dir": str(actor)}))
+    (out / "cell.json").write_text(json.dumps({"inputs_dir": str(inputs)}))
+    found = _findings(out)
+    assert "outputs.json roles.actor.distribution.vocab: 384, expected the model's " \
+        "vocab_size 500" in found, found
+    # the optional top logit: absent is fine (above), present must be [B, R]
+    meta, tensors = incomplete_harness.launch_outputs()
+    base = tensors["round1/actor/logprobs"].shape
+    tensors["round1/actor/prefill_top_logit"] = np.zeros((*base, 2), dtype=np.float32)
+    meta["tensors"]["count"] = len(tensors)
+    top = tmp_path / "top"
+    top.mkdir()
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+              str(top / "outputs.safetensors"))
+    (top / "outputs.json").write_text(json.dumps(meta))
+    assert _findings(top) == [f"outputs.safetensors round1/actor/prefill_top_logit: shape "
+                              f"{[*base, 2]}, expected {list(base)}"]
+
+
 @pytest.mark.slow
 def test_an_incomplete_harness_fails_the_cli_check_naming_each_output(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -124,7 +179,9 @@ def test_an_incomplete_harness_fails_the_cli_check_naming_each_output(
                for x in lines), out
     assert any(x.startswith("outputs.json roles.actor.dtypes: missing") for x in lines), out
     assert "outputs.json roles.critic.lr.round2: missing" in lines
-    assert f"sdk_version: {SDK_VERSION}" in lines  # the committed outputs the fixture serves
+    served = incomplete_harness.launch_outputs()[0]["sdk_version"]  # the committed outputs'
+    assert f"sdk_version: {served}" in lines  # what the outputs declare, printed
+    assert served.split(".")[0] == SDK_VERSION.split(".")[0]  # a version this SDK's qualify reads
     assert lines[-1].startswith("harness check incomplete: ")
     assert repo_root() / "references" in REFERENCE.parents
 

@@ -35,7 +35,8 @@ def test_todays_report_holds_every_section(failing: tuple[World, Report]) -> Non
     assert OPTIONAL_SECTIONS == ("coverage", "power", "root_causes", "behavior_weights",
                                  "clip_band", "lr_schedule", "gate_note", "reduction_dtypes",
                                  "gate_decision", "routes", "route_pins",
-                                 "distribution_positions", "trainer_distribution")
+                                 "distribution_positions", "trainer_distribution",
+                                 "bf16_ties")
     assert doc["sections"] == list(OPTIONAL_SECTIONS)
     assert doc["gate"]["result"] == "FAIL"  # the decision the comparator sealed
     assert all("power" in r for r in doc["rows"])

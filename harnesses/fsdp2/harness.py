@@ -45,7 +45,6 @@ from typing import Any, Final
 import qualify_harness as sdk
 import torch
 import torch.distributed as dist
-from qualify_harness import losses as sdk_losses
 from torch import Tensor, nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -110,11 +109,6 @@ class FSDP2Engine(sdk.TorchOptimEngine):
         logits: Tensor = out.logits  # [b, R, V] in the policy's param dtype
         self.rec.compute_dtypes.add(logits.dtype)
         return logits
-
-    def logprobs_and_entropy(self, model: Any, batch: Batch) -> tuple[Tensor, Tensor]:
-        """Log-probs and entropy ``[b, R]`` FP32 (SDK log-softmax of :meth:`response_logits`)."""
-        return sdk_losses.logprobs_and_entropy(self.response_logits(model, batch),
-                                               batch.responses, self.temperature)
 
     def values(self, model: Any, batch: Batch) -> Tensor:
         """Values ``V(s_t)`` ``[b, R]`` FP32 (the root forward, value head at ``P - 1 + t``)."""

@@ -177,7 +177,7 @@ def install(names: Sequence[str], harness: Any) -> Faults:
     active = Faults(names)
     engine = harness.TorchTPEngine
     if "no_temperature" in active:
-        engine.temperature = lambda self: 1.0
+        engine.logits_divisor = lambda self: 1.0
     if "logprobs_shift_one" in active:
         engine.actor_hidden = (
             lambda self, model, batch: harness.response_hidden(model, batch, 1))

@@ -82,7 +82,7 @@ class TorchTPEngine(sdk.TorchOptimEngine):
         lr_scheduler: the contract's HF scheduler (:mod:`harnesses.hf_schedule`).
         mesh: the role's TP group and mesh.
         precision: ``fp32`` or ``bf16``.
-        temperature_: the contract's sampling temperature.
+        temperature: the contract's sampling temperature.
         rec: where compute dtypes are recorded.
         partial_grads: parameters whose gradients arrived ``Partial`` and were reduced.
     """
@@ -93,7 +93,7 @@ class TorchTPEngine(sdk.TorchOptimEngine):
     mesh: parallelize.RoleMesh
     device: torch.device
     precision: str
-    temperature_: float
+    temperature: float
     rec: sdk.Recorder
     pad_token_id: int = 0
     partial_grads: list[str] = dataclasses.field(default_factory=list)
@@ -106,9 +106,9 @@ class TorchTPEngine(sdk.TorchOptimEngine):
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def temperature(self) -> float:
+    def logits_divisor(self) -> float:
         """The logits divisor (the contract's sampling temperature)."""
-        return self.temperature_
+        return self.temperature
 
     def actor_hidden(self, model: nn.Module, batch: Batch) -> Tensor:
         """The backbone output that scores the response tokens (``[b, R, hidden]``)."""
@@ -128,7 +128,7 @@ class TorchTPEngine(sdk.TorchOptimEngine):
     def logprobs_and_entropy(self, model: Any, batch: Batch) -> tuple[Tensor, Tensor]:
         """Log-probs and entropy ``[b, R]`` FP32 through the vocab-parallel head."""
         return vocab_parallel.logprobs_and_entropy(self.head_logits(model, batch),
-                                                   batch.responses, self.temperature())
+                                                   batch.responses, self.logits_divisor())
 
     def response_logits(self, model: Any, batch: Batch) -> Tensor:
         """:meth:`head_logits` whole, ``[b, R, V]``, on every TP rank.
@@ -218,7 +218,7 @@ class RoleRun:
         return TorchTPEngine(model=model, optimizer=optimizer,
                              lr_scheduler=hf_schedule.hf_scheduler(optimizer, o),
                              mesh=self.mesh, device=self.device, precision=self.cell.precision,
-                             temperature_=c.sampling.temperature, rec=self.rec,
+                             temperature=c.sampling.temperature, rec=self.rec,
                              pad_token_id=common.pad_token_id(model))
 
     def run(self) -> dict[str, Any]:

@@ -17,7 +17,8 @@ engine's own interpreter included), and lists every problem of its outputs, one
   or of another shape; the padding rerun :data:`qualify.compare.rows.PADDING_REQUIRED`;
   every item :func:`~qualify.compare.rows.dtype_row`, :func:`~qualify.compare.rows
   .replica_row` and :func:`~qualify.compare.rows.lr_rows` find missing or wrong; the Actor's
-  distribution tensors its ``outputs.json`` says it recorded (optional otherwise).
+  distribution tensors its ``outputs.json`` says it recorded (optional otherwise), with the
+  ``vocab`` it claims equal to the model's ``config.vocab_size`` (:func:`model_vocab`).
 
 Nothing here is a second list of required outputs: the items come from the schema, the
 reference's tensor set and the comparator's own row builders. Numerical agreement is not
@@ -36,6 +37,9 @@ from typing import Any, Final
 
 from qualify.errors import UsageError
 from qualify.protocol import (
+    CELL_FILE,
+    CONTRACT_FILE,
+    MODEL_FILE,
     OUTPUTS_FILE,
     OUTPUTS_META_FILE,
     PADDED_SUFFIX,
@@ -43,7 +47,8 @@ from qualify.protocol import (
     parse_tensor_name,
 )
 
-__all__ = ["CheckResult", "Finding", "check_engine", "check_outputs_dir", "find_reference"]
+__all__ = ["CheckResult", "Finding", "check_engine", "check_outputs_dir", "find_reference",
+           "model_vocab"]
 
 FLOAT_DTYPES: Final = frozenset({"F32", "F64"})
 """safetensors dtypes a floating tensor may have (:mod:`qualify.protocol`)."""
@@ -176,7 +181,7 @@ def _one_number(name: str, shape: Sequence[int]) -> bool:
 
 def _role_findings(role: str, *, header: Mapping[str, Any], meta: Mapping[str, Any],
                    expected: Mapping[str, Any], sealed_lr: Mapping[str, Any] | None,
-                   rounds: int) -> list[Finding]:
+                   rounds: int, vocab_size: int | None) -> list[Finding]:
     """What the comparator's row builders find missing or wrong for one role."""
     from qualify.compare.rows import PADDING_REQUIRED, dtype_row, lr_rows, replica_row
 
@@ -198,7 +203,7 @@ def _role_findings(role: str, *, header: Mapping[str, Any], meta: Mapping[str, A
         elif got != want:
             out.append(Finding(where=f"{OUTPUTS_FILE} {name}",
                                problem=f"shape {got}, expected {want}"))
-    out += _distribution_findings(role, mine, meta)
+    out += _distribution_findings(role, mine, meta, vocab_size)
     need = PADDING_REQUIRED.get(role)
     if need is not None and not any(k.endswith(f"/{role}/{need}{PADDED_SUFFIX}") for k in mine):
         out.append(Finding(where=f"{OUTPUTS_FILE} round<r>/{role}/{need}{PADDED_SUFFIX}",
@@ -224,27 +229,36 @@ def _role_findings(role: str, *, header: Mapping[str, Any], meta: Mapping[str, A
     return out
 
 
-def _distribution_findings(role: str, mine: Mapping[str, Any], meta: Mapping[str, Any]
-                           ) -> list[Finding]:
+def _distribution_findings(role: str, mine: Mapping[str, Any], meta: Mapping[str, Any],
+                           vocab_size: int | None) -> list[Finding]:
     """The Actor's distribution tensors its role meta says it recorded, each missing named.
 
     Recording them is optional (``distribution.not_recorded``: the comparator's
     ``trainer_distribution`` rows are then ``NOT_RUN``); a meta that says ``path`` ``full``
     or ``topk`` promises every tensor of :func:`qualify_harness.distribution.metric_names`
     under ``round1/actor/``, full ones ``[B, R, V]`` with ``[B, R]`` the role's round-1
-    logprobs' shape.
+    logprobs' shape, and a ``vocab`` equal to the model's ``vocab_size`` (when known: the
+    distributions cover the model's whole vocabulary, a padded one cut). The optional top
+    logit (:data:`qualify_harness.distribution.TOP_LOGIT`), when present, is ``[B, R]``.
     """
-    from qualify_harness.distribution import metric_names
+    from qualify_harness.distribution import TOP_LOGIT, metric_names
 
     dist = meta.get("distribution")
     if role != "actor" or not isinstance(dist, dict) or dist.get("path") not in ("full", "topk"):
         return []
     vocab = dist.get("vocab")
+    where_vocab = f"{OUTPUTS_META_FILE} roles.actor.distribution.vocab"
     if not isinstance(vocab, int) or vocab < 1:
-        return [Finding(where=f"{OUTPUTS_META_FILE} roles.actor.distribution.vocab",
-                        problem=f"{vocab!r}, expected a positive integer")]
+        return [Finding(where=where_vocab, problem=f"{vocab!r}, expected a positive integer")]
     out = []
+    if vocab_size is not None and vocab != vocab_size:
+        out.append(Finding(where=where_vocab, problem=f"{vocab}, expected the model's "
+                                                      f"vocab_size {vocab_size}"))
     base = list((mine.get("round1/actor/logprobs") or {}).get("shape", []))
+    top = mine.get(f"round1/actor/{TOP_LOGIT}")
+    if top is not None and base and list(top.get("shape", [])) != base:
+        out.append(Finding(where=f"{OUTPUTS_FILE} round1/actor/{TOP_LOGIT}",
+                           problem=f"shape {list(top.get('shape', []))}, expected {base}"))
     for metric in metric_names(vocab, topk=dist["path"] == "topk"):
         name = f"round1/actor/{metric}"
         if name not in mine:
@@ -253,10 +267,37 @@ def _distribution_findings(role: str, mine: Mapping[str, Any], meta: Mapping[str
                                        f"path {dist['path']})"))
             continue
         got = list(mine[name].get("shape", []))
-        if dist["path"] == "full" and base and got != [*base, vocab]:
+        want = [*base, vocab_size if vocab_size is not None else vocab]
+        if dist["path"] == "full" and base and got != want:
             out.append(Finding(where=f"{OUTPUTS_FILE} {name}",
-                               problem=f"shape {got}, expected {[*base, vocab]}"))
+                               problem=f"shape {got}, expected {want}"))
     return out
+
+
+def model_vocab(output_dir: Path, reference: Path) -> int | None:
+    """The ``vocab_size`` of the Actor model the cell ran, or ``None`` when unknown.
+
+    From the launch's own inputs (``cell.json`` ``inputs_dir`` -> ``model.json``
+    ``actor_dir`` -> ``config.json``) when ``output_dir`` holds a ``cell.json``, else the
+    reference's ``contract.json`` ``model.config.vocab_size`` (a built model's config).
+    """
+    def read(path: Path) -> Any:
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+
+    cell = read(output_dir / CELL_FILE)
+    if isinstance(cell, dict) and isinstance(cell.get("inputs_dir"), str):
+        model = read(Path(cell["inputs_dir"]) / MODEL_FILE)
+        if isinstance(model, dict) and isinstance(model.get("actor_dir"), str):
+            config = read(Path(model["actor_dir"]) / "config.json")
+            if isinstance(config, dict) and isinstance(config.get("vocab_size"), int):
+                return int(config["vocab_size"])
+    contract = read(reference / CONTRACT_FILE)
+    config = (contract.get("model") or {}).get("config") if isinstance(contract, dict) else None
+    vocab = config.get("vocab_size") if isinstance(config, dict) else None
+    return vocab if isinstance(vocab, int) else None
 
 
 def check_outputs_dir(output_dir: Path, *, roles: Sequence[str], rounds: int,
@@ -297,6 +338,7 @@ def check_outputs_dir(output_dir: Path, *, roles: Sequence[str], rounds: int,
     expected_all = _header(reference / HF_REFERENCE_DIR / hf_tensors_file(PRECISION))
     lr_meta = _update_meta(reference).get(f"hf-{PRECISION}", {})
     role_metas = meta.get("roles") if isinstance(meta.get("roles"), dict) else {}
+    vocab_size = model_vocab(output_dir, reference)
     for role in roles:
         role_meta = {**{k: v for k, v in meta.items() if k != "roles"},
                      **(role_metas.get(role) or {})}  # as the candidate stage splits it
@@ -304,7 +346,7 @@ def check_outputs_dir(output_dir: Path, *, roles: Sequence[str], rounds: int,
         sealed = (lr_meta.get(role) or {}).get("lr") if isinstance(lr_meta, dict) else None
         findings += _role_findings(role, header=header, meta=role_meta, expected=expected,
                                    sealed_lr=sealed if isinstance(sealed, dict) else None,
-                                   rounds=rounds)
+                                   rounds=rounds, vocab_size=vocab_size)
     return findings, _versions(meta)
 
 

@@ -48,7 +48,12 @@ judged by the sealed ``bounds`` (the FP32 controls'), a BF16 cell by the sealed
 ``bounds_bf16`` (``k *`` the largest of the HF BF16 controls against the FP32 reference
 ``+ floor``, :data:`qualify.reference.distribution.BF16_CONTROLS`); a
 reference without ``bounds_bf16`` (sealed by older code) gives a BF16 cell's rows ``NOT_RUN``
-naming it. A cell whose harness records none of the tensors (the TRL and verl adapters) has
+naming it. A BF16 cell's top-1 ties are resolved at its own logits' precision
+(:func:`qualify.distmetrics.tie_resolution`: BF16 spacings at the magnitude of
+``round1/actor/prefill_top_logit`` ``[B, R]``, the cell's top raw logit per position, over
+``T`` for the tempered kind); a cell that did not record it (outputs of older harnesses)
+is counted by the FP32 rule, stricter, and its rows' ``where`` says which rule counted.
+A cell whose harness records none of the tensors (the TRL and verl adapters) has
 ``NOT_RUN`` rows naming them; a contract lists them as expected
 (``matrix.expected_not_run``, :class:`qualify.matrix.ExpectedNotRun`).
 
@@ -73,6 +78,7 @@ from qualify.bounds import judge
 from qualify.compare.mismatch import clip_band_tail
 from qualify.compare.verdicts import FailureDetail, Row
 from qualify.distmetrics import (
+    BF16_TIE_SPACINGS,
     KINDS,
     STATISTICS,
     TOPK_STATISTICS,
@@ -103,6 +109,9 @@ class Side:
             ``bounds_bf16``: the largest of the HF BF16 controls',
             :data:`qualify.reference.distribution.BF16_CONTROLS`).
         missing: why a cell lacks the tensors (part of its ``NOT_RUN`` reason).
+        precision: the cell's compute precision, for its top-1 tie resolution
+            (:func:`qualify.distmetrics.tie_resolution`: ``bf16`` at the magnitude of its
+            recorded top logit, ``round1/<role>/<path>_top_logit``; ``fp32`` otherwise).
     """
 
     role: str
@@ -110,6 +119,7 @@ class Side:
     klass: str
     bounds_key: str
     missing: str
+    precision: str = "fp32"
 
 
 SAMPLER: Final = Side(role=ROLE, path="decode", klass="sampler_distribution",
@@ -119,15 +129,50 @@ TRAINER_BOUNDS: Final = {"fp32": "bounds", "bf16": "bounds_bf16"}
 """A trainer cell's precision -> the sealed bounds its distribution rows are judged by."""
 
 
-def trainer_side(precision: str) -> Side:
+def trainer_side(precision: str, *, bf16_ties: bool = True) -> Side:
     """The :class:`Side` of an Actor trainer cell of ``precision`` (``fp32`` or ``bf16``).
+
+    ``bf16_ties``: a BF16 cell's ties at its own precision (``False``: the FP32 rule, as
+    reports sealed before the ``bf16_ties`` section were counted).
 
     Raises:
         KeyError: another precision (no sealed distribution ceiling).
     """
     return Side(role="actor", path="prefill", klass=TRAINER_CLASS,
                 bounds_key=TRAINER_BOUNDS[precision],
-                missing="its harness records no full distributions")
+                missing="its harness records no full distributions",
+                precision=precision if bf16_ties else "fp32")
+
+
+def _tie_inputs(side: Side, tensors: Mapping[str, Any], doc: Mapping[str, Any],
+                mask: npt.NDArray[Any]) -> tuple[npt.NDArray[Any] | None, str]:
+    """The side's recorded top logit ``[B, R]`` (or ``None``) and the tie note of its rows.
+
+    Only a BF16 side reads it (the FP32 rule needs none). The note is "" for an FP32 side;
+    for a BF16 side it names the rule its ``top1_mismatch`` / ``top1_ties`` were counted
+    by: :data:`qualify.distmetrics.BF16_TIE_SPACINGS` BF16 spacings at the top logit, or
+    the FP32 rule (stricter) when the cell recorded no top logit of the mask's shape or the
+    reference states no temperature (sealed by older code).
+    """
+    if side.precision != "bf16":
+        return None, ""
+    name = f"round1/{side.role}/{side.path}_top_logit"
+    top = tensors.get(name)
+    why = ""
+    if top is None:
+        why = f"no {name}"
+    elif np.shape(top) != np.shape(mask):
+        why = f"{name} has shape {list(np.shape(top))}, not [B, R]"
+    elif "temperature" not in doc:
+        why = f"the reference's {DISTRIBUTION_JSON} states no temperature"
+    if why:
+        return None, f"; ties by the FP32 rule ({why})"
+    return np.asarray(top), f"; ties within {BF16_TIE_SPACINGS:g} BF16 spacings of the top logit"
+
+
+def _temperature(doc: Mapping[str, Any], kind: str) -> float:
+    """The divisor of ``kind``'s logits: 1 for ``raw``, the sealed ``T`` for ``tempered``."""
+    return 1.0 if kind == "raw" else float(doc.get("temperature", 1.0))
 
 
 def _not_run(cell: str, klass: str, *, family: str, statistic: str, round_: int,
@@ -187,6 +232,7 @@ def _side_rows(cell: str, side: Side, *, tensors: Mapping[str, Any], doc: Mappin
         return _topk_rows(cell, tensors, doc, ref, mask, positions=positions, side=side,
                           ref_dir=ref_dir)
     rows: list[Row] = []
+    top_logit, tie_note = _tie_inputs(side, tensors, doc, mask)
     for kind in KINDS:
         family = family_name(side.path, kind, topk=False)
         mine = tensors.get(f"round1/{side.role}/{family}")
@@ -199,7 +245,8 @@ def _side_rows(cell: str, side: Side, *, tensors: Mapping[str, Any], doc: Mappin
         got = distribution_metrics(np.asarray(mine), np.asarray(ref[kind]), responses, mask,
                                    clip_ratio=float(doc["clip_ratio"]),
                                    worst_sequences=WORST_SEQUENCES if positions is not None
-                                   else 0)
+                                   else 0, precision=side.precision, top_logit=top_logit,
+                                   temperature=_temperature(doc, kind))
         if positions is not None:
             positions[family] = {"k": None, "sequences": got["sequences"]}
         for s in STATISTICS:
@@ -209,7 +256,8 @@ def _side_rows(cell: str, side: Side, *, tensors: Mapping[str, Any], doc: Mappin
                                 round_=1, error=err if math.isfinite(err) else math.inf,
                                 bound=float(b["bound"]),
                                 where=f"{got['worst']} (n={got['n_valid']}, top-1 ties "
-                                      f"{got['top1_ties']})", control=str(b["control"]),
+                                      f"{got['top1_ties']}{tie_note})",
+                                control=str(b["control"]),
                                 role=side.role))
     return rows
 
@@ -258,7 +306,8 @@ def distribution_rows(*, cell: str, tensors: Mapping[str, Any], ref_dir: Path,
 def trainer_distribution_rows(*, cell: str, precision: str, tensors: Mapping[str, Any],
                               ref_dir: Path, mask: npt.NDArray[Any],
                               responses: npt.NDArray[Any],
-                              positions: dict[str, Any] | None = None) -> list[Row]:
+                              positions: dict[str, Any] | None = None,
+                              bf16_ties: bool = True) -> list[Row]:
     """The ``trainer_distribution`` rows of one COMPLETE Actor trainer cell (module docstring).
 
     Args:
@@ -270,6 +319,9 @@ def trainer_distribution_rows(*, cell: str, precision: str, tensors: Mapping[str
         mask: ``[B, R]`` response mask of the frozen rollout.
         responses: ``[B, R]`` response token ids of the frozen rollout.
         positions: as :func:`distribution_rows`, per judged ``prefill_*`` family.
+        bf16_ties: a BF16 cell's top-1 ties resolved at its own precision (the report's
+            ``bf16_ties`` section; ``False``: the FP32 rule and the rows of a report sealed
+            before it).
     """
     doc, _ = read_sealed(ref_dir)
     if doc is None:
@@ -280,8 +332,9 @@ def trainer_distribution_rows(*, cell: str, precision: str, tensors: Mapping[str
         return [_not_run(cell, TRAINER_CLASS, family=f, statistic=s, round_=1, role="actor",
                          reason=f"no distribution ceiling is sealed for precision "
                                 f"{precision!r}") for f in fams for s in stats]
-    return _side_rows(cell, trainer_side(precision), tensors=tensors, doc=doc, ref_dir=ref_dir,
-                      mask=mask, responses=responses, positions=positions)
+    return _side_rows(cell, trainer_side(precision, bf16_ties=bf16_ties), tensors=tensors,
+                      doc=doc, ref_dir=ref_dir, mask=mask, responses=responses,
+                      positions=positions)
 
 
 def _topk_names(pre: str, kind: str) -> list[str]:
@@ -316,6 +369,7 @@ def _topk_rows(cell: str, tensors: Mapping[str, Any], doc: Mapping[str, Any],
     """The ``<path>_<kind>_topk`` rows (module docstring) of one side's cell."""
     k = int(doc["topk"]["k"])
     rows: list[Row] = []
+    top_logit, tie_note = _tie_inputs(side, tensors, doc, mask)
     pre = f"round1/{side.role}/{side.path}"
     for kind in KINDS:
         family = family_name(side.path, kind, topk=True)
@@ -338,12 +392,14 @@ def _topk_rows(cell: str, tensors: Mapping[str, Any], doc: Mapping[str, Any],
                            cand_token=own_token,
                            ref_token=ref[f"{kind}_token_logprobs"], mask=mask,
                            clip_ratio=float(doc["clip_ratio"]),
-                           worst_sequences=WORST_SEQUENCES if positions is not None else 0)
+                           worst_sequences=WORST_SEQUENCES if positions is not None else 0,
+                           precision=side.precision, top_logit=top_logit,
+                           temperature=_temperature(doc, kind))
         if positions is not None:
             positions[family] = {"k": k, "sequences": got["sequences"]}
         where = (f"{got['worst']} (n={got['n_valid']}, top-1 ties {got['top1_ties']}, k={k}, "
                  f"missing mass ref <= {got['missing_ref_max']:.3g}, {side.role} <= "
-                 f"{got['missing_cand_max']:.3g})")
+                 f"{got['missing_cand_max']:.3g}{tie_note})")
         bounds = doc[kind][side.bounds_key]
         for s in TOPK_STATISTICS:
             b, err = bounds[s], float(got[s])

@@ -353,6 +353,9 @@ class _Ctx:
     trainer_distribution: bool = True
     """Actor trainer cells have ``trainer_distribution`` rows (the report's section of that
     name)."""
+    bf16_ties: bool = True
+    """A BF16 Actor cell's top-1 ties are resolved at its own precision (the report's
+    ``bf16_ties`` section; without it, by the FP32 rule, as reports sealed before it)."""
     positions: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     """Per sampler and Actor trainer cell, the per-position values behind its distribution
     rows (the report's ``distribution_positions`` section)."""
@@ -584,7 +587,8 @@ def _trainer_distribution(ctx: _Ctx, cid: str, e: Mapping[str, Any],
     got = trainer_distribution_rows(
         cell=cid, precision=precision, tensors=_round1(outputs.tensors, "actor/prefill_"),
         ref_dir=ctx.ref_dir, mask=ctx.mask,
-        responses=store.load_tensors(ctx.ref_dir / ROLLOUT_FILE)["responses"], positions=kept)
+        responses=store.load_tensors(ctx.ref_dir / ROLLOUT_FILE)["responses"], positions=kept,
+        bf16_ties=ctx.bf16_ties)
     ctx.positions[cid] = kept
     return got
 
@@ -750,7 +754,8 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
                cells={c.cell_id: c for c in contract.matrix.cells()},
                update_meta=_update_meta(ref_dir),
                reduction_dtypes="reduction_dtypes" in sections,
-               trainer_distribution="trainer_distribution" in sections)
+               trainer_distribution="trainer_distribution" in sections,
+               bf16_ties="bf16_ties" in sections)
     # 4. the cells
     cells = run.cells
     loaded: dict[str, _Outputs | str] = {}

@@ -39,7 +39,7 @@ from qualify_harness import distribution as distmod
 from qualify_harness import losses
 from qualify_harness.inputs import Batch, Recipe, micro_slices
 from qualify_harness.outputs import Recorder
-from qualify_harness.protocol import EXTRA_RIGHT_PADDING, FULL_DISTRIBUTION_MAX_VOCAB
+from qualify_harness.protocol import EXTRA_RIGHT_PADDING
 from qualify_harness.routes import sdpa_recorder
 
 Restore = Callable[[], Mapping[str, Tensor]]
@@ -59,10 +59,24 @@ class Engine(ABC):
 
     device: torch.device
     pad_token_id: int = 0
+    temperature: float
+    """The contract's sampling temperature ``T``, the logits divisor of the default
+    :meth:`logprobs_and_entropy` (an engine that overrides it need not set it)."""
 
-    @abstractmethod
     def logprobs_and_entropy(self, model: Any, batch: Batch) -> tuple[Tensor, Tensor]:
-        """Actor: ``(logprobs, entropy)`` of ``batch.responses``, each ``[b, R]`` FP32."""
+        """Actor: ``(logprobs, entropy)`` of ``batch.responses``, each ``[b, R]`` FP32.
+
+        The default: :func:`qualify_harness.losses.logprobs_and_entropy` (the single-device
+        log-softmax) of :meth:`response_logits` at :attr:`temperature`, for an engine whose
+        logits arrive whole on the rank. An engine whose head is vocab-parallel, or that
+        scores otherwise, overrides it.
+
+        Raises:
+            NotImplementedError: the engine implements neither this nor
+                :meth:`response_logits`.
+        """
+        return losses.logprobs_and_entropy(self.response_logits(model, batch),
+                                           batch.responses, self.temperature)
 
     def values(self, model: Any, batch: Batch) -> Tensor:
         """Critic: values ``V(s_t)`` on the response window, ``[b, R]`` FP32."""
@@ -222,6 +236,7 @@ def record_distribution(engine: Engine, model: Any, batch: Batch, recipe: Recipe
     b = batch.input_ids.shape[0]
     local: dict[str, Tensor] = {}
     vocab = 0
+    topk = False
     for s in slices:
         mb = batch.rows(s)
         try:
@@ -229,7 +244,8 @@ def record_distribution(engine: Engine, model: Any, batch: Batch, recipe: Recipe
         except NotImplementedError as exc:
             return {"not_recorded": str(exc) or f"{type(engine).__name__}: no response_logits"}
         vocab = int(logits.shape[-1])
-        got = distmod.distribution_tensors(logits, mb.responses, mb.mask,
+        topk = distmod.use_topk(vocab)
+        got = distmod.distribution_tensors(logits, mb.responses, mb.mask, topk=topk,
                                            temperature=recipe.temperature,
                                            k=recipe.distribution_topk)
         for name, t in got.items():
@@ -238,9 +254,8 @@ def record_distribution(engine: Engine, model: Any, batch: Batch, recipe: Recipe
             local[name][s] = t
     for name, t in local.items():
         rec.put(1, name, engine.gather_rows(t))
-    full = vocab <= FULL_DISTRIBUTION_MAX_VOCAB
-    return {"path": "full" if full else "topk",
-            "k": None if full else recipe.distribution_topk, "vocab": vocab}
+    return {"path": "topk" if topk else "full",
+            "k": recipe.distribution_topk if topk else None, "vocab": vocab}
 
 
 _F = TypeVar("_F", bound=Callable[..., dict[str, Any]])

@@ -8,5 +8,5 @@ from __future__ import annotations
 
 from typing import Final
 
-SDK_VERSION: Final = "1.1"
+SDK_VERSION: Final = "1.2"
 SDK_MAJOR: Final = int(SDK_VERSION.split(".")[0])
