@@ -96,6 +96,13 @@ the logit, the running max and the log-sum-exp: a few spacings at that magnitude
 BF16_TIE_SPACINGS: Final = 2.0
 """BF16 spacings of the top raw logit below which a BF16 candidate's top-2 gap is a tie
 (``c`` of :func:`tie_resolution`, where the choice is argued)."""
+BF16_TIE_RULE: Final = "bf16_spacings"
+"""A sealed reference's ``distribution.json`` ``bf16_controls_ties``: its BF16 controls'
+top-1 ties were counted at their own precision (:func:`tie_resolution` with
+``precision="bf16"`` and each control's top raw logit), as a BF16 trainer cell's are. A
+reference without it counted them by the FP32 rule, and its BF16 cells are then counted by
+that rule too (:mod:`qualify.compare.distribution`): a ceiling and the count it judges share
+one rule."""
 TIE_PRECISIONS: Final = ("fp32", "bf16")
 """The candidate precisions :func:`tie_resolution` knows."""
 STATISTICS: Final = ("kl_ref_cand_max", "kl_ref_cand_mean", "kl_cand_ref_max",

@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 
 from qualify.compare.distribution import trainer_distribution_rows
 from qualify.distmetrics import (
+    BF16_TIE_RULE,
     BF16_TIE_SPACINGS,
     STATISTICS,
     bf16_spacing,
@@ -154,14 +155,19 @@ def test_a_bf16_near_tie_flip_is_a_tie_at_its_own_logit_magnitude(
         assert _state(tk, f["at"]) == state, (top_logit, n)
 
 
-def _sealed(tmp: Path, ref: dict[str, np.ndarray], top1_bound: dict[str, float]) -> Path:
+def _sealed(tmp: Path, ref: dict[str, np.ndarray], top1_bound: dict[str, float], *,
+            bf16_rule: bool = True) -> Path:
     """A minimal sealed-reference stand-in (``distribution.{json,safetensors}``): loose
-    ceilings, except ``top1_mismatch``'s BF16 one, ``top1_bound`` per kind."""
+    ceilings, except ``top1_mismatch``'s BF16 one, ``top1_bound`` per kind; its BF16
+    controls counted at BF16 resolution (``bf16_rule``) or, as older code did, by the FP32
+    rule (no ``bf16_controls_ties``)."""
+    tmp.mkdir(parents=True, exist_ok=True)
     def bounds(kind: str, bf16: bool) -> dict[str, Any]:
         return {s: {"bound": (top1_bound[kind] if bf16 and s == "top1_mismatch" else 1e6),
                     "control": "bf16" if bf16 else "decode", "control_error": 0.0, "k": 4.0,
                     "floor": FLOORS[s]} for s in STATISTICS}
     doc = {"clip_ratio": 0.2, "temperature": T,
+           **({"bf16_controls_ties": BF16_TIE_RULE} if bf16_rule else {}),
            **{kind: {"bounds": bounds(kind, False), "bounds_bf16": bounds(kind, True)}
               for kind in KINDS}}
     (tmp / "distribution.json").write_text(json.dumps(doc))
@@ -185,13 +191,15 @@ def test_the_trainer_rows_count_by_the_cell_precision_and_its_top_logit(
     base32 = {kind: float(_full(f, clean, kind, False)["top1_mismatch"]) for kind in KINDS}
     ref_dir = _sealed(tmp_path, _planted(f, 1)["ref"], base)
 
+    old_ref = _sealed(tmp_path / "old", _planted(f, 1)["ref"], base, bf16_rule=False)
+
     def rows(n: int, top_logit: bool, precision: str = "bf16", *,
-             bf16_ties: bool = True) -> dict[str, Any]:
+             bf16_ties: bool = True, ref: Path = ref_dir) -> dict[str, Any]:
         t = _planted(f, n)["full"]
         tensors = {f"round1/actor/{k}": v for k, v in t.items()
                    if top_logit or k != "prefill_top_logit"}
         got = trainer_distribution_rows(cell=f"c-{precision}", precision=precision,
-                                        tensors=tensors, ref_dir=ref_dir, mask=mask,
+                                        tensors=tensors, ref_dir=ref, mask=mask,
                                         responses=responses, bf16_ties=bf16_ties)
         return {r.family: r for r in got if r.statistic == "top1_mismatch"}
 
@@ -203,6 +211,10 @@ def test_the_trainer_rows_count_by_the_cell_precision_and_its_top_logit(
         assert (old.verdict, old.error) == ("FAIL", base32[kind] + 1)
         assert "ties by the FP32 rule (no round1/actor/prefill_top_logit)" in old.where
         assert (far.verdict, far.error) == ("FAIL", base[kind] + 1)
+        # a reference whose BF16 controls were counted by the FP32 rule: so is the cell
+        older = rows(1, True, ref=old_ref)[fam]
+        assert (older.verdict, older.error) == ("FAIL", base32[kind] + 1)
+        assert "ties by the FP32 rule (the reference's BF16 controls were counted" in older.where
         sealed = rows(1, True, bf16_ties=False)[fam]  # a report sealed before bf16_ties
         assert (sealed.verdict, sealed.error) == ("FAIL", base32[kind] + 1)
         assert "BF16" not in sealed.where

@@ -985,4 +985,5 @@ def test_sampler_rows_read_only_the_weights_source_logprobs(
             for r in committed["rows"] if r["class"] == "sampler_vs_actor"}
     got = {(r.cell, r.klass, r.family, r.statistic): r.verdict for r in report.rows
            if r.klass == "sampler_vs_actor"}
-    assert want and got == want
+    assert want
+    assert got == want

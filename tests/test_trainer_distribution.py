@@ -235,6 +235,25 @@ def test_missing_tensors_and_old_references_are_not_run(sealed: dict[str, Any],
     assert _rows(s, _cell_tensors(s, s["fp32"]), "fp32", ref_dir=old) == []
 
 
+def test_the_bf16_controls_are_counted_at_their_own_precision(sealed: dict[str, Any]) -> None:
+    """The reference states that its BF16 controls' top-1 ties were counted at BF16
+    resolution (``bf16_controls_ties``), so a BF16 cell's count and its ceiling share one
+    rule: the ``bf16`` control's flips are the FP32 rule's (mismatches + ties alike), its
+    mismatches no more than the FP32 rule's."""
+    from qualify.distmetrics import BF16_TIE_RULE
+
+    s = sealed
+    assert s["doc"]["bf16_controls_ties"] == BF16_TIE_RULE
+    if s["topk"]:
+        return  # the path's metrics are shared; the full path checks the counts
+    for kind in KINDS:
+        got = s["doc"][kind]["controls"]["bf16"]
+        fp32_rule = _metrics(s, s["bf16"], kind)
+        assert got["top1_mismatch"] + got["top1_ties"] == (fp32_rule["top1_mismatch"]
+                                                            + fp32_rule["top1_ties"])
+        assert got["top1_mismatch"] <= fp32_rule["top1_mismatch"]
+
+
 def test_trainer_vs_sampler_pairs_on_both_paths(sealed: dict[str, Any]) -> None:
     """A BF16 trainer's prefill against an FP32 sampler's decode-path distributions (here the
     HF BF16 and FP32 forwards): the pair's TV is the one computed directly from the two whole

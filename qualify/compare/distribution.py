@@ -78,6 +78,7 @@ from qualify.bounds import judge
 from qualify.compare.mismatch import clip_band_tail
 from qualify.compare.verdicts import FailureDetail, Row
 from qualify.distmetrics import (
+    BF16_TIE_RULE,
     BF16_TIE_SPACINGS,
     KINDS,
     STATISTICS,
@@ -151,8 +152,9 @@ def _tie_inputs(side: Side, tensors: Mapping[str, Any], doc: Mapping[str, Any],
     Only a BF16 side reads it (the FP32 rule needs none). The note is "" for an FP32 side;
     for a BF16 side it names the rule its ``top1_mismatch`` / ``top1_ties`` were counted
     by: :data:`qualify.distmetrics.BF16_TIE_SPACINGS` BF16 spacings at the top logit, or
-    the FP32 rule (stricter) when the cell recorded no top logit of the mask's shape or the
-    reference states no temperature (sealed by older code).
+    the FP32 rule (stricter) when the cell recorded no top logit of the mask's shape, or the
+    reference states no temperature or counted its BF16 controls by the FP32 rule (sealed by
+    older code: a ceiling and the count it judges then share that rule).
     """
     if side.precision != "bf16":
         return None, ""
@@ -165,6 +167,9 @@ def _tie_inputs(side: Side, tensors: Mapping[str, Any], doc: Mapping[str, Any],
         why = f"{name} has shape {list(np.shape(top))}, not [B, R]"
     elif "temperature" not in doc:
         why = f"the reference's {DISTRIBUTION_JSON} states no temperature"
+    elif doc.get("bf16_controls_ties") != BF16_TIE_RULE:
+        why = (f"the reference's BF16 controls were counted by the FP32 rule: no "
+               f"bf16_controls_ties in its {DISTRIBUTION_JSON}")
     if why:
         return None, f"; ties by the FP32 rule ({why})"
     return np.asarray(top), f"; ties within {BF16_TIE_SPACINGS:g} BF16 spacings of the top logit"

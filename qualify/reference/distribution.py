@@ -20,6 +20,9 @@ reference:
   the FP32 reference, as every BF16 bound does (docs/bound-rule.md), and a BF16 engine may
   take any of the executions the FP32 controls stand for, so each is measured at BF16 too;
   the ``decode_vs_prefill`` token-logprob bound of the sampler's own decode-vs-prefill row.
+  A BF16 control's top-1 ties are counted at BF16 resolution at its own top logit, as a
+  BF16 cell's are (``bf16_controls_ties``, :data:`qualify.distmetrics.BF16_TIE_RULE`); the
+  FP32 controls' by the FP32 rule.
   A reference sealed by older code, or whose BF16 metric of a kind is not finite
   (``bounds_bf16_not_run`` then says so), has no ``bounds_bf16`` for it (its BF16 trainer rows
   are ``NOT_RUN``, :mod:`qualify.compare.distribution`).
@@ -57,6 +60,7 @@ import torch
 from qualify_harness.routes import sdpa_recorder
 
 from qualify.distmetrics import (
+    BF16_TIE_RULE,
     KINDS,
     STATISTICS,
     TOPK_STATISTICS,
@@ -166,6 +170,21 @@ def _topk(lp: torch.Tensor, tokens: Any, k: int) -> dict[str, Any]:
     return {"topk_logprobs": vals, "topk_ids": ids, "token_logprobs": tok.astype(np.float32)}
 
 
+def _tie_args(name: str, logits: torch.Tensor, temperature: float, mask: torch.Tensor
+              ) -> dict[str, Any]:
+    """The tie-rule arguments of control ``name``'s metrics (``{}``: the FP32 rule).
+
+    A BF16 control (:data:`BF16_CONTROLS`) is counted at BF16 resolution at the magnitude of
+    its own top raw logit per position (``logits`` ``[B, R, V]``, the control's BF16 logits
+    held in FP32; ``[B, R]`` top logit, 0 at masked positions), ``temperature`` the divisor
+    of the kind's logprobs; an FP32 control by the FP32 rule.
+    """
+    if name not in BF16_CONTROLS:
+        return {}
+    top = torch.where(mask.bool(), logits.float().amax(dim=-1), 0.0)
+    return {"precision": "bf16", "top_logit": top.numpy(), "temperature": temperature}
+
+
 def _missing_mass(logits: torch.Tensor, temperature: float, ids: Any) -> torch.Tensor:
     """``[B, R]`` FP64 mass outside the top-k ``ids`` of ``log_softmax(logits / T)``."""
     lp = torch.log_softmax(logits.double() / temperature, dim=-1)
@@ -195,7 +214,8 @@ def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tens
                            "temperature": temperature, "clip_ratio": clip, "k": k,
                            "floors": dict(FLOORS), "fp32_controls": list(FP32_CONTROLS),
                            "info_controls": list(INFO_CONTROLS),
-                           "bf16_controls": list(BF16_CONTROLS)}
+                           "bf16_controls": list(BF16_CONTROLS),
+                           "bf16_controls_ties": BF16_TIE_RULE}
     from transformers import AutoConfig
 
     vocab = int(AutoConfig.from_pretrained(str(actor_dir)).vocab_size)
@@ -241,15 +261,17 @@ def seal_distribution(contract: Any, actor_dir: Path, roll: dict[str, torch.Tens
                                        "mean": float(valid.mean()) if valid.numel() else 0.0}
         for name in FP32_CONTROLS + INFO_CONTROLS:
             lp = _logprobs(runs[name], t, mask).numpy()
+            ties = _tie_args(name, runs[name], t, mask)
             if full:
-                got = distribution_metrics(lp, ref.numpy(), toks_np, mask_np, clip_ratio=clip)
+                got = distribution_metrics(lp, ref.numpy(), toks_np, mask_np, clip_ratio=clip,
+                                           **ties)
             else:
                 mine = _topk(torch.from_numpy(lp), toks_np, topk)
                 got = topk_metrics(mine["topk_logprobs"], mine["topk_ids"],
                                    ref_k["topk_logprobs"], ref_k["topk_ids"],
                                    cand_token=mine["token_logprobs"],
                                    ref_token=ref_k["token_logprobs"], mask=mask_np,
-                                   clip_ratio=clip)
+                                   clip_ratio=clip, **ties)
             got.pop("seq_max_kl")
             section["controls"][name] = got
         for s in STATISTICS if full else TOPK_STATISTICS:
