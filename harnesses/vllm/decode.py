@@ -119,10 +119,12 @@ def worker_routes(worker: Any) -> dict[str, Any]:
         ``TopKTopPSampler``'s bound ``forward`` and ``logprobs_mode``), ``linear_methods``
         (quant-method classes of the model's linear layers, counted), ``forced_trace``,
         ``executor`` (the engine's ``distributed_executor_backend`` as this worker holds it:
-        ``uni``, ``mp`` or ``external_launcher``), ``process`` (``cores``: its CPU
+        ``uni``, ``mp`` or ``external_launcher``), ``worker`` (its class), ``process``
+        (``cores``: its CPU
         affinity, ``threads``: torch's intra-op threads).
     """
     runner = worker.model_runner
+    inner = getattr(worker, "worker", worker)  # vLLM's WorkerWrapperBase holds the worker
     backends = sorted({g.backend.get_name() for grp in getattr(runner, "attn_groups", [])
                        for g in grp})
     impls: dict[str, int] = {}
@@ -147,6 +149,7 @@ def worker_routes(worker: Any) -> dict[str, Any]:
             "linear_methods": dict(sorted(linear.items())),
             "forced_trace": bool(getattr(sampler, "_qualify_forced", False)),
             "executor": str(worker.vllm_config.parallel_config.distributed_executor_backend),
+            "worker": f"{type(inner).__module__}.{type(inner).__qualname__}",
             "process": {"cores": sorted(os.sched_getaffinity(0)),
                         "threads": int(torch.get_num_threads())}}
 

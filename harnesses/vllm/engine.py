@@ -53,7 +53,14 @@ same ``vllm.LLM`` with the same arguments and seed, holds one worker in-process 
 the same requests; vLLM requires ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` there (set above).
 The sampler harness forks its ranks after vLLM is imported (:func:`start_spmd_ranks`), so no
 rank imports it again. What vLLM's ``mp`` executor does for each CPU worker and
-``external_launcher`` does not, the ranks do themselves (:func:`bind_rank`): each rank's
+``external_launcher`` does not, the ranks do themselves. vLLM's CPU worker names its
+shared-memory all-reduce segments after its init method, which ``external_launcher`` fixes
+to ``env://`` for every engine, so two such engines on one machine would collide: the
+engine's ``worker_cls`` is :data:`RANK_WORKER`, vLLM's CPU worker initialised at
+``tcp://MASTER_ADDR:MASTER_PORT`` (:mod:`harnesses.vllm.rank_worker`), a per-engine name as
+under ``mp``. A rank ends through libc's ``exit`` (the harness), so that vLLM's
+shared-memory manager removes its segments as at any process end. Binding
+(:func:`bind_rank`): each rank's
 cores and its intra-op thread count from ``VLLM_CPU_OMP_THREADS_BIND``'s syntax (one core
 per rank by default), where the ``mp`` executor sets ``OMP_NUM_THREADS`` and
 ``OMP_PLACES`` / ``OMP_PROC_BIND`` for the spawned worker
@@ -120,6 +127,10 @@ EXECUTOR_ENV: Final = "QUALIFY_VLLM_EXECUTOR"
 
 EXTERNAL_LAUNCHER: Final = "external_launcher"
 """vLLM's executor for ranks the caller starts (module docstring)."""
+
+RANK_WORKER: Final = "harnesses.vllm.rank_worker.RankCPUWorker"
+"""``worker_cls`` of a CPU engine under ``external_launcher``
+(:mod:`harnesses.vllm.rank_worker`)."""
 
 EXECUTORS: Final = (EXTERNAL_LAUNCHER, "mp")
 """The executors a CPU engine at ``tp > 1`` may run under; the first is the default."""
@@ -399,5 +410,7 @@ def build_llm(
         kwargs["block_size"] = block_size
     if backend is not None:
         kwargs["distributed_executor_backend"] = backend
+    if backend == EXTERNAL_LAUNCHER and device == "cpu":
+        kwargs["worker_cls"] = RANK_WORKER
     kwargs.update(extra or {})
     return vllm.LLM(**kwargs)

@@ -48,6 +48,7 @@ Reports what vLLM returned; nothing is corrected.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import importlib
@@ -60,6 +61,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -513,7 +515,19 @@ def _fork_ranks(cell: HarnessCell, tp: int, ins: _Inputs, t_start: float) -> lis
 
     def body(rank: int) -> int:
         warm.die_with_parent(parent)
-        return _rank_main(cell, tp, rank, port=port, ins=ins, t_start=t_start)
+        code = 1
+        try:
+            code = _rank_main(cell, tp, rank, port=port, ins=ins, t_start=t_start)
+        except BaseException:
+            traceback.print_exc()
+        # libc's exit, not os._exit: C++ destructors run, so vLLM's shared-memory
+        # all-reduce manager removes its /dev/shm segments (harnesses.vllm.engine)
+        imported.write_record()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        ctypes.CDLL(None).exit(code)
+        return code  # not reached
 
     return [warm.fork_child(functools.partial(body, r)) for r in range(tp)]
 
