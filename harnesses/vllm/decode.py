@@ -32,6 +32,7 @@ forced request's logits by its temperature before ``Sampler.sample`` on decode s
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -116,9 +117,14 @@ def worker_routes(worker: Any) -> dict[str, Any]:
         runner's attention groups, by ``get_name()``), ``attention_impls`` (the attention
         layers' implementation classes), ``sampler`` (``Sampler`` class, its
         ``TopKTopPSampler``'s bound ``forward`` and ``logprobs_mode``), ``linear_methods``
-        (quant-method classes of the model's linear layers, counted), ``forced_trace``.
+        (quant-method classes of the model's linear layers, counted), ``forced_trace``,
+        ``executor`` (the engine's ``distributed_executor_backend`` as this worker holds it:
+        ``uni``, ``mp`` or ``external_launcher``), ``worker`` (its class), ``process``
+        (``cores``: its CPU
+        affinity, ``threads``: torch's intra-op threads).
     """
     runner = worker.model_runner
+    inner = getattr(worker, "worker", worker)  # vLLM's WorkerWrapperBase holds the worker
     backends = sorted({g.backend.get_name() for grp in getattr(runner, "attn_groups", [])
                        for g in grp})
     impls: dict[str, int] = {}
@@ -141,7 +147,11 @@ def worker_routes(worker: Any) -> dict[str, Any]:
                         "topk_topp_forward": getattr(tts.forward, "__name__", str(tts.forward)),
                         "logprobs_mode": str(sampler.logprobs_mode)},
             "linear_methods": dict(sorted(linear.items())),
-            "forced_trace": bool(getattr(sampler, "_qualify_forced", False))}
+            "forced_trace": bool(getattr(sampler, "_qualify_forced", False)),
+            "executor": str(worker.vllm_config.parallel_config.distributed_executor_backend),
+            "worker": f"{type(inner).__module__}.{type(inner).__qualname__}",
+            "process": {"cores": sorted(os.sched_getaffinity(0)),
+                        "threads": int(torch.get_num_threads())}}
 
 
 def decode_pass(llm: Any, rows: Sequence[tuple[list[int], list[int], list[int]]], *,

