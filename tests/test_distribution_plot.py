@@ -222,3 +222,30 @@ def test_the_comparator_keeps_what_its_rows_aggregate(tmp_path: Path,
     old = w.compare(write=False, sections=before)
     assert "distribution_positions" not in old.to_dict()
     assert [x.to_dict() for x in old.rows] == [x.to_dict() for x in report.rows]
+
+
+def test_the_drawn_trainer_cells_are_the_failing_and_the_nearest_their_ceiling(
+        tmp_path: Path) -> None:
+    """Of the Actor trainer cells, report.html draws every one with a failing distribution
+    row and, per family and precision, the one with the largest ``kl_ref_cand_max`` margin;
+    the rest are only in ``report.json`` (drawing each costs about a second of CPU)."""
+    cells = {"a-fp32-tp1": "fp32", "a-fp32-tp2": "fp32", "a-bf16-tp1": "bf16",
+             "a-bf16-tp2": "bf16", "a-bf16-tp4": "bf16"}
+    margins = {  # kl_ref_cand_max margin per cell and family
+        ("a-fp32-tp1", "prefill_raw"): 0.1, ("a-fp32-tp2", "prefill_raw"): 0.3,
+        ("a-fp32-tp1", "prefill_tempered"): 0.4, ("a-fp32-tp2", "prefill_tempered"): 0.2,
+        ("a-bf16-tp1", "prefill_raw"): 0.5, ("a-bf16-tp2", "prefill_raw"): 0.1,
+        ("a-bf16-tp1", "prefill_tempered"): 0.6, ("a-bf16-tp2", "prefill_tempered"): 0.2,
+        ("a-bf16-tp4", "prefill_raw"): 0.0, ("a-bf16-tp4", "prefill_tempered"): 0.0}
+    rows = [{"cell": c, "class": "trainer_distribution", "family": f,
+             "statistic": "kl_ref_cand_max", "margin": m, "verdict": "PASS"}
+            for (c, f), m in margins.items()]
+    rows.append({"cell": "a-bf16-tp4", "class": "trainer_distribution",
+                 "family": "prefill_raw", "statistic": "top1_mismatch", "margin": None,
+                 "verdict": "FAIL"})
+    rows.append({"cell": "a-bf16-tp2", "class": "candidate_vs_hf", "family": "grads",
+                 "statistic": "max_rel_l2", "margin": 9.0, "verdict": "FAIL"})  # not drawn for
+    doc = {"cells": [{"cell": c, "precision": p, "role": "actor", "status": "COMPLETE"}
+                     for c, p in cells.items()], "rows": rows}
+    drawn = html._drawn_trainers(_data(tmp_path, doc), list(cells))
+    assert drawn == ["a-fp32-tp1", "a-fp32-tp2", "a-bf16-tp1", "a-bf16-tp4"]

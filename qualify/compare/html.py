@@ -42,6 +42,7 @@ from typing import Any, Final
 
 import pandas as pd
 
+from qualify.compare.distribution import TRAINER_CLASS
 from qualify.compare.plotdata import (
     DISTRIBUTION_CLASSES,
     PER_PARAM_FAMILIES,
@@ -279,14 +280,47 @@ def _token_plots(data: RunData) -> list[str]:
     return out
 
 
+def _drawn_trainers(data: RunData, trainers: Sequence[str]) -> list[str]:
+    """The Actor trainer cells whose distributions are drawn, in run order.
+
+    Every cell with a failing distribution row, and for each distribution family and
+    precision the cell with the largest ``kl_ref_cand_max`` margin (error / bound): the one
+    nearest its ceiling. The others' values stay in ``report.json``
+    ``distribution_positions``; each drawing costs about a second of CPU, and a run has
+    dozens of Actor cells.
+    """
+    precision = {str(c.get("cell")): str(c.get("precision")) for c in data.doc.get("cells", [])}
+    mine = set(trainers)
+    worst: dict[tuple[str, str], tuple[float, str]] = {}
+    keep: set[str] = set()
+    for r in data.rows:
+        cell = str(r.get("cell"))
+        if r.get("class") != TRAINER_CLASS or cell not in mine:
+            continue
+        if r.get("verdict") == "FAIL":
+            keep.add(cell)
+        margin = r.get("margin")
+        if r.get("statistic") == "kl_ref_cand_max" and isinstance(margin, int | float):
+            key = (str(r.get("family")), precision.get(cell, ""))
+            if key not in worst or float(margin) > worst[key][0]:
+                worst[key] = (float(margin), cell)
+    keep |= {cell for _, cell in worst.values()}
+    return [c for c in trainers if c in keep]
+
+
 def _distribution_plots(data: RunData) -> list[str]:
-    """Per sampler or Actor trainer cell and distribution family: worst sequences' values."""
+    """The worst sequences' per-position values, one figure per cell and family.
+
+    Every sampler cell's families, and those of the drawn Actor trainer cells
+    (:func:`_drawn_trainers`).
+    """
     kept = data.doc.get("distribution_positions")
     trainers = [str(c.get("cell")) for c in data.doc.get("cells", [])
                 if c.get("role") == "actor" and c.get("status") == "COMPLETE"
                 and isinstance(kept, Mapping) and kept.get(c.get("cell"))]
+    drawn_trainers = _drawn_trainers(data, trainers)
     cells = [str(c.get("cell")) for c in data.doc.get("cells", [])
-             if c.get("role") == SAMPLER_ROLE and c.get("status") == "COMPLETE"] + trainers
+             if c.get("role") == SAMPLER_ROLE and c.get("status") == "COMPLETE"] + drawn_trainers
     if not cells:
         return []
     distribution_svg = _plots().distribution_svg
@@ -300,6 +334,11 @@ def _distribution_plots(data: RunData) -> list[str]:
            "kl_ref_cand_max and kl_cand_ref_max bounds, the top-k set agreement, and the "
            "top-1 state (a disagreement within the sampler's own FP32 resolution of its "
            "top-2 gap is a tie, not counted as a mismatch).</p>"]
+    if len(drawn_trainers) < len(trainers):
+        out.append(f'<p class="note">Actor trainer cells drawn: {len(drawn_trainers)} of '
+                   f"{len(trainers)}, those with a failing distribution row and, per family "
+                   "and precision, the one nearest its kl_ref_cand_max ceiling. The others' "
+                   "per-position values are in report.json distribution_positions.</p>")
     drawn = 0
     for cid in cells:
         for pd_ in position_distributions(data, cid):
