@@ -300,3 +300,15 @@ def test_recorder_keeps_token_ids_int64_and_conformance_accepts_only_int64_ids()
         "outputs.safetensors round1/actor/prefill_raw: dtype I64, expected F32 (or F64)",
         "outputs.safetensors round1/actor/prefill_raw_topk_ids: dtype F32, expected I64 "
         "(token ids)"]
+
+
+def test_every_side_switches_to_the_top_k_path_at_one_vocabulary() -> None:
+    """The reference, the SDK engines and the vLLM sampler each decide the full or top-k path
+    by vocabulary; the comparator judges a cell only on the path its reference sealed, so the
+    three limits must be one."""
+    from qualify_harness.protocol import FULL_DISTRIBUTION_MAX_VOCAB
+
+    from harnesses.vllm import decode
+    from qualify.reference import distribution as refdist
+
+    assert refdist.MAX_VOCAB == FULL_DISTRIBUTION_MAX_VOCAB == decode.MAX_FULL_VOCAB

@@ -207,6 +207,10 @@ def test_the_trainer_rows_count_by_the_cell_precision_and_its_top_logit(
         fam = f"prefill_{kind}"
         ok, old, far = rows(1, True)[fam], rows(1, False)[fam], rows(8, True)[fam]
         assert (ok.verdict, ok.error) == ("PASS", base[kind])
+        # two spacings: a tie only with the resolution divided by the kind's temperature
+        # (the tempered gap is the raw gap / T, above 2 spacings when T < 1)
+        two = rows(2, True)[fam]
+        assert (two.verdict, two.error) == ("PASS", base[kind])
         assert "ties within 2 BF16 spacings of the top logit" in ok.where
         assert (old.verdict, old.error) == ("FAIL", base32[kind] + 1)
         assert "ties by the FP32 rule (no round1/actor/prefill_top_logit)" in old.where

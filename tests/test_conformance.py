@@ -150,6 +150,16 @@ def test_a_distribution_vocab_other_than_the_models_is_named(tmp_path: Path) -> 
     (top / "outputs.json").write_text(json.dumps(meta))
     assert _findings(top) == [f"outputs.safetensors round1/actor/prefill_top_logit: shape "
                               f"{[*base, 2]}, expected {list(base)}"]
+    # the path follows the vocabulary (the reference seals the same switch's path)
+    meta, tensors = incomplete_harness.launch_outputs()
+    meta["roles"]["actor"]["distribution"]["path"] = "topk"
+    wrong = tmp_path / "path"
+    wrong.mkdir()
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+              str(wrong / "outputs.safetensors"))
+    (wrong / "outputs.json").write_text(json.dumps(meta))
+    assert "outputs.json roles.actor.distribution.path: 'topk', expected 'full' for a " \
+        "vocabulary of 384" in _findings(wrong)
 
 
 @pytest.mark.slow

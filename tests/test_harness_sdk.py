@@ -292,3 +292,35 @@ def test_torch_optim_engine_reads_what_its_optimizer_holds() -> None:
     opt.add_param_group({"params": [second.bias], "lr": 1.0})
     with pytest.raises(OutputError, match=r"different lrs \[0.005, 1.0\]"):
         engine.applied_lr()
+
+
+class _LogitsEngine(_PlainEngine):
+    """An engine that exposes its logits and keeps the SDK's default scoring."""
+
+    logits: torch.Tensor
+
+    def response_logits(self, model: Any, batch: sdk.Batch) -> Any:
+        return self.logits
+
+    logprobs_and_entropy = sdk.Engine.logprobs_and_entropy
+
+
+def test_the_default_scoring_is_the_sdk_log_softmax_of_the_logits_at_the_temperature() -> None:
+    """``Engine.logprobs_and_entropy``'s default scores ``response_logits`` at the engine's
+    ``temperature``: the logprob of each response token of ``log_softmax(z / T)`` and the
+    entropy of that distribution, computed here in FP64; without a temperature it says so."""
+    torch.manual_seed(3)
+    model = torch.nn.Linear(2, 2)
+    engine = _LogitsEngine(model, torch.optim.AdamW(model.parameters()), None)
+    engine.logits = torch.randn(2, 3, 5) * 4
+    responses = torch.tensor([[0, 4, 2], [1, 1, 3]])
+    batch = type("B", (), {"responses": responses})()
+    with pytest.raises(NotImplementedError, match="sets no temperature"):
+        engine.logprobs_and_entropy(model, batch)
+    engine.temperature = 0.7
+    lp, ent = engine.logprobs_and_entropy(model, batch)
+    full = torch.log_softmax(engine.logits.double() / 0.7, dim=-1)
+    want_lp = full.gather(-1, responses[..., None])[..., 0]
+    want_ent = -(full.exp() * full).sum(-1)
+    torch.testing.assert_close(lp.double(), want_lp, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ent.double(), want_ent, rtol=1e-5, atol=1e-6)

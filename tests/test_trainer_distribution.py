@@ -235,23 +235,58 @@ def test_missing_tensors_and_old_references_are_not_run(sealed: dict[str, Any],
     assert _rows(s, _cell_tensors(s, s["fp32"]), "fp32", ref_dir=old) == []
 
 
-def test_the_bf16_controls_are_counted_at_their_own_precision(sealed: dict[str, Any]) -> None:
-    """The reference states that its BF16 controls' top-1 ties were counted at BF16
-    resolution (``bf16_controls_ties``), so a BF16 cell's count and its ceiling share one
-    rule: the ``bf16`` control's flips are the FP32 rule's (mismatches + ties alike), its
-    mismatches no more than the FP32 rule's."""
+def test_the_bf16_controls_are_counted_at_their_own_precision(
+        sealed: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference counts its BF16 controls' top-1 ties by the BF16 rule at each control's
+    own top logit, and says so (``bf16_controls_ties``), so a BF16 cell's count and its
+    ceiling share one rule; the FP32 controls by the FP32 rule. Watched on a second seal of
+    the fixture's model: every metrics call of a BF16 control gets ``precision="bf16"``, the
+    kind's temperature and, for the batched ``bf16`` control, the top logit of an HF BF16
+    prefill computed here; no FP32 control's call gets a precision."""
+    from transformers import AutoModelForCausalLM
+
+    from qualify.contract import load_contract
     from qualify.distmetrics import BF16_TIE_RULE
+    from qualify.resources import contracts_dir
 
     s = sealed
     assert s["doc"]["bf16_controls_ties"] == BF16_TIE_RULE
+    calls: list[dict[str, Any]] = []
+    name = "topk_metrics" if s["topk"] else "distribution_metrics"
+    real = getattr(refdist, name)
+
+    def watched(*args: Any, **kw: Any) -> dict[str, Any]:
+        calls.append(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(refdist, name, watched)
     if s["topk"]:
-        return  # the path's metrics are shared; the full path checks the counts
-    for kind in KINDS:
-        got = s["doc"][kind]["controls"]["bf16"]
-        fp32_rule = _metrics(s, s["bf16"], kind)
-        assert got["top1_mismatch"] + got["top1_ties"] == (fp32_rule["top1_mismatch"]
-                                                            + fp32_rule["top1_ties"])
-        assert got["top1_mismatch"] <= fp32_rule["top1_mismatch"]
+        monkeypatch.setattr(refdist, "MAX_VOCAB", s["doc"]["topk"]["k"])
+    roll = s["roll"]
+    refdist.seal_distribution(load_contract(contracts_dir() / "tiny-qwen3.toml"),
+                              s["dir"] / "actor", roll, tmp_path)
+    controls = list(refdist.FP32_CONTROLS) + list(refdist.INFO_CONTROLS)
+    assert len(calls) == 2 * len(controls)  # per kind, in the stage's order
+    model = AutoModelForCausalLM.from_pretrained(str(s["dir"] / "actor"),
+                                                 torch_dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa").eval()
+    p, r = roll["prompts"].shape[1], roll["responses"].shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([roll["prompts"], roll["responses"]], dim=1),
+                       attention_mask=roll["attention_mask"],
+                       position_ids=roll["position_ids"]).logits[:, p - 1:p + r - 1].float()
+    top = torch.where(roll["response_mask"].bool(), logits.amax(-1), 0.0).numpy()
+    for i, kind in enumerate(KINDS):
+        for j, control in enumerate(controls):
+            kw = calls[i * len(controls) + j]
+            if control not in refdist.BF16_CONTROLS:
+                assert "precision" not in kw, control
+                continue
+            assert kw["precision"] == "bf16", control
+            assert kw["temperature"] == (1.0 if kind == "raw" else s["temperature"])
+            assert np.shape(kw["top_logit"]) == np.shape(top)
+            if control == refdist.BF16_CONTROL:
+                np.testing.assert_array_equal(kw["top_logit"], top)
 
 
 def test_trainer_vs_sampler_pairs_on_both_paths(sealed: dict[str, Any]) -> None:
@@ -289,6 +324,11 @@ def test_trainer_vs_sampler_pairs_on_both_paths(sealed: dict[str, Any]) -> None:
         total = (doc["bounds_bf16"]["tv_upper_max"]["bound"]
                  + doc["bounds"]["tv_upper_max"]["bound"])
         assert p["tv_max_ceiling"] == (total if total < 1 else None)
+    # a report sealed before the trainer_vs_sampler_topk section: no pairs on that path
+    old = trainer_vs_sampler(trainer="t", precision="bf16", sampler="s",
+                             trainer_tensors=trainer, sampler_tensors=sampler, ref_dir=s["dir"],
+                             mask=mask, responses=s["roll"]["responses"].numpy(), topk=False)
+    assert old == ([] if s["topk"] else pairs)
     # a pair without one side's tensors gives nothing
     assert trainer_vs_sampler(trainer="t", precision="bf16", sampler="s",
                               trainer_tensors=trainer, sampler_tensors={}, ref_dir=s["dir"],
@@ -373,7 +413,7 @@ def test_compare_run_judges_actor_cells_only_and_keeps_their_positions(
     monkeypatch.setattr(tc, "make_contract", make)
     cells = [tc.TP1, tc.BF16_TP1, tc.CRITIC_TP1]
 
-    def world(path: Path) -> tc.World:
+    def world(path: Path, sampler: dict[str, np.ndarray] | None = None) -> tc.World:
         w = tc.World(path, required=cells)
         w.add_cell(tc.TP1, outputs={**tc.actor(w), **{f"round1/actor/prefill_{k}":
                                                       ref[k] + np.float32(1e-7) * m
@@ -381,7 +421,8 @@ def test_compare_run_judges_actor_cells_only_and_keeps_their_positions(
         w.add_cell(tc.BF16_TP1, outputs={**tc.actor(w, "bf16"), **{
             f"round1/actor/prefill_{k}": bf16[k] for k in KINDS}})
         w.add_cell(tc.CRITIC_TP1)
-        w.add_cell(SAMPLER, outputs={f"round1/sampler/decode_{k}": ref[k] for k in KINDS})
+        w.add_cell(SAMPLER, outputs=sampler if sampler is not None else {
+            f"round1/sampler/decode_{k}": ref[k] for k in KINDS})
         return w
 
     w = world(tmp_path / "a")
@@ -420,6 +461,16 @@ def test_compare_run_judges_actor_cells_only_and_keeps_their_positions(
                                           if s != "trainer_distribution"))
     assert not [r for r in again.rows if r.klass == "trainer_distribution"]
     assert "trainer_vs_sampler" not in again.to_dict()
+    # a sampler tensor the metrics refuse costs its pairs, not the report (information only)
+    bad = world(tmp_path / "b", sampler={f"round1/sampler/decode_{k}": ref[k][..., :-1].copy()
+                                         for k in KINDS})
+    bad.compare()
+    written = json.loads((bad.run_dir / "report.json").read_text())
+    assert written["trainer_vs_sampler"]["pairs"] == []
+    assert {(e["trainer"], e["sampler"]) for e in written["trainer_vs_sampler"]["errors"]} == {
+        (c, SAMPLER) for c in cells[:2]}
+    assert all("shapes" in e["error"] for e in written["trainer_vs_sampler"]["errors"])
+    assert "not measured (ValueError: shapes" in (bad.run_dir / "report.md").read_text()
     store.make_writable(tmp_path)
 
     for expect, verdict in (([], "NOT_RUN"), ([{"engine": "torch_tp", "family": f,

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 import torch
+from qualify_harness.protocol import FULL_DISTRIBUTION_MAX_VOCAB
 from torch import Tensor
 
 from qualify.errors import HarnessError
@@ -45,8 +46,9 @@ TRACE_KEY: Final = "qualify_trace"
 """``SamplingParams.extra_args`` key holding a forced request's token ids."""
 FAULT_DOUBLE_TEMPERATURE: Final = "sampler_decode_double_temperature"
 """Planted fault: the temperature applied twice on decode steps (module docstring)."""
-MAX_FULL_VOCAB: Final = 4096
-"""Largest vocabulary whose full logprobs are requested at every position."""
+MAX_FULL_VOCAB: Final = FULL_DISTRIBUTION_MAX_VOCAB
+"""Largest vocabulary whose full logprobs are requested at every position (the protocol's
+switch, :data:`qualify_harness.protocol.FULL_DISTRIBUTION_MAX_VOCAB`, as every SDK engine's)."""
 TOP_K: Final = 64
 """Logprobs per position requested above :data:`MAX_FULL_VOCAB` (the default ``k``)."""
 PASSES: Final = ("raw", "tempered", "sampling")

@@ -241,7 +241,7 @@ def _distribution_findings(role: str, mine: Mapping[str, Any], meta: Mapping[str
     distributions cover the model's whole vocabulary, a padded one cut). The optional top
     logit (:data:`qualify_harness.distribution.TOP_LOGIT`), when present, is ``[B, R]``.
     """
-    from qualify_harness.distribution import TOP_LOGIT, metric_names
+    from qualify_harness.distribution import TOP_LOGIT, metric_names, use_topk
 
     dist = meta.get("distribution")
     if role != "actor" or not isinstance(dist, dict) or dist.get("path") not in ("full", "topk"):
@@ -254,6 +254,11 @@ def _distribution_findings(role: str, mine: Mapping[str, Any], meta: Mapping[str
     if vocab_size is not None and vocab != vocab_size:
         out.append(Finding(where=where_vocab, problem=f"{vocab}, expected the model's "
                                                       f"vocab_size {vocab_size}"))
+    path = "topk" if use_topk(vocab_size if vocab_size is not None else vocab) else "full"
+    if dist["path"] != path:  # the reference seals the same switch's path: the rows need it
+        out.append(Finding(where=f"{OUTPUTS_META_FILE} roles.actor.distribution.path",
+                           problem=f"{dist['path']!r}, expected {path!r} for a vocabulary of "
+                                   f"{vocab_size if vocab_size is not None else vocab}"))
     base = list((mine.get("round1/actor/logprobs") or {}).get("shape", []))
     top = mine.get(f"round1/actor/{TOP_LOGIT}")
     if top is not None and base and list(top.get("shape", [])) != base:

@@ -51,8 +51,10 @@ reference without ``bounds_bf16`` (sealed by older code) gives a BF16 cell's row
 naming it. A BF16 cell's top-1 ties are resolved at its own logits' precision
 (:func:`qualify.distmetrics.tie_resolution`: BF16 spacings at the magnitude of
 ``round1/actor/prefill_top_logit`` ``[B, R]``, the cell's top raw logit per position, over
-``T`` for the tempered kind); a cell that did not record it (outputs of older harnesses)
-is counted by the FP32 rule, stricter, and its rows' ``where`` says which rule counted.
+``T`` for the tempered kind); a cell that did not record it (outputs of older harnesses),
+recorded a non-finite one, or is judged against a reference whose BF16 controls were
+counted by the FP32 rule (no ``bf16_controls_ties``: sealed by older code) is counted by the
+FP32 rule, stricter, and its rows' ``where`` says which rule counted and why.
 A cell whose harness records none of the tensors (the TRL and verl adapters) has
 ``NOT_RUN`` rows naming them; a contract lists them as expected
 (``matrix.expected_not_run``, :class:`qualify.matrix.ExpectedNotRun`).
@@ -165,6 +167,8 @@ def _tie_inputs(side: Side, tensors: Mapping[str, Any], doc: Mapping[str, Any],
         why = f"no {name}"
     elif np.shape(top) != np.shape(mask):
         why = f"{name} has shape {list(np.shape(top))}, not [B, R]"
+    elif not np.all(np.isfinite(np.asarray(top, dtype=np.float64)[np.asarray(mask) != 0])):
+        why = f"{name} is not finite at a valid position"
     elif "temperature" not in doc:
         why = f"the reference's {DISTRIBUTION_JSON} states no temperature"
     elif doc.get("bf16_controls_ties") != BF16_TIE_RULE:
@@ -434,8 +438,8 @@ TRAINER_VS_SAMPLER_NOTE: Final = (
 
 def trainer_vs_sampler(*, trainer: str, precision: str, sampler: str,
                        trainer_tensors: Mapping[str, Any], sampler_tensors: Mapping[str, Any],
-                       ref_dir: Path, mask: npt.NDArray[Any], responses: npt.NDArray[Any]
-                       ) -> list[dict[str, Any]]:
+                       ref_dir: Path, mask: npt.NDArray[Any], responses: npt.NDArray[Any],
+                       topk: bool = True) -> list[dict[str, Any]]:
     """Direct trainer-vs-sampler metrics of one pair, per kind (no verdict).
 
     **Full path** (a reference sealed whole): for each kind with both
@@ -464,14 +468,21 @@ def trainer_vs_sampler(*, trainer: str, precision: str, sampler: str,
         ``tv_max_ceiling``, ``tv_mean_ceiling``; on the top-k path also ``k``,
         ``tv_upper_max``, ``tv_upper_mean``, ``missing_trainer_max`` and
         ``missing_sampler_max`` (the largest mass outside each side's top-k). ``[]`` for a
-        reference without sealed distributions (no ceilings to compose) or a pair without
-        the tensors.
+        reference without sealed distributions (no ceilings to compose), a pair without
+        the tensors, or on the top-k path with ``topk=False`` (a report sealed before the
+        ``trainer_vs_sampler_topk`` section).
+
+    Raises:
+        ValueError: a tensor the metrics refuse (:mod:`qualify.distmetrics`: shapes, a
+            repeated top-k id); the caller records it beside the pairs.
     """
     doc, _ = read_sealed(ref_dir)
     if doc is None or "raw" not in doc:
         return []
     side = trainer_side(precision) if precision in TRAINER_BOUNDS else None
     if "topk" in doc:
+        if not topk:
+            return []
         return _trainer_vs_sampler_topk(trainer=trainer, sampler=sampler, side=side,
                                         trainer_tensors=trainer_tensors,
                                         sampler_tensors=sampler_tensors, doc=doc, mask=mask)
@@ -487,10 +498,12 @@ def trainer_vs_sampler(*, trainer: str, precision: str, sampler: str,
         for s in ("tv_max", "tv_mean"):
             mine = doc[kind].get(side.bounds_key, {}).get(s) if side is not None else None
             theirs = doc[kind].get(SAMPLER.bounds_key, {}).get(s)
-            ceilings[f"{s}_ceiling"] = (float(mine["bound"]) + float(theirs["bound"])
-                                        if mine is not None and theirs is not None else None)
+            total = (float(mine["bound"]) + float(theirs["bound"])
+                     if mine is not None and theirs is not None else math.inf)
+            ceilings[f"{s}_ceiling"] = total if total < 1.0 else None  # 1 bounds no TV
         out.append({"trainer": trainer, "sampler": sampler, "kind": kind,
-                    "family": [f"prefill_{kind}", f"decode_{kind}"],
+                    "family": [family_name("prefill", kind, topk=False),
+                               family_name("decode", kind, topk=False)],
                     "n_valid": int(got["n_valid"]), "tv_max": float(got["tv_max"]),
                     "tv_mean": float(got["tv_mean"]),
                     "kl_trainer_sampler_max": float(got["kl_ref_cand_max"]),

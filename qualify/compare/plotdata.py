@@ -46,7 +46,6 @@ from qualify.schema import validate
 from qualify.statistics import masked_max_abs, max_rel_l2
 
 __all__ = [
-    "DISTRIBUTION_FAMILIES",
     "PER_PARAM_FAMILIES",
     "PER_TOKEN_FAMILIES",
     "ParamErrors",
@@ -370,9 +369,6 @@ def param_errors(data: RunData, row: Mapping[str, Any]) -> ParamErrors | None:
 
 # --------------------------------------------------------------------------- sampler cells
 
-DISTRIBUTION_FAMILIES: Final = FAMILIES
-"""The ``sampler_distribution`` families (a sampler cell's) and the ``trainer_distribution``
-ones (an Actor trainer cell's), in drawing order (:data:`qualify.distmetrics.FAMILIES`)."""
 DISTRIBUTION_CLASSES: Final = ("sampler_distribution", "trainer_distribution")
 """The row classes whose per-position values ``report.json`` keeps."""
 
@@ -405,7 +401,7 @@ class PositionDistribution:
 
     Attributes:
         cell: the sampler or Actor trainer cell id.
-        family: one of :data:`DISTRIBUTION_FAMILIES`.
+        family: one of :data:`qualify.distmetrics.FAMILIES`.
         k: the top-k path's ``k`` (its KLs are of the lumped distributions, lower bounds of
             the true ones); ``None`` on the full path.
         sequences: the worst sequences, largest token KL first.
@@ -445,14 +441,14 @@ def position_distributions(data: RunData, cell: str) -> list[PositionDistributio
 
     Returns:
         One :class:`PositionDistribution` per family the report keeps for ``cell``, in
-        :data:`DISTRIBUTION_FAMILIES` order; ``[]`` for a report without them.
+        :data:`qualify.distmetrics.FAMILIES` order; ``[]`` for a report without them.
     """
     section = data.doc.get("distribution_positions")
     fams = section.get(cell) if isinstance(section, Mapping) else None
     if not isinstance(fams, Mapping):
         return []
     out = []
-    for family in DISTRIBUTION_FAMILIES:
+    for family in FAMILIES:
         rec = fams.get(family)
         if not isinstance(rec, Mapping) or not isinstance(rec.get("sequences"), list):
             continue

@@ -495,7 +495,9 @@ def _trainer_vs_sampler_lines(report: Report) -> list[str]:
     """The trainer-vs-sampler table (``trainer_distribution`` section; information)."""
     got = report.trainer_vs_sampler or {}
     pairs = got.get("pairs") or []
-    if "trainer_distribution" not in report.sections or not pairs:
+    errors = [f"- {e['trainer']} vs {e['sampler']}: not measured ({e['error']})"
+              for e in got.get("errors") or []]
+    if "trainer_distribution" not in report.sections or not (pairs or errors):
         return []
     topk = sorted({int(p["k"]) for p in pairs if "k" in p})
     extra = ([f"Top-k path (k = {', '.join(map(str, topk))}): the TV and KL columns are "
@@ -508,6 +510,8 @@ def _trainer_vs_sampler_lines(report: Report) -> list[str]:
         return (_num(p["tv_max"]) if "tv_upper_max" not in p
                 else f"{_num(p['tv_max'])} to {_num(p['tv_upper_max'])}")
 
+    if errors:
+        extra += [*errors, ""]
     return ["## Trainer vs sampler distributions (information, no verdict)", "",
             str(got.get("note", "")), "", *extra,
             _markdown_table(("trainer", "sampler", "kind", "max TV", "mean TV",

@@ -356,6 +356,9 @@ class _Ctx:
     bf16_ties: bool = True
     """A BF16 Actor cell's top-1 ties are resolved at its own precision (the report's
     ``bf16_ties`` section; without it, by the FP32 rule, as reports sealed before it)."""
+    trainer_vs_sampler_topk: bool = True
+    """``trainer_vs_sampler`` has pairs on the top-k path (the report's section of that name;
+    without it, none there, as reports sealed before it)."""
     positions: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     """Per sampler and Actor trainer cell, the per-position values behind its distribution
     rows (the report's ``distribution_positions`` section)."""
@@ -606,18 +609,26 @@ def _trainer_vs_sampler(ctx: _Ctx, cells: Mapping[str, Any],
     actors = [c for c in done if cells[c].get("role") == "actor" and "resume_of" not in cells[c]]
     samplers = [c for c in done if cells[c].get("role") == "sampler"]
     pairs: list[dict[str, Any]] = []
+    errors: list[dict[str, str]] = []
     if actors and samplers:
         responses = store.load_tensors(ctx.ref_dir / ROLLOUT_FILE)["responses"]
         for a in actors:
             precision = _cell_precision(ctx, a, cells[a])
             for s in samplers:
-                pairs += trainer_vs_sampler(
-                    trainer=a, precision=precision, sampler=s,
-                    trainer_tensors=_round1(done[a].tensors, "actor/prefill_"),
-                    sampler_tensors=_round1(done[s].tensors, "sampler/decode_"),
-                    ref_dir=ctx.ref_dir,
-                    mask=ctx.mask, responses=responses)
-    return {"note": TRAINER_VS_SAMPLER_NOTE, "pairs": pairs}
+                try:
+                    pairs += trainer_vs_sampler(
+                        trainer=a, precision=precision, sampler=s,
+                        trainer_tensors=_round1(done[a].tensors, "actor/prefill_"),
+                        sampler_tensors=_round1(done[s].tensors, "sampler/decode_"),
+                        ref_dir=ctx.ref_dir, mask=ctx.mask, responses=responses,
+                        topk=ctx.trainer_vs_sampler_topk)
+                except (ValueError, KeyError, TypeError, IndexError) as exc:
+                    # information only: a malformed tensor (which that cell's own rows judge
+                    # as an ERROR) costs the pair, not the report
+                    errors.append({"trainer": a, "sampler": s,
+                                   "error": f"{type(exc).__name__}: {exc}"})
+    return {"note": TRAINER_VS_SAMPLER_NOTE, "pairs": pairs,
+            **({"errors": errors} if errors else {})}
 
 
 def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, Any],
@@ -755,7 +766,8 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
                update_meta=_update_meta(ref_dir),
                reduction_dtypes="reduction_dtypes" in sections,
                trainer_distribution="trainer_distribution" in sections,
-               bf16_ties="bf16_ties" in sections)
+               bf16_ties="bf16_ties" in sections,
+               trainer_vs_sampler_topk="trainer_vs_sampler_topk" in sections)
     # 4. the cells
     cells = run.cells
     loaded: dict[str, _Outputs | str] = {}

@@ -52,7 +52,8 @@ OPTIONAL_SECTIONS: Final[tuple[str, ...]] = ("coverage", "power", "root_causes",
                                               "lr_schedule", "gate_note", "reduction_dtypes",
                                               "gate_decision", "routes", "route_pins",
                                               "distribution_positions",
-                                              "trainer_distribution", "bf16_ties")
+                                              "trainer_distribution", "bf16_ties",
+                                              "trainer_vs_sampler_topk")
 """Report sections added after the first comparator, in the order they were added:
 ``coverage`` (the reference's coverage record, issue #15), ``power`` (the power check of
 every metric row and its per-family summary, issue #15) and ``root_causes`` (each failing
@@ -83,7 +84,10 @@ judged against the reference's sealed ones, rows ``trainer_distribution``,
 kept in ``distribution_positions`` as a sampler cell's are) and ``bf16_ties`` (a BF16
 Actor cell's ``trainer_distribution`` top-1 ties resolved at its own logits' precision, BF16
 spacings at its recorded top logit, :func:`qualify.distmetrics.tie_resolution`, and its
-rows' ``where`` naming the rule that counted; no data of its own). A report
+rows' ``where`` naming the rule that counted; no data of its own) and
+``trainer_vs_sampler_topk`` (``trainer_vs_sampler`` has pairs on the top-k path too, a
+vocabulary above the full path's limit, :func:`qualify.compare.distribution.trainer_vs_sampler`).
+A report
 without them was sealed
 before they existed
 and is recomputed, and its ``report.md`` rendered, without them (:func:`sections_of`)."""

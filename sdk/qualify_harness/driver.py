@@ -73,10 +73,15 @@ class Engine(ABC):
 
         Raises:
             NotImplementedError: the engine implements neither this nor
-                :meth:`response_logits`.
+                :meth:`response_logits`, or sets no :attr:`temperature`.
         """
+        temperature = getattr(self, "temperature", None)
+        if not isinstance(temperature, int | float):
+            raise NotImplementedError(
+                f"{type(self).__name__} sets no temperature: the default logprobs_and_entropy "
+                f"divides the logits by it (set self.temperature, or override the method)")
         return losses.logprobs_and_entropy(self.response_logits(model, batch),
-                                           batch.responses, self.temperature)
+                                           batch.responses, float(temperature))
 
     def values(self, model: Any, batch: Batch) -> Tensor:
         """Critic: values ``V(s_t)`` on the response window, ``[b, R]`` FP32."""
