@@ -36,7 +36,7 @@ def test_todays_report_holds_every_section(failing: tuple[World, Report]) -> Non
                                  "clip_band", "lr_schedule", "gate_note", "reduction_dtypes",
                                  "gate_decision", "routes", "route_pins",
                                  "distribution_positions", "trainer_distribution",
-                                 "bf16_ties")
+                                 "bf16_ties", "trainer_vs_sampler_topk")
     assert doc["sections"] == list(OPTIONAL_SECTIONS)
     assert doc["gate"]["result"] == "FAIL"  # the decision the comparator sealed
     assert all("power" in r for r in doc["rows"])
