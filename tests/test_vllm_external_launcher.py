@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -173,3 +175,56 @@ def test_failing_ranks_end_the_harness(runs: dict[str, Any], tmp_path: Path) -> 
     assert "external_launcher rank" in proc.stderr
     assert "sha256 differs" in proc.stderr
     assert not (cells[1].parent / "outputs.json").exists()
+
+
+def test_remove_shm_segments_removes_only_that_engines(tmp_path: Path) -> None:
+    """The segments of the engine initialised at a file-store init method, by vLLM's naming
+    (``<ident>-<group>-[<ranks>]-cpushm_<i>``), and nothing of another engine."""
+    mine = "vllm_dist_0123abcd"
+    names = [f"{mine}-tp:0-[0-1]-cpushm_0", f"{mine}-tp:0-[0-1]-cpushm_1",
+             "vllm_dist_ffff-tp:0-[0-1]-cpushm_0", f"{mine}-unrelated"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    removed = engine.remove_shm_segments(f"file:///tmp/{mine}", shm_dir=tmp_path)
+    assert removed == names[:2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
+    assert engine.remove_shm_segments("file:///tmp/", shm_dir=tmp_path) == []
+
+
+def _cpushm() -> set[str]:
+    return {p.name for p in engine.SHM_DIR.glob("*cpushm*")}
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_harness_and_leaves_no_segments(runs: dict[str, Any],
+                                                               tmp_path: Path) -> None:
+    """SIGKILL of one rank of a TP 2 engine waiting for its request: the harness ends with
+    an error naming the rank, ends the other rank, and removes the engine's shared-memory
+    segments that the killed rank could not."""
+    cells = _cells(tmp_path, runs["inputs"], runs["wfile"])
+    (cells[1].parent / "sampler_request.json").unlink()  # the ranks wait for it
+    before = _cpushm()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop(engine.EXECUTOR_ENV, None)
+    proc = subprocess.Popen([sys.executable, "-m", "harnesses.vllm.harness", str(cells[1])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while not (_cpushm() - before) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()[1][-4000:]
+            time.sleep(0.5)
+        assert _cpushm() - before, "the TP 2 engine never made its segments"
+        ranks = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                 and (p / "stat").is_file()
+                 and (p / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(proc.pid)]
+        assert len(ranks) == 2, ranks
+        os.kill(max(ranks), signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0
+    assert "external_launcher rank" in err, err[-4000:]
+    assert "code -9" in err, err[-4000:]
+    assert _cpushm() - before == set()

@@ -7,8 +7,8 @@ the environment variables vLLM reads:
 
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
     The V1 engine core runs in the calling process (no engine-core child process): start
-    takes about 4 s instead of about 30 s on 2 CPU cores. With ``tp > 1`` vLLM still
-    spawns one worker process per rank (multiprocessing executor), so a caller must guard
+    takes about 4 s instead of about 30 s on 2 CPU cores. With ``tp > 1`` under the ``mp``
+    executor (below) vLLM still spawns one worker process per rank, so a caller must guard
     its entry point with ``if __name__ == "__main__":`` (spawn start method).
 ``VLLM_CPU_OMP_THREADS_BIND``
     CPU with ``tp > 1`` under the ``mp`` executor only: the cores each TP rank's OpenMP
@@ -72,9 +72,11 @@ What ``mp`` does for each CPU worker and ``external_launcher`` leaves to the cal
   them after its init method, which ``external_launcher`` fixes to ``env://`` for every
   engine, so two engines on one machine (or one and the segments a killed one left) would
   collide. The engine's ``worker_cls`` is :data:`RANK_WORKER`, vLLM's CPU worker initialised
-  at ``tcp://MASTER_ADDR:MASTER_PORT`` (:mod:`harnesses.vllm.rank_worker`); a rank ends
-  through libc's ``exit`` so that vLLM's shared-memory manager removes its segments, as at
-  any process end.
+  at the file-store init method the harness gives every rank (:data:`INIT_METHOD_ENV`, made
+  by vLLM's ``get_file_store_init_method()``, a fresh uuid, as ``mp`` makes its own;
+  :mod:`harnesses.vllm.rank_worker`); a rank ends through libc's ``exit`` so that vLLM's
+  shared-memory manager removes its segments, as at any process end, and the harness
+  removes those of ranks that failed or were ended (:func:`remove_shm_segments`).
 - **Per-rank results**: ``LLM.collective_rpc`` reaches only the calling rank's worker;
   :class:`SpmdLLM` gathers every rank's results (``torch.distributed.all_gather_object``),
   so per-rank records (digests, acknowledgements, routes) cover all ranks as under ``mp``.
@@ -109,6 +111,7 @@ per rank; FP32 logprobs match an HF forward within 5e-6.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from collections.abc import Mapping
@@ -136,6 +139,41 @@ EXECUTOR_ENV: Final = "QUALIFY_VLLM_EXECUTOR"
 
 EXTERNAL_LAUNCHER: Final = "external_launcher"
 """vLLM's executor for ranks the caller starts (module docstring)."""
+
+INIT_METHOD_ENV: Final = "QUALIFY_VLLM_INIT_METHOD"
+"""Environment variable holding an ``external_launcher`` engine's init method, the same on
+every rank (:mod:`harnesses.vllm.rank_worker`)."""
+
+SHM_DIR: Final = Path("/dev/shm")
+"""Where vLLM's CPU shared-memory all-reduce keeps its segments."""
+
+
+def remove_shm_segments(init_method: str, shm_dir: Path = SHM_DIR) -> list[str]:
+    """Remove the shared-memory all-reduce segments of the engine initialised at ``init_method``.
+
+    vLLM's CPU worker names them ``<ident>-<group>-[<ranks>]-cpushm...``, ``ident`` the init
+    method's file name (``file://``) or its last ``:`` field (``CPUWorker.init_device``,
+    ``vllm/v1/worker/cpu_worker.py``; ``_CPUSHMDistributed.make_group_name``,
+    ``vllm/distributed/device_communicators/cpu_communicator.py``). A rank that ends normally
+    removes its own; one that was killed cannot, and its engine's uuid-named segments would
+    hold memory until the machine restarts.
+
+    Returns:
+        The names removed.
+    """
+    ident = (os.path.basename(init_method.removeprefix("file://"))
+             if init_method.startswith("file://") else init_method.rsplit(":", maxsplit=1)[-1])
+    if not ident:
+        return []
+    removed = []
+    for path in sorted(shm_dir.glob(f"{glob.escape(ident)}-*cpushm*")):
+        try:
+            path.unlink()
+        except OSError:
+            continue
+        removed.append(path.name)
+    return removed
+
 
 RANK_WORKER: Final = "harnesses.vllm.rank_worker.RankCPUWorker"
 """``worker_cls`` of a CPU engine under ``external_launcher``

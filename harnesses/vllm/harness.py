@@ -479,12 +479,14 @@ def _restore_threads() -> None:
     torch.set_num_threads(threads)
 
 
-def _rank_main(cell: HarnessCell, tp: int, rank: int, *, port: int, ins: _Inputs,
-               t_start: float) -> int:
+def _rank_main(cell: HarnessCell, tp: int, rank: int, *, port: int, init_method: str,
+               ins: _Inputs, t_start: float) -> int:
     """One rank of a cell's ``external_launcher`` engine, in a process forked for it.
 
     Sets the variables vLLM's executor reads (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), binds the rank's cores
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and the engine's init method,
+    the same on every rank (:data:`harnesses.vllm.rank_worker.INIT_METHOD_ENV`, which its
+    worker is initialised at), binds the rank's cores
     (:func:`harnesses.vllm.engine.bind_rank`), then runs the cell as :func:`run_cells` does
     in this process: every rank the same calls, rank 0 alone writing the outputs.
 
@@ -495,7 +497,8 @@ def _rank_main(cell: HarnessCell, tp: int, rank: int, *, port: int, ins: _Inputs
         HarnessError: as :func:`run_cells`.
     """
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(tp),
-                      LOCAL_WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      **{engine.INIT_METHOD_ENV: init_method})
     imported.install()  # this rank's imports (the engine's model code is imported here)
     engine.bind_rank(rank, tp)
     st = _start(cell, tp, ins, engine.EXTERNAL_LAUNCHER)
@@ -508,16 +511,27 @@ def _rank_main(cell: HarnessCell, tp: int, rank: int, *, port: int, ins: _Inputs
     return 0
 
 
-def _fork_ranks(cell: HarnessCell, tp: int, ins: _Inputs, t_start: float) -> list[int]:
-    """Fork the ``tp`` ranks of the cell's ``external_launcher`` engine; their pids."""
-    port = warm.free_port()
+def _fork_ranks(cell: HarnessCell, tp: int, ins: _Inputs, t_start: float
+                ) -> tuple[list[int], str]:
+    """Fork the ``tp`` ranks of the cell's ``external_launcher`` engine.
+
+    Returns:
+        ``(pids, init method)``: the ranks' pids, and the file-store init method every rank's
+        worker is initialised at (vLLM's ``get_file_store_init_method()``, a fresh uuid: the
+        name of the engine's shared-memory segments, :func:`engine.remove_shm_segments`).
+    """
+    from vllm.utils.network_utils import get_file_store_init_method
+
+    port = warm.free_port()  # read by vLLM's executor; the rendezvous is the file store
+    init_method = get_file_store_init_method()
     parent = os.getpid()
 
     def body(rank: int) -> int:
         warm.die_with_parent(parent)
         code = 1
         try:
-            code = _rank_main(cell, tp, rank, port=port, ins=ins, t_start=t_start)
+            code = _rank_main(cell, tp, rank, port=port, init_method=init_method, ins=ins,
+                              t_start=t_start)
         except BaseException:
             traceback.print_exc()
         # libc's exit, not os._exit: C++ destructors run, so vLLM's shared-memory
@@ -529,7 +543,22 @@ def _fork_ranks(cell: HarnessCell, tp: int, ins: _Inputs, t_start: float) -> lis
         ctypes.CDLL(None).exit(code)
         return code  # not reached
 
-    return [warm.fork_child(functools.partial(body, r)) for r in range(tp)]
+    return [warm.fork_child(functools.partial(body, r)) for r in range(tp)], init_method
+
+
+def _end_ranks(pids: Sequence[int]) -> None:
+    """End (SIGTERM) and reap every rank of ``pids`` not reaped yet; none is left running."""
+    for pid in pids:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            continue  # reaped already
+        if done:
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
 
 
 def _wait_ranks(ranks: dict[int, tuple[HarnessCell, int]], *, poll_s: float = 0.1) -> None:
@@ -619,6 +648,7 @@ def run_cells(cells: Sequence[HarnessCell]) -> list[dict[str, Any] | None]:
         ins.spec.check_tp(tp)
     executors = [engine.executor_for(tp) for tp in tps]
     ranks: dict[int, tuple[HarnessCell, int]] = {}
+    inits: list[str] = []
     forked: set[int] = set()
     if engine.EXTERNAL_LAUNCHER in executors:
         engine.configure_env(1)  # the variables every engine shares, before vLLM's import
@@ -633,20 +663,29 @@ def run_cells(cells: Sequence[HarnessCell]) -> list[dict[str, Any] | None]:
                       f"external_launcher: this process cannot fork ({why})", file=sys.stderr)
                 executors[i] = "mp"
                 continue
-            ranks.update({pid: (c, r) for r, pid in enumerate(_fork_ranks(c, tp, ins, t_start))})
+            pids, init_method = _fork_ranks(c, tp, ins, t_start)
+            ranks.update({pid: (c, r) for r, pid in enumerate(pids)})
+            inits.append(init_method)
             forked.add(i)
-    _restore_threads()
-    started = [_start(c, tp, ins, ex) for i, (c, tp, ex)
-               in enumerate(zip(cells, tps, executors, strict=True)) if i not in forked]
     metas: dict[int, dict[str, Any] | None] = {}
-    for st in started:
-        req, wfile = _request(st)
-        if req is None or wfile is None:
-            metas[id(st.cell)] = None
-            continue
-        metas[id(st.cell)] = meta = _finish(st, ins, req, wfile, t_start)
-        _print_done(st.cell, meta)
-    _wait_ranks(ranks)
+    try:
+        _restore_threads()
+        started = [_start(c, tp, ins, ex) for i, (c, tp, ex)
+                   in enumerate(zip(cells, tps, executors, strict=True)) if i not in forked]
+        for st in started:
+            req, wfile = _request(st)
+            if req is None or wfile is None:
+                metas[id(st.cell)] = None
+                continue
+            metas[id(st.cell)] = meta = _finish(st, ins, req, wfile, t_start)
+            _print_done(st.cell, meta)
+        _wait_ranks(ranks)
+    finally:
+        # ranks that failed, were ended, or outlive an error here leave their segments
+        # (a rank ends through libc's exit to remove its own; a killed one cannot)
+        _end_ranks(list(ranks))
+        for init_method in inits:
+            engine.remove_shm_segments(init_method)
     for i in forked:
         meta_file = Path(cells[i].output_dir) / OUTPUTS_META_FILE
         metas[id(cells[i])] = (json.loads(meta_file.read_text("utf-8")) if meta_file.is_file()

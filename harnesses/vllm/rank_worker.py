@@ -13,11 +13,15 @@ and the CPU worker names its shared-memory all-reduce segments after the init me
 ``vllm/distributed/device_communicators/cpu_communicator.py``), so every such engine on a
 machine would open the same ``/dev/shm`` segments, and a second one fails (``create shm in
 SHMManager failed. errno: 17``) while the first runs or after it left them behind.
-:class:`RankCPUWorker` is vLLM's ``CPUWorker`` whose init method is
-``tcp://MASTER_ADDR:MASTER_PORT`` instead, as vLLM's ``mp`` executor gives its workers a
-per-engine init method: the segments are named after the engine's own port, the
-``torch.distributed`` group is the same (rank and world size given explicitly, the
-rendezvous at ``MASTER_ADDR:MASTER_PORT``), and everything else is vLLM's worker.
+:class:`RankCPUWorker` is vLLM's ``CPUWorker`` whose init method is the one the caller gives
+every rank of the engine in
+:data:`harnesses.vllm.engine.INIT_METHOD_ENV`: the sampler harness makes it with
+vLLM's own ``get_file_store_init_method()`` (``file://<tmp>/vllm_dist_<uuid4>``,
+``vllm/utils/network_utils.py``), the init method vLLM's ``mp`` executor gives its CPU
+workers (``MultiprocExecutor._init_executor``), so the segments are named after a fresh
+uuid, as under ``mp``, and no port is chosen, released and bound again. The
+``torch.distributed`` group is the same (rank and world size given explicitly, a file
+store rendezvous), and everything else is vLLM's worker.
 """
 
 from __future__ import annotations
@@ -26,12 +30,17 @@ import os
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from harnesses.vllm.engine import INIT_METHOD_ENV
+
 
 class RankCPUWorker(CPUWorker):
-    """vLLM's CPU worker, initialised at ``tcp://MASTER_ADDR:MASTER_PORT`` (module docstring)."""
+    """vLLM's CPU worker, initialised at ``$QUALIFY_VLLM_INIT_METHOD`` (module docstring)."""
 
     def init_device(self) -> None:
-        """Set the init method from ``MASTER_ADDR`` / ``MASTER_PORT``, then vLLM's own."""
-        self.distributed_init_method = (f"tcp://{os.environ['MASTER_ADDR']}:"
-                                        f"{os.environ['MASTER_PORT']}")
+        """Set the init method from the environment, then vLLM's own ``init_device``.
+
+        Raises:
+            KeyError: the variable is not set (a rank not started by the sampler harness).
+        """
+        self.distributed_init_method = os.environ[INIT_METHOD_ENV]
         super().init_device()
