@@ -199,3 +199,35 @@ def test_wait_request_returns_the_request_once_written(tmp_path: Path) -> None:
     timer.start()
     assert harness.wait_request(tmp_path, poll_s=0.01) == doc
     timer.join()
+
+
+def test_the_forked_ranks_of_an_external_launcher_engine_must_record_their_imports(
+        tmp_path: Path) -> None:
+    """The sampler process's import record expects ranks 0 .. tp - 1 where a cell's outputs
+    say its engine ran under ``external_launcher`` (the harness forked those ranks, each
+    importing the engine's model code), and the harness alone otherwise; a record missing a
+    rank then cannot prove the cells fresh."""
+    from qualify.candidate.sampler_stage import _Process
+    from qualify.evidence import imports
+
+    attempts = {}
+    for name, tp, executor in (("tp1", 1, None), ("tp2", 2, "external_launcher")):
+        a = tmp_path / name / "attempt-1"
+        a.mkdir(parents=True)
+        (a / "outputs.json").write_text(json.dumps(
+            {"tp": tp, "engine_settings": {"distributed_executor_backend": executor}}))
+        attempts[name] = a
+    proc = object.__new__(_Process)
+    proc.attempts = attempts
+    assert proc._expected_processes() == 2
+    (attempts["tp2"] / "outputs.json").write_text(json.dumps(
+        {"tp": 2, "engine_settings": {"distributed_executor_backend": "mp"}}))
+    assert proc._expected_processes() == 1  # mp's spawned workers record nothing of their own
+    (attempts["tp2"] / "outputs.json").write_text("{not json")
+    assert proc._expected_processes() == 1
+    # what the record then says when a forked rank wrote no record
+    record = {"schema_version": 1, "launches": [{
+        "launch": "l", "processes_expected": 2, "ranks_recorded": [0], "processes_recorded": 2,
+        "checkout": {}, "distributions": {}, "modified_during_launch": [], "top_level": []}]}
+    changes = imports.record_changes(record, root=tmp_path)
+    assert any("imports not recorded by rank(s) 1" in c for c in changes), changes

@@ -46,7 +46,14 @@ from qualify.candidate.launch import check_outputs, validate_cell
 from qualify.contract import CellSpec, Contract
 from qualify.errors import HarnessError
 from qualify.evidence import imports, store
-from qualify.layout import CELLS_DIR, LOGS_DIR, RESULT_FILE, RUN_FILE, RunDocument
+from qualify.layout import (
+    CELLS_DIR,
+    LOGS_DIR,
+    OUTPUTS_META_FILE,
+    RESULT_FILE,
+    RUN_FILE,
+    RunDocument,
+)
 from qualify.protocol import (
     ACTOR_ROUND1_WEIGHTS,
     CELL_FILE,
@@ -271,10 +278,33 @@ class _Process(threading.Thread):
                         shutil.copyfile(logs / name, attempt / LOGS_DIR / name)
                 if raw.is_dir():
                     shutil.copytree(raw, imports.raw_dir(attempt), dirs_exist_ok=True)
+        expected = self._expected_processes()
         for attempt in self.attempts.values():
-            imports.collect(attempt, module=self.engine.module, expected=1,
+            imports.collect(attempt, module=self.engine.module, expected=expected,
                             started_ns=started_ns,
                             label=f"{attempt.parent.name}/{attempt.name}")
+
+    def _expected_processes(self) -> int:
+        """The ranks whose import records the process's freshness needs.
+
+        The harness itself, and, where it forked the ranks of an ``external_launcher`` engine
+        of ``tp`` ranks (the cell's ``outputs.json`` says so: ``engine_settings``
+        ``distributed_executor_backend``, ``tp``; :mod:`harnesses.vllm.harness`), ranks ``0
+        .. tp - 1``, which each record what they imported (their engine's model code, the
+        worker class): a missing one then makes the cells' freshness unprovable
+        (:func:`qualify.evidence.imports.record_changes`). An unreadable meta counts as
+        none (its cell is judged by :meth:`judge`).
+        """
+        most = 1
+        for attempt in self.attempts.values():
+            try:
+                meta = json.loads((attempt / OUTPUTS_META_FILE).read_text("utf-8"))
+                settings = meta.get("engine_settings") or {}
+                if settings.get("distributed_executor_backend") == "external_launcher":
+                    most = max(most, int(meta.get("tp") or 1))
+            except (OSError, ValueError, TypeError, AttributeError):
+                continue
+        return most
 
     def judge(self, attempt: Path, *, weights: Path | None, why: str) -> tuple[str, str | None]:
         """``(status, reason)`` of one cell once the process has ended."""
