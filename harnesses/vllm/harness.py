@@ -466,8 +466,11 @@ def _restore_threads() -> None:
     that the process is still single-threaded when it forks its ranks (``import torch``
     otherwise starts an OpenMP worker thread, and a forked child gets only the calling
     thread; :func:`qualify.candidate.warm.fork_safe`). Afterwards this process's own TP 1
-    engine gets the variable's given value back, and torch the threads that value, or
-    without it OpenMP's default (one per CPU of this process's affinity mask), gives.
+    engine gets the variable's given value back, and torch the threads that value gives (its
+    first level for a list such as ``2,1``), or without one, one per CPU of this process's
+    affinity mask. That can differ from torch's own default (``MKL_NUM_THREADS``, physical
+    cores on an SMT host); the engine's route records the threads it ran with
+    (:func:`harnesses.vllm.decode.worker_routes`).
     """
     if not _OMP_FORCED:
         return
@@ -475,8 +478,11 @@ def _restore_threads() -> None:
         os.environ.pop("OMP_NUM_THREADS", None)
     else:
         os.environ["OMP_NUM_THREADS"] = _OMP_GIVEN
-    threads = int(_OMP_GIVEN) if _OMP_GIVEN else len(os.sched_getaffinity(0))
-    torch.set_num_threads(threads)
+    threads = len(os.sched_getaffinity(0))
+    if _OMP_GIVEN:
+        with contextlib.suppress(ValueError):  # OpenMP's list form "2,1": its first level
+            threads = int(_OMP_GIVEN.split(",")[0])
+    torch.set_num_threads(max(1, threads))
 
 
 def _rank_main(cell: HarnessCell, tp: int, rank: int, *, port: int, init_method: str,
