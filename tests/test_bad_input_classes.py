@@ -176,6 +176,7 @@ ENV = [
         ("QUALIFY_REFERENCE_DEVICES", "cpu,cuda:0", "run --evidence T/ev", {}),
         ("QUALIFY_REFERENCE_DEVICE_MEMORY", "0", "reference --out T/ev", {}),
         ("QUALIFY_REFERENCE_DEVICE_MEMORY", "12GB", "plan", {}),
+        ("QUALIFY_VLLM_EXECUTOR", "spawn", "run --evidence T/ev", {}),
     ]
 ]
 
