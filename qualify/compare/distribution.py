@@ -494,23 +494,8 @@ def trainer_vs_sampler(*, trainer: str, precision: str, sampler: str,
             continue
         got = distribution_metrics(np.asarray(q), np.asarray(p), responses, mask,
                                    clip_ratio=float(doc["clip_ratio"]))
-        ceilings: dict[str, float | None] = {}
-        for s in ("tv_max", "tv_mean"):
-            mine = doc[kind].get(side.bounds_key, {}).get(s) if side is not None else None
-            theirs = doc[kind].get(SAMPLER.bounds_key, {}).get(s)
-            total = (float(mine["bound"]) + float(theirs["bound"])
-                     if mine is not None and theirs is not None else math.inf)
-            ceilings[f"{s}_ceiling"] = total if total < 1.0 else None  # 1 bounds no TV
-        out.append({"trainer": trainer, "sampler": sampler, "kind": kind,
-                    "family": [family_name("prefill", kind, topk=False),
-                               family_name("decode", kind, topk=False)],
-                    "n_valid": int(got["n_valid"]), "tv_max": float(got["tv_max"]),
-                    "tv_mean": float(got["tv_mean"]),
-                    "kl_trainer_sampler_max": float(got["kl_ref_cand_max"]),
-                    "kl_sampler_trainer_max": float(got["kl_cand_ref_max"]),
-                    "top1_mismatch": int(got["top1_mismatch"]),
-                    "top1_ties": int(got["top1_ties"]), "worst": str(got["worst"]),
-                    **ceilings})
+        out.append(_pair_row(trainer=trainer, sampler=sampler, kind=kind, got=got,
+                             doc=doc, side=side, k=None))
     return out
 
 
@@ -534,29 +519,50 @@ def _trainer_vs_sampler_topk(*, trainer: str, sampler: str, side: Side | None,
         q, q_ids, q_token = _own_topk(sampler_tensors, q_names, k)
         got = topk_metrics(q, q_ids, p, p_ids, cand_token=q_token, ref_token=p_token,
                            mask=mask, clip_ratio=float(doc["clip_ratio"]))
-        ceilings: dict[str, float | None] = {}
-        for s in ("tv_max", "tv_mean"):
-            upper = s.replace("tv_", "tv_upper_")
-            mine = doc[kind].get(side.bounds_key, {}).get(upper) if side is not None else None
-            theirs = doc[kind].get(SAMPLER.bounds_key, {}).get(upper)
-            total = (float(mine["bound"]) + float(theirs["bound"])
-                     if mine is not None and theirs is not None else math.inf)
-            ceilings[f"{s}_ceiling"] = total if total < 1.0 else None
-        out.append({"trainer": trainer, "sampler": sampler, "kind": kind, "k": k,
-                    "family": [family_name("prefill", kind, topk=True),
-                               family_name("decode", kind, topk=True)],
-                    "n_valid": int(got["n_valid"]), "tv_max": float(got["tv_max"]),
-                    "tv_mean": float(got["tv_mean"]),
-                    "tv_upper_max": float(got["tv_upper_max"]),
-                    "tv_upper_mean": float(got["tv_upper_mean"]),
-                    "kl_trainer_sampler_max": float(got["kl_ref_cand_max"]),
-                    "kl_sampler_trainer_max": float(got["kl_cand_ref_max"]),
-                    "top1_mismatch": int(got["top1_mismatch"]),
-                    "top1_ties": int(got["top1_ties"]), "worst": str(got["worst"]),
-                    "missing_trainer_max": float(got["missing_ref_max"]),
-                    "missing_sampler_max": float(got["missing_cand_max"]),
-                    **ceilings})
+        out.append(_pair_row(trainer=trainer, sampler=sampler, kind=kind, got=got,
+                             doc=doc, side=side, k=k))
     return out
+
+
+def _pair_row(*, trainer: str, sampler: str, kind: str, got: Mapping[str, Any],
+              doc: Mapping[str, Any], side: Side | None, k: int | None) -> dict[str, Any]:
+    """One :func:`trainer_vs_sampler` row from its metrics ``got`` (its docstring's fields).
+
+    ``k`` is the sealed top-k width on the top-k path (``got`` from
+    :func:`qualify.distmetrics.topk_metrics`: the ceilings compose the two cells' sealed
+    ``tv_upper_*`` bounds) and ``None`` on the full path (``got`` from
+    :func:`qualify.distmetrics.distribution_metrics`: they compose ``tv_*``). A ceiling is
+    ``None`` where either bound is not sealed or their sum is at least 1 (a TV ceiling of 1
+    bounds nothing).
+    """
+    topk = k is not None
+    ceilings: dict[str, float | None] = {}
+    for stat in ("tv_max", "tv_mean"):
+        sealed = stat.replace("tv_", "tv_upper_") if topk else stat
+        mine = doc[kind].get(side.bounds_key, {}).get(sealed) if side is not None else None
+        theirs = doc[kind].get(SAMPLER.bounds_key, {}).get(sealed)
+        total = (float(mine["bound"]) + float(theirs["bound"])
+                 if mine is not None and theirs is not None else math.inf)
+        ceilings[f"{stat}_ceiling"] = total if total < 1.0 else None
+    row: dict[str, Any] = {"trainer": trainer, "sampler": sampler, "kind": kind}
+    if topk:
+        row["k"] = k
+    row.update({"family": [family_name("prefill", kind, topk=topk),
+                           family_name("decode", kind, topk=topk)],
+                "n_valid": int(got["n_valid"]), "tv_max": float(got["tv_max"]),
+                "tv_mean": float(got["tv_mean"])})
+    if topk:
+        row.update({"tv_upper_max": float(got["tv_upper_max"]),
+                    "tv_upper_mean": float(got["tv_upper_mean"])})
+    row.update({"kl_trainer_sampler_max": float(got["kl_ref_cand_max"]),
+                "kl_sampler_trainer_max": float(got["kl_cand_ref_max"]),
+                "top1_mismatch": int(got["top1_mismatch"]),
+                "top1_ties": int(got["top1_ties"]), "worst": str(got["worst"])})
+    if topk:
+        row.update({"missing_trainer_max": float(got["missing_ref_max"]),
+                    "missing_sampler_max": float(got["missing_cand_max"])})
+    row.update(ceilings)
+    return row
 
 
 def decode_clip_band(*, sources: list[tuple[str, str, Any]], cell: str,
