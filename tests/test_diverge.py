@@ -267,6 +267,7 @@ def committed_models() -> Path:
     return actor
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cell", ["deepspeed-fp32-zero1-actor-tp2", "megatron-fp32-actor-tp2"])
 def test_other_engines_layouts_match_hf_at_fp32(committed_models: Path, cell: str,
                                                 tmp_path: Path,

@@ -14,6 +14,10 @@ order A, M, B and in the order B, M, A, and each cell's outputs are bitwise the 
 way. The same A, M, B launch under torchrun (fresh interpreters) gives bitwise the warm
 launcher's outputs too (the launcher half of tests/test_warm_launch.py for these engines:
 one launch fewer per engine than two files each launching twice).
+
+Both launch tests are slow-marked (a launch of each engine under both launchers: minutes on
+2 cores); `.ci/run` runs them in their own step. tests/test_warm_launch.py keeps the
+launcher proof for FSDP2 in the default tier.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ def test_torch_tp_groups_its_variants() -> None:
     assert get_engine("torch_tp").groups_variants
 
 
+@pytest.mark.slow
 def test_variants_in_one_process_group_equal_separate_launches_bitwise(runs: Runs) -> None:
     out = runs.root / "grouped-bf16-then-fp32-a2c1"
     order = ("bf16", "fp32")
@@ -67,15 +72,8 @@ def _tensors(out: Path, variant: dict[str, Any]) -> dict[str, torch.Tensor]:
     return load_file(str(out / variant_dir(variant) / OUTPUTS_FILE))
 
 
-DEFAULT_TIER_ORDER_ENGINE = "deepspeed"
-"""The engine whose order test runs in the default tier: the one holding the most process-wide
-state (its accelerator and engine globals). Every engine's round loop is the harness SDK's
-driver; the other engines' order tests run in the ``slow`` tier."""
-
-
-@pytest.mark.parametrize("engine", [
-    e if e == DEFAULT_TIER_ORDER_ENGINE else pytest.param(e, marks=pytest.mark.slow)
-    for e in sorted(ORDER_ENGINES)])
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", sorted(ORDER_ENGINES))
 def test_cell_order_and_launcher_do_not_change_any_output_bitwise(
         runs: Runs, engine: str, tmp_path: Path) -> None:
     """Three launches of three variants: A M B and B M A forked (warm), A M B under torchrun.

@@ -259,6 +259,7 @@ def test_page_is_self_contained(page: Page, written: tuple[Path, str]) -> None:
                        "http://www.w3.org/1999/02/22-rdf-syntax-ns#"}, outside
 
 
+@pytest.mark.slow
 def test_same_report_json_gives_the_same_bytes(run_dir: Path,
                                                written: tuple[Path, str]) -> None:
     again = render_html(load_run(run_dir))
