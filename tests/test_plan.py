@@ -78,6 +78,17 @@ def test_qwen3_8b_fits_a_node_of_eight_and_not_one_device(
                for s in doc["steps"] if s["kind"] == "reference" or "world 1 " not in s["step"])
     assert code == ExitCode.USAGE_ERROR
     assert doc["shortfall"].startswith("launch torch_tp world 1"), doc["shortfall"]
+    assert [line.split(": ", 1)[0] for line in doc["shortfalls"]] == [
+        f"launch {e} world 1 ({n} cells)" for e, n in
+        (("torch_tp", 4), ("deepspeed", 8), ("megatron", 4))], doc["shortfalls"]
+    code, out, err = _plan(capsys, str(contracts_dir() / "qwen3-8b.toml"), "--devices", "8",
+                           "--device-memory", "141", "--host-memory", "2048")
+    assert code == ExitCode.USAGE_ERROR
+    assert "reference stage: fits this machine" in out
+    assert "candidate launches: 3 of 12 do not fit:" in out
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.rstrip().endswith("(and 2 more: launch deepspeed world 1 (8 cells), "
+                                 "launch megatron world 1 (4 cells))"), err
     code, out, _ = _plan(capsys, str(contracts_dir() / "qwen3-8b.toml"), "--devices", "1",
                          "--device-memory", "141", "--host-memory", "2048", "--json")
     doc = json.loads(out)
@@ -95,6 +106,9 @@ def test_qwen3_8b_fits_a_node_of_eight_and_not_one_device(
     assert doc["gradients_why"].startswith(
         "with them on the devices: control fp64-fp32: "), doc["gradients_why"]
     assert doc["shortfall"].startswith("launch torch_tp world 1"), doc["shortfall"]
+    assert len(doc["shortfalls"]) == 12  # every launch: world 1 too large, the rest 2+ ranks
+    assert all(doc["shortfalls"][i].endswith("one per rank; the machine has 1")
+               for i in (1, 2, 3)), doc["shortfalls"]
     code, _, err = _plan(capsys, str(contracts_dir() / "qwen3-8b.toml"), "--devices", "1",
                          "--device-memory", "141", "--host-memory", "2048")
     assert code == ExitCode.USAGE_ERROR
@@ -162,3 +176,21 @@ def test_reported_elements_are_the_stored_ones_with_the_rollouts_rows(name: str)
                                          vocab_size=shape.vocab_size)
         # the seeded sample and the rows may overlap: the plan never under-counts
         assert stored <= planned <= stored + 2 * ev.sample_elements
+
+
+def test_the_text_says_which_stage_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    """Below the table: one line for the reference stage, one for the candidate launches
+    (every one that does not fit listed), the refusal naming the first step that does not
+    fit and the others after it. The default contract fits this machine's plan with 64 GB
+    of host memory; with 0.1 GB every step needs more host memory than the machine has."""
+    code, out, err = _plan(capsys, "--devices", "0", "--host-memory", "64")
+    assert code == ExitCode.OK, err
+    assert "reference stage: fits this machine" in out
+    assert "candidate launches: all 6 fit" in out
+    code, out, err = _plan(capsys, "--devices", "0", "--host-memory", "0.1")
+    assert code == ExitCode.USAGE_ERROR
+    assert "reference stage: does not fit: " in out
+    assert "candidate launches: 6 of 6 do not fit:" in out
+    assert len(err.strip().splitlines()) == 1, err
+    assert "of host memory" in err, err
+    assert "(and " in err, err

@@ -109,9 +109,21 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
             print(f"update gradients: on the {grads} ({plan.gradients_why})")
             print(f"between rounds 1 and 2 the host AdamW keeps: {plan.round2_state} "
                   f"({plan.round2_state_why})")
-    short = plan.shortfall()
-    if short is not None:
-        raise DoesNotFitError(f"{contract.path or contract.name}: does not fit: {short}")
+        ref_short = plan.shortfall("reference")
+        print("reference stage: " + ("fits this machine" if ref_short is None else
+                                     f"does not fit: {ref_short}"))
+        launches = [s for s in plan.steps if s.kind == "launch"]
+        short_launches = plan.shortfalls("launch")
+        print(f"candidate launches: all {len(launches)} fit" if not short_launches else
+              f"candidate launches: {len(short_launches)} of {len(launches)} do not fit:\n"
+              + "\n".join(f"  - {line}" for line in short_launches))
+    shorts = plan.shortfalls()
+    if shorts:
+        more = (f" (and {len(shorts) - 1} more: "
+                + ", ".join(line.split(": ", 1)[0] for line in shorts[1:]) + ")"
+                if len(shorts) > 1 else "")
+        raise DoesNotFitError(f"{contract.path or contract.name}: does not fit: {shorts[0]}"
+                              f"{more}")
     return ExitCode.OK
 
 

@@ -375,24 +375,43 @@ class Plan:
         found = self._first_short(kind)
         return None if found is None else found[1]
 
+    def shortfalls(self, kind: str | None = None) -> list[str]:
+        """Every step that does not fit, one line each, in the plan's order (``[]``: all fit).
+
+        Args:
+            kind: only steps of this kind (``reference`` or ``launch``); default any.
+        """
+        lines = (self._short_line(s) for s in self.steps if kind is None or s.kind == kind)
+        return [line for line in lines if line is not None]
+
     def _first_short(self, kind: str | None) -> tuple[int, str] | None:
         """``(index of the first step that does not fit, its line)``; ``None``: all fit."""
-        m = self.machine
         for i, s in enumerate(self.steps):
             if kind is not None and s.kind != kind:
                 continue
-            if s.host_peak > m.host_bytes:
-                return i, (f"{s.name}: needs {_size(s.host_peak)} of host memory, the "
-                           f"machine has {_size(m.host_bytes)} (short by "
-                           f"{_size(s.host_peak - m.host_bytes)})")
-            if m.devices and m.device_kind == "gpu" and s.kind == "launch" \
-                    and s.processes > m.devices:
-                return i, (f"{s.name}: needs {s.processes} devices, one per rank; the machine "
-                           f"has {m.devices}")
-            if m.devices and s.device_peak > m.device_bytes:
-                return i, (f"{s.name}: needs {_size(s.device_peak)} on a device, each of "
-                           f"the {m.devices} has {_size(m.device_bytes)} (short by "
-                           f"{_size(s.device_peak - m.device_bytes)})")
+            line = self._short_line(s)
+            if line is not None:
+                return i, line
+        return None
+
+    def _short_line(self, s: Step) -> str | None:
+        """Why step ``s`` does not fit this plan's machine, one line; ``None`` when it fits.
+
+        Host memory first, then (GPU devices, launches) one device per rank, then the memory
+        of its fullest device.
+        """
+        m = self.machine
+        if s.host_peak > m.host_bytes:
+            return (f"{s.name}: needs {_size(s.host_peak)} of host memory, the machine has "
+                    f"{_size(m.host_bytes)} (short by {_size(s.host_peak - m.host_bytes)})")
+        if m.devices and m.device_kind == "gpu" and s.kind == "launch" \
+                and s.processes > m.devices:
+            return (f"{s.name}: needs {s.processes} devices, one per rank; the machine has "
+                    f"{m.devices}")
+        if m.devices and s.device_peak > m.device_bytes:
+            return (f"{s.name}: needs {_size(s.device_peak)} on a device, each of the "
+                    f"{m.devices} has {_size(m.device_bytes)} (short by "
+                    f"{_size(s.device_peak - m.device_bytes)})")
         return None
 
     def to_dict(self) -> dict[str, Any]:
@@ -403,7 +422,8 @@ class Plan:
                 "optimizer_state_why": self.optimizer_state_why,
                 "gradients": self.gradients, "gradients_why": self.gradients_why,
                 "round2_state": self.round2_state, "round2_state_why": self.round2_state_why,
-                "steps": [s.to_dict() for s in self.steps], "shortfall": self.shortfall()}
+                "steps": [s.to_dict() for s in self.steps], "shortfall": self.shortfall(),
+                "shortfalls": self.shortfalls()}
 
 
 def _size(n: int) -> str:
