@@ -119,9 +119,9 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
               + "\n".join(f"  - {line}" for line in short_launches))
     shorts = plan.shortfalls()
     if shorts:
-        more = (f" (and {len(shorts) - 1} more: "
-                + ", ".join(line.split(": ", 1)[0] for line in shorts[1:]) + ")"
-                if len(shorts) > 1 else "")
+        others = [s.name for s in plan.short_steps()[1:]]
+        named = "; ".join(others[:3]) + ("; ..." if len(others) > 3 else "")
+        more = f" (and {len(others)} more: {named})" if others else ""
         raise DoesNotFitError(f"{contract.path or contract.name}: does not fit: {shorts[0]}"
                               f"{more}")
     return ExitCode.OK

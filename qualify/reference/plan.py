@@ -381,8 +381,17 @@ class Plan:
         Args:
             kind: only steps of this kind (``reference`` or ``launch``); default any.
         """
-        lines = (self._short_line(s) for s in self.steps if kind is None or s.kind == kind)
+        lines = (self._short_line(s) for s in self.short_steps(kind))
         return [line for line in lines if line is not None]
+
+    def short_steps(self, kind: str | None = None) -> list[Step]:
+        """Every step that does not fit, in the plan's order (``[]``: all fit).
+
+        Args:
+            kind: only steps of this kind (``reference`` or ``launch``); default any.
+        """
+        return [s for s in self.steps if (kind is None or s.kind == kind)
+                and self._short_line(s) is not None]
 
     def _first_short(self, kind: str | None) -> tuple[int, str] | None:
         """``(index of the first step that does not fit, its line)``; ``None``: all fit."""
