@@ -56,10 +56,12 @@ def _plan(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str
 
 def test_qwen3_8b_fits_a_node_of_eight_and_not_one_device(
         capsys: pytest.CaptureFixture[str]) -> None:
-    """The refusal is one line naming the step and the shortfall, exit 2. On a node of eight
-    the reference stage and every TP > 1 launch fit; a TP 1 BF16 cell (20 bytes per
-    parameter: FP32 master, gradient and moments, BF16 copy and gradient) does not fit one
-    141 GB device, and the refusal names that launch. On one 141 GB device the reference
+    """The refusal is one line naming the step and the shortfall, exit 2. The launches are
+    the candidate stage's (Actor and Critic ranks side by side, one device each). On a node
+    of eight the reference stage and the a2c2 and a4c4 launches fit; an a1c1 launch's TP 1
+    BF16 cell (20 bytes per parameter: FP32 master, gradient and moments, BF16 copy and
+    gradient) does not fit one 141 GB device, an a8c8 launch needs 16 devices, and the
+    refusal names the first such launch and counts the others. On one 141 GB device the reference
     stage does not fit with the AdamW moments and the sensitivity copy on the device (20
     bytes per parameter, 164 GB: the plan's reason names its first update), so the plan keeps
     them on the host; the FP32 lanes then fit (the BF16-parameter lane's clip-branch passes,
@@ -67,28 +69,35 @@ def test_qwen3_8b_fits_a_node_of_eight_and_not_one_device(
     parameter), and the FP64 control's weights and gradient (16 bytes per parameter, 131 GB)
     fit only with the gradient streamed to the host (its reason names that control): its
     load holds the FP64 Actor alone (the KL reference policy is taken before it), 12 bytes
-    per parameter. The whole reference stage then fits one device, and the refusal names the
-    first launch that does not (the TP 1 cells, as on the node)."""
+    per parameter. The whole reference stage then fits one device, and no launch does (each
+    has two ranks or more)."""
     import json
 
     code, out, _ = _plan(capsys, str(contracts_dir() / "qwen3-8b.toml"), "--devices", "8",
                          "--device-memory", "141", "--host-memory", "2048", "--json")
     doc = json.loads(out)
     assert all(s["device_peak_bytes"] <= 141e9 and s["host_peak_bytes"] <= 2048e9
-               for s in doc["steps"] if s["kind"] == "reference" or "world 1 " not in s["step"])
+               for s in doc["steps"] if s["kind"] == "reference"
+               or not any(f"-{t} (" in s["step"] for t in ("a1c1", "a8c8")))
     assert code == ExitCode.USAGE_ERROR
-    assert doc["shortfall"].startswith("launch torch_tp world 1"), doc["shortfall"]
+    assert doc["shortfall"].startswith("launch torch_tp-a1c1 (4 cells, 2 ranks)"), \
+        doc["shortfall"]
+    # the candidate stage's launches: Actor and Critic ranks side by side, one device each
     assert [line.split(": ", 1)[0] for line in doc["shortfalls"]] == [
-        f"launch {e} world 1 ({n} cells)" for e, n in
-        (("torch_tp", 4), ("deepspeed", 8), ("megatron", 4))], doc["shortfalls"]
+        f"launch {e}-{t} ({n} cells, {w} ranks)" for e, n in
+        (("torch_tp", 4), ("deepspeed", 8), ("megatron", 4))
+        for t, w in (("a1c1", 2), ("a8c8", 16))], doc["shortfalls"]
+    assert all(line.endswith("needs 16 devices, one per rank; the machine has 8")
+               for line in doc["shortfalls"] if "a8c8" in line), doc["shortfalls"]
     code, out, err = _plan(capsys, str(contracts_dir() / "qwen3-8b.toml"), "--devices", "8",
                            "--device-memory", "141", "--host-memory", "2048")
     assert code == ExitCode.USAGE_ERROR
     assert "reference stage: fits this machine" in out
-    assert "candidate launches: 3 of 12 do not fit:" in out
+    assert "candidate launches: 6 of 12 do not fit:" in out
     assert len(err.strip().splitlines()) == 1, err
-    assert err.rstrip().endswith("(and 2 more: launch deepspeed world 1 (8 cells); "
-                                 "launch megatron world 1 (4 cells))"), err
+    assert err.rstrip().endswith("(and 5 more: launch torch_tp-a8c8 (4 cells, 16 ranks); "
+                                 "launch deepspeed-a1c1 (8 cells, 2 ranks); "
+                                 "launch deepspeed-a8c8 (8 cells, 16 ranks); ...)"), err
     code, out, _ = _plan(capsys, str(contracts_dir() / "qwen3-8b.toml"), "--devices", "1",
                          "--device-memory", "141", "--host-memory", "2048", "--json")
     doc = json.loads(out)
@@ -105,17 +114,17 @@ def test_qwen3_8b_fits_a_node_of_eight_and_not_one_device(
     assert doc["gradients"] == "host"
     assert doc["gradients_why"].startswith(
         "with them on the devices: control fp64-fp32: "), doc["gradients_why"]
-    assert doc["shortfall"].startswith("launch torch_tp world 1"), doc["shortfall"]
-    assert len(doc["shortfalls"]) == 12  # every launch: world 1 too large, the rest 2+ ranks
-    assert all(doc["shortfalls"][i].endswith("one per rank; the machine has 1")
-               for i in (1, 2, 3)), doc["shortfalls"]
+    assert doc["shortfall"].startswith("launch torch_tp-a1c1"), doc["shortfall"]
+    assert len(doc["shortfalls"]) == 12  # every launch: 2 ranks or more, one device
+    assert all(line.endswith("one per rank; the machine has 1")
+               for line in doc["shortfalls"]), doc["shortfalls"]
     code, _, err = _plan(capsys, str(contracts_dir() / "qwen3-8b.toml"), "--devices", "1",
                          "--device-memory", "141", "--host-memory", "2048")
     assert code == ExitCode.USAGE_ERROR
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert "Traceback" not in err
-    for part in ("does not fit", "launch torch_tp world 1", "on a device", "short by"):
+    for part in ("does not fit", "launch torch_tp-a1c1", "needs 2 devices", "(and 11 more"):
         assert part in lines[0], lines[0]
 
 
@@ -186,11 +195,31 @@ def test_the_text_says_which_stage_fits(capsys: pytest.CaptureFixture[str]) -> N
     code, out, err = _plan(capsys, "--devices", "0", "--host-memory", "64")
     assert code == ExitCode.OK, err
     assert "reference stage: fits this machine" in out
-    assert "candidate launches: all 6 fit" in out
+    assert "candidate launches: all 3 fit" in out
     code, out, err = _plan(capsys, "--devices", "0", "--host-memory", "0.1")
     assert code == ExitCode.USAGE_ERROR
     assert "reference stage: does not fit: " in out
-    assert "candidate launches: 6 of 6 do not fit:" in out
+    assert "candidate launches: 3 of 3 do not fit:" in out
     assert len(err.strip().splitlines()) == 1, err
     assert "of host memory" in err, err
     assert "; ...)" in err, err  # the first step, three more by name, the rest counted
+
+
+def test_the_launches_are_the_ones_the_committed_run_made(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The plan's launch steps are the launches the candidate stage really made for the
+    default contract (the committed run's ``launches/`` directories), each with its ranks:
+    the Actor's TP ranks beside the Critic's (a2c1 and a1c2: 3)."""
+    import json
+
+    from qualify.resources import repo_root
+
+    runs = sorted((repo_root() / "evidence" / "tiny-qwen3").glob("2*/launches"))
+    assert runs, "no committed tiny-qwen3 run"
+    made = sorted(p.name for p in runs[-1].iterdir())
+    code, out, _ = _plan(capsys, str(contracts_dir() / "tiny-qwen3.toml"), "--devices", "0",
+                         "--host-memory", "64", "--json")
+    assert code == ExitCode.OK
+    steps = [s for s in json.loads(out)["steps"] if s["kind"] == "launch"]
+    assert sorted(s["step"].split()[1] for s in steps) == made
+    assert {s["processes"] for s in steps} == {3}

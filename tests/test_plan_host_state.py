@@ -120,7 +120,7 @@ def test_qualify_plan_on_one_h200_gets_past_the_updates(
     assert "update gradients: on the host, streamed (with them on the devices: control " \
            "fp64-fp32: needs 151.9 GB" in out.out
     (line,) = out.err.strip().splitlines()
-    assert "does not fit: launch torch_tp world 1 (4 cells): needs 168.7 GB on a device" in line
+    assert "does not fit: launch torch_tp-a1c1 (4 cells, 2 ranks): needs 2 devices" in line
     code = main(["plan", str(QWEN3_8B), "--devices", "1", "--device-memory", "141",
                  "--host-memory", "2000", "--json"])
     doc = json.loads(capsys.readouterr().out)

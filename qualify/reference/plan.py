@@ -1190,33 +1190,44 @@ def _distribution_step(contract: Contract, machine: Machine, *, params: int, n_s
 
 
 def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
-    """One step per candidate launch: the matrix's cells grouped by engine and world size.
+    """One step per candidate launch, the launches the candidate stage makes.
 
-    Per rank, the cell's role's training state sharded by TP (``16 P / tp`` bytes at FP32:
-    weights, gradients, AdamW moments; ``20 P / tp`` at BF16 with an FP32 master and a BF16
-    copy and gradient), its activations over TP and the interpreter; with devices each rank
-    holds one device, on the host every rank is a process (``world`` of them at once). The
-    engines' own buffers (NCCL, DeepSpeed's flat buffers) are not counted. ``cpu`` devices
-    (``Machine.device_kind``: the reference stage's device budget on the host) hold no
-    launch: the candidate's ranks are host processes there, planned as on the host.
+    The matrix's cells grouped as :func:`qualify.candidate.launches.plan_launches` groups
+    them for the candidate stage (each engine's ``groups_variants`` and
+    ``groups_topologies``, :mod:`qualify.registry`): one launch per topology, or per world
+    size, its ranks the Actor's TP ranks and the Critic's side by side (``actor_tp +
+    critic_tp``, times the degrees of the cells' other axes, e.g. FSDP2's ``dp``), so a
+    launch needs that many devices at once. Per rank, the training state of the role the
+    rank runs sharded by TP (``16 P / tp`` bytes at FP32: weights, gradients, AdamW moments;
+    ``20 P / tp`` at BF16 with an FP32 master and a BF16 copy and gradient), its activations
+    over TP and the interpreter; the launch's per-rank peak is the largest over its variants
+    (a grouped launch runs them one after the other, each on fresh models). With devices
+    each rank holds one device; on the host every rank is a process (all of them at once).
+    The engines' own buffers (NCCL, DeepSpeed's flat buffers) are not counted. ``cpu``
+    devices (``Machine.device_kind``: the reference stage's device budget on the host) hold
+    no launch: the candidate's ranks are host processes there, planned as on the host.
     """
+    from qualify.candidate.launches import plan_launches as candidate_launches
+    from qualify.registry import get_engine
+
     shape = model_shape(contract)
     n_seq, prompt, resp, _ = _rollout_shape(contract)
     positions = prompt + resp
     mbs = contract.algorithm.micro_batch_size
     rounds = contract.algorithm.rounds
     ev = contract.evidence
-    groups: dict[tuple[str, int], list[Any]] = {}
-    for cell in contract.matrix.cells():
-        world = cell.tp
-        for _, deg in cell.axes:
-            world *= deg
-        groups.setdefault((cell.engine, world), []).append(cell)
+    cells = list(contract.matrix.cells())
+    grouped = sorted({c.engine for c in cells if get_engine(c.engine).groups_variants})
+    by_world = [e for e in grouped if get_engine(e).groups_topologies]
+    launches = candidate_launches(contract, cells, grouped_engines=grouped,
+                                  topology_engines=by_world)
     dev = machine.devices > 0 and machine.device_kind == "gpu"
     steps: list[Step] = []
-    for (engine, world), cells in groups.items():
+    for lc in launches:
+        degree = math.prod(deg for _, deg in lc.parts[0].axes)
+        world = (lc.actor_tp + lc.critic_tp) * degree
         per_rank, written, flops = 0, 0, 0.0
-        for cell in cells:
+        for cell in lc.cells:
             pr = shape.count(cell.role)
             per_param = 20 if cell.precision == "bf16" else 16
             elem = 2 if cell.precision == "bf16" else 4
@@ -1232,12 +1243,12 @@ def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
             written += 4 * rounds * 4 * rep + SAFETENSORS_HEADER_BYTES * rounds * 4 * len(
                 shape.params(cell.role))
             flops += rounds * 6 * pr * n_seq * positions
-        rk = ("gpu" if dev else "cpu") + ("-bf16" if all(c.precision == "bf16" for c in cells)
-                                          else "-fp32")
+        rk = ("gpu" if dev else "cpu") + ("-bf16" if all(c.precision == "bf16"
+                                                        for c in lc.cells) else "-fp32")
         units = min(world, machine.devices) if dev else min(world, machine.cores)
         seconds = flops / (THROUGHPUT[rk] * max(units, 1))
         host = (INTERPRETER_BYTES * world + (0 if dev else per_rank * world))
-        steps.append(Step(name=f"launch {engine} world {world} ({len(cells)} cells)",
+        steps.append(Step(name=f"launch {lc.launch_id} ({len(lc.cells)} cells, {world} ranks)",
                           kind="launch", device_peak=per_rank if dev else 0, host_peak=host,
                           written=written, seconds=seconds, processes=world,
                           terms={"per_rank": per_rank, "interpreter": INTERPRETER_BYTES}))
