@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from fresh_world import fresh_world, signed_world  # noqa: F401  (session fixtures)
 from test_trust_root import BASE, Repo, commit_all, git, make_repo
-from test_verify import CONTRACT, FAIL_CELL, World, flip_byte
+from test_verify import CONTRACT, FAIL_CELL, World, flip_byte, reseal_and_resign
 
 from qualify.compare.stage import compare_run
 from qualify.contract import load_contract
@@ -100,6 +100,17 @@ def test_a_baseline_that_does_not_verify_is_skipped_and_said_so(repo: Repo) -> N
     assert code == ExitCode.QUALIFICATION_FAILED
     assert f"baseline: {repo.w.run('run-1-old')} (the newest older run" in out
     assert "newer ones skipped: run-2-good: does not verify)" in out
+
+
+def test_a_refused_run_shows_no_outcome_changes(repo: Repo) -> None:
+    """A gated run signed by an untrusted key is refused before its cells are judged: the
+    section says the changes are not known, instead of every cell changed to no outcome."""
+    reseal_and_resign(repo.w.failing, repo.w.untrusted, "candidate-run")
+    code, out = _gate(repo)
+    assert code == ExitCode.INTEGRITY_ERROR
+    assert "cells whose gate outcome changed: not known (the gate refused the run before " \
+           "judging its cells)" in out
+    assert "-> None" not in out
 
 
 def test_the_ref_baseline_is_what_was_merged_read_from_git_objects(shared: Repo) -> None:

@@ -63,6 +63,9 @@ class Baseline:
         outcomes: ``{cell, outcome_a, outcome_b}`` for each cell whose gate outcome (the
             baseline's sealed decision, the gate's decision now) differs.
         diff: the run diff (``None`` without a baseline).
+        judged: whether the gate judged the gated run's cells (``False``: it refused the run
+            before, e.g. a signature by an untrusted key; ``outcomes`` is then empty, not
+            every cell changed to no outcome).
     """
 
     contract: str
@@ -70,6 +73,7 @@ class Baseline:
     why: str
     outcomes: tuple[Mapping[str, Any], ...] = ()
     diff: RunDiff | None = None
+    judged: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (``gate.schema.json`` ``baselines``)."""
@@ -85,8 +89,10 @@ class Baseline:
         head = f"changed since the last accepted run [{self.contract}]:"
         if self.diff is None:
             return printable_lines([f"{head} no accepted run found ({self.why})"])
+        changed = (str(len(self.outcomes)) if self.judged else
+                   "not known (the gate refused the run before judging its cells)")
         out = [head, f"  baseline: {self.label} ({self.why})",
-               f"  cells whose gate outcome changed: {len(self.outcomes)}"]
+               f"  cells whose gate outcome changed: {changed}"]
         out += [f"    {o['cell']}: {o['outcome_a']} -> {o['outcome_b']}" for o in self.outcomes]
         out += [f"  {line}" for line in self.diff.lines()[1:]]
         return printable_lines(out)
@@ -248,8 +254,10 @@ def find_baseline(decision: ContractDecision, spec: str, *, evidence_dir: Path,
         if run is None:
             return Baseline(contract=decision.contract, label=None, why=why)
         diff = diff_runs(run, decision.run_dir)
+        judged = bool(decision.cells)
         return Baseline(contract=decision.contract, label=label, why=why,
-                        outcomes=_outcome_changes(run, decision), diff=diff)
+                        outcomes=_outcome_changes(run, decision) if judged else (),
+                        diff=diff, judged=judged)
     except Exception as exc:  # information only: nothing here may change the gate's exit
         return Baseline(contract=decision.contract, label=None,
                         why=f"the baseline could not be read: {type(exc).__name__}: {exc}")

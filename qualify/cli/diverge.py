@@ -40,7 +40,10 @@ def _cmd_diverge(args: argparse.Namespace) -> ExitCode:
           f"{t['reference_s']:g} s){cost}")
     print(f"diverge.json: {printable(out / DIVERGE_FILE)}")
     if first is None:
-        print("diverged: none (every module within its bound)")
+        print("diverged: none (every module within its bound). The probes see each "
+              "module's output and output gradient; a failure in the parameter gradients, "
+              "grad_norm, clip coefficient or optimizer state does not show here "
+              "(docs/diverge.md)")
         return ExitCode.OK
     where = (f"layer {first['layer']} {first['submodule']}" if first["layer"] is not None
              else first["submodule"])
