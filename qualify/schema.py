@@ -10,6 +10,7 @@ only a document that wrote ``2.0`` is refused.
 
 from __future__ import annotations
 
+import difflib
 import functools
 from typing import Any, Final
 
@@ -67,7 +68,28 @@ def first_error(obj: Any, name: str, *, definition: str | None = None) -> str | 
     if err is None:
         return None
     field = ".".join(str(p) for p in err.absolute_path) or "(top level)"
-    return f"{field}: {err.message}"
+    return f"{field}: {err.message}{_did_you_mean(err)}"
+
+
+def _did_you_mean(err: jsonschema.exceptions.ValidationError) -> str:
+    """The hint appended to an ``additionalProperties`` violation, ``""`` for any other.
+
+    ``"; 'k': did you mean 'x'?"`` for each unexpected key ``k`` close to an allowed one
+    ``x`` (:func:`difflib.get_close_matches`, its default cutoff 0.6).
+    """
+    if err.validator != "additionalProperties" or not isinstance(err.instance, dict):
+        return ""
+    allowed = err.schema.get("properties", {}) if isinstance(err.schema, dict) else {}
+    if not isinstance(allowed, dict):
+        return ""
+    hints = []
+    for key in err.instance:
+        if key in allowed or not isinstance(key, str):
+            continue
+        close = difflib.get_close_matches(key, list(allowed), n=1)
+        if close:
+            hints.append(f"{key!r}: did you mean {close[0]!r}?")
+    return f"; {'; '.join(hints)}" if hints else ""
 
 
 def validate(obj: Any, name: str, *, what: str = "document",

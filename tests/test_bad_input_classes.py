@@ -127,6 +127,9 @@ DEST = [
     _c("sbatch-render-output-unwritable", f"sbatch render {CONTRACT} --stage reference "
        "-o /sys/job.sh", "/sys/job.sh", "--output"),
     _c("sign-unwritable-dir", "sign /sys", "/sys", "cannot write"),
+    _c("verify-not-evidence", "verify T/dir", "T/dir", "not a reference or run directory"),
+    _c("report-not-a-run", "report T/dir", "T/dir", "not a candidate run"),
+    _c("diff-not-a-run", f"diff T/dir {RUN}", "T/dir", "not a candidate run"),
 ]
 
 _NO_KEY = {"QUALIFY_SIGNING_KEY": "", "QUALIFY_SIGNING_KEY_FILE": ""}
@@ -199,7 +202,7 @@ USER_FILES = [
 
 def _full_disk_cases() -> list[Case]:
     return [
-        _c("full-disk-verify-json", "verify T/dir --json T/out.json",
+        _c("full-disk-verify-json", f"verify {RUN} --json T/out.json",
            "No space left on device", untouched="T/out.json"),
         _c("full-disk-gate-json", f"gate T/dir --contract {CONTRACT} --json T/out.json",
            "No space left on device", untouched="T/out.json"),

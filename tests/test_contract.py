@@ -97,6 +97,9 @@ INVALID: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "unknown_key": (_set("algorithm.learning_rate", 1e-3),
                     r"algorithm: Additional properties .*'learning_rate'"),
     "unknown_top_level_key": (_set("extra", 1), r"Additional properties .*'extra'"),
+    "misspelt_key": (_set("sampling.temprature", 0.5),
+                     r"sampling: Additional properties .*'temprature': did you mean "
+                     r"'temperature'\?"),
     "bad_tp_list": (_set("matrix.tp_sizes", [1, 3]), r"matrix\.tp_sizes\.1: 3 is not one of"),
     "tp_unused_by_topologies": (_set("matrix.tp_sizes", [1, 2, 4]),
                                 r"matrix\.tp_sizes: TP sizes \[4\] are used by no topology"),

@@ -649,3 +649,8 @@ def test_a_folder_of_sealed_directories_is_named_as_such(tmp_path: Path,
         f"{broken}: reference is not sealed (interrupted or still running)"
     assert store.not_sealed_reason(tmp_path / "broken" / "sub", "run") == \
         f"{broken / 'sub'}: run is not sealed (interrupted or still running)"
+    stray = tmp_path / "docs"  # a folder qualify never wrote: no manifest, no marker
+    stray.mkdir()
+    assert store.not_sealed_reason(stray, "reference") == (
+        f"{stray}: not a reference directory (no MANIFEST.json, and not marked as a "
+        "reference being written or interrupted)")

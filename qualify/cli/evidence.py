@@ -9,6 +9,7 @@ modules are imported inside the handlers so ``qualify --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -91,7 +92,9 @@ def _output_file(value: str | None, option: str) -> str | None:
 def _cmd_verify(args: argparse.Namespace) -> ExitCode:
     from qualify.contract import load_contract
     from qualify.evidence import store
+    from qualify.evidence.sign import ATTESTATION_FILE
     from qualify.evidence.verify import verify
+    from qualify.layout import RUN_FILE
 
     _existing_dir(args.path, "evidence directory")
     _output_file(args.json, "--json")
@@ -103,6 +106,11 @@ def _cmd_verify(args: argparse.Namespace) -> ExitCode:
         _existing_dir(args.contracts_dir, "--contracts-dir")
     trusted = _root_keys(args, args.contracts_dir
                          or (Path(args.contract).parent if args.contract else None))
+    marks = (store.MANIFEST_FILE, ATTESTATION_FILE, RUN_FILE, store.INCOMPLETE_FILE)
+    if not any(os.path.lexists(Path(args.path) / m) for m in marks):
+        # nothing qualify writes into a reference or run: a wrong path, not tampering
+        raise UsageError(f"{args.path}: not a reference or run directory (none of "
+                         f"{', '.join(marks)}; `qualify audit` checks a folder of them)")
     result = verify(Path(args.path), trusted=trusted, trusted_keys_dir=args.keys,
                     contract=args.contract, contracts_dir=args.contracts_dir,
                     reference_dir=args.reference)

@@ -25,11 +25,13 @@ def _cmd_report(args: argparse.Namespace) -> ExitCode:
     from qualify import jsonio
     from qualify.compare.html import write_html
     from qualify.compare.rootcause import causes_of_report
-    from qualify.layout import REPORT_JSON
+    from qualify.layout import REPORT_JSON, RUN_FILE
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise UsageError(f"{run_dir}: run directory: no such directory")
+    if not (run_dir / RUN_FILE).is_file():
+        raise UsageError(f"{run_dir}: not a candidate run (no {RUN_FILE})")
     if not (run_dir / REPORT_JSON).is_file():
         raise UsageError(f"{run_dir}: no {REPORT_JSON}; compare the run first "
                          "(qualify compare RUN_DIR)")

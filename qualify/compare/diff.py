@@ -154,6 +154,8 @@ class RunDiff:
 def _report(run_dir: Path) -> Mapping[str, Any]:
     if not run_dir.is_dir():
         raise UsageError(f"{run_dir}: run directory: no such directory")
+    if not (run_dir / RUN_FILE).is_file():
+        raise UsageError(f"{run_dir}: not a candidate run (no {RUN_FILE})")
     if not (run_dir / REPORT_JSON).is_file():
         raise UsageError(f"{run_dir}: no {REPORT_JSON}; compare the run first "
                          "(qualify compare RUN_DIR)")

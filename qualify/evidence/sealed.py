@@ -64,8 +64,10 @@ def not_sealed_reason(directory: str | Path, what: str, *, advice: str = "") -> 
 
     A folder with no ``MANIFEST.json`` and no ``INCOMPLETE`` marker whose subdirectories
     are sealed (an ``--out`` / ``--references`` parent) is named as such, with the sealed
-    subdirectories to choose from; anything else is "not sealed (interrupted or still
-    running)".
+    subdirectories to choose from; any other folder with neither, inside no ``INCOMPLETE``
+    directory, is "not a ``what`` directory" (qualify marks a directory ``INCOMPLETE``
+    before its first write); the rest (the marker, a manifest that is not valid, a folder
+    inside an interrupted directory) is "not sealed (interrupted or still running)".
 
     Args:
         directory: an existing directory that :func:`is_sealed` refused.
@@ -83,6 +85,9 @@ def not_sealed_reason(directory: str | Path, what: str, *, advice: str = "") -> 
                                              if len(inside) > 3 else "")
             return (f"{d}: not a {what} directory but a folder holding sealed directories "
                     f"({shown}): name one of them")
+        if not any(is_incomplete(p) for p in Path(os.path.abspath(d)).parents):
+            return (f"{d}: not a {what} directory (no {MANIFEST_FILE}, and not marked as a "
+                    f"{what} being written or interrupted)")
     return f"{d}: {what} is not sealed (interrupted or still running)" + (
         f"; {advice}" if advice else "")
 
