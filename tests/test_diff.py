@@ -105,7 +105,10 @@ def test_a_widened_bound_names_the_control_that_moved_it() -> None:
 def test_bad_arguments_are_usage_errors(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="no such directory"):
         diff_runs(tmp_path / "nope", RUN)
-    with pytest.raises(UsageError, match=r"no report\.json"):
+    with pytest.raises(UsageError, match=r"not a candidate run \(no run\.json\)"):
+        diff_runs(tmp_path, RUN)
+    (tmp_path / "run.json").write_text("{}")  # a run not compared yet
+    with pytest.raises(UsageError, match=r"no report\.json; compare the run first"):
         diff_runs(tmp_path, RUN)
     with pytest.raises(UsageError, match="--factor"):
         diff_runs(RUN, RUN, factor=1.0)
