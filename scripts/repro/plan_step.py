@@ -1,7 +1,12 @@
 """Run one update run of the reference stage alone, for its peak memory (docs/scale.md).
 
-Usage: ``python scripts/repro/plan_step.py CONTRACT DIR LANE CONTROL [OUT.safetensors]``
-or ``python scripts/repro/plan_step.py CONTRACT DIR --sequence LANE:CONTROL [LANE:CONTROL ...]``
+Usage: ``python scripts/repro/plan_step.py [--dynamic-mmap-threshold] CONTRACT DIR LANE CONTROL
+[OUT.safetensors]`` or ``python scripts/repro/plan_step.py [--dynamic-mmap-threshold] CONTRACT
+DIR --sequence LANE:CONTROL [LANE:CONTROL ...]``
+
+It fixes glibc's mmap threshold first, as the stage does
+(:func:`qualify.memory.fix_mmap_threshold`); ``--dynamic-mmap-threshold`` leaves glibc's
+dynamic threshold, as the stage ran before it fixed it.
 
 ``DIR`` is a reference directory (sealed or interrupted) holding the rollout and
 ``train_inputs.safetensors``; ``CONTROL`` is a control name of
@@ -47,7 +52,7 @@ from safetensors.torch import load_file, save_file
 from qualify import libc
 from qualify.contract import Contract, load_contract
 from qualify.lanes import forward_mode, lane_bf16_mode, lane_precision
-from qualify.memory import release_free_memory
+from qualify.memory import fix_mmap_threshold, release_free_memory
 from qualify.models import bundle as models
 from qualify.reference import devices, rollout
 from qualify.reference.controls import control_settings
@@ -140,6 +145,10 @@ def _sequence(contract: Contract, directory: Path, steps: list[str]) -> int:
 
 def main() -> int:
     """Run the named update run (or the ``--sequence``); print its label."""
+    if "--dynamic-mmap-threshold" in sys.argv:
+        sys.argv.remove("--dynamic-mmap-threshold")
+    else:
+        print(f"plan_step: mmap threshold fixed: {fix_mmap_threshold()}", flush=True)
     contract = load_contract(Path(sys.argv[1]))
     if sys.argv[3] == "--sequence":
         return _sequence(contract, Path(sys.argv[2]), sys.argv[4:])
