@@ -93,3 +93,13 @@ def test_fixed_mmap_threshold_returns_freed_tensors_without_a_trim() -> None:
 def test_fix_mmap_threshold_refuses_a_non_positive_threshold() -> None:
     with pytest.raises(ValueError, match="mmap threshold 0"):
         fix_mmap_threshold(0)
+
+
+def test_an_environment_threshold_is_left_as_glibc_set_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_lookup(name: str) -> None:
+        raise AssertionError(f"looked up {name}")
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")
+    monkeypatch.setattr("qualify.libc.function", no_lookup)
+    assert fix_mmap_threshold() is True
