@@ -12,7 +12,9 @@ after the trim (tests/test_memory.py checks the same drop).
 
 :func:`fix_mmap_threshold` (issue #47) keeps tensors of at least
 :data:`MMAP_THRESHOLD_BYTES` out of the heap altogether: each is its own mapping, unmapped
-when freed, also inside a step, where no trim runs.
+when freed, also inside a step, where no trim runs. The reference stage does not call it:
+each such allocation then costs an ``mmap`` and fresh zeroed pages, and the time that adds
+to a step is weighed against the memory it saves in docs/scale.md (qwen3-500m).
 
 This module imports neither torch nor any engine.
 """

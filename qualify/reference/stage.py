@@ -60,7 +60,7 @@ from qualify.layout import (
     hf_tensors_file,
     reference_dir_name,
 )
-from qualify.memory import fix_mmap_threshold, release_free_memory
+from qualify.memory import release_free_memory
 from qualify.models import bundle as models
 from qualify.models import roles
 from qualify.progress import Progress
@@ -287,12 +287,7 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
     CUDA device, whole layers per device; ``$QUALIFY_REFERENCE_DEVICES``; else the host),
     recorded in the environment document's ``reference_devices``, with the AdamW state and
     the sensitivity copy where the plan check chose (``optimizer_state``: on the host when
-    only the host fits them, :func:`_plan_check`). It first fixes glibc's mmap threshold
-    for the process (:func:`qualify.memory.fix_mmap_threshold`): every tensor of at least
-    :data:`qualify.memory.MMAP_THRESHOLD_BYTES` is then its own mapping, returned to the OS
-    when freed, so a step's peak does not hold the heap pages of tensors an earlier phase
-    freed (issue #47); the smaller allocations' pages go back between steps
-    (:func:`qualify.memory.release_free_memory`).
+    only the host fits them, :func:`_plan_check`).
 
     Args:
         contract: the loaded contract.
@@ -323,7 +318,6 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
         DoesNotFitError: the plan does not fit this machine (with ``plan_check``), before
             anything is written.
     """
-    fix_mmap_threshold()
     scratch.check_setting()
     devices = reference_devices.resolve()
     memory = reference_devices.device_memory()

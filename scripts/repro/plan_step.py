@@ -1,12 +1,12 @@
 """Run one update run of the reference stage alone, for its peak memory (docs/scale.md).
 
-Usage: ``python scripts/repro/plan_step.py [--dynamic-mmap-threshold] CONTRACT DIR LANE CONTROL
-[OUT.safetensors]`` or ``python scripts/repro/plan_step.py [--dynamic-mmap-threshold] CONTRACT
+Usage: ``python scripts/repro/plan_step.py [--fixed-mmap-threshold] CONTRACT DIR LANE CONTROL
+[OUT.safetensors]`` or ``python scripts/repro/plan_step.py [--fixed-mmap-threshold] CONTRACT
 DIR --sequence LANE:CONTROL [LANE:CONTROL ...]``
 
-It fixes glibc's mmap threshold first, as the stage does
-(:func:`qualify.memory.fix_mmap_threshold`); ``--dynamic-mmap-threshold`` leaves glibc's
-dynamic threshold, as the stage ran before it fixed it.
+``--fixed-mmap-threshold`` first fixes glibc's mmap threshold
+(:func:`qualify.memory.fix_mmap_threshold`, which the stage does not call); without it
+glibc's threshold stays dynamic, as in the stage.
 
 ``DIR`` is a reference directory (sealed or interrupted) holding the rollout and
 ``train_inputs.safetensors``; ``CONTROL`` is a control name of
@@ -145,9 +145,8 @@ def _sequence(contract: Contract, directory: Path, steps: list[str]) -> int:
 
 def main() -> int:
     """Run the named update run (or the ``--sequence``); print its label."""
-    if "--dynamic-mmap-threshold" in sys.argv:
-        sys.argv.remove("--dynamic-mmap-threshold")
-    else:
+    if "--fixed-mmap-threshold" in sys.argv:
+        sys.argv.remove("--fixed-mmap-threshold")
         print(f"plan_step: mmap threshold fixed: {fix_mmap_threshold()}", flush=True)
     contract = load_contract(Path(sys.argv[1]))
     if sys.argv[3] == "--sequence":
