@@ -100,7 +100,8 @@ def _reset_peak() -> bool:
     return True
 
 
-def _sequence(contract: Contract, directory: Path, steps: list[str]) -> int:
+def _prepare(contract: Contract, directory: Path) -> tuple[Any, Any, Any, Any]:
+    """``(bundle, rollout, batch, placement)`` as the stage prepares them for an update run."""
     bundle = models.prepare_models(contract)
     roll = rollout.Rollout.load(directory)
     train = load_file(str(directory / "train_inputs.safetensors"))
@@ -111,6 +112,11 @@ def _sequence(contract: Contract, directory: Path, steps: list[str]) -> int:
         placed = dataclasses.replace(placed, optimizer_state="host",
                                      gradients=record["gradients"],
                                      round2_state=record["round2_state"])
+    return bundle, roll, batch, placed
+
+
+def _sequence(contract: Contract, directory: Path, steps: list[str]) -> int:
+    bundle, roll, batch, placed = _prepare(contract, directory)
     rows: list[dict[str, Any]] = []
     with devices.active(placed):
         for item in steps:
@@ -152,17 +158,8 @@ def main() -> int:
     if sys.argv[3] == "--sequence":
         return _sequence(contract, Path(sys.argv[2]), sys.argv[4:])
     directory, lane, control = Path(sys.argv[2]), sys.argv[3], sys.argv[4]
-    bundle = models.prepare_models(contract)
-    roll = rollout.Rollout.load(directory)
-    train = load_file(str(directory / "train_inputs.safetensors"))
-    batch = _batch(roll, train, bundle.pad_token_id)
+    bundle, _, batch, placed = _prepare(contract, directory)
     settings, attn = _settings(contract, lane, control)
-    placed = devices.resolve()
-    record = _plan_check(contract, False, placed, devices.device_memory())
-    if placed is not None and record["optimizer_state"] == "host":
-        placed = dataclasses.replace(placed, optimizer_state="host",
-                                     gradients=record["gradients"],
-                                     round2_state=record["round2_state"])
     with devices.active(placed) as where:
         tensors, _ = _update_run(contract, bundle, batch, settings, attn)
     if len(sys.argv) > 5:
