@@ -89,6 +89,9 @@ def test_qwen3_8b_fits_a_node_of_eight_and_not_one_device(
         for t, w in (("a1c1", 2), ("a8c8", 16))], doc["shortfalls"]
     assert all(line.endswith("needs 16 devices, one per rank; the machine has 8")
                for line in doc["shortfalls"] if "a8c8" in line), doc["shortfalls"]
+    assert all(line.endswith("needs 168.7 GB on a device, each of the 8 has 141.0 GB (short by "
+                             "27.7 GB)") for line in doc["shortfalls"] if "a1c1" in line), \
+        doc["shortfalls"]
     code, out, err = _plan(capsys, str(contracts_dir() / "qwen3-8b.toml"), "--devices", "8",
                            "--device-memory", "141", "--host-memory", "2048")
     assert code == ExitCode.USAGE_ERROR
@@ -212,11 +215,11 @@ def test_the_launches_are_the_ones_the_committed_run_made(
     the Actor's TP ranks beside the Critic's (a2c1 and a1c2: 3)."""
     import json
 
-    from qualify.resources import repo_root
+    from committed import committed_runs
 
-    runs = sorted((repo_root() / "evidence" / "tiny-qwen3").glob("2*/launches"))
+    runs = committed_runs("tiny-qwen3")  # git-tracked: a local run of command 1 left out
     assert runs, "no committed tiny-qwen3 run"
-    made = sorted(p.name for p in runs[-1].iterdir())
+    made = sorted(p.name for p in (runs[-1] / "launches").iterdir())
     code, out, _ = _plan(capsys, str(contracts_dir() / "tiny-qwen3.toml"), "--devices", "0",
                          "--host-memory", "64", "--json")
     assert code == ExitCode.OK

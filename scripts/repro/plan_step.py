@@ -116,12 +116,16 @@ def _prepare(contract: Contract, directory: Path) -> tuple[Any, Any, Any, Any]:
 
 
 def _sequence(contract: Contract, directory: Path, steps: list[str]) -> int:
+    runs = []
+    for item in steps:  # every item resolved before any model is loaded
+        lane, sep, control = item.partition(":")
+        if not sep or not lane or not control:
+            raise SystemExit(f"plan_step: --sequence {item!r}: expected LANE:CONTROL")
+        runs.append((item, control, *_settings(contract, lane, control)))
     bundle, roll, batch, placed = _prepare(contract, directory)
     rows: list[dict[str, Any]] = []
     with devices.active(placed):
-        for item in steps:
-            lane, control = item.split(":")
-            settings, attn = _settings(contract, lane, control)
+        for item, control, settings, attn in runs:
             release_free_memory()  # the stage's step() and _update_run do the same
             start = _status_kib()["VmRSS"]
             reset = _reset_peak()
@@ -158,8 +162,8 @@ def main() -> int:
     if sys.argv[3] == "--sequence":
         return _sequence(contract, Path(sys.argv[2]), sys.argv[4:])
     directory, lane, control = Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+    settings, attn = _settings(contract, lane, control)  # before any model is loaded
     bundle, _, batch, placed = _prepare(contract, directory)
-    settings, attn = _settings(contract, lane, control)
     with devices.active(placed) as where:
         tensors, _ = _update_run(contract, bundle, batch, settings, attn)
     if len(sys.argv) > 5:
