@@ -13,17 +13,30 @@ import pytest
 from qualify.memory import fix_mmap_threshold, release_free_memory
 from qualify.resources import repo_root
 
+_RSS_MB = """
+def rss_mb():
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) for x in f if x.startswith("VmRSS")) // 1024
+"""
+
+
+def _python(snippet: str, *args: str, env: dict[str, str] | None = None) -> list[str]:
+    """The words ``snippet`` prints, run in a fresh interpreter with ``rss_mb()`` defined
+    (this process's resident set, MiB)."""
+    proc = subprocess.run([sys.executable, "-c", _RSS_MB + textwrap.dedent(snippet), *args],
+                          check=False, capture_output=True, text=True, cwd=repo_root(),
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.split()
+
 
 def test_freed_tensors_leave_the_resident_set() -> None:
     """In a fresh interpreter: after glibc's mmap threshold rose (one mmapped tensor freed),
     400 tensors of 1 MiB come from the heap; freed, they stay resident until the release
     (measured here: 621 -> 222 MB). Fails without the ``malloc_trim``."""
-    code = textwrap.dedent("""
+    trimmed, before, after = _python("""
         import torch
         from qualify.memory import release_free_memory
-        def rss_mb():
-            with open("/proc/self/status") as f:
-                return next(int(x.split()[1]) for x in f if x.startswith("VmRSS")) // 1024
         first = torch.empty(1 << 18)
         del first
         tensors = [torch.ones(1 << 18) for _ in range(400)]
@@ -33,10 +46,6 @@ def test_freed_tensors_leave_the_resident_set() -> None:
         trimmed = release_free_memory()
         print(trimmed, before, rss_mb())
     """)
-    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
-                          text=True, cwd=repo_root(), timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    trimmed, before, after = proc.stdout.split()
     assert trimmed == "True"
     assert int(before) - int(after) >= 300, (before, after)  # of the 399 MiB freed
 
@@ -50,9 +59,6 @@ _FREED_BIG_TENSORS = """
     import torch
     from qualify import libc
     from qualify.memory import fix_mmap_threshold
-    def rss_mb():
-        with open("/proc/self/status") as f:
-            return next(int(x.split()[1]) for x in f if x.startswith("VmRSS")) // 1024
     libc.function("mallopt")  # both modes load the C library's symbols alike
     fixed = fix_mmap_threshold() if sys.argv[1] == "fix" else False
     before = rss_mb()
@@ -68,12 +74,8 @@ _FREED_BIG_TENSORS = """
 
 
 def _run_freed_big_tensors(mode: str) -> tuple[str, int]:
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_FREED_BIG_TENSORS), mode],
-                          check=False, capture_output=True, text=True, cwd=repo_root(),
-                          timeout=120, env={k: v for k, v in os.environ.items()
-                                            if not k.startswith("MALLOC_")})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    fixed, kept_mb, _ = proc.stdout.split()
+    fixed, kept_mb, _ = _python(_FREED_BIG_TENSORS, mode, env={
+        k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")})
     return fixed, int(kept_mb)
 
 
