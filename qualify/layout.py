@@ -96,9 +96,10 @@ __all__ = [
 
 # --- every sealed directory
 MANIFEST_FILE: Final = "MANIFEST.json"
-"""The manifest at the top of a sealed directory (written last)."""
+"""The manifest at the top of a sealed directory (written when sealing, after every file)."""
 INCOMPLETE_FILE: Final = "INCOMPLETE"
-"""The marker of a directory being written (removed right before the manifest)."""
+"""The marker of a directory being written (removed right after the manifest is written: the
+seal's commit point, :func:`qualify.evidence.store.seal`)."""
 INCOMPLETE_INFIX: Final = ".incomplete-"
 """An interrupted directory moved aside is named ``<name>.incomplete-<UTC stamp>``."""
 ATTESTATION_FILE: Final = "attestation.dsse.json"
