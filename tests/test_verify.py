@@ -950,6 +950,25 @@ def test_steps_after_the_statement_all_run(world: World) -> None:
     assert result.steps[8].status == "skipped"
 
 
+def test_a_run_stripped_of_its_seal_and_signature_is_tampering_not_a_wrong_path(
+        world: World, tmp_path: Path) -> None:
+    """Removing ``MANIFEST.json``, the attestation and ``run.json`` leaves ``report.json``:
+    still a run qualify wrote, so verification fails (exit 3), not "not a run directory"
+    (exit 2), which is kept for a folder holding nothing qualify writes at its top."""
+    for name in (store.MANIFEST_FILE, signing.ATTESTATION_FILE, "run.json"):
+        (world.good / name).unlink()
+    assert not (world.good / store.INCOMPLETE_FILE).exists()
+    code, out = run_cli(["verify", str(world.good), "--keys", str(world.keys),
+                         "--contracts-dir", str(world.contracts)])
+    assert code == ExitCode.INTEGRITY_ERROR, out
+    assert "[FAIL] 1." in out
+    stray = tmp_path / "docs"
+    stray.mkdir()
+    (stray / "notes.md").write_text("x")
+    code, _ = run_cli(["verify", str(stray), "--keys", str(world.keys)])
+    assert code == ExitCode.USAGE_ERROR
+
+
 def test_verify_json_output(world: World, tmp_path: Path) -> None:
     out = tmp_path / "verify.json"
     code, text = run_cli(["verify", str(world.good), "--keys", str(world.keys),

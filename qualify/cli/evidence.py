@@ -94,7 +94,7 @@ def _cmd_verify(args: argparse.Namespace) -> ExitCode:
     from qualify.evidence import store
     from qualify.evidence.sign import ATTESTATION_FILE
     from qualify.evidence.verify import verify
-    from qualify.layout import RUN_FILE
+    from qualify.layout import BOUNDS_FILE, REFERENCE_FILE, REPORT_JSON, RUN_FILE
 
     _existing_dir(args.path, "evidence directory")
     _output_file(args.json, "--json")
@@ -106,9 +106,11 @@ def _cmd_verify(args: argparse.Namespace) -> ExitCode:
         _existing_dir(args.contracts_dir, "--contracts-dir")
     trusted = _root_keys(args, args.contracts_dir
                          or (Path(args.contract).parent if args.contract else None))
-    marks = (store.MANIFEST_FILE, ATTESTATION_FILE, RUN_FILE, store.INCOMPLETE_FILE)
+    marks = (store.MANIFEST_FILE, ATTESTATION_FILE, store.INCOMPLETE_FILE, RUN_FILE,
+             REPORT_JSON, REFERENCE_FILE, BOUNDS_FILE)
     if not any(os.path.lexists(Path(args.path) / m) for m in marks):
-        # nothing qualify writes into a reference or run: a wrong path, not tampering
+        # nothing qualify writes at the top of a reference or run: a wrong path, not
+        # tampering (a run or reference stripped of some of these still fails verification)
         raise UsageError(f"{args.path}: not a reference or run directory (none of "
                          f"{', '.join(marks)}; `qualify audit` checks a folder of them)")
     result = verify(Path(args.path), trusted=trusted, trusted_keys_dir=args.keys,
