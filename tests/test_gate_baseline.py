@@ -87,6 +87,7 @@ def test_the_local_baseline_is_the_newest_older_accepted_run(shared: Repo,
     doc = json.loads(out_json.read_text())
     (b,) = doc["baselines"]
     assert b["baseline"] == str(repo.w.good)
+    assert b["judged"] is True
     assert [c["cell"] for c in b["diff"]["cells"]] == [FAIL_CELL]
     assert b["diff"]["bounds"] == []  # the same sealed reference
     assert b["diff"]["same_reference"] is True
@@ -106,11 +107,15 @@ def test_a_refused_run_shows_no_outcome_changes(repo: Repo) -> None:
     """A gated run signed by an untrusted key is refused before its cells are judged: the
     section says the changes are not known, instead of every cell changed to no outcome."""
     reseal_and_resign(repo.w.failing, repo.w.untrusted, "candidate-run")
-    code, out = _gate(repo)
+    out_json = repo.root.parent / "gate-refused.json"
+    code, out = _gate(repo, "--json", str(out_json))
     assert code == ExitCode.INTEGRITY_ERROR
     assert "cells whose gate outcome changed: not known (the gate refused the run before " \
            "judging its cells)" in out
     assert "-> None" not in out
+    (b,) = json.loads(out_json.read_text())["baselines"]  # the JSON says so as well
+    assert b["judged"] is False
+    assert b["outcomes"] == []
 
 
 def test_the_ref_baseline_is_what_was_merged_read_from_git_objects(shared: Repo) -> None:

@@ -82,7 +82,8 @@ class Baseline:
             diff = self.diff.to_dict()
             diff["run_a"] = self.label
         return {"contract": self.contract, "baseline": self.label, "why": self.why,
-                "outcomes": [dict(o) for o in self.outcomes], "diff": diff}
+                "judged": self.judged, "outcomes": [dict(o) for o in self.outcomes],
+                "diff": diff}
 
     def lines(self) -> list[str]:
         """The section for a person, one finding a line."""
