@@ -21,7 +21,6 @@ This module imports neither torch nor any engine.
 
 from __future__ import annotations
 
-import os
 from typing import Final
 
 from qualify import libc
@@ -40,10 +39,6 @@ pages back only at its top, or at a ``malloc_trim``); far above the small object
 autograd nodes, Python objects) the heap serves without a system call. The price: each
 such allocation is an ``mmap`` and its pages are faulted in (zeroed) anew. glibc's default
 before it adjusts is 128 KiB (``mallopt(3)``)."""
-
-MMAP_THRESHOLD_ENV: Final = "MALLOC_MMAP_THRESHOLD_"
-"""glibc's environment setting of the same threshold (``mallopt(3)``, ENVIRONMENT)."""
-
 
 def release_free_memory() -> bool:
     """Return the free heap pages to the OS: glibc's ``malloc_trim(0)``.
@@ -72,10 +67,10 @@ def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     allocation of at least ``threshold`` bytes in its own mapping, unmapped when it is
     freed, so what a step frees leaves the resident set whatever the heap around it still
     holds; :func:`release_free_memory` still returns the smaller ones. The process keeps the
-    setting; the values computed do not change (only where the bytes live).
-
-    Where ``$MALLOC_MMAP_THRESHOLD_`` is set, glibc has already fixed the threshold from
-    it and this call leaves it as it is.
+    setting; the values computed do not change (only where the bytes live). It always
+    calls ``mallopt``, so it replaces a threshold glibc read at start from
+    ``$MALLOC_MMAP_THRESHOLD_`` or ``$GLIBC_TUNABLES`` (an environment set later is not read
+    by glibc, and not here).
 
     Args:
         threshold: bytes; an allocation of at least this size is mmapped.
@@ -89,8 +84,6 @@ def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     """
     if threshold <= 0:
         raise ValueError(f"mmap threshold {threshold}: must be a positive number of bytes")
-    if os.environ.get(MMAP_THRESHOLD_ENV):
-        return True
     mallopt = libc.function("mallopt")
     if mallopt is None:
         return False
