@@ -22,19 +22,13 @@ __all__ = ["register"]
 
 
 def _cmd_report(args: argparse.Namespace) -> ExitCode:
-    from qualify import jsonio
+    from qualify.compare.diff import read_run_report
     from qualify.compare.html import write_html
     from qualify.compare.rootcause import causes_of_report
-    from qualify.layout import REPORT_JSON, RUN_FILE
+    from qualify.layout import REPORT_JSON
 
     run_dir = Path(args.run_dir)
-    if not run_dir.is_dir():
-        raise UsageError(f"{run_dir}: run directory: no such directory")
-    if not (run_dir / RUN_FILE).is_file():
-        raise UsageError(f"{run_dir}: not a candidate run (no {RUN_FILE})")
-    if not (run_dir / REPORT_JSON).is_file():
-        raise UsageError(f"{run_dir}: no {REPORT_JSON}; compare the run first "
-                         "(qualify compare RUN_DIR)")
+    doc = read_run_report(run_dir)
     from qualify.cli.outputs import output_file
     from qualify.compare.html import default_html_path
 
@@ -46,11 +40,9 @@ def _cmd_report(args: argparse.Namespace) -> ExitCode:
         from qualify.pipeline.chain import gate_view, run_decision
 
         contract = load_contract(args.contract)
-        doc = jsonio.read_json(run_dir / REPORT_JSON)
-        if not isinstance(doc, dict) or (doc.get("contract"), doc.get("contract_digest")) != (
-                contract.name, contract.digest):
-            got = (doc.get("contract"), str(doc.get("contract_digest"))[:12]) \
-                if isinstance(doc, dict) else ("?", "?")
+        if (doc.get("contract"), doc.get("contract_digest")) != (contract.name,
+                                                                 contract.digest):
+            got = (doc.get("contract"), str(doc.get("contract_digest"))[:12])
             raise UsageError(f"{args.contract}: contract {contract.name} ({contract.digest12}) "
                              f"is not the run's ({got[0]}, {got[1]}; {run_dir / REPORT_JSON} "
                              "contract / contract_digest)")
@@ -59,7 +51,7 @@ def _cmd_report(args: argparse.Namespace) -> ExitCode:
     elif args.policy:
         raise UsageError("--policy needs --contract (the policy judges that contract's cells)")
     path = write_html(run_dir, Path(args.html) if args.html else None, gate=gate)
-    for rc in causes_of_report(jsonio.read_json(run_dir / REPORT_JSON)):
+    for rc in causes_of_report(doc):
         print(f"root cause: {printable(rc.line())}")
     print(f"report.html: {printable(path)}")
     return ExitCode.OK

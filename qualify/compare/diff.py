@@ -34,7 +34,7 @@ from qualify.errors import QualifyError, UsageError
 from qualify.jsonio import read_json
 from qualify.layout import REPORT_JSON, RUN_FILE, resolve_reference
 
-__all__ = ["DEFAULT_FACTOR", "DEFAULT_MIN_MARGIN", "RunDiff", "diff_runs"]
+__all__ = ["DEFAULT_FACTOR", "DEFAULT_MIN_MARGIN", "RunDiff", "diff_runs", "read_run_report"]
 
 DEFAULT_FACTOR: Final = 2.0
 """A row's margin moved when it grew or shrank by more than this factor."""
@@ -151,7 +151,15 @@ class RunDiff:
         return out
 
 
-def _report(run_dir: Path) -> Mapping[str, Any]:
+def read_run_report(run_dir: Path) -> Mapping[str, Any]:
+    """The ``report.json`` of the candidate run ``run_dir`` (``qualify diff`` and ``report``).
+
+    Raises:
+        UsageError: ``run_dir`` is not a directory, holds no ``run.json`` (not a candidate
+            run) or no ``report.json`` (not compared yet), or its report has no ``rows`` /
+            ``cells`` lists.
+        QualifyError: ``report.json`` is not readable JSON (:func:`qualify.jsonio.read_json`).
+    """
     if not run_dir.is_dir():
         raise UsageError(f"{run_dir}: run directory: no such directory")
     if not (run_dir / RUN_FILE).is_file():
@@ -218,7 +226,7 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, factor: float = DEFAULT_F
             and min_margin >= 0.0):
         raise UsageError(f"--min-margin: {min_margin!r}: must be a number >= 0")
     pa, pb = Path(run_a), Path(run_b)
-    ra, rb = _report(pa), _report(pb)
+    ra, rb = read_run_report(pa), read_run_report(pb)
     cells_a = {c.get("cell"): c for c in ra["cells"] if isinstance(c, dict)}
     cells_b = {c.get("cell"): c for c in rb["cells"] if isinstance(c, dict)}
     cells = []
