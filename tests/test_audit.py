@@ -53,7 +53,7 @@ def test_untouched_world_has_no_problem(signed_world: World) -> None:
     for r in result.rows:
         assert r.signature == f"valid {signed_world.key.keyid[:16]}"
         assert r.integrity == "ok"
-        assert r.staleness == "current"
+        assert r.contract_digest == "current"
         assert r.contract == CONTRACT
         assert r.source_commit in ("", r.source_commit)  # git may be absent
     assert rows[signed_world.reference.name].kind == "reference"
@@ -121,11 +121,11 @@ def test_stale_contract_and_unsigned_reference(world: World) -> None:
     ref = rows[world.reference.name]
     assert ref.signature == "unsigned"
     assert ref.integrity == "manifest ok"
-    assert ref.staleness == "STALE"
+    assert ref.contract_digest == "STALE"
     assert any(p.startswith("stale:") for p in ref.problems)
     assert any(p.startswith("step 1") for p in ref.problems)
     for name in ("run-1-old", "run-2-good", "run-3-fail"):
-        assert rows[name].staleness == "STALE"
+        assert rows[name].contract_digest == "STALE"
         assert any(p.startswith("step 6") for p in rows[name].problems)
     assert "STALE" in render(result, "table")
 

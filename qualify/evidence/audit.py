@@ -4,8 +4,9 @@ Each directory found by :func:`qualify.evidence.discover.find_evidence` becomes 
 contract, run id, date, source commit, signature status, integrity status (the nine
 verification steps of :func:`qualify.evidence.verify.verify`), the gate's decision under
 the contract's current policy (``verdict``), the comparator's verdict beneath it and the
-cell counts by verdict, cell attempts (failed ones counted, never hidden), staleness (the
-committed contract's digest changed since sealing), the run's sources
+cell counts by verdict, cell attempts (failed ones counted, never hidden), the contract's
+digest against the committed contract (``contract_digest``: ``STALE`` when the committed
+contract changed since sealing), the run's sources
 (:func:`qualify.evidence.sources.stale_cells`: ``fresh``, or the STALE cells and the source
 files changed since the run; ``not recorded`` for a run made before ``sources.json``) and
 every problem found. Stale sources are no problem of the audit (an old run is an honest
@@ -50,7 +51,7 @@ __all__ = ["COLUMNS", "AuditResult", "AuditRow", "audit", "render"]
 COLUMNS: Final = ("path", "kind", "contract", "run_id", "date", "source_commit", "signature",
                   "integrity", "verdict", "comparator", "PASS", "FAIL", "ERROR", "NOT_RUN",
                   "attempts",
-                  "staleness", "sources", "problems")
+                  "contract_digest", "sources", "problems")
 """The table's columns, in order."""
 VERDICTS: Final = ("PASS", "FAIL", "ERROR", "NOT_RUN")
 Format = Literal["table", "json", "md"]
@@ -78,7 +79,9 @@ class AuditRow:
         comparator: a run's report result before any policy (``PASS`` / ``FAIL``).
         counts: cells per verdict in the report (the comparator's).
         attempts: cell attempts, ``N (k failed)``.
-        staleness: ``current``, ``STALE`` or ``no committed contract``.
+        contract_digest: the run's or reference's contract digest against the committed
+            contract of that name: ``current``, ``STALE``, ``no committed contract`` or
+            ``unknown`` (the code's staleness is the ``sources`` column).
         sources: a run's code against this checkout: ``fresh``, ``STALE <n>/<cells> cells:
             <changed files>``, ``not recorded`` (``""`` for a reference).
         problems: every problem found (empty: none).
@@ -95,7 +98,7 @@ class AuditRow:
     verdict: str
     counts: Mapping[str, int]
     attempts: str
-    staleness: str
+    contract_digest: str
     problems: tuple[str, ...]
     sources: str = ""
     comparator: str = "-"
@@ -107,7 +110,7 @@ class AuditRow:
                 "signature": self.signature, "integrity": self.integrity,
                 "verdict": self.verdict, "comparator": self.comparator,
                 **{v: int(self.counts.get(v, 0)) for v in VERDICTS},
-                "attempts": self.attempts, "staleness": self.staleness,
+                "attempts": self.attempts, "contract_digest": self.contract_digest,
                 "sources": self.sources, "problems": list(self.problems)}
 
 
@@ -204,9 +207,9 @@ def _attempts(d: Path) -> str:
     return f"{total} ({failed} failed)" if total else "0"
 
 
-def _staleness(e: EvidenceDir, digest: str | None,
-               contracts_dir: str | Path | None) -> tuple[str, str | None]:
-    """Staleness column and the problem, if stale."""
+def _contract_digest(e: EvidenceDir, digest: str | None,
+                     contracts_dir: str | Path | None) -> tuple[str, str | None]:
+    """The ``contract_digest`` column and the problem, if stale."""
     from qualify.contract import load_contract
 
     if not e.contract:
@@ -313,7 +316,7 @@ def _row(e: EvidenceDir, root: Path, *, keys: Any, contracts_dir: str | Path | N
             digest = pred["contract"]["digest"]
             src = pred["source"]
             commit = (str(src.get("commit") or "")[:12] + ("+dirty" if src.get("dirty") else ""))
-    staleness, stale_problem = _staleness(e, digest, contracts_dir)
+    contract_state, stale_problem = _contract_digest(e, digest, contracts_dir)
     if stale_problem and not step6_ran and e.superseded_by is None:
         problems.append(stale_problem)  # a superseded run may be of an older contract
     report = _report(e.path) if e.kind == RUN_KIND else {}
@@ -332,7 +335,7 @@ def _row(e: EvidenceDir, root: Path, *, keys: Any, contracts_dir: str | Path | N
                     date=e.date or "", source_commit=commit, signature=signature,
                     integrity=integrity, verdict=verdict, comparator=raw, counts=counts,
                     attempts=_attempts(e.path) if e.kind == RUN_KIND else "",
-                    staleness=staleness, problems=tuple(problems),
+                    contract_digest=contract_state, problems=tuple(problems),
                     sources=_sources(e.path, source_root)
                     if e.kind == RUN_KIND and e.state == "sealed" else "")
 
