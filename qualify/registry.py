@@ -288,11 +288,22 @@ class EngineSpec:
 
     def world_size(self, cell: HarnessCell) -> int:
         """Processes a launch of ``cell`` needs (see :attr:`world_size_rule`)."""
+        return self.launch_world(cell.actor_tp, cell.critic_tp, cell.options)
+
+    def launch_world(self, actor_tp: int, critic_tp: int, options: Mapping[str, Any]) -> int:
+        """Processes a launch needs, from its per-role TP and its options.
+
+        ``options``: the harness options and non-TP axis degrees (``cell.json``'s
+        ``options``). By :attr:`world_size_rule`: ``rollout_tp`` (default 1),
+        ``(actor_tp + critic_tp) * dp`` (``dp`` default :data:`BASE_DEGREE`) or
+        ``actor_tp + critic_tp``. The candidate stage's launcher and ``qualify plan`` both
+        count ranks here.
+        """
         if self.world_size_rule == "rollout_tp":
-            return int(cell.options.get("rollout_tp", 1))
+            return int(options.get("rollout_tp", 1))
         if self.world_size_rule == "(actor_tp+critic_tp)*dp":
-            return cell.world_size * int(cell.options.get("dp", BASE_DEGREE))
-        return cell.world_size
+            return (actor_tp + critic_tp) * int(options.get("dp", BASE_DEGREE))
+        return actor_tp + critic_tp
 
     def unavailable_reason(self, cuda_available: bool | None = None, *,
                            variants: Sequence[str] = ()) -> str | None:

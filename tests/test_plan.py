@@ -87,7 +87,7 @@ def test_qwen3_8b_fits_a_node_of_eight_and_not_one_device(
         f"launch {e}-{t} ({n} cells, {w} ranks)" for e, n in
         (("torch_tp", 4), ("deepspeed", 8), ("megatron", 4))
         for t, w in (("a1c1", 2), ("a8c8", 16))], doc["shortfalls"]
-    assert all(line.endswith("needs 16 devices, one per rank; the machine has 8")
+    assert all(line.endswith("needs 16 devices at once; the machine has 8")
                for line in doc["shortfalls"] if "a8c8" in line), doc["shortfalls"]
     assert all(line.endswith("needs 168.7 GB on a device, each of the 8 has 141.0 GB (short by "
                              "27.7 GB)") for line in doc["shortfalls"] if "a1c1" in line), \
@@ -119,7 +119,7 @@ def test_qwen3_8b_fits_a_node_of_eight_and_not_one_device(
         "with them on the devices: control fp64-fp32: "), doc["gradients_why"]
     assert doc["shortfall"].startswith("launch torch_tp-a1c1"), doc["shortfall"]
     assert len(doc["shortfalls"]) == 12  # every launch: 2 ranks or more, one device
-    assert all(line.endswith("one per rank; the machine has 1")
+    assert all(line.endswith("at once; the machine has 1")
                for line in doc["shortfalls"]), doc["shortfalls"]
     code, _, err = _plan(capsys, str(contracts_dir() / "qwen3-8b.toml"), "--devices", "1",
                          "--device-memory", "141", "--host-memory", "2048")
@@ -144,7 +144,8 @@ def test_a_step_that_cannot_fit_is_refused_before_anything_is_written(tmp_path: 
     def started(name: str) -> None:
         raise AssertionError(f"the stage started ({name}) on a machine its plan does not fit")
 
-    with pytest.raises(plan.DoesNotFitError, match=r"does not fit this machine: scoring fp32"):
+    with pytest.raises(plan.DoesNotFitError,
+                       match=r"does not fit this machine: rollout vllm tp1 \(child process\)"):
         stage.run_reference_stage(contract, root=tmp_path / "refs", quiet=True,
                                   on_step=started)
     assert not (tmp_path / "refs").exists()
@@ -198,11 +199,12 @@ def test_the_text_says_which_stage_fits(capsys: pytest.CaptureFixture[str]) -> N
     code, out, err = _plan(capsys, "--devices", "0", "--host-memory", "64")
     assert code == ExitCode.OK, err
     assert "reference stage: fits this machine" in out
-    assert "candidate launches: all 3 fit" in out
+    assert "candidate launches: all 4 fit" in out  # three trainer launches, the sampler
+    assert "candidate launch times: compute only" in out
     code, out, err = _plan(capsys, "--devices", "0", "--host-memory", "0.1")
     assert code == ExitCode.USAGE_ERROR
     assert "reference stage: does not fit: " in out
-    assert "candidate launches: 3 of 3 do not fit:" in out
+    assert "candidate launches: 4 of 4 do not fit:" in out
     assert len(err.strip().splitlines()) == 1, err
     assert "of host memory" in err, err
     assert "; ...)" in err, err  # the first step, three more by name, the rest counted
@@ -223,6 +225,12 @@ def test_the_launches_are_the_ones_the_committed_run_made(
     code, out, _ = _plan(capsys, str(contracts_dir() / "tiny-qwen3.toml"), "--devices", "0",
                          "--host-memory", "64", "--json")
     assert code == ExitCode.OK
-    steps = [s for s in json.loads(out)["steps"] if s["kind"] == "launch"]
+    launches = [s for s in json.loads(out)["steps"] if s["kind"] == "launch"]
+    steps = [s for s in launches if s["step"].startswith("launch ")]
     assert sorted(s["step"].split()[1] for s in steps) == made
     assert {s["processes"] for s in steps} == {3}
+    # and one step for the sampler cells the run made (cells/vllm-fp32-sampler-tp*)
+    sampler = sorted(p.name for p in (runs[-1] / "cells").iterdir() if "-sampler-" in p.name)
+    assert sampler == ["vllm-fp32-sampler-tp1", "vllm-fp32-sampler-tp2"]
+    assert [s["step"] for s in launches if not s["step"].startswith("launch ")] == [
+        "sampler vllm-tp1-tp2 (2 cells, 3 ranks)"]

@@ -150,6 +150,24 @@ class Launch:
         return next(p for p in self.parts if cell in (p.actor, p.critic))
 
 
+def launches_for(contract: Contract, wanted: Sequence[CellSpec]) -> list[Launch]:
+    """:func:`plan_launches` with each engine's grouping taken from the registry.
+
+    Engines whose :attr:`~qualify.registry.EngineSpec.groups_variants` is set launch their
+    variants together, those also ``groups_topologies`` one launch per world size. The
+    candidate stage and ``qualify plan`` both group cells here.
+
+    Raises:
+        ContractError: an engine of ``wanted`` is not registered
+            (:func:`qualify.registry.get_engine`).
+    """
+    from qualify.registry import get_engine  # the engine table loads the harnesses' specs
+
+    grouped = sorted({c.engine for c in wanted if get_engine(c.engine).groups_variants})
+    by_world = [e for e in grouped if get_engine(e).groups_topologies]
+    return plan_launches(contract, wanted, grouped_engines=grouped, topology_engines=by_world)
+
+
 def plan_launches(contract: Contract, wanted: Sequence[CellSpec],
                   grouped_engines: Sequence[str] = (),
                   topology_engines: Sequence[str] = ()) -> list[Launch]:

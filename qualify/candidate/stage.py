@@ -43,7 +43,7 @@ from qualify import jsonio
 from qualify.atomic import TMP_PREFIX
 from qualify.candidate import beside, resume_stage, sampler_stage
 from qualify.candidate.launch import LaunchResult, launch_engine, read_safetensors_header
-from qualify.candidate.launches import Launch, plan_launches
+from qualify.candidate.launches import Launch, launches_for, plan_launches
 from qualify.contract import CellSpec, Contract, cells_matching
 from qualify.errors import (
     EvidenceIntegrityError,
@@ -389,13 +389,10 @@ def run_candidate_stage(
         numels = _model_numels(inputs)
         todo = [c for c in wanted
                 if run.cells.get(c.cell_id, {}).get("status") != "COMPLETE"]
-        grouped = sorted({c.engine for c in todo if get_engine(c.engine).groups_variants})
-        by_world = [e for e in grouped if get_engine(e).groups_topologies]
         # the launch exporting the sampler's weights first; the sampler cells then run
         # beside the other trainer launches (qualify.candidate.beside), under one lock
         source = contract.sampler.weights_from if contract.sampler is not None else ""
-        launches = sorted(plan_launches(contract, todo, grouped_engines=grouped,
-                                        topology_engines=by_world),
+        launches = sorted(launches_for(contract, todo),
                           key=lambda lc: source not in {c.cell_id for c in lc.cells})
         lock, cuda = threading.Lock(), has_cuda()
 

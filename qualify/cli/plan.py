@@ -67,6 +67,7 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
                       device_kind=kind)
     contract = load_contract(Path(args.contract) if args.contract else default_contract_path())
     plan = build_plan(contract, machine)
+    shorts = plan.short_steps()
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
@@ -109,20 +110,21 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
             print(f"update gradients: on the {grads} ({plan.gradients_why})")
             print(f"between rounds 1 and 2 the host AdamW keeps: {plan.round2_state} "
                   f"({plan.round2_state_why})")
-        ref_short = plan.shortfall("reference")
+        ref_short = next((line for s, line in shorts if s.kind == "reference"), None)
         print("reference stage: " + ("fits this machine" if ref_short is None else
                                      f"does not fit: {ref_short}"))
         launches = [s for s in plan.steps if s.kind == "launch"]
-        short_launches = plan.shortfalls("launch")
+        short_launches = [line for s, line in shorts if s.kind == "launch"]
         print(f"candidate launches: all {len(launches)} fit" if not short_launches else
               f"candidate launches: {len(short_launches)} of {len(launches)} do not fit:\n"
               + "\n".join(f"  - {line}" for line in short_launches))
-    shorts = plan.shortfalls()
+        print("candidate launch times: compute only (a launch's start, its ranks' imports "
+              "and process groups, and each variant's setup are not counted: docs/scale.md)")
     if shorts:
-        others = [s.name for s in plan.short_steps()[1:]]
+        others = [s.name for s, _ in shorts[1:]]
         named = "; ".join(others[:3]) + ("; ..." if len(others) > 3 else "")
         more = f" (and {len(others)} more: {named})" if others else ""
-        raise DoesNotFitError(f"{contract.path or contract.name}: does not fit: {shorts[0]}"
+        raise DoesNotFitError(f"{contract.path or contract.name}: does not fit: {shorts[0][1]}"
                               f"{more}")
     return ExitCode.OK
 

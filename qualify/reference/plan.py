@@ -102,7 +102,8 @@ from qualify.protocol import VOCAB_PARAMS
 
 __all__ = ["INTERPRETER_BYTES", "DoesNotFitError", "Machine", "ModelShape", "Plan", "Step",
            "activation_elements", "build_plan", "check_fits", "machine_defaults", "model_shape",
-           "plan_launches", "plan_reference", "round_to_round_updates"]
+           "plan_launches", "plan_reference", "plan_rollout", "plan_sampler",
+           "round_to_round_updates"]
 
 GB: Final = 10**9
 
@@ -112,6 +113,16 @@ INTERPRETER_BYTES: Final = 514 * 10**6
 parameters run forward and backward in FP32, under BF16 autocast and with BF16 parameters
 (the kernels' code and pools): ``VmRSS`` 501,556 KiB on the 2-core AMD EPYC CI machine
 (docs/scale.md, "The memory model"; measured apart from the runs it is validated against)."""
+
+VLLM_ENGINE_BYTES: Final = 676 * 10**6
+"""A vLLM engine process (CPU build) before its model's parameters, mapped checkpoint and KV
+cache: the reference stage's rollout child of tiny-qwen3 peaked at 922,524 KiB, less its
+256 MiB KV cache (docs/scale.md, "The memory model")."""
+VLLM_ROLLOUT_KV_BYTES: Final = 256 * 1024 * 1024
+"""The reference stage's rollout engine's KV cache (``harnesses.vllm.engine``'s default,
+``DEFAULT_KV_CACHE_BYTES``; ``tests/test_plan_vllm.py`` checks they agree)."""
+VLLM_SAMPLER_KV_BYTES: Final = 128 * 1024 * 1024
+"""Each candidate sampler engine's KV cache (``harnesses.vllm.harness.KV_CACHE_BYTES``)."""
 
 LOGIT_COPIES: Final = 5
 """FP32 ``[b, R, V]`` tensors alive at once in :func:`qualify.reference.update.
@@ -381,17 +392,20 @@ class Plan:
         Args:
             kind: only steps of this kind (``reference`` or ``launch``); default any.
         """
-        lines = (self._short_line(s) for s in self.short_steps(kind))
-        return [line for line in lines if line is not None]
+        return [line for _, line in self.short_steps(kind)]
 
-    def short_steps(self, kind: str | None = None) -> list[Step]:
-        """Every step that does not fit, in the plan's order (``[]``: all fit).
+    def short_steps(self, kind: str | None = None) -> list[tuple[Step, str]]:
+        """Every step that does not fit with its line, in the plan's order (``[]``: all fit).
 
         Args:
             kind: only steps of this kind (``reference`` or ``launch``); default any.
         """
-        return [s for s in self.steps if (kind is None or s.kind == kind)
-                and self._short_line(s) is not None]
+        out: list[tuple[Step, str]] = []
+        for s in self.steps:
+            line = self._short_line(s) if kind is None or s.kind == kind else None
+            if line is not None:
+                out.append((s, line))
+        return out
 
     def _first_short(self, kind: str | None) -> tuple[int, str] | None:
         """``(index of the first step that does not fit, its line)``; ``None``: all fit."""
@@ -415,7 +429,7 @@ class Plan:
                     f"{_size(m.host_bytes)} (short by {_size(s.host_peak - m.host_bytes)})")
         if m.devices and m.device_kind == "gpu" and s.kind == "launch" \
                 and s.processes > m.devices:
-            return (f"{s.name}: needs {s.processes} devices, one per rank; the machine has "
+            return (f"{s.name}: needs {s.processes} devices at once; the machine has "
                     f"{m.devices}")
         if m.devices and s.device_peak > m.device_bytes:
             return (f"{s.name}: needs {_size(s.device_peak)} on a device, each of the "
@@ -748,7 +762,8 @@ def plan_reference(contract: Contract, machine: Machine, *,
     device's largest parameter, the activations with their layers, the rest on the host, one
     run at a time (so one device computes at a time: a pipeline without overlap).
 
-    After the stage's steps, one ``verify`` step: what ``qualify verify`` reads back to
+    First the rollout where vLLM samples it (:func:`plan_rollout`). After the stage's
+    steps, one ``verify`` step: what ``qualify verify`` reads back to
     measure the control errors again (bytes read, time, the host memory of holding them).
     """
     from qualify.lanes import lane_bf16_mode, lane_precision
@@ -796,7 +811,8 @@ def plan_reference(contract: Contract, machine: Machine, *,
     rate_key = "gpu" if gpu else "cpu"
     # whole layers per device: one device at a time; ``cpu`` devices share the host's cores
     units = 1 if gpu else machine.cores
-    steps: list[Step] = []
+    rollout_step = plan_rollout(contract, machine)  # the stage samples before it scores
+    steps: list[Step] = [rollout_step] if rollout_step is not None else []
 
     def rate(prec: str) -> float:
         return THROUGHPUT[f"{rate_key}-{prec}"] * units
@@ -1189,6 +1205,92 @@ def _distribution_step(contract: Contract, machine: Machine, *, params: int, n_s
                 phase=peak_phase)
 
 
+def _vllm_engine(params: int, tp: int, kv: int, gpu: bool) -> tuple[int, int]:
+    """``(host bytes, bytes per device)`` of one vLLM engine of ``tp`` ranks at FP32.
+
+    Each rank: a vLLM process (:data:`VLLM_ENGINE_BYTES`), its ``4 P / tp`` parameters and
+    its KV cache ``kv``, on the host or, on GPUs, on its device; the engine's loader copies
+    the parameters from the checkpoint's mapped safetensors files, ``4 P`` of host pages
+    (shared by the ranks) while they load.
+    """
+    if gpu:
+        return tp * VLLM_ENGINE_BYTES + 4 * params, 4 * params // tp + kv
+    return tp * (VLLM_ENGINE_BYTES + kv) + 4 * params + 4 * params, 0
+
+
+def plan_rollout(contract: Contract, machine: Machine) -> Step | None:
+    """The reference stage's rollout by vLLM (``sampling.engine = "vllm"``); else ``None``.
+
+    A child process samples the frozen rollout from the Actor's checkpoint at FP32, TP
+    ``sampling.tp`` (:mod:`harnesses.vllm.rollout`): :func:`_vllm_engine` with
+    :data:`VLLM_ROLLOUT_KV_BYTES`, beside the stage's process (:data:`INTERPRETER_BYTES`).
+    Time: ``2 P`` FLOPs per token (prompt and response) at the FP32 rate of ``tp`` cores or
+    devices. The ``hf`` backend samples in the stage's process: planned with scoring.
+    """
+    s = contract.sampling
+    if s.engine != "vllm":
+        return None
+    shape = model_shape(contract)
+    p = shape.count("actor")
+    n_seq, prompt, resp, _ = _rollout_shape(contract)
+    gpu = machine.devices > 0 and machine.device_kind == "gpu"
+    host, per_device = _vllm_engine(p, s.tp, VLLM_ROLLOUT_KV_BYTES, gpu)
+    units = min(s.tp, machine.devices if gpu else machine.cores)
+    seconds = 2 * p * n_seq * (prompt + resp) / (THROUGHPUT[
+        "gpu-fp32" if gpu else "cpu-fp32"] * max(units, 1))
+    terms = {"interpreter": INTERPRETER_BYTES, "vllm_processes": s.tp * VLLM_ENGINE_BYTES,
+             "checkpoint_map": 4 * p}
+    if not gpu:
+        terms |= {"weights": 4 * p, "kv_cache": s.tp * VLLM_ROLLOUT_KV_BYTES}
+    return Step(name=f"rollout vllm tp{s.tp} (child process)", kind="reference",
+                device_peak=per_device, host_peak=INTERPRETER_BYTES + host,
+                written=SAFETENSORS_HEADER_BYTES + n_seq * (prompt + resp) * 8 * 3,
+                seconds=seconds, terms=terms, processes=s.tp if gpu else 1, phase="sample")
+
+
+def plan_sampler(contract: Contract, machine: Machine) -> Step | None:
+    """The candidate stage's sampler cells (``[sampler]``) as one step; else ``None``.
+
+    One harness process starts an engine per TP size of ``sampler.tp_sizes`` and keeps them
+    all until each has scored (:mod:`harnesses.vllm.harness`): on the host, the sum of
+    :func:`_vllm_engine` with :data:`VLLM_SAMPLER_KV_BYTES` over the engines, one mapped
+    checkpoint, and the installed round-1 weights read from their file (``4 P``); on GPUs an
+    engine of TP ``t`` takes devices ``0 .. t - 1``, so the step needs ``max(tp_sizes)``
+    devices and device 0 holds a rank of every engine. Each cell writes, and the harness
+    holds, two FP32 ``[B, R, V]`` next-token distributions of the decode path (raw and
+    tempered; :mod:`harnesses.vllm.decode`), and ten ``[B, R]`` tensors of at most 8 bytes
+    per element. Time: three passes of ``2 P`` FLOPs per rollout token per engine (scoring
+    each response token with the prefix cached, the decode path, a new rollout). On CPU the
+    step runs beside the trainer launches (:func:`qualify.candidate.beside.jobs`), so
+    :func:`plan_launches` adds its host memory to theirs.
+    """
+    sampler = contract.sampler
+    if sampler is None:
+        return None
+    shape = model_shape(contract)
+    p = shape.count("actor")
+    n_seq, prompt, resp, _ = _rollout_shape(contract)
+    gpu = machine.devices > 0 and machine.device_kind == "gpu"
+    tps = list(sampler.tp_sizes)
+    engines = [_vllm_engine(p, t, VLLM_SAMPLER_KV_BYTES, gpu) for t in tps]
+    shared_map = 4 * p * (len(tps) - 1)  # one mapped checkpoint, not one per engine
+    distributions = 2 * 4 * n_seq * resp * shape.vocab_size
+    host = sum(h for h, _ in engines) - shared_map + 4 * p + len(tps) * distributions
+    units = min(max(tps), machine.devices if gpu else machine.cores)
+    seconds = len(tps) * 3 * 2 * p * n_seq * (prompt + resp) / (THROUGHPUT[
+        "gpu-fp32" if gpu else "cpu-fp32"] * max(units, 1))
+    terms = {"vllm_processes": sum(tps) * VLLM_ENGINE_BYTES, "checkpoint_map": 4 * p,
+             "round1_weights": 4 * p, "decode_distributions": len(tps) * distributions}
+    if not gpu:
+        terms |= {"weights": 4 * p * len(tps), "kv_cache": sum(tps) * VLLM_SAMPLER_KV_BYTES}
+    tags = "-".join(f"tp{t}" for t in tps)
+    written = len(tps) * (distributions + 10 * 8 * n_seq * resp + 10 * SAFETENSORS_HEADER_BYTES)
+    return Step(name=f"sampler {sampler.engine}-{tags} ({len(tps)} cells, {sum(tps)} ranks)",
+                kind="launch", device_peak=sum(d for _, d in engines), host_peak=host,
+                written=written, seconds=seconds, terms=terms,
+                processes=max(tps) if gpu else sum(tps))
+
+
 def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
     """One step per candidate launch, the launches the candidate stage makes.
 
@@ -1206,8 +1308,15 @@ def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
     The engines' own buffers (NCCL, DeepSpeed's flat buffers) are not counted. ``cpu``
     devices (``Machine.device_kind``: the reference stage's device budget on the host) hold
     no launch: the candidate's ranks are host processes there, planned as on the host.
+    Ranks are counted by the engine's world-size rule
+    (:meth:`qualify.registry.EngineSpec.launch_world`), as the launcher counts them.
+
+    The sampler cells (:func:`plan_sampler`) come last, as one step; where they run beside
+    the trainer launches (on CPU, :func:`qualify.candidate.beside.jobs`) each trainer
+    launch's host peak includes theirs (the ``sampler_beside`` term).
     """
-    from qualify.candidate.launches import plan_launches as candidate_launches
+    from qualify.candidate.beside import jobs
+    from qualify.candidate.launches import launches_for
     from qualify.registry import get_engine
 
     shape = model_shape(contract)
@@ -1216,16 +1325,14 @@ def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
     mbs = contract.algorithm.micro_batch_size
     rounds = contract.algorithm.rounds
     ev = contract.evidence
-    cells = list(contract.matrix.cells())
-    grouped = sorted({c.engine for c in cells if get_engine(c.engine).groups_variants})
-    by_world = [e for e in grouped if get_engine(e).groups_topologies]
-    launches = candidate_launches(contract, cells, grouped_engines=grouped,
-                                  topology_engines=by_world)
+    launches = launches_for(contract, list(contract.matrix.cells()))
     dev = machine.devices > 0 and machine.device_kind == "gpu"
+    sampler = plan_sampler(contract, machine)
+    # on CPU the sampler's engines run beside every trainer launch (QUALIFY_JOBS 2)
+    beside = sampler if sampler is not None and jobs(cuda=dev) >= 2 else None
     steps: list[Step] = []
     for lc in launches:
-        degree = math.prod(deg for _, deg in lc.parts[0].axes)
-        world = (lc.actor_tp + lc.critic_tp) * degree
+        world = get_engine(lc.engine).launch_world(lc.actor_tp, lc.critic_tp, dict(lc.options))
         per_rank, written, flops = 0, 0, 0.0
         for cell in lc.cells:
             pr = shape.count(cell.role)
@@ -1248,11 +1355,14 @@ def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
         units = min(world, machine.devices) if dev else min(world, machine.cores)
         seconds = flops / (THROUGHPUT[rk] * max(units, 1))
         host = (INTERPRETER_BYTES * world + (0 if dev else per_rank * world))
+        terms = {"per_rank": per_rank, "interpreter": INTERPRETER_BYTES}
+        if beside is not None:
+            host += beside.host_peak
+            terms["sampler_beside"] = beside.host_peak
         steps.append(Step(name=f"launch {lc.launch_id} ({len(lc.cells)} cells, {world} ranks)",
                           kind="launch", device_peak=per_rank if dev else 0, host_peak=host,
-                          written=written, seconds=seconds, processes=world,
-                          terms={"per_rank": per_rank, "interpreter": INTERPRETER_BYTES}))
-    return steps
+                          written=written, seconds=seconds, processes=world, terms=terms))
+    return steps + ([sampler] if sampler is not None else [])
 
 
 COST_MODEL: Final = (
