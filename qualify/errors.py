@@ -51,6 +51,14 @@ class ContractError(QualifyError):
     exit_code = ExitCode.USAGE_ERROR
 
 
+class ReferenceDivergedError(ContractError):
+    """The reference update's loss became NaN or infinite.
+
+    The contract's settings (usually its learning rates) make the independent update
+    diverge on its model, so there is no target to seal.
+    """
+
+
 class ModelSourceError(QualifyError):
     """A model file is missing or does not match its manifest (digest, config field)."""
 

@@ -735,3 +735,29 @@ def test_perturbed_updates_restored_equal_new_copies_bit_for_bit(
     after = _perturbed_updates(models, batch, contract, settings, restored=True, placed=placed)
     assert [_equal(x, y) for x, y in zip(before, after, strict=True)] == [[]] * len(before)
     assert _equal(before[0], before[1]) != []
+
+
+def test_a_diverging_update_stops_at_the_round_that_shows_it(models: Models, batch: Batch,
+                                                             contract: Contract) -> None:
+    """A learning rate far too large for the model: round 1's Adam step moves every
+    parameter by about lr, round 2's logprobs fall by hundreds of nats and the k3 KL
+    overflows. The run stops there, naming the role, round, terms and the lr, instead of
+    sealing a NaN target that only the bounds step would find. The same for the Critic, whose
+    round-2 value loss overflows."""
+    from qualify.errors import ReferenceDivergedError
+
+    actor, critic = models
+    huge = dataclasses.replace(contract, optimizer=dataclasses.replace(
+        contract.optimizer, actor_lr=1e3, critic_lr=1e30))
+    settings = UpdateSettings(precision="fp32", micro_batch_size=2, label="hf-fp32")
+    with pytest.raises(ReferenceDivergedError) as exc:
+        run_actor(_fresh(actor), _fresh(actor), batch, huge, settings)
+    msg = str(exc.value)
+    assert msg.startswith("hf-fp32: the actor's round 2 loss is not finite ("), msg
+    assert "the reference update diverged; round 1's update moved them by up to " in msg, msg
+    assert "optimizer.actor_lr 1000 is too large a step for this model" in msg, msg
+    with pytest.raises(ReferenceDivergedError, match=r"hf-fp32: the critic's round 2 loss is "
+                       r"not finite \(value (inf|nan)\).*optimizer\.critic_lr 1e\+30"):
+        run_critic(_fresh(critic), batch, huge, settings)
+    # the contract's own lr runs both roles to the end (the check stops only a divergence)
+    run_actor(_fresh(actor), _fresh(actor), batch, contract, settings)

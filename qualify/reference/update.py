@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -57,6 +58,7 @@ from torch import nn
 
 from qualify import aggregation
 from qualify.contract import Contract
+from qualify.errors import ReferenceDivergedError
 from qualify.lanes import Bf16Style
 from qualify.protocol import param_sample_indices, tensor_name
 from qualify.reference import devices as reference_devices
@@ -981,6 +983,8 @@ def run_actor(actor: nn.Module, ref: nn.Module | None, batch: Batch, contract: C
             ent_r[s] = (ent.detach() * mask)
         if round_ == 1:
             old_logp = logp_r.clone()
+        _require_finite("actor", round_, sums, settings, contract.optimizer.actor_lr,
+                        moved=float((logp_r - old_logp).abs().max()), unit="nats of logprob")
         clip_fraction[f"round{round_}"] = clipped_tokens / n_valid
         out[tensor_name(round_, "actor", "logprobs")] = logp_r.float()
         out[tensor_name(round_, "actor", "entropy")] = ent_r.float()
@@ -1013,6 +1017,30 @@ def run_actor(actor: nn.Module, ref: nn.Module | None, batch: Batch, contract: C
                                          batch.response_mask.numpy(), alg.behavior_weight_cap)
         meta["behavior_weight"] = {f"round{r}": stats for r in range(1, alg.rounds + 1)}
     return out, meta
+
+
+def _require_finite(role: str, round_: int, losses_: Mapping[str, float],
+                    settings: UpdateSettings, lr: float, *, moved: float, unit: str) -> None:
+    """Stop a reference update whose round's loss is not finite: it diverged.
+
+    A non-finite reference loss would be sealed as the target and found only when the bounds
+    are computed; raised at the round that shows it instead, with how far round 1's update
+    moved the role's per-token outputs on valid tokens (``moved``, largest absolute change;
+    a NaN output makes it NaN).
+
+    Raises:
+        ReferenceDivergedError: a term of ``losses_`` is NaN or infinite.
+    """
+    bad = {t: v for t, v in losses_.items() if not math.isfinite(v)}
+    if not bad:
+        return
+    terms = ", ".join(f"{t} {v}" for t, v in bad.items())
+    why = (f"; round 1's update moved them by up to {moved:.4g} {unit}: "
+           f"optimizer.{role}_lr {lr:g} is too large a step for this model (Adam's first step "
+           "moves every parameter by about lr)" if round_ > 1 else "")
+    raise ReferenceDivergedError(
+        f"{settings.label}: the {role}'s round {round_} loss is not finite ({terms}): the "
+        f"reference update diverged{why}")
 
 
 def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
@@ -1092,6 +1120,9 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
             values_r[s] = values.detach() * mask
         if round_ == 1:
             old_values = values_r.clone()
+        _require_finite("critic", round_, {"value": total}, settings,
+                        contract.optimizer.critic_lr,
+                        moved=float((values_r - old_values).abs().max()), unit="in value")
         clip_fraction[f"round{round_}"] = clipped_tokens / n_valid
         out[tensor_name(round_, "critic", "values")] = values_r.float()
         out[tensor_name(round_, "critic", "loss/value")] = torch.tensor(total)
