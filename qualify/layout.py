@@ -87,6 +87,7 @@ __all__ = [
     "TARGETS_FILE",
     "TENSOR_INDEX_FILE",
     "TRAIN_INPUTS_FILE",
+    "WRITTEN_MARKS",
     "RunDocument",
     "RunReference",
     "hf_tensors_file",
@@ -96,10 +97,9 @@ __all__ = [
 
 # --- every sealed directory
 MANIFEST_FILE: Final = "MANIFEST.json"
-"""The manifest at the top of a sealed directory (written when sealing, after every file)."""
+"""The manifest at the top of a sealed directory (written last)."""
 INCOMPLETE_FILE: Final = "INCOMPLETE"
-"""The marker of a directory being written (removed right after the manifest is written: the
-seal's commit point, :func:`qualify.evidence.store.seal`)."""
+"""The marker of a directory being written (removed right before the manifest)."""
 INCOMPLETE_INFIX: Final = ".incomplete-"
 """An interrupted directory moved aside is named ``<name>.incomplete-<UTC stamp>``."""
 ATTESTATION_FILE: Final = "attestation.dsse.json"
@@ -135,6 +135,11 @@ COVERAGE_FILE: Final = "coverage.json"
 RUN_FILE: Final = "run.json"
 REPORT_JSON: Final = "report.json"
 REPORT_MD: Final = "report.md"
+WRITTEN_MARKS: Final = (RUN_FILE, REPORT_JSON, REFERENCE_FILE, BOUNDS_FILE)
+"""Files at the top of a run or reference that only qualify writes: with one of them, a
+directory without ``MANIFEST.json`` or ``INCOMPLETE`` is an interrupted (or stripped) one, not
+a folder qualify never wrote (:func:`qualify.evidence.store.seal` removes the marker just
+before it writes the manifest)."""
 INPUTS_DIR: Final = "inputs"
 LAUNCHES_DIR: Final = "launches"
 CELLS_DIR: Final = "cells"

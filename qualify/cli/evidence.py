@@ -94,7 +94,7 @@ def _cmd_verify(args: argparse.Namespace) -> ExitCode:
     from qualify.evidence import store
     from qualify.evidence.sign import ATTESTATION_FILE
     from qualify.evidence.verify import verify
-    from qualify.layout import BOUNDS_FILE, REFERENCE_FILE, REPORT_JSON, RUN_FILE
+    from qualify.layout import WRITTEN_MARKS
 
     _existing_dir(args.path, "evidence directory")
     _output_file(args.json, "--json")
@@ -106,8 +106,7 @@ def _cmd_verify(args: argparse.Namespace) -> ExitCode:
         _existing_dir(args.contracts_dir, "--contracts-dir")
     trusted = _root_keys(args, args.contracts_dir
                          or (Path(args.contract).parent if args.contract else None))
-    marks = (store.MANIFEST_FILE, ATTESTATION_FILE, store.INCOMPLETE_FILE, RUN_FILE,
-             REPORT_JSON, REFERENCE_FILE, BOUNDS_FILE)
+    marks = (store.MANIFEST_FILE, ATTESTATION_FILE, store.INCOMPLETE_FILE, *WRITTEN_MARKS)
     if not any(os.path.lexists(Path(args.path) / m) for m in marks):
         # nothing qualify writes at the top of a reference or run: a wrong path, not
         # tampering (a run or reference stripped of some of these still fails verification)

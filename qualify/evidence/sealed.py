@@ -17,7 +17,7 @@ from typing import Any
 
 from qualify import atomic, jsonio
 from qualify.errors import EvidenceIntegrityError, QualifyError
-from qualify.layout import INCOMPLETE_FILE, MANIFEST_FILE
+from qualify.layout import INCOMPLETE_FILE, MANIFEST_FILE, WRITTEN_MARKS
 from qualify.schema import validate, validator
 
 __all__ = [
@@ -62,11 +62,13 @@ def is_sealed(directory: str | Path) -> bool:
 def not_sealed_reason(directory: str | Path, what: str, *, advice: str = "") -> str:
     """Why ``directory`` is not a sealed ``what``: one line for a user error.
 
-    A folder with no ``MANIFEST.json`` and no ``INCOMPLETE`` marker whose subdirectories
-    are sealed (an ``--out`` / ``--references`` parent) is named as such, with the sealed
-    subdirectories to choose from; any other folder with neither, inside no ``INCOMPLETE``
-    directory, is "not a ``what`` directory" (qualify marks a directory ``INCOMPLETE``
-    before its first write); the rest (the marker, a manifest that is not valid, a folder
+    A folder with no ``MANIFEST.json``, no ``INCOMPLETE`` marker and none of
+    :data:`~qualify.layout.WRITTEN_MARKS` whose subdirectories are sealed (an ``--out`` /
+    ``--references`` parent) is named as such, with the sealed subdirectories to choose from;
+    any other such folder, inside no ``INCOMPLETE`` directory, is "not a ``what`` directory"
+    (qualify marks a directory ``INCOMPLETE`` before its first write); the rest (the marker,
+    a manifest that is not valid, a run or reference file without either, as a seal
+    interrupted between removing the marker and writing the manifest leaves it, a folder
     inside an interrupted directory) is "not sealed (interrupted or still running)".
 
     Args:
@@ -75,7 +77,8 @@ def not_sealed_reason(directory: str | Path, what: str, *, advice: str = "") -> 
         advice: appended (after ``"; "``) to the "not sealed" line only, not to the folder's.
     """
     d = Path(directory)
-    if not os.path.lexists(d / MANIFEST_FILE) and not is_incomplete(d):
+    if not os.path.lexists(d / MANIFEST_FILE) and not is_incomplete(d) \
+            and not any(os.path.lexists(d / m) for m in WRITTEN_MARKS):
         try:
             inside = sorted(c.name for c in d.iterdir() if c.is_dir() and is_sealed(c))
         except OSError:

@@ -8,11 +8,9 @@ Every file qualify writes goes through this module (docs/concepts.md):
   :mod:`qualify.evidence.sealed`.
 - **Incomplete marker.** A directory being written carries ``INCOMPLETE`` (JSON: pid,
   host, start time, kind), created first by :func:`claim_dir` / :func:`new_attempt`
-  (:mod:`qualify.evidence.attempts`) and removed by :func:`seal` right after the manifest
-  is written (the seal's commit point). An interrupted run, or an interrupted seal, therefore
-  never looks sealed, and never looks like a folder qualify did not write.
-- **Manifest, written after every file.** ``MANIFEST.json`` (schema
-  ``manifest.schema.json``) lists
+  (:mod:`qualify.evidence.attempts`) and removed by :func:`seal` right before the manifest
+  is written. An interrupted run therefore never looks sealed.
+- **Manifest, written last.** ``MANIFEST.json`` (schema ``manifest.schema.json``) lists
   the sha256 and size of every regular file under the directory except itself and the
   DSSE attestations (``*.dsse.json``, added after sealing by the signing step).
 - **Seal.** :func:`seal` writes the manifest and makes every file ``0o444`` and every
@@ -229,18 +227,15 @@ def build_manifest(directory: str | Path, *, kind: str) -> dict[str, Any]:
 
 
 def seal(directory: str | Path, *, kind: str) -> str:
-    """Seal ``directory``: write ``MANIFEST.json``, remove ``INCOMPLETE``, make it read-only.
+    """Seal ``directory``: write ``MANIFEST.json`` last and make everything read-only.
 
     Order: remove the temporary files of dead writers
     (:func:`qualify.atomic.remove_stale_temporaries`: a ``kill -9`` during an atomic write
-    leaves one), hash every file, make files ``0o444``, write the manifest atomically
-    (validated against ``manifest.schema.json``) and make it ``0o444``, remove ``INCOMPLETE``
-    (refused while a live process holds its lock:
-    :func:`qualify.evidence.attempts.hold_writer_lock`), then make every directory ``0o555``
-    (bottom-up). Removing the marker is the commit point: a crash before it leaves the marker,
-    so :func:`is_sealed` reports the directory as not sealed and
-    :func:`qualify.evidence.sealed.not_sealed_reason` as interrupted (not as a folder qualify
-    never wrote); a crash after it leaves a complete seal.
+    leaves one), hash every file, make files ``0o444``, remove ``INCOMPLETE`` (unless a
+    live process holds its lock: :func:`qualify.evidence.attempts.hold_writer_lock`), write the
+    manifest atomically (validated against ``manifest.schema.json``), then make the
+    manifest ``0o444`` and every directory ``0o555`` (bottom-up). A crash at any point
+    leaves a directory that :func:`is_sealed` reports as not sealed, or a complete seal.
 
     Args:
         directory: the directory to seal.
@@ -274,11 +269,11 @@ def seal(directory: str | Path, *, kind: str) -> str:
         validate_json(manifest, "manifest", what=str(d / MANIFEST_FILE))
         for rel in manifest["files"]:
             os.chmod(d / rel, _FILE_MODE)
+        with contextlib.suppress(FileNotFoundError):
+            (d / INCOMPLETE_FILE).unlink()
         data = json_bytes(manifest)
         write_bytes(d / MANIFEST_FILE, data)
         os.chmod(d / MANIFEST_FILE, _FILE_MODE)
-        with contextlib.suppress(FileNotFoundError):  # the commit point: sealed from here
-            (d / INCOMPLETE_FILE).unlink()
         for root, dirs, _files in os.walk(d, topdown=False, followlinks=False):
             for name in dirs:
                 sub = Path(root) / name
