@@ -761,3 +761,8 @@ def test_a_diverging_update_stops_at_the_round_that_shows_it(models: Models, bat
         run_critic(_fresh(critic), batch, huge, settings)
     # the contract's own lr runs both roles to the end (the check stops only a divergence)
     run_actor(_fresh(actor), _fresh(actor), batch, contract, settings)
+    # a perturbed round-to-round run records its overflow instead of stopping the stage
+    offsets = {2: torch.full(batch.responses.shape, -1e30)}  # every target logit pushed down
+    out, _ = run_actor(_fresh(actor), _fresh(actor), batch, contract, settings,
+                       offsets=offsets, last_forward=2)
+    assert not torch.isfinite(out["round2/actor/loss/kl"])

@@ -983,8 +983,10 @@ def run_actor(actor: nn.Module, ref: nn.Module | None, batch: Batch, contract: C
             ent_r[s] = (ent.detach() * mask)
         if round_ == 1:
             old_logp = logp_r.clone()
-        _require_finite("actor", round_, sums, settings, contract.optimizer.actor_lr,
-                        moved=float((logp_r - old_logp).abs().max()), unit="nats of logprob")
+        if offsets is None:  # a perturbed run's non-finite response is its measurement
+            _require_finite("actor", round_, sums, settings, contract.optimizer.actor_lr,
+                            moved=float((logp_r - old_logp).abs().max()),
+                            unit="nats of logprob")
         clip_fraction[f"round{round_}"] = clipped_tokens / n_valid
         out[tensor_name(round_, "actor", "logprobs")] = logp_r.float()
         out[tensor_name(round_, "actor", "entropy")] = ent_r.float()
@@ -1026,7 +1028,9 @@ def _require_finite(role: str, round_: int, losses_: Mapping[str, float],
     A non-finite reference loss would be sealed as the target and found only when the bounds
     are computed; raised at the round that shows it instead, with how far round 1's update
     moved the role's per-token outputs on valid tokens (``moved``, largest absolute change;
-    a NaN output makes it NaN).
+    a NaN output makes it NaN). Not called for the round-to-round runs, whose perturbed
+    outputs (``offsets``) may overflow: :func:`qualify.reference.round_to_round.measure`
+    records a non-finite response as such.
 
     Raises:
         ReferenceDivergedError: a term of ``losses_`` is NaN or infinite.
@@ -1120,9 +1124,10 @@ def run_critic(critic: nn.Module, batch: Batch, contract: Contract,
             values_r[s] = values.detach() * mask
         if round_ == 1:
             old_values = values_r.clone()
-        _require_finite("critic", round_, {"value": total}, settings,
-                        contract.optimizer.critic_lr,
-                        moved=float((values_r - old_values).abs().max()), unit="in value")
+        if offsets is None:
+            _require_finite("critic", round_, {"value": total}, settings,
+                            contract.optimizer.critic_lr,
+                            moved=float((values_r - old_values).abs().max()), unit="in value")
         clip_fraction[f"round{round_}"] = clipped_tokens / n_valid
         out[tensor_name(round_, "critic", "values")] = values_r.float()
         out[tensor_name(round_, "critic", "loss/value")] = torch.tensor(total)
