@@ -116,6 +116,12 @@ def test_a_refused_run_shows_no_outcome_changes(repo: Repo) -> None:
     (b,) = json.loads(out_json.read_text())["baselines"]  # the JSON says so as well
     assert b["judged"] is False
     assert b["outcomes"] == []
+    for older in (repo.w.good, repo.w.run("run-1-old")):  # and with no accepted run at all
+        shutil.rmtree(older)
+    code, out = _gate(repo, "--json", str(out_json))
+    assert code == ExitCode.INTEGRITY_ERROR
+    (b,) = json.loads(out_json.read_text())["baselines"]
+    assert (b["baseline"], b["judged"]) == (None, False), b
 
 
 def test_the_ref_baseline_is_what_was_merged_read_from_git_objects(shared: Repo) -> None:

@@ -237,8 +237,10 @@ def find_baseline(decision: ContractDecision, spec: str, *, evidence_dir: Path,
         The :class:`Baseline`; a baseline that cannot be found or read is a
         :class:`Baseline` without a diff whose ``why`` says so.
     """
+    judged = bool(decision.cells)  # False: the gate refused the run before its cells
     if decision.run_dir is None:
-        return Baseline(contract=decision.contract, label=None, why="the gate chose no run")
+        return Baseline(contract=decision.contract, label=None, why="the gate chose no run",
+                        judged=judged)
     label: str | None
     try:
         if spec != AUTO:
@@ -253,15 +255,15 @@ def find_baseline(decision: ContractDecision, spec: str, *, evidence_dir: Path,
                               reference_dir)
             label = str(run) if run is not None else None
         if run is None:
-            return Baseline(contract=decision.contract, label=None, why=why)
+            return Baseline(contract=decision.contract, label=None, why=why, judged=judged)
         diff = diff_runs(run, decision.run_dir)
-        judged = bool(decision.cells)
         return Baseline(contract=decision.contract, label=label, why=why,
                         outcomes=_outcome_changes(run, decision) if judged else (),
                         diff=diff, judged=judged)
     except Exception as exc:  # information only: nothing here may change the gate's exit
         return Baseline(contract=decision.contract, label=None,
-                        why=f"the baseline could not be read: {type(exc).__name__}: {exc}")
+                        why=f"the baseline could not be read: {type(exc).__name__}: {exc}",
+                        judged=judged)
 
 
 def baselines(result: GateResult, spec: str, *, keys: str | Path | None,
