@@ -225,12 +225,12 @@ def test_the_launches_are_the_ones_the_committed_run_made(
     code, out, _ = _plan(capsys, str(contracts_dir() / "tiny-qwen3.toml"), "--devices", "0",
                          "--host-memory", "64", "--json")
     assert code == ExitCode.OK
-    launches = [s for s in json.loads(out)["steps"] if s["kind"] == "launch"]
-    steps = [s for s in launches if s["step"].startswith("launch ")]
+    planned = json.loads(out)["steps"]
+    steps = [s for s in planned if s["kind"] == "launch"]
     assert sorted(s["step"].split()[1] for s in steps) == made
     assert {s["processes"] for s in steps} == {3}
     # and one step for the sampler cells the run made (cells/vllm-fp32-sampler-tp*)
     sampler = sorted(p.name for p in (runs[-1] / "cells").iterdir() if "-sampler-" in p.name)
     assert sampler == ["vllm-fp32-sampler-tp1", "vllm-fp32-sampler-tp2"]
-    assert [s["step"] for s in launches if not s["step"].startswith("launch ")] == [
+    assert [s["step"] for s in planned if s["kind"] == "sampler"] == [
         "sampler vllm-tp1-tp2 (2 cells, 3 ranks)"]

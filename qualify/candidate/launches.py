@@ -20,7 +20,7 @@ from qualify.contract import CellSpec, Contract
 from qualify.matrix import Precision
 from qualify.protocol import variant_tag
 
-__all__ = ["Launch", "LaunchPart", "plan_launches"]
+__all__ = ["Launch", "LaunchPart", "launches_for", "plan_launches"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

