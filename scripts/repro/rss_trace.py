@@ -9,7 +9,9 @@ machine's memory once) of the whole tree and of the processes whose command line
 ``TEXT`` with their descendants. Writes ``OUT.json``: the wall, the exit status, the largest
 RSS of the top process and of any one descendant, the largest tree and matched PSS sums
 (KiB), and the time series ``[seconds since start, top RSS, largest descendant RSS, tree
-PSS, matched PSS]``. Also prints the peaks. ``/usr/bin/time -v``'s "Maximum resident set
+PSS, matched PSS]``. Also prints the peaks. Reading ``smaps_rollup`` walks each process's
+mappings under its memory lock, every 0.2 s: it can slow a process of many GB a little, so
+wall times beside it are not clean timings. ``/usr/bin/time -v``'s "Maximum resident set
 size" is the largest of the process and its waited-for children, one process at a time;
 the top process's peak is the figure the reference stage's memory model predicts for the
 steps it runs itself (the rollout sampler's child is another process; the plan's rollout
@@ -69,14 +71,18 @@ def main() -> int:
     out = Path(sys.argv[1])
     sep = sys.argv.index("--")
     opts = sys.argv[2:sep]
-    match = opts[opts.index("--match") + 1] if "--match" in opts else None
+    if opts not in ([], ["--match", *opts[1:2]]) or opts == ["--match"]:
+        raise SystemExit("usage: rss_trace.py OUT.json [--match TEXT] -- COMMAND...")
+    match = opts[1] if opts else None
     cmd = sys.argv[sep + 1:]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd)
     series: list[list[float]] = []
     while proc.poll() is None:
         todo = [(c, match is not None and _matches(c, match)) for c in _children(proc.pid)]
-        kids, tree, matched = 0, _pss_kib(proc.pid), 0
+        top = _pss_kib(proc.pid)
+        kids, tree = 0, top
+        matched = top if match is not None and _matches(proc.pid, match) else 0
         while todo:
             p, inside = todo.pop()
             kids = max(kids, _rss_kib(p))
