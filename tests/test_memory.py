@@ -57,9 +57,9 @@ def test_it_runs_here() -> None:
 _FREED_BIG_TENSORS = """
     import sys
     import torch
-    from qualify import libc
     from qualify.memory import fix_mmap_threshold
-    libc.function("mallopt")  # both modes load the C library's symbols alike
+    # only "fix" looks the C library up: ctypes' lookup alone changed where glibc served the
+    # 8 MiB tensors in some runs (17 MB kept instead of 402), the premise's failure
     fixed = fix_mmap_threshold() if sys.argv[1] == "fix" else False
     before = rss_mb()
     first = torch.empty(1 << 22)  # 16 MiB, mmapped: its free raises the dynamic threshold
@@ -89,7 +89,7 @@ def test_fixed_mmap_threshold_returns_freed_tensors_without_a_trim() -> None:
     default, kept_default = _run_freed_big_tensors("default")
     assert (fixed, default) == ("True", "False")
     assert kept_fixed < 50, kept_fixed  # MB still resident of the 400 MiB freed
-    assert kept_default >= 300, kept_default
+    _premise(kept_default)
 
 
 def test_fix_mmap_threshold_refuses_a_non_positive_threshold() -> None:
@@ -107,4 +107,16 @@ def test_the_call_replaces_a_threshold_glibc_read_from_the_environment() -> None
     default, kept_env, _ = _python(_FREED_BIG_TENSORS, "default", env=env)
     assert (fixed, default) == ("True", "False")
     assert int(kept_fixed) < 50, kept_fixed
-    assert int(kept_env) >= 300, kept_env
+    _premise(int(kept_env))
+
+
+def _premise(kept_mb: int) -> None:
+    """The heap kept the freed tensors without the call (what makes the call's effect seen).
+
+    Some runs on the CI machine's kernel returned them anyway (17-49 MB kept, with other
+    large processes running); glibc's choice between brk and mmap for the heap is not under
+    the test's control, so such a run is reported as skipped, never as passed.
+    """
+    if kept_mb < 300:
+        pytest.skip(f"premise not met in this run: the heap returned the freed tensors "
+                    f"itself ({kept_mb} MB of 400 kept without the call)")
