@@ -120,10 +120,11 @@ parameters run forward and backward in FP32, under BF16 autocast and with BF16 p
 (the kernels' code and pools): ``VmRSS`` 501,556 KiB on the 2-core AMD EPYC CI machine
 (docs/scale.md, "The memory model"; measured apart from the runs it is validated against)."""
 
-VLLM_ENGINE_BYTES: Final = 676 * 10**6
-"""A vLLM engine process (CPU build) before its model's parameters, mapped checkpoint and KV
-cache: the reference stage's rollout child of tiny-qwen3 peaked at 922,524 KiB, less its
-256 MiB KV cache (docs/scale.md, "The memory model")."""
+VLLM_ENGINE_BYTES: Final = 597 * 10**6
+"""A process holding vLLM (CPU build) before its model's parameters, mapped checkpoint and KV
+cache: the reference stage's rollout child of tiny-qwen3 peaked at a PSS of 845,548 KiB (its
+pages shared with other processes counted once), less its 256 MiB KV cache (docs/scale.md,
+"The vLLM processes")."""
 VLLM_ROLLOUT_KV_BYTES: Final = 256 * 1024 * 1024
 """The reference stage's rollout engine's KV cache (``harnesses.vllm.engine``'s default,
 ``DEFAULT_KV_CACHE_BYTES``; ``tests/test_plan_vllm.py`` checks they agree)."""
