@@ -28,14 +28,23 @@ import time
 from pathlib import Path
 
 
-def _rss_kib(pid: int) -> int:
+def _kib(pid: int, file: str, field: str) -> int:
+    """The KiB of ``field`` (``VmRSS:``, ``Pss:``) in ``/proc/<pid>/<file>``; 0 if gone."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+        for line in Path(f"/proc/{pid}/{file}").read_text().splitlines():
+            if line.startswith(field):
                 return int(line.split()[1])
     except OSError:
         pass
     return 0
+
+
+def _rss_kib(pid: int) -> int:
+    return _kib(pid, "status", "VmRSS:")
+
+
+def _pss_kib(pid: int) -> int:
+    return _kib(pid, "smaps_rollup", "Pss:")
 
 
 def _children(pid: int) -> list[int]:
@@ -47,16 +56,6 @@ def _children(pid: int) -> list[int]:
     except OSError:
         pass
     return out
-
-
-def _pss_kib(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def _matches(pid: int, text: str) -> bool:
