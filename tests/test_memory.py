@@ -98,11 +98,15 @@ def test_fix_mmap_threshold_refuses_a_non_positive_threshold() -> None:
 
 
 def test_the_call_replaces_a_threshold_glibc_read_from_the_environment() -> None:
-    """``$MALLOC_MMAP_THRESHOLD_`` of 16 MiB, read by glibc at start, keeps the 8 MiB
-    tensors in the heap (the premise, second run); :func:`fix_mmap_threshold` replaces it
-    (it always calls ``mallopt``), so they leave the resident set once freed."""
+    """``$MALLOC_MMAP_THRESHOLD_`` of 16 MiB (with ``$MALLOC_TRIM_THRESHOLD_`` of 1 GiB),
+    read by glibc at start, keeps the 8 MiB tensors in the heap (the premise, second run);
+    :func:`fix_mmap_threshold` replaces it (it always calls ``mallopt``), so they leave the
+    resident set once freed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env["MALLOC_MMAP_THRESHOLD_"] = str(16 << 20)
+    # a threshold set this way leaves the trim threshold at 128 KiB, and the freed tensors
+    # at the heap's top were trimmed (1 MB kept): a high one keeps them, as the heap would
+    env["MALLOC_TRIM_THRESHOLD_"] = str(1 << 30)
     fixed, kept_fixed, _ = _python(_FREED_BIG_TENSORS, "fix", env=env)
     default, kept_env, _ = _python(_FREED_BIG_TENSORS, "default", env=env)
     assert (fixed, default) == ("True", "False")
