@@ -73,9 +73,11 @@ _FREED_BIG_TENSORS = """
 """
 
 
-def _run_freed_big_tensors(mode: str) -> tuple[str, int]:
-    fixed, kept_mb, _ = _python(_FREED_BIG_TENSORS, mode, env={
-        k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")})
+def _run_freed_big_tensors(mode: str, **malloc_env: str) -> tuple[str, int]:
+    """``(fixed, MB kept)`` of :data:`_FREED_BIG_TENSORS`: this environment without its
+    ``MALLOC_*`` settings, plus ``malloc_env``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | malloc_env
+    fixed, kept_mb, _ = _python(_FREED_BIG_TENSORS, mode, env=env)
     return fixed, int(kept_mb)
 
 
@@ -102,16 +104,15 @@ def test_the_call_replaces_a_threshold_glibc_read_from_the_environment() -> None
     read by glibc at start, keeps the 8 MiB tensors in the heap (the premise, second run);
     :func:`fix_mmap_threshold` replaces it (it always calls ``mallopt``), so they leave the
     resident set once freed."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env["MALLOC_MMAP_THRESHOLD_"] = str(16 << 20)
     # a threshold set this way leaves the trim threshold at 128 KiB, and the freed tensors
     # at the heap's top were trimmed (1 MB kept): a high one keeps them, as the heap would
-    env["MALLOC_TRIM_THRESHOLD_"] = str(1 << 30)
-    fixed, kept_fixed, _ = _python(_FREED_BIG_TENSORS, "fix", env=env)
-    default, kept_env, _ = _python(_FREED_BIG_TENSORS, "default", env=env)
+    malloc_env = {"MALLOC_MMAP_THRESHOLD_": str(16 << 20),
+                  "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+    fixed, kept_fixed = _run_freed_big_tensors("fix", **malloc_env)
+    default, kept_env = _run_freed_big_tensors("default", **malloc_env)
     assert (fixed, default) == ("True", "False")
-    assert int(kept_fixed) < 50, kept_fixed
-    _premise(int(kept_env))
+    assert kept_fixed < 50, kept_fixed
+    _premise(kept_env)
 
 
 def _premise(kept_mb: int) -> None:
