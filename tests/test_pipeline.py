@@ -114,6 +114,18 @@ def test_reference_is_sealed_read_only_and_complete(reference: Path, contract: C
     assert any(b["precision"].startswith("bf16") for b in bounds)
 
 
+def test_every_reference_step_is_timed_in_order(reference: Path) -> None:
+    """``reference.json`` times each step of the stage (keys sorted when written); the
+    distribution step is a step of its own (its ``step()`` releases the memory the
+    clip-branch reruns freed before it loads its models: ``qualify.memory``)."""
+    started = json.loads((reference / "reference.json").read_text())["step_started_s"]
+    order = ["models", "rollout", "scoring", "targets", "updates", "controls", "round_to_round",
+             "branches", "distribution", "seal"]  # a step may take less than the 1 ms rounding
+    assert set(started) == set(order)
+    assert [started[s] for s in order] == sorted(started.values())
+    assert started["branches"] < started["distribution"] < started["seal"]
+
+
 def test_sealed_reference_is_never_rewritten(reference: Path, contract: Contract,
                                              tiny: Path) -> None:
     digest = store.manifest_digest(reference)

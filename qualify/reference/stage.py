@@ -11,7 +11,9 @@ Steps (docs/concepts.md, the reference stage), each writing into an unsealed dir
 6. the independent controls, their errors and the bounds (``bounds.json``);
 7. the clip-ambiguous tokens and their sealed gradient contributions
    (:mod:`qualify.reference.branches`: ``branches.json``, ``branches/``);
-8. environment capture, ``MANIFEST.json`` last, files read-only.
+8. the reference's next-token distributions and their HF controls
+   (:mod:`qualify.reference.distribution`: ``distribution.json``, ``distribution.safetensors``);
+9. environment capture, ``MANIFEST.json`` last, files read-only.
 """
 
 from __future__ import annotations
@@ -341,7 +343,7 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
     precisions = list(contract.matrix.precisions)
     mbs = contract.algorithm.micro_batch_size
     steps = ["models", "rollout", "scoring", "targets", "updates", "controls", "round_to_round",
-             "branches", "seal"]
+             "branches", "distribution", "seal"]
     with reference_devices.active(devices) as devices_record, \
             Progress(total=len(steps), description=f"reference {contract.name}",
                      quiet=quiet) as bar:
@@ -491,6 +493,7 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
         store.atomic_write_json(out / BOUNDS_FILE, bounds_document(contract, bounds),
                                 schema="bounds")
 
+        step("distribution")  # releases what the clip-branch reruns freed (qualify.memory)
         seal_distribution(contract, bundle.actor_dir, roll.to_tensors(), out)  # decode rows
 
         step("seal")
