@@ -1,19 +1,29 @@
 """The frozen-contract stage: ``qualify reference CONTRACT``.
 
-Steps (docs/concepts.md, the reference stage), each writing into an unsealed directory
+Steps (docs/concepts.md, "The stages"; each name is a key of ``reference.json``
+``step_started_s``), each writing into an unsealed directory
 ``references/<name>-<digest12>/`` that is sealed only at the very end:
 
-1. verify the model manifest and prepare the role models;
-2. capture the rollout with the contract's sampler;
-3. teacher-forced HF scoring at FP32 and BF16 (actor, reference policy, critic, reward);
-4. PPO / GRPO targets in FP64 (numpy) from the FP32 scores;
-5. the independent reference update (HF + ``torch.optim.AdamW``) at each precision;
-6. the independent controls, their errors and the bounds (``bounds.json``);
-7. the clip-ambiguous tokens and their sealed gradient contributions
-   (:mod:`qualify.reference.branches`: ``branches.json``, ``branches/``);
-8. the reference's next-token distributions and their HF controls
+1. ``models``: verify the model manifest and prepare the role models;
+2. ``rollout``: capture the rollout with the contract's sampler;
+3. ``scoring``: teacher-forced HF scoring at FP32 and BF16 (actor, reference policy, critic,
+   reward);
+4. ``targets``: PPO / GRPO targets in FP64 (numpy) from the FP32 scores;
+5. ``updates``: the independent reference update (HF + ``torch.optim.AdamW``) in each lane;
+6. ``controls``: the independent controls and their errors;
+7. ``round_to_round``: the perturbed round-to-round updates
+   (:mod:`qualify.reference.round_to_round`, when the contract's ``[bounds] round_to_round``
+   asks for their term) and the bounds;
+8. ``branches``: the clip-ambiguous tokens and their sealed gradient contributions
+   (:mod:`qualify.reference.branches`: ``branches.json``, ``branches/``), the control errors
+   they adjust, ``control_errors.json`` and ``bounds.json``;
+9. ``distribution``: the reference's next-token distributions and their HF controls
    (:mod:`qualify.reference.distribution`: ``distribution.json``, ``distribution.safetensors``);
-9. environment capture, ``MANIFEST.json`` last, files read-only.
+10. ``seal``: environment capture, ``MANIFEST.json`` last, files read-only.
+
+Each step starts with :func:`qualify.memory.release_free_memory`: the heap pages the
+previous step freed go back to the OS before it allocates (the plan,
+:mod:`qualify.reference.plan`, models each step from that floor).
 """
 
 from __future__ import annotations
