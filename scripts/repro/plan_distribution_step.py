@@ -8,7 +8,9 @@ step does (the prepared bundle's Actor, the frozen rollout, ``release_free_memor
 first) into a temporary directory, and nothing else, so a process-level peak RSS
 (``scripts/repro/rss_trace.py``) is that step's peak plus the interpreter, to set beside
 ``qualify plan``'s ``distribution: HF controls (host)`` row. Prints the RSS at the step's
-start, its peak (``VmHWM``) and its wall time.
+start, its own peak (``VmHWM``, reset through ``/proc/self/clear_refs`` after the models are
+prepared, where the kernel allows; the process's peak so far otherwise, marked) and its wall
+time. Exit 2 with a usage line when the arguments are not two.
 """
 
 from __future__ import annotations
@@ -31,22 +33,35 @@ def _status_kib() -> dict[str, int]:
                 if k in ("VmRSS", "VmHWM")}
 
 
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
 def main() -> int:
     """Seal the distribution files of ``DIR``'s rollout into a temporary directory."""
     if len(sys.argv) != 3:
-        raise SystemExit(__doc__.split("\n\n")[1])
+        print("usage: python scripts/repro/plan_distribution_step.py CONTRACT DIR",
+              file=sys.stderr)
+        return 2
     contract = load_contract(Path(sys.argv[1]))
     bundle = models.prepare_models(contract)
     roll = rollout.Rollout.load(Path(sys.argv[2]))
     with tempfile.TemporaryDirectory() as out:
         release_free_memory()  # the stage's step() does the same
         start = _status_kib()["VmRSS"]
+        reset = _reset_peak()
         t0 = time.perf_counter()
         seal_distribution(contract, bundle.actor_dir, roll.to_tensors(), Path(out))
         wall = time.perf_counter() - t0
         status = _status_kib()
-    print(f"plan_distribution_step: RSS at start {start} KiB, peak (VmHWM) {status['VmHWM']} "
-          f"KiB, wall {wall:.1f} s", flush=True)
+    peak = "its own" if reset else "the process's so far (clear_refs refused)"
+    print(f"plan_distribution_step: RSS at start {start} KiB, peak (VmHWM, {peak}) "
+          f"{status['VmHWM']} KiB, wall {wall:.1f} s", flush=True)
     return 0
 
 
