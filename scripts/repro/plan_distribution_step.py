@@ -26,20 +26,8 @@ from qualify.models import bundle as models
 from qualify.reference import rollout
 from qualify.reference.distribution import seal_distribution
 
-
-def _status_kib() -> dict[str, int]:
-    with open("/proc/self/status") as f:
-        return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)
-                if k in ("VmRSS", "VmHWM")}
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plan_step import _reset_peak, _status_kib  # the sibling script's readers
 
 
 def main() -> int:
