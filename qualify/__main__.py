@@ -1,7 +1,5 @@
 """``python -m qualify``: the same as the ``qualify`` console script."""
 
-import sys
+from qualify.cli.main import console
 
-from qualify.cli.main import main
-
-sys.exit(main())
+console()

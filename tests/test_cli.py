@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import subprocess
 import sys
 import tomllib
@@ -189,6 +190,47 @@ def test_a_closed_stdout_pipe_is_a_quiet_exit_141_not_a_traceback(argv: list[str
     assert code == 141, err
     assert "Traceback" not in err
     assert "BrokenPipeError" not in err
+
+
+def test_the_console_script_runs_exit_handlers_and_flushes_before_it_exits() -> None:
+    """``console`` ends with ``os._exit``: the ``atexit`` handlers ran, every line is out."""
+    code = ("import atexit, sys\n"
+            "atexit.register(lambda: print('handler ran', file=sys.stderr))\n"
+            "from qualify.cli.main import console\n"
+            "console(['validate', 'contracts/tiny-qwen3.toml'])\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo_root(), capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == ExitCode.OK, proc.stderr
+    assert proc.stderr.endswith("handler ran\n")
+    assert proc.stdout.rstrip().endswith("(sampler: torch_tp-fp32-actor-tp2's round-1 weights)")
+
+
+def test_the_console_script_exits_141_when_its_last_flush_finds_no_reader(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buffered output, then the reader left: exit as a writer killed by SIGPIPE."""
+    import atexit
+    import threading
+
+    import qualify.cli.main as cli_main
+
+    class Gone(io.StringIO):
+        def flush(self) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    exits: list[int] = []
+
+    def fake_exit(code: int) -> None:
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(cli_main, "main", lambda argv=None: int(ExitCode.OK))
+    monkeypatch.setattr(sys, "stdout", Gone())
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    monkeypatch.setattr(atexit, "_run_exitfuncs", lambda: None)  # not pytest's own handlers
+    monkeypatch.setattr(cli_main.os, "_exit", fake_exit)
+    with pytest.raises(SystemExit):
+        cli_main.console([])
+    assert exits == [141]
 
 
 def test_a_broken_pipe_that_is_not_stdout_is_an_internal_error(

@@ -267,6 +267,9 @@ def test_same_report_json_gives_the_same_bytes(run_dir: Path,
     assert "<dc:date>" not in again
     # `qualify run` hands load_run the report.json it read once (validated before writing)
     assert render_html(load_run(run_dir, doc=read_json(run_dir / REPORT_JSON))) == again
+    # the figures drawn in two forked workers, and one after another here: the same page
+    assert render_html(load_run(run_dir), workers=2) == again
+    assert render_html(load_run(run_dir), workers=1) == again
 
 
 def test_default_path_is_beside_the_sealed_run(run_dir: Path, tmp_path: Path) -> None:

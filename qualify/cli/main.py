@@ -9,15 +9,17 @@ shows the traceback. Heavy modules are imported inside the subcommands so ``qual
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import errno
 import os
 import select
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Final, NoReturn
 
 from qualify.cli.outputs import MACHINE_ERRNOS, output_dir
 from qualify.display import printable
@@ -311,3 +313,31 @@ def _unexpected(exc: Exception, *, debug: bool) -> int:
 
 
 __all__ = ["UsageError", "build_parser", "main"]
+
+
+def console(argv: Sequence[str] | None = None) -> NoReturn:
+    """The ``qualify`` console script and ``python -m qualify``: :func:`main`, then exit.
+
+    Once the command's outputs are flushed and the ``atexit`` handlers have run, the process
+    ends with :func:`os._exit` instead of the interpreter's own finalisation, which frees
+    the thousands of modules a run imports (torch, transformers, matplotlib) one by one and
+    writes nothing; ``benchmarks/`` times the difference. While another Python thread is
+    alive (none is, after any command) the normal exit joins it instead. Output cut by a
+    reader that went away exits 141, as :func:`main` does (:data:`BROKEN_PIPE_EXIT`).
+    """
+    code = main(argv)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # the reader went away (or the stream was closed)
+            if stream is sys.stdout:
+                with contextlib.suppress(OSError, ValueError):
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                code = code or BROKEN_PIPE_EXIT
+    if threading.active_count() > 1:
+        sys.exit(code)
+    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)  # CPython's, since 3.0
+    if run_exit_handlers is None:
+        sys.exit(code)
+    run_exit_handlers()
+    os._exit(code)

@@ -22,8 +22,9 @@ for any signed run (``qualify report RUN_DIR``). Sections, in order:
    module and the table of rows.
 
 The figures are inline SVG (:mod:`qualify.compare.plots`, imported only here, when a page
-is rendered), the style inline CSS: the file opens with no network. The same
-``report.json`` and tensors give the same bytes.
+is rendered; drawn in parallel processes by :mod:`qualify.compare.figures`), the style
+inline CSS: the file opens with no network. The same ``report.json`` and tensors give the
+same bytes.
 
 Where it goes: :func:`default_html_path`, beside the run directory
 (``<run-id>.report.html``), never inside it: every file of a sealed run is in its signed
@@ -43,6 +44,7 @@ from typing import Any, Final
 import pandas as pd
 
 from qualify.compare.distribution import TRAINER_CLASS
+from qualify.compare.figures import Figures
 from qualify.compare.plotdata import (
     DISTRIBUTION_CLASSES,
     PER_PARAM_FAMILIES,
@@ -230,7 +232,7 @@ def _families(rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[str]]:
     return ordered, sampler
 
 
-def _heatmaps(data: RunData) -> list[str]:
+def _heatmaps(data: RunData, figs: Figures) -> list[str]:
     heatmap_svg = _plots().heatmap_svg
 
     rows = data.rows
@@ -249,13 +251,13 @@ def _heatmaps(data: RunData) -> list[str]:
         if not cells_of or not fams:
             continue
         margins, verdicts = family_margins(rows, cells_of, fams)
-        out.append(_figure(heatmap_svg(margins, verdicts, cells_of, fams,
-                                       title=f"{title}: worst margin per family"),
+        out.append(_figure(figs.add(heatmap_svg, margins, verdicts, cells_of, fams,
+                                    title=f"{title}: worst margin per family"),
                            fid, f"{title}: {len(cells_of)} cells x {len(fams)} families"))
     return out
 
 
-def _token_plots(data: RunData) -> list[str]:
+def _token_plots(data: RunData, figs: Figures) -> list[str]:
     token_svg = _plots().token_svg
 
     out = ['<h2 id="tokens-title">Per-token error against the bound</h2>',
@@ -271,7 +273,7 @@ def _token_plots(data: RunData) -> list[str]:
         check = ("the largest equals the row's stored error" if te.reproduces else
                  f"NOTE: the largest, {te.max_abs:.6g}, is not the row's stored error "
                  f"{row.get('error')}")
-        out.append(_figure(token_svg(te), f"tokens-{fam}",
+        out.append(_figure(figs.add(token_svg, te), f"tokens-{fam}",
                            f"{row['cell']} {row['metric']}: {len(te.sequences)} worst "
                            f"sequences; {check}."))
         drawn += 1
@@ -308,7 +310,7 @@ def _drawn_trainers(data: RunData, trainers: Sequence[str]) -> list[str]:
     return [c for c in trainers if c in keep]
 
 
-def _distribution_plots(data: RunData) -> list[str]:
+def _distribution_plots(data: RunData, figs: Figures) -> list[str]:
     """The worst sequences' per-position values, one figure per cell and family.
 
     Every sampler cell's families, and those of the drawn Actor trainer cells
@@ -350,7 +352,8 @@ def _distribution_plots(data: RunData) -> list[str]:
                       "(the shared top-k tokens and one bucket for the rest), a lower bound "
                       "on the true KL; the top-1 states and top-k agreement are exact."
                       if pd_.k is not None else "")
-            out.append(_figure(distribution_svg(pd_), f"distribution-{cid}-{pd_.family}",
+            out.append(_figure(figs.add(distribution_svg, pd_),
+                               f"distribution-{cid}-{pd_.family}",
                                f"{cid} {pd_.family}: {len(pd_.sequences)} worst sequences; "
                                f"{check}.{lumped}"))
             drawn += 1
@@ -365,7 +368,7 @@ def _distribution_plots(data: RunData) -> list[str]:
     return out
 
 
-def _param_plot(data: RunData, causes: Sequence[RootCause]) -> list[str]:
+def _param_plot(data: RunData, causes: Sequence[RootCause], figs: Figures) -> list[str]:
     param_svg = _plots().param_svg
 
     out = ['<h2 id="params-title">Per-parameter error of the worst cell</h2>']
@@ -390,15 +393,15 @@ def _param_plot(data: RunData, causes: Sequence[RootCause]) -> list[str]:
     check = ("each panel's largest error equals its row's stored error" if not off else
              f"NOTE: not the stored error for {', '.join(off)} (an adjusted expected run, "
              "or sampled elements)")
-    out.append(_figure(param_svg(panels, title=f"{worst.cell}, round {rnd} (its root cause: "
-                                               f"{worst.metric}, margin "
-                                               f"{_num(worst.margin)})"),
+    title = f"{worst.cell}, round {rnd} (its root cause: {worst.metric}, margin " \
+            f"{_num(worst.margin)})"
+    out.append(_figure(figs.add(param_svg, panels, title=title),
                        "params-worst", f"{worst.cell} round {rnd}: the 12 largest "
                                        f"per-parameter errors per family; {check}."))
     return out
 
 
-def _rounds_plot(data: RunData, causes: Sequence[RootCause]) -> list[str]:
+def _rounds_plot(data: RunData, causes: Sequence[RootCause], figs: Figures) -> list[str]:
     rounds_svg = _plots().rounds_svg
 
     per_family = {f: round_margins(data.rows, f) for f in
@@ -408,7 +411,7 @@ def _rounds_plot(data: RunData, causes: Sequence[RootCause]) -> list[str]:
     if not per_family:
         return []
     return ['<h2 id="rounds-title">Error / bound round by round</h2>',
-            _figure(rounds_svg(per_family, {rc.cell for rc in causes}), "rounds",
+            _figure(figs.add(rounds_svg, per_family, {rc.cell for rc in causes}), "rounds",
                     "candidate-vs-HF margin of every cell per family and round (log scale); "
                     "the dashed line is the bound; failing cells in colour.")]
 
@@ -506,7 +509,7 @@ def _field_table(data: RunData) -> list[str]:
     return out
 
 
-def _diverge(data: RunData) -> list[str]:
+def _diverge(data: RunData, figs: Figures) -> list[str]:
     """The ``qualify diverge`` results beside the run, one figure and table per cell."""
     from qualify import jsonio, schema
 
@@ -536,8 +539,8 @@ def _diverge(data: RunData) -> list[str]:
                 f"(margin {float(first['margin']):.3g})")
         out.append(f"<h3>{_e(cell)}, round {doc['round']} ({_e(doc['lane'])})</h3>"
                    f"<p>first diverging: <b>{_e(line)}</b></p>")
-        out.append(_figure(_plots().diverge_svg(
-            doc["rows"], title=f"{cell}, round {doc['round']}",
+        out.append(_figure(figs.add(
+            _plots().diverge_svg, doc["rows"], title=f"{cell}, round {doc['round']}",
             named=None if first is None else first["module"]),
             f"diverge-{cell}", "error / bound per module (dashed: the bound)"))
         frame = pd.DataFrame([{
@@ -564,7 +567,8 @@ def expected_not_run_html(rows: Sequence[Mapping[str, Any]]) -> list[str]:
                 for r in expected) + "</ul>"]
 
 
-def render_html(data: RunData, gate: Mapping[str, Any] | None = None) -> str:
+def render_html(data: RunData, gate: Mapping[str, Any] | None = None, *,
+                workers: int | None = None) -> str:
     """The whole page for one run.
 
     Args:
@@ -572,23 +576,28 @@ def render_html(data: RunData, gate: Mapping[str, Any] | None = None) -> str:
         gate: the gate's decision to show under the result
             (:func:`qualify.pipeline.chain.gate_view`); ``None``: a note that none was
             applied.
+        workers: processes that draw the figures (default
+            :func:`qualify.compare.figures.default_workers`; 1: drawn in this process).
 
     Returns:
-        The HTML text (UTF-8, self-contained; the same data gives the same text).
+        The HTML text (UTF-8, self-contained; the same data gives the same text, whatever
+        ``workers``).
     """
     causes = causes_of_report(data.doc)
-    body = [*_header(data, causes, gate), *_heatmaps(data), *_token_plots(data),
-            *_distribution_plots(data), *_param_plot(data, causes), *_rounds_plot(data, causes),
-            *_bounds_tables(data, causes), *_field_table(data), *_diverge(data)]
+    figs = Figures()
+    body = [*_header(data, causes, gate), *_heatmaps(data, figs), *_token_plots(data, figs),
+            *_distribution_plots(data, figs), *_param_plot(data, causes, figs),
+            *_rounds_plot(data, causes, figs), *_bounds_tables(data, causes),
+            *_field_table(data), *_diverge(data, figs)]
     body += expected_not_run_html(data.rows)
     notes = data.doc.get("notes", [])
     if notes:
         body += ['<h2 id="notes-title">Notes</h2>',
                  "<ul>" + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>"]
     title = f"qualify report: {data.doc.get('contract')} / {data.doc.get('run_id')}"
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{_e(title)}</title><style>{CSS}</style></head><body>\n"
-            + "\n".join(body) + "\n</body></html>\n")
+    return figs.fill("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+                     f"<title>{_e(title)}</title><style>{CSS}</style></head><body>\n"
+                     + "\n".join(body) + "\n</body></html>\n", workers=workers)
 
 
 def write_html(run_dir: str | Path, out: str | Path | None = None, *,

@@ -1,0 +1,88 @@
+"""qualify.compare.figures: a page's figures drawn in parallel give the page drawn in order."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from qualify.compare import figures
+from qualify.compare.figures import Figures
+from qualify.compare.html import _e, _plots
+
+
+def _box(text: str, *, pid: bool = False) -> str:
+    """A drawing function: module-level, so a forked worker finds it by name."""
+    return f"<svg>{text}{os.getpid() if pid else ''}</svg>"
+
+
+def _fails(text: str) -> str:
+    raise ValueError(f"cannot draw {text}")
+
+
+def _page(figs: Figures, n: int) -> str:
+    return "<body>" + "".join(f"<p>{i}</p>{figs.add(_box, str(i))}" for i in range(n)) \
+        + "</body>"
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_each_placeholder_gets_its_own_figure_in_order(workers: int) -> None:
+    figs = Figures()
+    page = figs.fill(_page(figs, 5), workers=workers)
+    assert page == "<body>" + "".join(f"<p>{i}</p><svg>{i}</svg>" for i in range(5)) \
+        + "</body>"
+    assert "\x00" not in page
+
+
+def test_two_workers_draw_in_other_processes() -> None:
+    figs = Figures()
+    text = "".join(figs.add(_box, "x", pid=True) for _ in range(6))
+    drawn_by = {int(s.removeprefix("x")) for s in
+                figs.fill(text, workers=2).removeprefix("<svg>").removesuffix("</svg>")
+                .split("</svg><svg>")}
+    assert os.getpid() not in drawn_by
+    assert 1 <= len(drawn_by) <= 2
+
+
+def test_a_real_figure_is_the_same_bytes_drawn_in_a_worker() -> None:
+    margins = np.array([[0.5, 2.0], [np.nan, 0.01]])
+    verdicts = [["PASS", "FAIL"], ["", "PASS"]]
+    args = (margins, verdicts, ["cell-a", "cell-b"], ["logprobs", "grads"])
+    plots = _plots()  # matplotlib's pyparsing deprecations silenced, as the page does
+    direct = plots.heatmap_svg(*args, title="t")
+    figs = Figures()
+    text = figs.add(plots.heatmap_svg, *args, title="t") + figs.add(plots.heatmap_svg, *args,
+                                                                     title="t")
+    assert figs.fill(text, workers=2) == direct + direct
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_drawing_error_is_raised_as_the_function_raised_it(workers: int) -> None:
+    figs = Figures()
+    text = figs.add(_box, "a") + figs.add(_fails, "b")
+    with pytest.raises(ValueError, match="cannot draw b"):
+        figs.fill(text, workers=workers)
+
+
+def test_no_page_text_can_pose_as_a_placeholder() -> None:
+    """Placeholders hold NUL, which the page's escaping never lets through."""
+    figs = Figures()
+    forged = _e("\x00qualify-figure-0\x00")
+    assert "\x00" not in forged
+    assert figs.fill(forged + figs.add(_box, "real"), workers=1) == forged + "<svg>real</svg>"
+
+
+def test_default_workers_draws_here_while_another_thread_runs() -> None:
+    assert figures.default_workers(0) == 1
+    assert 1 <= figures.default_workers(8) <= max(1, len(os.sched_getaffinity(0)))
+    assert figures.default_workers(1) == 1
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert figures.default_workers(8) == 1  # a fork now could copy a held lock
+    finally:
+        stop.set()
+        other.join()
