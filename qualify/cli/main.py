@@ -312,7 +312,7 @@ def _unexpected(exc: Exception, *, debug: bool) -> int:
     return int(ExitCode.INTERNAL_ERROR)
 
 
-__all__ = ["UsageError", "build_parser", "main"]
+__all__ = ["UsageError", "build_parser", "console", "main"]
 
 
 def console(argv: Sequence[str] | None = None) -> NoReturn:
@@ -322,8 +322,9 @@ def console(argv: Sequence[str] | None = None) -> NoReturn:
     ends with :func:`os._exit` instead of the interpreter's own finalisation, which frees
     the thousands of modules a run imports (torch, transformers, matplotlib) one by one and
     writes nothing; ``benchmarks/`` times the difference. While another Python thread is
-    alive (none is, after any command) the normal exit joins it instead. Output cut by a
-    reader that went away exits 141, as :func:`main` does (:data:`BROKEN_PIPE_EXIT`).
+    alive (none is, after any command) the normal exit joins it instead. A command that
+    succeeded but whose last output found stdout's reader gone exits 141, as :func:`main`
+    does for one cut earlier (:data:`BROKEN_PIPE_EXIT`); a failing command keeps its code.
     """
     code = main(argv)
     for stream in (sys.stdout, sys.stderr):
