@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import subprocess
 import sys
 import tomllib
@@ -193,29 +194,32 @@ def test_a_closed_stdout_pipe_is_a_quiet_exit_141_not_a_traceback(argv: list[str
 
 
 def test_the_console_script_runs_exit_handlers_and_flushes_before_it_exits() -> None:
-    """``console`` ends with ``os._exit``: the ``atexit`` handlers ran, every line is out."""
-    code = ("import atexit, sys\n"
-            "atexit.register(lambda: print('handler ran', file=sys.stderr))\n"
+    """``console`` ends with ``os._exit``: every line is out, and so is what an ``atexit``
+    handler printed after it, unterminated, into a block-buffered pipe."""
+    code = ("import atexit\n"
+            "atexit.register(lambda: print('handler ran', end=''))\n"
             "from qualify.cli.main import console\n"
             "console(['validate', 'contracts/tiny-qwen3.toml'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=repo_root(), capture_output=True,
-                          text=True, timeout=120, check=False)
+                          text=True, timeout=120, check=False, env=env)
     assert proc.returncode == ExitCode.OK, proc.stderr
-    assert proc.stderr.endswith("handler ran\n")
-    assert proc.stdout.rstrip().endswith("(sampler: torch_tp-fp32-actor-tp2's round-1 weights)")
+    assert proc.stdout.endswith("(sampler: torch_tp-fp32-actor-tp2's round-1 weights)\n"
+                                "handler ran")
 
 
-def test_the_console_script_exits_141_when_its_last_flush_finds_no_reader(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Buffered output, then the reader left: exit as a writer killed by SIGPIPE."""
+class _Gone(io.StringIO):
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def _console_exit(monkeypatch: pytest.MonkeyPatch, *, returns: int, threads: int = 1,
+                  stdout: io.StringIO | None = None) -> tuple[int, list[int]]:
+    """Run ``console`` on a ``main`` that returns ``returns``: (exit code, os._exit calls)."""
     import atexit
     import threading
 
     import qualify.cli.main as cli_main
-
-    class Gone(io.StringIO):
-        def flush(self) -> None:
-            raise BrokenPipeError(32, "Broken pipe")
 
     exits: list[int] = []
 
@@ -223,14 +227,30 @@ def test_the_console_script_exits_141_when_its_last_flush_finds_no_reader(
         exits.append(code)
         raise SystemExit(code)
 
-    monkeypatch.setattr(cli_main, "main", lambda argv=None: int(ExitCode.OK))
-    monkeypatch.setattr(sys, "stdout", Gone())
-    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    monkeypatch.setattr(cli_main, "main", lambda argv=None: returns)
+    if stdout is not None:
+        monkeypatch.setattr(sys, "stdout", stdout)
+    monkeypatch.setattr(threading, "active_count", lambda: threads)
     monkeypatch.setattr(atexit, "_run_exitfuncs", lambda: None)  # not pytest's own handlers
     monkeypatch.setattr(cli_main.os, "_exit", fake_exit)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as ended:
         cli_main.console([])
-    assert exits == [141]
+    return int(ended.value.code or 0), exits
+
+
+def test_the_console_script_exits_141_when_its_last_flush_finds_no_reader(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command that succeeded, its output buffered, then the reader left: exit as a
+    writer killed by SIGPIPE; a failing command keeps its own code."""
+    assert _console_exit(monkeypatch, returns=0, stdout=_Gone()) == (141, [141])
+    assert _console_exit(monkeypatch, returns=1, stdout=_Gone()) == (1, [1])
+
+
+def test_the_console_script_exits_normally_while_another_thread_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another thread alive: ``sys.exit`` (which joins it), never ``os._exit``."""
+    assert _console_exit(monkeypatch, returns=3, threads=2) == (3, [])
+    assert _console_exit(monkeypatch, returns=0, threads=1) == (0, [0])
 
 
 def test_a_broken_pipe_that_is_not_stdout_is_an_internal_error(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import signal
 import threading
 
 import numpy as np
@@ -20,6 +22,10 @@ def _box(text: str, *, pid: bool = False) -> str:
 
 def _fails(text: str) -> str:
     raise ValueError(f"cannot draw {text}")
+
+
+def _sigint_ignored() -> str:
+    return f"<svg>{signal.getsignal(signal.SIGINT) == signal.SIG_IGN}</svg>"
 
 
 def _page(figs: Figures, n: int) -> str:
@@ -67,16 +73,36 @@ def test_a_drawing_error_is_raised_as_the_function_raised_it(workers: int) -> No
 
 
 def test_no_page_text_can_pose_as_a_placeholder() -> None:
-    """Placeholders hold NUL, which the page's escaping never lets through."""
+    """A placeholder holds NUL, which the page's escaping never lets through, and a token
+    drawn per page: another page's placeholder (or a guess) is left as it is."""
     figs = Figures()
-    forged = _e("\x00qualify-figure-0\x00")
+    forged = _e("\x00figure-0\x00")
     assert "\x00" not in forged
-    assert figs.fill(forged + figs.add(_box, "real"), workers=1) == forged + "<svg>real</svg>"
+    other = Figures().add(_box, "forged")
+    assert figs.fill(forged + other + figs.add(_box, "real"), workers=1) == \
+        forged + other + "<svg>real</svg>"
+
+
+@pytest.mark.parametrize("times", [0, 2])
+def test_a_page_without_each_placeholder_once_is_refused(times: int) -> None:
+    figs = Figures()
+    mark = figs.add(_fails, "never drawn")  # refused before anything is drawn
+    with pytest.raises(ValueError, match=r"not each of its 1 figures once"):
+        figs.fill("<body>" + mark * times + "</body>", workers=1)
+
+
+def test_a_worker_ignores_ctrl_c_and_the_parent_heap_is_unfrozen_after() -> None:
+    figs = Figures()
+    text = figs.add(_sigint_ignored) + figs.add(_sigint_ignored)
+    assert figs.fill(text, workers=2) == "<svg>True</svg><svg>True</svg>"
+    assert signal.getsignal(signal.SIGINT) != signal.SIG_IGN  # this process: untouched
+    assert gc.get_freeze_count() == 0
 
 
 def test_default_workers_draws_here_while_another_thread_runs() -> None:
     assert figures.default_workers(0) == 1
     assert 1 <= figures.default_workers(8) <= max(1, len(os.sched_getaffinity(0)))
+    assert figures.default_workers(1000) <= figures.MAX_WORKERS
     assert figures.default_workers(1) == 1
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)

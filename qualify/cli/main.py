@@ -26,6 +26,8 @@ from qualify.display import printable
 from qualify.errors import ExitCode, QualifyError, UsageError
 from qualify.layout import REPORT_MD
 
+__all__ = ["UsageError", "build_parser", "console", "main"]
+
 
 def _contract_arg(value: str | None) -> Path:
     from qualify.contract import default_contract_path
@@ -312,19 +314,17 @@ def _unexpected(exc: Exception, *, debug: bool) -> int:
     return int(ExitCode.INTERNAL_ERROR)
 
 
-__all__ = ["UsageError", "build_parser", "console", "main"]
-
-
 def console(argv: Sequence[str] | None = None) -> NoReturn:
     """The ``qualify`` console script and ``python -m qualify``: :func:`main`, then exit.
 
     Once the command's outputs are flushed and the ``atexit`` handlers have run, the process
     ends with :func:`os._exit` instead of the interpreter's own finalisation, which frees
     the thousands of modules a run imports (torch, transformers, matplotlib) one by one and
-    writes nothing; ``benchmarks/`` times the difference. While another Python thread is
-    alive (none is, after any command) the normal exit joins it instead. A command that
-    succeeded but whose last output found stdout's reader gone exits 141, as :func:`main`
-    does for one cut earlier (:data:`BROKEN_PIPE_EXIT`); a failing command keeps its code.
+    writes nothing; ``benchmarks/`` times the difference. Whatever an ``atexit`` handler
+    prints is flushed too. While another Python thread is alive the normal exit joins it
+    instead. A command that succeeded but whose last output found stdout's reader gone
+    exits 141, as :func:`main` does for one cut earlier (:data:`BROKEN_PIPE_EXIT`); a
+    failing command keeps its code.
     """
     code = main(argv)
     for stream in (sys.stdout, sys.stderr):
@@ -341,4 +341,7 @@ def console(argv: Sequence[str] | None = None) -> NoReturn:
     if run_exit_handlers is None:
         sys.exit(code)
     run_exit_handlers()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
     os._exit(code)

@@ -126,7 +126,7 @@ def _table(frame: pd.DataFrame, table_id: str) -> str:
 
 
 def _figure(svg_text: str, fig_id: str, caption: str) -> str:
-    return (f'<figure id="{fig_id}">{svg_text}<figcaption>{_e(caption)}</figcaption>'
+    return (f'<figure id="{_e(fig_id)}">{svg_text}<figcaption>{_e(caption)}</figcaption>'
             "</figure>")
 
 
@@ -393,8 +393,8 @@ def _param_plot(data: RunData, causes: Sequence[RootCause], figs: Figures) -> li
     check = ("each panel's largest error equals its row's stored error" if not off else
              f"NOTE: not the stored error for {', '.join(off)} (an adjusted expected run, "
              "or sampled elements)")
-    title = f"{worst.cell}, round {rnd} (its root cause: {worst.metric}, margin " \
-            f"{_num(worst.margin)})"
+    title = (f"{worst.cell}, round {rnd} (its root cause: {worst.metric}, margin "
+             f"{_num(worst.margin)})")
     out.append(_figure(figs.add(param_svg, panels, title=title),
                        "params-worst", f"{worst.cell} round {rnd}: the 12 largest "
                                        f"per-parameter errors per family; {check}."))
