@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from qualify.compare import html
 from qualify.compare.distribution import WORST_SEQUENCES, distribution_rows
+from qualify.compare.figures import Figures
 from qualify.compare.plotdata import RunData, position_distributions
 from qualify.compare.verdicts import OPTIONAL_SECTIONS, CellResult, Report, Row
 from qualify.distmetrics import STATISTICS, TOPK_STATISTICS, tie_resolution, topk_of
@@ -110,6 +111,12 @@ def _data(tmp: Path, doc: dict[str, Any]) -> RunData:
     return RunData(run_dir=tmp / "run", doc=doc, ref_dir=None, bounds=(), mask=None, lanes={})
 
 
+def _section(data: RunData) -> str:
+    """The page's distribution section, its figures drawn (as render_html draws them)."""
+    figs = Figures()
+    return figs.fill("\n".join(html._distribution_plots(data, figs)), workers=1)
+
+
 @pytest.mark.parametrize("topk", [False, True], ids=["full", "topk"])
 def test_the_worst_sequence_is_drawn_with_its_bounds(tmp_path: Path, topk: bool) -> None:
     doc = _report(tmp_path, topk=topk)
@@ -131,7 +138,7 @@ def test_the_worst_sequence_is_drawn_with_its_bounds(tmp_path: Path, topk: bool)
     assert maxima == sorted(maxima, reverse=True)
     tie = next(q for q in pd_.sequences if q.b == TIE_B)
     assert tie.top1[list(tie.t).index(TIE_T)] == "tie"
-    page = "\n".join(html._distribution_plots(_data(tmp_path, doc)))
+    page = _section(_data(tmp_path, doc))
     for fam in fams:
         assert f'id="distribution-{CELL}-{fam}"' in page
     assert page.count("<svg") == 2
@@ -150,25 +157,25 @@ def test_a_drawing_that_is_not_the_judged_row_says_so(tmp_path: Path) -> None:
             r["error"] += 1e-3
     (pd_, _) = position_distributions(_data(tmp_path, doc), CELL)
     assert not pd_.reproduces
-    assert "NOTE: the largest" in "\n".join(html._distribution_plots(_data(tmp_path, doc)))
+    assert "NOTE: the largest" in _section(_data(tmp_path, doc))
 
 
 def test_without_distribution_rows_there_is_no_figure(tmp_path: Path) -> None:
     doc = _document([], {})  # a sampler cell against a reference without distribution rows
     assert "distribution_positions" in doc
     assert position_distributions(_data(tmp_path, doc), CELL) == []
-    page = "\n".join(html._distribution_plots(_data(tmp_path, doc)))
+    page = _section(_data(tmp_path, doc))
     assert "<svg" not in page
     assert 'id="distribution-' not in page.replace('id="distribution-title"', "")
     assert "the sampler cells or the reference hold none" in page
     doc["cells"] = []  # no sampler cell: no section at all
-    assert html._distribution_plots(_data(tmp_path, doc)) == []
+    assert html._distribution_plots(_data(tmp_path, doc), Figures()) == []
 
 
 def test_a_report_from_before_the_section_says_so(tmp_path: Path) -> None:
     doc = _report(tmp_path, topk=False, positions=False)
     assert "distribution_positions" not in doc
-    page = "\n".join(html._distribution_plots(_data(tmp_path, doc)))
+    page = _section(_data(tmp_path, doc))
     assert "<svg" not in page
     assert "written before the comparator kept the per-position values" in page
 
