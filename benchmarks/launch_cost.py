@@ -49,6 +49,10 @@ MECHANISMS: Final[dict[str, dict[str, Any]]] = {
         "off": {"QUALIFY_JOBS": "1"},
         "files": ["qualify/candidate/beside.py"], "functions": [],
         "what": "the sampler cells run beside the trainer launches (two launches at once)"},
+    "ahead": {
+        "off": {"QUALIFY_AHEAD": "0"},
+        "files": ["qualify/candidate/ahead.py"], "functions": [],
+        "what": "each trainer launch's launcher imports while the launch before it runs"},
 }
 """Each mechanism: the environment that turns it off, its modules, the functions of other
 modules that are its lines, and what it does."""

@@ -119,7 +119,8 @@ def run(cmd: Sequence[str], *, timeout_s: float, stdout: Stream = None,
         stderr: Stream = None, stdin: Stream = subprocess.DEVNULL,
         env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
         new_session: bool = True, grace_s: float = KILL_GRACE_S,
-        die_with_parent: bool = True, cancel: threading.Event | None = None) -> ProcResult:
+        die_with_parent: bool = True, cancel: threading.Event | None = None,
+        clock_from: threading.Event | None = None) -> ProcResult:
     """Run ``cmd`` with a wall-clock limit; on timeout or interruption end its whole tree.
 
     Args:
@@ -141,6 +142,10 @@ def run(cmd: Sequence[str], *, timeout_s: float, stdout: Stream = None,
         cancel: when set (by another thread), the tree is ended as on a timeout and the
             result says ``cancelled`` (the candidate stage's sampler thread, when the main
             thread fails).
+        clock_from: when given, the wall-clock limit counts from when this event is set
+            (seen within :data:`_CANCEL_POLL_S`), not from the start: the child may wait
+            unlimited until then (a launch started ahead of its turn, whose launcher waits
+            for its start signal, :mod:`qualify.candidate.ahead`).
 
     Returns:
         The :class:`ProcResult`; a timeout is a result (``timed_out``), not an exception.
@@ -168,8 +173,10 @@ def run(cmd: Sequence[str], *, timeout_s: float, stdout: Stream = None,
     err: bytes | None
     try:
         try:
-            out, err = (proc.communicate(timeout=timeout_s) if cancel is None
-                        else _communicate(proc, t0 + timeout_s, cancel))
+            out, err = (proc.communicate(timeout=timeout_s)
+                        if cancel is None and clock_from is None
+                        else _communicate(proc, timeout_s, cancel or threading.Event(),
+                                          clock_from))
         except subprocess.TimeoutExpired:
             cancelled = cancel is not None and cancel.is_set()
             timed_out = not cancelled
@@ -183,19 +190,25 @@ def run(cmd: Sequence[str], *, timeout_s: float, stdout: Stream = None,
                       stderr=err, pid=proc.pid, cancelled=cancelled)
 
 
-def _communicate(proc: subprocess.Popen[bytes], deadline: float,
-                 cancel: threading.Event) -> tuple[bytes | None, bytes | None]:
-    """``proc.communicate`` until ``deadline`` (monotonic) or ``cancel`` is set.
+def _communicate(proc: subprocess.Popen[bytes], timeout_s: float, cancel: threading.Event,
+                 clock_from: threading.Event | None) -> tuple[bytes | None, bytes | None]:
+    """``proc.communicate`` until ``timeout_s`` passed or ``cancel`` is set.
+
+    The time counts from now, or with ``clock_from`` from when that event is first seen set.
 
     Raises:
-        subprocess.TimeoutExpired: the deadline passed or ``cancel`` was set first.
+        subprocess.TimeoutExpired: the limit passed or ``cancel`` was set first.
     """
+    deadline = time.monotonic() + timeout_s if clock_from is None else None
     while True:
-        step = min(deadline - time.monotonic(), _CANCEL_POLL_S)
+        if deadline is None and clock_from is not None and clock_from.is_set():
+            deadline = time.monotonic() + timeout_s
+        step = _CANCEL_POLL_S if deadline is None else min(deadline - time.monotonic(),
+                                                           _CANCEL_POLL_S)
         try:
             return proc.communicate(timeout=max(step, 0.0))
         except subprocess.TimeoutExpired:
-            if time.monotonic() >= deadline or cancel.is_set():
+            if (deadline is not None and time.monotonic() >= deadline) or cancel.is_set():
                 raise
 
 

@@ -189,6 +189,9 @@ SETTINGS: Final[tuple[Setting, ...]] = (
             check=_scratch, meaning="large temporaries: an existing, writable directory"),
     Setting(name="QUALIFY_JOBS", commands=_LAUNCHING, check=_jobs,
             meaning="launches at once: a positive integer"),
+    Setting(name="QUALIFY_AHEAD", commands=_LAUNCHING, check=_flag("QUALIFY_AHEAD"),
+            meaning="start each trainer launch's launcher one turn ahead on CPU: 0 or 1 "
+                    "(default 1)"),
     Setting(name="QUALIFY_LAUNCHER", commands=_LAUNCHING, check=_launch,
             meaning="warm, torchrun or srun (srun needs QUALIFY_RDZV_ENDPOINT)"),
     Setting(name="QUALIFY_NNODES", commands=_LAUNCHING, check=_launch,

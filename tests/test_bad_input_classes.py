@@ -148,6 +148,8 @@ ENV = [
         ("QUALIFY_SCRATCH_DIR", "T/absent", "reference --out T/ev", {}),
         ("QUALIFY_JOBS", "0", _CANDIDATE, {}),
         ("QUALIFY_JOBS", "two", "run --evidence T/ev", {}),
+        ("QUALIFY_AHEAD", "yes", _CANDIDATE, {}),
+        ("QUALIFY_AHEAD", "2", "run --evidence T/ev", {}),
         ("QUALIFY_LAUNCHER", "fork", _CANDIDATE, {}),
         ("QUALIFY_RDZV_ENDPOINT", "", _CANDIDATE, {"QUALIFY_LAUNCHER": "srun"}),
         ("QUALIFY_RDZV_ENDPOINT", "", "run --evidence T/ev", {"QUALIFY_NNODES": "2"}),

@@ -96,6 +96,7 @@ def test_a_failing_stage_stops_and_joins_the_thread(monkeypatch: pytest.MonkeyPa
 @pytest.mark.parametrize(("var", "value", "message"), [
     ("QUALIFY_LAUNCHER", "bogus", "QUALIFY_LAUNCHER='bogus': must be one of warm, torchrun, srun"),
     ("QUALIFY_JOBS", "0", "QUALIFY_JOBS='0': must be a positive integer"),
+    ("QUALIFY_AHEAD", "yes", "QUALIFY_AHEAD='yes': must be 0 or 1"),
     ("QUALIFY_NNODES", "x", "QUALIFY_NNODES='x': must be a positive integer")])
 def test_bad_launch_settings_exit_2_before_any_run_is_written(
         tmp_path: Path, var: str, value: str, message: str) -> None:

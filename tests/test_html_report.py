@@ -368,3 +368,17 @@ def test_gate_decision_on_the_page(run_dir: Path, page: Page, tmp_path: Path) ->
                      str(other)]) == ExitCode.USAGE_ERROR
     assert "is not the run's (tiny-qwen3," in err.getvalue()
     assert len(err.getvalue().strip().splitlines()) == 1
+
+
+def test_table_id_is_escaped() -> None:
+    """A table's id (a diverge section's carries an unsigned cell id) cannot open markup."""
+    import pandas as pd
+
+    from qualify.compare.html import _table
+
+    hostile = 'x"><script>alert(1)</script>'
+    out = _table(pd.DataFrame({"a": [1.0]}), hostile)
+    assert "<script>" not in out
+    assert 'id="x&quot;&gt;&lt;script&gt;alert(1)&lt;/script&gt;"' in out
+    assert 'id="diverge-table-torch_tp-fp32-actor-tp2"' in _table(
+        pd.DataFrame({"a": [1.0]}), "diverge-table-torch_tp-fp32-actor-tp2")

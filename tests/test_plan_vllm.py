@@ -72,6 +72,7 @@ def test_the_sampler_step_runs_every_sampler_cell_beside_the_trainer_launches(
     p = shape.count("actor")
     n_seq, _, resp, _ = plan_mod._rollout_shape(contract)
     monkeypatch.delenv("QUALIFY_JOBS", raising=False)
+    monkeypatch.delenv("QUALIFY_AHEAD", raising=False)
     steps = build_plan(contract, HOST).steps
     (sampler,) = [s for s in steps if s.kind == "sampler"]
     assert sampler.name == "sampler vllm-tp1-tp2 (2 cells, 3 ranks)"
@@ -92,7 +93,9 @@ def test_the_sampler_step_runs_every_sampler_cell_beside_the_trainer_launches(
         alone = [s for s in build_plan(contract, HOST).steps if s.kind == "launch"]
         if jobs == "1":
             assert all("sampler_beside" not in s.terms for s in alone)
-            assert [a.host_peak + sampler.host_peak for a in alone] == \
+            # QUALIFY_JOBS=1 also runs no launcher ahead (tests/test_ahead.py)
+            assert [a.host_peak + sampler.host_peak + s.terms.get("launcher_ahead", 0)
+                    for a, s in zip(alone, trainers, strict=True)] == \
                 [s.host_peak for s in trainers]
         else:  # not a number: the plan takes the default (beside, on CPU)
             assert [s.host_peak for s in alone] == [s.host_peak for s in trainers]

@@ -50,13 +50,19 @@ def jobs(*, cuda: bool, env: dict[str, str] | None = None) -> int:
 
 
 def check_settings() -> None:
-    """Refuse bad ``QUALIFY_JOBS``, ``QUALIFY_LAUNCHER`` or ``QUALIFY_NNODES`` values now.
+    """Refuse bad launch settings now, before the run directory exists.
+
+    ``QUALIFY_JOBS``, ``QUALIFY_AHEAD``, ``QUALIFY_LAUNCHER``, ``QUALIFY_NNODES``.
 
     Raises:
         UsageError: the variable and its value (:func:`jobs`,
+            :func:`qualify.candidate.ahead.enabled`,
             :func:`qualify.candidate.launch.check_launch_env`).
     """
+    from qualify.candidate.ahead import enabled  # ahead imports this module
+
     jobs(cuda=False)
+    enabled(cuda=False)
     check_launch_env()
 
 

@@ -17,13 +17,16 @@ the attempt directory and runs, in a new session (its own process group), one of
 - ``srun`` + ``torchrun`` across the nodes of a Slurm allocation (:func:`torchrun_command`).
 
 On CUDA, under Slurm and for an engine run by a foreign interpreter every launch is
-torchrun. Two speed-ups serve CPU launches only, each with the switch that turns it off
+torchrun. Three speed-ups serve CPU launches only, each with the switch that turns it off
 (what each saves on the default run, against its lines: ``docs/performance.md``, measured
 by ``python -m benchmarks.launch_cost``):
 
 - the warm launcher, :mod:`qualify.candidate.warm` (``QUALIFY_LAUNCHER=torchrun``);
 - :mod:`qualify.candidate.beside`: the sampler cells beside the trainer launches
-  (``QUALIFY_JOBS=1``).
+  (``QUALIFY_JOBS=1``);
+- :mod:`qualify.candidate.ahead`: each trainer launch's warm launcher imports while the
+  launch before it runs, and forks its ranks when that one has ended (``QUALIFY_AHEAD=0``;
+  ``QUALIFY_JOBS=1`` too).
 
 Every rank's stdout / stderr (and ``error.json`` when a rank raises) is kept under
 ``<attempt>/logs/ranks/``; the launcher's own output (torchrun's carries every rank's lines
@@ -62,7 +65,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from qualify import atomic, procs, schema
 from qualify.candidate import imported, interpreter
@@ -81,6 +84,9 @@ from qualify.protocol import (
 from qualify.registry import EngineSpec
 from qualify.resources import repo_root
 
+if TYPE_CHECKING:
+    from qualify.candidate.ahead import Gate
+
 LaunchStatus = Literal["OK", "ERROR"]
 Launcher = Literal["warm", "torchrun"]
 LAUNCHERS: Final[tuple[Launcher, ...]] = ("warm", "torchrun")
@@ -91,6 +97,8 @@ KILL_GRACE_S: Final = procs.KILL_GRACE_S
 """Seconds between SIGTERM and SIGKILL when a launch is ended (:mod:`qualify.procs`)."""
 TAIL_LINES: Final = 25
 """Lines of the failing rank's log quoted in an ``ERROR`` reason."""
+WARM_MODULE: Final = "qualify.candidate.warm"
+"""The warm launcher's module (``python -m``)."""
 _SAFETENSORS_FLOATS: Final = frozenset({"F64", "F32"})
 
 
@@ -289,8 +297,8 @@ def torchrun_command(cell_file: Path, *, module: str, world_size: int,
 
 def launch_command(cell_file: Path, *, module: str, world_size: int, log_dir: Path,
                    env: Mapping[str, str] | None = None, launcher: Launcher | None = None,
-                   preload: Sequence[str] = (), python: Sequence[str] | None = None
-                   ) -> list[str]:
+                   preload: Sequence[str] = (), python: Sequence[str] | None = None,
+                   wait_stdin: bool = False) -> list[str]:
     """The command line of a launch: the warm launcher, torchrun, or srun + torchrun.
 
     The srun path of :func:`torchrun_command` wins whenever it applies (a multi-node
@@ -308,6 +316,9 @@ def launch_command(cell_file: Path, *, module: str, world_size: int, log_dir: Pa
             (:attr:`qualify.registry.EngineSpec.warm_imports`).
         python: a foreign interpreter command (:func:`torchrun_command`): always torchrun
             (the warm launcher forks qualify's own interpreter, never another).
+        wait_stdin: the warm launcher waits for its start signal on stdin after its
+            imports (``--wait-stdin``, :mod:`qualify.candidate.ahead`); no effect on the
+            other launchers (:func:`is_warm` tells which the command is).
 
     Raises:
         UsageError: ``QUALIFY_LAUNCHER`` or ``QUALIFY_NNODES`` is bad
@@ -321,8 +332,14 @@ def launch_command(cell_file: Path, *, module: str, world_size: int, log_dir: Pa
     if torchrun[0] == "srun" or (launcher or chosen) == "torchrun" or python is not None:
         return torchrun
     pre = [arg for mod in preload for arg in ("--preload", mod)]
-    return [sys.executable, "-m", "qualify.candidate.warm", "--nproc-per-node",
-            str(world_size), "--log-dir", str(log_dir), *pre, module, str(cell_file)]
+    return [sys.executable, "-m", WARM_MODULE, "--nproc-per-node", str(world_size),
+            "--log-dir", str(log_dir), *pre, *(["--wait-stdin"] if wait_stdin else []),
+            module, str(cell_file)]
+
+
+def is_warm(cmd: Sequence[str]) -> bool:
+    """Whether ``cmd`` (from :func:`launch_command`) runs the warm launcher."""
+    return list(cmd[1:3]) == ["-m", WARM_MODULE]
 
 
 def check_launch_env(env: Mapping[str, str] | None = None) -> str:
@@ -395,7 +412,8 @@ def launch_env(env: Mapping[str, str] | None) -> dict[str, str]:
 def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: float,
            env: Mapping[str, str] | None = None,
            world_size: int | None = None, launcher: Launcher | None = None,
-           preload: Sequence[str] = (), python: Sequence[str] | None = None) -> LaunchResult:
+           preload: Sequence[str] = (), python: Sequence[str] | None = None,
+           gate: Gate | None = None) -> LaunchResult:
     """Run ``cell`` under the launcher of :func:`launch_command` and report how it ended.
 
     Args:
@@ -416,6 +434,11 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
         preload: modules the warm launcher imports once before forking the ranks.
         python: the ranks' interpreter command when not qualify's own
             (:func:`torchrun_command`).
+        gate: start the launch ahead of its turn (:mod:`qualify.candidate.ahead`): the warm
+            launcher starts now, imports, and forks its ranks when ``gate`` opens; any other
+            launcher starts when it opens. ``timeout_s``, ``wall_s`` and ``started`` count
+            from the gate. A gate shut before it opened gives ``ERROR`` ("not started"),
+            one shut after, ``ERROR`` ("cancelled"). The caller opens or shuts it.
 
     Returns:
         The :class:`LaunchResult` (``ERROR`` for every harness failure: none raises).
@@ -443,16 +466,31 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
     world = cell.world_size if world_size is None else world_size
     cmd = launch_command(cell_file, module=module, world_size=world, log_dir=rank_dir,
                          env=launch_environment, launcher=launcher, preload=preload,
-                         python=python)
-    launcher_log, started, started_ns = logs / LAUNCHER_LOG, utc_now_iso(), time.time_ns()
-    t0 = time.monotonic()
+                         python=python, wait_stdin=gate is not None)
+    ahead = gate is not None and is_warm(cmd)
+    if gate is not None and not ahead:  # nothing runs ahead: wait for the turn here
+        gate.release()
+        if not gate.wait():
+            return _not_started(cell, attempt_dir, cell_file, logs)
+    launcher_log, started_ns = logs / LAUNCHER_LOG, time.time_ns()
+    t0, started = time.monotonic(), utc_now_iso()
     with launcher_log.open("wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
-        ran = procs.run(cmd, cwd=attempt_dir, env=launch_environment, stdout=log,
-                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, new_session=True,
-                        timeout_s=timeout_s, grace_s=KILL_GRACE_S)
+        try:
+            ran = procs.run(cmd, cwd=attempt_dir, env=launch_environment, stdout=log,
+                            stderr=subprocess.STDOUT,
+                            stdin=gate.stdin if ahead and gate else subprocess.DEVNULL,
+                            new_session=True, timeout_s=timeout_s, grace_s=KILL_GRACE_S,
+                            cancel=gate.cancelled if ahead and gate else None,
+                            clock_from=gate.opened if ahead and gate else None)
+        finally:
+            if ahead and gate:
+                gate.release()
     rc, wall = ran.returncode, time.monotonic() - t0
+    if ahead and gate and gate.opened_at is not None:  # the turn began at the gate
+        wall = time.monotonic() - max(t0, gate.opened_at)
+        started = gate.opened_utc or started
     imports.collect(attempt_dir, module=module, expected=world, started_ns=started_ns)
     rank_logs = tuple(sorted(p for p in rank_dir.rglob("*") if p.is_file()))
 
@@ -462,6 +500,10 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
                             launcher_log=launcher_log, rank_logs=rank_logs, failed_rank=failed,
                             started=started)
 
+    if ran.cancelled or (gate is not None and gate.cancelled.is_set()):
+        what = ("cancelled: the candidate stage stopped" if gate is None or gate.opened.is_set()
+                else "not started: the candidate stage stopped before this launch's turn")
+        return result("ERROR", f"{what} (process tree ended; logs kept in {logs})")
     if rc is None:
         return result("ERROR", f"timeout after {timeout_s:g}s (process tree ended; logs "
                                f"kept in {logs})")
@@ -478,8 +520,18 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
     return result("OK", "")
 
 
+def _not_started(cell: HarnessCell, attempt_dir: Path, cell_file: Path,
+                 logs: Path) -> LaunchResult:
+    """The result of a gated launch whose gate was shut before it opened."""
+    return LaunchResult(status="ERROR", reason="not started: the candidate stage stopped "
+                        "before this launch's turn", wall_s=0.0, returncode=None,
+                        attempt_dir=attempt_dir, cell_file=cell_file,
+                        launcher_log=logs / LAUNCHER_LOG, rank_logs=(), failed_rank=None,
+                        started=utc_now_iso())
+
+
 def launch_engine(cell: HarnessCell, *, engine: EngineSpec, attempt_dir: Path,
-                  timeout_s: float, cuda: bool) -> LaunchResult:
+                  timeout_s: float, cuda: bool, gate: Gate | None = None) -> LaunchResult:
     """:func:`launch` of an engine's harness, as every stage launches it.
 
     The engine's module and world-size rule; on a CPU machine (``cuda`` false) its
@@ -496,6 +548,7 @@ def launch_engine(cell: HarnessCell, *, engine: EngineSpec, attempt_dir: Path,
         attempt_dir: a fresh attempt directory.
         timeout_s: wall-clock limit of the launch.
         cuda: whether this machine has a CUDA device.
+        gate: start it ahead of its turn (:func:`launch`).
 
     Raises:
         HarnessError: as :func:`launch`.
@@ -504,7 +557,7 @@ def launch_engine(cell: HarnessCell, *, engine: EngineSpec, attempt_dir: Path,
     return launch(cell, module=engine.module, attempt_dir=attempt_dir, timeout_s=timeout_s,
                   env=_engine_env(engine, cuda), world_size=engine.world_size(cell),
                   launcher="torchrun" if cuda else None, preload=engine.warm_imports,
-                  python=interpreter.engine_command(engine.name))
+                  python=interpreter.engine_command(engine.name), gate=gate)
 
 
 def _engine_env(engine: EngineSpec, cuda: bool) -> dict[str, str] | None:

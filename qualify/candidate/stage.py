@@ -36,12 +36,13 @@ import re
 import shutil
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final
 
 from qualify import jsonio
 from qualify.atomic import TMP_PREFIX
-from qualify.candidate import beside, resume_stage, sampler_stage
+from qualify.candidate import ahead, beside, resume_stage, sampler_stage
 from qualify.candidate.launch import LaunchResult, launch_engine, read_safetensors_header
 from qualify.candidate.launches import Launch, launches_for, plan_launches
 from qualify.contract import CellSpec, Contract, cells_matching
@@ -78,8 +79,9 @@ from qualify.protocol import (
     parse_tensor_name,
 )
 from qualify.reference.documents import read_document
+from qualify.reference.plan import INTERPRETER_BYTES, launch_host_peaks, machine_defaults
 from qualify.reference.stage import load_sealed_reference
-from qualify.registry import get_engine, has_cuda
+from qualify.registry import EngineSpec, get_engine, has_cuda
 from qualify.sampling import rollout_sampling, sampling_summary
 
 RUN_KIND = "candidate-run"
@@ -309,7 +311,9 @@ def run_candidate_stage(
     The run directory carries the ``INCOMPLETE`` marker from its first write until
     ``qualify compare`` seals it, and this process holds the marker's writer lock while it
     runs (:func:`qualify.evidence.attempts.hold_writer_lock`). The sampler cells run beside
-    the trainer launches once the weights they install exist (:mod:`qualify.candidate.beside`).
+    the trainer launches once the weights they install exist (:mod:`qualify.candidate.beside`),
+    and each trainer launch's launcher starts one turn ahead: it imports while the launch
+    before it runs and forks its ranks once that one has ended (:mod:`qualify.candidate.ahead`).
 
     Args:
         contract: the loaded contract (its digest must equal the reference's).
@@ -403,64 +407,114 @@ def run_candidate_stage(
                                             cells=cells, faults=faults, lock=lock, stop=stop,
                                             weights_ready=weights_ready)
 
+        ahead_on = ahead.enabled(cuda=cuda)
+        peaks = (launch_host_peaks(contract, machine_defaults(), launches) if ahead_on
+                 else {})
+        gates: list[ahead.Gate] = []
+
+        def start(lc: Launch, engine: EngineSpec, before: _Started | None) -> _Started:
+            """Start ``lc``'s launch: ahead of its turn (after ``before``) or now."""
+            hc = HarnessCell(
+                param_sampling=rollout_sampling(contract.evidence, inputs),
+                engine=lc.engine, precision=lc.precision,  # type: ignore[arg-type]
+                options=dict(lc.options), actor_tp=lc.actor_tp, critic_tp=lc.critic_tp,
+                rounds=contract.algorithm.rounds, seed=contract.sampling.seed,
+                inputs_dir=str(inputs.resolve()), output_dir="",
+                collective_timeout_s=collective_timeout_s, faults=tuple(faults),
+                export_weights=sampler_stage.export_wanted(contract, lc.cells),
+                variants=tuple(p.variant(sampler_stage.export_wanted(
+                    contract, [c for c in (p.actor, p.critic) if c is not None]))
+                    for p in lc.parts) if lc.grouped else (),
+            )
+            attempt = store.new_attempt(run_dir / LAUNCHES_DIR / lc.launch_id)
+            hc = dataclasses.replace(hc, output_dir=str(attempt.resolve()))
+            timeout_s = launch_timeout_s * len(lc.parts)
+            if pool is None:  # one launch after the other, in this thread
+                done: Future[LaunchResult] = Future()
+                done.set_result(launch_engine(hc, engine=engine, attempt_dir=attempt,
+                                              timeout_s=timeout_s, cuda=cuda))
+                return _Started(lc, attempt, done)
+            gate = ahead.Gate()
+            gates.append(gate)
+            future = pool.submit(launch_engine, hc, engine=engine, attempt_dir=attempt,
+                                 timeout_s=timeout_s, cuda=cuda, gate=gate)
+            if before is None:
+                gate.open()
+            else:  # its ranks start the moment the launch before it has ended
+                before.future.add_done_callback(gate.open_after)
+            return _Started(lc, attempt, future)
+
+        def finish(started: _Started) -> None:
+            """Wait for a started launch; split, index and seal it; record its cells."""
+            lc, attempt = started.launch, started.attempt
+            bar.advance(lc.launch_id)
+            result = started.future.result()
+            store.atomic_write_json(attempt / RESULT_FILE, {
+                "status": result.status, "reason": result.reason, "wall_s": result.wall_s,
+                "returncode": result.returncode, "started": result.started})
+            cell_attempts = {c.cell_id: store.new_attempt(run_dir / CELLS_DIR / c.cell_id)
+                             for c in lc.cells}
+            entries = {}
+            for cell in lc.cells:
+                cell_attempt = cell_attempts[cell.cell_id]
+                status, why = _split_outputs(result, attempt, lc, cell, cell_attempt,
+                                             contract=contract, numels=numels)
+                entries[cell.cell_id] = _cell_entry(
+                    cell, status, why, str(cell_attempt.relative_to(run_dir)))
+            # after the split (the launch files are untouched until the drop): the index
+            # names only sealed cells; a crash before the seal leaves an unsealed launch
+            # attempt whose index nothing reads (tensor_index.check_run skips it)
+            complete = {cid: a for cid, a in cell_attempts.items()
+                        if entries[cid]["status"] == "COMPLETE"}
+            index = _index_launch(result, attempt, lc, complete, run_dir)
+            if index is not None:  # every tensor is in a sealed cell: drop the copy
+                tensor_index.drop_stored_copies(attempt, run_dir, index)
+            store.seal(attempt, kind="launch-attempt")
+            with lock:  # COMPLETE in run.json only once the launch attempt is sealed
+                run.cells.update(entries)
+                store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
+            if source in entries:
+                weights_ready.set()  # the weights are recorded: the sampler installs them
+
         with Progress(total=max(1, len(launches)), description=f"candidate {contract.name}",
                       quiet=quiet) as bar, beside.running(sampler_cells, cuda=cuda) as sampler:
             if not any(source in {c.cell_id for c in lc.cells} for lc in launches):
                 weights_ready.set()  # none of them exports: the weights are there, or never
             if sampler is not None:
                 sampler.go()  # the sampler engines start now, beside the trainer launches
-            for lc in launches:
-                bar.advance(lc.launch_id)
-                engine = get_engine(lc.engine)
-                why_not = engine.unavailable_reason(variants=contract.algorithm.variants())
-                if why_not is not None:
-                    with lock:
-                        for cell in lc.cells:
-                            run.cells[cell.cell_id] = _cell_entry(cell, "NOT_RUN", why_not, None)
-                        store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
-                    continue
-                hc = HarnessCell(
-                    param_sampling=rollout_sampling(contract.evidence, inputs),
-                    engine=lc.engine, precision=lc.precision,  # type: ignore[arg-type]
-                    options=dict(lc.options), actor_tp=lc.actor_tp, critic_tp=lc.critic_tp,
-                    rounds=contract.algorithm.rounds, seed=contract.sampling.seed,
-                    inputs_dir=str(inputs.resolve()), output_dir="",
-                    collective_timeout_s=collective_timeout_s, faults=tuple(faults),
-                    export_weights=sampler_stage.export_wanted(contract, lc.cells),
-                    variants=tuple(p.variant(sampler_stage.export_wanted(
-                        contract, [c for c in (p.actor, p.critic) if c is not None]))
-                        for p in lc.parts) if lc.grouped else (),
-                )
-                attempt = store.new_attempt(run_dir / LAUNCHES_DIR / lc.launch_id)
-                hc = dataclasses.replace(hc, output_dir=str(attempt.resolve()))
-                result = launch_engine(hc, engine=engine, attempt_dir=attempt,
-                                       timeout_s=launch_timeout_s * len(lc.parts), cuda=cuda)
-                store.atomic_write_json(attempt / RESULT_FILE, {
-                    "status": result.status, "reason": result.reason, "wall_s": result.wall_s,
-                    "returncode": result.returncode, "started": result.started})
-                cell_attempts = {c.cell_id: store.new_attempt(run_dir / CELLS_DIR / c.cell_id)
-                                 for c in lc.cells}
-                entries = {}
-                for cell in lc.cells:
-                    cell_attempt = cell_attempts[cell.cell_id]
-                    status, why = _split_outputs(result, attempt, lc, cell, cell_attempt,
-                                                 contract=contract, numels=numels)
-                    entries[cell.cell_id] = _cell_entry(
-                        cell, status, why, str(cell_attempt.relative_to(run_dir)))
-                # after the split (the launch files are untouched until the drop): the index
-                # names only sealed cells; a crash before the seal leaves an unsealed launch
-                # attempt whose index nothing reads (tensor_index.check_run skips it)
-                complete = {cid: a for cid, a in cell_attempts.items()
-                            if entries[cid]["status"] == "COMPLETE"}
-                index = _index_launch(result, attempt, lc, complete, run_dir)
-                if index is not None:  # every tensor is in a sealed cell: drop the copy
-                    tensor_index.drop_stored_copies(attempt, run_dir, index)
-                store.seal(attempt, kind="launch-attempt")
-                with lock:  # COMPLETE in run.json only once the launch attempt is sealed
-                    run.cells.update(entries)
-                    store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
-                if source in entries:
-                    weights_ready.set()  # the weights are recorded: the sampler installs them
+            pool = (ThreadPoolExecutor(max_workers=2, thread_name_prefix="qualify-launch")
+                    if ahead_on else None)
+            current: _Started | None = None  # the launch running (or about to)
+            try:
+                for lc in launches:
+                    engine = get_engine(lc.engine)
+                    why_not = engine.unavailable_reason(variants=contract.algorithm.variants())
+                    if why_not is not None:
+                        bar.advance(lc.launch_id)
+                        with lock:
+                            for cell in lc.cells:
+                                run.cells[cell.cell_id] = _cell_entry(cell, "NOT_RUN", why_not,
+                                                                      None)
+                            store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
+                        continue
+                    if current is not None and (pool is None or not ahead.room_ahead(
+                            peaks.get(current.launch.launch_id, 0), INTERPRETER_BYTES,
+                            available=ahead.mem_available())):
+                        finish(current)  # one at a time, or no room beside it: after it
+                        current = None
+                    started = start(lc, engine, current)
+                    if current is not None:
+                        finish(current)
+                    current = started
+                if current is not None:
+                    finish(current)
+            except BaseException:
+                for gate in gates:  # no launch starts, or goes on, after the stage failed
+                    gate.shut()
+                raise
+            finally:
+                if pool is not None:
+                    pool.shutdown(wait=True)
             weights_ready.set()
             if sampler is not None:
                 sampler.result()
@@ -488,6 +542,15 @@ def run_candidate_stage(
         run.finished = store.utc_now()
         store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
     return run_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class _Started:
+    """A trainer launch started (or waiting ahead of its turn) and its attempt directory."""
+
+    launch: Launch
+    attempt: Path
+    future: Future[LaunchResult]
 
 
 def _cell_entry(cell: CellSpec, status: str, reason: str | None,

@@ -1,7 +1,7 @@
 """Start a launch's ranks from one warm interpreter: import once, fork every rank (issue #17).
 
 ``python -m qualify.candidate.warm --nproc-per-node W --log-dir DIR [--preload MOD ...]
-TARGET [ARGS ...]`` is the single-node CPU launcher of
+[--wait-stdin] TARGET [ARGS ...]`` is the single-node CPU launcher of
 :func:`qualify.candidate.launch.launch` (``ARGS``: the ``cell.json``). It replaces
 ``torchrun --standalone`` there, where most of a launch's wall was fixed cost: torchrun's
 own interpreter, then ``W`` interpreters that each imported torch, transformers' model
@@ -9,6 +9,11 @@ classes and the engine (measured in README.md "Speed"). Here one interpreter imp
 ``TARGET``'s module, every ``--preload`` module (the engine's
 :attr:`~qualify.registry.EngineSpec.warm_imports`) and the transformers model classes of
 the cell's model directories, then forks ``W`` ranks that share those modules.
+
+With ``--wait-stdin`` the launcher, its imports done, waits for its start signal before it
+starts any rank (:func:`wait_for_start`: a byte on stdin, the gate of a launch started ahead
+of its turn, :mod:`qualify.candidate.ahead`); end of file instead exits
+:data:`GATE_SHUT_EXIT` with no rank started.
 
 Each rank gets the environment torchrun gives a worker (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``ROLE_RANK``, ``MASTER_ADDR``,
@@ -63,6 +68,7 @@ import importlib.util
 import json
 import os
 import runpy
+import select
 import signal
 import socket
 import subprocess
@@ -81,6 +87,8 @@ _PR_SET_PDEATHSIG: Final = 1
 _FORWARDED: Final = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 """The signals torchrun's agent handles (``TORCHELASTIC_SIGNALS_TO_HANDLE``): each ends the
 ranks."""
+GATE_SHUT_EXIT: Final = 3
+"""The launcher's exit code when ``--wait-stdin``'s pipe closed before the start signal."""
 PREFIX: Final = "[warm]"
 """Prefix of the launcher's own lines in ``launcher.log``."""
 
@@ -467,16 +475,48 @@ def supervise(pids: dict[int, int], received: list[int], *,
     return 1 if failed else 0
 
 
+def wait_for_start(received: Sequence[int]) -> str | None:
+    """Block until the start signal arrives on stdin (``--wait-stdin``); ``None`` once it has.
+
+    The signal is one byte or more written to this process's stdin (a pipe held by the
+    candidate stage, :class:`qualify.candidate.ahead.Gate`); end of file without one (the
+    stage closed the pipe, or died) means the launch must not start. A forwarded signal
+    (:data:`_FORWARDED`, recorded by ``main``'s handler in ``received``) ends the wait too.
+    Afterwards stdin is ``/dev/null``, as the ranks' stdin is under torchrun
+    (:func:`qualify.procs.run`'s default).
+
+    Returns:
+        ``None`` to go on; else why not (the pipe closed first, or which signal came).
+    """
+    why: str | None = None
+    while True:
+        if received:
+            why = f"signal {received[0]} while waiting to start"
+            break
+        try:
+            ready, _, _ = select.select([0], [], [], _POLL_S * 5)
+        except InterruptedError:  # pragma: no cover - PEP 475 retries select itself
+            continue
+        if ready:
+            why = None if os.read(0, 64) else "start pipe closed before the start signal"
+            break
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    return why
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The launcher's arguments.
 
-    ``--nproc-per-node``, ``--log-dir``, ``--preload``, ``target``, ``args``; exits 2 with
-    argparse's message when they are bad.
+    ``--nproc-per-node``, ``--log-dir``, ``--preload``, ``--wait-stdin``, ``target``,
+    ``args``; exits 2 with argparse's message when they are bad.
     """
     parser = argparse.ArgumentParser(prog="python -m qualify.candidate.warm")
     parser.add_argument("--nproc-per-node", type=int, required=True)
     parser.add_argument("--log-dir", type=Path, required=True)
     parser.add_argument("--preload", action="append", default=[])
+    parser.add_argument("--wait-stdin", action="store_true")
     parser.add_argument("target")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -503,6 +543,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if received:
         print(f"{PREFIX} signal {received[0]} before any rank started", flush=True)
         return 128 + received[0]
+    if args.wait_stdin:
+        imported_s = time.monotonic() - t0
+        print(f"{PREFIX} imports {imported_s:.2f} s; waiting for the start signal on stdin",
+              flush=True)
+        go = wait_for_start(received)
+        if go is not None:
+            print(f"{PREFIX} {go}: no rank started", flush=True)
+            return 128 + received[0] if received else GATE_SHUT_EXIT
+        t0 = time.monotonic() - imported_s  # the wait is not the launch's import time
     _Libc.load()
     forked, why = fork_safe()
     mode = "fork" if forked else f"exec ({why})"

@@ -237,10 +237,17 @@ def _broken_pipe() -> int:
         traceback.print_exc()
         print("qualify: internal error: BrokenPipeError (not stdout)", file=sys.stderr)
         return int(ExitCode.INTERNAL_ERROR)
-    with contextlib.suppress(OSError, ValueError):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+    _stdout_to_devnull()
     return BROKEN_PIPE_EXIT
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout's file descriptor at /dev/null (its reader is gone), if it can be."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull, fd = os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
+        if devnull != fd:  # fd was closed: the open took its number, nothing to move
+            os.dup2(devnull, fd)
+            os.close(devnull)
 
 
 def _stdout_closed() -> bool:
@@ -332,8 +339,7 @@ def console(argv: Sequence[str] | None = None) -> NoReturn:
             stream.flush()
         except (OSError, ValueError):  # the reader went away (or the stream was closed)
             if stream is sys.stdout:
-                with contextlib.suppress(OSError, ValueError):
-                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                _stdout_to_devnull()
                 code = code or BROKEN_PIPE_EXIT
     if threading.active_count() > 1:
         sys.exit(code)

@@ -120,8 +120,12 @@ def _num(x: Any) -> str:
 
 
 def _table(frame: pd.DataFrame, table_id: str) -> str:
-    """A pandas table as HTML (numbers formatted, text escaped)."""
-    return str(frame.to_html(index=False, table_id=table_id, border=0, escape=True,
+    """A pandas table as HTML (numbers formatted, text and ``table_id`` escaped).
+
+    pandas writes ``table_id`` into the ``id`` attribute as given, so it is escaped here
+    (a diverge section's id carries a cell id read from an unsigned ``diverge.json``).
+    """
+    return str(frame.to_html(index=False, table_id=_e(table_id), border=0, escape=True,
                              na_rep="-", float_format=lambda v: format(v, ".4g")))
 
 

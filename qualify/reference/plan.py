@@ -94,7 +94,7 @@ import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from qualify_harness.protocol import FULL_DISTRIBUTION_MAX_VOCAB
 
@@ -102,11 +102,14 @@ from qualify.contract import Contract
 from qualify.errors import ContractError, UsageError
 from qualify.protocol import VOCAB_PARAMS
 
+if TYPE_CHECKING:
+    from qualify.candidate.launches import Launch
+
 __all__ = ["CANDIDATE_KINDS", "INTERPRETER_BYTES", "DoesNotFitError", "Machine", "ModelShape",
            "Plan", "Step",
-           "activation_elements", "build_plan", "check_fits", "machine_defaults", "model_shape",
-           "plan_launches", "plan_reference", "plan_rollout", "plan_sampler",
-           "round_to_round_updates"]
+           "activation_elements", "build_plan", "check_fits", "launch_host_peaks",
+           "machine_defaults", "model_shape", "plan_launches", "plan_reference", "plan_rollout",
+           "plan_sampler", "round_to_round_updates"]
 
 GB: Final = 10**9
 CANDIDATE_KINDS: Final = ("launch", "sampler")
@@ -1322,10 +1325,61 @@ def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
 
     The sampler cells (:func:`plan_sampler`) come last, as one step; where they run beside
     the trainer launches (on CPU, :func:`qualify.candidate.beside.jobs`) each trainer
-    launch's host peak includes theirs (the ``sampler_beside`` term).
+    launch's host peak includes theirs (the ``sampler_beside`` term). Where the next
+    launch's launcher imports beside a launch (on CPU under the same setting,
+    :mod:`qualify.candidate.ahead`), every launch but the last also holds one more
+    interpreter (the ``launcher_ahead`` term, :data:`INTERPRETER_BYTES`).
     """
-    from qualify.candidate.beside import jobs
     from qualify.candidate.launches import launches_for
+
+    launches = launches_for(contract, list(contract.matrix.cells()))
+    beside, ahead = _beside(contract, machine)
+    steps = [_launch_step(contract, machine, lc, beside=beside,
+                          ahead=ahead and i + 1 < len(launches))
+             for i, lc in enumerate(launches)]
+    sampler = plan_sampler(contract, machine)
+    return steps + ([sampler] if sampler is not None else [])
+
+
+def launch_host_peaks(contract: Contract, machine: Machine,
+                      launches: Sequence[Launch]) -> dict[str, int]:
+    """``{launch_id: host peak bytes}`` of ``launches`` as :func:`plan_launches` plans them.
+
+    Without the ``launcher_ahead`` term: what the launch holds (with the sampler cells
+    beside it where they run there), for the candidate stage's check that one more
+    interpreter fits beside it (:func:`qualify.candidate.ahead.room_ahead`).
+    """
+    beside, _ = _beside(contract, machine)
+    return {lc.launch_id: _launch_step(contract, machine, lc, beside=beside,
+                                       ahead=False).host_peak for lc in launches}
+
+
+def _beside(contract: Contract, machine: Machine) -> tuple[Step | None, bool]:
+    """The sampler step beside the trainer launches, or ``None``; whether launchers run ahead.
+
+    The second: whether the next launch's launcher imports beside each launch
+    (:func:`qualify.candidate.ahead.enabled`).
+    """
+    from qualify.candidate.ahead import enabled
+    from qualify.candidate.beside import jobs
+
+    dev = machine.devices > 0 and machine.device_kind == "gpu"
+    sampler = plan_sampler(contract, machine)
+    # on CPU the sampler's engines run beside every trainer launch (QUALIFY_JOBS 2)
+    try:
+        at_once = jobs(cuda=dev)
+    except UsageError:  # a bad QUALIFY_JOBS is the candidate stage's error, not the plan's
+        at_once = 1 if dev else 2
+    try:
+        ahead = enabled(cuda=dev)
+    except UsageError:  # as above (QUALIFY_AHEAD, QUALIFY_JOBS)
+        ahead = not dev and at_once >= 2
+    return (sampler if sampler is not None and at_once >= 2 else None, ahead)
+
+
+def _launch_step(contract: Contract, machine: Machine, lc: Launch, *, beside: Step | None,
+                 ahead: bool) -> Step:
+    """One launch's :class:`Step` (:func:`plan_launches`)."""
     from qualify.registry import get_engine
 
     shape = model_shape(contract)
@@ -1334,48 +1388,40 @@ def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
     mbs = contract.algorithm.micro_batch_size
     rounds = contract.algorithm.rounds
     ev = contract.evidence
-    launches = launches_for(contract, list(contract.matrix.cells()))
     dev = machine.devices > 0 and machine.device_kind == "gpu"
-    sampler = plan_sampler(contract, machine)
-    # on CPU the sampler's engines run beside every trainer launch (QUALIFY_JOBS 2)
-    try:
-        at_once = jobs(cuda=dev)
-    except UsageError:  # a bad QUALIFY_JOBS is the candidate stage's error, not the plan's
-        at_once = 1 if dev else 2
-    beside = sampler if sampler is not None and at_once >= 2 else None
-    steps: list[Step] = []
-    for lc in launches:
-        world = get_engine(lc.engine).launch_world(lc.actor_tp, lc.critic_tp, dict(lc.options))
-        per_rank, written, flops = 0, 0, 0.0
-        for cell in lc.cells:
-            pr = shape.count(cell.role)
-            per_param = 20 if cell.precision == "bf16" else 16
-            elem = 2 if cell.precision == "bf16" else 4
-            act = (activation_elements(shape) * mbs * positions * elem
-                   * shape.num_hidden_layers // cell.tp)
-            logits = (LOGIT_COPIES * mbs * resp * shape.vocab_size * 4 // cell.tp
-                      if cell.role == "actor" else 0)
-            per_rank = max(per_rank, per_param * pr // cell.tp + act + logits)
-            rep = _sampled_elements(shape.params(cell.role), ev.exact_elements,
-                                    ev.sample_elements,
-                                    vocab_rows=_rollout_ids_bound(contract, shape.vocab_size),
-                                    vocab_size=shape.vocab_size)
-            written += 4 * rounds * 4 * rep + SAFETENSORS_HEADER_BYTES * rounds * 4 * len(
-                shape.params(cell.role))
-            flops += rounds * 6 * pr * n_seq * positions
-        rk = ("gpu" if dev else "cpu") + ("-bf16" if all(c.precision == "bf16"
-                                                        for c in lc.cells) else "-fp32")
-        units = min(world, machine.devices) if dev else min(world, machine.cores)
-        seconds = flops / (THROUGHPUT[rk] * max(units, 1))
-        host = (INTERPRETER_BYTES * world + (0 if dev else per_rank * world))
-        terms = {"per_rank": per_rank, "interpreter": INTERPRETER_BYTES}
-        if beside is not None:
-            host += beside.host_peak
-            terms["sampler_beside"] = beside.host_peak
-        steps.append(Step(name=f"launch {lc.launch_id} ({len(lc.cells)} cells, {world} ranks)",
-                          kind="launch", device_peak=per_rank if dev else 0, host_peak=host,
-                          written=written, seconds=seconds, processes=world, terms=terms))
-    return steps + ([sampler] if sampler is not None else [])
+    world = get_engine(lc.engine).launch_world(lc.actor_tp, lc.critic_tp, dict(lc.options))
+    per_rank, written, flops = 0, 0, 0.0
+    for cell in lc.cells:
+        pr = shape.count(cell.role)
+        per_param = 20 if cell.precision == "bf16" else 16
+        elem = 2 if cell.precision == "bf16" else 4
+        act = (activation_elements(shape) * mbs * positions * elem
+               * shape.num_hidden_layers // cell.tp)
+        logits = (LOGIT_COPIES * mbs * resp * shape.vocab_size * 4 // cell.tp
+                  if cell.role == "actor" else 0)
+        per_rank = max(per_rank, per_param * pr // cell.tp + act + logits)
+        rep = _sampled_elements(shape.params(cell.role), ev.exact_elements,
+                                ev.sample_elements,
+                                vocab_rows=_rollout_ids_bound(contract, shape.vocab_size),
+                                vocab_size=shape.vocab_size)
+        written += 4 * rounds * 4 * rep + SAFETENSORS_HEADER_BYTES * rounds * 4 * len(
+            shape.params(cell.role))
+        flops += rounds * 6 * pr * n_seq * positions
+    rk = ("gpu" if dev else "cpu") + ("-bf16" if all(c.precision == "bf16"
+                                                    for c in lc.cells) else "-fp32")
+    units = min(world, machine.devices) if dev else min(world, machine.cores)
+    seconds = flops / (THROUGHPUT[rk] * max(units, 1))
+    host = (INTERPRETER_BYTES * world + (0 if dev else per_rank * world))
+    terms = {"per_rank": per_rank, "interpreter": INTERPRETER_BYTES}
+    if beside is not None:
+        host += beside.host_peak
+        terms["sampler_beside"] = beside.host_peak
+    if ahead:
+        host += INTERPRETER_BYTES
+        terms["launcher_ahead"] = INTERPRETER_BYTES
+    return Step(name=f"launch {lc.launch_id} ({len(lc.cells)} cells, {world} ranks)",
+                kind="launch", device_peak=per_rank if dev else 0, host_peak=host,
+                written=written, seconds=seconds, processes=world, terms=terms)
 
 
 COST_MODEL: Final = (
