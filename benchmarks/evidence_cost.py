@@ -2,7 +2,10 @@
 
 Read only what the evidence records (nothing is run):
 
-- each launch attempt's ``result.json`` ``wall_s`` (the launcher's wall, torchrun included);
+- each launch attempt's ``result.json`` ``wall_s`` (the launcher's wall, torchrun included;
+  for a launch started ahead of its turn, ``ahead`` true, from its gate on: its launcher's
+  imports, from ``launcher_started``, ran beside the launch before it and are not in it,
+  :mod:`qualify.candidate.ahead`);
 - each cell's ``outputs.json``: trainer cells ``role_timings`` (``load_s``,
   ``parallelize_s`` / ``initialize_s``, ``scoring_s``, ``round1_s``, ``round2_s``,
   ``export_weights_s``) and ``timings`` (``init_s``, ``merge_s``, ``variant_s``,

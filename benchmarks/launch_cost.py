@@ -51,7 +51,10 @@ MECHANISMS: Final[dict[str, dict[str, Any]]] = {
         "what": "the sampler cells run beside the trainer launches (two launches at once)"},
     "ahead": {
         "off": {"QUALIFY_AHEAD": "0"},
-        "files": ["qualify/candidate/ahead.py"], "functions": [],
+        "files": ["qualify/candidate/ahead.py"],
+        "functions": ["qualify.candidate.warm:wait_for_start", "qualify.procs:_communicate",
+                      "qualify.reference.plan:launch_host_peaks",
+                      "qualify.reference.plan:_beside"],
         "what": "each trainer launch's launcher imports while the launch before it runs"},
 }
 """Each mechanism: the environment that turns it off, its modules, the functions of other

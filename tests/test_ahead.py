@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psutil
 import pytest
@@ -26,7 +29,7 @@ from qualify.candidate import ahead
 from qualify.candidate.launch import LaunchResult, launch
 from qualify.candidate.warm import GATE_SHUT_EXIT
 from qualify.contract import load_contract
-from qualify.errors import UsageError
+from qualify.errors import ContractError, UsageError
 from qualify.reference.plan import INTERPRETER_BYTES, Machine, launch_host_peaks, plan_launches
 from qualify.resources import contracts_dir, repo_root
 
@@ -39,13 +42,24 @@ def _wait_for(predicate: Any, timeout_s: float = 60.0) -> None:
 
 
 def _launch_in_thread(att: Path, mode: str | None, fake: dict[str, str], gate: ahead.Gate,
-                      timeout_s: float = 120.0) -> tuple[threading.Thread, list[LaunchResult]]:
+                      timeout_s: float = 120.0, launcher: Any = "warm"
+                      ) -> tuple[threading.Thread, list[LaunchResult]]:
+    """``launch`` in a daemon thread (a failing test cannot hang pytest's exit on it)."""
     out: list[LaunchResult] = []
     thread = threading.Thread(target=lambda: out.append(launch(
         _cell(att, mode), module="pkg_fake.harness:main", attempt_dir=att,
-        timeout_s=timeout_s, env=fake, launcher="warm", gate=gate)))
+        timeout_s=timeout_s, env=fake, launcher=launcher, gate=gate)), daemon=True)
     thread.start()
     return thread, out
+
+
+@pytest.fixture
+def gates() -> Iterator[list[ahead.Gate]]:
+    """Every gate a test makes is shut at its end, whatever the test did."""
+    made: list[ahead.Gate] = []
+    yield made
+    for gate in made:
+        gate.shut()
 
 
 def _waiting(att: Path) -> bool:
@@ -75,29 +89,35 @@ def test_gate_open_and_shut_are_final() -> None:
     shut.release()
 
 
-def test_a_gated_launch_forks_no_rank_until_its_gate_opens(tmp_path: Path) -> None:
+def test_a_gated_launch_forks_no_rank_until_its_gate_opens(tmp_path: Path,
+                                                           gates: list[ahead.Gate]) -> None:
     fake = write_fake(tmp_path / "pkg")
     att = tmp_path / "attempt-1"
     gate = ahead.Gate()
-    thread, out = _launch_in_thread(att, None, fake, gate, timeout_s=2.0)
+    gates.append(gate)
+    thread, out = _launch_in_thread(att, None, fake, gate, timeout_s=5.0)
     _wait_for(lambda: _waiting(att))
-    time.sleep(2.5)  # past timeout_s: the limit counts from the gate, not from the start
+    time.sleep(6.0)  # past timeout_s: the limit counts from the gate, not from the start
     assert not list(att.glob("pid*")), "a rank ran before its gate opened"
     gate.open()
     thread.join(60)
     (res,) = out
     assert res.status == "OK", res.reason
+    assert res.ahead
     assert sorted(p.name for p in att.glob("pid*")) == ["pid0", "pid1"]
     assert res.started >= (gate.opened_utc or "")
-    assert res.wall_s < 2.5  # from the gate: the wait before it is not the launch's
+    assert res.launcher_started < res.started  # the launcher imported before its turn
+    assert res.wall_s < 6.0  # from the gate: the wait before it is not the launch's
     log = res.launcher_log.read_text()
     assert log.index("waiting for the start signal") < log.index("2 ranks of pkg_fake")
 
 
-def test_a_gate_shut_before_it_opens_starts_no_rank(tmp_path: Path) -> None:
+def test_a_gate_shut_before_it_opens_starts_no_rank(
+        tmp_path: Path, gates: list[ahead.Gate]) -> None:
     fake = write_fake(tmp_path / "pkg")
     att = tmp_path / "attempt-1"
     gate = ahead.Gate()
+    gates.append(gate)
     thread, out = _launch_in_thread(att, None, fake, gate)
     _wait_for(lambda: _waiting(att))
     gate.shut()
@@ -123,17 +143,20 @@ def test_the_launcher_exits_before_any_rank_when_its_pipe_closes(tmp_path: Path)
             env={**os.environ, **fake}) as proc:
         assert proc.stdin is not None
         assert proc.stdout is not None
-        assert b"waiting for the start signal" in proc.stdout.readline()
+        while b"waiting for the start signal" not in (line := proc.stdout.readline()):
+            assert line, "the launcher ended before it waited"
         proc.stdin.close()
         assert proc.wait(60) == GATE_SHUT_EXIT
         assert b"no rank started" in proc.stdout.read()
     assert not list(out.glob("pid*"))
 
 
-def test_a_launch_past_its_gate_is_cancelled_with_its_tree(tmp_path: Path) -> None:
+def test_a_launch_past_its_gate_is_cancelled_with_its_tree(
+        tmp_path: Path, gates: list[ahead.Gate]) -> None:
     fake = write_fake(tmp_path / "pkg")
     att = tmp_path / "attempt-1"
     gate = ahead.Gate()
+    gates.append(gate)
     thread, out = _launch_in_thread(att, "sleep", fake, gate)
     gate.open()
     _wait_for(lambda: len(list(att.glob("pid*"))) == 2)
@@ -210,9 +233,11 @@ def test_the_plan_holds_one_more_interpreter_beside_every_launch_but_the_last(
     cpu = Machine(devices=0, device_bytes=0, host_bytes=24 * 10**9, cores=2)
     steps = [s for s in plan_launches(contract, cpu) if s.kind == "launch"]
     assert len(steps) == 3
-    from qualify.candidate.launches import launches_for
+    from qualify.candidate.launches import in_stage_order, launches_for
 
-    launches = launches_for(contract, list(contract.matrix.cells()))
+    launches = in_stage_order(contract, launches_for(contract, list(contract.matrix.cells())))
+    assert launches[0].launch_id == "torch_tp-a2c1-a1c2"  # exports the sampler's weights
+    assert [s.name.split()[1] for s in steps] == [lc.launch_id for lc in launches]
     peaks = launch_host_peaks(contract, cpu, launches)
     for i, (step, lc) in enumerate(zip(steps, launches, strict=True)):
         held = jobs == "" and on == "" and i + 1 < len(steps)
@@ -230,6 +255,7 @@ def test_an_interrupted_stage_shuts_the_launch_waiting_ahead(
     from qualify.candidate import stage
     from qualify.progress import Progress
 
+    pytest.importorskip("megatron.core")  # the second launch's engine must be available
     contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
     reference = repo_root() / "references" / f"tiny-qwen3-{contract.digest12}"
     if not reference.is_dir():
@@ -253,6 +279,7 @@ def test_an_interrupted_stage_shuts_the_launch_waiting_ahead(
 
     monkeypatch.setattr(stage, "launch_engine", fake_launch_engine)
     monkeypatch.setattr(Progress, "advance", interrupt)
+    monkeypatch.setattr(ahead, "mem_available", lambda: 10**15)  # room, whatever the box
     with pytest.raises(KeyboardInterrupt):
         stage.run_candidate_stage(contract, reference=reference, root=tmp_path / "ev",
                                   cells=["torch_tp-fp32-*", "megatron-fp32-*"], quiet=True)
@@ -262,3 +289,96 @@ def test_an_interrupted_stage_shuts_the_launch_waiting_ahead(
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == \
             psutil.STATUS_ZOMBIE
     assert psutil.Process().children(recursive=True) == []
+
+
+def test_a_signal_while_waiting_ends_the_launcher_before_any_rank(tmp_path: Path) -> None:
+    fake = write_fake(tmp_path / "pkg")
+    out = tmp_path / "out"
+    out.mkdir()
+    cell = tmp_path / "cell.json"
+    cell.write_text(json.dumps(_cell(out).to_dict()))
+    with subprocess.Popen(
+            [sys.executable, "-m", "qualify.candidate.warm", "--nproc-per-node", "2",
+             "--log-dir", str(tmp_path / "ranks"), "--wait-stdin", "pkg_fake.harness:main",
+             str(cell)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env={**os.environ, **fake}) as proc:
+        assert proc.stdout is not None
+        while b"waiting for the start signal" not in (line := proc.stdout.readline()):
+            assert line, "the launcher ended before it waited"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+        assert b"signal 15 while waiting to start: no rank started" in proc.stdout.read()
+    assert not list(out.glob("pid*"))
+
+
+def test_a_gated_torchrun_launch_is_cancelled_when_its_gate_shuts(
+        tmp_path: Path, gates: list[ahead.Gate]) -> None:
+    """Not the warm launcher: it starts when its gate opens, and a shut still ends it."""
+    fake = write_fake(tmp_path / "pkg")
+    att = tmp_path / "attempt-1"
+    gate = ahead.Gate()
+    gates.append(gate)
+    thread, out = _launch_in_thread(att, "sleep", fake, gate, launcher="torchrun")
+    time.sleep(1.0)
+    assert not (att / "logs" / "launcher.log").exists()  # it waits for its turn here
+    gate.open()
+    _wait_for(lambda: len(list(att.glob("pid*"))) == 2, timeout_s=120)
+    t0 = time.monotonic()
+    gate.shut()
+    thread.join(60)
+    (res,) = out
+    assert time.monotonic() - t0 < 30
+    assert res.status == "ERROR"
+    assert res.reason.startswith("cancelled"), res.reason
+    assert not res.ahead
+
+
+def test_a_failed_launch_shuts_the_next_gate() -> None:
+    failed: Future[LaunchResult] = Future()
+    failed.set_exception(OSError("disk full"))
+    gate = ahead.Gate()
+    gate.open_after(failed)
+    assert gate.cancelled.is_set()
+    assert not gate.wait()
+    assert os.read(gate.stdin, 8) == b""
+    gate.release()
+    gate.release()  # twice is safe
+    ok: Future[LaunchResult] = Future()
+    ok.set_result(cast(LaunchResult, None))
+    nxt = ahead.Gate()
+    nxt.open_after(ok)
+    assert nxt.wait()
+    assert os.read(nxt.stdin, 8) == ahead.START_BYTE
+    nxt.release()
+
+
+def test_a_contract_the_plan_cannot_size_runs_one_launch_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage's plan of the launches raises ContractError (a model without manifest
+    sizes): no gate, nothing ahead; the contract runs unplanned, one launch at a time."""
+    from qualify.candidate import stage
+
+    contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
+    reference = repo_root() / "references" / f"tiny-qwen3-{contract.digest12}"
+    if not reference.is_dir():
+        pytest.skip("the committed tiny-qwen3 reference is not checked out")
+    monkeypatch.delenv("QUALIFY_JOBS", raising=False)
+    monkeypatch.delenv("QUALIFY_AHEAD", raising=False)
+
+    def unsized(*args: Any, **kwargs: Any) -> Any:
+        raise ContractError("model.manifest.config: missing")
+
+    seen: list[object] = []
+
+    def first_launch(cell: Any, *, engine: Any, attempt_dir: Path, timeout_s: float,
+                     cuda: bool, gate: ahead.Gate | None = None) -> LaunchResult:
+        seen.append(gate)
+        raise RuntimeError("stop after the first launch call")
+
+    monkeypatch.setattr(stage, "launch_host_peaks", unsized)
+    monkeypatch.setattr(stage, "launch_engine", first_launch)
+    with pytest.raises(RuntimeError, match="stop after the first launch call"):
+        stage.run_candidate_stage(contract, reference=reference, root=tmp_path / "ev",
+                                  cells=["torch_tp-fp32-*", "megatron-fp32-*"], quiet=True)
+    assert seen == [None]

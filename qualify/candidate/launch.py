@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from qualify import atomic, procs, schema
 from qualify.candidate import imported, interpreter
+from qualify.candidate.warm import GATE_SHUT_EXIT
 from qualify.errors import HarnessError, QualifyError, UsageError
 from qualify.evidence import imports
 from qualify.evidence.timestamps import utc_now_iso
@@ -119,7 +120,12 @@ class LaunchResult:
         failed_rank: global rank of the first failure, when its ``error.json`` or a
             traceback in its ``stderr.log`` names it.
         started: UTC start of the launch (ISO 8601), so that concurrent launches can be
-            laid on one time line (``benchmarks/evidence_cost.py``).
+            laid on one time line (``benchmarks/evidence_cost.py``); for a launch started
+            ahead of its turn (:mod:`qualify.candidate.ahead`), when its gate opened, from
+            where ``wall_s`` counts too (its launcher's imports are before it).
+        launcher_started: UTC start of the launcher process (``""``: none started).
+        ahead: whether the launch was started ahead of its turn (its launcher imported
+            before ``started``).
     """
 
     status: LaunchStatus
@@ -132,6 +138,8 @@ class LaunchResult:
     rank_logs: tuple[Path, ...]
     failed_rank: int | None = None
     started: str = ""
+    launcher_started: str = ""
+    ahead: bool = False
 
     def __bool__(self) -> bool:
         return self.status == "OK"
@@ -447,6 +455,20 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
         HarnessError: the cell is invalid, the attempt directory was used before, or
             ``timeout_s`` is not positive (caller bugs, not harness failures).
     """
+    try:
+        return _launch(cell, module=module, attempt_dir=attempt_dir, timeout_s=timeout_s,
+                       env=env, world_size=world_size, launcher=launcher, preload=preload,
+                       python=python, gate=gate)
+    finally:
+        if gate is not None:
+            gate.release()  # the launcher has its copy of the read end, or never will
+
+
+def _launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: float,
+            env: Mapping[str, str] | None, world_size: int | None, launcher: Launcher | None,
+            preload: Sequence[str], python: Sequence[str] | None,
+            gate: Gate | None) -> LaunchResult:
+    """:func:`launch`, whose ``gate`` read end the caller releases."""
     if not timeout_s > 0:
         raise HarnessError(f"timeout_s must be > 0, got {timeout_s}")
     doc = cell.to_dict()
@@ -467,30 +489,28 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
     cmd = launch_command(cell_file, module=module, world_size=world, log_dir=rank_dir,
                          env=launch_environment, launcher=launcher, preload=preload,
                          python=python, wait_stdin=gate is not None)
-    ahead = gate is not None and is_warm(cmd)
-    if gate is not None and not ahead:  # nothing runs ahead: wait for the turn here
-        gate.release()
-        if not gate.wait():
-            return _not_started(cell, attempt_dir, cell_file, logs)
+    warm_gate = gate if gate is not None and is_warm(cmd) else None
+    # a gate not the warm launcher's is waited for here; a shut gate starts nothing
+    if gate is not None and ((warm_gate is None and not gate.wait())
+                             or gate.cancelled.is_set()):
+        return _not_started(attempt_dir, cell_file, logs)
     launcher_log, started_ns = logs / LAUNCHER_LOG, time.time_ns()
     t0, started = time.monotonic(), utc_now_iso()
+    launcher_started = started
     with launcher_log.open("wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
-        try:
-            ran = procs.run(cmd, cwd=attempt_dir, env=launch_environment, stdout=log,
-                            stderr=subprocess.STDOUT,
-                            stdin=gate.stdin if ahead and gate else subprocess.DEVNULL,
-                            new_session=True, timeout_s=timeout_s, grace_s=KILL_GRACE_S,
-                            cancel=gate.cancelled if ahead and gate else None,
-                            clock_from=gate.opened if ahead and gate else None)
-        finally:
-            if ahead and gate:
-                gate.release()
-    rc, wall = ran.returncode, time.monotonic() - t0
-    if ahead and gate and gate.opened_at is not None:  # the turn began at the gate
-        wall = time.monotonic() - max(t0, gate.opened_at)
-        started = gate.opened_utc or started
+        ran = procs.run(cmd, cwd=attempt_dir, env=launch_environment, stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=warm_gate.stdin if warm_gate else subprocess.DEVNULL,
+                        new_session=True, timeout_s=timeout_s, grace_s=KILL_GRACE_S,
+                        cancel=gate.cancelled if gate else None,
+                        clock_from=warm_gate.opened if warm_gate else None)
+    end = time.monotonic()
+    rc, wall = ran.returncode, end - t0
+    opened = warm_gate.opened_at if warm_gate is not None else None
+    if warm_gate is not None and opened is not None and t0 < opened < end:
+        wall, started = end - opened, warm_gate.opened_utc or started  # its turn: the gate
     imports.collect(attempt_dir, module=module, expected=world, started_ns=started_ns)
     rank_logs = tuple(sorted(p for p in rank_dir.rglob("*") if p.is_file()))
 
@@ -498,9 +518,11 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
         return LaunchResult(status=status, reason=reason, wall_s=wall, returncode=rc,
                             attempt_dir=attempt_dir, cell_file=cell_file,
                             launcher_log=launcher_log, rank_logs=rank_logs, failed_rank=failed,
-                            started=started)
+                            started=started, launcher_started=launcher_started,
+                            ahead=warm_gate is not None)
 
-    if ran.cancelled or (gate is not None and gate.cancelled.is_set()):
+    if ran.cancelled or (warm_gate is not None and rc == GATE_SHUT_EXIT
+                         and not warm_gate.opened.is_set()):
         what = ("cancelled: the candidate stage stopped" if gate is None or gate.opened.is_set()
                 else "not started: the candidate stage stopped before this launch's turn")
         return result("ERROR", f"{what} (process tree ended; logs kept in {logs})")
@@ -520,14 +542,14 @@ def launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: floa
     return result("OK", "")
 
 
-def _not_started(cell: HarnessCell, attempt_dir: Path, cell_file: Path,
-                 logs: Path) -> LaunchResult:
-    """The result of a gated launch whose gate was shut before it opened."""
+def _not_started(attempt_dir: Path, cell_file: Path, logs: Path) -> LaunchResult:
+    """The result of a gated launch whose gate was shut before its launcher started."""
+    now = utc_now_iso()
     return LaunchResult(status="ERROR", reason="not started: the candidate stage stopped "
                         "before this launch's turn", wall_s=0.0, returncode=None,
                         attempt_dir=attempt_dir, cell_file=cell_file,
                         launcher_log=logs / LAUNCHER_LOG, rank_logs=(), failed_rank=None,
-                        started=utc_now_iso())
+                        started=now, launcher_started="")
 
 
 def launch_engine(cell: HarnessCell, *, engine: EngineSpec, attempt_dir: Path,

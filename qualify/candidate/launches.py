@@ -20,7 +20,7 @@ from qualify.contract import CellSpec, Contract
 from qualify.matrix import Precision
 from qualify.protocol import variant_tag
 
-__all__ = ["Launch", "LaunchPart", "launches_for", "plan_launches"]
+__all__ = ["Launch", "LaunchPart", "in_stage_order", "launches_for", "plan_launches"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -166,6 +166,17 @@ def launches_for(contract: Contract, wanted: Sequence[CellSpec]) -> list[Launch]
     grouped = sorted({c.engine for c in wanted if get_engine(c.engine).groups_variants})
     by_world = [e for e in grouped if get_engine(e).groups_topologies]
     return plan_launches(contract, wanted, grouped_engines=grouped, topology_engines=by_world)
+
+
+def in_stage_order(contract: Contract, launches: Sequence[Launch]) -> list[Launch]:
+    """``launches`` in the order the candidate stage runs them.
+
+    The launch holding the cell that exports the sampler's weights
+    (``sampler.weights_from``) first, so that the sampler cells can run beside the others;
+    the rest in the order given.
+    """
+    source = contract.sampler.weights_from if contract.sampler is not None else ""
+    return sorted(launches, key=lambda lc: source not in {c.cell_id for c in lc.cells})
 
 
 def plan_launches(contract: Contract, wanted: Sequence[CellSpec],

@@ -44,9 +44,10 @@ from qualify import jsonio
 from qualify.atomic import TMP_PREFIX
 from qualify.candidate import ahead, beside, resume_stage, sampler_stage
 from qualify.candidate.launch import LaunchResult, launch_engine, read_safetensors_header
-from qualify.candidate.launches import Launch, launches_for, plan_launches
+from qualify.candidate.launches import Launch, in_stage_order, launches_for, plan_launches
 from qualify.contract import CellSpec, Contract, cells_matching
 from qualify.errors import (
+    ContractError,
     EvidenceIntegrityError,
     ReferenceDataError,
     UsageError,
@@ -216,6 +217,7 @@ def _split_outputs(result: LaunchResult, attempt: Path, launch_: Launch, cell: C
         "status": "COMPLETE" if status == "OK" else "ERROR",
         "reason": reason,
         "wall_s": result.wall_s, "started": result.started,
+        "launcher_started": result.launcher_started, "ahead": result.ahead,
         "returncode": result.returncode,
         "launch": launch_.launch_id,
         "launch_attempt": str(attempt),
@@ -396,8 +398,7 @@ def run_candidate_stage(
         # the launch exporting the sampler's weights first; the sampler cells then run
         # beside the other trainer launches (qualify.candidate.beside), under one lock
         source = contract.sampler.weights_from if contract.sampler is not None else ""
-        launches = sorted(launches_for(contract, todo),
-                          key=lambda lc: source not in {c.cell_id for c in lc.cells})
+        launches = in_stage_order(contract, launches_for(contract, todo))
         lock, cuda = threading.Lock(), has_cuda()
 
         weights_ready = threading.Event()  # the sampler's weights source is recorded
@@ -408,12 +409,19 @@ def run_candidate_stage(
                                             weights_ready=weights_ready)
 
         ahead_on = ahead.enabled(cuda=cuda)
-        peaks = (launch_host_peaks(contract, machine_defaults(), launches) if ahead_on
-                 else {})
+        peaks: dict[str, int] = {}
+        if ahead_on:
+            try:
+                peaks = launch_host_peaks(contract, machine_defaults(), launches)
+            except ContractError:  # a model the plan cannot size runs unplanned: one at a time
+                ahead_on = False
         gates: list[ahead.Gate] = []
 
         def start(lc: Launch, engine: EngineSpec, before: _Started | None) -> _Started:
-            """Start ``lc``'s launch: ahead of its turn (after ``before``) or now."""
+            """Start ``lc``'s launch ahead of its turn (after ``before``), or run it here.
+
+            Run here: one launch at a time (``pool`` is ``None``).
+            """
             hc = HarnessCell(
                 param_sampling=rollout_sampling(contract.evidence, inputs),
                 engine=lc.engine, precision=lc.precision,  # type: ignore[arg-type]
@@ -430,6 +438,7 @@ def run_candidate_stage(
             hc = dataclasses.replace(hc, output_dir=str(attempt.resolve()))
             timeout_s = launch_timeout_s * len(lc.parts)
             if pool is None:  # one launch after the other, in this thread
+                bar.advance(lc.launch_id)
                 done: Future[LaunchResult] = Future()
                 done.set_result(launch_engine(hc, engine=engine, attempt_dir=attempt,
                                               timeout_s=timeout_s, cuda=cuda))
@@ -447,11 +456,13 @@ def run_candidate_stage(
         def finish(started: _Started) -> None:
             """Wait for a started launch; split, index and seal it; record its cells."""
             lc, attempt = started.launch, started.attempt
-            bar.advance(lc.launch_id)
+            if pool is not None:  # announced as the launch this thread now waits for
+                bar.advance(lc.launch_id)
             result = started.future.result()
             store.atomic_write_json(attempt / RESULT_FILE, {
                 "status": result.status, "reason": result.reason, "wall_s": result.wall_s,
-                "returncode": result.returncode, "started": result.started})
+                "returncode": result.returncode, "started": result.started,
+                "launcher_started": result.launcher_started, "ahead": result.ahead})
             cell_attempts = {c.cell_id: store.new_attempt(run_dir / CELLS_DIR / c.cell_id)
                              for c in lc.cells}
             entries = {}
@@ -497,10 +508,11 @@ def run_candidate_stage(
                                                                       None)
                             store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
                         continue
-                    if current is not None and (pool is None or not ahead.room_ahead(
-                            peaks.get(current.launch.launch_id, 0), INTERPRETER_BYTES,
-                            available=ahead.mem_available())):
-                        finish(current)  # one at a time, or no room beside it: after it
+                    if current is not None and (
+                            pool is None or _raised(current.future) or not ahead.room_ahead(
+                                peaks.get(current.launch.launch_id, 0), INTERPRETER_BYTES,
+                                available=ahead.mem_available())):
+                        finish(current)  # one at a time, no room beside it, or it failed
                         current = None
                     started = start(lc, engine, current)
                     if current is not None:
@@ -510,7 +522,10 @@ def run_candidate_stage(
                     finish(current)
             except BaseException:
                 for gate in gates:  # no launch starts, or goes on, after the stage failed
-                    gate.shut()
+                    with contextlib.suppress(Exception):
+                        gate.shut()
+                if pool is not None:
+                    pool.shutdown(wait=True, cancel_futures=True)
                 raise
             finally:
                 if pool is not None:
@@ -542,6 +557,11 @@ def run_candidate_stage(
         run.finished = store.utc_now()
         store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
     return run_dir
+
+
+def _raised(future: Future[LaunchResult]) -> bool:
+    """Whether ``future`` is done and raised (its launch's worker failed, not the launch)."""
+    return future.done() and (future.cancelled() or future.exception() is not None)
 
 
 @dataclasses.dataclass(frozen=True)

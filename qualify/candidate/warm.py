@@ -489,17 +489,13 @@ def wait_for_start(received: Sequence[int]) -> str | None:
         ``None`` to go on; else why not (the pipe closed first, or which signal came).
     """
     why: str | None = None
-    while True:
-        if received:
-            why = f"signal {received[0]} while waiting to start"
-            break
-        try:
-            ready, _, _ = select.select([0], [], [], _POLL_S * 5)
-        except InterruptedError:  # pragma: no cover - PEP 475 retries select itself
-            continue
+    while not received:
+        ready, _, _ = select.select([0], [], [], _POLL_S * 5)  # PEP 475: retried on EINTR
         if ready:
             why = None if os.read(0, 64) else "start pipe closed before the start signal"
             break
+    if received:  # a signal wins over a start byte that came with it
+        why = f"signal {received[0]} while waiting to start"
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)

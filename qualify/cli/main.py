@@ -244,7 +244,8 @@ def _broken_pipe() -> int:
 def _stdout_to_devnull() -> None:
     """Point stdout's file descriptor at /dev/null (its reader is gone), if it can be."""
     with contextlib.suppress(OSError, ValueError):
-        devnull, fd = os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
+        fd = sys.stdout.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
         if devnull != fd:  # fd was closed: the open took its number, nothing to move
             os.dup2(devnull, fd)
             os.close(devnull)

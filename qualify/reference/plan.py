@@ -1307,7 +1307,8 @@ def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
     """One step per candidate launch, the launches the candidate stage makes.
 
     The matrix's cells grouped as :func:`qualify.candidate.launches.plan_launches` groups
-    them for the candidate stage (each engine's ``groups_variants`` and
+    them for the candidate stage, in its order
+    (:func:`qualify.candidate.launches.in_stage_order`; each engine's ``groups_variants`` and
     ``groups_topologies``, :mod:`qualify.registry`): one launch per topology, or per world
     size, its ranks the Actor's TP ranks and the Critic's side by side (``actor_tp +
     critic_tp``, times the degrees of the cells' other axes, e.g. FSDP2's ``dp``), so a
@@ -1330,9 +1331,9 @@ def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
     :mod:`qualify.candidate.ahead`), every launch but the last also holds one more
     interpreter (the ``launcher_ahead`` term, :data:`INTERPRETER_BYTES`).
     """
-    from qualify.candidate.launches import launches_for
+    from qualify.candidate.launches import in_stage_order, launches_for
 
-    launches = launches_for(contract, list(contract.matrix.cells()))
+    launches = in_stage_order(contract, launches_for(contract, list(contract.matrix.cells())))
     beside, ahead = _beside(contract, machine)
     steps = [_launch_step(contract, machine, lc, beside=beside,
                           ahead=ahead and i + 1 < len(launches))
