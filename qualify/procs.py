@@ -43,7 +43,7 @@ from typing import IO, Final
 
 import psutil
 
-__all__ = ["DEATH_SIGNAL", "KILL_GRACE_S", "ProcResult", "run"]
+__all__ = ["DEATH_SIGNAL", "KILL_GRACE_S", "ProcResult", "end_group", "run"]
 
 KILL_GRACE_S: Final = 5.0
 """Default seconds between SIGTERM and SIGKILL when a tree is ended (and after SIGKILL)."""
@@ -240,6 +240,40 @@ def _running(procs: Sequence[psutil.Process]) -> list[psutil.Process]:
             if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
                 alive.append(p)
     return alive
+
+
+def _group_members(pgid: int) -> list[psutil.Process]:
+    """The processes of group ``pgid`` that still run (a zombie does not)."""
+    members = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                members.append(p)
+    return members
+
+
+def end_group(pgid: int, *, grace_s: float = KILL_GRACE_S) -> int:
+    """End what is left of process group ``pgid`` after its leader exited; how many were left.
+
+    A child :func:`run` started in a session of its own leads its group; whatever it left
+    running there (a rank's own child, say) is re-parented when it exits and found only
+    through the group. SIGTERM to the group, SIGKILL after ``grace_s`` to what still runs.
+
+    Raises:
+        ValueError: ``grace_s`` is negative.
+    """
+    if not grace_s >= 0:
+        raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+    left = len(_group_members(pgid))
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not _group_members(pgid):
+            break
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
+        deadline = time.monotonic() + grace_s
+        while _group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+    return left
 
 
 def _group_has_members(pgid: int) -> bool:

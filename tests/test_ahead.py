@@ -308,7 +308,7 @@ def test_a_signal_while_waiting_ends_the_launcher_before_any_rank(tmp_path: Path
             assert line, "the launcher ended before it waited"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 128 + signal.SIGTERM
-        assert b"signal 15 while waiting to start: no rank started" in proc.stdout.read()
+        assert b"signal 15 before any rank started" in proc.stdout.read()
     assert not list(out.glob("pid*"))
 
 
@@ -382,3 +382,61 @@ def test_a_contract_the_plan_cannot_size_runs_one_launch_at_a_time(
         stage.run_candidate_stage(contract, reference=reference, root=tmp_path / "ev",
                                   cells=["torch_tp-fp32-*", "megatron-fp32-*"], quiet=True)
     assert seen == [None]
+
+
+def test_a_signal_while_importing_ends_the_launcher_at_once(tmp_path: Path) -> None:
+    """SIGTERM (the death signal of a killed qualify) during a slow import: no wait for it."""
+    fake = write_fake(tmp_path / "pkg")
+    (tmp_path / "pkg" / "slowimp.py").write_text("import time\ntime.sleep(60)\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    cell = tmp_path / "cell.json"
+    cell.write_text(json.dumps(_cell(out).to_dict()))
+    with subprocess.Popen(
+            [sys.executable, "-m", "qualify.candidate.warm", "--nproc-per-node", "2",
+             "--log-dir", str(tmp_path / "ranks"), "--preload", "slowimp", "--wait-stdin",
+             "pkg_fake.harness:main", str(cell)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env={**os.environ, **fake}) as proc:
+        assert proc.stdout is not None
+        time.sleep(2.0)  # inside slowimp's import
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+        assert time.monotonic() - t0 < 5.0
+        assert b"signal 15 before any rank started" in proc.stdout.read()
+    assert not list(out.glob("pid*"))
+
+
+def test_the_launcher_refuses_a_closed_stdin(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os, sys; os.close(0); from qualify.candidate.warm "
+         "import main; sys.exit(main(['--nproc-per-node', '1', '--log-dir', 'x', "
+         "'--wait-stdin', 'pkg_fake.harness:main', 'cell.json']))"],
+        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "--wait-stdin: stdin is not open" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_what_a_launch_leaves_in_its_group_is_ended(tmp_path: Path) -> None:
+    """A rank's own child outlives its launcher: launch() ends it before it returns."""
+    harness = tmp_path / "pkg" / "pkg_stray"
+    harness.mkdir(parents=True)
+    (harness / "__init__.py").write_text("")
+    (harness / "harness.py").write_text(
+        "import os, subprocess, sys\n"
+        "from pathlib import Path\n"
+        "def main(argv):\n"
+        "    if os.environ['RANK'] == '0':\n"
+        "        p = subprocess.Popen(['sleep', '120'])\n"
+        "        Path(sys.argv[-1]).parent.joinpath('stray').write_text(str(p.pid))\n"
+        "    return 0\n")
+    att = tmp_path / "attempt-1"
+    res = launch(_cell(att), module="pkg_stray.harness:main", attempt_dir=att, timeout_s=120,
+                 env={"PYTHONPATH": str(tmp_path / "pkg")}, launcher="warm")
+    assert res.status == "ERROR"  # no outputs written; what matters is the stray below
+    stray = int((att / "stray").read_text())
+    assert not psutil.pid_exists(stray) or psutil.Process(stray).status() == \
+        psutil.STATUS_ZOMBIE
+    assert "outlived its launcher: ended" in res.launcher_log.read_text()

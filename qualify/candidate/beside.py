@@ -20,7 +20,7 @@ import contextlib
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Final
 
 from qualify.candidate.launch import check_launch_env
@@ -49,20 +49,42 @@ def jobs(*, cuda: bool, env: dict[str, str] | None = None) -> int:
     return min(int(raw), 2)
 
 
+AHEAD_ENV: Final = "QUALIFY_AHEAD"
+"""``0`` turns launching ahead off (``1``, the default, leaves it to :func:`ahead`)."""
+
+
+def ahead(*, cuda: bool, env: Mapping[str, str] | None = None) -> bool:
+    """Whether the candidate stage starts trainer launches ahead (:mod:`qualify.candidate.ahead`).
+
+    On CPU with the warm launcher (``QUALIFY_LAUNCHER`` unset or ``warm``), unless
+    ``QUALIFY_AHEAD=0`` or ``QUALIFY_JOBS=1``. An engine given its own interpreter
+    (``QUALIFY_LAUNCHER_<ENGINE>``) launches under torchrun: its gated launch waits for its
+    turn in this process (:func:`qualify.candidate.launch.launch`).
+
+    Raises:
+        UsageError: ``QUALIFY_AHEAD`` is not ``0`` or ``1``, or ``QUALIFY_JOBS``,
+            ``QUALIFY_LAUNCHER`` or ``QUALIFY_NNODES`` is bad (:func:`jobs`,
+            :func:`qualify.candidate.launch.check_launch_env`).
+    """
+    e = os.environ if env is None else env
+    raw = e.get(AHEAD_ENV, "")
+    if raw not in ("", "0", "1"):
+        raise UsageError(f"{AHEAD_ENV}={raw!r}: must be 0 or 1")
+    return (not cuda and raw != "0" and jobs(cuda=cuda, env=dict(e)) >= 2
+            and check_launch_env(e) == "warm")
+
+
 def check_settings() -> None:
     """Refuse bad launch settings now, before the run directory exists.
 
     ``QUALIFY_JOBS``, ``QUALIFY_AHEAD``, ``QUALIFY_LAUNCHER``, ``QUALIFY_NNODES``.
 
     Raises:
-        UsageError: the variable and its value (:func:`jobs`,
-            :func:`qualify.candidate.ahead.enabled`,
+        UsageError: the variable and its value (:func:`jobs`, :func:`ahead`,
             :func:`qualify.candidate.launch.check_launch_env`).
     """
-    from qualify.candidate.ahead import enabled  # ahead imports this module
-
     jobs(cuda=False)
-    enabled(cuda=False)
+    ahead(cuda=False)
     check_launch_env()
 
 

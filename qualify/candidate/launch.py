@@ -86,7 +86,7 @@ from qualify.registry import EngineSpec
 from qualify.resources import repo_root
 
 if TYPE_CHECKING:
-    from qualify.candidate.ahead import Gate
+    from qualify.candidate.gate import Gate
 
 LaunchStatus = Literal["OK", "ERROR"]
 Launcher = Literal["warm", "torchrun"]
@@ -121,11 +121,11 @@ class LaunchResult:
             traceback in its ``stderr.log`` names it.
         started: UTC start of the launch (ISO 8601), so that concurrent launches can be
             laid on one time line (``benchmarks/evidence_cost.py``); for a launch started
-            ahead of its turn (:mod:`qualify.candidate.ahead`), when its gate opened, from
-            where ``wall_s`` counts too (its launcher's imports are before it).
+            ahead of its turn (``ahead``, :mod:`qualify.candidate.ahead`), when its gate
+            opened, from where ``wall_s`` counts too.
         launcher_started: UTC start of the launcher process (``""``: none started).
-        ahead: whether the launch was started ahead of its turn (its launcher imported
-            before ``started``).
+        ahead: whether the launch was started ahead of its turn: its launcher started
+            before its gate opened, and what it imported before then is not in ``wall_s``.
     """
 
     status: LaunchStatus
@@ -507,9 +507,16 @@ def _launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: flo
                         cancel=gate.cancelled if gate else None,
                         clock_from=warm_gate.opened if warm_gate else None)
     end = time.monotonic()
+    left = procs.end_group(ran.pid, grace_s=KILL_GRACE_S)  # nothing outlives its launch
+    if left:
+        with launcher_log.open("ab") as log:
+            log.write(f"[qualify] {left} process(es) of the launch's group outlived its "
+                      f"launcher: ended (SIGTERM, then SIGKILL)\n".encode())
     rc, wall = ran.returncode, end - t0
     opened = warm_gate.opened_at if warm_gate is not None else None
-    if warm_gate is not None and opened is not None and t0 < opened < end:
+    # ahead: its launcher started (and imported) before its gate opened
+    ran_ahead = opened is not None and t0 < opened
+    if warm_gate is not None and opened is not None and ran_ahead and opened < end:
         wall, started = end - opened, warm_gate.opened_utc or started  # its turn: the gate
     imports.collect(attempt_dir, module=module, expected=world, started_ns=started_ns)
     rank_logs = tuple(sorted(p for p in rank_dir.rglob("*") if p.is_file()))
@@ -519,7 +526,7 @@ def _launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: flo
                             attempt_dir=attempt_dir, cell_file=cell_file,
                             launcher_log=launcher_log, rank_logs=rank_logs, failed_rank=failed,
                             started=started, launcher_started=launcher_started,
-                            ahead=warm_gate is not None)
+                            ahead=ran_ahead)
 
     if ran.cancelled or (warm_gate is not None and rc == GATE_SHUT_EXIT
                          and not warm_gate.opened.is_set()):

@@ -445,11 +445,11 @@ def run_candidate_stage(
                 return _Started(lc, attempt, done)
             gate = ahead.Gate()
             gates.append(gate)
+            if before is None:  # its turn now: open before its launcher starts
+                gate.open()
             future = pool.submit(launch_engine, hc, engine=engine, attempt_dir=attempt,
                                  timeout_s=timeout_s, cuda=cuda, gate=gate)
-            if before is None:
-                gate.open()
-            else:  # its ranks start the moment the launch before it has ended
+            if before is not None:  # its ranks start the moment the launch before it ended
                 before.future.add_done_callback(gate.open_after)
             return _Started(lc, attempt, future)
 

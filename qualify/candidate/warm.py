@@ -40,9 +40,10 @@ ARGS``; :class:`subprocess.Popen`, rank 0 hosting the store), still without torc
 Failure handling is torchrun's: the first rank to exit non-zero (or killed by a signal)
 makes the launcher SIGTERM the others, SIGKILL them after :data:`KILL_GRACE_S`, and exit 1
 (each rank's code is in ``launcher.log``); SIGTERM, SIGINT, SIGHUP or SIGQUIT to the
-launcher (``qualify.procs.run`` on a timeout), from its first line on, ends every rank the
-same way (SIGTERM, then SIGKILL) and exits 128 + the signal; a forked rank dies with the
-launcher (``PR_SET_PDEATHSIG`` SIGKILL) however the launcher dies.
+launcher (``qualify.procs.run`` on a timeout) exits 128 + the signal: before any rank
+exists (importing, or waiting for its start signal) at once, from its first line on; after,
+once it has ended every rank the same way (SIGTERM, then SIGKILL). A forked rank dies with
+the launcher (``PR_SET_PDEATHSIG`` SIGKILL) however the launcher dies.
 
 What a forked rank shares with its siblings and a fresh interpreter would not: the
 launcher's hash seed (``PYTHONHASHSEED``; iterating a set of strings gives the same order on
@@ -475,27 +476,24 @@ def supervise(pids: dict[int, int], received: list[int], *,
     return 1 if failed else 0
 
 
-def wait_for_start(received: Sequence[int]) -> str | None:
+def wait_for_start() -> str | None:
     """Block until the start signal arrives on stdin (``--wait-stdin``); ``None`` once it has.
 
     The signal is one byte or more written to this process's stdin (a pipe held by the
-    candidate stage, :class:`qualify.candidate.ahead.Gate`); end of file without one (the
+    candidate stage, :class:`qualify.candidate.gate.Gate`); end of file without one (the
     stage closed the pipe, or died) means the launch must not start. A forwarded signal
-    (:data:`_FORWARDED`, recorded by ``main``'s handler in ``received``) ends the wait too.
-    Afterwards stdin is ``/dev/null``, as the ranks' stdin is under torchrun
+    (:data:`_FORWARDED`) ends the launcher at once while no rank exists (``main``'s
+    handler). Afterwards stdin is ``/dev/null``, as the ranks' stdin is under torchrun
     (:func:`qualify.procs.run`'s default).
 
     Returns:
-        ``None`` to go on; else why not (the pipe closed first, or which signal came).
+        ``None`` to go on; else why not (the pipe closed before the start signal).
     """
-    why: str | None = None
-    while not received:
+    while True:
         ready, _, _ = select.select([0], [], [], _POLL_S * 5)  # PEP 475: retried on EINTR
         if ready:
             why = None if os.read(0, 64) else "start pipe closed before the start signal"
             break
-    if received:  # a signal wins over a start byte that came with it
-        why = f"signal {received[0]} while waiting to start"
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -524,9 +522,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point (see the module docstring); the launch's exit code."""
     args = parse_args(argv)
+    if args.wait_stdin:
+        try:
+            os.fstat(0)
+        except OSError as exc:
+            print(f"{PREFIX} --wait-stdin: stdin is not open: {exc.strerror}", file=sys.stderr,
+                  flush=True)
+            return 2
     received: list[int] = []  # a signal from here on ends the launch, never the launcher alone
+    forking = threading.Event()  # set just before the first rank is forked
 
     def on_signal(signum: int, _frame: object) -> None:
+        if not forking.is_set():  # no rank yet (importing, or waiting ahead): end now
+            os.write(1, f"{PREFIX} signal {signum} before any rank started\n".encode())
+            os._exit(128 + signum)
         received.append(signum)
 
     for sig in _FORWARDED:
@@ -536,18 +545,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.monotonic()
     notes = preload(args.target, args.preload, Path(args.args[0]) if args.args else None)
-    if received:
-        print(f"{PREFIX} signal {received[0]} before any rank started", flush=True)
-        return 128 + received[0]
     if args.wait_stdin:
         imported_s = time.monotonic() - t0
         print(f"{PREFIX} imports {imported_s:.2f} s; waiting for the start signal on stdin",
               flush=True)
-        go = wait_for_start(received)
+        go = wait_for_start()
         if go is not None:
             print(f"{PREFIX} {go}: no rank started", flush=True)
-            return 128 + received[0] if received else GATE_SHUT_EXIT
+            return GATE_SHUT_EXIT
         t0 = time.monotonic() - imported_s  # the wait is not the launch's import time
+    forking.set()  # from here a signal is recorded and forwarded to the ranks (supervise)
     _Libc.load()
     forked, why = fork_safe()
     mode = "fork" if forked else f"exec ({why})"

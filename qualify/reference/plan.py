@@ -1361,7 +1361,7 @@ def _beside(contract: Contract, machine: Machine) -> tuple[Step | None, bool]:
     The second: whether the next launch's launcher imports beside each launch
     (:func:`qualify.candidate.ahead.enabled`).
     """
-    from qualify.candidate.ahead import enabled
+    from qualify.candidate.beside import ahead as enabled
     from qualify.candidate.beside import jobs
 
     dev = machine.devices > 0 and machine.device_kind == "gpu"
