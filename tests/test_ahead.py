@@ -28,7 +28,7 @@ from qualify import procs
 from qualify.candidate import ahead
 from qualify.candidate.launch import LaunchResult, launch
 from qualify.candidate.warm import GATE_SHUT_EXIT
-from qualify.contract import load_contract
+from qualify.contract import Contract, load_contract
 from qualify.errors import ContractError, UsageError
 from qualify.reference.plan import INTERPRETER_BYTES, Machine, launch_host_peaks, plan_launches
 from qualify.resources import contracts_dir, repo_root
@@ -53,6 +53,31 @@ def _launch_in_thread(att: Path, mode: str | None, fake: dict[str, str], gate: a
     return thread, out
 
 
+def _gated(tmp_path: Path, gates: list[ahead.Gate], mode: str | None, launcher: Any = "warm",
+           timeout_s: float = 120.0) -> tuple[Path, ahead.Gate, threading.Thread,
+                                               list[LaunchResult]]:
+    """A gated launch of the fake harness in a thread: its attempt, gate, thread and result."""
+    fake = write_fake(tmp_path / "pkg")
+    att = tmp_path / "attempt-1"
+    gate = ahead.Gate()
+    gates.append(gate)
+    thread, out = _launch_in_thread(att, mode, fake, gate, timeout_s=timeout_s,
+                                    launcher=launcher)
+    return att, gate, thread, out
+
+
+def _default_stage(monkeypatch: pytest.MonkeyPatch) -> tuple[Contract, Path]:
+    """The default contract and its committed reference (skip without it); the stage's
+    launch settings at their defaults."""
+    contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
+    reference = repo_root() / "references" / f"tiny-qwen3-{contract.digest12}"
+    if not reference.is_dir():
+        pytest.skip("the committed tiny-qwen3 reference is not checked out")
+    monkeypatch.delenv("QUALIFY_JOBS", raising=False)
+    monkeypatch.delenv("QUALIFY_AHEAD", raising=False)
+    return contract, reference
+
+
 @pytest.fixture
 def gates() -> Iterator[list[ahead.Gate]]:
     """Every gate a test makes is shut at its end, whatever the test did."""
@@ -65,6 +90,29 @@ def gates() -> Iterator[list[ahead.Gate]]:
 def _waiting(att: Path) -> bool:
     log = att / "logs" / "launcher.log"
     return log.is_file() and "waiting for the start signal" in log.read_text()
+
+
+def _hand_launcher(tmp_path: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """The warm launcher of the fake harness with ``--wait-stdin``, run by hand (two ranks,
+    stdin a pipe, stdout and stderr merged); its cell's outputs go to ``tmp_path/out``."""
+    fake = write_fake(tmp_path / "pkg")
+    out = tmp_path / "out"
+    out.mkdir()
+    cell = tmp_path / "cell.json"
+    cell.write_text(json.dumps(_cell(out).to_dict()))
+    return subprocess.Popen(
+        [sys.executable, "-m", "qualify.candidate.warm", "--nproc-per-node", "2",
+         "--log-dir", str(tmp_path / "ranks"), *extra, "--wait-stdin", "pkg_fake.harness:main",
+         str(cell)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, **fake})
+
+
+def _until_waiting(proc: subprocess.Popen[bytes]) -> None:
+    """Read the launcher's output up to its line saying it waits for its start signal."""
+    assert proc.stdout is not None
+    while b"waiting for the start signal" not in (line := proc.stdout.readline()):
+        assert line, "the launcher ended before it waited"
 
 
 def test_gate_open_and_shut_are_final() -> None:
@@ -91,11 +139,7 @@ def test_gate_open_and_shut_are_final() -> None:
 
 def test_a_gated_launch_forks_no_rank_until_its_gate_opens(tmp_path: Path,
                                                            gates: list[ahead.Gate]) -> None:
-    fake = write_fake(tmp_path / "pkg")
-    att = tmp_path / "attempt-1"
-    gate = ahead.Gate()
-    gates.append(gate)
-    thread, out = _launch_in_thread(att, None, fake, gate, timeout_s=5.0)
+    att, gate, thread, out = _gated(tmp_path, gates, None, timeout_s=5.0)
     _wait_for(lambda: _waiting(att))
     time.sleep(6.0)  # past timeout_s: the limit counts from the gate, not from the start
     assert not list(att.glob("pid*")), "a rank ran before its gate opened"
@@ -114,11 +158,7 @@ def test_a_gated_launch_forks_no_rank_until_its_gate_opens(tmp_path: Path,
 
 def test_a_gate_shut_before_it_opens_starts_no_rank(
         tmp_path: Path, gates: list[ahead.Gate]) -> None:
-    fake = write_fake(tmp_path / "pkg")
-    att = tmp_path / "attempt-1"
-    gate = ahead.Gate()
-    gates.append(gate)
-    thread, out = _launch_in_thread(att, None, fake, gate)
+    att, gate, thread, out = _gated(tmp_path, gates, None)
     _wait_for(lambda: _waiting(att))
     gate.shut()
     thread.join(60)
@@ -128,36 +168,28 @@ def test_a_gate_shut_before_it_opens_starts_no_rank(
     assert not list(att.glob("pid*"))
 
 
-def test_the_launcher_exits_before_any_rank_when_its_pipe_closes(tmp_path: Path) -> None:
-    """Without the stage's cancel: the launcher itself reads end of file and exits 3."""
-    fake = write_fake(tmp_path / "pkg")
-    out = tmp_path / "out"
-    out.mkdir()
-    cell = tmp_path / "cell.json"
-    cell.write_text(json.dumps(_cell(out).to_dict()))
-    with subprocess.Popen(
-            [sys.executable, "-m", "qualify.candidate.warm", "--nproc-per-node", "2",
-             "--log-dir", str(tmp_path / "ranks"), "--wait-stdin", "pkg_fake.harness:main",
-             str(cell)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env={**os.environ, **fake}) as proc:
+@pytest.mark.parametrize(("end", "code", "line"), [
+    ("close stdin", GATE_SHUT_EXIT, b"start pipe closed before the start signal: no rank"),
+    ("SIGTERM", 128 + signal.SIGTERM, b"signal 15 before any rank started")])
+def test_a_waiting_launcher_ends_before_any_rank(tmp_path: Path, end: str, code: int,
+                                                 line: bytes) -> None:
+    """Its pipe closed (without the stage's cancel) or a signal: exit, no rank forked."""
+    with _hand_launcher(tmp_path) as proc:
         assert proc.stdin is not None
         assert proc.stdout is not None
-        while b"waiting for the start signal" not in (line := proc.stdout.readline()):
-            assert line, "the launcher ended before it waited"
-        proc.stdin.close()
-        assert proc.wait(60) == GATE_SHUT_EXIT
-        assert b"no rank started" in proc.stdout.read()
-    assert not list(out.glob("pid*"))
+        _until_waiting(proc)
+        if end == "SIGTERM":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            proc.stdin.close()
+        assert proc.wait(60) == code
+        assert line in proc.stdout.read()
+    assert not list((tmp_path / "out").glob("pid*"))
 
 
 def test_a_launch_past_its_gate_is_cancelled_with_its_tree(
         tmp_path: Path, gates: list[ahead.Gate]) -> None:
-    fake = write_fake(tmp_path / "pkg")
-    att = tmp_path / "attempt-1"
-    gate = ahead.Gate()
-    gates.append(gate)
-    thread, out = _launch_in_thread(att, "sleep", fake, gate)
+    att, gate, thread, out = _gated(tmp_path, gates, "sleep")
     gate.open()
     _wait_for(lambda: len(list(att.glob("pid*"))) == 2)
     pids = [int(p.read_text()) for p in att.glob("pid*")]
@@ -256,12 +288,7 @@ def test_an_interrupted_stage_shuts_the_launch_waiting_ahead(
     from qualify.progress import Progress
 
     pytest.importorskip("megatron.core")  # the second launch's engine must be available
-    contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
-    reference = repo_root() / "references" / f"tiny-qwen3-{contract.digest12}"
-    if not reference.is_dir():
-        pytest.skip("the committed tiny-qwen3 reference is not checked out")
-    monkeypatch.delenv("QUALIFY_JOBS", raising=False)
-    monkeypatch.delenv("QUALIFY_AHEAD", raising=False)
+    contract, reference = _default_stage(monkeypatch)
     fake = write_fake(tmp_path / "pkg")
     attempts: list[Path] = []
 
@@ -291,35 +318,10 @@ def test_an_interrupted_stage_shuts_the_launch_waiting_ahead(
     assert psutil.Process().children(recursive=True) == []
 
 
-def test_a_signal_while_waiting_ends_the_launcher_before_any_rank(tmp_path: Path) -> None:
-    fake = write_fake(tmp_path / "pkg")
-    out = tmp_path / "out"
-    out.mkdir()
-    cell = tmp_path / "cell.json"
-    cell.write_text(json.dumps(_cell(out).to_dict()))
-    with subprocess.Popen(
-            [sys.executable, "-m", "qualify.candidate.warm", "--nproc-per-node", "2",
-             "--log-dir", str(tmp_path / "ranks"), "--wait-stdin", "pkg_fake.harness:main",
-             str(cell)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env={**os.environ, **fake}) as proc:
-        assert proc.stdout is not None
-        while b"waiting for the start signal" not in (line := proc.stdout.readline()):
-            assert line, "the launcher ended before it waited"
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 128 + signal.SIGTERM
-        assert b"signal 15 before any rank started" in proc.stdout.read()
-    assert not list(out.glob("pid*"))
-
-
 def test_a_gated_torchrun_launch_is_cancelled_when_its_gate_shuts(
         tmp_path: Path, gates: list[ahead.Gate]) -> None:
     """Not the warm launcher: it starts when its gate opens, and a shut still ends it."""
-    fake = write_fake(tmp_path / "pkg")
-    att = tmp_path / "attempt-1"
-    gate = ahead.Gate()
-    gates.append(gate)
-    thread, out = _launch_in_thread(att, "sleep", fake, gate, launcher="torchrun")
+    att, gate, thread, out = _gated(tmp_path, gates, "sleep", launcher="torchrun")
     time.sleep(1.0)
     assert not (att / "logs" / "launcher.log").exists()  # it waits for its turn here
     gate.open()
@@ -359,12 +361,7 @@ def test_a_contract_the_plan_cannot_size_runs_one_launch_at_a_time(
     sizes): no gate, nothing ahead; the contract runs unplanned, one launch at a time."""
     from qualify.candidate import stage
 
-    contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
-    reference = repo_root() / "references" / f"tiny-qwen3-{contract.digest12}"
-    if not reference.is_dir():
-        pytest.skip("the committed tiny-qwen3 reference is not checked out")
-    monkeypatch.delenv("QUALIFY_JOBS", raising=False)
-    monkeypatch.delenv("QUALIFY_AHEAD", raising=False)
+    contract, reference = _default_stage(monkeypatch)
 
     def unsized(*args: Any, **kwargs: Any) -> Any:
         raise ContractError("model.manifest.config: missing")
@@ -386,18 +383,9 @@ def test_a_contract_the_plan_cannot_size_runs_one_launch_at_a_time(
 
 def test_a_signal_while_importing_ends_the_launcher_at_once(tmp_path: Path) -> None:
     """SIGTERM (the death signal of a killed qualify) during a slow import: no wait for it."""
-    fake = write_fake(tmp_path / "pkg")
+    (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "slowimp.py").write_text("import time\ntime.sleep(60)\n")
-    out = tmp_path / "out"
-    out.mkdir()
-    cell = tmp_path / "cell.json"
-    cell.write_text(json.dumps(_cell(out).to_dict()))
-    with subprocess.Popen(
-            [sys.executable, "-m", "qualify.candidate.warm", "--nproc-per-node", "2",
-             "--log-dir", str(tmp_path / "ranks"), "--preload", "slowimp", "--wait-stdin",
-             "pkg_fake.harness:main", str(cell)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env={**os.environ, **fake}) as proc:
+    with _hand_launcher(tmp_path, "--preload", "slowimp") as proc:
         assert proc.stdout is not None
         time.sleep(2.0)  # inside slowimp's import
         t0 = time.monotonic()
@@ -405,7 +393,7 @@ def test_a_signal_while_importing_ends_the_launcher_at_once(tmp_path: Path) -> N
         assert proc.wait(60) == 128 + signal.SIGTERM
         assert time.monotonic() - t0 < 5.0
         assert b"signal 15 before any rank started" in proc.stdout.read()
-    assert not list(out.glob("pid*"))
+    assert not list((tmp_path / "out").glob("pid*"))
 
 
 def test_the_launcher_refuses_a_closed_stdin(tmp_path: Path) -> None:
