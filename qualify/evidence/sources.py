@@ -281,12 +281,17 @@ def stale_cells(run_dir: str | Path, checkout_root: str | Path | None = None
             refused or malformed.
         FileNotFoundError: the run has no ``run.json``.
     """
-    rd = Path(run_dir)
+    return _staleness(Path(run_dir), checkout_root)[1]
+
+
+def _staleness(rd: Path, checkout_root: str | Path | None
+               ) -> tuple[list[str], dict[str, list[str]]]:
+    """``(the qualify files changed, stale_cells)`` of run ``rd`` (:func:`stale_cells`)."""
     root = Path(checkout_root) if checkout_root is not None else repo_root()
     entries = _cell_entries(rd)
     doc = read_sources(rd)
     if doc is None:
-        return {c: [NOT_RECORDED] for c in entries}
+        return [], {c: [NOT_RECORDED] for c in entries}
     common = _diff(doc[QUALIFY_SET]["files"], qualify_files(root))
     per_engine: dict[str, list[str]] = {}
     cache: dict[str, Any] = {}
@@ -311,7 +316,7 @@ def stale_cells(run_dir: str | Path, checkout_root: str | Path | None = None
         changed = own[cid] + [c for c in common if c not in own[cid]] + via
         if changed:
             out[cid] = changed
-    return out
+    return common, out
 
 
 def recorded_policy_digest(run_dir: str | Path) -> tuple[bool, str | None]:
@@ -333,7 +338,12 @@ def recorded_policy_digest(run_dir: str | Path) -> tuple[bool, str | None]:
 def check_resume_sources(run_dir: str | Path, root: Path | None = None) -> None:
     """Refuse to resume a run whose recorded sources differ from the code now.
 
-    A run without ``sources.json`` is not checked (it predates the record).
+    A run without ``sources.json`` is not checked (it predates the record). Checked: the
+    ``qualify`` files (the run's own staging and splitting code) and every ``COMPLETE``
+    cell (:func:`stale_cells`). A cell of another status is not: a resume runs it again,
+    and its new attempt records what it imports (a cell cancelled mid-import, its ranks
+    unrecorded, would otherwise turn an interrupted run that can be resumed into one
+    that is superseded).
 
     Raises:
         UsageError: (exit 2) one line: ``sources changed since run X began: start a new
@@ -342,8 +352,10 @@ def check_resume_sources(run_dir: str | Path, root: Path | None = None) -> None:
     rd = Path(run_dir)
     if not (rd / SOURCES_FILE).is_file():
         return
-    stale = stale_cells(rd, root)
-    files = sorted({f for fs in stale.values() for f in fs})
+    common, stale = _staleness(rd, root)
+    entries = _cell_entries(rd)
+    files = sorted(set(common).union(*(fs for cid, fs in stale.items()
+                                       if entries[cid].get("status") == "COMPLETE")))
     if files:
         more = f" (and {len(files) - 3} more)" if len(files) > 3 else ""
         raise UsageError(f"{rd / SOURCES_FILE}: sources changed since run {rd.name} began "
