@@ -25,7 +25,7 @@ import pytest
 from test_launch import _cell, write_fake
 
 from qualify import procs
-from qualify.candidate import ahead
+from qualify.candidate import ahead, beside
 from qualify.candidate.launch import LaunchResult, launch
 from qualify.candidate.warm import GATE_SHUT_EXIT
 from qualify.contract import Contract, load_contract
@@ -137,11 +137,12 @@ def test_gate_open_and_shut_are_final() -> None:
     shut.release()
 
 
+@pytest.mark.slow  # seconds of real launches and waits: .ci/run's slow step
 def test_a_gated_launch_forks_no_rank_until_its_gate_opens(tmp_path: Path,
                                                            gates: list[ahead.Gate]) -> None:
-    att, gate, thread, out = _gated(tmp_path, gates, None, timeout_s=5.0)
+    att, gate, thread, out = _gated(tmp_path, gates, None, timeout_s=10.0)
     _wait_for(lambda: _waiting(att))
-    time.sleep(6.0)  # past timeout_s: the limit counts from the gate, not from the start
+    time.sleep(11.0)  # past timeout_s: the limit counts from the gate, not from the start
     assert not list(att.glob("pid*")), "a rank ran before its gate opened"
     gate.open()
     thread.join(60)
@@ -151,7 +152,7 @@ def test_a_gated_launch_forks_no_rank_until_its_gate_opens(tmp_path: Path,
     assert sorted(p.name for p in att.glob("pid*")) == ["pid0", "pid1"]
     assert res.started >= (gate.opened_utc or "")
     assert res.launcher_started < res.started  # the launcher imported before its turn
-    assert res.wall_s < 6.0  # from the gate: the wait before it is not the launch's
+    assert res.wall_s < 11.0  # from the gate: the wait before it is not the launch's
     log = res.launcher_log.read_text()
     assert log.index("waiting for the start signal") < log.index("2 ranks of pkg_fake")
 
@@ -187,6 +188,7 @@ def test_a_waiting_launcher_ends_before_any_rank(tmp_path: Path, end: str, code:
     assert not list((tmp_path / "out").glob("pid*"))
 
 
+@pytest.mark.slow  # seconds of real launches and waits: .ci/run's slow step
 def test_a_launch_past_its_gate_is_cancelled_with_its_tree(
         tmp_path: Path, gates: list[ahead.Gate]) -> None:
     att, gate, thread, out = _gated(tmp_path, gates, "sleep")
@@ -217,6 +219,7 @@ def test_a_gated_torchrun_launch_waits_here_and_never_starts_once_shut(
     assert not (att / "logs" / "launcher.log").exists()
 
 
+@pytest.mark.slow  # seconds of real launches and waits: .ci/run's slow step
 def test_clock_from_starts_the_limit_at_the_event() -> None:
     cmd = [sys.executable, "-c", "import time; time.sleep(1.5)"]
     later = threading.Event()
@@ -248,12 +251,12 @@ def test_room_ahead_and_mem_available(tmp_path: Path) -> None:
     ("2", "1", True, False)])
 def test_enabled(jobs: str, on: str, cuda: bool, want: bool) -> None:
     env = {"QUALIFY_JOBS": jobs, "QUALIFY_AHEAD": on}
-    assert ahead.enabled(cuda=cuda, env=env) is want
+    assert beside.ahead(cuda=cuda, env=env) is want
 
 
 def test_enabled_refuses_bad_values() -> None:
     with pytest.raises(UsageError, match="QUALIFY_AHEAD='2': must be 0 or 1"):
-        ahead.enabled(cuda=False, env={"QUALIFY_AHEAD": "2"})
+        beside.ahead(cuda=False, env={"QUALIFY_AHEAD": "2"})
 
 
 @pytest.mark.parametrize(("jobs", "on"), [("", ""), ("1", ""), ("", "0")])
@@ -279,6 +282,7 @@ def test_the_plan_holds_one_more_interpreter_beside_every_launch_but_the_last(
     assert all("launcher_ahead" not in s.terms for s in plan_launches(contract, gpu))
 
 
+@pytest.mark.slow  # seconds of real launches and waits: .ci/run's slow step
 def test_an_interrupted_stage_shuts_the_launch_waiting_ahead(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real candidate stage, its launches the fake harness: the second launch's launcher
@@ -318,6 +322,7 @@ def test_an_interrupted_stage_shuts_the_launch_waiting_ahead(
     assert psutil.Process().children(recursive=True) == []
 
 
+@pytest.mark.slow  # seconds of real launches and waits: .ci/run's slow step
 def test_a_gated_torchrun_launch_is_cancelled_when_its_gate_shuts(
         tmp_path: Path, gates: list[ahead.Gate]) -> None:
     """Not the warm launcher: it starts when its gate opens, and a shut still ends it."""
@@ -381,6 +386,7 @@ def test_a_contract_the_plan_cannot_size_runs_one_launch_at_a_time(
     assert seen == [None]
 
 
+@pytest.mark.slow  # seconds of real launches and waits: .ci/run's slow step
 def test_a_signal_while_importing_ends_the_launcher_at_once(tmp_path: Path) -> None:
     """SIGTERM (the death signal of a killed qualify) during a slow import: no wait for it."""
     (tmp_path / "pkg").mkdir()
@@ -407,6 +413,7 @@ def test_the_launcher_refuses_a_closed_stdin(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # seconds of real launches and waits: .ci/run's slow step
 def test_what_a_launch_leaves_in_its_group_is_ended(tmp_path: Path) -> None:
     """A rank's own child outlives its launcher: launch() ends it before it returns."""
     harness = tmp_path / "pkg" / "pkg_stray"

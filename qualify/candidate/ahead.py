@@ -23,12 +23,12 @@ Where the launcher is not the warm one (torchrun, srun, a foreign interpreter: e
 launch), a gated launch waits for its gate in this process and starts its launcher then:
 nothing runs ahead.
 
-When it runs ahead (:func:`enabled`): on CPU under ``QUALIFY_JOBS`` 2 (the default there,
-:func:`qualify.candidate.beside.jobs`); ``QUALIFY_AHEAD=0`` or ``QUALIFY_JOBS=1`` runs every
-launch strictly after the one before. A launch starts ahead only while ``MemAvailable``
-(``/proc/meminfo``) holds the planned host peak of the launch it waits for plus one
-interpreter (:func:`room_ahead`, :func:`qualify.reference.plan.launch_host_peaks`); else it
-starts in its turn.
+When it runs ahead (:func:`qualify.candidate.beside.ahead`): on CPU under ``QUALIFY_JOBS``
+2 (the default there, :func:`qualify.candidate.beside.jobs`); ``QUALIFY_AHEAD=0`` or
+``QUALIFY_JOBS=1`` runs every launch strictly after the one before. A launch starts ahead
+only while ``MemAvailable`` (``/proc/meminfo``) holds the planned host peak of the launch it
+waits for plus one interpreter (:func:`room_ahead`,
+:func:`qualify.reference.plan.launch_host_peaks`); else it starts in its turn.
 
 If the stage stops (an exception, Ctrl-C), every gate is shut: a launcher before its gate
 reads end of file and exits before any rank (:data:`qualify.candidate.warm.GATE_SHUT_EXIT`),
@@ -41,24 +41,12 @@ This module imports neither torch nor any engine.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 
-from qualify.candidate import beside
 from qualify.candidate.beside import AHEAD_ENV
-from qualify.candidate.gate import START_BYTE, Gate
+from qualify.candidate.gate import START_BYTE, Gate, raised
 
-__all__ = ["AHEAD_ENV", "START_BYTE", "Gate", "enabled", "mem_available", "room_ahead"]
-
-def enabled(*, cuda: bool, env: Mapping[str, str] | None = None) -> bool:
-    """Whether the candidate stage starts trainer launches ahead (see the module docstring).
-
-    :func:`qualify.candidate.beside.ahead`, the rule beside its sibling ``QUALIFY_JOBS``.
-
-    Raises:
-        UsageError: as :func:`qualify.candidate.beside.ahead`.
-    """
-    return beside.ahead(cuda=cuda, env=env)
+__all__ = ["AHEAD_ENV", "START_BYTE", "Gate", "mem_available", "raised", "room_ahead"]
 
 
 def mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:

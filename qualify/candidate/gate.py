@@ -18,10 +18,18 @@ from typing import Any, Final
 
 from qualify.evidence.timestamps import utc_now_iso
 
-__all__ = ["START_BYTE", "Gate"]
+__all__ = ["START_BYTE", "Gate", "raised"]
 
 START_BYTE: Final = b"1"
 """What the stage writes down a gate's pipe to start its launch's ranks."""
+
+
+def raised(future: Future[Any]) -> bool:
+    """Whether ``future`` is done and raised, or was cancelled.
+
+    Its worker failed, not the launch it ran: a failed launch is a result.
+    """
+    return future.done() and (future.cancelled() or future.exception() is not None)
 
 
 class Gate:
@@ -93,7 +101,7 @@ class Gate:
         A launch whose worker raised (rather than returned a result) stops the stage, so the
         launch after it must not start (``Future.add_done_callback``).
         """
-        if done.cancelled() or done.exception() is not None:
+        if raised(done):
             self.shut()
         else:
             self.open()

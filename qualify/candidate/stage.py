@@ -408,7 +408,7 @@ def run_candidate_stage(
                                             cells=cells, faults=faults, lock=lock, stop=stop,
                                             weights_ready=weights_ready)
 
-        ahead_on = ahead.enabled(cuda=cuda)
+        ahead_on = beside.ahead(cuda=cuda)
         peaks: dict[str, int] = {}
         if ahead_on:
             try:
@@ -509,7 +509,7 @@ def run_candidate_stage(
                             store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
                         continue
                     if current is not None and (
-                            pool is None or _raised(current.future) or not ahead.room_ahead(
+                            pool is None or ahead.raised(current.future) or not ahead.room_ahead(
                                 peaks.get(current.launch.launch_id, 0), INTERPRETER_BYTES,
                                 available=ahead.mem_available())):
                         finish(current)  # one at a time, no room beside it, or it failed
@@ -527,9 +527,8 @@ def run_candidate_stage(
                 if pool is not None:
                     pool.shutdown(wait=True, cancel_futures=True)
                 raise
-            finally:
-                if pool is not None:
-                    pool.shutdown(wait=True)
+            if pool is not None:
+                pool.shutdown(wait=True)
             weights_ready.set()
             if sampler is not None:
                 sampler.result()
@@ -557,11 +556,6 @@ def run_candidate_stage(
         run.finished = store.utc_now()
         store.atomic_write_json(run_dir / RUN_FILE, run.to_dict())
     return run_dir
-
-
-def _raised(future: Future[LaunchResult]) -> bool:
-    """Whether ``future`` is done and raised (its launch's worker failed, not the launch)."""
-    return future.done() and (future.cancelled() or future.exception() is not None)
 
 
 @dataclasses.dataclass(frozen=True)

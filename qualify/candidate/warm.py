@@ -534,7 +534,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def on_signal(signum: int, _frame: object) -> None:
         if not forking.is_set():  # no rank yet (importing, or waiting ahead): end now
-            os.write(1, f"{PREFIX} signal {signum} before any rank started\n".encode())
+            with contextlib.suppress(OSError):  # a closed or full stdout: exit all the same
+                os.write(1, f"{PREFIX} signal {signum} before any rank started\n".encode())
             os._exit(128 + signum)
         received.append(signum)
 
