@@ -291,6 +291,7 @@ print(param_mb, before, status("VmHWM"))
 """
 
 
+@pytest.mark.slow  # three fresh interpreters of 128 MiB of parameters: .ci/run's slow step
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and clear_refs: Linux")
 def test_grad_norm_holds_one_copy_of_the_parameters_at_its_peak() -> None:
     """In a fresh interpreter, 32 FP32 layers of 4 MiB (128 MiB): the central difference

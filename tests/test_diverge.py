@@ -221,6 +221,7 @@ def test_a_planted_layer_fault_is_named(contract: Contract, reference: Path, tmp
     assert "first diverging: <b>model.layers.1.mlp (forward)" in page
 
 
+@pytest.mark.slow  # a real diverge run (the planted one above stays in the fast tier)
 def test_without_the_fault_nothing_diverges(contract: Contract, reference: Path,
                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
