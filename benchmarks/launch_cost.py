@@ -53,8 +53,8 @@ MECHANISMS: Final[dict[str, dict[str, Any]]] = {
         "off": {"QUALIFY_AHEAD": "0"},
         "files": ["qualify/candidate/ahead.py"],
         "functions": ["qualify.candidate.warm:wait_for_start", "qualify.procs:_communicate",
-                      "qualify.reference.plan:launch_host_peaks",
-                      "qualify.reference.plan:_beside"],
+                      "qualify.candidate.plan:launch_host_peaks",
+                      "qualify.candidate.plan:_beside"],
         "what": "each trainer launch's launcher imports while the launch before it runs"},
 }
 """Each mechanism: the environment that turns it off, its modules, the functions of other

@@ -2,13 +2,13 @@
 
 The constants are the contract's model config (hidden ``H``, MLP width, layers, query and KV
 heads, head dim ``D``, vocabulary ``V``); ``tests/test_plan_devices.py`` checks them against
-:func:`qualify.reference.plan.model_shape`.
+:func:`qualify.reference.plan_core.model_shape`.
 """
 
 from __future__ import annotations
 
 from qualify.contract import load_contract
-from qualify.reference import plan
+from qualify.reference import plan_core
 from qualify.resources import contracts_dir
 
 QWEN3_8B = contracts_dir() / "qwen3-8b.toml"
@@ -28,7 +28,7 @@ def activations() -> tuple[int, int]:
     states.
     """
     contract = load_contract(QWEN3_8B)
-    _, prompt, resp, _ = plan._rollout_shape(contract)
+    _, prompt, resp, _ = plan_core.rollout_shape(contract)
     mbs, pos = contract.algorithm.micro_batch_size, prompt + resp
     q, kv = HEADS * D, KV_HEADS * D
     layer_elems = 2 * H + 2 * (q + kv) + kv + 5 * q + 2 * H + 4 * MLP + (q + kv)

@@ -27,10 +27,11 @@ from test_launch import _cell, write_fake
 from qualify import procs
 from qualify.candidate import ahead, beside
 from qualify.candidate.launch import LaunchResult, launch
+from qualify.candidate.plan import launch_host_peaks, plan_launches
 from qualify.candidate.warm import GATE_SHUT_EXIT
 from qualify.contract import Contract, load_contract
 from qualify.errors import ContractError, UsageError
-from qualify.reference.plan import INTERPRETER_BYTES, Machine, launch_host_peaks, plan_launches
+from qualify.reference.plan_core import INTERPRETER_BYTES, Machine
 from qualify.resources import contracts_dir, repo_root
 
 

@@ -26,7 +26,7 @@ from placed_runs import (
 from tiny_models import THREE_LAYER_CFG, seeded_qwen3
 
 from qualify.contract import load_contract
-from qualify.reference import devices, update
+from qualify.reference import devices, plan_core, update
 from qualify.reference import plan as reference_plan
 from qualify.resources import contracts_dir
 
@@ -96,7 +96,7 @@ def test_the_planned_stream_drops_the_update_gradients(contract_name: str, n: in
     gradient less the one parameter in flight (``8 P - 8 x largest``)."""
 
     contract = load_contract(contracts_dir() / f"{contract_name}.toml")
-    m = reference_plan.Machine(devices=n, device_bytes=10**15, host_bytes=10**15, cores=2)
+    m = plan_core.Machine(devices=n, device_bytes=10**15, host_bytes=10**15, cores=2)
     plain = reference_plan.plan_reference(contract, m, optimizer_state="host")
     streamed = reference_plan.plan_reference(contract, m, optimizer_state="host", gradients="host")
     assert [s.name for s in plain] == [s.name for s in streamed]
@@ -110,7 +110,7 @@ def test_the_planned_stream_drops_the_update_gradients(contract_name: str, n: in
             assert (b.device_peak, b.host_peak) == (a.device_peak, a.host_peak), a.name
     assert dropped
     if n == 1:
-        shape = reference_plan.model_shape(contract)
+        shape = plan_core.model_shape(contract)
         largest = max(k for _, k in shape.params("actor"))
         a, b = (next(s for s in steps if s.name == "control fp64-fp32")
                 for steps in (plain, streamed))
@@ -129,8 +129,8 @@ def test_build_plan_streams_only_when_the_devices_need_it() -> None:
     the host state is refused."""
 
     contract = _qwen3_8b()
-    tight = reference_plan.Machine(devices=4, device_bytes=48 * 10**9,
-                                   host_bytes=2000 * 10**9, cores=2)
+    tight = plan_core.Machine(devices=4, device_bytes=48 * 10**9,
+                              host_bytes=2000 * 10**9, cores=2)
     plan = reference_plan.build_plan(contract, tight)
     assert (plan.optimizer_state, plan.gradients) == ("host", "host")
     assert plan.shortfall("reference") is None

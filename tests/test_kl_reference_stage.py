@@ -192,14 +192,14 @@ def test_the_plan_puts_each_kl_reference_forward_before_its_update_with_one_mode
     round-to-round runs and clip-branch rerun) is planned after its own ``kl reference``
     step: the frozen policy alone (one model in the run's dtype, nothing written); the
     update's own load holds one model."""
-    from qualify.reference import plan
+    from qualify.reference import plan, plan_core
 
     contract = load_contract(contracts_dir() / name)
     contract = dataclasses.replace(contract, bounds=dataclasses.replace(
         contract.bounds, lane="approximate", round_to_round=True))
-    p_actor = plan.model_shape(contract).count("actor")
-    steps = plan.plan_reference(contract, plan.Machine(devices=0, device_bytes=0,
-                                                       host_bytes=10**15, cores=2))
+    p_actor = plan_core.model_shape(contract).count("actor")
+    steps = plan.plan_reference(contract, plan_core.Machine(devices=0, device_bytes=0,
+                                                            host_bytes=10**15, cores=2))
     names = [s.name for s in steps]
     updates = [n for n in names if n.startswith(("updates ", "control ", "round_to_round "))
                or (n.startswith("branches ") and n.endswith(" actor"))]

@@ -22,7 +22,8 @@ from qualify.reference.placement import (
     place_model,
     stage_assignment,
 )
-from qualify.reference.plan import ModelShape, stage_layer_counts
+from qualify.reference.plan import stage_layer_counts
+from qualify.reference.plan_core import ModelShape
 
 CFG = THREE_LAYER_CFG
 

@@ -9,7 +9,7 @@ import torch
 
 from qualify.contract import load_contract
 from qualify.errors import ExitCode
-from qualify.reference import plan
+from qualify.reference import plan, plan_core
 from qualify.resources import contracts_dir
 
 CONTRACTS = ["tiny-qwen3", "qwen3-34m", "qwen3-500m", "smollm2-135m", "qwen3-8b"]
@@ -26,7 +26,7 @@ def test_parameter_names_and_counts_are_the_hf_models(name: str) -> None:
         AutoModelForTokenClassification,
     )
 
-    shape = plan.model_shape(load_contract(contracts_dir() / f"{name}.toml"))
+    shape = plan_core.model_shape(load_contract(contracts_dir() / f"{name}.toml"))
     fields = {k: getattr(shape, k) for k in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")}
@@ -41,7 +41,7 @@ def test_parameter_names_and_counts_are_the_hf_models(name: str) -> None:
 
 def test_qwen3_8b_counts_are_the_documented_ones() -> None:
     """docs/scale.md's figures: 8,190.7 M Actor and 7,568.4 M Critic parameters."""
-    shape = plan.model_shape(load_contract(contracts_dir() / "qwen3-8b.toml"))
+    shape = plan_core.model_shape(load_contract(contracts_dir() / "qwen3-8b.toml"))
     assert round(shape.count("actor") / 1e5) == 81907
     assert round(shape.count("critic") / 1e5) == 75684
 
@@ -138,8 +138,8 @@ def test_a_step_that_cannot_fit_is_refused_before_anything_is_written(tmp_path: 
     :class:`~qualify.reference.plan.DoesNotFitError` and leaves no directory behind."""
     from qualify.reference import stage
 
-    small = plan.Machine(devices=0, device_bytes=0, host_bytes=10**8, cores=2)
-    monkeypatch.setattr(plan, "machine_defaults", lambda: small)
+    small = plan_core.Machine(devices=0, device_bytes=0, host_bytes=10**8, cores=2)
+    monkeypatch.setattr(plan_core, "machine_defaults", lambda: small)
     contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
     def started(name: str) -> None:
         raise AssertionError(f"the stage started ({name}) on a machine its plan does not fit")
@@ -170,10 +170,10 @@ def test_reported_elements_are_the_stored_ones_with_the_rollouts_rows(name: str)
     from qualify.protocol import ParamSampling
 
     contract = load_contract(contracts_dir() / f"{name}.toml")
-    shape = plan.model_shape(contract)
+    shape = plan_core.model_shape(contract)
     ev = contract.evidence
-    bound = plan._rollout_ids_bound(contract, shape.vocab_size)
-    n_seq, prompt, resp, _ = plan._rollout_shape(contract)
+    bound = plan_core.rollout_ids_bound(contract, shape.vocab_size)
+    n_seq, prompt, resp, _ = plan_core.rollout_shape(contract)
     assert bound <= min(shape.vocab_size, n_seq * (prompt + resp) + 1)
     ids = torch.randperm(shape.vocab_size, generator=torch.Generator().manual_seed(0))[:bound]
     sampling = ParamSampling(exact_elements=ev.exact_elements,
@@ -184,9 +184,9 @@ def test_reported_elements_are_the_stored_ones_with_the_rollouts_rows(name: str)
         for pname, numel in shape.params(role):
             idx = sampling.indices(pname, numel)
             stored += numel if idx is None else len(idx)
-        planned = plan._sampled_elements(shape.params(role), ev.exact_elements,
-                                         ev.sample_elements, vocab_rows=bound,
-                                         vocab_size=shape.vocab_size)
+        planned = plan_core.sampled_elements(shape.params(role), ev.exact_elements,
+                                             ev.sample_elements, vocab_rows=bound,
+                                             vocab_size=shape.vocab_size)
         # the seeded sample and the rows may overlap: the plan never under-counts
         assert stored <= planned <= stored + 2 * ev.sample_elements
 

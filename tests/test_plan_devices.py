@@ -19,21 +19,21 @@ from qwen3_8b_shape import ACTOR, EMBED, QWEN3_8B, activations
 
 from qualify.contract import load_contract
 from qualify.errors import ExitCode
-from qualify.reference import plan
+from qualify.reference import plan, plan_core
 from qualify.resources import contracts_dir
 
 TINY = contracts_dir() / "tiny-qwen3.toml"
 
 
-def _steps(contract: str, devices: int) -> dict[str, plan.Step]:
-    machine = plan.Machine(devices=devices, device_bytes=10**15 if devices else 0,
-                           host_bytes=10**15, cores=2)
+def _steps(contract: str, devices: int) -> dict[str, plan_core.Step]:
+    machine = plan_core.Machine(devices=devices, device_bytes=10**15 if devices else 0,
+                                host_bytes=10**15, cores=2)
     return {s.name: s for s in plan.plan_reference(load_contract(contract), machine)}
 
 
 def test_hand_counted_shape() -> None:
     """The shape constants above are the contract's (8,190.7 M Actor parameters)."""
-    assert plan.model_shape(load_contract(QWEN3_8B)).count("actor") == ACTOR
+    assert plan_core.model_shape(load_contract(QWEN3_8B)).count("actor") == ACTOR
 
 
 def test_one_device_holds_the_whole_sensitivity_pass() -> None:
@@ -71,7 +71,7 @@ def test_the_devices_together_hold_the_whole_state(devices: int) -> None:
 def test_fp64_control_is_fp64_state_on_the_devices() -> None:
     """The FP64 control's placed models are FP64 with FP64 gradients, moments and saved copy:
     40 bytes per parameter in its sensitivity pass (tiny-qwen3's shape, from its contract)."""
-    shape = plan.model_shape(load_contract(TINY))
+    shape = plan_core.model_shape(load_contract(TINY))
     h, i, v, n = shape.hidden_size, shape.intermediate_size, shape.vocab_size, \
         shape.num_hidden_layers
     q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
@@ -89,7 +89,7 @@ def test_host_holds_the_load_and_not_the_moved_state() -> None:
     interpreter; the moments and the saved copy are on the devices."""
     steps = _steps(str(QWEN3_8B), 8)
     for name in ("updates hf-fp32", "updates hf-bf16-castmasters", "control row_split-fp32"):
-        assert steps[name].host_peak == plan.INTERPRETER_BYTES + 8 * ACTOR, name
+        assert steps[name].host_peak == plan_core.INTERPRETER_BYTES + 8 * ACTOR, name
 
 
 def _plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict | None, str]:
@@ -109,7 +109,7 @@ def test_devices_come_from_the_setting_and_devices_overrides(
     line, exit 2."""
     import torch
 
-    monkeypatch.setattr(plan, "machine_defaults", lambda: plan.Machine(
+    monkeypatch.setattr(plan_core, "machine_defaults", lambda: plan_core.Machine(
         devices=8, device_bytes=141 * 10**9, host_bytes=2000 * 10**9, cores=2))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)

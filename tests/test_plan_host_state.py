@@ -24,10 +24,10 @@ from qwen3_8b_shape import ACTOR, EMBED, GB, LAYERS, QWEN3_8B, activations
 
 from qualify.contract import load_contract
 from qualify.errors import ExitCode, UsageError
-from qualify.reference import plan
+from qualify.reference import plan, plan_core
 from qualify.resources import contracts_dir
 
-NODE = plan.Machine(devices=1, device_bytes=141 * GB, host_bytes=2000 * GB, cores=2)
+NODE = plan_core.Machine(devices=1, device_bytes=141 * GB, host_bytes=2000 * GB, cores=2)
 
 
 def test_host_state_moves_the_moments_and_the_copy_to_the_host() -> None:
@@ -45,8 +45,8 @@ def test_host_state_moves_the_moments_and_the_copy_to_the_host() -> None:
     backward = 8 * ACTOR + n * layer + head
     step = host["updates hf-fp32"]
     assert step.device_peak == max(sensitivity, backward)
-    assert step.host_peak == plan.INTERPRETER_BYTES + 12 * ACTOR
-    assert step.terms == {"interpreter": plan.INTERPRETER_BYTES, "adamw": 8 * ACTOR,
+    assert step.host_peak == plan_core.INTERPRETER_BYTES + 12 * ACTOR
+    assert step.terms == {"interpreter": plan_core.INTERPRETER_BYTES, "adamw": 8 * ACTOR,
                           "sensitivity_copy": 4 * ACTOR}
     assert device["updates hf-fp32"].device_peak == 20 * ACTOR + 24 * EMBED + head + layer
     # the host's AdamW step of one parameter: below the sensitivity pass on the host here
@@ -58,8 +58,8 @@ def test_host_state_never_holds_more_on_a_device(devices: int) -> None:
     """Whatever the split, no reference step needs more of a device with the state on the
     host than on the devices, and the whole-model moments land on the host."""
     contract = load_contract(QWEN3_8B)
-    machine = plan.Machine(devices=devices, device_bytes=141 * GB, host_bytes=2000 * GB,
-                           cores=2)
+    machine = plan_core.Machine(devices=devices, device_bytes=141 * GB, host_bytes=2000 * GB,
+                                cores=2)
     host = plan.plan_reference(contract, machine, optimizer_state="host")
     device = plan.plan_reference(contract, machine)
     assert [s.name for s in host] == [s.name for s in device]
@@ -88,16 +88,16 @@ def test_the_plan_chooses_host_state_only_when_the_devices_need_it() -> None:
         "control fp64-fp32: needs 151.9 GB on a device")
     assert plan.build_plan(contract, NODE, optimizer_state="device").shortfall(
         "reference").startswith("updates hf-fp32: ")  # type: ignore[union-attr]
-    eight = plan.build_plan(contract, plan.Machine(devices=8, device_bytes=141 * GB,
-                                                   host_bytes=2000 * GB, cores=2))
+    eight = plan.build_plan(contract, plan_core.Machine(devices=8, device_bytes=141 * GB,
+                                                        host_bytes=2000 * GB, cores=2))
     assert eight.optimizer_state == "device"
-    host_only = plan.build_plan(contract, plan.Machine(devices=0, device_bytes=0,
-                                                       host_bytes=10 * GB, cores=2))
+    host_only = plan.build_plan(contract, plan_core.Machine(devices=0, device_bytes=0,
+                                                            host_bytes=10 * GB, cores=2))
     assert host_only.optimizer_state == "device"
     assert host_only.shortfall("reference") is not None
     # host state that would not get further keeps the state on the devices: a host too small
     # for the moments
-    small_host = plan.Machine(devices=1, device_bytes=141 * GB, host_bytes=70 * GB, cores=2)
+    small_host = plan_core.Machine(devices=1, device_bytes=141 * GB, host_bytes=70 * GB, cores=2)
     chosen = plan.build_plan(contract, small_host)
     assert chosen.optimizer_state == "device"
     assert chosen.shortfall("reference").startswith("updates hf-fp32: needs 179.4 GB")  # type: ignore[union-attr]
@@ -180,10 +180,10 @@ def test_device_memory_flag_and_setting_share_one_grammar(text: str) -> None:
     assert got == want, (text, got, want)
 
 
-def _machine(devices: int, kind: str = "gpu") -> plan.Machine:
+def _machine(devices: int, kind: str = "gpu") -> plan_core.Machine:
     """``devices`` of 100 GB (none: host only) of ``kind``, 2000 GB of host, 2 cores."""
-    return plan.Machine(devices=devices, device_bytes=100 * GB if devices else 0,
-                        host_bytes=2000 * GB, cores=2, device_kind=kind)
+    return plan_core.Machine(devices=devices, device_bytes=100 * GB if devices else 0,
+                             host_bytes=2000 * GB, cores=2, device_kind=kind)
 
 
 def test_cpu_devices_under_a_budget_are_timed_at_the_hosts_rates() -> None:
@@ -239,7 +239,7 @@ def test_plan_refuses_a_device_budget_with_nothing_placed(
     variable, exit 2; ``--devices N`` plans N devices of that memory."""
     from qualify.cli.main import main
 
-    monkeypatch.setattr(plan, "machine_defaults", lambda: plan.Machine(
+    monkeypatch.setattr(plan_core, "machine_defaults", lambda: plan_core.Machine(
         devices=0, device_bytes=0, host_bytes=2000 * GB, cores=2))
     monkeypatch.setenv("QUALIFY_REFERENCE_DEVICE_MEMORY", "141")
     for listed in ("host", None):
@@ -257,7 +257,7 @@ def test_refusal_sizes_never_read_zero() -> None:
     """A refusal line's size is never ``0.0`` of a unit for a positive size, and reads the
     size back to its unit's rounding."""
     for n in (1, 999, 10**5 - 1, 10**5, GB // 10 - 1, GB // 10, 141 * GB):
-        text = plan._size(n)
+        text = plan_core._size(n)
         value, unit = text.split()
         assert float(value) > 0, text
         scale = {"bytes": 1, "MB": 10**6, "GB": GB}[unit]
@@ -317,9 +317,9 @@ def test_host_step_term_is_host_adamws_measured_peak() -> None:
     (tiny-qwen3-vocab32k) the step is the update's host peak, so an undercount is the
     plan's host peak."""
     contract = load_contract(contracts_dir() / "tiny-qwen3-vocab32k.toml")
-    shape = plan.model_shape(contract)
+    shape = plan_core.model_shape(contract)
     largest = max(n for _, n in shape.params("actor"))
-    machine = plan.Machine(devices=2, device_bytes=100 * GB, host_bytes=2000 * GB, cores=2)
+    machine = plan_core.Machine(devices=2, device_bytes=100 * GB, host_bytes=2000 * GB, cores=2)
     steps = {s.name: s for s in plan.plan_reference(contract, machine,
                                                     optimizer_state="host")}
     for name, dtype in (("updates hf-fp32", torch.float32), ("control fp64-fp32",
@@ -332,7 +332,7 @@ def test_host_step_term_is_host_adamws_measured_peak() -> None:
 def test_machine_refuses_an_unknown_device_kind() -> None:
     """A device kind the plan does not know is refused, not timed and placed as ``cpu``."""
     with pytest.raises(ValueError, match="device_kind"):
-        plan.Machine(devices=1, device_bytes=GB, host_bytes=GB, cores=1, device_kind="cuda")
+        plan_core.Machine(devices=1, device_bytes=GB, host_bytes=GB, cores=1, device_kind="cuda")
 
 
 @pytest.mark.parametrize("state", ["device", "host"])
@@ -341,12 +341,12 @@ def test_cpu_devices_are_counted_in_the_hosts_memory(state: str) -> None:
     peak is what the host-only plan holds (the devices' bytes included), while each device's
     peak is still checked against the budget."""
     contract = load_contract(contracts_dir() / "smollm2-135m.toml")
-    host = plan.plan_reference(contract, plan.Machine(devices=0, device_bytes=0,
-                                                      host_bytes=2000 * GB, cores=2),
+    host = plan.plan_reference(contract, plan_core.Machine(devices=0, device_bytes=0,
+                                                           host_bytes=2000 * GB, cores=2),
                                optimizer_state=state)
-    cpu = plan.plan_reference(contract, plan.Machine(devices=2, device_bytes=GB,
-                                                     host_bytes=2000 * GB, cores=2,
-                                                     device_kind="cpu"),
+    cpu = plan.plan_reference(contract, plan_core.Machine(devices=2, device_bytes=GB,
+                                                          host_bytes=2000 * GB, cores=2,
+                                                          device_kind="cpu"),
                               optimizer_state=state)
     assert [(s.name, s.host_peak) for s in cpu] == [(s.name, s.host_peak) for s in host]
     # every placed step holds device bytes; verify, the distribution step and the vLLM

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from qualify.contract import Contract, load_contract
-from qualify.reference import plan, round_to_round
+from qualify.reference import plan, plan_core, round_to_round
 from qualify.resources import contracts_dir, repo_root
 
 TINY = contracts_dir() / "tiny-qwen3.toml"
 COMMITTED = repo_root() / "references" / f"tiny-qwen3-{load_contract(TINY).digest12}"
-HOST = plan.Machine(devices=0, device_bytes=0, host_bytes=10**12, cores=2)
+HOST = plan_core.Machine(devices=0, device_bytes=0, host_bytes=10**12, cores=2)
 
 
 def _with(contract: Contract, **bounds: object) -> Contract:
@@ -69,7 +69,7 @@ def test_round_to_round_steps_are_planned_only_with_the_term() -> None:
     assert len(r2r) == len(kl) == len(on.matrix.lanes())
     assert [s.name for s in steps_on if s not in r2r + kl] == [s.name for s in steps_off]
     assert [s.name for s in kl] == [f"kl reference: {s.name}" for s in r2r]
-    n_seq, _, resp, _ = plan._rollout_shape(on)
+    n_seq, _, resp, _ = plan_core.rollout_shape(on)
     runs = 2 * n_seq * resp + 1
     for lane, s in zip(on.matrix.lanes(), r2r, strict=True):
         assert s.name == f"round_to_round hf-{lane} ({runs} runs per role)"
@@ -115,7 +115,7 @@ def test_verify_reread_is_the_sealed_files_verify_reads(monkeypatch: pytest.Monk
     assert all(sizes[rel] <= planned for rel, planned in step.reads.items()), (sizes, step.reads)
 
     roll = tensors.load_tensors(COMMITTED / "rollout.safetensors")
-    shape = plan.model_shape(contract)
+    shape = plan_core.model_shape(contract)
     ev = contract.evidence
     sampling = ParamSampling(exact_elements=ev.exact_elements,
                              sample_elements=ev.sample_elements).with_rows(
@@ -124,7 +124,7 @@ def test_verify_reread_is_the_sealed_files_verify_reads(monkeypatch: pytest.Monk
     roles = ("actor", "critic")
     reported = {r: sum(n if (idx := sampling.indices(name, n)) is None else len(idx)
                        for name, n in shape.params(r)) for r in roles}
-    n_seq, _, resp, _ = plan._rollout_shape(contract)
+    n_seq, _, resp, _ = plan_core.rollout_shape(contract)
     update = plan._update_file_bytes(roles, rounds=contract.algorithm.rounds, reported=reported,
                                      n_tensors={r: len(shape.params(r)) for r in roles},
                                      n_seq=n_seq, resp=resp)
@@ -143,20 +143,20 @@ def test_scoring_counts_a_mapped_model_once_and_bf16_scorings_fp32_copy() -> Non
     one FP32 deep copy before its cast (``12 P``). On CUDA devices the Actor is copied there
     before the policy loads, so the devices hold both."""
     contract = load_contract(contracts_dir() / "qwen3-500m.toml")
-    host = plan.build_plan(contract, plan.Machine(devices=0, device_bytes=0,
-                                                  host_bytes=100 * 10**9, cores=2))
+    host = plan.build_plan(contract, plan_core.Machine(devices=0, device_bytes=0,
+                                                       host_bytes=100 * 10**9, cores=2))
     p_actor = host.params["actor"]
     steps = {s.name: s for s in host.steps}
     fp32, bf16 = steps["scoring fp32"], steps["scoring bf16"]
     assert fp32.phase == "forward"
     assert fp32.terms["weights"] == 8 * p_actor
     assert "checkpoint_map" not in fp32.terms
-    assert fp32.host_peak - plan.INTERPRETER_BYTES - fp32.terms["activations"] == 8 * p_actor
+    assert fp32.host_peak - plan_core.INTERPRETER_BYTES - fp32.terms["activations"] == 8 * p_actor
     assert bf16.phase == "bf16 copy"
-    assert bf16.terms == {"interpreter": plan.INTERPRETER_BYTES, "weights": 8 * p_actor,
+    assert bf16.terms == {"interpreter": plan_core.INTERPRETER_BYTES, "weights": 8 * p_actor,
                           "bf16_cast_source": 4 * p_actor}
-    gpu = plan.build_plan(contract, plan.Machine(devices=1, device_bytes=100 * 10**9,
-                                                 host_bytes=100 * 10**9, cores=2))
+    gpu = plan.build_plan(contract, plan_core.Machine(devices=1, device_bytes=100 * 10**9,
+                                                      host_bytes=100 * 10**9, cores=2))
     on_gpu = next(s for s in gpu.steps if s.name == "scoring fp32")
     assert on_gpu.device_peak >= 8 * p_actor  # both models on the device at the load
 
@@ -166,8 +166,8 @@ def test_a_bf16_copy_is_planned_with_the_fp32_copy_it_is_cast_from() -> None:
     KL reference forward of a BF16-parameter run peaks there (the policy and its copy,
     ``8 P``), not at its forward (``6 P``); the FP32 lane's has no such phase."""
     contract = load_contract(contracts_dir() / "qwen3-500m.toml")
-    gpu = plan.build_plan(contract, plan.Machine(devices=1, device_bytes=100 * 10**9,
-                                                 host_bytes=100 * 10**9, cores=2))
+    gpu = plan.build_plan(contract, plan_core.Machine(devices=1, device_bytes=100 * 10**9,
+                                                      host_bytes=100 * 10**9, cores=2))
     p_actor = gpu.params["actor"]
     steps = {s.name: s for s in gpu.steps}
     cast = steps["kl reference: updates hf-bf16-castmasters"]
@@ -183,17 +183,17 @@ def test_the_distribution_step_is_planned_on_the_host_after_the_branches() -> No
     and before ``verify``, where the stage runs it."""
     contract = load_contract(contracts_dir() / "qwen3-500m.toml")
     for devices in (0, 1):
-        built = plan.build_plan(contract, plan.Machine(devices=devices,
-                                                       device_bytes=100 * 10**9,
-                                                       host_bytes=100 * 10**9, cores=2))
+        built = plan.build_plan(contract, plan_core.Machine(devices=devices,
+                                                            device_bytes=100 * 10**9,
+                                                            host_bytes=100 * 10**9, cores=2))
         names = [s.name for s in built.steps]
         step = built.steps[names.index("distribution: HF controls (host)")]
         assert step.device_peak == 0
-        n_seq, prompt, resp, _ = plan._rollout_shape(contract)
-        vocab = plan.model_shape(contract).vocab_size
+        n_seq, prompt, resp, _ = plan_core.rollout_shape(contract)
+        vocab = plan_core.model_shape(contract).vocab_size
         run = n_seq * resp * vocab * 4
         models = 8 * built.params["actor"] + 7 * run + n_seq * (prompt + resp) * vocab * 4
-        assert step.host_peak == plan.INTERPRETER_BYTES + max(models, 18 * run)
+        assert step.host_peak == plan_core.INTERPRETER_BYTES + max(models, 18 * run)
         last_branch = max(i for i, n in enumerate(names) if n.startswith("branches "))
         assert last_branch < names.index(step.name) < names.index(
             "verify: control errors re-measured")

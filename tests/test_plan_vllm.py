@@ -11,17 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from qualify.candidate.plan import VLLM_SAMPLER_KV_BYTES
 from qualify.contract import load_contract
-from qualify.reference import plan as plan_mod
-from qualify.reference.plan import (
-    INTERPRETER_BYTES,
-    VLLM_ENGINE_BYTES,
-    VLLM_ROLLOUT_KV_BYTES,
-    VLLM_SAMPLER_KV_BYTES,
-    Machine,
-    build_plan,
-    model_shape,
-)
+from qualify.reference import plan_core
+from qualify.reference.plan import VLLM_ROLLOUT_KV_BYTES, build_plan
+from qualify.reference.plan_core import INTERPRETER_BYTES, VLLM_ENGINE_BYTES, Machine, model_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = Machine(devices=0, device_bytes=0, host_bytes=64 * 10**9, cores=2)
@@ -70,7 +64,7 @@ def test_the_sampler_step_runs_every_sampler_cell_beside_the_trainer_launches(
     assert tps == [1, 2]
     shape = model_shape(contract)
     p = shape.count("actor")
-    n_seq, _, resp, _ = plan_mod._rollout_shape(contract)
+    n_seq, _, resp, _ = plan_core.rollout_shape(contract)
     monkeypatch.delenv("QUALIFY_JOBS", raising=False)
     monkeypatch.delenv("QUALIFY_AHEAD", raising=False)
     steps = build_plan(contract, HOST).steps

@@ -20,7 +20,7 @@ from placed_runs import assert_same_runs, placed_update_runs
 from tiny_models import THREE_LAYER_CFG, seeded_qwen3
 
 from qualify.contract import load_contract
-from qualify.reference import devices, update
+from qualify.reference import devices, plan_core, update
 from qualify.reference import plan as reference_plan
 from qualify.reference.update import HostAdamW
 from qualify.resources import contracts_dir
@@ -147,8 +147,8 @@ def test_the_plan_keeps_g1_only_where_the_host_needs_it() -> None:
     gradients streamed and ``g1``; with 2 TB it keeps the moments. Keeping ``g1`` lowers no
     device peak and raises no host peak, and does nothing with three rounds."""
     contract = load_contract(contracts_dir() / "qwen3-8b.toml")
-    small = reference_plan.Machine(devices=4, device_bytes=48 * 10**9, host_bytes=256 * 10**9,
-                                   cores=2)
+    small = plan_core.Machine(devices=4, device_bytes=48 * 10**9, host_bytes=256 * 10**9,
+                              cores=2)
     plan = reference_plan.build_plan(contract, small)
     assert (plan.optimizer_state, plan.gradients, plan.round2_state) == ("host", "host", "g1")
     assert plan.shortfall("reference") is None

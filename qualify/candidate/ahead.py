@@ -28,7 +28,7 @@ When it runs ahead (:func:`qualify.candidate.beside.ahead`): on CPU under ``QUAL
 ``QUALIFY_JOBS=1`` runs every launch strictly after the one before. A launch starts ahead
 only while ``MemAvailable`` (``/proc/meminfo``) holds the planned host peak of the launch it
 waits for plus one interpreter (:func:`room_ahead`,
-:func:`qualify.reference.plan.launch_host_peaks`); else it starts in its turn.
+:func:`qualify.candidate.plan.launch_host_peaks`); else it starts in its turn.
 
 If the stage stops (an exception, Ctrl-C), every gate is shut: a launcher before its gate
 reads end of file and exits before any rank (:data:`qualify.candidate.warm.GATE_SHUT_EXIT`),
@@ -45,19 +45,17 @@ from pathlib import Path
 
 from qualify.candidate.beside import AHEAD_ENV
 from qualify.candidate.gate import START_BYTE, Gate, raised
+from qualify.hostmem import MEMINFO, meminfo_bytes
 
 __all__ = ["AHEAD_ENV", "START_BYTE", "Gate", "mem_available", "raised", "room_ahead"]
 
 
-def mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """``MemAvailable`` in bytes; ``None`` where the kernel does not report it."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+def mem_available(meminfo: Path = MEMINFO) -> int | None:
+    """``MemAvailable`` in bytes; ``None`` where the kernel does not report it.
+
+    :func:`qualify.hostmem.meminfo_bytes` of ``meminfo`` (default ``/proc/meminfo``).
+    """
+    return meminfo_bytes("MemAvailable", meminfo)
 
 
 def room_ahead(planned_peak: int, interpreter: int, *, available: int | None) -> bool:
@@ -65,9 +63,9 @@ def room_ahead(planned_peak: int, interpreter: int, *, available: int | None) ->
 
     Args:
         planned_peak: host bytes the running launch is planned to peak at (its ranks, and
-            the sampler cells beside it: :func:`qualify.reference.plan.launch_host_peaks`).
+            the sampler cells beside it: :func:`qualify.candidate.plan.launch_host_peaks`).
         interpreter: host bytes of the importing launcher
-            (:data:`qualify.reference.plan.INTERPRETER_BYTES`).
+            (:data:`qualify.reference.plan_core.INTERPRETER_BYTES`).
         available: ``MemAvailable`` now (:func:`mem_available`); ``None`` (unknown) is no.
     """
     return available is not None and available >= planned_peak + interpreter

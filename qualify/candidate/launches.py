@@ -6,7 +6,7 @@ cells; an engine whose spec groups variants (:attr:`qualify.registry.EngineSpec.
 runs every precision x options variant of a topology in one launch, and one that groups
 topologies (:attr:`~qualify.registry.EngineSpec.groups_topologies`) every topology of one
 world size. The candidate stage (:mod:`qualify.candidate.stage`) launches what
-:func:`plan_launches` returns; ``qualify plan`` (:mod:`qualify.reference.plan`) plans the
+:func:`plan_launches` returns; ``qualify plan`` (:mod:`qualify.candidate.plan`) plans the
 same launches. Imports neither torch nor any engine.
 """
 

@@ -45,6 +45,7 @@ from qualify.atomic import TMP_PREFIX
 from qualify.candidate import ahead, beside, resume_stage, sampler_stage
 from qualify.candidate.launch import LaunchResult, launch_engine, read_safetensors_header
 from qualify.candidate.launches import Launch, in_stage_order, launches_for, plan_launches
+from qualify.candidate.plan import launch_host_peaks
 from qualify.contract import CellSpec, Contract, cells_matching
 from qualify.errors import (
     ContractError,
@@ -80,7 +81,7 @@ from qualify.protocol import (
     parse_tensor_name,
 )
 from qualify.reference.documents import read_document
-from qualify.reference.plan import INTERPRETER_BYTES, launch_host_peaks, machine_defaults
+from qualify.reference.plan_core import INTERPRETER_BYTES, machine_defaults
 from qualify.reference.stage import load_sealed_reference
 from qualify.registry import EngineSpec, get_engine, has_cuda
 from qualify.sampling import rollout_sampling, sampling_summary

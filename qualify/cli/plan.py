@@ -3,7 +3,7 @@
 One row per step of the reference stage and per candidate launch
 (:func:`qualify.reference.plan.build_plan`), with devices a line saying where the plan keeps
 the AdamW state (on the devices unless only the host fits it:
-:attr:`qualify.reference.plan.Plan.optimizer_state`); ``--json`` prints the same as JSON. A
+:attr:`qualify.reference.plan_core.Plan.optimizer_state`); ``--json`` prints the same as JSON. A
 contract that cannot fit the machine is refused with one line naming the step and the
 shortfall, exit 2 (:class:`qualify.reference.plan.DoesNotFitError`), after the table.
 """
@@ -38,15 +38,10 @@ def _cmd_plan(args: argparse.Namespace) -> ExitCode:
     from rich.console import Console
     from rich.table import Table
 
+    from qualify.candidate.plan import CANDIDATE_KINDS
     from qualify.contract import default_contract_path, load_contract
-    from qualify.reference.plan import (
-        CANDIDATE_KINDS,
-        GB,
-        DoesNotFitError,
-        Machine,
-        build_plan,
-        machine_defaults,
-    )
+    from qualify.reference.plan import DoesNotFitError, build_plan
+    from qualify.reference.plan_core import GB, Machine, machine_defaults
 
     here = machine_defaults()
     devices, kind = (args.devices, "gpu") if args.devices is not None else \
@@ -142,7 +137,7 @@ def _env_devices(default: int) -> tuple[int, str]:
     Parsed as the stage parses it (:func:`qualify.reference.devices.parse`): ``cuda:N,...``
     or ``cuda`` is that many ``gpu`` devices; ``host`` runs on the host, no devices; a ``cpu``
     list is that many ``cpu`` devices (timed at the host's rates, :class:`qualify.reference.
-    plan.Machine`) under ``$QUALIFY_REFERENCE_DEVICE_MEMORY`` (the device-budget mode), else
+    plan_core.Machine`) under ``$QUALIFY_REFERENCE_DEVICE_MEMORY`` (the device-budget mode), else
     none (the stage's own plan check, :func:`qualify.reference.stage._plan_check`, counts
     them so). Unset: ``default`` ``gpu`` devices.
 

@@ -142,7 +142,7 @@ def parameter_counts(model: nn.Module) -> tuple[list[int], int, int]:
 
     Each parameter counted once (a head tied to the embedding counts with the embedding);
     buffers are not counted. ``qualify plan`` counts the same elements from the contract's
-    shapes (:meth:`qualify.reference.plan.ModelShape.params`).
+    shapes (:meth:`qualify.reference.plan_core.ModelShape.params`).
     """
     backbone: Any = model.get_submodule("model")
     seen: set[int] = set()

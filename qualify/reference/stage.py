@@ -568,7 +568,8 @@ def _plan_check(contract: Contract, enforce: bool,
         DoesNotFitError: it does not fit and ``enforce``.
         UsageError: ``device_bytes`` given, ``enforce``, and the contract cannot be planned.
     """
-    from qualify.reference.plan import DoesNotFitError, build_plan, machine_defaults
+    from qualify.reference.plan import DoesNotFitError, build_plan
+    from qualify.reference.plan_core import machine_defaults
 
     machine = machine_defaults()
     n = len(devices.devices) if devices is not None and (
