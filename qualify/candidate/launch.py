@@ -514,9 +514,10 @@ def _launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: flo
                       f"launcher: ended (SIGTERM, then SIGKILL)\n".encode())
     rc, wall = ran.returncode, end - t0
     opened = warm_gate.opened_at if warm_gate is not None else None
-    # ahead: its launcher started (and imported) before its gate opened
+    # ahead: its launcher started (and imported) before its gate opened; its turn, and
+    # so its wall-clock time, began at the gate
     ran_ahead = opened is not None and t0 < opened
-    if warm_gate is not None and opened is not None and t0 < opened < end:  # ran ahead: from the gate
+    if warm_gate is not None and opened is not None and t0 < opened < end:
         wall, started = end - opened, warm_gate.opened_utc or started
     imports.collect(attempt_dir, module=module, expected=world, started_ns=started_ns)
     rank_logs = tuple(sorted(p for p in rank_dir.rglob("*") if p.is_file()))
