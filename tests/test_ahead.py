@@ -27,7 +27,7 @@ from test_launch import _cell, write_fake
 from qualify import procs
 from qualify.candidate import ahead, beside
 from qualify.candidate.launch import LaunchResult, launch
-from qualify.candidate.plan import launch_host_peaks, plan_launches
+from qualify.candidate.plan import launch_host_peaks, launch_steps
 from qualify.candidate.warm import GATE_SHUT_EXIT
 from qualify.contract import Contract, load_contract
 from qualify.errors import ContractError, UsageError
@@ -250,12 +250,12 @@ def test_room_ahead_and_mem_available(tmp_path: Path) -> None:
     ("", "", False, True), ("2", "1", False, True), ("", "0", False, False),
     ("1", "", False, False), ("1", "1", False, False), ("", "", True, False),
     ("2", "1", True, False)])
-def test_enabled(jobs: str, on: str, cuda: bool, want: bool) -> None:
+def test_ahead_setting(jobs: str, on: str, cuda: bool, want: bool) -> None:
     env = {"QUALIFY_JOBS": jobs, "QUALIFY_AHEAD": on}
     assert beside.ahead(cuda=cuda, env=env) is want
 
 
-def test_enabled_refuses_bad_values() -> None:
+def test_ahead_setting_refuses_bad_values() -> None:
     with pytest.raises(UsageError, match="QUALIFY_AHEAD='2': must be 0 or 1"):
         beside.ahead(cuda=False, env={"QUALIFY_AHEAD": "2"})
 
@@ -267,7 +267,7 @@ def test_the_plan_holds_one_more_interpreter_beside_every_launch_but_the_last(
     monkeypatch.setenv("QUALIFY_AHEAD", on)
     contract = load_contract(contracts_dir() / "tiny-qwen3.toml")
     cpu = Machine(devices=0, device_bytes=0, host_bytes=24 * 10**9, cores=2)
-    steps = [s for s in plan_launches(contract, cpu) if s.kind == "launch"]
+    steps = [s for s in launch_steps(contract, cpu) if s.kind == "launch"]
     assert len(steps) == 3
     from qualify.candidate.launches import in_stage_order, launches_for
 
@@ -280,7 +280,7 @@ def test_the_plan_holds_one_more_interpreter_beside_every_launch_but_the_last(
         assert step.terms.get("launcher_ahead") == (INTERPRETER_BYTES if held else None)
         assert peaks[lc.launch_id] == step.host_peak - (INTERPRETER_BYTES if held else 0)
     gpu = Machine(devices=4, device_bytes=80 * 10**9, host_bytes=10**12, cores=16)
-    assert all("launcher_ahead" not in s.terms for s in plan_launches(contract, gpu))
+    assert all("launcher_ahead" not in s.terms for s in launch_steps(contract, gpu))
 
 
 @pytest.mark.slow  # seconds of real launches and waits: .ci/run's slow step

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from test_launch import _cell, write_fake
 
 from qualify.contract import load_contract
-from qualify.errors import EvidenceIntegrityError
+from qualify.errors import EvidenceIntegrityError, UsageError
 from qualify.evidence.sources import check_resume_sources, stale_cells, write_sources
 from qualify.resources import contracts_dir
 
@@ -204,6 +204,44 @@ def test_a_cell_without_a_record_falls_back_to_its_engine_folder(code: Path,
     harness = "harnesses/torch_tp/faults.py"
     assert stale_cells(run, edited(code, tmp_path, harness)) == {
         TRAINER: [harness], SAMPLER: [f"via {TRAINER}: {harness}"]}
+
+
+def test_a_resume_skips_the_cells_it_launches_again_and_only_those(code: Path,
+                                                                   tmp_path: Path) -> None:
+    """The interrupted run that Ctrl-C leaves while the sampler imports: its cell ERROR, a
+    rank unrecorded. A resume launches that cell again (its next attempt records what it
+    imports), so it does not refuse the resume; a COMPLETE consumer of a cell launched again
+    does not inherit its lines. The gate's view (stale_cells) is unchanged."""
+    unrecorded = record(code, [SITE], label="vllm-sampler/attempt-1", expected=2, ranks=(0,))
+    cells: dict[str, dict[str, Any]] = {
+        TRAINER: {"status": "ERROR"}, CRITIC: {}, SAMPLER: {"status": "ERROR"},
+        RESUME: {"resume_of": TRAINER}}
+    run = make_run(tmp_path, code, cells, {
+        TRAINER: record(code, [SITE], label="torch_tp-a2c1/attempt-1", expected=3,
+                        ranks=(0, 2)),
+        CRITIC: record(code, [SITE]), SAMPLER: unrecorded, RESUME: record(code, [SITE])})
+    stale = stale_cells(run, code)
+    assert set(stale) == {TRAINER, SAMPLER, RESUME}
+    assert stale[RESUME] == [f"via {TRAINER}: {line}" for line in stale[TRAINER]]
+    check_resume_sources(run, code)  # every line above is a cell launched again: resumed
+    # a qualify file changed: refused, whatever the cells
+    with pytest.raises(UsageError, match=r"\(qualify/protocol.py\): start a new --run-id"):
+        check_resume_sources(run, edited(code, tmp_path, "qualify/protocol.py"))
+
+
+def test_a_resume_still_refuses_a_cell_it_would_not_launch_with_a_record(
+        code: Path, tmp_path: Path) -> None:
+    """A NOT_RUN cell with no attempt (its engine unavailable) is judged by its engine's
+    files at the gate after the resume too, so a change there still refuses the resume,
+    as a change to a COMPLETE cell's recorded files does."""
+    cells: dict[str, dict[str, Any]] = {
+        TRAINER: {}, OTHER: {"status": "NOT_RUN", "attempt": None}}
+    run = make_run(tmp_path, code, cells, {TRAINER: record(code, [SITE]), OTHER: None})
+    harness = "harnesses/deepspeed/harness.py"
+    with pytest.raises(UsageError, match=rf"\({harness}\): start a new --run-id"):
+        check_resume_sources(run, edited(code, tmp_path, harness))
+    with pytest.raises(UsageError, match=rf"\({SITE}\): start a new --run-id"):
+        check_resume_sources(run, edited(code, tmp_path / "b", SITE))
 
 
 def test_a_malformed_record_is_refused(code: Path, tmp_path: Path) -> None:

@@ -100,28 +100,6 @@ def test_harness_change_makes_only_its_engine_stale(code: Path, tmp_path: Path) 
         check_resume_sources(run, tree)
 
 
-def test_a_resume_checks_complete_cells_and_qualify_not_the_cells_it_runs_again(
-        code: Path, tmp_path: Path) -> None:
-    """A cell a resume runs again (ERROR, NOT_RUN) does not refuse the resume; its staleness
-    is still reported, and a qualify change refuses even a run with no COMPLETE cell."""
-    run = fake_run(tmp_path, code)
-    doc = json.loads((run / "run.json").read_text())
-    doc["cells"]["deepspeed-fp32-zero0-actor-tp1"]["status"] = "ERROR"
-    (run / "run.json").write_text(json.dumps(doc))
-    tree = code_snapshot(tmp_path / "checkout")
-    harness = tree / "harnesses" / "deepspeed" / "harness.py"
-    harness.write_text(harness.read_text() + "\n# changed\n")
-    assert stale_cells(run, tree) == {
-        "deepspeed-fp32-zero0-actor-tp1": ["harnesses/deepspeed/harness.py"]}
-    check_resume_sources(run, tree)  # the ERROR cell is run again: does not raise
-    for cell in doc["cells"].values():
-        cell["status"] = "NOT_RUN"
-    (run / "run.json").write_text(json.dumps(doc))
-    (tree / "qualify" / "bounds.py").unlink()
-    with pytest.raises(UsageError, match=r"began \(qualify/bounds.py \(removed\)\): start"):
-        check_resume_sources(run, tree)
-
-
 def test_shared_and_qualify_changes_make_every_cell_stale(code: Path, tmp_path: Path) -> None:
     run = fake_run(tmp_path, code)
     tree = code_snapshot(tmp_path / "checkout")

@@ -2,7 +2,7 @@
 
 What the candidate stage's launches need before they run, in the terms of
 :mod:`qualify.reference.plan_core`: one :class:`~qualify.reference.plan_core.Step` per
-trainer launch, in the stage's order (:func:`plan_launches`: per rank, the role's training
+trainer launch, in the stage's order (:func:`launch_steps`: per rank, the role's training
 state sharded by TP, its activations and the interpreter; with the sampler cells beside it
 where they run there, and one more interpreter where the next launcher imports ahead), then
 the sampler cells as one host step (:func:`plan_sampler`). The candidate stage asks the same
@@ -42,7 +42,7 @@ from qualify.reference.plan_core import (
 if TYPE_CHECKING:
     from qualify.candidate.launches import Launch
 
-__all__ = ["CANDIDATE_KINDS", "VLLM_SAMPLER_KV_BYTES", "launch_host_peaks", "plan_launches",
+__all__ = ["CANDIDATE_KINDS", "VLLM_SAMPLER_KV_BYTES", "launch_host_peaks", "launch_steps",
            "plan_sampler"]
 
 CANDIDATE_KINDS: Final = ("launch", "sampler")
@@ -74,7 +74,7 @@ def plan_sampler(contract: Contract, machine: Machine) -> Step | None:
     tensors of at most 8 bytes per element. Time: three passes of ``2 P`` FLOPs per rollout token
     per engine (each response token scored with its prefix cached, the decode path, a new rollout).
     On CPU the candidate stage runs the sampler beside the trainer launches
-    (:func:`qualify.candidate.beside.jobs`), so :func:`plan_launches` adds its host memory to
+    (:func:`qualify.candidate.beside.jobs`), so :func:`launch_steps` adds its host memory to
     theirs.
     """
     sampler = contract.sampler
@@ -103,7 +103,7 @@ def plan_sampler(contract: Contract, machine: Machine) -> Step | None:
                 processes=vllm_processes(tps))
 
 
-def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
+def launch_steps(contract: Contract, machine: Machine) -> list[Step]:
     """One step per candidate launch, the launches the candidate stage makes.
 
     The matrix's cells grouped as :func:`qualify.candidate.launches.plan_launches` groups
@@ -148,7 +148,7 @@ def plan_launches(contract: Contract, machine: Machine) -> list[Step]:
 
 def launch_host_peaks(contract: Contract, machine: Machine,
                       launches: Sequence[Launch]) -> dict[str, int]:
-    """``{launch_id: host peak bytes}`` of ``launches`` as :func:`plan_launches` plans them.
+    """``{launch_id: host peak bytes}`` of ``launches`` as :func:`launch_steps` plans them.
 
     Without the ``launcher_ahead`` term: what the launch holds (with the sampler cells
     beside it where they run there), for the candidate stage's check that one more
@@ -186,7 +186,7 @@ def _beside(machine: Machine, sampler: Step | None) -> tuple[Step | None, bool]:
 
 def _launch_step(contract: Contract, machine: Machine, shape: ModelShape, lc: Launch, *,
                  beside: Step | None, ahead: bool) -> Step:
-    """One launch's :class:`~qualify.reference.plan_core.Step` (:func:`plan_launches`).
+    """One launch's :class:`~qualify.reference.plan_core.Step` (:func:`launch_steps`).
 
     ``shape``: the contract's model (:func:`~qualify.reference.plan_core.model_shape`).
     """

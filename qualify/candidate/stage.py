@@ -376,9 +376,9 @@ def run_candidate_stage(
             raise ReferenceDataError(f"{run_dir / RUN_FILE}: contract_digest: run belongs to "
                                      f"another contract digest")
         # What code runs the cells (qualify.evidence.sources): recorded once, before the
-        # first cell; a resume under changed code is refused once a cell is recorded (a run
-        # mixes no code versions). A resumed run made before sources.json existed stays
-        # unrecorded (STALE at the gate).
+        # first cell; a resume is refused once qualify/ or the files a kept cell ran changed
+        # (check_resume_sources: a cell launched again records its own). A resumed run made
+        # before sources.json existed stays unrecorded (STALE at the gate).
         if run.cells:
             check_resume_sources(run_dir)
         else:

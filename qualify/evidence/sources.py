@@ -27,6 +27,7 @@ not compared: the verifying machine (a CPU CI runner) need not have the engines 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -281,42 +282,64 @@ def stale_cells(run_dir: str | Path, checkout_root: str | Path | None = None
             refused or malformed.
         FileNotFoundError: the run has no ``run.json``.
     """
-    return _staleness(Path(run_dir), checkout_root)[1]
+    return _Staleness.of(Path(run_dir), checkout_root).stale()
 
 
-def _staleness(rd: Path, checkout_root: str | Path | None
-               ) -> tuple[list[str], dict[str, list[str]]]:
-    """``(the qualify files changed, stale_cells)`` of run ``rd`` (:func:`stale_cells`)."""
-    root = Path(checkout_root) if checkout_root is not None else repo_root()
-    entries = _cell_entries(rd)
-    doc = read_sources(rd)
-    if doc is None:
-        return [], {c: [NOT_RECORDED] for c in entries}
-    common = _diff(doc[QUALIFY_SET]["files"], qualify_files(root))
-    per_engine: dict[str, list[str]] = {}
-    cache: dict[str, Any] = {}
-    own: dict[str, list[str]] = {}
-    for cid, entry in entries.items():
-        record = _import_record(rd, entry)
-        if record is not None:
-            own[cid] = imports.record_changes(record, root, cache)
-            continue
-        engine = _engine_of(cid, entry)
-        if engine not in per_engine:
-            rec = doc["engines"].get(engine)
-            if not isinstance(rec, dict) or not isinstance(rec.get("files"), dict):
-                per_engine[engine] = [f"sources of engine {engine} not recorded"]
-            else:
-                per_engine[engine] = _diff(rec["files"], engine_files(root, engine))
-        own[cid] = per_engine[engine]
-    out: dict[str, list[str]] = {}
-    for cid in entries:
-        via = [f"via {src}: {line}" for src in consumed_cells(entries, cid)
-               for line in own[src]]
-        changed = own[cid] + [c for c in common if c not in own[cid]] + via
-        if changed:
-            out[cid] = changed
-    return common, out
+@dataclasses.dataclass(frozen=True)
+class _Staleness:
+    """What changed for each cell of a run, before it is propagated to its consumers.
+
+    ``entries``: ``run.json``'s cells; ``common``: the changed ``qualify`` files; ``own``: cell
+    id -> its own changed files (:func:`stale_cells`' first two rules); ``recorded``: the
+    cells judged by their attempt's ``imports.json`` (launched), not by their engine's set.
+    """
+
+    entries: dict[str, dict[str, Any]]
+    common: list[str]
+    own: dict[str, list[str]]
+    recorded: frozenset[str]
+
+    @classmethod
+    def of(cls, rd: Path, checkout_root: str | Path | None) -> _Staleness:
+        root = Path(checkout_root) if checkout_root is not None else repo_root()
+        entries = _cell_entries(rd)
+        doc = read_sources(rd)
+        if doc is None:
+            return cls(entries, [], {c: [NOT_RECORDED] for c in entries}, frozenset())
+        common = _diff(doc[QUALIFY_SET]["files"], qualify_files(root))
+        per_engine: dict[str, list[str]] = {}
+        cache: dict[str, Any] = {}
+        own: dict[str, list[str]] = {}
+        recorded: set[str] = set()
+        for cid, entry in entries.items():
+            record = _import_record(rd, entry)
+            if record is not None:
+                own[cid] = imports.record_changes(record, root, cache)
+                recorded.add(cid)
+                continue
+            engine = _engine_of(cid, entry)
+            if engine not in per_engine:
+                rec = doc["engines"].get(engine)
+                if not isinstance(rec, dict) or not isinstance(rec.get("files"), dict):
+                    per_engine[engine] = [f"sources of engine {engine} not recorded"]
+                else:
+                    per_engine[engine] = _diff(rec["files"], engine_files(root, engine))
+            own[cid] = per_engine[engine]
+        return cls(entries, common, own, frozenset(recorded))
+
+    def stale(self, skip: frozenset[str] = frozenset()) -> dict[str, list[str]]:
+        """:func:`stale_cells`' result, leaving out the cells ``skip`` and lines via them."""
+        out: dict[str, list[str]] = {}
+        for cid in self.entries:
+            if cid in skip:
+                continue
+            own = self.own[cid]
+            via = [f"via {src}: {line}" for src in consumed_cells(self.entries, cid)
+                   if src not in skip for line in self.own[src]]
+            changed = own + [c for c in self.common if c not in own] + via
+            if changed:
+                out[cid] = changed
+        return out
 
 
 def recorded_policy_digest(run_dir: str | Path) -> tuple[bool, str | None]:
@@ -338,12 +361,15 @@ def recorded_policy_digest(run_dir: str | Path) -> tuple[bool, str | None]:
 def check_resume_sources(run_dir: str | Path, root: Path | None = None) -> None:
     """Refuse to resume a run whose recorded sources differ from the code now.
 
-    A run without ``sources.json`` is not checked (it predates the record). Checked: the
-    ``qualify`` files (the run's own staging and splitting code) and every ``COMPLETE``
-    cell (:func:`stale_cells`). A cell of another status is not: a resume runs it again,
-    and its new attempt records what it imports (a cell cancelled mid-import, its ranks
-    unrecorded, would otherwise turn an interrupted run that can be resumed into one
-    that is superseded).
+    A run without ``sources.json`` is not checked (it predates the record). Checked, as
+    :func:`stale_cells` judges them: the ``qualify`` files (the run's own staging and
+    splitting code) and every cell but those a resume launches again with their own record,
+    the cells not ``COMPLETE`` whose attempt has an ``imports.json``; nor does a cell that
+    consumed one's outputs inherit its lines. Such a cell's next attempt records what it
+    imports then (a cell cancelled mid-import, its ranks unrecorded, would otherwise turn an
+    interrupted run that can be resumed into one that is superseded). A cell without that
+    record (never launched: ``NOT_RUN`` with no attempt) stays judged by its engine's files,
+    as the gate judges it after the resume.
 
     Raises:
         UsageError: (exit 2) one line: ``sources changed since run X began: start a new
@@ -352,10 +378,10 @@ def check_resume_sources(run_dir: str | Path, root: Path | None = None) -> None:
     rd = Path(run_dir)
     if not (rd / SOURCES_FILE).is_file():
         return
-    common, stale = _staleness(rd, root)
-    entries = _cell_entries(rd)
-    files = sorted(set(common).union(*(fs for cid, fs in stale.items()
-                                       if entries[cid].get("status") == "COMPLETE")))
+    st = _Staleness.of(rd, root)
+    again = frozenset(cid for cid in st.recorded
+                      if st.entries[cid].get("status") != "COMPLETE")
+    files = sorted(set(st.common).union(*st.stale(skip=again).values()))
     if files:
         more = f" (and {len(files) - 3} more)" if len(files) > 3 else ""
         raise UsageError(f"{rd / SOURCES_FILE}: sources changed since run {rd.name} began "

@@ -9,7 +9,7 @@ and decides, with nothing deleted:
 - an unsealed run whose writer is alive is left alone (a concurrent ``qualify``);
 - the newest unsealed run that can be resumed is resumed: same contract digest, same
   sealed reference (manifest sha256), the same ``--cells`` selection, no test faults, and
-  sources unchanged since its first recorded cell
+  unchanged sources: the ``qualify`` files and those of every cell the resume keeps
   (:func:`qualify.evidence.sources.check_resume_sources`);
 - every other unsealed run (or one whose earlier supersession no run confirms) is
   superseded by the run this invocation writes (:mod:`qualify.evidence.supersede`): it

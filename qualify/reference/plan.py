@@ -96,7 +96,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from qualify.candidate.plan import plan_launches
+from qualify.candidate.plan import launch_steps
 from qualify.contract import Contract
 from qualify.errors import UsageError
 from qualify.reference.plan_core import (
@@ -894,7 +894,7 @@ def build_plan(contract: Contract, machine: Machine, *,
     Returns:
         The :class:`~qualify.reference.plan_core.Plan`: the reference stage's steps
         (:func:`plan_reference`), then the candidate stage's
-        (:func:`qualify.candidate.plan.plan_launches`).
+        (:func:`qualify.candidate.plan.launch_steps`).
 
     All ``None``: chosen together, one decision for the stage, and the plan's
     :attr:`~qualify.reference.plan_core.Plan.optimizer_state_why`,
@@ -915,7 +915,7 @@ def build_plan(contract: Contract, machine: Machine, *,
     """
     shape = model_shape(contract)
     params = {r: shape.count(r) for r in ("actor", "critic")}
-    launches = plan_launches(contract, machine)
+    launches = launch_steps(contract, machine)
 
     def plan(state: str, why: str, grads: str = "device", grads_why: str = "", *,
              keep: str = "moments", keep_why: str = "") -> Plan:
