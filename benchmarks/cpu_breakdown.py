@@ -61,19 +61,28 @@ def _descendants(root: int) -> list[int]:
     return out
 
 
-def _sample(pid: int) -> tuple[float, str, str, int] | None:
+def _sample(pid: int) -> tuple[float, str, str, int, str] | None:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        cwd = os.readlink(f"/proc/{pid}/cwd")
     except OSError:
         return None
     rest = stat[stat.rindex(")") + 2:].split()
     comm = stat[stat.index("(") + 1:stat.rindex(")")]
-    return (int(rest[11]) + int(rest[12])) / TICK, cmd, comm, int(rest[1])
+    return (int(rest[11]) + int(rest[12])) / TICK, cmd, comm, int(rest[1]), cwd
 
 
-def kind_of(cmd: str, comm: str) -> str:
-    """A short name for a process of a qualify run, from its command line."""
+def kind_of(cmd: str, comm: str, cwd: str = "") -> str:
+    """A short name for a process of a qualify run, from its command line.
+
+    A process the fork server forked (:mod:`qualify.candidate.forkserver`) keeps the
+    server's command line: it is named from its ``comm``
+    (:func:`~qualify.candidate.forkserver.process_name`) and working directory (a launch's
+    attempt directory).
+    """
+    if "qualify.candidate.forkserver" in cmd:
+        return _forked_kind(comm, cwd)
     if "harnesses.vllm.harness" in cmd or "harnesses/vllm/harness" in cmd:
         return "vllm sampler parent"
     if "multiprocessing.spawn" in cmd or "multiprocessing.resource_tracker" in cmd:
@@ -85,6 +94,15 @@ def kind_of(cmd: str, comm: str) -> str:
     if "qualify" in cmd and "run" in cmd:
         return "qualify parent"
     return f"other: {comm}"
+
+
+def _forked_kind(comm: str, cwd: str) -> str:
+    """:func:`kind_of` of the fork server and what it forked."""
+    if comm == "vllm.harness":
+        return "vllm sampler parent"
+    engine = next((e for e in ("deepspeed", "megatron", "torch_tp", "fsdp2")
+                   if f"/launches/{e}-" in cwd), None)
+    return "fork server" if engine is None else f"{engine} launch"
 
 
 MIN_CPU_S = 0.05
@@ -99,7 +117,7 @@ def kinds_of(processes: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """
     by_pid = {int(p["pid"]): p for p in processes}
     for rec in processes:
-        rec["kind"] = kind_of(rec["cmd"], rec["comm"])
+        rec["kind"] = kind_of(rec["cmd"], rec["comm"], rec.get("cwd", ""))
     for rec in processes:
         up = by_pid.get(int(rec["ppid"]))
         if (rec["kind"] == "vllm sampler parent" and up is not None
@@ -170,8 +188,9 @@ def main() -> int:
             s = _sample(pid)
             if s is None:
                 continue
-            cpu, c, comm, ppid = s
+            cpu, c, comm, ppid, cwd = s
             rec = seen.setdefault(pid, {"pid": pid, "ppid": ppid, "cmd": c[:300], "comm": comm})
+            rec["cwd"] = cwd
             rec["cpu_s"] = cpu
             if len(c) > len(rec["cmd"]):
                 rec["cmd"] = c[:300]

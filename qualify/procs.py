@@ -39,11 +39,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Final
+from typing import IO, Any, Final, Protocol
 
 import psutil
 
-__all__ = ["DEATH_SIGNAL", "KILL_GRACE_S", "ProcResult", "end_group", "run"]
+__all__ = ["DEATH_SIGNAL", "KILL_GRACE_S", "Child", "ProcResult", "Spawn", "death_signal_hook",
+           "end_group", "run"]
 
 KILL_GRACE_S: Final = 5.0
 """Default seconds between SIGTERM and SIGKILL when a tree is ended (and after SIGKILL)."""
@@ -57,6 +58,49 @@ Stream = int | IO[bytes] | None
 """What a child's stdin / stdout / stderr is: as :class:`subprocess.Popen` takes it
 (``subprocess.PIPE``, ``subprocess.STDOUT``, ``subprocess.DEVNULL``, a binary file object
 or ``None`` to inherit)."""
+
+
+class Child(Protocol):
+    """What :func:`run` needs of a started child: :class:`subprocess.Popen`'s calls it makes.
+
+    A process not started by this one (a fork server's child,
+    :class:`qualify.candidate.forkserver.Child`) provides the same.
+    """
+
+    @property
+    def pid(self) -> int:
+        """Its process id."""
+
+    @property
+    def returncode(self) -> int | None:
+        """Its exit code once known (negative: killed by that signal)."""
+
+    @property
+    def stdout(self) -> IO[bytes] | None:
+        """Its stdout pipe, if any."""
+
+    @property
+    def stderr(self) -> IO[bytes] | None:
+        """Its stderr pipe, if any."""
+
+    def poll(self) -> int | None:
+        """Its exit code, or ``None`` while it runs."""
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for it (``subprocess.TimeoutExpired`` after ``timeout``); its exit code."""
+
+    def communicate(self, input: Any = None,
+                    timeout: float | None = None) -> tuple[Any, Any]:
+        """Wait for it and read its pipes (``subprocess.TimeoutExpired`` after ``timeout``)."""
+
+    def send_signal(self, sig: int) -> None:
+        """Send it ``sig``."""
+
+
+Spawn = Callable[..., "Child | None"]
+"""Another way to start a command: ``spawn(cmd, env=, cwd=, stdin=, stdout=, stderr=)``
+with file descriptors, returning the started :class:`Child`, or ``None`` where it cannot
+(:func:`run` then starts it with :class:`subprocess.Popen`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,6 +118,7 @@ class ProcResult:
         stderr: what the child wrote to a ``subprocess.PIPE`` stderr, else ``None``.
         pid: the child's process id.
         cancelled: ``cancel`` was set and the tree was ended (``returncode`` is ``None``).
+        spawned: ``spawn`` started the child (not :class:`subprocess.Popen`).
     """
 
     returncode: int | None
@@ -83,12 +128,13 @@ class ProcResult:
     stderr: bytes | None
     pid: int
     cancelled: bool = False
+    spawned: bool = False
 
     def __bool__(self) -> bool:
         return self.returncode == 0
 
 
-def _death_signal_hook() -> Callable[[], None] | None:
+def death_signal_hook() -> Callable[[], None] | None:
     """A ``preexec_fn`` that makes the child get :data:`DEATH_SIGNAL` when we die (Linux).
 
     libc is loaded here, in the parent, so the forked child only calls into it. If the
@@ -120,7 +166,7 @@ def run(cmd: Sequence[str], *, timeout_s: float, stdout: Stream = None,
         env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
         new_session: bool = True, grace_s: float = KILL_GRACE_S,
         die_with_parent: bool = True, cancel: threading.Event | None = None,
-        clock_from: threading.Event | None = None) -> ProcResult:
+        clock_from: threading.Event | None = None, spawn: Spawn | None = None) -> ProcResult:
     """Run ``cmd`` with a wall-clock limit; on timeout or interruption end its whole tree.
 
     Args:
@@ -147,6 +193,11 @@ def run(cmd: Sequence[str], *, timeout_s: float, stdout: Stream = None,
             unlimited until then (a launch started ahead of its turn, whose launcher waits
             for its start signal, :mod:`qualify.candidate.ahead`).
 
+        spawn: start the child this way when it can (:data:`Spawn`; the fork server,
+            :mod:`qualify.candidate.forkserver`): only with ``new_session`` and
+            ``die_with_parent`` (it must give both) and no ``subprocess.PIPE``; ``None`` or a
+            refusal: :class:`subprocess.Popen`.
+
     Returns:
         The :class:`ProcResult`; a timeout is a result (``timed_out``), not an exception.
 
@@ -161,13 +212,22 @@ def run(cmd: Sequence[str], *, timeout_s: float, stdout: Stream = None,
     if not grace_s >= 0:
         raise ValueError(f"grace_s must be >= 0, got {grace_s}")
     t0 = time.monotonic()
-    proc = subprocess.Popen(list(cmd), stdin=stdin, stdout=stdout, stderr=stderr,
-                            env=None if env is None else dict(env), cwd=cwd,
-                            start_new_session=new_session,
-                            # the hook only calls prctl (libc loaded before the fork),
-                            # getppid and kill: no lock a thread could hold is taken
-                            preexec_fn=_death_signal_hook() if die_with_parent  # noqa: PLW1509
-                            else None)
+    forked: Child | None = None
+    if spawn is not None and new_session and die_with_parent:
+        forked = _spawned(spawn, cmd, stdin=stdin, stdout=stdout, stderr=stderr, env=env,
+                          cwd=cwd)
+    spawned = forked is not None
+    proc: Child
+    if forked is not None:
+        proc = forked
+    else:
+        proc = subprocess.Popen(list(cmd), stdin=stdin, stdout=stdout, stderr=stderr,
+                                env=None if env is None else dict(env), cwd=cwd,
+                                start_new_session=new_session,
+                                # the hook only calls prctl (libc loaded before the fork),
+                                # getppid and kill: no lock a thread could hold is taken
+                                preexec_fn=death_signal_hook()  # noqa: PLW1509
+                                if die_with_parent else None)
     timed_out = cancelled = False
     out: bytes | None
     err: bytes | None
@@ -187,10 +247,44 @@ def run(cmd: Sequence[str], *, timeout_s: float, stdout: Stream = None,
         raise
     return ProcResult(returncode=None if timed_out or cancelled else proc.returncode,
                       timed_out=timed_out, wall_s=round(time.monotonic() - t0, 3), stdout=out,
-                      stderr=err, pid=proc.pid, cancelled=cancelled)
+                      stderr=err, pid=proc.pid, cancelled=cancelled, spawned=spawned)
 
 
-def _communicate(proc: subprocess.Popen[bytes], timeout_s: float, cancel: threading.Event,
+def _fd_of(stream: Stream, *, fallback: int, opened: list[int]) -> int | None:
+    """The fd a :class:`Child` gets for ``stream``; ``None`` for ``subprocess.PIPE``."""
+    if stream == subprocess.PIPE:
+        return None
+    if stream == subprocess.DEVNULL:
+        fd = os.open(os.devnull, os.O_RDWR)
+        opened.append(fd)
+        return fd
+    if stream is None:
+        return fallback
+    if isinstance(stream, int):
+        return stream
+    return stream.fileno()
+
+
+def _spawned(spawn: Spawn, cmd: Sequence[str], *, stdin: Stream, stdout: Stream,
+             stderr: Stream, env: Mapping[str, str] | None,
+             cwd: str | Path | None) -> Child | None:
+    """``spawn`` of ``cmd`` with :func:`run`'s streams as fds; ``None`` where it cannot."""
+    opened: list[int] = []
+    try:
+        fin = _fd_of(stdin, fallback=0, opened=opened)
+        fout = _fd_of(stdout, fallback=1, opened=opened)
+        ferr = (fout if stderr == subprocess.STDOUT
+                else _fd_of(stderr, fallback=2, opened=opened))
+        if fin is None or fout is None or ferr is None:
+            return None
+        return spawn(list(cmd), env=dict(os.environ if env is None else env), cwd=cwd,
+                     stdin=fin, stdout=fout, stderr=ferr)
+    finally:
+        for fd in opened:
+            os.close(fd)
+
+
+def _communicate(proc: Child, timeout_s: float, cancel: threading.Event,
                  clock_from: threading.Event | None) -> tuple[bytes | None, bytes | None]:
     """``proc.communicate`` until ``timeout_s`` passed or ``cancel`` is set.
 
@@ -212,7 +306,7 @@ def _communicate(proc: subprocess.Popen[bytes], timeout_s: float, cancel: thread
                 raise
 
 
-def _drain(proc: subprocess.Popen[bytes], grace_s: float) -> tuple[bytes | None, bytes | None]:
+def _drain(proc: Child, grace_s: float) -> tuple[bytes | None, bytes | None]:
     """What is left in the pipes of an ended child (nothing, if something still holds them)."""
     try:
         return proc.communicate(timeout=max(grace_s, _POLL_S))
@@ -284,7 +378,7 @@ def _group_has_members(pgid: int) -> bool:
     return True
 
 
-def _end_tree(proc: subprocess.Popen[bytes], *, group: bool, grace_s: float) -> None:
+def _end_tree(proc: Child, *, group: bool, grace_s: float) -> None:
     """SIGTERM the child, its group and every descendant; SIGKILL survivors after ``grace_s``.
 
     Descendants are collected before any signal (they are re-parented once their parent

@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from qualify import atomic, procs, schema
-from qualify.candidate import imported, interpreter
+from qualify.candidate import forkserver, imported, interpreter
 from qualify.candidate.warm import GATE_SHUT_EXIT
 from qualify.errors import HarnessError, QualifyError, UsageError
 from qualify.evidence import imports
@@ -87,6 +87,7 @@ from qualify.resources import repo_root
 
 if TYPE_CHECKING:
     from qualify.candidate.gate import Gate
+    from qualify.contract import Contract
 
 LaunchStatus = Literal["OK", "ERROR"]
 Launcher = Literal["warm", "torchrun"]
@@ -400,6 +401,29 @@ def _nnodes(env: Mapping[str, str], error: type[QualifyError]) -> int:
     return int(raw)
 
 
+def start_fork_server(contract: Contract) -> forkserver.ForkServer | None:
+    """The fork server of a CPU candidate run of ``contract``, or ``None``.
+
+    Started where the launches use the warm launcher (``QUALIFY_LAUNCHER`` unset or
+    ``warm``) and ``QUALIFY_FORKSERVER`` is not ``0`` (:func:`forkserver.enabled
+    <qualify.candidate.forkserver.enabled>`). It imports
+    :data:`~qualify.candidate.forkserver.BASE_IMPORTS` and the contract's model classes
+    (:func:`~qualify.candidate.forkserver.contract_model_types`) under a launch's
+    environment (:func:`launch_env`) with ``QUALIFY_DEVICE=cpu`` (a CUDA build of torch may
+    then fork for CPU ranks, :func:`qualify.candidate.warm.fork_safe`; on a CUDA machine
+    its launches are torchrun's, which it never starts).
+
+    Raises:
+        UsageError: ``QUALIFY_FORKSERVER``, ``QUALIFY_LAUNCHER`` or ``QUALIFY_NNODES`` is bad.
+        OSError: the interpreter cannot be started.
+    """
+    if not forkserver.enabled() or check_launch_env() != "warm":
+        return None
+    types = forkserver.contract_model_types(contract)
+    return forkserver.start(modules=(*forkserver.BASE_IMPORTS, *forkserver.model_modules(types)),
+                            env=launch_env({"QUALIFY_DEVICE": "cpu"}))
+
+
 def launch_env(env: Mapping[str, str] | None) -> dict[str, str]:
     """The environment of a launch: ours, overlaid by ``env``, plus what every rank needs.
 
@@ -500,13 +524,19 @@ def _launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: flo
     with launcher_log.open("wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
+        server = forkserver.current() if is_warm(cmd) else None
         ran = procs.run(cmd, cwd=attempt_dir, env=launch_environment, stdout=log,
                         stderr=subprocess.STDOUT,
                         stdin=warm_gate.stdin if warm_gate else subprocess.DEVNULL,
                         new_session=True, timeout_s=timeout_s, grace_s=KILL_GRACE_S,
                         cancel=gate.cancelled if gate else None,
-                        clock_from=warm_gate.opened if warm_gate else None)
+                        clock_from=warm_gate.opened if warm_gate else None,
+                        spawn=server.spawn if server is not None else None)
     end = time.monotonic()
+    if ran.spawned:
+        with launcher_log.open("ab") as log:
+            log.write(f"[qualify] launcher forked by the fork server (pid {ran.pid}; "
+                      f"qualify.candidate.forkserver)\n".encode())
     left = procs.end_group(ran.pid, grace_s=KILL_GRACE_S)  # nothing outlives its launch
     if left:
         with launcher_log.open("ab") as log:

@@ -130,7 +130,9 @@ def launch_steps(contract: Contract, machine: Machine) -> list[Step]:
     launch's launcher imports beside a launch (on CPU under the same setting,
     :mod:`qualify.candidate.ahead`), every launch but the last also holds one more
     interpreter (the ``launcher_ahead`` term,
-    :data:`~qualify.reference.plan_core.INTERPRETER_BYTES`).
+    :data:`~qualify.reference.plan_core.INTERPRETER_BYTES`), and on CPU the run's fork server
+    holds one more beside every launch (the ``fork_server`` term,
+    :mod:`qualify.candidate.forkserver`).
     """
     from qualify.candidate.launches import in_stage_order, launches_for
 
@@ -184,6 +186,21 @@ def _beside(machine: Machine, sampler: Step | None) -> tuple[Step | None, bool]:
     return (sampler if sampler is not None and at_once >= 2 else None, ahead)
 
 
+def _fork_server_on() -> bool:
+    """Whether a CPU run holds a fork server beside its launches (``fork_server`` term).
+
+    :func:`qualify.candidate.launch.start_fork_server`'s rule; a bad setting counts as on
+    (the run refuses it, not the plan).
+    """
+    from qualify.candidate import forkserver
+    from qualify.candidate.launch import check_launch_env
+
+    try:
+        return forkserver.enabled() and check_launch_env() == "warm"
+    except UsageError:
+        return True
+
+
 def _launch_step(contract: Contract, machine: Machine, shape: ModelShape, lc: Launch, *,
                  beside: Step | None, ahead: bool) -> Step:
     """One launch's :class:`~qualify.reference.plan_core.Step` (:func:`launch_steps`).
@@ -228,6 +245,9 @@ def _launch_step(contract: Contract, machine: Machine, shape: ModelShape, lc: La
     if ahead:
         host += INTERPRETER_BYTES
         terms["launcher_ahead"] = INTERPRETER_BYTES
+    if not dev and _fork_server_on():
+        host += INTERPRETER_BYTES
+        terms["fork_server"] = INTERPRETER_BYTES
     return Step(name=f"launch {lc.launch_id} ({len(lc.cells)} cells, {world} ranks)",
                 kind="launch", device_peak=per_rank if dev else 0, host_peak=host,
                 written=written, seconds=seconds, processes=world, terms=terms)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import json
 import os
 import shutil
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from qualify import procs
-from qualify.candidate import imported
+from qualify.candidate import forkserver, imported
 from qualify.candidate.launch import check_outputs, validate_cell
 from qualify.contract import CellSpec, Contract
 from qualify.errors import HarnessError
@@ -261,10 +262,18 @@ class _Process(threading.Thread):
         try:
             with (logs / "stdout.txt").open("wb") as out, \
                     (logs / "stderr.txt").open("wb") as err:
+                server = forkserver.current()
                 ran = procs.run([sys.executable, "-m", self.engine.module,
                                  *(str(f) for f in self.files)],
                                 stdout=out, stderr=err, env=env, timeout_s=self.timeout_s,
-                                cancel=self.stop)
+                                cancel=self.stop,
+                                # the harness sets OMP_NUM_THREADS=1 before importing torch
+                                spawn=None if server is None else functools.partial(
+                                    server.spawn, imports_under={"OMP_NUM_THREADS": "1"}))
+            if ran.spawned:
+                with (logs / "stderr.txt").open("ab") as err:
+                    err.write(f"[qualify] harness forked by the fork server (pid {ran.pid}; "
+                              f"qualify.candidate.forkserver)\n".encode())
             self.returncode, self.timed_out, self.cancelled = (ran.returncode, ran.timed_out,
                                                                ran.cancelled)
         except BaseException as exc:  # judged as an ERROR of every cell, in the caller

@@ -15,7 +15,7 @@ import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qualify.contract import Contract, load_contract
 from qualify.display import printable
@@ -24,6 +24,9 @@ from qualify.evidence import store
 from qualify.evidence.policy import Policy, PolicyEvaluation, all_cells, evaluate, policy_for
 from qualify.jsonio import read_json
 from qualify.layout import REPORT_JSON, REPORT_MD, SOURCES_FILE, reference_dir_name
+
+if TYPE_CHECKING:
+    from qualify.candidate.forkserver import ForkServer
 
 __all__ = ["comparator_line", "find_sealed_reference", "gate_view", "run_all",
            "run_decision"]
@@ -138,6 +141,21 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
     contract = load_contract(contract_path)
     policy = policy_for(contract)
     ref = find_sealed_reference(references, reference_dir_name(contract))
+    from qualify.candidate import forkserver
+    from qualify.candidate.launch import start_fork_server
+
+    # a reused reference: the launchers' shared imports start now, beside this process's
+    with forkserver.serving(None if ref is None else start_fork_server(contract)) as server:
+        return _run_all(contract, policy, ref, contract_path=contract_path,
+                        references=references, evidence=evidence, cells=cells, quiet=quiet,
+                        run_id=run_id, junit_xml=junit_xml, summary=summary, server=server)
+
+
+def _run_all(contract: Contract, policy: Policy, ref: Path | None, *, contract_path: Path,
+             references: Path, evidence: Path, cells: Sequence[str] | None, quiet: bool,
+             run_id: str | None, junit_xml: Path | None, summary: Path | None,
+             server: ForkServer | None) -> ExitCode:
+    """:func:`run_all` past its reference lookup; ``server`` is closed once the cells ran."""
     from qualify.candidate.stage import check_run_id, new_run_id, run_candidate_stage
     from qualify.cli.summary import print_evaluation
     from qualify.compare.html import write_html
@@ -165,6 +183,8 @@ def run_all(contract_path: Path, *, references: Path, evidence: Path,
         run_dir = run_candidate_stage(contract, reference=ref, root=evidence, cells=cells,
                                       quiet=quiet, run_id=plan.run_id,
                                       supersedes=supersedes)
+        if server is not None:
+            server.close()  # its memory back before the comparator's
         report = compare_run(run_dir, policy=policy)  # report.md leads with its decision
         seal_and_sign(run_dir, kind="candidate-run")
     # read once, validated once: compare_run validated the document before writing it
