@@ -155,10 +155,11 @@ class EngineSpec:
         cpu_env: environment variables a CPU launch needs (``DS_ACCELERATOR=cpu``).
         private_dirs: environment variables naming a directory the engine fills with
             files it never removes (vLLM's ZeroMQ IPC sockets, ``VLLM_RPC_BASE_PATH``),
-            each with the name prefix of its directory: every process qualify starts
-            for the engine gets each one set to a fresh directory, removed once the
+            each with the name prefix of its directory. A sampler's harness process
+            (:mod:`qualify.candidate.sampler_stage`) and a rollout backend's child (the
+            backend's own doing) get each one set to a fresh directory, removed once the
             process has ended, unless the user's environment sets it
-            (:func:`qualify.privatedirs.private_dirs`).
+            (:func:`qualify.privatedirs.private_dirs`); trainer launches do not read it.
         requires: top-level modules the harness imports (probed with
             :func:`importlib.util.find_spec`, never imported): a missing one makes the
             engine's cells ``NOT_RUN`` ("not installed"), not an ``ERROR``.
