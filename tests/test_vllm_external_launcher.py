@@ -34,9 +34,11 @@ pytest.importorskip("vllm")
 from test_vllm_sampler import _build
 
 from harnesses.vllm import engine
+from harnesses.vllm.spec import SPEC
 from qualify.candidate import warm
 from qualify.candidate.launch import check_outputs
 from qualify.evidence.store import sha256_file
+from qualify.privatedirs import private_dirs
 from qualify.protocol import HarnessCell
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,12 +106,15 @@ def _cells(root: Path, inputs: Path, wfile: Path, *, sha: str | None = None) -> 
 
 def _harness(cells: list[Path], executor: str | None,
              timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    """One harness run with the private directories the sampler stage gives it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop(engine.EXECUTOR_ENV, None)
     if executor is not None:
         env[engine.EXECUTOR_ENV] = executor
-    return subprocess.run([sys.executable, "-m", "harnesses.vllm.harness", *map(str, cells)],
-                          capture_output=True, text=True, env=env, timeout=timeout, check=False)
+    with private_dirs(SPEC.private_dirs, env) as dirs:
+        return subprocess.run([sys.executable, "-m", "harnesses.vllm.harness",
+                               *map(str, cells)], capture_output=True, text=True,
+                              env={**env, **dirs}, timeout=timeout, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -200,31 +205,35 @@ def test_a_killed_rank_ends_the_harness_and_leaves_no_segments(runs: dict[str, A
                                                                tmp_path: Path) -> None:
     """SIGKILL of one rank of a TP 2 engine waiting for its request: the harness ends with
     an error naming the rank, ends the other rank, and removes the engine's shared-memory
-    segments that the killed rank could not."""
+    segments that the killed rank could not; the private directory of its IPC sockets is
+    gone too."""
     cells = _cells(tmp_path, runs["inputs"], runs["wfile"])
     (cells[1].parent / "sampler_request.json").unlink()  # the ranks wait for it
     before = _cpushm()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop(engine.EXECUTOR_ENV, None)
-    proc = subprocess.Popen([sys.executable, "-m", "harnesses.vllm.harness", str(cells[1])],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while not (_cpushm() - before) and time.monotonic() < deadline:
-            assert proc.poll() is None, proc.communicate()[1][-4000:]
-            time.sleep(0.5)
-        assert _cpushm() - before, "the TP 2 engine never made its segments"
-        ranks = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-                 and (p / "stat").is_file()
-                 and (p / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(proc.pid)]
-        assert len(ranks) == 2, ranks
-        os.kill(max(ranks), signal.SIGKILL)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    with private_dirs(SPEC.private_dirs, env) as dirs:
+        proc = subprocess.Popen([sys.executable, "-m", "harnesses.vllm.harness", str(cells[1])],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**env, **dirs})
+        try:
+            deadline = time.monotonic() + 300
+            while not (_cpushm() - before) and time.monotonic() < deadline:
+                assert proc.poll() is None, proc.communicate()[1][-4000:]
+                time.sleep(0.5)
+            assert _cpushm() - before, "the TP 2 engine never made its segments"
+            ranks = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                     and (p / "stat").is_file()
+                     and (p / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(proc.pid)]
+            assert len(ranks) == 2, ranks
+            os.kill(max(ranks), signal.SIGKILL)
+            _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     assert proc.returncode != 0
     assert "external_launcher rank" in err, err[-4000:]
     assert "code -9" in err, err[-4000:]
     assert _cpushm() - before == set()
+    assert not any(Path(d).exists() for d in dirs.values())  # its IPC sockets' directory

@@ -17,6 +17,10 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,6 +33,7 @@ from shared_artifacts import copy_tree, default_reference
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from harnesses.vllm.rollout import VllmRolloutBackend
+from harnesses.vllm.spec import PRIVATE_DIRS, RPC_DIR_ENV
 from qualify.candidate.stage import run_candidate_stage
 from qualify.contract import Contract, load_contract
 from qualify.evidence import store
@@ -40,6 +45,8 @@ from qualify.reference.stage import resolve_prompts
 from qualify.resources import contracts_dir
 
 TINY = contracts_dir() / "tiny-qwen3.toml"
+UUID_NAME = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+"""The name of a ZeroMQ IPC socket vLLM makes (``uuid4``)."""
 
 HF_FP32_TOL = 2e-5
 """Max |behavior - HF FP32| on valid tokens, like for like (processed distribution).
@@ -145,14 +152,40 @@ def test_the_rollout_was_sampled_in_a_child_process(roll: Rollout) -> None:
     assert timings["child_wall"] > 0
 
 
-def test_tokens_and_logprobs_reproducible_with_the_seed(contract: Contract, roll: Rollout) -> None:
+@pytest.fixture
+def own_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A fresh directory as the system temporary directory of this test and of every process
+    it starts (``TMPDIR``, ``tempfile.tempdir``), short like ``/tmp`` (Unix socket paths
+    are limited to 107 bytes), no ``VLLM_RPC_BASE_PATH``; removed after the test."""
+    own = Path(tempfile.mkdtemp(prefix="q-"))
+    monkeypatch.setenv("TMPDIR", str(own))
+    monkeypatch.setattr(tempfile, "tempdir", str(own))
+    monkeypatch.delenv(RPC_DIR_ENV, raising=False)
+    yield own
+    shutil.rmtree(own, ignore_errors=True)
+
+
+def _assert_nothing_left(own_tmp: Path) -> None:
+    """No ZeroMQ IPC socket (a ``uuid4`` name, vLLM's default place for them) and no private
+    directory (:data:`harnesses.vllm.spec.PRIVATE_DIRS`) in ``own_tmp``."""
+    left = sorted(p.name for p in own_tmp.iterdir())
+    leaked = [n for n in left if UUID_NAME.match(n) or n.startswith(PRIVATE_DIRS[RPC_DIR_ENV])]
+    assert not leaked, f"left in the temporary directory {own_tmp}: {left}"
+
+
+def test_tokens_and_logprobs_reproducible_with_the_seed(contract: Contract, roll: Rollout,
+                                                        own_tmp: Path) -> None:
     """Same seeds, another process and another batch, same machine: the same ids and logprobs,
-    bitwise. The reference stage sampled 8 requests; this samples the first 2 prompts' 4."""
+    bitwise. The reference stage sampled 8 requests; this samples the first 2 prompts' 4.
+
+    The child leaves nothing in the temporary directory (:func:`_assert_nothing_left`: its
+    private directory is removed once it has ended)."""
     bundle = models.prepare_models(contract)
     prompts = resolve_prompts(contract, bundle)[:2]
     again = VllmRolloutBackend().sample(
         prompts, contract.sampling, pad_token_id=bundle.pad_token_id,
         eos_token_id=bundle.eos_token_id, model=bundle.actor_dir)
+    _assert_nothing_left(own_tmp)
     for b in range(again.responses.shape[0]):
         n = int(again.response_mask[b].sum())
         assert n == int(roll.response_mask[b].sum()) > 0, f"sequence {b}"
@@ -183,13 +216,18 @@ def test_behavior_logprobs_match_hf_fp32(contract: Contract, reference: Path,
 
 
 @pytest.mark.slow
-def test_tp2_samples_the_same_tokens_as_tp1(contract: Contract) -> None:
-    """TP 2 (one core per rank) on the golden request: TP 1's token ids, logprobs within 1e-5."""
+def test_tp2_samples_the_same_tokens_as_tp1(contract: Contract, own_tmp: Path) -> None:
+    """TP 2 (one core per rank) on the golden request: TP 1's token ids, logprobs within 1e-5.
+
+    A TP 2 engine binds ZeroMQ IPC sockets (its message queues to the workers); none is
+    left in the temporary directory, nor the child's private directory
+    (:func:`_assert_nothing_left`)."""
     bundle = models.prepare_models(contract)
     prompts = resolve_prompts(contract, bundle)[:2]  # the golden values' two prompts
     tp2 = VllmRolloutBackend().sample(
         prompts, dataclasses.replace(contract.sampling, tp=2), pad_token_id=bundle.pad_token_id,
         eos_token_id=bundle.eos_token_id, model=bundle.actor_dir)
+    _assert_nothing_left(own_tmp)
     engine = tp2.sampler_details["engine"]
     assert engine["tensor_parallel_size"] == 2
     assert engine["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"

@@ -37,6 +37,16 @@ the environment variables vLLM reads:
     this process sets ``torch._dynamo.config.disable`` directly.
 ``QUALIFY_VLLM_EXECUTOR``
     Read, not set: the executor a CPU engine at ``tp > 1`` runs under (:func:`executor_for`).
+``VLLM_RPC_BASE_PATH``
+    Not set here: the directory each ZeroMQ IPC socket vLLM binds is made in
+    (``ipc://<dir>/<uuid4>``, ``get_open_zmq_ipc_path`` in ``vllm/utils/network_utils.py``;
+    read from ``vllm.envs`` when the socket is made; default the system temporary
+    directory). vLLM leaves the socket files behind, so the qualify process that starts an
+    engine's process gives it a private directory and removes it once that process has
+    ended, however it ended (:data:`harnesses.vllm.spec.PRIVATE_DIRS`,
+    :func:`qualify.privatedirs.private_dirs`: the sampler stage around the sampler harness,
+    :mod:`harnesses.vllm.rollout` around the rollout capture); a value the user set is
+    kept. Ranks forked and workers spawned by that process inherit it.
 
 How a CPU engine at ``tp > 1`` starts its ranks (``distributed_executor_backend``,
 :func:`executor_for`): vLLM's ``external_launcher`` executor by default; its multiprocessing

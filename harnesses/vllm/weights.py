@@ -57,6 +57,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from harnesses.vllm import layout
+from harnesses.vllm.spec import RPC_DIR_ENV
 
 WEIGHTS_FILE: Final = "model.safetensors"
 PROOF_PROMPT_LEN: Final = 64
@@ -529,6 +530,10 @@ class WeightSync:
 
 
 def env_summary() -> dict[str, str]:
-    """The ``VLLM_*`` and ``TORCH_COMPILE_DISABLE`` variables set (for ``outputs.json``)."""
+    """The ``VLLM_*`` and ``TORCH_COMPILE_DISABLE`` variables set (for ``outputs.json``).
+
+    Leaves out :data:`harnesses.vllm.spec.RPC_DIR_ENV`, where the IPC sockets go: a
+    private directory made afresh for each process (``PRIVATE_DIRS``), it changes no number.
+    """
     return {k: v for k, v in os.environ.items()
-            if k.startswith("VLLM_") or k == "TORCH_COMPILE_DISABLE"}
+            if (k.startswith("VLLM_") and k != RPC_DIR_ENV) or k == "TORCH_COMPILE_DISABLE"}

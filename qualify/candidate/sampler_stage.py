@@ -55,6 +55,7 @@ from qualify.layout import (
     RUN_FILE,
     RunDocument,
 )
+from qualify.privatedirs import private_dirs
 from qualify.protocol import (
     ACTOR_ROUND1_WEIGHTS,
     CELL_FILE,
@@ -253,7 +254,11 @@ class _Process(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        """Run the harness process; keep its return code (or what running it raised)."""
+        """Run the harness process; keep its return code (or what running it raised).
+
+        The process gets the engine's private directories
+        (:attr:`qualify.registry.EngineSpec.private_dirs`), removed once it has ended.
+        """
         logs = self.first / LOGS_DIR
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(repo_root()), os.environ.get("PYTHONPATH", "")]),
@@ -261,7 +266,9 @@ class _Process(threading.Thread):
         t0, self.started, started_ns = time.perf_counter(), store.utc_now_iso(), time.time_ns()
         try:
             with (logs / "stdout.txt").open("wb") as out, \
-                    (logs / "stderr.txt").open("wb") as err:
+                    (logs / "stderr.txt").open("wb") as err, \
+                    private_dirs(self.engine.private_dirs, env) as dirs:
+                env.update(dirs)
                 server = forkserver.current()
                 ran = procs.run([sys.executable, "-m", self.engine.module,
                                  *(str(f) for f in self.files)],

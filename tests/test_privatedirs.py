@@ -1,0 +1,93 @@
+"""qualify.privatedirs with real children: the directory is gone however the child ended.
+
+Each child binds a Unix socket in the directory its variable names (what vLLM does with
+``VLLM_RPC_BASE_PATH``), then ends: ``os._exit``, killed by a signal, or its tree ended by
+:func:`qualify.procs.run` on a timeout. A variable the user set is left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from qualify import procs
+from qualify.privatedirs import private_dirs
+
+VAR = "QUALIFY_TEST_SOCKET_DIR"
+PREFIX = "qualify-test-ipc-"
+
+# Binds ``$VAR/<uuid4>`` as vLLM's get_open_zmq_ipc_path does, then ends as argv[1] says.
+CHILD = textwrap.dedent(f'''
+    import os, signal, socket, sys, time, uuid
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(os.path.join(os.environ[{VAR!r}], str(uuid.uuid4())))
+    print(os.environ[{VAR!r}], flush=True)
+    how = sys.argv[1]
+    if how == "exit":
+        os._exit(3)
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(120)
+''')
+
+
+def _run(how: str, timeout_s: float = 60.0) -> tuple[procs.ProcResult, Path]:
+    with private_dirs({VAR: PREFIX}) as dirs:
+        directory = Path(dirs[VAR])
+        assert directory.is_dir()
+        assert directory.parent == Path(tempfile.gettempdir())
+        assert directory.name.startswith(PREFIX)
+        assert directory.stat().st_mode & 0o777 == 0o700
+        ran = procs.run([sys.executable, "-c", CHILD, how], timeout_s=timeout_s,
+                        stdout=subprocess.PIPE, env={**os.environ, **dirs}, grace_s=0.5)
+        assert ran.stdout is not None
+        assert ran.stdout.decode().strip() == str(directory)
+        assert len(list(directory.iterdir())) == 1  # the socket the child left
+    return ran, directory
+
+
+@pytest.mark.parametrize(("how", "returncode"), [("exit", 3), ("kill", -9)])
+def test_the_directory_is_removed_after_the_child_ends(how: str, returncode: int) -> None:
+    ran, directory = _run(how)
+    assert ran.returncode == returncode
+    assert not directory.exists()
+
+
+def test_the_directory_is_removed_after_a_timeout_ends_the_tree() -> None:
+    ran, directory = _run("sleep", timeout_s=1.0)
+    assert ran.timed_out
+    assert not directory.exists()
+
+
+def _fail_inside(made: list[Path]) -> None:
+    with private_dirs({VAR: PREFIX}) as dirs:
+        made.append(Path(dirs[VAR]))
+        raise RuntimeError("launch failed")
+
+
+def test_the_directory_is_removed_when_the_block_raises() -> None:
+    made: list[Path] = []
+    with pytest.raises(RuntimeError, match="launch failed"):
+        _fail_inside(made)
+    (directory,) = made
+    assert not directory.exists()
+
+
+def test_a_variable_the_user_set_is_left_alone(tmp_path: Path) -> None:
+    (tmp_path / "keep").write_text("the user's")
+    env = {VAR: str(tmp_path), "OTHER": "x"}
+    with private_dirs({VAR: PREFIX, "QUALIFY_TEST_OTHER_DIR": PREFIX}, env) as dirs:
+        assert list(dirs) == ["QUALIFY_TEST_OTHER_DIR"]
+        made = Path(dirs["QUALIFY_TEST_OTHER_DIR"])
+        assert made.is_dir()
+    assert not made.exists()
+    assert (tmp_path / "keep").read_text() == "the user's"
+    with private_dirs({VAR: PREFIX}, env) as dirs:
+        assert dirs == {}
+    assert tmp_path.is_dir()
