@@ -192,6 +192,9 @@ SETTINGS: Final[tuple[Setting, ...]] = (
     Setting(name="QUALIFY_AHEAD", commands=_LAUNCHING, check=_flag("QUALIFY_AHEAD"),
             meaning="start each trainer launch's launcher one turn ahead on CPU: 0 or 1 "
                     "(default 1)"),
+    Setting(name="QUALIFY_FORKSERVER", commands=_LAUNCHING, check=_flag("QUALIFY_FORKSERVER"),
+            meaning="on CPU, fork each launcher from one interpreter that imported torch and "
+                    "transformers once: 0 or 1 (default 1)"),
     Setting(name="QUALIFY_LAUNCHER", commands=_LAUNCHING, check=_launch,
             meaning="warm, torchrun or srun (srun needs QUALIFY_RDZV_ENDPOINT)"),
     Setting(name="QUALIFY_NNODES", commands=_LAUNCHING, check=_launch,

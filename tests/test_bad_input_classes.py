@@ -150,6 +150,8 @@ ENV = [
         ("QUALIFY_JOBS", "two", "run --evidence T/ev", {}),
         ("QUALIFY_AHEAD", "yes", _CANDIDATE, {}),
         ("QUALIFY_AHEAD", "2", "run --evidence T/ev", {}),
+        ("QUALIFY_FORKSERVER", "yes", _CANDIDATE, {}),
+        ("QUALIFY_FORKSERVER", "2", "run --evidence T/ev", {}),
         ("QUALIFY_LAUNCHER", "fork", _CANDIDATE, {}),
         ("QUALIFY_RDZV_ENDPOINT", "", _CANDIDATE, {"QUALIFY_LAUNCHER": "srun"}),
         ("QUALIFY_RDZV_ENDPOINT", "", "run --evidence T/ev", {"QUALIFY_NNODES": "2"}),
