@@ -160,6 +160,10 @@ class EngineSpec:
             backend's own doing) get each one set to a fresh directory, removed once the
             process has ended, unless the user's environment sets it
             (:func:`qualify.privatedirs.private_dirs`); trainer launches do not read it.
+        imports_under: environment variables a sampler's harness sets itself before its
+            first import (the vLLM harness's ``OMP_NUM_THREADS=1``): the fork server
+            (:mod:`qualify.candidate.forkserver`) compares these, not the launch's, with the
+            environment its own imports ran under.
         requires: top-level modules the harness imports (probed with
             :func:`importlib.util.find_spec`, never imported): a missing one makes the
             engine's cells ``NOT_RUN`` ("not installed"), not an ``ERROR``.
@@ -213,6 +217,7 @@ class EngineSpec:
     needs_cuda: bool = False
     cpu_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     private_dirs: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    imports_under: Mapping[str, str] = dataclasses.field(default_factory=dict)
     requires: tuple[str, ...] = ()
     groups_variants: bool = False
     resumes: bool = False

@@ -20,8 +20,15 @@ from qualify import procs
 from qualify.candidate import forkserver
 from qualify.errors import UsageError
 
+HOOK = textwrap.dedent("""
+    import atexit, sys
+    atexit.register(lambda: print("preloaded module's exit hook ran", flush=True))
+""")
+
 PROBE = textwrap.dedent("""
-    import json, os, sys
+    import atexit, json, os, sys
+    atexit.register(lambda: print("__main__ at exit:", sys.modules["__main__"].__file__,
+                                  flush=True))
     preloaded = "email.mime.text" in sys.modules  # imported by the server, never here before
     out = {"argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0],
            "env": os.environ.get("PROBE_VALUE"), "preloaded": preloaded,
@@ -30,6 +37,10 @@ PROBE = textwrap.dedent("""
     print(json.dumps(out), flush=True)
     if len(sys.argv) > 1 and sys.argv[1] == "raise":
         raise RuntimeError("planted")
+    if len(sys.argv) > 1 and sys.argv[1] == "pool":  # a live executor: its exit hook joins it
+        from concurrent.futures import ThreadPoolExecutor
+        pool = ThreadPoolExecutor(2)
+        pool.submit(print, "pool task", flush=True)
     if len(sys.argv) > 1 and sys.argv[1] == "sleep":
         if os.fork() == 0:  # a grandchild: the tree is ended with it
             os.execvp("sleep", ["sleep", "60"])
@@ -43,6 +54,7 @@ PROBE = textwrap.dedent("""
 def probe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("probe")
     (d / "fs_probe.py").write_text(PROBE)
+    (d / "fs_hook.py").write_text(HOOK)
     return d
 
 
@@ -53,7 +65,8 @@ def _env(probe_dir: Path, **more: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server(probe_dir: Path) -> Iterator[forkserver.ForkServer]:
-    s = forkserver.start(modules=("email.mime.text",), env=_env(probe_dir, OMP_NUM_THREADS="1"))
+    s = forkserver.start(modules=("email.mime.text", "fs_hook"),
+                         env=_env(probe_dir, OMP_NUM_THREADS="1"))
     yield s
     s.close()
 
@@ -82,6 +95,34 @@ def test_a_child_runs_as_python_dash_m_would(server: forkserver.ForkServer, prob
     assert got == {"argv": ["a", "3"], "cwd": str(tmp_path), "path0": str(tmp_path),
                    "env": "v1", "preloaded": True, "name": "__main__",
                    "stdin": "from stdin", "sid": True, "comm": "fs_probe"}
+    # as after `python -m fs_probe`: __main__ is the program at exit (the imported-files
+    # record is written then), and exit hooks of modules the server imported still run
+    assert f"__main__ at exit: {probe_dir / 'fs_probe.py'}" in text
+    assert "preloaded module's exit hook ran" in text
+
+
+def test_a_live_thread_pool_ends_as_at_interpreter_exit(
+        server: forkserver.ForkServer, probe_dir: Path, tmp_path: Path) -> None:
+    ran, text = _run(server, probe_dir, tmp_path, "pool", "0", timeout_s=30)
+    assert ran.spawned
+    assert ran.returncode == 0
+    assert "pool task" in text
+
+
+def test_stdin_is_a_pipe_only_the_child_holds(server: forkserver.ForkServer, probe_dir: Path,
+                                              tmp_path: Path) -> None:
+    """A launch's start gate: end of file reaches the child once qualify closes its ends."""
+    read_end, write_end = os.pipe()
+    with (tmp_path / "out.log").open("wb") as log:
+        child = server.spawn([sys.executable, "-m", "fs_probe"],
+                             env=_env(probe_dir, OMP_NUM_THREADS="1"), cwd=tmp_path,
+                             stdin=read_end, stdout=log.fileno(), stderr=log.fileno())
+    os.close(read_end)
+    assert child is not None
+    os.write(write_end, b"go")
+    os.close(write_end)
+    assert child.wait(30) == 0
+    assert json.loads((tmp_path / "out.log").read_text().splitlines()[0])["stdin"] == "go"
 
 
 def test_an_uncaught_exception_is_exit_1_with_its_traceback(
@@ -118,8 +159,10 @@ def test_another_import_environment_starts_a_fresh_interpreter(
     assert got["env"] == "v2"
     assert got["comm"] != "fs_probe"
     # a variable the program sets itself before its imports is compared in its place
-    child = server.spawn([sys.executable, "-m", "fs_probe"], env=env, cwd=tmp_path, stdin=0,
-                         stdout=1, stderr=2, imports_under={"OMP_NUM_THREADS": "1"})
+    with open(os.devnull, "rb") as null:
+        child = server.spawn([sys.executable, "-m", "fs_probe"], env=env, cwd=tmp_path,
+                             stdin=null.fileno(), stdout=1, stderr=2,
+                             imports_under={"OMP_NUM_THREADS": "1"})
     assert child is not None
     assert child.wait(60) == 0
 
@@ -129,7 +172,8 @@ def test_children_die_with_the_server_and_their_status_is_lost_not_invented(
     s = forkserver.start(modules=(), env=_env(probe_dir))
     with (tmp_path / "out.log").open("wb") as log:
         child = s.spawn([sys.executable, "-m", "fs_probe", "sleep"], env=_env(probe_dir),
-                        cwd=tmp_path, stdin=0, stdout=log.fileno(), stderr=log.fileno())
+                        cwd=tmp_path, stdin=os.open(os.devnull, os.O_RDONLY),
+                        stdout=log.fileno(), stderr=log.fileno())
     assert child is not None
     assert child.poll() is None
     time.sleep(0.5)
@@ -152,7 +196,8 @@ def test_the_server_dies_with_the_qualify_process_that_started_it(
         s = forkserver.start(modules=(), env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
         c = s.spawn([sys.executable, "-m", "fs_probe", "sleep"],
                     env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
-                    cwd={str(tmp_path)!r}, stdin=0, stdout=1, stderr=2)
+                    cwd={str(tmp_path)!r}, stdin=os.open(os.devnull, os.O_RDONLY), stdout=1,
+                    stderr=2)
         print(s.pid, c.pid, flush=True)
         time.sleep(60)
     """)
@@ -191,8 +236,11 @@ def test_only_the_warm_launcher_uses_it_and_its_switch_is_checked(
 
 def test_import_environment_compares_what_imports_read() -> None:
     base = {"PYTHONPATH": "/a::/b:", "OMP_NUM_THREADS": "1", "HOME": "/x",
-            "TORCHINDUCTOR_CACHE_DIR": "/tmp/t"}
-    assert forkserver.import_env(base) == {"PYTHONPATH": "/a:/b", "OMP_NUM_THREADS": "1"}
+            "TORCHINDUCTOR_CACHE_DIR": "/tmp/t", "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"}
+    assert forkserver.import_env(base) == {"PYTHONPATH": "/a:/b", "OMP_NUM_THREADS": "1",
+                                           "HOME": "/x"}
+    # a relative entry resolves against each child's own directory: never the same imports
+    assert "PYTHONPATH (relative)" in forkserver.import_env({"PYTHONPATH": "/a:rel"})
     assert forkserver.process_name("harnesses.vllm.harness") == "vllm.harness"
     assert forkserver.process_name("qualify.candidate.warm") == "candidate.warm"
     assert forkserver.model_modules(["qwen3", "../x"]) == [

@@ -35,6 +35,8 @@ SPEC: Final = EngineSpec(
     world_size_rule="rollout_tp",
     requires=("vllm",),
     private_dirs=PRIVATE_DIRS,
+    # harness.py sets it before `import torch` (a fork of its ranks needs one thread)
+    imports_under={"OMP_NUM_THREADS": "1"},
     description="vLLM sampler (rollout engine, weight sync and rejection probes)",
 )
 """vLLM as the candidate sampler: one cell per ``sampler.tp_sizes`` entry."""

@@ -11,7 +11,7 @@ side), imports :data:`BASE_IMPORTS` and the model
 classes (:func:`model_modules`) once, then forks each launcher on request
 (:meth:`ForkServer.spawn`): the child gets the request's argv, environment, working
 directory and stdin / stdout / stderr, starts a session of its own, and runs
-``python -m MODULE ARGS`` as :mod:`runpy` runs it (:func:`_child_main`). It computes
+``python -m MODULE ARGS`` as the interpreter runs it (:func:`_child_main`). It computes
 nothing: the child imports its engine and harness itself and starts from the frozen inputs,
 as a fresh interpreter would.
 
@@ -25,18 +25,29 @@ the server with the qualify thread that started it (the same), or when qualify c
 end of the control socket (:meth:`ForkServer.close`): so nothing outlives qualify. A status
 pipe that closes without a status (the server died first) gives :data:`LOST_EXIT`.
 
-What the child shares with a fresh interpreter and what it does not: the modules the server
-imported (their import-time environment is the server's, so :meth:`ForkServer.spawn`
-refuses, with ``None``, a request whose import-relevant variables (:data:`IMPORT_ENV_PREFIXES`)
-differ from the server's, and the caller starts a fresh interpreter), the hash seed
-(``PYTHONHASHSEED``) and the global RNG states of ``random`` and numpy as the imports left
-them (every harness seeds torch itself per variant), as the warm launcher's forked ranks
-share them already. Only a single-threaded server forks (:func:`qualify.candidate.warm
-.fork_safe`); where the imports left threads, CUDA initialised or a CUDA build of torch
-without ``QUALIFY_DEVICE=cpu``, it forks nothing and every request is refused.
+What the child shares with a fresh interpreter and what it does not. The modules the
+server imported, with their import-time environment: :meth:`ForkServer.spawn` refuses, with
+``None``, a request whose import-relevant variables (:data:`IMPORT_ENV_PREFIXES`) differ
+from the server's, and the caller starts a fresh interpreter. The hash seed
+(``PYTHONHASHSEED``) and numpy's global RNG state as the imports left it (``random``
+reseeds itself in a forked child; every harness seeds torch itself per variant), as the
+warm launcher's forked ranks share them already. Records: a forked launch's imported-files
+record (:mod:`qualify.candidate.imported`) also names what the server imported and the
+launch did not (``torch._inductor``'s dependencies for a torch_tp launch), and can miss a
+top-level name that only an exit hook of a preloaded module imports after the record was
+written (``tabulate``, which ``torch._dynamo``'s hook imports: the server registered that
+hook first, so it runs last); its checkout files are a fresh launch's, and each launch's
+imports are checked against the server's start (:attr:`ForkServer.started_ns`).
+Import-time warnings of the preloaded modules go to qualify's stderr once, not to each
+launch's log; a child's stdout is write-through.
+Only a single-threaded server forks (:func:`qualify.candidate.warm.fork_safe`); where the
+imports left threads or initialised CUDA, or on a machine with an NVIDIA device, it forks
+nothing and every request is refused (the run does not start one there,
+:func:`qualify.candidate.launch.start_fork_server`). A request it cannot serve (a failed
+``fork``) is refused, and that launch starts fresh; a server that does not answer within
+:data:`REPLY_TIMEOUT_S` is retired.
 
-``QUALIFY_FORKSERVER=0`` turns it off (each launcher is a fresh interpreter, as before);
-it is started only where the warm launcher is (:func:`enabled`).
+``QUALIFY_FORKSERVER=0`` turns it off (each launcher is a fresh interpreter, as before).
 
 Importing this module imports neither torch nor any engine.
 """
@@ -48,6 +59,7 @@ import contextlib
 import ctypes
 import gc
 import importlib
+import importlib.util
 import json
 import os
 import runpy
@@ -59,6 +71,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final
@@ -66,24 +79,36 @@ from typing import IO, TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from qualify.contract import Contract
 
-__all__ = ["BASE_IMPORTS", "ENV", "IMPORT_ENV_PREFIXES", "LOST_EXIT", "READ_LATER", "Child",
-           "ForkServer", "contract_model_types", "current", "enabled", "import_env",
-           "model_modules", "process_name", "serving", "start"]
+__all__ = ["BASE_IMPORTS", "ENV", "IMPORT_ENV_PREFIXES", "LOST_EXIT", "READ_LATER",
+           "REPLY_TIMEOUT_S", "Child", "ForkServer", "contract_model_types", "current",
+           "enabled", "import_env", "model_modules", "process_name", "serving", "start"]
 
 ENV: Final = "QUALIFY_FORKSERVER"
 """``0`` turns the fork server off (``1``, the default, leaves it to :func:`enabled`)."""
 BASE_IMPORTS: Final = ("torch", "transformers", "torch._dynamo", "torch._inductor.compile_fx")
 """What every launcher imports first (the model classes come from :func:`model_modules`)."""
-IMPORT_ENV_PREFIXES: Final = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH",
-                              "PYTORCH_", "CUDA_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_",
-                              "TOKENIZERS_", "PYTHONPATH", "PYTHONHASHSEED", "LD_")
-"""Variables read while :data:`BASE_IMPORTS` are imported (libgomp reads ``OMP_*`` when
-torch loads it, huggingface_hub its ``HF_*`` constants): a request must have the server's
-values of each (``PYTHONPATH`` compared without empty entries)."""
-READ_LATER: Final = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"})
-"""Variables of those prefixes left out of the comparison: torch reads them when it first
-compiles, never at import, and sets them itself then (``torch/_inductor/runtime/
-cache_dir_utils.py``), so a qualify process that compiled once passes them on."""
+IMPORT_ENV_PREFIXES: Final = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "NPY_", "TORCH",
+                              "PYTORCH_", "ATEN_", "DNNL_", "ONEDNN_", "TRITON_", "CUDA_",
+                              "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "USE_TF",
+                              "USE_TORCH", "USE_JAX", "XDG_CACHE_HOME", "HOME", "PYTHON",
+                              "LD_", "LANG", "LC_", "TZ", "MALLOC_", "GLIBC_TUNABLES")
+"""Variables that may be read while :data:`BASE_IMPORTS` are imported (libgomp reads
+``OMP_*`` when torch loads it, numpy its ``NPY_*``, huggingface_hub its ``HF_*`` and
+``HOME`` / ``XDG_CACHE_HOME``, transformers ``USE_*``, the C library the locale): a request
+must have the server's values of each (``PYTHONPATH`` compared without empty entries; one
+with a relative entry, which a fresh interpreter resolves against its own working
+directory, never matches)."""
+READ_LATER: Final = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                               "PYTHONUNBUFFERED"})
+"""Variables of those prefixes left out of the comparison. torch reads its cache
+directories when it first compiles, never at import, and sets them itself then
+(``torch/_inductor/runtime/cache_dir_utils.py``), so a qualify process that compiled once
+passes them on. ``PYTHONUNBUFFERED`` sets only how stdout buffers: a child's stdout is the
+server's, write-through (the server runs with it set), which changes no output, only when
+lines reach the log."""
+REPLY_TIMEOUT_S: Final = 600.0
+"""Seconds :meth:`ForkServer.spawn` waits for the server's reply (its imports first): past
+it the server is retired and the launch starts fresh."""
 LOST_EXIT: Final = 255
 """A child's exit code when its status never arrived (the server died before reaping it)."""
 _MAX_MESSAGE: Final = 1 << 20
@@ -147,9 +172,12 @@ def import_env(env: Mapping[str, str]) -> dict[str, str]:
     out = {k: v for k, v in env.items()
            if k.startswith(IMPORT_ENV_PREFIXES) and k not in READ_LATER}
     if "PYTHONPATH" in out:
-        out["PYTHONPATH"] = os.pathsep.join(p for p in out["PYTHONPATH"].split(os.pathsep) if p)
-        if not out["PYTHONPATH"]:
+        parts = [p for p in out["PYTHONPATH"].split(os.pathsep) if p]
+        out["PYTHONPATH"] = os.pathsep.join(parts)
+        if not parts:
             del out["PYTHONPATH"]
+        elif not all(os.path.isabs(p) for p in parts):
+            out["PYTHONPATH (relative)"] = out["PYTHONPATH"]
     return out
 
 
@@ -179,10 +207,11 @@ class Child:
             if self.returncode is not None:
                 return
             deadline = None if timeout is None else time.monotonic() + timeout
+            poller = select.poll()
+            poller.register(self._status, select.POLLIN | select.POLLHUP)
             while True:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                ready, _, _ = select.select([self._status], [], [], left)
-                if not ready:
+                if not poller.poll(None if left is None else int(left * 1000)):
                     return
                 chunk = os.read(self._status, 64)
                 if chunk:
@@ -237,9 +266,14 @@ class ForkServer:
     def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket,
                  env: Mapping[str, str]) -> None:
         self._proc, self._sock, self._env = proc, sock, import_env(env)
+        sock.settimeout(REPLY_TIMEOUT_S)
         self._lock = threading.Lock()
         self.executable = sys.executable
         self.pid = proc.pid
+        self.started_ns = time.time_ns()
+        """When it started (``time.time_ns``): its imports are no older than this, so a
+        forked launch's imported files are checked against it
+        (:func:`qualify.evidence.imports.collect`'s ``started_ns``)."""
         self.refused: str | None = None
         """Why the server forks nothing (its reply to the first request), else ``None``."""
 
@@ -267,14 +301,24 @@ class ForkServer:
                 or import_env({**env, **(imports_under or {})}) != self._env
                 or self.refused is not None):
             return None
+        for fd in (stdin, stdout, stderr):
+            os.fstat(fd)  # a bad fd is the caller's error (OSError), not the server's
         read_end, write_end = os.pipe()
         request = {"op": "spawn", "argv": list(cmd[2:]), "env": dict(env),
                    "cwd": str(Path(cwd or os.getcwd()).resolve())}
+        reply: dict[str, Any] = {}
         try:
             with self._lock:
-                socket.send_fds(self._sock, [json.dumps(request).encode()],
-                                [stdin, stdout, stderr, write_end])
-                reply = json.loads(self._sock.recv(_MAX_MESSAGE) or b"{}")
+                if self.refused is None:
+                    socket.send_fds(self._sock, [json.dumps(request).encode()],
+                                    [stdin, stdout, stderr, write_end])
+                    # past here an unread reply would answer the next request: any failure
+                    # retires the server (close ends it, and with it a child it forked)
+                    try:
+                        reply = json.loads(self._sock.recv(_MAX_MESSAGE) or b"{}")
+                    except BaseException:
+                        self.refused = "fork server: no reply to a request"
+                        raise
         except (OSError, ValueError):
             reply = {}
         finally:
@@ -285,15 +329,19 @@ class ForkServer:
             return None
         return Child(reply["pid"], cmd, read_end)
 
-    def close(self, grace_s: float = 5.0) -> None:
-        """Close the control socket (the server exits; its children get SIGTERM); reap it.
+    def close(self, grace_s: float = 1.0) -> None:
+        """End the server (its children get SIGTERM); reap it.
 
-        Safe to call more than once; a :meth:`spawn` after it returns ``None``.
+        Shuts the control socket down (a :meth:`spawn` waiting for a reply in another thread
+        returns ``None``), closes it; the server exits at once unless it is still importing,
+        and is killed after ``grace_s``. Safe to call more than once, from any thread; a
+        :meth:`spawn` after it returns ``None``.
         """
-        with self._lock:
-            self.refused = self.refused or "fork server closed"
-            with contextlib.suppress(OSError):
-                self._sock.close()
+        self.refused = self.refused or "fork server closed"
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with self._lock, contextlib.suppress(OSError):
+            self._sock.close()
         try:
             self._proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
@@ -375,8 +423,19 @@ def _child_main(request: dict[str, Any], fds: list[int], close: Sequence[int],
                 server: int) -> int:
     """The forked child: its session, fds, directory, environment, then ``python -m``.
 
-    Ends as an interpreter does: joins its non-daemon threads and runs its own ``atexit``
-    handlers; ``SystemExit`` gives its code, an uncaught exception a traceback and 1.
+    ``__main__`` is a new module the program's code runs in, as ``python -m`` makes it
+    (:func:`runpy._run_module_as_main`), and the module itself is dropped from
+    ``sys.modules`` and its package (the server may have imported it), so an
+    ``import`` of it inside loads it again, as in a fresh interpreter; every other name of
+    the server's ``__main__`` (``__mp_main__``) names the new one. Its file is noted for the
+    imported-files record (:func:`qualify.candidate.imported.note`, as the warm launcher's
+    ranks note their entry point). The ``atexit`` hooks the preloaded modules registered
+    stay (they would have registered them here).
+
+    Ends as an interpreter does: ``SystemExit`` gives its code, an uncaught exception its
+    traceback (``sys.excepthook``) and 1, ``KeyboardInterrupt`` death by SIGINT; then
+    :func:`threading._shutdown` (``concurrent.futures``' exit hooks, the non-daemon threads)
+    and the ``atexit`` hooks.
     """
     os.setsid()
     _die_with_parent(server)
@@ -384,7 +443,6 @@ def _child_main(request: dict[str, Any], fds: list[int], close: Sequence[int],
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    atexit._clear()  # the server's exit hooks are not the child's
     stdin, stdout, stderr, status = fds
     os.close(status)
     for target, fd in ((0, stdin), (1, stdout), (2, stderr)):
@@ -399,25 +457,42 @@ def _child_main(request: dict[str, Any], fds: list[int], close: Sequence[int],
     module, args = request["argv"][0], request["argv"][1:]
     sys.path[0] = request["cwd"]  # ``python -m``'s first entry: the working directory
     sys.modules.pop(module, None)  # its body runs once, as __main__
+    parent, _, leaf = module.rpartition(".")
+    if parent in sys.modules and hasattr(sys.modules[parent], leaf):
+        delattr(sys.modules[parent], leaf)
+    main, old = types.ModuleType("__main__"), sys.modules["__main__"]
+    for name, mod in list(sys.modules.items()):  # "__main__", and "__mp_main__" torch made
+        if mod is old:
+            sys.modules[name] = main
+    with contextlib.suppress(ImportError, ValueError):  # runpy reports a bad module
+        from qualify.candidate import imported
+
+        imported.note(getattr(importlib.util.find_spec(module), "origin", None))
     sys.argv = [module, *args]
     gc.freeze()  # what it inherited is never collected in it (as a warm rank, warm.fork_child)
     code = 0
+    interrupted = False
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        runpy._run_module_as_main(module, alter_argv=True)  # type: ignore[attr-defined]
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code or 0
         else:
             print(exc.code, file=sys.stderr)
             code = 1
+    except KeyboardInterrupt:
+        interrupted = True
     except BaseException:
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())
         code = 1
-    main_thread = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main_thread and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
+    if interrupted:  # as the interpreter ends on an uncaught KeyboardInterrupt
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     return code
 
 
@@ -453,15 +528,21 @@ def _serve(sock: socket.socket, refused: str | None) -> None:
         msg, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 4)
         if not msg:
             return
-        request = json.loads(msg)
-        if refused is not None or len(fds) != 4 or request.get("op") != "spawn":
+        try:
+            request = json.loads(msg)
+            why = refused or (None if len(fds) == 4 and request.get("op") == "spawn"
+                              else "bad request")
+            if why is None:
+                for stream in (sys.stdout, sys.stderr):
+                    stream.flush()
+                pid = os.fork()
+        except Exception as exc:  # a failed fork (EAGAIN, ENOMEM): this launch starts fresh
+            why = f"fork server: {type(exc).__name__}: {exc}"
+        if why is not None:
             for fd in fds:
                 os.close(fd)
-            sock.send(json.dumps({"refused": refused or "bad request"}).encode())
+            sock.send(json.dumps({"refused": why}).encode())
             continue
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        pid = os.fork()
         if pid == 0:
             code = 1
             try:
@@ -493,6 +574,10 @@ def main(argv: Sequence[str]) -> int:
     from qualify.candidate.warm import fork_safe
 
     safe, why = fork_safe()
+    torch = sys.modules.get("torch")
+    if safe and torch is not None and torch.version.cuda is not None and any(
+            Path("/dev").glob("nvidia[0-9]*")):
+        safe, why = False, "a CUDA machine (its launches start fresh interpreters)"
     _serve(sock, None if safe else f"fork server cannot fork: {why}")
     return 0
 

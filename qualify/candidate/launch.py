@@ -405,19 +405,21 @@ def start_fork_server(contract: Contract) -> forkserver.ForkServer | None:
     """The fork server of a CPU candidate run of ``contract``, or ``None``.
 
     Started where the launches use the warm launcher (``QUALIFY_LAUNCHER`` unset or
-    ``warm``) and ``QUALIFY_FORKSERVER`` is not ``0`` (:func:`forkserver.enabled
-    <qualify.candidate.forkserver.enabled>`). It imports
+    ``warm``), ``QUALIFY_FORKSERVER`` is not ``0`` (:func:`forkserver.enabled
+    <qualify.candidate.forkserver.enabled>`) and the machine has no NVIDIA device
+    (``/dev/nvidiaN``: there the launches are torchrun's and the sampler a fresh
+    interpreter; the server itself also refuses to fork on one). It imports
     :data:`~qualify.candidate.forkserver.BASE_IMPORTS` and the contract's model classes
     (:func:`~qualify.candidate.forkserver.contract_model_types`) under a launch's
     environment (:func:`launch_env`) with ``QUALIFY_DEVICE=cpu`` (a CUDA build of torch may
-    then fork for CPU ranks, :func:`qualify.candidate.warm.fork_safe`; on a CUDA machine
-    its launches are torchrun's, which it never starts).
+    then fork for CPU ranks, :func:`qualify.candidate.warm.fork_safe`).
 
     Raises:
         UsageError: ``QUALIFY_FORKSERVER``, ``QUALIFY_LAUNCHER`` or ``QUALIFY_NNODES`` is bad.
         OSError: the interpreter cannot be started.
     """
-    if not forkserver.enabled() or check_launch_env() != "warm":
+    if (not forkserver.enabled() or check_launch_env() != "warm"
+            or any(Path("/dev").glob("nvidia[0-9]*"))):  # a CUDA machine: torchrun's launches
         return None
     types = forkserver.contract_model_types(contract)
     return forkserver.start(modules=(*forkserver.BASE_IMPORTS, *forkserver.model_modules(types)),
@@ -524,7 +526,7 @@ def _launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: flo
     with launcher_log.open("wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
-        server = forkserver.current() if is_warm(cmd) else None
+        server = forkserver.current() if is_warm(cmd) else None  # None on a CUDA machine
         ran = procs.run(cmd, cwd=attempt_dir, env=launch_environment, stdout=log,
                         stderr=subprocess.STDOUT,
                         stdin=warm_gate.stdin if warm_gate else subprocess.DEVNULL,
@@ -549,6 +551,8 @@ def _launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: flo
     ran_ahead = opened is not None and t0 < opened
     if warm_gate is not None and opened is not None and t0 < opened < end:
         wall, started = end - opened, warm_gate.opened_utc or started
+    if ran.spawned and server is not None:  # its modules were imported when the server started
+        started_ns = min(started_ns, server.started_ns)
     imports.collect(attempt_dir, module=module, expected=world, started_ns=started_ns)
     rank_logs = tuple(sorted(p for p in rank_dir.rglob("*") if p.is_file()))
 

@@ -274,10 +274,10 @@ class _Process(threading.Thread):
                                  *(str(f) for f in self.files)],
                                 stdout=out, stderr=err, env=env, timeout_s=self.timeout_s,
                                 cancel=self.stop,
-                                # the harness sets OMP_NUM_THREADS=1 before importing torch
                                 spawn=None if server is None else functools.partial(
-                                    server.spawn, imports_under={"OMP_NUM_THREADS": "1"}))
-            if ran.spawned:
+                                    server.spawn, imports_under=self.engine.imports_under))
+            if ran.spawned and server is not None:
+                started_ns = min(started_ns, server.started_ns)  # its modules' import time
                 with (logs / "stderr.txt").open("ab") as err:
                     err.write(f"[qualify] harness forked by the fork server (pid {ran.pid}; "
                               f"qualify.candidate.forkserver)\n".encode())
