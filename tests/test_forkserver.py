@@ -59,7 +59,7 @@ def probe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _env(probe_dir: Path, **more: str) -> dict[str, str]:
-    path = os.pathsep.join([str(probe_dir), *[p for p in sys.path if p]])
+    path = os.pathsep.join([str(probe_dir), *[p for p in sys.path if os.path.isabs(p)]])
     return {**os.environ, "PYTHONPATH": path, **more}
 
 
@@ -91,7 +91,9 @@ def test_a_child_runs_as_python_dash_m_would(server: forkserver.ForkServer, prob
     assert ran.spawned
     assert ran.returncode == 3
     assert not ran.timed_out
-    got = json.loads(text.splitlines()[0])
+    note, line = text.splitlines()[:2]
+    assert note.startswith(forkserver.FORKED_NOTE)
+    got = json.loads(line)
     assert got == {"argv": ["a", "3"], "cwd": str(tmp_path), "path0": str(tmp_path),
                    "env": "v1", "preloaded": True, "name": "__main__",
                    "stdin": "from stdin", "sid": True, "comm": "fs_probe"}
@@ -122,7 +124,7 @@ def test_stdin_is_a_pipe_only_the_child_holds(server: forkserver.ForkServer, pro
     os.write(write_end, b"go")
     os.close(write_end)
     assert child.wait(30) == 0
-    assert json.loads((tmp_path / "out.log").read_text().splitlines()[0])["stdin"] == "go"
+    assert json.loads((tmp_path / "out.log").read_text().splitlines()[1])["stdin"] == "go"
 
 
 def test_an_uncaught_exception_is_exit_1_with_its_traceback(
@@ -154,6 +156,7 @@ def test_another_import_environment_starts_a_fresh_interpreter(
     ran, text = _run(server, probe_dir, tmp_path, env=env, timeout_s=60)
     assert not ran.spawned
     assert ran.returncode == 0
+    assert forkserver.FORKED_NOTE not in text
     got = json.loads(text.splitlines()[0])
     assert got["preloaded"] is False
     assert got["env"] == "v2"
@@ -193,9 +196,10 @@ def test_the_server_dies_with_the_qualify_process_that_started_it(
         import os, sys, time
         sys.path[:0] = {[str(probe_dir), str(Path(__file__).parents[1])]!r}
         from qualify.candidate import forkserver
-        s = forkserver.start(modules=(), env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        path = os.pathsep.join(p for p in sys.path if os.path.isabs(p))
+        s = forkserver.start(modules=(), env=dict(os.environ, PYTHONPATH=path))
         c = s.spawn([sys.executable, "-m", "fs_probe", "sleep"],
-                    env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+                    env=dict(os.environ, PYTHONPATH=path),
                     cwd={str(tmp_path)!r}, stdin=os.open(os.devnull, os.O_RDONLY), stdout=1,
                     stderr=2)
         print(s.pid, c.pid, flush=True)
@@ -239,8 +243,8 @@ def test_import_environment_compares_what_imports_read() -> None:
             "TORCHINDUCTOR_CACHE_DIR": "/tmp/t", "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"}
     assert forkserver.import_env(base) == {"PYTHONPATH": "/a:/b", "OMP_NUM_THREADS": "1",
                                            "HOME": "/x"}
-    # a relative entry resolves against each child's own directory: never the same imports
-    assert "PYTHONPATH (relative)" in forkserver.import_env({"PYTHONPATH": "/a:rel"})
+    # a relative entry resolves against each child's own directory: never forked
+    assert forkserver.RELATIVE_PATH in forkserver.import_env({"PYTHONPATH": "/a:rel"})
     assert forkserver.process_name("harnesses.vllm.harness") == "vllm.harness"
     assert forkserver.process_name("qualify.candidate.warm") == "candidate.warm"
     assert forkserver.model_modules(["qwen3", "../x"]) == [

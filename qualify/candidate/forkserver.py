@@ -79,7 +79,8 @@ from typing import IO, TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from qualify.contract import Contract
 
-__all__ = ["BASE_IMPORTS", "ENV", "IMPORT_ENV_PREFIXES", "LOST_EXIT", "READ_LATER",
+__all__ = ["BASE_IMPORTS", "ENV", "FORKED_NOTE", "IMPORT_ENV_PREFIXES", "LOST_EXIT",
+           "READ_LATER", "RELATIVE_PATH",
            "REPLY_TIMEOUT_S", "Child", "ForkServer", "contract_model_types", "current",
            "enabled", "import_env", "model_modules", "process_name", "serving", "start"]
 
@@ -98,6 +99,9 @@ IMPORT_ENV_PREFIXES: Final = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "NPY
 must have the server's values of each (``PYTHONPATH`` compared without empty entries; one
 with a relative entry, which a fresh interpreter resolves against its own working
 directory, never matches)."""
+RELATIVE_PATH: Final = "PYTHONPATH (relative)"
+""":func:`import_env`'s key for a ``PYTHONPATH`` with a relative entry: a request with it is
+never forked."""
 READ_LATER: Final = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
                                "PYTHONUNBUFFERED"})
 """Variables of those prefixes left out of the comparison. torch reads its cache
@@ -109,6 +113,9 @@ lines reach the log."""
 REPLY_TIMEOUT_S: Final = 600.0
 """Seconds :meth:`ForkServer.spawn` waits for the server's reply (its imports first): past
 it the server is retired and the launch starts fresh."""
+FORKED_NOTE: Final = "[qualify] forked by the fork server"
+"""The first line a forked child writes to its stdout (a launch's ``launcher.log``, the
+sampler's ``stdout.txt``): what started it."""
 LOST_EXIT: Final = 255
 """A child's exit code when its status never arrived (the server died before reaping it)."""
 _MAX_MESSAGE: Final = 1 << 20
@@ -177,7 +184,7 @@ def import_env(env: Mapping[str, str]) -> dict[str, str]:
         if not parts:
             del out["PYTHONPATH"]
         elif not all(os.path.isabs(p) for p in parts):
-            out["PYTHONPATH (relative)"] = out["PYTHONPATH"]
+            out[RELATIVE_PATH] = out["PYTHONPATH"]
     return out
 
 
@@ -297,8 +304,9 @@ class ForkServer:
             would (another interpreter or not ``-m``, another import-time environment, a
             server that forks nothing or is gone): the caller starts it fresh.
         """
+        wanted = import_env({**env, **(imports_under or {})})
         if (len(cmd) < 3 or cmd[0] != self.executable or cmd[1] != "-m"
-                or import_env({**env, **(imports_under or {})}) != self._env
+                or wanted != self._env or RELATIVE_PATH in wanted
                 or self.refused is not None):
             return None
         for fd in (stdin, stdout, stderr):
@@ -447,6 +455,9 @@ def _child_main(request: dict[str, Any], fds: list[int], close: Sequence[int],
     os.close(status)
     for target, fd in ((0, stdin), (1, stdout), (2, stderr)):
         os.dup2(fd, target)
+    with contextlib.suppress(OSError):  # first in its log, before anything it writes
+        os.write(1, f"{FORKED_NOTE} (pid {os.getpid()} of fork server {server}; "
+                    f"qualify.candidate.forkserver)\n".encode())
     for fd in {stdin, stdout, stderr, *close}:
         if fd > 2:
             with contextlib.suppress(OSError):

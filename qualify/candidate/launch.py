@@ -535,10 +535,6 @@ def _launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: flo
                         clock_from=warm_gate.opened if warm_gate else None,
                         spawn=server.spawn if server is not None else None)
     end = time.monotonic()
-    if ran.spawned:
-        with launcher_log.open("ab") as log:
-            log.write(f"[qualify] launcher forked by the fork server (pid {ran.pid}; "
-                      f"qualify.candidate.forkserver)\n".encode())
     left = procs.end_group(ran.pid, grace_s=KILL_GRACE_S)  # nothing outlives its launch
     if left:
         with launcher_log.open("ab") as log:

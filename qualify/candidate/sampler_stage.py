@@ -278,9 +278,6 @@ class _Process(threading.Thread):
                                     server.spawn, imports_under=self.engine.imports_under))
             if ran.spawned and server is not None:
                 started_ns = min(started_ns, server.started_ns)  # its modules' import time
-                with (logs / "stderr.txt").open("ab") as err:
-                    err.write(f"[qualify] harness forked by the fork server (pid {ran.pid}; "
-                              f"qualify.candidate.forkserver)\n".encode())
             self.returncode, self.timed_out, self.cancelled = (ran.returncode, ran.timed_out,
                                                                ran.cancelled)
         except BaseException as exc:  # judged as an ERROR of every cell, in the caller
