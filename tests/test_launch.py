@@ -253,7 +253,8 @@ def test_launch_command_picks_the_launcher() -> None:
                        env={"QUALIFY_LAUNCHER": "fork"})
 
 
-@pytest.mark.parametrize(("launcher", "limits"), [("warm", (5, 15)), ("torchrun", (12, 40))])
+@pytest.mark.parametrize(("launcher", "limits"), [  # torchrun's: .ci/run's slow step
+    ("warm", (5, 15)), pytest.param("torchrun", (12, 40), marks=pytest.mark.slow)])
 def test_timeout_kills_the_whole_tree(tmp_path: Path, fake: dict[str, str], launcher: Any,
                                       limits: tuple[int, ...]) -> None:
     # both ranks must have started before the timeout, or there is no rank left to check.

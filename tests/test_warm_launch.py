@@ -45,7 +45,8 @@ def _outputs(out: Path, cell: HarnessCell) -> dict[str, dict[str, torch.Tensor]]
             for v in cell.variants}
 
 
-@pytest.mark.parametrize("engine", sorted(ENGINES))
+@pytest.mark.parametrize("engine", [  # FSDP2's pair: seconds of torchrun, .ci/run's slow step
+    pytest.param(e, marks=pytest.mark.slow) if e == "fsdp2" else e for e in sorted(ENGINES)])
 def test_warm_launch_equals_torchrun_bitwise(runs: Runs, engine: str, tmp_path: Path) -> None:
     options, needs = ENGINES[engine]
     if needs is not None:
