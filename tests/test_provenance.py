@@ -195,6 +195,26 @@ def test_a_record_that_cannot_prove_what_ran_is_stale(code: Path, tmp_path: Path
         OTHER: [f"{SITE} (modified during launch deepspeed-a1/attempt-1)"]}
 
 
+def test_a_launch_that_died_is_its_cells_error_not_staleness(code: Path,
+                                                               tmp_path: Path) -> None:
+    """The ranks of a killed launch record nothing: its ERROR cells are not STALE for that
+    (the gate then shows the launch's ERROR), while a file it imported that changed since
+    still makes them stale; the same record under a COMPLETE cell is stale."""
+    died = record(code, [SITE], label="torch_tp-a2c1/attempt-1", expected=3, ranks=())
+    run = make_run(tmp_path / "died", code, {TRAINER: {"status": "ERROR"},
+                                             OTHER: {"status": "COMPLETE"}},
+                   {TRAINER: died, OTHER: died})
+    assert stale_cells(run, code) == {
+        OTHER: ["imports not recorded by rank(s) 0, 1, 2 of launch torch_tp-a2c1/attempt-1: "
+                "cannot prove freshness"]}
+    before = (code / SITE).read_text()
+    (code / SITE).write_text("# changed after the run\n")  # the module's copy: put back
+    try:
+        assert stale_cells(run, code)[TRAINER] == [SITE]
+    finally:
+        (code / SITE).write_text(before)
+
+
 def test_a_cell_without_a_record_falls_back_to_its_engine_folder(code: Path,
                                                                  tmp_path: Path) -> None:
     """Runs made before the record: the folder set of sources.json, as before; a consumer
@@ -209,19 +229,21 @@ def test_a_cell_without_a_record_falls_back_to_its_engine_folder(code: Path,
 def test_a_resume_skips_the_cells_it_launches_again_and_only_those(code: Path,
                                                                    tmp_path: Path) -> None:
     """The interrupted run that Ctrl-C leaves while the sampler imports: its cell ERROR, a
-    rank unrecorded. A resume launches that cell again (its next attempt records what it
-    imports), so it does not refuse the resume; a COMPLETE consumer of a cell launched again
-    does not inherit its lines. The gate's view (stale_cells) is unchanged."""
+    rank unrecorded (its ERROR, not staleness), and a trainer cell ERROR whose launch saw a
+    file modified. A resume launches those cells again (their next attempts record what
+    they import), so they do not refuse the resume; a COMPLETE consumer of a cell launched
+    again does not inherit its lines. The gate's view (stale_cells) is unchanged."""
     unrecorded = record(code, [SITE], label="vllm-sampler/attempt-1", expected=2, ranks=(0,))
     cells: dict[str, dict[str, Any]] = {
         TRAINER: {"status": "ERROR"}, CRITIC: {}, SAMPLER: {"status": "ERROR"},
         RESUME: {"resume_of": TRAINER}}
     run = make_run(tmp_path, code, cells, {
         TRAINER: record(code, [SITE], label="torch_tp-a2c1/attempt-1", expected=3,
-                        ranks=(0, 2)),
+                        ranks=(0, 2), modified=[SITE]),
         CRITIC: record(code, [SITE]), SAMPLER: unrecorded, RESUME: record(code, [SITE])})
     stale = stale_cells(run, code)
-    assert set(stale) == {TRAINER, SAMPLER, RESUME}
+    assert stale[TRAINER] == [f"{SITE} (modified during launch torch_tp-a2c1/attempt-1)"]
+    assert set(stale) == {TRAINER, RESUME}
     assert stale[RESUME] == [f"via {TRAINER}: {line}" for line in stale[TRAINER]]
     check_resume_sources(run, code)  # every line above is a cell launched again: resumed
     # a qualify file changed: refused, whatever the cells

@@ -356,7 +356,8 @@ def _shadows(root: Path, name: str, cache: MutableMapping[str, Any]) -> list[str
 
 
 def record_changes(doc: Mapping[str, Any], root: Path,
-                   cache: MutableMapping[str, Any] | None = None) -> list[str]:
+                   cache: MutableMapping[str, Any] | None = None, *,
+                   completed: bool = True) -> list[str]:
     """What in ``doc`` differs from the code at ``root`` and the installed distributions.
 
     Args:
@@ -364,6 +365,10 @@ def record_changes(doc: Mapping[str, Any], root: Path,
         root: the checkout the ``checkout`` files are compared with.
         cache: shared between calls (path -> sha256, ``None``: not a file; the files that
             shadow a name).
+        completed: the cell's launch completed (``run.json`` status ``COMPLETE``). A launch
+            that did not (killed, crashed) leaves ranks that recorded nothing: that is the
+            cell's ``ERROR``, so no "imports not recorded" line is given for it; a file that
+            changed is still given.
 
     Returns:
         One line per problem, sorted: ``path`` (changed), ``path (removed)``, ``path
@@ -402,7 +407,7 @@ def record_changes(doc: Mapping[str, Any], root: Path,
                    for rel in _shadows(root, name, memo) if rel not in launch["checkout"])
         missing = sorted(set(range(launch["processes_expected"]))
                          - set(launch["ranks_recorded"]))
-        if missing:
+        if missing and completed:
             out.add(f"imports not recorded by rank(s) {', '.join(map(str, missing))} of "
                     f"launch {label}: cannot prove freshness")
     return sorted(out)

@@ -261,7 +261,9 @@ def stale_cells(run_dir: str | Path, checkout_root: str | Path | None = None
     - its attempt's ``imports.json`` (the files its harness processes imported, recorded at
       run time; :mod:`qualify.evidence.imports`) names a file that changed, vanished, was
       modified during the launch or cannot be checked here, or a process that recorded
-      nothing (:func:`qualify.evidence.imports.record_changes`); a cell without that
+      nothing though its launch completed (:func:`qualify.evidence.imports.record_changes`:
+      the ranks of a launch that died record nothing; its cells are ``ERROR``, not STALE
+      for that); a cell without that
       record (a run made before it, or a cell never launched) is checked against its
       engine's folder set of ``sources.json`` instead (:func:`engine_files`);
     - a cell whose outputs it consumed (:func:`consumed_cells`) is stale: each of that
@@ -314,7 +316,8 @@ class _Staleness:
         for cid, entry in entries.items():
             record = _import_record(rd, entry)
             if record is not None:
-                own[cid] = imports.record_changes(record, root, cache)
+                own[cid] = imports.record_changes(
+                    record, root, cache, completed=entry.get("status") == "COMPLETE")
                 recorded.add(cid)
                 continue
             engine = _engine_of(cid, entry)
