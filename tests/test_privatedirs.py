@@ -91,3 +91,58 @@ def test_a_variable_the_user_set_is_left_alone(tmp_path: Path) -> None:
     with private_dirs({VAR: PREFIX}, env) as dirs:
         assert dirs == {}
     assert tmp_path.is_dir()
+
+
+# A starting process killed inside the block (kill -9 of qualify): its finally never runs.
+KILLED_MAKER = textwrap.dedent(f'''
+    import os, signal
+    from qualify.privatedirs import private_dirs
+    with private_dirs({{{VAR!r}: {PREFIX!r}}}, env={{}}) as dirs:
+        print(dirs[{VAR!r}], flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+''')
+
+
+def test_what_a_killed_maker_left_is_removed_by_the_next_block() -> None:
+    """The maker's pid is in the name: the next :func:`private_dirs` of the prefix removes
+    the directory of a maker that is gone, and leaves those of makers still running (this
+    process's own, made in an enclosing block)."""
+    ran = subprocess.run([sys.executable, "-c", KILLED_MAKER], stdout=subprocess.PIPE,
+                         check=False)
+    assert ran.returncode == -9
+    left = Path(ran.stdout.decode().strip())
+    assert left.is_dir()  # what the kill left
+    assert left.name.startswith(PREFIX)
+    with private_dirs({VAR: PREFIX}, env={}) as outer:
+        mine = Path(outer[VAR])
+        assert mine.name.startswith(f"{PREFIX}{os.getpid()}-")
+        assert not left.exists()  # swept on entry
+        with private_dirs({VAR: PREFIX}, env={}) as inner:
+            assert mine.is_dir()  # a running maker's directory stays
+            assert Path(inner[VAR]) != mine
+    assert not mine.exists()
+
+
+def test_the_sweep_leaves_other_names_alone(tmp_path: Path) -> None:
+    """Only ``<prefix><pid>-...`` directories are swept: not the prefix with another tail,
+    nor a plain file of a dead pid's name."""
+    from qualify.privatedirs import sweep
+
+    root = Path(tempfile.gettempdir())
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          stdout=subprocess.PIPE, check=True).stdout.decode().strip()
+    others = [root / f"{PREFIX}nopid-{dead}", root / f"{PREFIX}{dead}"]
+    plain = root / f"{PREFIX}{dead}-file"
+    gone = root / f"{PREFIX}{dead}-dir"
+    try:
+        for d in (*others, gone):
+            d.mkdir()
+        plain.write_text("x")
+        assert sweep(PREFIX) == [str(gone)]
+        assert all(d.is_dir() for d in others)
+        assert plain.is_file()
+        assert not gone.exists()
+    finally:
+        for d in others:
+            d.rmdir()
+        plain.unlink(missing_ok=True)
