@@ -20,7 +20,10 @@ moment the thread that started it dies, however it dies. torchrun ends its worke
 SIGTERM (SIGTERM to each worker, SIGKILL after its grace period), so no rank outlives
 qualify; any other child is expected to end its own descendants on SIGTERM the same way.
 The death signal is bound to the *thread* that called :func:`run` (it blocks there until
-the child ends, so it outlives it).
+the child ends, so it outlives it). A child the fork server forked (``spawn``,
+:mod:`qualify.candidate.forkserver`) is the server's child, not this process's: its death
+signal is bound to the server, whose own is bound to the qualify thread that started it;
+the chain ends the same way.
 
 This module imports neither torch nor any engine.
 """
@@ -192,7 +195,6 @@ def run(cmd: Sequence[str], *, timeout_s: float, stdout: Stream = None,
             (seen within :data:`_CANCEL_POLL_S`), not from the start: the child may wait
             unlimited until then (a launch started ahead of its turn, whose launcher waits
             for its start signal, :mod:`qualify.candidate.ahead`).
-
         spawn: start the child this way when it can (:data:`Spawn`; the fork server,
             :mod:`qualify.candidate.forkserver`): only with ``new_session`` and
             ``die_with_parent`` (it must give both) and no ``subprocess.PIPE``; ``None`` or a

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -188,6 +189,44 @@ def test_children_die_with_the_server_and_their_status_is_lost_not_invented(
     assert not psutil.pid_exists(child.pid)
     assert s.spawn([sys.executable, "-m", "fs_probe"], env=_env(probe_dir), cwd=tmp_path,
                    stdin=0, stdout=1, stderr=2) is None  # closed: the caller starts it fresh
+
+
+def test_a_refusal_of_one_request_leaves_the_server_serving(probe_dir: Path,
+                                                             tmp_path: Path) -> None:
+    """A request the server cannot serve (here a malformed one; a failed ``fork`` is
+    answered the same) is refused alone: the next launch is still forked."""
+    s = forkserver.start(modules=("fs_hook",), env=_env(probe_dir, OMP_NUM_THREADS="1"))
+    try:
+        with s._lock:  # a request spawn never sends
+            socket.send_fds(s._sock, [b'{"op": "other"}'], [])
+            reply = json.loads(s._sock.recv(1 << 20))
+        assert reply == {"refused": "bad request", "retire": False}
+        ran, _ = _run(s, probe_dir, tmp_path, "a", "0", timeout_s=60)
+        assert ran.spawned
+        assert ran.returncode == 0
+        assert s.retired is None
+    finally:
+        s.close()
+    assert s.retired == "fork server closed"
+
+
+def test_a_server_that_cannot_fork_is_retired_at_its_first_reply(probe_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    """Its imports left a thread running: it forks nothing, says so once, and every launch
+    starts a fresh interpreter (none is sent to it again)."""
+    (probe_dir / "fs_thread.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n")
+    s = forkserver.start(modules=("fs_thread",), env=_env(probe_dir, OMP_NUM_THREADS="1"))
+    try:
+        ran, text = _run(s, probe_dir, tmp_path, "a", "0", timeout_s=60)
+        assert not ran.spawned
+        assert ran.returncode == 0
+        assert s.retired is not None
+        assert s.retired.startswith("fork server cannot fork: ")
+        assert forkserver.FORKED_NOTE not in text
+    finally:
+        s.close()
 
 
 def test_the_server_dies_with_the_qualify_process_that_started_it(

@@ -57,7 +57,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import gc
+import functools
 import importlib
 import importlib.util
 import json
@@ -70,7 +70,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 import types
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -119,7 +118,6 @@ sampler's ``stdout.txt``): what started it."""
 LOST_EXIT: Final = 255
 """A child's exit code when its status never arrived (the server died before reaping it)."""
 _MAX_MESSAGE: Final = 1 << 20
-_PR_SET_PDEATHSIG: Final = 1
 _PR_SET_NAME: Final = 15
 
 
@@ -281,8 +279,10 @@ class ForkServer:
         """When it started (``time.time_ns``): its imports are no older than this, so a
         forked launch's imported files are checked against it
         (:func:`qualify.evidence.imports.collect`'s ``started_ns``)."""
-        self.refused: str | None = None
-        """Why the server forks nothing (its reply to the first request), else ``None``."""
+        self.retired: str | None = None
+        """Why this end sends the server no more requests, else ``None``: the server forks
+        nothing (its reply says ``retire``), did not reply, is gone, or was closed. A reply
+        that refuses one request only (a failed fork) leaves it ``None``."""
 
     def spawn(self, cmd: Sequence[str], *, env: Mapping[str, str], cwd: str | Path | None,
               stdin: int, stdout: int, stderr: int,
@@ -301,13 +301,13 @@ class ForkServer:
 
         Returns:
             The :class:`Child`; ``None`` where the server cannot run it as that interpreter
-            would (another interpreter or not ``-m``, another import-time environment, a
-            server that forks nothing or is gone): the caller starts it fresh.
+            would (another interpreter or not ``-m``, another import-time environment), or
+            did not fork it (refused, :attr:`retired`): the caller starts it fresh.
         """
         wanted = import_env({**env, **(imports_under or {})})
         if (len(cmd) < 3 or cmd[0] != self.executable or cmd[1] != "-m"
                 or wanted != self._env or RELATIVE_PATH in wanted
-                or self.refused is not None):
+                or self.retired is not None):
             return None
         for fd in (stdin, stdout, stderr):
             os.fstat(fd)  # a bad fd is the caller's error (OSError), not the server's
@@ -317,7 +317,7 @@ class ForkServer:
         reply: dict[str, Any] = {}
         try:
             with self._lock:
-                if self.refused is None:
+                if self.retired is None:
                     socket.send_fds(self._sock, [json.dumps(request).encode()],
                                     [stdin, stdout, stderr, write_end])
                     # past here an unread reply would answer the next request: any failure
@@ -325,17 +325,18 @@ class ForkServer:
                     try:
                         reply = json.loads(self._sock.recv(_MAX_MESSAGE) or b"{}")
                     except BaseException:
-                        self.refused = "fork server: no reply to a request"
+                        self.retired = "fork server: no reply to a request"
                         raise
         except (OSError, ValueError):
             reply = {}
         finally:
             os.close(write_end)
-        if not isinstance(reply.get("pid"), int):
-            os.close(read_end)
-            self.refused = self.refused or str(reply.get("refused", "fork server gone"))
-            return None
-        return Child(reply["pid"], cmd, read_end)
+        if isinstance(reply.get("pid"), int):
+            return Child(reply["pid"], cmd, read_end)
+        os.close(read_end)
+        if not isinstance(reply.get("refused"), str) or reply.get("retire") is not False:
+            self.retired = self.retired or str(reply.get("refused", "fork server gone"))
+        return None
 
     def close(self, grace_s: float = 1.0) -> None:
         """End the server (its children get SIGTERM); reap it.
@@ -345,7 +346,7 @@ class ForkServer:
         and is killed after ``grace_s``. Safe to call more than once, from any thread; a
         :meth:`spawn` after it returns ``None``.
         """
-        self.refused = self.refused or "fork server closed"
+        self.retired = self.retired or "fork server closed"
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         with self._lock, contextlib.suppress(OSError):
@@ -407,17 +408,6 @@ def serving(server: ForkServer | None) -> Iterator[ForkServer | None]:
 # --- the server process ---------------------------------------------------------------
 
 
-def _die_with_parent(parent: int) -> None:
-    """``prctl(PR_SET_PDEATHSIG, SIGTERM)``; exit at once if ``parent`` is gone already."""
-    from qualify import libc
-
-    prctl = libc.function("prctl")
-    if prctl is not None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
-
-
 def _set_name(name: str) -> None:
     """``prctl(PR_SET_NAME, name)`` (best effort: a name only)."""
     from qualify import libc
@@ -440,13 +430,18 @@ def _child_main(request: dict[str, Any], fds: list[int], close: Sequence[int],
     ranks note their entry point). The ``atexit`` hooks the preloaded modules registered
     stay (they would have registered them here).
 
-    Ends as an interpreter does: ``SystemExit`` gives its code, an uncaught exception its
+    Runs in the child :func:`qualify.candidate.warm.fork_child` forked (what it inherited
+    frozen out of the garbage collector; the returned code its exit status). Ends as an
+    interpreter does: ``SystemExit`` gives its code, an uncaught exception its
     traceback (``sys.excepthook``) and 1, ``KeyboardInterrupt`` death by SIGINT; then
     :func:`threading._shutdown` (``concurrent.futures``' exit hooks, the non-daemon threads)
     and the ``atexit`` hooks.
     """
+    from qualify.candidate import warm
+
+    signal.set_wakeup_fd(-1)  # the server's wake-up pipe is not the child's
     os.setsid()
-    _die_with_parent(server)
+    warm.die_with_parent(server, signal.SIGTERM)
     _set_name(process_name(request["argv"][0]))
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
@@ -480,17 +475,12 @@ def _child_main(request: dict[str, Any], fds: list[int], close: Sequence[int],
 
         imported.note(getattr(importlib.util.find_spec(module), "origin", None))
     sys.argv = [module, *args]
-    gc.freeze()  # what it inherited is never collected in it (as a warm rank, warm.fork_child)
     code = 0
     interrupted = False
     try:
         runpy._run_module_as_main(module, alter_argv=True)  # type: ignore[attr-defined]
     except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
-            code = 1
+        code = warm.exit_code(exc)
     except KeyboardInterrupt:
         interrupted = True
     except BaseException:
@@ -510,8 +500,13 @@ def _child_main(request: dict[str, Any], fds: list[int], close: Sequence[int],
 def _serve(sock: socket.socket, refused: str | None) -> None:
     """Answer requests until qualify closes the socket; report each child's status.
 
-    A child's end wakes the loop at once (``SIGCHLD`` through :func:`signal.set_wakeup_fd`).
+    A reply is ``{"pid": N}``, or ``{"refused": WHY, "retire": BOOL}``: ``retire`` when
+    the server forks nothing (``refused``, for every request), not for one request it could
+    not serve (a bad request, a failed fork). A child's end wakes the loop at once
+    (``SIGCHLD`` through :func:`signal.set_wakeup_fd`).
     """
+    from qualify.candidate.warm import fork_child
+
     statuses: dict[int, int] = {}  # pid -> the write end of its status pipe
     server = os.getpid()
     wake_r, wake_w = os.pipe()
@@ -543,30 +538,17 @@ def _serve(sock: socket.socket, refused: str | None) -> None:
             request = json.loads(msg)
             why = refused or (None if len(fds) == 4 and request.get("op") == "spawn"
                               else "bad request")
-            if why is None:
-                for stream in (sys.stdout, sys.stderr):
-                    stream.flush()
-                pid = os.fork()
+            if why is None:  # the child never returns here (warm.fork_child)
+                pid = fork_child(functools.partial(
+                    _child_main, request, fds,
+                    [sock.fileno(), wake_r, wake_w, *statuses.values()], server))
         except Exception as exc:  # a failed fork (EAGAIN, ENOMEM): this launch starts fresh
             why = f"fork server: {type(exc).__name__}: {exc}"
         if why is not None:
             for fd in fds:
                 os.close(fd)
-            sock.send(json.dumps({"refused": why}).encode())
+            sock.send(json.dumps({"refused": why, "retire": why == refused}).encode())
             continue
-        if pid == 0:
-            code = 1
-            try:
-                signal.set_wakeup_fd(-1)
-                code = _child_main(request, fds,
-                                   [sock.fileno(), wake_r, wake_w, *statuses.values()], server)
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                for stream in (sys.stdout, sys.stderr):
-                    with contextlib.suppress(Exception):
-                        stream.flush()
-                os._exit(code)
         for fd in fds[:3]:
             os.close(fd)
         statuses[pid] = fds[3]

@@ -230,24 +230,37 @@ class _Libc:
             cls.handle = ctypes.CDLL(None, use_errno=True)
 
     @classmethod
-    def die_with(cls, parent: int) -> None:
-        """``prctl(PR_SET_PDEATHSIG, SIGKILL)``; exit at once if ``parent`` is gone already."""
+    def die_with(cls, parent: int, sig: int = signal.SIGKILL) -> None:
+        """``prctl(PR_SET_PDEATHSIG, sig)``; exit at once if ``parent`` is gone already."""
         if cls.handle is not None:
-            cls.handle.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+            cls.handle.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
         if os.getppid() != parent:  # the launcher died before prctl took effect
             os._exit(1)
 
 
-def die_with_parent(parent: int) -> None:
-    """In a forked child: be killed (SIGKILL) when ``parent`` dies; exit if it is gone already.
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+    """In a forked child: get ``sig`` when ``parent`` dies; exit if it is gone already.
 
-    ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` through libc (loaded here if the parent did not
-    load it before the fork). For other forking launchers (the vLLM sampler harness's
-    ``external_launcher`` ranks).
+    ``prctl(PR_SET_PDEATHSIG, sig)`` through libc (loaded here if the parent did not load it
+    before the fork). For other forking processes: the vLLM sampler harness's
+    ``external_launcher`` ranks (SIGKILL), the fork server's children (SIGTERM: a launcher
+    ends its own ranks on it, :mod:`qualify.procs`).
     """
     if _Libc.handle is None:
         _Libc.load()
-    _Libc.die_with(parent)
+    _Libc.die_with(parent, sig)
+
+
+def exit_code(exc: SystemExit) -> int:
+    """The exit code an interpreter gives for an uncaught ``exc``.
+
+    ``None``: 0; an int: itself; anything else is printed to stderr and gives 1.
+    """
+    code = exc.code
+    if code is None or isinstance(code, int):
+        return code or 0
+    print(code, file=sys.stderr)
+    return 1
 
 
 def _redirect(rank_dir: Path) -> None:
@@ -287,11 +300,7 @@ def _run_entry(target: str, args: Sequence[str]) -> int:
             imported.note(getattr(importlib.util.find_spec(target), "origin", None))
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     except SystemExit as exc:
-        code = exc.code
-        if code is None or isinstance(code, int):
-            return code or 0
-        print(code, file=sys.stderr)
-        return 1
+        return exit_code(exc)
     return 0
 
 
