@@ -295,7 +295,7 @@ def _slow_qualify(tmp_path: Path, before: str = "scoring") -> Path:
 
 def _assert_partial_reference(refs: Path, *, rollout: bool = True) -> Path:
     from qualify.evidence.audit import audit
-    from qualify.reference.stage import load_sealed_reference
+    from qualify.reference.documents import load_sealed_reference
 
     (ref,) = [p for p in refs.iterdir() if p.is_dir()]
     assert store.is_incomplete(ref)
@@ -312,7 +312,7 @@ def _assert_partial_reference(refs: Path, *, rollout: bool = True) -> Path:
 
 @needs_slurm
 def test_slurm_two_stages_real_jobs(tmp_path: Path) -> None:
-    from qualify.reference.stage import load_sealed_reference
+    from qualify.reference.documents import load_sealed_reference
 
     # QUALIFY_LAUNCHER=srun: the candidate's harness launch takes the multi-node path
     # (srun + torchrun with a c10d rendezvous on the first node of the allocation)

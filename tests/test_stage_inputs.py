@@ -390,7 +390,7 @@ def test_compare_refuses_a_run_json_off_its_schema(case: str, tmp_path: Path,
 def test_the_good_reference_and_run_pass_these_checks(tmp_path: Path) -> None:
     """The corpus's unedited documents pass every check above (each case is the edit)."""
     from qualify.layout import RunDocument
-    from qualify.reference.stage import load_sealed_reference
+    from qualify.reference.documents import load_sealed_reference
 
     ref = _sealed_reference(tmp_path, None)
     assert load_sealed_reference(ref, CONTRACT)["contract_digest"] == CONTRACT.digest

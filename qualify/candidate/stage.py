@@ -80,9 +80,8 @@ from qualify.protocol import (
     HarnessCell,
     parse_tensor_name,
 )
-from qualify.reference.documents import read_document
+from qualify.reference.documents import load_sealed_reference, read_document
 from qualify.reference.plan_core import INTERPRETER_BYTES, machine_defaults
-from qualify.reference.stage import load_sealed_reference
 from qualify.registry import EngineSpec, get_engine, has_cuda
 from qualify.sampling import rollout_sampling, sampling_summary
 
@@ -344,7 +343,7 @@ def run_candidate_stage(
         ReferenceDataError: the reference is missing or unsealed, its ``reference.json``,
             ``contract.json`` or ``bounds.json`` is off its schema (a non-finite or negative
             bound, a list for a document) or of another contract
-            (:func:`qualify.reference.stage.load_sealed_reference`).
+            (:func:`qualify.reference.documents.load_sealed_reference`).
         EvidenceIntegrityError: the reference was edited, or the run is sealed already.
     """
     if run_id is not None:

@@ -24,11 +24,14 @@ from typing import Any
 from qualify import jsonio
 from qualify.contract import Contract, canonical_json, sha256_hex
 from qualify.errors import ContractError, EvidenceIntegrityError, ReferenceDataError
+from qualify.evidence import store
+from qualify.evidence.statement import REFERENCE_KIND
 from qualify.layout import BOUNDS_FILE, CONTRACT_FILE, REFERENCE_FILE
 from qualify.schema import validate
 
 __all__ = [
     "check_reference_documents",
+    "load_sealed_reference",
     "read_bounds",
     "read_contract",
     "read_document",
@@ -137,3 +140,35 @@ def check_reference_documents(ref_dir: Path, contract: Contract) -> dict[str, An
     read_contract(ref_dir, contract.digest)
     read_bounds(ref_dir, contract.digest)
     return meta
+
+
+def load_sealed_reference(path: Path, contract: Contract | None = None) -> dict[str, Any]:
+    """Check that ``path`` is a sealed, intact reference and return its ``reference.json``.
+
+    Args:
+        path: the reference directory.
+        contract: the contract it must be of: ``reference.json``, ``contract.json`` and
+            ``bounds.json`` are then checked (:func:`qualify.reference.documents
+            .check_reference_documents`: schemas, finite non-negative bounds, the digest
+            of ``contract`` in each). ``None``: ``reference.json``'s schema only.
+
+    Raises:
+        ReferenceDataError: not a directory, not sealed (interrupted or still running),
+            sealed but not a reference (a candidate run or an attempt directory), a
+            document off its schema, or of another contract (file and field named).
+        EvidenceIntegrityError: a file differs from the manifest.
+    """
+    if not path.is_dir():
+        raise ReferenceDataError(f"{path}: reference directory not found")
+    if not store.is_sealed(path):
+        raise ReferenceDataError(store.not_sealed_reason(
+            path, "reference", advice="run `qualify reference` to completion first"))
+    kind = store.read_manifest(path).get("kind")
+    if kind != REFERENCE_KIND or not (path / REFERENCE_FILE).is_file():
+        raise ReferenceDataError(f"{path}: not a reference directory (its manifest's kind is "
+                                 f"{kind!r}; a reference holds {REFERENCE_FILE}): name the "
+                                 "sealed directory `qualify reference` printed")
+    store.check_sealed(path)
+    if contract is None:
+        return read_reference_record(path)
+    return check_reference_documents(path, contract)

@@ -110,7 +110,6 @@ from qualify.reference.plan_core import (
     Plan,
     Step,
     activation_elements,
-    machine_defaults,
     model_shape,
     rollout_ids_bound,
     rollout_shape,
@@ -119,7 +118,7 @@ from qualify.reference.plan_core import (
 )
 
 __all__ = ["GRADIENTS", "OPTIMIZER_STATES", "ROUND2_STATES", "DoesNotFitError", "build_plan",
-           "check_fits", "plan_reference", "plan_rollout", "round_to_round_updates",
+           "plan_reference", "plan_rollout", "round_to_round_updates",
            "stage_layer_counts"]
 
 VLLM_ROLLOUT_KV_BYTES: Final = 256 * 1024 * 1024
@@ -981,22 +980,3 @@ def build_plan(contract: Contract, machine: Machine, *,
     # the chosen configuration's plan, already made: only its reasons are added
     return dataclasses.replace(plans[best], optimizer_state_why=state_why,
                                gradients_why=grads_why or state_why, round2_state_why=keep_why)
-
-
-def check_fits(contract: Contract, machine: Machine | None = None) -> Plan:
-    """Plan ``contract`` on ``machine`` (default: this one); refuse what cannot fit.
-
-    Only the reference stage's steps are checked: the launches are the candidate stage's,
-    planned but not checked here.
-
-    Raises:
-        DoesNotFitError: one line naming the first step that does not fit and the shortfall.
-        ContractError: the model's sizes are not in the contract
-            (:func:`~qualify.reference.plan_core.model_shape`).
-    """
-    plan = build_plan(contract, machine or machine_defaults())
-    short = plan.shortfall("reference")
-    if short is not None:
-        where = f"{contract.path}" if contract.path else contract.name
-        raise DoesNotFitError(f"{where}: does not fit this machine: {short}")
-    return plan

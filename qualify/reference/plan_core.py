@@ -290,6 +290,10 @@ class Plan:
     round2_state: str = "moments"
     round2_state_why: str = ""
 
+    def __post_init__(self) -> None:
+        # a tuple: what does not fit is found once (:attr:`_short`), so the steps never change
+        object.__setattr__(self, "steps", tuple(self.steps))
+
     def shortfall(self, kind: str | None = None) -> str | None:
         """The first step that does not fit, as one line; ``None`` when all fit.
 

@@ -50,7 +50,7 @@ from qualify.bounds import (
 )
 from qualify.contract import Contract, Precision
 from qualify.errors import ContractError, ReferenceDataError, UsageError
-from qualify.evidence import store
+from qualify.evidence import statement, store
 from qualify.evidence.environment import capture_environment
 from qualify.evidence.sign import ensure_signed, needs_signature, seal_and_sign
 from qualify.lanes import forward_mode, lane_bf16_mode, lane_precision
@@ -79,11 +79,12 @@ from qualify.progress import Progress
 from qualify.prompts import check_token_ids, read_prompts_file
 from qualify.protocol import ROLLOUT_META_FILE, TRAIN_INPUTS_FILE, parse_tensor_name
 from qualify.reference import devices as reference_devices
-from qualify.reference import documents, rollout, round_to_round, sampling, scoring, targets
+from qualify.reference import rollout, round_to_round, sampling, scoring, targets
 from qualify.reference.bound_inputs import norm_evals, recompute_bounds, sensitivities
 from qualify.reference.branches import adjust_control_errors, seal_branches
 from qualify.reference.controls import control_errors_document, control_settings
 from qualify.reference.distribution import seal_distribution
+from qualify.reference.documents import load_sealed_reference
 from qualify.reference.update import (
     KL_REFERENCE_SOURCE,
     Batch,
@@ -99,7 +100,7 @@ __all__ = ["BOUNDS_FILE", "CONTROL_ERRORS_FILE", "REFERENCE_FILE", "REFERENCE_KI
            "load_sealed_reference", "reference_dir_name", "resolve_prompts",
            "run_reference_stage"]
 
-REFERENCE_KIND = "reference"
+REFERENCE_KIND = statement.REFERENCE_KIND
 
 
 def resolve_prompts(contract: Contract, bundle: models.ModelBundle) -> list[list[int]]:
@@ -309,9 +310,9 @@ def run_reference_stage(contract: Contract, *, root: Path, new: bool = False,
         on_step: test hook called with each step name before it runs (used to simulate an
             interrupted run).
         plan_check: refuse, before anything is written, a contract whose planned memory
-            does not fit this machine (:func:`qualify.reference.plan.check_fits`). ``False``
-            (``qualify reference --no-plan-check``) runs it anyway; the environment document
-            records which (``plan_check``).
+            does not fit this machine (:func:`_plan_check`: the reference steps'
+            shortfall). ``False`` (``qualify reference --no-plan-check``) runs it anyway; the
+            environment document records which (``plan_check``).
 
     Returns:
         The sealed reference directory.
@@ -698,35 +699,3 @@ def _score_all(contract: Contract, bundle: models.ModelBundle, roll: rollout.Rol
                                           bf16_mode=bf16_mode, attn=attn,
                                           micro_batch_size=micro_batch_size)
     return {k: v.float().contiguous() for k, v in out.items()}, rec
-
-
-def load_sealed_reference(path: Path, contract: Contract | None = None) -> dict[str, Any]:
-    """Check that ``path`` is a sealed, intact reference and return its ``reference.json``.
-
-    Args:
-        path: the reference directory.
-        contract: the contract it must be of: ``reference.json``, ``contract.json`` and
-            ``bounds.json`` are then checked (:func:`qualify.reference.documents
-            .check_reference_documents`: schemas, finite non-negative bounds, the digest
-            of ``contract`` in each). ``None``: ``reference.json``'s schema only.
-
-    Raises:
-        ReferenceDataError: not a directory, not sealed (interrupted or still running),
-            sealed but not a reference (a candidate run or an attempt directory), a
-            document off its schema, or of another contract (file and field named).
-        EvidenceIntegrityError: a file differs from the manifest.
-    """
-    if not path.is_dir():
-        raise ReferenceDataError(f"{path}: reference directory not found")
-    if not store.is_sealed(path):
-        raise ReferenceDataError(store.not_sealed_reason(
-            path, "reference", advice="run `qualify reference` to completion first"))
-    kind = store.read_manifest(path).get("kind")
-    if kind != REFERENCE_KIND or not (path / REFERENCE_FILE).is_file():
-        raise ReferenceDataError(f"{path}: not a reference directory (its manifest's kind is "
-                                 f"{kind!r}; a reference holds {REFERENCE_FILE}): name the "
-                                 "sealed directory `qualify reference` printed")
-    store.check_sealed(path)
-    if contract is None:
-        return documents.read_reference_record(path)
-    return documents.check_reference_documents(path, contract)
