@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -234,3 +235,25 @@ def test_the_launches_are_the_ones_the_committed_run_made(
     assert sampler == ["vllm-fp32-sampler-tp1", "vllm-fp32-sampler-tp2"]
     assert [s["step"] for s in planned if s["kind"] == "sampler"] == [
         "sampler vllm-tp1-tp2 (2 cells, 3 ranks)"]
+
+
+def test_a_plans_steps_cannot_change_behind_its_shortfall() -> None:
+    """The steps a plan was made of are copied into a tuple: changing the list given cannot
+    make the once-found shortfall disagree with the steps."""
+    base = plan.build_plan(load_contract(contracts_dir() / "tiny-qwen3.toml"),
+                           plan_core.machine_defaults())
+    given = list(base.steps)
+    made = plan_core.Plan(contract=base.contract, machine=base.machine, params=base.params,
+                          steps=given, cost_model=base.cost_model)
+    assert made.shortfall() is None
+    huge = dataclasses.replace(given[0], host_peak=made.machine.host_bytes + 1)
+    given.append(huge)
+    assert isinstance(made.steps, tuple)
+    assert huge not in made.steps
+    assert made.shortfall() is None
+    # the same step given at the start is found
+    short = plan_core.Plan(contract=base.contract, machine=base.machine, params=base.params,
+                           steps=given, cost_model=base.cost_model)
+    line = short.shortfall()
+    assert line is not None
+    assert line.startswith(f"{huge.name}: needs ")
