@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -96,13 +97,23 @@ def kind_of(cmd: str, comm: str, cwd: str = "") -> str:
     return f"other: {comm}"
 
 
+_LAUNCH_DIR = re.compile(r"/launches/([A-Za-z0-9_.]+)-[^/]*/attempt-[0-9]+(?:/|$)")
+"""A launch's attempt directory (``launches/<engine>-<layout>/attempt-N``): its engine."""
+
+
 def _forked_kind(comm: str, cwd: str) -> str:
-    """:func:`kind_of` of the fork server and what it forked."""
+    """:func:`kind_of` of the fork server and what it forked.
+
+    The vLLM harness by its name; a launcher (a plugin engine's too) by the engine of the
+    launch attempt it runs in; the server itself keeps the interpreter's name (``python``);
+    anything else is ``forked: <comm>``.
+    """
     if comm == "vllm.harness":
         return "vllm sampler parent"
-    engine = next((e for e in ("deepspeed", "megatron", "torch_tp", "fsdp2")
-                   if f"/launches/{e}-" in cwd), None)
-    return "fork server" if engine is None else f"{engine} launch"
+    found = _LAUNCH_DIR.search(cwd)
+    if found is not None:
+        return f"{found.group(1)} launch"
+    return "fork server" if comm.startswith("python") else f"forked: {comm}"
 
 
 MIN_CPU_S = 0.05

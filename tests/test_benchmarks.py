@@ -214,3 +214,20 @@ def test_launch_cost_pairs_each_mechanism_with_its_rounds_all_on_run() -> None:
     assert got.loc["beside", "verdicts_same"]
     assert notes
     assert list(runs_df["same_verdicts"]) == [True, True, True, True, False]
+
+
+def test_cpu_breakdown_names_every_forked_process_by_what_it_runs() -> None:
+    """A process the fork server forked keeps the server's command line: a launcher is named
+    by its launch attempt's engine (a plugin engine's too), the server by its interpreter."""
+    from benchmarks.cpu_breakdown import kind_of
+
+    server = "/v/bin/python -m qualify.candidate.forkserver 4 torch transformers"
+    run = "/e/tiny-qwen3/20261207T141326Z/launches"
+    assert kind_of(server, "python", "/work/main") == "fork server"
+    assert kind_of(server, "candidate.warm", f"{run}/torch_tp-a2c1-a1c2/attempt-1") == \
+        "torch_tp launch"
+    assert kind_of(server, "candidate.warm", f"{run}/trl-a1c1/attempt-2") == "trl launch"
+    assert kind_of(server, "vllm.harness", "/work/main") == "vllm sampler parent"
+    assert kind_of(server, "other", "/work/main") == "forked: other"
+    assert kind_of("/v/bin/python -m harnesses.deepspeed.harness c.json", "python") == \
+        "deepspeed launch"
