@@ -17,10 +17,14 @@ A variable already set (non-empty) in the environment the process is given is th
 choice: it is left as it is, and nothing is made or removed for it.
 
 The starting process itself may be killed (``kill -9``, or a signal whose default action
-ends it) before it leaves the block. So each directory's name carries the pid of the
-process that made it (``<prefix><pid>-<random>``), and each :func:`private_dirs` first
-removes the directories of its prefixes that this user owns and whose maker is no longer
-running (:func:`sweep`): what a killed run left is removed by the next one.
+ends it) before it leaves the block. So each directory's name carries where and by whom it
+was made, ``<prefix><tag>-<pid>-<random>``: ``tag`` names this boot of this machine and this
+pid namespace (:func:`host_tag`), ``pid`` the process that made it. Each
+:func:`private_dirs` first removes the directories of its prefixes that this user owns,
+whose tag is this one's and whose maker runs no more (:func:`sweep`): what a killed run
+left is removed by the next one, and a directory made on another machine or in another
+container sharing the temporary directory (whose pids this one cannot see) is never
+touched. The sweep never stops a block from starting.
 
 This module imports neither torch nor any engine.
 """
@@ -28,13 +32,14 @@ This module imports neither torch nor any engine.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import stat
 import tempfile
 from collections.abc import Iterator, Mapping
 
-__all__ = ["private_dirs", "sweep"]
+__all__ = ["host_tag", "private_dirs", "sweep"]
 
 
 @contextlib.contextmanager
@@ -42,7 +47,8 @@ def private_dirs(prefixes: Mapping[str, str],
                  env: Mapping[str, str] | None = None) -> Iterator[dict[str, str]]:
     """Give each variable of ``prefixes`` that ``env`` leaves unset a fresh directory.
 
-    Each directory is ``tempfile.mkdtemp(prefix=f"{prefix}{pid}-")``: mode 0700, directly under the
+    Each directory is ``tempfile.mkdtemp(prefix=f"{prefix}{tag}-{pid}-")`` (module
+    docstring): mode 0700, directly under the
     system temporary directory (``tempfile.gettempdir()``), so its path stays short (a Unix
     socket's path is limited to 107 bytes). On leaving the block, however it is left, each
     directory made is removed with everything in it; a failure to remove is ignored.
@@ -65,22 +71,47 @@ def private_dirs(prefixes: Mapping[str, str],
     try:
         for name, prefix in prefixes.items():
             if not given.get(name):
-                sweep(prefix)
-                made[name] = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
+                with contextlib.suppress(Exception):  # a clean-up: never a launch's failure
+                    sweep(prefix)
+                made[name] = tempfile.mkdtemp(prefix=f"{prefix}{host_tag()}-{os.getpid()}-")
         yield dict(made)
     finally:
         for path in made.values():
             shutil.rmtree(path, ignore_errors=True)
 
 
-def sweep(prefix: str) -> list[str]:
-    """Remove what killed makers left: the ``<prefix><pid>-*`` directories of this user.
+def host_tag() -> str:
+    """8 hex digits naming this boot of this machine and this process's pid namespace.
 
-    A directory directly under ``tempfile.gettempdir()`` whose name is ``prefix``, a decimal
-    pid, ``-`` and more, that this user owns and whose pid runs no process (``kill(pid,
-    0)`` fails with ``ESRCH``) is removed with everything in it. A directory of a process
-    still running (or of a pid reused since: a live process of that pid) is left, as is
-    anything of another user or another name; a failure to remove is ignored.
+    The SHA-256 of the kernel's boot id (``/proc/sys/kernel/random/boot_id``, else the host
+    name) and the pid namespace's inode (``/proc/self/ns/pid``, else none): two processes
+    with the same tag see each other's pids.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        import socket
+
+        boot = socket.gethostname()
+    try:
+        ns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        ns = ""
+    return hashlib.sha256(f"{boot}/{ns}".encode()).hexdigest()[:8]
+
+
+def sweep(prefix: str) -> list[str]:
+    """Remove what killed makers left: this user's ``<prefix><tag>-<pid>-*`` directories.
+
+    A directory directly under ``tempfile.gettempdir()`` whose name is ``prefix``, this
+    machine's and pid namespace's :func:`host_tag`, ``-``, a pid (1 to 10 ASCII digits), ``-``
+    and more, that this user owns and whose pid runs no process (``kill(pid, 0)`` fails
+    with ``ESRCH``) is removed with everything in it. A directory of a process still
+    running (or of a pid reused since: a live process of that pid), of another tag (another
+    machine or container sharing the directory), of another user or of another name is left,
+    as is anything not a directory (a symbolic link included); a failure to remove is
+    ignored.
 
     Args:
         prefix: a :func:`private_dirs` prefix (``"qualify-vllm-ipc-"``).
@@ -94,10 +125,12 @@ def sweep(prefix: str) -> list[str]:
         names = os.listdir(root)
     except OSError:
         return removed
+    mine = f"{prefix}{host_tag()}-"
     uid = os.geteuid()
     for name in names:
-        pid_text, dash, _ = name.removeprefix(prefix).partition("-")
-        if not name.startswith(prefix) or not dash or not pid_text.isdigit():
+        pid_text, dash, _ = name.removeprefix(mine).partition("-")
+        if (not name.startswith(mine) or not dash or not pid_text.isascii()
+                or not pid_text.isdigit() or len(pid_text) > 10):
             continue
         path = os.path.join(root, name)
         try:
@@ -112,13 +145,16 @@ def sweep(prefix: str) -> list[str]:
 
 
 def _running(pid: int) -> bool:
-    """Whether a process of ``pid`` exists (one of another user counts: ``EPERM``)."""
+    """Whether a process of ``pid`` may exist: only a definite ``ESRCH`` is "gone".
+
+    One of another user counts (``EPERM``), as does a pid the kernel cannot take.
+    """
     if pid <= 0:
         return True  # not a maker's pid: never treated as gone
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:
+    except (OSError, OverflowError, ValueError):
         return True
     return True

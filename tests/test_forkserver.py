@@ -193,8 +193,8 @@ def test_children_die_with_the_server_and_their_status_is_lost_not_invented(
 
 def test_a_refusal_of_one_request_leaves_the_server_serving(probe_dir: Path,
                                                              tmp_path: Path) -> None:
-    """A request the server cannot serve (here a malformed one; a failed ``fork`` is
-    answered the same) is refused alone: the next launch is still forked."""
+    """A request the server cannot serve (here a malformed one; a failed ``fork``, below)
+    is refused alone: the next launch is still forked."""
     s = forkserver.start(modules=("fs_hook",), env=_env(probe_dir, OMP_NUM_THREADS="1"))
     try:
         with s._lock:  # a request spawn never sends
@@ -208,6 +208,33 @@ def test_a_refusal_of_one_request_leaves_the_server_serving(probe_dir: Path,
     finally:
         s.close()
     assert s.retired == "fork server closed"
+
+
+def test_a_failed_fork_refuses_that_launch_only(probe_dir: Path, tmp_path: Path) -> None:
+    """A ``fork`` that fails in the server (``EAGAIN``, planted once by a preloaded module):
+    that launch starts a fresh interpreter, the server is not retired, and the next launch
+    is forked."""
+    (probe_dir / "fs_failfork.py").write_text(
+        "import errno, os\n"
+        "_real = os.fork\n"
+        "def _once():\n"
+        "    os.fork = _real\n"
+        "    raise OSError(errno.EAGAIN, 'planted: no process left')\n"
+        "os.fork = _once\n")
+    s = forkserver.start(modules=("fs_hook", "fs_failfork"),
+                         env=_env(probe_dir, OMP_NUM_THREADS="1"))
+    try:
+        first, text = _run(s, probe_dir, tmp_path, "a", "0", timeout_s=60)
+        assert not first.spawned
+        assert first.returncode == 0
+        assert forkserver.FORKED_NOTE not in text
+        assert s.retired is None
+        second, text = _run(s, probe_dir, tmp_path, "b", "0", timeout_s=60)
+        assert second.spawned
+        assert second.returncode == 0
+        assert text.startswith(forkserver.FORKED_NOTE)
+    finally:
+        s.close()
 
 
 def test_a_server_that_cannot_fork_is_retired_at_its_first_reply(probe_dir: Path,

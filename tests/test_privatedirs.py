@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from qualify import procs
-from qualify.privatedirs import private_dirs
+from qualify.privatedirs import host_tag, private_dirs, sweep
 
 VAR = "QUALIFY_TEST_SOCKET_DIR"
 PREFIX = "qualify-test-ipc-"
@@ -96,7 +96,7 @@ def test_a_variable_the_user_set_is_left_alone(tmp_path: Path) -> None:
 # A starting process killed inside the block (kill -9 of qualify): its finally never runs.
 KILLED_MAKER = textwrap.dedent(f'''
     import os, signal
-    from qualify.privatedirs import private_dirs
+    from qualify.privatedirs import host_tag, private_dirs, sweep
     with private_dirs({{{VAR!r}: {PREFIX!r}}}, env={{}}) as dirs:
         print(dirs[{VAR!r}], flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -115,7 +115,7 @@ def test_what_a_killed_maker_left_is_removed_by_the_next_block() -> None:
     assert left.name.startswith(PREFIX)
     with private_dirs({VAR: PREFIX}, env={}) as outer:
         mine = Path(outer[VAR])
-        assert mine.name.startswith(f"{PREFIX}{os.getpid()}-")
+        assert mine.name.startswith(f"{PREFIX}{host_tag()}-{os.getpid()}-")
         assert not left.exists()  # swept on entry
         with private_dirs({VAR: PREFIX}, env={}) as inner:
             assert mine.is_dir()  # a running maker's directory stays
@@ -123,26 +123,43 @@ def test_what_a_killed_maker_left_is_removed_by_the_next_block() -> None:
     assert not mine.exists()
 
 
-def test_the_sweep_leaves_other_names_alone(tmp_path: Path) -> None:
-    """Only ``<prefix><pid>-...`` directories are swept: not the prefix with another tail,
-    nor a plain file of a dead pid's name."""
-    from qualify.privatedirs import sweep
-
-    root = Path(tempfile.gettempdir())
+def test_the_sweep_takes_only_dead_makers_directories_of_this_host(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only this user's ``<prefix><tag>-<pid>-...`` directories of a dead pid go: not one of
+    a live pid, of another host's or container's tag (its pids are not ours to judge), of
+    another name, a symbolic link to a directory or a plain file; odd names (a non-ASCII
+    digit, a pid no kernel takes) are left without an error."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           stdout=subprocess.PIPE, check=True).stdout.decode().strip()
-    others = [root / f"{PREFIX}nopid-{dead}", root / f"{PREFIX}{dead}"]
-    plain = root / f"{PREFIX}{dead}-file"
-    gone = root / f"{PREFIX}{dead}-dir"
-    try:
-        for d in (*others, gone):
-            d.mkdir()
-        plain.write_text("x")
-        assert sweep(PREFIX) == [str(gone)]
-        assert all(d.is_dir() for d in others)
-        assert plain.is_file()
+    tag = host_tag()
+    assert len(tag) == 8
+    assert int(tag, 16) >= 0
+    gone = tmp_path / f"{PREFIX}{tag}-{dead}-dir"
+    kept = [tmp_path / f"{PREFIX}{tag}-{os.getpid()}-live",  # this process: running
+            tmp_path / f"{PREFIX}00000000-{dead}-other-host" if tag != "00000000"
+            else tmp_path / f"{PREFIX}11111111-{dead}-other-host",
+            tmp_path / f"{PREFIX}{dead}-old-format",
+            tmp_path / f"{PREFIX}{tag}-nopid-{dead}",
+            tmp_path / f"{PREFIX}{tag}-\u00b2-x",
+            tmp_path / f"{PREFIX}{tag}-99999999999999999999-x"]
+    for d in (gone, *kept):
+        d.mkdir()
+        (d / "socket-like").write_text("x")
+    target = tmp_path / "target"
+    target.mkdir()
+    link = tmp_path / f"{PREFIX}{tag}-{dead}-link"
+    link.symlink_to(target)
+    plain = tmp_path / f"{PREFIX}{tag}-{dead}-file"
+    plain.write_text("x")
+    assert sweep(PREFIX) == [str(gone)]
+    assert not gone.exists()
+    assert all((d / "socket-like").is_file() for d in kept)
+    assert link.is_symlink()
+    assert target.is_dir()
+    assert plain.is_file()
+    # the block sweeps before it makes its own, and names it with the tag and its pid
+    gone.mkdir()
+    with private_dirs({VAR: PREFIX}, env={}) as dirs:
         assert not gone.exists()
-    finally:
-        for d in others:
-            d.rmdir()
-        plain.unlink(missing_ok=True)
+        assert Path(dirs[VAR]).name.startswith(f"{PREFIX}{tag}-{os.getpid()}-")

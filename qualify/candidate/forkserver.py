@@ -547,7 +547,7 @@ def _serve(sock: socket.socket, refused: str | None) -> None:
         if why is not None:
             for fd in fds:
                 os.close(fd)
-            sock.send(json.dumps({"refused": why, "retire": why == refused}).encode())
+            sock.send(json.dumps({"refused": why, "retire": refused is not None}).encode())
             continue
         for fd in fds[:3]:
             os.close(fd)

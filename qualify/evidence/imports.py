@@ -365,10 +365,10 @@ def record_changes(doc: Mapping[str, Any], root: Path,
         root: the checkout the ``checkout`` files are compared with.
         cache: shared between calls (path -> sha256, ``None``: not a file; the files that
             shadow a name).
-        completed: the cell's launch completed (``run.json`` status ``COMPLETE``). A launch
-            that did not (killed, crashed) leaves ranks that recorded nothing: that is the
-            cell's ``ERROR``, so no "imports not recorded" line is given for it; a file that
-            changed is still given.
+        completed: the cell is ``COMPLETE`` (its ``run.json`` status). A cell that is not
+            (its launch killed or crashed, its outputs refused) is ``ERROR`` whatever ran, and
+            a killed launch leaves ranks that recorded nothing, so no "imports not recorded"
+            line is given for it; a file that changed is still given.
 
     Returns:
         One line per problem, sorted: ``path`` (changed), ``path (removed)``, ``path

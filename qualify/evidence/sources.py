@@ -260,12 +260,12 @@ def stale_cells(run_dir: str | Path, checkout_root: str | Path | None = None
       stages that staged its inputs and split its outputs);
     - its attempt's ``imports.json`` (the files its harness processes imported, recorded at
       run time; :mod:`qualify.evidence.imports`) names a file that changed, vanished, was
-      modified during the launch or cannot be checked here, or a process that recorded
-      nothing though its launch completed (:func:`qualify.evidence.imports.record_changes`:
-      the ranks of a launch that died record nothing; its cells are ``ERROR``, not STALE
-      for that); a cell without that
-      record (a run made before it, or a cell never launched) is checked against its
-      engine's folder set of ``sources.json`` instead (:func:`engine_files`);
+      modified during the launch or cannot be checked here, or, for a ``COMPLETE`` cell, a
+      process that recorded nothing (:func:`qualify.evidence.imports.record_changes`: the
+      ranks of a killed launch record nothing, and its cells are ``ERROR``, not STALE for
+      that); a cell without that record (a run made before it, or a cell never launched) is
+      checked against its engine's folder set of ``sources.json`` instead
+      (:func:`engine_files`);
     - a cell whose outputs it consumed (:func:`consumed_cells`) is stale: each of that
       cell's lines is repeated as ``via <cell>: <line>``.
 
