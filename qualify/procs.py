@@ -47,7 +47,7 @@ from typing import IO, Any, Final, Protocol
 import psutil
 
 __all__ = ["DEATH_SIGNAL", "KILL_GRACE_S", "Child", "ProcResult", "Spawn", "death_signal_hook",
-           "end_group", "run"]
+           "end_group", "exit_text", "run"]
 
 KILL_GRACE_S: Final = 5.0
 """Default seconds between SIGTERM and SIGKILL when a tree is ended (and after SIGKILL)."""
@@ -135,6 +135,21 @@ class ProcResult:
 
     def __bool__(self) -> bool:
         return self.returncode == 0
+
+
+def exit_text(returncode: int) -> str:
+    """How a process ended, from its :mod:`subprocess`-style return code, for a reason line.
+
+    ``exited with code N`` for ``N >= 0``; ``was killed by SIGKILL (signal 9)`` for ``-9``
+    (``was killed by signal N`` where the signal has no name here).
+    """
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        return f"was killed by signal {-returncode}"
+    return f"was killed by {name} (signal {-returncode})"
 
 
 def death_signal_hook() -> Callable[[], None] | None:

@@ -118,6 +118,17 @@ def test_nonzero_exit_to_files(tmp_path: Path) -> None:
     assert sorted(log.read_text().split()) == ["bad", "out"]
 
 
+def test_a_reason_names_the_signal_that_killed_the_process() -> None:
+    """A real child killed by SIGKILL: its return code reads as the signal, by name."""
+    res = procs.run([sys.executable, "-c", "import os, signal; "
+                     "os.kill(os.getpid(), signal.SIGKILL)"], timeout_s=30)
+    assert res.returncode == -9
+    assert procs.exit_text(res.returncode) == "was killed by SIGKILL (signal 9)"
+    assert procs.exit_text(3) == "exited with code 3"
+    assert procs.exit_text(0) == "exited with code 0"
+    assert procs.exit_text(-200) == "was killed by signal 200"
+
+
 @pytest.mark.parametrize(("kw", "match"), [({"timeout_s": 0}, "timeout_s must be > 0"),
                                            ({"timeout_s": 1, "grace_s": -1}, "grace_s")])
 def test_bad_limits(kw: dict[str, float], match: str) -> None:

@@ -570,7 +570,7 @@ def _launch(cell: HarnessCell, *, module: str, attempt_dir: Path, timeout_s: flo
     if rc != 0:
         failed, tail = _failure_tail(rank_dir, launcher_log)
         where = f"rank {failed}" if failed is not None else "the launcher"
-        return result("ERROR", f"harness exited with code {rc}; first failure on {where}:\n"
+        return result("ERROR", f"harness {procs.exit_text(rc)}; first failure on {where}:\n"
                                f"{tail}", failed)
     try:
         for _, _, sub in cell.variant_runs():  # each variant of a grouped launch

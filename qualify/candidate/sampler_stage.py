@@ -329,7 +329,9 @@ class _Process(threading.Thread):
         elif self.cancelled:
             status, reason = "ERROR", "cancelled: the candidate stage failed beside it"
         elif self.returncode != 0:
-            status, reason = "ERROR", f"sampler harness exited with code {self.returncode}"
+            how = ("ended with no exit status" if self.returncode is None
+                   else procs.exit_text(self.returncode))
+            status, reason = "ERROR", f"sampler harness {how}"
         elif weights is None:
             return "NOT_RUN", why
         if status == "COMPLETE":
