@@ -39,6 +39,14 @@ with vLLM's multiprocessing executor spawning one worker per rank
 5. re-verifies the installed version's shards on every rank and writes
    ``outputs.safetensors`` + ``outputs.json`` (atomic, JSON last).
 
+Every process of it (this one and each forked rank) ends through libc's ``exit`` once its
+outputs are written (:func:`_end`), its engines still alive (:data:`_KEPT`): vLLM's
+Python-level engine shutdown, which unfreezes and collects the whole garbage-collected heap
+(``cleanup_dist_env_and_memory``, ``vllm/distributed/parallel_state.py``), is work for a
+process about to end; the C++ destructors still run (vLLM's shared-memory all-reduce
+segments are removed by them), and the imported-files record is written first. A process
+that fails ends as Python ends it (its traceback, every exit hook).
+
 Reads each ``cell.json`` (one ``inputs_dir`` for all), ``<output_dir>/sampler_request.json``
 (``weights_file``, ``weights_sha256``, ``weights_from``) and from ``inputs_dir``:
 ``rollout.safetensors``, ``contract.json``, ``model.json``; never reference scores.
@@ -64,7 +72,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 _OMP_GIVEN: str | None = None
 _OMP_FORCED = False
@@ -457,6 +465,24 @@ def _finish(st: _Started, ins: _Inputs, req: dict[str, Any], wfile: Path,
 PRELOAD: Final = ("vllm", "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine",
                   "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker")
 """Modules imported before the ``external_launcher`` ranks are forked (they share them)."""
+_KEPT: list[Any] = []
+"""This process's started engines, kept alive until it ends through :func:`_end`."""
+
+
+def _end(code: int) -> NoReturn:
+    """End this process through libc's ``exit(code)``, its engines kept (module docstring).
+
+    The imported-files record (:func:`qualify.candidate.imported.write_record`, which an
+    ``atexit`` hook would write) is written and stdout / stderr flushed first; the C
+    library's exit handlers and the C++ destructors run, Python's ``atexit`` hooks and
+    finalizers do not.
+    """
+    imported.write_record()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    ctypes.CDLL(None).exit(code)
+    raise AssertionError("libc exit returned")  # not reached
 
 
 def _restore_threads() -> None:
@@ -508,6 +534,7 @@ def _rank_main(cell: HarnessCell, tp: int, rank: int, *, port: int, init_method:
     imported.install()  # this rank's imports (the engine's model code is imported here)
     engine.bind_rank(rank, tp)
     st = _start(cell, tp, ins, engine.EXTERNAL_LAUNCHER)
+    _KEPT.append(st)  # alive until the rank's libc exit (module docstring)
     req, wfile = _request(st)
     if req is None or wfile is None:
         return 0
@@ -542,12 +569,7 @@ def _fork_ranks(cell: HarnessCell, tp: int, ins: _Inputs, t_start: float
             traceback.print_exc()
         # libc's exit, not os._exit: C++ destructors run, so vLLM's shared-memory
         # all-reduce manager removes its /dev/shm segments (harnesses.vllm.engine)
-        imported.write_record()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        ctypes.CDLL(None).exit(code)
-        return code  # not reached
+        _end(code)
 
     return [warm.fork_child(functools.partial(body, r)) for r in range(tp)], init_method
 
@@ -617,7 +639,8 @@ def _request(st: _Started) -> tuple[dict[str, Any] | None, Path | None]:
     return req, wfile
 
 
-def run_cells(cells: Sequence[HarnessCell]) -> list[dict[str, Any] | None]:
+def run_cells(cells: Sequence[HarnessCell], *,
+              keep: list[Any] | None = None) -> list[dict[str, Any] | None]:
     """Run sampler cells in one process, each engine started once (module docstring).
 
     A CPU cell at TP > 1 whose executor is ``external_launcher``
@@ -630,6 +653,11 @@ def run_cells(cells: Sequence[HarnessCell]) -> list[dict[str, Any] | None]:
     for the cell's request (:func:`wait_request`), installs, probes, scores round 2 and
     writes the outputs, and last waits for the forked ranks. The engines stay up until
     their process ends.
+
+    Args:
+        cells: the sampler cells (one ``inputs_dir``).
+        keep: this process's started engines are appended to it (the entry point keeps them
+            until its libc exit, :func:`_end`); ``None``: they are dropped on return.
 
     Returns:
         Per cell, its outputs' meta (a forked cell's: its ``outputs.json``), or ``None``
@@ -678,6 +706,8 @@ def run_cells(cells: Sequence[HarnessCell]) -> list[dict[str, Any] | None]:
         _restore_threads()
         started = [_start(c, tp, ins, ex) for i, (c, tp, ex)
                    in enumerate(zip(cells, tps, executors, strict=True)) if i not in forked]
+        if keep is not None:
+            keep.extend(started)
         for st in started:
             req, wfile = _request(st)
             if req is None or wfile is None:
@@ -724,7 +754,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     cells = [HarnessCell.from_dict(json.loads(Path(a).read_text("utf-8"))) for a in args]
-    for cell, meta in zip(cells, run_cells(cells), strict=True):
+    for cell, meta in zip(cells, run_cells(cells, keep=_KEPT), strict=True):
         if meta is None:
             print(f"[vllm] sampler {cell.output_dir}: no weights requested", flush=True)
     return 0
@@ -738,4 +768,4 @@ def _print_done(cell: HarnessCell, meta: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _end(main())  # the engines kept: no Python-level engine shutdown (module docstring)
