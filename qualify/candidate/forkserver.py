@@ -75,6 +75,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final
 
+from qualify.candidate import warm
+
 if TYPE_CHECKING:
     from qualify.contract import Contract
 
@@ -437,8 +439,6 @@ def _child_main(request: dict[str, Any], fds: list[int], close: Sequence[int],
     :func:`threading._shutdown` (``concurrent.futures``' exit hooks, the non-daemon threads)
     and the ``atexit`` hooks.
     """
-    from qualify.candidate import warm
-
     signal.set_wakeup_fd(-1)  # the server's wake-up pipe is not the child's
     os.setsid()
     warm.die_with_parent(server, signal.SIGTERM)
@@ -505,8 +505,6 @@ def _serve(sock: socket.socket, refused: str | None) -> None:
     not serve (a bad request, a failed fork). A child's end wakes the loop at once
     (``SIGCHLD`` through :func:`signal.set_wakeup_fd`).
     """
-    from qualify.candidate.warm import fork_child
-
     statuses: dict[int, int] = {}  # pid -> the write end of its status pipe
     server = os.getpid()
     wake_r, wake_w = os.pipe()
@@ -539,7 +537,7 @@ def _serve(sock: socket.socket, refused: str | None) -> None:
             why = refused or (None if len(fds) == 4 and request.get("op") == "spawn"
                               else "bad request")
             if why is None:  # the child never returns here (warm.fork_child)
-                pid = fork_child(functools.partial(
+                pid = warm.fork_child(functools.partial(
                     _child_main, request, fds,
                     [sock.fileno(), wake_r, wake_w, *statuses.values()], server))
         except Exception as exc:  # a failed fork (EAGAIN, ENOMEM): this launch starts fresh
@@ -564,9 +562,7 @@ def main(argv: Sequence[str]) -> int:
         except Exception as exc:  # the launcher imports it again and reports the error
             print(f"[forkserver] not imported: {name}: {type(exc).__name__}: {exc}",
                   file=sys.stderr, flush=True)
-    from qualify.candidate.warm import fork_safe
-
-    safe, why = fork_safe()
+    safe, why = warm.fork_safe()
     torch = sys.modules.get("torch")
     if safe and torch is not None and torch.version.cuda is not None and any(
             Path("/dev").glob("nvidia[0-9]*")):

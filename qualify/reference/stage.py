@@ -84,7 +84,6 @@ from qualify.reference.bound_inputs import norm_evals, recompute_bounds, sensiti
 from qualify.reference.branches import adjust_control_errors, seal_branches
 from qualify.reference.controls import control_errors_document, control_settings
 from qualify.reference.distribution import seal_distribution
-from qualify.reference.documents import load_sealed_reference
 from qualify.reference.update import (
     KL_REFERENCE_SOURCE,
     Batch,
@@ -97,7 +96,7 @@ from qualify.reference.update import (
 from qualify.statistics import ErrorMeasure, MetricKey
 
 __all__ = ["BOUNDS_FILE", "CONTROL_ERRORS_FILE", "REFERENCE_FILE", "REFERENCE_KIND",
-           "load_sealed_reference", "reference_dir_name", "resolve_prompts",
+           "reference_dir_name", "resolve_prompts",
            "run_reference_stage"]
 
 REFERENCE_KIND = statement.REFERENCE_KIND
