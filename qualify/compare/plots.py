@@ -24,13 +24,13 @@ import numpy.typing as npt
 import pyparsing  # matplotlib's dependency: its deprecation category (quiet_pyparsing)
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
-from matplotlib.ticker import NullLocator
+from matplotlib.ticker import FuncFormatter, NullLocator
 
 from qualify.compare.plotdata import ParamErrors, PositionDistribution, TokenErrors
 from qualify.distmetrics import TOPK
 
 __all__ = ["RC", "distribution_svg", "diverge_svg", "heatmap_svg", "param_svg",
-           "quiet_pyparsing", "rounds_svg", "svg", "token_svg"]
+           "power_label", "quiet_pyparsing", "rounds_svg", "svg", "token_svg"]
 
 RC: Final[dict[str, Any]] = {
     "svg.hashsalt": "qualify-report",
@@ -81,9 +81,38 @@ def svg(fig: Figure) -> str:
     """
     buf = io.StringIO()
     with _drawing():
-        fig.savefig(buf, format="svg", metadata={"Date": None}, bbox_inches="tight")
+        # no bbox_inches="tight": it draws the figure twice, and the constrained layout
+        # of every figure (_figure) already fits its labels and outside legends
+        fig.savefig(buf, format="svg", metadata={"Date": None})
     text = buf.getvalue()
     return text[text.index("<svg"):]
+
+
+_SUPERSCRIPT: Final = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
+def power_label(x: float, _pos: int | None = None) -> str:
+    """A log axis's tick label as plain text: ``10⁻³`` at a power of ten, else ``%.3g``.
+
+    matplotlib's default (``LogFormatterSciNotation``) writes mathtext (``$10^{-3}$``),
+    whose parser is most of a small figure's drawing time; this label is the same text
+    without it, and stays text in the SVG (``svg.fonttype = none``).
+    """
+    if not math.isfinite(x) or x <= 0:
+        return ""
+    e = round(math.log10(x))
+    if math.isclose(x, 10.0 ** e, rel_tol=1e-9):
+        return "1" if e == 0 else "10" + str(e).translate(_SUPERSCRIPT)
+    return f"{x:.3g}"
+
+
+def _decades(ax: Any) -> None:
+    """A log y axis with decade ticks only, labelled by :func:`power_label`."""
+    ax.set_yscale("log")
+    # decades only: the log axis's minor ticks were most of the page's render time and
+    # unreadable at this size
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_formatter(FuncFormatter(power_label))
 
 
 def _figure(width: float, height: float) -> Figure:
@@ -227,8 +256,7 @@ def distribution_svg(pd_: PositionDistribution) -> str:
             if math.isfinite(bound):
                 ax_kl.axhline(max(bound, KL_FLOOR), color=BOUND_COLOR, linestyle=style,
                               linewidth=1, label=f"bound {name} {bound:.3g}")
-        ax_kl.set_yscale("log")
-        ax_kl.yaxis.set_minor_locator(NullLocator())
+        _decades(ax_kl)
         ax_kl.set_ylabel("lumped token KL\n(lower bound)" if lumped else "token KL")
         ax_k.set_ylim(-0.05, 1.05)
         ax_k.set_ylabel(f"top-{TOPK} agreement")
@@ -310,11 +338,8 @@ def rounds_svg(per_family: Mapping[str, Mapping[str, Mapping[int, float]]],
                 else:
                     ax.plot(rounds, ys, color="#bbbbbb", linewidth=0.6, zorder=0)
             ax.axhline(1.0, color=BOUND_COLOR, linestyle="--", linewidth=1)
-            ax.set_yscale("log")
+            _decades(ax)
             ax.set_ylim(1e-4, 1e3)
-            # decades only: the log axis's minor ticks (8 per decade on 10 panels) were
-            # most of the page's render time (README.md "Speed") and unreadable at this size
-            ax.yaxis.set_minor_locator(NullLocator())
             ax.set_xticks(sorted({k for d in per_family[fam].values() for k in d}))
             ax.set_title(fam, loc="left")
             ax.set_xlabel("round")
@@ -364,7 +389,7 @@ def diverge_svg(rows: Sequence[Mapping[str, Any]], *, title: str,
         if named in modules:
             ax.axvline(modules.index(named), color=FAIL_COLOR, linewidth=0.8, alpha=0.6)
         ax.axhline(1.0, color=BOUND_COLOR, linestyle="--", linewidth=1)
-        ax.set_yscale("log")
+        _decades(ax)
         ax.set_ylim(1e-4, 1e3)
         ax.set_xticks(range(len(modules)))
         ax.set_xticklabels([m.removeprefix("model.") for m in modules], rotation=60,
