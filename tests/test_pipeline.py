@@ -235,6 +235,7 @@ def test_broken_engine_variant_fails_with_the_expected_metric(
     store.make_writable(tmp_path)
 
 
+@pytest.mark.slow  # waits out a collective timeout: .ci/run's slow tier, not command 2
 def test_hung_rank_is_an_error_with_logs_kept(reference: Path, contract: Contract,
                                              tmp_path: Path) -> None:
     run_dir = run_candidate_stage(

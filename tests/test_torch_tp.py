@@ -364,6 +364,7 @@ def test_fault_value_loss_unclipped_changes_value_loss(runs: Runs) -> None:
     assert abs(reported - clipped) > 1e-3
 
 
+@pytest.mark.slow  # waits out a collective timeout: .ci/run's slow tier, not command 2
 def test_fault_hang_rank1_is_an_error_within_the_timeout(runs: Runs, tmp_path: Path) -> None:
     cell = runs.cell(tmp_path, precision="fp32", actor_tp=2, critic_tp=0,
                      collective_timeout_s=10.0, faults=("hang_rank1",))
