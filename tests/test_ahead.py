@@ -262,21 +262,16 @@ def test_the_sampler_slot_opens_a_waiting_gate_only_once_released_and_with_room(
     asked: list[str] = []
 
     def check(name: str, answer: bool) -> Any:
-        def room() -> bool:
-            asked.append(name)
-            return answer
-        return room
+        return lambda: asked.append(name) or answer
 
     slot.offer(room, check("room", True))
     slot.offer(none, check("none", False))
     slot.offer(shut, check("shut", True))
     shut.shut()  # the stage failed: a shut gate never opens
-    assert not room.decided
-    assert not none.decided
-    assert asked == []  # asked only at the release
-    before = slot.released
+    assert not room.decided and not none.decided and asked == []  # asked only at release
+    assert not slot.released
     slot.release()
-    assert (before, slot.released) == (False, True)
+    assert slot.released
     assert _opened_now(room)
     assert not none.decided  # no room: it waits for the launch before it (open_after)
     assert not shut.opened.is_set()
@@ -287,8 +282,7 @@ def test_the_sampler_slot_opens_a_waiting_gate_only_once_released_and_with_room(
     assert _opened_now(late)
     assert not late_full.decided
     slot.release()  # again: nothing waits, nothing changes
-    assert not none.decided
-    assert not late_full.decided
+    assert not none.decided and not late_full.decided
     for g in (room, none, shut, late, late_full):
         g.shut()
         g.release()
@@ -439,7 +433,7 @@ def test_once_the_sampler_cells_are_done_the_next_launch_runs_beside_the_one_bef
               if c.cell_id.startswith(("torch_tp-fp32-", "megatron-fp32-"))]
     first, second = (launch_host_peaks(contract, machine_defaults(), [lc])[lc.launch_id]
                      for lc in in_stage_order(contract, launches_for(contract, wanted)))
-    assert second > INTERPRETER_BYTES  # room for the interpreter ahead, not both launches
+    assert INTERPRETER_BYTES < second  # room for the interpreter ahead, not both launches
     assert len(run(first + INTERPRETER_BYTES, both=False)) == 2
 
 

@@ -977,7 +977,6 @@ def test_sampler_rows_read_only_the_weights_source_logprobs(
         return real(**kw)
 
     monkeypatch.setattr(stage, "sampler_rows", watched)
-    monkeypatch.setattr(stage, "default_workers", lambda n: 1)  # watched here, not in a fork
     report = compare_run(run, write=False)
     assert len(seen) == 2, seen  # the TP 1 and TP 2 sampler cells
     assert all(s == ["round2/actor/logprobs"] for s in seen), seen

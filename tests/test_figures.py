@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from qualify import forkmap
+from qualify.compare import figures
 from qualify.compare.figures import Figures
 from qualify.compare.html import _e, _plots
 
@@ -107,15 +107,15 @@ def test_a_worker_ignores_ctrl_c_and_the_parent_heap_is_unfrozen_after() -> None
 
 
 def test_default_workers_draws_here_while_another_thread_runs() -> None:
-    assert forkmap.default_workers(0) == 1
-    assert 1 <= forkmap.default_workers(8) <= max(1, len(os.sched_getaffinity(0)))
-    assert forkmap.default_workers(1000) <= forkmap.MAX_WORKERS
-    assert forkmap.default_workers(1) == 1
+    assert figures.default_workers(0) == 1
+    assert 1 <= figures.default_workers(8) <= max(1, len(os.sched_getaffinity(0)))
+    assert figures.default_workers(1000) <= figures.MAX_WORKERS
+    assert figures.default_workers(1) == 1
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)
     other.start()
     try:
-        assert forkmap.default_workers(8) == 1  # a fork now could copy a held lock
+        assert figures.default_workers(8) == 1  # a fork now could copy a held lock
     finally:
         stop.set()
         other.join()

@@ -73,7 +73,7 @@ import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -132,7 +132,6 @@ from qualify.errors import EvidenceIntegrityError, ReferenceDataError, UsageErro
 from qualify.evidence import store
 from qualify.evidence.policy import Policy
 from qualify.evidence.tensor_stream import TensorFile, in_memory, open_tensors
-from qualify.forkmap import default_workers, fork_map
 from qualify.lanes import lane_precision
 from qualify.layout import (
     COVERAGE_FILE,
@@ -702,49 +701,6 @@ def _judge_cell(ctx: _Ctx, cid: str, e: Mapping[str, Any], cells: Mapping[str, A
     return status, verdict, reason, rows
 
 
-Judged = tuple[str, Verdict, str | None, list[Row]]
-"""A cell's status, verdict, reason and rows (:func:`_judge_cell`)."""
-FORK_CELLS: Final = 16
-"""Cells from which :func:`_judge_all` shares them among forked workers (below, the forks
-cost about what they save)."""
-_JUDGING: list[tuple[_Ctx, Mapping[str, Any], dict[str, _Outputs | str]]] = []
-"""What :func:`_judge_some` judges: set by :func:`_judge_all` before its workers fork."""
-
-
-def _judge_some(cids: tuple[str, ...]) -> list[tuple[Judged, dict[str, Any] | None]]:
-    """:func:`_judge_cell` of each of ``cids``, with what it kept in ``ctx.positions``."""
-    ctx, cells, loaded = _JUDGING[-1]
-    return [(_judge_cell(ctx, cid, cells[cid], cells, loaded), ctx.positions.get(cid))
-            for cid in cids]
-
-
-def _judge_all(ctx: _Ctx, cells: Mapping[str, Any],
-               loaded: dict[str, _Outputs | str]) -> dict[str, Judged]:
-    """Every cell's :func:`_judge_cell`, shared among forked workers from :data:`FORK_CELLS`.
-
-    The cells are dealt round-robin to :func:`qualify.forkmap.default_workers` workers
-    (:func:`qualify.forkmap.fork_map`; one, this process, below :data:`FORK_CELLS` cells).
-    :func:`_judge_cell` reads the sealed files and ``ctx`` and writes only caches and
-    ``ctx.positions[cid]``, which comes back with its result and is set here; so the
-    results are the same however many workers judged them.
-    """
-    ids = list(cells)
-    n = default_workers(len(ids)) if len(ids) >= FORK_CELLS else 1
-    parts = [tuple(ids[i::n]) for i in range(n)]
-    _JUDGING.append((ctx, cells, loaded))
-    try:
-        done = fork_map(_judge_some, parts, workers=n)
-    finally:
-        _JUDGING.pop()
-    judged: dict[str, Judged] = {}
-    for part, results in zip(parts, done, strict=True):
-        for cid, (result, positions) in zip(part, results, strict=True):
-            judged[cid] = result
-            if positions is not None:
-                ctx.positions[cid] = positions
-    return judged
-
-
 def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
                 write: bool = True, sections: Sequence[str] = OPTIONAL_SECTIONS,
                 policy: Policy | Callable[[Contract], Policy] | None = None) -> Report:
@@ -827,9 +783,8 @@ def compare_run(run_dir: Path, *, reference_dir: Path | None = None,
     routes = cell_routes({cid: got.meta for cid, got in loaded.items()
                           if isinstance(got, _Outputs)}, ctx.ref_dir)
     ref_backends = reference_backends(read_sealed(ctx.ref_dir)[0])
-    judged = _judge_all(ctx, cells, loaded)
     for cid, e in cells.items():
-        status, verdict, reason, rows = judged[cid]
+        status, verdict, reason, rows = _judge_cell(ctx, cid, e, cells, loaded)
         if "route_pins" in sections and status == "COMPLETE" and cid in routes and \
                 (rrow := route_row(cid, str(e.get("role", "")), "sampler" if e.get("role") ==
                                    "sampler" else "trainer", routes[cid], pins=contract.routes,
