@@ -246,62 +246,6 @@ def test_room_ahead_and_mem_available(tmp_path: Path) -> None:
     assert ahead.mem_available(tmp_path / "missing") is None
 
 
-def test_room_beside_asks_for_both_planned_peaks() -> None:
-    assert ahead.room_beside(10, 6, available=16)
-    assert not ahead.room_beside(10, 6, available=15)
-    assert not ahead.room_beside(0, 0, available=None)
-
-
-def _opened_now(gate: ahead.Gate) -> bool:
-    return gate.opened.is_set() and os.read(gate.stdin, 8) == ahead.START_BYTE
-
-
-def test_the_sampler_slot_opens_a_waiting_gate_only_once_released_and_with_room() -> None:
-    slot = ahead.SamplerSlot()
-    room, none, shut = ahead.Gate(), ahead.Gate(), ahead.Gate()
-    asked: list[str] = []
-
-    def check(name: str, answer: bool) -> Any:
-        return lambda: asked.append(name) or answer
-
-    slot.offer(room, check("room", True))
-    slot.offer(none, check("none", False))
-    slot.offer(shut, check("shut", True))
-    shut.shut()  # the stage failed: a shut gate never opens
-    assert not room.decided and not none.decided and asked == []  # asked only at release
-    assert not slot.released
-    slot.release()
-    assert slot.released
-    assert _opened_now(room)
-    assert not none.decided  # no room: it waits for the launch before it (open_after)
-    assert not shut.opened.is_set()
-    assert asked == ["room", "none"]  # a decided gate is not asked about
-    late, late_full = ahead.Gate(), ahead.Gate()
-    slot.offer(late, check("late", True))  # offered after the release: opened at once
-    slot.offer(late_full, check("late_full", False))
-    assert _opened_now(late)
-    assert not late_full.decided
-    slot.release()  # again: nothing waits, nothing changes
-    assert not none.decided and not late_full.decided
-    for g in (room, none, shut, late, late_full):
-        g.shut()
-        g.release()
-
-
-def test_a_released_slot_from_another_thread_opens_the_gate_a_launch_waits_at() -> None:
-    slot, gate = ahead.SamplerSlot(), ahead.Gate()
-    slot.offer(gate, lambda: True)
-    opened: list[bool] = []
-    waiter = threading.Thread(target=lambda: opened.append(gate.wait()))
-    waiter.start()
-    time.sleep(0.05)
-    assert not opened  # still waiting: the sampler cells run
-    threading.Thread(target=slot.release).start()
-    waiter.join(5)
-    assert opened == [True]
-    gate.release()
-
-
 @pytest.mark.parametrize(("jobs", "on", "cuda", "want"), [
     ("", "", False, True), ("2", "1", False, True), ("", "0", False, False),
     ("1", "", False, False), ("1", "1", False, False), ("", "", True, False),
@@ -377,64 +321,6 @@ def test_an_interrupted_stage_shuts_the_launch_waiting_ahead(
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == \
             psutil.STATUS_ZOMBIE
     assert psutil.Process().children(recursive=True) == []
-
-
-@pytest.mark.slow  # seconds of real launches and waits: .ci/run's slow step
-def test_once_the_sampler_cells_are_done_the_next_launch_runs_beside_the_one_before(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The real candidate stage, its launches the fake harness, no sampler cell selected
-    (so the sampler cells' job is free from the start): the second launch's ranks start
-    while the first launch's still run; without room for both it waits its turn."""
-    from qualify.candidate import stage
-    from qualify.progress import Progress
-
-    pytest.importorskip("megatron.core")  # the second launch's engine must be available
-    contract, reference = _default_stage(monkeypatch)
-    fake = write_fake(tmp_path / "pkg")
-
-    def run(room: int, *, both: bool) -> list[Path]:
-        attempts: list[Path] = []
-
-        def fake_launch_engine(cell: Any, *, engine: Any, attempt_dir: Path,
-                               timeout_s: float, cuda: bool,
-                               gate: ahead.Gate | None = None) -> LaunchResult:
-            attempts.append(attempt_dir)
-            return launch(_cell(attempt_dir, "sleep" if len(attempts) == 1 else None),
-                          module="pkg_fake.harness:main", attempt_dir=attempt_dir,
-                          timeout_s=timeout_s, env=fake, launcher="warm", gate=gate)
-
-        def interrupt(self: Progress, step: str) -> None:  # the stage waits for launch 1
-            _wait_for(lambda: len(attempts) == 2 and len(list(attempts[0].glob("pid*"))) == 2)
-            if both:  # the second launch's ranks start (and end) beside the sleeping first
-                _wait_for(lambda: len(list(attempts[1].glob("pid*"))) == 2)
-            else:  # no room for both: it waits ahead, no rank of it starts
-                _wait_for(lambda: _waiting(attempts[1]))
-                time.sleep(1.0)
-                assert not list(attempts[1].glob("pid*"))
-            assert all(psutil.pid_exists(int(p.read_text())) for p in attempts[0].glob("pid*"))
-            raise KeyboardInterrupt
-
-        monkeypatch.setattr(stage, "launch_engine", fake_launch_engine)
-        monkeypatch.setattr(Progress, "advance", interrupt)
-        monkeypatch.setattr(ahead, "mem_available", lambda: room)
-        with pytest.raises(KeyboardInterrupt):
-            stage.run_candidate_stage(contract, reference=reference,
-                                      root=tmp_path / f"ev{room}", quiet=True,
-                                      cells=["torch_tp-fp32-*", "megatron-fp32-*"])
-        assert psutil.Process().children(recursive=True) == []
-        return attempts
-
-    started = run(10**15, both=True)  # room for both
-    assert [a.parent.name for a in started] == ["torch_tp-a2c1-a1c2", "megatron-a2c1-a1c2"]
-    from qualify.candidate.launches import in_stage_order, launches_for
-    from qualify.reference.plan_core import machine_defaults
-
-    wanted = [c for c in contract.matrix.cells()
-              if c.cell_id.startswith(("torch_tp-fp32-", "megatron-fp32-"))]
-    first, second = (launch_host_peaks(contract, machine_defaults(), [lc])[lc.launch_id]
-                     for lc in in_stage_order(contract, launches_for(contract, wanted)))
-    assert INTERPRETER_BYTES < second  # room for the interpreter ahead, not both launches
-    assert len(run(first + INTERPRETER_BYTES, both=False)) == 2
 
 
 @pytest.mark.slow  # seconds of real launches and waits: .ci/run's slow step

@@ -7,14 +7,9 @@ launcher as soon as launch ``i - 1`` has started, with ``--wait-stdin``: it impo
 waits; its :class:`~qualify.candidate.gate.Gate` opens (one byte down the pipe that is its
 stdin) as soon as launch ``i - 1``'s :func:`~qualify.candidate.launch.launch` has returned
 (its launcher exited, what its process group left running ended,
-:func:`qualify.procs.end_group`, its logs read), and only then does it fork its ranks.
-While the sampler cells run (:mod:`qualify.candidate.beside`), one launch's ranks run at a
-time, beside them and one importing interpreter. The sampler cells hold the second of the
-two jobs (``QUALIFY_JOBS``); once they are done, :class:`SamplerSlot` gives it to the
-waiting launch: its gate opens while launch ``i - 1`` still runs, if ``MemAvailable`` holds
-the planned host peaks of both (:func:`room_beside`). So at most two launches' ranks run at
-once, and launch ``i + 1`` starts only after launch ``i - 1`` ended (the stage finishes the
-launches in order).
+:func:`qualify.procs.end_group`, its logs read), and only then does it fork its ranks. At
+most one launch's ranks run at a time, as before; beside them run the sampler cells
+(:mod:`qualify.candidate.beside`) and one importing interpreter.
 
 A launch's wall-clock limit, ``wall_s`` and ``started`` count from its gate
 (:func:`qualify.procs.run`'s ``clock_from``, :func:`qualify.candidate.launch.launch`), so
@@ -46,16 +41,13 @@ This module imports neither torch nor any engine.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from pathlib import Path
 
 from qualify.candidate.beside import AHEAD_ENV
 from qualify.candidate.gate import START_BYTE, Gate, raised
 from qualify.hostmem import MEMINFO, meminfo_bytes
 
-__all__ = ["AHEAD_ENV", "START_BYTE", "Gate", "SamplerSlot", "mem_available", "raised",
-           "room_ahead", "room_beside"]
+__all__ = ["AHEAD_ENV", "START_BYTE", "Gate", "mem_available", "raised", "room_ahead"]
 
 
 def mem_available(meminfo: Path = MEMINFO) -> int | None:
@@ -77,57 +69,3 @@ def room_ahead(planned_peak: int, interpreter: int, *, available: int | None) ->
         available: ``MemAvailable`` now (:func:`mem_available`); ``None`` (unknown) is no.
     """
     return available is not None and available >= planned_peak + interpreter
-
-
-def room_beside(running_peak: int, next_peak: int, *, available: int | None) -> bool:
-    """Whether a launch's ranks may start while the launch before it still runs.
-
-    Args:
-        running_peak: host bytes the running launch is planned to peak at
-            (:func:`qualify.candidate.plan.launch_host_peaks`).
-        next_peak: host bytes the launch to start is planned to peak at.
-        available: ``MemAvailable`` now (:func:`mem_available`); ``None`` (unknown) is no.
-            What the running launch holds already is out of it, so asking for its whole
-            planned peak again errs on the side of no.
-    """
-    return available is not None and available >= running_peak + next_peak
-
-
-class SamplerSlot:
-    """The sampler cells' job, given to a waiting trainer launch once they are done.
-
-    :meth:`offer` a launch's gate with its room check; :meth:`release` (the sampler cells
-    returned) opens every offered gate not yet decided whose check holds then. A gate
-    offered after the release is opened at once where its check holds. A gate the check
-    refuses keeps waiting for its turn (the launch before it ends,
-    :meth:`Gate.open_after`). Safe from any thread.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._released = False
-        self._waiting: list[tuple[Gate, Callable[[], bool]]] = []
-
-    @property
-    def released(self) -> bool:
-        """Whether the sampler cells are done."""
-        with self._lock:
-            return self._released
-
-    def offer(self, gate: Gate, room: Callable[[], bool]) -> None:
-        """Open ``gate`` once the sampler cells are done, if ``room()`` holds then."""
-        with self._lock:
-            if not self._released:
-                self._waiting.append((gate, room))
-                return
-        if not gate.decided and room():
-            gate.open()
-
-    def release(self) -> None:
-        """The sampler cells are done: open each waiting gate that has room now."""
-        with self._lock:
-            self._released = True
-            waiting, self._waiting = self._waiting, []
-        for gate, room in waiting:
-            if not gate.decided and room():
-                gate.open()

@@ -1,13 +1,11 @@
-"""The candidate stage's concurrency: the sampler cells beside the trainer launches.
+"""The candidate stage's one concurrency: the sampler cells beside the trainer launches.
 
 The sampler cells need only the round-1 Actor weights that one trainer launch exports
 (``sampler.weights_from``); the other trainer launches need nothing from them. So the
 stage runs the exporting launch first, and the sampler cells from the start in a thread of
 their own (:func:`running`, :meth:`Beside.go`: their engines start, then wait for the
 weights, :mod:`qualify.candidate.sampler_stage`) while the main thread goes on with the
-trainer launches: two jobs at a time (``QUALIFY_JOBS``, :func:`jobs`), the sampler cells
-and one launch; once the sampler cells are done, two launches
-(:class:`qualify.candidate.ahead.SamplerSlot`). Every
+trainer launches: two launches at a time (``QUALIFY_JOBS``, :func:`jobs`). Every
 read and write of the run document happens under one lock. No cell's numbers depend on
 this: a trainer rank computes with one thread (``OMP_NUM_THREADS=1``) on frozen inputs, and
 every tensor of a run was bitwise the same with the sampler cells beside the trainer

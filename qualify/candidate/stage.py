@@ -403,13 +403,10 @@ def run_candidate_stage(
 
         weights_ready = threading.Event()  # the sampler's weights source is recorded
 
-        slot = ahead.SamplerSlot()  # the sampler cells' job, the next launch's once done
-
         def sampler_cells(stop: threading.Event | None = None) -> None:
             sampler_stage.run_sampler_cells(contract, run_dir=run_dir, run=run, inputs=inputs,
                                             cells=cells, faults=faults, lock=lock, stop=stop,
                                             weights_ready=weights_ready)
-            slot.release()
 
         ahead_on = beside.ahead(cuda=cuda)
         peaks: dict[str, int] = {}
@@ -452,11 +449,8 @@ def run_candidate_stage(
                 gate.open()
             future = pool.submit(launch_engine, hc, engine=engine, attempt_dir=attempt,
                                  timeout_s=timeout_s, cuda=cuda, gate=gate)
-            if before is not None:  # its ranks start the moment the launch before it ended,
+            if before is not None:  # its ranks start the moment the launch before it ended
                 before.future.add_done_callback(gate.open_after)
-                running = peaks.get(before.launch.launch_id, 0)  # or the sampler cells did
-                slot.offer(gate, lambda: ahead.room_beside(
-                    running, peaks.get(lc.launch_id, 0), available=ahead.mem_available()))
             return _Started(lc, attempt, future)
 
         def finish(started: _Started) -> None:
