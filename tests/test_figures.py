@@ -119,3 +119,24 @@ def test_default_workers_draws_here_while_another_thread_runs() -> None:
     finally:
         stop.set()
         other.join()
+
+
+@pytest.mark.parametrize(("x", "label"), [
+    (1e-4, "10⁻⁴"), (1e-20, "10⁻²⁰"), (1.0, "1"), (10.0, "10¹"), (1e3, "10³"),
+    (0.5, "0.5"), (2e-7, "2e-07"), (0.0, ""), (-1.0, ""), (float("inf"), ""),
+    (float("nan"), "")])
+def test_a_log_axis_label_is_plain_text(x: float, label: str) -> None:
+    from qualify.compare.plots import power_label
+
+    assert power_label(x) == label
+
+
+def test_log_axes_of_a_figure_carry_no_mathtext() -> None:
+    """The rounds figure's log axis: its decade labels are text of the SVG, no ``$``."""
+    from qualify.compare.plots import rounds_svg
+
+    svg = rounds_svg({"logprobs": {"cell-a": {1: 0.02, 2: 3.0}}}, failing={"cell-a"})
+    assert "10⁻⁴" in svg
+    assert "10³" in svg
+    assert "$" not in svg
+    assert "mathdefault" not in svg
