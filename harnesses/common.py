@@ -370,7 +370,7 @@ def exit_now(code: int | None) -> NoReturn:
     returned: every output file is already durable (:mod:`qualify.atomic` fsyncs the file
     and its directory before the rename) and the process group is destroyed, so the
     interpreter's teardown (module finalizers, garbage collection of the engine's objects;
-    measured in README.md "Speed", issue #17) does nothing the evidence needs. Not for
+    measured in ``docs/performance.md``, issue #17) does nothing the evidence needs. Not for
     processes that own child processes needing a clean shutdown (the vLLM harness keeps
     ``sys.exit``). In-process callers (tests) use ``main()``.
     """

@@ -3,7 +3,7 @@
 ``python scripts/compare_runs.py RUN_A RUN_B`` (run directories, or evidence roots holding
 one ``<contract>/<run id>/`` each): compares every cell attempt's ``*.safetensors`` tensor
 by its bytes and every ``report.json`` row's error, bound and verdict, and prints one line;
-exit 0 when all are equal, 1 otherwise. README.md "Speed" used it for the launcher changes.
+exit 0 when all are equal, 1 otherwise. ``docs/performance.md``'s launcher measurements used it.
 """
 
 from __future__ import annotations

@@ -126,17 +126,32 @@ def test_default_workers_draws_here_while_another_thread_runs() -> None:
     (0.5, "0.5"), (2e-7, "2e-07"), (0.0, ""), (-1.0, ""), (float("inf"), ""),
     (float("nan"), "")])
 def test_a_log_axis_label_is_plain_text(x: float, label: str) -> None:
-    from qualify.compare.plots import power_label
-
-    assert power_label(x) == label
+    assert _plots().power_label(x) == label
 
 
 def test_log_axes_of_a_figure_carry_no_mathtext() -> None:
     """The rounds figure's log axis: its decade labels are text of the SVG, no ``$``."""
-    from qualify.compare.plots import rounds_svg
-
-    svg = rounds_svg({"logprobs": {"cell-a": {1: 0.02, 2: 3.0}}}, failing={"cell-a"})
+    svg = _plots().rounds_svg({"logprobs": {"cell-a": {1: 0.02, 2: 3.0}}}, failing={"cell-a"})
     assert "10⁻⁴" in svg
     assert "10³" in svg
     assert "$" not in svg
     assert "mathdefault" not in svg
+
+
+def test_a_title_wider_than_its_figure_is_kept_whole() -> None:
+    """The constrained layout fits a title's height, not its width: the saved SVG grows to
+    hold a long title (``bbox_inches="tight"``), so its end (the margin) is never cut."""
+    import re
+
+    from qualify.compare.plotdata import TokenErrors
+
+    cell = "deepspeed-bf16-zero0-actor-tp1-" + "x" * 40
+    te = TokenErrors(row={"cell": cell, "metric": "round2/actor/logprobs", "family": "logprobs",
+                          "statistic": "max_abs", "margin": 3.56},
+                     sequences=((0, np.arange(4), np.array([0.1, 0.2, 0.05, 0.3])),),
+                     bound=0.13, max_abs=0.3, reproduces=True)
+    svg = _plots().token_svg(te)
+    width = re.search(r'<svg[^>]* width="([0-9.]+)pt"', svg)
+    assert width is not None
+    assert float(width.group(1)) > 6.2 * 72  # wider than the 6.2 in figure it was drawn on
+    assert "margin 3.56" in svg

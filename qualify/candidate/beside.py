@@ -9,7 +9,7 @@ trainer launches: two launches at a time (``QUALIFY_JOBS``, :func:`jobs`). Every
 read and write of the run document happens under one lock. No cell's numbers depend on
 this: a trainer rank computes with one thread (``OMP_NUM_THREADS=1``) on frozen inputs, and
 every tensor of a run was bitwise the same with the sampler cells beside the trainer
-launches as after them (README.md "Speed").
+launches as after them (``docs/performance.md``).
 
 This module imports neither torch nor any engine.
 """

@@ -5,7 +5,7 @@
 :func:`qualify.candidate.launch.launch` (``ARGS``: the ``cell.json``). It replaces
 ``torchrun --standalone`` there, where most of a launch's wall was fixed cost: torchrun's
 own interpreter, then ``W`` interpreters that each imported torch, transformers' model
-classes and the engine (measured in README.md "Speed"). Here one interpreter imports
+classes and the engine (measured in ``docs/performance.md``). Here one interpreter imports
 ``TARGET``'s module, every ``--preload`` module (the engine's
 :attr:`~qualify.registry.EngineSpec.warm_imports`) and the transformers model classes of
 the cell's model directories, then forks ``W`` ranks that share those modules.

@@ -81,9 +81,9 @@ def svg(fig: Figure) -> str:
     """
     buf = io.StringIO()
     with _drawing():
-        # no bbox_inches="tight": it draws the figure twice, and the constrained layout
-        # of every figure (_figure) already fits its labels and outside legends
-        fig.savefig(buf, format="svg", metadata={"Date": None})
+        # bbox_inches="tight" draws the figure twice, but without it a long title is cut
+        # off: the constrained layout (_figure) fits a title's height, never its width
+        fig.savefig(buf, format="svg", metadata={"Date": None}, bbox_inches="tight")
     text = buf.getvalue()
     return text[text.index("<svg"):]
 
