@@ -184,6 +184,7 @@ def _run(contract: Contract, reference: Path, root: Path, faults: tuple[str, ...
     return run
 
 
+@pytest.mark.slow  # a real candidate stage and diverge run
 def test_a_planted_layer_fault_is_named(contract: Contract, reference: Path, tmp_path: Path,
                                         capsys: pytest.CaptureFixture[str]) -> None:
     run = _run(contract, reference, tmp_path / "evidence", ("layer1_mlp_scaled",))
@@ -221,7 +222,7 @@ def test_a_planted_layer_fault_is_named(contract: Contract, reference: Path, tmp
     assert "first diverging: <b>model.layers.1.mlp (forward)" in page
 
 
-@pytest.mark.slow  # a real diverge run (the planted one above stays in the fast tier)
+@pytest.mark.slow  # a real diverge run
 def test_without_the_fault_nothing_diverges(contract: Contract, reference: Path,
                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:

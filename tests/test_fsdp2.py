@@ -13,9 +13,10 @@ the world-size rule of :data:`harnesses.fsdp2.spec.SPEC`, cached per module):
 Plus in-process units (the DP row slice, the losses) and a 2-rank torchrun script that
 checks the gathered layout of sharded parameters, gradients and AdamW state against the
 unsharded HF module, and a 4-rank one for the 2-D layout, the local heads and the
-clip-norm reduction over both mesh dims. The ``slow`` test runs the real chain (reference,
-candidate, compare) on ``contracts/tiny-qwen3-fsdp2.toml`` with the fault on and sees the
-DP 2 cells (TP 1 and TP 2) FAIL.
+clip-norm reduction over both mesh dims. The 4-rank script is ``slow``-marked,
+and so is the real chain (reference, candidate, compare) on
+``contracts/tiny-qwen3-fsdp2.toml`` with the fault on, which sees the DP 2 cells (TP 1 and
+TP 2) FAIL.
 """
 
 from __future__ import annotations
@@ -562,6 +563,7 @@ GATHER_2D_SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # a 4-rank torchrun, kept out of the README command for its 8-minute limit
 def test_2d_layout_gathers_to_hf_and_clip_reduces_over_both_dims(runs: Runs,
                                                                   tmp_path: Path) -> None:
     """One role on a 2 x 2 ``("dp", "tp")`` mesh (4 ranks): the TP forward (local heads) is

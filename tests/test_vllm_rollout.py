@@ -173,6 +173,7 @@ def _assert_nothing_left(own_tmp: Path) -> None:
     assert not leaked, f"left in the temporary directory {own_tmp}: {left}"
 
 
+@pytest.mark.slow  # a second vLLM engine, kept out of the README command for its 8-minute limit
 def test_tokens_and_logprobs_reproducible_with_the_seed(contract: Contract, roll: Rollout,
                                                         own_tmp: Path) -> None:
     """Same seeds, another process and another batch, same machine: the same ids and logprobs,

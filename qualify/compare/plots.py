@@ -95,8 +95,8 @@ def power_label(x: float, _pos: int | None = None) -> str:
     """A log axis's tick label as plain text: ``10⁻³`` at a power of ten, else ``%.3g``.
 
     matplotlib's default (``LogFormatterSciNotation``) writes mathtext (``$10^{-3}$``),
-    whose parser is most of a small figure's drawing time; this label is the same text
-    without it, and stays text in the SVG (``svg.fonttype = none``).
+    whose parser each drawing process builds on its first label; this label is the same
+    text without it, and stays text in the SVG (``svg.fonttype = none``).
     """
     if not math.isfinite(x) or x <= 0:
         return ""
