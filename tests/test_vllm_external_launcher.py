@@ -11,7 +11,10 @@
   each ``external_launcher`` rank on its own core with one thread, and one install
   acknowledgement per rank;
 - a TP 2 cell whose ranks fail (the weights file is not the requested one) ends the
-  harness with a non-zero exit, without hanging.
+  harness with a non-zero exit, without hanging;
+- vLLM's kernel overrides registered once before the ranks are forked
+  (:func:`harnesses.vllm.engine.register_kernel_overrides_once`): one rebinding scan for
+  the process and its forks (the outputs' bitwise equality above covers what they compute).
 """
 
 from __future__ import annotations
@@ -194,6 +197,47 @@ def test_remove_shm_segments_removes_only_that_engines(tmp_path: Path) -> None:
     assert removed == names[:2]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
     assert engine.remove_shm_segments("file:///tmp/", shm_dir=tmp_path) == []
+
+
+_ONCE_SCRIPT = """
+import os, sys
+from harnesses.vllm import engine
+engine.configure_env(1)
+from vllm.platforms import current_platform
+from vllm.triton_utils import HAS_TRITON, dispatcher
+scans = []
+real = dispatcher._rebind_kernels
+dispatcher._rebind_kernels = lambda pairs: (scans.append(len(pairs)), real(pairs))[1]
+assert engine.register_kernel_overrides_once() is True
+expected = [] if HAS_TRITON else [len(dispatcher._registry)]
+assert scans == expected, (scans, expected)
+from vllm.v1.sample import rejection_sampler
+if not HAS_TRITON:  # the host's kernel is vLLM's override of it
+    assert isinstance(rejection_sampler.expand_kernel, dispatcher.KernelOverride)
+current_platform.register_triton_kernel_overrides()  # what each worker's init calls
+assert scans == expected, scans
+pid = os.fork()
+if pid == 0:  # a forked rank: registered already, nothing scanned again
+    ok = (engine.register_kernel_overrides_once() is False and scans == expected
+          and (HAS_TRITON or isinstance(rejection_sampler.expand_kernel,
+                                        dispatcher.KernelOverride)))
+    current_platform.register_triton_kernel_overrides()
+    os._exit(0 if ok and scans == expected else 1)
+assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+print("registered", expected)
+"""
+
+
+def test_kernel_overrides_are_registered_once_for_a_process_and_its_forks() -> None:
+    """:func:`harnesses.vllm.engine.register_kernel_overrides_once` in a fresh interpreter:
+    vLLM's registration runs once (one rebinding scan, counted by wrapping vLLM's
+    ``_rebind_kernels``), the kernel's host holds vLLM's override, and the platform's later
+    calls (each worker's init) and a forked rank's scan nothing again while the override
+    stays in place."""
+    proc = subprocess.run([sys.executable, "-c", _ONCE_SCRIPT], cwd=ROOT, check=False,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("registered ["), proc.stdout
 
 
 def _cpushm() -> set[str]:

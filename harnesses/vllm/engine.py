@@ -87,6 +87,10 @@ What ``mp`` does for each CPU worker and ``external_launcher`` leaves to the cal
   :mod:`harnesses.vllm.rank_worker`); a rank ends through libc's ``exit`` so that vLLM's
   shared-memory manager removes its segments, as at any process end, and the harness
   removes those of ranks that failed or were ended (:func:`remove_shm_segments`).
+- **vLLM's kernel overrides** (its CPU fallbacks for Triton kernels, which each worker's
+  init registers by scanning every loaded module): registered once in the harness before
+  the ranks are forked, which inherit them (:func:`register_kernel_overrides_once`), where
+  each spawned ``mp`` worker registers its own.
 - **Per-rank results**: ``LLM.collective_rpc`` reaches only the calling rank's worker;
   :class:`SpmdLLM` gathers every rank's results (``torch.distributed.all_gather_object``),
   so per-rank records (digests, acknowledgements, routes) cover all ranks as under ``mp``.
@@ -361,6 +365,43 @@ def configure_env(tp: int, *, device: Literal["cpu", "cuda"] = "cpu",
 
         torch._dynamo.config.disable = True
     return env
+
+
+def register_kernel_overrides_once() -> bool:
+    """Run vLLM's platform kernel registration now, once for this process and its forks.
+
+    vLLM's worker init (``WorkerWrapperBase.init_worker``, ``vllm/v1/worker/worker_base.py``)
+    calls ``current_platform.register_triton_kernel_overrides()`` for every engine it starts.
+    On CPU without Triton that registers vLLM's C++ fallbacks for its Triton kernels
+    (``CpuPlatform.register_triton_kernel_overrides`` through
+    ``vllm.triton_utils.dispatcher.register_kernels``), which rebinds every reference to the
+    original kernels by scanning the namespace of every loaded module (torch, transformers
+    and vLLM here). The overrides are the same functions each time, and a process forked
+    after the registration inherits its rebound modules and the kernel hosts already
+    swapped (a module imported later copies the override), so this calls vLLM's method once
+    and then makes the platform's later calls in this process, and in the ranks it forks,
+    return at once. A worker vLLM spawns (``mp`` executor) starts a fresh interpreter and
+    registers for itself. Call it after the modules the ranks share are imported
+    (:data:`harnesses.vllm.harness.PRELOAD`) and before any engine is built or rank forked.
+
+    Returns:
+        ``True`` when this call registered; ``False`` when an earlier call in this process
+        (or in the process it was forked from) already had.
+    """
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    if getattr(platform, _REGISTERED_ONCE, False):
+        return False
+    platform.register_triton_kernel_overrides()  # vLLM's own registration, once
+    platform.register_triton_kernel_overrides = classmethod(  # type: ignore[method-assign,assignment]
+        lambda cls: None)
+    setattr(platform, _REGISTERED_ONCE, True)
+    return True
+
+
+_REGISTERED_ONCE: Final = "_qualify_kernel_overrides_registered"
+"""The class attribute :func:`register_kernel_overrides_once` sets on vLLM's platform class."""
 
 
 def model_max_len(model_dir: str | Path, limit: int = DEFAULT_MAX_MODEL_LEN) -> int:

@@ -688,6 +688,7 @@ def run_cells(cells: Sequence[HarnessCell], *,
         engine.configure_env(1)  # the variables every engine shares, before vLLM's import
         for mod in PRELOAD:
             importlib.import_module(mod)
+        engine.register_kernel_overrides_once()  # inherited by the ranks forked below
         safe, why = warm.fork_safe()
         for i, (c, tp) in enumerate(zip(cells, tps, strict=True)):
             if executors[i] != engine.EXTERNAL_LAUNCHER:
