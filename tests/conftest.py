@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 
 ONE_WORKER = frozenset({
-    "test_diverge",  # reference: the shared tiny reference, 2 one-cell runs + diverge
+    "test_diverge",  # reference: the shared tiny reference, 2 one-cell runs + diverge (slow)
     "test_fsdp2",  # runs: each launch cached in the worker's process (5 launches)
     "test_html_passing",  # passing: a copy of the shared tiny chain and its HTML page
     "test_kill_points",  # kit + clean: keygen, reference, candidate, compare

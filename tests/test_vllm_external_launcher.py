@@ -173,6 +173,19 @@ def test_routes_name_the_executor_each_worker_ran_under(runs: dict[str, Any]) ->
         assert tp1["engine_settings"]["distributed_executor_backend"] is None
         assert [(w["rank"], w["executor"]) for w in tp1["routes"]["vllm"]] == [(0, "uni")]
         assert tp1["routes"]["vllm"][0]["process"]["threads"] == len(cores)
+    # vLLM's kernel overrides: registered once by the harness before it forked the
+    # external_launcher ranks (its own TP 1 engine included), by each worker's init under mp
+    once = {name: {tp: [w["kernel_overrides"]["registered_once"]
+                        for w in runs[name][tp]["meta"]["routes"]["vllm"]] for tp in (1, 2)}
+            for name in ("external_launcher", "mp")}
+    assert once == {"external_launcher": {1: [True], 2: [True, True]},
+                    "mp": {1: [False], 2: [False, False]}}, once
+    from vllm.triton_utils import HAS_TRITON
+
+    counts = {w["kernel_overrides"]["count"] for name in ("external_launcher", "mp")
+              for tp in (1, 2) for w in runs[name][tp]["meta"]["routes"]["vllm"]}
+    assert len(counts) == 1, counts
+    assert HAS_TRITON or counts.pop() > 0
 
 
 @pytest.mark.slow
@@ -202,13 +215,19 @@ def test_remove_shm_segments_removes_only_that_engines(tmp_path: Path) -> None:
 _ONCE_SCRIPT = """
 import os, sys
 from harnesses.vllm import engine
+from harnesses.vllm.harness import PRELOAD
+from qualify.candidate import warm
 engine.configure_env(1)
+import importlib
+for mod in PRELOAD:  # as the harness does before it registers and forks
+    importlib.import_module(mod)
 from vllm.platforms import current_platform
 from vllm.triton_utils import HAS_TRITON, dispatcher
 scans = []
 real = dispatcher._rebind_kernels
 dispatcher._rebind_kernels = lambda pairs: (scans.append(len(pairs)), real(pairs))[1]
 assert engine.register_kernel_overrides_once() is True
+assert warm.fork_safe()[0], warm.fork_safe()  # registering started no thread
 expected = [] if HAS_TRITON else [len(dispatcher._registry)]
 assert scans == expected, (scans, expected)
 from vllm.v1.sample import rejection_sampler
@@ -218,11 +237,15 @@ current_platform.register_triton_kernel_overrides()  # what each worker's init c
 assert scans == expected, scans
 pid = os.fork()
 if pid == 0:  # a forked rank: registered already, nothing scanned again
-    ok = (engine.register_kernel_overrides_once() is False and scans == expected
-          and (HAS_TRITON or isinstance(rejection_sampler.expand_kernel,
-                                        dispatcher.KernelOverride)))
-    current_platform.register_triton_kernel_overrides()
-    os._exit(0 if ok and scans == expected else 1)
+    ok = False
+    try:
+        ok = (engine.register_kernel_overrides_once() is False and scans == expected
+              and (HAS_TRITON or isinstance(rejection_sampler.expand_kernel,
+                                            dispatcher.KernelOverride)))
+        current_platform.register_triton_kernel_overrides()
+        ok = ok and scans == expected
+    finally:
+        os._exit(0 if ok else 1)
 assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 print("registered", expected)
 """
@@ -231,10 +254,13 @@ print("registered", expected)
 def test_kernel_overrides_are_registered_once_for_a_process_and_its_forks() -> None:
     """:func:`harnesses.vllm.engine.register_kernel_overrides_once` in a fresh interpreter:
     vLLM's registration runs once (one rebinding scan, counted by wrapping vLLM's
-    ``_rebind_kernels``), the kernel's host holds vLLM's override, and the platform's later
-    calls (each worker's init) and a forked rank's scan nothing again while the override
-    stays in place."""
-    proc = subprocess.run([sys.executable, "-c", _ONCE_SCRIPT], cwd=ROOT, check=False,
+    ``_rebind_kernels``), the kernel's host holds vLLM's override, registering starts no
+    thread (the harness forks its ranks next), and the platform's later calls (each worker's
+    init) and a forked rank's scan nothing again while the override stays in place. That
+    the harness calls it before forking is checked by the routes test above (each worker
+    records ``kernel_overrides.registered_once``)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the harness's (single-threaded: forkable)
+    proc = subprocess.run([sys.executable, "-c", _ONCE_SCRIPT], cwd=ROOT, check=False, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("registered ["), proc.stdout

@@ -4,8 +4,8 @@ One engine start per session: the module fixture copies the session's shared
 :func:`shared_artifacts.default_reference`, the real reference stage of the default
 contract (``[sampling] engine = "vllm"``), which captures the rollout with vLLM in a child
 process (``python -m harnesses.vllm.capture``, in-process engine core inside it). The
-TP 2 test starts a second child (TP 2 has to be a separate engine: about 3 min on a busy
-2-core machine, so it is marked ``slow``).
+TP 2 test and the seed-reproducibility test each start a second child (TP 2 has to be a
+separate engine: about 3 min on a busy 2-core machine), so both are marked ``slow``.
 
 Skipped when vllm is not installed (``find_spec``, so this process never imports vllm:
 one test checks exactly that).

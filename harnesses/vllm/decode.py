@@ -122,9 +122,18 @@ def worker_routes(worker: Any) -> dict[str, Any]:
         (quant-method classes of the model's linear layers, counted), ``forced_trace``,
         ``executor`` (the engine's ``distributed_executor_backend`` as this worker holds it:
         ``uni``, ``mp`` or ``external_launcher``), ``worker`` (its class), ``process``
-        (``cores``: its CPU
-        affinity, ``threads``: torch's intra-op threads).
+        (``cores``: its CPU affinity, ``threads``: torch's intra-op threads),
+        ``kernel_overrides`` (vLLM's platform overrides of its Triton kernels in this
+        process: ``count``, the kernels registered (``vllm.triton_utils.dispatcher``), and
+        ``registered_once``, whether the harness registered them once for this process and
+        the ranks it forked (:func:`harnesses.vllm.engine.register_kernel_overrides_once`)
+        rather than this worker's init).
     """
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import dispatcher
+
+    from harnesses.vllm.engine import OVERRIDES_REGISTERED_ONCE
+
     runner = worker.model_runner
     inner = getattr(worker, "worker", worker)  # vLLM's WorkerWrapperBase holds the worker
     backends = sorted({g.backend.get_name() for grp in getattr(runner, "attn_groups", [])
@@ -153,7 +162,11 @@ def worker_routes(worker: Any) -> dict[str, Any]:
             "executor": str(worker.vllm_config.parallel_config.distributed_executor_backend),
             "worker": f"{type(inner).__module__}.{type(inner).__qualname__}",
             "process": {"cores": sorted(os.sched_getaffinity(0)),
-                        "threads": int(torch.get_num_threads())}}
+                        "threads": int(torch.get_num_threads())},
+            "kernel_overrides": {
+                "count": len(dispatcher._registry),
+                "registered_once": bool(getattr(type(current_platform),
+                                                OVERRIDES_REGISTERED_ONCE, False))}}
 
 
 def decode_pass(llm: Any, rows: Sequence[tuple[list[int], list[int], list[int]]], *,

@@ -374,15 +374,16 @@ def register_kernel_overrides_once() -> bool:
     calls ``current_platform.register_triton_kernel_overrides()`` for every engine it starts.
     On CPU without Triton that registers vLLM's C++ fallbacks for its Triton kernels
     (``CpuPlatform.register_triton_kernel_overrides`` through
-    ``vllm.triton_utils.dispatcher.register_kernels``), which rebinds every reference to the
-    original kernels by scanning the namespace of every loaded module (torch, transformers
-    and vLLM here). The overrides are the same functions each time, and a process forked
-    after the registration inherits its rebound modules and the kernel hosts already
-    swapped (a module imported later copies the override), so this calls vLLM's method once
-    and then makes the platform's later calls in this process, and in the ranks it forks,
-    return at once. A worker vLLM spawns (``mp`` executor) starts a fresh interpreter and
-    registers for itself. Call it after the modules the ranks share are imported
-    (:data:`harnesses.vllm.harness.PRELOAD`) and before any engine is built or rank forked.
+    ``vllm.triton_utils.dispatcher.register_kernels``), which rebinds every module-level
+    reference to the original kernels by scanning the namespace of every loaded module
+    (torch, transformers and vLLM here). The overrides are the same functions each time,
+    and a process forked after the registration inherits its rebound modules and the
+    kernel hosts already swapped (a module imported later copies the override), so this
+    calls vLLM's method once and then makes the platform's later calls in this process, and
+    in the ranks it forks, return at once. A worker vLLM spawns (``mp`` executor) starts a
+    fresh interpreter and registers for itself. Call it after the modules the ranks share
+    are imported (:data:`harnesses.vllm.harness.PRELOAD`) and before any engine is built or
+    rank forked.
 
     Returns:
         ``True`` when this call registered; ``False`` when an earlier call in this process
@@ -391,17 +392,18 @@ def register_kernel_overrides_once() -> bool:
     from vllm.platforms import current_platform
 
     platform = type(current_platform)
-    if getattr(platform, _REGISTERED_ONCE, False):
+    if getattr(platform, OVERRIDES_REGISTERED_ONCE, False):
         return False
     platform.register_triton_kernel_overrides()  # vLLM's own registration, once
     platform.register_triton_kernel_overrides = classmethod(  # type: ignore[method-assign,assignment]
         lambda cls: None)
-    setattr(platform, _REGISTERED_ONCE, True)
+    setattr(platform, OVERRIDES_REGISTERED_ONCE, True)
     return True
 
 
-_REGISTERED_ONCE: Final = "_qualify_kernel_overrides_registered"
-"""The class attribute :func:`register_kernel_overrides_once` sets on vLLM's platform class."""
+OVERRIDES_REGISTERED_ONCE: Final = "_qualify_kernel_overrides_registered"
+"""The class attribute :func:`register_kernel_overrides_once` sets on vLLM's platform class
+(each worker's route records it: :func:`harnesses.vllm.decode.worker_routes`)."""
 
 
 def model_max_len(model_dir: str | Path, limit: int = DEFAULT_MAX_MODEL_LEN) -> int:
