@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 import threading
 
@@ -141,8 +142,6 @@ def test_log_axes_of_a_figure_carry_no_mathtext() -> None:
 def test_a_title_wider_than_its_figure_is_kept_whole() -> None:
     """The constrained layout fits a title's height, not its width: the saved SVG grows to
     hold a long title (``bbox_inches="tight"``), so its end (the margin) is never cut."""
-    import re
-
     from qualify.compare.plotdata import TokenErrors
 
     cell = "deepspeed-bf16-zero0-actor-tp1-" + "x" * 40

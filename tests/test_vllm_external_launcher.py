@@ -213,7 +213,7 @@ def test_remove_shm_segments_removes_only_that_engines(tmp_path: Path) -> None:
 
 
 _ONCE_SCRIPT = """
-import os, sys
+import os
 from harnesses.vllm import engine
 from harnesses.vllm.harness import PRELOAD
 from qualify.candidate import warm
